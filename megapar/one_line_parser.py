@@ -184,3 +184,13 @@ class OneLineParser(argparse.ArgumentParser):
             for action, default in held:
                 action.default = default
             self._defaults = parser_defaults
+
+
+def show_progress(progress: bool | None) -> bool:
+    """Whether a command draws its progress bar: as --progress / --no-progress say, or, where
+    neither is given (None), only when stderr is a terminal: in a log file (a redirect, a pipe,
+    a batch job's output) a bar is carriage returns mixed into the log lines."""
+    if progress is not None:
+        return progress
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty is not None and isatty())

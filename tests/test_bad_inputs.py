@@ -68,6 +68,7 @@ def env(tmp_path_factory):
     (root / "empty_dir").mkdir()
     (root / "mixed").mkdir()  # text and a dataset megapar-data wrote beside it
     (root / "mixed" / "a.txt").write_text("text to train on\n")
+    (root / "few_words.txt").write_text("A few words.\n")
     for ext in (".bin", ".idx", ".json"):
         shutil.copy(prefix + ext, root / "mixed" / f"tok{ext}")
     import torch
@@ -152,7 +153,13 @@ TRAIN = [
                                                  "samples: [CLS] A [SEP] B [SEP] takes at least "
                                                  "5 tokens; raise --seq-len"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
-     "global batch size 10 is not divisible by micro-batch size 4"),
+     "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a multiple "
+     "of 4, or --micro-batch-size 2 / 5 / 10"),
+    # the micro-batch size not given adapts to any multiple of dp: "choose a multiple of 12"
+    # (the default micro-batch size 4 x dp 3) was stricter than the fix needs
+    (["--dp", "3", "--global-batch-size", "16"],
+     "global batch size 16 is not divisible by dp 3: each dp rank takes an equal share; choose "
+     "a multiple of 3 (e.g. 15 or 18; the micro-batch size, not given, then adapts to it)"),
     (["--config", "{missing.yaml}"], "no such config file"),
     (["--config", "{bad.yaml}"], "not valid YAML at line"),
     (["--config", "{bad.json}"], "not valid JSON at line 1"),
@@ -323,6 +330,7 @@ def _fill(argv, env):
              "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
              "new_dir/": str(env["root"] / "new_dir") + "/", "mixed": str(env["root"] / "mixed"),
+             "few_words.txt": str(env["root"] / "few_words.txt"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -482,6 +490,10 @@ EVAL = [
      "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",
       "--micro-batch-size", "100000"], "fewer than one batch of --micro-batch-size 100000"),
+    # data with no window at all: was "lower --seq-len or --micro-batch-size", and no
+    # micro-batch size helps
+    (["--load", "{ckpt}", "--data", "{few_words.txt}", "--seq-len", "16",
+      "--data-cache", "{cache}"], "has 0 windows of 17 tokens (it holds "),
     # was ignored without a word: a causal LM's loss masks nothing
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
      "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),
@@ -863,6 +875,19 @@ OTHER_TOOLS = [
      "optimizer state too; to start from a checkpoint's weights alone, export it"),
     ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
     ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # Megatron's interleaving, sample counts, ramp-up, overlap and model flags: nothing was
+    # named, or an unrelated flag (--overlap-grad-reduce: "did you mean --grad-reduce-dtype?")
+    ("train", ["--virtual-pipeline-model-parallel-size", "2"],
+     "did you mean --schedule interleaved --virtual-stages?"),
+    ("train", ["--num-layers-per-virtual-pipeline-stage", "1"],
+     "did you mean --schedule interleaved --virtual-stages (model chunks per rank"),
+    ("train", ["--train-samples", "100"], "megapar-train counts steps: give --max-steps"),
+    ("train", ["--rampup-batch-size", "4", "4", "100"], "has no batch-size ramp-up"),
+    ("train", ["--overlap-grad-reduce"], "always overlaps the gradient reduction"),
+    ("train", ["--distributed-backend", "gloo"], "picks gloo on the CPU and NCCL with CUDA"),
+    ("train", ["--init-method-std", "0.02"], "in transformers' names): set initializer_range there"),
+    ("train", ["--hidden-dropout", "0"], "set resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
+    ("train", ["--log-throughput"], "tokens/s, TFLOP/s and MFU are on every log line"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
@@ -880,7 +905,16 @@ OTHER_TOOLS = [
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
      "document with the end-of-document token; drop it"),
+    # ... and "--split-sentences / --keep-newlines / --partitions: did you mean --split-lines?"
+    ("data", ["--input", "a", "--split-sentences"], "--split-sentences: megapar-data splits no "
+     "sentences"),
+    ("data", ["--input", "a", "--keep-newlines"], "keeps every newline as it is; drop it"),
+    ("data", ["--input", "a", "--partitions", "2"], "--partitions: did you mean --workers?"),
     ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    ("bubble", ["--pp", "2", "-m", "4", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size: did you mean --tp?"),
+    ("bubble", ["--pp", "2", "-m", "4", "--virtual-pipeline-model-parallel-size", "2"],
+     "did you mean --schedule interleaved --virtual-stages?"),
     # another megapar command's flag: "--vocab-size: did you mean --world-size?", "--to-hf:
     # did you mean --from-hf?", megapar-eval's "--save: did you mean --seed?"
     ("train", ["--vocab-size", "100"], "--vocab-size: the vocabulary follows the tokenizer"),

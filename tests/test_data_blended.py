@@ -177,7 +177,8 @@ def test_a_resume_with_the_blend_reweighed_or_reordered_is_refused_unless_allowe
 def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(tmp_path):
     """--data 0.9 BIG 0.1 SMALL, SMALL too small for a validation batch: the blend has no
     validation, so BIG's held-out documents go back to training (they were held out for
-    nothing), and the note names the part that is too small, not "the data"."""
+    nothing), and the notes name the part that is too small, not "the data", and say that the
+    blend trains without validation."""
     from megapar.training.config import TrainConfig
     from megapar.training.data import build_datasets
 
@@ -199,4 +200,8 @@ def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(t
                               prefixes[0], "gpt2")
     assert val is None
     assert [len(d) for d in train_ds.datasets] == [len(d) for d in whole.datasets]
-    assert len(notes) == 1 and notes[0].startswith(f"{prefixes[1]}: no validation split"), notes
+    assert len(notes) == 2 and notes[0].startswith(f"{prefixes[1]}: no validation split"), notes
+    # and that the whole blend has none, not only that part (the part's note alone read as if
+    # the other parts still validated, with --eval-interval given and no val_loss ever logged)
+    assert notes[1] == ("the blend validates only when every part has a validation split: "
+                        "training without validation, on all of every part"), notes

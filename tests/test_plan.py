@@ -926,3 +926,23 @@ def test_help_gives_each_default_once_and_every_flag_a_line(capsys):
                  "(megapar-train's --recompute) (default: none selective full)",
                  "(default: 0 1 2 3)"):
         assert text in out, text
+
+
+def test_explain_takes_the_layout_name_the_table_prints(capsys):
+    """A layout copied from the table ('tp1 pp1 dp4 mbs1 1f1b rc=none zero1') into --explain
+    was refused ("item 'tp1' is not KEY=VALUE"); every name the search prints now reads back
+    as its layout, and --explain gives the same breakdown for the name as for KEY=VALUE."""
+    from megapar.plan import enumerate_candidates
+
+    config = GPT2Config(n_layer=4, n_head=4, n_embd=64)
+    valid, _ = enumerate_candidates(Problem(config, 8, global_batch=16, seq_len=128),
+                                    offloads=("none", "optimizer", "both"))
+    assert len(valid) > 100 and any(c.sp and c.v > 1 and c.keep_params for c in valid)
+    for c in valid:
+        assert parse_candidate(c.label(), 8) == c, c.label()
+    base = ["--model", "gpt2-124m", "--gpus", "4", "--global-batch-size", "8", "--seq-len",
+            "1024", "--precision", "fp32"]
+    code, named = _cli(capsys, *base, "--explain", "tp1 pp1 dp4 mbs1 1f1b rc=none zero1")
+    assert code == 0, named.err
+    code, keyed = _cli(capsys, *base, "--explain", "tp=1,pp=1,mbs=1,schedule=1f1b,zero=1")
+    assert code == 0 and named.out == keyed.out and "--zero 1" in named.out

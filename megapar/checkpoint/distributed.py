@@ -470,11 +470,18 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     elif same_layout:
         rng = _read_rng(step_dir / RNG_FILE, mesh.rank)
     else:
-        notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
+        notes.append(
+            f"{RNG_NOT_RESTORED}: they are the ranks' of the checkpoint's layout {src}, not of "
+            f"{mesh.layout}; dropout masks differ from an uninterrupted run"
+        )
     reader.release()
     return LoadedState(
         optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir, notes
     )
+
+
+RNG_NOT_RESTORED = "RNG states not restored"
+"""How every note on a load that restores no RNG states begins."""
 
 
 def missing_rng_note(meta: dict) -> str:
@@ -482,16 +489,16 @@ def missing_rng_note(meta: dict) -> str:
     meta's keys, not from the free-text rng_note, whose wording older versions garbled)."""
     if meta.get("converted_from"):
         return (
-            "RNG states not restored: megapar-convert dropped them (they belong to the "
+            f"{RNG_NOT_RESTORED}: megapar-convert dropped them (they belong to the "
             "ranks of the old layout); dropout masks differ from an uninterrupted run"
         )
     if meta.get("imported_from_hf"):
         return (
-            "RNG states not restored: the checkpoint was imported from Hugging Face, which "
+            f"{RNG_NOT_RESTORED}: the checkpoint was imported from Hugging Face, which "
             "saves none; dropout is seeded from --seed"
         )
     return (
-        "RNG states not restored: the checkpoint has none; dropout masks differ from an "
+        f"{RNG_NOT_RESTORED}: the checkpoint has none; dropout masks differ from an "
         "uninterrupted run"
     )
 

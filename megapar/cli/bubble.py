@@ -52,6 +52,9 @@ OTHER_FLAGS = {
     "--num-stages": "--pp",
     "--pipeline-model-parallel-size": "--pp",
     "--num-microbatches": "--microbatches",
+    "--tensor-model-parallel-size": "--tp",
+    "--context-parallel-size": "--cp",
+    "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
 }
 """Other names for megapar-bubble's flags (difflib named `--steps` for `--stages`)."""
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.one_line_parser import OneLineParser, shell_word, show_progress
 
 OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
@@ -190,7 +190,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head) (default: 0)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (shown only when stderr is a terminal)",
+    )
 
 
 def _dtype(name: str) -> str:
@@ -226,7 +230,7 @@ def run(args) -> str:
     from megapar.checkpoint import convert as cv
     from megapar.checkpoint.manifest import read_manifest
 
-    progress = not args.no_progress
+    progress = show_progress(False if args.no_progress else None)
     _check_modes(args)
     if args.from_dcp or args.to_dcp:
         return _dcp(args, progress)

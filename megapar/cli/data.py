@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, show_progress
 
 OTHER_FLAGS = {
     "--vocab-file": "--tokenizer",
@@ -49,9 +49,15 @@ OTHER_FLAGS = {
     "--seq-len": "megapar-data keeps whole documents (megapar-train cuts them into --seq-len "
     "windows); drop it",
     "--model": "megapar-data needs only the --tokenizer (a model's vocabulary follows it); drop it",
+    "--split-sentences": "megapar-data splits no sentences: a document's text stays whole "
+    "(--split-lines makes each blank-line paragraph of a .txt a document); drop it",
+    "--keep-newlines": "megapar-data keeps every newline as it is; drop it",
+    "--partitions": "--workers",
+    "--log-interval": "megapar-data shows a progress bar when stderr is a terminal; drop it",
 }
 """Megatron-LM's preprocess_data.py flags, answered with megapar-data's (difflib named
-`--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train)."""
+`--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train, and `--split-lines`
+for `--split-sentences`, `--keep-newlines` and `--partitions`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,7 +189,11 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         help="replace an existing PREFIX.bin/.idx/.json (and the tokenizer a "
         "--train-tokenizer run writes); without it they are refused",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (shown only when stderr is a terminal)",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -442,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             split_paragraphs=args.split_lines,
             jsonl_key=args.jsonl_key,
-            progress=not args.no_progress,
+            progress=show_progress(False if args.no_progress else None),
             format=args.format,
             allow_invalid_utf8=args.allow_invalid_utf8,
             report=report,

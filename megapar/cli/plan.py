@@ -305,7 +305,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         "--explain",
         metavar="LAYOUT",
         help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
-        "recompute=selective,sp=1,zero=1,cp=2 (dp defaults to gpus/(tp*cp*pp))",
+        "recompute=selective,sp=1,zero=1,cp=2, or its name as the table prints it "
+        "('tp2 cp2 pp4 mbs2 1f1b rc=selective sp zero1') (dp defaults to gpus/(tp*cp*pp))",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(

@@ -122,6 +122,16 @@ class _Base:
                 )
         return config
 
+    @property
+    def draws_dropout(self) -> bool:
+        """Whether training draws random dropout masks: a dropout probability above 0 (GPT-2's
+        *_pdrop, BERT's *_dropout_prob, Llama's attention_dropout, a classifier's)."""
+        return any(
+            f.name.endswith(("pdrop", "dropout_prob", "dropout"))
+            and (getattr(self, f.name) or 0) > 0
+            for f in dataclasses.fields(self)
+        )
+
     def check_sizes(self) -> None:
         """Every size and count is a whole number >= 1 (dropouts in [0, 1))."""
         for f in dataclasses.fields(self):

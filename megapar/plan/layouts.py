@@ -10,6 +10,7 @@ the `--explain` syntax.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from megapar.data_parallel.sharded_params import REDUCES
@@ -133,14 +134,32 @@ _ALIASES = {
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
+_LABEL_SIZE = re.compile(r"(tp|cp|pp|dp|ep|mbs|v|zero)(\d+)")
+_LABEL_FLAGS = {"sp": "sp=1", "keep": "keep_params=1", "rs/micro-batch": "zero3_reduce=micro-batch"}
+
+
+def _from_label(item: str) -> str:
+    """One word of a table's layout name (`Candidate.label`: `tp2`, `mbs1`, `1f1b`, `v2`,
+    `rc=none`, `sp`, `zero1`, `keep`, `rs/micro-batch`) as its KEY=VALUE item; other words as
+    they are."""
+    size = _LABEL_SIZE.fullmatch(item)
+    if size:
+        return f"{size[1]}={size[2]}"
+    if item in PLAN_SCHEDULES:
+        return f"schedule={item}"
+    if item.startswith("rc="):
+        return "recompute=" + item[3:]
+    return _LABEL_FLAGS.get(item, item)
+
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
     (also `ep=8`, `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
-    `OFFLOADS`); dp defaults to gpus / (tp cp pp) (0 where that is not a whole number: no dp
-    fills the GPUs), v to 2 for the V schedules (zb-v,
-    dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
-    item otherwise."""
+    `OFFLOADS`), or the layout's name in the table (`Candidate.label`: `tp8 cp2 pp16 mbs1
+    interleaved v2 rc=selective sp zero1`), or a mix of the two; dp defaults to gpus / (tp cp
+    pp) (0 where that is not a whole number: no dp fills the GPUs), v to 2 for the V schedules
+    (zb-v, dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the
+    bad item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     keys = ", ".join([*fields, "offload"])  # offload=KIND: both offload fields at once
     values: dict = {}
@@ -148,8 +167,12 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
+        item = _from_label(item)
         if "=" not in item:
-            raise ValueError(f"--explain item {item!r} is not KEY=VALUE (keys: {keys})")
+            raise ValueError(
+                f"--explain item {item!r} is not KEY=VALUE (keys: {keys}) nor a word of a "
+                f"layout's name in the table (e.g. tp2 pp4 mbs1 1f1b rc=none zero1)"
+            )
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
         if key in seen:

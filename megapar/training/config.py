@@ -215,8 +215,8 @@ class TrainConfig:
     """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
     profile_dir: str = "profile"
     """Where --profile-steps writes trace_rank<R>.json."""
-    progress: bool = True
-    """Show a progress bar on rank 0."""
+    progress: bool | None = None
+    """Show a progress bar on rank 0 (and while raw --data is tokenized). Not given: only when stderr is a terminal, so a log file (a redirect, a pipe, a batch job) gets the log lines alone."""
     # --- faults ---
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s)."""
@@ -385,6 +385,11 @@ MODEL_SIZE = (
     "models/llama-tiny.json, in transformers' names)"
 )
 
+MODEL_FIELD = (
+    "a model's settings come from --model (a JSON / YAML model config file such as "
+    "models/gpt2-tiny.json, in transformers' names): set {field} there"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -452,6 +457,29 @@ OTHER_TOOLS_FLAGS = {
     "--model_name_or_path": "--from-hf",
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
+    "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-layers-per-virtual-pipeline-stage": "--schedule interleaved --virtual-stages (model "
+    "chunks per rank: the layers over --pp x the layers of a chunk)",
+    "--parallelism.pipeline_parallel_schedule": "--schedule",
+    "--train-samples": "megapar-train counts steps: give --max-steps, the samples over "
+    "--global-batch-size",
+    "--rampup-batch-size": "megapar-train has no batch-size ramp-up: stop each phase (e.g. "
+    "--exit-interval) and resume with --load and the next --global-batch-size, which continues "
+    "the data order",
+    "--overlap-grad-reduce": "megapar-train always overlaps the gradient reduction with the "
+    "backward (buckets of --grad-bucket-mb); drop it",
+    "--overlap-param-gather": "megapar-train's ZeRO gathers overlap the compute where they can; "
+    "drop it",
+    "--distributed-backend": "megapar-train picks gloo on the CPU and NCCL with CUDA (MEGAPAR_CPU=1 "
+    "forces the CPU); drop it",
+    "--log-throughput": "tokens/s, TFLOP/s and MFU are on every log line; drop it",
+    "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
+    "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
+    "--init-method-std": MODEL_FIELD.format(field="initializer_range"),
+    "--hidden-dropout": MODEL_FIELD.format(field="resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
+    "--attention-dropout": MODEL_FIELD.format(
+        field="attn_pdrop (GPT-2), attention_probs_dropout_prob (BERT), attention_dropout (Llama)"
+    ),
     # the other megapar commands' flags
     "--input": "--data",
     "--split-lines": "megapar-train already reads a .txt as a document per blank-line "

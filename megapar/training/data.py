@@ -45,7 +45,7 @@ from megapar.data.megatron import is_megatron_index
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
-from megapar.one_line_parser import shell_word
+from megapar.one_line_parser import shell_word, show_progress
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
@@ -122,7 +122,7 @@ def _resolve_one(
             cfg.tokenizer,
             os.path.expanduser(cfg.data_cache),
             split_paragraphs=True,
-            progress=cfg.progress,
+            progress=show_progress(cfg.progress),
             report=report,
             jsonl_key=cfg.jsonl_key,
             allow_invalid_utf8=cfg.allow_invalid_utf8,
@@ -505,6 +505,11 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
         whole = replace(cfg, val_fraction=0.0)
         parts = [_build_one(whole, part, model_type) for part in prefixes]
         part_notes = [n for n in part_notes if "no validation split" in n]
+    if val is None and cfg.val_fraction > 0:
+        part_notes.append(
+            "the blend validates only when every part has a validation split: training "
+            "without validation, on all of every part"
+        )
     if notes is not None:
         notes.extend(part_notes)
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)

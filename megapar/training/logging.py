@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from megapar.diagnostics.straggler import Straggler
+from megapar.one_line_parser import show_progress
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -96,7 +97,7 @@ class MetricsLogger(NullLogger):
 
     def __init__(self, cfg, start_step: int, run_config: dict):
         self.bar = None
-        if cfg.progress:
+        if show_progress(cfg.progress):
             self.bar = tqdm(
                 total=cfg.max_steps,
                 initial=start_step,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megapar.checkpoint.convert import recorded_tokenizer
+from megapar.checkpoint.distributed import RNG_NOT_RESTORED
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint
@@ -183,7 +184,13 @@ class Trainer:
             f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
         )
         self.notes.append(f"resumed from {path} at step {self.step} ({how}{ignored})")
-        self.notes.extend(state.notes)
+        unaffected = " (this model has no dropout: its losses are unaffected)"
+        self.notes.extend(
+            note + unaffected
+            if note.startswith(RNG_NOT_RESTORED) and not self.config.draws_dropout
+            else note
+            for note in state.notes
+        )
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self, logger) -> Path:
@@ -285,6 +292,11 @@ class Trainer:
             f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
             f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
             f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step"
+            + (
+                f" of {self.sampler.micro_batch_size} on each of the {mesh.dp} dp ranks"
+                if mesh.dp > 1
+                else ""
+            )
         )
         for note in self.notes:
             logger.message(note)

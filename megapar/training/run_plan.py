@@ -148,11 +148,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         if cfg.micro_batch_size >= 1:
             _check_resumed_batch(cfg, layout.dp)
-        raise ValueError(
-            f"global batch size {cfg.global_batch_size} is not divisible by "
-            f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
-            f"choose a multiple of {per_step}"
-        )
+        raise ValueError(_batch_refusal(cfg, layout.dp))
     _check_profile(cfg, manifest)
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     if cfg.save_interval < 0 or cfg.max_steps < 1:
@@ -275,6 +271,29 @@ def _check_injection(
             f"{flag}: step={spec.step} is not run (this run trains steps "
             f"{start + 1}-{cfg.max_steps}); choose a step in that range"
         )
+
+
+def _batch_refusal(cfg: TrainConfig, dp: int) -> str:
+    """Why the global batch cannot be cut into micro-batches over dp, and the fixes that work:
+    a global batch that is a multiple of dp when the micro-batch size was not given (it adapts
+    to any such one), else a multiple of micro-batch size x dp, or a micro-batch size that
+    divides the global batch's share of a dp rank."""
+    gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
+    if "micro_batch_size" not in explicit(cfg) and gbs % dp:
+        near = sorted({max(dp, gbs // dp * dp), (gbs // dp + 1) * dp})
+        return (
+            f"global batch size {gbs} is not divisible by dp {dp}: each dp rank takes an equal "
+            f"share; choose a multiple of {dp} (e.g. {' or '.join(map(str, near))}; the "
+            f"micro-batch size, not given, then adapts to it)"
+        )
+    fix = f"choose a multiple of {mbs * dp}"
+    if mbs >= 1 and gbs % dp == 0:
+        sizes = [b for b in range(1, gbs // dp + 1) if (gbs // dp) % b == 0]
+        fix += f", or --micro-batch-size {' / '.join(map(str, sizes[-3:]))}"
+    return (
+        f"global batch size {gbs} is not divisible by micro-batch size {mbs} x dp {dp} = "
+        f"{mbs * dp}; {fix}"
+    )
 
 
 def _check_resumed_batch(cfg: TrainConfig, dp: int) -> None:

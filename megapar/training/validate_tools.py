@@ -144,6 +144,12 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
         except ValueError as exc:
             raise UsageError(f"--data {shown}: {exc}; give more data") from None
         what = f"MLM sample{'s' * (samples != 1)} of {args.seq_len}"
+    if samples == 0:  # no smaller batch helps: only more data or shorter samples
+        held = f"{indexed.num_tokens} tokens" if causal else f"{indexed.num_docs} documents"
+        raise UsageError(
+            f"--data {shown} has 0 {what} tokens (it holds {held}); use more data or a "
+            f"shorter --seq-len"
+        )
     if samples < args.micro_batch_size:
         raise UsageError(
             f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
