@@ -89,3 +89,29 @@ def test_tensorboard_and_wandb_plot_each_number_and_each_expert_count(tmp_path):
         assert (event.step, event.value) == (3, pytest.approx(value)), tag
     record = json.loads(Path(cfg.log_json).read_text())
     assert record["moe_tokens_per_expert"] == [7, 0, 5] and record["note"] == "text"
+
+
+def test_a_resumed_run_replaces_the_steps_tensorboard_got_after_its_checkpoint(tmp_path):
+    """A run logs steps 1-4, one resumed from its step-2 checkpoint logs steps 3-4 again into
+    the same --tensorboard directory: TensorBoard shows steps 1-4 once each, 3 and 4 the
+    resumed run's (as --log-json keeps the records up to the checkpoint's step)."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megapar.training.logging import MetricsLogger
+
+    cfg = SimpleNamespace(progress=False, log_json=None, tensorboard=str(tmp_path / "tb"),
+                          wandb_project=None)
+    first = MetricsLogger(cfg, 0, {})
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    resumed = MetricsLogger(cfg, 2, {})
+    for step in (3, 4):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(cfg.tensorboard)
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)], got

@@ -115,7 +115,11 @@ class MetricsLogger(NullLogger):
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(cfg.tensorboard)
+            # a resumed run's steps replace those an earlier run logged after its checkpoint
+            # (TensorBoard purges events from purge_step on), as --log-json is trimmed
+            self.tb = SummaryWriter(
+                cfg.tensorboard, purge_step=start_step + 1 if start_step > 0 else None
+            )
         self.wandb = None
         if cfg.wandb_project:
             import wandb
