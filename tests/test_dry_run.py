@@ -148,10 +148,12 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
         assert f"\nrank {rank} (" in out
     assert "/cluster/ckpt/step_00000300/model_tp00_pp00.safetensors" in out
     assert "with 4 shard files" in out and "activations are modelled" in out
+    assert "dp (2 ranks, in a node): " in out and " gradient bucket" in out
     assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing
     rc, out, err = _train(["--model", "gpt2-tiny", "--world-size", "1", "--dry-run"], capsys)
     assert rc == 0 and "with 1 shard file," in out, err  # not "1 shard files"
     assert "pipeline bubble" not in out  # no pipeline
+    assert "per step: nothing\n" in out  # at dp 1 no bucket is reduced (none is named)
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", "1"), ("interleaved", "2")])

@@ -95,7 +95,7 @@ class RankReport:
     actions: int
     """Actions in this stage's schedule for one step."""
     buckets: int
-    """Gradient buckets (each one reduction per step)."""
+    """Gradient buckets reduced (each one reduction per step; none over a group of one rank)."""
     comm: dict = field(default_factory=dict)
     """{group: {"ranks": size, "crosses_nodes": bool, op: {"count": n, "bytes": b}}} per step."""
     checkpoint_file: str = ""
@@ -305,7 +305,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
         in_flight=in_flight,
         chunks=chunks,
         actions=len(actions),
-        buckets=len(engine.grad_sync.buckets),
+        buckets=sum(b.group_size > 1 for b in engine.grad_sync.buckets),
         comm=comm,
         checkpoint_file=file,
         checkpoint_bytes=size,

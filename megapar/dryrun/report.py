@@ -127,9 +127,14 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
         f"{size(r.peak_gpu)} (transients {size(r.transients)} and the tensors made in the "
         f"backward, the allocator's reserve, the CUDA context); on a CPU the resident set "
         f"rises {size(r.peak_cpu)} over the process's baseline",
-        f"  per step: {_traffic(r.comm)} ({r.buckets} "
-        f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
-        f"{'s' if r.buckets > 1 else ''})",
+        f"  per step: {_traffic(r.comm)}"
+        + (
+            f" ({r.buckets} "
+            f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
+            f"{'s' if r.buckets > 1 else ''})"
+            if r.buckets
+            else ""
+        ),
         f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
         + (
             "(this rank writes it)"
