@@ -524,6 +524,7 @@ def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_mod
                            "--log-json", log, "--no-progress"], capsys)
     assert rc == 0, err
     assert "from the checkpoint (not given):" in err and "--seq-len 32" in err
+    assert "--save-interval" not in err  # no --save: the checkpoint's interval does nothing
     assert [r["step"] for r in _records(log)] == [3, 4]
     rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "6",
                            "--seq-len", "16", "--no-progress"], capsys)

@@ -319,7 +319,8 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             )
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
-            taken.append(f"{flag_of(name)} {value}")
+            if not (name == "save_interval" and cfg.save is None):  # no save: no effect
+                taken.append(f"{flag_of(name)} {value}")
         given.add(name)
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
