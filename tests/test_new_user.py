@@ -157,6 +157,7 @@ def test_the_validation_split_grows_to_one_batch_or_steps_aside(doc_tokens, gbs,
     class Indexed:
         doc_offsets = np.concatenate([[0], np.cumsum(doc_tokens)])
         num_docs = len(doc_tokens)
+        prompt_lengths = None  # text, not prompt / response records
 
     cfg = TrainConfig(seq_len=32, global_batch_size=gbs, micro_batch_size=1)
     train_docs, val_docs, note = split_for_training(cfg, Indexed, "gpt2")
