@@ -322,6 +322,25 @@ def _error_line(capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("costs", [["--fwd-ms", "1e308"],  # the default backward, 2 x F
+                                   ["--fwd-ms", "1e307", "--bwd-ms", "1e307"],
+                                   ["--fwd-ms", "1", "--p2p-ms", "1e308"]])
+def test_costs_whose_step_overflows_a_float_are_refused(capsys, no_work, costs, tmp_path):
+    # each cost finite, their step not: the simulation printed a NaN bubble and
+    # "step_time_s": Infinity (not JSON) with exit code 0, and wrote the trace
+    trace = tmp_path / "t.json"
+    assert main(["--pp", "4", "-m", "8", "--simulate", *costs, "--trace", str(trace)]) == 2
+    assert "add up to more than" in _error_line(capsys)
+    assert not trace.exists()
+
+
+def test_large_costs_whose_step_fits_a_float_simulate(capsys):
+    assert main(["--pp", "4", "-m", "8", "--simulate", "--fwd-ms", "1e300", "--bwd-ms",
+                 "1e300"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["measured_bubble"] == pytest.approx(3 / 11, rel=1e-9)
+
+
 @pytest.mark.parametrize("flag", ["--fwd-ms", "--bwd-ms", "--bwd-input-ms", "--bwd-weight-ms",
                                   "--p2p-ms"])
 def test_cost_flags_without_simulate_are_refused(capsys, no_work, flag):
