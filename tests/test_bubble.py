@@ -334,6 +334,16 @@ def test_costs_whose_step_overflows_a_float_are_refused(capsys, no_work, costs, 
     assert not trace.exists()
 
 
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_too_few_layers_for_the_v_names_a_fix_that_applies(capsys, no_work, schedule):
+    # the V always places two chunks per rank: the line said "--virtual-stages 2" (not given)
+    # and "lower --virtual-stages", which zb-v and dualpipev refuse
+    assert main(["--pp", "4", "-m", "8", "--schedule", schedule, "--model", "gpt2-tiny"]) == 2
+    line = _error_line(capsys)
+    assert "4 layers cannot be cut into 2 x --pp 4 = 8 model chunks" in line
+    assert "--virtual-stages" not in line and "lower --pp to 2 or less" in line
+
+
 def test_large_costs_whose_step_fits_a_float_simulate(capsys):
     assert main(["--pp", "4", "-m", "8", "--simulate", "--fwd-ms", "1e300", "--bwd-ms",
                  "1e300"]) == 0
