@@ -322,6 +322,35 @@ def _error_line(capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("costs", [["--fwd-ms", "1e308"],  # the default backward, 2 x F
+                                   ["--fwd-ms", "1e307", "--bwd-ms", "1e307"],
+                                   ["--fwd-ms", "1", "--p2p-ms", "1e308"]])
+def test_costs_whose_step_overflows_a_float_are_refused(capsys, no_work, costs, tmp_path):
+    # each cost finite, their step not: the simulation printed a NaN bubble and
+    # "step_time_s": Infinity (not JSON) with exit code 0, and wrote the trace
+    trace = tmp_path / "t.json"
+    assert main(["--pp", "4", "-m", "8", "--simulate", *costs, "--trace", str(trace)]) == 2
+    assert "add up to more than" in _error_line(capsys)
+    assert not trace.exists()
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_too_few_layers_for_the_v_names_a_fix_that_applies(capsys, no_work, schedule):
+    # the V always places two chunks per rank: the line said "--virtual-stages 2" (not given)
+    # and "lower --virtual-stages", which zb-v and dualpipev refuse
+    assert main(["--pp", "4", "-m", "8", "--schedule", schedule, "--model", "gpt2-tiny"]) == 2
+    line = _error_line(capsys)
+    assert "4 layers cannot be cut into 2 x --pp 4 = 8 model chunks" in line
+    assert "--virtual-stages" not in line and "lower --pp to 2 or less" in line
+
+
+def test_large_costs_whose_step_fits_a_float_simulate(capsys):
+    assert main(["--pp", "4", "-m", "8", "--simulate", "--fwd-ms", "1e300", "--bwd-ms",
+                 "1e300"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["measured_bubble"] == pytest.approx(3 / 11, rel=1e-9)
+
+
 @pytest.mark.parametrize("flag", ["--fwd-ms", "--bwd-ms", "--bwd-input-ms", "--bwd-weight-ms",
                                   "--p2p-ms"])
 def test_cost_flags_without_simulate_are_refused(capsys, no_work, flag):

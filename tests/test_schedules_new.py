@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
@@ -50,6 +52,26 @@ def torch_order(cls, pp, m, v):
 def ours(name, pp, m, v):
     return [[(COMPUTE[a.kind], a.mb, a.chunk) for a in schedule_actions(name, pp, m, r, v)
              if a.kind in COMPUTE] for r in range(pp)]
+
+
+def torch_single_order(cls, pp, m):
+    """torch's per-rank compute order of a one-stage-per-rank schedule, from the class's
+    `_get_pipeline_order` (its `pipeline_order`; no stage or process group needed)."""
+    order = cls._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=m))
+    return [[(a.computation_type.value, a.microbatch_index, 0) for a in order[rank]
+             if a is not None and a.computation_type.value in "FB"] for rank in range(pp)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_gpipe_and_1f1b_equal_torchs_pipeline_order(pp):
+    for m in range(1, 4 * pp + 1):
+        assert ours("gpipe", pp, m, 1) == torch_single_order(ScheduleGPipe, pp, m), (pp, m)
+    # torch's Schedule1F1B.pipeline_order (a picture of the schedule; its run does not read
+    # it) numbers the last rank's forwards 1..m and gives m < pp ranks p - 1 - r warmup
+    # forwards; its other ranks at m >= pp are the order it runs: Megatron's 1F1B
+    for m in range(pp, 4 * pp + 1):
+        assert ours("1f1b", pp, m, 1)[:-1] == torch_single_order(Schedule1F1B, pp, m)[:-1], \
+            (pp, m)
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])

@@ -169,3 +169,16 @@ def test_refusals_name_the_fix():
         check_schedule("dualpipev", 4, 7)
     with pytest.raises(ValueError, match="ZB-V needs --pp >= 2"):
         check_schedule("zb-v", 1, 4)
+
+
+def test_in_flight_column_of_the_schedules_guide():
+    """docs/guides/schedules.md's "in flight on stage s": min(m, p - s) under 1F1B and ZB-H1
+    (fewer than p - s where m < p), at most 2p chunks per rank under ZB-V, 2p on every rank
+    from m = 2p on."""
+    for pp in range(2, 7):
+        for m in range(1, 3 * pp + 1):
+            for name in ("1f1b", "zb-h1"):
+                assert [in_flight_peak(schedule_actions(name, pp, m, s)) for s in range(pp)] \
+                    == [min(m, pp - s) for s in range(pp)], (name, pp, m)
+            zb_v = [in_flight_peak(schedule_actions("zb-v", pp, m, s)) for s in range(pp)]
+            assert max(zb_v) <= 2 * pp and (m < 2 * pp or zb_v == [2 * pp] * pp), (pp, m)

@@ -73,6 +73,13 @@ def chunk_specs(
     and only its last the head."""
 
     total = pp * virtual_stages
+    if num_layers < total and placement == "v":  # two chunks per rank, whatever V says
+        raise LayoutError(
+            f"{num_layers} layers cannot be cut into 2 x --pp {pp} = {total} model chunks "
+            f"(zb-v and dualpipev place two per rank in a V; each needs at least one layer); "
+            f"lower --pp to {num_layers // 2} or less, or use a schedule with one chunk per "
+            f"rank (1f1b, zb-h1)"
+        )
     if num_layers < total:
         raise LayoutError(
             f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "

@@ -9,6 +9,7 @@ Raises usage.UsageError (exit code 2) before any model is built or process start
 from __future__ import annotations
 
 import math
+import sys
 
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.simulate import Costs, theoretical_bubble
@@ -54,6 +55,8 @@ def check_bubble_args(args) -> None:
     except ValueError:  # refused with its own words by check_schedule
         chunks = max(1, args.virtual_stages)
     actions = 2 * args.pp * args.microbatches * chunks
+    if args.fwd_ms is not None:
+        _check_step_is_finite(args, chunks)
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
         v = ""  # one chunk per rank: nothing to multiply by
         if chunks > 1:
@@ -67,6 +70,29 @@ def check_bubble_args(args) -> None:
             f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
             f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
             f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
+        )
+
+
+def _check_step_is_finite(args, chunks: int) -> None:
+    """Refuse given costs whose step overflows a float: every cost finite, but the sum of all
+    of them (every stage's computes and messages, a bound on the simulated step) is not."""
+    fwd = args.fwd_ms
+    halves = (args.bwd_input_ms or 0.0) + (args.bwd_weight_ms or 0.0)
+    bwd = args.bwd_ms if args.bwd_ms is not None else max(2 * fwd, halves)
+    per_microbatch = fwd + bwd + 4 * (args.p2p_ms or 0.0)  # F, B, two messages each
+    total = float(args.pp * chunks * args.microbatches) * per_microbatch
+    if not math.isfinite(total):
+        given = {
+            n: getattr(args, n)
+            for n in ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
+        }
+        name = max((n for n, x in given.items() if x is not None), key=lambda n: given[n])
+        count = args.pp * chunks * args.microbatches
+        limit = sys.float_info.max / (8 * count)  # F + 2 F backward + 4 messages, with room
+        raise UsageError(
+            f"{flag_of(name)} {given[name]:g}: the step's {count:,} forwards and backwards "
+            f"(with their messages) add up to more than a float holds; give costs of at "
+            f"most {limit:.1e} ms"
         )
 
 

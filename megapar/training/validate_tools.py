@@ -22,7 +22,7 @@ from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
-from megapar.pipeline.schedules import chunks_per_rank
+from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.training.bubble import bench_config
 from megapar.training.config import TrainConfig
 from megapar.training.data import discard_tokenized, is_megatron, missing_files
@@ -266,7 +266,8 @@ def check_bubble_measurement(args) -> None:
         config = bench_config(args.model, args.pp, chunks)
         config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
         if chunks > 1:
-            chunk_specs(config.num_layers, args.pp, 0, chunks)  # enough layers?
+            placement = placement_of(args.schedule)  # the V's line names its own fixes
+            chunk_specs(config.num_layers, args.pp, 0, chunks, placement)  # enough layers?
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
 
