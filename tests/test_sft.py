@@ -186,6 +186,10 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields read"),
     (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "bert-tiny"],
      "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--from-hf", "{bert}"],
+     "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "{bert}/config.json"],
+     "trains a causal language model on the responses, and the model is bert"),
     (["--sft-keys", "prompt,response", "--data", "{array}"],
      "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
     (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
@@ -199,8 +203,15 @@ def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_p
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "answer": "d"}\n')
     good.write_text('{"prompt": "a", "response": "b"}\n')
     (tmp_path / "array.json").write_text('[\n{"prompt": "a", "response": "b"}\n]\n')
+    if any("{bert}" in a for a in argv):  # a transformers BERT of GPT-2's 50,257 ids, as saved for MLM
+        from transformers import BertConfig, BertForMaskedLM
+
+        BertForMaskedLM(BertConfig(vocab_size=50257, hidden_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=32)
+                        ).save_pretrained(tmp_path / "bert")
+        capsys.readouterr()  # transformers' progress bar
     paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good),
-             "array": str(tmp_path / "array.json")}
+             "array": str(tmp_path / "array.json"), "bert": str(tmp_path / "bert")}
     argv = [a.format(**paths) for a in argv]
     assert main([*argv, "--data-cache", cache, "--max-steps", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
