@@ -113,6 +113,26 @@ def test_a_prepared_dataset_of_records_keeps_the_prompt_out_of_the_labels(record
     assert len(SFTDataset(ds, 32)) == 16 == ds.num_docs
 
 
+def test_the_log_line_names_records_without_a_response_token_only_where_there_are(records):
+    """At a --seq-len where the long prompt and one of its response tokens fit (the long
+    response's record fits whole), the line says 1 truncated, without "(0 of them with no
+    response token left)"; at 32 two are cut and one has none left."""
+    from types import SimpleNamespace
+
+    from megapar.training.data import _records_note
+
+    ds = IndexedDataset(records)
+    seq_len = int(ds.prompt_lengths[0])  # its prompt and one response token fit
+    notes = []
+    for n in (seq_len, 32):
+        cfg = SimpleNamespace(seq_len=n, loss_mean="token")
+        notes.append(_records_note(cfg, ds, [SFTDataset(ds, n), None]))
+    assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
+                             f"the end"), notes
+    assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end (1 "
+                             "of them with no response token left)"), notes
+
+
 def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
     """gpt2-tiny on the records: tp 2 x pp 2, dp 2 and cp 2 give one process's losses (and grad
     norms) at every one of 3 steps (fp32, 1e-5 relative)."""
