@@ -212,6 +212,10 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "trains a causal language model on the responses, and the model is bert"),
     (["--sft-keys", "prompt,response", "--data", "{array}"],
      "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
+    (["--data", "{good}", "--model", "gpt2-tiny"],  # records, --sft-keys forgotten
+     "the object has no field 'text' (its fields: 'prompt', 'response'); pass --jsonl-key "
+     "naming the text field, or add 'text' to the line; or, for prompt / response records, "
+     "--sft-keys prompt,response to train on the responses"),
     (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
      "blends prompt / response records"),
 ])
