@@ -212,6 +212,12 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "trains a causal language model on the responses, and the model is bert"),
     (["--sft-keys", "prompt,response", "--data", "{array}"],
      "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
+    (["--sft-keys", "prompt,response", "--data", "{longp}", "--seq-len", "2",
+      "--global-batch-size", "2", "--micro-batch-size", "1", "--val-fraction", "0", "--model",
+      "gpt2-tiny"],
+     "every one of the 2 training records of --data {longp} has a prompt of at least --seq-len "
+     "+ 1 = 3 tokens: no response token is left to train on (the loss would be 0); raise "
+     "--seq-len to at least 3 (the shortest prompt) or shorten the prompts"),
     (["--data", "{good}", "--model", "gpt2-tiny"],  # records, --sft-keys forgotten
      "the object has no field 'text' (its fields: 'prompt', 'response'); pass --jsonl-key "
      "naming the text field, or add 'text' to the line; or, for prompt / response records, "
@@ -226,8 +232,11 @@ def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_p
     bad, good = tmp_path / "bad.jsonl", tmp_path / "good.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "answer": "d"}\n')
     good.write_text('{"prompt": "a", "response": "b"}\n')
+    longp = tmp_path / "longp.jsonl"  # prompts of 3 and 4 GPT-2 tokens
+    longp.write_text('{"prompt": "a b c", "response": "d"}\n'
+                     '{"prompt": "a b c d", "response": ""}\n')
     (tmp_path / "array.json").write_text('[\n{"prompt": "a", "response": "b"}\n]\n')
-    if any("{bert}" in a for a in argv):  # a transformers BERT of GPT-2's 50,257 ids, as saved for MLM
+    if any("{bert}" in a for a in argv):  # a transformers BERT of GPT-2's 50,257 ids
         from transformers import BertConfig, BertForMaskedLM
 
         BertForMaskedLM(BertConfig(vocab_size=50257, hidden_size=16, num_hidden_layers=1,
@@ -235,8 +244,9 @@ def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_p
                         ).save_pretrained(tmp_path / "bert")
         capsys.readouterr()  # transformers' progress bar
     paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good),
-             "array": str(tmp_path / "array.json"), "bert": str(tmp_path / "bert")}
-    argv = [a.format(**paths) for a in argv]
+             "array": str(tmp_path / "array.json"), "bert": str(tmp_path / "bert"),
+             "longp": str(longp)}
+    argv, message = [a.format(**paths) for a in argv], message.format(**paths)
     assert main([*argv, "--data-cache", cache, "--max-steps", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("megapar-train: error:"), err
