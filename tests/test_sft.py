@@ -298,6 +298,9 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     for argv, message in (
         (["--data", records, "--sft-keys", "prompt,response"],
          "--sft-keys prompt,response would be ignored: --data"),
+        (["--data", raw, "--seq-len", "1", "--micro-batch-size", "4", "--data-cache", cache],
+         "none of the 16 records evaluated keeps a response token at --seq-len 1 (every prompt "
+         "is at least 2 tokens), so there is no loss to report; raise --seq-len to at least"),
         (["--data", raw, "--sft-keys", "prompt,response", "--jsonl-key", "prompt"],
          "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields"),
     ):
