@@ -218,6 +218,9 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "every one of the 2 training records of --data {longp} has a prompt of at least --seq-len "
      "+ 1 = 3 tokens: no response token is left to train on (the loss would be 0); raise "
      "--seq-len to at least 3 (the shortest prompt) or shorten the prompts"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--global-batch-size", "2",
+      "--micro-batch-size", "1", "--val-fraction", "0", "--model", "gpt2-tiny"],
+     "fewer than one global batch of 2; use more records or a smaller --global-batch-size"),
     (["--data", "{good}", "--model", "gpt2-tiny"],  # records, --sft-keys forgotten
      "the object has no field 'text' (its fields: 'prompt', 'response'); pass --jsonl-key "
      "naming the text field, or add 'text' to the line; or, for prompt / response records, "
@@ -301,6 +304,9 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
         (["--data", raw, "--seq-len", "1", "--micro-batch-size", "4", "--data-cache", cache],
          "none of the 16 records evaluated keeps a response token at --seq-len 1 (every prompt "
          "is at least 2 tokens), so there is no loss to report; raise --seq-len to at least"),
+        (["--data", raw, "--micro-batch-size", "32", "--data-cache", cache],
+         "has 16 records (samples) of up to 33 tokens, fewer than one batch of "
+         "--micro-batch-size 32; lower --micro-batch-size or give more records"),
         (["--data", raw, "--sft-keys", "prompt,response", "--jsonl-key", "prompt"],
          "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields"),
     ):

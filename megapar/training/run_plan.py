@@ -128,10 +128,15 @@ def plan_data(
                 if len(train) < layout.dp
                 else "a smaller --global-batch-size"
             )
+            records = isinstance(train, SFTDataset)  # one sample a record at any --seq-len
             raise ValueError(
                 f"the training split of {_data_named(cfg)} has {len(train)} samples of "
                 f"{cfg.seq_len} tokens, fewer than one global batch of {cfg.global_batch_size}; "
-                f"use more data, a shorter --seq-len or {fix}"
+                + (
+                    f"use more records or {fix}"
+                    if records
+                    else f"use more data, a shorter --seq-len or {fix}"
+                )
             )
     except ValueError:
         discard_tokenized(

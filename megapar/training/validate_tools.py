@@ -151,9 +151,15 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
             f"shorter --seq-len"
         )
     if samples < args.micro_batch_size:
+        records = causal and indexed.prompt_lengths is not None  # a sample each at any --seq-len
+        fix = (
+            "--micro-batch-size or give more records"
+            if records
+            else "--seq-len or --micro-batch-size"
+        )
         raise UsageError(
             f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
-            f"--micro-batch-size {args.micro_batch_size}; lower --seq-len or --micro-batch-size"
+            f"--micro-batch-size {args.micro_batch_size}; lower {fix}"
         )
     if causal and indexed.prompt_lengths is not None:
         _check_responses(args, indexed, shown, samples)
