@@ -313,3 +313,11 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
         assert evaluate(["--load", ckpt, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+    # resuming on the same records with the keys swapped: refused as that, not as changed data
+    assert main(["--model", "gpt2-tiny", "--data", raw, "--sft-keys", "response,prompt",
+                 "--data-cache", cache, "--max-steps", "2", "--load", ckpt, *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (
+        f"trained on the records of --data {raw} with --sft-keys prompt,response, and "
+        f"--sft-keys response,prompt reads them otherwise; leave --sft-keys out (the "
+        f"checkpoint's), or pass --allow-data-change") in err[0], err
