@@ -6,7 +6,8 @@ loss, with your own loop on megapar's engine (tp 2 by default).
 
 DIR is a transformers directory written by save_pretrained, with its tokenizer (a
 GPT2LMHeadModel, LlamaForCausalLM, ...); pairs.jsonl holds one {"prompt": ..., "response": ...}
-object per line. megapar-train --sft-keys prompt,response trains on the same rows from the
+object per line (other field names: --keys PROMPT,RESPONSE, e.g. TRL's prompt,completion).
+megapar-train --sft-keys prompt,response trains on the same rows from the
 command line; this is the same with your own loop: each row here is the prompt, the response and the end-of-text token,
 cut at --seq-len + 1 and padded on the right; the labels are the next tokens where the next
 token is the response's (or the end of text) and -100 on the prompt and the padding.
@@ -25,20 +26,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import megapar
 
 
-def read_pairs(path: str) -> list[tuple[str, str]]:
-    """The (prompt, response) pairs of a JSON Lines file, one clear error for a bad line."""
+def read_pairs(path: str, keys: tuple[str, str] = ("prompt", "response")) -> list[tuple[str, str]]:
+    """The (prompt, response) pairs of a JSON Lines file (fields `keys`: TRL's are prompt,
+    completion), one clear error for a bad line."""
     pairs = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                sys.exit(f"sft_prompt_mask.py: error: {path}:{lineno}: not valid JSON "
+                         f"({e.msg} at column {e.colno}); repair or delete the line")
             if not isinstance(record, dict) or not all(
-                isinstance(record.get(k), str) for k in ("prompt", "response")
+                isinstance(record.get(k), str) for k in keys
             ):
+                fields = ", ".join(map(repr, record)) if isinstance(record, dict) else "none"
                 sys.exit(f"sft_prompt_mask.py: error: {path}:{lineno}: needs string fields "
-                         f"'prompt' and 'response'")
-            pairs.append((record["prompt"], record["response"]))
+                         f"{keys[0]!r} and {keys[1]!r} (its fields: {fields}); pass --keys "
+                         f"naming them")
+            pairs.append((record[keys[0]], record[keys[1]]))
     return pairs
 
 
@@ -73,7 +81,7 @@ def train(args) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     engine = megapar.prepare(model, tp=args.tp, pp=args.pp, micro_batch_size=2, lr=args.lr,
                              loss_mean="token", precision="fp32")
-    pairs = read_pairs(args.data)
+    pairs = read_pairs(args.data, args.keys)
     losses = []
     for batch in global_batches(tokenizer, pairs, args.seq_len, args.batch_size, args.seed):
         if engine.step == args.steps:
@@ -86,10 +94,21 @@ def train(args) -> list[float]:
     return losses
 
 
+def _keys(value: str) -> tuple[str, str]:
+    """--keys PROMPT,RESPONSE as two different field names."""
+    keys = [k.strip() for k in value.split(",")]
+    if len(keys) != 2 or not all(keys) or keys[0] == keys[1]:
+        raise argparse.ArgumentTypeError(f"{value!r} is not two field names PROMPT,RESPONSE")
+    return keys[0], keys[1]
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", required=True, help="a transformers directory")
     parser.add_argument("--data", required=True, help="JSON Lines of prompt / response pairs")
+    parser.add_argument("--keys", type=_keys, default=("prompt", "response"),
+                        help="PROMPT,RESPONSE field names (default prompt,response; TRL's: "
+                             "prompt,completion), as megapar-train --sft-keys")
     parser.add_argument("--out", help="export the fine-tuned model here (transformers)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)

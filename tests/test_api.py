@@ -5,6 +5,7 @@ over a transformers GPT2LMHeadModel at tp 2 x pp 2) and compares its losses with
 on the same data, seed and weights, and with the same script on one process.
 """
 
+import argparse
 import importlib.util
 import json
 import math
@@ -76,6 +77,32 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     assert_close(torch.tensor(user), torch.tensor(cli), 1e-5, "user script vs megapar-train")
     assert_close(torch.tensor(user), torch.tensor(serial), 1e-5, "tp2 x pp2 vs one process")
     assert user[-1] < user[0]
+
+
+def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path):
+    """examples/sft_prompt_mask.py --keys prompt,completion reads TRL's records; a record
+    without the fields and a line that is not JSON each end with one line naming the line."""
+    spec = importlib.util.spec_from_file_location(
+        "sft_prompt_mask", ROOT / "examples" / "sft_prompt_mask.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    data, bad = tmp_path / "trl.jsonl", tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "c", "completion": ""}\n')
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
+    assert example._keys("prompt,completion") == ("prompt", "completion")
+    with pytest.raises(argparse.ArgumentTypeError):
+        example._keys("prompt")
+    assert example.read_pairs(str(data), ("prompt", "completion")) == [("a", "b"), ("c", "")]
+    with pytest.raises(SystemExit) as no_field:
+        example.read_pairs(str(data))
+    assert str(no_field.value) == (
+        f"sft_prompt_mask.py: error: {data}:1: needs string fields 'prompt' and 'response' "
+        f"(its fields: 'prompt', 'completion'); pass --keys naming them")
+    with pytest.raises(SystemExit) as not_json:
+        example.read_pairs(str(bad), ("prompt", "completion"))
+    assert str(not_json.value) == (
+        f"sft_prompt_mask.py: error: {bad}:2: not valid JSON (Expecting ',' delimiter at "
+        f"column 16); repair or delete the line")
 
 
 def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):

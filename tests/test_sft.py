@@ -113,6 +113,26 @@ def test_a_prepared_dataset_of_records_keeps_the_prompt_out_of_the_labels(record
     assert len(SFTDataset(ds, 32)) == 16 == ds.num_docs
 
 
+def test_the_log_line_names_records_without_a_response_token_only_where_there_are(records):
+    """At a --seq-len where the long prompt and one of its response tokens fit (the long
+    response's record fits whole), the line says 1 truncated, without "(0 of them with no
+    response token left)"; at 32 two are cut and one has none left."""
+    from types import SimpleNamespace
+
+    from megapar.training.data import _records_note
+
+    ds = IndexedDataset(records)
+    seq_len = int(ds.prompt_lengths[0])  # its prompt and one response token fit
+    notes = []
+    for n in (seq_len, 32):
+        cfg = SimpleNamespace(seq_len=n, loss_mean="token")
+        notes.append(_records_note(cfg, ds, [SFTDataset(ds, n), None]))
+    assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
+                             f"the end"), notes
+    assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end (1 "
+                             "of them with no response token left)"), notes
+
+
 def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
     """gpt2-tiny on the records: tp 2 x pp 2, dp 2 and cp 2 give one process's losses (and grad
     norms) at every one of 3 steps (fp32, 1e-5 relative)."""
@@ -186,8 +206,25 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields read"),
     (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "bert-tiny"],
      "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--from-hf", "{bert}"],
+     "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "{bert}/config.json"],
+     "trains a causal language model on the responses, and the model is bert"),
     (["--sft-keys", "prompt,response", "--data", "{array}"],
      "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
+    (["--sft-keys", "prompt,response", "--data", "{longp}", "--seq-len", "2",
+      "--global-batch-size", "2", "--micro-batch-size", "1", "--val-fraction", "0", "--model",
+      "gpt2-tiny"],
+     "every one of the 2 training records of --data {longp} has a prompt of at least --seq-len "
+     "+ 1 = 3 tokens: no response token is left to train on (the loss would be 0); raise "
+     "--seq-len to at least 3 (the shortest prompt) or shorten the prompts"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--global-batch-size", "2",
+      "--micro-batch-size", "1", "--val-fraction", "0", "--model", "gpt2-tiny"],
+     "fewer than one global batch of 2; use more records or a smaller --global-batch-size"),
+    (["--data", "{good}", "--model", "gpt2-tiny"],  # records, --sft-keys forgotten
+     "the object has no field 'text' (its fields: 'prompt', 'response'); pass --jsonl-key "
+     "naming the text field, or add 'text' to the line; or, for prompt / response records, "
+     "--sft-keys prompt,response to train on the responses"),
     (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
      "blends prompt / response records"),
 ])
@@ -198,10 +235,21 @@ def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_p
     bad, good = tmp_path / "bad.jsonl", tmp_path / "good.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "answer": "d"}\n')
     good.write_text('{"prompt": "a", "response": "b"}\n')
+    longp = tmp_path / "longp.jsonl"  # prompts of 3 and 4 GPT-2 tokens
+    longp.write_text('{"prompt": "a b c", "response": "d"}\n'
+                     '{"prompt": "a b c d", "response": ""}\n')
     (tmp_path / "array.json").write_text('[\n{"prompt": "a", "response": "b"}\n]\n')
+    if any("{bert}" in a for a in argv):  # a transformers BERT of GPT-2's 50,257 ids
+        from transformers import BertConfig, BertForMaskedLM
+
+        BertForMaskedLM(BertConfig(vocab_size=50257, hidden_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=32)
+                        ).save_pretrained(tmp_path / "bert")
+        capsys.readouterr()  # transformers' progress bar
     paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good),
-             "array": str(tmp_path / "array.json")}
-    argv = [a.format(**paths) for a in argv]
+             "array": str(tmp_path / "array.json"), "bert": str(tmp_path / "bert"),
+             "longp": str(longp)}
+    argv, message = [a.format(**paths) for a in argv], message.format(**paths)
     assert main([*argv, "--data-cache", cache, "--max-steps", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("megapar-train: error:"), err
@@ -253,9 +301,23 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     for argv, message in (
         (["--data", records, "--sft-keys", "prompt,response"],
          "--sft-keys prompt,response would be ignored: --data"),
+        (["--data", raw, "--seq-len", "1", "--micro-batch-size", "4", "--data-cache", cache],
+         "none of the 16 records evaluated keeps a response token at --seq-len 1 (every prompt "
+         "is at least 2 tokens), so there is no loss to report; raise --seq-len to at least"),
+        (["--data", raw, "--micro-batch-size", "32", "--data-cache", cache],
+         "has 16 records (samples) of up to 33 tokens, fewer than one batch of "
+         "--micro-batch-size 32; lower --micro-batch-size or give more records"),
         (["--data", raw, "--sft-keys", "prompt,response", "--jsonl-key", "prompt"],
          "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields"),
     ):
         assert evaluate(["--load", ckpt, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+    # resuming on the same records with the keys swapped: refused as that, not as changed data
+    assert main(["--model", "gpt2-tiny", "--data", raw, "--sft-keys", "response,prompt",
+                 "--data-cache", cache, "--max-steps", "2", "--load", ckpt, *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (
+        f"trained on the records of --data {raw} with --sft-keys prompt,response, and "
+        f"--sft-keys response,prompt reads them otherwise; leave --sft-keys out (the "
+        f"checkpoint's), or pass --allow-data-change") in err[0], err

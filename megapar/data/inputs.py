@@ -351,11 +351,31 @@ def _line_text(path: str, lineno: int, line: bytes, key: str):
     record = _line_object(path, lineno, line, key)
     if key not in record:
         fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
+        pair = _pair_keys(record)
+        sft = (
+            f"; or, for prompt / response records, --sft-keys {pair} to train on the responses"
+            if pair
+            else ""
+        )
         raise ValueError(
             f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
-            f"--jsonl-key naming the text field, or add {key!r} to the line"
+            f"--jsonl-key naming the text field, or add {key!r} to the line{sft}"
         )
     return record[key]
+
+
+#: Field names of a prompt and of its response in common fine-tuning records (TRL's
+#: prompt / completion, Alpaca's instruction / output, ...), for `_pair_keys`.
+PROMPT_FIELDS = ("prompt", "instruction", "question", "input", "query")
+RESPONSE_FIELDS = ("completion", "response", "output", "answer")
+
+
+def _pair_keys(record: dict) -> str | None:
+    """``PROMPT,RESPONSE`` where `record` has a prompt field and a response field of
+    `PROMPT_FIELDS` / `RESPONSE_FIELDS` (the first of each), else None."""
+    prompt = next((k for k in PROMPT_FIELDS if isinstance(record.get(k), str)), None)
+    response = next((k for k in RESPONSE_FIELDS if isinstance(record.get(k), str)), None)
+    return f"{prompt},{response}" if prompt and response else None
 
 
 def _line_object(path: str, lineno: int, line: bytes, key: str) -> dict:

@@ -556,9 +556,10 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
     truncated = sum(p.truncated for p in parts)
     unlabelled = sum(p.unlabelled for p in parts)
     keys = ",".join(indexed.sft_keys)
+    left = f" ({unlabelled:,} of them with no response token left)" if unlabelled else ""
     cut = (
         f"{truncated:,} longer than --seq-len + 1 = {cfg.seq_len + 1} tokens truncated at the "
-        f"end ({unlabelled:,} of them with no response token left)"
+        f"end{left}"
         if truncated
         else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens"
     )

@@ -12,6 +12,7 @@ from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.validate import UsageError, check_mlm_seq_len, explicit
 from megapar.training.validate_resume import model_from_checkpoint
+from megapar.training.validate_sft import check_sft_model
 
 DEFAULT_MODEL = "gpt2-tiny"
 """The recipe of a run that names no model."""
@@ -48,6 +49,8 @@ def resolve_model_config(
         if cfg.model:
             _check_same_model(cfg, config)
         reader.check_files()  # a damaged file is named here, before any worker reads it
+        # --sft-keys on a BERT is refused as that, not for the vocabulary its data would need
+        check_sft_model(cfg, config.model_type, config.model_type in CAUSAL_LM_TYPES)
         if config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
@@ -57,6 +60,7 @@ def resolve_model_config(
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
         path = os.path.expanduser(cfg.model)
         config, given_from = recipe(path), f"--model {cfg.model}"
+        check_sft_model(cfg, config.model_type, config.model_type in CAUSAL_LM_TYPES)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if "vocab_size" not in load_config_file(path):

@@ -12,7 +12,7 @@ import os
 
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
-from megapar.data import IndexedDataset
+from megapar.data import IndexedDataset, SFTDataset
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record
 from megapar.faults.stop import parse_signals
@@ -115,16 +115,28 @@ def plan_data(
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     try:
         train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
+        if isinstance(train, SFTDataset) and train.unlabelled == len(train):
+            raise ValueError(
+                f"every one of the {len(train):,} training records of {_data_named(cfg)} has a "
+                f"prompt of at least --seq-len + 1 = {cfg.seq_len + 1} tokens: no response "
+                f"token is left to train on (the loss would be 0); raise --seq-len to at least "
+                f"{int(train.prompt.min())} (the shortest prompt) or shorten the prompts"
+            )
         if len(train) < cfg.global_batch_size:
             fix = (
                 f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
                 if len(train) < layout.dp
                 else "a smaller --global-batch-size"
             )
+            records = isinstance(train, SFTDataset)  # one sample a record at any --seq-len
             raise ValueError(
                 f"the training split of {_data_named(cfg)} has {len(train)} samples of "
                 f"{cfg.seq_len} tokens, fewer than one global batch of {cfg.global_batch_size}; "
-                f"use more data, a shorter --seq-len or {fix}"
+                + (
+                    f"use more records or {fix}"
+                    if records
+                    else f"use more data, a shorter --seq-len or {fix}"
+                )
             )
     except ValueError:
         discard_tokenized(

@@ -456,6 +456,14 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
             f"samples from here on; give them in the checkpoint's order (or leave --data "
             f"out), or pass --allow-data-change to continue on this order on purpose"
         )
+    keys = (meta.get("train_config") or {}).get("sft_keys")
+    if keys and cfg.sft_keys and keys.replace(" ", "") != cfg.sft_keys.replace(" ", ""):
+        raise UsageError(
+            f"--load {cfg.load} trained on the records of --data {_shown(trained)} with "
+            f"--sft-keys {keys}, and --sft-keys {cfg.sft_keys} reads them otherwise; "
+            f"leave --sft-keys out (the checkpoint's), or pass --allow-data-change to "
+            f"continue on these fields on purpose"
+        )
     changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or [
         str(p) for p in paths
     ]

@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from megapar.data import IndexedDataset, MLMDataset, load_tokenizer
+from megapar.data import IndexedDataset, MLMDataset, SFTDataset, load_tokenizer
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -151,9 +151,32 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
             f"shorter --seq-len"
         )
     if samples < args.micro_batch_size:
+        records = causal and indexed.prompt_lengths is not None  # a sample each at any --seq-len
+        fix = (
+            "--micro-batch-size or give more records"
+            if records
+            else "--seq-len or --micro-batch-size"
+        )
         raise UsageError(
             f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
-            f"--micro-batch-size {args.micro_batch_size}; lower --seq-len or --micro-batch-size"
+            f"--micro-batch-size {args.micro_batch_size}; lower {fix}"
+        )
+    if causal and indexed.prompt_lengths is not None:
+        _check_responses(args, indexed, shown, samples)
+
+
+def _check_responses(args, indexed, shown: str, samples: int) -> None:
+    """UsageError where no record of the batches evaluated keeps a response token at --seq-len
+    (every prompt fills its sample): the loss would be over no token, reported as 0."""
+    used = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
+    records = SFTDataset(indexed, args.seq_len)
+    kept = np.minimum(records.length[:used], args.seq_len + 1) > records.prompt[:used]
+    if not kept.any():
+        raise UsageError(
+            f"--data {shown}: none of the {used:,} records evaluated keeps a response token "
+            f"at --seq-len {args.seq_len} (every prompt is at least {args.seq_len + 1} tokens), "
+            f"so there is no loss to report; raise --seq-len to at least "
+            f"{int(records.prompt[:used].min())} (the shortest prompt)"
         )
 
 
