@@ -7,9 +7,9 @@ loss, with your own loop on megapar's engine (tp 2 by default).
 DIR is a transformers directory written by save_pretrained, with its tokenizer (a
 GPT2LMHeadModel, LlamaForCausalLM, ...); pairs.jsonl holds one {"prompt": ..., "response": ...}
 object per line (other field names: --keys PROMPT,RESPONSE, e.g. TRL's prompt,completion).
-megapar-train --sft-keys prompt,response trains on the same rows from the
-command line; this is the same with your own loop: each row here is the prompt, the response and the end-of-text token,
-cut at --seq-len + 1 and padded on the right; the labels are the next tokens where the next
+megapar-train --sft-keys prompt,response trains on the same rows from the command line; this
+is the same with your own loop: each row here is the prompt, the response and the end-of-text
+token, cut at --seq-len + 1 and padded on the right; the labels are the next tokens where the next
 token is the response's (or the end of text) and -100 on the prompt and the padding.
 loss_mean="token" makes the loss the mean over the global batch's labelled tokens, as one
 forward of the whole batch with F.cross_entropy(ignore_index=-100) gives (megapar's default
