@@ -298,6 +298,17 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     assert reports[3]["tokens"] == reports[3]["batches"] * 4 * 32, reports  # text windows
     assert "is read as prompt / response records (--sft-keys prompt,response, as --load" in notes[1]
     assert "--sft-keys" not in notes[2] + notes[3], notes
+    # whole batches: 15 of the 16 records at --micro-batch-size 5, said with a size that
+    # scores all; nothing said where --max-batches asks for fewer
+    whole = ["--load", ckpt, "--seq-len", "32", "--micro-batch-size", "5", "--data", records]
+    assert evaluate(whole) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["batches"] == 3
+    assert ("scores 15 of the 16 records of --data" in out.err and "(3 batches of "
+            "--micro-batch-size 5); the last 1 is left out: --micro-batch-size 4 scores "
+            "every one") in out.err, out.err
+    assert evaluate([*whole, "--max-batches", "2"]) == 0
+    assert "left out" not in capsys.readouterr().err
     for argv, message in (
         (["--data", records, "--sft-keys", "prompt,response"],
          "--sft-keys prompt,response would be ignored: --data"),

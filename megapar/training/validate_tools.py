@@ -85,6 +85,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             f"checkpoint holds a {config.model_type} (masked-LM samples); drop --sft-keys"
         )
     sft_note = trained_sft_keys(args, manifest) if args.data and causal else None
+    left_note = None
     if args.data:
         check_text_options(args)  # before anything is read or tokenized
         if not causal:
@@ -94,20 +95,21 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         try:
             if is_text(args.data):  # tokenized into --data-cache as megapar-train does
                 args.data = tokenize_text(args, manifest, config.vocab_size, tokenized)
-            _check_data(args, manifest, causal)
+            left_note = _check_data(args, manifest, causal)
         except BaseException:
             discard_tokenized(tokenized)
             raise
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
-    notes = [n for n in (note, sft_note) if n]  # megapar-eval prints them once its checks pass
+    notes = [n for n in (note, sft_note, left_note) if n]  # printed once its checks pass
     args.seq_len_note = "\n".join(notes) or None
     return manifest
 
 
-def _check_data(args, manifest: dict, causal: bool) -> None:
+def _check_data(args, manifest: dict, causal: bool) -> str | None:
     """The checks of --data as a dataset prefix (raw text already tokenized): its files, its
-    tokenizer against the checkpoint's, and one batch's worth of samples."""
+    tokenizer against the checkpoint's, and one batch's worth of samples. Returns the line
+    naming the prompt / response records the whole batches leave out (`_records_left_out`)."""
     missing = [f[len(args.data) :] for f in missing_files(args.data)]
     if missing:
         raise UsageError(
@@ -124,13 +126,14 @@ def _check_data(args, manifest: dict, causal: bool) -> None:
     indexed = IndexedDataset(args.data, args.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-    _check_batches(args, indexed, tokenizer, causal)
+    return _check_batches(args, indexed, tokenizer, causal)
 
 
-def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
+def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
     """UsageError unless --data holds one batch of --micro-batch-size samples at --seq-len (a
     causal LM's windows of seq_len + 1 tokens, a record each of a dataset of prompt / response
-    records, BERT's MLM samples, as the workers cut them)."""
+    records, BERT's MLM samples, as the workers cut them). Returns the line naming the records
+    left out, for a dataset of records (`_records_left_out`)."""
     shown = getattr(args, "data_shown", args.data)
     if causal and indexed.prompt_lengths is not None:
         samples = indexed.num_docs
@@ -163,6 +166,29 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
         )
     if causal and indexed.prompt_lengths is not None:
         _check_responses(args, indexed, shown, samples)
+        return _records_left_out(args, shown, samples)
+    return None
+
+
+def _records_left_out(args, shown: str, samples: int) -> str | None:
+    """The line saying that whole batches leave the last records out (`samples` of them, not
+    a multiple of --micro-batch-size) where --max-batches would take them all: a record is a
+    user's example, not a window of a stream. None where every record is scored or fewer
+    batches were asked for."""
+    b = args.micro_batch_size
+    scored = min(args.max_batches, samples // b) * b
+    if scored == samples or args.max_batches * b < samples:
+        return None
+    sizes = [
+        d for d in range(2, samples + 1) if samples % d == 0 and samples // d <= args.max_batches
+    ]
+    size = min(sizes, key=lambda d: (abs(d - b), d)) if sizes else samples
+    return (
+        f"megapar-eval: scores {scored:,} of the {samples:,} records of --data {shown} "
+        f"({scored // b} batches of --micro-batch-size {b}); the last {samples - scored:,} "
+        f"{'is' if samples - scored == 1 else 'are'} left out: --micro-batch-size {size} "
+        f"scores every one"
+    )
 
 
 def _check_responses(args, indexed, shown: str, samples: int) -> None:
