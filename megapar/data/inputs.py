@@ -429,10 +429,11 @@ def check_sft_inputs(files: Sequence[str], keys: Sequence[str]) -> None:
                 f"it to one {{{json.dumps(keys[0])}: ..., {json.dumps(keys[1])}: ...}} object "
                 f"per line, or drop --sft-keys to train on its text"
             )
-        if path.endswith(".json") and _json_kind(path)[0] != "lines":
+        kind = _json_kind(path)[0] if path.endswith(".json") else "lines"
+        if kind != "lines":
             raise ValueError(
                 f"{flag} reads JSON Lines records, and {path} is one JSON "
-                f"{'array' if _json_kind(path)[0] == 'array' else 'object'}; write one "
+                f"{'array' if kind == 'array' else 'object'}; write one "
                 f"object per line (e.g. jq -c '.[]' {shell_word(path)} > records.jsonl)"
             )
 

@@ -165,24 +165,24 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
             f"--micro-batch-size {args.micro_batch_size}; lower {fix}"
         )
     if causal and indexed.prompt_lengths is not None:
-        _check_responses(args, indexed, shown, samples)
-        return _records_left_out(args, shown, samples)
+        scored = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
+        _check_responses(args, indexed, shown, scored)
+        return _records_left_out(args, shown, samples, scored)
     return None
 
 
-def _records_left_out(args, shown: str, samples: int) -> str | None:
+def _records_left_out(args, shown: str, samples: int, scored: int) -> str | None:
     """The line saying that whole batches leave the last records out (`samples` of them, not
-    a multiple of --micro-batch-size) where --max-batches would take them all: a record is a
-    user's example, not a window of a stream. None where every record is scored or fewer
-    batches were asked for."""
+    a multiple of --micro-batch-size; `scored` the first ones evaluated) where --max-batches
+    would take them all: a record is a user's example, not a window of a stream. None where
+    every record is scored or fewer batches were asked for."""
     b = args.micro_batch_size
-    scored = min(args.max_batches, samples // b) * b
     if scored == samples or args.max_batches * b < samples:
         return None
-    sizes = [
+    sizes = [  # samples itself is one (a single batch): never empty here
         d for d in range(2, samples + 1) if samples % d == 0 and samples // d <= args.max_batches
     ]
-    size = min(sizes, key=lambda d: (abs(d - b), d)) if sizes else samples
+    size = min(sizes, key=lambda d: (abs(d - b), d))
     return (
         f"megapar-eval: scores {scored:,} of the {samples:,} records of --data {shown} "
         f"({scored // b} batches of --micro-batch-size {b}); the last {samples - scored:,} "
@@ -191,10 +191,10 @@ def _records_left_out(args, shown: str, samples: int) -> str | None:
     )
 
 
-def _check_responses(args, indexed, shown: str, samples: int) -> None:
-    """UsageError where no record of the batches evaluated keeps a response token at --seq-len
-    (every prompt fills its sample): the loss would be over no token, reported as 0."""
-    used = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
+def _check_responses(args, indexed, shown: str, used: int) -> None:
+    """UsageError where none of the first `used` records (those the batches evaluate) keeps a
+    response token at --seq-len (every prompt fills its sample): the loss would be over no
+    token, reported as 0."""
     records = SFTDataset(indexed, args.seq_len)
     kept = np.minimum(records.length[:used], args.seq_len + 1) > records.prompt[:used]
     if not kept.any():
