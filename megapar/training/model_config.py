@@ -50,7 +50,7 @@ def resolve_model_config(
             _check_same_model(cfg, config)
         reader.check_files()  # a damaged file is named here, before any worker reads it
         # --sft-keys on a BERT is refused as that, not for the vocabulary its data would need
-        check_sft_model(cfg, config.model_type, config.model_type in CAUSAL_LM_TYPES)
+        check_sft_model(cfg, config.model_type)
         if config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
@@ -60,7 +60,7 @@ def resolve_model_config(
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
         path = os.path.expanduser(cfg.model)
         config, given_from = recipe(path), f"--model {cfg.model}"
-        check_sft_model(cfg, config.model_type, config.model_type in CAUSAL_LM_TYPES)
+        check_sft_model(cfg, config.model_type)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if "vocab_size" not in load_config_file(path):

@@ -18,7 +18,6 @@ from megapar.diagnostics.replay import check_record, find_record
 from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
-from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
@@ -178,7 +177,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
-    check_sft_model(cfg, config.model_type, config.model_type in CAUSAL_LM_TYPES)
+    check_sft_model(cfg, config.model_type)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:
         raise ValueError(

@@ -16,6 +16,7 @@ from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newest_step, steps_after
 from megapar.data.blended import data_paths, parse_blend
+from megapar.data.inputs import parse_sft_keys
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
@@ -457,7 +458,7 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
             f"out), or pass --allow-data-change to continue on this order on purpose"
         )
     keys = (meta.get("train_config") or {}).get("sft_keys")
-    if keys and cfg.sft_keys and keys.replace(" ", "") != cfg.sft_keys.replace(" ", ""):
+    if keys and cfg.sft_keys and parse_sft_keys(keys) != parse_sft_keys(cfg.sft_keys):
         raise UsageError(
             f"--load {cfg.load} trained on the records of --data {_shown(trained)} with "
             f"--sft-keys {keys}, and --sft-keys {cfg.sft_keys} reads them otherwise; "

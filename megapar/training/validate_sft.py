@@ -9,6 +9,7 @@ import os
 
 from megapar.data.blended import data_paths, parse_blend
 from megapar.data.inputs import check_sft_inputs, expand_inputs, is_raw_text, parse_sft_keys
+from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.training.usage import UsageError
 
 
@@ -73,10 +74,10 @@ def holds_records(prefix: str) -> bool:
         return False
 
 
-def check_sft_model(cfg, model_type: str, causal: bool) -> None:
+def check_sft_model(cfg, model_type: str) -> None:
     """UsageError for --sft-keys on a model that is not a causal LM (BERT's MLM labels are its
     own)."""
-    if cfg.sft_keys is not None and not causal:
+    if cfg.sft_keys is not None and model_type not in CAUSAL_LM_TYPES:
         raise UsageError(
             f"--sft-keys {cfg.sft_keys} trains a causal language model on the responses, and "
             f"the model is {model_type} (masked-LM samples); use a GPT / Llama-style --model "
