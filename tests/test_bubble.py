@@ -489,6 +489,29 @@ def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert not (tmp_path / "g").exists()
 
 
+def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkeypatch, tmp_path):
+    """At --p2p-ms 0 (its default) a simulated receive is only a wait for the sender's compute,
+    idle time; the chart drew it as a thin "comm" bar (and a comm legend entry). With a message
+    latency the bars stay."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    from megapar.pipeline.timeline import _COLOURS
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    comm = to_rgba(_COLOURS["comm"])
+    for p2p, bars in ((None, False), ("0.1", True)):
+        flags = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1"]
+        run_cli(capsys, *flags, *(["--p2p-ms", p2p] if p2p else []), "--plot",
+                str(tmp_path / "g.png"))
+        ax = saved[-1].axes[0]
+        drawn = [c for c in ax.collections if tuple(c.get_facecolor()[0]) == comm]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert bool(drawn) == bars and ("comm" in legend) == bars, (p2p, legend)
+        assert "forward" in legend and "backward" in legend
+
+
 def test_help_gives_the_default_of_every_flag_that_has_one(capsys):
     # --tp, --cp, --steps, --micro-batch-size and --seq-len had defaults (1, 1, 3, 4, 64) that
     # --help did not show; the last two had no help at all

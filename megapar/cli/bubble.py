@@ -463,8 +463,9 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     if args.trace:
         write_chrome_trace(run.timeline, args.trace)
         print(f"wrote {args.trace}")
-    if args.plot:
-        plot_gantt(run.timeline, args.plot, title=title)
+    if args.plot:  # a simulation's receives at --p2p-ms 0 are waits only: no comm bars
+        free = args.simulate and run.costs is not None and run.costs.get("p2p_ms") == 0
+        plot_gantt(run.timeline, args.plot, title=title, comm=not free)
         print(f"wrote {args.plot}")
     print(json.dumps(run.summary()))
 
