@@ -349,11 +349,15 @@ def _label_boxes(
     to spare on either side, fits inside the box's width on the laid-out axes; a narrower
     box stays unlabelled (its label would spill over its neighbours')."""
     renderer = canvas.get_renderer()
-    pad = 2 * canvas.figure.dpi / 72  # a point each side, in pixels
+    points = canvas.figure.dpi / 72  # pixels per point
+    size = 7  # points
     for x, w, row, s in labels:
         (left, _), (right, _) = ax.transData.transform([(x, row), (x + w, row)])
+        room = abs(right - left) - 2 * points  # a point to spare on either side
+        if room < 0.5 * size * points * len(s):  # narrower than any such text: not measured
+            continue
         text = ax.text(
-            x + w / 2, row, s, ha="center", va="center", fontsize=7, color="white", clip_on=True
+            x + w / 2, row, s, ha="center", va="center", fontsize=size, color="white", clip_on=True
         )
-        if text.get_window_extent(renderer).width + pad > abs(right - left):
+        if text.get_window_extent(renderer).width > room:
             text.remove()
