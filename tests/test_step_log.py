@@ -132,11 +132,17 @@ class _FakeWandbRun:
 
 
 def _capture_wandb_init(monkeypatch, run) -> list[dict]:
-    """wandb.init's keyword arguments, call by call; each call returns `run`."""
-    import wandb
+    """wandb.init's keyword arguments, call by call; each call returns `run`. The module is a
+    stand-in with only `init` (importing wandb takes a second; its init needs a service)."""
+    import importlib.machinery
+    import sys
+    import types
 
     calls = []
-    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or run)
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # found: --wandb-project ok
+    wandb.init = lambda **kwargs: calls.append(kwargs) or run
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     return calls
