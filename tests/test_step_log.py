@@ -170,7 +170,10 @@ def test_a_resumed_run_continues_the_wandb_run_its_checkpoint_recorded(monkeypat
     assert "W&B: continuing run run-abc from step 2" in capsys.readouterr().out
     MetricsLogger(cfg, 0, {}, recorded["wandb_run"])  # not resumed: a run of its own
     assert calls[-1]["id"] is None
-    monkeypatch.setenv("WANDB_RUN_ID", "mine")  # the user's run, which wandb reads itself
+    monkeypatch.setenv("WANDB_RUN_ID", "run-abc")  # the checkpoint's: continued as without
+    MetricsLogger(cfg, 2, {}, recorded["wandb_run"])
+    assert (calls[-1]["id"], calls[-1]["resume"]) == ("run-abc", "allow")
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")  # another run, which wandb reads itself
     MetricsLogger(cfg, 2, {}, recorded["wandb_run"])
     assert calls[-1]["id"] is None
     assert "W&B: run mine (WANDB_RUN_ID), not the checkpoint's run run-abc" \

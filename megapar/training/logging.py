@@ -90,16 +90,14 @@ def wandb_run_to_continue(
     """(run id, what to say) for `wandb.init` in a run that starts at `start_step`, where the
     checkpoint it resumed from recorded the W&B run that saved it (`recorded`: {"project",
     "id"}, `MetricsLogger.checkpoint_meta`): that run's id, to continue it, when the run is
-    resumed in the same --wandb-project; None for a fresh run, for one that names its own run
+    resumed in the same --wandb-project; None for a fresh run, for one that names another run
     (WANDB_RUN_ID, which wandb reads, as WANDB_RESUME) and for another project, where the
     checkpoint's run is not."""
     if start_step == 0 or not recorded or not recorded.get("id"):
         return None, None
     run_id = str(recorded["id"])
     named = os.environ.get("WANDB_RUN_ID")
-    if named:
-        if named == run_id:
-            return None, f"W&B: run {run_id} (WANDB_RUN_ID), the checkpoint's"
+    if named and named != run_id:
         return None, f"W&B: run {named} (WANDB_RUN_ID), not the checkpoint's run {run_id}"
     if recorded.get("project") != project:
         return None, (
