@@ -395,6 +395,27 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
         in _error_line(capsys)
 
 
+def test_split_backward_halves_of_zero_and_halves_checked_before_the_size(capsys, no_work):
+    """A W of 0 is a cost (ZB-H1 at W 0 is 1F1B with a backward of B: pp 2, m 4 at F = B = 1
+    gives 1F1B's (p-1)/(m+p-1) = 0.2, formula and simulator); B and W both 0 made a backward
+    of 0 ms, which --bwd-ms 0 is refused for, and was simulated. An oversized request with a
+    half longer than its backward was told a formula's bubble computed with a negative W."""
+    result, _ = run_cli(capsys, "--pp", "2", "-m", "4", "--schedule", "zb-h1", "--simulate",
+                        "--fwd-ms", "1", "--bwd-ms", "1", "--bwd-input-ms", "1")
+    assert result["costs_ms"]["bwd_weight_ms"] == 0.0
+    assert result["measured_bubble"] == pytest.approx(0.2) == result["theoretical_bubble"]
+    for schedule in ("zb-h1", "1f1b"):
+        assert main(["--pp", "2", "-m", "4", "--schedule", schedule, "--simulate", "--fwd-ms",
+                     "1", "--bwd-input-ms", "0", "--bwd-weight-ms", "0"]) == 2
+        assert _error_line(capsys).endswith(
+            "--bwd-input-ms 0 + --bwd-weight-ms 0 is a backward of 0 ms, and a backward must "
+            "cost > 0 (as --bwd-ms must); give a positive --bwd-input-ms or --bwd-weight-ms")
+    assert main(["--pp", "2", "-m", "40000", "--schedule", "zb-h1", "--simulate", "--fwd-ms",
+                 "1", "--bwd-input-ms", "5"]) == 2
+    assert "--bwd-input-ms 5 is longer than the backward it is part of (2 x --fwd-ms = 2)" \
+        in _error_line(capsys)
+
+
 @pytest.mark.parametrize("argv, message", [
     # each was ignored without a word; --steps 3 is its default value, and still given
     (["--certify", "--steps", "5"], "--steps is not used with --certify"),
@@ -466,6 +487,29 @@ def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert f"wrote {tmp_path / 'g.png'}" in out
     assert_png(tmp_path / "g.png")
     assert not (tmp_path / "g").exists()
+
+
+def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkeypatch, tmp_path):
+    """At --p2p-ms 0 (its default) a simulated receive is only a wait for the sender's compute,
+    idle time; the chart drew it as a thin "comm" bar (and a comm legend entry). With a message
+    latency the bars stay."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    from megapar.pipeline.timeline import _COLOURS
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    comm = to_rgba(_COLOURS["comm"])
+    for p2p, bars in ((None, False), ("0.1", True)):
+        flags = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1"]
+        run_cli(capsys, *flags, *(["--p2p-ms", p2p] if p2p else []), "--plot",
+                str(tmp_path / "g.png"))
+        ax = saved[-1].axes[0]
+        drawn = [c for c in ax.collections if tuple(c.get_facecolor()[0]) == comm]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert bool(drawn) == bars and ("comm" in legend) == bars, (p2p, legend)
+        assert "forward" in legend and "backward" in legend
 
 
 def test_help_gives_the_default_of_every_flag_that_has_one(capsys):

@@ -416,6 +416,46 @@ def test_under_torchrun_no_rank_logs_into_a_save_the_failed_run_made(tmp_path, t
     assert not save.exists(), sorted(save.rglob("*"))
 
 
+@pytest.mark.parametrize("existed", [True, False], ids=["save-there", "save-made"])
+def test_every_rank_of_a_run_logs_where_rank_0_does(tmp_path, capsys, monkeypatch, existed):
+    """Under torchrun, a --save that was there before the run and holds no checkpoint: rank 0
+    (the lock holder) wrote its log to SAVE/logs, the other ranks to --data-cache, each in a
+    run-<time>-<pid> directory of its own. Every rank now reads where from the lock's record
+    (rank 0's: whether the run made --save, and the run's directory name), so all write to
+    SAVE/logs when --save was there, and to one CACHE/logs/run-... when the run made it (which
+    a failed run removes); each rank's line names its own file."""
+    import megapar.cli.train as train_cli
+    from megapar.checkpoint.lock import SaveLock
+    from megapar.made_dirs import missing_dirs
+    from megapar.mesh import Layout
+    from megapar.training.config import TrainConfig
+
+    save, cache = tmp_path / "save", tmp_path / "cache"
+    if existed:
+        save.mkdir()
+    made = missing_dirs(str(save))  # as rank 0's main takes them, before its lock
+    run = "run-20260101-000000-4242"  # rank 0's, not this process's
+    lock = SaveLock(save, "megapar-train", {"in_save": not made, "run": run}).acquire()
+
+    def failing_workers(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(train_cli, "run_workers", failing_workers)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # with RANK: under torchrun
+    want = save / "logs" if existed else cache / "logs" / run
+    try:
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            cfg = TrainConfig(save=str(save), data_cache=str(cache))
+            assert train_cli._run(cfg, Layout(1, 1, 2), None, [], made if rank == 0 else []) == 1
+            err = capsys.readouterr().err
+            assert f"full traceback in {want / f'rank{rank}.log'} (or rerun" in err, err
+            assert "injected failure" in (want / f"rank{rank}.log").read_text()
+    finally:
+        lock.release()
+    assert sorted(p.name for p in want.iterdir()) == ["rank0.log", "rank1.log"]
+
+
 def test_paths_with_spaces_and_non_ascii_characters(tmp_path, text, capsys):
     """Paths are paths: --data (text and a prepared prefix), --from-hf, --tokenizer, --save
     and --load under "with space/ünïcødé" train, save and resume; none is read as a blend."""

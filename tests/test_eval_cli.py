@@ -400,6 +400,43 @@ def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path
     assert not (tmp_path / "lg.npy").exists()
 
 
+def test_sft_keys_with_a_prepared_dataset_says_what_is_wrong(tiny_ckpt, tmp_path, capsys,
+                                                             monkeypatch):
+    """--sft-keys beside a tokenized --data (and --data-cache) was "--sft-keys P,R, --data-cache
+    C would be ignored": both are for raw text, but the line did not say that --sft-keys reads
+    raw JSON Lines records, and that a dataset megapar-data made of records holds its prompt
+    lengths already (its responses are scored without the flag), or that plain text has none."""
+    from megapar.data import IndexedDatasetBuilder
+
+    ckpt, _ = tiny_ckpt
+    _refuse_workers(monkeypatch)
+    for name, keys in (("records", ["prompt", "response"]), ("plain", None)):
+        with IndexedDatasetBuilder(str(tmp_path / name), 101, 0, {"kind": "x"},
+                                   sft_keys=keys) as b:
+            b.add_document([5, 6, 7], prompt_length=1 if keys else None)
+            b.finalize()
+    cache = str(tmp_path / "cache")
+    for name, message in (
+        ("records", f"--sft-keys prompt,response applies to raw JSON Lines records, and --data "
+                    f"{tmp_path / 'records'} is a prepared dataset of records (made with "
+                    f"--sft-keys prompt,response) that already holds their prompt lengths: "
+                    f"megapar-eval scores its responses without it; drop --sft-keys and "
+                    f"--data-cache"),
+        ("plain", f"--sft-keys prompt,response applies to raw JSON Lines records, and --data "
+                  f"{tmp_path / 'plain'} is a prepared dataset of plain text, with no prompt "
+                  f"lengths: give the records' .jsonl as --data (or prepare them with "
+                  f"megapar-data --sft-keys prompt,response), or drop --sft-keys and "
+                  f"--data-cache to score every token"),
+    ):
+        assert evaluate(["--load", str(ckpt), "--data", str(tmp_path / name), "--sft-keys",
+                         "prompt,response", "--data-cache", cache, "--seq-len", "8"]) == 2
+        assert _one_error_line(capsys) == f"megapar-eval: error: {message}"
+    # without --sft-keys, the raw-text options alone are still "would be ignored"
+    assert evaluate(["--load", str(ckpt), "--data", str(tmp_path / "plain"), "--data-cache",
+                     cache, "--seq-len", "8"]) == 2
+    assert f"--data-cache {cache} would be ignored: --data" in _one_error_line(capsys)
+
+
 def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys, monkeypatch):
     """Every path flag takes a leading ~ (quoted) as the home directory: --input-ids '~/x' was
     'no such file', and --save-logits '~/lg' was written under a directory named ~ here."""

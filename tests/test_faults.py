@@ -436,7 +436,7 @@ def test_a_failed_first_save_on_a_full_disk_leaves_no_directory_it_made(
     real_log_dir = train_cli.log_dir_for
     monkeypatch.setattr(cd, "write_tensors", full_disk)
     monkeypatch.setattr(train_cli, "log_dir_for",
-                        lambda save, cache: FullDiskPath(real_log_dir(save, cache)))
+                        lambda *args: FullDiskPath(real_log_dir(*args)))
     (tmp_path / "kept").mkdir()
     rc = main([*common, "--max-steps", "1", "--save", str(tmp_path / "a" / "b" / "c")])
     err = capsys.readouterr().err

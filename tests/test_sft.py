@@ -311,7 +311,9 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     assert "left out" not in capsys.readouterr().err
     for argv, message in (
         (["--data", records, "--sft-keys", "prompt,response"],
-         "--sft-keys prompt,response would be ignored: --data"),
+         "--sft-keys prompt,response applies to raw JSON Lines records, and --data "
+         f"{records} is a prepared dataset of records (made with --sft-keys prompt,response) "
+         "that already holds their prompt lengths"),
         (["--data", raw, "--seq-len", "1", "--micro-batch-size", "4", "--data-cache", cache],
          "none of the 16 records evaluated keeps a response token at --seq-len 1 (every prompt "
          "is at least 2 tokens), so there is no loss to report; raise --seq-len to at least"),

@@ -115,3 +115,105 @@ def test_a_resumed_run_replaces_the_steps_tensorboard_got_after_its_checkpoint(t
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("loss")]
     assert got == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)], got
+
+
+class _FakeWandbRun:
+    """What MetricsLogger reads of a wandb Run: its id, the first step it takes (a resumed
+    online run's is after the steps it holds), log and finish."""
+
+    def __init__(self, run_id="run-abc", starting_step=0):
+        self.id, self.starting_step, self.logged = run_id, starting_step, []
+
+    def log(self, scalars, step):
+        self.logged.append(step)
+
+    def finish(self):
+        pass
+
+
+def _capture_wandb_init(monkeypatch, run) -> list[dict]:
+    """wandb.init's keyword arguments, call by call; each call returns `run`. The module is a
+    stand-in with only `init` (importing wandb takes a second; its init needs a service)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # found: --wandb-project ok
+    wandb.init = lambda **kwargs: calls.append(kwargs) or run
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    return calls
+
+
+def test_a_resumed_run_continues_the_wandb_run_its_checkpoint_recorded(monkeypatch, capsys):
+    """wandb.init was given no run id, so a resumed run (--load) showed as a new W&B run. A
+    checkpoint records the W&B run (JSON metadata), and a run resumed from it in the same
+    --wandb-project continues it (id, resume="allow"), as TensorBoard's and --log-json's
+    curves continue; a run named by WANDB_RUN_ID, or another project, is not redirected."""
+    from types import SimpleNamespace
+
+    from megapar.training.logging import MetricsLogger
+
+    cfg = SimpleNamespace(progress=False, log_json=None, tensorboard=None, wandb_project="p")
+    calls = _capture_wandb_init(monkeypatch, _FakeWandbRun())
+    first = MetricsLogger(cfg, 0, {})
+    assert calls[-1]["id"] is None and calls[-1]["resume"] is None
+    recorded = first.checkpoint_meta()
+    assert recorded == {"wandb_run": {"project": "p", "id": "run-abc"}}
+    assert json.loads(json.dumps(recorded)) == recorded  # the manifest's JSON, no pickle
+    MetricsLogger(cfg, 2, {}, recorded["wandb_run"])
+    assert (calls[-1]["id"], calls[-1]["resume"], calls[-1]["project"]) == ("run-abc", "allow",
+                                                                            "p")
+    assert "W&B: continuing run run-abc from step 2" in capsys.readouterr().out
+    MetricsLogger(cfg, 0, {}, recorded["wandb_run"])  # not resumed: a run of its own
+    assert calls[-1]["id"] is None
+    monkeypatch.setenv("WANDB_RUN_ID", "run-abc")  # the checkpoint's: continued as without
+    MetricsLogger(cfg, 2, {}, recorded["wandb_run"])
+    assert (calls[-1]["id"], calls[-1]["resume"]) == ("run-abc", "allow")
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")  # another run, which wandb reads itself
+    MetricsLogger(cfg, 2, {}, recorded["wandb_run"])
+    assert calls[-1]["id"] is None
+    assert "W&B: run mine (WANDB_RUN_ID), not the checkpoint's run run-abc" \
+        in capsys.readouterr().out
+    monkeypatch.delenv("WANDB_RUN_ID")
+    MetricsLogger(SimpleNamespace(**{**vars(cfg), "wandb_project": "q"}), 2, {},
+                  recorded["wandb_run"])
+    assert calls[-1]["id"] is None
+    assert "a new run in project q (the checkpoint's run run-abc is in project p)" \
+        in capsys.readouterr().out
+
+
+def test_a_continued_wandb_run_keeps_the_steps_it_holds(monkeypatch, capsys):
+    """A W&B run's history only grows: resumed at step 2, a run that holds steps 1-4 takes
+    logs from step 5 on (wandb warned, once a step, and dropped the others); they are not sent,
+    and the console says so once."""
+    from types import SimpleNamespace
+
+    from megapar.training.logging import MetricsLogger
+
+    cfg = SimpleNamespace(progress=False, log_json=None, tensorboard=None, wandb_project="p")
+    run = _FakeWandbRun(starting_step=5)
+    _capture_wandb_init(monkeypatch, run)
+    logger = MetricsLogger(cfg, 2, {}, {"project": "p", "id": "run-abc"})
+    for step in range(3, 7):
+        logger.log(step, {"loss": 1.0})
+    assert run.logged == [5, 6]
+    assert ("W&B: run run-abc holds steps 3-4 from an earlier run, which it keeps (a W&B run's "
+            "history only grows); this run logs to it from step 5") in capsys.readouterr().out
+
+
+def test_megapar_train_records_its_wandb_run_and_a_resume_continues_it(tmp_path, monkeypatch):
+    """Through megapar-train: the checkpoint's manifest holds the run, --load continues it."""
+    calls = _capture_wandb_init(monkeypatch, _FakeWandbRun())
+    text = tmp_path / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:5_000])
+    flags = [*TINY, "--data", str(text), "--data-cache", str(tmp_path / "cache"),
+             "--wandb-project", "p", "--save", str(tmp_path / "ckpt"), "--global-batch-size", "2"]
+    assert main([*flags, "--max-steps", "1"]) == 0
+    manifest = json.loads((tmp_path / "ckpt" / "step_00000001" / "manifest.json").read_text())
+    assert manifest["meta"]["wandb_run"] == {"project": "p", "id": "run-abc"}
+    assert main([*flags, "--max-steps", "2", "--load", str(tmp_path / "ckpt")]) == 0
+    assert [(c["id"], c["resume"]) for c in calls] == [(None, None), ("run-abc", "allow")]

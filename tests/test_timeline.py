@@ -142,3 +142,43 @@ def test_gantt_labels_say_the_model_chunk_where_a_rank_holds_several(schedule, c
         assert sorted(set(labels)) == ["0", "1", "2", "3"]
     else:
         assert sorted(set(labels)) == [f"{mb}@{c}" for mb in range(4) for c in range(2)]
+
+
+def _saved_figures(monkeypatch) -> list:
+    """The Figures plot_gantt would save, in order (kept, not written: the tests read their
+    artists)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    return saved
+
+
+def _label_boxes(fig, tl) -> list[tuple[str, float, float]]:
+    """(label, its width, its box's width) in pixels, for every label drawn on the chart."""
+    ax, renderer, out = fig.axes[0], fig.canvas.get_renderer(), []
+    for text in ax.texts:
+        centre, row = text.get_position()
+        box = next(e for e in tl.for_rank(tl.ranks()[round(row)])
+                   if 1e3 * (e.start - tl.start + e.duration / 2) == pytest.approx(centre))
+        (left, _), (right, _) = ax.transData.transform(
+            [(1e3 * (box.start - tl.start), row), (1e3 * (box.end - tl.start), row)])
+        out.append((text.get_text(), text.get_window_extent(renderer).width, right - left))
+    return out
+
+
+def test_gantt_labels_only_boxes_they_fit_in(monkeypatch, tmp_path):
+    """A label was drawn on every box wider than 2 % of the step, whatever its width in pixels:
+    two 2.5 ms forwards of a 100 ms step (chunk labels 10@1 and 11@1, wider than their boxes)
+    ran into each other. A label is drawn where it fits in its box; the 2 % rule also left
+    boxes unlabelled that had room (1F1B pp 2, m 16: 32 of 64, every backward)."""
+    saved = _saved_figures(monkeypatch)
+    tl = Timeline([Event(0, "forward", 10, 0.0, 0.0025, 1),
+                   Event(0, "forward", 11, 0.0025, 0.005, 1),
+                   Event(0, "backward", 10, 0.005, 0.1, 1)])
+    plot_gantt(tl, str(tmp_path / "narrow.png"))
+    assert [label for label, _, _ in _label_boxes(saved[-1], tl)] == ["10@1"]  # the backward's
+    tl = simulate_schedule("1f1b", 2, 16, Costs(fwd_ms=1, bwd_ms=2))
+    plot_gantt(tl, str(tmp_path / "many.png"))
+    boxes = _label_boxes(saved[-1], tl)
+    assert len(boxes) == 2 * 2 * 16 and all(width < box for _, width, box in boxes)

@@ -154,14 +154,18 @@ class SaveLock:
         try: ... run ...
         finally: lock.release()
 
-    `command`: the run's command line, recorded for the refusal (default: this process's).
+    `command`: the run's command line, recorded for the refusal (default: this process's);
+    `rank_logs`: where the run's rank logs go, recorded for its other ranks (`read_owner`).
     `acquire` returns self; `taken_over` then names a stale lock it replaced (or is None).
     While held, SIGTERM (when nothing else handles it) releases the lock and exits.
     """
 
-    def __init__(self, root: str | Path, command: str | None = None):
+    def __init__(self, root: str | Path, command: str | None = None, rank_logs: dict | None = None):
         self.root = Path(root).expanduser()
         self.command = command or shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        self.rank_logs = rank_logs
+        """Where the run's ranks write their logs when one fails, recorded for the ranks that
+        do not hold the lock (megapar-train's {"in_save", "run"})."""
         self.path = self.root / LOCK_NAME
         self.taken_over: str | None = None
         self._fd: int | None = None
@@ -216,6 +220,7 @@ class SaveLock:
             "directory_id": _directory_id(self.root),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": self.command,
+            **({"rank_logs": self.rank_logs} if self.rank_logs is not None else {}),
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)

@@ -26,7 +26,6 @@ measures, builds a model or runs real steps is imported where it is used.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
@@ -36,7 +35,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
-from megapar.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule
+from megapar.pipeline.schedules import SCHEDULES, check_schedule
 from megapar.pipeline.timeline import (
     Timeline,
     format_bubble_table,
@@ -227,46 +226,6 @@ def check_mode_flags(args, given: tuple[str, ...]) -> None:
     ignored = [n for n in given if n not in reads and n != mode.removesuffix("_costs")]
     if ignored:
         raise ValueError(f"{flag_of(ignored[0])} is not used {where}; {fix}")
-
-
-def check_split_costs(args) -> None:
-    """B and W split the backward: a schedule with a split backward takes any two of --bwd-ms,
-    --bwd-input-ms and --bwd-weight-ms (the third is what they leave, `split_backward`) and
-    refuses three that do not add up or a half longer than the backward; one without reads B
-    and W only as the backward they add up to (both given, no --bwd-ms): refuse one alone, or
-    either next to --bwd-ms."""
-    if args.schedule in SPLIT_BACKWARD:
-        _check_split(args)
-        return
-    halves = [flag_of(n) for n in ("bwd_input_ms", "bwd_weight_ms") if getattr(args, n) is not None]
-    if halves and (len(halves) == 1 or args.bwd_ms is not None):
-        raise ValueError(
-            f"{halves[0]} is not used by --schedule {args.schedule}, whose backward is not "
-            f"split into B and W (only {', '.join(sorted(SPLIT_BACKWARD))} split it); give "
-            f"--bwd-ms, or both --bwd-input-ms and --bwd-weight-ms (their sum is the backward)"
-        )
-
-
-def _check_split(args) -> None:
-    b, w = args.bwd_input_ms, args.bwd_weight_ms
-    if args.fwd_ms is None or (b is None and w is None):
-        return  # measured (check_cost_flags refuses the halves there), or halves of the backward
-    if b is not None and w is not None:
-        if args.bwd_ms is not None and not math.isclose(b + w, args.bwd_ms, rel_tol=1e-9):
-            raise ValueError(
-                f"--bwd-input-ms {b:g} + --bwd-weight-ms {w:g} = {b + w:g} is not --bwd-ms "
-                f"{args.bwd_ms:g}: B and W split the backward; give two of the three (the "
-                f"third is what they leave)"
-            )
-        return
-    name, half = ("--bwd-input-ms", b) if b is not None else ("--bwd-weight-ms", w)
-    bwd = args.bwd_ms if args.bwd_ms is not None else 2 * args.fwd_ms
-    if half > bwd:
-        told = f"--bwd-ms {bwd:g}" if args.bwd_ms is not None else f"2 x --fwd-ms = {bwd:g}"
-        raise ValueError(
-            f"{name} {half:g} is longer than the backward it is part of ({told}); give the "
-            f"other half too, or a --bwd-ms of at least {half:g}"
-        )
 
 
 def plot_file(path: str, flag: str = "--plot") -> str:
@@ -504,8 +463,9 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     if args.trace:
         write_chrome_trace(run.timeline, args.trace)
         print(f"wrote {args.trace}")
-    if args.plot:
-        plot_gantt(run.timeline, args.plot, title=title)
+    if args.plot:  # a simulation's receives at --p2p-ms 0 are waits only: no comm bars
+        free = args.simulate and run.costs is not None and run.costs.get("p2p_ms") == 0
+        plot_gantt(run.timeline, args.plot, title=title, comm=not free)
         print(f"wrote {args.plot}")
     print(json.dumps(run.summary()))
 
@@ -585,7 +545,6 @@ def main(argv=None) -> int:
 
             check_bubble_measurement(args)
             check_measurement_memory(args)
-        check_split_costs(args)  # after the values are checked
         check_bubble_schedule(args.schedule, pp, m, v, m)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import fields
 from pathlib import Path
 
-from megapar.checkpoint.lock import SaveLock, SaveLockError
+from megapar.checkpoint.lock import LOCK_NAME, SaveLock, SaveLockError, read_owner
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -27,7 +27,7 @@ from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import planned_job
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
-from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
+from megapar.faults.report import log_dir_for, run_log_name, tell_torchrun, worker_failure
 from megapar.faults.stop import (
     SIGTERM_EXIT_CODE,
     install_stop_handlers,
@@ -206,7 +206,8 @@ def main(argv=None) -> int:
         if cfg.save and takes_save_lock() and not cfg.dry_run:  # held until this exits
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             made = missing_dirs(cfg.save)
-            lock = SaveLock(cfg.save, command).acquire()
+            rank_logs = {"in_save": not made, "run": run_log_name()}  # for the other ranks
+            lock = SaveLock(cfg.save, command, rank_logs).acquire()
             notes.extend(filter(None, [lock.taken_over]))
             if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
                 notes.extend(_remove_newer_steps(cfg))
@@ -250,15 +251,24 @@ def main(argv=None) -> int:
 
 
 def _rank_log_dir(cfg: TrainConfig, made: list[Path]) -> Path:
-    """Where this process writes a failed rank's log: SAVE/logs when --save holds a checkpoint,
-    or when this process took --save's lock and found --save there (`made`: the directories
-    of it it made); else the cache's run log directory (`log_dir_for`). A rank without the lock
-    (torchrun / Slurm ranks other than 0) cannot tell whether the run made --save, so it
-    writes there only beside a checkpoint: never a logs/ in a --save the lock holder made and
-    removes when the run fails, nor a --save made again after that."""
-    saved = bool(cfg.save) and has_checkpoint(cfg.save or "")
-    kept = cfg.save if saved or (takes_save_lock() and not made) else None
-    return log_dir_for(kept, cfg.data_cache)
+    """Where this process writes a failed rank's log, the same place for every rank of the run:
+    SAVE/logs when --save holds a checkpoint, or when --save was there before the run; else
+    the cache's log directory of the run (`log_dir_for`), named by the lock holder. The
+    process holding --save's lock knows whether it made --save (`made`: the directories of it
+    it made); under torchrun / Slurm the other ranks read it, and the run's name, from the
+    lock's record (`SaveLock.rank_logs`), and where they cannot (the holder is gone, and its
+    lock with it) write under the cache: never a logs/ in a --save the run made and removes
+    when it fails, nor a --save made again after that."""
+    if not cfg.save:
+        return log_dir_for(None, cfg.data_cache)
+    record = (read_owner(Path(cfg.save).expanduser() / LOCK_NAME) or {}).get("rank_logs")
+    agreed = record if isinstance(record, dict) else {}
+    if takes_save_lock():
+        in_save = not made
+    else:
+        in_save = agreed.get("in_save") is True
+    kept = cfg.save if in_save or has_checkpoint(cfg.save) else None
+    return log_dir_for(kept, cfg.data_cache, agreed.get("run"))
 
 
 def _run(
@@ -266,8 +276,8 @@ def _run(
 ) -> int:
     """Start the workers (or run this rank) and turn a failure into one line. The rank logs go
     to SAVE/logs, or to the cache's run log directory when this run made --save (`made`) and
-    saved nothing there (`_rank_log_dir`): that --save is removed again, and the line names
-    where the log is."""
+    saved nothing there (`_rank_log_dir`, the same for every rank): that --save is removed
+    again, and the line names where the log is."""
     cfg.dp = layout.dp
     if cfg.dry_run:
         return rehearse(cfg, layout, plan, notes)

@@ -21,13 +21,28 @@ _DIED = re.compile(r"^rank (\d+) ")
 _STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
 
 
-def log_dir_for(save: str | None, cache: str) -> Path:
-    """Where per-rank logs go: SAVE/logs with `save`, else CACHE/logs/run-<time>-<pid> (the
-    caller passes no `save` for a --save its run made and saved nothing in)."""
+_RUN_NAME = re.compile(r"^run-[0-9]{8}-[0-9]{6}-[0-9]+$")
+
+
+def run_log_name() -> str:
+    """A run's own directory name under CACHE/logs: run-<time>-<pid> of this process."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def is_run_log_name(name: object) -> bool:
+    """Whether `name` is a `run_log_name` (one path component: safe to join to CACHE/logs)."""
+    return isinstance(name, str) and bool(_RUN_NAME.match(name))
+
+
+def log_dir_for(save: str | None, cache: str, run: str | None = None) -> Path:
+    """Where per-rank logs go: SAVE/logs with `save`, else CACHE/logs/RUN, RUN the run's
+    directory name (`run`, which the ranks of one job share; default this process's
+    `run_log_name`). The caller passes no `save` for a --save its run made and saved nothing
+    in."""
     if save:
         return Path(os.path.expanduser(save)) / "logs"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(os.path.expanduser(cache)) / "logs" / f"run-{stamp}-{os.getpid()}"
+    name = run if run is not None and is_run_log_name(run) else run_log_name()
+    return Path(os.path.expanduser(cache)) / "logs" / name
 
 
 def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[str, str | None]:

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
 COMPUTE_KINDS = frozenset({"forward", "backward", "recompute", "backward_input", "backward_weight"})
 """Event kinds that count as useful work in bubble statistics."""
@@ -251,11 +257,25 @@ def _colour_key(kind: str) -> str:
 
 
 def plot_gantt(
-    timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage"
+    timeline: Timeline,
+    path: str,
+    title: str | None = None,
+    row_name: str = "stage",
+    comm: bool = True,
 ) -> None:
-    """Save a Gantt chart PNG: one row per rank, compute as full boxes labelled with their
-    micro-batch (and, where the schedule runs several model chunks per rank, its chunk: 3@1,
-    as --show-schedule writes it), communication as thin bars."""
+    """Save a Gantt chart (`gantt_figure`) to `path` (PNG unless its suffix names another
+    format matplotlib writes)."""
+    gantt_figure(timeline, title, row_name, comm).savefig(path, dpi=120)
+
+
+def gantt_figure(
+    timeline: Timeline, title: str | None = None, row_name: str = "stage", comm: bool = True
+) -> Figure:
+    """A matplotlib Figure of the step: one row per rank, compute as full boxes labelled with
+    their micro-batch (and, where the schedule runs several model chunks per rank, its chunk:
+    3@1, as --show-schedule writes it) where the label fits inside its box, communication as
+    thin bars unless `comm` is False (a simulation with free messages, whose receives are only
+    waits: idle, drawn as idle)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -268,17 +288,19 @@ def plot_gantt(
             1.0 + 0.6 * max(1, len(ranks)),
         )
     )
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     used = {"idle"}
     chunked = any(e.chunk for e in timeline.events)
+    # (x, width, row, text) of each label: drawn once the axes have their final size
+    labels: list[tuple[float, float, int, str]] = []
     for row, rank in enumerate(ranks):
         ax.broken_barh([(0.0, span_ms)], (row - 0.4, 0.8), facecolors=_COLOURS["idle"])
         for e in timeline.for_rank(rank):
             key = _colour_key(e.kind)
-            used.add(key)
             x, w = 1e3 * (e.start - t0), 1e3 * e.duration
             if e.kind in COMPUTE_KINDS or key == "other":
+                used.add(key)
                 ax.broken_barh(
                     [(x, w)],
                     (row - 0.4, 0.8),
@@ -286,17 +308,10 @@ def plot_gantt(
                     edgecolors="white",
                     linewidth=0.5,
                 )
-                if e.mb is not None and span_ms > 0 and w > 0.02 * span_ms:
-                    ax.text(
-                        x + w / 2,
-                        row,
-                        f"{e.mb}@{e.chunk}" if chunked else str(e.mb),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white",
-                    )
-            else:
+                if e.mb is not None and span_ms > 0 and w > 0:
+                    labels.append((x, w, row, f"{e.mb}@{e.chunk}" if chunked else str(e.mb)))
+            elif comm:
+                used.add(key)
                 ax.broken_barh([(x, w)], (row - 0.4, 0.15), facecolors=_COLOURS[key])
     ax.set_yticks(range(len(ranks)), [f"{row_name} {r}" for r in ranks])
     ax.invert_yaxis()
@@ -323,4 +338,26 @@ def plot_gantt(
         fontsize=8,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _label_boxes(canvas, ax, labels)
+    return fig
+
+
+def _label_boxes(
+    canvas: FigureCanvasAgg, ax: Axes, labels: list[tuple[float, float, int, str]]
+) -> None:
+    """Each (x, width, row, text) drawn at the middle of its box where the text, with a point
+    to spare on either side, fits inside the box's width on the laid-out axes; a narrower
+    box stays unlabelled (its label would spill over its neighbours')."""
+    renderer = canvas.get_renderer()
+    points = canvas.figure.dpi / 72  # pixels per point
+    size = 7  # points
+    for x, w, row, s in labels:
+        (left, _), (right, _) = ax.transData.transform([(x, row), (x + w, row)])
+        room = abs(right - left) - 2 * points  # a point to spare on either side
+        if room < 0.5 * size * points * len(s):  # narrower than any such text: not measured
+            continue
+        text = ax.text(
+            x + w / 2, row, s, ha="center", va="center", fontsize=size, color="white", clip_on=True
+        )
+        if text.get_window_extent(renderer).width > room:
+            text.remove()

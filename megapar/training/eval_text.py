@@ -10,6 +10,7 @@ Everything here runs in the launching process, before any worker starts; refusal
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -45,6 +46,8 @@ def check_text_options(args) -> None:
     --data-cache that cannot be written; before anything is read or tokenized."""
     given = [name for name in TEXT_OPTIONS if getattr(args, name) not in (None, False)]
     if not is_text(args.data):
+        if args.sft_keys is not None:
+            raise UsageError(_sft_keys_on_prepared(args, [n for n in given if n != "sft_keys"]))
         if given:
             named = ", ".join(
                 flag_of(name) + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
@@ -71,6 +74,39 @@ def check_text_options(args) -> None:
                 f".json / .parquet (a .txt file's text is all of it); drop --jsonl-key"
             )
     check_writable(args.data_cache or DEFAULT_CACHE, "--data-cache")
+
+
+def _sft_keys_on_prepared(args, others: list[str]) -> str:
+    """The refusal of --sft-keys beside a prepared (tokenized) --data: the flag reads raw JSON
+    Lines records, and a dataset megapar-data made of records holds its prompt lengths already
+    (megapar-eval scores its responses without the flag), while one of plain text has none.
+    `others`: the other raw-text options given, which go with it."""
+    keys = prepared_sft_keys(os.path.expanduser(args.data))
+    drop = " and ".join(["--sft-keys", *(flag_of(n) for n in others)])
+    head = f"--sft-keys {args.sft_keys} applies to raw JSON Lines records"
+    if keys is not None:
+        return (
+            f"{head}, and --data {args.data} is a prepared dataset of records (made with "
+            f"--sft-keys {','.join(keys)}) that already holds their prompt lengths: megapar-eval "
+            f"scores its responses without it; drop {drop}"
+        )
+    return (
+        f"{head}, and --data {args.data} is a prepared dataset of plain text, with no prompt "
+        f"lengths: give the records' .jsonl as --data (or prepare them with megapar-data "
+        f"--sft-keys {args.sft_keys}), or drop {drop} to score every token"
+    )
+
+
+def prepared_sft_keys(prefix: str) -> list[str] | None:
+    """The record keys a prepared dataset of prompt / response records was made with (its
+    .json's ``sft``), or None: plain text, or metadata that cannot be read here (the dataset's
+    own checks name it)."""
+    try:
+        with open(prefix + ".json", encoding="utf-8") as f:
+            sft = json.load(f).get("sft")
+        return [str(k) for k in sft["keys"]] if sft else None
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
 
 
 def trained_sft_keys(args, manifest: dict) -> str | None:

@@ -84,6 +84,29 @@ def keep_records_up_to(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def wandb_run_to_continue(
+    project: str, start_step: int, recorded: dict | None
+) -> tuple[str | None, str | None]:
+    """(run id, what to say) for `wandb.init` in a run that starts at `start_step`, where the
+    checkpoint it resumed from recorded the W&B run that saved it (`recorded`: {"project",
+    "id"}, `MetricsLogger.checkpoint_meta`): that run's id, to continue it, when the run is
+    resumed in the same --wandb-project; None for a fresh run, for one that names another run
+    (WANDB_RUN_ID, which wandb reads, as WANDB_RESUME) and for another project, where the
+    checkpoint's run is not."""
+    if start_step == 0 or not recorded or not recorded.get("id"):
+        return None, None
+    run_id = str(recorded["id"])
+    named = os.environ.get("WANDB_RUN_ID")
+    if named and named != run_id:
+        return None, f"W&B: run {named} (WANDB_RUN_ID), not the checkpoint's run {run_id}"
+    if recorded.get("project") != project:
+        return None, (
+            f"W&B: a new run in project {project} (the checkpoint's run {run_id} is in "
+            f"project {recorded.get('project')})"
+        )
+    return run_id, f"W&B: continuing run {run_id} from step {start_step}"
+
+
 class NullLogger:
     def log(self, step: int, metrics: dict) -> None: ...
     def message(self, text: str) -> None: ...
@@ -91,11 +114,21 @@ class NullLogger:
     def end_progress(self) -> None: ...
     def close(self) -> None: ...
 
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint records of this logger (the W&B run, `MetricsLogger`'s)."""
+        return {}
+
 
 class MetricsLogger(NullLogger):
-    """Rank 0's logger: tqdm progress bar, console lines, --log-json, TensorBoard, W&B."""
+    """Rank 0's logger: tqdm progress bar, console lines, --log-json, TensorBoard, W&B.
 
-    def __init__(self, cfg, start_step: int, run_config: dict):
+    A run resumed at `start_step` continues the W&B run its checkpoint recorded (`wandb_run`,
+    `wandb_run_to_continue`). W&B's history of a run only grows: the steps the earlier run
+    logged after the checkpoint stay as it logged them, and this run logs from the first step
+    the run does not hold yet (`starting_step`, which W&B tells an online run; offline, a run
+    sees none held and logs every step, for `wandb sync` to upload to the same run)."""
+
+    def __init__(self, cfg, start_step: int, run_config: dict, wandb_run: dict | None = None):
         self.bar = None
         if show_progress(cfg.progress):
             self.bar = tqdm(
@@ -121,16 +154,31 @@ class MetricsLogger(NullLogger):
                 cfg.tensorboard, purge_step=start_step + 1 if start_step > 0 else None
             )
         self.wandb = None
+        self.wandb_project = cfg.wandb_project
+        self.wandb_from = 0
+        """The first step W&B takes: a continued run's steps before it are the earlier run's."""
         if cfg.wandb_project:
             import wandb
 
             mode, why = wandb_mode()
             self.message(f"W&B: {mode} ({why})")
+            run_id, said = wandb_run_to_continue(cfg.wandb_project, start_step, wandb_run)
+            if said:
+                self.message(said)
             self.wandb = wandb.init(
                 project=cfg.wandb_project,
                 config=run_config,
                 mode=mode,  # type: ignore[arg-type]  # WANDB_MODE as given: wandb checks it
+                id=run_id,
+                resume="allow" if run_id else None,
             )
+            self.wandb_from = int(getattr(self.wandb, "starting_step", 0) or 0)
+            if self.wandb_from > start_step + 1:
+                self.message(
+                    f"W&B: run {self.wandb.id} holds steps {start_step + 1}-"
+                    f"{self.wandb_from - 1} from an earlier run, which it keeps (a W&B run's "
+                    f"history only grows); this run logs to it from step {self.wandb_from}"
+                )
 
     def message(self, text: str) -> None:
         if self.bar is not None:
@@ -164,8 +212,15 @@ class MetricsLogger(NullLogger):
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
-        if self.wandb is not None:
+        if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log(scalars, step=step)
+
+    def checkpoint_meta(self) -> dict:
+        """The W&B run this logger writes to, {"wandb_run": {"project", "id"}}, for a checkpoint
+        to record (a run resumed from it continues that run); {} without W&B."""
+        if self.wandb is None:
+            return {}
+        return {"wandb_run": {"project": self.wandb_project, "id": self.wandb.id}}
 
     def close(self) -> None:
         if self.bar is not None:

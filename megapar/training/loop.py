@@ -124,6 +124,8 @@ class Trainer:
         if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
         self.resumed = resume
+        self.wandb_run: dict | None = None
+        """The W&B run the checkpoint resumed from recorded (`MetricsLogger.checkpoint_meta`)."""
         self.skipped_since_line = 0
         """Steps skipped for inf / nan since the last console line (`log_step`)."""
         if resume:
@@ -175,6 +177,7 @@ class Trainer:
                 f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
             )
         self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
+        self.wandb_run = state.meta.get("wandb_run")
         how = (
             f"resharded from {state.layout}"
             if state.resharded
@@ -212,6 +215,7 @@ class Trainer:
                 "consumed_samples": self.sampler.consumed_samples,
                 "sampler": self.sampler.state_dict(),
                 **({"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {}),
+                **logger.checkpoint_meta(),  # rank 0's (the one written): its W&B run
             },
         )
         logger.message(
@@ -433,7 +437,11 @@ class Trainer:
         """Run the steps from the one resumed to --max-steps (or a stop request), evaluating,
         logging and saving on the way; returns the per-step metrics history."""
         cfg, mesh = self.cfg, self.mesh
-        logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
+        logger = (
+            MetricsLogger(cfg, self.step, cfg.to_dict(), self.wandb_run)
+            if mesh.rank == 0
+            else NullLogger()
+        )
         self.announce(logger)
         history: list[dict] = []
         data = batches(self.train_ds, self.sampler, mesh.device)

@@ -12,6 +12,7 @@ import math
 import sys
 
 from megapar.pipeline.placement import chunks_per_rank
+from megapar.pipeline.schedules import SPLIT_BACKWARD
 from megapar.pipeline.simulate import Costs, theoretical_bubble
 from megapar.training.usage import UsageError, flag_of
 
@@ -23,7 +24,8 @@ MAX_SIMULATED_STAGES = 256
 
 
 def check_bubble_args(args) -> None:
-    """Every size >= 1, every cost a finite number of milliseconds, and a schedule of at most
+    """Every size >= 1, every cost a finite number of milliseconds, B and W that split the
+    backward (`check_split_costs`), and a schedule of at most
     `MAX_SIMULATED_ACTIONS` actions (`MAX_SIMULATED_STAGES` stages under --simulate); an
     oversized request is told the schedule's published bubble instead."""
     for name in (
@@ -50,6 +52,7 @@ def check_bubble_args(args) -> None:
                 f"{flag_of(name)} {value} is invalid: a cost must be a finite "
                 f"number of milliseconds {need}"
             )
+    check_split_costs(args)  # before the size: an oversized request is told the costs' bubble
     try:  # zb-v and dualpipev hold 2 chunks per rank whether --virtual-stages says 1 or 2
         chunks = chunks_per_rank(args.schedule, args.virtual_stages)
     except ValueError:  # refused with its own words by check_schedule
@@ -70,6 +73,54 @@ def check_bubble_args(args) -> None:
             f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
             f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
             f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
+        )
+
+
+def check_split_costs(args) -> None:
+    """B and W split the backward: a schedule with a split backward takes any two of --bwd-ms,
+    --bwd-input-ms and --bwd-weight-ms (the third is what they leave, `split_backward`) and
+    refuses three that do not add up or a half longer than the backward; one without reads B
+    and W only as the backward they add up to (both given, no --bwd-ms): refuse one alone, or
+    either next to --bwd-ms. A half may cost 0 (ZB-H1 with W 0 is 1F1B with a backward of B,
+    the paper's formula exact), but not both: the backward they make must cost > 0, as
+    --bwd-ms must."""
+    b, w = args.bwd_input_ms, args.bwd_weight_ms
+    if args.bwd_ms is None and b == 0 and w == 0:
+        raise ValueError(
+            "--bwd-input-ms 0 + --bwd-weight-ms 0 is a backward of 0 ms, and a backward must "
+            "cost > 0 (as --bwd-ms must); give a positive --bwd-input-ms or --bwd-weight-ms"
+        )
+    if args.schedule in SPLIT_BACKWARD:
+        _check_split(args)
+        return
+    halves = [flag_of(n) for n in ("bwd_input_ms", "bwd_weight_ms") if getattr(args, n) is not None]
+    if halves and (len(halves) == 1 or args.bwd_ms is not None):
+        raise ValueError(
+            f"{halves[0]} is not used by --schedule {args.schedule}, whose backward is not "
+            f"split into B and W (only {', '.join(sorted(SPLIT_BACKWARD))} split it); give "
+            f"--bwd-ms, or both --bwd-input-ms and --bwd-weight-ms (their sum is the backward)"
+        )
+
+
+def _check_split(args) -> None:
+    b, w = args.bwd_input_ms, args.bwd_weight_ms
+    if args.fwd_ms is None or (b is None and w is None):
+        return  # measured (check_cost_flags refuses the halves there), or halves of the backward
+    if b is not None and w is not None:
+        if args.bwd_ms is not None and not math.isclose(b + w, args.bwd_ms, rel_tol=1e-9):
+            raise ValueError(
+                f"--bwd-input-ms {b:g} + --bwd-weight-ms {w:g} = {b + w:g} is not --bwd-ms "
+                f"{args.bwd_ms:g}: B and W split the backward; give two of the three (the "
+                f"third is what they leave)"
+            )
+        return
+    name, half = ("--bwd-input-ms", b) if b is not None else ("--bwd-weight-ms", w)
+    bwd = args.bwd_ms if args.bwd_ms is not None else 2 * args.fwd_ms
+    if half > bwd:
+        told = f"--bwd-ms {bwd:g}" if args.bwd_ms is not None else f"2 x --fwd-ms = {bwd:g}"
+        raise ValueError(
+            f"{name} {half:g} is longer than the backward it is part of ({told}); give the "
+            f"other half too, or a --bwd-ms of at least {half:g}"
         )
 
 
