@@ -52,6 +52,7 @@ from megapar.plan.layouts import (
 from megapar.plan.params import model_params
 from megapar.plan.process import TARGETS, describe
 from megapar.plan.report import (
+    active_note,
     attention_note,
     command,
     expert_lines,
@@ -468,7 +469,8 @@ def main(argv=None) -> int:
         print_json(args.top, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
-        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; "
+        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
+        f"{active_note(problem.config)}; "
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
         f"{problem.gpu_memory_gb:g} GiB each); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "

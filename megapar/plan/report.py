@@ -224,6 +224,19 @@ def table(estimates: list[Estimate], master_weights: str = "fp32", target: str =
     return "\n".join(lines)
 
 
+def active_note(config) -> str:
+    """For a mixture of experts, its active parameters per token (the whole model's less the
+    routed experts a token is not sent to) as the plan's first line says them, e.g.
+    " (12,879.9M active per token: 2 of 8 experts)"; nothing for a dense model."""
+    idle = getattr(config, "idle_expert_params", 0)
+    if not idle:
+        return ""
+    return (
+        f" ({(model_params(config) - idle) / 1e6:,.1f}M active per token: "
+        f"{config.num_experts_per_tok} of {config.num_local_experts} experts)"
+    )
+
+
 def attention_note(fused: bool, target: str = "gpu") -> str:
     """The line that says how a plan counts attention's activations (`Problem.fused_attention`)
     on `target`'s ranks."""
@@ -498,6 +511,8 @@ def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
         json.dumps(
             {
                 "model_params": model_params(problem.config),
+                "active_params": model_params(problem.config)
+                - getattr(problem.config, "idle_expert_params", 0),
                 "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
                 "valid": len(estimates),
                 "rejected": len(rejected),
