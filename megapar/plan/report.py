@@ -400,8 +400,8 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
         + (
             f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}"
             if c.zero != 3
-            else f"{_amount(state)}, as at ep 1 ({_amount(saved)} less: ZeRO-3 shards each "
-            f"rank's E / ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
+            else f"{_amount(state)}, as at ep 1{_apart(saved)} (ZeRO-3 shards each rank's E / "
+            f"ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
         ),
         *_zero3_experts(e, p, one, edp),
         f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
@@ -493,6 +493,14 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
         f"cp x dp ({c.dp * c.cp} ranks) {ops.get(DENSE, '-')}; over expert dp ({edp} "
         f"rank{'s' if edp > 1 else ''}) {ops.get(EXPERTS, '-' if edp > 1 else 'nothing')}",
     ]
+
+
+def _apart(saved: float) -> str:
+    """How far a ZeRO-3 rank's state at ep > 1 is from ep 1's: nothing where the two agree to
+    the 0.01 MiB `_amount` shows, else ", N less" or ", N more" (never a negative "less")."""
+    if abs(saved) < 0.005 * 2**20:
+        return ""
+    return f", {_amount(abs(saved))} {'less' if saved > 0 else 'more'}"
 
 
 def _amount(nbytes: float) -> str:
