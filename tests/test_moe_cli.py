@@ -260,3 +260,23 @@ def test_from_hf_with_megapar_only_moe_settings_is_refused(tmp_path, capsys):
     assert len(err.splitlines()) == 1, err
     assert "moe_router_score='sigmoid', shared_expert_intermediate_size=16" in err, err
     assert "remove them from config.json" in err and not out.exists(), err
+
+
+def test_info_names_the_experts_and_the_active_parameters(tmp_path):
+    """--info's model line of a mixture of experts names its routed experts (how many, how wide,
+    the top-k, in which share of the layers) and its active parameters per token: transformers'
+    count less the experts a token is not routed to. It gave layers, hidden and vocab alone."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "ck"), "--no-progress"]) == 0
+    experts = hf.model.layers[1].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // 4
+    active = hf.num_parameters() - 2 * (4 - 2) * per_expert  # 2 MoE layers, 2 idle experts
+    assert (f"qwen3_moe (3 layers, hidden 32, vocab 64; 4 routed experts of 16, top 2, in 2 of "
+            f"its layers), {hf.num_parameters():,} parameters (unpadded, as transformers counts "
+            f"them; {active:,} active per token)") in checkpoint_info(tmp_path / "ck"), active
