@@ -920,6 +920,13 @@ OTHER_TOOLS = [
     ("plan", ["--model", "llama-1b", "--tp", "2"], "--tp: megapar-plan ranks every layout "
      "itself; to check one, give it to --explain (e.g. --explain tp=2,pp=2,cp=2,mbs=1)"),
     ("plan", ["--model", "llama-1b", "--cp", "2"], "--cp: did you mean --cp-sizes?"),
+    # "--sp: did you mean --top?", nothing for Megatron's --expert-model-parallel-size
+    ("plan", ["--model", "mixtral-tiny", "--sp"], "--sp: megapar-plan tries sequence "
+     "parallelism at every tp > 1 itself; to check one layout with it, give sp=1 to --explain"),
+    ("plan", ["--model", "mixtral-tiny", "--expert-model-parallel-size", "2"],
+     "give ep=N to --explain (e.g. --explain dp=8,ep=8,mbs=1)"),
+    ("plan", ["--model", "mixtral-tiny", "--ep", "2"], "--ep: megapar-plan tries every ep "
+     "dividing dp x cp and the experts itself"),
     ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
