@@ -838,6 +838,13 @@ def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
     assert held[2.0][0] - held[1.0][0] == extra and held[2.0][1] == held[1.0][1]
 
 
+def test_the_first_line_counts_one_gpu_in_the_singular(capsys):
+    """`--gpus 1`: the first line said "1 GPUs"."""
+    code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "1", "--global-batch-size", "4",
+                     "--seq-len", "64", "--top", "1")
+    assert code == 0 and "M parameters; 1 GPU (8 per node" in out.out.splitlines()[0], out.out
+
+
 def test_zero3_experts_line_says_no_negative_saving(capsys):
     """Under ZeRO-3 a rank's state at ep 8 is ep 1's up to bytes of rounding: the experts' line
     said "(-0.00 MiB less: ..." (Qwen3-30B-A3B, 8 GPUs); now it says "as at ep 1" alone, and a

@@ -50,8 +50,9 @@ def rank_word(target: str) -> str:
 
 
 def ranks_phrase(n: int, target: str) -> str:
-    """`n` ranks as the plan's first line names them: "16 GPUs", or "4 CPU ranks"."""
-    return f"{n:,} GPUs" if target == "gpu" else f"{n:,} CPU ranks"
+    """`n` ranks as the plan's first line names them: "16 GPUs", "1 GPU", or "4 CPU ranks"."""
+    plural = "" if n == 1 else "s"
+    return f"{n:,} GPU{plural}" if target == "gpu" else f"{n:,} CPU rank{plural}"
 
 
 def _size(nbytes: float) -> str:
