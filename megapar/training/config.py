@@ -513,8 +513,9 @@ OTHER_TOOLS_FLAGS = {
     "assignments in token order (Megatron's position policy); drop it",
     "--moe-pad-expert-input-to-capacity": "megapar never pads an expert's rows to its capacity; "
     "drop it",
-    "--moe-router-topk-scaling-factor": "megapar's router weighs the top-k experts by their scores "
-    "(renormalised when the model config's norm_topk_prob says so), with no scaling factor; drop it",
+    "--moe-router-topk-scaling-factor": "megapar's router weighs the top-k experts by their "
+    "scores (renormalised for a Mixtral, and for a Qwen3-MoE whose norm_topk_prob says so), with "
+    "no scaling factor; drop it",
     "--moe-router-dtype": "megapar's router takes the softmax (or sigmoid) of its logits in fp32 "
     "under every --precision; drop it",
     "--moe-input-jitter-eps": "megapar's router adds no input jitter; drop it",
