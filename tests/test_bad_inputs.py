@@ -888,6 +888,20 @@ OTHER_TOOLS = [
     ("train", ["--init-method-std", "0.02"], "in transformers' names): set initializer_range there"),
     ("train", ["--hidden-dropout", "0"], "set resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
     ("train", ["--log-throughput"], "tokens/s, TFLOP/s and MFU are on every log line"),
+    # Megatron's mixture-of-experts flags: "--num-experts: did you mean --adam-eps?", "--sp:
+    # did you mean --tp?", "--moe-router-topk-scaling-factor: did you mean
+    # --moe-capacity-factor?", or nothing (--moe-router-topk, --moe-grouped-gemm)
+    ("train", ["--sp"], "--sp: did you mean --sequence-parallel?"),
+    ("train", ["--num-experts", "8"], "--num-experts: a mixture of experts' routing and sizes "
+     "come from the model config"),
+    ("train", ["--moe-router-topk", "2"], "set num_experts_per_tok there"),
+    ("train", ["--moe-router-topk-scaling-factor", "2.5"], "with no scaling factor; drop it"),
+    ("train", ["--moe-grouped-gemm"], "one grouped matmul per projection by themselves"),
+    ("train", ["--moe-token-dispatcher-type", "alltoall"], "always travel by all-to-all"),
+    ("train", ["--moe-router-load-balancing-type", "aux_loss"],
+     "did you mean --moe-aux-loss-coef (aux_loss; 0: none)"),
+    ("train", ["--expert-tensor-parallel-size", "1"], "never splits an expert over tp"),
+    ("train", ["--moe-layer-recompute"], "did you mean --recompute full"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
@@ -896,10 +910,23 @@ OTHER_TOOLS = [
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
     ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
+    # megapar-train's layout flags no checkpoint depends on: "--ep: did you mean --tp?"
+    ("convert", ["a", "b", "--ep", "2"], "--ep: a checkpoint does not depend on --ep (every "
+     "expert is saved whole): megapar-train --load reads it at any --ep"),
+    ("convert", ["a", "b", "--zero", "3"], "--zero: a checkpoint does not depend on --zero"),
+    ("convert", ["a", "b", "--cp", "2"], "--cp: a checkpoint does not depend on --cp"),
+    ("eval", ["--load", "ck", "--ep", "2"], "--ep: megapar-eval holds every expert on each rank"),
     # megapar-plan: "--tp: did you mean --top?"
     ("plan", ["--model", "llama-1b", "--tp", "2"], "--tp: megapar-plan ranks every layout "
      "itself; to check one, give it to --explain (e.g. --explain tp=2,pp=2,cp=2,mbs=1)"),
     ("plan", ["--model", "llama-1b", "--cp", "2"], "--cp: did you mean --cp-sizes?"),
+    # "--sp: did you mean --top?", nothing for Megatron's --expert-model-parallel-size
+    ("plan", ["--model", "mixtral-tiny", "--sp"], "--sp: megapar-plan tries sequence "
+     "parallelism at every tp > 1 itself; to check one layout with it, give sp=1 to --explain"),
+    ("plan", ["--model", "mixtral-tiny", "--expert-model-parallel-size", "2"],
+     "give ep=N to --explain (e.g. --explain dp=8,ep=8,mbs=1)"),
+    ("plan", ["--model", "mixtral-tiny", "--ep", "2"], "--ep: megapar-plan tries every ep "
+     "dividing dp x cp and the experts itself"),
     ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),

@@ -511,6 +511,31 @@ def test_the_log_counts_parameters_as_convert_info_and_says_what_padding_adds(tm
     assert "the vocabulary of 1,004 padded to 1,024, a multiple of 128 x tp" in line
 
 
+def test_the_log_counts_a_mixture_of_experts_active_parameters(text, cache, capsys):
+    """A Mixtral's first line gives its active parameters per token beside the total:
+    transformers' count of the model less the E - k experts a token is not routed to in each
+    layer (it gave the total alone)."""
+    import re
+
+    from transformers import MixtralForCausalLM
+
+    from megapar.models.recipes import resolve_model
+
+    assert main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+                 "--model", "mixtral-tiny", *TINY, "--max-steps", "1",
+                 "--warmup-steps", "0", "--global-batch-size", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if " parameters" in x)
+    config = resolve_model("mixtral-tiny").to_hf()
+    config.vocab_size = 1004  # the sentencepiece tokenizer's
+    hf = MixtralForCausalLM(config)
+    experts = hf.model.layers[0].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // config.num_local_experts
+    idle = config.num_hidden_layers * (config.num_local_experts - config.num_experts_per_tok)
+    total, active = hf.num_parameters(), hf.num_parameters() - idle * per_expert
+    assert re.search(rf"mixtral with {total:,} parameters \({active:,} active per token: 2 of 4 "
+                     rf"experts; [\d,]+ allocated: the vocabulary", line), line
+
+
 def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, text, capsys):
     """--load compares the data's tokenizer with the one the checkpoint records (its files'
     sha256), not with the --tokenizer its train_config records (the default gpt2 when it

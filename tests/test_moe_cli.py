@@ -260,3 +260,44 @@ def test_from_hf_with_megapar_only_moe_settings_is_refused(tmp_path, capsys):
     assert len(err.splitlines()) == 1, err
     assert "moe_router_score='sigmoid', shared_expert_intermediate_size=16" in err, err
     assert "remove them from config.json" in err and not out.exists(), err
+
+
+def test_info_names_the_experts_and_the_active_parameters(tmp_path):
+    """--info's model line of a mixture of experts names its routed experts (how many, how wide,
+    the top-k, in which share of the layers) and its active parameters per token: transformers'
+    count less the experts a token is not routed to. It gave layers, hidden and vocab alone."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "ck"), "--no-progress"]) == 0
+    experts = hf.model.layers[1].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // 4
+    active = hf.num_parameters() - 2 * (4 - 2) * per_expert  # 2 MoE layers, 2 idle experts
+    assert (f"qwen3_moe (3 layers, hidden 32, vocab 64; 4 routed experts of 16, top 2, in 2 of "
+            f"its layers), {hf.num_parameters():,} parameters (unpadded, as transformers counts "
+            f"them; {active:,} active per token)") in checkpoint_info(tmp_path / "ck"), active
+
+
+def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
+    """A Qwen3-MoE export's config.json carries its routed experts under the hub's key
+    `num_experts` (what transformers 4's Qwen3MoeConfig reads; without it, it builds its
+    default 128 experts and cannot load the 4 exported) beside transformers 5's
+    `num_local_experts`; transformers 5 and megapar read it back with 4 experts."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2))
+    hf.save_pretrained(tmp_path / "hf")
+    ck, out = tmp_path / "ck", tmp_path / "exported"
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(ck), "--no-progress"]) == 0
+    assert convert([str(ck), "--to-hf", str(out), "--no-progress"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw.get("num_experts") == raw["num_local_experts"] == 4, raw
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(out))
+    assert back.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    assert HFReader(str(out)).config.num_local_experts == 4

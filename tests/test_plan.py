@@ -838,6 +838,24 @@ def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
     assert held[2.0][0] - held[1.0][0] == extra and held[2.0][1] == held[1.0][1]
 
 
+def test_the_first_line_counts_one_gpu_in_the_singular(capsys):
+    """`--gpus 1`: the first line said "1 GPUs"."""
+    code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "1", "--global-batch-size", "4",
+                     "--seq-len", "64", "--top", "1")
+    assert code == 0 and "M parameters; 1 GPU (8 per node" in out.out.splitlines()[0], out.out
+
+
+def test_zero3_experts_line_says_no_negative_saving(capsys):
+    """Under ZeRO-3 a rank's state at ep 8 is ep 1's up to bytes of rounding: the experts' line
+    said "(-0.00 MiB less: ..." (Qwen3-30B-A3B, 8 GPUs); now it says "as at ep 1" alone, and a
+    real difference as a positive amount, less or more."""
+    code, out = _cli(capsys, "--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch-size",
+                     "64", "--seq-len", "4096", "--explain", "dp=8,ep=8,mbs=1,zero=3")
+    line = next(x for x in out.out.splitlines() if x.startswith("experts: ep 8"))
+    assert code == 0 and "are 56.87 GiB, as at ep 1 (ZeRO-3 shards" in line, line
+    assert "-0.00" not in out.out and "0.00 MiB less" not in out.out, line
+
+
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     """ep: every divisor of dp x cp that divides the experts (ep folds into both), at every ZeRO
     stage (ZeRO-3's experts' units are modelled: sharded over expert dp); a dense model, an ep

@@ -30,6 +30,32 @@ def test_recipes_have_their_published_parameter_counts(recipe):
     assert model_params(resolve_model(recipe)) == pytest.approx(PUBLISHED[recipe], rel=1e-3)
 
 
+# active parameters per token: Mixtral 8x7B 12.9B (Jiang et al. 2024), Qwen3-30B-A3B 3.3B
+# (its model card)
+ACTIVE = {"mixtral-8x7b": 12.9e9, "qwen3-30b-a3b": 3.3e9}
+
+
+@pytest.mark.parametrize("recipe", sorted(ACTIVE))
+def test_moe_recipes_say_their_published_active_parameters(recipe, capsys):
+    """megapar-plan's first line (and --json) gives a mixture of experts' active parameters,
+    the whole model's less the E - k routed experts a token is not sent to: it gave the total
+    alone."""
+    from megapar.cli.plan import main as plan_main
+
+    config = resolve_model(recipe)
+    active = model_params(config) - config.idle_expert_params
+    assert active == pytest.approx(ACTIVE[recipe], rel=2e-2)  # Qwen's "3.3B" is 3.353B
+    assert active == {"mixtral-8x7b": 12_879_925_248, "qwen3-30b-a3b": 3_353_032_704}[recipe]
+    k, e = config.num_experts_per_tok, config.num_local_experts
+    args = ["--model", recipe, "--gpus", "8", "--global-batch-size", "8", "--seq-len", "512",
+            "--top", "1", "--micro-batch-sizes", "1", "--schedules", "1f1b", "--zero-stages", "1"]
+    plan_main(args)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"M parameters ({active / 1e6:,.1f}M active per token: {k} of {e} experts)" in first
+    plan_main([*args, "--json"])
+    assert json.loads(capsys.readouterr().out)["active_params"] == active
+
+
 @pytest.mark.parametrize("recipe", ["gpt3-175b", "llama-8b", "llama-70b", "mixtral-8x7b"])
 def test_flops_per_token_are_6n_plus_12_l_h_s_without_the_lookups(recipe):
     """MFU's count is 6 N + 12 L h s (Megatron's / PaLM's appendix B) with N the parameters

@@ -424,7 +424,7 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
         f"step        {m['step']}",
         f"layout      {Layout(**m['layout'])}",  # with cp, ep and order where they are set
         f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
-        f"(unpadded, as transformers counts them)",
+        f"(unpadded, as transformers counts them{_active(model, params)})",
         f"optimizer   {', '.join(optim) if optim else 'none'}",
         f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
         f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
@@ -445,5 +445,21 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
 
 
 def _size(model: dict) -> str:
+    """The model's shape as --info's model line gives it: layers, hidden, vocabulary and, for a
+    mixture of experts, its routed experts (how many, how wide, the top-k, in how many layers)."""
     config = config_from_dict(model)
-    return f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+    size = f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
+    moe_layers = getattr(config, "num_moe_layers", 0)
+    if moe_layers:
+        size += (
+            f"; {config.num_local_experts} routed experts of {config.expert_size}, top "
+            f"{config.num_experts_per_tok}, in {moe_layers} of its layers"
+        )
+    return size
+
+
+def _active(model: dict, params: int) -> str:
+    """For a mixture of experts, its active parameters per token as --info's model line gives
+    them ("; N active per token"); nothing for a dense model."""
+    idle = getattr(config_from_dict(model), "idle_expert_params", 0)
+    return f"; {params - idle:,} active per token" if idle else ""

@@ -458,7 +458,7 @@ def save_hf(
         umask = os.umask(0)  # safetensors creates its file 0600: give it the usual mode
         os.umask(umask)
         os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
-        tmp["config.json"].write_text(hf_config.to_json_string())
+        tmp["config.json"].write_text(_config_json(hf_config, config))
         for name in sorted(os.listdir(stage)) if stage.is_dir() else ():
             os.replace(stage / name, out_dir / name)
         for name in names:
@@ -472,6 +472,18 @@ def save_hf(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return out_dir
+
+
+def _config_json(hf_config, config) -> str:
+    """The exported config.json: `hf_config`'s JSON, and for a Qwen3-MoE its routed experts
+    under the hub's key `num_experts` too (transformers 5 writes `num_local_experts` only, which
+    transformers 4's Qwen3MoeConfig does not read: it would build its default 128 experts)."""
+    text = hf_config.to_json_string()
+    if config.model_type != "qwen3_moe":
+        return text
+    raw = json.loads(text)
+    raw["num_experts"] = config.num_local_experts
+    return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
 
 def _export_config(config, canonical: dict[str, torch.Tensor], special_ids: dict):

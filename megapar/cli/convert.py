@@ -42,6 +42,11 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser, shell_word, show_progress
 
+_NOT_IN_FILES = (
+    "a checkpoint does not depend on {flag} ({what}): megapar-train --load reads it at any "
+    "{flag}; drop it"
+)
+
 OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
@@ -50,9 +55,16 @@ OTHER_FLAGS = {
     "--model-type": "the model is the source's own; drop it",
     "--load": "the source is the first PATH: megapar-convert SRC DST",
     "--save": "the destination is the second PATH: megapar-convert SRC DST",
+    "--ep": _NOT_IN_FILES.format(flag="--ep", what="every expert is saved whole"),
+    "--target-expert-parallel-size": _NOT_IN_FILES.format(
+        flag="--ep", what="every expert is saved whole"
+    ),
+    "--zero": _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
+    "--cp": _NOT_IN_FILES.format(flag="--cp", what="context parallelism splits no weight"),
 }
 """Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
-named `--model`, a --from-dcp option, for `--model-type`)."""
+named `--model`, a --from-dcp option, for `--model-type`), and megapar-train's layout flags no
+checkpoint depends on (difflib named `--tp` for `--ep` and `--cp`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

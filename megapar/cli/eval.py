@@ -72,6 +72,10 @@ OTHER_FLAGS = {
     "--cp": "megapar-eval has no context parallelism (a checkpoint does not depend on it); "
     "drop it, or use --tp / --pp",
     "--dp": "megapar-eval runs on --tp x --pp processes, without data parallelism; drop it",
+    "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
+    "drop it, or use --tp / --pp",
+    "--expert-model-parallel-size": "megapar-eval holds every expert on each rank (a checkpoint "
+    "does not depend on ep); drop it, or use --tp / --pp",
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",

@@ -52,6 +52,7 @@ from megapar.plan.layouts import (
 from megapar.plan.params import model_params
 from megapar.plan.process import TARGETS, describe
 from megapar.plan.report import (
+    active_note,
     attention_note,
     command,
     expert_lines,
@@ -90,19 +91,42 @@ _ONE_LAYOUT = (
     "(e.g. --explain tp=2,pp=2,cp=2,mbs=1)"
 )
 
+_ONE_SETTING = (
+    "megapar-plan tries {what} itself; to check one layout with it, give {key} to --explain "
+    "(e.g. --explain {example})"
+)
+
 OTHER_FLAGS = {
+    "--sp": _ONE_SETTING.format(
+        what="sequence parallelism at every tp > 1", key="sp=1", example="tp=2,sp=1,mbs=1"
+    ),
+    "--sequence-parallel": _ONE_SETTING.format(
+        what="sequence parallelism at every tp > 1", key="sp=1", example="tp=2,sp=1,mbs=1"
+    ),
+    "--zero": _ONE_SETTING.format(
+        what="every ZeRO stage of --zero-stages", key="zero=N", example="dp=8,zero=3,mbs=1"
+    ),
+    "--tensor-model-parallel-size": _ONE_LAYOUT,
+    "--pipeline-model-parallel-size": _ONE_LAYOUT,
+    "--context-parallel-size": _ONE_LAYOUT,
+    "--expert-model-parallel-size": _ONE_SETTING.format(
+        what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
+    ),
     "--tp": _ONE_LAYOUT,
     "--pp": _ONE_LAYOUT,
     "--dp": _ONE_LAYOUT,
-    "--ep": _ONE_LAYOUT,
+    "--ep": _ONE_SETTING.format(
+        what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
+    ),
     "--cp": "--cp-sizes",
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",
     "--nodes": "--gpus (all of them) and --gpus-per-node",
     "--data": "megapar-plan needs no data, only the model and the sizes; drop it",
 }
-"""megapar-train's layout flags and other names, answered with megapar-plan's way (difflib
-named `--top` for `--tp`, `--pp`, `--dp` and `--cp`, `--today` for `--data`)."""
+"""megapar-train's layout flags, Megatron-LM's names for them, and other names, answered with
+megapar-plan's way (difflib named `--top` for `--tp`, `--pp`, `--dp`, `--cp` and `--sp`,
+`--zero-stages` for `--zero`, `--today` for `--data`)."""
 
 
 def build_parser() -> OneLineParser:
@@ -468,7 +492,8 @@ def main(argv=None) -> int:
         print_json(args.top, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
-        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; "
+        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
+        f"{active_note(problem.config)}; "
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
         f"{problem.gpu_memory_gb:g} GiB each); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "

@@ -80,6 +80,14 @@ class _MoEConfig(LlamaConfig):
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
+    def idle_expert_params(self) -> int:
+        """Parameters of the routed experts a token does not use: the SwiGLUs (3 x hidden x
+        expert_size) of the E - k experts it is not routed to, in every MoE layer. The model's
+        parameters less these are its active parameters per token (Mixtral 8x7B: 12.9B)."""
+        idle = self.num_local_experts - self.num_experts_per_tok
+        return self.num_moe_layers * idle * 3 * self.hidden_size * self.expert_size
+
+    @property
     def qk_norm(self) -> bool:
         return False
 

@@ -50,8 +50,9 @@ def rank_word(target: str) -> str:
 
 
 def ranks_phrase(n: int, target: str) -> str:
-    """`n` ranks as the plan's first line names them: "16 GPUs", or "4 CPU ranks"."""
-    return f"{n:,} GPUs" if target == "gpu" else f"{n:,} CPU ranks"
+    """`n` ranks as the plan's first line names them: "16 GPUs", "1 GPU", or "4 CPU ranks"."""
+    plural = "" if n == 1 else "s"
+    return f"{n:,} GPU{plural}" if target == "gpu" else f"{n:,} CPU rank{plural}"
 
 
 def _size(nbytes: float) -> str:
@@ -224,6 +225,19 @@ def table(estimates: list[Estimate], master_weights: str = "fp32", target: str =
     return "\n".join(lines)
 
 
+def active_note(config) -> str:
+    """For a mixture of experts, its active parameters per token (the whole model's less the
+    routed experts a token is not sent to) as the plan's first line says them, e.g.
+    " (12,879.9M active per token: 2 of 8 experts)"; nothing for a dense model."""
+    idle = getattr(config, "idle_expert_params", 0)
+    if not idle:
+        return ""
+    return (
+        f" ({(model_params(config) - idle) / 1e6:,.1f}M active per token: "
+        f"{config.num_experts_per_tok} of {config.num_local_experts} experts)"
+    )
+
+
 def attention_note(fused: bool, target: str = "gpu") -> str:
     """The line that says how a plan counts attention's activations (`Problem.fused_attention`)
     on `target`'s ranks."""
@@ -387,8 +401,8 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
         + (
             f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}"
             if c.zero != 3
-            else f"{_amount(state)}, as at ep 1 ({_amount(saved)} less: ZeRO-3 shards each "
-            f"rank's E / ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
+            else f"{_amount(state)}, as at ep 1{_apart(saved)} (ZeRO-3 shards each rank's E / "
+            f"ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
         ),
         *_zero3_experts(e, p, one, edp),
         f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
@@ -482,6 +496,14 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
     ]
 
 
+def _apart(saved: float) -> str:
+    """How far a ZeRO-3 rank's state at ep > 1 is from ep 1's: nothing where the two agree to
+    the 0.01 MiB `_amount` shows, else ", N less" or ", N more" (never a negative "less")."""
+    if abs(saved) < 0.005 * 2**20:
+        return ""
+    return f", {_amount(abs(saved))} {'less' if saved > 0 else 'more'}"
+
+
 def _amount(nbytes: float) -> str:
     """Bytes in GiB, or MiB below one GiB."""
     return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.2f} MiB"
@@ -498,6 +520,8 @@ def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
         json.dumps(
             {
                 "model_params": model_params(problem.config),
+                "active_params": model_params(problem.config)
+                - getattr(problem.config, "idle_expert_params", 0),
                 "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
                 "valid": len(estimates),
                 "rejected": len(rejected),

@@ -390,6 +390,12 @@ MODEL_FIELD = (
     "models/gpt2-tiny.json, in transformers' names): set {field} there"
 )
 
+MOE_FIELD = (
+    "a mixture of experts' routing and sizes come from the model config (a --model file such as "
+    "models/mixtral-tiny.json, or the config.json of the --from-hf directory, in transformers' "
+    "names): set {field} there"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -475,6 +481,48 @@ OTHER_TOOLS_FLAGS = {
     "--log-throughput": "tokens/s, TFLOP/s and MFU are on every log line; drop it",
     "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
     "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
+    "--sp": "--sequence-parallel",
+    # Megatron-LM's mixture-of-experts flags (difflib named --adam-eps for --num-experts,
+    # --moe-capacity-factor for --moe-router-topk-scaling-factor, --tp for --sp)
+    "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
+    "--moe-router-topk": MOE_FIELD.format(field="num_experts_per_tok"),
+    "--num-experts-per-tok": MOE_FIELD.format(field="num_experts_per_tok"),
+    "--moe-ffn-hidden-size": MOE_FIELD.format(
+        field="moe_intermediate_size (Qwen3-MoE; a Mixtral's experts are intermediate_size wide)"
+    ),
+    "--moe-layer-freq": MOE_FIELD.format(
+        field="decoder_sparse_step and mlp_only_layers (Qwen3-MoE)"
+    ),
+    "--moe-shared-expert-intermediate-size": MOE_FIELD.format(
+        field="shared_expert_intermediate_size"
+    ),
+    "--moe-router-score-function": MOE_FIELD.format(field="moe_router_score (softmax or sigmoid)"),
+    "--moe-aux-loss-coeff": "--moe-aux-loss-coef",
+    "--router-aux-loss-coef": "--moe-aux-loss-coef",
+    "--moe-z-loss-coeff": "--moe-z-loss-coef",
+    "--moe-expert-capacity-factor": "--moe-capacity-factor",
+    "--moe-router-bias-update-rate": "--moe-bias-update-rate",
+    "--moe-router-enable-expert-bias": "--moe-bias-update-rate (a rate > 0 turns the expert bias on)",
+    "--moe-router-load-balancing-type": "--moe-aux-loss-coef (aux_loss; 0: none), "
+    "--moe-z-loss-coef and --moe-bias-update-rate (DeepSeek-V3's auxiliary-loss-free balancing)",
+    "--moe-token-dispatcher-type": "under --ep the experts' tokens always travel by all-to-all "
+    "(Megatron's alltoall dispatcher); drop it",
+    "--moe-grouped-gemm": "the experts run one grouped matmul per projection by themselves on "
+    "CUDA in bf16 (a loop over the experts elsewhere); drop it",
+    "--moe-token-drop-policy": "with --moe-capacity-factor each expert keeps its first "
+    "assignments in token order (Megatron's position policy); drop it",
+    "--moe-pad-expert-input-to-capacity": "megapar never pads an expert's rows to its capacity; "
+    "drop it",
+    "--moe-router-topk-scaling-factor": "megapar's router weighs the top-k experts by their "
+    "scores (renormalised for a Mixtral, and for a Qwen3-MoE whose norm_topk_prob says so), with "
+    "no scaling factor; drop it",
+    "--moe-router-dtype": "megapar's router takes the softmax (or sigmoid) of its logits in fp32 "
+    "under every --precision; drop it",
+    "--moe-input-jitter-eps": "megapar's router adds no input jitter; drop it",
+    "--moe-layer-recompute": "--recompute full (--recompute selective recomputes the attention "
+    "core only, never the MoE layer)",
+    "--expert-tensor-parallel-size": "megapar never splits an expert over tp (every tp rank holds "
+    "its experts whole); --ep shards the experts",
     "--init-method-std": MODEL_FIELD.format(field="initializer_range"),
     "--hidden-dropout": MODEL_FIELD.format(field="resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
     "--attention-dropout": MODEL_FIELD.format(

@@ -284,15 +284,22 @@ class Trainer:
         vocab = self.config.vocab_size
         padded = mesh.tp * local_size(vocab, mesh.tp, self.config.make_vocab_size_divisible_by)
         multiple = self.config.make_vocab_size_divisible_by
-        padding = (
-            f" ({self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
-            f"to {padded:,}, a multiple of {multiple} x tp)"
-            if self.allocated_params != self.n_params
-            else ""
-        )
+        notes = []
+        idle = getattr(self.config, "idle_expert_params", 0)
+        if idle:  # a mixture of experts: the parameters a token's routed experts use
+            notes.append(
+                f"{self.n_params - idle:,} active per token: {self.config.num_experts_per_tok} "
+                f"of {self.config.num_local_experts} experts"
+            )
+        if self.allocated_params != self.n_params:
+            notes.append(
+                f"{self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
+                f"to {padded:,}, a multiple of {multiple} x tp"
+            )
         logger.message(
             f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
-            f"{padding}, "
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + ", "
             f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
             f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
             f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step"

@@ -112,13 +112,16 @@ def prepare(
     """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
     every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
 
-    model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` / `LlamaForCausalLM` instance
-    (its weights are kept; build it identically on every rank; a bare `GPT2Model` / `BertModel`
-    / `LlamaModel` gets its missing head initialised, with a warning; a model with another head,
-    e.g. for classification, is refused), a transformers config (weights initialised from
+    model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` / `LlamaForCausalLM` /
+    `MixtralForCausalLM` / `Qwen3MoeForCausalLM` instance (its weights are kept; build it
+    identically on every rank; a bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing
+    head initialised, with a warning; a model with another head, e.g. for classification, is
+    refused), a transformers config (weights initialised from
     `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
-    sequence split over 2 ranks, its length a multiple of 2 x cp). optimizer: adamw, lamb,
+    sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
+    parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
+    dp x cp ranks, as `--ep`). optimizer: adamw, lamb,
     lars or sgd. weight_decay applies to matrices and embeddings only. clip_grad: global
     gradient-norm clip (0: off).
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
