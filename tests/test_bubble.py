@@ -506,7 +506,7 @@ def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkey
         run_cli(capsys, *flags, *(["--p2p-ms", p2p] if p2p else []), "--plot",
                 str(tmp_path / "g.png"))
         ax = saved[-1].axes[0]
-        drawn = [c for c in ax.collections if tuple(c.get_facecolor()[0]) == comm]
+        drawn = [f for c in ax.collections for f in c.get_facecolor() if tuple(f) == comm]
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert bool(drawn) == bars and ("comm" in legend) == bars, (p2p, legend)
         assert "forward" in legend and "backward" in legend
