@@ -277,3 +277,30 @@ def test_gantt_boxes_are_the_timelines_events(monkeypatch, tmp_path):
         plot_gantt(tl, str(tmp_path / "s.png"), comm=comm)
         _same_boxes(_drawn_boxes(saved[-1]), _expected_boxes(tl, comm))
         assert len(saved[-1].axes[0].collections) <= 2 * len(tl.ranks())  # not one per box
+
+
+def test_gantt_labels_every_box_it_fits_and_no_other(monkeypatch, tmp_path):
+    """Boxes of 40 widths in a shuffled order, all labelled 10@1: a box is labelled exactly
+    where the label (measured as a Text on the chart), with a point to spare on either side,
+    fits in it; some are wide enough to be measured and still too narrow (the width of each
+    distinct label is measured once and reused)."""
+    saved = _saved_figures(monkeypatch)
+    widths_ms = [0.05 * (1 + (17 * i) % 40) for i in range(40)]
+    starts = [sum(widths_ms[:i]) for i in range(40)]
+    tl = Timeline([Event(0, "forward", 10, 1e-3 * s, 1e-3 * (s + w), 1)
+                   for s, w in zip(starts, widths_ms)])
+    plot_gantt(tl, str(tmp_path / "ramp.png"))
+    fig = saved[-1]
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    probe = ax.text(0, 0, "10@1", fontsize=7)
+    label = probe.get_window_extent(renderer).width
+    probe.remove()
+    points = fig.dpi / 72
+    labelled = {round(text.get_position()[0], 9) for text in ax.texts}
+    band = 0
+    for s, w in zip(starts, widths_ms):
+        (left, _), (right, _) = ax.transData.transform([(s, 0), (s + w, 0)])
+        room = right - left - 2 * points
+        assert (round(s + w / 2, 9) in labelled) == (label <= room), (w, room, label)
+        band += 0.5 * 7 * points * 4 <= room < label  # measured, and too narrow
+    assert band and len(labelled) > 5
