@@ -21,7 +21,7 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.simulate import Costs
-from megapar.training import bubble
+from megapar.training import bubble, bubble_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -310,8 +310,8 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("work started for a bad input")
 
-    monkeypatch.setattr(bubble, "measure", refuse)
-    monkeypatch.setattr(bubble, "simulate", refuse)
+    monkeypatch.setattr(bubble, "measure", refuse)  # measured runs and --simulate's costs
+    monkeypatch.setattr(bubble_run, "simulate", refuse)  # what megapar-bubble simulates with
 
 
 def _error_line(capsys) -> str:
@@ -395,15 +395,19 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
         in _error_line(capsys)
 
 
-def test_split_backward_halves_of_zero_and_halves_checked_before_the_size(capsys, no_work):
-    """A W of 0 is a cost (ZB-H1 at W 0 is 1F1B with a backward of B: pp 2, m 4 at F = B = 1
-    gives 1F1B's (p-1)/(m+p-1) = 0.2, formula and simulator); B and W both 0 made a backward
-    of 0 ms, which --bwd-ms 0 is refused for, and was simulated. An oversized request with a
-    half longer than its backward was told a formula's bubble computed with a negative W."""
+def test_a_split_backward_half_of_zero_is_a_cost(capsys):
+    """A W of 0 is a cost: ZB-H1 at W 0 is 1F1B with a backward of B, so pp 2, m 4 at
+    F = B = 1 gives 1F1B's (p-1)/(m+p-1) = 0.2, formula and simulator."""
     result, _ = run_cli(capsys, "--pp", "2", "-m", "4", "--schedule", "zb-h1", "--simulate",
                         "--fwd-ms", "1", "--bwd-ms", "1", "--bwd-input-ms", "1")
     assert result["costs_ms"]["bwd_weight_ms"] == 0.0
     assert result["measured_bubble"] == pytest.approx(0.2) == result["theoretical_bubble"]
+
+
+def test_split_backward_halves_of_zero_and_halves_checked_before_the_size(capsys, no_work):
+    """B and W both 0 made a backward of 0 ms, which --bwd-ms 0 is refused for, and was
+    simulated. An oversized request with a half longer than its backward was told a formula's
+    bubble computed with a negative W."""
     for schedule in ("zb-h1", "1f1b"):
         assert main(["--pp", "2", "-m", "4", "--schedule", schedule, "--simulate", "--fwd-ms",
                      "1", "--bwd-input-ms", "0", "--bwd-weight-ms", "0"]) == 2
@@ -506,7 +510,7 @@ def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkey
         run_cli(capsys, *flags, *(["--p2p-ms", p2p] if p2p else []), "--plot",
                 str(tmp_path / "g.png"))
         ax = saved[-1].axes[0]
-        drawn = [c for c in ax.collections if tuple(c.get_facecolor()[0]) == comm]
+        drawn = [f for c in ax.collections for f in c.get_facecolor() if tuple(f) == comm]
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert bool(drawn) == bars and ("comm" in legend) == bars, (p2p, legend)
         assert "forward" in legend and "backward" in legend

@@ -182,3 +182,125 @@ def test_gantt_labels_only_boxes_they_fit_in(monkeypatch, tmp_path):
     plot_gantt(tl, str(tmp_path / "many.png"))
     boxes = _label_boxes(saved[-1], tl)
     assert len(boxes) == 2 * 2 * 16 and all(width < box for _, width, box in boxes)
+
+
+def _drawn_boxes(fig) -> list[tuple]:
+    """Every box the chart's collections draw, in drawing order: (row, x, width, y0, height,
+    face RGBA, edge RGBA), read off each collection's paths and per-box colours."""
+    import numpy as np
+
+    ax, out = fig.axes[0], []
+    for collection in sorted(ax.collections, key=lambda c: c.get_zorder()):  # stable: as drawn
+        faces, edges = collection.get_facecolor(), collection.get_edgecolor()
+        for i, path in enumerate(collection.get_paths()):
+            (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            row = round(float(y0) + 0.4)
+            assert np.isclose(y0, row - 0.4)  # every box hangs from the top of its row
+            edge = edges[i % len(edges)] if len(edges) else (0.0, 0.0, 0.0, 0.0)
+            out.append((row, float(x0), float(x1 - x0), float(y0), float(y1 - y0),
+                        tuple(map(float, faces[i % len(faces)])), tuple(map(float, edge))))
+    return out
+
+
+def _expected_boxes(tl, comm=True) -> list[tuple]:
+    """The boxes the chart should draw for `tl`, from its events: an idle bar across each row,
+    each compute (and other work, an optimizer step) a full box outlined in white, each message
+    or wait a thin unoutlined bar at the top of its row (none when `comm` is False); times in
+    ms from the step's start, rows in rank order."""
+    from matplotlib.colors import to_rgba
+
+    from megapar.pipeline.timeline import _COLOURS
+
+    colour = {"forward": "forward", "backward": "backward", "recompute": "recompute",
+              "backward_input": "backward_input", "backward_weight": "backward_weight",
+              "optimizer": "other", "send_act": "comm", "recv_act": "comm",
+              "send_grad": "comm", "recv_grad": "comm", "wait": "comm", "loss_broadcast": "comm"}
+    bar = ("send_act", "recv_act", "send_grad", "recv_grad", "wait", "loss_broadcast")
+    out = []
+    for row, rank in enumerate(tl.ranks()):
+        out.append((row, 0.0, 1e3 * tl.step_time, row - 0.4, 0.8, to_rgba(_COLOURS["idle"]),
+                    (0.0, 0.0, 0.0, 0.0)))
+        for e in tl.events:
+            if e.rank != rank or (e.kind in bar and not comm):
+                continue
+            thin = e.kind in bar
+            height, edge = (0.15, (0.0, 0.0, 0.0, 0.0)) if thin else (0.8, to_rgba("white"))
+            out.append((row, 1e3 * (e.start - tl.start), 1e3 * e.duration, row - 0.4, height,
+                        to_rgba(_COLOURS[colour[e.kind]]), edge))
+    return out
+
+
+def _same_boxes(drawn, expected):
+    """The same boxes, in any order: rows and colours equal, positions and sizes to 1e-9."""
+    key = lambda b: (b[0], round(b[1], 6), round(b[2], 6), b[4], b[5])  # noqa: E731
+    assert len(drawn) == len(expected)
+    for d, e in zip(sorted(drawn, key=key), sorted(expected, key=key)):
+        assert (d[0], d[5], d[6]) == (e[0], e[5], e[6]), (d, e)
+        assert d[1:5] == pytest.approx(e[1:5], rel=1e-9, abs=1e-9), (d, e)
+
+
+def test_gantt_boxes_are_the_timelines_events(monkeypatch, tmp_path):
+    """The chart draws its boxes as collections (one artist per box took 14 s to lay out and
+    draw a 5,500-event step): read back through them, the boxes are exactly the timeline's
+    events, each at its time and row, in its colour, an idle bar under each row; a recompute
+    inside a backward is drawn after it (on top), and comm=False draws no bars."""
+    from matplotlib.colors import to_rgba
+
+    from megapar.pipeline.timeline import _COLOURS
+
+    saved = _saved_figures(monkeypatch)
+    tl = Timeline([
+        Event(0, "forward", 0, 10.0, 12.0),
+        Event(0, "send_act", 0, 12.0, 12.5),
+        Event(0, "backward", 0, 13.0, 16.0),
+        Event(0, "recompute", 0, 14.0, 15.0),
+        Event(0, "wait", None, 16.0, 16.5),
+        Event(3, "recv_act", 0, 10.0, 12.0),
+        Event(3, "forward", 0, 12.0, 14.0),
+        Event(3, "backward_input", 0, 14.0, 15.0),
+        Event(3, "backward_weight", 0, 15.0, 15.5),
+        Event(3, "loss_broadcast", None, 15.5, 16.0),
+        Event(3, "optimizer", None, 17.0, 18.0),
+    ])
+    plot_gantt(tl, str(tmp_path / "g.png"))
+    drawn = _drawn_boxes(saved[-1])
+    _same_boxes(drawn, _expected_boxes(tl))
+    assert [t.get_text() for t in saved[-1].axes[0].get_yticklabels()] == ["stage 0", "stage 3"]
+    order = [b[5] for b in drawn]  # face colours in drawing order: one recompute, one backward
+    assert order.index(to_rgba(_COLOURS["recompute"])) > order.index(to_rgba(_COLOURS["backward"]))
+    plot_gantt(tl, str(tmp_path / "g.png"), comm=False)
+    _same_boxes(_drawn_boxes(saved[-1]), _expected_boxes(tl, comm=False))
+    # a simulated step, messages with a latency, and one without: every event a box
+    for costs, comm in ((Costs(fwd_ms=1, bwd_ms=2, p2p_ms=0.1), True),
+                        (Costs(fwd_ms=1, bwd_ms=2), False)):
+        tl = simulate_schedule("zb-v", 4, 8, costs)
+        plot_gantt(tl, str(tmp_path / "s.png"), comm=comm)
+        _same_boxes(_drawn_boxes(saved[-1]), _expected_boxes(tl, comm))
+        assert len(saved[-1].axes[0].collections) <= 2 * len(tl.ranks())  # not one per box
+
+
+def test_gantt_labels_every_box_it_fits_and_no_other(monkeypatch, tmp_path):
+    """Boxes of 40 widths in a shuffled order, all labelled 10@1: a box is labelled exactly
+    where the label (measured as a Text on the chart), with a point to spare on either side,
+    fits in it; some are wide enough to be measured and still too narrow (the width of each
+    distinct label is measured once and reused)."""
+    saved = _saved_figures(monkeypatch)
+    widths_ms = [0.05 * (1 + (17 * i) % 40) for i in range(40)]
+    starts = [sum(widths_ms[:i]) for i in range(40)]
+    tl = Timeline([Event(0, "forward", 10, 1e-3 * s, 1e-3 * (s + w), 1)
+                   for s, w in zip(starts, widths_ms)])
+    plot_gantt(tl, str(tmp_path / "ramp.png"))
+    fig = saved[-1]
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    probe = ax.text(0, 0, "10@1", fontsize=7)
+    label = probe.get_window_extent(renderer).width
+    probe.remove()
+    points = fig.dpi / 72
+    labelled = {round(text.get_position()[0], 9) for text in ax.texts}
+    band = 0
+    for s, w in zip(starts, widths_ms):
+        (left, _), (right, _) = ax.transData.transform([(s, 0), (s + w, 0)])
+        room = right - left - 2 * points
+        assert (round(s + w / 2, 9) in labelled) == (label <= room), (w, room, label)
+        band += 0.5 * 7 * points * 4 <= room < label  # measured, and too narrow
+    assert band and len(labelled) > 5

@@ -276,7 +276,10 @@ def gantt_figure(
     3@1, as --show-schedule writes it) where the label fits inside its box, communication as
     thin bars unless `comm` is False (a simulation with free messages, whose receives are only
     waits: idle, drawn as idle)."""
+    from matplotlib import rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgba
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -291,28 +294,42 @@ def gantt_figure(
     canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     used = {"idle"}
+    rgba = {key: to_rgba(colour) for key, colour in _COLOURS.items()}  # converted once
+    white, none = to_rgba("white"), to_rgba("none")
     chunked = any(e.chunk for e in timeline.events)
     # (x, width, row, text) of each label: drawn once the axes have their final size
     labels: list[tuple[float, float, int, str]] = []
     for row, rank in enumerate(ranks):
         ax.broken_barh([(0.0, span_ms)], (row - 0.4, 0.8), facecolors=_COLOURS["idle"])
+        # the row's boxes, in start order (a later box is drawn over an earlier one: a
+        # recompute over the backward it runs in), as one collection: one artist per box took
+        # seconds to lay out and draw at thousands of events
+        boxes: list[list[tuple[float, float]]] = []
+        faces: list[tuple[float, float, float, float]] = []
+        edges: list[tuple[float, float, float, float]] = []
+        widths: list[float] = []
         for e in timeline.for_rank(rank):
             key = _colour_key(e.kind)
             x, w = 1e3 * (e.start - t0), 1e3 * e.duration
             if e.kind in COMPUTE_KINDS or key == "other":
-                used.add(key)
-                ax.broken_barh(
-                    [(x, w)],
-                    (row - 0.4, 0.8),
-                    facecolors=_COLOURS[key],
-                    edgecolors="white",
-                    linewidth=0.5,
-                )
+                y0, h, edge, width = row - 0.4, 0.8, white, 0.5  # a full box, outlined
                 if e.mb is not None and span_ms > 0 and w > 0:
                     labels.append((x, w, row, f"{e.mb}@{e.chunk}" if chunked else str(e.mb)))
             elif comm:
-                used.add(key)
-                ax.broken_barh([(x, w)], (row - 0.4, 0.15), facecolors=_COLOURS[key])
+                # a thin bar at the top of the row, unoutlined (its line width, matplotlib's
+                # default, still sets where Agg snaps its edges to pixels)
+                y0, h, edge, width = row - 0.4, 0.15, none, rcParams["patch.linewidth"]
+            else:
+                continue
+            used.add(key)
+            boxes.append([(x, y0), (x, y0 + h), (x + w, y0 + h), (x + w, y0)])
+            faces.append(rgba[key])
+            edges.append(edge)
+            widths.append(width)
+        if boxes:
+            ax.add_collection(
+                PolyCollection(boxes, facecolors=faces, edgecolors=edges, linewidths=widths)
+            )
     ax.set_yticks(range(len(ranks)), [f"{row_name} {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0.0, span_ms if span_ms > 0 else 1.0)
@@ -347,17 +364,21 @@ def _label_boxes(
 ) -> None:
     """Each (x, width, row, text) drawn at the middle of its box where the text, with a point
     to spare on either side, fits inside the box's width on the laid-out axes; a narrower
-    box stays unlabelled (its label would spill over its neighbours')."""
+    box stays unlabelled (its label would spill over its neighbours'). Each distinct text is
+    measured once (a chart of thousands of boxes has a few dozen labels: "0" .. "63")."""
     renderer = canvas.get_renderer()
     points = canvas.figure.dpi / 72  # pixels per point
     size = 7  # points
+    widths: dict[str, float] = {}  # pixels, per text
     for x, w, row, s in labels:
         (left, _), (right, _) = ax.transData.transform([(x, row), (x + w, row)])
         room = abs(right - left) - 2 * points  # a point to spare on either side
-        if room < 0.5 * size * points * len(s):  # narrower than any such text: not measured
-            continue
+        if room < 0.5 * size * points * len(s) or widths.get(s, 0.0) > room:
+            continue  # narrower than any such text (not measured), or than this one
         text = ax.text(
             x + w / 2, row, s, ha="center", va="center", fontsize=size, color="white", clip_on=True
         )
-        if text.get_window_extent(renderer).width > room:
+        if s not in widths:
+            widths[s] = text.get_window_extent(renderer).width
+        if widths[s] > room:
             text.remove()
