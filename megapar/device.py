@@ -284,7 +284,9 @@ def wait(
 ) -> None:
     """Wait for the asynchronous collective or point-to-point `work` on tensors of `device`.
 
-    gloo: the host waits at most `timeout_s`, then raises `error` naming `what`. NCCL: the wait
+    gloo: the host waits at most `timeout_s`, then raises `error` naming `what` and the timeout;
+    when gloo fails the wait before that (a peer's connection closed: it died), the error says
+    after how long instead of blaming the timeout. NCCL: the wait
     only orders the current CUDA stream after the work (no host blocking, no polling); a hang is
     ended by the process group's own timeout (NCCL's watchdog, set by `init_distributed` from
     the same default), and the launcher names the rank and what it was doing. `what` is the
@@ -293,9 +295,16 @@ def wait(
     if not polls_host(device):
         work.wait()
         return
+    start = time.monotonic()
     try:
         ok = work.wait(timeout=_seconds(timeout_s))
     except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
+        waited = time.monotonic() - start
+        if waited < timeout_s and "timed out" not in str(exc).lower():  # a connection lost
+            raise error(
+                f"{_text(what)} did not complete: it failed after {waited:.1f} s, before its "
+                f"{timeout_s:g} s timeout ({exc}){hint}"
+            ) from exc
         raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") from exc
     if ok is False:
         raise error(

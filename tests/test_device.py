@@ -208,3 +208,32 @@ def test_malformed_slurm_variables_are_one_line_naming_the_variable(env, name, m
     err = capsys.readouterr().err
     assert rc == 2 and not started, err
     assert len(err.strip().splitlines()) == 1 and name in err, err
+
+
+class _LostWork:
+    """A gloo handle whose wait fails at once, as when the peer's process died."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+
+class _TimedOutWork:
+    """A gloo handle whose wait times out."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[pair.cc:446] Timed out waiting 5000ms for recv operation to complete")
+
+
+def test_a_wait_that_fails_before_its_timeout_does_not_blame_the_timeout():
+    cpu = torch.device("cpu")
+    with pytest.raises(TimeoutError) as lost:
+        _device.wait(_LostWork(), cpu, 300.0, "receiving the gradient from rank 2")
+    message = str(lost.value)
+    assert "within 300 s" not in message, message
+    assert message.startswith(
+        "receiving the gradient from rank 2 did not complete: it failed after 0.0 s, before its "
+        "300 s timeout ([pair.cc:553] Connection closed by peer"
+    ), message
+    with pytest.raises(TimeoutError) as timed_out:  # gloo's own timeout: named as such
+        _device.wait(_TimedOutWork(), cpu, 5.0, "a receive")
+    assert str(timed_out.value).startswith("a receive did not complete within 5 s (")
