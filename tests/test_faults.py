@@ -842,6 +842,37 @@ def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypat
         server.join()
 
 
+class _GoneStore:
+    """A store client whose server's process is gone: every call fails as torch's TCPStore
+    client does then (and torch prints a C++ stack trace for each)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _gone(self, *args):
+        self.calls += 1
+        raise dist.DistNetworkError("Broken pipe")
+
+    set = get = check = multi_get = _gone
+
+
+def test_a_store_whose_process_is_gone_is_written_to_once():
+    """torchrun's agent of node 0 holds the store; when it exits (its rank was killed) the other
+    nodes' ranks still publish every second while they wait, and each try printed a C++ stack
+    trace of torch's ("sendBytes failed ... Broken pipe"), six in the 11 s a report waits. The
+    connection does not come back: after it broke, nothing more is sent or read."""
+    from megapar.faults.progress import ProgressRecords
+
+    store = _GoneStore()
+    records = ProgressRecords(store, 1, 2)
+    for _ in range(5):
+        records.publish()
+    assert store.calls == 1 and records.lost
+    records.mark_failed()
+    assert records.read() == {} and records.holding_up() == ""
+    assert store.calls == 1
+
+
 def test_a_rank_whose_heartbeat_stops_is_named_as_stopped(monkeypatch):
     """A rank stopped on another node (frozen, or its node lost) cannot be seen in this node's
     /proc: its record kept the step it stopped at, and read like a hung rank's. Each record now

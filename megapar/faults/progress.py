@@ -68,6 +68,7 @@ class ProgressRecords:
         self._beat = 0
         self._stop = threading.Event()
         self._cpu = (time.monotonic(), time.process_time())
+        self.lost = False  # the connection to the store broke (its process is gone)
 
     def key(self, rank: int) -> str:
         return f"{self.prefix}{rank}"
@@ -85,8 +86,11 @@ class ProgressRecords:
     def publish(self) -> None:
         """Send this rank's record when its status, its failure or whether it computes changed,
         or `HEARTBEAT_S` after the last send, with its heartbeat count one up (bounded by the
-        store's timeout; a store gone is ignored)."""
+        store's timeout; a store gone is ignored: once its connection broke, nothing more is
+        sent, since torch's client does not reconnect and prints a C++ stack for every try)."""
         with self._lock:
+            if self.lost:
+                return
             record = self.record()
             same = {**record, "cpu": record["cpu"] >= BUSY_SHARE}
             text, now = json.dumps(same), time.monotonic()
@@ -96,7 +100,9 @@ class ProgressRecords:
             try:
                 self.store.set(self.key(self.rank), json.dumps({**record, "beat": self._beat}))
                 self._sent, self._sent_at = text, now
-            except (RuntimeError, ValueError):  # DistError: the store is down or slow
+            except dist.DistNetworkError:  # the store's process is gone (its agent exited)
+                self.lost = True
+            except (RuntimeError, ValueError):  # DistError: the store is slow
                 pass
 
     def start(self) -> None:
@@ -120,7 +126,10 @@ class ProgressRecords:
         self.publish()
 
     def read(self) -> dict[int, dict]:
-        """{rank: record} of every other rank that has one (bounded by the store's timeout)."""
+        """{rank: record} of every other rank that has one (bounded by the store's timeout);
+        none once the connection to the store broke."""
+        if self.lost:
+            return {}
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [self.key(r) for r in others]
         try:
@@ -132,6 +141,9 @@ class ProgressRecords:
                     for r, k in zip(others, keys, strict=True)
                     if self.store.check([k])
                 }
+        except dist.DistNetworkError:
+            self.lost = True
+            return {}
         except (RuntimeError, ValueError):
             return {}
         records = {}
