@@ -856,11 +856,13 @@ class _GoneStore:
     set = get = check = multi_get = _gone
 
 
-def test_a_store_whose_process_is_gone_is_written_to_once():
+def test_a_store_whose_process_is_gone_is_written_to_once(monkeypatch):
     """torchrun's agent of node 0 holds the store; when it exits (its rank was killed) the other
     nodes' ranks still publish every second while they wait, and each try printed a C++ stack
     trace of torch's ("sendBytes failed ... Broken pipe"), six in the 11 s a report waits. The
-    connection does not come back: after it broke, nothing more is sent or read."""
+    connection does not come back: after it broke, nothing more is sent or read, and the report
+    names the process that held the store (under srun rank 0: its error was only "rank 1 failed
+    at step 4: ... Connection reset by peer")."""
     from megapar.faults.progress import ProgressRecords
 
     store = _GoneStore()
@@ -868,8 +870,15 @@ def test_a_store_whose_process_is_gone_is_written_to_once():
     for _ in range(5):
         records.publish()
     assert store.calls == 1 and records.lost
-    records.mark_failed()
-    assert records.read() == {} and records.holding_up() == ""
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # srun: rank 0 held the store
+    assert records.read() == {}
+    assert records.holding_up() == ("rank 0 is gone: its process held the job's store at "
+                                    "node0:29500, which no longer answers")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun: node 0's agent held it
+    assert records.holding_up().startswith("the job's store at node0:29500 is gone: node 0's "
+                                           "torchrun agent, which held it, exited")
     assert store.calls == 1
 
 

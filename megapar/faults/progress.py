@@ -164,11 +164,12 @@ class ProgressRecords:
         `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose heartbeat
         did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
         by `blame.behind_first` (the earliest step, then busy in its own work rather than
-        waiting, then using a CPU, then the lowest rank); "" without records."""
+        waiting, then using a CPU, then the lowest rank); the process that held the store when
+        its connection broke before any record was read (`store_gone`); "" without records."""
         none: dict[int, dict] = {}
         first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
         if not first:
-            return ""
+            return store_gone() if self.lost else ""
         if failed := _failed_of_itself(first):
             return failed
         wait = heartbeat_wait_s()
@@ -197,6 +198,19 @@ class ProgressRecords:
                 else ""
             )
         )
+
+
+def store_gone() -> str:
+    """What a broken connection to the job's store tells: the process holding it is gone. Under
+    torchrun that is node 0's agent, which exits when a rank of its node fails; otherwise (srun,
+    a launcher that sets RANK and WORLD_SIZE) rank 0, which made it."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return (
+            f"the job's store at {where} is gone: node 0's torchrun agent, which held it, "
+            f"exited (it does when a rank of its node fails; see that node's log)"
+        )
+    return f"rank 0 is gone: its process held the job's store at {where}, which no longer answers"
 
 
 def _failed_of_itself(records: dict[int, dict]) -> str:
