@@ -264,6 +264,13 @@ def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
         assert "(file truncated or altered)" in str(exc.value)
         assert str(exc.value).endswith(
             f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
+    # `latest` names a step that is gone: the step offered is the newest complete one, not
+    # step 6, whose shard is truncated (it was offered, and refused in turn)
+    (root / "latest").write_text("step_00000009\n")
+    with pytest.raises(UsageError) as exc:
+        checkpoint_manifest(str(root))
+    assert str(exc.value).endswith(
+        f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
     (root / "step_00000003" / "manifest.json").unlink()
     with pytest.raises(UsageError) as exc:
         checkpoint_manifest(str(root))

@@ -223,7 +223,8 @@ def checkpoint_manifest(path: str) -> dict:
 
 def _other_steps(path: str) -> str:
     """For a --load that failed its checks: the newest other step of its root to resume from
-    instead (`; ... --load ROOT/step_N`), or "" when there is none."""
+    instead (`; ... --load ROOT/step_N`), one whose files are all there at their recorded sizes
+    (a size check: the checksums are the resume's own), or "" when there is none."""
     p = Path(os.path.expanduser(path))
     if (p / MANIFEST).is_file():
         root, failed = p.parent, p.name
@@ -232,10 +233,13 @@ def _other_steps(path: str) -> str:
     else:
         return ""
     shown = path.rstrip("/") if root == p else os.path.dirname(path.rstrip("/")) or "."
-    others = [s for s in steps_after(root, -1) if s != failed]
-    if not others:
-        return ""
-    return f" (the newest other step there: --load {os.path.join(shown, others[-1])})"
+    for other in reversed([s for s in steps_after(root, -1) if s != failed]):
+        try:
+            verify(root / other, checksums=False)
+        except (CheckpointError, KeyError, OSError):
+            continue
+        return f" (the newest other step there: --load {os.path.join(shown, other)})"
+    return ""
 
 
 NOT_INHERITED = {
