@@ -501,6 +501,16 @@ def _master_port() -> int:
     return int(value)
 
 
+def default_store_prefix() -> str:
+    """The prefix of the default process group's keys in the env:// rendezvous store: one per
+    torchrun attempt (TORCHELASTIC_RESTART_COUNT). torchrun's static rendezvous (--master-addr /
+    --master-port) keeps one store for every restart of `--max-restarts`, so a restart's ranks
+    would read the keys of the attempt before: gloo's addresses of the dead ranks (its connect
+    fails, or hangs), megapar's settings comparison already done."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"default_pg/attempt_{attempt}" if attempt else "default_pg"
+
+
 def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
@@ -543,7 +553,7 @@ def init_distributed(
             store, _, _ = next(
                 dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
             )
-            store = dist.PrefixStore("default_pg", store)
+            store = dist.PrefixStore(default_store_prefix(), store)
         dist.init_process_group(
             backend=backend(),
             rank=rank,

@@ -475,3 +475,62 @@ def test_a_return_value_that_cannot_leave_its_worker_is_named_in_one_line():
     assert first.startswith("rank 0 failed: UnsendableResult: rank 0's fn returned a ")
     assert "cannot pickle" in first and "not the engine" in first
     assert "Traceback" not in str(info.value)  # the line says it all
+
+
+def _rank_of_attempt(rank, port, attempt, out):
+    """Rank `rank` of 2 in torchrun's attempt `attempt` (TORCHELASTIC_RESTART_COUNT), its
+    store the agent's at `port`: joins the default group, makes a group of both ranks and sums
+    over it; reports (rank, the sum or the error's type)."""
+    import os
+    from datetime import timedelta
+
+    from megapar.device import init_distributed
+
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        os.environ.pop(name, None)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS="1")
+    try:
+        init_distributed(rank, 2, timeout_s=5)
+        both = dist.new_group([0, 1], timeout=timedelta(seconds=5))
+        total = torch.ones(1)
+        dist.all_reduce(total, group=both)
+        out.put((rank, total.item()))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, type(exc).__name__))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_torchrun_restart_joins_on_keys_of_its_own_attempt():
+    """torchrun's static rendezvous (--master-addr / --master-port, as launch/ uses) keeps its
+    agent's store for every restart of --max-restarts, and torch's env:// rendezvous does not
+    prefix it by attempt: after a kill -9 of rank 1 and torchrun's restart, the new ranks read
+    the dead ranks' gloo addresses from the attempt before and hung in the mesh's first group
+    (13 minutes, until SIGTERM). Each attempt now joins on keys of its own."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    from megapar.launcher import free_port
+
+    port, ctx = free_port(), mp.get_context("fork")
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    out = ctx.Queue()
+    for attempt in (0, 1):
+        procs = [ctx.Process(target=_rank_of_attempt, args=(r, port, attempt, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            results = dict(out.get(timeout=60) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        assert results == {0: 2.0, 1: 2.0}, (attempt, results)
+    del agent
