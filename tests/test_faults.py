@@ -218,6 +218,26 @@ def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path
     assert (ckpt / "latest").read_text().strip() == f"step_{step:08d}"
 
 
+def _stop_reason_when_rank_1_is_signalled(signame):
+    from megapar.faults import stop
+
+    if dist.get_rank() == 1:
+        stop._on_signal(signal.Signals[signame].value, None)
+    try:
+        return stop.StopRequests().reason(7)
+    finally:
+        stop._requested.update(reason="")
+
+
+def test_a_stop_names_the_rank_and_the_signal_it_came_from():
+    """A signal delivered to one rank only (a node's preemption notice, an operator's kill)
+    stops every rank; rank 0, which logs, said only 'a signal on another rank received'."""
+    said = run_local(_stop_reason_when_rank_1_is_signalled, 3, "SIGUSR1")
+    assert said == ["SIGUSR1 on rank 1 received: stopping at step 7",
+                    "SIGUSR1 received: stopping at step 7",
+                    "SIGUSR1 on rank 1 received: stopping at step 7"], said
+
+
 def test_exit_interval_stops_and_saves(tmp_path, common, capsys):
     ckpt = tmp_path / "ckpt"
     assert main([*common, "--max-steps", "10", "--exit-interval", "3", "--save", str(ckpt)]) == 0

@@ -425,6 +425,10 @@ def _write_block(text: str) -> None:
             return
 
 
+_RANKS = 1 << 32
+"""More ranks than a job has: `StopRequests.reason` sends signal x _RANKS + rank + 1."""
+
+
 class StopRequests:
     """Decides, the same way on every rank, whether to stop after the current step."""
 
@@ -439,22 +443,29 @@ class StopRequests:
         self.start = time.monotonic()
 
     def reason(self, step: int) -> str | None:
-        """Why to stop after `step` (None: go on). Collective over the world: call on every rank."""
-        code = 0.0
+        """Why to stop after `step` (None: go on). Collective over the world: call on every rank.
+        A rank that did not receive the signal itself names the one that did, and which signal
+        (one all-reduce of two numbers: whether to stop, and signal x `_RANKS` + rank + 1)."""
+        code, sender = 0, 0
         if _requested["reason"]:
-            code = 2.0
+            code = 2
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            sender = signal.Signals[_requested["reason"]].value * _RANKS + rank + 1
         elif self.exit_duration_s and time.monotonic() - self.start >= self.exit_duration_s:
-            code = 1.0
+            code = 1
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([code], dtype=torch.float32, device=self.device)
+            flag = torch.tensor([code, sender], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code = float(flag.item())
-        if code == 2.0:
-            who = _requested["reason"] or "a signal on another rank"
+            code, sender = (int(v) for v in flag.tolist())
+        if code == 2:
+            who = _requested["reason"]
+            if not who:
+                signum, rank = divmod(sender - 1, _RANKS)
+                who = f"{signal.Signals(signum).name} on rank {rank}"
             if who == "SIGINT":
                 return f"interrupted at step {step}, saving"
             return f"{who} received: stopping at step {step}"
-        if code == 1.0:
+        if code == 1:
             return f"--exit-duration-mins {self.exit_duration_s / 60:g} reached at step {step}"
         if self.exit_interval and step % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached at step {step}"
