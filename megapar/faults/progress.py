@@ -202,13 +202,14 @@ class ProgressRecords:
 
 def store_gone() -> str:
     """What a broken connection to the job's store tells: the process holding it is gone. Under
-    torchrun that is node 0's agent, which exits when a rank of its node fails; otherwise (srun,
-    a launcher that sets RANK and WORLD_SIZE) rank 0, which made it."""
+    torchrun that is the agent at MASTER_ADDR (node 0's with --master-addr, the --rdzv-endpoint
+    host's with --rdzv-backend c10d), which exits when a rank of its node fails; otherwise
+    (srun, a launcher that sets RANK and WORLD_SIZE) rank 0, which made it."""
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return (
-            f"the job's store at {where} is gone: node 0's torchrun agent, which held it, "
-            f"exited (it does when a rank of its node fails; see that node's log)"
+            f"the job's store at {where} is gone: the torchrun agent that held it exited (an "
+            f"agent does when a rank of its node fails; see that node's log)"
         )
     return f"rank 0 is gone: its process held the job's store at {where}, which no longer answers"
 
