@@ -279,6 +279,10 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     )
 
 
+LOST_HINT = "a peer's connection closed: that rank probably died (look for its error)"
+"""The end of the error of a wait that failed before its timeout (`wait`)."""
+
+
 def wait(
     work, device: torch.device, timeout_s: float, what, error: type = TimeoutError, hint: str = ""
 ) -> None:
@@ -286,7 +290,8 @@ def wait(
 
     gloo: the host waits at most `timeout_s`, then raises `error` naming `what` and the timeout;
     when gloo fails the wait before that (a peer's connection closed: it died), the error says
-    after how long instead of blaming the timeout. NCCL: the wait
+    after how long, and `LOST_HINT` instead of `hint` (which may suggest a longer timeout, or a
+    mismatch that would hang, not close a connection). NCCL: the wait
     only orders the current CUDA stream after the work (no host blocking, no polling); a hang is
     ended by the process group's own timeout (NCCL's watchdog, set by `init_distributed` from
     the same default), and the launcher names the rank and what it was doing. `what` is the
@@ -303,7 +308,7 @@ def wait(
         if waited < timeout_s and "timed out" not in str(exc).lower():  # a connection lost
             raise error(
                 f"{_text(what)} did not complete: it failed after {waited:.1f} s, before its "
-                f"{timeout_s:g} s timeout ({exc}){hint}"
+                f"{timeout_s:g} s timeout ({exc}); {LOST_HINT}"
             ) from exc
         raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") from exc
     if ok is False:
