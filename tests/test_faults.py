@@ -921,7 +921,8 @@ def test_a_rank_whose_heartbeat_stops_is_named_as_stopped(monkeypatch):
     other.publish()  # one record, then nothing: stopped
     said = reader.holding_up()
     assert said.startswith("rank 1 did not answer") and said.endswith(
-        "; its process sent no heartbeat in 1.05 s (stopped, frozen, or its node lost?)"), said
+        "; its process sent no heartbeat in 1.05 s (killed, stopped, frozen, or its node "
+        "lost?)"), said
     other.start()  # alive (hung in its own work): its thread beats
     try:
         reader.failed = False

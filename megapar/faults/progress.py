@@ -192,8 +192,8 @@ class ProgressRecords:
             f"rank {named} did not answer"
             + (f" at {statuses[named]}" if statuses[named] else "")
             + (
-                f"; its process sent no heartbeat in {wait:g} s (stopped, frozen, or its node "
-                f"lost?)"
+                f"; its process sent no heartbeat in {wait:g} s (killed, stopped, frozen, or "
+                f"its node lost?)"
                 if stopped
                 else ""
             )
