@@ -245,6 +245,20 @@ def test_exit_interval_stops_and_saves(tmp_path, common, capsys):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_log_that_cannot_be_written_is_named_at_the_step_it_failed(tmp_path, common, capsys):
+    """--log-json on a full disk (/dev/full: every write fails with ENOSPC): the error said
+    'rank 0 failed before training started: OSError: [Errno 28] No space left on device', the
+    step's failure masked by closing the log (its flush failed again) and the file not named."""
+    assert main([*common, "--max-steps", "2", "--log-json", "/dev/full",
+                 "--save", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("megapar-train: error:"))
+    assert line.startswith(
+        "megapar-train: error: rank 0 failed at step 1: OSError: [Errno 28] No space left on "
+        "device: writing --log-json /dev/full"), err
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_diverging_run_stops_and_saves_nothing(tmp_path, common, capsys, precision):
     ckpt = tmp_path / "ckpt"

@@ -139,20 +139,24 @@ class MetricsLogger(NullLogger):
                 file=sys.stderr,
             )
         self.json = None
+        self.json_flag = f"--log-json {cfg.log_json}"
+        self.tb_flag = f"--tensorboard {cfg.tensorboard}"
         if cfg.log_json:  # a fresh run starts the file, a resumed one continues it
-            Path(cfg.log_json).parent.mkdir(parents=True, exist_ok=True)
-            if start_step > 0:
-                keep_records_up_to(cfg.log_json, start_step)
-            self.json = open(cfg.log_json, "a" if start_step > 0 else "w", buffering=1)
+            with _naming(self.json_flag):
+                Path(cfg.log_json).parent.mkdir(parents=True, exist_ok=True)
+                if start_step > 0:
+                    keep_records_up_to(cfg.log_json, start_step)
+                self.json = open(cfg.log_json, "a" if start_step > 0 else "w", buffering=1)
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # a resumed run's steps replace those an earlier run logged after its checkpoint
             # (TensorBoard purges events from purge_step on), as --log-json is trimmed
-            self.tb = SummaryWriter(
-                cfg.tensorboard, purge_step=start_step + 1 if start_step > 0 else None
-            )
+            with _naming(self.tb_flag):
+                self.tb = SummaryWriter(
+                    cfg.tensorboard, purge_step=start_step + 1 if start_step > 0 else None
+                )
         self.wandb = None
         self.wandb_project = cfg.wandb_project
         self.wandb_from = 0
@@ -207,11 +211,13 @@ class MetricsLogger(NullLogger):
         W&B."""
         record = {"step": step, **metrics, "time": round(time.time(), 4)}
         if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
-            self.json.write(strict_json(record) + "\n")
+            with _naming(self.json_flag):
+                self.json.write(strict_json(record) + "\n")
         scalars = scalars_of(metrics)
         if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, step)
+            with _naming(self.tb_flag):
+                for key, value in scalars.items():
+                    self.tb.add_scalar(key, value, step)
         if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log(scalars, step=step)
 
@@ -223,14 +229,39 @@ class MetricsLogger(NullLogger):
         return {"wandb_run": {"project": self.wandb_project, "id": self.wandb.id}}
 
     def close(self) -> None:
+        """Close every output; the first OSError (naming its flag) is raised once all are
+        closed."""
+        failed: OSError | None = None
         if self.bar is not None:
             self.bar.close()
-        if self.json is not None:
-            self.json.close()
-        if self.tb is not None:
-            self.tb.close()
+        for flag, output in ((self.json_flag, self.json), (self.tb_flag, self.tb)):
+            if output is not None:
+                try:
+                    with _naming(flag):
+                        output.close()
+                except OSError as exc:
+                    failed = failed or exc
         if self.wandb is not None:
             self.wandb.finish()
+        if failed is not None:
+            raise failed
+
+
+class _naming:
+    """Context manager: an OSError inside is raised again naming the output's flag and path
+    (`--log-json run.jsonl`), which the error of a full or lost disk does not."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if isinstance(exc, OSError) and self.flag not in str(exc):
+            if exc.errno is None:
+                raise OSError(f"{exc}: writing {self.flag}") from exc
+            raise OSError(exc.errno, f"{exc.strerror}: writing {self.flag}") from exc
 
 
 def perplexity(loss: float) -> float:

@@ -462,6 +462,7 @@ class Trainer:
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         saved = self.saved_at_start()
         loaded_step, saved_path = saved, None
+        failed = False
         try:
             while self.step < cfg.max_steps:
                 at = self.step + 1
@@ -518,9 +519,14 @@ class Trainer:
                 self.save(logger)
             self.log_saved(logger, self.engine.wait_save())  # before the process exits
         except Exception as exc:
+            failed = True
             raise self.failure(exc, at, saved, loaded_step) from exc
         finally:
-            logger.close()
+            try:
+                logger.close()
+            except OSError:  # a log that cannot be written: the failure said so already
+                if not failed:
+                    raise
         return history
 
 
