@@ -1204,3 +1204,44 @@ def test_ranks_that_returned_while_others_waited_are_named_as_the_cause():
     lines = blame(procs, {1: None, 2: None}, {0: closed}, statuses + [""]).splitlines()
     assert lines[0].startswith("ranks 1 and 2 returned from the function while rank 0 still "
                                "waited for them at step 1")
+
+
+def _optimizer_actions(layout: tuple, zero: int, kind: str) -> list[str]:
+    """The `set_action` labels one training step of a tiny GPT-2 records for its optimizer
+    step, at `layout` (tp, pp, dp) with ZeRO `zero` and `--optimizer kind`."""
+    from test_parity_3d import CONFIG, MBS, SEED, SEQ, G, config, global_batches
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.mesh import Layout, Mesh
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.partition import build_stage
+    from megapar.training import step as step_module
+
+    mesh = Mesh(Layout(*layout), dist.get_rank() if dist.is_initialized() else 0)
+    model = build_stage(config(), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
+    optimizer = build_optimizer(model, mesh, 3e-3, 0.1, zero=zero, kind=kind)
+    train = step_module.TrainStep(model, mesh, executor, optimizer, None,
+                                  Precision("fp32", mesh.device), 1.0,
+                                  build_grad_sync(model, mesh, zero))
+    actions: list[str] = []
+    original = step_module.set_action
+    step_module.set_action = lambda what: (actions.append(what), original(what))[1]
+    try:
+        train.step(step_module.BatchPlan(G, MBS, mesh.dp).split(global_batches()[0],
+                                                                mesh.dp_rank), 0)
+    finally:
+        step_module.set_action = original
+    return [a for a in actions if a.startswith("optimizer step")]
+
+
+def test_the_optimizer_steps_action_names_only_the_collectives_it_runs(run):
+    """What a rank hung in the optimizer step is said to be doing names the collectives that
+    step runs: none for AdamW without ZeRO (it read "ZeRO / trust-ratio collectives" for every
+    optimizer), ZeRO's over dp x cp when sharded, LAMB's trust-ratio all-reduces."""
+    assert _optimizer_actions((1, 1, 1), 0, "adamw") == ["optimizer step"]
+    assert _optimizer_actions((1, 1, 1), 0, "lamb") == [
+        "optimizer step (lamb's trust-ratio all-reduces)"]
+    assert run(_optimizer_actions, 2, (1, 1, 2), 1, "adamw") == [
+        ["optimizer step (ZeRO's collectives over dp x cp)"]] * 2

@@ -189,6 +189,15 @@ class TrainStep:
         self.sharded = grad_sync is not None and grad_sync.sharded and mesh.dp * mesh.cp > 1
         """The grad sync shards the gradients, so the optimizer steps only this rank's
         slices (ZeRO-1 / 2 / 3 with dp x cp > 1)."""
+        kind = getattr(optimizer, "kind", "adamw")
+        collectives = [
+            *(["ZeRO's collectives over dp x cp"] if self.sharded else []),
+            *([f"{kind}'s trust-ratio all-reduces"] if kind in ("lamb", "lars") else []),
+        ]
+        self._optimizer_action = "optimizer step" + (
+            f" ({', '.join(collectives)})" if collectives else ""
+        )
+        """What a hang in the optimizer step was doing (`set_action`): its collectives, if any."""
         if self.sharded:
             self._attach()
         elif optimizer.zero and mesh.dp * mesh.cp > 1:
@@ -273,7 +282,7 @@ class TrainStep:
         # A non-finite gradient or loss is never applied (both are global: every rank agrees).
         skipped = skipped or not (math.isfinite(norm) and math.isfinite(mean_loss))
         if not skipped:
-            set_action("optimizer step (ZeRO / trust-ratio collectives)")
+            set_action(self._optimizer_action)
             self.optimizer.step()
         self.precision.update(skipped)
         router = None
