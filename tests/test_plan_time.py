@@ -201,9 +201,9 @@ def test_every_layout_s_step_is_its_compute_exposed_comm_and_idle():
     """The parts of a step the plan prints add up to it, layout by layout: compute + exposed
     communication (tp, cp, ep of the busiest rank's micro-batches; pp, dp and the rest outside
     the pipeline) + the busiest rank's idle time, so the communication's share lies in [0, 1].
-    A tiny Mixtral (3 layers, hidden 64, 4 experts of 96, top 2; transformers' config) on 8
-    GPUs, every layout, bubbles simulated and by formula: the bubble spread over the
-    communication gave 639 of 3,675 such layouts shares over 1 (mixtral-tiny at 64 x 128)."""
+    A tiny Mixtral (mixtral-tiny at 3 layers, hidden 64, 4 experts of 96, top 2) on 8 GPUs,
+    every layout, bubbles simulated and by formula: the bubble spread over the communication
+    gave 1,152 of these 1,644 estimates shares over 1."""
     from megapar.plan import Shared, enumerate_candidates
 
     config = dataclasses.replace(resolve_model("mixtral-tiny"), num_hidden_layers=3,
