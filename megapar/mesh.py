@@ -55,6 +55,19 @@ fastest (tensor-parallel groups are contiguous ranks, inside a node) and cp alwa
 (so "tp-pp-dp" is tp-cp-pp-dp, "tp-dp-pp" is tp-cp-dp-pp)."""
 
 
+def ep_split_error(ep: int, dp: int, cp: int) -> str:
+    """The one line for an --ep that does not divide dp x cp (megapar-train's check of its
+    flags and `Layout`'s): the product, and the --ep values that divide it."""
+    ranks = dp * cp
+    fits = [e for e in range(1, ranks + 1) if ranks % e == 0]
+    choices = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
+    return (
+        f"--ep {ep} does not divide dp x cp = --dp {dp} x --cp {cp} = {ranks}: experts are "
+        f"sharded over the data- and context-parallel ranks; use --ep {choices} (each divides "
+        f"dp x cp = {ranks}), or change --dp / --cp"
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout: how many ways each dimension is split."""
@@ -79,11 +92,7 @@ class Layout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
         if self.dp * self.cp % self.ep:
-            raise LayoutError(
-                f"--ep {self.ep} does not divide dp x cp = {self.dp} x {self.cp} = "
-                f"{self.dp * self.cp}: experts are sharded over the data- and context-parallel "
-                f"ranks; choose an --ep that divides dp x cp, or change --dp / --cp"
-            )
+            raise LayoutError(ep_split_error(self.ep, self.dp, self.cp))
         if self.order not in RANK_ORDERS:
             raise LayoutError(
                 f"--rank-order must be one of {', '.join(RANK_ORDERS)}, got {self.order!r}"

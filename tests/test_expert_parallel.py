@@ -152,16 +152,24 @@ def test_ep_groups_fold_into_dp_x_cp():
 
 
 def test_ep_must_divide_dp_x_cp_one_clear_line():
-    with pytest.raises(LayoutError, match=r"--ep 3 does not divide dp x cp = 4 x 1 = 4"):
+    """megapar-train's check of its flags and `Layout` refuse an --ep that does not divide
+    dp x cp in one wording: the product, and the --ep values that would work."""
+    four = (r"--ep 3 does not divide dp x cp = --dp 4 x --cp 1 = 4: experts are sharded over the "
+            r"data- and context-parallel ranks; use --ep 1, 2 or 4 \(each divides dp x cp = 4\), "
+            r"or change --dp / --cp$")
+    two = (r"--ep 4 does not divide dp x cp = --dp 1 x --cp 2 = 2: .*; use --ep 1 or 2 "
+           r"\(each divides dp x cp = 2\), or change --dp / --cp$")
+    with pytest.raises(LayoutError, match=four):
         Layout(dp=4, ep=3)
-    with pytest.raises(LayoutError, match=r"--ep 4 does not divide dp x cp = 1 x 2 = 2"):
+    with pytest.raises(LayoutError, match=two):
         Layout(cp=2, ep=4)
-    with pytest.raises(LayoutError, match="--ep 2 does not divide dp x cp = 1 x 1"):
+    with pytest.raises(LayoutError, match=r"--ep 2 does not divide dp x cp = --dp 1 x --cp 1 = 1"
+                                          r": .*; use --ep 1 \(each"):
         Layout.infer(2, tp=2, ep=2)
     assert Layout.infer(2, cp=2, ep=2).dp == 1  # ep over the cp ranks
-    with pytest.raises(UsageError, match=r"--ep 3 does not divide dp x cp = --dp 4 x --cp 1"):
+    with pytest.raises(UsageError, match=four):
         check_settings(TrainConfig(dp=4, ep=3))
-    with pytest.raises(UsageError, match=r"--ep 4 does not divide dp x cp = --dp 1 x --cp 2"):
+    with pytest.raises(UsageError, match=two):
         check_settings(TrainConfig(dp=1, cp=2, ep=4))
     check_settings(TrainConfig(dp=1, cp=2, ep=2))  # served
     check_settings(TrainConfig(dp=4, ep=2, zero=3))  # served

@@ -40,6 +40,10 @@ Time model (all per optimizer step):
   between first and last stage (pp > 1) is exposed.
 - the optimizer step, the loss and data loading are not modelled.
 
+The step is the compute, the exposed communication (`Estimate.comm_s`: the busiest rank's own
+tp / cp / ep collectives, and what is outside the schedule) and the busiest rank's idle time in
+the pipeline (`Estimate.idle_s`), summed.
+
 MFU counts the model's FLOPs (`megapar.models.flops.training_flops_per_token`, what
 megapar-train logs its MFU with) against GPUs x peak; every rank computes at least its share of
 them at peak x efficiency, so MFU <= efficiency. `hw_tflops` adds recomputation (what Narayanan
@@ -103,9 +107,13 @@ class Estimate:
     hw_tflops: float = 0.0
     process: ProcessPeak | None = None
     """The most loaded rank's process figure (`plan.process`): what `fits` is decided on."""
+    idle_s: float = 0.0
+    """Seconds the busiest rank waits in the pipeline (its share of the bubble): the step is
+    `compute_s` + the exposed communication (`comm_s`) + this."""
 
     @property
     def comm_share(self) -> float:
+        """The exposed communication's share of the step (0 to 1)."""
         return sum(self.comm_s.values()) / self.step_s if self.step_s else 0.0
 
 
@@ -510,21 +518,23 @@ def estimate(
         if c.pp > 1
         else 0.0
     )
-    stretch = m / (1 - frac)  # the busiest rank's share of the pipeline, bubble included
     sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.sp, c.zero >= 2, c.dp * n)
     tp_sync = shared.get(("tp sync", *sync_key), lambda: tp_sync_seconds(p, c))
+    # the busiest rank's own collectives, m micro-batches of them: its busy time is `compute`
+    # and these; the rest of the pipeline's makespan it waits (`idle`)
     comm = {
-        "tp": stretch * sum(x.tp for x in busiest) + tp_sync,
+        "tp": m * sum(x.tp for x in busiest) + tp_sync,
         "pp": p2p + tied,
         "dp": dp_exposed,
     }
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
-        comm["cp"] = stretch * sum(x.cp for x in busiest)
+        comm["cp"] = m * sum(x.cp for x in busiest)
     if c.ep > 1:
-        comm["ep"] = stretch * sum(x.ep for x in busiest)
+        comm["ep"] = m * sum(x.ep for x in busiest)
     step = pipe_s + p2p + dp_exposed + zero_s + tied + tp_sync
+    idle = max(pipe_s - m * sum(x.total for x in busiest), 0.0)
     tokens = p.global_batch * s
 
     model, whole = shared.get(
@@ -549,6 +559,7 @@ def estimate(
         tokens * model / (step * p.gpus * p.peak_tflops * 1e12),
         (tokens * model + recompute_flops) / (step * p.gpus) / 1e12,
         process,
+        idle,
     )
 
 

@@ -168,6 +168,7 @@ def row(e: Estimate, master_weights: str = "fp32") -> dict:
         "comm_s": e.comm_s,
         "comm_share": e.comm_share,
         "compute_s": e.compute_s,
+        "idle_s": e.idle_s,
         "step_s": e.step_s,
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
@@ -212,7 +213,9 @@ def table(estimates: list[Estimate], master_weights: str = "fp32", target: str =
     lines.append(
         "bubble: the ranks' idle share of the step, averaged (uneven stages included); "
         "s = simulated on megapar's schedule simulator, f = published formula "
-        "(schedule not in megapar, or too many actions to simulate); mem = "
+        "(schedule not in megapar, or too many actions to simulate); comm = the exposed "
+        "communication's share of the step (the step = compute + it + the busiest rank's "
+        "idle time, --explain's parts); mem = "
         + (
             "what the most loaded rank's device holds at its peak: its tensors, the "
             "allocator's reserve and the CUDA context"
@@ -339,9 +342,10 @@ def explain(e: Estimate, target: str = "gpu") -> str:
         + (f"{e.process.total / GIB:.2f} GiB (terms below) -> " if e.process else "-> ")
         + ("fits" if e.fits else "does NOT fit"),
         BUFFERS_NOTE,
-        f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
-        f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm "
-        + ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),
+        f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, exposed comm "
+        + ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items())
+        + f", idle {e.idle_s:.4f} s (the busiest rank's); bubble {100 * e.bubble:.1f} % "
+        f"({e.bubble_source}, the ranks' idle share averaged)",
         f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
         f"{e.hw_tflops:.1f} TFLOP/s per {rank_word(target)} incl. recomputation",
     ]

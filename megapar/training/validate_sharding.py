@@ -5,6 +5,7 @@ the fix."""
 
 from __future__ import annotations
 
+from megapar.mesh import ep_split_error
 from megapar.training.usage import UsageError, flag_of
 
 _NO_VALUE = object()
@@ -112,7 +113,4 @@ def check_ep(cfg) -> None:
     if cfg.ep == 1:
         return
     if cfg.dp is not None and cfg.dp * cfg.cp % cfg.ep:
-        raise UsageError(
-            f"--ep {cfg.ep} does not divide dp x cp = --dp {cfg.dp} x --cp {cfg.cp}: experts are "
-            f"sharded over data- and context-parallel ranks; choose an --ep that divides it"
-        )
+        raise UsageError(ep_split_error(cfg.ep, cfg.dp, cfg.cp))
