@@ -300,3 +300,31 @@ def test_a_head_tied_by_the_config_but_not_by_the_files_gives_transformers_logit
     torch.save(tied.state_dict(), tmp_path / "pytorch_model.bin")
     tied.config.save_pretrained(tmp_path)
     assert HFReader(tmp_path).config.tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_head_other_than_the_embedding_is_refused_where_megapar_always_ties(tmp_path, kind,
+                                                                              capsys):
+    """GPT-2 and BERT tie the head to the word embedding in megapar: a file whose head holds
+    other values (transformers would use it untied) is refused in one line naming it; it used
+    to be tied silently. A head equal to the embedding (a pytorch_model.bin's) is read."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
+               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF))}[kind]
+    src = _hf_dir(tmp_path / "hf", cls(hf))
+    head, embedding = {"gpt2": ("lm_head.weight", "transformer.wte.weight"),
+                       "bert": ("cls.predictions.decoder.weight",
+                                "bert.embeddings.word_embeddings.weight")}[kind]
+    state = load_file(f"{src}/model.safetensors")
+    save_file({**state, head: state[embedding].clone()}, f"{src}/model.safetensors",
+              metadata={"format": "pt"})
+    assert main(["--from-hf", src, str(tmp_path / "same"), "--no-progress"]) == 0
+    save_file({**state, head: state[embedding] + 1}, f"{src}/model.safetensors",
+              metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{head} holds other values than the word embedding" in err, err

@@ -229,21 +229,11 @@ class HFReader:
         ``torch_dtype``), else the word embedding's. An export writes this dtype by default."""
         if isinstance(self._saved_dtype, str) and self._saved_dtype != "auto":
             return self._saved_dtype.removeprefix("torch.")
-        probe = {"gpt2": "wte.weight"}.get(
-            self.config.model_type,
-            "embeddings.word_embeddings.weight"
-            if self.config.model_type == "bert"
-            else "embed_tokens.weight",
-        )
+        probe = _embedding(self.config)
         return str(self.get(probe).dtype).removeprefix("torch.")
 
     def _detect_prefix(self) -> str:
-        probe = {"gpt2": "wte.weight"}.get(
-            self.config.model_type,
-            "embeddings.word_embeddings.weight"
-            if self.config.model_type == "bert"
-            else "embed_tokens.weight",
-        )
+        probe = _embedding(self.config)
         for prefix in ("transformer.", "bert.", "model.", ""):
             if prefix + probe in self.keys:
                 return prefix
@@ -262,7 +252,7 @@ class HFReader:
             return
         if not config.tie_word_embeddings or "lm_head.weight" not in self.keys:
             return
-        head, embedding = self._get("lm_head.weight"), self._get(self._key("embed_tokens.weight"))
+        head, embedding = self._get("lm_head.weight"), self._get(self._key(_embedding(config)))
         if head.shape == embedding.shape and torch.equal(head, embedding):
             return
         self.config = config_from_dict({**config.to_dict(), "tie_word_embeddings": False})
@@ -292,10 +282,19 @@ class HFReader:
                 continue  # not in the files: initialised instead (a BertModel's head)
             used |= reads
         tolerated = TOLERATED.get(self.config.model_type, ())
-        if getattr(self.config, "tie_word_embeddings", True):  # GPT-2 and BERT always tie
-            tolerated = (*tolerated, re.escape(TIED_HEAD[self.config.model_type]) + r"\.weight$")
+        head = TIED_HEAD[self.config.model_type] + ".weight"
+        if head in self.keys and self._tied_copy(head):
+            used.add(head)
         pattern = re.compile("|".join(f"(?:{t})" for t in (*TOLERATED_ALL, *tolerated)))
         return sorted(k for k in self.keys - used if not pattern.search(k))
+
+    def _tied_copy(self, head: str) -> bool:
+        """Whether the files' head `head` is a copy of the word embedding in a model that ties
+        them (GPT-2 and BERT always do): what a ``pytorch_model.bin`` holds."""
+        if not getattr(self.config, "tie_word_embeddings", True):
+            return False
+        tensor, embedding = self._get(head), self._get(self._key(_embedding(self.config)))
+        return tensor.shape == embedding.shape and bool(torch.equal(tensor, embedding))
 
     def _refuse_unused(self) -> None:
         """ConfigError naming the tensors of the files the config does not use (the first few,
@@ -304,6 +303,14 @@ class HFReader:
         unused = self.unused_keys()
         if not unused:
             return
+        head = TIED_HEAD[self.config.model_type] + ".weight"
+        if unused == [head]:  # a GPT-2's or BERT's (a Llama's is read untied)
+            raise ConfigError(
+                f"{self.path}: {head} holds other values than the word embedding, which "
+                f"megapar's {self.config.model_type} ties the head to (transformers would "
+                f"use it untied); megapar cannot train this model untied: tie them (set the "
+                f"head to the embedding and save the model again)"
+            )
         shown = ", ".join(unused[:3]) + (f" (and {len(unused) - 3} more)" if unused[3:] else "")
         raise ConfigError(
             f"{self.path}: the weights hold {len(unused)} tensor(s) the model its config.json "
@@ -388,12 +395,17 @@ def _fields_to_fix(unused: list[str], config) -> str:
         return "decoder_sparse_step / mlp_only_layers (and num_experts)"
     if kind == "mixtral" and any(".experts." in k for k in unused):
         return "num_local_experts"
-    if any(k.endswith("lm_head.weight") for k in unused):
-        return "tie_word_embeddings (megapar's GPT-2 always ties its head)"
     return "model_type and sizes"
 
 
 _LAYER_OF = re.compile(r"(?:layers|h|layer)\.(\d+)\.")
+
+
+def _embedding(config) -> str:
+    """The word embedding's transformers name, without the base model's prefix."""
+    return {"gpt2": "wte.weight", "bert": "embeddings.word_embeddings.weight"}.get(
+        config.model_type, "embed_tokens.weight"
+    )
 
 
 def _canonical_names(config) -> list[str]:
