@@ -467,7 +467,7 @@ def test_bad_batches_are_refused_at_any_layout(run):
                 "negative id": "is outside the model's vocabulary",
                 "label": f"label {VOCAB} is outside the vocabulary",
                 "key": "batch key 'position_ids' is not used by gpt2",
-                "mask": "has no padding mask; pack sequences without padding, or pad on the "
+                "mask": "takes right padding only; pack sequences without padding, or pad on the "
                         "right (a tokenizer's padding_side='right'",
                 "numpy": "is a ndarray; pass torch tensors",
                 "float": "holds torch.float32; token ids",

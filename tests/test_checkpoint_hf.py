@@ -230,3 +230,101 @@ def test_import_records_the_directorys_tokenizer_as_megapar_train_from_hf_finds_
         err.endswith("repair its tokenizer files, or move them out to import the model "
                      "without one"), err
     assert not (tmp_path / "ckpt2").exists()
+
+
+QWEN3_MOE_HF = dict(vocab_size=101, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    num_experts=4, num_experts_per_tok=2, max_position_embeddings=32)
+DISAGREE = {  # an edit of the config that the files (every layer MoE) disagree with, and the
+    # first tensor it leaves unused (of the 13 of one layer's router and 4 experts)
+    "mlp_only_layers": ({"mlp_only_layers": [1]}, "model.layers.1.mlp.experts.0.down_proj.weight"),
+    "decoder_sparse_step": ({"decoder_sparse_step": 2},
+                            "model.layers.0.mlp.experts.0.down_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(DISAGREE))
+@pytest.mark.parametrize("how", ["convert", "train"])
+def test_tensors_the_config_does_not_use_are_named_before_use(tmp_path, edit, how, capsys):
+    """A Qwen3-MoE config.json whose decoder_sparse_step / mlp_only_layers disagree with its
+    weights is refused in one line, naming the tensors it would not use, how many, and the
+    fields to fix: the layer's router and experts used to be dropped silently (and a dense MLP
+    seeded in their place)."""
+    from megapar.cli.train import main as train
+
+    torch.manual_seed(0)
+    src = _hf_dir(tmp_path / "hf", transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**QWEN3_MOE_HF)))
+    fields, first = DISAGREE[edit]
+    cfg = Path(src) / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **fields}))
+    capsys.readouterr()
+    if how == "convert":
+        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+        assert not (tmp_path / "ckpt").exists()
+    else:  # refused as the run resolves its model, before any worker starts
+        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"13 tensor(s) the model its config.json describes does not use: {first}" in err, err
+    assert "(and 10 more)" in err and "decoder_sparse_step / mlp_only_layers" in err, err
+
+
+def test_a_head_tied_by_the_config_but_not_by_the_files_gives_transformers_logits(tmp_path):
+    """A Llama whose config.json says tie_word_embeddings: true while its files hold an
+    lm_head.weight of its own: transformers (5) loads the files' head (and warns); megapar
+    reads the same (it used to tie the head to the embedding: logits 2.0 relative apart), from
+    the directory and from the model transformers loaded from it. A bin file's head equal to
+    the embedding stays tied."""
+    from tp_utils import assert_close, make_mesh
+
+    from megapar.checkpoint.hf import HFReader, load_hf_weights
+    from megapar.models import Llama
+
+    torch.manual_seed(0)
+    src = _hf_dir(tmp_path / "hf", transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**LLAMA_HF, tie_word_embeddings=False)))
+    cfg = Path(src) / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "tie_word_embeddings": True}))
+    hf = transformers.LlamaForCausalLM.from_pretrained(src).eval()
+    ids = torch.randint(0, 101, (2, 8))
+    want = hf(ids).logits
+    for reader in (HFReader(src), HFReader.from_model(hf)):
+        reader.check_files()
+        model = Llama(reader.config, make_mesh(1)).eval()
+        assert load_hf_weights(model, reader) == []
+        assert_close(model(None, {"input_ids": ids}).detach()[..., :101], want, what="logits")
+        assert reader.config.tie_word_embeddings is False  # an export writes it untied
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_HF,
+                                                                  tie_word_embeddings=True))
+    torch.save(tied.state_dict(), tmp_path / "pytorch_model.bin")
+    tied.config.save_pretrained(tmp_path)
+    assert HFReader(tmp_path).config.tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_head_other_than_the_embedding_is_refused_where_megapar_always_ties(tmp_path, kind,
+                                                                              capsys):
+    """GPT-2 and BERT tie the head to the word embedding in megapar: a file whose head holds
+    other values (transformers would use it untied) is refused in one line naming it; it used
+    to be tied silently. A head equal to the embedding (a pytorch_model.bin's) is read."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
+               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF))}[kind]
+    src = _hf_dir(tmp_path / "hf", cls(hf))
+    head, embedding = {"gpt2": ("lm_head.weight", "transformer.wte.weight"),
+                       "bert": ("cls.predictions.decoder.weight",
+                                "bert.embeddings.word_embeddings.weight")}[kind]
+    state = load_file(f"{src}/model.safetensors")
+    save_file({**state, head: state[embedding].clone()}, f"{src}/model.safetensors",
+              metadata={"format": "pt"})
+    assert main(["--from-hf", src, str(tmp_path / "same"), "--no-progress"]) == 0
+    save_file({**state, head: state[embedding] + 1}, f"{src}/model.safetensors",
+              metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{head} holds other values than the word embedding" in err, err

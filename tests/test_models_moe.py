@@ -332,3 +332,39 @@ def test_one_host_sync_per_moe_layer_per_micro_batch(hf_dirs):
         model.train()(None, {"input_ids": ids, "labels": labels}).backward()
     assert sum(syncs.values()) == 3, syncs  # 3 MoE layers
     assert all(call == "tolist" and where.startswith("models/moe.py") for call, where in syncs)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_padding_is_left_out_of_the_balancing_terms_as_transformers_attention_mask(kind):
+    """Right-padded samples (`--sft-keys`' layout) with their attention_mask: each MoE layer's
+    switch loss equals transformers' `load_balancing_loss_func` given the attention_mask, and
+    its z-loss the mean of logsumexp(logits)^2 over the tokens that are not padding; the
+    router statistics count no padding (padding used to be routed and counted in all three)."""
+    config_cls, model_cls, extra = KINDS[kind]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**BASE, **extra)).train()
+    with torch.no_grad():  # a router far from uniform, so padding's share shows
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    ids, _ = batch()
+    mask = (torch.arange(SEQ)[None] < torch.tensor([[SEQ], [7], [3]])).long()
+    out = hf(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    reader = HFReader.from_model(hf)
+    model = Llama(reader.config, make_mesh(1)).train()
+    assert load_hf_weights(model, reader) == []
+    with torch.no_grad():  # no statistics yet
+        model(None, {"input_ids": ids, "attention_mask": mask})
+    layers = moe_layers(model)
+    assert len(layers) == len(out.router_logits) >= 2
+    e, k = hf.config.num_local_experts, hf.config.num_experts_per_tok
+    for layer, g in zip(layers, out.router_logits):
+        switch = load_balancing_loss_func((g,), e, k, attention_mask=mask)
+        assert not torch.allclose(switch, load_balancing_loss_func((g,), e, k), rtol=1e-3)
+        assert_close(layer.last["switch"], switch.detach(), what="switch loss")
+        lse = torch.logsumexp(g.float(), dim=-1).square()
+        z = (lse * mask.reshape(-1)).sum() / mask.sum()
+        assert_close(layer.last["z"], z.detach(), what="z-loss")
+    model(None, {"input_ids": ids, "attention_mask": mask, "labels": ids}).backward()
+    for layer in layers:  # the kept assignments: k per token that is not padding
+        assert layer.stats.values[:e].sum().item() == k * mask.sum().item()

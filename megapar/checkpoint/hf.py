@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from megapar.checkpoint.format import CheckpointError, open_safetensors
 
 # ARCHITECTURES and hf_parameter_names are imported from here too (`X as X`: a re-export).
 from megapar.checkpoint.hf_names import ARCHITECTURES as ARCHITECTURES
-from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TO_HF
+from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TIED_HEAD, TO_HF
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
@@ -171,6 +172,7 @@ class HFReader:
                 f"index) nor pytorch_model.bin found"
             )
         self.prefix = self._detect_prefix()
+        self._untie_a_distinct_head()
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
         self._generation: dict | None = None  # an in-memory model's (`from_model`)
@@ -188,6 +190,7 @@ class HFReader:
         self._shape = lambda k: state[k].shape
         self._saved_dtype = None
         self.prefix = self._detect_prefix()
+        self._untie_a_distinct_head()
         self._expected = None
         self._generation_file = None  # an in-memory model: no files, its generation_config
         generation = getattr(hf_model, "generation_config", None)  # as save_pretrained writes it
@@ -226,26 +229,94 @@ class HFReader:
         ``torch_dtype``), else the word embedding's. An export writes this dtype by default."""
         if isinstance(self._saved_dtype, str) and self._saved_dtype != "auto":
             return self._saved_dtype.removeprefix("torch.")
-        probe = {"gpt2": "wte.weight"}.get(
-            self.config.model_type,
-            "embeddings.word_embeddings.weight"
-            if self.config.model_type == "bert"
-            else "embed_tokens.weight",
-        )
+        probe = _embedding(self.config)
         return str(self.get(probe).dtype).removeprefix("torch.")
 
     def _detect_prefix(self) -> str:
-        probe = {"gpt2": "wte.weight"}.get(
-            self.config.model_type,
-            "embeddings.word_embeddings.weight"
-            if self.config.model_type == "bert"
-            else "embed_tokens.weight",
-        )
+        probe = _embedding(self.config)
         for prefix in ("transformer.", "bert.", "model.", ""):
             if prefix + probe in self.keys:
                 return prefix
         raise ConfigError(
             f"{self.path}: not a {self.config.model_type} checkpoint (no {probe} found)"
+        )
+
+    def _untie_a_distinct_head(self) -> None:
+        """A Llama, Mixtral or Qwen3-MoE whose config.json ties the head to the embedding
+        (``tie_word_embeddings: true``) while its weights hold an ``lm_head.weight`` of other
+        values is read untied, with the weights' head: what transformers (5) does, which then
+        warns that the config should say ``tie_word_embeddings=False``. An ``lm_head.weight``
+        equal to the embedding (a ``pytorch_model.bin`` holds both) stays tied."""
+        config = self.config
+        if config.model_type not in ("llama", "mixtral", "qwen3_moe"):
+            return
+        if not config.tie_word_embeddings or "lm_head.weight" not in self.keys:
+            return
+        head, embedding = self._get("lm_head.weight"), self._get(self._key(_embedding(config)))
+        if head.shape == embedding.shape and torch.equal(head, embedding):
+            return
+        self.config = config_from_dict({**config.to_dict(), "tie_word_embeddings": False})
+
+    def unused_keys(self) -> list[str]:
+        """The tensors of the weights files that the model the config describes does not read
+        (sorted), less those transformers ignores too (`TOLERATED`, the tied head). Reads the
+        files' headers only."""
+        fn = CANONICAL[self.config.model_type]
+        used: set[str] = set()
+
+        def probe(reads: set[str]):
+            def get(key: str) -> torch.Tensor:
+                k = self._key(key)
+                shape = tuple(self._shape(k))
+                self._check_shape(key, shape)
+                reads.add(k)
+                return torch.empty(shape, device="meta")
+
+            return get
+
+        for name in _canonical_names(self.config):
+            reads: set[str] = set()
+            try:
+                fn(name, probe(reads), self.config)
+            except KeyError:
+                continue  # not in the files: initialised instead (a BertModel's head)
+            used |= reads
+        tolerated = TOLERATED.get(self.config.model_type, ())
+        head = TIED_HEAD[self.config.model_type] + ".weight"
+        if head in self.keys and self._tied_copy(head):
+            used.add(head)
+        pattern = re.compile("|".join(f"(?:{t})" for t in (*TOLERATED_ALL, *tolerated)))
+        return sorted(k for k in self.keys - used if not pattern.search(k))
+
+    def _tied_copy(self, head: str) -> bool:
+        """Whether the files' head `head` is a copy of the word embedding in a model that ties
+        them (GPT-2 and BERT always do): what a ``pytorch_model.bin`` holds."""
+        if not getattr(self.config, "tie_word_embeddings", True):
+            return False
+        tensor, embedding = self._get(head), self._get(self._key(_embedding(self.config)))
+        return tensor.shape == embedding.shape and bool(torch.equal(tensor, embedding))
+
+    def _refuse_unused(self) -> None:
+        """ConfigError naming the tensors of the files the config does not use (the first few,
+        how many) and the config field to fix: loading would drop them silently (and initialise
+        what the config expects in their place)."""
+        unused = self.unused_keys()
+        if not unused:
+            return
+        head = TIED_HEAD[self.config.model_type] + ".weight"
+        if unused == [head]:  # a GPT-2's or BERT's (a Llama's is read untied)
+            raise ConfigError(
+                f"{self.path}: {head} holds other values than the word embedding, which "
+                f"megapar's {self.config.model_type} ties the head to (transformers would "
+                f"use it untied); megapar cannot train this model untied: tie them (set the "
+                f"head to the embedding and save the model again)"
+            )
+        shown = ", ".join(unused[:3]) + (f" (and {len(unused) - 3} more)" if unused[3:] else "")
+        raise ConfigError(
+            f"{self.path}: the weights hold {len(unused)} tensor(s) the model its config.json "
+            f"describes does not use: {shown}; megapar would drop them (and initialise what the "
+            f"config expects instead): make config.json's {_fields_to_fix(unused, self.config)} "
+            f"describe the weights"
         )
 
     def _key(self, key: str) -> str:
@@ -270,8 +341,9 @@ class HFReader:
 
     def check_files(self) -> None:
         """Check what a conversion reads before it reads it (ConfigError naming the first
-        problem): every tensor's shape against the config (from the files' headers: nothing is
-        loaded from safetensors) and generation_config.json."""
+        problem): that the config uses every tensor of the files (`unused_keys`), every
+        tensor's shape against the config (from the files' headers: nothing is loaded from
+        safetensors) and generation_config.json."""
         self._read_generation_config()
         if self._expected is None:
             self._expected = expected_hf_shapes(self.config)
@@ -281,6 +353,7 @@ class HFReader:
             except KeyError:
                 continue  # a tensor the model lacks (BertModel's head) is initialised instead
             self._check_shape(key, shape)
+        self._refuse_unused()
 
     def get(self, key: str) -> torch.Tensor:
         """An HF tensor by its name (without the model prefix for base-model tensors), checked
@@ -293,6 +366,53 @@ class HFReader:
         """The full canonical tensor `name`, converted from the HF tensors."""
         fn = CANONICAL[self.config.model_type]
         return fn(name, self.get, self.config).contiguous()
+
+
+TOLERATED_ALL = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
+"""Buffers older transformers saved and transformers ignores on loading (regular expressions
+searched in the files' names): rotary frequencies, position ids."""
+TOLERATED = {
+    "gpt2": (r"\.(attn|crossattention)\.(masked_)?bias$",),
+    "bert": (
+        r"^(bert\.)?pooler\.",
+        r"^cls\.seq_relationship\.",
+        r"^cls\.predictions\.decoder\.bias$",
+    ),
+}
+"""Per model type, the other tensors a file may hold that transformers' class ignores too:
+GPT-2's causal-mask buffers; BERT's pooler and next-sentence head (of BertModel /
+BertForPreTraining checkpoints) and the decoder's bias (tied to ``cls.predictions.bias``)."""
+
+
+def _fields_to_fix(unused: list[str], config) -> str:
+    """The config.json fields that most likely describe the `unused` tensors otherwise."""
+    kind = config.model_type
+    layers = {int(m.group(1)) for k in unused if (m := _LAYER_OF.search(k))}
+    depth = {"gpt2": "n_layer"}.get(kind, "num_hidden_layers")
+    if layers and max(layers) >= getattr(config, depth):
+        return depth
+    if kind == "qwen3_moe" and layers:
+        return "decoder_sparse_step / mlp_only_layers (and num_experts)"
+    if kind == "mixtral" and any(".experts." in k for k in unused):
+        return "num_local_experts"
+    return "model_type and sizes"
+
+
+_LAYER_OF = re.compile(r"(?:layers|h|layer)\.(\d+)\.")
+
+
+def _embedding(config) -> str:
+    """The word embedding's transformers name, without the base model's prefix."""
+    return {"gpt2": "wte.weight", "bert": "embeddings.word_embeddings.weight"}.get(
+        config.model_type, "embed_tokens.weight"
+    )
+
+
+def _canonical_names(config) -> list[str]:
+    """megapar's canonical parameter names of the model `config` describes (tied copies not:
+    they read their source)."""
+    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
+    return [n for n, p in stage.named_parameters() if not hasattr(p, "tied_to")]
 
 
 def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -275,7 +275,7 @@ HF_PREFIXES = ("transformer.", "bert.", "model.")
 """The base models' name prefixes in the full HF names."""
 
 
-_TIED_HEAD = {
+TIED_HEAD = {
     "gpt2": "lm_head",
     "llama": "lm_head",
     "mixtral": "lm_head",
@@ -291,7 +291,7 @@ def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
     `tied`: the parameter is a stage's tied copy of the word embedding (`tied_to`)."""
     kind = config.model_type
     if tied:
-        return [f"{_TIED_HEAD[kind]}.weight"]
+        return [f"{TIED_HEAD[kind]}.weight"]
     layer = _LAYER.fullmatch(name)
     if kind == "gpt2":
         if name in _GPT2_TOP:

@@ -8,7 +8,10 @@ SFT dataset do; `truncated` counts them) and laid out like every causal sample i
 ``input_ids = tokens[:-1]``, ``labels = tokens[1:]``, right-padded to ``seq_len`` with the
 eod id. A label is the token it predicts where that token is the response's (or the eod),
 and -100 where it is the prompt's and on the padding: the loss is the response's only, as
-TRL's completion-only loss and torchtune's ``train_on_input=False`` give.
+TRL's completion-only loss and torchtune's ``train_on_input=False`` give. ``attention_mask``
+is 1 on the sample's tokens and 0 on the padding, as a transformers tokenizer pads on the
+right: causal attention keeps the padding out of the tokens before it anyway; a mixture of
+experts routes no padding and leaves it out of its balancing terms (`megapar.models.moe`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from megapar.data.mlm_dataset import IGNORE_INDEX
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """Samples ``dict(input_ids, labels)`` (``LongTensor[seq_len]`` each), one per document of
+    """Samples ``dict(input_ids, labels, attention_mask)`` (``LongTensor[seq_len]`` each), one
+    per document of
     ``doc_range``; see the module docstring."""
 
     def __init__(self, indexed: IndexedDataset, seq_len: int, doc_range: DocRange = None):
@@ -70,7 +74,13 @@ class SFTDataset(torch.utils.data.Dataset):
         p = int(self.prompt[i])
         if n > p:
             labels[p - 1 : n - 1] = tokens[p:]
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
+        attention_mask = np.zeros(self.seq_len, dtype=np.int64)
+        attention_mask[: n - 1] = 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(attention_mask),
+        }
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (for logs)."""

@@ -304,7 +304,11 @@ class LlamaBlock(nn.Module):
         self.mlp: SwiGLU | MoE = MoE(config, mesh) if moe and moe(index) else SwiGLU(config, mesh)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """`mask` [b, s] (this rank's tokens; None: no padding): an MoE MLP routes no padding.
+        Causal attention keeps right-padding out of the tokens before it."""
         x = x + self.attn(self.attn_norm(x))
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(self.mlp_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -385,7 +389,12 @@ class Llama(StageModel):
         assert hidden is not None  # later stages: the previous stage's output
         if "input_ids" in batch:  # the rope tables made here, so a compiled block only reads them
             self.rotary(batch["input_ids"].shape[1], hidden.device)
-        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
+        padding = None  # an MoE layer's: which of this rank's tokens are not right-padding
+        if "attention_mask" in batch and any(
+            isinstance(layer.mlp, MoE) for layer in self.layers.values()
+        ):
+            padding = self._local_tokens(batch["attention_mask"])
+        hidden = run_layers(self.layers, hidden, padding, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
         return self._head(self.final_norm(hidden), self.output_weights, batch)

@@ -12,6 +12,10 @@ One `MoE` layer, on the tokens x [T, H] of a micro-batch:
    tokens per expert as a device tensor. With a capacity factor an expert keeps at most
    ceil(factor * T * k / E) of its assignments (first come, first kept) and the rest are dropped:
    sorted after every expert's, their output zero, counted. Dropless (no factor) by default.
+   Padding (the zeros of a right-padded batch's ``attention_mask``, which the model hands each
+   MoE layer as this rank's slice) is not routed: sorted last, output zero, no capacity taken,
+   and left out of the balancing terms and statistics, as transformers' attention_mask leaves
+   it out of its load-balancing loss.
 3. `GroupedExperts`: the experts' weights stacked [E, 2I, H] (gate and up) and [E, H, I] (down),
    transformers 5's layout, so ep can later shard dim 0. `forward(sorted tokens,
    tokens_per_expert)` is the one entry point a dispatch plugs into: on CUDA one
@@ -101,22 +105,27 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
-def route(experts: torch.Tensor, num_experts: int, capacity: int | None):
+def route(experts: torch.Tensor, num_experts: int, capacity: int | None, keep=None):
     """Sort the T x k assignments `experts` [T, k] by expert. Returns (order [T*k]: the flat
     assignment index of each sorted row, tokens_per_expert [E] (kept ones), dropped (a device
-    scalar)); dropped assignments, if any, are the last rows of `order`."""
+    scalar)); dropped assignments, if any, are the last rows of `order`. `keep` [T] (bool, None:
+    every token): the tokens routed; the others' assignments (padding) come after every kept
+    one, take no capacity and count neither as kept nor as dropped."""
     flat = experts.reshape(-1)
+    if keep is not None:  # padding sorted past every expert
+        flat = torch.where(keep.repeat_interleave(experts.shape[1]), flat, num_experts)
     order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat, num_experts)
+    every = expert_counts(flat, num_experts + 1)
+    counts = every[:num_experts]
     if capacity is None:
         return order, counts, counts.new_zeros(())
     sorted_experts = flat[order]
-    starts = torch.cumsum(counts, 0) - counts
+    starts = torch.cumsum(every, 0) - every
     rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
     key = torch.where(rank < capacity, sorted_experts, num_experts)
     again = torch.argsort(key, stable=True)
     kept = expert_counts(key, num_experts + 1)[:num_experts]
-    return order[again], kept, flat.numel() - kept.sum()
+    return order[again], kept, counts.sum() - kept.sum()
 
 
 def host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
@@ -350,35 +359,39 @@ class MoE(nn.Module):
             y = torch.cat([y, y.new_zeros(rows.shape[0] - kept, y.shape[1])])
         return y
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE MLP of [b, s, H] tokens; in training the balancing penalty joins the
-        backward and the router statistics accumulate (not in a recompute)."""
+        backward and the router statistics accumulate (not in a recompute). `mask` [b, s]
+        (0 / 1, None: every token): the tokens that are not padding; padding is not routed
+        (its routed output is zero) and counts in no balancing term or statistic."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
+        keep = None if mask is None else mask.reshape(-1) != 0
         logits, probs, weights, experts = self.router(x)
         if torch.compiler.is_compiling():  # --compile: routed eagerly (a graph break)
-            out = self._routed_eagerly(x, logits, probs, weights, experts)
+            out = self._routed_eagerly(x, logits, probs, weights, experts, keep)
         else:
-            out = self._routed(x, logits, probs, weights, experts)
+            out = self._routed(x, logits, probs, weights, experts, keep)
         out = out.view(shape)
         if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
             out = out + self.shared(hidden)
         return out
 
     @graph_break
-    def _routed_eagerly(self, x, logits, probs, weights, experts) -> torch.Tensor:
+    def _routed_eagerly(self, x, logits, probs, weights, experts, keep) -> torch.Tensor:
         """`_routed`, run eagerly inside torch.compile'd code (`--compile`: a graph break on
         purpose, as torchtitan keeps its token dispatch out of the graph): the rows per expert
         are data-dependent shapes (the CPU loop reads them to the host, the ep exchange's
         splits are host integers) and the recompute test reads autograd's state; compiled,
         every micro-batch's new counts would recompile the block."""
-        return self._routed(x, logits, probs, weights, experts)
+        return self._routed(x, logits, probs, weights, experts, keep)
 
-    def _routed(self, x, logits, probs, weights, experts) -> torch.Tensor:
+    def _routed(self, x, logits, probs, weights, experts, keep=None) -> torch.Tensor:
         """The routed experts' output [T, H] for tokens `x` [T, H] and the router's choice,
-        with the balancing penalty attached and the statistics added."""
+        with the balancing penalty attached and the statistics added; `keep` [T] (bool, None:
+        all): the tokens that are not padding."""
         order, tokens_per_expert, dropped = route(
-            experts, self.num_experts, self.capacity(x.shape[0])
+            experts, self.num_experts, self.capacity(x.shape[0]), keep
         )
         rows = order // self.top_k  # the token of each sorted assignment
         if self.ep_group is None:
@@ -388,17 +401,26 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         out = out.view(x.shape[0], self.top_k, -1).sum(1).to(x.dtype)
-        load = expert_counts(experts.reshape(-1), self.num_experts).float()
-        whole = torch.cat([load, load.new_full((1,), x.shape[0])])
+        real = (
+            torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+            if keep is None
+            else keep.float()
+        )  # 1 on a token, 0 on padding
+        load = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
+            0, experts.reshape(-1), real.repeat_interleave(self.top_k)
+        )
+        whole = torch.cat([load, real.sum()[None]])
         for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
             all_reduce(whole, group)
-        tokens = whole[-1]
+        tokens = whole[-1].clamp(min=1.0)
         # the switch loss E * sum_e f_e P_e, f_e the share of the T x k assignments chosen for
         # e (as transformers' load_balancing_loss_func: counted before any capacity drop, sums
-        # to k), P_e the mean router probability of e, both over the whole micro-batch: this
-        # rank's tokens' share of it (of the z-loss, mean logsumexp(logits)^2, too)
-        switch = self.num_experts * torch.sum(whole[:-1] / tokens * probs.sum(0) / tokens)
-        z = torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
+        # to k), P_e the mean router probability of e, both over the whole micro-batch's tokens
+        # (padding left out, as transformers' attention_mask leaves it): this rank's tokens'
+        # share of it (of the z-loss, mean logsumexp(logits)^2, too)
+        probs_sum = (probs * real[:, None]).sum(0)
+        switch = self.num_experts * torch.sum(whole[:-1] / tokens * probs_sum / tokens)
+        z = (torch.logsumexp(logits.float(), dim=-1).square() * real).sum() / tokens
         self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
         if torch.is_grad_enabled() and self.training:
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward

@@ -1,7 +1,7 @@
 """Checks of the global batch a user hands to `engine.train_step` / `eval_step`.
 
 A vocab-parallel embedding cannot see an id outside every shard (it becomes a zero vector at
-tp > 1, an IndexError at tp = 1), GPT-2 and Llama have no padding mask, and a pipeline trains on
+tp > 1, an IndexError at tp = 1), GPT-2 and Llama take right padding only, and a pipeline trains on
 nonsense if stage 0's inputs and the last stage's labels come from different batches. So every
 batch is checked in the user's process, with one clear error naming the fix:
 
@@ -29,9 +29,11 @@ DECODER_KEYS = ("input_ids", "labels")
 
 def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tensor]:
     """The batch, checked (ValueError / TypeError naming the fix otherwise), its integer
-    tensors as int64 (any integer width is accepted). An all-ones `attention_mask` for a decoder
-    (what a tokenizer returns) is accepted and dropped. Everything here is local: a bad batch
-    fails on every rank that holds it before any communication."""
+    tensors as int64 (any integer width is accepted). A decoder's `attention_mask` must pad on
+    the right (ones, then zeros); it is kept for a mixture of experts (which routes no padding)
+    and dropped for a dense decoder (causal attention keeps right padding out already).
+    Everything here is local: a bad batch fails on every rank that holds it before any
+    communication."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise TypeError(
             f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
@@ -58,16 +60,19 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
                 f"{tuple(batch['input_ids'].shape)}; they must match"
             )
         if key == "attention_mask" and not bert:
-            if not bool((value == 1).all()):
+            ones = value == 1
+            binary = bool((ones | (value == 0)).all())  # else refused below
+            if binary and value.dim() == 2 and not bool((ones[:, 1:] <= ones[:, :-1]).all()):
                 raise ValueError(
-                    f"{what}: {config.model_type} in megapar has no padding mask; "
+                    f"{what}: {config.model_type} in megapar takes right padding only; "
                     f"pack sequences without padding, or pad on the right (a tokenizer's "
                     f"padding_side='right': causal attention keeps the padding out of the "
-                    f"tokens before it), set the labels of padded positions to -100 and "
-                    f"drop attention_mask"
+                    f"tokens before it) and set the labels of padded positions to -100"
                 )
-            continue
-        if key not in allowed:
+            if binary and not getattr(config, "num_moe_layers", 0):
+                continue  # a dense decoder: causal attention is the whole of its masking
+            # a mixture of experts routes no padding (`megapar.models.moe`)
+        if key not in allowed and key != "attention_mask":
             raise ValueError(
                 f"{what}: batch key {key!r} is not used by {config.model_type} "
                 f"(it reads {', '.join(allowed)}); drop it"
