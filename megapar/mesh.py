@@ -55,16 +55,27 @@ fastest (tensor-parallel groups are contiguous ranks, inside a node) and cp alwa
 (so "tp-pp-dp" is tp-cp-pp-dp, "tp-dp-pp" is tp-cp-dp-pp)."""
 
 
-def ep_split_error(ep: int, dp: int, cp: int) -> str:
-    """The one line for an --ep that does not divide dp x cp (megapar-train's check of its
-    flags and `Layout`'s): the product, and the --ep values that divide it."""
+def layout_option(name: str, value: object = None, api: bool = False) -> str:
+    """A layout setting as its caller gives it: megapar-train's flag (``--tp 2``, ``--pp``),
+    or with `api` megapar.prepare's keyword (``tp=2``, ``pp``)."""
+    if api:
+        return name if value is None else f"{name}={value}"
+    return f"--{name}" if value is None else f"--{name} {value}"
+
+
+def ep_split_error(ep: int, dp: int, cp: int, api: bool = False) -> str:
+    """The one line for an ep that does not divide dp x cp (megapar-train's check of its
+    flags, `Layout`'s and megapar.prepare's): the product, and the ep values that divide it;
+    worded for the caller (`layout_option`)."""
     ranks = dp * cp
     fits = [e for e in range(1, ranks + 1) if ranks % e == 0]
     choices = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
+    dp_cp = f"{layout_option('dp', None, api)} / {layout_option('cp', None, api)}"
     return (
-        f"--ep {ep} does not divide dp x cp = --dp {dp} x --cp {cp} = {ranks}: experts are "
-        f"sharded over the data- and context-parallel ranks; use --ep {choices} (each divides "
-        f"dp x cp = {ranks}), or change --dp / --cp"
+        f"{layout_option('ep', ep, api)} does not divide dp x cp = {layout_option('dp', dp, api)}"
+        f" x {layout_option('cp', cp, api)} = {ranks}: experts are sharded over the data- and "
+        f"context-parallel ranks; use {layout_option('ep', choices, api)} (each divides dp x cp"
+        f" = {ranks}), or change {dp_cp}"
     )
 
 

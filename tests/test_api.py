@@ -1099,3 +1099,19 @@ def test_export_hf_of_an_in_memory_model_carries_its_generation_config(run, tmp_
     assert source["top_k"] == 7 and source["do_sample"] is True
     for hf in ("hf", "hf2"):
         assert json.loads((tmp_path / hf / "generation_config.json").read_text()) == source
+
+
+def test_prepare_refuses_an_ep_that_does_not_divide_dp_x_cp_in_the_apis_terms():
+    """An ep that does not divide the dp x cp prepare's world leaves was refused by the mesh in
+    megapar-train's flags ('--ep 2 does not divide dp x cp = --dp 1 x --cp 1')."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, max_position_embeddings=16)
+    with pytest.raises(ValueError) as info:
+        megapar.prepare(cfg, ep=2)
+    assert str(info.value) == (
+        "megapar.prepare: ep=2 does not divide dp x cp = dp=1 x cp=1 = 1: experts are sharded "
+        "over the data- and context-parallel ranks; use ep=1 (each divides dp x cp = 1), or "
+        "change dp / cp")

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import yaml
 
-from megapar.mesh import Layout, LayoutError
+from megapar.mesh import Layout, LayoutError, layout_option
 
 ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 """The activations megapar's blocks implement (transformers' names; `blocks.ACTIVATIONS`)."""
@@ -24,14 +24,6 @@ ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 
 class ConfigError(ValueError):
     """A model config that is unknown or inconsistent."""
-
-
-def layout_option(name: str, value: object = None, api: bool = False) -> str:
-    """A layout setting as its caller gives it: megapar-train's flag (``--tp 2``, ``--pp``),
-    or with `api` megapar.prepare's keyword (``tp=2``, ``pp``)."""
-    if api:
-        return name if value is None else f"{name}={value}"
-    return f"--{name}" if value is None else f"--{name} {value}"
 
 
 def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int], api: bool = False) -> str:

@@ -16,7 +16,7 @@ from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
-from megapar.mesh import Layout, LayoutError, Mesh, same_on_all_ranks
+from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
@@ -250,9 +250,12 @@ def _refuse_unread(options: dict) -> None:
 
 
 def _check_world(cfg: TrainConfig) -> None:
-    """Refuse a world size that is not a multiple of tp x cp x pp (when dp is not given), as
-    Mesh would, in the API's terms."""
+    """Refuse a world size that is not a multiple of tp x cp x pp (when dp is not given), and
+    an ep that does not divide the dp x cp it leaves, as Mesh would, in the API's terms."""
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
+    dp = cfg.dp if cfg.dp is not None else world // split
+    if not world % split and cfg.ep > 1 and (dp * cfg.cp) % cfg.ep:
+        raise LayoutError(f"megapar.prepare: {ep_split_error(cfg.ep, dp, cfg.cp, api=True)}")
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun started them: it decides the count
             fix = f"start a multiple of {split} processes (torchrun --nproc-per-node x --nnodes)"
