@@ -481,3 +481,36 @@ def test_preprocess_files_workers_message_names_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--workers 0 is invalid: it must be >= 1"):
         preprocess_files([str(tmp_path / "t.txt")], str(tmp_path / "o"), "gpt2", workers=0)
     assert np.array_equal(sorted(p.name for p in tmp_path.iterdir()), ["t.txt"])
+
+
+JSON_KINDS = {  # (file name, its bytes given the bytes of one record's text)
+    "jsonl": ("docs.jsonl", lambda t: b'{"text": "' + t + b'"}\n{"text": "two"}\n'),
+    "json array": ("docs.json", lambda t: b'[{"text": "' + t + b'"},\n {"text": "two"}]'),
+    "json object": ("docs.json", lambda t: b'{\n  "text": "' + t + b'"\n}\n'),
+}
+
+
+@pytest.mark.parametrize("kind", list(JSON_KINDS))
+def test_invalid_utf8_in_json_inputs_is_handled_as_in_a_txt(tmp_path, capsys, kind):
+    """A latin-1 byte in a .jsonl was refused even with --allow-invalid-utf8 (naming no flag),
+    in a .json array it was Python's "'utf-8' codec can't decode byte 0xe9" naming no file, in
+    a pretty-printed .json object "not valid JSON ... each line of a JSON Lines file is one
+    JSON object". As for a .txt: refused above 0.1 % of the file's bytes naming the flag,
+    replaced with U+FFFD (and counted) with it, or below that share."""
+    name, make = JSON_KINDS[kind]
+    path = tmp_path / name
+    path.write_bytes(make(b"caf\xe9 au lait"))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(path), *out]) == 2
+    _one_line_error(capsys, f"{path}: 1 of {path.stat().st_size} bytes", "are not valid UTF-8",
+                    "pass --allow-invalid-utf8")
+    assert data_main(["--input", str(path), *out, "--allow-invalid-utf8"]) == 0
+    assert "1 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
+    report: dict = {}
+    docs = [t for t, _ in iter_documents([str(path)], allow_invalid_utf8=True, report=report)]
+    assert docs[0] == "caf\ufffd au lait" and report == {str(path): 1}
+    # below 0.1 % of the file: replaced with a warning, no flag needed
+    path.write_bytes(make(b"caf\xe9 " + b"x" * 2000))
+    report = {}
+    docs = [t for t, _ in iter_documents([str(path)], report=report)]
+    assert docs[0] == "caf\ufffd " + "x" * 2000 and report == {str(path): 1}

@@ -63,13 +63,24 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
         raw = f.read()
     check_is_text(path, raw[:BINARY_PROBE])  # a directory's .txt, found by its name
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
-    text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
+    return normalize_newlines(_decode_utf8(path, raw, len(raw), allow_invalid_utf8, report))
+
+
+def _decode_utf8(
+    path: str, raw: bytes, size: int, allow_invalid_utf8: bool, report: dict | None
+) -> str:
+    """`raw` (bytes of `path`, a file of `size` bytes) as text, its invalid UTF-8 bytes U+FFFD
+    and counted into ``report[path]`` (added to what earlier parts of the file counted there).
+    ValueError once the file's count exceeds ``MAX_INVALID_UTF8`` of `size`, unless allowed."""
+    text = raw.decode("utf-8", errors="surrogateescape")
     bad = len(_ESCAPED.findall(text))
     if not bad:
         return text
-    if bad > MAX_INVALID_UTF8 * len(raw) and not allow_invalid_utf8:
+    if report is not None:
+        bad += report.get(path, 0)
+    if bad > MAX_INVALID_UTF8 * size and not allow_invalid_utf8:
         raise ValueError(
-            f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
+            f"{path}: {bad:,} of {size:,} bytes ({100 * bad / size:.1f} %) are not valid "
             f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
             f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD"
         )
@@ -303,23 +314,33 @@ def iter_documents(
 
 
 def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
+    report = {} if report is None else report  # invalid UTF-8 counted per file all the same
     for path in files:
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
             continue
         check_not_wide(path)  # JSON too: its first line would parse, the next ones not
-        kind, record = _json_kind(path) if path.endswith(".json") else ("lines", None)
-        if kind == "array":
-            yield from _json_array_documents(path, jsonl_key)
-            continue
-        if kind == "object":
-            yield from _json_object_document(path, record, jsonl_key)
+        kind = _json_kind(path)[0] if path.endswith(".json") else "lines"
+        if kind in ("array", "object"):
+            whole = _load_json(path, allow_invalid_utf8, report)
+            if kind == "array":
+                yield from _json_array_documents(path, whole, jsonl_key)
+            else:
+                yield from _json_object_document(path, whole, jsonl_key)
             continue
         if path.endswith((".jsonl", ".json")):
+            size = os.path.getsize(path)
             with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
                         continue
+                    line = _decode_utf8(
+                        path,
+                        raw.removeprefix(BOM) if lineno == 1 else raw,
+                        size,
+                        allow_invalid_utf8,
+                        report,
+                    )
                     text = _line_text(path, lineno, line, jsonl_key)
                     if not isinstance(text, str):  # never dropped silently
                         kind = type(text).__name__
@@ -345,7 +366,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                 yield para.strip("\n"), len(para) + 2
 
 
-def _line_text(path: str, lineno: int, line: bytes, key: str):
+def _line_text(path: str, lineno: int, line: bytes | str, key: str):
     """Field `key` of JSON Lines line `lineno` of `path`; ValueError in one line naming what is
     wrong with it: not JSON (repair the line), not an object, or no field `key` (--jsonl-key)."""
     record = _line_object(path, lineno, line, key)
@@ -378,11 +399,13 @@ def _pair_keys(record: dict) -> str | None:
     return f"{prompt},{response}" if prompt and response else None
 
 
-def _line_object(path: str, lineno: int, line: bytes, key: str) -> dict:
-    """JSON Lines line `lineno` of `path` parsed; ValueError in one line when it is not JSON
-    (repair the line) or not an object (`key`: the field it should have, for the example)."""
+def _line_object(path: str, lineno: int, line: bytes | str, key: str) -> dict:
+    """JSON Lines line `lineno` of `path` (its bytes, or its text decoded) parsed; ValueError in
+    one line when it is not UTF-8 (bytes), not JSON (repair the line) or not an object (`key`:
+    the field it should have, for the example)."""
     try:
-        record = json.loads(line.rstrip(b"\r\n"))  # an error's column is on this line
+        end = b"\r\n" if isinstance(line, bytes) else "\r\n"
+        record = json.loads(line.rstrip(end))  # type: ignore[arg-type]  # a column on this line
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{path}:{lineno}: the line is not UTF-8 text (byte {line[e.start]:#04x} at "
@@ -539,20 +562,34 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
             return "lines", None
         f.seek(0)
         first = next((line for line in f if line.strip()), b"")
-    try:
-        json.loads(first)
+    try:  # told apart by their structure: invalid UTF-8 is counted when read (`_load_json`)
+        json.loads(first.removeprefix(BOM).decode("utf-8", errors="replace"))
         return "lines", None
     except ValueError:
         pass
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not JSON
-            record = json.load(f)
+        with open(path, "rb") as f:  # a byte-order mark is not JSON
+            record = json.loads(f.read().removeprefix(BOM).decode("utf-8", errors="replace"))
     except ValueError:  # reported line by line, as JSON Lines
         return "lines", None
     return ("object", record) if isinstance(record, dict) else ("lines", None)
 
 
-def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[str, int]]:
+def _load_json(path: str, allow_invalid_utf8: bool, report: dict | None):
+    """The parsed content of the JSON file `path` (an array, or one object), its invalid UTF-8
+    handled as a text's (`_decode_utf8`); ValueError naming the line where it is not JSON."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = _decode_utf8(path, raw.removeprefix(BOM), len(raw), allow_invalid_utf8, report)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{e.lineno}: the file is not valid JSON ({_where(e)}); repair it there"
+        ) from None
+
+
+def _json_object_document(path: str, record, key: str) -> Iterator[tuple[str, int]]:
     if not isinstance(record.get(key), str):
         raise ValueError(
             f"{path}: the object has no string field {key!r}; fix it or pass --jsonl-key"
@@ -561,14 +598,7 @@ def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[s
         yield record[key], os.path.getsize(path)
 
 
-def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
-    with open(path, encoding="utf-8-sig") as f:
-        try:
-            records = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{e.lineno}: the file is not valid JSON ({_where(e)}); repair it there"
-            ) from None
+def _json_array_documents(path: str, records: list, key: str) -> Iterator[tuple[str, int]]:
     size = os.path.getsize(path) / max(1, len(records))
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
