@@ -514,3 +514,19 @@ def test_invalid_utf8_in_json_inputs_is_handled_as_in_a_txt(tmp_path, capsys, ki
     report = {}
     docs = [t for t, _ in iter_documents([str(path)], report=report)]
     assert docs[0] == "caf\ufffd " + "x" * 2000 and report == {str(path): 1}
+
+
+@pytest.mark.parametrize("train", [["--train-tokenizer", "bpe", "--vocab-size", "300"],
+                                   ["--train-sentencepiece", "--vocab-size", "200"]])
+def test_allow_invalid_utf8_also_reaches_the_tokenizer_trained_on_the_text(
+        tmp_path, capsys, train):
+    """--allow-invalid-utf8 with --train-tokenizer / --train-sentencepiece: the pass that trains
+    the tokenizer read the inputs without the flag, so the text it allows was refused
+    ("... pass --allow-invalid-utf8") before a token was written."""
+    path = tmp_path / "latin.txt"
+    path.write_bytes(TEXT[:6000].encode().replace(b"e", b"\xe9", 20))  # 0.3 % of its bytes
+    assert data_main(["--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress", "--allow-invalid-utf8", *train]) == 0, \
+        capsys.readouterr().err
+    assert "20 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
+    assert IndexedDataset(tmp_path / "out").num_tokens > 1000
