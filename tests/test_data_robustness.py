@@ -530,3 +530,30 @@ def test_allow_invalid_utf8_also_reaches_the_tokenizer_trained_on_the_text(
         capsys.readouterr().err
     assert "20 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
     assert IndexedDataset(tmp_path / "out").num_tokens > 1000
+
+
+def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsys):
+    """A corpus directory of .jsonl.gz files (or of .md notes) was refused as "holds no .txt /
+    .jsonl / .json / .parquet files", naming neither what it holds nor what to do: the line
+    says what the files are and the fix (decompress; give a text by its own path)."""
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    (gz / "a.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(20))
+    (gz / "b.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(20))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(gz), *out]) == 2
+    _one_line_error(capsys, f"input directory {gz} holds no .txt / .jsonl / .json / .parquet "
+                            f"files, only 2 other files (.gz, .zst), not read: input "
+                            f"{gz / 'a.jsonl.gz'} is gzip-compressed",
+                    f"decompress it (gunzip -k {gz / 'a.jsonl.gz'})")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.md").write_text("# A title\n\nSome text.\n")
+    assert data_main(["--input", str(notes), *out]) == 2
+    _one_line_error(capsys, "only 1 other file (.md), not read: give such a file by its own "
+                            f"path ({notes / 'a.md'}: a file named as input is read as text")
+    assert data_main(["--input", str(notes / "a.md"), *out]) == 0  # as the line says
+    (tmp_path / "empty").mkdir()
+    assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
+    assert _one_line_error(capsys).endswith(
+        f"input directory {tmp_path / 'empty'} holds no .txt / .jsonl / .json / .parquet files")

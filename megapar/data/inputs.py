@@ -216,11 +216,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"input {path} is {model}, not text; pass the text (or the directory of "
                     f"text) to tokenize"
                 )
-            found = _directory_files(path)[0]
+            found, others = _directory_files(path)
             if not found:
-                raise FileNotFoundError(
-                    f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
-                )
+                raise FileNotFoundError(_nothing_to_read(path, others))
             files += found
         elif os.path.isfile(path):
             stem = dataset_of(path)
@@ -238,6 +236,28 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                 f"input {path} does not exist; pass text files, .jsonl files or directories"
             )
     return files
+
+
+def _nothing_to_read(path: str, others: list[str]) -> str:
+    """The line for input directory `path` that holds no file of `INPUT_SUFFIXES`, `others`
+    (other files) perhaps: what they are and the fix, from the first of them (compressed,
+    binary: `check_is_text`'s line; text under another name: give it by its own path)."""
+    line = f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
+    if not others:
+        return line
+    kinds = sorted({os.path.splitext(f)[1] or "no suffix" for f in others})
+    line += (
+        f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
+        f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}), not read"
+    )
+    try:
+        check_is_text(others[0])
+    except ValueError as e:
+        return f"{line}: {e}"
+    return (
+        f"{line}: give such a file by its own path ({shell_word(others[0])}: a file named as "
+        f"input is read as text whatever its name), or rename them .txt"
+    )
 
 
 def check_read_once(inputs: Sequence[str]) -> None:
