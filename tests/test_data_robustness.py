@@ -557,3 +557,24 @@ def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsy
     assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
     assert _one_line_error(capsys).endswith(
         f"input directory {tmp_path / 'empty'} holds no .txt / .jsonl / .json / .parquet files")
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.json", "docs.parquet"])
+def test_a_missing_json_or_parquet_data_file_is_named_missing_not_a_prefix(tmp_path, capsys,
+                                                                             name):
+    """megapar-train --data docs.jsonl with no such file said "docs.jsonl.bin, docs.jsonl.idx,
+    docs.jsonl.json not found; pass the prefix written by megapar-data ... or a raw .txt file"
+    (megapar-eval: ".bin, .idx, .json not found"), as if a prefix were meant: a missing .txt
+    was "no such text file", and so is any name of a text kind. A prefix with such a suffix
+    (megapar-data --output-prefix data/c.jsonl) is still a prefix."""
+    from megapar.cli.train import main as train_main
+    from megapar.data.inputs import is_raw_text
+
+    missing = tmp_path / name
+    assert train_main(["--data", str(missing), "--model", "gpt2-tiny", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"megapar-train: error: --data {missing}: no " \
+                                              f"such text file"
+    assert is_raw_text(str(missing))
+    for ext in (".bin", ".idx", ".json"):
+        (tmp_path / (name + ext)).write_bytes(b"")
+    assert not is_raw_text(str(missing))

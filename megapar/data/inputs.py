@@ -42,11 +42,16 @@ _WIDE_BOMS = (
 
 def is_raw_text(path: str) -> bool:
     """Whether a --data path is text to tokenize (a file or directory) rather than the prefix of
-    a prepared dataset (its .bin / .idx)."""
+    a prepared dataset (its .bin / .idx). A missing path named as text (``.jsonl``, ``.parquet``,
+    ...) is text, so that it is reported missing as a file, not as a prefix's .bin / .idx."""
     return (
         path.endswith((".txt", ".text", ".md"))
         or os.path.isdir(path)
         or (os.path.isfile(path) and not os.path.exists(path + ".bin"))
+        or (
+            path.endswith(INPUT_SUFFIXES)
+            and not any(os.path.exists(path + ext) for ext in ("", ".bin", ".idx"))
+        )
     )
 
 
