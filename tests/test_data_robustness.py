@@ -578,3 +578,29 @@ def test_a_missing_json_or_parquet_data_file_is_named_missing_not_a_prefix(tmp_p
     for ext in (".bin", ".idx", ".json"):
         (tmp_path / (name + ext)).write_bytes(b"")
     assert not is_raw_text(str(missing))
+
+
+def test_a_saved_hugging_face_dataset_directory_is_refused_naming_its_export(tmp_path, capsys):
+    """A directory `datasets.Dataset.save_to_disk` wrote (Arrow data beside dataset_info.json
+    and state.json) was read as a corpus: "dataset_info.json: the object has no string field
+    'text'; fix it or pass --jsonl-key". It is named, with the parquet export megapar reads;
+    a DatasetDict's (dataset_dict.json over split directories) exports its train split."""
+    saved = tmp_path / "wiki"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + bytes(60))
+    (saved / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
+    (saved / "state.json").write_text(json.dumps({"_fingerprint": "abc"}, indent=2))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(saved), *out]) == 2
+    _one_line_error(capsys, f"input {saved} is a Hugging Face datasets directory (save_to_disk",
+                    f'datasets.load_from_disk("{saved}").to_parquet("wiki.parquet")')
+    splits = tmp_path / "dd"
+    (splits / "test").mkdir(parents=True)
+    for name in ("test", "train"):
+        if name == "train":
+            (splits / name).mkdir()
+        for f in saved.iterdir():
+            (splits / name / f.name).write_bytes(f.read_bytes())
+    (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    assert data_main(["--input", str(splits), *out]) == 2
+    _one_line_error(capsys, f'datasets.load_from_disk("{splits}")["train"].to_parquet("dd.parquet")')

@@ -205,6 +205,34 @@ def model_directory(path: str) -> str | None:
     return None
 
 
+def saved_hf_dataset(path: str) -> str | None:
+    """The one line for directory `path` when Hugging Face ``datasets`` wrote it
+    (``save_to_disk``: Arrow files beside ``state.json``, or a ``dataset_dict.json`` over
+    split directories), else None: its JSON files would be read as documents, and fail on
+    their first record, its Arrow data not read. The line names the export to parquet that
+    megapar reads (a DatasetDict's ``train`` split, or its first)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    split = ""
+    if "dataset_dict.json" in names:
+        splits = sorted(n for n in names if os.path.isfile(os.path.join(path, n, "state.json")))
+        split = f"[{json.dumps('train' if 'train' in splits or not splits else splits[0])}]"
+    elif not ("state.json" in names and any(n.endswith(".arrow") for n in names)):
+        return None
+    out = os.path.basename(os.path.normpath(path)) + ".parquet"
+    code = (
+        f"import datasets; datasets.load_from_disk({json.dumps(path)}){split}"
+        f".to_parquet({json.dumps(out)})"
+    )
+    return (
+        f"input {path} is a Hugging Face datasets directory (save_to_disk: Arrow files, not "
+        f"text); export it to parquet, python3 -c {shell_word(code)}, and pass {out} "
+        f"(with --jsonl-key COLUMN when the text is not in a column 'text')"
+    )
+
+
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
     sorted; hidden files and directories left out), less the ``.json`` that describes a tokenized
@@ -221,6 +249,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"input {path} is {model}, not text; pass the text (or the directory of "
                     f"text) to tokenize"
                 )
+            saved = saved_hf_dataset(path)
+            if saved is not None:
+                raise ValueError(saved)
             found, others = _directory_files(path)
             if not found:
                 raise FileNotFoundError(_nothing_to_read(path, others))
