@@ -267,3 +267,22 @@ def test_data_help_gives_the_format_default(capsys):
     assert "megapar reads both) (default: megapar)" in out
     # --vocab-size had no default and did not say that training a tokenizer needs it
     assert "(needed with --train-tokenizer / --train-sentencepiece)" in out
+
+
+@pytest.mark.parametrize("kind", ["large_string", "dictionary", "string_view"])
+def test_a_parquet_text_column_of_any_arrow_string_type_is_read(tmp_path, kind):
+    """A text column stored as a dictionary (pandas' categorical) or string_view (Polars'
+    strings) was refused: "column 'text' holds dictionary<values=string, ...>, not text".
+    Every arrow string type gives the tokens a plain string column gives."""
+    texts = PARAS[:5]
+    column = {"large_string": lambda: pa.array(texts, pa.large_string()),
+              "dictionary": lambda: pa.array(texts).dictionary_encode(),
+              "string_view": lambda: pa.array(texts, pa.string_view())}[kind]()
+    pq.write_table(pa.table({"text": column}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "plain.parquet")
+    for name in ("t", "plain"):
+        assert data_main(["--input", str(tmp_path / f"{name}.parquet"), "--output-prefix",
+                          str(tmp_path / name), "--no-progress"]) == 0
+    assert [t for t, _ in iter_documents([str(tmp_path / "t.parquet")])] == texts
+    tokens = [Path(f"{tmp_path / name}.bin").read_bytes() for name in ("t", "plain")]
+    assert tokens[0] == tokens[1]

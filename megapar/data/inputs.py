@@ -666,6 +666,13 @@ def _json_array_documents(path: str, records: list, key: str) -> Iterator[tuple[
             yield record[key], int(size)
 
 
+def _string_view(pa, kind) -> bool:
+    """Whether arrow type `kind` is ``string_view`` (Polars' strings, kept in the parquet
+    files it writes)."""
+    is_view = getattr(pa.types, "is_string_view", None)
+    return bool(is_view and is_view(kind))
+
+
 def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -684,7 +691,8 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             f"pass --jsonl-key COLUMN"
         )
     kind = file.schema_arrow.field(key).type
-    if str(kind) not in ("string", "large_string"):
+    text = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categorical
+    if not (pa.types.is_string(text) or pa.types.is_large_string(text) or _string_view(pa, text)):
         raise ValueError(
             f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
             f"naming the text column"
