@@ -12,7 +12,7 @@ import pytest
 
 from megapar.cli.data import main as data_main
 from megapar.data import IndexedDataset, asset_path, load_tokenizer
-from megapar.data.preprocess import iter_documents
+from megapar.data.preprocess import expand_inputs, iter_documents
 
 PARAS = [p.strip("\n") for p in Path(asset_path("shakespeare_sample.txt")).read_text()
          .split("\n\n") if p.strip()][:120]
@@ -286,3 +286,21 @@ def test_a_parquet_text_column_of_any_arrow_string_type_is_read(tmp_path, kind):
     assert [t for t, _ in iter_documents([str(tmp_path / "t.parquet")])] == texts
     tokens = [Path(f"{tmp_path / name}.bin").read_bytes() for name in ("t", "plain")]
     assert tokens[0] == tokens[1]
+
+
+def test_a_symbolic_link_to_a_directory_in_the_corpus_is_walked_once(tmp_path):
+    """A corpus directory whose shards are symbolic links to directories elsewhere (a big
+    disk, the Hugging Face cache) was read without them: os.walk did not follow the links,
+    silently ("holds no .txt ... files" where all were linked). A link is walked as its
+    directory, and a link back up (a loop) or a second link to one directory reads it once."""
+    shard = tmp_path / "elsewhere" / "shard"
+    shard.mkdir(parents=True)
+    (shard / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in PARAS[:3]))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.txt").write_text(PARAS[3])
+    (corpus / "web").symlink_to(shard, target_is_directory=True)
+    (corpus / "web2").symlink_to(shard, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    docs = [t for t, _ in iter_documents(expand_inputs([str(corpus)]))]
+    assert docs == [PARAS[3], *PARAS[:3]]

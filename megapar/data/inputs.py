@@ -332,15 +332,19 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
     megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
     hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's
-    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out."""
+    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out. A symbolic
+    link to a directory is walked as the directory (a corpus of linked shards), once."""
     read, skipped = [], []
-    for root, dirs, names in os.walk(path):
+    walked = {os.path.realpath(path)}  # symbolic links are followed, each directory walked once
+    for root, dirs, names in os.walk(path, followlinks=True):
         own = _dataset_tokenizer_dirs(root, names)
-        dirs[:] = [
-            d
-            for d in dirs
-            if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in own
-        ]
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(root, d))
+            if not d.startswith(".") and real not in own and real not in walked:
+                kept.append(d)
+                walked.add(real)
+        dirs[:] = kept
         for n in names:
             full = os.path.join(root, n)
             if n.startswith("."):  # hidden: a macOS ._ copy, an editor's .#lock, a tool's state
