@@ -232,3 +232,19 @@ def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(t
     # the other parts still validated, with --eval-interval given and no val_loss ever logged)
     assert notes[1] == ("the blend validates only when every part has a validation split: "
                         "training without validation, on all of every part"), notes
+
+
+def test_several_paths_without_weights_are_named_as_such(tmp_path):
+    """--data corpus/*.txt (the shell expands it to several paths) was "'a.txt' is not a
+    weight; a blend is pairs of WEIGHT PREFIX": the line says several paths were given and
+    the three ways to train on them."""
+    paths = []
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("text\n")
+        paths.append(str(tmp_path / name))
+    with pytest.raises(ValueError, match=r"^--data takes one path or a blend of WEIGHT PATH "
+                                         r"pairs, got 3 paths .*pass the directory that holds "
+                                         r"them .*megapar-data --input A B .*--data 0.5 A 0.5 B$"):
+        parse_blend(paths)
+    with pytest.raises(ValueError, match="'x' is not a weight"):  # not all of them data
+        parse_blend([paths[0], "x"][::-1] + ["y", "z"])

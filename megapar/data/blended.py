@@ -58,6 +58,14 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
         if not isinstance(spec, str) and _names_data(" ".join(items))
         else ""
     )
+    if not quote and not _is_weight(items[0]) and all(_names_data(x) for x in items):
+        raise ValueError(  # several paths (a shell glob, --data corpus/*.txt), no weights
+            f"--data takes one path or a blend of WEIGHT PATH pairs, got {len(items)} paths "
+            f"({' '.join(items[:3])}{' ...' if len(items) > 3 else ''}); pass the directory "
+            f"that holds them (its .txt / .jsonl / .json / .parquet files are read), tokenize "
+            f"them together (megapar-data --input A B --output-prefix P, then --data P), or "
+            f"weight them: --data 0.5 A 0.5 B"
+        )
     if len(items) % 2:
         raise ValueError(
             f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
