@@ -40,6 +40,33 @@ def test_blended_dataset_items_and_description():
     assert "A 0.7500 (weight 0.7500, 10 samples)" in blend.describe()
 
 
+def test_each_epoch_of_a_blend_draws_on_where_the_last_left_off():
+    """Every epoch of a blend was the same sequence (the sampler takes a blend unshuffled), so
+    a dataset weighted below its share had the same few samples drawn every epoch and the
+    rest never: here A (90 samples, weight 0.1 of a 100-sample blend) gave the same 10 each
+    epoch. Epoch e's sample j is the blend's index e * len + j: the same dataset as sample j,
+    its draws continuing through its seeded permutations, so over 9 epochs A's 90 are all
+    drawn once; epoch 0 is the blend as it was."""
+    from megapar.data.sampler import GlobalBatchSampler
+
+    a, b = [("a", i) for i in range(90)], [("b", i) for i in range(10)]
+    blend = BlendedDataset([a, b], [0.1, 0.9], ["A", "B"], seed=3)
+    sampler = GlobalBatchSampler(len(blend), 10, 5, 2, 0, seed=3, shuffle=False,
+                                 epoch_offset=True)
+    assert sampler.epoch_order(2).tolist() == list(range(200, 300))
+    epochs = [[blend[e * len(blend) + j] for j in range(len(blend))] for e in range(9)]
+    assert epochs[0] == [blend[j] for j in range(len(blend))]
+    which, sample = blend_indices([0.1, 0.9], [90, 10], 100, seed=3)
+    assert [x[1] for x in epochs[0]] == sample.tolist()  # epoch 0 unchanged
+    assert all([x[0] for x in ep] == [x[0] for x in epochs[0]] for ep in epochs)
+    drawn = [x[1] for ep in epochs for x in ep if x[0] == "a"]
+    assert len(drawn) == 90 and sorted(drawn) == list(range(90))
+    b_drawn = [x[1] for x in epochs[1] if x[0] == "b"]  # B: 9 permutations a blend epoch
+    assert all(sorted(b_drawn[k:k + 10]) == list(range(10)) for k in range(0, 90, 10))
+    assert epochs[1] != epochs[0]
+    assert blend.proportions(np.arange(100, 200)).tolist() == [0.1, 0.9]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("0.7 a 0.3", "pairs of WEIGHT PREFIX"), (["x", "a", "0.3", "b"], "'x' is not a weight"),
     ("0 a 1 b", "must be positive"),
@@ -205,3 +232,19 @@ def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(t
     # the other parts still validated, with --eval-interval given and no val_loss ever logged)
     assert notes[1] == ("the blend validates only when every part has a validation split: "
                         "training without validation, on all of every part"), notes
+
+
+def test_several_paths_without_weights_are_named_as_such(tmp_path):
+    """--data corpus/*.txt (the shell expands it to several paths) was "'a.txt' is not a
+    weight; a blend is pairs of WEIGHT PREFIX": the line says several paths were given and
+    the three ways to train on them."""
+    paths = []
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("text\n")
+        paths.append(str(tmp_path / name))
+    with pytest.raises(ValueError, match=r"^--data takes one path or a blend of WEIGHT PATH "
+                                         r"pairs, got 3 paths .*pass the directory that holds "
+                                         r"them .*megapar-data --input A B .*--data 0.5 A 0.5 B$"):
+        parse_blend(paths)
+    with pytest.raises(ValueError, match="'x' is not a weight"):  # not all of them data
+        parse_blend([paths[0], "x"][::-1] + ["y", "z"])

@@ -12,7 +12,7 @@ import pytest
 
 from megapar.cli.data import main as data_main
 from megapar.data import IndexedDataset, asset_path, load_tokenizer
-from megapar.data.preprocess import iter_documents
+from megapar.data.preprocess import expand_inputs, iter_documents
 
 PARAS = [p.strip("\n") for p in Path(asset_path("shakespeare_sample.txt")).read_text()
          .split("\n\n") if p.strip()][:120]
@@ -267,3 +267,40 @@ def test_data_help_gives_the_format_default(capsys):
     assert "megapar reads both) (default: megapar)" in out
     # --vocab-size had no default and did not say that training a tokenizer needs it
     assert "(needed with --train-tokenizer / --train-sentencepiece)" in out
+
+
+@pytest.mark.parametrize("kind", ["large_string", "dictionary", "string_view"])
+def test_a_parquet_text_column_of_any_arrow_string_type_is_read(tmp_path, kind):
+    """A text column stored as a dictionary (pandas' categorical) or string_view (Polars'
+    strings) was refused: "column 'text' holds dictionary<values=string, ...>, not text".
+    Every arrow string type gives the tokens a plain string column gives."""
+    texts = PARAS[:5]
+    column = {"large_string": lambda: pa.array(texts, pa.large_string()),
+              "dictionary": lambda: pa.array(texts).dictionary_encode(),
+              "string_view": lambda: pa.array(texts, pa.string_view())}[kind]()
+    pq.write_table(pa.table({"text": column}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "plain.parquet")
+    for name in ("t", "plain"):
+        assert data_main(["--input", str(tmp_path / f"{name}.parquet"), "--output-prefix",
+                          str(tmp_path / name), "--no-progress"]) == 0
+    assert [t for t, _ in iter_documents([str(tmp_path / "t.parquet")])] == texts
+    tokens = [Path(f"{tmp_path / name}.bin").read_bytes() for name in ("t", "plain")]
+    assert tokens[0] == tokens[1]
+
+
+def test_a_symbolic_link_to_a_directory_in_the_corpus_is_walked_once(tmp_path):
+    """A corpus directory whose shards are symbolic links to directories elsewhere (a big
+    disk, the Hugging Face cache) was read without them: os.walk did not follow the links,
+    silently ("holds no .txt ... files" where all were linked). A link is walked as its
+    directory, and a link back up (a loop) or a second link to one directory reads it once."""
+    shard = tmp_path / "elsewhere" / "shard"
+    shard.mkdir(parents=True)
+    (shard / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in PARAS[:3]))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.txt").write_text(PARAS[3])
+    (corpus / "web").symlink_to(shard, target_is_directory=True)
+    (corpus / "web2").symlink_to(shard, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    docs = [t for t, _ in iter_documents(expand_inputs([str(corpus)]))]
+    assert docs == [PARAS[3], *PARAS[:3]]

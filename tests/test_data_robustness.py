@@ -481,3 +481,126 @@ def test_preprocess_files_workers_message_names_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--workers 0 is invalid: it must be >= 1"):
         preprocess_files([str(tmp_path / "t.txt")], str(tmp_path / "o"), "gpt2", workers=0)
     assert np.array_equal(sorted(p.name for p in tmp_path.iterdir()), ["t.txt"])
+
+
+JSON_KINDS = {  # (file name, its bytes given the bytes of one record's text)
+    "jsonl": ("docs.jsonl", lambda t: b'{"text": "' + t + b'"}\n{"text": "two"}\n'),
+    "json array": ("docs.json", lambda t: b'[{"text": "' + t + b'"},\n {"text": "two"}]'),
+    "json object": ("docs.json", lambda t: b'{\n  "text": "' + t + b'"\n}\n'),
+}
+
+
+@pytest.mark.parametrize("kind", list(JSON_KINDS))
+def test_invalid_utf8_in_json_inputs_is_handled_as_in_a_txt(tmp_path, capsys, kind):
+    """A latin-1 byte in a .jsonl was refused even with --allow-invalid-utf8 (naming no flag),
+    in a .json array it was Python's "'utf-8' codec can't decode byte 0xe9" naming no file, in
+    a pretty-printed .json object "not valid JSON ... each line of a JSON Lines file is one
+    JSON object". As for a .txt: refused above 0.1 % of the file's bytes naming the flag,
+    replaced with U+FFFD (and counted) with it, or below that share."""
+    name, make = JSON_KINDS[kind]
+    path = tmp_path / name
+    path.write_bytes(make(b"caf\xe9 au lait"))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(path), *out]) == 2
+    _one_line_error(capsys, f"{path}: 1 of {path.stat().st_size} bytes", "are not valid UTF-8",
+                    "pass --allow-invalid-utf8")
+    assert data_main(["--input", str(path), *out, "--allow-invalid-utf8"]) == 0
+    assert "1 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
+    report: dict = {}
+    docs = [t for t, _ in iter_documents([str(path)], allow_invalid_utf8=True, report=report)]
+    assert docs[0] == "caf\ufffd au lait" and report == {str(path): 1}
+    # below 0.1 % of the file: replaced with a warning, no flag needed
+    path.write_bytes(make(b"caf\xe9 " + b"x" * 2000))
+    report = {}
+    docs = [t for t, _ in iter_documents([str(path)], report=report)]
+    assert docs[0] == "caf\ufffd " + "x" * 2000 and report == {str(path): 1}
+
+
+@pytest.mark.parametrize("train", [["--train-tokenizer", "bpe", "--vocab-size", "300"],
+                                   ["--train-sentencepiece", "--vocab-size", "200"]])
+def test_allow_invalid_utf8_also_reaches_the_tokenizer_trained_on_the_text(
+        tmp_path, capsys, train):
+    """--allow-invalid-utf8 with --train-tokenizer / --train-sentencepiece: the pass that trains
+    the tokenizer read the inputs without the flag, so the text it allows was refused
+    ("... pass --allow-invalid-utf8") before a token was written."""
+    path = tmp_path / "latin.txt"
+    path.write_bytes(TEXT[:6000].encode().replace(b"e", b"\xe9", 20))  # 0.3 % of its bytes
+    assert data_main(["--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress", "--allow-invalid-utf8", *train]) == 0, \
+        capsys.readouterr().err
+    assert "20 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
+    assert IndexedDataset(tmp_path / "out").num_tokens > 1000
+
+
+def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsys):
+    """A corpus directory of .jsonl.gz files (or of .md notes) was refused as "holds no .txt /
+    .jsonl / .json / .parquet files", naming neither what it holds nor what to do: the line
+    says what the files are and the fix (decompress; give a text by its own path)."""
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    (gz / "a.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(20))
+    (gz / "b.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(20))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(gz), *out]) == 2
+    _one_line_error(capsys, f"input directory {gz} holds no .txt / .jsonl / .json / .parquet "
+                            f"files, only 2 other files (.gz, .zst), not read: input "
+                            f"{gz / 'a.jsonl.gz'} is gzip-compressed",
+                    f"decompress it (gunzip -k {gz / 'a.jsonl.gz'})")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.md").write_text("# A title\n\nSome text.\n")
+    assert data_main(["--input", str(notes), *out]) == 2
+    _one_line_error(capsys, "only 1 other file (.md), not read: give such a file by its own "
+                            f"path ({notes / 'a.md'}: a file named as input is read as text")
+    assert data_main(["--input", str(notes / "a.md"), *out]) == 0  # as the line says
+    (tmp_path / "empty").mkdir()
+    assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
+    assert _one_line_error(capsys).endswith(
+        f"input directory {tmp_path / 'empty'} holds no .txt / .jsonl / .json / .parquet files")
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.json", "docs.parquet"])
+def test_a_missing_json_or_parquet_data_file_is_named_missing_not_a_prefix(tmp_path, capsys,
+                                                                             name):
+    """megapar-train --data docs.jsonl with no such file said "docs.jsonl.bin, docs.jsonl.idx,
+    docs.jsonl.json not found; pass the prefix written by megapar-data ... or a raw .txt file"
+    (megapar-eval: ".bin, .idx, .json not found"), as if a prefix were meant: a missing .txt
+    was "no such text file", and so is any name of a text kind. A prefix with such a suffix
+    (megapar-data --output-prefix data/c.jsonl) is still a prefix."""
+    from megapar.cli.train import main as train_main
+    from megapar.data.inputs import is_raw_text
+
+    missing = tmp_path / name
+    assert train_main(["--data", str(missing), "--model", "gpt2-tiny", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"megapar-train: error: --data {missing}: no " \
+                                              f"such text file"
+    assert is_raw_text(str(missing))
+    for ext in (".bin", ".idx", ".json"):
+        (tmp_path / (name + ext)).write_bytes(b"")
+    assert not is_raw_text(str(missing))
+
+
+def test_a_saved_hugging_face_dataset_directory_is_refused_naming_its_export(tmp_path, capsys):
+    """A directory `datasets.Dataset.save_to_disk` wrote (Arrow data beside dataset_info.json
+    and state.json) was read as a corpus: "dataset_info.json: the object has no string field
+    'text'; fix it or pass --jsonl-key". It is named, with the parquet export megapar reads;
+    a DatasetDict's (dataset_dict.json over split directories) exports its train split."""
+    saved = tmp_path / "wiki"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + bytes(60))
+    (saved / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
+    (saved / "state.json").write_text(json.dumps({"_fingerprint": "abc"}, indent=2))
+    out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert data_main(["--input", str(saved), *out]) == 2
+    _one_line_error(capsys, f"input {saved} is a Hugging Face datasets directory (save_to_disk",
+                    f'datasets.load_from_disk("{saved}").to_parquet("wiki.parquet")')
+    splits = tmp_path / "dd"
+    (splits / "test").mkdir(parents=True)
+    for name in ("test", "train"):
+        if name == "train":
+            (splits / name).mkdir()
+        for f in saved.iterdir():
+            (splits / name / f.name).write_bytes(f.read_bytes())
+    (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    assert data_main(["--input", str(splits), *out]) == 2
+    _one_line_error(capsys, f'datasets.load_from_disk("{splits}")["train"].to_parquet("dd.parquet")')

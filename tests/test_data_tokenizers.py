@@ -121,6 +121,24 @@ def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
         load_tokenizer("bert-base-uncased")
 
 
+def test_a_hugging_face_hub_id_as_tokenizer_names_the_download(tmp_path, monkeypatch):
+    """--tokenizer meta-llama/Llama-3.2-1B (the id transformers users pass) was "no such file
+    or directory; pass an existing SentencePiece .model file or tokenizer directory", the
+    "nothing is downloaded" of a bare name not said: the line names the download and the
+    directory to pass. A path whose directory is here (data/tok) stays a missing path."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^tokenizer 'meta-llama/Llama-3.2-1B': no such file "
+                                         r"or directory, and nothing is downloaded; .*"
+                                         r"huggingface-cli download meta-llama/Llama-3.2-1B "
+                                         r"--local-dir DIR\) and pass --tokenizer DIR$"):
+        load_tokenizer("meta-llama/Llama-3.2-1B")
+    (tmp_path / "data").mkdir()
+    for path in ("data/tok", "org/tok.model", "./org/tok"):
+        with pytest.raises(ValueError, match=f"^tokenizer '{path}': no such file or directory; "
+                                             f"pass an existing"):
+            load_tokenizer(path)
+
+
 def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp_path):
     """A dataset index, data cache entry or checkpoint records the shipped SentencePiece model
     by its absolute path; from a megapar since moved or reinstalled (another checkout, another

@@ -357,7 +357,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
         from megapar.data.hf_tokenizer import train_bpe
         from megapar.data.preprocess import iter_documents
 
-        docs = iter_documents(files, args.split_lines, args.jsonl_key)
+        docs = iter_documents(files, args.split_lines, args.jsonl_key, args.allow_invalid_utf8)
         info: dict = {}
         tokenizer = train_bpe(
             (text for text, _ in docs),
@@ -387,6 +387,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
             model_type=args.sp_model_type,
             split_paragraphs=args.split_lines,
             jsonl_key=args.jsonl_key,
+            allow_invalid_utf8=args.allow_invalid_utf8,
         )
         trained.append(tokenizer)
         print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)

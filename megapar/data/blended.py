@@ -8,8 +8,11 @@ its weight, within about one sample. Draws walk through a seeded permutation of 
 samples, a new one each time the dataset is exhausted (a dataset weighted above its share of
 the data is repeated, as in Megatron-LM). So the blend is already shuffled: the global batch
 sampler takes it in order (and splits it over data-parallel ranks as usual), which keeps the
-proportions in every global batch. Nothing depends on the parallel layout, and since the blend
-is a fixed sequence, resuming from the sampler's saved position is exact (at any global batch).
+proportions in every global batch. An epoch past the first (blend index ``e * len + j``)
+repeats the interleaving with each dataset's draws continuing where the epoch before left off,
+so a dataset's samples one epoch leaves undrawn are drawn by the next. Nothing depends on the
+parallel layout, and since the blend is a fixed sequence, resuming from the sampler's saved
+position is exact (at any global batch).
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
         if not isinstance(spec, str) and _names_data(" ".join(items))
         else ""
     )
+    if not quote and not _is_weight(items[0]) and all(_names_data(x) for x in items):
+        raise ValueError(  # several paths (a shell glob, --data corpus/*.txt), no weights
+            f"--data takes one path or a blend of WEIGHT PATH pairs, got {len(items)} paths "
+            f"({' '.join(items[:3])}{' ...' if len(items) > 3 else ''}); pass the directory "
+            f"that holds them (its .txt / .jsonl / .json / .parquet files are read), tokenize "
+            f"them together (megapar-data --input A B --output-prefix P, then --data P), or "
+            f"weight them: --data 0.5 A 0.5 B"
+        )
     if len(items) % 2:
         raise ValueError(
             f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
@@ -154,19 +165,41 @@ class BlendedDataset:
         self.datasets, self.names = list(datasets), list(names)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.size = int(size if size is not None else sum(len(d) for d in datasets))
+        self.seed = seed
         self.dataset_index, self.sample_index = blend_indices(
             self.weights, [len(d) for d in datasets], self.size, seed
         )
+        # the k-th draw of its dataset each sample is, and each dataset's draws per epoch
+        self.draws = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        self.draw_rank = np.empty(self.size, dtype=np.int64)
+        for d in range(len(self.datasets)):
+            mask = self.dataset_index == d
+            self.draw_rank[mask] = np.arange(int(mask.sum()))
+        self._passes: dict[tuple[int, int], np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int):
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+        """Sample `i` of the blend; ``i >= len(self)`` is sample ``i % len(self)`` of epoch
+        ``i // len(self)``: the same dataset, its draws continuing where the epoch before
+        left off (through further seeded permutations, as within an epoch), so a dataset's
+        samples left undrawn by one epoch are drawn by the next ones."""
+        epoch, j = divmod(int(i), self.size)
+        d = int(self.dataset_index[j])
+        if epoch == 0:
+            return self.datasets[d][int(self.sample_index[j])]
+        n = len(self.datasets[d])
+        p, r = divmod(epoch * int(self.draws[d]) + int(self.draw_rank[j]), n)
+        if (d, p) not in self._passes:
+            if len(self._passes) > 64:
+                self._passes.clear()
+            self._passes[(d, p)] = np.random.default_rng([self.seed, d, p]).permutation(n)
+        return self.datasets[d][int(self._passes[(d, p)][r])]
 
     def proportions(self, indices: np.ndarray | None = None) -> np.ndarray:
         """Share of each dataset among the samples `indices` (default: the whole blend)."""
-        which = self.dataset_index if indices is None else self.dataset_index[indices]
+        which = self.dataset_index if indices is None else self.dataset_index[indices % self.size]
         counts = np.bincount(which, minlength=len(self.datasets))
         return counts / max(1, len(which))
 

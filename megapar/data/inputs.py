@@ -42,11 +42,16 @@ _WIDE_BOMS = (
 
 def is_raw_text(path: str) -> bool:
     """Whether a --data path is text to tokenize (a file or directory) rather than the prefix of
-    a prepared dataset (its .bin / .idx)."""
+    a prepared dataset (its .bin / .idx). A missing path named as text (``.jsonl``, ``.parquet``,
+    ...) is text, so that it is reported missing as a file, not as a prefix's .bin / .idx."""
     return (
         path.endswith((".txt", ".text", ".md"))
         or os.path.isdir(path)
         or (os.path.isfile(path) and not os.path.exists(path + ".bin"))
+        or (
+            path.endswith(INPUT_SUFFIXES)
+            and not any(os.path.exists(path + ext) for ext in ("", ".bin", ".idx"))
+        )
     )
 
 
@@ -63,13 +68,24 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
         raw = f.read()
     check_is_text(path, raw[:BINARY_PROBE])  # a directory's .txt, found by its name
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
-    text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
+    return normalize_newlines(_decode_utf8(path, raw, len(raw), allow_invalid_utf8, report))
+
+
+def _decode_utf8(
+    path: str, raw: bytes, size: int, allow_invalid_utf8: bool, report: dict | None
+) -> str:
+    """`raw` (bytes of `path`, a file of `size` bytes) as text, its invalid UTF-8 bytes U+FFFD
+    and counted into ``report[path]`` (added to what earlier parts of the file counted there).
+    ValueError once the file's count exceeds ``MAX_INVALID_UTF8`` of `size`, unless allowed."""
+    text = raw.decode("utf-8", errors="surrogateescape")
     bad = len(_ESCAPED.findall(text))
     if not bad:
         return text
-    if bad > MAX_INVALID_UTF8 * len(raw) and not allow_invalid_utf8:
+    if report is not None:
+        bad += report.get(path, 0)
+    if bad > MAX_INVALID_UTF8 * size and not allow_invalid_utf8:
         raise ValueError(
-            f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
+            f"{path}: {bad:,} of {size:,} bytes ({100 * bad / size:.1f} %) are not valid "
             f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
             f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD"
         )
@@ -189,6 +205,34 @@ def model_directory(path: str) -> str | None:
     return None
 
 
+def saved_hf_dataset(path: str) -> str | None:
+    """The one line for directory `path` when Hugging Face ``datasets`` wrote it
+    (``save_to_disk``: Arrow files beside ``state.json``, or a ``dataset_dict.json`` over
+    split directories), else None: its JSON files would be read as documents, and fail on
+    their first record, its Arrow data not read. The line names the export to parquet that
+    megapar reads (a DatasetDict's ``train`` split, or its first)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    split = ""
+    if "dataset_dict.json" in names:
+        splits = sorted(n for n in names if os.path.isfile(os.path.join(path, n, "state.json")))
+        split = f"[{json.dumps('train' if 'train' in splits or not splits else splits[0])}]"
+    elif not ("state.json" in names and any(n.endswith(".arrow") for n in names)):
+        return None
+    out = os.path.basename(os.path.normpath(path)) + ".parquet"
+    code = (
+        f"import datasets; datasets.load_from_disk({json.dumps(path)}){split}"
+        f".to_parquet({json.dumps(out)})"
+    )
+    return (
+        f"input {path} is a Hugging Face datasets directory (save_to_disk: Arrow files, not "
+        f"text); export it to parquet, python3 -c {shell_word(code)}, and pass {out} "
+        f"(with --jsonl-key COLUMN when the text is not in a column 'text')"
+    )
+
+
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
     sorted; hidden files and directories left out), less the ``.json`` that describes a tokenized
@@ -205,11 +249,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"input {path} is {model}, not text; pass the text (or the directory of "
                     f"text) to tokenize"
                 )
-            found = _directory_files(path)[0]
+            saved = saved_hf_dataset(path)
+            if saved is not None:
+                raise ValueError(saved)
+            found, others = _directory_files(path)
             if not found:
-                raise FileNotFoundError(
-                    f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
-                )
+                raise FileNotFoundError(_nothing_to_read(path, others))
             files += found
         elif os.path.isfile(path):
             stem = dataset_of(path)
@@ -227,6 +272,28 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                 f"input {path} does not exist; pass text files, .jsonl files or directories"
             )
     return files
+
+
+def _nothing_to_read(path: str, others: list[str]) -> str:
+    """The line for input directory `path` that holds no file of `INPUT_SUFFIXES`, `others`
+    (other files) perhaps: what they are and the fix, from the first of them (compressed,
+    binary: `check_is_text`'s line; text under another name: give it by its own path)."""
+    line = f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
+    if not others:
+        return line
+    kinds = sorted({os.path.splitext(f)[1] or "no suffix" for f in others})
+    line += (
+        f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
+        f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}), not read"
+    )
+    try:
+        check_is_text(others[0])
+    except ValueError as e:
+        return f"{line}: {e}"
+    return (
+        f"{line}: give such a file by its own path ({shell_word(others[0])}: a file named as "
+        f"input is read as text whatever its name), or rename them .txt"
+    )
 
 
 def check_read_once(inputs: Sequence[str]) -> None:
@@ -265,15 +332,19 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
     megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
     hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's
-    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out."""
+    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out. A symbolic
+    link to a directory is walked as the directory (a corpus of linked shards), once."""
     read, skipped = [], []
-    for root, dirs, names in os.walk(path):
+    walked = {os.path.realpath(path)}  # symbolic links are followed, each directory walked once
+    for root, dirs, names in os.walk(path, followlinks=True):
         own = _dataset_tokenizer_dirs(root, names)
-        dirs[:] = [
-            d
-            for d in dirs
-            if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in own
-        ]
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(root, d))
+            if not d.startswith(".") and real not in own and real not in walked:
+                kept.append(d)
+                walked.add(real)
+        dirs[:] = kept
         for n in names:
             full = os.path.join(root, n)
             if n.startswith("."):  # hidden: a macOS ._ copy, an editor's .#lock, a tool's state
@@ -303,23 +374,33 @@ def iter_documents(
 
 
 def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
+    report = {} if report is None else report  # invalid UTF-8 counted per file all the same
     for path in files:
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
             continue
         check_not_wide(path)  # JSON too: its first line would parse, the next ones not
-        kind, record = _json_kind(path) if path.endswith(".json") else ("lines", None)
-        if kind == "array":
-            yield from _json_array_documents(path, jsonl_key)
-            continue
-        if kind == "object":
-            yield from _json_object_document(path, record, jsonl_key)
+        kind = _json_kind(path)[0] if path.endswith(".json") else "lines"
+        if kind in ("array", "object"):
+            whole = _load_json(path, allow_invalid_utf8, report)
+            if kind == "array":
+                yield from _json_array_documents(path, whole, jsonl_key)
+            else:
+                yield from _json_object_document(path, whole, jsonl_key)
             continue
         if path.endswith((".jsonl", ".json")):
+            size = os.path.getsize(path)
             with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
                         continue
+                    line = _decode_utf8(
+                        path,
+                        raw.removeprefix(BOM) if lineno == 1 else raw,
+                        size,
+                        allow_invalid_utf8,
+                        report,
+                    )
                     text = _line_text(path, lineno, line, jsonl_key)
                     if not isinstance(text, str):  # never dropped silently
                         kind = type(text).__name__
@@ -345,7 +426,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                 yield para.strip("\n"), len(para) + 2
 
 
-def _line_text(path: str, lineno: int, line: bytes, key: str):
+def _line_text(path: str, lineno: int, line: bytes | str, key: str):
     """Field `key` of JSON Lines line `lineno` of `path`; ValueError in one line naming what is
     wrong with it: not JSON (repair the line), not an object, or no field `key` (--jsonl-key)."""
     record = _line_object(path, lineno, line, key)
@@ -378,11 +459,13 @@ def _pair_keys(record: dict) -> str | None:
     return f"{prompt},{response}" if prompt and response else None
 
 
-def _line_object(path: str, lineno: int, line: bytes, key: str) -> dict:
-    """JSON Lines line `lineno` of `path` parsed; ValueError in one line when it is not JSON
-    (repair the line) or not an object (`key`: the field it should have, for the example)."""
+def _line_object(path: str, lineno: int, line: bytes | str, key: str) -> dict:
+    """JSON Lines line `lineno` of `path` (its bytes, or its text decoded) parsed; ValueError in
+    one line when it is not UTF-8 (bytes), not JSON (repair the line) or not an object (`key`:
+    the field it should have, for the example)."""
     try:
-        record = json.loads(line.rstrip(b"\r\n"))  # an error's column is on this line
+        end = b"\r\n" if isinstance(line, bytes) else "\r\n"
+        record = json.loads(line.rstrip(end))  # type: ignore[arg-type]  # a column on this line
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{path}:{lineno}: the line is not UTF-8 text (byte {line[e.start]:#04x} at "
@@ -539,20 +622,34 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
             return "lines", None
         f.seek(0)
         first = next((line for line in f if line.strip()), b"")
-    try:
-        json.loads(first)
+    try:  # told apart by their structure: invalid UTF-8 is counted when read (`_load_json`)
+        json.loads(first.removeprefix(BOM).decode("utf-8", errors="replace"))
         return "lines", None
     except ValueError:
         pass
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not JSON
-            record = json.load(f)
+        with open(path, "rb") as f:  # a byte-order mark is not JSON
+            record = json.loads(f.read().removeprefix(BOM).decode("utf-8", errors="replace"))
     except ValueError:  # reported line by line, as JSON Lines
         return "lines", None
     return ("object", record) if isinstance(record, dict) else ("lines", None)
 
 
-def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[str, int]]:
+def _load_json(path: str, allow_invalid_utf8: bool, report: dict | None):
+    """The parsed content of the JSON file `path` (an array, or one object), its invalid UTF-8
+    handled as a text's (`_decode_utf8`); ValueError naming the line where it is not JSON."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = _decode_utf8(path, raw.removeprefix(BOM), len(raw), allow_invalid_utf8, report)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{e.lineno}: the file is not valid JSON ({_where(e)}); repair it there"
+        ) from None
+
+
+def _json_object_document(path: str, record, key: str) -> Iterator[tuple[str, int]]:
     if not isinstance(record.get(key), str):
         raise ValueError(
             f"{path}: the object has no string field {key!r}; fix it or pass --jsonl-key"
@@ -561,14 +658,7 @@ def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[s
         yield record[key], os.path.getsize(path)
 
 
-def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
-    with open(path, encoding="utf-8-sig") as f:
-        try:
-            records = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{e.lineno}: the file is not valid JSON ({_where(e)}); repair it there"
-            ) from None
+def _json_array_documents(path: str, records: list, key: str) -> Iterator[tuple[str, int]]:
     size = os.path.getsize(path) / max(1, len(records))
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
@@ -578,6 +668,13 @@ def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             )
         if record[key].strip():
             yield record[key], int(size)
+
+
+def _string_view(pa, kind) -> bool:
+    """Whether arrow type `kind` is ``string_view`` (Polars' strings, kept in the parquet
+    files it writes)."""
+    is_view = getattr(pa.types, "is_string_view", None)
+    return bool(is_view and is_view(kind))
 
 
 def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
@@ -598,7 +695,8 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             f"pass --jsonl-key COLUMN"
         )
     kind = file.schema_arrow.field(key).type
-    if str(kind) not in ("string", "large_string"):
+    text = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categorical
+    if not (pa.types.is_string(text) or pa.types.is_large_string(text) or _string_view(pa, text)):
         raise ValueError(
             f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
             f"naming the text column"

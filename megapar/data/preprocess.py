@@ -274,11 +274,13 @@ def train_sentencepiece(
     split_paragraphs: bool = False,
     jsonl_key: str = "text",
     num_threads: int = 1,
+    allow_invalid_utf8: bool = False,
 ) -> str:
     """Train a SentencePiece model on ``inputs`` in-process; write ``model_prefix.model``.
 
     ``[PAD] [CLS] [SEP] [MASK]`` are reserved as user-defined symbols (ids 3-6 after
-    ``<unk> <s> </s>``), so the trained model needs no appended special tokens.
+    ``<unk> <s> </s>``), so the trained model needs no appended special tokens. Invalid
+    UTF-8 in the inputs is read as `iter_documents` reads it (``allow_invalid_utf8``).
     Returns the model path.
     """
     if vocab_size < 1:
@@ -286,7 +288,7 @@ def train_sentencepiece(
     files = expand_inputs(inputs)
 
     def sentences() -> Iterator[str]:
-        for text, _ in iter_documents(files, split_paragraphs, jsonl_key):
+        for text, _ in iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8):
             for line in text.splitlines():
                 if line.strip():
                     yield line

@@ -40,6 +40,7 @@ class GlobalBatchSampler:
         seed: int,
         shuffle: bool = True,
         consumed_samples: int = 0,
+        epoch_offset: bool = False,
     ):
         if micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
             raise ValueError(
@@ -67,6 +68,7 @@ class GlobalBatchSampler:
         self.dp_rank = int(dp_rank)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
+        self.epoch_offset = bool(epoch_offset)
         self.consumed_samples = int(consumed_samples)
         self._epoch, self._taken = self._position_at(self.consumed_samples, global_batch_size)
 
@@ -101,7 +103,11 @@ class GlobalBatchSampler:
         return self.batches_per_epoch
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The sample stream of ``epoch`` (a permutation of ``range(dataset_len)``)."""
+        """The sample stream of ``epoch`` (a permutation of ``range(dataset_len)``; with
+        ``epoch_offset``, for a dataset that is another sequence each epoch such as a blend,
+        unshuffled: ``epoch * dataset_len + range(dataset_len)``)."""
+        if self.epoch_offset:
+            return np.arange(self.dataset_len, dtype=np.int64) + epoch * self.dataset_len
         if not self.shuffle:
             return np.arange(self.dataset_len, dtype=np.int64)
         return (

@@ -45,6 +45,10 @@ __all__ = [
     "forget_loaded",
 ]
 
+#: A Hugging Face Hub model id (``org/name``), as a --tokenizer that is no path here (nor a
+#: file name, nor in a directory that is here).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
     try:
@@ -285,6 +289,16 @@ def _load(spec: str) -> Tokenizer:
         raise ValueError(
             f"tokenizer {spec!r} is one file of a tokenizer; pass the directory holding it: "
             f"{os.path.dirname(spec) or '.'}"
+        )
+    if (
+        _HUB_ID.fullmatch(spec)
+        and not spec.endswith((".model", ".json", ".txt"))
+        and not os.path.exists(spec.split("/")[0])  # data/tok: a path, its file missing
+    ):
+        raise ValueError(
+            f"tokenizer {spec!r}: no such file or directory, and nothing is downloaded; for the "
+            f"Hugging Face Hub model {spec}, save its tokenizer to a local directory first "
+            f"(huggingface-cli download {spec} --local-dir DIR) and pass --tokenizer DIR"
         )
     if not os.path.exists(spec) and (os.sep in spec or spec.endswith((".model", ".json"))):
         raise ValueError(

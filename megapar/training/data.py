@@ -591,7 +591,7 @@ def planned_samples(sampler: GlobalBatchSampler, steps: int):
 def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True):
     """The run's `GlobalBatchSampler` of `dataset` for dp rank `dp_rank` of `dp`, at the start
     of the data order (a resumed run then calls `continue_order`)."""
-    shuffle = shuffle and not getattr(dataset, "shuffled", False)  # a blend comes shuffled
+    blend = getattr(dataset, "shuffled", False)  # comes shuffled, another order each epoch
     return GlobalBatchSampler(
         len(dataset),
         cfg.global_batch_size,
@@ -599,7 +599,8 @@ def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True)
         dp,
         dp_rank,
         cfg.seed,
-        shuffle=shuffle,
+        shuffle=shuffle and not blend,
+        epoch_offset=shuffle and blend,
     )
 
 
