@@ -401,26 +401,27 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         out = out.view(x.shape[0], self.top_k, -1).sum(1).to(x.dtype)
-        real = (
-            torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
-            if keep is None
-            else keep.float()
-        )  # 1 on a token, 0 on padding
-        load = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
-            0, experts.reshape(-1), real.repeat_interleave(self.top_k)
-        )
-        whole = torch.cat([load, real.sum()[None]])
+        if keep is None:
+            load = expert_counts(experts.reshape(-1), self.num_experts).float()
+            whole = torch.cat([load, load.new_full((1,), x.shape[0])])
+        else:  # padding counts in no load, token, probability or z term
+            real = keep.float()  # 1 on a token, 0 on padding
+            load = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
+            load.scatter_add_(0, experts.reshape(-1), real.repeat_interleave(self.top_k))
+            whole = torch.cat([load, real.sum()[None]])
         for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
             all_reduce(whole, group)
-        tokens = whole[-1].clamp(min=1.0)
+        tokens = whole[-1] if keep is None else whole[-1].clamp(min=1.0)  # padding alone: 0
         # the switch loss E * sum_e f_e P_e, f_e the share of the T x k assignments chosen for
         # e (as transformers' load_balancing_loss_func: counted before any capacity drop, sums
         # to k), P_e the mean router probability of e, both over the whole micro-batch's tokens
         # (padding left out, as transformers' attention_mask leaves it): this rank's tokens'
-        # share of it (of the z-loss, mean logsumexp(logits)^2, too)
-        probs_sum = (probs * real[:, None]).sum(0)
+        # share of it (of the z-loss, mean logsumexp(logits)^2, too). Without padding nothing
+        # is weighted (no T-long weights saved for the backward)
+        probs_sum = probs.sum(0) if keep is None else (probs * real[:, None]).sum(0)
         switch = self.num_experts * torch.sum(whole[:-1] / tokens * probs_sum / tokens)
-        z = (torch.logsumexp(logits.float(), dim=-1).square() * real).sum() / tokens
+        lse2 = torch.logsumexp(logits.float(), dim=-1).square()
+        z = (lse2 if keep is None else lse2 * real).sum() / tokens
         self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
         if torch.is_grad_enabled() and self.training:
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
