@@ -6,7 +6,8 @@
 * ``PREFIX.idx`` -- document boundaries: the 8-byte magic ``b"MPIDX\\x00\\x00\\x01"``, the
   number of documents ``D`` as a little-endian ``uint64``, then ``D + 1`` little-endian
   ``int64`` token offsets (document ``i`` is ``tokens[off[i]:off[i+1]]``, its eod included).
-* ``PREFIX.json`` -- metadata: format, version, dtype, vocab size, tokenizer spec,
+* ``PREFIX.json`` -- metadata: format, version, dtype, vocab size, tokenizer spec (and its
+  files' ``sha256``; older datasets lack them),
   number of documents and tokens, the largest token id (``max_id``); for supervised
   fine-tuning records (``megapar-data --sft-keys``) also ``sft``: the record keys and each
   document's prompt length in tokens (its first tokens, the BOS included, are the prompt; the

@@ -179,7 +179,13 @@ def preprocess_files(
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
-            output_prefix, tok.vocab_size, tok.eod_id, tok.spec(), format, sft_keys
+            output_prefix,
+            tok.vocab_size,
+            tok.eod_id,
+            # the files' sha256: a run refuses the dataset once they change at that path
+            {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]},
+            format,
+            sft_keys,
         ) as builder,
         tqdm(
             total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress

@@ -51,6 +51,7 @@ from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
     check_blend_tokenizers,
     check_checkpoint_tokenizer,
+    check_dataset_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
 )
@@ -101,10 +102,26 @@ def resolve_data_prefix(
     for prefix in prefixes:
         check_megatron_tokenizer_named(cfg, prefix)
     parts = [IndexedDataset(prefix, cfg.tokenizer) for prefix in prefixes]
+    for path, part in zip(paths, parts):
+        if not is_raw_text(_text_or_prefix(cfg, path)):  # text: its cache key is --tokenizer's
+            _check_recorded_tokenizer(path or part.prefix, part)
     if fingerprints is not None:
         fingerprints.extend(part.fingerprint() for part in parts)
     check_blend_tokenizers([p or prefix for p, prefix in zip(paths, prefixes)], parts)
     return prefixes[0]
+
+
+def _check_recorded_tokenizer(data: str, part: IndexedDataset) -> None:
+    """The tokenizer prepared dataset `part` records still has the files it was made with
+    (`check_dataset_tokenizer`); one that no longer loads is left to `data_tokenizer` (the
+    first part) and `check_blend_tokenizers` (the others)."""
+    if not os.path.isfile(part.prefix + ".json"):  # a Megatron-LM dataset records none
+        return
+    try:
+        tokenizer = load_tokenizer(part.tokenizer_spec)
+    except (OSError, ValueError):
+        return
+    check_dataset_tokenizer(data, part.tokenizer_spec, tokenizer)
 
 
 def _resolve_one(
@@ -268,6 +285,7 @@ def data_tokenizer(cfg: TrainConfig):
             f"--data {data} was made with the tokenizer at {path}, {why} (a prepared "
             f"dataset keeps the tokenizer it was made with; --tokenizer does not replace it)"
         ) from None
+    check_dataset_tokenizer(data, indexed.tokenizer_spec, tokenizer)
     given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)

@@ -54,6 +54,28 @@ def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
         )
 
 
+def check_dataset_tokenizer(data: str, spec: dict, tokenizer: Tokenizer) -> None:
+    """The tokenizer a prepared dataset `data` loads from its recorded path (`spec`: its .json's
+    ``tokenizer``, `tokenizer`: loaded from it) still has the files the dataset was made with:
+    their sha256 as megapar-data recorded them. UsageError naming the dataset, the path and the
+    fix otherwise (its token ids would be other tokens). A dataset that records no sha256
+    (made before they were recorded, or a Megatron-LM dataset) is not checked."""
+    recorded = spec.get("sha256")
+    if not recorded:
+        return
+    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    if tokenizer.kind == spec.get("kind") and digests == list(recorded):
+        return
+    path = str(spec.get("path"))
+    raise UsageError(
+        f"--data {data} was made with the tokenizer at {path}, whose files changed since the "
+        f"dataset was made (sha256 {','.join(d[:12] for d in recorded)} then, "
+        f"{','.join(d[:12] for d in digests)} now): its token ids would be other tokens; "
+        f"restore the tokenizer the dataset was made with at {path}, or tokenize the text "
+        f"again with megapar-data --tokenizer {shell_word(path)}"
+    )
+
+
 def recorded_as_trained(recorded: dict) -> Tokenizer | None:
     """The tokenizer a checkpoint records (meta ``tokenizer``: its spec and files' sha256) as it
     trained: loaded from its recorded place with its files unchanged; None where it does not

@@ -33,7 +33,10 @@ from megapar.training.eval_text import (
     tokenize_text,
     trained_sft_keys,
 )
-from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
+from megapar.training.tokenizer_checks import (
+    check_checkpoint_tokenizer,
+    check_dataset_tokenizer,
+)
 from megapar.training.validate import (
     UsageError,
     check_cp_seq_len,
@@ -125,6 +128,8 @@ def _check_data(args, manifest: dict, causal: bool) -> str | None:
         args.tokenizer = text_tokenizer(args, manifest)[0]
     indexed = IndexedDataset(args.data, args.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    if getattr(args, "data_shown", args.data) == args.data:  # text: tokenized with --tokenizer
+        check_dataset_tokenizer(args.data, indexed.tokenizer_spec, tokenizer)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
     return _check_batches(args, indexed, tokenizer, causal)
 
