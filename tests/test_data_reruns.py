@@ -391,3 +391,73 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
         f"--tokenizer where they are now (a prepared dataset keeps the tokenizer it was made "
         f"with; --tokenizer does not replace it)"), gone.value  # not 'unknown tokenizer: use gpt2'
 
+
+
+def _bpe(directory: Path, vocab_size: int) -> str:
+    """A byte-level BPE of `vocab_size` trained on the sample text, saved as vocab.json +
+    merges.txt in `directory` (replacing what is there)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([TEXT[:20_000]], vocab_size=vocab_size, show_progress=False)
+    directory.mkdir(exist_ok=True)
+    tok.save_model(str(directory))
+    return str(directory)
+
+
+def test_a_dataset_whose_tokenizer_files_changed_since_is_refused(tmp_path, capsys):
+    """A prepared dataset records its tokenizer files' sha256: replaced at the recorded path by
+    another tokenizer, a run (alone or in a blend) refuses it in one line naming the dataset,
+    the path and the fix (it trained with the new one); unchanged, it is accepted; a dataset
+    made before the sha256 were recorded is not checked."""
+    from megapar.training.config import TrainConfig
+    from types import SimpleNamespace
+
+    from megapar.training.data import data_tokenizer, resolve_data_prefix
+    from megapar.training.usage import UsageError
+    from megapar.training.validate_tools import _check_data as check_eval_data
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:5_000])
+    bpe = _bpe(tmp_path / "bpe", 400)
+    prefix = str(tmp_path / "d")
+    assert data(["--input", str(text), "--output-prefix", prefix, "--tokenizer", bpe,
+                 "--no-progress"]) == 0
+    recorded = json.loads(Path(prefix + ".json").read_text())["tokenizer"]
+    assert len(recorded["sha256"]) == 2  # vocab.json, merges.txt
+    cfg = TrainConfig(data=prefix)
+    assert resolve_data_prefix(cfg) == prefix  # unchanged: accepted
+    assert data_tokenizer(cfg)[1].path == bpe
+    assert train(["--data", prefix, *TINY[:2], "--seq-len", "32", "--micro-batch-size", "2",
+                  "--max-steps", "1", "--no-progress"]) == 0
+    made_with = {n: (tmp_path / "bpe" / n).read_bytes() for n in ("vocab.json", "merges.txt")}
+
+    _bpe(tmp_path / "bpe", 300)  # another tokenizer where the dataset's was
+    for run in (resolve_data_prefix, data_tokenizer):
+        with pytest.raises(ValueError) as changed:
+            run(cfg)
+        message = str(changed.value)
+        assert message.startswith(
+            f"--data {prefix} was made with the tokenizer at {bpe}, whose files changed since "
+            f"the dataset was made (sha256 "), message
+        assert message.endswith(
+            f"its token ids would be other tokens; restore the tokenizer the dataset was made "
+            f"with at {bpe}, or tokenize the text again with megapar-data --tokenizer {bpe}")
+    evaluated = SimpleNamespace(data=prefix, tokenizer=None, load=str(tmp_path / "ck"))
+    with pytest.raises(UsageError, match=r"whose files changed since the dataset was made"):
+        check_eval_data(evaluated, {}, True)  # megapar-eval's check of its --data
+    blend = TrainConfig(data=f"1 {prefix} 1 {prefix}")
+    with pytest.raises(ValueError, match=r"whose files changed since the dataset was made"):
+        resolve_data_prefix(blend)
+    capsys.readouterr()
+    assert train(["--data", prefix, *TINY[:2], "--max-steps", "1"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert f"--data {prefix} was made with the tokenizer at {bpe}, whose files changed" in line
+    for name, content in made_with.items():  # the tokenizer it was made with, restored
+        (tmp_path / "bpe" / name).write_bytes(content)
+    assert data_tokenizer(cfg)[1].vocab_size == recorded["vocab_size"]
+
+    del recorded["sha256"]  # a dataset made before the sha256 were recorded: not checked
+    meta = json.loads(Path(prefix + ".json").read_text())
+    Path(prefix + ".json").write_text(json.dumps({**meta, "tokenizer": recorded}))
+    assert resolve_data_prefix(cfg) == prefix
