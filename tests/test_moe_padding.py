@@ -9,14 +9,12 @@ transformers' with attention_mask is test_models_moe.py's."""
 import pytest
 import torch
 from test_moe_ep import _whole
-from test_moe_parallel import E, G, LR, MAX_NORM, MBS, SEED, SEQ, VOCAB, WD, biases, check_rank
-from test_moe_parallel import config, scheduler
+from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, VOCAB, WD, biases, check_rank
+from test_moe_parallel import config, scheduler, serial_reference
 from tp_utils import assert_close
 
 from megapar.mesh import Layout, Mesh
-from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
 
 STEPS, EPS = 1, 1e-4
@@ -36,39 +34,6 @@ def padded_batches() -> list[dict]:
         out.append({"input_ids": torch.where(mask.bool(), ids, 0), "labels": labels,
                     "attention_mask": mask})
     return out
-
-
-def serial() -> dict:
-    mesh = Mesh(Layout())
-    model = build_stage(config(), mesh, SEED)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=EPS)
-    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
-    losses, norms, grads, routers = [], [], None, []
-    for step, batch in enumerate(padded_batches()):
-        for g in opt.param_groups:
-            g["lr"] = sched.lr(step)
-        opt.zero_grad()
-        micro = plan.split(batch, 0)
-        set_penalty_grad(model, 1 / len(micro))
-        total = 0.0
-        for mb in micro:
-            loss = model(None, mb)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
-        if grads is None:
-            grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape)
-                     for n, p in model.named_parameters()}
-        opt.step()
-        routers.append(finish_step(model, mesh, E, True))
-        losses.append(total)
-    weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape)
-               for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "weights": weights, "grads": grads,
-            "routers": routers, "biases": biases(model)}
 
 
 def _train(tp, pp, dp, ep, cp, sp, recompute):
@@ -108,7 +73,7 @@ RUNS = {"tp2_sp": (2, 1, 1, 1, 1, True, "none"), "pp2_recompute": (1, 2, 1, 1, 1
 
 @pytest.fixture(scope="module")
 def reference():
-    return serial()
+    return serial_reference(padded_batches())
 
 
 def test_the_reference_counts_no_padding(reference):

@@ -58,7 +58,8 @@ def biases(model) -> dict:
             for n, m in model.named_modules() if hasattr(m, "router")}
 
 
-def serial_reference() -> dict:
+def serial_reference(batches: list[dict] | None = None) -> dict:
+    """One process trained with torch's AdamW on `batches` (default `global_batches()`)."""
     mesh = Mesh(Layout())
     model = build_stage(config(), mesh, SEED)
     params = list(model.parameters())
@@ -67,7 +68,7 @@ def serial_reference() -> dict:
                             lr=LR, betas=(0.9, 0.95), eps=EPS)
     sched, plan = scheduler(), BatchPlan(G, MBS, 1)
     losses, norms, grads, routers = [], [], None, []
-    for step, batch in enumerate(global_batches()):
+    for step, batch in enumerate(global_batches() if batches is None else batches):
         for g in opt.param_groups:
             g["lr"] = sched.lr(step)
         opt.zero_grad()
