@@ -252,8 +252,7 @@ class HFReader:
             return
         if not config.tie_word_embeddings or "lm_head.weight" not in self.keys:
             return
-        head, embedding = self._get("lm_head.weight"), self._get(self._key(_embedding(config)))
-        if head.shape == embedding.shape and torch.equal(head, embedding):
+        if self._equals_embedding("lm_head.weight"):
             return
         self.config = config_from_dict({**config.to_dict(), "tie_word_embeddings": False})
 
@@ -291,9 +290,12 @@ class HFReader:
     def _tied_copy(self, head: str) -> bool:
         """Whether the files' head `head` is a copy of the word embedding in a model that ties
         them (GPT-2 and BERT always do): what a ``pytorch_model.bin`` holds."""
-        if not getattr(self.config, "tie_word_embeddings", True):
-            return False
-        tensor, embedding = self._get(head), self._get(self._key(_embedding(self.config)))
+        return getattr(self.config, "tie_word_embeddings", True) and self._equals_embedding(head)
+
+    def _equals_embedding(self, key: str) -> bool:
+        """Whether the files' tensor `key` holds the word embedding's values (a tied head's
+        copy)."""
+        tensor, embedding = self._get(key), self._get(self._key(_embedding(self.config)))
         return tensor.shape == embedding.shape and bool(torch.equal(tensor, embedding))
 
     def _refuse_unused(self) -> None:
