@@ -145,6 +145,20 @@ def test_both_norm_spellings_and_the_query_groups(tmp_path, fused):
     assert not reader.config.tie_word_embeddings
 
 
+def test_a_tied_head_and_optimizer_state(tmp_path, capsys):
+    """No output_layer: the head is the embedding (Megatron's default, without
+    --untie-embeddings-and-output-weights); optimizer state is named and left."""
+    state = megatron_llama_state(True, {"optimizer.state.exp_avg.embedding.word_embeddings.weight":
+                                        torch.zeros(64, 16)})
+    del state["output_layer.weight"]
+    assert convert(["--from-megatron", str(save_megatron(state, tmp_path / "m")),
+                    str(tmp_path / "ck"), "--model", spec_file(tmp_path, "llama"),
+                    "--no-progress"]) == 0
+    assert "holds optimizer state too; it is not imported" in capsys.readouterr().out
+    manifest = verify(resolve_checkpoint(tmp_path / "ck"))
+    assert manifest["model"]["tie_word_embeddings"] and "head.weight" not in manifest["tensors"]
+
+
 def refusal(capsys, *argv) -> str:
     assert convert(list(argv) + ["--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -171,7 +185,11 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     moe = megatron_llama_state(True, {"decoder.layers.mlp.router.weight": torch.zeros(2, 4, 16)})
     err = refusal(capsys, "--from-megatron", str(save_megatron(moe, tmp_path / "moe")),
                   str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
-    assert "decoder.layers.mlp.router.weight" in err and "refused rather than dropped" in err
+    assert "a GPT with a mixture of experts (decoder.layers.mlp.router.weight)" in err
+    odd = megatron_llama_state(True, {"decoder.layers.mlp.linear_fc3.weight": torch.zeros(2, 4)})
+    err = refusal(capsys, "--from-megatron", str(save_megatron(odd, tmp_path / "odd")),
+                  str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
+    assert "no place for: decoder.layers.mlp.linear_fc3.weight" in err
     zarr = save_megatron(megatron_llama_state(True), tmp_path / "zarr", backend="zarr")
     err = refusal(capsys, "--from-megatron", str(zarr), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "llama"))

@@ -77,6 +77,15 @@ _NORM_SPELLINGS = {
 0.x's key map) and the local spec's own older one; + ``weight`` / ``bias``."""
 
 
+_LACKED = {
+    "a mixture of experts": (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts."),
+    "multi-latent attention (MLA)": ("linear_q_down_proj", "linear_kv_down_proj"),
+    "multi-token prediction": ("mtp.",),
+    "QK layernorm": ("q_layernorm", "k_layernorm"),
+}
+"""Megatron GPT options megapar's import has no place for, by a mark in their tensors' names."""
+
+
 class _MegatronMetadataUnpickler(_MetadataUnpickler):
     """DCP's metadata classes plus the save plans Megatron-core caches in its ``.metadata``
     (``torch.distributed.checkpoint.planner``'s ``SavePlan`` / ``WriteItem`` dataclasses and
@@ -229,6 +238,13 @@ class MegatronReader:
 
     def _architecture(self) -> str:
         """ "gpt2" or "llama" from the tensors present, else the one-line refusal."""
+        for what, marks in _LACKED.items():
+            hit = next((k for k in sorted(self.tensors) if any(m in k for m in marks)), None)
+            if hit is not None:
+                raise ConfigError(
+                    f"{self.path}: a GPT with {what} ({hit}); megapar imports Megatron GPTs "
+                    f"that are its GPT-2 or Llama"
+                )
         has = self.tensors.__contains__
         learned = has("embedding.position_embeddings.weight")
         fc1, fc2 = (
@@ -295,13 +311,6 @@ class MegatronReader:
             self.spec_vocab = config.vocab_size
         config = config_from_dict({**config.to_dict(), **changes})
         expected = self._expected_shapes(config)
-        for key, want in expected.items():
-            got = self.shape(key)
-            if got != want:
-                raise ConfigError(
-                    f"{self.path}: {key} is {'missing' if got is None else got}, --model "
-                    f"implies {want}; give the --model it was trained with"
-                )
         extra = sorted(
             k
             for k in self.tensors
@@ -314,6 +323,13 @@ class MegatronReader:
                 f"{', '.join(extra[:3])}{more} (mixture of experts, QK layernorm, MLA and "
                 f"other Megatron options megapar lacks); refused rather than dropped"
             )
+        for key, want in expected.items():
+            got = self.shape(key)
+            if got != want:
+                raise ConfigError(
+                    f"{self.path}: {key} is {'missing' if got is None else got}, --model "
+                    f"implies {want}; give the --model it was trained with"
+                )
         return config
 
     def _expected_shapes(self, config) -> dict[str, list[int]]:
