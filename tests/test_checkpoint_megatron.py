@@ -1,11 +1,15 @@
 """Megatron-core torch_dist checkpoints: megapar-convert --from-megatron of the checkpoints
 megatron-core 0.16.1 itself wrote (tests/fixtures/megatron, a GPT-2-like and a Llama-like GPT;
-its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), at tp 1
-and after tp 2 x pp 2; Transformer Engine's and the older local spec's norm names read alike;
-what megapar cannot read (the legacy pickle format, another backend, an architecture it lacks,
-no --model) is refused in one line; --load of a Megatron directory names the import."""
+its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), the
+model from --model or from the args common.pt records (read without unpickling: a pickle that
+would run code runs none), at tp 1 and after tp 2 x pp 2; Transformer Engine's and the older
+local spec's norm names read alike; what megapar cannot read (the legacy pickle format, another
+backend, an architecture it lacks, no model given or recorded) is refused in one line; --load of
+a Megatron directory names the import."""
 
+import argparse
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -67,13 +71,19 @@ def megapar_logits(ckpt, ids: torch.Tensor) -> torch.Tensor:
     return logits[0, :, : manifest["model"]["vocab_size"]]
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["--model", "args"])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_logits_equal_megatrons_forward(tmp_path, kind, capsys):
+def test_logits_equal_megatrons_forward(tmp_path, kind, given, capsys):
     expected = load_file(FIXTURES / "expected_logits.safetensors")
-    assert convert(["--from-megatron", str(FIXTURES / kind), str(tmp_path / "ck"),
-                    "--model", spec_file(tmp_path, kind), "--no-progress"]) == 0
+    model = ["--model", spec_file(tmp_path, kind)] if given else []
+    assert convert(["--from-megatron", str(FIXTURES / kind), str(tmp_path / "ck"), *model,
+                    "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "iter_0000007 iteration 7" in out and "weights only" in out
+    assert ("the model is the training args iter_0000007/common.pt records" in out) != given
+    if not given:  # the args' model is the one make_fixture.py built
+        manifest = verify(resolve_checkpoint(tmp_path / "ck"))
+        assert {k: manifest["model"][k] for k in SPECS[kind]} == SPECS[kind]
     want = expected[f"{kind}_logits"]
     got = megapar_logits(tmp_path / "ck", expected["ids"])
     assert got.shape == want.shape == (12, 64)
@@ -113,7 +123,7 @@ def megatron_llama_state(fused_norms: bool, extra: dict | None = None) -> dict:
     return {k: torch.randn(*s, generator=g) for k, s in shapes.items()} | (extra or {})
 
 
-def save_megatron(state: dict, root: Path, backend: str = "torch_dist") -> Path:
+def save_megatron(state: dict, root: Path, backend: str = "torch_dist", common=None) -> Path:
     """`state` saved by torch's DCP as a Megatron root's iter_0000003 (with its metadata.json
     and tracker file); torch's own save, not Megatron's, for the names Megatron 0.16.1's local
     spec does not write."""
@@ -124,6 +134,8 @@ def save_megatron(state: dict, root: Path, backend: str = "torch_dist") -> Path:
     (it / "metadata.json").write_text(json.dumps({"sharded_backend": backend,
                                                   "sharded_backend_version": 1}))
     (root / "latest_checkpointed_iteration.txt").write_text("3")
+    if common is not None:  # written as Megatron writes it (torch.save), never loaded here
+        torch.save(common, it / "common.pt")
     return root
 
 
@@ -174,8 +186,10 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(tmp_path / "legacy"), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "gpt"))
     assert "legacy torch format" in err and "--ckpt-convert-format torch_dist" in err
-    err = refusal(capsys, "--from-megatron", str(FIXTURES / "gpt"), str(tmp_path / "o"))
-    assert "--model SPEC" in err and "common.pt" in err
+    err = refusal(capsys, "--from-megatron", str(save_megatron(megatron_llama_state(True),
+                                                               tmp_path / "bare")),
+                  str(tmp_path / "o"))
+    assert "common.pt records no training args; say which model this is with --model" in err
     err = refusal(capsys, "--from-megatron", str(FIXTURES / "gpt"), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "llama"))
     assert "give a gpt2 config" in err
@@ -203,3 +217,29 @@ def test_load_of_a_megatron_directory_names_the_import(tmp_path):
     for path in (root, root / "iter_0000007"):
         what = foreign_checkpoint(path)
         assert what is not None and "megapar-convert --from-megatron" in what, what
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: what a hostile common.pt could hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_common_pt_is_read_without_running_it(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    hostile = save_megatron(megatron_llama_state(True), tmp_path / "h",
+                            common={"args": _RunsCode(marker), "iteration": 3})
+    err = refusal(capsys, "--from-megatron", str(hostile), str(tmp_path / "o"))
+    assert "records no training args" in err and not marker.exists()
+    args = argparse.Namespace(num_layers=2, hidden_size=16, ffn_hidden_size=24,
+                              num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, position_embedding_type="rope",
+                              rotary_interleaved=True, hook=_RunsCode(marker))
+    odd = save_megatron(megatron_llama_state(True), tmp_path / "i", common={"args": args})
+    err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
+    assert "its args say --rotary-interleaved, which megapar's models lack" in err
+    assert not marker.exists()

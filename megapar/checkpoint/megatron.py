@@ -6,9 +6,12 @@ torch.distributed.checkpoint (DCP) checkpoint written by ``megatron.core.dist_ch
 ``.metadata`` (DCP's pickled index), ``__R_S.distcp`` data files, ``metadata.json`` (the
 sharded backend's name and version, JSON) and ``common.pt``: a ``torch.save`` pickle of what is
 not sharded (the training loop's ``args`` namespace, the iteration, the checkpoint version, the
-optimizer's parameter groups and the learning-rate scheduler's state). megapar does not load
-``common.pt`` (no pickle): the model's sizes are checked against the tensors and the rest (heads,
-query groups, epsilon, rotary base, activation) comes from ``--model``.
+optimizer's parameter groups and the learning-rate scheduler's state). megapar never unpickles
+it: `read_args` walks its pickle with `_ArgsUnpickler`, which builds ``argparse.Namespace``,
+plain containers and torch dtypes and stands an inert `_Opaque` record in for every other class
+or function it names (nothing of the file's runs), to take the model's settings from the
+training ``args`` where ``--model`` does not give them (`config_from_args`). Either way every
+size is checked against the tensors.
 
 The tensors are named by the model's sharded state dict, its layers stacked along a leading axis
 (``decoder.layers.self_attention.linear_qkv.weight`` is [layers, rows, hidden]); each layer is
@@ -37,11 +40,14 @@ layernorm, other combinations) is refused in one line, and so is the legacy form
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 import re
 import warnings
+import zipfile
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dist_cp
@@ -202,10 +208,136 @@ def resolve_iteration(path: str | Path) -> Path:
     return p
 
 
+class _Opaque:
+    """What `_ArgsUnpickler` builds for a class or function it does not admit: a record of the
+    name and of the arguments it was to be called with, calling nothing."""
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    """Reads a ``torch.save`` pickle's objects without running any of its code: builds
+    ``argparse.Namespace``, OrderedDict, sets, slices and torch dtypes; any other global becomes
+    an `_Opaque` subclass named after it (an enum member, a tensor's rebuild, a function), and a
+    tensor's storage is never read."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("argparse", "Namespace"):
+            return argparse.Namespace
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "builtins" and name in ("set", "frozenset", "slice"):
+            return {"set": set, "frozenset": frozenset, "slice": slice}[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return type(name, (_Opaque,), {"name": f"{module}.{name}"})
+
+    def persistent_load(self, pid):
+        return _Opaque(*pid) if isinstance(pid, tuple) else _Opaque(pid)
+
+
+def read_args(path: Path) -> argparse.Namespace | None:
+    """The training ``args`` a Megatron ``common.pt`` records (its values: plain data; an enum or
+    other object an inert `_Opaque`), read by `_ArgsUnpickler`; None where there are none."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+            if name is None:
+                return None
+            with z.open(name) as f:
+                common = _ArgsUnpickler(f).load()
+    except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
+            TypeError, AttributeError, IndexError, KeyError):  # fmt: skip
+        return None
+    args = common.get("args") if isinstance(common, dict) else None
+    return args if isinstance(args, argparse.Namespace) else None
+
+
+def config_from_args(args: argparse.Namespace, vocab: int, where: Path):
+    """A megapar GPT-2 or Llama config from Megatron's training `args` (its argument names),
+    `vocab` the checkpoint's embedding rows; a setting megapar's models lack refused."""
+
+    def arg(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    def lacks(what: str) -> ConfigError:
+        return ConfigError(
+            f"{where}: its args say {what}, which megapar's models lack; refused (or give "
+            f"--model SPEC if you know better)"
+        )
+
+    kind = arg("position_embedding_type", "learned_absolute")
+    heads, hidden = arg("num_attention_heads"), arg("hidden_size")
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        raise ConfigError(
+            f"{where}: common.pt's args lack num_attention_heads / hidden_size; give --model SPEC"
+        )
+    eps = arg("norm_epsilon", arg("layernorm_epsilon", 1e-5))
+    if arg("squared_relu"):
+        raise lacks("--squared-relu")
+    if kind == "learned_absolute":
+        if arg("group_query_attention") and arg("num_query_groups") not in (None, heads):
+            raise lacks("query groups with learned positions")
+        return config_from_dict(
+            {
+                "model_type": "gpt2",
+                "vocab_size": vocab,
+                "n_positions": arg("max_position_embeddings"),
+                "n_embd": hidden,
+                "n_layer": arg("num_layers"),
+                "n_head": heads,
+                "n_inner": arg("ffn_hidden_size"),
+                "activation_function": "gelu_new" if arg("openai_gelu") else "gelu",
+                "layer_norm_epsilon": eps,
+                "resid_pdrop": arg("hidden_dropout", 0.1),
+                "embd_pdrop": arg("hidden_dropout", 0.1),
+                "attn_pdrop": arg("attention_dropout", 0.1),
+            }
+        )
+    if kind != "rope":
+        raise lacks(f"--position-embedding-type {kind}")
+    if arg("rotary_interleaved"):
+        raise lacks("--rotary-interleaved")
+    if arg("rotary_percent", 1.0) != 1.0:
+        raise lacks(f"--rotary-percent {arg('rotary_percent')}")
+    if arg("use_rope_scaling"):
+        raise lacks("--use-rope-scaling (give --model with its rope_scaling)")
+    kv_channels = arg("kv_channels")
+    return config_from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": arg("ffn_hidden_size"),
+            "num_hidden_layers": arg("num_layers"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": arg("num_query_groups") or heads
+            if arg("group_query_attention")
+            else heads,
+            "head_dim": kv_channels if kv_channels not in (None, hidden // heads) else None,
+            "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
+            "rms_norm_eps": eps,
+            "rope_theta": float(arg("rotary_base", 10000)),
+            "attention_dropout": arg("attention_dropout", 0.0),
+            "tie_word_embeddings": not arg("untie_embeddings_and_output_weights", False),
+        }
+    )
+
+
 class MegatronReader:
     """The weights of a Megatron-core torch_dist GPT checkpoint as megapar's canonical tensors
     (`canonical`); `config` is the GPT-2 or Llama they belong to (from `config`, a megapar model
-    spec or config, its sizes checked against the tensors and its vocabulary the checkpoint's)."""
+    spec or config, else from the training args common.pt records; its sizes checked against
+    the tensors and its vocabulary the checkpoint's)."""
 
     def __init__(self, path: str | Path, config):
         self.given = Path(path).expanduser()
@@ -225,6 +357,8 @@ class MegatronReader:
             )
         self.spec_vocab: int | None = None
         """--model's vocabulary where it was not the checkpoint's (which the import takes)."""
+        self.from_args = False
+        """Whether the config came from common.pt's training args (no --model given)."""
         self.config = self._config(config)
         self.sources = self._sources()
 
@@ -288,22 +422,27 @@ class MegatronReader:
         """The model: `config` (a megapar spec) with the checkpoint's vocabulary, checked
         against the tensors' architecture and shapes."""
         arch = self._architecture()
+        vocab = self.shape("embedding.word_embeddings.weight")[0]
         if config is None:
-            raise ConfigError(
-                f"--from-megatron {self.given}: say which model this is with --model SPEC (a "
-                f"megapar recipe or config.json of a {arch} with the heads, query groups, "
-                f"epsilon and rotary base it trained with); the tensors give only the sizes, "
-                f"and Megatron's args are in common.pt, a pickle megapar does not load"
-            )
+            args = read_args(self.path / "common.pt")
+            if args is None:
+                raise ConfigError(
+                    f"--from-megatron {self.given}: its common.pt records no training args; "
+                    f"say which model this is with --model SPEC (a megapar recipe or "
+                    f"config.json of a {arch} with the heads, query groups, epsilon and rotary "
+                    f"base it trained with): the tensors give only the sizes"
+                )
+            config = config_from_args(args, vocab, self.path)
+            self.from_args = True
         if isinstance(config, str):
             config = resolve_model(config)
+        source = "common.pt's args describe" if self.from_args else "--model is"
         if config.model_type != arch:
             raise ConfigError(
-                f"--model is a {config.model_type} model; {self.path} holds a {arch}-like GPT "
+                f"{source} a {config.model_type} model; {self.path} holds a {arch}-like GPT "
                 f"({'learned positions' if arch == 'gpt2' else 'RoPE, SwiGLU'}): give a "
                 f"{arch} config"
             )
-        vocab = self.shape("embedding.word_embeddings.weight")[0]
         changes: dict = {"vocab_size": vocab}
         if arch == "llama":
             changes["tie_word_embeddings"] = "output_layer.weight" not in self.tensors
@@ -326,9 +465,10 @@ class MegatronReader:
         for key, want in expected.items():
             got = self.shape(key)
             if got != want:
+                implied = "common.pt's args imply" if self.from_args else "--model implies"
                 raise ConfigError(
-                    f"{self.path}: {key} is {'missing' if got is None else got}, --model "
-                    f"implies {want}; give the --model it was trained with"
+                    f"{self.path}: {key} is {'missing' if got is None else got}, {implied} "
+                    f"{want}; give the --model it was trained with"
                 )
         return config
 
@@ -460,7 +600,7 @@ def import_megatron(
 ) -> tuple[Path, MegatronReader]:
     """A megapar checkpoint (step 0, no optimizer state) from a Megatron-core torch_dist GPT
     checkpoint (a root or one ``iter_NNNNNNN`` directory), its config from `config` (a megapar
-    model spec or config)."""
+    model spec or config) or, with None, from the training args its common.pt records."""
     reader = MegatronReader(src, config)
     layout = Layout(tp, pp, dp)
     target = plan(reader.config, layout)

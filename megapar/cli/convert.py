@@ -31,8 +31,8 @@ config); other files there are kept, an earlier export is replaced only with --o
 [model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
 move (docs/guides/checkpoints.md says why). --from-megatron imports the weights of a Megatron-core
 torch_dist GPT checkpoint (a root with latest_checkpointed_iteration.txt, or one iter_NNNNNNN
-directory) as megapar's GPT-2 (learned positions) or Llama (RoPE, SwiGLU); --model SPEC gives
-the heads and the rest the tensors do not say (Megatron's common.pt, a pickle, is not read).
+directory) as megapar's GPT-2 (learned positions) or Llama (RoPE, SwiGLU); the model is the
+training args its common.pt records (read without unpickling) or --model SPEC.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MEGATRON_DIR",
         type=path,
         help="import a Megatron-core torch_dist GPT checkpoint (its root or one "
-        "iter_NNNNNNN directory); needs --model",
+        "iter_NNNNNNN directory); the model from its recorded args, or --model",
     )
     p.add_argument(
         "--job-config",
@@ -537,7 +537,7 @@ def _from_megatron(args, progress: bool) -> str:
             "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are used "
             "only with --to-hf"
         )
-    (dst,) = _need(args, 1, "--from-megatron MEGATRON_DIR DST --model SPEC [--tp N] [--pp M]")
+    (dst,) = _need(args, 1, "--from-megatron MEGATRON_DIR DST [--model SPEC] [--tp N] [--pp M]")
     _fill_layout(args, {})
     path, reader = megatron.import_megatron(
         args.from_megatron,
@@ -560,7 +560,9 @@ def _from_megatron(args, progress: bool) -> str:
             f"(Megatron's padded embedding), not --model {args.model}'s "
             f"{reader.spec_vocab:,}"
         )
-    if reader.config.model_type == "gpt2" and reader.config.activation_function != "gelu":
+    if reader.from_args:
+        report += f"\nthe model is the training args {reader.path.name}/common.pt records"
+    elif reader.config.model_type == "gpt2" and reader.config.activation_function != "gelu":
         report += (
             f"\nnote: --model's activation is {reader.config.activation_function}; Megatron's "
             f"GPT uses exact GELU (activation_function gelu) unless it trained with "
