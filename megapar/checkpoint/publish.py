@@ -188,8 +188,8 @@ def foreign_checkpoint(path: str | Path) -> str | None:
     if megatron:
         return (
             f"holds a Megatron-LM checkpoint, not a megapar checkpoint; import a Megatron GPT "
-            f"with megapar-convert --from-megatron {shell_word(path)} CKPT_DIR --model SPEC, "
-            f"then --load CKPT_DIR"
+            f"with megapar-convert --from-megatron {shell_word(path)} CKPT_DIR (the model from "
+            f"its recorded args, or --model SPEC), then --load CKPT_DIR"
         )
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
         what = (
