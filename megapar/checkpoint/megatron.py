@@ -106,9 +106,19 @@ class _MegatronMetadataUnpickler(_MetadataUnpickler):
 
 
 class _Reader(dist_cp.FileSystemReader):
-    """`FileSystemReader` whose ``.metadata`` is read by `_MegatronMetadataUnpickler`."""
+    """`FileSystemReader` whose ``.metadata`` is read by `_MegatronMetadataUnpickler`, or given
+    (`metadata`: read once per checkpoint, not once per tensor; Megatron's caches every rank's
+    save plan, so it grows with the job)."""
+
+    def __init__(self, path, metadata=None):
+        super().__init__(path)
+        self.known = metadata
 
     def read_metadata(self, *args, **kwargs):
+        if self.known is not None:
+            if getattr(self.known, "storage_meta", None) is not None:
+                self.known.storage_meta.load_id = self.load_id
+            return self.known
         path = Path(self.path) / METADATA
         try:
             with open(path, "rb") as f:
@@ -342,7 +352,9 @@ class MegatronReader:
     def __init__(self, path: str | Path, config):
         self.given = Path(path).expanduser()
         self.path = resolve_iteration(path)
-        metadata = _Reader(self.path).read_metadata()
+        self.metadata = metadata = _Reader(self.path).read_metadata()
+        self.last: tuple[tuple[str, int | None], torch.Tensor] | None = None
+        """The last tensor read (a layer's linear_qkv serves q, k and v; linear_fc1 gate, up)."""
         entries = metadata.state_dict_metadata
         self.tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
         m = _ITER.fullmatch(self.path.name)
@@ -551,14 +563,18 @@ class MegatronReader:
 
     def read(self, key: str, layer: int | None = None) -> torch.Tensor:
         """Tensor `key` as stored, or one `layer` of a stacked layer tensor."""
+        if self.last is not None and self.last[0] == (key, layer):
+            return self.last[1]
         entry = self.tensors[key]
         size = list(entry.size) if layer is None else [1, *list(entry.size)[1:]]
         out = {key: torch.empty(size, dtype=entry.properties.dtype)}
         planner = None if layer is None else _LayerPlanner(key, layer)
         with warnings.catch_warnings():  # "assuming ... a single process": what is meant
             warnings.simplefilter("ignore", UserWarning)
-            dist_cp.load(out, storage_reader=_Reader(self.path), planner=planner, no_dist=True)
-        return out[key] if layer is None else out[key][0]
+            reader = _Reader(self.path, self.metadata)
+            dist_cp.load(out, storage_reader=reader, planner=planner, no_dist=True)
+        self.last = ((key, layer), out[key] if layer is None else out[key][0])
+        return self.last[1]
 
     def canonical(self, name: str) -> torch.Tensor:
         """megapar's canonical tensor `name`."""
