@@ -245,4 +245,8 @@ def test_common_pt_is_read_without_running_it(tmp_path, capsys):
     odd = save_megatron(megatron_llama_state(True), tmp_path / "i", common={"args": args})
     err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
     assert "its args say --rotary-interleaved, which megapar's models lack" in err
+    args.rotary_interleaved, args.num_layers = False, "two"
+    odd = save_megatron(megatron_llama_state(True), tmp_path / "j", common={"args": args})
+    err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
+    assert "common.pt's args: model config: num_hidden_layers='two'" in err
     assert not marker.exists()

@@ -266,7 +266,7 @@ def read_args(path: Path) -> argparse.Namespace | None:
             with z.open(name) as f:
                 common = _ArgsUnpickler(f).load()
     except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
-            TypeError, AttributeError, IndexError, KeyError):  # fmt: skip
+            TypeError, AttributeError, IndexError, KeyError, RecursionError):  # fmt: skip
         return None
     args = common.get("args") if isinstance(common, dict) else None
     return args if isinstance(args, argparse.Namespace) else None
@@ -444,7 +444,19 @@ class MegatronReader:
                     f"config.json of a {arch} with the heads, query groups, epsilon and rotary "
                     f"base it trained with): the tensors give only the sizes"
                 )
-            config = config_from_args(args, vocab, self.path)
+            try:
+                config = config_from_args(args, vocab, self.path)
+            except TypeError as exc:  # a value of another type than Megatron's
+                raise ConfigError(
+                    f"{self.path}: common.pt's args do not describe a model megapar reads "
+                    f"({exc}); give --model SPEC"
+                ) from None
+            except ConfigError as exc:
+                if str(exc).startswith(str(self.path)):  # config_from_args' own refusal
+                    raise
+                raise ConfigError(
+                    f"{self.path}: common.pt's args: {exc}; give --model SPEC"
+                ) from None
             self.from_args = True
         if isinstance(config, str):
             config = resolve_model(config)
