@@ -168,6 +168,14 @@ def has_checkpoint(path: str | Path) -> bool:
     )
 
 
+def _megatron_metadata(path: Path) -> bool:
+    """Whether `path` is Megatron-core's ``metadata.json`` (it names a ``sharded_backend``)."""
+    try:
+        return "sharded_backend" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def foreign_checkpoint(path: str | Path) -> str | None:
     """What another framework's checkpoint in directory `path` is, and the command that imports
     it, in one phrase; None when `path` holds none (or is a megapar checkpoint). Seen: a DCP
@@ -181,7 +189,7 @@ def foreign_checkpoint(path: str | Path) -> str | None:
         return None
     megatron = (
         (p / "latest_checkpointed_iteration.txt").is_file()
-        or (p / "metadata.json").is_file()
+        or _megatron_metadata(p / "metadata.json")
         or (p / "model_optim_rng.pt").is_file()
         or any(p.glob("mp_rank_*"))
     )
