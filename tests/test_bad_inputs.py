@@ -1070,8 +1070,8 @@ def test_convert_takes_its_paths_on_either_side_of_the_flags(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--from-hf", "hf", "out", "--model", "llama-tiny"], "--model names the model of a "
-     "torchtitan checkpoint (--from-dcp) only; here the model is the transformers directory's "
-     "config.json: drop it"),
+     "torchtitan or Megatron checkpoint (--from-dcp, --from-megatron) only; here the model is "
+     "the transformers directory's config.json: drop it"),
     (["ck", "--to-hf", "out", "--job-config", "a.toml"], "--job-config names the model of a "
      "torchtitan checkpoint (--from-dcp) only; here the model is the checkpoint's: drop it"),
 ])

@@ -168,15 +168,37 @@ def has_checkpoint(path: str | Path) -> bool:
     )
 
 
+def _megatron_metadata(path: Path) -> bool:
+    """Whether `path` is Megatron-core's ``metadata.json`` (it names a ``sharded_backend``)."""
+    try:
+        return "sharded_backend" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def foreign_checkpoint(path: str | Path) -> str | None:
     """What another framework's checkpoint in directory `path` is, and the command that imports
     it, in one phrase; None when `path` holds none (or is a megapar checkpoint). Seen: a DCP
     checkpoint (torchtitan's step-N: ``.metadata``, ``*.distcp``), a torchtitan checkpoint
     folder of such steps, a Hugging Face model (config.json), safetensors weights without a
-    config.json (torchtitan's ``--checkpoint.last-save-in-hf`` output)."""
+    config.json (torchtitan's ``--checkpoint.last-save-in-hf`` output), a Megatron-LM checkpoint
+    (a root with ``latest_checkpointed_iteration.txt``, a torch_dist save's ``metadata.json``,
+    the legacy ``mp_rank_XX/model_optim_rng.pt``)."""
     p = Path(path).expanduser()
     if not p.is_dir() or has_checkpoint(p):
         return None
+    megatron = (
+        (p / "latest_checkpointed_iteration.txt").is_file()
+        or _megatron_metadata(p / "metadata.json")
+        or (p / "model_optim_rng.pt").is_file()
+        or any(p.glob("mp_rank_*"))
+    )
+    if megatron:
+        return (
+            f"holds a Megatron-LM checkpoint, not a megapar checkpoint; import a Megatron GPT "
+            f"with megapar-convert --from-megatron {shell_word(path)} CKPT_DIR (the model from "
+            f"its recorded args, or --model SPEC), then --load CKPT_DIR"
+        )
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
         what = (
             "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), as "

@@ -11,6 +11,8 @@ Examples:
     megapar-convert --from-dcp titan/checkpoint/step-1000 ckpt/ --job-config llama3_8b.toml
                                                              # torchtitan (DCP) -> megapar
     megapar-convert ckpt/ --to-dcp titan_step/               # megapar -> torchtitan (DCP)
+    megapar-convert --from-megatron megatron_ckpt/ ckpt/ --model gpt.json
+                                                             # Megatron torch_dist -> megapar
 
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
@@ -27,7 +29,10 @@ config); other files there are kept, an earlier export is replaced only with --o
 --from-dcp / --to-dcp move a Llama's weights between megapar and torchtitan's DCP checkpoints
 (torchtitan's names; wq and wk in its rotary layout); the model is the one --job-config's
 [model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
-move (docs/guides/checkpoints.md says why).
+move (docs/guides/checkpoints.md says why). --from-megatron imports the weights of a Megatron-core
+torch_dist GPT checkpoint (a root with latest_checkpointed_iteration.txt, or one iter_NNNNNNN
+directory) as megapar's GPT-2 (learned positions) or Llama (RoPE, SwiGLU); the model is the
+training args its common.pt records (read without unpickling) or --model SPEC.
 """
 
 from __future__ import annotations
@@ -132,6 +137,13 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
         help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names",
     )
     p.add_argument(
+        "--from-megatron",
+        metavar="MEGATRON_DIR",
+        type=path,
+        help="import a Megatron-core torch_dist GPT checkpoint (its root or one "
+        "iter_NNNNNNN directory); the model from its recorded args, or --model",
+    )
+    p.add_argument(
         "--job-config",
         metavar="TOML",
         type=path,
@@ -141,8 +153,8 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="SPEC",
-        help="--from-dcp: the model as a megapar recipe name or config file "
-        "(instead of --job-config)",
+        help="--from-dcp, --from-megatron: the model as a megapar recipe name or config "
+        "file (with --from-dcp, instead of --job-config)",
     )
 
 
@@ -246,6 +258,8 @@ def run(args) -> str:
     _check_modes(args)
     if args.from_dcp or args.to_dcp:
         return _dcp(args, progress)
+    if args.from_megatron:
+        return _from_megatron(args, progress)
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
@@ -264,19 +278,21 @@ def run(args) -> str:
 
 def _check_modes(args) -> None:
     """Refuse an empty mode path, two modes at once, and the DCP model without --from-dcp."""
-    for flag in ("from_hf", "to_hf", "info", "from_dcp", "to_dcp"):
+    modes = ("from_hf", "to_hf", "info", "from_dcp", "to_dcp", "from_megatron")
+    for flag in modes:
         if getattr(args, flag) == "":
             raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
-    if (
-        sum(
-            x is not None for x in (args.from_hf, args.to_hf, args.info, args.from_dcp, args.to_dcp)
-        )
-        > 1
-    ):
+    if sum(getattr(args, flag) is not None for flag in modes) > 1:
         raise ValueError(
-            "--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate modes; give one"
+            "--from-hf, --to-hf, --from-dcp, --to-dcp, --from-megatron and --info are "
+            "separate modes; give one"
         )
-    if (args.job_config or args.model) and not args.from_dcp:
+    if args.job_config and args.from_megatron:
+        raise ValueError(
+            "--job-config is torchtitan's (--from-dcp); a Megatron checkpoint's model is "
+            "--model SPEC: drop --job-config"
+        )
+    if (args.job_config or args.model) and not (args.from_dcp or args.from_megatron):
         given = " and ".join(
             f for f, v in (("--job-config", args.job_config), ("--model", args.model)) if v
         )
@@ -286,9 +302,14 @@ def _check_modes(args) -> None:
             else "the model is the checkpoint's"
         )
         one = " and " not in given
+        readers = (
+            "a torchtitan checkpoint (--from-dcp)"
+            if args.job_config
+            else "a torchtitan or Megatron checkpoint (--from-dcp, --from-megatron)"
+        )
         raise ValueError(
-            f"{given} name{'s' if one else ''} the model of a torchtitan checkpoint "
-            f"(--from-dcp) only; here {source}: drop {'it' if one else 'them'}"
+            f"{given} name{'s' if one else ''} the model of {readers} only; here {source}: "
+            f"drop {'it' if one else 'them'}"
         )
     _check_unused_options(args)
 
@@ -319,7 +340,7 @@ def _check_unused_options(args) -> None:
     if args.dp is not None and (args.info or args.to_hf or args.to_dcp):
         raise ValueError(
             "--dp is used only where a checkpoint is written (SRC DST, --from-hf, "
-            "--from-dcp); drop it"
+            "--from-dcp, --from-megatron); drop it"
         )
     args.dp = 1 if args.dp is None else args.dp
     args.seed = 0 if args.seed is None else args.seed
@@ -503,6 +524,54 @@ def _dcp(args, progress: bool) -> str:
         report += (
             f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
             f"(the run starts its optimizer afresh, as after --from-hf)"
+        )
+    return report
+
+
+def _from_megatron(args, progress: bool) -> str:
+    """--from-megatron."""
+    from megapar.checkpoint import megatron
+
+    if args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows:
+        raise ValueError(
+            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are used "
+            "only with --to-hf"
+        )
+    (dst,) = _need(args, 1, "--from-megatron MEGATRON_DIR DST [--model SPEC] [--tp N] [--pp M]")
+    _fill_layout(args, {})
+    path, reader = megatron.import_megatron(
+        args.from_megatron,
+        dst,
+        args.tp,
+        args.pp,
+        args.dp,
+        config=args.model,
+        overwrite=args.overwrite,
+        progress=progress,
+    )
+    it = "" if reader.iteration is None else f" iteration {reader.iteration}"
+    report = (
+        f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only) from Megatron "
+        f"{reader.path.name}{it}"
+    )
+    if reader.spec_vocab is not None:
+        report += (
+            f"\nnote: the vocabulary is the checkpoint's {reader.config.vocab_size:,} rows "
+            f"(Megatron's padded embedding), not --model {args.model}'s "
+            f"{reader.spec_vocab:,}"
+        )
+    if reader.from_args:
+        report += f"\nthe model is the training args {reader.path.name}/common.pt records"
+    elif reader.config.model_type == "gpt2" and reader.config.activation_function != "gelu":
+        report += (
+            f"\nnote: --model's activation is {reader.config.activation_function}; Megatron's "
+            f"GPT uses exact GELU (activation_function gelu) unless it trained with "
+            f"--openai-gelu or --squared-relu"
+        )
+    if reader.optimizer:
+        report += (
+            f"\nnote: {args.from_megatron} holds optimizer state too; it is not imported "
+            f"(the run starts its optimizer afresh, as Megatron's --finetune --no-load-optim)"
         )
     return report
 

@@ -1,0 +1,252 @@
+"""Megatron-core torch_dist checkpoints: megapar-convert --from-megatron of the checkpoints
+megatron-core 0.16.1 itself wrote (tests/fixtures/megatron, a GPT-2-like and a Llama-like GPT;
+its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), the
+model from --model or from the args common.pt records (read without unpickling: a pickle that
+would run code runs none), at tp 1 and after tp 2 x pp 2; Transformer Engine's and the older
+local spec's norm names read alike; what megapar cannot read (the legacy pickle format, another
+backend, an architecture it lacks, no model given or recorded) is refused in one line; --load of
+a Megatron directory names the import."""
+
+import argparse
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dist_cp
+from safetensors.torch import load_file
+
+from megapar.checkpoint.format import ShardReader
+from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.megatron import MegatronReader
+from megapar.checkpoint.publish import foreign_checkpoint, resolve_checkpoint
+from megapar.cli.convert import main as convert
+from megapar.mesh import Layout, Mesh
+from megapar.models.config import config_from_dict
+from megapar.pipeline.partition import build_stage
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
+SPECS = {
+    "gpt": {"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 8,
+            "n_layer": 2, "n_head": 2, "n_inner": 32, "activation_function": "gelu",
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0},
+    "llama": {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+              "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "max_position_embeddings": 16},
+}
+"""The models make_fixture.py built, in megapar's (transformers') field names."""
+
+pytestmark = pytest.mark.skipif(
+    not (FIXTURES / "expected_logits.safetensors").is_file(),
+    reason="tests/fixtures/megatron (Megatron-written checkpoints) is not in this checkout",
+)
+
+
+def spec_file(tmp_path, kind: str, **changes) -> str:
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps({**SPECS[kind], **changes}))
+    return str(path)
+
+
+def megapar_logits(ckpt, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of checkpoint `ckpt`'s model in one process (megapar's own stage model)."""
+    step = resolve_checkpoint(ckpt)
+    manifest = verify(step)
+    model = build_stage(config_from_dict(manifest["model"]), Mesh(Layout()), 0).eval()
+    reader = ShardReader(step, manifest)
+    params = dict(model.named_parameters())
+    assert set(params) == set(manifest["tensors"])
+    with torch.no_grad():
+        for name, e in manifest["tensors"].items():
+            dim = e["tp_dim"]
+            full = reader.shard(name, None, 1, 0, None if dim is None else e["full_shape"][dim])
+            params[name][: full.shape[0]].copy_(full)  # rows past the vocabulary: padding
+        logits = model(None, {"input_ids": ids})
+    reader.release()
+    return logits[0, :, : manifest["model"]["vocab_size"]]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["--model", "args"])
+@pytest.mark.parametrize("kind, saved", [("gpt", "gpt"), ("llama", "llama"),
+                                         ("llama", "llama_tp2")])
+def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
+    """llama_tp2 is llama re-saved by Megatron at tp 2 (its tp 2 forward gave the same logits):
+    every layer tensor in two tp chunks, the query groups and SwiGLU's halves split."""
+    expected = load_file(FIXTURES / "expected_logits.safetensors")
+    model = ["--model", spec_file(tmp_path, kind)] if given else []
+    assert convert(["--from-megatron", str(FIXTURES / saved), str(tmp_path / "ck"), *model,
+                    "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "iter_0000007 iteration 7" in out and "weights only" in out
+    assert ("the model is the training args iter_0000007/common.pt records" in out) != given
+    if not given:  # the args' model is the one make_fixture.py built
+        manifest = verify(resolve_checkpoint(tmp_path / "ck"))
+        assert {k: manifest["model"][k] for k in SPECS[kind]} == SPECS[kind]
+    want = expected[f"{kind}_logits"]
+    got = megapar_logits(tmp_path / "ck", expected["ids"])
+    assert got.shape == want.shape == (12, 64)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def test_another_layout_holds_the_same_weights(tmp_path):
+    spec = spec_file(tmp_path, "llama")
+    src = str(FIXTURES / "llama" / "iter_0000007")
+    assert convert(["--from-megatron", src, str(tmp_path / "a"), "--model", spec,
+                    "--no-progress"]) == 0
+    assert convert(["--from-megatron", src, str(tmp_path / "b"), "--model", spec,
+                    "--tp", "2", "--pp", "2", "--no-progress"]) == 0
+    assert convert([str(tmp_path / "b"), str(tmp_path / "c"), "--tp", "1", "--pp", "1",
+                    "--no-progress"]) == 0
+    a, c = (resolve_checkpoint(tmp_path / d) for d in "ac")
+    ra, rc = ShardReader(a, verify(a)), ShardReader(c, verify(c))
+    for name, e in verify(a)["tensors"].items():
+        full = None if e["tp_dim"] is None else e["full_shape"][e["tp_dim"]]
+        assert torch.equal(ra.shard(name, None, 1, 0, full), rc.shard(name, None, 1, 0, full))
+
+
+def megatron_llama_state(fused_norms: bool, extra: dict | None = None) -> dict:
+    """A Llama-like GPT's tensors in Megatron's torch_dist names (layers stacked), random."""
+    g = torch.Generator().manual_seed(0)
+    c = SPECS["llama"]
+    d, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], 2
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d // 4
+    L = "decoder.layers."
+    attn, mlp = (("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+                 if fused_norms else ("input_layernorm.weight", "pre_mlp_layernorm.weight"))
+    shapes = {"embedding.word_embeddings.weight": [v, d], "output_layer.weight": [v, d],
+              "decoder.final_layernorm.weight": [d], L + attn: [n, d], L + mlp: [n, d],
+              L + "self_attention.linear_qkv.weight": [n, qkv, d],
+              L + "self_attention.linear_proj.weight": [n, d, d],
+              L + "mlp.linear_fc1.weight": [n, 2 * f, d], L + "mlp.linear_fc2.weight": [n, d, f]}
+    return {k: torch.randn(*s, generator=g) for k, s in shapes.items()} | (extra or {})
+
+
+def save_megatron(state: dict, root: Path, backend: str = "torch_dist", common=None) -> Path:
+    """`state` saved by torch's DCP as a Megatron root's iter_0000003 (with its metadata.json
+    and tracker file); torch's own save, not Megatron's, for the names Megatron 0.16.1's local
+    spec does not write."""
+    it = root / "iter_0000003"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dist_cp.save(state, checkpoint_id=str(it), no_dist=True)
+    (it / "metadata.json").write_text(json.dumps({"sharded_backend": backend,
+                                                  "sharded_backend_version": 1}))
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    if common is not None:  # written as Megatron writes it (torch.save), never loaded here
+        torch.save(common, it / "common.pt")
+    return root
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_both_norm_spellings_and_the_query_groups(tmp_path, fused):
+    state = megatron_llama_state(fused)
+    reader = MegatronReader(save_megatron(state, tmp_path / "m"), spec_file(tmp_path, "llama"))
+    norm = "self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight"
+    assert torch.equal(reader.canonical("layers.1.attn_norm.weight"),
+                       state["decoder.layers." + norm][1])
+    qkv = state["decoder.layers.self_attention.linear_qkv.weight"][1].view(2, 4, 4, 16)
+    # each of the 2 query groups: [2 query heads, its key head, its value head] x head_dim 4
+    assert torch.equal(reader.canonical("layers.1.attn.q.weight"), qkv[:, :2].reshape(16, 16))
+    assert torch.equal(reader.canonical("layers.1.attn.k.weight"), qkv[:, 2].reshape(8, 16))
+    assert torch.equal(reader.canonical("layers.1.attn.v.weight"), qkv[:, 3].reshape(8, 16))
+    fc1 = state["decoder.layers.mlp.linear_fc1.weight"][0]
+    assert torch.equal(reader.canonical("layers.0.mlp.gate.weight"), fc1[:24])
+    assert torch.equal(reader.canonical("layers.0.mlp.up.weight"), fc1[24:])
+    assert not reader.config.tie_word_embeddings
+
+
+def test_a_tied_head_and_optimizer_state(tmp_path, capsys):
+    """No output_layer: the head is the embedding (Megatron's default, without
+    --untie-embeddings-and-output-weights); optimizer state is named and left."""
+    state = megatron_llama_state(True, {"optimizer.state.exp_avg.embedding.word_embeddings.weight":
+                                        torch.zeros(64, 16)})
+    del state["output_layer.weight"]
+    assert convert(["--from-megatron", str(save_megatron(state, tmp_path / "m")),
+                    str(tmp_path / "ck"), "--model", spec_file(tmp_path, "llama"),
+                    "--no-progress"]) == 0
+    assert "holds optimizer state too; it is not imported" in capsys.readouterr().out
+    manifest = verify(resolve_checkpoint(tmp_path / "ck"))
+    assert manifest["model"]["tie_word_embeddings"] and "head.weight" not in manifest["tensors"]
+
+
+def refusal(capsys, *argv) -> str:
+    assert convert(list(argv) + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
+    legacy = tmp_path / "legacy" / "iter_0000005" / "mp_rank_00"
+    legacy.mkdir(parents=True)
+    (legacy / "model_optim_rng.pt").write_bytes(b"not read")
+    (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("5")
+    err = refusal(capsys, "--from-megatron", str(tmp_path / "legacy"), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "gpt"))
+    assert "legacy torch format" in err and "--ckpt-convert-format torch_dist" in err
+    err = refusal(capsys, "--from-megatron", str(save_megatron(megatron_llama_state(True),
+                                                               tmp_path / "bare")),
+                  str(tmp_path / "o"))
+    assert "common.pt records no training args; say which model this is with --model" in err
+    err = refusal(capsys, "--from-megatron", str(FIXTURES / "gpt"), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "llama"))
+    assert "give a gpt2 config" in err
+    err = refusal(capsys, "--from-megatron", str(FIXTURES / "llama"), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "llama", num_key_value_heads=4))
+    assert "linear_qkv.weight is [2, 32, 16], --model implies [2, 48, 16]" in err
+    moe = megatron_llama_state(True, {"decoder.layers.mlp.router.weight": torch.zeros(2, 4, 16)})
+    err = refusal(capsys, "--from-megatron", str(save_megatron(moe, tmp_path / "moe")),
+                  str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
+    assert "a GPT with a mixture of experts (decoder.layers.mlp.router.weight)" in err
+    odd = megatron_llama_state(True, {"decoder.layers.mlp.linear_fc3.weight": torch.zeros(2, 4)})
+    err = refusal(capsys, "--from-megatron", str(save_megatron(odd, tmp_path / "odd")),
+                  str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
+    assert "no place for: decoder.layers.mlp.linear_fc3.weight" in err
+    zarr = save_megatron(megatron_llama_state(True), tmp_path / "zarr", backend="zarr")
+    err = refusal(capsys, "--from-megatron", str(zarr), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "llama"))
+    assert "'zarr'" in err and "--ckpt-convert-format torch_dist" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_load_of_a_megatron_directory_names_the_import(tmp_path):
+    root = tmp_path / "m"
+    shutil.copytree(FIXTURES / "gpt", root)
+    for path in (root, root / "iter_0000007"):
+        what = foreign_checkpoint(path)
+        assert what is not None and "megapar-convert --from-megatron" in what, what
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: what a hostile common.pt could hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_common_pt_is_read_without_running_it(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    hostile = save_megatron(megatron_llama_state(True), tmp_path / "h",
+                            common={"args": _RunsCode(marker), "iteration": 3})
+    err = refusal(capsys, "--from-megatron", str(hostile), str(tmp_path / "o"))
+    assert "records no training args" in err and not marker.exists()
+    args = argparse.Namespace(num_layers=2, hidden_size=16, ffn_hidden_size=24,
+                              num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, position_embedding_type="rope",
+                              rotary_interleaved=True, hook=_RunsCode(marker))
+    odd = save_megatron(megatron_llama_state(True), tmp_path / "i", common={"args": args})
+    err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
+    assert "its args say --rotary-interleaved, which megapar's models lack" in err
+    args.rotary_interleaved, args.num_layers = False, "two"
+    odd = save_megatron(megatron_llama_state(True), tmp_path / "j", common={"args": args})
+    err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
+    assert "common.pt's args: model config: num_hidden_layers='two'" in err
+    assert not marker.exists()
