@@ -58,7 +58,7 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
     cp: int = 1
-    """Context-parallel size: ranks that split every sequence (ring or all-gather attention over them; --seq-len must be divisible by 2 x cp). The mesh is tp x cp x pp x dp."""
+    """Context-parallel size: ranks that split every sequence (a ring of K/V blocks where kv heads equal query heads, an all-gather of K/V for grouped-query heads: chosen per model; --seq-len must be divisible by 2 x cp, and by cp x tp too with --sequence-parallel). The mesh is tp x cp x pp x dp."""
     pp: int = 1
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
