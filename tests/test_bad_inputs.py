@@ -904,6 +904,19 @@ OTHER_TOOLS = [
     ("train", ["--moe-layer-recompute"], "did you mean --recompute full"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
+    ("eval", ["--load", "ck", "--context-parallel-size", "2"],
+     "--context-parallel-size: megapar-eval has no context parallelism"),
+    # Megatron's / torchtitan's context-parallel communication: "--cp-comm-type: did you mean
+    # --p2p-dtype?" (the pipeline's dtype), nothing for the others
+    ("train", ["--cp-comm-type", "a2a"], "--cp-comm-type: megapar chooses context "
+     "parallelism's attention communication per model"),
+    ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
+     "one all-gather of K/V (allgather) for grouped-query attention"),
+    ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
+    ("plan", ["--model", "llama-1b", "--cp-comm-type", "p2p"], "--cp-comm-type: megapar-plan "
+     "models the context-parallel attention"),
+    ("bubble", ["--pp", "2", "-m", "4", "--parallelism.context_parallel_degree", "2"],
+     "did you mean --cp?"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
     ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
@@ -915,6 +928,8 @@ OTHER_TOOLS = [
      "expert is saved whole): megapar-train --load reads it at any --ep"),
     ("convert", ["a", "b", "--zero", "3"], "--zero: a checkpoint does not depend on --zero"),
     ("convert", ["a", "b", "--cp", "2"], "--cp: a checkpoint does not depend on --cp"),
+    ("convert", ["a", "b", "--context-parallel-size", "2"], "--context-parallel-size: a "
+     "checkpoint does not depend on --cp"),
     ("eval", ["--load", "ck", "--ep", "2"], "--ep: megapar-eval holds every expert on each rank"),
     # megapar-plan: "--tp: did you mean --top?"
     ("plan", ["--model", "llama-1b", "--tp", "2"], "--tp: megapar-plan ranks every layout "

@@ -38,6 +38,48 @@ def test_split_positions_and_unsplit():
         split(torch.zeros(1, 12), 4, 0)
 
 
+@pytest.mark.parametrize("seq, cp, tp, sp, message", [
+    (14, 2, 1, False, "sequence length 14 is not divisible by 2 x cp = 4 (context parallelism "
+     "cuts each sequence into 2 x cp chunks); make it a multiple of 4"),
+    # the per-cp-rank length once reached sequence parallelism's split in the forward:
+    # "sequence length 10 is not divisible by --tp 3"
+    (20, 2, 3, True, "sequence length 20 is not divisible by lcm(2 x cp, cp x tp) = 12 "
+     "(context parallelism cuts each sequence into 2 x cp = 4 chunks and sequence parallelism "
+     "cuts each cp rank's tokens into tp slices); make it a multiple of 12"),
+    (21, 1, 2, True, "sequence length 21 is not divisible by tp = 2"),
+    (20, 2, 3, False, None),
+    (24, 2, 3, True, None),
+    (21, 1, 2, False, None),
+])
+def test_the_engine_checks_a_batch_against_cp_and_sequence_parallelism(seq, cp, tp, sp, message,
+                                                                        monkeypatch):
+    """`megapar.prepare`'s engine refuses a batch whose sequences the cp split and sequence
+    parallelism cannot cut, naming the whole length, before anything is communicated."""
+    from types import SimpleNamespace
+
+    from megapar.training import engine as engine_module
+    from megapar.training.engine import Engine
+
+    class Compared(Exception):
+        """The batch passed its local checks and reached the comparison over the ranks."""
+
+    def compare(*args):
+        raise Compared
+
+    monkeypatch.setattr(engine_module, "same_on_every_rank", compare)
+    mesh = SimpleNamespace(cp=cp, tp=tp, sequence_parallel=sp, device="cpu")
+    engine = SimpleNamespace(mesh=mesh, config=SimpleNamespace(
+        model_type="llama", max_positions=64, vocab_size=100))
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    if message is None:
+        with pytest.raises(Compared):
+            Engine._checked(engine, {"input_ids": ids}, "eval_step")
+        return
+    with pytest.raises(ValueError) as exc:
+        Engine._checked(engine, {"input_ids": ids}, "eval_step")
+    assert str(exc.value).startswith(message), exc.value
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_causal_work_is_the_same_on_every_rank(cp):
     """Megatron's load balancing: every rank scores the same number of (query, key) pairs."""

@@ -137,6 +137,36 @@ def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
         assert planned == pytest.approx(4 * (8192 * 2 + 8192 * 4) + 2 * 8192 * 4, rel=1e-12)
 
 
+@pytest.mark.parametrize("recipe, cp, tp", [("llama-70b", 8, 8), ("llama-8b", 4, 4),
+                                              ("gpt2-1.5b", 4, 1), ("gpt2-124m", 2, 2)])
+def test_cp_bytes_against_ring_and_all_gather_attention(recipe, cp, tp):
+    """Per layer and micro-batch, the K/V traffic of context parallelism against the published
+    schemes, with K/V = 2 b (s / cp) (kv heads / t) d elements per rank: ring attention (Liu
+    et al. 2023; Megatron-LM's --cp-comm-type p2p) sends it cp - 1 times in the forward;
+    all-gather attention (Llama 3, Dubey et al. 2024; Megatron's allgather) gathers cp of them
+    once. megapar's backward: the ring sends K/V again cp - 1 times and dK/dV (fp32) cp times
+    (back to their owner); the all-gather gathers again and reduce-scatters cp fp32 blocks."""
+    from megapar.plan.context_parallel import cp_method, cp_traffic
+
+    config = resolve_model(recipe)
+    s, b = 131072, 1
+    problem = Problem(config, tp * cp, seq_len=s, global_batch=8)
+    heads = config.n_head if recipe.startswith("gpt2") else config.num_attention_heads
+    kv_heads = heads if recipe.startswith("gpt2") else config.num_key_value_heads
+    d = config.hidden_size // heads
+    block = 2 * b * (s // cp) * max(kv_heads // tp, 1) * d  # elements of a rank's K and V
+    traffic = cp_traffic(problem, Candidate(tp=tp, cp=cp, mbs=b))
+    if kv_heads < heads:  # grouped-query: Llama 3's all-gather
+        assert cp_method(config) == "all-gather"
+        assert traffic["forward"] == [("all-gather", 1, block * 2)]
+        assert traffic["backward"] == [("all-gather", 1, block * 2),
+                                       ("reduce-scatter", 1, cp * block * 4)]
+    else:
+        assert cp_method(config) == "ring"
+        assert traffic["forward"] == [("send", cp - 1, block * 2)]
+        assert traffic["backward"] == [("send", cp - 1, block * 2), ("send", cp, block * 4)]
+
+
 def test_model_state_bytes_against_the_zero_paper():
     """ZeRO (Rajbhandari et al. 2020): mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a
     parameter; ZeRO-1 / 2 / 3 divide 12 / 14 / 16 of them by r. megapar-train (fp32 master):

@@ -53,6 +53,7 @@ OTHER_FLAGS = {
     "--num-microbatches": "--microbatches",
     "--tensor-model-parallel-size": "--tp",
     "--context-parallel-size": "--cp",
+    "--parallelism.context_parallel_degree": "--cp",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
 }
 """Other names for megapar-bubble's flags (difflib named `--steps` for `--stages`)."""

@@ -66,6 +66,12 @@ OTHER_FLAGS = {
     ),
     "--zero": _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
     "--cp": _NOT_IN_FILES.format(flag="--cp", what="context parallelism splits no weight"),
+    "--target-context-parallel-size": _NOT_IN_FILES.format(
+        flag="--cp", what="context parallelism splits no weight"
+    ),
+    "--context-parallel-size": _NOT_IN_FILES.format(
+        flag="--cp", what="context parallelism splits no weight"
+    ),
 }
 """Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
 named `--model`, a --from-dcp option, for `--model-type`), and megapar-train's layout flags no

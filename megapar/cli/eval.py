@@ -68,9 +68,15 @@ LOSS_ONLY = (
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
+_NO_CP = (
+    "megapar-eval has no context parallelism (a checkpoint does not depend on it); drop it, or "
+    "use --tp / --pp"
+)
+
 OTHER_FLAGS = {
-    "--cp": "megapar-eval has no context parallelism (a checkpoint does not depend on it); "
-    "drop it, or use --tp / --pp",
+    "--cp": _NO_CP,
+    "--context-parallel-size": _NO_CP,
+    "--parallelism.context_parallel_degree": _NO_CP,
     "--dp": "megapar-eval runs on --tp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",

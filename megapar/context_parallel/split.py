@@ -11,6 +11,8 @@ Everything here is index arithmetic on the sizes: no communication, no host sync
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megapar.mesh import LayoutError
@@ -23,14 +25,34 @@ def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def check_length(seq_len: int, cp: int) -> None:
-    """A sequence length the split can cut (2 x cp equal chunks), or a LayoutError."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise LayoutError(
-            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
-            f"(context parallelism cuts each sequence into 2 x cp chunks); "
-            f"choose a --seq-len that is a multiple of {2 * cp}"
-        )
+def length_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """What every sequence length must be a multiple of: 2 x cp (the split's chunks) and, under
+    sequence parallelism at tp > 1, cp x tp (each cp rank's tokens cut into tp slices)."""
+    need = 2 * cp if cp > 1 else 1
+    return math.lcm(need, cp * tp) if sequence_parallel and tp > 1 else need
+
+
+def check_length(seq_len: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """A sequence length the split can cut (2 x cp equal chunks) and, under sequence
+    parallelism, each cp rank's part into tp slices; else a LayoutError naming the multiple."""
+    need = length_multiple(cp, tp, sequence_parallel)
+    if seq_len % need == 0:
+        return
+    if cp > 1 and need == 2 * cp:
+        what = f"2 x cp = {need}"
+        why = "context parallelism cuts each sequence into 2 x cp chunks"
+    else:
+        what = f"lcm(2 x cp, cp x tp) = {need}" if cp > 1 else f"tp = {need}"
+        why = (
+            f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks and "
+            if cp > 1
+            else ""
+        ) + f"sequence parallelism cuts each{' cp' if cp > 1 else ''} rank's tokens into tp slices"
+    raise LayoutError(
+        f"sequence length {seq_len} is not divisible by {what} ({why}); make it a multiple "
+        f"of {need} (megapar-train: --seq-len; megapar.prepare's engine: the batch's sequences, "
+        f"padded or cut)"
+    )
 
 
 def split(x: torch.Tensor, cp: int, rank: int, dim: int = SEQ_DIM) -> torch.Tensor:

@@ -58,7 +58,7 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
     cp: int = 1
-    """Context-parallel size: ranks that split every sequence (ring or all-gather attention over them; --seq-len must be divisible by 2 x cp). The mesh is tp x cp x pp x dp."""
+    """Context-parallel size: ranks that split every sequence (a ring of K/V blocks where kv heads equal query heads, an all-gather of K/V for grouped-query heads: chosen per model; --seq-len must be divisible by 2 x cp, and by cp x tp too with --sequence-parallel). The mesh is tp x cp x pp x dp."""
     pp: int = 1
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
@@ -396,6 +396,12 @@ MOE_FIELD = (
     "names): set {field} there"
 )
 
+CP_COMM = (
+    "megapar chooses context parallelism's attention communication per model: a ring of K/V "
+    "blocks (Megatron's p2p) where kv heads equal query heads, one all-gather of K/V "
+    "(allgather) for grouped-query attention; there is no a2a (Ulysses); drop it and set --cp"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -415,6 +421,10 @@ OTHER_TOOLS_FLAGS = {
     "--parallelism.tensor_parallel_degree": "--tp",
     "--parallelism.pipeline_parallel_degree": "--pp",
     "--parallelism.context_parallel_degree": "--cp",
+    "--cp-comm-type": CP_COMM,
+    "--parallelism.context_parallel_rotate_method": CP_COMM,
+    "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
+    "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",
     "--parallelism.expert_parallel_degree": "--ep",
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",

@@ -362,8 +362,8 @@ class Engine:
             set_step(self.step + 1)  # the step this batch is for
         set_action(f"{what}: checking the batch")
         batch = check_batch(batch, self.config, what)
-        if self.mesh.cp > 1:
-            check_length(batch["input_ids"].shape[1], self.mesh.cp)
+        mesh = self.mesh
+        check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
         same_on_every_rank(batch, self.mesh.device, what)
         if not self.labels_checked and "labels" in batch:
             self.labels_checked = True
