@@ -250,7 +250,7 @@ class TrainConfig:
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
-    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle; with --cp one at the last cp rank; the dry run names them and why), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     debug: bool = False
