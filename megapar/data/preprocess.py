@@ -73,6 +73,7 @@ from megapar.data.tokenizers import (
     tokenizer_files,
 )
 from megapar.device import cpu_cores
+from megapar.wording import counted
 
 _Item = TypeVar("_Item")
 #: Documents handed to a worker at a time.
@@ -224,7 +225,8 @@ def preprocess_files(
         if stats["empty_docs"] == builder.num_docs:
             raise ValueError(
                 f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
-                f"{builder.num_docs:,} documents gave no token ids (only end-of-document tokens "
+                f"{counted(builder.num_docs, 'document')} gave no token ids (only end-of-document "
+                "tokens "
                 f"would be written); use a tokenizer whose vocabulary covers this text "
                 f"(e.g. --tokenizer gpt2); nothing written"
             )

@@ -44,6 +44,7 @@ from megapar.training.validate import (
     flag_of,
 )
 from megapar.training.validate_resume import checkpoint_manifest
+from megapar.wording import counted
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
@@ -153,7 +154,11 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
             raise UsageError(f"--data {shown}: {exc}; give more data") from None
         what = f"MLM sample{'s' * (samples != 1)} of {args.seq_len}"
     if samples == 0:  # no smaller batch helps: only more data or shorter samples
-        held = f"{indexed.num_tokens} tokens" if causal else f"{indexed.num_docs} documents"
+        held = (
+            counted(indexed.num_tokens, "token")
+            if causal
+            else counted(indexed.num_docs, "document")
+        )
         raise UsageError(
             f"--data {shown} has 0 {what} tokens (it holds {held}); use more data or a "
             f"shorter --seq-len"
@@ -190,7 +195,8 @@ def _records_left_out(args, shown: str, samples: int, scored: int) -> str | None
     size = min(sizes, key=lambda d: (abs(d - b), d))
     return (
         f"megapar-eval: scores {scored:,} of the {samples:,} records of --data {shown} "
-        f"({scored // b} batches of --micro-batch-size {b}); the last {samples - scored:,} "
+        f"({counted(scored // b, 'batch', 'batches')} of --micro-batch-size {b}); the last "
+        f"{samples - scored:,} "
         f"{'is' if samples - scored == 1 else 'are'} left out: --micro-batch-size {size} "
         f"scores every one"
     )
