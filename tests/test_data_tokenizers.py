@@ -254,3 +254,47 @@ def test_a_llama2_style_tokenizer_model_directory_says_how_its_bos_differs(tmp_p
     assert data_main([*out, str(tmp_path / "c"), "--tokenizer", str(llama2)]) == 0
     ds = IndexedDataset(str(tmp_path / "c"))
     assert ds.tokens[:].tolist() == [1, *ours.encode(text), 2]
+
+
+def test_a_runs_start_up_reads_a_prepared_datasets_tokenizer_files_once(tmp_path, monkeypatch):
+    """megapar-train's start-up checked a prepared dataset's tokenizer files against their
+    recorded sha256 in `data_tokenizer` and again in `resolve_data_prefix` (each file read
+    twice), and a blend's parts were hashed again by `check_blend_tokenizers` (five times for
+    two parts). The digests are kept while a file is unchanged: each file is read once, and a
+    file changed since is hashed again (and refused: its dataset's sha256 differ)."""
+    import builtins
+
+    import megapar.data.tokenizers as tokenizers
+    from megapar.cli.data import main as data_main
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(asset_path(f"gpt2_{name}"), tok / name)
+    (tmp_path / "a.txt").write_text(open(asset_path("shakespeare_sample.txt")).read()[:20000])
+    prefix = str(tmp_path / "a")
+    assert data_main(["--input", str(tmp_path / "a.txt"), "--output-prefix", prefix,
+                      "--tokenizer", str(tok), "--no-progress"]) == 0
+    reads: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "b" in mode and os.path.dirname(os.path.abspath(file)) == str(tok):
+            reads.append(os.path.basename(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--max-steps", "1"]
+    for data in (prefix, f"1 {prefix} 1 {prefix}"):  # one dataset, a blend of two parts
+        monkeypatch.setattr(tokenizers, "_DIGESTS", {}, raising=False)  # megapar-data's gone
+        reads.clear()
+        plan_run(parse_args([*common, "--data", data]), [])
+        assert sorted(reads) == ["merges.txt", "vocab.json"], (data, reads)
+    vocab = json.loads((tok / "vocab.json").read_text())  # the same tokens, other bytes
+    (tok / "vocab.json").write_text(json.dumps(vocab, indent=1))
+    reads.clear()  # changed since: read again, and refused
+    with pytest.raises(Exception, match="whose files changed since the dataset was made"):
+        plan_run(parse_args([*common, "--data", prefix]), [])
+    assert reads.count("vocab.json") == 1, reads

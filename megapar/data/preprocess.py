@@ -66,9 +66,10 @@ from megapar.data.inputs import (  # noqa: F401 - re-exported
     normalize_newlines,
     read_text,
 )
-from megapar.data.tokenizers import (
+from megapar.data.tokenizers import (  # noqa: F401 - file_sha256 re-exported
     APPENDED_ORDER,
     Tokenizer,
+    file_sha256,
     load_tokenizer,
     tokenizer_files,
 )
@@ -349,11 +350,6 @@ def _sentencepiece_error(message: str, vocab_size: int) -> str:
         f"SentencePiece training failed ({message}); a smaller --vocab-size or more input "
         f"text usually fixes it"
     )
-
-
-def file_sha256(path: str) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    return _digest_and_cr(path)[0]
 
 
 def _digest_and_cr(path: str) -> tuple[str, bool]:

@@ -143,7 +143,7 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     files_a, files_b = tokenizer_files(a), tokenizer_files(b)
     if a.kind != b.kind or len(files_a) != len(files_b):
         return False
-    return all(_digest(x) == _digest(y) for x, y in zip(files_a, files_b))
+    return all(file_sha256(x) == file_sha256(y) for x, y in zip(files_a, files_b))
 
 
 def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
@@ -158,9 +158,37 @@ def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
     return all(a.encode(text) == b.encode(text) for text in texts)
 
 
-def _digest(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").digest()
+_DIGESTS: dict[tuple, str] = {}
+"""The SHA-256 this process computed, by file and its state (`_file_state`)."""
+
+
+def _file_state(path: str) -> tuple:
+    """What identifies a file's bytes while it is unchanged: its path, inode, size,
+    modification and change times (as `_files_read` identifies a tokenizer's files)."""
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes (a tokenizer's, for fingerprints and their checks),
+    computed once per process while the file is unchanged (`_file_state`): a run's start-up
+    compares one tokenizer's files several times (the dataset's record, a blend's parts, the
+    checkpoint's), reading them once."""
+    state = _file_state(path)
+    digest = _DIGESTS.get(state)
+    if digest is None:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if _file_state(path) != state:  # written while it was read: not kept
+            return digest
+        while len(_DIGESTS) >= _KEEP_DIGESTS:
+            del _DIGESTS[next(iter(_DIGESTS))]  # the oldest
+        _DIGESTS[state] = digest
+    return digest
+
+
+_KEEP_DIGESTS = 64
+"""At most this many digests kept (a tokenizer has up to three files)."""
 
 
 def _count_merges(path: str) -> int:
