@@ -25,6 +25,7 @@ import torch.distributed.nn  # noqa: F401
 
 from megapar import shared_gpu
 from megapar.faults.status import set_action
+from megapar.wording import counted
 
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
@@ -98,7 +99,7 @@ def gpu_shortage(ranks: int, gpus: int) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     return (
-        f"{ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible"
+        f"{counted(ranks, 'rank')} on this node but {counted(gpus, 'GPU')} visible"
         f"{where}: NCCL needs a GPU per rank; start at most {gpus} process"
         f"{'es' if gpus != 1 else ''} per node (torchrun --nproc-per-node {gpus}, or a "
         f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megapar import device as _device
 from megapar.comm_wait import blocked
+from megapar.wording import counted
 
 
 class LayoutError(ValueError):
@@ -211,7 +212,7 @@ class Layout:
             fix = (
                 f"give {world_flag} {layout.world_size}"
                 if world_flag
-                else f"launch {layout.world_size} processes"
+                else f"launch {counted(layout.world_size, 'process', 'processes')}"
             )
             raise LayoutError(
                 f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}; "
@@ -265,7 +266,8 @@ class Mesh:
             return
         if not dist.is_initialized():
             raise LayoutError(
-                f"a {layout} mesh needs {layout.world_size} processes; torch.distributed is not "
+                f"a {layout} mesh needs {counted(layout.world_size, 'process', 'processes')}; "
+                "torch.distributed is not "
                 f"initialised (run under megapar-train / torchrun)"
             )
         world = dist.get_world_size()
@@ -274,7 +276,8 @@ class Mesh:
             raise LayoutError(
                 f"world size {world} != {split} = "
                 f"{'*'.join(str(getattr(layout, n)) for n in split.split('*'))} = "
-                f"{layout.world_size}; launch {layout.world_size} processes or change the layout"
+                f"{layout.world_size}; launch "
+                f"{counted(layout.world_size, 'process', 'processes')} or change the layout"
             )
 
         world_timeout = _device.process_group_timeout_s()

@@ -502,10 +502,10 @@ def test_invalid_utf8_in_json_inputs_is_handled_as_in_a_txt(tmp_path, capsys, ki
     path.write_bytes(make(b"caf\xe9 au lait"))
     out = ["--output-prefix", str(tmp_path / "out"), "--no-progress"]
     assert data_main(["--input", str(path), *out]) == 2
-    _one_line_error(capsys, f"{path}: 1 of {path.stat().st_size} bytes", "are not valid UTF-8",
+    _one_line_error(capsys, f"{path}: 1 of {path.stat().st_size} bytes", "is not valid UTF-8",
                     "pass --allow-invalid-utf8")
     assert data_main(["--input", str(path), *out, "--allow-invalid-utf8"]) == 0
-    assert "1 bytes of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
+    assert ": 1 byte of invalid UTF-8 replaced with U+FFFD" in capsys.readouterr().err
     report: dict = {}
     docs = [t for t, _ in iter_documents([str(path)], allow_invalid_utf8=True, report=report)]
     assert docs[0] == "caf\ufffd au lait" and report == {str(path): 1}

@@ -198,3 +198,103 @@ def test_raw_text_records_the_runs_own_tokenizer_not_the_cached_datasets(tmp_pat
     assert cached["path"] == str(first)
     assert data_tokenizer_spec(str(text), str(mine), cached)["path"] == str(mine)
     assert data_tokenizer_spec(prefix, str(mine), cached) == cached  # a prepared dataset's own
+
+
+def test_a_llama2_style_tokenizer_model_directory_says_how_its_bos_differs(tmp_path, capsys):
+    """A directory holding only a SentencePiece tokenizer.model (Llama 2's layout, Meta's
+    files): megapar reads the model file without a BOS. transformers' LlamaTokenizer (5.x,
+    which megapar requires) adds none either, unless the directory's tokenizer_config.json sets
+    add_bos_token (Llama 2's does; transformers 4.46 added <s> even without). The refusal of
+    the directory said only "pass the model file itself"; now it says what differs, and where
+    the config asks for the BOS, how to match: the tokenizer.json transformers writes, which
+    megapar reads with its BOS starting every document, giving LlamaTokenizer's ids."""
+    from transformers import LlamaTokenizer
+
+    from megapar.cli.data import main as data_main
+    from megapar.data import IndexedDataset
+    from megapar.training.config import parse_args
+    from megapar.training.tokenizer_checks import default_to_hf_tokenizer
+
+    model = shared_data("sentencepiece/botchan_en_bpe_1000.model")
+    text = "Hello world. It is a test."
+    (tmp_path / "doc.txt").write_text(text + "\n")
+    bare, llama2 = tmp_path / "bare", tmp_path / "llama2"
+    for d in (bare, llama2):
+        d.mkdir()
+        shutil.copy(model, d / "tokenizer.model")
+    (llama2 / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    ours = load_tokenizer(str(bare / "tokenizer.model"))
+    assert (ours.bos_id, ours.eod_id) == (None, 2)
+    assert LlamaTokenizer.from_pretrained(str(bare))(text)["input_ids"] == ours.encode(text)
+    assert LlamaTokenizer.from_pretrained(str(llama2))(text)["input_ids"] == [1, *ours.encode(text)]
+
+    out = ["--input", str(tmp_path / "doc.txt"), "--no-progress", "--output-prefix"]
+    assert data_main([*out, str(tmp_path / "a"), "--tokenizer", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert (f"pass the model file itself, e.g. {bare / 'tokenizer.model'} (read as SentencePiece "
+            f"reads it: no BOS starts a document, as transformers' LlamaTokenizer reads a "
+            f"tokenizer.model whose directory's tokenizer_config.json does not set "
+            f"add_bos_token)") in err, err
+    assert data_main([*out, str(tmp_path / "b"), "--tokenizer", str(llama2)]) == 2
+    err = capsys.readouterr().err
+    assert ("its tokenizer_config.json sets add_bos_token, so transformers' LlamaTokenizer starts "
+            "every text with <s>, and megapar, reading ") in err and err.count("\n") == 1, err
+    cfg = parse_args(["--from-hf", str(llama2)])  # its tokenizer.model the default, noted
+    [note] = default_to_hf_tokenizer(cfg)
+    assert cfg.tokenizer == str(llama2 / "tokenizer.model")
+    assert note.startswith(f"--tokenizer not given: using --from-hf {llama2}'s own tokenizer "
+                           f"({llama2 / 'tokenizer.model'}); its tokenizer_config.json sets "
+                           f"add_bos_token"), note
+    assert default_to_hf_tokenizer(parse_args(["--from-hf", str(bare)]))[0].endswith(
+        f"({bare / 'tokenizer.model'})")
+    # the fix named: transformers writes tokenizer.json; megapar's documents start with <s>
+    LlamaTokenizer.from_pretrained(str(llama2)).save_pretrained(str(llama2))
+    assert data_main([*out, str(tmp_path / "c"), "--tokenizer", str(llama2)]) == 0
+    ds = IndexedDataset(str(tmp_path / "c"))
+    assert ds.tokens[:].tolist() == [1, *ours.encode(text), 2]
+
+
+def test_a_runs_start_up_reads_a_prepared_datasets_tokenizer_files_once(tmp_path, monkeypatch):
+    """megapar-train's start-up checked a prepared dataset's tokenizer files against their
+    recorded sha256 in `data_tokenizer` and again in `resolve_data_prefix` (each file read
+    twice), and a blend's parts were hashed again by `check_blend_tokenizers` (five times for
+    two parts). The digests are kept while a file is unchanged: each file is read once, and a
+    file changed since is hashed again (and refused: its dataset's sha256 differ)."""
+    import builtins
+
+    import megapar.data.tokenizers as tokenizers
+    from megapar.cli.data import main as data_main
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(asset_path(f"gpt2_{name}"), tok / name)
+    (tmp_path / "a.txt").write_text(open(asset_path("shakespeare_sample.txt")).read()[:20000])
+    prefix = str(tmp_path / "a")
+    assert data_main(["--input", str(tmp_path / "a.txt"), "--output-prefix", prefix,
+                      "--tokenizer", str(tok), "--no-progress"]) == 0
+    reads: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "b" in mode and os.path.dirname(os.path.abspath(file)) == str(tok):
+            reads.append(os.path.basename(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--max-steps", "1"]
+    for data in (prefix, f"1 {prefix} 1 {prefix}"):  # one dataset, a blend of two parts
+        monkeypatch.setattr(tokenizers, "_DIGESTS", {}, raising=False)  # megapar-data's gone
+        reads.clear()
+        plan_run(parse_args([*common, "--data", data]), [])
+        assert sorted(reads) == ["merges.txt", "vocab.json"], (data, reads)
+    vocab = json.loads((tok / "vocab.json").read_text())  # the same tokens, other bytes
+    (tok / "vocab.json").write_text(json.dumps(vocab, indent=1))
+    reads.clear()  # changed since: read again, and refused
+    with pytest.raises(Exception, match="whose files changed since the dataset was made"):
+        plan_run(parse_args([*common, "--data", prefix]), [])
+    assert reads.count("vocab.json") == 1, reads

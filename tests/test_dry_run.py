@@ -12,6 +12,7 @@ import pytest
 
 from megapar.dryrun import dry_run, parse_ranks, sample_ranks
 from megapar.dryrun.measure import measured_rank
+from megapar.dryrun.sample import describe_choice
 from megapar.mesh import Layout
 from megapar.models.recipes import resolve_model
 from megapar.plan.params import StageLayout
@@ -158,6 +159,32 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
     assert rc == 0 and "with 1 shard file," in out, err  # not "1 shard files"
     assert "pipeline bubble" not in out  # no pipeline
     assert "per step: nothing\n" in out  # at dp 1 no bucket is reduced (none is named)
+
+
+def test_dry_run_names_the_ranks_it_rehearses_and_why(capsys):
+    """pp 2 x dp 2 with ep 2 (4 ranks; ep folds into dp) rehearses the 3 ranks the same layout
+    without experts does (0 and 1: each stage's writer; 3: the last dp rank, here also ep rank
+    1), and says which and why: it said only "rehearsing 3 ranks" / "rehearsed 3 ranks"."""
+    rc, out, err = _train(["--model", "mixtral-tiny", "--pp", "2", "--ep", "2", "--world-size",
+                           "4", "--dry-run", "--seq-len", "16", "--micro-batch-size", "1",
+                           "--global-batch-size", "2"], capsys)
+    assert rc == 0, err
+    assert sample_ranks(Layout(1, 2, 2, ep=2)) == sample_ranks(Layout(1, 2, 2)) == [0, 1, 3]
+    assert ("\nrehearsing 3 of 4 ranks, the default sample: 0-1 (dp rank 0, every stage and tp "
+            "rank: the shard files' writers); 3 (the last dp rank: one that writes no file; ep "
+            "rank 1 of 2, its experts); on this CPU") in out
+    assert [line.split(";")[0] for line in out.splitlines() if line.startswith("rank ")] == [
+        "rank 0 (tp 0, pp 0, dp 0, ep 0", "rank 1 (tp 0, pp 1, dp 0, ep 0",
+        "rank 3 (tp 0, pp 1, dp 1, ep 1"]
+    assert re.search(r"\nrehearsed 3 of 4 ranks in [0-9.]+ s\n", out)
+    layout = Layout(1, 2, 4, ep=4)  # ZeRO: the middle dp role too, each with its ep rank
+    assert describe_choice("sample", sample_ranks(layout, 1), layout, 1) == (
+        "4 of 8 ranks, the default sample: 0-1 (dp rank 0, every stage and tp rank: the shard "
+        "files' writers); 5 (a middle dp rank: ZeRO slices that start inside parameters; ep "
+        "rank 2 of 4, its experts); 6 (the last dp rank: ZeRO slices holding the buckets' "
+        "padding; ep rank 3 of 4, its experts)")
+    assert describe_choice(" 7,0-2 ", [0, 1, 2, 7], layout) == (
+        "4 of 8 ranks: 0-2,7 (--dry-run-ranks 7,0-2)")
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", "1"), ("interleaved", "2")])

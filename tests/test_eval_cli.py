@@ -750,6 +750,32 @@ def test_perplexity_is_the_exponential_or_inf_and_strict_json_writes_null():
         '{"a": null, "b": null, "c": 1.5}'
 
 
+def test_windows_whole_batches_leave_out_are_said_in_one_line():
+    """Text --data: whole batches of --micro-batch-size windows are scored, and the windows
+    after the last whole one were dropped without a word (a prompt / response dataset said
+    so). Now one line names how many windows and predicted tokens are left out, why, and a
+    --micro-batch-size that scores every one; nothing where they all are, or where
+    --max-batches asks for fewer batches than the data holds."""
+    from types import SimpleNamespace
+
+    from megapar.training.validate_tools import _check_batches
+
+    def line(tokens, max_batches=8):
+        args = SimpleNamespace(data="held_out.txt", seq_len=4, micro_batch_size=4,
+                               max_batches=max_batches)
+        return _check_batches(args, SimpleNamespace(num_tokens=tokens, prompt_lengths=None),
+                              None, causal=True)
+
+    assert line(4 * 10 + 1) == (  # 10 windows of 5 tokens: 2 batches of 4, 2 windows left
+        "megapar-eval: scores 8 of the 10 windows of --data held_out.txt (2 batches of "
+        "--micro-batch-size 4); the last 2 (8 predicted tokens) are left out, as only whole "
+        "batches are scored: --micro-batch-size 5 scores every one")
+    assert "(1 batch of --micro-batch-size 4); the last 1 (4 predicted tokens) is left " in (
+        line(4 * 5 + 1))
+    assert line(4 * 8 + 1) is None and line(4 * 8 + 3) is None  # every window scored
+    assert line(4 * 10 + 1, max_batches=2) is None  # fewer batches asked for
+
+
 def test_too_little_data_is_counted_in_words():
     """The refusal of --data smaller than one batch counts its windows in words ("1 window",
     not "1 windows")."""

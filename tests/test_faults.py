@@ -139,6 +139,35 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):
     assert _losses(first) + _losses(second) == _losses(full)
 
 
+@pytest.mark.parametrize("layout, interval", [([], "0"), (["--tp", "2"], "2")])
+def test_a_sigterm_no_exit_signal_names_aborts_leaving_no_lock_nor_empty_save(
+        tmp_path, common, layout, interval):
+    """--exit-signals "": a SIGTERM is no clean stop, and it killed the run by its default
+    action (exit -15), leaving --save's lock file behind, in a --save holding nothing else (the
+    next run took the lock over with a note). Now it aborts as a second SIGINT does: one line,
+    exit 143, the lock released, a --save this run made and saved nothing in removed, and the
+    checkpoints saved before the signal (--save-interval 2) kept, with no staging left."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, *layout, "--max-steps", "200", "--save", str(ckpt),
+                      "--save-interval", interval, "--exit-signals", "", "--log-json", str(log)],
+                     tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 3)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 143, out
+    line = "megapar-train: aborted (SIGTERM, which --exit-signals '' does not name, so no save"
+    assert line in out and "Traceback" not in out, out
+    if interval == "0":
+        assert not ckpt.exists(), sorted(p.name for p in ckpt.iterdir())
+        assert "at the stop): nothing saved" in out
+        return
+    latest = (ckpt / "latest").read_text().strip()
+    assert sorted(p.name for p in ckpt.iterdir() if p.name != "logs") == sorted(
+        ["latest", *(f"step_{s:08d}" for s in range(2, int(latest[5:]) + 1, 2))])
+    assert f"{ckpt}/latest is {latest}, the checkpoint to resume from" in out
+
+
 def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
     """A first SIGINT stops the run at its step's end and saves, saying so; the same SIGINT
     again (as `timeout -s INT` sends it) is not a second one. In order, not by a sleep: the

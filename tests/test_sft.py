@@ -305,8 +305,8 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     out = capsys.readouterr()
     assert json.loads(out.out.strip().splitlines()[-1])["batches"] == 3
     assert ("scores 15 of the 16 records of --data" in out.err and "(3 batches of "
-            "--micro-batch-size 5); the last 1 is left out: --micro-batch-size 4 scores "
-            "every one") in out.err, out.err
+            "--micro-batch-size 5); the last 1 is left out, as only whole batches are scored: "
+            "--micro-batch-size 4 scores every one") in out.err, out.err
     assert evaluate([*whole, "--max-batches", "2"]) == 0
     assert "left out" not in capsys.readouterr().err
     for argv, message in (

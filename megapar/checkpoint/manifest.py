@@ -24,6 +24,7 @@ from megapar.checkpoint.format import (
     shard_file_name,
 )
 from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.wording import counted
 
 DIGEST = "manifest.sha256"
 
@@ -169,7 +170,7 @@ def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) 
     size = path.stat().st_size
     if size != record["bytes"]:
         raise CheckpointError(
-            f"{name}: {size} bytes, the manifest records {record['bytes']} "
+            f"{name}: {counted(size, 'byte')}, the manifest records {record['bytes']:,} "
             f"(file truncated or altered); restore it or use another checkpoint"
         )
     if checksum and file_record(path)["sha256"] != record["sha256"]:

@@ -45,6 +45,7 @@ from megapar.pipeline.timeline import (
 from megapar.training import bubble_run
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_bubble import MAX_SIMULATED_ACTIONS, check_bubble_args
+from megapar.wording import counted
 
 OTHER_FLAGS = {
     "--stages": "--pp",
@@ -372,7 +373,7 @@ def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None
             )
     ok = all(c.ok for c in certs) and not (missing and whole_grid)
     print(
-        f"certificate: {'every check holds' if ok else 'FAILED'} ({len(certs)} steps, "
+        f"certificate: {'every check holds' if ok else 'FAILED'} ({counted(len(certs), 'step')}, "
         f"{len(real)} of them also run as real steps; what is proven: "
         f"docs/guides/certificate.md)"
     )

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser, show_progress
+from megapar.wording import counted
 
 OTHER_FLAGS = {
     "--vocab-file": "--tokenizer",
@@ -462,13 +463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for path, count in report.items():
             print(
-                f"megapar-data: warning: {path}: {count:,} bytes of invalid UTF-8 replaced "
+                f"megapar-data: warning: {path}: {counted(count, 'byte')} of invalid UTF-8 "
+                "replaced "
                 f"with U+FFFD",
                 file=sys.stderr,
             )
         if stats.get("empty_docs"):
             print(
-                f"megapar-data: warning: {stats['empty_docs']:,} of {stats['docs']:,} documents "
+                f"megapar-data: warning: {stats['empty_docs']:,} of "
+                f"{counted(stats['docs'], 'document')} "
                 f"tokenized to no ids (only their end-of-document token was written); "
                 f"tokenizer {tokenizer} may not cover their text",
                 file=sys.stderr,
@@ -496,12 +499,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     ds = IndexedDataset(prefix)
-    docs = f"{ds.num_docs} document{'' if ds.num_docs == 1 else 's'}"
+    docs = counted(ds.num_docs, "document")
     if ds.sft_keys is not None:
         docs += f" (prompt / response records: {','.join(ds.sft_keys)})"
     print(
         f"wrote {prefix}.bin/.idx/.json ({args.format} index): {docs}, "
-        f"{ds.num_tokens} tokens "
+        f"{counted(ds.num_tokens, 'token')} "
         f"({ds.dtype.name}), vocab size {ds.vocab_size}"
     )
     return 0

@@ -52,6 +52,7 @@ from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
 from megapar.training.validate_tools import check_eval_args, load_input_ids
+from megapar.wording import counted
 
 LOSS_ONLY = (
     "data",
@@ -225,7 +226,7 @@ def _loss_worker(args):
         if k == 0:
             shown = getattr(args, "data_shown", args.data)  # the text, not its cached prefix
             raise ValueError(
-                f"{shown} has {len(dataset)} windows of {args.seq_len + 1} "
+                f"{shown} has {counted(len(dataset), 'window')} of {args.seq_len + 1} "
                 f"tokens, fewer than one batch of {b}"
             )
     executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))

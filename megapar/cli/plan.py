@@ -70,6 +70,7 @@ from megapar.plan.report import (
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.usage import flag_of
+from megapar.wording import counted
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -500,7 +501,8 @@ def main(argv=None) -> int:
         f"{active_note(problem.config)}; "
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
         f"{problem.gpu_memory_gb:g} GiB each); global batch "
-        f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
+        f"{problem.global_batch} x {problem.seq_len} tokens; "
+        f"{counted(len(estimates), 'valid layout')}, "
         f"{len(rejected)} rejected"
     )
     print(table(estimates[: args.top], problem.master_weights, problem.target))

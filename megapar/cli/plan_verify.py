@@ -8,6 +8,7 @@ import sys
 from megapar.dryrun.sample import MAX_REHEARSAL_S, rehearsal_seconds, sample_ranks
 from megapar.dryrun.verify import verify_layout
 from megapar.mesh import Layout
+from megapar.wording import counted
 
 
 def verify_estimates(estimates, problem) -> int:
@@ -43,7 +44,8 @@ def verify_estimates(estimates, problem) -> int:
             print(f"{label} megapar-train refuses it: {result.error}")
         elif result.differences:
             print(
-                f"{label} {len({d[0] for d in result.differences})} of {result.ranks} ranks "
+                f"{label} {len({d[0] for d in result.differences})} of "
+                f"{counted(result.ranks, 'rank')} "
                 f"differ ({result.seconds:.1f} s):"
             )
             for rank, field, planned, dry in result.differences:
@@ -53,8 +55,8 @@ def verify_estimates(estimates, problem) -> int:
                 )
         else:
             print(
-                f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
-                + (f"; {result.note}" if result.note else "")
+                f"{label} {counted(result.ranks, 'rank')}: equal, 0 bytes apart "
+                f"({result.seconds:.1f} s)" + (f"; {result.note}" if result.note else "")
             )
         failed |= bool(result.error or result.differences)
     return 1 if failed else 0

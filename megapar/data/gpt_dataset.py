@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from megapar.data.indexed import IndexedDataset
+from megapar.wording import counted
 
 #: A set of documents: ``None`` (all), a ``(start, end)`` range, or an array of doc indices.
 DocRange = None | tuple[int, int] | Sequence[int] | np.ndarray
@@ -112,7 +113,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = max(0, (len(self.stream) - 1) // self.seq_len)
         if self.num_samples == 0:
             raise ValueError(
-                f"{indexed.prefix}: the selected documents hold {len(self.stream)} tokens, "
+                f"{indexed.prefix}: the selected documents hold "
+                f"{counted(len(self.stream), 'token')}, "
                 f"fewer than "
                 f"one window of --seq-len + 1 = {self.seq_len + 1}; use more data or a shorter "
                 f"--seq-len"

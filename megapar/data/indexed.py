@@ -38,6 +38,7 @@ from megapar.data import megatron
 from megapar.data.tokenizers import load_tokenizer
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.one_line_parser import shell_word
+from megapar.wording import counted
 
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
@@ -79,7 +80,11 @@ def check_index_magic(path: str) -> None:
     if head.startswith((IDX_MAGIC, megatron.MAGIC)):
         return
     size = os.path.getsize(path)
-    what = "is empty (0 bytes)" if size == 0 else f"is truncated or another file ({size:,} bytes)"
+    what = (
+        "is empty (0 bytes)"
+        if size == 0
+        else f"is truncated or another file ({counted(size, 'byte')})"
+    )
     raise ValueError(
         f"{path} {what}: not a megapar or Megatron-LM index; re-create the dataset "
         f"with megapar-data (or copy its .idx again)"
@@ -138,7 +143,8 @@ class IndexedDatasetBuilder:
             prompt_length is None or 0 <= prompt_length <= len(ids)
         ):
             raise ValueError(
-                f"prompt_length {prompt_length} does not fit a document of {len(ids)} tokens "
+                f"prompt_length {prompt_length} does not fit a document of "
+                f"{counted(len(ids), 'token')} "
                 f"of a builder {'with' if self.sft_keys else 'without'} sft_keys"
             )
         if prompt_length is not None:
@@ -231,18 +237,19 @@ def read_doc_offsets(path: str) -> np.ndarray:
     if len(data) >= 8 and data[:8] != IDX_MAGIC:
         raise ValueError(
             f"{path} is not a megapar index (bad magic {data[:8]!r}, "
-            f"{len(data):,} bytes): re-create the dataset with megapar-data"
+            f"{counted(len(data), 'byte')}): re-create the dataset with megapar-data"
         )
     if len(data) < 16 + 8:  # magic, document count, at least the first offset
         raise ValueError(
-            f"{path} is truncated or not an index file ({len(data):,} bytes): "
+            f"{path} is truncated or not an index file ({counted(len(data), 'byte')}): "
             f"re-create the dataset with megapar-data"
         )
     count = int(np.frombuffer(data, "<u8", 1, 8)[0])
     if (len(data) - 16) % 8 or (len(data) - 16) // 8 != count + 1:
         raise ValueError(
-            f"{path} is truncated or corrupt ({len(data):,} bytes): its header says {count:,} "
-            f"documents, which needs {16 + 8 * (count + 1):,} bytes; re-create the dataset "
+            f"{path} is truncated or corrupt ({counted(len(data), 'byte')}): its header says "
+            f"{counted(count, 'document')}, which needs {16 + 8 * (count + 1):,} bytes; re-create "
+            "the dataset "
             f"with megapar-data"
         )
     offsets = np.frombuffer(data, "<i8", count + 1, 16).astype(np.int64)
@@ -339,15 +346,17 @@ class IndexedDataset:
         described = f"{prefix}.json" if os.path.isfile(prefix + ".json") else f"{prefix}.idx"
         if size != expected:
             raise ValueError(
-                f"{prefix}.bin holds {size:,} bytes but {described} describes {num_tokens:,} "
-                f"{self.dtype.name} tokens ({expected:,} bytes): it is "
+                f"{prefix}.bin holds {counted(size, 'byte')} but {described} describes "
+                f"{counted(num_tokens, self.dtype.name + ' token')} "
+                f"({counted(expected, 'byte')}): it is "
                 f"{'cut short (an interrupted copy?)' if size < expected else 'too long'} or "
                 f"from another run; re-create the dataset with megapar-data"
             )
         if self.doc_offsets[-1] != num_tokens:
             raise ValueError(
                 f"{prefix}.idx ends its documents at token {int(self.doc_offsets[-1]):,} but "
-                f"{prefix}.json says {num_tokens:,} tokens: the files are from different runs; "
+                f"{prefix}.json says {counted(num_tokens, 'token')}: the files are from different "
+                "runs; "
                 f"re-create the dataset with megapar-data"
             )
         if num_tokens == 0:
@@ -370,7 +379,7 @@ class IndexedDataset:
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(
                 f"token range [{start}, {start + length}) is outside the dataset's "
-                f"{self.num_tokens} tokens"
+                f"{counted(self.num_tokens, 'token')}"
             )
         return np.asarray(self.tokens[start : start + length], dtype=np.int64)
 

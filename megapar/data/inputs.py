@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from megapar.one_line_parser import shell_word
+from megapar.wording import counted
 
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
@@ -85,9 +86,11 @@ def _decode_utf8(
         bad += report.get(path, 0)
     if bad > MAX_INVALID_UTF8 * size and not allow_invalid_utf8:
         raise ValueError(
-            f"{path}: {bad:,} of {size:,} bytes ({100 * bad / size:.1f} %) are not valid "
+            f"{path}: {bad:,} of {counted(size, 'byte')} ({100 * bad / size:.1f} %) "
+            f"{'is' if bad == 1 else 'are'} not valid "
             f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
-            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD"
+            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace "
+            f"{'it' if bad == 1 else 'them'} with U+FFFD"
         )
     if report is not None:
         report[path] = bad

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megapar.wording import counted
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
@@ -83,7 +85,9 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
         raise ValueError(f"{path} is not a Megatron index (no MMIDIDX magic); {fix}")
     pos = len(MAGIC)
     if len(data) < pos + 9 + 16:
-        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): {fix}")
+        raise ValueError(
+            f"{path} is truncated or not an index file ({counted(len(data), 'byte')}): {fix}"
+        )
     version = int(np.frombuffer(data, "<u8", 1, pos)[0])
     if version != VERSION:
         raise ValueError(
@@ -102,13 +106,14 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
         if np.any(modes != 0):
             raise ValueError(
                 f"{path} is a multimodal Megatron index: {int(np.sum(modes != 0)):,} "
-                f"of its {seqs:,} sequences are not text (sequence mode != 0); "
+                f"of its {counted(seqs, 'sequence')} are not text (sequence mode != 0); "
                 f"megapar trains language models on text only"
             )
     elif len(data) != need:
         raise ValueError(
-            f"{path} is truncated or corrupt ({len(data):,} bytes): its header "
-            f"({seqs:,} sequences, {docs:,} document indices) needs {need:,} bytes; "
+            f"{path} is truncated or corrupt ({counted(len(data), 'byte')}): its header "
+            f"({counted(seqs, 'sequence')}, {counted(docs, 'document index', 'document indices')}) "
+            f"needs {counted(need, 'byte')}; "
             f"{fix}"
         )
     lengths = np.frombuffer(data, "<i4", seqs, pos).astype(np.int64)

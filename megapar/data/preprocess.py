@@ -66,13 +66,15 @@ from megapar.data.inputs import (  # noqa: F401 - re-exported
     normalize_newlines,
     read_text,
 )
-from megapar.data.tokenizers import (
+from megapar.data.tokenizers import (  # noqa: F401 - file_sha256 re-exported
     APPENDED_ORDER,
     Tokenizer,
+    file_sha256,
     load_tokenizer,
     tokenizer_files,
 )
 from megapar.device import cpu_cores
+from megapar.wording import counted
 
 _Item = TypeVar("_Item")
 #: Documents handed to a worker at a time.
@@ -224,7 +226,8 @@ def preprocess_files(
         if stats["empty_docs"] == builder.num_docs:
             raise ValueError(
                 f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
-                f"{builder.num_docs:,} documents gave no token ids (only end-of-document tokens "
+                f"{counted(builder.num_docs, 'document')} gave no token ids (only end-of-document "
+                "tokens "
                 f"would be written); use a tokenizer whose vocabulary covers this text "
                 f"(e.g. --tokenizer gpt2); nothing written"
             )
@@ -347,11 +350,6 @@ def _sentencepiece_error(message: str, vocab_size: int) -> str:
         f"SentencePiece training failed ({message}); a smaller --vocab-size or more input "
         f"text usually fixes it"
     )
-
-
-def file_sha256(path: str) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    return _digest_and_cr(path)[0]
 
 
 def _digest_and_cr(path: str) -> tuple[str, bool]:

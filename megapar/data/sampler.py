@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megapar.wording import counted
+
 
 class GlobalBatchSampler:
     """Yields, per global batch, this rank's micro-batches (each a list of sample indices).
@@ -58,7 +60,7 @@ class GlobalBatchSampler:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         if dataset_len < global_batch_size:
             raise ValueError(
-                f"the dataset has {dataset_len} samples, fewer than one global batch of "
+                f"the dataset has {counted(dataset_len, 'sample')}, fewer than one global batch of "
                 f"{global_batch_size}; use more data or a smaller global batch size"
             )
         self.dataset_len = int(dataset_len)

@@ -143,7 +143,7 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     files_a, files_b = tokenizer_files(a), tokenizer_files(b)
     if a.kind != b.kind or len(files_a) != len(files_b):
         return False
-    return all(_digest(x) == _digest(y) for x, y in zip(files_a, files_b))
+    return all(file_sha256(x) == file_sha256(y) for x, y in zip(files_a, files_b))
 
 
 def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
@@ -158,9 +158,37 @@ def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
     return all(a.encode(text) == b.encode(text) for text in texts)
 
 
-def _digest(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").digest()
+_DIGESTS: dict[tuple, str] = {}
+"""The SHA-256 this process computed, by file and its state (`_file_state`)."""
+
+
+def _file_state(path: str) -> tuple:
+    """What identifies a file's bytes while it is unchanged: its path, inode, size,
+    modification and change times (as `_files_read` identifies a tokenizer's files)."""
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes (a tokenizer's, for fingerprints and their checks),
+    computed once per process while the file is unchanged (`_file_state`): a run's start-up
+    compares one tokenizer's files several times (the dataset's record, a blend's parts, the
+    checkpoint's), reading them once."""
+    state = _file_state(path)
+    digest = _DIGESTS.get(state)
+    if digest is None:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if _file_state(path) != state:  # written while it was read: not kept
+            return digest
+        while len(_DIGESTS) >= _KEEP_DIGESTS:
+            del _DIGESTS[next(iter(_DIGESTS))]  # the oldest
+        _DIGESTS[state] = digest
+    return digest
+
+
+_KEEP_DIGESTS = 64
+"""At most this many digests kept (a tokenizer has up to three files)."""
 
 
 def _count_merges(path: str) -> int:
@@ -256,10 +284,18 @@ def _load(spec: str) -> Tokenizer:
         missing = [p for p in (vocab, merges) if not os.path.isfile(p)]
         models = sorted(n for n in os.listdir(spec) if n.endswith(".model"))
         if missing and models:  # a directory of SentencePiece models: the file is the spec
+            bos = sentencepiece_dir_bos(spec)
             raise FileNotFoundError(
                 f"tokenizer directory {spec!r} holds SentencePiece model(s) "
                 f"({', '.join(models[:3])}), not a tokenizer.json or vocab.json + merges.txt; "
-                f"pass the model file itself, e.g. {os.path.join(spec, models[0])}"
+                + (
+                    bos
+                    if bos
+                    else f"pass the model file itself, e.g. {os.path.join(spec, models[0])} "
+                    f"(read as SentencePiece reads it: no BOS starts a document, as "
+                    f"transformers' LlamaTokenizer reads a tokenizer.model whose directory's "
+                    f"tokenizer_config.json does not set add_bos_token)"
+                )
             )
         if missing and os.path.isfile(os.path.join(spec, "vocab.txt")):  # BERT's WordPiece
             raise FileNotFoundError(
@@ -310,6 +346,40 @@ def _load(spec: str) -> Tokenizer:
         "tokenizer.json (transformers) or vocab.json + merges.txt, or the path of an existing "
         "SentencePiece .model file (nothing is downloaded: a Hugging Face Hub name needs its "
         "tokenizer saved to a local directory first)"
+    )
+
+
+def sentencepiece_dir_bos(directory: str) -> str | None:
+    """Where megapar and transformers would tokenize a directory's SentencePiece
+    ``tokenizer.model`` (no ``tokenizer.json``) differently, the clause saying so and how to
+    match them; else None. megapar reads the model file as SentencePiece does (no BOS starts a
+    document); transformers' LlamaTokenizer (5.x, which megapar requires) adds the BOS where
+    the directory's ``tokenizer_config.json`` sets ``"add_bos_token": true`` (Llama 2's
+    directories do; transformers 4.x added it even without). A ``tokenizer.json`` saved beside
+    it is read with its BOS, which starts every document (`load_hf_tokenizer`)."""
+    path = os.path.expanduser(directory)
+    model = os.path.join(path, "tokenizer.model")
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(model) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("add_bos_token") is not True:
+        return None
+    bos = config.get("bos_token", "<s>")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    if not isinstance(bos, str):
+        return None
+    return (
+        f"its tokenizer_config.json sets add_bos_token, so transformers' LlamaTokenizer starts "
+        f"every text with {bos}, and megapar, reading {model} as SentencePiece, would not; to "
+        f"start every document with it as transformers does, write the directory's "
+        f'tokenizer.json (python3 -c "from transformers import AutoTokenizer as T; '
+        f"T.from_pretrained('{directory}').save_pretrained('{directory}')\") and pass "
+        f"the directory (or pass {model} for documents without it)"
     )
 
 

@@ -15,6 +15,7 @@ import traceback
 
 from megapar.dryrun import parse_ranks, rehearse_rank, report
 from megapar.dryrun.modelled import planned_bubble
+from megapar.dryrun.sample import describe_choice
 from megapar.models.config import config_from_dict
 from megapar.plan.params import model_params
 from megapar.training.data import build_datasets, continue_order, make_sampler
@@ -58,7 +59,12 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     if not cfg.json:
         print(
             report.describe_job(
-                cfg, config, layout, cfg.gpus_per_node, model_params(config), len(ranks)
+                cfg,
+                config,
+                layout,
+                cfg.gpus_per_node,
+                model_params(config),
+                describe_choice(cfg.dry_run_ranks, ranks, layout, cfg.zero),
             ),
             file=out,
             flush=True,
@@ -90,5 +96,5 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
         )
     if not cfg.json:
         print(report.describe_checkpoint(reports, layout, step_dir), file=out)
-        print(report.footer(time.perf_counter() - start, len(reports)), file=out)
+        print(report.footer(time.perf_counter() - start, len(reports), layout.world_size), file=out)
     return 0

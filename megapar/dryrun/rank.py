@@ -100,9 +100,11 @@ class RankReport:
     """{group: {"ranks": size, "crosses_nodes": bool, op: {"count": n, "bytes": b}}} per step."""
     checkpoint_file: str = ""
     checkpoint_bytes: int = 0
+    """Size of this coordinate's shard file in the first save."""
     cp_rank: int = 0
     """Context-parallel rank (0 without cp)."""
-    """Size of this coordinate's shard file in the first save."""
+    ep_rank: int = 0
+    """Expert-parallel rank (0 without ep): which of the MoE layers' experts it holds."""
     writes_checkpoint: bool = False
     """This rank writes that file (dp rank 0 does)."""
     first_batch: list | None = None
@@ -284,6 +286,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
         pp_rank=mesh.pp_rank,
         dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
+        ep_rank=mesh.ep_rank,
         node=mesh.rank // gpus_per_node,
         **held,
         gathered=gathered,

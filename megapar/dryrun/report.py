@@ -26,7 +26,8 @@ def _order(layout) -> str:
     return layout.order.replace("tp-", "tp-cp-", 1) if layout.cp > 1 else layout.order
 
 
-def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: int) -> str:
+def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice: str) -> str:
+    """The job's line, then which ranks are rehearsed and why (`sample.describe_choice`)."""
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
     mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
     nodes = -(-layout.world_size // gpus_per_node)
@@ -55,8 +56,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
         f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
         f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
-        f"{', '.join(extras)}\nrehearsing {ranks} rank{'s' if ranks > 1 else ''} on this "
-        f"CPU (fake process group, fake tensors: nothing is communicated or allocated)"
+        f"{', '.join(extras)}\nrehearsing {choice}; on this CPU (fake process group, fake "
+        f"tensors: nothing is communicated or allocated)"
     )
 
 
@@ -97,8 +98,9 @@ def _traffic(comm: dict) -> str:
 def describe_rank(r: RankReport, step_dir: str) -> str:
     worth = "stages' worth of " if r.chunks > 1 else ""  # a chunk counts 1 / chunks
     cp = f", cp {r.cp_rank}" if r.cp_rank or any(k.startswith("cp") for k in r.comm) else ""
+    ep = f", ep {r.ep_rank}" if r.ep_rank or "ep" in r.comm else ""
     lines = [
-        f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
+        f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}{ep}; node "
         f"{r.node}): "
         f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
         f"optimizer {size(r.optimizer)}"
@@ -177,7 +179,7 @@ def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str
     return f"{head}; {len(seen)} of them sized above{tail}"
 
 
-def footer(seconds: float, ranks: int) -> str:
+def footer(seconds: float, ranks: int, world: int) -> str:
     return (
         f"communication: per step and group, the calls and the size of the tensors they "
         f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
@@ -185,5 +187,5 @@ def footer(seconds: float, ranks: int) -> str:
         f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
         f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the "
         f"real code's tensors and collectives\n"
-        f"rehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s"
+        f"rehearsed {ranks:,} of {world:,} rank{'s' if world > 1 else ''} in {seconds:.1f} s"
     )

@@ -8,8 +8,13 @@ padding) and, under ZeRO (any stage), one in the middle (slices that start insid
 stage is rehearsed with dp rank 0, the rank that writes the stage's file (tp ranks cycling over the
 stages, and any left over on further dp-rank-0 ranks); the other dp roles follow on the stages
 and tp ranks in turn. With context parallelism all of it is at cp rank 0 (the one that writes
-checkpoints), plus one rank at the last cp rank (its other half of every sequence).
-`--dry-run-ranks all` takes every rank, or a comma-separated list of ranks and ranges names them.
+checkpoints), plus one rank at the last cp rank (its other half of every sequence). Expert
+parallelism adds no ranks and no role of its own: its ep ranks are dp x cp ranks holding
+different experts of equal shapes (as a stage's tp ranks hold equal shapes), so the sample is
+the layout's without experts, each dp role naming its ep rank (`sample_roles`; pp 2 x dp 2 with
+ep 2: ranks 0, 1 and 3, ep ranks 0 and 1). The dry run prints which ranks and why
+(`describe_choice`). `--dry-run-ranks all` takes every rank, or a comma-separated list of ranks
+and ranges names them.
 
 Rehearsals are bounded (`check_world`, `parse_ranks`). A rehearsed rank costs about 0.5 s
 (its model and schedule; 0.36 s for gpt2-tiny, 0.6-1.8 s for GPT-3 175B here) plus 30 us and
@@ -54,15 +59,67 @@ def _estimate(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.0f} min"
 
 
-def sample_ranks(layout: Layout, zero: int = 0) -> list[int]:
-    """The default sample: every stage and tp rank with dp rank 0, then the other dp roles."""
+def sample_roles(layout: Layout, zero: int = 0) -> list[tuple[int, str]]:
+    """The default sample, each rank with why it is in it: every stage and tp rank with dp
+    rank 0, then the other dp roles (under ep each names its ep rank: the experts it holds),
+    then under cp the last cp rank."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    ranks = [layout.rank(i % tp, i % pp, 0) for i in range(max(tp, pp))]
+    roles = [
+        (
+            layout.rank(i % tp, i % pp, 0),
+            "dp rank 0, every stage and tp rank: the shard files' writers",
+        )
+        for i in range(max(tp, pp))
+    ]
     others = [d for d in sorted({dp // 2, dp - 1} if zero else {dp - 1}) if d > 0]
-    ranks += [layout.rank((i + 1) % tp, (i + 1) % pp, d) for i, d in enumerate(others)]
+    for i, d in enumerate(others):
+        if d < dp - 1:
+            why = "a middle dp rank: ZeRO slices that start inside parameters"
+        elif zero:
+            why = "the last dp rank: ZeRO slices holding the buckets' padding"
+        else:
+            why = "the last dp rank: one that writes no file"
+        if layout.ep > 1:
+            why += f"; ep rank {layout.ep_coords(d, 0)[0]} of {layout.ep}, its experts"
+        roles.append((layout.rank((i + 1) % tp, (i + 1) % pp, d), why))
     if layout.cp > 1:
-        ranks.append(layout.rank(0, pp - 1, 0, layout.cp - 1))
-    return ranks
+        roles.append(
+            (
+                layout.rank(0, pp - 1, 0, layout.cp - 1),
+                "the last cp rank: the other half of every sequence",
+            )
+        )
+    return roles
+
+
+def sample_ranks(layout: Layout, zero: int = 0) -> list[int]:
+    """The default sample (`sample_roles`' ranks)."""
+    return [rank for rank, _ in sample_roles(layout, zero)]
+
+
+def spans(ranks: list[int]) -> str:
+    """Sorted ranks as a --dry-run-ranks list: runs of consecutive ranks as ranges (0-3,7)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def describe_choice(text: str, ranks: list[int], layout: Layout, zero: int = 0) -> str:
+    """Which ranks a dry run rehearses and why: the default sample's ranks grouped by their
+    role (`sample_roles`), or the ranks --dry-run-ranks names."""
+    n, world = len(ranks), layout.world_size
+    head = f"{n:,} of {world:,} rank{'' if world == 1 else 's'}"
+    if (text or "sample").strip() != "sample":
+        return f"{head}: {spans(ranks)} (--dry-run-ranks {text.strip()})"
+    grouped: dict[str, list[int]] = {}
+    for rank, why in sample_roles(layout, zero):
+        grouped.setdefault(why, []).append(rank)
+    listed = "; ".join(f"{spans(sorted(r))} ({why})" for why, r in grouped.items())
+    return f"{head}, the default sample: {listed}"
 
 
 def parse_ranks(text: str, layout: Layout, zero: int = 0) -> list[int]:

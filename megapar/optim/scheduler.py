@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megapar.wording import counted
+
 DECAY_STYLES = ("cosine", "linear", "constant")
 
 
@@ -43,8 +45,8 @@ class LRScheduler:
             )
         if self.warmup_steps > self.max_steps:
             raise ValueError(
-                f"warmup of {self.warmup_steps} steps is longer than the "
-                f"{self.max_steps} training steps; lower --warmup-steps"
+                f"warmup of {counted(self.warmup_steps, 'step')} is longer than the "
+                f"{counted(self.max_steps, 'training step')}; lower --warmup-steps"
             )
 
     def lr(self, step: int) -> float:

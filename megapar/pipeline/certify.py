@@ -41,6 +41,7 @@ from megapar.pipeline.schedules import (
     interleaved_rounds,
     schedule_actions,
 )
+from megapar.wording import counted
 
 Bound = Callable[[int, int, int, int], int]
 
@@ -405,7 +406,7 @@ def format_table(certs: list[Certificate]) -> str:
         )
     failed = [c for c in certs if not c.ok]
     lines.append(
-        f"{len(certs) - len(failed)} of {len(certs)} steps certified (training and "
+        f"{len(certs) - len(failed)} of {counted(len(certs), 'step')} certified (training and "
         f"evaluation); in flight: the stage with the most micro-batches in flight (per "
         f"chunk) at the largest m; held per peer: the most sends (S) / receives (R) a "
         f"rank holds for one peer"

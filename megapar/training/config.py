@@ -225,7 +225,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: skipped steps; also when the loss scale overflows at its floor). 0 never stops."""
     exit_signals: str = "SIGTERM,SIGUSR1"
-    """Signals that make every rank finish its step, save (with --save) and exit 0; "" for none. A first SIGINT does the same, a second (1 s or more later) aborts."""
+    """Signals that make every rank finish its step, save (with --save) and exit 0; "" for none (a SIGTERM not named aborts the run without a save, exit 143). A first SIGINT does the same, a second (1 s or more later) aborts."""
     exit_duration_mins: float = 0.0
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
@@ -250,7 +250,7 @@ class TrainConfig:
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
-    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle; with --cp one at the last cp rank; the dry run names them and why), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     debug: bool = False

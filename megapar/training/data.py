@@ -58,6 +58,7 @@ from megapar.training.tokenizer_checks import (
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
 from megapar.training.validate_sft import holds_records
+from megapar.wording import counted
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
 
@@ -150,7 +151,7 @@ def _resolve_one(
             tokenized.append(prefix)
         if notes is not None:
             notes.extend(
-                f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
+                f"warning: {path}: {counted(n, 'byte')} of invalid UTF-8 replaced with U+FFFD"
                 for path, n in report.items()
             )
             skipped = skipped_inputs([data])
@@ -486,7 +487,9 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
     note = None
     if k > want:
         note = (
-            f"validation split: {k} documents ({int(lengths[:k].sum())} tokens) instead of "
+            f"validation split: {counted(k, 'document')} "
+            f"({counted(int(lengths[:k].sum()), 'token')}) "
+            f"instead of "
             f"{want}, so it holds one global batch"
         )
     return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64), note
@@ -588,7 +591,7 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
         else ""
     )
     return (
-        f"supervised fine-tuning: {indexed.num_docs:,} records ({keys}), one right-padded "
+        f"supervised fine-tuning: {counted(indexed.num_docs, 'record')} ({keys}), one right-padded "
         f"sample each, the loss on the responses only; {cut}{mean}"
     )
 

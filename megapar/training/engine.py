@@ -60,6 +60,7 @@ from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
 from megapar.training.rng import rng_state, set_rng_state
 from megapar.training.step import BatchPlan, StepResult, TrainStep, loss_weight
+from megapar.wording import counted
 
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
@@ -372,9 +373,10 @@ class Engine:
         rows = batch["input_ids"].shape[0]
         if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
             raise ValueError(
-                f"train_step: the batch has {rows} rows but megapar.prepare was given "
+                f"train_step: the batch has {counted(rows, 'row')} but megapar.prepare was given "
                 f"global_batch_size={self.batch_rows} (the batch size the learning rate is "
-                f"scaled by and checkpoints record); give batches of {self.batch_rows} rows, "
+                "scaled by and checkpoints record); give batches of "
+                f"{counted(self.batch_rows, 'row')}, "
                 f"or drop global_batch_size"
             )
         return batch

@@ -54,6 +54,7 @@ from megapar.training.validate_resume import (
     settings_from_checkpoint,
 )
 from megapar.training.validate_sft import check_sft_model
+from megapar.wording import counted
 
 
 def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
@@ -129,7 +130,7 @@ def plan_data(
             )
             records = isinstance(train, SFTDataset)  # one sample a record at any --seq-len
             raise ValueError(
-                f"the training split of {_data_named(cfg)} has {len(train)} samples of "
+                f"the training split of {_data_named(cfg)} has {counted(len(train), 'sample')} of "
                 f"{cfg.seq_len} tokens, fewer than one global batch of {cfg.global_batch_size}; "
                 + (
                     f"use more records or {fix}"
@@ -255,7 +256,8 @@ def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
     with open(path, "rb") as f:
         records = sum(1 for line in f if line.strip())
     return [
-        f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
+        f"--log-json {cfg.log_json} holds {counted(records, 'record')} of an earlier run: this "
+        "fresh "
         f"run starts the file anew (give another --log-json to keep them)"
     ]
 

@@ -13,6 +13,7 @@ from megapar.data.tokenizers import (
     encodes_alike,
     hf_dir_tokenizer,
     same_tokenizer,
+    sentencepiece_dir_bos,
     tokenizer_files,
 )
 from megapar.one_line_parser import shell_word
@@ -153,7 +154,11 @@ def default_to_hf_tokenizer(cfg) -> list[str]:
         ]
     cfg.explicit = frozenset(explicit(cfg))  # a config built in code: --tokenizer stays not given
     cfg.tokenizer = own
-    return [f"--tokenizer not given: using --from-hf {cfg.from_hf}'s own tokenizer ({own})"]
+    bos = sentencepiece_dir_bos(cfg.from_hf)
+    return [
+        f"--tokenizer not given: using --from-hf {cfg.from_hf}'s own tokenizer ({own})"
+        + (f"; {bos}" if bos else "")
+    ]
 
 
 def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:

@@ -39,6 +39,7 @@ from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys
 from megapar.training.validate_sharding import check_ep, check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
+from megapar.wording import counted
 
 # --- megapar-train ---------------------------------------------------------------------------
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
@@ -450,7 +451,7 @@ def fit_batch_to_data(cfg, samples: int, dp: int, fits=lambda gbs, mbs: True) ->
     also = f" and micro-batch size {mbs}" if mbs != was[1] else ""
     return (
         f"--global-batch-size not given: using {gbs}{also} (the training split holds "
-        f"{samples} samples of {cfg.seq_len} tokens) instead of {was[0]}"
+        f"{counted(samples, 'sample')} of {cfg.seq_len} tokens) instead of {was[0]}"
     )
 
 

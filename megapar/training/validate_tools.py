@@ -44,6 +44,7 @@ from megapar.training.validate import (
     flag_of,
 )
 from megapar.training.validate_resume import checkpoint_manifest
+from megapar.wording import counted
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
 def _check_data(args, manifest: dict, causal: bool) -> str | None:
     """The checks of --data as a dataset prefix (raw text already tokenized): its files, its
     tokenizer against the checkpoint's, and one batch's worth of samples. Returns the line
-    naming the prompt / response records the whole batches leave out (`_records_left_out`)."""
+    naming the samples the whole batches leave out (`_left_out`)."""
     missing = [f[len(args.data) :] for f in missing_files(args.data)]
     if missing:
         raise UsageError(
@@ -137,8 +138,8 @@ def _check_data(args, manifest: dict, causal: bool) -> str | None:
 def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
     """UsageError unless --data holds one batch of --micro-batch-size samples at --seq-len (a
     causal LM's windows of seq_len + 1 tokens, a record each of a dataset of prompt / response
-    records, BERT's MLM samples, as the workers cut them). Returns the line naming the records
-    left out, for a dataset of records (`_records_left_out`)."""
+    records, BERT's MLM samples, as the workers cut them). Returns the line naming the samples
+    whole batches leave out (`_left_out`), or None."""
     shown = getattr(args, "data_shown", args.data)
     if causal and indexed.prompt_lengths is not None:
         samples = indexed.num_docs
@@ -153,7 +154,11 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
             raise UsageError(f"--data {shown}: {exc}; give more data") from None
         what = f"MLM sample{'s' * (samples != 1)} of {args.seq_len}"
     if samples == 0:  # no smaller batch helps: only more data or shorter samples
-        held = f"{indexed.num_tokens} tokens" if causal else f"{indexed.num_docs} documents"
+        held = (
+            counted(indexed.num_tokens, "token")
+            if causal
+            else counted(indexed.num_docs, "document")
+        )
         raise UsageError(
             f"--data {shown} has 0 {what} tokens (it holds {held}); use more data or a "
             f"shorter --seq-len"
@@ -169,18 +174,24 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
             f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
             f"--micro-batch-size {args.micro_batch_size}; lower {fix}"
         )
+    scored = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
     if causal and indexed.prompt_lengths is not None:
-        scored = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
         _check_responses(args, indexed, shown, scored)
-        return _records_left_out(args, shown, samples, scored)
-    return None
+        return _left_out(args, shown, samples, scored, "record")
+    if causal:
+        return _left_out(args, shown, samples, scored, "window", args.seq_len)
+    return _left_out(args, shown, samples, scored, "MLM sample")
 
 
-def _records_left_out(args, shown: str, samples: int, scored: int) -> str | None:
-    """The line saying that whole batches leave the last records out (`samples` of them, not
-    a multiple of --micro-batch-size; `scored` the first ones evaluated) where --max-batches
-    would take them all: a record is a user's example, not a window of a stream. None where
-    every record is scored or fewer batches were asked for."""
+def _left_out(
+    args, shown: str, samples: int, scored: int, unit: str, tokens_each: int = 0
+) -> str | None:
+    """The line saying that whole batches leave the last samples out (`samples` of them, not a
+    multiple of --micro-batch-size; `scored` the first ones evaluated) where --max-batches
+    would take them all, with a --micro-batch-size that scores every one: `unit` names a
+    sample (a prompt / response record, a causal LM's window, whose `tokens_each` predicted
+    tokens are named too, or BERT's MLM sample). None where every sample is scored or fewer
+    batches were asked for."""
     b = args.micro_batch_size
     if scored == samples or args.max_batches * b < samples:
         return None
@@ -188,11 +199,13 @@ def _records_left_out(args, shown: str, samples: int, scored: int) -> str | None
         d for d in range(2, samples + 1) if samples % d == 0 and samples // d <= args.max_batches
     ]
     size = min(sizes, key=lambda d: (abs(d - b), d))
+    left = samples - scored
+    tokens = f" ({counted(left * tokens_each, 'predicted token')})" if tokens_each else ""
     return (
-        f"megapar-eval: scores {scored:,} of the {samples:,} records of --data {shown} "
-        f"({scored // b} batches of --micro-batch-size {b}); the last {samples - scored:,} "
-        f"{'is' if samples - scored == 1 else 'are'} left out: --micro-batch-size {size} "
-        f"scores every one"
+        f"megapar-eval: scores {scored:,} of the {counted(samples, unit)} of --data {shown} "
+        f"({counted(scored // b, 'batch', 'batches')} of --micro-batch-size {b}); the last "
+        f"{left:,}{tokens} {'is' if left == 1 else 'are'} left out, as only whole batches are "
+        f"scored: --micro-batch-size {size} scores every one"
     )
 
 

@@ -1,0 +1,15 @@
+"""How messages name a count of things: "1 byte", "0 bytes", "1,234 bytes".
+
+`counted` is the one place that chooses between a noun's singular and plural for a number
+shown to a user (standard library only: megapar-data and megapar-convert use it before torch
+is imported).
+"""
+
+from __future__ import annotations
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` with `noun` in the number it takes: "1 byte", "2 bytes", "1,234 documents", "0
+    tokens"; `plural` where adding "s" is wrong (``counted(m, "micro-batch",
+    "micro-batches")``). Thousands are separated by commas."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -1,0 +1,27 @@
+"""Counts in messages take the noun's number: "1 byte", never "1 bytes" (`megapar.wording`)."""
+
+import pytest
+
+from megapar.data.indexed import IndexedDataset
+from megapar.data.sampler import GlobalBatchSampler
+from megapar.mesh import Layout, LayoutError
+from megapar.wording import counted
+
+
+def test_counted_names_one_in_the_singular_and_any_other_in_the_plural():
+    assert [counted(n, "byte") for n in (0, 1, 2, 1234)] == [
+        "0 bytes", "1 byte", "2 bytes", "1,234 bytes"]
+    assert counted(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert counted(3, "micro-batch", "micro-batches") == "3 micro-batches"
+    assert counted(1, "document index", "document indices") == "1 document index"
+
+
+def test_messages_with_a_count_of_one_say_it_in_the_singular(tmp_path):
+    with pytest.raises(ValueError, match=r"the dataset has 1 sample, fewer than one global "):
+        GlobalBatchSampler(1, 4, 1, 1, 0, 0)
+    with pytest.raises(LayoutError, match=r"= 1; launch 1 process or change --tp/--pp/--dp$"):
+        Layout.infer(2, 1, 1, 1)
+    (tmp_path / "d.idx").write_bytes(b"x")
+    (tmp_path / "d.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is truncated or another file \(1 byte\)"):
+        IndexedDataset(str(tmp_path / "d"))
