@@ -3,7 +3,11 @@
 Grouped-query attention with 4 query heads and 2 key/value heads, tied and untied head, Llama 3
 rope scaling, at tp in {1, 2, 4} (tp 4 > 2 kv heads: k / v replicated) and pp in {1, 2}. The
 model is loaded from a seeded transformers checkpoint; at pp 2 the loss and gradients come
-through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync.
+through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync. The dense
+families of Llama's layout equal their transformers classes the same way at 1 x 1 and 2 x 2:
+Qwen3 (q / k norms, a head_dim other than hidden / heads, tied), Qwen2 (q / k / v biases;
+at tp 4 too, where k / v and their biases are replicated) and Mistral (a sliding window no
+shorter than the sequence).
 """
 
 import pytest
@@ -20,7 +24,7 @@ from megapar.checkpoint.hf import (
 )
 from megapar.checkpoint.hf_names import llama_canonical
 from megapar.launcher import run_local
-from megapar.models import Llama, LlamaConfig
+from megapar.models import Llama, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import stage_spec
 from megapar.pipeline.tied import sync_tied_embeddings
@@ -35,25 +39,38 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
                    original_max_position_embeddings=16)
 
 
-def _hf_dir(root, tied: bool, llama3: bool) -> str:
+FAMILIES = {  # the dense families of Llama's layout: transformers' config, what it adds to TINY
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=64)),
+}
+
+
+def _hf_dir(root, tied: bool, llama3: bool, family: str | None = None) -> str:
     torch.manual_seed(0)
-    kwargs = dict(TINY, tie_word_embeddings=tied)
-    if llama3:
-        kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    with torch.no_grad():  # non-trivial norms, so a mapping mistake shows
+    if family is None:
+        kwargs = dict(TINY, tie_word_embeddings=tied)
+        if llama3:
+            kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
+        hf_config = transformers.LlamaConfig(**kwargs)
+    else:
+        cls, extra = FAMILIES[family]
+        hf_config = cls(**{**TINY, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # non-trivial norms (and Qwen2's biases), so a mapping mistake shows
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    path = root / f"llama-{'tied' if tied else 'untied'}{'-llama3' if llama3 else ''}"
-    model.save_pretrained(path)
-    return str(path)
+    name = family or f"llama-{'tied' if tied else 'untied'}{'-llama3' if llama3 else ''}"
+    model.save_pretrained(root / name)
+    return str(root / name)
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_llama")
-    return {"untied": _hf_dir(root, False, False), "tied": _hf_dir(root, True, True)}
+    return {"untied": _hf_dir(root, False, False), "tied": _hf_dir(root, True, True),
+            **{family: _hf_dir(root, False, False, family) for family in FAMILIES}}
 
 
 def _batch():
@@ -64,7 +81,8 @@ def _batch():
 
 
 def _hf_reference(path):
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager").eval()
     ids, _ = _batch()
     out = hf(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -129,6 +147,25 @@ def test_llama_equals_transformers(hf_dirs, which, tp, pp):
     assert ("head.weight" in checked) == (which == "untied")
 
 
+@pytest.mark.parametrize("family, tp, pp", [
+    *((family, tp, pp) for family in FAMILIES for tp, pp in ((1, 1), (2, 2))), ("qwen2", 4, 1)])
+def test_dense_family_equals_transformers(hf_dirs, family, tp, pp):
+    """Qwen3, Qwen2 and Mistral: logits, loss and every gradient equal their transformers
+    class's at 1 x 1 and 2 x 2 (Qwen2 at tp 4 too: 2 kv heads, k / v and their biases whole on
+    every rank, their gradients summed over tp)."""
+    path = hf_dirs[family]
+    results = [_check(path, 1, 1)] if tp * pp == 1 else run_local(_check, tp * pp, path, tp, pp)
+    checked = set().union(*map(set, results))
+    assert checked == set(gather_canonical(_full(path)))
+    config = HFReader(path).config
+    assert type(config) is {"qwen3": Qwen3Config, "qwen2": Qwen2Config,
+                            "mistral": MistralConfig}[family]
+    assert ("head.weight" in checked) == (family != "qwen3")
+    extra = {"qwen3": "layers.1.attn.k_norm.weight", "qwen2": "layers.1.attn.v.bias",
+             "mistral": "layers.1.attn.v.weight"}[family]
+    assert extra in checked
+
+
 def _full(path):
     reader = HFReader(path)
     model = Llama(reader.config, make_mesh(1))
@@ -189,6 +226,9 @@ def test_hf_export_at_tp2_reproduces_original_tensors(hf_dirs, which, tmp_path):
     ("llama-8b", 8_030_261_248),    # meta-llama/Llama-3.1-8B
     ("llama-70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
     ("llama-160m", 162_417_408),    # JackFram/llama-160m
+    ("qwen3-0.6b", 596_049_920),    # Qwen/Qwen3-0.6B (tied head)
+    ("qwen2.5-0.5b", 494_032_768),  # Qwen/Qwen2.5-0.5B (tied head; q / k / v biases)
+    ("mistral-7b", 7_241_732_096),  # mistralai/Mistral-7B-v0.1
 ])
 def test_recipes_have_the_published_parameter_counts(name, params):
     import math
@@ -200,7 +240,22 @@ def test_recipes_have_the_published_parameter_counts(name, params):
     config = resolve_model(name)
     model = build_stage(config, Mesh.virtual(Layout()), 0, init=False)
     assert sum(math.prod(p.full_shape) for p in model.parameters()) == params
-    config.validate(Layout(tp=4, pp=4))
+    config.validate(Layout(tp=4 if config.num_attention_heads % 4 == 0 else 2, pp=4))
+
+
+@pytest.mark.parametrize("name, params", [
+    ("qwen3-0.6b", 596_049_920), ("qwen2.5-0.5b", 494_032_768), ("mistral-7b", 7_241_732_096)])
+def test_dense_recipes_count_as_transformers_builds_them_and_as_the_planner(name, params):
+    """The planner's count (`model_params`) and transformers' model of the recipe's config
+    (built on the meta device: nothing downloaded) give the published figure."""
+    from megapar.models.recipes import resolve_model
+    from megapar.plan.params import model_params
+
+    config = resolve_model(name)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config.to_hf())
+    assert sum(p.numel() for p in hf.parameters()) == params
+    assert model_params(config) == params
 
 
 @pytest.mark.parametrize("change, layout, message", [

@@ -364,6 +364,25 @@ class LlamaConfig(_Base):
         return self.num_key_value_heads or self.num_attention_heads
 
     @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm over each head's q and k (Qwen3, Qwen3-MoE)."""
+        return False
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the q, k and v projections (Qwen2)."""
+        return False
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding window of transformers' model (None: none; `dense_config`)."""
+        return None
+
+    def window_error(self, seq_len: int) -> str | None:
+        """The one line refusing a sequence the sliding window would cut (None: none)."""
+        return None
+
+    @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
@@ -426,7 +445,10 @@ ROPE_SCALING_FIELDS = {
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""
 
-CAUSAL_LM_TYPES = ("gpt2", "llama", "mixtral", "qwen3_moe")
+LLAMA_TYPES = ("llama", "mixtral", "qwen3_moe", "qwen3", "qwen2", "mistral")
+"""Model types built as megapar's `Llama` (Llama's layout: RMSNorm, rotary, SwiGLU, GQA)."""
+
+CAUSAL_LM_TYPES = ("gpt2", *LLAMA_TYPES)
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
 CONFIG_CLASSES: dict[str, type[_Base]] = {
@@ -503,7 +525,7 @@ a megapar field and read as such."""
 
 
 def config_from_dict(d: dict):
-    """A model config from a dict with a "model_type" key ("gpt2", "bert" or "llama")."""
+    """A model config from a dict with a "model_type" key (one of `CONFIG_CLASSES`)."""
     kind = d.get("model_type")
     if kind not in CONFIG_CLASSES:
         raise ConfigError(f"unknown model_type {kind!r}; expected one of {sorted(CONFIG_CLASSES)}")
