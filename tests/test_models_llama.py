@@ -305,3 +305,108 @@ def test_an_activation_megapar_lacks_is_refused_naming_its_field(model_type, key
     with pytest.raises(ConfigError, match=rf"^model config: {key}='{value}' is an activation "
                                           rf"megapar does not implement; it implements gelu, "):
         config_from_dict({"model_type": model_type, key: value})
+
+
+HUB = {  # config.json as published (the hub's files, transformers 4 spelling), and its size
+    "qwen3": ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+               "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+               "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+               "initializer_range": 0.02, "intermediate_size": 3072,
+               "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+               "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+               "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+               "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+               "vocab_size": 151936}, 596_049_920),  # Qwen/Qwen3-0.6B
+    "qwen2": ({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+               "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+               "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+               "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+               "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+               "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+               "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
+               "use_sliding_window": False, "vocab_size": 151936}, 494_032_768),  # Qwen2.5-0.5B
+    "mistral": ({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+                 "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                 "intermediate_size": 14336, "max_position_embeddings": 32768,
+                 "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+                 "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                 "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                 "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000},
+                7_241_732_096),  # mistralai/Mistral-7B-v0.1
+}
+
+
+@pytest.mark.parametrize("family", sorted(HUB))
+def test_published_config_json_loads_with_its_size_and_round_trips(family):
+    """The hub's config.json of Qwen3-0.6B, Qwen2.5-0.5B and Mistral-7B-v0.1 loads as it is
+    (metadata, use_mrope false, a sliding window that is off or no shorter than the sequences
+    megapar takes), gives the published parameter count (the planner's), splits over tp 2 x
+    pp 4, and exports a transformers config that reads back as the same megapar config."""
+    from megapar.mesh import Layout
+    from megapar.models import config_from_dict
+    from megapar.plan.params import model_params
+
+    raw, params = HUB[family]
+    config = config_from_dict(raw)
+    assert config.model_type == family and model_params(config) == params
+    config.validate(Layout(tp=2, pp=4))
+    assert config.max_positions == (4096 if family == "mistral" else
+                                    raw["max_position_embeddings"])
+    hf = config.to_hf()
+    assert hf.architectures == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                 "mistral": "MistralForCausalLM"}[family]]
+    back = config_from_dict(hf.to_dict())
+    differ = {k for k in set(back.to_dict()) if back.to_dict()[k] != config.to_dict()[k]}
+    # transformers keeps a Qwen window only where use_sliding_window; it adds layer_types, and
+    # Mistral's head_dim (hidden / heads)
+    assert differ <= {"sliding_window", "layer_types", "head_dim"}, differ
+    assert back.max_positions == config.max_positions and back.head_size == config.head_size
+
+
+@pytest.mark.parametrize("cls, name", [(Qwen3Config, "Qwen3Config"),
+                                       (Qwen2Config, "Qwen2Config"),
+                                       (MistralConfig, "MistralConfig")])
+def test_dense_config_defaults_are_transformers(cls, name):
+    """save_pretrained may leave a field at its default out of config.json: each default of
+    megapar's config is its transformers class's."""
+    import dataclasses
+
+    theirs = getattr(transformers, name)()
+    checked = 0
+    for f in dataclasses.fields(cls):
+        if f.name in ("head_dim", "layer_types", "rope_scaling") or not hasattr(theirs, f.name):
+            continue  # head_dim: transformers fills hidden / heads in; layer_types: per layer;
+            # rope_scaling: transformers' rope_parameters (checked below)
+        ours = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        want = getattr(theirs, f.name)
+        if f.name == "sliding_window" and not getattr(theirs, "use_sliding_window", True):
+            want = dataclasses.fields(type(theirs))  # the class's, before __post_init__ drops it
+            want = next(g.default for g in want if g.name == "sliding_window")
+        assert ours == want, (f.name, ours, want)
+        checked += 1
+    assert cls().rope_theta == theirs.rope_parameters["rope_theta"]
+    assert theirs.rope_parameters["rope_type"] == "default" and cls().rope_scaling is None
+    assert cls().head_size == getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)
+    assert checked >= 15, checked
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3", dict(attention_bias=True), "^attention_bias=True: not supported"),
+    ("qwen2", dict(layer_types=["full_attention"]),
+     "^layer_types \\['full_attention'\\] must name each of the 2 layers full_attention or "
+     "sliding_attention; fix it or remove it$"),
+    ("mistral", dict(sliding_window=0),
+     "^model config: sliding_window=0 must be a whole number >= 1$"),
+    ("qwen3", dict(use_mrope=True), "^model config: unknown key 'use_mrope' for qwen3"),
+    ("qwen2", dict(use_mrope=True), "^model config: use_mrope=True is a transformers Qwen2Config "
+                                    "setting megapar does not implement"),
+])
+def test_dense_configs_the_model_cannot_take(family, change, message):
+    from megapar.mesh import Layout
+    from megapar.models import config_from_dict
+    from megapar.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model_type": family, **TINY, **change}).validate(Layout())

@@ -130,7 +130,8 @@ class _Base:
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
                 continue
-            low = 0 if f.name.endswith("token_id") else 1  # token ids may be 0
+            # token ids may be 0, and Qwen's max_window_layers (every layer windowed)
+            low = 0 if f.name.endswith("token_id") or f.name == "max_window_layers" else 1
             if f.type in ("int", "int | None") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):

@@ -218,7 +218,9 @@ DENSE_SUPPORTED_DEFAULTS: dict[str, dict] = {
         "is_decoder": False,
         "chunk_size_feed_forward": 0,
         "pruned_heads": {},
+        **({"use_mrope": False} if kind == "qwen2" else {}),
     }
     for kind in ("qwen3", "qwen2", "mistral")
 }
-"""transformers settings megapar does not implement, with the one value it does."""
+"""transformers settings megapar does not implement, with the one value it does (Qwen2.5's
+config.json files carry ``use_mrope: false``, the multimodal rotary of Qwen2-VL)."""

@@ -555,8 +555,8 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         known_as=OTHER_TOOLS_FLAGS,
         prog=prog,
         description=(
-            "Train a GPT-2, BERT, Llama, Mixtral or Qwen3-MoE with tensor, context, pipeline, "
-            "data and expert parallelism."
+            "Train a GPT-2, BERT, Llama, Qwen3, Qwen2, Mistral, Mixtral or Qwen3-MoE with tensor, "
+            "context, pipeline, data and expert parallelism."
         ),
     )
     parser.add_argument(
