@@ -439,7 +439,7 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
 
 WINDOWS = {  # a sliding window shorter than --seq-len 32, and the fix each line names
     "mistral": ("MistralConfig", dict(sliding_window=16),
-                "set sliding_window null in config.json, as Mistral v0.2 and later have it"),
+                "use a model config with sliding_window null, as Mistral v0.2 and later have"),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
               "set use_sliding_window false, as every published Qwen2.5 / Qwen3 has it"),
     "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0,
@@ -452,9 +452,12 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_before_the_run(
         env, tmp_path, no_workers, capsys, family):
     """megapar's attention has no sliding window: a Mistral / Qwen config.json whose window is
     in effect and shorter than --seq-len is refused in one line naming the window and the fix
-    (its transformers model would attend to the last 16 tokens only); --seq-len at most the
-    window is accepted (the window then changes nothing)."""
+    (its transformers model would attend to the last 16 tokens only), by megapar-train
+    --from-hf and by megapar-eval of its import; --seq-len at most the window is accepted (the
+    window then changes nothing)."""
     import transformers
+
+    from megapar.cli.convert import main as convert
 
     from megapar.training.config import parse_args
 
@@ -474,6 +477,10 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_before_the_run(
             f"attention has no sliding window" in line
             and f"lower --seq-len to at most {window} (or {fix}" in line), line
     train_cli.plan_run(parse_args([*common, "--seq-len", str(window)]), [])  # accepted
+    assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", str(tmp_path / "ckpt"), *common[2:-1], "--seq-len", "32"]) == 2
+    assert _one_line(capsys, "megapar-eval").endswith(line.removeprefix("megapar-train"))
 
 
 def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, capsys,

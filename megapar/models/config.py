@@ -114,6 +114,12 @@ class _Base:
                 )
         return config
 
+    def window_error(self, seq_len: int) -> str | None:
+        """The one line refusing sequences of `seq_len` that a sliding window of transformers'
+        model would cut, which megapar's attention does not have (None: they fit;
+        `dense_config`)."""
+        return None
+
     @property
     def draws_dropout(self) -> bool:
         """Whether training draws random dropout masks: a dropout probability above 0 (GPT-2's
@@ -377,10 +383,6 @@ class LlamaConfig(_Base):
     @property
     def attention_window(self) -> int | None:
         """The sliding window of transformers' model (None: none; `dense_config`)."""
-        return None
-
-    def window_error(self, seq_len: int) -> str | None:
-        """The one line refusing a sequence the sliding window would cut (None: none)."""
         return None
 
     @property

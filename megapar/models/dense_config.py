@@ -208,7 +208,7 @@ class MistralConfig(_DenseConfig):
         return self.sliding_window
 
     def _window_fix(self) -> str:
-        return " (or set sliding_window null in config.json, as Mistral v0.2 and later have it)"
+        return " (or use a model config with sliding_window null, as Mistral v0.2 and later have)"
 
 
 DENSE_SUPPORTED_DEFAULTS: dict[str, dict] = {

@@ -165,7 +165,7 @@ def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
     if config.model_type not in CAUSAL_LM_TYPES:
         check_mlm_seq_len(cfg.seq_len)
     if cfg.seq_len > max_len:
-        window = getattr(config, "window_error", lambda n: None)(cfg.seq_len)
+        window = config.window_error(cfg.seq_len)
         if "seq_len" in explicit(cfg) and window:  # a sliding window megapar does not have
             raise ConfigError(window)
         if "seq_len" in explicit(cfg):
