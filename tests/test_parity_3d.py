@@ -445,8 +445,9 @@ interleaved), cp 2 x dp 2."""
 
 
 DENSE_RUNS = {  # (8 ranks, 4 ranks): what each family adds, at a couple of layouts
-    "qwen3": ([(2, 2, 2, 2)], [(1, 2, 2, 2)]),
-    "qwen2": ([(2, 2, 2, 2), (4, 1, 2, 2)], []),  # tp 4: k / v and their biases replicated
+    "qwen3": ([(2, 2, 2, 2)], [(1, 2, 2, 2), (1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)]),
+    # tp 4: k / v and their biases replicated, under sequence parallelism
+    "qwen2": ([(2, 2, 2, 2), (4, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", True)], []),
     "mistral": ([], [(2, 1, 2, 2)]),
 }
 
@@ -455,8 +456,9 @@ DENSE_RUNS = {  # (8 ranks, 4 ranks): what each family adds, at a couple of layo
 def test_zero2_parity(kind):
     """ZeRO-2 (each dp rank keeps only its slice of the reduced gradients) equals one process
     for GPT-2 at every layout above, BERT and grouped-query Llama at their 1F1B ones, and the
-    dense families of Llama's layout (Qwen3's q / k norms and tied head, Qwen2's q / k / v
-    biases, split over tp 2 and whole over tp 4, Mistral) at `DENSE_RUNS`: losses, grad norms
+    dense families of Llama's layout (Qwen3's q / k norms and tied head, also over cp 2; Qwen2's
+    q / k / v biases, split over tp 2 and whole over tp 4 with sequence parallelism; Mistral) at
+    `DENSE_RUNS`: losses, grad norms
     (from the slices), first-step gradients (gathered from the slices) and final weights."""
     reference = serial_reference(kind)
     # the schedules (ZB-H1, interleaved) and cp at 4 ranks run for GPT-2 only: how they report
