@@ -388,7 +388,8 @@ def test_dense_config_defaults_are_transformers(cls, name):
         checked += 1
     assert cls().rope_theta == theirs.rope_parameters["rope_theta"]
     assert theirs.rope_parameters["rope_type"] == "default" and cls().rope_scaling is None
-    assert cls().head_size == getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)
+    whole = theirs.hidden_size // theirs.num_attention_heads
+    assert cls().head_size == getattr(theirs, "head_dim", whole)
     assert checked >= 15, checked
 
 

@@ -445,7 +445,8 @@ interleaved), cp 2 x dp 2."""
 
 
 DENSE_RUNS = {  # (8 ranks, 4 ranks): what each family adds, at a couple of layouts
-    "qwen3": ([(2, 2, 2, 2)], [(1, 2, 2, 2), (1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)]),
+    "qwen3": ([(2, 2, 2, 2)],
+              [(1, 2, 2, 2), (1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)]),  # cp 2
     # tp 4: k / v and their biases replicated, under sequence parallelism
     "qwen2": ([(2, 2, 2, 2), (4, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", True)], []),
     "mistral": ([], [(2, 1, 2, 2)]),
