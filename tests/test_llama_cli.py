@@ -112,7 +112,8 @@ def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common
     """A seeded transformers Qwen3 (q / k norms, tied), Qwen2 (q / k / v biases) or Mistral (a
     sliding window of the whole --seq-len 32) trains by --from-hf at another layout with the
     losses and grad norms of one process (3 steps, fp32); the one-process run's checkpoint,
-    exported, loads back as the same transformers class with megapar's logits."""
+    exported, loads back as the same transformers class with megapar's logits, its tokenizer
+    taking the model's positions."""
     cls, extra, layout = DENSE[family]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cls(
@@ -138,6 +139,9 @@ def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common
     assert convert([str(ckpt / "step_00000003"), "--to-hf", str(out)]) == 0
     back = type(hf).from_pretrained(str(out)).eval()
     assert back.config.model_type == family
+    # the tokenizer takes the model's 64 positions (Mistral's window of 32 is transformers' to
+    # apply, not a length limit)
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
     reader = HFReader(str(out))
     ours = Llama(reader.config, make_mesh(1))
     assert load_hf_weights(ours, reader) == []
