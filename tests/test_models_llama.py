@@ -394,7 +394,11 @@ def test_dense_config_defaults_are_transformers(cls, name):
 
 
 @pytest.mark.parametrize("family, change, message", [
-    ("qwen3", dict(attention_bias=True), "^attention_bias=True: not supported"),
+    ("qwen3", dict(attention_bias=True), "^attention_bias=True: not supported; megapar's qwen3 "
+                                         "has no biases \\(as every published qwen3\\): use a "
+                                         "model without them \\(attention_bias false\\)$"),
+    ("qwen2", dict(mlp_bias=True), "^mlp_bias=True: not supported; megapar's qwen2 has only "
+                                   "q / k / v biases"),
     ("qwen2", dict(layer_types=["full_attention"]),
      "^layer_types \\['full_attention'\\] must name each of the 2 layers full_attention or "
      "sliding_attention; fix it or remove it$"),

@@ -411,10 +411,17 @@ class LlamaConfig(_Base):
         if self.num_hidden_layers < layout.pp:
             raise LayoutError(_pp_error(self.num_hidden_layers, layout.pp, api))
         biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
-        if biased:
+        if biased and self.model_type in ("llama", "mixtral", "qwen3_moe"):
             raise ConfigError(
                 f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's Llama "
                 f"has no biases (as every published Llama): use a model without them"
+            )
+        if biased:  # Qwen3, Qwen2, Mistral: no published model sets them
+            raise ConfigError(
+                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's "
+                f"{self.model_type} has {'only q / k / v biases' if self.qkv_bias else 'no biases'}"
+                f" (as every published {self.model_type}): use a model without them "
+                f"({' and '.join(biased)} false)"
             )
         rope_type = (self.rope_scaling or {}).get(
             "rope_type", (self.rope_scaling or {}).get("type")
