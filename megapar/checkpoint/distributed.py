@@ -70,6 +70,13 @@ NON_STRUCTURAL = {
     "moe_z_loss_coef",
     "moe_capacity_factor",
     "moe_bias_update_rate",
+    # a Qwen / Mistral sliding window: megapar's attention has none (it limits --seq-len only,
+    # checked against the run's config), and transformers drops a window use_sliding_window
+    # leaves off, so an export read back differs in them
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
 }
 
 
