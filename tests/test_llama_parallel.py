@@ -145,13 +145,13 @@ def test_3d_2x2x2_matches_serial_training(references):
                 assert_close(t, ref[key][name], what=f"{run} {key} {name}")
 
 
-def _save(root, tp, family):
+def _save(root, tp, family="llama"):
     mesh = make_mesh(tp)
     model = build_stage(config(False, family), mesh, seed=7)
     return str(save_checkpoint(root, 1, model, mesh, optim_for(model, mesh), {}, {}))
 
 
-def _load(path, tp, family):
+def _load(path, tp, family="llama"):
     mesh = make_mesh(tp)
     model = build_stage(config(False, family), mesh, seed=99)
     state = load_checkpoint(path, model, mesh)
