@@ -477,6 +477,12 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_before_the_run(
             f"attention has no sliding window" in line
             and f"lower --seq-len to at most {window} (or {fix}" in line), line
     train_cli.plan_run(parse_args([*common, "--seq-len", str(window)]), [])  # accepted
+    notes: list[str] = []
+    cfg = parse_args(common)  # --seq-len not given: the window
+    train_cli.plan_run(cfg, notes)
+    said = (f"--seq-len not given: using the model's sliding_window {window} (megapar has no "
+            f"sliding window) instead of the default")
+    assert cfg.seq_len == window and any(n.startswith(said) for n in notes), notes
     assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--no-progress"]) == 0
     capsys.readouterr()
     assert evaluate(["--load", str(tmp_path / "ckpt"), *common[2:-1], "--seq-len", "32"]) == 2

@@ -159,8 +159,8 @@ def _checkpoint_model(
 
 
 def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
-    """A --seq-len beyond the model's positions is refused when given, else lowered to them
-    (with a note)."""
+    """A --seq-len beyond the model's positions (or its sliding window) is refused when given,
+    else lowered to them (with a note)."""
     max_len = config.max_positions
     if config.model_type not in CAUSAL_LM_TYPES:
         check_mlm_seq_len(cfg.seq_len)
@@ -174,9 +174,14 @@ def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
                 f"{max_len} positions; lower --seq-len"
             )
         if notes is not None:
+            limit = (
+                f"sliding_window {max_len} (megapar has no sliding window)"
+                if window
+                else f"{max_len} positions"
+            )
             notes.append(
-                f"--seq-len not given: using the model's {max_len} positions instead "
-                f"of the default {cfg.seq_len}"
+                f"--seq-len not given: using the model's {limit} instead of the default "
+                f"{cfg.seq_len}"
             )
         cfg.seq_len = max_len
 
