@@ -6,10 +6,10 @@ The public API (imported lazily, so `import megapar` stays cheap):
 - `megapar.launch(fn, nprocs, *args)`: run `fn` on nprocs local ranks (the notebook launcher);
   rank 0's return value. Under torchrun / Slurm it just calls `fn`.
 - `megapar.prepare(model, tp=, pp=, micro_batch_size=, ...)`: inside `fn`, shard a transformers
-  GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM /
-  Qwen3MoeForCausalLM (or config, or recipe name) and return its `Engine`:
-  `engine.train_step(batch)`, `eval_step`, `save`, `wait_save`, `load`, `export_hf`,
-  `stragglers`, `optimizer`, `mesh`, `step`.
+  GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM /
+  MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM (or config, or recipe name)
+  and return its `Engine`: `engine.train_step(batch)`, `eval_step`, `save`, `wait_save`, `load`,
+  `export_hf`, `stragglers`, `optimizer`, `mesh`, `step`.
 """
 
 __version__ = "0.1.0"

@@ -21,6 +21,11 @@ BERT_HF = dict(vocab_size=103, hidden_size=32, num_hidden_layers=2, num_attentio
                intermediate_size=64, max_position_embeddings=32)
 LLAMA_HF = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+DENSE_HF = {  # the dense families of Llama's layout: their configs, what each adds
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=32)),
+}
 HEAD = ["head.bias", "head.norm.bias", "head.norm.weight", "head.transform.bias",
         "head.transform.weight"]
 
@@ -34,10 +39,16 @@ def _hf_dir(path, model):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "llama-tied"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "llama-tied", *DENSE_HF])
 def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys):
+    """Qwen3, Qwen2 and Mistral come back as their own transformers class, with their config's
+    head_dim, tying and sliding window, giving the original's logits."""
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind in DENSE_HF:
+        config_class, extra = DENSE_HF[kind]
+        hf = config_class(**LLAMA_HF, **extra)
+        cls = transformers.AutoModelForCausalLM.from_config(hf).__class__
+    elif kind == "gpt2":
         cls, hf = transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)
     elif kind.startswith("llama"):
         cls, hf = transformers.LlamaForCausalLM, transformers.LlamaConfig(
@@ -61,6 +72,18 @@ def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys)
     assert original.keys() == exported.keys()
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
+    if kind in DENSE_HF:
+        back = cls.from_pretrained(str(out)).eval()
+
+        def fields(config):
+            return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path",
+                                                                             "dtype")}
+
+        assert type(back.config) is type(hf)
+        assert fields(back.config) == fields(cls.from_pretrained(src).config)
+        ids = torch.randint(0, LLAMA_HF["vocab_size"], (2, 32))
+        with torch.no_grad():
+            assert torch.equal(back(ids).logits, cls.from_pretrained(src).eval()(ids).logits)
     generation = [d / "generation_config.json" for d in (Path(src), out)]
     if kind == "bert":
         assert not any(g.exists() for g in generation)

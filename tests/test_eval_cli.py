@@ -39,6 +39,14 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+DENSE = {
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+}
+"""The dense families of Llama's layout, as their transformers configs build them."""
+
+
 def _hf_model(kind: str):
     torch.manual_seed(0)
     if kind == "gpt2":
@@ -52,6 +60,12 @@ def _hf_model(kind: str):
                                        num_key_value_heads=2, max_position_embeddings=64,
                                        bos_token_id=2, eos_token_id=2)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind in DENSE:  # Qwen3 (tied, head_dim 16 of hidden 32 / 4 heads), Qwen2, Mistral
+        cls, extra = DENSE[kind]
+        cfg = cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=2, eos_token_id=2, **extra)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     else:
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
                                       num_attention_heads=4, intermediate_size=64,
@@ -65,7 +79,7 @@ def _hf_model(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", *DENSE])
 def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, corpus,
                                                        monkeypatch):
     model = _hf_model(kind)

@@ -1,6 +1,8 @@
 """megapar-train with Llama end to end: the recipe at tp 2 x pp 2 with bf16 and recompute, and a
 run started from a transformers LlamaForCausalLM (--from-hf) that resumes exactly in another
-layout (tp 2 -> pp 2, kv heads split -> whole)."""
+layout (tp 2 -> pp 2, kv heads split -> whole). The dense families of Llama's layout (Qwen3,
+Qwen2, Mistral) train from their transformers directories as one process does, and their
+exports load back in transformers with megapar's logits."""
 
 import json
 from pathlib import Path
@@ -8,9 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import skip_unless_transformers_converts
+from tp_utils import assert_close, make_mesh
 
+from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.cli.convert import main as convert
 from megapar.cli.train import main
 from megapar.data import asset_path
+from megapar.models import Llama
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "2",
@@ -90,3 +97,56 @@ def test_the_recipes_vocabulary_gives_way_to_the_tokenizers_and_the_log_says_so(
     notes = []
     plan_run(parse_args(["--model", "gpt2-tiny", *common, "--tokenizer", "gpt2"]), notes)
     assert not [n for n in notes if "gives way" in n], notes
+
+
+DENSE = {  # transformers' config, what it adds to the tiny model, the layout trained
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True),
+              ["--pp", "2"]),
+    "qwen2": (transformers.Qwen2Config, {}, ["--tp", "2", "--dp", "2"]),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=32), ["--tp", "2", "--pp", "2"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(DENSE))
+def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common, family):
+    """A seeded transformers Qwen3 (q / k norms, tied), Qwen2 (q / k / v biases) or Mistral (a
+    sliding window of the whole --seq-len 32) trains by --from-hf at another layout with the
+    losses and grad norms of one process (3 steps, fp32); the one-process run's checkpoint,
+    exported, loads back as the same transformers class with megapar's logits, its tokenizer
+    taking the model's positions."""
+    cls, extra, layout = DENSE[family]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cls(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra))
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    args = ["--from-hf", str(tmp_path / "hf"), "--lr", "3e-3", "--max-steps", "3", *common]
+    one, other, ckpt = tmp_path / "one.jsonl", tmp_path / "other.jsonl", tmp_path / "ckpt"
+    assert main([*args, "--save", str(ckpt), "--save-interval", "3", "--log-json", str(one)]) == 0
+    assert main([*args, *layout, "--log-json", str(other)]) == 0
+    want, got = _records(one), _records(other)
+    assert len(want) == len(got) == 3 and want[-1]["loss"] < want[0]["loss"]
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        for key in ("loss", "grad_norm"):
+            assert_close(torch.tensor(a[key]), torch.tensor(b[key]),
+                         what=f"{family} {layout} step {step} {key}")
+    skip_unless_transformers_converts()  # --to-hf exports the SentencePiece tokenizer too
+    out = tmp_path / "exported"
+    assert convert([str(ckpt / "step_00000003"), "--to-hf", str(out)]) == 0
+    back = type(hf).from_pretrained(str(out)).eval()
+    assert back.config.model_type == family
+    # the tokenizer takes the model's 64 positions (Mistral's window of 32 is transformers' to
+    # apply, not a length limit)
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    reader = HFReader(str(out))
+    ours = Llama(reader.config, make_mesh(1))
+    assert load_hf_weights(ours, reader) == []
+    ids = torch.randint(0, 1004, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert_close(ours.eval()(None, {"input_ids": ids})[..., :1004], back(ids).logits,
+                     what=f"exported {family}'s logits")
+        assert not torch.allclose(back(ids).logits, hf.eval()(ids).logits)  # it trained

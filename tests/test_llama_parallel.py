@@ -4,7 +4,7 @@
   losses, grad norms, first-step gradients and final weights of a plain serial PyTorch loop
   (torch.optim.AdamW, clip_grad_norm_), tied and untied head, fp32, relative error < 1e-5.
 - Reshard on load: a checkpoint saved at tp 2 (kv heads split) loads at tp 4 (kv heads whole on
-  every rank) and back, weights and optimizer moments bitwise.
+  every rank) and back, weights and optimizer moments bitwise (a Qwen2's k / v biases too).
 """
 
 import pytest
@@ -15,7 +15,7 @@ from tp_utils import assert_close, gather_grads, make_mesh
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import LlamaConfig
+from megapar.models import LlamaConfig, Qwen2Config
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full, unpad
@@ -28,8 +28,10 @@ BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
             make_vocab_size_divisible_by=16)
 
 
-def config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(**BASE, tie_word_embeddings=tied)
+def config(tied: bool, family: str = "llama") -> LlamaConfig:
+    """The Llama, or a Qwen2 of its sizes (q / k / v biases)."""
+    cls = Qwen2Config if family == "qwen2" else LlamaConfig
+    return cls(**BASE, tie_word_embeddings=tied)
 
 
 def global_batches() -> list[dict]:
@@ -143,31 +145,35 @@ def test_3d_2x2x2_matches_serial_training(references):
                 assert_close(t, ref[key][name], what=f"{run} {key} {name}")
 
 
-def _save(root, tp):
+def _save(root, tp, family="llama"):
     mesh = make_mesh(tp)
-    model = build_stage(config(False), mesh, seed=7)
+    model = build_stage(config(False, family), mesh, seed=7)
     return str(save_checkpoint(root, 1, model, mesh, optim_for(model, mesh), {}, {}))
 
 
-def _load(path, tp):
+def _load(path, tp, family="llama"):
     mesh = make_mesh(tp)
-    model = build_stage(config(False), mesh, seed=99)
+    model = build_stage(config(False, family), mesh, seed=99)
     state = load_checkpoint(path, model, mesh)
     params = dict(model.named_parameters())
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in params.items()}
     moments = {n: {k: gather_full(v, params[n].tp_dim, params[n].full_shape, mesh.tp_group)
                    for k, v in m.items()} for n, m in state.optim_tensors.items()}
-    kv = params["layers.0.attn.k.weight"].tp_dim
+    kv = {params[f"layers.0.attn.k.{kind}"].tp_dim for kind in ("weight", "bias")
+          if f"layers.0.attn.k.{kind}" in params}
     return weights, moments, state.resharded, kv
 
 
-@pytest.mark.parametrize("save_tp, load_tp", [(2, 4), (4, 2)])
-def test_kv_heads_reshard_between_split_and_replicated(tmp_path, save_tp, load_tp):
-    path = run_local(_save, save_tp, str(tmp_path / "ckpt"), save_tp)[0]
-    ref = build_stage(config(False), Mesh(Layout()), seed=7)
-    for weights, moments, resharded, kv_dim in run_local(_load, load_tp, path, load_tp):
-        assert resharded and kv_dim == (0 if load_tp == 2 else None)
+@pytest.mark.parametrize("save_tp, load_tp, family", [(2, 4, "llama"), (4, 2, "llama"),
+                                                      (2, 4, "qwen2"), (4, 2, "qwen2")])
+def test_kv_heads_reshard_between_split_and_replicated(tmp_path, save_tp, load_tp, family):
+    """Qwen2's k / v biases move with their weights: split rows at tp 2, whole at tp 4."""
+    path = run_local(_save, save_tp, str(tmp_path / "ckpt"), save_tp, family)[0]
+    ref = build_stage(config(False, family), Mesh(Layout()), seed=7)
+    assert ("layers.0.attn.k.bias" in dict(ref.named_parameters())) == (family == "qwen2")
+    for weights, moments, resharded, kv_dims in run_local(_load, load_tp, path, load_tp, family):
+        assert resharded and kv_dims == {0 if load_tp == 2 else None}
         for name, p in ref.named_parameters():
             full = unpad(p.detach(), p.tp_dim, p.full_shape)
             assert torch.equal(weights[name], full), name

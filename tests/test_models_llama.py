@@ -3,7 +3,11 @@
 Grouped-query attention with 4 query heads and 2 key/value heads, tied and untied head, Llama 3
 rope scaling, at tp in {1, 2, 4} (tp 4 > 2 kv heads: k / v replicated) and pp in {1, 2}. The
 model is loaded from a seeded transformers checkpoint; at pp 2 the loss and gradients come
-through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync.
+through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync. The dense
+families of Llama's layout equal their transformers classes the same way at 1 x 1 and 2 x 2:
+Qwen3 (q / k norms, a head_dim other than hidden / heads, tied), Qwen2 (q / k / v biases;
+at tp 4 too, where k / v and their biases are replicated) and Mistral (a sliding window no
+shorter than the sequence).
 """
 
 import pytest
@@ -20,7 +24,7 @@ from megapar.checkpoint.hf import (
 )
 from megapar.checkpoint.hf_names import llama_canonical
 from megapar.launcher import run_local
-from megapar.models import Llama, LlamaConfig
+from megapar.models import Llama, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import stage_spec
 from megapar.pipeline.tied import sync_tied_embeddings
@@ -35,25 +39,38 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
                    original_max_position_embeddings=16)
 
 
-def _hf_dir(root, tied: bool, llama3: bool) -> str:
+FAMILIES = {  # the dense families of Llama's layout: transformers' config, what it adds to TINY
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=64)),
+}
+
+
+def _hf_dir(root, tied: bool, llama3: bool, family: str | None = None) -> str:
     torch.manual_seed(0)
-    kwargs = dict(TINY, tie_word_embeddings=tied)
-    if llama3:
-        kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    with torch.no_grad():  # non-trivial norms, so a mapping mistake shows
+    if family is None:
+        kwargs = dict(TINY, tie_word_embeddings=tied)
+        if llama3:
+            kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
+        hf_config = transformers.LlamaConfig(**kwargs)
+    else:
+        cls, extra = FAMILIES[family]
+        hf_config = cls(**{**TINY, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # non-trivial norms (and Qwen2's biases), so a mapping mistake shows
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    path = root / f"llama-{'tied' if tied else 'untied'}{'-llama3' if llama3 else ''}"
-    model.save_pretrained(path)
-    return str(path)
+    name = family or f"llama-{'tied' if tied else 'untied'}{'-llama3' if llama3 else ''}"
+    model.save_pretrained(root / name)
+    return str(root / name)
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_llama")
-    return {"untied": _hf_dir(root, False, False), "tied": _hf_dir(root, True, True)}
+    return {"untied": _hf_dir(root, False, False), "tied": _hf_dir(root, True, True),
+            **{family: _hf_dir(root, False, False, family) for family in FAMILIES}}
 
 
 def _batch():
@@ -64,7 +81,8 @@ def _batch():
 
 
 def _hf_reference(path):
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager").eval()
     ids, _ = _batch()
     out = hf(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -129,6 +147,25 @@ def test_llama_equals_transformers(hf_dirs, which, tp, pp):
     assert ("head.weight" in checked) == (which == "untied")
 
 
+@pytest.mark.parametrize("family, tp, pp", [
+    *((family, tp, pp) for family in FAMILIES for tp, pp in ((1, 1), (2, 2))), ("qwen2", 4, 1)])
+def test_dense_family_equals_transformers(hf_dirs, family, tp, pp):
+    """Qwen3, Qwen2 and Mistral: logits, loss and every gradient equal their transformers
+    class's at 1 x 1 and 2 x 2 (Qwen2 at tp 4 too: 2 kv heads, k / v and their biases whole on
+    every rank, their gradients summed over tp)."""
+    path = hf_dirs[family]
+    results = [_check(path, 1, 1)] if tp * pp == 1 else run_local(_check, tp * pp, path, tp, pp)
+    checked = set().union(*map(set, results))
+    assert checked == set(gather_canonical(_full(path)))
+    config = HFReader(path).config
+    assert type(config) is {"qwen3": Qwen3Config, "qwen2": Qwen2Config,
+                            "mistral": MistralConfig}[family]
+    assert ("head.weight" in checked) == (family != "qwen3")
+    extra = {"qwen3": "layers.1.attn.k_norm.weight", "qwen2": "layers.1.attn.v.bias",
+             "mistral": "layers.1.attn.v.weight"}[family]
+    assert extra in checked
+
+
 def _full(path):
     reader = HFReader(path)
     model = Llama(reader.config, make_mesh(1))
@@ -189,6 +226,9 @@ def test_hf_export_at_tp2_reproduces_original_tensors(hf_dirs, which, tmp_path):
     ("llama-8b", 8_030_261_248),    # meta-llama/Llama-3.1-8B
     ("llama-70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
     ("llama-160m", 162_417_408),    # JackFram/llama-160m
+    ("qwen3-0.6b", 596_049_920),    # Qwen/Qwen3-0.6B (tied head)
+    ("qwen2.5-0.5b", 494_032_768),  # Qwen/Qwen2.5-0.5B (tied head; q / k / v biases)
+    ("mistral-7b", 7_241_732_096),  # mistralai/Mistral-7B-v0.1
 ])
 def test_recipes_have_the_published_parameter_counts(name, params):
     import math
@@ -200,7 +240,22 @@ def test_recipes_have_the_published_parameter_counts(name, params):
     config = resolve_model(name)
     model = build_stage(config, Mesh.virtual(Layout()), 0, init=False)
     assert sum(math.prod(p.full_shape) for p in model.parameters()) == params
-    config.validate(Layout(tp=4, pp=4))
+    config.validate(Layout(tp=4 if config.num_attention_heads % 4 == 0 else 2, pp=4))
+
+
+@pytest.mark.parametrize("name, params", [
+    ("qwen3-0.6b", 596_049_920), ("qwen2.5-0.5b", 494_032_768), ("mistral-7b", 7_241_732_096)])
+def test_dense_recipes_count_as_transformers_builds_them_and_as_the_planner(name, params):
+    """The planner's count (`model_params`) and transformers' model of the recipe's config
+    (built on the meta device: nothing downloaded) give the published figure."""
+    from megapar.models.recipes import resolve_model
+    from megapar.plan.params import model_params
+
+    config = resolve_model(name)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config.to_hf())
+    assert sum(p.numel() for p in hf.parameters()) == params
+    assert model_params(config) == params
 
 
 @pytest.mark.parametrize("change, layout, message", [
@@ -250,3 +305,117 @@ def test_an_activation_megapar_lacks_is_refused_naming_its_field(model_type, key
     with pytest.raises(ConfigError, match=rf"^model config: {key}='{value}' is an activation "
                                           rf"megapar does not implement; it implements gelu, "):
         config_from_dict({"model_type": model_type, key: value})
+
+
+HUB = {  # config.json as published (the hub's files, transformers 4 spelling), and its size
+    "qwen3": ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+               "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+               "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+               "initializer_range": 0.02, "intermediate_size": 3072,
+               "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+               "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+               "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+               "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+               "vocab_size": 151936}, 596_049_920),  # Qwen/Qwen3-0.6B
+    "qwen2": ({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+               "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+               "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+               "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+               "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+               "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+               "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
+               "use_sliding_window": False, "vocab_size": 151936}, 494_032_768),  # Qwen2.5-0.5B
+    "mistral": ({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+                 "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                 "intermediate_size": 14336, "max_position_embeddings": 32768,
+                 "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+                 "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                 "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                 "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000},
+                7_241_732_096),  # mistralai/Mistral-7B-v0.1
+}
+
+
+@pytest.mark.parametrize("family", sorted(HUB))
+def test_published_config_json_loads_with_its_size_and_round_trips(family):
+    """The hub's config.json of Qwen3-0.6B, Qwen2.5-0.5B and Mistral-7B-v0.1 loads as it is
+    (metadata, use_mrope false, a sliding window that is off or no shorter than the sequences
+    megapar takes), gives the published parameter count (the planner's), splits over tp 2 x
+    pp 4, and exports a transformers config that reads back as the same megapar config."""
+    from megapar.checkpoint.distributed import differing_fields
+    from megapar.mesh import Layout
+    from megapar.models import config_from_dict
+    from megapar.plan.params import model_params
+
+    raw, params = HUB[family]
+    config = config_from_dict(raw)
+    assert config.model_type == family and model_params(config) == params
+    config.validate(Layout(tp=2, pp=4))
+    assert config.max_positions == (4096 if family == "mistral" else
+                                    raw["max_position_embeddings"])
+    hf = config.to_hf()
+    assert hf.architectures == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                 "mistral": "MistralForCausalLM"}[family]]
+    back = config_from_dict(hf.to_dict())
+    differ = {k for k in set(back.to_dict()) if back.to_dict()[k] != config.to_dict()[k]}
+    # transformers keeps a Qwen window only where use_sliding_window; it adds layer_types, and
+    # Mistral's head_dim (hidden / heads)
+    assert differ <= {"sliding_window", "layer_types", "head_dim"}, differ
+    assert back.max_positions == config.max_positions and back.head_size == config.head_size
+    # a checkpoint of one loads into a model built from the other (head_dim None is
+    # hidden / heads, which transformers writes)
+    assert differing_fields(back.to_dict(), config.to_dict()) == []
+
+
+@pytest.mark.parametrize("cls, name", [(Qwen3Config, "Qwen3Config"),
+                                       (Qwen2Config, "Qwen2Config"),
+                                       (MistralConfig, "MistralConfig")])
+def test_dense_config_defaults_are_transformers(cls, name):
+    """save_pretrained may leave a field at its default out of config.json: each default of
+    megapar's config is its transformers class's."""
+    import dataclasses
+
+    theirs = getattr(transformers, name)()
+    checked = 0
+    for f in dataclasses.fields(cls):
+        if f.name in ("head_dim", "layer_types", "rope_scaling") or not hasattr(theirs, f.name):
+            continue  # head_dim: transformers fills hidden / heads in; layer_types: per layer;
+            # rope_scaling: transformers' rope_parameters (checked below)
+        ours = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        want = getattr(theirs, f.name)
+        if f.name == "sliding_window" and not getattr(theirs, "use_sliding_window", True):
+            want = dataclasses.fields(type(theirs))  # the class's, before __post_init__ drops it
+            want = next(g.default for g in want if g.name == "sliding_window")
+        assert ours == want, (f.name, ours, want)
+        checked += 1
+    assert cls().rope_theta == theirs.rope_parameters["rope_theta"]
+    assert theirs.rope_parameters["rope_type"] == "default" and cls().rope_scaling is None
+    whole = theirs.hidden_size // theirs.num_attention_heads
+    assert cls().head_size == getattr(theirs, "head_dim", whole)
+    assert checked >= 15, checked
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3", dict(attention_bias=True), "^attention_bias=True: not supported; megapar's qwen3 "
+                                         "has no biases \\(as every published qwen3\\): use a "
+                                         "model without them \\(attention_bias false\\)$"),
+    ("qwen2", dict(mlp_bias=True), "^mlp_bias=True: not supported; megapar's qwen2 has only "
+                                   "q / k / v biases"),
+    ("qwen2", dict(layer_types=["full_attention"]),
+     "^layer_types \\['full_attention'\\] must name each of the 2 layers full_attention or "
+     "sliding_attention; fix it or remove it$"),
+    ("mistral", dict(sliding_window=0),
+     "^model config: sliding_window=0 must be a whole number >= 1$"),
+    ("qwen3", dict(use_mrope=True), "^model config: unknown key 'use_mrope' for qwen3"),
+    ("qwen2", dict(use_mrope=True), "^model config: use_mrope=True is a transformers Qwen2Config "
+                                    "setting megapar does not implement"),
+])
+def test_dense_configs_the_model_cannot_take(family, change, message):
+    from megapar.mesh import Layout
+    from megapar.models import config_from_dict
+    from megapar.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model_type": family, **TINY, **change}).validate(Layout())

@@ -173,3 +173,13 @@ def test_the_re_run_reproduces_the_token_mean_steps_loss(run):
         assert "backward: weight gradient of transformer.h.1.mlp.c_fc" in message, message
         assert len(losses) == 2 and torch.equal(losses[0], losses[1]), losses
         assert abs(losses[0] / micro_mean - 1) > 1e-2, (losses, micro_mean)
+
+
+def test_every_model_type_names_the_module_its_loss_is_reported_at():
+    """`ModuleTrace` names the loss event after the model's head: it read the name from a table
+    of GPT-2, Llama and BERT only (a KeyError for a Mixtral or a Qwen3-MoE); every model type
+    megapar builds has one now."""
+    from megapar.diagnostics.module_trace import LOSS_NAME
+    from megapar.models import MODEL_CLASSES
+
+    assert set(LOSS_NAME) == set(MODEL_CLASSES)

@@ -70,15 +70,30 @@ NON_STRUCTURAL = {
     "moe_z_loss_coef",
     "moe_capacity_factor",
     "moe_bias_update_rate",
+    # a Qwen / Mistral sliding window: megapar's attention has none (it limits --seq-len only,
+    # checked against the run's config), and transformers drops a window use_sliding_window
+    # leaves off, so an export read back differs in them
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
 }
 
 
 def differing_fields(ours: dict, theirs: dict, ignore: Iterable[str] = NON_STRUCTURAL) -> list[str]:
     """The fields (sorted) in which two model configs (`to_dict` form; a field one lacks counts
-    as None) differ, but those in `ignore` (by default the ones no parameter depends on)."""
+    as None) differ, but those in `ignore` (by default the ones no parameter depends on). A
+    Llama-layout head_dim of None is hidden_size / num_attention_heads (what transformers writes
+    in its place)."""
     skip = set(ignore)
+
+    def value(config: dict, k: str):
+        if k == "head_dim" and config.get(k) is None and config.get("num_attention_heads"):
+            return config.get("hidden_size", 0) // config["num_attention_heads"]
+        return config.get(k)
+
     return sorted(
-        k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
+        k for k in set(ours) | set(theirs) if k not in skip and value(ours, k) != value(theirs, k)
     )
 
 

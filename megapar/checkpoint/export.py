@@ -144,7 +144,7 @@ def tokenizer_hint(config, api: bool) -> str:
     arch = ARCHITECTURES.get(config.model_type, "Hugging Face model")
     files = "tokenizer.json or vocab.json + merges.txt" if config.model_type == "gpt2" else ""
     kinds = f"the directory of the {arch} it came from (its {files or 'tokenizer.json'})"
-    if config.model_type in ("llama", "mixtral"):  # SentencePiece's, where it has no .json
+    if config.model_type in ("llama", "mixtral", "mistral"):  # SentencePiece's, no .json
         kinds += ", or its tokenizer.model file"
     if config.model_type == "gpt2" and config.vocab_size >= GPT2_BPE_IDS:
         gpt2 = option("tokenizer", "'gpt2'" if api else "gpt2", api)

@@ -1,5 +1,5 @@
 """Hugging Face transformers checkpoints in and out (GPT2LMHeadModel, BertForMaskedLM, BertModel,
-LlamaForCausalLM).
+LlamaForCausalLM and the classes of Llama's layout: `hf_names.ARCHITECTURES`).
 
 megapar's *canonical* state is the full (unsharded, unpadded) tensor of every parameter under its
 megapar name (`layers.3.attn.qkv.weight`, ...), the same in every layout. This module maps between
@@ -31,6 +31,7 @@ from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
     CAUSAL_LM_TYPES,
+    LLAMA_TYPES,
     ConfigError,
     config_from_dict,
     config_from_hf,
@@ -242,13 +243,14 @@ class HFReader:
         )
 
     def _untie_a_distinct_head(self) -> None:
-        """A Llama, Mixtral or Qwen3-MoE whose config.json ties the head to the embedding
+        """A model of Llama's layout (Llama, Qwen3, Qwen2, Mistral, Mixtral, Qwen3-MoE) whose
+        config.json ties the head to the embedding
         (``tie_word_embeddings: true``) while its weights hold an ``lm_head.weight`` of other
         values is read untied, with the weights' head: what transformers (5) does, which then
         warns that the config should say ``tie_word_embeddings=False``. An ``lm_head.weight``
         equal to the embedding (a ``pytorch_model.bin`` holds both) stays tied."""
         config = self.config
-        if config.model_type not in ("llama", "mixtral", "qwen3_moe"):
+        if config.model_type not in LLAMA_TYPES:
             return
         if not config.tie_word_embeddings or "lm_head.weight" not in self.keys:
             return
@@ -563,7 +565,9 @@ def save_hf(
                 str(stage),
                 config.vocab_size,
                 sentence_pairs=config.model_type == "bert",
-                model_max_length=config.max_positions,
+                # the model's positions (not a sliding window's length, which megapar's
+                # max_positions stops at: the exported transformers model applies the window)
+                model_max_length=getattr(config, "max_position_embeddings", config.max_positions),
                 info=special_ids,
             )
         hf_config = _export_config(config, canonical, special_ids)

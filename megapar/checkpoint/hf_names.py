@@ -1,10 +1,12 @@
-"""transformers' parameter names and layouts per model kind (GPT-2, BERT, Llama): each megapar
-canonical tensor from the HF tensors it is made of, the HF state dict from canonical tensors, and
-the HF names of one megapar parameter.
+"""transformers' parameter names and layouts per model kind (GPT-2, BERT, the Llama layout):
+each megapar canonical tensor from the HF tensors it is made of, the HF state dict from
+canonical tensors, and the HF names of one megapar parameter.
 
 GPT-2's Conv1D stores weights transposed and fuses q, k, v into `c_attn` as [q | k | v]; BERT
 keeps query, key and value apart; megapar's fused `attn.qkv` is head-major
-(`partition.fuse_heads`). Llama has transformers' layout: only the names differ.
+(`partition.fuse_heads`). Llama has transformers' layout: only the names differ (so have
+Qwen3's q / k norms, Qwen2's q / k / v biases, Mistral, and Mixtral's and Qwen3-MoE's layers
+but their stacked experts).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from megapar.models.config import LLAMA_TYPES
 from megapar.tensor_parallel.partition import fuse_heads, unfuse_heads
 
 Getter = Callable[[str], torch.Tensor]
@@ -250,17 +253,13 @@ def llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
 CANONICAL = {
     "gpt2": gpt2_canonical,
     "bert": bert_canonical,
-    "llama": llama_canonical,
-    "mixtral": llama_canonical,
-    "qwen3_moe": llama_canonical,
+    **dict.fromkeys(LLAMA_TYPES, llama_canonical),
 }
 """The canonical-tensor reader per model type."""
 TO_HF = {
     "gpt2": gpt2_to_hf,
     "bert": bert_to_hf,
-    "llama": llama_to_hf,
-    "mixtral": llama_to_hf,
-    "qwen3_moe": llama_to_hf,
+    **dict.fromkeys(LLAMA_TYPES, llama_to_hf),
 }
 """The canonical -> HF state mapping per model type (uncontiguous views; `hf.to_hf_state`)."""
 ARCHITECTURES = {
@@ -269,6 +268,9 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
 """The transformers class megapar trains and exports, per model type."""
 HF_PREFIXES = ("transformer.", "bert.", "model.")
@@ -277,9 +279,7 @@ HF_PREFIXES = ("transformer.", "bert.", "model.")
 
 TIED_HEAD = {
     "gpt2": "lm_head",
-    "llama": "lm_head",
-    "mixtral": "lm_head",
-    "qwen3_moe": "lm_head",
+    **dict.fromkeys(LLAMA_TYPES, "lm_head"),
     "bert": "cls.predictions.decoder",
 }
 """The transformers module that uses a tied copy of the word embedding (the last stage's)."""

@@ -450,7 +450,8 @@ def _check_tokenizer_rows(src: str) -> None:
     kind = read_manifest(resolve_checkpoint(src))["model"].get("model_type")
     if kind not in CAUSAL_LM_TYPES:
         raise ValueError(
-            f"--tokenizer-rows applies to a causal LM (GPT-2, Llama, Mixtral, Qwen3-MoE), "
+            f"--tokenizer-rows applies to a causal LM (GPT-2, Llama, Qwen3, Qwen2, Mistral, "
+            f"Mixtral, Qwen3-MoE), "
             f"whose appended [PAD] [CLS] [SEP] [MASK] rows it cuts; this is a {kind}, which "
             f"uses them: drop --tokenizer-rows"
         )

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megapar.checkpoint.hf import hf_parameter_names
+from megapar.models.config import LLAMA_TYPES
 
 if TYPE_CHECKING:
     from megapar.pipeline.executor import PipelineExecutor
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 LAYER_NAME = re.compile(r"\.(h|layer|layers)\.\d+(\.|$)")
 """A transformers name inside one layer (`transformer.h.2`, `bert.encoder.layer.0.attention`)."""
 
-LOSS_NAME = {"gpt2": "lm_head", "llama": "lm_head", "bert": "cls.predictions"}
+LOSS_NAME = {"gpt2": "lm_head", **dict.fromkeys(LLAMA_TYPES, "lm_head"), "bert": "cls.predictions"}
 """What the loss event is named after (the head whose logits give the loss)."""
 
 NONE = 2**62

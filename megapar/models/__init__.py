@@ -1,4 +1,5 @@
-"""GPT-2, BERT and Llama (and its MoE variants Mixtral, Qwen3-MoE) from tensor-parallel layers.
+"""GPT-2, BERT and Llama (its dense variants Qwen3, Qwen2, Mistral; its MoE variants Mixtral,
+Qwen3-MoE) from tensor-parallel layers.
 
 Models never import the pipeline or CLI."""
 
@@ -7,6 +8,7 @@ from megapar.models.blocks import set_recompute, set_sp_regather
 from megapar.models.config import (
     CONFIG_CLASSES,
     HF_SUPPORTED_DEFAULTS,
+    LLAMA_TYPES,
     BertConfig,
     ConfigError,
     GPT2Config,
@@ -16,15 +18,30 @@ from megapar.models.config import (
     config_from_hf,
     load_config_file,
 )
+from megapar.models.dense_config import (
+    DENSE_SUPPORTED_DEFAULTS,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
 from megapar.models.moe_config import MOE_SUPPORTED_DEFAULTS, MixtralConfig, Qwen3MoeConfig
 from megapar.models.stage import set_loss_chunk_tokens
 
-MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama, "mixtral": Llama, "qwen3_moe": Llama}
-# the MoE configs subclass LlamaConfig (config.py cannot import them: a cycle)
-CONFIG_CLASSES.update({"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig})
+MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, **dict.fromkeys(LLAMA_TYPES, Llama)}
+# the dense and MoE variants subclass LlamaConfig (config.py cannot import them: a cycle)
+CONFIG_CLASSES.update(
+    {
+        "mixtral": MixtralConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "qwen3": Qwen3Config,
+        "qwen2": Qwen2Config,
+        "mistral": MistralConfig,
+    }
+)
 HF_SUPPORTED_DEFAULTS.update(MOE_SUPPORTED_DEFAULTS)
+HF_SUPPORTED_DEFAULTS.update(DENSE_SUPPORTED_DEFAULTS)
 
 
 def build_model(config, mesh, layers=None, pre_process=True, post_process=True, tracker=None):
@@ -52,5 +69,8 @@ __all__ = [
     "LlamaConfig",
     "MixtralConfig",
     "Qwen3MoeConfig",
+    "Qwen3Config",
+    "Qwen2Config",
+    "MistralConfig",
     "set_loss_chunk_tokens",
 ]

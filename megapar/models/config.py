@@ -114,6 +114,12 @@ class _Base:
                 )
         return config
 
+    def window_error(self, seq_len: int) -> str | None:
+        """The one line refusing sequences of `seq_len` that a sliding window of transformers'
+        model would cut, which megapar's attention does not have (None: they fit;
+        `dense_config`)."""
+        return None
+
     @property
     def draws_dropout(self) -> bool:
         """Whether training draws random dropout masks: a dropout probability above 0 (GPT-2's
@@ -130,7 +136,8 @@ class _Base:
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
                 continue
-            low = 0 if f.name.endswith("token_id") else 1  # token ids may be 0
+            # token ids may be 0, and Qwen's max_window_layers (every layer windowed)
+            low = 0 if f.name.endswith("token_id") or f.name == "max_window_layers" else 1
             if f.type in ("int", "int | None") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
@@ -364,6 +371,21 @@ class LlamaConfig(_Base):
         return self.num_key_value_heads or self.num_attention_heads
 
     @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm over each head's q and k (Qwen3, Qwen3-MoE)."""
+        return False
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the q, k and v projections (Qwen2)."""
+        return False
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding window of transformers' model (None: none; `dense_config`)."""
+        return None
+
+    @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
@@ -389,10 +411,17 @@ class LlamaConfig(_Base):
         if self.num_hidden_layers < layout.pp:
             raise LayoutError(_pp_error(self.num_hidden_layers, layout.pp, api))
         biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
-        if biased:
+        if biased and self.model_type in ("llama", "mixtral", "qwen3_moe"):
             raise ConfigError(
                 f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's Llama "
                 f"has no biases (as every published Llama): use a model without them"
+            )
+        if biased:  # Qwen3, Qwen2, Mistral: no published model sets them
+            raise ConfigError(
+                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's "
+                f"{self.model_type} has {'only q / k / v biases' if self.qkv_bias else 'no biases'}"
+                f" (as every published {self.model_type}): use a model without them "
+                f"({' and '.join(biased)} false)"
             )
         rope_type = (self.rope_scaling or {}).get(
             "rope_type", (self.rope_scaling or {}).get("type")
@@ -426,7 +455,10 @@ ROPE_SCALING_FIELDS = {
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""
 
-CAUSAL_LM_TYPES = ("gpt2", "llama", "mixtral", "qwen3_moe")
+LLAMA_TYPES = ("llama", "mixtral", "qwen3_moe", "qwen3", "qwen2", "mistral")
+"""Model types built as megapar's `Llama` (Llama's layout: RMSNorm, rotary, SwiGLU, GQA)."""
+
+CAUSAL_LM_TYPES = ("gpt2", *LLAMA_TYPES)
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
 CONFIG_CLASSES: dict[str, type[_Base]] = {
@@ -503,7 +535,7 @@ a megapar field and read as such."""
 
 
 def config_from_dict(d: dict):
-    """A model config from a dict with a "model_type" key ("gpt2", "bert" or "llama")."""
+    """A model config from a dict with a "model_type" key (one of `CONFIG_CLASSES`)."""
     kind = d.get("model_type")
     if kind not in CONFIG_CLASSES:
         raise ConfigError(f"unknown model_type {kind!r}; expected one of {sorted(CONFIG_CLASSES)}")

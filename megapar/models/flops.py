@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megapar.models.config import LLAMA_TYPES
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -81,7 +82,7 @@ def matmul_flops(config, seq_len: int, tp: int = 1, padded: bool = True) -> Matm
     per query; `padded=False`: the model's own vocabulary, not the shard padded for tp (what
     MFU counts, at tp 1)."""
     h, f, d, a = config.hidden_size, config.ffn_size, head_size(config), heads(config)
-    if config.model_type in ("llama", "mixtral", "qwen3_moe"):
+    if config.model_type in LLAMA_TYPES:
         kv = kv_heads_per_rank(config, tp) * d
         split, whole = mlp_widths(config)
         block = 2 * (2 * h * a * d / tp + 2 * h * kv + 3 * h * split / tp + 3 * h * whole)

@@ -1,7 +1,10 @@
-"""Llama-family decoder (numerically the same model as transformers' LlamaForCausalLM).
+"""Llama-family decoder (numerically the same model as transformers' LlamaForCausalLM, and as
+its Qwen3ForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM and
+Qwen3MoeForCausalLM for their configs).
 
 RMSNorm, rotary position embeddings (rope_theta; linear or Llama 3 frequency scaling), a SwiGLU
-MLP and grouped-query attention, no biases, an own or a tied LM head. Built from the same tp
+MLP and grouped-query attention, an own or a tied LM head; no biases but Qwen2's on q, k and v
+(split with their rows), and Qwen3's RMSNorm over each head's q and k. Built from the same tp
 layers as GPT-2, and like GPT-2 one class is the whole model or any pipeline stage of it.
 
 Tensor parallelism keeps whole heads on each rank. Query heads are split across tp (column-
@@ -126,7 +129,14 @@ class ReplicatedHeads(nn.Module):
     the tp group (each rank only sees its query heads' share), so the copies stay equal.
     """
 
-    def __init__(self, in_features: int, out_features: int, rows: tuple[int, int], mesh: Mesh):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rows: tuple[int, int],
+        mesh: Mesh,
+        bias: bool = False,
+    ):
         super().__init__()
         self.group = mesh.tp_group
         self.rows = rows
@@ -136,14 +146,24 @@ class ReplicatedHeads(nn.Module):
             None,
             (out_features, in_features),
         )
+        self.bias = (
+            set_partition(
+                nn.Parameter(torch.empty(out_features, device=mesh.device)), None, (out_features,)
+            )
+            if bias
+            else None
+        )
         # this rank's gradient covers only its rows' share: summed over tp once per step,
         # with the sequence-parallel ones (`sync_sequence_parallel_grads`), not per micro-batch
-        self.weight.sequence_parallel = True  # type: ignore[attr-defined]  # a tag on the tensor
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # a tag on the tensor
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: x is already the tp region's input (`ColumnParallelLinear.enter` of the
         attention's q projection); this layer only reads its rows of the whole weight."""
         weight = self.weight[self.rows[0] : self.rows[1]]
+        bias = None if self.bias is None else self.bias[self.rows[0] : self.rows[1]]
         if not entered:
             x = (
                 gather_from_sequence_parallel_region(x, self.group)
@@ -152,8 +172,8 @@ class ReplicatedHeads(nn.Module):
             )
         shard = shard_of(x)  # --sp-regather: keep only this rank's slice of X
         if shard is not None and regathers(None, weight):
-            return regathered_linear(x, weight, None, shard)
-        return F.linear(x, weight)
+            return regathered_linear(x, weight, bias, shard)
+        return F.linear(x, weight, bias)
 
 
 class LlamaAttention(nn.Module):
@@ -171,23 +191,24 @@ class LlamaAttention(nn.Module):
         self.head_dim, self.local_heads = hd, divide(n_q, mesh.tp, "attention heads")
         group = n_q // n_kv  # query heads per kv head
         first_q = mesh.tp_rank * self.local_heads
+        bias = config.qkv_bias  # Qwen2: q, k and v biases, split (or kept whole) as their rows
         self.q = ColumnParallelLinear(
-            hidden, n_q * hd, mesh, bias=False, name="attention heads x head size"
+            hidden, n_q * hd, mesh, bias=bias, name="attention heads x head size"
         )
         if n_kv % mesh.tp == 0:
             first_kv = mesh.tp_rank * (n_kv // mesh.tp)
             self.k: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
-                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size"
+                hidden, n_kv * hd, mesh, bias=bias, name="kv heads x head size"
             )
             self.v: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
-                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size"
+                hidden, n_kv * hd, mesh, bias=bias, name="kv heads x head size"
             )
         else:
             first_kv = first_q // group
             last_kv = (first_q + self.local_heads - 1) // group
             rows = (first_kv * hd, (last_kv + 1) * hd)
-            self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
-            self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
+            self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, bias)
+            self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, bias)
         # local query head j attends with local kv head kv_index[j]
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
         local_kv = max(self.kv_index) + 1
@@ -207,7 +228,7 @@ class LlamaAttention(nn.Module):
         self.rotary, self.tracker = rotary, tracker
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if getattr(config, "qk_norm", False):  # Qwen3: RMSNorm over each head's q and k
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
             for norm in (self.q_norm, self.k_norm):  # shared by the heads of every tp rank:
@@ -376,6 +397,8 @@ class Llama(StageModel):
         def init(name, shape, gen):
             if "norm" in name:
                 return torch.ones(shape)
+            if name.endswith("bias"):  # Qwen2's q / k / v
+                return torch.zeros(shape)
             return torch.empty(shape).normal_(0.0, std, generator=gen)
 
         initialize(self, seed, init, self.mesh.tp_rank)

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megapar.models.config import LLAMA_TYPES
+
 GIB = 2**30
 
 
@@ -87,7 +89,7 @@ def block_terms(config, moe: bool | None = None) -> BlockTerms:
         moe = bool(getattr(config, "num_moe_layers", 0))
     if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
         f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
-    if config.model_type in ("llama", "mixtral", "qwen3_moe"):
+    if config.model_type in LLAMA_TYPES:
         return BlockTerms(
             replicated=6.0,
             gathered=2.0,

@@ -77,7 +77,7 @@ class TrainConfig:
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     tf32: bool = False
@@ -565,8 +565,8 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         known_as=OTHER_TOOLS_FLAGS,
         prog=prog,
         description=(
-            "Train a GPT-2, BERT, Llama, Mixtral or Qwen3-MoE with tensor, context, pipeline, "
-            "data and expert parallelism."
+            "Train a GPT-2, BERT, Llama, Qwen3, Qwen2, Mistral, Mixtral or Qwen3-MoE with tensor, "
+            "context, pipeline, data and expert parallelism."
         ),
     )
     parser.add_argument(

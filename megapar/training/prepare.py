@@ -113,7 +113,8 @@ def prepare(
     every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
 
     model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` / `LlamaForCausalLM` /
-    `MixtralForCausalLM` / `Qwen3MoeForCausalLM` instance (its weights are kept; build it
+    `Qwen3ForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` / `MixtralForCausalLM` /
+    `Qwen3MoeForCausalLM` instance (its weights are kept; build it
     identically on every rank; a bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing
     head initialised, with a warning; a model with another head, e.g. for classification, is
     refused), a transformers config (weights initialised from
