@@ -63,15 +63,13 @@ class _DenseConfig(LlamaConfig):
     def to_hf(self):
         import transformers
 
-        from megapar.checkpoint.hf_names import ARCHITECTURES
-
         fields = dataclasses.asdict(self)
         if fields["head_dim"] is None:  # transformers' hidden / heads (Qwen2 has no field)
             del fields["head_dim"]
         hf = getattr(transformers, self.hf_config_class)(
             **{k: v for k, v in fields.items() if k not in self.not_in_hf}
         )
-        hf.architectures = [ARCHITECTURES[self.model_type]]
+        hf.architectures = [self.hf_config_class.replace("Config", "ForCausalLM")]
         return hf
 
     def validate(self, layout: Layout, api: bool = False) -> None:
