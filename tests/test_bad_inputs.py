@@ -902,6 +902,16 @@ OTHER_TOOLS = [
      "did you mean --moe-aux-loss-coef (aux_loss; 0: none)"),
     ("train", ["--expert-tensor-parallel-size", "1"], "never splits an expert over tp"),
     ("train", ["--moe-layer-recompute"], "did you mean --recompute full"),
+    # Megatron-LM's and transformers' run_mlm.py BERT flags: nothing was named, or (HF's
+    # --max_seq_length) only the flag, not that the masking rate is fixed
+    ("train", ["--mask-prob", "0.3"], "--mask-prob: megapar masks 15 % of a BERT sample's "
+     "tokens (80 % [MASK], 10 % a random token, 10 % kept), a fixed rate"),
+    ("train", ["--mlm_probability", "0.3"], "mask_prob=P) in your own loop"),
+    ("train", ["--whole-word-masking"], "masks single tokens (a word's WordPiece pieces "
+     "independently), not whole words"),
+    ("train", ["--bert-no-binary-head"], "no next-sentence (binary) head: it trains the "
+     "masked-LM loss only, as this flag asks of Megatron-LM; drop it"),
+    ("train", ["--short-seq-prob", "0.1"], "--seq-len - 3 tokens, none shortened at random"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),

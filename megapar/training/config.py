@@ -396,6 +396,11 @@ MOE_FIELD = (
     "names): set {field} there"
 )
 
+MLM_RATE = (
+    "megapar masks 15 % of a BERT sample's tokens (80 % [MASK], 10 % a random token, 10 % kept), "
+    "a fixed rate; drop it (megapar.data.MLMDataset(..., mask_prob=P) in your own loop)"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -528,6 +533,23 @@ OTHER_TOOLS_FLAGS = {
     "--attention-dropout": MODEL_FIELD.format(
         field="attn_pdrop (GPT-2), attention_probs_dropout_prob (BERT), attention_dropout (Llama)"
     ),
+    # Megatron-LM's and transformers' (run_mlm.py) BERT pretraining flags
+    "--mask-prob": MLM_RATE,
+    "--masked-lm-prob": MLM_RATE,
+    "--mlm-probability": MLM_RATE,
+    "--mlm_probability": MLM_RATE,
+    "--mlm": "a BERT model always trains the masked-LM loss (a GPT-2 or Llama the causal one); "
+    "drop it",
+    "--whole-word-masking": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--whole_word_mask": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--bert-no-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only, as this flag asks of Megatron-LM; drop it",
+    "--bert-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only; drop it",
+    "--short-seq-prob": "megapar's BERT samples are each document's consecutive chunks of "
+    "--seq-len - 3 tokens, none shortened at random; drop it",
     # the other megapar commands' flags
     "--input": "--data",
     "--split-lines": "megapar-train already reads a .txt as a document per blank-line "
