@@ -72,7 +72,20 @@ def env(tmp_path_factory):
     for ext in (".bin", ".idx", ".json"):
         shutil.copy(prefix + ext, root / "mixed" / f"tok{ext}")
     import torch
-    from transformers import GPT2Config
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config
+
+    # a BERT with one token type (RoBERTa-style): trained, segment B's type 1 was out of range
+    (root / "bert_t1.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64,
+        "type_vocab_size": 1}))
+    configs["bert_t1.json"] = str(root / "bert_t1.json")
+    BertForMaskedLM(BertConfig(vocab_size=1004, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=64, type_vocab_size=1)
+                    ).save_pretrained(root / "bert_t1_hf")
+    from megapar.cli.convert import main as convert
+    assert convert(["--from-hf", str(root / "bert_t1_hf"), str(root / "bert_t1_ckpt")]) == 0
 
     GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=2,
                eos_token_id=2).save_pretrained(root / "pickled_hf")
@@ -152,6 +165,10 @@ TRAIN = [
     (["--model", "bert-tiny", "--seq-len", "4"], "--seq-len 4 is too short for a BERT model's "
                                                  "samples: [CLS] A [SEP] B [SEP] takes at least "
                                                  "5 tokens; raise --seq-len"),
+    # was "IndexError: index out of range in self" from rank 0 at step 1
+    (["--model", "{bert_t1.json}", "--seq-len", "32"], "the model's type_vocab_size is 1, and "
+     "megapar's BERT samples ([CLS] A [SEP] B [SEP]) give segment B token type 1; use a BERT "
+     "with type_vocab_size >= 2"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
      "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a multiple "
      "of 4, or --micro-batch-size 2 / 5 / 10"),
@@ -326,6 +343,7 @@ def _fill(argv, env):
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
+             "bert_t1_ckpt": str(env["root"] / "bert_t1_ckpt"),
              "prefix.bin": env["prefix"] + ".bin",
              "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
@@ -494,6 +512,10 @@ EVAL = [
     # micro-batch size helps
     (["--load", "{ckpt}", "--data", "{few_words.txt}", "--seq-len", "16",
       "--data-cache", "{cache}"], "has 0 windows of 17 tokens (it holds "),
+    # was "IndexError: index out of range in self" from rank 0
+    (["--load", "{bert_t1_ckpt}", "--data", "{prefix}", "--seq-len", "16"],
+     "the model's type_vocab_size is 1, and megapar's BERT samples ([CLS] A [SEP] B [SEP]) "
+     "give segment B token type 1"),
     # was ignored without a word: a causal LM's loss masks nothing
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
      "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),

@@ -10,7 +10,12 @@ from megapar.checkpoint.hf import HFReader
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
-from megapar.training.validate import UsageError, check_mlm_seq_len, explicit
+from megapar.training.validate import (
+    UsageError,
+    check_mlm_seq_len,
+    check_mlm_token_types,
+    explicit,
+)
 from megapar.training.validate_resume import model_from_checkpoint
 from megapar.training.validate_sft import check_sft_model
 
@@ -164,6 +169,7 @@ def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
     max_len = config.max_positions
     if config.model_type not in CAUSAL_LM_TYPES:
         check_mlm_seq_len(cfg.seq_len)
+        check_mlm_token_types(config)
     if cfg.seq_len > max_len:
         if "seq_len" in explicit(cfg):
             raise ConfigError(
