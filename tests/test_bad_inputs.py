@@ -455,6 +455,35 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
                      f"with the model's own if it is another"], notes
 
 
+def test_a_bert_tokenizer_without_mask_is_named_as_that(env, tmp_path, no_workers, capsys):
+    """--from-hf a BERT whose own tokenizer has no [MASK]: megapar appends [MASK] after the
+    vocabulary, beyond the model's rows. The line names the missing token and how to add it
+    (it said "use the model's own tokenizer", which it was using)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *letters, *(f"##{c}" for c in letters)]
+    backend = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf = tmp_path / "bert"
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                            cls_token="[CLS]", sep_token="[SEP]").save_pretrained(hf)
+    BertForMaskedLM(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=64)).save_pretrained(hf)
+    capsys.readouterr()  # transformers' progress bar
+    assert train(["--from-hf", str(hf), "--data", str(env["root"] / "text.txt"), "--data-cache",
+                  str(tmp_path / "cache"), "--seq-len", "32", "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert line == (
+        f"megapar-train: error: --from-hf {hf}: its tokenizer ({hf}) has no [MASK] token, "
+        f"which BERT's masking needs; megapar would append it as id {len(vocab)}, beyond the "
+        f"model's vocabulary of {len(vocab)}: add it to both and save them again "
+        f"(tok.add_special_tokens({{'mask_token': '[MASK]'}}); "
+        f"model.resize_token_embeddings(len(tok)))"), line
+
+
 def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, capsys,
                                                                monkeypatch):
     """wandb is an extra (`megapar[wandb]`): without it --wandb-project is one line, not a
