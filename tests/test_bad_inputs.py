@@ -963,6 +963,16 @@ OTHER_TOOLS = [
     ("train", ["--bert-no-binary-head"], "no next-sentence (binary) head: it trains the "
      "masked-LM loss only, as this flag asks of Megatron-LM; drop it"),
     ("train", ["--short-seq-prob", "0.1"], "--seq-len - 3 tokens, none shortened at random"),
+    # more of a Megatron-LM BERT script's flags: "--data-impl: did you mean --data?",
+    # "--num-workers: did you mean --rank-order?", nothing for the others
+    ("train", ["--data-impl", "mmap"], "--data-impl: megapar reads Megatron-LM's mmap datasets "
+     "(MMIDIDX .bin / .idx) as they are; drop it"),
+    ("train", ["--num-workers", "2"], "--num-workers: megapar-train collates each batch in the "
+     "training process"),
+    ("train", ["--dataloader-type", "cyclic"], "reshuffles the samples every epoch"),
+    ("train", ["--bert-load", "ck"], "--bert-load: did you mean --from-hf DIR (a transformers "
+     "BERT directory) or --load CKPT (a megapar checkpoint)?"),
+    ("train", ["--make-vocab-size-divisible-by", "64"], "set make_vocab_size_divisible_by there"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),

@@ -550,6 +550,15 @@ OTHER_TOOLS_FLAGS = {
     "masked-LM loss only; drop it",
     "--short-seq-prob": "megapar's BERT samples are each document's consecutive chunks of "
     "--seq-len - 3 tokens, none shortened at random; drop it",
+    "--data-impl": "megapar reads Megatron-LM's mmap datasets (MMIDIDX .bin / .idx) as they "
+    "are; drop it",
+    "--num-workers": "megapar-train collates each batch in the training process (a few index "
+    "lookups per sample); drop it",
+    "--dataloader-type": "megapar-train's sampler reshuffles the samples every epoch (as "
+    "Megatron-LM's cyclic); drop it",
+    "--bert-load": "--from-hf DIR (a transformers BERT directory) or --load CKPT (a megapar "
+    "checkpoint)",
+    "--make-vocab-size-divisible-by": MODEL_FIELD.format(field="make_vocab_size_divisible_by"),
     # the other megapar commands' flags
     "--input": "--data",
     "--split-lines": "megapar-train already reads a .txt as a document per blank-line "
