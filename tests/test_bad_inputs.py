@@ -72,7 +72,20 @@ def env(tmp_path_factory):
     for ext in (".bin", ".idx", ".json"):
         shutil.copy(prefix + ext, root / "mixed" / f"tok{ext}")
     import torch
-    from transformers import GPT2Config
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config
+
+    # a BERT with one token type (RoBERTa-style): trained, segment B's type 1 was out of range
+    (root / "bert_t1.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64,
+        "type_vocab_size": 1}))
+    configs["bert_t1.json"] = str(root / "bert_t1.json")
+    BertForMaskedLM(BertConfig(vocab_size=1004, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=64, type_vocab_size=1)
+                    ).save_pretrained(root / "bert_t1_hf")
+    from megapar.cli.convert import main as convert
+    assert convert(["--from-hf", str(root / "bert_t1_hf"), str(root / "bert_t1_ckpt")]) == 0
 
     GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=2,
                eos_token_id=2).save_pretrained(root / "pickled_hf")
@@ -152,6 +165,10 @@ TRAIN = [
     (["--model", "bert-tiny", "--seq-len", "4"], "--seq-len 4 is too short for a BERT model's "
                                                  "samples: [CLS] A [SEP] B [SEP] takes at least "
                                                  "5 tokens; raise --seq-len"),
+    # was "IndexError: index out of range in self" from rank 0 at step 1
+    (["--model", "{bert_t1.json}", "--seq-len", "32"], "the model's type_vocab_size is 1, and "
+     "megapar's BERT samples ([CLS] A [SEP] B [SEP]) give segment B token type 1; use a BERT "
+     "with type_vocab_size >= 2"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
      "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a multiple "
      "of 4, or --micro-batch-size 2 / 5 / 10"),
@@ -326,6 +343,7 @@ def _fill(argv, env):
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
+             "bert_t1_ckpt": str(env["root"] / "bert_t1_ckpt"),
              "prefix.bin": env["prefix"] + ".bin",
              "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
@@ -489,6 +507,35 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_before_the_run(
     assert _one_line(capsys, "megapar-eval").endswith(line.removeprefix("megapar-train"))
 
 
+def test_a_bert_tokenizer_without_mask_is_named_as_that(env, tmp_path, no_workers, capsys):
+    """--from-hf a BERT whose own tokenizer has no [MASK]: megapar appends [MASK] after the
+    vocabulary, beyond the model's rows. The line names the missing token and how to add it
+    (it said "use the model's own tokenizer", which it was using)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *letters, *(f"##{c}" for c in letters)]
+    backend = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf = tmp_path / "bert"
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                            cls_token="[CLS]", sep_token="[SEP]").save_pretrained(hf)
+    BertForMaskedLM(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=64)).save_pretrained(hf)
+    capsys.readouterr()  # transformers' progress bar
+    assert train(["--from-hf", str(hf), "--data", str(env["root"] / "text.txt"), "--data-cache",
+                  str(tmp_path / "cache"), "--seq-len", "32", "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert line == (
+        f"megapar-train: error: --from-hf {hf}: its tokenizer ({hf}) has no [MASK] token, "
+        f"which BERT's masking needs; megapar would append it as id {len(vocab)}, beyond the "
+        f"model's vocabulary of {len(vocab)}: add it to both and save them again "
+        f"(tok.add_special_tokens({{'mask_token': '[MASK]'}}); "
+        f"model.resize_token_embeddings(len(tok)))"), line
+
+
 def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, capsys,
                                                                monkeypatch):
     """wandb is an extra (`megapar[wandb]`): without it --wandb-project is one line, not a
@@ -546,6 +593,10 @@ EVAL = [
     # micro-batch size helps
     (["--load", "{ckpt}", "--data", "{few_words.txt}", "--seq-len", "16",
       "--data-cache", "{cache}"], "has 0 windows of 17 tokens (it holds "),
+    # was "IndexError: index out of range in self" from rank 0
+    (["--load", "{bert_t1_ckpt}", "--data", "{prefix}", "--seq-len", "16"],
+     "the model's type_vocab_size is 1, and megapar's BERT samples ([CLS] A [SEP] B [SEP]) "
+     "give segment B token type 1"),
     # was ignored without a word: a causal LM's loss masks nothing
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
      "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),
@@ -954,6 +1005,26 @@ OTHER_TOOLS = [
      "did you mean --moe-aux-loss-coef (aux_loss; 0: none)"),
     ("train", ["--expert-tensor-parallel-size", "1"], "never splits an expert over tp"),
     ("train", ["--moe-layer-recompute"], "did you mean --recompute full"),
+    # Megatron-LM's and transformers' run_mlm.py BERT flags: nothing was named, or (HF's
+    # --max_seq_length) only the flag, not that the masking rate is fixed
+    ("train", ["--mask-prob", "0.3"], "--mask-prob: megapar masks 15 % of a BERT sample's "
+     "tokens (80 % [MASK], 10 % a random token, 10 % kept), a fixed rate"),
+    ("train", ["--mlm_probability", "0.3"], "mask_prob=P) in your own loop"),
+    ("train", ["--whole-word-masking"], "masks single tokens (a word's WordPiece pieces "
+     "independently), not whole words"),
+    ("train", ["--bert-no-binary-head"], "no next-sentence (binary) head: it trains the "
+     "masked-LM loss only, as this flag asks of Megatron-LM; drop it"),
+    ("train", ["--short-seq-prob", "0.1"], "--seq-len - 3 tokens, none shortened at random"),
+    # more of a Megatron-LM BERT script's flags: "--data-impl: did you mean --data?",
+    # "--num-workers: did you mean --rank-order?", nothing for the others
+    ("train", ["--data-impl", "mmap"], "--data-impl: megapar reads Megatron-LM's mmap datasets "
+     "(MMIDIDX .bin / .idx) as they are; drop it"),
+    ("train", ["--num-workers", "2"], "--num-workers: megapar-train collates each batch in the "
+     "training process"),
+    ("train", ["--dataloader-type", "cyclic"], "reshuffles the samples every epoch"),
+    ("train", ["--bert-load", "ck"], "--bert-load: did you mean --from-hf DIR (a transformers "
+     "BERT directory) or --load CKPT (a megapar checkpoint)?"),
+    ("train", ["--make-vocab-size-divisible-by", "64"], "set make_vocab_size_divisible_by there"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--context-parallel-size", "2"],

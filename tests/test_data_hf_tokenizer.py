@@ -66,6 +66,31 @@ def test_train_bpe_then_preprocess_and_auto_tokenizer_agree(tmp_path):
     assert ds.doc(0).tolist() == auto.encode(first, add_special_tokens=False) + [ours.eod_id]
 
 
+def test_train_wordpiece_gives_a_bert_tokenizer(tmp_path):
+    """--train-tokenizer wordpiece (was "invalid choice"): an uncased BERT WordPiece that
+    transformers loads as its (fast) BertTokenizer, encodes as megapar does, brings [PAD] [UNK] [CLS]
+    [SEP] [MASK] (nothing appended; [SEP] ends each document) and encodes a pair as BERT."""
+    text = tmp_path / "sample.txt"
+    text.write_text(TEXT)
+    prefix = str(tmp_path / "wp")
+    assert data_main(["--train-tokenizer", "wordpiece", "--vocab-size", "600", "--input",
+                      str(text), "--output-prefix", prefix, "--split-lines",
+                      "--no-progress"]) == 0
+    ours, auto = _same_as_auto(prefix + "-tokenizer")
+    assert type(auto).__name__.startswith("BertTokenizer") and auto.is_fast and len(auto) == 600
+    assert ours.appended == [] and ours.base_vocab_size == ours.vocab_size == 600
+    assert [ours.pad_id, ours.cls_id, ours.sep_id, ours.mask_id, ours.eod_id] == [0, 2, 3, 4, 3]
+    assert (auto.mask_token_id, auto.unk_token_id, auto.pad_token_id) == (4, 1, 0)
+    pair = auto("To be", "or not")
+    a, b = ours.encode("To be"), ours.encode("or not")
+    assert pair["input_ids"] == [2, *a, 3, *b, 3]
+    assert pair["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+    assert auto.decode(auto("HeLLo World")["input_ids"], skip_special_tokens=True) == "hello world"
+    ds = IndexedDataset(prefix)
+    first = [p for p in TEXT.split("\n\n") if p.strip()][0].strip("\n")
+    assert ds.doc(0).tolist() == auto.encode(first, add_special_tokens=False) + [3]
+
+
 def test_train_bpe_into_the_input_directory_does_not_read_its_own_tokenizer(tmp_path):
     # --output-prefix inside the input directory: the tokenizer.json the run trains (and, with
     # --overwrite, the one an earlier run trained) is not read back as a .json input

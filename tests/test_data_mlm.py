@@ -101,3 +101,30 @@ def test_gpt2_specials_and_tiny_chunks(tmp_path):
     assert mlm.special.base_vocab_size == 50257 and 50256 in mlm.special.reserved_ids
     with pytest.raises(ValueError, match="lacks"):
         MLMDataset(ds, 16, {"pad_id": 0}, seed=0)
+
+
+def test_a_document_without_an_eod_keeps_its_last_token(sample_data, tmp_path):
+    """A Megatron-LM dataset written without --append-eod (its BERT preprocessing's usual
+    form) ends its documents with a real token: the samples cover every token of every
+    document (the last one of each was dropped as if it were the eod); with the eod, all but
+    it."""
+    import numpy as np
+
+    from megapar.data.megatron import write_index
+
+    ds, tok = sample_data
+    docs = [ds.doc(i, include_eod=False) for i in range(40)]
+    assert all(len(d) and d[-1] != ds.eod_id for d in docs)
+    prefix = str(tmp_path / "noeod")
+    np.concatenate(docs).astype(ds.dtype).tofile(prefix + ".bin")
+    write_index(prefix + ".idx", ds.dtype, np.array([len(d) for d in docs]))
+    for indexed, body in ((IndexedDataset(prefix, "sentencepiece"), docs),
+                          (ds, [ds.doc(i, include_eod=False) for i in range(len(ds))])):
+        mlm = MLMDataset(indexed, 32, tok, seed=0)
+        got = np.concatenate([indexed.get(int(s), int(n))
+                              for s, n in zip(mlm.chunk_start, mlm.chunk_len)])
+        # every chunk of 2 or more tokens: each document's tokens, its eod (if any) left out
+        most = 32 - 3
+        want = np.concatenate([d[k:k + most] for d in body for k in range(0, len(d), most)
+                               if len(d[k:k + most]) >= 2])
+        assert got.tolist() == want.tolist()

@@ -148,11 +148,12 @@ def add_tokenizer_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--train-tokenizer",
-        choices=["bpe", "sentencepiece"],
+        choices=["bpe", "wordpiece", "sentencepiece"],
         default=None,
-        help="first train a tokenizer on the inputs: bpe = a byte-level BPE with the "
-        "tokenizers library (saved as the transformers directory "
-        "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece",
+        help="first train a tokenizer on the inputs: bpe = a byte-level BPE, wordpiece = an "
+        "uncased BERT WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK], both with the "
+        "tokenizers library (saved as the transformers directory PREFIX-tokenizer/), "
+        "sentencepiece = --train-sentencepiece",
     )
     p.add_argument(
         "--vocab-size",
@@ -242,7 +243,7 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
         raise ValueError(
             f"--sp-model-type {args.sp_model_type} would be ignored: it is the type of the "
             f"SentencePiece model --train-tokenizer sentencepiece trains, and this run trains "
-            f"{'a byte-level BPE' if args.train_tokenizer == 'bpe' else 'none'}; add "
+            f"{TRAINS.get(args.train_tokenizer or '', 'none')}; add "
             f"--train-tokenizer sentencepiece, or drop --sp-model-type"
         )
     if args.sft_keys is not None:
@@ -284,12 +285,16 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
     args.sp_model_type = args.sp_model_type or "unigram"
 
 
+TRAINS = {"bpe": "a byte-level BPE", "wordpiece": "a BERT WordPiece"}
+"""The tokenizers --train-tokenizer trains with the tokenizers library (as PREFIX-tokenizer/)."""
+
+
 def outputs(args: argparse.Namespace) -> list[str]:
     """The paths a run writes: PREFIX.bin/.idx/.json, and the tokenizer it trains (PREFIX.model,
     or the directory PREFIX-tokenizer)."""
     prefix = args.output_prefix
     paths = [prefix + ext for ext in (".bin", ".idx", ".json")]
-    if args.train_tokenizer == "bpe":
+    if args.train_tokenizer in TRAINS:
         paths.append(prefix + "-tokenizer")
     elif args.train_sentencepiece or args.train_tokenizer == "sentencepiece":
         paths.append(prefix + ".model")
@@ -333,9 +338,9 @@ def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
 
 def _own_tokenizer_left_out(args: argparse.Namespace, files: list[str]) -> list[str]:
     """`files` less those in the directory PREFIX-tokenizer/ this run's --train-tokenizer bpe
-    writes: with --output-prefix inside an input directory its tokenizer.json (and a
+    (or wordpiece) writes: with --output-prefix inside an input directory its tokenizer.json (and a
     --overwrite run's earlier one) would be read back as a .json input."""
-    if args.train_tokenizer != "bpe":
+    if args.train_tokenizer not in TRAINS:
         return files
     own = os.path.realpath(args.output_prefix + "-tokenizer") + os.sep
     return [f for f in files if not os.path.realpath(f).startswith(own)]
@@ -350,24 +355,28 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
     tokenizer = args.tokenizer or "gpt2"
     if args.train_tokenizer == "sentencepiece":
         args.train_sentencepiece = True
-    if args.train_tokenizer == "bpe":
+    if args.train_tokenizer in TRAINS:
         if args.vocab_size is None:
-            raise ValueError("--train-tokenizer bpe needs --vocab-size N (e.g. --vocab-size 8000)")
+            raise ValueError(
+                f"--train-tokenizer {args.train_tokenizer} needs --vocab-size N (e.g. "
+                f"--vocab-size 8000)"
+            )
         if args.tokenizer is not None or args.train_sentencepiece:
             raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
-        from megapar.data.hf_tokenizer import train_bpe
+        from megapar.data.hf_tokenizer import train_bpe, train_wordpiece
         from megapar.data.preprocess import iter_documents
 
         docs = iter_documents(files, args.split_lines, args.jsonl_key, args.allow_invalid_utf8)
         info: dict = {}
-        tokenizer = train_bpe(
+        train = train_bpe if args.train_tokenizer == "bpe" else train_wordpiece
+        tokenizer = train(
             (text for text, _ in docs),
             args.output_prefix + "-tokenizer",
             args.vocab_size,
             info=info,
         )
         trained.append(tokenizer)
-        print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
+        print(f"trained {TRAINS[args.train_tokenizer]} {tokenizer}/tokenizer.json", file=sys.stderr)
         got = info.get("vocab_size", args.vocab_size)
         if got < args.vocab_size:
             print(

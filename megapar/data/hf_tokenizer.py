@@ -20,6 +20,7 @@ from tokenizers import (
     AddedToken,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
     trainers,
@@ -186,6 +187,69 @@ def train_bpe(
     tok.train_from_iterator(texts, trainer)
     if info is not None:
         info["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "bos_token": eos_token,
+        "unk_token": eos_token,
+        "model_max_length": 1 << 30,
+    }
+    return _save_trained(tok, out_dir, config)
+
+
+WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""A trained WordPiece's special tokens, ids 0-4 (bert-base-uncased's order, less its unused)."""
+
+
+def train_wordpiece(
+    texts: Iterable[str], out_dir: str, vocab_size: int, info: dict | None = None
+) -> str:
+    """Train a BERT WordPiece (uncased: BERT's normalizer lowercases and strips accents) on
+    `texts` with the tokenizers library; write a transformers directory (tokenizer.json +
+    tokenizer_config.json) to `out_dir` (atomic), as `BertTokenizerFast` saves one: `[PAD]
+    [UNK] [CLS] [SEP] [MASK]` are ids 0-4, a text encodes as `[CLS] A [SEP]` (a pair `[CLS] A
+    [SEP] B [SEP]`, B of token type 1), and megapar appends nothing to it.
+
+    The vocabulary is smaller than `vocab_size` when the corpus runs out of pieces;
+    ``info["vocab_size"]`` (when `info` is given) receives the size it got."""
+    if vocab_size <= len(WORDPIECE_SPECIALS):
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for a WordPiece: its "
+            f"{len(WORDPIECE_SPECIALS)} special tokens {' '.join(WORDPIECE_SPECIALS)} leave no "
+            f"room for text"
+        )
+    tok = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=list(WORDPIECE_SPECIALS), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    if info is not None:
+        info["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+    config = {
+        "tokenizer_class": "BertTokenizerFast",
+        "do_lower_case": True,
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+        "model_max_length": 1 << 30,
+    }
+    return _save_trained(tok, out_dir, config)
+
+
+def _save_trained(tok: HFTokenizer, out_dir: str, config: dict) -> str:
+    """Write a trained tokenizer and its tokenizer_config.json as the transformers directory
+    `out_dir`, atomically (replacing one there)."""
     out_dir = os.fspath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -194,13 +258,6 @@ def train_bpe(
     tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": eos_token,
-            "bos_token": eos_token,
-            "unk_token": eos_token,
-            "model_max_length": 1 << 30,
-        }
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         if os.path.isdir(out_dir):

@@ -323,6 +323,9 @@ class IndexedDataset:
             )
         self.prefix = prefix
         self.meta: dict[str, Any] = meta
+        self.eod_written: bool = os.path.isfile(prefix + ".json")
+        """Whether megapar wrote the dataset, so that every document ends with the eod; a
+        Megatron-LM one may not (made without --append-eod)."""
         try:
             self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
             if self.dtype.kind not in "ui":

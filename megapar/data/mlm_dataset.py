@@ -1,7 +1,8 @@
 """BERT-style masked-language-model samples over an indexed dataset.
 
-Samples.  Each selected document (its eod dropped) is cut into consecutive chunks of at
-most ``seq_len - 3`` tokens; chunks shorter than 2 tokens are dropped.  Sample ``i`` is
+Samples.  Each selected document (its eod dropped, where it ends with one: a Megatron-LM
+dataset made without ``--append-eod`` ends with a real token) is cut into consecutive chunks of
+at most ``seq_len - 3`` tokens; chunks shorter than 2 tokens are dropped.  Sample ``i`` is
 chunk ``i`` split at a point ``a`` drawn uniformly from ``[1, len - 1]`` into segments
 ``A = chunk[:a]`` and ``B = chunk[a:]``, laid out as ``[CLS] A [SEP] B [SEP]`` followed by
 ``[PAD]`` up to ``seq_len``.
@@ -109,7 +110,12 @@ class MLMDataset(torch.utils.data.Dataset):
         offsets = self.indexed.doc_offsets
         docs = select_docs(self.indexed, doc_range)
         starts = offsets[docs]
-        lens = offsets[docs + 1] - starts - 1  # drop each document's eod
+        lens = offsets[docs + 1] - starts
+        if self.indexed.eod_written:
+            lens = lens - 1  # drop each document's eod
+        else:  # Megatron-LM data made without --append-eod ends documents with a real token
+            last = self.indexed.tokens[np.maximum(starts + lens - 1, 0)].astype(np.int64)
+            lens = lens - ((lens > 0) & (last == self.indexed.eod_id))
         most = self.seq_len - 3
         counts = -(-lens // most)
         doc_of = np.repeat(np.arange(len(docs)), counts)

@@ -402,6 +402,11 @@ CP_COMM = (
     "(allgather) for grouped-query attention; there is no a2a (Ulysses); drop it and set --cp"
 )
 
+MLM_RATE = (
+    "megapar masks 15 % of a BERT sample's tokens (80 % [MASK], 10 % a random token, 10 % kept), "
+    "a fixed rate; drop it (megapar.data.MLMDataset(..., mask_prob=P) in your own loop)"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -538,6 +543,32 @@ OTHER_TOOLS_FLAGS = {
     "--attention-dropout": MODEL_FIELD.format(
         field="attn_pdrop (GPT-2), attention_probs_dropout_prob (BERT), attention_dropout (Llama)"
     ),
+    # Megatron-LM's and transformers' (run_mlm.py) BERT pretraining flags
+    "--mask-prob": MLM_RATE,
+    "--masked-lm-prob": MLM_RATE,
+    "--mlm-probability": MLM_RATE,
+    "--mlm_probability": MLM_RATE,
+    "--mlm": "a BERT model always trains the masked-LM loss (a GPT-2 or Llama the causal one); "
+    "drop it",
+    "--whole-word-masking": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--whole_word_mask": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--bert-no-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only, as this flag asks of Megatron-LM; drop it",
+    "--bert-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only; drop it",
+    "--short-seq-prob": "megapar's BERT samples are each document's consecutive chunks of "
+    "--seq-len - 3 tokens, none shortened at random; drop it",
+    "--data-impl": "megapar reads Megatron-LM's mmap datasets (MMIDIDX .bin / .idx) as they "
+    "are; drop it",
+    "--num-workers": "megapar-train collates each batch in the training process (a few index "
+    "lookups per sample); drop it",
+    "--dataloader-type": "megapar-train's sampler reshuffles the samples every epoch (as "
+    "Megatron-LM's cyclic); drop it",
+    "--bert-load": "--from-hf DIR (a transformers BERT directory) or --load CKPT (a megapar "
+    "checkpoint)",
+    "--make-vocab-size-divisible-by": MODEL_FIELD.format(field="make_vocab_size_divisible_by"),
     # the other megapar commands' flags
     "--input": "--data",
     "--split-lines": "megapar-train already reads a .txt as a document per blank-line "

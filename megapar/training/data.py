@@ -349,6 +349,7 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
         manifest,
         notes,
         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id},
+        (list(tokenizer.appended), tokenizer.base_vocab_size),
     )
 
 

@@ -10,7 +10,12 @@ from megapar.checkpoint.hf import HFReader
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
-from megapar.training.validate import UsageError, check_mlm_seq_len, explicit
+from megapar.training.validate import (
+    UsageError,
+    check_mlm_seq_len,
+    check_mlm_token_types,
+    explicit,
+)
 from megapar.training.validate_resume import model_from_checkpoint
 from megapar.training.validate_sft import check_sft_model
 
@@ -26,6 +31,7 @@ def resolve_model_config(
     manifest: dict | None = None,
     notes: list[str] | None = None,
     special_ids: dict | None = None,
+    appended: tuple[list[str], int] | None = None,
 ):
     """The model config for --load / --model / --from-hf, checked against the tokenizer and
     seq-len.
@@ -36,6 +42,8 @@ def resolve_model_config(
     With --load (`manifest` given) the model is the checkpoint's; a --model or --from-hf given
     as well must describe the same model. `special_ids` (bos_token_id / eos_token_id of the
     tokenizer) replace a recipe's own, so an exported model generates with the data's ids.
+    `appended` (the special tokens the tokenizer appends after its vocabulary, and its size)
+    names the one a --from-hf BERT has no row for.
     """
 
     def needed(config) -> int:
@@ -52,6 +60,7 @@ def resolve_model_config(
         # --sft-keys on a BERT is refused as that, not for the vocabulary its data would need
         check_sft_model(cfg, config.model_type)
         if config.vocab_size < needed(config) and manifest is None:
+            _check_appended(cfg, config, tokenizer_name, appended)
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
@@ -95,6 +104,41 @@ def resolve_model_config(
     _apply_moe_flags(cfg, config)
     _check_ep(cfg, config)
     return config
+
+
+SPECIAL_KEYS = {
+    "[PAD]": "pad_token",
+    "[CLS]": "cls_token",
+    "[SEP]": "sep_token",
+    "[MASK]": "mask_token",
+}
+"""The special tokens megapar appends where a tokenizer lacks them, by their transformers key."""
+
+
+def _check_appended(
+    cfg: TrainConfig, config, tokenizer_name: str, appended: tuple[list[str], int] | None
+) -> None:
+    """A --from-hf BERT whose vocabulary holds the tokenizer's own ids but not the special
+    tokens megapar appends after them (a WordPiece without [MASK]) is refused naming them."""
+    if appended is None or config.model_type in CAUSAL_LM_TYPES:
+        return
+    names, base = appended
+    if base > config.vocab_size:
+        return  # the tokenizer's own ids do not fit: another tokenizer
+    beyond = [(n, base + i) for i, n in enumerate(names) if base + i >= config.vocab_size]
+    if not beyond or any(n not in SPECIAL_KEYS for n, _ in beyond):
+        return
+    tokens = " ".join(n for n, _ in beyond)
+    ids = ", ".join(str(i) for _, i in beyond)
+    add = ", ".join(f"'{SPECIAL_KEYS[n]}': '{n}'" for n, _ in beyond)
+    raise ConfigError(
+        f"--from-hf {cfg.from_hf}: its tokenizer ({tokenizer_name}) has no {tokens} "
+        f"token{'s' if len(beyond) > 1 else ''}, which BERT's masking needs; megapar would "
+        f"append {'them as ids' if len(beyond) > 1 else 'it as id'} {ids}, beyond the model's "
+        f"vocabulary of {config.vocab_size}: add {'them' if len(beyond) > 1 else 'it'} to both "
+        f"and save them again (tok.add_special_tokens({{{add}}}); "
+        f"model.resize_token_embeddings(len(tok)))"
+    )
 
 
 def _check_ep(cfg: TrainConfig, config) -> None:
@@ -164,6 +208,7 @@ def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
     max_len = config.max_positions
     if config.model_type not in CAUSAL_LM_TYPES:
         check_mlm_seq_len(cfg.seq_len)
+        check_mlm_token_types(config)
     if cfg.seq_len > max_len:
         window = config.window_error(cfg.seq_len)
         if "seq_len" in explicit(cfg) and window:  # a sliding window megapar does not have

@@ -279,6 +279,16 @@ def check_mlm_seq_len(seq_len: int) -> None:
         )
 
 
+def check_mlm_token_types(config) -> None:
+    """A BERT model's MLM samples give segment B token type 1: the model needs two types."""
+    if config.type_vocab_size < 2:
+        raise UsageError(
+            f"the model's type_vocab_size is {config.type_vocab_size}, and megapar's BERT "
+            f"samples ([CLS] A [SEP] B [SEP]) give segment B token type 1; use a BERT with "
+            f"type_vocab_size >= 2"
+        )
+
+
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
     """Context parallelism cuts each sequence into 2 x cp chunks (and, under sequence
     parallelism, a cp rank's tokens into tp slices): --seq-len must allow both."""

@@ -41,6 +41,7 @@ from megapar.training.validate import (
     UsageError,
     check_cp_seq_len,
     check_mlm_seq_len,
+    check_mlm_token_types,
     flag_of,
 )
 from megapar.training.validate_resume import checkpoint_manifest
@@ -96,6 +97,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         check_text_options(args)  # before anything is read or tokenized
         if not causal:
             check_mlm_seq_len(args.seq_len)
+            check_mlm_token_types(config)
         args.data_shown = args.data  # messages name the text, not its cached dataset
         tokenized: list[str] = []  # a copy made now goes again when the text is refused
         try:
