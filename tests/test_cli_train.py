@@ -594,8 +594,9 @@ def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, 
 
 
 def test_the_logged_mfu_counts_the_model_s_matmuls(tmp_path, text, cache):
-    """TFLOP/s and MFU in the log are tokens/s x `training_flops_per_token` (SwiGLU's three
-    products, grouped-query k / v, no FLOPs for the untied input embedding's lookup), the count
+    """TFLOP/s (the job's; per rank, TFLOP/s over the ranks) and MFU in the log are tokens/s x
+    `training_flops_per_token` (SwiGLU's three products, grouped-query k / v, no FLOPs for the
+    untied input embedding's lookup), the count
     megapar-plan's MFU uses; it was 6 x allocated parameters + 12 L h s, which counted the
     lookup as a product."""
     from megapar.models import config_from_dict
@@ -608,14 +609,17 @@ def test_the_logged_mfu_counts_the_model_s_matmuls(tmp_path, text, cache):
     model.write_text(json.dumps(cfg))
     assert main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
                  "--model", str(model), "--max-steps", "2", "--log-json", str(log),
-                 "--peak-tflops", "2", *TINY]) == 0
+                 "--peak-tflops", "2", "--tp", "2", *TINY]) == 0
     config = config_from_dict({**cfg, "vocab_size": 1004})  # the tokenizer's vocabulary
     steps = [m for m in map(json.loads, log.read_text().splitlines()) if "tflops" in m]
     assert len(steps) == 2
     for m in steps:
         assert m["tflops"] * 1e12 / m["tokens_per_s"] == pytest.approx(
             training_flops_per_token(config, 32), rel=1e-9)
-        assert m["mfu"] == pytest.approx(m["tflops"] / 2)
+        # the job's TFLOP/s over its 2 ranks: per rank (per GPU, as Megatron's TFLOP/s/GPU),
+        # against one device's --peak-tflops 2
+        assert m["tflops_per_rank"] == pytest.approx(m["tflops"] / 2)
+        assert m["mfu"] == pytest.approx(m["tflops_per_rank"] / 2)
 
 
 def test_every_flag_has_a_group_and_the_groups_follow_in_order():

@@ -49,8 +49,9 @@ def test_the_log_calls_the_idle_share_a_bubble_only_with_a_pipeline(tmp_path, ca
 
 def test_a_step_without_pipeline_or_dp_logs_neither():
     metrics = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e3, "tflops": 0.1,
-               "mfu": 0.01, "peak_mem_mb": 100.0}
+               "tflops_per_rank": 0.05, "mfu": 0.01, "peak_mem_mb": 100.0}
     line = format_line(3, metrics)
+    assert "| TFLOP/s/rank 0.050 |" in line  # per rank (GPU), not the job's 0.1
     assert "bubble" not in line and "wait" not in line
     assert "bubble 12.5%" in format_line(3, {**metrics, "bubble": 0.125})
     # steps skipped for inf / nan since the last line show, whether or not this one was

@@ -62,7 +62,7 @@ def test_a_rank_alone_in_its_stage_is_compared_with_its_own_history():
 
 def test_the_log_line_names_a_straggler():
     metrics = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e3, "tflops": 0.1,
-               "mfu": 0.01, "peak_mem_mb": 100.0,
+               "tflops_per_rank": 0.05, "mfu": 0.01, "peak_mem_mb": 100.0,
                "stragglers": [{"rank": 5, "tp": 1, "cp": 0, "pp": 0, "dp": 1, "compute_s": 0.4,
                                "wait_s": 0.01, "median_compute_s": 0.1,
                                "compared_with": "stage"}]}

@@ -297,7 +297,8 @@ def scalars_of(metrics: dict) -> dict[str, float]:
 
 
 def format_line(step: int, m: dict) -> str:
-    """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
+    """The console log line: tokens/s of the whole job, TFLOP/s per rank (per GPU: Megatron's
+    TFLOP/s/GPU) and MFU; `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
     neither at pp 1 alone; a mixture of experts' router statistics (the balancing losses, the
     busiest layer's max / mean tokens per expert, the share of assignments dropped); the steps
@@ -309,7 +310,7 @@ def format_line(step: int, m: dict) -> str:
         f"lr {m['lr']:.3e}",
         f"grad_norm {m['grad_norm']:.3f}",
         f"tok/s {m['tokens_per_s']:,.0f}",
-        f"TFLOP/s {m['tflops']:.3f}",
+        f"TFLOP/s/rank {m['tflops_per_rank']:.3f}",
         f"MFU {100 * m['mfu']:.2f}%",
     ]
     if "bubble" in m:

@@ -347,6 +347,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed,
             "tflops": tflops,
+            "tflops_per_rank": tflops / mesh.layout.world_size,
             "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
             "skipped": bool(result.skipped),
             "loss_scale": float(result.loss_scale),
