@@ -455,6 +455,11 @@ def _bad_batches():
             out[name] = "accepted"
         except (TypeError, ValueError) as exc:
             out[name] = str(exc)
+    try:  # eval_step's loss needs labels too: refused on every rank, not by the last stage only
+        engine.eval_step({"input_ids": x})
+        out["eval no labels"] = "accepted"
+    except ValueError as exc:
+        out["eval no labels"] = str(exc)
     engine.train_step({**good, "attention_mask": torch.ones_like(x)})  # a tokenizer's: accepted
     return out, engine.step
 
@@ -473,6 +478,7 @@ def test_bad_batches_are_refused_at_any_layout(run):
                 "float": "holds torch.float32; token ids",
                 "long": "longer than the model's 16 positions",
                 "no labels": "train_step needs 'labels'",
+                "eval no labels": "eval_step needs 'labels'",
                 "mask shape": "attention_mask has shape (8, 6), input_ids (8, 8)",
                 "int32": "accepted", "uint8": "accepted"}   # any integer width, as int64
     for name, message in expected.items():

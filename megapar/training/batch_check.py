@@ -39,10 +39,10 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
             f"to train), got {type(batch).__name__}"
         )
-    if what == "train_step" and "labels" not in batch:
-        raise ValueError(
-            "train_step needs 'labels' (the next-token ids aligned with input_ids, "
-            "-100 where there is none; BERT: the masked tokens' ids)"
+    if what in ("train_step", "eval_step") and "labels" not in batch:
+        raise ValueError(  # eval_step's loss needs them too (else only the last stage fails)
+            f"{what} needs 'labels' (the next-token ids aligned with input_ids, "
+            f"-100 where there is none; BERT: the masked tokens' ids)"
         )
     bert = config.model_type == "bert"
     allowed = BERT_KEYS if bert else DECODER_KEYS
