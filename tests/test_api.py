@@ -1004,6 +1004,24 @@ def test_prepare_names_an_architecture_it_does_not_build():
         megapar.prepare(opt)
 
 
+def test_prepare_names_a_model_on_the_meta_device_and_takes_its_config():
+    """A model built on the meta device (torchtitan's way to skip materialising it) has no
+    weights to shard: one line naming its config as the fix (torch's 'Cannot copy out of meta
+    tensor' from deep inside the weight reader before), and its config builds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megapar.models.config import ConfigError
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    with pytest.raises(ConfigError, match=r"prepare: the GPT2LMHeadModel's weights are on the "
+                                          r"meta device .*; pass its config, "
+                                          r"megapar.prepare\(model.config, ...\)"):
+        megapar.prepare(model)
+    assert megapar.prepare(model.config).step == 0
+
+
 def test_prepare_names_the_option_a_misspelt_one_meant():
     """A misspelt keyword said only 'see TrainConfig' (megapar-train's parser names the flag)."""
     from transformers import GPT2Config

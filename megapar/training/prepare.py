@@ -47,6 +47,13 @@ def _resolve_model(model):
                 f"would be dropped); pass {' / '.join(LM_CLASSES)}, the model "
                 f"megapar trains, with the same weights"
             )
+        if any(t.is_meta for t in model.state_dict().values()):
+            raise ConfigError(
+                f"megapar.prepare: the {name}'s weights are on the meta device (no values "
+                f"to shard); pass its config, megapar.prepare(model.config, ...), to build "
+                f"it with weights initialised from seed on each rank's shard only, or "
+                f"build the model with its weights"
+            )
         reader = HFReader.from_model(model)
         return reader.config, reader
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):
@@ -116,8 +123,9 @@ def prepare(
     `MixtralForCausalLM` / `Qwen3MoeForCausalLM` instance (its weights are kept; build it
     identically on every rank; a bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing
     head initialised, with a warning; a model with another head, e.g. for classification, is
-    refused), a transformers config (weights initialised from
-    `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
+    refused; one built on the meta device has no weights: pass its config), a transformers
+    config (weights initialised from `seed`, the same in every layout, each rank building its
+    shard only), or a megapar recipe name ("gpt2-tiny", "bert-base").
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
