@@ -124,8 +124,8 @@ def prepare(
     identically on every rank; a bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing
     head initialised, with a warning; a model with another head, e.g. for classification, is
     refused; one built on the meta device has no weights: pass its config), a transformers
-    config (weights initialised from `seed`, the same in every layout, each rank building its
-    shard only), or a megapar recipe name ("gpt2-tiny", "bert-base").
+    config (weights initialised from `seed`, the same in every layout; each rank keeps only its
+    stage's shards, one full tensor at a time made to cut them), or a megapar recipe name ("gpt2-tiny", "bert-base").
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
