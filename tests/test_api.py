@@ -237,11 +237,16 @@ def _resume_run(ckpt, stop_at, load, layout):
     if load:
         state = engine.load(ckpt)
         assert state.meta["mine"] == {"note": "x"}
+        loaded = engine.eval_step(_batches(1)[0])  # no dropout draw: the resumed losses stay
     losses = []
     for batch in _batches(6)[engine.step:stop_at]:
         losses.append(engine.train_step(batch))
     if not load:
         engine.save(ckpt, extra={"mine": {"note": "x"}})
+    else:  # prepare(checkpoint directory): its model and weights, resharded to another layout
+        # (a ConfigError 'no such config file' before: a checkpoint was no model to prepare)
+        resharded = megapar.prepare(ckpt, tp=2, micro_batch_size=2)
+        assert resharded.step == 0 and abs(resharded.eval_step(_batches(1)[0]) / loaded - 1) < 1e-6
     return losses, engine.step
 
 

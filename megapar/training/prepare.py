@@ -7,17 +7,22 @@ import dataclasses
 import difflib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
 from megapar.checkpoint.convert import recorded_tokenizer
+from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
 from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_ranks
-from megapar.models.config import ConfigError, config_from_hf
+from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
@@ -29,10 +34,16 @@ from megapar.training.validate_sharding import check_optimizer_sharding, check_z
 
 
 def _resolve_model(model):
-    """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
+    """(megapar config, where its weights come from) for a transformers model (an HF reader) /
+    config or a recipe name (None: initialised from the seed), or a megapar checkpoint (its
+    step directory)."""
 
-    if isinstance(model, str):
-        return resolve_model(model), None
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists()):
+            step_dir = resolve_checkpoint(path)
+            return config_from_dict(read_manifest(step_dir)["model"]), step_dir
+        return resolve_model(str(model)), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
         kind = getattr(model.config, "model_type", None)
@@ -125,7 +136,10 @@ def prepare(
     head initialised, with a warning; a model with another head, e.g. for classification, is
     refused; one built on the meta device has no weights: pass its config), a transformers
     config (weights initialised from `seed`, the same in every layout; each rank keeps only its
-    stage's shards, one full tensor at a time made to cut them), or a megapar recipe name ("gpt2-tiny", "bert-base").
+    stage's shards, one full tensor at a time made to cut them), a megapar recipe name
+    ("gpt2-tiny", "bert-base"), or a megapar checkpoint directory (`megapar-train --save`'s or
+    `engine.save`'s: its model with its weights, resharded to this layout, and the tokenizer
+    it trained with; the optimizer state, step and RNG are `engine.load(dir)`'s to restore).
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
@@ -217,7 +231,9 @@ def prepare(
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
-    if reader is not None:
+    if isinstance(reader, Path):  # a megapar checkpoint: its weights (engine.load: the rest)
+        _load_checkpoint_weights(engine, reader)
+    elif reader is not None:
         _load_model_weights(engine, model, reader, seed)
     set_action("megapar.prepare returned; in the caller's code")
     return engine
@@ -312,6 +328,18 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
             "engine.optimizer"
         )
     return lr_schedule
+
+
+def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
+    """A megapar checkpoint's weights (resharded to this layout) and provenance (tokenizer,
+    Hugging Face dtype and generation config) into the engine; its optimizer state, step, RNG
+    and schedule stay as `prepare` made them (`engine.load` restores those)."""
+    set_action(f"megapar.prepare: loading the weights of {step_dir}")
+    with engine.params_whole():
+        meta = load_checkpoint(step_dir, engine.model, engine.mesh).meta
+    engine.tokenizer = meta.get("tokenizer")
+    engine.source_dtype = meta.get("hf_dtype")
+    engine.source_generation_config = meta.get("hf_generation_config")
 
 
 def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
