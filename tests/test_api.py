@@ -229,6 +229,33 @@ def test_torch_lambda_lr_drives_engine_optimizer(run):
     assert plain[0] == losses[0] and plain[3] < plain[2] < plain[1]  # constant lr keeps training
 
 
+def test_load_continues_a_checkpoints_schedule_without_one_given(tmp_path):
+    """A checkpoint with a megapar schedule (every megapar-train one) loaded into an engine
+    prepared without lr_schedule continues that schedule, as engine.load promises (the engine
+    went on at a constant lr: the last one the checkpoint's optimizer had); with a torch
+    scheduler on engine.optimizer that scheduler keeps the learning rate."""
+    schedule = {"warmup_steps": 1, "max_steps": 4, "min_lr": 1e-4}
+    saved = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2, lr_schedule=schedule)
+    batch = _batches(1)[0]
+    for _ in range(2):
+        saved.train_step(batch)
+    saved.save(tmp_path)
+    want = [saved.scheduler.lr(s) for s in (2, 3)]  # the lr of steps 3 and 4: cosine decay
+    engine = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
+    engine.load(tmp_path)
+    lrs = []
+    for _ in range(2):
+        engine.train_step(batch)
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    assert lrs == want and 1e-4 < want[1] < want[0] < 1e-2, (lrs, want)
+    driven = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(driven.optimizer, lambda s: 0.5)
+    driven.load(tmp_path)
+    driven.train_step(batch)  # (megapar's schedule beside a torch one would be refused here)
+    sched.step()
+    assert driven.scheduler is None and driven.optimizer.param_groups[0]["lr"] == 5e-3
+
+
 def _resume_run(ckpt, stop_at, load, layout):
     tp, pp, zero = layout
     engine = megapar.prepare(_hf_model(dropout=0.1), tp=tp, pp=pp, micro_batch_size=2, lr=3e-3,

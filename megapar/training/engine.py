@@ -517,8 +517,10 @@ class Engine:
 
     def load(self, path: str | Path):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
-        (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
-        holds what `save(extra=...)` stored)."""
+        (any layout: resharded on load). The checkpoint's megapar schedule replaces the
+        engine's, or becomes it when `prepare` was given none and no torch scheduler drives
+        `optimizer`. Returns the checkpoint's `LoadedState` (its `.meta` holds what
+        `save(extra=...)` stored)."""
 
         _check_path("engine.load", path)
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
