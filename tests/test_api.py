@@ -570,7 +570,8 @@ def _global_rng_batches():
     from megapar.device import process_group_timeout_s
 
     engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=37)
-    x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG: seeded per stage by prepare
+    torch.manual_seed(engine.mesh.rank)  # as unseeded processes (torchrun's) differ
+    x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG, another on every rank
     return refusal(engine, {"input_ids": x, "labels": x}), process_group_timeout_s()
 
 
@@ -658,19 +659,29 @@ def _prepare_twice():
     ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
     torch.manual_seed(0)
+    alone = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    uninterrupted = [alone.train_step(batch) for _ in range(3)]
+    torch.manual_seed(0)
     first = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
     before = [first.train_step(batch) for _ in range(2)]
     torch.manual_seed(0)  # a notebook cell run again: a second engine
     second = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    callers = torch.get_rng_state()
     again = [second.train_step(batch) for _ in range(2)]
-    return before, again, first.train_step(batch)
+    untouched = torch.equal(torch.get_rng_state(), callers)  # the engines draw from their own
+    torch.randn(5)  # the caller's loop drawing from torch's global RNG between steps
+    return uninterrupted, before, again, first.train_step(batch), untouched
 
 
 def test_prepare_twice_in_one_process_gives_two_independent_engines(run):
-    """Documented (README): each call builds a new engine (its own model, optimizer and step;
-    the process groups are torch's, shared); the earlier one keeps its state and works on."""
-    for before, again, third in run(_prepare_twice, 2):
-        assert again == before and third < before[-1]
+    """Documented (README): each call builds a new engine (its own model, optimizer, step and
+    dropout stream; the process groups are torch's, shared); the earlier one keeps its state
+    and works on, its dropout masks (GPT2Config's 0.1) untouched by the second engine and by
+    the caller's own draws from torch's global RNG (its third step differed from an
+    uninterrupted engine's before: prepare reseeded, and dropout drew from, the caller's
+    RNG), and prepare and the steps leave the caller's RNG as it was."""
+    for uninterrupted, before, again, third, untouched in run(_prepare_twice, 2):
+        assert again == before == uninterrupted[:2] and third == uninterrupted[2] and untouched
 
 
 def _export_with_tokenizer(out):

@@ -58,7 +58,12 @@ from megapar.training.config import TrainConfig
 from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, stage_for
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
-from megapar.training.rng import rng_state, set_rng_state
+from megapar.training.rng import (
+    default_rng_state,
+    rng_state,
+    set_default_rng_state,
+    set_rng_state,
+)
 from megapar.training.step import BatchPlan, StepResult, TrainStep, loss_weight
 
 ON_NONFINITE = ("raise", "skip")
@@ -89,6 +94,7 @@ class Engine:
             )
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh_for(cfg, mesh)
+        callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
         self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
         """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
@@ -126,6 +132,10 @@ class Engine:
         )
         self._init_run_state(cfg, on_nonfinite)
         self._start_saver(cfg, mesh)
+        self._rng: dict[str, torch.Tensor] | None = default_rng_state(mesh.device)
+        """The engine's default-generator state (its dropout stream, seeded per stage), swapped
+        in for its steps (`own_rng`); None while swapped in."""
+        set_default_rng_state(callers, mesh.device)
 
     def _build_grad_sync(self, cfg: TrainConfig, mesh: Mesh, reduce_dtype) -> None:
         """The stage's gradient sync (and under ZeRO-3 its sharded parameters)."""
@@ -236,6 +246,10 @@ class Engine:
         self.executor = self.step_fn.executor = self.executor_for(
             micro_batches[0]["input_ids"].shape[1]
         )
+        with self.own_rng():
+            return self._run_step(micro_batches, labelled)
+
+    def _run_step(self, micro_batches: list[dict], labelled) -> StepResult:
         set_step(self.step + 1)
         if self._slowdown is not None:
             self._slowdown.begin_step(
@@ -283,7 +297,8 @@ class Engine:
         """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the
         step re-run with per-module checks). Collective."""
         try:
-            return locate(self, self.kept)
+            with self.own_rng():
+                return locate(self, self.kept)
         except Exception as exc:  # noqa: BLE001 - the non-finite step stays the error
             return f"re-running it with per-module checks failed: {type(exc).__name__}: {exc}"
 
@@ -560,13 +575,34 @@ class Engine:
         return path
 
     # RNG ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def own_rng(self):
+        """A context in which torch's default generators (CPU, and the rank's GPU) hold the
+        engine's stream, put back as the caller's on exit: the engine's dropout masks do not
+        depend on what the caller's code draws between steps (or on another engine), and its
+        steps draw nothing from the caller's stream. Re-entrant."""
+        if self._rng is None:  # already inside
+            yield
+            return
+        callers = default_rng_state(self.mesh.device)
+        set_default_rng_state(self._rng, self.mesh.device)
+        self._rng = None
+        try:
+            yield
+        finally:
+            self._rng = default_rng_state(self.mesh.device)
+            set_default_rng_state(callers, self.mesh.device)
+
     def rng_state(self) -> dict[str, torch.Tensor]:
-        """This rank's RNG state as checkpoints keep it (`training.rng`)."""
-        return rng_state(self.model, self.mesh.device)
+        """This rank's RNG state as checkpoints keep it (`training.rng`): the engine's own
+        stream (`own_rng`) and the tp stream."""
+        with self.own_rng():
+            return rng_state(self.model, self.mesh.device)
 
     def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
-        """Restore an `rng_state`."""
-        set_rng_state(self.model, self.mesh.device, rng)
+        """Restore an `rng_state` (into the engine's own stream: `own_rng`)."""
+        with self.own_rng():
+            set_rng_state(self.model, self.mesh.device, rng)
 
 
 def _check_path(call: str, path) -> None:
