@@ -703,8 +703,8 @@ def _export_with_tokenizer(out):
     for bad in ({"dtype": "float12"}, {"tokenizer": out + "/nowhere"}):
         try:
             engine.export_hf(out + "/bad", **bad)
-        except RuntimeError as exc:
-            refused.append(str(exc))
+        except (RuntimeError, ValueError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
     for call in (lambda: engine.save(5), lambda: engine.load(None),
                  lambda: engine.export_hf(5), lambda: engine.save(out + "/c", extra=[1])):
         try:
@@ -722,7 +722,11 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     from megapar.data import load_tokenizer
 
     said, refused = run(_export_with_tokenizer, 1, str(tmp_path))[0]
-    assert "dtype='float12' is not one of" in refused[0], refused
+    # a bad dtype: ValueError before anything is gathered or written (was the RuntimeError
+    # 'export to ... failed: CheckpointError: ...' after the weights were saved to a temporary
+    # checkpoint)
+    assert refused[0] == ("ValueError: engine.export_hf: dtype='float12' is not one of float32, "
+                          "bfloat16, float16 (or fp32, bf16, fp16, or the torch.dtype)"), refused
     assert (f"tokenizer='{tmp_path}/nowhere' cannot be loaded" in refused[1]
             and "pass tokenizer=SPEC" in refused[1]), refused
     assert not any("--" in r for r in refused), refused

@@ -28,6 +28,7 @@ from megapar.checkpoint.distributed import (
     load_checkpoint,
     save_checkpoint,
 )
+from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
@@ -570,6 +571,11 @@ class Engine:
         _check_path("engine.export_hf", path)
         if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it
             dtype = str(dtype).removeprefix("torch.")
+        if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
+            raise ValueError(  # on every rank, before the weights are gathered and written
+                f"engine.export_hf: dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)} "
+                f"(or {', '.join(DTYPE_ALIASES)}, or the torch.dtype)"
+            )
         path = export_engine(self, path, tokenizer, dtype, allow_other_tokenizer)
         _returned("engine.export_hf")
         return path
