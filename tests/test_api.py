@@ -1131,6 +1131,13 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
      ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
     ({"loss_mean": "mean"}, ["megapar.prepare: loss_mean='mean' is not one of 'microbatch', "
                              "'token'"]),
+    # megapar-train's choices: each was the engine's own error, raised after the mesh was made
+    # ("unknown precision 'fp64'; expected one of [...]"), not naming the keyword
+    ({"precision": "fp64"}, ["megapar.prepare: precision='fp64' is invalid: choose one of "
+                             "'fp32', 'bf16', 'fp16'"]),
+    ({"schedule": "gpipe2"}, ["megapar.prepare: schedule='gpipe2' is invalid: choose one of"]),
+    ({"optimizer": "adam"}, ["megapar.prepare: optimizer='adam' is invalid", "'adamw'"]),
+    ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

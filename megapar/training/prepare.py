@@ -26,8 +26,9 @@ from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
-from megapar.training.config import TrainConfig
+from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.usage import UsageError
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
@@ -106,6 +107,19 @@ def _check_sharding(cfg: TrainConfig) -> None:
             f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
             f"(gradients too) or 3 (parameters too)"
         )
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    """A setting of a fixed set of values (megapar-train's flag choices: precision, schedule,
+    recompute, optimizer, ...) outside it: ValueError naming the keyword, before anything is
+    built (the engine's own checks raised later, not in the API's terms)."""
+    for name, allowed in flag_choices().items():
+        value = getattr(cfg, name)
+        if value is not None and value not in allowed:
+            raise UsageError(
+                f"megapar.prepare: {name}={value!r} is invalid: choose one of "
+                f"{', '.join(map(repr, allowed))}"
+            )
 
 
 def prepare(
@@ -215,6 +229,7 @@ def prepare(
             f"{', '.join(map(repr, LOSS_MEANS))} ('microbatch', the default: the mean of each "
             f"micro-batch's token mean; 'token': the global batch's token mean)"
         )
+    _check_choices(cfg)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
