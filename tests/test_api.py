@@ -1057,7 +1057,8 @@ def test_prepare_names_an_architecture_it_does_not_build():
 def test_prepare_names_a_model_on_the_meta_device_and_takes_its_config():
     """A model built on the meta device (torchtitan's way to skip materialising it) has no
     weights to shard: one line naming its config as the fix (torch's 'Cannot copy out of meta
-    tensor' from deep inside the weight reader before), and its config builds."""
+    tensor' from deep inside the weight reader before), and its config builds (and shows
+    itself in a notebook by its model, layout, step and optimizer)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from megapar.models.config import ConfigError
@@ -1069,7 +1070,10 @@ def test_prepare_names_a_model_on_the_meta_device_and_takes_its_config():
                                           r"meta device .*; pass its config, "
                                           r"megapar.prepare\(model.config, ...\)"):
         megapar.prepare(model)
-    assert megapar.prepare(model.config).step == 0
+    engine = megapar.prepare(model.config, lr=3e-4)
+    # what a notebook shows for it (was <megapar.training.engine.Engine object at 0x...>)
+    assert repr(engine) == ("Engine(gpt2, Mesh(tp=1 pp=1 dp=1, rank=0: tp_rank=0 pp_rank=0 "
+                            "dp_rank=0), step=0, optimizer=adamw lr=0.0003, precision=fp32)")
 
 
 def test_prepare_names_the_option_a_misspelt_one_meant():

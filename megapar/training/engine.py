@@ -138,6 +138,17 @@ class Engine:
         in for its steps (`own_rng`); None while swapped in."""
         set_default_rng_state(callers, mesh.device)
 
+    def __repr__(self) -> str:
+        """What a notebook shows for `engine`: the model, the layout and this rank's place in
+        it, the step, the optimizer and the precision."""
+        cfg = self.cfg
+        zero = f" zero={cfg.zero}" if cfg.zero else ""
+        return (
+            f"Engine({self.config.model_type}, {self.mesh!r}, step={self.step}, "
+            f"optimizer={cfg.optimizer} lr={self.optimizer.param_groups[0]['lr']:g}{zero}, "
+            f"precision={cfg.precision})"
+        )
+
     def _build_grad_sync(self, cfg: TrainConfig, mesh: Mesh, reduce_dtype) -> None:
         """The stage's gradient sync (and under ZeRO-3 its sharded parameters)."""
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
