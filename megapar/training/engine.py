@@ -95,8 +95,8 @@ class Engine:
             )
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh_for(cfg, mesh)
-        callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
+        callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
         """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
         self.precision = Precision(cfg.precision, mesh.device)
