@@ -31,3 +31,9 @@ def __getattr__(name):
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'megapar' has no attribute {name!r}")
+
+
+def __dir__():
+    """The module's names with the lazy public ones, so `dir(megapar)` and a notebook's
+    completion (`megapar.<Tab>`) show `prepare` and `launch` before their first use."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -44,9 +44,12 @@ def prefix(tmp_path_factory):
 
 def test_import_megapar_is_cheap():
     out = subprocess.run([sys.executable, "-c", "import sys, megapar; "
+                          "print(set(megapar.__all__) <= set(dir(megapar))); "
                           "print('torch' in sys.modules, callable(megapar.launch))"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.stdout.split() == ["False", "True"], out.stderr
+    # dir() (what a notebook completes megapar.<Tab> from) names the lazy public names too,
+    # before their first use, and listing them imports nothing
+    assert out.stdout.split() == ["True", "False", "True"], out.stderr
 
 
 def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
@@ -229,6 +232,33 @@ def test_torch_lambda_lr_drives_engine_optimizer(run):
     assert plain[0] == losses[0] and plain[3] < plain[2] < plain[1]  # constant lr keeps training
 
 
+def test_load_continues_a_checkpoints_schedule_without_one_given(tmp_path):
+    """A checkpoint with a megapar schedule (every megapar-train one) loaded into an engine
+    prepared without lr_schedule continues that schedule, as engine.load promises (the engine
+    went on at a constant lr: the last one the checkpoint's optimizer had); with a torch
+    scheduler on engine.optimizer that scheduler keeps the learning rate."""
+    schedule = {"warmup_steps": 1, "max_steps": 4, "min_lr": 1e-4}
+    saved = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2, lr_schedule=schedule)
+    batch = _batches(1)[0]
+    for _ in range(2):
+        saved.train_step(batch)
+    saved.save(tmp_path)
+    want = [saved.scheduler.lr(s) for s in (2, 3)]  # the lr of steps 3 and 4: cosine decay
+    engine = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
+    engine.load(tmp_path)
+    lrs = []
+    for _ in range(2):
+        engine.train_step(batch)
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    assert lrs == want and 1e-4 < want[1] < want[0] < 1e-2, (lrs, want)
+    driven = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(driven.optimizer, lambda s: 0.5)
+    driven.load(tmp_path)
+    driven.train_step(batch)  # (megapar's schedule beside a torch one would be refused here)
+    sched.step()
+    assert driven.scheduler is None and driven.optimizer.param_groups[0]["lr"] == 5e-3
+
+
 def _resume_run(ckpt, stop_at, load, layout):
     tp, pp, zero = layout
     engine = megapar.prepare(_hf_model(dropout=0.1), tp=tp, pp=pp, micro_batch_size=2, lr=3e-3,
@@ -237,11 +267,16 @@ def _resume_run(ckpt, stop_at, load, layout):
     if load:
         state = engine.load(ckpt)
         assert state.meta["mine"] == {"note": "x"}
+        loaded = engine.eval_step(_batches(1)[0])  # no dropout draw: the resumed losses stay
     losses = []
     for batch in _batches(6)[engine.step:stop_at]:
         losses.append(engine.train_step(batch))
     if not load:
         engine.save(ckpt, extra={"mine": {"note": "x"}})
+    else:  # prepare(checkpoint directory): its model and weights, resharded to another layout
+        # (a ConfigError 'no such config file' before: a checkpoint was no model to prepare)
+        resharded = megapar.prepare(ckpt, tp=2, micro_batch_size=2)
+        assert resharded.step == 0 and abs(resharded.eval_step(_batches(1)[0]) / loaded - 1) < 1e-6
     return losses, engine.step
 
 
@@ -455,6 +490,11 @@ def _bad_batches():
             out[name] = "accepted"
         except (TypeError, ValueError) as exc:
             out[name] = str(exc)
+    try:  # eval_step's loss needs labels too: refused on every rank, not by the last stage only
+        engine.eval_step({"input_ids": x})
+        out["eval no labels"] = "accepted"
+    except ValueError as exc:
+        out["eval no labels"] = str(exc)
     engine.train_step({**good, "attention_mask": torch.ones_like(x)})  # a tokenizer's: accepted
     return out, engine.step
 
@@ -473,6 +513,7 @@ def test_bad_batches_are_refused_at_any_layout(run):
                 "float": "holds torch.float32; token ids",
                 "long": "longer than the model's 16 positions",
                 "no labels": "train_step needs 'labels'",
+                "eval no labels": "eval_step needs 'labels'",
                 "mask shape": "attention_mask has shape (8, 6), input_ids (8, 8)",
                 "int32": "accepted", "uint8": "accepted"}   # any integer width, as int64
     for name, message in expected.items():
@@ -532,7 +573,8 @@ def _global_rng_batches():
     from megapar.device import process_group_timeout_s
 
     engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=37)
-    x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG: seeded per stage by prepare
+    torch.manual_seed(engine.mesh.rank)  # as unseeded processes (torchrun's) differ
+    x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG, another on every rank
     return refusal(engine, {"input_ids": x, "labels": x}), process_group_timeout_s()
 
 
@@ -620,19 +662,29 @@ def _prepare_twice():
     ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
     torch.manual_seed(0)
+    alone = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    uninterrupted = [alone.train_step(batch) for _ in range(3)]
+    torch.manual_seed(0)
     first = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
     before = [first.train_step(batch) for _ in range(2)]
     torch.manual_seed(0)  # a notebook cell run again: a second engine
     second = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    callers = torch.get_rng_state()
     again = [second.train_step(batch) for _ in range(2)]
-    return before, again, first.train_step(batch)
+    untouched = torch.equal(torch.get_rng_state(), callers)  # the engines draw from their own
+    torch.randn(5)  # the caller's loop drawing from torch's global RNG between steps
+    return uninterrupted, before, again, first.train_step(batch), untouched
 
 
 def test_prepare_twice_in_one_process_gives_two_independent_engines(run):
-    """Documented (README): each call builds a new engine (its own model, optimizer and step;
-    the process groups are torch's, shared); the earlier one keeps its state and works on."""
-    for before, again, third in run(_prepare_twice, 2):
-        assert again == before and third < before[-1]
+    """Documented (README): each call builds a new engine (its own model, optimizer, step and
+    dropout stream; the process groups are torch's, shared); the earlier one keeps its state
+    and works on, its dropout masks (GPT2Config's 0.1) untouched by the second engine and by
+    the caller's own draws from torch's global RNG (its third step differed from an
+    uninterrupted engine's before: prepare reseeded, and dropout drew from, the caller's
+    RNG), and prepare and the steps leave the caller's RNG as it was."""
+    for uninterrupted, before, again, third, untouched in run(_prepare_twice, 2):
+        assert again == before == uninterrupted[:2] and third == uninterrupted[2] and untouched
 
 
 def _export_with_tokenizer(out):
@@ -651,8 +703,8 @@ def _export_with_tokenizer(out):
     for bad in ({"dtype": "float12"}, {"tokenizer": out + "/nowhere"}):
         try:
             engine.export_hf(out + "/bad", **bad)
-        except RuntimeError as exc:
-            refused.append(str(exc))
+        except (RuntimeError, ValueError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
     for call in (lambda: engine.save(5), lambda: engine.load(None),
                  lambda: engine.export_hf(5), lambda: engine.save(out + "/c", extra=[1])):
         try:
@@ -670,7 +722,11 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     from megapar.data import load_tokenizer
 
     said, refused = run(_export_with_tokenizer, 1, str(tmp_path))[0]
-    assert "dtype='float12' is not one of" in refused[0], refused
+    # a bad dtype: ValueError before anything is gathered or written (was the RuntimeError
+    # 'export to ... failed: CheckpointError: ...' after the weights were saved to a temporary
+    # checkpoint)
+    assert refused[0] == ("ValueError: engine.export_hf: dtype='float12' is not one of float32, "
+                          "bfloat16, float16 (or fp32, bf16, fp16, or the torch.dtype)"), refused
     assert (f"tokenizer='{tmp_path}/nowhere' cannot be loaded" in refused[1]
             and "pass tokenizer=SPEC" in refused[1]), refused
     assert not any("--" in r for r in refused), refused
@@ -998,6 +1054,28 @@ def test_prepare_names_an_architecture_it_does_not_build():
         megapar.prepare(opt)
 
 
+def test_prepare_names_a_model_on_the_meta_device_and_takes_its_config():
+    """A model built on the meta device (torchtitan's way to skip materialising it) has no
+    weights to shard: one line naming its config as the fix (torch's 'Cannot copy out of meta
+    tensor' from deep inside the weight reader before), and its config builds (and shows
+    itself in a notebook by its model, layout, step and optimizer)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megapar.models.config import ConfigError
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    with pytest.raises(ConfigError, match=r"prepare: the GPT2LMHeadModel's weights are on the "
+                                          r"meta device .*; pass its config, "
+                                          r"megapar.prepare\(model.config, ...\)"):
+        megapar.prepare(model)
+    engine = megapar.prepare(model.config, lr=3e-4)
+    # what a notebook shows for it (was <megapar.training.engine.Engine object at 0x...>)
+    assert repr(engine) == ("Engine(gpt2, Mesh(tp=1 pp=1 dp=1, rank=0: tp_rank=0 pp_rank=0 "
+                            "dp_rank=0), step=0, optimizer=adamw lr=0.0003, precision=fp32)")
+
+
 def test_prepare_names_the_option_a_misspelt_one_meant():
     """A misspelt keyword said only 'see TrainConfig' (megapar-train's parser names the flag)."""
     from transformers import GPT2Config
@@ -1057,6 +1135,13 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
      ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
     ({"loss_mean": "mean"}, ["megapar.prepare: loss_mean='mean' is not one of 'microbatch', "
                              "'token'"]),
+    # megapar-train's choices: each was the engine's own error, raised after the mesh was made
+    # ("unknown precision 'fp64'; expected one of [...]"), not naming the keyword
+    ({"precision": "fp64"}, ["megapar.prepare: precision='fp64' is invalid: choose one of "
+                             "'fp32', 'bf16', 'fp16'"]),
+    ({"schedule": "gpipe2"}, ["megapar.prepare: schedule='gpipe2' is invalid: choose one of"]),
+    ({"optimizer": "adam"}, ["megapar.prepare: optimizer='adam' is invalid", "'adamw'"]),
+    ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

@@ -10,10 +10,9 @@ batch is checked in the user's process, with one clear error naming the fix:
 - `same_on_every_rank`: at every step, a fingerprint of the batch (its keys, shapes and values)
   all-reduced over the world (one collective of two int64s, read once: one host wait per step,
   none per micro-batch), since train_step takes the *same* global batch on every rank (draw it
-  from a seeded `torch.Generator`: `prepare` seeds torch's global RNG per pipeline stage for
-  dropout, as Megatron does, so global-RNG draws differ between stages). Checked before the
-  step runs, so a batch of another shape on one rank is refused instead of hanging the
-  pipeline, and nothing of a refused batch is trained.
+  from a seeded `torch.Generator`: unseeded processes, torchrun's, draw different batches).
+  Checked before the step runs, so a batch of another shape on one rank is refused instead of
+  hanging the pipeline, and nothing of a refused batch is trained.
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
             f"to train), got {type(batch).__name__}"
         )
-    if what == "train_step" and "labels" not in batch:
-        raise ValueError(
-            "train_step needs 'labels' (the next-token ids aligned with input_ids, "
-            "-100 where there is none; BERT: the masked tokens' ids)"
+    if what in ("train_step", "eval_step") and "labels" not in batch:
+        raise ValueError(  # eval_step's loss needs them too (else only the last stage fails)
+            f"{what} needs 'labels' (the next-token ids aligned with input_ids, "
+            f"-100 where there is none; BERT: the masked tokens' ids)"
         )
     bert = config.model_type == "bert"
     allowed = BERT_KEYS if bert else DECODER_KEYS
@@ -217,6 +216,6 @@ def same_on_every_rank(
         raise ValueError(
             f"{what}: rank {dist.get_rank()} got another global batch than other ranks; every "
             f"rank must pass the same global batch (each takes its own share). Draw it from a "
-            f"torch.Generator with a fixed seed, not torch's global RNG, which megapar.prepare "
-            f"seeds per pipeline stage (for dropout)"
+            f"torch.Generator with a fixed seed (or seed torch's global RNG the same on every "
+            f"rank: unseeded processes, torchrun's, differ)"
         )

@@ -28,6 +28,7 @@ from megapar.checkpoint.distributed import (
     load_checkpoint,
     save_checkpoint,
 )
+from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
@@ -58,7 +59,12 @@ from megapar.training.config import TrainConfig
 from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, stage_for
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
-from megapar.training.rng import rng_state, set_rng_state
+from megapar.training.rng import (
+    default_rng_state,
+    rng_state,
+    set_default_rng_state,
+    set_rng_state,
+)
 from megapar.training.step import BatchPlan, StepResult, TrainStep, loss_weight
 from megapar.wording import counted
 
@@ -91,6 +97,7 @@ class Engine:
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
+        callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
         """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
         self.precision = Precision(cfg.precision, mesh.device)
@@ -127,6 +134,21 @@ class Engine:
         )
         self._init_run_state(cfg, on_nonfinite)
         self._start_saver(cfg, mesh)
+        self._rng: dict[str, torch.Tensor] | None = default_rng_state(mesh.device)
+        """The engine's default-generator state (its dropout stream, seeded per stage), swapped
+        in for its steps (`own_rng`); None while swapped in."""
+        set_default_rng_state(callers, mesh.device)
+
+    def __repr__(self) -> str:
+        """What a notebook shows for `engine`: the model, the layout and this rank's place in
+        it, the step, the optimizer and the precision."""
+        cfg = self.cfg
+        zero = f" zero={cfg.zero}" if cfg.zero else ""
+        return (
+            f"Engine({self.config.model_type}, {self.mesh!r}, step={self.step}, "
+            f"optimizer={cfg.optimizer} lr={self.optimizer.param_groups[0]['lr']:g}{zero}, "
+            f"precision={cfg.precision})"
+        )
 
     def _build_grad_sync(self, cfg: TrainConfig, mesh: Mesh, reduce_dtype) -> None:
         """The stage's gradient sync (and under ZeRO-3 its sharded parameters)."""
@@ -237,6 +259,10 @@ class Engine:
         self.executor = self.step_fn.executor = self.executor_for(
             micro_batches[0]["input_ids"].shape[1]
         )
+        with self.own_rng():
+            return self._run_step(micro_batches, labelled)
+
+    def _run_step(self, micro_batches: list[dict], labelled) -> StepResult:
         set_step(self.step + 1)
         if self._slowdown is not None:
             self._slowdown.begin_step(
@@ -284,7 +310,8 @@ class Engine:
         """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the
         step re-run with per-module checks). Collective."""
         try:
-            return locate(self, self.kept)
+            with self.own_rng():
+                return locate(self, self.kept)
         except Exception as exc:  # noqa: BLE001 - the non-finite step stays the error
             return f"re-running it with per-module checks failed: {type(exc).__name__}: {exc}"
 
@@ -519,8 +546,10 @@ class Engine:
 
     def load(self, path: str | Path):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
-        (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
-        holds what `save(extra=...)` stored)."""
+        (any layout: resharded on load). The checkpoint's megapar schedule replaces the
+        engine's, or becomes it when `prepare` was given none and no torch scheduler drives
+        `optimizer`. Returns the checkpoint's `LoadedState` (its `.meta` holds what
+        `save(extra=...)` stored)."""
 
         _check_path("engine.load", path)
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
@@ -555,18 +584,44 @@ class Engine:
         _check_path("engine.export_hf", path)
         if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it
             dtype = str(dtype).removeprefix("torch.")
+        if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
+            raise ValueError(  # on every rank, before the weights are gathered and written
+                f"engine.export_hf: dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)} "
+                f"(or {', '.join(DTYPE_ALIASES)}, or the torch.dtype)"
+            )
         path = export_engine(self, path, tokenizer, dtype, allow_other_tokenizer)
         _returned("engine.export_hf")
         return path
 
     # RNG ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def own_rng(self):
+        """A context in which torch's default generators (CPU, and the rank's GPU) hold the
+        engine's stream, put back as the caller's on exit: the engine's dropout masks do not
+        depend on what the caller's code draws between steps (or on another engine), and its
+        steps draw nothing from the caller's stream. Re-entrant."""
+        if self._rng is None:  # already inside
+            yield
+            return
+        callers = default_rng_state(self.mesh.device)
+        set_default_rng_state(self._rng, self.mesh.device)
+        self._rng = None
+        try:
+            yield
+        finally:
+            self._rng = default_rng_state(self.mesh.device)
+            set_default_rng_state(callers, self.mesh.device)
+
     def rng_state(self) -> dict[str, torch.Tensor]:
-        """This rank's RNG state as checkpoints keep it (`training.rng`)."""
-        return rng_state(self.model, self.mesh.device)
+        """This rank's RNG state as checkpoints keep it (`training.rng`): the engine's own
+        stream (`own_rng`) and the tp stream."""
+        with self.own_rng():
+            return rng_state(self.model, self.mesh.device)
 
     def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
-        """Restore an `rng_state`."""
-        set_rng_state(self.model, self.mesh.device, rng)
+        """Restore an `rng_state` (into the engine's own stream: `own_rng`)."""
+        with self.own_rng():
+            set_rng_state(self.model, self.mesh.device, rng)
 
 
 def _check_path(call: str, path) -> None:

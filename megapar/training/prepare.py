@@ -7,32 +7,44 @@ import dataclasses
 import difflib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
 from megapar.checkpoint.convert import recorded_tokenizer
+from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
 from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_ranks
-from megapar.models.config import ConfigError, config_from_hf
+from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
-from megapar.training.config import TrainConfig
+from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.usage import UsageError
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
 
 def _resolve_model(model):
-    """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
+    """(megapar config, where its weights come from) for a transformers model (an HF reader) /
+    config or a recipe name (None: initialised from the seed), or a megapar checkpoint (its
+    step directory)."""
 
-    if isinstance(model, str):
-        return resolve_model(model), None
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists()):
+            step_dir = resolve_checkpoint(path)
+            return config_from_dict(read_manifest(step_dir)["model"]), step_dir
+        return resolve_model(str(model)), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
         kind = getattr(model.config, "model_type", None)
@@ -46,6 +58,13 @@ def _resolve_model(model):
                 f"megapar.prepare: a {name} has a head megapar does not train (it "
                 f"would be dropped); pass {' / '.join(LM_CLASSES)}, the model "
                 f"megapar trains, with the same weights"
+            )
+        if any(t.is_meta for t in model.state_dict().values()):
+            raise ConfigError(
+                f"megapar.prepare: the {name}'s weights are on the meta device (no values "
+                f"to shard); pass its config, megapar.prepare(model.config, ...), to build "
+                f"it with weights initialised from seed on each rank's shard only, or "
+                f"build the model with its weights"
             )
         reader = HFReader.from_model(model)
         return reader.config, reader
@@ -90,6 +109,19 @@ def _check_sharding(cfg: TrainConfig) -> None:
         )
 
 
+def _check_choices(cfg: TrainConfig) -> None:
+    """A setting of a fixed set of values (megapar-train's flag choices: precision, schedule,
+    recompute, optimizer, ...) outside it: ValueError naming the keyword, before anything is
+    built (the engine's own checks raised later, not in the API's terms)."""
+    for name, allowed in flag_choices().items():
+        value = getattr(cfg, name)
+        if value is not None and value not in allowed:
+            raise UsageError(
+                f"megapar.prepare: {name}={value!r} is invalid: choose one of "
+                f"{', '.join(map(repr, allowed))}"
+            )
+
+
 def prepare(
     model,
     tp: int = 1,
@@ -117,8 +149,12 @@ def prepare(
     `Qwen3MoeForCausalLM` instance (its weights are kept; build it
     identically on every rank; a bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing
     head initialised, with a warning; a model with another head, e.g. for classification, is
-    refused), a transformers config (weights initialised from
-    `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
+    refused; one built on the meta device has no weights: pass its config), a transformers
+    config (weights initialised from `seed`, the same in every layout; each rank keeps only its
+    stage's shards, one full tensor at a time made to cut them), a megapar recipe name
+    ("gpt2-tiny", "bert-base"), or a megapar checkpoint directory (`megapar-train --save`'s or
+    `engine.save`'s: its model with its weights, resharded to this layout, and the tokenizer
+    it trained with; the optimizer state, step and RNG are `engine.load(dir)`'s to restore).
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
@@ -194,6 +230,7 @@ def prepare(
             f"{', '.join(map(repr, LOSS_MEANS))} ('microbatch', the default: the mean of each "
             f"micro-batch's token mean; 'token': the global batch's token mean)"
         )
+    _check_choices(cfg)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
@@ -210,7 +247,9 @@ def prepare(
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
-    if reader is not None:
+    if isinstance(reader, Path):  # a megapar checkpoint: its weights (engine.load: the rest)
+        _load_checkpoint_weights(engine, reader)
+    elif reader is not None:
         _load_model_weights(engine, model, reader, seed)
     set_action("megapar.prepare returned; in the caller's code")
     return engine
@@ -305,6 +344,18 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
             "engine.optimizer"
         )
     return lr_schedule
+
+
+def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
+    """A megapar checkpoint's weights (resharded to this layout) and provenance (tokenizer,
+    Hugging Face dtype and generation config) into the engine; its optimizer state, step, RNG
+    and schedule stay as `prepare` made them (`engine.load` restores those)."""
+    set_action(f"megapar.prepare: loading the weights of {step_dir}")
+    with engine.params_whole():
+        meta = load_checkpoint(step_dir, engine.model, engine.mesh).meta
+    engine.tokenizer = meta.get("tokenizer")
+    engine.source_dtype = meta.get("hf_dtype")
+    engine.source_generation_config = meta.get("hf_generation_config")
 
 
 def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:

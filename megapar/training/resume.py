@@ -84,6 +84,10 @@ def restore_meta(engine, meta: dict) -> None:
         engine.optimizer.load_state_json(meta["optimizer"])
     if meta.get("scheduler") and engine.scheduler is not None:
         engine.scheduler.load_state_dict(meta["scheduler"])
+    elif meta.get("scheduler") and "initial_lr" not in engine.optimizer.param_groups[0]:
+        # an engine prepared without lr_schedule and with no torch scheduler on its optimizer
+        # (torch's set initial_lr) continues the checkpoint's schedule, not a constant lr
+        engine.scheduler = engine.step_fn.scheduler = LRScheduler(**meta["scheduler"])
     if meta.get("scaler"):
         engine.precision.load_state_dict(meta["scaler"])
     engine.step = int(meta.get("step", 0))

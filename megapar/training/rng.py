@@ -27,3 +27,18 @@ def set_rng_state(
     tracker = getattr(model, "tracker", None)
     if "tp" in rng and tracker is not None:
         tracker.tp_state = rng["tp"]
+
+
+def default_rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """torch's default generators' state: the CPU's, and on a GPU the device's."""
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_default_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what `default_rng_state` returned."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
