@@ -71,12 +71,13 @@ def test_the_engine_checks_a_batch_against_cp_and_sequence_parallelism(seq, cp, 
     engine = SimpleNamespace(mesh=mesh, config=SimpleNamespace(
         model_type="llama", max_positions=64, vocab_size=100))
     ids = torch.zeros(2, seq, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}  # eval_step needs labels as train_step does
     if message is None:
         with pytest.raises(Compared):
-            Engine._checked(engine, {"input_ids": ids}, "eval_step")
+            Engine._checked(engine, batch, "eval_step")
         return
     with pytest.raises(ValueError) as exc:
-        Engine._checked(engine, {"input_ids": ids}, "eval_step")
+        Engine._checked(engine, batch, "eval_step")
     assert str(exc.value).startswith(message), exc.value
 
 
