@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import transformers
+from tokenizers import processors
 
 from megapar.cli.data import main as data_main
 from megapar.data import IndexedDataset, asset_path, load_tokenizer
@@ -109,16 +110,20 @@ def test_train_bpe_into_the_input_directory_does_not_read_its_own_tokenizer(tmp_
     assert IndexedDataset(other).num_docs == 1
 
 
-def _with_s_tokens(gpt2_dir, directory, bos):
+def _with_s_tokens(gpt2_dir, directory, bos, template=False):
     """A copy of the GPT-2 tokenizer in `directory` with <s> and </s> added after its
-    vocabulary as special tokens, </s> its EOS and `bos` its tokenizer_config's bos_token:
-    (the directory, the vocabulary size before them, the config written)."""
+    vocabulary as special tokens, </s> its EOS and `bos` its tokenizer_config's bos_token, and
+    with `template` a post-processor putting <s> before every text as Llama's does: (the
+    directory, the vocabulary size before them, the config written)."""
     shutil.copytree(gpt2_dir, directory)
     tok = json.loads((directory / "tokenizer.json").read_text())
     vocab = len(tok["model"]["vocab"])
     tok["added_tokens"] += [{"id": vocab + i, "content": name, "single_word": False,
                              "lstrip": False, "rstrip": False, "normalized": False,
                              "special": True} for i, name in enumerate(["<s>", "</s>"])]
+    if template:
+        tok["post_processor"] = json.loads(processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab)]).__getstate__())
     (directory / "tokenizer.json").write_text(json.dumps(tok))
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config.update(bos_token=bos, eos_token="</s>")
@@ -128,7 +133,7 @@ def _with_s_tokens(gpt2_dir, directory, bos):
 
 
 def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
-    directory, vocab, _ = _with_s_tokens(gpt2_dir, tmp_path / "llama-style", "<s>")
+    directory, vocab, _ = _with_s_tokens(gpt2_dir, tmp_path / "llama-style", "<s>", True)
     ours = load_tokenizer(str(directory))
     assert (ours.bos_id, ours.eod_id) == (vocab, vocab + 1)
     text = tmp_path / "two.txt"
@@ -141,7 +146,7 @@ def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
     assert auto.bos_token_id == vocab and auto.eos_token_id == vocab + 1
     for i, doc in enumerate(["First document.", "Second one here."]):
         expected = [vocab] + auto.encode(doc, add_special_tokens=False) + [vocab + 1]
-        assert ds.doc(i).tolist() == expected
+        assert ds.doc(i).tolist() == expected == auto(doc)["input_ids"] + [vocab + 1]
 
 
 def test_an_explicit_null_bos_token_means_no_bos(tmp_path, gpt2_dir):
@@ -155,13 +160,24 @@ def test_an_explicit_null_bos_token_means_no_bos(tmp_path, gpt2_dir):
     assert auto.bos_token_id is None
     ours = load_tokenizer(str(directory))
     assert ours.eod_id == vocab + 1 and ours.bos_id is None
-    # the key left out altogether still finds a conventional <s>
+    # the key left out altogether: a conventional <s> is its BOS, but transformers, whose
+    # post-processor adds none, starts no text with it, and megapar no document
     config.pop("bos_token")
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    with_bos = load_tokenizer(str(directory))
-    assert with_bos.bos_id == vocab
-    # documents that begin with <s> are other data: not the same tokenizer in another format
-    assert not encodes_alike(ours, with_bos)
+    named = load_tokenizer(str(directory))
+    assert named.named_bos_id == vocab and named.bos_id is None
+    assert transformers.AutoTokenizer.from_pretrained(str(directory))("Hi")["input_ids"] == \
+        named.encode("Hi")
+    # a post-processor that puts <s> before a text: transformers and megapar start with it,
+    # whether or not a bos_token is named (null included)
+    for bos in (None, "<s>"):
+        directory, *_ = _with_s_tokens(gpt2_dir, tmp_path / f"template-{bos}", bos, True)
+        with_bos = load_tokenizer(str(directory))
+        assert with_bos.bos_id == vocab
+        assert transformers.AutoTokenizer.from_pretrained(str(directory))("Hi")["input_ids"] \
+            == [vocab, *with_bos.encode("Hi")]
+        # documents that begin with <s> are other data: not the same tokenizer in another format
+        assert not encodes_alike(ours, with_bos)
 
 
 def test_train_tokenizer_usage_errors(tmp_path, capsys):
@@ -295,3 +311,160 @@ def test_a_bert_tokenizer_without_an_eos_ends_documents_with_its_sep(tmp_path):
     (Path(directory) / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     with pytest.raises(ValueError, match="no end-of-sequence token found"):
         load_tokenizer(directory)
+
+
+# A tokenizer.json built here with the tokenizers library: a word-level vocabulary with the
+# special tokens of each family, the post-processor and tokenizer_config.json varied below.
+WORDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "<|endoftext|>": 5,
+         "[CLS]": 6, "[SEP]": 7}
+POST = {
+    "none": None,
+    "bytelevel": "bytelevel",  # GPT-2's and Qwen's: adds no token
+    "<s> $A": ["<s>"],  # Llama 2's / Llama 3's (<|begin_of_text|>) / Gemma's
+    "<s> $A </s>": ["<s>", "</s>"],
+    "<|endoftext|> $A": ["<|endoftext|>"],
+    "[CLS] $A [SEP]": ["[CLS]", "[SEP]"],  # BERT's
+    "<s> <s> $A": ["<s>"],
+}
+
+
+def _word_tokenizer(directory: Path, post: str, config: dict) -> str:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(WORDS, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in WORDS if not t.isalpha()])
+    if POST[post] == "bytelevel":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    elif POST[post] is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=post, pair=f"{post} $B:1",
+            special_tokens=[(t, WORDS[t]) for t in POST[post]])
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def _document_ids(tmp_path, directory: str, text: str) -> list[int]:
+    """The ids megapar-data writes for `text` as one document (its end-of-document token
+    included)."""
+    from megapar.data.preprocess import preprocess_files
+
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    preprocess_files([str(tmp_path / "doc.jsonl")], str(tmp_path / "ds"), directory,
+                     workers=1, progress=False)
+    return IndexedDataset(str(tmp_path / "ds")).doc(0).tolist()
+
+
+S, EOS = {"bos_token": "<s>"}, {"eos_token": "</s>"}
+ADD_BOS, NO_BOS = {"add_bos_token": True}, {"add_bos_token": False}
+ADD_EOS, NO_EOS = {"add_eos_token": True}, {"add_eos_token": False}
+QWEN = {"bos_token": None, "eos_token": "<|endoftext|>"}
+
+
+@pytest.mark.parametrize("post,config", [
+    ("none", {**S, **EOS, **ADD_BOS}),
+    ("none", {**S, **EOS, **NO_BOS}),
+    ("none", {**S, **EOS}),
+    ("none", {**EOS}),  # no bos_token named: a <s> in the vocabulary is not added either
+    ("none", {**S, **EOS, **ADD_BOS, **ADD_EOS}),
+    ("bytelevel", {**S, **EOS, **ADD_BOS}),
+    ("bytelevel", {**S, **EOS}),
+    ("bytelevel", QWEN),
+    ("bytelevel", {**QWEN, **ADD_BOS, **ADD_EOS}),
+    ("<s> $A", {**S, **EOS}),
+    ("<s> $A", {**S, **EOS, **NO_BOS}),
+    ("<s> $A", {**S, **EOS, **ADD_BOS, **NO_EOS}),
+    ("<s> $A", {**S, **EOS, **ADD_EOS}),
+    ("<s> $A", {"bos_token": None, **EOS}),  # null in the config, added by the post-processor
+    ("<s> $A", {**EOS}),
+    ("<s> $A", QWEN),
+    ("<s> $A </s>", {**S, **EOS}),
+    ("<s> $A </s>", {**S, **EOS, **NO_BOS, **NO_EOS}),
+])
+def test_a_document_starts_and_ends_as_transformers_frames_its_text(tmp_path, post, config):
+    """A document of a tokenizer.json directory is transformers' ids for its text
+    (``AutoTokenizer.from_pretrained(DIR)(text)``: the BOS where the tokenizer.json's
+    post-processor adds one, none where it adds none, whatever the tokenizer's bos_token is and
+    whatever tokenizer_config.json's add_bos_token / add_eos_token say, which transformers 5
+    ignores beside a tokenizer.json), then the end-of-document token unless they end with it.
+    megapar started every document with any BOS it found, the post-processor unread."""
+    directory = _word_tokenizer(tmp_path / "tok", post, config)
+    text = "hello world hello"
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"]
+    eod = load_tokenizer(directory).eod_id
+    assert theirs[theirs.index(3):][:3] == [3, 4, 3]  # the text's own ids are there
+    expected = theirs if theirs[-1:] == [eod] else [*theirs, eod]
+    assert _document_ids(tmp_path, directory, text) == expected
+
+
+@pytest.mark.parametrize("post,config,theirs,ours", [
+    # the EOS begins a text: the end of the document before stands there already (and the
+    # first document starts without it)
+    ("<|endoftext|> $A", {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+     [5, 3, 4, 3], [3, 4, 3, 5]),
+    # BERT's [CLS] begins no document: its masked-LM samples put [CLS] and [SEP] themselves
+    ("[CLS] $A [SEP]", {"cls_token": "[CLS]", "sep_token": "[SEP]", "eos_token": "[SEP]"},
+     [6, 3, 4, 3, 7], [3, 4, 3, 7]),
+    # a token the post-processor puts after a text other than the EOS is not added
+    ("<s> $A </s>", {**S, "eos_token": "<|endoftext|>"}, [1, 3, 4, 3, 2], [1, 3, 4, 3, 5]),
+])
+def test_where_a_document_differs_from_transformers_framing(tmp_path, post, config, theirs,
+                                                            ours):
+    """The three framings megapar does not repeat (docs/guides/data.md says so)."""
+    directory = _word_tokenizer(tmp_path / "tok", post, config)
+    text = "hello world hello"
+    assert transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"] == theirs
+    assert _document_ids(tmp_path, directory, text) == ours
+
+
+def test_a_post_processor_adding_two_tokens_before_a_text_is_refused(tmp_path, capsys):
+    """A document starts with one BOS at most: a post-processor putting more before a text
+    is refused in one line naming the fix, which gives transformers' ids and megapar's alike."""
+    directory = _word_tokenizer(tmp_path / "tok", "<s> <s> $A", {**S, **EOS})
+    (tmp_path / "doc.txt").write_text("hello world\n")
+    assert data_main(["--input", str(tmp_path / "doc.txt"), "--output-prefix",
+                      str(tmp_path / "ds"), "--tokenizer", directory, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (
+        "post-processor puts 2 tokens <s> <s> before every text, and megapar starts a document "
+        "with at most one (its BOS); save it with a post-processor that puts its BOS alone "
+        "there: tok = AutoTokenizer.from_pretrained(DIR); tok.add_bos_token = True; "
+        "tok.save_pretrained(DIR)") in err, err
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    tok.add_bos_token = True
+    tok.save_pretrained(directory)
+    assert _document_ids(tmp_path, directory, "hello world") == [1, 3, 4, 2] == \
+        [*transformers.AutoTokenizer.from_pretrained(directory)("hello world")["input_ids"], 2]
+
+
+@pytest.mark.parametrize("post,config,before", [
+    ("none", {**S, **EOS, **NO_BOS}, 1),  # documents began with <s>, now none
+    ("<s> $A", {"bos_token": None, **EOS}, None),  # began with none, now <s>
+    ("<s> $A", {"bos_token": "</s>", "eos_token": "<|endoftext|>"}, 2),  # </s>, now <s>
+])
+def test_a_text_cached_with_another_bos_is_tokenized_again(tmp_path, monkeypatch, post, config,
+                                                           before):
+    """megapar-train's cache of a raw text is keyed by the tokenizer's files, which did not
+    change: a copy tokenized when documents began with `before` must not be reused now."""
+    import megapar.data.hf_tokenizer as hf_tokenizer
+    from megapar.data.preprocess import ensure_dataset
+    from megapar.data.tokenizers import forget_loaded
+
+    directory = _word_tokenizer(tmp_path / "tok", post, config)
+    (tmp_path / "t.txt").write_text("hello world\n\nworld hello\n")
+    forget_loaded()
+    with monkeypatch.context() as m:  # the BOS megapar took before
+        m.setattr(hf_tokenizer, "_added_before",
+                  lambda *_: [] if before is None else [before])
+        old = ensure_dataset(str(tmp_path / "t.txt"), directory, str(tmp_path / "cache"))
+    forget_loaded()
+    new = ensure_dataset(str(tmp_path / "t.txt"), directory, str(tmp_path / "cache"))
+    forget_loaded()
+    assert new != old
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)("hello world")["input_ids"]
+    assert IndexedDataset(old).doc(0).tolist()[0] == (3 if before is None else before)
+    assert IndexedDataset(new).doc(0).tolist()[: len(theirs)] == theirs

@@ -127,10 +127,45 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
         if t.special
     ]
     tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
-    bos = find("bos_token", COMMON_BOS)
-    tok.bos_id = bos if bos is not None and bos != eos else None
     _check_encodes_text(directory, backend, set(special) | set(present.values()))
+    named = find("bos_token", COMMON_BOS)
+    tok.named_bos_id = named if named is not None and named != eos else None
+    before = _added_before(directory, backend)
+    bos = before[0] if before else None
+    if bos is not None and bos == present.get("[CLS]") and bos != named:
+        bos = None  # BERT's [CLS]: its masked-LM samples put their own
+    tok.bos_id = bos if bos is not None and bos != eos else None
     return tok
+
+
+def _added_before(directory: str, backend) -> list[int]:
+    """The ids the tokenizer.json's post-processor puts before a text's own (none without a
+    post-processor), as ``AutoTokenizer.from_pretrained(directory)(text)`` starts with them:
+    transformers 5 takes them from the post-processor alone, ignoring ``add_bos_token`` /
+    ``add_eos_token`` in tokenizer_config.json beside a tokenizer.json. ValueError when they
+    are more than one token (megapar starts a document with one, its BOS)."""
+    plain = backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+    framed = backend.encode(PROBE_TEXT, add_special_tokens=True).ids
+    before = _prefix_of(framed, plain)
+    if len(before) > 1:
+        names = [backend.id_to_token(i) for i in before]
+        raise ValueError(
+            f"tokenizer {directory}: its tokenizer.json's post-processor puts {len(before)} "
+            f"tokens {' '.join(map(str, names))} before every text, and megapar starts a "
+            f"document with at most one (its BOS); save it with a post-processor that puts "
+            f"its BOS alone there: tok = AutoTokenizer.from_pretrained(DIR); "
+            f"tok.add_bos_token = True; tok.save_pretrained(DIR)"
+        )
+    return before
+
+
+def _prefix_of(framed: list[int], plain: list[int]) -> list[int]:
+    """The ids before `plain` in `framed` (a text's ids with and without the special tokens
+    added around them); none when `plain` is not in it."""
+    for i in range(len(framed) - len(plain) + 1):
+        if framed[i : i + len(plain)] == plain:
+            return framed[:i]
+    return []
 
 
 def _check_encodes_text(directory: str, backend, special: set[int]) -> None:

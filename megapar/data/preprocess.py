@@ -415,6 +415,13 @@ def ensure_dataset(
             # a transformers tokenizer without a BOS: its documents were cached beginning
             # with a "<s>" of its vocabulary before an explicit "bos_token": null was obeyed
             **({"bos": None} if tok.kind == "hf" and tok.bos_id is None else {}),
+            # a BOS other than the one its configs name, which documents began with before the
+            # tokenizer.json's post-processor decided (as it does in transformers)
+            **(
+                {"bos_id": tok.bos_id}
+                if tok.kind == "hf" and tok.bos_id not in (None, tok.named_bos_id)
+                else {}
+            ),
             # only when set, so the datasets cached with the defaults keep their key
             **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
             **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),

@@ -88,8 +88,12 @@ class Tokenizer:
     sep_id: int
     mask_id: int
 
-    #: Beginning-of-sequence id that starts each document (transformers tokenizers only).
+    #: Beginning-of-sequence id that starts each document (transformers tokenizers only: the
+    #: one their tokenizer.json's post-processor puts before a text, as transformers does).
     bos_id: int | None = None
+    #: The BOS a transformers tokenizer's configs name (or a conventional ``<s>`` of its
+    #: vocabulary), whether or not a document starts with it (`bos_id`).
+    named_bos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""

@@ -10,9 +10,11 @@
   offline with the ``tokenizers`` library, exactly as ``AutoTokenizer`` tokenizes text. Its own
   end-of-sequence token (``eos_token`` of ``tokenizer_config.json`` /
   ``special_tokens_map.json``; where it names none, its ``sep_token``, as BERT's tokenizers
-  have only that) is the end-of-document token, and its own beginning-of-sequence
-  token (``bos_id``), when it has a different one, starts every document in megapar-data
-  (``"bos_token": null`` there means none, even with a ``<s>`` in the vocabulary).
+  have only that) is the end-of-document token, and the beginning-of-sequence token its
+  tokenizer.json's post-processor puts before a text (``bos_id``), as transformers does,
+  starts every document in megapar-data when it is not the end-of-document token (nor
+  BERT's [CLS]); tokenizer_config.json's ``add_bos_token`` / ``add_eos_token`` are not read,
+  as transformers 5 ignores them beside a tokenizer.json.
 
 Every one is a `megapar.data.tokenizer.Tokenizer` (its special tokens: see there).
 """
