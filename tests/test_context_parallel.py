@@ -80,6 +80,34 @@ def test_the_engine_checks_a_batch_against_cp_and_sequence_parallelism(seq, cp, 
     assert str(exc.value).startswith(message), exc.value
 
 
+def test_the_cli_and_the_engine_check_sequence_lengths_by_one_rule():
+    """--seq-len's check before a worker starts (`check_cp_seq_len`) and the engine's check of
+    a batch (`check_length`) refuse the same lengths, by the split's `length_multiple`."""
+    from megapar.context_parallel.split import check_length, length_multiple
+    from megapar.mesh import Layout, LayoutError
+    from megapar.training import validate
+    from megapar.training.usage import UsageError
+
+    assert validate.length_multiple is length_multiple  # the rule's one home
+    for cp in (2, 3, 4):
+        for tp in (1, 2, 3, 4):
+            for sp in (False, True):
+                need = length_multiple(cp, tp, sp)
+                for seq in range(1, 3 * need + 1):
+                    try:
+                        validate.check_cp_seq_len(seq, Layout(tp, 1, 1, cp=cp), sp)
+                        cli = None
+                    except UsageError as exc:
+                        cli = str(exc)
+                    try:
+                        check_length(seq, cp, tp, sp)
+                        engine = None
+                    except LayoutError as exc:
+                        engine = str(exc)
+                    assert (cli is None) == (engine is None) == (seq % need == 0), (seq, cp, tp)
+                    assert cli is None or cli.endswith(f"choose a multiple of {need}"), cli
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_causal_work_is_the_same_on_every_rank(cp):
     """Megatron's load balancing: every rank scores the same number of (query, key) pairs."""
