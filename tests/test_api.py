@@ -813,6 +813,45 @@ def test_an_export_failure_is_raised_again_as_its_type_or_the_nearest_shared_one
         assert type(raised.value) is cls and str(raised.value) == said, raised.value
 
 
+def _prepare_after_destroy():
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def fresh():
+        torch.manual_seed(0)
+        return megapar.prepare(GPT2LMHeadModel(GPT2Config(
+            n_positions=16, n_embd=16, n_layer=1, n_head=2, vocab_size=64)), micro_batch_size=1)
+
+    batch = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(1, 17).view(2, 8)}
+    old = fresh()
+    first = old.train_step(batch)
+    dist.destroy_process_group()
+    refused = []
+    for call in (lambda: old.train_step(batch), lambda: old.eval_step(batch)):
+        try:
+            call()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    again = fresh().train_step(batch)
+    return first, again, dist.get_world_size(), refused
+
+
+def test_prepare_after_destroy_process_group_joins_the_launchs_store_again(run):
+    """In a megapar.launch function, megapar.prepare after torch.distributed.destroy_process_
+    group() sets the group up again on the launch's store (it said 'the port is in use on this
+    host (another job ...)': rank 0 serves that store), and the new engine's first step is the
+    first engine's; the first engine refuses in one line (its train_step trained on, the
+    batch's same-on-every-rank check skipped without a group)."""
+    for first, again, world, refused in run(_prepare_after_destroy, 2):
+        assert world == 2 and again == first, (first, again)
+        assert refused == [
+            f"{call}: the process group this engine was prepared in was destroyed "
+            "(torch.distributed.destroy_process_group()), and an engine works only in its own; "
+            "call megapar.prepare again for a new engine (in a megapar.launch function it joins "
+            "a new group; engine.load a checkpoint to continue)"
+            for call in ("train_step", "eval_step")], refused
+
+
 def _export_from_pretrained(out):
     import shutil
     import warnings
