@@ -73,10 +73,10 @@ def test_the_engine_checks_a_batch_against_cp_and_sequence_parallelism(seq, cp, 
     ids = torch.zeros(2, seq, dtype=torch.long)
     if message is None:
         with pytest.raises(Compared):
-            Engine._checked(engine, {"input_ids": ids}, "eval_step")
+            Engine._checked(engine, {"input_ids": ids, "labels": ids}, "eval_step")
         return
     with pytest.raises(ValueError) as exc:
-        Engine._checked(engine, {"input_ids": ids}, "eval_step")
+        Engine._checked(engine, {"input_ids": ids, "labels": ids}, "eval_step")
     assert str(exc.value).startswith(message), exc.value
 
 
