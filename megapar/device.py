@@ -517,6 +517,29 @@ def default_store_prefix() -> str:
     return f"default_pg/attempt_{attempt}" if attempt else "default_pg"
 
 
+class LaunchStore:
+    """The rendezvous store of this process's `megapar.launch` rank (`keep`: its worker sets
+    it before its function runs; None elsewhere). A default group set up again inside that
+    function, after ``torch.distributed.destroy_process_group()``, joins on it (its rank 0
+    still serves it on MASTER_PORT), under a new key prefix each time (`again`): the keys of
+    the groups before are still there."""
+
+    store = None
+    joins = 0
+
+    @classmethod
+    def keep(cls, store) -> None:
+        cls.store, cls.joins = store, 0
+
+    @classmethod
+    def again(cls):
+        """The launch's store for the next default group, or None outside a launch's rank."""
+        if cls.store is None:
+            return None
+        cls.joins += 1
+        return dist.PrefixStore(f"megapar/again_{cls.joins}", cls.store)
+
+
 def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
@@ -527,7 +550,8 @@ def init_distributed(
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
 
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
-    loopback-only store); then no rank returns before every rank's group is connected
+    loopback-only store; in a `megapar.launch` rank whose group was destroyed, that store
+    again: `LaunchStore`); then no rank returns before every rank's group is connected
     (`_all_joined`). Does nothing when the default group is already initialised. Every
     ranks waits at most `timeout_s` for the others to join; a rank that never arrives makes the
     others fail with a TimeoutError naming this rank instead of hanging forever. Later
@@ -537,6 +561,8 @@ def init_distributed(
 
     if dist.is_initialized():
         return
+    if store is None:
+        store = LaunchStore.again()
     adopt_slurm_environment()
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))

@@ -137,10 +137,12 @@ def _worker(
     if listen_fd is not None and rank != 0:  # rank 0's to serve the store on
         os.close(listen_fd)
         listen_fd = None
+    _device.LaunchStore.keep(None)  # a forked worker's parent's is not its own
     try:
         torch.set_num_threads(1)
         if world_size > 1:
             store = loopback_store(rank, world_size, port, timeout_s, listen_fd)
+            _device.LaunchStore.keep(store)  # to join again after a destroy_process_group
             _device.init_distributed(
                 rank, world_size, timeout_s=timeout_s, store=store, nccl_timeout_s=nccl_timeout_s
             )
@@ -158,6 +160,7 @@ def _worker(
                 release_process_groups()  # a spawned worker exits through the interpreter
         except Exception:  # noqa: BLE001
             pass
+        _device.LaunchStore.keep(None)  # the store lives as long as this call, as before
 
 
 class UnsendableResult(TypeError):

@@ -753,6 +753,105 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
         "sched.state_dict()}), got a list"], refused
 
 
+def _export_refused(out):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                       vocab_size=1004))
+    engine = megapar.prepare(model, micro_batch_size=1)
+    Path(out).mkdir(exist_ok=True)
+    Path(out, "a_file").write_text("")
+    refused = []
+    for path, tokenizer in (("a_file", None), ("hf", out + "/nowhere"), ("hf", "gpt2")):
+        try:
+            engine.export_hf(f"{out}/{path}", tokenizer=tokenizer)
+        except Exception as exc:  # noqa: BLE001 - its type is what is checked
+            refused.append((type(exc), str(exc)))
+    return refused
+
+
+def test_export_hf_raises_its_failures_own_type_on_every_rank(run, tmp_path):
+    """A refused export raises on every rank the exception the export raised (its type and
+    message), as a failure before any collective does; it was a RuntimeError 'export to ...
+    failed: CheckpointError: ...' that an `except CheckpointError` missed."""
+    from megapar.checkpoint.format import CheckpointError
+
+    ranks = run(_export_refused, 2, str(tmp_path))
+    assert ranks[0] == ranks[1], ranks
+    (file_type, file_said), (missing_type, missing_said), (bpe_type, bpe_said) = ranks[0]
+    assert file_type is CheckpointError and file_said == (
+        f"cannot create {tmp_path}/a_file: it is a file, and the export is a directory; choose "
+        "another path"), file_said
+    assert missing_type is CheckpointError and missing_said.startswith(
+        f"tokenizer='{tmp_path}/nowhere' cannot be loaded"), missing_said
+    assert bpe_type is CheckpointError and bpe_said == (
+        "tokenizer='gpt2' has 50,257 token ids, more than the model's vocabulary of 1,004; pass "
+        "the tokenizer it trained with (tokenizer=SPEC)"), bpe_said
+
+
+def test_an_export_failure_is_raised_again_as_its_type_or_the_nearest_shared_one():
+    """What rank 0's failed export sends the other ranks (`failure`) raises there as the same
+    class with the same message (`raise_failure`): megapar's and builtin classes as they are,
+    a library's subclass as the nearest megapar or builtin class it derives from."""
+    from megapar.checkpoint.format import CheckpointError
+    from megapar.models.config import ConfigError
+    from megapar.training.export import failure, raise_failure
+
+    class LibraryError(FileNotFoundError):
+        pass
+
+    bad_bytes = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    for exc, cls, said in (
+            (CheckpointError("a: torn"), CheckpointError, "a: torn"),
+            (ConfigError("b: no"), ConfigError, "b: no"),
+            (ValueError("two\nlines"), ValueError, "two\nlines"),
+            (LibraryError("c"), FileNotFoundError, "c"),
+            (bad_bytes, RuntimeError, f"UnicodeDecodeError: {bad_bytes}")):
+        with pytest.raises(Exception) as raised:
+            raise_failure(failure(exc))
+        assert type(raised.value) is cls and str(raised.value) == said, raised.value
+
+
+def _prepare_after_destroy():
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def fresh():
+        torch.manual_seed(0)
+        return megapar.prepare(GPT2LMHeadModel(GPT2Config(
+            n_positions=16, n_embd=16, n_layer=1, n_head=2, vocab_size=64)), micro_batch_size=1)
+
+    batch = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(1, 17).view(2, 8)}
+    old = fresh()
+    first = old.train_step(batch)
+    dist.destroy_process_group()
+    refused = []
+    for call in (lambda: old.train_step(batch), lambda: old.eval_step(batch)):
+        try:
+            call()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    again = fresh().train_step(batch)
+    return first, again, dist.get_world_size(), refused
+
+
+def test_prepare_after_destroy_process_group_joins_the_launchs_store_again(run):
+    """In a megapar.launch function, megapar.prepare after torch.distributed.destroy_process_
+    group() sets the group up again on the launch's store (it said 'the port is in use on this
+    host (another job ...)': rank 0 serves that store), and the new engine's first step is the
+    first engine's; the first engine refuses in one line (its train_step trained on, the
+    batch's same-on-every-rank check skipped without a group)."""
+    for first, again, world, refused in run(_prepare_after_destroy, 2):
+        assert world == 2 and again == first, (first, again)
+        assert refused == [
+            f"{call}: the process group this engine was prepared in was destroyed "
+            "(torch.distributed.destroy_process_group()), and an engine works only in its own; "
+            "call megapar.prepare again for a new engine (in a megapar.launch function it joins "
+            "a new group; engine.load a checkpoint to continue)"
+            for call in ("train_step", "eval_step")], refused
+
+
 def _export_from_pretrained(out):
     import shutil
     import warnings

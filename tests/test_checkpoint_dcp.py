@@ -313,3 +313,21 @@ def test_megapar_shards_are_refused_by_dcps_huggingface_reader(tmp_path, small):
     assert "metadata read failed: 'model/" in said or "metadata is None" in said, said
     with pytest.raises(OSError):  # transformers refuses a file that is not a whole model
         transformers.LlamaForCausalLM.from_pretrained(step_dir)
+
+
+def test_an_import_unpickles_the_index_once(tmp_path, small, monkeypatch):
+    from megapar.checkpoint import dcp
+
+    loads = []
+    unpickle = dcp._MetadataUnpickler.load
+
+    def counted(self):
+        loads.append(1)
+        return unpickle(self)
+
+    monkeypatch.setattr(dcp._MetadataUnpickler, "load", counted)
+    state, step, model = small
+    path, reader = dcp.import_dcp(step, tmp_path / "ck", 1, 1, config=model, progress=False)
+    assert len(loads) == 1  # one tensor at a time, each given the index read at the start
+    assert torch.equal(reader.titan("output.weight"), state["output.weight"])
+    assert len(loads) == 1

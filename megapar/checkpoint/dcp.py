@@ -181,20 +181,30 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(dist_cp.FileSystemReader):
-    """`FileSystemReader` whose ``.metadata`` is read by `_MetadataUnpickler`."""
+    """`FileSystemReader` whose ``.metadata`` is read by `unpickler` (`_MetadataUnpickler`), or
+    given (`metadata`: the checkpoint's index, read once per checkpoint, not once per tensor)."""
+
+    unpickler: ClassVar[type[pickle.Unpickler]] = _MetadataUnpickler
+
+    def __init__(self, path, metadata=None):
+        super().__init__(path)
+        self.known = metadata
 
     def read_metadata(self, *args, **kwargs):
+        metadata = self.known if self.known is not None else self._unpickle()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _unpickle(self):
         path = Path(self.path) / METADATA
         try:
             with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                return self.unpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
             raise CheckpointError(
                 f"{path}: not a DCP index megapar reads ({exc}); refused without running it"
             ) from None
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def is_dcp(path: str | Path) -> bool:
@@ -218,7 +228,8 @@ class DCPReader:
             raise CheckpointError(
                 f"{path} {what}; give a torchtitan step directory (checkpoint/step-N)"
             )
-        metadata = _Reader(self.path).read_metadata()
+        self.metadata = metadata = _Reader(self.path).read_metadata()
+        """The checkpoint's index, read once (every tensor's load is given it)."""
         self.tensors = {
             k: v
             for k, v in metadata.state_dict_metadata.items()
@@ -303,7 +314,7 @@ class DCPReader:
         out = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
         with warnings.catch_warnings():  # "assuming ... a single process": what is meant
             warnings.simplefilter("ignore", UserWarning)
-            dist_cp.load(out, storage_reader=_Reader(self.path), no_dist=True)
+            dist_cp.load(out, storage_reader=_Reader(self.path, self.metadata), no_dist=True)
         return out[key]
 
     def canonical(self, name: str) -> torch.Tensor:

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megapar.checkpoint.convert import plan
 from megapar.checkpoint.convert import write_checkpoint as _write_checkpoint
 from megapar.checkpoint.dcp import METADATA, _MetadataUnpickler
+from megapar.checkpoint.dcp import _Reader as _DCPReader
 from megapar.checkpoint.format import CheckpointError, dtype_from_name
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError, config_from_dict
@@ -105,31 +106,11 @@ class _MegatronMetadataUnpickler(_MetadataUnpickler):
         return super().find_class(module, name)
 
 
-class _Reader(dist_cp.FileSystemReader):
-    """`FileSystemReader` whose ``.metadata`` is read by `_MegatronMetadataUnpickler`, or given
-    (`metadata`: read once per checkpoint, not once per tensor; Megatron's caches every rank's
-    save plan, so it grows with the job)."""
+class _Reader(_DCPReader):
+    """`dcp._Reader` whose ``.metadata`` is read by `_MegatronMetadataUnpickler` (given once
+    read: Megatron's caches every rank's save plan, so it grows with the job)."""
 
-    def __init__(self, path, metadata=None):
-        super().__init__(path)
-        self.known = metadata
-
-    def read_metadata(self, *args, **kwargs):
-        if self.known is not None:
-            if getattr(self.known, "storage_meta", None) is not None:
-                self.known.storage_meta.load_id = self.load_id
-            return self.known
-        path = Path(self.path) / METADATA
-        try:
-            with open(path, "rb") as f:
-                metadata = _MegatronMetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise CheckpointError(
-                f"{path}: not a DCP index megapar reads ({exc}); refused without running it"
-            ) from None
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
+    unpickler = _MegatronMetadataUnpickler
 
 
 class _LayerPlanner(DefaultLoadPlanner):

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
@@ -97,6 +98,9 @@ class Engine:
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
+        self.world = dist.group.WORLD if mesh.layout.world_size > 1 else None
+        """The default process group the mesh's groups were made in (None: one rank); a
+        collective call refuses once it is gone (`in_its_group`)."""
         callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
         """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
@@ -354,6 +358,7 @@ class Engine:
         one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
         loss is returned.
         """
+        self.in_its_group("train_step")
         if self.scheduler is not None and "initial_lr" in self.optimizer.param_groups[0]:
             raise ValueError(  # torch's LRScheduler sets initial_lr; the same on every rank
                 "train_step: engine.optimizer has a torch LR scheduler, but "
@@ -412,6 +417,7 @@ class Engine:
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Mean loss of a global batch (same format as `train_step`, the same mean), without
         training."""
+        self.in_its_group("eval_step")
         batch = self._checked(batch, "eval_step")
         micro = self.split(batch)
         executor = self.executor_for(micro[0]["input_ids"].shape[1])
@@ -449,6 +455,7 @@ class Engine:
         `wait_save` waits for it (and a write still in flight when the process's work ends is
         waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
         _check_path("engine.save", path)
+        self.in_its_group("engine.save")
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(
                 f"engine.save(extra=...) takes a dict of JSON-able values (e.g. "
@@ -477,6 +484,7 @@ class Engine:
         rank keeps its shards of what they hold on exit (collective over dp x cp); under
         ZeRO-1 / 2 the 16-bit gathered weights made exact first (`exact_params`); otherwise
         nothing."""
+        self.in_its_group("engine.params_whole")
         if self.sharded_params is None:
             self.exact_params()
             return contextlib.nullcontext()
@@ -552,6 +560,7 @@ class Engine:
         `save(extra=...)` stored)."""
 
         _check_path("engine.load", path)
+        self.in_its_group("engine.load")
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_checkpoint(path, self.model, self.mesh)
         if state.optim_tensors:
@@ -582,6 +591,7 @@ class Engine:
         of the transformers model given to `prepare`, else float32). Replaces those files,
         leaves anything else there alone. Collective; rank 0 writes (`training.export`)."""
         _check_path("engine.export_hf", path)
+        self.in_its_group("engine.export_hf")
         if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it
             dtype = str(dtype).removeprefix("torch.")
         if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
@@ -592,6 +602,19 @@ class Engine:
         path = export_engine(self, path, tokenizer, dtype, allow_other_tokenizer)
         _returned("engine.export_hf")
         return path
+
+    def in_its_group(self, call: str) -> None:
+        """RuntimeError in one line, on every rank that calls, unless the default process
+        group this engine was prepared in is still the one set up (after
+        ``torch.distributed.destroy_process_group()`` its groups are gone: its collectives
+        would fail or, where they are skipped without a group, train unchecked)."""
+        if self.world is not None and dist.group.WORLD is not self.world:
+            raise RuntimeError(
+                f"{call}: the process group this engine was prepared in was destroyed "
+                f"(torch.distributed.destroy_process_group()), and an engine works only in "
+                f"its own; call megapar.prepare again for a new engine (in a megapar.launch "
+                f"function it joins a new group; engine.load a checkpoint to continue)"
+            )
 
     # RNG ------------------------------------------------------------------------------------
     @contextlib.contextmanager

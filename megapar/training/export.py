@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import warnings
 from pathlib import Path
@@ -20,7 +21,9 @@ def export_engine(
 ) -> Path:
     """What `Engine.export_hf` documents: the engine's state saved as a megapar checkpoint
     beside `path`, exported from there by rank 0 and removed; every rank returns `path` or
-    raises together. Collective."""
+    raises together (rank 0 its exception, every other rank one of its type, or of the nearest
+    megapar or builtin class it derives from, with its message: `failure` / `raise_failure`).
+    Collective."""
     path = Path(path).absolute()
     tmp = path.parent / f".{path.name or 'export'}.megapar-export-{engine.step}"
     meta = {
@@ -30,7 +33,7 @@ def export_engine(
         "tokenizer": engine.tokenizer,
     }
     save_checkpoint(tmp, engine.step, engine.saved_model(), engine.mesh, {}, meta, {})
-    outcome = ""
+    outcome, error = "", None
     if engine.mesh.rank == 0:
         try:
             export_checkpoint(
@@ -43,7 +46,7 @@ def export_engine(
                 api=True,
             )
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            outcome = f"{type(exc).__name__}: {exc}"
+            outcome, error = failure(exc), exc
         shutil.rmtree(tmp, ignore_errors=True)
         if not outcome and tokenizer is None and engine.tokenizer is None:
             warnings.warn(
@@ -52,6 +55,41 @@ def export_engine(
                 stacklevel=3,
             )
     outcome = broadcast_text(outcome, engine.mesh)
+    if error is not None:
+        raise error
     if outcome:
-        raise RuntimeError(f"export to {path} failed: {outcome}")
+        raise_failure(outcome)
     return path
+
+
+def _portable(exc: Exception) -> type[Exception]:
+    """The first class of `exc`'s that every rank has, by its module and name: megapar's own
+    or a builtin one (a library's OSError subclass: OSError; not one made inside a function)."""
+    for cls in type(exc).__mro__:
+        ours = cls.__module__ == "builtins" or cls.__module__.partition(".")[0] == "megapar"
+        if ours and "<locals>" not in cls.__qualname__:
+            return cls
+    return RuntimeError  # not reached: Exception is a builtin
+
+
+def failure(exc: Exception) -> str:
+    """`exc` as text another rank raises again (`raise_failure`): its portable class
+    (`_portable`) and its message."""
+    cls = _portable(exc)
+    return f"{cls.__module__}:{cls.__qualname__}\n{exc}"
+
+
+def raise_failure(text: str) -> None:
+    """Raise the exception `failure` wrote: its class with its message (a RuntimeError naming
+    the class where that class does not take a message alone)."""
+    name, _, message = text.partition("\n")
+    module, _, qualname = name.partition(":")
+    cls: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    assert isinstance(cls, type) and issubclass(cls, Exception)  # as `failure` named it
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001 - a class with more arguments (UnicodeDecodeError)
+        exc = RuntimeError(f"{cls.__name__}: {message}")
+    raise exc

@@ -28,6 +28,7 @@ import math
 import os
 
 from megapar.checkpoint.format import probe_writable
+from megapar.context_parallel.split import length_multiple
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
@@ -291,9 +292,10 @@ def check_mlm_token_types(config) -> None:
 
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
     """Context parallelism cuts each sequence into 2 x cp chunks (and, under sequence
-    parallelism, a cp rank's tokens into tp slices): --seq-len must allow both."""
+    parallelism, a cp rank's tokens into tp slices): --seq-len must be a multiple of
+    `length_multiple` (the rule the cp split itself checks, `check_length`)."""
     cp, tp = layout.cp, layout.tp
-    need = math.lcm(2 * cp, cp * tp) if sequence_parallel and tp > 1 else 2 * cp
+    need = length_multiple(cp, tp, sequence_parallel)
     if cp > 1 and seq_len % need:
         why = " and each cp rank's tokens into --tp slices" if need != 2 * cp else ""
         raise UsageError(
