@@ -51,16 +51,94 @@ def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]
     }
 
 
+FLASH_KV_SPLIT = 512
+"""Key columns per tile of the CPU flash kernel's backward (PyTorch's
+`_scaled_dot_product_flash_attention_for_cpu_backward`)."""
+
+
+def _flash_q_split(rows: int) -> int:
+    """Query rows per tile of the CPU flash kernel's backward: 256 from 768 rows on, 64 from
+    192, else 32 (and never more than the rows)."""
+    return min(rows, 256 if rows >= 768 else 64 if rows >= 192 else 32)
+
+
+def cp_attention_peak(
+    method: str,
+    cp: int,
+    q_elems: int,
+    kv_elems: int,
+    act_bytes: int,
+    rows: int,
+    causal: bool = True,
+    cpu: bool = False,
+) -> float:
+    """Bytes one rank's context-parallel attention allocates at the peak of its backward
+    (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
+    tensors saved in forward and the incoming gradient: the largest of the moments below.
+    q_elems: this rank's query elements (b x its heads x s / cp x d); kv_elems: its K/V block
+    (keys and values at its kv heads, `cp_block`); rows: its tokens per sequence (s / cp);
+    `cpu`: a CPU rank (gloo's copies, one thread's flash tiles). Forward holds less (measured).
+
+    Held through the backward: dq accumulated in fp32 (q_elems x 4). Per source block: K/V
+    expanded to the query heads (g = query heads / kv heads; a copy only when g > 1) and their
+    gradients in fp32 (g x kv_elems x 4). The widest kernel call (causal: one query chunk, s /
+    2cp rows, against a source's whole block, which rank 0's last chunk sees for every other
+    source; bidirectional: all rows): dout's and out's rows made contiguous and the kernel's dq
+    (3 x its query elements, activation dtype), its dK/dV (the expanded block, activation dtype),
+    its fp32 dq accumulator (4 bytes a query element) and, on a CPU, one thread's two fp32
+    tiles of scores (`_flash_q_split` x `FLASH_KV_SPLIT`; megapar's CPU ranks run one thread).
+
+    - ring: the block being worked on and, before the last step, the next one arriving
+      (activation dtype), the dK/dV travelling (sent and received, fp32), with the widest call;
+      or, at `ring.start` of a block's dK/dV, the last ones still in flight and the new pair.
+    - all-gather: the gathered blocks (cp x kv_elems, activation dtype) and the list of the
+      sources' fp32 dK/dV done so far (cp - 1 of them at the last source's widest call); then
+      the list stacked into one tensor beside it (2 x cp fp32 blocks); then the reduce-scatter
+      of that stack into this rank's block (on a CPU gloo copies its input)."""
+    a, w = act_bytes, 4
+    g = 2 * q_elems / kv_elems  # query heads / kv heads
+    expanded = g * kv_elems
+    call_rows = rows // 2 if causal else rows
+    call_q = q_elems // 2 if causal else q_elems
+    tiles = 2 * _flash_q_split(call_rows) * min(FLASH_KV_SPLIT, rows) * w if cpu else 0
+    call = 3 * call_q * a + expanded * a + call_q * w + tiles
+    block = (expanded * a if g > 1 else 0) + expanded * w  # a source's expanded K/V, fp32 dK/dV
+    dq = q_elems * w
+    if method == "ring":
+        blocks = kv_elems * a * (2 if cp > 2 else 1)
+        return dq + blocks + max(2 * kv_elems * w + block + call, 4 * kv_elems * w)
+    gathered = cp * kv_elems * a
+    gloo = cp * kv_elems * w if cpu else 0
+    return (
+        dq
+        + gathered
+        + max(
+            (cp - 1) * kv_elems * w + block + call,
+            2 * cp * kv_elems * w,
+            cp * kv_elems * w + kv_elems * w + gloo,
+        )
+    )
+
+
 def cp_buffers(p: Problem, c: Candidate) -> float:
-    """Transient bytes of context-parallel attention in one layer (0 at cp 1): the ring's K/V
-    block sent, received and stacked, and backward's fp32 dK/dV the same; the all-gather's K/V
-    of the whole sequence and, backward, their fp32 gradients."""
+    """Transient bytes of context-parallel attention in one layer (0 at cp 1): the peak of its
+    backward on the most loaded rank (`cp_attention_peak`, for the method megapar uses and the
+    plan's target)."""
     if c.cp == 1:
         return 0.0
-    block = cp_block(p, c)
-    if cp_method(p.config) == "ring":
-        return 3 * block * (p.act_bytes + 4)
-    return c.cp * block * (p.act_bytes + 4)
+    cfg = p.config
+    rows = p.seq_len // c.cp
+    q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
+    return cp_attention_peak(
+        cp_method(cfg),
+        c.cp,
+        q_elems,
+        cp_block(p, c),
+        p.act_bytes,
+        rows,
+        getattr(cfg, "model_type", "") != "bert",
+        p.target == "cpu",
+    )
 
 
 def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[float, float]:
