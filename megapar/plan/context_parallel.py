@@ -72,52 +72,69 @@ def cp_attention_peak(
     causal: bool = True,
     cpu: bool = False,
 ) -> float:
-    """Bytes one rank's context-parallel attention allocates at the peak of its backward
+    """Bytes a rank's context-parallel attention allocates at the peak of its backward
     (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
-    tensors saved in forward and the incoming gradient: the largest of the moments below.
-    q_elems: this rank's query elements (b x its heads x s / cp x d); kv_elems: its K/V block
-    (keys and values at its kv heads, `cp_block`); rows: its tokens per sequence (s / cp);
-    `cpu`: a CPU rank (gloo's copies, one thread's flash tiles). Forward holds less (measured).
+    tensors saved in forward and the incoming gradient, on the busiest cp rank: the walk of
+    every rank's sources and kernel calls (`attention.plan`). q_elems: a rank's query elements
+    (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv heads,
+    `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
+    thread's flash tiles). Forward holds less (measured).
 
     Held through the backward: dq accumulated in fp32 (q_elems x 4). Per source block: K/V
     expanded to the query heads (g = query heads / kv heads; a copy only when g > 1) and their
-    gradients in fp32 (g x kv_elems x 4). The widest kernel call (causal: one query chunk, s /
-    2cp rows, against a source's whole block, which rank 0's last chunk sees for every other
-    source; bidirectional: all rows): dout's and out's rows made contiguous and the kernel's dq
-    (3 x its query elements, activation dtype), its dK/dV (the expanded block, activation dtype),
-    its fp32 dq accumulator (4 bytes a query element) and, on a CPU, one thread's two fp32
-    tiles of scores (`_flash_q_split` x `FLASH_KV_SPLIT`; megapar's CPU ranks run one thread).
+    gradients in fp32 (g x kv_elems x 4). Per kernel call of r query rows against n key
+    columns: dout's and out's rows made contiguous and the kernel's dq (3 x the rows' query
+    elements, activation dtype), its dK/dV (n columns of the expanded block, activation dtype),
+    its fp32 dq accumulator (4 bytes a query element of the rows) and, on a CPU, one thread's
+    two fp32 tiles of scores (`_flash_q_split` x `FLASH_KV_SPLIT`; megapar's CPU ranks run one
+    thread); the previous call's dq, dK and dV are still held while the next one runs.
 
-    - ring: the block being worked on and, before the last step, the next one arriving
-      (activation dtype), the dK/dV travelling (sent and received, fp32), with the widest call;
-      or, at `ring.start` of a block's dK/dV, the last ones still in flight and the new pair.
-    - all-gather: the gathered blocks (cp x kv_elems, activation dtype) and the list of the
-      sources' fp32 dK/dV done so far (cp - 1 of them at the last source's widest call); then
-      the list stacked into one tensor beside it (2 x cp fp32 blocks); then the reduce-scatter
-      of that stack into this rank's block (on a CPU gloo copies its input)."""
+    - ring, step i: the block worked on and, before the last step, the next one arriving
+      (activation dtype), from step 1 on the dK/dV travelling (sent and received, fp32); or, at
+      `ring.start` of a block's dK/dV, the last ones still in flight and the new pair.
+    - all-gather, source j: the gathered blocks (cp x kv_elems, activation dtype) and the j
+      fp32 dK/dV of the sources before; then the list stacked into one tensor beside it (2 x cp
+      fp32 blocks); then the reduce-scatter of that stack (on a CPU gloo copies its input)."""
+    from megapar.context_parallel.attention import plan
+
     a, w = act_bytes, 4
-    g = 2 * q_elems / kv_elems  # query heads / kv heads
-    expanded = g * kv_elems
-    call_rows = rows // 2 if causal else rows
-    call_q = q_elems // 2 if causal else q_elems
-    tiles = 2 * _flash_q_split(call_rows) * min(FLASH_KV_SPLIT, rows) * w if cpu else 0
-    call = 3 * call_q * a + expanded * a + call_q * w + tiles
-    block = (expanded * a if g > 1 else 0) + expanded * w  # a source's expanded K/V, fp32 dK/dV
-    dq = q_elems * w
-    if method == "ring":
-        blocks = kv_elems * a * (2 if cp > 2 else 1)
-        return dq + blocks + max(2 * kv_elems * w + block + call, 4 * kv_elems * w)
-    gathered = cp * kv_elems * a
-    gloo = cp * kv_elems * w if cpu else 0
-    return (
-        dq
-        + gathered
-        + max(
-            (cp - 1) * kv_elems * w + block + call,
-            2 * cp * kv_elems * w,
-            cp * kv_elems * w + kv_elems * w + gloo,
-        )
-    )
+    expanded = 2 * q_elems  # a block's K and V at the query heads: g x kv_elems
+    per_row, per_col = q_elems / rows, expanded / rows
+    g = expanded / kv_elems
+    held_block = (expanded * a if g > 1 else 0) + expanded * w  # expanded K/V, fp32 dK/dV
+
+    def call_bytes(q: slice, kv: slice) -> tuple[float, float]:
+        r, n = q.stop - q.start, kv.stop - kv.start
+        tiles = 2 * _flash_q_split(r) * min(FLASH_KV_SPLIT, n) * w if cpu else 0
+        outputs = r * per_row * a + n * per_col * a
+        return 2 * r * per_row * a + r * per_row * w + tiles + outputs, outputs
+
+    def source_peak(rank: int, source: int) -> float:
+        peak, previous = 0.0, 0.0
+        for call in plan(cp, rank, source, rows // 2, causal):
+            now, outputs = call_bytes(call.q, call.kv)
+            peak, previous = max(peak, now + previous), outputs
+        return held_block + peak
+
+    dq, block = q_elems * w, kv_elems
+    worst = 0.0
+    for rank in range(cp):
+        for i in range(cp):
+            if method == "ring":
+                source = (rank - i) % cp
+                blocks = block * a * (2 if i + 1 < cp else 1)
+                travelling = 2 * block * w if i else 0
+                moment = max(travelling + source_peak(rank, source), 4 * block * w if i else 0)
+            else:
+                source = i
+                blocks = cp * block * a
+                moment = i * block * w + source_peak(rank, source)
+            worst = max(worst, dq + blocks + moment)
+    if method != "ring":
+        gloo = cp * block * w if cpu else 0
+        end = max(2 * cp * block * w, (cp + 1) * block * w + gloo)
+        worst = max(worst, dq + cp * block * a + end)
+    return worst
 
 
 def cp_buffers(p: Problem, c: Candidate) -> float:
