@@ -4,6 +4,8 @@ behind the attention (`cp_layer_seconds`), for the ring or the all-gather megapa
 
 from __future__ import annotations
 
+import functools
+
 from megapar.context_parallel import method_for
 from megapar.models.flops import head_size, heads, kv_heads_per_rank
 from megapar.plan.layouts import Candidate
@@ -62,6 +64,7 @@ def _flash_q_split(rows: int) -> int:
     return min(rows, 256 if rows >= 768 else 64 if rows >= 192 else 32)
 
 
+@functools.cache
 def cp_attention_peak(
     method: str,
     cp: int,
