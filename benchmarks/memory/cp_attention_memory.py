@@ -83,9 +83,10 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal=True):
+def measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal=True, dropout=0.0):
     """(forward peak, backward peak) bytes of cp rank `rank`'s attention of `b` sequences of
-    `seq` tokens (this rank's seq / cp of them)."""
+    `seq` tokens (this rank's seq / cp of them); `dropout`: attention dropout (the unfused
+    kernel)."""
     torch.manual_seed(0)
     rows = seq // cp
 
@@ -95,7 +96,7 @@ def measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal=True):
     q, k, v = projected(heads), projected(kv_heads), projected(kv_heads)
     index = None if kv_heads == heads else torch.arange(heads) // (heads // kv_heads)
     comm = _Ring(cp, rank) if method == "ring" else (cp, rank)
-    spec = attention_module.Spec(cp, rank, causal, comm)
+    spec = attention_module.Spec(cp, rank, causal, comm, dropout)
     with (
         _one_thread(),
         mock.patch.object(attention_module, "all_gather_flat", _all_gather),
@@ -107,17 +108,18 @@ def measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal=True):
     return forward, backward
 
 
-def busiest(method, cp, b, seq, heads, kv_heads, d, dtype, causal=True):
+def busiest(method, cp, b, seq, heads, kv_heads, d, dtype, causal=True, dropout=0.0):
     """(forward, backward) peaks of the cp rank whose backward holds the most."""
-    return max((measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal)
+    return max((measure(method, cp, rank, b, seq, heads, kv_heads, d, dtype, causal, dropout)
                 for rank in range(cp)), key=lambda peaks: peaks[1])
 
 
-def planned(method, cp, b, seq, heads, kv_heads, d, dtype, causal=True) -> float:
+def planned(method, cp, b, seq, heads, kv_heads, d, dtype, causal=True, dropout=0.0) -> float:
     """The planner's term (`cp_attention_peak`: the busiest rank, a CPU rank)."""
     rows = seq // cp
     return cp_attention_peak(method, cp, b * heads * rows * d, 2 * b * kv_heads * rows * d,
-                             torch.empty((), dtype=dtype).element_size(), rows, causal, cpu=True)
+                             torch.empty((), dtype=dtype).element_size(), rows, causal, True,
+                             b * heads if dropout else 0)
 
 
 def main() -> None:

@@ -64,6 +64,13 @@ def _flash_q_split(rows: int) -> int:
     return min(rows, 256 if rows >= 768 else 64 if rows >= 192 else 32)
 
 
+MATH_SCORES = 6
+"""Score-sized fp32 tensors ([b, heads, r, n]) the unfused kernel's backward
+(`kernels.block_backward`, "math") holds at its peak with dropout: the scores and
+probabilities, dP, the mask's draw and the mask, then P x mask, dP x mask, dP - delta and dS
+(measured 5.5-5.75 beyond the rest)."""
+
+
 @functools.cache
 def cp_attention_peak(
     method: str,
@@ -74,6 +81,7 @@ def cp_attention_peak(
     rows: int,
     causal: bool = True,
     cpu: bool = False,
+    scores_per_elem: int = 0,
 ) -> float:
     """Bytes a rank's context-parallel attention allocates at the peak of its backward
     (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
@@ -81,7 +89,8 @@ def cp_attention_peak(
     every rank's sources and kernel calls (`attention.plan`). q_elems: a rank's query elements
     (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv heads,
     `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
-    thread's flash tiles). Forward holds less (measured).
+    thread's flash tiles); scores_per_elem: with attention dropout (the unfused "math" kernel,
+    `kernels.choose_kernel`), b x query heads, else 0. Forward holds less (measured).
 
     Held through the backward: dq accumulated in fp32 (q_elems x 4). Per source block: K/V
     expanded to the query heads (g = query heads / kv heads; a copy only when g > 1) and their
@@ -90,7 +99,9 @@ def cp_attention_peak(
     elements, activation dtype), its dK/dV (n columns of the expanded block, activation dtype),
     its fp32 dq accumulator (4 bytes a query element of the rows) and, on a CPU, one thread's
     two fp32 tiles of scores (`_flash_q_split` x `FLASH_KV_SPLIT`; megapar's CPU ranks run one
-    thread); the previous call's dq, dK and dV are still held while the next one runs.
+    thread); the previous call's dq, dK and dV are still held while the next one runs. With
+    attention dropout a call also holds `MATH_SCORES` fp32 r x n score-sized tensors a head and
+    sequence (the scores, probabilities, dP, the dropout mask and its draw, dS), not the tiles.
 
     - ring, step i: the block worked on and, before the last step, the next one arriving
       (activation dtype), from step 1 on the dK/dV travelling (sent and received, fp32); or, at
@@ -109,6 +120,8 @@ def cp_attention_peak(
     def call_bytes(q: slice, kv: slice) -> tuple[float, float]:
         r, n = q.stop - q.start, kv.stop - kv.start
         tiles = 2 * _flash_q_split(r) * min(FLASH_KV_SPLIT, n) * w if cpu else 0
+        if scores_per_elem:
+            tiles = MATH_SCORES * r * n * scores_per_elem * w
         outputs = r * per_row * a + n * per_col * a
         return 2 * r * per_row * a + r * per_row * w + tiles + outputs, outputs
 
@@ -158,7 +171,17 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
         rows,
         getattr(cfg, "model_type", "") != "bert",
         p.target == "cpu",
+        c.mbs * (_heads(cfg) // c.tp) if attention_dropout(cfg) else 0,
     )
+
+
+def attention_dropout(cfg) -> float:
+    """The model's attention-probability dropout (GPT-2's attn_pdrop, BERT's
+    attention_probs_dropout_prob, Llama's attention_dropout)."""
+    for key in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
+        if getattr(cfg, key, 0):
+            return float(getattr(cfg, key))
+    return 0.0
 
 
 def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[float, float]:
