@@ -4,6 +4,8 @@ behind the attention (`cp_layer_seconds`), for the ring or the all-gather megapa
 
 from __future__ import annotations
 
+import functools
+
 from megapar.context_parallel import method_for
 from megapar.models.flops import head_size, heads, kv_heads_per_rank
 from megapar.plan.layouts import Candidate
@@ -51,16 +53,135 @@ def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]
     }
 
 
+FLASH_KV_SPLIT = 512
+"""Key columns per tile of the CPU flash kernel's backward (PyTorch's
+`_scaled_dot_product_flash_attention_for_cpu_backward`)."""
+
+
+def _flash_q_split(rows: int) -> int:
+    """Query rows per tile of the CPU flash kernel's backward: 256 from 768 rows on, 64 from
+    192, else 32 (and never more than the rows)."""
+    return min(rows, 256 if rows >= 768 else 64 if rows >= 192 else 32)
+
+
+MATH_SCORES = 6
+"""Score-sized fp32 tensors ([b, heads, r, n]) the unfused kernel's backward
+(`kernels.block_backward`, "math") holds at its peak with dropout: the scores and
+probabilities, dP, the mask's draw and the mask, then P x mask, dP x mask, dP - delta and dS
+(measured 5.5-5.75 beyond the rest)."""
+
+
+@functools.cache
+def cp_attention_peak(
+    method: str,
+    cp: int,
+    q_elems: int,
+    kv_elems: int,
+    act_bytes: int,
+    rows: int,
+    causal: bool = True,
+    cpu: bool = False,
+    scores_per_elem: int = 0,
+) -> float:
+    """Bytes a rank's context-parallel attention allocates at the peak of its backward
+    (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
+    tensors saved in forward and the incoming gradient, on the busiest cp rank: the walk of
+    every rank's sources and kernel calls (`attention.plan`). q_elems: a rank's query elements
+    (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv heads,
+    `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
+    thread's flash tiles); scores_per_elem: with attention dropout (the unfused "math" kernel,
+    `kernels.choose_kernel`), b x query heads, else 0. Forward holds less (measured).
+
+    Held through the backward: dq accumulated in fp32 (q_elems x 4). Per source block: K/V
+    expanded to the query heads (g = query heads / kv heads; a copy only when g > 1) and their
+    gradients in fp32 (g x kv_elems x 4). Per kernel call of r query rows against n key
+    columns: dout's and out's rows made contiguous and the kernel's dq (3 x the rows' query
+    elements, activation dtype), its dK/dV (n columns of the expanded block, activation dtype),
+    its fp32 dq accumulator (4 bytes a query element of the rows) and, on a CPU, one thread's
+    two fp32 tiles of scores (`_flash_q_split` x `FLASH_KV_SPLIT`; megapar's CPU ranks run one
+    thread); the previous call's dq, dK and dV are still held while the next one runs. With
+    attention dropout a call also holds `MATH_SCORES` fp32 r x n score-sized tensors a head and
+    sequence (the scores, probabilities, dP, the dropout mask and its draw, dS), not the tiles.
+
+    - ring, step i: the block worked on and, before the last step, the next one arriving
+      (activation dtype), from step 1 on the dK/dV travelling (sent and received, fp32); or, at
+      `ring.start` of a block's dK/dV, the last ones still in flight and the new pair.
+    - all-gather, source j: the gathered blocks (cp x kv_elems, activation dtype) and the j
+      fp32 dK/dV of the sources before; then the list stacked into one tensor beside it (2 x cp
+      fp32 blocks); then the reduce-scatter of that stack (on a CPU gloo copies its input)."""
+    from megapar.context_parallel.attention import plan
+
+    a, w = act_bytes, 4
+    expanded = 2 * q_elems  # a block's K and V at the query heads: g x kv_elems
+    per_row, per_col = q_elems / rows, expanded / rows
+    g = expanded / kv_elems
+    held_block = (expanded * a if g > 1 else 0) + expanded * w  # expanded K/V, fp32 dK/dV
+
+    def call_bytes(q: slice, kv: slice) -> tuple[float, float]:
+        r, n = q.stop - q.start, kv.stop - kv.start
+        tiles = 2 * _flash_q_split(r) * min(FLASH_KV_SPLIT, n) * w if cpu else 0
+        if scores_per_elem:
+            tiles = MATH_SCORES * r * n * scores_per_elem * w
+        outputs = r * per_row * a + n * per_col * a
+        return 2 * r * per_row * a + r * per_row * w + tiles + outputs, outputs
+
+    def source_peak(rank: int, source: int) -> float:
+        peak, previous = 0.0, 0.0
+        for call in plan(cp, rank, source, rows // 2, causal):
+            now, outputs = call_bytes(call.q, call.kv)
+            peak, previous = max(peak, now + previous), outputs
+        return held_block + peak
+
+    dq, block = q_elems * w, kv_elems
+    worst = 0.0
+    for rank in range(cp):
+        for i in range(cp):
+            if method == "ring":
+                source = (rank - i) % cp
+                blocks = block * a * (2 if i + 1 < cp else 1)
+                travelling = 2 * block * w if i else 0
+                moment = max(travelling + source_peak(rank, source), 4 * block * w if i else 0)
+            else:
+                source = i
+                blocks = cp * block * a
+                moment = i * block * w + source_peak(rank, source)
+            worst = max(worst, dq + blocks + moment)
+    if method != "ring":
+        gloo = cp * block * w if cpu else 0
+        end = max(2 * cp * block * w, (cp + 1) * block * w + gloo)
+        worst = max(worst, dq + cp * block * a + end)
+    return worst
+
+
 def cp_buffers(p: Problem, c: Candidate) -> float:
-    """Transient bytes of context-parallel attention in one layer (0 at cp 1): the ring's K/V
-    block sent, received and stacked, and backward's fp32 dK/dV the same; the all-gather's K/V
-    of the whole sequence and, backward, their fp32 gradients."""
+    """Transient bytes of context-parallel attention in one layer (0 at cp 1): the peak of its
+    backward on the most loaded rank (`cp_attention_peak`, for the method megapar uses and the
+    plan's target)."""
     if c.cp == 1:
         return 0.0
-    block = cp_block(p, c)
-    if cp_method(p.config) == "ring":
-        return 3 * block * (p.act_bytes + 4)
-    return c.cp * block * (p.act_bytes + 4)
+    cfg = p.config
+    rows = p.seq_len // c.cp
+    q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
+    return cp_attention_peak(
+        cp_method(cfg),
+        c.cp,
+        q_elems,
+        cp_block(p, c),
+        p.act_bytes,
+        rows,
+        getattr(cfg, "model_type", "") != "bert",
+        p.target == "cpu",
+        c.mbs * (_heads(cfg) // c.tp) if attention_dropout(cfg) else 0,
+    )
+
+
+def attention_dropout(cfg) -> float:
+    """The model's attention-probability dropout (GPT-2's attn_pdrop, BERT's
+    attention_probs_dropout_prob, Llama's attention_dropout)."""
+    for key in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
+        if getattr(cfg, key, 0):
+            return float(getattr(cfg, key))
+    return 0.0
 
 
 def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[float, float]:
