@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 from megapar.context_parallel import method_for
+from megapar.context_parallel.attention import plan as attention_calls
 from megapar.models.flops import head_size, heads, kv_heads_per_rank
 from megapar.plan.layouts import Candidate
 from megapar.plan.problem import Problem
@@ -85,10 +86,10 @@ def cp_attention_peak(
 ) -> float:
     """Bytes a rank's context-parallel attention allocates at the peak of its backward
     (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
-    tensors saved in forward and the incoming gradient, on the busiest cp rank: the walk of
-    every rank's sources and kernel calls (`attention.plan`). q_elems: a rank's query elements
-    (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv heads,
-    `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
+    tensors saved in forward and the incoming gradient, on the busiest cp rank: the walk of every
+    rank's sources and kernel calls (`megapar.context_parallel.attention.plan`). q_elems: a rank's
+    query elements (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv
+    heads, `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
     thread's flash tiles); scores_per_elem: with attention dropout (the unfused "math" kernel,
     `kernels.choose_kernel`), b x query heads, else 0. Forward holds less (measured).
 
@@ -109,8 +110,6 @@ def cp_attention_peak(
     - all-gather, source j: the gathered blocks (cp x kv_elems, activation dtype) and the j
       fp32 dK/dV of the sources before; then the list stacked into one tensor beside it (2 x cp
       fp32 blocks); then the reduce-scatter of that stack (on a CPU gloo copies its input)."""
-    from megapar.context_parallel.attention import plan
-
     a, w = act_bytes, 4
     expanded = 2 * q_elems  # a block's K and V at the query heads: g x kv_elems
     per_row, per_col = q_elems / rows, expanded / rows
@@ -127,7 +126,7 @@ def cp_attention_peak(
 
     def source_peak(rank: int, source: int) -> float:
         peak, previous = 0.0, 0.0
-        for call in plan(cp, rank, source, rows // 2, causal):
+        for call in attention_calls(cp, rank, source, rows // 2, causal):
             now, outputs = call_bytes(call.q, call.kv)
             peak, previous = max(peak, now + previous), outputs
         return held_block + peak
