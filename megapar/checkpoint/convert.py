@@ -411,6 +411,25 @@ def import_hf(
     return path, initialised
 
 
+def write_weights(
+    reader, dst, layout: Layout, meta: dict, overwrite: bool = False, progress: bool = True
+) -> Path:
+    """Write checkpoint root `dst` at step 0 with `reader`'s weights alone (no optimizer
+    state), in `layout`: each canonical tensor read once (`reader.canonical(name)`, its model
+    `reader.config`), cast to its checkpoint dtype and cut into the layout's tp shards. The
+    importers of torchtitan's and Megatron-LM's checkpoints write with it."""
+    target = plan(reader.config, layout)
+    current: dict[str, torch.Tensor] = {}
+
+    def fill(name, key, t, local):
+        if name not in current:
+            current.clear()
+            current[name] = reader.canonical(name).to(dtype_from_name(target[name]["dtype"]))
+        return shard_of(current[name], target[name]["tp_dim"], local, t)
+
+    return write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
+
+
 def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     """A readable summary: layout, step, model, parameter count, bytes per file (and tensors).
     Every file is verified against the manifest (sha256 unless `checksums` is False: sizes)."""

@@ -40,12 +40,16 @@ import torch
 import torch.distributed.checkpoint as dist_cp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megapar.checkpoint.convert import _refuse_existing, _swap_into, check_output, plan
-from megapar.checkpoint.convert import write_checkpoint as _write_checkpoint
+from megapar.checkpoint.convert import (
+    _refuse_existing,
+    _swap_into,
+    check_output,
+    plan,
+    write_weights,
+)
 from megapar.checkpoint.format import (
     CheckpointError,
     ShardReader,
-    dtype_from_name,
     staging_dir,
 )
 from megapar.checkpoint.manifest import verify
@@ -54,7 +58,6 @@ from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError, LlamaConfig, config_from_dict
 from megapar.models.recipes import resolve_model
-from megapar.tensor_parallel.partition import shard_of
 
 METADATA = ".metadata"
 """The index file of a DCP checkpoint."""
@@ -384,23 +387,13 @@ def import_dcp(
     directory, its config from `config` (a megapar model spec or config) or `job_config`
     (torchtitan's TOML)."""
     reader = DCPReader(dcp_dir, config, job_config)
-    layout = Layout(tp, pp, dp)
-    target = plan(reader.config, layout)
     meta = {
         "imported_from_dcp": str(reader.path.resolve()),
         "hf_dtype": reader.dtype,
         "rng_note": "imported from a torchtitan DCP checkpoint: weights only (no RNG "
         "states, no optimizer state)",
     }
-    current: dict[str, torch.Tensor] = {}
-
-    def fill(name, key, t, local):
-        if name not in current:
-            current.clear()
-            current[name] = reader.canonical(name).to(dtype_from_name(target[name]["dtype"]))
-        return shard_of(current[name], target[name]["tp_dim"], local, t)
-
-    path = _write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
+    path = write_weights(reader, dst, Layout(tp, pp, dp), meta, overwrite, progress)
     return path, reader
 
 

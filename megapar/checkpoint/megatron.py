@@ -56,16 +56,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megapar.checkpoint.convert import plan
-from megapar.checkpoint.convert import write_checkpoint as _write_checkpoint
+from megapar.checkpoint.convert import write_weights
 from megapar.checkpoint.dcp import METADATA, _MetadataUnpickler
 from megapar.checkpoint.dcp import _Reader as _DCPReader
-from megapar.checkpoint.format import CheckpointError, dtype_from_name
+from megapar.checkpoint.format import CheckpointError
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import shell_word
-from megapar.tensor_parallel.partition import shard_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """The file of a Megatron-LM checkpoint root naming its newest save."""
@@ -611,21 +609,11 @@ def import_megatron(
     checkpoint (a root or one ``iter_NNNNNNN`` directory), its config from `config` (a megapar
     model spec or config) or, with None, from the training args its common.pt records."""
     reader = MegatronReader(src, config)
-    layout = Layout(tp, pp, dp)
-    target = plan(reader.config, layout)
     meta = {
         "imported_from_megatron": str(reader.path.resolve()),
         "hf_dtype": reader.dtype,
         "rng_note": "imported from a Megatron torch_dist checkpoint: weights only (no RNG "
         "states, no optimizer state)",
     }
-    current: dict[str, torch.Tensor] = {}
-
-    def fill(name, key, t, local):
-        if name not in current:
-            current.clear()
-            current[name] = reader.canonical(name).to(dtype_from_name(target[name]["dtype"]))
-        return shard_of(current[name], target[name]["tp_dim"], local, t)
-
-    path = _write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
+    path = write_weights(reader, dst, Layout(tp, pp, dp), meta, overwrite, progress)
     return path, reader
