@@ -593,7 +593,8 @@ def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path)
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
     for extra, message in [({"attention_bias": True}, "attention_bias=True: not supported"),
                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-                            "rope_scaling type 'yarn' is not supported"),
+                            "rope_scaling type 'yarn' is not supported; megapar implements "
+                            "default, linear and llama3: remove rope_scaling from config.json"),
                            ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads")]:
         path = tmp_path / "config.json"
         path.write_text(json.dumps({**base, **extra}))

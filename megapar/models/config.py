@@ -429,7 +429,9 @@ class LlamaConfig(_Base):
         if self.rope_scaling is not None and rope_type not in ("default", "linear", "llama3"):
             raise ConfigError(
                 f"rope_scaling type {rope_type!r} is not supported; megapar "
-                f"implements default, linear and llama3"
+                f"implements default, linear and llama3: remove rope_scaling from config.json "
+                f"to train at the model's original length (as Qwen's published configs ship; "
+                f"they add YaRN only to run past it), or choose one of those"
             )
         scaling = self.rope_scaling or {}
         needed = ROPE_SCALING_FIELDS.get(str(rope_type), ()) if scaling else ()
