@@ -485,11 +485,7 @@ def _dcp(args, progress: bool) -> str:
     """--from-dcp / --to-dcp."""
     from megapar.checkpoint import dcp
 
-    if args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows:
-        raise ValueError(
-            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are used "
-            "only with --to-hf"
-        )
+    _check_export_flags(args)
     if args.to_dcp:
         (src,) = _need(args, 1, "SRC --to-dcp DCP_DIR")
         if args.tp is not None or args.pp is not None:
@@ -539,11 +535,7 @@ def _from_megatron(args, progress: bool) -> str:
     """--from-megatron."""
     from megapar.checkpoint import megatron
 
-    if args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows:
-        raise ValueError(
-            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are used "
-            "only with --to-hf"
-        )
+    _check_export_flags(args)
     (dst,) = _need(args, 1, "--from-megatron MEGATRON_DIR DST [--model SPEC] [--tp N] [--pp M]")
     _fill_layout(args, {})
     path, reader = megatron.import_megatron(
