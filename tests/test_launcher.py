@@ -130,17 +130,24 @@ def _run_as_torchrun(body, world: int, launcher: str = "torchrun") -> list:
     port = free_port()
     procs = [ctx.Process(target=_as_torchrun_rank, args=(r, world, port, out, body, launcher))
              for r in range(world)]
+    results = _results_by_rank(procs, out, 120)
+    assert [p.exitcode for p in procs] == [0] * world
+    return [results[r] for r in range(world)]
+
+
+def _results_by_rank(procs, out, timeout_s: float) -> dict:
+    """Start the forked ranks `procs`, each putting one (rank, result) on `out`; their results
+    by rank once every one has put its own (within `timeout_s`), the processes then joined
+    (killed after 30 s)."""
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=120) for _ in procs)
+        return dict(out.get(timeout=timeout_s) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
-    return [results[r] for r in range(world)]
 
 
 @pytest.mark.parametrize("preinit", [False, True])
@@ -523,14 +530,6 @@ def test_a_torchrun_restart_joins_on_keys_of_its_own_attempt():
     for attempt in (0, 1):
         procs = [ctx.Process(target=_rank_of_attempt, args=(r, port, attempt, out))
                  for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            results = dict(out.get(timeout=60) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        results = _results_by_rank(procs, out, 60)
         assert results == {0: 2.0, 1: 2.0}, (attempt, results)
     del agent

@@ -238,17 +238,25 @@ def test_export_of_a_moe_transformers_cannot_hold_is_refused(tmp_path, what, cap
     assert not out.exists()
 
 
+def _save_qwen3_moe(path, **overrides):
+    """A tiny seeded transformers Qwen3-MoE (4 experts, top 2; one layer unless `overrides`
+    say otherwise), saved to `path`; returns the model."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
+        **dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               max_position_embeddings=32, num_experts=4, num_experts_per_tok=2),
+        **overrides}))
+    hf.save_pretrained(path)
+    return hf
+
+
 def test_from_hf_with_megapar_only_moe_settings_is_refused(tmp_path, capsys):
     """A transformers config.json with megapar's own MoE settings (a sigmoid router, shared
     experts) loads in transformers without them; megapar imported it as another model (the
     router changed, the shared experts initialised from the seed, with a note). Now refused in
     one line, nothing written."""
-    torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2))
-    hf.save_pretrained(tmp_path / "hf")
+    _save_qwen3_moe(tmp_path / "hf")
     assert convert(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "ok"), "--no-progress"]) == 0
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
     raw.update(moe_router_score="sigmoid", shared_expert_intermediate_size=16)
@@ -266,13 +274,7 @@ def test_info_names_the_experts_and_the_active_parameters(tmp_path):
     """--info's model line of a mixture of experts names its routed experts (how many, how wide,
     the top-k, in which share of the layers) and its active parameters per token: transformers'
     count less the experts a token is not routed to. It gave layers, hidden and vocab alone."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
-    hf = transformers.Qwen3MoeForCausalLM(config)
-    hf.save_pretrained(tmp_path / "hf")
+    hf = _save_qwen3_moe(tmp_path / "hf", num_hidden_layers=3, mlp_only_layers=[0])
     assert convert(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "ck"), "--no-progress"]) == 0
     experts = hf.model.layers[1].mlp.experts
     per_expert = sum(p.numel() for p in experts.parameters()) // 4
@@ -287,12 +289,7 @@ def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
     `num_experts` (what transformers 4's Qwen3MoeConfig reads; without it, it builds its
     default 128 experts and cannot load the 4 exported) beside transformers 5's
     `num_local_experts`; transformers 5 and megapar read it back with 4 experts."""
-    torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2))
-    hf.save_pretrained(tmp_path / "hf")
+    _save_qwen3_moe(tmp_path / "hf")
     ck, out = tmp_path / "ck", tmp_path / "exported"
     assert convert(["--from-hf", str(tmp_path / "hf"), str(ck), "--no-progress"]) == 0
     assert convert([str(ck), "--to-hf", str(out), "--no-progress"]) == 0
