@@ -8,9 +8,7 @@ import torch
 
 def rng_state(model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's RNG state: "cpu", "cuda" (on a GPU) and "tp" (the model's tp stream)."""
-    out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
+    out = default_rng_state(device)
     tp_state = getattr(getattr(model, "tracker", None), "tp_state", None)
     if tp_state is not None:
         out["tp"] = tp_state
@@ -21,9 +19,7 @@ def set_rng_state(
     model: torch.nn.Module, device: torch.device, rng: dict[str, torch.Tensor]
 ) -> None:
     """Restore what `rng_state` returned (a part the checkpoint lacks is left as it is)."""
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
+    set_default_rng_state(rng, device)
     tracker = getattr(model, "tracker", None)
     if "tp" in rng and tracker is not None:
         tracker.tp_state = rng["tp"]
