@@ -166,7 +166,8 @@ _DIGESTS: dict[tuple, str] = {}
 
 def _file_state(path: str) -> tuple:
     """What identifies a file's bytes while it is unchanged: its path, inode, size,
-    modification and change times (as `_files_read` identifies a tokenizer's files)."""
+    modification and change times (the key of a kept digest, and of a kept tokenizer's files:
+    `_files_read`)."""
     st = os.stat(path)
     return (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -265,10 +266,9 @@ def _files_read(where: str) -> tuple:
     stats = []
     for path in paths:
         try:
-            st = os.stat(path)
+            stats.append(_file_state(path))
         except OSError:
             continue  # loading it says what is missing
-        stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(stats)
 
 
