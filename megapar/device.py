@@ -100,8 +100,8 @@ def gpu_shortage(ranks: int, gpus: int) -> str:
     where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     return (
         f"{counted(ranks, 'rank')} on this node but {counted(gpus, 'GPU')} visible"
-        f"{where}: NCCL needs a GPU per rank; start at most {gpus} process"
-        f"{'es' if gpus != 1 else ''} per node (torchrun --nproc-per-node {gpus}, or a "
+        f"{where}: NCCL needs a GPU per rank; start at most "
+        f"{counted(gpus, 'process', 'processes')} per node (torchrun --nproc-per-node {gpus}, or a "
         f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "
         f"with gloo"
     )
