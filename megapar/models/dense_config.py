@@ -83,9 +83,24 @@ class _DenseConfig(LlamaConfig):
 
 @dataclass
 class _QwenWindow(_DenseConfig):
-    """Qwen's sliding-window fields: a window on the layers `layer_types` (or, without it,
-    those from `max_window_layers` on) when `use_sliding_window`."""
+    """What Qwen2 and Qwen3 share: transformers' defaults of both classes, and the
+    sliding-window fields (a window on the layers `layer_types`, or, without it, those from
+    `max_window_layers` on, when `use_sliding_window`)."""
 
+    vocab_size: int = 151936
+    """Vocabulary size (unpadded)."""
+    hidden_size: int = 4096
+    """Hidden size."""
+    intermediate_size: int = 22016
+    """SwiGLU MLP size."""
+    num_key_value_heads: int | None = 32
+    """Key/value heads (grouped-query attention)."""
+    max_position_embeddings: int = 32768
+    """Longest sequence the model is meant for."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id (carried to exported configs)."""
+    eos_token_id: int | None = None
+    """End-of-sequence id (carried to exported configs)."""
     use_sliding_window: bool = False
     """transformers' switch of the sliding window (off in every published Qwen2.5 / Qwen3)."""
     sliding_window: int | None = 4096
@@ -129,22 +144,8 @@ class Qwen3Config(_QwenWindow):
     model_type = "qwen3"
     hf_config_class = "Qwen3Config"
     not_in_hf: ClassVar[frozenset[str]] = frozenset({"make_vocab_size_divisible_by", "mlp_bias"})
-    vocab_size: int = 151936
-    """Vocabulary size (unpadded)."""
-    hidden_size: int = 4096
-    """Hidden size."""
-    intermediate_size: int = 22016
-    """SwiGLU MLP size."""
-    num_key_value_heads: int | None = 32
-    """Key/value heads (grouped-query attention)."""
     head_dim: int | None = 128
     """Size of one head (transformers' Qwen3 default: 128)."""
-    max_position_embeddings: int = 32768
-    """Longest sequence the model is meant for."""
-    bos_token_id: int | None = None
-    """Beginning-of-sequence id (carried to exported configs)."""
-    eos_token_id: int | None = None
-    """End-of-sequence id (carried to exported configs)."""
 
     @property
     def qk_norm(self) -> bool:
@@ -161,20 +162,6 @@ class Qwen2Config(_QwenWindow):
     not_in_hf: ClassVar[frozenset[str]] = frozenset(
         {"make_vocab_size_divisible_by", "attention_bias", "mlp_bias"}
     )
-    vocab_size: int = 151936
-    """Vocabulary size (unpadded)."""
-    hidden_size: int = 4096
-    """Hidden size."""
-    intermediate_size: int = 22016
-    """SwiGLU MLP size."""
-    num_key_value_heads: int | None = 32
-    """Key/value heads (grouped-query attention)."""
-    max_position_embeddings: int = 32768
-    """Longest sequence the model is meant for."""
-    bos_token_id: int | None = None
-    """Beginning-of-sequence id (carried to exported configs)."""
-    eos_token_id: int | None = None
-    """End-of-sequence id (carried to exported configs)."""
 
     @property
     def qkv_bias(self) -> bool:
