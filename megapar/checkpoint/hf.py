@@ -175,6 +175,7 @@ class HFReader:
         self.prefix = self._detect_prefix()
         self._untie_a_distinct_head()
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._meta: dict[str, torch.nn.Parameter] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
         self._generation: dict | None = None  # an in-memory model's (`from_model`)
 
@@ -193,6 +194,7 @@ class HFReader:
         self.prefix = self._detect_prefix()
         self._untie_a_distinct_head()
         self._expected = None
+        self._meta = None
         self._generation_file = None  # an in-memory model: no files, its generation_config
         generation = getattr(hf_model, "generation_config", None)  # as save_pretrained writes it
         self._generation = (
@@ -275,7 +277,7 @@ class HFReader:
 
             return get
 
-        for name in _canonical_names(self.config):
+        for name in self._meta_params():
             reads: set[str] = set()
             try:
                 fn(name, probe(reads), self.config)
@@ -333,7 +335,7 @@ class HFReader:
         """ConfigError unless the tensor `key` (a name as `get` takes it) has the shape the
         config implies."""
         if self._expected is None:
-            self._expected = expected_hf_shapes(self.config)
+            self._expected = expected_hf_shapes(self.config, self._meta_params())
         want = self._expected.get(key)
         if want is not None and tuple(shape) != want:
             raise ConfigError(
@@ -343,6 +345,13 @@ class HFReader:
                 f"the model again with save_pretrained"
             )
 
+    def _meta_params(self) -> dict[str, torch.nn.Parameter]:
+        """The config's model's canonical parameters on the meta device (`_meta_parameters`),
+        built once for this reader's checks."""
+        if self._meta is None:
+            self._meta = _meta_parameters(self.config)
+        return self._meta
+
     def check_files(self) -> None:
         """Check what a conversion reads before it reads it (ConfigError naming the first
         problem): that the config uses every tensor of the files (`unused_keys`), every
@@ -350,7 +359,7 @@ class HFReader:
         safetensors) and generation_config.json."""
         self._read_generation_config()
         if self._expected is None:
-            self._expected = expected_hf_shapes(self.config)
+            self._expected = expected_hf_shapes(self.config, self._meta_params())
         for key in self._expected:
             try:
                 shape = self._shape(self._key(key))
@@ -412,23 +421,19 @@ def _embedding(config) -> str:
     )
 
 
-def _canonical_names(config) -> list[str]:
-    """megapar's canonical parameter names of the model `config` describes (tied copies not:
-    they read their source)."""
+def _meta_parameters(config) -> dict[str, torch.nn.Parameter]:
+    """megapar's canonical parameters of the model `config` describes, by name, built on the
+    meta device (tied copies not: they read their source)."""
     stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
-    return [n for n, p in stage.named_parameters() if not hasattr(p, "tied_to")]
+    return {n: p for n, p in stage.named_parameters() if not hasattr(p, "tied_to")}
 
 
-def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(config, params=None) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of the transformers model `config` describes, by the name
-    `HFReader.get` takes (without the base model's prefix): megapar's parameters, built on the
-    meta device, mapped as an export maps them."""
-    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
-    canonical = {
-        name: torch.empty(p.full_shape, device="meta")
-        for name, p in stage.named_parameters()
-        if not hasattr(p, "tied_to")
-    }
+    `HFReader.get` takes (without the base model's prefix): megapar's parameters (`params`, the
+    config's `_meta_parameters` where not given), mapped as an export maps them."""
+    params = _meta_parameters(config) if params is None else params
+    canonical = {name: torch.empty(p.full_shape, device="meta") for name, p in params.items()}
     shapes = {}
     for name, tensor in TO_HF[config.model_type](canonical, config).items():
         for prefix in HF_PREFIXES:
