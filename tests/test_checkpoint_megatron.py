@@ -2,7 +2,8 @@
 megatron-core 0.16.1 itself wrote (tests/fixtures/megatron, a GPT-2-like and a Llama-like GPT;
 its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), the
 model from --model or from the args common.pt records (read without unpickling: a pickle that
-would run code runs none), at tp 1 and after tp 2 x pp 2; Transformer Engine's and the older
+would run code runs none), from Megatron's saves at tp 1, tp 2, pp 2 and tp 2 x pp 2 (each
+reading as the tp 1 save bit for bit), and after megapar's own tp 2 x pp 2; Transformer Engine's and the older
 local spec's norm names read alike; what megapar cannot read (the legacy pickle format, another
 backend, an architecture it lacks, no model given or recorded) is refused in one line; --load of
 a Megatron directory names the import."""
@@ -19,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dist_cp
 from safetensors.torch import load_file
 
+from megapar.checkpoint.convert import plan
 from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.megatron import MegatronReader
@@ -73,10 +75,13 @@ def megapar_logits(ckpt, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("given", [True, False], ids=["--model", "args"])
 @pytest.mark.parametrize("kind, saved", [("gpt", "gpt"), ("llama", "llama"),
-                                         ("llama", "llama_tp2")])
+                                         ("llama", "llama_tp2"), ("llama", "llama_pp2"),
+                                         ("gpt", "gpt_tp2pp2")])
 def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
     """llama_tp2 is llama re-saved by Megatron at tp 2 (its tp 2 forward gave the same logits):
-    every layer tensor in two tp chunks, the query groups and SwiGLU's halves split."""
+    every layer tensor in two tp chunks, the query groups and SwiGLU's halves split;
+    llama_pp2 at pp 2 (one layer per stage, each stage's file holding its layer's rows of the
+    stacked tensors) and gpt_tp2pp2 at tp 2 x pp 2 (the tied head's copy on the last stage)."""
     expected = load_file(FIXTURES / "expected_logits.safetensors")
     model = ["--model", spec_file(tmp_path, kind)] if given else []
     assert convert(["--from-megatron", str(FIXTURES / saved), str(tmp_path / "ck"), *model,
@@ -91,6 +96,19 @@ def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
     got = megapar_logits(tmp_path / "ck", expected["ids"])
     assert got.shape == want.shape == (12, 64)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind, saved", [("llama", "llama_tp2"), ("llama", "llama_pp2"),
+                                         ("gpt", "gpt_tp2pp2")])
+def test_a_megatron_save_in_another_layout_reads_as_the_tp_1_save(kind, saved):
+    """Megatron re-saved the tp 1 checkpoint at tp 2, pp 2, tp 2 x pp 2: every canonical
+    tensor read from that save equals the tp 1 save's bit for bit."""
+    one, other = MegatronReader(FIXTURES / kind, None), MegatronReader(FIXTURES / saved, None)
+    assert other.config.to_dict() == one.config.to_dict()
+    names = list(plan(one.config, Layout()))
+    assert len(names) > 10
+    for name in names:
+        assert torch.equal(one.canonical(name), other.canonical(name)), name
 
 
 def test_another_layout_holds_the_same_weights(tmp_path):
