@@ -41,7 +41,12 @@ SPECS = {
               "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "max_position_embeddings": 16},
 }
-"""The models make_fixture.py built, in megapar's (transformers') field names."""
+SPECS["moe"] = {**SPECS["llama"], "model_type": "mixtral", "intermediate_size": 12,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+SPECS["moe_sig"] = {**SPECS["moe"], "moe_router_score": "sigmoid", "moe_bias_update_rate": 1e-3,
+                    "shared_expert_intermediate_size": 20}
+"""The models make_fixture.py built, in megapar's (transformers') field names (the MoE ones'
+aux-loss coefficient: Megatron's 0.01 per layer, megapar's of the mean over 2 layers)."""
 
 pytestmark = pytest.mark.skipif(
     not (FIXTURES / "expected_logits.safetensors").is_file(),
@@ -55,19 +60,24 @@ def spec_file(tmp_path, kind: str, **changes) -> str:
     return str(path)
 
 
-def megapar_logits(ckpt, ids: torch.Tensor) -> torch.Tensor:
-    """The logits of checkpoint `ckpt`'s model in one process (megapar's own stage model)."""
+def megapar_logits(ckpt, ids: torch.Tensor, edit=None) -> torch.Tensor:
+    """The logits of checkpoint `ckpt`'s model in one process (megapar's own stage model;
+    `edit(model)` changes it after the load)."""
     step = resolve_checkpoint(ckpt)
     manifest = verify(step)
     model = build_stage(config_from_dict(manifest["model"]), Mesh(Layout()), 0).eval()
     reader = ShardReader(step, manifest)
     params = dict(model.named_parameters())
-    assert set(params) == set(manifest["tensors"])
+    buffers = {n for n, e in manifest["tensors"].items() if e.get("buffer")}
+    assert set(params) | buffers == set(manifest["tensors"])
+    params |= {n: b for n, b in model.named_buffers() if n in buffers}  # a router's bias
     with torch.no_grad():
         for name, e in manifest["tensors"].items():
             dim = e["tp_dim"]
             full = reader.shard(name, None, 1, 0, None if dim is None else e["full_shape"][dim])
             params[name][: full.shape[0]].copy_(full)  # rows past the vocabulary: padding
+        if edit is not None:
+            edit(model)
         logits = model(None, {"input_ids": ids})
     reader.release()
     return logits[0, :, : manifest["model"]["vocab_size"]]
@@ -76,12 +86,16 @@ def megapar_logits(ckpt, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("given", [True, False], ids=["--model", "args"])
 @pytest.mark.parametrize("kind, saved", [("gpt", "gpt"), ("llama", "llama"),
                                          ("llama", "llama_tp2"), ("llama", "llama_pp2"),
-                                         ("gpt", "gpt_tp2pp2")])
+                                         ("gpt", "gpt_tp2pp2"), ("moe", "moe"),
+                                         ("moe_sig", "moe_sig_ep2")])
 def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
     """llama_tp2 is llama re-saved by Megatron at tp 2 (its tp 2 forward gave the same logits):
     every layer tensor in two tp chunks, the query groups and SwiGLU's halves split;
     llama_pp2 at pp 2 (one layer per stage, each stage's file holding its layer's rows of the
-    stacked tensors) and gpt_tp2pp2 at tp 2 x pp 2 (the tied head's copy on the last stage)."""
+    stacked tensors) and gpt_tp2pp2 at tp 2 x pp 2 (the tied head's copy on the last stage).
+    moe is a Mixtral (softmax of the top 2 of 4 experts' logits); moe_sig routes by sigmoid
+    scores with an expert bias that changes the routing, has a shared expert and was built,
+    run and saved by Megatron at expert-parallel size 2 (two experts in each rank's files)."""
     expected = load_file(FIXTURES / "expected_logits.safetensors")
     model = ["--model", spec_file(tmp_path, kind)] if given else []
     assert convert(["--from-megatron", str(FIXTURES / saved), str(tmp_path / "ck"), *model,
@@ -98,6 +112,23 @@ def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
 
 
+def test_the_expert_bias_decides_the_routing(tmp_path):
+    """moe_sig's expert bias changes which experts its tokens take: with the imported bias
+    zeroed, megapar's logits are far from Megatron's (so the test above checks its mapping)."""
+    expected = load_file(FIXTURES / "expected_logits.safetensors")
+    assert convert(["--from-megatron", str(FIXTURES / "moe_sig_ep2"), str(tmp_path / "ck"),
+                    "--no-progress"]) == 0
+
+    def zero_bias(model):
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.bias"):
+                buffer.zero_()
+
+    want = expected["moe_sig_logits"]
+    got = megapar_logits(tmp_path / "ck", expected["ids"], edit=zero_bias)
+    assert (got - want).abs().max() > 1e-2 * want.abs().max()
+
+
 @pytest.mark.parametrize("kind, saved", [("llama", "llama_tp2"), ("llama", "llama_pp2"),
                                          ("gpt", "gpt_tp2pp2")])
 def test_a_megatron_save_in_another_layout_reads_as_the_tp_1_save(kind, saved):
@@ -111,9 +142,12 @@ def test_a_megatron_save_in_another_layout_reads_as_the_tp_1_save(kind, saved):
         assert torch.equal(one.canonical(name), other.canonical(name)), name
 
 
-def test_another_layout_holds_the_same_weights(tmp_path):
-    spec = spec_file(tmp_path, "llama")
-    src = str(FIXTURES / "llama" / "iter_0000007")
+@pytest.mark.parametrize("kind, saved", [("llama", "llama"), ("moe_sig", "moe_sig_ep2")])
+def test_another_layout_holds_the_same_weights(tmp_path, kind, saved):
+    """megapar's import at tp 2 x pp 2 (moe_sig: the shared expert split over tp, the routed
+    experts, router and bias whole) read back at tp 1 is the tp 1 import, bit for bit."""
+    spec = spec_file(tmp_path, kind)
+    src = str(FIXTURES / saved / "iter_0000007")
     assert convert(["--from-megatron", src, str(tmp_path / "a"), "--model", spec,
                     "--no-progress"]) == 0
     assert convert(["--from-megatron", src, str(tmp_path / "b"), "--model", spec,
@@ -217,10 +251,9 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(FIXTURES / "llama"), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "llama", num_key_value_heads=4))
     assert "linear_qkv.weight is [2, 32, 16], --model implies [2, 48, 16]" in err
-    moe = megatron_llama_state(True, {"decoder.layers.mlp.router.weight": torch.zeros(2, 4, 16)})
-    err = refusal(capsys, "--from-megatron", str(save_megatron(moe, tmp_path / "moe")),
-                  str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
-    assert "a GPT with a mixture of experts (decoder.layers.mlp.router.weight)" in err
+    err = refusal(capsys, "--from-megatron", str(FIXTURES / "moe"), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "llama"))
+    assert "holds a mixtral-like GPT (RoPE, SwiGLU experts): give a mixtral config" in err
     odd = megatron_llama_state(True, {"decoder.layers.mlp.linear_fc3.weight": torch.zeros(2, 4)})
     err = refusal(capsys, "--from-megatron", str(save_megatron(odd, tmp_path / "odd")),
                   str(tmp_path / "o"), "--model", spec_file(tmp_path, "llama"))
@@ -229,6 +262,81 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(zarr), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "llama"))
     assert "'zarr'" in err and "--ckpt-convert-format torch_dist" in err
+    assert not (tmp_path / "o").exists()
+
+
+MOE_ARGS = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4,
+                kv_channels=4, group_query_attention=True, num_query_groups=2,
+                position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                max_position_embeddings=16, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=12, moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=0.01)
+"""Megatron-LM's args for the moe fixture (those the import reads)."""
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax (the top k of a softmax over "
+     "all experts, not renormalised"),
+    ({"moe_router_score_function": "sigmoid", "moe_router_topk": 1},
+     "--moe-router-score-function sigmoid with --moe-router-topk 1"),
+    ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0 (Megatron drops by "
+     "--moe-token-drop-policy, megapar keeps each expert's first tokens; --model with a "
+     "moe_capacity_factor of your choice imports the weights)"),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1},
+     "--moe-router-num-groups 2 (group-limited routing)"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor 2.5"),
+    ({"moe_router_load_balancing_type": "sinkhorn"}, "--moe-router-load-balancing-type sinkhorn"),
+    ({"moe_layer_freq": [0, 1]}, "--moe-layer-freq [0, 1] (dense layers among the MoE ones)"),
+], ids=["pre-softmax", "sigmoid-top1", "capacity", "groups", "scaling", "sinkhorn", "freq"])
+def test_a_routing_megapars_mixtral_lacks_is_refused(tmp_path, capsys, changes, said):
+    """The moe fixture's tensors with args naming a Megatron routing megapar does not compute:
+    one line naming the option; the args as they were import (--model overrides them)."""
+    root = tmp_path / "m"
+    shutil.copytree(FIXTURES / "moe", root)
+    common = root / "iter_0000007" / "common.pt"
+    torch.save({"args": argparse.Namespace(**MOE_ARGS), "iteration": 7}, common)
+    assert convert(["--from-megatron", str(root), str(tmp_path / "ok"), "--no-progress"]) == 0
+    torch.save({"args": argparse.Namespace(**{**MOE_ARGS, **changes}), "iteration": 7}, common)
+    err = refusal(capsys, "--from-megatron", str(root), str(tmp_path / "o"))
+    assert f"its args say {said}" in err and "megapar's models lack" in err, err
+
+
+def megatron_moe_state(extra: dict | None = None) -> dict:
+    """A Mixtral-like GPT's tensors in Megatron's torch_dist names (layers stacked), random."""
+    state = megatron_llama_state(True)
+    g = torch.Generator().manual_seed(1)
+    L = "decoder.layers.mlp."
+    del state[L + "linear_fc1.weight"], state[L + "linear_fc2.weight"]
+    shapes = {L + "router.weight": [2, 4, 16], L + "experts.experts.linear_fc1.weight": [2, 4, 24, 16],
+              L + "experts.experts.linear_fc2.weight": [2, 4, 16, 12]}
+    return state | {k: torch.randn(*v, generator=g) for k, v in shapes.items()} | (extra or {})
+
+
+def test_moe_tensors_megapar_lacks_are_refused(tmp_path, capsys):
+    spec = spec_file(tmp_path, "moe")
+    L = "decoder.layers."
+    for name, extra, said in [
+        ("gated", {L + "mlp.shared_experts.gate_weight": torch.zeros(2, 1, 16)},
+         "a gated shared expert (--moe-shared-expert-gate; megapar's shared experts have no "
+         "gate) (decoder.layers.mlp.shared_experts.gate_weight)"),
+        ("biased", {L + "mlp.router.bias": torch.zeros(2, 4)},
+         "expert biases (--add-bias-linear with experts"),
+        ("per-layer", {L + "0.mlp.router.weight": torch.zeros(4, 16)},
+         "its layers are saved one by one (decoder.layers.0.mlp.router.weight)"),
+        ("bias", {L + "mlp.router.expert_bias": torch.zeros(2, 4)},
+         "no place for: decoder.layers.mlp.router.expert_bias (an expert bias: give a config "
+         "with moe_bias_update_rate > 0)"),
+        ("shared", {L + "mlp.shared_experts.linear_fc1.weight": torch.zeros(2, 40, 16),
+                    L + "mlp.shared_experts.linear_fc2.weight": torch.zeros(2, 16, 20)},
+         "(a shared expert: give a config with shared_expert_intermediate_size)"),
+    ]:
+        root = save_megatron(megatron_moe_state(extra), tmp_path / name)
+        err = refusal(capsys, "--from-megatron", str(root), str(tmp_path / "o"), "--model", spec)
+        assert said in err, (name, err)
+    root = save_megatron(megatron_moe_state(), tmp_path / "plain")
+    reader = MegatronReader(root, spec)
+    experts = megatron_moe_state()[L + "mlp.experts.experts.linear_fc1.weight"]
+    assert torch.equal(reader.canonical("layers.1.mlp.experts.gate_up"), experts[1])
     assert not (tmp_path / "o").exists()
 
 

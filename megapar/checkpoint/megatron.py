@@ -28,13 +28,23 @@ read on its own (`_LayerPlanner`), so memory holds one layer's tensor at a time.
 - the norm before attention / MLP as ``self_attention.linear_qkv.layer_norm_weight`` and
   ``mlp.linear_fc1.layer_norm_weight`` (``_bias``): Transformer Engine's fused names, which
   Megatron's local spec also saves under; older local-spec checkpoints' ``input_layernorm`` and
-  ``pre_mlp_layernorm`` are read too.
+  ``pre_mlp_layernorm`` are read too;
+- a mixture of experts' layer instead of the MLP: ``mlp.router.weight`` [experts, hidden] (and
+  ``mlp.router.expert_bias`` with ``--moe-router-enable-expert-bias``), the routed experts
+  stacked ``mlp.experts.experts.linear_fc1.weight`` [experts, gate; up, hidden] and
+  ``linear_fc2.weight`` [experts, hidden, size]: the one global name SequentialMLP
+  (``local_experts.N``), GroupedMLP (``weight1`` / ``weight2``, transposed back) and TEGroupedMLP
+  (``linear_fc1.weightN``) all save under, whatever the expert parallelism; a shared expert's
+  ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``.
 
 Megatron's rotary positions are on the halves of each head (``rotary_interleaved`` off, its
 default), as megapar's and transformers' are, so no tensor is permuted. A model with learned
 positions, LayerNorm, biases, a non-gated MLP and a tied head is megapar's GPT-2; one with RoPE,
-RMSNorm, SwiGLU and no biases is its Llama; anything else (mixtures of experts, MLA, QK
-layernorm, other combinations) is refused in one line, and so is the legacy format
+RMSNorm, SwiGLU and no biases is its Llama, or its Mixtral with SwiGLU experts in every layer
+(Megatron's router with softmax scores over the top-k logits, or sigmoid scores normalised over
+the top k, either with the expert bias choosing: what megapar's router computes); anything else
+(MLA, QK layernorm, dense layers among MoE ones, a routing megapar's router does not compute,
+other combinations) is refused in one line, and so is the legacy format
 (``mp_rank_XX/model_optim_rng.pt``, a pickle).
 """
 
@@ -83,12 +93,26 @@ _NORM_SPELLINGS = {
 
 
 _LACKED = {
-    "a mixture of experts": (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts."),
     "multi-latent attention (MLA)": ("linear_q_down_proj", "linear_kv_down_proj"),
     "multi-token prediction": ("mtp.",),
     "QK layernorm": ("q_layernorm", "k_layernorm"),
+    "a gated shared expert (--moe-shared-expert-gate; megapar's shared experts have no gate)": (
+        ".mlp.shared_experts.gate_weight",
+    ),
+    "expert biases (--add-bias-linear with experts; megapar's Mixtral has no biases)": (
+        ".mlp.router.bias",
+        ".mlp.experts.experts.linear_fc1.bias",
+        ".mlp.experts.experts.linear_fc2.bias",
+    ),
 }
 """Megatron GPT options megapar's import has no place for, by a mark in their tensors' names."""
+_PER_LAYER = re.compile(r"decoder\.layers\.\d+\.")
+"""A layer saved under its own key (``decoder.layers.3.…``) instead of stacked: what Megatron
+writes for layers that differ (``--moe-layer-freq`` with dense layers among the MoE ones, a
+heterogeneous model) or with ``singleton_local_shards``."""
+_ROUTER, _EXPERTS = f"{_L}mlp.router.", f"{_L}mlp.experts.experts."
+_LOOKS = {"gpt2": "learned positions", "llama": "RoPE, SwiGLU", "mixtral": "RoPE, SwiGLU experts"}
+_SHARED = f"{_L}mlp.shared_experts."
 
 
 class _MegatronMetadataUnpickler(_MetadataUnpickler):
@@ -252,7 +276,7 @@ def read_args(path: Path) -> argparse.Namespace | None:
 
 
 def config_from_args(args: argparse.Namespace, vocab: int, where: Path):
-    """A megapar GPT-2 or Llama config from Megatron's training `args` (its argument names),
+    """A megapar GPT-2, Llama or Mixtral config from Megatron's training `args` (its names),
     `vocab` the checkpoint's embedding rows; a setting megapar's models lack refused."""
 
     def arg(name: str, default: Any = None) -> Any:
@@ -301,30 +325,102 @@ def config_from_args(args: argparse.Namespace, vocab: int, where: Path):
     if arg("use_rope_scaling"):
         raise lacks("--use-rope-scaling (give --model with its rope_scaling)")
     kv_channels = arg("kv_channels")
-    return config_from_dict(
-        {
-            "model_type": "llama",
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": arg("ffn_hidden_size"),
-            "num_hidden_layers": arg("num_layers"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": arg("num_query_groups") or heads
-            if arg("group_query_attention")
-            else heads,
-            "head_dim": kv_channels if kv_channels not in (None, hidden // heads) else None,
-            "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
-            "rms_norm_eps": eps,
-            "rope_theta": float(arg("rotary_base", 10000)),
-            "attention_dropout": arg("attention_dropout", 0.0),
-            "tie_word_embeddings": not arg("untie_embeddings_and_output_weights", False),
-        }
-    )
+    moe = _moe_from_args(args, lacks) if arg("num_experts") else {}
+    llama = {
+        "model_type": "mixtral" if moe else "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": arg("ffn_hidden_size"),
+        "num_hidden_layers": arg("num_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": arg("num_query_groups") or heads
+        if arg("group_query_attention")
+        else heads,
+        "head_dim": kv_channels if kv_channels not in (None, hidden // heads) else None,
+        "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
+        "rms_norm_eps": eps,
+        "rope_theta": float(arg("rotary_base", 10000)),
+        "attention_dropout": arg("attention_dropout", 0.0),
+        "tie_word_embeddings": not arg("untie_embeddings_and_output_weights", False),
+    }
+    return config_from_dict({**llama, **moe})
+
+
+_MOE_REFUSED = {
+    "moe_router_topk_scaling_factor": " (the top-k weights scaled)",
+    "moe_router_num_groups": " (group-limited routing)",
+    "moe_router_group_topk": " (group-limited routing)",
+    "moe_router_topk_limited_devices": " (device-limited routing)",
+    "moe_router_force_load_balancing": " (random routing, for benchmarks)",
+    "moe_latent_size": " (experts in a latent dimension)",
+    "moe_expert_capacity_factor": (
+        " (Megatron drops by --moe-token-drop-policy, megapar keeps each expert's first "
+        "tokens; --model with a moe_capacity_factor of your choice imports the weights)"
+    ),
+    "moe_input_jitter_eps": " (the router's input jittered)",
+    "moe_shared_expert_gate": " (megapar's shared experts have no gate)",
+    "moe_apply_probs_on_input": " (the weights applied before the experts)",
+}
+"""Megatron's MoE args (set, other than their defaults) whose routing or experts megapar's
+Mixtral does not compute, with what they do."""
+
+
+def _moe_from_args(args: argparse.Namespace, lacks) -> dict:
+    """The Mixtral fields of Megatron's MoE `args` (``--num-experts`` set): the router megapar's
+    Mixtral computes, the balancing coefficients in megapar's per-layer mean; a routing it does
+    not compute refused by `lacks` (naming Megatron's option)."""
+
+    def arg(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    topk, score = arg("moe_router_topk", 2), arg("moe_router_score_function", "softmax")
+    balancing = arg("moe_router_load_balancing_type", "aux_loss")
+    types = balancing if isinstance(balancing, list) else [balancing]
+    coeffs = arg("moe_aux_loss_coeff", 0.0)
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs] * len(types)
+    if arg("moe_layer_freq", 1) not in (1, None, [1] * arg("num_layers", 0)):
+        raise lacks(f"--moe-layer-freq {arg('moe_layer_freq')} (dense layers among the MoE ones)")
+    if score not in ("softmax", "sigmoid"):
+        raise lacks(f"--moe-router-score-function {score}")
+    if score == "softmax" and arg("moe_router_pre_softmax"):
+        raise lacks(
+            "--moe-router-pre-softmax (the top k of a softmax over all experts, not "
+            "renormalised; megapar's Mixtral takes the softmax of the top k logits)"
+        )
+    if score == "sigmoid" and topk == 1:
+        raise lacks(
+            "--moe-router-score-function sigmoid with --moe-router-topk 1 (the one score not "
+            "normalised; megapar's Mixtral normalises the top k)"
+        )
+    if "sinkhorn" in types:
+        raise lacks("--moe-router-load-balancing-type sinkhorn (it routes by Sinkhorn in training)")
+    for name, why in _MOE_REFUSED.items():
+        value = arg(name)
+        if value not in (None, False) and not (
+            name == "moe_router_topk_scaling_factor" and value == 1
+        ):
+            flag = "--" + name.replace("_", "-")
+            raise lacks(f"{flag}{'' if value is True else f' {value}'}{why}")
+    layers = arg("num_layers") or 0
+    aux = sum(c or 0.0 for t, c in zip(types, coeffs) if t == "aux_loss")
+    return {
+        "num_local_experts": arg("num_experts"),
+        "num_experts_per_tok": topk,
+        "intermediate_size": arg("moe_ffn_hidden_size") or arg("ffn_hidden_size"),
+        "moe_router_score": score,
+        # Megatron adds each layer's coefficient x loss; megapar's coefficient is of the mean
+        "router_aux_loss_coef": aux * layers,
+        "moe_z_loss_coef": (arg("moe_z_loss_coeff") or 0.0) * layers,
+        "moe_bias_update_rate": arg("moe_router_bias_update_rate", 1e-3)
+        if arg("moe_router_enable_expert_bias")
+        else 0.0,
+        "shared_expert_intermediate_size": arg("moe_shared_expert_intermediate_size"),
+    }
 
 
 class MegatronReader:
     """The weights of a Megatron-core torch_dist GPT checkpoint as megapar's canonical tensors
-    (`canonical`); `config` is the GPT-2 or Llama they belong to (from `config`, a megapar model
+    (`canonical`); `config` is the GPT-2, Llama or Mixtral they belong to (from `config`, a model
     spec or config, else from the training args common.pt records; its sizes checked against
     the tensors and its vocabulary the checkpoint's)."""
 
@@ -362,26 +458,35 @@ class MegatronReader:
         return _L + (local + kind if _L + local + kind in self.tensors else fused + kind)
 
     def _architecture(self) -> str:
-        """ "gpt2" or "llama" from the tensors present, else the one-line refusal."""
+        """ "gpt2", "llama" or "mixtral" from the tensors present, else the one-line refusal."""
         for what, marks in _LACKED.items():
             hit = next((k for k in sorted(self.tensors) if any(m in k for m in marks)), None)
             if hit is not None:
                 raise ConfigError(
                     f"{self.path}: a GPT with {what} ({hit}); megapar imports Megatron GPTs "
-                    f"that are its GPT-2 or Llama"
+                    f"that are its GPT-2, Llama or Mixtral"
                 )
+        single = next((k for k in sorted(self.tensors) if _PER_LAYER.match(k)), None)
+        if single is not None:
+            raise ConfigError(
+                f"{self.path}: its layers are saved one by one ({single}), as Megatron saves "
+                f"layers that differ (--moe-layer-freq with dense layers, a heterogeneous "
+                f"model); megapar imports GPTs whose layers are all alike (stacked "
+                f"decoder.layers.* tensors)"
+            )
         has = self.tensors.__contains__
         learned = has("embedding.position_embeddings.weight")
-        fc1, fc2 = (
-            self.shape(_L + "mlp.linear_fc1.weight"),
-            self.shape(_L + "mlp.linear_fc2.weight"),
-        )
-        gated = fc1 is not None and fc2 is not None and fc1[1] == 2 * fc2[2]
+        moe = has(_ROUTER + "weight")
+        mlp = _EXPERTS if moe else _L + "mlp."
+        fc1, fc2 = (self.shape(mlp + "linear_fc1.weight"), self.shape(mlp + "linear_fc2.weight"))
+        gated = fc1 is not None and fc2 is not None and fc1[-2] == 2 * fc2[-1]
         linear_bias = [
             has(_L + f"{m}.bias")
             for m in ("self_attention.linear_qkv", "self_attention.linear_proj")
             + ("mlp.linear_fc1", "mlp.linear_fc2")
         ]
+        if moe:
+            linear_bias = linear_bias[:2]
         norm_bias = has("decoder.final_layernorm.bias")
         tied = not has("output_layer.weight")
         biases = (
@@ -402,11 +507,12 @@ class MegatronReader:
                 )
             return "gpt2"
         if not learned and not norm_bias and gated and not any(linear_bias):
-            return "llama"
+            return "mixtral" if moe else "llama"
         raise ConfigError(
-            f"{self.path}: a GPT with {traits}; megapar reads Megatron GPTs that are its "
-            f"GPT-2 (learned positions, LayerNorm, plain GELU MLP, biases, tied head) or its "
-            f"Llama (RoPE, RMSNorm, SwiGLU, no biases)"
+            f"{self.path}: a GPT with {traits}{' (a mixture of experts)' if moe else ''}; "
+            f"megapar reads Megatron GPTs that are its GPT-2 (learned positions, LayerNorm, "
+            f"plain GELU MLP, biases, tied head), its Llama (RoPE, RMSNorm, SwiGLU, no biases) "
+            f"or its Mixtral (the Llama with SwiGLU experts)"
         )
 
     def _config(self, config):
@@ -443,11 +549,10 @@ class MegatronReader:
         if config.model_type != arch:
             raise ConfigError(
                 f"{source} a {config.model_type} model; {self.path} holds a {arch}-like GPT "
-                f"({'learned positions' if arch == 'gpt2' else 'RoPE, SwiGLU'}): give a "
-                f"{arch} config"
+                f"({_LOOKS[arch]}): give a {arch} config"
             )
         changes: dict = {"vocab_size": vocab}
-        if arch == "llama":
+        if arch != "gpt2":
             changes["tie_word_embeddings"] = "output_layer.weight" not in self.tensors
         if vocab != config.vocab_size:
             self.spec_vocab = config.vocab_size
@@ -460,10 +565,16 @@ class MegatronReader:
         )
         if extra:
             more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            hint = (
+                " (an expert bias: give a config with moe_bias_update_rate > 0)"
+                if any(k == _ROUTER + "expert_bias" for k in extra)
+                else " (a shared expert: give a config with shared_expert_intermediate_size)"
+                if any(k.startswith(_SHARED) for k in extra)
+                else " (QK layernorm, MLA and other Megatron options megapar lacks)"
+            )
             raise ConfigError(
                 f"{self.path}: tensors megapar's {arch} has no place for: "
-                f"{', '.join(extra[:3])}{more} (mixture of experts, QK layernorm, MLA and "
-                f"other Megatron options megapar lacks); refused rather than dropped"
+                f"{', '.join(extra[:3])}{more}{hint}; refused rather than dropped"
             )
         for key, want in expected.items():
             got = self.shape(key)
@@ -495,11 +606,25 @@ class MegatronReader:
         for which in _NORM_SPELLINGS:
             for kind in kinds:
                 out[self._norm_key(which, kind)] = [layers, hidden]
+        mlp = [("mlp.linear_fc1", [up, hidden]), ("mlp.linear_fc2", [hidden, ffn])]
+        if config.model_type == "mixtral":
+            e, shared = config.num_local_experts, config.shared_expert_intermediate_size
+            mlp = [
+                ("mlp.router", [e, hidden]),
+                ("mlp.experts.experts.linear_fc1", [e, up, hidden]),
+                ("mlp.experts.experts.linear_fc2", [e, hidden, ffn]),
+            ]
+            if shared:
+                mlp += [
+                    ("mlp.shared_experts.linear_fc1", [2 * shared, hidden]),
+                    ("mlp.shared_experts.linear_fc2", [hidden, shared]),
+                ]
+            if config.moe_bias_update_rate:
+                out[_ROUTER + "expert_bias"] = [layers, e]
         for module, shape in (
             ("self_attention.linear_qkv", [qkv, hidden]),
             ("self_attention.linear_proj", [hidden, heads * head_dim]),
-            ("mlp.linear_fc1", [up, hidden]),
-            ("mlp.linear_fc2", [hidden, ffn]),
+            *mlp,
         ):
             out[f"{_L}{module}.weight"] = [layers, *shape]
             if bias:
@@ -540,10 +665,22 @@ class MegatronReader:
                 "attn.k.weight": (qkv, "k"),
                 "attn.v.weight": (qkv, "v"),
                 "attn.proj.weight": (f"{_L}self_attention.linear_proj.weight", ""),
-                "mlp.gate.weight": (fc1, "gate"),
-                "mlp.up.weight": (fc1, "up"),
-                "mlp.down.weight": (f"{_L}mlp.linear_fc2.weight", ""),
             }
+            if self.config.model_type == "mixtral":
+                layer["mlp.router.weight"] = (_ROUTER + "weight", "")
+                layer["mlp.experts.gate_up"] = (_EXPERTS + "linear_fc1.weight", "")
+                layer["mlp.experts.down"] = (_EXPERTS + "linear_fc2.weight", "")
+                if self.config.moe_bias_update_rate:
+                    layer["mlp.router.bias"] = (_ROUTER + "expert_bias", "")
+                if self.config.shared_expert_intermediate_size:
+                    fc1 = _SHARED + "linear_fc1.weight"
+                    layer["mlp.shared.gate.weight"] = (fc1, "gate")
+                    layer["mlp.shared.up.weight"] = (fc1, "up")
+                    layer["mlp.shared.down.weight"] = (_SHARED + "linear_fc2.weight", "")
+            else:
+                layer["mlp.gate.weight"] = (fc1, "gate")
+                layer["mlp.up.weight"] = (fc1, "up")
+                layer["mlp.down.weight"] = (f"{_L}mlp.linear_fc2.weight", "")
         return {**{k: (v, "") for k, v in top.items()}, **{"{i}." + k: v for k, v in layer.items()}}
 
     @property
