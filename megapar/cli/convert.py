@@ -31,8 +31,9 @@ config); other files there are kept, an earlier export is replaced only with --o
 [model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
 move (docs/guides/checkpoints.md says why). --from-megatron imports the weights of a Megatron-core
 torch_dist GPT checkpoint (a root with latest_checkpointed_iteration.txt, or one iter_NNNNNNN
-directory) as megapar's GPT-2 (learned positions) or Llama (RoPE, SwiGLU); the model is the
-training args its common.pt records (read without unpickling) or --model SPEC.
+directory) as megapar's GPT-2 (learned positions), Llama (RoPE, SwiGLU) or Mixtral (its MoE
+layers); the model is the training args its common.pt records (read without unpickling) or
+--model SPEC.
 """
 
 from __future__ import annotations
