@@ -3,7 +3,10 @@ megatron-core 0.16.1 itself wrote (tests/fixtures/megatron, a GPT-2-like and a L
 its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), the
 model from --model or from the args common.pt records (read without unpickling: a pickle that
 would run code runs none), from Megatron's saves at tp 1, tp 2, pp 2 and tp 2 x pp 2 (each
-reading as the tp 1 save bit for bit), and after megapar's own tp 2 x pp 2; Transformer Engine's and the older
+reading as the tp 1 save bit for bit), and after megapar's own tp 2 x pp 2; Megatron's mixtures
+of experts as megapar's Mixtral (Megatron's softmax and sigmoid routers, the expert bias, a shared
+expert, saved at ep 2; megapar's forward at tp 1, tp 2 and dp 2 x ep 2 equal to Megatron's), a
+routing megapar does not compute refused naming Megatron's option; Transformer Engine's and the older
 local spec's norm names read alike; what megapar cannot read (the legacy pickle format, another
 backend, an architecture it lacks, no model given or recorded) is refused in one line; --load of
 a Megatron directory names the import."""
@@ -17,10 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dist_cp
 from safetensors.torch import load_file
 
+import megapar
 from megapar.checkpoint.convert import plan
+from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.megatron import MegatronReader
@@ -110,6 +116,40 @@ def test_logits_equal_megatrons_forward(tmp_path, kind, saved, given, capsys):
     got = megapar_logits(tmp_path / "ck", expected["ids"])
     assert got.shape == want.shape == (12, 64)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def _sharded_logits(step: str, ids: torch.Tensor) -> list[torch.Tensor]:
+    """On each of 2 forked ranks: the logits of checkpoint `step`'s model loaded by megapar's
+    own load at tp 2 (gathered over the vocabulary) and at dp 2 x ep 2 (two experts a rank,
+    the tokens exchanged), in that order."""
+    config = config_from_dict(verify(Path(step))["model"])
+    out = []
+    for layout in (Layout(tp=2), Layout(dp=2, ep=2)):
+        mesh = Mesh(layout, dist.get_rank())
+        model = build_stage(config, mesh, 0).eval()
+        load_checkpoint(Path(step), model, mesh)
+        with torch.no_grad():
+            logits = model(None, {"input_ids": ids})
+        if layout.tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(layout.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
+            logits = torch.cat(parts, -1)
+        out.append(logits[0, :, : config.vocab_size])
+    return out
+
+
+def test_megapar_at_tp_2_and_ep_2_gives_megatrons_logits(tmp_path):
+    """moe_sig imported, loaded by megapar at tp 2 (the shared expert split) and at dp 2 x ep 2
+    (the experts over two ranks, as Megatron held them when it saved): Megatron's logits."""
+    expected = load_file(FIXTURES / "expected_logits.safetensors")
+    assert convert(["--from-megatron", str(FIXTURES / "moe_sig_ep2"), str(tmp_path / "ck"),
+                    "--no-progress"]) == 0
+    step = resolve_checkpoint(tmp_path / "ck")
+    want = expected["moe_sig_logits"]
+    tp2, ep2 = megapar.launch(_sharded_logits, 2, str(step), expected["ids"])  # rank 0's
+    for got in (tp2, ep2):
+        assert got.shape == want.shape == (12, 64)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
 
 
 def test_the_expert_bias_decides_the_routing(tmp_path):
