@@ -1,5 +1,5 @@
 """Megatron-core torch_dist checkpoints: megapar-convert --from-megatron of the checkpoints
-megatron-core 0.16.1 itself wrote (tests/fixtures/megatron, a GPT-2-like and a Llama-like GPT;
+megatron-core 0.16.1 itself wrote (tests/fixtures/megatron: GPT-2-, Llama- and Mixtral-like GPTs;
 its README says how) gives logits equal to Megatron's own forward (fp32, 1e-5 relative), the
 model from --model or from the args common.pt records (read without unpickling: a pickle that
 would run code runs none), from Megatron's saves at tp 1, tp 2, pp 2 and tp 2 x pp 2 (each
