@@ -64,9 +64,12 @@ less the planner's tensors and the heap's room where the step has no transients 
 modules, transformers and torch._dynamo imported before the baseline as `CPU_BASELINE` counts
 them; benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and
 83 MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's spawned ranks
-at ZeRO-3 rose 20-25 MiB beyond their tensors (about the library pages their step touches:
-+24 MiB of files), and on the state model the rest was heap room the 0.2 share misses (glibc's
-arena less its in-use bytes at the peak 23-67 MiB at ZeRO-0, where the share gives 1). In a
+at ZeRO-3 with ep rose 28-29 MiB beyond their tensors (2026-12-01: 18-26 MiB of heap bytes no
+tensor holds, 1-11 of room and pages outside the heap; every counted term within 2 MiB), and on
+the state model the rest was heap room the 0.2 share misses (glibc's arena less its in-use
+bytes at the peak 23-70 MiB at ZeRO-0, where the share gives 2) and, at ZeRO-3, 30-60 MiB in use
+through the backward above both phases counted (docs/guides/planner.md, "mixtral-tiny's
+spawned ranks"). In a
 rank megapar-train forks, measured as the rise of what the runtime holds over the rank's start
 (`CPU_FORKED_BASELINE`): 42 and 78 MiB. The 100 MiB counted before was measured
 from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
@@ -165,9 +168,9 @@ BOUNDS = {
         "figure; tp 2 + SP with its reduce-scatters' grouped copies (2026-11-30) -8.2 % to "
         "-1.9 % of megapar-train's peaks since 2026-11-29, -0.5 % to +4.0 % of spawned "
         "ranks'; outside it: mixtral-tiny's spawned "
-        "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
-        "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
-        "least certain terms"
+        "ranks with ep (+47 % / +59 %: they hold 28-29 MiB beyond their tensors, 73.5 "
+        "counted); the heap's room (0.2 x the transients; 0 to 0.6 measured) and the "
+        "runtime (70 MiB; 20-83 measured) are the least certain terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
