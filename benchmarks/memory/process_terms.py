@@ -13,6 +13,12 @@ tests/test_peak_memory.py, peak_memory.py).
     python benchmarks/memory/process_terms.py '{"kwargs": {"n_embd": 768, "n_layer": 6,
         "n_head": 12, "vocab_size": 50257}, "steps": 2}'          # one process, GPT-2's width
     python benchmarks/memory/process_terms.py '{"world": 2, "kwargs": {}, "zero": 1}'  # GPT-2 124M
+    python benchmarks/memory/process_terms.py '{"world": 2, "model": "mixtral-tiny", "kwargs": {},
+        "zero": 3, "extra": {"ep": 2}, "imports_first": true}'   # a recipe; planner's baseline
+
+"model" names a recipe (models/) instead of GPT-2 `kwargs`; "imports_first" imports megapar's
+training modules before the baseline is read, as planner_layouts.py and `CPU_BASELINE` do (else
+their import adds about 84 MiB to the rise, 25 of it in the heap).
 """
 
 import ctypes
@@ -40,12 +46,16 @@ class MallInfo2(ctypes.Structure):
     ]
 
 
-def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None):
+def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None, model=None,
+           imports_first=False):
     import torch
     import torch._dynamo  # noqa: F401  torch's optimizer imports it: in the baseline
     from transformers import GPT2Config
 
     import megapar
+
+    if imports_first:  # the planner's baseline (`CPU_BASELINE`), as planner_layouts.py reads it
+        import megapar.training.prepare  # noqa: F401
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -73,7 +83,7 @@ def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None):
     u0, a0 = inuse()
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
-    cfg = GPT2Config(
+    cfg = model or GPT2Config(
         n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kwargs
     )
     opts = dict(micro_batch_size=mbs, zero=zero, seq_len=seq)
@@ -100,7 +110,7 @@ def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None):
     engine.run_step = timed("run_step", engine.run_step)
     opt = engine.optimizer
     opt.step = timed("opt.step", opt.step)
-    vocab = kwargs.get("vocab_size", 50257)
+    vocab = kwargs.get("vocab_size", 1000 if model else 50257)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
     for i in range(steps):
@@ -173,6 +183,8 @@ def main():
         spec.get("bucket_mb"),
         spec.get("steps", 2),
         spec.get("extra"),
+        spec.get("model"),
+        spec.get("imports_first", False),
         start_method="spawn",
         timeout_s=900,
     )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from megapar.pipeline.placement import placement_of
 from megapar.plan import fp8
+from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
 from megapar.plan.params import stage_expert_params, whole_casts
@@ -63,9 +64,12 @@ less the planner's tensors and the heap's room where the step has no transients 
 modules, transformers and torch._dynamo imported before the baseline as `CPU_BASELINE` counts
 them; benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and
 83 MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's spawned ranks
-at ZeRO-3 rose 20-25 MiB beyond their tensors (about the library pages their step touches:
-+24 MiB of files), and on the state model the rest was heap room the 0.2 share misses (glibc's
-arena less its in-use bytes at the peak 23-67 MiB at ZeRO-0, where the share gives 1). In a
+at ZeRO-3 with ep rose 28-29 MiB beyond their tensors (2026-12-01: 18-26 MiB of heap bytes no
+tensor holds, 1-11 of room and pages outside the heap; every counted term within 2 MiB), and on
+the state model the rest was heap room the 0.2 share misses (glibc's arena less its in-use
+bytes at the peak 23-70 MiB at ZeRO-0, where the share gives 2) and, at ZeRO-3, 30-60 MiB in use
+through the backward above both phases counted (docs/guides/planner.md, "mixtral-tiny's
+spawned ranks"). In a
 rank megapar-train forks, measured as the rise of what the runtime holds over the rank's start
 (`CPU_FORKED_BASELINE`): 42 and 78 MiB. The 100 MiB counted before was measured
 from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
@@ -133,8 +137,13 @@ training modules' import leaves in the heap and the 20 MiB of engine objects) wa
 blocks of hidden 256 at 4 x 1,024 tokens in one process, 374 at tp 2 and 345 at tp 2 + SP,
 against 631 / 386 / 352 counted without the working set and 695 / 426 / 388 with it (one
 block's activations: 64 / 40 / 36 MiB): autograd frees each node's saved tensors as its
-backward runs, so a block's gradients take the place of its activations. The GPU figure keeps
-the term (its tensors' peak was within 3 % of the H200's allocated peak with it)."""
+backward runs, so a block's gradients take the place of its activations. The same holds for
+context parallelism's attention backward (`context_parallel.cp_buffers`), which runs inside a
+block's backward after its MLP's and the head's saved tensors are freed: on 8 blocks of hidden
+256 at cp 2, 4 x 1,024 tokens, glibc's in-use peak was 392 MiB against 397 counted with its 27
+MiB (2026-12-01; the heap holds 19 MiB of other bytes), so a CPU figure leaves it out (the
+spawned ranks' rise 1.132 -> 1.060 of the figure). The GPU figure keeps both terms (its tensors'
+peak was within 3 % of the H200's allocated peak with the working set; cp not measured there)."""
 
 BOUNDS = {
     "gpu": (
@@ -159,9 +168,9 @@ BOUNDS = {
         "figure; tp 2 + SP with its reduce-scatters' grouped copies (2026-11-30) -8.2 % to "
         "-1.9 % of megapar-train's peaks since 2026-11-29, -0.5 % to +4.0 % of spawned "
         "ranks'; outside it: mixtral-tiny's spawned "
-        "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
-        "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
-        "least certain terms"
+        "ranks with ep (+47 % / +59 %: they hold 28-29 MiB beyond their tensors, 73.5 "
+        "counted); the heap's room (0.2 x the transients; 0 to 0.6 measured) and the "
+        "runtime (70 MiB; 20-83 measured) are the least certain terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -230,16 +239,20 @@ def process_peak(
     state = mem.total - mem.activations - mem.buffers - mem.gathered - mem.grad_buffers
     host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
     state += host
+    cpu_set = target == "cpu" and CPU_NO_WORKING_SET
+    # the cp attention's backward peak runs inside a block's backward: on a CPU not above the
+    # kept activations, as the block's working set is not (`CPU_NO_WORKING_SET`)
+    cp_peak = cp_buffers(p, c) if cpu_set else 0.0
+    buffers = mem.buffers - cp_peak
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
     a[1:1] = _zero3_terms(mem.gathered_top, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
-        cpu = target == "cpu" and CPU_NO_WORKING_SET
         a.append(
             Term(
                 "a block's backward working set",
-                0.0 if cpu else block_bytes,
+                0.0 if cpu_set else block_bytes,
                 "not above the kept activations on a CPU (measured)"
-                if cpu
+                if cpu_set
                 else "the gradients of one block's intermediates, as large as what it keeps",
             )
         )
@@ -252,7 +265,7 @@ def process_peak(
     kept = _float8_weight_casts(p, c, mem)  # as do the step's float8 weight casts
     if kept is not None:
         a.insert(1, kept)
-    top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
+    top = state + mem.activations + buffers + sum(t.bytes for t in a)
     end = state + copies.bytes + (kept.bytes if kept else 0.0) + sum(t.bytes for t in b)
     tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
     terms = [
@@ -263,7 +276,17 @@ def process_peak(
             + (f", {_size(host).strip()} of it offload's host memory" if host else ""),
         ),
         Term("activations kept for backward", mem.activations, "counted"),
-        Term("loss and recomputation buffers", mem.buffers, "counted"),
+        Term(
+            "loss, recomputation and cp attention buffers",
+            buffers,
+            "counted"
+            + (
+                f"; the cp attention's backward peak ({_size(cp_peak).strip()}) not: it runs "
+                "in a block's backward, not above the kept activations on a CPU (measured)"
+                if cp_peak
+                else ""
+            ),
+        ),
         *a,
         *b,
     ]
