@@ -14,7 +14,7 @@ import pytest
 from megapar.cli import entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ("train", "data", "eval", "convert", "bubble", "plan")
+COMMANDS = ("train", "data", "eval", "convert", "bubble", "plan", "generate")
 
 
 def test_every_console_script_runs_through_entry():

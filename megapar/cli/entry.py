@@ -77,3 +77,7 @@ def bubble() -> int:
 
 def plan() -> int:
     return _run("plan")
+
+
+def generate() -> int:
+    return _run("generate")

@@ -1,0 +1,418 @@
+"""megapar-generate: text sampled from a checkpoint, at any layout.
+
+    megapar-generate --load CKPT --prompt "To be" [--max-new-tokens 100] [--temperature 0.8]
+    megapar-generate --load CKPT --prompt "To be" --temperature 0      # greedy
+    megapar-generate --load CKPT --prompt-file prompt.txt --tp 2 --json
+
+Each sample is the prompt, tokenized with the tokenizer the checkpoint trained with, grown one
+token at a time by the model's own forward over the whole sequence (no KV cache) until the
+end-of-sequence token, --max-new-tokens or the model's positions. Float32, as megapar-eval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+
+import torch
+
+from megapar.checkpoint.format import LATEST, MANIFEST
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.data import load_tokenizer
+from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer
+from megapar.faults.processes import exit_uncollected
+from megapar.faults.report import log_dir_for, worker_failure
+from megapar.launcher import (
+    WorkerError,
+    check_local_workers,
+    launched_world_size,
+    run_workers,
+    under_launcher,
+)
+from megapar.mesh import Layout, LayoutError
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
+from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.training.generate import Sampling, generate, load_model
+from megapar.training.tokenizer_checks import recorded_as_trained
+from megapar.training.validate import UsageError
+from megapar.training.validate_resume import checkpoint_manifest
+
+OTHER_FLAGS = {
+    "--cp": "megapar-generate has no context parallelism; drop it, or use --tp / --pp",
+    "--dp": "megapar-generate runs on --tp x --pp processes, without data parallelism; drop it",
+    "--ep": "megapar-generate holds every expert on each rank; drop it, or use --tp / --pp",
+    "--model": "the model is the checkpoint's (--load); drop it",
+    "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
+    "--load CKPT",
+    "--checkpoint": "--load",
+    "--ckpt": "--load",
+    "--out-dir": "--load (the checkpoint directory)",
+    "--start": "--prompt (or --prompt-file FILE)",
+    "--max-tokens": "--max-new-tokens",
+    "--max-new-tokens-per-sample": "--max-new-tokens",
+    "--num-samples": "--samples",
+    "--batch-size": "--samples (samples per prompt)",
+    "--precision": "megapar-generate computes in float32; drop it",
+    "--dtype": "megapar-generate computes in float32; drop it",
+}
+"""Other tools' names for megapar-generate's flags (nanoGPT's sample.py, torchtitan's
+test_generate.py, megapar-train's), answered with what to do."""
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
+        prog="megapar-generate",
+        description=__doc__.split("\n")[0],
+        stray=(("--prompt", "the prompt"),),
+        known_as=OTHER_FLAGS,
+    )
+    p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="text to continue; repeat for several prompts (an empty prompt starts a new "
+        "document: the tokenizer's beginning-of-sequence token, else its end-of-document one)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        action="append",
+        default=[],
+        type=os.path.expanduser,
+        help="a UTF-8 file whose whole text is one prompt; repeatable, after the --prompt ones",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=100,
+        help="tokens to add to each prompt, at most (default: 100)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="divides the logits before sampling; 0 is greedy: the most likely token "
+        "(default: 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=200,
+        help="sample among the K most likely tokens only; 0: all (default: 200)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the fewest most likely tokens whose probability reaches P, in "
+        "(0, 1]; 1: all (default: 1.0)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="samples per prompt (default: 1)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1337,
+        help="seed of the sampling; the same seed gives the same text at any layout "
+        "(default: 1337)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer of the prompts and the output (default: the one the checkpoint "
+        "trained with; needed where it records none, as megapar-eval takes it)",
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON line per sample (prompt, completion, their ids, why it stopped) "
+        "instead of the text",
+    )
+    p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more local processes (tp x pp) than 4 per CPU core (at least 8), as "
+        "megapar-eval --oversubscribe; refused otherwise",
+    )
+    return p
+
+
+SAMPLING_ONLY = ("top_k", "top_p", "seed")
+"""The options --temperature 0 (greedy) does not read."""
+
+
+def check_values(args, given) -> None:
+    """UsageError for a value out of range, no prompt, or a sampling option greedy ignores."""
+    for name in ("tp", "pp", "max_new_tokens", "samples"):
+        if getattr(args, name) < 1:
+            raise UsageError(
+                f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1"
+            )
+    if not args.temperature >= 0:  # NaN too
+        raise UsageError(
+            f"--temperature {args.temperature} is invalid: it must be >= 0 (0: greedy)"
+        )
+    if args.top_k < 0:
+        raise UsageError(f"--top-k {args.top_k} is invalid: it must be >= 0 (0: all tokens)")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p} is invalid: it must be in (0, 1] (1: all tokens)")
+    if args.temperature == 0:
+        named = [f"--{n.replace('_', '-')}" for n in SAMPLING_ONLY if n in given]
+        if named:
+            raise UsageError(
+                f"{', '.join(named)} would be ignored: --temperature 0 is greedy (the most "
+                f"likely token, no sampling); drop {'it' if len(named) == 1 else 'them'}"
+            )
+    if not args.prompt and not args.prompt_file:
+        raise UsageError(
+            'give a prompt: --prompt "TEXT" (repeatable) or --prompt-file FILE '
+            '(--prompt "" starts a new document)'
+        )
+
+
+def read_prompts(args) -> list[str]:
+    """The prompts: every --prompt, then every --prompt-file's whole text."""
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        try:
+            with open(path, encoding="utf-8") as f:
+                prompts.append(f.read())
+        except FileNotFoundError:
+            raise UsageError(f"--prompt-file {path}: no such file") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompt-file {path} is not UTF-8 text") from None
+        except OSError as exc:
+            raise UsageError(f"--prompt-file {path}: {exc.strerror}") from None
+    return prompts
+
+
+def checkpoint_of(load: str) -> dict:
+    """The --load checkpoint's manifest; a transformers directory is named with the import."""
+    path = os.path.expanduser(load)
+    if (
+        os.path.isfile(os.path.join(path, "config.json"))
+        and not os.path.isfile(os.path.join(path, MANIFEST))
+        and not os.path.isfile(os.path.join(path, LATEST))
+    ):
+        raise UsageError(
+            f"--load {load} is a Hugging Face directory, not a megapar checkpoint; import it "
+            f"first: megapar-convert --from-hf {shell_word(load)} CKPT, then --load CKPT"
+        )
+    return checkpoint_manifest(load)
+
+
+def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
+    """--tokenizer, which must be the one the checkpoint trained with where it records one that
+    still loads as it trained; else the recorded one. UsageError where there is none to take."""
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    path = str(recorded["path"]) if isinstance(recorded, dict) and recorded.get("path") else None
+    trained = None  # the recorded tokenizer, loaded as it trained (its files' sha256)
+    if isinstance(recorded, dict) and path:
+        if recorded.get("sha256"):
+            trained = recorded_as_trained(recorded)
+        else:  # recorded before the files' sha256 were
+            try:
+                trained = load_tokenizer(path)
+            except (OSError, ValueError):
+                pass
+    if args.tokenizer:
+        try:
+            tok = load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
+        if trained is not None and not (
+            same_tokenizer(trained, tok) or encodes_alike(trained, tok)
+        ):
+            raise UsageError(
+                f"--tokenizer {args.tokenizer} is not the tokenizer --load {args.load} trained "
+                f"with ({path}): its ids would be other tokens to the model; leave "
+                f"--tokenizer out"
+            )
+        return tok
+    if path is None:
+        raise UsageError(
+            f"--load {args.load} records no tokenizer (imported without one, or older); pass "
+            f"--tokenizer with the one the model trained with"
+        )
+    if trained is None:
+        raise UsageError(
+            f"--load {args.load} trained with the tokenizer {path}, which no longer loads from "
+            f"there with the files it trained with (moved, deleted or changed); pass "
+            f"--tokenizer with where that tokenizer is now"
+        )
+    return trained
+
+
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a prompt starts its sample with: the tokenizer's beginning-of-sequence token
+    where it has one (as megapar-data starts every document, and transformers' tokenizer does),
+    then the text's; an empty prompt without one is the end-of-document token (a new
+    document follows it in the training data)."""
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
+    return ids or [tok.eod_id]
+
+
+def _shown(prompt: str) -> str:
+    """A prompt as a message names it: its start, quoted."""
+    short = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+    return shell_word(short) if short else "''"
+
+
+def check_prompts(prompts: list[str], tok: Tokenizer, config) -> tuple[list[list[int]], int, str]:
+    """The prompts' ids, the longest sequence the model takes and its name in messages;
+    UsageError for an id outside the model's vocabulary or a prompt that leaves no position."""
+    limit, what = config.max_positions, f"the model's {config.max_positions} positions"
+    window = getattr(config, "attention_window", None)
+    if window is not None and window < limit:  # megapar's attention has no sliding window
+        limit, what = window, f"the model's sliding window of {window} tokens"
+    out = []
+    for prompt in prompts:
+        ids = prompt_ids(tok, prompt)
+        top = max(ids)
+        if top >= config.vocab_size:
+            raise UsageError(
+                f"--prompt {_shown(prompt)} holds token id {top}, outside the model's "
+                f"vocabulary of {config.vocab_size} ids; pass --tokenizer with the tokenizer "
+                f"the model trained with"
+            )
+        if len(ids) >= limit:
+            raise UsageError(
+                f"--prompt {_shown(prompt)} is {len(ids)} tokens, which leaves no room in "
+                f"{what}; shorten it to at most {limit - 1} tokens"
+            )
+        out.append(ids)
+    return out, limit, what
+
+
+def _worker(args):
+    mesh, config, model = load_model(args.load, args.tp, args.pp)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    generator = torch.Generator().manual_seed(args.seed)  # CPU: the same draws on any device
+    results = []
+    for ids in args.prompt_ids:
+        for _ in range(args.samples):
+            out = generate(
+                model,
+                mesh,
+                ids,
+                args.max_new_tokens,
+                sampling,
+                generator,
+                config.hidden_size,
+                config.vocab_size,
+                args.limit,
+                args.eos_id,
+            )
+            results.append((out.new_ids, out.stop))
+    return results if mesh.rank == 0 else None
+
+
+_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
+"""How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
+
+
+def _run(args):
+    """The workers' samples, or the exit code of a failure (its line already printed)."""
+    try:
+        return run_workers(_worker, args.tp * args.pp, args, optimizers=False)
+    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
+        stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
+        if stopped:
+            sigterm = stopped.group(1) is not None
+            print(
+                f"megapar-generate: {'terminated (SIGTERM)' if sigterm else 'interrupted'}",
+                file=sys.stderr,
+            )
+            return 143 if sigterm else 130
+        text = (
+            str(exc)
+            if isinstance(exc, WorkerError)
+            else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
+        line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
+        print(
+            f"megapar-generate: error: "
+            f"{line.replace('before training started', 'in generation')}"
+            + (f" (full traceback in {log})" if log else ""),
+            file=sys.stderr,
+        )
+        return 1
+
+
+@quiet_when_stdout_closes
+def main(argv=None) -> int:
+    exit_uncollected()  # torch's heap left to the OS at exit
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # every argument, the checkpoint and the prompts: before any model is built
+        check_values(args, parser.given(argv))
+        prompts = read_prompts(args)
+        if under_launcher() and launched_world_size() != args.tp * args.pp:
+            raise UsageError(
+                f"torchrun / Slurm started {launched_world_size()} processes but "
+                f"megapar-generate runs on tp x pp = {args.tp * args.pp}; start that many or "
+                f"change --tp / --pp"
+            )
+        if not args.oversubscribe and not under_launcher():
+            check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
+        manifest = checkpoint_of(args.load)
+        config = config_from_dict(manifest["model"])
+        if config.model_type not in CAUSAL_LM_TYPES:
+            raise UsageError(
+                f"--load {args.load} holds a {config.model_type}, a masked language model; "
+                f"megapar-generate continues text with a causal one (GPT-2, Llama and its kin)"
+            )
+        try:
+            config.validate(Layout(args.tp, args.pp, 1))
+        except (LayoutError, ConfigError) as exc:
+            raise UsageError(str(exc)) from None
+        tok = prompt_tokenizer(args, manifest)
+        args.prompt_ids, args.limit, limit_name = check_prompts(prompts, tok, config)
+        args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
+    except (UsageError, OSError, ValueError) as exc:
+        print(f"megapar-generate: error: {exc}", file=sys.stderr)
+        return 2
+    results = _run(args)
+    if isinstance(results, int):
+        return results
+    samples = results[0] if results else None
+    if samples is None:  # under torchrun, a rank other than 0: rank 0 prints
+        return 0
+    for i, (new_ids, stop) in enumerate(samples):
+        p = i // args.samples
+        ids = args.prompt_ids[p]
+        text = new_ids[:-1] if stop == "eos" else new_ids
+        completion = tok.decode(text)
+        if stop == "positions":
+            print(
+                f"megapar-generate: sample {i + 1} stopped at {limit_name} (its prompt's "
+                f"{len(ids)} tokens and {len(new_ids)} new ones)",
+                file=sys.stderr,
+            )
+        if args.json:
+            record = {
+                "prompt": prompts[p],
+                "sample": i % args.samples,
+                "completion": completion,
+                "prompt_ids": ids,
+                "new_ids": new_ids,
+                "stop": stop,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(prompts[p] + completion)
+            print("-" * 15)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

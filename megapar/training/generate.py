@@ -1,0 +1,145 @@
+"""Text generation from a stage model at any tp x pp: one token at a time, no KV cache.
+
+Each new token runs the model's own forward over the whole sequence so far (as torchtitan's
+generate does) and takes the logits of the last position, in the model's dtype (float32 as
+megapar-eval loads it). The pipeline's stages pass the hidden states on with send / recv, the
+last stage gathers the vocab-parallel logits over tp, and the chosen token is broadcast from
+the last stage's tp rank 0 to every rank, so all ranks grow the same sequence and stop together.
+
+The choice is made on the host: `next_token` takes the logits row as float32 on the CPU,
+greedy (temperature 0: the argmax, as transformers' greedy search) or sampled with
+`torch.multinomial` from softmax(top-p(top-k(logits / temperature))) with a CPU generator, so
+a seed gives the same tokens on any device and at any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.device import keep_freed_host_memory
+from megapar.mesh import Mesh
+from megapar.models.config import config_from_dict
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full
+
+
+def load_model(load: str, tp: int, pp: int):
+    """(mesh, config, this rank's stage model) of checkpoint `load` at tp x pp (resharded on
+    load), in eval mode, as megapar-eval loads it."""
+    mesh = Mesh.from_env(tp, pp, 1)
+    config = config_from_dict(read_manifest(resolve_checkpoint(load))["model"])
+    model = build_stage(config, mesh, seed=0, init=False)
+    load_checkpoint(load, model, mesh)
+    model.eval()
+    keep_freed_host_memory()  # the weights are in place
+    return mesh, config, model
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: `temperature` 0 is greedy; otherwise the logits are divided
+    by it, cut to the `top_k` largest (0: all) and to the smallest set whose probability reaches
+    `top_p` (1.0: all), and one token is drawn."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """`logits` ([vocab], float32) / temperature with the tokens top-k and top-p leave out set
+    to -inf (transformers' TopKLogitsWarper and TopPLogitsWarper, at least one token kept)."""
+    out = logits / sampling.temperature
+    if 0 < sampling.top_k < out.numel():
+        kth = torch.topk(out, sampling.top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(out, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[-1] = False  # the most likely token always stays
+        out = out.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return out
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The next token from the last position's logits ([vocab] float32 on the CPU)."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = filtered_logits(logits, sampling).softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def last_logits(model, mesh: Mesh, ids: torch.Tensor, hidden_size: int, vocab_size: int):
+    """The float32 logits ([vocab], on the CPU) of the last position of `ids` ([1, seq] on the
+    mesh's device) on the last stage's ranks; None on the others. A pipeline stage receives the
+    previous stage's hidden states and sends its own on; collective over tp."""
+    shape = (ids.shape[0], ids.shape[1], hidden_size)
+    hidden = None
+    if not mesh.is_first_stage:
+        hidden = torch.empty(shape, device=mesh.device)
+        dist.recv(hidden, src=mesh.prev_stage_rank)
+    out = model(hidden, {"input_ids": ids})
+    if not mesh.is_last_stage:
+        dist.send(out.contiguous(), dst=mesh.next_stage_rank)
+        return None
+    last = out[:, -1:].contiguous()  # only the last position's vocab slice is gathered
+    logits = gather_full(last, 2, (shape[0], 1, vocab_size), mesh.tp_group)
+    return logits[0, -1].float().cpu()
+
+
+@dataclass
+class Generated:
+    """One sample: the prompt's ids, the new ids (the end-of-sequence token included where it
+    stopped there) and why it stopped: "eos", "max_new_tokens" or "positions"."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    stop: str
+
+
+@torch.no_grad()
+def generate(
+    model,
+    mesh: Mesh,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    hidden_size: int,
+    vocab_size: int,
+    max_length: int,
+    eos_id: int | None,
+) -> Generated:
+    """Grow `prompt_ids` by up to `max_new_tokens` tokens, stopping after `eos_id` or once the
+    sequence holds `max_length` tokens (the model's positions). Every rank of the mesh calls it
+    with the same arguments and returns the same result; `generator` (CPU) is drawn from on the
+    last stage's tp rank 0 only."""
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=mesh.device)
+    source = mesh.layout.rank(0, mesh.pp - 1, mesh.dp_rank, mesh.cp_rank)  # it chooses
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    new: list[int] = []
+    stop = "max_new_tokens"
+    while len(new) < max_new_tokens:
+        if ids.shape[1] >= max_length:
+            stop = "positions"
+            break
+        logits = last_logits(model, mesh, ids, hidden_size, vocab_size)
+        token = torch.zeros(1, dtype=torch.long, device=mesh.device)
+        if logits is not None and mesh.rank == source:
+            token.fill_(next_token(logits, sampling, generator))
+        if many:
+            dist.broadcast(token, src=source)
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
+        new.append(int(token))
+        if eos_id is not None and new[-1] == eos_id:
+            stop = "eos"
+            break
+    return Generated(list(prompt_ids), new, stop)

@@ -1,0 +1,196 @@
+"""megapar-generate against transformers and a reference sampling loop.
+
+* greedy: a tiny GPT-2 and a tiny Llama, imported with `megapar-convert --from-hf` at tp 2 x
+  pp 2 and generated from at tp 1, give transformers' `generate(do_sample=False)` token for
+  token (a prompt that reaches the model's positions stops there, as transformers' max_length);
+* sampling: the tokens a reference loop draws with torch.multinomial from
+  softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
+  and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
+* tp 2 x pp 2 gives the tokens tp 1 gives;
+* bad input: one line, exit 2, before any model is built.
+
+The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
+"""
+
+import json
+
+import pytest
+import torch
+
+from megapar.cli.convert import main as convert
+from megapar.cli.generate import main as generate
+from megapar.data import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 1004  # the shipped sentencepiece model's 1000 pieces + 4 appended special tokens
+EOS = 2  # its end-of-document id (SentencePiece's </s>)
+PROMPTS = ["To be, or not to be", "Hello world"]
+
+
+def _hf_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=32, bos_token_id=EOS, eos_token_id=EOS)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=32,
+                                       bos_token_id=EOS, eos_token_id=EOS)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a peaked distribution: greedy ties are out of reach of rounding
+        for name, p in model.named_parameters():
+            if "wte" in name or "embed" in name:
+                p.mul_(4.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def imported(request, tmp_path_factory):
+    """(kind, transformers model, megapar checkpoint saved at tp 2 x pp 2)."""
+    model = _hf_model(request.param)
+    tmp = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(tmp / "hf")
+    assert convert(["--from-hf", str(tmp / "hf"), str(tmp / "ckpt"), "--tp", "2", "--pp", "2",
+                    "--no-progress"]) == 0
+    return request.param, model, tmp / "ckpt"
+
+
+def _run(ckpt, capsys, *args, err: list | None = None) -> list[dict]:
+    capsys.readouterr()
+    rc = generate(["--load", str(ckpt), "--tokenizer", "sentencepiece", "--json", *args])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    if err is not None:
+        err.append(out.err)
+    return [json.loads(line) for line in out.out.splitlines()]
+
+
+def _ids(prompt: str) -> list[int]:
+    return load_tokenizer("sentencepiece").encode(prompt)
+
+
+def test_greedy_equals_transformers_generate(imported, capsys):
+    kind, model, ckpt = imported
+    long = " ".join(["the"] * 40)  # more ids than fit: cut to 30, it stops at 32 positions
+    long = load_tokenizer("sentencepiece").decode(_ids(long)[:30])
+    prompts = [*PROMPTS, long]
+    err: list[str] = []
+    got = _run(ckpt, capsys, *[a for p in prompts for a in ("--prompt", p)],
+               "--temperature", "0", "--max-new-tokens", "12", err=err)
+    for record, prompt in zip(got, prompts, strict=True):
+        ids = torch.tensor([_ids(prompt)])
+        with torch.no_grad():  # transformers' max_length: the model's 32 positions
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=min(12, 32 - ids.shape[1]),
+                                  eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:]
+        assert record["prompt_ids"] == ids[0].tolist()
+        assert record["new_ids"] == want.tolist(), (kind, prompt)
+        assert record["stop"] == ("positions" if prompt == long else "max_new_tokens")
+    assert len(got[2]["new_ids"]) == 2
+    assert err[0] == ("megapar-generate: sample 3 stopped at the model's 32 positions (its "
+                      "prompt's 30 tokens and 2 new ones)\n")
+
+
+def _reference_samples(model, prompt: str, n: int, new: int, t: float, k: int, p: float,
+                       seed: int) -> list[list[int]]:
+    """Samples drawn by a plain loop: transformers' logits of the last position, divided by t,
+    cut to the top k and to the top-p set (transformers' warpers), softmax, torch.multinomial."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = _ids(prompt)
+        drawn = []
+        for _ in range(new):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float() / t
+            kth = torch.topk(logits, k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            ordered, order = torch.sort(logits)
+            drop = ordered.softmax(-1).cumsum(-1) <= 1 - p
+            drop[-1] = False
+            logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+            token = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+            drawn.append(token)
+            ids.append(token)
+            if token == EOS:
+                break
+        out.append(drawn)
+    return out
+
+
+def test_sampling_equals_a_reference_loop_and_transformers(imported, capsys):
+    kind, model, ckpt = imported
+    top_p = 1.0 if kind == "gpt2" else 0.9
+    got = _run(ckpt, capsys, "--prompt", PROMPTS[0], "--samples", "2", "--max-new-tokens", "10",
+               "--temperature", "0.7", "--top-k", "20", "--top-p", str(top_p), "--seed", "3")
+    want = _reference_samples(model, PROMPTS[0], 2, 10, 0.7, 20, top_p, 3)
+    assert [r["new_ids"] for r in got] == want
+    assert want[0] != want[1]  # two samples, not one drawn twice
+    ids = torch.tensor([_ids(PROMPTS[0])])
+    torch.manual_seed(3)  # transformers draws from the global generator: the same stream
+    with torch.no_grad():
+        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                temperature=0.7, top_k=20, top_p=top_p, max_new_tokens=10,
+                                eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:]
+    assert theirs.tolist()[:len(want[0])] == want[0]
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)  # tied embedding across pp
+def test_tp2_pp2_equals_tp1(imported, capsys):
+    _, _, ckpt = imported
+    args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6",
+            "--seed", "5"]
+    one = _run(ckpt, capsys, *args)
+    four = _run(ckpt, capsys, *args, "--tp", "2", "--pp", "2")
+    assert [r["new_ids"] for r in four] == [r["new_ids"] for r in one]
+    assert all(len(r["new_ids"]) == 6 for r in one)
+
+
+BAD = [
+    ([], 'give a prompt: --prompt "TEXT" (repeatable) or --prompt-file FILE'),
+    (["--prompt", "a", "--temperature", "-0.5"], "--temperature -0.5 is invalid: it must be >= 0"),
+    (["--prompt", "a", "--top-k", "-1"], "--top-k -1 is invalid: it must be >= 0"),
+    (["--prompt", "a", "--top-p", "0"], "--top-p 0.0 is invalid: it must be in (0, 1]"),
+    (["--prompt", "a", "--top-p", "1.5"], "--top-p 1.5 is invalid: it must be in (0, 1]"),
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0 is invalid"),
+    (["--prompt", "a", "--temperature", "0", "--top-k", "5"],
+     "--top-k would be ignored: --temperature 0 is greedy"),
+    (["--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such file"),
+    (["--prompt", " ".join(["the"] * 40)],
+     "is 40 tokens, which leaves no room in the model's 32 positions; shorten it to at most 31"),
+    (["--prompt", "a", "--tp", "3"], "4 attention heads are not divisible by --tp 3"),
+]
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+@pytest.mark.parametrize("argv, line", BAD)
+def test_bad_input_is_one_line_and_exit_2_before_any_model(imported, tmp_path, argv, line,
+                                                            capsys, monkeypatch):
+    _, _, ckpt = imported
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built for bad input")
+
+    monkeypatch.setattr("megapar.cli.generate.run_workers", refuse)
+    monkeypatch.setattr("megapar.cli.generate.load_model", refuse)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert generate(["--load", str(ckpt), "--tokenizer", "sentencepiece", *argv]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("megapar-generate: error: "), err
+    assert line.replace("{tmp}", str(tmp_path)) in err[0]
+
+
+def test_a_missing_checkpoint_or_a_transformers_directory_is_named(tmp_path, capsys):
+    assert generate(["--load", str(tmp_path / "nothing"), "--prompt", "a"]) == 2
+    assert f"--load {tmp_path / 'nothing'}: no such checkpoint directory" in \
+        capsys.readouterr().err
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert generate(["--load", str(tmp_path / "hf"), "--prompt", "a"]) == 2
+    assert capsys.readouterr().err == (
+        f"megapar-generate: error: --load {tmp_path / 'hf'} is a Hugging Face directory, not "
+        f"a megapar checkpoint; import it first: megapar-convert --from-hf {tmp_path / 'hf'} "
+        f"CKPT, then --load CKPT\n")
