@@ -194,3 +194,42 @@ def test_a_missing_checkpoint_or_a_transformers_directory_is_named(tmp_path, cap
         f"megapar-generate: error: --load {tmp_path / 'hf'} is a Hugging Face directory, not "
         f"a megapar checkpoint; import it first: megapar-convert --from-hf {tmp_path / 'hf'} "
         f"CKPT, then --load CKPT\n")
+
+
+class _Counting(torch.nn.Module):
+    """A stand-in stage model whose most likely next token is the last one + 1."""
+
+    def forward(self, hidden, batch):
+        ids = batch["input_ids"]
+        return torch.nn.functional.one_hot((ids + 1) % VOCAB, VOCAB).float()
+
+
+@pytest.mark.parametrize("eos, limit, new, stop", [
+    (13, 32, [11, 12, 13], "eos"),  # the end-of-sequence token is kept and ends it
+    (None, 32, [11, 12, 13, 14, 15], "max_new_tokens"),
+    (None, 4, [11, 12], "positions"),
+])
+def test_a_sample_stops_at_eos_max_new_tokens_or_the_positions(eos, limit, new, stop):
+    from megapar.mesh import Mesh
+    from megapar.training.generate import Sampling, generate as grow
+
+    out = grow(_Counting(), Mesh.from_env(1, 1, 1), [9, 10], 5, Sampling(temperature=0),
+               torch.Generator(), 8, VOCAB, limit, eos)
+    assert (out.prompt_ids, out.new_ids, out.stop) == ([9, 10], new, stop)
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imported, capsys,
+                                                                            monkeypatch):
+    _, _, ckpt = imported
+    tok = load_tokenizer("sentencepiece")
+    new = [*tok.encode(" and so on"), EOS]
+    monkeypatch.setattr("megapar.cli.generate.run_workers",
+                        lambda *args, **kwargs: [[(new, "eos")]])
+    argv = ["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "Hello world"]
+    assert generate(argv) == 0
+    assert capsys.readouterr().out == "Hello world and so on\n" + "-" * 15 + "\n"
+    assert generate([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "prompt": "Hello world", "sample": 0, "completion": " and so on",
+        "prompt_ids": tok.encode("Hello world"), "new_ids": new, "stop": "eos"}

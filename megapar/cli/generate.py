@@ -261,6 +261,14 @@ def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
     return ids or [tok.eod_id]
 
 
+def completion_text(tok: Tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`: decoded together with the prompt, so that a piece's
+    leading space (SentencePiece's) or a character split over tokens comes out as in the whole
+    text; `new` alone where the prompt's text is not a prefix of the whole."""
+    before, whole = tok.decode(prompt), tok.decode(prompt + new)
+    return whole[len(before) :] if whole.startswith(before) else tok.decode(new)
+
+
 def _shown(prompt: str) -> str:
     """A prompt as a message names it: its start, quoted."""
     short = prompt if len(prompt) <= 40 else prompt[:37] + "..."
@@ -391,7 +399,7 @@ def main(argv=None) -> int:
         p = i // args.samples
         ids = args.prompt_ids[p]
         text = new_ids[:-1] if stop == "eos" else new_ids
-        completion = tok.decode(text)
+        completion = completion_text(tok, ids, text)
         if stop == "positions":
             print(
                 f"megapar-generate: sample {i + 1} stopped at {limit_name} (its prompt's "
