@@ -151,7 +151,7 @@ def test_tp2_pp2_equals_tp1(imported, capsys):
 
 BAD = [
     ([], 'give a prompt: --prompt "TEXT" (repeatable) or --prompt-file FILE'),
-    (["--prompt", "a", "--temperature", "-0.5"], "--temperature -0.5 is invalid: it must be >= 0"),
+    (["--prompt", "a", "--temperature", "-0.5"], "--temperature -0.5 is invalid: it must be a finite number >= 0"),
     (["--prompt", "a", "--top-k", "-1"], "--top-k -1 is invalid: it must be >= 0"),
     (["--prompt", "a", "--top-p", "0"], "--top-p 0.0 is invalid: it must be in (0, 1]"),
     (["--prompt", "a", "--top-p", "1.5"], "--top-p 1.5 is invalid: it must be in (0, 1]"),

@@ -12,6 +12,7 @@ end-of-sequence token, --max-new-tokens or the model's positions. Float32, as me
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -157,9 +158,10 @@ def check_values(args, given) -> None:
             raise UsageError(
                 f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1"
             )
-    if not args.temperature >= 0:  # NaN too
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(
-            f"--temperature {args.temperature} is invalid: it must be >= 0 (0: greedy)"
+            f"--temperature {args.temperature} is invalid: it must be a finite number >= 0 "
+            f"(0: greedy)"
         )
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k} is invalid: it must be >= 0 (0: all tokens)")
