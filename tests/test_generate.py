@@ -161,6 +161,8 @@ BAD = [
     (["--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such file"),
     (["--prompt", " ".join(["the"] * 40)],
      "is 40 tokens, which leaves no room in the model's 32 positions; shorten it to at most 31"),
+    (["--prompt-file", "{tmp}/long.txt"],
+     "--prompt-file {tmp}/long.txt is 40 tokens, which leaves no room in the model's 32"),
     (["--prompt", "a", "--tp", "3"], "4 attention heads are not divisible by --tp 3"),
 ]
 
@@ -176,6 +178,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model(imported, tmp_path, a
 
     monkeypatch.setattr("megapar.cli.generate.run_workers", refuse)
     monkeypatch.setattr("megapar.cli.generate.load_model", refuse)
+    (tmp_path / "long.txt").write_text(" ".join(["the"] * 40))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert generate(["--load", str(ckpt), "--tokenizer", "sentencepiece", *argv]) == 2
     err = capsys.readouterr().err.splitlines()

@@ -271,13 +271,19 @@ def completion_text(tok: Tokenizer, prompt: list[int], new: list[int]) -> str:
     return whole[len(before) :] if whole.startswith(before) else tok.decode(new)
 
 
-def _shown(prompt: str) -> str:
-    """A prompt as a message names it: its start, quoted."""
-    short = prompt if len(prompt) <= 40 else prompt[:37] + "..."
-    return shell_word(short) if short else "''"
+def prompt_names(args) -> list[str]:
+    """How messages name each prompt of `read_prompts`: --prompt and its start, quoted, or
+    --prompt-file and the file."""
+    names = []
+    for prompt in args.prompt:
+        short = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+        names.append(f"--prompt {shell_word(short) if short else repr('')}")
+    return names + [f"--prompt-file {path}" for path in args.prompt_file]
 
 
-def check_prompts(prompts: list[str], tok: Tokenizer, config) -> tuple[list[list[int]], int, str]:
+def check_prompts(
+    prompts: list[str], names: list[str], tok: Tokenizer, config
+) -> tuple[list[list[int]], int, str]:
     """The prompts' ids, the longest sequence the model takes and its name in messages;
     UsageError for an id outside the model's vocabulary or a prompt that leaves no position."""
     limit, what = config.max_positions, f"the model's {config.max_positions} positions"
@@ -285,18 +291,18 @@ def check_prompts(prompts: list[str], tok: Tokenizer, config) -> tuple[list[list
     if window is not None and window < limit:  # megapar's attention has no sliding window
         limit, what = window, f"the model's sliding window of {window} tokens"
     out = []
-    for prompt in prompts:
+    for prompt, name in zip(prompts, names, strict=True):
         ids = prompt_ids(tok, prompt)
         top = max(ids)
         if top >= config.vocab_size:
             raise UsageError(
-                f"--prompt {_shown(prompt)} holds token id {top}, outside the model's "
+                f"{name} holds token id {top}, outside the model's "
                 f"vocabulary of {config.vocab_size} ids; pass --tokenizer with the tokenizer "
                 f"the model trained with"
             )
         if len(ids) >= limit:
             raise UsageError(
-                f"--prompt {_shown(prompt)} is {len(ids)} tokens, which leaves no room in "
+                f"{name} is {len(ids)} tokens, which leaves no room in "
                 f"{what}; shorten it to at most {limit - 1} tokens"
             )
         out.append(ids)
@@ -386,7 +392,9 @@ def main(argv=None) -> int:
         except (LayoutError, ConfigError) as exc:
             raise UsageError(str(exc)) from None
         tok = prompt_tokenizer(args, manifest)
-        args.prompt_ids, args.limit, limit_name = check_prompts(prompts, tok, config)
+        args.prompt_ids, args.limit, limit_name = check_prompts(
+            prompts, prompt_names(args), tok, config
+        )
         args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
     except (UsageError, OSError, ValueError) as exc:
         print(f"megapar-generate: error: {exc}", file=sys.stderr)
