@@ -22,10 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import CheckpointError
-from megapar.checkpoint.manifest import read_manifest
-from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.data import (
     GPTDataset,
@@ -36,17 +33,14 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import parse_blend
-from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
-from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import gather_full
+from megapar.training.inference import forward_logits, load_model
 from megapar.training.logging import perplexity, strict_json
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
@@ -196,20 +190,9 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def _load_model(args):
-    mesh = Mesh.from_env(args.tp, args.pp, 1)
-    manifest = read_manifest(resolve_checkpoint(args.load))
-    config = config_from_dict(manifest["model"])
-    model = build_stage(config, mesh, seed=0, init=False)
-    load_checkpoint(args.load, model, mesh)
-    model.eval()
-    keep_freed_host_memory()  # the weights are in place: the batches' tensors are kept
-    return mesh, config, model
-
-
 @torch.no_grad()
 def _loss_worker(args):
-    mesh, config, model = _load_model(args)
+    mesh, config, model = load_model(args.load, args.tp, args.pp)
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -245,24 +228,13 @@ def _loss_worker(args):
 
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model = _load_model(args)
+    mesh, config, model = load_model(args.load, args.tp, args.pp)
     ids = torch.from_numpy(load_input_ids(args.input_ids).astype(np.int64))
     if ids.ndim != 2:
         raise ValueError(f"--input-ids must be a [batch, seq] array, got shape {tuple(ids.shape)}")
     ids = ids.to(mesh.device)
-    batch = {"input_ids": ids}
-    shape = (ids.shape[0], ids.shape[1], config.hidden_size)
-    hidden = None
-    if not mesh.is_first_stage:
-        hidden = torch.empty(shape, device=mesh.device)
-        dist.recv(hidden, src=mesh.prev_stage_rank)
-    out = model(hidden, batch)
-    if not mesh.is_last_stage:
-        dist.send(out.contiguous(), dst=mesh.next_stage_rank)
-        logits = None
-    else:
-        logits = gather_full(out, 2, (shape[0], shape[1], config.vocab_size), mesh.tp_group)
-    full_shape = (shape[0], shape[1], config.vocab_size)
+    logits = forward_logits(model, mesh, ids, config.hidden_size, config.vocab_size)
+    full_shape = (ids.shape[0], ids.shape[1], config.vocab_size)
     if mesh.pp > 1 and mesh.tp_rank == 0:  # the last stage hands the logits to rank 0
         if mesh.is_last_stage:
             dist.send(logits.float().contiguous(), dst=mesh.stage_rank(0))

@@ -36,7 +36,8 @@ from megapar.launcher import (
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
-from megapar.training.generate import Sampling, generate, load_model
+from megapar.training.generate import Sampling, generate
+from megapar.training.inference import load_model
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError
 from megapar.training.validate_resume import checkpoint_manifest

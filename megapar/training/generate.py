@@ -2,9 +2,9 @@
 
 Each new token runs the model's own forward over the whole sequence so far (as torchtitan's
 generate does) and takes the logits of the last position, in the model's dtype (float32 as
-megapar-eval loads it). The pipeline's stages pass the hidden states on with send / recv, the
-last stage gathers the vocab-parallel logits over tp, and the chosen token is broadcast from
-the last stage's tp rank 0 to every rank, so all ranks grow the same sequence and stop together.
+megapar-eval loads it; `megapar.training.inference.forward_logits`), and the chosen token is
+broadcast from the last stage's tp rank 0 to every rank, so all ranks grow the same sequence and
+stop together.
 
 The choice is made on the host: `next_token` takes the logits row as float32 on the CPU,
 greedy (temperature 0: the argmax, as transformers' greedy search) or sampled with
@@ -19,26 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.manifest import read_manifest
-from megapar.checkpoint.publish import resolve_checkpoint
-from megapar.device import keep_freed_host_memory
 from megapar.mesh import Mesh
-from megapar.models.config import config_from_dict
-from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import gather_full
-
-
-def load_model(load: str, tp: int, pp: int):
-    """(mesh, config, this rank's stage model) of checkpoint `load` at tp x pp (resharded on
-    load), in eval mode, as megapar-eval loads it."""
-    mesh = Mesh.from_env(tp, pp, 1)
-    config = config_from_dict(read_manifest(resolve_checkpoint(load))["model"])
-    model = build_stage(config, mesh, seed=0, init=False)
-    load_checkpoint(load, model, mesh)
-    model.eval()
-    keep_freed_host_memory()  # the weights are in place
-    return mesh, config, model
+from megapar.training.inference import forward_logits
 
 
 @dataclass(frozen=True)
@@ -76,23 +58,11 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-@torch.no_grad()
 def last_logits(model, mesh: Mesh, ids: torch.Tensor, hidden_size: int, vocab_size: int):
     """The float32 logits ([vocab], on the CPU) of the last position of `ids` ([1, seq] on the
-    mesh's device) on the last stage's ranks; None on the others. A pipeline stage receives the
-    previous stage's hidden states and sends its own on; collective over tp."""
-    shape = (ids.shape[0], ids.shape[1], hidden_size)
-    hidden = None
-    if not mesh.is_first_stage:
-        hidden = torch.empty(shape, device=mesh.device)
-        dist.recv(hidden, src=mesh.prev_stage_rank)
-    out = model(hidden, {"input_ids": ids})
-    if not mesh.is_last_stage:
-        dist.send(out.contiguous(), dst=mesh.next_stage_rank)
-        return None
-    last = out[:, -1:].contiguous()  # only the last position's vocab slice is gathered
-    logits = gather_full(last, 2, (shape[0], 1, vocab_size), mesh.tp_group)
-    return logits[0, -1].float().cpu()
+    mesh's device) on the last stage's ranks; None on the others (`forward_logits`)."""
+    logits = forward_logits(model, mesh, ids, hidden_size, vocab_size, last_only=True)
+    return None if logits is None else logits[0, -1].float().cpu()
 
 
 @dataclass
