@@ -25,7 +25,7 @@ from megapar.checkpoint.format import CheckpointError, open_safetensors
 from megapar.checkpoint.hf_names import ARCHITECTURES as ARCHITECTURES
 from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TIED_HEAD, TO_HF
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, Mesh
@@ -82,6 +82,9 @@ def _not_transformers(path: Path) -> str:
         return (
             f"{path}: no such directory; pass a transformers directory written by save_pretrained"
         )
+    deepspeed = deepspeed_checkpoint(path)
+    if deepspeed is not None:
+        return f"{path} {deepspeed}"
     if not path.is_dir():
         return (
             f"{path} is a file, not a directory; pass the transformers directory written "
