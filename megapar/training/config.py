@@ -407,6 +407,40 @@ MLM_RATE = (
     "a fixed rate; drop it (megapar.data.MLMDataset(..., mask_prob=P) in your own loop)"
 )
 
+DS_ZERO = (
+    "megapar's ZeRO is built in: give --zero 1, 2 or 3 (with --offload-optimizer, "
+    "--offload-params), and a DeepSpeed config's other settings as megapar-train flags"
+)
+DS_CONFIG = (
+    "megapar-train reads no DeepSpeed config: give its settings as megapar-train flags (or a "
+    "--config file of them): train_batch_size --global-batch-size, "
+    "train_micro_batch_size_per_gpu --micro-batch-size, zero_optimization.stage --zero, "
+    "offload_optimizer / offload_param --offload-optimizer / --offload-params, bf16 / fp16 "
+    "--precision, gradient_clipping --clip-grad"
+)
+GRAD_ACCUM = (
+    "megapar-train derives the micro-batches per step: give --global-batch-size (= "
+    "--micro-batch-size x the accumulation steps x dp)"
+)
+LOSS_SCALE = (
+    "megapar's fp16 loss scale (--precision fp16) is always dynamic, as DeepSpeed's defaults: "
+    "2^16 at the start (initial_scale_power 16), doubled after 1000 clean steps "
+    "(loss_scale_window), never below 1 (min_loss_scale), but halved at every overflow "
+    "(hysteresis 1; the step skipped); no static scale; drop it"
+)
+ZERO3_PREFETCH = (
+    "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
+    "setting; --zero3-keep-params keeps every unit gathered; drop it"
+)
+LAUNCHER_RANK = (
+    "megapar-train takes its rank from torchrun's environment (LOCAL_RANK), or starts its "
+    "local workers itself; drop it"
+)
+LAUNCHER = (
+    "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
+    "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -467,14 +501,80 @@ OTHER_TOOLS_FLAGS = {
     "--no-load-optim": WEIGHTS_ONLY,
     "--finetune": WEIGHTS_ONLY,
     "--no-load-rng": "",
-    "--deepspeed": "--zero",
+    # DeepSpeed's flags and ds_config.json keys (`--config` takes a file of megapar-train's
+    # flags; `read_run_config` names a DeepSpeed config's equivalents): difflib named
+    # --micro-batch-size for train_batch_size (the global batch), --loss-mean for --loss-scale,
+    # --adam-eps for --num-gpus, --load for --cpu-offload, or nothing (--gradient-clipping,
+    # --checkpoint-activations, --gradient-accumulation-steps, --local_rank)
+    "--deepspeed": DS_ZERO,
+    "--deepscale": DS_ZERO,
+    "--deepspeed_config": DS_CONFIG,
+    "--deepspeed-config": DS_CONFIG,
+    "--deepscale_config": DS_CONFIG,
     "--zero-stage": "--zero",
     "--zero_stage": "--zero",
+    "--zero-optimization": DS_ZERO,
+    "--zero_optimization": DS_ZERO,
+    "--train-batch-size": "--global-batch-size",
+    "--train_batch_size": "--global-batch-size",
+    "--train-micro-batch-size-per-gpu": "--micro-batch-size",
+    "--train_micro_batch_size_per_gpu": "--micro-batch-size",
+    "--gradient-accumulation-steps": GRAD_ACCUM,
+    "--cpu-offload": "--offload-optimizer",
+    "--cpu_offload": "--offload-optimizer",
+    "--cpu-optimizer": "--offload-optimizer",
+    "--loss-scale": LOSS_SCALE,
+    "--loss_scale": LOSS_SCALE,
+    "--initial-scale-power": LOSS_SCALE,
+    "--initial_scale_power": LOSS_SCALE,
+    "--loss-scale-window": LOSS_SCALE,
+    "--loss_scale_window": LOSS_SCALE,
+    "--hysteresis": LOSS_SCALE,
+    "--min-loss-scale": LOSS_SCALE,
+    "--min_loss_scale": LOSS_SCALE,
+    "--gradient-clipping": "--clip-grad",
+    "--gradient_clipping": "--clip-grad",
+    "--checkpoint-activations": "--recompute full",
+    "--checkpoint_activations": "--recompute full",
+    "--deepspeed-activation-checkpointing": "--recompute full",
+    "--partition-activations": "megapar keeps each rank's recomputation inputs whole; "
+    "--sequence-parallel (with --tp) splits the activations outside attention and the MLP over "
+    "the tp ranks",
+    "--steps_per_print": "--log-interval",
+    "--steps-per-print": "--log-interval",
+    "--wall_clock_breakdown": "every log line has the step's throughput (tok/s, TFLOP/s, MFU) "
+    "and, with --pp, the bubble; --profile-steps A:B records a torch.profiler trace",
+    "--reduce-bucket-size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--reduce_bucket_size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--allgather-bucket-size": "--grad-bucket-mb (MB; ZeRO-1 / 2 gather the buckets the "
+    "reduction uses)",
+    "--overlap-comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--overlap_comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--contiguous-gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--contiguous_gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--stage3-prefetch-bucket-size": ZERO3_PREFETCH,
+    "--stage3_prefetch_bucket_size": ZERO3_PREFETCH,
+    "--stage3-max-live-parameters": ZERO3_PREFETCH,
+    "--stage3_max_live_parameters": ZERO3_PREFETCH,
+    "--stage3-param-persistence-threshold": "--zero3-persistence-threshold",
+    "--stage3_param_persistence_threshold": "--zero3-persistence-threshold",
+    "--local_rank": LAUNCHER_RANK,
+    "--local-rank": LAUNCHER_RANK,
+    "--num_gpus": LAUNCHER,
+    "--num-gpus": LAUNCHER,
+    "--num_nodes": LAUNCHER,
+    "--num-nodes": LAUNCHER,
+    "--hostfile": LAUNCHER,
+    "--include": LAUNCHER,
+    "--master_port": LAUNCHER,
+    "--master_addr": LAUNCHER,
     "--job.config_file": "--config",
     "--tensorboard-dir": "--tensorboard",
     "--output_dir": "--save",
     "--per_device_train_batch_size": "--micro-batch-size",
-    "--gradient_accumulation_steps": "--global-batch-size",
+    "--gradient_accumulation_steps": GRAD_ACCUM,
     "--model_name_or_path": "--from-hf",
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
