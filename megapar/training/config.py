@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -416,7 +417,7 @@ DS_CONFIG = (
     "--config file of them): train_batch_size --global-batch-size, "
     "train_micro_batch_size_per_gpu --micro-batch-size, zero_optimization.stage --zero, "
     "offload_optimizer / offload_param --offload-optimizer / --offload-params, bf16 / fp16 "
-    "--precision, gradient_clipping --clip-grad"
+    "--precision, gradient_clipping --clip-grad (--config ds.json names them for its keys)"
 )
 GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
@@ -768,12 +769,100 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
+DEEPSPEED_KEYS = frozenset(
+    {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16"}
+)
+"""Keys that make a `--config` file a DeepSpeed config (ds_config.json)."""
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        return str(int(value))  # 1e5, not 100000.0
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str]]:
+    """A DeepSpeed config's settings as megapar-train flags, and the keys that have none."""
+    flags: list[str] = []
+    left: list[str] = []
+
+    def on(section: Any) -> bool:
+        return isinstance(section, dict) and section.get("enabled") in (True, "true", 1, "auto")
+
+    for key, value in data.items():
+        if key == "train_batch_size":
+            flags.append(f"--global-batch-size {_flag_value(value)}")
+        elif key == "train_micro_batch_size_per_gpu":
+            flags.append(f"--micro-batch-size {_flag_value(value)}")
+        elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
+            flags.append(f"--global-batch-size (micro-batch x {_flag_value(value)} x dp)")
+        elif key == "gradient_accumulation_steps":
+            continue  # train_batch_size says it
+        elif key == "gradient_clipping":
+            flags.append(f"--clip-grad {_flag_value(value)}")
+        elif key == "steps_per_print":
+            flags.append(f"--log-interval {_flag_value(value)}")
+        elif key in ("fp16", "bf16") and isinstance(value, dict):
+            if on(value):
+                flags.append(f"--precision {key}")
+            if key == "fp16" and value.get("loss_scale", 0) not in (0, 0.0, "0"):
+                left.append("fp16.loss_scale (megapar's scale is always dynamic)")
+        elif key == "zero_optimization" and isinstance(value, dict):
+            stage = value.get("stage", 0)
+            flags.append(f"--zero {_flag_value(stage)}")
+            for part, flag in (
+                ("offload_optimizer", "--offload-optimizer"),
+                ("offload_param", "--offload-params"),
+            ):
+                device = (value.get(part) or {}).get("device", "none")
+                if device == "cpu":
+                    flags.append(flag)
+                elif device not in ("none", None):
+                    left.append(f"zero_optimization.{part}.device {device} (the host only)")
+            if "stage3_param_persistence_threshold" in value:
+                threshold = _flag_value(value["stage3_param_persistence_threshold"])
+                flags.append(f"--zero3-persistence-threshold {threshold}")
+        elif key == "optimizer" and isinstance(value, dict):
+            kind = str(value.get("type", "")).lower()
+            if kind in ("adam", "adamw", "lamb", "sgd"):
+                flags.append(f"--optimizer {'adamw' if kind == 'adam' else kind}")
+            else:
+                left.append(f"optimizer.type {value.get('type')}")
+            params = value.get("params") or {}
+            for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
+                if name in params:
+                    flags.append(f"{flag} {_flag_value(params[name])}")
+            if "weight_decay" in params:
+                flags.append(f"--weight-decay {_flag_value(params['weight_decay'])}")
+            betas = params.get("betas")
+            if isinstance(betas, list) and len(betas) == 2:
+                flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
+            elif kind in ("adam", "adamw"):  # DeepSpeed's (torch's) 0.999, not megapar's 0.95
+                flags.append("--adam-beta2 0.999")
+        elif key == "scheduler" and isinstance(value, dict):
+            params = value.get("params") or {}
+            if "warmup_num_steps" in params:
+                flags.append(f"--warmup-steps {_flag_value(params['warmup_num_steps'])}")
+            if "total_num_steps" in params:
+                flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
+        else:
+            left.append(key)
+    return flags, left
+
+
 def read_run_config(path: str) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says)."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
+    if DEEPSPEED_KEYS & set(data):
+        flags, left = deepspeed_equivalents(data)
+        raise ConfigError(
+            f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
+            f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"
+            + (f" (no equivalent: {', '.join(left)})" if left else "")
+        )
     unknown = []  # every unknown key at once, not one per run
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
