@@ -219,8 +219,9 @@ def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
 
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
-    """--from-hf of a path that is not a transformers directory: a missing one, a file and a
-    megapar checkpoint (root or step) are each named as such, with what to do instead; the
+    """--from-hf of a path that is not a transformers directory: a missing one, a file, weights
+    without a config.json and a megapar checkpoint (root or step) are each named as such, with
+    what to do instead; the
     commands it suggests quote a path with a space ('out dir'), as a shell needs it."""
     save_serial(tmp_path / "ckpt")
     save_serial(tmp_path / "out dir")
@@ -228,12 +229,19 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     step = resolve_checkpoint(tmp_path / "ckpt")
     nothere, file, empty = tmp_path / "nothere", tmp_path / "file.txt", tmp_path / "empty"
+    weights = tmp_path / "z2f"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
     cases = [(nothere, (f"{nothere}: no such directory; pass a transformers directory "
                         f"written by save_pretrained")),
              (file, (f"{file} is a file, not a directory; pass the transformers directory "
                      f"written by save_pretrained that holds it")),
              (empty, (f"{empty}: no config.json; expected a transformers directory written "
-                      f"by save_pretrained"))]
+                      f"by save_pretrained")),
+             # DeepSpeed's zero_to_fp32 output: was "no config.json", as for the empty one
+             (weights, (f"{weights} holds model.safetensors but no config.json (a state dict "
+                        f"alone, as DeepSpeed's zero_to_fp32.py writes); copy the config.json "
+                        f"of the model it was trained as there"))]
     cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
                     f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
                     f"{shlex.quote(str(ck))} DST --tp N --pp M, or export it with "
