@@ -1085,6 +1085,14 @@ OTHER_TOOLS = [
     ("plan", ["--model", "mixtral-tiny", "--ep", "2"], "--ep: megapar-plan tries every ep "
      "dividing dp x cp and the experts itself"),
     ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
+    # DeepSpeed's: "--fp16: did you mean --fp8?", "--train-batch-size: did you mean
+    # --micro-batch-sizes?" (the global batch), nothing for --bf16 and the accumulation steps
+    ("plan", ["--model", "llama-1b", "--fp16"], "--fp16: did you mean --precision fp16?"),
+    ("plan", ["--model", "llama-1b", "--train-batch-size", "8"],
+     "--train-batch-size: did you mean --global-batch-size?"),
+    ("plan", ["--model", "llama-1b", "--gradient-accumulation-steps", "4"],
+     "derives each layout's micro-batches per step from --global-batch-size"),
+    ("plan", ["--model", "llama-1b", "--offload-optimizer"], "did you mean --offload optimizer?"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
