@@ -390,6 +390,15 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         f"--zero3-persistence-threshold 100000 --optimizer adamw --lr 0.0003 --adam-beta2 0.999 "
         f"(no equivalent: zero_optimization.offload_param.device nvme (the host only), "
         f"wall_clock_breakdown)"), err.value
+    # the Hugging Face Trainer's "auto" values: were --global-batch-size auto and both
+    # --precision fp16 and --precision bf16
+    ds.write_text(json.dumps({"train_batch_size": "auto", "fp16": {"enabled": "auto"},
+                              "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        ": --zero 2; and for the keys the Hugging Face Trainer fills (\"auto\"): train_batch_size, "
+        "fp16.enabled, bf16.enabled, megapar's own values"), err.value
 
 
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):

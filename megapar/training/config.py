@@ -781,13 +781,30 @@ def _flag_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
-def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str]]:
-    """A DeepSpeed config's settings as megapar-train flags, and the keys that have none."""
+def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
+    """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
+    keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments)."""
     flags: list[str] = []
     left: list[str] = []
+    auto: list[str] = []
+
+    def without_auto(tree: dict, where: str) -> dict:
+        """`tree` less the Hugging Face Trainer's "auto" values (it fills them from its own
+        arguments), whose dotted keys go to `auto`."""
+        kept = {}
+        for key, value in tree.items():
+            if value == "auto":
+                auto.append(where + key)
+            else:
+                kept[key] = (
+                    without_auto(value, f"{where}{key}.") if isinstance(value, dict) else value
+                )
+        return kept
+
+    data = without_auto(data, "")
 
     def on(section: Any) -> bool:
-        return isinstance(section, dict) and section.get("enabled") in (True, "true", 1, "auto")
+        return isinstance(section, dict) and section.get("enabled") in (True, "true", 1)
 
     for key, value in data.items():
         if key == "train_batch_size":
@@ -847,7 +864,7 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str]]:
                 flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
         else:
             left.append(key)
-    return flags, left
+    return flags, left, auto
 
 
 def read_run_config(path: str) -> dict[str, Any]:
@@ -857,11 +874,17 @@ def read_run_config(path: str) -> dict[str, Any]:
     by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
     if DEEPSPEED_KEYS & set(data):
-        flags, left = deepspeed_equivalents(data)
+        flags, left, auto = deepspeed_equivalents(data)
         raise ConfigError(
             f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
             f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"
             + (f" (no equivalent: {', '.join(left)})" if left else "")
+            + (
+                f'; and for the keys the Hugging Face Trainer fills ("auto"): '
+                f"{', '.join(auto)}, megapar's own values"
+                if auto
+                else ""
+            )
         )
     unknown = []  # every unknown key at once, not one per run
     for key in sorted(set(data) - set(by_name)):
