@@ -1185,6 +1185,26 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
         megapar.prepare(cfg, lrr=1e-3, zzz=1)
 
 
+@pytest.mark.parametrize("keyword, said", [
+    # were "did you mean micro_batch_size?" (train_batch_size is the global batch), "loss_mean"
+    # for loss_scale, or nothing
+    ("train_batch_size", "train_batch_size: did you mean global_batch_size?"),
+    ("gradient_accumulation_steps", "give global_batch_size (= micro_batch_size x the "
+     "accumulation steps x dp)"),
+    ("gradient_clipping", "gradient_clipping: did you mean clip_grad?"),
+    ("fp16", "fp16: did you mean precision='fp16'?"),
+    ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
+    ("loss_scale", "loss_scale: megapar's fp16 loss scale (precision='fp16') is always dynamic"),
+    ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
+])
+def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
+    """DeepSpeed's config keys as keywords get megapar-train's answer to the flag of that name,
+    in keyword terms (`OTHER_TOOLS_FLAGS`)."""
+    with pytest.raises(TypeError) as err:
+        megapar.prepare("gpt2-tiny", **{keyword: 1})
+    assert said in str(err.value), err.value
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 3, "offload_params": True},
      ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),

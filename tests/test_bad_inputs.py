@@ -1025,6 +1025,25 @@ OTHER_TOOLS = [
     ("train", ["--bert-load", "ck"], "--bert-load: did you mean --from-hf DIR (a transformers "
      "BERT directory) or --load CKPT (a megapar checkpoint)?"),
     ("train", ["--make-vocab-size-divisible-by", "64"], "set make_vocab_size_divisible_by there"),
+    # DeepSpeed's flags: "--train-batch-size: did you mean --micro-batch-size?" (it is the
+    # global batch), "--loss-scale: did you mean --loss-mean?", "--num-gpus: did you mean
+    # --adam-eps?", "--cpu-offload: did you mean --load?", "--deepspeed_config: did you mean
+    # --config?" (which reads megapar's flags), nothing for the others
+    ("train", ["--train-batch-size", "32"], "--train-batch-size: did you mean --global-batch-size?"),
+    ("train", ["--train_micro_batch_size_per_gpu", "2"], "did you mean --micro-batch-size?"),
+    ("train", ["--gradient-accumulation-steps", "4"], "give --global-batch-size (= "
+     "--micro-batch-size x the accumulation steps x dp)"),
+    ("train", ["--loss-scale", "0"], "--loss-scale: megapar's fp16 loss scale (--precision fp16) "
+     "is always dynamic"),
+    ("train", ["--hysteresis", "2"], "but halved at every overflow (hysteresis 1; the step skipped)"),
+    ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
+    ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
+    ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),
+    ("train", ["--deepspeed"], "megapar's ZeRO is built in: give --zero 1, 2 or 3"),
+    ("train", ["--deepspeed_config", "ds.json"], "megapar-train reads no DeepSpeed config"),
+    ("train", ["--num-gpus", "2"], "starts its tp x cp x pp x dp local workers itself (give --dp)"),
+    ("train", ["--local_rank", "0"], "takes its rank from torchrun's environment (LOCAL_RANK)"),
+    ("train", ["--stage3-prefetch-bucket-size", "1e8"], "gathers one unit (a block) ahead"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--context-parallel-size", "2"],
@@ -1066,6 +1085,14 @@ OTHER_TOOLS = [
     ("plan", ["--model", "mixtral-tiny", "--ep", "2"], "--ep: megapar-plan tries every ep "
      "dividing dp x cp and the experts itself"),
     ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
+    # DeepSpeed's: "--fp16: did you mean --fp8?", "--train-batch-size: did you mean
+    # --micro-batch-sizes?" (the global batch), nothing for --bf16 and the accumulation steps
+    ("plan", ["--model", "llama-1b", "--fp16"], "--fp16: did you mean --precision fp16?"),
+    ("plan", ["--model", "llama-1b", "--train-batch-size", "8"],
+     "--train-batch-size: did you mean --global-batch-size?"),
+    ("plan", ["--model", "llama-1b", "--gradient-accumulation-steps", "4"],
+     "derives each layout's micro-batches per step from --global-batch-size"),
+    ("plan", ["--model", "llama-1b", "--offload-optimizer"], "did you mean --offload optimizer?"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "

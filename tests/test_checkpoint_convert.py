@@ -219,8 +219,9 @@ def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
 
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
-    """--from-hf of a path that is not a transformers directory: a missing one, a file and a
-    megapar checkpoint (root or step) are each named as such, with what to do instead; the
+    """--from-hf of a path that is not a transformers directory: a missing one, a file, weights
+    without a config.json and a megapar checkpoint (root or step) are each named as such, with
+    what to do instead; the
     commands it suggests quote a path with a space ('out dir'), as a shell needs it."""
     save_serial(tmp_path / "ckpt")
     save_serial(tmp_path / "out dir")
@@ -228,12 +229,19 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     step = resolve_checkpoint(tmp_path / "ckpt")
     nothere, file, empty = tmp_path / "nothere", tmp_path / "file.txt", tmp_path / "empty"
+    weights = tmp_path / "z2f"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
     cases = [(nothere, (f"{nothere}: no such directory; pass a transformers directory "
                         f"written by save_pretrained")),
              (file, (f"{file} is a file, not a directory; pass the transformers directory "
                      f"written by save_pretrained that holds it")),
              (empty, (f"{empty}: no config.json; expected a transformers directory written "
-                      f"by save_pretrained"))]
+                      f"by save_pretrained")),
+             # DeepSpeed's zero_to_fp32 output: was "no config.json", as for the empty one
+             (weights, (f"{weights} holds model.safetensors but no config.json (a state dict "
+                        f"alone, as DeepSpeed's zero_to_fp32.py writes); copy the config.json "
+                        f"of the model it was trained as there"))]
     cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
                     f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
                     f"{shlex.quote(str(ck))} DST --tp N --pp M, or export it with "
@@ -244,6 +252,50 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err == f"megapar-convert: error: {message}", err
     assert not (tmp_path / "out").exists()
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: what a hostile DeepSpeed file could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_deepspeed_checkpoint_is_refused_naming_zero_to_fp32(tmp_path, capsys):
+    """A DeepSpeed checkpoint (a root whose `latest` names global_stepN, a global_stepN
+    directory of *_model_states.pt / *_optim_states.pt pickles, or one of those files), given to
+    --from-hf, --load or megapar-convert, is one line naming DeepSpeed's zero_to_fp32.py and the
+    --from-hf import (it was "a megapar checkpoint", "latest holds 'global_step2'", "no
+    config.json"); no pickle is loaded."""
+    from megapar.cli.train import main as train_main
+
+    root, marker = tmp_path / "ds", tmp_path / "ran"
+    (root / "global_step2").mkdir(parents=True)
+    (root / "latest").write_text("global_step2")
+    (root / "zero_to_fp32.py").write_text("")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"module": _RunsCode(marker)}, root / "global_step2" / name)
+    how = (f"(mp_rank_00_model_states.pt: pickles, which megapar never loads), not a megapar "
+           f"checkpoint; consolidate it with DeepSpeed's zero_to_fp32.py (python "
+           f"{root}/zero_to_fp32.py {root} OUT_DIR --safe_serialization), copy the model's "
+           f"config.json into OUT_DIR, then megapar-convert --from-hf OUT_DIR CKPT_DIR")
+    step, file = root / "global_step2", root / "global_step2" / "mp_rank_00_model_states.pt"
+    said = {root: f"{root} holds a DeepSpeed checkpoint (global_step2/" + how[1:],
+            step: f"{step} holds a DeepSpeed checkpoint " + how,
+            file: f"{file} is a file of a DeepSpeed checkpoint " + how}
+    for path, message in said.items():
+        for argv in (["--from-hf", str(path), str(tmp_path / "out")],
+                     [str(path), str(tmp_path / "out"), "--tp", "1"]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err.strip()
+            assert err == f"megapar-convert: error: {message}", err
+        assert train_main(["--load", str(path), "--max-steps", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"megapar-train: error: --load {message}", err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_from_hf_of_a_model_megapar_does_not_build(tmp_path, capsys):

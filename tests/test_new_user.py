@@ -368,6 +368,39 @@ def test_every_config_file_typo_is_named_at_once(tmp_path):
             "did you mean 'seq_len'?") in str(err.value)
 
 
+def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
+    """A ds_config.json given to --config is one line naming the megapar-train flags its
+    settings are (was a list of "unknown setting" naming --micro-batch-size for
+    train_batch_size, the global batch), and its keys that have none."""
+    from megapar.training.config import ConfigError, read_run_config
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                              "offload_param": {"device": "nvme"},
+                              "stage3_param_persistence_threshold": 1e5},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "wall_clock_breakdown": False}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value) == (
+        f"{ds} is a DeepSpeed config, which megapar-train does not read: give its settings as "
+        f"megapar-train flags (or a --config file of them): --global-batch-size 16 "
+        f"--micro-batch-size 2 --clip-grad 1.0 --precision bf16 --zero 3 --offload-optimizer "
+        f"--zero3-persistence-threshold 100000 --optimizer adamw --lr 0.0003 --adam-beta2 0.999 "
+        f"(no equivalent: zero_optimization.offload_param.device nvme (the host only), "
+        f"wall_clock_breakdown)"), err.value
+    # the Hugging Face Trainer's "auto" values: were --global-batch-size auto and both
+    # --precision fp16 and --precision bf16
+    ds.write_text(json.dumps({"train_batch_size": "auto", "fp16": {"enabled": "auto"},
+                              "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        ": --zero 2; and for the keys the Hugging Face Trainer fills (\"auto\"): train_batch_size, "
+        "fp16.enabled, bf16.enabled, megapar's own values"), err.value
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")

@@ -25,8 +25,9 @@ from megapar.checkpoint.format import CheckpointError, open_safetensors
 from megapar.checkpoint.hf_names import ARCHITECTURES as ARCHITECTURES
 from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TIED_HEAD, TO_HF
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
+from megapar.data.inputs import HF_WEIGHTS
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
@@ -82,6 +83,9 @@ def _not_transformers(path: Path) -> str:
         return (
             f"{path}: no such directory; pass a transformers directory written by save_pretrained"
         )
+    deepspeed = deepspeed_checkpoint(path)
+    if deepspeed is not None:
+        return f"{path} {deepspeed}"
     if not path.is_dir():
         return (
             f"{path} is a file, not a directory; pass the transformers directory written "
@@ -93,6 +97,12 @@ def _not_transformers(path: Path) -> str:
             f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
             f"{shell_word(path)} DST --tp N --pp M, or export it with megapar-convert "
             f"{shell_word(path)} --to-hf HF_DIR"
+        )
+    weights = [name for name in HF_WEIGHTS if (path / name).is_file()]
+    if weights:  # zero_to_fp32's output, torchtitan's last-save-in-hf: the state dict alone
+        return (
+            f"{path} holds {weights[0]} but no config.json (a state dict alone, as DeepSpeed's "
+            f"zero_to_fp32.py writes); copy the config.json of the model it was trained as there"
         )
     return f"{path}: no config.json; expected a transformers directory written by save_pretrained"
 

@@ -176,6 +176,66 @@ def _megatron_metadata(path: Path) -> bool:
         return False
 
 
+DEEPSPEED_FILE = re.compile(r".*_(model|optim)_states\.pt")
+"""The pickles a DeepSpeed engine saves in ``global_stepN/`` (``mp_rank_00_model_states.pt``,
+``zero_pp_rank_0_mp_rank_00_optim_states.pt``, ``bf16_zero_pp_rank_0_..._optim_states.pt``)."""
+
+
+def _deepspeed_files(d: Path) -> list[str]:
+    try:
+        names = [x.name for x in d.iterdir() if DEEPSPEED_FILE.fullmatch(x.name)]
+        return sorted(names, key=lambda n: (not n.endswith("_model_states.pt"), n))
+    except OSError:
+        return []
+
+
+def deepspeed_checkpoint(path: str | Path) -> str | None:
+    """What `path` is when it is a DeepSpeed checkpoint, and how to bring it in, in one phrase
+    (after the path); None when it is not one. Seen: a root (``latest`` naming
+    ``global_stepN``, or ``global_step*/`` directories of ``*_model_states.pt`` /
+    ``*_optim_states.pt``), one such step directory, or one of its files. megapar loads no
+    pickle, so the way in is DeepSpeed's own consolidation to safetensors."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        if not DEEPSPEED_FILE.fullmatch(p.name):
+            return None
+        example = p.name
+        root = p.parent.parent if p.parent.name.startswith("global_step") else p.parent
+        what = "is a file of a DeepSpeed checkpoint"
+    elif p.is_dir():
+        files = _deepspeed_files(p)
+        if files:
+            example = files[0]
+            root = p.parent if p.name.startswith("global_step") else p
+        else:
+            latest = p / LATEST
+            tag = ""
+            if latest.is_file():
+                try:
+                    tag = latest.read_text(errors="replace").strip()
+                except OSError:
+                    tag = ""
+            steps = sorted(d for d in p.glob("global_step*") if _deepspeed_files(d))
+            named = p / tag if re.fullmatch(r"global_step\d+", tag) else None
+            if named is None and not steps:
+                return None
+            step = named if named is not None else steps[-1]
+            files = _deepspeed_files(step)
+            example = f"{step.name}/{files[0] if files else 'mp_rank_00_model_states.pt'}"
+            root = p
+        what = "holds a DeepSpeed checkpoint"
+    else:
+        return None
+    script = root / "zero_to_fp32.py"
+    run = shell_word(script) if script.is_file() else "zero_to_fp32.py"
+    return (
+        f"{what} ({example}: pickles, which megapar never loads), not a megapar checkpoint; "
+        f"consolidate it with DeepSpeed's zero_to_fp32.py (python {run} {shell_word(root)} "
+        f"OUT_DIR --safe_serialization), copy the model's config.json into OUT_DIR, then "
+        f"megapar-convert --from-hf OUT_DIR CKPT_DIR"
+    )
+
+
 def foreign_checkpoint(path: str | Path) -> str | None:
     """What another framework's checkpoint in directory `path` is, and the command that imports
     it, in one phrase; None when `path` holds none (or is a megapar checkpoint). Seen: a DCP
@@ -183,8 +243,12 @@ def foreign_checkpoint(path: str | Path) -> str | None:
     folder of such steps, a Hugging Face model (config.json), safetensors weights without a
     config.json (torchtitan's ``--checkpoint.last-save-in-hf`` output), a Megatron-LM checkpoint
     (a root with ``latest_checkpointed_iteration.txt``, a torch_dist save's ``metadata.json``,
-    the legacy ``mp_rank_XX/model_optim_rng.pt``)."""
+    the legacy ``mp_rank_XX/model_optim_rng.pt``), a DeepSpeed checkpoint
+    (`deepspeed_checkpoint`)."""
     p = Path(path).expanduser()
+    deepspeed = deepspeed_checkpoint(p) if p.is_dir() else None
+    if deepspeed is not None:
+        return deepspeed
     if not p.is_dir() or has_checkpoint(p):
         return None
     megatron = (
@@ -288,6 +352,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if (path / MANIFEST).exists():
         return path
+    deepspeed = deepspeed_checkpoint(path)
+    if deepspeed is not None:
+        raise CheckpointError(f"{path} {deepspeed}")
     if (path / LATEST).exists():
         name = (path / LATEST).read_text().strip()
         if not re.fullmatch(r"step_\d+", name):  # never a path out of the root

@@ -97,6 +97,11 @@ _ONE_SETTING = (
     "(e.g. --explain {example})"
 )
 
+_ACCUMULATION = (
+    "megapar-plan derives each layout's micro-batches per step from --global-batch-size, its "
+    "micro-batch size (--micro-batch-sizes) and its dp; drop it"
+)
+
 OTHER_FLAGS = {
     "--sp": _ONE_SETTING.format(
         what="sequence parallelism at every tp > 1", key="sp=1", example="tp=2,sp=1,mbs=1"
@@ -128,6 +133,21 @@ OTHER_FLAGS = {
     "--num-gpus": "--gpus",
     "--nodes": "--gpus (all of them) and --gpus-per-node",
     "--data": "megapar-plan needs no data, only the model and the sizes; drop it",
+    # DeepSpeed's and megapar-train's names: difflib named --fp8 for --fp16, --micro-batch-sizes
+    # for --train-batch-size (the global batch), or nothing
+    "--fp16": "--precision fp16",
+    "--bf16": "--precision bf16",
+    "--train-batch-size": "--global-batch-size",
+    "--train_batch_size": "--global-batch-size",
+    "--train-micro-batch-size-per-gpu": "--micro-batch-sizes",
+    "--train_micro_batch_size_per_gpu": "--micro-batch-sizes",
+    "--gradient-accumulation-steps": _ACCUMULATION,
+    "--gradient_accumulation_steps": _ACCUMULATION,
+    "--zero_stage": "--zero-stages",
+    "--offload-optimizer": "--offload optimizer",
+    "--offload-params": "--offload both",
+    "--offload_param": "--offload both",
+    "--checkpoint-activations": "--recompute full",
 }
 """megapar-train's layout flags, Megatron-LM's names for them, and other names, answered with
 megapar-plan's way (difflib named `--top` for `--tp`, `--pp`, `--dp`, `--cp` and `--sp`,

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -407,6 +408,40 @@ MLM_RATE = (
     "a fixed rate; drop it (megapar.data.MLMDataset(..., mask_prob=P) in your own loop)"
 )
 
+DS_ZERO = (
+    "megapar's ZeRO is built in: give --zero 1, 2 or 3 (with --offload-optimizer, "
+    "--offload-params), and a DeepSpeed config's other settings as megapar-train flags"
+)
+DS_CONFIG = (
+    "megapar-train reads no DeepSpeed config: give its settings as megapar-train flags (or a "
+    "--config file of them): train_batch_size --global-batch-size, "
+    "train_micro_batch_size_per_gpu --micro-batch-size, zero_optimization.stage --zero, "
+    "offload_optimizer / offload_param --offload-optimizer / --offload-params, bf16 / fp16 "
+    "--precision, gradient_clipping --clip-grad (--config ds.json names them for its keys)"
+)
+GRAD_ACCUM = (
+    "megapar-train derives the micro-batches per step: give --global-batch-size (= "
+    "--micro-batch-size x the accumulation steps x dp)"
+)
+LOSS_SCALE = (
+    "megapar's fp16 loss scale (--precision fp16) is always dynamic, as DeepSpeed's defaults: "
+    "2^16 at the start (initial_scale_power 16), doubled after 1000 clean steps "
+    "(loss_scale_window), never below 1 (min_loss_scale), but halved at every overflow "
+    "(hysteresis 1; the step skipped); no static scale; drop it"
+)
+ZERO3_PREFETCH = (
+    "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
+    "setting; --zero3-keep-params keeps every unit gathered; drop it"
+)
+LAUNCHER_RANK = (
+    "megapar-train takes its rank from torchrun's environment (LOCAL_RANK), or starts its "
+    "local workers itself; drop it"
+)
+LAUNCHER = (
+    "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
+    "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -467,14 +502,80 @@ OTHER_TOOLS_FLAGS = {
     "--no-load-optim": WEIGHTS_ONLY,
     "--finetune": WEIGHTS_ONLY,
     "--no-load-rng": "",
-    "--deepspeed": "--zero",
+    # DeepSpeed's flags and ds_config.json keys (`--config` takes a file of megapar-train's
+    # flags; `read_run_config` names a DeepSpeed config's equivalents): difflib named
+    # --micro-batch-size for train_batch_size (the global batch), --loss-mean for --loss-scale,
+    # --adam-eps for --num-gpus, --load for --cpu-offload, or nothing (--gradient-clipping,
+    # --checkpoint-activations, --gradient-accumulation-steps, --local_rank)
+    "--deepspeed": DS_ZERO,
+    "--deepscale": DS_ZERO,
+    "--deepspeed_config": DS_CONFIG,
+    "--deepspeed-config": DS_CONFIG,
+    "--deepscale_config": DS_CONFIG,
     "--zero-stage": "--zero",
     "--zero_stage": "--zero",
+    "--zero-optimization": DS_ZERO,
+    "--zero_optimization": DS_ZERO,
+    "--train-batch-size": "--global-batch-size",
+    "--train_batch_size": "--global-batch-size",
+    "--train-micro-batch-size-per-gpu": "--micro-batch-size",
+    "--train_micro_batch_size_per_gpu": "--micro-batch-size",
+    "--gradient-accumulation-steps": GRAD_ACCUM,
+    "--cpu-offload": "--offload-optimizer",
+    "--cpu_offload": "--offload-optimizer",
+    "--cpu-optimizer": "--offload-optimizer",
+    "--loss-scale": LOSS_SCALE,
+    "--loss_scale": LOSS_SCALE,
+    "--initial-scale-power": LOSS_SCALE,
+    "--initial_scale_power": LOSS_SCALE,
+    "--loss-scale-window": LOSS_SCALE,
+    "--loss_scale_window": LOSS_SCALE,
+    "--hysteresis": LOSS_SCALE,
+    "--min-loss-scale": LOSS_SCALE,
+    "--min_loss_scale": LOSS_SCALE,
+    "--gradient-clipping": "--clip-grad",
+    "--gradient_clipping": "--clip-grad",
+    "--checkpoint-activations": "--recompute full",
+    "--checkpoint_activations": "--recompute full",
+    "--deepspeed-activation-checkpointing": "--recompute full",
+    "--partition-activations": "megapar keeps each rank's recomputation inputs whole; "
+    "--sequence-parallel (with --tp) splits the activations outside attention and the MLP over "
+    "the tp ranks",
+    "--steps_per_print": "--log-interval",
+    "--steps-per-print": "--log-interval",
+    "--wall_clock_breakdown": "every log line has the step's throughput (tok/s, TFLOP/s, MFU) "
+    "and, with --pp, the bubble; --profile-steps A:B records a torch.profiler trace",
+    "--reduce-bucket-size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--reduce_bucket_size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--allgather-bucket-size": "--grad-bucket-mb (MB; ZeRO-1 / 2 gather the buckets the "
+    "reduction uses)",
+    "--overlap-comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--overlap_comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--contiguous-gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--contiguous_gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--stage3-prefetch-bucket-size": ZERO3_PREFETCH,
+    "--stage3_prefetch_bucket_size": ZERO3_PREFETCH,
+    "--stage3-max-live-parameters": ZERO3_PREFETCH,
+    "--stage3_max_live_parameters": ZERO3_PREFETCH,
+    "--stage3-param-persistence-threshold": "--zero3-persistence-threshold",
+    "--stage3_param_persistence_threshold": "--zero3-persistence-threshold",
+    "--local_rank": LAUNCHER_RANK,
+    "--local-rank": LAUNCHER_RANK,
+    "--num_gpus": LAUNCHER,
+    "--num-gpus": LAUNCHER,
+    "--num_nodes": LAUNCHER,
+    "--num-nodes": LAUNCHER,
+    "--hostfile": LAUNCHER,
+    "--include": LAUNCHER,
+    "--master_port": LAUNCHER,
+    "--master_addr": LAUNCHER,
     "--job.config_file": "--config",
     "--tensorboard-dir": "--tensorboard",
     "--output_dir": "--save",
     "--per_device_train_batch_size": "--micro-batch-size",
-    "--gradient_accumulation_steps": "--global-batch-size",
+    "--gradient_accumulation_steps": GRAD_ACCUM,
     "--model_name_or_path": "--from-hf",
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
@@ -668,12 +769,123 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
+DEEPSPEED_KEYS = frozenset(
+    {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16"}
+)
+"""Keys that make a `--config` file a DeepSpeed config (ds_config.json)."""
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        return str(int(value))  # 1e5, not 100000.0
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
+    """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
+    keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments)."""
+    flags: list[str] = []
+    left: list[str] = []
+    auto: list[str] = []
+
+    def without_auto(tree: dict, where: str) -> dict:
+        """`tree` less the Hugging Face Trainer's "auto" values (it fills them from its own
+        arguments), whose dotted keys go to `auto`."""
+        kept = {}
+        for key, value in tree.items():
+            if value == "auto":
+                auto.append(where + key)
+            else:
+                kept[key] = (
+                    without_auto(value, f"{where}{key}.") if isinstance(value, dict) else value
+                )
+        return kept
+
+    data = without_auto(data, "")
+
+    def on(section: Any) -> bool:
+        return isinstance(section, dict) and section.get("enabled") in (True, "true", 1)
+
+    for key, value in data.items():
+        if key == "train_batch_size":
+            flags.append(f"--global-batch-size {_flag_value(value)}")
+        elif key == "train_micro_batch_size_per_gpu":
+            flags.append(f"--micro-batch-size {_flag_value(value)}")
+        elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
+            flags.append(f"--global-batch-size (micro-batch x {_flag_value(value)} x dp)")
+        elif key == "gradient_accumulation_steps":
+            continue  # train_batch_size says it
+        elif key == "gradient_clipping":
+            flags.append(f"--clip-grad {_flag_value(value)}")
+        elif key == "steps_per_print":
+            flags.append(f"--log-interval {_flag_value(value)}")
+        elif key in ("fp16", "bf16") and isinstance(value, dict):
+            if on(value):
+                flags.append(f"--precision {key}")
+            if key == "fp16" and value.get("loss_scale", 0) not in (0, 0.0, "0"):
+                left.append("fp16.loss_scale (megapar's scale is always dynamic)")
+        elif key == "zero_optimization" and isinstance(value, dict):
+            stage = value.get("stage", 0)
+            flags.append(f"--zero {_flag_value(stage)}")
+            for part, flag in (
+                ("offload_optimizer", "--offload-optimizer"),
+                ("offload_param", "--offload-params"),
+            ):
+                device = (value.get(part) or {}).get("device", "none")
+                if device == "cpu":
+                    flags.append(flag)
+                elif device not in ("none", None):
+                    left.append(f"zero_optimization.{part}.device {device} (the host only)")
+            if "stage3_param_persistence_threshold" in value:
+                threshold = _flag_value(value["stage3_param_persistence_threshold"])
+                flags.append(f"--zero3-persistence-threshold {threshold}")
+        elif key == "optimizer" and isinstance(value, dict):
+            kind = str(value.get("type", "")).lower()
+            if kind in ("adam", "adamw", "lamb", "sgd"):
+                flags.append(f"--optimizer {'adamw' if kind == 'adam' else kind}")
+            else:
+                left.append(f"optimizer.type {value.get('type')}")
+            params = value.get("params") or {}
+            for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
+                if name in params:
+                    flags.append(f"{flag} {_flag_value(params[name])}")
+            if "weight_decay" in params:
+                flags.append(f"--weight-decay {_flag_value(params['weight_decay'])}")
+            betas = params.get("betas")
+            if isinstance(betas, list) and len(betas) == 2:
+                flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
+            elif kind in ("adam", "adamw"):  # DeepSpeed's (torch's) 0.999, not megapar's 0.95
+                flags.append("--adam-beta2 0.999")
+        elif key == "scheduler" and isinstance(value, dict):
+            params = value.get("params") or {}
+            if "warmup_num_steps" in params:
+                flags.append(f"--warmup-steps {_flag_value(params['warmup_num_steps'])}")
+            if "total_num_steps" in params:
+                flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
+        else:
+            left.append(key)
+    return flags, left, auto
+
+
 def read_run_config(path: str) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says)."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
+    if DEEPSPEED_KEYS & set(data):
+        flags, left, auto = deepspeed_equivalents(data)
+        raise ConfigError(
+            f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
+            f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"
+            + (f" (no equivalent: {', '.join(left)})" if left else "")
+            + (
+                f'; and for the keys the Hugging Face Trainer fills ("auto"): '
+                f"{', '.join(auto)}, megapar's own values"
+                if auto
+                else ""
+            )
+        )
     unknown = []  # every unknown key at once, not one per run
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)

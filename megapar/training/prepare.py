@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
-from megapar.training.config import TrainConfig, flag_choices
+from megapar.training.config import OTHER_TOOLS_FLAGS, TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_ranges
@@ -122,6 +123,41 @@ def _check_choices(cfg: TrainConfig) -> None:
             )
 
 
+def _keyword_terms(text: str, fields: list[str]) -> str:
+    """megapar-train's hint `text` in `prepare`'s terms: a flag that is a `TrainConfig` field
+    becomes its keyword (``--clip-grad``: ``clip_grad``; ``--precision fp16``:
+    ``precision='fp16'``)."""
+    choices = flag_choices()
+
+    def keyword(m: re.Match) -> str:
+        name, value = m.group(1).replace("-", "_"), m.group(2)
+        if name not in fields:
+            return m.group(0)
+        if value is not None and value in map(str, choices.get(name, ())):
+            return f"{name}={value!r}"
+        return name + (f" {value}" if value is not None else "")
+
+    return re.sub(r"--([a-z][a-z0-9-]*)(?: ([a-z0-9][\w.]*))?", keyword, text)
+
+
+def _unknown_hint(name: str, fields: list[str]) -> str:
+    """What to pass instead of the unknown keyword `name`: megapar-train's answer to another
+    tool's flag of that name (DeepSpeed's, Megatron-LM's, Hugging Face Trainer's: ``fp16``,
+    ``gradient_clipping``, ``train_batch_size``), in keyword terms, else the closest field."""
+    if name == "config":
+        return (
+            "config: megapar.prepare reads no config file (a DeepSpeed config neither): pass "
+            "its settings as keywords (zero, offload_optimizer, precision, micro_batch_size, "
+            "global_batch_size, clip_grad, ...)"
+        )
+    other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
+    if other:
+        said = _keyword_terms(other, fields)
+        return f"{name}: did you mean {said}?" if other.startswith("--") else f"{name}: {said}"
+    close = difflib.get_close_matches(name, fields, n=1)
+    return f"{name}: did you mean {close[0]}?" if close else ""
+
+
 def prepare(
     model,
     tp: int = 1,
@@ -198,8 +234,7 @@ def prepare(
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
     unknown = sorted(set(options) - set(fields))
     if unknown:
-        close = {u: difflib.get_close_matches(u, fields, n=1) for u in unknown}
-        hint = "; ".join(f"{u}: did you mean {m[0]}?" for u, m in close.items() if m)
+        hint = "; ".join(h for h in (_unknown_hint(u, fields) for u in unknown) if h)
         raise TypeError(
             f"megapar.prepare got unknown options {unknown}; {hint + '; ' if hint else ''}"
             f"see TrainConfig"

@@ -14,7 +14,13 @@ from pathlib import Path
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
-from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newest_step, steps_after
+from megapar.checkpoint.publish import (
+    deepspeed_checkpoint,
+    foreign_checkpoint,
+    has_checkpoint,
+    newest_step,
+    steps_after,
+)
 from megapar.data.blended import data_paths, parse_blend
 from megapar.data.inputs import parse_sft_keys
 from megapar.models.config import config_from_dict
@@ -31,6 +37,9 @@ def check_load_path(cfg) -> None:
     there. Only a missing directory, or one without a checkpoint, starts fresh (a requeue)."""
 
     path = os.path.expanduser(cfg.load)
+    deepspeed = deepspeed_checkpoint(path)
+    if deepspeed is not None:
+        raise UsageError(f"--load {cfg.load} {deepspeed}")
     if os.path.isfile(path):
         parent = os.path.dirname(cfg.load.rstrip("/")) or "."
         raise UsageError(
