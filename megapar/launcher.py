@@ -508,8 +508,8 @@ def run_workers(
         forget_stale_marks()  # what ranks of finished jobs found stopped
 
         diagnostics.install(int(os.environ["RANK"]))
-        stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting, stacks
-        stop.watch_sigterm(dump=True)  # written as one block
+        stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting; a rank
+        stop.watch_sigterm()  # blocked in a wait writes its stacks as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
