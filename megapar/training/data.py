@@ -29,7 +29,7 @@ from megapar.data import (
     ensure_dataset,
     load_tokenizer,
 )
-from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.blended import BlendedDataset, data_paths, parse_blend, unweighted_parts
 from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import (
@@ -533,6 +533,10 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
             "without validation, on all of every part"
         )
     if notes is not None:
+        notes.extend(
+            f"{name}: weight 0 in --data, so it is left out of the blend (not drawn, not read)"
+            for name in unweighted_parts(cfg.data)
+        )
         notes.extend(part_notes)
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
     return train, val
