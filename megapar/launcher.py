@@ -49,6 +49,7 @@ from megapar.faults.processes import (  # noqa: F401
     launcher_alive,
     pid_alive,
 )
+from megapar.faults.report import run_log_name, use_run_log_name
 from megapar.faults.status import diagnose
 from megapar.shared_gpu import SHARED_GPU_ENV
 
@@ -512,6 +513,8 @@ def run_workers(
         stop.watch_sigterm()  # blocked in a wait writes its stacks as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
+        # one directory of rank logs for the job, also without --save's lock record to read
+        use_run_log_name(progress.rank0_value(dist.get_rank(), "run_log", run_log_name()))
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)
