@@ -403,13 +403,13 @@ class Mesh:
         rank."""
         mine = None
         for ranks in all_ranks:
+            wait = self.group_timeout.total_seconds()
             try:
-                group = dist.new_group(ranks, timeout=self.group_timeout, group_desc=desc)
+                with _device.connect_bound(f"creating process group {desc}", wait, self.rank):
+                    group = dist.new_group(ranks, timeout=self.group_timeout, group_desc=desc)
             except dist.DistStoreError as exc:  # its words name only store keys
                 raise TimeoutError(
-                    group_join_timeout(
-                        self.rank, ranks, desc, self.group_timeout.total_seconds(), str(exc)
-                    )
+                    group_join_timeout(self.rank, ranks, desc, wait, str(exc))
                 ) from None
             if self.rank in ranks:
                 mine = group

@@ -348,13 +348,7 @@ def _end_if_blocked() -> None:
     time.sleep(max(0.0, _watch["since"] + grace - time.monotonic()))
     while main_thread_runs(BLOCKED_S):
         time.sleep(0.5)
-    done = []
-    for cleanup, what in list(_cleanups.items()):
-        try:
-            cleanup()
-            done.append(what)
-        except Exception:  # noqa: BLE001, S110 - exiting anyway
-            pass
+    done = run_forced_exit_cleanups()
     stuck = stopped_siblings()  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
     _write_block(
@@ -365,6 +359,24 @@ def _end_if_blocked() -> None:
         + f"; its Python stacks:\n{_stacks()}"
     )
     os._exit(SIGTERM_EXIT_CODE)
+
+
+def run_forced_exit_cleanups() -> list[str]:
+    """Run the `on_forced_exit` cleanups (the process is about to end with `os._exit`); what
+    each that succeeded did."""
+    done = []
+    for cleanup, what in list(_cleanups.items()):
+        try:
+            cleanup()
+            done.append(what)
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    return done
+
+
+def write_block(text: str) -> None:
+    """`text` to stderr in one write (`_write_block`)."""
+    _write_block(text)
 
 
 _PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
