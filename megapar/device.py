@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from megapar import shared_gpu
+from megapar.faults import stop
 from megapar.faults.status import set_action
 from megapar.wording import counted
 
@@ -439,8 +440,6 @@ def connect_bound(what: str, wait_s: float, rank: int):
     def watch() -> None:
         if done.wait(CONNECT_BOUND * wait_s):
             return
-        from megapar.faults import stop
-
         cleaned = stop.run_forced_exit_cleanups()
         stop.write_block(
             f"megapar: rank {rank}: {what} did not complete in {CONNECT_BOUND * wait_s:g} s "
