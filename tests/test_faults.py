@@ -1067,7 +1067,8 @@ def test_a_torchrun_rank_waiting_for_the_group_obeys_sigterm_and_releases_its_lo
     first = text.splitlines()[0]
     assert first.startswith("megapar: rank 0: SIGTERM ") and (
         "joining the process group (waiting up to 120 s for all 2 ranks) (a wait that "
-        "cannot see the signal)" in first) and first.endswith("--save lock released; its Python stacks:"), text
+        "cannot see the signal)" in first) and "; --save lock released" in first and (
+        first.endswith("; its Python stacks:")), text
     assert "in init_distributed" in text, text
     sizes = [int(x) for x in writes.read_text().split()]  # one block, one write
     assert sizes == [len(text.encode())], text
