@@ -6,12 +6,14 @@ backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import re
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from megapar import shared_gpu
+from megapar.faults import stop
 from megapar.faults.status import set_action
 from megapar.wording import counted
 
@@ -415,6 +418,44 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
+CONNECT_BOUND = 2.0
+"""A gloo process group's creation may last this many times the wait (`--timeout-s`): the
+wait for its members' addresses, which gloo bounds by the group's timeout, and as long again
+for the connections. gloo itself waits up to 5 times the group's timeout (measured with torch
+2.13: 5.0 s at 1 s, 10.0 s at 2) for a member that gave its address and then died or stopped
+(or whose address was a dead rank's: torchrun's restarts, `default_store_prefix`)."""
+
+
+@contextlib.contextmanager
+def connect_bound(what: str, wait_s: float, rank: int):
+    """Around the creation of a gloo process group (`what`, e.g. "joining the process group"):
+    if it has not returned `CONNECT_BOUND` x `wait_s` after it began, the rank writes one line
+    (what, how long, --timeout-s), runs the forced-exit cleanups (its --save lock) and exits
+    with code 1, which a wait inside gloo cannot see otherwise. Nothing on NCCL."""
+    if backend() == "nccl":
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(CONNECT_BOUND * wait_s):
+            return
+        cleaned = stop.run_forced_exit_cleanups()
+        stop.write_block(
+            f"megapar: rank {rank}: {what} did not complete in {CONNECT_BOUND * wait_s:g} s "
+            f"({CONNECT_BOUND:g} x --timeout-s {wait_s:g}): a member gave its address and "
+            f"then did not connect (it died or stopped); exiting with code 1"
+            + "".join(f"; {d}" for d in cleaned)
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="megapar-connect-bound", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def group_timeout_s(name: str, timeout_s: float, nccl_timeout_s: float | None = None) -> float:
     """The timeout of the process groups of backend `name`: gloo's is megapar's wait
     (`timeout_s`); NCCL's is its watchdog's, `nccl_timeout_s` (default
@@ -586,13 +627,14 @@ def init_distributed(
                 dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
             )
             store = dist.PrefixStore(default_store_prefix(), store)
-        dist.init_process_group(
-            backend=backend(),
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=groups),
-            store=store,
-        )
+        with connect_bound("joining the process group", wait, rank):
+            dist.init_process_group(
+                backend=backend(),
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=groups),
+                store=store,
+            )
         if local:
             _all_joined(store, world_size, wait)
     except dist.DistStoreError as exc:  # the store's own words name only keys

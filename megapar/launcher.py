@@ -49,6 +49,7 @@ from megapar.faults.processes import (  # noqa: F401
     launcher_alive,
     pid_alive,
 )
+from megapar.faults.report import run_log_name, use_run_log_name
 from megapar.faults.status import diagnose
 from megapar.shared_gpu import SHARED_GPU_ENV
 
@@ -508,10 +509,12 @@ def run_workers(
         forget_stale_marks()  # what ranks of finished jobs found stopped
 
         diagnostics.install(int(os.environ["RANK"]))
-        stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting, stacks
-        stop.watch_sigterm(dump=True)  # written as one block
+        stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting; a rank
+        stop.watch_sigterm()  # blocked in a wait writes its stacks as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
+        # one directory of rank logs for the job, also without --save's lock record to read
+        use_run_log_name(progress.rank0_value(dist.get_rank(), "run_log", run_log_name()))
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)

@@ -33,6 +33,7 @@ over it is skipped), which is how serial reference models are built.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
@@ -221,6 +222,35 @@ class Layout:
         return layout
 
 
+_STORE_KEYS = re.compile(r"keys: (.*)$", re.MULTILINE)
+
+
+def group_join_timeout(
+    rank: int, ranks: list[int], desc: str | None, wait_s: float, error: str
+) -> str:
+    """The one line for a process group whose creation timed out (gloo's store wait for its
+    members' addresses, `error`): the members that never came, named from the keys waited for
+    (each ends with the member's index in `ranks`), and the flag that sets the wait."""
+    found = _STORE_KEYS.search(error)
+    indices = [
+        k.rstrip("/").rsplit("/", 1)[-1] for k in (found.group(1) if found else "").split(",")
+    ]
+    missing = sorted(
+        {ranks[int(i)] for i in indices if i.strip().isdigit() and int(i) < len(ranks)}
+    )
+    who = (
+        f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} never did"
+        if missing
+        else "some never did"
+    )
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)})" if len(ranks) > 8 else "")
+    return (
+        f"rank {rank} waited {wait_s:g} s for ranks {shown} to create process group "
+        f"{desc or 'of the mesh'} and {who} (a rank that failed, stopped or hung before "
+        f"it, or one started with other flags); --timeout-s sets the wait"
+    )
+
+
 class Mesh:
     """This rank's view of the mesh: its coordinates and its process groups.
 
@@ -373,7 +403,14 @@ class Mesh:
         rank."""
         mine = None
         for ranks in all_ranks:
-            group = dist.new_group(ranks, timeout=self.group_timeout, group_desc=desc)
+            wait = self.group_timeout.total_seconds()
+            try:
+                with _device.connect_bound(f"creating process group {desc}", wait, self.rank):
+                    group = dist.new_group(ranks, timeout=self.group_timeout, group_desc=desc)
+            except dist.DistStoreError as exc:  # its words name only store keys
+                raise TimeoutError(
+                    group_join_timeout(self.rank, ranks, desc, wait, str(exc))
+                ) from None
             if self.rank in ranks:
                 mine = group
         return mine

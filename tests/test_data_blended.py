@@ -69,7 +69,8 @@ def test_each_epoch_of_a_blend_draws_on_where_the_last_left_off():
 
 @pytest.mark.parametrize("spec, message", [
     ("0.7 a 0.3", "pairs of WEIGHT PREFIX"), (["x", "a", "0.3", "b"], "'x' is not a weight"),
-    ("0 a 1 b", "must be positive"),
+    ("-1 a 1 b", "weight -1 of a must be positive and finite, or 0 to leave the part out"),
+    ("0 a 0.0 b", r"every weight of the blend is 0 \(0 0.0\), so nothing would be drawn"),
     # inf normalised to nan ('cannot convert float NaN to integer' in the sampler)
     ("inf a 1 b", "weight inf of a must be positive and finite"),
     ("nan a 1 b", "weight nan of a must be positive and finite"),
@@ -79,6 +80,26 @@ def test_bad_blend_specs(spec, message):
         parse_blend(spec)
     assert parse_blend("data/a") is None and parse_blend(["1", "a", "3", "b"]) == [
         (0.25, "a"), (0.75, "b")]
+
+
+def test_a_part_weighted_0_is_left_out_as_in_megatron(parts, tmp_path, capfd):
+    """--data 0.7 A 0 B 0.3 C: Megatron-LM users switch a part off with weight 0; it was
+    refused ("must be positive"). The part is left out (said in one line, not read: here it
+    does not exist) and the run trains as --data 0.7 A 0.3 C does."""
+    (a, b), model = parts
+    assert parse_blend(["0.7", a, "0", "gone", "0.3", b]) == [(0.7, a), (0.3, b)]
+    common = ["--tokenizer", "sentencepiece", "--model", model, "--seq-len", "32",
+              "--micro-batch-size", "2", "--global-batch-size", "8", "--max-steps", "1",
+              "--eval-interval", "0", "--no-progress", "--log-interval", "1"]
+    off, ref = tmp_path / "off.jsonl", tmp_path / "ref.jsonl"
+    gone = str(tmp_path / "gone")
+    assert train(["--data", "0.7", a, "0", gone, "0.3", b, *common, "--log-json", str(off)]) == 0
+    out = capfd.readouterr()
+    said = [x for x in (out.out + out.err).splitlines() if "weight 0 in" in x]
+    assert len(said) == 1 and said[0].endswith(
+        f"{gone}: weight 0 in --data, so it is left out of the blend (not drawn, not read)"), said
+    assert train(["--data", "0.7", a, "0.3", b, *common, "--log-json", str(ref)]) == 0
+    assert _losses(off) == _losses(ref)
 
 
 def test_a_blend_of_two_tokenizers_of_one_size_is_refused(tmp_path):

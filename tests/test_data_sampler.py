@@ -125,6 +125,30 @@ def test_an_old_format_state_resumes_as_before():
         at_end.load_state_dict({**old, "epoch": 3})
 
 
+def test_a_blend_state_of_an_older_megapar_in_epoch_1_is_named_on_resume():
+    """A blend's epochs past the first changed order (each continues its parts' draws); a
+    checkpoint saved in epoch >= 1 before the sampler recorded its order resumed onto the new
+    one without a word. Its state has no epoch_offset: one note; a state that has it, or one in
+    epoch 0 (the same in both orders), none."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import continue_order
+
+    def resume(state):
+        sampler = GlobalBatchSampler(40, 8, 2, 1, 0, seed=3, shuffle=False, epoch_offset=True)
+        return continue_order(TrainConfig(), sampler, state)
+
+    new = GlobalBatchSampler(40, 8, 2, 1, 0, seed=3, shuffle=False, epoch_offset=True,
+                             consumed_samples=6 * 8)  # epoch 1, sample 8
+    state = json.loads(json.dumps(new.state_dict()))
+    assert state["epoch_offset"] is True and resume(state) == []
+    older = {k: v for k, v in state.items() if k != "epoch_offset"}
+    notes = resume(older)
+    assert len(notes) == 1 and notes[0].startswith(
+        "the checkpoint resumes a blend in epoch 1 and does not record its epoch order"), notes
+    first = {**older, "consumed_samples": 16, "epoch": 0, "epoch_samples": 16}
+    assert resume(first) == []
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match=r"global batch size 10 is not divisible by micro-batch size 2 x dp 4 = 8"):
         GlobalBatchSampler(100, 10, 2, 4, 0, seed=0)

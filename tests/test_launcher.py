@@ -533,3 +533,91 @@ def test_a_torchrun_restart_joins_on_keys_of_its_own_attempt():
         results = _results_by_rank(procs, out, 60)
         assert results == {0: 2.0, 1: 2.0}, (attempt, results)
     del agent
+
+
+def _mesh_without_rank_3():
+    """Ranks 0-2 build a tp 2 x dp 2 mesh; rank 3 never comes (hung before it)."""
+    from megapar.mesh import Layout, Mesh
+
+    if dist.get_rank() == 3:
+        time.sleep(60)
+    Mesh(Layout(tp=2, dp=2), dist.get_rank())
+
+
+def test_a_rank_that_never_creates_its_group_is_named_with_the_flag():
+    """gloo's wait for a group's members ends after --timeout-s (1 s here), but said only
+    'DistStoreError: wait timeout after 1000ms, keys: /default_pg/0//1//cpu//0/1': the line
+    names the rank that never came and the flag, and the run ends in seconds."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_local(_mesh_without_rank_3, 4, timeout_s=60, collective_timeout_s=1)
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert message.startswith("rank 3 did not answer"), message  # the launcher's blame
+    said = message.split("\n")[1]  # then: each rank's own line
+    assert ("rank 2: TimeoutError: rank 2 waited 1 s for ranks 2, 3 to create process group "
+            "mesh_tp and rank 3 never did (") in said and "keys:" not in said, said
+    assert said.count("--timeout-s sets the wait") == 3, said
+    assert took < 20, took
+
+
+def _torchrun_attempt(rank, port, wait_s, err):
+    """Rank `rank` of 2 joining under torchrun's agent store (its environment), every attempt
+    on the same keys (as before each attempt had its own prefix); stderr to `err`."""
+    import os
+
+    from megapar import device
+
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        os.environ.pop(name, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
+    try:
+        device.init_distributed(rank=rank, world_size=2, timeout_s=wait_s)
+    except Exception as exc:  # noqa: BLE001 - its end is the test
+        os.write(2, f"{type(exc).__name__}\n".encode())
+        os._exit(3)
+    os._exit(0)
+
+
+def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_timeout(tmp_path):
+    """A restarted rank that reads a dead rank's gloo address (torchrun's store kept the
+    attempt before's keys) fails at once; a rank waiting for a connection that never comes
+    waited 5 x --timeout-s inside gloo (the 13-minute restart hang). It ends after 2 x, in one
+    line naming the flag, exit code 1. Which rank waits depends on the ports (gloo's initiator
+    is picked from the addresses): the attempts go on until one does."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    from megapar.launcher import free_port
+
+    port, ctx = free_port(), mp.get_context("fork")
+    agent = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30),
+                          wait_for_workers=False)  # torchrun's agent's, kept across attempts
+    for attempt in range(1, 8):
+        errs = [tmp_path / f"{attempt}-{r}.txt" for r in range(2)]
+        procs = [ctx.Process(target=_torchrun_attempt, args=(r, port, 1.0, errs[r]))
+                 for r in range(2)]
+        start = time.monotonic()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        took, codes = time.monotonic() - start, [p.exitcode for p in procs]
+        texts = [e.read_text() for e in errs]
+        if attempt == 1:
+            assert codes == [0, 0], texts  # the attempt whose keys the next ones read
+        elif 1 in codes or took > 4.5:
+            break
+    del agent
+    assert took < 4.5 and set(codes) <= {1, 3}, (took, codes, texts)
+    for rank in (r for r in range(2) if codes[r] == 1):
+        lines = [x for x in texts[rank].splitlines() if x.startswith("megapar: ")]
+        assert lines == [f"megapar: rank {rank}: joining the process group did not complete "
+                         f"in 2 s (2 x --timeout-s 1): a member gave its address and then did "
+                         f"not connect (it died or stopped); exiting with code 1"], texts[rank]

@@ -118,6 +118,44 @@ def test_a_resumed_run_replaces_the_steps_tensorboard_got_after_its_checkpoint(t
     assert got == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)], got
 
 
+def test_a_full_disk_under_tensorboard_is_one_error_and_no_thread_traceback(tmp_path,
+                                                                           monkeypatch):
+    """TensorBoard writes from a thread of its own: a full disk there printed that thread's
+    traceback ("Exception in thread ...", threading.excepthook) beside the run's own line. The
+    error is raised once, naming --tensorboard, at the next write, and the hook is not called
+    (pytest's own hook would hide a printed traceback: a recording one stands in for it)."""
+    import errno
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from megapar.training.logging import MetricsLogger
+
+    printed = []
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    cfg = SimpleNamespace(progress=False, log_json=None, tensorboard=str(tmp_path / "tb"),
+                          wandb_project=None)
+    logger = MetricsLogger(cfg, 0, {})
+    async_writer = logger.tb.file_writer.event_writer._async_writer
+
+    def full(data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async_writer._writer.write = full
+    logger.log(1, {"loss": 1.0})
+    end = time.monotonic() + 10
+    while async_writer._worker.is_alive() and time.monotonic() < end:
+        time.sleep(0.01)
+    with pytest.raises(OSError, match=f"No space left on device: writing --tensorboard "
+                                      f"{cfg.tensorboard}"):
+        logger.log(2, {"loss": 2.0})
+    assert not async_writer._worker.is_alive() and printed == [], printed
+    other = threading.Thread(target=lambda: 1 / 0)  # any other thread's error: as before
+    other.start()
+    other.join()
+    assert len(printed) == 1 and printed[0].exc_type is ZeroDivisionError, printed
+
+
 class _FakeWandbRun:
     """What MetricsLogger reads of a wandb Run: its id, the first step it takes (a resumed
     online run's is after the steps it holds), log and finish."""

@@ -27,7 +27,13 @@ from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import planned_job
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
-from megapar.faults.report import log_dir_for, run_log_name, tell_torchrun, worker_failure
+from megapar.faults.report import (
+    log_dir_for,
+    run_log_name,
+    tell_torchrun,
+    use_run_log_name,
+    worker_failure,
+)
 from megapar.faults.stop import (
     SIGTERM_EXIT_CODE,
     install_stop_handlers,
@@ -200,13 +206,16 @@ def main(argv=None) -> int:
     lock, cfg = None, None
     made: list[Path] = []  # the directories of --save this run makes: removed if left empty
     previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
+    use_run_log_name(None)  # this run's own (an earlier run in this process had its own)
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
         if cfg.save and takes_save_lock() and not cfg.dry_run:  # held until this exits
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             made = missing_dirs(cfg.save)
-            rank_logs = {"in_save": not made, "run": run_log_name()}  # for the other ranks
+            run = run_log_name()
+            use_run_log_name(run)  # the name rank 0 gives its job's store (`run_workers`)
+            rank_logs = {"in_save": not made, "run": run}  # for the other ranks
             lock = SaveLock(cfg.save, command, rank_logs).acquire()
             notes.extend(filter(None, [lock.taken_over]))
             if cfg.overwrite_newer:  # under the lock: nobody else writes --save now

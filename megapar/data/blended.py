@@ -40,11 +40,27 @@ def _is_weight(text: str) -> bool:
 
 def parse_blend(spec) -> list[tuple[float, str]] | None:
     """[(weight, prefix)] from Megatron's "W1 P1 W2 P2 ..." (a string or a list), or None for a
-    single path. Weights are normalised to sum to 1.
+    single path. Weights are normalised to sum to 1; a part weighted 0 is switched off, as in
+    Megatron-LM: it is not among the pairs (`unweighted_parts` names it).
 
     Paths are paths: a string that names existing data, or does not start with a weight, is one
     path whatever spaces it holds (so is a list of one item); only what parses as WEIGHT PATH
     pairs is a blend (a list: `--data 0.7 A 0.3 B`, a `--config` list, or such a string)."""
+    pairs = _weighted_pairs(spec)
+    if pairs is None:
+        return None
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs if w > 0]
+
+
+def unweighted_parts(spec) -> list[str]:
+    """The prefixes of a blend given weight 0 (not drawn); [] for a single path."""
+    return [p for w, p in _weighted_pairs(spec) or [] if w == 0]
+
+
+def _weighted_pairs(spec) -> list[tuple[float, str]] | None:
+    """`parse_blend`'s pairs as given (weights not normalised, 0s kept); raises ValueError for
+    a malformed blend, a negative or non-finite weight, or weights that are all 0."""
     if isinstance(spec, str):
         items = spec.split()
         if _names_data(spec) or len(items) < 2 or not _is_weight(items[0]):
@@ -79,19 +95,24 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
                 f"(e.g. --data 0.7 data/a 0.3 data/b){quote}"
             )
         weight = float(w)
-        if not (math.isfinite(weight) and weight > 0):
+        if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(
-                f"--data: weight {w} of {prefix} must be positive and finite (weights are "
-                f"relative: e.g. --data 0.7 data/a 0.3 data/b)"
+                f"--data: weight {w} of {prefix} must be positive and finite, or 0 to leave "
+                f"the part out (weights are relative: e.g. --data 0.7 data/a 0.3 data/b)"
             )
-        pairs.append((weight, prefix))
+        pairs.append((weight + 0.0, prefix))  # -0.0 is 0
     total = sum(w for w, _ in pairs)
     if not math.isfinite(total):
         raise ValueError(
             f"--data: the weights {' '.join(items[::2])} add up to more than a float holds; "
             f"give smaller weights (they are relative: e.g. --data 0.7 data/a 0.3 data/b)"
         )
-    return [(w / total, p) for w, p in pairs]
+    if total == 0:
+        raise ValueError(
+            f"--data: every weight of the blend is 0 ({' '.join(items[::2])}), so nothing "
+            f"would be drawn; give at least one part a positive weight"
+        )
+    return pairs
 
 
 def absolute_data(spec):

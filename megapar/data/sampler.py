@@ -164,13 +164,15 @@ class GlobalBatchSampler:
             "seed": self.seed,
             "dataset_len": self.dataset_len,
             "shuffle": self.shuffle,
+            "epoch_offset": self.epoch_offset,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (of any global batch size): the next global batch is
         the next ``global_batch_size`` samples of the stream after the saved position. A state
         without ``epoch_samples`` (written before it was recorded) is a position reached at
-        its own global batch size, found from ``consumed_samples``."""
+        its own global batch size, found from ``consumed_samples``. A state without
+        ``epoch_offset`` was written before it was recorded (`older_epoch_order`)."""
         for key in ("seed", "dataset_len", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
@@ -194,6 +196,15 @@ class GlobalBatchSampler:
                     f"implies epoch {epoch}; the state is corrupt"
                 )
         self.consumed_samples, self._epoch, self._taken = consumed, epoch, taken
+
+
+def older_epoch_order(sampler: GlobalBatchSampler, state: Mapping[str, Any]) -> bool:
+    """Whether `state` (loaded into `sampler`, which takes a blend's epochs by
+    ``epoch_offset``) does not record its epoch order and resumes past the first epoch: it may
+    come from megapar before each epoch of a blend continued its parts' draws (where every
+    epoch repeated the first), so the samples from here can differ from the ones that run
+    would have drawn (epoch 0 is the same in both)."""
+    return sampler.epoch_offset and "epoch_offset" not in state and sampler.position[0] >= 1
 
 
 def collate(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

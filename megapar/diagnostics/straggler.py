@@ -18,8 +18,9 @@ adds time, and to some steps, while a slow device slows every step. A rank is *s
 interval* when that compute time is more than `factor` times the median of the ranks doing the
 same work (the other ranks of its pipeline stage; a rank alone in its stage, whose work no other
 rank does, against its own earlier intervals: `references`) and more than `MIN_EXCESS_S` above
-it; it is *named* once it has been slow in `INTERVALS` log intervals in a row. The reasoning
-behind the thresholds is in docs/guides/faults.md.
+it; it is *named* once it has been slow in `INTERVALS` log intervals in a row that hold
+`MIN_STEPS` steps or more (at `--log-interval 1` each interval's least is one step's time, which
+a loaded host scatters). The reasoning behind the thresholds is in docs/guides/faults.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ MIN_EXCESS_S = 0.05
 tiny steps a ratio alone means little: 5 ms of jitter on a 10 ms step is 1.5x)."""
 INTERVALS = 2
 """Consecutive log intervals a rank must be slow in to be named."""
+MIN_STEPS = 4
+"""Steps those intervals must hold together, at least: one step's compute time is one sample,
+which a loaded host scatters (1.6-1.7x at `--log-interval 1` under torchrun); `INTERVALS`
+intervals of 2 steps or more hold enough."""
 HISTORY = 32
 """Intervals of its own a rank alone in its pipeline stage is compared with (the latest)."""
 
@@ -184,11 +189,14 @@ class StragglerDetector:
         factor: float,
         min_excess_s: float = MIN_EXCESS_S,
         intervals: int = INTERVALS,
+        min_steps: int = MIN_STEPS,
     ):
         self.mesh, self.factor = mesh, factor
-        self.min_excess_s, self.intervals = min_excess_s, intervals
+        self.min_excess_s, self.intervals, self.min_steps = min_excess_s, intervals, min_steps
         self.streak = [0] * mesh.layout.world_size
         """Per rank: the log intervals in a row it has been slow in."""
+        self.streak_steps = [0] * mesh.layout.world_size
+        """Per rank: the steps those intervals held."""
         self.history: list[list[float]] = [[] for _ in range(mesh.layout.world_size)]
         """Per rank alone in its pipeline stage: its compute time per step in the intervals it
         was not slow in, the first (warm-up) left out."""
@@ -228,11 +236,19 @@ class StragglerDetector:
         compute = [least for *_, least in rows]
         waits = [max(w - c, 0.0) / steps for steps, w, c, _ in rows]
         slow = slow_ranks(compute, mesh.layout, self.factor, self.min_excess_s, self.history)
+        steps = int(rows[0][0])
         self.streak = [self.streak[r] + 1 if r in slow else 0 for r in range(len(rows))]
+        self.streak_steps = [
+            self.streak_steps[r] + steps if r in slow else 0 for r in range(len(rows))
+        ]
         self._intervals += 1
         named, suspects = [], []
         for rank in range(len(rows)):
-            if rank in slow and self.streak[rank] >= self.intervals:
+            if (
+                rank in slow
+                and self.streak[rank] >= self.intervals
+                and self.streak_steps[rank] >= self.min_steps
+            ):
                 tp, cp, pp, dp = mesh.layout.coords4(rank)
                 reference, how = slow[rank]
                 named.append(
@@ -242,4 +258,4 @@ class StragglerDetector:
                 suspects.append(rank)
             elif rank not in slow and self._intervals > 1 and self._alone:
                 self.history[rank] = [*self.history[rank][-HISTORY + 1 :], compute[rank]]
-        return StragglerReport(int(rows[0][0]), compute, waits, named, suspects)
+        return StragglerReport(steps, compute, waits, named, suspects)

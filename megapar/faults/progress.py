@@ -268,6 +268,29 @@ def start(rank: int, world_size: int) -> ProgressRecords | None:
     return records
 
 
+def rank0_value(rank: int, key: str, value: str) -> str:
+    """Rank 0's `value` for `key`, through the job's store (once the default process group
+    exists): rank 0 writes its own, every other rank waits for it at most `STORE_TIMEOUT_S`
+    and keeps its own `value` when the store does not give it. `key` names the value in this
+    job attempt (torchrun's store outlives a restart: `TORCHELASTIC_RESTART_COUNT` is part of
+    the key)."""
+    key = f"megapar/{key}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def exchange() -> str:
+        store = connect()
+        if store is None:
+            return value
+        try:
+            if rank == 0:
+                store.set(key, value)
+                return value
+            return store.get(key).decode()
+        except (RuntimeError, ValueError, UnicodeDecodeError):  # DistError: not in time
+            return value
+
+    return _bounded(exchange, 2 * STORE_TIMEOUT_S, value)
+
+
 def stop() -> None:
     """Stop publishing (the process group is being released)."""
     records = _records.pop("rank", None)

@@ -24,9 +24,25 @@ _STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
 _RUN_NAME = re.compile(r"^run-[0-9]{8}-[0-9]{6}-[0-9]+$")
 
 
+_job: dict[str, str] = {}  # the run log name this process's job agreed on (`use_run_log_name`)
+
+
 def run_log_name() -> str:
-    """A run's own directory name under CACHE/logs: run-<time>-<pid> of this process."""
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """A run's own directory name under CACHE/logs: run-<time>-<pid> of this process, or the
+    one its job's ranks agreed on (`use_run_log_name`)."""
+    return _job.get("run") or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def use_run_log_name(name: str | None) -> None:
+    """Name this process's run `name` (a `run_log_name` of its job's rank 0, so that every rank
+    of a torchrun / srun job without a --save lock record writes its log in one directory);
+    None: its own again."""
+    _job.clear()
+    if name is not None and is_run_log_name(name):
+        _job["run"] = name
+
+
+os.register_at_fork(after_in_child=_job.clear)  # a forked run is a run of its own
 
 
 def is_run_log_name(name: object) -> bool:

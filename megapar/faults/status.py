@@ -9,10 +9,10 @@ rank SIGUSR2 (SIGUSR1 and SIGTERM are clean-stop signals of megapar-train), whic
 it is blocked in C++ (a gloo wait); the launcher then appends "rank R: step S, <action>" and the
 stack of every rank to the error it raises.
 
-Under torchrun / Slurm (no launcher of ours) each rank writes its stacks when SIGTERM comes,
-which torchrun sends to the surviving ranks when one fails: as one block on stderr (or torchrun
---log-dir), so that the ranks sharing a terminal do not interleave (`megapar.faults.stop.
-watch_sigterm`).
+Under torchrun / Slurm (no launcher of ours) a rank that torchrun's SIGTERM (sent to the
+surviving ranks when one fails, or for a preemption) finds blocked in one wait writes its stacks
+as one block on stderr (or torchrun --log-dir), so that the ranks sharing a terminal do not
+interleave; a rank that is running writes none (`megapar.faults.stop.watch_sigterm`).
 """
 
 from __future__ import annotations

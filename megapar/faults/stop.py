@@ -228,7 +228,7 @@ long: it did not run a callback queued for it (`Py_AddPendingCall`)."""
 
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 
-_watch: dict = {"pid": None, "dump": False, "since": None}
+_watch: dict = {"pid": None, "since": None}
 _cleanups: dict[Callable[[], None], str] = {}
 
 
@@ -276,7 +276,7 @@ def forget_forced_exit(cleanup: Callable[[], None]) -> None:
     _cleanups.pop(cleanup, None)
 
 
-def watch_sigterm(dump: bool = False) -> bool:
+def watch_sigterm() -> bool:
     """Make a SIGTERM obeyed while the main thread waits (call in the main thread; once per
     process is enough).
 
@@ -284,15 +284,14 @@ def watch_sigterm(dump: bool = False) -> bool:
     the rendezvous would ignore torchrun's SIGTERM until its wait ends (up to --timeout-s) and be
     killed with SIGKILL, leaving its --save lock behind. Here the signal wakes a thread (the
     signal module's wakeup fd) which, once the main thread has been blocked in one call for
-    `BLOCKED_S`, writes the rank's Python stacks and what it waited for as one block to stderr,
+    `BLOCKED_S`, writes what it waited for and the rank's Python stacks as one block to stderr,
     runs the `on_forced_exit` cleanups, names (and continues, `blame.stopped_siblings`) a stopped
     torchrun rank of this node and exits with code 143: at once when the SIGTERM handler
     ends the process (`exits_at_once`: before training, the lock's), `STOP_GRACE_S` after the
-    signal when it asks for a clean stop. `dump`: write the stacks as the signal comes instead
-    (torchrun / Slurm, where no launcher of ours collects them). Needs a Python handler for
+    signal when it asks for a clean stop. A rank that is not blocked writes nothing here: a
+    routine preemption's stop is the run's one line. Needs a Python handler for
     SIGTERM (`terminate_on_sigterm`). Returns whether the watch runs (not where another wakeup
     fd is in use, or off the main thread)."""
-    _watch["dump"] = _watch["dump"] or dump
     if _watch["pid"] == os.getpid():
         return True
     if threading.current_thread() is not threading.main_thread():
@@ -323,7 +322,7 @@ def _after_fork_in_child() -> None:
             signal.set_wakeup_fd(-1)
         except ValueError:
             pass
-    _watch.update(pid=None, dump=False, since=None)
+    _watch.update(pid=None, since=None)
     _cleanups.clear()
 
 
@@ -338,11 +337,6 @@ def _read_signals(fd: int) -> None:
             return
         if int(signal.SIGTERM) in data and _watch["since"] is None:
             _watch["since"] = time.monotonic()
-            if _watch["dump"]:
-                _write_block(
-                    f"megapar: rank {_rank()} received SIGTERM at {_status.status()}; "
-                    f"its Python stacks:\n{_stacks()}"
-                )
             threading.Thread(
                 target=_end_if_blocked, name="megapar-sigterm-grace", daemon=True
             ).start()
@@ -354,13 +348,7 @@ def _end_if_blocked() -> None:
     time.sleep(max(0.0, _watch["since"] + grace - time.monotonic()))
     while main_thread_runs(BLOCKED_S):
         time.sleep(0.5)
-    done = []
-    for cleanup, what in list(_cleanups.items()):
-        try:
-            cleanup()
-            done.append(what)
-        except Exception:  # noqa: BLE001, S110 - exiting anyway
-            pass
+    done = run_forced_exit_cleanups()
     stuck = stopped_siblings()  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
     _write_block(
@@ -368,9 +356,27 @@ def _end_if_blocked() -> None:
         f"{_status.status()} (a wait that cannot see the signal): exiting with code "
         f"{SIGTERM_EXIT_CODE}"
         + "".join(f"; {d}" for d in [*done, stuck] if d)
-        + ("" if _watch["dump"] else f"; its Python stacks:\n{_stacks()}")
+        + f"; its Python stacks:\n{_stacks()}"
     )
     os._exit(SIGTERM_EXIT_CODE)
+
+
+def run_forced_exit_cleanups() -> list[str]:
+    """Run the `on_forced_exit` cleanups (the process is about to end with `os._exit`); what
+    each that succeeded did."""
+    done = []
+    for cleanup, what in list(_cleanups.items()):
+        try:
+            cleanup()
+            done.append(what)
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    return done
+
+
+def write_block(text: str) -> None:
+    """`text` to stderr in one write (`_write_block`)."""
+    _write_block(text)
 
 
 _PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)

@@ -232,7 +232,7 @@ class TrainConfig:
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
     straggler_factor: float = 1.5
-    """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
+    """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row holding 4 steps or more: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
     # --- debug ---
     record_step: int = 0
     """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""

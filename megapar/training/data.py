@@ -29,7 +29,7 @@ from megapar.data import (
     ensure_dataset,
     load_tokenizer,
 )
-from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.blended import BlendedDataset, data_paths, parse_blend, unweighted_parts
 from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import (
@@ -42,6 +42,7 @@ from megapar.data.inputs import (
     skipped_inputs,
 )
 from megapar.data.megatron import is_megatron_index
+from megapar.data.sampler import older_epoch_order
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
@@ -533,6 +534,10 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
             "without validation, on all of every part"
         )
     if notes is not None:
+        notes.extend(
+            f"{name}: weight 0 in --data, so it is left out of the blend (not drawn, not read)"
+            for name in unweighted_parts(cfg.data)
+        )
         notes.extend(part_notes)
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
     return train, val
@@ -640,14 +645,22 @@ def continue_order(cfg: TrainConfig, sampler: GlobalBatchSampler, saved: dict | 
             f"{saved.get('dataset_len')})"
         ]
     sampler.load_state_dict(saved)
-    saved_batch = saved.get("global_batch_size", sampler.global_batch_size)
-    if saved_batch == sampler.global_batch_size:
-        return []
     epoch, sample = sampler.position
-    return [
-        f"global batch {sampler.global_batch_size} (the checkpoint's: {saved_batch}): the data "
-        f"order continues at sample {sample} of epoch {epoch}"
-    ]
+    notes = []
+    if older_epoch_order(sampler, saved):
+        notes.append(
+            f"the checkpoint resumes a blend in epoch {epoch} and does not record its epoch "
+            f"order (an older megapar's): an older megapar drew every epoch of a blend as the "
+            f"first, this one continues each part's draws, so the samples from here may differ "
+            f"from those the older run would have drawn"
+        )
+    saved_batch = saved.get("global_batch_size", sampler.global_batch_size)
+    if saved_batch != sampler.global_batch_size:
+        notes.append(
+            f"global batch {sampler.global_batch_size} (the checkpoint's: {saved_batch}): the "
+            f"data order continues at sample {sample} of epoch {epoch}"
+        )
+    return notes
 
 
 def batches(dataset, sampler, device: torch.device):

@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -154,6 +155,7 @@ class MetricsLogger(NullLogger):
             # a resumed run's steps replace those an earlier run logged after its checkpoint
             # (TensorBoard purges events from purge_step on), as --log-json is trimmed
             with _naming(self.tb_flag):
+                _quiet_tensorboard_thread()
                 self.tb = SummaryWriter(
                     cfg.tensorboard, purge_step=start_step + 1 if start_step > 0 else None
                 )
@@ -245,6 +247,27 @@ class MetricsLogger(NullLogger):
             self.wandb.finish()
         if failed is not None:
             raise failed
+
+
+def _quiet_tensorboard_thread() -> None:
+    """Keep TensorBoard's writer thread from printing a traceback when a write fails (a full
+    disk): the thread keeps the error and the writer raises it at the run's next write, where
+    the run names it in one line (`_naming`); other threads' errors print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "megapar_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        thread = args.thread
+        if not (
+            type(thread).__name__ == "_AsyncWriterThread"
+            and type(thread).__module__.startswith("tensorboard.")
+            and getattr(thread, "exception", None) is args.exc_value
+        ):
+            previous(args)
+
+    hook.megapar_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class _naming:
