@@ -371,7 +371,9 @@ def test_every_config_file_typo_is_named_at_once(tmp_path):
 def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
     """A ds_config.json given to --config is one line naming the megapar-train flags its
     settings are (was a list of "unknown setting" naming --micro-batch-size for
-    train_batch_size, the global batch), and its keys that have none."""
+    train_batch_size, the global batch), and its keys that have none (zero_optimization's
+    too: its bucket in elements as --grad-bucket-mb of fp32 gradients, overlap_comm what megapar
+    always does, stage3_prefetch_bucket_size none)."""
     from megapar.training.config import ConfigError, read_run_config
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({
@@ -379,7 +381,9 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                               "offload_param": {"device": "nvme"},
-                              "stage3_param_persistence_threshold": 1e5},
+                              "stage3_param_persistence_threshold": 1e5,
+                              "reduce_bucket_size": 5e8, "overlap_comm": True,
+                              "stage3_prefetch_bucket_size": 5e7},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "wall_clock_breakdown": False}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
@@ -387,8 +391,9 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         f"{ds} is a DeepSpeed config, which megapar-train does not read: give its settings as "
         f"megapar-train flags (or a --config file of them): --global-batch-size 16 "
         f"--micro-batch-size 2 --clip-grad 1.0 --precision bf16 --zero 3 --offload-optimizer "
-        f"--zero3-persistence-threshold 100000 --optimizer adamw --lr 0.0003 --adam-beta2 0.999 "
-        f"(no equivalent: zero_optimization.offload_param.device nvme (the host only), "
+        f"--zero3-persistence-threshold 100000 --grad-bucket-mb 1907.349 --optimizer adamw "
+        f"--lr 0.0003 --adam-beta2 0.999 (no equivalent: zero_optimization.offload_param.device "
+        f"nvme (the host only), zero_optimization.stage3_prefetch_bucket_size, "
         f"wall_clock_breakdown)"), err.value
     # the Hugging Face Trainer's "auto" values: were --global-batch-size auto and both
     # --precision fp16 and --precision bf16

@@ -1,0 +1,127 @@
+"""A DeepSpeed config (ds_config.json) read as megapar-train's flags: what a DeepSpeed user's
+`--config ds.json` is told to give instead (megapar-train does not read DeepSpeed's format)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DEEPSPEED_KEYS = frozenset(
+    {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16"}
+)
+"""Keys that make a `--config` file a DeepSpeed config (ds_config.json)."""
+
+ZERO_KEYS_READ = frozenset(
+    {
+        "stage",
+        "offload_optimizer",
+        "offload_param",
+        "stage3_param_persistence_threshold",
+        "reduce_bucket_size",
+        "reduce_scatter",  # megapar's ZeRO 2 / 3 always reduce-scatter
+        "contiguous_gradients",  # megapar's gradients always live in one buffer
+        "overlap_comm",  # megapar's bucketed reductions always overlap the backward
+    }
+)
+"""zero_optimization's keys with a megapar equivalent, or whose behaviour megapar always has;
+the others (stage3_prefetch_bucket_size, sub_group_size, ...) are named as having none."""
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        return str(int(value))  # 1e5, not 100000.0
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
+    """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
+    keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments)."""
+    flags: list[str] = []
+    left: list[str] = []
+    auto: list[str] = []
+
+    def without_auto(tree: dict, where: str) -> dict:
+        """`tree` less the Hugging Face Trainer's "auto" values (it fills them from its own
+        arguments), whose dotted keys go to `auto`."""
+        kept = {}
+        for key, value in tree.items():
+            if value == "auto":
+                auto.append(where + key)
+            else:
+                kept[key] = (
+                    without_auto(value, f"{where}{key}.") if isinstance(value, dict) else value
+                )
+        return kept
+
+    data = without_auto(data, "")
+
+    def on(section: Any) -> bool:
+        return isinstance(section, dict) and section.get("enabled") in (True, "true", 1)
+
+    for key, value in data.items():
+        if key == "train_batch_size":
+            flags.append(f"--global-batch-size {_flag_value(value)}")
+        elif key == "train_micro_batch_size_per_gpu":
+            flags.append(f"--micro-batch-size {_flag_value(value)}")
+        elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
+            flags.append(f"--global-batch-size (micro-batch x {_flag_value(value)} x dp)")
+        elif key == "gradient_accumulation_steps":
+            continue  # train_batch_size says it
+        elif key == "gradient_clipping":
+            flags.append(f"--clip-grad {_flag_value(value)}")
+        elif key == "steps_per_print":
+            flags.append(f"--log-interval {_flag_value(value)}")
+        elif key in ("fp16", "bf16") and isinstance(value, dict):
+            if on(value):
+                flags.append(f"--precision {key}")
+            if key == "fp16" and value.get("loss_scale", 0) not in (0, 0.0, "0"):
+                left.append("fp16.loss_scale (megapar's scale is always dynamic)")
+        elif key == "zero_optimization" and isinstance(value, dict):
+            stage = value.get("stage", 0)
+            flags.append(f"--zero {_flag_value(stage)}")
+            for part, flag in (
+                ("offload_optimizer", "--offload-optimizer"),
+                ("offload_param", "--offload-params"),
+            ):
+                device = (value.get(part) or {}).get("device", "none")
+                if device == "cpu":
+                    flags.append(flag)
+                elif device not in ("none", None):
+                    left.append(f"zero_optimization.{part}.device {device} (the host only)")
+            if "stage3_param_persistence_threshold" in value:
+                threshold = _flag_value(value["stage3_param_persistence_threshold"])
+                flags.append(f"--zero3-persistence-threshold {threshold}")
+            if "reduce_bucket_size" in value:  # elements; megapar's gradients are fp32
+                mb = _flag_value(round(float(value["reduce_bucket_size"]) * 4 / 2**20, 3))
+                flags.append(f"--grad-bucket-mb {mb}")
+            left += [
+                f"zero_optimization.{part}"
+                for part in value
+                if part not in ZERO_KEYS_READ and value[part] not in (False, None)
+            ]
+        elif key == "optimizer" and isinstance(value, dict):
+            kind = str(value.get("type", "")).lower()
+            if kind in ("adam", "adamw", "lamb", "sgd"):
+                flags.append(f"--optimizer {'adamw' if kind == 'adam' else kind}")
+            else:
+                left.append(f"optimizer.type {value.get('type')}")
+            params = value.get("params") or {}
+            for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
+                if name in params:
+                    flags.append(f"{flag} {_flag_value(params[name])}")
+            if "weight_decay" in params:
+                flags.append(f"--weight-decay {_flag_value(params['weight_decay'])}")
+            betas = params.get("betas")
+            if isinstance(betas, list) and len(betas) == 2:
+                flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
+            elif kind in ("adam", "adamw"):  # DeepSpeed's (torch's) 0.999, not megapar's 0.95
+                flags.append("--adam-beta2 0.999")
+        elif key == "scheduler" and isinstance(value, dict):
+            params = value.get("params") or {}
+            if "warmup_num_steps" in params:
+                flags.append(f"--warmup-steps {_flag_value(params['warmup_num_steps'])}")
+            if "total_num_steps" in params:
+                flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
+        else:
+            left.append(key)
+    return flags, left, auto
