@@ -87,31 +87,42 @@ counted) and raised its arena at that peak by 36 (4 blocks: -13 and +28 to +36;
 benchmarks/memory/process_terms.py)."""
 
 CPU_HEAP_ROOM = 0.2
-"""Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
-never trims, `megapar.device.keep_freed_host_memory`) as a share of the step's transients:
-the tensors above the state at the peak and, under ZeRO 0-2, the parameter gradients autograd
-makes and frees in the backward (`_backward_grads`). Glibc's arena less its in-use bytes
-(`mallinfo2` sampled every millisecond) was 30 MiB over the 295 MiB of embedding-sized
-gradients of a GPT-2-wide rank in one process (2026-11-29), 53-106 MiB over GPT-2 124M's at
-dp 2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's place,
-`_moved_embedding_gradients`), and on 8 blocks of hidden 512 at dp 2 (2026-12-01, its
-transients 10 MiB of activations and 98 MiB of the backward's gradients, 22 counted) 40-50 /
-15-34 / 10-20 MiB at ZeRO 0 / 1 / 2; 0.2. Not of ZeRO-3's gathered units, full gradient
-buffers and reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a CPU rank
-serves every allocation above 4 MiB with its own mapping, unmapped when freed
+"""Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and never
+trims, `megapar.device.keep_freed_host_memory`) as a share of the step's transients: the tensors
+above the state at the peak (and, under ZeRO 0-2, `CPU_GRADIENT_ROOM` of the parameter gradients
+autograd makes and frees in the backward, `_backward_grads`). Glibc's arena less its in-use
+bytes (`mallinfo2` sampled every millisecond) was 30 MiB over the 295 MiB of embedding-sized
+gradients of a GPT-2-wide rank in one process (2026-11-29), 53-106 MiB over GPT-2 124M's at dp
+2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's place,
+`_moved_embedding_gradients`), and on 8 blocks of hidden 512 at dp 2 (2026-12-01, its transients
+10 MiB of activations and 98 MiB of the backward's gradients, 32 counted) 40-50 / 15-34 / 10-20
+MiB at ZeRO 0 / 1 / 2; 0.2. Not of ZeRO-3's gathered units, full gradient buffers and
+reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a CPU rank serves every
+allocation above 4 MiB with its own mapping, unmapped when freed
 (`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2 124M dp 2 ZeRO-3 in
 megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39 without; the state
 model's ZeRO-3 ranks 7-22 MiB at their in-use peak)."""
 
-CPU_HEAP_ROOM_ALONE = 0.05
+CPU_GRADIENT_ROOM = 0.3
+"""The heap's room over the parameter gradients the backward makes and frees under ZeRO 0-2
+(`_backward_grads`), at world size > 1: each block's gradients are made at the heap's top
+among the backward's other transients, of the same sizes as the last block's, whose freed
+places do not take them (glibc serves torch's 64-byte aligned allocations with a chunk larger
+than the tensor: `_sequence_parallel_holes`). On 8 blocks of hidden 512 at dp 2 (98 MiB of
+such gradients, 10 MiB of other transients; benchmarks/memory/process_terms.py, 2026-12-01)
+glibc's arena rose 40-50 / 15-34 / 10-20 MiB above its in-use peak at ZeRO 0 / 1 / 2 (0.41-0.51
+/ 0.15-0.35 / 0.10-0.20 of them); 0.3. Less certain than the tensors: a fit of those ranks."""
+
+CPU_HEAP_ROOM_ALONE = 0.1
 """`CPU_HEAP_ROOM` for a job of one process: no collective's thread allocates in the heap
 between the step's frees and allocations, and glibc's arena held less room over its
-transients. One process, the training modules imported before the baseline: GPT-2's width and
-vocabulary (6 blocks, 465 MiB of transients) 30 MiB of room (glibc's arena less its in-use
-bytes, 2026-11-29); 8 blocks of hidden 256 at 4 x 1,024 tokens (551 MiB of transients) rose
-687 MiB in two runs (2026-12-01, benchmarks/memory/planner_layouts.py) over 631 MiB of
-tensors, 26 beyond the runtime, its selective recomputation 687 in one of two runs (832 in
-the other); 0.05."""
+transients. Spawned ranks, the training modules imported before the baseline: GPT-2's width
+and vocabulary (6 blocks, 465 MiB of transients) 30 MiB of room (glibc's arena less its in-use
+bytes, 2026-11-29, 0.065); 8 blocks of hidden 256 at 4 x 1,024 tokens (551 MiB of transients)
+rose 687 MiB in two runs (2026-12-01, benchmarks/memory/planner_layouts.py) over 631 MiB of
+tensors, 26 beyond the runtime (0.047). megapar-train's one rank, in the launcher's process
+whose heap the data pipeline shares, held more: cp 1 at 4,096 tokens peaked at 1.126 GiB
+(2026-12-01), 0.893 of the figure with 0.05; 0.1."""
 
 CPU_BASELINE = 329 * 2**20
 """A rank's resident set before its job when it is a process of its own (spawned, torchrun,
@@ -138,12 +149,21 @@ pages they touched (+35 to +38 MiB of files) and heap bytes no counted tensor ho
 nothing else outside glibc's heap to speak of."""
 
 
+CPU_FORKED_PAGES = 36 * 2**20
+"""The library file pages a rank megapar-train forks touches in its first step, which a
+spawned rank holds in its baseline (`CPU_BASELINE`, 84 MiB of files) and a forked rank does not
+hold at its start: +35 to +38 MiB of file pages measured in megapar-train's largest ranks
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB. The
+`CPU_RUNTIME` counted until 2026-12-01 (70 MiB) held them."""
+
+
 def cpu_baseline(world_size: int) -> float:
     """The baseline of a CPU rank of a `world_size`-rank megapar-train job on one machine:
-    `CPU_FORKED_BASELINE` where megapar-train forks its ranks (world size > 1), else
-    `CPU_BASELINE` (its one rank runs in the launcher's process, which holds every library page
-    it touched; torchrun's ranks are processes of their own too)."""
-    return CPU_FORKED_BASELINE if world_size > 1 else CPU_BASELINE
+    where megapar-train forks its ranks (world size > 1), `CPU_FORKED_BASELINE` and the library
+    pages the rank touches (`CPU_FORKED_PAGES`), else `CPU_BASELINE` (its one rank runs in the
+    launcher's process, which holds every library page it touched; torchrun's ranks are
+    processes of their own too)."""
+    return CPU_FORKED_BASELINE + CPU_FORKED_PAGES if world_size > 1 else CPU_BASELINE
 
 
 CPU_NO_WORKING_SET = True
@@ -187,7 +207,7 @@ BOUNDS = {
         "backward's gradients and a 30 MiB runtime (spawned ranks, lower of 2 runs): "
         "mixtral-tiny ZeRO-3 with ep +5 % / +7 %; outside it: the wide pp 2 1F1B stage "
         "(-11 %: its heap grows over the micro-batches); the heap's room (0.2 x the "
-        "transients, 0.05 in one process; 0 to 0.8 measured) is the least certain term"
+        "transients, 0.1 in one process; 0 to 0.8 measured) is the least certain term"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -332,7 +352,8 @@ def process_peak(
         mapped = mem.gathered_end + mem.grad_buffers
     made = _backward_grads(p, c, mem, has_embedding, has_head)
     share = CPU_HEAP_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
-    room = share * (tensors - state - mapped + made)
+    grads_share = CPU_GRADIENT_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
+    room = share * (tensors - state - mapped) + grads_share * made
     holes = _sequence_parallel_holes(p, c, mem)
     terms.append(
         Term(
@@ -341,7 +362,8 @@ def process_peak(
             f"{share} x the tensors above the state"
             + (" less ZeRO-3's units and buffers (mapped apart)" if mapped else "")
             + (
-                f" and the backward's parameter gradients ({_size(made).strip()}, made and freed)"
+                f", {grads_share} x the backward's parameter gradients ({_size(made).strip()}, "
+                "made and freed)"
                 if made
                 else ""
             ),
