@@ -205,8 +205,9 @@ BOUNDS = {
         "-1.9 % of megapar-train's peaks since 2026-11-29, -0.5 % to +4.0 % of spawned "
         "ranks'; re-measured 2026-12-01 with ZeRO-3's block reduction, the room of the "
         "backward's gradients and a 30 MiB runtime (spawned ranks, lower of 2 runs): "
-        "mixtral-tiny ZeRO-3 with ep +5 % / +7 %; outside it: the wide pp 2 1F1B stage "
-        "(-11 %: its heap grows over the micro-batches); the heap's room (0.2 x the "
+        "mixtral-tiny ZeRO-3 with ep +5 % / +8 %; outside it: the wide pp 2 1F1B stage "
+        "(-10.4 %: its heap grows over the micro-batches) and ZeRO-3 with both offloads "
+        "(-17 %, not traced); the heap's room (0.2 x the "
         "transients, 0.1 in one process; 0 to 0.8 measured) is the least certain term"
     ),
 }
@@ -353,7 +354,7 @@ def process_peak(
     made = _backward_grads(p, c, mem, has_embedding, has_head)
     share = CPU_HEAP_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
     grads_share = CPU_GRADIENT_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
-    room = share * (tensors - state - mapped) + grads_share * made
+    room = float(round(share * (tensors - state - mapped) + grads_share * made))  # whole bytes
     holes = _sequence_parallel_holes(p, c, mem)
     terms.append(
         Term(
