@@ -98,8 +98,9 @@ def test_the_planner_is_within_10_percent_of_a_25m_model_at_zero_1(launch):
     most risen rank's lower run of two (a run's peak varies by tens of MiB on a busy machine,
     444 and 482 MiB at ZeRO-0 once; noise only ever adds to a peak). Measured 2026-11-29
     (these workers, load 2-3): 381 MiB against 377 predicted (-1.0 %; ZeRO-0 / 2 then 499 / 340
-    against 476 / 328): 306 MiB of tensors, the runtime (70) and the heap's room (0.2 x the
-    transients)."""
+    against 476 / 328); 2026-12-01 (load 8-11) 398 MiB against 366: 305 MiB of tensors, the
+    runtime (30) and the heap's room (0.2 x the transients above the state, 0.3 x the
+    backward's parameter gradients)."""
     runs = [launch(_peak_rise, 1) for _ in range(2)]
     measured = min(max(r for r, _, _ in ranks) for ranks in runs)
     planned = _planned(1)
@@ -174,7 +175,10 @@ def test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it(launch):
     was one of two values (ZeRO-2: 1,598-1,635 MiB without the growth, 1,724-1,757 with it);
     a first step's heap did not grow in the runs read (docs). Measured 2026-11-30 (load 8-10):
     2,291 / 1,825 / 1,630 / 1,502 MiB against 2,323 / 1,848 / 1,611 / 1,577 planned (1.014 /
-    1.013 / 0.988 / 1.050)."""
+    1.013 / 0.988 / 1.050); 2026-12-01 (load 5) ZeRO 1-3 1,846 / 1,618 / 1,496 MiB against
+    1,906 / 1,669 / 1,537 (ZeRO-3's block reduction, the room of the backward's gradients and a
+    30 MiB runtime), ZeRO-0's first-step heap grown in one run (2,732 / 2,888 MiB against
+    2,381)."""
     def run() -> list:  # per stage, per rank: (peak rise, Adam state, gradients held)
         return [launch(_peak_rise, zero, 1, GPT2_124M, 64) for zero in ZERO_STAGES]
 

@@ -704,6 +704,58 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert held.gathered_top == full[-1] + full[6] + full[7]
 
 
+
+def test_zero3_reduction_inside_the_backward_and_the_backward_s_gradients_on_a_cpu():
+    """ZeRO-3's third moment (`zero3_peaks.in_backward`): as a block is reduced, the block and
+    the one before it gathered, the root's gradient buffer, the block's and the one still being
+    reduced (`MAX_REDUCES_IN_FLIGHT` 1); on a CPU gloo's reduce-scatter pieces (two staged 4 MiB
+    pieces and their copies) with it. The state model of tests/test_peak_memory.py (8 blocks
+    of hidden 512, 12.6 MiB units at dp 2): glibc's in-use bytes peaked there, above both
+    other moments (docs/guides/planner.md). Below ZeRO-3 the heap's room follows the
+    backward's parameter gradients too (autograd makes and frees one of each parameter)."""
+    from megapar.data_parallel.shard_comm import HOST_PIECE_BYTES
+    from megapar.plan.estimate import activation_sizes, stage_roles
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
+    from megapar.plan.process import CPU_GRADIENT_ROOM, CPU_HEAP_ROOM, INSIDE, process_peak
+    from megapar.plan.state import Offload, rank_state
+
+    cfg = GPT2Config(n_embd=512, n_layer=8, n_head=8, n_positions=64, vocab_size=1024)
+    units, tensors = stage_units(StageLayout.of(cfg)), stage_tensors(StageLayout.of(cfg))
+    full = [-(-sum(tensors[i].numel for i in u.tensors) // 2) * 2 * 4 for u in units]
+    assert [u.kind for u in units] == ["block"] * 8 + ["embedding", "root"]
+    one = rank_state(StageLayout.of(cfg, dp=2, zero=3), 0, Offload(whole_grads=False))
+    # the second block from the last: it and the one before gathered; the root's buffer, its
+    # own and the last block's (being reduced); one block's backward done before
+    assert one.in_backward == (2 * full[0], full[-1] + 2 * full[0], full[0], 1)
+    whole = rank_state(StageLayout.of(cfg, dp=2, zero=3), 0)  # every buffer alive
+    assert whole.in_backward == (2 * full[0], sum(full), full[0], 0)
+    kept = rank_state(StageLayout.of(cfg, dp=2, zero=3), 0, Offload(keep_params=True))
+    assert kept.in_backward[0] == sum(full)
+    p = Problem(cfg, gpus=2, global_batch=2, seq_len=32, precision="fp32", target="cpu",
+                grad_bucket_mb=4)
+
+    def peak(zero):
+        c = Candidate(mbs=1, dp=2, zero=zero)
+        s = stage_memory(p, c)[0]
+        return s, process_peak(p, c, s, *stage_roles(p, c, 0), activation_sizes(p, c).full)
+
+    s, z3 = peak(3)
+    terms = {t.name: t.bytes for t in z3.terms}
+    assert z3.phase == INSIDE
+    assert terms["ZeRO-3's reduce-scatter pieces in flight"] == 4 * HOST_PIECE_BYTES
+    assert terms[f"ZeRO-3's gathered units ({INSIDE})"] == 2 * full[0]
+    assert terms[f"ZeRO-3's full gradient buffers ({INSIDE})"] == full[-1] + 2 * full[0]
+    left = s.activations - activation_sizes(p, Candidate(mbs=1, dp=2, zero=3)).full
+    assert terms["activations still kept (at a block's reduction)"] == left
+    gpu = process_peak(p, Candidate(mbs=1, dp=2, zero=3), s, True, True,
+                       activation_sizes(p, Candidate(mbs=1, dp=2, zero=3)).full, "gpu")
+    assert "ZeRO-3's reduce-scatter pieces in flight" not in {t.name for t in gpu.terms}
+    s0, z0 = peak(0)
+    room = next(t.bytes for t in z0.terms if t.name == "heap's freed room")
+    made = s0.params - 1024 * 512 * 4  # every parameter's gradient but the tied embedding's
+    above = z0.tensors - s0.params - s0.grads - s0.optimizer
+    assert room == pytest.approx(CPU_HEAP_ROOM * above + CPU_GRADIENT_ROOM * made)
+
 def test_zero_traffic_per_step():
     """ZeRO-1 moves one all-reduce's bytes, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3
     1.5 all-reduces at m 1, two all-gathers per micro-batch (or, kept, one per step) and one

@@ -146,7 +146,16 @@ def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None, model=No
     ser = [x for x in samples if a - 0.3 <= x[0] <= b2 + 0.05]
     step_ = max(1, len(ser) // 60)
     series = [(round(x[0] - a, 3), round((x[1] - u0) / 2**20)) for x in ser[::step_]]
-    ph = [(n, round((at(a, b) or 0) / 2**20)) for n, a, b in phases]
+    def most(t0, t1, k):
+        s = [x[k] for x in samples if t0 <= x[0] <= t1]
+        return max(s) if s else 0
+
+    # per phase: in-use peak, arena peak (over the rank's start) and the resident set's peak
+    ph = [
+        (n, round((at(a, b) or 0) / 2**20), round((most(a, b, 2) - a0) / 2**20),
+         round((most(a, b, 3) - start) / 2**20))
+        for n, a, b in phases
+    ]
     mu = max(samples, key=lambda x: x[1])
     where = [n for n, a, b in phases if a <= mu[0] <= b]
     out = {
@@ -198,7 +207,8 @@ def main():
             if s:
                 print("   ", n, {k: round(v / M) for k, v in s.items()})
         print("    series", o["series"])
-        print("    phases", o["phases"], "peak in", o["inuse_peak_in"])
+        print("    phases (in-use / arena / rss peaks)", o["phases"], "peak in",
+              o["inuse_peak_in"])
         print(
             f"    after: inuse {o['inuse_after'] / M:.0f} arena {o['arena_after'] / M:.0f} "
             f"rss {o['rss_after'] / M:.0f}"

@@ -280,6 +280,7 @@ def _stage_memory(
             held.gathered_top,
             held.gathered_end,
             held.grad_buffers_top,
+            *held.in_backward,
         )
         for stage, ((kept, in_flight, buffers), held) in enumerate(zip(activations, states))
     ]

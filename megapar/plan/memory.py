@@ -248,6 +248,15 @@ class MemoryBreakdown:
     grad_buffers_top: float = 0.0
     """ZeRO-3: of `grad_buffers`, those alive at the top of the backward (`plan.process`'s
     first phase: their peak is at the backward's end)."""
+    gathered_mid: float = 0.0
+    """ZeRO-3: the units gathered as a block is reduced inside the backward (`plan.process`'s
+    third phase, `zero3_peaks.in_backward`)."""
+    grad_buffers_mid: float = 0.0
+    """ZeRO-3: the full gradient buffers alive then."""
+    reduced_mid: float = 0.0
+    """ZeRO-3: of `grad_buffers_mid`, the reduced block's (its reduce-scatter's input)."""
+    blocks_done_mid: float = 0.0
+    """ZeRO-3: the blocks of the stage's last chunk whose backward finished before then."""
     sp_saved: float = 0.0
     """Sequence parallelism: the activation bytes it saves on this stage (its activations
     without SP less with it; 0 without SP). Not in `total`: a CPU's heap keeps them as holes
@@ -273,7 +282,11 @@ class MemoryBreakdown:
         )
 
     def as_gib(self) -> dict:
-        d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}
+        d = {
+            k: v / GIB
+            for k, v in asdict(self).items()
+            if k not in ("stage", "in_flight", "blocks_done_mid")
+        }
         flight = int(self.in_flight) if self.in_flight == int(self.in_flight) else self.in_flight
         return {"stage": self.stage, "in_flight": flight, **d, "total": self.total / GIB}
 

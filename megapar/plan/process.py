@@ -8,7 +8,7 @@ transient tensors the step makes and frees, and memory its allocator keeps aroun
 term below is named in `megapar-plan`'s output (`Term`), with the measurement it rests on in
 docs/guides/planner.md ("The process at its peak").
 
-The tensors' peak is the larger of two phases:
+The tensors' peak is the largest of two phases, three under ZeRO-3:
 
 - the top of the backward (`A`): the state, every activation in flight, the buffers, autocast's
   16-bit weight copies, the head's weight gradient, (loss unchunked at tp 1) the gradient of
@@ -16,21 +16,27 @@ The tensors' peak is the larger of two phases:
 - the end of the backward on the stage with the embedding (`B`): the state, autocast's copies
   and the embedding's weight gradient (with the tied head on the same rank, two tensors of
   the embedding's size: the head's gradient autograd holds for it and the lookup's, which
-  autograd adds into the held one in place).
+  autograd adds into the held one in place);
+- under ZeRO-3, a block's reduction inside the backward (`C`): the state, the buffers,
+  autocast's copies, the activations not yet freed, the block and the one before it gathered,
+  the gradient buffers alive then and, on a CPU, gloo's reduce-scatter pieces
+  (`_inside_backward`).
 
 On a GPU the process then holds the allocator's reserve over its tensors and the CUDA
-context; on a CPU the heap's room and the runtime's resident memory (libraries and threads
-started with the job), and beside the figure, at dp > 1 under ZeRO 0-2, what the heap may
-come to hold after the first steps (a second place for the embedding's gradients:
-`ProcessPeak.settled`), and apart from it the process's baseline (the interpreter and its
-imports), which a rise in the peak resident set, as `tests/test_process_peak.py` measures it,
-does not include.
+context; on a CPU the heap's room (a share of the step's transients, under recomputation a
+second place for the rebuilt layer, under sequence parallelism its holes) and the runtime's
+resident memory (libraries and threads started with the job), and beside the figure, at
+dp > 1 under ZeRO 0-2, what the heap may come to hold after the first steps (a second place
+for the embedding's gradients: `ProcessPeak.settled`), and apart from it the process's
+baseline (the interpreter and its imports), which a rise in the peak resident set, as
+`tests/test_process_peak.py` measures it, does not include.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megapar.data_parallel import shard_comm
 from megapar.pipeline.placement import placement_of
 from megapar.plan import fp8
 from megapar.plan.context_parallel import cp_buffers
@@ -54,25 +60,22 @@ CUDA_CONTEXT = 0.75 * GIB
 """Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
 0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
 
-CPU_RUNTIME = 70 * 2**20
-"""Resident memory a CPU rank adds beyond the tensors counted, however small its step's
-transients: memory outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on
-first use) and heap bytes that are no counted tensors (the model's and engine's Python objects,
-bookkeeping, gloo's buffers and the holes they leave). Measured as the peak resident set's rise
-less the planner's tensors and the heap's room where the step has no transients to speak of
-(8 blocks of hidden 512 at dp 2, 10 MiB of activations, spawned ranks, one step, the training
-modules, transformers and torch._dynamo imported before the baseline as `CPU_BASELINE` counts
-them; benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and
-83 MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's spawned ranks
-at ZeRO-3 with ep rose 28-29 MiB beyond their tensors (2026-12-01: 18-26 MiB of heap bytes no
-tensor holds, 1-11 of room and pages outside the heap; every counted term within 2 MiB), and on
-the state model the rest was heap room the 0.2 share misses (glibc's arena less its in-use
-bytes at the peak 23-70 MiB at ZeRO-0, where the share gives 2) and, at ZeRO-3, 30-60 MiB in use
-through the backward above both phases counted (docs/guides/planner.md, "mixtral-tiny's
-spawned ranks"). In a
-rank megapar-train forks, measured as the rise of what the runtime holds over the rank's start
-(`CPU_FORKED_BASELINE`): 42 and 78 MiB. The 100 MiB counted before was measured
-from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
+CPU_RUNTIME = 30 * 2**20
+"""Resident memory a CPU rank adds beyond the tensors counted and the heap's room: memory
+outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on first use) and heap
+bytes that are no counted tensors (the model's and engine's Python objects, bookkeeping,
+gloo's buffers). Measured in spawned ranks, the training modules, transformers and
+torch._dynamo imported before the baseline as `CPU_BASELINE` counts them
+(benchmarks/memory/process_terms.py, 2026-12-01): on 8 blocks of hidden 512 at dp 2, ZeRO 0-3,
+12 MiB of heap bytes besides the state after the step and 10-11 MiB of resident set above
+glibc's arena (the ZeRO-3 rank 12-30 MiB above its in-use peak); on mixtral-tiny's ZeRO-3
+ranks with ep 28-29 MiB beyond their tensors, the heap's room (2-3) included; 30 MiB. What the
+heap holds beyond it is room that follows the step's transients (`CPU_HEAP_ROOM`,
+`_rebuilt_layer_place`, `_sequence_parallel_holes`) and, under ZeRO-3, the tensors of a block's
+reduction (`_inside_backward`): the 70 MiB counted before (the median of the state model's
+rises beyond its tensors) held them. In a rank megapar-train forks, the rise over the rank's
+start also holds the library pages the rank touches, which a spawned rank holds in its
+baseline (`CPU_FORKED_BASELINE`).
 
 Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
 takes none (under 3 MiB at 4 and 25 MiB); a reduce-scatter holds one copy of its input and an
@@ -84,18 +87,42 @@ counted) and raised its arena at that peak by 36 (4 blocks: -13 and +28 to +36;
 benchmarks/memory/process_terms.py)."""
 
 CPU_HEAP_ROOM = 0.2
-"""Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
-never trims, `megapar.device.keep_freed_host_memory`) as a share of the step's tensors above
-its state, beyond what `CPU_RUNTIME` holds. The least certain term: glibc's arena less its
-in-use bytes (`mallinfo2` sampled every millisecond, 2026-11-29) was 30 MiB over the 295 MiB
-of embedding-sized gradients of a GPT-2-wide rank in one process, 53-106 MiB over the same
-on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's
-place, `_moved_embedding_gradients`); the peaks want a share of 0 (one process) to
-0.15-0.35 (GPT-2 124M at dp 2, its first step or, past the first steps, beside that term);
-0.2. Not of ZeRO-3's gathered units and full gradient buffers: under ZeRO-3 a CPU rank
-serves every allocation above 4 MiB with its own mapping, unmapped when freed
+"""Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and never
+trims, `megapar.device.keep_freed_host_memory`) as a share of the step's transients: the tensors
+above the state at the peak (and, under ZeRO 0-2, `CPU_GRADIENT_ROOM` of the parameter gradients
+autograd makes and frees in the backward, `_backward_grads`). Glibc's arena less its in-use
+bytes (`mallinfo2` sampled every millisecond) was 30 MiB over the 295 MiB of embedding-sized
+gradients of a GPT-2-wide rank in one process (2026-11-29), 53-106 MiB over GPT-2 124M's at dp
+2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's place,
+`_moved_embedding_gradients`), and on 8 blocks of hidden 512 at dp 2 (2026-12-01, its transients
+10 MiB of activations and 98 MiB of the backward's gradients, 32 counted) 40-50 / 15-34 / 10-20
+MiB at ZeRO 0 / 1 / 2; 0.2. Not of ZeRO-3's gathered units, full gradient buffers and
+reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a CPU rank serves every
+allocation above 4 MiB with its own mapping, unmapped when freed
 (`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2 124M dp 2 ZeRO-3 in
-megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39 without)."""
+megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39 without; the state
+model's ZeRO-3 ranks 7-22 MiB at their in-use peak)."""
+
+CPU_GRADIENT_ROOM = 0.3
+"""The heap's room over the parameter gradients the backward makes and frees under ZeRO 0-2
+(`_backward_grads`), at world size > 1: each block's gradients are made at the heap's top
+among the backward's other transients, of the same sizes as the last block's, whose freed
+places do not take them (glibc serves torch's 64-byte aligned allocations with a chunk larger
+than the tensor: `_sequence_parallel_holes`). On 8 blocks of hidden 512 at dp 2 (98 MiB of
+such gradients, 10 MiB of other transients; benchmarks/memory/process_terms.py, 2026-12-01)
+glibc's arena rose 40-50 / 15-34 / 10-20 MiB above its in-use peak at ZeRO 0 / 1 / 2 (0.41-0.51
+/ 0.15-0.35 / 0.10-0.20 of them); 0.3. Less certain than the tensors: a fit of those ranks."""
+
+CPU_HEAP_ROOM_ALONE = 0.1
+"""`CPU_HEAP_ROOM` for a job of one process: no collective's thread allocates in the heap
+between the step's frees and allocations, and glibc's arena held less room over its
+transients. Spawned ranks, the training modules imported before the baseline: GPT-2's width
+and vocabulary (6 blocks, 465 MiB of transients) 30 MiB of room (glibc's arena less its in-use
+bytes, 2026-11-29, 0.065); 8 blocks of hidden 256 at 4 x 1,024 tokens (551 MiB of transients)
+rose 687 MiB in two runs (2026-12-01, benchmarks/memory/planner_layouts.py) over 631 MiB of
+tensors, 26 beyond the runtime (0.047). megapar-train's one rank, in the launcher's process
+whose heap the data pipeline shares, held more: cp 1 at 4,096 tokens peaked at 1.126 GiB
+(2026-12-01), 0.893 of the figure with 0.05; 0.1."""
 
 CPU_BASELINE = 329 * 2**20
 """A rank's resident set before its job when it is a process of its own (spawned, torchrun,
@@ -122,12 +149,21 @@ pages they touched (+35 to +38 MiB of files) and heap bytes no counted tensor ho
 nothing else outside glibc's heap to speak of."""
 
 
+CPU_FORKED_PAGES = 36 * 2**20
+"""The library file pages a rank megapar-train forks touches in its first step, which a
+spawned rank holds in its baseline (`CPU_BASELINE`, 84 MiB of files) and a forked rank does not
+hold at its start: +35 to +38 MiB of file pages measured in megapar-train's largest ranks
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB. The
+`CPU_RUNTIME` counted until 2026-12-01 (70 MiB) held them."""
+
+
 def cpu_baseline(world_size: int) -> float:
     """The baseline of a CPU rank of a `world_size`-rank megapar-train job on one machine:
-    `CPU_FORKED_BASELINE` where megapar-train forks its ranks (world size > 1), else
-    `CPU_BASELINE` (its one rank runs in the launcher's process, which holds every library page
-    it touched; torchrun's ranks are processes of their own too)."""
-    return CPU_FORKED_BASELINE if world_size > 1 else CPU_BASELINE
+    where megapar-train forks its ranks (world size > 1), `CPU_FORKED_BASELINE` and the library
+    pages the rank touches (`CPU_FORKED_PAGES`), else `CPU_BASELINE` (its one rank runs in the
+    launcher's process, which holds every library page it touched; torchrun's ranks are
+    processes of their own too)."""
+    return CPU_FORKED_BASELINE + CPU_FORKED_PAGES if world_size > 1 else CPU_BASELINE
 
 
 CPU_NO_WORKING_SET = True
@@ -167,10 +203,12 @@ BOUNDS = {
         "(`settled`: the heap's second place for the embedding's gradients), 10-16 % over the "
         "figure; tp 2 + SP with its reduce-scatters' grouped copies (2026-11-30) -8.2 % to "
         "-1.9 % of megapar-train's peaks since 2026-11-29, -0.5 % to +4.0 % of spawned "
-        "ranks'; outside it: mixtral-tiny's spawned "
-        "ranks with ep (+47 % / +59 %: they hold 28-29 MiB beyond their tensors, 73.5 "
-        "counted); the heap's room (0.2 x the transients; 0 to 0.6 measured) and the "
-        "runtime (70 MiB; 20-83 measured) are the least certain terms"
+        "ranks'; re-measured 2026-12-01 with ZeRO-3's block reduction, the room of the "
+        "backward's gradients and a 30 MiB runtime (spawned ranks, lower of 2 runs): "
+        "mixtral-tiny ZeRO-3 with ep +5 % / +8 %; outside it: the wide pp 2 1F1B stage "
+        "(-10.4 %: its heap grows over the micro-batches) and ZeRO-3 with both offloads "
+        "(-17 %, not traced); the heap's room (0.2 x the "
+        "transients, 0.1 in one process; 0 to 0.8 measured) is the least certain term"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -200,7 +238,8 @@ class ProcessPeak:
     tensors: float
     """The tensors' peak: the larger phase (see the module docstring)."""
     phase: str
-    """Which phase is the peak: "top of the backward" or "end of the backward"."""
+    """Which phase is the peak: "top of the backward", "end of the backward" or (ZeRO-3)
+    "reduction of a block" (`INSIDE`)."""
     total: float
     """What the device (GPU) or the OS (CPU, its baseline apart) holds for the rank."""
     baseline: float = 0.0
@@ -265,9 +304,14 @@ def process_peak(
     kept = _float8_weight_casts(p, c, mem)  # as do the step's float8 weight casts
     if kept is not None:
         a.insert(1, kept)
+    c_ = _inside_backward(p, c, mem, target, block_bytes)
     top = state + mem.activations + buffers + sum(t.bytes for t in a)
     end = state + copies.bytes + (kept.bytes if kept else 0.0) + sum(t.bytes for t in b)
-    tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
+    mid = state + buffers + copies.bytes + (kept.bytes if kept else 0.0)
+    mid += sum(t.bytes for t in c_)
+    tensors, phase = max(
+        (top, "top of the backward"), (end, "end of the backward"), (mid, INSIDE), key=_first
+    )
     terms = [
         Term(
             "weights, gradients, optimizer state",
@@ -289,6 +333,7 @@ def process_peak(
         ),
         *a,
         *b,
+        *c_,
     ]
     if target == "gpu":
         reserve = (GPU_RESERVE - 1) * tensors
@@ -300,19 +345,29 @@ def process_peak(
     # ZeRO-3 on a CPU serves every allocation above 4 MiB with its own mapping, unmapped when
     # freed (`megapar.device.return_freed_host_memory`): its units and buffers leave no room
     top_phase = phase == "top of the backward"
-    mapped = (
-        mem.gathered_top + mem.grad_buffers_top
-        if top_phase
-        else mem.gathered_end + mem.grad_buffers
-    )
-    room = CPU_HEAP_ROOM * (tensors - state - mapped)
+    if phase == INSIDE:  # the units, buffers and gloo's pieces, all mapped apart
+        mapped = sum(t.bytes for t in c_ if t.name != _KEPT_INSIDE)
+    elif top_phase:
+        mapped = mem.gathered_top + mem.grad_buffers_top
+    else:
+        mapped = mem.gathered_end + mem.grad_buffers
+    made = _backward_grads(p, c, mem, has_embedding, has_head)
+    share = CPU_HEAP_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
+    grads_share = CPU_GRADIENT_ROOM if p.gpus > 1 else CPU_HEAP_ROOM_ALONE
+    room = float(round(share * (tensors - state - mapped) + grads_share * made))  # whole bytes
     holes = _sequence_parallel_holes(p, c, mem)
     terms.append(
         Term(
             "heap's freed room",
             room,
-            f"{CPU_HEAP_ROOM} x the tensors above the state"
-            + (" less ZeRO-3's units and buffers (mapped apart)" if mapped else ""),
+            f"{share} x the tensors above the state"
+            + (" less ZeRO-3's units and buffers (mapped apart)" if mapped else "")
+            + (
+                f", {grads_share} x the backward's parameter gradients ({_size(made).strip()}, "
+                "made and freed)"
+                if made
+                else ""
+            ),
         )
     )
     if holes:
@@ -328,6 +383,16 @@ def process_peak(
                     if mem.sp_copies
                     else "no grouped copies counted (one sequence, or full recomputation)"
                 ),
+            )
+        )
+    rebuilt = _rebuilt_layer_place(p, c, mem)
+    if rebuilt:
+        terms.append(
+            Term(
+                "recomputation's rebuilt layer, a second place",
+                rebuilt,
+                "each block's backward rebuilds a layer of the same sizes, which the last "
+                "one's freed places do not take (measured)",
             )
         )
     moved = _moved_embedding_gradients(p, c, has_embedding, has_head)
@@ -348,8 +413,103 @@ def process_peak(
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + holes + CPU_RUNTIME  # `moved`: in `settled` only
+    total = tensors + room + holes + rebuilt + CPU_RUNTIME  # `moved`: in `settled` only
     return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
+
+
+INSIDE = "reduction of a block"
+"""ZeRO-3's third phase (`_inside_backward`): the tensors' peak at the reduction of a block."""
+
+_KEPT_INSIDE = "activations still kept (at a block's reduction)"
+
+
+def _first(x: tuple[float, str]) -> float:
+    return x[0]
+
+
+def _inside_backward(
+    p: Problem, c: Candidate, mem: MemoryBreakdown, target: str, block_bytes: float
+) -> list[Term]:
+    """Under ZeRO-3, the third phase's terms (with the state, the buffers and the copies of
+    the other phases): as a block of the stage's last chunk is reduced
+    (`zero3_peaks.in_backward`), the activations not yet freed (each block's backward frees
+    what it kept, `block_bytes` a block without recomputation; with recomputation none counted
+    freed), the block and the one before it gathered (and the persistent unit), the gradient
+    buffers alive (the roots', the block's and the one still being reduced) and, on a CPU,
+    the reduce-scatter's pieces in flight: gloo copies a collective's input and holds the copy
+    until it is waited for, and on the host a unit above `shard_comm.HOST_PIECE_BYTES` is
+    reduced in pieces of that size, each staged contiguous, with one piece in flight while the
+    next is staged (two pieces and their copies); a smaller unit is reduced whole (one copy).
+    Measured on 8 blocks of hidden 512 at dp 2 (12.6 MiB units): glibc's in-use bytes peaked
+    at each block's reduction, 56-60 MiB above the end of the backward's tensors
+    (benchmarks/memory/process_terms.py, docs/guides/planner.md "ZeRO-3 inside the
+    backward"). None without ZeRO-3's units."""
+    if not (mem.gathered_mid or mem.grad_buffers_mid):
+        return []
+    freed = block_bytes if c.recompute == "none" else 0.0
+    left = max(0.0, mem.activations - mem.blocks_done_mid * freed)
+    out = [
+        Term(
+            _KEPT_INSIDE,
+            left,
+            f"after {mem.blocks_done_mid:.0f} blocks' backward freed theirs",
+        ),
+        Term(f"ZeRO-3's gathered units ({INSIDE})", mem.gathered_mid, "the block, the one before"),
+        Term(
+            f"ZeRO-3's full gradient buffers ({INSIDE})",
+            mem.grad_buffers_mid,
+            "the roots', the block's and the one being reduced",
+        ),
+    ]
+    if target == "cpu" and mem.reduced_mid:
+        piece = shard_comm.HOST_PIECE_BYTES
+        whole = mem.reduced_mid <= piece
+        out.append(
+            Term(
+                "ZeRO-3's reduce-scatter pieces in flight",
+                mem.reduced_mid if whole else 4 * piece,
+                "gloo's copy of the block's gradient"
+                if whole
+                else "two staged pieces and gloo's copies of them",
+            )
+        )
+    return out
+
+
+def _backward_grads(
+    p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
+) -> float:
+    """On a CPU under ZeRO 0-2, the parameter gradients the step's backward makes in glibc's
+    heap and frees: autograd makes each parameter's gradient before it adds it into the
+    buffer's view (ZeRO 0 / 1) or ZeRO-2 stages it into a bucket and releases it, so the
+    backward makes and frees one gradient of every parameter of the stage (`mem.params`, fp32
+    below ZeRO-3) among its other transients; the embedding's (and the tied head's) are counted
+    as tensors at the end of the backward (`_end_of_backward`), so not here. The heap's room
+    follows them as it follows the other transients (`CPU_HEAP_ROOM`). Not under ZeRO-3, whose
+    rank maps every allocation above 4 MiB apart and unmaps it when freed."""
+    if c.zero >= 3:
+        return 0.0
+    vocab, h = _vocab_h(p, c)
+    return max(0.0, mem.params - (vocab * h * 4 if has_embedding or has_head else 0))
+
+
+def _rebuilt_layer_place(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
+    """On a CPU under recomputation, on a stage with activations: a second place in glibc's
+    heap for the layer each block's backward rebuilds (`estimate._stage_buffers` counts one).
+    Every block rebuilds tensors of the same sizes at the heap's top, and a freed tensor's
+    place does not take one of its own size again (glibc serves torch's 64-byte aligned
+    allocations with a chunk of the size, the alignment and 32 bytes:
+    `_sequence_parallel_holes`), so the heap holds the rebuilt layer again beside the one in
+    use. Measured on 8 blocks of hidden 256 at 4 x 1,024 tokens, full recomputation, one
+    process: glibc's arena peaked 108 MiB above its in-use peak (a 64 MiB rebuilt layer, 26
+    of the 0.2 share; benchmarks/memory/process_terms.py, 2026-12-01). Selective recomputation
+    (the attention core rebuilt) not traced; the same counted."""
+    if c.recompute == "none" or not mem.activations:
+        return 0.0
+    from megapar.plan.estimate import activation_sizes  # estimate imports this module
+
+    sizes = activation_sizes(p, c)
+    return max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
 
 
 def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:

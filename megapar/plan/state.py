@@ -30,7 +30,7 @@ from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.pipeline.schedules import SPLIT_BACKWARD
 from megapar.plan.params import StageLayout, stage_tensors, stage_units
 from megapar.plan.sharding import dp_traffic
-from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
+from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, in_backward, phases
 
 ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
@@ -63,6 +63,10 @@ class RankState:
     """ZeRO-3: of `gathered`, what is gathered at the end of the backward (`phases`)."""
     grad_buffers_top: int = 0
     """ZeRO-3: of `grad_buffers`, the buffers alive at the top of the backward (`phases`)."""
+    in_backward: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """ZeRO-3: the units gathered, the gradient buffers alive, the reduced block's buffer and
+    the blocks finished before it, as a block is reduced inside the backward
+    (`zero3_peaks.in_backward`)."""
 
     @property
     def device(self) -> int:
@@ -192,6 +196,7 @@ def _finish(
     )
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
     grad_buffers = gathered_top = gathered_end = grad_buffers_top = 0
+    mid = (0, 0, 0, 0)
     if zero >= 3 and units:
         weights, offloaded = shard, shard
         # a unit over one rank (ep = cp x dp: the experts') is kept whole, its parameters and
@@ -224,6 +229,17 @@ def _finish(
             grad_nbytes,
             sent,
         )
+        mid = in_backward(
+            specs,
+            full,
+            deferred,
+            offload.whole_grads,
+            offload.keep_params,
+            kept,
+            grad_nbytes,
+            sent,
+            alone,
+        )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
@@ -242,6 +258,7 @@ def _finish(
         gathered_top,
         gathered_end,
         grad_buffers_top,
+        mid,
     )
 
 

@@ -123,6 +123,19 @@ def grad_buffers_peak(
     the reductions in flight nor adds one)."""
     if whole:
         return sum(nbytes)
+    at_launch, end = _buffer_walk(specs, nbytes, deferred, kept, alone)
+    return max([end, *at_launch.values()])
+
+
+def _buffer_walk(
+    specs: list[UnitSpec],
+    nbytes: list[int],
+    deferred: set[int],
+    kept: bool,
+    alone: frozenset[int],
+) -> tuple[dict[int, int], int]:
+    """`grad_buffers_peak`'s walk (one micro-batch, not `whole`): ({unit: the buffers' bytes
+    alive at its launch, before its wait}, the bytes alive at the backward's end)."""
     members = {i: [*reversed(js[1:]), i] for i, js in led_by(specs).items()}  # reduce order
     order = []
     for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
@@ -142,7 +155,7 @@ def grad_buffers_peak(
         | (deferred if kept else set())
     )
     embeddings = {j for i in members if specs[i].kind == "embedding" for j in members[i]}
-    peak = 0
+    at_launch: dict[int, int] = {}
     flight: list[int] = []  # the units whose gradients are being reduced
     for i in order:
         if lead[i] in deferred:
@@ -150,14 +163,63 @@ def grad_buffers_peak(
         if specs[lead[i]].kind == "embedding" or specs[lead[i]].embedding_grads:
             alive |= embeddings  # made once the backward is past the first block
         alive.update(members[lead[i]] if i == members[lead[i]][0] else [i])
-        peak = max(peak, sum(nbytes[j] for j in alive))
+        at_launch[i] = sum(nbytes[j] for j in alive)
         if i in alone:
             continue
         while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
             alive.discard(flight.pop(0))
         flight.append(i)
     alive |= {j for i in deferred for j in members.get(i, [i])} | embeddings
-    return max(peak, sum(nbytes[j] for j in alive))
+    return at_launch, sum(nbytes[j] for j in alive)
+
+
+def in_backward(
+    specs: list[UnitSpec],
+    nbytes: list[int],
+    deferred: set[int],
+    whole: bool,
+    keep: bool,
+    kept: bool = False,
+    grads: list[int] | None = None,
+    sent: list[int] | None = None,
+    alone: frozenset[int] = frozenset(),
+) -> tuple[int, int, int, int]:
+    """The third moment `plan.process` takes a ZeRO-3 process's peak at, inside the backward:
+    as a block of the stage's last chunk is reduced (its launch, before the wait), the block
+    and the one before it (prefetched, its gather's shard in flight: `sent`) and the
+    persistent unit gathered, and the gradient buffers alive then (`grad_buffers_peak`'s walk:
+    the roots', the block's and those still being reduced; every unit's with `whole`). Of the
+    chunk's blocks, from the last, the first where the units and buffers together are most:
+    (gathered bytes, gradient buffers' bytes, the reduced block's gradient buffer's bytes
+    (and its led units'), how many of the chunk's blocks finished their backward before it).
+    (0, 0, 0, 0) where the chunk has no block. With `keep` every unit stays gathered.
+    `grads`: each unit's gradient buffer's bytes (default `nbytes`); `alone`: the units whose
+    group is one rank (`grad_buffers_peak`)."""
+    members = led_by(specs)
+    lead = list(members)
+    grads = nbytes if grads is None else grads
+    sent = [0] * len(nbytes) if sent is None else sent
+
+    def held(units, sizes) -> int:
+        return sum(sizes[j] for i in units for j in members[i])
+
+    last = max((specs[i].chunk for i in lead), default=-1)
+    blocks = [i for i in lead if specs[i].chunk == last and specs[i].kind == "block"]
+    persistent = [i for i in lead if specs[i].kind == "persistent"]
+    if not blocks:
+        return 0, 0, 0, 0
+    at_launch = {} if whole else _buffer_walk(specs, grads, deferred, kept, alone)[0]
+    best = (0, 0, 0, 0)
+    for done, b in enumerate(reversed(blocks)):
+        k = blocks.index(b)
+        before = blocks[k - 1 : k] if k else []
+        gathered = (
+            sum(nbytes) if keep else held(persistent + [b] + before, nbytes) + held(before, sent)
+        )
+        buffers = sum(grads) if whole else at_launch.get(members[b][0], 0)
+        if gathered + buffers > best[0] + best[1]:
+            best = (gathered, buffers, held([b], grads), done)
+    return best
 
 
 def phases(
