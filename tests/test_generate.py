@@ -236,3 +236,12 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
     assert json.loads(capsys.readouterr().out) == {
         "prompt": "Hello world", "sample": 0, "completion": " and so on",
         "prompt_ids": tok.encode("Hello world"), "new_ids": new, "stop": "eos"}
+
+
+def test_the_positions_note_counts_one_new_token_in_the_singular():
+    from megapar.cli.generate import positions_note
+
+    assert positions_note(1, "the model's 64 positions", 63, 1) == (
+        "megapar-generate: sample 1 stopped at the model's 64 positions (its prompt's 63 "
+        "tokens and 1 new one)")
+    assert positions_note(2, "the model's 32 positions", 30, 2).endswith("and 2 new ones)")

@@ -310,6 +310,15 @@ def check_prompts(
     return out, limit, what
 
 
+def positions_note(sample: int, limit_name: str, prompt_len: int, new_len: int) -> str:
+    """The stderr line for sample number `sample` (from 1), stopped at the model's positions."""
+    new = f"{new_len} new one" if new_len == 1 else f"{new_len} new ones"
+    return (
+        f"megapar-generate: sample {sample} stopped at {limit_name} (its prompt's "
+        f"{prompt_len} tokens and {new})"
+    )
+
+
 def _worker(args):
     mesh, config, model = load_model(args.load, args.tp, args.pp)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
@@ -412,11 +421,7 @@ def main(argv=None) -> int:
         text = new_ids[:-1] if stop == "eos" else new_ids
         completion = completion_text(tok, ids, text)
         if stop == "positions":
-            print(
-                f"megapar-generate: sample {i + 1} stopped at {limit_name} (its prompt's "
-                f"{len(ids)} tokens and {len(new_ids)} new ones)",
-                file=sys.stderr,
-            )
+            print(positions_note(i + 1, limit_name, len(ids), len(new_ids)), file=sys.stderr)
         if args.json:
             record = {
                 "prompt": prompts[p],
