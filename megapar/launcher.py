@@ -347,8 +347,9 @@ def _drain(results, outputs: dict, errors: dict, block: float) -> None:
 
 def _forward_signals(procs, names) -> Callable[[], None]:
     """Forward the signals `names` to the workers (a second SIGINT aborts the launcher; one
-    within `stop.SAME_INTERRUPT_S` of the first is that one delivered twice, not forwarded).
-    Returns a function that restores the previous handlers. Main thread only."""
+    within `stop.SAME_INTERRUPT_S` of the first is that one delivered twice, not forwarded);
+    one ignored when the launcher started stays ignored. Returns a function that restores the
+    previous handlers. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     interrupts = stop.Interrupts()
@@ -367,9 +368,13 @@ def _forward_signals(procs, names) -> Callable[[], None]:
                 except ProcessLookupError:
                     pass
 
+    # a signal this process was started ignoring (SIGINT in a non-interactive shell's
+    # background job) stays ignored, as Python itself leaves it: the workers inherit the
+    # disposition, so forwarding it would stop nothing while the launcher believed it had
     old = {
         sig: signal.signal(sig, forward)
         for sig in (getattr(signal, n) for n in names if hasattr(signal, n))
+        if signal.getsignal(sig) is not signal.SIG_IGN
     }
 
     def restore():

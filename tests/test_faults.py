@@ -552,6 +552,34 @@ def test_a_second_sigint_aborts_at_once(tmp_path, common, monkeypatch):
     assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0)
 
 
+def test_a_signal_the_launcher_started_ignoring_stays_ignored():
+    """A job started in a non-interactive shell's background (`megapar-generate ... &` in a
+    script) starts with SIGINT ignored, and its workers inherit that: the launcher used to put
+    its forwarder in place anyway, so a SIGINT was "forwarded" to workers that ignored it and
+    the run went on as if it were stopping. As Python itself does, the launcher now leaves an
+    ignored signal ignored; the others it forwards."""
+    from types import SimpleNamespace
+
+    from megapar.launcher import _forward_signals
+
+    forwards = []
+    worker = SimpleNamespace(pid=-1, is_alive=lambda: forwards.append(1) or False)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        restore = _forward_signals([worker], ("SIGINT", "SIGUSR1"))
+        try:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert forwards == []
+            signal.raise_signal(signal.SIGUSR1)
+            assert forwards == [1]
+        finally:
+            restore()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_an_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):
     """`timeout -s INT` sends SIGINT to megapar-train and then to its process group (megapar-
     train again) microseconds apart; a terminal's Ctrl-C reaches a torchrun worker directly and
