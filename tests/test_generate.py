@@ -197,6 +197,13 @@ def test_a_missing_checkpoint_or_a_transformers_directory_is_named(tmp_path, cap
         f"megapar-generate: error: --load {tmp_path / 'hf'} is a Hugging Face directory, not "
         f"a megapar checkpoint; import it first: megapar-convert --from-hf {tmp_path / 'hf'} "
         f"CKPT, then --load CKPT\n")
+    # a BERT one is not sent to an import whose checkpoint would then be refused
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "bert"}')
+    assert generate(["--load", str(tmp_path / "hf"), "--prompt", "a"]) == 2
+    assert capsys.readouterr().err == (
+        f"megapar-generate: error: --load {tmp_path / 'hf'} is a Hugging Face bert, a masked "
+        f"language model; megapar-generate continues text with a causal one (GPT-2, Llama and "
+        f"its kin)\n")
 
 
 class _Counting(torch.nn.Module):

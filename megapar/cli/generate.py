@@ -206,6 +206,17 @@ def checkpoint_of(load: str) -> dict:
         and not os.path.isfile(os.path.join(path, MANIFEST))
         and not os.path.isfile(os.path.join(path, LATEST))
     ):
+        model_type = None
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            pass
+        if model_type == "bert":  # importing it would only lead to the refusal below
+            raise UsageError(
+                f"--load {load} is a Hugging Face {model_type}, a masked language model; "
+                f"megapar-generate continues text with a causal one (GPT-2, Llama and its kin)"
+            )
         raise UsageError(
             f"--load {load} is a Hugging Face directory, not a megapar checkpoint; import it "
             f"first: megapar-convert --from-hf {shell_word(load)} CKPT, then --load CKPT"
