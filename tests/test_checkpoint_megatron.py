@@ -366,7 +366,7 @@ def test_moe_tensors_megapar_lacks_are_refused(tmp_path, capsys):
         ("bias", {L + "mlp.router.expert_bias": torch.zeros(2, 4)},
          "no place for: decoder.layers.mlp.router.expert_bias (an expert bias: give a config "
          "with moe_bias_update_rate > 0)"),
-        ("shared", {L + "mlp.shared_experts.linear_fc1.weight": torch.zeros(2, 40, 16),
+        ("shared_expert", {L + "mlp.shared_experts.linear_fc1.weight": torch.zeros(2, 40, 16),
                     L + "mlp.shared_experts.linear_fc2.weight": torch.zeros(2, 16, 20)},
          "(a shared expert: give a config with shared_expert_intermediate_size)"),
     ]:

@@ -130,7 +130,8 @@ def _rise(kwargs: dict, mbs: int, seq: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cpu_figure_within_10_percent_of_the_os_peak():
     """The planner's CPU figure against a spawned rank's peak resident set rise (the lower of two
-    runs: noise only adds to a peak): within 10 % (issue 47). Measured 2026-11-29 with the
+    runs, of three where both rose above the bound: noise only adds to a peak, and once in a
+    loaded suite run both did): within 10 % (issue 47). Measured 2026-11-29 with the
     imports in the baseline (benchmarks/memory/planner_layouts.py gpt2-wide-one-process): 1,594
     MiB against 1,663 predicted (+4.3 %): 1,534 MiB of tensors (the state and, at the end of the
     backward, two embedding-sized gradients: the head's, held, and the lookup's, added into it
@@ -151,6 +152,8 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     peak = process_peak(p, c, stage, *stage_roles(p, c, 0), activation_sizes(p, c).full)
     assert peak.phase == "end of the backward"
     runs = [run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0] for _ in range(2)]
+    if min(runs) * 0.9 > peak.total:  # noise only adds to a peak: a third run, the lowest taken
+        runs.append(run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0])
     measured = min(runs)
     assert measured > 1.1 * stage.total, (measured / 2**20, stage.total / 2**20)
     assert abs(peak.total / measured - 1) <= 0.10, (peak.total / 2**20, runs)

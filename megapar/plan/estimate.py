@@ -284,6 +284,9 @@ def _stage_memory(
         )
         for stage, ((kept, in_flight, buffers), held) in enumerate(zip(activations, states))
     ]
+    if c.recompute != "none":  # the layer a block's backward rebuilds (`plan.process`)
+        rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
+        out = [dataclasses.replace(s_, rebuilt_layer=rebuilt) for s_ in out]
     if sp_saved is None:
         sp_saved = p.target == "cpu"
     if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)

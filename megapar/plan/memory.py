@@ -257,6 +257,10 @@ class MemoryBreakdown:
     """ZeRO-3: of `grad_buffers_mid`, the reduced block's (its reduce-scatter's input)."""
     blocks_done_mid: float = 0.0
     """ZeRO-3: the blocks of the stage's last chunk whose backward finished before then."""
+    rebuilt_layer: float = 0.0
+    """Under recomputation: the layer each block's backward rebuilds (a block's activations
+    without recomputation less those it keeps). Not in `total`: a CPU's heap keeps a second
+    place for it (`plan.process`)."""
     sp_saved: float = 0.0
     """Sequence parallelism: the activation bytes it saves on this stage (its activations
     without SP less with it; 0 without SP). Not in `total`: a CPU's heap keeps them as holes

@@ -385,7 +385,7 @@ def process_peak(
                 ),
             )
         )
-    rebuilt = _rebuilt_layer_place(p, c, mem)
+    rebuilt = _rebuilt_layer_place(c, mem)
     if rebuilt:
         terms.append(
             Term(
@@ -493,9 +493,10 @@ def _backward_grads(
     return max(0.0, mem.params - (vocab * h * 4 if has_embedding or has_head else 0))
 
 
-def _rebuilt_layer_place(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
+def _rebuilt_layer_place(c: Candidate, mem: MemoryBreakdown) -> float:
     """On a CPU under recomputation, on a stage with activations: a second place in glibc's
-    heap for the layer each block's backward rebuilds (`estimate._stage_buffers` counts one).
+    heap for the layer each block's backward rebuilds (`MemoryBreakdown.rebuilt_layer`;
+    `estimate._stage_buffers` counts one).
     Every block rebuilds tensors of the same sizes at the heap's top, and a freed tensor's
     place does not take one of its own size again (glibc serves torch's 64-byte aligned
     allocations with a chunk of the size, the alignment and 32 bytes:
@@ -506,10 +507,7 @@ def _rebuilt_layer_place(p: Problem, c: Candidate, mem: MemoryBreakdown) -> floa
     (the attention core rebuilt) not traced; the same counted."""
     if c.recompute == "none" or not mem.activations:
         return 0.0
-    from megapar.plan.estimate import activation_sizes  # estimate imports this module
-
-    sizes = activation_sizes(p, c)
-    return max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
+    return mem.rebuilt_layer
 
 
 def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
