@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import signal
 import sys
-import traceback
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 from megapar.checkpoint.format import CheckpointError
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.worker_exit import worker_exit
 from megapar.data import (
     GPTDataset,
     IndexedDataset,
@@ -34,9 +33,8 @@ from megapar.data import (
 )
 from megapar.data.blended import parse_blend
 from megapar.faults.processes import exit_uncollected
-from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
-from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
+from megapar.launcher import launched_world_size, run_workers, under_launcher
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
@@ -319,10 +317,6 @@ def _choose_worker(args, given: tuple[str, ...]):
     )
 
 
-_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
-"""How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
-
-
 def data_values(argv: list[str]) -> list[str]:
     """The words after the last --data of a command line, up to the next flag: one for a
     valid --data, several for megapar-train's blend syntax or a path the shell split."""
@@ -408,26 +402,8 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args, optimizers=False)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
-        if stopped:
-            # a Ctrl-C or SIGTERM (the terminal's to every rank, or passed on by the
-            # launcher): not a failure; rank 0 writes --save-logits only once all are done
-            sigterm = stopped.group(1) is not None
-            what = "terminated (SIGTERM)" if sigterm else "interrupted"
-            print(f"megapar-eval: {what}; nothing was written", file=sys.stderr)
-            return SIGTERM_EXIT_CODE if sigterm else 130
-        text = (
-            str(exc)
-            if isinstance(exc, WorkerError)
-            else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        )
-        line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
-        print(
-            f"megapar-eval: error: {line.replace('before training started', 'in evaluation')}"
-            + (f" (full traceback in {log})" if log else ""),
-            file=sys.stderr,
-        )
-        return 1
+        # rank 0 writes --save-logits only once all are done
+        return worker_exit("megapar-eval", exc, "in evaluation", "; nothing was written")
     if results and results[0] is not None:
         result = results[0]
         if "perplexity" in result and not math.isfinite(result["perplexity"]):

@@ -14,20 +14,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
-import traceback
 
 import torch
 
 from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.worker_exit import worker_exit
 from megapar.data import load_tokenizer
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer
 from megapar.faults.processes import exit_uncollected
-from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import (
-    WorkerError,
     check_local_workers,
     launched_world_size,
     run_workers,
@@ -353,36 +350,12 @@ def _worker(args):
     return results if mesh.rank == 0 else None
 
 
-_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
-"""How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
-
-
 def _run(args):
     """The workers' samples, or the exit code of a failure (its line already printed)."""
     try:
         return run_workers(_worker, args.tp * args.pp, args, optimizers=False)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
-        if stopped:
-            sigterm = stopped.group(1) is not None
-            print(
-                f"megapar-generate: {'terminated (SIGTERM)' if sigterm else 'interrupted'}",
-                file=sys.stderr,
-            )
-            return 143 if sigterm else 130
-        text = (
-            str(exc)
-            if isinstance(exc, WorkerError)
-            else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        )
-        line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
-        print(
-            f"megapar-generate: error: "
-            f"{line.replace('before training started', 'in generation')}"
-            + (f" (full traceback in {log})" if log else ""),
-            file=sys.stderr,
-        )
-        return 1
+        return worker_exit("megapar-generate", exc, "in generation")
 
 
 @quiet_when_stdout_closes
