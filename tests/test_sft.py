@@ -20,7 +20,7 @@ from megapar.data import IndexedDataset, SFTDataset, asset_path, collate
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
-        "--val-fraction", "0", "--loss-mean", "token"]
+        "--val-fraction", "0"]  # --loss-mean: its default on records, token
 LINES = [x.strip() for x in Path(asset_path("shakespeare_sample.txt")).read_text().splitlines()
          if len(x.strip()) > 20]
 
@@ -70,7 +70,9 @@ def test_first_step_loss_equals_transformers_forward_on_the_masked_batch(tmp_pat
     err = capsys.readouterr().err
     assert ("supervised fine-tuning: 8 records (prompt,completion), one right-padded sample "
             "each, the loss on the responses only; 2 longer than --seq-len + 1 = 33 tokens "
-            "truncated at the end (1 of them with no response token left)") in err, err
+            "truncated at the end (1 of them with no response token left); the loss the mean "
+            "over the global batch's response tokens (--loss-mean token, TRL's and "
+            "torchtune's)") in err, err
 
     tokenizer = GPT2TokenizerFast.from_pretrained(bpe)
     eos, ids, labels = tokenizer.eos_token_id, [], []
@@ -127,10 +129,12 @@ def test_the_log_line_names_records_without_a_response_token_only_where_there_ar
     for n in (seq_len, 32):
         cfg = SimpleNamespace(seq_len=n, loss_mean="token")
         notes.append(_records_note(cfg, ds, [SFTDataset(ds, n), None]))
+    mean = "; the loss the mean over the global batch's response tokens (--loss-mean token, "
     assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
-                             f"the end"), notes
+                             f"the end{mean}TRL's and torchtune's)"), notes
     assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end (1 "
-                             "of them with no response token left)"), notes
+                             f"of them with no response token left){mean}TRL's and "
+                             "torchtune's)"), notes
 
 
 def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
@@ -149,6 +153,38 @@ def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
         for (a, ga), (b, gb) in zip(runs["serial"], runs[name]):
             assert math.isclose(a, b, rel_tol=1e-5) and math.isclose(ga, gb, rel_tol=1e-5), \
                 (name, runs)
+
+
+def test_the_default_loss_is_the_global_token_mean_where_a_micro_batch_has_no_response(
+        tmp_path, records):
+    """Micro-batches of one record, so the record with no response token left at --seq-len 32
+    (record 0; 16 records, 2 steps of 8: both steps see every record once) is a micro-batch
+    with no labelled token: with no --loss-mean, pp 2 and dp 2 give at both steps the loss and
+    grad norm of one process whose one micro-batch is the whole global batch, its mean over
+    the batch's response tokens (fp32, 1e-5 relative); --loss-mean microbatch (given) at dp 2
+    misses it by more than 1 % at the step holding record 0 (its micro-batch counts as a loss
+    of 0: 9.50 against 10.86)."""
+    assert int((SFTDataset(IndexedDataset(records), 32)[0]["labels"] != -100).sum()) == 0
+    common = ["--model", "gpt2-tiny", "--data", records, "--max-steps", "2", *TINY,
+              "--global-batch-size", "8"]
+    runs = {}
+    for name, extra in (("whole", ["--micro-batch-size", "8"]),
+                        ("pp2", ["--micro-batch-size", "1", "--pp", "2"]),
+                        ("dp2", ["--micro-batch-size", "1", "--dp", "2"]),
+                        ("dp2-micro", ["--micro-batch-size", "1", "--dp", "2",
+                                       "--loss-mean", "microbatch"])):
+        log = tmp_path / f"{name}.jsonl"
+        assert main([*common, *extra, "--log-json", str(log)]) == 0
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in map(json.loads,
+                                                               log.read_text().splitlines())]
+    assert len(runs["whole"]) == 2
+    for name in ("pp2", "dp2"):
+        for (a, ga), (b, gb) in zip(runs["whole"], runs[name]):
+            assert math.isclose(a, b, rel_tol=1e-5) and math.isclose(ga, gb, rel_tol=1e-5), \
+                (name, runs)
+    # at the step that holds record 0 (the other step's micro-batch means differ less)
+    assert max(abs(b / a - 1) for (a, _), (b, _) in zip(runs["whole"],
+                                                        runs["dp2-micro"])) > 1e-2, runs
 
 
 def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):

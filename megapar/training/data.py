@@ -591,10 +591,11 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
         else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens"
     )
     mean = (
-        "; --loss-mean microbatch averages each micro-batch's mean, --loss-mean token the "
-        "batch's response tokens (TRL's, torchtune's)"
-        if cfg.loss_mean == "microbatch"
-        else ""
+        "; the loss the mean over the global batch's response tokens (--loss-mean token, TRL's "
+        "and torchtune's)"
+        if cfg.loss_mean == "token"
+        else "; --loss-mean microbatch: each micro-batch's mean, averaged (one with no response "
+        "token counts as 0)"
     )
     return (
         f"supervised fine-tuning: {counted(indexed.num_docs, 'record')} ({keys}), one right-padded "

@@ -5,8 +5,9 @@ exit code 2 instead of N tracebacks after the workers started:
 
 - `check_settings(cfg)`: every numeric flag of `megapar-train` (ranges, NaN / inf).
 - `adapt_defaults(cfg, dp)`: values the user did not set give way to the ones they did
-  (warmup vs --max-steps, --min-lr vs --lr, global vs micro-batch size); returns notes saying
-  what changed. `fit_batch_to_data` does the same for a global batch the data cannot fill.
+  (warmup vs --max-steps, --min-lr vs --lr, global vs micro-batch size, --loss-mean token on
+  prompt / response records); returns notes saying what changed. `fit_batch_to_data` does the
+  same for a global batch the data cannot fill.
 - for a run that resumes (validate_resume.py): `check_load_path(cfg)`: a --load that names a
   file or a step that is not there is an error (a missing or empty directory starts fresh).
 - `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
@@ -37,7 +38,7 @@ from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
-from megapar.training.validate_sft import check_sft_keys
+from megapar.training.validate_sft import check_sft_keys, holds_records
 from megapar.training.validate_sharding import check_ep, check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
 from megapar.wording import counted
@@ -357,6 +358,8 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
             cfg.micro_batch_size = mbs
     if "micro_batch_size" not in given:
         notes.extend(_micro_batches_for_schedule(cfg, dp))
+    if "loss_mean" not in given and trains_on_records(cfg):  # said by the records' log line
+        cfg.loss_mean = "token"
     notes.extend(_inert_zero_settings(cfg, dp))
     given -= set(getattr(cfg, "from_checkpoint", ()))
     for name, idle, where in [
@@ -371,6 +374,21 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
         if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
             notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
     return notes
+
+
+def trains_on_records(cfg) -> bool:
+    """Whether the run trains on prompt / response records: --sft-keys, or --data (or a part of
+    its blend) a dataset megapar-data --sft-keys wrote. Their loss defaults to the global
+    batch's token mean (--loss-mean token), as TRL's and torchtune's SFT loss: most tokens are
+    -100 (prompts, padding), so a micro-batch mean would weigh a micro-batch of short responses
+    as much as one of long ones and count one with no response token as a loss of 0."""
+    if cfg.sft_keys is not None:
+        return True
+    try:
+        paths = data_paths(cfg.data)
+    except ValueError:  # a malformed blend: named by its own check
+        return False
+    return any(path is not None and holds_records(os.path.expanduser(path)) for path in paths)
 
 
 def _micro_batches_for_schedule(cfg, dp: int) -> list[str]:
