@@ -1044,10 +1044,11 @@ OTHER_TOOLS = [
     ("train", ["--num-gpus", "2"], "starts its tp x cp x pp x dp local workers itself (give --dp)"),
     ("train", ["--local_rank", "0"], "takes its rank from torchrun's environment (LOCAL_RANK)"),
     ("train", ["--stage3-prefetch-bucket-size", "1e8"], "gathers one unit (a block) ahead"),
-    # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
-    ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
+    # megapar-eval has no --dp (was "did you mean --tp?"), no --model, no --from-hf; its --cp
+    # under Megatron's and torchtitan's names
     ("eval", ["--load", "ck", "--context-parallel-size", "2"],
-     "--context-parallel-size: megapar-eval has no context parallelism"),
+     "--context-parallel-size: did you mean --cp?"),
+    ("eval", ["--load", "ck", "--parallelism.context_parallel_degree", "2"], "did you mean --cp?"),
     # Megatron's / torchtitan's context-parallel communication: "--cp-comm-type: did you mean
     # --p2p-dtype?" (the pipeline's dtype), nothing for the others
     ("train", ["--cp-comm-type", "a2a"], "--cp-comm-type: megapar chooses context "
@@ -1059,7 +1060,7 @@ OTHER_TOOLS = [
      "models the context-parallel attention"),
     ("bubble", ["--pp", "2", "-m", "4", "--parallelism.context_parallel_degree", "2"],
      "did you mean --cp?"),
-    ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
+    ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --cp x --pp processes"),
     ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
      "--from-hf HF_DIR CKPT), then --load CKPT"),

@@ -83,6 +83,14 @@ def _hf_model(kind: str):
 def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, corpus,
                                                        monkeypatch):
     model = _hf_model(kind)
+    if kind == "bert":  # the input token's embedding dominates the hidden states (the
+        # head's transform the identity), so where the masking kept a token (BERT's 10 %) it is
+        # predicted: the MLM accuracy below is neither 0 nor 1 (3 of 25)
+        with torch.no_grad():
+            model.bert.embeddings.word_embeddings.weight.mul_(20.0)
+            dense = model.cls.predictions.transform.dense
+            dense.weight.copy_(torch.eye(dense.weight.shape[0]))
+            dense.bias.zero_()
     hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     model.save_pretrained(hf_dir)
     assert convert(["--from-hf", str(hf_dir), str(ckpt), "--tp", "2", "--pp", "2",
@@ -94,10 +102,13 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
     assert expected.shape == (3, 24, VOCAB)
 
     measured = []
-    for tp, pp in [(2, 2), (1, 1)]:  # the checkpoint's own layout, then resharded on load
-        out = tmp_path / f"logits_{tp}x{pp}.npy"
+    # the checkpoint's own layout, then resharded on load; and each sequence split over two
+    # cp ranks (ring attention; Llama's all-gathered keys and values), at pp 2
+    layouts = [(2, 2, 1), (1, 1, 1)] + ([(1, 2, 2)] if kind in ("gpt2", "bert", "llama") else [])
+    for tp, pp, cp in layouts:
+        out = tmp_path / f"logits_{tp}x{pp}x{cp}.npy"
         capsys.readouterr()
-        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp),
+        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp),
                          "--input-ids", str(tmp_path / "ids.npy"),
                          "--save-logits", str(out)]) == 0
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -105,9 +116,25 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
         logits = np.load(out)
         assert logits.dtype == np.float32 and logits.shape == (3, 24, VOCAB)  # no vocab padding
         err = _rel(logits, expected)
-        measured.append(f"{kind} logits at tp={tp} pp={pp}: max relative error {err:.3g}")
-        assert err < TOL, (kind, tp, pp, err)
+        measured.append(f"{kind} logits at tp={tp} pp={pp} cp={cp}: max relative error "
+                        f"{err:.3g}")
+        assert err < TOL, (kind, tp, pp, cp, err)
     print("\n".join(measured))  # shown with -s
+    if kind == "bert":
+        _bert_masks_and_token_types(model, ckpt, tmp_path, capsys)
+        # the MLM loss and accuracy at cp 2 x pp 2: the cp 1 report's, within 1e-5 (fp32)
+        nll, tokens, correct = _mlm_loss_sum(model, corpus[0], seq=32, batch=4, batches=2)
+        reports = []
+        for cp in ("1", "2"):
+            capsys.readouterr()
+            assert evaluate(["--load", str(ckpt), "--seq-len", "32", "--max-batches", "2",
+                             "--data", corpus[0], "--pp", "2", "--cp", cp]) == 0
+            reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        for report in reports:
+            assert report["tokens"] == tokens and report["accuracy"] == correct / tokens
+            assert abs(report["loss"] - nll / tokens) / (nll / tokens) < TOL, (reports, nll)
+        assert abs(reports[1]["loss"] / reports[0]["loss"] - 1) < TOL, reports
+        assert abs(reports[1]["perplexity"] / reports[0]["perplexity"] - 1) < TOL, reports
     if kind == "bert":  # raw text, tokenized into --data-cache: the same MLM samples and loss
         # as the prefix megapar-data made of it (an imported checkpoint records no tokenizer:
         # --tokenizer names it)
@@ -120,10 +147,11 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
             reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
         assert reports[1] == reports[0] and reports[0]["batches"] == 2, reports
         # the loss is the mean over every masked token of the batches (each batch masks its
-        # own number of them), as transformers' model gives it on the same samples
-        nll, tokens = _mlm_loss_sum(model, corpus[0], seq=32, batch=4, batches=2)
+        # own number of them), as transformers' model gives it on the same samples; the
+        # accuracy the share of them whose top-1 logit is the original token (run_mlm's)
         assert reports[0]["tokens"] == tokens
         assert abs(reports[0]["loss"] - nll / tokens) / (nll / tokens) < TOL, (reports, nll)
+        assert reports[0]["accuracy"] == correct / tokens and 0 < correct < tokens, reports
         # BERT's MLM samples too few, or too short; text without a tokenizer, or one whose
         # ids the model does not have: one line before any worker
         _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
@@ -154,15 +182,52 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == kept
 
 
-def _mlm_loss_sum(model, prefix: str, seq: int, batch: int, batches: int) -> tuple[float, int]:
+def _bert_masks_and_token_types(model, ckpt, tmp_path, capsys):
+    """--input-ids with --attention-mask (rows padded to 24, 17 and 9 tokens) and
+    --token-type-ids (sentence B from the middle of each row): the logits of every position
+    equal transformers' BertForMaskedLM(input_ids, attention_mask, token_type_ids) at tp 2 x
+    pp 2 and at cp 2 (the mask cut over the cp ranks' keys), fp32 < 1e-5; without the mask
+    and types they are other logits (so both are read)."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(5, VOCAB, size=(3, 24), dtype=np.int64)
+    mask = np.zeros((3, 24), dtype=np.int64)
+    types = np.zeros((3, 24), dtype=np.int64)
+    for row, n in enumerate((24, 17, 9)):
+        mask[row, :n] = 1
+        types[row, n // 2:n] = 1
+        ids[row, n:] = 0  # [PAD]
+    files = {name: tmp_path / f"{name}.npy" for name in ("ids", "mask", "types")}
+    for name, values in (("ids", ids), ("mask", mask), ("types", types)):
+        np.save(files[name], values)
+    with torch.no_grad():
+        expected = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         token_type_ids=torch.from_numpy(types)).logits.float()
+        plain = model(input_ids=torch.from_numpy(ids)).logits.float()
+    assert _rel(plain, expected) > 1e-2
+    for tp, pp, cp in [(2, 2, 1), (1, 1, 2)]:
+        out = tmp_path / f"masked_{tp}x{pp}x{cp}.npy"
+        capsys.readouterr()
+        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp),
+                         "--input-ids", str(files["ids"]), "--attention-mask",
+                         str(files["mask"]), "--token-type-ids", str(files["types"]),
+                         "--save-logits", str(out)]) == 0, capsys.readouterr().err
+        err = _rel(np.load(out), expected)
+        assert err < TOL, (tp, pp, cp, err)
+
+
+def _mlm_loss_sum(model, prefix: str, seq: int, batch: int,
+                  batches: int) -> tuple[float, int, int]:
     """transformers' BERT on megapar-eval's first `batches` batches of MLM samples of `prefix`
-    (its default --seed): (the loss summed over their masked tokens, how many there are), with
-    the batches' masked-token counts checked to differ (else pooling equals averaging)."""
+    (its default --seed): (the loss summed over their masked tokens, how many there are, how
+    many of them the top-1 logit predicts: transformers' run_mlm's accuracy's numerator), with
+    the batches' masked-token counts checked to differ (else pooling equals averaging) and
+    every masked position's top two logits more than 1e-4 apart (so the top-1 is no tie that
+    float noise could flip)."""
     from megapar.data import IndexedDataset, MLMDataset, collate, load_tokenizer
 
     indexed = IndexedDataset(prefix)
     dataset = MLMDataset(indexed, seq, load_tokenizer(indexed.tokenizer_spec), 1234)
-    nll, counts = 0.0, []
+    nll, counts, correct = 0.0, [], 0
     for i in range(batches):
         samples = collate([dataset[j] for j in range(i * batch, (i + 1) * batch)])
         labels = samples.pop("labels")
@@ -171,8 +236,12 @@ def _mlm_loss_sum(model, prefix: str, seq: int, batch: int, batches: int) -> tup
         nll += float(torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"))
         counts.append(int((labels != -100).sum()))
+        masked = labels != -100
+        top2 = logits[masked].topk(2, dim=-1).values
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4
+        correct += int((logits.argmax(-1)[masked] == labels[masked]).sum())  # run_mlm's metric
     assert len(set(counts)) > 1, counts
-    return nll, sum(counts)
+    return nll, sum(counts), correct
 
 
 @pytest.fixture(scope="module")
@@ -237,21 +306,24 @@ def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
     for start, stride in [(1, seq), (0, seq + 1)]:
         assert abs(loss_of(start, stride) - expected) / expected > 3 * TOL, (start, stride)
 
-    measured = []
-    for tp, pp in [(2, 2), (1, 2)]:
+    measured, by_cp = [], {}
+    for tp, pp, cp in [(2, 2, 1), (1, 2, 1), (1, 2, 2)]:  # cp 2: each window over two ranks
         capsys.readouterr()
-        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--data", prefix,
-                         "--seq-len", str(seq), "--micro-batch-size", str(batch),
-                         "--max-batches", str(k)]) == 0
-        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp),
+                         "--data", prefix, "--seq-len", str(seq), "--micro-batch-size",
+                         str(batch), "--max-batches", str(k)]) == 0
+        report = by_cp[cp] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         err = abs(report["loss"] - expected) / expected
-        measured.append(f"eval loss at tp={tp} pp={pp}: {report['loss']:.6f} vs transformers "
-                        f"{expected:.6f}, relative error {err:.3g}")
-        assert err < TOL, (tp, pp, report, expected)
+        measured.append(f"eval loss at tp={tp} pp={pp} cp={cp}: {report['loss']:.6f} vs "
+                        f"transformers {expected:.6f}, relative error {err:.3g}")
+        assert err < TOL, (tp, pp, cp, report, expected)
         assert report["perplexity"] == pytest.approx(math.exp(report["loss"]), rel=1e-12)
         assert report["tokens"] == k * batch * seq
         assert report["batches"] == k
+    for key in ("loss", "perplexity"):  # cp 2 against cp 1 at pp 2
+        assert abs(by_cp[2][key] / by_cp[1][key] - 1) < TOL, by_cp
     print("\n".join(measured))  # shown with -s
+    report = by_cp[1]
 
     # the text the prefix was made from, tokenized into --data-cache with the tokenizer the
     # checkpoint records: the same windows, the same loss at the same layout
@@ -411,6 +483,65 @@ def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path
     assert "--max-batches, --seed are used only with --data" in line and "drop them" in line
     assert evaluate(base + ["--micro-batch-size", "4"]) == 2
     assert "--micro-batch-size is used only with --data" in _one_error_line(capsys)
+    assert not (tmp_path / "lg.npy").exists()
+
+
+def test_bert_inputs_and_cp_are_checked_before_any_worker(tiny_ckpt, tmp_path, capsys,
+                                                           monkeypatch):
+    """--attention-mask / --token-type-ids: BERT's, of --input-ids' shape, a 0 / 1 mask with a
+    token in every row, types the model has, never with --data; --cp: the sequences a
+    multiple of 2 x cp, its processes in the torchrun count. One line each, exit 2."""
+    from test_checkpoint_helpers import save_serial
+
+    _refuse_workers(monkeypatch)
+    gpt, ids = tiny_ckpt
+    bert = tmp_path / "bert"
+    save_serial(bert, kind="bert")
+    arrays = {"ok": np.ones((2, 8)), "shape": np.ones((2, 6)), "two": np.full((2, 8), 2),
+              "empty": np.array([[1] * 8, [0] * 8]), "float": np.ones((2, 8)) / 2}
+    files = {}
+    for name, values in arrays.items():
+        files[name] = tmp_path / f"{name}.npy"
+        dtype = np.float32 if name == "float" else np.int64
+        np.save(files[name], values.astype(dtype))
+    logits = ["--save-logits", str(tmp_path / "lg.npy")]
+    cases = [
+        ([gpt, "--attention-mask", files["ok"]], "--attention-mask is BERT's input, and the "
+         "checkpoint holds a gpt2: its attention is causal over every token (pad on the right "
+         "and read the real tokens' logits); drop --attention-mask"),
+        ([gpt, "--token-type-ids", files["ok"]], "--token-type-ids is BERT's input, and the "
+         "checkpoint holds a gpt2: it has no token-type embedding; drop --token-type-ids"),
+        ([bert, "--attention-mask", files["shape"]], f"--attention-mask {files['shape']} has "
+         f"shape (2, 6), and --input-ids (2, 8); give one value per token"),
+        ([bert, "--attention-mask", files["two"]], f"--attention-mask {files['two']} holds 2; "
+         f"it holds 1 for a token and 0 for padding"),
+        ([bert, "--attention-mask", files["empty"]], f"--attention-mask {files['empty']}: row 1 "
+         f"is all 0 (no token to attend to); give every row at least one 1"),
+        ([bert, "--token-type-ids", files["two"]], f"--token-type-ids {files['two']} holds 2, "
+         f"outside the model's 2 token types (0-1)"),
+        ([bert, "--token-type-ids", files["float"]], f"--token-type-ids {files['float']} holds "
+         f"float32 values; it must be integers"),
+        ([bert, "--cp", "3"], "--input-ids has sequences of 8 tokens, not a multiple of 2 x cp "
+         "= 6: --cp 3 cuts each sequence into 6 chunks; pad them"),
+    ]
+    for extra, message in cases:
+        argv = ["--load", *map(str, extra[:1]), "--input-ids", str(ids), *map(str, extra[1:])]
+        assert evaluate([*argv, *logits]) == 2, extra
+        assert message in _one_error_line(capsys), extra
+    assert evaluate(["--load", str(bert), "--data", "x", "--seq-len", "8", "--attention-mask",
+                     str(files["ok"])]) == 2
+    assert ("--attention-mask is used only with --input-ids (the logits of given ids); "
+            "--data's BERT samples carry their own: drop it") in _one_error_line(capsys)
+    assert evaluate(["--load", str(gpt), "--data", "x", "--seq-len", "6", "--cp", "2"]) == 2
+    assert "--seq-len 6 is not divisible by 4: --cp 2 cuts each sequence into 2 x cp = 4 " \
+           "chunks" in _one_error_line(capsys)
+    monkeypatch.setenv("RANK", "0")  # as torchrun starts a process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert evaluate(["--load", str(gpt), "--cp", "2", "--pp", "2", "--input-ids", str(ids),
+                     *logits]) == 2
+    assert ("torchrun / Slurm started 2 processes but megapar-eval runs on tp x cp x pp = "
+            "1 x 2 x 2 = 4 (it has no data parallelism); start 4 or change --tp / --cp / --pp"
+            ) in _one_error_line(capsys)
     assert not (tmp_path / "lg.npy").exists()
 
 

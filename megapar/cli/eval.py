@@ -1,8 +1,13 @@
 """megapar-eval: loss / perplexity of a checkpoint on a dataset, or its logits for given ids.
 
-    megapar-eval --load CKPT --data PREFIX [--seq-len 128] --max-batches 8 [--tp 2 --pp 2]
+    megapar-eval --load CKPT --data PREFIX [--seq-len 128] --max-batches 8 [--tp 2 --pp 2 --cp 2]
     megapar-eval --load CKPT --data held_out.txt   # raw text: the checkpoint's tokenizer
     megapar-eval --load CKPT --input-ids ids.npy --save-logits logits.npy
+    megapar-eval --load BERT --input-ids ids.npy --attention-mask mask.npy \
+        --token-type-ids types.npy --save-logits logits.npy
+
+A BERT checkpoint's report holds its masked-LM accuracy beside the loss: the share of masked
+positions whose top-1 prediction is the original token (transformers' run_mlm's accuracy).
 
 Windows are taken in order, unshuffled: window i is tokens [i*seq_len, i*seq_len + seq_len + 1)
 of the stream (token 0 first; consecutive windows share one boundary token). The checkpoint is
@@ -19,10 +24,12 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megapar.checkpoint.format import CheckpointError
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import worker_exit
+from megapar.context_parallel import split as cp_split
 from megapar.data import (
     GPTDataset,
     IndexedDataset,
@@ -60,17 +67,13 @@ LOSS_ONLY = (
 )
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
-
-_NO_CP = (
-    "megapar-eval has no context parallelism (a checkpoint does not depend on it); drop it, or "
-    "use --tp / --pp"
-)
+IDS_ONLY = ("attention_mask", "token_type_ids")
+"""The options only --input-ids reads (--data's BERT samples carry their own)."""
 
 OTHER_FLAGS = {
-    "--cp": _NO_CP,
-    "--context-parallel-size": _NO_CP,
-    "--parallelism.context_parallel_degree": _NO_CP,
-    "--dp": "megapar-eval runs on --tp x --pp processes, without data parallelism; drop it",
+    "--context-parallel-size": "--cp",
+    "--parallelism.context_parallel_degree": "--cp",
+    "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",
     "--expert-model-parallel-size": "megapar-eval holds every expert on each rank (a checkpoint "
@@ -107,6 +110,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: each sequence split over cp ranks as megapar-train --cp "
+        "splits it (2 x cp chunks, ring attention), for sequences too long for one device; "
+        "--seq-len (or --input-ids' length) a multiple of 2 x cp (default: 1)",
+    )
+    p.add_argument(
         "--data",
         help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or a Megatron-LM "
         "MMIDIDX PREFIX.bin/.idx with --tokenizer), or raw text: a .txt / .jsonl / .json / "
@@ -140,6 +151,20 @@ def build_parser() -> OneLineParser:
         help="a [batch, seq] integer array in a .npy file (np.save; read without pickle)",
     )
     p.add_argument(
+        "--attention-mask",
+        type=os.path.expanduser,
+        help="with --input-ids of a BERT checkpoint: a [batch, seq] array of 1 (a token) and 0 "
+        "(padding, attended to by no position) in a .npy file, transformers' attention_mask "
+        "(default: all 1)",
+    )
+    p.add_argument(
+        "--token-type-ids",
+        type=os.path.expanduser,
+        help="with --input-ids of a BERT checkpoint: a [batch, seq] array of segment ids "
+        "(0: sentence A, 1: sentence B) in a .npy file, transformers' token_type_ids "
+        "(default: all 0)",
+    )
+    p.add_argument(
         "--save-logits",
         type=os.path.expanduser,
         help="where rank 0 writes the float32 logits (.npy; the "
@@ -149,7 +174,7 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--oversubscribe",
         action="store_true",
-        help="start more local processes (tp x pp) than 4 per CPU core (at least 8), as "
+        help="start more local processes (tp x cp x pp) than 4 per CPU core (at least 8), as "
         "megapar-train --oversubscribe; refused otherwise",
     )
     p.add_argument(
@@ -190,7 +215,7 @@ def build_parser() -> OneLineParser:
 
 @torch.no_grad()
 def _loss_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp)
+    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp)
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -210,11 +235,19 @@ def _loss_worker(args):
                 f"{shown} has {counted(len(dataset), 'window')} of {args.seq_len + 1} "
                 f"tokens, fewer than one batch of {b}"
             )
-    executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))
+    batches = (
+        {
+            key: v.to(mesh.device)
+            for key, v in collate([dataset[j] for j in range(i * b, (i + 1) * b)]).items()
+        }
+        for i in range(k)
+    )
+    if config.model_type not in CAUSAL_LM_TYPES:
+        return _mlm_report(mesh, config, model, batches, k)
+    shape = (b, args.seq_len // mesh.cp, config.hidden_size)  # a cp rank's tokens
+    executor = PipelineExecutor(model, mesh, "1f1b", shape)
     nll, tokens = 0.0, 0  # the loss summed over every labelled token, and their count
-    for i in range(k):
-        batch = collate([dataset[j] for j in range(i * b, (i + 1) * b)])
-        batch = {key: v.to(mesh.device) for key, v in batch.items()}
+    for batch in batches:
         labelled = int((batch["labels"] != -100).sum())
         nll += float(executor.run([batch], forward_only=True)) * labelled  # the batch's mean
         tokens += labelled
@@ -224,16 +257,61 @@ def _loss_worker(args):
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "batches": k}
 
 
+def _mlm_report(mesh, config, model, batches, k: int):
+    """A BERT checkpoint's report: the loss over every masked token and the masked-LM accuracy
+    (the share of them whose top-1 logit is the original token, as transformers' run_mlm's
+    eval computes it), from each batch's logits on the last stage (its cp rank's tokens, the
+    vocabulary gathered over tp), summed over cp and sent to rank 0."""
+    sums = torch.zeros(3, dtype=torch.float64, device=mesh.device)  # loss sum, correct, tokens
+    for batch in batches:
+        labels = batch.pop("labels")
+        logits = forward_logits(
+            model, mesh, batch, config.hidden_size, config.vocab_size, cp_gather=False
+        )
+        if logits is None:  # not the last stage
+            continue
+        labels = cp_split(labels, mesh.cp, mesh.cp_rank)
+        masked = labels != -100
+        nll = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        correct = (logits.argmax(-1) == labels)[masked].sum()
+        sums += torch.stack([nll.double(), correct.double(), masked.sum().double()])
+    if mesh.is_last_stage and mesh.cp > 1:
+        dist.all_reduce(sums, group=mesh.cp_group)
+    if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.cp_rank == 0:  # the last stage to rank 0
+        if mesh.is_last_stage:
+            dist.send(sums, dst=mesh.stage_rank(0))
+        elif mesh.is_first_stage:
+            dist.recv(sums, src=mesh.stage_rank(mesh.pp - 1))
+    if mesh.rank != 0:
+        return None
+    nll, correct, tokens = sums.tolist()
+    loss = nll / max(tokens, 1)
+    return {
+        "loss": loss,
+        "perplexity": perplexity(loss),
+        "accuracy": correct / max(tokens, 1),
+        "tokens": int(tokens),
+        "batches": k,
+    }
+
+
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp)
-    ids = torch.from_numpy(load_input_ids(args.input_ids).astype(np.int64))
+    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp)
+    batch = {"input_ids": load_input_ids(args.input_ids)}
+    if args.attention_mask:
+        batch["attention_mask"] = load_input_ids(args.attention_mask, flag="--attention-mask")
+    if args.token_type_ids:
+        batch["token_type_ids"] = load_input_ids(args.token_type_ids, flag="--token-type-ids")
+    batch = {key: torch.from_numpy(v.astype(np.int64)).to(mesh.device) for key, v in batch.items()}
+    ids = batch["input_ids"]
     if ids.ndim != 2:
         raise ValueError(f"--input-ids must be a [batch, seq] array, got shape {tuple(ids.shape)}")
-    ids = ids.to(mesh.device)
-    logits = forward_logits(model, mesh, ids, config.hidden_size, config.vocab_size)
+    logits = forward_logits(model, mesh, batch, config.hidden_size, config.vocab_size)
     full_shape = (ids.shape[0], ids.shape[1], config.vocab_size)
-    if mesh.pp > 1 and mesh.tp_rank == 0:  # the last stage hands the logits to rank 0
+    if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.cp_rank == 0:  # the last stage to rank 0
         if mesh.is_last_stage:
             dist.send(logits.float().contiguous(), dst=mesh.stage_rank(0))
         elif mesh.is_first_stage:
@@ -310,6 +388,13 @@ def _choose_worker(args, given: tuple[str, ...]):
             "--save-logits is used only with --input-ids IDS.npy (--data reports the loss); "
             "drop it or give --input-ids"
         )
+    named = [flag_of(name) for name in IDS_ONLY if name in given]
+    if named:
+        raise UsageError(
+            f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} used only with "
+            f"--input-ids (the logits of given ids); --data's BERT samples carry their own: "
+            f"drop {'it' if len(named) == 1 else 'them'}, or give --input-ids"
+        )
     if args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         return _loss_worker
     raise UsageError(
@@ -375,12 +460,18 @@ def main(argv=None) -> int:
         return 2
     previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
-        if under_launcher() and launched_world_size() != args.tp * args.pp:
+        world = args.tp * args.cp * args.pp
+        if under_launcher() and launched_world_size() != world:
+            sizes = (
+                f"tp x cp x pp = {args.tp} x {args.cp} x {args.pp}"
+                if args.cp > 1
+                else f"tp x pp = {args.tp} x {args.pp}"
+            )
+            flags = "--tp / --cp / --pp" if args.cp > 1 else "--tp / --pp"
             raise UsageError(
                 f"torchrun / Slurm started {launched_world_size()} processes but "
-                f"megapar-eval runs on tp x pp = {args.tp} x {args.pp} = "
-                f"{args.tp * args.pp} (it has no data parallelism); start "
-                f"{args.tp * args.pp} or change --tp / --pp"
+                f"megapar-eval runs on {sizes} = {world} (it has no data parallelism); start "
+                f"{world} or change {flags}"
             )
         manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
@@ -400,7 +491,7 @@ def main(argv=None) -> int:
         if previous is not None:  # the ranks' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)
     try:
-        results = run_workers(worker, args.tp * args.pp, args, optimizers=False)
+        results = run_workers(worker, world, args, optimizers=False)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
         # rank 0 writes --save-logits only once all are done
         return worker_exit("megapar-eval", exc, "in evaluation", "; nothing was written")

@@ -1,9 +1,11 @@
-"""A checkpoint's model for inference at any tp x pp: loaded (resharded on load) and run forward
-once over given ids, its logits gathered over tp on the last stage.
+"""A checkpoint's model for inference at any tp x cp x pp: loaded (resharded on load) and run
+forward once over given ids, its logits gathered over tp (and cp) on the last stage.
 
-megapar-eval's `--input-ids` and megapar-generate run the model this way: the pipeline's stages
-pass the hidden states on with send / recv (no schedule: one forward of one batch), and the last
-stage gathers the vocab-parallel logits over its tp group.
+megapar-eval's `--input-ids` and BERT loss, and megapar-generate, run the model this way: the
+pipeline's stages pass the hidden states of their cp rank's tokens on with send / recv (no
+schedule: one forward of one batch), and the last stage gathers the vocab-parallel logits over
+its tp group and, under context parallelism, the cp ranks' tokens (`context_parallel.unsplit`).
+Parameters are replicated over cp, so a checkpoint loads at any cp.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.context_parallel import unsplit
 from megapar.device import keep_freed_host_memory
 from megapar.mesh import Mesh
 from megapar.models.config import config_from_dict
@@ -21,10 +24,10 @@ from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 
 
-def load_model(load: str, tp: int, pp: int):
-    """(mesh, config, this rank's stage model) of checkpoint `load` at tp x pp (resharded on
-    load), in eval mode."""
-    mesh = Mesh.from_env(tp, pp, 1)
+def load_model(load: str, tp: int, pp: int, cp: int = 1):
+    """(mesh, config, this rank's stage model) of checkpoint `load` at tp x cp x pp (resharded
+    on load), in eval mode."""
+    mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     config = config_from_dict(read_manifest(resolve_checkpoint(load))["model"])
     model = build_stage(config, mesh, seed=0, init=False)
     load_checkpoint(load, model, mesh)
@@ -35,21 +38,41 @@ def load_model(load: str, tp: int, pp: int):
 
 @torch.no_grad()
 def forward_logits(
-    model, mesh: Mesh, ids: torch.Tensor, hidden_size: int, vocab_size: int, last_only: bool = False
+    model,
+    mesh: Mesh,
+    inputs: torch.Tensor | dict,
+    hidden_size: int,
+    vocab_size: int,
+    last_only: bool = False,
+    cp_gather: bool = True,
 ):
-    """The logits of `ids` ([batch, seq] on the mesh's device), [batch, seq, vocab] in the
-    model's dtype (with `last_only`, the last position's: [batch, 1, vocab], the only vocab
-    slice gathered), on the last stage's ranks; None on the others. A pipeline stage receives
-    the previous stage's hidden states and sends its own on; collective over tp."""
-    shape = (ids.shape[0], ids.shape[1], hidden_size)
+    """The logits of `inputs` (ids [batch, seq] on the mesh's device, or a batch dict of them:
+    "input_ids" and BERT's optional "attention_mask" / "token_type_ids", without "labels"),
+    [batch, seq, vocab] in the model's dtype (with `last_only`, the last position's:
+    [batch, 1, vocab], the only vocab slice gathered at cp 1), on the last stage's ranks; None
+    on the others. A pipeline stage receives the previous stage's hidden states of its cp
+    rank's tokens and sends its own on; collective over tp, and over cp unless `cp_gather` is
+    False (then the last stage's logits are this cp rank's tokens', in `context_parallel.split`
+    order)."""
+    batch = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
+    ids = batch["input_ids"]
+    shape = (ids.shape[0], ids.shape[1] // mesh.cp, hidden_size)
     hidden = None
     if not mesh.is_first_stage:
         hidden = torch.empty(shape, device=mesh.device)
         dist.recv(hidden, src=mesh.prev_stage_rank)
-    out = model(hidden, {"input_ids": ids})
+    out = model(hidden, batch)
     if not mesh.is_last_stage:
         dist.send(out.contiguous(), dst=mesh.next_stage_rank)
         return None
-    if last_only:
+    gather_cp = cp_gather and mesh.cp > 1
+    if last_only and not gather_cp:
         out = out[:, -1:].contiguous()
-    return gather_full(out, 2, (out.shape[0], out.shape[1], vocab_size), mesh.tp_group)
+    logits = gather_full(out, 2, (out.shape[0], out.shape[1], vocab_size), mesh.tp_group)
+    if gather_cp:
+        parts = [torch.empty_like(logits) for _ in range(mesh.cp)]
+        dist.all_gather(parts, logits.contiguous(), group=mesh.cp_group)
+        logits = unsplit(parts)
+        if last_only:
+            logits = logits[:, -1:].contiguous()
+    return logits

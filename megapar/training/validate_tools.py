@@ -56,16 +56,18 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     and that raw --data is read as the records the checkpoint trained on (`trained_sft_keys`)
     (None where neither applies), for the caller to print once its own checks pass."""
 
-    for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
+    for name in ("tp", "pp", "cp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
-    if not args.oversubscribe and not under_launcher():  # one process per tp, pp rank
-        check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
+    if not args.oversubscribe and not under_launcher():  # one process per tp, cp, pp rank
+        cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+        check_local_workers(args.tp * args.pp * args.cp, f"--tp {args.tp}{cp} x --pp {args.pp}")
     manifest = checkpoint_manifest(args.load)
     config = config_from_dict(manifest["model"])
+    layout = Layout(args.tp, args.pp, 1, cp=args.cp)
     try:
-        config.validate(Layout(args.tp, args.pp, 1))
+        config.validate(layout)
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     positions = config.max_positions
@@ -80,6 +82,8 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
         )
+    if args.data and args.seq_len:
+        check_cp_seq_len(args.seq_len, layout)
     causal = config.model_type in CAUSAL_LM_TYPES
     if "seed" in given and causal:  # before any text is tokenized
         raise UsageError(
@@ -108,7 +112,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             discard_tokenized(tokenized)
             raise
     if args.input_ids:
-        _check_ids_file(args.input_ids, positions)
+        _check_bert_inputs(args, _check_ids_file(args.input_ids, positions, args.cp), config)
     notes = [n for n in (note, sft_note, left_note) if n]  # printed once its checks pass
     args.seq_len_note = "\n".join(notes) or None
     return manifest
@@ -232,7 +236,7 @@ NPY_MAGIC = b"\x93NUMPY"
 """The first bytes of every .npy file (numpy's format, any version)."""
 
 
-def _how_to_write_ids(path: str, head: bytes) -> str:
+def _how_to_write_ids(path: str, head: bytes, flag: str = "--input-ids") -> str:
     """How to write --input-ids as megapar-eval reads it: for JSON ids (`head`, the file's
     first bytes, or its name says so), the command that converts `path`; else np.save."""
     if path.lower().endswith(".json") or head.lstrip()[:1] in (b"[", b"{"):
@@ -242,7 +246,8 @@ def _how_to_write_ids(path: str, head: bytes) -> str:
             f"np.asarray(json.load(open({json.dumps(path)})), dtype=np.int64))"
         )
         return f"convert it with: {shlex.join(['python3', '-c', code])}"
-    return "write one with np.save('ids.npy', np.asarray(ids, dtype=np.int64))"
+    name = {"--attention-mask": "mask", "--token-type-ids": "types"}.get(flag, "ids")
+    return f"write one with np.save('{name}.npy', np.asarray({name}, dtype=np.int64))"
 
 
 def untrained_seq_len(load: str, positions: int) -> tuple[int, str]:
@@ -262,25 +267,26 @@ def untrained_seq_len(load: str, positions: int) -> tuple[int, str]:
     )
 
 
-def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
-    """--input-ids' array: a .npy file (numpy's format), read with pickling refused (an object
-    array is refused too). UsageError, naming the file type accepted and how to write one, for
-    anything else (JSON, .npz, text). `mmap`: mapped, not read (for checking its shape)."""
+def load_input_ids(path: str, mmap: bool = False, flag: str = "--input-ids") -> np.ndarray:
+    """--input-ids' array (or `flag`'s: --attention-mask, --token-type-ids): a .npy file
+    (numpy's format), read with pickling refused (an object array is refused too). UsageError,
+    naming the file type accepted and how to write one, for anything else (JSON, .npz, text).
+    `mmap`: mapped, not read (for checking its shape)."""
     try:
         with open(path, "rb") as f:
             head = f.read(64)
     except FileNotFoundError:
-        raise UsageError(f"--input-ids {path}: no such file") from None
+        raise UsageError(f"{flag} {path}: no such file") from None
     except OSError as exc:
-        raise UsageError(f"--input-ids {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
     accepted = "megapar-eval reads a [batch, seq] integer array from a .npy file"
     if not head.startswith(NPY_MAGIC):
         what = "a JSON file" if head.lstrip()[:1] in (b"[", b"{") else "not a .npy file"
         what = "a .npz archive" if head.startswith(b"PK\x03\x04") else what
         raise UsageError(
-            f"--input-ids {path} is {what}; {accepted}: {_how_to_write_ids(path, head)}"
+            f"{flag} {path} is {what}; {accepted}: {_how_to_write_ids(path, head, flag)}"
         )
-    how = _how_to_write_ids(path, b"")
+    how = _how_to_write_ids(path, b"", flag)
     try:
         with open(path, "rb") as f:  # the header: an object array is refused before it is read
             read_header = {
@@ -291,16 +297,18 @@ def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
         if dtype is None or not dtype.hasobject:
             return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
     except ValueError as exc:  # a damaged header or data (numpy's message)
-        raise UsageError(f"--input-ids {path} is a damaged .npy file ({exc}); {how}") from None
+        raise UsageError(f"{flag} {path} is a damaged .npy file ({exc}); {how}") from None
     except OSError as exc:
-        raise UsageError(f"--input-ids {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
     raise UsageError(
-        f"--input-ids {path} holds Python objects, not numbers (megapar never unpickles a "
+        f"{flag} {path} holds Python objects, not numbers (megapar never unpickles a "
         f"file); {accepted}: {how}"
     )
 
 
-def _check_ids_file(path: str, positions: int) -> None:
+def _check_ids_file(path: str, positions: int, cp: int = 1) -> tuple[int, ...]:
+    """--input-ids: a non-empty [batch, seq] integer array the model's positions hold and the
+    cp split cuts (seq a multiple of 2 x cp); returns its shape."""
     ids = load_input_ids(path, mmap=True)
     if not np.issubdtype(ids.dtype, np.integer):
         raise UsageError(
@@ -322,6 +330,67 @@ def _check_ids_file(path: str, positions: int) -> None:
             f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
             f"model's {positions} positions; shorten them"
         )
+    if cp > 1 and ids.shape[1] % (2 * cp):
+        raise UsageError(
+            f"--input-ids has sequences of {ids.shape[1]} tokens, not a multiple of 2 x cp = "
+            f"{2 * cp}: --cp {cp} cuts each sequence into {2 * cp} chunks; pad them (BERT: with "
+            f"--attention-mask 0 on the padding; a causal LM: on the right) or lower --cp"
+        )
+    return tuple(ids.shape)
+
+
+def _check_bert_inputs(args, shape: tuple[int, ...], config) -> None:
+    """--attention-mask / --token-type-ids: BERT's only (megapar's causal LMs take neither),
+    each an integer array of --input-ids' shape: the mask 0 / 1 with a 1 in every row, the
+    types below the model's type_vocab_size."""
+    causal = config.model_type in CAUSAL_LM_TYPES
+    for flag, path in (
+        ("--attention-mask", args.attention_mask),
+        ("--token-type-ids", args.token_type_ids),
+    ):
+        if path is None:
+            continue
+        if causal:
+            why = (
+                "its attention is causal over every token (pad on the right and read the "
+                "real tokens' logits)"
+                if flag == "--attention-mask"
+                else "it has no token-type embedding"
+            )
+            raise UsageError(
+                f"{flag} is BERT's input, and the checkpoint holds a {config.model_type}: {why}; "
+                f"drop {flag}"
+            )
+        values = load_input_ids(path, mmap=True, flag=flag)
+        if not np.issubdtype(values.dtype, np.integer) and values.dtype != np.bool_:
+            raise UsageError(
+                f"{flag} {path} holds {values.dtype} values; it must be integers (e.g. "
+                f"np.save(path, values.astype(np.int64)))"
+            )
+        if tuple(values.shape) != shape:
+            raise UsageError(
+                f"{flag} {path} has shape {tuple(values.shape)}, and --input-ids {shape}; give "
+                f"one value per token"
+            )
+        values = np.asarray(values, dtype=np.int64)
+        if flag == "--attention-mask":
+            if not np.isin(values, (0, 1)).all():
+                raise UsageError(
+                    f"{flag} {path} holds {values[~np.isin(values, (0, 1))][0]}; it holds 1 "
+                    f"for a token and 0 for padding"
+                )
+            empty = np.flatnonzero(values.sum(axis=1) == 0)
+            if empty.size:
+                raise UsageError(
+                    f"{flag} {path}: row {empty[0]} is all 0 (no token to attend to); give "
+                    f"every row at least one 1"
+                )
+        elif values.min() < 0 or values.max() >= config.type_vocab_size:
+            bad = values.max() if values.max() >= config.type_vocab_size else values.min()
+            raise UsageError(
+                f"{flag} {path} holds {bad}, outside the model's {config.type_vocab_size} "
+                f"token types (0-{config.type_vocab_size - 1})"
+            )
 
 
 # --- megapar-bubble --------------------------------------------------------------------------
