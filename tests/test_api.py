@@ -1196,6 +1196,9 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
     ("loss_scale", "loss_scale: megapar's fp16 loss scale (precision='fp16') is always dynamic"),
     ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
+    # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
+    ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
+    ("enable_fsdp_float8_all_gather", "megapar's zero=3 gathers the fp8='tensorwise' linears'"),
 ])
 def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     """DeepSpeed's config keys as keywords get megapar-train's answer to the flag of that name,

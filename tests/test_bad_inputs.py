@@ -1115,6 +1115,23 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--save", "x"], "--save: megapar-eval writes only the logits"),
     ("data", ["--data", "a.txt"], "--data: did you mean --input?"),
     ("convert", ["--load", "a", "--save", "b"], "--load: the source is the first PATH"),
+    # torchtitan's float8 options, Megatron-LM's fp8 flags and --fp8 where a command has none:
+    # "--float8: did you mean --load?", "--fp8-format: did you mean --fp8-emulate?", megapar-plan's
+    # "--fp8-emulate: did you mean --fp8-layers?" / "--compile: did you mean --recompute?",
+    # megapar-eval's "--fp8: did you mean --tp?", or nothing
+    ("train", ["--model.converters", "float8", "--float8.recipe_name", "rowwise"],
+     "--float8.recipe_name: did you mean --fp8 tensorwise or rowwise (torchao's recipes"),
+    ("train", ["--float8"], "--float8: did you mean --fp8 tensorwise (or rowwise"),
+    ("train", ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+     "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes"),
+    ("train", ["--float8.filter_fqns", "output"], "megapar has no per-module float8 filter"),
+    ("train", ["--fp8-format", "hybrid"], "--fp8-format: megapar's float8 casts are torchao's"),
+    ("plan", ["--model", "llama-1b", "--fp8", "tensorwise", "--fp8-emulate"],
+     "--fp8-emulate: megapar-plan plans the job's GPUs"),
+    ("plan", ["--model", "llama-1b", "--compile"], "--compile: megapar-plan plans eager blocks"),
+    ("eval", ["--load", "ck", "--fp8", "tensorwise"], "--fp8: megapar-eval computes in float32"),
+    ("generate", ["--load", "ck", "--fp8-emulate"],
+     "--fp8-emulate: megapar-generate computes in float32"),
 ]
 
 

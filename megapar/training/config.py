@@ -437,6 +437,42 @@ LAUNCHER_RANK = (
     "megapar-train takes its rank from torchrun's environment (LOCAL_RANK), or starts its "
     "local workers itself; drop it"
 )
+FP8_ON = "--fp8 tensorwise (or rowwise; megapar converts the blocks' linears itself)"
+FP8_RECIPE = (
+    "--fp8 tensorwise or rowwise (torchao's recipes of those names; not rowwise_with_gw_hp)"
+)
+FP8_FILTER = (
+    "megapar has no per-module float8 filter: --fp8-layers auto keeps the linears torchao's size "
+    "rule finds too small (on each rank's local N x K) in high precision, all converts every "
+    "block linear whose dims are multiples of 16, and the embedding and the LM head always stay "
+    "in high precision (the run's fp8 line names each kind of layer); drop it"
+)
+FP8_FSDP_GATHER = (
+    "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes by itself "
+    "(not with --compile or --offload-params); drop it"
+)
+FP8_PRECOMPUTE = (
+    "under --zero 3 --fp8 tensorwise the float8 weights' scales come from one all-reduce at each "
+    "step's start, always; drop it"
+)
+FP8_WEIGHT_IN_BWD = (
+    "megapar's --zero 3 frees a block's float8 weights with its gathered unit and gathers them "
+    "again for its backward; elsewhere one float8 cast of each weight serves the step; drop it"
+)
+FP8_MOE = (
+    "megapar keeps a mixture of experts' routed experts in high precision (torchao's float8 "
+    "grouped matmul is a CUDA-only prototype); --fp8 converts attention and shared experts; "
+    "drop it"
+)
+FP8_SCALING = (
+    "megapar's float8 scales are dynamic, from each tensor's current amax (torchao's recipes): "
+    "no amax history, margin or interval; drop it"
+)
+FP8_FORMAT = (
+    "megapar's float8 casts are torchao's: e4m3 for X and W, e5m2 for dY under --fp8 tensorwise "
+    "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
+)
+
 LAUNCHER = (
     "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
     "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
@@ -598,6 +634,38 @@ OTHER_TOOLS_FLAGS = {
     "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
     "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
     "--sp": "--sequence-parallel",
+    # torchtitan's float8 options (`--float8.*`, since 2025 `--quantize.linear.float8.*`),
+    # Megatron-LM's / Transformer Engine's fp8 flags: difflib named --load for --float8,
+    # --fp8-emulate for --fp8-recipe and --fp8-format, or nothing
+    "--float8": FP8_ON,
+    "--model.converters": FP8_ON,
+    "--float8.enable_float8_linear": FP8_ON,
+    "--float8.recipe_name": FP8_RECIPE,
+    "--quantize.linear.float8.recipe_name": FP8_RECIPE,
+    "--recipe_name": FP8_RECIPE,
+    "--fp8-recipe": FP8_RECIPE,
+    "--float8.filter_fqns": FP8_FILTER,
+    "--quantize.linear.float8.filter_fqns": FP8_FILTER,
+    "--filter_fqns": FP8_FILTER,
+    "--float8.emulate": "--fp8-emulate",
+    "--quantize.linear.float8.emulate": "--fp8-emulate",
+    "--float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--fp8-param-gather": FP8_FSDP_GATHER,
+    "--float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--float8.force_recompute_fp8_weight_in_bwd": FP8_WEIGHT_IN_BWD,
+    "--float8.moe_fqns_prototype": FP8_MOE,
+    "--quantize.grouped_mm.float8.fqns": FP8_MOE,
+    "--fp8-format": FP8_FORMAT,
+    "--fp8-margin": FP8_SCALING,
+    "--fp8-interval": FP8_SCALING,
+    "--fp8-amax-history-len": FP8_SCALING,
+    "--fp8-amax-compute-algo": FP8_SCALING,
+    "--training.compile": "--compile",
+    "--compile.enable": "--compile",
     # Megatron-LM's mixture-of-experts flags (difflib named --adam-eps for --num-experts,
     # --moe-capacity-factor for --moe-router-topk-scaling-factor, --tp for --sp)
     "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),

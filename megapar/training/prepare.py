@@ -133,8 +133,9 @@ def _keyword_terms(text: str, fields: list[str]) -> str:
         name, value = m.group(1).replace("-", "_"), m.group(2)
         if name not in fields:
             return m.group(0)
-        if value is not None and value in map(str, choices.get(name, ())):
-            return f"{name}={value!r}"
+        chosen = [c for c in choices.get(name, ()) if value is not None and str(c) == value]
+        if chosen:
+            return f"{name}={chosen[0]!r}"  # zero=3, precision='fp16'
         return name + (f" {value}" if value is not None else "")
 
     return re.sub(r"--([a-z][a-z0-9-]*)(?: ([a-z0-9][\w.]*))?", keyword, text)
