@@ -274,7 +274,7 @@ def prepare(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
             "(it changes what sequence parallelism keeps for the backward)"
         )
-    check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
+    check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
