@@ -46,13 +46,19 @@ def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: str, emulate: bool, layers: str = "auto", cp_group=None
+    model: nn.Module,
+    recipe: str,
+    emulate: bool,
+    layers: str = "auto",
+    cp_group=None,
+    where: str = "",
 ) -> str:
     """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
     `fp8` attribute, all sharing one `Fp8WeightCache`; the weights are untouched; `cp_group`:
     the ranks its sequences are split over, None at cp 1) and return one line saying which
     layers of this rank run in float8 and which stay in high precision, with their local
-    N x K."""
+    N x K; `where` (e.g. " on pipeline rank 0 of 2") follows the recipe, for a model that is
+    one stage of several."""
     if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
         raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
     converted: dict[str, int] = {}
@@ -74,7 +80,7 @@ def convert_to_fp8(
         module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group, cache)
         converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
     mode = " (emulated: fp32 products)" if emulate else ""
-    line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"
+    line = f"fp8 {recipe}{mode}{where}: {sum(converted.values())} linears in float8"
     if converted:
         line += f" ({', '.join(converted)})"
     if kept:
