@@ -970,6 +970,28 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         parse_args(["--config", str(config)])
 
 
+def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path):
+    """A torchtitan TOML given to --config was 'not valid JSON at line 1 column 2'; now one
+    line names its settings as megapar-train's flags, the float8 recipe with its value."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "llama3_debug.toml"
+    job.write_text('[job]\ndump_folder = "out"\n[model]\nconverters = ["float8"]\n'
+                   '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
+                   '[float8]\nrecipe_name = "rowwise"\n'
+                   'enable_fsdp_float8_all_gather = true\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    said = str(exc.value)
+    assert said.startswith(f"{job}: --config takes a JSON or YAML file of megapar-train's "
+                           "flags, not a TOML job config (torchtitan's); give its settings as "
+                           "megapar-train flags: --max-steps 1000 --precision bf16 --fp8 "
+                           "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
+                           "gathers") and said.endswith("(no flag named for: job.dump_folder)")
+    assert "\n" not in said, said
+
+
 OTHER_TOOLS = [
     # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
     ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -837,11 +838,63 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
+def _toml_job_config(path: str) -> str:
+    """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
+    recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
+    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
+    import tomllib
+
+    said = (
+        f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
+        f"job config (torchtitan's)"
+    )
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            job = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return f"{said} ({exc})"
+    keys = [
+        (f"{section}.{key}", value)
+        for section, table in job.items()
+        if isinstance(table, dict)
+        for key, value in table.items()
+    ]
+    recipe = next(
+        (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
+    )
+    flags, sentences, left = [], [], []
+    for key, value in keys:
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if key.endswith("float8.recipe_name") and recipe is not None:
+            flags.append(f"--fp8 {recipe}")
+        elif key == "model.converters" and "float8" in str(value):
+            if recipe is None:  # torchtitan's default recipe: tensorwise
+                flags.append("--fp8 tensorwise")
+        elif ours is None:
+            left.append(key)
+        elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
+            if value is not False:
+                flags.append(ours if value is True else f"{ours} {shown}")
+        else:
+            sentences.append(f"{key}: {ours}")
+    if not (flags or sentences):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    return (
+        f"{said}; give its settings as megapar-train flags: "
+        + "; ".join(([" ".join(flags)] if flags else []) + sentences)
+        + (f" (no flag named for: {', '.join(left)})" if left else "")
+    )
+
+
 def read_run_config(path: str) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says)."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
+    if str(path).endswith(".toml"):
+        raise ConfigError(_toml_job_config(path))
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)
