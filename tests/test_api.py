@@ -1214,6 +1214,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # a string is truthy: fp8_emulate="no" ran emulated, sequence_parallel="False" split
+    ({"fp8": "tensorwise", "fp8_emulate": "no"},
+     ["megapar.prepare: fp8_emulate='no' is invalid: a switch is True or False"]),
+    ({"sequence_parallel": "False"}, ["sequence_parallel='False' is invalid: a switch is True"]),
     # a layout the model cannot take named --tp / --pp (checked before the world size)
     ({"tp": 3}, ["megapar.prepare: 4 attention heads are not divisible by tp=3; use tp=1, 2 or "
                  "4 (each divides the 4 attention heads, hidden size 32, FFN size 128)"]),

@@ -112,14 +112,24 @@ def _check_sharding(cfg: TrainConfig) -> None:
 
 def _check_choices(cfg: TrainConfig) -> None:
     """A setting of a fixed set of values (megapar-train's flag choices: precision, schedule,
-    recompute, optimizer, ...) outside it: ValueError naming the keyword, before anything is
-    built (the engine's own checks raised later, not in the API's terms)."""
+    recompute, optimizer, ...) outside it, or a switch given other than True or False (a
+    string is truthy: fp8_emulate="no" emulated): ValueError naming the keyword, before
+    anything is built (the engine's own checks raised later, not in the API's terms)."""
     for name, allowed in flag_choices().items():
         value = getattr(cfg, name)
         if value is not None and value not in allowed:
             raise UsageError(
                 f"megapar.prepare: {name}={value!r} is invalid: choose one of "
                 f"{', '.join(map(repr, allowed))}"
+            )
+    for f in dataclasses.fields(TrainConfig):  # a switch: "no" or "False" would switch it on
+        value = getattr(cfg, f.name)
+        switch = (
+            value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1))
+        )
+        if "bool" in str(f.type) and not switch:
+            raise UsageError(
+                f"megapar.prepare: {f.name}={value!r} is invalid: a switch is True or False"
             )
 
 
