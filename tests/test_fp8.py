@@ -536,6 +536,24 @@ def test_the_fp8_line_of_a_pipeline_stage_names_its_pipeline_rank():
                            "2: 14 linears in float8") and last.endswith(": head"), last
 
 
+@needs_torchao
+def test_prepare_warns_when_fp8_converts_no_linear():
+    """megapar.prepare prints no line: fp8='tensorwise' on a model too small for the size rule
+    trained with no float8 linear and said nothing. It warns now, naming fp8_layers='all';
+    `engine.fp8_summary` holds the line either way."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"megapar.prepare: fp8='tensorwise' runs none of this "
+                                         r"model's linears in float8 \(fp8 tensorwise .*; "
+                                         r"fp8_layers='all' converts those"):
+        megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise", fp8_emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine = megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise",
+                                 fp8_emulate=True, fp8_layers="all")
+    assert engine.fp8_summary.startswith("fp8 tensorwise (emulated: fp32 products): "), engine
+
+
 # --- refusals ------------------------------------------------------------------------------
 
 def _refusal(**fields) -> str:

@@ -293,6 +293,7 @@ def prepare(
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
+    _warn_no_float8(engine, cfg)
     if isinstance(reader, Path):  # a megapar checkpoint: its weights (engine.load: the rest)
         _load_checkpoint_weights(engine, reader)
     elif reader is not None:
@@ -402,6 +403,25 @@ def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
     engine.tokenizer = meta.get("tokenizer")
     engine.source_dtype = meta.get("hf_dtype")
     engine.source_generation_config = meta.get("hf_generation_config")
+
+
+def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
+    """Warn (rank 0) when fp8 converts none of the stage's linears (a small model under
+    fp8_layers='auto', dims not multiples of 16): the API prints no line of its own, so fp8
+    was on in name only. `engine.fp8_summary` has the line either way."""
+    summary = engine.fp8_summary
+    if summary is None or ": 0 linears in float8" not in summary or engine.mesh.rank != 0:
+        return
+    hint = (
+        "; fp8_layers='all' converts those whose dims are multiples of 16"
+        if cfg.fp8_layers == "auto" and "<=" in summary  # kept by the size rule
+        else ""
+    )
+    warnings.warn(
+        f"megapar.prepare: fp8={cfg.fp8!r} runs none of this model's linears in float8 "
+        f"({summary}){hint}",
+        stacklevel=3,
+    )
 
 
 def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
