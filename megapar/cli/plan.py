@@ -159,7 +159,7 @@ OTHER_FLAGS = {
     "--fp8-emulate": "megapar-plan plans the job's GPUs, whose float8 products are real "
     "(megapar-train --dry-run emulates them on this CPU); drop it",
     "--compile": "megapar-plan plans eager blocks; megapar-train --dry-run --compile plans a "
-    "--compile'd job",
+    "job with compiled blocks",
     "--float8": FP8_ON,
     "--model.converters": FP8_ON,
     "--float8.recipe_name": FP8_RECIPE,

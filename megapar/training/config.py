@@ -18,6 +18,7 @@ import difflib
 import inspect
 import os
 import re
+import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -842,8 +843,6 @@ def _toml_job_config(path: str) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
     `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
-    import tomllib
-
     said = (
         f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
         f"job config (torchtitan's)"
