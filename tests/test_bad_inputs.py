@@ -1148,6 +1148,7 @@ OTHER_TOOLS = [
      "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes"),
     ("train", ["--float8.filter_fqns", "output"], "megapar has no per-module float8 filter"),
     ("train", ["--fp8-format", "hybrid"], "--fp8-format: megapar's float8 casts are torchao's"),
+    ("train", ["--no-fp8-wgrad"], "--no-fp8-wgrad: megapar's float8 linears compute dW"),
     ("plan", ["--model", "llama-1b", "--fp8", "tensorwise", "--fp8-emulate"],
      "--fp8-emulate: megapar-plan plans the job's GPUs"),
     ("plan", ["--model", "llama-1b", "--compile"], "--compile: megapar-plan plans eager blocks"),

@@ -666,6 +666,14 @@ OTHER_TOOLS_FLAGS = {
     "--fp8-interval": FP8_SCALING,
     "--fp8-amax-history-len": FP8_SCALING,
     "--fp8-amax-compute-algo": FP8_SCALING,
+    "--no-fp8-wgrad": "megapar's float8 linears compute dW = dY^T X in float8 too, as "
+    "torchao's tensorwise and rowwise recipes do (rowwise_with_gw_hp is not offered); drop it",
+    "--fp8-dot-product-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--fp8-multi-head-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--first-last-layers-bf16": "megapar treats every block's linears alike under --fp8 (by "
+    "--fp8-layers); drop it",
     "--training.compile": "--compile",
     "--compile.enable": "--compile",
     # Megatron-LM's mixture-of-experts flags (difflib named --adam-eps for --num-experts,
