@@ -520,12 +520,14 @@ def test_the_fp8_line_says_a_moe_stage_keeps_its_experts():
 def test_the_fp8_line_of_a_pipeline_stage_names_its_pipeline_rank():
     """The run prints rank 0's line; at pp 2 it read as the model's ("14 linears in float8 ...;
     always in high precision: embed.word" for llama-tiny's 28, its head unnamed). Each stage's
-    line now names its pipeline rank (the dry run rehearses both here); one stage's none."""
+    line now names its pipeline rank (the dry run rehearses both here); one stage's none. A
+    rank's virtual chunks are named as the layers' parameters are (was chunks.layers.attn.q)."""
     from megapar.dryrun import dry_run
     from megapar.mesh import Layout
     from megapar.models.recipes import resolve_model
 
     cfg = TrainConfig(pp=2, seq_len=16, micro_batch_size=2, global_batch_size=4,
+                      schedule="interleaved", virtual_stages=2,
                       fp8="tensorwise", fp8_layers="all", dry_run=True)
     config = dataclasses.replace(resolve_model("llama-tiny"), vocab_size=VOCAB)
     first, last = (next(n for n in r.notes if n.startswith("fp8"))
@@ -534,6 +536,7 @@ def test_the_fp8_line_of_a_pipeline_stage_names_its_pipeline_rank():
                             "2: 14 linears in float8") and first.endswith("embed.word"), first
     assert last.startswith("fp8 tensorwise (emulated: fp32 products) on pipeline rank 1 of "
                            "2: 14 linears in float8") and last.endswith(": head"), last
+    assert "chunks" not in first + last and "(layers.attn.q 64x64," in first, first
 
 
 @needs_torchao

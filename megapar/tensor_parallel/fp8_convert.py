@@ -21,6 +21,8 @@ not.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, Fp8WeightCache, make_spec
@@ -66,7 +68,8 @@ def convert_to_fp8(
     always: dict[str, None] = {}  # ordered set of the other modules holding matrices
     cache = Fp8WeightCache()
     for name, module in model.named_modules():
-        short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
+        canonical = re.sub(r"^chunks\.\d+\.", "", name)  # a virtual stage's chunk: its own name
+        short = ".".join(p for p in canonical.split(".") if not p.isdigit())  # per kind, not layer
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if any(p.ndim >= 2 for p in module.parameters(recurse=False)):
                 always[short] = None
