@@ -1196,6 +1196,9 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
     ("loss_scale", "loss_scale: megapar's fp16 loss scale (precision='fp16') is always dynamic"),
     ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
+    # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
+    ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
+    ("enable_fsdp_float8_all_gather", "megapar's zero=3 gathers the fp8='tensorwise' linears'"),
 ])
 def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     """DeepSpeed's config keys as keywords get megapar-train's answer to the flag of that name,
@@ -1211,6 +1214,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # a string is truthy: fp8_emulate="no" ran emulated, sequence_parallel="False" split
+    ({"fp8": "tensorwise", "fp8_emulate": "no"},
+     ["megapar.prepare: fp8_emulate='no' is invalid: a switch is True or False"]),
+    ({"sequence_parallel": "False"}, ["sequence_parallel='False' is invalid: a switch is True"]),
     # a layout the model cannot take named --tp / --pp (checked before the world size)
     ({"tp": 3}, ["megapar.prepare: 4 attention heads are not divisible by tp=3; use tp=1, 2 or "
                  "4 (each divides the 4 attention heads, hidden size 32, FFN size 128)"]),

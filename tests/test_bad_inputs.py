@@ -970,6 +970,28 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         parse_args(["--config", str(config)])
 
 
+def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path):
+    """A torchtitan TOML given to --config was 'not valid JSON at line 1 column 2'; now one
+    line names its settings as megapar-train's flags, the float8 recipe with its value."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "llama3_debug.toml"
+    job.write_text('[job]\ndump_folder = "out"\n[model]\nconverters = ["float8"]\n'
+                   '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
+                   '[float8]\nrecipe_name = "rowwise"\n'
+                   'enable_fsdp_float8_all_gather = true\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    said = str(exc.value)
+    assert said.startswith(f"{job}: --config takes a JSON or YAML file of megapar-train's "
+                           "flags, not a TOML job config (torchtitan's); give its settings as "
+                           "megapar-train flags: --max-steps 1000 --precision bf16 --fp8 "
+                           "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
+                           "gathers") and said.endswith("(no flag named for: job.dump_folder)")
+    assert "\n" not in said, said
+
+
 OTHER_TOOLS = [
     # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
     ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),
@@ -1116,6 +1138,24 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--save", "x"], "--save: megapar-eval writes only the logits"),
     ("data", ["--data", "a.txt"], "--data: did you mean --input?"),
     ("convert", ["--load", "a", "--save", "b"], "--load: the source is the first PATH"),
+    # torchtitan's float8 options, Megatron-LM's fp8 flags and --fp8 where a command has none:
+    # "--float8: did you mean --load?", "--fp8-format: did you mean --fp8-emulate?", megapar-plan's
+    # "--fp8-emulate: did you mean --fp8-layers?" / "--compile: did you mean --recompute?",
+    # megapar-eval's "--fp8: did you mean --tp?", or nothing
+    ("train", ["--model.converters", "float8", "--float8.recipe_name", "rowwise"],
+     "--float8.recipe_name: did you mean --fp8 tensorwise or rowwise (torchao's recipes"),
+    ("train", ["--float8"], "--float8: did you mean --fp8 tensorwise (or rowwise"),
+    ("train", ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+     "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes"),
+    ("train", ["--float8.filter_fqns", "output"], "megapar has no per-module float8 filter"),
+    ("train", ["--fp8-format", "hybrid"], "--fp8-format: megapar's float8 casts are torchao's"),
+    ("train", ["--no-fp8-wgrad"], "--no-fp8-wgrad: megapar's float8 linears compute dW"),
+    ("plan", ["--model", "llama-1b", "--fp8", "tensorwise", "--fp8-emulate"],
+     "--fp8-emulate: megapar-plan plans the job's GPUs"),
+    ("plan", ["--model", "llama-1b", "--compile"], "--compile: megapar-plan plans eager blocks"),
+    ("eval", ["--load", "ck", "--fp8", "tensorwise"], "--fp8: megapar-eval computes in float32"),
+    ("generate", ["--load", "ck", "--fp8-emulate"],
+     "--fp8-emulate: megapar-generate computes in float32"),
 ]
 
 

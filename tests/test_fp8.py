@@ -516,6 +516,47 @@ def test_the_fp8_line_says_a_moe_stage_keeps_its_experts():
     assert "experts" not in dense and "always in high precision: embed.word" in dense, dense
 
 
+@needs_torchao
+def test_the_fp8_line_of_a_pipeline_stage_names_its_pipeline_rank():
+    """The run prints rank 0's line; at pp 2 it read as the model's ("14 linears in float8 ...;
+    always in high precision: embed.word" for llama-tiny's 28, its head unnamed). Each stage's
+    line now names its pipeline rank (the dry run rehearses both here); one stage's none. A
+    rank's virtual chunks are named as the layers' parameters are (was chunks.layers.attn.q)."""
+    from megapar.dryrun import dry_run
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+
+    cfg = TrainConfig(pp=2, seq_len=16, micro_batch_size=2, global_batch_size=4,
+                      schedule="interleaved", virtual_stages=2,
+                      fp8="tensorwise", fp8_layers="all", dry_run=True)
+    config = dataclasses.replace(resolve_model("llama-tiny"), vocab_size=VOCAB)
+    first, last = (next(n for n in r.notes if n.startswith("fp8"))
+                   for r in dry_run(cfg, config, Layout(1, 2, 1), [0, 1]))
+    assert first.startswith("fp8 tensorwise (emulated: fp32 products) on pipeline rank 0 of "
+                            "2: 14 linears in float8") and first.endswith("embed.word"), first
+    assert last.startswith("fp8 tensorwise (emulated: fp32 products) on pipeline rank 1 of "
+                           "2: 14 linears in float8") and last.endswith(": head"), last
+    assert "chunks" not in first + last and "(layers.attn.q 64x64," in first, first
+
+
+@needs_torchao
+def test_prepare_warns_when_fp8_converts_no_linear():
+    """megapar.prepare prints no line: fp8='tensorwise' on a model too small for the size rule
+    trained with no float8 linear and said nothing. It warns now, naming fp8_layers='all';
+    `engine.fp8_summary` holds the line either way."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"megapar.prepare: fp8='tensorwise' runs none of this "
+                                         r"model's linears in float8 \(fp8 tensorwise .*; "
+                                         r"fp8_layers='all' converts those"):
+        megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise", fp8_emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine = megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise",
+                                 fp8_emulate=True, fp8_layers="all")
+    assert engine.fp8_summary.startswith("fp8 tensorwise (emulated: fp32 products): "), engine
+
+
 # --- refusals ------------------------------------------------------------------------------
 
 def _refusal(**fields) -> str:
@@ -533,14 +574,44 @@ def test_refusals_name_the_problem_and_the_fix(monkeypatch):
         assert "compute capability >= 8.9" in message and "--fp8-emulate" in message
         check_settings(TrainConfig(fp8="rowwise", fp8_emulate=True))  # accepted
         check_settings(TrainConfig(fp8="rowwise", dry_run=True))  # rehearses the job's GPUs
-    if HAVE_TORCHAO and not torch.cuda.is_available():  # prepare's check, before any engine
-        with pytest.raises(ValueError, match="compute capability >= 8.9"):
+    if HAVE_TORCHAO and not torch.cuda.is_available():  # prepare's check, before any engine,
+        # in its keywords' terms (it named megapar-train's flags: "add --fp8-emulate")
+        with pytest.raises(ValueError) as exc:
             megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise")
+        said = str(exc.value)
+        assert said.startswith("megapar.prepare: fp8='tensorwise' needs a GPU") and (
+            "compute capability >= 8.9" in said and "add fp8_emulate=True" in said
+            and "--" not in said), said
+    with pytest.raises(ValueError) as exc:
+        megapar.prepare(transformers.GPT2Config(**GPT), fp8_emulate=True)
+    assert str(exc.value) == ("megapar.prepare: fp8_emulate=True applies to fp8: add "
+                              "fp8='tensorwise' (or fp8='rowwise') or drop it"), exc.value
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchao" else real(name, *a))
     message = _refusal(fp8="tensorwise", fp8_emulate=True)
     assert "pip install 'megapar[fp8]'" in message and "\n" not in message
+
+
+def test_a_resume_does_not_take_fp8_emulate_from_the_checkpoint():
+    """--fp8-emulate says how this machine runs the products, not what the run trains: a run
+    tried on a laptop under --fp8-emulate and resumed with --load on FP8 GPUs ran emulated
+    (fp32 products) there. The recipe and the layers are still the checkpoint's, and on a CPU
+    the refusal names the recorded --fp8 as not given, and the fix."""
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    saved = {"fp8": "rowwise", "fp8_emulate": True, "fp8_layers": "all"}
+    cfg = parse_args(["--load", "ck"])
+    note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
+    assert (cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers) == ("rowwise", False, "all"), cfg
+    assert note == ["from the checkpoint (not given): --fp8 rowwise, --fp8-layers all"], note
+    if HAVE_TORCHAO and not torch.cuda.is_available():
+        with pytest.raises(UsageError) as exc:
+            check_settings(cfg)
+        assert str(exc.value).startswith(
+            "--fp8 rowwise (not given: the value --load ck recorded) needs a GPU with FP8 "
+            "matmuls") and "give --fp8 off, or add --fp8-emulate" in str(exc.value), exc.value
 
 
 @needs_torchao

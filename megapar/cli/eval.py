@@ -82,6 +82,10 @@ OTHER_FLAGS = {
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",
     "--precision": "megapar-eval computes in float32; drop it",
+    "--fp8": "megapar-eval computes in float32 (an --fp8 run's checkpoint holds fp32 weights); "
+    "drop it",
+    "--fp8-emulate": "megapar-eval computes in float32 (an --fp8 run's checkpoint holds fp32 "
+    "weights); drop it",
     "--tensor-model-parallel-size": "--tp",
     "--pipeline-model-parallel-size": "--pp",
     "--eval-iters": "--max-batches",

@@ -55,6 +55,10 @@ OTHER_FLAGS = {
     "--num-samples": "--samples",
     "--batch-size": "--samples (samples per prompt)",
     "--precision": "megapar-generate computes in float32; drop it",
+    "--fp8": "megapar-generate computes in float32 (an --fp8 run's checkpoint holds fp32 weights); "
+    "drop it",
+    "--fp8-emulate": "megapar-generate computes in float32 (an --fp8 run's checkpoint holds fp32 "
+    "weights); drop it",
     "--dtype": "megapar-generate computes in float32; drop it",
 }
 """Other tools' names for megapar-generate's flags (nanoGPT's sample.py, torchtitan's

@@ -69,6 +69,7 @@ from megapar.plan.report import (
 )
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
+from megapar.training.config import FP8_FILTER, FP8_ON, FP8_RECIPE
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 
@@ -100,6 +101,11 @@ _ONE_SETTING = (
 _ACCUMULATION = (
     "megapar-plan derives each layout's micro-batches per step from --global-batch-size, its "
     "micro-batch size (--micro-batch-sizes) and its dp; drop it"
+)
+
+FP8_ZERO3 = (
+    "megapar-plan counts ZeRO-3's float8 all-gather (and its one all-reduce of the weights' "
+    "scales a step) for --fp8 tensorwise itself; drop it"
 )
 
 OTHER_FLAGS = {
@@ -148,6 +154,22 @@ OTHER_FLAGS = {
     "--offload-params": "--offload both",
     "--offload_param": "--offload both",
     "--checkpoint-activations": "--recompute full",
+    # megapar-train's float8 and compile flags, torchtitan's names for them: difflib named
+    # --fp8-layers for --fp8-emulate and --recompute for --compile, or nothing
+    "--fp8-emulate": "megapar-plan plans the job's GPUs, whose float8 products are real "
+    "(megapar-train --dry-run emulates them on this CPU); drop it",
+    "--compile": "megapar-plan plans eager blocks; megapar-train --dry-run --compile plans a "
+    "job with compiled blocks",
+    "--float8": FP8_ON,
+    "--model.converters": FP8_ON,
+    "--float8.recipe_name": FP8_RECIPE,
+    "--quantize.linear.float8.recipe_name": FP8_RECIPE,
+    "--float8.filter_fqns": FP8_FILTER,
+    "--quantize.linear.float8.filter_fqns": FP8_FILTER,
+    "--float8.enable_fsdp_float8_all_gather": FP8_ZERO3,
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather": FP8_ZERO3,
+    "--float8.precompute_float8_dynamic_scale_for_fsdp": FP8_ZERO3,
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": FP8_ZERO3,
 }
 """megapar-train's layout flags, Megatron-LM's names for them, and other names, answered with
 megapar-plan's way (difflib named `--top` for `--tp`, `--pp`, `--dp`, `--cp` and `--sp`,

@@ -21,6 +21,8 @@ not.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, Fp8WeightCache, make_spec
@@ -46,13 +48,19 @@ def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: str, emulate: bool, layers: str = "auto", cp_group=None
+    model: nn.Module,
+    recipe: str,
+    emulate: bool,
+    layers: str = "auto",
+    cp_group=None,
+    where: str = "",
 ) -> str:
     """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
     `fp8` attribute, all sharing one `Fp8WeightCache`; the weights are untouched; `cp_group`:
     the ranks its sequences are split over, None at cp 1) and return one line saying which
     layers of this rank run in float8 and which stay in high precision, with their local
-    N x K."""
+    N x K; `where` (e.g. " on pipeline rank 0 of 2") follows the recipe, for a model that is
+    one stage of several."""
     if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
         raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
     converted: dict[str, int] = {}
@@ -60,7 +68,8 @@ def convert_to_fp8(
     always: dict[str, None] = {}  # ordered set of the other modules holding matrices
     cache = Fp8WeightCache()
     for name, module in model.named_modules():
-        short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
+        canonical = re.sub(r"^chunks\.\d+\.", "", name)  # a virtual stage's chunk: its own name
+        short = ".".join(p for p in canonical.split(".") if not p.isdigit())  # per kind, not layer
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if any(p.ndim >= 2 for p in module.parameters(recurse=False)):
                 always[short] = None
@@ -74,7 +83,7 @@ def convert_to_fp8(
         module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group, cache)
         converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
     mode = " (emulated: fp32 products)" if emulate else ""
-    line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"
+    line = f"fp8 {recipe}{mode}{where}: {sum(converted.values())} linears in float8"
     if converted:
         line += f" ({', '.join(converted)})"
     if kept:

@@ -16,7 +16,9 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import re
+import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -437,6 +439,42 @@ LAUNCHER_RANK = (
     "megapar-train takes its rank from torchrun's environment (LOCAL_RANK), or starts its "
     "local workers itself; drop it"
 )
+FP8_ON = "--fp8 tensorwise (or rowwise; megapar converts the blocks' linears itself)"
+FP8_RECIPE = (
+    "--fp8 tensorwise or rowwise (torchao's recipes of those names; not rowwise_with_gw_hp)"
+)
+FP8_FILTER = (
+    "megapar has no per-module float8 filter: --fp8-layers auto keeps the linears torchao's size "
+    "rule finds too small (on each rank's local N x K) in high precision, all converts every "
+    "block linear whose dims are multiples of 16, and the embedding and the LM head always stay "
+    "in high precision (the run's fp8 line names each kind of layer); drop it"
+)
+FP8_FSDP_GATHER = (
+    "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes by itself "
+    "(not with --compile or --offload-params); drop it"
+)
+FP8_PRECOMPUTE = (
+    "under --zero 3 --fp8 tensorwise the float8 weights' scales come from one all-reduce at each "
+    "step's start, always; drop it"
+)
+FP8_WEIGHT_IN_BWD = (
+    "megapar's --zero 3 frees a block's float8 weights with its gathered unit and gathers them "
+    "again for its backward; elsewhere one float8 cast of each weight serves the step; drop it"
+)
+FP8_MOE = (
+    "megapar keeps a mixture of experts' routed experts in high precision (torchao's float8 "
+    "grouped matmul is a CUDA-only prototype); --fp8 converts attention and shared experts; "
+    "drop it"
+)
+FP8_SCALING = (
+    "megapar's float8 scales are dynamic, from each tensor's current amax (torchao's recipes): "
+    "no amax history, margin or interval; drop it"
+)
+FP8_FORMAT = (
+    "megapar's float8 casts are torchao's: e4m3 for X and W, e5m2 for dY under --fp8 tensorwise "
+    "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
+)
+
 LAUNCHER = (
     "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
     "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
@@ -598,6 +636,46 @@ OTHER_TOOLS_FLAGS = {
     "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
     "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
     "--sp": "--sequence-parallel",
+    # torchtitan's float8 options (`--float8.*`, since 2025 `--quantize.linear.float8.*`),
+    # Megatron-LM's / Transformer Engine's fp8 flags: difflib named --load for --float8,
+    # --fp8-emulate for --fp8-recipe and --fp8-format, or nothing
+    "--float8": FP8_ON,
+    "--model.converters": FP8_ON,
+    "--float8.enable_float8_linear": FP8_ON,
+    "--float8.recipe_name": FP8_RECIPE,
+    "--quantize.linear.float8.recipe_name": FP8_RECIPE,
+    "--recipe_name": FP8_RECIPE,
+    "--fp8-recipe": FP8_RECIPE,
+    "--float8.filter_fqns": FP8_FILTER,
+    "--quantize.linear.float8.filter_fqns": FP8_FILTER,
+    "--filter_fqns": FP8_FILTER,
+    "--float8.emulate": "--fp8-emulate",
+    "--quantize.linear.float8.emulate": "--fp8-emulate",
+    "--float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--fp8-param-gather": FP8_FSDP_GATHER,
+    "--float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--float8.force_recompute_fp8_weight_in_bwd": FP8_WEIGHT_IN_BWD,
+    "--float8.moe_fqns_prototype": FP8_MOE,
+    "--quantize.grouped_mm.float8.fqns": FP8_MOE,
+    "--fp8-format": FP8_FORMAT,
+    "--fp8-margin": FP8_SCALING,
+    "--fp8-interval": FP8_SCALING,
+    "--fp8-amax-history-len": FP8_SCALING,
+    "--fp8-amax-compute-algo": FP8_SCALING,
+    "--no-fp8-wgrad": "megapar's float8 linears compute dW = dY^T X in float8 too, as "
+    "torchao's tensorwise and rowwise recipes do (rowwise_with_gw_hp is not offered); drop it",
+    "--fp8-dot-product-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--fp8-multi-head-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--first-last-layers-bf16": "megapar treats every block's linears alike under --fp8 (by "
+    "--fp8-layers); drop it",
+    "--training.compile": "--compile",
+    "--compile.enable": "--compile",
     # Megatron-LM's mixture-of-experts flags (difflib named --adam-eps for --num-experts,
     # --moe-capacity-factor for --moe-router-topk-scaling-factor, --tp for --sp)
     "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
@@ -769,11 +847,61 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
+def _toml_job_config(path: str) -> str:
+    """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
+    recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
+    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
+    said = (
+        f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
+        f"job config (torchtitan's)"
+    )
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            job = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return f"{said} ({exc})"
+    keys = [
+        (f"{section}.{key}", value)
+        for section, table in job.items()
+        if isinstance(table, dict)
+        for key, value in table.items()
+    ]
+    recipe = next(
+        (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
+    )
+    flags, sentences, left = [], [], []
+    for key, value in keys:
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if key.endswith("float8.recipe_name") and recipe is not None:
+            flags.append(f"--fp8 {recipe}")
+        elif key == "model.converters" and "float8" in str(value):
+            if recipe is None:  # torchtitan's default recipe: tensorwise
+                flags.append("--fp8 tensorwise")
+        elif ours is None:
+            left.append(key)
+        elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
+            if value is not False:
+                flags.append(ours if value is True else f"{ours} {shown}")
+        else:
+            sentences.append(f"{key}: {ours}")
+    if not (flags or sentences):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    return (
+        f"{said}; give its settings as megapar-train flags: "
+        + "; ".join(([" ".join(flags)] if flags else []) + sentences)
+        + (f" (no flag named for: {', '.join(left)})" if left else "")
+    )
+
+
 def read_run_config(path: str) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says)."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
+    if str(path).endswith(".toml"):
+        raise ConfigError(_toml_job_config(path))
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)

@@ -56,7 +56,8 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
 
 def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     """(this rank's model stage, built and initialised as cfg says; under --fp8 the line that
-    names its float8 and high-precision linears, else None)."""
+    names its float8 and high-precision linears, with its pipeline rank at pp > 1, else
+    None)."""
     model = build_stage(
         model_config,
         mesh,
@@ -67,10 +68,11 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     )
     set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
     set_sp_regather(model, cfg.sp_regather)  # kept off under --recompute full
+    where = f" on pipeline rank {mesh.pp_rank} of {mesh.pp}" if mesh.pp > 1 else ""
     summary = (
         None
         if cfg.fp8 == "off"
-        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers, mesh.cp_group)
+        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers, mesh.cp_group, where)
         + _experts_kept(model)
     )
     if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly

@@ -112,14 +112,24 @@ def _check_sharding(cfg: TrainConfig) -> None:
 
 def _check_choices(cfg: TrainConfig) -> None:
     """A setting of a fixed set of values (megapar-train's flag choices: precision, schedule,
-    recompute, optimizer, ...) outside it: ValueError naming the keyword, before anything is
-    built (the engine's own checks raised later, not in the API's terms)."""
+    recompute, optimizer, ...) outside it, or a switch given other than True or False (a
+    string is truthy: fp8_emulate="no" emulated): ValueError naming the keyword, before
+    anything is built (the engine's own checks raised later, not in the API's terms)."""
     for name, allowed in flag_choices().items():
         value = getattr(cfg, name)
         if value is not None and value not in allowed:
             raise UsageError(
                 f"megapar.prepare: {name}={value!r} is invalid: choose one of "
                 f"{', '.join(map(repr, allowed))}"
+            )
+    for f in dataclasses.fields(TrainConfig):  # a switch: "no" or "False" would switch it on
+        value = getattr(cfg, f.name)
+        switch = (
+            value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1))
+        )
+        if "bool" in str(f.type) and not switch:
+            raise UsageError(
+                f"megapar.prepare: {f.name}={value!r} is invalid: a switch is True or False"
             )
 
 
@@ -133,8 +143,9 @@ def _keyword_terms(text: str, fields: list[str]) -> str:
         name, value = m.group(1).replace("-", "_"), m.group(2)
         if name not in fields:
             return m.group(0)
-        if value is not None and value in map(str, choices.get(name, ())):
-            return f"{name}={value!r}"
+        chosen = [c for c in choices.get(name, ()) if value is not None and str(c) == value]
+        if chosen:
+            return f"{name}={chosen[0]!r}"  # zero=3, precision='fp16'
         return name + (f" {value}" if value is not None else "")
 
     return re.sub(r"--([a-z][a-z0-9-]*)(?: ([a-z0-9][\w.]*))?", keyword, text)
@@ -273,7 +284,7 @@ def prepare(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
             "(it changes what sequence parallelism keeps for the backward)"
         )
-    check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
+    check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
@@ -282,6 +293,7 @@ def prepare(
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
+    _warn_no_float8(engine, cfg)
     if isinstance(reader, Path):  # a megapar checkpoint: its weights (engine.load: the rest)
         _load_checkpoint_weights(engine, reader)
     elif reader is not None:
@@ -391,6 +403,25 @@ def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
     engine.tokenizer = meta.get("tokenizer")
     engine.source_dtype = meta.get("hf_dtype")
     engine.source_generation_config = meta.get("hf_generation_config")
+
+
+def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
+    """Warn (rank 0) when fp8 converts none of the stage's linears (a small model under
+    fp8_layers='auto', dims not multiples of 16): the API prints no line of its own, so fp8
+    was on in name only. `engine.fp8_summary` has the line either way."""
+    summary = engine.fp8_summary
+    if summary is None or ": 0 linears in float8" not in summary or engine.mesh.rank != 0:
+        return
+    hint = (
+        "; fp8_layers='all' converts those whose dims are multiples of 16"
+        if cfg.fp8_layers == "auto" and "<=" in summary  # kept by the size rule
+        else ""
+    )
+    warnings.warn(
+        f"megapar.prepare: fp8={cfg.fp8!r} runs none of this model's linears in float8 "
+        f"({summary}){hint}",
+        stacklevel=3,
+    )
 
 
 def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:

@@ -8,6 +8,7 @@ import importlib.util
 import torch
 
 from megapar.device import use_cuda
+from megapar.training.validate_sharding import _terms
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 matmuls (Ada; Hopper is 9.0, Blackwell 10.0)."""
@@ -17,11 +18,17 @@ class Fp8Error(ValueError):
     """A --fp8 setting that cannot run (megapar-train reports it as a usage error)."""
 
 
-def check_fp8(cfg, hardware: bool = True, given: set[str] | None = None) -> None:
+def check_fp8(
+    cfg, hardware: bool = True, given: set[str] | None = None, keyword: str | None = None
+) -> None:
     """Raise Fp8Error naming the problem and the fix. `hardware`: check this machine's GPU
     (False for the dry run, which rehearses the job's GPUs on the CPU). `given`: the settings
     the user gave; --fp8-emulate / --fp8-layers without --fp8 are refused only when given (a
-    resumed --fp8 run's recorded ones are inert under --fp8 off)."""
+    resumed --fp8 run's recorded ones are inert under --fp8 off). `keyword`: the function whose
+    keywords the settings are (e.g. "megapar.prepare"): the line then names them as
+    `name=value` instead of by their flags."""
+    term = _terms(keyword)
+    where = f"{keyword}: " if keyword else ""
     if cfg.fp8 == "off":
         inert = [n for n in ("fp8_emulate", "fp8_layers") if given is None or n in given]
         if (
@@ -31,33 +38,40 @@ def check_fp8(cfg, hardware: bool = True, given: set[str] | None = None) -> None
             and (cfg.fp8_layers != "auto")
         ):
             which = (
-                "--fp8-emulate" if cfg.fp8_emulate and "fp8_emulate" in inert else "--fp8-layers"
+                term("fp8_emulate", True)
+                if cfg.fp8_emulate and "fp8_emulate" in inert
+                else term("fp8_layers", cfg.fp8_layers)
             )
             raise Fp8Error(
-                f"{which} applies to --fp8: add --fp8 tensorwise (or rowwise) or drop it"
+                f"{where}{which} applies to {term('fp8')}: add {term('fp8', 'tensorwise')} "
+                f"(or {term('fp8', 'rowwise')}) or drop it"
             )
         return
+    fp8, drop = term("fp8", cfg.fp8), f"drop {term('fp8')}"
+    if keyword is None and "fp8" in getattr(cfg, "from_checkpoint", ()):  # --load's, not given
+        fp8 += f" (not given: the value --load {cfg.load} recorded)"
+        drop = "give --fp8 off"
     if importlib.util.find_spec("torchao") is None:
         raise Fp8Error(
-            f"--fp8 {cfg.fp8} needs torchao's float8 training, which is not installed: "
-            f"pip install 'megapar[fp8]' (or torchao==0.18.0), or drop --fp8"
+            f"{where}{fp8} needs torchao's float8 training, which is not installed: "
+            f"pip install 'megapar[fp8]' (or torchao==0.18.0), or {drop}"
         )
     if hardware and not cfg.fp8_emulate:
-        _check_gpu(cfg.fp8)
+        _check_gpu(fp8, drop, term("fp8_emulate", True), where)
 
 
-def _check_gpu(recipe: str) -> None:
+def _check_gpu(fp8: str, drop: str, emulate: str, where: str) -> None:
     if not use_cuda():
         raise Fp8Error(
-            f"--fp8 {recipe} needs a GPU with FP8 matmuls (compute capability >= 8.9) and "
-            f"this run has none (no GPU visible, or MEGAPAR_CPU=1): drop --fp8, or add "
-            f"--fp8-emulate (the float8 casts with fp32 products: for tests, slower than bf16)"
+            f"{where}{fp8} needs a GPU with FP8 matmuls (compute capability >= 8.9) and "
+            f"this run has none (no GPU visible, or MEGAPAR_CPU=1): {drop}, or add "
+            f"{emulate} (the float8 casts with fp32 products: for tests, slower than bf16)"
         )
     capability = torch.cuda.get_device_capability()
     if capability < FP8_CAPABILITY:
         name = torch.cuda.get_device_name()
         raise Fp8Error(
-            f"--fp8 {recipe} needs a GPU with FP8 matmuls (compute capability >= 8.9: "
+            f"{where}{fp8} needs a GPU with FP8 matmuls (compute capability >= 8.9: "
             f"L4 / L40, H100, H200, B200); this {name} is {capability[0]}.{capability[1]}: "
-            f"drop --fp8 (or add --fp8-emulate, slower than bf16)"
+            f"{drop} (or add {emulate}, slower than bf16)"
         )

@@ -274,6 +274,9 @@ NOT_INHERITED = {
     "grad_bucket_mb",
     "p2p_dtype",
     "grad_reduce_dtype",
+    # how this machine runs --fp8's products (emulated on a CPU, real kernels on FP8 GPUs): a
+    # run tried on a laptop under --fp8-emulate and resumed on the cluster runs the kernels
+    "fp8_emulate",
     # where things go and how the run is watched or stopped
     "model",
     "from_hf",
