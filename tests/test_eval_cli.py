@@ -394,7 +394,7 @@ def _refuse_workers(monkeypatch):
         raise AssertionError("a worker was started for a bad --save-logits")
 
     monkeypatch.setattr(megapar.launcher, "run_workers", refuse)
-    monkeypatch.setattr("megapar.cli.eval.run_workers", refuse)  # its own reference too
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", refuse)  # its own reference too
 
 
 def _one_error_line(capsys) -> str:
@@ -655,6 +655,12 @@ def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys,
     assert rc == 2
     assert ("torchrun / Slurm started 4 processes but megapar-eval runs on tp x pp = 2 x 1 = 2 "
             "(it has no data parallelism); start 2 or change --tp / --pp") in line
+    # the other processes of the node refuse it too, without a word: the line is printed once
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rc = evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                   "--save-logits", str(ckpt.parent / "out.npy")])
+    assert rc == 2 and capsys.readouterr().err == ""
 
 
 def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkpoints(
@@ -729,7 +735,9 @@ def _signalled_worker(signum):
         import os
         import time
 
-        if os.environ.get("RANK") == "0":
+        if "RANK" not in os.environ:  # tp 1: the one rank runs in the command's process
+            os.kill(os.getpid(), signum)
+        elif os.environ["RANK"] == "0":
             time.sleep(0.3)
             os.kill(os.getppid(), signum)
         time.sleep(60)
@@ -749,12 +757,14 @@ def _evaluate_in_child(argv, out, patch=None) -> int:
     return exit_code(fork_running(run, out))
 
 
+@pytest.mark.parametrize("tp", ["1", "2"])
 @pytest.mark.parametrize("signum, rc, what", [
     (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
 def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
-        tiny_ckpt, tmp_path, signum, rc, what):
+        tiny_ckpt, tmp_path, signum, rc, what, tp):
     # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
-    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1
+    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1; at tp 1
+    # (the rank in the command's own process) a traceback and -2, or no word and -15
     import megapar.cli.eval as eval_cli
 
     def patch():
@@ -762,7 +772,7 @@ def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
 
     ckpt, ids = tiny_ckpt
     out = tmp_path / "out.txt"
-    got = _evaluate_in_child(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+    got = _evaluate_in_child(["--load", str(ckpt), "--tp", tp, "--input-ids", str(ids),
                               "--save-logits", str(tmp_path / "lg.npy")], out, patch)
     err = out.read_text().strip()
     assert got == rc, err

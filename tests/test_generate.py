@@ -13,6 +13,7 @@ The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked 
 """
 
 import json
+import signal
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model(imported, tmp_path, a
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built for bad input")
 
-    monkeypatch.setattr("megapar.cli.generate.run_workers", refuse)
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", refuse)
     monkeypatch.setattr("megapar.cli.generate.load_model", refuse)
     (tmp_path / "long.txt").write_text(" ".join(["the"] * 40))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -184,6 +185,65 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model(imported, tmp_path, a
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("megapar-generate: error: "), err
     assert line.replace("{tmp}", str(tmp_path)) in err[0]
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+def test_a_torchrun_world_other_than_tp_x_pp_is_refused_by_all_and_said_once(
+        imported, capsys, monkeypatch):
+    """3 torchrun processes for --tp 2: every one exits 2 before any model; only LOCAL_RANK 0
+    says why (each of them printed the line), in megapar-eval's words."""
+    _, _, ckpt = imported
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built for a refused job")
+
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", refuse)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    said = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert generate(["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "a",
+                         "--tp", "2"]) == 2
+        said.append(capsys.readouterr().err)
+    assert said == ["megapar-generate: error: torchrun / Slurm started 3 processes but "
+                    "megapar-generate runs on tp x pp = 2 x 1 = 2 (it has no data parallelism); "
+                    "start 2 or change --tp / --pp\n", "", ""]
+
+
+def _signalled_self(signum):
+    """A worker that sends `signum` to its own process (at tp 1: the command's)."""
+
+    def worker(args):
+        import os
+        import time
+
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+
+    return worker
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+@pytest.mark.parametrize("signum, rc, what", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_ctrl_c_or_sigterm_at_tp_1_is_the_one_line_of_tp_2(imported, tmp_path, signum, rc,
+                                                              what):
+    """At tp 1 x pp 1 the rank runs in the command's own process: a SIGTERM ended it with no
+    word (-15), a Ctrl-C with a KeyboardInterrupt traceback (-2)."""
+    import megapar.cli.generate as generate_cli
+    from forked import exit_code, fork_running
+
+    _, _, ckpt = imported
+    out = tmp_path / "out.txt"
+
+    def run():
+        generate_cli._worker = _signalled_self(signum)
+        return generate(["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "a"])
+
+    got = exit_code(fork_running(run, out))
+    err = out.read_text().strip()
+    assert (got, err) == (rc, f"megapar-generate: {what}"), err
 
 
 def test_a_missing_checkpoint_or_a_transformers_directory_is_named(tmp_path, capsys):
@@ -234,7 +294,7 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
     _, _, ckpt = imported
     tok = load_tokenizer("sentencepiece")
     new = [*tok.encode(" and so on"), EOS]
-    monkeypatch.setattr("megapar.cli.generate.run_workers",
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers",
                         lambda *args, **kwargs: [[(new, "eos")]])
     argv = ["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "Hello world"]
     assert generate(argv) == 0

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megapar.checkpoint.format import CheckpointError
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import worker_exit
+from megapar.cli.worker_exit import launched_size_refusal, prints_refusals, run_reported
 from megapar.context_parallel import split as cp_split
 from megapar.data import (
     GPTDataset,
@@ -41,7 +41,6 @@ from megapar.data import (
 from megapar.data.blended import parse_blend
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
-from megapar.launcher import launched_world_size, run_workers, under_launcher
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
@@ -465,18 +464,11 @@ def main(argv=None) -> int:
     previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         world = args.tp * args.cp * args.pp
-        if under_launcher() and launched_world_size() != world:
-            sizes = (
-                f"tp x cp x pp = {args.tp} x {args.cp} x {args.pp}"
-                if args.cp > 1
-                else f"tp x pp = {args.tp} x {args.pp}"
-            )
-            flags = "--tp / --cp / --pp" if args.cp > 1 else "--tp / --pp"
-            raise UsageError(
-                f"torchrun / Slurm started {launched_world_size()} processes but "
-                f"megapar-eval runs on {sizes} = {world} (it has no data parallelism); start "
-                f"{world} or change {flags}"
-            )
+        refusal = launched_size_refusal("megapar-eval", args.tp, args.pp, args.cp)
+        if refusal:
+            if prints_refusals():  # once per node, not once per process
+                print(f"megapar-eval: error: {refusal}", file=sys.stderr)
+            return 2
         manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
@@ -494,11 +486,12 @@ def main(argv=None) -> int:
     finally:
         if previous is not None:  # the ranks' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)
-    try:
-        results = run_workers(worker, world, args, optimizers=False)
-    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        # rank 0 writes --save-logits only once all are done
-        return worker_exit("megapar-eval", exc, "in evaluation", "; nothing was written")
+    # rank 0 writes --save-logits only once all are done
+    results = run_reported(
+        "megapar-eval", worker, world, args, "in evaluation", "; nothing was written"
+    )
+    if isinstance(results, int):
+        return results
     if results and results[0] is not None:
         result = results[0]
         if "perplexity" in result and not math.isfinite(result["perplexity"]):

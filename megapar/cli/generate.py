@@ -20,16 +20,11 @@ import torch
 
 from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import worker_exit
+from megapar.cli.worker_exit import launched_size_refusal, prints_refusals, run_reported
 from megapar.data import load_tokenizer
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer
 from megapar.faults.processes import exit_uncollected
-from megapar.launcher import (
-    check_local_workers,
-    launched_world_size,
-    run_workers,
-    under_launcher,
-)
+from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
@@ -356,10 +351,7 @@ def _worker(args):
 
 def _run(args):
     """The workers' samples, or the exit code of a failure (its line already printed)."""
-    try:
-        return run_workers(_worker, args.tp * args.pp, args, optimizers=False)
-    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        return worker_exit("megapar-generate", exc, "in generation")
+    return run_reported("megapar-generate", _worker, args.tp * args.pp, args, "in generation")
 
 
 @quiet_when_stdout_closes
@@ -370,12 +362,11 @@ def main(argv=None) -> int:
     try:  # every argument, the checkpoint and the prompts: before any model is built
         check_values(args, parser.given(argv))
         prompts = read_prompts(args)
-        if under_launcher() and launched_world_size() != args.tp * args.pp:
-            raise UsageError(
-                f"torchrun / Slurm started {launched_world_size()} processes but "
-                f"megapar-generate runs on tp x pp = {args.tp * args.pp}; start that many or "
-                f"change --tp / --pp"
-            )
+        refusal = launched_size_refusal("megapar-generate", args.tp, args.pp)
+        if refusal:
+            if prints_refusals():  # once per node, not once per process
+                print(f"megapar-generate: error: {refusal}", file=sys.stderr)
+            return 2
         if not args.oversubscribe and not under_launcher():
             check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
         manifest = checkpoint_of(args.load)

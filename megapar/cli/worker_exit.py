@@ -1,19 +1,30 @@
 """How megapar-eval's and megapar-generate's workers ending in an exception end the command:
 a Ctrl-C or SIGTERM that stopped the ranks is one line and exit 130 / 143, any other failure
-one line naming the rank (its traceback in a log file) and exit 1."""
+one line naming the rank (its traceback in a log file) and exit 1; and their refusal of a
+torchrun / Slurm job of another size than tp x pp."""
 
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
+from megapar.device import env_local_rank
 from megapar.faults.report import log_dir_for, worker_failure
-from megapar.faults.stop import SIGTERM_EXIT_CODE
-from megapar.launcher import WorkerError
+from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 
 _STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
 """How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
+
+
+def stopped_line(tool: str, sigterm: bool, stopped_note: str = "") -> tuple[str, int]:
+    """(`tool`'s line, its exit code) for a run a SIGTERM (else a Ctrl-C) stopped."""
+    what = "terminated (SIGTERM)" if sigterm else "interrupted"
+    return f"{tool}: {what}{stopped_note}", SIGTERM_EXIT_CODE if sigterm else 130
 
 
 def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -> int:
@@ -23,10 +34,9 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
     `doing` (e.g. "in evaluation") where megapar-train's says "before training started"."""
     stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
     if stopped:
-        sigterm = stopped.group(1) is not None
-        what = "terminated (SIGTERM)" if sigterm else "interrupted"
-        print(f"{tool}: {what}{stopped_note}", file=sys.stderr)
-        return SIGTERM_EXIT_CODE if sigterm else 130
+        line, code = stopped_line(tool, stopped.group(1) is not None, stopped_note)
+        print(line, file=sys.stderr)
+        return code
     text = (
         str(exc)
         if isinstance(exc, WorkerError)
@@ -39,3 +49,54 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
         file=sys.stderr,
     )
     return 1
+
+
+def run_reported(
+    tool: str,
+    worker: Callable[[Any], Any],
+    world_size: int,
+    args: Any,
+    doing: str,
+    stopped_note: str = "",
+) -> list[Any] | int:
+    """`run_workers(worker, world_size, args)` (no optimizers), or the exit code of its end
+    (its line printed: `worker_exit`). A single local worker runs in this process: a SIGTERM
+    raises SystemExit(143) there (`sigterm_as_exit`) and ends, as a Ctrl-C's KeyboardInterrupt
+    does, in the same line and exit code as the forked ranks' stop."""
+    previous = None if under_launcher() or world_size > 1 else sigterm_as_exit()
+    try:
+        return run_workers(worker, world_size, args, optimizers=False)
+    except KeyboardInterrupt:
+        line, code = stopped_line(tool, False, stopped_note)
+    except SystemExit as exc:
+        if previous is None or exc.code != SIGTERM_EXIT_CODE:
+            raise
+        line, code = stopped_line(tool, True, stopped_note)
+    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
+        return worker_exit(tool, exc, doing, stopped_note)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(line, file=sys.stderr)
+    return code
+
+
+def launched_size_refusal(tool: str, tp: int, pp: int, cp: int = 1) -> str | None:
+    """The refusal of a torchrun / Slurm job whose process count is not `tool`'s tp x cp x pp
+    (it has no data parallelism), or None (no launcher, or the right count). Every process of
+    the job refuses it (exit 2); only the first on each node (`prints_refusals`) prints it."""
+    world = tp * cp * pp
+    if not under_launcher() or launched_world_size() == world:
+        return None
+    sizes = f"tp x cp x pp = {tp} x {cp} x {pp}" if cp > 1 else f"tp x pp = {tp} x {pp}"
+    flags = "--tp / --cp / --pp" if cp > 1 else "--tp / --pp"
+    return (
+        f"torchrun / Slurm started {launched_world_size()} processes but {tool} runs on "
+        f"{sizes} = {world} (it has no data parallelism); start {world} or change {flags}"
+    )
+
+
+def prints_refusals() -> bool:
+    """Whether this process prints a refusal every process of a torchrun / Slurm job makes:
+    the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone."""
+    return not under_launcher() or env_local_rank() == 0
