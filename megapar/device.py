@@ -426,12 +426,41 @@ for the connections. gloo itself waits up to 5 times the group's timeout (measur
 (or whose address was a dead rank's: torchrun's restarts, `default_store_prefix`)."""
 
 
+_GLOO_CONNECT = re.compile(r"Gloo connectFullMesh failed with (?:\[[^\]]*\] )?(?P<why>.*)", re.S)
+_REMOTE = re.compile(r"(?:, remote=| )?\[(?P<host>[^\]\s]+)\]:(?P<port>\d+)(?:\$\d+)?")
+"""A member's address in gloo's error: [HOST]:PORT, and $N, the pair's sequence number."""
+
+
+def connect_failure(error: str, what: str, rank: int, wait_s: float) -> str | None:
+    """The one line for gloo's failure to connect to a member of a group (`error`: its
+    "Gloo connectFullMesh failed with ... remote=[HOST]:PORT"), raised at once where the
+    address a member gave in the store refuses the connection (the member is gone: it died, or
+    the address is an earlier job's or attempt's) or cannot be reached; None for any other
+    error. `what`: what the rank was doing ("joining the process group")."""
+    found = _GLOO_CONNECT.search(error)
+    if not found:
+        return None
+    why = found.group("why").strip().splitlines()[0] if found.group("why").strip() else ""
+    remote = _REMOTE.search(why)
+    where = f"{remote.group('host')}:{remote.group('port')}" if remote else "its address"
+    why = _REMOTE.sub("", why).strip(" ,;") or "no reason given"
+    return (
+        f"rank {rank} could not connect to a member of its group at {where} while {what} "
+        f"(gloo: {why}): check that every rank has the same MASTER_ADDR / MASTER_PORT (else "
+        f"it reads another job's or an earlier attempt's addresses) and that the node at "
+        f"{where.rsplit(':', 1)[0]} is up and reachable from this one; --timeout-s "
+        f"({wait_s:g} s) bounds how long the members may take to join"
+    )
+
+
 @contextlib.contextmanager
 def connect_bound(what: str, wait_s: float, rank: int):
     """Around the creation of a gloo process group (`what`, e.g. "joining the process group"):
     if it has not returned `CONNECT_BOUND` x `wait_s` after it began, the rank writes one line
     (what, how long, --timeout-s), runs the forced-exit cleanups (its --save lock) and exits
-    with code 1, which a wait inside gloo cannot see otherwise. Nothing on NCCL."""
+    with code 1, which a wait inside gloo cannot see otherwise. A connection gloo gives up on
+    at once (a member's address refuses it) is a ConnectionError in one line
+    (`connect_failure`) instead of gloo's. Nothing on NCCL."""
     if backend() == "nccl":
         yield
         return
@@ -452,6 +481,11 @@ def connect_bound(what: str, wait_s: float, rank: int):
     threading.Thread(target=watch, name="megapar-connect-bound", daemon=True).start()
     try:
         yield
+    except RuntimeError as exc:
+        line = connect_failure(str(exc), what, rank, wait_s)
+        if line is None:
+            raise
+        raise ConnectionError(line) from None
     finally:
         done.set()
 

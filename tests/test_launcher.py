@@ -621,3 +621,67 @@ def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_time
         assert lines == [f"megapar: rank {rank}: joining the process group did not complete "
                          f"in 2 s (2 x --timeout-s 1): a member gave its address and then did "
                          f"not connect (it died or stopped); exiting with code 1"], texts[rank]
+
+
+def _join_alone(rank, port, wait_s, err):
+    """Rank `rank` of 2 joining under torchrun's agent store at `port` on its own (the other
+    rank is not started); its error's text to the file `err`, exit 3 on an error, 0 joined."""
+    import os
+
+    from megapar import device
+
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        os.environ.pop(name, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    try:
+        device.init_distributed(rank=rank, world_size=2, timeout_s=wait_s)
+    except Exception as exc:  # noqa: BLE001 - its end is the test
+        os.write(2, f"{type(exc).__name__}: {exc}\n".encode())
+        os._exit(3)
+    os._exit(0)
+
+
+def test_a_rank_refused_by_a_dead_members_address_says_so_in_one_line(tmp_path):
+    """Rank 0 gives its gloo address in the store and dies; rank 1 then reads it. Where rank 1
+    is the pair's connecting side (gloo picks it from the two addresses: the tries go on until
+    it is), the refused connection failed at once with gloo's "Gloo connectFullMesh failed
+    with [...pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[...]";
+    it is one line naming the rank, the address and what to check."""
+    import multiprocessing as mp
+    import re
+    from datetime import timedelta
+
+    from megapar.launcher import free_port
+
+    port, ctx = free_port(), mp.get_context("fork")
+    agent = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30),
+                          wait_for_workers=False)
+
+    def alone(rank, name):
+        err = tmp_path / name
+        proc = ctx.Process(target=_join_alone, args=(rank, port, 0.5, err))
+        start = time.monotonic()
+        proc.start()
+        proc.join(timeout=30)
+        return proc.exitcode, time.monotonic() - start, err.read_text()
+
+    assert alone(0, "rank0.txt")[0] != 0  # gave its address, then gave up waiting for rank 1
+    for attempt in range(12):
+        code, took, text = alone(1, f"rank1-{attempt}.txt")
+        if code == 3:
+            break
+        assert code == 1, text  # the waiting side: connect_bound's line after 2 x 0.5 s
+    del agent
+    assert code == 3 and took < 20, (code, took, text)  # gloo's 3 retries at most: no wait
+    # gloo's own log lines (C++: its retries, its error) stay; then one line, no traceback
+    assert "Traceback" not in text, text
+    assert re.fullmatch(
+        r"ConnectionError: rank 1 could not connect to a member of its group at "
+        r"127\.0\.0\.1:\d+ while joining the process group \(gloo: [^)]*Connection refused\): "
+        r"check that every rank has the same MASTER_ADDR / MASTER_PORT \(else it reads another "
+        r"job's or an earlier attempt's addresses\) and that the node at 127\.0\.0\.1 is up and "
+        r"reachable from this one; --timeout-s \(0\.5 s\) bounds how long the members may take "
+        r"to join", text.splitlines()[-1]), text
