@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_faults import _children, _fork_main, _wait_for, common  # noqa: F401 - a fixture
 
@@ -22,6 +23,7 @@ from megapar.checkpoint.distributed import save_checkpoint
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.cli.train import main
+from megapar.launcher import WorkerError
 
 VOCAB, SEQ, G = 64, 16, 8
 
@@ -104,9 +106,34 @@ def test_a_background_save_is_the_synchronous_one_and_fails_on_every_rank_togeth
     # the failed write of step 4: raised on both ranks at the same step, naming rank 1
     assert out[0][4] == out[1][4] is not None, out
     for *_, message in out:
-        assert "checkpoint of step 4 not saved: rank 1: OSError" in message, message
+        assert (f"async checkpoint save at step 4 (to {bg / 'step_00000004'}) failed: "
+                f"checkpoint of step 4 not saved: rank 1: OSError") in message, message
     assert (bg / "latest").read_text().strip() == "step_00000003"
     assert not [p.name for p in bg.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _rank_1_makes_no_writer():
+    """Rank 0 prepares with --async-save, rank 1 without (as a rank that failed or hung before
+    its writer's group would): rank 0's wait to create the group ends after its timeout."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    megapar.prepare(_model(), tp=2, micro_batch_size=2, lr=1e-2, async_save=rank == 0,
+                    timeout_s=1)
+    time.sleep(10)
+
+
+def test_the_writers_group_is_named_and_bounded_by_the_timeout(run):
+    """The background writer's own gloo group: a rank that never creates it was named only by
+    store keys ("DistStoreError: wait timeout after 1000ms, keys: /default_pg//..."); it is
+    named as the mesh's groups name theirs, after timeout_s (--timeout-s)."""
+    with pytest.raises(WorkerError) as info:
+        run(_rank_1_makes_no_writer, 2, timeout_s=60)
+    message = str(info.value)
+    assert message.startswith(
+        "rank 0 failed: TimeoutError: rank 0 waited 1 s for ranks 0, 1 to create process "
+        "group async_save and rank 1 never did ("), message
+    assert "keys:" not in message.splitlines()[0], message
 
 
 def _save_and_return(root):

@@ -39,24 +39,35 @@ import torch.distributed as dist
 
 from megapar.checkpoint.distributed import SavedState, write_checkpoint
 from megapar.checkpoint.format import CheckpointError, step_dir_name
-from megapar.device import host_buffer
+from megapar.device import backend, connect_bound, host_buffer
+from megapar.faults.blame import consequential
 from megapar.faults.processes import before_exit
 from megapar.faults.status import set_action
-from megapar.mesh import Mesh
+from megapar.mesh import Mesh, group_join_timeout
+
+GROUP = "async_save"
+"""The name of the writer's gloo group (its creation's errors say it)."""
 
 
 class AsyncSaver:
     """One rank's background checkpoint writer (collective: every rank builds one, in the same
     order, and calls `start`, `poll` and `wait` together). `timeout_s`: how long the writer's
-    collectives wait for the other ranks' writers (the run's save timeout)."""
+    collectives wait for the other ranks' writers (the run's save timeout); `join_timeout_s`
+    (default `timeout_s`): how long the creation of its gloo group waits for every rank
+    (--timeout-s; bounded at `megapar.device.CONNECT_BOUND` times that, and a rank that never
+    comes named, as the mesh's groups are)."""
 
-    def __init__(self, mesh: Mesh, timeout_s: float):
+    def __init__(self, mesh: Mesh, timeout_s: float, join_timeout_s: float | None = None):
         self.mesh = mesh
+        self.timeout_s = timeout_s
+        self._step = 0  # the step of the write in flight (`start`)
         self.group = None
         if mesh.layout.world_size > 1 and dist.is_initialized():
-            self.group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=timeout_s), group_desc="async_save"
+            self.group = _writers_group(
+                mesh.rank, mesh.layout.world_size, join_timeout_s or timeout_s
             )
+            if timeout_s != (join_timeout_s or timeout_s):
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), self.group)
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._outcome: Path | BaseException | None = None
@@ -101,6 +112,7 @@ class AsyncSaver:
         it will publish. Collective."""
         self.wait()
         self.pending = Path(root) / step_dir_name(step)
+        self._step = step
         self._outcome = None
         self._thread = threading.Thread(
             target=self._write, args=(root, step, state), name=f"megapar-save-{step}", daemon=True
@@ -141,13 +153,21 @@ class AsyncSaver:
         set_action(f"waiting for the background save of {self.pending}")
         while self._thread.is_alive():
             self._thread.join(0.2)
-        outcome, pending = self._outcome, self.pending
+        outcome, pending, step = self._outcome, self.pending, self._step
         self._thread, self._outcome, self.pending = None, None, None
-        if isinstance(outcome, CheckpointError):
-            raise outcome
+        what = f"async checkpoint save at step {step} (to {pending})"
+        if isinstance(outcome, CheckpointError):  # the same on every rank, naming the rank
+            raise CheckpointError(f"{what} failed: {outcome}") from outcome
         if isinstance(outcome, BaseException):
+            error = f"{type(outcome).__name__}: {str(outcome).strip()}"
+            waited = (
+                f"; the writers of the other ranks did not answer in {self.timeout_s:g} s (one "
+                f"died, stopped or writes slower: {_wait_flag()} sets the wait)"
+                if consequential(error)
+                else ""
+            )
             raise CheckpointError(
-                f"background save of {pending} failed: {type(outcome).__name__}: {outcome}"
+                f"{what} failed on rank {self.mesh.rank}: {error}{waited}"
             ) from outcome
         assert outcome is not None  # the thread set it before it ended
         self.published = int(outcome.name.split("_")[1])
@@ -171,6 +191,28 @@ class AsyncSaver:
             return f"saved {self.wait()}"
         except CheckpointError as exc:
             return str(exc)
+
+
+def _writers_group(rank: int, world_size: int, wait_s: float):
+    """The writers' gloo group over the world (collective), its creation bounded by `wait_s`
+    (`megapar.device.connect_bound`) and a rank that never comes named
+    (`megapar.mesh.group_join_timeout`)."""
+    what = f"creating process group {GROUP} (the background checkpoint writer's)"
+    try:
+        with connect_bound(what, wait_s, rank):
+            return dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=wait_s), group_desc=GROUP
+            )
+    except dist.DistStoreError as exc:  # its words name only store keys
+        raise TimeoutError(
+            group_join_timeout(rank, list(range(world_size)), GROUP, wait_s, str(exc))
+        ) from None
+
+
+def _wait_flag() -> str:
+    """The flag that sets how long the writers wait for each other: the world group's timeout,
+    --nccl-timeout-s on NCCL, else --timeout-s."""
+    return "--nccl-timeout-s" if backend() == "nccl" else "--timeout-s"
 
 
 def _finisher(ref):

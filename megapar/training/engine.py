@@ -215,7 +215,7 @@ class Engine:
         self.saver = None
         """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
         if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
-            self.saver = AsyncSaver(mesh, process_group_timeout_s() or cfg.timeout_s)
+            self.saver = AsyncSaver(mesh, process_group_timeout_s() or cfg.timeout_s, cfg.timeout_s)
         if self.sharded_params is None:
             keep_freed_host_memory()  # from here on: the training state is built
         elif mesh.device.type == "cpu":
