@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megapar import device as _device
 from megapar.faults import progress, stop
 from megapar.faults import status as diagnostics
-from megapar.faults.blame import blame, forget_stale_marks, state
+from megapar.faults.blame import begin_marks, blame, forget_stale_marks, state
 from megapar.faults.processes import (  # noqa: F401
     die_with_parent,
     finish_before_exit,
@@ -118,7 +118,8 @@ def _worker(
     _device.share_host_arena()  # before any thread of this worker allocates
     # a forkserver's worker is the forkserver's child, which ends with the launcher
     die_with_parent(parent if parent is not None else os.getppid())
-    diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
+    diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))  # its own
+    begin_marks()  # records, not those of its launcher's process (a run before, in a test)
     stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)
     stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -512,14 +513,20 @@ def run_workers(
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
         forget_stale_marks()  # what ranks of finished jobs found stopped
-
+        # this run's own records: its status, and (once its ranks agree on a token) the ranks
+        # found stopped; never a run's before in this process
         diagnostics.install(int(os.environ["RANK"]))
+        token = begin_marks().run
         stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting; a rank
         stop.watch_sigterm()  # blocked in a wait writes its stacks as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
-        # one directory of rank logs for the job, also without --save's lock record to read
-        use_run_log_name(progress.rank0_value(dist.get_rank(), "run_log", run_log_name()))
+        # one directory of rank logs for the job, also without --save's lock record to read,
+        # and one token for its records of stopped ranks: rank 0's
+        agreed = progress.rank0_value(dist.get_rank(), "run_log", f"{run_log_name()} {token}")
+        name, _, token = agreed.partition(" ")
+        use_run_log_name(name)
+        begin_marks(token)
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)
@@ -529,7 +536,9 @@ def run_workers(
         if ours and dist.is_initialized():  # after a failure the others may be in a collective
             release_process_groups()
         return [out]
-    if world_size == 1:
+    if world_size == 1:  # a run of its own in this process: its own records
+        diagnostics.begin()
+        begin_marks()
         return [fn(*args)]
     return run_local(
         fn,
@@ -591,6 +600,8 @@ def launch(
     method = None
     if _device.use_cuda():
         method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
-    if nprocs == 1 and method is None:
+    if nprocs == 1 and method is None:  # a run of its own in this process: its own records
+        diagnostics.begin()
+        begin_marks()
         return fn(*args)
     return run_local(fn, nprocs, *args, timeout_s=timeout_s, start_method=method)[0]

@@ -1074,14 +1074,14 @@ def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
     a process that ran 5 steps itself (as a notebook might): a new engine has no step yet."""
     from megapar.faults import status as rank_status
 
-    saved = dict(rank_status._state)
+    saved = rank_status.use(rank_status.RankStatus())
     rank_status.set_step(5)
     rank_status.set_action("after step 5")
     try:
         with pytest.raises(megapar.WorkerError) as info:
             run(_fails_on_rank_1, 2, where)
     finally:
-        rank_status._state.update(saved)
+        rank_status.use(saved)
     assert f"--- rank 1: {status}\n" in str(info.value) + "\n" or \
         f"--- rank 1: {status} [exited]" in str(info.value), str(info.value)
 

@@ -365,8 +365,7 @@ def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffe
     """set_action writes a known action's bytes after the "step S, " prefix only: the line must
     still be whole after the prefix changes length, after a longer action and when truncated."""
     buffer = ctypes.create_string_buffer(40)
-    saved = rank_status._shared, dict(rank_status._state), rank_status._prefix
-    rank_status._shared = buffer
+    saved = rank_status.use(rank_status.RankStatus(buffer))
     try:
         rank_status.set_step(7)
         for action in ["forward of micro-batch 3", "recv", "forward of micro-batch 3"]:
@@ -382,19 +381,17 @@ def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffe
         rank_status.set_action("forward of micro-batch 3")
         assert buffer.value == b"forward of micro-batch 3"
     finally:
-        rank_status._shared, rank_status._prefix = saved[0], saved[2]
-        rank_status._state.update(saved[1])
+        rank_status.use(saved)
 
 
 def test_a_loop_publishes_encoded_actions_through_the_line_and_status_reads_them():
     """The executor's walk writes pre-encoded actions into the shared line (no call per
     action); the line, status() and a later set_step / set_action stay whole and agree."""
     buffer = ctypes.create_string_buffer(40)
-    saved = rank_status._shared, dict(rank_status._state), rank_status._prefix
-    rank_status._shared = None
+    saved = rank_status.use(rank_status.RankStatus())
     try:
         assert rank_status.action_line(10) is None  # no launcher: set_action it is
-        rank_status._shared = buffer
+        rank_status.use(rank_status.RankStatus(buffer))
         rank_status.set_step(7)
         assert rank_status.action_line(33) is None  # 8 bytes of prefix + 33 > 40
         line = rank_status.action_line(32)
@@ -408,8 +405,7 @@ def test_a_loop_publishes_encoded_actions_through_the_line_and_status_reads_them
         rank_status.set_action("recv")
         assert buffer.value == b"step 10, recv" == rank_status.status().encode()
     finally:
-        rank_status._shared, rank_status._prefix = saved[0], saved[2]
-        rank_status._state.update(saved[1])
+        rank_status.use(saved)
 
 
 def test_a_stopped_rank_is_named_on_timeout():
@@ -1392,3 +1388,59 @@ def test_the_optimizer_steps_action_names_only_the_collectives_it_runs(run):
         "optimizer step (lamb's trust-ratio all-reduces)"]
     assert run(_optimizer_actions, 2, (1, 1, 2), 1, "adamw") == [
         ["optimizer step (ZeRO's collectives over dp x cp)"]] * 2
+
+
+def _run_1_finds_rank_1_stopped():
+    """Run 1's rank: at step 3 it finds its sibling rank 1 stopped (and continues it)."""
+    rank_status.set_step(3)
+    rank_status.set_action("forward of micro-batch 0")
+    from megapar.faults.blame import stopped_siblings
+
+    return stopped_siblings()
+
+
+def _run_2_says_what_it_knows():
+    """Run 2's rank: its status and the stopped ranks of its node, as a timed-out wait asks."""
+    from megapar.faults.blame import stopped_siblings
+
+    return rank_status.status(), stopped_siblings()
+
+
+def test_two_runs_in_one_process_keep_their_own_status_and_stopped_rank_records(
+        tmp_path, private_tmpdir):
+    """Two runs in sequence in one process under torchrun's environment (a test runner's, a
+    notebook's): the second one's status said the first one's step ("step 3, joined the
+    process group"), and its stopped-rank records named the rank the first one had found
+    stopped, long since continued ("on this node rank 1 (pid P) is stopped"). Each run now
+    has its own: a fresh status, the records of its own ranks."""
+    import subprocess
+
+    from forked import exit_code
+
+    from megapar.launcher import free_port, run_workers
+
+    sibling = subprocess.Popen(["sleep", "60"], env={**os.environ, "RANK": "1"})
+    out = tmp_path / "out.txt"
+    said = tmp_path / "said.json"
+
+    def both_runs():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1")
+        runs = []
+        for fn in (_run_1_finds_rank_1_stopped, _run_2_says_what_it_knows):
+            os.environ["MASTER_PORT"] = str(free_port())
+            runs.append(run_workers(fn, 1)[0])
+        said.write_text(json.dumps(runs))
+        return 0
+
+    try:
+        os.kill(sibling.pid, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(sibling.pid) == "T", timeout=10)
+        code = exit_code(fork_running(both_runs, out))
+        assert code == 0, out.read_text()
+        first, (status, stopped) = json.loads(said.read_text())
+    finally:
+        sibling.kill()
+        sibling.wait()
+    assert first == f"on this node rank 1 (pid {sibling.pid}) is stopped (SIGSTOP / SIGTSTP?)"
+    assert (status, stopped) == ("joined the process group", ""), out.read_text()

@@ -407,21 +407,22 @@ def status_line_worker():
     from megapar.faults import status
 
     mesh = make_mesh(pp=2)
-    status._shared = ctypes.create_string_buffer(256)  # the launcher's line, as in a worker
+    line = ctypes.create_string_buffer(256)  # the launcher's line, as in a worker
+    status.begin(line)
     status.set_step(3)
     executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
     seen = []
 
     def reading(call):
         def read(*args):
-            seen.append((status._shared.value.decode(), status.status()))
+            seen.append((line.value.decode(), status.status()))
             return call(*args)
         return read
 
     executor.handlers = {kind: reading(h) for kind, h in executor.handlers.items()}
     executor.p2p.wait_recv = reading(executor.p2p.wait_recv)
     executor.run(toy_batches(2))
-    return seen, status._shared.value.decode()
+    return seen, line.value.decode()
 
 
 def test_the_status_line_names_every_wait_and_compute_of_a_step():

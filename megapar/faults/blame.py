@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import tempfile
@@ -196,30 +197,22 @@ def stopped_siblings() -> str:
     SIGTSTP?)", or "". A rank that timed out waiting calls it to name the cause. Each is sent
     SIGCONT, so that it sees that the run failed and ends too, releasing what it holds (its
     --save lock), instead of when torchrun's SIGKILL comes 30 s after the SIGTERM it cannot
-    act on while stopped. A rank found stopped is first marked (`_marks`), so that the
-    ranks that time out after it was continued name it too: every rank's error, the first of
-    which torchrun reports as the root cause, names the stopped one."""
-    marks = _marks()
+    act on while stopped. A rank found stopped is first marked in the run's records
+    (`StoppedMarks`), so that the ranks that time out after it was continued name it too:
+    every rank's error, the first of which torchrun reports as the root cause, names the
+    stopped one."""
+    marks = _run_marks
     found = {}
     for rank, pid in sorted(sibling_ranks().items()):
         if stopped(pid):
             found[rank] = pid
-            try:
-                marks.mkdir(mode=0o700, parents=True, exist_ok=True)
-                (marks / f"{rank}-{pid}").touch()
-            except OSError:
-                pass
+            marks.mark(rank, pid)
             try:
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-    try:
-        for mark in marks.iterdir():
-            rank_text, _, pid_text = mark.name.partition("-")
-            if rank_text.isdigit() and pid_text.isdigit():
-                found.setdefault(int(rank_text), int(pid_text))
-    except OSError:
-        pass
+    for rank, pid in marks.marked().items():
+        found.setdefault(rank, pid)
     names = [
         f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)"
         for rank, pid in sorted(found.items())
@@ -230,11 +223,58 @@ def stopped_siblings() -> str:
 _MARKS_PREFIX = f"megapar-{os.getuid()}-stopped-"
 
 
-def _marks() -> Path:
-    """This node's record of the ranks found stopped in this attempt of the job: a directory
-    named by the parent (torchrun's agent, the srun step) and the restart count."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return Path(tempfile.gettempdir()) / f"{_MARKS_PREFIX}{os.getppid()}-{attempt}"
+class StoppedMarks:
+    """One run's record, on this node, of the ranks found stopped (`stopped_siblings`), shared
+    by its ranks there: a directory named by the parent (torchrun's agent, the srun step), the
+    restart count and `run`, the token the run's ranks agreed on, so that another run of the
+    same parent (runs in sequence in one process: a test runner's, a notebook's) never reads
+    it."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+    def path(self) -> Path:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"{_MARKS_PREFIX}{os.getppid()}-{attempt}-{self.run}"
+        return Path(tempfile.gettempdir()) / name
+
+    def mark(self, rank: int, pid: int) -> None:
+        """Record rank `rank` (process `pid`) as found stopped."""
+        try:
+            path = self.path()
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (path / f"{rank}-{pid}").touch()
+        except OSError:
+            pass
+
+    def marked(self) -> dict[int, int]:
+        """{rank: pid} of the ranks this run's ranks on this node found stopped."""
+        found: dict[int, int] = {}
+        try:
+            for mark in self.path().iterdir():
+                rank_text, _, pid_text = mark.name.partition("-")
+                if rank_text.isdigit() and pid_text.isdigit():
+                    found[int(rank_text)] = int(pid_text)
+        except OSError:
+            pass
+        return found
+
+
+def new_run_token() -> str:
+    """A token naming one run (`begin_marks`)."""
+    return secrets.token_hex(6)
+
+
+_run_marks = StoppedMarks(new_run_token())
+"""The stopped-rank records of the run this process is in now (`begin_marks`)."""
+
+
+def begin_marks(run: str | None = None) -> StoppedMarks:
+    """Start this process's stopped-rank records of a new run: `run`, the token its ranks on
+    this node agreed on (default: a new one of this process's own, until they have)."""
+    global _run_marks
+    _run_marks = StoppedMarks(run or new_run_token())
+    return _run_marks
 
 
 def forget_stale_marks() -> None:

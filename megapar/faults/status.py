@@ -24,27 +24,118 @@ import signal
 import sys
 import time
 
-_state: dict[str, object] = {"step": None, "action": "starting"}
-_shared: ctypes.Array[ctypes.c_char] | None = None  # the launcher's multiprocessing char array
-_prefix = b""  # "step S, " encoded (set_step)
-_encoded: dict[str, bytes] = {}  # action texts encoded, NUL-terminated: the pipeline's repeat
-_ENCODED_MAX = 65536
-_view_of = None  # the array `_view` is a byte view of (set_action checks it is `_shared`)
-_view = memoryview(b"")  # `_shared` as bytes once published, written from `_at` on by set_action
-_at = 0  # where the action starts: after the prefix
-_room = 0  # bytes from `_at` to the end of the array (the action's text and its NUL)
-_stack_file = None  # kept open for faulthandler
 _LINE = object()  # the action: the one in the shared line after the prefix (`action_line`)
+_ENCODED_MAX = 65536
+_stack_file = None  # this process's file faulthandler writes to (`install`), kept open for it
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
 """The signal that makes a rank write its Python stacks (faulthandler)."""
 
 
+class RankStatus:
+    """One run's record of what this rank is doing: its step and action, published (when the
+    launcher shares a line with the rank, `shared`: its multiprocessing char array) for the
+    launcher to read. A run starts its own (`begin`), so that one run never shows another's
+    step or action: two runs in one process (a test runner's, a notebook's), or a rank forked
+    from a process that ran one."""
+
+    def __init__(self, shared=None) -> None:
+        self.step: int | None = None
+        self.action: object = "starting"
+        self.shared = shared
+        self.prefix = b""  # "step S, " encoded (set_step)
+        self.encoded: dict[str, bytes] = {}  # action texts encoded, NUL-terminated
+        self.view_of = None  # the array `view` is a byte view of (set_action checks it)
+        self.view = memoryview(b"")  # `shared` as bytes once published, from `at` on
+        self.at = 0  # where the action starts: after the prefix
+        self.room = 0  # bytes from `at` to the end of the array (the action and its NUL)
+        self.publish()
+
+    def set_step(self, step: int | None) -> None:
+        self.action = self.action_text()
+        self.step = step
+        self.prefix = b"" if step is None else f"step {step}, ".encode()
+        self.publish()
+
+    def set_action(self, action: str) -> None:
+        self.action = action
+        if self.shared is not None:
+            data = self.encoded.get(action)
+            if data is not None and self.view_of is self.shared and len(data) <= self.room:
+                self.view[self.at : self.at + len(data)] = data  # the prefix stays
+            else:
+                self.publish()
+
+    def action_line(self, longest: int):
+        if self.shared is None:
+            return None
+        if self.view_of is not self.shared:
+            self.publish()
+        if longest > self.room:
+            return None
+        self.action = _LINE
+        return (ctypes.c_char * self.room).from_buffer(self.shared, self.at)
+
+    def status(self) -> str:
+        return (f"step {self.step}, " if self.step is not None else "") + self.action_text()
+
+    def action_text(self) -> str:
+        """The current action's text (read from the shared line while `action_line` writes
+        it)."""
+        if self.action is _LINE:
+            return bytes(self.view[self.at :]).split(b"\0", 1)[0].decode(errors="replace")
+        return str(self.action)
+
+    def publish(self) -> None:
+        """`status()` into the shared line, NUL-terminated (truncated to fit). Every pipeline
+        action sets one, so an action's encoding is kept and `set_action` then writes only the
+        action's bytes after the prefix, through a byte view of the array (no ctypes call)."""
+        shared = self.shared
+        if shared is None:
+            return
+        action = self.action = self.action_text()
+        data = self.encoded.get(action) if isinstance(action, str) else None
+        if data is None:
+            data = str(action).encode() + b"\0"
+            if isinstance(action, str) and len(self.encoded) < _ENCODED_MAX:
+                self.encoded[action] = data
+        shared.value = (self.prefix + data[:-1])[: len(shared) - 1]  # NUL-terminated by ctypes
+        if self.view_of is not shared:
+            self.view, self.view_of = memoryview(shared).cast("B"), shared
+        self.at, self.room = len(self.prefix), len(shared) - len(self.prefix)
+
+
+_run = RankStatus()
+"""The record of the run this process is in now (`begin`): what `set_step`, `set_action` and
+`status` of code deep inside the run (the pipeline, the collectives) and its signal and watch
+threads reach."""
+
+
+def begin(shared=None) -> RankStatus:
+    """Start this process's record of a new run (`shared`: the launcher's line) and return it:
+    called where a run starts (the launcher's worker, torchrun's rank, a one-process run)."""
+    global _run
+    _run = RankStatus(shared)
+    return _run
+
+
+def current() -> RankStatus:
+    """The record of the run this process is in now."""
+    return _run
+
+
+def use(record: RankStatus) -> RankStatus:
+    """Make `record` this process's current one; returns the one it was (to put it back)."""
+    global _run
+    previous, _run = _run, record
+    return previous
+
+
 def install(rank: int, shared=None, stack_path: str | None = None) -> None:
-    """Register the stack dump for this process (rank). `shared`: the launcher's status buffer;
-    `stack_path`: file faulthandler writes to (default stderr)."""
-    global _shared, _stack_file
-    _shared = shared
+    """Start this rank's record of a new run (`begin`) and register the stack dump for this
+    process. `shared`: the launcher's status buffer; `stack_path`: file faulthandler writes to
+    (default stderr)."""
+    global _stack_file
     out = sys.stderr
     if stack_path:
         _stack_file = out = open(stack_path, "w")  # noqa: SIM115 - must outlive this call
@@ -53,27 +144,17 @@ def install(rank: int, shared=None, stack_path: str | None = None) -> None:
             faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True)
     except (AttributeError, ValueError, OSError):  # no SIGUSR2 (Windows) or no real fd
         pass
-    _publish()
+    begin(shared)
 
 
 def set_step(step: int | None) -> None:
     """The 1-based optimizer step this rank is running (None: none yet, e.g. a new engine)."""
-    global _prefix
-    _state["action"] = _action()
-    _state["step"] = step
-    _prefix = b"" if step is None else f"step {step}, ".encode()
-    _publish()
+    _run.set_step(step)
 
 
 def set_action(action: str) -> None:
     """What this rank is doing now, e.g. "recv_grad of micro-batch 3 from rank 5"."""
-    _state["action"] = action
-    if _shared is not None:
-        data = _encoded.get(action)
-        if data is not None and _view_of is _shared and len(data) <= _room:
-            _view[_at : _at + len(data)] = data  # the prefix stays: only the action is written
-        else:
-            _publish()
+    _run.set_action(action)
 
 
 def encode_action(action: str) -> bytes:
@@ -89,45 +170,12 @@ def action_line(longest: int):
     shared or an action of `longest` bytes would not fit after the prefix (call `set_action`
     then). The line is good until the next `set_step` (which moves where the action starts);
     until the next `set_action`, `status()` reads the action from the line."""
-    if _shared is None:
-        return None
-    if _view_of is not _shared:
-        _publish()
-    if longest > _room:
-        return None
-    _state["action"] = _LINE
-    return (ctypes.c_char * _room).from_buffer(_shared, _at)
+    return _run.action_line(longest)
 
 
 def status() -> str:
-    step = _state["step"]
-    return (f"step {step}, " if step is not None else "") + _action()
-
-
-def _action() -> str:
-    """The current action's text (read from the shared line while `action_line` writes it)."""
-    action = _state["action"]
-    if action is _LINE:
-        return bytes(_view[_at:]).split(b"\0", 1)[0].decode(errors="replace")
-    return str(action)
-
-
-def _publish() -> None:
-    """`status()` into the shared buffer, NUL-terminated (truncated to fit). Every pipeline
-    action sets one, so an action's encoding is kept and `set_action` then writes only the
-    action's bytes after the prefix, through a byte view of the array (no ctypes call)."""
-    global _view_of, _view, _at, _room
-    if _shared is not None:
-        action = _state["action"] = _action()
-        data = _encoded.get(action) if isinstance(action, str) else None
-        if data is None:
-            data = str(action).encode() + b"\0"
-            if isinstance(action, str) and len(_encoded) < _ENCODED_MAX:
-                _encoded[action] = data
-        _shared.value = (_prefix + data[:-1])[: len(_shared) - 1]  # NUL-terminated by ctypes
-        if _view_of is not _shared:
-            _view, _view_of = memoryview(_shared).cast("B"), _shared
-        _at, _room = len(_prefix), len(_shared) - len(_prefix)
+    """This rank's "step S, action" in the current run."""
+    return _run.status()
 
 
 def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
