@@ -437,6 +437,7 @@ def test_the_commands_whose_workers_build_no_optimizer_say_so(monkeypatch, tmp_p
     """megapar-eval, megapar-bubble's measurement and --certify's real steps pass
     optimizers=False (the test above: their workers then start without torch._dynamo)."""
     import megapar.cli.eval
+    import megapar.cli.worker_exit
     import megapar.pipeline.certify_real
     import megapar.training.bubble
     from megapar.pipeline.certify import certify
@@ -453,7 +454,7 @@ def test_the_commands_whose_workers_build_no_optimizer_say_so(monkeypatch, tmp_p
             raise Stop
         return launch
 
-    monkeypatch.setattr(megapar.cli.eval, "run_workers", record("eval"))
+    monkeypatch.setattr(megapar.cli.worker_exit, "run_workers", record("eval"))
     monkeypatch.setattr(megapar.pipeline.certify_real, "run_local", record("certify"))
     monkeypatch.setattr(megapar.training.bubble, "run_local", record("bubble"))
     from test_checkpoint_helpers import save_serial
@@ -623,7 +624,7 @@ def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_time
                          f"not connect (it died or stopped); exiting with code 1"], texts[rank]
 
 
-def _join_alone(rank, port, wait_s, err):
+def _join_alone_writing(rank, port, wait_s, err):
     """Rank `rank` of 2 joining under torchrun's agent store at `port` on its own (the other
     rank is not started); its error's text to the file `err`, exit 3 on an error, 0 joined."""
     import os
@@ -662,7 +663,7 @@ def test_a_rank_refused_by_a_dead_members_address_says_so_in_one_line(tmp_path):
 
     def alone(rank, name):
         err = tmp_path / name
-        proc = ctx.Process(target=_join_alone, args=(rank, port, 0.5, err))
+        proc = ctx.Process(target=_join_alone_writing, args=(rank, port, 0.5, err))
         start = time.monotonic()
         proc.start()
         proc.join(timeout=30)
