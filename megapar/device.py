@@ -443,7 +443,7 @@ def connect_failure(error: str, what: str, rank: int, wait_s: float) -> str | No
     why = found.group("why").strip().splitlines()[0] if found.group("why").strip() else ""
     remote = _REMOTE.search(why)
     where = f"{remote.group('host')}:{remote.group('port')}" if remote else "its address"
-    why = _REMOTE.sub("", why).strip(" ,;") or "no reason given"
+    why = _REMOTE.sub("", why).split(". ")[0].strip(" ,;.") or "no reason given"
     return (
         f"rank {rank} could not connect to a member of its group at {where} while {what} "
         f"(gloo: {why}): check that every rank has the same MASTER_ADDR / MASTER_PORT (else "
