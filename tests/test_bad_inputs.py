@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import megapar.cli.train as train_cli
+import megapar.cli.worker_exit as worker_exit
 import megapar.launcher as launcher
 import megapar.training.bubble as bubble_engine
 import megapar.training.bubble_run as bubble_run
@@ -104,6 +105,7 @@ def no_workers(monkeypatch):
         raise AssertionError("a worker was started for a bad input")
 
     for target, name in [(train_cli, "run_workers"), (launcher, "run_workers"),
+                         (worker_exit, "run_workers"),  # megapar-eval's and -generate's
                          (launcher, "run_local"), (bubble_engine, "measure"),
                          (bubble_run, "simulate")]:
         monkeypatch.setattr(target, name, refuse)
