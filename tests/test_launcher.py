@@ -647,8 +647,8 @@ def _join_alone_writing(rank, port, wait_s, err):
 
 def test_a_rank_refused_by_a_dead_members_address_says_so_in_one_line(tmp_path):
     """Rank 0 gives its gloo address in the store and dies; rank 1 then reads it. Where rank 1
-    is the pair's connecting side (gloo picks it from the two addresses: the tries go on until
-    it is), the refused connection failed at once with gloo's "Gloo connectFullMesh failed
+    is the pair's connecting side (gloo picks it from the two addresses: the tries, each with
+    a dead rank 0 of its own, go on until it is), the refused connection failed at once with gloo's "Gloo connectFullMesh failed
     with [...pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[...]";
     it is one line naming the rank, the address and what to check."""
     import multiprocessing as mp
@@ -669,8 +669,9 @@ def test_a_rank_refused_by_a_dead_members_address_says_so_in_one_line(tmp_path):
         proc.join(timeout=30)
         return proc.exitcode, time.monotonic() - start, err.read_text()
 
-    assert alone(0, "rank0.txt")[0] != 0  # gave its address, then gave up waiting for rank 1
-    for attempt in range(12):
+    for attempt in range(12):  # each with a dead address of its own (gloo's side: its port)
+        dead = alone(0, f"rank0-{attempt}.txt")  # gave its address, gave up waiting for rank 1
+        assert dead[0] != 0, dead
         code, took, text = alone(1, f"rank1-{attempt}.txt")
         if code == 3:
             break
