@@ -1126,6 +1126,11 @@ OTHER_TOOLS = [
     ("data", ["--input", "a", "--keep-newlines"], "keeps every newline as it is; drop it"),
     ("data", ["--input", "a", "--partitions", "2"], "--partitions: did you mean --workers?"),
     ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    # torch's and the papers' schedule names: only the list of choices was given
+    ("bubble", ["--pp", "2", "-m", "4", "--schedule", "ScheduleInterleaved1F1B"],
+     "'ScheduleInterleaved1F1B' is megapar's --schedule interleaved --virtual-stages V"),
+    ("bubble", ["--pp", "2", "-m", "4", "--schedule", "ZB-H1"], "is megapar's --schedule zb-h1"),
+    ("train", ["--schedule", "ZBVZeroBubble"], "'ZBVZeroBubble' is megapar's --schedule zb-v"),
     ("bubble", ["--pp", "2", "-m", "4", "--tensor-model-parallel-size", "2"],
      "--tensor-model-parallel-size: did you mean --tp?"),
     ("bubble", ["--pp", "2", "-m", "4", "--virtual-pipeline-model-parallel-size", "2"],

@@ -35,7 +35,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
-from megapar.pipeline.schedules import SCHEDULES, check_schedule
+from megapar.pipeline.schedules import SCHEDULES, check_schedule, schedule_named_elsewhere
 from megapar.pipeline.timeline import (
     Timeline,
     format_bubble_table,
@@ -62,7 +62,10 @@ OTHER_FLAGS = {
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="megapar-bubble", description=__doc__.split("\n")[0], known_as=OTHER_FLAGS
+        prog="megapar-bubble",
+        description=__doc__.split("\n")[0],
+        known_as=OTHER_FLAGS,
+        value_known_as={"--schedule": schedule_named_elsewhere},
     )
     p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
     p.add_argument(
