@@ -1,5 +1,6 @@
-"""benchmarks/pipeline/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's formula
-when the measured W > min(F, B), or m < pp) is null in --json and n/a in the table, never NaN."""
+"""benchmarks/pipeline/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's
+formula when the measured W > min(F, B), or m < pp) is null in --json and n/a in the table,
+never NaN; each schedule's theory is its own."""
 
 import importlib.util
 import json
