@@ -81,6 +81,7 @@ def test_simulated_cli_latency_and_default_backward(capsys):
     result, _ = run_cli(capsys, "--pp", "2", "-m", "4", "--schedule", "gpipe", "--simulate",
                         "--fwd-ms", "1", "--p2p-ms", "0.5")
     assert result["step_time_s"] == pytest.approx(16e-3, rel=1e-12)
+    assert result["source"] == "simulated"  # its "measured_bubble" is the simulation's
     assert result["measured_bubble"] == pytest.approx(0.25, rel=1e-12)
     assert result["theoretical_bubble"] == pytest.approx(0.2)
 
@@ -92,6 +93,7 @@ def test_measured_run_writes_chrome_trace_and_gantt(capsys, tmp_path):
     result, out = run_cli(capsys, "--pp", str(pp), "-m", str(m), "--schedule", "1f1b", *SMALL,
                           "--trace", str(trace), "--plot", str(png))
     assert "measured 1f1b, pp=2, m=4" in out
+    assert result["source"] == "measured"
     assert 0.0 <= result["measured_bubble"] < 1.0
     assert all(0.0 <= b < 1.0 for b in result["per_stage_bubble"])
     assert result["theoretical_bubble"] == pytest.approx(1 / 5)

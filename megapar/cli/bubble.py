@@ -11,8 +11,9 @@
     megapar-bubble --certify                    # every schedule's programs, certified
     megapar-bubble --certify --pp 4 -m 8 --schedule interleaved --virtual-stages 2
 
-Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
-measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
+Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with source
+("measured" or "simulated"), measured_bubble (the simulated one under --simulate),
+theoretical_bubble and step_time_s. --simulate without costs measures them
 once on real processes and then simulates; the cost flags (--fwd-ms, --bwd-ms, --bwd-input-ms,
 --bwd-weight-ms, --p2p-ms) are used only with --simulate and --fwd-ms. --trace and --plot are
 checked (writable, not a directory) before any work. --certify prints the certificate of the
