@@ -57,6 +57,11 @@ OTHER_FLAGS = {
     "--context-parallel-size": "--cp",
     "--parallelism.context_parallel_degree": "--cp",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "
+    "YAML config file, e.g. a GPT-2 config with n_layer 7; they need not divide evenly over "
+    "--pp); the default model has 2 per stage",
+    "--global-batch-size": "megapar-bubble takes the micro-batches per step as --microbatches "
+    "(Megatron's global batch over --micro-batch-size x dp)",
 }
 """Other names for megapar-bubble's flags (difflib named `--steps` for `--stages`)."""
 
@@ -92,7 +97,11 @@ def build_parser() -> OneLineParser:
         "whose attention exchanges keys / values inside every F and B (their "
         "time is in the measured costs; --seq-len a multiple of 2 x cp) (default: 1)",
     )
-    p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
+    p.add_argument(
+        "--model",
+        help="model recipe or JSON / YAML config file (default: a compute-bound GPT-2, "
+        "2 blocks/stage)",
+    )
     p.add_argument(
         "--steps", type=int, default=3, help="measured steps (after one warm-up) (default: 3)"
     )
