@@ -1131,6 +1131,8 @@ OTHER_TOOLS = [
      "--num-layers: the measured model's layers are those of --model"),
     ("bubble", ["--pp", "2", "--global-batch-size", "8"],
      "--global-batch-size: megapar-bubble takes the micro-batches per step as --microbatches"),
+    ("bubble", ["--pp", "2", "-m", "4", "--json", "out.json"],
+     "--json: megapar-bubble always prints its JSON summary, as the last line of its output"),
     # torch's and the papers' schedule names: only the list of choices was given
     ("bubble", ["--pp", "2", "-m", "4", "--schedule", "ScheduleInterleaved1F1B"],
      "'ScheduleInterleaved1F1B' is megapar's --schedule interleaved --virtual-stages V"),

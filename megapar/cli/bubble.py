@@ -60,6 +60,8 @@ OTHER_FLAGS = {
     "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "
     "YAML config file, e.g. a GPT-2 config with n_layer 7; they need not divide evenly over "
     "--pp); the default model has 2 per stage",
+    "--json": "megapar-bubble always prints its JSON summary, as the last line of its output "
+    "(| tail -n 1 > FILE keeps it); drop it",
     "--global-batch-size": "megapar-bubble takes the micro-batches per step as --microbatches "
     "(Megatron's global batch over --micro-batch-size x dp)",
 }
