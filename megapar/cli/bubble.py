@@ -423,11 +423,13 @@ def print_programs(args) -> None:
 
 
 def simulated_run(args) -> bubble_run.BubbleRun:
-    """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... or the costs
-    measured once on the real engine."""
+    """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... (every stage
+    alike) or the costs measured once on the real engine, each stage with its own (the last
+    computes the head; under ZB-H1 the first stage's B is empty), as bubble_sweep.py does."""
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
     b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
+    per_stage = None
     if fwd is None:  # measure the costs once on the real engine
         from megapar.training import bubble
 
@@ -436,7 +438,7 @@ def simulated_run(args) -> bubble_run.BubbleRun:
             f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
             flush=True,
         )
-        costs = bubble.measure(
+        measured = bubble.measure(
             pp,
             m,
             args.schedule,
@@ -447,13 +449,16 @@ def simulated_run(args) -> bubble_run.BubbleRun:
             args.seq_len,
             v,
             args.cp,
-        ).costs
+        )
+        costs, per_stage = measured.costs, measured.stage_costs
         assert costs is not None  # a measurement records them
         fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
         b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
     if bwd is None:
         bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
-    return bubble_run.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
+    return bubble_run.simulate(
+        pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w, stage_costs=per_stage
+    )
 
 
 def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:

@@ -185,5 +185,6 @@ def simulate(
         theory(pp, m, schedule, virtual_stages, costs),
         in_flight,
         costs=costs,
+        stage_costs=stage_costs,
         simulated=True,
     )
