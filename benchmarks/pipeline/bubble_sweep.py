@@ -3,8 +3,8 @@
 For every (pp, schedule, m) the real engine runs on pp local processes (`bubble.measure`, the
 last of --steps steps after a warm-up); the simulator then replays the same schedule with that
 run's own per-action costs, each stage with its own (`bubble.stage_costs`: forward, backward, B
-and W for zero-bubble schedules; the last stage also computes the LM head, and under ZB-H1 the
-first stage's B is empty and its W the whole backward; p2p latency from the receives), and the
+and W for zero-bubble schedules; the last stage also computes the LM head; p2p latency from
+the receives), and the
 theory is the schedule's published formula
 ((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
 the measured F, B, W; n/a in the table and null in --json where it does not apply: ZB-H1 when

@@ -425,7 +425,7 @@ def print_programs(args) -> None:
 def simulated_run(args) -> bubble_run.BubbleRun:
     """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... (every stage
     alike) or the costs measured once on the real engine, each stage with its own (the last
-    computes the head; under ZB-H1 the first stage's B is empty), as bubble_sweep.py does."""
+    computes the head), as bubble_sweep.py does."""
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
     b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
