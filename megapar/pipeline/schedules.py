@@ -34,6 +34,7 @@ schedule lists no message: the executor hands the tensor over in memory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -439,7 +440,8 @@ OTHER_NAMES: dict[str, str] = {
     "dualpipe": "--schedule dualpipev (DualPipe on p ranks in a V; two-copy DualPipe is not built)",
     "loopedbfs": "no such schedule here (torch's ScheduleLoopedBFS, breadth-first over the "
     "chunks, is not built); the depth-first one is --schedule interleaved --virtual-stages V",
-    "zbh2": "no such schedule here (ZB-H2 is not built); the nearest are --schedule zb-h1 and zb-v",
+    "zbh2": "no such schedule here (ZB-H2 is not built); the nearest are --schedule zb-h1 and "
+    "--schedule zb-v",
     "vhalf": "no such schedule here (V-Half is not built); its V placement is --schedule zb-v",
     "vmin": "no such schedule here (V-Min is not built); its V placement is --schedule zb-v",
 }
@@ -448,16 +450,21 @@ classes, Megatron's functions, the papers' names), spelt without case, separator
 "Schedule" prefix: what to give megapar instead (`schedule_named_elsewhere`)."""
 
 
-def schedule_named_elsewhere(value: str) -> str:
+def schedule_named_elsewhere(value: str, keywords: bool = False) -> str:
     """For a `--schedule` value megapar does not take but another tool or paper names
     (`ScheduleInterleaved1F1B`, `ZB-V`, `1F1B`, `zb_h1`), what megapar calls it: "'X' is
-    megapar's --schedule interleaved --virtual-stages V"; "" for a name it does not know."""
+    megapar's --schedule interleaved --virtual-stages V" (with `keywords`, in the Python API's
+    terms: "schedule='interleaved', virtual_stages=V"); "" for a name it does not know."""
     key = "".join(ch for ch in str(value).lower() if ch.isalnum())
     key = key.removeprefix("schedule")
     ours = OTHER_NAMES.get(key)
     if ours is None:
         return ""
-    return f"{value!r} is megapar's {ours}" if ours.startswith("--") else f"{value!r}: {ours}"
+    named = ours.startswith("--")
+    if keywords:
+        ours = re.sub(r"--schedule ([\w-]+)", r"schedule='\1'", ours)
+        ours = ours.replace(" --virtual-stages V", ", virtual_stages=V")
+    return f"{value!r} is megapar's {ours}" if named else f"{value!r}: {ours}"
 
 
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
