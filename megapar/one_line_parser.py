@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 """A word argparse takes for a value, not a flag, where no flag looks like one (`-1`, `-.5`)."""
@@ -34,19 +35,22 @@ class OneLineParser(argparse.ArgumentParser):
     checkpoint"),)`: "pass the checkpoint as --load ck"), among those the command line has not
     given; else the flag before the word, which takes no more values; else that the command
     takes flags only. Positionals of several words (megapar-convert's PATH...) may stand
-    before, between and after the flags."""
+    before, between and after the flags. A value a flag's choices lack is named as its
+    `value_known_as[flag]` function says (another tool's name for a choice), where it knows it."""
 
     def __init__(
         self,
         *args,
         stray: tuple[tuple[str, str], ...] = (),
         known_as: dict[str, str] | None = None,
+        value_known_as: dict[str, Callable[[str], str]] | None = None,
         **kwargs,
     ):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.stray = stray
         self.known_as = known_as or {}
+        self.value_known_as = value_known_as or {}
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
@@ -119,8 +123,27 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(
             2,
             f"{self.prog}: error: {message}{self._did_you_mean(message)}"
-            f"{self._value_wanted(message)} (see {self.prog} --help)\n",
+            f"{self._value_wanted(message)}{self._value_named_elsewhere(message)} "
+            f"(see {self.prog} --help)\n",
         )
+
+    def _value_named_elsewhere(self, message: str) -> str:
+        """For a value a flag's choices lack, another tool's name for one of them, as the
+        flag's `value_known_as` entry says (`--schedule ScheduleInterleaved1F1B`: "is
+        megapar's --schedule interleaved --virtual-stages V"); "" otherwise."""
+        match = re.fullmatch(r"argument (\S+): invalid choice: (.+?) \(choose from .*\)", message)
+        if match is None:
+            return ""
+        spellings = match.group(1).split("/")
+        flag = next((f for f in spellings if f.startswith("--")), spellings[0])
+        name = self.value_known_as.get(flag)
+        if name is None:
+            return ""
+        value = match.group(2)
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        said = name(value)
+        return f"; {said}" if said else ""
 
     def _value_wanted(self, message: str) -> str:
         """For a flag given without its value (`--recompute` at the end of the line, or before

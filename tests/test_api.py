@@ -1266,6 +1266,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"precision": "fp64"}, ["megapar.prepare: precision='fp64' is invalid: choose one of "
                              "'fp32', 'bf16', 'fp16'"]),
     ({"schedule": "gpipe2"}, ["megapar.prepare: schedule='gpipe2' is invalid: choose one of"]),
+    # torch's class name, answered in the API's terms
+    ({"schedule": "ScheduleInterleaved1F1B"}, ["schedule='ScheduleInterleaved1F1B' is invalid",
+                                               "is megapar's schedule='interleaved', "
+                                               "virtual_stages=V"]),
     ({"optimizer": "adam"}, ["megapar.prepare: optimizer='adam' is invalid", "'adamw'"]),
     ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),
 ])

@@ -1128,6 +1128,18 @@ OTHER_TOOLS = [
     ("data", ["--input", "a", "--keep-newlines"], "keeps every newline as it is; drop it"),
     ("data", ["--input", "a", "--partitions", "2"], "--partitions: did you mean --workers?"),
     ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    # Megatron's model and batch flags: no hint (the measured model's size is --model's)
+    ("bubble", ["--pp", "3", "-m", "4", "--num-layers", "7"],
+     "--num-layers: the measured model's layers are those of --model"),
+    ("bubble", ["--pp", "2", "--global-batch-size", "8"],
+     "--global-batch-size: megapar-bubble takes the micro-batches per step as --microbatches"),
+    ("bubble", ["--pp", "2", "-m", "4", "--json", "out.json"],
+     "--json: megapar-bubble always prints its JSON summary, as the last line of its output"),
+    # torch's and the papers' schedule names: only the list of choices was given
+    ("bubble", ["--pp", "2", "-m", "4", "--schedule", "ScheduleInterleaved1F1B"],
+     "'ScheduleInterleaved1F1B' is megapar's --schedule interleaved --virtual-stages V"),
+    ("bubble", ["--pp", "2", "-m", "4", "--schedule", "ZB-H1"], "is megapar's --schedule zb-h1"),
+    ("train", ["--schedule", "ZBVZeroBubble"], "'ZBVZeroBubble' is megapar's --schedule zb-v"),
     ("bubble", ["--pp", "2", "-m", "4", "--tensor-model-parallel-size", "2"],
      "--tensor-model-parallel-size: did you mean --tp?"),
     ("bubble", ["--pp", "2", "-m", "4", "--virtual-pipeline-model-parallel-size", "2"],

@@ -81,8 +81,29 @@ def test_simulated_cli_latency_and_default_backward(capsys):
     result, _ = run_cli(capsys, "--pp", "2", "-m", "4", "--schedule", "gpipe", "--simulate",
                         "--fwd-ms", "1", "--p2p-ms", "0.5")
     assert result["step_time_s"] == pytest.approx(16e-3, rel=1e-12)
+    assert result["source"] == "simulated"  # its "measured_bubble" is the simulation's
     assert result["measured_bubble"] == pytest.approx(0.25, rel=1e-12)
     assert result["theoretical_bubble"] == pytest.approx(0.2)
+
+
+def test_simulate_from_measured_costs_gives_each_stage_its_own(capsys, monkeypatch):
+    """--simulate without costs simulated every stage at the mean of the measured ones, so a
+    last stage slowed by the head vanished (the sweep gives each stage its own). Here stage 1
+    is twice stage 0: 1F1B at pp 2, m 4 takes F0 + 4 (F1 + B1) + B0 = 1 + 24 + 2 = 27 ms,
+    stage 0 idle 15 of it; at the mean costs (1.5 / 3) it was 22.5 ms, 20 %."""
+    stage = [{"fwd_ms": 1.0, "bwd_ms": 2.0, "p2p_ms": 0.0},
+             {"fwd_ms": 2.0, "bwd_ms": 4.0, "p2p_ms": 0.0}]
+
+    def measured(*args, **kwargs):
+        run = bubble_run.simulate(2, 4, "1f1b", 1.0, 2.0, stage_costs=stage)
+        run.costs = {"fwd_ms": 1.5, "bwd_ms": 3.0, "p2p_ms": 0.0}
+        return run
+
+    monkeypatch.setattr(bubble, "measure", measured)
+    result, out = run_cli(capsys, "--pp", "2", "-m", "4", "--simulate")
+    assert result["source"] == "simulated" and result["stage_costs_ms"] == stage
+    assert result["step_time_s"] == pytest.approx(27e-3, rel=1e-12)
+    assert result["per_stage_bubble"] == pytest.approx([15 / 27, 3 / 27], rel=1e-12)
 
 
 # measured on real processes -----------------------------------------------------------------
@@ -92,6 +113,7 @@ def test_measured_run_writes_chrome_trace_and_gantt(capsys, tmp_path):
     result, out = run_cli(capsys, "--pp", str(pp), "-m", str(m), "--schedule", "1f1b", *SMALL,
                           "--trace", str(trace), "--plot", str(png))
     assert "measured 1f1b, pp=2, m=4" in out
+    assert result["source"] == "measured"
     assert 0.0 <= result["measured_bubble"] < 1.0
     assert all(0.0 <= b < 1.0 for b in result["per_stage_bubble"])
     assert result["theoretical_bubble"] == pytest.approx(1 / 5)

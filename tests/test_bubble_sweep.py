@@ -1,5 +1,6 @@
-"""benchmarks/pipeline/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's formula
-when the measured W > F + B) is null in --json and n/a in the table, never NaN."""
+"""benchmarks/pipeline/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's
+formula when the measured W > min(F, B), or m < pp) is null in --json and n/a in the table,
+never NaN; each schedule's theory is its own."""
 
 import importlib.util
 import json
@@ -7,6 +8,7 @@ import os
 
 from conftest import ROOT
 
+from megapar.pipeline.simulate import theoretical_bubble
 from megapar.training import bubble
 
 
@@ -20,7 +22,7 @@ def _sweep_module():
 
 def test_a_theory_outside_its_assumptions_is_null_not_nan(tmp_path, monkeypatch, capsys):
     costs = {"fwd_ms": 1.0, "bwd_ms": 4.0, "p2p_ms": 0.0, "bwd_input_ms": 0.5,
-             "bwd_weight_ms": 3.5}  # W 3.5 > F + B = 1.5: ZB-H1's formula does not say
+             "bwd_weight_ms": 3.5}  # W 3.5 > min(F, B) = 0.5: ZB-H1's formula does not say
 
     def measured(pp, m, schedule, steps, micro_batch_size, seq_len, virtual_stages):
         # no processes: the simulator stands in for the real run, with the costs above
@@ -46,3 +48,16 @@ def test_a_theory_outside_its_assumptions_is_null_not_nan(tmp_path, monkeypatch,
     assert zb.split()[5] == "n/a" and "nan" not in zb.lower()
     one = next(line for line in table if line.split()[1:3] == ["1f1b", "4"])
     assert one.split()[5] == "20.0"
+
+
+def test_each_schedule_has_its_own_theory_line():
+    """The plot drew one theory line per pp, keyed by m over every schedule, so the last
+    schedule's formula at each m won: at pp 2 the line was zb-h1's 7.7 % at m 4 under a
+    1F1B curve whose formula is 20 %."""
+    rows = [{"pp": 2, "schedule": s, "m": m,
+             "theory": theoretical_bubble(2, m, s, 2 if s == "interleaved" else 1)}
+            for s in ("1f1b", "interleaved", "zb-h1") for m in (2, 4)]
+    lines = _sweep_module().theory_lines(rows)
+    assert lines[(2, "1f1b")] == [(2, 1 / 3), (4, 1 / 5)]
+    assert lines[(2, "interleaved")] == [(2, 1 / 5), (4, 1 / 9)]
+    assert lines[(2, "zb-h1")] == [(2, 1 / 7), (4, 1 / 13)]

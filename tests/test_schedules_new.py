@@ -15,6 +15,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from megapar.pipeline import executor as split_backward
+from megapar.pipeline.schedules import SCHEDULES as SCHEDULE_NAMES
 from megapar.pipeline.schedules import (
     check_schedule,
     format_schedule,
@@ -133,6 +134,29 @@ def test_theoretical_bubble_refuses_a_schedule_it_has_no_formula_for():
                                          "1f1b, dualpipev, gpipe, interleaved, zb-h1, zb-v"):
         theoretical_bubble(4, 8, "zbh1")
     assert theoretical_bubble(4, 8, "gpipe") == theoretical_bubble(4, 8, "1f1b") == 3 / 11
+
+def test_other_tools_schedule_names_are_answered_with_megapars():
+    """torch's class names, Megatron's and the papers' spellings got only the list of names;
+    each known one is named as megapar's schedule, which exists, and others get nothing."""
+    from megapar.pipeline.schedules import OTHER_NAMES, schedule_named_elsewhere
+    from megapar.training.config import choice_problem
+
+    for theirs, ours in [("ScheduleGPipe", "gpipe"), ("Schedule1F1B", "1f1b"),
+                         ("ScheduleInterleaved1F1B", "interleaved --virtual-stages V"),
+                         ("ScheduleInterleavedZeroBubble", "zb-h1"), ("ZB_H1", "zb-h1"),
+                         ("ScheduleZBVZeroBubble", "zb-v"), ("ScheduleDualPipeV", "dualpipev"),
+                         ("PipeDream-Flush", "1f1b")]:
+        assert schedule_named_elsewhere(theirs).startswith(
+            f"{theirs!r} is megapar's --schedule {ours}"), theirs
+    for said in OTHER_NAMES.values():
+        named = said.split("--schedule ", 1)[1].split()[0]
+        assert named in SCHEDULE_NAMES, said
+    assert schedule_named_elsewhere("bogus") == ""
+    with pytest.raises(ValueError, match="'Schedule1F1B' is megapar's --schedule 1f1b"):
+        theoretical_bubble(4, 8, "Schedule1F1B")
+    assert choice_problem("schedule", "DualPipeV").endswith(
+        "; 'DualPipeV' is megapar's --schedule dualpipev")
+
 
 def test_spelled_out_orders():
     assert format_schedule(zb_h1(2, 2, 0)) == "F0 SA0 F1 SA1 RG0 BI0 BW0 RG1 BI1 BW1"

@@ -142,13 +142,15 @@ def test_virtual_stages_on_a_one_chunk_schedule_names_every_schedule_that_takes_
     assert str(two.value) == (
         "--virtual-stages 2 needs --schedule interleaved, zb-v or dualpipev (in Python: "
         "virtual_stages=2, schedule='interleaved'); schedule 'gpipe' runs one model chunk per "
-        "rank: give one of them, or leave --virtual-stages out")
+        "rank: give one of them, or leave --virtual-stages out (torch's ScheduleLoopedBFS, "
+        "GPipe's order over several chunks per rank, is not built)")
     with pytest.raises(ValueError) as three:
         chunks_per_rank("zb-h1", 3)
     assert str(three.value) == (
         "--virtual-stages 3 needs --schedule interleaved (in Python: virtual_stages=3, "
         "schedule='interleaved'); schedule 'zb-h1' runs one model chunk per rank: give it, or "
-        "leave --virtual-stages out")
+        "leave --virtual-stages out (torch's ScheduleInterleavedZeroBubble over several chunks "
+        "per rank is not built; zb-v is the zero-bubble schedule with two)")
 
 
 def test_refusals_name_the_fix():

@@ -61,6 +61,18 @@ def test_format_bubble_table():
     assert "-" in format_bubble_table(bubble_stats(_small())).splitlines()[1]
 
 
+def test_a_bubble_equal_to_its_formula_prints_equal():
+    """ZB-V at pp 3, m 5 (equal costs) reaches its fill, 1/16; the simulation's last bits
+    differ from the formula's, and the table printed 6.3 against 6.2."""
+    from megapar.training.bubble_run import simulate
+
+    run = simulate(3, 5, "zb-v", 1.0, 2.0, 0.0, 1, 1.0, 1.0)
+    assert run.stats["measured_bubble"] == pytest.approx(run.theoretical, abs=1e-12)
+    assert run.stats["measured_bubble"] != run.theoretical  # the case: last bits apart
+    rows = format_bubble_table(run.stats, run.theoretical).splitlines()[1:-1]
+    assert [r.split()[-2:] for r in rows] == [["6.2", "6.2"]] * 4
+
+
 def test_event_validation_and_label():
     assert Event(0, "forward", 3, 0.0, 1.0).label == "F3"
     assert Event(0, "backward", 2, 0.0, 1.0, chunk=1).label == "B2@1"

@@ -3,16 +3,17 @@
 For every (pp, schedule, m) the real engine runs on pp local processes (`bubble.measure`, the
 last of --steps steps after a warm-up); the simulator then replays the same schedule with that
 run's own per-action costs, each stage with its own (`bubble.stage_costs`: forward, backward, B
-and W for zero-bubble schedules; the last stage also computes the LM head, and under ZB-H1 the
-first stage's B is empty and its W the whole backward; p2p latency from the receives), and the
+and W for zero-bubble schedules; the last stage also computes the LM head; p2p latency from
+the receives), and the
 theory is the schedule's published formula
 ((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
 the measured F, B, W; n/a in the table and null in --json where it does not apply: ZB-H1 when
-the measured W > F + B). m values a schedule cannot take (interleaved: m % max(1, m // pp)) are
-skipped. Prints one table row per point (bubble %, step
-times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
+the measured W > min(F, B) or m < pp, where the paper's count is below what the schedule
+reaches; ZB-V and DualPipeV: the pipeline fill, a lower bound). m values a schedule cannot
+take (interleaved: m % max(1, m // pp)) are skipped. Prints one table row per point (bubble %,
+step times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
 and writes a plot of bubble vs m: one line per source (measured solid, simulated dashed) per
-schedule and pp, theory dotted per pp (it is the same for both schedules).
+schedule and pp, and the schedule's theory dotted in the same colour.
 
 pp=4 needs 4 processes: on a 2-core machine they oversubscribe the cores, stages time-share a
 core and "idle" waits partly hide other stages' compute, so only pp=2 (one core per stage) is
@@ -105,6 +106,17 @@ def spread(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def theory_lines(rows: list[dict]) -> dict[tuple[int, str], list[tuple[int, float]]]:
+    """Per (pp, schedule), its formula's (m, bubble) points in m order, where it applies (the
+    repeats of a point give one). Each schedule has its own: ZB-H1's and interleaved's are not
+    1F1B's."""
+    lines: dict[tuple[int, str], dict[int, float]] = {}
+    for r in rows:
+        if r["theory"] is not None:
+            lines.setdefault((r["pp"], r["schedule"]), {})[r["m"]] = r["theory"]
+    return {key: sorted(points.items()) for key, points in lines.items()}
+
+
 def plot(rows: list[dict], path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -113,12 +125,9 @@ def plot(rows: list[dict], path: str) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     colours = iter(["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"])
+    lines = theory_lines(rows)
     for pp in sorted({r["pp"] for r in rows}):
         mine = [r for r in rows if r["pp"] == pp]
-        ms = sorted({r["m"] for r in mine})
-        theory = {r["m"]: r["theory"] for r in mine if r["theory"] is not None}
-        ax.plot([m for m in ms if m in theory], [100 * theory[m] for m in ms if m in theory],
-                ":", color="black", marker=".", label=f"theory pp={pp}")
         for schedule in sorted({r["schedule"] for r in mine}):
             pts = sorted((r for r in mine if r["schedule"] == schedule), key=lambda r: r["m"])
             colour = next(colours)
@@ -127,6 +136,10 @@ def plot(rows: list[dict], path: str) -> None:
                     label=f"measured {schedule} pp={pp}")
             ax.plot(x, [100 * r["simulated"] for r in pts], "--s", color=colour, alpha=0.7,
                     label=f"simulated {schedule} pp={pp}")
+            theory = lines.get((pp, schedule), [])
+            if theory:
+                ax.plot([m for m, _ in theory], [100 * t for _, t in theory], ":", color=colour,
+                        marker=".", label=f"theory {schedule} pp={pp}")
     ax.set_xscale("log", base=2)
     ms = sorted({r["m"] for r in rows})
     ax.set_xticks(ms, [str(m) for m in ms])

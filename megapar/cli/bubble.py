@@ -11,8 +11,9 @@
     megapar-bubble --certify                    # every schedule's programs, certified
     megapar-bubble --certify --pp 4 -m 8 --schedule interleaved --virtual-stages 2
 
-Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
-measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
+Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with source
+("measured" or "simulated"), measured_bubble (the simulated one under --simulate),
+theoretical_bubble and step_time_s. --simulate without costs measures them
 once on real processes and then simulates; the cost flags (--fwd-ms, --bwd-ms, --bwd-input-ms,
 --bwd-weight-ms, --p2p-ms) are used only with --simulate and --fwd-ms. --trace and --plot are
 checked (writable, not a directory) before any work. --certify prints the certificate of the
@@ -35,7 +36,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
-from megapar.pipeline.schedules import SCHEDULES, check_schedule
+from megapar.pipeline.schedules import SCHEDULES, check_schedule, schedule_named_elsewhere
 from megapar.pipeline.timeline import (
     Timeline,
     format_bubble_table,
@@ -56,13 +57,23 @@ OTHER_FLAGS = {
     "--context-parallel-size": "--cp",
     "--parallelism.context_parallel_degree": "--cp",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "
+    "YAML config file, e.g. a GPT-2 config with n_layer 7; they need not divide evenly over "
+    "--pp); the default model has 2 per stage",
+    "--json": "megapar-bubble always prints its JSON summary, as the last line of its output "
+    "(| tail -n 1 > FILE keeps it); drop it",
+    "--global-batch-size": "megapar-bubble takes the micro-batches per step as --microbatches "
+    "(Megatron's global batch over --micro-batch-size x dp)",
 }
 """Other names for megapar-bubble's flags (difflib named `--steps` for `--stages`)."""
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="megapar-bubble", description=__doc__.split("\n")[0], known_as=OTHER_FLAGS
+        prog="megapar-bubble",
+        description=__doc__.split("\n")[0],
+        known_as=OTHER_FLAGS,
+        value_known_as={"--schedule": schedule_named_elsewhere},
     )
     p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
     p.add_argument(
@@ -88,7 +99,11 @@ def build_parser() -> OneLineParser:
         "whose attention exchanges keys / values inside every F and B (their "
         "time is in the measured costs; --seq-len a multiple of 2 x cp) (default: 1)",
     )
-    p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
+    p.add_argument(
+        "--model",
+        help="model recipe or JSON / YAML config file (default: a compute-bound GPT-2, "
+        "2 blocks/stage)",
+    )
     p.add_argument(
         "--steps", type=int, default=3, help="measured steps (after one warm-up) (default: 3)"
     )
@@ -408,11 +423,13 @@ def print_programs(args) -> None:
 
 
 def simulated_run(args) -> bubble_run.BubbleRun:
-    """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... or the costs
-    measured once on the real engine."""
+    """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... (every stage
+    alike) or the costs measured once on the real engine, each stage with its own (the last
+    computes the head), as bubble_sweep.py does."""
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
     b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
+    per_stage = None
     if fwd is None:  # measure the costs once on the real engine
         from megapar.training import bubble
 
@@ -421,7 +438,7 @@ def simulated_run(args) -> bubble_run.BubbleRun:
             f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
             flush=True,
         )
-        costs = bubble.measure(
+        measured = bubble.measure(
             pp,
             m,
             args.schedule,
@@ -432,13 +449,16 @@ def simulated_run(args) -> bubble_run.BubbleRun:
             args.seq_len,
             v,
             args.cp,
-        ).costs
+        )
+        costs, per_stage = measured.costs, measured.stage_costs
         assert costs is not None  # a measurement records them
         fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
         b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
     if bwd is None:
         bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
-    return bubble_run.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
+    return bubble_run.simulate(
+        pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w, stage_costs=per_stage
+    )
 
 
 def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:

@@ -66,9 +66,19 @@ def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
             f"Python: virtual_stages={virtual_stages}, schedule={takers[0]!r}); "
             f"schedule {name!r} runs one model chunk per rank: "
             f"{'give it' if len(takers) == 1 else 'give one of them'}, or leave "
-            f"--virtual-stages out"
+            f"--virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
         )
     return 1
+
+
+NOT_BUILT_OVER_CHUNKS = {
+    "gpipe": " (torch's ScheduleLoopedBFS, GPipe's order over several chunks per rank, is not "
+    "built)",
+    "zb-h1": " (torch's ScheduleInterleavedZeroBubble over several chunks per rank is not "
+    "built; zb-v is the zero-bubble schedule with two)",
+}
+"""What a one-chunk schedule over several chunks per rank is in torch, said where
+--virtual-stages is given to it."""
 
 
 def schedules_taking(virtual_stages: int) -> list[str]:

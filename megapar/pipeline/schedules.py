@@ -34,6 +34,7 @@ schedule lists no message: the executor hands the tensor over in memory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -420,6 +421,52 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
 """Schedule functions by name (what `--schedule` accepts), called (pp, m, stage), with the
 number of chunks per rank after those for the "loop" `CHUNKED_SCHEDULES`."""
 
+OTHER_NAMES: dict[str, str] = {
+    "gpipe": "--schedule gpipe",
+    "1f1b": "--schedule 1f1b",
+    "pipedreamflush": "--schedule 1f1b (PipeDream-flush is 1F1B)",
+    "forwardbackwardpipeliningwithoutinterleaving": "--schedule 1f1b",
+    "interleaved": "--schedule interleaved --virtual-stages V",
+    "interleaved1f1b": "--schedule interleaved --virtual-stages V",
+    "forwardbackwardpipeliningwithinterleaving": "--schedule interleaved --virtual-stages V",
+    "interleavedzerobubble": "--schedule zb-h1 (torch's ScheduleInterleavedZeroBubble with one "
+    "stage per rank; with several chunks per rank it is not built)",
+    "zerobubble": "--schedule zb-h1",
+    "zbh1": "--schedule zb-h1",
+    "zb1p": "--schedule zb-h1",
+    "zbv": "--schedule zb-v",
+    "zbvzerobubble": "--schedule zb-v",
+    "dualpipev": "--schedule dualpipev",
+    "dualpipe": "--schedule dualpipev (DualPipe on p ranks in a V; two-copy DualPipe is not built)",
+    "loopedbfs": "no such schedule here (torch's ScheduleLoopedBFS, breadth-first over the "
+    "chunks, is not built); the depth-first one is --schedule interleaved --virtual-stages V",
+    "zbh2": "no such schedule here (ZB-H2 is not built); the nearest are --schedule zb-h1 and "
+    "--schedule zb-v",
+    "vhalf": "no such schedule here (V-Half is not built); its V placement is --schedule zb-v",
+    "vmin": "no such schedule here (V-Min is not built); its V placement is --schedule zb-v",
+}
+"""Other tools' and papers' names for pipeline schedules (torch.distributed.pipelining's
+classes, Megatron's functions, the papers' names), spelt without case, separators or a
+"Schedule" prefix: what to give megapar instead (`schedule_named_elsewhere`)."""
+
+
+def schedule_named_elsewhere(value: str, keywords: bool = False) -> str:
+    """For a `--schedule` value megapar does not take but another tool or paper names
+    (`ScheduleInterleaved1F1B`, `ZB-V`, `1F1B`, `zb_h1`), what megapar calls it: "'X' is
+    megapar's --schedule interleaved --virtual-stages V" (with `keywords`, in the Python API's
+    terms: "schedule='interleaved', virtual_stages=V"); "" for a name it does not know."""
+    key = "".join(ch for ch in str(value).lower() if ch.isalnum())
+    key = key.removeprefix("schedule")
+    ours = OTHER_NAMES.get(key)
+    if ours is None:
+        return ""
+    named = ours.startswith("--")
+    if keywords:
+        ours = re.sub(r"--schedule ([\w-]+)", r"schedule='\1'", ours)
+        ours = ours.replace(" --virtual-stages V", ", virtual_stages=V")
+    return f"{value!r} is megapar's {ours}" if named else f"{value!r}: {ours}"
+
+
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
 """Schedules that split every backward into B (``backward_input``) and W
 (``backward_weight``): every stage has a W for each micro-batch, whatever the size."""
@@ -451,12 +498,15 @@ def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:
 
 
 def get_schedule(name: str) -> Callable[..., list[Action]]:
-    """The schedule function called `name`; ValueError listing the valid names otherwise."""
+    """The schedule function called `name`; ValueError listing the valid names otherwise (and
+    megapar's name for it where another tool's spelling is given)."""
     try:
         return SCHEDULES[name]
     except KeyError:
+        elsewhere = schedule_named_elsewhere(name)
         raise ValueError(
             f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(sorted(SCHEDULES))}"
+            + (f"; {elsewhere}" if elsewhere else "")
         ) from None
 
 

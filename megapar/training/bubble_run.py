@@ -46,9 +46,14 @@ class BubbleRun:
     stage_costs: list[dict] | None = None
     """The same per stage, each from its own actions (stages differ: the last one computes the
     LM head and the loss)."""
+    simulated: bool = False
+    """Whether the timeline is a simulation's (`simulate`) rather than a measured step's."""
 
     def summary(self) -> dict:
+        """The JSON line's fields. `measured_bubble` is the timeline's bubble, a simulation's
+        too (the key `bubble_stats` and scripts read); `source` says which it is."""
         return {
+            "source": "simulated" if self.simulated else "measured",
             "measured_bubble": self.stats["measured_bubble"],
             "theoretical_bubble": self.theoretical,
             "step_time_s": self.stats["step_time_s"],
@@ -180,4 +185,6 @@ def simulate(
         theory(pp, m, schedule, virtual_stages, costs),
         in_flight,
         costs=costs,
+        stage_costs=stage_costs,
+        simulated=True,
     )

@@ -33,7 +33,7 @@ from megapar.one_line_parser import OneLineParser
 from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
-from megapar.pipeline.schedules import SCHEDULES
+from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
@@ -328,13 +328,15 @@ def field_groups() -> dict[str, str]:
 
 def choice_problem(name: str, value: Any) -> str:
     """ "--name 'value' is invalid: choose one of ..." when setting `name` has a fixed set of
-    values (`flag_choices`) and `value` is not among them, else ""."""
+    values (`flag_choices`) and `value` is not among them, else ""; a schedule another tool
+    names is named as megapar's too (`schedule_named_elsewhere`)."""
     allowed = flag_choices().get(name)
     if allowed is None or value in allowed:
         return ""
+    elsewhere = schedule_named_elsewhere(value) if name == "schedule" else ""
     return (
         f"--{name.replace('_', '-')} {value!r} is invalid: choose one of "
-        f"{', '.join(map(str, allowed))}"
+        f"{', '.join(map(str, allowed))}" + (f"; {elsewhere}" if elsewhere else "")
     )
 
 
@@ -773,6 +775,7 @@ megapar has no such flag, and an empty entry names nothing."""
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
+        value_known_as={"--schedule": schedule_named_elsewhere},
         prog=prog,
         description=(
             "Train a GPT-2, BERT, Llama, Qwen3, Qwen2, Mistral, Mixtral or Qwen3-MoE with tensor, "

@@ -26,6 +26,7 @@ from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
+from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.training.config import OTHER_TOOLS_FLAGS, TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
@@ -118,9 +119,10 @@ def _check_choices(cfg: TrainConfig) -> None:
     for name, allowed in flag_choices().items():
         value = getattr(cfg, name)
         if value is not None and value not in allowed:
+            elsewhere = schedule_named_elsewhere(value, keywords=True) if name == "schedule" else ""
             raise UsageError(
                 f"megapar.prepare: {name}={value!r} is invalid: choose one of "
-                f"{', '.join(map(repr, allowed))}"
+                f"{', '.join(map(repr, allowed))}" + (f"; {elsewhere}" if elsewhere else "")
             )
     for f in dataclasses.fields(TrainConfig):  # a switch: "no" or "False" would switch it on
         value = getattr(cfg, f.name)
