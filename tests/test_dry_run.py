@@ -544,30 +544,11 @@ def train_config_of(problem, c):
 
 
 @pytest.fixture
-def verified(monkeypatch):
+def verified():
     """`verified(problem, candidate, ranks=None)`: `verify_layout`'s result and the reports of
-    the dry run it compared with the plan, which is `dry_run(train_config_of(problem, c),
-    problem.config, Layout(c.tp, c.pp, c.dp, cp=c.cp, ep=c.ep), ranks or sample_ranks)`: the
-    checks below read those reports instead of rehearsing the same ranks a second time."""
-    import megapar.dryrun.verify as verify
-
-    calls = []
-
-    def recorded(*args, **kwargs):
-        calls.append((args, kwargs, dry_run(*args, **kwargs)))
-        return calls[-1][2]
-
-    monkeypatch.setattr(verify, "dry_run", recorded)
-
-    def run(problem, c, ranks=None):
-        calls.clear()
-        result = verify.verify_layout(problem, c, ranks)
-        [(args, kwargs, reports)] = calls
-        layout = Layout(c.tp, c.pp, c.dp, cp=c.cp, ep=c.ep)
-        assert args[:4] == (train_config_of(problem, c), problem.config, layout,
-                            sample_ranks(layout, c.zero) if ranks is None else ranks)
-        assert [r.rank for r in reports] == args[3]
-        return result, reports
+    the dry run it compared with the plan (tests/verified.py): the checks below read those
+    instead of rehearsing the same ranks a second time."""
+    from verified import verified as run
 
     return run
 
