@@ -21,10 +21,10 @@ from megapar.training.config import TrainConfig
 
 
 # -- against real runs -------------------------------------------------------------------------
-# Each schedule, recomputation, ZeRO stage (0-3), sequence-parallel mode (sp, --sp-regather,
-# fp8's casts under SP) and cp 2 in at least one case, each case a real run of 8 ranks (~10 s of
-# CPU): ZeRO-2 with ZB-H1 and full recomputation, ZeRO-3 with GPipe and (float8 gathers) with
-# 1F1B; the plain 1F1B / ZeRO-1 layout is the ground every case varies from.
+# Each schedule, recomputation, ZeRO stage (0-3), sequence parallelism (plain and
+# --sp-regather), --fp8 (ZeRO-1, ZeRO-3) and cp 2 in at least one case, each case a real run of
+# 8 ranks (~10 s of CPU): ZeRO-2 with ZB-H1 and full recomputation, ZeRO-3 with GPipe and (float8
+# gathers) with 1F1B; the plain 1F1B / ZeRO-1 layout is the ground every case varies from.
 @pytest.mark.parametrize("recipe,schedule,recompute,zero,sp,cp", [
     ("gpt2-small-cpu", "interleaved", "selective", 0, False, 1),
     ("gpt2-small-cpu", "zb-h1", "full", 2, False, 1),
