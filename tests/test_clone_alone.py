@@ -3,6 +3,7 @@ except through conftest's `shared_data`, which skips naming the path, or under a
 of its own; everything else uses the package's assets (megapar/assets)."""
 
 import ast
+import functools
 import os
 
 import _pytest.outcomes
@@ -13,12 +14,29 @@ TESTS = os.path.join(ROOT, "tests")
 HERE = os.path.basename(__file__)
 
 
-def _test_files():
+@functools.cache
+def _sources() -> tuple[tuple[str, str], ...]:
+    """(name, text) of every test file but conftest.py and this one, read once."""
+    out = []
     for name in sorted(os.listdir(TESTS)):
         if name.endswith(".py") and name not in ("conftest.py", HERE):
-            path = os.path.join(TESTS, name)
-            with open(path) as f:
-                yield name, ast.parse(f.read(), path)
+            with open(os.path.join(TESTS, name)) as f:
+                out.append((name, f.read()))
+    return tuple(out)
+
+
+@functools.cache
+def _tree(name: str) -> ast.AST:
+    """The syntax tree of test file `name`, parsed once for both tests below (only read)."""
+    return ast.parse(dict(_sources())[name], os.path.join(TESTS, name))
+
+
+def _test_files(naming: str = ""):
+    """(name, syntax tree) of the test files; with `naming`, of those whose text holds that
+    identifier (a file without it holds no name node of it)."""
+    for name, text in _sources():
+        if naming in text:
+            yield name, _tree(name)
 
 
 def _builds_the_shared_path(node: ast.AST) -> bool:
@@ -48,7 +66,7 @@ def test_no_test_builds_the_path_of_the_shared_data_itself():
 
 def test_every_use_of_shared_data_is_checked_or_skipped():
     unchecked = []
-    for name, tree in _test_files():
+    for name, tree in _test_files("SHARED_DATA"):
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.Lambda)):
                 continue

@@ -3,7 +3,7 @@ gradient, for GPT-2 (ring attention), Llama with grouped-query heads (all-gather
 ring too) and BERT with padding (ring, bidirectional), at cp 2 and 4 combined with tp 2
 (with and without sequence parallelism), pp 2 (every schedule), dp 2 (ZeRO-1), and recompute
 none / selective / full. fp32, relative error < 1e-5 against the serial model on the same
-global batch (the 5-step run with clipping at tp x cp x pp = 2 x 2 x 2 is in
+global batch (the 3-step run with clipping at tp x cp x pp = 2 x 2 x 2 is in
 test_parity_3d.py). A bf16 run at cp 2 is compared with bf16 at cp 1.
 """
 

@@ -890,6 +890,46 @@ def test_under_torchrun_the_rank_holding_the_others_up_is_named_from_the_store(m
     assert time.monotonic() - start < 30
 
 
+def test_the_computing_rank_is_named_by_its_cpu_between_the_reads(monkeypatch):
+    """Of two ranks alike but for their CPU (a slow rank computing, its tp peer waiting inside
+    its forward), the one named is the one whose process used a CPU between the reader's two
+    reads, `heartbeat_wait_s()` apart: each record's own share is of one `PUBLISH_S`, in which
+    a rank computing on a loaded machine got under `BUSY_SHARE` of a CPU (rank 3 at 0.05 in
+    its last record; the tp peer, rank 2, was named in one run of four of the torchrun test
+    above under a loaded -n 2 run); over the seconds between the reads it got 0.3."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from megapar.faults import progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    forward = "step 2, forward of micro-batch 0 on pp stage 0"
+    reader = ProgressRecords(store, 0, 4)
+
+    def publish(beat: int, at: float, cpu_s3: float, cpu3: float) -> None:
+        records = {1: ("step 2, waiting for the data-parallel gradient all-reduce", 0.0, 2.0),
+                   2: (forward, 0.0, 2.0), 3: (forward, cpu3, cpu_s3)}
+        for rank, (status, cpu, cpu_s) in records.items():
+            store.set(reader.key(rank), json.dumps({
+                "status": status, "cpu": cpu, "cpu_s": cpu_s, "at": at, "failed": False,
+                "beat": beat}))
+
+    publish(1, 100.0, 5.0, 0.4)
+    clock = SimpleNamespace(monotonic=time.monotonic, process_time=time.process_time,
+                            sleep=lambda s: publish(3, 102.0, 5.6, 0.05))
+    monkeypatch.setattr(progress, "time", clock)
+    assert reader.holding_up() == f"rank 3 did not answer at {forward}"
+    assert progress.cpu_share({"cpu_s": 5.0, "at": 100.0}, {"cpu_s": 5.6, "at": 102.0,
+                                                           "cpu": 0.05}) == pytest.approx(0.3)
+    # one record read twice (or one without the counts): its own share
+    assert progress.cpu_share({"cpu_s": 5.0, "at": 100.0}, {"cpu_s": 5.0, "at": 100.0,
+                                                           "cpu": 0.4}) == 0.4
+    assert progress.cpu_share({}, {"cpu": 0.2}) == 0.2
+
+
 def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypatch):
     """The store lives with torchrun's agent (or rank 0 under srun): when it stops answering
     (here its process stopped) the report must not wait for it: the store's own timeout (1 s

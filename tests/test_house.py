@@ -6,6 +6,7 @@ module it names, wherever it stands (a function-level import that hides a cycle 
 """
 
 import ast
+import collections
 import os
 import subprocess
 import sys
@@ -71,12 +72,13 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
     """(imported megapar module, line, inside a function) for every import of `module`."""
     path = MODULES[module]
     tree = ast.parse(open(path).read())
-    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
-                                                                     ast.AsyncFunctionDef))
-                   for n in ast.walk(f)}
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(tree):
+    todo = collections.deque([(tree, False)])  # ast.walk's order, each node with whether a
+    while todo:  # function holds it (one pass: walking each function's subtree again was 1 s)
+        node, in_function = todo.popleft()
+        in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        todo.extend((child, in_function) for child in ast.iter_child_nodes(node))
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -90,7 +92,7 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
         for name in names:
             target = _resolve(name) if name.startswith("megapar") else None
             if target and target != module:
-                found.append((target, node.lineno, id(node) in in_function))
+                found.append((target, node.lineno, in_function))
     return found
 
 

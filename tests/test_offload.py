@@ -2,7 +2,7 @@
 
 With `MEGAPAR_HOST_COPIES=1` the CPU ranks keep separate host masters, as a CUDA run does, so
 the copying path (gradients to the host, the step there, parameters back) is what runs. It must
-train as one process does (fp32, 1e-5, 5 steps with clipping): at dp 1 without ZeRO, at dp 2 and
+train as one process does (fp32, 1e-5, 3 steps with clipping): at dp 1 without ZeRO, at dp 2 and
 tp 2 x dp 2 with ZeRO-1 (where the stepped tensors are the pieces); and its checkpoints are
 canonical: an offloaded optimizer's state loads into one without offload and the reverse.
 """

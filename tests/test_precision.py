@@ -55,6 +55,9 @@ def test_unscale_and_check_single_process():
 
 
 INJECT_STEP, INJECT_RANK = 2, 3
+STEPS = 5
+"""Steps of each run: the skipped one (INJECT_STEP) with steps before and after it (test_parity_3d's
+batches and schedule, which its parity runs take 3 of)."""
 
 
 class InjectInf:
@@ -105,11 +108,11 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     precision = Precision(mode, mesh.device, DynamicLossScaler(init_scale=SCALE))
     from megapar.data_parallel import build_grad_sync
 
-    step = TrainStep(model, mesh, executor, optimizer, scheduler(),
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(STEPS),
                      precision, 1.0, build_grad_sync(model, mesh, zero))
     plan = BatchPlan(G, MBS, mesh.dp)
     results, unchanged = [], []
-    for i, batch in enumerate(global_batches()):
+    for i, batch in enumerate(global_batches(STEPS)):
         before = [p.detach().clone() for p in model.parameters()]
         results.append(step.step(plan.split(batch, mesh.dp_rank), i))
         unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
@@ -149,7 +152,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs, run_name):
     for rank, out in enumerate(runs):
         fp16 = out[run_name]
         skipped = [r.skipped for r in fp16["results"]]
-        assert skipped == [i == INJECT_STEP for i in range(5)], f"rank {rank}: {skipped}"
+        assert skipped == [i == INJECT_STEP for i in range(STEPS)], f"rank {rank}: {skipped}"
         # Weights untouched on every rank for that step, updated on the others.
         assert fp16["unchanged"] == skipped, f"rank {rank}: {fp16['unchanged']}"
         scales = [r.loss_scale for r in fp16["results"]]

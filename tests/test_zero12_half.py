@@ -236,9 +236,8 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
     bytes an element for their all-gather: in bf16 the plan's state and dp traffic equal the
     dry run's to the byte (--verify), and the step gathers fewer bytes than in fp32 by half
     the 16-bit buckets' fp32 bytes."""
-    from megapar.dryrun import dry_run
-    from megapar.dryrun.verify import train_config, verify_layout
-    from megapar.mesh import Layout
+    from verified import verified
+
     from megapar.models.recipes import resolve_model
     from megapar.plan import Problem, parse_candidate
     from megapar.plan.estimate import estimate, layout_of
@@ -249,11 +248,10 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
     gathered, traffic = {}, {}
     for precision in ("bf16", "fp32"):
         p = Problem(config, world, global_batch=8, seq_len=16, precision=precision)
-        result = verify_layout(p, c, [0])
+        # (rank order tp-pp-dp) stage 0 and the last, as the plan compares them (--verify)
+        result, reports = verified(p, c, sorted({0, c.tp * (c.pp - 1)}))
         assert result.error == "" and result.differences == [], result
         assert zero3_casts(p, c).half == (precision == "bf16")
-        reports = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp),
-                          [0, c.tp * (c.pp - 1)])  # (rank order tp-pp-dp) stage 0, the last
         r = reports[0]
         memory = estimate(p, c).memory  # the search's own figures (`StageLayout.trimmed`)
         loaded = next(x for x in reports if x.pp_rank == memory.stage)  # its most loaded

@@ -1,7 +1,7 @@
 """ZeRO-3 (`--zero 3`, `ShardedParams` + `Zero3Optimizer`) against one process, and what it
 holds and sends.
 
-Parity: the serial reference of test_parity_3d (plain torch AdamW, clipping on every step, 5
+Parity: the serial reference of test_parity_3d (plain torch AdamW, clipping on every step, 3
 steps, 4 micro-batches of 2 per global batch): losses, grad norms, first-step gradients and
 final weights within 1e-5 relative, at dp 2, tp 2 x dp 2 and pp 2 x dp 2 (1F1B and GPipe,
 parameters freed per micro-batch or kept).

@@ -230,9 +230,8 @@ def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
     """megapar-plan models the 16-bit units (`plan.params.GatherCasts`): in bf16 the plan's
     units, state, gathered peak and dp traffic equal the dry run's to the byte (--verify), and
     it gathers fewer bytes than in fp32, where every unit gathers fp32."""
-    from megapar.dryrun import dry_run
-    from megapar.dryrun.verify import train_config, verify_layout
-    from megapar.mesh import Layout
+    from verified import verified
+
     from megapar.models.recipes import resolve_model
     from megapar.plan import Problem, parse_candidate, stage_memory
     from megapar.plan.estimate import layout_of
@@ -243,11 +242,10 @@ def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
     gathered = {}
     for precision in ("bf16", "fp32"):
         p = Problem(config, world, global_batch=8, seq_len=16, precision=precision)
-        result = verify_layout(p, c, [0])
+        result, [r] = verified(p, c, [0])  # rank 0's dry run, compared with the plan
         assert result.error == "" and result.differences == [], result
         gathered[precision] = stage_memory(p, c)[0].gathered
         assert zero3_casts(p, c).half == (precision == "bf16")
-        r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
         planned = groups_traffic(
             zero_traffic(layout_of(p, c)),
             3, 8 // (c.mbs * c.dp), c.pp)["dp"]

@@ -76,11 +76,19 @@ class ProgressRecords:
     def record(self) -> dict:
         """This rank's record now: its status, the share of a CPU its process used since the
         record before (every thread: a rank computing uses one, a rank blocked in a wait
-        none), whether it failed."""
+        none), the CPU seconds its process has used in all and when (`cpu_s`, `at`: this
+        node's monotonic clock; the share over a longer time, `cpu_share`), whether it
+        failed."""
         wall, cpu = time.monotonic(), time.process_time()
         share = (cpu - self._cpu[1]) / max(wall - self._cpu[0], 1e-3)
         self._cpu = (wall, cpu)
-        record = {"status": _status.status(), "cpu": round(share, 2), "failed": self.failed}
+        record = {
+            "status": _status.status(),
+            "cpu": round(share, 2),
+            "cpu_s": round(cpu, 3),
+            "at": round(wall, 3),
+            "failed": self.failed,
+        }
         return {**record, "error": self.error} if self.error else record
 
     def publish(self) -> None:
@@ -92,7 +100,7 @@ class ProgressRecords:
             if self.lost:
                 return
             record = self.record()
-            same = {**record, "cpu": record["cpu"] >= BUSY_SHARE}
+            same = {**record, "cpu": record["cpu"] >= BUSY_SHARE, "cpu_s": 0, "at": 0}
             text, now = json.dumps(same), time.monotonic()
             if text == self._sent and now - self._sent_at < HEARTBEAT_S:
                 return
@@ -164,7 +172,8 @@ class ProgressRecords:
         `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose heartbeat
         did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
         by `blame.behind_first` (the earliest step, then busy in its own work rather than
-        waiting, then using a CPU, then the lowest rank); the process that held the store when
+        waiting, then using a CPU between the two reads (`cpu_share`), then the lowest rank);
+        the process that held the store when
         its connection broke before any record was read (`store_gone`); "" without records."""
         none: dict[int, dict] = {}
         first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
@@ -186,7 +195,7 @@ class ProgressRecords:
             if later and "beat" in first.get(r, {}) and first[r]["beat"] == records[r].get("beat")
         ]
         statuses = {r: str(x.get("status", "")) for r, x in records.items()}
-        cpu = {r: float(x.get("cpu", 0.0)) for r, x in records.items()}
+        cpu = {r: cpu_share(first.get(r, {}), x) for r, x in records.items()}
         named = behind_first(stopped or sorted(records), statuses, lambda alike: cpu)
         return (
             f"rank {named} did not answer"
@@ -198,6 +207,20 @@ class ProgressRecords:
                 else ""
             )
         )
+
+
+def cpu_share(before: dict, after: dict) -> float:
+    """The share of a CPU a rank's process used between two of its records (`before`, `after`:
+    as read `heartbeat_wait_s()` apart, so seconds apart: a rank computing on a loaded node
+    may get less than `BUSY_SHARE` of a CPU in one `PUBLISH_S`, its record's own `cpu`, but
+    not over seconds); `after`'s own share where the two are one record or lack the counts."""
+    try:
+        span = float(after["at"]) - float(before["at"])
+        if span > 0:
+            return max(0.0, (float(after["cpu_s"]) - float(before["cpu_s"])) / span)
+    except (KeyError, TypeError, ValueError):
+        pass
+    return float(after.get("cpu", 0.0))
 
 
 def store_gone() -> str:
