@@ -947,7 +947,8 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     """Megatron-LM's, torchtitan's or Hugging Face Trainer's name for a flag: difflib named an
     unrelated one (`--resume: did you mean --recompute?`, `--train-iters`: `--rank-order`,
     `--ckpt`: `--cp`); now megapar's. Each named flag exists; a --config key likewise."""
-    from megapar.training.config import OTHER_TOOLS_FLAGS, build_parser, parse_args
+    from megapar.training.config import build_parser, parse_args
+    from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
     for argv, hint in ((["--resume", "ck"], "--resume: did you mean --load?"),
                        (["--train-iters=5"], "--train-iters: did you mean --max-steps?"),

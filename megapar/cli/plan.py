@@ -69,7 +69,7 @@ from megapar.plan.report import (
 )
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
-from megapar.training.config import FP8_FILTER, FP8_ON, FP8_RECIPE
+from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 

@@ -28,8 +28,9 @@ from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
-from megapar.training.config import OTHER_TOOLS_FLAGS, TrainConfig, flag_choices
+from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8

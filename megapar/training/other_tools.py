@@ -1,0 +1,457 @@
+"""Other tools' names for megapar-train's flags: Megatron-LM's, torchtitan's, DeepSpeed's and the
+Hugging Face Trainer's flags (and torchtitan's TOML job configs), each answered with megapar's
+flag or a sentence saying what megapar does instead.
+
+`OTHER_TOOLS_FLAGS` is what megapar-train's parser (`training.config.build_parser`), its
+`--config` reader and `megapar.prepare`'s keyword check consult before difflib's guess; the
+sentences are shared with megapar-plan's own table (`cli/plan.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+
+from megapar.tensor_parallel.fp8 import FP8_RECIPES
+
+WEIGHTS_ONLY = (
+    "megapar-train's --load resumes the optimizer state too; to start from a checkpoint's "
+    "weights alone, export it (megapar-convert) and start from the export with --from-hf"
+)
+
+MODEL_SIZE = (
+    "a model's sizes come from --model (a recipe, or a JSON / YAML config file such as "
+    "models/llama-tiny.json, in transformers' names)"
+)
+
+MODEL_FIELD = (
+    "a model's settings come from --model (a JSON / YAML model config file such as "
+    "models/gpt2-tiny.json, in transformers' names): set {field} there"
+)
+
+MOE_FIELD = (
+    "a mixture of experts' routing and sizes come from the model config (a --model file such as "
+    "models/mixtral-tiny.json, or the config.json of the --from-hf directory, in transformers' "
+    "names): set {field} there"
+)
+
+CP_COMM = (
+    "megapar chooses context parallelism's attention communication per model: a ring of K/V "
+    "blocks (Megatron's p2p) where kv heads equal query heads, one all-gather of K/V "
+    "(allgather) for grouped-query attention; there is no a2a (Ulysses); drop it and set --cp"
+)
+
+MLM_RATE = (
+    "megapar masks 15 % of a BERT sample's tokens (80 % [MASK], 10 % a random token, 10 % kept), "
+    "a fixed rate; drop it (megapar.data.MLMDataset(..., mask_prob=P) in your own loop)"
+)
+
+DS_ZERO = (
+    "megapar's ZeRO is built in: give --zero 1, 2 or 3 (with --offload-optimizer, "
+    "--offload-params), and a DeepSpeed config's other settings as megapar-train flags"
+)
+DS_CONFIG = (
+    "megapar-train reads no DeepSpeed config: give its settings as megapar-train flags (or a "
+    "--config file of them): train_batch_size --global-batch-size, "
+    "train_micro_batch_size_per_gpu --micro-batch-size, zero_optimization.stage --zero, "
+    "offload_optimizer / offload_param --offload-optimizer / --offload-params, bf16 / fp16 "
+    "--precision, gradient_clipping --clip-grad (--config ds.json names them for its keys)"
+)
+GRAD_ACCUM = (
+    "megapar-train derives the micro-batches per step: give --global-batch-size (= "
+    "--micro-batch-size x the accumulation steps x dp)"
+)
+LOSS_SCALE = (
+    "megapar's fp16 loss scale (--precision fp16) is always dynamic, as DeepSpeed's defaults: "
+    "2^16 at the start (initial_scale_power 16), doubled after 1000 clean steps "
+    "(loss_scale_window), never below 1 (min_loss_scale), but halved at every overflow "
+    "(hysteresis 1; the step skipped); no static scale; drop it"
+)
+ZERO3_PREFETCH = (
+    "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
+    "setting; --zero3-keep-params keeps every unit gathered; drop it"
+)
+LAUNCHER_RANK = (
+    "megapar-train takes its rank from torchrun's environment (LOCAL_RANK), or starts its "
+    "local workers itself; drop it"
+)
+FP8_ON = "--fp8 tensorwise (or rowwise; megapar converts the blocks' linears itself)"
+FP8_RECIPE = (
+    "--fp8 tensorwise or rowwise (torchao's recipes of those names; not rowwise_with_gw_hp)"
+)
+FP8_FILTER = (
+    "megapar has no per-module float8 filter: --fp8-layers auto keeps the linears torchao's size "
+    "rule finds too small (on each rank's local N x K) in high precision, all converts every "
+    "block linear whose dims are multiples of 16, and the embedding and the LM head always stay "
+    "in high precision (the run's fp8 line names each kind of layer); drop it"
+)
+FP8_FSDP_GATHER = (
+    "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes by itself "
+    "(not with --compile or --offload-params); drop it"
+)
+FP8_PRECOMPUTE = (
+    "under --zero 3 --fp8 tensorwise the float8 weights' scales come from one all-reduce at each "
+    "step's start, always; drop it"
+)
+FP8_WEIGHT_IN_BWD = (
+    "megapar's --zero 3 frees a block's float8 weights with its gathered unit and gathers them "
+    "again for its backward; elsewhere one float8 cast of each weight serves the step; drop it"
+)
+FP8_MOE = (
+    "megapar keeps a mixture of experts' routed experts in high precision (torchao's float8 "
+    "grouped matmul is a CUDA-only prototype); --fp8 converts attention and shared experts; "
+    "drop it"
+)
+FP8_SCALING = (
+    "megapar's float8 scales are dynamic, from each tensor's current amax (torchao's recipes): "
+    "no amax history, margin or interval; drop it"
+)
+FP8_FORMAT = (
+    "megapar's float8 casts are torchao's: e4m3 for X and W, e5m2 for dY under --fp8 tensorwise "
+    "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
+)
+
+LAUNCHER = (
+    "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
+    "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
+)
+
+OTHER_TOOLS_FLAGS = {
+    "--resume": "--load",
+    "--resume-from-checkpoint": "--load",
+    "--ckpt": "--load or --save",
+    "--checkpoint": "--load or --save",
+    "--checkpoint.folder": "--save (and --load to resume)",
+    "--checkpoint.interval": "--save-interval",
+    "--train-iters": "--max-steps",
+    "--training.steps": "--max-steps",
+    "--training.seq_len": "--seq-len",
+    "--training.global_batch_size": "--global-batch-size",
+    "--training.local_batch_size": "--micro-batch-size",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp",
+    "--expert-model-parallel-size": "--ep",
+    "--parallelism.tensor_parallel_degree": "--tp",
+    "--parallelism.pipeline_parallel_degree": "--pp",
+    "--parallelism.context_parallel_degree": "--cp",
+    "--cp-comm-type": CP_COMM,
+    "--parallelism.context_parallel_rotate_method": CP_COMM,
+    "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
+    "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",
+    "--parallelism.expert_parallel_degree": "--ep",
+    "--use-distributed-optimizer": "--zero 1",
+    "--bf16": "--precision bf16",
+    "--fp16": "--precision fp16",
+    "--lr-decay-style": "--lr-decay",
+    "--lr-warmup-iters": "--warmup-steps",
+    "--eval-iters": "--eval-steps",
+    "--data-path": "--data",
+    "--training.dataset_path": "--data",
+    "--split": "--val-fraction",
+    "--vocab-file": "--tokenizer",
+    "--merge-file": "--tokenizer",
+    "--tokenizer-type": "--tokenizer",
+    "--tokenizer-model": "--tokenizer",
+    "--model.tokenizer_path": "--tokenizer",
+    "--model.hf_assets_path": "--tokenizer",
+    "--num-layers": MODEL_SIZE,
+    "--hidden-size": MODEL_SIZE,
+    "--ffn-hidden-size": MODEL_SIZE,
+    "--num-attention-heads": MODEL_SIZE,
+    "--num-query-groups": MODEL_SIZE,
+    "--max-position-embeddings": MODEL_SIZE,
+    "--recompute-activations": "--recompute selective",
+    "--recompute-granularity": "--recompute",
+    "--activation_checkpoint.mode": "--recompute",
+    "--gradient-checkpointing": "--recompute full",
+    "--gradient_checkpointing": "--recompute full",
+    "--training.mixed_precision_param": "--precision",
+    "--optimizer.lr": "--lr",
+    "--learning_rate": "--lr",
+    "--lr-decay-iters": "--max-steps",
+    "--lr-warmup-fraction": "--warmup-steps",
+    "--lr_scheduler.warmup_steps": "--warmup-steps",
+    "--load-optim": "--load",
+    "--no-load-optim": WEIGHTS_ONLY,
+    "--finetune": WEIGHTS_ONLY,
+    "--no-load-rng": "",
+    # DeepSpeed's flags and ds_config.json keys (`--config` takes a file of megapar-train's
+    # flags; `read_run_config` names a DeepSpeed config's equivalents): difflib named
+    # --micro-batch-size for train_batch_size (the global batch), --loss-mean for --loss-scale,
+    # --adam-eps for --num-gpus, --load for --cpu-offload, or nothing (--gradient-clipping,
+    # --checkpoint-activations, --gradient-accumulation-steps, --local_rank)
+    "--deepspeed": DS_ZERO,
+    "--deepscale": DS_ZERO,
+    "--deepspeed_config": DS_CONFIG,
+    "--deepspeed-config": DS_CONFIG,
+    "--deepscale_config": DS_CONFIG,
+    "--zero-stage": "--zero",
+    "--zero_stage": "--zero",
+    "--zero-optimization": DS_ZERO,
+    "--zero_optimization": DS_ZERO,
+    "--train-batch-size": "--global-batch-size",
+    "--train_batch_size": "--global-batch-size",
+    "--train-micro-batch-size-per-gpu": "--micro-batch-size",
+    "--train_micro_batch_size_per_gpu": "--micro-batch-size",
+    "--gradient-accumulation-steps": GRAD_ACCUM,
+    "--cpu-offload": "--offload-optimizer",
+    "--cpu_offload": "--offload-optimizer",
+    "--cpu-optimizer": "--offload-optimizer",
+    "--loss-scale": LOSS_SCALE,
+    "--loss_scale": LOSS_SCALE,
+    "--initial-scale-power": LOSS_SCALE,
+    "--initial_scale_power": LOSS_SCALE,
+    "--loss-scale-window": LOSS_SCALE,
+    "--loss_scale_window": LOSS_SCALE,
+    "--hysteresis": LOSS_SCALE,
+    "--min-loss-scale": LOSS_SCALE,
+    "--min_loss_scale": LOSS_SCALE,
+    "--gradient-clipping": "--clip-grad",
+    "--gradient_clipping": "--clip-grad",
+    "--checkpoint-activations": "--recompute full",
+    "--checkpoint_activations": "--recompute full",
+    "--deepspeed-activation-checkpointing": "--recompute full",
+    "--partition-activations": "megapar keeps each rank's recomputation inputs whole; "
+    "--sequence-parallel (with --tp) splits the activations outside attention and the MLP over "
+    "the tp ranks",
+    "--steps_per_print": "--log-interval",
+    "--steps-per-print": "--log-interval",
+    "--wall_clock_breakdown": "every log line has the step's throughput (tok/s, TFLOP/s, MFU) "
+    "and, with --pp, the bubble; --profile-steps A:B records a torch.profiler trace",
+    "--reduce-bucket-size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--reduce_bucket_size": "--grad-bucket-mb (MB, where DeepSpeed counts elements)",
+    "--allgather-bucket-size": "--grad-bucket-mb (MB; ZeRO-1 / 2 gather the buckets the "
+    "reduction uses)",
+    "--overlap-comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--overlap_comm": "megapar-train always overlaps the gradient reduction with the backward "
+    "(buckets of --grad-bucket-mb); drop it",
+    "--contiguous-gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--contiguous_gradients": "megapar's gradients always live in flat buckets; drop it",
+    "--stage3-prefetch-bucket-size": ZERO3_PREFETCH,
+    "--stage3_prefetch_bucket_size": ZERO3_PREFETCH,
+    "--stage3-max-live-parameters": ZERO3_PREFETCH,
+    "--stage3_max_live_parameters": ZERO3_PREFETCH,
+    "--stage3-param-persistence-threshold": "--zero3-persistence-threshold",
+    "--stage3_param_persistence_threshold": "--zero3-persistence-threshold",
+    "--local_rank": LAUNCHER_RANK,
+    "--local-rank": LAUNCHER_RANK,
+    "--num_gpus": LAUNCHER,
+    "--num-gpus": LAUNCHER,
+    "--num_nodes": LAUNCHER,
+    "--num-nodes": LAUNCHER,
+    "--hostfile": LAUNCHER,
+    "--include": LAUNCHER,
+    "--master_port": LAUNCHER,
+    "--master_addr": LAUNCHER,
+    "--job.config_file": "--config",
+    "--tensorboard-dir": "--tensorboard",
+    "--output_dir": "--save",
+    "--per_device_train_batch_size": "--micro-batch-size",
+    "--gradient_accumulation_steps": GRAD_ACCUM,
+    "--model_name_or_path": "--from-hf",
+    "--nproc_per_node": "--dp",
+    "--nproc-per-node": "--dp",
+    "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-layers-per-virtual-pipeline-stage": "--schedule interleaved --virtual-stages (model "
+    "chunks per rank: the layers over --pp x the layers of a chunk)",
+    "--parallelism.pipeline_parallel_schedule": "--schedule",
+    "--train-samples": "megapar-train counts steps: give --max-steps, the samples over "
+    "--global-batch-size",
+    "--rampup-batch-size": "megapar-train has no batch-size ramp-up: stop each phase (e.g. "
+    "--exit-interval) and resume with --load and the next --global-batch-size, which continues "
+    "the data order",
+    "--overlap-grad-reduce": "megapar-train always overlaps the gradient reduction with the "
+    "backward (buckets of --grad-bucket-mb); drop it",
+    "--overlap-param-gather": "megapar-train's ZeRO gathers overlap the compute where they can; "
+    "drop it",
+    "--distributed-backend": "megapar-train picks gloo on the CPU and NCCL with CUDA "
+    "(MEGAPAR_CPU=1 forces the CPU); drop it",
+    "--log-throughput": "tokens/s, TFLOP/s and MFU are on every log line; drop it",
+    "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
+    "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
+    "--sp": "--sequence-parallel",
+    # torchtitan's float8 options (`--float8.*`, since 2025 `--quantize.linear.float8.*`),
+    # Megatron-LM's / Transformer Engine's fp8 flags: difflib named --load for --float8,
+    # --fp8-emulate for --fp8-recipe and --fp8-format, or nothing
+    "--float8": FP8_ON,
+    "--model.converters": FP8_ON,
+    "--float8.enable_float8_linear": FP8_ON,
+    "--float8.recipe_name": FP8_RECIPE,
+    "--quantize.linear.float8.recipe_name": FP8_RECIPE,
+    "--recipe_name": FP8_RECIPE,
+    "--fp8-recipe": FP8_RECIPE,
+    "--float8.filter_fqns": FP8_FILTER,
+    "--quantize.linear.float8.filter_fqns": FP8_FILTER,
+    "--filter_fqns": FP8_FILTER,
+    "--float8.emulate": "--fp8-emulate",
+    "--quantize.linear.float8.emulate": "--fp8-emulate",
+    "--float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--enable_fsdp_float8_all_gather": FP8_FSDP_GATHER,
+    "--fp8-param-gather": FP8_FSDP_GATHER,
+    "--float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--precompute_float8_dynamic_scale_for_fsdp": FP8_PRECOMPUTE,
+    "--float8.force_recompute_fp8_weight_in_bwd": FP8_WEIGHT_IN_BWD,
+    "--float8.moe_fqns_prototype": FP8_MOE,
+    "--quantize.grouped_mm.float8.fqns": FP8_MOE,
+    "--fp8-format": FP8_FORMAT,
+    "--fp8-margin": FP8_SCALING,
+    "--fp8-interval": FP8_SCALING,
+    "--fp8-amax-history-len": FP8_SCALING,
+    "--fp8-amax-compute-algo": FP8_SCALING,
+    "--no-fp8-wgrad": "megapar's float8 linears compute dW = dY^T X in float8 too, as "
+    "torchao's tensorwise and rowwise recipes do (rowwise_with_gw_hp is not offered); drop it",
+    "--fp8-dot-product-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--fp8-multi-head-attention": "megapar keeps attention's core in high precision under "
+    "--fp8; drop it",
+    "--first-last-layers-bf16": "megapar treats every block's linears alike under --fp8 (by "
+    "--fp8-layers); drop it",
+    "--training.compile": "--compile",
+    "--compile.enable": "--compile",
+    # Megatron-LM's mixture-of-experts flags (difflib named --adam-eps for --num-experts,
+    # --moe-capacity-factor for --moe-router-topk-scaling-factor, --tp for --sp)
+    "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
+    "--moe-router-topk": MOE_FIELD.format(field="num_experts_per_tok"),
+    "--num-experts-per-tok": MOE_FIELD.format(field="num_experts_per_tok"),
+    "--moe-ffn-hidden-size": MOE_FIELD.format(
+        field="moe_intermediate_size (Qwen3-MoE; a Mixtral's experts are intermediate_size wide)"
+    ),
+    "--moe-layer-freq": MOE_FIELD.format(
+        field="decoder_sparse_step and mlp_only_layers (Qwen3-MoE)"
+    ),
+    "--moe-shared-expert-intermediate-size": MOE_FIELD.format(
+        field="shared_expert_intermediate_size"
+    ),
+    "--moe-router-score-function": MOE_FIELD.format(field="moe_router_score (softmax or sigmoid)"),
+    "--moe-aux-loss-coeff": "--moe-aux-loss-coef",
+    "--router-aux-loss-coef": "--moe-aux-loss-coef",
+    "--moe-z-loss-coeff": "--moe-z-loss-coef",
+    "--moe-expert-capacity-factor": "--moe-capacity-factor",
+    "--moe-router-bias-update-rate": "--moe-bias-update-rate",
+    "--moe-router-enable-expert-bias": (
+        "--moe-bias-update-rate (a rate > 0 turns the expert bias on)"
+    ),
+    "--moe-router-load-balancing-type": "--moe-aux-loss-coef (aux_loss; 0: none), "
+    "--moe-z-loss-coef and --moe-bias-update-rate (DeepSeek-V3's auxiliary-loss-free balancing)",
+    "--moe-token-dispatcher-type": "under --ep the experts' tokens always travel by all-to-all "
+    "(Megatron's alltoall dispatcher); drop it",
+    "--moe-grouped-gemm": "the experts run one grouped matmul per projection by themselves on "
+    "CUDA in bf16 (a loop over the experts elsewhere); drop it",
+    "--moe-token-drop-policy": "with --moe-capacity-factor each expert keeps its first "
+    "assignments in token order (Megatron's position policy); drop it",
+    "--moe-pad-expert-input-to-capacity": "megapar never pads an expert's rows to its capacity; "
+    "drop it",
+    "--moe-router-topk-scaling-factor": "megapar's router weighs the top-k experts by their "
+    "scores (renormalised for a Mixtral, and for a Qwen3-MoE whose norm_topk_prob says so), with "
+    "no scaling factor; drop it",
+    "--moe-router-dtype": "megapar's router takes the softmax (or sigmoid) of its logits in fp32 "
+    "under every --precision; drop it",
+    "--moe-input-jitter-eps": "megapar's router adds no input jitter; drop it",
+    "--moe-layer-recompute": "--recompute full (--recompute selective recomputes the attention "
+    "core only, never the MoE layer)",
+    "--expert-tensor-parallel-size": "megapar never splits an expert over tp (every tp rank holds "
+    "its experts whole); --ep shards the experts",
+    "--init-method-std": MODEL_FIELD.format(field="initializer_range"),
+    "--hidden-dropout": MODEL_FIELD.format(field="resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
+    "--attention-dropout": MODEL_FIELD.format(
+        field="attn_pdrop (GPT-2), attention_probs_dropout_prob (BERT), attention_dropout (Llama)"
+    ),
+    # Megatron-LM's and transformers' (run_mlm.py) BERT pretraining flags
+    "--mask-prob": MLM_RATE,
+    "--masked-lm-prob": MLM_RATE,
+    "--mlm-probability": MLM_RATE,
+    "--mlm_probability": MLM_RATE,
+    "--mlm": "a BERT model always trains the masked-LM loss (a GPT-2 or Llama the causal one); "
+    "drop it",
+    "--whole-word-masking": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--whole_word_mask": "megapar masks single tokens (a word's WordPiece pieces "
+    "independently), not whole words; drop it",
+    "--bert-no-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only, as this flag asks of Megatron-LM; drop it",
+    "--bert-binary-head": "megapar's BERT has no next-sentence (binary) head: it trains the "
+    "masked-LM loss only; drop it",
+    "--short-seq-prob": "megapar's BERT samples are each document's consecutive chunks of "
+    "--seq-len - 3 tokens, none shortened at random; drop it",
+    "--data-impl": "megapar reads Megatron-LM's mmap datasets (MMIDIDX .bin / .idx) as they "
+    "are; drop it",
+    "--num-workers": "megapar-train collates each batch in the training process (a few index "
+    "lookups per sample); drop it",
+    "--dataloader-type": "megapar-train's sampler reshuffles the samples every epoch (as "
+    "Megatron-LM's cyclic); drop it",
+    "--bert-load": "--from-hf DIR (a transformers BERT directory) or --load CKPT (a megapar "
+    "checkpoint)",
+    "--make-vocab-size-divisible-by": MODEL_FIELD.format(field="make_vocab_size_divisible_by"),
+    # the other megapar commands' flags
+    "--input": "--data",
+    "--split-lines": "megapar-train already reads a .txt as a document per blank-line "
+    "paragraph; drop it",
+    "--output-prefix": "megapar-train keeps raw text's tokens in --data-cache; to write a "
+    "dataset, run megapar-data, then pass its prefix to --data",
+    "--workers": "megapar-data's tokenizer processes; to tokenize a big corpus in parallel, run "
+    "megapar-data first and pass its prefix to --data",
+    "--vocab-size": "the vocabulary follows the tokenizer (or a --model config file's vocab_size)",
+    "--to-hf": "export the checkpoint after training: megapar-convert CKPT --to-hf HF_DIR",
+    "--max-batches": "--eval-steps",
+    "--input-ids": "logits of given ids are megapar-eval's (megapar-eval --load CKPT "
+    "--input-ids IDS.npy --save-logits OUT.npy); drop it",
+}
+"""Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's names for megapar-train's
+flags: an unknown flag that is one of them is answered with megapar's (difflib would name an
+unrelated flag: `--resume`: `--recompute`, `--train-iters`: `--rank-order`, `--data-path`:
+`--data-cache`, `--hidden-size`: `--world-size`, `--no-load-optim`: `--no-offload-optimizer`);
+a model's size (`--num-layers`) is the --model config's; a sentence says what to do where
+megapar has no such flag, and an empty entry names nothing."""
+
+
+def toml_job_config(path: str) -> str:
+    """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
+    recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
+    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
+    said = (
+        f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
+        f"job config (torchtitan's)"
+    )
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            job = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return f"{said} ({exc})"
+    keys = [
+        (f"{section}.{key}", value)
+        for section, table in job.items()
+        if isinstance(table, dict)
+        for key, value in table.items()
+    ]
+    recipe = next(
+        (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
+    )
+    flags, sentences, left = [], [], []
+    for key, value in keys:
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if key.endswith("float8.recipe_name") and recipe is not None:
+            flags.append(f"--fp8 {recipe}")
+        elif key == "model.converters" and "float8" in str(value):
+            if recipe is None:  # torchtitan's default recipe: tensorwise
+                flags.append("--fp8 tensorwise")
+        elif ours is None:
+            left.append(key)
+        elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
+            if value is not False:
+                flags.append(ours if value is True else f"{ours} {shown}")
+        else:
+            sentences.append(f"{key}: {ours}")
+    if not (flags or sentences):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    return (
+        f"{said}; give its settings as megapar-train flags: "
+        + "; ".join(([" ".join(flags)] if flags else []) + sentences)
+        + (f" (no flag named for: {', '.join(left)})" if left else "")
+    )
