@@ -134,9 +134,7 @@ class OneLineParser(argparse.ArgumentParser):
         match = re.fullmatch(r"argument (\S+): invalid choice: (.+?) \(choose from .*\)", message)
         if match is None:
             return ""
-        spellings = match.group(1).split("/")
-        flag = next((f for f in spellings if f.startswith("--")), spellings[0])
-        name = self.value_known_as.get(flag)
+        name = self.value_known_as.get(_long_spelling(match.group(1)))
         if name is None:
             return ""
         value = match.group(2)
@@ -152,8 +150,7 @@ class OneLineParser(argparse.ArgumentParser):
         match = re.fullmatch(r"argument (\S+): expected (?:one|at least one) argument", message)
         if match is None:
             return ""
-        spellings = match.group(1).split("/")
-        flag = next((f for f in spellings if f.startswith("--")), spellings[0])
+        flag = _long_spelling(match.group(1))
         action = self._option_string_actions.get(flag)
         if action is None:
             return ""
@@ -217,3 +214,9 @@ def show_progress(progress: bool | None) -> bool:
         return progress
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty is not None and isatty())
+
+
+def _long_spelling(spellings: str) -> str:
+    """The flag argparse's message names as "-p/--pp": its long spelling (else the first)."""
+    names = spellings.split("/")
+    return next((name for name in names if name.startswith("--")), names[0])

@@ -366,6 +366,18 @@ def logits_file(path: str) -> str:
     return real
 
 
+def _refuse_given(given: tuple[str, ...], names: tuple[str, ...], only_with: str) -> None:
+    """Refuse the flags among `names` the command line gave that the chosen mode does not use:
+    "--a, --b are used only with ONLY_WITH" ({it} in it: "it" or "them")."""
+    named = [flag_of(name) for name in names if name in given]
+    if named:
+        one = len(named) == 1
+        raise UsageError(
+            f"{', '.join(named)} {'is' if one else 'are'} used only with "
+            + only_with.format(it="it" if one else "them")
+        )
+
+
 def _choose_worker(args, given: tuple[str, ...]):
     """The worker the mode asks for (--data: the loss, --input-ids: the logits); UsageError for
     no mode, both, or an option the chosen mode does not read (`given`: the options on the
@@ -378,26 +390,23 @@ def _choose_worker(args, given: tuple[str, ...]):
                 "--data and --input-ids are two modes (the loss on a dataset, the logits "
                 "of given ids); give one, or run them as two commands"
             )
-        named = [flag_of(name) for name in LOSS_ONLY if name in given]
-        if named:
-            raise UsageError(
-                f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} used only with "
-                f"--data (the loss); --input-ids gives the logits of its ids as they are: "
-                f"drop {'it' if len(named) == 1 else 'them'}"
-            )
+        _refuse_given(
+            given,
+            LOSS_ONLY,
+            "--data (the loss); --input-ids gives the logits of its ids as they are: drop {it}",
+        )
         return _logits_worker
     if args.save_logits:
         raise UsageError(
             "--save-logits is used only with --input-ids IDS.npy (--data reports the loss); "
             "drop it or give --input-ids"
         )
-    named = [flag_of(name) for name in IDS_ONLY if name in given]
-    if named:
-        raise UsageError(
-            f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} used only with "
-            f"--input-ids (the logits of given ids); --data's BERT samples carry their own: "
-            f"drop {'it' if len(named) == 1 else 'them'}, or give --input-ids"
-        )
+    _refuse_given(
+        given,
+        IDS_ONLY,
+        "--input-ids (the logits of given ids); --data's BERT samples carry their own: "
+        "drop {it}, or give --input-ids",
+    )
     if args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         return _loss_worker
     raise UsageError(
