@@ -522,17 +522,21 @@ def bound_world_waits(timeout_s: float) -> None:
 
 
 JOINED_KEY = "megapar/joined"
-"""The launcher store's count of the ranks whose process group is connected (`_all_joined`)."""
+"""The rendezvous store's count of the ranks whose process group is connected (`_all_joined`)."""
 
 
 def _all_joined(store, world_size: int, wait_s: float) -> None:
     """Return once every rank's `init_process_group` has returned (each counts itself in
     `store`; DistStoreError after `wait_s`), so that no rank, its function done at once (no
     collective), closes its sockets while another is still inside gloo's connect, which fails
-    then with "Connection closed by peer" (docs/guides/faults.md)."""
-    if store.add(JOINED_KEY, 1) == world_size:
-        store.set(JOINED_KEY + "/all", "1")
-    store.wait([JOINED_KEY + "/all"], timedelta(seconds=wait_s))
+    then with "Connection closed by peer" (docs/guides/faults.md). A default group set up
+    again on the same keys (torchrun's store, after ``destroy_process_group``) counts on: its
+    ranks wait for their own round's key."""
+    joined = store.add(JOINED_KEY, 1)
+    round_key = f"{JOINED_KEY}/all_{(joined - 1) // world_size}"
+    if joined % world_size == 0:
+        store.set(round_key, "1")
+    store.wait([round_key], timedelta(seconds=wait_s))
 
 
 STORE_FIX = (
@@ -567,7 +571,7 @@ def _wait_for_store(rank: int, addr: str, port: int, wait_s: float) -> None:
     )
     raise TimeoutError(
         f"rank {rank} could not reach the rendezvous store at MASTER_ADDR:MASTER_PORT = "
-        f"{addr}:{port} in {wait_s:.0f} s: {why}; {STORE_FIX}; --timeout-s sets the wait"
+        f"{addr}:{port} in {wait_s:g} s: {why}; {STORE_FIX}; --timeout-s sets the wait"
     )
 
 
@@ -626,9 +630,10 @@ def init_distributed(
 
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
     loopback-only store; in a `megapar.launch` rank whose group was destroyed, that store
-    again: `LaunchStore`); then no rank returns before every rank's group is connected
-    (`_all_joined`). Does nothing when the default group is already initialised. Every
-    ranks waits at most `timeout_s` for the others to join; a rank that never arrives makes the
+    again: `LaunchStore`). With either store no rank returns before every rank's group is
+    connected (`_all_joined`), so that a rank whose work is done at once cannot break a slow
+    rank's join. Does nothing when the default group is already initialised. Every
+    rank waits at most `timeout_s` for the others to join; a rank that never arrives makes the
     others fail with a TimeoutError naming this rank instead of hanging forever. Later
     collectives inherit `timeout_s` on gloo and `nccl_timeout_s` (default
     DEFAULT_NCCL_TIMEOUT_S) on NCCL, whose watchdog must outlast a checkpoint save.
@@ -652,7 +657,6 @@ def init_distributed(
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
     set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
     try:
-        local = store is not None  # the launcher's store: its ranks leave the join together
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             addr, port = os.environ["MASTER_ADDR"], _master_port()
             if rank != 0:
@@ -669,11 +673,11 @@ def init_distributed(
                 timeout=timedelta(seconds=groups),
                 store=store,
             )
-        if local:
+        if world_size > 1:  # every rank leaves the join together (a launcher's or torchrun's)
             _all_joined(store, world_size, wait)
     except dist.DistStoreError as exc:  # the store's own words name only keys
         raise TimeoutError(
-            f"rank {rank} waited {wait:.0f} s for all {world_size} ranks to join the process "
+            f"rank {rank} waited {wait:g} s for all {world_size} ranks to join the process "
             f"group; some never did (a process that was refused, crashed or never started). "
             f"Under torchrun / Slurm give every node the same command and let each reach "
             f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})"

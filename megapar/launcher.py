@@ -456,7 +456,7 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
         store.wait([SETTINGS_KEY + "/all"], timedelta(seconds=timeout_s))
     except dist.DistStoreError:
         raise TimeoutError(
-            f"rank {rank} waited {timeout_s:.0f} s for all {world} ranks to compare their "
+            f"rank {rank} waited {timeout_s:g} s for all {world} ranks to compare their "
             f"settings with rank 0's; some never did (a process that failed or was started "
             f"with another command?); --timeout-s sets the wait"
         ) from None

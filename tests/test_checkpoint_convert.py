@@ -461,3 +461,16 @@ def test_resuming_a_converted_checkpoint_says_why_rng_states_are_missing(tmp_pat
         "none; dropout is seeded from --seed")
     assert missing_rng_note({}) == ("RNG states not restored: the checkpoint has none; dropout "
                                     "masks differ from an uninterrupted run")
+
+
+def test_info_says_a_checkpoint_was_trained_under_fp8(tmp_path, capsys):
+    """--info showed nothing of a run's --fp8, which a --load takes (recipe and layers rule):
+    its line comes from the recorded train_config; a run without fp8 has none."""
+    trained = {"fp8": "rowwise", "fp8_layers": "all", "precision": "bf16"}
+    save_serial(tmp_path / "fp8", meta={"consumed_samples": 96, "train_config": trained})
+    save_serial(tmp_path / "plain", meta={"consumed_samples": 96, "train_config": {"fp8": "off"}})
+    assert main(["--info", str(tmp_path / "fp8"), "--fast"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fp8 ")]
+    assert lines == ["fp8         trained under --fp8 rowwise --fp8-layers all (a --load takes "
+                     "both; the weights are stored in the master dtype)"], lines
+    assert "\nfp8 " not in checkpoint_info(tmp_path / "plain", checksums=False)

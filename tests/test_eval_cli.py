@@ -780,6 +780,42 @@ def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
     assert not (tmp_path / "lg.npy").exists()
 
 
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_sigterm_under_torchrun_is_one_line_per_node_and_exit_143(tiny_ckpt, tmp_path,
+                                                                   local_rank):
+    """A torchrun rank (its environment: a job of one process at tp 1) that torchrun's SIGTERM
+    stops ended with exit 143 and no word; the first process of its node now prints the
+    command's line (the others only end with 143), as megapar-generate's does (`run_reported`)."""
+    import os
+
+    import megapar.cli.eval as eval_cli
+    from megapar.launcher import free_port
+
+    port = free_port()
+
+    def sigterm_itself(args):
+        import time
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    def patch():
+        for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+            os.environ.pop(name, None)
+        os.environ.update(RANK="0", LOCAL_RANK=local_rank, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        eval_cli._logits_worker = sigterm_itself
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                              str(tmp_path / "lg.npy")], out, patch)
+    err = out.read_text().strip()
+    assert got == 143, err
+    want = "megapar-eval: terminated (SIGTERM); nothing was written" if local_rank == "0" else ""
+    assert err == want, err
+
+
 def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tmp_path):
     """A SIGTERM while megapar-eval checks its inputs (or tokenizes raw --data: a partial
     .bin.tmp was left in --data-cache) killed it without a word (exit -15)."""

@@ -540,6 +540,29 @@ def test_the_fp8_line_of_a_pipeline_stage_names_its_pipeline_rank():
 
 
 @needs_torchao
+def test_megapar_trains_fp8_line_of_no_float8_linear_names_fp8_layers_all():
+    """megapar-train's line said "0 linears in float8" for a model too small for the size rule
+    and left the user to find the flag that converts them anyway: it names --fp8-layers all
+    (as megapar.prepare's warning names fp8_layers='all'); under --fp8-layers all it would
+    not. Rehearsed (--dry-run), as the run prints it (`fp8_note`)."""
+    from megapar.dryrun import dry_run
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.training.engine_parts import fp8_note
+
+    cfg = TrainConfig(seq_len=16, micro_batch_size=2, global_batch_size=2, fp8="tensorwise",
+                      dry_run=True)
+    config = dataclasses.replace(resolve_model("gpt2-tiny"), vocab_size=VOCAB)
+    [report] = dry_run(cfg, config, Layout(1, 1, 1), [0])
+    line = next(n for n in report.notes if n.startswith("fp8"))
+    advice = "; --fp8-layers all converts those whose dims are multiples of 16"
+    assert ": 0 linears in float8; kept in high precision: " in line and line.endswith(
+        advice), line
+    summary = line.removesuffix(advice)
+    assert fp8_note(summary, "all") == summary
+
+
+@needs_torchao
 def test_prepare_warns_when_fp8_converts_no_linear():
     """megapar.prepare prints no line: fp8='tensorwise' on a model too small for the size rule
     trained with no float8 linear and said nothing. It warns now, naming fp8_layers='all';
@@ -601,11 +624,14 @@ def test_a_resume_does_not_take_fp8_emulate_from_the_checkpoint():
     from megapar.training.config import parse_args
     from megapar.training.validate_resume import settings_from_checkpoint
 
-    saved = {"fp8": "rowwise", "fp8_emulate": True, "fp8_layers": "all"}
+    saved = {"fp8": "rowwise", "fp8_emulate": True, "fp8_layers": "all", "compile": True,
+             "tokenizer": "my tok"}
     cfg = parse_args(["--load", "ck"])
     note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
     assert (cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers) == ("rowwise", False, "all"), cfg
-    assert note == ["from the checkpoint (not given): --fp8 rowwise, --fp8-layers all"], note
+    # flags a user can paste (a switch was "--compile True", a value with a space unquoted)
+    assert note == ["from the checkpoint (not given): --compile, --fp8 rowwise, --fp8-layers "
+                    "all, --tokenizer 'my tok'"], note
     if HAVE_TORCHAO and not torch.cuda.is_available():
         with pytest.raises(UsageError) as exc:
             check_settings(cfg)

@@ -61,6 +61,27 @@ def test_no_local_rank_starts_before_every_rank_has_joined(monkeypatch):
     assert started_1 >= joined_0, (joined_0, started_1)
 
 
+def test_no_torchrun_rank_starts_before_every_rank_has_joined(monkeypatch):
+    """The same under torchrun's environment (the env:// rendezvous, no launcher's store), rank 1
+    slow to join: rank 0, with nothing to do, returned and tore its group down while rank 1 was
+    still joining (test_faults' shared log directory test failed once with "Connection closed
+    by peer"). Rank 0's function started 0.5 s before rank 1 had joined."""
+    from megapar.launcher import run_workers
+
+    real = dist.init_process_group
+
+    def slow_rank_1_join(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs["rank"] == 1:
+            time.sleep(0.5)
+        _JOINED_AT.append(time.monotonic())
+
+    monkeypatch.setattr(dist, "init_process_group", slow_rank_1_join)
+    [(_, started_0)], [(joined_1, _)] = _run_as_torchrun(
+        lambda: run_workers(_started_at, 2, collective_timeout_s=30), 2)
+    assert started_0 >= joined_1, (started_0, joined_1)
+
+
 def test_launch_refuses_more_processes_than_the_machine_runs_unless_told(monkeypatch):
     """megapar.launch(fn, 64) forked 64 processes on 2 cores: refused before any starts, the
     limit and the way around it named; oversubscribe=True starts them."""
@@ -226,9 +247,9 @@ def test_megapar_launch_under_torchrun_ends_with_no_gloo_thread_left():
     assert _run_as_torchrun(body, 2) == [(True, 0)] * 2
 
 
-def _join_alone(port, out, rendezvous):
-    """Rank 0 of 2 alone: through the launcher's own store, or torch's env:// rendezvous
-    (torchrun, srun) that init_distributed makes itself."""
+def _join_alone(port, out, rendezvous, wait_s):
+    """Rank 0 of 2 alone, waiting `wait_s`: through the launcher's own store, or torch's env://
+    rendezvous (torchrun, srun) that init_distributed makes itself."""
     import os
     from datetime import timedelta
 
@@ -241,29 +262,30 @@ def _join_alone(port, out, rendezvous):
     else:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        device.init_distributed(rank=0, world_size=2, timeout_s=1, store=store)
+        device.init_distributed(rank=0, world_size=2, timeout_s=wait_s, store=store)
         out.put("joined")
     except Exception as exc:  # noqa: BLE001 - the message is the test
         out.put(f"{type(exc).__name__}: {exc}")
 
 
-@pytest.mark.parametrize("rendezvous", ["store", "env"])
-def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
+@pytest.mark.parametrize("rendezvous, wait_s", [("store", 1), ("env", 0.5)])
+def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous, wait_s):
     """A node started with other flags exits at once; the others used to report only
     'DistStoreError: wait timeout after 30000ms, keys: /default_pg/0//cpu//0/2'. The env://
-    rendezvous waits --timeout-s too, not NCCL's longer watchdog timeout."""
+    rendezvous waits --timeout-s too, not NCCL's longer watchdog timeout. A wait under a
+    second is said as it is (it read "waited 0 s")."""
     import multiprocessing as mp
 
     from megapar.launcher import free_port
 
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    p = ctx.Process(target=_join_alone, args=(free_port(), out, rendezvous))
+    p = ctx.Process(target=_join_alone, args=(free_port(), out, rendezvous, wait_s))
     p.start()
     message = out.get(timeout=60)
     p.join(timeout=30)
-    assert message.startswith("TimeoutError: rank 0 waited 1 s for all 2 ranks to join the "
-                              "process group; some never did"), message
+    assert message.startswith(f"TimeoutError: rank 0 waited {wait_s:g} s for all 2 ranks to "
+                              f"join the process group; some never did"), message
     assert "give every node the same command" in message and "--timeout-s" in message
 
 
@@ -299,6 +321,29 @@ def test_nodes_started_with_other_flags_are_named_on_every_rank(same):
         assert got == [line, line]
 
 
+def test_a_settings_comparison_that_times_out_says_its_wait_as_it_is(monkeypatch):
+    """A rank whose peers never compared their settings within a --timeout-s under a second
+    said "waited 0 s"."""
+    from megapar import launcher
+
+    class NoPeers:  # rank 0's store: the other rank never counts itself
+        def set(self, key, value):
+            pass
+
+        def add(self, key, n):
+            return 1
+
+        def wait(self, keys, timeout):
+            raise dist.DistStoreError("wait timeout")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", NoPeers)
+    with pytest.raises(TimeoutError, match=r"^rank 0 waited 0.5 s for all 2 ranks to compare "):
+        launcher.check_same_settings({"--tp": 1}, 0.5)
+
+
 def _join_unreachable(port, out, rank):
     """Rank `rank` of 2 through torch's env:// rendezvous (srun, a wrong MASTER_PORT): rank 1
     with nothing at MASTER_PORT, rank 0 with the port taken by another listener."""
@@ -311,7 +356,7 @@ def _join_unreachable(port, out, rank):
     taken = socket.create_server(("", port)) if rank == 0 else None
     start = time.monotonic()
     try:
-        device.init_distributed(rank=rank, world_size=2, timeout_s=1)
+        device.init_distributed(rank=rank, world_size=2, timeout_s=0.5 if rank else 1)
         out.put(("joined", 0.0))
     except Exception as exc:  # noqa: BLE001 - the message is the test
         out.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
@@ -330,14 +375,15 @@ def test_a_rank_that_cannot_use_master_port_says_so_in_words(rank, capfd):
 
     from megapar.launcher import free_port
 
-    out = mp.get_context("fork").Queue()
-    p = mp.get_context("fork").Process(target=_join_unreachable, args=(free_port(), out, rank))
+    out, port = mp.get_context("fork").Queue(), free_port()
+    p = mp.get_context("fork").Process(target=_join_unreachable, args=(port, out, rank))
     p.start()
     message, took = out.get(timeout=60)
     p.join(timeout=30)
-    if rank == 1:
-        assert message.startswith("TimeoutError: rank 1 could not reach the rendezvous store "
-                                  "at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
+    if rank == 1:  # its wait, 0.5 s, said as it is (it read "in 0 s")
+        assert message.startswith(f"TimeoutError: rank 1 could not reach the rendezvous store "
+                                  f"at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port} in 0.5 s: "
+                                  f"nothing listens there"), message
         assert "nothing listens there" in message and "--timeout-s" in message, message
         assert took < 3, took
         assert "Exception raised from" not in capfd.readouterr().err

@@ -445,6 +445,7 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
         f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
         f"(unpadded, as transformers counts them{_active(model, params)})",
         f"optimizer   {', '.join(optim) if optim else 'none'}",
+        *_fp8_line(m["meta"]),
         f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
         f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
         "files:",
@@ -461,6 +462,20 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
                 f"{','.join(e['optim']) or '-'}"
             )
     return "\n".join(lines)
+
+
+def _fp8_line(meta: dict) -> list[str]:
+    """--info's line for a checkpoint trained under --fp8 (its recorded train_config): the
+    recipe and the layers rule, which a --load takes; none for another run."""
+    saved = meta.get("train_config") or {}
+    recipe = saved.get("fp8") if isinstance(saved, dict) else None
+    if not recipe or recipe == "off":
+        return []
+    layers = saved.get("fp8_layers") or "auto"
+    return [
+        f"fp8         trained under --fp8 {recipe} --fp8-layers {layers} (a --load takes both; "
+        f"the weights are stored in the master dtype)"
+    ]
 
 
 def _size(model: dict) -> str:

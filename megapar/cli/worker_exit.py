@@ -62,14 +62,18 @@ def run_reported(
     """`run_workers(worker, world_size, args)` (no optimizers), or the exit code of its end
     (its line printed: `worker_exit`). A single local worker runs in this process: a SIGTERM
     raises SystemExit(143) there (`sigterm_as_exit`) and ends, as a Ctrl-C's KeyboardInterrupt
-    does, in the same line and exit code as the forked ranks' stop."""
-    previous = None if under_launcher() or world_size > 1 else sigterm_as_exit()
+    does, in the same line and exit code as the forked ranks' stop. Under torchrun / Slurm,
+    whose SIGTERM raises SystemExit(143) in each rank (`run_workers`), a SIGTERM's or Ctrl-C's
+    line is printed by the first process of each node (`prints_refusals`); the others end
+    with its exit code and no line."""
+    launched = under_launcher()
+    previous = None if launched or world_size > 1 else sigterm_as_exit()
     try:
         return run_workers(worker, world_size, args, optimizers=False)
     except KeyboardInterrupt:
         line, code = stopped_line(tool, False, stopped_note)
     except SystemExit as exc:
-        if previous is None or exc.code != SIGTERM_EXIT_CODE:
+        if (previous is None and not launched) or exc.code != SIGTERM_EXIT_CODE:
             raise
         line, code = stopped_line(tool, True, stopped_note)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
@@ -77,7 +81,8 @@ def run_reported(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    print(line, file=sys.stderr)
+    if prints_refusals():  # once per node under torchrun / Slurm
+        print(line, file=sys.stderr)
     return code
 
 

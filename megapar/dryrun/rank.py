@@ -61,6 +61,7 @@ from megapar.plan.state import (
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.data import continue_order, make_sampler
 from megapar.training.engine import Engine
+from megapar.training.engine_parts import fp8_note
 from megapar.training.validate import UsageError, check_zero3
 
 NOT_RUN = (
@@ -253,7 +254,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
         mesh,
     )
     if engine.fp8_summary:  # the rehearsal emulates the float8 products; the casts are real
-        notes.append(engine.fp8_summary)
+        notes.append(fp8_note(engine.fp8_summary, cfg.fp8_layers))
     first_batch = _first_batch(cfg, mesh, dataset, order)
     run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch

@@ -47,6 +47,13 @@ def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
     return None
 
 
+def none_kept_by_size(summary: str, layers: str) -> bool:
+    """Whether `convert_to_fp8`'s line `summary` says that no linear runs in float8 and the
+    size rule of layers "auto" kept some (a model too small for it), so that layers "all"
+    would convert those whose dims are multiples of 16."""
+    return layers == "auto" and ": 0 linears in float8" in summary and "<=" in summary
+
+
 def convert_to_fp8(
     model: nn.Module,
     recipe: str,

@@ -17,7 +17,7 @@ from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
-from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+from megapar.tensor_parallel.fp8_convert import convert_to_fp8, none_kept_by_size
 from megapar.training.config import TrainConfig
 
 API_ADVICE = (
@@ -78,6 +78,15 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
         compile_blocks(model)  # after fp8's conversion, before any hook on the blocks
     return model, summary
+
+
+def fp8_note(summary: str, layers: str) -> str:
+    """megapar-train's --fp8 line: the stage's `summary` (`stage_for`) and, where the size rule
+    kept every linear in high precision (a small model), the flag that converts them anyway,
+    as `megapar.prepare`'s warning names fp8_layers='all'."""
+    if none_kept_by_size(summary, layers):
+        return summary + "; --fp8-layers all converts those whose dims are multiples of 16"
+    return summary
 
 
 def _experts_kept(model) -> str:

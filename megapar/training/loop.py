@@ -51,6 +51,7 @@ from megapar.training.data import (
 )
 from megapar.training.engine import Engine
 from megapar.training.engine import dp_mean as _dp_mean
+from megapar.training.engine_parts import fp8_note
 from megapar.training.logging import (
     MetricsLogger,
     NullLogger,
@@ -114,7 +115,9 @@ class Trainer:
         )
         forget_loaded()  # the run's tokenizer, loaded once for its planning and datasets
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
-        self.notes: list[str] = [engine.fp8_summary] if engine.fp8_summary else []
+        self.notes: list[str] = (
+            [fp8_note(engine.fp8_summary, cfg.fp8_layers)] if engine.fp8_summary else []
+        )
         resume = bool(cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)))
         if cfg.load and not resume:
             self.notes.append(

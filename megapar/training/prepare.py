@@ -28,6 +28,7 @@ from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
+from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
@@ -417,7 +418,7 @@ def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
         return
     hint = (
         "; fp8_layers='all' converts those whose dims are multiples of 16"
-        if cfg.fp8_layers == "auto" and "<=" in summary  # kept by the size rule
+        if none_kept_by_size(summary, cfg.fp8_layers)
         else ""
     )
     warnings.warn(

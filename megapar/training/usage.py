@@ -3,6 +3,8 @@ given by (`flag_of`): shared by the checks of `validate` and its companions."""
 
 from __future__ import annotations
 
+import shlex
+
 
 class UsageError(ValueError):
     """A bad input: the message names the problem and the fix (exit code 2)."""
@@ -11,3 +13,13 @@ class UsageError(ValueError):
 def flag_of(name: str) -> str:
     """The command-line flag of config field `name` (``--name-with-dashes``)."""
     return "--" + name.replace("_", "-")
+
+
+def flag_with_value(name: str, value) -> str:
+    """Config field `name` set to `value` as words a user can paste into a command line: a
+    switch as ``--compile`` / ``--no-compile`` (argparse's BooleanOptionalAction), a list as
+    its words (``--data a b``), other values quoted where a shell would split them."""
+    if isinstance(value, bool):
+        return flag_of(name) if value else "--no-" + name.replace("_", "-")
+    words = value if isinstance(value, (list, tuple)) else [value]
+    return " ".join([flag_of(name), *(shlex.quote(str(w)) for w in words)])

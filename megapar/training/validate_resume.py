@@ -27,6 +27,7 @@ from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
+from megapar.training.usage import flag_with_value
 from megapar.training.validate import UsageError, explicit, flag_of
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -337,7 +338,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
             if not (name == "save_interval" and cfg.save is None):  # no save: no effect
-                taken.append(f"{flag_of(name)} {value}")
+                taken.append(flag_with_value(name, value))
         given.add(name)
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
