@@ -34,6 +34,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
+from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.plan import (
     Problem,
     check,
@@ -176,12 +177,20 @@ megapar-plan's way (difflib named `--top` for `--tp`, `--pp`, `--dp`, `--cp` and
 `--zero-stages` for `--zero`, `--today` for `--data`)."""
 
 
+def schedule_to_rank(value: str) -> str:
+    """For a `--schedules` value megapar-plan does not take but another tool or paper names
+    (`ScheduleInterleaved1F1B`, `ZB-H1`), megapar's name for it in megapar-plan's flags ("'ZB-H1'
+    is megapar's --schedules zb-h1"); "" for a name `schedule_named_elsewhere` does not know."""
+    return schedule_named_elsewhere(value).replace("--schedule ", "--schedules ")
+
+
 def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
         stray=(("--model", "the model"),),
         known_as=OTHER_FLAGS,
+        value_known_as={"--schedules": schedule_to_rank},
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
     )
