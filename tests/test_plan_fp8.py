@@ -250,6 +250,8 @@ def test_explain_names_the_float8_linears_as_training_does_and_json_carries_them
     got = json.loads(out.out)
     assert (got["fp8"], got["fp8_layers"], got["fp8_speedup"]) == ("rowwise", "auto", 2.0)
     assert got["fp8_line"].startswith("fp8 rowwise: 0 linears in float8; kept in")
+    assert got["fp8_line"].endswith(
+        "; --fp8-layers all converts those whose dims are multiples of 16"), got["fp8_line"]
     code, out = _plan(capsys, "--json", "--top", "1")
     assert "fp8" not in json.loads(out.out)
 

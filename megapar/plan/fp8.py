@@ -38,7 +38,7 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan.params import GatherCasts, kind_blocks
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
-from megapar.tensor_parallel.fp8_convert import wanted
+from megapar.tensor_parallel.fp8_convert import none_kept_by_size, wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -331,7 +331,9 @@ def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
 def summary(p, c, stage: int) -> str:
     """The line `megapar-train` logs for its conversion (`convert_to_fp8`), for pipeline rank
     `stage` of candidate `c`: how many linears run in float8, per kind with its local N x K,
-    and which are kept in high precision and why."""
+    and which are kept in high precision and why; where the size rule of --fp8-layers auto
+    kept every one (a small model), the flag that converts them anyway, as megapar-train's
+    line says (`fp8_note`)."""
     every = block_linears(p.config_json, c.tp, p.fp8, p.fp8_layers)
     converted_n: dict[str, int] = {}
     kept: dict[str, str] = {}
@@ -347,6 +349,8 @@ def summary(p, c, stage: int) -> str:
         line += f" ({', '.join(converted_n)})"
     if kept:
         line += "; kept in high precision: " + ", ".join(f"{k} ({w})" for k, w in kept.items())
+    if none_kept_by_size(line, p.fp8_layers):
+        line += "; --fp8-layers all converts those whose dims are multiples of 16"
     return line
 
 
