@@ -663,6 +663,43 @@ def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys,
     assert rc == 2 and capsys.readouterr().err == ""
 
 
+def test_the_notes_before_the_evaluation_are_printed_once_per_node_under_torchrun(
+        tiny_ckpt, capsys, monkeypatch):
+    """The lines said once every check passes ("scores N of the M windows ...
+    --micro-batch-size K scores every one", the --seq-len a checkpoint gets) were printed by
+    every torchrun process, twice on a node of two: now by the first of each node only, as the
+    refusals are (`prints_refusals`)."""
+    import megapar.cli.eval as eval_cli
+
+    note = "megapar-eval: scores 8 of the 10 windows of --data d (...)"
+    checked = eval_cli.check_eval_args
+
+    def check_with_note(args, given=()):
+        manifest = checked(args, given)
+        args.seq_len_note = note
+        return manifest
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(eval_cli, "check_eval_args", check_with_note)
+    monkeypatch.setattr(eval_cli, "run_reported", start)
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ckpt, ids = tiny_ckpt
+    for rank, said in (("0", f"{note}\n"), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        with pytest.raises(Started):
+            evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                      str(ckpt.parent / "out.npy")])
+        assert capsys.readouterr().err == said, rank
+
+
 def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkpoints(
         tmp_path, corpus, capsys):
     """A checkpoint trained on GPT-2 tokens scores SentencePiece data (ids 0-1003, inside its

@@ -482,7 +482,7 @@ def main(argv=None) -> int:
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits)
-        if args.seq_len_note:  # after every check: a refusal is one line
+        if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)

@@ -102,6 +102,6 @@ def launched_size_refusal(tool: str, tp: int, pp: int, cp: int = 1) -> str | Non
 
 
 def prints_refusals() -> bool:
-    """Whether this process prints a refusal every process of a torchrun / Slurm job makes:
-    the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone."""
+    """Whether this process prints a refusal (or a note) every process of a torchrun / Slurm
+    job makes: the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone."""
     return not under_launcher() or env_local_rank() == 0
