@@ -9,6 +9,7 @@ in-process (their workers are forked from this test process), with a tiny model 
 import json
 import math
 import random
+import shlex
 from pathlib import Path
 
 import pytest
@@ -645,7 +646,8 @@ def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(
     rc, err = _run(train, ["--load", "../job/ckpt", "--data-cache", cache, "--max-steps", "3",
                            "--log-json", log, "--no-progress"], capsys)
     assert rc == 0, err
-    assert f"--data {tmp_path / 'job' / 'my text.txt'}" in err
+    # the note gives the flags to paste: the path with its space quoted
+    assert f"--data {shlex.quote(str(tmp_path / 'job' / 'my text.txt'))}" in err
     assert [r["step"] for r in _records(log)] == [3]
     (tmp_path / "job" / "my text.txt").rename(tmp_path / "job" / "moved.txt")
     rc, err = _run(train, ["--load", "../job/ckpt", "--data-cache", cache, "--max-steps", "4",
