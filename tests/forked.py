@@ -26,3 +26,13 @@ def exit_code(pid: int) -> int:
     """The exit code of child `pid`, once it has ended (-N: killed by signal N)."""
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def join_or_kill(procs, timeout_s: float) -> None:
+    """Join the multiprocessing children `procs`, each within `timeout_s`; one still alive then
+    is killed (and reaped), so a hung child never outlives its test."""
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -794,6 +794,16 @@ def _evaluate_in_child(argv, out, patch=None) -> int:
     return exit_code(fork_running(run, out))
 
 
+def _logits_in_child(tiny_ckpt, tmp_path, patch, *flags) -> tuple[int, str]:
+    """megapar-eval's --input-ids run of `tiny_ckpt` (its logits to tmp_path / "lg.npy", more
+    `flags` beside) in a forked child with `patch()`: (exit code, its output stripped)."""
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), *flags, "--input-ids", str(ids),
+                              "--save-logits", str(tmp_path / "lg.npy")], out, patch)
+    return got, out.read_text().strip()
+
+
 @pytest.mark.parametrize("tp", ["1", "2"])
 @pytest.mark.parametrize("signum, rc, what", [
     (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
@@ -807,11 +817,7 @@ def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
     def patch():
         eval_cli._logits_worker = _signalled_worker(signum)
 
-    ckpt, ids = tiny_ckpt
-    out = tmp_path / "out.txt"
-    got = _evaluate_in_child(["--load", str(ckpt), "--tp", tp, "--input-ids", str(ids),
-                              "--save-logits", str(tmp_path / "lg.npy")], out, patch)
-    err = out.read_text().strip()
+    got, err = _logits_in_child(tiny_ckpt, tmp_path, patch, "--tp", tp)
     assert got == rc, err
     assert err == f"megapar-eval: {what}; nothing was written", err
     assert not (tmp_path / "lg.npy").exists()
@@ -843,11 +849,7 @@ def test_a_sigterm_under_torchrun_is_one_line_per_node_and_exit_143(tiny_ckpt, t
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         eval_cli._logits_worker = sigterm_itself
 
-    ckpt, ids = tiny_ckpt
-    out = tmp_path / "out.txt"
-    got = _evaluate_in_child(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
-                              str(tmp_path / "lg.npy")], out, patch)
-    err = out.read_text().strip()
+    got, err = _logits_in_child(tiny_ckpt, tmp_path, patch)
     assert got == 143, err
     want = "megapar-eval: terminated (SIGTERM); nothing was written" if local_rank == "0" else ""
     assert err == want, err
@@ -870,11 +872,7 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
 
         eval_cli.check_eval_args = check_then_sigterm
 
-    ckpt, ids = tiny_ckpt
-    out = tmp_path / "out.txt"
-    got = _evaluate_in_child(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
-                              str(tmp_path / "lg.npy")], out, patch)
-    err = out.read_text().strip()
+    got, err = _logits_in_child(tiny_ckpt, tmp_path, patch)
     assert got == 143, err
     assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err
 

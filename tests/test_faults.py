@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from forked import fork_running
+from forked import fork_running, join_or_kill
 
 from megapar.cli.train import main
 from megapar.data import asset_path
@@ -1193,11 +1193,7 @@ def test_the_ranks_of_a_torchrun_job_without_save_share_one_log_directory(tmp_pa
              for r in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    join_or_kill(procs, 60)
     names = [o.read_text() for o in outs]
     assert [p.exitcode for p in procs] == [0, 0] and names[0] == names[1], names
     assert is_run_log_name(names[0]) and names[0].endswith(f"-{procs[0].pid}"), names

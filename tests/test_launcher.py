@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from forked import join_or_kill
 
 from megapar.launcher import WorkerError, run_local
 
@@ -35,7 +36,21 @@ def test_failing_rank_is_named_and_nobody_hangs():
 
 
 _JOINED_AT = []
-"""When this (forked) rank's init_process_group returned (`_slow_rank_0_join`)."""
+"""When this (forked) rank's init_process_group returned (`_slow_join`)."""
+
+
+def _slow_join(monkeypatch, slow_rank: int) -> None:
+    """Patch init_process_group so that rank `slow_rank` takes 0.5 s more to return from it
+    (after gloo connected), each rank recording when it returned in `_JOINED_AT`."""
+    real = dist.init_process_group
+
+    def slow_join(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs["rank"] == slow_rank:
+            time.sleep(0.5)
+        _JOINED_AT.append(time.monotonic())
+
+    monkeypatch.setattr(dist, "init_process_group", slow_join)
 
 
 def _started_at():
@@ -48,15 +63,7 @@ def test_no_local_rank_starts_before_every_rank_has_joined(monkeypatch):
     window where heavy load once failed it with "Gloo connectFullMesh failed ... Connection
     closed by peer": rank 1, finished at once, had closed its socket). Rank 1's function now
     starts only after rank 0 has joined; it started 0.5 s before."""
-    real = dist.init_process_group
-
-    def slow_rank_0_join(*args, **kwargs):
-        real(*args, **kwargs)
-        if kwargs["rank"] == 0:
-            time.sleep(0.5)
-        _JOINED_AT.append(time.monotonic())
-
-    monkeypatch.setattr(dist, "init_process_group", slow_rank_0_join)
+    _slow_join(monkeypatch, 0)
     (joined_0, _), (_, started_1) = run_local(_started_at, 2, optimizers=False)
     assert started_1 >= joined_0, (joined_0, started_1)
 
@@ -68,15 +75,7 @@ def test_no_torchrun_rank_starts_before_every_rank_has_joined(monkeypatch):
     by peer"). Rank 0's function started 0.5 s before rank 1 had joined."""
     from megapar.launcher import run_workers
 
-    real = dist.init_process_group
-
-    def slow_rank_1_join(*args, **kwargs):
-        real(*args, **kwargs)
-        if kwargs["rank"] == 1:
-            time.sleep(0.5)
-        _JOINED_AT.append(time.monotonic())
-
-    monkeypatch.setattr(dist, "init_process_group", slow_rank_1_join)
+    _slow_join(monkeypatch, 1)
     [(_, started_0)], [(joined_1, _)] = _run_as_torchrun(
         lambda: run_workers(_started_at, 2, collective_timeout_s=30), 2)
     assert started_0 >= joined_1, (started_0, joined_1)
@@ -165,10 +164,7 @@ def _results_by_rank(procs, out, timeout_s: float) -> dict:
     try:
         return dict(out.get(timeout=timeout_s) for _ in procs)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, 30)
 
 
 @pytest.mark.parametrize("preinit", [False, True])
@@ -650,11 +646,7 @@ def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_time
         start = time.monotonic()
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs, 30)
         took, codes = time.monotonic() - start, [p.exitcode for p in procs]
         texts = [e.read_text() for e in errs]
         if attempt == 1:
