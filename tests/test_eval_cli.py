@@ -456,6 +456,28 @@ def test_save_logits_naming_a_directory_is_refused(tiny_ckpt, tmp_path, capsys, 
     assert "which is a directory" in _one_error_line(capsys)
 
 
+def test_save_logits_interrupted_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    # a Ctrl-C inside np.save used to leave a cut-short logits.npy behind "nothing was written"
+    import megapar.cli.eval as eval_cli
+
+    out = tmp_path / "logits.npy"
+    np.save(out, np.zeros(3, dtype=np.float32))  # an older file, kept until the new is whole
+
+    def cut_short(f, array, allow_pickle):
+        f.write(b"\x93NUMPY partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cli.np, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
+    np.testing.assert_array_equal(np.load(out), np.zeros(3, dtype=np.float32))
+    eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
+    np.testing.assert_array_equal(np.load(out), np.ones((2, 3), dtype=np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
+
+
 def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):
     ckpt, _ = tiny_ckpt
     assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--save-logits",

@@ -39,6 +39,7 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import parse_blend
+from megapar.data.indexed import remove_stale_tmps, tmp_name
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
@@ -321,10 +322,25 @@ def _logits_worker(args):
             logits = torch.empty(full_shape, device=mesh.device)
             dist.recv(logits, src=mesh.stage_rank(mesh.pp - 1))
     if mesh.rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_logits)), exist_ok=True)
-        np.save(args.save_logits, logits.float().cpu().numpy(), allow_pickle=False)
+        save_logits(args.save_logits, logits.float().cpu().numpy())
         return {"saved": args.save_logits, "shape": list(full_shape)}
     return None
+
+
+def save_logits(path: str, logits: np.ndarray) -> None:
+    """Write `logits` to `path` whole or not at all: into a temporary file beside it, renamed
+    over `path` once complete (a Ctrl-C or SIGTERM mid-write leaves no partial .npy, and an
+    older file there stays as it was until the new one is whole)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remove_stale_tmps(path)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, logits, allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _check_ids(args, vocab_size: int) -> None:
