@@ -60,7 +60,7 @@ def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, 
                           "sentencepiece", "--workers", str(workers), "--no-progress",
                           "--format", fmt]) == 0
         outs.append(prefix)
-        assert "1 file(s) in the input directories are not .txt" in capsys.readouterr().err
+        assert "1 file in the input directories is not .txt" in capsys.readouterr().err
     for ext in (".bin", ".idx"):
         assert Path(outs[0] + ext).read_bytes() == Path(outs[1] + ext).read_bytes()
     ds, tok = IndexedDataset(outs[0]), load_tokenizer("sentencepiece")
@@ -188,8 +188,37 @@ def test_megapar_train_names_the_files_a_text_directory_leaves_unread(inputs, tm
                       "sentencepiece", "--model", "gpt2-tiny", "--seq-len", "16", "--no-progress"])
     train_cli.plan_run(cfg, notes)
     assert [n for n in notes if "not read for their type" in n] == [
-        f"--data {root}: 1 file(s) not read for their type (not .txt / .jsonl / .json / "
+        f"--data {root}: 1 file not read for their type (not .txt / .jsonl / .json / "
         f".parquet; e.g. {root / 'sub' / 'table.csv'})"], notes
+
+
+def test_a_tokenizer_kept_in_a_text_directory_is_not_read_as_text(tmp_path):
+    """A corpus directory that also holds its tokenizer (GPT-2's vocab.json and merges.txt, a
+    tokenizer.json with BERT's vocab.txt): vocab.json failed as JSON records ("field 'text' is
+    an int": GPT-2's vocabulary has the token "text") and merges.txt would be trained on; now
+    left out and named. A corpus's own vocab.txt without a tokenizer beside it is text."""
+    from megapar.data.inputs import skipped_inputs, tokenizer_inputs
+    from megapar.data.preprocess import expand_inputs
+
+    root = tmp_path / "corpus"
+    (root / "gpt2").mkdir(parents=True)
+    (root / "bert").mkdir()
+    (root / "words").mkdir()
+    (root / "a.txt").write_text("some text\n")
+    (root / "gpt2" / "vocab.json").write_text('{"text": 5239, "!": 0}')
+    (root / "gpt2" / "merges.txt").write_text("#version: 0.2\nĠ t\n")
+    (root / "bert" / "tokenizer.json").write_text("{}")
+    (root / "bert" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    (root / "words" / "vocab.txt").write_text("a word list kept as text\n")
+    assert expand_inputs([str(root)]) == [str(root / "a.txt"), str(root / "words" / "vocab.txt")]
+    assert tokenizer_inputs([str(root)]) == [
+        str(root / "bert" / "tokenizer.json"), str(root / "bert" / "vocab.txt"),
+        str(root / "gpt2" / "merges.txt"), str(root / "gpt2" / "vocab.json")]
+    assert skipped_inputs([str(root)]) == []
+    with pytest.raises(FileNotFoundError, match=(
+            r"holds only a tokenizer's files \(merges.txt, vocab.json\), no text: give it as "
+            r"--tokenizer .*gpt2 and the text to tokenize as the input")):
+        expand_inputs([str(root / "gpt2")])
 
 
 def test_a_file_given_twice_is_refused_and_repeated_inputs_all_read(tmp_path, capsys):

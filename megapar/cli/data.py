@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, show_progress
+from megapar.one_line_parser import OneLineParser, shell_word, show_progress
 from megapar.wording import counted
 
 OTHER_FLAGS = {
@@ -413,15 +413,24 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
 
 def _note_skipped(inputs: Sequence[str]) -> None:
     """A note naming the files the input directories hold that are not read (their type)."""
-    from megapar.data.inputs import INPUT_SUFFIXES, skipped_inputs
+    from megapar.data.inputs import INPUT_SUFFIXES, skipped_inputs, tokenizer_inputs
 
     skipped = skipped_inputs(inputs)
     if skipped:
         kinds = sorted({os.path.splitext(f)[1] or os.path.basename(f) for f in skipped})
         print(
-            f"megapar-data: note: {len(skipped)} file(s) in the input directories are not "
-            f"{' / '.join(INPUT_SUFFIXES)} and are not read ({', '.join(kinds[:8])}"
+            f"megapar-data: note: {counted(len(skipped), 'file')} in the input directories "
+            f"{'is' if len(skipped) == 1 else 'are'} not {' / '.join(INPUT_SUFFIXES)} and "
+            f"{'is' if len(skipped) == 1 else 'are'} not read ({', '.join(kinds[:8])}"
             f"{', ...' if len(kinds) > 8 else ''}; e.g. {skipped[0]})",
+            file=sys.stderr,
+        )
+    tokenizer = tokenizer_inputs(inputs)
+    if tokenizer:
+        print(
+            f"megapar-data: note: {counted(len(tokenizer), 'file')} of a tokenizer in the "
+            f"input directories not read as text (e.g. {tokenizer[0]}; --tokenizer "
+            f"{shell_word(os.path.dirname(tokenizer[0]))} tokenizes with it)",
             file=sys.stderr,
         )
 

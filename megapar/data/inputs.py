@@ -255,9 +255,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             saved = saved_hf_dataset(path)
             if saved is not None:
                 raise ValueError(saved)
-            found, others = _directory_files(path)
+            found, others, tokenizer = _directory_files(path)
             if not found:
-                raise FileNotFoundError(_nothing_to_read(path, others))
+                raise FileNotFoundError(_nothing_to_read(path, others, tokenizer))
             files += found
         elif os.path.isfile(path):
             stem = dataset_of(path)
@@ -277,11 +277,19 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return files
 
 
-def _nothing_to_read(path: str, others: list[str]) -> str:
+def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()) -> str:
     """The line for input directory `path` that holds no file of `INPUT_SUFFIXES`, `others`
     (other files) perhaps: what they are and the fix, from the first of them (compressed,
-    binary: `check_is_text`'s line; text under another name: give it by its own path)."""
+    binary: `check_is_text`'s line; text under another name: give it by its own path); or only
+    a tokenizer's files (`tokenizer`)."""
     line = f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
+    if tokenizer and not others:
+        names = ", ".join(os.path.basename(f) for f in tokenizer[:3])
+        return (
+            f"input directory {path} holds only a tokenizer's files ({names}), no text: give "
+            f"it as --tokenizer {shell_word(os.path.dirname(tokenizer[0]))} and the text to "
+            f"tokenize as the input"
+        )
     if not others:
         return line
     kinds = sorted({os.path.splitext(f)[1] or "no suffix" for f in others})
@@ -329,18 +337,55 @@ def skipped_inputs(inputs: Sequence[str]) -> list[str]:
     return sorted(f for p in dirs for f in _directory_files(p)[1])
 
 
-def _directory_files(path: str) -> tuple[list[str], list[str]]:
-    """The files under directory `path` (recursive, sorted): those read as input, and those
-    left out for their type (`skipped_inputs`). The tokenizer directory a tokenized dataset
+def tokenizer_inputs(inputs: Sequence[str]) -> list[str]:
+    """The files in the input directories that `expand_inputs` leaves out as a tokenizer's
+    (`TOKENIZER_FILES` beside a tokenizer: a corpus kept with the tokenizer it is for)."""
+    dirs = [p for p in map(os.fspath, inputs) if os.path.isdir(p)]
+    return sorted(f for p in dirs for f in _directory_files(p)[2])
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+"""The files of a transformers tokenizer directory (GPT-2's vocab.json and merges.txt, a fast
+tokenizer's tokenizer.json, BERT's vocab.txt, their configs): in a directory given as text
+beside a tokenizer (`tokenizer_names`) they are not read as documents (vocab.json would fail
+as JSON records, merges.txt and vocab.txt would be trained on as text)."""
+
+
+def tokenizer_names(names: Sequence[str]) -> set[str]:
+    """Of the files `names` of one directory, those that are a tokenizer's (`TOKENIZER_FILES`)
+    when the directory holds a tokenizer (tokenizer.json, tokenizer_config.json, or GPT-2's
+    vocab.json with merges.txt); the empty set otherwise (a corpus's own vocab.txt is text)."""
+    present = set(names)
+    if not (
+        {"tokenizer.json", "tokenizer_config.json"} & present
+        or {"vocab.json", "merges.txt"} <= present
+    ):
+        return set()
+    return present & set(TOKENIZER_FILES)
+
+
+def _directory_files(path: str) -> tuple[list[str], list[str], list[str]]:
+    """The files under directory `path` (recursive, sorted): those read as input, those left
+    out for their type (`skipped_inputs`) and those left out as a tokenizer's
+    (`tokenizer_inputs`, `tokenizer_names`). The tokenizer directory a tokenized dataset
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
     megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
     hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's
     attributes, an editor's lock or a tool's state), as ``ls`` leaves them out. A symbolic
     link to a directory is walked as the directory (a corpus of linked shards), once."""
-    read, skipped = [], []
+    read, skipped, tokenizer = [], [], []
     walked = {os.path.realpath(path)}  # symbolic links are followed, each directory walked once
     for root, dirs, names in os.walk(path, followlinks=True):
         own = _dataset_tokenizer_dirs(root, names)
+        tokenizers = tokenizer_names(names)
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
@@ -352,6 +397,9 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
             full = os.path.join(root, n)
             if n.startswith("."):  # hidden: a macOS ._ copy, an editor's .#lock, a tool's state
                 continue
+            if n in tokenizers:
+                tokenizer.append(full)
+                continue
             if n.endswith(INPUT_SUFFIXES):
                 if not _dataset_sidecar(full):
                     read.append(full)
@@ -360,7 +408,7 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
             dataset = ext in (".bin", ".idx") and os.path.isfile(stem + ".json")
             if not dataset:
                 skipped.append(full)
-    return sorted(read), sorted(skipped)
+    return sorted(read), sorted(skipped), sorted(tokenizer)
 
 
 def iter_documents(

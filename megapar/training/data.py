@@ -40,6 +40,7 @@ from megapar.data.inputs import (
     model_directory,
     parse_sft_keys,
     skipped_inputs,
+    tokenizer_inputs,
 )
 from megapar.data.megatron import is_megatron_index
 from megapar.data.sampler import older_epoch_order
@@ -158,8 +159,15 @@ def _resolve_one(
             skipped = skipped_inputs([data])
             if skipped:
                 notes.append(
-                    f"--data {data}: {len(skipped)} file(s) not read for their type (not "
-                    f"{' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
+                    f"--data {data}: {counted(len(skipped), 'file')} not read for their type "
+                    f"(not {' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
+                )
+            tokenizer = tokenizer_inputs([data])
+            if tokenizer:
+                notes.append(
+                    f"--data {data}: {counted(len(tokenizer), 'file')} of a tokenizer not read "
+                    f"as text (e.g. {tokenizer[0]}; --tokenizer "
+                    f"{shell_word(os.path.dirname(tokenizer[0]))} tokenizes with it)"
                 )
         return prefix
     return data
