@@ -1018,6 +1018,29 @@ def test_windows_whole_batches_leave_out_are_said_in_one_line():
     assert line(4 * 10 + 1, max_batches=2) is None  # fewer batches asked for
 
 
+def test_the_default_max_batches_leaving_samples_out_is_said_in_one_line():
+    """Raw text's perplexity over the first 32 of its 386 windows (the default --max-batches 8)
+    was printed without a word; now one line names how many are scored and the --max-batches
+    that scores them all. Nothing where --max-batches was given (fewer asked for)."""
+    from types import SimpleNamespace
+
+    from megapar.training.validate_tools import _check_batches
+
+    def line(tokens, given=False, micro_batch_size=4):
+        args = SimpleNamespace(data="held_out.txt", seq_len=4, micro_batch_size=micro_batch_size,
+                               max_batches=8, max_batches_given=given)
+        return _check_batches(args, SimpleNamespace(num_tokens=tokens, prompt_lengths=None),
+                              None, causal=True)
+
+    assert line(4 * 386 + 1) == (
+        "megapar-eval: scores the first 32 of the 386 windows of --data held_out.txt (the "
+        "default --max-batches 8 of --micro-batch-size 4): --max-batches 96 scores all but the "
+        "last 2 (only whole batches are scored)")
+    assert line(4 * 40 + 1).endswith("--max-batches 10 scores every one")
+    assert line(4 * 40 + 1, micro_batch_size=5) is None  # 8 batches of 5 take all 40
+    assert line(4 * 386 + 1, given=True) is None
+
+
 def test_too_little_data_is_counted_in_words():
     """The refusal of --data smaller than one batch counts its windows in words ("1 window",
     not "1 windows")."""

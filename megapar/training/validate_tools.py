@@ -96,6 +96,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             f"checkpoint holds a {config.model_type} (masked-LM samples); drop --sft-keys"
         )
     sft_note = trained_sft_keys(args, manifest) if args.data and causal else None
+    args.max_batches_given = "max_batches" in given
     left_note = None
     if args.data:
         check_text_options(args)  # before anything is read or tokenized
@@ -201,7 +202,10 @@ def _left_out(
     tokens are named too, or BERT's MLM sample). None where every sample is scored or fewer
     batches were asked for."""
     b = args.micro_batch_size
-    if scored == samples or args.max_batches * b < samples:
+    if args.max_batches * b < samples:
+        given = getattr(args, "max_batches_given", True)
+        return None if given else _capped(args, shown, samples, unit)
+    if scored == samples:
         return None
     sizes = [  # samples itself is one (a single batch): never empty here
         d for d in range(2, samples + 1) if samples % d == 0 and samples // d <= args.max_batches
@@ -214,6 +218,21 @@ def _left_out(
         f"({counted(scored // b, 'batch', 'batches')} of --micro-batch-size {b}); the last "
         f"{left:,}{tokens} {'is' if left == 1 else 'are'} left out, as only whole batches are "
         f"scored: --micro-batch-size {size} scores every one"
+    )
+
+
+def _capped(args, shown: str, samples: int, unit: str) -> str:
+    """The line saying that the default --max-batches scores only the first of the `samples`
+    (the command line named no --max-batches) and the --max-batches that scores them all."""
+    b, k = args.micro_batch_size, args.max_batches
+    every, left = divmod(samples, b)
+    rest = (
+        "every one" if left == 0 else f"all but the last {left:,} (only whole batches are scored)"
+    )
+    return (
+        f"megapar-eval: scores the first {k * b:,} of the {counted(samples, unit)} of --data "
+        f"{shown} (the default --max-batches {k} of --micro-batch-size {b}): --max-batches "
+        f"{every:,} scores {rest}"
     )
 
 
