@@ -1,0 +1,221 @@
+"""--optimizer muon against torch.optim.Muon + torch.optim.AdamW, and equal across layouts.
+
+Reference (`muon_reference`): the 1x1x1 model, torch.optim.Muon (torch's own Newton-Schulz,
+momentum and lr adjustment) over the blocks' 2-D weights, a fused qkv weight as its three
+projections q, k and v (leaf tensors of their own, copied in and out around each step),
+torch.optim.AdamW over the rest with megapar's weight-decay groups; no megapar optimizer code.
+
+Newton-Schulz in bfloat16 (torch's) turns a 1e-7 difference of its input into ~1e-3 of its
+output wherever a bf16 rounding flips, so agreement to 1e-5 needs inputs equal to the bit:
+the reference clips as megapar does (the fp64 sum of squares, its root rounded to fp32, the
+coefficient a Python float; torch's clip_grad_norm_ rounds its fp32 coefficient otherwise) and
+runs torch's fused AdamW kernel (megapar's on CPU and CUDA), and
+the layouts, whose gradients differ by reduction order, are compared with Newton-Schulz in fp32
+(`ns_dtype=torch.float32`, megapar's choice under --precision fp32; the reference then runs
+torch's iteration with the bf16 cast left out, `_ns_fp32`). The parallel runs use
+`test_parity_3d`'s batches, schedule and checks (losses, grad norms, first-step gradients and
+final weights, fp32, relative error < 1e-5).
+"""
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+from test_parity_3d import (EPS, G, LR, MAX_NORM, MBS, SEED, WD, check_against, config,
+                            global_batches, scheduler)
+from tp_utils import assert_close, gather_grads, to_device
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import unpad
+from megapar.training.step import BatchPlan
+
+MOMENTUM = 0.95
+
+
+def _parts(name: str, p: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """The matrices Muon orthogonalises in `p` (views): q, k, v of a fused qkv weight (rows
+    head-major, [heads, 3, head_dim]), else the weight itself."""
+    if not name.endswith("attn.qkv.weight"):
+        return [p]
+    grid = p.view(heads, 3, p.shape[0] // (3 * heads), p.shape[1])
+    return [grid[:, j] for j in range(3)]
+
+
+def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch 2.13's `_zeropower_via_newtonschulz` without its cast to bfloat16."""
+    a, b, c = ns_coefficients
+    ortho_grad = grad.clone()
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram_matrix = ortho_grad @ ortho_grad.T
+        gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+        ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    return ortho_grad
+
+
+def _clip(params: list, max_norm: float) -> float:
+    """clip_grad_norm_ as megapar computes it: fp64 sum of squares, root rounded to fp32."""
+    norm = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum().sqrt().float().item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return norm
+
+
+def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16") -> dict:
+    if ns == "fp32":
+        saved = torch_muon._zeropower_via_newtonschulz
+        torch_muon._zeropower_via_newtonschulz = _ns_fp32
+        try:
+            return muon_reference(kind, adjust)
+        finally:
+            torch_muon._zeropower_via_newtonschulz = saved
+    model = build_stage(config(kind), Mesh(Layout()), SEED)
+    heads = 4
+    named = list(model.named_parameters())
+    matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("layers.")]
+    leaves = {n: [t.detach().reshape(-1, t.shape[-1]).clone().requires_grad_()
+                  for t in _parts(n, p, heads)] for n, p in matrices}
+    rest = [p for n, p in named if not (p.dim() == 2 and n.startswith("layers."))]
+    muon = torch.optim.Muon([t for ts in leaves.values() for t in ts], lr=LR, weight_decay=WD,
+                            momentum=MOMENTUM, nesterov=True, adjust_lr_fn=adjust)
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=LR, betas=(0.9, 0.95), eps=EPS, fused=True)
+    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
+    params = [p for _, p in named]
+    losses, norms = [], []
+    for step, batch in enumerate(global_batches()):
+        for opt in (muon, adamw):
+            for g in opt.param_groups:
+                g["lr"] = sched.lr(step)
+        model.zero_grad()
+        total = 0.0
+        micro = plan.split(batch, 0)
+        for mb in micro:
+            loss = model(None, mb)
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        norms.append(_clip(params, MAX_NORM))
+        if step == 0:
+            first_grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape) for n, p in named}
+        with torch.no_grad():
+            for n, p in matrices:
+                for leaf, w, g in zip(leaves[n], _parts(n, p, heads), _parts(n, p.grad, heads)):
+                    leaf.copy_(w.reshape(leaf.shape))
+                    leaf.grad = g.reshape(leaf.shape).clone()
+            muon.step()
+            adamw.step()
+            for n, p in matrices:
+                for leaf, w in zip(leaves[n], _parts(n, p, heads)):
+                    w.copy_(leaf.view(w.shape))
+        losses.append(total)
+    weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape) for n, p in named}
+    return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads,
+            "buffers": {n: [muon.state[t]["momentum_buffer"].clone() for t in ts]
+                        for n, ts in leaves.items()}}
+
+
+def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
+           adjust: str = "match_rms_adamw", ns: str = "fp32") -> dict:
+    """megapar's TrainStep with --optimizer muon in one layout (`test_parity_3d._train`'s
+    parts); full weights and first-step gradients from dp rank 0 / tp rank 0 of each stage."""
+    import torch.distributed as dist
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.tensor_parallel.partition import gather_full
+    from megapar.training.step import TrainStep
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = Mesh(Layout(tp, pp, dp), rank)
+    model = build_stage(config(kind), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32))
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon",
+                                momentum=MOMENTUM, muon_adjust_lr=adjust,
+                                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
+                     MAX_NORM, grad_sync)
+    full_grads = {}
+    optimizer_step = optimizer.step
+
+    def step_and_record_first_grads():
+        if not full_grads:
+            if getattr(optimizer, "sharded", False):
+                gather_grads(optimizer)
+            for name, p in model.named_parameters():
+                full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
+                                               mesh.tp_group).clone()
+        optimizer_step()
+
+    optimizer.step = step_and_record_first_grads
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
+               for i, b in enumerate(global_batches())]
+    weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
+               for n, p in model.named_parameters()}
+    state = optimizer.state_tensors()
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
+               for n, p in model.named_parameters() for s in [state.get(n, {})]
+               if "momentum_buffer" in s}
+    return {"layout": (tp, pp, dp, zero, kind), "results": results,
+            "weights": weights if keep else {}, "grads": full_grads if keep else {},
+            "buffers": buffers if keep else {},
+            "keys": {n: sorted(s) for n, s in state.items()}}
+
+
+def _worker(runs: list[tuple]) -> list[dict]:
+    return [_train(*run) for run in runs]
+
+
+def _buffers_match(reference: dict, per_rank: list[dict], heads: int = 4) -> None:
+    merged = {}
+    for out in per_rank:
+        merged.update(out["buffers"])
+    assert set(merged) == set(reference["buffers"])
+    for name, buf in merged.items():
+        for ref, mine in zip(reference["buffers"][name], _parts(name, buf, heads)):
+            assert_close(mine.reshape(ref.shape), ref, what=f"momentum buffer of {name}")
+
+
+@pytest.mark.parametrize("kind,adjust,ns", [("gpt2", "match_rms_adamw", "bf16"),
+                                             ("llama", "original", "bf16"),
+                                             ("gpt2", "match_rms_adamw", "fp32")])
+def test_muon_one_process_equals_torch_muon_and_adamw(kind, adjust, ns):
+    """One process: megapar's Muon + AdamW equals torch.optim.Muon + torch.optim.AdamW over
+    3 steps (losses, grad norms, weights, Muon's momentum buffers), Newton-Schulz in bf16
+    (torch's) and fp32; the state keys are momentum_buffer for the blocks' matrices, Adam's
+    moments for the rest."""
+    reference = muon_reference(kind, adjust, ns)
+    out = _train(1, 1, 1, 0, kind, adjust, ns)
+    check_against(reference, [out])
+    _buffers_match(reference, [out])
+    assert reference["losses"][-1] < reference["losses"][0]
+    for name, keys in out["keys"].items():
+        matrix = name.startswith("layers.") and reference["weights"][name].dim() == 2
+        assert keys == (["momentum_buffer"] if matrix else ["exp_avg", "exp_avg_sq"]), name
+
+
+def test_muon_layouts_equal_one_process():
+    """Newton-Schulz of whole matrices in every layout (fp32 NS): tp 2 (column- and
+    row-parallel matrices, GPT-2's fused qkv split by heads, the shards all-gathered), pp 2,
+    dp 2, and ZeRO-1 / ZeRO-2 at dp 2 (the pieces' updates all-gathered over dp first, at
+    tp 2 x dp 2 for ZeRO-1), GPT-2 and grouped-query Llama, equal the one process's
+    torch.optim.Muon + AdamW; one launch of 4 ranks."""
+    runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
+            (1, 2, 2, 1, "llama")]
+    outs = run_local(_worker, 4, runs)
+    references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
+    for i, run in enumerate(runs):
+        per_rank = [o[i] for o in outs]
+        reference = references[run[4] if len(run) > 4 else "gpt2"]
+        check_against(reference, per_rank)
+        _buffers_match(reference, per_rank)
