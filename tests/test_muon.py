@@ -22,7 +22,11 @@ import torch
 import torch.optim._muon as torch_muon
 from test_parity_3d import (EPS, G, LR, MAX_NORM, MBS, SEED, WD, check_against, config,
                             global_batches, scheduler)
+from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
 from tp_utils import assert_close, gather_grads, to_device
+
+from megapar.checkpoint.manifest import read_manifest
+from megapar.cli.train import main as train
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -219,3 +223,29 @@ def test_muon_layouts_equal_one_process():
         reference = references[run[4] if len(run) > 4 else "gpt2"]
         check_against(reference, per_rank)
         _buffers_match(reference, per_rank)
+
+
+def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
+    """megapar-train --optimizer muon at tp 2 x dp 2 with ZeRO-1 saves at step 3 of 6 (Muon's
+    momentum buffers sharded over dp, gathered to the writer); resumed at pp 2 without ZeRO
+    (resharded on load), steps 4-6 have the uninterrupted run's losses and grad norms."""
+    muon = ["--optimizer", "muon", "--muon-momentum", "0.9"]
+    reference, step3 = _train_and_checkpoint(
+        tmp_path, [*common, *muon], ["--tp", "2", "--dp", "2", "--zero", "1"])
+    entries = read_manifest(step3)["tensors"]
+    assert sorted(entries["layers.0.attn.qkv.weight"]["optim"]) == ["momentum_buffer"]
+    assert sorted(entries["layers.0.attn.qkv.bias"]["optim"]) == ["exp_avg", "exp_avg_sq"]
+    log = tmp_path / "resumed.jsonl"
+    assert train([*common, *muon, "--pp", "2", "--load", str(step3),
+                  "--log-json", str(log)]) == 0
+    print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2"))
+
+
+def test_muon_with_zero3_or_offload_is_refused_before_workers_start(common, capfd):
+    """--optimizer muon with --zero 3, or with --offload-optimizer: one line naming what works,
+    exit 2, no worker started."""
+    for extra, says in ((["--zero", "3", "--dp", "2"], "--optimizer muon runs with --zero 0, 1 or 2"),
+                        (["--offload-optimizer"], "Newton-Schulz iteration needs whole matrices")):
+        assert train([*common, "--optimizer", "muon", *extra]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

@@ -101,7 +101,9 @@ def _experts_kept(model) -> str:
 
 
 def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
-    """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
+    """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards). Muon's
+    Newton-Schulz runs in fp32 under --precision fp32 (every layout then equals the one
+    process to fp32 rounding), else in bf16 as torch.optim.Muon's."""
     if cfg.zero == 3:
         return Zero3Optimizer(
             model.named_parameters(),
@@ -124,6 +126,15 @@ def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
         zero=cfg.zero,
         kind=cfg.optimizer,
         offload=cfg.offload_optimizer,
+        **(
+            {
+                "momentum": cfg.muon_momentum,
+                "muon_adjust_lr": cfg.muon_adjust_lr,
+                "muon_ns_dtype": torch.float32 if cfg.precision == "fp32" else torch.bfloat16,
+            }
+            if cfg.optimizer == "muon"
+            else {}
+        ),
     )
 
 
