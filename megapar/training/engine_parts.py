@@ -126,15 +126,9 @@ def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
         zero=cfg.zero,
         kind=cfg.optimizer,
         offload=cfg.offload_optimizer,
-        **(
-            {
-                "momentum": cfg.muon_momentum,
-                "muon_adjust_lr": cfg.muon_adjust_lr,
-                "muon_ns_dtype": torch.float32 if cfg.precision == "fp32" else torch.bfloat16,
-            }
-            if cfg.optimizer == "muon"
-            else {}
-        ),
+        momentum=cfg.muon_momentum if cfg.optimizer == "muon" else None,
+        muon_adjust_lr=cfg.muon_adjust_lr,
+        muon_ns_dtype=torch.float32 if cfg.precision == "fp32" else torch.bfloat16,
     )
 
 
