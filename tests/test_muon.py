@@ -249,3 +249,51 @@ def test_muon_with_zero3_or_offload_is_refused_before_workers_start(common, capf
         assert train([*common, "--optimizer", "muon", *extra]) == 2
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+def _count_step(tp: int, dp: int, zero: int) -> dict:
+    """The collectives of one --optimizer muon optimizer step (GPT-2, tp x dp) by group."""
+    import torch.distributed as dist
+
+    from megapar.comm_count import count_collectives
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(tp, 1, dp), dist.get_rank())
+    model = build_stage(config("gpt2"), mesh, SEED)
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon")
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    step = TrainStep(model, mesh, PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32)),
+                     optimizer, scheduler(), Precision("fp32", mesh.device), 0.0, grad_sync)
+    counted, optimizer_step = [], optimizer.step
+
+    def counted_step():
+        with count_collectives() as calls:
+            optimizer_step()
+        counted.extend(calls)
+
+    optimizer.step = counted_step
+    step.step(to_device(BatchPlan(G, MBS, dp).split(global_batches()[0], mesh.dp_rank),
+                        mesh.device), 0)
+    tp_ranks = tuple(dist.get_process_group_ranks(mesh.tp_group))
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+    buckets = optimizer.grad_sync.buckets
+    muon_buckets = [b for b in buckets if any(id(p) in optimizer.muon_ids for p in b.params)]
+    return {"tp": sorted((c.op, c.numel) for c in counted if c.ranks == tp_ranks),
+            "dp": sorted((c.op, c.numel) for c in counted if c.ranks != tp_ranks),
+            "expected_tp": sorted(("all_gather", p.numel()) for p in matrices),
+            "expected_dp": sorted([("all_gather_into_tensor", b.padded // dp)
+                                   for b in [*muon_buckets, *buckets]])}
+
+
+def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
+    """One optimizer step at tp 2 x dp 2 with ZeRO-1: over tp, one all-gather of each Muon
+    matrix's shard (GPT-2's 4 matrices per block, 16); over dp, the parameter buckets'
+    all-gather after the step (ZeRO-1's own) and one more all-gather of each bucket holding
+    Muon matrices (their pieces' updates); nothing else."""
+    for out in run_local(_count_step, 4, 2, 2, 1):
+        assert len(out["expected_tp"]) == 16
+        assert out["tp"] == out["expected_tp"]
+        assert out["dp"] == out["expected_dp"]
