@@ -17,6 +17,8 @@ torch's iteration with the bf16 cast left out, `_ns_fp32`). The parallel runs us
 final weights, fp32, relative error < 1e-5).
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.optim._muon as torch_muon
@@ -24,6 +26,7 @@ from test_parity_3d import (EPS, G, LR, MAX_NORM, MBS, SEED, WD, check_against, 
                             global_batches, scheduler)
 from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
 from tp_utils import assert_close, gather_grads, to_device
+from tp_utils import full_grads as full_grads_of
 
 from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.train import main as train
@@ -141,10 +144,18 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     mesh = Mesh(Layout(tp, pp, dp), rank)
     model = build_stage(config(kind), mesh, SEED)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32))
-    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon",
-                                momentum=MOMENTUM, muon_adjust_lr=adjust,
-                                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
-    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+    muon = dict(kind="muon", momentum=MOMENTUM, muon_adjust_lr=adjust,
+                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
+    if zero == 3:
+        from megapar.data_parallel.sharded_params import ShardedParams
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
+                                   tp_group=mesh.tp_group, **muon)
+        grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
+    else:
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, **muon)
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     full_grads = {}
@@ -152,10 +163,14 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
 
     def step_and_record_first_grads():
         if not full_grads:
-            if getattr(optimizer, "sharded", False):
-                gather_grads(optimizer)
+            if zero == 3:
+                grads = full_grads_of(grad_sync)
+            else:
+                if getattr(optimizer, "sharded", False):
+                    gather_grads(optimizer)
+                grads = {id(p): p.grad for p in model.parameters()}
             for name, p in model.named_parameters():
-                full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
+                full_grads[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
                                                mesh.tp_group).clone()
         optimizer_step()
 
@@ -163,8 +178,9 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     plan = BatchPlan(G, MBS, dp)
     results = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
                for i, b in enumerate(global_batches())]
-    weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
-               for n, p in model.named_parameters()}
+    with grad_sync.whole() if zero == 3 else nullcontext():
+        weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
+                   for n, p in model.named_parameters()}
     state = optimizer.state_tensors()
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
     buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
@@ -211,11 +227,11 @@ def test_muon_one_process_equals_torch_muon_and_adamw(kind, adjust, ns):
 def test_muon_layouts_equal_one_process():
     """Newton-Schulz of whole matrices in every layout (fp32 NS): tp 2 (column- and
     row-parallel matrices, GPT-2's fused qkv split by heads, the shards all-gathered), pp 2,
-    dp 2, and ZeRO-1 / ZeRO-2 at dp 2 (the pieces' updates all-gathered over dp first, at
-    tp 2 x dp 2 for ZeRO-1), GPT-2 and grouped-query Llama, equal the one process's
-    torch.optim.Muon + AdamW; one launch of 4 ranks."""
+    dp 2, ZeRO-1 / 2 / 3 (the pieces' updates all-gathered over dp first: ZeRO-1 at tp 2 x dp 2
+    and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), GPT-2 and grouped-query
+    Llama, equal the one process's torch.optim.Muon + AdamW; one launch of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
-            (1, 2, 2, 1, "llama")]
+            (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama")]
     outs = run_local(_worker, 4, runs)
     references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):
@@ -227,8 +243,9 @@ def test_muon_layouts_equal_one_process():
 
 def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     """megapar-train --optimizer muon at tp 2 x dp 2 with ZeRO-1 saves at step 3 of 6 (Muon's
-    momentum buffers sharded over dp, gathered to the writer); resumed at pp 2 without ZeRO
-    (resharded on load), steps 4-6 have the uninterrupted run's losses and grad norms."""
+    momentum buffers sharded over dp, gathered to the writer); resumed at pp 2 x dp 2 with
+    ZeRO-3 (resharded on load, each rank taking its slices), steps 4-6 have the uninterrupted
+    run's losses and grad norms."""
     muon = ["--optimizer", "muon", "--muon-momentum", "0.9"]
     reference, step3 = _train_and_checkpoint(
         tmp_path, [*common, *muon], ["--tp", "2", "--dp", "2", "--zero", "1"])
@@ -236,19 +253,18 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     assert sorted(entries["layers.0.attn.qkv.weight"]["optim"]) == ["momentum_buffer"]
     assert sorted(entries["layers.0.attn.qkv.bias"]["optim"]) == ["exp_avg", "exp_avg_sq"]
     log = tmp_path / "resumed.jsonl"
-    assert train([*common, *muon, "--pp", "2", "--load", str(step3),
+    assert train([*common, *muon, "--pp", "2", "--dp", "2", "--zero", "3", "--load", str(step3),
                   "--log-json", str(log)]) == 0
-    print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2"))
+    print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2 x dp 2 zero 3"))
 
 
-def test_muon_with_zero3_or_offload_is_refused_before_workers_start(common, capfd):
-    """--optimizer muon with --zero 3, or with --offload-optimizer: one line naming what works,
-    exit 2, no worker started."""
-    for extra, says in ((["--zero", "3", "--dp", "2"], "--optimizer muon runs with --zero 0, 1 or 2"),
-                        (["--offload-optimizer"], "Newton-Schulz iteration needs whole matrices")):
-        assert train([*common, "--optimizer", "muon", *extra]) == 2
-        err = capfd.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and says in err[0], err
+def test_muon_offloaded_is_refused_before_workers_start(common, capfd):
+    """--optimizer muon with --offload-optimizer: one line naming what works, exit 2, no
+    worker started."""
+    assert train([*common, "--optimizer", "muon", "--offload-optimizer"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Newton-Schulz iteration needs whole matrices" in err[0], err
+    assert "use --optimizer adamw" in err[0], err
 
 
 def _count_step(tp: int, dp: int, zero: int) -> dict:

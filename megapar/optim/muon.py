@@ -26,8 +26,9 @@ is split over the tp ranks: each rank computes U of its shard (the momentum is e
 the buffer stays a shard, the same shape as the parameter, which is what the checkpoint holds),
 the shards are all-gathered over tp (one all-gather per tp-split Muon matrix per step),
 every tp rank orthogonalises the whole matrix and keeps its own rows / columns of O. Under
-ZeRO-1 / 2 (`zero.py`) a rank steps flat *pieces* of parameters: the pieces' U is all-gathered
-over the dp (x cp) group bucket by bucket first (`ZeroOptimizer._muon_whole`), then as above.
+ZeRO-1 / 2 / 3 (`zero.py`, `zero3.py`) a rank steps flat *pieces* of parameters: the pieces' U
+is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
+(`ZeroOptimizer._muon_whole`), then as above.
 Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
 gradient. Every rank of a tp (dp) group computes every whole matrix's NS (no whole matrices
 assigned to ranks as in distributed Muon: simpler, the same result, more compute per rank).

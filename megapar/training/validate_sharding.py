@@ -25,8 +25,8 @@ def _terms(keyword: str | None):
 
 def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
     """What ZeRO 1/2 and the offloaded optimizer cannot serve: gradient compression with
-    --zero 1/2, --offload-optimizer with LAMB / LARS / Muon, Muon with --zero 3. One line
-    naming the combination and what to use; `keyword` as `check_zero3`'s."""
+    --zero 1/2, --offload-optimizer with LAMB / LARS / Muon. One line naming the combination
+    and what to use; `keyword` as `check_zero3`'s."""
     term, where = _terms(keyword), f"{keyword}: " if keyword else ""
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
@@ -46,12 +46,6 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
             f"{where}{offload} steps AdamW or SGD on the host, not "
             f"{term('optimizer', cfg.optimizer)} ({why} "
             f"on the devices): drop {offload} or use {term('optimizer', 'adamw')}"
-        )
-    if cfg.optimizer == "muon" and cfg.zero == 3:
-        raise UsageError(
-            f"{where}{term('optimizer', 'muon')} runs with {term('zero', 0)}, 1 or 2 (its "
-            f"matrices are gathered whole from the tp and ZeRO-1/2 slices), not yet with "
-            f"{term('zero', 3)}: use {term('zero', 2)} or {term('optimizer', 'adamw')}"
         )
 
 
