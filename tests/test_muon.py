@@ -313,3 +313,37 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
         assert len(out["expected_tp"]) == 16
         assert out["tp"] == out["expected_tp"]
         assert out["dp"] == out["expected_dp"]
+
+
+def test_planner_counts_one_momentum_buffer_per_muon_matrix():
+    """plan.state counts --optimizer muon's state: 4 bytes per element of the blocks' 2-D
+    weights (one momentum buffer, no step count), AdamW's 8 bytes per element and a 4-byte
+    step count for every other parameter (GPT-2, one rank, no ZeRO)."""
+    from megapar.optim.muon import is_muon_matrix
+    from megapar.plan.params import StageLayout
+    from megapar.plan.state import rank_state
+
+    model = build_stage(config("gpt2"), Mesh(Layout()), SEED)
+    expected = sum(4 * p.numel() if is_muon_matrix(n, p) else 8 * p.numel() + 4
+                   for n, p in model.named_parameters())
+    adam = sum(8 * p.numel() + 4 for p in model.parameters())
+    layout = StageLayout.of(config("gpt2"), optimizer="muon")
+    assert rank_state(layout, 0).optimizer == expected < adam
+    assert rank_state(StageLayout.of(config("gpt2")), 0).optimizer == adam
+
+
+def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):
+    """megapar-plan --optimizer muon --verify 1: the best layout's (dp 2, ZeRO-1: Muon's
+    momentum in the ranks' pieces) dry run holds the planned optimizer bytes to the byte, and
+    the command it prints trains with --optimizer muon."""
+    from megapar.cli.plan import main as plan
+
+    assert plan(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
+                 "--seq-len", "32", "--top", "1", "--schedules", "1f1b",
+                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", "muon",
+                 "--verify", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "command: " in out, out
+    assert "--zero 1 --optimizer muon" in out.split("command: ")[1].splitlines()[0]
+    verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
+    assert len(verified) == 1 and "equal, 0 bytes apart" in verified[0], verified
