@@ -129,7 +129,7 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
 
 
 def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
-           adjust: str = "match_rms_adamw", ns: str = "fp32") -> dict:
+           adjust: str = "match_rms_adamw", ns: str = "fp32", sp: bool = False) -> dict:
     """megapar's TrainStep with --optimizer muon in one layout (`test_parity_3d._train`'s
     parts); full weights and first-step gradients from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
@@ -141,9 +141,9 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     from megapar.training.step import TrainStep
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mesh = Mesh(Layout(tp, pp, dp), rank)
+    mesh = Mesh(Layout(tp, pp, dp), rank, sequence_parallel=sp)
     model = build_stage(config(kind), mesh, SEED)
-    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32))
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8 // tp if sp else 8, 32))
     muon = dict(kind="muon", momentum=MOMENTUM, muon_adjust_lr=adjust,
                 muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
     if zero == 3:
@@ -186,7 +186,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters() for s in [state.get(n, {})]
                if "momentum_buffer" in s}
-    return {"layout": (tp, pp, dp, zero, kind), "results": results,
+    return {"layout": (tp, pp, dp, zero, kind, sp), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {},
             "buffers": buffers if keep else {},
             "keys": {n: sorted(s) for n, s in state.items()}}
@@ -208,12 +208,13 @@ def _buffers_match(reference: dict, per_rank: list[dict], heads: int = 4) -> Non
 
 @pytest.mark.parametrize("kind,adjust,ns", [("gpt2", "match_rms_adamw", "bf16"),
                                              ("llama", "original", "bf16"),
-                                             ("gpt2", "match_rms_adamw", "fp32")])
+                                             ("gpt2", "match_rms_adamw", "fp32"),
+                                             ("bert", "match_rms_adamw", "fp32")])
 def test_muon_one_process_equals_torch_muon_and_adamw(kind, adjust, ns):
     """One process: megapar's Muon + AdamW equals torch.optim.Muon + torch.optim.AdamW over
     3 steps (losses, grad norms, weights, Muon's momentum buffers), Newton-Schulz in bf16
-    (torch's) and fp32; the state keys are momentum_buffer for the blocks' matrices, Adam's
-    moments for the rest."""
+    (torch's) and fp32 (BERT too: its fused qkv, its head transform AdamW's); the state keys are
+    momentum_buffer for the blocks' matrices, Adam's moments for the rest."""
     reference = muon_reference(kind, adjust, ns)
     out = _train(1, 1, 1, 0, kind, adjust, ns)
     check_against(reference, [out])
@@ -228,10 +229,13 @@ def test_muon_layouts_equal_one_process():
     """Newton-Schulz of whole matrices in every layout (fp32 NS): tp 2 (column- and
     row-parallel matrices, GPT-2's fused qkv split by heads, the shards all-gathered), pp 2,
     dp 2, ZeRO-1 / 2 / 3 (the pieces' updates all-gathered over dp first: ZeRO-1 at tp 2 x dp 2
-    and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), GPT-2 and grouped-query
-    Llama, equal the one process's torch.optim.Muon + AdamW; one launch of 4 ranks."""
+    and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), sequence parallelism at
+    tp 2 x dp 2 with ZeRO-1 (the norms' and biases' partial gradients summed over tp on the
+    pieces), GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW;
+    one launch of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
-            (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama")]
+            (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
+            (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True)]
     outs = run_local(_worker, 4, runs)
     references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):
