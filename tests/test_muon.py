@@ -262,13 +262,22 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2 x dp 2 zero 3"))
 
 
-def test_muon_offloaded_is_refused_before_workers_start(common, capfd):
-    """--optimizer muon with --offload-optimizer: one line naming what works, exit 2, no
-    worker started."""
-    assert train([*common, "--optimizer", "muon", "--offload-optimizer"]) == 2
+@pytest.mark.parametrize("flags,says", [
+    (["--optimizer", "muon", "--offload-optimizer"],
+     "steps AdamW or SGD on the host, not --optimizer muon (its Newton-Schulz iteration needs "
+     "whole matrices on the devices): drop --offload-optimizer or use --optimizer adamw"),
+    (["--optimizer", "muon", "--muon-momentum", "1.2"],
+     "--muon-momentum 1.2 is invalid: it must be in [0, 1) (the default is 0.95)"),
+    (["--muon-adjust-lr", "original"],
+     "--muon-adjust-lr original would be ignored: it is Muon's, and --optimizer is adamw: "
+     "add --optimizer muon, or drop --muon-adjust-lr"),
+], ids=["offloaded", "momentum", "without-muon"])
+def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags, says):
+    """--optimizer muon with --offload-optimizer, a momentum outside [0, 1), and Muon's flags
+    without it: one line naming the problem and the fix, exit 2, no worker started."""
+    assert train([*common, *flags]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Newton-Schulz iteration needs whole matrices" in err[0], err
-    assert "use --optimizer adamw" in err[0], err
+    assert len(err) == 1 and says in err[0], err
 
 
 def _count_step(tp: int, dp: int, zero: int) -> dict:

@@ -120,8 +120,6 @@ class AdamWOptimizer(torch.optim.Optimizer):
             muon_group = {"params": matrices, "weight_decay": weight_decay, "momentum": momentum}
             groups = [{**muon_group, "muon": True}, *({**g, "muon": False} for g in groups)]
         super().__init__(groups, defaults)
-        if kind == "muon":  # the momentum is the Muon group's alone
-            self.param_groups[0].pop("betas", None)
         owned = set(id(p) for p in self.owned_params())
         groups = [
             {
