@@ -129,7 +129,8 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
 
 
 def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
-           adjust: str = "match_rms_adamw", ns: str = "fp32", sp: bool = False) -> dict:
+           adjust: str = "match_rms_adamw", ns: str = "fp32", sp: bool = False,
+           cp: int = 1) -> dict:
     """megapar's TrainStep with --optimizer muon in one layout (`test_parity_3d._train`'s
     parts); full weights and first-step gradients from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
@@ -141,9 +142,9 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     from megapar.training.step import TrainStep
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mesh = Mesh(Layout(tp, pp, dp), rank, sequence_parallel=sp)
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), rank, sequence_parallel=sp)
     model = build_stage(config(kind), mesh, SEED)
-    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8 // tp if sp else 8, 32))
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8 // cp // (tp if sp else 1), 32))
     muon = dict(kind="muon", momentum=MOMENTUM, muon_adjust_lr=adjust,
                 muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
     if zero == 3:
@@ -155,7 +156,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
         grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
     else:
         optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, **muon)
-        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     full_grads = {}
@@ -182,11 +183,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
         weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
                    for n, p in model.named_parameters()}
     state = optimizer.state_tensors()
-    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
     buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters() for s in [state.get(n, {})]
                if "momentum_buffer" in s}
-    return {"layout": (tp, pp, dp, zero, kind, sp), "results": results,
+    return {"layout": (tp, pp, dp, zero, kind, sp, cp), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {},
             "buffers": buffers if keep else {},
             "keys": {n: sorted(s) for n, s in state.items()}}
@@ -231,11 +232,13 @@ def test_muon_layouts_equal_one_process():
     dp 2, ZeRO-1 / 2 / 3 (the pieces' updates all-gathered over dp first: ZeRO-1 at tp 2 x dp 2
     and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), sequence parallelism at
     tp 2 x dp 2 with ZeRO-1 (the norms' and biases' partial gradients summed over tp on the
-    pieces), GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW;
-    one launch of 4 ranks."""
+    pieces), context parallelism at cp 2 x dp 2 with ZeRO-1 (the state sharded over cp x dp),
+    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; one launch
+    of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
             (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
-            (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True)]
+            (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
+            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2)]
     outs = run_local(_worker, 4, runs)
     references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):

@@ -3,8 +3,9 @@ AdamW for everything else, as Moonlight, torchtitan and Megatron train with it.
 
 Which parameter takes which update (`is_muon_matrix`): every 2-D weight inside a transformer
 block (``layers.N.``: attention's q / k / v (or fused qkv) and output projections, the MLP's
-matrices) takes Muon; the embeddings, the output head (BERT's head transform with it), norms
-and biases take AdamW with megapar's weight-decay groups and the --adam-* settings.
+matrices, a MoE layer's router and shared experts) takes Muon; the embeddings, the output head
+(BERT's head transform with it), norms, biases and the routed experts' stacked tensors take
+AdamW with megapar's weight-decay groups and the --adam-* settings.
 
 The Muon update of one matrix W with gradient G is torch.optim.Muon's (torch 2.9+):
 ``B = mu B + G`` (the momentum buffer, kept as torch keeps it: ``B.lerp_(G, 1 - mu)`` scaled),
@@ -43,6 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megapar.expert_parallel import is_expert
 from megapar.tensor_parallel.partition import full_shape, gather_full, tp_dim
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -55,8 +57,10 @@ _BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
 
 
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
-    """Muon steps the 2-D weights inside the transformer blocks; AdamW the rest."""
-    return param.dim() == 2 and _BLOCK.search(name) is not None
+    """Muon steps the 2-D weights inside the transformer blocks (a MoE layer's router and
+    shared experts with them); AdamW the rest, the routed experts too (their stacked tensors
+    are split over ep, which Muon does not gather)."""
+    return param.dim() == 2 and _BLOCK.search(name) is not None and not is_expert(param)
 
 
 def newton_schulz(

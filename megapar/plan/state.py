@@ -130,7 +130,7 @@ def state_bytes(t, elements: int, optimizer: str) -> int:
     """Optimizer-state bytes of `elements` of tensor `t` (a whole parameter or one piece):
     AdamW's two moments and its float32 step count, or under --optimizer muon a block's 2-D
     weight's one momentum buffer (no step count)."""
-    if optimizer == "muon" and t.block and t.matrix:
+    if optimizer == "muon" and t.block and t.matrix and not t.expert:
         return elements * t.dtype.itemsize
     return ADAM_MOMENTS * elements * t.dtype.itemsize + STEP_BYTES
 
