@@ -334,7 +334,8 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     """plan.state counts --optimizer muon's state: 4 bytes per element of the blocks' 2-D
     weights (one momentum buffer, no step count), AdamW's 8 bytes per element and a 4-byte
-    step count for every other parameter (GPT-2, one rank, no ZeRO)."""
+    step count for every other parameter (GPT-2, one rank, no ZeRO); under ZeRO the planner's
+    most loaded rank is the largest of every rank's count."""
     from megapar.optim.muon import is_muon_matrix
     from megapar.plan.params import StageLayout
     from megapar.plan.state import rank_state
@@ -346,6 +347,16 @@ def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     layout = StageLayout.of(config("gpt2"), optimizer="muon")
     assert rank_state(layout, 0).optimizer == expected < adam
     assert rank_state(StageLayout.of(config("gpt2")), 0).optimizer == adam
+    # the most loaded ZeRO rank (`plan.slices`, vectorised over every rank) is the largest
+    # of the ranks' own counts
+    from megapar.plan.slices import most_loaded
+
+    for kind, dp, zero, tp in (("gpt2", 3, 1, 1), ("gpt2", 4, 3, 2), ("llama", 5, 2, 1)):
+        layout = StageLayout.of(config(kind), optimizer="muon", dp=dp, zero=zero, tp=tp,
+                                bucket_mb=0.01)
+        each = [rank_state(layout, r).optimizer for r in range(dp)]
+        assert most_loaded(layout).optimizer == max(each), (kind, dp, zero, each)
+        assert len(set(each)) > 1  # the ranks differ: the choice is not a tie
 
 
 def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):

@@ -126,11 +126,17 @@ def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
     return schedule in SPLIT_BACKWARD
 
 
+def muon_matrix(t) -> bool:
+    """Whether --optimizer muon steps tensor `t` (a `TensorSpec`) with Muon: a block's 2-D
+    weight, not a routed expert's (`optim.muon.is_muon_matrix`)."""
+    return t.block and t.matrix and not t.expert
+
+
 def state_bytes(t, elements: int, optimizer: str) -> int:
     """Optimizer-state bytes of `elements` of tensor `t` (a whole parameter or one piece):
     AdamW's two moments and its float32 step count, or under --optimizer muon a block's 2-D
     weight's one momentum buffer (no step count)."""
-    if optimizer == "muon" and t.block and t.matrix and not t.expert:
+    if optimizer == "muon" and muon_matrix(t):
         return elements * t.dtype.itemsize
     return ADAM_MOMENTS * elements * t.dtype.itemsize + STEP_BYTES
 
