@@ -374,3 +374,26 @@ def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):
     assert "--zero 1 --optimizer muon" in out.split("command: ")[1].splitlines()[0]
     verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
     assert len(verified) == 1 and "equal, 0 bytes apart" in verified[0], verified
+
+
+def test_muon_leaves_the_routed_experts_to_adamw():
+    """A Qwen3-MoE stage under --optimizer muon: the router and the shared experts (2-D block
+    weights) take Muon's momentum buffer, the routed experts' stacked [E, ...] tensors (split
+    over ep, which Muon does not gather) AdamW's moments; one step moves every parameter."""
+    from test_moe_parallel import config as moe_config
+
+    from megapar.optim import build_optimizer
+
+    mesh = Mesh(Layout())
+    model = build_stage(moe_config(), mesh, SEED)
+    optimizer = build_optimizer(model, mesh, LR, WD, kind="muon")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = global_batches()[0]
+    model(None, {k: v[:2] for k, v in batch.items()}).backward()
+    optimizer.step()
+    keys = {n: sorted(s) for n, s in optimizer.state_tensors().items()}
+    assert keys["layers.1.mlp.router.weight"] == ["momentum_buffer"]
+    assert keys["layers.1.mlp.shared.up.weight"] == ["momentum_buffer"]
+    assert keys["layers.1.mlp.experts.gate_up"] == ["exp_avg", "exp_avg_sq"]
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before)
