@@ -2,7 +2,8 @@
 `muon.py`), with Megatron's weight-decay groups and checkpointable state.
 
 The wrapper is a real `torch.optim.Optimizer` (its `param_groups` hold every parameter of the
-stage, decay group first), so torch's LR schedulers (`LambdaLR`, ...) drive it: the learning
+stage, decay group first; under --optimizer muon Muon's matrices before them, decayed too), so
+torch's LR schedulers (`LambdaLR`, ...) drive it: the learning
 rate and weight decay of each group are read at every `step()`.
 
 Weight decay applies to matrices and embeddings (params with 2+ dims) and not to biases or norm
