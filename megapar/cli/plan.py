@@ -228,6 +228,15 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "16-bit params + fp32 grads, master and moments (Megatron: 18 B/param)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="the optimizer state counted: adamw (two fp32 moments and a step count per "
+        "parameter; megapar-train's lamb keeps the same, sgd / lars less) or muon (one fp32 "
+        "momentum buffer for the blocks' 2-D weights, AdamW's state for the rest), as "
+        "megapar-train --optimizer",
+    )
+    p.add_argument(
         "--fused-attention",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -441,6 +450,7 @@ def _problem(args, given: tuple[str, ...] = ()):
         fp8=args.fp8,
         fp8_layers=args.fp8_layers,
         fp8_speedup=args.fp8_speedup,
+        optimizer=args.optimizer,
     )
 
 

@@ -118,6 +118,11 @@ def check_mode_arguments(args) -> None:
             "--verify compares the plan with what megapar-train holds, fp32 "
             "parameters: drop --master-weights separate"
         )
+    if args.optimizer == "muon" and args.master_weights != "fp32":
+        raise ValueError(
+            "--optimizer muon is counted as megapar-train holds it, with fp32 parameters: "
+            "drop --master-weights separate (or --optimizer muon)"
+        )
     if args.today and args.master_weights != "fp32":
         raise ValueError(
             "--today plans what megapar-train runs now, and it keeps fp32 "

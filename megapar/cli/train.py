@@ -85,7 +85,7 @@ def _check_host_memory(cfg: TrainConfig, layout: Layout, plan: DataPlan) -> None
         f"x --dp {layout.dp}",
         "use a smaller --model, rehearse the job on this machine with --dry-run (fake "
         "tensors), or plan its layout on a cluster with megapar-plan",
-        optimizer=cfg.optimizer in ("adamw", "lamb"),  # sgd / lars: less; a lower bound
+        optimizer=cfg.optimizer in ("adamw", "lamb", "muon"),  # sgd / lars: less; a lower bound
     )
 
 

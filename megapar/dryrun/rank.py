@@ -153,7 +153,7 @@ def _first_optimizer_step(optimizer, notes: list[str]) -> None:
     """The optimizer step that creates its state (and, under ZeRO-1, all-gathers weights)."""
     if optimizer.kind in ("lamb", "lars"):  # trust ratios read norms: resume-path state instead
         optimizer.load_state_tensors(
-            {n: {k: torch.zeros_like(p) for k in optimizer.state_keys} for n, p in optimizer.named}
+            {n: {k: torch.zeros_like(p) for k in optimizer.keys_of(p)} for n, p in optimizer.named}
         )
         notes.append(
             f"{optimizer.kind}: its step reads norms, so the optimizer state is the one "
@@ -273,7 +273,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
-    moments = {n: {k: p for k in optimizer.state_keys} for n, p in engine.model.named_parameters()}
+    moments = {n: {k: p for k in optimizer.keys_of(p)} for n, p in engine.model.named_parameters()}
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
     problem, candidate, stage_mem = modelled_stage(cfg, config, layout, mesh.pp_rank, actions)

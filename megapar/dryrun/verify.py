@@ -78,6 +78,7 @@ def train_config(problem, candidate):
         fp8=problem.fp8,
         fp8_layers=problem.fp8_layers if problem.fp8 != "off" else "auto",
         compile=problem.compile,
+        optimizer=problem.optimizer,
     )
     return cfg
 

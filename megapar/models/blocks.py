@@ -80,6 +80,8 @@ class ParallelAttention(nn.Module):
         self.local_heads = divide(heads, mesh.tp, "attention heads")
         self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)")
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, mesh, name="3 x hidden size")
+        # rows [heads, (q, k, v), head_dim]: Muon orthogonalises q, k and v apart (`muon.py`)
+        self.qkv.weight.muon_split = (3, self.head_dim)  # type: ignore[attr-defined]
         self.proj = RowParallelLinear(hidden, hidden, mesh, name="hidden size")
         self.tracker = tracker
         self.dropout = dropout

@@ -1,8 +1,9 @@
-"""The optimizer of one pipeline stage: AdamW (or LAMB / LARS / SGD), with Megatron's
-weight-decay groups and checkpointable state.
+"""The optimizer of one pipeline stage: AdamW (or LAMB / LARS / SGD, or Muon with AdamW:
+`muon.py`), with Megatron's weight-decay groups and checkpointable state.
 
 The wrapper is a real `torch.optim.Optimizer` (its `param_groups` hold every parameter of the
-stage, decay group first), so torch's LR schedulers (`LambdaLR`, ...) drive it: the learning
+stage, decay group first; under --optimizer muon Muon's matrices before them, decayed too), so
+torch's LR schedulers (`LambdaLR`, ...) drive it: the learning
 rate and weight decay of each group are read at every `step()`.
 
 Weight decay applies to matrices and embeddings (params with 2+ dims) and not to biases or norm
@@ -12,13 +13,12 @@ the two) shards the state over the data-parallel ranks.
 
 Checkpoint format (the same with or without ZeRO, so a run can be resumed with either):
 
-- `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD /
-  LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for
-  every parameter of the stage except tied copies (`param.tied_to`), whose state equals the
-  parameter they are tied to. Under ZeRO-1 / 2 the state is sharded by buffer slice and
-  gathered to rank 0 of each bucket's group only (dp rank 0, the checkpoint writer; expert
-  parameters' to expert-data-parallel rank 0); `load_state_tensors` takes full per-parameter
-  tensors on every rank.
+- `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD / LARS,
+  and Muon's matrices, {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape,
+  for every parameter of the stage except tied copies (`param.tied_to`), whose state equals the
+  parameter they are tied to. Under ZeRO-1 / 2 the state is sharded by buffer slice and gathered to
+  rank 0 of each bucket's group only (dp rank 0, the checkpoint writer; expert parameters' to
+  expert-data-parallel rank 0); `load_state_tensors` takes full per-parameter tensors on every rank.
 - `state_json()`: step count and hyper-parameters, JSON-able.
 """
 
@@ -30,16 +30,21 @@ from typing import NoReturn, overload
 import torch
 from torch import nn
 
+from megapar.optim.muon import MuonAdamW, is_muon_matrix
 from megapar.optim.offload import HostStep
 from megapar.optim.trust_ratio import LAMB, LARS
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
-OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
-"""`--optimizer` choices: AdamW, and the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`)."""
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
+"""`--optimizer` choices: AdamW, the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`),
+SGD, and Muon for the blocks' matrices with AdamW for the rest (`muon.py`)."""
 
 
 def state_keys(kind: str) -> tuple[str, ...]:
-    """The per-parameter state an optimizer of `kind` keeps (and a checkpoint stores)."""
+    """The per-parameter state an optimizer of `kind` keeps (and a checkpoint stores); Muon's:
+    momentum_buffer for its matrices, exp_avg and exp_avg_sq for AdamW's parameters."""
+    if kind == "muon":
+        return ("momentum_buffer", *STATE_KEYS)
     return STATE_KEYS if kind in ("adamw", "lamb") else ("momentum_buffer",)
 
 
@@ -49,10 +54,12 @@ def decays(param: torch.Tensor) -> bool:
 
 
 class AdamWOptimizer(torch.optim.Optimizer):
-    """AdamW (or `kind` lamb / lars / sgd) over a stage's parameters (every parameter stepped
-    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters),
-    and under expert parallelism `ep_group` (the experts' norms are of the stacked tensor).
-    `offload`: step in host memory (`offload.HostStep`; AdamW and SGD)."""
+    """AdamW (or `kind` lamb / lars / sgd / muon) over a stage's parameters (every parameter
+    stepped on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full
+    parameters) and Muon (it orthogonalises whole matrices), and under expert parallelism
+    `ep_group` (the experts' norms are of the stacked tensor). `offload`: step in host memory
+    (`offload.HostStep`; AdamW and SGD). `momentum`: SGD's / LARS's, or Muon's;
+    `muon_adjust_lr`: Muon's lr adjustment (`muon.lr_ratio`)."""
 
     zero = 0
     host_masters: dict[int, torch.Tensor] | None = None
@@ -71,16 +78,18 @@ class AdamWOptimizer(torch.optim.Optimizer):
         momentum: float = 0.9,
         offload: bool = False,
         ep_group=None,
+        muon_adjust_lr: str = "match_rms_adamw",
+        muon_ns_dtype: torch.dtype = torch.bfloat16,
     ):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         if not self.named:
             raise ValueError("the optimizer got no trainable parameters (is the stage empty?)")
         if kind not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
-        if offload and kind in ("lamb", "lars"):
+        if offload and kind in ("lamb", "lars", "muon"):
             raise ValueError(
                 f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
-                f"(its trust ratios need whole-parameter norms over the devices)"
+                f"(it needs whole parameters' norms or matrices over the devices)"
             )
         self.offload, self.tp_group, self.ep_group = offload, tp_group, ep_group
         self.host: HostStep | None = None
@@ -88,29 +97,37 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self.params = [p for _, p in self.named]
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self.kind, self.momentum = kind, momentum
+        self.muon_adjust_lr, self.muon_ns_dtype = muon_adjust_lr, muon_ns_dtype
         self.state_keys = state_keys(kind)
         self.num_steps = 0
-        decay = [p for p in self.params if decays(p)]
+        muon = {id(p) for n, p in self.named if kind == "muon" and is_muon_matrix(n, p)}
+        self.muon_ids = muon
+        """id() of the parameters Muon steps (the rest, under --optimizer muon, AdamW's)."""
+        decay = [p for p in self.params if decays(p) and id(p) not in muon]
         no_decay = [p for p in self.params if not decays(p)]
         # Hyperparameters a torch LR scheduler may change live in these groups (OneCycleLR /
         # CyclicLR cycle "betas" or "momentum" too); _sync_groups copies them inward.
+        adam = {"betas": self.betas}
         defaults = {
             "lr": lr,
-            **({"betas": self.betas} if kind in ("adamw", "lamb") else {"momentum": momentum}),
+            **(adam if kind in ("adamw", "lamb", "muon") else {"momentum": momentum}),
         }
-        super().__init__(
-            [
-                {"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            defaults,
-        )
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if kind == "muon":  # Muon's matrices first: param_groups[0] is the one --lr reads
+            matrices = [p for p in self.params if id(p) in muon]
+            muon_group = {"params": matrices, "weight_decay": weight_decay, "momentum": momentum}
+            groups = [{**muon_group, "muon": True}, *({**g, "muon": False} for g in groups)]
+        super().__init__(groups, defaults)
         owned = set(id(p) for p in self.owned_params())
         groups = [
             {
                 "params": [p for p in g["params"] if id(p) in owned],
                 "lr": lr,
                 "weight_decay": g["weight_decay"],
+                **({"muon": g["muon"]} if "muon" in g else {}),
             }
             for g in self.param_groups
         ]
@@ -146,6 +163,8 @@ class AdamWOptimizer(torch.optim.Optimizer):
             self.momentum,
             self.tp_group,
             self.ep_group,
+            self.muon_adjust_lr,
+            self.muon_ns_dtype,
         )
         return self.host.adopt(inner) if self.host is not None else inner
 
@@ -233,6 +252,13 @@ class AdamWOptimizer(torch.optim.Optimizer):
             return torch.zeros(p.shape, dtype=p.dtype)
         return t.detach().to("cpu", copy=True) if copy else t.detach()
 
+    def keys_of(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The state keys parameter `p` has (under --optimizer muon: momentum_buffer for
+        Muon's matrices, exp_avg and exp_avg_sq for AdamW's parameters)."""
+        if self.kind != "muon":
+            return self.state_keys
+        return ("momentum_buffer",) if id(p) in self.muon_ids else STATE_KEYS
+
     def _checkpointed(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named if getattr(p, "tied_to", None) is None]
 
@@ -242,7 +268,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
         where this rank holds them (on its device; the caller copies them before the next
         step), host copies where it does not."""
         return {
-            n: {k: self._local_state(p, k, copy) for k in self.state_keys}
+            n: {k: self._local_state(p, k, copy) for k in self.keys_of(p)}
             for n, p in self._checkpointed()
         }
 
@@ -259,15 +285,16 @@ class AdamWOptimizer(torch.optim.Optimizer):
         )
 
     def _checked_entry(self, d: dict, name: str, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        """`p`'s entry of `state_tensors()` output `d` (`_entry`), each of `state_keys` in it
+        """`p`'s entry of `state_tensors()` output `d` (`_entry`), each of its `keys_of` in it
         checked: present (else the checkpoint is of another --optimizer) and of `p`'s full
         shape (else of another layout)."""
         entry = self._entry(d, name, p)
-        for k in self.state_keys:
+        keys = self.keys_of(p)
+        for k in keys:
             if k not in entry:
                 raise KeyError(
                     f"optimizer state of {name!r} has {sorted(entry)}, not "
-                    f"{list(self.state_keys)}: the checkpoint was written with "
+                    f"{list(keys)}: the checkpoint was written with "
                     f"another --optimizer than {self.kind}"
                 )
             t = entry[k]
@@ -277,7 +304,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
                     f"the parameter has {tuple(p.shape)}: the checkpoint is for "
                     f"another layout; convert it first"
                 )
-        return {k: entry[k] for k in self.state_keys}
+        return {k: entry[k] for k in keys}
 
     @torch.no_grad()
     def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -290,11 +317,15 @@ class AdamWOptimizer(torch.optim.Optimizer):
                 continue
             entry = self._checked_entry(d, n, p)
             state = (
-                {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
+                {"step": step_state(self.inner, self.num_steps, p)} if self.counts_steps(p) else {}
             )
             for k, t in entry.items():
                 state[k] = t.to(device=p.device, dtype=p.dtype).clone()
             self.inner.state[p] = state
+
+    def counts_steps(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s state holds a step count (not SGD's, nor a Muon matrix's)."""
+        return self.kind != "sgd" and id(p) not in self.muon_ids
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         """(parameter, the state this rank holds for it) for every parameter it updates."""
@@ -355,6 +386,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
             "eps": self.eps,
             "weight_decay": self.weight_decay,
             "momentum": self.momentum,
+            **({"muon_adjust_lr": self.muon_adjust_lr} if self.kind == "muon" else {}),
             # what a torch scheduler may have moved (OneCycleLR cycles betas / momentum)
             "groups": [
                 {
@@ -394,8 +426,21 @@ FUSED_DEVICES = ("cpu", "cuda")
 both moments; 3.3x faster than the per-tensor loop on a CPU core, Megatron's fused Adam on GPU)."""
 
 
-def _inner(kind, groups, lr, betas, eps, momentum, tp_group, ep_group) -> torch.optim.Optimizer:
+def _inner(
+    kind,
+    groups,
+    lr,
+    betas,
+    eps,
+    momentum,
+    tp_group,
+    ep_group,
+    adjust_lr="match_rms_adamw",
+    ns_dtype=torch.bfloat16,
+) -> torch.optim.Optimizer:
     """The torch optimizer that updates the parameters this rank owns."""
+    if kind == "muon":
+        return MuonAdamW(groups, lr, betas, eps, momentum, adjust_lr, tp_group, ns_dtype)
     if kind == "adamw":
         params = [p for g in groups for p in g["params"]]
         fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)

@@ -72,6 +72,7 @@ from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.clip import is_counted, norm_of, squares_each, sum_of_squares
+from megapar.optim.muon import whole_updates
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
@@ -93,6 +94,9 @@ class ZeroOptimizer(AdamWOptimizer):
         tp_group=None,
         stage: int = 1,
         offload: bool = False,
+        momentum: float = 0.9,
+        muon_adjust_lr: str = "match_rms_adamw",
+        muon_ns_dtype: torch.dtype = torch.bfloat16,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
@@ -121,7 +125,17 @@ class ZeroOptimizer(AdamWOptimizer):
         """Other ranks' slices of the 16-bit buckets hold their 16-bit-rounded values (since
         the last step's gather); `exact_params` gathers them in fp32 again."""
         super().__init__(
-            named_params, lr, weight_decay, betas, eps, kind, tp_group, offload=offload
+            named_params,
+            lr,
+            weight_decay,
+            betas,
+            eps,
+            kind,
+            tp_group,
+            momentum=momentum,
+            offload=offload,
+            muon_adjust_lr=muon_adjust_lr,
+            muon_ns_dtype=muon_ns_dtype,
         )
 
     def owned_params(self) -> list[nn.Parameter]:
@@ -207,11 +221,16 @@ class ZeroOptimizer(AdamWOptimizer):
             members = {id(p) for p in g["params"]}
             pieces = [t for t, (p, _, _) in zip(self.pieces, self._piece_of) if id(p) in members]
             if pieces:
-                groups.append({"params": pieces, "lr": g["lr"], "weight_decay": g["weight_decay"]})
+                muon = {"muon": g["muon"]} if "muon" in g else {}
+                groups.append(
+                    {"params": pieces, "lr": g["lr"], "weight_decay": g["weight_decay"], **muon}
+                )
                 self._inner_group_of.append(i)
         self.inner = self._make_inner(groups) if groups else None
         if self.inner is not None and hasattr(self.inner, "norms"):
             self.inner.norms = self._full_norms
+        if self.inner is not None and hasattr(self.inner, "whole"):
+            self.inner.whole = self._muon_whole
         self.allocate_state()  # into the room the parameters moved out of
 
     # step -----------------------------------------------------------------------------------
@@ -229,6 +248,8 @@ class ZeroOptimizer(AdamWOptimizer):
             )
         if self.sharded and self.inner is None and self.kind in ("lamb", "lars"):
             self._full_norms([], [])  # own nothing, but the norm all-reduces are collective
+        if self.sharded and self.inner is None and self.kind == "muon":
+            self._muon_whole([], [])  # own nothing, but Muon's gathers are collective
         super().step(closure)
 
     @torch.no_grad()
@@ -370,6 +391,55 @@ class ZeroOptimizer(AdamWOptimizer):
         norms = sq.sqrt().float().tolist()
         return [(norms[i][0], norms[i][1]) for i in rows]
 
+    @torch.no_grad()
+    def _muon_whole(
+        self, pieces: list[torch.Tensor], updates: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, float]]:
+        """Muon on pieces: (this rank's piece of O, ratio) for each of its Muon pieces and their
+        updates U. Each bucket holding Muon matrices is all-gathered over its group (every
+        rank's pieces' U in a bucket-sized buffer laid out as the parameter buffer), so every
+        rank has each matrix's (tp shard of) U; then `muon.whole_updates` (the tp all-gathers,
+        NS) for every Muon matrix of the stage, in the same order on every rank. Collective
+        over the dp (x cp) group and tp."""
+        piece_of = {id(t): (p, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
+        buckets = [
+            b for b in self.grad_sync.buckets if any(id(p) in self.muon_ids for p in b.params)
+        ]
+        device = (self.pieces or self.params)[0].device
+        flats = {
+            id(b): torch.zeros(b.padded, dtype=b.params[0].dtype, device=device) for b in buckets
+        }
+        at = {}
+        for b in buckets:
+            for p in b.params:
+                at[id(p)] = (b, self._offset[id(p)])
+        for t, u in zip(pieces, updates):
+            p, s, e = piece_of[id(t)]
+            b, offset = at[id(p)]
+            flats[id(b)][offset + s : offset + e] = u.reshape(-1)
+        host = self.grad_sync.host_waits
+        for b in buckets:
+            shard_comm.all_gather(flats[id(b)], b.group_size, b.group, host).wait()
+        matrices = [p for b in buckets for p in b.params if id(p) in self.muon_ids]
+        whole = [
+            flats[id(at[id(p)][0])][at[id(p)][1] : at[id(p)][1] + p.numel()].view_as(p)
+            for p in matrices
+        ]
+        done = dict(
+            zip(
+                (id(p) for p in matrices),
+                whole_updates(
+                    matrices, whole, self.tp_group, self.muon_adjust_lr, self.muon_ns_dtype
+                ),
+            )
+        )
+        out = []
+        for t in pieces:
+            p, s, e = piece_of[id(t)]
+            o, ratio = done[id(p)]
+            out.append((o.reshape(-1)[s:e], ratio))
+        return out
+
     # checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
     def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
@@ -392,9 +462,11 @@ class ZeroOptimizer(AdamWOptimizer):
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b in self.grad_sync.buckets:
             for key in self.state_keys:
+                if not any(key in self.keys_of(p) for p in b.params):
+                    continue  # Muon's: no parameter of the bucket has this state
                 host = self._gather_state(b, key, piece)
                 for p in b.params:
-                    if host is not None and id(p) in names:
+                    if host is not None and id(p) in names and key in self.keys_of(p):
                         at = self._offset[id(p)]
                         view = host[at : at + p.numel()].view_as(p).clone()
                         out.setdefault(names[id(p)], {})[key] = view
@@ -469,7 +541,7 @@ class ZeroOptimizer(AdamWOptimizer):
             name = names[id(p)]
             entry = self._checked_entry(d, name, p)
             state = (
-                {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
+                {"step": step_state(self.inner, self.num_steps, p)} if self.counts_steps(p) else {}
             )
             for k, full in entry.items():
                 state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
@@ -486,11 +558,18 @@ def build_optimizer(
     zero: int = 0,
     kind: str = "adamw",
     offload: bool = False,
+    momentum: float | None = None,
+    muon_adjust_lr: str = "match_rms_adamw",
+    muon_ns_dtype: torch.dtype = torch.bfloat16,
 ) -> AdamWOptimizer:
-    """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
-    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's);
-    zero=2 its reduced gradients as well; `offload` steps it in host memory (`offload.py`)."""
+    """The optimizer (`kind`: adamw, lamb, lars, sgd, muon) for this rank's stage; zero=1
+    shards its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and
+    cp's); zero=2 its reduced gradients as well; `offload` steps it in host memory
+    (`offload.py`). `momentum`: SGD / LARS's (0.9 if None) or Muon's (0.95 if None);
+    `muon_adjust_lr`, `muon_ns_dtype`: Muon's lr adjustment and Newton-Schulz dtype."""
     named = list(model.named_parameters())
+    if momentum is None:
+        momentum = 0.95 if kind == "muon" else 0.9
     if zero == 0:
         ep_group = mesh.ep_group if getattr(mesh, "ep", 1) > 1 else None
         return AdamWOptimizer(
@@ -501,8 +580,11 @@ def build_optimizer(
             eps,
             kind,
             mesh.tp_group,
+            momentum=momentum,
             offload=offload,
             ep_group=ep_group,
+            muon_adjust_lr=muon_adjust_lr,
+            muon_ns_dtype=muon_ns_dtype,
         )
     if zero in (1, 2):
         return ZeroOptimizer(
@@ -516,6 +598,9 @@ def build_optimizer(
             mesh.tp_group,
             stage=zero,
             offload=offload,
+            momentum=momentum,
+            muon_adjust_lr=muon_adjust_lr,
+            muon_ns_dtype=muon_ns_dtype,
         )
     raise ValueError(
         f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "

@@ -460,6 +460,7 @@ def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
         bucket_mb=p.grad_bucket_mb,
         persist_below=p.zero3_persistence_threshold,
         casts=fp8.zero3_casts(p, c),
+        optimizer=p.optimizer,
     ).trimmed()
 
 

@@ -170,6 +170,8 @@ class TensorSpec:
     partial: bool = False
     """Its gradient is partial over tp even without sequence parallelism (Qwen3's q / k norms,
     replicated k / v heads: tagged `sequence_parallel` when built), summed once a step."""
+    matrix: bool = False
+    """2-D: with `block`, a matrix --optimizer muon steps (`optim.muon.is_muon_matrix`)."""
 
 
 def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
@@ -189,6 +191,7 @@ def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
             block,
             getattr(p, "tp_dim", None) is None,
             bool(getattr(p, "sequence_parallel", False)),
+            p.dim() == 2,
         )
         for p in module.parameters()
     )
@@ -360,6 +363,8 @@ class StageLayout:
     casts: GatherCasts = NO_CASTS
     """The linear weights ZeRO-3 gathers in 16 bits or float8 during a step, and ZeRO-1 / 2 in
     16 bits after it (`GatherCasts`); the default: none."""
+    optimizer: str = "adamw"
+    """The optimizer whose state `plan.state.rank_state` counts (`Problem.optimizer`)."""
 
     @classmethod
     def of(cls, config, **fields) -> StageLayout:

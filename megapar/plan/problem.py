@@ -55,6 +55,11 @@ class Problem:
     """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
     zero3_persistence_threshold: int = 0
     """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
+    optimizer: str = "adamw"
+    """megapar-train's --optimizer as the state counts it: muon keeps one fp32 momentum buffer
+    per element of the blocks' 2-D weights and Adam's two moments and step count for the rest
+    (`plan.state`); every other optimizer is counted as AdamW (LAMB's state is Adam's; SGD's and
+    LARS's is less: an upper bound)."""
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
     so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""

@@ -128,6 +128,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         flags.append(f"--zero3-persistence-threshold {p.zero3_persistence_threshold}")
     if p.loss_chunk_tokens != LOSS_CHUNK_TOKENS:
         flags.append(f"--loss-chunk-tokens {p.loss_chunk_tokens}")
+    if p.optimizer != "adamw":
+        flags.append(f"--optimizer {p.optimizer}")
     for feature, value in (
         ("sp", c.sp),
         ("v", c.v > 1),

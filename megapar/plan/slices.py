@@ -23,6 +23,7 @@ from megapar.plan.state import (
     _layout,
     _shards,
     expert_rank,
+    muon_matrix,
     rank_state,
 )
 
@@ -37,14 +38,16 @@ def most_loaded(layout: StageLayout, offload: Offload = NO_OFFLOAD) -> RankState
     the one with the most optimizer bytes (with --offload-optimizer, optimizer and host
     copies). `layout.dp` is over cp x dp; under ep > 1 with more than `EXACT_EP_RANKS` ranks,
     the most loaded dense slice plus the most loaded expert slice (an upper bound, off by at
-    most a piece's step count and a bucket's padding)."""
+    most a piece's step count and a bucket's padding). Under --optimizer muon (a Muon
+    matrix's piece holds less than an AdamW parameter's) every rank is looked at, up to
+    `EXACT_EP_RANKS`; above, Muon's pieces are counted as AdamW's (an upper bound)."""
 
-    tensors, units, specs, stepped, steps = _slice_loads(layout)
+    tensors, units, specs, stepped, state = _slice_loads(layout)
     if not units:
         return rank_state(layout, 0, offload)
-    held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
+    held = state + (2 * stepped if offload.optimizer else 0)
     worst = int(np.argmax(held))
-    return _finish(tensors, units, specs, layout, int(stepped[worst]), int(steps[worst]), offload)
+    return _finish(tensors, units, specs, layout, int(stepped[worst]), int(state[worst]), offload)
 
 
 EXACT_EP_RANKS = 4096
@@ -54,18 +57,22 @@ dense and expert slices are cut over two groups); above, it adds the two groups'
 
 @lru_cache(maxsize=1024)
 def _slice_loads(layout: StageLayout):
-    """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
-    steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
-    unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
-    pieces the parameters that slice meets (found in the stage's running sum of sizes). Under
-    ep > 1 an expert unit's slice is of the rank's place in its expert group (`expert_rank`):
-    every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
+    """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it steps
+    and its optimizer-state bytes (numpy arrays, read-only), over every unit at once: a rank's
+    slice of unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements,
+    its pieces the parameters that slice meets (found in the stage's running sum of sizes).
+    Under ep > 1 an expert unit's slice is of the rank's place in its expert group
+    (`expert_rank`): every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at
+    their worst."""
     tensors, units, specs = _layout(layout)
     dp, ep = layout.dp, layout.ep
     if not units:
         return tensors, units, specs, None, None
     expert = np.array([_shards(tensors, idx, dp, ep) != dp for idx, _ in units])[:, None]
-    if not expert.any():
+    muon = layout.optimizer == "muon" and dp <= EXACT_EP_RANKS
+    if not expert.any() and muon:  # which tensor a rank's slice meets matters: every rank
+        ranks = np.arange(dp, dtype=np.int64)[None, :]
+    elif not expert.any():
         ranks = _candidate_ranks(tensors, units, dp)[None, :]
     elif dp <= EXACT_EP_RANKS:
         every = np.arange(dp, dtype=np.int64)
@@ -80,16 +87,22 @@ def _slice_loads(layout: StageLayout):
         best = [int(np.argmax(ADAM_MOMENTS * a + STEP_BYTES * b)) for a, b in parts]
         stepped = np.array([sum(int(a[i]) for (a, _), i in zip(parts, best))])
         steps = np.array([sum(int(b[i]) for (_, b), i in zip(parts, best))])
+        state = ADAM_MOMENTS * stepped + STEP_BYTES * steps  # Muon's too: an upper bound
     else:
-        stepped, steps = _loads(tensors, units, dp, ep, ranks)
+        stepped, steps, muon_bytes, muon_pieces = _loads(tensors, units, dp, ep, ranks, muon=muon)
+        # AdamW: two moments and a step count per piece; a Muon piece: one buffer, no count
+        state = ADAM_MOMENTS * stepped + STEP_BYTES * steps
+        state = state - (ADAM_MOMENTS - 1) * muon_bytes - STEP_BYTES * muon_pieces
     stepped.setflags(write=False)
-    steps.setflags(write=False)
-    return tensors, units, specs, stepped, steps
+    state.setflags(write=False)
+    return tensors, units, specs, stepped, state
 
 
-def _loads(tensors, units, dp: int, ep: int, ranks: np.ndarray, rows=None):
+def _loads(tensors, units, dp: int, ep: int, ranks: np.ndarray, rows=None, muon: bool = False):
     """(bytes stepped, pieces) of each column of `ranks` (unit x column: the place in the
-    unit's group whose slice is taken), over the units (`rows`: a mask choosing some)."""
+    unit's group whose slice is taken), over the units (`rows`: a mask choosing some: those two
+    only); without `rows`, also (bytes stepped, pieces) of those inside Muon's matrices
+    (`muon_matrix`) where `muon`, else zeros."""
     numels = [tensors[i].numel for idx, _ in units for i in idx]
     ends = np.cumsum(numels, dtype=np.int64)  # every unit's parameters, one after another
     last = np.cumsum([len(idx) for idx, _ in units]) - 1  # each unit's last index into `ends`
@@ -114,7 +127,28 @@ def _loads(tensors, units, dp: int, ep: int, ranks: np.ndarray, rows=None):
     if rows is not None:
         real, pieces = real[rows], pieces[rows]
         itemsize = itemsize[rows]
-    return (real * itemsize).sum(axis=0), np.where(real > 0, pieces, 0).sum(axis=0)
+    stepped, steps = (real * itemsize).sum(axis=0), np.where(real > 0, pieces, 0).sum(axis=0)
+    if rows is not None:
+        return stepped, steps
+    if not muon:
+        return stepped, steps, np.zeros_like(stepped), np.zeros_like(steps)
+    # Muon's elements before running-sum position x: whole Muon tensors before the one x is in,
+    # and x's offset into that one if it is Muon's (a sentinel past the end)
+    is_muon = np.array([muon_matrix(tensors[i]) for idx, _ in units for i in idx] + [False])
+    starts = np.append(ends - np.array(numels, dtype=np.int64), ends[-1])
+    before = np.concatenate([[0], np.cumsum(np.where(is_muon[:-1], numels, 0))])
+    counted = np.concatenate([[0], np.cumsum(is_muon[:-1])])
+
+    def muon_elements(x):
+        j = np.searchsorted(ends, x, side="right")
+        return before[j] + np.where(is_muon[j], x - starts[j], 0)
+
+    first = np.searchsorted(ends, lo, side="right")
+    last_piece = np.searchsorted(ends, np.maximum(hi - 1, lo), side="right")
+    inside = np.where(real > 0, muon_elements(hi) - muon_elements(lo), 0)
+    after = np.minimum(last_piece + 1, len(counted) - 1)  # (a slice past the end: no pieces)
+    muon_pieces = np.where(real > 0, counted[after] - counted[first], 0)
+    return stepped, steps, (inside * itemsize).sum(axis=0), muon_pieces.sum(axis=0)
 
 
 def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:

@@ -126,9 +126,25 @@ def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
     return schedule in SPLIT_BACKWARD
 
 
+def muon_matrix(t) -> bool:
+    """Whether --optimizer muon steps tensor `t` (a `TensorSpec`) with Muon: a block's 2-D
+    weight, not a routed expert's (`optim.muon.is_muon_matrix`)."""
+    return t.block and t.matrix and not t.expert
+
+
+def state_bytes(t, elements: int, optimizer: str) -> int:
+    """Optimizer-state bytes of `elements` of tensor `t` (a whole parameter or one piece):
+    AdamW's two moments and its float32 step count, or under --optimizer muon a block's 2-D
+    weight's one momentum buffer (no step count)."""
+    if optimizer == "muon" and muon_matrix(t):
+        return elements * t.dtype.itemsize
+    return ADAM_MOMENTS * elements * t.dtype.itemsize + STEP_BYTES
+
+
 def rank_state(layout: StageLayout, dp_rank: int, offload: Offload = Offload()) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `layout.stage` (any tp rank: they hold
-    equal shapes) under megapar-train with AdamW and `layout`'s gradient buckets or units.
+    equal shapes) under megapar-train with `layout.optimizer` (AdamW, or Muon with AdamW) and
+    `layout`'s gradient buckets or units.
     ZeRO-1 is the real code's layout; ZeRO-2 / 3 are modelled on it (see
     `docs/guides/precision-zero.md`). `layout.dp` and `dp_rank` are over cp x dp (the
     gradients' group: dp_rank x cp + cp_rank); under expert parallelism (`layout.ep` > 1) the
@@ -136,17 +152,19 @@ def rank_state(layout: StageLayout, dp_rank: int, offload: Offload = Offload()) 
     expert-data-parallel group (`expert_rank`)."""
     tensors, units, specs = _layout(layout)
     dp, ep = layout.dp, layout.ep
+    kind = layout.optimizer
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return _finish(tensors, units, specs, layout, nbytes, len(tensors), offload)
-    stepped = steps = 0
+        state = sum(state_bytes(t, t.numel, kind) for t in tensors)
+        return _finish(tensors, units, specs, layout, nbytes, state, offload)
+    stepped = state = 0
     for idx, padded in units:
         n = _shards(tensors, idx, dp, ep)
         size, r = padded // n, dp_rank if n == dp else expert_rank(dp_rank, ep)
         pieces = slice_pieces([tensors[i].numel for i in idx], r * size, (r + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
-        steps += len(pieces)
-    return _finish(tensors, units, specs, layout, stepped, steps, offload)
+        state += sum(state_bytes(tensors[idx[i]], e - s, kind) for i, s, e in pieces)
+    return _finish(tensors, units, specs, layout, stepped, state, offload)
 
 
 def expert_rank(rank, ep: int):
@@ -179,10 +197,10 @@ def _deferred(tensors, units, pp: int) -> set[int]:
 
 
 def _finish(
-    tensors, units, specs, layout: StageLayout, stepped: int, steps: int, offload: Offload
+    tensors, units, specs, layout: StageLayout, stepped: int, optimizer: int, offload: Offload
 ) -> RankState:
-    """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
-    `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
+    """A rank's state from its stepped bytes and its optimizer-state bytes (`units`: ZeRO's
+    buckets or units; `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
     dp, zero, ep = layout.dp, layout.zero, layout.ep
     elements = sum(t.numel for t in tensors)
     whole = sum(t.numel * t.dtype.itemsize for t in tensors)
@@ -240,7 +258,6 @@ def _finish(
             sent,
             alone,
         )
-    optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
     if offload.params and zero >= 3:  # the host-held shards are the optimizer's masters

@@ -28,6 +28,7 @@ from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.one_line_parser import OneLineParser
+from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
@@ -169,7 +170,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
     optimizer: str = "adamw"
-    """adamw, lamb or lars (layer-wise trust ratio, for large batches) or sgd (with momentum)."""
+    """adamw, lamb or lars (layer-wise trust ratio, for large batches), sgd (with momentum), or muon (torch.optim.Muon's orthogonalised momentum for the transformer blocks' 2-D weights, AdamW with the --adam-* settings for embeddings, head, norms and biases; one --lr and --weight-decay for both; any --zero, not --offload-optimizer)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov), --optimizer muon."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix learning-rate factor: match_rms_adamw (Moonlight's 0.2 x sqrt(max(rows, cols)): the update's RMS is AdamW's, so an AdamW --lr and --weight-decay carry over) or original (Keller Jordan's sqrt(max(1, rows / cols)), which wants a larger --lr, e.g. 0.02)."""
     adam_eps: float = 1e-8
     """Epsilon of AdamW / LAMB (added to the root of the second moment)."""
     adam_beta1: float = 0.9
@@ -354,6 +359,7 @@ def flag_choices() -> dict[str, list]:
         "zero": [0, 1, 2, 3],
         "lr_decay": list(DECAY_STYLES),
         "optimizer": list(OPTIMIZERS),
+        "muon_adjust_lr": list(ADJUST_LR),
         "grad_compression": list(GRAD_COMPRESSIONS),
         "zero3_reduce": list(ZERO3_REDUCES),
         "loss_mean": list(LOSS_MEANS),

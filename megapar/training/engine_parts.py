@@ -5,6 +5,8 @@ non-finite guard (megapar-train's rules)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megapar.device import share_host_arena
@@ -113,6 +115,7 @@ def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
             kind=cfg.optimizer,
             tp_group=mesh.tp_group,
             offload=cfg.offload_optimizer,
+            **_muon_settings(cfg),
         )
     return build_optimizer(
         model,
@@ -124,7 +127,21 @@ def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
         zero=cfg.zero,
         kind=cfg.optimizer,
         offload=cfg.offload_optimizer,
+        **_muon_settings(cfg),
     )
+
+
+def _muon_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer's Muon keywords under cfg (none unless --optimizer muon): its momentum,
+    lr adjustment and Newton-Schulz dtype (fp32 under --precision fp32, where every layout then
+    equals the one process to fp32 rounding; else bf16, torch.optim.Muon's)."""
+    if cfg.optimizer != "muon":
+        return {}
+    return {
+        "momentum": cfg.muon_momentum,
+        "muon_adjust_lr": cfg.muon_adjust_lr,
+        "muon_ns_dtype": torch.float32 if cfg.precision == "fp32" else torch.bfloat16,
+    }
 
 
 def api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:

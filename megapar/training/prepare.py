@@ -210,7 +210,8 @@ def prepare(
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
     dp x cp ranks, as `--ep`). optimizer: adamw, lamb,
-    lars or sgd. weight_decay applies to matrices and embeddings only. clip_grad: global
+    lars, sgd or muon (muon_momentum=, muon_adjust_lr= as keywords, `TrainConfig`'s fields).
+    weight_decay applies to matrices and embeddings only. clip_grad: global
     gradient-norm clip (0: off).
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,

@@ -76,6 +76,7 @@ _RULES: list[_Rule] = [
     ("grad_bucket_mb", "float", 0.0, False),
     ("adam_beta1", "float", 0.0, True),
     ("adam_beta2", "float", 0.0, True),
+    ("muon_momentum", "float", 0.0, True),
     ("powersgd_rank", "int", 1, True),
     ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
     ("moe_aux_loss_coef", "float", 0.0, True),
@@ -140,7 +141,7 @@ def check_settings(cfg) -> None:
         problem = choice_problem(name, getattr(cfg, name))
         if problem:
             raise UsageError(problem)
-    for name in ("adam_beta1", "adam_beta2"):
+    for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
         if getattr(cfg, name) >= 1:
             raise UsageError(
                 f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "

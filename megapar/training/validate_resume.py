@@ -200,9 +200,11 @@ def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
 
 def check_optimizer_state(cfg, manifest: dict) -> None:
     """The --optimizer keeps the state the checkpoint holds (AdamW and LAMB: exp_avg and
-    exp_avg_sq; SGD and LARS: momentum_buffer), else UsageError naming the one it trained
-    with; a checkpoint without optimizer state (imported from Hugging Face) takes any."""
-    held = next((tuple(e["optim"]) for e in manifest["tensors"].values() if e.get("optim")), ())
+    exp_avg_sq; SGD and LARS: momentum_buffer; Muon: both, the one for its matrices, the other
+    for AdamW's parameters), else UsageError naming the one it trained with; a checkpoint
+    without optimizer state (imported from Hugging Face) takes any."""
+    kept = [k for e in manifest["tensors"].values() for k in e.get("optim") or ()]
+    held = tuple(dict.fromkeys(kept))
     if not held or set(held) == set(state_keys(cfg.optimizer)):
         return
     meta = manifest.get("meta") or {}

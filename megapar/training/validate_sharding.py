@@ -25,8 +25,8 @@ def _terms(keyword: str | None):
 
 def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
     """What ZeRO 1/2 and the offloaded optimizer cannot serve: gradient compression with
-    --zero 1/2, --offload-optimizer with LAMB / LARS. One line naming the combination and what
-    to use; `keyword` as `check_zero3`'s."""
+    --zero 1/2, --offload-optimizer with LAMB / LARS / Muon. One line naming the combination
+    and what to use; `keyword` as `check_zero3`'s."""
     term, where = _terms(keyword), f"{keyword}: " if keyword else ""
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
@@ -35,11 +35,16 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
             f"buffer, the compressors compress an all-reduce; drop one of them "
             f"({term('zero', 0)} or {term('grad_compression', 'none')})"
         )
-    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
+    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars", "muon"):
         offload = term("offload_optimizer", True)
+        why = (
+            "its Newton-Schulz iteration needs whole matrices"
+            if cfg.optimizer == "muon"
+            else "its trust ratios need whole-parameter norms"
+        )
         raise UsageError(
             f"{where}{offload} steps AdamW or SGD on the host, not "
-            f"{term('optimizer', cfg.optimizer)} (its trust ratios need whole-parameter norms "
+            f"{term('optimizer', cfg.optimizer)} ({why} "
             f"on the devices): drop {offload} or use {term('optimizer', 'adamw')}"
         )
 

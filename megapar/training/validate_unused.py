@@ -13,7 +13,7 @@ from megapar.training.usage import UsageError, flag_of
 def check_unused(cfg, given: set[str]) -> None:
     """UsageError for the first setting in `given` (the user's flags and --config keys, not
     those taken from a checkpoint) that this run would not read, naming what it needs."""
-    adam = cfg.optimizer in ("adamw", "lamb")
+    adam = cfg.optimizer in ("adamw", "lamb", "muon")
     prepared, keyed = _data_kinds(cfg.data)
     rules = [
         (
@@ -75,6 +75,15 @@ def check_unused(cfg, given: set[str]) -> None:
                 "use --optimizer adamw",
             )
             for name in ("adam_beta1", "adam_beta2", "adam_eps")
+        ),
+        *(
+            (
+                name,
+                cfg.optimizer == "muon",
+                f"it is Muon's, and --optimizer is {cfg.optimizer}",
+                "add --optimizer muon",
+            )
+            for name in ("muon_momentum", "muon_adjust_lr")
         ),
     ]
     for name, applies, why, fix in rules:

@@ -1,0 +1,198 @@
+"""Muon (Keller Jordan's MomentUm Orthogonalized by Newton-Schulz) for the blocks' matrices, with
+AdamW for everything else, as Moonlight, torchtitan and Megatron train with it.
+
+Which parameter takes which update (`is_muon_matrix`): every 2-D weight inside a transformer
+block (``layers.N.``: attention's q / k / v (or fused qkv) and output projections, the MLP's
+matrices, a MoE layer's router and shared experts) takes Muon; the embeddings, the output head
+(BERT's head transform with it), norms, biases and the routed experts' stacked tensors take
+AdamW with megapar's weight-decay groups and the --adam-* settings.
+
+The Muon update of one matrix W with gradient G is torch.optim.Muon's (torch 2.9+):
+``B = mu B + G`` (the momentum buffer, kept as torch keeps it: ``B.lerp_(G, 1 - mu)`` scaled),
+``U = G.lerp(B, mu)`` (Nesterov), ``O = NS5(U)`` (five quintic Newton-Schulz iterations in
+bfloat16 with coefficients (3.4445, -4.775, 2.0315), after dividing by the Frobenius norm),
+``W *= 1 - lr * wd``, ``W -= lr * ratio * O``. The ratio is `adjust_lr`'s: "match_rms_adamw"
+(Moonlight's 0.2 sqrt(max(A, B)), the default: the update's RMS is AdamW's, so --lr and
+--weight-decay tuned for AdamW carry over and one --lr serves both halves) or "original"
+(Keller's sqrt(max(1, A / B)) of the [out, in] shape of torch's Linear weight).
+
+A fused qkv weight (GPT-2 and BERT: rows head-major, [heads x (q, k, v) x head_dim, hidden],
+`partition.fuse_heads`) is orthogonalised as its three projections q, k and v separately, as
+the models with separate q / k / v projections (Moonlight's, torchtitan's Llama) are and as
+modded-nanogpt splits GPT-2's: each is a [hidden, hidden] matrix of its own. The parameter
+carries ``muon_split = (3, head_dim)`` (set by the attention layer).
+
+Newton-Schulz needs the whole matrix. Under tensor parallelism a column- or row-parallel weight
+is split over the tp ranks: each rank computes U of its shard (the momentum is elementwise, so
+the buffer stays a shard, the same shape as the parameter, which is what the checkpoint holds),
+the shards are all-gathered over tp (one all-gather per tp-split Muon matrix per step),
+every tp rank orthogonalises the whole matrix and keeps its own rows / columns of O. Under
+ZeRO-1 / 2 / 3 (`zero.py`, `zero3.py`) a rank steps flat *pieces* of parameters: the pieces' U
+is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
+(`ZeroOptimizer._muon_whole`), then as above.
+Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
+gradient. Every rank of a tp (dp) group computes every whole matrix's NS (no whole matrices
+assigned to ranks as in distributed Muon: simpler, the same result, more compute per rank).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megapar.expert_parallel import is_expert
+from megapar.tensor_parallel.partition import full_shape, gather_full, tp_dim
+
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+ADJUST_LR = ("match_rms_adamw", "original")
+"""`--muon-adjust-lr` choices (torch.optim.Muon's `adjust_lr_fn`)."""
+
+_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+    """Muon steps the 2-D weights inside the transformer blocks (a MoE layer's router and
+    shared experts with them); AdamW the rest, the routed experts too (their stacked tensors
+    are split over ep, which Muon does not gather)."""
+    return param.dim() == 2 and _BLOCK.search(name) is not None and not is_expert(param)
+
+
+def newton_schulz(
+    g: torch.Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS, eps: float = NS_EPS
+) -> torch.Tensor:
+    """The orthogonalised ~U V^T of `g` (2-D) by torch.optim.Muon's quintic Newton-Schulz
+    iteration (the same operations in the same order), in `dtype`: bfloat16 as torch's, or
+    float32."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype, copy=True)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x.T if tall else x
+
+
+def lr_ratio(shape: tuple[int, ...], adjust_lr: str) -> float:
+    """torch.optim.Muon's `_adjust_lr` factor for a matrix of `shape` ([out, in])."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def orthogonalised(
+    whole: torch.Tensor, split, adjust_lr: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, float]:
+    """(O, ratio) of one whole parameter's update `whole`: NS (in `dtype`) of the matrix, or of
+    each of its fused projections (`split` = (n, head_dim): rows [heads, n, head_dim]) put back
+    in place."""
+    if split is None:
+        o = newton_schulz(whole, dtype).to(whole.dtype)
+        return o, lr_ratio(tuple(whole.shape), adjust_lr)
+    n, head_dim = split
+    rows, cols = whole.shape
+    grid = whole.view(rows // (n * head_dim), n, head_dim, cols)
+    out = torch.empty_like(grid)
+    ratio = 1.0
+    for j in range(n):
+        part = grid[:, j].reshape(-1, cols)
+        out[:, j] = newton_schulz(part, dtype).to(whole.dtype).view(-1, head_dim, cols)
+        ratio = lr_ratio(tuple(part.shape), adjust_lr)  # the same for q, k and v
+    return out.view(rows, cols), ratio
+
+
+def whole_updates(
+    params: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    tp_group,
+    adjust_lr: str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[torch.Tensor, float]]:
+    """(this rank's shard of O, ratio) per (tp shard of a) parameter and its update U of the
+    same shape: U all-gathered over `tp_group` where the parameter is tp-split (collective: the
+    ranks of the group pass the same parameters in the same order)."""
+    out = []
+    for p, u in zip(params, updates):
+        dim, full = tp_dim(p), full_shape(p)
+        whole = gather_full(u, dim, full, tp_group)
+        o, ratio = orthogonalised(whole, getattr(p, "muon_split", None), adjust_lr, dtype)
+        if dim is not None and tuple(whole.shape) != tuple(u.shape):
+            rank = dist.get_rank(tp_group)
+            o = o.narrow(dim, rank * u.shape[dim], u.shape[dim])
+        out.append((o, ratio))
+    return out
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon over the groups marked ``"muon": True``, torch's AdamW over the others (sharing this
+    optimizer's groups and state). `tp_group` gathers tp-split matrices; `ns_dtype`: the
+    Newton-Schulz dtype; `whole`, when set (ZeRO's pieces), replaces `whole_updates`:
+    (tensors, updates) -> [(O of each, ratio)]."""
+
+    def __init__(
+        self,
+        groups: list[dict],
+        lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        adjust_lr: str = "match_rms_adamw",
+        tp_group=None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ):
+        if adjust_lr not in ADJUST_LR:
+            raise ValueError(f"unknown Muon lr adjustment {adjust_lr!r}; expected {ADJUST_LR}")
+        super().__init__(groups, {"lr": lr, "muon": False})
+        for g in self.param_groups:
+            g.setdefault("momentum" if g["muon"] else "betas", momentum if g["muon"] else betas)
+            for p in g["params"] if g["muon"] else ():
+                if p.dim() not in (1, 2):
+                    raise ValueError(f"Muon steps matrices (or their flat pieces), not {p.shape}")
+        self.tp_group, self.adjust_lr, self.ns_dtype = tp_group, adjust_lr, ns_dtype
+        adam = [g for g in self.param_groups if not g["muon"]]
+        self.adamw = None
+        if adam:
+            params = [p for g in adam for p in g["params"]]
+            fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+            self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps, fused=fused or None)
+            self.adamw.state = self.state  # one state: checkpoints and ZeRO read this one
+        self.defaults.update(fused=bool(self.adamw and self.adamw.defaults.get("fused")))
+        self.whole: Callable | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        tensors, updates, groups = [], [], []
+        for g in self.param_groups:
+            if not g["muon"]:
+                continue
+            mu = g["momentum"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)
+                tensors.append(p)
+                updates.append(p.grad.lerp(buf, mu))
+                groups.append(g)
+        if self.whole is not None:
+            done = self.whole(tensors, updates)
+        else:
+            done = whole_updates(tensors, updates, self.tp_group, self.adjust_lr, self.ns_dtype)
+        for p, g, (o, ratio) in zip(tensors, groups, done):
+            p.mul_(1 - g["lr"] * g["weight_decay"])
+            p.add_(o.view_as(p), alpha=-(g["lr"] * ratio))
+        if self.adamw is not None:
+            self.adamw.step()

@@ -1,0 +1,399 @@
+"""--optimizer muon against torch.optim.Muon + torch.optim.AdamW, and equal across layouts.
+
+Reference (`muon_reference`): the 1x1x1 model, torch.optim.Muon (torch's own Newton-Schulz,
+momentum and lr adjustment) over the blocks' 2-D weights, a fused qkv weight as its three
+projections q, k and v (leaf tensors of their own, copied in and out around each step),
+torch.optim.AdamW over the rest with megapar's weight-decay groups; no megapar optimizer code.
+
+Newton-Schulz in bfloat16 (torch's) turns a 1e-7 difference of its input into ~1e-3 of its
+output wherever a bf16 rounding flips, so agreement to 1e-5 needs inputs equal to the bit:
+the reference clips as megapar does (the fp64 sum of squares, its root rounded to fp32, the
+coefficient a Python float; torch's clip_grad_norm_ rounds its fp32 coefficient otherwise) and
+runs torch's fused AdamW kernel (megapar's on CPU and CUDA), and
+the layouts, whose gradients differ by reduction order, are compared with Newton-Schulz in fp32
+(`ns_dtype=torch.float32`, megapar's choice under --precision fp32; the reference then runs
+torch's iteration with the bf16 cast left out, `_ns_fp32`). The parallel runs use
+`test_parity_3d`'s batches, schedule and checks (losses, grad norms, first-step gradients and
+final weights, fp32, relative error < 1e-5).
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+from test_parity_3d import (EPS, G, LR, MAX_NORM, MBS, SEED, WD, check_against, config,
+                            global_batches, scheduler)
+from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
+from tp_utils import assert_close, gather_grads, to_device
+from tp_utils import full_grads as full_grads_of
+
+from megapar.checkpoint.manifest import read_manifest
+from megapar.cli.train import main as train
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import unpad
+from megapar.training.step import BatchPlan
+
+MOMENTUM = 0.95
+
+
+def _parts(name: str, p: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """The matrices Muon orthogonalises in `p` (views): q, k, v of a fused qkv weight (rows
+    head-major, [heads, 3, head_dim]), else the weight itself."""
+    if not name.endswith("attn.qkv.weight"):
+        return [p]
+    grid = p.view(heads, 3, p.shape[0] // (3 * heads), p.shape[1])
+    return [grid[:, j] for j in range(3)]
+
+
+def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch 2.13's `_zeropower_via_newtonschulz` without its cast to bfloat16."""
+    a, b, c = ns_coefficients
+    ortho_grad = grad.clone()
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram_matrix = ortho_grad @ ortho_grad.T
+        gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+        ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    return ortho_grad
+
+
+def _clip(params: list, max_norm: float) -> float:
+    """clip_grad_norm_ as megapar computes it: fp64 sum of squares, root rounded to fp32."""
+    norm = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum().sqrt().float().item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return norm
+
+
+def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16") -> dict:
+    if ns == "fp32":
+        saved = torch_muon._zeropower_via_newtonschulz
+        torch_muon._zeropower_via_newtonschulz = _ns_fp32
+        try:
+            return muon_reference(kind, adjust)
+        finally:
+            torch_muon._zeropower_via_newtonschulz = saved
+    model = build_stage(config(kind), Mesh(Layout()), SEED)
+    heads = 4
+    named = list(model.named_parameters())
+    matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("layers.")]
+    leaves = {n: [t.detach().reshape(-1, t.shape[-1]).clone().requires_grad_()
+                  for t in _parts(n, p, heads)] for n, p in matrices}
+    rest = [p for n, p in named if not (p.dim() == 2 and n.startswith("layers."))]
+    muon = torch.optim.Muon([t for ts in leaves.values() for t in ts], lr=LR, weight_decay=WD,
+                            momentum=MOMENTUM, nesterov=True, adjust_lr_fn=adjust)
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=LR, betas=(0.9, 0.95), eps=EPS, fused=True)
+    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
+    params = [p for _, p in named]
+    losses, norms = [], []
+    for step, batch in enumerate(global_batches()):
+        for opt in (muon, adamw):
+            for g in opt.param_groups:
+                g["lr"] = sched.lr(step)
+        model.zero_grad()
+        total = 0.0
+        micro = plan.split(batch, 0)
+        for mb in micro:
+            loss = model(None, mb)
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        norms.append(_clip(params, MAX_NORM))
+        if step == 0:
+            first_grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape) for n, p in named}
+        with torch.no_grad():
+            for n, p in matrices:
+                for leaf, w, g in zip(leaves[n], _parts(n, p, heads), _parts(n, p.grad, heads)):
+                    leaf.copy_(w.reshape(leaf.shape))
+                    leaf.grad = g.reshape(leaf.shape).clone()
+            muon.step()
+            adamw.step()
+            for n, p in matrices:
+                for leaf, w in zip(leaves[n], _parts(n, p, heads)):
+                    w.copy_(leaf.view(w.shape))
+        losses.append(total)
+    weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape) for n, p in named}
+    return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads,
+            "buffers": {n: [muon.state[t]["momentum_buffer"].clone() for t in ts]
+                        for n, ts in leaves.items()}}
+
+
+def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
+           adjust: str = "match_rms_adamw", ns: str = "fp32", sp: bool = False,
+           cp: int = 1) -> dict:
+    """megapar's TrainStep with --optimizer muon in one layout (`test_parity_3d._train`'s
+    parts); full weights and first-step gradients from dp rank 0 / tp rank 0 of each stage."""
+    import torch.distributed as dist
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.tensor_parallel.partition import gather_full
+    from megapar.training.step import TrainStep
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), rank, sequence_parallel=sp)
+    model = build_stage(config(kind), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8 // cp // (tp if sp else 1), 32))
+    muon = dict(kind="muon", momentum=MOMENTUM, muon_adjust_lr=adjust,
+                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
+    if zero == 3:
+        from megapar.data_parallel.sharded_params import ShardedParams
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
+                                   tp_group=mesh.tp_group, **muon)
+        grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
+    else:
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, **muon)
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
+                     MAX_NORM, grad_sync)
+    full_grads = {}
+    optimizer_step = optimizer.step
+
+    def step_and_record_first_grads():
+        if not full_grads:
+            if zero == 3:
+                grads = full_grads_of(grad_sync)
+            else:
+                if getattr(optimizer, "sharded", False):
+                    gather_grads(optimizer)
+                grads = {id(p): p.grad for p in model.parameters()}
+            for name, p in model.named_parameters():
+                full_grads[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
+                                               mesh.tp_group).clone()
+        optimizer_step()
+
+    optimizer.step = step_and_record_first_grads
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
+               for i, b in enumerate(global_batches())]
+    with grad_sync.whole() if zero == 3 else nullcontext():
+        weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
+                   for n, p in model.named_parameters()}
+    state = optimizer.state_tensors()
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
+    buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
+               for n, p in model.named_parameters() for s in [state.get(n, {})]
+               if "momentum_buffer" in s}
+    return {"layout": (tp, pp, dp, zero, kind, sp, cp), "results": results,
+            "weights": weights if keep else {}, "grads": full_grads if keep else {},
+            "buffers": buffers if keep else {},
+            "keys": {n: sorted(s) for n, s in state.items()}}
+
+
+def _worker(runs: list[tuple]) -> list[dict]:
+    return [_train(*run) for run in runs]
+
+
+def _buffers_match(reference: dict, per_rank: list[dict], heads: int = 4) -> None:
+    merged = {}
+    for out in per_rank:
+        merged.update(out["buffers"])
+    assert set(merged) == set(reference["buffers"])
+    for name, buf in merged.items():
+        for ref, mine in zip(reference["buffers"][name], _parts(name, buf, heads)):
+            assert_close(mine.reshape(ref.shape), ref, what=f"momentum buffer of {name}")
+
+
+@pytest.mark.parametrize("kind,adjust,ns", [("gpt2", "match_rms_adamw", "bf16"),
+                                             ("llama", "original", "bf16"),
+                                             ("gpt2", "match_rms_adamw", "fp32"),
+                                             ("bert", "match_rms_adamw", "fp32")])
+def test_muon_one_process_equals_torch_muon_and_adamw(kind, adjust, ns):
+    """One process: megapar's Muon + AdamW equals torch.optim.Muon + torch.optim.AdamW over
+    3 steps (losses, grad norms, weights, Muon's momentum buffers), Newton-Schulz in bf16
+    (torch's) and fp32 (BERT too: its fused qkv, its head transform AdamW's); the state keys are
+    momentum_buffer for the blocks' matrices, Adam's moments for the rest."""
+    reference = muon_reference(kind, adjust, ns)
+    out = _train(1, 1, 1, 0, kind, adjust, ns)
+    check_against(reference, [out])
+    _buffers_match(reference, [out])
+    assert reference["losses"][-1] < reference["losses"][0]
+    for name, keys in out["keys"].items():
+        matrix = name.startswith("layers.") and reference["weights"][name].dim() == 2
+        assert keys == (["momentum_buffer"] if matrix else ["exp_avg", "exp_avg_sq"]), name
+
+
+def test_muon_layouts_equal_one_process():
+    """Newton-Schulz of whole matrices in every layout (fp32 NS): tp 2 (column- and
+    row-parallel matrices, GPT-2's fused qkv split by heads, the shards all-gathered), pp 2,
+    dp 2, ZeRO-1 / 2 / 3 (the pieces' updates all-gathered over dp first: ZeRO-1 at tp 2 x dp 2
+    and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), sequence parallelism at
+    tp 2 x dp 2 with ZeRO-1 (the norms' and biases' partial gradients summed over tp on the
+    pieces), context parallelism at cp 2 x dp 2 with ZeRO-1 (the state sharded over cp x dp),
+    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; one launch
+    of 4 ranks."""
+    runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
+            (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
+            (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
+            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2)]
+    outs = run_local(_worker, 4, runs)
+    references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
+    for i, run in enumerate(runs):
+        per_rank = [o[i] for o in outs]
+        reference = references[run[4] if len(run) > 4 else "gpt2"]
+        check_against(reference, per_rank)
+        _buffers_match(reference, per_rank)
+
+
+def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
+    """megapar-train --optimizer muon at tp 2 x dp 2 with ZeRO-1 saves at step 3 of 6 (Muon's
+    momentum buffers sharded over dp, gathered to the writer); resumed at pp 2 x dp 2 with
+    ZeRO-3 (resharded on load, each rank taking its slices), steps 4-6 have the uninterrupted
+    run's losses and grad norms."""
+    muon = ["--optimizer", "muon", "--muon-momentum", "0.9"]
+    reference, step3 = _train_and_checkpoint(
+        tmp_path, [*common, *muon], ["--tp", "2", "--dp", "2", "--zero", "1"])
+    entries = read_manifest(step3)["tensors"]
+    assert sorted(entries["layers.0.attn.qkv.weight"]["optim"]) == ["momentum_buffer"]
+    assert sorted(entries["layers.0.attn.qkv.bias"]["optim"]) == ["exp_avg", "exp_avg_sq"]
+    log = tmp_path / "resumed.jsonl"
+    assert train([*common, *muon, "--pp", "2", "--dp", "2", "--zero", "3", "--load", str(step3),
+                  "--log-json", str(log)]) == 0
+    print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2 x dp 2 zero 3"))
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--optimizer", "muon", "--offload-optimizer"],
+     "steps AdamW or SGD on the host, not --optimizer muon (its Newton-Schulz iteration needs "
+     "whole matrices on the devices): drop --offload-optimizer or use --optimizer adamw"),
+    (["--optimizer", "muon", "--muon-momentum", "1.2"],
+     "--muon-momentum 1.2 is invalid: it must be in [0, 1) (the default is 0.95)"),
+    (["--muon-adjust-lr", "original"],
+     "--muon-adjust-lr original would be ignored: it is Muon's, and --optimizer is adamw: "
+     "add --optimizer muon, or drop --muon-adjust-lr"),
+], ids=["offloaded", "momentum", "without-muon"])
+def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags, says):
+    """--optimizer muon with --offload-optimizer, a momentum outside [0, 1), and Muon's flags
+    without it: one line naming the problem and the fix, exit 2, no worker started."""
+    assert train([*common, *flags]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def _count_step(tp: int, dp: int, zero: int) -> dict:
+    """The collectives of one --optimizer muon optimizer step (GPT-2, tp x dp) by group."""
+    import torch.distributed as dist
+
+    from megapar.comm_count import count_collectives
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(tp, 1, dp), dist.get_rank())
+    model = build_stage(config("gpt2"), mesh, SEED)
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon")
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    step = TrainStep(model, mesh, PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32)),
+                     optimizer, scheduler(), Precision("fp32", mesh.device), 0.0, grad_sync)
+    counted, optimizer_step = [], optimizer.step
+
+    def counted_step():
+        with count_collectives() as calls:
+            optimizer_step()
+        counted.extend(calls)
+
+    optimizer.step = counted_step
+    step.step(to_device(BatchPlan(G, MBS, dp).split(global_batches()[0], mesh.dp_rank),
+                        mesh.device), 0)
+    tp_ranks = tuple(dist.get_process_group_ranks(mesh.tp_group))
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+    buckets = optimizer.grad_sync.buckets
+    muon_buckets = [b for b in buckets if any(id(p) in optimizer.muon_ids for p in b.params)]
+    return {"tp": sorted((c.op, c.numel) for c in counted if c.ranks == tp_ranks),
+            "dp": sorted((c.op, c.numel) for c in counted if c.ranks != tp_ranks),
+            "expected_tp": sorted(("all_gather", p.numel()) for p in matrices),
+            "expected_dp": sorted([("all_gather_into_tensor", b.padded // dp)
+                                   for b in [*muon_buckets, *buckets]])}
+
+
+def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
+    """One optimizer step at tp 2 x dp 2 with ZeRO-1: over tp, one all-gather of each Muon
+    matrix's shard (GPT-2's 4 matrices per block, 16); over dp, the parameter buckets'
+    all-gather after the step (ZeRO-1's own) and one more all-gather of each bucket holding
+    Muon matrices (their pieces' updates); nothing else."""
+    for out in run_local(_count_step, 4, 2, 2, 1):
+        assert len(out["expected_tp"]) == 16
+        assert out["tp"] == out["expected_tp"]
+        assert out["dp"] == out["expected_dp"]
+
+
+def test_planner_counts_one_momentum_buffer_per_muon_matrix():
+    """plan.state counts --optimizer muon's state: 4 bytes per element of the blocks' 2-D
+    weights (one momentum buffer, no step count), AdamW's 8 bytes per element and a 4-byte
+    step count for every other parameter (GPT-2, one rank, no ZeRO); under ZeRO the planner's
+    most loaded rank is the largest of every rank's count."""
+    from megapar.optim.muon import is_muon_matrix
+    from megapar.plan.params import StageLayout
+    from megapar.plan.state import rank_state
+
+    model = build_stage(config("gpt2"), Mesh(Layout()), SEED)
+    expected = sum(4 * p.numel() if is_muon_matrix(n, p) else 8 * p.numel() + 4
+                   for n, p in model.named_parameters())
+    adam = sum(8 * p.numel() + 4 for p in model.parameters())
+    layout = StageLayout.of(config("gpt2"), optimizer="muon")
+    assert rank_state(layout, 0).optimizer == expected < adam
+    assert rank_state(StageLayout.of(config("gpt2")), 0).optimizer == adam
+    # the most loaded ZeRO rank (`plan.slices`, vectorised over every rank) is the largest
+    # of the ranks' own counts
+    from megapar.plan.slices import most_loaded
+
+    for kind, dp, zero, tp in (("gpt2", 3, 1, 1), ("gpt2", 4, 3, 2), ("llama", 5, 2, 1)):
+        layout = StageLayout.of(config(kind), optimizer="muon", dp=dp, zero=zero, tp=tp,
+                                bucket_mb=0.01)
+        each = [rank_state(layout, r).optimizer for r in range(dp)]
+        assert most_loaded(layout).optimizer == max(each), (kind, dp, zero, each)
+        assert len(set(each)) > 1  # the ranks differ: the choice is not a tie
+
+
+def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):
+    """megapar-plan --optimizer muon --verify 1: the best layout's (dp 2, ZeRO-1: Muon's
+    momentum in the ranks' pieces) dry run holds the planned optimizer bytes to the byte, and
+    the command it prints trains with --optimizer muon."""
+    from megapar.cli.plan import main as plan
+
+    assert plan(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
+                 "--seq-len", "32", "--top", "1", "--schedules", "1f1b",
+                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", "muon",
+                 "--verify", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "command: " in out, out
+    assert "--zero 1 --optimizer muon" in out.split("command: ")[1].splitlines()[0]
+    verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
+    assert len(verified) == 1 and "equal, 0 bytes apart" in verified[0], verified
+
+
+def test_muon_leaves_the_routed_experts_to_adamw():
+    """A Qwen3-MoE stage under --optimizer muon: the router and the shared experts (2-D block
+    weights) take Muon's momentum buffer, the routed experts' stacked [E, ...] tensors (split
+    over ep, which Muon does not gather) AdamW's moments; one step moves every parameter."""
+    from test_moe_parallel import config as moe_config
+
+    from megapar.optim import build_optimizer
+
+    mesh = Mesh(Layout())
+    model = build_stage(moe_config(), mesh, SEED)
+    optimizer = build_optimizer(model, mesh, LR, WD, kind="muon")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = global_batches()[0]
+    model(None, {k: v[:2] for k, v in batch.items()}).backward()
+    optimizer.step()
+    keys = {n: sorted(s) for n, s in optimizer.state_tensors().items()}
+    assert keys["layers.1.mlp.router.weight"] == ["momentum_buffer"]
+    assert keys["layers.1.mlp.shared.up.weight"] == ["momentum_buffer"]
+    assert keys["layers.1.mlp.experts.gate_up"] == ["exp_avg", "exp_avg_sq"]
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before)
