@@ -295,6 +295,14 @@ TRAIN = [
                                "go into --save, and no --save is given: give --save DIR too, or "
                                "drop --save-interval"),
     (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
+    (["--hysteresis", "2", "--precision", "bf16"], "--hysteresis 2 would be ignored: it sets "
+     "the fp16 loss scale, and --precision is bf16 (no loss scaling): add --precision fp16, or "
+     "drop --hysteresis"),
+    (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
+     "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
+     "--initial-loss-scale"),
+    (["--precision", "fp16", "--hysteresis", "0"], "--hysteresis 0 is invalid: it must be a "
+     "whole number >= 1 (the default is 1)"),
     (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
     (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
     (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
@@ -1060,7 +1068,10 @@ OTHER_TOOLS = [
      "--micro-batch-size x the accumulation steps x dp)"),
     ("train", ["--loss-scale", "0"], "--loss-scale: megapar's fp16 loss scale (--precision fp16) "
      "is always dynamic"),
-    ("train", ["--hysteresis", "2"], "but halved at every overflow (hysteresis 1; the step skipped)"),
+    ("train", ["--initial-scale-power", "16"], "--initial-scale-power: did you mean "
+     "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
+    ("train", ["--loss_scale_window", "500"], "--loss_scale_window: did you mean "
+     "--loss-scale-window?"),
     ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
     ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
     ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),

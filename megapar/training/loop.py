@@ -461,7 +461,7 @@ class Trainer:
         guard = NonFiniteGuard(
             cfg.max_nonfinite_steps,
             cfg.precision,
-            getattr(self.precision.scaler, "min_scale", None),
+            self.precision.scaler,
         )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         saved = self.saved_at_start()

@@ -63,11 +63,11 @@ GRAD_ACCUM = (
     "--micro-batch-size x the accumulation steps x dp)"
 )
 LOSS_SCALE = (
-    "megapar's fp16 loss scale (--precision fp16) is always dynamic, as DeepSpeed's defaults: "
-    "2^16 at the start (initial_scale_power 16), doubled after 1000 clean steps "
-    "(loss_scale_window), never below 1 (min_loss_scale), but halved at every overflow "
-    "(hysteresis 1; the step skipped); no static scale; drop it"
+    "megapar's fp16 loss scale (--precision fp16) is always dynamic: no static scale; drop it "
+    "and set the dynamic one with --initial-loss-scale, --min-loss-scale, --loss-scale-window "
+    "and --hysteresis"
 )
+INITIAL_SCALE_POWER = "--initial-loss-scale (2 ** the power: 65536 for 16)"
 ZERO3_PREFETCH = (
     "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
     "setting; --zero3-keep-params keeps every unit gathered; drop it"
@@ -201,13 +201,11 @@ OTHER_TOOLS_FLAGS = {
     "--cpu-optimizer": "--offload-optimizer",
     "--loss-scale": LOSS_SCALE,
     "--loss_scale": LOSS_SCALE,
-    "--initial-scale-power": LOSS_SCALE,
-    "--initial_scale_power": LOSS_SCALE,
-    "--loss-scale-window": LOSS_SCALE,
-    "--loss_scale_window": LOSS_SCALE,
-    "--hysteresis": LOSS_SCALE,
-    "--min-loss-scale": LOSS_SCALE,
-    "--min_loss_scale": LOSS_SCALE,
+    "--initial-scale-power": INITIAL_SCALE_POWER,
+    "--initial_scale_power": INITIAL_SCALE_POWER,
+    "--loss_scale_window": "--loss-scale-window",
+    "--min_loss_scale": "--min-loss-scale",
+    "--initial_loss_scale": "--initial-loss-scale",
     "--gradient-clipping": "--clip-grad",
     "--gradient_clipping": "--clip-grad",
     "--checkpoint-activations": "--recompute full",

@@ -233,8 +233,9 @@ def prepare(
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
-    finite (in fp16 only when the loss scaler gives up: `max_nonfinite_steps` skipped steps in
-    a row, or an overflow at its floor, as in megapar-train); "skip": it returns the
+    finite (in fp16 an overflow with a finite loss is skipped and not counted: only
+    `max_nonfinite_steps` non-finite losses in a row, or an overflow at the loss scale's floor,
+    raise, as in megapar-train); "skip": it returns the
     non-finite loss, for loops that handle it themselves.
     """
 

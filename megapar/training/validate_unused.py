@@ -70,6 +70,16 @@ def check_unused(cfg, given: set[str]) -> None:
         *(
             (
                 name,
+                cfg.precision == "fp16",
+                f"it sets the fp16 loss scale, and --precision is {cfg.precision} (no loss "
+                f"scaling)",
+                "add --precision fp16",
+            )
+            for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        ),
+        *(
+            (
+                name,
                 adam,
                 f"--optimizer {cfg.optimizer} has no Adam moments",
                 "use --optimizer adamw",
