@@ -189,7 +189,7 @@ class InjectInf:
         return loss
 
 
-def _run(mode: str, inject: bool, zero: int = 0) -> dict:
+def _run(mode: str, inject: bool, zero: int = 0, offload: bool = False) -> dict:
     from test_parity_3d import (
         CONFIG,
         MBS,
@@ -210,7 +210,13 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
     model = build_stage(config(), mesh, SEED)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
-    optimizer = build_optimizer(model, mesh, 3e-3, 0.1, zero=zero)
+    if zero == 3:  # the shards' optimizer (megapar-train's optimizer_for); offload: on the host
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, 3e-3, 0.1,
+                                   tp_group=mesh.tp_group, offload=offload)
+    else:
+        optimizer = build_optimizer(model, mesh, 3e-3, 0.1, zero=zero)
     if inject:
         executor = InjectInf(executor, model, mesh.rank, optimizer if zero else None)
     precision = Precision(mode, mesh.device, DynamicLossScaler(init_scale=SCALE))
@@ -221,15 +227,18 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     plan = BatchPlan(G, MBS, mesh.dp)
     results, unchanged = [], []
     for i, batch in enumerate(global_batches(STEPS)):
-        before = [p.detach().clone() for p in model.parameters()]
+        held = optimizer.pieces if zero == 3 else list(model.parameters())  # ZeRO-3: shards
+        before = [p.detach().clone() for p in held]
         results.append(step.step(plan.split(batch, mesh.dp_rank), i))
-        unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        unchanged.append(all(torch.equal(a, p) for a, p in zip(before, held)))
     return {"results": results, "unchanged": unchanged, "scale": precision.loss_scale}
 
 
 def _worker() -> dict:
     return {"fp32": _run("fp32", False), "bf16": _run("bf16", False), "fp16": _run("fp16", True),
-            "fp16_zero1": _run("fp16", True, zero=1), "fp16_zero2": _run("fp16", True, zero=2)}
+            "fp16_zero1": _run("fp16", True, zero=1), "fp16_zero2": _run("fp16", True, zero=2),
+            "fp16_zero3": _run("fp16", True, zero=3),
+            "fp16_zero3_offload": _run("fp16", True, zero=3, offload=True)}
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +264,8 @@ def test_bf16_tracks_fp32(runs):
         assert not any(r.skipped for r in out["bf16"]["results"])
 
 
-@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1", "fp16_zero2"])
+@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1", "fp16_zero2", "fp16_zero3",
+                                      "fp16_zero3_offload"])
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs, run_name):
     for rank, out in enumerate(runs):
         fp16 = out[run_name]
