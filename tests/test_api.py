@@ -1261,6 +1261,12 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
      ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
     ({"loss_mean": "mean"}, ["megapar.prepare: loss_mean='mean' is not one of 'microbatch', "
                              "'token'"]),
+    # the fp16 loss scale's settings: hysteresis=2 was unread in fp32, a floor above the
+    # start was the scaler's own "need 0 < min_scale <= init_scale"
+    ({"hysteresis": 2}, ["megapar.prepare: hysteresis=2 sets the fp16 loss scale, and "
+                         "precision='fp32' has none: pass precision='fp16' or drop hysteresis"]),
+    ({"precision": "fp16", "min_loss_scale": 128.0, "initial_loss_scale": 64.0},
+     ["megapar.prepare: min_loss_scale=128.0 is above initial_loss_scale=64.0"]),
     # megapar-train's choices: each was the engine's own error, raised after the mesh was made
     # ("unknown precision 'fp64'; expected one of [...]"), not naming the keyword
     ({"precision": "fp64"}, ["megapar.prepare: precision='fp64' is invalid: choose one of "

@@ -282,6 +282,7 @@ def prepare(
             f"micro-batch's token mean; 'token': the global batch's token mean)"
         )
     _check_choices(cfg)
+    _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
@@ -319,6 +320,27 @@ LOOP_OPTIONS = (
 """TrainConfig fields only megapar-train's run and loop read (saving, loading, logging,
 evaluation, stopping, the dry run), which a caller's loop replaces: the engine never reads
 them."""
+
+
+LOSS_SCALE_OPTIONS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+"""The fp16 loss scaler's settings (megapar-train's --initial-loss-scale ... --hysteresis)."""
+
+
+def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
+    """Refuse, in the API's terms, a loss-scale setting outside precision='fp16' (nothing would
+    read it) and a floor above the initial scale, as megapar-train does."""
+    given = [name for name in LOSS_SCALE_OPTIONS if name in options]
+    if given and cfg.precision != "fp16":
+        raise ValueError(
+            f"megapar.prepare: {given[0]}={options[given[0]]!r} sets the fp16 loss scale, and "
+            f"precision={cfg.precision!r} has none: pass precision='fp16' or drop {given[0]}"
+        )
+    if cfg.min_loss_scale > cfg.initial_loss_scale:
+        raise ValueError(
+            f"megapar.prepare: min_loss_scale={cfg.min_loss_scale!r} is above "
+            f"initial_loss_scale={cfg.initial_loss_scale!r}: lower min_loss_scale or raise "
+            f"initial_loss_scale"
+        )
 
 
 def _refuse_unread(options: dict) -> None:
