@@ -1186,15 +1186,14 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
 
 
 @pytest.mark.parametrize("keyword, said", [
-    # were "did you mean micro_batch_size?" (train_batch_size is the global batch), "loss_mean"
-    # for loss_scale, or nothing
+    # were "did you mean micro_batch_size?" (train_batch_size is the global batch), or nothing
+    # (loss_scale is an option now: refused outside precision='fp16' below)
     ("train_batch_size", "train_batch_size: did you mean global_batch_size?"),
     ("gradient_accumulation_steps", "give global_batch_size (= micro_batch_size x the "
      "accumulation steps x dp)"),
     ("gradient_clipping", "gradient_clipping: did you mean clip_grad?"),
     ("fp16", "fp16: did you mean precision='fp16'?"),
     ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
-    ("loss_scale", "loss_scale: megapar's fp16 loss scale (precision='fp16') is always dynamic"),
     ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
     # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
     ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
@@ -1265,6 +1264,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     # start was the scaler's own "need 0 < min_scale <= init_scale"
     ({"hysteresis": 2}, ["megapar.prepare: hysteresis=2 sets the fp16 loss scale, and "
                          "precision='fp32' has none: pass precision='fp16' or drop hysteresis"]),
+    ({"loss_scale": 128.0}, ["megapar.prepare: loss_scale=128.0 sets the fp16 loss scale"]),
+    ({"precision": "fp16", "loss_scale": 128.0, "hysteresis": 2},
+     ["megapar.prepare: hysteresis=2 sets the dynamic loss scale, and loss_scale=128.0 is "
+      "static: drop one"]),
     ({"precision": "fp16", "min_loss_scale": 128.0, "initial_loss_scale": 64.0},
      ["megapar.prepare: min_loss_scale=128.0 is above initial_loss_scale=64.0"]),
     # megapar-train's choices: each was the engine's own error, raised after the mesh was made

@@ -301,6 +301,10 @@ TRAIN = [
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),
+    (["--precision", "fp16", "--loss-scale", "128", "--hysteresis", "2"], "--hysteresis 2 would "
+     "be ignored: it sets the dynamic loss scale, and --loss-scale 128 is static: drop "
+     "--loss-scale, or drop --hysteresis"),
+    (["--loss-scale", "128"], "--loss-scale 128.0 would be ignored: it sets the fp16 loss scale"),
     (["--precision", "fp16", "--hysteresis", "0"], "--hysteresis 0 is invalid: it must be a "
      "whole number >= 1 (the default is 1)"),
     (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
@@ -1066,8 +1070,8 @@ OTHER_TOOLS = [
     ("train", ["--train_micro_batch_size_per_gpu", "2"], "did you mean --micro-batch-size?"),
     ("train", ["--gradient-accumulation-steps", "4"], "give --global-batch-size (= "
      "--micro-batch-size x the accumulation steps x dp)"),
-    ("train", ["--loss-scale", "0"], "--loss-scale: megapar's fp16 loss scale (--precision fp16) "
-     "is always dynamic"),
+    ("train", ["--loss_scale", "0"], "--loss_scale: did you mean --loss-scale (a static scale; "
+     "DeepSpeed's 0, dynamic, is megapar's default)?"),
     ("train", ["--initial-scale-power", "16"], "--initial-scale-power: did you mean "
      "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
     ("train", ["--loss_scale_window", "500"], "--loss_scale_window: did you mean "

@@ -323,6 +323,12 @@ def test_guard_counts_consecutive_steps_and_the_fp16_floor():
     with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(22-23\) had a non-finite "
                        r"loss \(last: loss \(nan\) and gradients \(norm inf\); skipped in fp16\)"):
         fp16.observe(23, float("nan"), float("inf"), True, 4.0)
+    # a static scale (--loss-scale): nothing lowers it, so its overflows count
+    static = NonFiniteGuard(2, "fp16", DynamicLossScaler(128.0, min_scale=128.0, dynamic=False))
+    static.observe(1, 5.0, float("inf"), True, 128.0)
+    with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(1-2\) overflowed at the "
+                       r"static fp16 loss scale 128 \(--loss-scale\)"):
+        static.observe(2, 5.0, float("inf"), True, 128.0)
     fp16 = NonFiniteGuard(100, "fp16", scaler)
     scaler.update(True)  # at the floor, the hysteresis used up: the scaler cannot help
     with pytest.raises(NonFiniteError, match=r"loss scale reached its floor 1 \(--min-loss-scale"):

@@ -409,8 +409,8 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
 
 def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
     """DeepSpeed's fp16 loss-scaler keys are megapar-train's flags (were dropped without a word:
-    hysteresis 2, DeepSpeed's default, named even where absent, as megapar's is 1); a static
-    loss_scale and consecutive_hysteresis have none."""
+    hysteresis 2, DeepSpeed's default, named even where absent, as megapar's is 1; a static
+    loss_scale was "no equivalent"); consecutive_hysteresis has none."""
     from megapar.training.config import ConfigError, read_run_config
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "fp16": {
@@ -421,14 +421,18 @@ def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
     assert str(err.value).endswith(
         "--global-batch-size 8 --precision fp16 --initial-loss-scale 4096 "
         "--loss-scale-window 500 --min-loss-scale 0.5 --hysteresis 2"), err.value
-    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4,
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "hysteresis": 4,
                                        "consecutive_hysteresis": True}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
     assert str(err.value).endswith(
-        "--precision fp16 --hysteresis 4 (no equivalent: fp16.loss_scale (megapar's scale is "
-        "always dynamic), fp16.consecutive_hysteresis (megapar's hysteresis is restored when "
-        "the scale grows, not after each clean step))"), err.value
+        "--precision fp16 --hysteresis 4 (no equivalent: fp16.consecutive_hysteresis (megapar's "
+        "hysteresis is restored when the scale grows, not after each clean step))"), err.value
+    # a static scale: DeepSpeed reads none of the dynamic keys then
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith("--precision fp16 --loss-scale 128"), err.value
 
 
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):

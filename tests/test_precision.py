@@ -136,6 +136,18 @@ def test_the_scaler_state_resumes_mid_hysteresis():
     assert (other.scale, other.growth_interval, other.hysteresis) == (whole.scale, 9, 2)
 
 
+def test_a_static_scale_never_changes():
+    """--loss-scale (Megatron-LM's ConstantGradScaler): overflows and clean runs leave it, and
+    a checkpoint's (dynamic) scale does not replace it."""
+    static = DynamicLossScaler(init_scale=128.0, min_scale=128.0, growth_interval=2,
+                               dynamic=False)
+    for found_inf in _overflow_pattern(50):
+        static.update(found_inf)
+        assert static.scale == 128.0
+    static.load_state_dict(DynamicLossScaler(init_scale=2.0**20).state_dict())
+    assert static.scale == 128.0
+
+
 def test_autocast_modes():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     with Precision("fp32", "cpu").autocast():

@@ -51,6 +51,7 @@ class LossScaler(Protocol):
 
     min_scale: float
     hysteresis_left: int | None
+    dynamic: bool
 
 
 class NonFiniteGuard:
@@ -92,17 +93,19 @@ class NonFiniteGuard:
         """Count step `step` (`loss_scale`: the scale it ran with; called after the scaler's
         update). In fp16 a skipped step whose loss is finite is the loss scaler's overflow,
         not a bad step: it counts only when the scale is at its floor and the overflow used up
-        the hysteresis (it cannot go lower). `locate` (collective, called on every rank before
+        the hysteresis (it cannot go lower: the run stops at once), or when the scale is static
+        (--loss-scale: nothing lowers it). `locate` (collective, called on every rank before
         raising): where the first non-finite value appeared, added to the error."""
         scaler = self.scaler if self.precision == "fp16" else None
         at_floor = (
             scaler is not None
+            and scaler.dynamic
             and skipped
             and loss_scale <= scaler.min_scale
             and scaler.hysteresis_left == 0
         )
         if scaler is not None:
-            bad = not math.isfinite(loss) or at_floor
+            bad = not math.isfinite(loss) or at_floor or (skipped and not scaler.dynamic)
         else:
             bad = skipped or not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not bad:
@@ -116,6 +119,12 @@ class NonFiniteGuard:
                 why = (
                     f"the fp16 loss scale reached its floor {loss_scale:g} (--min-loss-scale) "
                     f"and still overflowed"
+                )
+            elif scaler is not None and not scaler.dynamic:
+                why = (
+                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) overflowed at the "
+                    f"static fp16 loss scale {loss_scale:g} (--loss-scale) or had a non-finite "
+                    f"loss (last: {what}; skipped)"
                 )
             elif self.bad == 1:
                 why = f"non-finite {what}"

@@ -65,6 +65,9 @@ class DynamicLossScaler:
     """The scale never drops below this."""
     hysteresis: int = 1
     """Overflows since the last growth (or the start) before one lowers the scale."""
+    dynamic: bool = True
+    """False: a static scale (Megatron-LM's --loss-scale, DeepSpeed's loss_scale > 0):
+    `init_scale` always; overflowed steps are still skipped."""
     scale: float | None = None
     """Current loss scale (init_scale at start)."""
     clean_steps: int = 0
@@ -93,15 +96,10 @@ class DynamicLossScaler:
                 f"need 0 < min_scale <= init_scale, got {self.min_scale} and {self.init_scale}"
             )
 
-    @property
-    def at_floor(self) -> bool:
-        """Whether an overflow now would lower the scale but it is already at `min_scale`
-        (DeepSpeed's "Current loss scale already at minimum")."""
-        assert self.scale is not None and self.hysteresis_left is not None
-        return self.scale <= self.min_scale and self.hysteresis_left <= 1
-
     def update(self, found_inf: bool) -> None:
         assert self.scale is not None and self.hysteresis_left is not None  # __post_init__
+        if not self.dynamic:
+            return
         if found_inf:
             self.clean_steps = 0
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
@@ -121,7 +119,9 @@ class DynamicLossScaler:
         """Take the scale and its counters from `d` (a `state_dict`); the settings (initial
         and minimum scale, growth interval, hysteresis) stay this scaler's, as Megatron-LM's
         scaler restores only its scale and trackers. A checkpoint written before the
-        hysteresis existed had used it up (hysteresis 1)."""
+        hysteresis existed had used it up (hysteresis 1). A static scaler keeps its scale."""
+        if not self.dynamic:
+            return
         self.scale = float(d["scale"])
         self.clean_steps = int(d.get("clean_steps", 0))
         left = d.get("hysteresis_left")

@@ -82,8 +82,10 @@ class TrainConfig:
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
+    loss_scale: float = 0.0
+    """With --precision fp16: a static loss scale (Megatron-LM's --loss-scale, DeepSpeed's loss_scale > 0): every step scaled by it, a step whose gradients overflow skipped (--max-nonfinite-steps of them in a row stop the run), the scale never changed. 0: dynamic (--initial-loss-scale ... --hysteresis)."""
     initial_loss_scale: float = 65536.0
-    """With --precision fp16: the loss scale at the start (DeepSpeed's 2 ** initial_scale_power 16; Megatron-LM's default is 2 ** 32)."""
+    """With --precision fp16: the loss scale at the start (DeepSpeed's 2 ** initial_scale_power 16; Megatron-LM's default is 2 ** 32); a power of 2 keeps the unscaling exact."""
     min_loss_scale: float = 1.0
     """With --precision fp16: the floor of the loss scale; an overflow there stops the run (--max-nonfinite-steps > 0)."""
     loss_scale_window: int = 1000

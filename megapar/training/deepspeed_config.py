@@ -35,12 +35,13 @@ def _flag_value(value: Any) -> str:
 
 def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
     """An enabled fp16 section's loss-scaler keys as megapar-train's flags (DeepSpeed's
-    defaults where a key is absent and megapar's default differs: hysteresis 2), and the keys
+    defaults where a key is absent and megapar's default differs: hysteresis 2; a static
+    loss_scale > 0, which DeepSpeed takes instead of the dynamic keys, alone), and the keys
     with no equivalent."""
     flags: list[str] = []
     left: list[str] = []
     if fp16.get("loss_scale", 0) not in (0, 0.0, "0"):
-        left.append("fp16.loss_scale (megapar's scale is always dynamic)")
+        return [f"--loss-scale {_flag_value(fp16['loss_scale'])}"], left
     if "initial_scale_power" in fp16:
         flags.append(f"--initial-loss-scale {_flag_value(2 ** int(fp16['initial_scale_power']))}")
     for name, flag in (

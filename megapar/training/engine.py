@@ -108,10 +108,11 @@ class Engine:
             cfg.precision,
             mesh.device,
             DynamicLossScaler(
-                init_scale=cfg.initial_loss_scale,
+                init_scale=cfg.loss_scale or cfg.initial_loss_scale,
                 growth_interval=cfg.loss_scale_window,
-                min_scale=cfg.min_loss_scale,
+                min_scale=cfg.loss_scale or cfg.min_loss_scale,
                 hysteresis=cfg.hysteresis,
+                dynamic=not cfg.loss_scale,
             ),
         )
         self.wire_dtype, reduce_dtype = comm_dtypes(

@@ -62,11 +62,6 @@ GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
     "--micro-batch-size x the accumulation steps x dp)"
 )
-LOSS_SCALE = (
-    "megapar's fp16 loss scale (--precision fp16) is always dynamic: no static scale; drop it "
-    "and set the dynamic one with --initial-loss-scale, --min-loss-scale, --loss-scale-window "
-    "and --hysteresis"
-)
 INITIAL_SCALE_POWER = "--initial-loss-scale (2 ** the power: 65536 for 16)"
 ZERO3_PREFETCH = (
     "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
@@ -199,8 +194,7 @@ OTHER_TOOLS_FLAGS = {
     "--cpu-offload": "--offload-optimizer",
     "--cpu_offload": "--offload-optimizer",
     "--cpu-optimizer": "--offload-optimizer",
-    "--loss-scale": LOSS_SCALE,
-    "--loss_scale": LOSS_SCALE,
+    "--loss_scale": "--loss-scale (a static scale; DeepSpeed's 0, dynamic, is megapar's default)",
     "--initial-scale-power": INITIAL_SCALE_POWER,
     "--initial_scale_power": INITIAL_SCALE_POWER,
     "--loss_scale_window": "--loss-scale-window",

@@ -322,8 +322,14 @@ evaluation, stopping, the dry run), which a caller's loop replaces: the engine n
 them."""
 
 
-LOSS_SCALE_OPTIONS = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-"""The fp16 loss scaler's settings (megapar-train's --initial-loss-scale ... --hysteresis)."""
+LOSS_SCALE_OPTIONS = (
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
+"""The fp16 loss scaler's settings (megapar-train's --loss-scale ... --hysteresis)."""
 
 
 def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
@@ -334,6 +340,12 @@ def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
         raise ValueError(
             f"megapar.prepare: {given[0]}={options[given[0]]!r} sets the fp16 loss scale, and "
             f"precision={cfg.precision!r} has none: pass precision='fp16' or drop {given[0]}"
+        )
+    dynamic = [name for name in LOSS_SCALE_OPTIONS[1:] if name in options]
+    if cfg.loss_scale and dynamic:
+        raise ValueError(
+            f"megapar.prepare: {dynamic[0]}={options[dynamic[0]]!r} sets the dynamic loss "
+            f"scale, and loss_scale={cfg.loss_scale!r} is static: drop one"
         )
     if cfg.min_loss_scale > cfg.initial_loss_scale:
         raise ValueError(

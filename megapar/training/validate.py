@@ -84,6 +84,7 @@ _RULES: list[_Rule] = [
     ("moe_bias_update_rate", "float", 0.0, True),
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
+    ("loss_scale", "float", 0.0, False, (0, "dynamic")),
     ("initial_loss_scale", "float", 0.0, False),
     ("min_loss_scale", "float", 0.0, False),
     ("loss_scale_window", "int", 1, True),
@@ -201,7 +202,7 @@ def _check_combinations(cfg) -> None:
         raise UsageError(
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
         )
-    if cfg.min_loss_scale > cfg.initial_loss_scale:
+    if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
         raise UsageError(
             f"--min-loss-scale {cfg.min_loss_scale:g} is above --initial-loss-scale "
             f"{cfg.initial_loss_scale:g}: lower --min-loss-scale or raise --initial-loss-scale"
