@@ -365,8 +365,9 @@ class Engine:
         (`prepare`'s default) every rank then raises `megapar.faults.stop.NonFiniteError`
         naming the step and what was not finite; in fp16, where the loss scaler skips steps
         whose gradients overflow, such a step with a finite loss does not count: only
-        `max_nonfinite_steps` (default 5) non-finite losses in a row, or an overflow at the loss
-        scale's floor, raise, as in megapar-train. With "skip" the non-finite loss is returned.
+        `max_nonfinite_steps` (default 5) non-finite losses (or overflows at a static
+        `loss_scale`) in a row, or an overflow at the loss scale's floor, raise, as in
+        megapar-train. With "skip" the non-finite loss is returned.
         """
         self.in_its_group("train_step")
         if self.scheduler is not None and "initial_lr" in self.optimizer.param_groups[0]:

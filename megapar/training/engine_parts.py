@@ -130,8 +130,8 @@ def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
 def api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
     """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
     overflow with a finite loss is the loss scaler's business (skipped, not counted), so as in
-    megapar-train only max_nonfinite_steps non-finite losses in a row (or an overflow at the
-    scale's floor) do."""
+    megapar-train only max_nonfinite_steps non-finite losses (or overflows at a static scale) in
+    a row, or an overflow at the scale's floor, do."""
     return NonFiniteGuard(
         cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
         cfg.precision,

@@ -234,8 +234,8 @@ def prepare(
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
     finite (in fp16 an overflow with a finite loss is skipped and not counted: only
-    `max_nonfinite_steps` non-finite losses in a row, or an overflow at the loss scale's floor,
-    raise, as in megapar-train); "skip": it returns the
+    `max_nonfinite_steps` non-finite losses (or overflows at a static `loss_scale`) in a row, or
+    an overflow at the loss scale's floor, raise, as in megapar-train); "skip": it returns the
     non-finite loss, for loops that handle it themselves.
     """
 
