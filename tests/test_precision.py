@@ -134,6 +134,13 @@ def test_the_scaler_state_resumes_mid_hysteresis():
     other = DynamicLossScaler(init_scale=2.0**10, growth_interval=9, hysteresis=2)
     other.load_state_dict(whole.state_dict())
     assert (other.scale, other.growth_interval, other.hysteresis) == (whole.scale, 9, 2)
+    # a checkpoint from before the hysteresis (its settings saved beside the scale): the
+    # scale and clean steps resume, the hysteresis counts as used up (it was 1)
+    older = {"init_scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+             "growth_interval": 3, "min_scale": 1.0, "scale": 32.0, "clean_steps": 2}
+    other.load_state_dict(older)
+    assert (other.scale, other.clean_steps, other.hysteresis_left) == (32.0, 2, 0)
+    assert (other.init_scale, other.growth_interval) == (2.0**10, 9)
 
 
 def test_a_static_scale_never_changes():
