@@ -1076,6 +1076,16 @@ OTHER_TOOLS = [
      "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
     ("train", ["--loss_scale_window", "500"], "--loss_scale_window: did you mean "
      "--loss-scale-window?"),
+    # fp16 flags of Megatron-LM, DeepSpeed and the Hugging Face Trainer: "did you mean
+    # --hysteresis?" (megapar's is not consecutive), "--save?" or nothing
+    ("train", ["--consecutive-hysteresis"], "--consecutive-hysteresis: megapar's --hysteresis is "
+     "restored when the loss scale grows"),
+    ("train", ["--fp16-lm-cross-entropy"], "LM-head cross-entropy runs in fp32"),
+    ("train", ["--accumulate-allreduce-grads-in-fp32"], "did you mean --grad-reduce-dtype fp32"),
+    ("train", ["--fp16_opt_level", "O2"], "did you mean --precision fp16 (autocast with fp32 "
+     "weights"),
+    ("train", ["--half_precision_backend", "apex"], "megapar's fp16 is torch's autocast with its "
+     "own loss scaler (--precision fp16), not apex; drop it"),
     ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
     ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
     ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),
