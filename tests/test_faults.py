@@ -333,6 +333,9 @@ def test_guard_counts_consecutive_steps_and_the_fp16_floor():
     scaler.update(True)  # at the floor, the hysteresis used up: the scaler cannot help
     with pytest.raises(NonFiniteError, match=r"loss scale reached its floor 1 \(--min-loss-scale"):
         fp16.observe(24, 5.0, float("inf"), True, 1.0)
+    api = NonFiniteGuard(100, "fp16", scaler, keywords=True)  # megapar.prepare's terms
+    with pytest.raises(NonFiniteError, match=r"floor 1 \(min_loss_scale\) and still"):
+        api.observe(25, 5.0, float("inf"), True, 1.0)
 
 
 def test_fp16_overflows_are_skipped_not_failures_and_the_scale_resumes_mid_hysteresis(

@@ -73,13 +73,20 @@ class NonFiniteGuard:
         precision: str,
         scaler: LossScaler | None = None,
         advice: str = CLI_ADVICE,
+        keywords: bool = False,
     ):
         self.max_steps, self.precision, self.scaler = max_steps, precision, scaler
         """`scaler`: the fp16 loss scaler (its floor and hysteresis), None in other modes."""
+        self.keywords = keywords
+        """Whether the error names the settings as `megapar.prepare`'s keywords
+        (min_loss_scale) instead of megapar-train's flags (--min-loss-scale)."""
         self.advice = advice
         """What the error says after the reason (what was kept, how to go on)."""
         self.bad = 0
         self.first_bad: int | None = None
+
+    def _name(self, setting: str) -> str:
+        return setting if self.keywords else "--" + setting.replace("_", "-")
 
     def observe(
         self,
@@ -117,14 +124,14 @@ class NonFiniteGuard:
             what = nonfinite_parts(loss, grad_norm)
             if at_floor and self.bad < self.max_steps:
                 why = (
-                    f"the fp16 loss scale reached its floor {loss_scale:g} (--min-loss-scale) "
-                    f"and still overflowed"
+                    f"the fp16 loss scale reached its floor {loss_scale:g} "
+                    f"({self._name('min_loss_scale')}) and still overflowed"
                 )
             elif scaler is not None and not scaler.dynamic:
                 why = (
                     f"{self.bad} consecutive steps ({self.first_bad}-{step}) overflowed at the "
-                    f"static fp16 loss scale {loss_scale:g} (--loss-scale) or had a non-finite "
-                    f"loss (last: {what}; skipped)"
+                    f"static fp16 loss scale {loss_scale:g} ({self._name('loss_scale')}) or had "
+                    f"a non-finite loss (last: {what}; skipped)"
                 )
             elif self.bad == 1:
                 why = f"non-finite {what}"

@@ -137,4 +137,5 @@ def api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
         cfg.precision,
         precision.scaler,
         advice=API_ADVICE.format(clip="" if cfg.clip_grad else " or set clip_grad"),
+        keywords=True,
     )
