@@ -1014,7 +1014,7 @@ def _fp16_overflows():
     engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-3, precision="fp16")
     engine.precision.scaler.scale = 2.0**40  # every gradient overflows in fp16
     before = _state(engine)
-    losses = [engine.train_step(batch) for batch in _batches(4)]  # 4 < max_nonfinite_steps
+    losses = [engine.train_step(batch) for batch in _batches(4)]  # finite losses: not counted
     return losses, _same(before, _state(engine)), engine.precision.scaler.scale
 
 
