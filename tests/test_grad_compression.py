@@ -124,3 +124,26 @@ def _rank1():
 
 def test_powersgd_is_exact_for_a_low_rank_gradient(run):
     assert max(run(_rank1, 2)) < 1e-6
+
+
+def _powersgd_under_autocast():
+    """Two steps of loss-scaled gradients (x 2^16) reduced inside fp16 autocast, as the
+    buckets reduce during the backward of an fp16 step, and the same outside it."""
+    rank, outs = dist.get_rank(), []
+    for autocast in (True, False):
+        params = _params()
+        buckets = GradBuckets(params, dist.group.WORLD, compressor=make_compressor("powersgd", 2))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            for step in range(2):
+                out = _reduce(buckets, params, _grads(rank, step, scale=2.0**16))
+        outs.append(out)
+    return outs
+
+
+def test_powersgd_computes_in_fp32_under_autocast(run):
+    """PowerSGD's products ran in the autocast dtype: under fp16 the second step's P = M Q of
+    loss-scaled gradients overflowed, so an fp16 run skipped every second step (bf16 rounded
+    them to 8 bits). They are fp32 whatever the step's autocast."""
+    for inside, outside in run(_powersgd_under_autocast, 2):
+        for a, b in zip(inside, outside):
+            assert torch.isfinite(a).all() and torch.equal(a, b)

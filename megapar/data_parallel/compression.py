@@ -91,6 +91,13 @@ class PowerSGDCompressor:
 
     @torch.no_grad()
     def reduce(self, flat: torch.Tensor, params, group) -> int:
+        """Reduce the bucket `flat` in place; its products in fp32 whatever the step's autocast
+        (the buckets reduce during the backward, inside it: fp16 products of loss-scaled
+        gradients overflow)."""
+        with torch.autocast(flat.device.type, enabled=False):
+            return self._reduce(flat, params, group)
+
+    def _reduce(self, flat: torch.Tensor, params, group) -> int:
         views: list[tuple[int, torch.Tensor, tuple[int, int], int]] = []
         plain: list[tuple[int, torch.Tensor, None, int]] = []
         offset = 0
