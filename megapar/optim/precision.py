@@ -1,10 +1,11 @@
-"""Mixed precision: autocast for the forward, fp32 master weights, fp16 dynamic loss scaling.
+"""Mixed precision: autocast for the forward, fp32 master weights, fp16 loss scaling.
 
 Parameters, gradients and optimizer state stay fp32 in every mode; `autocast()` runs matmuls in
-bf16 / fp16. In fp16 the loss is multiplied by a dynamic scale before backward (the executor
-takes it as `loss_scale`); after backward `unscale_and_check` divides the gradients by it and
-finds infs / NaNs. The found-inf flag is all-reduced with MAX over the whole world, so every
-rank (every tp, pp and dp coordinate) skips the same step and changes its scale the same way.
+bf16 / fp16. In fp16 the loss is multiplied by a scale before backward (the executor takes it
+as `loss_scale`; dynamic, or static under --loss-scale); after backward `unscale_and_check`
+divides the gradients by it and finds infs / NaNs. The found-inf flag is all-reduced with MAX
+over the whole world, so every rank (every tp, pp and dp coordinate) skips the same step and
+changes its scale the same way.
 """
 
 from __future__ import annotations
