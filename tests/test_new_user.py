@@ -549,7 +549,7 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps "(default: 1)" by width
-    assert "(default: None)" not in out and out.count("(default: 1)") == 5  # --tp, --cp, --pp, --ep, --virtual-stages
+    assert "(default: None)" not in out and out.count("(default: 1)") == 6  # --tp, --cp, --pp, --ep, --virtual-stages, --hysteresis
     assert "(default: 1) (default" not in out
 
 
