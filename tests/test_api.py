@@ -1014,7 +1014,7 @@ def _fp16_overflows():
     engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-3, precision="fp16")
     engine.precision.scaler.scale = 2.0**40  # every gradient overflows in fp16
     before = _state(engine)
-    losses = [engine.train_step(batch) for batch in _batches(4)]  # 4 < max_nonfinite_steps
+    losses = [engine.train_step(batch) for batch in _batches(4)]  # finite losses: not counted
     return losses, _same(before, _state(engine)), engine.precision.scaler.scale
 
 
@@ -1186,15 +1186,14 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
 
 
 @pytest.mark.parametrize("keyword, said", [
-    # were "did you mean micro_batch_size?" (train_batch_size is the global batch), "loss_mean"
-    # for loss_scale, or nothing
+    # were "did you mean micro_batch_size?" (train_batch_size is the global batch), or nothing
+    # (loss_scale is an option now: refused outside precision='fp16' below)
     ("train_batch_size", "train_batch_size: did you mean global_batch_size?"),
     ("gradient_accumulation_steps", "give global_batch_size (= micro_batch_size x the "
      "accumulation steps x dp)"),
     ("gradient_clipping", "gradient_clipping: did you mean clip_grad?"),
     ("fp16", "fp16: did you mean precision='fp16'?"),
     ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
-    ("loss_scale", "loss_scale: megapar's fp16 loss scale (precision='fp16') is always dynamic"),
     ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
     # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
     ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
@@ -1261,6 +1260,16 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
      ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
     ({"loss_mean": "mean"}, ["megapar.prepare: loss_mean='mean' is not one of 'microbatch', "
                              "'token'"]),
+    # the fp16 loss scale's settings: hysteresis=2 was unread in fp32, a floor above the
+    # start was the scaler's own "need 0 < min_scale <= init_scale"
+    ({"hysteresis": 2}, ["megapar.prepare: hysteresis=2 sets the fp16 loss scale, and "
+                         "precision='fp32' has none: pass precision='fp16' or drop hysteresis"]),
+    ({"loss_scale": 128.0}, ["megapar.prepare: loss_scale=128.0 sets the fp16 loss scale"]),
+    ({"precision": "fp16", "loss_scale": 128.0, "hysteresis": 2},
+     ["megapar.prepare: hysteresis=2 sets the dynamic loss scale, and loss_scale=128.0 is "
+      "static: drop one"]),
+    ({"precision": "fp16", "min_loss_scale": 128.0, "initial_loss_scale": 64.0},
+     ["megapar.prepare: min_loss_scale=128.0 is above initial_loss_scale=64.0"]),
     # megapar-train's choices: each was the engine's own error, raised after the mesh was made
     # ("unknown precision 'fp64'; expected one of [...]"), not naming the keyword
     ({"precision": "fp64"}, ["megapar.prepare: precision='fp64' is invalid: choose one of "

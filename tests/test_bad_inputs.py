@@ -295,6 +295,18 @@ TRAIN = [
                                "go into --save, and no --save is given: give --save DIR too, or "
                                "drop --save-interval"),
     (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
+    (["--hysteresis", "2", "--precision", "bf16"], "--hysteresis 2 would be ignored: it sets "
+     "the fp16 loss scale, and --precision is bf16 (no loss scaling): add --precision fp16, or "
+     "drop --hysteresis"),
+    (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
+     "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
+     "--initial-loss-scale"),
+    (["--precision", "fp16", "--loss-scale", "128", "--hysteresis", "2"], "--hysteresis 2 would "
+     "be ignored: it sets the dynamic loss scale, and --loss-scale 128 is static: drop "
+     "--loss-scale, or drop --hysteresis"),
+    (["--loss-scale", "128"], "--loss-scale 128.0 would be ignored: it sets the fp16 loss scale"),
+    (["--precision", "fp16", "--hysteresis", "0"], "--hysteresis 0 is invalid: it must be a "
+     "whole number >= 1 (the default is 1)"),
     (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
     (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
     (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
@@ -1058,9 +1070,22 @@ OTHER_TOOLS = [
     ("train", ["--train_micro_batch_size_per_gpu", "2"], "did you mean --micro-batch-size?"),
     ("train", ["--gradient-accumulation-steps", "4"], "give --global-batch-size (= "
      "--micro-batch-size x the accumulation steps x dp)"),
-    ("train", ["--loss-scale", "0"], "--loss-scale: megapar's fp16 loss scale (--precision fp16) "
-     "is always dynamic"),
-    ("train", ["--hysteresis", "2"], "but halved at every overflow (hysteresis 1; the step skipped)"),
+    ("train", ["--loss_scale", "0"], "--loss_scale: did you mean --loss-scale (a static scale; "
+     "DeepSpeed's 0, dynamic, is megapar's default)?"),
+    ("train", ["--initial-scale-power", "16"], "--initial-scale-power: did you mean "
+     "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
+    ("train", ["--loss_scale_window", "500"], "--loss_scale_window: did you mean "
+     "--loss-scale-window?"),
+    # fp16 flags of Megatron-LM, DeepSpeed and the Hugging Face Trainer: "did you mean
+    # --hysteresis?" (megapar's is not consecutive), "--save?" or nothing
+    ("train", ["--consecutive-hysteresis"], "--consecutive-hysteresis: megapar's --hysteresis is "
+     "restored when the loss scale grows"),
+    ("train", ["--fp16-lm-cross-entropy"], "LM-head cross-entropy runs in fp32"),
+    ("train", ["--accumulate-allreduce-grads-in-fp32"], "did you mean --grad-reduce-dtype fp32"),
+    ("train", ["--fp16_opt_level", "O2"], "did you mean --precision fp16 (autocast with fp32 "
+     "weights"),
+    ("train", ["--half_precision_backend", "apex"], "megapar's fp16 is torch's autocast with its "
+     "own loss scaler (--precision fp16), not apex; drop it"),
     ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
     ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
     ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),

@@ -6,6 +6,7 @@ launcher is a real process the test can signal; its workers are forked from it.
 
 import ctypes
 import json
+import math
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ from megapar.cli.train import main
 from megapar.data import asset_path
 from megapar.faults import status as rank_status
 from megapar.faults.stop import NonFiniteError, NonFiniteGuard
+from megapar.optim import DynamicLossScaler
 from megapar.launcher import WorkerError, run_local
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -308,10 +310,49 @@ def test_guard_counts_consecutive_steps_and_the_fp16_floor():
     guard.observe(5, float("nan"), float("nan"), True, 1.0)
     with pytest.raises(NonFiniteError, match=r"3 consecutive steps \(4-6\)"):
         guard.observe(6, float("nan"), float("nan"), True, 1.0)
-    fp16 = NonFiniteGuard(100, "fp16", min_scale=1.0)
-    fp16.observe(1, 5.0, float("inf"), True, 2.0)
-    with pytest.raises(NonFiniteError, match="loss scale reached its floor"):
-        fp16.observe(2, 5.0, float("inf"), True, 1.0)
+    scaler = DynamicLossScaler(init_scale=2.0**20, min_scale=1.0, hysteresis=2)
+    fp16 = NonFiniteGuard(2, "fp16", scaler)
+    step = 0
+    while scaler.scale > 1.0:  # 21 overflows with a finite loss: skipped, none counted
+        step += 1
+        used = scaler.scale
+        scaler.update(True)
+        fp16.observe(step, 5.0, float("inf"), True, used)
+    assert step == 21 and fp16.bad == 0
+    fp16.observe(22, float("nan"), float("inf"), True, 4.0)  # a non-finite loss counts
+    with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(22-23\) had a non-finite "
+                       r"loss \(last: loss \(nan\) and gradients \(norm inf\); skipped in fp16\)"):
+        fp16.observe(23, float("nan"), float("inf"), True, 4.0)
+    # a static scale (--loss-scale): nothing lowers it, so its overflows count
+    static = NonFiniteGuard(2, "fp16", DynamicLossScaler(128.0, min_scale=128.0, dynamic=False))
+    static.observe(1, 5.0, float("inf"), True, 128.0)
+    with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(1-2\) overflowed at the "
+                       r"static fp16 loss scale 128 \(--loss-scale\)"):
+        static.observe(2, 5.0, float("inf"), True, 128.0)
+    fp16 = NonFiniteGuard(100, "fp16", scaler)
+    scaler.update(True)  # at the floor, the hysteresis used up: the scaler cannot help
+    with pytest.raises(NonFiniteError, match=r"loss scale reached its floor 1 \(--min-loss-scale"):
+        fp16.observe(24, 5.0, float("inf"), True, 1.0)
+    api = NonFiniteGuard(100, "fp16", scaler, keywords=True)  # megapar.prepare's terms
+    with pytest.raises(NonFiniteError, match=r"floor 1 \(min_loss_scale\) and still"):
+        api.observe(25, 5.0, float("inf"), True, 1.0)
+
+
+def test_fp16_overflows_are_skipped_not_failures_and_the_scale_resumes_mid_hysteresis(
+        tmp_path, common):
+    """A loss scale too large for every step's gradients (2^40, hysteresis 2): each step is
+    skipped, none counts for --max-nonfinite-steps 2 (the loss is finite; the run was stopped
+    at step 2), the scale follows Megatron-LM's sequence, and a resume between the hysteresis's
+    two overflows halves at the next one, as the run that never stopped does."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    fp16 = ["--precision", "fp16", "--initial-loss-scale", str(2.0**40), "--hysteresis", "2",
+            "--max-nonfinite-steps", "2", "--log-json", str(log)]
+    assert main([*common, *fp16, "--max-steps", "1", "--save", str(ckpt)]) == 0
+    assert main([*common, *fp16, "--max-steps", "3", "--load", str(ckpt)]) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(m["step"], m["skipped"], m["loss_scale"]) for m in lines] == [
+        (1, True, 2.0**40), (2, True, 2.0**40), (3, True, 2.0**39)]
+    assert all(math.isfinite(m["loss"]) for m in lines)
 
 
 def test_load_of_an_empty_dir_starts_fresh_unless_strict(tmp_path, common, capsys):

@@ -124,3 +124,71 @@ def _rank1():
 
 def test_powersgd_is_exact_for_a_low_rank_gradient(run):
     assert max(run(_rank1, 2)) < 1e-6
+
+
+def _powersgd_across_a_skip_and_a_new_scale():
+    """Step 0 clean, step 1 with an inf in rank 1's gradient (an fp16 overflow, skipped), then
+    step 2; and a run whose loss scale doubles between two clean steps, against one at scale 1.
+    """
+    rank = dist.get_rank()
+    params = _params()
+    comp = make_compressor("powersgd", 2)
+    buckets = GradBuckets(params, dist.group.WORLD, compressor=comp)
+    _reduce(buckets, params, _grads(rank, 0))
+    poisoned = _grads(rank, 1)
+    if rank == 1:
+        poisoned[0][3, 5] = float("inf")
+    overflowed = _reduce(buckets, params, poisoned)
+    comp.after_step(skipped=True, rescale=0.5)  # the scaler halved the scale
+    after = _reduce(buckets, params, _grads(rank, 2))
+    fresh_params = _params()  # a compressor whose first step is step 2
+    fresh = GradBuckets(fresh_params, dist.group.WORLD, compressor=make_compressor("powersgd", 2))
+    first = _reduce(fresh, fresh_params, _grads(rank, 2))
+    # the scale: 8 at step 0, 16 at step 1 (residuals rescaled), against scale 1 throughout
+    scaled = [GradBuckets(ps, dist.group.WORLD, compressor=make_compressor("powersgd", 2))
+              for ps in (_params(), _params())]
+    outs = []
+    for buckets_s, scales in zip(scaled, ([8.0, 16.0], [1.0, 1.0])):
+        for step, s in enumerate(scales):
+            out = _reduce(buckets_s, buckets_s.params, _grads(rank, step, scale=s))
+            if step == 0:
+                buckets_s.compressor.after_step(skipped=False, rescale=scales[1] / scales[0])
+        outs.append(out)
+    return (not all(torch.isfinite(o).all() for o in overflowed), after, first, outs)
+
+
+def test_powersgd_restarts_after_a_skipped_step_and_follows_the_loss_scale(run):
+    """An overflowed (skipped) step's inf reached every rank's residuals and Q, so every later
+    step was non-finite: an fp16 run with --grad-compression powersgd never recovered from its
+    first overflow. Its state now restarts (the next step is the first step's computation), and
+    the residuals, in the loss scale's units, follow a change of scale."""
+    for overflowed, after, first, (scaled, plain) in run(
+            _powersgd_across_a_skip_and_a_new_scale, 2):
+        assert overflowed
+        for a, f in zip(after, first):
+            assert torch.isfinite(a).all() and torch.equal(a, f)
+        for s, p in zip(scaled, plain):
+            assert float((s - 16.0 * p).abs().max()) <= 1e-5 * float((16.0 * p).abs().max())
+
+
+def _powersgd_under_autocast():
+    """Two steps of loss-scaled gradients (x 2^16) reduced inside fp16 autocast, as the
+    buckets reduce during the backward of an fp16 step, and the same outside it."""
+    rank, outs = dist.get_rank(), []
+    for autocast in (True, False):
+        params = _params()
+        buckets = GradBuckets(params, dist.group.WORLD, compressor=make_compressor("powersgd", 2))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            for step in range(2):
+                out = _reduce(buckets, params, _grads(rank, step, scale=2.0**16))
+        outs.append(out)
+    return outs
+
+
+def test_powersgd_computes_in_fp32_under_autocast(run):
+    """PowerSGD's products ran in the autocast dtype: under fp16 the second step's P = M Q of
+    loss-scaled gradients overflowed, so an fp16 run skipped every second step (bf16 rounded
+    them to 8 bits). They are fp32 whatever the step's autocast."""
+    for inside, outside in run(_powersgd_under_autocast, 2):
+        for a, b in zip(inside, outside):
+            assert torch.isfinite(a).all() and torch.equal(a, b)

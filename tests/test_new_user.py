@@ -407,6 +407,34 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         "fp16.enabled, bf16.enabled, megapar's own values"), err.value
 
 
+def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
+    """DeepSpeed's fp16 loss-scaler keys are megapar-train's flags (were dropped without a word:
+    hysteresis 2, DeepSpeed's default, named even where absent, as megapar's is 1; a static
+    loss_scale was "no equivalent"); consecutive_hysteresis has none."""
+    from megapar.training.config import ConfigError, read_run_config
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+        "min_loss_scale": 0.5}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        "--global-batch-size 8 --precision fp16 --initial-loss-scale 4096 "
+        "--loss-scale-window 500 --min-loss-scale 0.5 --hysteresis 2"), err.value
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "hysteresis": 4,
+                                       "consecutive_hysteresis": True}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        "--precision fp16 --hysteresis 4 (no equivalent: fp16.consecutive_hysteresis (megapar's "
+        "hysteresis is restored when the scale grows, not after each clean step))"), err.value
+    # a static scale: DeepSpeed reads none of the dynamic keys then
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith("--precision fp16 --loss-scale 128"), err.value
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")
@@ -521,7 +549,7 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps "(default: 1)" by width
-    assert "(default: None)" not in out and out.count("(default: 1)") == 5  # --tp, --cp, --pp, --ep, --virtual-stages
+    assert "(default: None)" not in out and out.count("(default: 1)") == 6  # --tp, --cp, --pp, --ep, --virtual-stages, --hysteresis
     assert "(default: 1) (default" not in out
 
 

@@ -23,9 +23,136 @@ def test_scaler_backs_off_and_grows():
     assert s.scale == 32.0
     s.update(False)
     assert s.scale == 64.0 and s.clean_steps == 0
-    restored = DynamicLossScaler()
+    restored = DynamicLossScaler(init_scale=64.0, growth_interval=3)
     restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
     assert restored == s
+
+
+def _overflow_pattern(steps: int = 600) -> list[bool]:
+    """Overflow flags: runs of clean steps (long enough to grow the scale) and bursts of
+    overflows (long enough to reach a floor of 2^4 from 2^7), seeded."""
+    import random
+
+    rng, flags = random.Random(0), []
+    while len(flags) < steps:
+        flags += [False] * rng.choice([0, 3, 4, 9, 14, 25]) + [True] * rng.choice([1, 1, 2, 3, 8])
+    return flags[:steps]
+
+
+class _MegatronReference:
+    """Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py), in
+    fp32 tensors as there."""
+
+    def __init__(self, initial, minimum, interval, hysteresis):
+        self.scale = torch.tensor([initial], dtype=torch.float)
+        self.min_scale = torch.tensor([minimum], dtype=torch.float)
+        self.interval, self.hysteresis = interval, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf):
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = torch.max(self.scale * 0.5, self.min_scale)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.interval:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale = self.scale * 2.0
+
+
+class _DeepSpeedReference:
+    """DeepSpeed's DynamicLossScaler.update_scale (runtime/fp16/loss_scaler.py) with
+    consecutive_hysteresis False (its default) and raise_error_at_min_scale off."""
+
+    def __init__(self, initial, minimum, window, hysteresis):
+        self.cur_scale, self.min_scale, self.window = initial, minimum, window
+        self.delayed_shift = self.cur_hysteresis = hysteresis
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+            self.cur_hysteresis = self.delayed_shift
+            self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_the_scale_sequence_is_megatrons_and_deepspeeds(hysteresis):
+    """Against transcriptions of Megatron-LM's and DeepSpeed's dynamic scalers: the same scale
+    after every step of a pattern that grows the scale, backs off through the hysteresis and
+    sits at the floor; at hysteresis 1 also torch.amp.GradScaler's update kernel (no floor)."""
+    flags = _overflow_pattern()
+    ours = DynamicLossScaler(init_scale=2.0**7, growth_interval=4, min_scale=2.0**4,
+                             hysteresis=hysteresis)
+    megatron = _MegatronReference(2.0**7, 2.0**4, 4, hysteresis)
+    deepspeed = _DeepSpeedReference(2.0**7, 2.0**4, 4, hysteresis)
+    scales = []
+    for found_inf in flags:
+        for scaler in (ours, megatron, deepspeed):
+            scaler.update(found_inf)
+        assert ours.scale == megatron.scale.item() == deepspeed.cur_scale, len(scales)
+        scales.append(ours.scale)
+    assert min(scales) == 2.0**4 and max(scales) >= 2.0**9  # the floor and growth both reached
+    assert scales.count(2.0**4) >= 5  # several steps at the floor
+    if hysteresis == 1:  # torch's GradScaler has no floor: a pattern that never reaches one
+        torch_scale, tracker = torch.tensor([2.0**20]), torch.zeros(1, dtype=torch.int32)
+        ours = DynamicLossScaler(init_scale=2.0**20, growth_interval=4, min_scale=2.0**-100)
+        for found_inf in flags:
+            torch._amp_update_scale_(torch_scale, tracker, torch.tensor([float(found_inf)]),
+                                     2.0, 0.5, 4)
+            ours.update(found_inf)
+            assert ours.scale == torch_scale.item() and ours.clean_steps == tracker.item()
+        assert ours.scale > 2.0**-100
+
+
+def test_the_scaler_state_resumes_mid_hysteresis():
+    """A scaler restored from a JSON round trip of its state (as checkpoints hold it) between
+    two overflows of its hysteresis continues as the one that never stopped; its settings are
+    the new run's (Megatron-LM restores the scale and trackers only)."""
+    flags = _overflow_pattern(200)
+    whole = DynamicLossScaler(init_scale=2.0**7, growth_interval=4, min_scale=2.0**4,
+                              hysteresis=3)
+    for found_inf in flags[:41]:
+        whole.update(found_inf)
+    assert 0 < whole.hysteresis_left < 3  # mid-hysteresis
+    resumed = DynamicLossScaler(init_scale=2.0**7, growth_interval=4, min_scale=2.0**4,
+                                hysteresis=3)
+    resumed.load_state_dict(json.loads(json.dumps(whole.state_dict())))
+    for found_inf in flags[41:]:
+        whole.update(found_inf)
+        resumed.update(found_inf)
+        assert resumed == whole
+    other = DynamicLossScaler(init_scale=2.0**10, growth_interval=9, hysteresis=2)
+    other.load_state_dict(whole.state_dict())
+    assert (other.scale, other.growth_interval, other.hysteresis) == (whole.scale, 9, 2)
+    # a checkpoint from before the hysteresis (its settings saved beside the scale): the
+    # scale and clean steps resume, the hysteresis counts as used up (it was 1)
+    older = {"init_scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+             "growth_interval": 3, "min_scale": 1.0, "scale": 32.0, "clean_steps": 2}
+    other.load_state_dict(older)
+    assert (other.scale, other.clean_steps, other.hysteresis_left) == (32.0, 2, 0)
+    assert (other.init_scale, other.growth_interval) == (2.0**10, 9)
+
+
+def test_a_static_scale_never_changes():
+    """--loss-scale (Megatron-LM's ConstantGradScaler): overflows and clean runs leave it, and
+    a checkpoint's (dynamic) scale does not replace it."""
+    static = DynamicLossScaler(init_scale=128.0, min_scale=128.0, growth_interval=2,
+                               dynamic=False)
+    for found_inf in _overflow_pattern(50):
+        static.update(found_inf)
+        assert static.scale == 128.0
+    static.load_state_dict(DynamicLossScaler(init_scale=2.0**20).state_dict())
+    assert static.scale == 128.0
 
 
 def test_autocast_modes():
@@ -81,7 +208,7 @@ class InjectInf:
         return loss
 
 
-def _run(mode: str, inject: bool, zero: int = 0) -> dict:
+def _run(mode: str, inject: bool, zero: int = 0, offload: bool = False) -> dict:
     from test_parity_3d import (
         CONFIG,
         MBS,
@@ -102,7 +229,13 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
     model = build_stage(config(), mesh, SEED)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
-    optimizer = build_optimizer(model, mesh, 3e-3, 0.1, zero=zero)
+    if zero == 3:  # the shards' optimizer (megapar-train's optimizer_for); offload: on the host
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, 3e-3, 0.1,
+                                   tp_group=mesh.tp_group, offload=offload)
+    else:
+        optimizer = build_optimizer(model, mesh, 3e-3, 0.1, zero=zero)
     if inject:
         executor = InjectInf(executor, model, mesh.rank, optimizer if zero else None)
     precision = Precision(mode, mesh.device, DynamicLossScaler(init_scale=SCALE))
@@ -113,15 +246,18 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     plan = BatchPlan(G, MBS, mesh.dp)
     results, unchanged = [], []
     for i, batch in enumerate(global_batches(STEPS)):
-        before = [p.detach().clone() for p in model.parameters()]
+        held = optimizer.pieces if zero == 3 else list(model.parameters())  # ZeRO-3: shards
+        before = [p.detach().clone() for p in held]
         results.append(step.step(plan.split(batch, mesh.dp_rank), i))
-        unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        unchanged.append(all(torch.equal(a, p) for a, p in zip(before, held)))
     return {"results": results, "unchanged": unchanged, "scale": precision.loss_scale}
 
 
 def _worker() -> dict:
     return {"fp32": _run("fp32", False), "bf16": _run("bf16", False), "fp16": _run("fp16", True),
-            "fp16_zero1": _run("fp16", True, zero=1), "fp16_zero2": _run("fp16", True, zero=2)}
+            "fp16_zero1": _run("fp16", True, zero=1), "fp16_zero2": _run("fp16", True, zero=2),
+            "fp16_zero3": _run("fp16", True, zero=3),
+            "fp16_zero3_offload": _run("fp16", True, zero=3, offload=True)}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +283,8 @@ def test_bf16_tracks_fp32(runs):
         assert not any(r.skipped for r in out["bf16"]["results"])
 
 
-@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1", "fp16_zero2"])
+@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1", "fp16_zero2", "fp16_zero3",
+                                      "fp16_zero3_offload"])
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs, run_name):
     for rank, out in enumerate(runs):
         fp16 = out[run_name]

@@ -58,6 +58,13 @@ def test_a_step_without_pipeline_or_dp_logs_neither():
     assert "skipped" not in line
     assert "| skipped 1 (inf/nan)" in format_line(3, {**metrics, "skipped": True})
     assert "| skipped 2 (inf/nan)" in format_line(3, {**metrics, "skipped_steps": 2})
+    # the fp16 loss scale: every line in fp16 (its floor 1 was left out), a floor below 1 as
+    # itself (--min-loss-scale 0.5 was "scale 0")
+    assert "scale" not in format_line(3, {**metrics, "loss_scale": 1.0})
+    assert format_line(3, {**metrics, "loss_scale": 1.0}, fp16=True).endswith("| scale 1")
+    assert format_line(3, {**metrics, "loss_scale": 0.5}, fp16=True).endswith("| scale 0.5")
+    assert format_line(3, {**metrics, "loss_scale": 2.0**32}, fp16=True).endswith(
+        "| scale 4294967296")
 
 
 def test_tensorboard_and_wandb_plot_each_number_and_each_expert_count(tmp_path):

@@ -17,8 +17,9 @@ with the dp sum (so the average) and returns the bytes it put on the wire.
   Q is warm-started from the previous step (seeded identically on every rank at first). The
   residual e = M - P P^T M stays on the rank and is added to the next step's gradient (error
   feedback), so sum_t result_t + sum_r e_r,T = sum_t mean_r g_r,t exactly: nothing is lost,
-  only delayed. Vectors, and matrices that would not shrink ((n + m) r >= n m), go
-uncompressed in fp32.
+  only delayed (but at a skipped step, a non-finite one or an fp16 overflow, whose state is
+  dropped: `after_step`; the residuals follow fp16's loss scale). Vectors, and matrices that
+  would not shrink ((n + m) r >= n m), go uncompressed in fp32.
 
 A compressor reduces whatever group it is handed a bucket for, and keeps its state (residual,
 Q) per parameter: under expert parallelism the experts' buckets come with the
@@ -49,6 +50,9 @@ class CastCompressor:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+
+    def after_step(self, skipped: bool, rescale: float) -> None:
+        """Stateless: nothing to do after a step (`PowerSGDCompressor.after_step`)."""
 
     def reduce(self, flat: torch.Tensor, params, group) -> int:
         dp = dist.get_world_size(group)
@@ -90,7 +94,30 @@ class PowerSGDCompressor:
         return torch.randn(m, self.rank, generator=gen)
 
     @torch.no_grad()
+    def after_step(self, skipped: bool, rescale: float) -> None:
+        """After the step's skip decision and loss-scale update (`TrainStep.step`, every
+        rank). A skipped step's state is dropped: an overflow's inf reached every rank's
+        residuals and Q through the P all-reduce, and would make every later step non-finite,
+        so the next step starts as the first did (Q re-seeded, no residual; what the residuals
+        held is lost with the skipped step). `rescale` (the new loss scale over the one the
+        step ran with) puts the residuals, kept in the loss scale's units, into the next
+        step's."""
+        if skipped:
+            self.errors.clear()
+            self.qs.clear()
+        elif rescale != 1.0:
+            for error in self.errors.values():
+                error.mul_(rescale)
+
+    @torch.no_grad()
     def reduce(self, flat: torch.Tensor, params, group) -> int:
+        """Reduce the bucket `flat` in place; its products in fp32 whatever the step's autocast
+        (the buckets reduce during the backward, inside it: fp16 products of loss-scaled
+        gradients overflow)."""
+        with torch.autocast(flat.device.type, enabled=False):
+            return self._reduce(flat, params, group)
+
+    def _reduce(self, flat: torch.Tensor, params, group) -> int:
         views: list[tuple[int, torch.Tensor, tuple[int, int], int]] = []
         plain: list[tuple[int, torch.Tensor, None, int]] = []
         offset = 0

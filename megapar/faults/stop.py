@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,14 @@ class NonFiniteError(RunStopped):
 
 
 # --- non-finite numbers -----------------------------------------------------------------------
+class LossScaler(Protocol):
+    """What the guard reads of the fp16 loss scaler (`megapar.optim.DynamicLossScaler`)."""
+
+    min_scale: float
+    hysteresis_left: int | None
+    dynamic: bool
+
+
 class NonFiniteGuard:
     """Counts consecutive bad steps; `observe` raises NonFiniteError when there are too many.
 
@@ -62,14 +71,22 @@ class NonFiniteGuard:
         self,
         max_steps: int,
         precision: str,
-        min_scale: float | None = None,
+        scaler: LossScaler | None = None,
         advice: str = CLI_ADVICE,
+        keywords: bool = False,
     ):
-        self.max_steps, self.precision, self.min_scale = max_steps, precision, min_scale
+        self.max_steps, self.precision, self.scaler = max_steps, precision, scaler
+        """`scaler`: the fp16 loss scaler (its floor and hysteresis), None in other modes."""
+        self.keywords = keywords
+        """Whether the error names the settings as `megapar.prepare`'s keywords
+        (min_loss_scale) instead of megapar-train's flags (--min-loss-scale)."""
         self.advice = advice
         """What the error says after the reason (what was kept, how to go on)."""
         self.bad = 0
         self.first_bad: int | None = None
+
+    def _name(self, setting: str) -> str:
+        return setting if self.keywords else "--" + setting.replace("_", "-")
 
     def observe(
         self,
@@ -80,10 +97,22 @@ class NonFiniteGuard:
         loss_scale: float,
         locate: Callable[[], str] | None = None,
     ) -> None:
-        """`locate` (collective, called on every rank before raising): where the first
-        non-finite value appeared, added to the error."""
-        if self.precision == "fp16":
-            bad = skipped or not math.isfinite(loss)
+        """Count step `step` (`loss_scale`: the scale it ran with; called after the scaler's
+        update). In fp16 a skipped step whose loss is finite is the loss scaler's overflow,
+        not a bad step: it counts only when the scale is at its floor and the overflow used up
+        the hysteresis (it cannot go lower: the run stops at once), or when the scale is static
+        (--loss-scale: nothing lowers it). `locate` (collective, called on every rank before
+        raising): where the first non-finite value appeared, added to the error."""
+        scaler = self.scaler if self.precision == "fp16" else None
+        at_floor = (
+            scaler is not None
+            and scaler.dynamic
+            and skipped
+            and loss_scale <= scaler.min_scale
+            and scaler.hysteresis_left == 0
+        )
+        if scaler is not None:
+            bad = not math.isfinite(loss) or at_floor or (skipped and not scaler.dynamic)
         else:
             bad = skipped or not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not bad:
@@ -91,23 +120,26 @@ class NonFiniteGuard:
             return
         self.bad += 1
         self.first_bad = self.first_bad or step
-        at_floor = (
-            self.precision == "fp16"
-            and self.min_scale is not None
-            and skipped
-            and loss_scale <= self.min_scale
-        )
         if self.max_steps and (self.bad >= self.max_steps or at_floor):
             what = nonfinite_parts(loss, grad_norm)
             if at_floor and self.bad < self.max_steps:
-                why = f"the fp16 loss scale reached its floor {loss_scale:g} and still overflowed"
-            elif self.precision == "fp16":
                 why = (
-                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
-                    f"gradient (skipped in fp16)"
+                    f"the fp16 loss scale reached its floor {loss_scale:g} "
+                    f"({self._name('min_loss_scale')}) and still overflowed"
+                )
+            elif scaler is not None and not scaler.dynamic:
+                why = (
+                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) overflowed at the "
+                    f"static fp16 loss scale {loss_scale:g} ({self._name('loss_scale')}) or had "
+                    f"a non-finite loss (last: {what}; skipped)"
                 )
             elif self.bad == 1:
                 why = f"non-finite {what}"
+            elif scaler is not None:
+                why = (
+                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
+                    f"loss (last: {what}; skipped in fp16)"
+                )
             else:
                 why = (
                     f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "

@@ -1,10 +1,11 @@
-"""Mixed precision: autocast for the forward, fp32 master weights, fp16 dynamic loss scaling.
+"""Mixed precision: autocast for the forward, fp32 master weights, fp16 loss scaling.
 
 Parameters, gradients and optimizer state stay fp32 in every mode; `autocast()` runs matmuls in
-bf16 / fp16. In fp16 the loss is multiplied by a dynamic scale before backward (the executor
-takes it as `loss_scale`); after backward `unscale_and_check` divides the gradients by it and
-finds infs / NaNs. The found-inf flag is all-reduced with MAX over the whole world, so every
-rank (every tp, pp and dp coordinate) skips the same step and changes its scale the same way.
+bf16 / fp16. In fp16 the loss is multiplied by a scale before backward (the executor takes it
+as `loss_scale`; dynamic, or static under --loss-scale); after backward `unscale_and_check`
+divides the gradients by it and finds infs / NaNs. The found-inf flag is all-reduced with MAX
+over the whole world, so every rank (every tp, pp and dp coordinate) skips the same step and
+changes its scale the same way.
 """
 
 from __future__ import annotations
@@ -46,49 +47,86 @@ def comm_dtypes(
 
 @dataclass
 class DynamicLossScaler:
-    """Loss scale that halves on overflow and doubles after a run of clean steps."""
+    """Loss scale that is lowered after overflows and doubled after a run of clean steps:
+    Megatron-LM's DynamicGradScaler (and DeepSpeed's dynamic scaler without
+    consecutive_hysteresis). At hysteresis 1 (the default) every overflow lowers the scale, as
+    torch.amp.GradScaler does; at hysteresis H the first H - 1 overflows since the last growth
+    (or the start) only skip their step, and every one after them lowers the scale."""
 
     init_scale: float = 2.0**16
     """Starting loss scale."""
     growth_factor: float = 2.0
     """Multiplier after `growth_interval` consecutive steps without inf / NaN."""
     backoff_factor: float = 0.5
-    """Multiplier on a step whose gradients overflowed (that step is skipped)."""
+    """Multiplier on an overflow once the hysteresis is used up (every overflowed step is
+    skipped)."""
     growth_interval: int = 1000
     """Clean steps needed before growing the scale."""
     min_scale: float = 1.0
     """The scale never drops below this."""
+    hysteresis: int = 1
+    """Overflows since the last growth (or the start) before one lowers the scale."""
+    dynamic: bool = True
+    """False: a static scale (Megatron-LM's --loss-scale, DeepSpeed's loss_scale > 0):
+    `init_scale` always; overflowed steps are still skipped."""
     scale: float | None = None
     """Current loss scale (init_scale at start)."""
     clean_steps: int = 0
-    """Consecutive steps without overflow since the last change of scale."""
+    """Consecutive steps without overflow since the last overflow or change of scale."""
+    hysteresis_left: int | None = None
+    """Overflows still allowed before one lowers the scale (`hysteresis` at the start and
+    after each growth; 0 once used up)."""
 
     def __post_init__(self):
         if self.scale is None:
             self.scale = float(self.init_scale)
+        if self.hysteresis_left is None:
+            self.hysteresis_left = self.hysteresis
         if not (self.growth_factor > 1 and 0 < self.backoff_factor < 1):
             raise ValueError(
                 f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
                 f"{self.growth_factor} and {self.backoff_factor}"
             )
+        if not (self.hysteresis >= 1 and self.growth_interval >= 1):
+            raise ValueError(
+                f"need hysteresis >= 1 and growth_interval >= 1, got {self.hysteresis} and "
+                f"{self.growth_interval}"
+            )
+        if not 0 < self.min_scale <= self.init_scale:
+            raise ValueError(
+                f"need 0 < min_scale <= init_scale, got {self.min_scale} and {self.init_scale}"
+            )
 
     def update(self, found_inf: bool) -> None:
-        assert self.scale is not None  # set by __post_init__
+        assert self.scale is not None and self.hysteresis_left is not None  # __post_init__
+        if not self.dynamic:
+            return
         if found_inf:
-            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
             self.clean_steps = 0
+            self.hysteresis_left = max(self.hysteresis_left - 1, 0)
+            if self.hysteresis_left == 0:
+                self.scale = max(self.min_scale, self.scale * self.backoff_factor)
             return
         self.clean_steps += 1
         if self.clean_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self.clean_steps = 0
+            self.hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, d: dict) -> None:
-        for k, v in d.items():
-            setattr(self, k, v)
+        """Take the scale and its counters from `d` (a `state_dict`); the settings (initial
+        and minimum scale, growth interval, hysteresis) stay this scaler's, as Megatron-LM's
+        scaler restores only its scale and trackers. A checkpoint written before the
+        hysteresis existed had used it up (hysteresis 1). A static scaler keeps its scale."""
+        if not self.dynamic:
+            return
+        self.scale = float(d["scale"])
+        self.clean_steps = int(d.get("clean_steps", 0))
+        left = d.get("hysteresis_left")
+        self.hysteresis_left = min(int(left), self.hysteresis) if left is not None else 0
 
 
 class Precision:

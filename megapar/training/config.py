@@ -83,6 +83,16 @@ class TrainConfig:
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
+    loss_scale: float = 0.0
+    """With --precision fp16: a static loss scale (Megatron-LM's --loss-scale, DeepSpeed's loss_scale > 0): every step scaled by it, a step whose gradients overflow skipped (--max-nonfinite-steps of them in a row stop the run), the scale never changed. 0: dynamic (--initial-loss-scale ... --hysteresis)."""
+    initial_loss_scale: float = 65536.0
+    """With --precision fp16: the loss scale at the start (DeepSpeed's 2 ** initial_scale_power 16; Megatron-LM's default is 2 ** 32); a power of 2 keeps the unscaling exact."""
+    min_loss_scale: float = 1.0
+    """With --precision fp16: the floor of the loss scale; an overflow there stops the run (--max-nonfinite-steps > 0)."""
+    loss_scale_window: int = 1000
+    """With --precision fp16: consecutive steps without overflow after which the loss scale doubles."""
+    hysteresis: int = 1
+    """With --precision fp16: overflows since the last growth of the loss scale (or the start) before one halves it; every overflowed step is skipped. 1 halves at every overflow (torch's GradScaler); DeepSpeed's and Megatron-LM's default is 2."""
     tf32: bool = False
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     recompute: str = "none"
@@ -230,7 +240,7 @@ class TrainConfig:
     nccl_timeout_s: float = 1800.0
     """On GPUs: timeout of the NCCL process groups, in seconds (NCCL's watchdog aborts a collective that has not finished by then). It also runs while ranks wait in a collective for a checkpoint save or a resharding load, so it is longer than --timeout-s."""
     max_nonfinite_steps: int = 5
-    """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: skipped steps; also when the loss scale overflows at its floor). 0 never stops."""
+    """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: a non-finite loss; an overflow with a finite loss is skipped and not counted, but one at the loss scale's floor, --min-loss-scale, stops the run). 0 never stops."""
     exit_signals: str = "SIGTERM,SIGUSR1"
     """Signals that make every rank finish its step, save (with --save) and exit 0; "" for none (a SIGTERM not named aborts the run without a save, exit 143). A first SIGINT does the same, a second (1 s or more later) aborts."""
     exit_duration_mins: float = 0.0

@@ -33,6 +33,32 @@ def _flag_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
+def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
+    """An enabled fp16 section's loss-scaler keys as megapar-train's flags (DeepSpeed's
+    defaults where a key is absent and megapar's default differs: hysteresis 2; a static
+    loss_scale > 0, which DeepSpeed takes instead of the dynamic keys, alone), and the keys
+    with no equivalent."""
+    flags: list[str] = []
+    left: list[str] = []
+    if fp16.get("loss_scale", 0) not in (0, 0.0, "0"):
+        return [f"--loss-scale {_flag_value(fp16['loss_scale'])}"], left
+    if "initial_scale_power" in fp16:
+        flags.append(f"--initial-loss-scale {_flag_value(2 ** int(fp16['initial_scale_power']))}")
+    for name, flag in (
+        ("loss_scale_window", "--loss-scale-window"),
+        ("min_loss_scale", "--min-loss-scale"),
+    ):
+        if name in fp16:
+            flags.append(f"{flag} {_flag_value(fp16[name])}")
+    flags.append(f"--hysteresis {_flag_value(fp16.get('hysteresis', 2))}")
+    if fp16.get("consecutive_hysteresis") in (True, "true", 1):
+        left.append(
+            "fp16.consecutive_hysteresis (megapar's hysteresis is restored when the scale "
+            "grows, not after each clean step)"
+        )
+    return flags, left
+
+
 def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments)."""
@@ -74,8 +100,10 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
         elif key in ("fp16", "bf16") and isinstance(value, dict):
             if on(value):
                 flags.append(f"--precision {key}")
-            if key == "fp16" and value.get("loss_scale", 0) not in (0, 0.0, "0"):
-                left.append("fp16.loss_scale (megapar's scale is always dynamic)")
+            if key == "fp16" and on(value):
+                fp16_flags, fp16_left = _fp16_scaler(value)
+                flags += fp16_flags
+                left += fp16_left
         elif key == "zero_optimization" and isinstance(value, dict):
             stage = value.get("stage", 0)
             flags.append(f"--zero {_flag_value(stage)}")

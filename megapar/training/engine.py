@@ -46,7 +46,7 @@ from megapar.diagnostics.probes import build_probes
 from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
-from megapar.optim import LRScheduler, Precision
+from megapar.optim import DynamicLossScaler, LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import chunks_per_rank
@@ -104,7 +104,17 @@ class Engine:
         callers = default_rng_state(mesh.device)  # the stage's seeding must not touch the caller's
         self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
         """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
-        self.precision = Precision(cfg.precision, mesh.device)
+        self.precision = Precision(
+            cfg.precision,
+            mesh.device,
+            DynamicLossScaler(
+                init_scale=cfg.loss_scale or cfg.initial_loss_scale,
+                growth_interval=cfg.loss_scale_window,
+                min_scale=cfg.loss_scale or cfg.min_loss_scale,
+                hysteresis=cfg.hysteresis,
+                dynamic=not cfg.loss_scale,
+            ),
+        )
         self.wire_dtype, reduce_dtype = comm_dtypes(
             cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype
         )
@@ -354,9 +364,10 @@ class Engine:
         state stay as they were; the step is counted in `step`). With `on_nonfinite="raise"`
         (`prepare`'s default) every rank then raises `megapar.faults.stop.NonFiniteError`
         naming the step and what was not finite; in fp16, where the loss scaler skips steps
-        whose gradients overflow, only `max_nonfinite_steps` (default 5) such steps in a row, or
-        one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
-        loss is returned.
+        whose gradients overflow, such a step with a finite loss does not count: only
+        `max_nonfinite_steps` (default 5) non-finite losses (or overflows at a static
+        `loss_scale`) in a row, or an overflow at the loss scale's floor, raise, as in
+        megapar-train. With "skip" the non-finite loss is returned.
         """
         self.in_its_group("train_step")
         if self.scheduler is not None and "initial_lr" in self.optimizer.param_groups[0]:

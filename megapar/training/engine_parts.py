@@ -146,11 +146,13 @@ def _muon_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 def api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
     """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
-    overflow is the loss scaler's business, so as in megapar-train only max_nonfinite_steps
-    in a row (or one at the scale's floor) do."""
+    overflow with a finite loss is the loss scaler's business (skipped, not counted), so as in
+    megapar-train only max_nonfinite_steps non-finite losses (or overflows at a static scale) in
+    a row, or an overflow at the scale's floor, do."""
     return NonFiniteGuard(
         cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
         cfg.precision,
-        getattr(precision.scaler, "min_scale", None),
+        precision.scaler,
         advice=API_ADVICE.format(clip="" if cfg.clip_grad else " or set clip_grad"),
+        keywords=True,
     )

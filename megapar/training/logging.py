@@ -319,14 +319,15 @@ def scalars_of(metrics: dict) -> dict[str, float]:
     return out
 
 
-def format_line(step: int, m: dict) -> str:
+def format_line(step: int, m: dict, fp16: bool = False) -> str:
     """The console log line: tokens/s of the whole job, TFLOP/s per rank (per GPU: Megatron's
     TFLOP/s/GPU) and MFU; `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
     neither at pp 1 alone; a mixture of experts' router statistics (the balancing losses, the
     busiest layer's max / mean tokens per expert, the share of assignments dropped); the steps
     skipped for inf / nan since the last line (`skipped_steps`, else this step's `skipped`);
-    each rank named slow (`stragglers`) at the end."""
+    the loss scale the step ran with (every line under `fp16`, else where it is not 1); each
+    rank named slow (`stragglers`) at the end."""
     parts = [
         f"step {step:>6}",
         f"loss {m['loss']:.4f}",
@@ -349,7 +350,10 @@ def format_line(step: int, m: dict) -> str:
     skipped = m.get("skipped_steps", int(bool(m.get("skipped"))))
     if skipped:
         parts.append(f"skipped {skipped} (inf/nan)")
-    if "loss_scale" in m and m["loss_scale"] != 1.0:
-        parts.append(f"scale {m['loss_scale']:.0f}")
+    if "loss_scale" in m and (fp16 or m["loss_scale"] != 1.0):
+        scale = m["loss_scale"]  # 65536, not 6.554e+04; 0.5 (a floor below 1), not 0
+        parts.append(
+            f"scale {scale:.0f}" if scale >= 1 and scale == int(scale) else f"scale {scale:g}"
+        )
     parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))
     return " | ".join(parts)

@@ -440,7 +440,7 @@ class Trainer:
             line = {**metrics, "skipped_steps": self.skipped_since_line}
             self.skipped_since_line = 0
             logger.message(
-                format_line(self.step, line)
+                format_line(self.step, line, fp16=self.cfg.precision == "fp16")
                 + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
             )
 
@@ -461,7 +461,7 @@ class Trainer:
         guard = NonFiniteGuard(
             cfg.max_nonfinite_steps,
             cfg.precision,
-            getattr(self.precision.scaler, "min_scale", None),
+            self.precision.scaler,
         )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         saved = self.saved_at_start()

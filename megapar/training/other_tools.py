@@ -62,12 +62,19 @@ GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
     "--micro-batch-size x the accumulation steps x dp)"
 )
-LOSS_SCALE = (
-    "megapar's fp16 loss scale (--precision fp16) is always dynamic, as DeepSpeed's defaults: "
-    "2^16 at the start (initial_scale_power 16), doubled after 1000 clean steps "
-    "(loss_scale_window), never below 1 (min_loss_scale), but halved at every overflow "
-    "(hysteresis 1; the step skipped); no static scale; drop it"
+CONSECUTIVE_HYSTERESIS = (
+    "megapar's --hysteresis is restored when the loss scale grows (Megatron-LM's, and "
+    "DeepSpeed's default), not after each clean step; drop it"
 )
+FP16_OPT_LEVEL = (
+    "--precision fp16 (autocast with fp32 weights, gradients and optimizer state: apex's O1 "
+    "scheme; there are no fp16 weights as at O2 / O3)"
+)
+FP16_BACKEND = (
+    "megapar's fp16 is torch's autocast with its own loss scaler (--precision fp16), not apex; "
+    "drop it"
+)
+INITIAL_SCALE_POWER = "--initial-loss-scale (2 ** the power: 65536 for 16)"
 ZERO3_PREFETCH = (
     "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
     "setting; --zero3-keep-params keeps every unit gathered; drop it"
@@ -144,6 +151,16 @@ OTHER_TOOLS_FLAGS = {
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",
     "--fp16": "--precision fp16",
+    "--fp16-lm-cross-entropy": "megapar's LM-head cross-entropy runs in fp32 on the autocast "
+    "dtype's logits (in chunks of --loss-chunk-tokens); drop it",
+    "--accumulate-allreduce-grads-in-fp32": "--grad-reduce-dtype fp32 (megapar's gradients "
+    "always accumulate in fp32; under --precision fp16 they are reduced in fp16 by default)",
+    "--consecutive-hysteresis": CONSECUTIVE_HYSTERESIS,
+    "--consecutive_hysteresis": CONSECUTIVE_HYSTERESIS,
+    "--fp16_opt_level": FP16_OPT_LEVEL,
+    "--fp16-opt-level": FP16_OPT_LEVEL,
+    "--half_precision_backend": FP16_BACKEND,
+    "--fp16_backend": FP16_BACKEND,
     "--lr-decay-style": "--lr-decay",
     "--lr-warmup-iters": "--warmup-steps",
     "--eval-iters": "--eval-steps",
@@ -199,15 +216,12 @@ OTHER_TOOLS_FLAGS = {
     "--cpu-offload": "--offload-optimizer",
     "--cpu_offload": "--offload-optimizer",
     "--cpu-optimizer": "--offload-optimizer",
-    "--loss-scale": LOSS_SCALE,
-    "--loss_scale": LOSS_SCALE,
-    "--initial-scale-power": LOSS_SCALE,
-    "--initial_scale_power": LOSS_SCALE,
-    "--loss-scale-window": LOSS_SCALE,
-    "--loss_scale_window": LOSS_SCALE,
-    "--hysteresis": LOSS_SCALE,
-    "--min-loss-scale": LOSS_SCALE,
-    "--min_loss_scale": LOSS_SCALE,
+    "--loss_scale": "--loss-scale (a static scale; DeepSpeed's 0, dynamic, is megapar's default)",
+    "--initial-scale-power": INITIAL_SCALE_POWER,
+    "--initial_scale_power": INITIAL_SCALE_POWER,
+    "--loss_scale_window": "--loss-scale-window",
+    "--min_loss_scale": "--min-loss-scale",
+    "--initial_loss_scale": "--initial-loss-scale",
     "--gradient-clipping": "--clip-grad",
     "--gradient_clipping": "--clip-grad",
     "--checkpoint-activations": "--recompute full",

@@ -234,8 +234,9 @@ def prepare(
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
-    finite (in fp16 only when the loss scaler gives up: `max_nonfinite_steps` skipped steps in
-    a row, or an overflow at its floor, as in megapar-train); "skip": it returns the
+    finite (in fp16 an overflow with a finite loss is skipped and not counted: only
+    `max_nonfinite_steps` non-finite losses (or overflows at a static `loss_scale`) in a row, or
+    an overflow at the loss scale's floor, raise, as in megapar-train); "skip": it returns the
     non-finite loss, for loops that handle it themselves.
     """
 
@@ -282,6 +283,7 @@ def prepare(
             f"micro-batch's token mean; 'token': the global batch's token mean)"
         )
     _check_choices(cfg)
+    _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
@@ -319,6 +321,39 @@ LOOP_OPTIONS = (
 """TrainConfig fields only megapar-train's run and loop read (saving, loading, logging,
 evaluation, stopping, the dry run), which a caller's loop replaces: the engine never reads
 them."""
+
+
+LOSS_SCALE_OPTIONS = (
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
+"""The fp16 loss scaler's settings (megapar-train's --loss-scale ... --hysteresis)."""
+
+
+def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
+    """Refuse, in the API's terms, a loss-scale setting outside precision='fp16' (nothing would
+    read it) and a floor above the initial scale, as megapar-train does."""
+    given = [name for name in LOSS_SCALE_OPTIONS if name in options]
+    if given and cfg.precision != "fp16":
+        raise ValueError(
+            f"megapar.prepare: {given[0]}={options[given[0]]!r} sets the fp16 loss scale, and "
+            f"precision={cfg.precision!r} has none: pass precision='fp16' or drop {given[0]}"
+        )
+    dynamic = [name for name in LOSS_SCALE_OPTIONS[1:] if name in options]
+    if cfg.loss_scale and dynamic:
+        raise ValueError(
+            f"megapar.prepare: {dynamic[0]}={options[dynamic[0]]!r} sets the dynamic loss "
+            f"scale, and loss_scale={cfg.loss_scale!r} is static: drop one"
+        )
+    if cfg.min_loss_scale > cfg.initial_loss_scale:
+        raise ValueError(
+            f"megapar.prepare: min_loss_scale={cfg.min_loss_scale!r} is above "
+            f"initial_loss_scale={cfg.initial_loss_scale!r}: lower min_loss_scale or raise "
+            f"initial_loss_scale"
+        )
 
 
 def _refuse_unread(options: dict) -> None:

@@ -285,6 +285,9 @@ class TrainStep:
             set_action(self._optimizer_action)
             self.optimizer.step()
         self.precision.update(skipped)
+        compressor = getattr(self.grad_sync, "compressor", None)
+        if compressor is not None:  # PowerSGD's state: dropped if skipped, in the new scale
+            compressor.after_step(skipped, self.precision.loss_scale / scale)
         router = None
         if self.num_experts:
             set_action("router statistics all-reduce (dp x cp, pp)")

@@ -85,6 +85,11 @@ _RULES: list[_Rule] = [
     ("moe_bias_update_rate", "float", 0.0, True),
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
+    ("loss_scale", "float", 0.0, False, (0, "dynamic")),
+    ("initial_loss_scale", "float", 0.0, False),
+    ("min_loss_scale", "float", 0.0, False),
+    ("loss_scale_window", "int", 1, True),
+    ("hysteresis", "int", 1, True),
     ("exit_interval", "int", 1, True, (0, "never")),
     ("record_step", "int", 1, True, (0, "none")),
     ("replay", "int", 1, True, (0, "off")),
@@ -197,6 +202,11 @@ def _check_combinations(cfg) -> None:
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
+        )
+    if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
+        raise UsageError(
+            f"--min-loss-scale {cfg.min_loss_scale:g} is above --initial-loss-scale "
+            f"{cfg.initial_loss_scale:g}: lower --min-loss-scale or raise --initial-loss-scale"
         )
     check_zero3(cfg)
     tools = [n for n in ("record_step", "replay", "inject_corrupt") if getattr(cfg, n, None)]

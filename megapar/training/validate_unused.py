@@ -70,6 +70,31 @@ def check_unused(cfg, given: set[str]) -> None:
         *(
             (
                 name,
+                cfg.precision == "fp16",
+                f"it sets the fp16 loss scale, and --precision is {cfg.precision} (no loss "
+                f"scaling)",
+                "add --precision fp16",
+            )
+            for name in (
+                "loss_scale",
+                "initial_loss_scale",
+                "min_loss_scale",
+                "loss_scale_window",
+                "hysteresis",
+            )
+        ),
+        *(
+            (
+                name,
+                not cfg.loss_scale,
+                f"it sets the dynamic loss scale, and --loss-scale {cfg.loss_scale:g} is static",
+                "drop --loss-scale",
+            )
+            for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        ),
+        *(
+            (
+                name,
                 adam,
                 f"--optimizer {cfg.optimizer} has no Adam moments",
                 "use --optimizer adamw",
