@@ -43,6 +43,65 @@ def test_linear_and_constant_decay():
     assert [const.lr(i) for i in (0, 1, 2, 50)] == pytest.approx([1.0, 2.0, 2.0, 2.0])
 
 
+def _transformers_lrs(schedule, steps, **kwargs):
+    """transformers' learning rates at steps 0..steps-1 of `schedule` (a get_*_schedule
+    function) on an optimizer whose lr is 1.0: the LambdaLR's factors."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = schedule(opt, **kwargs)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("style, theirs", [("linear", "linear"), ("cosine", "cosine"),
+                                           ("sqrt", "1-sqrt")])
+@pytest.mark.parametrize("ratio", [0.0, 0.1])
+def test_wsd_is_transformers_get_wsd_schedule(style, theirs, ratio):
+    """megapar's WSD (warmup 3, a decay of 4 ending at step 12) is transformers'
+    get_wsd_schedule at every step after warmup, to the end and past it (at min_lr). In warmup
+    megapar's step s takes their step s + 1 (megapar's first step trains at lr / warmup, theirs
+    at 0; their warmup also starts from min_lr_ratio, so it is compared at ratio 0)."""
+    from transformers import get_wsd_schedule
+
+    ours = LRScheduler(1.0, ratio, 3, 12, "wsd", decay_steps=4, wsd_style=style)
+    theirs_lrs = _transformers_lrs(get_wsd_schedule, 17, num_warmup_steps=3, num_decay_steps=4,
+                                   num_training_steps=12, decay_type=theirs, min_lr_ratio=ratio)
+    assert [ours.lr(s) for s in range(3, 17)] == pytest.approx(theirs_lrs[3:], rel=1e-12)
+    assert [ours.lr(s) for s in range(3, 8)] == [1.0] * 5  # the stable phase
+    if ratio == 0.0:
+        assert [ours.lr(s) for s in range(3)] == pytest.approx(theirs_lrs[1:4], rel=1e-12)
+
+
+def test_wsd_exponential_is_megatrons():
+    """Megatron-LM's exponential WSD decay: min + (max - min) x (2 x 0.5^p - 1), p the decay's
+    progress; halfway (p = 0.5): 2 / sqrt(2) - 1 = sqrt(2) - 1."""
+    s = LRScheduler(1.0, 0.1, 0, 10, "wsd", decay_steps=4, wsd_style="exponential")
+    assert [s.lr(i) for i in range(7)] == [1.0] * 7
+    assert s.lr(8) == pytest.approx(0.1 + 0.9 * (math.sqrt(2) - 1), rel=1e-12)
+    assert s.lr(10) == pytest.approx(0.1, rel=1e-12) and s.lr(99) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_cosine_and_linear_are_transformers(decay):
+    """The existing decays checked against transformers' (warmup 4, 14 steps, cosine to a tenth
+    of the peak, linear to 0): equal from the end of warmup to step 14, and in warmup megapar's step s
+    is their step s + 1 (their step 0 trains at lr 0)."""
+    import transformers
+
+    if decay == "cosine":
+        schedule, extra, low = (transformers.get_cosine_with_min_lr_schedule_with_warmup,
+                                {"min_lr_rate": 0.1}, 0.1)
+    else:
+        schedule, extra, low = transformers.get_linear_schedule_with_warmup, {}, 0.0
+    theirs = _transformers_lrs(schedule, 15, num_warmup_steps=4, num_training_steps=14, **extra)
+    ours = LRScheduler(1.0, low, 4, 14, decay)  # (their cosine rises again after step 14)
+    assert [ours.lr(s) for s in range(4, 15)] == pytest.approx(theirs[4:], rel=1e-12, abs=1e-15)
+    assert [ours.lr(s) for s in range(4)] == pytest.approx(theirs[1:5], rel=1e-12)
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)
@@ -54,6 +113,10 @@ def test_scheduler_state_round_trips_through_json():
     ((1.0, 0.0, 0, 10, "exp"), "unknown lr decay 'exp'"),
     ((1.0, 2.0, 0, 10), "min_lr 2.0 is larger than max_lr 1.0"),
     ((1.0, 0.0, 20, 10), "warmup of 20 steps is longer than the 10 training steps"),
+    ((1.0, 0.0, 4, 10, "wsd", 7), "warmup of 4 steps and WSD decay of 7 steps are longer "
+                                  "than the 10 training steps"),
+    ((1.0, 0.0, 0, 10, "wsd", 0), "WSD needs a final decay of at least 1 step"),
+    ((1.0, 0.0, 0, 10, "wsd", 2, "minus_sqrt"), "unknown WSD decay style 'minus_sqrt'"),
 ])
 def test_scheduler_errors(args, message):
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr."""
+"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr, or
+warmup-stable-decay (WSD: max_lr until a final decay to min_lr)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,21 @@ from dataclasses import dataclass
 
 from megapar.wording import counted
 
-DECAY_STYLES = ("cosine", "linear", "constant")
+DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+WSD_STYLES = ("linear", "cosine", "sqrt", "exponential")
+"""Shapes of WSD's final decay, as a factor of progress p in [0, 1] (1 at its start, 0 at its
+end): linear 1 - p, cosine (1 + cos(pi p)) / 2, sqrt 1 - sqrt(p) (Megatron-LM's minus_sqrt,
+transformers' 1-sqrt) and exponential 2 x 0.5^p - 1 (Megatron-LM's)."""
+
+
+def wsd_fields(cfg) -> dict:
+    """The WSD fields of the `LRScheduler` a TrainConfig's flags describe (none unless
+    --lr-decay wsd): the final decay's steps (--lr-wsd-decay-steps, else
+    --lr-wsd-decay-fraction of --max-steps, rounded, at least 1) and shape."""
+    if cfg.lr_decay != "wsd":
+        return {}
+    steps = cfg.lr_wsd_decay_steps or max(1, round(cfg.lr_wsd_decay_fraction * cfg.max_steps))
+    return {"decay_steps": steps, "wsd_style": cfg.lr_wsd_decay_style}
 
 
 @dataclass
@@ -24,7 +39,12 @@ class LRScheduler:
     max_steps: int
     """Step at which the decay reaches min_lr (and stays there)."""
     decay: str = "cosine"
-    """Decay after warmup: "cosine", "linear" or "constant" (stays at max_lr)."""
+    """Decay after warmup: "cosine", "linear", "constant" (stays at max_lr) or "wsd" (stays at
+    max_lr until the last `decay_steps` before max_steps, which decay by `wsd_style`)."""
+    decay_steps: int = 0
+    """With decay "wsd": steps of the final decay, which ends at max_steps (unused otherwise)."""
+    wsd_style: str = "linear"
+    """With decay "wsd": the final decay's shape, one of `WSD_STYLES`."""
 
     def __post_init__(self):
         if self.decay not in DECAY_STYLES:
@@ -48,16 +68,42 @@ class LRScheduler:
                 f"warmup of {counted(self.warmup_steps, 'step')} is longer than the "
                 f"{counted(self.max_steps, 'training step')}; lower --warmup-steps"
             )
+        if self.decay != "wsd":
+            return
+        if self.wsd_style not in WSD_STYLES:
+            raise ValueError(
+                f"unknown WSD decay style {self.wsd_style!r}; expected one of {WSD_STYLES}"
+            )
+        if self.decay_steps < 1:
+            raise ValueError(
+                f"WSD needs a final decay of at least 1 step, got {self.decay_steps}; "
+                f"give --lr-wsd-decay-steps N or --lr-wsd-decay-fraction F"
+            )
+        if self.warmup_steps + self.decay_steps > self.max_steps:
+            raise ValueError(
+                f"warmup of {counted(self.warmup_steps, 'step')} and WSD decay of "
+                f"{counted(self.decay_steps, 'step')} are longer than the "
+                f"{counted(self.max_steps, 'training step')}; lower --warmup-steps or "
+                f"--lr-wsd-decay-steps / --lr-wsd-decay-fraction, or raise --max-steps"
+            )
 
     def lr(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.max_lr * (step + 1) / self.warmup_steps
         if self.decay == "constant":
             return self.max_lr
-        span = self.max_steps - self.warmup_steps
-        progress = 1.0 if span == 0 else min(1.0, (step - self.warmup_steps) / span)
-        if self.decay == "linear":
+        start = self.max_steps - self.decay_steps if self.decay == "wsd" else self.warmup_steps
+        if step < start:  # WSD's stable phase
+            return self.max_lr
+        span = self.max_steps - start
+        progress = 1.0 if span == 0 else min(1.0, (step - start) / span)
+        shape = self.wsd_style if self.decay == "wsd" else self.decay
+        if shape == "linear":
             factor = 1.0 - progress
+        elif shape == "sqrt":
+            factor = 1.0 - math.sqrt(progress)
+        elif shape == "exponential":
+            factor = 2.0 * 0.5**progress - 1.0
         else:
             factor = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + (self.max_lr - self.min_lr) * factor

@@ -70,6 +70,21 @@ def check_unused(cfg, given: set[str]) -> None:
         *(
             (
                 name,
+                cfg.lr_decay == "wsd",
+                f"it shapes the final decay of --lr-decay wsd, and --lr-decay is {cfg.lr_decay}",
+                "add --lr-decay wsd",
+            )
+            for name in ("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style")
+        ),
+        (
+            "lr_wsd_decay_fraction",
+            cfg.lr_wsd_decay_steps == 0,
+            f"--lr-wsd-decay-steps {cfg.lr_wsd_decay_steps} sets the final decay's length",
+            None,
+        ),
+        *(
+            (
+                name,
                 adam,
                 f"--optimizer {cfg.optimizer} has no Adam moments",
                 "use --optimizer adamw",
