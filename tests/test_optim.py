@@ -102,6 +102,30 @@ def test_cosine_and_linear_are_transformers(decay):
     assert [ours.lr(s) for s in range(4)] == pytest.approx(theirs[1:5], rel=1e-12)
 
 
+@pytest.mark.parametrize("decay", ["linear", "wsd"])
+def test_the_decay_ends_at_lr_decay_steps_before_max_steps(decay):
+    """Megatron-LM's --lr-decay-iters 6 with --train-iters 10 (--lr-decay-steps 6 --max-steps
+    10): the decay reaches --min-lr at step 6 and stays; linear it is transformers' linear
+    schedule over 6 steps (min lr 0), and WSD's decay fraction is of those 6 steps. It was
+    answered with --max-steps, which stretched the decay over all 10."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=2, max_steps=10, lr_decay=decay,
+                      lr_decay_steps=6, lr_wsd_decay_fraction=0.5)
+    s = Engine.flags_schedule(cfg)
+    lrs = [s.lr(i) for i in range(10)]
+    assert lrs[6:] == [0.0] * 4
+    if decay == "linear":
+        theirs = _transformers_lrs(get_linear_schedule_with_warmup, 7, num_warmup_steps=2,
+                                   num_training_steps=6)
+        assert lrs[2:7] == pytest.approx(theirs[2:7], rel=1e-12)
+    else:
+        assert s.decay_steps == 3 and lrs[2:5] == pytest.approx([1.0, 1.0, 2 / 3], rel=1e-12)
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)

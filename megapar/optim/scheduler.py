@@ -16,16 +16,6 @@ end): linear 1 - p, cosine (1 + cos(pi p)) / 2, sqrt 1 - sqrt(p) (Megatron-LM's 
 transformers' 1-sqrt) and exponential 2 x 0.5^p - 1 (Megatron-LM's)."""
 
 
-def wsd_fields(cfg) -> dict:
-    """The WSD fields of the `LRScheduler` a TrainConfig's flags describe (none unless
-    --lr-decay wsd): the final decay's steps (--lr-wsd-decay-steps, else
-    --lr-wsd-decay-fraction of --max-steps, rounded, at least 1) and shape."""
-    if cfg.lr_decay != "wsd":
-        return {}
-    steps = cfg.lr_wsd_decay_steps or max(1, round(cfg.lr_wsd_decay_fraction * cfg.max_steps))
-    return {"decay_steps": steps, "wsd_style": cfg.lr_wsd_decay_style}
-
-
 @dataclass
 class LRScheduler:
     """lr(step) for optimizer step `step` (0-based). Stateless: the step index is the state."""
@@ -37,7 +27,8 @@ class LRScheduler:
     warmup_steps: int
     """Steps of linear warmup: step s < warmup_steps uses max_lr * (s + 1) / warmup_steps."""
     max_steps: int
-    """Step at which the decay reaches min_lr (and stays there)."""
+    """Step at which the decay reaches min_lr (and stays there): --lr-decay-steps, else
+    --max-steps."""
     decay: str = "cosine"
     """Decay after warmup: "cosine", "linear", "constant" (stays at max_lr) or "wsd" (stays at
     max_lr until the last `decay_steps` before max_steps, which decay by `wsd_style`)."""
@@ -115,3 +106,16 @@ class LRScheduler:
         restored = LRScheduler(**d)  # validates
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(restored, f.name))
+
+
+def flags_schedule(cfg, lr: float, min_lr: float) -> LRScheduler:
+    """The `LRScheduler` a TrainConfig's schedule flags describe, peaking at `lr` and ending at
+    `min_lr`: the decay ends at --lr-decay-steps (else --max-steps); under --lr-decay wsd its
+    final decay is --lr-wsd-decay-steps long (else --lr-wsd-decay-fraction of where it ends,
+    rounded, at least 1) and shaped by --lr-wsd-decay-style."""
+    end = cfg.lr_decay_steps or cfg.max_steps
+    wsd = {}
+    if cfg.lr_decay == "wsd":
+        steps = cfg.lr_wsd_decay_steps or max(1, round(cfg.lr_wsd_decay_fraction * end))
+        wsd = {"decay_steps": steps, "wsd_style": cfg.lr_wsd_decay_style}
+    return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd)

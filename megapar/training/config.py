@@ -164,6 +164,8 @@ class TrainConfig:
     """Learning rate at the end of the decay. Not given, it is at most --lr x 0.1 (the defaults' ratio; with a note)."""
     lr_decay: str = "cosine"
     """Decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay: --lr until a final decay to --min-lr over the last --lr-wsd-decay-steps, shaped by --lr-wsd-decay-style; Megatron-LM's --lr-decay-style WSD)."""
+    lr_decay_steps: int = 0
+    """Step at which the decay reaches --min-lr, which holds after it (Megatron-LM's --lr-decay-iters; 0: --max-steps)."""
     lr_wsd_decay_steps: int = 0
     """With --lr-decay wsd: steps of the final decay, which ends at --max-steps (0: --lr-wsd-decay-fraction of --max-steps)."""
     lr_wsd_decay_fraction: float = 0.2

@@ -170,7 +170,7 @@ OTHER_TOOLS_FLAGS = {
     "--training.mixed_precision_param": "--precision",
     "--optimizer.lr": "--lr",
     "--learning_rate": "--lr",
-    "--lr-decay-iters": "--max-steps",
+    "--lr-decay-iters": "--lr-decay-steps",
     "--lr-warmup-fraction": "--warmup-steps",
     "--lr_scheduler.warmup_steps": "--warmup-steps",
     "--load-optim": "--load",

@@ -309,7 +309,7 @@ def prepare(
 
 SCHEDULE_OPTIONS = (
     *("max_steps", "warmup_steps", "lr_decay", "min_lr"),
-    *("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style"),
+    *("lr_decay_steps", "lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style"),
 )
 """megapar-train's schedule flags: prepare builds a schedule only from `lr_schedule`."""
 

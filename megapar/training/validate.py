@@ -58,6 +58,7 @@ _RULES: list[_Rule] = [
     ("global_batch_size", "int", 1, True),
     ("max_steps", "int", 1, True),
     ("warmup_steps", "int", 0, True),
+    ("lr_decay_steps", "int", 1, True, (0, "--max-steps")),
     ("lr_wsd_decay_steps", "int", 1, True, (0, "--lr-wsd-decay-fraction of --max-steps")),
     ("lr_wsd_decay_fraction", "float", 0.0, False),
     ("eval_interval", "int", 0, True),

@@ -77,6 +77,12 @@ def check_unused(cfg, given: set[str]) -> None:
             for name in ("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style")
         ),
         (
+            "lr_decay_steps",
+            cfg.lr_decay != "constant",
+            "it is where the decay ends, and --lr-decay constant has none",
+            "give --lr-decay cosine, linear or wsd",
+        ),
+        (
             "lr_wsd_decay_fraction",
             cfg.lr_wsd_decay_steps == 0,
             f"--lr-wsd-decay-steps {cfg.lr_wsd_decay_steps} sets the final decay's length",
