@@ -1003,6 +1003,14 @@ OTHER_TOOLS = [
      "optimizer state too; to start from a checkpoint's weights alone, export it"),
     ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
     ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # learning-rate schedule and optimizer names: --lr-decay-iters was answered --max-steps
+    # (which stretched the decay), --optimizer.eps --optimizer, --lr-scheduler-type --schedule
+    # (the pipeline's), torchtitan's decay_ratio and Megatron's WSD iterations nothing useful
+    ("train", ["--lr-decay-iters", "5"], "--lr-decay-iters: did you mean --lr-decay-steps?"),
+    ("train", ["--optimizer.eps", "1e-8"], "--optimizer.eps: did you mean --adam-eps?"),
+    ("train", ["--lr-scheduler-type", "cosine"], "did you mean --lr-decay (linear or cosine"),
+    ("train", ["--lr_scheduler.decay_ratio", "0.2"], "did you mean --lr-wsd-decay-fraction"),
+    ("train", ["--lr-wsd-decay-iters", "9"], "did you mean --lr-wsd-decay-steps (with --lr-decay"),
     # Megatron's interleaving, sample counts, ramp-up, overlap and model flags: nothing was
     # named, or an unrelated flag (--overlap-grad-reduce: "did you mean --grad-reduce-dtype?")
     ("train", ["--virtual-pipeline-model-parallel-size", "2"],

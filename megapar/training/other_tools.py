@@ -112,6 +112,15 @@ FP8_FORMAT = (
     "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
 )
 
+LR_SAMPLES = (
+    "{flag} (megapar counts optimizer steps, not samples: the samples over the global batch size)"
+)
+CONSTANT_WD = "megapar's weight decay is constant: --weight-decay; drop it"
+HF_SCHEDULER = (
+    "--lr-decay (linear or cosine with --min-lr 0; cosine_with_min_lr: cosine with a "
+    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd)"
+)
+
 LAUNCHER = (
     "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
     "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
@@ -144,8 +153,48 @@ OTHER_TOOLS_FLAGS = {
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",
     "--fp16": "--precision fp16",
-    "--lr-decay-style": "--lr-decay",
+    "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD)",
     "--lr-warmup-iters": "--warmup-steps",
+    "--lr-wsd-decay-iters": "--lr-wsd-decay-steps (with --lr-decay wsd)",
+    "--lr-wsd-decay-samples": "--lr-wsd-decay-steps with --lr-decay wsd (megapar counts "
+    "steps: the samples over the global batch size)",
+    "--lr-decay-samples": LR_SAMPLES.format(flag="--lr-decay-steps"),
+    "--lr-warmup-samples": LR_SAMPLES.format(flag="--warmup-steps"),
+    "--lr-warmup-init": "megapar's warmup starts from 0: step s of --warmup-steps W trains at "
+    "--lr x (s + 1) / W; drop it",
+    "--start-weight-decay": CONSTANT_WD,
+    "--end-weight-decay": CONSTANT_WD,
+    "--weight-decay-incr-style": CONSTANT_WD,
+    "--decoupled-lr": "megapar trains every parameter at one --lr (the embedding and output "
+    "layer too); drop it",
+    "--decoupled-min-lr": "megapar trains every parameter at one --lr (the embedding and output "
+    "layer too); drop it",
+    "--override-opt_param-scheduler": "on --load megapar's learning-rate schedule follows the "
+    "flags given (a note names what changed from the checkpoint's); drop it",
+    "--use-checkpoint-opt_param-scheduler": "on --load the schedule flags not given are the "
+    "checkpoint's: give none of --lr, --min-lr, --warmup-steps, --lr-decay, --max-steps",
+    # Hugging Face Trainer's (TrainingArguments') optimizer and schedule arguments
+    "--lr_scheduler_type": HF_SCHEDULER,
+    "--lr-scheduler-type": HF_SCHEDULER,
+    "--warmup_ratio": "--warmup-steps (a step count: the ratio x the training steps)",
+    "--max_grad_norm": "--clip-grad",
+    "--adam_epsilon": "--adam-eps",
+    "--optim": "--optimizer (adamw, lamb, lars or sgd; AdamW is torch's fused kernel)",
+    # torchtitan's [optimizer] and [lr_scheduler] (its schedule is always warmup, stable, decay:
+    # decay_ratio unset decays over all steps after warmup, megapar's --lr-decay linear)
+    "--optimizer.name": "--optimizer (adamw, lamb, lars or sgd)",
+    "--optimizer.eps": "--adam-eps",
+    "--optimizer.beta1": "--adam-beta1",
+    "--optimizer.beta2": "--adam-beta2",
+    "--optimizer.weight_decay": "--weight-decay",
+    "--optimizer.implementation": "megapar's AdamW is torch's fused kernel on CPU and CUDA; "
+    "drop it",
+    "--training.max_norm": "--clip-grad",
+    "--lr_scheduler.decay_ratio": "--lr-wsd-decay-fraction (with --lr-decay wsd; without "
+    "decay_ratio torchtitan decays over all steps after warmup: --lr-decay linear)",
+    "--lr_scheduler.decay_type": "--lr-wsd-decay-style (with --lr-decay wsd)",
+    "--lr_scheduler.min_lr_factor": "--min-lr (a learning rate, not a factor: --lr x "
+    "min_lr_factor)",
     "--eval-iters": "--eval-steps",
     "--data-path": "--data",
     "--training.dataset_path": "--data",
@@ -171,7 +220,7 @@ OTHER_TOOLS_FLAGS = {
     "--optimizer.lr": "--lr",
     "--learning_rate": "--lr",
     "--lr-decay-iters": "--lr-decay-steps",
-    "--lr-warmup-fraction": "--warmup-steps",
+    "--lr-warmup-fraction": "--warmup-steps (a step count: the fraction x the decay's steps)",
     "--lr_scheduler.warmup_steps": "--warmup-steps",
     "--load-optim": "--load",
     "--no-load-optim": WEIGHTS_ONLY,
