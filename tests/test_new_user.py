@@ -657,6 +657,41 @@ def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(
             f"from here; pass --data") in err
 
 
+def test_a_wsd_run_extended_from_its_stable_phase_holds_the_lr_then_decays(
+        texts, cache, tiny_model, tmp_path, capsys):
+    """The WSD way to train longer: --load a checkpoint of the stable phase with a larger
+    --max-steps. The schedule flags come from the checkpoint; the lr stays at --lr up to the
+    new decay, which takes the last --lr-wsd-decay-steps before the new --max-steps; the log
+    lines and --log-json give each step's lr."""
+    from megapar.optim import LRScheduler
+
+    ckpt, first, log = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "log.jsonl"
+    common = ["--data", texts["poem"], "--data-cache", cache, "--tokenizer", "sentencepiece",
+              "--seq-len", "32", "--global-batch-size", "8", "--no-progress", "--log-interval",
+              "1"]
+    rc, err = _run(train, [*common, "--model", tiny_model, "--max-steps", "6", "--save", ckpt,
+                           "--save-interval", "3", "--log-json", first, "--lr", "1e-3",
+                           "--min-lr", "1e-4", "--warmup-steps", "1", "--lr-decay", "wsd",
+                           "--lr-wsd-decay-steps", "2"], capsys)
+    assert rc == 0, err
+    planned = LRScheduler(1e-3, 1e-4, 1, 6, "wsd", decay_steps=2)
+    assert [r["lr"] for r in _records(first)] == pytest.approx(
+        [planned.lr(s) for s in range(6)], rel=1e-6)
+    rc = train([str(a) for a in [*common, "--load", ckpt / "step_00000003", "--max-steps", "8",
+                                 "--log-json", log]])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "learning-rate schedule follows the flags, not the checkpoint: max_steps 6 -> 8\n" \
+        in out.out
+    extended = LRScheduler(1e-3, 1e-4, 1, 8, "wsd", decay_steps=2)
+    lrs = {r["step"]: r["lr"] for r in _records(log)}
+    assert list(lrs) == [4, 5, 6, 7, 8]
+    assert list(lrs.values()) == pytest.approx([1e-3] * 4 + [extended.lr(7)], rel=1e-6)
+    assert extended.lr(7) == pytest.approx(5.5e-4)
+    assert "lr 5.500e-04" in [line for line in out.out.splitlines()
+                              if line.startswith("step      8")][0]
+
+
 def test_a_raised_max_steps_stretches_the_lr_schedule(texts, cache, tiny_model, tmp_path,
                                                       capsys):
     """Extending a finished run (`--load CKPT --max-steps` higher, as the 'nothing left to

@@ -126,6 +126,24 @@ def test_the_decay_ends_at_lr_decay_steps_before_max_steps(decay):
         assert s.decay_steps == 3 and lrs[2:5] == pytest.approx([1.0, 1.0, 2 / 3], rel=1e-12)
 
 
+def test_a_resume_note_names_the_lr_a_changed_schedule_jumps_to():
+    """--load with a larger --max-steps: from WSD's stable phase the next lr is unchanged (no
+    more said); from a checkpoint whose WSD decay had begun the lr jumps back to the peak, and
+    the note says so and which checkpoint would extend the stable phase; a stretched cosine
+    names its new lr. The note only said 'max_steps 8 -> 12'."""
+    from megapar.optim.scheduler import resume_change
+
+    saved = LRScheduler(1.0, 0.1, 2, 8, "wsd", decay_steps=3)
+    longer = LRScheduler(1.0, 0.1, 2, 12, "wsd", decay_steps=3)
+    assert resume_change(saved, longer, 4) == ""
+    assert resume_change(saved, longer, 8) == (
+        "; step 9 trains at lr 1, not the checkpoint schedule's 0.1 (its WSD decay began at "
+        "step 7: to extend the stable phase, --load a checkpoint saved before it)")
+    cosine = LRScheduler(1.0, 0.1, 2, 8, "cosine")
+    assert resume_change(cosine, LRScheduler(1.0, 0.1, 2, 12, "cosine"), 8) == (
+        "; step 9 trains at lr 0.4109, not the checkpoint schedule's 0.1")
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)

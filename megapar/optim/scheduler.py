@@ -119,3 +119,21 @@ def flags_schedule(cfg, lr: float, min_lr: float) -> LRScheduler:
         steps = cfg.lr_wsd_decay_steps or max(1, round(cfg.lr_wsd_decay_fraction * end))
         wsd = {"decay_steps": steps, "wsd_style": cfg.lr_wsd_decay_style}
     return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd)
+
+
+def resume_change(saved: LRScheduler, planned: LRScheduler, step: int) -> str:
+    """What a resume at `step` (steps done) under `planned` instead of the checkpoint's `saved`
+    schedule does to the learning rate, for the resume note: "" where the next step's lr is the
+    same, else that lr beside the saved schedule's, and where the checkpoint had already
+    decayed in WSD (its stable phase cannot be extended from it), which checkpoint would."""
+    ours, theirs = planned.lr(step), saved.lr(step)
+    if math.isclose(ours, theirs, rel_tol=1e-9, abs_tol=0.0):
+        return ""
+    said = f"; step {step + 1} trains at lr {ours:.4g}, not the checkpoint schedule's {theirs:.4g}"
+    start = saved.max_steps - saved.decay_steps  # WSD: the last step at max_lr, 0-based
+    if saved.decay == "wsd" and step - 1 > start and ours > saved.lr(step - 1):
+        said += (
+            f" (its WSD decay began at step {start + 2}: to extend the stable phase, --load "
+            f"a checkpoint saved before it)"
+        )
+    return said
