@@ -407,6 +407,24 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         "fp16.enabled, bf16.enabled, megapar's own values"), err.value
 
 
+@pytest.mark.parametrize("scheduler, flags, left", [
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 100}},
+     ["--lr-decay constant", "--warmup-steps 100", "--lr 0.0003"],
+     ["scheduler.params.warmup_type log (megapar's warmup is linear)"]),
+    ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 90,
+                                          "warmup_min_lr": 1e-5, "warmup_type": "linear"}},
+     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--min-lr 1e-05"], []),
+    ({"type": "OneCycle", "params": {}}, [], ["scheduler.type OneCycle"]),
+])
+def test_a_deepspeed_scheduler_names_megapars_decay(scheduler, flags, left):
+    """A ds_config's scheduler: its warmup steps were named without its decay, so a WarmupLR
+    (constant after warmup) became megapar's default cosine decay; now the decay (and the
+    peak and floor) too, and a scheduler megapar has none of is named as such."""
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    assert deepspeed_equivalents({"scheduler": scheduler}) == (flags, left, [])
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")
