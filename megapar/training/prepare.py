@@ -391,6 +391,11 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
                 f"warmup_steps, decay, min_lr (the peak is lr), and with decay 'wsd' "
                 f"decay_steps and wsd_style"
             )
+        if lr_schedule.get("decay") == "wsd" and "decay_steps" not in lr_schedule:
+            raise ValueError(
+                "megapar.prepare: lr_schedule decay 'wsd' needs decay_steps (the steps of its "
+                "final decay, which ends at max_steps); wsd_style is linear unless given"
+            )
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
     elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
