@@ -144,6 +144,23 @@ def test_a_resume_note_names_the_lr_a_changed_schedule_jumps_to():
         "; step 9 trains at lr 0.4109, not the checkpoint schedule's 0.1")
 
 
+def test_a_wsd_fraction_given_on_load_replaces_the_checkpoints_decay_steps():
+    """--load of a run saved with --lr-wsd-decay-steps 3, given --lr-wsd-decay-fraction 0.5:
+    the fraction sets the decay (was refused: '--lr-wsd-decay-fraction 0.5 would be ignored:
+    --lr-wsd-decay-steps 3 sets the final decay's length', the 3 taken from the checkpoint)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    cfg = TrainConfig(lr_wsd_decay_fraction=0.5, max_steps=12)
+    cfg.explicit = frozenset({"lr_wsd_decay_fraction", "max_steps"})
+    saved = {"lr_decay": "wsd", "lr_wsd_decay_steps": 3, "lr_wsd_decay_fraction": 0.2,
+             "max_steps": 8, "warmup_steps": 2}
+    assert settings_from_checkpoint(cfg, {"meta": {"train_config": saved}}) == [
+        "from the checkpoint (not given): --lr-decay wsd, --warmup-steps 2"]
+    assert Engine.flags_schedule(cfg).decay_steps == 6
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)
