@@ -1011,6 +1011,11 @@ OTHER_TOOLS = [
     ("train", ["--lr-scheduler-type", "cosine"], "did you mean --lr-decay (linear or cosine"),
     ("train", ["--lr_scheduler.decay_ratio", "0.2"], "did you mean --lr-wsd-decay-fraction"),
     ("train", ["--lr-wsd-decay-iters", "9"], "did you mean --lr-wsd-decay-steps (with --lr-decay"),
+    # nanoGPT's --key=value settings: --block_size was 'did you mean --tokenizer?', --out_dir
+    # '--optimizer?', --grad_clip nothing
+    ("train", ["--block_size=64"], "--block_size: did you mean --seq-len?"),
+    ("train", ["--out_dir=out"], "--out_dir: did you mean --save (checkpoints)"),
+    ("train", ["--grad_clip=1.0"], "--grad_clip: did you mean --clip-grad?"),
     # Megatron's interleaving, sample counts, ramp-up, overlap and model flags: nothing was
     # named, or an unrelated flag (--overlap-grad-reduce: "did you mean --grad-reduce-dtype?")
     ("train", ["--virtual-pipeline-model-parallel-size", "2"],

@@ -180,6 +180,20 @@ OTHER_TOOLS_FLAGS = {
     "--max_grad_norm": "--clip-grad",
     "--adam_epsilon": "--adam-eps",
     "--optim": "--optimizer (adamw, lamb, lars or sgd; AdamW is torch's fused kernel)",
+    "--lr-scheduler-kwargs": "megapar-train's schedule flags: --min-lr (an lr, not a ratio), "
+    "--lr-wsd-decay-steps or --lr-wsd-decay-fraction, --lr-wsd-decay-style (decay_type)",
+    "--num-train-epochs": "megapar-train counts optimizer steps: give --max-steps (an epoch is "
+    "the training split's samples over the global batch size)",
+    # nanoGPT's train.py settings (--key=value): difflib named --tokenizer for --block_size,
+    # --optimizer for --out_dir, --p2p-dtype for --dtype, nothing for --grad_clip
+    "--grad-clip": "--clip-grad",
+    "--decay-lr": "--lr-decay constant (decay_lr False; True is the default, --lr-decay cosine)",
+    "--block-size": "--seq-len",
+    "--out-dir": "--save (checkpoints) and --log-json or --tensorboard (logs)",
+    "--dtype": "--precision (fp32, bf16 or fp16)",
+    "--init-from": "megapar-train's --load CKPT resumes (init_from resume) and --from-hf DIR "
+    "starts from a transformers model (init_from gpt2)",
+    "--lr-min": "--min-lr",
     # torchtitan's [optimizer] and [lr_scheduler] (its schedule is always warmup, stable, decay:
     # decay_ratio unset decays over all steps after warmup, megapar's --lr-decay linear)
     "--optimizer.name": "--optimizer (adamw, lamb, lars or sgd)",
