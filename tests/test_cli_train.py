@@ -227,6 +227,9 @@ def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):
     (["--max-steps", "4", "--warmup-steps", "20"], "warmup of 20 steps is longer than the 4"),
     (["--max-steps", "10", "--warmup-steps", "4", "--lr-decay", "wsd", "--lr-wsd-decay-fraction",
       "0.7"], "warmup of 4 steps and WSD decay of 7 steps are longer than the 10"),
+    (["--max-steps", "8", "--lr-decay-steps", "3", "--warmup-steps", "5"],
+     "warmup of 5 steps is longer than --lr-decay-steps 3; lower --warmup-steps or raise "
+     "--lr-decay-steps"),
     (["--lr-wsd-decay-steps", "5"], "--lr-wsd-decay-steps 5 would be ignored: it shapes the "
                                     "final decay of --lr-decay wsd, and --lr-decay is cosine"),
     (["--global-batch-size", "512"], "fewer than one global batch of 512"),

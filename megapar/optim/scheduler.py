@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from megapar.wording import counted
 
@@ -36,8 +36,13 @@ class LRScheduler:
     """With decay "wsd": steps of the final decay, which ends at max_steps (unused otherwise)."""
     wsd_style: str = "linear"
     """With decay "wsd": the final decay's shape, one of `WSD_STYLES`."""
+    ends_at: InitVar[str] = ""
+    """The flag that set max_steps where it is not --max-steps ("--lr-decay-steps"), for the
+    errors' wording; not a field (not in `state_dict`)."""
 
-    def __post_init__(self):
+    def __post_init__(self, ends_at: str = ""):
+        end = f"{ends_at} {self.max_steps}" if ends_at else ""
+        span = end or f"the {counted(self.max_steps, 'training step')}"
         if self.decay not in DECAY_STYLES:
             raise ValueError(f"unknown lr decay {self.decay!r}; expected one of {DECAY_STYLES}")
         if self.max_lr < 0 or self.min_lr < 0:
@@ -56,8 +61,8 @@ class LRScheduler:
             )
         if self.warmup_steps > self.max_steps:
             raise ValueError(
-                f"warmup of {counted(self.warmup_steps, 'step')} is longer than the "
-                f"{counted(self.max_steps, 'training step')}; lower --warmup-steps"
+                f"warmup of {counted(self.warmup_steps, 'step')} is longer than {span}; "
+                f"lower --warmup-steps" + (f" or raise {ends_at}" if ends_at else "")
             )
         if self.decay != "wsd":
             return
@@ -73,9 +78,9 @@ class LRScheduler:
         if self.warmup_steps + self.decay_steps > self.max_steps:
             raise ValueError(
                 f"warmup of {counted(self.warmup_steps, 'step')} and WSD decay of "
-                f"{counted(self.decay_steps, 'step')} are longer than the "
-                f"{counted(self.max_steps, 'training step')}; lower --warmup-steps or "
-                f"--lr-wsd-decay-steps / --lr-wsd-decay-fraction, or raise --max-steps"
+                f"{counted(self.decay_steps, 'step')} are longer than {span}; lower "
+                f"--warmup-steps or --lr-wsd-decay-steps / --lr-wsd-decay-fraction, or raise "
+                f"{ends_at or '--max-steps'}"
             )
 
     def lr(self, step: int) -> float:
@@ -118,7 +123,8 @@ def flags_schedule(cfg, lr: float, min_lr: float) -> LRScheduler:
     if cfg.lr_decay == "wsd":
         steps = cfg.lr_wsd_decay_steps or max(1, round(cfg.lr_wsd_decay_fraction * end))
         wsd = {"decay_steps": steps, "wsd_style": cfg.lr_wsd_decay_style}
-    return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd)
+    ends_at = "--lr-decay-steps" if cfg.lr_decay_steps else ""
+    return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd, ends_at=ends_at)
 
 
 def resume_change(saved: LRScheduler, planned: LRScheduler, step: int) -> str:
