@@ -161,6 +161,22 @@ def test_a_wsd_fraction_given_on_load_replaces_the_checkpoints_decay_steps():
     assert Engine.flags_schedule(cfg).decay_steps == 6
 
 
+def test_the_default_warmup_fits_before_lr_decay_steps():
+    """--max-steps 100 --lr-decay-steps 5 without --warmup-steps: the default warmup is 10 % of
+    where the decay ends (was of --max-steps: 10 steps, then refused as longer than
+    --lr-decay-steps 5, a flag the user had not given)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+    from megapar.training.validate import adapt_defaults
+
+    cfg = TrainConfig(max_steps=100, lr_decay_steps=5, global_batch_size=8)
+    cfg.explicit = frozenset({"max_steps", "lr_decay_steps", "global_batch_size"})
+    notes = adapt_defaults(cfg, 1)
+    assert "--warmup-steps not given: using 0 (10 % of --lr-decay-steps 5) instead of the " \
+           "default 20" in notes
+    assert Engine.flags_schedule(cfg).lr(5) == cfg.min_lr
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)
