@@ -995,6 +995,30 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     assert "\n" not in said, said
 
 
+def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
+    """A torchtitan job's [lr_scheduler]: decay_ratio / decay_type / min_lr_factor were
+    sentences to work out, and torchtitan's defaults (a linear decay to 0) went unsaid, so the
+    flags trained megapar's cosine to a tenth of --lr; now its schedule as flags with values."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "wsd.toml"
+    job.write_text('[training]\nsteps = 1000\n[optimizer]\nlr = 4e-4\n[lr_scheduler]\n'
+                   'warmup_steps = 100\ndecay_ratio = 0.2\ndecay_type = "sqrt"\n'
+                   'min_lr_factor = 0.1\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    assert str(exc.value).endswith(
+        "give its settings as megapar-train flags: --lr-decay wsd --lr-wsd-decay-fraction 0.2 "
+        "--lr-wsd-decay-style sqrt --min-lr 4e-05 --max-steps 1000 --lr 0.0004 "
+        "--warmup-steps 100"), exc.value
+    job.write_text("[training]\nsteps = 1000\n[lr_scheduler]\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    assert str(exc.value).endswith(": --warmup-steps 200 --lr-decay linear --min-lr 0 "
+                                   "--max-steps 1000"), exc.value
+
+
 OTHER_TOOLS = [
     # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
     ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),

@@ -209,6 +209,7 @@ OTHER_TOOLS_FLAGS = {
     "--lr_scheduler.decay_type": "--lr-wsd-decay-style (with --lr-decay wsd)",
     "--lr_scheduler.min_lr_factor": "--min-lr (a learning rate, not a factor: --lr x "
     "min_lr_factor)",
+    "--lr_scheduler.lr_min": "--min-lr (a learning rate, not a factor: --lr x lr_min)",
     "--eval-iters": "--eval-steps",
     "--data-path": "--data",
     "--training.dataset_path": "--data",
@@ -495,8 +496,17 @@ def toml_job_config(path: str) -> str:
         (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
     )
     flags, sentences, left = [], [], []
+    schedule = job.get("lr_scheduler")
+    if isinstance(schedule, dict):
+        flags += torchtitan_schedule(job, schedule)
     for key, value in keys:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if (
+            key.startswith("lr_scheduler.")
+            and key != "lr_scheduler.warmup_steps"
+            and (key.split(".", 1)[1] in TORCHTITAN_SCHEDULE)
+        ):
+            continue  # named by torchtitan_schedule
         if key.endswith("float8.recipe_name") and recipe is not None:
             flags.append(f"--fp8 {recipe}")
         elif key == "model.converters" and "float8" in str(value):
@@ -518,3 +528,30 @@ def toml_job_config(path: str) -> str:
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
         + (f" (no flag named for: {', '.join(left)})" if left else "")
     )
+
+
+TORCHTITAN_SCHEDULE = ("decay_ratio", "decay_type", "min_lr_factor", "lr_min")
+"""torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags (with warmup_steps)."""
+
+
+def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
+    """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
+    filled in (warmup 200, decay_ratio None: a decay over every step after warmup, decay_type
+    linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
+    would train another schedule."""
+    warmup = schedule.get("warmup_steps", 200)
+    ratio = schedule.get("decay_ratio")
+    shape = schedule.get("decay_type", "linear")
+    factor = schedule.get("min_lr_factor", schedule.get("lr_min", 0.0))
+    lr = (job.get("optimizer") or {}).get("lr", 8e-4)
+    steps = (job.get("training") or {}).get("steps", 10000)
+    flags = [] if "warmup_steps" in schedule else [f"--warmup-steps {warmup}"]
+    if ratio is not None:
+        flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
+    elif shape == "sqrt":  # over every step after warmup: a WSD without a stable phase
+        flags.append(
+            f"--lr-decay wsd --lr-wsd-decay-steps {steps - warmup} --lr-wsd-decay-style sqrt"
+        )
+    else:
+        flags.append(f"--lr-decay {shape}")
+    return [*flags, f"--min-lr {float(lr) * float(factor):g}"]
