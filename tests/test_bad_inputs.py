@@ -1035,6 +1035,10 @@ OTHER_TOOLS = [
     ("train", ["--lr-scheduler-type", "cosine"], "did you mean --lr-decay (linear or cosine"),
     ("train", ["--lr_scheduler.decay_ratio", "0.2"], "did you mean --lr-wsd-decay-fraction"),
     ("train", ["--lr-wsd-decay-iters", "9"], "did you mean --lr-wsd-decay-steps (with --lr-decay"),
+    # their names for a decay: only the choices were listed
+    ("train", ["--lr-decay", "WSD"], "'WSD' is megapar's --lr-decay wsd"),
+    ("train", ["--lr-decay", "wsd", "--lr-wsd-decay-style", "minus_sqrt"],
+     "'minus_sqrt' is megapar's --lr-wsd-decay-style sqrt"),
     # nanoGPT's --key=value settings: --block_size was 'did you mean --tokenizer?', --out_dir
     # '--optimizer?', --grad_clip nothing
     ("train", ["--block_size=64"], "--block_size: did you mean --seq-len?"),

@@ -143,3 +143,23 @@ def resume_change(saved: LRScheduler, planned: LRScheduler, step: int) -> str:
             f"a checkpoint saved before it)"
         )
     return said
+
+
+OTHER_DECAY_NAMES = {
+    "wsd": "--lr-decay wsd",
+    "warmupstabledecay": "--lr-decay wsd",
+    "cosinewithminlr": "--lr-decay cosine (with --min-lr)",
+    "constantwithwarmup": "--lr-decay constant",
+    "minussqrt": "--lr-wsd-decay-style sqrt",
+    "1sqrt": "--lr-wsd-decay-style sqrt",
+}
+"""Megatron-LM's, transformers' and torchtitan's names for a decay megapar calls otherwise,
+keyed by the name's lower-case letters and digits."""
+
+
+def decay_named_elsewhere(value: str) -> str:
+    """For a --lr-decay / --lr-wsd-decay-style value megapar does not take but another tool
+    names (Megatron-LM's `WSD`, `minus_sqrt`; transformers' `1-sqrt`, `warmup_stable_decay`),
+    what megapar calls it; "" for a name it does not know."""
+    ours = OTHER_DECAY_NAMES.get("".join(ch for ch in str(value).lower() if ch.isalnum()))
+    return f"{value!r} is megapar's {ours}" if ours else ""
