@@ -230,6 +230,9 @@ def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):
     (["--max-steps", "8", "--lr-decay-steps", "3", "--warmup-steps", "5"],
      "warmup of 5 steps is longer than --lr-decay-steps 3; lower --warmup-steps or raise "
      "--lr-decay-steps"),
+    (["--lr-decay", "constant", "--min-lr", "1e-05"],
+     "--min-lr 1e-05 would be ignored: it is where the decay ends, and --lr-decay constant "
+     "holds --lr after warmup: give --lr-decay cosine, linear or wsd, or drop --min-lr"),
     (["--lr-wsd-decay-steps", "5"], "--lr-wsd-decay-steps 5 would be ignored: it shapes the "
                                     "final decay of --lr-decay wsd, and --lr-decay is cosine"),
     (["--global-batch-size", "512"], "fewer than one global batch of 512"),

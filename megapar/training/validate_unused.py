@@ -77,6 +77,12 @@ def check_unused(cfg, given: set[str]) -> None:
             for name in ("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style")
         ),
         (
+            "min_lr",
+            cfg.lr_decay != "constant",
+            "it is where the decay ends, and --lr-decay constant holds --lr after warmup",
+            "give --lr-decay cosine, linear or wsd",
+        ),
+        (
             "lr_decay_steps",
             cfg.lr_decay != "constant",
             "it is where the decay ends, and --lr-decay constant has none",
