@@ -1037,6 +1037,8 @@ OTHER_TOOLS = [
     ("train", ["--lr-wsd-decay-iters", "9"], "did you mean --lr-wsd-decay-steps (with --lr-decay"),
     # their names for a decay: only the choices were listed
     ("train", ["--lr-decay", "WSD"], "'WSD' is megapar's --lr-decay wsd"),
+    ("train", ["--optimizer", "adam"], "'adam' is megapar's --optimizer adamw (decoupled"),
+    ("train", ["--optimizer", "AdamW"], "'AdamW' is megapar's --optimizer adamw"),
     ("train", ["--lr-decay", "wsd", "--lr-wsd-decay-style", "minus_sqrt"],
      "'minus_sqrt' is megapar's --lr-wsd-decay-style sqrt"),
     # nanoGPT's --key=value settings: --block_size was 'did you mean --tokenizer?', --out_dir

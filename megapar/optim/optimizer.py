@@ -38,6 +38,23 @@ OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 """`--optimizer` choices: AdamW, and the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`)."""
 
 
+def optimizer_named_elsewhere(value: str) -> str:
+    """For an --optimizer value megapar does not take but another tool names (Megatron-LM's
+    `adam`, torchtitan's `AdamW`, the Trainer's `adamw_torch_fused`), what megapar calls it;
+    "" for a name it does not know."""
+    key = str(value).lower()
+    if key == "adam":  # Megatron-LM's adam decouples the weight decay; torch's Adam does not
+        return (
+            f"{value!r} is megapar's --optimizer adamw (decoupled weight decay, as Megatron-LM's "
+            f"adam; torch's Adam adds the decay to the gradient)"
+        )
+    if key.startswith("adamw") or key in ("fusedadam", "deepspeedcpuadam"):
+        return f"{value!r} is megapar's --optimizer adamw (torch's fused kernel)"
+    if key in ("lamb", "fusedlamb", "lars", "sgd"):
+        return f"{value!r} is megapar's --optimizer {key.removeprefix('fused')}"
+    return ""
+
+
 def state_keys(kind: str) -> tuple[str, ...]:
     """The per-parameter state an optimizer of `kind` keeps (and a checkpoint stores)."""
     return STATE_KEYS if kind in ("adamw", "lamb") else ("momentum_buffer",)

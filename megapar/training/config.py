@@ -28,7 +28,7 @@ from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.one_line_parser import OneLineParser
-from megapar.optim.optimizer import OPTIMIZERS
+from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES, WSD_STYLES, decay_named_elsewhere
 from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
@@ -395,6 +395,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--schedule": schedule_named_elsewhere,
             "--lr-decay": decay_named_elsewhere,
             "--lr-wsd-decay-style": decay_named_elsewhere,
+            "--optimizer": optimizer_named_elsewhere,
         },
         prog=prog,
         description=(

@@ -160,6 +160,8 @@ OTHER_TOOLS_FLAGS = {
     "steps: the samples over the global batch size)",
     "--lr-decay-samples": LR_SAMPLES.format(flag="--lr-decay-steps"),
     "--lr-warmup-samples": LR_SAMPLES.format(flag="--warmup-steps"),
+    "--sgd-momentum": "megapar's --optimizer sgd and lars use momentum 0.9 (Megatron-LM's "
+    "default); drop it",
     "--lr-warmup-init": "megapar's warmup starts from 0: step s of --warmup-steps W trains at "
     "--lr x (s + 1) / W; drop it",
     "--start-weight-decay": CONSTANT_WD,
