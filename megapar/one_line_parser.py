@@ -167,7 +167,7 @@ class OneLineParser(argparse.ArgumentParser):
         spelt close to an unrelated flag (`--resume`: `--recompute`); a `known_as` entry that is
         not a flag is said as it is (what to do instead: `--cp` to megapar-eval, which has no
         context parallelism), and an empty one suppresses the guess (`--no-load-optim` is not
-        `--no-offload-optimizer`)."""
+        `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
@@ -176,8 +176,9 @@ class OneLineParser(argparse.ArgumentParser):
         hints = []
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
-            if flag in self.known_as:
-                ours = self.known_as[flag]
+            named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
+            if named in self.known_as:
+                ours = self.known_as[named]
                 if ours.startswith("--"):
                     hints.append(f"{flag}: did you mean {ours}?")
                 elif ours:

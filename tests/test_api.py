@@ -1229,6 +1229,8 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     # a misspelt or missing key of the schedule was LRScheduler's raw TypeError
     ({"lr_schedule": {"max_step": 10}}, ["lr_schedule has unknown keys ['max_step']"]),
     ({"lr_schedule": {"warmup_steps": 2}}, ["lr_schedule has no 'max_steps'", "(needed)"]),
+    ({"lr_schedule": {"max_steps": 10, "decay": "wsd"}},
+     ["megapar.prepare: lr_schedule decay 'wsd' needs decay_steps"]),
     # read by no part of the engine: trained at a constant lr, saved nothing
     ({"warmup_steps": 100}, ["megapar.prepare: warmup_steps=100 is megapar-train's learning-rate "
                              "schedule", "pass lr_schedule={'max_steps'"]),

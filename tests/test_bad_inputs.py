@@ -1007,6 +1007,30 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     assert "\n" not in said, said
 
 
+def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
+    """A torchtitan job's [lr_scheduler]: decay_ratio / decay_type / min_lr_factor were
+    sentences to work out, and torchtitan's defaults (a linear decay to 0) went unsaid, so the
+    flags trained megapar's cosine to a tenth of --lr; now its schedule as flags with values."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "wsd.toml"
+    job.write_text('[training]\nsteps = 1000\n[optimizer]\nlr = 4e-4\n[lr_scheduler]\n'
+                   'warmup_steps = 100\ndecay_ratio = 0.2\ndecay_type = "sqrt"\n'
+                   'min_lr_factor = 0.1\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    assert str(exc.value).endswith(
+        "give its settings as megapar-train flags: --lr-decay wsd --lr-wsd-decay-fraction 0.2 "
+        "--lr-wsd-decay-style sqrt --min-lr 4e-05 --max-steps 1000 --lr 0.0004 "
+        "--warmup-steps 100"), exc.value
+    job.write_text("[training]\nsteps = 1000\n[lr_scheduler]\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    assert str(exc.value).endswith(": --warmup-steps 200 --lr-decay linear --min-lr 0 "
+                                   "--max-steps 1000"), exc.value
+
+
 OTHER_TOOLS = [
     # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
     ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),
@@ -1015,6 +1039,25 @@ OTHER_TOOLS = [
      "optimizer state too; to start from a checkpoint's weights alone, export it"),
     ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
     ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # learning-rate schedule and optimizer names: --lr-decay-iters was answered --max-steps
+    # (which stretched the decay), --optimizer.eps --optimizer, --lr-scheduler-type --schedule
+    # (the pipeline's), torchtitan's decay_ratio and Megatron's WSD iterations nothing useful
+    ("train", ["--lr-decay-iters", "5"], "--lr-decay-iters: did you mean --lr-decay-steps?"),
+    ("train", ["--optimizer.eps", "1e-8"], "--optimizer.eps: did you mean --adam-eps?"),
+    ("train", ["--lr-scheduler-type", "cosine"], "did you mean --lr-decay (linear or cosine"),
+    ("train", ["--lr_scheduler.decay_ratio", "0.2"], "did you mean --lr-wsd-decay-fraction"),
+    ("train", ["--lr-wsd-decay-iters", "9"], "did you mean --lr-wsd-decay-steps (with --lr-decay"),
+    # their names for a decay: only the choices were listed
+    ("train", ["--lr-decay", "WSD"], "'WSD' is megapar's --lr-decay wsd"),
+    ("train", ["--optimizer", "adam"], "'adam' is megapar's --optimizer adamw (decoupled"),
+    ("train", ["--optimizer", "AdamW"], "'AdamW' is megapar's --optimizer adamw"),
+    ("train", ["--lr-decay", "wsd", "--lr-wsd-decay-style", "minus_sqrt"],
+     "'minus_sqrt' is megapar's --lr-wsd-decay-style sqrt"),
+    # nanoGPT's --key=value settings: --block_size was 'did you mean --tokenizer?', --out_dir
+    # '--optimizer?', --grad_clip nothing
+    ("train", ["--block_size=64"], "--block_size: did you mean --seq-len?"),
+    ("train", ["--out_dir=out"], "--out_dir: did you mean --save (checkpoints)"),
+    ("train", ["--grad_clip=1.0"], "--grad_clip: did you mean --clip-grad?"),
     # Megatron's interleaving, sample counts, ramp-up, overlap and model flags: nothing was
     # named, or an unrelated flag (--overlap-grad-reduce: "did you mean --grad-reduce-dtype?")
     ("train", ["--virtual-pipeline-model-parallel-size", "2"],

@@ -160,8 +160,13 @@ def test_a_resume_at_another_global_batch_continues_the_data_order(tmp_path, tex
 
 
 def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
+    """tp 2 x pp 2 x dp 2 logs one process's losses (1e-5) under a WSD schedule whose 4 steps
+    are 2 of warmup and 2 of decay (the first at --lr; the same lr at each step in both)."""
+    from megapar.optim import LRScheduler
+
     common = ["--model", _model(tmp_path), "--data", text, "--tokenizer", "sentencepiece",
-              "--data-cache", cache, "--max-steps", "4", "--clip-grad", "0.5", *TINY]
+              "--data-cache", cache, "--max-steps", "4", "--clip-grad", "0.5", *TINY,
+              "--lr-decay", "wsd", "--lr-wsd-decay-steps", "2", "--min-lr", "1e-4"]
     serial, parallel = tmp_path / "serial.jsonl", tmp_path / "parallel.jsonl"
     assert main([*common, "--log-json", str(serial)]) == 0
     assert main([*common, "--tp", "2", "--pp", "2", "--dp", "2", "--log-json", str(parallel)]) == 0
@@ -169,6 +174,11 @@ def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert abs(x - y) / abs(x) < 1e-5, (a, b)
+    lrs = [[json.loads(line)["lr"] for line in log.read_text().splitlines()]
+           for log in (serial, parallel)]
+    wsd = LRScheduler(1e-3, 1e-4, 2, 4, "wsd", decay_steps=2)
+    assert lrs[0] == lrs[1] == pytest.approx([wsd.lr(s) for s in range(4)], rel=1e-6)
+    assert lrs[0] == pytest.approx([5e-4, 1e-3, 1e-3, 5.5e-4], rel=1e-6)
 
 
 def test_cli_grad_norms_at_tp2_dp2_zero1_equal_1x1x1(tmp_path, text, cache):
@@ -215,6 +225,16 @@ def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):
     (["--tp", "3"], "attention heads are not divisible by --tp 3"),
     (["--pp", "8"], "4 layers cannot be cut into --pp 8 stages"),
     (["--max-steps", "4", "--warmup-steps", "20"], "warmup of 20 steps is longer than the 4"),
+    (["--max-steps", "10", "--warmup-steps", "4", "--lr-decay", "wsd", "--lr-wsd-decay-fraction",
+      "0.7"], "warmup of 4 steps and WSD decay of 7 steps are longer than the 10"),
+    (["--max-steps", "8", "--lr-decay-steps", "3", "--warmup-steps", "5"],
+     "warmup of 5 steps is longer than --lr-decay-steps 3; lower --warmup-steps or raise "
+     "--lr-decay-steps"),
+    (["--lr-decay", "constant", "--min-lr", "1e-05"],
+     "--min-lr 1e-05 would be ignored: it is where the decay ends, and --lr-decay constant "
+     "holds --lr after warmup: give --lr-decay cosine, linear or wsd, or drop --min-lr"),
+    (["--lr-wsd-decay-steps", "5"], "--lr-wsd-decay-steps 5 would be ignored: it shapes the "
+                                    "final decay of --lr-decay wsd, and --lr-decay is cosine"),
     (["--global-batch-size", "512"], "fewer than one global batch of 512"),
     (["--global-batch-size", "65536"], "fewer than one global batch of 65536: at most"),
 ])

@@ -435,6 +435,24 @@ def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
     assert str(err.value).endswith("--precision fp16 --loss-scale 128"), err.value
 
 
+@pytest.mark.parametrize("scheduler, flags, left", [
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 100}},
+     ["--lr-decay constant", "--warmup-steps 100", "--lr 0.0003"],
+     ["scheduler.params.warmup_type log (megapar's warmup is linear)"]),
+    ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 90,
+                                          "warmup_min_lr": 1e-5, "warmup_type": "linear"}},
+     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--min-lr 1e-05"], []),
+    ({"type": "OneCycle", "params": {}}, [], ["scheduler.type OneCycle"]),
+])
+def test_a_deepspeed_scheduler_names_megapars_decay(scheduler, flags, left):
+    """A ds_config's scheduler: its warmup steps were named without its decay, so a WarmupLR
+    (constant after warmup) became megapar's default cosine decay; now the decay (and the
+    peak and floor) too, and a scheduler megapar has none of is named as such."""
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    assert deepspeed_equivalents({"scheduler": scheduler}) == (flags, left, [])
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")
@@ -683,6 +701,41 @@ def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(
     assert rc == 2, err
     assert (f"was trained on --data {tmp_path / 'job' / 'my text.txt'}, which is not found "
             f"from here; pass --data") in err
+
+
+def test_a_wsd_run_extended_from_its_stable_phase_holds_the_lr_then_decays(
+        texts, cache, tiny_model, tmp_path, capsys):
+    """The WSD way to train longer: --load a checkpoint of the stable phase with a larger
+    --max-steps. The schedule flags come from the checkpoint; the lr stays at --lr up to the
+    new decay, which takes the last --lr-wsd-decay-steps before the new --max-steps; the log
+    lines and --log-json give each step's lr."""
+    from megapar.optim import LRScheduler
+
+    ckpt, first, log = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "log.jsonl"
+    common = ["--data", texts["poem"], "--data-cache", cache, "--tokenizer", "sentencepiece",
+              "--seq-len", "32", "--global-batch-size", "8", "--no-progress", "--log-interval",
+              "1"]
+    rc, err = _run(train, [*common, "--model", tiny_model, "--max-steps", "6", "--save", ckpt,
+                           "--save-interval", "3", "--log-json", first, "--lr", "1e-3",
+                           "--min-lr", "1e-4", "--warmup-steps", "1", "--lr-decay", "wsd",
+                           "--lr-wsd-decay-steps", "2"], capsys)
+    assert rc == 0, err
+    planned = LRScheduler(1e-3, 1e-4, 1, 6, "wsd", decay_steps=2)
+    assert [r["lr"] for r in _records(first)] == pytest.approx(
+        [planned.lr(s) for s in range(6)], rel=1e-6)
+    rc = train([str(a) for a in [*common, "--load", ckpt / "step_00000003", "--max-steps", "8",
+                                 "--log-json", log]])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "learning-rate schedule follows the flags, not the checkpoint: max_steps 6 -> 8\n" \
+        in out.out
+    extended = LRScheduler(1e-3, 1e-4, 1, 8, "wsd", decay_steps=2)
+    lrs = {r["step"]: r["lr"] for r in _records(log)}
+    assert list(lrs) == [4, 5, 6, 7, 8]
+    assert list(lrs.values()) == pytest.approx([1e-3] * 4 + [extended.lr(7)], rel=1e-6)
+    assert extended.lr(7) == pytest.approx(5.5e-4)
+    assert "lr 5.500e-04" in [line for line in out.out.splitlines()
+                              if line.startswith("step      8")][0]
 
 
 def test_a_raised_max_steps_stretches_the_lr_schedule(texts, cache, tiny_model, tmp_path,

@@ -43,6 +43,140 @@ def test_linear_and_constant_decay():
     assert [const.lr(i) for i in (0, 1, 2, 50)] == pytest.approx([1.0, 2.0, 2.0, 2.0])
 
 
+def _transformers_lrs(schedule, steps, **kwargs):
+    """transformers' learning rates at steps 0..steps-1 of `schedule` (a get_*_schedule
+    function) on an optimizer whose lr is 1.0: the LambdaLR's factors."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = schedule(opt, **kwargs)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("style, theirs", [("linear", "linear"), ("cosine", "cosine"),
+                                           ("sqrt", "1-sqrt")])
+@pytest.mark.parametrize("ratio", [0.0, 0.1])
+def test_wsd_is_transformers_get_wsd_schedule(style, theirs, ratio):
+    """megapar's WSD (warmup 3, a decay of 4 ending at step 12) is transformers'
+    get_wsd_schedule at every step after warmup, to the end and past it (at min_lr). In warmup
+    megapar's step s takes their step s + 1 (megapar's first step trains at lr / warmup, theirs
+    at 0; their warmup also starts from min_lr_ratio, so it is compared at ratio 0)."""
+    from transformers import get_wsd_schedule
+
+    ours = LRScheduler(1.0, ratio, 3, 12, "wsd", decay_steps=4, wsd_style=style)
+    theirs_lrs = _transformers_lrs(get_wsd_schedule, 17, num_warmup_steps=3, num_decay_steps=4,
+                                   num_training_steps=12, decay_type=theirs, min_lr_ratio=ratio)
+    assert [ours.lr(s) for s in range(3, 17)] == pytest.approx(theirs_lrs[3:], rel=1e-12)
+    assert [ours.lr(s) for s in range(3, 8)] == [1.0] * 5  # the stable phase
+    if ratio == 0.0:
+        assert [ours.lr(s) for s in range(3)] == pytest.approx(theirs_lrs[1:4], rel=1e-12)
+
+
+def test_wsd_exponential_is_megatrons():
+    """Megatron-LM's exponential WSD decay: min + (max - min) x (2 x 0.5^p - 1), p the decay's
+    progress; halfway (p = 0.5): 2 / sqrt(2) - 1 = sqrt(2) - 1."""
+    s = LRScheduler(1.0, 0.1, 0, 10, "wsd", decay_steps=4, wsd_style="exponential")
+    assert [s.lr(i) for i in range(7)] == [1.0] * 7
+    assert s.lr(8) == pytest.approx(0.1 + 0.9 * (math.sqrt(2) - 1), rel=1e-12)
+    assert s.lr(10) == pytest.approx(0.1, rel=1e-12) and s.lr(99) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_cosine_and_linear_are_transformers(decay):
+    """The existing decays checked against transformers' (warmup 4, 14 steps, cosine to a tenth
+    of the peak, linear to 0): equal from the end of warmup to step 14, and in warmup megapar's step s
+    is their step s + 1 (their step 0 trains at lr 0)."""
+    import transformers
+
+    if decay == "cosine":
+        schedule, extra, low = (transformers.get_cosine_with_min_lr_schedule_with_warmup,
+                                {"min_lr_rate": 0.1}, 0.1)
+    else:
+        schedule, extra, low = transformers.get_linear_schedule_with_warmup, {}, 0.0
+    theirs = _transformers_lrs(schedule, 15, num_warmup_steps=4, num_training_steps=14, **extra)
+    ours = LRScheduler(1.0, low, 4, 14, decay)  # (their cosine rises again after step 14)
+    assert [ours.lr(s) for s in range(4, 15)] == pytest.approx(theirs[4:], rel=1e-12, abs=1e-15)
+    assert [ours.lr(s) for s in range(4)] == pytest.approx(theirs[1:5], rel=1e-12)
+
+
+@pytest.mark.parametrize("decay", ["linear", "wsd"])
+def test_the_decay_ends_at_lr_decay_steps_before_max_steps(decay):
+    """Megatron-LM's --lr-decay-iters 6 with --train-iters 10 (--lr-decay-steps 6 --max-steps
+    10): the decay reaches --min-lr at step 6 and stays; linear it is transformers' linear
+    schedule over 6 steps (min lr 0), and WSD's decay fraction is of those 6 steps. It was
+    answered with --max-steps, which stretched the decay over all 10."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=2, max_steps=10, lr_decay=decay,
+                      lr_decay_steps=6, lr_wsd_decay_fraction=0.5)
+    s = Engine.flags_schedule(cfg)
+    lrs = [s.lr(i) for i in range(10)]
+    assert lrs[6:] == [0.0] * 4
+    if decay == "linear":
+        theirs = _transformers_lrs(get_linear_schedule_with_warmup, 7, num_warmup_steps=2,
+                                   num_training_steps=6)
+        assert lrs[2:7] == pytest.approx(theirs[2:7], rel=1e-12)
+    else:
+        assert s.decay_steps == 3 and lrs[2:5] == pytest.approx([1.0, 1.0, 2 / 3], rel=1e-12)
+
+
+def test_a_resume_note_names_the_lr_a_changed_schedule_jumps_to():
+    """--load with a larger --max-steps: from WSD's stable phase the next lr is unchanged (no
+    more said); from a checkpoint whose WSD decay had begun the lr jumps back to the peak, and
+    the note says so and which checkpoint would extend the stable phase; a stretched cosine
+    names its new lr. The note only said 'max_steps 8 -> 12'."""
+    from megapar.optim.scheduler import resume_change
+
+    saved = LRScheduler(1.0, 0.1, 2, 8, "wsd", decay_steps=3)
+    longer = LRScheduler(1.0, 0.1, 2, 12, "wsd", decay_steps=3)
+    assert resume_change(saved, longer, 4) == ""
+    assert resume_change(saved, longer, 8) == (
+        "; step 9 trains at lr 1, not the checkpoint schedule's 0.1 (its WSD decay began at "
+        "step 7: to extend the stable phase, --load a checkpoint saved before it)")
+    cosine = LRScheduler(1.0, 0.1, 2, 8, "cosine")
+    assert resume_change(cosine, LRScheduler(1.0, 0.1, 2, 12, "cosine"), 8) == (
+        "; step 9 trains at lr 0.4109, not the checkpoint schedule's 0.1")
+
+
+def test_a_wsd_fraction_given_on_load_replaces_the_checkpoints_decay_steps():
+    """--load of a run saved with --lr-wsd-decay-steps 3, given --lr-wsd-decay-fraction 0.5:
+    the fraction sets the decay (was refused: '--lr-wsd-decay-fraction 0.5 would be ignored:
+    --lr-wsd-decay-steps 3 sets the final decay's length', the 3 taken from the checkpoint)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    cfg = TrainConfig(lr_wsd_decay_fraction=0.5, max_steps=12)
+    cfg.explicit = frozenset({"lr_wsd_decay_fraction", "max_steps"})
+    saved = {"lr_decay": "wsd", "lr_wsd_decay_steps": 3, "lr_wsd_decay_fraction": 0.2,
+             "max_steps": 8, "warmup_steps": 2}
+    assert settings_from_checkpoint(cfg, {"meta": {"train_config": saved}}) == [
+        "from the checkpoint (not given): --lr-decay wsd, --warmup-steps 2"]
+    assert Engine.flags_schedule(cfg).decay_steps == 6
+
+
+def test_the_default_warmup_fits_before_lr_decay_steps():
+    """--max-steps 100 --lr-decay-steps 5 without --warmup-steps: the default warmup is 10 % of
+    where the decay ends (was of --max-steps: 10 steps, then refused as longer than
+    --lr-decay-steps 5, a flag the user had not given)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+    from megapar.training.validate import adapt_defaults
+
+    cfg = TrainConfig(max_steps=100, lr_decay_steps=5, global_batch_size=8)
+    cfg.explicit = frozenset({"max_steps", "lr_decay_steps", "global_batch_size"})
+    notes = adapt_defaults(cfg, 1)
+    assert "--warmup-steps not given: using 0 (10 % of --lr-decay-steps 5) instead of the " \
+           "default 20" in notes
+    assert Engine.flags_schedule(cfg).lr(5) == cfg.min_lr
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)
@@ -54,6 +188,10 @@ def test_scheduler_state_round_trips_through_json():
     ((1.0, 0.0, 0, 10, "exp"), "unknown lr decay 'exp'"),
     ((1.0, 2.0, 0, 10), "min_lr 2.0 is larger than max_lr 1.0"),
     ((1.0, 0.0, 20, 10), "warmup of 20 steps is longer than the 10 training steps"),
+    ((1.0, 0.0, 4, 10, "wsd", 7), "warmup of 4 steps and WSD decay of 7 steps are longer "
+                                  "than the 10 training steps"),
+    ((1.0, 0.0, 0, 10, "wsd", 0), "WSD needs a final decay of at least 1 step"),
+    ((1.0, 0.0, 0, 10, "wsd", 2, "minus_sqrt"), "unknown WSD decay style 'minus_sqrt'"),
 ])
 def test_scheduler_errors(args, message):
     with pytest.raises(ValueError, match=message):

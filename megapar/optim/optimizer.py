@@ -40,6 +40,23 @@ OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
 SGD, and Muon for the blocks' matrices with AdamW for the rest (`muon.py`)."""
 
 
+def optimizer_named_elsewhere(value: str) -> str:
+    """For an --optimizer value megapar does not take but another tool names (Megatron-LM's
+    `adam`, torchtitan's `AdamW`, the Trainer's `adamw_torch_fused`), what megapar calls it;
+    "" for a name it does not know."""
+    key = str(value).lower()
+    if key == "adam":  # Megatron-LM's adam decouples the weight decay; torch's Adam does not
+        return (
+            f"{value!r} is megapar's --optimizer adamw (decoupled weight decay, as Megatron-LM's "
+            f"adam; torch's Adam adds the decay to the gradient)"
+        )
+    if key.startswith("adamw") or key in ("fusedadam", "deepspeedcpuadam"):
+        return f"{value!r} is megapar's --optimizer adamw (torch's fused kernel)"
+    if key in ("lamb", "fusedlamb", "lars", "sgd"):
+        return f"{value!r} is megapar's --optimizer {key.removeprefix('fused')}"
+    return ""
+
+
 def state_keys(kind: str) -> tuple[str, ...]:
     """The per-parameter state an optimizer of `kind` keeps (and a checkpoint stores); Muon's:
     momentum_buffer for its matrices, exp_avg and exp_avg_sq for AdamW's parameters."""

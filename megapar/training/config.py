@@ -29,9 +29,9 @@ from megapar.models.blocks import RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.one_line_parser import OneLineParser
 from megapar.optim.muon import ADJUST_LR
-from megapar.optim.optimizer import OPTIMIZERS
+from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
-from megapar.optim.scheduler import DECAY_STYLES
+from megapar.optim.scheduler import DECAY_STYLES, WSD_STYLES, decay_named_elsewhere
 from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
@@ -174,7 +174,15 @@ class TrainConfig:
     min_lr: float = 1e-4
     """Learning rate at the end of the decay. Not given, it is at most --lr x 0.1 (the defaults' ratio; with a note)."""
     lr_decay: str = "cosine"
-    """Decay after warmup: cosine, linear or constant."""
+    """Decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay: --lr until a final decay to --min-lr over the last --lr-wsd-decay-steps, shaped by --lr-wsd-decay-style; Megatron-LM's --lr-decay-style WSD)."""
+    lr_decay_steps: int = 0
+    """Step at which the decay reaches --min-lr, which holds after it (Megatron-LM's --lr-decay-iters; 0: --max-steps)."""
+    lr_wsd_decay_steps: int = 0
+    """With --lr-decay wsd: steps of the final decay, which ends at --max-steps, or --lr-decay-steps (0: --lr-wsd-decay-fraction of those)."""
+    lr_wsd_decay_fraction: float = 0.2
+    """With --lr-decay wsd and no --lr-wsd-decay-steps: the final decay's share of --max-steps, or of --lr-decay-steps (torchtitan's decay_ratio)."""
+    lr_wsd_decay_style: str = "linear"
+    """With --lr-decay wsd: the final decay's shape: linear, cosine, sqrt (1 - sqrt of the progress; Megatron-LM's minus_sqrt, transformers' 1-sqrt) or exponential (Megatron-LM's 2 x 0.5^progress - 1)."""
     warmup_steps: int = 20
     """Linear warmup steps."""
     weight_decay: float = 0.1
@@ -368,6 +376,7 @@ def flag_choices() -> dict[str, list]:
         "grad_reduce_dtype": COMM_DTYPES,
         "zero": [0, 1, 2, 3],
         "lr_decay": list(DECAY_STYLES),
+        "lr_wsd_decay_style": list(WSD_STYLES),
         "optimizer": list(OPTIMIZERS),
         "muon_adjust_lr": list(ADJUST_LR),
         "grad_compression": list(GRAD_COMPRESSIONS),
@@ -398,7 +407,12 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
-        value_known_as={"--schedule": schedule_named_elsewhere},
+        value_known_as={
+            "--schedule": schedule_named_elsewhere,
+            "--lr-decay": decay_named_elsewhere,
+            "--lr-wsd-decay-style": decay_named_elsewhere,
+            "--optimizer": optimizer_named_elsewhere,
+        },
         prog=prog,
         description=(
             "Train a GPT-2, BERT, Llama, Qwen3, Qwen2, Mistral, Mixtral or Qwen3-MoE with tensor, "

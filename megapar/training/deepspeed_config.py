@@ -27,6 +27,10 @@ ZERO_KEYS_READ = frozenset(
 the others (stage3_prefetch_bucket_size, sub_group_size, ...) are named as having none."""
 
 
+DEEPSPEED_DECAYS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+"""DeepSpeed's warmup schedulers as megapar's --lr-decay (what follows their warmup)."""
+
+
 def _flag_value(value: Any) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
         return str(int(value))  # 1e5, not 100000.0
@@ -146,10 +150,25 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 flags.append("--adam-beta2 0.999")
         elif key == "scheduler" and isinstance(value, dict):
             params = value.get("params") or {}
+            kind = str(value.get("type", ""))
+            decay = DEEPSPEED_DECAYS.get(kind)
+            if decay is not None:  # megapar's default, cosine, would decay a WarmupLR's lr
+                flags.append(f"--lr-decay {decay}")
+            else:
+                left.append(f"scheduler.type {kind}")
             if "warmup_num_steps" in params:
                 flags.append(f"--warmup-steps {_flag_value(params['warmup_num_steps'])}")
             if "total_num_steps" in params:
                 flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
+            if "warmup_max_lr" in params:
+                flags.append(f"--lr {_flag_value(params['warmup_max_lr'])}")
+            if kind == "WarmupDecayLR":  # decays linearly to warmup_min_lr
+                flags.append(f"--min-lr {_flag_value(params.get('warmup_min_lr', 0))}")
+            elif kind == "WarmupCosineLR":
+                ratio = _flag_value(params.get("cos_min_ratio", 0.0001))
+                flags.append(f"--min-lr (--lr x cos_min_ratio {ratio})")
+            if decay is not None and params.get("warmup_type", "log") == "log":
+                left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")
         else:
             left.append(key)
     return flags, left, auto

@@ -48,6 +48,7 @@ from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim import DynamicLossScaler, LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
+from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.batch_check import (
@@ -236,7 +237,7 @@ class Engine:
         """The `LRScheduler` cfg's lr / min-lr / warmup / decay fields describe (scaled)."""
         lr = cls.scaled_lr(cfg)
         min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
-        return LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
+        return flags_schedule(cfg, lr, min_lr)
 
     @staticmethod
     def scaled_lr(cfg: TrainConfig) -> float:

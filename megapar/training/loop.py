@@ -37,6 +37,8 @@ from megapar.faults.stop import (
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.models.flops import training_flops_per_token
+from megapar.optim import LRScheduler
+from megapar.optim.scheduler import resume_change
 from megapar.pipeline.timeline import bubble_stats
 from megapar.pipeline.trace import gather_timeline
 from megapar.tensor_parallel.partition import local_size
@@ -178,6 +180,7 @@ class Trainer:
             )
             self.notes.append(
                 f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
+                + resume_change(LRScheduler(**saved), self.scheduler, self.step)
             )
         self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
         self.wandb_run = state.meta.get("wandb_run")

@@ -119,6 +119,15 @@ FP8_FORMAT = (
     "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
 )
 
+LR_SAMPLES = (
+    "{flag} (megapar counts optimizer steps, not samples: the samples over the global batch size)"
+)
+CONSTANT_WD = "megapar's weight decay is constant: --weight-decay; drop it"
+HF_SCHEDULER = (
+    "--lr-decay (linear or cosine with --min-lr 0; cosine_with_min_lr: cosine with a "
+    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd)"
+)
+
 LAUNCHER = (
     "megapar-train starts its tp x cp x pp x dp local workers itself (give --dp); on several "
     "nodes run it under torchrun or launch/slurm.sbatch (docs/guides/gpus.md)"
@@ -161,8 +170,65 @@ OTHER_TOOLS_FLAGS = {
     "--fp16-opt-level": FP16_OPT_LEVEL,
     "--half_precision_backend": FP16_BACKEND,
     "--fp16_backend": FP16_BACKEND,
-    "--lr-decay-style": "--lr-decay",
+    "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD)",
     "--lr-warmup-iters": "--warmup-steps",
+    "--lr-wsd-decay-iters": "--lr-wsd-decay-steps (with --lr-decay wsd)",
+    "--lr-wsd-decay-samples": "--lr-wsd-decay-steps with --lr-decay wsd (megapar counts "
+    "steps: the samples over the global batch size)",
+    "--lr-decay-samples": LR_SAMPLES.format(flag="--lr-decay-steps"),
+    "--lr-warmup-samples": LR_SAMPLES.format(flag="--warmup-steps"),
+    "--sgd-momentum": "megapar's --optimizer sgd and lars use momentum 0.9 (Megatron-LM's "
+    "default); drop it",
+    "--lr-warmup-init": "megapar's warmup starts from 0: step s of --warmup-steps W trains at "
+    "--lr x (s + 1) / W; drop it",
+    "--start-weight-decay": CONSTANT_WD,
+    "--end-weight-decay": CONSTANT_WD,
+    "--weight-decay-incr-style": CONSTANT_WD,
+    "--decoupled-lr": "megapar trains every parameter at one --lr (the embedding and output "
+    "layer too); drop it",
+    "--decoupled-min-lr": "megapar trains every parameter at one --lr (the embedding and output "
+    "layer too); drop it",
+    "--override-opt_param-scheduler": "on --load megapar's learning-rate schedule follows the "
+    "flags given (a note names what changed from the checkpoint's); drop it",
+    "--use-checkpoint-opt_param-scheduler": "on --load the schedule flags not given are the "
+    "checkpoint's: give none of --lr, --min-lr, --warmup-steps, --lr-decay, --max-steps",
+    # Hugging Face Trainer's (TrainingArguments') optimizer and schedule arguments
+    "--lr_scheduler_type": HF_SCHEDULER,
+    "--lr-scheduler-type": HF_SCHEDULER,
+    "--warmup_ratio": "--warmup-steps (a step count: the ratio x the training steps)",
+    "--max_grad_norm": "--clip-grad",
+    "--adam_epsilon": "--adam-eps",
+    "--optim": "--optimizer (adamw, lamb, lars or sgd; AdamW is torch's fused kernel)",
+    "--lr-scheduler-kwargs": "megapar-train's schedule flags: --min-lr (an lr, not a ratio), "
+    "--lr-wsd-decay-steps or --lr-wsd-decay-fraction, --lr-wsd-decay-style (decay_type)",
+    "--num-train-epochs": "megapar-train counts optimizer steps: give --max-steps (an epoch is "
+    "the training split's samples over the global batch size)",
+    # nanoGPT's train.py settings (--key=value): difflib named --tokenizer for --block_size,
+    # --optimizer for --out_dir, --p2p-dtype for --dtype, nothing for --grad_clip
+    "--grad-clip": "--clip-grad",
+    "--decay-lr": "--lr-decay constant (decay_lr False; True is the default, --lr-decay cosine)",
+    "--block-size": "--seq-len",
+    "--out-dir": "--save (checkpoints) and --log-json or --tensorboard (logs)",
+    "--dtype": "--precision (fp32, bf16 or fp16)",
+    "--init-from": "megapar-train's --load CKPT resumes (init_from resume) and --from-hf DIR "
+    "starts from a transformers model (init_from gpt2)",
+    "--lr-min": "--min-lr",
+    # torchtitan's [optimizer] and [lr_scheduler] (its schedule is always warmup, stable, decay:
+    # decay_ratio unset decays over all steps after warmup, megapar's --lr-decay linear)
+    "--optimizer.name": "--optimizer (adamw, lamb, lars or sgd)",
+    "--optimizer.eps": "--adam-eps",
+    "--optimizer.beta1": "--adam-beta1",
+    "--optimizer.beta2": "--adam-beta2",
+    "--optimizer.weight_decay": "--weight-decay",
+    "--optimizer.implementation": "megapar's AdamW is torch's fused kernel on CPU and CUDA; "
+    "drop it",
+    "--training.max_norm": "--clip-grad",
+    "--lr_scheduler.decay_ratio": "--lr-wsd-decay-fraction (with --lr-decay wsd; without "
+    "decay_ratio torchtitan decays over all steps after warmup: --lr-decay linear)",
+    "--lr_scheduler.decay_type": "--lr-wsd-decay-style (with --lr-decay wsd)",
+    "--lr_scheduler.min_lr_factor": "--min-lr (a learning rate, not a factor: --lr x "
+    "min_lr_factor)",
+    "--lr_scheduler.lr_min": "--min-lr (a learning rate, not a factor: --lr x lr_min)",
     "--eval-iters": "--eval-steps",
     "--data-path": "--data",
     "--training.dataset_path": "--data",
@@ -187,8 +253,8 @@ OTHER_TOOLS_FLAGS = {
     "--training.mixed_precision_param": "--precision",
     "--optimizer.lr": "--lr",
     "--learning_rate": "--lr",
-    "--lr-decay-iters": "--max-steps",
-    "--lr-warmup-fraction": "--warmup-steps",
+    "--lr-decay-iters": "--lr-decay-steps",
+    "--lr-warmup-fraction": "--warmup-steps (a step count: the fraction x the decay's steps)",
     "--lr_scheduler.warmup_steps": "--warmup-steps",
     "--load-optim": "--load",
     "--no-load-optim": WEIGHTS_ONLY,
@@ -446,8 +512,17 @@ def toml_job_config(path: str) -> str:
         (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
     )
     flags, sentences, left = [], [], []
+    schedule = job.get("lr_scheduler")
+    if isinstance(schedule, dict):
+        flags += torchtitan_schedule(job, schedule)
     for key, value in keys:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if (
+            key.startswith("lr_scheduler.")
+            and key != "lr_scheduler.warmup_steps"
+            and (key.split(".", 1)[1] in TORCHTITAN_SCHEDULE)
+        ):
+            continue  # named by torchtitan_schedule
         if key.endswith("float8.recipe_name") and recipe is not None:
             flags.append(f"--fp8 {recipe}")
         elif key == "model.converters" and "float8" in str(value):
@@ -469,3 +544,30 @@ def toml_job_config(path: str) -> str:
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
         + (f" (no flag named for: {', '.join(left)})" if left else "")
     )
+
+
+TORCHTITAN_SCHEDULE = ("decay_ratio", "decay_type", "min_lr_factor", "lr_min")
+"""torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags (with warmup_steps)."""
+
+
+def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
+    """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
+    filled in (warmup 200, decay_ratio None: a decay over every step after warmup, decay_type
+    linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
+    would train another schedule."""
+    warmup = schedule.get("warmup_steps", 200)
+    ratio = schedule.get("decay_ratio")
+    shape = schedule.get("decay_type", "linear")
+    factor = schedule.get("min_lr_factor", schedule.get("lr_min", 0.0))
+    lr = (job.get("optimizer") or {}).get("lr", 8e-4)
+    steps = (job.get("training") or {}).get("steps", 10000)
+    flags = [] if "warmup_steps" in schedule else [f"--warmup-steps {warmup}"]
+    if ratio is not None:
+        flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
+    elif shape == "sqrt":  # over every step after warmup: a WSD without a stable phase
+        flags.append(
+            f"--lr-decay wsd --lr-wsd-decay-steps {steps - warmup} --lr-wsd-decay-style sqrt"
+        )
+    else:
+        flags.append(f"--lr-decay {shape}")
+    return [*flags, f"--min-lr {float(lr) * float(factor):g}"]

@@ -215,11 +215,12 @@ def prepare(
     gradient-norm clip (0: off).
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
-    min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
-    with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
-    lr_scale_with_batch, global_batch_size) can be passed as a keyword (global_batch_size:
-    every `train_step` batch must then have that many rows), except megapar-train's schedule
-    flags (max_steps, warmup_steps, lr_decay, min_lr: use lr_schedule) and what only its loop
+    min_lr; with decay "wsd" decay_steps and wsd_style). fp8: "tensorwise" / "rowwise" runs
+    the blocks' linears in FP8 with torchao (a GPU with FP8, or fp8_emulate=True;
+    docs/guides/fp8.md). Any other `TrainConfig` field (e.g. lr_scale_with_batch,
+    global_batch_size) can be passed as a keyword (global_batch_size: every `train_step` batch
+    must then have that many rows), except megapar-train's schedule flags (max_steps,
+    warmup_steps, lr_decay, min_lr, lr_wsd_*: use lr_schedule) and what only its loop
     reads (save, load, log_interval, eval_interval, exit_interval, ...: `LOOP_OPTIONS`),
     refused with ValueError rather than ignored;
     compile=True torch.compiles each transformer block (`--compile`); sequence_parallel=True
@@ -309,7 +310,10 @@ def prepare(
     return engine
 
 
-SCHEDULE_OPTIONS = ("max_steps", "warmup_steps", "lr_decay", "min_lr")
+SCHEDULE_OPTIONS = (
+    *("max_steps", "warmup_steps", "lr_decay", "min_lr"),
+    *("lr_decay_steps", "lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style"),
+)
 """megapar-train's schedule flags: prepare builds a schedule only from `lr_schedule`."""
 
 LOOP_OPTIONS = (
@@ -414,13 +418,19 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
     """prepare's `lr_schedule` as the engine takes it: None, or a megapar `LRScheduler` (a dict
     of its fields is built into one, from the scaled lr); anything else is refused."""
     if isinstance(lr_schedule, dict):
-        known = {"min_lr", "warmup_steps", "max_steps", "decay"}
+        known = {"min_lr", "warmup_steps", "max_steps", "decay", "decay_steps", "wsd_style"}
         unknown = sorted(set(lr_schedule) - known)
         if unknown or "max_steps" not in lr_schedule:
             what = f"unknown keys {unknown}" if unknown else "no 'max_steps'"
             raise ValueError(
                 f"megapar.prepare: lr_schedule has {what}; its keys are max_steps (needed), "
-                f"warmup_steps, decay and min_lr (the peak is lr)"
+                f"warmup_steps, decay, min_lr (the peak is lr), and with decay 'wsd' "
+                f"decay_steps and wsd_style"
+            )
+        if lr_schedule.get("decay") == "wsd" and "decay_steps" not in lr_schedule:
+            raise ValueError(
+                "megapar.prepare: lr_schedule decay 'wsd' needs decay_steps (the steps of its "
+                "final decay, which ends at max_steps); wsd_style is linear unless given"
             )
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)

@@ -47,6 +47,10 @@ def recorded_settings(engine) -> dict:
             max_steps=schedule.max_steps,
             lr_decay=schedule.decay,
         )
+        if schedule.decay == "wsd":
+            settings.update(
+                lr_wsd_decay_steps=schedule.decay_steps, lr_wsd_decay_style=schedule.wsd_style
+            )
     return settings
 
 

@@ -18,7 +18,7 @@ from megapar.diagnostics.replay import check_record, find_record
 from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
-from megapar.optim import LRScheduler
+from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
 from megapar.training.config import TrainConfig
@@ -174,7 +174,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
 
-    LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
+    flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)

@@ -58,6 +58,9 @@ _RULES: list[_Rule] = [
     ("global_batch_size", "int", 1, True),
     ("max_steps", "int", 1, True),
     ("warmup_steps", "int", 0, True),
+    ("lr_decay_steps", "int", 1, True, (0, "--max-steps")),
+    ("lr_wsd_decay_steps", "int", 1, True, (0, "--lr-wsd-decay-fraction of --max-steps")),
+    ("lr_wsd_decay_fraction", "float", 0.0, False),
     ("eval_interval", "int", 0, True),
     ("eval_steps", "int", 1, True),
     ("save_interval", "int", 0, True),
@@ -332,11 +335,13 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     Only settings the user gave are checked against each other (by the caller, afterwards)."""
     given, notes = explicit(cfg), []
     if "warmup_steps" not in given:
-        warmup = min(cfg.warmup_steps, cfg.max_steps // 10)
+        end = cfg.lr_decay_steps or cfg.max_steps  # where the decay ends
+        warmup = min(cfg.warmup_steps, end // 10)
         if warmup != cfg.warmup_steps:
+            of = f"--lr-decay-steps {end}" if cfg.lr_decay_steps else f"--max-steps {end}"
             notes.append(
-                f"--warmup-steps not given: using {warmup} (10 % of --max-steps "
-                f"{cfg.max_steps}) instead of the default {cfg.warmup_steps}"
+                f"--warmup-steps not given: using {warmup} (10 % of {of}) instead of the "
+                f"default {cfg.warmup_steps}"
             )
             cfg.warmup_steps = warmup
     if "min_lr" not in given:

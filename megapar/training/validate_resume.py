@@ -329,6 +329,8 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         name = f.name
         if name in NOT_INHERITED or name in given or name not in saved:
             continue
+        if name == "lr_wsd_decay_steps" and "lr_wsd_decay_fraction" in given:
+            continue  # the fraction given now sets the decay's length, not the saved steps
         inherited.add(name)
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):

@@ -95,6 +95,33 @@ def check_unused(cfg, given: set[str]) -> None:
         *(
             (
                 name,
+                cfg.lr_decay == "wsd",
+                f"it shapes the final decay of --lr-decay wsd, and --lr-decay is {cfg.lr_decay}",
+                "add --lr-decay wsd",
+            )
+            for name in ("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style")
+        ),
+        (
+            "min_lr",
+            cfg.lr_decay != "constant",
+            "it is where the decay ends, and --lr-decay constant holds --lr after warmup",
+            "give --lr-decay cosine, linear or wsd",
+        ),
+        (
+            "lr_decay_steps",
+            cfg.lr_decay != "constant",
+            "it is where the decay ends, and --lr-decay constant has none",
+            "give --lr-decay cosine, linear or wsd",
+        ),
+        (
+            "lr_wsd_decay_fraction",
+            cfg.lr_wsd_decay_steps == 0,
+            f"--lr-wsd-decay-steps {cfg.lr_wsd_decay_steps} sets the final decay's length",
+            None,
+        ),
+        *(
+            (
+                name,
                 adam,
                 f"--optimizer {cfg.optimizer} has no Adam moments",
                 "use --optimizer adamw",
