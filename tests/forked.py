@@ -38,13 +38,13 @@ def join_or_kill(procs, timeout_s: float) -> None:
             p.join()
 
 
-def run_python(args, env: dict, timeout_s: float, directory) -> tuple[int, str, str]:
+def run_python(args, env: dict, timeout_s: float, directory, cwd=None) -> tuple[int, str, str]:
     """`python3 ARGS` (a script and its arguments, or `-m MODULE ARGS`) run in a forked child of
     this process, which has imported torch and transformers already (a fresh interpreter spends
     5-6 s of CPU importing them): the child takes `env` as its environment, /dev/null as its
     stdin, and runs ARGS as `__main__` as the interpreter would (a script's directory first on
-    sys.path). Returns (exit code, stdout, stderr); the child is killed after `timeout_s`.
-    `directory`: where its output is kept."""
+    sys.path) in `cwd` (this process's by default). Returns (exit code, stdout, stderr); the
+    child is killed after `timeout_s`. `directory`: where its output is kept."""
     import runpy
     import time
     import traceback
@@ -66,6 +66,8 @@ def run_python(args, env: dict, timeout_s: float, directory) -> tuple[int, str, 
             sys.stderr = open(2, "w", buffering=1, closefd=False)
             os.environ.clear()
             os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
             if args[0] == "-m":
                 sys.argv = [args[1], *args[2:]]
                 runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -9,7 +9,8 @@
   blocks with `bash -e -o pipefail`, python blocks with `python3`; a `step N | ...` line shown
   in a text block right after one is in its output. A bash block's megapar commands each run
   in a fork of a process that has imported torch and the commands (tests/warm_commands.py),
-  with the block's argv, environment, directory and output;
+  with the block's argv, environment, directory and output; a python block runs as `__main__`
+  in a forked child of the test's process (tests/forked.py's run_python);
 - a text block that starts with a megapar-plan command shows lines that command prints.
 """
 
@@ -119,11 +120,17 @@ def test_runnable_block_runs_as_written(lang, text, shown, tmp_path, megapar_com
     work.mkdir()
     env = {**os.environ, "MEGAPAR_CPU": "1",
            "PATH": f"{megapar_commands}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, (f"exit code {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
-                                  f"\n--- stderr\n{done.stderr[-3000:]}")
-    printed = done.stdout + done.stderr
+    if lang == "python":  # a forked child of this process, torch imported (tests/forked.py)
+        from forked import run_python
+
+        code, stdout, stderr = run_python([script], env, 280, tmp_path, cwd=work)
+    else:
+        done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=280)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    assert code == 0, (f"exit code {code}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n"
+                       f"{stderr[-3000:]}")
+    printed = stdout + stderr
     for piece in shown:  # the doc shows what a run prints (moe.md's losses were stale)
         assert piece in printed, f"the doc shows {piece!r}; the run printed:\n{printed[-3000:]}"
 
