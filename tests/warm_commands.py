@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER = r"""
 import atexit, ctypes, gc, importlib, json, os, signal, socket, sys
 
-# killed with the test process that started it, however that ends (PR_SET_PDEATHSIG, which its
-# forks do not inherit)
-ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+# killed with the test process that started it, however that ends (Linux's PR_SET_PDEATHSIG,
+# which its forks do not inherit)
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 if os.getppid() != int(sys.argv[3]):
     sys.exit(1)
 
