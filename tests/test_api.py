@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import run_python
 from tp_utils import assert_close, refusal
 
 import megapar
@@ -55,12 +56,12 @@ def test_import_megapar_is_cheap():
 def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     steps = 5
     out = tmp_path / "losses.json"
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--data", prefix, "--steps", str(steps),
-                          "--json", str(out)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert run.returncode == 0, run.stderr
+    rc, stdout, stderr = run_python([EXAMPLE, "--data", prefix, "--steps", str(steps), "--json",
+                                     str(out)], {**os.environ, "PYTHONPATH": str(ROOT)}, 600,
+                                    tmp_path)
+    assert rc == 0, stderr
     user = json.loads(out.read_text())
-    assert len(user) == steps and "step 5: loss" in run.stdout
+    assert len(user) == steps and "step 5: loss" in stdout
 
     example = _example()
     hf_dir = tmp_path / "hf"
@@ -159,14 +160,14 @@ def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):
     assert AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == p
 
 
-def test_notebook_cell_runs_under_ipython():
+def test_notebook_cell_runs_under_ipython(tmp_path):
     """The example notebook's cell, run by IPython (get_ipython() is set, as in Jupyter)."""
     cell = json.loads((ROOT / "examples" / "notebook_launch.ipynb").read_text())["cells"][1]
-    run = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "-c",
-                          "".join(cell["source"])], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    line = [x for x in run.stdout.splitlines() if x.startswith("losses")]
-    assert line, run.stdout + run.stderr
+    rc, stdout, stderr = run_python(["-m", "IPython", "--no-banner", "--quick", "-c",
+                                     "".join(cell["source"])],
+                                    {**os.environ, "PYTHONPATH": str(ROOT)}, 600, tmp_path)
+    line = [x for x in stdout.splitlines() if x.startswith("losses")]
+    assert line, stdout + stderr
     losses = json.loads(line[0].split(" ", 1)[1])
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
 

@@ -1,6 +1,7 @@
 """Every bad input is caught in the launching process: exit code 2, one line on stderr naming
 the problem, and no worker started (starting one fails the test)."""
 
+import functools
 import json
 import shutil
 import signal
@@ -972,12 +973,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and hint in err, err
     known = build_parser()._option_string_actions
+    nameable = set(known) | _every_commands_flags()
     for other, ours in OTHER_TOOLS_FLAGS.items():
         assert other not in known, other
         if ours.startswith("--"):  # "did you mean": megapar-train's own flags
             assert all(w in known for w in ours.split() if w.startswith("--")), ours
         else:  # a sentence: it names megapar-train's, or another megapar command's, flags
-            assert all(w.rstrip(",;)") in set(known) | _every_commands_flags()
+            assert all(w.rstrip(",;)") in nameable
                        for w in ours.split() if w.startswith("--")), ours
     config = tmp_path / "run.yaml"
     config.write_text("train_iters: 3\n")
@@ -1263,8 +1265,10 @@ def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, cap
     assert "did you mean --top" not in line and "did you mean --today" not in line, line
 
 
-def _every_commands_flags() -> set[str]:
-    """The flags of every megapar command (what a hint may name)."""
+@functools.cache
+def _every_commands_flags() -> frozenset[str]:
+    """The flags of every megapar command (what a hint may name), built once (the tests look
+    them up for each flag a hint names)."""
     import importlib
 
     flags: set[str] = set()
@@ -1273,7 +1277,7 @@ def _every_commands_flags() -> set[str]:
         parser = (module.build_parser if hasattr(module, "build_parser")
                   else importlib.import_module("megapar.training.config").build_parser)()
         flags |= set(parser._option_string_actions)
-    return flags
+    return frozenset(flags)
 
 
 @pytest.mark.parametrize("tool", ["eval", "convert", "plan", "data", "bubble"])

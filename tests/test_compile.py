@@ -127,6 +127,11 @@ def _worker(layouts: dict, backend: str):
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # 4 ranks on few cores: no compile workers
+    # Inductor's vector instruction sets are the CPU's (its flags), without first building and
+    # loading a test program for each (its once-per-machine probes of AVX2, AVX512, VNNI: a
+    # C++ build each, 10 s of a cold cache's run); a compiler that cannot build for one fails
+    # the kernels' build here instead
+    torch._inductor.config.cpp.vec_isa_ok = True
     torch._dynamo.reset()
     # megapar.models.compile calls torch.compile(block.forward): give it this world's backend
     # (a forked worker: the patch ends with it), and count the calls that took it

@@ -7,7 +7,10 @@
 - every code block marked runnable (an HTML comment line `<!-- runnable -->` right before its
   fence) in README.md and docs/ runs as written in a fresh empty directory and exits 0: bash
   blocks with `bash -e -o pipefail`, python blocks with `python3`; a `step N | ...` line shown
-  in a text block right after one is in its output;
+  in a text block right after one is in its output. A bash block's megapar commands each run
+  in a fork of a process that has imported torch and the commands (tests/warm_commands.py),
+  with the block's argv, environment, directory and output; a python block runs as `__main__`
+  in a forked child of the test's process (tests/forked.py's run_python);
 - a text block that starts with a megapar-plan command shows lines that command prints.
 """
 
@@ -96,20 +99,40 @@ def test_every_use_in_the_readme_has_a_runnable_recipe():
     assert {p.values[0] for p in readme} == {"bash", "python"}
 
 
+@pytest.fixture(scope="module")
+def megapar_commands(tmp_path_factory):
+    """A directory of megapar's commands, each started as a fork of one process that has
+    imported what they import (tests/warm_commands.py): a runnable block's commands run as
+    written, without 2-4 s of imports each."""
+    from warm_commands import commands
+
+    with commands(tmp_path_factory.mktemp("bin"), {**os.environ, "MEGAPAR_CPU": "1"}) as bin_:
+        yield bin_
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lang, text, shown", RUNNABLE)
-def test_runnable_block_runs_as_written(lang, text, shown, tmp_path):
+def test_runnable_block_runs_as_written(lang, text, shown, tmp_path, request):
     """It exits 0, and the step lines the text right after it shows are in its output."""
     script = tmp_path / ("block.py" if lang == "python" else "block.sh")
     script.write_text(text)
     work = tmp_path / "work"
     work.mkdir()
     env = {**os.environ, "MEGAPAR_CPU": "1"}
-    done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, (f"exit code {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
-                                  f"\n--- stderr\n{done.stderr[-3000:]}")
-    printed = done.stdout + done.stderr
+    if lang != "python":  # the commands' server only where a shell looks them up
+        commands = request.getfixturevalue("megapar_commands")
+        env["PATH"] = f"{commands}{os.pathsep}{os.environ.get('PATH', '')}"
+    if lang == "python":  # a forked child of this process, torch imported (tests/forked.py)
+        from forked import run_python
+
+        code, stdout, stderr = run_python([script], env, 280, tmp_path, cwd=work)
+    else:
+        done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=280)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    assert code == 0, (f"exit code {code}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n"
+                       f"{stderr[-3000:]}")
+    printed = stdout + stderr
     for piece in shown:  # the doc shows what a run prints (moe.md's losses were stale)
         assert piece in printed, f"the doc shows {piece!r}; the run printed:\n{printed[-3000:]}"
 

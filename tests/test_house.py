@@ -7,6 +7,7 @@ module it names, wherever it stands (a function-level import that hides a cycle 
 
 import ast
 import collections
+import functools
 import os
 import subprocess
 import sys
@@ -96,17 +97,22 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
     return found
 
 
-GRAPH = {m: imports_of(m) for m in MODULES}
+@functools.cache
+def graph() -> dict[str, list[tuple[str, int, bool]]]:
+    """{module: imports_of(module)} for every megapar module, parsed when a test first asks
+    (not at collection, where every pytest-xdist worker would parse all of megapar: 1.2 s)."""
+    return {m: imports_of(m) for m in MODULES}
 
 
 def test_no_import_cycles():
+    arrows = graph()
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
     def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w, _, _ in GRAPH[v]:
+        for w, _, _ in arrows[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -124,11 +130,11 @@ def test_no_import_cycles():
                 cycles.append(sorted(component))
 
     sys.setrecursionlimit(10000)
-    for v in GRAPH:
+    for v in arrows:
         if v not in index:
             visit(v)
     described = [" <-> ".join(c) + ": " + ", ".join(
-        f"{m} imports {t} (line {line})" for m in c for t, line, _ in GRAPH[m] if t in c)
+        f"{m} imports {t} (line {line})" for m in c for t, line, _ in arrows[m] if t in c)
         for c in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(described)
 
@@ -140,13 +146,14 @@ def _layer(module: str) -> int:
 
 
 def test_every_module_has_a_layer_and_no_arrow_runs_back_up():
+    arrows = graph()
     upward = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)}) at line {line}"
-              for m, targets in GRAPH.items() for t, line, _ in targets if _layer(t) > _layer(m)]
+              for m, targets in arrows.items() for t, line, _ in targets if _layer(t) > _layer(m)]
     assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
 def test_models_never_import_the_pipeline_or_the_cli():
-    bad = [(m, t) for m, targets in GRAPH.items() if m.startswith("megapar.models")
+    bad = [(m, t) for m, targets in graph().items() if m.startswith("megapar.models")
            for t, _, _ in targets if t.startswith(("megapar.pipeline", "megapar.cli",
                                                    "megapar.training"))]
     assert not bad
