@@ -25,8 +25,7 @@ import torch.optim._muon as torch_muon
 from test_parity_3d import (EPS, G, LR, MAX_NORM, MBS, SEED, WD, check_against, config,
                             global_batches, scheduler)
 from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
-from tp_utils import assert_close, gather_grads, to_device
-from tp_utils import full_grads as full_grads_of
+from tp_utils import assert_close, record_first_grads, to_device
 
 from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.train import main as train
@@ -159,23 +158,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
         grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
-    full_grads = {}
-    optimizer_step = optimizer.step
-
-    def step_and_record_first_grads():
-        if not full_grads:
-            if zero == 3:
-                grads = full_grads_of(grad_sync)
-            else:
-                if getattr(optimizer, "sharded", False):
-                    gather_grads(optimizer)
-                grads = {id(p): p.grad for p in model.parameters()}
-            for name, p in model.named_parameters():
-                full_grads[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
-                                               mesh.tp_group).clone()
-        optimizer_step()
-
-    optimizer.step = step_and_record_first_grads
+    full_grads = record_first_grads(optimizer, model, mesh, grad_sync if zero == 3 else None)
     plan = BatchPlan(G, MBS, dp)
     results = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
                for i, b in enumerate(global_batches())]

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from sync_count import count_syncs
-from tp_utils import assert_close, gather_grads, rel_err, to_device
+from tp_utils import assert_close, record_first_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -180,19 +180,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
         numerics.autocast = nullcontext
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), numerics,
                      MAX_NORM, grad_sync, loss_mean)
-    full_grads = {}
-    optimizer_step = optimizer.step
-
-    def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
-        if not full_grads:
-            if getattr(optimizer, "sharded", False):  # ZeRO reduced only this rank's slices
-                gather_grads(optimizer)
-            for name, p in model.named_parameters():
-                full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
-                                              mesh.tp_group).clone()
-        optimizer_step()
-
-    optimizer.step = step_and_record_first_grads
+    full_grads = record_first_grads(optimizer, model, mesh)  # clipped, as the optimizer sees
     plan = BatchPlan(G, mbs, dp)
     batches = uneven_batches() if uneven else global_batches()
     results, syncs = [], None

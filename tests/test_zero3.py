@@ -24,7 +24,8 @@ from test_parity_3d import (
     scheduler,
     serial_reference,
 )
-from tp_utils import assert_close, full_grads as gathered_grads, to_device
+from tp_utils import assert_close, record_first_grads, to_device
+from tp_utils import full_grads as gathered_grads
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -76,18 +77,8 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
                                  virtual_stages=virtual_stages, mbs=mbs, persist=persist,
                                  offload=offload, offload_params=offload_params, reduce=reduce)
-    optimizer, full_grads = step.optimizer, {}
-    optimizer_step = optimizer.step
-
-    def step_and_record_first_grads():
-        if not full_grads:
-            grads = gathered_grads(sharded)
-            for name, p in model.named_parameters():
-                full_grads[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
-                                               mesh.tp_group).clone()
-        optimizer_step()
-
-    optimizer.step = step_and_record_first_grads
+    optimizer = step.optimizer
+    full_grads = record_first_grads(optimizer, model, mesh, sharded)
     plan = BatchPlan(G, mbs, dp)
     results = [step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i)
                for i, batch in enumerate(global_batches())]

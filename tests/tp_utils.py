@@ -117,3 +117,30 @@ def full_grads(sharded) -> dict[int, torch.Tensor]:
             out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
     return out
+
+
+def record_first_grads(optimizer, model, mesh, sharded=None) -> dict[str, torch.Tensor]:
+    """Wrap ``optimizer.step`` so that, at the first step, the gradients the optimizer sees
+    (clipped, dp-averaged) are recorded whole: gathered over dp (ZeRO-1 / 2's slices,
+    `gather_grads`; ZeRO-3's shards of `sharded`, `full_grads`) and over tp. Returns the dict
+    the first step fills, parameter name -> full gradient (collective at that step)."""
+    from megapar.tensor_parallel.partition import gather_full
+
+    recorded: dict[str, torch.Tensor] = {}
+    optimizer_step = optimizer.step
+
+    def step_and_record_first_grads():
+        if not recorded:
+            if sharded is not None:
+                grads = full_grads(sharded)
+            else:
+                if getattr(optimizer, "sharded", False):  # ZeRO reduced only this rank's slices
+                    gather_grads(optimizer)
+                grads = {id(p): p.grad for p in model.parameters()}
+            for name, p in model.named_parameters():
+                recorded[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
+                                             mesh.tp_group).clone()
+        optimizer_step()
+
+    optimizer.step = step_and_record_first_grads
+    return recorded
