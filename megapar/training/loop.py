@@ -180,7 +180,9 @@ class Trainer:
             )
             self.notes.append(
                 f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
-                + resume_change(LRScheduler(**saved), self.scheduler, self.step)
+                + resume_change(
+                    LRScheduler(**saved), self.scheduler, self.step, self.engine.schedule_step
+                )
             )
         self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
         self.wandb_run = state.meta.get("wandb_run")
