@@ -127,6 +127,18 @@ def flags_schedule(cfg, lr: float, min_lr: float) -> LRScheduler:
     return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd, ends_at=ends_at)
 
 
+def changed_fields(saved: dict, planned: dict) -> str:
+    """The schedule fields (`LRScheduler.state_dict`) a resume changes, for the resume note:
+    "max_steps 8 -> 12, ..."; WSD's decay_steps and wsd_style only where the planned decay is
+    "wsd" (unused otherwise: a run leaving WSD would list "decay_steps 3 -> 0")."""
+    unused = () if planned.get("decay") == "wsd" else ("decay_steps", "wsd_style")
+    return ", ".join(
+        f"{k} {saved.get(k)} -> {v}"
+        for k, v in planned.items()
+        if saved.get(k) != v and k not in unused
+    )
+
+
 def resume_change(
     saved: LRScheduler, planned: LRScheduler, step: int, position: int | None = None
 ) -> str:
