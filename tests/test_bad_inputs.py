@@ -1127,6 +1127,10 @@ OTHER_TOOLS = [
      "restored when the loss scale grows"),
     ("train", ["--fp16-lm-cross-entropy"], "LM-head cross-entropy runs in fp32"),
     ("train", ["--accumulate-allreduce-grads-in-fp32"], "did you mean --grad-reduce-dtype fp32"),
+    ("train", ["--apex"], "--apex: megapar's fp16 is torch's autocast with its own loss scaler "
+     "(--precision fp16), not apex"),
+    ("train", ["--opt-level", "O2"], "--opt-level: apex's opt levels are megapar's --precision "
+     "flag: O0 is --precision fp32; O1, O2 and O3 are --precision fp16"),
     ("train", ["--fp16_opt_level", "O2"], "did you mean --precision fp16 (autocast with fp32 "
      "weights"),
     ("train", ["--half_precision_backend", "apex"], "megapar's fp16 is torch's autocast with its "

@@ -1521,3 +1521,21 @@ def test_two_runs_in_one_process_keep_their_own_status_and_stopped_rank_records(
         sibling.wait()
     assert first == f"on this node rank 1 (pid {sibling.pid}) is stopped (SIGSTOP / SIGTSTP?)"
     assert (status, stopped) == ("joined the process group", ""), out.read_text()
+
+
+def test_a_skipped_step_does_not_advance_the_lr_schedule_and_a_resume_keeps_the_lag(
+        tmp_path, common):
+    """An fp16 step made to overflow (an inf injected in an attention output at step 2) is
+    skipped and leaves the schedule where it was: step 3 trains at step 2's warmup lr, and a
+    run resumed from step 3's checkpoint goes on one position behind the step count."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    args = [*common, "--precision", "fp16", "--lr", "1e-3", "--warmup-steps", "4",
+            "--lr-decay-steps", "10", "--log-json", str(log)]
+    inject = ["--inject-corrupt", "step=2,module=transformer.h.1.attn,value=inf"]
+    assert main([*args, *inject, "--max-steps", "3", "--save", str(ckpt)]) == 0
+    assert main([*args, "--max-steps", "4", "--load", str(ckpt)]) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(m["step"], m["skipped"]) for m in lines] == [
+        (1, False), (2, True), (3, False), (4, False)]
+    lrs = [m["lr"] for m in lines]  # warmup position s trains at 1e-3 x (s + 1) / 4
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 5e-4, 7.5e-4], rel=1e-12)

@@ -139,9 +139,26 @@ def test_a_resume_note_names_the_lr_a_changed_schedule_jumps_to():
     assert resume_change(saved, longer, 8) == (
         "; step 9 trains at lr 1, not the checkpoint schedule's 0.1 (its WSD decay began at "
         "step 7: to extend the stable phase, --load a checkpoint saved before it)")
+    # one skipped step before the checkpoint: the schedule is at position 8 at step 9
+    assert resume_change(saved, longer, 9, 8) == (
+        "; step 10 trains at lr 1, not the checkpoint schedule's 0.1 (its WSD decay began at "
+        "step 8: to extend the stable phase, --load a checkpoint saved before it)")
     cosine = LRScheduler(1.0, 0.1, 2, 8, "cosine")
     assert resume_change(cosine, LRScheduler(1.0, 0.1, 2, 12, "cosine"), 8) == (
         "; step 9 trains at lr 0.4109, not the checkpoint schedule's 0.1")
+
+
+def test_a_resume_note_leaves_out_wsd_fields_a_run_leaving_wsd_no_longer_uses():
+    """--load of a WSD checkpoint with --lr-decay cosine: the note names the decay's change,
+    not WSD's decay_steps and wsd_style (unused by cosine; it listed 'decay_steps 3 -> 0')."""
+    from megapar.optim.scheduler import changed_fields
+
+    wsd = LRScheduler(1.0, 0.1, 2, 8, "wsd", decay_steps=3, wsd_style="sqrt")
+    cosine = LRScheduler(1.0, 0.1, 2, 12, "cosine")
+    assert changed_fields(wsd.state_dict(), cosine.state_dict()) == (
+        "max_steps 8 -> 12, decay wsd -> cosine")
+    assert changed_fields(cosine.state_dict(), wsd.state_dict()) == (
+        "max_steps 12 -> 8, decay cosine -> wsd, decay_steps 0 -> 3, wsd_style linear -> sqrt")
 
 
 def test_a_wsd_fraction_given_on_load_replaces_the_checkpoints_decay_steps():

@@ -127,20 +127,38 @@ def flags_schedule(cfg, lr: float, min_lr: float) -> LRScheduler:
     return LRScheduler(lr, min_lr, cfg.warmup_steps, end, cfg.lr_decay, **wsd, ends_at=ends_at)
 
 
-def resume_change(saved: LRScheduler, planned: LRScheduler, step: int) -> str:
-    """What a resume at `step` (steps done) under `planned` instead of the checkpoint's `saved`
-    schedule does to the learning rate, for the resume note: "" where the next step's lr is the
-    same, else that lr beside the saved schedule's, and where the checkpoint had already
-    decayed in WSD (its stable phase cannot be extended from it), which checkpoint would."""
-    ours, theirs = planned.lr(step), saved.lr(step)
+def changed_fields(saved: dict, planned: dict) -> str:
+    """The schedule fields (`LRScheduler.state_dict`) a resume changes, for the resume note:
+    "max_steps 8 -> 12, ..."; WSD's decay_steps and wsd_style only where the planned decay is
+    "wsd" (unused otherwise: a run leaving WSD would list "decay_steps 3 -> 0")."""
+    unused = () if planned.get("decay") == "wsd" else ("decay_steps", "wsd_style")
+    return ", ".join(
+        f"{k} {saved.get(k)} -> {v}"
+        for k, v in planned.items()
+        if saved.get(k) != v and k not in unused
+    )
+
+
+def resume_change(
+    saved: LRScheduler, planned: LRScheduler, step: int, position: int | None = None
+) -> str:
+    """What a resume at `step` (steps done) and schedule position `position` (the steps
+    applied: `step` less the skipped ones; default `step`) under `planned` instead of the
+    checkpoint's `saved` schedule does to the learning rate, for the resume note: "" where the
+    next step's lr is the same, else that lr beside the saved schedule's, and where the
+    checkpoint had already decayed in WSD (its stable phase cannot be extended from it), which
+    checkpoint would."""
+    at = step if position is None else position
+    ours, theirs = planned.lr(at), saved.lr(at)
     if math.isclose(ours, theirs, rel_tol=1e-9, abs_tol=0.0):
         return ""
     said = f"; step {step + 1} trains at lr {ours:.4g}, not the checkpoint schedule's {theirs:.4g}"
-    start = saved.max_steps - saved.decay_steps  # WSD: the last step at max_lr, 0-based
-    if saved.decay == "wsd" and step - 1 > start and ours > saved.lr(step - 1):
+    start = saved.max_steps - saved.decay_steps  # WSD: the last position at max_lr, 0-based
+    if saved.decay == "wsd" and at - 1 > start and ours > saved.lr(at - 1):
+        # the step of that position where the skipped steps came before it
         said += (
-            f" (its WSD decay began at step {start + 2}: to extend the stable phase, --load "
-            f"a checkpoint saved before it)"
+            f" (its WSD decay began at step {start + 2 + step - at}: to extend the stable "
+            f"phase, --load a checkpoint saved before it)"
         )
     return said
 

@@ -199,8 +199,14 @@ class Engine:
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
         """Steps run (restored by `load`), those not applied included: a non-finite step
-        (raised or skipped, see `train_step`) counts, and the learning-rate schedule moves past
-        it, as megapar-train counts the fp16 loss scaler's skipped steps."""
+        (raised or skipped, see `train_step`) counts, as megapar-train counts the fp16 loss
+        scaler's skipped steps."""
+        self.schedule_step = 0
+        """The learning-rate schedule's position (restored by `load`; a checkpoint without it:
+        `step`): the steps applied, so a skipped step (an fp16 overflow, a non-finite loss or
+        gradient) does not advance it and the schedule lags `step` by the skipped steps, as
+        Megatron-LM's, DeepSpeed's and the Hugging Face Trainer's do. Every rank skips the
+        same steps, so it is the same on every rank in any layout."""
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
@@ -290,7 +296,8 @@ class Engine:
         )
         start, cpu = time.perf_counter(), time.thread_time()
         with self.injecting(self.executor, self.step + 1):
-            result = self.step_fn.step(micro_batches, self.step, labelled)
+            result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
+        self.schedule_step += not result.skipped
         self.kept.loss_weight = self.step_fn.last_loss_weight
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
@@ -362,7 +369,8 @@ class Engine:
         with reduction="mean" would give, whatever the micro-batch size and layout.
 
         A step whose loss or gradients are not finite is never applied (weights and optimizer
-        state stay as they were; the step is counted in `step`). With `on_nonfinite="raise"`
+        state stay as they were; the step is counted in `step`, and the learning-rate schedule
+        does not advance: `schedule_step`). With `on_nonfinite="raise"`
         (`prepare`'s default) every rank then raises `megapar.faults.stop.NonFiniteError`
         naming the step and what was not finite; in fp16, where the loss scaler skips steps
         whose gradients overflow, such a step with a finite loss does not count: only

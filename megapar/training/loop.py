@@ -38,7 +38,7 @@ from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.models.flops import training_flops_per_token
 from megapar.optim import LRScheduler
-from megapar.optim.scheduler import resume_change
+from megapar.optim.scheduler import changed_fields, resume_change
 from megapar.pipeline.timeline import bubble_stats
 from megapar.pipeline.trace import gather_timeline
 from megapar.tensor_parallel.partition import local_size
@@ -175,12 +175,12 @@ class Trainer:
             # e.g. a raised --max-steps stretches the decay instead of staying at --min-lr
             saved = self.scheduler.state_dict()
             self.scheduler.load_state_dict(planned)
-            changed = ", ".join(
-                f"{k} {saved[k]} -> {v}" for k, v in planned.items() if saved.get(k) != v
-            )
             self.notes.append(
-                f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
-                + resume_change(LRScheduler(**saved), self.scheduler, self.step)
+                "learning-rate schedule follows the flags, not the checkpoint: "
+                + changed_fields(saved, planned)
+                + resume_change(
+                    LRScheduler(**saved), self.scheduler, self.step, self.engine.schedule_step
+                )
             )
         self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
         self.wandb_run = state.meta.get("wandb_run")

@@ -74,6 +74,16 @@ FP16_BACKEND = (
     "megapar's fp16 is torch's autocast with its own loss scaler (--precision fp16), not apex; "
     "drop it"
 )
+APEX_OPT_LEVEL = (
+    "apex's opt levels are megapar's --precision flag: O0 is --precision fp32; O1, O2 and O3 "
+    "are --precision fp16 "
+    "(autocast with fp32 weights, gradients and optimizer state: apex's O1 scheme; there are "
+    "no fp16 weights as at O2 / O3)"
+)
+FP32_WEIGHTS = (
+    "megapar keeps the weights, gradients and optimizer state in fp32 under every --precision "
+    "(autocast casts each op's inputs), as apex's O1; drop it"
+)
 INITIAL_SCALE_POWER = "--initial-loss-scale (2 ** the power: 65536 for 16)"
 ZERO3_PREFETCH = (
     "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
@@ -170,6 +180,14 @@ OTHER_TOOLS_FLAGS = {
     "--fp16-opt-level": FP16_OPT_LEVEL,
     "--half_precision_backend": FP16_BACKEND,
     "--fp16_backend": FP16_BACKEND,
+    "--apex": FP16_BACKEND,  # NVIDIA Apex's example scripts, timm's
+    "--apex-amp": FP16_BACKEND,
+    "--opt-level": APEX_OPT_LEVEL,
+    "--opt_level": APEX_OPT_LEVEL,
+    "--keep-batchnorm-fp32": FP32_WEIGHTS,
+    "--keep_batchnorm_fp32": FP32_WEIGHTS,
+    "--master-weights": FP32_WEIGHTS,
+    "--master_weights": FP32_WEIGHTS,
     "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD)",
     "--lr-warmup-iters": "--warmup-steps",
     "--lr-wsd-decay-iters": "--lr-wsd-decay-steps (with --lr-decay wsd)",

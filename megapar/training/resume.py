@@ -12,6 +12,7 @@ from megapar.optim import LRScheduler
 RESERVED_META = frozenset(
     {
         "step",
+        "schedule_step",
         "scaler",
         "optimizer",
         "scheduler",
@@ -65,6 +66,7 @@ def checkpoint_meta(engine, extra: dict | None) -> dict:
         )
     meta = {
         "step": engine.step,
+        "schedule_step": engine.schedule_step,
         "scaler": engine.precision.state_dict(),
         "optimizer": engine.optimizer.state_json(),
         "train_config": recorded_settings(engine),
@@ -83,7 +85,7 @@ def checkpoint_meta(engine, extra: dict | None) -> dict:
 
 def restore_meta(engine, meta: dict) -> None:
     """Set what `checkpoint_meta` recorded back on `engine` (the optimizer's JSON state, the
-    LR schedule, the loss scale, the step and the provenance)."""
+    LR schedule and its position, the loss scale, the step and the provenance)."""
     if meta.get("optimizer"):
         engine.optimizer.load_state_json(meta["optimizer"])
     if meta.get("scheduler") and engine.scheduler is not None:
@@ -95,6 +97,7 @@ def restore_meta(engine, meta: dict) -> None:
     if meta.get("scaler"):
         engine.precision.load_state_dict(meta["scaler"])
     engine.step = int(meta.get("step", 0))
+    engine.schedule_step = int(meta.get("schedule_step", engine.step))  # older: no skips kept
     engine.tokenizer = meta.get("tokenizer", engine.tokenizer)
     engine.source_dtype = meta.get("hf_dtype", engine.source_dtype)
     engine.source_generation_config = meta.get(

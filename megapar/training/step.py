@@ -246,9 +246,10 @@ class TrainStep:
         return contextlib.nullcontext() if casts is None else casts.per_step()
 
     def step(self, micro_batches: list[dict], step_index: int, labelled=None) -> StepResult:
-        """One optimizer step on this rank's `micro_batches`. `labelled`: under
-        ``loss_mean="token"``, the global batch's labelled tokens where the caller knows them
-        (an int or a 0-dim tensor); None: counted here (`loss_weight`)."""
+        """One optimizer step on this rank's `micro_batches`, at the learning-rate schedule's
+        position `step_index` (`Engine.schedule_step`: the steps applied before it).
+        `labelled`: under ``loss_mean="token"``, the global batch's labelled tokens where the
+        caller knows them (an int or a 0-dim tensor); None: counted here (`loss_weight`)."""
         self.optimizer.zero_grad()
         if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
             self.optimizer.set_lr(self.scheduler.lr(step_index))
