@@ -128,16 +128,19 @@ class OneLineParser(argparse.ArgumentParser):
         )
 
     def _value_named_elsewhere(self, message: str) -> str:
-        """For a value a flag's choices lack, another tool's name for one of them, as the
-        flag's `value_known_as` entry says (`--schedule ScheduleInterleaved1F1B`: "is
-        megapar's --schedule interleaved --virtual-stages V"); "" otherwise."""
-        match = re.fullmatch(r"argument (\S+): invalid choice: (.+?) \(choose from .*\)", message)
+        """For a value a flag's choices (or its type) lack, another tool's name for one of
+        them, as the flag's `value_known_as` entry says (`--schedule ScheduleInterleaved1F1B`:
+        "is megapar's --schedule interleaved --virtual-stages V"; `--loss-scale dynamic`);
+        "" otherwise."""
+        match = re.fullmatch(
+            r"argument (\S+): invalid (?:choice: (.+?) \(choose from .*\)|\w+ value: (.+))", message
+        )
         if match is None:
             return ""
         name = self.value_known_as.get(_long_spelling(match.group(1)))
         if name is None:
             return ""
-        value = match.group(2)
+        value = match.group(2) if match.group(2) is not None else match.group(3)
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
         said = name(value)

@@ -1053,6 +1053,9 @@ OTHER_TOOLS = [
     ("train", ["--lr-decay", "WSD"], "'WSD' is megapar's --lr-decay wsd"),
     ("train", ["--optimizer", "adam"], "'adam' is megapar's --optimizer adamw (decoupled"),
     ("train", ["--optimizer", "AdamW"], "'AdamW' is megapar's --optimizer adamw"),
+    # apex's and fairseq's --loss-scale dynamic: "invalid float value" alone
+    ("train", ["--loss-scale", "dynamic"], "'dynamic'; leave --loss-scale out: megapar's fp16 "
+     "loss scale is dynamic unless --loss-scale S sets a static one"),
     ("train", ["--lr-decay", "wsd", "--lr-wsd-decay-style", "minus_sqrt"],
      "'minus_sqrt' is megapar's --lr-wsd-decay-style sqrt"),
     # nanoGPT's --key=value settings: --block_size was 'did you mean --tokenizer?', --out_dir

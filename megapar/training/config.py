@@ -404,6 +404,16 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
     return {name: text.replace("%", "%%") for name, text in docs.items()}
 
 
+def _loss_scale_named_elsewhere(value: str) -> str:
+    """For a --loss-scale word other tools take (apex's and fairseq's `dynamic`), megapar's way."""
+    if str(value).lower() == "dynamic":
+        return (
+            "leave --loss-scale out: megapar's fp16 loss scale is dynamic unless --loss-scale S "
+            "sets a static one (--initial-loss-scale, --loss-scale-window, --hysteresis shape it)"
+        )
+    return ""
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
@@ -412,6 +422,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--lr-decay": decay_named_elsewhere,
             "--lr-wsd-decay-style": decay_named_elsewhere,
             "--optimizer": optimizer_named_elsewhere,
+            "--loss-scale": _loss_scale_named_elsewhere,
         },
         prog=prog,
         description=(
