@@ -193,8 +193,71 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
             "keys": {n: sorted(s) for n, s in state.items()}}
 
 
+def _train_moe(tp: int, dp: int, ep: int, zero: int) -> dict:
+    """test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, the routed
+    experts AdamW's, split over ep) under --optimizer muon (fp32 NS) at tp x dp x ep for its 3
+    steps; whole weights (the experts gathered over ep) and Muon's whole momentum buffers from
+    dp rank 0 / tp rank 0."""
+    import torch.distributed as dist
+    from test_moe_ep import _whole
+    from test_moe_parallel import SEQ, biases
+    from test_moe_parallel import config as moe_config
+    from test_moe_parallel import global_batches as moe_batches
+    from test_moe_parallel import scheduler as moe_scheduler
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = Mesh(Layout(tp, 1, dp, "tp-pp-dp", 1, ep), rank)
+    model = build_stage(moe_config(), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, 32))
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon",
+                                momentum=MOMENTUM, muon_ns_dtype=torch.float32)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+    step = TrainStep(model, mesh, executor, optimizer, moe_scheduler(),
+                     Precision("fp32", mesh.device), MAX_NORM, grad_sync)
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(moe_batches())]
+    weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
+    state = optimizer.state_tensors()
+    buffers = {n: _whole(s["momentum_buffer"], p, mesh) for n, p in model.named_parameters()
+               for s in [state.get(n, {})] if "momentum_buffer" in s}
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    return {"layout": ("moe", tp, dp, ep, zero), "results": results, "biases": biases(model),
+            "weights": weights if keep else {}, "buffers": buffers if keep else {}}
+
+
+def _check_moe(reference: dict, per_rank: list[dict]) -> None:
+    """Every rank's losses, grad norms, router statistics and biases, and the merged whole
+    weights and momentum buffers, against the one-process run's."""
+    merged: dict = {"weights": {}, "buffers": {}}
+    for out in per_rank:
+        what = f"{out['layout']}"
+        for s, (r, ref) in enumerate(zip(out["results"], reference["results"], strict=True)):
+            assert_close(torch.tensor(r.loss), torch.tensor(ref.loss), what=f"{what} {s} loss")
+            assert_close(torch.tensor(r.grad_norm), torch.tensor(ref.grad_norm),
+                         what=f"{what} {s} grad norm")
+            for key in ("aux_loss", "z_loss", "imbalance"):
+                assert_close(torch.tensor(r.router[key]), torch.tensor(ref.router[key]),
+                             what=f"{what} {s} {key}")
+            assert r.router["tokens_per_expert"] == ref.router["tokens_per_expert"], what
+        for name, b in out["biases"].items():
+            assert_close(b, reference["biases"][name], what=f"{what} bias {name}")
+        for key in merged:
+            merged[key].update(out[key])
+    for key in merged:
+        assert set(merged[key]) == set(reference[key]), f"{key} names differ"
+        for name, t in merged[key].items():
+            assert_close(t, reference[key][name], what=f"{key} {name}")
+    assert any("router" in n for n in merged["buffers"])
+    assert any(".shared." in n for n in merged["buffers"])
+
+
 def _worker(runs: list[tuple]) -> list[dict]:
-    return [_train(*run) for run in runs]
+    return [_train_moe(*run[1:]) if run[0] == "moe" else _train(*run) for run in runs]
 
 
 def _buffers_match(reference: dict, per_rank: list[dict], heads: int = 4) -> None:
@@ -233,13 +296,21 @@ def test_muon_layouts_equal_one_process():
     and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), sequence parallelism at
     tp 2 x dp 2 with ZeRO-1 (the norms' and biases' partial gradients summed over tp on the
     pieces), context parallelism at cp 2 x dp 2 with ZeRO-1 (the state sharded over cp x dp),
-    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; one launch
-    of 4 ranks."""
+    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; and
+    test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, routed experts
+    AdamW's) at tp 2 x dp 2 x ep 2 and at dp 4 x ep 2 with ZeRO-1 equals megapar's one process
+    (losses, grad norms, router statistics, biases, weights, momentum buffers); one launch of
+    4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
             (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
             (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
-            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2)]
+            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2),
+            ("moe", 2, 2, 2, 0), ("moe", 1, 4, 2, 1)]
     outs = run_local(_worker, 4, runs)
+    moe_reference = _train_moe(1, 1, 1, 0)
+    for i in range(len(runs) - 2, len(runs)):
+        _check_moe(moe_reference, [o[i] for o in outs])
+    runs = runs[:-2]
     references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):
         per_rank = [o[i] for o in outs]
