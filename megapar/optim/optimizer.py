@@ -341,8 +341,9 @@ class AdamWOptimizer(torch.optim.Optimizer):
             self.inner.state[p] = state
 
     def counts_steps(self, p: nn.Parameter) -> bool:
-        """Whether `p`'s state holds a step count (not SGD's, nor a Muon matrix's)."""
-        return self.kind != "sgd" and id(p) not in self.muon_ids
+        """Whether `p`'s state holds a step count: AdamW's and LAMB's (and under --optimizer
+        muon, AdamW's parameters'); not SGD's, LARS's, nor a Muon matrix's."""
+        return self.kind not in ("sgd", "lars") and id(p) not in self.muon_ids
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         """(parameter, the state this rank holds for it) for every parameter it updates."""
