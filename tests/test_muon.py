@@ -405,8 +405,9 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     """plan.state counts --optimizer muon's state: 4 bytes per element of the blocks' 2-D
     weights (one momentum buffer, no step count), AdamW's 8 bytes per element and a 4-byte
-    step count for every other parameter (GPT-2, one rank, no ZeRO); under ZeRO the planner's
-    most loaded rank is the largest of every rank's count."""
+    step count for every other parameter (GPT-2, one rank, no ZeRO; --optimizer lamb AdamW's
+    count, sgd and lars 4 bytes per element); under ZeRO the planner's most loaded rank is the
+    largest of every rank's count."""
     from megapar.optim.muon import is_muon_matrix
     from megapar.plan.params import StageLayout
     from megapar.plan.state import rank_state
@@ -418,6 +419,10 @@ def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     layout = StageLayout.of(config("gpt2"), optimizer="muon")
     assert rank_state(layout, 0).optimizer == expected < adam
     assert rank_state(StageLayout.of(config("gpt2")), 0).optimizer == adam
+    # megapar-train's other optimizers: LAMB AdamW's state, SGD and LARS a momentum buffer
+    momentum = sum(4 * p.numel() for p in model.parameters())
+    for kind, held in (("lamb", adam), ("sgd", momentum), ("lars", momentum)):
+        assert rank_state(StageLayout.of(config("gpt2"), optimizer=kind), 0).optimizer == held
     # the most loaded ZeRO rank (`plan.slices`, vectorised over every rank) is the largest
     # of the ranks' own counts
     from megapar.plan.slices import most_loaded
@@ -430,19 +435,22 @@ def test_planner_counts_one_momentum_buffer_per_muon_matrix():
         assert len(set(each)) > 1  # the ranks differ: the choice is not a tie
 
 
-def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):
+@pytest.mark.parametrize("optimizer", ["muon", "sgd", "lars", "lamb"])
+def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys, optimizer):
     """megapar-plan --optimizer muon --verify 1: the best layout's (dp 2, ZeRO-1: Muon's
     momentum in the ranks' pieces) dry run holds the planned optimizer bytes to the byte, and
-    the command it prints trains with --optimizer muon."""
+    the command it prints trains with --optimizer muon. The same for megapar-train's other
+    optimizers: SGD's and LARS's one momentum buffer (no step count), LAMB's moments and step
+    count."""
     from megapar.cli.plan import main as plan
 
     assert plan(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
                  "--seq-len", "32", "--top", "1", "--schedules", "1f1b",
-                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", "muon",
+                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", optimizer,
                  "--verify", "1"]) == 0
     out = capsys.readouterr().out
     assert "command: " in out, out
-    assert "--zero 1 --optimizer muon" in out.split("command: ")[1].splitlines()[0]
+    assert f"--zero 1 --optimizer {optimizer}" in out.split("command: ")[1].splitlines()[0]
     verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
     assert len(verified) == 1 and "equal, 0 bytes apart" in verified[0], verified
 
