@@ -75,6 +75,8 @@ def _clip(params: list, max_norm: float) -> float:
 
 
 def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16") -> dict:
+    """The reference run (module docstring) of model `kind` (test_parity_3d's, or "moe":
+    test_moe_parallel's Qwen3-MoE model with its penalties, moving biases and schedule)."""
     if ns == "fp32":
         saved = torch_muon._zeropower_via_newtonschulz
         torch_muon._zeropower_via_newtonschulz = _ns_fp32
@@ -82,7 +84,15 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
             return muon_reference(kind, adjust)
         finally:
             torch_muon._zeropower_via_newtonschulz = saved
-    model = build_stage(config(kind), Mesh(Layout()), SEED)
+    from megapar.models.moe import finish_step, set_penalty_grad
+
+    moe = kind == "moe"  # test_moe_parallel's Qwen3-MoE model, its schedule
+    if moe:
+        from test_moe_parallel import E
+        from test_moe_parallel import config as moe_config
+        from test_moe_parallel import scheduler as moe_scheduler
+    mesh = Mesh(Layout())
+    model = build_stage(moe_config() if moe else config(kind), mesh, SEED)
     heads = 4
     named = list(model.named_parameters())
     matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("layers.")]
@@ -94,7 +104,7 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
                                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                               lr=LR, betas=(0.9, 0.95), eps=EPS, fused=True)
-    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
+    sched, plan = moe_scheduler() if moe else scheduler(), BatchPlan(G, MBS, 1)
     params = [p for _, p in named]
     losses, norms = [], []
     for step, batch in enumerate(global_batches()):
@@ -104,6 +114,8 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
         model.zero_grad()
         total = 0.0
         micro = plan.split(batch, 0)
+        if moe:  # each micro-batch's switch and z-loss weighted as its loss
+            set_penalty_grad(model, 1 / len(micro))
         for mb in micro:
             loss = model(None, mb)
             (loss / len(micro)).backward()
@@ -121,6 +133,8 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
             for n, p in matrices:
                 for leaf, w in zip(leaves[n], _parts(n, p, heads)):
                     w.copy_(leaf.view(w.shape))
+        if moe:  # the routing biases move
+            finish_step(model, mesh, E, True)
         losses.append(total)
     weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape) for n, p in named}
     return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads,
@@ -299,8 +313,9 @@ def test_muon_layouts_equal_one_process():
     GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; and
     test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, routed experts
     AdamW's) at tp 2 x dp 2 x ep 2 and at dp 4 x ep 2 with ZeRO-1 equals megapar's one process
-    (losses, grad norms, router statistics, biases, weights, momentum buffers); one launch of
-    4 ranks."""
+    (losses, grad norms, router statistics, biases, weights, momentum buffers), which equals
+    torch.optim.Muon + AdamW on it (the switch and z-loss, the moving routing biases); one
+    launch of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
             (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
             (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
@@ -308,6 +323,18 @@ def test_muon_layouts_equal_one_process():
             ("moe", 2, 2, 2, 0), ("moe", 1, 4, 2, 1)]
     outs = run_local(_worker, 4, runs)
     moe_reference = _train_moe(1, 1, 1, 0)
+    torch_moe = muon_reference("moe", ns="fp32")  # the one process is torch's Muon + AdamW
+    assert [r.loss for r in moe_reference["results"]] == pytest.approx(torch_moe["losses"],
+                                                                     rel=1e-5)
+    assert [r.grad_norm for r in moe_reference["results"]] == pytest.approx(torch_moe["norms"],
+                                                                          rel=1e-5)
+    assert torch_moe["losses"][-1] < torch_moe["losses"][0]
+    for key in ("weights", "buffers"):
+        assert set(moe_reference[key]) == set(torch_moe[key]), key
+    for name, w in moe_reference["weights"].items():
+        assert_close(w, torch_moe["weights"][name], what=f"one process's {name}")
+    for name, (buf,) in torch_moe["buffers"].items():
+        assert_close(moe_reference["buffers"][name], buf, what=f"one process's buffer {name}")
     for i in range(len(runs) - 2, len(runs)):
         _check_moe(moe_reference, [o[i] for o in outs])
     runs = runs[:-2]
