@@ -74,6 +74,8 @@ def _clip(params: list, max_norm: float) -> float:
 
 
 def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16") -> dict:
+    """The reference run (module docstring) of model `kind` (test_parity_3d's, or "moe":
+    test_moe_parallel's Qwen3-MoE model with its penalties, moving biases and schedule)."""
     if ns == "fp32":
         saved = torch_muon._zeropower_via_newtonschulz
         torch_muon._zeropower_via_newtonschulz = _ns_fp32
@@ -81,7 +83,15 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
             return muon_reference(kind, adjust)
         finally:
             torch_muon._zeropower_via_newtonschulz = saved
-    model = build_stage(config(kind), Mesh(Layout()), SEED)
+    from megapar.models.moe import finish_step, set_penalty_grad
+
+    moe = kind == "moe"  # test_moe_parallel's Qwen3-MoE model, its schedule
+    if moe:
+        from test_moe_parallel import E
+        from test_moe_parallel import config as moe_config
+        from test_moe_parallel import scheduler as moe_scheduler
+    mesh = Mesh(Layout())
+    model = build_stage(moe_config() if moe else config(kind), mesh, SEED)
     heads = 4
     named = list(model.named_parameters())
     matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("layers.")]
@@ -93,7 +103,7 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
                                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                               lr=LR, betas=(0.9, 0.95), eps=EPS, fused=True)
-    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
+    sched, plan = moe_scheduler() if moe else scheduler(), BatchPlan(G, MBS, 1)
     params = [p for _, p in named]
     losses, norms = [], []
     for step, batch in enumerate(global_batches()):
@@ -103,6 +113,8 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
         model.zero_grad()
         total = 0.0
         micro = plan.split(batch, 0)
+        if moe:  # each micro-batch's switch and z-loss weighted as its loss
+            set_penalty_grad(model, 1 / len(micro))
         for mb in micro:
             loss = model(None, mb)
             (loss / len(micro)).backward()
@@ -120,6 +132,8 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
             for n, p in matrices:
                 for leaf, w in zip(leaves[n], _parts(n, p, heads)):
                     w.copy_(leaf.view(w.shape))
+        if moe:  # the routing biases move
+            finish_step(model, mesh, E, True)
         losses.append(total)
     weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape) for n, p in named}
     return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads,
@@ -176,8 +190,71 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
             "keys": {n: sorted(s) for n, s in state.items()}}
 
 
+def _train_moe(tp: int, dp: int, ep: int, zero: int) -> dict:
+    """test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, the routed
+    experts AdamW's, split over ep) under --optimizer muon (fp32 NS) at tp x dp x ep for its 3
+    steps; whole weights (the experts gathered over ep) and Muon's whole momentum buffers from
+    dp rank 0 / tp rank 0."""
+    import torch.distributed as dist
+    from test_moe_ep import _whole
+    from test_moe_parallel import SEQ, biases
+    from test_moe_parallel import config as moe_config
+    from test_moe_parallel import global_batches as moe_batches
+    from test_moe_parallel import scheduler as moe_scheduler
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = Mesh(Layout(tp, 1, dp, "tp-pp-dp", 1, ep), rank)
+    model = build_stage(moe_config(), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, 32))
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon",
+                                momentum=MOMENTUM, muon_ns_dtype=torch.float32)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+    step = TrainStep(model, mesh, executor, optimizer, moe_scheduler(),
+                     Precision("fp32", mesh.device), MAX_NORM, grad_sync)
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(moe_batches())]
+    weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
+    state = optimizer.state_tensors()
+    buffers = {n: _whole(s["momentum_buffer"], p, mesh) for n, p in model.named_parameters()
+               for s in [state.get(n, {})] if "momentum_buffer" in s}
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    return {"layout": ("moe", tp, dp, ep, zero), "results": results, "biases": biases(model),
+            "weights": weights if keep else {}, "buffers": buffers if keep else {}}
+
+
+def _check_moe(reference: dict, per_rank: list[dict]) -> None:
+    """Every rank's losses, grad norms, router statistics and biases, and the merged whole
+    weights and momentum buffers, against the one-process run's."""
+    merged: dict = {"weights": {}, "buffers": {}}
+    for out in per_rank:
+        what = f"{out['layout']}"
+        for s, (r, ref) in enumerate(zip(out["results"], reference["results"], strict=True)):
+            assert_close(torch.tensor(r.loss), torch.tensor(ref.loss), what=f"{what} {s} loss")
+            assert_close(torch.tensor(r.grad_norm), torch.tensor(ref.grad_norm),
+                         what=f"{what} {s} grad norm")
+            for key in ("aux_loss", "z_loss", "imbalance"):
+                assert_close(torch.tensor(r.router[key]), torch.tensor(ref.router[key]),
+                             what=f"{what} {s} {key}")
+            assert r.router["tokens_per_expert"] == ref.router["tokens_per_expert"], what
+        for name, b in out["biases"].items():
+            assert_close(b, reference["biases"][name], what=f"{what} bias {name}")
+        for key in merged:
+            merged[key].update(out[key])
+    for key in merged:
+        assert set(merged[key]) == set(reference[key]), f"{key} names differ"
+        for name, t in merged[key].items():
+            assert_close(t, reference[key][name], what=f"{key} {name}")
+    assert any("router" in n for n in merged["buffers"])
+    assert any(".shared." in n for n in merged["buffers"])
+
+
 def _worker(runs: list[tuple]) -> list[dict]:
-    return [_train(*run) for run in runs]
+    return [_train_moe(*run[1:]) if run[0] == "moe" else _train(*run) for run in runs]
 
 
 def _buffers_match(reference: dict, per_rank: list[dict], heads: int = 4) -> None:
@@ -216,13 +293,34 @@ def test_muon_layouts_equal_one_process():
     and pp 2 x dp 2, ZeRO-2 at dp 4, ZeRO-3 at tp 2 x dp 2 and dp 4), sequence parallelism at
     tp 2 x dp 2 with ZeRO-1 (the norms' and biases' partial gradients summed over tp on the
     pieces), context parallelism at cp 2 x dp 2 with ZeRO-1 (the state sharded over cp x dp),
-    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; one launch
-    of 4 ranks."""
+    GPT-2 and grouped-query Llama, equal the one process's torch.optim.Muon + AdamW; and
+    test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, routed experts
+    AdamW's) at tp 2 x dp 2 x ep 2 and at dp 4 x ep 2 with ZeRO-1 equals megapar's one process
+    (losses, grad norms, router statistics, biases, weights, momentum buffers), which equals
+    torch.optim.Muon + AdamW on it (the switch and z-loss, the moving routing biases); one
+    launch of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
             (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
             (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
-            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2)]
+            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2),
+            ("moe", 2, 2, 2, 0), ("moe", 1, 4, 2, 1)]
     outs = run_local(_worker, 4, runs)
+    moe_reference = _train_moe(1, 1, 1, 0)
+    torch_moe = muon_reference("moe", ns="fp32")  # the one process is torch's Muon + AdamW
+    assert [r.loss for r in moe_reference["results"]] == pytest.approx(torch_moe["losses"],
+                                                                     rel=1e-5)
+    assert [r.grad_norm for r in moe_reference["results"]] == pytest.approx(torch_moe["norms"],
+                                                                          rel=1e-5)
+    assert torch_moe["losses"][-1] < torch_moe["losses"][0]
+    for key in ("weights", "buffers"):
+        assert set(moe_reference[key]) == set(torch_moe[key]), key
+    for name, w in moe_reference["weights"].items():
+        assert_close(w, torch_moe["weights"][name], what=f"one process's {name}")
+    for name, (buf,) in torch_moe["buffers"].items():
+        assert_close(moe_reference["buffers"][name], buf, what=f"one process's buffer {name}")
+    for i in range(len(runs) - 2, len(runs)):
+        _check_moe(moe_reference, [o[i] for o in outs])
+    runs = runs[:-2]
     references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):
         per_rank = [o[i] for o in outs]
@@ -317,8 +415,9 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     """plan.state counts --optimizer muon's state: 4 bytes per element of the blocks' 2-D
     weights (one momentum buffer, no step count), AdamW's 8 bytes per element and a 4-byte
-    step count for every other parameter (GPT-2, one rank, no ZeRO); under ZeRO the planner's
-    most loaded rank is the largest of every rank's count."""
+    step count for every other parameter (GPT-2, one rank, no ZeRO; --optimizer lamb AdamW's
+    count, sgd and lars 4 bytes per element); under ZeRO the planner's most loaded rank is the
+    largest of every rank's count."""
     from megapar.optim.muon import is_muon_matrix
     from megapar.plan.params import StageLayout
     from megapar.plan.state import rank_state
@@ -330,6 +429,10 @@ def test_planner_counts_one_momentum_buffer_per_muon_matrix():
     layout = StageLayout.of(config("gpt2"), optimizer="muon")
     assert rank_state(layout, 0).optimizer == expected < adam
     assert rank_state(StageLayout.of(config("gpt2")), 0).optimizer == adam
+    # megapar-train's other optimizers: LAMB AdamW's state, SGD and LARS a momentum buffer
+    momentum = sum(4 * p.numel() for p in model.parameters())
+    for kind, held in (("lamb", adam), ("sgd", momentum), ("lars", momentum)):
+        assert rank_state(StageLayout.of(config("gpt2"), optimizer=kind), 0).optimizer == held
     # the most loaded ZeRO rank (`plan.slices`, vectorised over every rank) is the largest
     # of the ranks' own counts
     from megapar.plan.slices import most_loaded
@@ -342,19 +445,22 @@ def test_planner_counts_one_momentum_buffer_per_muon_matrix():
         assert len(set(each)) > 1  # the ranks differ: the choice is not a tie
 
 
-def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys):
+@pytest.mark.parametrize("optimizer", ["muon", "sgd", "lars", "lamb"])
+def test_plan_verify_with_muon_equals_the_dry_runs_bytes(capsys, optimizer):
     """megapar-plan --optimizer muon --verify 1: the best layout's (dp 2, ZeRO-1: Muon's
     momentum in the ranks' pieces) dry run holds the planned optimizer bytes to the byte, and
-    the command it prints trains with --optimizer muon."""
+    the command it prints trains with --optimizer muon. The same for megapar-train's other
+    optimizers: SGD's and LARS's one momentum buffer (no step count), LAMB's moments and step
+    count."""
     from megapar.cli.plan import main as plan
 
     assert plan(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
                  "--seq-len", "32", "--top", "1", "--schedules", "1f1b",
-                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", "muon",
+                 "--micro-batch-sizes", "2", "--zero-stages", "1", "--optimizer", optimizer,
                  "--verify", "1"]) == 0
     out = capsys.readouterr().out
     assert "command: " in out, out
-    assert "--zero 1 --optimizer muon" in out.split("command: ")[1].splitlines()[0]
+    assert f"--zero 1 --optimizer {optimizer}" in out.split("command: ")[1].splitlines()[0]
     verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
     assert len(verified) == 1 and "equal, 0 bytes apart" in verified[0], verified
 

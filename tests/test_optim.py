@@ -273,6 +273,30 @@ def test_adamw_is_torch_fused_kernel_and_a_loaded_state_steps_like_a_fresh_one()
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("kind", ["adamw", "lamb", "lars", "sgd", "muon"])
+def test_a_loaded_state_holds_what_a_fresh_run_holds(kind):
+    """After one step, and after loading that state (`state_tensors`, `state_json`) into a new
+    optimizer, every parameter's state has the same keys (torch's state_dict: the step count
+    only where the optimizer keeps one: AdamW, LAMB, Muon's AdamW half), dtypes and shapes."""
+    def held(opt):
+        return {i: {k: (t.dtype, tuple(t.shape)) for k, t in s.items()}
+                for i, s in opt.state_dict()["state"].items()}
+
+    model = build_stage(CONFIG, make_mesh(), seed=3)
+    opt = build_optimizer(model, make_mesh(), 1e-2, 0.1, kind=kind)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    resumed = build_optimizer(build_stage(CONFIG, make_mesh(), seed=3), make_mesh(), 1e-2, 0.1,
+                              kind=kind)
+    resumed.load_state_json(json.loads(json.dumps(opt.state_json())))
+    resumed.load_state_tensors(opt.state_tensors())
+    fresh = held(opt)
+    assert held(resumed) == fresh and len(fresh) == len(list(model.parameters()))
+    steps = sum("step" in s for s in fresh.values())
+    assert (steps == 0) == (kind in ("sgd", "lars")), (kind, steps)
+
+
 def test_unsupported_zero_stage():
     with pytest.raises(ValueError, match="--zero 3 is not supported"):
         build_optimizer(serial_model(), Mesh(Layout()), 1e-3, 0.0, zero=3)

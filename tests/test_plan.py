@@ -315,6 +315,17 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
                            (["--gpus", "8", "--top", "0"], "--top must be >= 1"),
                            (["--gpus", "8", "--today", "--master-weights", "separate"],
                             "drop --master-weights separate"),
+                           (["--gpus", "8", "--optimizer", "sgd", "--master-weights",
+                             "separate"], "--optimizer sgd is counted as megapar-train holds"),
+                           (["--gpus", "8", "--optimizer", "lars", "--offload", "none",
+                             "optimizer"], "--offload none optimizer plans megapar-train's "
+                            "--offload-optimizer, which steps AdamW or SGD on the host, not "
+                            "--optimizer lars: drop --offload, or plan --optimizer adamw"),
+                           (["--gpus", "8", "--optimizer", "muon", "--explain",
+                             "tp=1,pp=1,mbs=1,zero=1,offload=optimizer"], "--explain "
+                            "offload=optimizer plans megapar-train's --offload-optimizer, which "
+                            "steps AdamW or SGD on the host, not --optimizer muon: drop offload= "
+                            "from --explain, or plan --optimizer adamw"),
                            # --verify was silently skipped by these two
                            (["--gpus", "8", "--verify", "1", "--json"],
                             "--verify is not run with --json"),

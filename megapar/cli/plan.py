@@ -27,6 +27,7 @@ from megapar.cli.plan_args import (
     check_mode_arguments,
     check_number_arguments,
     check_search_arguments,
+    offload_refused,
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
@@ -34,6 +35,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
+from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.plan import (
     Problem,
@@ -229,12 +231,12 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--optimizer",
-        choices=["adamw", "muon"],
+        choices=list(OPTIMIZERS),
         default="adamw",
-        help="the optimizer state counted: adamw (two fp32 moments and a step count per "
-        "parameter; megapar-train's lamb keeps the same, sgd / lars less) or muon (one fp32 "
-        "momentum buffer for the blocks' 2-D weights, AdamW's state for the rest), as "
-        "megapar-train --optimizer",
+        help="the optimizer state counted, as megapar-train --optimizer holds it: adamw and "
+        "lamb (two fp32 moments and a step count per parameter), sgd and lars (one fp32 "
+        "momentum buffer per parameter, no step count) or muon (one fp32 momentum buffer for "
+        "the blocks' 2-D weights, AdamW's state for the rest)",
     )
     p.add_argument(
         "--fused-attention",
@@ -486,6 +488,8 @@ def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     if c.zero not in ZERO_STAGES:  # a bad value (exit 2), not a layout that cannot run
         raise ValueError(f"--explain: zero={c.zero}: use one of {', '.join(map(str, ZERO_STAGES))}")
+    if c.offload_optimizer and problem.optimizer in NOT_OFFLOADED:
+        raise ValueError(offload_refused(f"--explain offload={c.offloaded()}", problem.optimizer))
     reason = check(c, problem)
     if reason:
         if args.json:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.optim.optimizer import NOT_OFFLOADED
 
 MAX_VERIFY = 32
 """Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
@@ -85,8 +86,19 @@ def check_number_arguments(args) -> None:
         raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
 
 
+def offload_refused(given: str, optimizer: str) -> str:
+    """The line for an offload (`given`: the flag or --explain's key as given) planned with an
+    --optimizer that megapar-train's --offload-optimizer refuses (`NOT_OFFLOADED`)."""
+    drop = "offload= from --explain" if given.startswith("--explain") else "--offload"
+    return (
+        f"{given} plans megapar-train's --offload-optimizer, which steps AdamW or SGD on the "
+        f"host, not --optimizer {optimizer}: drop {drop}, or plan --optimizer adamw"
+    )
+
+
 def check_mode_arguments(args) -> None:
-    """ValueError if --verify or --today cannot run with the other flags."""
+    """ValueError if --verify or --today cannot run with the other flags, or --optimizer with
+    --master-weights separate or an --offload megapar-train refuses with it."""
     if args.verify < 0:
         raise ValueError(
             f"--verify {args.verify} is invalid: it is how many of the best "
@@ -118,11 +130,13 @@ def check_mode_arguments(args) -> None:
             "--verify compares the plan with what megapar-train holds, fp32 "
             "parameters: drop --master-weights separate"
         )
-    if args.optimizer == "muon" and args.master_weights != "fp32":
+    if args.optimizer != "adamw" and args.master_weights != "fp32":
         raise ValueError(
-            "--optimizer muon is counted as megapar-train holds it, with fp32 parameters: "
-            "drop --master-weights separate (or --optimizer muon)"
+            f"--optimizer {args.optimizer} is counted as megapar-train holds it, with fp32 "
+            f"parameters: drop --master-weights separate (or --optimizer {args.optimizer})"
         )
+    if args.optimizer in NOT_OFFLOADED and set(args.offload) != {"none"}:
+        raise ValueError(offload_refused(f"--offload {' '.join(args.offload)}", args.optimizer))
     if args.today and args.master_weights != "fp32":
         raise ValueError(
             "--today plans what megapar-train runs now, and it keeps fp32 "

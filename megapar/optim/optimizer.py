@@ -38,6 +38,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
 """`--optimizer` choices: AdamW, the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`),
 SGD, and Muon for the blocks' matrices with AdamW for the rest (`muon.py`)."""
+NOT_OFFLOADED = ("lamb", "lars", "muon")
+"""The optimizers --offload-optimizer does not step on the host: they need whole parameters'
+norms (LAMB, LARS) or whole matrices (Muon) over the devices."""
 
 
 def optimizer_named_elsewhere(value: str) -> str:
@@ -103,7 +106,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer got no trainable parameters (is the stage empty?)")
         if kind not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
-        if offload and kind in ("lamb", "lars", "muon"):
+        if offload and kind in NOT_OFFLOADED:
             raise ValueError(
                 f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
                 f"(it needs whole parameters' norms or matrices over the devices)"
@@ -341,8 +344,9 @@ class AdamWOptimizer(torch.optim.Optimizer):
             self.inner.state[p] = state
 
     def counts_steps(self, p: nn.Parameter) -> bool:
-        """Whether `p`'s state holds a step count (not SGD's, nor a Muon matrix's)."""
-        return self.kind != "sgd" and id(p) not in self.muon_ids
+        """Whether `p`'s state holds a step count: AdamW's and LAMB's (and under --optimizer
+        muon, AdamW's parameters'); not SGD's, LARS's, nor a Muon matrix's."""
+        return self.kind not in ("sgd", "lars") and id(p) not in self.muon_ids
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         """(parameter, the state this rank holds for it) for every parameter it updates."""

@@ -56,10 +56,10 @@ class Problem:
     zero3_persistence_threshold: int = 0
     """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
     optimizer: str = "adamw"
-    """megapar-train's --optimizer as the state counts it: muon keeps one fp32 momentum buffer
-    per element of the blocks' 2-D weights and Adam's two moments and step count for the rest
-    (`plan.state`); every other optimizer is counted as AdamW (LAMB's state is Adam's; SGD's and
-    LARS's is less: an upper bound)."""
+    """megapar-train's --optimizer as the state counts it (`plan.state.state_bytes`): adamw and
+    lamb keep two fp32 moments and a step count per parameter, sgd and lars one momentum buffer,
+    muon one momentum buffer per element of the blocks' 2-D weights and Adam's two moments and
+    step count for the rest."""
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
     so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""

@@ -15,8 +15,8 @@ import numpy as np
 
 from megapar.plan.params import StageLayout
 from megapar.plan.state import (
-    ADAM_MOMENTS,
-    STEP_BYTES,
+    MOMENTS,
+    STEPS,
     Offload,
     RankState,
     _finish,
@@ -82,17 +82,19 @@ def _slice_loads(layout: StageLayout):
         experts = _candidate_ranks(tensors, [u for u, x in zip(units, expert[:, 0]) if x], dp // ep)
         width = max(len(dense), len(experts))
         ranks = np.where(expert, np.resize(experts, width), np.resize(dense, width))
+    moments, step_bytes = MOMENTS[layout.optimizer], STEPS[layout.optimizer]
     if expert.any() and dp > EXACT_EP_RANKS:  # each group's worst, together
         parts = [_loads(tensors, units, dp, ep, ranks, expert[:, 0] == x) for x in (False, True)]
-        best = [int(np.argmax(ADAM_MOMENTS * a + STEP_BYTES * b)) for a, b in parts]
+        best = [int(np.argmax(moments * a + step_bytes * b)) for a, b in parts]
         stepped = np.array([sum(int(a[i]) for (a, _), i in zip(parts, best))])
         steps = np.array([sum(int(b[i]) for (_, b), i in zip(parts, best))])
-        state = ADAM_MOMENTS * stepped + STEP_BYTES * steps  # Muon's too: an upper bound
+        state = moments * stepped + step_bytes * steps  # Muon's too: an upper bound
     else:
         stepped, steps, muon_bytes, muon_pieces = _loads(tensors, units, dp, ep, ranks, muon=muon)
-        # AdamW: two moments and a step count per piece; a Muon piece: one buffer, no count
-        state = ADAM_MOMENTS * stepped + STEP_BYTES * steps
-        state = state - (ADAM_MOMENTS - 1) * muon_bytes - STEP_BYTES * muon_pieces
+        # AdamW / LAMB: two moments and a step count per piece (SGD / LARS: one buffer, no
+        # count); a Muon piece: one buffer, no count
+        state = moments * stepped + step_bytes * steps
+        state = state - (moments - 1) * muon_bytes - step_bytes * muon_pieces
     stepped.setflags(write=False)
     state.setflags(write=False)
     return tensors, units, specs, stepped, state

@@ -36,6 +36,13 @@ ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
 STEP_BYTES = 4
 """torch keeps Adam's step as a float32 scalar tensor per parameter (per ZeRO-1 piece)."""
+MOMENTS = {"adamw": ADAM_MOMENTS, "lamb": ADAM_MOMENTS, "muon": ADAM_MOMENTS, "sgd": 1, "lars": 1}
+"""Tensors of a parameter's (piece's) shape and dtype that megapar-train's --optimizer keeps per
+parameter: AdamW's and LAMB's two moments (Muon's for what AdamW steps), SGD's and LARS's one
+momentum buffer (megapar-train runs both with momentum 0.9)."""
+STEPS = {"adamw": STEP_BYTES, "lamb": STEP_BYTES, "muon": STEP_BYTES, "sgd": 0, "lars": 0}
+"""Bytes of the step count kept per parameter (piece): Adam's and LAMB's float32 scalar; SGD and
+LARS keep none."""
 
 
 @dataclass(frozen=True)
@@ -133,17 +140,18 @@ def muon_matrix(t) -> bool:
 
 
 def state_bytes(t, elements: int, optimizer: str) -> int:
-    """Optimizer-state bytes of `elements` of tensor `t` (a whole parameter or one piece):
-    AdamW's two moments and its float32 step count, or under --optimizer muon a block's 2-D
-    weight's one momentum buffer (no step count)."""
+    """Optimizer-state bytes of `elements` of tensor `t` (a whole parameter or one piece) under
+    --optimizer `optimizer`: its `MOMENTS` and `STEPS` (AdamW's and LAMB's two moments and
+    float32 step count, SGD's and LARS's momentum buffer), or under --optimizer muon a block's
+    2-D weight's one momentum buffer (no step count)."""
     if optimizer == "muon" and muon_matrix(t):
         return elements * t.dtype.itemsize
-    return ADAM_MOMENTS * elements * t.dtype.itemsize + STEP_BYTES
+    return MOMENTS[optimizer] * elements * t.dtype.itemsize + STEPS[optimizer]
 
 
 def rank_state(layout: StageLayout, dp_rank: int, offload: Offload = Offload()) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `layout.stage` (any tp rank: they hold
-    equal shapes) under megapar-train with `layout.optimizer` (AdamW, or Muon with AdamW) and
+    equal shapes) under megapar-train with `layout.optimizer` (`state_bytes`) and
     `layout`'s gradient buckets or units.
     ZeRO-1 is the real code's layout; ZeRO-2 / 3 are modelled on it (see
     `docs/guides/precision-zero.md`). `layout.dp` and `dp_rank` are over cp x dp (the

@@ -6,6 +6,7 @@ the fix."""
 from __future__ import annotations
 
 from megapar.mesh import ep_split_error
+from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.training.usage import UsageError, flag_of
 
 _NO_VALUE = object()
@@ -35,7 +36,7 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
             f"buffer, the compressors compress an all-reduce; drop one of them "
             f"({term('zero', 0)} or {term('grad_compression', 'none')})"
         )
-    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars", "muon"):
+    if cfg.offload_optimizer and cfg.optimizer in NOT_OFFLOADED:
         offload = term("offload_optimizer", True)
         why = (
             "its Newton-Schulz iteration needs whole matrices"
