@@ -1533,6 +1533,10 @@ def test_a_skipped_step_does_not_advance_the_lr_schedule_and_a_resume_keeps_the_
             "--lr-decay-steps", "10", "--log-json", str(log)]
     inject = ["--inject-corrupt", "step=2,module=transformer.h.1.attn,value=inf"]
     assert main([*args, *inject, "--max-steps", "3", "--save", str(ckpt)]) == 0
+    from megapar.checkpoint.convert import checkpoint_info  # megapar-convert --info says so
+
+    assert "\nstep        3 (the lr schedule at step 2: 1 step skipped)\n" in checkpoint_info(
+        ckpt, checksums=False)
     assert main([*args, "--max-steps", "4", "--load", str(ckpt)]) == 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(m["step"], m["skipped"]) for m in lines] == [

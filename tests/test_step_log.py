@@ -63,6 +63,10 @@ def test_a_step_without_pipeline_or_dp_logs_neither():
     assert "scale" not in format_line(3, {**metrics, "loss_scale": 1.0})
     assert format_line(3, {**metrics, "loss_scale": 1.0}, fp16=True).endswith("| scale 1")
     assert format_line(3, {**metrics, "loss_scale": 0.5}, fp16=True).endswith("| scale 0.5")
+    # an --initial-loss-scale 1e30 was printed as its 31 digits
+    assert format_line(3, {**metrics, "loss_scale": 2.0**32}, fp16=True).endswith(
+        "| scale 4294967296")
+    assert format_line(3, {**metrics, "loss_scale": 1e30}, fp16=True).endswith("| scale 1e+30")
     assert format_line(3, {**metrics, "loss_scale": 2.0**32}, fp16=True).endswith(
         "| scale 4294967296")
 

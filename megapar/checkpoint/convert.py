@@ -50,6 +50,7 @@ from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, unpad
+from megapar.wording import counted
 
 Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
 
@@ -440,7 +441,7 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     optim = sorted({k for e in entries.values() for k in e["optim"]})
     lines = [
         f"checkpoint  {step_dir}",
-        f"step        {m['step']}",
+        f"step        {m['step']}{_skipped(m['meta'], m['step'])}",
         f"layout      {Layout(**m['layout'])}",  # with cp, ep and order where they are set
         f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
         f"(unpadded, as transformers counts them{_active(model, params)})",
@@ -462,6 +463,15 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
                 f"{','.join(e['optim']) or '-'}"
             )
     return "\n".join(lines)
+
+
+def _skipped(meta: dict, step: int) -> str:
+    """--info's note on the step line where the learning-rate schedule is behind the step (its
+    `schedule_step`: the updates applied; skipped overflow or non-finite steps do not count)."""
+    position = meta.get("schedule_step")
+    if not isinstance(position, int) or position == step:
+        return ""
+    return f" (the lr schedule at step {position}: {counted(step - position, 'step')} skipped)"
 
 
 def _fp8_line(meta: dict) -> list[str]:

@@ -351,9 +351,8 @@ def format_line(step: int, m: dict, fp16: bool = False) -> str:
     if skipped:
         parts.append(f"skipped {skipped} (inf/nan)")
     if "loss_scale" in m and (fp16 or m["loss_scale"] != 1.0):
-        scale = m["loss_scale"]  # 65536, not 6.554e+04; 0.5 (a floor below 1), not 0
-        parts.append(
-            f"scale {scale:.0f}" if scale >= 1 and scale == int(scale) else f"scale {scale:g}"
-        )
+        scale = m["loss_scale"]  # 65536, not 6.554e+04; 0.5 (a floor below 1), not 0; 1e30
+        whole = 1 <= scale < 1e12 and scale == int(scale)  # 2^32 whole; 1e30 not as 31 digits
+        parts.append(f"scale {scale:.0f}" if whole else f"scale {scale:g}")
     parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))
     return " | ".join(parts)
