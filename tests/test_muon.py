@@ -355,7 +355,12 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     (["--muon-adjust-lr", "original"],
      "--muon-adjust-lr original would be ignored: it is Muon's, and --optimizer is adamw: "
      "add --optimizer muon, or drop --muon-adjust-lr"),
-], ids=["offloaded", "momentum", "without-muon"])
+    # was "add --offload-optimizer", which the next run refused with Muon
+    (["--optimizer", "muon", "--zero", "3", "--dp", "2", "--offload-params"],
+     "--offload-params needs --offload-optimizer (the host-held parameter shards are the weights "
+     "the optimizer steps), which steps AdamW or SGD on the host, not --optimizer muon: drop "
+     "--offload-params or use --optimizer adamw"),
+], ids=["offloaded", "momentum", "without-muon", "offloaded-params"])
 def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags, says):
     """--optimizer muon with --offload-optimizer, a momentum outside [0, 1), and Muon's flags
     without it: one line naming the problem and the fix, exit 2, no worker started."""

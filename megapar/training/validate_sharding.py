@@ -106,6 +106,12 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
             f"{zero3} (its reduce-scatters run in fp32); use {term('zero', 1)} for a "
             f"{cfg.grad_reduce_dtype} reduction, or drop {term('grad_reduce_dtype')}"
         )
+    if cfg.offload_params and not cfg.offload_optimizer and cfg.optimizer in NOT_OFFLOADED:
+        raise UsageError(  # adding the offloaded optimizer would be refused next
+            f"{where}{params} needs {optimizer} (the host-held parameter shards are the weights "
+            f"the optimizer steps), which steps AdamW or SGD on the host, not "
+            f"{term('optimizer', cfg.optimizer)}: drop {params} or use {term('optimizer', 'adamw')}"
+        )
     if cfg.offload_params and not cfg.offload_optimizer:
         raise UsageError(
             f"{where}{params} needs {optimizer} (the host-held parameter shards are the weights "
