@@ -7,6 +7,8 @@
   softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
   and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
 * tp 2 x pp 2 gives the tokens tp 1 gives;
+* the KV cache (GPT-2, Llama, Qwen3, Qwen2, Mixtral) gives the tokens and each step's logits
+  of the whole sequence's forward per token, forwarding one position per new token;
 * bad input: one line, exit 2, before any model is built.
 
 The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
@@ -139,8 +141,10 @@ def test_sampling_equals_a_reference_loop_and_transformers(imported, capsys):
     assert theirs.tolist()[:len(want[0])] == want[0]
 
 
-@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)  # tied embedding across pp
+@pytest.mark.parametrize("imported", ["gpt2", "llama"], indirect=True)  # GPT-2: tied across pp
 def test_tp2_pp2_equals_tp1(imported, capsys):
+    """Each stage's KV cache of its layers and tp rank's heads (Llama's 2 kv heads: one per
+    rank) gives tp 1's tokens."""
     _, _, ckpt = imported
     args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6",
             "--seed", "5"]
@@ -312,3 +316,60 @@ def test_the_positions_note_counts_one_new_token_in_the_singular():
         "megapar-generate: sample 1 stopped at the model's 64 positions (its prompt's 63 "
         "tokens and 1 new one)")
     assert positions_note(2, "the model's 32 positions", 30, 2).endswith("and 2 new ones)")
+
+
+KV_MODELS = {  # tiny ones of each attention: GPT-2's, Llama's GQA, Qwen3's q / k norms,
+    # Qwen2's q / k / v biases, Mixtral's (dropless MoE) routed one token at a time
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                            n_positions=32),
+    "llama": lambda: transformers.LlamaConfig(**LLAMA_KV),
+    "qwen3": lambda: transformers.Qwen3Config(**LLAMA_KV, head_dim=16),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_KV),
+    "mixtral": lambda: transformers.MixtralConfig(**LLAMA_KV, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+}
+LLAMA_KV = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("kind", list(KV_MODELS))
+def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(kind,
+                                                                               monkeypatch):
+    """Greedy with the KV cache: the tokens and each step's fp32 logits (within 1e-5 of their
+    largest) of the whole sequence's forward per token, and after the prompt's forward one
+    position per new token."""
+    from megapar.mesh import Mesh
+    from megapar.models import config_from_hf
+    from megapar.pipeline.partition import build_stage
+    from megapar.training import generate as gen
+
+    config = config_from_hf(KV_MODELS[kind]())
+    mesh = Mesh.from_env(1, 1, 1)
+    model = build_stage(config, mesh, seed=0).eval()
+    with torch.no_grad():  # non-zero biases and norms, a peaked distribution
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "embed" in name:
+                p.mul_(4.0)
+    first_layer = next(iter(model.layers.values()))
+    seen: list[int] = []  # positions of each forward
+    first_layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    logits: list[torch.Tensor] = []
+    real = gen.last_logits
+    monkeypatch.setattr(gen, "last_logits", lambda *a: logits.append(real(*a)) or logits[-1])
+    prompt, runs = _ids(PROMPTS[0]), {}
+    for cache in (True, False):
+        seen.clear()
+        logits.clear()
+        out = gen.generate(model, mesh, prompt, 8, gen.Sampling(temperature=0),
+                           torch.Generator(), config.hidden_size, config.vocab_size,
+                           config.max_positions, None, cache=cache)
+        runs[cache] = (out.new_ids, list(logits), list(seen))
+    (cached, cached_logits, cached_seen), (plain, plain_logits, plain_seen) = runs[True], runs[False]
+    assert cached == plain and len(cached) == 8
+    assert cached_seen == [len(prompt)] + [1] * 7
+    assert plain_seen == [len(prompt) + i for i in range(8)]
+    for step, (a, b) in enumerate(zip(cached_logits, plain_logits, strict=True)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (kind, step)
+    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
