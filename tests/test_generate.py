@@ -1,7 +1,8 @@
 """megapar-generate against transformers and a reference sampling loop.
 
 * greedy: a tiny GPT-2 and a tiny Llama, imported with `megapar-convert --from-hf` at tp 2 x
-  pp 2 and generated from at tp 1, give transformers' `generate(do_sample=False)` token for
+  pp 2 and generated from at tp 1 (with the KV cache), give transformers'
+  `generate(do_sample=False, use_cache=True)` token for
   token (a prompt that reaches the model's positions stops there, as transformers' max_length);
 * sampling: the tokens a reference loop draws with torch.multinomial from
   softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
@@ -88,7 +89,7 @@ def test_greedy_equals_transformers_generate(imported, capsys):
         ids = torch.tensor([_ids(prompt)])
         with torch.no_grad():  # transformers' max_length: the model's 32 positions
             want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=min(12, 32 - ids.shape[1]),
+                                  use_cache=True, max_new_tokens=min(12, 32 - ids.shape[1]),
                                   eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:]
         assert record["prompt_ids"] == ids[0].tolist()
         assert record["new_ids"] == want.tolist(), (kind, prompt)
