@@ -1,12 +1,16 @@
 """megapar-generate against transformers and a reference sampling loop.
 
 * greedy: a tiny GPT-2 and a tiny Llama, imported with `megapar-convert --from-hf` at tp 2 x
-  pp 2 and generated from at tp 1, give transformers' `generate(do_sample=False)` token for
+  pp 2 and generated from at tp 1 (with the KV cache), give transformers'
+  `generate(do_sample=False, use_cache=True)` token for
   token (a prompt that reaches the model's positions stops there, as transformers' max_length);
 * sampling: the tokens a reference loop draws with torch.multinomial from
   softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
   and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
 * tp 2 x pp 2 gives the tokens tp 1 gives;
+* the KV cache (GPT-2, Llama, Qwen3, Qwen2, Mixtral) gives the tokens and each step's logits
+  of the whole sequence's forward per token, forwarding one position per new token (at tp 2 x
+  pp 2 too: each stage's cache of its layers and tp rank's heads);
 * bad input: one line, exit 2, before any model is built.
 
 The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
@@ -85,7 +89,7 @@ def test_greedy_equals_transformers_generate(imported, capsys):
         ids = torch.tensor([_ids(prompt)])
         with torch.no_grad():  # transformers' max_length: the model's 32 positions
             want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=min(12, 32 - ids.shape[1]),
+                                  use_cache=True, max_new_tokens=min(12, 32 - ids.shape[1]),
                                   eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:]
         assert record["prompt_ids"] == ids[0].tolist()
         assert record["new_ids"] == want.tolist(), (kind, prompt)
@@ -312,3 +316,106 @@ def test_the_positions_note_counts_one_new_token_in_the_singular():
         "megapar-generate: sample 1 stopped at the model's 64 positions (its prompt's 63 "
         "tokens and 1 new one)")
     assert positions_note(2, "the model's 32 positions", 30, 2).endswith("and 2 new ones)")
+
+
+KV_MODELS = {  # tiny ones of each attention: GPT-2's, Llama's GQA, Qwen3's q / k norms,
+    # Qwen2's q / k / v biases, Mixtral's (dropless MoE) routed one token at a time
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                            n_positions=32),
+    "llama": lambda: transformers.LlamaConfig(**LLAMA_KV),
+    "qwen3": lambda: transformers.Qwen3Config(**LLAMA_KV, head_dim=16),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_KV),
+    "mixtral": lambda: transformers.MixtralConfig(**LLAMA_KV, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+}
+LLAMA_KV = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("kind", list(KV_MODELS))
+def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(kind,
+                                                                               monkeypatch):
+    """Greedy with the KV cache: the tokens and each step's fp32 logits (within 1e-5 of their
+    largest) of the whole sequence's forward per token, and after the prompt's forward one
+    position per new token."""
+    from megapar.mesh import Mesh
+    from megapar.models import config_from_hf
+    from megapar.pipeline.partition import build_stage
+    from megapar.training import generate as gen
+
+    config = config_from_hf(KV_MODELS[kind]())
+    mesh = Mesh.from_env(1, 1, 1)
+    model = build_stage(config, mesh, seed=0).eval()
+    with torch.no_grad():  # non-zero biases and norms, a peaked distribution
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "embed" in name:
+                p.mul_(4.0)
+    first_layer = next(iter(model.layers.values()))
+    seen: list[int] = []  # positions of each forward
+    first_layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    logits: list[torch.Tensor] = []
+    real = gen.last_logits
+    monkeypatch.setattr(gen, "last_logits", lambda *a: logits.append(real(*a)) or logits[-1])
+    prompt, runs = _ids(PROMPTS[0]), {}
+    for cache in (True, False):
+        seen.clear()
+        logits.clear()
+        out = gen.generate(model, mesh, prompt, 8, gen.Sampling(temperature=0),
+                           torch.Generator(), config.hidden_size, config.vocab_size,
+                           config.max_positions, None, cache=cache)
+        runs[cache] = (out.new_ids, list(logits), list(seen))
+    (cached, cached_logits, cached_seen), (plain, plain_logits, plain_seen) = runs[True], runs[False]
+    assert cached == plain and len(cached) == 8
+    assert cached_seen == [len(prompt)] + [1] * 7
+    assert plain_seen == [len(prompt) + i for i in range(8)]
+    for step, (a, b) in enumerate(zip(cached_logits, plain_logits, strict=True)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (kind, step)
+    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+
+
+def _cached_and_plain(ckpt, prompt):
+    """(cache on, cache off) on this rank at tp 2 x pp 2: the new ids, the positions its
+    stage's first layer forwards each time, and its float32 logits per step (last stage)."""
+    from megapar.training import generate as gen
+    from megapar.training.inference import load_model
+
+    mesh, config, model = load_model(str(ckpt), 2, 2)
+    seen: list[int] = []
+    next(iter(model.layers.values())).register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[1]))
+    logits: list = []
+    real = gen.last_logits
+    gen.last_logits = lambda *a: logits.append(real(*a)) or logits[-1]  # a forked rank's own
+    runs = []
+    for cache in (True, False):
+        seen.clear()
+        logits.clear()
+        out = gen.generate(model, mesh, prompt, 6, gen.Sampling(temperature=0),
+                           torch.Generator(), config.hidden_size, config.vocab_size,
+                           config.max_positions, None, cache=cache)
+        runs.append((out.new_ids, list(seen), [None if x is None else x.tolist() for x in logits]))
+    return runs
+
+
+@pytest.mark.parametrize("imported", ["gpt2", "llama"], indirect=True)
+def test_the_kv_cache_at_tp2_pp2_crosses_stages_with_one_position(imported):
+    """Each stage's first layer forwards the prompt, then one position per new token, and the
+    last stage's logits of each step are the whole sequence's (fp32, within 1e-5 of their
+    largest), on both of its tp ranks."""
+    from megapar.launcher import run_workers
+
+    _, _, ckpt = imported
+    prompt = _ids(PROMPTS[0])
+    ranks = run_workers(_cached_and_plain, 4, ckpt, prompt)
+    for (cached, cached_seen, cached_logits), (plain, plain_seen, plain_logits) in ranks:
+        assert cached == plain and len(cached) == 6
+        assert cached_seen == [len(prompt)] + [1] * 5
+        assert plain_seen == [len(prompt) + i for i in range(6)]
+        for a, b in zip(cached_logits, plain_logits, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                a, b = torch.tensor(a), torch.tensor(b)
+                assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert sum(logits[0] is not None for *_, logits in (r[0] for r in ranks)) == 2  # last stage

@@ -5,8 +5,9 @@
     megapar-generate --load CKPT --prompt-file prompt.txt --tp 2 --json
 
 Each sample is the prompt, tokenized with the tokenizer the checkpoint trained with, grown one
-token at a time by the model's own forward over the whole sequence (no KV cache) until the
-end-of-sequence token, --max-new-tokens or the model's positions. Float32, as megapar-eval.
+token at a time, with a KV cache (the prompt's forward fills it, then one position's forward
+per new token; `megapar.training.generate`), until the end-of-sequence token,
+--max-new-tokens or the model's positions. Float32, as megapar-eval.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch import nn
 
 from megapar.context_parallel import LayerAttention
 from megapar.mesh import Mesh
+from megapar.models.kv_cache import KVCache
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
 
 ACTIVATIONS = {
@@ -68,6 +69,8 @@ class ParallelAttention(nn.Module):
     """Multi-head self-attention with this rank's share of the heads.
 
     `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, or None.
+    With `kv_cache` set (causal attention, generation) the keys and values of earlier
+    positions are the cache's and `x` holds only the new positions (`megapar.models.kv_cache`).
     Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
     and the core is ring attention (`megapar.context_parallel`: keys and values as many as the
     queries, so the ring, not an all-gather). `recompute_core` (selective recomputation)
@@ -88,6 +91,8 @@ class ParallelAttention(nn.Module):
         self.causal = causal
         self.recompute_core = False
         self.context_parallel = LayerAttention(mesh, causal, "ring") if mesh.cp > 1 else None
+        if causal:  # generation's cache of this rank's heads (`megapar.models.kv_cache`)
+            self.kv_cache: KVCache | None = None
 
     def _core(self, q, k, v, mask):
         dropout = self.dropout if self.training else 0.0
@@ -109,7 +114,10 @@ class ParallelAttention(nn.Module):
         # [b, s, local heads, (q, k, v), head_dim] -> three [b, local heads, s, head_dim]
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
-        if self.recompute_core and torch.is_grad_enabled():
+        cache = getattr(self, "kv_cache", None)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
             if mask is None:
                 out = checkpoint_for(

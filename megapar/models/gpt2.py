@@ -69,8 +69,10 @@ class GPT2(StageModel):
 
     forward(hidden, batch): `hidden` is the previous stage's output (None on the first stage);
     `batch` holds "input_ids" [b, s] and, for a loss, "labels" [b, s] (next-token ids, -100 to
-    ignore). Returns the hidden states, or on the last stage the mean loss over labelled tokens
-    (or this rank's vocab slice of the logits when the batch has no labels).
+    ignore) and, generating with a KV cache (`megapar.models.kv_cache`), "positions_from": the
+    position of input_ids' first (the ids after the cached ones). Returns the hidden states,
+    or on the last stage the mean loss over labelled tokens (or this rank's vocab slice of the
+    logits when the batch has no labels).
     """
 
     def __init__(
@@ -114,7 +116,10 @@ class GPT2(StageModel):
         if self.pre_process:
             assert self.embed is not None  # built where pre_process
             ids = batch["input_ids"]
-            hidden = self.embed(self._cp_tokens(ids), self._positions(ids))
+            positions = self._positions(ids)
+            if "positions_from" in batch:  # generation with a KV cache: the new positions
+                positions = positions + batch["positions_from"]
+            hidden = self.embed(self._cp_tokens(ids), positions)
         assert hidden is not None  # later stages: the previous stage's output
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:

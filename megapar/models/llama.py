@@ -29,6 +29,7 @@ from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
+from megapar.models.kv_cache import KVCache
 from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
@@ -182,7 +183,9 @@ class LlamaAttention(nn.Module):
     Under context parallelism the tokens are this cp rank's (rotated by their global positions)
     and the core is `megapar.context_parallel` attention with the kv heads unexpanded: an
     all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
-    the ring with as many kv heads as query heads (`method_for`)."""
+    the ring with as many kv heads as query heads (`method_for`). With `kv_cache` set
+    (generation) `x` holds only the new positions, rotated by their absolute positions (after
+    the cached ones), and the cache holds this rank's kv heads (`megapar.models.kv_cache`)."""
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
         super().__init__()
@@ -240,6 +243,7 @@ class LlamaAttention(nn.Module):
         self.context_parallel = (
             LayerAttention(mesh, True, method_for(n_q, n_kv)) if mesh.cp > 1 else None
         )
+        self.kv_cache: KVCache | None = None  # generation's (`megapar.models.kv_cache`)
         if mesh.device.type != "meta" and self.kv_index != list(range(local_kv)):
             self._index_on(mesh.device)
 
@@ -279,15 +283,23 @@ class LlamaAttention(nn.Module):
         def heads(t):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
-        # global positions of these tokens (of the whole sequence under SP, cp rank's under cp)
-        cos, sin = self.rotary(s * self.cp, x.device)
+        cache = self.kv_cache
+        if cache is None:
+            # global positions of these tokens (of the whole sequence under SP, cp rank's under
+            # cp)
+            cos, sin = self.rotary(s * self.cp, x.device)
+        else:  # generation: the positions after the cached ones
+            cos, sin = self.rotary(cache.length + s, x.device)
+            cos, sin = cos[cache.length :], sin[cache.length :]
         q, k = heads(self.q(x, entered=True)), heads(self.k(x, entered=True))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = heads(self.v(x, entered=True))
         index = None if self.kv_index == list(range(k.shape[1])) else self._index_on(k.device)
-        if self.recompute_core and torch.is_grad_enabled():
+        if cache is not None:
+            out = cache.attend(q, k, v, index)
+        elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
             out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index)
         else:
@@ -410,7 +422,8 @@ class Llama(StageModel):
             # Module)
             hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # type: ignore[operator]
         assert hidden is not None  # later stages: the previous stage's output
-        if "input_ids" in batch:  # the rope tables made here, so a compiled block only reads them
+        if "input_ids" in batch and "positions_from" not in batch:
+            # the rope tables made here, so a compiled block only reads them
             self.rotary(batch["input_ids"].shape[1], hidden.device)
         padding = None  # an MoE layer's: which of this rank's tokens are not right-padding
         if "attention_mask" in batch and any(

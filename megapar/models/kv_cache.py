@@ -1,0 +1,100 @@
+"""A KV cache for generation: each causal attention module keeps the keys and values of the
+positions it has seen, so a new token's forward runs over that one position only.
+
+The cache is per attention module (`kv_cache`, None when off) and holds the heads as the
+module computes them: this tp rank's heads (Llama's kv heads unexpanded), of this pipeline
+stage's layers only. The first forward with the cache on (the prompt, the prefill) fills it;
+each later one appends its positions and attends to every cached one. Positions follow the
+cache: Llama rotates q and k by their absolute positions (the cache's length onwards), GPT-2's
+first stage is given the first new position as the batch's "positions_from".
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapar.models.config import CAUSAL_LM_TYPES
+
+
+class KVCache:
+    """Keys and values [batch, heads, positions, head_dim] of up to `capacity` positions,
+    allocated at the first `append` in its dtype and on its device."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the keys and values of the next positions; the cached ones, these included."""
+        b, h, s, d = k.shape
+        if self.k is None or self.v is None:
+            self.k = k.new_empty(b, h, self.capacity, d)
+            self.v = v.new_empty(b, h, self.capacity, v.shape[-1])
+        end = self.length + s
+        if end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the queries `q` of the next positions over every cached key,
+        after appending `k` and `v`; `index` [query heads]: the kv head of each query head
+        (grouped-query attention), None where they are as many."""
+        k, v = self.append(k, v)
+        if index is not None:
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        s, total = q.shape[2], k.shape[2]
+        if s == total:  # the prefill: every position from 0
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = None  # one new position sees all
+        if s > 1:  # query i is position total - s + i
+            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def cached_attention(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that take a KV cache (GPT-2's and Llama's attention)."""
+    return [m for m in model.modules() if hasattr(m, "kv_cache")]
+
+
+def takes_kv_cache(model: nn.Module) -> bool:
+    """Whether generation from `model` (a causal LM stage) can use the KV cache: a GPT-2 or
+    Llama-family model without context or sequence parallelism and with dropless MoE layers
+    if any (a capacity drops tokens by how many are routed together). Decided from the config
+    and mesh, so every pipeline stage decides alike."""
+    config, mesh = getattr(model, "config", None), getattr(model, "mesh", None)
+    if config is None or mesh is None:
+        return False
+    if getattr(config, "model_type", None) not in CAUSAL_LM_TYPES:
+        return False
+    if mesh.cp > 1 or mesh.sequence_parallel:
+        return False
+    return getattr(config, "moe_capacity_factor", None) is None
+
+
+@contextlib.contextmanager
+def kv_cache(model: nn.Module, capacity: int):
+    """Every attention module of `model` with an empty cache of `capacity` positions while
+    the block runs; none after."""
+    modules = cached_attention(model)
+    for m in modules:
+        m.kv_cache = KVCache(capacity)  # type: ignore[assignment]  # a plain attribute
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.kv_cache = None  # type: ignore[assignment]
