@@ -1003,7 +1003,8 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     said = str(exc.value)
     assert said.startswith(f"{job}: --config takes a JSON or YAML file of megapar-train's "
                            "flags, not a TOML job config (torchtitan's); give its settings as "
-                           "megapar-train flags: --max-steps 1000 --precision bf16 --fp8 "
+                           "megapar-train flags: --warmup-steps 200 --lr-decay linear "
+                           "--min-lr 0 --max-steps 1000 --precision bf16 --fp8 "
                            "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
                            "gathers") and said.endswith("(no flag named for: job.dump_folder)")
     assert "\n" not in said, said
@@ -1026,11 +1027,13 @@ def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
         "give its settings as megapar-train flags: --lr-decay wsd --lr-wsd-decay-fraction 0.2 "
         "--lr-wsd-decay-style sqrt --min-lr 4e-05 --max-steps 1000 --lr 0.0004 "
         "--warmup-steps 100"), exc.value
-    job.write_text("[training]\nsteps = 1000\n[lr_scheduler]\n")
-    with pytest.raises(ConfigError) as exc:
-        parse_args(["--config", str(job)])
-    assert str(exc.value).endswith(": --warmup-steps 200 --lr-decay linear --min-lr 0 "
-                                   "--max-steps 1000"), exc.value
+    for text in ("[training]\nsteps = 1000\n[lr_scheduler]\n", "[training]\nsteps = 1000\n"):
+        # a job without [lr_scheduler] trains torchtitan's defaults too (it was named no flag)
+        job.write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            parse_args(["--config", str(job)])
+        assert str(exc.value).endswith(": --warmup-steps 200 --lr-decay linear --min-lr 0 "
+                                       "--max-steps 1000"), exc.value
 
 
 OTHER_TOOLS = [

@@ -194,6 +194,23 @@ def test_the_default_warmup_fits_before_lr_decay_steps():
     assert Engine.flags_schedule(cfg).lr(5) == cfg.min_lr
 
 
+def test_a_constant_decay_gets_no_min_lr_note():
+    """--lr 3e-5 --lr-decay constant: --min-lr is not read (given, it is refused), so no note
+    says 'using 3e-06' for it (one did); it still follows --lr below the default, so the
+    schedule is valid."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.engine import Engine
+    from megapar.training.validate import adapt_defaults
+
+    cfg = TrainConfig(lr=3e-5, lr_decay="constant", max_steps=10, warmup_steps=2)
+    cfg.explicit = frozenset({"lr", "lr_decay", "max_steps", "warmup_steps"})
+    assert not [n for n in adapt_defaults(cfg, 1) if "--min-lr" in n]
+    assert [Engine.flags_schedule(cfg).lr(s) for s in (0, 1, 9)] == [1.5e-5, 3e-5, 3e-5]
+    cfg = TrainConfig(lr=3e-5, max_steps=10, warmup_steps=2)
+    cfg.explicit = frozenset({"lr", "max_steps", "warmup_steps"})
+    assert any(n.startswith("--min-lr not given: using 3e-06") for n in adapt_defaults(cfg, 1))
+
+
 def test_scheduler_state_round_trips_through_json():
     s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
     restored = LRScheduler(1.0, 0.0, 0, 1)

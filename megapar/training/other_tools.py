@@ -531,6 +531,8 @@ def toml_job_config(path: str) -> str:
     )
     flags, sentences, left = [], [], []
     schedule = job.get("lr_scheduler")
+    if schedule is None and isinstance(job.get("training"), dict):
+        schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
     if isinstance(schedule, dict):
         flags += torchtitan_schedule(job, schedule)
     for key, value in keys:

@@ -347,12 +347,12 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     if "min_lr" not in given:
         low, peak = _default(cfg, "min_lr"), _default(cfg, "lr")
         min_lr = min(low, float(f"{cfg.lr * low / peak:.12g}"))  # the defaults' ratio, at most
-        if min_lr != cfg.min_lr:
+        if min_lr != cfg.min_lr and cfg.lr_decay != "constant":  # constant never reads it
             notes.append(
                 f"--min-lr not given: using {min_lr:g} (--lr {cfg.lr:g} x {low / peak:g}"
                 f", the defaults' ratio) instead of the default {cfg.min_lr:g}"
             )
-            cfg.min_lr = min_lr
+        cfg.min_lr = min_lr
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
         if "global_batch_size" not in given:
