@@ -41,13 +41,13 @@ def inputs(tmp_path):
 
 def test_every_input_kind_gives_its_documents_in_order(inputs):
     root, expected = inputs
-    from megapar.data.inputs import skipped_inputs
+    from megapar.data.inputs import unread_inputs
     from megapar.data.preprocess import expand_inputs
 
     files = expand_inputs([str(root)])
     assert [Path(f).name for f in files] == ["a.jsonl", "b.json", "c.json", "d.parquet", "e.json"]
     assert [t for t, _ in iter_documents(files)] == expected
-    assert skipped_inputs([str(root)]) == [str(root / "sub" / "table.csv")]
+    assert unread_inputs([str(root)]) == ([str(root / "sub" / "table.csv")], [])
 
 
 @pytest.mark.parametrize("fmt", ["megapar", "megatron"])
@@ -197,7 +197,7 @@ def test_a_tokenizer_kept_in_a_text_directory_is_not_read_as_text(tmp_path):
     tokenizer.json with BERT's vocab.txt): vocab.json failed as JSON records ("field 'text' is
     an int": GPT-2's vocabulary has the token "text") and merges.txt would be trained on; now
     left out and named. A corpus's own vocab.txt without a tokenizer beside it is text."""
-    from megapar.data.inputs import skipped_inputs, tokenizer_inputs
+    from megapar.data.inputs import unread_inputs
     from megapar.data.preprocess import expand_inputs
 
     root = tmp_path / "corpus"
@@ -211,10 +211,9 @@ def test_a_tokenizer_kept_in_a_text_directory_is_not_read_as_text(tmp_path):
     (root / "bert" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     (root / "words" / "vocab.txt").write_text("a word list kept as text\n")
     assert expand_inputs([str(root)]) == [str(root / "a.txt"), str(root / "words" / "vocab.txt")]
-    assert tokenizer_inputs([str(root)]) == [
+    assert unread_inputs([str(root)]) == ([], [
         str(root / "bert" / "tokenizer.json"), str(root / "bert" / "vocab.txt"),
-        str(root / "gpt2" / "merges.txt"), str(root / "gpt2" / "vocab.json")]
-    assert skipped_inputs([str(root)]) == []
+        str(root / "gpt2" / "merges.txt"), str(root / "gpt2" / "vocab.json")])
     with pytest.raises(FileNotFoundError, match=(
             r"holds only a tokenizer's files \(merges.txt, vocab.json\), no text: give it as "
             r"--tokenizer .*gpt2 and the text to tokenize as the input")):

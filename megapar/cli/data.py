@@ -413,9 +413,9 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
 
 def _note_skipped(inputs: Sequence[str]) -> None:
     """A note naming the files the input directories hold that are not read (their type)."""
-    from megapar.data.inputs import INPUT_SUFFIXES, skipped_inputs, tokenizer_inputs
+    from megapar.data.inputs import INPUT_SUFFIXES, unread_inputs
 
-    skipped = skipped_inputs(inputs)
+    skipped, tokenizer = unread_inputs(inputs)
     if skipped:
         kinds = sorted({os.path.splitext(f)[1] or os.path.basename(f) for f in skipped})
         print(
@@ -425,7 +425,6 @@ def _note_skipped(inputs: Sequence[str]) -> None:
             f"{', ...' if len(kinds) > 8 else ''}; e.g. {skipped[0]})",
             file=sys.stderr,
         )
-    tokenizer = tokenizer_inputs(inputs)
     if tokenizer:
         print(
             f"megapar-data: note: {counted(len(tokenizer), 'file')} of a tokenizer in the "

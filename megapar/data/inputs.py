@@ -329,19 +329,14 @@ def check_read_once(inputs: Sequence[str]) -> None:
             )
 
 
-def skipped_inputs(inputs: Sequence[str]) -> list[str]:
-    """The files in the input directories that `expand_inputs` leaves out for their type (not
-    ``INPUT_SUFFIXES``; hidden files, what hidden directories hold and a tokenized dataset's
-    own files not counted)."""
-    dirs = [p for p in map(os.fspath, inputs) if os.path.isdir(p)]
-    return sorted(f for p in dirs for f in _directory_files(p)[1])
-
-
-def tokenizer_inputs(inputs: Sequence[str]) -> list[str]:
-    """The files in the input directories that `expand_inputs` leaves out as a tokenizer's
-    (`TOKENIZER_FILES` beside a tokenizer: a corpus kept with the tokenizer it is for)."""
-    dirs = [p for p in map(os.fspath, inputs) if os.path.isdir(p)]
-    return sorted(f for p in dirs for f in _directory_files(p)[2])
+def unread_inputs(inputs: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The files in the input directories that `expand_inputs` leaves out, each directory
+    walked once: (those left out for their type (not ``INPUT_SUFFIXES``; hidden files, what
+    hidden directories hold and a tokenized dataset's own files not counted), those left out as
+    a tokenizer's (`TOKENIZER_FILES` beside a tokenizer: a corpus kept with the tokenizer it is
+    for))."""
+    walks = [_directory_files(p) for p in map(os.fspath, inputs) if os.path.isdir(p)]
+    return sorted(f for w in walks for f in w[1]), sorted(f for w in walks for f in w[2])
 
 
 TOKENIZER_FILES = (
@@ -374,8 +369,8 @@ def tokenizer_names(names: Sequence[str]) -> set[str]:
 
 def _directory_files(path: str) -> tuple[list[str], list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, those left
-    out for their type (`skipped_inputs`) and those left out as a tokenizer's
-    (`tokenizer_inputs`, `tokenizer_names`). The tokenizer directory a tokenized dataset
+    out for their type and those left out as a tokenizer's (`unread_inputs`,
+    `tokenizer_names`). The tokenizer directory a tokenized dataset
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
     megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
     hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's

@@ -39,8 +39,7 @@ from megapar.data.inputs import (
     is_raw_text,
     model_directory,
     parse_sft_keys,
-    skipped_inputs,
-    tokenizer_inputs,
+    unread_inputs,
 )
 from megapar.data.megatron import is_megatron_index
 from megapar.data.sampler import older_epoch_order
@@ -156,13 +155,12 @@ def _resolve_one(
                 f"warning: {path}: {counted(n, 'byte')} of invalid UTF-8 replaced with U+FFFD"
                 for path, n in report.items()
             )
-            skipped = skipped_inputs([data])
+            skipped, tokenizer = unread_inputs([data])
             if skipped:
                 notes.append(
                     f"--data {data}: {counted(len(skipped), 'file')} not read for their type "
                     f"(not {' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
                 )
-            tokenizer = tokenizer_inputs([data])
             if tokenizer:
                 notes.append(
                     f"--data {data}: {counted(len(tokenizer), 'file')} of a tokenizer not read "
