@@ -333,15 +333,13 @@ LLAMA_KV = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidd
 
 
 @pytest.mark.parametrize("kind", list(KV_MODELS))
-def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(kind,
-                                                                               monkeypatch):
+def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(kind):
     """Greedy with the KV cache: the tokens and each step's fp32 logits (within 1e-5 of their
     largest) of the whole sequence's forward per token, and after the prompt's forward one
     position per new token."""
     from megapar.mesh import Mesh
     from megapar.models import config_from_hf
     from megapar.pipeline.partition import build_stage
-    from megapar.training import generate as gen
 
     config = config_from_hf(KV_MODELS[kind]())
     mesh = Mesh.from_env(1, 1, 1)
@@ -352,21 +350,9 @@ def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(
                 p.add_(torch.randn_like(p) * 0.1)
             if "embed" in name:
                 p.mul_(4.0)
-    first_layer = next(iter(model.layers.values()))
-    seen: list[int] = []  # positions of each forward
-    first_layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
-    logits: list[torch.Tensor] = []
-    real = gen.last_logits
-    monkeypatch.setattr(gen, "last_logits", lambda *a: logits.append(real(*a)) or logits[-1])
-    prompt, runs = _ids(PROMPTS[0]), {}
-    for cache in (True, False):
-        seen.clear()
-        logits.clear()
-        out = gen.generate(model, mesh, prompt, 8, gen.Sampling(temperature=0),
-                           torch.Generator(), config.hidden_size, config.vocab_size,
-                           config.max_positions, None, cache=cache)
-        runs[cache] = (out.new_ids, list(logits), list(seen))
-    (cached, cached_logits, cached_seen), (plain, plain_logits, plain_seen) = runs[True], runs[False]
+    prompt = _ids(PROMPTS[0])
+    (cached, cached_seen, cached_logits), (plain, plain_seen, plain_logits) = _both_ways(
+        model, mesh, config, prompt, 8)
     assert cached == plain and len(cached) == 8
     assert cached_seen == [len(prompt)] + [1] * 7
     assert plain_seen == [len(prompt) + i for i in range(8)]
@@ -375,28 +361,41 @@ def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(
     assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
 
 
-def _cached_and_plain(ckpt, prompt):
-    """(cache on, cache off) on this rank at tp 2 x pp 2: the new ids, the positions its
-    stage's first layer forwards each time, and its float32 logits per step (last stage)."""
+def _both_ways(model, mesh, config, prompt, new_tokens):
+    """Greedy generation of `new_tokens` tokens with the cache, then without: for each, the new
+    ids, the positions this stage's first layer forwards each time, and `last_logits`' result
+    per step (float32; None off the last stage)."""
     from megapar.training import generate as gen
-    from megapar.training.inference import load_model
 
-    mesh, config, model = load_model(str(ckpt), 2, 2)
     seen: list[int] = []
-    next(iter(model.layers.values())).register_forward_pre_hook(
+    hook = next(iter(model.layers.values())).register_forward_pre_hook(
         lambda module, args: seen.append(args[0].shape[1]))
     logits: list = []
     real = gen.last_logits
-    gen.last_logits = lambda *a: logits.append(real(*a)) or logits[-1]  # a forked rank's own
+    gen.last_logits = lambda *a: logits.append(real(*a)) or logits[-1]
     runs = []
-    for cache in (True, False):
-        seen.clear()
-        logits.clear()
-        out = gen.generate(model, mesh, prompt, 6, gen.Sampling(temperature=0),
-                           torch.Generator(), config.hidden_size, config.vocab_size,
-                           config.max_positions, None, cache=cache)
-        runs.append((out.new_ids, list(seen), [None if x is None else x.tolist() for x in logits]))
+    try:
+        for cache in (True, False):
+            seen.clear()
+            logits.clear()
+            out = gen.generate(model, mesh, prompt, new_tokens, gen.Sampling(temperature=0),
+                               torch.Generator(), config.hidden_size, config.vocab_size,
+                               config.max_positions, None, cache=cache)
+            runs.append((out.new_ids, list(seen), list(logits)))
+    finally:
+        gen.last_logits = real
+        hook.remove()
     return runs
+
+
+def _cached_and_plain(ckpt, prompt):
+    """`_both_ways` on this rank at tp 2 x pp 2, the logits as lists (sent back from a forked
+    rank)."""
+    from megapar.training.inference import load_model
+
+    mesh, config, model = load_model(str(ckpt), 2, 2)
+    return [(ids, seen, [None if x is None else x.tolist() for x in logits])
+            for ids, seen, logits in _both_ways(model, mesh, config, prompt, 6)]
 
 
 @pytest.mark.parametrize("imported", ["gpt2", "llama"], indirect=True)

@@ -604,27 +604,6 @@ def test_a_rank_that_never_creates_its_group_is_named_with_the_flag():
     assert took < 20, took
 
 
-def _torchrun_attempt(rank, port, wait_s, err):
-    """Rank `rank` of 2 joining under torchrun's agent store (its environment), every attempt
-    on the same keys (as before each attempt had its own prefix); stderr to `err`."""
-    import os
-
-    from megapar import device
-
-    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 2)
-    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
-        os.environ.pop(name, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
-    try:
-        device.init_distributed(rank=rank, world_size=2, timeout_s=wait_s)
-    except Exception as exc:  # noqa: BLE001 - its end is the test
-        os.write(2, f"{type(exc).__name__}\n".encode())
-        os._exit(3)
-    os._exit(0)
-
-
 def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_timeout(tmp_path):
     """A restarted rank that reads a dead rank's gloo address (torchrun's store kept the
     attempt before's keys) fails at once; a rank waiting for a connection that never comes
@@ -641,7 +620,7 @@ def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_time
                           wait_for_workers=False)  # torchrun's agent's, kept across attempts
     for attempt in range(1, 8):
         errs = [tmp_path / f"{attempt}-{r}.txt" for r in range(2)]
-        procs = [ctx.Process(target=_torchrun_attempt, args=(r, port, 1.0, errs[r]))
+        procs = [ctx.Process(target=_join_alone_writing, args=(r, port, 1.0, errs[r]))
                  for r in range(2)]
         start = time.monotonic()
         for p in procs:
@@ -663,8 +642,9 @@ def test_a_member_that_gave_its_address_and_died_ends_the_join_in_twice_the_time
 
 
 def _join_alone_writing(rank, port, wait_s, err):
-    """Rank `rank` of 2 joining under torchrun's agent store at `port` on its own (the other
-    rank is not started); its error's text to the file `err`, exit 3 on an error, 0 joined."""
+    """Rank `rank` of 2 joining under torchrun's agent store at `port` (the other rank
+    started beside it, or not at all); its stderr to the file `err`, an error's type and text
+    there and exit 3, or exit 0 joined."""
     import os
 
     from megapar import device

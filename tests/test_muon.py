@@ -228,23 +228,18 @@ def _train_moe(tp: int, dp: int, ep: int, zero: int) -> dict:
 
 
 def _check_moe(reference: dict, per_rank: list[dict]) -> None:
-    """Every rank's losses, grad norms, router statistics and biases, and the merged whole
-    weights and momentum buffers, against the one-process run's."""
+    """Every rank's losses, grad norms, router statistics and biases (test_moe_parallel's
+    `check_rank`), and the merged whole weights and momentum buffers, against the one-process
+    run's."""
+    from test_moe_parallel import check_rank
+
+    results = reference["results"]
+    serial = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+              "routers": [r.router for r in results], "biases": reference["biases"]}
     merged: dict = {"weights": {}, "buffers": {}}
     for out in per_rank:
-        what = f"{out['layout']}"
-        for s, (r, ref) in enumerate(zip(out["results"], reference["results"], strict=True)):
-            assert_close(torch.tensor(r.loss), torch.tensor(ref.loss), what=f"{what} {s} loss")
-            assert_close(torch.tensor(r.grad_norm), torch.tensor(ref.grad_norm),
-                         what=f"{what} {s} grad norm")
-            for key in ("aux_loss", "z_loss", "imbalance"):
-                assert_close(torch.tensor(r.router[key]), torch.tensor(ref.router[key]),
-                             what=f"{what} {s} {key}")
-            assert r.router["tokens_per_expert"] == ref.router["tokens_per_expert"], what
-        for name, b in out["biases"].items():
-            assert_close(b, reference["biases"][name], what=f"{what} bias {name}")
-        for key in merged:
-            merged[key].update(out[key])
+        assert len(out["results"]) == len(results), out["layout"]
+        check_rank(out, f"{out['layout']}", serial, merged)
     for key in merged:
         assert set(merged[key]) == set(reference[key]), f"{key} names differ"
         for name, t in merged[key].items():
