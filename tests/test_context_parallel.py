@@ -3,7 +3,8 @@
 Each cp rank holds chunks r and 2cp - 1 - r of the sequence; ring attention and all-gather
 attention must give, on those rows, exactly what `F.scaled_dot_product_attention` gives on the
 whole sequence, and the same gradients for every query, key and value: causal (GPT-2 / Llama),
-bidirectional with a padding mask (BERT), grouped-query heads, both kernels, cp 2 and 4.
+bidirectional with a padding mask (BERT), grouped-query heads, a sliding window (Mistral: the
+blocks out of it left out, those it cuts masked), both kernels, cp 2 and 4.
 The ring's exchanges are checked against NCCL's pairing rules.
 """
 
@@ -97,9 +98,13 @@ def test_causal_work_is_the_same_on_every_rank(cp):
     assert work == [s * (s + 1) // 2 // cp] * cp
 
 
-CASES = [(method, causal, masked, kernel, gqa)
+CASES = [(method, causal, masked, kernel, gqa, None)
          for method in ("ring", "all-gather") for causal, masked in ((True, False), (False, True))
          for kernel in ("flash", "math") for gqa in (False, True)]
+CASES += [  # sliding windows (Mistral's) over chunks of 4: of 5 keys (blocks out of it left
+    # out, blocks it cuts masked) and of 3 (it cuts each chunk's own block too)
+    ("ring", True, False, "flash", True, 5), ("ring", True, False, "math", True, 3),
+    ("all-gather", True, False, "flash", True, 3), ("all-gather", True, False, "math", True, 5)]
 
 
 def _gather_seq(t, cp, group):
@@ -112,9 +117,9 @@ def _attention_worker(cp):
     rank, group = dist.get_rank(), dist.new_group(list(range(cp)))
     ring = Ring(group, 60)
     errors = {}
-    for method, causal, masked, kernel, gqa in CASES:
+    for method, causal, masked, kernel, gqa, window in CASES:
         torch.manual_seed(0)
-        b, h, s, d = 2, 4, 4 * cp, 8
+        b, h, s, d = 2, 4, (8 if window else 4) * cp, 8
         hkv = 2 if gqa else h
         q, do = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
         k, v = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
@@ -128,17 +133,21 @@ def _attention_worker(cp):
         rk, rv = ref_in[1:]
         if gqa:
             rk, rv = rk.index_select(1, index), rv.index_select(1, index)
-        ref = F.scaled_dot_product_attention(ref_in[0], rk, rv, is_causal=causal,
-                                             attn_mask=None if mask is None
-                                             else mask[:, None, None, :])
+        full_mask = None if mask is None else mask[:, None, None, :]
+        if window is not None:  # key > query - window, key <= query
+            pos = torch.arange(s)
+            full_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        ref = F.scaled_dot_product_attention(ref_in[0], rk, rv, attn_mask=full_mask,
+                                             is_causal=causal and window is None)
         ref.backward(do)
         local = [split(t, cp, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        spec = Spec(cp, rank, causal, ring if method == "ring" else group, kernel=kernel)
+        spec = Spec(cp, rank, causal, ring if method == "ring" else group, kernel=kernel,
+                    window=window)
         out = attention(*local, spec, mask, index, method)
         out.backward(split(do, cp, rank, dim=2))
         got = [_gather_seq(t, cp, group) for t in (out, *(x.grad for x in local))]
         want = [ref, *(x.grad for x in ref_in)]
-        errors[method, causal, masked, kernel, gqa] = [
+        errors[method, causal, masked, kernel, gqa, window] = [
             ((a - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want)]
     return errors
 

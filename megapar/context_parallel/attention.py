@@ -30,6 +30,13 @@ mask, so no mask travels), tensor parallelism (this rank's heads only) and dropo
 Causal rule (global chunk ids): query chunk a sees key chunk k fully when k < a, causally when
 k == a, not at all when k > a; with the load-balanced split every rank makes the same number of
 kernel calls of the same sizes.
+
+Sliding window (`Spec.window`; Mistral, Qwen's sliding layers): the query at global position i
+sees the keys i - window + 1 .. i. A kernel call whose keys are all out of its queries' window
+is left out (no work; the K/V block still travels on, the exchanges are the same), one whose
+keys are all within it runs as above, and one the window cuts runs with an additive mask of
+the window and the causal rule (`window_bias`, from the global positions; made on the device
+once per layer and shape).
 """
 
 from __future__ import annotations
@@ -67,17 +74,29 @@ def method_for(q_heads: int, kv_heads: int) -> str:
 
 @dataclass(frozen=True)
 class Call:
-    """One kernel call: query rows `q` against key columns `kv` of a source's block."""
+    """One kernel call: query rows `q` against key columns `kv` of a source's block; `window`:
+    the sliding window cuts it (its mask is `window_bias`, which holds the causal rule too:
+    `causal` is then False)."""
 
     q: slice
     kv: slice
     causal: bool
+    window: bool = False
 
 
-def plan(cp: int, rank: int, source: int, c: int, causal: bool) -> list[Call]:
+def _chunk_positions(cp: int, rank: int, c: int, cols: slice) -> list[range]:
+    """The global positions of rank `rank`'s block's rows / columns `cols`, chunk by chunk."""
+    chunks = chunk_ids(cp, rank)[cols.start // c : cols.stop // c]
+    return [range(chunk * c, (chunk + 1) * c) for chunk in chunks]
+
+
+def plan(
+    cp: int, rank: int, source: int, c: int, causal: bool, window: int | None = None
+) -> list[Call]:
     """The kernel calls of this rank's queries against source rank `source`'s K/V block
     (chunk length c). Bidirectional: one call of everything. Causal: per query chunk, the
-    source's earlier chunks in one call (they are adjacent) and its own chunk causally."""
+    source's earlier chunks in one call (they are adjacent) and its own chunk causally; with a
+    sliding `window` (causal only) the calls outside it left out, those it cuts marked."""
     if not causal:
         return [Call(slice(0, 2 * c), slice(0, 2 * c), False)]
     calls = []
@@ -92,7 +111,45 @@ def plan(cp: int, rank: int, source: int, c: int, causal: bool) -> list[Call]:
             for ki, kc in enumerate(kv_chunks)
             if kc == qc
         ]
-    return calls
+    if window is None:
+        return calls
+    windowed = []
+    for call in calls:
+        (q_rows,) = _chunk_positions(cp, rank, c, call.q)  # a call's rows are one chunk
+        q_first, q_last = q_rows[0], q_rows[-1]
+        keys = _chunk_positions(cp, source, c, call.kv)
+        k_first, k_last = min(r[0] for r in keys), max(r[-1] for r in keys)
+        if k_last <= q_first - window:  # every key out of every query's window
+            continue
+        if k_first > q_last - window:  # every key (up to the query) within it
+            windowed.append(call)
+        else:
+            windowed.append(Call(call.q, call.kv, False, True))
+    return windowed
+
+
+def window_bias(
+    cp: int, rank: int, source: int, c: int, call: Call, window: int, dtype, device
+) -> torch.Tensor:
+    """[1, 1, rows, columns] additive mask of a call the window cuts: 0 where the query at
+    global position i sees the key (i - window < key <= i), the dtype's lowest value elsewhere
+    (finite, as `_source_bias`'s)."""
+    q = torch.cat(
+        [
+            torch.arange(r.start, r.stop, device=device)
+            for r in _chunk_positions(cp, rank, c, call.q)
+        ]
+    )[:, None]
+    k = torch.cat(
+        [
+            torch.arange(r.start, r.stop, device=device)
+            for r in _chunk_positions(cp, source, c, call.kv)
+        ]
+    )[None, :]
+    keep = (k <= q) & (k > q - window)
+    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, _lowest(dtype))[
+        None, None
+    ]
 
 
 @dataclass
@@ -111,6 +168,10 @@ class Spec:
     label: str = "attention"
     """Names the layer in a timeout's message."""
     masks: DropoutMasks | None = field(default=None, repr=False)
+    window: int | None = None
+    """A sliding window (causal only): each query sees the `window` keys up to itself."""
+    biases: dict | None = field(default=None, repr=False, compare=False)
+    """Where `window_bias`'s masks are kept (a layer's, so each is made once per shape)."""
 
 
 def _lowest(dtype: torch.dtype) -> float:
@@ -145,12 +206,34 @@ class _Pass:
     def __init__(self, spec: Spec, q, key_mask, kv_index):
         self.spec, self.q, self.key_mask, self.kv_index = spec, q, key_mask, kv_index
         self.c = q.shape[2] // 2
+        self.window = spec.window if spec.causal else None
+        if self.window is not None and self.window >= self.c * 2 * spec.cp:
+            self.window = None  # no shorter than the sequence: it cuts nothing
+        masked = key_mask is not None or self.window is not None
         self.kernel = spec.kernel or choose_kernel(
-            q.device, spec.dropout_p, q.dtype, key_mask is not None, q.shape[-1]
+            q.device, spec.dropout_p, q.dtype, masked, q.shape[-1]
         )
 
     def calls(self, source: int) -> list[Call]:
-        return plan(self.spec.cp, self.spec.rank, source, self.c, self.spec.causal)
+        return plan(self.spec.cp, self.spec.rank, source, self.c, self.spec.causal, self.window)
+
+    def bias(self, source: int, call: Call, key_bias):
+        """The additive mask of `call`: the key mask's columns, plus the window's where it
+        cuts the call (None: neither)."""
+        bias = None if key_bias is None else key_bias[..., call.kv]
+        if not call.window:
+            return bias
+        assert self.window is not None  # a call is only cut by a window
+        spec, dtype, device = self.spec, self.q.dtype, self.q.device
+        key = (source, call.q.start, call.kv.start, call.kv.stop, self.c, str(dtype), str(device))
+        biases = spec.biases if spec.biases is not None else {}
+        cut = biases.get(key)
+        if cut is None:
+            cut = window_bias(spec.cp, spec.rank, source, self.c, call, self.window, dtype, device)
+            if len(biases) >= 64:  # another shape's (evaluation, another --seq-len)
+                biases.clear()
+            biases[key] = cut
+        return cut if bias is None else bias + cut
 
     def forward(self, source: int, k, v, acc: dict) -> None:
         """Merge the attention of the queries against source's K/V into acc {rows: (o, lse)}."""
@@ -162,7 +245,7 @@ class _Pass:
                 k[:, :, call.kv],
                 v[:, :, call.kv],
                 call.causal,
-                None if bias is None else bias[..., call.kv],
+                self.bias(source, call, bias),
                 self.kernel,
                 self.spec.masks,
             )
@@ -188,7 +271,7 @@ class _Pass:
                 out[:, :, r],
                 lse[:, :, r],
                 call.causal,
-                None if bias is None else bias[..., kv],
+                self.bias(source, call, bias),
                 self.kernel,
                 self.spec.masks,
             )
@@ -341,19 +424,21 @@ class LayerAttention:
             )
         self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
         self.ring: Ring | None = None
+        self.biases: dict = {}  # a sliding window's masks (`window_bias`), made once per shape
 
-    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
+    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
+        """`window`: a sliding window (None: causal over the whole sequence, or bidirectional)."""
         if torch.compiler.is_compiling():  # --compile: the exchanges stay eager (a graph break)
-            return self._eager(q, k, v, key_mask, kv_index, dropout_p)
-        return self._run(q, k, v, key_mask, kv_index, dropout_p)
+            return self._eager(q, k, v, key_mask, kv_index, dropout_p, window)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
 
     @graph_break
-    def _eager(self, q, k, v, key_mask, kv_index, dropout_p):
+    def _eager(self, q, k, v, key_mask, kv_index, dropout_p, window):
         """`_run`, run eagerly inside torch.compile'd code: the ring's point-to-point messages
         and the all-gathers stay the torch.distributed calls (timeouts, counts) they are."""
-        return self._run(q, k, v, key_mask, kv_index, dropout_p)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
 
-    def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
+    def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
         mesh = self.mesh
         if self.method == "ring":
             if self.ring is None:
@@ -361,5 +446,14 @@ class LayerAttention:
             comm = self.ring
         else:
             comm = mesh.cp_group
-        spec = Spec(mesh.cp, mesh.cp_rank, self.causal, comm, dropout_p, label=self.label)
+        spec = Spec(
+            mesh.cp,
+            mesh.cp_rank,
+            self.causal,
+            comm,
+            dropout_p,
+            label=self.label,
+            window=window,
+            biases=self.biases,
+        )
         return attention(q, k, v, spec, key_mask, kv_index, self.method)

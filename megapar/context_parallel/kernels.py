@@ -25,9 +25,10 @@ The fused kernels have no dropout here (their dropout draws from a Philox stream
 not replay), so dropout always takes "math".
 
 Blocks are [b, heads, s_q, d] queries against [b, heads, s_k, d] keys / values; `causal` is the
-square causal mask (a block against its own positions), `bias` an additive key mask
-broadcastable to [b, 1, 1, s_k] (BERT's padding: 0 or the dtype's lowest value, never -inf, so
-a block whose keys are all padding has a finite log-sum-exp and merges with weight 0).
+square causal mask (a block against its own positions), `bias` an additive mask broadcastable
+to [b, 1, 1, s_k] (BERT's padding) or [b, 1, s_q, s_k] (a sliding window's): 0 or the dtype's
+lowest value, never -inf, so a block whose keys are all masked has a finite log-sum-exp and
+merges with weight 0.
 """
 
 from __future__ import annotations
@@ -65,16 +66,18 @@ mask the same way before calling it)."""
 
 
 def _efficient_bias(bias, q, k):
-    """The additive key mask as the memory-efficient kernel takes it: [b, heads, s_q, s_k] in
+    """The additive mask (of keys, [b, 1, 1, s_k], or of each query's keys, [b or 1, 1, s_q,
+    s_k]: a sliding window's) as the memory-efficient kernel takes it: [b, heads, s_q, s_k] in
     q's dtype, its storage padded to rows of a multiple of 16 keys (broadcast: no copy per
-    head or query)."""
+    head, nor per query of a key mask)."""
     if bias is None:
         return None
     b, heads, s_q, _ = q.shape
     s_k = k.shape[2]
     padded = -(-s_k // _EFFICIENT_ALIGN) * _EFFICIENT_ALIGN
-    rows = bias.to(q.dtype).expand(b, 1, 1, s_k)
-    store = rows.new_zeros(b, 1, 1, padded)
+    rows_q = s_q if bias.shape[-2] != 1 else 1
+    rows = bias.to(q.dtype).expand(b, 1, rows_q, s_k)
+    store = rows.new_zeros(b, 1, rows_q, padded)
     store[..., :s_k] = rows
     return store[..., :s_k].expand(b, heads, s_q, s_k)
 
