@@ -470,58 +470,6 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
                      f"with the model's own if it is another"], notes
 
 
-WINDOWS = {  # a sliding window shorter than --seq-len 32, and the fix each line names
-    "mistral": ("MistralConfig", dict(sliding_window=16),
-                "use a model config with sliding_window null, as Mistral v0.2 and later have"),
-    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-              "set use_sliding_window false, as every published Qwen2.5 / Qwen3 has it"),
-    "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0,
-                                  head_dim=8), "set use_sliding_window false"),
-}
-
-
-@pytest.mark.parametrize("family", sorted(WINDOWS))
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_before_the_run(
-        env, tmp_path, no_workers, capsys, family):
-    """megapar's attention has no sliding window: a Mistral / Qwen config.json whose window is
-    in effect and shorter than --seq-len is refused in one line naming the window and the fix
-    (its transformers model would attend to the last 16 tokens only), by megapar-train
-    --from-hf and by megapar-eval of its import; --seq-len at most the window is accepted (the
-    window then changes nothing)."""
-    import transformers
-
-    from megapar.cli.convert import main as convert
-
-    from megapar.training.config import parse_args
-
-    name, extra, fix = WINDOWS[family]
-    hf = tmp_path / "hf"
-    transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(
-        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra,
-    )).save_pretrained(hf)
-    common = ["--from-hf", str(hf), "--data", str(env["root"] / "text.txt"), "--data-cache",
-              str(env["root"] / "cache"), "--tokenizer", "sentencepiece", "--no-progress"]
-    window = extra["sliding_window"]
-    capsys.readouterr()  # transformers' progress bars
-    assert train([*common, "--seq-len", "32"]) == 2
-    line = _one_line(capsys, "megapar-train")
-    assert (f"--seq-len 32 is longer than the model's sliding_window {window}, and megapar's "
-            f"attention has no sliding window" in line
-            and f"lower --seq-len to at most {window} (or {fix}" in line), line
-    train_cli.plan_run(parse_args([*common, "--seq-len", str(window)]), [])  # accepted
-    notes: list[str] = []
-    cfg = parse_args(common)  # --seq-len not given: the window
-    train_cli.plan_run(cfg, notes)
-    said = (f"--seq-len not given: using the model's sliding_window {window} (megapar has no "
-            f"sliding window) instead of the default")
-    assert cfg.seq_len == window and any(n.startswith(said) for n in notes), notes
-    assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--no-progress"]) == 0
-    capsys.readouterr()
-    assert evaluate(["--load", str(tmp_path / "ckpt"), *common[2:-1], "--seq-len", "32"]) == 2
-    assert _one_line(capsys, "megapar-eval").endswith(line.removeprefix("megapar-train"))
-
-
 def test_a_bert_tokenizer_without_mask_is_named_as_that(env, tmp_path, no_workers, capsys):
     """--from-hf a BERT whose own tokenizer has no [MASK]: megapar appends [MASK] after the
     vocabulary, beyond the model's rows. The line names the missing token and how to add it

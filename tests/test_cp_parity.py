@@ -1,6 +1,8 @@
 """Context parallelism gives the numbers of one process: the loss of a global batch and every
 gradient, for GPT-2 (ring attention), Llama with grouped-query heads (all-gather attention; the
-ring too) and BERT with padding (ring, bidirectional), at cp 2 and 4 combined with tp 2
+ring too), Mistral with a sliding window shorter than the sequence (at cp 2 and 4 alone, and
+tp 2 x cp 2 x pp 2 by the ring) and BERT with padding (ring, bidirectional), at cp 2 and 4
+combined with tp 2
 (with and without sequence parallelism), pp 2 (every schedule), dp 2 (ZeRO-1), and recompute
 none / selective / full. fp32, relative error < 1e-5 against the serial model on the same
 global batch (the 3-step run with clipping at tp x cp x pp = 2 x 2 x 2 is in
@@ -13,7 +15,7 @@ from tp_utils import assert_close, gather_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config, LlamaConfig
+from megapar.models import BertConfig, GPT2Config, LlamaConfig, MistralConfig
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.training.step import BatchPlan
@@ -27,6 +29,11 @@ CONFIGS = {
                                  num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=SEQ,
                                  make_vocab_size_divisible_by=8, tie_word_embeddings=False),
+    # a sliding window of 5 cutting the sequence of 16 (a cp rank's chunks: 8 or 4 tokens)
+    "mistral": lambda: MistralConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=2 * H,
+                                     num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=SEQ,
+                                     make_vocab_size_divisible_by=8, sliding_window=5),
     "bert": lambda: BertConfig(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=4,
                                num_attention_heads=4, intermediate_size=2 * H,
                                max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
@@ -144,8 +151,8 @@ def check(runs, outs, tol=1e-5):
             assert_close(torch.tensor(out["loss"]), torch.tensor(ref["loss"]), tol,
                          f"{what} rank at {out['where']}: loss")
             for name, grad in out["grads"].items():  # every cp / dp rank: the same gradients
-                source = "embed.word.weight" if name == "head.weight" and kind != "llama" \
-                    else name
+                tied = name == "head.weight" and kind not in ("llama", "mistral")
+                source = "embed.word.weight" if tied else name
                 assert_close(grad, ref["grads"][source], tol, f"{what} {out['where']} {name}")
             if out["grads"]:
                 stages.add(out["where"][1])
@@ -172,6 +179,7 @@ def test_tp2_cp2_pp2_every_schedule_sp_and_recompute(kind):
                                             recompute=recompute)))
     if kind == "llama":
         runs.append((kind, 2, 2, 2, 1, dict(method="ring", sp=True)))
+        runs.append(("mistral", 2, 2, 2, 1, dict(method="ring", sp=True)))  # its window
     check(runs, run_local(_worker, 8, runs))
 
 
@@ -184,8 +192,10 @@ def test_cp4_with_tp2_or_pp2(kind):
 
 
 def test_cp_alone_and_with_data_parallel_zero1():
-    """cp 2 and cp 4 alone; cp 2 x dp 2 with and without ZeRO-1 (sharded over cp x dp)."""
-    runs = [(kind, 1, cp, 1, 1, {}) for kind in ("gpt2", "llama", "bert") for cp in (2, 4)]
+    """cp 2 and cp 4 alone (Mistral's sliding window too); cp 2 x dp 2 with and without ZeRO-1
+    (sharded over cp x dp)."""
+    runs = [(kind, 1, cp, 1, 1, {}) for kind in ("gpt2", "llama", "mistral", "bert")
+            for cp in (2, 4)]
     runs += [(kind, 1, 2, 1, 2, dict(zero=zero)) for kind in ("gpt2", "bert")
              for zero in (0, 1)]
     outs = run_local(_worker, 4, [r for r in runs if r[2] * r[4] == 4])

@@ -41,10 +41,12 @@ def _rel(a, b) -> float:
 
 DENSE = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
-    "qwen2": (transformers.Qwen2Config, {}),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=2)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=8)),
 }
-"""The dense families of Llama's layout, as their transformers configs build them."""
+"""The dense families of Llama's layout, as their transformers configs build them (Qwen2's
+last two layers and every Mistral layer with a sliding window of 8)."""
 
 
 def _hf_model(kind: str):
@@ -103,8 +105,10 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
 
     measured = []
     # the checkpoint's own layout, then resharded on load; and each sequence split over two
-    # cp ranks (ring attention; Llama's all-gathered keys and values), at pp 2
-    layouts = [(2, 2, 1), (1, 1, 1)] + ([(1, 2, 2)] if kind in ("gpt2", "bert", "llama") else [])
+    # cp ranks (ring attention; Llama's and Mistral's all-gathered keys and values, Mistral's
+    # window of 8 over the cp ranks' chunks of 6), at pp 2
+    cp_too = ("gpt2", "bert", "llama", "mistral")
+    layouts = [(2, 2, 1), (1, 1, 1)] + ([(1, 2, 2)] if kind in cp_too else [])
     for tp, pp, cp in layouts:
         out = tmp_path / f"logits_{tp}x{pp}x{cp}.npy"
         capsys.readouterr()

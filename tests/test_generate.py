@@ -418,3 +418,43 @@ def test_the_kv_cache_at_tp2_pp2_crosses_stages_with_one_position(imported):
                 a, b = torch.tensor(a), torch.tensor(b)
                 assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert sum(logits[0] is not None for *_, logits in (r[0] for r in ranks)) == 2  # last stage
+
+
+WINDOWED = {  # a sliding window of 4: Mistral's in every layer, Qwen2's in its second only
+    "mistral": lambda: transformers.MistralConfig(**LLAMA_KV, sliding_window=4),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_KV, use_sliding_window=True,
+                                              sliding_window=4, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_path):
+    """A prompt longer than the sliding window and 12 new tokens: greedy with the KV cache
+    (one position per token, the window over the cached keys) and without it give
+    transformers' `generate(do_sample=False, use_cache=True)` tokens, and the same logits at
+    each step (fp32, within 1e-5 of their largest)."""
+    from megapar.checkpoint.hf import HFReader, load_hf_weights
+    from megapar.mesh import Mesh
+    from megapar.models import Llama
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(WINDOWED[kind]()).eval()
+    with torch.no_grad():  # a peaked distribution: greedy ties are out of reach of rounding
+        hf.get_input_embeddings().weight.mul_(4.0)
+    hf.save_pretrained(tmp_path)
+    reader = HFReader(str(tmp_path))
+    config, mesh = reader.config, Mesh.from_env(1, 1, 1)
+    model = Llama(config, mesh)
+    assert load_hf_weights(model, reader) == []
+    prompt = _ids(PROMPTS[0])
+    assert len(prompt) > config.attention_window == 4
+    (cached, cached_seen, cached_logits), (plain, _, plain_logits) = _both_ways(
+        model.eval(), mesh, config, prompt, 12)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           use_cache=True, max_new_tokens=12, pad_token_id=EOS)[0, len(prompt):]
+    assert cached == plain == want.tolist(), kind
+    assert cached_seen == [len(prompt)] + [1] * 11
+    for a, b in zip(cached_logits, plain_logits, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), kind

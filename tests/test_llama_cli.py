@@ -102,15 +102,17 @@ def test_the_recipes_vocabulary_gives_way_to_the_tokenizers_and_the_log_says_so(
 DENSE = {  # transformers' config, what it adds to the tiny model, the layout trained
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True),
               ["--pp", "2"]),
-    "qwen2": (transformers.Qwen2Config, {}, ["--tp", "2", "--dp", "2"]),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=32), ["--tp", "2", "--pp", "2"]),
+    "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=1), ["--tp", "2", "--dp", "2"]),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=8), ["--tp", "2", "--pp", "2"]),
 }
 
 
 @pytest.mark.parametrize("family", sorted(DENSE))
 def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common, family):
-    """A seeded transformers Qwen3 (q / k norms, tied), Qwen2 (q / k / v biases) or Mistral (a
-    sliding window of the whole --seq-len 32) trains by --from-hf at another layout with the
+    """A seeded transformers Qwen3 (q / k norms, tied), Qwen2 (q / k / v biases, a sliding
+    window of 8 in its second layer) or Mistral (a sliding window of 8 in both, within --seq-len
+    32) trains by --from-hf at another layout with the
     losses and grad norms of one process (3 steps, fp32); the one-process run's checkpoint,
     exported, loads back as the same transformers class with megapar's logits, its tokenizer
     taking the model's positions."""
@@ -139,8 +141,8 @@ def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common
     assert convert([str(ckpt / "step_00000003"), "--to-hf", str(out)]) == 0
     back = type(hf).from_pretrained(str(out)).eval()
     assert back.config.model_type == family
-    # the tokenizer takes the model's 64 positions (Mistral's window of 32 is transformers' to
-    # apply, not a length limit)
+    assert back.config.sliding_window == extra.get("sliding_window")  # the window exported
+    # the tokenizer takes the model's 64 positions (a sliding window is not a length limit)
     assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
     reader = HFReader(str(out))
     ours = Llama(reader.config, make_mesh(1))

@@ -6,8 +6,9 @@ model is loaded from a seeded transformers checkpoint; at pp 2 the loss and grad
 through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync. The dense
 families of Llama's layout equal their transformers classes the same way at 1 x 1 and 2 x 2:
 Qwen3 (q / k norms, a head_dim other than hidden / heads, tied), Qwen2 (q / k / v biases;
-at tp 4 too, where k / v and their biases are replicated) and Mistral (a sliding window no
-shorter than the sequence).
+at tp 4 too, where k / v and their biases are replicated; a sliding window of 8 on its second
+layer, by max_window_layers) and Mistral (a sliding window of 8 in every layer), windows half
+the sequence: the window's convention is transformers'.
 """
 
 import pytest
@@ -41,8 +42,9 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
 
 FAMILIES = {  # the dense families of Llama's layout: transformers' config, what it adds to TINY
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
-    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=64)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6, use_sliding_window=True,
+                                             sliding_window=SEQ // 2, max_window_layers=1)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=SEQ // 2)),
 }
 
 
@@ -152,7 +154,8 @@ def test_llama_equals_transformers(hf_dirs, which, tp, pp):
 def test_dense_family_equals_transformers(hf_dirs, family, tp, pp):
     """Qwen3, Qwen2 and Mistral: logits, loss and every gradient equal their transformers
     class's at 1 x 1 and 2 x 2 (Qwen2 at tp 4 too: 2 kv heads, k / v and their biases whole on
-    every rank, their gradients summed over tp)."""
+    every rank, their gradients summed over tp), Qwen2's and Mistral's sliding windows of 8
+    cutting the sequence of 16 (Qwen2's in its second layer only)."""
     path = hf_dirs[family]
     results = [_check(path, 1, 1)] if tp * pp == 1 else run_local(_check, tp * pp, path, tp, pp)
     checked = set().union(*map(set, results))
@@ -164,6 +167,9 @@ def test_dense_family_equals_transformers(hf_dirs, family, tp, pp):
     extra = {"qwen3": "layers.1.attn.k_norm.weight", "qwen2": "layers.1.attn.v.bias",
              "mistral": "layers.1.attn.v.weight"}[family]
     assert extra in checked
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    assert windows == {"qwen3": [None, None], "qwen2": [None, SEQ // 2],
+                       "mistral": [SEQ // 2] * 2}[family]
 
 
 def _full(path):
@@ -341,9 +347,9 @@ HUB = {  # config.json as published (the hub's files, transformers 4 spelling), 
 @pytest.mark.parametrize("family", sorted(HUB))
 def test_published_config_json_loads_with_its_size_and_round_trips(family):
     """The hub's config.json of Qwen3-0.6B, Qwen2.5-0.5B and Mistral-7B-v0.1 loads as it is
-    (metadata, use_mrope false, a sliding window that is off or no shorter than the sequences
-    megapar takes), gives the published parameter count (the planner's), splits over tp 2 x
-    pp 4, and exports a transformers config that reads back as the same megapar config."""
+    (metadata, use_mrope false, Mistral's sliding window of 4096, Qwen's off), gives the
+    published parameter count (the planner's), splits over tp 2 x pp 4, and exports a
+    transformers config that reads back as the same megapar config (the window too)."""
     from megapar.checkpoint.distributed import differing_fields
     from megapar.mesh import Layout
     from megapar.models import config_from_dict
@@ -353,8 +359,8 @@ def test_published_config_json_loads_with_its_size_and_round_trips(family):
     config = config_from_dict(raw)
     assert config.model_type == family and model_params(config) == params
     config.validate(Layout(tp=2, pp=4))
-    assert config.max_positions == (4096 if family == "mistral" else
-                                    raw["max_position_embeddings"])
+    assert config.max_positions == raw["max_position_embeddings"]
+    assert config.attention_window == (4096 if family == "mistral" else None)
     hf = config.to_hf()
     assert hf.architectures == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                  "mistral": "MistralForCausalLM"}[family]]
@@ -364,6 +370,7 @@ def test_published_config_json_loads_with_its_size_and_round_trips(family):
     # Mistral's head_dim (hidden / heads)
     assert differ <= {"sliding_window", "layer_types", "head_dim"}, differ
     assert back.max_positions == config.max_positions and back.head_size == config.head_size
+    assert back.attention_window == config.attention_window
     # a checkpoint of one loads into a model built from the other (head_dim None is
     # hidden / heads, which transformers writes)
     assert differing_fields(back.to_dict(), config.to_dict()) == []

@@ -580,9 +580,7 @@ def save_hf(
                 str(stage),
                 config.vocab_size,
                 sentence_pairs=config.model_type == "bert",
-                # the model's positions (not a sliding window's length, which megapar's
-                # max_positions stops at: the exported transformers model applies the window)
-                model_max_length=getattr(config, "max_position_embeddings", config.max_positions),
+                model_max_length=config.max_positions,
                 info=special_ids,
             )
         hf_config = _export_config(config, canonical, special_ids)

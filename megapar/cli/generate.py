@@ -296,9 +296,6 @@ def check_prompts(
     """The prompts' ids, the longest sequence the model takes and its name in messages;
     UsageError for an id outside the model's vocabulary or a prompt that leaves no position."""
     limit, what = config.max_positions, f"the model's {config.max_positions} positions"
-    window = getattr(config, "attention_window", None)
-    if window is not None and window < limit:  # megapar's attention has no sliding window
-        limit, what = window, f"the model's sliding window of {window} tokens"
     out = []
     for prompt, name in zip(prompts, names, strict=True):
         ids = prompt_ids(tok, prompt)

@@ -419,8 +419,6 @@ def _problem(args, given: tuple[str, ...] = ()):
     # divide) hold at every layout: at one GPU's layout only they can fail
     config.validate(Layout(1, 1, 1))
     limit = config.max_positions
-    if window := config.window_error(args.seq_len):
-        raise ValueError(window)  # a sliding window megapar's attention does not have
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
     check_layout_arguments(args)

@@ -114,12 +114,6 @@ class _Base:
                 )
         return config
 
-    def window_error(self, seq_len: int) -> str | None:
-        """The one line refusing sequences of `seq_len` that a sliding window of transformers'
-        model would cut, which megapar's attention does not have (None: they fit;
-        `dense_config`)."""
-        return None
-
     @property
     def draws_dropout(self) -> bool:
         """Whether training draws random dropout masks: a dropout probability above 0 (GPT-2's
@@ -382,7 +376,14 @@ class LlamaConfig(_Base):
 
     @property
     def attention_window(self) -> int | None:
-        """The sliding window of transformers' model (None: none; `dense_config`)."""
+        """The largest sliding window of a layer (None: every layer attends to the whole
+        sequence)."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return max((w for w in windows if w is not None), default=None)
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index`: each query attends to the `layer_window` keys
+        up to itself (None: causal attention over the whole sequence)."""
         return None
 
     @property

@@ -7,10 +7,11 @@ biases on the q, k and v projections. Field names and defaults are transformers'
 their default, so a default here is the class's there), and their config.json files load as
 they are.
 
-None of the three has a sliding window in megapar: attention is over the whole sequence. A
-config whose window is in effect (Mistral's `sliding_window`; Qwen's with `use_sliding_window`
-on some layer) takes sequences of at most that window, where the window changes nothing
-(`attention_window`, `max_positions`); a longer --seq-len is refused naming the window.
+The sliding window is transformers': in a windowed layer (`layer_window`: every layer of a
+Mistral with `sliding_window`; a Qwen's with `use_sliding_window`, those `layer_types` names
+"sliding_attention" or, without it, those from `max_window_layers` on) the query at position i
+attends to the keys at positions i - window + 1 .. i (transformers' `sliding_window_overlay`:
+key > query - window), the other layers to every earlier key.
 """
 
 from __future__ import annotations
@@ -26,39 +27,10 @@ from megapar.models.config import ConfigError, LlamaConfig
 @dataclass
 class _DenseConfig(LlamaConfig):
     """What the three families share: the export (fields transformers' class has, the
-    architecture) and the sliding window megapar does not implement."""
+    architecture) and the sliding window's checks."""
 
     not_in_hf: ClassVar[frozenset[str]] = frozenset({"make_vocab_size_divisible_by"})
     """Fields transformers' class does not have (never exported)."""
-
-    @property
-    def attention_window(self) -> int | None:
-        """The sliding window transformers' model applies to some layer (None: none); each
-        token there attends to the `attention_window` tokens up to itself."""
-        return None
-
-    @property
-    def max_positions(self) -> int:
-        """The longest sequence the model takes: its positions, or its sliding window when
-        shorter (up to it, attention over the whole sequence is transformers' model)."""
-        window = self.attention_window
-        limit = self.max_position_embeddings
-        return limit if window is None else min(limit, window)
-
-    def window_error(self, seq_len: int) -> str | None:
-        """The one line refusing sequences of `seq_len` the sliding window would cut (None when
-        it does not)."""
-        window = self.attention_window
-        if window is None or seq_len <= window:
-            return None
-        return (
-            f"--seq-len {seq_len} is longer than the model's sliding_window {window}, and "
-            f"megapar's attention has no sliding window (it attends over the whole sequence); "
-            f"lower --seq-len to at most {window}{self._window_fix()}"
-        )
-
-    def _window_fix(self) -> str:
-        return ""
 
     def to_hf(self):
         import transformers
@@ -104,24 +76,22 @@ class _QwenWindow(_DenseConfig):
     use_sliding_window: bool = False
     """transformers' switch of the sliding window (off in every published Qwen2.5 / Qwen3)."""
     sliding_window: int | None = 4096
-    """The window, where use_sliding_window; megapar takes sequences up to it only."""
+    """The window of the sliding layers, where use_sliding_window."""
     max_window_layers: int = 28
     """Layers from this one on use the window (when use_sliding_window and no layer_types)."""
     layer_types: list[str] | None = None
     """Per layer "full_attention" or "sliding_attention" (transformers >= 4.53 writes it)."""
 
-    @property
-    def attention_window(self) -> int | None:
+    def layer_window(self, index: int) -> int | None:
+        """transformers' rule: the window where use_sliding_window on the layers `layer_types`
+        names "sliding_attention" (without it: from `max_window_layers` on)."""
         if not self.use_sliding_window or self.sliding_window is None:
             return None
         if self.layer_types is not None:
-            sliding = "sliding_attention" in self.layer_types
+            sliding = self.layer_types[index : index + 1] == ["sliding_attention"]
         else:
-            sliding = self.max_window_layers < self.num_hidden_layers
+            sliding = index >= self.max_window_layers
         return self.sliding_window if sliding else None
-
-    def _window_fix(self) -> str:
-        return " (or set use_sliding_window false, as every published Qwen2.5 / Qwen3 has it)"
 
     def validate(self, layout: Layout, api: bool = False) -> None:
         super().validate(layout, api)
@@ -170,8 +140,8 @@ class Qwen2Config(_QwenWindow):
 
 @dataclass
 class MistralConfig(_DenseConfig):
-    """Mistral: Llama's layout; v0.1 has a sliding window of 4096 (megapar takes sequences up
-    to it), v0.2 and later none (`sliding_window` null)."""
+    """Mistral: Llama's layout; v0.1 has a sliding window of 4096 in every layer, v0.2 and
+    later none (`sliding_window` null)."""
 
     model_type = "mistral"
     hf_config_class = "MistralConfig"
@@ -185,15 +155,11 @@ class MistralConfig(_DenseConfig):
     max_position_embeddings: int = 131072
     """Longest sequence the model is meant for."""
     sliding_window: int | None = 4096
-    """Each token attends to this many tokens up to itself (null: the whole sequence, as
-    Mistral v0.2+); megapar has no sliding window and takes sequences up to it only."""
+    """Each token attends to this many tokens up to itself, in every layer (null: the whole
+    sequence, as Mistral v0.2+)."""
 
-    @property
-    def attention_window(self) -> int | None:
+    def layer_window(self, index: int) -> int | None:
         return self.sliding_window
-
-    def _window_fix(self) -> str:
-        return " (or use a model config with sliding_window null, as Mistral v0.2 and later have)"
 
 
 DENSE_SUPPORTED_DEFAULTS: dict[str, dict] = {

@@ -4,9 +4,11 @@ positions it has seen, so a new token's forward runs over that one position only
 The cache is per attention module (`kv_cache`, None when off) and holds the heads as the
 module computes them: this tp rank's heads (Llama's kv heads unexpanded), of this pipeline
 stage's layers only. The first forward with the cache on (the prompt, the prefill) fills it;
-each later one appends its positions and attends to every cached one. Positions follow the
-cache: Llama rotates q and k by their absolute positions (the cache's length onwards), GPT-2's
-first stage is given the first new position as the batch's "positions_from".
+each later one appends its positions and attends to every cached one (in a layer with a
+sliding window, to the window's last keys: `window_mask`; the cache keeps every position).
+Positions follow the cache: Llama rotates q and k by their absolute positions (the cache's
+length onwards), GPT-2's first stage is given the first new position as the batch's
+"positions_from".
 """
 
 from __future__ import annotations
@@ -50,20 +52,34 @@ class KVCache:
         k: torch.Tensor,
         v: torch.Tensor,
         index: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of the queries `q` of the next positions over every cached key,
         after appending `k` and `v`; `index` [query heads]: the kv head of each query head
-        (grouped-query attention), None where they are as many."""
+        (grouped-query attention), None where they are as many; `window`: each query attends
+        to the `window` keys up to itself only (a sliding window; None: to every one)."""
         k, v = self.append(k, v)
         if index is not None:
             k, v = k.index_select(1, index), v.index_select(1, index)
         s, total = q.shape[2], k.shape[2]
+        if window is not None and window < total:  # the window cuts the cached positions
+            cut = window_mask(s, total, window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
         if s == total:  # the prefill: every position from 0
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         mask = None  # one new position sees all
         if s > 1:  # query i is position total - s + i
             mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """[queries, keys] True where the query attends to the key: the last `queries` of `keys`
+    positions, each over the `window` keys up to itself (transformers' sliding window: key >
+    query - window, key <= query). Made on the device from arange."""
+    q = torch.arange(keys - queries, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    return (k <= q) & (k > q - window)
 
 
 def cached_attention(model: nn.Module) -> list[nn.Module]:

@@ -29,7 +29,7 @@ from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
-from megapar.models.kv_cache import KVCache
+from megapar.models.kv_cache import KVCache, window_mask
 from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
@@ -112,6 +112,36 @@ class Rotary:
         return self._cache[key]
 
 
+class WindowMasks:
+    """The additive masks [s, s] of sliding-window causal attention (0: attend, -inf: not), in
+    the attention's dtype, made on the device from arange (no host data copied to it) and
+    cached per length, window, dtype and device: a step makes each once, and every layer's
+    attention (and what its backward keeps) shares the one tensor, where SDPA would convert a
+    boolean mask into a new one per call. The query at position i attends to the keys at
+    i - window + 1 .. i, transformers' `sliding_window_causal_mask_function` (key > query -
+    window, key <= query)."""
+
+    def __init__(self) -> None:
+        self._cache: dict = {}
+
+    def __call__(
+        self, seq_len: int, window: int | None, dtype: torch.dtype, device
+    ) -> torch.Tensor | None:
+        """The mask of a sequence of `seq_len`, or None where the window cuts nothing (no
+        window, or one no shorter than the sequence: plain causal attention)."""
+        if window is None or window >= seq_len:
+            return None
+        key = (seq_len, window, dtype, str(device))
+        if key not in self._cache:
+            if len(self._cache) >= 8:  # lengths of other batches (evaluation, generation)
+                self._cache.clear()
+            keep = window_mask(seq_len, seq_len, window, device)
+            self._cache[key] = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(
+                ~keep, float("-inf")
+            )
+        return self._cache[key]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -185,10 +215,23 @@ class LlamaAttention(nn.Module):
     all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
     the ring with as many kv heads as query heads (`method_for`). With `kv_cache` set
     (generation) `x` holds only the new positions, rotated by their absolute positions (after
-    the cached ones), and the cache holds this rank's kv heads (`megapar.models.kv_cache`)."""
+    the cached ones), and the cache holds this rank's kv heads (`megapar.models.kv_cache`).
 
-    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
+    `window` (the config's `layer_window` of this layer; None: none): each query attends to
+    the `window` keys up to itself, by an explicit mask (`WindowMasks`) where it cuts the
+    sequence, by SDPA's fused causal path where it does not."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        mesh: Mesh,
+        rotary: Rotary,
+        tracker,
+        window: int | None = None,
+        masks: WindowMasks | None = None,
+    ):
         super().__init__()
+        self.window, self.masks = window, masks or WindowMasks()
         hidden, hd = config.hidden_size, config.head_size
         n_q, n_kv = config.num_attention_heads, config.kv_heads
         self.head_dim, self.local_heads = hd, divide(n_q, mesh.tp, "attention heads")
@@ -264,7 +307,14 @@ class LlamaAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
-                return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
+                return self.context_parallel(
+                    q, k, v, kv_index=index, dropout_p=dropout, window=self.window
+                )
+            mask = self.masks(q.shape[2], self.window, q.dtype, q.device)
+            if mask is not None:  # the window cuts the sequence: SDPA with the explicit mask
+                if index is not None:
+                    k, v = k.index_select(1, index), v.index_select(1, index)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
             if self.grouped and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
                 # FlashAttention reads grouped k / v as they are; SDPA's other kernels do not
                 # take enable_gqa (fp32 would fall back to the unfused one), so elsewhere k / v
@@ -298,7 +348,7 @@ class LlamaAttention(nn.Module):
         v = heads(self.v(x, entered=True))
         index = None if self.kv_index == list(range(k.shape[1])) else self._index_on(k.device)
         if cache is not None:
-            out = cache.attend(q, k, v, index)
+            out = cache.attend(q, k, v, index, self.window)
         elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
             out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index)
@@ -327,11 +377,20 @@ class LlamaBlock(nn.Module):
     """x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)); the MLP is a mixture of experts
     (`MoE`) in the layers an MoE config (Mixtral, Qwen3-MoE) says."""
 
-    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker, index: int = 0):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        mesh: Mesh,
+        rotary: Rotary,
+        tracker,
+        index: int = 0,
+        masks: WindowMasks | None = None,
+    ):
         super().__init__()
         eps, d = config.rms_norm_eps, mesh.device
         self.attn_norm = RMSNorm(config.hidden_size, eps, d)
-        self.attn = LlamaAttention(config, mesh, rotary, tracker)
+        window = config.layer_window(index)
+        self.attn = LlamaAttention(config, mesh, rotary, tracker, window, masks)
         self.mlp_norm = RMSNorm(config.hidden_size, eps, d)
         moe = getattr(config, "is_moe_layer", None)
         self.mlp: SwiGLU | MoE = MoE(config, mesh) if moe and moe(index) else SwiGLU(config, mesh)
@@ -365,6 +424,7 @@ class Llama(StageModel):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         rotary = self.rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
+        masks = self.window_masks = WindowMasks()  # every sliding layer's, made once per length
         self.embed: nn.Module | None
         if pre_process:
             self.embed = nn.Module()
@@ -374,7 +434,7 @@ class Llama(StageModel):
         else:
             self.embed = None
         self.layers = nn.ModuleDict(
-            {str(i): LlamaBlock(config, mesh, rotary, self.tracker, i) for i in layers}
+            {str(i): LlamaBlock(config, mesh, rotary, self.tracker, i, masks) for i in layers}
         )
         self.tied = config.tie_word_embeddings
         if post_process:
@@ -423,8 +483,20 @@ class Llama(StageModel):
             hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # type: ignore[operator]
         assert hidden is not None  # later stages: the previous stage's output
         if "input_ids" in batch and "positions_from" not in batch:
-            # the rope tables made here, so a compiled block only reads them
-            self.rotary(batch["input_ids"].shape[1], hidden.device)
+            # the rope tables (and a sliding window's mask) made here, so a compiled block only
+            # reads them
+            seq_len = batch["input_ids"].shape[1]
+            self.rotary(seq_len, hidden.device)
+            if self.mesh.cp == 1:
+                kind = hidden.device.type
+                dtype = (  # the attention's: autocast's, else the hidden states'
+                    torch.get_autocast_dtype(kind)
+                    if torch.is_autocast_enabled(kind)
+                    else hidden.dtype
+                )
+                for layer in self.layers.values():
+                    window = getattr(layer.attn, "window", None)
+                    self.window_masks(seq_len, window, dtype, hidden.device)
         padding = None  # an MoE layer's: which of this rank's tokens are not right-padding
         if "attention_mask" in batch and any(
             isinstance(layer.mlp, MoE) for layer in self.layers.values()

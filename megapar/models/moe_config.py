@@ -157,7 +157,7 @@ class Qwen3MoeConfig(_MoEConfig):
     norm_topk_prob: bool = False
     """Renormalise the top-k weights to sum to 1."""
     use_sliding_window: bool = False
-    """transformers' option; megapar has no sliding window: must be False."""
+    """transformers' option; megapar's Qwen3-MoE has no sliding window: must be False."""
     sliding_window: int | None = None
     """Ignored unless use_sliding_window (which megapar refuses)."""
     max_window_layers: int | None = None
@@ -198,8 +198,9 @@ class Qwen3MoeConfig(_MoEConfig):
         super().validate(layout, api)
         if self.use_sliding_window:
             raise ConfigError(
-                "use_sliding_window is not supported: megapar has no sliding window; set "
-                "use_sliding_window false (attention over the whole sequence)"
+                "use_sliding_window is not supported for qwen3_moe (megapar's sliding window "
+                "serves Mistral, Qwen2 and Qwen3); set use_sliding_window false (attention over "
+                "the whole sequence)"
             )
 
 

@@ -203,30 +203,22 @@ def _checkpoint_model(
 
 
 def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
-    """A --seq-len beyond the model's positions (or its sliding window) is refused when given,
-    else lowered to them (with a note)."""
+    """A --seq-len beyond the model's positions is refused when given, else lowered to them
+    (with a note)."""
     max_len = config.max_positions
     if config.model_type not in CAUSAL_LM_TYPES:
         check_mlm_seq_len(cfg.seq_len)
         check_mlm_token_types(config)
     if cfg.seq_len > max_len:
-        window = config.window_error(cfg.seq_len)
-        if "seq_len" in explicit(cfg) and window:  # a sliding window megapar does not have
-            raise ConfigError(window)
         if "seq_len" in explicit(cfg):
             raise ConfigError(
                 f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
                 f"{max_len} positions; lower --seq-len"
             )
         if notes is not None:
-            limit = (
-                f"sliding_window {max_len} (megapar has no sliding window)"
-                if window
-                else f"{max_len} positions"
-            )
             notes.append(
-                f"--seq-len not given: using the model's {limit} instead of the default "
-                f"{cfg.seq_len}"
+                f"--seq-len not given: using the model's {max_len} positions instead of the "
+                f"default {cfg.seq_len}"
             )
         cfg.seq_len = max_len
 

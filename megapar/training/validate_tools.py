@@ -76,8 +76,6 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
             args.seq_len, note = untrained_seq_len(args.load, positions)
-    if args.seq_len and (window := config.window_error(args.seq_len)):
-        raise UsageError(window)  # a sliding window megapar's attention does not have
     if args.seq_len and args.seq_len > positions:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
@@ -432,8 +430,6 @@ def check_bubble_measurement(args) -> None:
 
     check_cp_seq_len(args.seq_len, Layout(args.tp, args.pp, 1, cp=args.cp))
     positions = config.max_positions
-    if window := config.window_error(args.seq_len):
-        raise UsageError(window)  # a sliding window megapar's attention does not have
     if args.seq_len > positions:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
