@@ -40,13 +40,17 @@ def _rel(a, b) -> float:
 
 
 DENSE = {
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True,
+                                             use_sliding_window=True, sliding_window=8,
+                                             layer_types=["sliding_attention",
+                                                          "full_attention"] * 2)),
     "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8,
                                              max_window_layers=2)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=8)),
 }
-"""The dense families of Llama's layout, as their transformers configs build them (Qwen2's
-last two layers and every Mistral layer with a sliding window of 8)."""
+"""The dense families of Llama's layout, as their transformers configs build them, with
+sliding windows of 8: Qwen3's on the layers its layer_types names, Qwen2's on its last two
+(max_window_layers), Mistral's on every layer."""
 
 
 def _hf_model(kind: str):
