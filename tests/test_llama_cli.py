@@ -102,8 +102,9 @@ def test_the_recipes_vocabulary_gives_way_to_the_tokenizers_and_the_log_says_so(
 DENSE = {  # transformers' config, what it adds to the tiny model, the layout trained
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True),
               ["--pp", "2"]),
+    # Qwen2's window over the cp ranks' chunks of 8 (a rank's last chunk skips the first)
     "qwen2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8,
-                                             max_window_layers=1), ["--tp", "2", "--dp", "2"]),
+                                             max_window_layers=1), ["--cp", "2", "--dp", "2"]),
     "mistral": (transformers.MistralConfig, dict(sliding_window=8), ["--tp", "2", "--pp", "2"]),
 }
 
@@ -111,8 +112,8 @@ DENSE = {  # transformers' config, what it adds to the tiny model, the layout tr
 @pytest.mark.parametrize("family", sorted(DENSE))
 def test_from_hf_dense_family_trains_as_one_process_and_exports(tmp_path, common, family):
     """A seeded transformers Qwen3 (q / k norms, tied), Qwen2 (q / k / v biases, a sliding
-    window of 8 in its second layer) or Mistral (a sliding window of 8 in both, within --seq-len
-    32) trains by --from-hf at another layout with the
+    window of 8 in its second layer, at cp 2 x dp 2) or Mistral (a sliding window of 8 in both,
+    within --seq-len 32, at tp 2 x pp 2) trains by --from-hf at another layout with the
     losses and grad norms of one process (3 steps, fp32); the one-process run's checkpoint,
     exported, loads back as the same transformers class with megapar's logits, its tokenizer
     taking the model's positions."""
