@@ -276,6 +276,11 @@ def prepare(
         **options,
     )
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
+    if cfg.label_smoothing >= 1:
+        raise ValueError(
+            f"megapar.prepare: label_smoothing={cfg.label_smoothing!r} is invalid: it must be "
+            f"in [0, 1) (e.g. 0.1; 0: off)"
+        )
     _check_sharding(cfg)
     if cfg.loss_mean not in LOSS_MEANS:
         raise ValueError(

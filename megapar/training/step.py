@@ -131,6 +131,9 @@ class StepResult:
     """Loss scale used for this step's backward (1.0 unless fp16)."""
     router: dict | None = None
     """A mixture-of-experts model's router statistics of the step (`moe.finish_step`)."""
+    z_loss: float | None = None
+    """The step's output z-loss term (--z-loss: its coefficient x the mean squared
+    log-sum-exp, averaged as the loss), which the backward adds to `loss`; None without."""
 
 
 class TrainStep:
@@ -266,8 +269,13 @@ class TrainStep:
             )
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
+        z = getattr(self.executor, "last_z_loss", None)
+        if z is not None:  # the z-loss rides with the loss: one all-reduce
+            loss = torch.stack([loss, z.detach().float().reshape(())])
         set_action("loss all-reduce over dp")
         all_reduce(loss, self.mesh.dp_group)
+        if z is not None:
+            loss, z = loss[0], loss[1]
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
             self.optimizer.grad_tensors() if self.sharded else self.params
@@ -293,4 +301,5 @@ class TrainStep:
         if self.num_experts:
             set_action("router statistics all-reduce (dp x cp, pp)")
             router = finish_step(self.model, self.mesh, self.num_experts, not skipped)
-        return StepResult(mean_loss, norm, lr, skipped, scale, router)
+        z_loss = None if z is None else z.item() / self.mesh.dp
+        return StepResult(mean_loss, norm, lr, skipped, scale, router, z_loss)
