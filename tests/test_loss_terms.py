@@ -134,3 +134,91 @@ def test_label_smoothing_and_z_loss_match_torch():
     outs = run_local(_worker, 4, RUNS)
     for i, run in enumerate(RUNS):
         check(refs[run[5]], [o[i] for o in outs])
+
+
+HOOK_VOCAB, HOOK_SEQ, HOOK_G, HOOK_STEPS = 96, 8, 8, 3
+
+
+def _weighted_mean(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A loss hook: the labelled tokens' losses weighted by the batch's own "weights"."""
+    w = batch["weights"] * (batch["labels"] != -100)
+    return (per_token * w).sum() / w.sum().clamp(min=1e-6)
+
+
+def _hook_batches() -> list[dict]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(HOOK_STEPS):
+        x = torch.randint(0, HOOK_VOCAB, (HOOK_G, HOOK_SEQ), generator=gen)
+        labels = (x * 3 + 1) % HOOK_VOCAB
+        labels[:, 0] = -100
+        weights = torch.rand(HOOK_G, HOOK_SEQ, generator=gen)
+        out.append({"input_ids": x, "labels": labels, "weights": weights})
+    return out
+
+
+def _hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=HOOK_VOCAB, n_positions=16, n_embd=32,
+                                      n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))
+
+
+def _hooked_engine() -> tuple[list[float], float]:
+    import megapar
+
+    engine = megapar.prepare(_hf_gpt2(), tp=2, pp=2, micro_batch_size=2, optimizer="sgd", lr=0.5, label_smoothing=LS,
+                             loss_fn=_weighted_mean)
+    losses = [engine.train_step(b) for b in _hook_batches()]
+    return losses, engine.eval_step(_hook_batches()[0])
+
+
+def _hooked_reference() -> tuple[list[float], float]:
+    """transformers' GPT-2, torch's SGD (momentum 0.9), the hook on torch's per-token cross-entropy of each
+    micro-batch of 2, averaged; then the hook on the plain cross-entropy (evaluation)."""
+    model = _hf_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # megapar's sgd
+
+    def loss_of(mb: dict, smoothing: float) -> torch.Tensor:
+        logits = model(mb["input_ids"]).logits
+        per_token = F.cross_entropy(logits.reshape(-1, HOOK_VOCAB), mb["labels"].reshape(-1),
+                                    reduction="none", label_smoothing=smoothing)
+        return _weighted_mean(per_token.view(mb["labels"].shape), mb)
+
+    def micro(batch: dict) -> list[dict]:
+        return [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, HOOK_G, 2)]
+
+    losses = []
+    for batch in _hook_batches():
+        opt.zero_grad()
+        loss = sum(loss_of(mb, LS) for mb in micro(batch)) / (HOOK_G // 2)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        evaluated = sum(loss_of(mb, 0.0) for mb in micro(_hook_batches()[0])) / (HOOK_G // 2)
+    return losses, evaluated.item()
+
+
+def test_loss_fn_hook_matches_torch_at_tp2_pp2():
+    """prepare(loss_fn=) at tp 2 x pp 2 with label smoothing: the hook's weighted mean of the
+    per-token losses, weights carried in the batch, trains as torch does with the same hook
+    (SGD: each step's loss follows the gradients before it); eval_step hooks the plain
+    cross-entropy. A combination it cannot serve is refused in one line."""
+    import megapar
+
+    theirs, ref_eval = _hooked_reference()  # first: the forked ranks find transformers loaded
+    ours, evaluated = run_local(lambda: _hooked_engine(), 4)[0]
+    assert theirs[-1] < theirs[0]
+    for s, (a, b) in enumerate(zip(ours, theirs)):
+        assert_close(torch.tensor(a), torch.tensor(b), what=f"hooked loss at step {s}")
+    assert_close(torch.tensor(evaluated), torch.tensor(ref_eval), what="hooked eval loss")
+    try:
+        megapar.prepare("gpt2-tiny", loss_fn=_weighted_mean, z_loss=1e-4)
+    except ValueError as exc:
+        refused = str(exc)
+    assert refused == ("megapar.prepare: loss_fn cannot be combined with z_loss=0.0001: its "
+                       "gradient rides on the per-token losses loss_fn may reweigh; drop one "
+                       "of them")

@@ -5,6 +5,12 @@ the target's logit) and the tp group sums those. Padding columns (global index >
 are excluded; targets equal to `ignore_index` give zero loss and zero gradient. A micro-batch's
 loss is its mean over its labelled tokens (`masked_mean`), or under ``--loss-mean token`` its
 sum times the step's weight (`weighted_sum`; see `LOSS_MEANS`).
+
+Label smoothing is torch's (``F.cross_entropy(..., label_smoothing=eps)``): each token's loss is
+(1 - eps) x its cross-entropy + eps x the mean over the real vocabulary of -log p; the sum of
+the token's logits over its columns travels in the target logit's all-reduce. PaLM's output
+z-loss (`cross_entropy_terms`) is the squared log-sum-exp the loss already has: no collective
+is added for either.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ At tp > 1 a token's softmax needs the log-sum-exp all-reduced over tp, known onl
 chunk's statistics, so there the gradients are not formed in the forward: the sum is the
 per-token path's, recomputing the logits in the backward.
 
+Label smoothing adds each token's logit sum over the real vocabulary to the statistics (all-reduced
+with the target's logit: no collective added) and eps / vocabulary to every real column's
+gradient; the z-loss's gradient (2 z lse x the softmax) is formed with the softmax's.
+
 The weight gradient is never deferred (a zero-bubble W pass has nothing of the head's to run
 later), and accumulates over the chunks in fp32.
 """

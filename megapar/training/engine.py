@@ -210,6 +210,9 @@ class Engine:
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
+        self.loss_fn = None
+        """The loss hook `megapar.prepare(..., loss_fn=)` set on the stage (`set_loss_fn`), or
+        None; with one, batches may carry keys for it."""
         self.tokenizer: dict | None = None
         """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
         in checkpoints and carried by `export_hf`."""
@@ -414,7 +417,7 @@ class Engine:
         if what == "train_step":
             set_step(self.step + 1)  # the step this batch is for
         set_action(f"{what}: checking the batch")
-        batch = check_batch(batch, self.config, what)
+        batch = check_batch(batch, self.config, what, extra=self.loss_fn is not None)
         mesh = self.mesh
         check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
         same_on_every_rank(batch, self.mesh.device, what)
