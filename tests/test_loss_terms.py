@@ -222,3 +222,20 @@ def test_loss_fn_hook_matches_torch_at_tp2_pp2():
     assert refused == ("megapar.prepare: loss_fn cannot be combined with z_loss=0.0001: its "
                        "gradient rides on the per-token losses loss_fn may reweigh; drop one "
                        "of them")
+
+
+def test_a_resume_takes_the_loss_terms_unless_given():
+    """A checkpoint's train_config records both; `--load` alone trains on with them (named in
+    the note), given values win, as for --loss-mean."""
+    from megapar.training.config import TrainConfig, parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    saved = TrainConfig(label_smoothing=0.1, z_loss=1e-4).to_dict()
+    manifest = {"meta": {"train_config": {k: saved[k] for k in ("label_smoothing", "z_loss")}}}
+    cfg = parse_args(["--load", "ck"])
+    note = settings_from_checkpoint(cfg, manifest)
+    assert (cfg.label_smoothing, cfg.z_loss) == (0.1, 1e-4)
+    assert note == ["from the checkpoint (not given): --label-smoothing 0.1, --z-loss 0.0001"]
+    cfg = parse_args(["--load", "ck", "--label-smoothing", "0", "--z-loss", "1e-3"])
+    settings_from_checkpoint(cfg, manifest)
+    assert (cfg.label_smoothing, cfg.z_loss) == (0.0, 1e-3)

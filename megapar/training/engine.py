@@ -210,6 +210,9 @@ class Engine:
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
+        self.last_z_loss: float | None = None
+        """The last training step's output z-loss term (`z_loss`; None without), which its
+        backward added to the loss `train_step` returned."""
         self.loss_fn = None
         """The loss hook `megapar.prepare(..., loss_fn=)` set on the stage (`set_loss_fn`), or
         None; with one, batches may carry keys for it."""
@@ -301,6 +304,7 @@ class Engine:
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
         self.schedule_step += not result.skipped
+        self.last_z_loss = result.z_loss
         self.kept.loss_weight = self.step_fn.last_loss_weight
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
