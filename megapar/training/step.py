@@ -274,8 +274,6 @@ class TrainStep:
             loss = torch.stack([loss, z.detach().float().reshape(())])
         set_action("loss all-reduce over dp")
         all_reduce(loss, self.mesh.dp_group)
-        if z is not None:
-            loss, z = loss[0], loss[1]
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
             self.optimizer.grad_tensors() if self.sharded else self.params
@@ -287,7 +285,9 @@ class TrainStep:
             norm = self.optimizer.clip_grad_norm(self.mesh, self.clip_grad)
         else:
             norm = clip_grad_norm(self.model, self.mesh, self.clip_grad)
-        mean_loss = loss.item() / self.mesh.dp  # complete by now: the norm was read after it
+        # complete by now: the norm was read after it (the z-loss read with it, one host read)
+        values = [v / self.mesh.dp for v in loss.reshape(-1).tolist()]
+        mean_loss, z_loss = values[0], (values[1] if z is not None else None)
         # A non-finite gradient or loss is never applied (both are global: every rank agrees).
         skipped = skipped or not (math.isfinite(norm) and math.isfinite(mean_loss))
         if not skipped:
@@ -301,5 +301,4 @@ class TrainStep:
         if self.num_experts:
             set_action("router statistics all-reduce (dp x cp, pp)")
             router = finish_step(self.model, self.mesh, self.num_experts, not skipped)
-        z_loss = None if z is None else z.item() / self.mesh.dp
         return StepResult(mean_loss, norm, lr, skipped, scale, router, z_loss)
