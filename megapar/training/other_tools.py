@@ -431,6 +431,8 @@ OTHER_TOOLS_FLAGS = {
     "--z-loss-multiplier": "--z-loss",
     "--z_loss_multiplier": "--z-loss",
     "--auxiliary-loss-multiplier": "--z-loss",
+    "--softmax-auxiliary-loss-scale": "--z-loss",
+    "--softmax_auxiliary_loss_scale": "--z-loss",
     "--auxiliary_loss_multiplier": "--z-loss",
     "--softmax-auxiliary-loss": "--z-loss COEF (OLMo's auxiliary_loss_multiplier, e.g. 1e-4)",
     "--softmax_auxiliary_loss": "--z-loss COEF (OLMo's auxiliary_loss_multiplier, e.g. 1e-4)",
