@@ -7,7 +7,9 @@ torch's AdamW and clip_grad_norm_. Every run must give the same cross-entropy, z
 gradient norms, first-step gradients and final weights (fp32, 1e-5 relative): one process
 (torch's own cross-entropy path, and the fused chunked head whose gradients are made in the
 forward), tp 2 (vocab-parallel, its second rank's slice ending in padding columns), pp 2, tp 2 x
-dp 2, tp 2 x cp 2 with sequence parallelism, through both the fused head and the whole logits.
+dp 2, tp 2 x cp 2 with sequence parallelism, through both the fused head and the whole logits;
+and under --loss-mean token at cp 2 x dp 2 against the same sums over the global batch's
+labelled tokens.
 """
 
 import torch
@@ -37,7 +39,9 @@ def batches() -> list[dict]:
     return out
 
 
-def reference(kind: str) -> dict:
+def reference(kind: str, token: bool = False) -> dict:
+    """`token`: --loss-mean token's loss, each micro-batch's sums over the global batch's
+    labelled tokens."""
     model = build_stage(config(kind), Mesh(Layout()), SEED)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
@@ -51,14 +55,18 @@ def reference(kind: str) -> dict:
         opt.zero_grad()
         micro = plan.split(batch, 0)
         total = z_total = 0.0
+        share = (batch["labels"] != -100).sum().item() if token else len(micro)
         for mb in micro:
             logits = model(None, {"input_ids": mb["input_ids"]})[..., :VOCAB].reshape(-1, VOCAB)
             labels = mb["labels"].reshape(-1)
-            ce = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=LS)
-            z = Z * torch.logsumexp(logits, dim=-1)[labels != -100].square().mean()
-            ((ce + z) / len(micro)).backward()
-            total += ce.item() / len(micro)
-            z_total += z.item() / len(micro)
+            how = "sum" if token else "mean"
+            ce = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=LS,
+                                 reduction=how)
+            lse2 = torch.logsumexp(logits, dim=-1)[labels != -100].square()
+            z = Z * (lse2.sum() if token else lse2.mean())
+            ((ce + z) / share).backward()
+            total += ce.item() / share
+            z_total += z.item() / share
         norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
         if step == 0:
             grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape)
@@ -72,7 +80,7 @@ def reference(kind: str) -> dict:
 
 
 def _train(tp: int, pp: int, dp: int, cp: int = 1, sp: bool = False, kind: str = "gpt2",
-           chunk: int | None = None) -> dict:
+           chunk: int | None = None, loss_mean: str = "microbatch") -> dict:
     """STEPS steps of `kind` with LS and Z in one layout (`chunk`: the head's chunk tokens,
     0: the whole logits; None: the default, fused)."""
     import torch.distributed as dist
@@ -95,7 +103,7 @@ def _train(tp: int, pp: int, dp: int, cp: int = 1, sp: bool = False, kind: str =
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS)
     grad_sync = build_grad_sync(model, mesh, 0, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(STEPS),
-                     Precision("fp32", mesh.device), MAX_NORM, grad_sync)
+                     Precision("fp32", mesh.device), MAX_NORM, grad_sync, loss_mean)
     grads = record_first_grads(optimizer, model, mesh)
     plan = BatchPlan(G, MBS, dp)
     results = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
@@ -103,7 +111,7 @@ def _train(tp: int, pp: int, dp: int, cp: int = 1, sp: bool = False, kind: str =
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
-    return {"layout": (tp, pp, dp, cp, sp, kind, chunk), "results": results,
+    return {"layout": (tp, pp, dp, cp, sp, kind, chunk, loss_mean), "results": results,
             "weights": weights if keep else {}, "grads": grads if keep else {}}
 
 
@@ -122,18 +130,21 @@ def check(ref: dict, per_rank: list[dict]) -> None:
 RUNS = [(2, 1, 2, 1, False, "gpt2", 0),  # vocab-parallel logits, x dp 2
         (2, 2, 1, 1, False, "llama"),  # the fused head at tp 2, untied; pp 2
         (1, 2, 2, 1, False, "gpt2"),  # the fused head at tp 1 (gradients in the forward)
-        (2, 1, 1, 2, True, "gpt2")]  # cp 2 x tp 2 with sequence parallelism
+        (2, 1, 1, 2, True, "gpt2"),  # cp 2 x tp 2 with sequence parallelism
+        (1, 1, 2, 2, False, "gpt2", None, "token")]  # --loss-mean token, cp 2 x dp 2
 
 
 def test_label_smoothing_and_z_loss_match_torch():
     refs = {kind: reference(kind) for kind in ("gpt2", "llama")}
+    refs["token"] = reference("gpt2", token=True)
+    assert abs(refs["token"]["losses"][-1] - refs["gpt2"]["losses"][-1]) > 1e-4  # another mean
     assert refs["gpt2"]["losses"][-1] < refs["gpt2"]["losses"][0]
     assert all(z > 0 for z in refs["gpt2"]["z"])
     for chunk in (0, None):  # one process: torch's own cross-entropy, the fused head
         check(refs["gpt2"], [_train(1, 1, 1, chunk=chunk)])
     outs = run_local(_worker, 4, RUNS)
     for i, run in enumerate(RUNS):
-        check(refs[run[5]], [o[i] for o in outs])
+        check(refs[run[7] if len(run) > 7 else run[5]], [o[i] for o in outs])
 
 
 HOOK_VOCAB, HOOK_SEQ, HOOK_G, HOOK_STEPS = 96, 8, 8, 3
