@@ -118,6 +118,23 @@ def test_tp_step_does_megatrons_minimum_all_reduces(kind, tp):
         assert_fp32_but_the_norm(rank_calls)
 
 
+def _loss_terms(model) -> None:
+    from megapar.models import set_loss_terms
+
+    set_loss_terms(model, 0.1, 1e-3)
+
+
+def test_label_smoothing_and_z_loss_add_no_collective():
+    """--label-smoothing's vocabulary logit sum travels in the target logit's all-reduce (2 x
+    b x s numbers); --z-loss's log-sum-exp is the cross-entropy's own: the same collectives."""
+    bs = MBS * SEQ
+    expected = expected_tp_step(2)
+    expected[("all_reduce", bs, 2)] -= M
+    expected[("all_reduce", 2 * bs, 2)] += M
+    for rank_calls in run_local(_worker, 2, "gpt2", 2, False, _loss_terms):
+        assert summary(rank_calls) == expected
+
+
 def expected_sp_step(kind: str, tp: int, seq: int = SEQ, regather: bool = False) -> Counter:
     """Sequence parallelism: each all-reduce of b x s x h becomes an all-gather of the b x s/tp
     x h slices and a reduce-scatter of b x s x h (the same bytes on the wire), at the same

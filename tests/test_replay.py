@@ -181,7 +181,8 @@ def test_a_replay_at_another_global_batch_is_refused(recorded, capfd):
 
 
 def test_a_replay_under_another_loss_mean_is_refused(recorded, tmp_path, capfd):
-    """A record says which --loss-mean made its step; a replay under the other one is refused
+    """A record says which --loss-mean made its step (and --label-smoothing / --z-loss where
+    not 0); a replay under the other one (another label smoothing) is refused
     before any worker starts (its gradients differ by design, and the replay would blame a
     module). A record from before records said it keeps its checksum and is not checked."""
     from megapar.diagnostics.replay import _digest, check_record
@@ -191,6 +192,9 @@ def test_a_replay_under_another_loss_mean_is_refused(recorded, tmp_path, capfd):
     _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
                      "--loss-mean", "token", "--no-progress"],
              "recorded step 3 under --loss-mean microbatch", "replay with --loss-mean microbatch")
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--label-smoothing", "0.1", "--no-progress"],
+             "recorded step 3 under --label-smoothing 0,", "replay with --label-smoothing 0")
     old = _copy_record(recorded, tmp_path / "r")
     data = json.loads(old.read_text())
     del data["loss_mean"]

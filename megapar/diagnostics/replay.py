@@ -159,11 +159,22 @@ class StepRecorder:
             "entries": entries,
             "grad_sq_norms": grads,
             "loss_mean": self.engine.cfg.loss_mean,
+            **loss_terms(self.engine.cfg),
             "values": st_path.name,
         }
         record["sha256"] = _digest(record, st_path.read_bytes())
         json_path.write_text(json.dumps(record, indent=1))
         return json_path
+
+
+LOSS_TERMS = ("label_smoothing", "z_loss")
+"""The training loss's settings a record holds where they are not 0 (`loss_terms`)."""
+
+
+def loss_terms(cfg) -> dict[str, float]:
+    """`cfg`'s --label-smoothing and --z-loss, those that are not 0 (a record of a run without
+    them reads as before they existed)."""
+    return {k: getattr(cfg, k) for k in LOSS_TERMS if getattr(cfg, k, 0.0)}
 
 
 def _digest(record: dict, values: bytes) -> str:
@@ -173,18 +184,25 @@ def _digest(record: dict, values: bytes) -> str:
     keys: tuple[str, ...] = ("step", "model", "layout", "entries", "grad_sq_norms")
     if "loss_mean" in record:  # records from before it was recorded keep their digest
         keys += ("loss_mean",)
+    keys += tuple(k for k in LOSS_TERMS if k in record)  # recorded where not 0
     digest = hashlib.sha256(values)
     digest.update(json.dumps({k: record.get(k) for k in keys}, sort_keys=True).encode())
     return digest.hexdigest()
 
 
 def check_record(
-    path: str | Path, step: int, model: dict, flag: str, loss_mean: str = "microbatch"
+    path: str | Path,
+    step: int,
+    model: dict,
+    flag: str,
+    loss_mean: str = "microbatch",
+    terms: dict[str, float] | None = None,
 ) -> list[str]:
     """Raise ValueError (one line naming `path` and the fix) unless `path` is a readable
     record of step `step` of the model whose config (`to_dict`) is `model`, whose sha256
     matches, made under the --loss-mean `loss_mean` (where the record says: the gradients
-    of the two means differ by design); `flag` is how the user gave it. Returns notes (a
+    of the two means differ by design) and the loss terms `terms` (`loss_terms`; a record
+    without one was made without it); `flag` is how the user gave it. Returns notes (a
     record from before checksums)."""
     path = Path(path).expanduser()
     fix = (
@@ -256,6 +274,15 @@ def check_record(
             f"replay runs --loss-mean {loss_mean}: the two means give other gradients by "
             f"design; replay with --loss-mean {recorded_mean}"
         )
+    for name in LOSS_TERMS:
+        made, here = record.get(name, 0.0), (terms or {}).get(name, 0.0)
+        if made != here:
+            shown = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} {path} recorded step {step} under {shown} {made:g}, and this replay "
+                f"runs {shown} {here:g}: another loss gives other gradients by design; "
+                f"replay with {shown} {made:g}"
+            )
     return notes
 
 

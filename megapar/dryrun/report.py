@@ -45,6 +45,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
         + (["--sp-regather"] if cfg.sp_regather and cfg.sequence_parallel and layout.tp > 1 else [])
         + (["--compile (rehearsed with the blocks eager)"] if cfg.compile else [])
         + (["--loss-mean token"] if cfg.loss_mean == "token" else [])
+        + ([f"--label-smoothing {cfg.label_smoothing:g}"] if cfg.label_smoothing else [])
+        + ([f"--z-loss {cfg.z_loss:g}"] if cfg.z_loss else [])
     )
     return (
         f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "

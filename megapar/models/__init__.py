@@ -27,7 +27,7 @@ from megapar.models.dense_config import (
 from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
 from megapar.models.moe_config import MOE_SUPPORTED_DEFAULTS, MixtralConfig, Qwen3MoeConfig
-from megapar.models.stage import set_loss_chunk_tokens
+from megapar.models.stage import set_loss_chunk_tokens, set_loss_fn, set_loss_terms
 
 MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, **dict.fromkeys(LLAMA_TYPES, Llama)}
 # the dense and MoE variants subclass LlamaConfig (config.py cannot import them: a cycle)
@@ -73,4 +73,6 @@ __all__ = [
     "Qwen2Config",
     "MistralConfig",
     "set_loss_chunk_tokens",
+    "set_loss_terms",
+    "set_loss_fn",
 ]

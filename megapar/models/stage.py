@@ -29,13 +29,13 @@ from megapar.mesh import Mesh
 from megapar.tensor_parallel import (
     LOSS_CHUNK_TOKENS,
     NullTracker,
-    linear_cross_entropy,
     masked_mean,
     parallel_lm_logits,
-    vocab_parallel_cross_entropy,
     weighted_sum,
 )
+from megapar.tensor_parallel.cross_entropy import cross_entropy_terms, masked_means, weighted_sums
 from megapar.tensor_parallel.layers import lm_head_input
+from megapar.tensor_parallel.linear_cross_entropy import linear_cross_entropy_terms
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
     mark_sequence_parallel,
@@ -72,6 +72,17 @@ class StageModel(nn.Module):
         self.loss_weight: torch.Tensor | float | None = None
         """None: the loss is the micro-batch's mean over its labelled tokens; else (set by the
         pipeline executor for one step, ``--loss-mean token``) their sum times this weight."""
+        self.label_smoothing = 0.0
+        """Label smoothing of the training loss (torch's; `set_loss_terms`)."""
+        self.z_loss = 0.0
+        """Coefficient of the output z-loss of the training loss (`set_loss_terms`)."""
+        self.loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] | None = None
+        """The Python API's loss hook (`set_loss_fn`): the micro-batch's loss from its per-token
+        losses and the micro-batch; None: their mean over the labelled tokens."""
+        self.last_z_loss: torch.Tensor | None = None
+        """The last training forward's z-loss term (z_loss x the mean squared log-sum-exp,
+        reduced as the loss is; detached), for the pipeline executor to report; None when
+        there is none."""
         return range(config.num_layers) if layers is None else layers
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
@@ -145,7 +156,8 @@ class StageModel(nn.Module):
         if "labels" not in batch or not self.loss_chunk_tokens:
             return self._output(parallel_lm_logits(x, weight, self.mesh, bias), batch)
         labels = self._cp_tokens(batch["labels"])
-        total = linear_cross_entropy(
+        eps, z_coef = self._loss_terms()
+        total, lse2 = linear_cross_entropy_terms(
             lm_head_input(x, self.mesh),
             weight,
             labels,
@@ -154,18 +166,56 @@ class StageModel(nn.Module):
             self.vocab_start,
             self.config.vocab_size,
             chunk_tokens=self.loss_chunk_tokens,
-            # the sum, a scalar: at tp 1 its gradients are made in the forward
-            reduction="sum" if self.loss_grads_in_forward else "none",
+            # the sum, a scalar: at tp 1 its gradients are made in the forward (a loss hook
+            # takes the per-token losses)
+            reduction="sum" if self.loss_grads_in_forward and self.loss_fn is None else "none",
+            label_smoothing=eps,
+            z_loss=z_coef,
         )
-        return self._reduce_loss(total, labels)
+        return self._reduce_loss(total, labels, lse2, batch)
 
-    def _reduce_loss(self, per_token: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss_terms(self) -> tuple[float, float]:
+        """(label smoothing, z-loss coefficient) of this forward's loss: the training ones in
+        training, none in evaluation (its loss is the plain cross-entropy)."""
+        return (self.label_smoothing, self.z_loss) if self.training else (0.0, 0.0)
+
+    def _reduce_loss(
+        self,
+        per_token: torch.Tensor,
+        labels: torch.Tensor,
+        lse2: torch.Tensor | None = None,
+        batch: dict | None = None,
+    ) -> torch.Tensor:
         """The micro-batch's loss from its per-token losses (or their sum): their mean over
         the labelled tokens, or with `loss_weight` set their sum times it (summed over the cp
-        group either way)."""
+        group either way), or what `loss_fn` makes of them and the micro-batch `batch`.
+        `lse2`: the tokens' squared log-sum-exp (or its sum) under a z-loss, reduced the same
+        way (in the same all-reduce over cp) into `last_z_loss`."""
+        self.last_z_loss = None
+        if self.loss_fn is not None and batch is not None:
+            return self._hooked_loss(per_token, batch)
+        if lse2 is None:
+            if self.loss_weight is None:
+                return masked_mean(per_token, labels, group=self.mesh.cp_group)
+            return weighted_sum(per_token, self.loss_weight, group=self.mesh.cp_group)
         if self.loss_weight is None:
-            return masked_mean(per_token, labels, group=self.mesh.cp_group)
-        return weighted_sum(per_token, self.loss_weight, group=self.mesh.cp_group)
+            loss, z = masked_means(per_token, lse2, labels, group=self.mesh.cp_group)
+        else:
+            loss, z = weighted_sums(per_token, lse2, self.loss_weight, group=self.mesh.cp_group)
+        self.last_z_loss = z * self.z_loss
+        return loss
+
+    def _hooked_loss(self, per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+        """`loss_fn(per_token, batch)`, checked to be a 0-dim floating tensor."""
+        assert self.loss_fn is not None
+        loss = self.loss_fn(per_token, batch)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+            shown = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"megapar.prepare's loss_fn returned {shown}, not a 0-dim floating tensor: "
+                f"return the micro-batch's loss, e.g. (per_token * w).sum() / w.sum()"
+            )
+        return loss
 
     def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         """The loss over labelled tokens (`_reduce_loss`), or the logits slice when there are no
@@ -173,10 +223,17 @@ class StageModel(nn.Module):
         if "labels" not in batch:
             return logits
         labels = self._cp_tokens(batch["labels"])
-        per_token = vocab_parallel_cross_entropy(
-            logits, labels, self.mesh.tp_group, self.vocab_start, self.config.vocab_size
+        eps, z_coef = self._loss_terms()
+        per_token, lse2 = cross_entropy_terms(
+            logits,
+            labels,
+            self.mesh.tp_group,
+            self.vocab_start,
+            self.config.vocab_size,
+            label_smoothing=eps,
+            z_loss=z_coef,
         )
-        return self._reduce_loss(per_token, labels)
+        return self._reduce_loss(per_token, labels, lse2, batch)
 
 
 def set_loss_chunk_tokens(model: nn.Module, tokens: int) -> None:
@@ -187,6 +244,28 @@ def set_loss_chunk_tokens(model: nn.Module, tokens: int) -> None:
     for module in model.modules():
         if isinstance(module, StageModel):
             module.loss_chunk_tokens = tokens
+
+
+def set_loss_terms(model: nn.Module, label_smoothing: float = 0.0, z_loss: float = 0.0) -> None:
+    """The training loss's label smoothing (torch's, in [0, 1)) and output z-loss coefficient
+    (>= 0) on every stage model in `model`; evaluation forwards use neither."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label smoothing must be in [0, 1), got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"the z-loss coefficient must be >= 0, got {z_loss}")
+    for module in model.modules():
+        if isinstance(module, StageModel):
+            module.label_smoothing, module.z_loss = float(label_smoothing), float(z_loss)
+
+
+def set_loss_fn(model: nn.Module, loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] | None):
+    """The loss hook of every stage model in `model` (None: the default mean): called on the
+    last stage with each micro-batch's per-token losses ([b, s] fp32, 0 where the label is
+    -100; the vocab-parallel loss, the same on every tp rank) and the micro-batch, it returns
+    that micro-batch's loss (`megapar.prepare(..., loss_fn=)`)."""
+    for module in model.modules():
+        if isinstance(module, StageModel):
+            module.loss_fn = loss_fn
 
 
 class ModelChunks(nn.Module):

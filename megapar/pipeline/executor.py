@@ -126,6 +126,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         get_schedule(schedule)  # unknown names fail here
         self.virtual_stages = virtual_stages = chunks_per_rank(schedule, virtual_stages)
         self.chunks = list(getattr(stage, "chunks", [stage]))
+        self.last_z_loss: torch.Tensor | None = None
+        """The last training step's output z-loss term (--z-loss; the mean over its
+        micro-batches, on every pp rank, as the loss), else None."""
         if len(self.chunks) != virtual_stages:
             raise ValueError(
                 f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
@@ -190,6 +193,12 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         self._in_grads: dict[int, torch.Tensor] = {}  # d(loss)/d(input) to send upstream
         self._pending_w: dict[int, PendingWeightGrad] = {}  # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}  # last stage: detached loss per mb
+        self._z_losses: dict[int, torch.Tensor] = {}  # last stage: its output z-loss per mb
+        self._z_on = not forward_only and any(
+            getattr(c, "z_loss", 0.0) and c.training for c in self.chunks
+        )
+        """The step reports an output z-loss (`last_z_loss`): a training step of stage models
+        with --z-loss, the same answer on every pp rank."""
         self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, deque] = {}  # gloo: per peer rank, receives in program order
@@ -488,6 +497,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
                     f"micro-batch {mb}, not a scalar loss; every micro-batch needs 'labels'"
                 )
             self._losses[mb] = out.detach().float()
+            z = getattr(self.chunks[chunk], "last_z_loss", None)
+            if self._z_on and z is not None:
+                self._z_losses[mb] = z.float()
             if self._forward_only:
                 return
         self.outputs[key] = out
@@ -498,10 +510,15 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp, self.placement)[
             0
         ]  # rank 0 in a V
+        self.last_z_loss = None
+        z_on = self._z_on  # the z-loss's mean rides with the loss's: one broadcast
         if self.mesh.pp_rank == last:
             loss = torch.stack([self._losses[i] for i in range(m)]).sum() / m
+            if z_on:
+                loss = torch.stack([loss, torch.stack(list(self._z_losses.values())).sum() / m])
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+            shape = (2,) if z_on else ()
+            loss = torch.zeros(shape, dtype=torch.float32, device=self.mesh.device)
         if self.mesh.pp > 1:
             src = self.mesh.stage_rank(last)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
@@ -512,4 +529,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
                 f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
                 f"stage (rank {src})",
             )
+        if z_on:
+            self.last_z_loss = loss[1]
+            return loss[0]
         return loss

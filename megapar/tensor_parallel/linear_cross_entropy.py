@@ -26,6 +26,10 @@ At tp > 1 a token's softmax needs the log-sum-exp all-reduced over tp, known onl
 chunk's statistics, so there the gradients are not formed in the forward: the sum is the
 per-token path's, recomputing the logits in the backward.
 
+Label smoothing adds each token's logit sum over the real vocabulary to the statistics (all-reduced
+with the target's logit: no collective added) and eps / vocabulary to every real column's
+gradient; the z-loss's gradient (2 z lse x the softmax) is formed with the softmax's.
+
 The weight gradient is never deferred (a zero-bubble W pass has nothing of the head's to run
 later), and accumulates over the chunks in fp32.
 """
@@ -87,7 +91,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, target, group, vocab_start, vocab_size, ignore_index, chunk, dtype
+        ctx,
+        x,
+        weight,
+        bias,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        ignore_index,
+        chunk,
+        dtype,
+        eps,
+        z_coef,
     ):
         local_vocab = weight.shape[0]
         real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
@@ -99,6 +115,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         logits_max = x.new_full((tokens,), float("-inf"), dtype=torch.float32)
         sum_exp = x.new_zeros((tokens,), dtype=torch.float32)
         target_logit = x.new_zeros((tokens,), dtype=torch.float32)
+        logit_sum = x.new_zeros((tokens,), dtype=torch.float32) if eps else None
         if real:
             w = weight[:real].to(dtype)
             b = bias[:real].to(dtype) if bias is not None else None
@@ -109,23 +126,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 m = logits.amax(dim=-1)  # the values only (max's indices cost 5x on the CPU)
                 logits_max[i:j] = m
                 target_logit[i:j] = logits.gather(-1, local_target[i:j, None]).squeeze(-1)
+                if logit_sum is not None:  # label smoothing's mean logit over the vocabulary
+                    logit_sum[i:j] = logits.sum(dim=-1)
                 sum_exp[i:j] = logits.sub_(m[:, None]).exp_().sum(dim=-1)
             del buffers
         target_logit.masked_fill_(outside, 0.0)
         if group is not None and dist.get_world_size(group) > 1:
             local_max = logits_max.clone()
             _all_reduce(logits_max, group, dist.ReduceOp.MAX)
-            _all_reduce(target_logit, group)
+            if logit_sum is not None:  # with the target's logit: one all-reduce
+                both = torch.stack([target_logit, logit_sum])
+                _all_reduce(both, group)
+                target_logit, logit_sum = both[0], both[1]
+            else:
+                _all_reduce(target_logit, group)
             sum_exp.mul_((local_max - logits_max).exp_().nan_to_num_(0.0))  # -inf - m: exp = 0
             _all_reduce(sum_exp, group)
         lse = sum_exp.log_().add_(logits_max)
-        loss = (lse - target_logit).masked_fill_(ignored, 0.0)
+        if logit_sum is not None:
+            loss = lse - (1.0 - eps) * target_logit - (eps / vocab_size) * logit_sum
+        else:
+            loss = lse - target_logit
+        loss = loss.masked_fill_(ignored, 0.0)
         ctx.save_for_backward(x, weight, bias, local_target, outside, ignored, lse)
         ctx.real, ctx.chunk, ctx.dtype = real, chunk, dtype
-        return loss
+        ctx.eps, ctx.z_coef, ctx.vocab_size = eps, z_coef, vocab_size
+        lse = lse.masked_fill(ignored, 0.0)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_lse):
         with _no_autocast(grad_loss.device.type):  # casts as the forward did
             return _LinearCrossEntropy._backward(ctx, grad_loss)
 
@@ -135,7 +166,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         real, chunk, dtype = ctx.real, ctx.chunk, ctx.dtype
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         scale = (grad_loss.float() * (~ignored)).reshape(-1)
+        eps, z_coef, smooth = ctx.eps, ctx.z_coef, ctx.eps / ctx.vocab_size
         hit = (~outside).float()
+        if eps:
+            hit.mul_(1.0 - eps)
+        lse_scale = (1.0 + 2.0 * z_coef * lse) if z_coef else None  # + d(z lse^2) / d logits
         grad_x = torch.zeros_like(x) if need_x else None
         grad_w = (
             torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -153,7 +188,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 j = min(x.shape[0], i + chunk)
                 grad = buffers.logits(x[i:j], w, b)
                 grad.sub_(lse[i:j, None]).exp_()  # the softmax
+                if lse_scale is not None:
+                    grad.mul_(lse_scale[i:j, None])
                 grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
+                if eps:  # the smoothing's uniform target over the real columns
+                    grad.sub_(smooth)
                 grad.mul_(scale[i:j, None])
                 grads = [grad_x, grad_w, grad_b]
                 _chunk_grads(grads, grad, buffers.to_compute(grad), x[i:j].to(dtype), w, i, j)
@@ -162,7 +201,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x,
             grad_w.to(weight.dtype) if need_w else None,
             grad_b.to(bias.dtype) if need_b else None,
-        ) + (None,) * 7
+        ) + (None,) * 9
 
 
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -186,13 +225,16 @@ class _FusedSum(torch.autograd.Function):
     weight, bias get a gradient. Returns the fp32 sum (ignored targets add nothing)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, vocab_size, ignore_index, chunk, dtype, needs):
+    def forward(
+        ctx, x, weight, bias, target, vocab_size, ignore_index, chunk, dtype, needs, eps, z_coef
+    ):
         real = min(weight.shape[0], vocab_size)
         ignored = target == ignore_index
         keep = (~ignored).float()
         target = target.masked_fill(ignored, 0)
         grads = _fp32_zeros(needs, x, weight, bias)
         total = x.new_zeros((), dtype=torch.float32)
+        z_total = x.new_zeros((), dtype=torch.float32)
         w = weight[:real].to(dtype)
         b = bias[:real].to(dtype) if bias is not None else None
         buffers = _Buffers(min(chunk, x.shape[0]), real, dtype, x.device)
@@ -201,26 +243,38 @@ class _FusedSum(torch.autograd.Function):
             logits = buffers.logits(x[i:j], w, b)
             m = logits.amax(dim=-1)
             target_logit = logits.gather(-1, target[i:j, None]).squeeze(-1)
+            logit_sum = logits.sum(dim=-1) if eps else None
             grad = logits.sub_(m[:, None]).exp_()
             sum_exp = grad.sum(dim=-1)
-            total += ((sum_exp.log() + m - target_logit) * keep[i:j]).sum()
+            lse = sum_exp.log() + m
+            if logit_sum is not None:
+                loss = lse - (1.0 - eps) * target_logit - (eps / real) * logit_sum
+            else:
+                loss = lse - target_logit
+            total += (loss * keep[i:j]).sum()
+            if z_coef:
+                z_total += (lse.square() * keep[i:j]).sum()
             if any(needs):  # softmax minus the one-hot target, times 1 (0 where ignored)
-                grad.mul_((keep[i:j] / sum_exp)[:, None])
-                grad.scatter_add_(-1, target[i:j, None], -keep[i:j, None])
+                weight_i = keep[i:j] * (1.0 + 2.0 * z_coef * lse) if z_coef else keep[i:j]
+                grad.mul_((weight_i / sum_exp)[:, None])  # z-loss: + 2 z lse softmax
+                grad.scatter_add_(-1, target[i:j, None], -((1.0 - eps) * keep[i:j, None]))
+                if eps:  # the smoothing's uniform target over the vocabulary
+                    grad.sub_((eps / real) * keep[i:j, None])
                 _chunk_grads(grads, grad, buffers.to_compute(grad), x[i:j].to(dtype), w, i, j)
         ctx.save_for_backward(*(g for g in grads if g is not None))
         ctx.needs = needs
         ctx.dtypes = [t.dtype if t is not None else None for t in (x, weight, bias)]
-        return total
+        ctx.mark_non_differentiable(z_total)
+        return total, z_total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_z):
         saved = iter(ctx.saved_tensors)  # scaled in place: a second backward fails loudly
         grads = [
             next(saved).mul_(grad_total).to(dtype) if need else None
             for need, dtype in zip(ctx.needs, ctx.dtypes)
         ]
-        return tuple(grads) + (None,) * 6
+        return tuple(grads) + (None,) * 8
 
 
 def _fp32_zeros(needs, x, weight, bias) -> list:
@@ -255,6 +309,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     reduction: str = "none",
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Per-token loss (fp32, the shape of `target`) of the logits ``x @ weight.T + bias``,
     never holding more than `chunk_tokens` tokens' logits; equal to
@@ -266,7 +321,41 @@ def linear_cross_entropy(
     tokens per chunk (> 0). Under autocast the logits are computed in its dtype, as
     ``F.linear`` would, and the loss in fp32. reduction: "none" (the per-token loss) or "sum"
     (its sum, a scalar): with the whole vocabulary on this rank (no `group`, or one of size
-    1) the sum's gradients are made in the forward and the logits computed once."""
+    1) the sum's gradients are made in the forward and the logits computed once.
+    label_smoothing: torch's, over the real vocabulary (`vocab_parallel_cross_entropy`)."""
+    return linear_cross_entropy_terms(
+        x,
+        weight,
+        target,
+        bias,
+        group,
+        vocab_start,
+        vocab_size,
+        ignore_index,
+        chunk_tokens,
+        reduction,
+        label_smoothing,
+    )[0]
+
+
+def linear_cross_entropy_terms(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group=None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    reduction: str = "none",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`linear_cross_entropy`'s loss, the squared log-sum-exp of each labelled token's logits
+    or None): with `z_loss` > 0 PaLM's output z-loss, as `cross_entropy_terms` gives it (its
+    gradient times `z_loss` joins the loss's, its value is reported alone, per token or summed
+    as `reduction` says; no collective added)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if reduction not in ("none", "sum"):
@@ -277,11 +366,12 @@ def linear_cross_entropy(
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
     whole = group is None or dist.get_world_size(group) == 1
+    eps, z_coef = float(label_smoothing), float(z_loss)
     if reduction == "sum" and whole and vocab_start == 0:
         grad_on = torch.is_grad_enabled()
         needs = tuple(grad_on and t is not None and t.requires_grad for t in (x, weight, bias))
         with _no_autocast(device):
-            return _FusedSum.apply(
+            total, z_total = _FusedSum.apply(
                 x.reshape(-1, x.shape[-1]),
                 weight,
                 bias,
@@ -291,9 +381,12 @@ def linear_cross_entropy(
                 chunk_tokens,
                 dtype,
                 needs,
+                eps,
+                z_coef,
             )
+        return total, (z_total if z_coef else None)
     with _no_autocast(device):  # the function casts as autocast would
-        loss = _LinearCrossEntropy.apply(
+        loss, lse = _LinearCrossEntropy.apply(
             x.reshape(-1, x.shape[-1]),
             weight,
             bias,
@@ -304,5 +397,10 @@ def linear_cross_entropy(
             ignore_index,
             chunk_tokens,
             dtype,
+            eps,
+            z_coef,
         )
-    return loss.sum() if reduction == "sum" else loss.view(target.shape)
+    lse2 = lse.square() if z_coef else None
+    if reduction == "sum":
+        return loss.sum(), (None if lse2 is None else lse2.sum())
+    return loss.view(target.shape), (None if lse2 is None else lse2.view(target.shape))

@@ -26,11 +26,15 @@ BERT_KEYS = ("input_ids", "labels", "token_type_ids", "attention_mask")
 DECODER_KEYS = ("input_ids", "labels")
 
 
-def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tensor]:
+def check_batch(
+    batch, config, what: str = "train_step", extra: bool = False
+) -> dict[str, torch.Tensor]:
     """The batch, checked (ValueError / TypeError naming the fix otherwise), its integer
     tensors as int64 (any integer width is accepted). A decoder's `attention_mask` must pad on
     the right (ones, then zeros); it is kept for a mixture of experts (which routes no padding)
     and dropped for a dense decoder (causal attention keeps right padding out already).
+    `extra` (a `loss_fn` reads the batch): keys the model does not read are kept as they are,
+    tensors of one row per sequence.
     Everything here is local: a bad batch fails on every rank that holds it before any
     communication."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -71,6 +75,15 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             if binary and not getattr(config, "num_moe_layers", 0):
                 continue  # a dense decoder: causal attention is the whole of its masking
             # a mixture of experts routes no padding (`megapar.models.moe`)
+        if key not in allowed and key != "attention_mask" and extra:
+            rows = batch["input_ids"].shape[0] if batch["input_ids"].dim() else None
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(
+                    f"{what}: batch[{key!r}] has shape {tuple(value.shape)}; an entry for "
+                    f"loss_fn must have one row per sequence ([global batch, ...], {rows} rows)"
+                )
+            out[key] = value
+            continue
         if key not in allowed and key != "attention_mask":
             raise ValueError(
                 f"{what}: batch key {key!r} is not used by {config.model_type} "
@@ -184,11 +197,15 @@ def fingerprint(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     folded modulo a prime with the key's name and shape. Computed where the batch is, without
     reading anything back to the host: about 1 ms per key for 0.5M tokens on one CPU core.
     Exact (no int64 overflow) for values of magnitude below 2**21 (checked ids, labels, masks)
-    and batches below 2**32 tokens."""
+    and batches below 2**32 tokens; a float entry (for a `loss_fn`) counts by its bits."""
     total = None
     for key in sorted(batch):
         value = batch[key]
-        flat = value.reshape(-1).to(torch.int64)
+        if value.is_floating_point():  # a loss_fn's entry: its float64 bits folded to 21
+            bits = value.detach().reshape(-1).to(torch.float64).view(torch.int64)
+            flat = (bits ^ (bits >> 21) ^ (bits >> 42)) & ((1 << 21) - 1)
+        else:
+            flat = value.reshape(-1).to(torch.int64)
         weights = _position_weights(flat.numel(), flat.device)
         dot = torch.dot(flat, weights) if flat.device.type == "cpu" else (flat * weights).sum()
         part = dot % _PRIME  # (torch.dot has no integer kernel on CUDA)

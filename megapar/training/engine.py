@@ -210,6 +210,12 @@ class Engine:
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
+        self.last_z_loss: float | None = None
+        """The last training step's output z-loss term (`z_loss`; None without), which its
+        backward added to the loss `train_step` returned."""
+        self.loss_fn = None
+        """The loss hook `megapar.prepare(..., loss_fn=)` set on the stage (`set_loss_fn`), or
+        None; with one, batches may carry keys for it."""
         self.tokenizer: dict | None = None
         """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
         in checkpoints and carried by `export_hf`."""
@@ -298,6 +304,7 @@ class Engine:
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
         self.schedule_step += not result.skipped
+        self.last_z_loss = result.z_loss
         self.kept.loss_weight = self.step_fn.last_loss_weight
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
@@ -414,7 +421,7 @@ class Engine:
         if what == "train_step":
             set_step(self.step + 1)  # the step this batch is for
         set_action(f"{what}: checking the batch")
-        batch = check_batch(batch, self.config, what)
+        batch = check_batch(batch, self.config, what, extra=self.loss_fn is not None)
         mesh = self.mesh
         check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
         same_on_every_rank(batch, self.mesh.device, what)

@@ -323,14 +323,16 @@ def format_line(step: int, m: dict, fp16: bool = False) -> str:
     """The console log line: tokens/s of the whole job, TFLOP/s per rank (per GPU: Megatron's
     TFLOP/s/GPU) and MFU; `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
-    neither at pp 1 alone; a mixture of experts' router statistics (the balancing losses, the
-    busiest layer's max / mean tokens per expert, the share of assignments dropped); the steps
-    skipped for inf / nan since the last line (`skipped_steps`, else this step's `skipped`);
-    the loss scale the step ran with (every line under `fp16`, else where it is not 1); each
-    rank named slow (`stragglers`) at the end."""
+    neither at pp 1 alone; the output z-loss term after the loss (--z-loss); a mixture of
+    experts' router statistics (the balancing losses, the busiest layer's max / mean tokens
+    per expert, the share of assignments dropped); the steps skipped for inf / nan since the
+    last line (`skipped_steps`, else this step's `skipped`); the loss scale the step ran with
+    (every line under `fp16`, else where it is not 1); each rank named slow (`stragglers`) at
+    the end."""
     parts = [
         f"step {step:>6}",
         f"loss {m['loss']:.4f}",
+        *([f"z_loss {m['z_loss']:.4f}"] if "z_loss" in m else []),
         f"lr {m['lr']:.3e}",
         f"grad_norm {m['grad_norm']:.3f}",
         f"tok/s {m['tokens_per_s']:,.0f}",

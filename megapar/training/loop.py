@@ -358,6 +358,8 @@ class Trainer:
             "skipped": bool(result.skipped),
             "loss_scale": float(result.loss_scale),
         }
+        if result.z_loss is not None:  # --z-loss: its term, beside the cross-entropy
+            metrics["z_loss"] = result.z_loss
         if result.router is not None:  # a mixture of experts: the step's router statistics
             metrics.update({f"moe_{k}": v for k, v in result.router.items()})
         if logging_step:

@@ -23,6 +23,7 @@ from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
 from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_ranks
+from megapar.models import set_loss_fn
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
@@ -190,6 +191,7 @@ def prepare(
     seed: int = 1234,
     timeout_s: float | None = None,
     on_nonfinite: str = "raise",
+    loss_fn=None,
     **options,
 ) -> Engine:
     """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
@@ -239,6 +241,16 @@ def prepare(
     `max_nonfinite_steps` non-finite losses (or overflows at a static `loss_scale`) in a row, or
     an overflow at the loss scale's floor, raise, as in megapar-train); "skip": it returns the
     non-finite loss, for loops that handle it themselves.
+    loss_fn: the training loss of each micro-batch, ``loss_fn(per_token, batch)`` -> a 0-dim
+    tensor, called on the last pipeline stage with the micro-batch's per-token cross-entropy
+    ([b, s] fp32, label-smoothed under label_smoothing, 0 where the label is -100; the
+    vocab-parallel loss, the same on every tp rank, the logits never gathered) and the
+    micro-batch (its rows of every batch key: the batch may then carry keys for it, such as
+    per-token weights [G, s]); the step's loss is its mean over the micro-batches and dp ranks
+    (None: each micro-batch's mean over its labelled tokens). eval_step uses it too, on the
+    plain cross-entropy. Not with cp > 1, loss_mean="token" or z_loss (docs/guides/python-api.md).
+    label_smoothing=EPS and z_loss=COEF (keywords, `--label-smoothing`, `--z-loss`) shape the
+    training loss as in megapar-train.
     """
 
     set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
@@ -276,6 +288,11 @@ def prepare(
         **options,
     )
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
+    if cfg.label_smoothing >= 1:
+        raise ValueError(
+            f"megapar.prepare: label_smoothing={cfg.label_smoothing!r} is invalid: it must be "
+            f"in [0, 1) (e.g. 0.1; 0: off)"
+        )
     _check_sharding(cfg)
     if cfg.loss_mean not in LOSS_MEANS:
         raise ValueError(
@@ -284,6 +301,7 @@ def prepare(
             f"micro-batch's token mean; 'token': the global batch's token mean)"
         )
     _check_choices(cfg)
+    _check_loss_fn(loss_fn, cfg)
     _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
@@ -299,6 +317,9 @@ def prepare(
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
+    if loss_fn is not None:
+        set_loss_fn(engine.model, loss_fn)
+        engine.loss_fn = loss_fn
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
     _warn_no_float8(engine, cfg)
@@ -308,6 +329,32 @@ def prepare(
         _load_model_weights(engine, model, reader, seed)
     set_action("megapar.prepare returned; in the caller's code")
     return engine
+
+
+def _check_loss_fn(loss_fn, cfg: TrainConfig) -> None:
+    """ValueError (TypeError for a non-callable) for a loss hook `prepare` cannot serve."""
+    if loss_fn is None:
+        return
+    if not callable(loss_fn):
+        raise TypeError(
+            f"megapar.prepare: loss_fn must be a function (per_token, batch) -> loss, got "
+            f"{type(loss_fn).__name__}"
+        )
+    problems = (
+        (cfg.cp > 1, f"cp={cfg.cp}: each rank holds a part of every sequence; drop cp"),
+        (
+            cfg.loss_mean == "token",
+            'loss_mean="token": it sets the reduction, which loss_fn owns; drop one of them',
+        ),
+        (
+            cfg.z_loss > 0,
+            f"z_loss={cfg.z_loss}: its gradient rides on the per-token losses loss_fn may "
+            f"reweigh; drop one of them",
+        ),
+    )
+    for refused, why in problems:
+        if refused:
+            raise ValueError(f"megapar.prepare: loss_fn cannot be combined with {why}")
 
 
 SCHEDULE_OPTIONS = (

@@ -14,7 +14,7 @@ from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
 from megapar.diagnostics import inject
-from megapar.diagnostics.replay import check_record, find_record
+from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
@@ -388,7 +388,9 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
             f"{cfg.replay} in the original run, or give --replay-against FILE"
         )
     flag = "--replay-against" if cfg.replay_against else "the record"
-    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag, cfg.loss_mean))
+    notes.extend(
+        check_record(record, cfg.replay, config.to_dict(), flag, cfg.loss_mean, loss_terms(cfg))
+    )
 
 
 def _training_split(

@@ -131,6 +131,9 @@ class StepResult:
     """Loss scale used for this step's backward (1.0 unless fp16)."""
     router: dict | None = None
     """A mixture-of-experts model's router statistics of the step (`moe.finish_step`)."""
+    z_loss: float | None = None
+    """The step's output z-loss term (--z-loss: its coefficient x the mean squared
+    log-sum-exp, averaged as the loss), which the backward adds to `loss`; None without."""
 
 
 class TrainStep:
@@ -266,6 +269,9 @@ class TrainStep:
             )
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
+        z = getattr(self.executor, "last_z_loss", None)
+        if z is not None:  # the z-loss rides with the loss: one all-reduce
+            loss = torch.stack([loss, z.detach().float().reshape(())])
         set_action("loss all-reduce over dp")
         all_reduce(loss, self.mesh.dp_group)
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
@@ -279,7 +285,9 @@ class TrainStep:
             norm = self.optimizer.clip_grad_norm(self.mesh, self.clip_grad)
         else:
             norm = clip_grad_norm(self.model, self.mesh, self.clip_grad)
-        mean_loss = loss.item() / self.mesh.dp  # complete by now: the norm was read after it
+        # complete by now: the norm was read after it (the z-loss read with it, one host read)
+        values = [v / self.mesh.dp for v in loss.reshape(-1).tolist()]
+        mean_loss, z_loss = values[0], (values[1] if z is not None else None)
         # A non-finite gradient or loss is never applied (both are global: every rank agrees).
         skipped = skipped or not (math.isfinite(norm) and math.isfinite(mean_loss))
         if not skipped:
@@ -293,4 +301,4 @@ class TrainStep:
         if self.num_experts:
             set_action("router statistics all-reduce (dp x cp, pp)")
             router = finish_step(self.model, self.mesh, self.num_experts, not skipped)
-        return StepResult(mean_loss, norm, lr, skipped, scale, router)
+        return StepResult(mean_loss, norm, lr, skipped, scale, router, z_loss)

@@ -82,6 +82,8 @@ _RULES: list[_Rule] = [
     ("muon_momentum", "float", 0.0, True),
     ("powersgd_rank", "int", 1, True),
     ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
+    ("label_smoothing", "float", 0.0, True),
+    ("z_loss", "float", 0.0, True),
     ("moe_aux_loss_coef", "float", 0.0, True),
     ("moe_z_loss_coef", "float", 0.0, True),
     ("moe_capacity_factor", "float", 0.0, False, (0, "dropless")),
@@ -149,7 +151,7 @@ def check_settings(cfg) -> None:
         problem = choice_problem(name, getattr(cfg, name))
         if problem:
             raise UsageError(problem)
-    for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
+    for name in ("adam_beta1", "adam_beta2", "muon_momentum", "label_smoothing"):
         if getattr(cfg, name) >= 1:
             raise UsageError(
                 f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
