@@ -1,21 +1,25 @@
 """megapar-generate against transformers and a reference sampling loop.
 
 * greedy: a tiny GPT-2 and a tiny Llama, imported with `megapar-convert --from-hf` at tp 2 x
-  pp 2 and generated from at tp 1 (with the KV cache), give transformers'
-  `generate(do_sample=False, use_cache=True)` token for
-  token (a prompt that reaches the model's positions stops there, as transformers' max_length);
+  pp 2 and generated from at tp 1 (with the KV cache, the prompts in one left-padded batch),
+  give transformers' `generate(do_sample=False, use_cache=True)` token for token, each prompt
+  alone and as its left-padded batch with an attention_mask (a prompt that reaches the model's
+  positions stops there, as transformers' max_length); `--precision bf16` gives transformers'
+  model cast to bfloat16;
 * sampling: the tokens a reference loop draws with torch.multinomial from
-  softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
-  and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
-* tp 2 x pp 2 gives the tokens tp 1 gives;
+  softmax(top-p(top-k(logits / T))) of transformers' logits, sample i with a generator seeded
+  with seed + i, and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
+* tp 2 x pp 2, the samples in one batch, gives the tokens of tp 1 one sample at a time;
 * the KV cache (GPT-2, Llama, Qwen3, Qwen2, Mixtral) gives the tokens and each step's logits
   of the whole sequence's forward per token, forwarding one position per new token (at tp 2 x
-  pp 2 too: each stage's cache of its layers and tp rank's heads);
+  pp 2 too: each stage's cache of its layers and tp rank's heads); a left-padded batch gives
+  each prompt's tokens and logits alone, a row leaving at its end-of-sequence token;
 * bad input: one line, exit 2, before any model is built.
 
 The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
 """
 
+import copy
 import json
 import signal
 
@@ -151,6 +155,34 @@ def test_sampling_equals_a_reference_loop_and_transformers(imported, capsys):
                                 temperature=0.7, top_k=20, top_p=top_p, max_new_tokens=10,
                                 eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:]
     assert theirs.tolist()[:len(want[0])] == want[0]
+
+
+def test_bf16_greedy_equals_transformers_bf16_generate(imported, capsys):
+    """--precision bf16: the weights and the KV cache in bfloat16 (the checkpoint's float32
+    cast once loaded), and a batch's greedy tokens are those of transformers' model cast to
+    bfloat16, each prompt alone."""
+    from megapar.training.generate import Sampling, generate_batch
+    from megapar.training.inference import load_model
+
+    kind, model, ckpt = imported
+    got = _run(ckpt, capsys, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--temperature",
+               "0", "--max-new-tokens", "8", "--precision", "bf16")
+    theirs = copy.deepcopy(model).to(torch.bfloat16)
+    for record, prompt in zip(got, PROMPTS, strict=True):
+        ids = torch.tensor([_ids(prompt)])
+        with torch.no_grad():
+            want = theirs.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=8, eos_token_id=EOS, pad_token_id=EOS)
+        assert record["new_ids"] == want[0, ids.shape[1]:].tolist(), (kind, prompt)
+    mesh, config, ours = load_model(str(ckpt), 1, 1, dtype=torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    cached = []
+    hook = next(iter(ours.layers.values())).register_forward_hook(
+        lambda module, args, out: cached.append(module.attn.kv_cache.k.dtype))
+    generate_batch(ours, mesh, [_ids(p) for p in PROMPTS], 2, Sampling(temperature=0),
+                   [torch.Generator()] * 2, config.hidden_size, config.vocab_size, 32, None)
+    hook.remove()
+    assert cached == [torch.bfloat16] * 2
 
 
 @pytest.mark.parametrize("imported", ["gpt2"], indirect=True)  # tied embedding across pp
