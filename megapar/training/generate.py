@@ -191,7 +191,7 @@ def generate_batch(
 
 
 def _starts(generated: Generated, max_length: int) -> bool:
-    """Whether a prompt leaves room for a token; else it stops at the positions at once."""
+    """Whether a prompt leaves room for a token; where not, its stop is set to "positions"."""
     if len(generated.prompt_ids) < max_length:
         return True
     generated.stop = "positions"
