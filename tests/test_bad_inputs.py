@@ -1202,7 +1202,7 @@ OTHER_TOOLS = [
     ("plan", ["--model", "llama-1b", "--compile"], "--compile: megapar-plan plans eager blocks"),
     ("eval", ["--load", "ck", "--fp8", "tensorwise"], "--fp8: megapar-eval computes in float32"),
     ("generate", ["--load", "ck", "--fp8-emulate"],
-     "--fp8-emulate: megapar-generate computes in float32"),
+     "--fp8-emulate: megapar-generate computes in --precision fp32, bf16 or fp16"),
 ]
 
 

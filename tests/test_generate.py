@@ -1,21 +1,25 @@
 """megapar-generate against transformers and a reference sampling loop.
 
 * greedy: a tiny GPT-2 and a tiny Llama, imported with `megapar-convert --from-hf` at tp 2 x
-  pp 2 and generated from at tp 1 (with the KV cache), give transformers'
-  `generate(do_sample=False, use_cache=True)` token for
-  token (a prompt that reaches the model's positions stops there, as transformers' max_length);
+  pp 2 and generated from at tp 1 (with the KV cache, the prompts in one left-padded batch),
+  give transformers' `generate(do_sample=False, use_cache=True)` token for token, each prompt
+  alone and as its left-padded batch with an attention_mask (a prompt that reaches the model's
+  positions stops there, as transformers' max_length); `--precision bf16` gives transformers'
+  model cast to bfloat16;
 * sampling: the tokens a reference loop draws with torch.multinomial from
-  softmax(top-p(top-k(logits / T))) of transformers' logits, with a generator seeded alike,
-  and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
-* tp 2 x pp 2 gives the tokens tp 1 gives;
+  softmax(top-p(top-k(logits / T))) of transformers' logits, sample i with a generator seeded
+  with seed + i, and transformers' own `generate(do_sample=True)` after `torch.manual_seed`;
+* tp 2 x pp 2, the samples in one batch, gives the tokens of tp 1 one sample at a time;
 * the KV cache (GPT-2, Llama, Qwen3, Qwen2, Mixtral) gives the tokens and each step's logits
   of the whole sequence's forward per token, forwarding one position per new token (at tp 2 x
-  pp 2 too: each stage's cache of its layers and tp rank's heads);
+  pp 2 too: each stage's cache of its layers and tp rank's heads); a left-padded batch gives
+  each prompt's tokens and logits alone, a row leaving at its end-of-sequence token;
 * bad input: one line, exit 2, before any model is built.
 
 The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
 """
 
+import copy
 import json
 import signal
 
@@ -97,15 +101,25 @@ def test_greedy_equals_transformers_generate(imported, capsys):
     assert len(got[2]["new_ids"]) == 2
     assert err[0] == ("megapar-generate: sample 3 stopped at the model's 32 positions (its "
                       "prompt's 30 tokens and 2 new ones)\n")
+    # transformers' batch of the two short prompts, left-padded with an attention_mask
+    rows = [_ids(p) for p in PROMPTS]
+    width = max(map(len, rows))
+    ids = torch.tensor([[EOS] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, do_sample=False, use_cache=True,
+                              max_new_tokens=12, eos_token_id=EOS, pad_token_id=EOS)
+    assert [r["new_ids"] for r in got[:2]] == want[:, width:].tolist(), kind
 
 
 def _reference_samples(model, prompt: str, n: int, new: int, t: float, k: int, p: float,
                        seed: int) -> list[list[int]]:
     """Samples drawn by a plain loop: transformers' logits of the last position, divided by t,
-    cut to the top k and to the top-p set (transformers' warpers), softmax, torch.multinomial."""
-    gen = torch.Generator().manual_seed(seed)
+    cut to the top k and to the top-p set (transformers' warpers), softmax, torch.multinomial
+    with sample i's generator seeded with seed + i."""
     out = []
-    for _ in range(n):
+    for i in range(n):
+        gen = torch.Generator().manual_seed(seed + i)
         ids = _ids(prompt)
         drawn = []
         for _ in range(new):
@@ -135,7 +149,7 @@ def test_sampling_equals_a_reference_loop_and_transformers(imported, capsys):
     assert [r["new_ids"] for r in got] == want
     assert want[0] != want[1]  # two samples, not one drawn twice
     ids = torch.tensor([_ids(PROMPTS[0])])
-    torch.manual_seed(3)  # transformers draws from the global generator: the same stream
+    torch.manual_seed(3)  # transformers draws from the global generator: sample 0's stream
     with torch.no_grad():
         theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                 temperature=0.7, top_k=20, top_p=top_p, max_new_tokens=10,
@@ -143,12 +157,42 @@ def test_sampling_equals_a_reference_loop_and_transformers(imported, capsys):
     assert theirs.tolist()[:len(want[0])] == want[0]
 
 
+def test_bf16_greedy_equals_transformers_bf16_generate(imported, capsys):
+    """--precision bf16: the weights and the KV cache in bfloat16 (the checkpoint's float32
+    cast once loaded), and a batch's greedy tokens are those of transformers' model cast to
+    bfloat16, each prompt alone."""
+    from megapar.training.generate import Sampling, generate_batch
+    from megapar.training.inference import load_model
+
+    kind, model, ckpt = imported
+    got = _run(ckpt, capsys, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--temperature",
+               "0", "--max-new-tokens", "8", "--precision", "bf16")
+    theirs = copy.deepcopy(model).to(torch.bfloat16)
+    for record, prompt in zip(got, PROMPTS, strict=True):
+        ids = torch.tensor([_ids(prompt)])
+        with torch.no_grad():
+            want = theirs.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=8, eos_token_id=EOS, pad_token_id=EOS)
+        assert record["new_ids"] == want[0, ids.shape[1]:].tolist(), (kind, prompt)
+    mesh, config, ours = load_model(str(ckpt), 1, 1, dtype=torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    cached = []
+    hook = next(iter(ours.layers.values())).register_forward_hook(
+        lambda module, args, out: cached.append(module.attn.kv_cache.k.dtype))
+    generate_batch(ours, mesh, [_ids(p) for p in PROMPTS], 2, Sampling(temperature=0),
+                   [torch.Generator()] * 2, config.hidden_size, config.vocab_size, 32, None)
+    hook.remove()
+    assert cached == [torch.bfloat16] * 2
+
+
 @pytest.mark.parametrize("imported", ["gpt2"], indirect=True)  # tied embedding across pp
-def test_tp2_pp2_equals_tp1(imported, capsys):
+def test_tp2_pp2_batched_equals_tp1_one_at_a_time(imported, capsys):
+    """Two prompts of different lengths x 2 samples: one left-padded batch of 4 at tp 2 x pp 2
+    draws the text of --batch-size 1 at tp 1."""
     _, _, ckpt = imported
-    args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6",
-            "--seed", "5"]
-    one = _run(ckpt, capsys, *args)
+    args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--samples", "2",
+            "--max-new-tokens", "6", "--seed", "5"]
+    one = _run(ckpt, capsys, *args, "--batch-size", "1")
     four = _run(ckpt, capsys, *args, "--tp", "2", "--pp", "2")
     assert [r["new_ids"] for r in four] == [r["new_ids"] for r in one]
     assert all(len(r["new_ids"]) == 6 for r in one)
@@ -169,6 +213,8 @@ BAD = [
     (["--prompt-file", "{tmp}/long.txt"],
      "--prompt-file {tmp}/long.txt is 40 tokens, which leaves no room in the model's 32"),
     (["--prompt", "a", "--tp", "3"], "4 attention heads are not divisible by --tp 3"),
+    (["--prompt", "a", "--batch-size", "0"], "--batch-size 0 is invalid: it must be >= 1"),
+    (["--prompt", "a", "--seed", "-1"], "--seed -1 is invalid"),
 ]
 
 
@@ -359,6 +405,40 @@ def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(
     for step, (a, b) in enumerate(zip(cached_logits, plain_logits, strict=True)):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (kind, step)
     assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+    _batch_equals_each_alone(model, mesh, config, [prompt, prompt[:2], prompt[1:4]], kind)
+
+
+def _batch_equals_each_alone(model, mesh, config, prompts, kind):
+    """Greedy, one left-padded batch: each row's tokens, stop and each step's fp32 logits
+    (within 1e-5 of their largest) are the prompt's generated alone; the second row stops at
+    its end-of-sequence token (its 3rd token alone taken as one) and leaves the batch while
+    another goes on."""
+    from megapar.training import generate as gen
+
+    def run(rows, eos):
+        logits: list = []
+        real = gen.last_logits
+        gen.last_logits = lambda *a: logits.append(real(*a)) or logits[-1]
+        try:
+            out = gen.generate_batch(model, mesh, rows, 6, gen.Sampling(temperature=0),
+                                     [torch.Generator() for _ in rows], config.hidden_size,
+                                     config.vocab_size, config.max_positions, eos)
+        finally:
+            gen.last_logits = real
+        return out, logits
+
+    eos = run([prompts[1]], None)[0][0].new_ids[2]
+    batch, batch_logits = run(prompts, eos)
+    lengths = [len(g.new_ids) for g in batch]
+    assert batch[1].stop == "eos" and lengths[1] <= 3 and max(lengths) == 6, lengths
+    active = [[r for r, g in enumerate(batch) if len(g.new_ids) > k] for k in range(6)]
+    assert [len(x) for x in batch_logits] == [len(rows) for rows in active]
+    for r, prompt in enumerate(prompts):
+        (alone,), alone_logits = run([prompt], eos)
+        assert (batch[r].new_ids, batch[r].stop) == (alone.new_ids, alone.stop), (kind, r)
+        for k, want in enumerate(alone_logits):
+            got = batch_logits[k][active[k].index(r)]
+            assert (got - want[0]).abs().max() <= 1e-5 * want[0].abs().max(), (kind, r, k)
 
 
 def _both_ways(model, mesh, config, prompt, new_tokens):

@@ -3,11 +3,14 @@
     megapar-generate --load CKPT --prompt "To be" [--max-new-tokens 100] [--temperature 0.8]
     megapar-generate --load CKPT --prompt "To be" --temperature 0      # greedy
     megapar-generate --load CKPT --prompt-file prompt.txt --tp 2 --json
+    megapar-generate --load CKPT --prompt "A" --prompt "B" --samples 4 --precision bf16
 
 Each sample is the prompt, tokenized with the tokenizer the checkpoint trained with, grown one
-token at a time, with a KV cache (the prompt's forward fills it, then one position's forward
+token at a time, with a KV cache (the prompts' forward fills it, then one position's forward
 per new token; `megapar.training.generate`), until the end-of-sequence token,
---max-new-tokens or the model's positions. Float32, as megapar-eval.
+--max-new-tokens or the model's positions. Up to --batch-size samples are grown together, in one
+left-padded batch; the weights are cast to --precision once loaded (the checkpoint's float32 by
+default).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
-from megapar.training.generate import Sampling, generate
+from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError
@@ -49,16 +52,24 @@ OTHER_FLAGS = {
     "--max-tokens": "--max-new-tokens",
     "--max-new-tokens-per-sample": "--max-new-tokens",
     "--num-samples": "--samples",
-    "--batch-size": "--samples (samples per prompt)",
-    "--precision": "megapar-generate computes in float32; drop it",
-    "--fp8": "megapar-generate computes in float32 (an --fp8 run's checkpoint holds fp32 weights); "
-    "drop it",
-    "--fp8-emulate": "megapar-generate computes in float32 (an --fp8 run's checkpoint holds fp32 "
-    "weights); drop it",
-    "--dtype": "megapar-generate computes in float32; drop it",
+    "--micro-batch-size": "--batch-size",
+    "--fp8": "megapar-generate computes in --precision fp32, bf16 or fp16 (an --fp8 run's "
+    "checkpoint holds fp32 weights); drop it",
+    "--fp8-emulate": "megapar-generate computes in --precision fp32, bf16 or fp16 (an --fp8 "
+    "run's checkpoint holds fp32 weights); drop it",
+    "--dtype": "--precision",
+    "--torch-dtype": "--precision",
 }
 """Other tools' names for megapar-generate's flags (nanoGPT's sample.py, torchtitan's
 test_generate.py, megapar-train's), answered with what to do."""
+
+
+DEFAULT_BATCH = 32
+"""--batch-size's default: samples grown together (their KV cache holds rows x layers x 2 x
+hidden x positions values: at most 2.25 GiB for GPT-2 124M's 1,024 positions in float32)."""
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""--precision's names (megapar-train's) and their dtypes."""
 
 
 def build_parser() -> OneLineParser:
@@ -119,8 +130,23 @@ def build_parser() -> OneLineParser:
         "--seed",
         type=int,
         default=1337,
-        help="seed of the sampling; the same seed gives the same text at any layout "
+        help="seed of the sampling: sample i (from 0, in the order printed) draws from a "
+        "generator seeded with SEED + i, the same draws at any layout and --batch-size "
         "(default: 1337)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="samples grown together in one left-padded batch (a finished one leaves it) "
+        f"(default: {DEFAULT_BATCH})",
+    )
+    p.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="dtype of the weights (cast once loaded; the checkpoint stays float32), "
+        "activations and KV cache (default: fp32)",
     )
     p.add_argument(
         "--tokenizer",
@@ -151,7 +177,7 @@ SAMPLING_ONLY = ("top_k", "top_p", "seed")
 
 def check_values(args, given) -> None:
     """UsageError for a value out of range, no prompt, or a sampling option greedy ignores."""
-    for name in ("tp", "pp", "max_new_tokens", "samples"):
+    for name in ("tp", "pp", "max_new_tokens", "samples", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(
                 f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1"
@@ -172,6 +198,12 @@ def check_values(args, given) -> None:
                 f"{', '.join(named)} would be ignored: --temperature 0 is greedy (the most "
                 f"likely token, no sampling); drop {'it' if len(named) == 1 else 'them'}"
             )
+    top = args.seed + (len(args.prompt) + len(args.prompt_file)) * args.samples - 1
+    if args.seed < 0 or top > 2**63 - 1:
+        raise UsageError(
+            f"--seed {args.seed} is invalid: sample i draws with seed SEED + i, which must be "
+            f"in [0, 2**63 - 1]; give a seed in that range"
+        )
     if not args.prompt and not args.prompt_file:
         raise UsageError(
             'give a prompt: --prompt "TEXT" (repeatable) or --prompt-file FILE '
@@ -325,24 +357,26 @@ def positions_note(sample: int, limit_name: str, prompt_len: int, new_len: int) 
 
 
 def _worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp)
+    mesh, config, model = load_model(args.load, args.tp, args.pp, dtype=PRECISIONS[args.precision])
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    generator = torch.Generator().manual_seed(args.seed)  # CPU: the same draws on any device
+    rows = [ids for ids in args.prompt_ids for _ in range(args.samples)]
+    # sample i's own CPU generator: the same draws on any device, layout and batch size
+    generators = [torch.Generator().manual_seed(args.seed + i) for i in range(len(rows))]
     results = []
-    for ids in args.prompt_ids:
-        for _ in range(args.samples):
-            out = generate(
-                model,
-                mesh,
-                ids,
-                args.max_new_tokens,
-                sampling,
-                generator,
-                config.hidden_size,
-                config.vocab_size,
-                args.limit,
-                args.eos_id,
-            )
+    for start in range(0, len(rows), args.batch_size):
+        end = start + args.batch_size
+        for out in generate_batch(
+            model,
+            mesh,
+            rows[start:end],
+            args.max_new_tokens,
+            sampling,
+            generators[start:end],
+            config.hidden_size,
+            config.vocab_size,
+            args.limit,
+            args.eos_id,
+        ):
             results.append((out.new_ids, out.stop))
     return results if mesh.rank == 0 else None
 

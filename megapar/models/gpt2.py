@@ -70,7 +70,8 @@ class GPT2(StageModel):
     forward(hidden, batch): `hidden` is the previous stage's output (None on the first stage);
     `batch` holds "input_ids" [b, s] and, for a loss, "labels" [b, s] (next-token ids, -100 to
     ignore) and, generating with a KV cache (`megapar.models.kv_cache`), "positions_from": the
-    position of input_ids' first (the ids after the cached ones). Returns the hidden states,
+    position of input_ids' first (the ids after the cached ones): an int, or [b, 1] per row of
+    a left-padded batch (negative at its padding). Returns the hidden states,
     or on the last stage the mean loss over labelled tokens (or this rank's vocab slice of the
     logits when the batch has no labels).
     """
@@ -118,7 +119,8 @@ class GPT2(StageModel):
             ids = batch["input_ids"]
             positions = self._positions(ids)
             if "positions_from" in batch:  # generation with a KV cache: the new positions
-                positions = positions + batch["positions_from"]
+                # (per row [b, 1] in a left-padded batch: its pad slots at 0)
+                positions = (positions + batch["positions_from"]).clamp_min(0)
             hidden = self.embed(self._cp_tokens(ids), positions)
         assert hidden is not None  # later stages: the previous stage's output
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)

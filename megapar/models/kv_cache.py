@@ -9,6 +9,13 @@ sliding window, to the window's last keys: `window_mask`; the cache keeps every 
 Positions follow the cache: Llama rotates q and k by their absolute positions (the cache's
 length onwards), GPT-2's first stage is given the first new position as the batch's
 "positions_from".
+
+A batch of prompts of different lengths is left-padded (`pads`: each row's count of padding
+slots before its prompt). Its pad slots are attended by no query of another slot, and a row's
+positions start at its first real token (slot - pads, as transformers' position_ids from the
+attention_mask): Llama's rotary angles through `positions`, GPT-2's position embedding through
+a "positions_from" of [batch, 1]. A row that has finished is dropped from every cache
+(`keep_rows`), so it is computed no further.
 """
 
 from __future__ import annotations
@@ -24,13 +31,30 @@ from megapar.models.config import CAUSAL_LM_TYPES
 
 class KVCache:
     """Keys and values [batch, heads, positions, head_dim] of up to `capacity` positions,
-    allocated at the first `append` in its dtype and on its device."""
+    allocated at the first `append` in its dtype and on its device; `pads` [batch] (int64):
+    each row's left padding, None where no row has any."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pads: torch.Tensor | None = None):
         self.capacity = capacity
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
+        self.pads = pads
+
+    def positions(self, s: int, device) -> torch.Tensor:
+        """The positions [batch, s] of the next `s` slots of each row: slot - pads (the pad
+        slots at 0; nothing attends to them). Only with `pads`."""
+        assert self.pads is not None
+        slots = torch.arange(self.length, self.length + s, device=device)
+        return (slots[None, :] - self.pads.to(device)[:, None]).clamp_min(0)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (int64 indices, in order): the others finished."""
+        if self.k is not None and self.v is not None:
+            self.k = self.k.index_select(0, rows.to(self.k.device))
+            self.v = self.v.index_select(0, rows.to(self.v.device))
+        if self.pads is not None:
+            self.pads = self.pads.index_select(0, rows.to(self.pads.device))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the keys and values of the next positions; the cached ones, these included."""
@@ -62,15 +86,35 @@ class KVCache:
         if index is not None:
             k, v = k.index_select(1, index), v.index_select(1, index)
         s, total = q.shape[2], k.shape[2]
-        if window is not None and window < total:  # the window cuts the cached positions
-            cut = window_mask(s, total, window, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
+        cut = window is not None and window < total  # the window cuts the cached positions
+        if self.pads is not None:  # a left-padded batch (slots and positions differ by a row's
+            mask = self._padded_mask(s, total)  # pads alone: the window holds in slots too)
+            if cut:
+                mask = mask & window_mask(s, total, window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if cut:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=window_mask(s, total, window, q.device)
+            )
         if s == total:  # the prefill: every position from 0
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         mask = None  # one new position sees all
         if s > 1:  # query i is position total - s + i
             mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _padded_mask(self, s: int, total: int) -> torch.Tensor:
+        """[batch, 1, s, total]: query slot i (of the last s) sees key slot j <= i that is not
+        padding, and itself (a pad slot sees only itself: no row of all -inf, whose softmax
+        would be NaN, as transformers unmasks such rows)."""
+        assert self.pads is not None and self.k is not None
+        device = self.k.device
+        keys = torch.arange(total, device=device)
+        queries = torch.arange(total - s, total, device=device)
+        causal = keys[None, :] <= queries[:, None]  # [s, total]
+        real = keys[None, :] >= self.pads.to(device)[:, None]  # [batch, total]
+        itself = keys[None, :] == queries[:, None]
+        return (causal[None] & (real[:, None, :] | itself[None]))[:, None]
 
 
 def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
@@ -103,14 +147,15 @@ def takes_kv_cache(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def kv_cache(model: nn.Module, capacity: int):
-    """Every attention module of `model` with an empty cache of `capacity` positions while
-    the block runs; none after."""
+def kv_cache(model: nn.Module, capacity: int, pads: torch.Tensor | None = None):
+    """Every attention module of `model` with an empty cache of `capacity` positions (rows
+    left-padded by `pads`, None: none) while the block runs; none after. Yields the caches."""
     modules = cached_attention(model)
-    for m in modules:
-        m.kv_cache = KVCache(capacity)  # type: ignore[assignment]  # a plain attribute
+    caches = [KVCache(capacity, pads) for _ in modules]
+    for m, cache in zip(modules, caches, strict=True):
+        m.kv_cache = cache  # type: ignore[assignment]  # a plain attribute
     try:
-        yield
+        yield caches
     finally:
         for m in modules:
             m.kv_cache = None  # type: ignore[assignment]

@@ -215,7 +215,8 @@ class LlamaAttention(nn.Module):
     all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
     the ring with as many kv heads as query heads (`method_for`). With `kv_cache` set
     (generation) `x` holds only the new positions, rotated by their absolute positions (after
-    the cached ones), and the cache holds this rank's kv heads (`megapar.models.kv_cache`).
+    the cached ones; in a left-padded batch each row's from its first real token), and the
+    cache holds this rank's kv heads (`megapar.models.kv_cache`).
 
     `window` (the config's `layer_window` of this layer; None: none): each query attends to
     the `window` keys up to itself, by an explicit mask (`WindowMasks`) where it cuts the
@@ -338,9 +339,13 @@ class LlamaAttention(nn.Module):
             # global positions of these tokens (of the whole sequence under SP, cp rank's under
             # cp)
             cos, sin = self.rotary(s * self.cp, x.device)
-        else:  # generation: the positions after the cached ones
+        elif cache.pads is None:  # generation: the positions after the cached ones
             cos, sin = self.rotary(cache.length + s, x.device)
             cos, sin = cos[cache.length :], sin[cache.length :]
+        else:  # a left-padded batch: each row's positions [b, s], from its first real token
+            cos, sin = self.rotary(cache.length + s, x.device)
+            positions = cache.positions(s, x.device)
+            cos, sin = cos[positions][:, None], sin[positions][:, None]
         q, k = heads(self.q(x, entered=True)), heads(self.k(x, entered=True))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -1,25 +1,29 @@
-"""Text generation from a stage model at any tp x pp: one token at a time, with a KV cache.
+"""Text generation from a stage model at any tp x pp: a batch of prompts grown one token at a
+time, with a KV cache.
 
-The prompt's forward (the prefill) fills each attention layer's cache of keys and values
-(`megapar.models.kv_cache`: this tp rank's heads, this pipeline stage's layers), and each new
-token then runs a forward of its one position, which appends to the cache and reads it (as
-transformers' and torchtitan's generate with a cache); under pp only that position's hidden
-state crosses the stages. A model or layout the cache does not serve (context or sequence
-parallelism, an MoE with a capacity factor, a stand-in without a config) runs the model's
-forward over the whole sequence so far for each token instead. Either way the logits are the
-last position's, in the model's dtype (float32 as megapar-eval loads it;
-`megapar.training.inference.forward_logits`), and the chosen token is broadcast from the last
-stage's tp rank 0 to every rank, so all ranks grow the same sequence and stop together.
+The prompts are left-padded to the longest and their forward (the prefill) fills each attention
+layer's cache of keys and values (`megapar.models.kv_cache`: this tp rank's heads, this
+pipeline stage's layers; the pad slots attended by no other slot, each row's positions counted
+from its first real token, as transformers' generate with an attention_mask). Each step then
+runs a forward of one position per row, which appends to the cache and reads it (as
+transformers' and torchtitan's generate with a cache); under pp only those positions' hidden
+states cross the stages, the whole batch as one micro-batch. A row that stops (its
+end-of-sequence token, max_new_tokens, the model's positions) leaves the batch and every cache,
+and the loop ends when no row is left. A model or layout the cache does not serve (context or
+sequence parallelism, an MoE with a capacity factor, a stand-in without a config) grows each
+prompt alone with the model's forward over the whole sequence so far for each token instead.
+Either way the logits are the last position's, in the model's dtype
+(`megapar.training.inference.forward_logits`), and the chosen tokens are broadcast from the last
+stage's tp rank 0 to every rank, so all ranks grow the same sequences and stop together.
 
-The choice is made on the host: `next_token` takes the logits row as float32 on the CPU,
-greedy (temperature 0: the argmax, as transformers' greedy search) or sampled with
-`torch.multinomial` from softmax(top-p(top-k(logits / temperature))) with a CPU generator, so
-a seed gives the same tokens on any device and at any layout.
+The choice is made on the host, row by row: `next_token` takes a row's logits as float32 on
+the CPU, greedy (temperature 0: the argmax, as transformers' greedy search) or sampled with
+`torch.multinomial` from softmax(top-p(top-k(logits / temperature))) with that row's own CPU
+generator, so a seed gives the same draws on any device, at any layout and batch size.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +70,11 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 def last_logits(model, mesh: Mesh, ids, hidden_size: int, vocab_size: int):
-    """The float32 logits ([vocab], on the CPU) of the last position of `ids` ([1, seq] on the
-    mesh's device, or a batch dict of them) on the last stage's ranks; None on the others
-    (`forward_logits`)."""
+    """The float32 logits ([rows, vocab], on the CPU) of the last position of each row of `ids`
+    ([rows, seq] on the mesh's device, or a batch dict of them) on the last stage's ranks; None
+    on the others (`forward_logits`)."""
     logits = forward_logits(model, mesh, ids, hidden_size, vocab_size, last_only=True)
-    return None if logits is None else logits[0, -1].float().cpu()
+    return None if logits is None else logits[:, -1].float().cpu()
 
 
 @dataclass
@@ -83,7 +87,143 @@ class Generated:
     stop: str
 
 
+def _stop(generated: Generated, max_new_tokens: int, max_length: int, eos_id: int | None):
+    """Why `generated` stops after its last new token, or None where it goes on."""
+    if eos_id is not None and generated.new_ids and generated.new_ids[-1] == eos_id:
+        return "eos"
+    if len(generated.new_ids) >= max_new_tokens:
+        return "max_new_tokens"
+    if len(generated.prompt_ids) + len(generated.new_ids) >= max_length:
+        return "positions"
+    return None
+
+
+def _chosen(logits, mesh: Mesh, rows: list[int], sampling: Sampling, generators) -> list[int]:
+    """The next token of each of `rows` (indices into `generators`), chosen on the last stage's
+    tp rank 0 from `logits` ([len(rows), vocab]) and broadcast to every rank."""
+    source = mesh.layout.rank(0, mesh.pp - 1, mesh.dp_rank, mesh.cp_rank)  # it chooses
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=mesh.device)
+    if logits is not None and mesh.rank == source:
+        chosen = [next_token(logits[i], sampling, generators[r]) for i, r in enumerate(rows)]
+        tokens.copy_(torch.tensor(chosen, dtype=torch.long))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(tokens, src=source)
+    return tokens.tolist()
+
+
 @torch.no_grad()
+def generate_batch(
+    model,
+    mesh: Mesh,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    generators: list[torch.Generator],
+    hidden_size: int,
+    vocab_size: int,
+    max_length: int,
+    eos_id: int | None,
+    cache: bool = True,
+    pad_id: int = 0,
+) -> list[Generated]:
+    """Grow each of `prompts` by up to `max_new_tokens` tokens, each row stopping after
+    `eos_id` or once it holds `max_length` tokens (the model's positions), together in one
+    batch left-padded with `pad_id` (never attended). Every rank of the mesh calls it with the
+    same arguments and returns the same result; row i draws from `generators[i]` (CPU), on the
+    last stage's tp rank 0 only. `cache`: use the KV cache where the model takes it
+    (`takes_kv_cache`); False, or a model it does not serve: each prompt alone, the whole
+    sequence's forward per token."""
+    out = [Generated(list(p), [], "max_new_tokens") for p in prompts]
+    if not (cache and takes_kv_cache(model)):
+        for row, generated in enumerate(out):
+            _grow_alone(
+                model,
+                mesh,
+                generated,
+                max_new_tokens,
+                sampling,
+                generators[row],
+                hidden_size,
+                vocab_size,
+                max_length,
+                eos_id,
+            )
+        return out
+    rows = [r for r, g in enumerate(out) if _starts(g, max_length)]
+    if not rows:
+        return out
+    width = max(len(prompts[r]) for r in rows)
+    pads = torch.tensor([width - len(prompts[r]) for r in rows], dtype=torch.long)
+    padded = [[pad_id] * (width - len(prompts[r])) + prompts[r] for r in rows]
+    ids = torch.tensor(padded, dtype=torch.long, device=mesh.device)
+    room = max_length - min(len(prompts[r]) for r in rows)  # the most tokens a row can add
+    capacity = width + min(max_new_tokens, room)
+    padding = pads.to(mesh.device) if bool(pads.any()) else None
+    inputs: torch.Tensor | dict = ids
+    if padding is not None:  # each row's positions from its first real token
+        inputs = {"input_ids": ids, "positions_from": -padding[:, None]}
+    slot = width  # the cache slot of the tokens chosen next
+    with kv_cache(model, capacity, padding) as caches:
+        while True:
+            logits = last_logits(model, mesh, inputs, hidden_size, vocab_size)
+            tokens = _chosen(logits, mesh, rows, sampling, generators)
+            going = []  # positions in `rows` of the rows that go on
+            for i, (r, token) in enumerate(zip(rows, tokens, strict=True)):
+                out[r].new_ids.append(token)
+                stop = _stop(out[r], max_new_tokens, max_length, eos_id)
+                if stop is None:
+                    going.append(i)
+                else:
+                    out[r].stop = stop
+            if not going:
+                return out
+            if len(going) < len(rows):  # the finished rows leave the batch and the caches
+                keep = torch.tensor(going, dtype=torch.long, device=mesh.device)
+                for c in caches:
+                    c.keep_rows(keep)
+                rows = [rows[i] for i in going]
+                if padding is not None:
+                    padding = padding.index_select(0, keep)
+            new = torch.tensor([[out[r].new_ids[-1]] for r in rows], device=mesh.device)
+            positions: int | torch.Tensor = slot if padding is None else slot - padding[:, None]
+            inputs = {"input_ids": new, "positions_from": positions}
+            slot += 1
+
+
+def _starts(generated: Generated, max_length: int) -> bool:
+    """Whether a prompt leaves room for a token; where not, its stop is set to "positions"."""
+    if len(generated.prompt_ids) < max_length:
+        return True
+    generated.stop = "positions"
+    return False
+
+
+def _grow_alone(
+    model,
+    mesh: Mesh,
+    generated: Generated,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    hidden_size: int,
+    vocab_size: int,
+    max_length: int,
+    eos_id: int | None,
+) -> None:
+    """Grow one sample in place without a cache: the whole sequence's forward per token."""
+    if not _starts(generated, max_length):
+        return
+    ids = generated.prompt_ids
+    while True:
+        inputs = torch.tensor([ids + generated.new_ids], dtype=torch.long, device=mesh.device)
+        logits = last_logits(model, mesh, inputs, hidden_size, vocab_size)
+        generated.new_ids += _chosen(logits, mesh, [0], sampling, [generator])
+        stop = _stop(generated, max_new_tokens, max_length, eos_id)
+        if stop is not None:
+            generated.stop = stop
+            return
+
+
 def generate(
     model,
     mesh: Mesh,
@@ -97,34 +237,17 @@ def generate(
     eos_id: int | None,
     cache: bool = True,
 ) -> Generated:
-    """Grow `prompt_ids` by up to `max_new_tokens` tokens, stopping after `eos_id` or once the
-    sequence holds `max_length` tokens (the model's positions). Every rank of the mesh calls it
-    with the same arguments and returns the same result; `generator` (CPU) is drawn from on the
-    last stage's tp rank 0 only. `cache`: use the KV cache where the model takes it
-    (`takes_kv_cache`); False: the whole sequence's forward per token."""
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=mesh.device)
-    source = mesh.layout.rank(0, mesh.pp - 1, mesh.dp_rank, mesh.cp_rank)  # it chooses
-    many = dist.is_initialized() and dist.get_world_size() > 1
-    cached = cache and takes_kv_cache(model)
-    new: list[int] = []
-    stop = "max_new_tokens"
-    with kv_cache(model, max_length) if cached else contextlib.nullcontext():
-        while len(new) < max_new_tokens:
-            if ids.shape[1] >= max_length:
-                stop = "positions"
-                break
-            inputs: torch.Tensor | dict = ids  # the prefill, or every token without the cache
-            if cached and new:  # the cache holds all but the last token's keys and values
-                inputs = {"input_ids": ids[:, -1:], "positions_from": ids.shape[1] - 1}
-            logits = last_logits(model, mesh, inputs, hidden_size, vocab_size)
-            token = torch.zeros(1, dtype=torch.long, device=mesh.device)
-            if logits is not None and mesh.rank == source:
-                token.fill_(next_token(logits, sampling, generator))
-            if many:
-                dist.broadcast(token, src=source)
-            ids = torch.cat([ids, token.view(1, 1)], dim=1)
-            new.append(int(token))
-            if eos_id is not None and new[-1] == eos_id:
-                stop = "eos"
-                break
-    return Generated(list(prompt_ids), new, stop)
+    """`generate_batch` of the one prompt `prompt_ids`, drawing from `generator`."""
+    return generate_batch(
+        model,
+        mesh,
+        [prompt_ids],
+        max_new_tokens,
+        sampling,
+        [generator],
+        hidden_size,
+        vocab_size,
+        max_length,
+        eos_id,
+        cache,
+    )[0]

@@ -24,13 +24,15 @@ from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 
 
-def load_model(load: str, tp: int, pp: int, cp: int = 1):
+def load_model(load: str, tp: int, pp: int, cp: int = 1, dtype: torch.dtype | None = None):
     """(mesh, config, this rank's stage model) of checkpoint `load` at tp x cp x pp (resharded
-    on load), in eval mode."""
+    on load), in eval mode; its parameters cast to `dtype` once loaded (None: as saved)."""
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     config = config_from_dict(read_manifest(resolve_checkpoint(load))["model"])
     model = build_stage(config, mesh, seed=0, init=False)
     load_checkpoint(load, model, mesh)
+    if dtype is not None:
+        model.to(dtype)
     model.eval()
     keep_freed_host_memory()  # the weights are in place: later tensors are kept
     return mesh, config, model
@@ -58,8 +60,9 @@ def forward_logits(
     ids = batch["input_ids"]
     shape = (ids.shape[0], ids.shape[1] // mesh.cp, hidden_size)
     hidden = None
-    if not mesh.is_first_stage:
-        hidden = torch.empty(shape, device=mesh.device)
+    if not mesh.is_first_stage:  # in the stage's dtype (its first parameter's)
+        dtype = next(iter(model.parameters()), torch.empty(0)).dtype
+        hidden = torch.empty(shape, device=mesh.device, dtype=dtype)
         dist.recv(hidden, src=mesh.prev_stage_rank)
     out = model(hidden, batch)
     if not mesh.is_last_stage:
