@@ -538,3 +538,6 @@ def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_p
     assert cached_seen == [len(prompt)] + [1] * 11
     for a, b in zip(cached_logits, plain_logits, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), kind
+    # a left-padded batch: the window in the pad mask's slots (a row's positions are its slots
+    # less its pads, so the same distances)
+    _batch_equals_each_alone(model, mesh, config, [prompt, prompt[:2], _ids(PROMPTS[1])], kind)
