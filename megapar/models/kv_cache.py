@@ -86,16 +86,14 @@ class KVCache:
         if index is not None:
             k, v = k.index_select(1, index), v.index_select(1, index)
         s, total = q.shape[2], k.shape[2]
-        cut = window is not None and window < total  # the window cuts the cached positions
+        cut = window_mask(s, total, window, q.device) if window and window < total else None
         if self.pads is not None:  # a left-padded batch (slots and positions differ by a row's
-            mask = self._padded_mask(s, total)  # pads alone: the window holds in slots too)
-            if cut:
-                mask = mask & window_mask(s, total, window, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        if cut:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=window_mask(s, total, window, q.device)
-            )
+            padded = self._padded_mask(s, total)  # pads alone: the window holds in slots too)
+            if cut is not None:
+                padded = padded & cut
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=padded)
+        if cut is not None:  # the window cuts the cached positions
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
         if s == total:  # the prefill: every position from 0
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         mask = None  # one new position sees all
