@@ -199,13 +199,19 @@ def test_attention_dropout_backward_replays_the_forward_masks(method):
 
 
 def _ring_record_worker(cp):
+    """(rank, the ring's exchanges of one attention's forward and backward, those of the same
+    with a sliding window of 3 over chunks of 2, which leaves out and masks kernel calls)."""
     rank, group = dist.get_rank(), dist.new_group(list(range(cp)))
-    ring = Ring(group, 60)
-    ring.issued = []
     q, k, v = (split(torch.randn(1, 2, 4 * cp, 4), cp, rank, dim=2).requires_grad_()
                for _ in range(3))
-    attention(q, k, v, Spec(cp, rank, True, ring, label="layer 0"), method="ring").sum().backward()
-    return rank, ring.issued
+    issued = []
+    for window in (None, 3):
+        ring = Ring(group, 60)
+        ring.issued = []
+        spec = Spec(cp, rank, True, ring, label="layer 0", window=window)
+        attention(q, k, v, spec, method="ring").sum().backward()
+        issued.append(ring.issued)
+    return rank, issued[0], issued[1]
 
 
 def _streams(records) -> dict:
@@ -219,8 +225,10 @@ def _streams(records) -> dict:
 def test_ring_exchanges_pair_in_order_under_nccl_rules(cp):
     """Forward: cp - 1 K/V exchanges; backward: cp - 1 K/V and cp dK/dV exchanges. Grouped,
     they neither deadlock nor mismatch under NCCL's rules; issued one message at a time (each
-    rank's send first), the ring deadlocks."""
+    rank's send first), the ring deadlocks. A sliding window issues the same exchanges."""
     records = run_local(_ring_record_worker, cp, cp)
+    assert all(issued == windowed for _, issued, windowed in records)
+    records = [(rank, issued) for rank, issued, _ in records]
     for _, issued in records:
         labels = [label for *_, label in issued]
         assert len(labels) == (cp - 1) + (cp - 1) + cp

@@ -470,24 +470,59 @@ def _both_ways(model, mesh, config, prompt, new_tokens):
 
 def _cached_and_plain(ckpt, prompt):
     """`_both_ways` on this rank at tp 2 x pp 2, the logits as lists (sent back from a forked
-    rank)."""
+    rank), and the point-to-point messages and broadcasts it issued in order."""
+    import torch.distributed as dist
+
     from megapar.training.inference import load_model
 
     mesh, config, model = load_model(str(ckpt), 2, 2)
+    issued: list = []
+    real = {name: getattr(dist, name) for name in ("send", "recv", "broadcast")}
+
+    def recording(name):
+        def call(tensor, *args, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src", args[0] if args else None))
+            issued.append((name, peer, tuple(tensor.shape), str(tensor.dtype)))
+            return real[name](tensor, *args, **kwargs)
+        return call
+
+    try:
+        for name in real:
+            setattr(dist, name, recording(name))
+        runs = _both_ways(model, mesh, config, prompt, 6)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
     return [(ids, seen, [None if x is None else x.tolist() for x in logits])
-            for ids, seen, logits in _both_ways(model, mesh, config, prompt, 6)]
+            for ids, seen, logits in runs], (mesh.rank, issued)
+
+
+def _follows_nccl_rules(issued: dict[int, list]) -> None:
+    """The ranks' blocking sends and receives (each its own group call) pair in issue order
+    with the same shape and dtype and finish under NCCL's rules (no buffering, tags ignored);
+    every rank broadcasts the same tokens from the same source in the same order."""
+    from megapar.pipeline import nccl_rules
+
+    streams = {rank: [[nccl_rules.Op(name == "send", peer, (shape, dtype), f"{name}{i}")]
+                      for i, (name, peer, shape, dtype) in enumerate(calls) if name != "broadcast"]
+               for rank, calls in issued.items()}
+    assert all(streams.values())
+    nccl_rules.check(streams)
+    broadcasts = {rank: [c for c in calls if c[0] == "broadcast"] for rank, calls in issued.items()}
+    assert len({tuple(b) for b in broadcasts.values()}) == 1 and broadcasts[0], broadcasts
 
 
 @pytest.mark.parametrize("imported", ["gpt2", "llama"], indirect=True)
 def test_the_kv_cache_at_tp2_pp2_crosses_stages_with_one_position(imported):
     """Each stage's first layer forwards the prompt, then one position per new token, and the
     last stage's logits of each step are the whole sequence's (fp32, within 1e-5 of their
-    largest), on both of its tp ranks."""
+    largest), on both of its tp ranks; the stages' messages follow NCCL's rules and every rank
+    takes each token (and so the stop) from the same broadcast."""
     from megapar.launcher import run_workers
 
     _, _, ckpt = imported
     prompt = _ids(PROMPTS[0])
-    ranks = run_workers(_cached_and_plain, 4, ckpt, prompt)
+    ranks, issued = zip(*run_workers(_cached_and_plain, 4, ckpt, prompt))
     for (cached, cached_seen, cached_logits), (plain, plain_seen, plain_logits) in ranks:
         assert cached == plain and len(cached) == 6
         assert cached_seen == [len(prompt)] + [1] * 5
@@ -498,6 +533,7 @@ def test_the_kv_cache_at_tp2_pp2_crosses_stages_with_one_position(imported):
                 a, b = torch.tensor(a), torch.tensor(b)
                 assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert sum(logits[0] is not None for *_, logits in (r[0] for r in ranks)) == 2  # last stage
+    _follows_nccl_rules(dict(issued))
 
 
 WINDOWED = {  # a sliding window of 4: Mistral's in every layer, Qwen2's in its second only

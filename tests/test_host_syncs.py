@@ -6,7 +6,9 @@ those calls; a training step at tp 2 x pp 2 (GPT-2, BERT, grouped-query Llama wi
 from transformers configs, through `megapar.prepare`) makes the same number at 4 and at 8
 micro-batches, and none of them is on the micro-batch path (models, tensor-parallel layers,
 pipeline): only per-step work (checking the user's global batch, the gradient norm, the loss).
-The same holds at cp 2 x pp 2, where every attention layer exchanges keys and values.
+The same holds at cp 2 x pp 2, where every attention layer exchanges keys and values (with
+Mistral's sliding window too), and for an fp16 step with --optimizer muon and PowerSGD, whose
+overflow check reads one flag per step.
 """
 
 import pytest
@@ -26,6 +28,12 @@ def config(kind, layers=2):
     small = dict(vocab_size=96, bos_token_id=0, eos_token_id=0)
     if kind == "gpt2":
         return GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=32, **small)
+    if kind == "mistral":  # a sliding window of 5 over 16 tokens (cp 2: chunks of 4)
+        from transformers import MistralConfig
+
+        return MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=4, sliding_window=5,
+                             max_position_embeddings=32, **small)
     if kind == "llama":
         return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=1,
@@ -56,10 +64,12 @@ def syncs_worker(kind, cp=1, schedule="1f1b"):
     return counts
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("kind,cp", [(kind, cp) for kind in ("gpt2", "bert", "llama")
+                                     for cp in (1, 2)] + [("mistral", 2)])
 def test_a_steps_host_syncs_do_not_grow_with_micro_batches(kind, cp):
-    """tp 2 x pp 2, and cp 2 x pp 2 (ring attention for GPT-2 / BERT, all-gather for Llama)."""
+    """tp 2 x pp 2, and cp 2 x pp 2 (ring attention for GPT-2 / BERT, all-gather for Llama);
+    Mistral's sliding window of 5 at cp 2 x pp 2 too (the ring: the calls it cuts masked,
+    those out of it left out)."""
     for rank, counts in enumerate(run_local(syncs_worker, 4, kind, cp)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])  # the loss at least
@@ -146,3 +156,39 @@ def test_zero12_16_bit_gathers_add_no_host_sync(zero):
         assert counts[4] == counts[8] == counts["fp32 gathers"], (rank, counts)
         inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
         assert not inside, (rank, inside)
+
+
+def fp16_syncs_worker():
+    """An fp16 step's syncs (tp 2 x dp 2, --optimizer muon, PowerSGD, hysteresis 2) at 2 and
+    4 micro-batches, and at a step whose gradients overflow; the schedule's position after
+    each."""
+    engine = megapar.prepare(config("gpt2"), tp=2, micro_batch_size=1, precision="fp16",
+                             optimizer="muon", grad_compression="powersgd", hysteresis=2)
+    counts, positions = {}, []
+    for m in (2, 4, "overflow"):
+        rows = 2 * (2 if m == "overflow" else m)
+        if m == "overflow":  # hysteresis 2: the first overflow skips, the scale stays
+            engine.precision.scaler.scale = 2.0**120
+        else:  # the first step of a shape builds its executor
+            engine.train_step(batch("gpt2", rows))
+        with count_syncs() as syncs:
+            engine.train_step(batch("gpt2", rows))
+        counts[m] = syncs
+        positions.append((engine.schedule_step, engine.step, engine.precision.loss_scale))
+    return counts, positions
+
+
+def test_fp16_muon_and_powersgd_add_no_host_sync():
+    """fp16 loss scaling with hysteresis, Muon's tp and dp gathers and PowerSGD's fp32
+    reduction: one sync for the overflow check per step (the flag all-reduced over the world
+    first), none per micro-batch or per matrix; a step that overflows syncs no more (its norm
+    is not read) and is skipped on every rank, the schedule not advancing."""
+    for rank, (counts, positions) in enumerate(run_local(fp16_syncs_worker, 4)):
+        assert counts[2] == counts[4], (rank, counts)
+        inside = [where for _, where in counts[4] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)
+        for m in (4, "overflow"):
+            flags = [n for (_, where), n in counts[m].items() if where.startswith("optim/prec")]
+            assert flags == [1], (rank, m, counts[m])
+        assert set(counts["overflow"]) < set(counts[4]), (rank, counts)
+        assert positions == [(2, 2, 2.0**16), (4, 4, 2.0**16), (4, 5, 2.0**120)], positions

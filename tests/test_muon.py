@@ -364,8 +364,9 @@ def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags
     assert len(err) == 1 and says in err[0], err
 
 
-def _count_step(tp: int, dp: int, zero: int) -> dict:
-    """The collectives of one --optimizer muon optimizer step (GPT-2, tp x dp) by group."""
+def _count_step(tp: int, dp: int, zero: int, pp: int = 1) -> dict:
+    """The collectives of one --optimizer muon optimizer step (GPT-2, tp x pp x dp) by group,
+    and in issue order (op, elements, the group's ranks)."""
     import torch.distributed as dist
 
     from megapar.comm_count import count_collectives
@@ -374,10 +375,18 @@ def _count_step(tp: int, dp: int, zero: int) -> dict:
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, 1, dp), dist.get_rank())
+    mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
     model = build_stage(config("gpt2"), mesh, SEED)
-    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon")
-    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    if zero == 3:  # megapar-train's optimizer_for
+        from megapar.data_parallel.sharded_params import ShardedParams
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
+                                   tp_group=mesh.tp_group, kind="muon")
+        grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
+    else:
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon")
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
     step = TrainStep(model, mesh, PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32)),
                      optimizer, scheduler(), Precision("fp32", mesh.device), 0.0, grad_sync)
     counted, optimizer_step = [], optimizer.step
@@ -398,18 +407,42 @@ def _count_step(tp: int, dp: int, zero: int) -> dict:
             "dp": sorted((c.op, c.numel) for c in counted if c.ranks != tp_ranks),
             "expected_tp": sorted(("all_gather", p.numel()) for p in matrices),
             "expected_dp": sorted([("all_gather_into_tensor", b.padded // dp)
-                                   for b in [*muon_buckets, *buckets]])}
+                                   for b in [*muon_buckets, *buckets]]),
+            "rank": mesh.rank, "issued": [(c.op, c.numel, c.ranks) for c in counted]}
+
+
+def _count_steps(layouts: list[tuple]) -> list[dict]:
+    return [_count_step(*layout) for layout in layouts]
+
+
+def _same_order_in_every_group(outs: list[dict]) -> None:
+    """Every rank of each group issued the same collectives over it in the same order (NCCL
+    pairs a group's collectives by issue order)."""
+    by_group: dict = {}
+    for out in outs:
+        for op, numel, ranks in out["issued"]:
+            by_group.setdefault(ranks, {}).setdefault(out["rank"], []).append((op, numel))
+    assert by_group
+    for ranks, issued in by_group.items():
+        assert sorted(issued) == sorted(ranks), ranks
+        assert all(seq == issued[ranks[0]] for seq in issued.values()), (ranks, issued)
 
 
 def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
     """One optimizer step at tp 2 x dp 2 with ZeRO-1: over tp, one all-gather of each Muon
     matrix's shard (GPT-2's 4 matrices per block, 16); over dp, the parameter buckets'
     all-gather after the step (ZeRO-1's own) and one more all-gather of each bucket holding
-    Muon matrices (their pieces' updates); nothing else."""
-    for out in run_local(_count_step, 4, 2, 2, 1):
+    Muon matrices (their pieces' updates); nothing else. Every rank of each group issues them
+    in the same order, there and at pp 2 x dp 2 with ZeRO-3 (each stage's own matrices and
+    units)."""
+    outs = run_local(_count_steps, 4, [(2, 2, 1), (1, 2, 3, 2)])
+    for out in (o[0] for o in outs):
         assert len(out["expected_tp"]) == 16
         assert out["tp"] == out["expected_tp"]
         assert out["dp"] == out["expected_dp"]
+    for layout in range(2):
+        _same_order_in_every_group([o[layout] for o in outs])
+    assert {len(o[1]["issued"]) > 0 for o in outs} == {True}  # the ZeRO-3 units' gathers
 
 
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():

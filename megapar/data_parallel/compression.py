@@ -6,7 +6,8 @@ with the dp sum (so the average) and returns the bytes it put on the wire.
 - fp16 / bf16 (Horovod's fp16 compression): cast, all-reduce in the narrow type, cast back.
   fp16 is scaled against overflow and underflow first: the ranks agree (one MAX all-reduce of
   a scalar) on the largest |g| of the bucket and multiply by a power of two S so that the dp
-  sum stays below 2^15, then divide by S after the reduction (exact: S is a power of two).
+  sum stays below 2^15, then divide by S after the reduction (exact: S is a power of two; S is
+  computed on the device, `fp16_scale`, so the host does not wait inside the backward).
   bf16 has fp32's range and needs no scale. Bound (stated and tested): every element of the
   result is within (dp + 1) * u * sum_r |g_r| of the exact average, u = 2^-11 (fp16), 2^-8
   (bf16) the unit roundoff, plus for fp16 an absolute 2^-24 / S from subnormals.
@@ -34,8 +35,6 @@ the backward); `none` keeps the asynchronous all-reduce.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -43,6 +42,17 @@ GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 FP16_TARGET = 2.0**15
 """fp16: the scaled dp sum's largest magnitude stays below this (fp16's max is 65504)."""
+
+
+def fp16_scale(amax: torch.Tensor, dp: int) -> torch.Tensor:
+    """The power of two S (float32, on `amax`'s device) that keeps the dp sum of a bucket whose
+    largest |g| over the group is `amax` below `FP16_TARGET`: 2^floor(log2(target / (amax dp)))
+    (`frexp`'s exponent, exact), 1 where that product is 0 or not finite. Computed on the
+    device: reading `amax` on the host would wait for the device inside the backward."""
+    top = amax.double() * dp
+    exponent = torch.frexp(FP16_TARGET / top).exponent - 1  # target / top = m 2^e, m in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(top), exponent)
+    return torch.where(torch.isfinite(top) & (top > 0), scale, torch.ones_like(top)).float()
 
 
 class CastCompressor:
@@ -56,14 +66,13 @@ class CastCompressor:
 
     def reduce(self, flat: torch.Tensor, params, group) -> int:
         dp = dist.get_world_size(group)
-        scale, sent = 1.0, 0
+        scale: torch.Tensor | float = 1.0
+        sent = 0
         if self.dtype == torch.float16:
             amax = flat.abs().max().float().reshape(1)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             sent += amax.numel() * amax.element_size()
-            top = amax.item() * dp
-            if math.isfinite(top) and top > 0:
-                scale = 2.0 ** math.floor(math.log2(FP16_TARGET / top))
+            scale = fp16_scale(amax, dp)
         narrow = (flat * scale).to(self.dtype)
         dist.all_reduce(narrow, group=group)
         flat.copy_(narrow.float() / scale)
