@@ -30,6 +30,16 @@ scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (
 routing has no bound; with a capacity factor c no expert keeps more than c x its mean share,
 so c bounds it). `Problem.moe_imbalance` (megapar-plan's --moe-imbalance) states the
 assumption (default `DEFAULT_IMBALANCE`, or the model's capacity factor when it has one).
+
+**Expert tensor parallelism** (`expert_tp_collectives`, per MoE layer and micro-batch, the
+tp collectives of `megapar.models.moe` with each expert split over tp, as `comm_count`
+records them: an all-reduce's tensor, an all-gather's input, a reduce-scatter's input).
+Without sequence parallelism, T tokens on every tp rank: forward one all-reduce of the
+weighted output (T h), backward one of the combine weights' gradient (T k fp32) and one of
+the tokens' (T h). Under it, T / t tokens a rank: forward an all-gather of the weights and
+chosen experts (T / t x 2k fp32, + T / t with padding) and of the tokens (T / t x h), a
+reduce-scatter of the output (T h); backward the output gradient's all-gather (T / t x h)
+and the reduce-scatters of the tokens' gradient (T h) and of the weights' (T x 2k).
 """
 
 from __future__ import annotations
@@ -136,3 +146,33 @@ def step_alltoall(p, c, moe_layers_on_rank: int) -> int:
     m = p.global_batch // (c.mbs * c.dp)
     one = alltoall_bytes(p.config, tokens, c.ep, p.act_bytes, c.recompute)
     return one.total * moe_layers_on_rank * m
+
+
+def expert_tp_collectives(
+    config, tokens: int, tp: int, sp: bool, padded: bool = False
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) [(op, elements)] of one MoE layer's tp collectives for a
+    micro-batch with its experts split over `tp` (module docstring): `tokens` the micro-batch's
+    tokens on a tp rank without sequence parallelism, the whole group's with it (`sp`);
+    `padded`: a mask rides with the weights. The residual stream's dtype (fp32 in megapar)
+    for every element; the [T, 2k] weights are fp32."""
+    if tp == 1:
+        return [], []
+    h, k = config.hidden_size, config.num_experts_per_tok
+    if not sp:
+        return [("all_reduce", tokens * h)], [
+            ("all_reduce", tokens * k),
+            ("all_reduce", tokens * h),
+        ]
+    mine, picks = tokens // tp, 2 * k + (1 if padded else 0)
+    forward = [
+        ("all_gather_into_tensor", mine * picks),
+        ("all_gather_into_tensor", mine * h),
+        ("reduce_scatter_tensor", tokens * h),
+    ]
+    backward = [
+        ("all_gather_into_tensor", mine * h),
+        ("reduce_scatter_tensor", tokens * h),
+        ("reduce_scatter_tensor", tokens * picks),
+    ]
+    return forward, backward
