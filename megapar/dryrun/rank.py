@@ -428,6 +428,7 @@ def _stage_layout(cfg, config, mesh: Mesh) -> StageLayout:
         stage=mesh.pp_rank,
         placement=placement_of(cfg.schedule),
         ep=layout.ep,
+        etp=getattr(mesh, "etp", 1),
         dp=layout.dp * layout.cp,
         zero=cfg.zero,
         bucket_mb=cfg.grad_bucket_mb,

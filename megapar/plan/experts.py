@@ -3,7 +3,9 @@ expert parallelism, the all-to-all bytes of its token exchange.
 
 A MoE layer routes each of the T tokens a rank holds (a micro-batch's s b, / cp, / t under
 sequence parallelism: the routed experts are replicated over tp, so without SP every tp rank
-routes all of them) to k experts: T k rows.
+routes all of them) to k experts: T k rows. With each expert split over tp (etp = tp) every
+tp rank runs all s b / cp tokens' rows through its I / t units of each expert, under SP too
+(the tp group all-gathers its routed tokens: `routing_split`).
 
 **All-to-all bytes** (`alltoall_bytes`, per MoE layer and micro-batch, what one rank puts into
 `dist.all_to_all_single`, whose payload counts every row, the ones it keeps for itself too, as
@@ -79,6 +81,13 @@ def imbalance_of(config, stated: float | None) -> float:
     return getattr(config, "moe_capacity_factor", None) or DEFAULT_IMBALANCE
 
 
+def routing_split(c) -> int:
+    """How many ways the tokens a rank's experts see are split over tp for `Candidate` `c`: tp
+    under sequence parallelism with whole experts; 1 without it, and with experts split over tp
+    (whose tp ranks all-gather the sequence's routed tokens)."""
+    return c.tp if c.sp and getattr(c, "etp", 1) == 1 else 1
+
+
 def routed_tokens(seq_len: int, mbs: int, cp: int = 1, sp_t: int = 1) -> int:
     """T: the tokens one rank routes per micro-batch (its cp share; its tp slice under SP)."""
     return seq_len // cp * mbs // sp_t
@@ -126,14 +135,17 @@ def leaving(ep: int) -> float:
     return (ep - 1) / ep
 
 
-def routed_bytes(config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1) -> float:
+def routed_bytes(
+    config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1, etp: int = 1
+) -> float:
     """Bytes one MoE layer keeps for its routed tokens per micro-batch on the busiest rank (see
     the module docstring); `imbalance` scales the rows its experts receive (at ep 1 a rank
-    holds every expert and receives exactly its T k rows)."""
+    holds every expert and receives exactly its T k rows); with each expert split over `etp`
+    ranks a row's SwiGLU terms are its I / etp units'."""
     h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_local_experts
     rows = tokens * k
     received = rows * (imbalance if ep > 1 else 1.0)
-    expert_side = received * (h + 4 * config.expert_size) * act_bytes
+    expert_side = received * (h + 4 * config.expert_size // etp) * act_bytes
     token_side = rows * 2 * h * act_bytes + rows * 20 + tokens * (2 * e * 4 + k * 12 + 8)
     return expert_side + token_side
 
@@ -142,7 +154,7 @@ def step_alltoall(p, c, moe_layers_on_rank: int) -> int:
     """One rank's all-to-all payload bytes per step of a `Problem` planned as `Candidate` `c`,
     for the MoE layers its pipeline rank holds: `alltoall_bytes` (rows in the activations'
     dtype, both ways) x the layers x the micro-batches of its dp rank."""
-    tokens = routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    tokens = routed_tokens(p.seq_len, c.mbs, c.cp, routing_split(c))
     m = p.global_batch // (c.mbs * c.dp)
     one = alltoall_bytes(p.config, tokens, c.ep, p.act_bytes, c.recompute)
     return one.total * moe_layers_on_rank * m

@@ -187,7 +187,7 @@ def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
     if c.ep == 1:
         return 0.0, 0.0
     cfg = p.config
-    tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, experts.routing_split(c))
     nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, p.act_bytes, c.recompute)
     span = ep_span(c.tp, c.pp, c.dp, c.cp, c.ep)
     gbps = p.intra_gbps if span <= p.gpus_per_node else p.inter_gbps
