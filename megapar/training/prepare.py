@@ -216,7 +216,8 @@ def prepare(
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
-    dp x cp ranks, as `--ep`). optimizer: adamw, lamb,
+    dp x cp ranks, as `--ep`; `expert_tensor_parallel_size=tp`: each expert's weights split
+    over the tp ranks, as `--expert-tensor-parallel-size`, default 1). optimizer: adamw, lamb,
     lars, sgd or muon (muon_momentum=, muon_adjust_lr= as keywords, `TrainConfig`'s fields).
     weight_decay applies to matrices and embeddings only. clip_grad: global
     gradient-norm clip (0: off).
