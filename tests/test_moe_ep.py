@@ -8,7 +8,7 @@ its forward's route), tp 2 x dp 2 x ep 2, dp 2 x cp 2 x ep 4 and dp 2 x cp 2 x e
 (ZeRO-0 and ZeRO-3) and final weights (the experts gathered over ep), fp32, 1e-5 relative,
 and the same with each expert split over tp (`--expert-tensor-parallel-size 2`: tp 2 x dp 2 x
 ep 2 with ZeRO-1 and sequence parallelism, tp 2 x pp 2 with sequence parallelism and full
-recomputation, tp 2 x dp 2 with ZeRO-3),
+recomputation, tp 2 x dp 2 with ZeRO-3, tp 2 x cp 2 x ep 2),
 over three steps. And each micro-batch makes exactly one
 host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
 """
@@ -145,10 +145,12 @@ RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "fu
           (1, 1, 2, 4, 0, "none", "1f1b", 2), (1, 1, 2, 2, 1, "none", "1f1b", 2),
           (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0),
           # expert tensor parallelism (each expert's weights split over tp): with ep and
-          # ZeRO-1 under sequence parallelism, with pp and full recomputation, under ZeRO-3
+          # ZeRO-1 under sequence parallelism, with pp and full recomputation, under ZeRO-3,
+          # with cp x ep
           (2, 1, 2, 2, 1, "none", "1f1b", 1, False, True, 2),
           (2, 2, 1, 1, 0, "full", "1f1b", 1, False, True, 2),
-          (2, 1, 2, 1, 3, "none", "1f1b", 1, False, False, 2)]
+          (2, 1, 2, 1, 3, "none", "1f1b", 1, False, False, 2),
+          (2, 1, 1, 2, 0, "none", "1f1b", 2, False, False, 2)]
 
 
 def test_dp2_ep2_matches_serial_training(reference, monkeypatch):
@@ -266,7 +268,7 @@ def _check_bf16_rows(outs):
 def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):
     """ep folds into dp x cp: every run here is four ranks (at dp 2 x cp 2 x ep 4 every rank
     holds one of the four experts; at ep 2 ZeRO-1 slices the experts' state over the dp ranks
-    holding them). With expert tensor parallelism (the last three runs) each expert's
+    holding them). With expert tensor parallelism (the last four runs) each expert's
     gate_up / down are split over tp and its gradients still reduced over expert dp."""
     outs = run_local(_runs, 4, RUNS_4)
     for i, run in enumerate(RUNS_4):
