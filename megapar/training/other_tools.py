@@ -167,6 +167,7 @@ OTHER_TOOLS_FLAGS = {
     "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
     "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",
     "--parallelism.expert_parallel_degree": "--ep",
+    "--parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size",
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",
     "--fp16": "--precision fp16",
