@@ -303,8 +303,9 @@ def test_cp_step_messages_and_bytes_are_the_analytic_ones(tp, cp, sp):
 def _etp_worker():
     """One MoE layer (Qwen3-MoE-shaped: 4 experts, top 2, no shared experts) at tp 2 with each
     expert split over tp, without and with sequence parallelism (with a padding mask): each
-    forward's and backward's calls in order, and the layer's output and input gradient."""
+    forward's and backward's calls in order, and the host syncs of both."""
     import torch.distributed as dist
+    from sync_count import count_syncs
 
     from megapar.models import Qwen3MoeConfig
     from megapar.models.moe import MoE
@@ -323,12 +324,13 @@ def _etp_worker():
         x = torch.randn(MBS, SEQ, H, generator=torch.Generator().manual_seed(1))
         x = x[:, (mesh.tp_rank * seq if sp else 0):][:, :seq].clone().requires_grad_()
         mask = torch.ones(MBS, seq) if sp else None
-        with count_collectives() as forward:
-            y = moe(x, mask)
-        with count_collectives() as backward:
-            y.sum().backward()
+        with count_syncs() as syncs:
+            with count_collectives() as forward:
+                y = moe(x, mask)
+            with count_collectives() as backward:
+                y.sum().backward()
         out.append(([(c.op, c.numel, c.dtype, c.group_size) for c in forward],
-                    [(c.op, c.numel, c.dtype, c.group_size) for c in backward]))
+                    [(c.op, c.numel, c.dtype, c.group_size) for c in backward], syncs))
     return config, out
 
 
@@ -339,15 +341,17 @@ def test_expert_tensor_parallel_moe_layer_collectives():
     tokens' gradients (backward) — Megatron's one all-reduce of the experts' output, and the
     input gradient's, as a dense row- / column-parallel MLP; under SP all-gathers of the
     weights + choices + mask and of the tokens and a reduce-scatter of the output (plus the
-    switch loss's existing all-reduce of the E + 1 load counts), the reverse in backward."""
+    switch loss's existing all-reduce of the E + 1 load counts), the reverse in backward. The
+    one host sync stays the expert loop's reading of its counts (`moe.host_counts`)."""
     from megapar.plan.experts import expert_tp_collectives
 
     runs = run_local(_etp_worker, 2)
     config, (plain, split) = runs[0]
     tokens = MBS * SEQ
-    for got, sp in ((plain, False), (split, True)):
+    for (*got, syncs), sp in ((plain, False), (split, True)):
         want = expert_tp_collectives(config, tokens, 2, sp, padded=sp)
         stats = [("all_reduce", config.num_local_experts + 1)] if sp else []
+        assert sum(syncs.values()) == 1 and all("moe.py" in w for _, w in syncs), syncs
         for calls, expected in zip(got, (want[0] + stats, want[1])):
             assert [(op, n) for op, n, _, _ in calls] == expected, (sp, calls)
             assert all(d == torch.float32 and g == 2 for _, _, d, g in calls)
