@@ -81,6 +81,27 @@ def ep_split_error(ep: int, dp: int, cp: int, api: bool = False) -> str:
     )
 
 
+def expert_tp_error(etp: int, tp: int, api: bool = False) -> str | None:
+    """The one line for an expert tensor-parallel size that is neither 1 nor tp (None when it
+    is one of them), worded for the caller (`layout_option`)."""
+    if etp in (1, tp):
+        return None
+    flag = "expert_tensor_parallel_size" if api else "expert-tensor-parallel-size"
+    choices = "1" if tp == 1 else f"1 or {tp}"
+    return (
+        f"{layout_option(flag, etp, api)} must be 1 (experts whole on every tp rank) or the "
+        f"tp size {layout_option('tp', tp, api)} (each expert split over tp); use {choices}"
+    )
+
+
+def expert_tp_size(etp: int, tp: int) -> int:
+    """The expert tensor-parallel size a mesh keeps: `etp` (1 or tp), or a LayoutError."""
+    error = expert_tp_error(int(etp), tp, api=True)
+    if error:
+        raise LayoutError(error)
+    return int(etp)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout: how many ways each dimension is split."""
@@ -276,6 +297,7 @@ class Mesh:
         rank: int = 0,
         timeout_s: float | None = None,
         sequence_parallel: bool = False,
+        expert_tp: int = 1,
     ):
         self.layout = layout
         self.rank = rank
@@ -283,6 +305,10 @@ class Mesh:
         """Megatron sequence parallelism: outside the tp regions activations are split along the
         sequence over the tp group (`tensor_parallel/sequence_parallel.py`); never with tp 1.
         A constructor argument; layers read it when they are built."""
+        self.etp = expert_tp_size(expert_tp, layout.tp)
+        """Expert tensor parallelism (Megatron's --expert-tensor-parallel-size): 1, each routed
+        expert whole on every tp rank, or tp, each expert's weights split over the tp group
+        (`models.moe`). A constructor argument; MoE layers read it when they are built."""
         self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
         self.ep_rank, self.edp_rank = layout.ep_coords(self.dp_rank, self.cp_rank)
         self.device = _device.device()
@@ -417,7 +443,12 @@ class Mesh:
 
     @classmethod
     def virtual(
-        cls, layout: Layout, rank: int = 0, device: str = "meta", sequence_parallel: bool = False
+        cls,
+        layout: Layout,
+        rank: int = 0,
+        device: str = "meta",
+        sequence_parallel: bool = False,
+        expert_tp: int = 1,
     ) -> Mesh:
         """A mesh with coordinates but no process groups, for planning without processes.
 
@@ -427,6 +458,7 @@ class Mesh:
         mesh = cls.__new__(cls)
         mesh.layout, mesh.rank = layout, rank
         mesh.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
+        mesh.etp = expert_tp_size(expert_tp, layout.tp)
         mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
         mesh.ep_rank, mesh.edp_rank = layout.ep_coords(mesh.dp_rank, mesh.cp_rank)
         mesh.device = torch.device(device)
@@ -446,6 +478,7 @@ class Mesh:
         cp: int = 1,
         sequence_parallel: bool = False,
         ep: int = 1,
+        expert_tp: int = 1,
     ) -> Mesh:
         """Initialise torch.distributed from the environment (if needed) and build the mesh:
         torchrun's, our launcher's, or an `srun` step's (`device.adopt_slurm_environment`)."""
@@ -455,9 +488,9 @@ class Mesh:
         layout = Layout.infer(world, tp, pp, dp, order, cp, ep)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
-            mesh = cls(layout, dist.get_rank(), timeout_s, sequence_parallel)
+            mesh = cls(layout, dist.get_rank(), timeout_s, sequence_parallel, expert_tp)
         else:
-            mesh = cls(layout, 0, timeout_s, sequence_parallel)
+            mesh = cls(layout, 0, timeout_s, sequence_parallel, expert_tp)
         return mesh
 
     # sizes --------------------------------------------------------------------------------

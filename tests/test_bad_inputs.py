@@ -1039,7 +1039,7 @@ OTHER_TOOLS = [
     ("train", ["--moe-token-dispatcher-type", "alltoall"], "always travel by all-to-all"),
     ("train", ["--moe-router-load-balancing-type", "aux_loss"],
      "did you mean --moe-aux-loss-coef (aux_loss; 0: none)"),
-    ("train", ["--expert-tensor-parallel-size", "1"], "never splits an expert over tp"),
+    ("train", ["--etp", "2"], "--etp: did you mean --expert-tensor-parallel-size?"),
     ("train", ["--moe-layer-recompute"], "did you mean --recompute full"),
     # Megatron-LM's and transformers' run_mlm.py BERT flags: nothing was named, or (HF's
     # --max_seq_length) only the flag, not that the masking rate is fixed

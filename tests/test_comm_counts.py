@@ -314,3 +314,62 @@ def test_cp_step_messages_and_bytes_are_the_analytic_ones(tp, cp, sp):
             assert summary(calls) == expected_cp_step(kind, tp, cp, buffer, sp, recompute), \
                 (kind, recompute)
             assert_fp32_but_the_norm(calls)
+
+
+# --- expert tensor parallelism: one MoE layer's tp collectives --------------------------------
+def _etp_worker():
+    """One MoE layer (Qwen3-MoE-shaped: 4 experts, top 2, no shared experts) at tp 2 with each
+    expert split over tp, without and with sequence parallelism (with a padding mask): each
+    forward's and backward's calls in order, and the host syncs of both."""
+    import torch.distributed as dist
+    from sync_count import count_syncs
+
+    from megapar.models import Qwen3MoeConfig
+    from megapar.models.moe import MoE
+    from megapar.tensor_parallel.init import initialize, normal_init
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=2 * H,
+                            moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, max_position_embeddings=SEQ,
+                            num_local_experts=4, num_experts_per_tok=2)
+    out = []
+    for sp in (False, True):
+        mesh = Mesh(Layout(2, 1, 1), dist.get_rank(), sequence_parallel=sp, expert_tp=2)
+        moe = MoE(config, mesh).train()
+        initialize(moe, 0, normal_init(), mesh.tp_rank)
+        seq = SEQ // 2 if sp else SEQ
+        x = torch.randn(MBS, SEQ, H, generator=torch.Generator().manual_seed(1))
+        x = x[:, (mesh.tp_rank * seq if sp else 0):][:, :seq].clone().requires_grad_()
+        mask = torch.ones(MBS, seq) if sp else None
+        with count_syncs() as syncs:
+            with count_collectives() as forward:
+                y = moe(x, mask)
+            with count_collectives() as backward:
+                y.sum().backward()
+        out.append(([(c.op, c.numel, c.dtype, c.group_size) for c in forward],
+                    [(c.op, c.numel, c.dtype, c.group_size) for c in backward], syncs))
+    return config, out
+
+
+def test_expert_tensor_parallel_moe_layer_collectives():
+    """Per MoE layer and micro-batch, each expert split over tp 2 issues exactly the tp
+    collectives `plan.experts.expert_tp_collectives` counts, fp32, in the same order on both
+    ranks: without SP an all-reduce of the output (forward), of the combine weights' and of the
+    tokens' gradients (backward) — Megatron's one all-reduce of the experts' output, and the
+    input gradient's, as a dense row- / column-parallel MLP; under SP all-gathers of the
+    weights + choices + mask and of the tokens and a reduce-scatter of the output (plus the
+    switch loss's existing all-reduce of the E + 1 load counts), the reverse in backward. The
+    one host sync stays the expert loop's reading of its counts (`moe.host_counts`)."""
+    from megapar.plan.experts import expert_tp_collectives
+
+    runs = run_local(_etp_worker, 2)
+    config, (plain, split) = runs[0]
+    tokens = MBS * SEQ
+    for (*got, syncs), sp in ((plain, False), (split, True)):
+        want = expert_tp_collectives(config, tokens, 2, sp, padded=sp)
+        stats = [("all_reduce", config.num_local_experts + 1)] if sp else []
+        assert sum(syncs.values()) == 1 and all("moe.py" in w for _, w in syncs), syncs
+        for calls, expected in zip(got, (want[0] + stats, want[1])):
+            assert [(op, n) for op, n, _, _ in calls] == expected, (sp, calls)
+            assert all(d == torch.float32 and g == 2 for _, _, d, g in calls)
+    assert runs[0][1] == runs[1][1]  # both ranks: the same calls in the same order

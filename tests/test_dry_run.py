@@ -820,6 +820,26 @@ def test_plan_verify_holds_expert_parallelism():
         (3, "all_to_all", planned, planned + 1)]
 
 
+def test_plan_verify_holds_expert_tensor_parallelism():
+    """mixtral-tiny at tp 2 x dp 2 x ep 2 with each expert split over tp (etp=2), ZeRO-1, bf16,
+    sequence parallelism (the tp ranks all-gather the routed tokens: the all-to-all carries
+    the whole micro-batch's rows): the plan's parameters, state, activations and all-to-all
+    bytes equal the dry run's on tp rank 1 (`megapar-plan --verify`); each rank holds half of
+    every expert it holds, so less than with the experts whole (etp=1)."""
+    from megapar.dryrun.verify import verify_layout
+    from megapar.plan import Problem, parse_candidate
+
+    config = resolve_model("mixtral-tiny")
+    problem = Problem(config, 4, global_batch=8, seq_len=32, precision="bf16")
+    spec = "tp=2,pp=1,dp=2,ep=2,etp=2,mbs=1,zero=1,sp=1"
+    v = verify_layout(problem, parse_candidate(spec, 4), ranks=[1])
+    assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
+    split, whole = (rank_state(StageLayout.of(config, tp=2, dp=2, zero=1, ep=2, etp=e), 1)
+                    for e in (2, 1))
+    experts = 3 * config.hidden_size * config.expert_size * config.num_local_experts // 2
+    assert whole.params - split.params == config.num_layers * experts // 2
+
+
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
     """After a dry run's fake backward a forked process still runs a backward (the launcher's
     ranks): torch 2.11's CUDA build (the GPU machines') started autograd's threads for 8 fake

@@ -136,6 +136,18 @@ def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):
     assert len(err) == 1 and "has no experts: use --ep 1" in err[0], err
 
 
+@pytest.mark.parametrize("model,etp,words", [
+    ("mixtral-tiny", "3", "must be 1 (experts whole on every tp rank) or the tp size --tp 2"),
+    ("llama-tiny", "2", "has no experts: use --expert-tensor-parallel-size 1")])
+def test_an_expert_tensor_parallel_size_it_cannot_take_is_refused_in_one_line(
+        common, capsys, model, etp, words):
+    """Neither 1 nor --tp, or on a model without experts: one line, exit 2, no worker."""
+    assert main(["--model", model, "--tp", "2", "--expert-tensor-parallel-size", etp,
+                 "--max-steps", "1", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
 def _canonical(step_dir):
     """{name or name/moment: the whole tensor} of a checkpoint, through its reader."""
     manifest = read_manifest(step_dir)
@@ -298,3 +310,36 @@ def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(out))
     assert back.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
     assert HFReader(str(out)).config.num_local_experts == 4
+
+
+def test_experts_split_over_tp_save_whole_and_resume_unsplit(tmp_path, common):
+    """megapar-train --tp 2 --dp 2 --ep 2 --zero 1 --expert-tensor-parallel-size 2 (each
+    expert's weights split over tp, its state over ZeRO-1's expert-dp slices) saves every expert
+    and its moments whole, as any layout does (no tp split in the manifest; the dry run's file
+    size is the file's). Its step-1 checkpoint resumes at --tp 2 with the experts unsplit (ETP 1,
+    ep 1, dp 1: not inherited from the checkpoint) with step 2's loss (1e-6), and the step-2
+    checkpoints of both runs are the same (weights and moments, 1e-5)."""
+    args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "2",
+            *common]
+    runs = {"etp2": ["--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1",
+                     "--expert-tensor-parallel-size", "2", "--save-interval", "1"],
+            "etp1": ["--tp", "2", "--load", str(tmp_path / "etp2" / "step_00000001")]}
+    losses, saved = {}, {}
+    for run, layout in runs.items():
+        log = tmp_path / f"{run}.jsonl"
+        assert main([*args, *layout, "--save", str(tmp_path / run), "--log-json", str(log)]) == 0
+        losses[run] = {r["step"]: r["loss"] for r in _records(log)}
+        saved[run], manifest = _canonical(tmp_path / run / "step_00000002")
+    assert set(losses["etp1"]) == {2}
+    assert abs(losses["etp1"][2] - losses["etp2"][2]) / losses["etp2"][2] < 1e-6, losses
+    experts = [n for n in manifest["tensors"] if ".experts." in n]
+    assert experts and all(manifest["tensors"][n]["tp_dim"] is None for n in experts)
+    assert set(saved["etp1"]) == set(saved["etp2"])
+    for name, want in saved["etp2"].items():
+        assert_close(saved["etp1"][name], want, what=f"saved {name}")
+    step1 = tmp_path / "etp2" / "step_00000001"
+    mesh = Mesh.virtual(Layout(2, 1, 2, ep=2), rank=1, device="meta", expert_tp=2)
+    model = Llama(config_from_dict(read_manifest(step1)["model"]), mesh)
+    moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
+    assert planned_shard(model, mesh, moments) == (
+        "model_tp01_pp00.safetensors", (step1 / "model_tp01_pp00.safetensors").stat().st_size)

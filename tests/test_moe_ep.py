@@ -6,6 +6,9 @@ and ZeRO-3), pp 2 x dp 2 x ep 2 (full recomputation under 1F1B and ZB-H1: each r
 its forward's route), tp 2 x dp 2 x ep 2, dp 2 x cp 2 x ep 4 and dp 2 x cp 2 x ep 2 with ZeRO-1
 (ep folds into dp x cp): losses, grad norms, router statistics, biases, first-step gradients
 (ZeRO-0 and ZeRO-3) and final weights (the experts gathered over ep), fp32, 1e-5 relative,
+and the same with each expert split over tp (`--expert-tensor-parallel-size 2`: tp 2 x dp 2 x
+ep 2 with ZeRO-1 and sequence parallelism, tp 2 x pp 2 with sequence parallelism and full
+recomputation, tp 2 x dp 2 with ZeRO-3, tp 2 x cp 2 x ep 2),
 over three steps. And each micro-batch makes exactly one
 host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
 """
@@ -25,7 +28,7 @@ from megapar.expert_parallel import is_expert
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import gather_full
+from megapar.tensor_parallel.partition import gather_full, tp_parts
 from megapar.training.step import BatchPlan
 
 EPS, WD = 1e-4, 0.1
@@ -35,7 +38,7 @@ def _whole(t, p, mesh):
     """`t` (p's tensor, or its gradient) whole: gathered over tp, the experts over ep."""
     import torch.distributed as dist
 
-    t = gather_full(t, p.tp_dim, p.full_shape, mesh.tp_group)
+    t = gather_full(t, p.tp_dim, p.full_shape, mesh.tp_group, tp_parts(p))
     if is_expert(p) and mesh.ep > 1:
         parts = [torch.empty_like(t) for _ in range(mesh.ep)]
         dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)
@@ -44,7 +47,7 @@ def _whole(t, p, mesh):
 
 
 def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False,
-            precision="fp32"):
+            precision="fp32", sp=False, etp=1):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -52,9 +55,11 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=Fals
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank())
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank(), sequence_parallel=sp,
+                expert_tp=etp)
     model = build_stage(config(), mesh, SEED, recompute)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ // cp, 32))
+    seq = SEQ // cp // (tp if sp else 1)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32))
     if zero == 3:
         from megapar.optim.zero3 import Zero3Optimizer
 
@@ -68,8 +73,10 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=Fals
     return mesh, model, optimizer, step
 
 
-def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1, offload=False):
-    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp, offload)
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1, offload=False,
+           sp=False, etp=1):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp, offload,
+                                           sp=sp, etp=etp)
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
@@ -136,7 +143,14 @@ def _runs(runs, bf16=False):
 
 RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "full"),
           (1, 1, 2, 4, 0, "none", "1f1b", 2), (1, 1, 2, 2, 1, "none", "1f1b", 2),
-          (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
+          (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0),
+          # expert tensor parallelism (each expert's weights split over tp): with ep and
+          # ZeRO-1 under sequence parallelism, with pp and full recomputation, under ZeRO-3,
+          # with cp x ep
+          (2, 1, 2, 2, 1, "none", "1f1b", 1, False, True, 2),
+          (2, 2, 1, 1, 0, "full", "1f1b", 1, False, True, 2),
+          (2, 1, 2, 1, 3, "none", "1f1b", 1, False, False, 2),
+          (2, 1, 1, 2, 0, "none", "1f1b", 2, False, False, 2)]
 
 
 def test_dp2_ep2_matches_serial_training(reference, monkeypatch):
@@ -254,13 +268,14 @@ def _check_bf16_rows(outs):
 def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):
     """ep folds into dp x cp: every run here is four ranks (at dp 2 x cp 2 x ep 4 every rank
     holds one of the four experts; at ep 2 ZeRO-1 slices the experts' state over the dp ranks
-    holding them)."""
+    holding them). With expert tensor parallelism (the last four runs) each expert's
+    gate_up / down are split over tp and its gradients still reduced over expert dp."""
     outs = run_local(_runs, 4, RUNS_4)
     for i, run in enumerate(RUNS_4):
         _check([o[i] for o in outs], run, reference)
     for i, run in enumerate(RUNS_4):  # ep's all-to-alls over its own group
         a2a_groups = {size for o in outs for _, _, size in o[i]["a2a"]}
-        assert a2a_groups == {run[3]}, (run, a2a_groups)
+        assert a2a_groups == ({run[3]} if run[3] > 1 else set()), (run, a2a_groups)
 
 
 def _syncs(recompute):

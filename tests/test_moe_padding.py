@@ -1,6 +1,7 @@
 """Right-padded samples (`--sft-keys`' layout: labels -100 on the prompt and the padding, an
 attention_mask of ones then zeros) train a mixture of experts at tp 2 with sequence
-parallelism, pp 2 with full recomputation, dp 2 x ep 2 and cp 2 as one process: losses, grad
+parallelism (also with each expert split over tp: the mask's column all-gathered with the
+routing weights), pp 2 with full recomputation, dp 2 x ep 2 and cp 2 as one process: losses, grad
 norms, the switch loss, the z-loss, the router statistics (no padding counted), the balancing
 biases, first-step gradients and final weights (fp32, 1e-5 relative). Each rank takes its
 tokens' slice of the mask (cp, SP) on every stage, as it takes the ids; that the terms equal
@@ -36,7 +37,7 @@ def padded_batches() -> list[dict]:
     return out
 
 
-def _train(tp, pp, dp, ep, cp, sp, recompute):
+def _train(tp, pp, dp, ep, cp, sp, recompute, etp=1):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -44,7 +45,8 @@ def _train(tp, pp, dp, ep, cp, sp, recompute):
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank(), sequence_parallel=sp)
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank(), sequence_parallel=sp,
+                expert_tp=etp)
     model = build_stage(config(), mesh, SEED, recompute)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ // cp // (tp if sp else 1), 32))
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=0)
@@ -68,7 +70,8 @@ def _train(tp, pp, dp, ep, cp, sp, recompute):
 
 
 RUNS = {"tp2_sp": (2, 1, 1, 1, 1, True, "none"), "pp2_recompute": (1, 2, 1, 1, 1, False, "full"),
-        "dp2_ep2": (1, 1, 2, 2, 1, False, "none"), "cp2": (1, 1, 1, 1, 2, False, "none")}
+        "dp2_ep2": (1, 1, 2, 2, 1, False, "none"), "cp2": (1, 1, 1, 1, 2, False, "none"),
+        "tp2_sp_etp2": (2, 1, 1, 1, 1, True, "none", 2)}
 
 
 @pytest.fixture(scope="module")

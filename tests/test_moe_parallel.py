@@ -3,7 +3,8 @@ switch loss and the z-loss in the loss, the auxiliary-loss-free bias moving ever
 the same at tp 2, pp 2 (1F1B, ZB-H1, interleaved 1F1B and ZB-V: the penalties made on every stage and chunk), dp 2 with ZeRO-1 and
 ZeRO-3, pp 2 with full recomputation (the router statistics counted once), tp 2 with sequence
 parallelism and cp 2 (each rank routes its tokens; the switch loss takes the micro-batch's
-load from the group) as one process: losses, grad norms, first-step gradients, final weights, the routing
+load from the group), tp 2 with each expert split over tp (expert tensor parallelism) as one
+process: losses, grad norms, first-step gradients, final weights, the routing
 biases and the router statistics, fp32, 1e-5 relative.
 
 The serial reference is a plain PyTorch loop (torch.optim.AdamW, clip_grad_norm_) over the same
@@ -24,7 +25,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import Qwen3MoeConfig
 from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import gather_full, unpad
+from megapar.tensor_parallel.partition import gather_full, tp_parts, unpad
 from megapar.training.step import BatchPlan
 
 SEED, STEPS, G, MBS, SEQ, VOCAB, E = 11, 3, 8, 2, 8, 100, 4
@@ -92,7 +93,7 @@ def serial_reference(batches: list[dict] | None = None) -> dict:
             "routers": routers, "biases": biases(model)}
 
 
-def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
+def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -101,7 +102,8 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp)
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp,
+                expert_tp=etp)
     virtual = 2 if schedule == "interleaved" else 1
     model = build_stage(config(), mesh, SEED, recompute,
                         virtual_stages=chunks_per_rank(schedule, virtual),
@@ -129,17 +131,18 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
             full = gathered_grads(grad_sync) if zero == 3 else {}
             for name, p in model.named_parameters():
                 g = full[id(p)] if zero == 3 else p.grad
-                grads[name] = gather_full(g, p.tp_dim, p.full_shape, mesh.tp_group).clone()
+                grads[name] = gather_full(g, p.tp_dim, p.full_shape, mesh.tp_group,
+                                          tp_parts(p)).clone()
         optimizer_step()
 
     optimizer.step = record_first_grads_then_step
     plan = BatchPlan(G, MBS, dp)
     results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(global_batches())]
     with grad_sync.whole() if zero == 3 else contextlib.nullcontext():
-        weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
-                   for n, p in model.named_parameters()}
+        weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group,
+                                  tp_parts(p)).clone() for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
-    return {"run": (tp, pp, dp, zero, schedule), "results": results,
+    return {"run": (tp, pp, dp, zero, schedule, etp), "results": results,
             "weights": weights if keep else {}, "grads": grads if keep else {},
             "biases": biases(model)}
 
@@ -147,7 +150,8 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
 RUNS = [(2, 1, 1, 0, "1f1b"), (1, 2, 1, 0, "1f1b"), (1, 2, 1, 0, "zb-h1"),
         (1, 2, 1, 0, "interleaved"), (1, 2, 1, 0, "zb-v"),
         (1, 1, 2, 1, "1f1b"), (1, 1, 2, 3, "1f1b"), (1, 2, 1, 0, "1f1b", "full"),
-        (2, 1, 1, 0, "1f1b", "none", True), (1, 1, 1, 0, "1f1b", "none", False, 2)]
+        (2, 1, 1, 0, "1f1b", "none", True), (1, 1, 1, 0, "1f1b", "none", False, 2),
+        (2, 1, 1, 0, "1f1b", "none", False, 1, 2)]
 
 
 def _worker():

@@ -875,7 +875,7 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
     # the keys listed left out offload=KIND, which is taken
     ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
-     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, offload"),
+     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, offload"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read

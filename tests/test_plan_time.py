@@ -225,3 +225,23 @@ def test_every_layout_s_step_is_its_compute_exposed_comm_and_idle():
         parts = e.compute_s + sum(e.comm_s.values()) + e.idle_s
         assert e.idle_s >= 0 and parts == pytest.approx(e.step_s, rel=1e-9), (
             e.candidate.label(), simulate)
+
+
+def test_split_experts_divide_their_flops_by_tp_and_add_their_reductions_to_tp():
+    """With the routed experts split over tp (etp = tp) a tp rank computes I / tp of each of
+    its k experts a token (the router's E outputs stay whole), and each MoE layer adds, per
+    micro-batch, its output's all-reduce forward and the tokens' (and combine weights')
+    backward to the tp column: ring all-reduces of the fp32 residual stream."""
+    from megapar.plan.timing import ring_seconds
+
+    cfg = resolve_model("mixtral-8x7b")
+    h, k, size = cfg.hidden_size, cfg.num_experts_per_tok, cfg.expert_size
+    whole, split = (matmul_flops(cfg, 4096, 2, etp=e).block for e in (1, 2))
+    assert whole - split == pytest.approx(2 * 3 * h * k * size / 2)
+    p = Problem(cfg, 64, global_batch=256, seq_len=4096)
+    one, two = (chunk_times(p, Candidate(2, 1, 32, 1, ep=8, etp=e, zero=1))[0][0]
+                for e in (1, 2))
+    tokens, layers = 4096, cfg.num_layers
+    wide = ring_seconds(2, tokens * h * 4, p.intra_gbps, p.latency_us)
+    weights = ring_seconds(2, tokens * k * 4, p.intra_gbps, p.latency_us)
+    assert two.tp - one.tp == pytest.approx(layers * (2 * wide + weights))

@@ -47,10 +47,17 @@ from megapar.checkpoint.publish import (
     publish_step,
     resolve_checkpoint,
 )
-from megapar.checkpoint.stage_tensors import ep_shard, own_experts, stage_tensors, whole_experts
+from megapar.checkpoint.stage_tensors import (
+    ep_shard,
+    own_experts,
+    saved_tp_dim,
+    stage_tensors,
+    whole_experts,
+)
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_dict
+from megapar.tensor_parallel.partition import full_shape
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
 # a checkpoint loads into a model that differs only in these.
@@ -185,11 +192,17 @@ def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read);
     under ep every routed expert's tensors whole, as `whole_experts` gathers them."""
     fname, tensors, _ = shard_contents(model, mesh, optim_tensors)
-    ep = {name: ep_shard(p)[1] for name, p, _ in stage_tensors(model)}
+    params = {name: p for name, p, _ in stage_tensors(model)}
 
     def shape(key: str, t: torch.Tensor) -> tuple[int, ...]:
-        n = ep.get(key.split("/")[1], 1)  # model/NAME or optim/NAME/KEY
-        return (t.shape[0] * n, *t.shape[1:]) if n > 1 else tuple(t.shape)
+        p = params.get(key.split("/")[1])  # model/NAME or optim/NAME/KEY
+        if p is None:
+            return tuple(t.shape)
+        n = ep_shard(p)[1]
+        whole = list(t.shape)
+        if saved_tp_dim(p) != getattr(p, "tp_dim", None):  # an expert split over tp: whole
+            whole = list(full_shape(p))
+        return (whole[0] * n, *whole[1:]) if n > 1 else tuple(whole)
 
     return fname, safetensors_size({k: (v.dtype, shape(k, v)) for k, v in tensors.items()})
 
@@ -427,7 +440,7 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
                 f"{step_dir}: {source} has shape {entry['full_shape']}, the model expects {want}"
             )
         resharded |= dim is not None and entry["local_shape"] != list(param.shape)
-        pdim = getattr(param, "tp_dim", None)
+        pdim = saved_tp_dim(param)  # an expert split over tp is read whole (`own_experts`)
         resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
         wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
     if missing:
@@ -465,16 +478,17 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
                 raise CheckpointError(f"{step_dir}: {fname} is not in the manifest")
             verify_file(step_dir, fname, manifest["files"][fname], verify == "sha256")
     optim = {}
+    tp, tp_rank = mesh.tp, mesh.tp_rank
     for _name, source, param, local in wanted:
-        pdim = getattr(param, "tp_dim", None)
+        pdim = saved_tp_dim(param)
         param.copy_(
-            own_experts(reader.shard(source, None, mesh.tp, mesh.tp_rank, local, pdim), param)
+            own_experts(reader.shard(source, None, tp, tp_rank, local, pdim), param, tp_rank)
         )
         # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied
         # to, keyed by that canonical name, which the optimizer accepts for the copy.
         keys = reader.entry(source)["optim"]
         moments = {
-            k: own_experts(reader.shard(source, k, mesh.tp, mesh.tp_rank, local, pdim), param)
+            k: own_experts(reader.shard(source, k, tp, tp_rank, local, pdim), param, tp_rank)
             for k in keys
         }
         if moments:

@@ -39,7 +39,7 @@ from megapar.models.config import (
 )
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import shard_of
+from megapar.tensor_parallel.partition import shard_of, tp_parts
 
 
 def _open(path: Path):
@@ -481,7 +481,7 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
                 f"expects {param.full_shape}"  # type: ignore[attr-defined]  # tp-sharded ones'
             )
         local = param.shape[dim] if dim is not None else None
-        param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank))
+        param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank, tp_parts(param)))
     return missing
 
 

@@ -3,7 +3,10 @@ parameters and its buffers (the MoE routers' auxiliary-loss-free balancing bias:
 no parameter but decides the routing), and, under expert parallelism, every routed expert's
 stacked weights and optimizer moments gathered over the ep group into the canonical whole
 [E, ...] form on save (`whole_experts`), each ep rank's block taken back on load
-(`own_experts`).
+(`own_experts`). Under expert tensor parallelism (each expert's weights split over tp,
+`models.moe`) they are gathered over tp as well (by the one shard rule, its ``tp_parts``
+included), so a checkpoint holds every expert whole in every layout and moves between
+--expert-tensor-parallel-size 1 and tp as between any two layouts.
 
 Buffers are replicated over every parallel axis (tp, dp, cp, ep), so a checkpoint keeps them as
 it keeps a replicated parameter, with no optimizer state, marked ``"buffer": true`` in the
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.mesh import Mesh
+from megapar.tensor_parallel.partition import join_shards, shard_of, tp_dim, tp_parts
 
 
 def stage_tensors(model) -> list[tuple[str, torch.Tensor, bool]]:
@@ -34,28 +38,48 @@ def ep_shard(param) -> tuple[int, int]:
     return getattr(param, "ep_shard", (0, 1))
 
 
-def own_experts(whole: torch.Tensor, param) -> torch.Tensor:
-    """This ep rank's experts (block of dim 0) of a whole tensor read for `param`, if any."""
+def split_expert(param) -> bool:
+    """Whether `param` is a routed expert's weight split over tp (expert tensor parallelism):
+    a checkpoint keeps it whole (`whole_experts`), so its entry has no tp split."""
+    return bool(getattr(param, "expert", False)) and tp_dim(param) is not None
+
+
+def saved_tp_dim(param) -> int | None:
+    """The tp dim `param` is split along in a checkpoint: its own, but None for an expert
+    split over tp (kept whole, `split_expert`)."""
+    return None if split_expert(param) else tp_dim(param)
+
+
+def own_experts(whole: torch.Tensor, param, tp_rank: int = 0) -> torch.Tensor:
+    """This rank's part of a whole tensor read for `param`: under ep its experts (block of
+    dim 0), and of an expert split over tp, tp rank `tp_rank`'s shard of those."""
     ep_rank, ep = ep_shard(param)
     n = whole.shape[0] // ep
-    return whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
+    mine = whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
+    if split_expert(param):
+        dim = tp_dim(param)
+        mine = shard_of(mine, dim, param.shape[dim], tp_rank, tp_parts(param))
+    return mine
 
 
 def gathers_experts(mesh: Mesh) -> bool:
-    """Whether this rank takes part in `whole_experts`' gather: under ep > 1, the ranks of
-    the checkpoint writer's ep group (expert-data-parallel rank 0: the block of the cp x dp
-    index holding the writer, dp rank 0 and cp rank 0, whose other ranks may have other cp and
-    dp ranks, `Mesh`; they hold the experts' optimizer state, gathered there by the optimizer,
-    and under ZeRO-3 keep a host copy of the experts' gathered weights)."""
-    return getattr(mesh, "ep", 1) > 1 and mesh.edp_rank == 0
+    """Whether this rank takes part in `whole_experts`' gather: under ep > 1 or expert tensor
+    parallelism, the ranks of the checkpoint writer's ep group, at every tp rank
+    (expert-data-parallel rank 0: the block of the cp x dp index holding the writer, dp rank 0
+    and cp rank 0, whose other ranks may have other cp and dp ranks, `Mesh`; they hold the
+    experts' optimizer state, gathered there by the optimizer, and under ZeRO-3 keep a host
+    copy of the experts' gathered weights)."""
+    split = getattr(mesh, "ep", 1) > 1 or getattr(mesh, "etp", 1) > 1
+    return split and mesh.edp_rank == 0
 
 
 def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Tensor, dict]]:
     """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
     gathered whole over the ep group along dim 0, so a checkpoint holds all E experts, the
-    same in every ep (the canonical form, as tp shards are gathered into it). Only the ep
-    group of the checkpoint's writer (`gathers_experts`) gathers (collective over that
-    group); the other ranks and ep 1 get {}.
+    same in every ep (the canonical form, as tp shards are gathered into it); under expert
+    tensor parallelism each expert's tp slices gathered over tp first. Only the ep groups of
+    the checkpoint's writer (`gathers_experts`, one per tp rank) gather (collective over those
+    groups and their tp groups); the other ranks, and ep 1 without the split, get {}.
 
     `optim_tensors` must hold every expert's moments on those ranks: the optimizer gives them
     there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel rank 0,
@@ -67,14 +91,25 @@ def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Ten
     if not gathers_experts(mesh):
         return out
 
-    def whole(t: torch.Tensor) -> torch.Tensor:
+    def gathered(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t, group=group)
+        return parts
+
+    def whole(t: torch.Tensor, param) -> torch.Tensor:
         mine = t.detach().to(mesh.device).contiguous()
-        parts = [torch.empty_like(mine) for _ in range(mesh.ep)]
-        dist.all_gather(parts, mine, group=mesh.ep_group)
-        return torch.cat(parts).to(t.device)
+        if split_expert(param):  # each tp rank's slice of every expert: joined first
+            shards = gathered(mine, mesh.tp, mesh.tp_group)
+            mine = join_shards(shards, param.tp_dim, tp_parts(param)).contiguous()
+        if ep_shard(param)[1] > 1:
+            mine = torch.cat(gathered(mine, mesh.ep, mesh.ep_group))
+        return mine.to(t.device)
 
     for name, param in model.named_parameters():
-        if ep_shard(param)[1] > 1:
+        if ep_shard(param)[1] > 1 or split_expert(param):
             moments = (optim_tensors or {}).get(name, {})
-            out[name] = (whole(param), {k: whole(v) for k, v in sorted(moments.items())})
+            out[name] = (
+                whole(param, param),
+                {k: whole(v, param) for k, v in sorted(moments.items())},
+            )
     return out

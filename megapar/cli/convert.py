@@ -65,6 +65,9 @@ OTHER_FLAGS = {
     "--target-expert-parallel-size": _NOT_IN_FILES.format(
         flag="--ep", what="every expert is saved whole"
     ),
+    "--expert-tensor-parallel-size": _NOT_IN_FILES.format(
+        flag="--expert-tensor-parallel-size", what="every expert is saved whole"
+    ),
     "--zero": _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
     "--cp": _NOT_IN_FILES.format(flag="--cp", what="context parallelism splits no weight"),
     "--target-context-parallel-size": _NOT_IN_FILES.format(

@@ -78,6 +78,8 @@ OTHER_FLAGS = {
     "drop it, or use --tp / --pp",
     "--expert-model-parallel-size": "megapar-eval holds every expert on each rank (a checkpoint "
     "does not depend on ep); drop it, or use --tp / --pp",
+    "--expert-tensor-parallel-size": "megapar-eval holds every expert whole on each rank (a "
+    "checkpoint does not depend on it); drop it",
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",

@@ -42,6 +42,8 @@ OTHER_FLAGS = {
     "--cp": "megapar-generate has no context parallelism; drop it, or use --tp / --pp",
     "--dp": "megapar-generate runs on --tp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-generate holds every expert on each rank; drop it, or use --tp / --pp",
+    "--expert-tensor-parallel-size": "megapar-generate holds every expert whole on each rank; "
+    "drop it",
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",

@@ -137,6 +137,9 @@ OTHER_FLAGS = {
     "--ep": _ONE_SETTING.format(
         what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
     ),
+    "--expert-tensor-parallel-size": "megapar-plan's search keeps each routed expert whole on "
+    "every tp rank; to check a layout with them split over tp, give etp=N (N the tp size) to "
+    "--explain (e.g. --explain tp=2,dp=4,ep=2,etp=2,mbs=1)",
     "--cp": "--cp-sizes",
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",

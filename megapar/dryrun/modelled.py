@@ -58,6 +58,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         keep_params=cfg.zero3_keep_params,
         zero3_reduce=cfg.zero3_reduce,
         ep=layout.ep,
+        etp=cfg.expert_tensor_parallel_size,
     )
     return problem, candidate
 

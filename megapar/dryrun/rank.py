@@ -219,7 +219,12 @@ def rehearse_rank(
     docstring); `dataset`: the training split, for the first batch (None: no data); `order`:
     the data order a resumed run continues (`DataPlan.sampler_state`; None: a fresh start)."""
     with fake_process_group(layout.world_size, rank):
-        mesh = Mesh(layout, rank, sequence_parallel=cfg.sequence_parallel)
+        mesh = Mesh(
+            layout,
+            rank,
+            sequence_parallel=cfg.sequence_parallel,
+            expert_tp=cfg.expert_tensor_parallel_size,
+        )
         with fake_tensors():
             return _rehearse(cfg, config, mesh, gpus_per_node, dataset, order)
 
@@ -423,6 +428,7 @@ def _stage_layout(cfg, config, mesh: Mesh) -> StageLayout:
         stage=mesh.pp_rank,
         placement=placement_of(cfg.schedule),
         ep=layout.ep,
+        etp=getattr(mesh, "etp", 1),
         dp=layout.dp * layout.cp,
         zero=cfg.zero,
         bucket_mb=cfg.grad_bucket_mb,

@@ -58,6 +58,7 @@ def train_config(problem, candidate):
         dp=c.dp,
         cp=c.cp,
         ep=c.ep,
+        expert_tensor_parallel_size=c.etp,
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch,
         seq_len=problem.seq_len,

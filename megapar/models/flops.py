@@ -63,28 +63,34 @@ def kv_heads_per_rank(config, tp: int) -> int:
     return max((r * local + local - 1) // group - (r * local) // group + 1 for r in range(tp))
 
 
-def mlp_widths(config) -> tuple[float, float]:
+def mlp_widths(config, etp: int = 1) -> tuple[float, float]:
     """(SwiGLU width split over tp, width every tp rank computes whole) of the average layer:
     the dense MLP's; a mixture of experts' active width instead (k routed experts, replicated on
-    every tp rank, plus the tp-split shared experts; the router's E outputs count as E / 3)."""
+    every tp rank, or with `etp` > 1 split over tp, plus the tp-split shared experts; the
+    router's E outputs count as E / 3, whole)."""
     moe = getattr(config, "num_moe_layers", 0)
     if not moe:
         return float(config.ffn_size), 0.0
     layers = config.num_layers
     shared = config.shared_expert_intermediate_size or 0
     split = (layers - moe) * config.intermediate_size + moe * shared
-    routed = moe * (config.num_experts_per_tok * config.expert_size + config.num_local_experts / 3)
-    return split / layers, routed / layers
+    experts = moe * config.num_experts_per_tok * config.expert_size
+    router = moe * config.num_local_experts / 3
+    if etp > 1:
+        return (split + experts) / layers, router / layers
+    return split / layers, (experts + router) / layers
 
 
-def matmul_flops(config, seq_len: int, tp: int = 1, padded: bool = True) -> MatmulFlops:
+def matmul_flops(
+    config, seq_len: int, tp: int = 1, padded: bool = True, etp: int = 1
+) -> MatmulFlops:
     """Forward matmul FLOPs per token of one tp rank of `config`'s model with `seq_len` keys
     per query; `padded=False`: the model's own vocabulary, not the shard padded for tp (what
-    MFU counts, at tp 1)."""
+    MFU counts, at tp 1); `etp`: the routed experts split over tp (`mlp_widths`)."""
     h, f, d, a = config.hidden_size, config.ffn_size, head_size(config), heads(config)
     if config.model_type in LLAMA_TYPES:
         kv = kv_heads_per_rank(config, tp) * d
-        split, whole = mlp_widths(config)
+        split, whole = mlp_widths(config, etp)
         block = 2 * (2 * h * a * d / tp + 2 * h * kv + 3 * h * split / tp + 3 * h * whole)
     else:
         block = 2 * (4 * h * h + 2 * h * f) / tp

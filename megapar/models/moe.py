@@ -32,9 +32,28 @@ layer's output passes through unchanged and the penalty receives the gradient th
 step sets (`set_penalty_grad`: loss scale / micro-batches), so a penalty made on any pipeline
 stage reaches the loss without travelling to the last one.
 
-Tensor parallelism keeps the router and experts whole on every tp rank (replicated, as the
-inputs are): each rank computes the same MoE output, no tp collective; expert parallelism
-(another module) is the way to split experts.
+Tensor parallelism keeps the router replicated on every tp rank. The routed experts are whole
+on every tp rank by default (`Mesh.etp` 1: each rank computes the same MoE output, no tp
+collective; under sequence parallelism each rank routes its slice of the sequence through
+them). With expert tensor parallelism (`Mesh.etp` = tp, Megatron's
+--expert-tensor-parallel-size) each routed expert's weights are split over the tp group as a
+dense MLP's are: `gate_up` by intermediate unit along dim 1 (each rank the gate and up rows of
+the same I / tp units: ``tp_parts`` 2 of the one shard rule, `tensor_parallel.partition`),
+`down` along dim 2 (row-parallel), and each rank's experts give partial sums of the routed
+output, reduced over tp:
+
+- without sequence parallelism every tp rank routes the same tokens; the tokens and the
+  combine weights enter the region as `copy_to_tp_region` (their gradients all-reduced in
+  backward: [T, H] and [T, k]) and the weighted output [T, H] is all-reduced;
+- under sequence parallelism each rank routes its own tokens (the balancing terms as at
+  `etp` 1); the tokens, and the combine weights with the chosen experts (one [T/tp, 2k]
+  tensor), are all-gathered over tp, every rank runs all T tokens through its slice of the
+  experts, and the weighted output is reduce-scattered back to the sequence slices (the
+  gathers' backward reduce-scatters the partial gradients). With a capacity factor the
+  capacity is then the whole micro-batch's, as one process's.
+
+Expert parallelism composes with it: the ep groups are within one tp coordinate, so the tp
+ranks of an ep rank exchange the same rows and each runs its slices of the same experts.
 """
 
 from __future__ import annotations
@@ -53,6 +72,13 @@ from megapar.graph_break import graph_break
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megapar.tensor_parallel.layers import divide
+from megapar.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from megapar.tensor_parallel.partition import set_partition
+from megapar.tensor_parallel.sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 class Router(nn.Module):
@@ -276,13 +302,27 @@ class MoE(nn.Module):
         self.ep_group = mesh.ep_group if ep > 1 else None
         """The ep group this layer's tokens are exchanged over (None: ep 1, every expert here);
         from the mesh, as the tp group reaches the tensor-parallel layers."""
-        self.experts = GroupedExperts(
+        etp = getattr(mesh, "etp", 1)
+        self.tp_group = mesh.tp_group if etp > 1 else None
+        """The tp group the experts' partial outputs are reduced over (None: `Mesh.etp` 1,
+        each expert whole here)."""
+        self.tp_gathers = etp > 1 and mesh.sequence_parallel
+        """Whether the routed tokens are all-gathered over tp first (expert tensor parallelism
+        under sequence parallelism; the module docstring)."""
+        self.counts_stats = not self.tp_gathers or mesh.tp_rank == 0
+        """Whether this rank adds its routed counts to the statistics: under `tp_gathers`
+        every tp rank routes the gathered micro-batch, so tp rank 0 alone adds them."""
+        n, size, hidden = (
             len(local_experts(self.num_experts, ep, getattr(mesh, "ep_rank", 0))),
-            config.hidden_size,
             config.expert_size,
-            config.hidden_act,
-            d,
+            config.hidden_size,
         )
+        local = divide(size, etp, "expert intermediate size (moe_intermediate_size)")
+        self.experts = GroupedExperts(n, hidden, local, config.hidden_act, d)
+        split = etp > 1
+        gate_up = (n, 2 * size, hidden)
+        set_partition(self.experts.gate_up, 1 if split else None, gate_up, 2 if split else 1)
+        set_partition(self.experts.down, 2 if split else None, (n, hidden, size))
         mark_expert(
             self.experts.gate_up, self.experts.down, ep=ep, ep_rank=getattr(mesh, "ep_rank", 0)
         )
@@ -386,13 +426,9 @@ class MoE(nn.Module):
         every micro-batch's new counts would recompile the block."""
         return self._routed(x, logits, probs, weights, experts, keep)
 
-    def _routed(self, x, logits, probs, weights, experts, keep=None) -> torch.Tensor:
-        """The routed experts' output [T, H] for tokens `x` [T, H] and the router's choice,
-        with the balancing penalty attached and the statistics added; `keep` [T] (bool, None:
-        all): the tokens that are not padding."""
-        order, tokens_per_expert, dropped = route(
-            experts, self.num_experts, self.capacity(x.shape[0]), keep
-        )
+    def _experts_out(self, x, weights, order, tokens_per_expert) -> torch.Tensor:
+        """The routed experts' output [T, H] (in the experts' dtype) of tokens `x` [T, H]
+        sorted by `order`: each assignment's output weighted and summed over the k choices."""
         rows = order // self.top_k  # the token of each sorted assignment
         if self.ep_group is None:
             y = self.experts(x[rows], tokens_per_expert)
@@ -400,7 +436,47 @@ class MoE(nn.Module):
             y = self._expert_parallel(x[rows], tokens_per_expert)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
-        out = out.view(x.shape[0], self.top_k, -1).sum(1).to(x.dtype)
+        return out.view(x.shape[0], self.top_k, -1).sum(1)
+
+    def _gathered(self, x, weights, experts, keep):
+        """(this rank's tokens' output [T/tp, H], the micro-batch's kept tokens per expert,
+        its dropped assignments) under expert tensor parallelism with sequence parallelism:
+        the tokens, combine weights and choices of the tp group all-gathered (one gather of x,
+        one of [T/tp, 2k (+1 with padding)] numbers), routed and run through this rank's
+        slices of the experts, the partial output reduce-scattered back."""
+        group, k = self.tp_group, self.top_k
+        picks = [weights, experts.to(weights.dtype)]  # ids < 2^24: exact in fp32
+        if keep is not None:
+            picks.append(keep.to(weights.dtype)[:, None])
+        picked = gather_from_sequence_parallel_region(torch.cat(picks, 1)[None], group)[0]
+        every = gather_from_sequence_parallel_region(x[None], group)[0]
+        weights, experts = picked[:, :k], picked[:, k : 2 * k].detach().long()
+        keep = None if keep is None else picked[:, 2 * k].detach() != 0
+        order, tokens_per_expert, dropped = route(
+            experts, self.num_experts, self.capacity(every.shape[0]), keep
+        )
+        out = self._experts_out(every, weights, order, tokens_per_expert).to(x.dtype)
+        out = reduce_scatter_to_sequence_parallel_region(out[None], group)[0]
+        return out, tokens_per_expert, dropped
+
+    def _routed(self, x, logits, probs, weights, experts, keep=None) -> torch.Tensor:
+        """The routed experts' output [T, H] for tokens `x` [T, H] and the router's choice,
+        with the balancing penalty attached and the statistics added; `keep` [T] (bool, None:
+        all): the tokens that are not padding."""
+        if self.tp_gathers:
+            out, tokens_per_expert, dropped = self._gathered(x, weights, experts, keep)
+        else:
+            order, tokens_per_expert, dropped = route(
+                experts, self.num_experts, self.capacity(x.shape[0]), keep
+            )
+            if self.tp_group is not None:  # every tp rank's experts give partial sums
+                x, weights = (
+                    copy_to_tp_region(x, self.tp_group),
+                    copy_to_tp_region(weights, self.tp_group),
+                )
+            out = self._experts_out(x, weights, order, tokens_per_expert).to(x.dtype)
+            if self.tp_group is not None:
+                out = reduce_from_tp_region(out, self.tp_group)
         if keep is None:
             load = expert_counts(experts.reshape(-1), self.num_experts).float()
             whole = torch.cat([load, load.new_full((1,), x.shape[0])])
@@ -425,8 +501,13 @@ class MoE(nn.Module):
         self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
         if torch.is_grad_enabled() and self.training:
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+                counted = 1.0 if self.counts_stats else 0.0
                 self.stats.add(
-                    tokens_per_expert.detach(), switch.detach(), z.detach(), dropped, self.share
+                    tokens_per_expert.detach() * counted,
+                    switch.detach(),
+                    z.detach(),
+                    dropped * counted,
+                    self.share,
                 )
             penalty = self.aux_coef * switch + self.z_coef * z
             if self.aux_coef or self.z_coef:

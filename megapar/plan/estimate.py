@@ -165,7 +165,7 @@ class Shared:
 def _shape(c: Candidate) -> tuple:
     """The fields of `c` that its activations and chunk times read: all but the ZeRO stage and
     its options (offload, kept parameters, when ZeRO-3 reduces)."""
-    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.mbs, c.schedule, c.v, c.recompute, c.sp)
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.mbs, c.schedule, c.v, c.recompute, c.sp)
 
 
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
@@ -194,9 +194,9 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
             regather=regathers(p, c),  # never under full recompute
         )
         if moe and recompute != "full":  # the routed tokens, replicated over tp
-            tokens = experts.routed_tokens(p.seq_len, b, c.cp, sp_t)
+            tokens = experts.routed_tokens(p.seq_len, b, c.cp, experts.routing_split(c))
             imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
-            kept += experts.routed_bytes(cfg, tokens, p.act_bytes, imbalance, c.ep)
+            kept += experts.routed_bytes(cfg, tokens, p.act_bytes, imbalance, c.ep, c.etp)
         return kept
 
     moe = experts.is_moe(cfg)
@@ -395,7 +395,7 @@ def stage_states(p: Problem, c: Candidate) -> list[RankState]:
 
 def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[RankState]:
     """`stage_states` of `m` micro-batches a step and the schedule's `placement`."""
-    params = stage_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep)
+    params = stage_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
     return _stage_states(p, c, params, m, placement)
 
 
@@ -455,6 +455,7 @@ def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
         stage=stage,
         placement=placement_of(c.schedule),
         ep=c.ep,
+        etp=c.etp,
         dp=c.dp * c.cp,
         zero=c.zero,
         bucket_mb=p.grad_bucket_mb,
@@ -523,7 +524,7 @@ def estimate(
         if c.pp > 1
         else 0.0
     )
-    sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.sp, c.zero >= 2, c.dp * n)
+    sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.etp, c.sp, c.zero >= 2, c.dp * n)
     tp_sync = shared.get(("tp sync", *sync_key), lambda: tp_sync_seconds(p, c))
     # the busiest rank's own collectives, m micro-batches of them: its busy time is `compute`
     # and these; the rest of the pipeline's makespan it waits (`idle`)
@@ -638,8 +639,8 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
     # reduced and gathered over the expert-data-parallel group)
     placement = placement_of(c.schedule)
-    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
-    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
+    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
     n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
     # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
     # bytes an element, not 4

@@ -3,7 +3,9 @@ expert parallelism, the all-to-all bytes of its token exchange.
 
 A MoE layer routes each of the T tokens a rank holds (a micro-batch's s b, / cp, / t under
 sequence parallelism: the routed experts are replicated over tp, so without SP every tp rank
-routes all of them) to k experts: T k rows.
+routes all of them) to k experts: T k rows. With each expert split over tp (etp = tp) every
+tp rank runs all s b / cp tokens' rows through its I / t units of each expert, under SP too
+(the tp group all-gathers its routed tokens: `routing_split`).
 
 **All-to-all bytes** (`alltoall_bytes`, per MoE layer and micro-batch, what one rank puts into
 `dist.all_to_all_single`, whose payload counts every row, the ones it keeps for itself too, as
@@ -30,6 +32,16 @@ scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (
 routing has no bound; with a capacity factor c no expert keeps more than c x its mean share,
 so c bounds it). `Problem.moe_imbalance` (megapar-plan's --moe-imbalance) states the
 assumption (default `DEFAULT_IMBALANCE`, or the model's capacity factor when it has one).
+
+**Expert tensor parallelism** (`expert_tp_collectives`, per MoE layer and micro-batch, the
+tp collectives of `megapar.models.moe` with each expert split over tp, as `comm_count`
+records them: an all-reduce's tensor, an all-gather's input, a reduce-scatter's input).
+Without sequence parallelism, T tokens on every tp rank: forward one all-reduce of the
+weighted output (T h), backward one of the combine weights' gradient (T k fp32) and one of
+the tokens' (T h). Under it, T / t tokens a rank: forward an all-gather of the weights and
+chosen experts (T / t x 2k fp32, + T / t with padding) and of the tokens (T / t x h), a
+reduce-scatter of the output (T h); backward the output gradient's all-gather (T / t x h)
+and the reduce-scatters of the tokens' gradient (T h) and of the weights' (T x 2k).
 """
 
 from __future__ import annotations
@@ -67,6 +79,13 @@ def imbalance_of(config, stated: float | None) -> float:
     if stated is not None:
         return stated
     return getattr(config, "moe_capacity_factor", None) or DEFAULT_IMBALANCE
+
+
+def routing_split(c) -> int:
+    """How many ways the tokens a rank's experts see are split over tp for `Candidate` `c`: tp
+    under sequence parallelism with whole experts; 1 without it, and with experts split over tp
+    (whose tp ranks all-gather the sequence's routed tokens)."""
+    return c.tp if c.sp and getattr(c, "etp", 1) == 1 else 1
 
 
 def routed_tokens(seq_len: int, mbs: int, cp: int = 1, sp_t: int = 1) -> int:
@@ -116,14 +135,17 @@ def leaving(ep: int) -> float:
     return (ep - 1) / ep
 
 
-def routed_bytes(config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1) -> float:
+def routed_bytes(
+    config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1, etp: int = 1
+) -> float:
     """Bytes one MoE layer keeps for its routed tokens per micro-batch on the busiest rank (see
     the module docstring); `imbalance` scales the rows its experts receive (at ep 1 a rank
-    holds every expert and receives exactly its T k rows)."""
+    holds every expert and receives exactly its T k rows); with each expert split over `etp`
+    ranks a row's SwiGLU terms are its I / etp units'."""
     h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_local_experts
     rows = tokens * k
     received = rows * (imbalance if ep > 1 else 1.0)
-    expert_side = received * (h + 4 * config.expert_size) * act_bytes
+    expert_side = received * (h + 4 * config.expert_size // etp) * act_bytes
     token_side = rows * 2 * h * act_bytes + rows * 20 + tokens * (2 * e * 4 + k * 12 + 8)
     return expert_side + token_side
 
@@ -132,7 +154,37 @@ def step_alltoall(p, c, moe_layers_on_rank: int) -> int:
     """One rank's all-to-all payload bytes per step of a `Problem` planned as `Candidate` `c`,
     for the MoE layers its pipeline rank holds: `alltoall_bytes` (rows in the activations'
     dtype, both ways) x the layers x the micro-batches of its dp rank."""
-    tokens = routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    tokens = routed_tokens(p.seq_len, c.mbs, c.cp, routing_split(c))
     m = p.global_batch // (c.mbs * c.dp)
     one = alltoall_bytes(p.config, tokens, c.ep, p.act_bytes, c.recompute)
     return one.total * moe_layers_on_rank * m
+
+
+def expert_tp_collectives(
+    config, tokens: int, tp: int, sp: bool, padded: bool = False
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) [(op, elements)] of one MoE layer's tp collectives for a
+    micro-batch with its experts split over `tp` (module docstring): `tokens` the micro-batch's
+    tokens on a tp rank without sequence parallelism, the whole group's with it (`sp`);
+    `padded`: a mask rides with the weights. The residual stream's dtype (fp32 in megapar)
+    for every element; the [T, 2k] weights are fp32."""
+    if tp == 1:
+        return [], []
+    h, k = config.hidden_size, config.num_experts_per_tok
+    if not sp:
+        return [("all_reduce", tokens * h)], [
+            ("all_reduce", tokens * k),
+            ("all_reduce", tokens * h),
+        ]
+    mine, picks = tokens // tp, 2 * k + (1 if padded else 0)
+    forward = [
+        ("all_gather_into_tensor", mine * picks),
+        ("all_gather_into_tensor", mine * h),
+        ("reduce_scatter_tensor", tokens * h),
+    ]
+    backward = [
+        ("all_gather_into_tensor", mine * h),
+        ("reduce_scatter_tensor", tokens * h),
+        ("reduce_scatter_tensor", tokens * picks),
+    ]
+    return forward, backward

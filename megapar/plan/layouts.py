@@ -84,6 +84,9 @@ class Candidate:
     ep: int = 1
     """Expert-parallel size (folded into dp x cp: it divides dp x cp): ranks that split each
     MoE layer's routed experts and exchange tokens by all-to-all."""
+    etp: int = 1
+    """Expert tensor-parallel size (megapar-train's --expert-tensor-parallel-size): 1 (each
+    routed expert whole on every tp rank) or tp (each split over the tp ranks)."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
@@ -97,6 +100,7 @@ class Candidate:
         )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
+        ep += f" etp{self.etp}" if self.etp > 1 else ""
         dp = f" dp{self.dp}" if self.dp else ""
         return f"tp{self.tp}{cp} pp{self.pp}{dp}{ep} mbs{self.mbs} {sched} " + " ".join(extras)
 
@@ -104,6 +108,7 @@ class Candidate:
         """The --explain syntax for this candidate."""
         cp = f",cp={self.cp}" if self.cp > 1 else ""
         ep = f",ep={self.ep}" if self.ep > 1 else ""
+        ep += f",etp={self.etp}" if self.etp > 1 else ""
         return (
             f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep},mbs={self.mbs},"
             f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
@@ -134,7 +139,7 @@ _ALIASES = {
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
-_LABEL_SIZE = re.compile(r"(tp|cp|pp|dp|ep|mbs|v|zero)(\d+)")
+_LABEL_SIZE = re.compile(r"(tp|cp|pp|dp|ep|etp|mbs|v|zero)(\d+)")
 _LABEL_FLAGS = {"sp": "sp=1", "keep": "keep_params=1", "rs/micro-batch": "zero3_reduce=micro-batch"}
 
 
@@ -256,7 +261,16 @@ def _option_refusal(c: Candidate, p: Problem) -> str | None:
 
 
 def _expert_refusal(c: Candidate, config) -> str | None:
-    """Why the candidate's ep cannot run (megapar-train's own rules, `check_ep`), or None."""
+    """Why the candidate's ep or etp cannot run (megapar-train's own rules, `check_ep`), or
+    None."""
+    if c.etp not in (1, c.tp):
+        return f"etp {c.etp} is neither 1 nor tp {c.tp}: use etp=1 or etp={c.tp}"
+    if c.etp > 1:
+        size = getattr(config, "expert_size", 0) if getattr(config, "num_moe_layers", 0) else 0
+        if not size:
+            return f"etp {c.etp} needs a mixture-of-experts model (this one has no routed experts)"
+        if size % c.etp:
+            return f"etp {c.etp} does not divide the experts' intermediate size {size}; use etp=1"
     if c.ep == 1:
         return None
     if c.ep < 1:

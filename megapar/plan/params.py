@@ -9,8 +9,9 @@ embedding)`; `tests/test_plan.py` checks this against whole stages built the sam
 A mixture-of-experts model has two kinds of block, dense and MoE (Qwen3-MoE's `mlp_only_layers`,
 a DeepSeek-V3-like recipe's first dense layers): one of each is built and every layer counted
 as its kind (`layer_kinds`). Under expert parallelism (ep > 1) a MoE block holds E / ep routed
-experts, as megapar-train's ep rank builds them (replicated over tp: experts are not
-tensor-parallel); their tensors are marked `TensorSpec.expert`, the buffers' separate buckets.
+experts, as megapar-train's ep rank builds them (replicated over tp, or with expert tensor
+parallelism, etp = tp, each split over tp); their tensors are marked `TensorSpec.expert`, the
+buffers' separate buckets.
 """
 
 from __future__ import annotations
@@ -62,18 +63,19 @@ def _kind_builds(config) -> dict[bool, int]:
     return firsts
 
 
-def kind_blocks(config, tp: int, ep: int = 1) -> dict:
+def kind_blocks(config, tp: int, ep: int = 1, etp: int = 1) -> dict:
     """{block kind (True: mixture of experts): the first block of that kind, built on the meta
-    device as tp rank 0 (and ep rank 0) holds it}: what the planner reads a block's parameters
-    and linears off."""
+    device as tp rank 0 (and ep rank 0) holds it, its routed experts split over `etp` (1 or
+    tp: expert tensor parallelism)}: what the planner reads a block's parameters and linears
+    off."""
     return {
-        kind: _build(config, tp, range(i, i + 1), False, False, ep)
+        kind: _build(config, tp, range(i, i + 1), False, False, ep, etp)
         for kind, i in _kind_builds(config).items()
     }
 
 
-def _build(config, tp: int, layers, pre: bool, post: bool, ep: int = 1):
-    mesh = Mesh.virtual(Layout(tp, 1, ep, ep=ep), rank=0, device="meta")
+def _build(config, tp: int, layers, pre: bool, post: bool, ep: int = 1, etp: int = 1):
+    mesh = Mesh.virtual(Layout(tp, 1, ep, ep=ep), rank=0, device="meta", expert_tp=etp)
     return build_model(config, mesh, layers, pre_process=pre, post_process=post)
 
 
@@ -82,9 +84,9 @@ def _numel(module) -> int:
 
 
 @lru_cache(maxsize=64)
-def _pieces(config_json: str, tp: int, ep: int = 1) -> PieceCounts:
+def _pieces(config_json: str, tp: int, ep: int = 1, etp: int = 1) -> PieceCounts:
     config = config_from_dict(json.loads(config_json))
-    kinds = {kind: _numel(block) for kind, block in kind_blocks(config, tp, ep).items()}
+    kinds = {kind: _numel(block) for kind, block in kind_blocks(config, tp, ep, etp).items()}
     first = _numel(_build(config, tp, range(0), True, False))
     last_only = _build(config, tp, range(0), False, True)
     tied = sum(p.numel() for p in last_only.parameters() if getattr(p, "tied_to", None))
@@ -93,12 +95,14 @@ def _pieces(config_json: str, tp: int, ep: int = 1) -> PieceCounts:
     return PieceCounts(blocks[0], first, head, tied, blocks)
 
 
-def piece_counts(config, tp: int, config_json: str | None = None, ep: int = 1) -> PieceCounts:
+def piece_counts(
+    config, tp: int, config_json: str | None = None, ep: int = 1, etp: int = 1
+) -> PieceCounts:
     """Per-tp-rank element counts of a block, the embedding and the head of `config` (its
-    routed experts split over `ep`); `config_json`: its canonical JSON (`Problem.config_json`)
-    when the caller has it."""
+    routed experts split over `ep`, each over `etp`); `config_json`: its canonical JSON
+    (`Problem.config_json`) when the caller has it."""
 
-    return _pieces(config_json or _config_json(config), tp, ep)
+    return _pieces(config_json or _config_json(config), tp, ep, etp)
 
 
 @dataclass(frozen=True)
@@ -130,11 +134,11 @@ def _cast_whole(module) -> int:
 
 
 @lru_cache(maxsize=64)
-def whole_casts(config_json: str, tp: int, ep: int = 1) -> WholeCasts:
+def whole_casts(config_json: str, tp: int, ep: int = 1, etp: int = 1) -> WholeCasts:
     """`WholeCasts` of `config_json`'s blocks and head on one tp rank (routed experts over
-    `ep`)."""
+    `ep`, each over `etp`)."""
     config = config_from_dict(json.loads(config_json))
-    blocks = tuple((kind, _cast_whole(b)) for kind, b in kind_blocks(config, tp, ep).items())
+    blocks = tuple((kind, _cast_whole(b)) for kind, b in kind_blocks(config, tp, ep, etp).items())
     last = _build(config, tp, range(0), False, True)
     bias = dict(last.named_parameters()).get("head.bias")
     return WholeCasts(blocks, _cast_whole(last), 0 if bias is None else bias.numel())
@@ -198,12 +202,12 @@ def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
 
 
 @lru_cache(maxsize=64)
-def _piece_tensors(config_json: str, tp: int, ep: int = 1):
+def _piece_tensors(config_json: str, tp: int, ep: int = 1, etp: int = 1):
     """({kind: block}, embedding, head) parameters of one tp rank, in registration order (the
     block of each layer kind, `layer_kinds`)."""
 
     config = config_from_dict(json.loads(config_json))
-    blocks = {kind: _specs(block, True) for kind, block in kind_blocks(config, tp, ep).items()}
+    blocks = {kind: _specs(block, True) for kind, block in kind_blocks(config, tp, ep, etp).items()}
     return (
         blocks,
         _specs(_build(config, tp, range(0), True, False)),
@@ -218,7 +222,7 @@ def stage_tensors(layout: StageLayout) -> list[TensorSpec]:
     `tests/test_plan.py` checks it against stages built on the meta device. Reads the model,
     tp, pp, v, stage, placement and ep of `layout`."""
 
-    blocks, embedding, head = _piece_tensors(layout.config_json, layout.tp, layout.ep)
+    blocks, embedding, head = _piece_tensors(layout.config_json, layout.tp, layout.ep, layout.etp)
     kinds, specs = layer_kinds(layout.config), _chunk_specs(layout)
     out: list[TensorSpec] = []
     for spec in specs:
@@ -351,6 +355,8 @@ class StageLayout:
     """How chunks map to virtual stages (`megapar.pipeline.placement.PLACEMENTS`)."""
     ep: int = 1
     """Expert-parallel ranks: a MoE block holds E / ep routed experts."""
+    etp: int = 1
+    """Expert tensor-parallel ranks (1 or tp): each routed expert split over them."""
     dp: int = 1
     """The ranks ZeRO shards over: cp x dp (the gradients' group)."""
     zero: int = 0
@@ -417,7 +423,9 @@ def stage_units(layout: StageLayout) -> list[UnitSpec]:
     or the unit itself where it has no other parameters; so do, before them, the linear weights
     ZeRO-3 gathers in 16 bits and those it gathers in float8 (`layout.casts`; kinds "half",
     "float8"). Reads what `stage_tensors` reads, and `persist_below` and `casts`."""
-    blocks_of, embedding, head = _piece_tensors(layout.config_json, layout.tp, layout.ep)
+    blocks_of, embedding, head = _piece_tensors(
+        layout.config_json, layout.tp, layout.ep, layout.etp
+    )
     kinds, specs = layer_kinds(layout.config), _chunk_specs(layout)
     persist_below, ep, casts = layout.persist_below, layout.ep, layout.casts
     units, small, at, small_embedding = [], [], 0, False
@@ -495,20 +503,22 @@ def stage_params(
     placement: str = "loop",
     config_json: str | None = None,
     ep: int = 1,
+    etp: int = 1,
 ) -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
-    in the "v" placement both are on rank 0; routed experts split over `ep`). `config_json` as
-    for `piece_counts`."""
-    return list(_stage_params(config_json or _config_json(config), tp, pp, v, placement, ep))
+    in the "v" placement both are on rank 0; routed experts split over `ep`, each over `etp`).
+    `config_json` as for `piece_counts`."""
+    json_ = config_json or _config_json(config)
+    return list(_stage_params(json_, tp, pp, v, placement, ep, etp))
 
 
 @lru_cache(maxsize=4096)
 def _stage_params(
-    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int = 1
+    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int = 1, etp: int = 1
 ) -> tuple[int, ...]:
     """`stage_params`, cached (the planner asks twice for each of thousands of layouts)."""
-    pieces = _pieces(config_json, tp, ep)
+    pieces = _pieces(config_json, tp, ep, etp)
     num_layers = len(pieces.blocks)
     counts = []
     head_rank = 0 if placement == "v" else pp - 1
@@ -535,17 +545,21 @@ def stage_expert_params(
     placement: str = "loop",
     config_json: str | None = None,
     ep: int = 1,
+    etp: int = 1,
 ) -> list[int]:
-    """Of `stage_params`, the elements of routed experts' parameters (split over `ep`) one tp
-    rank of each pipeline stage holds."""
-    return list(_stage_expert_params(config_json or _config_json(config), tp, pp, v, placement, ep))
+    """Of `stage_params`, the elements of routed experts' parameters (split over `ep`, each
+    over `etp`) one tp rank of each pipeline stage holds."""
+    json_ = config_json or _config_json(config)
+    return list(_stage_expert_params(json_, tp, pp, v, placement, ep, etp))
 
 
 @lru_cache(maxsize=4096)
 def _stage_expert_params(
-    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int
+    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int, etp: int = 1
 ) -> tuple[int, ...]:
-    layout = StageLayout(config_json=config_json, tp=tp, pp=pp, v=v, placement=placement, ep=ep)
+    layout = StageLayout(
+        config_json=config_json, tp=tp, pp=pp, v=v, placement=placement, ep=ep, etp=etp
+    )
     return tuple(
         sum(t.numel for t in stage_tensors(replace(layout, stage=stage)) if t.expert)
         for stage in range(pp)

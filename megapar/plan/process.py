@@ -632,7 +632,7 @@ def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: b
     half = c.zero == 3 and fp8.half_gathered(p, c)
     recipe = p.fp8 if p.fp8 != "off" else "tensorwise"
     linears = fp8.block_linears(p.config_json, c.tp, recipe, p.fp8_layers)
-    whole = whole_casts(p.config_json, c.tp, c.ep)
+    whole = whole_casts(p.config_json, c.tp, c.ep, c.etp)
     plain = dict(whole.blocks)
     per_kind = {
         kind: plain[kind]
@@ -685,7 +685,7 @@ def _routed_expert_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term
     if not p.sixteen_bit or c.zero == 3:
         return None
     placement = placement_of(c.schedule)
-    experts = stage_expert_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep)
+    experts = stage_expert_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
     if not experts[mem.stage]:
         return None
     return Term(
@@ -704,7 +704,7 @@ def _chunked_head_cast(p: Problem, c: Candidate) -> Term | None:
         return None
     vocab, h = _vocab_h(p, c)
     rows = min(vocab, p.config.vocab_size)
-    bias = whole_casts(p.config_json, c.tp, c.ep).head_bias
+    bias = whole_casts(p.config_json, c.tp, c.ep, c.etp).head_bias
     return Term(
         "the chunked loss's 16-bit cast of the head's weight",
         rows * (h + (1 if bias else 0)) * p.act_bytes,

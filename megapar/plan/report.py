@@ -109,6 +109,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         f"--tp {c.tp}",
         *([f"--cp {c.cp}"] if c.cp > 1 else []),
         *([f"--ep {c.ep}"] if c.ep > 1 else []),
+        *([f"--expert-tensor-parallel-size {c.etp}"] if c.etp > 1 else []),
         f"--pp {c.pp}",
         f"--seq-len {p.seq_len}",
         f"--micro-batch-size {c.mbs}",
@@ -364,6 +365,13 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
     if not experts.is_moe(cfg):
         return []
     n_exp = getattr(cfg, "num_local_experts", 0)
+    by_tp = f"each split over tp {c.tp}" if c.etp > 1 else "not split by tp"
+    if c.ep == 1 and c.etp > 1:
+        return [
+            f"experts: ep 1, etp {c.etp}: every rank holds all {n_exp} routed experts of each "
+            f"MoE layer, each split over tp (1 / {c.tp} of its weights, gradients and "
+            f"optimizer state); the experts' output reduced over tp per MoE layer"
+        ]
     if c.ep == 1:
         other = next((x for x in ranked if x.candidate.ep > 1 and x.fits), None)
         return [
@@ -403,7 +411,7 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
     passes = "forward and backward" + (", and recomputed" if c.recompute == "full" else "")
     return [
         f"experts: ep {c.ep}: each rank holds {n_exp // c.ep} of {n_exp} routed experts per MoE "
-        f"layer (not split by tp): its weights, gradients and optimizer state are "
+        f"layer ({by_tp}): its weights, gradients and optimizer state are "
         + (
             f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}"
             if c.zero != 3

@@ -66,7 +66,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     spread over the step's micro-batches' forwards)."""
     cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
     tokens = p.seq_len // n * b  # this cp rank's tokens
-    fl = matmul_flops(cfg, p.seq_len, t)
+    fl = matmul_flops(cfg, p.seq_len, t, etp=c.etp)
     rate = p.peak_tflops * 1e12 * p.efficiency
     act = tokens * cfg.hidden_size * p.act_bytes
     ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
@@ -91,6 +91,20 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     # a MoE layer's tp collectives: its attention's, and only with shared experts (split over
     # tp like a dense MLP) its MLP's; the routed experts are whole on every tp rank
     moe_tp = moe_regathers / 2
+    # with the routed experts split over tp (etp): their output's all-reduce in the forward and
+    # the tokens' gradient's in the backward (under SP an all-gather and a reduce-scatter
+    # each, the same ring bytes), of the fp32 residual stream, and the combine weights'
+    # gradient (T k fp32; `experts.expert_tp_collectives`)
+    etp_f = wide if c.etp > 1 else 0.0
+    etp_b = (
+        etp_f
+        + ring_seconds(
+            t, tokens * getattr(cfg, "num_experts_per_tok", 0) * 4, p.intra_gbps, p.latency_us
+        )
+        + (etp_f if c.recompute == "full" else 0.0)
+        if c.etp > 1
+        else 0.0
+    )
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
@@ -131,6 +145,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         k_tp = k - k_moe + moe_tp * k_moe  # blocks' worth of tp collectives
         return ChunkTime(
             (f - cut) / rate
+            + k_moe * etp_f
             + k_tp * tp_fwd
             + k * cp_f
             + emb_comm
@@ -139,6 +154,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + tp8_f
             + cp8_f,
             (bi + x8 - cut * (2 + full)) / rate
+            + k_moe * etp_b
             + k_tp * tp_bwd
             + k * cp_b
             + regathered
@@ -148,7 +164,14 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + cp8_b,
             (w - x8) / rate,
             f + bi + w,
-            k_tp * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
+            k_tp * (tp_fwd + tp_bwd)
+            + k_moe * (etp_f + etp_b)
+            + regathered
+            + emb_comm
+            + head_f
+            + head_b
+            + tp8_f
+            + tp8_b,
             k * (cp_f + cp_b) + cp8_f + cp8_b,
             k_moe * (ep_f + ep_b),
             x8 * (3 + full),
@@ -187,7 +210,7 @@ def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
     if c.ep == 1:
         return 0.0, 0.0
     cfg = p.config
-    tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, experts.routing_split(c))
     nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, p.act_bytes, c.recompute)
     span = ep_span(c.tp, c.pp, c.dp, c.cp, c.ep)
     gbps = p.intra_gbps if span <= p.gpus_per_node else p.inter_gbps

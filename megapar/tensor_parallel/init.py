@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megapar.tensor_parallel.partition import full_shape, shard_of, tp_dim
+from megapar.tensor_parallel.partition import full_shape, shard_of, tp_dim, tp_parts
 
 InitFn = Callable[[str, tuple, torch.Generator], torch.Tensor]
 
@@ -55,4 +55,4 @@ def initialize(module: nn.Module, seed: int, init_fn: InitFn, tp_rank: int = 0) 
             full = full.narrow(0, ep_rank * param.shape[0], param.shape[0])
         dim = tp_dim(param)
         local = param.shape[dim] if dim is not None else 0  # unused when nothing is split
-        param.copy_(shard_of(full, dim, local, tp_rank).to(param.device))
+        param.copy_(shard_of(full, dim, local, tp_rank, tp_parts(param)).to(param.device))

@@ -44,12 +44,19 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
         cp=cfg.cp,
         sequence_parallel=cfg.sequence_parallel,
         ep=cfg.ep,
+        expert_tp=cfg.expert_tensor_parallel_size,
     )
     if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
         raise ValueError(
             f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
             f"the config's {cfg.sequence_parallel}; build the mesh with "
             f"Mesh(..., sequence_parallel={cfg.sequence_parallel})"
+        )
+    if getattr(mesh, "etp", 1) != cfg.expert_tensor_parallel_size:
+        raise ValueError(
+            f"the mesh's expert_tp={getattr(mesh, 'etp', 1)} differs from the config's "
+            f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}; build the mesh "
+            f"with Mesh(..., expert_tp={cfg.expert_tensor_parallel_size})"
         )
     if mesh.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)

@@ -142,7 +142,23 @@ def _check_appended(
 
 
 def _check_ep(cfg: TrainConfig, config) -> None:
-    """--ep > 1 needs a model with experts, as many as ep divides."""
+    """--ep > 1 needs a model with experts, as many as ep divides; so does
+    --expert-tensor-parallel-size > 1, with an expert intermediate size it divides."""
+    etp = cfg.expert_tensor_parallel_size
+    if etp > 1:
+        flag = f"--expert-tensor-parallel-size {etp}"
+        if getattr(config, "num_local_experts", None) is None:
+            raise ConfigError(
+                f"{flag} splits a mixture-of-experts model's experts over tp (mixtral, "
+                f"qwen3_moe: e.g. --model mixtral-tiny); this {config.model_type} model has no "
+                f"experts: use --expert-tensor-parallel-size 1"
+            )
+        if config.expert_size % etp:
+            raise ConfigError(
+                f"{flag} does not divide the experts' intermediate size {config.expert_size} "
+                f"(moe_intermediate_size): use --expert-tensor-parallel-size 1, or a --tp "
+                f"that divides {config.expert_size}"
+            )
     if cfg.ep == 1:
         return
     experts = getattr(config, "num_local_experts", None)

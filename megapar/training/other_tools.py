@@ -167,6 +167,7 @@ OTHER_TOOLS_FLAGS = {
     "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
     "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",
     "--parallelism.expert_parallel_degree": "--ep",
+    "--parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size",
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",
     "--fp16": "--precision fp16",
@@ -371,6 +372,7 @@ OTHER_TOOLS_FLAGS = {
     "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
     "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
     "--sp": "--sequence-parallel",
+    "--etp": "--expert-tensor-parallel-size",
     # torchtitan's float8 options (`--float8.*`, since 2025 `--quantize.linear.float8.*`),
     # Megatron-LM's / Transformer Engine's fp8 flags: difflib named --load for --float8,
     # --fp8-emulate for --fp8-recipe and --fp8-format, or nothing
@@ -462,8 +464,6 @@ OTHER_TOOLS_FLAGS = {
     "--moe-input-jitter-eps": "megapar's router adds no input jitter; drop it",
     "--moe-layer-recompute": "--recompute full (--recompute selective recomputes the attention "
     "core only, never the MoE layer)",
-    "--expert-tensor-parallel-size": "megapar never splits an expert over tp (every tp rank holds "
-    "its experts whole); --ep shards the experts",
     "--init-method-std": MODEL_FIELD.format(field="initializer_range"),
     "--hidden-dropout": MODEL_FIELD.format(field="resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
     "--attention-dropout": MODEL_FIELD.format(

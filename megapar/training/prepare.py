@@ -22,7 +22,14 @@ from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
-from megapar.mesh import Layout, LayoutError, Mesh, ep_split_error, same_on_all_ranks
+from megapar.mesh import (
+    Layout,
+    LayoutError,
+    Mesh,
+    ep_split_error,
+    expert_tp_error,
+    same_on_all_ranks,
+)
 from megapar.models import set_loss_fn
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
@@ -211,7 +218,8 @@ def prepare(
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
     sequence split over 2 ranks, its length a multiple of 2 x cp), and so is expert
     parallelism for a mixture of experts (`ep=2`: each MoE layer's experts split over 2 of the
-    dp x cp ranks, as `--ep`). optimizer: adamw, lamb,
+    dp x cp ranks, as `--ep`; `expert_tensor_parallel_size=tp`: each expert's weights split
+    over the tp ranks, as `--expert-tensor-parallel-size`, default 1). optimizer: adamw, lamb,
     lars, sgd or muon (muon_momentum=, muon_adjust_lr= as keywords, `TrainConfig`'s fields).
     weight_decay applies to matrices and embeddings only. clip_grad: global
     gradient-norm clip (0: off).
@@ -459,6 +467,17 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), api=True)
     except LayoutError as exc:
         raise LayoutError(f"megapar.prepare: {exc}") from None
+    etp = cfg.expert_tensor_parallel_size
+    error = expert_tp_error(etp, cfg.tp, api=True)
+    size = getattr(config, "expert_size", None) if hasattr(config, "num_local_experts") else None
+    if error is None and etp > 1 and (size is None or size % etp):
+        what = "has no experts" if size is None else f"has an expert intermediate size of {size}"
+        error = (
+            f"expert_tensor_parallel_size={etp} splits each routed expert over tp, and this "
+            f"{config.model_type} model {what}: use expert_tensor_parallel_size=1"
+        )
+    if error:
+        raise LayoutError(f"megapar.prepare: {error}")
 
 
 def _lr_scheduler(lr_schedule, cfg: TrainConfig):

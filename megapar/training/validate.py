@@ -53,6 +53,7 @@ _RULES: list[_Rule] = [
     ("pp", "int", 1, True),
     ("dp", "int", 1, True),
     ("ep", "int", 1, True),
+    ("expert_tensor_parallel_size", "int", 1, True),
     ("seq_len", "int", 1, True),
     ("micro_batch_size", "int", 1, True),
     ("global_batch_size", "int", 1, True),

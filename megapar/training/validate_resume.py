@@ -261,6 +261,7 @@ NOT_INHERITED = {
     "pp",
     "dp",
     "ep",
+    "expert_tensor_parallel_size",
     "oversubscribe",
     "rank_order",
     "schedule",
