@@ -244,3 +244,17 @@ def test_attention_dropout_at_cp2_is_replayed_by_recomputation():
                 assert_close(out[0.1, mode][1][name], grad, what=f"{mode} {name}")
         plain = out[0.0, "none"][1]
         assert max(rel_err(grads[n], plain[n]) for n in grads) > 1e-2
+
+
+def test_a2a_alone_and_with_tp2_pp2_or_dp2_zero1():
+    """--cp-comm-type a2a (the all-to-all, Ulysses) at cp 2: GPT-2, Llama (kv heads unexpanded:
+    2 kv heads over cp 2), Mistral's sliding window and BERT's padding alone; GPT-2 and Llama
+    at tp 2 (Llama's one kv head per tp rank replicated over cp; with SP and selective
+    recompute), Llama at pp 2 and at dp 2 with ZeRO-1."""
+    runs = [(kind, 1, 2, 1, 1, dict(method="a2a")) for kind in ("gpt2", "llama", "mistral", "bert")]
+    check(runs, run_local(_worker, 2, runs))
+    runs = [("gpt2", 2, 2, 1, 1, dict(method="a2a")),
+            ("llama", 2, 2, 1, 1, dict(method="a2a", sp=True, recompute="selective")),
+            ("llama", 1, 2, 2, 1, dict(method="a2a")),
+            ("llama", 1, 2, 1, 2, dict(method="a2a", zero=1))]
+    check(runs, run_local(_worker, 4, runs))

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megapar.context_parallel import a2a
 from megapar.context_parallel.kernels import (
     DropoutMasks,
     block_backward,
@@ -64,7 +65,8 @@ from megapar.tensor_parallel.sequence_parallel import (
     reduce_scatter_flat,
 )
 
-METHODS = ("ring", "all-gather")
+METHODS = ("ring", "all-gather", "a2a")
+"""The cp attentions: the ring and the all-gather (here) and the all-to-all (`a2a.py`)."""
 
 
 def method_for(q_heads: int, kv_heads: int) -> str:
@@ -402,9 +404,10 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
     q: [b, heads, 2c, d] (this rank's two chunks); k, v: [b, kv heads, 2c, d], with
     `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
     (True = a real token) of the *whole* sequence, or None. Returns [b, heads, 2c, d]."""
-    if method not in METHODS:
+    if method not in METHODS[:2]:
         raise ValueError(
-            f"unknown context-parallel attention {method!r}; expected one of {METHODS}"
+            f"unknown context-parallel attention {method!r}; expected one of {METHODS[:2]} "
+            f"(the all-to-all is `a2a.attention`)"
         )
     if spec.dropout_p > 0:  # this call's masks (a spec may be reused)
         spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
@@ -414,8 +417,12 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
 
 class LayerAttention:
     """Context-parallel attention as one attention layer uses it: this rank's place in the cp
-    group, the method (`method_for`; an attribute, so it can be switched) and, for the ring, the
-    layer's `Ring` (made on first use). Holds no parameters and no global state."""
+    group, the method (`method_for`, or "a2a"; an attribute, so it can be switched) and, for the
+    ring, the layer's `Ring` (made on first use). Holds no parameters and no global state.
+
+    `kv_map`: the layer's query head -> kv head map of this tp rank as ints (grouped-query
+    attention; None: one kv head each), from which the all-to-all decides once whether k / v
+    travel unexpanded (`a2a.kv_plan`)."""
 
     def __init__(self, mesh, causal: bool, method: str, label: str = "self-attention"):
         if method not in METHODS:
@@ -425,6 +432,8 @@ class LayerAttention:
         self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
         self.ring: Ring | None = None
         self.biases: dict = {}  # a sliding window's masks (`window_bias`), made once per shape
+        self.kv_map: list[int] | None = None
+        self._local_index: dict[str, torch.Tensor | None] = {}  # a2a: `kv_plan` per device
 
     def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
         """`window`: a sliding window (None: causal over the whole sequence, or bidirectional)."""
@@ -440,6 +449,8 @@ class LayerAttention:
 
     def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
         mesh = self.mesh
+        if self.method == "a2a":
+            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window)
         if self.method == "ring":
             if self.ring is None:
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
@@ -457,3 +468,32 @@ class LayerAttention:
             biases=self.biases,
         )
         return attention(q, k, v, spec, key_mask, kv_index, self.method)
+
+    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window):
+        mesh, cp = self.mesh, self.mesh.cp
+        why = a2a.heads_error(q.shape[1], cp)
+        if why is not None:
+            raise ValueError(f"{self.label}: {why}; use another --cp-comm-type or cp")
+        local = None
+        if kv_index is not None:
+            where = str(q.device)
+            if where not in self._local_index:  # once per layer and device: no host sync after
+                plan = a2a.kv_plan(self.kv_map, k.shape[1], cp)
+                self._local_index[where] = (
+                    None if plan is None else torch.tensor(plan, device=q.device)
+                )
+            local = self._local_index[where]
+        return a2a.attention(
+            q,
+            k,
+            v,
+            cp,
+            mesh.cp_group,
+            self.causal,
+            key_mask,
+            kv_index,
+            local,
+            dropout_p,
+            window,
+            self.biases,
+        )

@@ -287,6 +287,8 @@ class LlamaAttention(nn.Module):
         self.context_parallel = (
             LayerAttention(mesh, True, method_for(n_q, n_kv)) if mesh.cp > 1 else None
         )
+        if self.context_parallel is not None:  # the all-to-all's static kv-head plan
+            self.context_parallel.kv_map = self.kv_index
         self.kv_cache: KVCache | None = None  # generation's (`megapar.models.kv_cache`)
         if mesh.device.type != "meta" and self.kv_index != list(range(local_kv)):
             self._index_on(mesh.device)
