@@ -19,13 +19,16 @@ holds a score matrix larger than chunk x 2 chunks. Two ways to get the blocks:
   overlap with compute, and the whole sequence's keys / values held during the layer's
   attention: cheap when there are few kv heads.
 
-`method_for(q_heads, kv_heads)` chooses: all-gather for grouped-query attention (kv heads fewer
-than query heads: the gathered K/V are a fraction of the queries' size, as in Llama 3 with 8 kv
-heads of 32, and two collectives beat 3cp - 2 exchanges), the ring otherwise (GPT-2, BERT,
-multi-head Llama: all-gathered K/V would be as large as the whole sequence's queries, which is
-the memory context parallelism exists to split). Both compose with grouped-query heads (kv heads
-are sent unexpanded and expanded per block), BERT's padding mask (each rank holds the whole
-mask, so no mask travels), tensor parallelism (this rank's heads only) and dropout.
+A third method, ``"a2a"`` (`a2a.py`, DeepSpeed-Ulysses), trades heads for the sequence by
+all-to-alls around ordinary attention; `LayerAttention` runs it when its method is set so
+(``--cp-comm-type a2a``). By default `method_for(q_heads, kv_heads)` chooses: all-gather for
+grouped-query attention (kv heads fewer than query heads: the gathered K/V are a fraction of the
+queries' size, as in Llama 3 with 8 kv heads of 32, and two collectives beat 3cp - 2 exchanges),
+the ring otherwise (GPT-2, BERT, multi-head Llama: all-gathered K/V would be as large as the
+whole sequence's queries, which is the memory context parallelism exists to split). Both compose
+with grouped-query heads (kv heads are sent unexpanded and expanded per block), BERT's padding
+mask (each rank holds the whole mask, so no mask travels), tensor parallelism (this rank's heads
+only) and dropout.
 
 Causal rule (global chunk ids): query chunk a sees key chunk k fully when k < a, causally when
 k == a, not at all when k > a; with the load-balanced split every rank makes the same number of

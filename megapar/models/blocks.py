@@ -73,9 +73,9 @@ class ParallelAttention(nn.Module):
     positions are the cache's and `x` holds only the new positions (`megapar.models.kv_cache`).
     Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
     and the core is ring attention (`megapar.context_parallel`: keys and values as many as the
-    queries, so the ring, not an all-gather). `recompute_core` (selective recomputation)
-    recomputes only the attention core (softmax(QK^T)V) in backward instead of storing its
-    activations.
+    queries, so the ring, not an all-gather; `set_cp_comm` may choose another).
+    `recompute_core` (selective recomputation) recomputes only the attention core
+    (softmax(QK^T)V) in backward instead of storing its activations.
     """
 
     def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float, causal: bool):

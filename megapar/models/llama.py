@@ -213,7 +213,8 @@ class LlamaAttention(nn.Module):
     Under context parallelism the tokens are this cp rank's (rotated by their global positions)
     and the core is `megapar.context_parallel` attention with the kv heads unexpanded: an
     all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
-    the ring with as many kv heads as query heads (`method_for`). With `kv_cache` set
+    the ring with as many kv heads as query heads (`method_for`; `set_cp_comm` may choose
+    another). With `kv_cache` set
     (generation) `x` holds only the new positions, rotated by their absolute positions (after
     the cached ones; in a left-padded batch each row's from its first real token), and the
     cache holds this rank's kv heads (`megapar.models.kv_cache`).

@@ -327,6 +327,7 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
     """--cp-comm-type a2a at cp > 1 gives each cp rank a cp-th of a tp rank's query heads: they
     must divide over cp (`a2a.heads_error`); UsageError naming the fix."""
     from megapar.context_parallel.a2a import heads_error
+    from megapar.mesh import layout_option
     from megapar.models.flops import heads
 
     if comm_type != "a2a" or layout.cp == 1:
@@ -336,13 +337,16 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
     if why is None:
         return
     flag, other = (
-        ("cp_comm_type='a2a'", "cp_comm_type") if api else ("--cp-comm-type a2a", "--cp-comm-type")
+        ("cp_comm_type='a2a'", "cp_comm_type='p2p'")
+        if api
+        else ("--cp-comm-type a2a", "--cp-comm-type p2p")
     )
-    fits = [c for c in range(2, per_tp + 1) if per_tp % c == 0]
+    fits = [str(c) for c in range(2, per_tp + 1) if per_tp % c == 0]
+    cps = f"{layout_option('cp', ' or '.join(fits), api)} (dividing {per_tp}), " if fits else ""
     raise UsageError(
-        f"{flag} at cp {layout.cp}: {why} ({heads(config)} heads / tp {layout.tp}); use a cp "
-        f"dividing {per_tp}{' (' + ', '.join(map(str, fits)) + ')' if fits else ''}, a smaller "
-        f"tp, or {other} p2p (the ring scales past the head count)"
+        f"{flag} at cp {layout.cp}: {why} ({heads(config)} heads / tp {layout.tp}); use "
+        f"{cps}a smaller {layout_option('tp', None, api)}, or {other} (the ring scales past the "
+        f"head count)"
     )
 
 
