@@ -216,11 +216,13 @@ def test_bf16_at_cp2_follows_bf16_at_cp1():
                                                                         ref["loss"])
 
 
-def _dropout_worker():
+def _dropout_worker(comm="auto"):
     """GPT-2 at cp 2 with attention and residual dropout 0.1: recomputation (full, selective)
     replays the same masks, so its gradients equal those of no recomputation; and dropout
-    changes the gradients."""
+    changes the gradients. `comm`: --cp-comm-type."""
     import torch.distributed as dist
+
+    from megapar.models import set_cp_comm
 
     out = {}
     for p, recompute in ((0.1, "none"), (0.1, "full"), (0.1, "selective"), (0.0, "none")):
@@ -228,6 +230,7 @@ def _dropout_worker():
                             resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
         mesh = Mesh(Layout(cp=2), dist.get_rank())
         model = build_stage(config, mesh, SEED, recompute)  # seeds the dropout streams
+        set_cp_comm(model, comm)
         batch = BatchPlan(G, G, 1).split(global_batch("gpt2"), 0)[0]
         loss = model(None, batch)
         loss.backward()
@@ -235,8 +238,9 @@ def _dropout_worker():
     return out
 
 
-def test_attention_dropout_at_cp2_is_replayed_by_recomputation():
-    for out in run_local(_dropout_worker, 2):
+@pytest.mark.parametrize("comm", ["auto", "a2a"])
+def test_attention_dropout_at_cp2_is_replayed_by_recomputation(comm):
+    for out in run_local(_dropout_worker, 2, comm):
         loss, grads = out[0.1, "none"]
         for mode in ("full", "selective"):
             assert out[0.1, mode][0] == loss
