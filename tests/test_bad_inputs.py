@@ -340,6 +340,9 @@ TRAIN = [
      "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a would be ignored: it chooses how "
+                                "context-parallel attention communicates, and --cp 1 has none: "
+                                "add --cp N (N > 1)"),
     # the all-to-all's heads: a cp-th of a tp rank's (llama-tiny: 4 heads, 2 per tp rank)
     (["--model", "llama-tiny", "--tp", "2", "--cp", "4", "--cp-comm-type", "a2a",
       "--seq-len", "64"], "--cp-comm-type a2a at cp 4: all-to-all context parallelism gives "

@@ -318,6 +318,11 @@ def prepare(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
             "(it changes what sequence parallelism keeps for the backward)"
         )
+    if cfg.cp_comm_type != "auto" and cfg.cp == 1:
+        raise ValueError(
+            f"megapar.prepare: cp_comm_type={cfg.cp_comm_type!r} chooses how context-parallel "
+            f"attention communicates, and cp=1 has none: pass cp > 1 or drop cp_comm_type"
+        )
     check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     _check_model_layout(config, cfg)
     _check_world(cfg)
