@@ -331,6 +331,21 @@ def test_cp_step_messages_and_bytes_are_the_analytic_ones(tp, cp, sp):
             assert_fp32_but_the_norm(calls)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cp_a2a_step_all_to_alls_and_bytes_are_the_analytic_ones(tp):
+    """--cp-comm-type a2a at cp 2: GPT-2 and Llama (2 kv heads: unexpanded at tp 1, each tp
+    rank's one replicated at tp 2), at tp 1 also with full recompute; nothing else crosses cp
+    but the loss's and the gradients' all-reduces."""
+    runs = [("gpt2", "none", "a2a"), ("llama", "none", "a2a")]
+    if tp == 1:
+        runs.append(("llama", "full", "a2a"))
+    for rank_results in run_local(_cp_worker, tp * 2, tp, 2, False, runs):
+        for (kind, recompute, comm), (calls, buffer) in zip(runs, rank_results):
+            assert summary(calls) == expected_cp_step(kind, tp, 2, buffer, False, recompute,
+                                                      comm), (kind, recompute)
+            assert_fp32_but_the_norm(calls)
+
+
 # --- expert tensor parallelism: one MoE layer's tp collectives --------------------------------
 def _etp_worker():
     """One MoE layer (Qwen3-MoE-shaped: 4 experts, top 2, no shared experts) at tp 2 with each
@@ -389,17 +404,3 @@ def test_expert_tensor_parallel_moe_layer_collectives():
             assert all(d == torch.float32 and g == 2 for _, _, d, g in calls)
     assert runs[0][1] == runs[1][1]  # both ranks: the same calls in the same order
 
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cp_a2a_step_all_to_alls_and_bytes_are_the_analytic_ones(tp):
-    """--cp-comm-type a2a at cp 2: GPT-2 and Llama (2 kv heads: unexpanded at tp 1, each tp
-    rank's one replicated at tp 2), at tp 1 also with full recompute; nothing else crosses cp
-    but the loss's and the gradients' all-reduces."""
-    runs = [("gpt2", "none", "a2a"), ("llama", "none", "a2a")]
-    if tp == 1:
-        runs.append(("llama", "full", "a2a"))
-    for rank_results in run_local(_cp_worker, tp * 2, tp, 2, False, runs):
-        for (kind, recompute, comm), (calls, buffer) in zip(runs, rank_results):
-            assert summary(calls) == expected_cp_step(kind, tp, 2, buffer, False, recompute,
-                                                      comm), (kind, recompute)
-            assert_fp32_but_the_norm(calls)
