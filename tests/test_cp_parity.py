@@ -254,11 +254,13 @@ def test_a2a_alone_and_with_tp2_pp2_or_dp2_zero1():
     """--cp-comm-type a2a (the all-to-all, Ulysses) at cp 2: GPT-2, Llama (kv heads unexpanded:
     2 kv heads over cp 2), Mistral's sliding window and BERT's padding alone; GPT-2 and Llama
     at tp 2 (Llama's one kv head per tp rank replicated over cp; with SP and selective
-    recompute), Llama at pp 2 and at dp 2 with ZeRO-1."""
+    recompute), Llama at pp 2 (full recompute) and at dp 2 with ZeRO-1; GPT-2 and Llama (its 2 kv heads
+    replicated over cp 4) at cp 4, one head a rank."""
     runs = [(kind, 1, 2, 1, 1, dict(method="a2a")) for kind in ("gpt2", "llama", "mistral", "bert")]
     check(runs, run_local(_worker, 2, runs))
     runs = [("gpt2", 2, 2, 1, 1, dict(method="a2a")),
             ("llama", 2, 2, 1, 1, dict(method="a2a", sp=True, recompute="selective")),
-            ("llama", 1, 2, 2, 1, dict(method="a2a")),
-            ("llama", 1, 2, 1, 2, dict(method="a2a", zero=1))]
+            ("llama", 1, 2, 2, 1, dict(method="a2a", recompute="full")),
+            ("llama", 1, 2, 1, 2, dict(method="a2a", zero=1)),
+            ("gpt2", 1, 4, 1, 1, dict(method="a2a")), ("llama", 1, 4, 1, 1, dict(method="a2a"))]
     check(runs, run_local(_worker, 4, runs))
