@@ -340,6 +340,14 @@ TRAIN = [
      "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a would be ignored: it chooses how "
+                                "context-parallel attention communicates, and --cp 1 has none: "
+                                "add --cp N (N > 1)"),
+    # the all-to-all's heads: a cp-th of a tp rank's (llama-tiny: 4 heads, 2 per tp rank)
+    (["--model", "llama-tiny", "--tp", "2", "--cp", "4", "--cp-comm-type", "a2a",
+      "--seq-len", "64"], "--cp-comm-type a2a at cp 4: all-to-all context parallelism gives "
+     "each cp rank a cp-th of a tp rank's attention heads, and 2 heads per tp rank do not "
+     "divide over cp 4"),
     # a dry run's world is --world-size, not processes to launch
     (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
      "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
@@ -1102,12 +1110,9 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--context-parallel-size", "2"],
      "--context-parallel-size: did you mean --cp?"),
     ("eval", ["--load", "ck", "--parallelism.context_parallel_degree", "2"], "did you mean --cp?"),
-    # Megatron's / torchtitan's context-parallel communication: "--cp-comm-type: did you mean
-    # --p2p-dtype?" (the pipeline's dtype), nothing for the others
-    ("train", ["--cp-comm-type", "a2a"], "--cp-comm-type: megapar chooses context "
-     "parallelism's attention communication per model"),
+    # torchtitan's context-parallel communication: megapar-train's --cp-comm-type
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
-     "one all-gather of K/V (allgather) for grouped-query attention"),
+     "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
     ("plan", ["--model", "llama-1b", "--cp-comm-type", "p2p"], "--cp-comm-type: megapar-plan "
      "models the context-parallel attention"),

@@ -260,15 +260,18 @@ def test_zero_reduce_scatters_and_all_gathers_the_buffer(pp, zero):
 
 
 # --- context parallelism -----------------------------------------------------------------------
-def _cp_worker(tp: int, cp: int, sequence_parallel: bool, runs: list[tuple[str, str]]):
-    """For each (kind, recompute): the calls of one counted step, and the gradient buffer's
-    size."""
+def _cp_worker(tp: int, cp: int, sequence_parallel: bool, runs: list[tuple]):
+    """For each (kind, recompute[, --cp-comm-type]): the calls of one counted step, and the
+    gradient buffer's size."""
     import torch.distributed as dist
+
+    from megapar.models import set_cp_comm
 
     mesh = Mesh(Layout(tp, 1, 1, cp=cp), dist.get_rank(), sequence_parallel=sequence_parallel)
     out = []
-    for kind, recompute in runs:
+    for kind, recompute, *comm in runs:
         step = make_step(kind, mesh, recompute, bucket_mb=1000.0)  # one bucket
+        set_cp_comm(step.model, comm[0] if comm else "auto")
         step.step(micro_batches(kind), 0)  # warm-up
         with count_collectives(mesh.device) as calls:
             step.step(micro_batches(kind), 1)
@@ -277,21 +280,33 @@ def _cp_worker(tp: int, cp: int, sequence_parallel: bool, runs: list[tuple[str, 
 
 
 def expected_cp_step(kind: str, tp: int, cp: int, buffer: int, sp: bool = False,
-                     recompute: str = "none") -> Counter:
+                     recompute: str = "none", comm: str = "auto") -> Counter:
     """Per layer and micro-batch, with this rank's K/V block of kv = 2 x b x s/cp x (kv heads
     / tp) x head size elements: the ring (GPT-2, BERT) exchanges cp - 1 K/V blocks forward and
     cp - 1 K/V plus cp dK/dV blocks backward (each an isend and an irecv of kv elements); the
     all-gather (grouped-query Llama) all-gathers the K/V forward and again backward and
     reduce-scatters their gradients (cp x kv in). Recomputation repeats the forward's. Per
     micro-batch one all-reduce of the loss's (sum, count) over cp; per step the gradient buffer
-    is all-reduced over cp once. The tp collectives are those of s / cp tokens."""
+    is all-reduced over cp once. The tp collectives are those of s / cp tokens.
+
+    `comm` "a2a" (the all-to-all): per layer and micro-batch one all-to-all of q, k and v
+    (b x s/cp x (heads + 2 x kv heads) / tp x head size elements; kv heads expanded to the
+    query heads where they do not divide over cp) and one of the output (b x s/cp x heads / tp
+    x head size) forward, the same two backward, recomputation repeating the forward's."""
     seq = SEQ // cp
     expected = Counter() if tp == 1 else \
         expected_sp_step(kind, tp, seq) if sp else expected_tp_step(tp, kind, seq)
     heads, kv_heads = 4, CONFIGS[kind].get("num_key_value_heads", 4)
     kv = 2 * MBS * seq * (kv_heads // tp if kv_heads % tp == 0 else kv_heads) * (H // heads)
     forwards = 2 if recompute in ("full", "selective") else 1  # the attention's, per layer
-    if kind == "llama":
+    if comm == "a2a":
+        q_heads = heads // tp
+        sent_kv = kv_heads // tp if kv_heads % tp == 0 and (kv_heads // tp) % cp == 0 else q_heads
+        per_head = MBS * seq * (H // heads)
+        expected[("all_to_all_single", (q_heads + 2 * sent_kv) * per_head, cp)] += \
+            M * L * (forwards + 1)
+        expected[("all_to_all_single", q_heads * per_head, cp)] += M * L * (forwards + 1)
+    elif kind == "llama":
         expected[("all_gather_into_tensor", kv, cp)] += M * L * (forwards + 1)
         expected[("reduce_scatter_tensor", cp * kv, cp)] += M * L
     else:
@@ -313,6 +328,21 @@ def test_cp_step_messages_and_bytes_are_the_analytic_ones(tp, cp, sp):
         for (kind, recompute), (calls, buffer) in zip(runs, rank_results):
             assert summary(calls) == expected_cp_step(kind, tp, cp, buffer, sp, recompute), \
                 (kind, recompute)
+            assert_fp32_but_the_norm(calls)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cp_a2a_step_all_to_alls_and_bytes_are_the_analytic_ones(tp):
+    """--cp-comm-type a2a at cp 2: GPT-2 and Llama (2 kv heads: unexpanded at tp 1, each tp
+    rank's one replicated at tp 2), at tp 1 also with full recompute; nothing else crosses cp
+    but the loss's and the gradients' all-reduces."""
+    runs = [("gpt2", "none", "a2a"), ("llama", "none", "a2a")]
+    if tp == 1:
+        runs.append(("llama", "full", "a2a"))
+    for rank_results in run_local(_cp_worker, tp * 2, tp, 2, False, runs):
+        for (kind, recompute, comm), (calls, buffer) in zip(runs, rank_results):
+            assert summary(calls) == expected_cp_step(kind, tp, 2, buffer, False, recompute,
+                                                      comm), (kind, recompute)
             assert_fp32_but_the_norm(calls)
 
 
@@ -373,3 +403,4 @@ def test_expert_tensor_parallel_moe_layer_collectives():
             assert [(op, n) for op, n, _, _ in calls] == expected, (sp, calls)
             assert all(d == torch.float32 and g == 2 for _, _, d, g in calls)
     assert runs[0][1] == runs[1][1]  # both ranks: the same calls in the same order
+

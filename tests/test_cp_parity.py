@@ -216,11 +216,13 @@ def test_bf16_at_cp2_follows_bf16_at_cp1():
                                                                         ref["loss"])
 
 
-def _dropout_worker():
+def _dropout_worker(comm="auto"):
     """GPT-2 at cp 2 with attention and residual dropout 0.1: recomputation (full, selective)
     replays the same masks, so its gradients equal those of no recomputation; and dropout
-    changes the gradients."""
+    changes the gradients. `comm`: --cp-comm-type."""
     import torch.distributed as dist
+
+    from megapar.models import set_cp_comm
 
     out = {}
     for p, recompute in ((0.1, "none"), (0.1, "full"), (0.1, "selective"), (0.0, "none")):
@@ -228,6 +230,7 @@ def _dropout_worker():
                             resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
         mesh = Mesh(Layout(cp=2), dist.get_rank())
         model = build_stage(config, mesh, SEED, recompute)  # seeds the dropout streams
+        set_cp_comm(model, comm)
         batch = BatchPlan(G, G, 1).split(global_batch("gpt2"), 0)[0]
         loss = model(None, batch)
         loss.backward()
@@ -235,8 +238,9 @@ def _dropout_worker():
     return out
 
 
-def test_attention_dropout_at_cp2_is_replayed_by_recomputation():
-    for out in run_local(_dropout_worker, 2):
+@pytest.mark.parametrize("comm", ["auto", "a2a"])
+def test_attention_dropout_at_cp2_is_replayed_by_recomputation(comm):
+    for out in run_local(_dropout_worker, 2, comm):
         loss, grads = out[0.1, "none"]
         for mode in ("full", "selective"):
             assert out[0.1, mode][0] == loss
@@ -244,3 +248,19 @@ def test_attention_dropout_at_cp2_is_replayed_by_recomputation():
                 assert_close(out[0.1, mode][1][name], grad, what=f"{mode} {name}")
         plain = out[0.0, "none"][1]
         assert max(rel_err(grads[n], plain[n]) for n in grads) > 1e-2
+
+
+def test_a2a_alone_and_with_tp2_pp2_or_dp2_zero1():
+    """--cp-comm-type a2a (the all-to-all, Ulysses) at cp 2: GPT-2, Llama (kv heads unexpanded:
+    2 kv heads over cp 2), Mistral's sliding window and BERT's padding alone; GPT-2 and Llama
+    at tp 2 (Llama's one kv head per tp rank replicated over cp; with SP and selective
+    recompute), Llama at pp 2 (full recompute) and at dp 2 with ZeRO-1; GPT-2 and Llama (its 2 kv heads
+    replicated over cp 4) at cp 4, one head a rank."""
+    runs = [(kind, 1, 2, 1, 1, dict(method="a2a")) for kind in ("gpt2", "llama", "mistral", "bert")]
+    check(runs, run_local(_worker, 2, runs))
+    runs = [("gpt2", 2, 2, 1, 1, dict(method="a2a")),
+            ("llama", 2, 2, 1, 1, dict(method="a2a", sp=True, recompute="selective")),
+            ("llama", 1, 2, 2, 1, dict(method="a2a", recompute="full")),
+            ("llama", 1, 2, 1, 2, dict(method="a2a", zero=1)),
+            ("gpt2", 1, 4, 1, 1, dict(method="a2a")), ("llama", 1, 4, 1, 1, dict(method="a2a"))]
+    check(runs, run_local(_worker, 4, runs))

@@ -19,7 +19,8 @@ from tp_utils import assert_close, record_first_grads, rel_err, to_device
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import (BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                            Qwen3Config, set_loss_chunk_tokens, set_sp_regather)
+                            Qwen3Config, set_cp_comm, set_loss_chunk_tokens,
+                            set_sp_regather)
 from megapar.optim import LRScheduler
 from megapar.models.stage import StageModel
 from megapar.pipeline.partition import build_stage
@@ -143,12 +144,13 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            offload: bool = False,
            kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
            uneven: bool = False, loss_chunk_tokens: int | None = None,
-           loss_scale: float | None = None) -> dict:
+           loss_scale: float | None = None, cp_comm: str = "auto") -> dict:
     """One layout on this rank: STEPS steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
     syncs of the last step counted (`count_syncs`). `loss_chunk_tokens`: the head's chunk
     (`set_loss_chunk_tokens`; 0: the whole logits; None: the default). `loss_scale`: fp16's
-    dynamic loss scaling from this scale, on fp32 compute (no autocast: exact to compare)."""
+    dynamic loss scaling from this scale, on fp32 compute (no autocast: exact to compare).
+    `cp_comm`: the cp attention (`set_cp_comm`, --cp-comm-type)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -165,6 +167,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
     set_sp_regather(model, regather)
+    set_cp_comm(model, cp_comm)
     if loss_chunk_tokens is not None:
         set_loss_chunk_tokens(model, loss_chunk_tokens)
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
@@ -208,7 +211,9 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
 
 def _worker(runs: list[tuple]) -> list[dict]:
-    return [_train(*run) for run in runs]
+    """`_train` of each run: its positional arguments, then optionally a dict of keywords."""
+    return [_train(*run[:-1], **run[-1]) if isinstance(run[-1], dict) else _train(*run)
+            for run in runs]
 
 
 def _token_worker(runs: list[tuple]) -> list[dict]:
@@ -315,13 +320,19 @@ def test_3d_parity_v_schedules(reference):
 def test_4d_parity_tp2_cp2_pp2(reference):
     """tp x cp x pp x dp = 2 x 2 x 2 x 1 (context parallelism: each sequence split over 2
     ranks, ring attention), with and without sequence parallelism, and with ZB-H1; cp 2 x dp 2
-    with ZeRO-1 (the optimizer state sharded over cp x dp) on 4 of the 8 ranks' worth."""
+    with ZeRO-1 (the optimizer state sharded over cp x dp) on 4 of the 8 ranks' worth; and
+    the all-to-all (--cp-comm-type a2a) at tp 2 x cp 2 x pp 2 for GPT-2 and, with SP, for
+    grouped-query Llama."""
+    a2a = (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp")
     outs = run_local(_worker, 8, [(2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
                                   (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", True, 2),
                                   (2, 2, 1, 0, "fp32", "zb-h1", 1, "tp-dp-pp", False, 2),
-                                  (1, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)])
-    for i in range(4):
+                                  (1, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
+                                  (*a2a, False, 2, dict(cp_comm="a2a")),
+                                  (*a2a, True, 2, dict(cp_comm="a2a", kind="llama"))])
+    for i in range(5):
         check_against(reference, [o[i] for o in outs])
+    check_against(serial_reference("llama"), [o[5] for o in outs])
 
 
 def test_3d_parity_4_ranks(reference):

@@ -126,8 +126,8 @@ OTHER_FLAGS = {
     "--context-parallel-size": _ONE_LAYOUT,
     "--parallelism.context_parallel_degree": _ONE_LAYOUT,
     "--cp-comm-type": "megapar-plan models the context-parallel attention megapar-train uses "
-    "for the model (a ring of K/V blocks, an all-gather of K/V for grouped-query attention); "
-    "drop it",
+    "for the model by default (--cp-comm-type auto: a ring of K/V blocks, an all-gather of K/V "
+    "for grouped-query attention), not a2a's all-to-alls; drop it",
     "--expert-model-parallel-size": _ONE_SETTING.format(
         what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
     ),

@@ -4,6 +4,8 @@
   and their global positions;
 - `attention`: self-attention over the split sequence, by a ring of K/V blocks or one
   all-gather of them (`method_for` chooses per model), merged with their log-sum-exp;
+- `a2a`: the all-to-all alternative (Ulysses, ``--cp-comm-type a2a``): heads traded for the
+  whole sequence around ordinary attention;
 - `kernels`: attention of one block with its log-sum-exp; `ring`: the grouped exchanges.
 
 Everything outside attention is per token, so a cp rank runs the rest of the model on its

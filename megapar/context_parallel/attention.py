@@ -19,13 +19,16 @@ holds a score matrix larger than chunk x 2 chunks. Two ways to get the blocks:
   overlap with compute, and the whole sequence's keys / values held during the layer's
   attention: cheap when there are few kv heads.
 
-`method_for(q_heads, kv_heads)` chooses: all-gather for grouped-query attention (kv heads fewer
-than query heads: the gathered K/V are a fraction of the queries' size, as in Llama 3 with 8 kv
-heads of 32, and two collectives beat 3cp - 2 exchanges), the ring otherwise (GPT-2, BERT,
-multi-head Llama: all-gathered K/V would be as large as the whole sequence's queries, which is
-the memory context parallelism exists to split). Both compose with grouped-query heads (kv heads
-are sent unexpanded and expanded per block), BERT's padding mask (each rank holds the whole
-mask, so no mask travels), tensor parallelism (this rank's heads only) and dropout.
+A third method, ``"a2a"`` (`a2a.py`, DeepSpeed-Ulysses), trades heads for the sequence by
+all-to-alls around ordinary attention; `LayerAttention` runs it when its method is set so
+(``--cp-comm-type a2a``). By default `method_for(q_heads, kv_heads)` chooses: all-gather for
+grouped-query attention (kv heads fewer than query heads: the gathered K/V are a fraction of the
+queries' size, as in Llama 3 with 8 kv heads of 32, and two collectives beat 3cp - 2 exchanges),
+the ring otherwise (GPT-2, BERT, multi-head Llama: all-gathered K/V would be as large as the
+whole sequence's queries, which is the memory context parallelism exists to split). Both compose
+with grouped-query heads (kv heads are sent unexpanded and expanded per block), BERT's padding
+mask (each rank holds the whole mask, so no mask travels), tensor parallelism (this rank's heads
+only) and dropout.
 
 Causal rule (global chunk ids): query chunk a sees key chunk k fully when k < a, causally when
 k == a, not at all when k > a; with the load-balanced split every rank makes the same number of
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megapar.context_parallel import a2a
 from megapar.context_parallel.kernels import (
     DropoutMasks,
     block_backward,
@@ -64,7 +68,8 @@ from megapar.tensor_parallel.sequence_parallel import (
     reduce_scatter_flat,
 )
 
-METHODS = ("ring", "all-gather")
+METHODS = ("ring", "all-gather", "a2a")
+"""The cp attentions: the ring and the all-gather (here) and the all-to-all (`a2a.py`)."""
 
 
 def method_for(q_heads: int, kv_heads: int) -> str:
@@ -402,9 +407,10 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
     q: [b, heads, 2c, d] (this rank's two chunks); k, v: [b, kv heads, 2c, d], with
     `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
     (True = a real token) of the *whole* sequence, or None. Returns [b, heads, 2c, d]."""
-    if method not in METHODS:
+    if method not in METHODS[:2]:
         raise ValueError(
-            f"unknown context-parallel attention {method!r}; expected one of {METHODS}"
+            f"unknown context-parallel attention {method!r}; expected one of {METHODS[:2]} "
+            f"(the all-to-all is `a2a.attention`)"
         )
     if spec.dropout_p > 0:  # this call's masks (a spec may be reused)
         spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
@@ -414,8 +420,12 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
 
 class LayerAttention:
     """Context-parallel attention as one attention layer uses it: this rank's place in the cp
-    group, the method (`method_for`; an attribute, so it can be switched) and, for the ring, the
-    layer's `Ring` (made on first use). Holds no parameters and no global state."""
+    group, the method (`method_for`, or "a2a"; an attribute, so it can be switched) and, for the
+    ring, the layer's `Ring` (made on first use). Holds no parameters and no global state.
+
+    `kv_map`: the layer's query head -> kv head map of this tp rank as ints (grouped-query
+    attention; None: one kv head each), from which the all-to-all decides once whether k / v
+    travel unexpanded (`a2a.kv_plan`)."""
 
     def __init__(self, mesh, causal: bool, method: str, label: str = "self-attention"):
         if method not in METHODS:
@@ -425,6 +435,8 @@ class LayerAttention:
         self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
         self.ring: Ring | None = None
         self.biases: dict = {}  # a sliding window's masks (`window_bias`), made once per shape
+        self.kv_map: list[int] | None = None
+        self._local_index: dict[str, torch.Tensor | None] = {}  # a2a: `kv_plan` per device
 
     def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
         """`window`: a sliding window (None: causal over the whole sequence, or bidirectional)."""
@@ -440,6 +452,8 @@ class LayerAttention:
 
     def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
         mesh = self.mesh
+        if self.method == "a2a":
+            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window)
         if self.method == "ring":
             if self.ring is None:
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
@@ -457,3 +471,32 @@ class LayerAttention:
             biases=self.biases,
         )
         return attention(q, k, v, spec, key_mask, kv_index, self.method)
+
+    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window):
+        mesh, cp = self.mesh, self.mesh.cp
+        why = a2a.heads_error(q.shape[1], cp)
+        if why is not None:
+            raise ValueError(f"{self.label}: {why}; use another --cp-comm-type or cp")
+        local = None
+        if kv_index is not None:
+            where = str(q.device)
+            if where not in self._local_index:  # once per layer and device: no host sync after
+                plan = a2a.kv_plan(self.kv_map, k.shape[1], cp)
+                self._local_index[where] = (
+                    None if plan is None else torch.tensor(plan, device=q.device)
+                )
+            local = self._local_index[where]
+        return a2a.attention(
+            q,
+            k,
+            v,
+            cp,
+            mesh.cp_group,
+            self.causal,
+            key_mask,
+            kv_index,
+            local,
+            dropout_p,
+            window,
+            self.biases,
+        )

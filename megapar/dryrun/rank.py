@@ -175,16 +175,16 @@ OP_NAMES = {
 
 
 def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
-    """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
-    made `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp,
-    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "ep" for
-    the all-to-alls, which only expert parallelism's token exchange makes, even where its
-    ranks are dp's; "expert dp" for the expert-data-parallel group, the experts' ZeRO
-    collectives (a group of one at dp = ep: tp's ranks at tp 1, where tp issues nothing;
-    "cp = expert dp" where its ranks are cp's); "world" for the default group). Bytes are the
-    whole tensor each call reduces, gathers, scatters or sends (an all-gather's output, a
-    reduce-scatter's input), so an all-gather and the reduce-scatter it undoes weigh the
-    same."""
+    """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each made
+    `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp, "dp x cp"
+    where gradients are reduced under context parallelism, mp, embedding; "ep" for the all-to-alls
+    over the ep group, expert parallelism's token exchange, even where its ranks are dp's (also
+    --cp-comm-type a2a's where the cp group is the ep group; over another cp group they stay cp's);
+    "expert dp" for the expert-data-parallel group, the experts' ZeRO collectives (a group of one at
+    dp = ep: tp's ranks at tp 1, where tp issues nothing; "cp = expert dp" where its ranks are
+    cp's); "world" for the default group). Bytes are the whole tensor each call reduces, gathers,
+    scatters or sends (an all-gather's output, a reduce-scatter's input), so an all-gather and the
+    reduce-scatter it undoes weigh the same."""
 
     names: dict[tuple[int, ...], str] = {}
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
@@ -196,11 +196,15 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
         other = names.get(ranks)
         names[ranks] = "expert dp" if other is None or len(ranks) == 1 else f"{other} = expert dp"
     world = mesh.layout.world_size
+    ep_ranks = (
+        tuple(dist.get_process_group_ranks(mesh.ep_group)) if mesh.ep_group is not None else None
+    )
     out: dict = {}
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
-        if c.op == "all_to_all_single" and mesh.layout.ep > 1:
+        # the experts' all-to-alls; --cp-comm-type a2a's over another group stay cp's
+        if c.op == "all_to_all_single" and mesh.layout.ep > 1 and ep_ranks in (None, ranks):
             name = "ep"
         op = OP_NAMES.get(c.op, c.op)
         entry = out.setdefault(

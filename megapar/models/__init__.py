@@ -4,7 +4,7 @@ Qwen3-MoE) from tensor-parallel layers.
 Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
-from megapar.models.blocks import set_recompute, set_sp_regather
+from megapar.models.blocks import set_cp_comm, set_recompute, set_sp_regather
 from megapar.models.config import (
     CONFIG_CLASSES,
     HF_SUPPORTED_DEFAULTS,
@@ -64,6 +64,7 @@ __all__ = [
     "build_model",
     "set_recompute",
     "set_sp_regather",
+    "set_cp_comm",
     "MODEL_CLASSES",
     "Llama",
     "LlamaConfig",

@@ -73,9 +73,9 @@ class ParallelAttention(nn.Module):
     positions are the cache's and `x` holds only the new positions (`megapar.models.kv_cache`).
     Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
     and the core is ring attention (`megapar.context_parallel`: keys and values as many as the
-    queries, so the ring, not an all-gather). `recompute_core` (selective recomputation)
-    recomputes only the attention core (softmax(QK^T)V) in backward instead of storing its
-    activations.
+    queries, so the ring, not an all-gather; `set_cp_comm` may choose another).
+    `recompute_core` (selective recomputation) recomputes only the attention core
+    (softmax(QK^T)V) in backward instead of storing its activations.
     """
 
     def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float, causal: bool):
@@ -190,6 +190,27 @@ def set_recompute(model: nn.Module, mode: str) -> None:
             module.recompute_core = mode == "selective"  # type: ignore[assignment]
         if hasattr(module, "keep_route"):  # MoE under expert parallelism: one route per forward
             module.keep_route = mode == "full"  # type: ignore[assignment]
+
+
+CP_COMM_TYPES = {"auto": None, "p2p": "ring", "all_gather": "all-gather", "a2a": "a2a"}
+"""--cp-comm-type (Megatron-core's names) -> the context-parallel attention it runs
+(`megapar.context_parallel`; None: the model's own choice, `method_for`)."""
+
+
+def set_cp_comm(model: nn.Module, comm_type: str) -> None:
+    """`--cp-comm-type`: the context-parallel attention of every attention layer (a model built
+    at cp 1 has none to set): auto keeps each model's choice (the ring, or the all-gather with
+    grouped-query heads), p2p the ring, all_gather the all-gather, a2a the all-to-all (Ulysses)."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(
+            f"unknown --cp-comm-type {comm_type!r}; expected one of {list(CP_COMM_TYPES)}"
+        )
+    method = CP_COMM_TYPES[comm_type]
+    if method is None:
+        return
+    for module in model.modules():
+        if getattr(module, "context_parallel", None) is not None:
+            module.context_parallel.method = method  # type: ignore[union-attr]
 
 
 def set_sp_regather(model: nn.Module, on: bool) -> None:

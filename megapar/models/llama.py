@@ -213,7 +213,8 @@ class LlamaAttention(nn.Module):
     Under context parallelism the tokens are this cp rank's (rotated by their global positions)
     and the core is `megapar.context_parallel` attention with the kv heads unexpanded: an
     all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
-    the ring with as many kv heads as query heads (`method_for`). With `kv_cache` set
+    the ring with as many kv heads as query heads (`method_for`; `set_cp_comm` may choose
+    another). With `kv_cache` set
     (generation) `x` holds only the new positions, rotated by their absolute positions (after
     the cached ones; in a left-padded batch each row's from its first real token), and the
     cache holds this rank's kv heads (`megapar.models.kv_cache`).
@@ -287,6 +288,8 @@ class LlamaAttention(nn.Module):
         self.context_parallel = (
             LayerAttention(mesh, True, method_for(n_q, n_kv)) if mesh.cp > 1 else None
         )
+        if self.context_parallel is not None:  # the all-to-all's static kv-head plan
+            self.context_parallel.kv_map = self.kv_index
         self.kv_cache: KVCache | None = None  # generation's (`megapar.models.kv_cache`)
         if mesh.device.type != "meta" and self.kv_index != list(range(local_kv)):
             self._index_on(mesh.device)

@@ -25,7 +25,7 @@ import torch
 from megapar.data_parallel.compression import GRAD_COMPRESSIONS
 from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
 from megapar.mesh import RANK_ORDERS
-from megapar.models.blocks import RECOMPUTE_MODES
+from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.one_line_parser import OneLineParser
 from megapar.optim.muon import ADJUST_LR
@@ -61,7 +61,9 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
     cp: int = 1
-    """Context-parallel size: ranks that split every sequence (a ring of K/V blocks where kv heads equal query heads, an all-gather of K/V for grouped-query heads: chosen per model; --seq-len must be divisible by 2 x cp, and by cp x tp too with --sequence-parallel). The mesh is tp x cp x pp x dp."""
+    """Context-parallel size: ranks that split every sequence (a ring of K/V blocks where kv heads equal query heads, an all-gather of K/V for grouped-query heads: chosen per model, or as --cp-comm-type says; --seq-len must be divisible by 2 x cp, and by cp x tp too with --sequence-parallel). The mesh is tp x cp x pp x dp."""
+    cp_comm_type: str = "auto"
+    """With --cp > 1: how context-parallel attention communicates (Megatron-core's names): auto (each model's choice: p2p for multi-head attention, all_gather for grouped-query heads), p2p (a ring of K/V blocks, overlapped with the attention; scales past the head count), all_gather (one all-gather of K/V per layer) or a2a (DeepSpeed-Ulysses: all-to-alls turn a cp rank's tokens of every head into every token of a cp-th of the heads and back, 4 x a cp-th of the activations per layer; needs a tp rank's query heads divisible by cp, and replicates kv heads fewer than cp)."""
     pp: int = 1
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
@@ -373,6 +375,7 @@ def flag_choices() -> dict[str, list]:
 
     return {
         "rank_order": list(RANK_ORDERS),
+        "cp_comm_type": list(CP_COMM_TYPES),
         "schedule": list(SCHEDULES),
         "recompute": list(RECOMPUTE_MODES),
         "precision": list(PRECISIONS),

@@ -13,7 +13,7 @@ from megapar.device import share_host_arena
 from megapar.expert_parallel.params import is_expert
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
-from megapar.models import set_loss_chunk_tokens, set_loss_terms, set_sp_regather
+from megapar.models import set_cp_comm, set_loss_chunk_tokens, set_loss_terms, set_sp_regather
 from megapar.models.compile import compile_blocks
 from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
@@ -78,6 +78,7 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
     set_loss_terms(model, cfg.label_smoothing, cfg.z_loss)
     set_sp_regather(model, cfg.sp_regather)  # kept off under --recompute full
+    set_cp_comm(model, cfg.cp_comm_type)
     where = f" on pipeline rank {mesh.pp_rank} of {mesh.pp}" if mesh.pp > 1 else ""
     summary = (
         None

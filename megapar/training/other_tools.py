@@ -37,9 +37,8 @@ MOE_FIELD = (
 )
 
 CP_COMM = (
-    "megapar chooses context parallelism's attention communication per model: a ring of K/V "
-    "blocks (Megatron's p2p) where kv heads equal query heads, one all-gather of K/V "
-    "(allgather) for grouped-query attention; there is no a2a (Ulysses); drop it and set --cp"
+    "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a; auto, the default, "
+    "chooses per model); torchtitan's allgather is all_gather, alltoall is a2a"
 )
 
 MLM_RATE = (
@@ -162,7 +161,6 @@ OTHER_TOOLS_FLAGS = {
     "--parallelism.tensor_parallel_degree": "--tp",
     "--parallelism.pipeline_parallel_degree": "--pp",
     "--parallelism.context_parallel_degree": "--cp",
-    "--cp-comm-type": CP_COMM,
     "--parallelism.context_parallel_rotate_method": CP_COMM,
     "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
     "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",

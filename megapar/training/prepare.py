@@ -41,7 +41,7 @@ from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
-from megapar.training.validate import check_ranges
+from megapar.training.validate import check_cp_comm, check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
@@ -318,6 +318,11 @@ def prepare(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
             "(it changes what sequence parallelism keeps for the backward)"
         )
+    if cfg.cp_comm_type != "auto" and cfg.cp == 1:
+        raise ValueError(
+            f"megapar.prepare: cp_comm_type={cfg.cp_comm_type!r} chooses how context-parallel "
+            f"attention communicates, and cp=1 has none: pass cp > 1 or drop cp_comm_type"
+        )
     check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     _check_model_layout(config, cfg)
     _check_world(cfg)
@@ -478,6 +483,10 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         )
     if error:
         raise LayoutError(f"megapar.prepare: {error}")
+    try:
+        check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
+    except UsageError as exc:
+        raise LayoutError(f"megapar.prepare: {exc}") from None
 
 
 def _lr_scheduler(lr_schedule, cfg: TrainConfig):

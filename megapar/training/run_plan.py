@@ -35,6 +35,7 @@ from megapar.training.tokenizer_checks import default_to_hf_tokenizer
 from megapar.training.validate import (
     UsageError,
     adapt_defaults,
+    check_cp_comm,
     check_cp_seq_len,
     check_inject_slow,
     check_outputs,
@@ -178,6 +179,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
+    check_cp_comm(cfg.cp_comm_type, layout, config)
     check_sft_model(cfg, config.model_type)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:

@@ -323,6 +323,33 @@ def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> N
         )
 
 
+def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
+    """--cp-comm-type a2a at cp > 1 gives each cp rank a cp-th of a tp rank's query heads: they
+    must divide over cp (`a2a.heads_error`); UsageError naming the fix."""
+    from megapar.context_parallel.a2a import heads_error
+    from megapar.mesh import layout_option
+    from megapar.models.flops import heads
+
+    if comm_type != "a2a" or layout.cp == 1:
+        return
+    per_tp = heads(config) // layout.tp
+    why = heads_error(per_tp, layout.cp)
+    if why is None:
+        return
+    flag, other = (
+        ("cp_comm_type='a2a'", "cp_comm_type='p2p'")
+        if api
+        else ("--cp-comm-type a2a", "--cp-comm-type p2p")
+    )
+    fits = [str(c) for c in range(2, per_tp + 1) if per_tp % c == 0]
+    cps = f"{layout_option('cp', ' or '.join(fits), api)} (dividing {per_tp}), " if fits else ""
+    raise UsageError(
+        f"{flag} at cp {layout.cp}: {why} ({heads(config)} heads / tp {layout.tp}); use "
+        f"{cps}a smaller {layout_option('tp', None, api)}, or {other} (the ring scales past the "
+        f"head count)"
+    )
+
+
 def explicit(cfg) -> set[str]:
     """The settings the user gave (flags or --config keys); without that record (a config
     built in code), the ones that differ from their defaults."""

@@ -258,6 +258,7 @@ NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp",
     "cp",
+    "cp_comm_type",
     "pp",
     "dp",
     "ep",

@@ -46,6 +46,12 @@ def check_unused(cfg, given: set[str]) -> None:
             "give --val-fraction > 0" if cfg.eval_interval else "give --eval-interval N",
         ),
         (
+            "cp_comm_type",
+            cfg.cp > 1 or cfg.cp_comm_type == "auto",
+            "it chooses how context-parallel attention communicates, and --cp 1 has none",
+            "add --cp N (N > 1)",
+        ),
+        (
             "profile_dir",
             bool(cfg.profile_steps),
             "it is where the traces of --profile-steps go",
