@@ -826,6 +826,22 @@ def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
     assert lines[1] == "(ranks [0] were still waiting)", text
 
 
+def test_a_type_error_is_the_cause_not_the_lost_connections_it_left():
+    """A loss_fn returning a vector at pp 2: the last stage's TypeError is the cause, the first
+    stage's lost connection to it the consequence ("TypeError" holds the letters of "peer")."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=0) for _ in range(2)]
+    lost = ("P2PTimeoutError: rank 0 (pp stage 0): receiving the gradient of micro-batch 0 from "
+            "rank 1 did not complete: it failed after 0.1 s (Connection closed by peer)")
+    own = "TypeError: megapar.prepare's loss_fn returned (2,), not a 0-dim floating tensor"
+    lines = blame(procs, {}, {0: lost, 1: own}).splitlines()
+    assert lines[0] == f"rank 1 failed: {own}", lines
+    assert lines[1].startswith("then: rank 0: P2PTimeoutError"), lines
+
+
 def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_for_it(tmp_path):
     """`--inject-slow rank=3,ms=40000 --timeout-s 5`: rank 2 (its tp peer) timed out; ranks
     0 and 1 waited in the dp all-reduce and had not answered either. The console's one line

@@ -577,3 +577,18 @@ def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_p
     # a left-padded batch: the window in the pad mask's slots (a row's positions are its slots
     # less its pads, so the same distances)
     _batch_equals_each_alone(model, mesh, config, [prompt, prompt[:2], _ids(PROMPTS[1])], kind)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--num_return_sequences", "3"],
+     "--num_return_sequences: did you mean --samples (samples per prompt)?"),
+    (["--do_sample"], "--do_sample: megapar-generate samples by default (--temperature 0 is "
+     "greedy); drop it"),
+])
+def test_transformers_generate_flags_are_answered(argv, line, capsys):
+    """transformers' `generate` names (a Hugging Face user's): one line naming megapar's way
+    (--do_sample was answered with --samples, the number of samples)."""
+    with pytest.raises(SystemExit) as stop:
+        generate(["--load", "ckpt", "--prompt", "a", *argv])
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and line in err[0], err

@@ -12,6 +12,7 @@ and under --loss-mean token at cp 2 x dp 2 against the same sums over the global
 labelled tokens.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_parity_3d import (EPS, LR, MAX_NORM, MBS, SEED, VOCAB, WD, check_against, config,
@@ -233,6 +234,16 @@ def test_loss_fn_hook_matches_torch_at_tp2_pp2():
     assert refused == ("megapar.prepare: loss_fn cannot be combined with z_loss=0.0001: its "
                        "gradient rides on the per-token losses loss_fn may reweigh; drop one "
                        "of them")
+
+
+def test_a_loss_fn_of_another_signature_is_refused_in_prepare():
+    """A hook that cannot take (per_token, batch) is one line from prepare, not a failure on
+    the last pipeline stage in the first micro-batch."""
+    import megapar
+
+    with pytest.raises(TypeError, match=r"^megapar.prepare: loss_fn must take two arguments "
+                       r"\(per_token, batch\), but <lambda>\(t\) does not$"):
+        megapar.prepare("gpt2-tiny", loss_fn=lambda t: t.mean())
 
 
 def test_a_resume_takes_the_loss_terms_unless_given():

@@ -357,6 +357,9 @@ def test_a_flag_typo_names_the_closest_flag(capsys):
     with pytest.raises(SystemExit):
         bubble(["--pp", "2", "-m", "4", "--simulate", "--shedule", "zb-v"])
     assert "--shedule: did you mean --schedule?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not the router's --moe-z-loss-coef, for a dense model
+        train(["--z-loss-coef", "1e-4"])
+    assert "--z-loss-coef: did you mean --z-loss (the output z-loss;" in capsys.readouterr().err
 
 
 def test_every_config_file_typo_is_named_at_once(tmp_path):

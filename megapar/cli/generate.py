@@ -54,6 +54,8 @@ OTHER_FLAGS = {
     "--max-tokens": "--max-new-tokens",
     "--max-new-tokens-per-sample": "--max-new-tokens",
     "--num-samples": "--samples",
+    "--num-return-sequences": "--samples (samples per prompt)",
+    "--do-sample": "megapar-generate samples by default (--temperature 0 is greedy); drop it",
     "--micro-batch-size": "--batch-size",
     "--fp8": "megapar-generate computes in --precision fp32, bf16 or fp16 (an --fp8 run's "
     "checkpoint holds fp32 weights); drop it",
@@ -63,7 +65,7 @@ OTHER_FLAGS = {
     "--torch-dtype": "--precision",
 }
 """Other tools' names for megapar-generate's flags (nanoGPT's sample.py, torchtitan's
-test_generate.py, megapar-train's), answered with what to do."""
+test_generate.py, transformers' generate, megapar-train's), answered with what to do."""
 
 
 DEFAULT_BATCH = 32

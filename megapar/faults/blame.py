@@ -47,8 +47,10 @@ _CONSEQUENTIAL = (
     "broken pipe",
     "connection refused",
     "did not complete",
-    "peer",
 )
+
+_PEER = re.compile(r"\bpeers?\b")
+"""A lost peer ("closed by peer"): the word, not the letters (a TypeError's name holds them)."""
 
 
 def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None) -> str:
@@ -188,7 +190,8 @@ def behind_first(
 def consequential(error: str) -> bool:
     """Whether an error (its first line) is a communication timeout or a lost connection: what
     a rank reports when another one stopped answering or died."""
-    return any(w in error.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)
+    first = error.split("\n", 1)[0].lower()
+    return any(w in first for w in _CONSEQUENTIAL) or _PEER.search(first) is not None
 
 
 def stopped_siblings() -> str:

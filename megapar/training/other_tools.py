@@ -429,6 +429,9 @@ OTHER_TOOLS_FLAGS = {
     "--label-smoothing-factor": "--label-smoothing",
     "--label_smoothing_factor": "--label-smoothing",
     "--z-loss-multiplier": "--z-loss",
+    # difflib named the router's --moe-z-loss-coef, which a dense model refuses
+    "--z-loss-coef": "--z-loss (the output z-loss; --moe-z-loss-coef is a mixture of experts' "
+    "router z-loss)",
     "--z_loss_multiplier": "--z-loss",
     "--auxiliary-loss-multiplier": "--z-loss",
     "--softmax-auxiliary-loss-scale": "--z-loss",

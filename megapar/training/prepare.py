@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 import re
 import warnings
@@ -345,7 +346,8 @@ def prepare(
 
 
 def _check_loss_fn(loss_fn, cfg: TrainConfig) -> None:
-    """ValueError (TypeError for a non-callable) for a loss hook `prepare` cannot serve."""
+    """ValueError (TypeError for a non-callable, or one that does not take (per_token, batch)) for
+    a loss hook `prepare` cannot serve."""
     if loss_fn is None:
         return
     if not callable(loss_fn):
@@ -353,6 +355,16 @@ def _check_loss_fn(loss_fn, cfg: TrainConfig) -> None:
             f"megapar.prepare: loss_fn must be a function (per_token, batch) -> loss, got "
             f"{type(loss_fn).__name__}"
         )
+    try:
+        inspect.signature(loss_fn).bind(None, None)
+    except TypeError:  # it would fail on the last stage, in the first micro-batch
+        raise TypeError(
+            f"megapar.prepare: loss_fn must take two arguments (per_token, batch), but "
+            f"{getattr(loss_fn, '__name__', type(loss_fn).__name__)}"
+            f"{inspect.signature(loss_fn)} does not"
+        ) from None
+    except ValueError:  # a builtin without a signature: not checkable here
+        pass
     problems = (
         (cfg.cp > 1, f"cp={cfg.cp}: each rank holds a part of every sequence; drop cp"),
         (
