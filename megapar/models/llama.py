@@ -112,6 +112,10 @@ class Rotary:
         return self._cache[key]
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+"""Device types autocast knows (torch raises on others, such as the dry run's "meta")."""
+
+
 class WindowMasks:
     """The additive masks [s, s] of sliding-window causal attention (0: attend, -inf: not), in
     the attention's dtype, made on the device from arange (no host data copied to it) and
@@ -495,15 +499,16 @@ class Llama(StageModel):
             # reads them
             seq_len = batch["input_ids"].shape[1]
             self.rotary(seq_len, hidden.device)
-            if self.mesh.cp == 1:
-                kind = hidden.device.type
+            windows = {getattr(layer.attn, "window", None) for layer in self.layers.values()}
+            cutting = sorted(w for w in windows if w is not None and w < seq_len)
+            if self.mesh.cp == 1 and cutting:
                 dtype = (  # the attention's: autocast's, else the hidden states'
                     torch.get_autocast_dtype(kind)
-                    if torch.is_autocast_enabled(kind)
+                    if (kind := hidden.device.type) in AUTOCAST_DEVICES
+                    and torch.is_autocast_enabled(kind)
                     else hidden.dtype
                 )
-                for layer in self.layers.values():
-                    window = getattr(layer.attn, "window", None)
+                for window in cutting:
                     self.window_masks(seq_len, window, dtype, hidden.device)
         padding = None  # an MoE layer's: which of this rank's tokens are not right-padding
         if "attention_mask" in batch and any(
