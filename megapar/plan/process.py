@@ -72,8 +72,7 @@ glibc's arena (the ZeRO-3 rank 12-30 MiB above its in-use peak); on mixtral-tiny
 ranks with ep 28-29 MiB beyond their tensors, the heap's room (2-3) included; 30 MiB. What the
 heap holds beyond it is room that follows the step's transients (`CPU_HEAP_ROOM`,
 `_rebuilt_layer_place`, `_sequence_parallel_holes`) and, under ZeRO-3, the tensors of a block's
-reduction (`_inside_backward`): the 70 MiB counted before (the median of the state model's
-rises beyond its tensors) held them. In a rank megapar-train forks, the rise over the rank's
+reduction (`_inside_backward`). In a rank megapar-train forks, the rise over the rank's
 start also holds the library pages the rank touches, which a spawned rank holds in its
 baseline (`CPU_FORKED_BASELINE`).
 
@@ -153,8 +152,7 @@ CPU_FORKED_PAGES = 36 * 2**20
 """The library file pages a rank megapar-train forks touches in its first step, which a
 spawned rank holds in its baseline (`CPU_BASELINE`, 84 MiB of files) and a forked rank does not
 hold at its start: +35 to +38 MiB of file pages measured in megapar-train's largest ranks
-(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB. The
-`CPU_RUNTIME` counted until 2026-12-01 (70 MiB) held them."""
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB."""
 
 
 def cpu_baseline(world_size: int) -> float:
