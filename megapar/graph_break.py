@@ -5,8 +5,8 @@ exchanges, a MoE layer's routed experts).
 It is `torch.compiler.disable` in the lazy form torch marks its own functions with
 (`torch._disable_dynamo`): the same graph break, but torch._dynamo is imported at the marked
 function's first call, not when the module is imported. Marked functions are called only
-inside compiled code, so only `--compile` pays for dynamo's imports (1.2 s of every command's
-start-up on the CPU machines megapar is tested on).
+inside compiled code, so only `--compile` pays for dynamo's imports (their cost:
+docs/testing.md).
 """
 
 from __future__ import annotations

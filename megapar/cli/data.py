@@ -234,8 +234,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
-    """ValueError for a flag given that this run would not read (it was ignored without a
-    word); then the defaults of --jsonl-key and --sp-model-type filled in."""
+    """ValueError for a flag given that this run would not read; then the defaults of
+    --jsonl-key and --sp-model-type filled in."""
     from megapar.data.inputs import KEYED_SUFFIXES, reads_key
 
     sentencepiece = args.train_sentencepiece or args.train_tokenizer == "sentencepiece"

@@ -80,11 +80,6 @@ class GlobalBatchSampler:
         return self.dataset_len // self.global_batch_size
 
     @property
-    def samples_per_epoch(self) -> int:
-        """Samples consumed by one full epoch."""
-        return self.batches_per_epoch * self.global_batch_size
-
-    @property
     def position(self) -> tuple[int, int]:
         """Where the next global batch starts: (epoch, index into that epoch's order)."""
         if self._taken + self.global_batch_size > self.dataset_len:  # the epoch's rest dropped

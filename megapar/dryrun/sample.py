@@ -16,12 +16,12 @@ ep 2: ranks 0, 1 and 3, ep ranks 0 and 1). The dry run prints which ranks and wh
 (`describe_choice`). `--dry-run-ranks all` takes every rank, or a comma-separated list of ranks
 and ranges names them.
 
-Rehearsals are bounded (`check_world`, `parse_ranks`). A rehearsed rank costs about 0.5 s
-(its model and schedule; 0.36 s for gpt2-tiny, 0.6-1.8 s for GPT-3 175B here) plus 30 us and
-1 KB per rank of the job, whose process groups it all builds (measured: 16 s at 524,288
-ranks, 30 s and 1 GB at 1,048,576). A job of more than `MAX_DRY_RUN_WORLD` ranks, or a choice
-of ranks estimated to take more than `MAX_REHEARSAL_S`, is refused with the way to rehearse it
-in parts.
+Rehearsals are bounded (`check_world`, `parse_ranks`). A rehearsed rank is estimated at
+`S_PER_RANK` seconds (its model and schedule) plus `S_PER_RANK_OF_JOB` per rank of the job,
+whose process groups it all builds (`rehearsal_seconds`; the measurements behind them:
+docs/guides/planner.md, "megapar-train --dry-run"). A job of more than `MAX_DRY_RUN_WORLD`
+ranks, or a choice of ranks estimated to take more than `MAX_REHEARSAL_S`, is refused with the
+way to rehearse it in parts.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ matrices, a MoE layer's router and shared experts) takes Muon; the embeddings, t
 AdamW with megapar's weight-decay groups and the --adam-* settings.
 
 The Muon update of one matrix W with gradient G is torch.optim.Muon's (torch 2.9+):
-``B = mu B + G`` (the momentum buffer, kept as torch keeps it: ``B.lerp_(G, 1 - mu)`` scaled),
+``B = mu B + (1 - mu) G`` (the momentum buffer, as torch keeps it: ``B.lerp_(G, 1 - mu)``),
 ``U = G.lerp(B, mu)`` (Nesterov), ``O = NS5(U)`` (five quintic Newton-Schulz iterations in
 bfloat16 with coefficients (3.4445, -4.775, 2.0315), after dividing by the Frobenius norm),
 ``W *= 1 - lr * wd``, ``W -= lr * ratio * O``. The ratio is `adjust_lr`'s: "match_rms_adamw"

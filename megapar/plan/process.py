@@ -72,8 +72,7 @@ glibc's arena (the ZeRO-3 rank 12-30 MiB above its in-use peak); on mixtral-tiny
 ranks with ep 28-29 MiB beyond their tensors, the heap's room (2-3) included; 30 MiB. What the
 heap holds beyond it is room that follows the step's transients (`CPU_HEAP_ROOM`,
 `_rebuilt_layer_place`, `_sequence_parallel_holes`) and, under ZeRO-3, the tensors of a block's
-reduction (`_inside_backward`): the 70 MiB counted before (the median of the state model's
-rises beyond its tensors) held them. In a rank megapar-train forks, the rise over the rank's
+reduction (`_inside_backward`). In a rank megapar-train forks, the rise over the rank's
 start also holds the library pages the rank touches, which a spawned rank holds in its
 baseline (`CPU_FORKED_BASELINE`).
 
@@ -153,8 +152,7 @@ CPU_FORKED_PAGES = 36 * 2**20
 """The library file pages a rank megapar-train forks touches in its first step, which a
 spawned rank holds in its baseline (`CPU_BASELINE`, 84 MiB of files) and a forked rank does not
 hold at its start: +35 to +38 MiB of file pages measured in megapar-train's largest ranks
-(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB. The
-`CPU_RUNTIME` counted until 2026-12-01 (70 MiB) held them."""
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB."""
 
 
 def cpu_baseline(world_size: int) -> float:
@@ -440,10 +438,8 @@ def _inside_backward(
     until it is waited for, and on the host a unit above `shard_comm.HOST_PIECE_BYTES` is
     reduced in pieces of that size, each staged contiguous, with one piece in flight while the
     next is staged (two pieces and their copies); a smaller unit is reduced whole (one copy).
-    Measured on 8 blocks of hidden 512 at dp 2 (12.6 MiB units): glibc's in-use bytes peaked
-    at each block's reduction, 56-60 MiB above the end of the backward's tensors
-    (benchmarks/memory/process_terms.py, docs/guides/planner.md "ZeRO-3 inside the
-    backward"). None without ZeRO-3's units."""
+    The measurements: docs/guides/planner.md, "ZeRO-3 inside the backward". None without
+    ZeRO-3's units."""
     if not (mem.gathered_mid or mem.grad_buffers_mid):
         return []
     freed = block_bytes if c.recompute == "none" else 0.0
@@ -501,10 +497,8 @@ def _rebuilt_layer_place(c: Candidate, mem: MemoryBreakdown) -> float:
     place does not take one of its own size again (glibc serves torch's 64-byte aligned
     allocations with a chunk of the size, the alignment and 32 bytes:
     `_sequence_parallel_holes`), so the heap holds the rebuilt layer again beside the one in
-    use. Measured on 8 blocks of hidden 256 at 4 x 1,024 tokens, full recomputation, one
-    process: glibc's arena peaked 108 MiB above its in-use peak (a 64 MiB rebuilt layer, 26
-    of the 0.2 share; benchmarks/memory/process_terms.py, 2026-12-01). Selective recomputation
-    (the attention core rebuilt) not traced; the same counted."""
+    use (the measurements: docs/guides/planner.md, "Recomputation's rebuilt layer"). Selective
+    recomputation (the attention core rebuilt) is counted the same, not traced."""
     if c.recompute == "none" or not mem.activations:
         return 0.0
     return mem.rebuilt_layer

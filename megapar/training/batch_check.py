@@ -195,9 +195,9 @@ def fingerprint(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """An int64 hash (a 0-dim tensor on the batch's device) of a checked batch's keys, shapes
     and values: per key, the dot product of the values with pseudo-random position weights,
     folded modulo a prime with the key's name and shape. Computed where the batch is, without
-    reading anything back to the host: about 1 ms per key for 0.5M tokens on one CPU core.
-    Exact (no int64 overflow) for values of magnitude below 2**21 (checked ids, labels, masks)
-    and batches below 2**32 tokens; a float entry (for a `loss_fn`) counts by its bits."""
+    reading anything back to the host (its cost: docs/guides/python-api.md). Exact (no int64
+    overflow) for values of magnitude below 2**21 (checked ids, labels, masks) and batches
+    below 2**32 tokens; a float entry (for a `loss_fn`) counts by its bits."""
     total = None
     for key in sorted(batch):
         value = batch[key]

@@ -433,8 +433,9 @@ def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
 
 
 def _refuse_unread(options: dict) -> None:
-    """Refuse, in one line with the API's way, an option the engine would not read (it trained
-    as if it were not given: warmup_steps=100 ran at a constant lr)."""
+    """Refuse, in one line with the API's way, an option the engine would not read: one of
+    megapar-train's schedule flags (`SCHEDULE_OPTIONS`: the schedule comes from `lr_schedule`)
+    or of its loop's (`LOOP_OPTIONS`: the caller's loop replaces it)."""
     for name in SCHEDULE_OPTIONS:
         if name in options:
             raise ValueError(
@@ -544,8 +545,8 @@ def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
 
 def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
     """Warn (rank 0) when fp8 converts none of the stage's linears (a small model under
-    fp8_layers='auto', dims not multiples of 16): the API prints no line of its own, so fp8
-    was on in name only. `engine.fp8_summary` has the line either way."""
+    fp8_layers='auto', dims not multiples of 16): the API prints no line of its own, so this
+    says fp8 is on in name only. `engine.fp8_summary` has the line either way."""
     summary = engine.fp8_summary
     if summary is None or ": 0 linears in float8" not in summary or engine.mesh.rank != 0:
         return
