@@ -570,7 +570,8 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps "(default: 1)" by width
-    assert "(default: None)" not in out and out.count("(default: 1)") == 6  # --tp, --cp, --pp, --ep, --virtual-stages, --hysteresis
+    assert "(default: None)" not in out and out.count("(default: 1)") == 7  # --tp, --cp, --pp, --ep,
+    # --virtual-stages, --hysteresis, --expert-tensor-parallel-size
     assert "(default: 1) (default" not in out
 
 
