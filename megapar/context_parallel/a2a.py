@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapar.context_parallel.kernels import in_window
 from megapar.context_parallel.split import chunk_ids
 
 
@@ -153,9 +154,8 @@ def attention(
         key = (s, window, str(q.device))
         mask = masks.get(key) if masks is not None else None
         if mask is None:
-            rows = torch.arange(s, device=q.device)[:, None]
-            cols = torch.arange(s, device=q.device)[None, :]
-            mask = (cols <= rows) & (cols > rows - window)
+            positions = torch.arange(s, device=q.device)
+            mask = in_window(positions, positions, window)
             if masks is not None:
                 masks[key] = mask
     if key_mask is not None:

@@ -57,6 +57,7 @@ from megapar.context_parallel.kernels import (
     block_backward,
     block_forward,
     choose_kernel,
+    in_window,
     merge,
     wide,
 )
@@ -144,14 +145,14 @@ def window_bias(
             torch.arange(r.start, r.stop, device=device)
             for r in _chunk_positions(cp, rank, c, call.q)
         ]
-    )[:, None]
+    )
     k = torch.cat(
         [
             torch.arange(r.start, r.stop, device=device)
             for r in _chunk_positions(cp, source, c, call.kv)
         ]
-    )[None, :]
-    keep = (k <= q) & (k > q - window)
+    )
+    keep = in_window(q, k, window)
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, _lowest(dtype))[
         None, None
     ]

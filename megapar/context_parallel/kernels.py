@@ -37,6 +37,16 @@ import contextlib
 
 import torch
 
+
+def in_window(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """[len(queries), len(keys)] True where the query at each position attends to the key at
+    each position under a sliding window of `window` with the causal rule: transformers'
+    `sliding_window_overlay` (key > query - window) and key <= query. The one statement of the
+    rule, for the model's masks, the KV cache's and context parallelism's."""
+    q, k = queries[:, None], keys[None, :]
+    return (k <= q) & (k > q - window)
+
+
 KERNELS = ("flash", "cuda-flash", "cuda-efficient", "math")
 
 

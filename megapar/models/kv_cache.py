@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapar.context_parallel.kernels import in_window
 from megapar.models.config import CAUSAL_LM_TYPES
 
 
@@ -119,9 +120,9 @@ def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
     """[queries, keys] True where the query attends to the key: the last `queries` of `keys`
     positions, each over the `window` keys up to itself (transformers' sliding window: key >
     query - window, key <= query). Made on the device from arange."""
-    q = torch.arange(keys - queries, keys, device=device)[:, None]
-    k = torch.arange(keys, device=device)[None, :]
-    return (k <= q) & (k > q - window)
+    return in_window(
+        torch.arange(keys - queries, keys, device=device), torch.arange(keys, device=device), window
+    )
 
 
 def cached_attention(model: nn.Module) -> list[nn.Module]:

@@ -29,11 +29,14 @@ import math
 import os
 
 from megapar.checkpoint.format import probe_writable
+from megapar.context_parallel.a2a import heads_error
 from megapar.context_parallel.split import length_multiple
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.faults.slow import SlowRank
+from megapar.mesh import layout_option
+from megapar.models.flops import heads
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
@@ -326,10 +329,6 @@ def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> N
 def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
     """--cp-comm-type a2a at cp > 1 gives each cp rank a cp-th of a tp rank's query heads: they
     must divide over cp (`a2a.heads_error`); UsageError naming the fix."""
-    from megapar.context_parallel.a2a import heads_error
-    from megapar.mesh import layout_option
-    from megapar.models.flops import heads
-
     if comm_type != "a2a" or layout.cp == 1:
         return
     per_tp = heads(config) // layout.tp
