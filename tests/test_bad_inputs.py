@@ -1114,8 +1114,6 @@ OTHER_TOOLS = [
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
      "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
-    ("plan", ["--model", "llama-1b", "--cp-comm-type", "p2p"], "--cp-comm-type: megapar-plan "
-     "models the context-parallel attention"),
     ("bubble", ["--pp", "2", "-m", "4", "--parallelism.context_parallel_degree", "2"],
      "did you mean --cp?"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --cp x --pp processes"),

@@ -71,30 +71,32 @@ def test_cp_activation_prediction_equals_bytes_a_cp_rank_saves():
 def test_cp_traffic_is_what_cp_attention_sends():
     """Per layer and micro-batch, the planner's cp traffic equals the calls counted in a real
     step (tests/test_comm_counts.py's cp step at tp 1, cp 2): ring sends for GPT-2 and BERT,
-    all-gathers and a reduce-scatter for grouped-query Llama."""
+    all-gathers and a reduce-scatter for grouped-query Llama; under --cp-comm-type a2a the two
+    all-to-alls each way (q, k and v together, the output) for GPT-2 and Llama (its 2 kv heads
+    unexpanded)."""
     import test_comm_counts as counts
 
     from megapar.comm_count import summary
 
     runs = [(kind, "none") for kind in ("gpt2", "bert", "llama")]
+    runs += [("gpt2", "none", "a2a"), ("llama", "none", "a2a")]
     results = run_local(counts._cp_worker, 2, 1, 2, False, runs)[0]
     names = {
         "send": "isend",
         "all-gather": "all_gather_into_tensor",
         "reduce-scatter": "reduce_scatter_tensor",
+        "all-to-all": "all_to_all_single",
     }
-    for (kind, _), (calls, _) in zip(runs, results):
+    for (kind, _, *comm), (calls, _) in zip(runs, results):
         config = counts.CONFIG_CLASSES[kind](**counts.CONFIGS[kind])
         problem = Problem(config, 2, 8, 80, counts.MBS * counts.M, counts.SEQ, "fp32")
+        c = Candidate(mbs=counts.MBS, cp=2, cp_comm=comm[0] if comm else "auto")
         planned = {}
-        for op, n, nbytes in (
-            cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["forward"]
-            + cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["backward"]
-        ):
+        for op, n, nbytes in cp_traffic(problem, c)["forward"] + cp_traffic(problem, c)["backward"]:
             key = (names[op], nbytes // 4, 2)
             planned[key] = planned.get(key, 0) + n * counts.L * counts.M
         counted = {k: v for k, v in summary(calls).items() if k[0] in names.values()}
-        assert counted == planned, kind
+        assert counted == planned and planned, (kind, comm)
 
 
 def test_plan_offers_cp_for_long_sequences_and_checks_the_split(capsys):

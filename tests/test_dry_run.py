@@ -840,6 +840,28 @@ def test_plan_verify_holds_expert_tensor_parallelism():
     assert whole.params - split.params == config.num_layers * experts // 2
 
 
+def test_plan_verify_holds_all_to_all_context_parallelism():
+    """llama-tiny (4 heads, 2 kv heads) at tp 2 x cp 2 with sequence parallelism and
+    --cp-comm-type a2a, bf16: the plan's parameters, state, activations (each rank holds the
+    whole sequence for its cp-th of the heads: as many elements as its s / cp tokens of all
+    of them) and the attention's all-to-all bytes per step equal the dry run's on every
+    sampled rank (`megapar-plan --verify`); a plan off by 2 bytes is caught."""
+    import megapar.dryrun.verify as verify
+    from megapar.plan import Problem, parse_candidate
+
+    problem = Problem(resolve_model("llama-tiny"), 4, global_batch=4, seq_len=64,
+                      precision="bf16")
+    c = parse_candidate("tp=2,pp=1,cp=2,dp=1,mbs=1,sp=1,cp_comm=a2a", 4)
+    v = verify.verify_layout(problem, c, ranks=[1])
+    assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
+    planned = verify.step_a2a(problem, c, 4)
+    assert planned > 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "step_a2a", lambda p, c, layers: planned + 2)
+        v = verify.verify_layout(problem, c, ranks=[1])
+    assert v.differences == [(1, "all_to_all", planned + 2, planned)], v.differences
+
+
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
     """After a dry run's fake backward a forked process still runs a backward (the launcher's
     ranks): torch 2.11's CUDA build (the GPU machines') started autograd's threads for 8 fake

@@ -586,6 +586,13 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                                  "sequence parallelism at tp > 1, and no tp > 1 "
                                                  "divides --gpus 8 within a node")),
     (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
+    # the experts' and cp attention's settings where no layout reads them
+    (["--expert-tensor-parallel-size", "2"], ("--expert-tensor-parallel-size 2 splits a mixture "
+                                              "of experts' routed experts over tp, and this gpt2 "
+                                              "model has none: remove the flag")),
+    (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size 0 is invalid"),
+    (["--cp-comm-type", "a2a"], ("--cp-comm-type a2a chooses how context-parallel attention "
+                                 "communicates, and the search tries cp 1 only: add --cp-sizes")),
 ])
 def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
     """Each in one line (exit code 2), not "no valid layout; most common reasons:" and nothing,
@@ -875,7 +882,7 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
     # the keys listed left out offload=KIND, which is taken
     ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
-     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, offload"),
+     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, cp_comm, offload"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read
@@ -918,6 +925,59 @@ def test_zero3_experts_line_says_no_negative_saving(capsys):
     line = next(x for x in out.out.splitlines() if x.startswith("experts: ep 8"))
     assert code == 0 and "are 56.87 GiB, as at ep 1 (ZeRO-3 shards" in line, line
     assert "-0.00" not in out.out and "0.00 MiB less" not in out.out, line
+
+
+MIXTRAL_AT_TP4 = ["--model", "mixtral-8x7b", "--gpus", "16", "--gpus-per-node", "4",
+                  "--gpu-memory-gb", "58", "--global-batch-size", "8", "--seq-len", "4096",
+                  "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full",
+                  "--zero-stages", "0", "1", "--top", "3"]
+"""Mixtral 8x7B on 16 GPUs of 58 GiB, 4 a node: with the routed experts whole on every tp rank
+(etp 1) no layout fits (the least, tp1 pp16, needs 60 GiB); split over tp 4 they do (56 GiB)."""
+
+
+def test_the_plan_splits_the_experts_over_tp_where_whole_ones_do_not_fit(capsys):
+    """The search tries etp 1 and tp for a mixture of experts and picks a layout with the
+    experts split over tp 4 (its command carries --expert-tensor-parallel-size 4) where none
+    with them whole fits; --expert-tensor-parallel-size 1 leaves none that fits, and 4 only
+    layouts at tp 4."""
+    code, out = _cli(capsys, *MIXTRAL_AT_TP4)
+    chosen = next(x for x in out.out.splitlines() if x.startswith("chosen: "))
+    assert code == 0 and " etp4 " in chosen and chosen.startswith("chosen: tp4 "), out.out
+    assert "--tp 4 --expert-tensor-parallel-size 4 " in out.out, out.out
+    code, out = _cli(capsys, *MIXTRAL_AT_TP4, "--expert-tensor-parallel-size", "1")
+    assert code == 1 and "no layout fits" in out.out, out.out
+    code, out = _cli(capsys, *MIXTRAL_AT_TP4, "--expert-tensor-parallel-size", "4", "--json")
+    rows = json.loads(out.out)["layouts"]
+    assert code == 0 and rows and all(r["layout"].startswith("tp4 ") for r in rows), rows
+    assert all(" etp4 " in r["layout"] for r in rows), rows
+
+
+def test_the_plan_tries_a2a_where_the_heads_divide_and_picks_it_for_grouped_query_heads():
+    """At cp > 1 the search tries the model's cp attention and the all-to-all (a2a) where a
+    tp rank's query heads divide over cp (llama-tiny's 4 heads: not at tp 2 x cp 4), and
+    --cp-comm-type a2a refuses the others with the heads' reason; for Llama 8B (32 query heads,
+    8 kv heads) at tp 2 x cp 4 the all-to-all of q, k, v and the output moves fewer bytes than
+    the all-gather of K/V and its fp32 reduce-scatter, and is chosen."""
+    from megapar.plan import enumerate_candidates, plan
+
+    tiny = Problem(resolve_model("llama-tiny"), 8, global_batch=8, seq_len=64)
+    space = dict(micro_batch_sizes=(1,), schedules=("1f1b",), cp_sizes=(1, 2, 4))
+    valid, _ = enumerate_candidates(tiny, **space)
+    tried = {(c.tp, c.cp, c.cp_comm) for c in valid}
+    assert {(t, n) for t, n, comm in tried if comm == "a2a"} == {(1, 2), (1, 4), (2, 2)}
+    assert {comm for t, n, comm in tried if n == 1} == {"auto"}
+    valid, rejected = enumerate_candidates(tiny, **space, cp_comm="a2a")
+    assert {(c.tp, c.cp) for c in valid if c.cp > 1} == {(1, 2), (1, 4), (2, 2)}
+    why = next(r for c, r in rejected if (c.tp, c.cp) == (2, 4))
+    assert "2 heads per tp rank do not divide over cp 4" in why, why
+    big = Problem(resolve_model("llama-8b"), 16, global_batch=16, seq_len=32768)
+    estimates, _ = plan(big, micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("none",),
+                        zero_stages=(3,), cp_sizes=(4,))
+    best = estimates[0]
+    assert best.fits and best.candidate.cp_comm == "a2a", best.candidate.label()
+    ring = next(e for e in estimates
+                if e.candidate == dataclasses.replace(best.candidate, cp_comm="auto"))
+    assert best.comm_s["cp"] < ring.comm_s["cp"], (best.comm_s, ring.comm_s)
 
 
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():

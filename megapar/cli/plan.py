@@ -46,6 +46,7 @@ from megapar.plan import (
     plan,
 )
 from megapar.plan.layouts import (
+    CP_COMMS,
     OFFLOADS,
     PLAN_SCHEDULES,
     RECOMPUTE,
@@ -125,9 +126,6 @@ OTHER_FLAGS = {
     "--pipeline-model-parallel-size": _ONE_LAYOUT,
     "--context-parallel-size": _ONE_LAYOUT,
     "--parallelism.context_parallel_degree": _ONE_LAYOUT,
-    "--cp-comm-type": "megapar-plan models the context-parallel attention megapar-train uses "
-    "for the model by default (--cp-comm-type auto: a ring of K/V blocks, an all-gather of K/V "
-    "for grouped-query attention), not a2a's all-to-alls; drop it",
     "--expert-model-parallel-size": _ONE_SETTING.format(
         what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
     ),
@@ -137,9 +135,6 @@ OTHER_FLAGS = {
     "--ep": _ONE_SETTING.format(
         what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
     ),
-    "--expert-tensor-parallel-size": "megapar-plan's search keeps each routed expert whole on "
-    "every tp rank; to check a layout with them split over tp, give etp=N (N the tp size) to "
-    "--explain (e.g. --explain tp=2,dp=4,ep=2,etp=2,mbs=1)",
     "--cp": "--cp-sizes",
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",
@@ -385,6 +380,24 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
         "is 8192 or more)",
     )
     p.add_argument(
+        "--cp-comm-type",
+        choices=CP_COMMS,
+        default=None,
+        help="megapar-train's --cp-comm-type for the layouts at cp > 1: auto (the model's "
+        "own: a ring of K/V blocks, an all-gather of them for grouped-query heads), p2p "
+        "(ring), all_gather, a2a (all-to-all, Ulysses); default: auto and a2a both tried "
+        "(a2a where a tp rank's query heads divide over cp)",
+    )
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="megapar-train's --expert-tensor-parallel-size for a mixture of experts: 1 "
+        "(each routed expert whole on every tp rank) or N = tp (each split over tp: only "
+        "layouts at tp N); default: 1 and tp both tried",
+    )
+    p.add_argument(
         "--today",
         action="store_true",
         help="only layouts megapar-train runs as planned now (fp32 master weights; "
@@ -465,6 +478,8 @@ SEARCH_OPTIONS = (
     "zero_stages",
     "offload",
     "cp_sizes",
+    "cp_comm_type",
+    "expert_tensor_parallel_size",
     "today",
     "top",
 )
@@ -481,7 +496,8 @@ def _refuse_search_flags(given: tuple[str, ...]) -> None:
             f"{', '.join(named)} {'shapes' if len(named) == 1 else 'shape'} the search, which "
             f"--explain does not run (it estimates the one LAYOUT it names); drop "
             f"{'it' if len(named) == 1 else 'them'}, or give the setting in LAYOUT (e.g. "
-            f"mbs=2,schedule=1f1b,recompute=full,zero=1,cp=2,offload=optimizer)"
+            f"mbs=2,schedule=1f1b,recompute=full,zero=1,cp=2,offload=optimizer,"
+            f"cp_comm=a2a,etp=2)"
         )
 
 
@@ -556,6 +572,8 @@ def main(argv=None) -> int:
         cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
         zero_stages=tuple(args.zero_stages),
         offloads=tuple(args.offload),
+        etp=args.expert_tensor_parallel_size,
+        cp_comm=args.cp_comm_type,
     )
     if args.today:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]

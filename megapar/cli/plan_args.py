@@ -8,6 +8,7 @@ import math
 
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.optim.optimizer import NOT_OFFLOADED
+from megapar.plan.layouts import default_cp_sizes
 
 MAX_VERIFY = 32
 """Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
@@ -155,6 +156,23 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
             f"--moe-imbalance applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. "
             f"--model mixtral-tiny); this {config.model_type} model has no experts: remove "
             f"the flag"
+        )
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp < 1:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} is invalid: give 1 (experts whole) or the tp "
+            f"size to split them over"
+        )
+    if etp is not None and etp > 1 and not getattr(config, "num_moe_layers", 0):
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} splits a mixture of experts' routed experts "
+            f"over tp, and this {config.model_type} model has none: remove the flag"
+        )
+    comm = args.cp_comm_type
+    if comm not in (None, "auto") and max(args.cp_sizes or default_cp_sizes(args.seq_len)) == 1:
+        raise ValueError(
+            f"--cp-comm-type {comm} chooses how context-parallel attention communicates, and "
+            f"the search tries cp 1 only: add --cp-sizes (e.g. 1 2 4), or drop the flag"
         )
     if args.explain is not None:  # one layout: its own zero= and offload= are checked with it
         return

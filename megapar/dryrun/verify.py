@@ -11,7 +11,8 @@ the executor's programs (`megapar.plan.pipeline.held_is_exact`) has its activati
 and they are not compared (`Verified.note` says so). Under expert parallelism each rank's
 all-to-all bytes per step are compared with the plan's (`megapar.plan.experts.step_alltoall`)
 where the dry run's even routing gives every rank the mean rows (the micro-batch's T k rows a
-multiple of the experts); otherwise the note says they were not.
+multiple of the experts; otherwise the note says they were not), and under --cp-comm-type a2a
+the attention's all-to-all bytes with the plan's (`megapar.plan.context_parallel.step_a2a`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megapar.mesh import Layout
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline, stage_memory
+from megapar.plan.context_parallel import step_a2a
 from megapar.plan.estimate import layout_of, offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
@@ -57,6 +59,7 @@ def train_config(problem, candidate):
         pp=c.pp,
         dp=c.dp,
         cp=c.cp,
+        cp_comm_type=c.cp_comm if c.cp > 1 else "auto",
         ep=c.ep,
         expert_tensor_parallel_size=c.etp,
         micro_batch_size=c.mbs,
@@ -149,20 +152,26 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
 
 def _alltoall_difference(problem, c, r, out: Verified) -> list:
     """[(rank, "all_to_all", planned, dry run)] if rank report `r`'s all-to-all bytes per step
-    differ from the plan's (ep > 1, where the dry run's even routing is the mean: T k rows a
-    multiple of the experts; else a note)."""
+    differ from the plan's: expert parallelism's (ep > 1, where the dry run's even routing is
+    the mean: T k rows a multiple of the experts; else a note) and --cp-comm-type a2a's
+    attention (`step_a2a`), summed over the ep and cp groups (the dry run names a cp all-to-all
+    over the ep group's ranks ep's)."""
     cfg = problem.config
-    if c.ep == 1:
-        return []
-    tokens = experts.routed_tokens(problem.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
-    if tokens * cfg.num_experts_per_tok % cfg.num_local_experts:
-        if "all-to-all" not in out.note:
-            out.note = "; ".join(
-                filter(None, [out.note, "all-to-all bytes not compared (uneven even split)"])
-            )
-        return []
     specs = chunk_specs(cfg.num_layers, c.pp, r.pp_rank, c.v, placement_of(c.schedule))
-    layers = experts.moe_layers(cfg, [i for s in specs for i in s.layers])
-    planned = experts.step_alltoall(problem, c, layers)
-    counted = r.comm.get("ep", {}).get("all_to_all_single", {}).get("bytes", 0)
+    held = [i for s in specs for i in s.layers]
+    planned = step_a2a(problem, c, len(held))
+    if c.ep > 1:
+        tokens = experts.routed_tokens(problem.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+        if tokens * cfg.num_experts_per_tok % cfg.num_local_experts:
+            if "all-to-all" not in out.note:
+                out.note = "; ".join(
+                    filter(None, [out.note, "all-to-all bytes not compared (uneven even split)"])
+                )
+            return []
+        planned += experts.step_alltoall(problem, c, experts.moe_layers(cfg, held))
+    elif not planned:
+        return []
+    counted = sum(
+        r.comm.get(group, {}).get("all_to_all_single", {}).get("bytes", 0) for group in ("ep", "cp")
+    )
     return [] if counted == planned else [(r.rank, "all_to_all", planned, counted)]

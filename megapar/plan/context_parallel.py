@@ -8,6 +8,7 @@ import functools
 
 from megapar.context_parallel import method_for
 from megapar.context_parallel.attention import plan as attention_calls
+from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import head_size, heads, kv_heads_per_rank
 from megapar.plan.layouts import Candidate
 from megapar.plan.problem import Problem
@@ -24,10 +25,29 @@ def kv_width(cfg, t: int) -> int:
     return kv_heads_per_rank(cfg, t) * head_size(cfg)
 
 
-def cp_method(cfg) -> str:
-    """The context-parallel attention megapar uses for this model (`method_for`)."""
+def cp_method(cfg, comm: str = "auto") -> str:
+    """The context-parallel attention megapar runs for this model under --cp-comm-type `comm`
+    (`CP_COMM_TYPES`): "ring", "all-gather" or "a2a"; auto: the model's own (`method_for`)."""
+    method = CP_COMM_TYPES[comm]
+    return method or method_for(_heads(cfg), getattr(cfg, "kv_heads", _heads(cfg)))
 
-    return method_for(_heads(cfg), getattr(cfg, "kv_heads", _heads(cfg)))
+
+def a2a_heads(cfg, t: int, cp: int) -> tuple[int, int]:
+    """(query heads, kv heads) a tp rank's all-to-all of q, k and v carries (`a2a.py`): its
+    query heads, and its kv heads where they divide over cp (`a2a.kv_plan`: each cp rank's
+    query heads then use only its own kv heads), else one per query head (expanded first)."""
+    q = _heads(cfg) // t
+    kv_total = getattr(cfg, "kv_heads", _heads(cfg))
+    kv = kv_total // t if kv_total % t == 0 else 0
+    return q, kv if kv and kv % cp == 0 else q
+
+
+def a2a_elements(p: Problem, c: Candidate) -> tuple[int, int]:
+    """(q + k + v, output) elements of one layer's two all-to-alls per micro-batch: what a rank
+    sends (its own cp-th included) of its s / cp tokens at the heads `a2a_heads` names."""
+    q, kv = a2a_heads(p.config, c.tp, c.cp)
+    per_head = c.mbs * (p.seq_len // c.cp) * head_size(p.config)
+    return (q + 2 * kv) * per_head, q * per_head
 
 
 def cp_block(p: Problem, c: Candidate) -> int:
@@ -39,11 +59,18 @@ def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]
     """What one layer's context-parallel attention sends per micro-batch, as megapar issues it:
     {"forward" / "backward": [(operation, calls, payload bytes of each)]} (empty at cp 1).
     A ring exchange is one send (and one receive) of a block; an all-gather's payload is this
-    rank's block, a reduce-scatter's the cp blocks of gradients (fp32)."""
+    rank's block, a reduce-scatter's the cp blocks of gradients (fp32); the all-to-all (a2a)
+    sends q, k and v in one call and the output in another forward, their gradients backward
+    (`a2a_elements`, activation dtype)."""
     if c.cp == 1:
         return {"forward": [], "backward": []}
     n, block = c.cp, cp_block(p, c)
-    if cp_method(p.config) == "ring":
+    method = cp_method(p.config, c.cp_comm)
+    if method == "a2a":
+        qkv, out = a2a_elements(p, c)
+        both = [("all-to-all", 1, qkv * p.act_bytes), ("all-to-all", 1, out * p.act_bytes)]
+        return {"forward": both, "backward": list(both)}
+    if method == "ring":
         return {
             "forward": [("send", n - 1, block * p.act_bytes)],
             "backward": [("send", n - 1, block * p.act_bytes), ("send", n, block * 4)],
@@ -52,6 +79,21 @@ def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]
         "forward": [("all-gather", 1, block * p.act_bytes)],
         "backward": [("all-gather", 1, block * p.act_bytes), ("reduce-scatter", 1, n * block * 4)],
     }
+
+
+def step_a2a(p: Problem, c: Candidate, layers: int) -> int:
+    """One rank's all-to-all payload bytes per step of the all-to-all attention (0 for other
+    methods and at cp 1): `cp_traffic`'s forward (twice where recomputation repeats the
+    attention's forward: selective and full) and backward, x its pipeline rank's `layers`
+    attention layers x the micro-batches of its dp rank."""
+    if c.cp == 1 or cp_method(p.config, c.cp_comm) != "a2a":
+        return 0
+    traffic = cp_traffic(p, c)
+    forward = sum(calls * nbytes for _, calls, nbytes in traffic["forward"])
+    backward = sum(calls * nbytes for _, calls, nbytes in traffic["backward"])
+    forwards = 2 if c.recompute != "none" else 1
+    m = p.global_batch // (c.mbs * c.dp)
+    return (forwards * forward + backward) * layers * m
 
 
 FLASH_KV_SPLIT = 512
@@ -161,6 +203,8 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
     cfg = p.config
     rows = p.seq_len // c.cp
     q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
+    if cp_method(cfg, c.cp_comm) == "a2a":
+        return a2a_buffers(p, c)
     return cp_attention_peak(
         cp_method(cfg),
         c.cp,
@@ -172,6 +216,24 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
         p.target == "cpu",
         c.mbs * (_heads(cfg) // c.tp) if attention_dropout(cfg) else 0,
     )
+
+
+def a2a_buffers(p: Problem, c: Candidate) -> float:
+    """Kept: nothing beyond the layer's terms (`plan.memory.layer_bytes`). During the core each
+    rank holds the whole sequence for its cp-th of the heads: q, k and v (k and v at the query
+    heads, expanded or picked from its own kv heads) and the output, each b x heads / (tp cp)
+    x s x d elements, which is b x heads / tp x s / cp x d: what the layer terms count for its
+    s / cp tokens of every head (q, k, v and the output at the query heads' width); the
+    all-to-alls' inputs are not kept (`a2a.py`'s functions save nothing). Checked against the
+    dry run (tests/test_dry_run.py).
+
+    Transient bytes of the all-to-all attention's backward (activation dtype): the
+    attention's gradients of q, k and v at the query heads (3 x q elements: a rank's cp-th of
+    the heads over the whole sequence holds as many as its s / cp tokens of every head), then
+    their all-to-all back in one call: its send and receive buffers and the chunks reassembled
+    (3 x the q + k + v elements, `a2a_elements`)."""
+    qkv, out = a2a_elements(p, c)
+    return (3 * out + 3 * qkv) * p.act_bytes
 
 
 def attention_dropout(cfg) -> float:
@@ -188,11 +250,13 @@ def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[floa
     hidden (`cp_traffic` over the intra-node link while tp x cp fits a node): a ring exchange
     overlaps the block attention it runs beside (a cp-th of `attention_s`, the layer's attention
     forward; twice that backward), the all-gather's ring collectives ((cp - 1) steps of a
-    block) do not."""
+    block) do not, nor the all-to-alls ((cp - 1) / cp of each payload leaves the rank)."""
     n = c.cp
     gbps = p.intra_gbps if c.tp * n <= p.gpus_per_node else p.inter_gbps
 
     def seconds(op: str, nbytes: int, hide: float) -> float:
+        if op == "all-to-all":  # (cp - 1) / cp of the payload leaves, in one exchange
+            return nbytes * (n - 1) / n * 8 / (gbps * 1e9) + p.latency_us * 1e-6
         steps, size = (
             (1, nbytes) if op == "send" else (n - 1, nbytes / (n if op == "reduce-scatter" else 1))
         )

@@ -165,7 +165,20 @@ class Shared:
 def _shape(c: Candidate) -> tuple:
     """The fields of `c` that its activations and chunk times read: all but the ZeRO stage and
     its options (offload, kept parameters, when ZeRO-3 reduces)."""
-    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.etp, c.mbs, c.schedule, c.v, c.recompute, c.sp)
+    return (
+        c.tp,
+        c.cp,
+        c.cp_comm,
+        c.pp,
+        c.dp,
+        c.ep,
+        c.etp,
+        c.mbs,
+        c.schedule,
+        c.v,
+        c.recompute,
+        c.sp,
+    )
 
 
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:

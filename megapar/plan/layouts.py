@@ -13,8 +13,11 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from megapar.context_parallel.a2a import heads_error
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
+from megapar.models.blocks import CP_COMM_TYPES
+from megapar.models.flops import heads
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
 from megapar.plan.problem import Problem
@@ -27,6 +30,8 @@ RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages the planner models: 1 the optimizer state sharded over dp x cp, 2 also the
 gradients, 3 also the parameters (FSDP)."""
+CP_COMMS = tuple(CP_COMM_TYPES)
+"""megapar-train's --cp-comm-type values: auto, p2p (ring), all_gather, a2a (all-to-all)."""
 OFFLOADS = ("none", "optimizer", "both")
 """What a plan may keep in host memory: the optimizer (--offload-optimizer), ZeRO-3's parameter
 shards (--offload-params), or both."""
@@ -87,6 +92,10 @@ class Candidate:
     etp: int = 1
     """Expert tensor-parallel size (megapar-train's --expert-tensor-parallel-size): 1 (each
     routed expert whole on every tp rank) or tp (each split over the tp ranks)."""
+    cp_comm: str = "auto"
+    """Context-parallel attention (megapar-train's --cp-comm-type, `CP_COMMS`): auto (the
+    model's own: a ring of K/V blocks, an all-gather of them for grouped-query heads), p2p (the
+    ring), all_gather or a2a (all-to-all, Ulysses: heads traded for the whole sequence)."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
@@ -97,6 +106,7 @@ class Candidate:
             + (["keep"] if self.keep_params else [])
             + (["rs/micro-batch"] if self.zero3_reduce != "step" else [])
             + ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
+            + ([self.cp_comm] if self.cp_comm != "auto" else [])
         )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
@@ -116,6 +126,7 @@ class Candidate:
             + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
             + (",keep_params=1" if self.keep_params else "")
             + (f",zero3_reduce={self.zero3_reduce}" if self.zero3_reduce != "step" else "")
+            + (f",cp_comm={self.cp_comm}" if self.cp_comm != "auto" else "")
         )
 
     def offloaded(self) -> str:
@@ -140,12 +151,17 @@ _ALIASES = {
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 _LABEL_SIZE = re.compile(r"(tp|cp|pp|dp|ep|etp|mbs|v|zero)(\d+)")
-_LABEL_FLAGS = {"sp": "sp=1", "keep": "keep_params=1", "rs/micro-batch": "zero3_reduce=micro-batch"}
+_LABEL_FLAGS = {
+    "sp": "sp=1",
+    "keep": "keep_params=1",
+    "rs/micro-batch": "zero3_reduce=micro-batch",
+    **{comm: f"cp_comm={comm}" for comm in CP_COMM_TYPES if comm != "auto"},
+}
 
 
 def _from_label(item: str) -> str:
     """One word of a table's layout name (`Candidate.label`: `tp2`, `mbs1`, `1f1b`, `v2`,
-    `rc=none`, `sp`, `zero1`, `keep`, `rs/micro-batch`) as its KEY=VALUE item; other words as
+    `rc=none`, `sp`, `zero1`, `keep`, `rs/micro-batch`, `a2a`) as its KEY=VALUE item; other words as
     they are."""
     size = _LABEL_SIZE.fullmatch(item)
     if size:
@@ -191,10 +207,13 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             continue
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {keys}")
-        if key in ("schedule", "recompute", "zero3_reduce"):
-            allowed = {"schedule": PLAN_SCHEDULES, "recompute": RECOMPUTE, "zero3_reduce": REDUCES}[
-                key
-            ]
+        if key in ("schedule", "recompute", "zero3_reduce", "cp_comm"):
+            allowed = {
+                "schedule": PLAN_SCHEDULES,
+                "recompute": RECOMPUTE,
+                "zero3_reduce": REDUCES,
+                "cp_comm": CP_COMMS,
+            }[key]
             if value not in allowed:
                 raise ValueError(f"--explain: {key}={value!r}: use one of {', '.join(allowed)}")
             values[key] = value
@@ -255,6 +274,7 @@ def _option_refusal(c: Candidate, p: Problem) -> str | None:
         _grid_refusal(c, p.gpus, p.gpus_per_node)
         or _schedule_refusal(c, p.config, p.global_batch)
         or _sequence_refusal(c, p.seq_len)
+        or _cp_comm_refusal(c, p.config)
         or _zero_refusal(c)
         or _expert_refusal(c, p.config)
     )
@@ -302,6 +322,23 @@ def ep_sizes(config, dp: int, zero: int) -> tuple[int, ...]:
     if not experts:
         return (1,)
     return tuple(d for d in divisors(dp) if experts % d == 0)
+
+
+def etp_sizes(config, tp: int) -> tuple[int, ...]:
+    """The expert tensor-parallel sizes a plan tries at `tp`: 1 (each routed expert whole on
+    every tp rank) and, for a mixture-of-experts model at tp > 1 whose experts' intermediate
+    size tp divides, tp (each split over the tp ranks)."""
+    size = getattr(config, "expert_size", 0) if getattr(config, "num_moe_layers", 0) else 0
+    return (1, tp) if tp > 1 and size and size % tp == 0 else (1,)
+
+
+def cp_comms(config, tp: int, cp: int) -> tuple[str, ...]:
+    """The cp attentions a plan tries at (`tp`, `cp`): none at cp 1 ("auto"); else the model's
+    own (auto: the ring, or the all-gather for grouped-query heads) and the all-to-all (a2a)
+    where a tp rank's query heads divide over cp."""
+    if cp == 1:
+        return ("auto",)
+    return ("auto", "a2a") if heads_error(heads(config) // tp, cp) is None else ("auto",)
 
 
 def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
@@ -393,6 +430,26 @@ def _sequence_refusal(c: Candidate, seq_len: int | None) -> str | None:
     return None
 
 
+def _cp_comm_refusal(c: Candidate, config) -> str | None:
+    """Why the candidate's context-parallel attention cannot run (megapar-train's rules:
+    `check_cp_comm`, and a --cp-comm-type other than auto needs cp > 1), or None."""
+    if c.cp_comm not in CP_COMMS:
+        return f"cp_comm={c.cp_comm}: use one of {', '.join(CP_COMMS)}"
+    if c.cp_comm == "auto":
+        return None
+    if c.cp == 1:
+        return f"cp_comm={c.cp_comm} chooses cp attention's exchange, and cp 1 has none: use cp > 1"
+    if c.cp_comm == "a2a":
+        per_tp = heads(config) // c.tp
+        why = heads_error(per_tp, c.cp)
+        if why:
+            return (
+                f"{why} ({heads(config)} heads / tp {c.tp}); use cp_comm=p2p, or a cp "
+                f"dividing {per_tp}"
+            )
+    return None
+
+
 def _zero_refusal(c: Candidate) -> str | None:
     """Why the candidate's ZeRO stage or offload settings cannot run, or None."""
     if c.zero not in ZERO_STAGES:
@@ -466,11 +523,15 @@ def enumerate_candidates(
     cp_sizes=None,
     zero_stages=ZERO_STAGES,
     offloads=("none",),
+    etp=None,
+    cp_comm=None,
 ):
     """(valid candidates, [(candidate, reason)] rejected) for problem `p` (its model, GPUs,
     GPUs per node, global batch and sequence length) over the whole space (`cp_sizes`:
     None for `default_cp_sizes`; `zero_stages` tried where dp x cp > 1, each with the
-    `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A
+    `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters; `etp`:
+    the expert tensor-parallel size, None for `etp_sizes`; `cp_comm`: the cp attention at
+    cp > 1, None for `cp_comms`). A
     (tp, pp, dp) grid that no option can run (too many heads or stages, tp across nodes, a batch dp
     does not divide) is rejected once, as its plain candidate, so the search is quick even for huge
     GPU counts with many divisors."""
@@ -484,7 +545,13 @@ def enumerate_candidates(
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
+                if etp is not None and etp not in (1, tp):  # a fixed etp this tp cannot take
+                    plain = Candidate(tp, pp, dp, cp=cp, etp=etp)
+                    rejected.append((plain, _expert_refusal(plain, config) or ""))
+                    continue
                 model = model_refusal(Candidate(tp, pp, dp, cp=cp), config)  # every option's
+                etps = (etp,) if etp is not None else etp_sizes(config, tp)
+                comms = (cp_comm,) if cp_comm is not None and cp > 1 else cp_comms(config, tp, cp)
                 eps = ep_sizes(config, dp * cp, 0)  # the same at every ZeRO stage
                 for mbs, schedule, v, rc, sp, zero, off, keep, ep in _options(
                     pp,
@@ -498,27 +565,30 @@ def enumerate_candidates(
                     offloads,
                     lambda zero, eps=eps: eps,
                 ):
-                    c = Candidate(
-                        tp,
-                        pp,
-                        dp,
-                        mbs,
-                        schedule,
-                        v,
-                        rc,
-                        sp,
-                        zero,
-                        cp,
-                        off in ("optimizer", "both"),
-                        off in ("params", "both"),
-                        keep,
-                        ep=ep,
-                    )
-                    reason = model or _option_refusal(c, p)
-                    if reason:
-                        rejected.append((c, reason))
-                    else:
-                        valid.append(c)
+                    for e, comm in ((e, comm) for e in etps for comm in comms):
+                        c = Candidate(
+                            tp,
+                            pp,
+                            dp,
+                            mbs,
+                            schedule,
+                            v,
+                            rc,
+                            sp,
+                            zero,
+                            cp,
+                            off in ("optimizer", "both"),
+                            off in ("params", "both"),
+                            keep,
+                            ep=ep,
+                            etp=e,
+                            cp_comm=comm,
+                        )
+                        reason = model or _option_refusal(c, p)
+                        if reason:
+                            rejected.append((c, reason))
+                        else:
+                            valid.append(c)
     return valid, rejected
 
 

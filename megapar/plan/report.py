@@ -108,6 +108,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         f"--model {model}",
         f"--tp {c.tp}",
         *([f"--cp {c.cp}"] if c.cp > 1 else []),
+        *([f"--cp-comm-type {c.cp_comm}"] if c.cp > 1 and c.cp_comm != "auto" else []),
         *([f"--ep {c.ep}"] if c.ep > 1 else []),
         *([f"--expert-tensor-parallel-size {c.etp}"] if c.etp > 1 else []),
         f"--pp {c.pp}",
