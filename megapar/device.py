@@ -421,9 +421,9 @@ def first_host(nodelist: str) -> str:
 CONNECT_BOUND = 2.0
 """A gloo process group's creation may last this many times the wait (`--timeout-s`): the
 wait for its members' addresses, which gloo bounds by the group's timeout, and as long again
-for the connections. gloo itself waits up to 5 times the group's timeout (measured with torch
-2.13: 5.0 s at 1 s, 10.0 s at 2) for a member that gave its address and then died or stopped
-(or whose address was a dead rank's: torchrun's restarts, `default_store_prefix`)."""
+for the connections. gloo itself waits up to 5 times the group's timeout for a member that
+gave its address and then died or stopped (or whose address was a dead rank's: torchrun's
+restarts, `default_store_prefix`; measured in docs/guides/faults.md)."""
 
 
 _GLOO_CONNECT = re.compile(r"Gloo connectFullMesh failed with (?:\[[^\]]*\] )?(?P<why>.*)", re.S)

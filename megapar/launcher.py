@@ -227,7 +227,7 @@ def run_local(
     if start_method == "fork" and optimizers:
         # torch's optimizers import torch._dynamo when built (torch marks add_param_group with
         # its lazy form of torch.compiler.disable, as megapar.graph_break): imported here once,
-        # the forked workers share it instead of each importing it (1.2 s of CPU per worker)
+        # the forked workers share it instead of each importing it (its cost: docs/testing.md)
         import torch._dynamo  # noqa: F401
     ctx = mp.get_context(start_method)
     results = ctx.Queue()

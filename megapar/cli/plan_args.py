@@ -11,7 +11,7 @@ from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.plan.layouts import default_cp_sizes
 
 MAX_VERIFY = 32
-"""Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
+"""Most layouts --verify dry-runs in one run (each takes seconds: docs/guides/planner.md)."""
 
 
 def check_layout_arguments(args) -> None:

@@ -170,7 +170,9 @@ class Spec:
     """A `ring.Ring` (ring) or the cp process group (all-gather)."""
     dropout_p: float = 0.0
     kernel: str | None = None
-    """One of `kernels.KERNELS`; None chooses by device, dtype, mask and dropout."""
+    """The kernel of `kernels.block_forward` / `block_backward`: "flash", "cuda-flash",
+    "cuda-efficient" or "math"; None chooses by device, dtype, mask and dropout
+    (`kernels.choose_kernel`)."""
     label: str = "attention"
     """Names the layer in a timeout's message."""
     masks: DropoutMasks | None = field(default=None, repr=False)

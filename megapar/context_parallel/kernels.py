@@ -47,9 +47,6 @@ def in_window(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.T
     return (k <= q) & (k > q - window)
 
 
-KERNELS = ("flash", "cuda-flash", "cuda-efficient", "math")
-
-
 def choose_kernel(
     device: torch.device,
     dropout_p: float,

@@ -31,7 +31,8 @@ from collections.abc import Collection
 from megapar.mesh import Layout
 
 MAX_DRY_RUN_WORLD = 1 << 20
-"""Largest job a dry run rehearses: 1,048,576 ranks (one rank of it takes 30 s and 1 GB here)."""
+"""Largest job a dry run rehearses: 1,048,576 ranks (what one rank of it costs:
+docs/guides/planner.md, "megapar-train --dry-run")."""
 MAX_REHEARSAL_S = 3600.0
 """Longest a dry run's ranks are estimated to take (`rehearsal_seconds`)."""
 S_PER_RANK, S_PER_RANK_OF_JOB = 0.5, 30e-6

@@ -111,7 +111,7 @@ MATH_SCORES = 6
 """Score-sized fp32 tensors ([b, heads, r, n]) the unfused kernel's backward
 (`kernels.block_backward`, "math") holds at its peak with dropout: the scores and
 probabilities, dP, the mask's draw and the mask, then P x mask, dP x mask, dP - delta and dS
-(measured 5.5-5.75 beyond the rest)."""
+(measured: docs/guides/planner.md, "The process at its peak")."""
 
 
 @functools.cache

@@ -51,77 +51,48 @@ TARGETS = ("gpu", "cpu")
 """What a plan's process figure is for (`Problem.target`)."""
 
 GPU_RESERVE = 1.09
-"""The CUDA caching allocator's reserved peak over its allocated peak: 1.04-1.22 measured on an
-H200 (GPT-2 124M at micro-batch 4 x 1024: 6.26 and 7.06 GiB reserved over 5.77 allocated in
-two sessions; 16 x 1024: 18.1 over 16.5; Llama 1.2B at 4 x 2048: 50.4 over 48.4; 2026-11-26,
-docs/performance.md "On one GPU"); 1.09, the median of the four ratios."""
+"""The CUDA caching allocator's reserved peak over its allocated peak, by which a GPU figure
+multiplies its tensors' peak; fitted on an H200 (docs/guides/planner.md, "The process at its
+peak": the allocator's reserve)."""
 
 CUDA_CONTEXT = 0.75 * GIB
-"""Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
-0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
+"""Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces) that a GPU
+figure adds, as `megapar.device.cuda_context_bytes` measures it (docs/guides/planner.md, "The
+process at its peak": CUDA context)."""
 
 CPU_RUNTIME = 30 * 2**20
 """Resident memory a CPU rank adds beyond the tensors counted and the heap's room: memory
 outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on first use) and heap
 bytes that are no counted tensors (the model's and engine's Python objects, bookkeeping,
-gloo's buffers). Measured in spawned ranks, the training modules, transformers and
-torch._dynamo imported before the baseline as `CPU_BASELINE` counts them
-(benchmarks/memory/process_terms.py, 2026-12-01): on 8 blocks of hidden 512 at dp 2, ZeRO 0-3,
-12 MiB of heap bytes besides the state after the step and 10-11 MiB of resident set above
-glibc's arena (the ZeRO-3 rank 12-30 MiB above its in-use peak); on mixtral-tiny's ZeRO-3
-ranks with ep 28-29 MiB beyond their tensors, the heap's room (2-3) included; 30 MiB. What the
-heap holds beyond it is room that follows the step's transients (`CPU_HEAP_ROOM`,
-`_rebuilt_layer_place`, `_sequence_parallel_holes`) and, under ZeRO-3, the tensors of a block's
-reduction (`_inside_backward`). In a rank megapar-train forks, the rise over the rank's
-start also holds the library pages the rank touches, which a spawned rank holds in its
-baseline (`CPU_FORKED_BASELINE`).
-
-Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
-takes none (under 3 MiB at 4 and 25 MiB); a reduce-scatter holds one copy of its input and an
-all-gather one of its output until waited for (26.6 and 24.9 MiB at 25 MiB): ZeRO's collectives
-go in pieces of `shard_comm.HOST_PIECE_BYTES` (4 MiB) on the host, whose copies the heap's room
-and this term hold. Sequence parallelism's copies are `_sequence_parallel_holes`: on tp 2, 8
-blocks of hidden 256 at 4 x 1,024 tokens, SP lowered glibc's in-use peak by 29 MiB (38
-counted) and raised its arena at that peak by 36 (4 blocks: -13 and +28 to +36;
-benchmarks/memory/process_terms.py)."""
+gloo's buffers). What the heap holds beyond it is room that follows the step's transients
+(`CPU_HEAP_ROOM`, `_rebuilt_layer_place`, `_sequence_parallel_holes`) and, under ZeRO-3, the
+tensors of a block's reduction (`_inside_backward`); gloo's copies stay inside it and the heap's
+room, as ZeRO's collectives go in pieces of `shard_comm.HOST_PIECE_BYTES` on the host. In a rank
+megapar-train forks, the library pages the rank touches are `CPU_FORKED_PAGES`. Measured in
+docs/guides/planner.md ("The process at its peak": runtime; "ZeRO-3 inside the backward and
+the heap's room")."""
 
 CPU_HEAP_ROOM = 0.2
 """Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and never
 trims, `megapar.device.keep_freed_host_memory`) as a share of the step's transients: the tensors
-above the state at the peak (and, under ZeRO 0-2, `CPU_GRADIENT_ROOM` of the parameter gradients
-autograd makes and frees in the backward, `_backward_grads`). Glibc's arena less its in-use
-bytes (`mallinfo2` sampled every millisecond) was 30 MiB over the 295 MiB of embedding-sized
-gradients of a GPT-2-wide rank in one process (2026-11-29), 53-106 MiB over GPT-2 124M's at dp
-2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's place,
-`_moved_embedding_gradients`), and on 8 blocks of hidden 512 at dp 2 (2026-12-01, its transients
-10 MiB of activations and 98 MiB of the backward's gradients, 32 counted) 40-50 / 15-34 / 10-20
-MiB at ZeRO 0 / 1 / 2; 0.2. Not of ZeRO-3's gathered units, full gradient buffers and
-reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a CPU rank serves every
-allocation above 4 MiB with its own mapping, unmapped when freed
-(`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2 124M dp 2 ZeRO-3 in
-megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39 without; the state
-model's ZeRO-3 ranks 7-22 MiB at their in-use peak)."""
+above the state at the peak and, under ZeRO 0-2, `CPU_GRADIENT_ROOM` of the parameter gradients
+autograd makes and frees in the backward (`_backward_grads`). Not of ZeRO-3's gathered units,
+full gradient buffers and reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a
+CPU rank serves every allocation above 4 MiB with its own mapping, unmapped when freed
+(`megapar.device.return_freed_host_memory`), so they leave no room. Measured in
+docs/guides/planner.md ("The process at its peak": heap's room)."""
 
 CPU_GRADIENT_ROOM = 0.3
 """The heap's room over the parameter gradients the backward makes and frees under ZeRO 0-2
-(`_backward_grads`), at world size > 1: each block's gradients are made at the heap's top
-among the backward's other transients, of the same sizes as the last block's, whose freed
-places do not take them (glibc serves torch's 64-byte aligned allocations with a chunk larger
-than the tensor: `_sequence_parallel_holes`). On 8 blocks of hidden 512 at dp 2 (98 MiB of
-such gradients, 10 MiB of other transients; benchmarks/memory/process_terms.py, 2026-12-01)
-glibc's arena rose 40-50 / 15-34 / 10-20 MiB above its in-use peak at ZeRO 0 / 1 / 2 (0.41-0.51
-/ 0.15-0.35 / 0.10-0.20 of them); 0.3. Less certain than the tensors: a fit of those ranks."""
+(`_backward_grads`), at world size > 1: each block's gradients are made at the heap's top, of
+the same sizes as the last block's, whose freed places do not take them
+(`_sequence_parallel_holes`). A fit of measured ranks, less certain than the tensors
+(docs/guides/planner.md, "ZeRO-3 inside the backward and the heap's room")."""
 
 CPU_HEAP_ROOM_ALONE = 0.1
-"""`CPU_HEAP_ROOM` for a job of one process: no collective's thread allocates in the heap
-between the step's frees and allocations, and glibc's arena held less room over its
-transients. Spawned ranks, the training modules imported before the baseline: GPT-2's width
-and vocabulary (6 blocks, 465 MiB of transients) 30 MiB of room (glibc's arena less its in-use
-bytes, 2026-11-29, 0.065); 8 blocks of hidden 256 at 4 x 1,024 tokens (551 MiB of transients)
-rose 687 MiB in two runs (2026-12-01, benchmarks/memory/planner_layouts.py) over 631 MiB of
-tensors, 26 beyond the runtime (0.047). megapar-train's one rank, in the launcher's process
-whose heap the data pipeline shares, held more: cp 1 at 4,096 tokens peaked at 1.126 GiB
-(2026-12-01), 0.893 of the figure with 0.05; 0.1."""
+"""`CPU_HEAP_ROOM` for a job of one process, where no collective's thread allocates in the heap
+between the step's frees and allocations (docs/guides/planner.md, "ZeRO-3 inside the backward
+and the heap's room": one process holds less room)."""
 
 CPU_BASELINE = 329 * 2**20
 """A rank's resident set before its job when it is a process of its own (spawned, torchrun,
@@ -129,30 +100,23 @@ one process): the interpreter with torch, megapar's training modules, transforme
 torch._dynamo imported. torch's optimizer imports torch._dynamo when the engine builds it (its
 `add_param_group` is wrapped by the lazy `torch._disable_dynamo`), so every rank holds it from
 its build on; no megapar module imports it earlier (tests/test_house.py), so measurements import
-it before their baseline. Measured in a spawned worker (2026-11-29): 259 MiB with the others,
-331 with torch._dynamo (+72 MiB, 69 of it anonymous); of the others the training modules 84 MiB
-and transformers' GPT-2 config 25 MiB (benchmarks/memory/gloo_terms.py). Reported apart: the
-OS's absolute peak is `ProcessPeak.total` plus this (`cpu_baseline`). A rise measured from
-before those imports holds them (about 180 MiB)."""
+it before their baseline. Reported apart: the OS's absolute peak is `ProcessPeak.total` plus
+this (`cpu_baseline`). Measured in docs/guides/planner.md ("The process at its peak":
+baseline)."""
 
 CPU_FORKED_BASELINE = 236 * 2**20
 """The same for a rank megapar-train forks on a CPU (world size > 1 on one machine, no
 torchrun): its resident set at its start. A forked child's resident set holds the launcher's
 anonymous memory it shares copy on write (the interpreter's heap, torch's, torch._dynamo's,
 imported by the launcher before it forks, and megapar's state) but, of the libraries' file
-pages, only those it touches itself. Measured 2026-11-29 in megapar-train's largest ranks
-(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, main at `dcd2ef2`): 236 MiB at
-the worker's start, 221 anonymous and 15 of files (the launcher: 160 and 84, before
-torch._dynamo). What `CPU_RUNTIME` counts rose by 42 and 78 MiB in those ranks: the library
-pages they touched (+35 to +38 MiB of files) and heap bytes no counted tensor holds (+3, +40),
-nothing else outside glibc's heap to speak of."""
+pages, only those it touches itself (`CPU_FORKED_PAGES`). Measured in docs/guides/planner.md
+("The process at its peak": baseline; a forked rank's baseline is not a spawned one's)."""
 
 
 CPU_FORKED_PAGES = 36 * 2**20
 """The library file pages a rank megapar-train forks touches in its first step, which a
-spawned rank holds in its baseline (`CPU_BASELINE`, 84 MiB of files) and a forked rank does not
-hold at its start: +35 to +38 MiB of file pages measured in megapar-train's largest ranks
-(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, 2026-11-29); 36 MiB."""
+spawned rank holds in its baseline (`CPU_BASELINE`) and a forked rank does not hold at its
+start (docs/guides/planner.md, "The process at its peak": baseline)."""
 
 
 def cpu_baseline(world_size: int) -> float:
@@ -165,19 +129,12 @@ def cpu_baseline(world_size: int) -> float:
 
 
 CPU_NO_WORKING_SET = True
-"""On a CPU a block's backward working set is not counted above the kept activations: glibc's
-in-use peak (`mallinfo2`, benchmarks/memory/process_terms.py, 2026-11-29; less the 25 MiB the
-training modules' import leaves in the heap and the 20 MiB of engine objects) was 623 MiB on 8
-blocks of hidden 256 at 4 x 1,024 tokens in one process, 374 at tp 2 and 345 at tp 2 + SP,
-against 631 / 386 / 352 counted without the working set and 695 / 426 / 388 with it (one
-block's activations: 64 / 40 / 36 MiB): autograd frees each node's saved tensors as its
-backward runs, so a block's gradients take the place of its activations. The same holds for
-context parallelism's attention backward (`context_parallel.cp_buffers`), which runs inside a
-block's backward after its MLP's and the head's saved tensors are freed: on 8 blocks of hidden
-256 at cp 2, 4 x 1,024 tokens, glibc's in-use peak was 392 MiB against 397 counted with its 27
-MiB (2026-12-01; the heap holds 19 MiB of other bytes), so a CPU figure leaves it out (the
-spawned ranks' rise 1.132 -> 1.060 of the figure). The GPU figure keeps both terms (its tensors'
-peak was within 3 % of the H200's allocated peak with the working set; cp not measured there)."""
+"""On a CPU a block's backward working set, and context parallelism's attention backward
+(`context_parallel.cp_buffers`, which runs inside a block's backward), are not counted above
+the kept activations: autograd frees each node's saved tensors as its backward runs, so a
+block's gradients take the place of its activations. The GPU figure keeps both terms. Measured
+in docs/guides/planner.md ("The process at its peak": a block's backward working set; "The cp
+attention on a CPU")."""
 
 BOUNDS = {
     "gpu": (

@@ -18,7 +18,8 @@ from megapar.training.usage import UsageError, flag_of
 
 MAX_SIMULATED_ACTIONS = 50_000
 """--simulate / --show-schedule refuse schedules with more actions than this (forwards and
-backwards of every stage, chunk and micro-batch; the simulator is pure Python, ~2 s here)."""
+backwards of every stage, chunk and micro-batch; the simulator is pure Python, its time at
+this size in docs/guides/bubble.md)."""
 MAX_SIMULATED_STAGES = 256
 """--simulate refuses more stages than this (its cost also grows with the square of pp)."""
 
