@@ -347,7 +347,8 @@ TRAIN = [
     (["--model", "llama-tiny", "--tp", "2", "--cp", "4", "--cp-comm-type", "a2a",
       "--seq-len", "64"], "--cp-comm-type a2a at cp 4: all-to-all context parallelism gives "
      "each cp rank a cp-th of a tp rank's attention heads, and 2 heads per tp rank do not "
-     "divide over cp 4"),
+     "divide over cp 4 (4 heads / tp 2); use --cp 2 (dividing 2), --tp 1 (its heads per tp "
+     "rank divide over cp 4), or --cp-comm-type p2p (the ring scales past the head count)"),
     # a dry run's world is --world-size, not processes to launch
     (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
      "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
