@@ -923,7 +923,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     for argv, hint in ((["--resume", "ck"], "--resume: did you mean --load?"),
                        (["--train-iters=5"], "--train-iters: did you mean --max-steps?"),
                        (["--ckpt", "ck"], "--ckpt: did you mean --load or --save?"),
-                       (["--max-step", "5"], "--max-step: did you mean --max-steps?")):
+                       (["--max-step", "5"], "--max-step: did you mean --max-steps?"),
+                       # Megatron's: difflib named --val-fraction, --cp-comm-type, --timeout-s
+                       (["--normalization", "RMSNorm"], "--normalization: a model's "
+                        "normalisation comes with its family"),
+                       (["--tp-comm-overlap"], "--tp-comm-overlap: megapar-train does not"),
+                       (["--moe-router-fusion"], "--moe-router-fusion: megapar's router"),
+                       (["--moe-extended-tp"], "--moe-extended-tp: Megatron's extended tp")):
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
         assert exc.value.code == 2
