@@ -1130,6 +1130,10 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
+    # megapar-train's Megatron names, given to the converter: no hint was given
+    ("convert", ["a", "b", "--tensor-model-parallel-size", "2"], "did you mean --tp?"),
+    ("convert", ["a", "b", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size: "
+     "a checkpoint does not depend on --ep (every expert is saved whole)"),
     ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
     # megapar-train's layout flags no checkpoint depends on: "--ep: did you mean --tp?"
     ("convert", ["a", "b", "--ep", "2"], "--ep: a checkpoint does not depend on --ep (every "
