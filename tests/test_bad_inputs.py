@@ -1123,6 +1123,13 @@ OTHER_TOOLS = [
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
     ("plan", ["--model", "llama-1b", "--cp-comm-type", "p2p"], "--cp-comm-type: megapar-plan "
      "models the context-parallel attention"),
+    # Megatron's, in a MoE plan: no hint was given
+    ("plan", ["--model", "mixtral-tiny", "--use-distributed-optimizer"],
+     "--use-distributed-optimizer: megapar-plan tries every ZeRO stage of --zero-stages itself"),
+    ("plan", ["--model", "mixtral-tiny", "--num-experts", "8"], "--num-experts: a mixture of "
+     "experts' routing and sizes come from the model config"),
+    ("plan", ["--model", "mixtral-tiny", "--moe-grouped-gemm"], "--moe-grouped-gemm: "
+     "megapar-train runs the experts as one grouped matmul"),
     ("bubble", ["--pp", "2", "-m", "4", "--parallelism.context_parallel_degree", "2"],
      "did you mean --cp?"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --cp x --pp processes"),
