@@ -1121,6 +1121,9 @@ OTHER_TOOLS = [
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
      "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
+    # Megatron's hierarchical cp: only argparse's "invalid choice"
+    ("train", ["--cp-comm-type", "a2a+p2p"], "invalid choice: 'a2a+p2p' (choose from 'auto', "
+     "'p2p', 'all_gather', 'a2a'); megapar's cp group is one level (no hierarchical a2a+p2p)"),
     ("plan", ["--model", "llama-1b", "--cp-comm-type", "p2p"], "--cp-comm-type: megapar-plan "
      "models the context-parallel attention"),
     # Megatron's, in a MoE plan: no hint was given
