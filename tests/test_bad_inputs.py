@@ -1137,6 +1137,8 @@ OTHER_TOOLS = [
      "did you mean --cp?"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --cp x --pp processes"),
     ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
+    ("eval", ["--load", "ck", "--cp", "2", "--cp-comm-type", "a2a"], "--cp-comm-type: "
+     "megapar-eval's --cp runs each model's default context-parallel attention"),
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
