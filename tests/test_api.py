@@ -1227,7 +1227,7 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
                                "context-parallel attention communicates, and cp=1 has none"]),
     ({"cp": 8, "cp_comm_type": "a2a"}, ["megapar.prepare: cp_comm_type='a2a' at cp 8: "
                                         "all-to-all context parallelism", "use cp=2 or 4 "
-                                        "(dividing 4), a smaller tp, or cp_comm_type='p2p'"]),
+                                        "(dividing 4), or cp_comm_type='p2p' (the ring"]),
     # megapar-train's ranges: clip_grad=-1 trained unclipped, weight_decay=-0.1 grew the weights
     ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
     ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),

@@ -347,7 +347,8 @@ TRAIN = [
     (["--model", "llama-tiny", "--tp", "2", "--cp", "4", "--cp-comm-type", "a2a",
       "--seq-len", "64"], "--cp-comm-type a2a at cp 4: all-to-all context parallelism gives "
      "each cp rank a cp-th of a tp rank's attention heads, and 2 heads per tp rank do not "
-     "divide over cp 4"),
+     "divide over cp 4 (4 heads / tp 2); use --cp 2 (dividing 2), --tp 1 (its heads per tp "
+     "rank divide over cp 4), or --cp-comm-type p2p (the ring scales past the head count)"),
     # a dry run's world is --world-size, not processes to launch
     (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
      "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
@@ -922,7 +923,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     for argv, hint in ((["--resume", "ck"], "--resume: did you mean --load?"),
                        (["--train-iters=5"], "--train-iters: did you mean --max-steps?"),
                        (["--ckpt", "ck"], "--ckpt: did you mean --load or --save?"),
-                       (["--max-step", "5"], "--max-step: did you mean --max-steps?")):
+                       (["--max-step", "5"], "--max-step: did you mean --max-steps?"),
+                       # Megatron's: difflib named --val-fraction, --cp-comm-type, --timeout-s
+                       (["--normalization", "RMSNorm"], "--normalization: a model's "
+                        "normalisation comes with its family"),
+                       (["--tp-comm-overlap"], "--tp-comm-overlap: megapar-train does not"),
+                       (["--moe-router-fusion"], "--moe-router-fusion: megapar's router"),
+                       (["--moe-extended-tp"], "--moe-extended-tp: Megatron's extended tp")):
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
         assert exc.value.code == 2
@@ -1114,13 +1121,29 @@ OTHER_TOOLS = [
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
      "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
+    # Megatron's hierarchical cp: only argparse's "invalid choice"
+    ("train", ["--cp-comm-type", "a2a+p2p"], "invalid choice: 'a2a+p2p' (choose from 'auto', "
+     "'p2p', 'all_gather', 'a2a'); megapar's cp group is one level (no hierarchical a2a+p2p)"),
+    # Megatron's, in a MoE plan: no hint was given
+    ("plan", ["--model", "mixtral-tiny", "--use-distributed-optimizer"],
+     "--use-distributed-optimizer: megapar-plan tries every ZeRO stage of --zero-stages itself"),
+    ("plan", ["--model", "mixtral-tiny", "--num-experts", "8"], "--num-experts: a mixture of "
+     "experts' routing and sizes come from the model config"),
+    ("plan", ["--model", "mixtral-tiny", "--moe-grouped-gemm"], "--moe-grouped-gemm: "
+     "megapar-train runs the experts as one grouped matmul"),
     ("bubble", ["--pp", "2", "-m", "4", "--parallelism.context_parallel_degree", "2"],
      "did you mean --cp?"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --cp x --pp processes"),
     ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
+    ("eval", ["--load", "ck", "--cp", "2", "--cp-comm-type", "a2a"], "--cp-comm-type: "
+     "megapar-eval's --cp runs each model's default context-parallel attention"),
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
+    # megapar-train's Megatron names, given to the converter: no hint was given
+    ("convert", ["a", "b", "--tensor-model-parallel-size", "2"], "did you mean --tp?"),
+    ("convert", ["a", "b", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size: "
+     "a checkpoint does not depend on --ep (every expert is saved whole)"),
     ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
     # megapar-train's layout flags no checkpoint depends on: "--ep: did you mean --tp?"
     ("convert", ["a", "b", "--ep", "2"], "--ep: a checkpoint does not depend on --ep (every "

@@ -885,3 +885,19 @@ def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+
+
+
+def test_dry_run_names_the_expert_split_and_the_cp_communication():
+    """--expert-tensor-parallel-size and --cp-comm-type a2a change every rank's bytes and
+    collectives, but the job's line named neither (a rehearsal of tp 4 x cp 2 a2a at ETP 4
+    read as one at ETP 1 with the ring): now both, as sequence parallelism is."""
+    from megapar.dryrun.report import describe_job
+    from megapar.training.config import TrainConfig
+
+    cfg = TrainConfig(tp=2, cp=2, ep=2, expert_tensor_parallel_size=2, cp_comm_type="a2a",
+                      seq_len=16, micro_batch_size=1, global_batch_size=1)
+    layout = Layout(2, 1, 1, cp=2, ep=2)
+    job = describe_job(cfg, resolve_model("mixtral-tiny"), layout, 8, 1, "all")
+    assert job.split("\n")[0].endswith(
+        "; fp32, recompute none, each expert split over tp 2, --cp-comm-type a2a"), job

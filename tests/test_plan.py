@@ -1006,9 +1006,12 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
                               (moe, "dp=4,ep=3", f"does not divide dp x cp = 4: experts are "
                                                  f"sharded over dp x cp ranks; {fix}"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
-                              (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
-        assert why in check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8,
-                                                             seq_len=32)), spec
+                              (moe, "cp=4,ep=8", "does not divide dp x cp = 4"),
+                              # at tp 1 it said "use etp=1 or etp=1"
+                              (moe, "dp=4,ep=2,etp=2", "etp 2 is neither 1 nor tp 1: use etp=1"),
+                              (moe, "tp=2,dp=2,etp=4", "neither 1 nor tp 2: use etp=1 or etp=2")):
+        said = check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8, seq_len=32))
+        assert said.endswith(why) if "etp" in spec else why in said, (spec, said)
     eight = dataclasses.replace(moe, num_local_experts=8)
     assert check(parse_candidate("dp=8,ep=16", 8),
                  Problem(eight, 8, global_batch=8, seq_len=32)).endswith(

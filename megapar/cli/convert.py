@@ -56,12 +56,17 @@ _NOT_IN_FILES = (
 OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
     "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
     "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
     "--model-type": "the model is the source's own; drop it",
     "--load": "the source is the first PATH: megapar-convert SRC DST",
     "--save": "the destination is the second PATH: megapar-convert SRC DST",
     "--ep": _NOT_IN_FILES.format(flag="--ep", what="every expert is saved whole"),
+    "--expert-model-parallel-size": _NOT_IN_FILES.format(
+        flag="--ep", what="every expert is saved whole"
+    ),
     "--target-expert-parallel-size": _NOT_IN_FILES.format(
         flag="--ep", what="every expert is saved whole"
     ),

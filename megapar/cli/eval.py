@@ -80,6 +80,9 @@ OTHER_FLAGS = {
     "does not depend on ep); drop it, or use --tp / --pp",
     "--expert-tensor-parallel-size": "megapar-eval holds every expert whole on each rank (a "
     "checkpoint does not depend on it); drop it",
+    "--cp-comm-type": "megapar-eval's --cp runs each model's default context-parallel "
+    "attention (megapar-train's --cp-comm-type auto: the ring, or the all-gather of K/V for "
+    "grouped-query heads); drop it",
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",

@@ -73,7 +73,7 @@ from megapar.plan.report import (
 )
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
-from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE
+from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MOE_FIELD
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 
@@ -126,6 +126,12 @@ OTHER_FLAGS = {
     "--pipeline-model-parallel-size": _ONE_LAYOUT,
     "--context-parallel-size": _ONE_LAYOUT,
     "--parallelism.context_parallel_degree": _ONE_LAYOUT,
+    "--use-distributed-optimizer": _ONE_SETTING.format(
+        what="every ZeRO stage of --zero-stages", key="zero=1", example="dp=8,zero=1,mbs=1"
+    ),
+    "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
+    "--moe-grouped-gemm": "megapar-train runs the experts as one grouped matmul per projection "
+    "by itself (on CUDA in bf16); drop it",
     "--expert-model-parallel-size": _ONE_SETTING.format(
         what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
     ),

@@ -42,6 +42,16 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
         + ([f"ZeRO-{cfg.zero}"] if cfg.zero and layout.dp * layout.cp > 1 else [])
         + ([f"offload: {', '.join(offloaded)}"] if offloaded else [])
         + (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
+        + (
+            [f"each expert split over tp {cfg.expert_tensor_parallel_size}"]
+            if cfg.expert_tensor_parallel_size > 1
+            else []
+        )
+        + (
+            [f"--cp-comm-type {cfg.cp_comm_type}"]
+            if layout.cp > 1 and cfg.cp_comm_type != "auto"
+            else []
+        )
         + (["--sp-regather"] if cfg.sp_regather and cfg.sequence_parallel and layout.tp > 1 else [])
         + (["--compile (rehearsed with the blocks eager)"] if cfg.compile else [])
         + (["--loss-mean token"] if cfg.loss_mean == "token" else [])

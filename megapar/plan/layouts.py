@@ -284,7 +284,8 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     """Why the candidate's ep or etp cannot run (megapar-train's own rules, `check_ep`), or
     None."""
     if c.etp not in (1, c.tp):
-        return f"etp {c.etp} is neither 1 nor tp {c.tp}: use etp=1 or etp={c.tp}"
+        fix = "etp=1" if c.tp == 1 else f"etp=1 or etp={c.tp}"
+        return f"etp {c.etp} is neither 1 nor tp {c.tp}: use {fix}"
     if c.etp > 1:
         size = getattr(config, "expert_size", 0) if getattr(config, "num_moe_layers", 0) else 0
         if not size:

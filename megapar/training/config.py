@@ -423,6 +423,20 @@ def _loss_scale_named_elsewhere(value: str) -> str:
     return ""
 
 
+def _cp_comm_named_elsewhere(value: str) -> str:
+    """Megatron-core's hierarchical --cp-comm-type (a2a+p2p, or a list per level) and
+    torchtitan's rotate methods, as megapar's one-level choices."""
+    if "+" in value or "," in value:
+        return (
+            "megapar's cp group is one level (no hierarchical a2a+p2p): give --cp-comm-type a2a "
+            "(a tp rank's heads divisible by cp) or p2p (the ring)"
+        )
+    return {
+        "allgather": "give --cp-comm-type all_gather",
+        "alltoall": "give --cp-comm-type a2a",
+    }.get(value, "")
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
@@ -432,6 +446,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--lr-wsd-decay-style": decay_named_elsewhere,
             "--optimizer": optimizer_named_elsewhere,
             "--loss-scale": _loss_scale_named_elsewhere,
+            "--cp-comm-type": _cp_comm_named_elsewhere,
         },
         prog=prog,
         description=(

@@ -36,6 +36,10 @@ MOE_FIELD = (
     "names): set {field} there"
 )
 
+ARCHITECTURE = (
+    "a model's {what} comes with its family (--model: {how}), as in transformers; drop it"
+)
+
 CP_COMM = (
     "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a; auto, the default, "
     "chooses per model); torchtitan's allgather is all_gather, alltoall is a2a"
@@ -162,8 +166,9 @@ OTHER_TOOLS_FLAGS = {
     "--parallelism.pipeline_parallel_degree": "--pp",
     "--parallelism.context_parallel_degree": "--cp",
     "--parallelism.context_parallel_rotate_method": CP_COMM,
-    "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one ring (or one "
-    "all-gather) over all --cp ranks, with no hierarchy; give the whole size to --cp",
+    "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one group over all "
+    "--cp ranks (a ring, an all-gather or all-to-alls: --cp-comm-type), with no hierarchy; give "
+    "the whole size to --cp",
     "--parallelism.expert_parallel_degree": "--ep",
     "--parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size",
     "--use-distributed-optimizer": "--zero 1",
@@ -260,7 +265,35 @@ OTHER_TOOLS_FLAGS = {
     "--hidden-size": MODEL_SIZE,
     "--ffn-hidden-size": MODEL_SIZE,
     "--num-attention-heads": MODEL_SIZE,
-    "--num-query-groups": MODEL_SIZE,
+    "--num-query-groups": MODEL_FIELD.format(field="num_key_value_heads"),
+    "--group-query-attention": MODEL_FIELD.format(field="num_key_value_heads"),
+    "--kv-channels": MODEL_FIELD.format(field="head_dim"),
+    "--norm-epsilon": MODEL_FIELD.format(field="rms_norm_eps (GPT-2: layer_norm_epsilon)"),
+    "--rotary-base": MODEL_FIELD.format(field="rope_theta"),
+    "--untie-embeddings-and-output-weights": MODEL_FIELD.format(field="tie_word_embeddings false"),
+    "--disable-bias-linear": MODEL_FIELD.format(
+        field="attention_bias and mlp_bias (a Llama-like family's; GPT-2 and BERT have biases)"
+    ),
+    "--normalization": ARCHITECTURE.format(
+        what="normalisation", how="LayerNorm for GPT-2 and BERT, RMSNorm for the others"
+    ),
+    "--swiglu": ARCHITECTURE.format(
+        what="MLP",
+        how="SwiGLU for Llama, Mistral, Qwen and the MoE experts, GELU for GPT-2 and BERT",
+    ),
+    "--position-embedding-type": ARCHITECTURE.format(
+        what="position embedding", how="RoPE for the Llama-like ones, learned for GPT-2 and BERT"
+    ),
+    "--use-rotary-position-embeddings": ARCHITECTURE.format(
+        what="position embedding", how="RoPE for the Llama-like ones, learned for GPT-2 and BERT"
+    ),
+    "--qk-layernorm": ARCHITECTURE.format(
+        what="query / key norm", how="Qwen3's and Qwen3-MoE's, none in the others"
+    ),
+    "--use-mcore-models": "megapar has one implementation of each model; drop it",
+    "--transformer-impl": "megapar has one implementation of each model (torch's kernels; "
+    "--fp8 for float8 linears); drop it",
+    "--distributed-timeout-minutes": "--timeout-s (seconds) and --nccl-timeout-s",
     "--max-position-embeddings": MODEL_SIZE,
     "--recompute-activations": "--recompute selective",
     "--recompute-granularity": "--recompute",
@@ -460,6 +493,17 @@ OTHER_TOOLS_FLAGS = {
     "--moe-router-topk-scaling-factor": "megapar's router weighs the top-k experts by their "
     "scores (renormalised for a Mixtral, and for a Qwen3-MoE whose norm_topk_prob says so), with "
     "no scaling factor; drop it",
+    "--moe-use-legacy-grouped-gemm": "the experts run one grouped matmul per projection by "
+    "themselves on CUDA in bf16 (a loop over the experts elsewhere); drop it",
+    "--moe-permute-fusion": "megapar sorts the routed rows by expert and gathers them with "
+    "torch's kernels (no fused permute); drop it",
+    "--moe-router-fusion": "megapar's router runs with torch's kernels (no fused router); drop it",
+    "--moe-extended-tp": "Megatron's extended tp split each expert over tp x ep; megapar splits "
+    "each expert over tp with --expert-tensor-parallel-size (the --tp size) and spreads the "
+    "experts over --ep",
+    "--tp-comm-overlap": "megapar-train does not split the linears' matmuls to overlap their tp "
+    "collectives (Transformer Engine's userbuffers); with --sequence-parallel --sp-regather the "
+    "backward's re-gather overlaps an input-gradient matmul, as Megatron's; drop it",
     "--moe-router-dtype": "megapar's router takes the softmax (or sigmoid) of its logits in fp32 "
     "under every --precision; drop it",
     "--moe-input-jitter-eps": "megapar's router adds no input jitter; drop it",

@@ -341,11 +341,25 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
         else ("--cp-comm-type a2a", "--cp-comm-type p2p")
     )
     fits = [str(c) for c in range(2, per_tp + 1) if per_tp % c == 0]
-    cps = f"{layout_option('cp', ' or '.join(fits), api)} (dividing {per_tp}), " if fits else ""
+    total = heads(config)
+    # a smaller tp only where it gives each tp rank heads that divide over this cp
+    tps = [
+        str(t)
+        for t in range(1, layout.tp)
+        if total % t == 0 and heads_error(total // t, layout.cp) is None
+    ]
+    fixes = []
+    if fits:
+        fixes.append(f"{layout_option('cp', ' or '.join(fits), api)} (dividing {per_tp})")
+    if tps:
+        fixes.append(
+            f"{layout_option('tp', ' or '.join(tps), api)} (its heads per tp rank divide over "
+            f"cp {layout.cp})"
+        )
+    fixes.append(f"{other} (the ring scales past the head count)")
     raise UsageError(
-        f"{flag} at cp {layout.cp}: {why} ({heads(config)} heads / tp {layout.tp}); use "
-        f"{cps}a smaller {layout_option('tp', None, api)}, or {other} (the ring scales past the "
-        f"head count)"
+        f"{flag} at cp {layout.cp}: {why} ({total} heads / tp {layout.tp}); use "
+        f"{', '.join(fixes[:-1])}{', or ' if len(fixes) > 1 else ''}{fixes[-1]}"
     )
 
 
