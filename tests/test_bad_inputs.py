@@ -1124,6 +1124,12 @@ OTHER_TOOLS = [
     # Megatron's hierarchical cp: only argparse's "invalid choice"
     ("train", ["--cp-comm-type", "a2a+p2p"], "invalid choice: 'a2a+p2p' (choose from 'auto', "
      "'p2p', 'all_gather', 'a2a'); megapar's cp group is one level (no hierarchical a2a+p2p)"),
+    # torch's dtype names, Lightning's precision strings and FP8: only "invalid choice"
+    ("train", ["--precision", "bfloat16"], "invalid choice: 'bfloat16' (choose from 'fp32', "
+     "'bf16', 'fp16'); give --precision bf16"),
+    ("train", ["--precision", "16-mixed"], "; give --precision fp16"),
+    ("train", ["--precision", "fp8"], "; FP8 linears are --fp8 tensorwise (or rowwise)"),
+    ("generate", ["--load", "x", "--precision", "half"], "; give --precision fp16"),
     # Megatron's, in a MoE plan: no hint was given
     ("plan", ["--model", "mixtral-tiny", "--use-distributed-optimizer"],
      "--use-distributed-optimizer: megapar-plan tries every ZeRO stage of --zero-stages itself"),

@@ -32,6 +32,7 @@ from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.training.config import precision_named_elsewhere
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
 from megapar.training.tokenizer_checks import recorded_as_trained
@@ -82,6 +83,7 @@ def build_parser() -> OneLineParser:
         description=__doc__.split("\n")[0],
         stray=(("--prompt", "the prompt"),),
         known_as=OTHER_FLAGS,
+        value_known_as={"--precision": precision_named_elsewhere},
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument(

@@ -437,6 +437,35 @@ def _cp_comm_named_elsewhere(value: str) -> str:
     }.get(value, "")
 
 
+PRECISION_NAMES = {
+    "bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "32": "fp32",
+    "32-true": "fp32",
+}
+"""torch's dtype names and PyTorch Lightning's precision strings, as --precision's values."""
+
+
+def precision_named_elsewhere(value: str) -> str:
+    """For a --precision value named as torch or Lightning name it, megapar's."""
+    name = PRECISION_NAMES.get(str(value).lower())
+    return f"give --precision {name}" if name else ""
+
+
+def _train_precision_named_elsewhere(value: str) -> str:
+    """megapar-train's: torch's and Lightning's names, and FP8 (its own flag)."""
+    if str(value).lower() in ("fp8", "float8", "transformer-engine", "8-mixed"):
+        return "FP8 linears are --fp8 tensorwise (or rowwise) beside --precision bf16"
+    return precision_named_elsewhere(value)
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
@@ -447,6 +476,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--optimizer": optimizer_named_elsewhere,
             "--loss-scale": _loss_scale_named_elsewhere,
             "--cp-comm-type": _cp_comm_named_elsewhere,
+            "--precision": _train_precision_named_elsewhere,
         },
         prog=prog,
         description=(

@@ -189,6 +189,12 @@ class Trainer:
             if state.resharded
             else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         )
+        trained = state.meta.get("train_config") or {}
+        how += "".join(  # how the layout runs, which Layout does not hold (never inherited)
+            f"; --{name.replace('_', '-')} {was} -> {now}"
+            for name in ("expert_tensor_parallel_size", "cp_comm_type")
+            if (was := trained.get(name)) is not None and was != (now := getattr(self.cfg, name))
+        )
         ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
             f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
         )
