@@ -312,7 +312,7 @@ def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
     assert HFReader(str(out)).config.num_local_experts == 4
 
 
-def test_experts_split_over_tp_save_whole_and_resume_unsplit(tmp_path, common, capsys):
+def test_experts_split_over_tp_save_whole_and_resume_unsplit(tmp_path, common, capfd):
     """megapar-train --tp 2 --dp 2 --ep 2 --zero 1 --expert-tensor-parallel-size 2 (each
     expert's weights split over tp, its state over ZeRO-1's expert-dp slices) saves every expert
     and its moments whole, as any layout does (no tp split in the manifest; the dry run's file
@@ -332,7 +332,7 @@ def test_experts_split_over_tp_save_whole_and_resume_unsplit(tmp_path, common, c
         losses[run] = {r["step"]: r["loss"] for r in _records(log)}
         saved[run], manifest = _canonical(tmp_path / run / "step_00000002")
     # the resume note names the change the layout (tp 2 both times) does not show
-    assert "; --expert-tensor-parallel-size 2 -> 1)" in "".join(capsys.readouterr())
+    assert "; --expert-tensor-parallel-size 2 -> 1)" in "".join(capfd.readouterr())
     assert set(losses["etp1"]) == {2}
     assert abs(losses["etp1"][2] - losses["etp2"][2]) / losses["etp2"][2] < 1e-6, losses
     experts = [n for n in manifest["tensors"] if ".experts." in n]
