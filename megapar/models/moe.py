@@ -278,8 +278,12 @@ class RouterStats:
     def __init__(self, num_experts: int, device):
         self.values = torch.zeros(num_experts + 4, dtype=torch.float32, device=device)
 
-    def add(self, load, switch, z, dropped, share: float = 1.0) -> None:
-        """`share`: this rank's share of the micro-batch (its tokens are split over ranks)."""
+    def add(self, load, switch, z, dropped, share: float = 1.0, counted: bool = True) -> None:
+        """`share`: this rank's share of the micro-batch (its tokens are split over ranks);
+        `counted`: whether the routed counts (`load`, `dropped`) are this rank's to add (False
+        where another rank adds the same gathered micro-batch's: they count as zeros)."""
+        if not counted:
+            load, dropped = torch.zeros_like(load), torch.zeros_like(dropped)
         extra = torch.stack(
             [switch.float(), z.float(), dropped.float(), torch.ones_like(z) * share]
         )
@@ -501,13 +505,13 @@ class MoE(nn.Module):
         self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
         if torch.is_grad_enabled() and self.training:
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
-                counted = 1.0 if self.counts_stats else 0.0
                 self.stats.add(
-                    tokens_per_expert.detach() * counted,
+                    tokens_per_expert.detach(),
                     switch.detach(),
                     z.detach(),
-                    dropped * counted,
+                    dropped,
                     self.share,
+                    counted=self.counts_stats,
                 )
             penalty = self.aux_coef * switch + self.z_coef * z
             if self.aux_coef or self.z_coef:
