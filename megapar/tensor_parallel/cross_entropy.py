@@ -30,6 +30,24 @@ over its labelled tokens, averaged over the micro-batches and dp ranks (Megatron
 --calculate-per-token-loss, torchtitan's and transformers' Trainer's normalisation)."""
 
 
+def token_loss(
+    log_sum: torch.Tensor,
+    target_logit: torch.Tensor,
+    logit_sum: torch.Tensor | None,
+    eps: float,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Each token's cross-entropy from its logits' log-sum-exp, its target's logit and, under
+    label smoothing `eps`, the sum of its real columns' logits (`logit_sum`; None where eps is
+    0): log_sum - (1 - eps) target - eps / vocab_size x sum (torch's smoothing over the
+    `vocab_size` real columns), log_sum - target without. The log-sum-exp and the logits may
+    be shifted by the same amount. One formula for the vocab-parallel loss and the fused
+    heads' (`linear_cross_entropy`)."""
+    if not eps or logit_sum is None:
+        return log_sum - target_logit
+    return log_sum - (1.0 - eps) * target_logit - (eps / vocab_size) * logit_sum
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocab-parallel cross-entropy, holding one fp32 [tokens x local vocab] tensor.
 
@@ -60,6 +78,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = local_target.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
+        logit_sum = None
         if eps:  # the real columns' logit sum travels with the target's logit: one all-reduce
             both = torch.stack([target_logit, shifted[..., :real].sum(dim=-1)])
             _all_reduce(both, group)
@@ -71,10 +90,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         _all_reduce(sum_exp, group)
         log_sum = sum_exp.log()  # the log-sum-exp minus the max
-        if eps:
-            loss = log_sum - (1.0 - eps) * target_logit - (eps / vocab_size) * logit_sum
-        else:
-            loss = log_sum - target_logit
+        loss = token_loss(log_sum, target_logit, logit_sum, eps, vocab_size)
         loss = loss.masked_fill(ignored, 0.0)
         lse = (log_sum + logits_max).masked_fill(ignored, 0.0)
 

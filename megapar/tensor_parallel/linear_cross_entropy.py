@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.mesh import all_reduce as _all_reduce
+from megapar.tensor_parallel.cross_entropy import token_loss
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the fused head and loss by default (`TrainConfig.loss_chunk_tokens`)."""
@@ -143,11 +144,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_exp.mul_((local_max - logits_max).exp_().nan_to_num_(0.0))  # -inf - m: exp = 0
             _all_reduce(sum_exp, group)
         lse = sum_exp.log_().add_(logits_max)
-        if logit_sum is not None:
-            loss = lse - (1.0 - eps) * target_logit - (eps / vocab_size) * logit_sum
-        else:
-            loss = lse - target_logit
-        loss = loss.masked_fill_(ignored, 0.0)
+        loss = token_loss(lse, target_logit, logit_sum, eps, vocab_size).masked_fill_(ignored, 0.0)
         ctx.save_for_backward(x, weight, bias, local_target, outside, ignored, lse)
         ctx.real, ctx.chunk, ctx.dtype = real, chunk, dtype
         ctx.eps, ctx.z_coef, ctx.vocab_size = eps, z_coef, vocab_size
@@ -247,10 +244,7 @@ class _FusedSum(torch.autograd.Function):
             grad = logits.sub_(m[:, None]).exp_()
             sum_exp = grad.sum(dim=-1)
             lse = sum_exp.log() + m
-            if logit_sum is not None:
-                loss = lse - (1.0 - eps) * target_logit - (eps / real) * logit_sum
-            else:
-                loss = lse - target_logit
+            loss = token_loss(lse, target_logit, logit_sum, eps, real)
             total += (loss * keep[i:j]).sum()
             if z_coef:
                 z_total += (lse.square() * keep[i:j]).sum()
