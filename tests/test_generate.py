@@ -397,8 +397,16 @@ def test_the_kv_cache_gives_each_steps_logits_forwarding_one_position_per_token(
             if "embed" in name:
                 p.mul_(4.0)
     prompt = _ids(PROMPTS[0])
-    (cached, cached_seen, cached_logits), (plain, plain_seen, plain_logits) = _both_ways(
-        model, mesh, config, prompt, 8)
+    from megapar.models.kv_cache import KVCache
+
+    made, real_mask = [], KVCache._mask
+    KVCache._mask = lambda self, *a: made.append(a[:2]) or real_mask(self, *a)
+    try:
+        (cached, cached_seen, cached_logits), (plain, plain_seen, plain_logits) = _both_ways(
+            model, mesh, config, prompt, 8)
+    finally:
+        KVCache._mask = real_mask
+    assert made == [(len(prompt), len(prompt))] + [(1, len(prompt) + i) for i in range(1, 8)]
     assert cached == plain and len(cached) == 8
     assert cached_seen == [len(prompt)] + [1] * 7
     assert plain_seen == [len(prompt) + i for i in range(8)]

@@ -6,6 +6,7 @@ module computes them: this tp rank's heads (Llama's kv heads unexpanded), of thi
 stage's layers only. The first forward with the cache on (the prompt, the prefill) fills it;
 each later one appends its positions and attends to every cached one (in a layer with a
 sliding window, to the window's last keys: `window_mask`; the cache keeps every position).
+A step's mask is made once and shared by the layers' caches (`StepMasks`).
 Positions follow the cache: Llama rotates q and k by their absolute positions (the cache's
 length onwards), GPT-2's first stage is given the first new position as the batch's
 "positions_from".
@@ -35,12 +36,16 @@ class KVCache:
     allocated at the first `append` in its dtype and on its device; `pads` [batch] (int64):
     each row's left padding, None where no row has any."""
 
-    def __init__(self, capacity: int, pads: torch.Tensor | None = None):
+    def __init__(
+        self, capacity: int, pads: torch.Tensor | None = None, masks: StepMasks | None = None
+    ):
         self.capacity = capacity
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
         self.pads = pads
+        self.kept = 0  # how many times rows were dropped (`keep_rows`): part of a mask's key
+        self.masks = masks or StepMasks()
 
     def positions(self, s: int, device) -> torch.Tensor:
         """The positions [batch, s] of the next `s` slots of each row: slot - pads (the pad
@@ -56,6 +61,7 @@ class KVCache:
             self.v = self.v.index_select(0, rows.to(self.v.device))
         if self.pads is not None:
             self.pads = self.pads.index_select(0, rows.to(self.pads.device))
+        self.kept += 1
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the keys and values of the next positions; the cached ones, these included."""
@@ -87,20 +93,25 @@ class KVCache:
         if index is not None:
             k, v = k.index_select(1, index), v.index_select(1, index)
         s, total = q.shape[2], k.shape[2]
-        cut = window_mask(s, total, window, q.device) if window and window < total else None
+        mask = self.masks.get(
+            (s, total, self.kept, window), lambda: self._mask(s, total, window, q.device)
+        )
+        if mask is None and s == total:  # the prefill, every position from 0: the fused path
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _mask(self, s: int, total: int, window: int | None, device) -> torch.Tensor | None:
+        """The boolean mask of the last `s` of `total` cached positions' queries (None: every
+        key seen, or where s == total the plain causal rule): a row's pads, the window, or
+        causality among several new positions."""
+        cut = window_mask(s, total, window, device) if window and window < total else None
         if self.pads is not None:  # a left-padded batch (slots and positions differ by a row's
             padded = self._padded_mask(s, total)  # pads alone: the window holds in slots too)
-            if cut is not None:
-                padded = padded & cut
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=padded)
-        if cut is not None:  # the window cuts the cached positions
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=cut)
-        if s == total:  # the prefill: every position from 0
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        mask = None  # one new position sees all
-        if s > 1:  # query i is position total - s + i
-            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return padded & cut if cut is not None else padded
+        if cut is not None or s == total or s == 1:  # the window cuts the cached positions;
+            return cut  # the prefill is causal; one new position sees all
+        # query i is position total - s + i
+        return torch.ones(s, total, dtype=torch.bool, device=device).tril(total - s)
 
     def _padded_mask(self, s: int, total: int) -> torch.Tensor:
         """[batch, 1, s, total]: query slot i (of the last s) sees key slot j <= i that is not
@@ -114,6 +125,25 @@ class KVCache:
         real = keys[None, :] >= self.pads.to(device)[:, None]  # [batch, total]
         itself = keys[None, :] == queries[:, None]
         return (causal[None] & (real[:, None, :] | itself[None]))[:, None]
+
+
+class StepMasks:
+    """The attention masks of one generation step, made by the first layer's cache that needs
+    each and shared by every other (the same rows, pads, positions and window give the same
+    mask): one mask per step and window instead of one per layer. Keyed by (new positions,
+    cached positions, rows dropped so far, window); a new step's key drops the last ones."""
+
+    def __init__(self) -> None:
+        self.step: tuple | None = None
+        self.made: dict = {}
+
+    def get(self, key: tuple, make):
+        """The mask of `key` (s, total, kept, window), from `make()` the first time."""
+        if key[:3] != self.step:
+            self.step, self.made = key[:3], {}
+        if key[3] not in self.made:
+            self.made[key[3]] = make()
+        return self.made[key[3]]
 
 
 def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
@@ -150,7 +180,8 @@ def kv_cache(model: nn.Module, capacity: int, pads: torch.Tensor | None = None):
     """Every attention module of `model` with an empty cache of `capacity` positions (rows
     left-padded by `pads`, None: none) while the block runs; none after. Yields the caches."""
     modules = cached_attention(model)
-    caches = [KVCache(capacity, pads) for _ in modules]
+    masks = StepMasks()  # one mask per step, shared by the layers
+    caches = [KVCache(capacity, pads, masks) for _ in modules]
     for m, cache in zip(modules, caches, strict=True):
         m.kv_cache = cache  # type: ignore[assignment]  # a plain attribute
     try:
