@@ -425,3 +425,41 @@ def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
     moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
     assert planned_shard(model, mesh, moments) == (
         "model_tp01_pp00.safetensors", (step1 / "model_tp01_pp00.safetensors").stat().st_size)
+
+
+def test_experts_tp_does_not_divide_are_padded_in_the_last_tp_file(tmp_path, common):
+    """3 routed experts at --tp 2: each tp file holds ceil(3 / 2) = 2 expert rows, tp rank 0's
+    experts 0 and 1, tp rank 1's expert 2 and a row of zeros (padded as a vocabulary is), in
+    weights and moments, whether each expert is split over tp (--expert-tensor-parallel-size 2)
+    or whole on every tp rank (1); the two runs' step-1 checkpoints hold the same tensors (1e-5),
+    and the first's resumes at one process with step 2's loss (1e-6)."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=64, num_experts=3, num_experts_per_tok=2))
+    hf.save_pretrained(tmp_path / "hf")
+    args = ["--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "2", *common]
+    runs = {"etp2": ["--from-hf", str(tmp_path / "hf"), "--tp", "2",
+                     "--expert-tensor-parallel-size", "2", "--save-interval", "1"],
+            "etp1": ["--from-hf", str(tmp_path / "hf"), "--tp", "2", "--exit-interval", "1"],
+            "one": ["--load", str(tmp_path / "etp2" / "step_00000001")]}
+    losses, saved = {}, {}
+    for run, layout in runs.items():
+        log = tmp_path / f"{run}.jsonl"
+        assert main([*args, *layout, "--save", str(tmp_path / run), "--log-json", str(log)]) == 0
+        losses[run] = {r["step"]: r["loss"] for r in _records(log)}
+    assert set(losses["one"]) == {2}
+    assert abs(losses["one"][2] - losses["etp2"][2]) / losses["etp2"][2] < 1e-6, losses
+    for run in ("etp2", "etp1"):
+        step_dir = tmp_path / run / "step_00000001"
+        saved[run], manifest = _canonical(step_dir)
+        e = manifest["tensors"]["layers.0.mlp.experts.down"]
+        assert e["tp_dim"] == 0 and e["full_shape"][0] == 3 and e["local_shape"][0] == 2, e
+        last = load_file(step_dir / "model_tp01_pp00.safetensors")
+        for key in ("model/layers.0.mlp.experts.down", "optim/layers.0.mlp.experts.down/exp_avg"):
+            assert last[key].shape[0] == 2 and last[key][0].abs().sum() > 0, key
+            assert not last[key][1].any(), key  # the padding row
+    assert set(saved["etp1"]) == set(saved["etp2"])
+    for name, want in saved["etp2"].items():
+        assert_close(saved["etp1"][name], want, what=f"saved {name}")

@@ -120,11 +120,13 @@ def expert_blocks(
 
     Under ep > 1 or expert tensor parallelism only the ranks of the checkpoint writer's ep
     groups (`gathers_experts`, one per tp rank) make them (collective over those ep groups and
-    their tp groups): the ep ranks' blocks all-gathered over ep along dim 0, then under expert
-    tensor parallelism one all-to-all over tp gives each tp rank every rank's slices of its
-    block's experts, joined (no rank holds every expert whole). Otherwise (the experts whole
-    on every tp rank) a rank that `writes` takes its block of its own stack, without
-    communication; the other ranks, and tp 1 without ep or the split, get {}.
+    their tp groups): the block's experts broadcast over ep by the ep ranks holding them (no
+    rank receives more than its block); under expert tensor parallelism each tp rank's slices
+    of every expert all-gathered over ep, then one all-to-all over tp gives each tp rank every
+    rank's slices of its block's experts, joined (no rank holds every expert whole).
+    Otherwise (the experts whole on every tp rank) a rank that `writes` takes its block of its
+    own stack, without communication; the other ranks, and tp 1 without ep or the split, get
+    {}.
 
     `optim_tensors` must hold every expert's moments on the gathering ranks: the optimizer
     gives them there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel
@@ -154,18 +156,41 @@ def expert_blocks(
             stop = min(whole[0], start + local)
             return padded(mine.narrow(0, start, stop - start), local)
         mine = mine.to(mesh.device).contiguous()
-        if ep_shard(param)[1] > 1:
-            parts = [torch.empty_like(mine) for _ in range(mesh.ep)]
-            dist.all_gather(parts, mine, group=mesh.ep_group)
-            mine = torch.cat(parts)
-        mine = padded(mine, local * tp)
         if split_expert(param):  # every tp rank's slices of this rank's block, joined
+            mine = padded(rows(mine, param, 0, whole[0]), local * tp)
             got = torch.empty_like(mine)
             dist.all_to_all_single(got, mine, group=mesh.tp_group)
             mine = join_shards(list(got.chunk(tp)), param.tp_dim, tp_parts(param))
         else:
-            mine = mine.narrow(0, tp_rank * local, local)
+            start = min(whole[0], tp_rank * local)
+            mine = padded(rows(mine, param, start, min(whole[0], start + local)), local)
         return mine.contiguous().to(t.device)
+
+    def rows(mine: torch.Tensor, param, start: int, stop: int) -> torch.Tensor:
+        """Experts [start, stop) of the whole stack, from the ep ranks holding them: all of
+        them all-gathered over ep, a part broadcast by each ep rank holding some of it."""
+        ep = ep_shard(param)[1]
+        if ep == 1:
+            return mine.narrow(0, start, stop - start)
+        n = mine.shape[0]  # experts per ep rank
+        if (start, stop) == (0, n * ep):
+            parts = [torch.empty_like(mine) for _ in range(ep)]
+            dist.all_gather(parts, mine, group=mesh.ep_group)
+            return torch.cat(parts)
+        group = mesh.ep_group
+        assert group is not None  # ep > 1
+        parts = []
+        for j in range(start // n, ep):  # ep rank j holds experts [j n, (j + 1) n)
+            lo, hi = max(start, j * n), min(stop, (j + 1) * n)
+            if lo >= hi:
+                break
+            if j == mesh.ep_rank:
+                part = mine.narrow(0, lo - j * n, hi - lo).contiguous()
+            else:
+                part = mine.new_empty((hi - lo, *mine.shape[1:]))
+            dist.broadcast(part, dist.get_global_rank(group, j), group=group)
+            parts.append(part)
+        return torch.cat(parts) if parts else mine.narrow(0, 0, 0)
 
     for name, param in model.named_parameters():
         if is_routed_expert(param):
