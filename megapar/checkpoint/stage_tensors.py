@@ -13,9 +13,9 @@ parallelism (each expert's weights split over tp, `models.moe`) every tp rank's 
 block exchanged over tp (one all-to-all) and joined (by the one shard rule, its ``tp_parts``
 included). On load a rank reads the stack whole (`saved_tp_dim`: the shard reader joins the
 files' blocks) and takes its own part (`own_experts`), so a checkpoint moves between any ep,
---expert-tensor-parallel-size 1 and tp, and tp, as between any two layouts. Checkpoints
-written before the split hold each stack whole in every tp file (their manifest entries have
-``tp_dim`` None) and are read as such.
+tp and --expert-tensor-parallel-size (1 or tp), as between any two layouts. A checkpoint whose
+expert entries have ``tp_dim`` None (an older megapar's: each stack whole in every tp file) is
+read as such.
 
 Buffers are replicated over every parallel axis (tp, dp, cp, ep), so a checkpoint keeps them as
 it keeps a replicated parameter, with no optimizer state, marked ``"buffer": true`` in the
