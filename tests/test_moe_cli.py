@@ -350,7 +350,8 @@ def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
     process with step 3's loss and saves at step 3 what the straight run saves (1e-5), and
     loads in its own layout unresharded, its RNG states restored. The same step-2 checkpoint
     rewritten in the old form (every expert whole in every tp file, no tp split) resumes at
-    --tp 2 --expert-tensor-parallel-size 2 with step 3's loss. megapar-convert of the step-1
+    --tp 2 --expert-tensor-parallel-size 2 with step 3's loss, and megapar-convert rewrites it
+    as the run wrote it, bit for bit. megapar-convert of the step-1
     checkpoint to tp 1 and back to tp 2 gives the run's own files bit for bit, and the
     transformers export of the tp 2 checkpoint is that of the tp 1 one, bit for bit."""
     args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "3",
@@ -393,10 +394,17 @@ def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
             for key in [f"model/{name}"] + [f"optim/{name}/{k}" for k in e["optim"]]:
                 assert [f[key][0] for f in files] == [2, 2]  # 2 + 2 rows: the 4 experts once
         assert sorted(manifest["tensors"][experts[0]]["optim"]) == ["exp_avg", "exp_avg_sq"]
-    # the old-form fixture holds each stack whole in both files, and was read as such
+    # the old-form fixture holds each stack whole in both files; read as such, megapar-convert
+    # rewrites it as the run wrote it, bit for bit
+    new = tmp_path / "new"
+    assert convert([str(old), str(new), "--tp", "2", "--pp", "1", "--no-progress"]) == 0
     for t in (0, 1):
-        keys = _safetensors_keys(old / "step_00000002" / f"model_tp0{t}_pp00.safetensors")
-        assert keys["model/layers.0.mlp.experts.down"][0] == 4
+        name = f"model_tp0{t}_pp00.safetensors"
+        down = _safetensors_keys(old / "step_00000002" / name)["model/layers.0.mlp.experts.down"]
+        assert down[0] == 4
+        want = load_file(etp1 / "step_00000002" / name)
+        got = load_file(new / "step_00000002" / name)
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
     # in its own layout a step-2 checkpoint loads unresharded, with its RNG states
     config = config_from_dict(read_manifest(etp1 / "step_00000002")["model"])
     for rank in (0, 1):
