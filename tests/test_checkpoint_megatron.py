@@ -185,7 +185,8 @@ def test_a_megatron_save_in_another_layout_reads_as_the_tp_1_save(kind, saved):
 @pytest.mark.parametrize("kind, saved", [("llama", "llama"), ("moe_sig", "moe_sig_ep2")])
 def test_another_layout_holds_the_same_weights(tmp_path, kind, saved):
     """megapar's import at tp 2 x pp 2 (moe_sig: the shared expert split over tp, the routed
-    experts, router and bias whole) read back at tp 1 is the tp 1 import, bit for bit."""
+    experts split along the experts over the tp files, router and bias whole) read back at tp 1
+    is the tp 1 import, bit for bit."""
     spec = spec_file(tmp_path, kind)
     src = str(FIXTURES / saved / "iter_0000007")
     assert convert(["--from-megatron", src, str(tmp_path / "a"), "--model", spec,

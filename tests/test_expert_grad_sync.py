@@ -32,7 +32,7 @@ from test_expert_parallel import E, H, toy_moe, toy_weights
 from torch import nn
 from tp_utils import assert_close, rel_err
 
-from megapar.checkpoint.stage_tensors import gathers_experts, whole_experts
+from megapar.checkpoint.stage_tensors import expert_blocks, gathers_experts
 from megapar.comm_count import count_collectives
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
@@ -216,8 +216,8 @@ def check_checkpoint_state(model, mesh, opt, serial, serial_state, sync):
     """The checkpoint's view of a ZeRO-1 / 2 / 3 run: `state_tensors` gives the dense moments
     on dp rank 0 (cp rank 0) and each expert's on its expert-data-parallel rank 0, the ranks of
     the writer's ep group (at cp 2 x dp 2 x ep 2 both cp ranks of dp rank 0), nothing
-    elsewhere; `whole_experts` gathers every expert whole there
-    (weights and moments): the serial run's (1e-5). ZeRO-3: the weights are read from the
+    elsewhere; `expert_blocks` gathers every expert whole there (weights and moments; at tp 1
+    the one shard file's block is every expert): the serial run's (1e-5). ZeRO-3: the weights are read from the
     host copies a save takes (`HostStage`: every parameter on the writer, the experts on its
     ep group's ranks, nothing elsewhere)."""
     state = opt.state_tensors()  # collective over every bucket's (unit's) group
@@ -236,7 +236,7 @@ def check_checkpoint_state(model, mesh, opt, serial, serial_state, sync):
             want = serial_state[name][key]
             want_key = want[mine.start:mine.stop] if is_expert(p) else want
             assert_moments_close(value, want_key, name + key)
-    whole = whole_experts(model, mesh, state)  # collective over the writer's ep group
+    whole = expert_blocks(model, mesh, state, writer)  # collective over the writer's ep group
     assert set(whole) == (experts if first else set())
     serial_params = dict(serial.named_parameters())
     for name, (weights, moments) in whole.items():

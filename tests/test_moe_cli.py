@@ -10,10 +10,12 @@ import pytest
 import torch
 import transformers
 from conftest import skip_unless_transformers_converts
+from safetensors import safe_open
+from safetensors.torch import load_file
 from tp_utils import assert_close, make_mesh
 
-from megapar.checkpoint.convert import checkpoint_info
-from megapar.checkpoint.distributed import planned_shard
+from megapar.checkpoint.convert import checkpoint_info, write_checkpoint
+from megapar.checkpoint.distributed import load_checkpoint, planned_shard
 from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.manifest import read_manifest
@@ -312,37 +314,160 @@ def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
     assert HFReader(str(out)).config.num_local_experts == 4
 
 
-def test_experts_split_over_tp_save_whole_and_resume_unsplit(tmp_path, common, capfd):
-    """megapar-train --tp 2 --dp 2 --ep 2 --zero 1 --expert-tensor-parallel-size 2 (each
-    expert's weights split over tp, its state over ZeRO-1's expert-dp slices) saves every expert
-    and its moments whole, as any layout does (no tp split in the manifest; the dry run's file
-    size is the file's). Its step-1 checkpoint resumes at --tp 2 with the experts unsplit (ETP 1,
-    ep 1, dp 1: not inherited from the checkpoint) with step 2's loss (1e-6), and the step-2
-    checkpoints of both runs are the same (weights and moments, 1e-5); the resume note names the
-    ETP change."""
-    args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "2",
+def _old_form(step_dir, dst):
+    """`step_dir` rewritten as checkpoints were written before the experts were split over the
+    tp files: every routed expert's stack (weights and moments) whole in every tp file, its
+    manifest entry with no tp split (the writer's rule then, which megapar-convert's plan
+    followed too)."""
+    manifest = read_manifest(step_dir)
+    reader, entries = ShardReader(step_dir, manifest), {}
+    for name, e in manifest["tensors"].items():
+        whole = ".experts." in name
+        entries[name] = dict(e, tp_dim=None, local_shape=e["full_shape"]) if whole else e
+
+    def fill(name, key, t, local):
+        return reader.shard(name, key, 2, t, None if ".experts." in name else local)
+
+    layout = Layout(**manifest["layout"])
+    return write_checkpoint(dst, manifest["step"], layout, config_from_dict(manifest["model"]),
+                            manifest["meta"], entries, fill, progress=False)
+
+
+def _safetensors_keys(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
+        tmp_path, common, capfd):
+    """A run at --tp 2 --dp 2 --ep 2 --zero 1 --expert-tensor-parallel-size 2 (each expert's
+    weights split over tp, its state over ZeRO-1's expert-dp slices) saves each routed expert's
+    stack (weights and moments) once, split along the experts over the two tp files (tp rank r's
+    file experts [2r, 2r + 2) of 4; manifest tp_dim 0): the expert bytes of the two files are one
+    copy of the stacks, not two; the dry run's file size is the file's. Its step-1 checkpoint
+    resumes at --tp 2 with the experts unsplit (ETP 1, ep 1, dp 1) with step 2's loss (1e-6)
+    and saves at step 2 (an ETP 1 file, its experts split the same way), which resumes at one
+    process with step 3's loss and saves at step 3 what the straight run saves (1e-5), and
+    loads in its own layout unresharded, its RNG states restored. The same step-2 checkpoint
+    rewritten in the old form (every expert whole in every tp file, no tp split) resumes at
+    --tp 2 --expert-tensor-parallel-size 2 with step 3's loss, and megapar-convert rewrites it
+    as the run wrote it, bit for bit. megapar-convert of the step-1
+    checkpoint to tp 1 and back to tp 2 gives the run's own files bit for bit, and the
+    transformers export of the tp 2 checkpoint is that of the tp 1 one, bit for bit."""
+    args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "3",
             *common]
+    straight, etp1, old = tmp_path / "etp2", tmp_path / "etp1", tmp_path / "old"
     runs = {"etp2": ["--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1",
                      "--expert-tensor-parallel-size", "2", "--save-interval", "1"],
-            "etp1": ["--tp", "2", "--load", str(tmp_path / "etp2" / "step_00000001")]}
+            "etp1": ["--tp", "2", "--load", str(straight / "step_00000001"),
+                     "--exit-interval", "2"],
+            "one": ["--load", str(etp1 / "step_00000002")],
+            "old": ["--tp", "2", "--expert-tensor-parallel-size", "2", "--load", str(old)]}
+    losses, saved = {}, {}
+    for run, layout in runs.items():
+        if run == "old":
+            _old_form(etp1 / "step_00000002", old)
+        log = tmp_path / f"{run}.jsonl"
+        save = tmp_path / (run if run != "old" else "old_ck")
+        assert main([*args, *layout, "--save", str(save), "--log-json", str(log)]) == 0
+        losses[run] = {r["step"]: r["loss"] for r in _records(log)}
+    # the resume note names the change the layout (tp 2 both times) does not show
+    assert "; --expert-tensor-parallel-size 2 -> 1)" in "".join(capfd.readouterr())
+    assert set(losses["etp1"]) == {2} and set(losses["one"]) == set(losses["old"]) == {3}
+    for run in ("etp1", "one", "old"):
+        for step, loss in losses[run].items():
+            want = losses["etp2"][step]
+            assert abs(loss - want) / want < 1e-6, (run, losses)
+    saved["etp2"], _ = _canonical(straight / "step_00000003")
+    saved["one"], _ = _canonical(tmp_path / "one" / "step_00000003")
+    assert set(saved["one"]) == set(saved["etp2"])
+    for name, want in saved["etp2"].items():
+        assert_close(saved["one"][name], want, what=f"saved {name}")
+    for step_dir in (straight / "step_00000001", etp1 / "step_00000002"):
+        manifest = read_manifest(step_dir)
+        experts = [n for n in manifest["tensors"] if ".experts." in n]
+        assert len(experts) == 8, experts  # gate_up and down of 4 MoE layers
+        files = [_safetensors_keys(step_dir / f"model_tp0{t}_pp00.safetensors") for t in (0, 1)]
+        for name in experts:
+            e = manifest["tensors"][name]
+            assert e["tp_dim"] == 0 and e["local_shape"] == [2, *e["full_shape"][1:]], e
+            for key in [f"model/{name}"] + [f"optim/{name}/{k}" for k in e["optim"]]:
+                assert [f[key][0] for f in files] == [2, 2]  # 2 + 2 rows: the 4 experts once
+        assert sorted(manifest["tensors"][experts[0]]["optim"]) == ["exp_avg", "exp_avg_sq"]
+    # the old-form fixture holds each stack whole in both files; read as such, megapar-convert
+    # rewrites it as the run wrote it, bit for bit
+    new = tmp_path / "new"
+    assert convert([str(old), str(new), "--tp", "2", "--pp", "1", "--no-progress"]) == 0
+    for t in (0, 1):
+        name = f"model_tp0{t}_pp00.safetensors"
+        down = _safetensors_keys(old / "step_00000002" / name)["model/layers.0.mlp.experts.down"]
+        assert down[0] == 4
+        want = load_file(etp1 / "step_00000002" / name)
+        got = load_file(new / "step_00000002" / name)
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    # in its own layout a step-2 checkpoint loads unresharded, with its RNG states
+    config = config_from_dict(read_manifest(etp1 / "step_00000002")["model"])
+    for rank in (0, 1):
+        mesh = Mesh.virtual(Layout(2, 1, 1), rank=rank, device="cpu")
+        state = load_checkpoint(etp1 / "step_00000002", Llama(config, mesh), mesh)
+        assert not state.resharded and state.rng is not None, state.notes
+    # megapar-convert to tp 1 and back: the run's tp 2 files bit for bit
+    step1 = straight / "step_00000001"
+    tp1, back = tmp_path / "tp1", tmp_path / "back"
+    assert convert([str(step1), str(tp1), "--tp", "1", "--pp", "1", "--no-progress"]) == 0
+    assert convert([str(tp1), str(back), "--tp", "2", "--pp", "1", "--no-progress"]) == 0
+    for t in (0, 1):
+        name = f"model_tp0{t}_pp00.safetensors"
+        want, got = load_file(step1 / name), load_file(back / "step_00000001" / name)
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    exported = {}
+    for ck in (step1, tp1):
+        out = tmp_path / f"hf_{ck.name}"
+        assert convert([str(ck), "--to-hf", str(out), "--no-progress"]) == 0
+        exported[ck] = load_file(out / "model.safetensors")
+    assert set(exported[step1]) == set(exported[tp1])
+    assert all(torch.equal(exported[tp1][k], v) for k, v in exported[step1].items())
+    # the dry run's size of a tp rank's file: its block of the experts, as written
+    mesh = Mesh.virtual(Layout(2, 1, 2, ep=2), rank=1, device="meta", expert_tp=2)
+    model = Llama(config, mesh)
+    moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
+    assert planned_shard(model, mesh, moments) == (
+        "model_tp01_pp00.safetensors", (step1 / "model_tp01_pp00.safetensors").stat().st_size)
+
+
+def test_experts_tp_does_not_divide_are_padded_in_the_last_tp_file(tmp_path, common):
+    """3 routed experts at --tp 2: each tp file holds ceil(3 / 2) = 2 expert rows, tp rank 0's
+    experts 0 and 1, tp rank 1's expert 2 and a row of zeros (padded as a vocabulary is), in
+    weights and moments, whether each expert is split over tp (--expert-tensor-parallel-size 2)
+    or whole on every tp rank (1); the two runs' step-1 checkpoints hold the same tensors (1e-5),
+    and the first's resumes at one process with step 2's loss (1e-6)."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=64, num_experts=3, num_experts_per_tok=2))
+    hf.save_pretrained(tmp_path / "hf")
+    args = ["--lr", "3e-3", "--adam-eps", "1e-4", "--max-steps", "2", *common]
+    runs = {"etp2": ["--from-hf", str(tmp_path / "hf"), "--tp", "2",
+                     "--expert-tensor-parallel-size", "2", "--save-interval", "1"],
+            "etp1": ["--from-hf", str(tmp_path / "hf"), "--tp", "2", "--exit-interval", "1"],
+            "one": ["--load", str(tmp_path / "etp2" / "step_00000001")]}
     losses, saved = {}, {}
     for run, layout in runs.items():
         log = tmp_path / f"{run}.jsonl"
         assert main([*args, *layout, "--save", str(tmp_path / run), "--log-json", str(log)]) == 0
         losses[run] = {r["step"]: r["loss"] for r in _records(log)}
-        saved[run], manifest = _canonical(tmp_path / run / "step_00000002")
-    # the resume note names the change the layout (tp 2 both times) does not show
-    assert "; --expert-tensor-parallel-size 2 -> 1)" in "".join(capfd.readouterr())
-    assert set(losses["etp1"]) == {2}
-    assert abs(losses["etp1"][2] - losses["etp2"][2]) / losses["etp2"][2] < 1e-6, losses
-    experts = [n for n in manifest["tensors"] if ".experts." in n]
-    assert experts and all(manifest["tensors"][n]["tp_dim"] is None for n in experts)
+    assert set(losses["one"]) == {2}
+    assert abs(losses["one"][2] - losses["etp2"][2]) / losses["etp2"][2] < 1e-6, losses
+    for run in ("etp2", "etp1"):
+        step_dir = tmp_path / run / "step_00000001"
+        saved[run], manifest = _canonical(step_dir)
+        e = manifest["tensors"]["layers.0.mlp.experts.down"]
+        assert e["tp_dim"] == 0 and e["full_shape"][0] == 3 and e["local_shape"][0] == 2, e
+        last = load_file(step_dir / "model_tp01_pp00.safetensors")
+        for key in ("model/layers.0.mlp.experts.down", "optim/layers.0.mlp.experts.down/exp_avg"):
+            assert last[key].shape[0] == 2 and last[key][0].abs().sum() > 0, key
+            assert not last[key][1].any(), key  # the padding row
     assert set(saved["etp1"]) == set(saved["etp2"])
     for name, want in saved["etp2"].items():
         assert_close(saved["etp1"][name], want, what=f"saved {name}")
-    step1 = tmp_path / "etp2" / "step_00000001"
-    mesh = Mesh.virtual(Layout(2, 1, 2, ep=2), rank=1, device="meta", expert_tp=2)
-    model = Llama(config_from_dict(read_manifest(step1)["model"]), mesh)
-    moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
-    assert planned_shard(model, mesh, moments) == (
-        "model_tp01_pp00.safetensors", (step1 / "model_tp01_pp00.safetensors").stat().st_size)

@@ -42,7 +42,7 @@ from megapar.checkpoint.hf import HFReader
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
-from megapar.checkpoint.stage_tensors import stage_tensors
+from megapar.checkpoint.stage_tensors import is_routed_expert, saved_expert, stage_tensors
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
@@ -57,7 +57,8 @@ Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
 
 def plan(config, layout: Layout) -> dict[str, dict]:
     """Manifest entries of every canonical tensor in `layout`, from meta-device stages (the
-    parameters, then the buffers: `stage_tensors`)."""
+    parameters, then the buffers: `stage_tensors`); a routed expert's stack split along its
+    experts over the tp files, as a run saves it (`saved_expert`)."""
 
     try:
         config.validate(layout)
@@ -70,10 +71,17 @@ def plan(config, layout: Layout) -> dict[str, dict]:
         for name, param, buffer in stage_tensors(stage):
             if hasattr(param, "tied_to"):
                 continue
+            full, dim = (
+                list(getattr(param, "full_shape", param.shape)),
+                getattr(param, "tp_dim", None),
+            )
+            local = list(param.shape)
+            if is_routed_expert(param):  # split along its experts over the tp files
+                dim, local = saved_expert(full, layout.tp)
             entries[name] = {
-                "full_shape": list(getattr(param, "full_shape", param.shape)),
-                "tp_dim": getattr(param, "tp_dim", None),
-                "local_shape": list(param.shape),
+                "full_shape": full,
+                "tp_dim": dim,
+                "local_shape": local,
                 "dtype": dtype_name(param.dtype),
                 "stage": p,
                 "optim": {},

@@ -49,15 +49,17 @@ from megapar.checkpoint.publish import (
 )
 from megapar.checkpoint.stage_tensors import (
     ep_shard,
+    expert_blocks,
+    is_routed_expert,
     own_experts,
+    saved_expert,
     saved_tp_dim,
     stage_tensors,
-    whole_experts,
+    whole_expert_shape,
 )
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_dict
-from megapar.tensor_parallel.partition import full_shape
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
 # a checkpoint loads into a model that differs only in these.
@@ -190,34 +192,39 @@ def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
 def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     """(file name, bytes) of the shard file `save_checkpoint` would write for this (tp, pp)
     coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read);
-    under ep every routed expert's tensors whole, as `whole_experts` gathers them."""
-    fname, tensors, _ = shard_contents(model, mesh, optim_tensors)
-    params = {name: p for name, p, _ in stage_tensors(model)}
-
-    def shape(key: str, t: torch.Tensor) -> tuple[int, ...]:
-        p = params.get(key.split("/")[1])  # model/NAME or optim/NAME/KEY
-        if p is None:
-            return tuple(t.shape)
-        n = ep_shard(p)[1]
-        whole = list(t.shape)
-        if saved_tp_dim(p) != getattr(p, "tp_dim", None):  # an expert split over tp: whole
-            whole = list(full_shape(p))
-        return (whole[0] * n, *whole[1:]) if n > 1 else tuple(whole)
-
-    return fname, safetensors_size({k: (v.dtype, shape(k, v)) for k, v in tensors.items()})
+    every routed expert's tensors as this tp rank's block of their experts (`saved_expert`),
+    as `expert_blocks` makes them."""
+    fname, tensors, entries = shard_contents(model, mesh, optim_tensors, blocks={})
+    return fname, safetensors_size(
+        {k: (v.dtype, tuple(entries[k.split("/")[1]]["local_shape"])) for k, v in tensors.items()}
+    )
 
 
-def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, dict, dict]:
-    """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file
-    (`whole`: the experts gathered over ep, `whole_experts`, written in their place); the
-    stage's buffers are kept as replicated tensors without optimizer state (`stage_tensors`)."""
+def shard_contents(model, mesh: Mesh, optim_tensors, blocks=None) -> tuple[str, dict, dict]:
+    """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file;
+    the stage's buffers are kept as replicated tensors without optimizer state
+    (`stage_tensors`). Every routed expert's stack is written as this tp rank's block of its
+    experts (`saved_expert`): `blocks` holds them (`expert_blocks`), or None when the stage's
+    own tensors are that block (tp 1, without ep or expert tensor parallelism); `blocks` {}
+    (the dry run, `planned_shard`) leaves the stage's tensors in place but records the blocks'
+    entries, whose shapes then differ from the tensors'."""
     tensors, entries = {}, {}
     for name, param, buffer in stage_tensors(model):
         if hasattr(param, "tied_to"):
             continue
         moments = (optim_tensors or {}).get(name, {})
-        if whole and name in whole:
-            param, moments = whole[name]
+        full, dim = list(getattr(param, "full_shape", param.shape)), getattr(param, "tp_dim", None)
+        local = list(param.shape)
+        if is_routed_expert(param):
+            full = whole_expert_shape(param)
+            dim, local = saved_expert(full, mesh.tp)
+            if blocks:
+                param, moments = blocks[name]
+            elif blocks is None and list(param.shape) != local:
+                raise CheckpointError(
+                    f"{name}: a routed expert's stack {tuple(param.shape)} is not the shard "
+                    f"file's block {tuple(local)}; pass its blocks (`expert_blocks`)"
+                )
         tensors[f"model/{name}"] = param.detach()
         for key, value in moments.items():
             if tuple(value.shape) != tuple(param.shape):
@@ -227,11 +234,10 @@ def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, d
                     f"{tuple(param.shape)}; pass local shards"
                 )
             tensors[f"optim/{name}/{key}"] = value.detach()
-        dim = getattr(param, "tp_dim", None)
         entries[name] = {
-            "full_shape": list(getattr(param, "full_shape", param.shape)),
+            "full_shape": full,
             "tp_dim": dim,
-            "local_shape": list(param.shape),
+            "local_shape": local,
             "dtype": dtype_name(param.dtype),
             "stage": mesh.pp_rank,
             "optim": {k: dtype_name(v.dtype) for k, v in moments.items()},
@@ -270,9 +276,10 @@ def capture(
             f"meta must be JSON-serialisable (tensors go elsewhere): {exc}"
         ) from exc
     shard = None
-    experts = whole_experts(model, mesh, optim_tensors)  # collective over ep
-    if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
-        shard = shard_contents(model, mesh, optim_tensors, experts)
+    writes = mesh.dp_rank == 0 and mesh.cp_rank == 0  # cp holds no shards: replicas
+    experts = expert_blocks(model, mesh, optim_tensors, writes)  # collective over ep and tp
+    if writes:
+        shard = shard_contents(model, mesh, optim_tensors, experts or None)
     return SavedState(
         int(step),
         model.config.to_dict(),
@@ -439,9 +446,10 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
             raise CheckpointError(
                 f"{step_dir}: {source} has shape {entry['full_shape']}, the model expects {want}"
             )
-        resharded |= dim is not None and entry["local_shape"] != list(param.shape)
-        pdim = saved_tp_dim(param)  # an expert split over tp is read whole (`own_experts`)
-        resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
+        pdim = saved_tp_dim(param)  # a routed expert's stack is read whole (`own_experts`)
+        if not is_routed_expert(param):  # its split follows the tp size, compared below
+            resharded |= dim is not None and entry["local_shape"] != list(param.shape)
+            resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
         wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
     if missing:
         notes.append(f"not in the checkpoint, kept at their initial values: {', '.join(missing)}")

@@ -4,7 +4,10 @@ A checkpoint is a directory ``ROOT/step_{N:08d}/`` holding
 
 - ``model_tp{t:02d}_pp{p:02d}.safetensors`` for every (tp, pp) shard: keys ``model/{name}`` (the
   local shard of parameter ``name``, zero padding included) and ``optim/{name}/{key}`` (optimizer
-  moments, partitioned exactly like their parameter). Tied copies are never stored.
+  moments, partitioned exactly like their parameter). Tied copies are never stored. A routed
+  expert's stack [E, ...] is split along the experts over the tp files whatever the run's split
+  (``tp_dim`` 0: `stage_tensors.saved_expert`); an entry with ``tp_dim`` None (an older
+  megapar's) has it whole in every tp file, and is read so.
 - ``rng.safetensors``: every rank's RNG state tensors, keys ``rank{r}/{what}`` (optional).
 - ``manifest.json``: format version, layout, model config, step, the trainer's free ``meta``,
   one entry per canonical tensor ``{full_shape, tp_dim, local_shape, dtype, stage, optim}``

@@ -1,12 +1,21 @@
-"""What a checkpoint keeps of a stage, and how its experts are made whole: the stage's
+"""What a checkpoint keeps of a stage, and how its routed experts are laid out: the stage's
 parameters and its buffers (the MoE routers' auxiliary-loss-free balancing bias: state that is
-no parameter but decides the routing), and, under expert parallelism, every routed expert's
-stacked weights and optimizer moments gathered over the ep group into the canonical whole
-[E, ...] form on save (`whole_experts`), each ep rank's block taken back on load
-(`own_experts`). Under expert tensor parallelism (each expert's weights split over tp,
-`models.moe`) they are gathered over tp as well (by the one shard rule, its ``tp_parts``
-included), so a checkpoint holds every expert whole in every layout and moves between
---expert-tensor-parallel-size 1 and tp as between any two layouts.
+no parameter but decides the routing), and every routed expert's stacked weights and optimizer
+moments in one form whatever the run's ep and expert tensor parallelism: the whole [E, ...]
+stack split along the expert dim (dim 0) over the checkpoint's tp shard files, tp rank r's
+file holding experts [r * L, (r + 1) * L) for L = ceil(E / tp) (zero padded past E, as a
+vocabulary is), so each expert is written once per checkpoint and the writing is spread over
+the tp ranks (`saved_expert`; at tp 1 the one file holds them whole, ``tp_dim`` None).
+
+On save each tp rank's block is made from what the ranks hold (`expert_blocks`): under
+expert parallelism the ep ranks' blocks gathered over the ep group; under expert tensor
+parallelism (each expert's weights split over tp, `models.moe`) every tp rank's slices of the
+block exchanged over tp (one all-to-all) and joined (by the one shard rule, its ``tp_parts``
+included). On load a rank reads the stack whole (`saved_tp_dim`: the shard reader joins the
+files' blocks) and takes its own part (`own_experts`), so a checkpoint moves between any ep,
+tp and --expert-tensor-parallel-size (1 or tp), as between any two layouts. A checkpoint whose
+expert entries have ``tp_dim`` None (an older megapar's: each stack whole in every tp file) is
+read as such.
 
 Buffers are replicated over every parallel axis (tp, dp, cp, ep), so a checkpoint keeps them as
 it keeps a replicated parameter, with no optimizer state, marked ``"buffer": true`` in the
@@ -18,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megapar.mesh import Mesh
-from megapar.tensor_parallel.partition import join_shards, shard_of, tp_dim, tp_parts
+from megapar.tensor_parallel.partition import (
+    full_shape,
+    join_shards,
+    local_size,
+    shard_of,
+    tp_dim,
+    tp_parts,
+)
 
 
 def stage_tensors(model) -> list[tuple[str, torch.Tensor, bool]]:
@@ -38,16 +54,38 @@ def ep_shard(param) -> tuple[int, int]:
     return getattr(param, "ep_shard", (0, 1))
 
 
+def is_routed_expert(param) -> bool:
+    """Whether `param` is a routed expert's stacked weights (`expert_parallel.mark_expert`):
+    a checkpoint keeps it split along the expert dim over its tp files (`saved_expert`)."""
+    return bool(getattr(param, "expert", False))
+
+
 def split_expert(param) -> bool:
-    """Whether `param` is a routed expert's weight split over tp (expert tensor parallelism):
-    a checkpoint keeps it whole (`whole_experts`), so its entry has no tp split."""
-    return bool(getattr(param, "expert", False)) and tp_dim(param) is not None
+    """Whether `param` is a routed expert's weight split over tp (expert tensor parallelism)."""
+    return is_routed_expert(param) and tp_dim(param) is not None
 
 
 def saved_tp_dim(param) -> int | None:
-    """The tp dim `param` is split along in a checkpoint: its own, but None for an expert
-    split over tp (kept whole, `split_expert`)."""
-    return None if split_expert(param) else tp_dim(param)
+    """The tp dim `param` is read from a checkpoint split along: its own, but None for a
+    routed expert (its stack is read whole, `own_experts` takes the rank's part)."""
+    return None if is_routed_expert(param) else tp_dim(param)
+
+
+def whole_expert_shape(param) -> list[int]:
+    """The whole [E, ...] shape of a routed expert's stack (`param` is an ep rank's block of
+    it, under expert tensor parallelism a tp slice of each expert of that block)."""
+    shape = list(full_shape(param))
+    shape[0] *= ep_shard(param)[1]
+    return shape
+
+
+def saved_expert(whole: list[int], tp: int) -> tuple[int | None, list[int]]:
+    """(tp_dim, local shape) of a routed expert's stack of whole shape `whole` [E, ...] in a
+    checkpoint of `tp` shard files per stage: split along the experts (dim 0), each file
+    ceil(E / tp) of them (zero padded past E); at tp 1 whole (tp_dim None)."""
+    if tp == 1:
+        return None, list(whole)
+    return 0, [local_size(whole[0], tp), *whole[1:]]
 
 
 def own_experts(whole: torch.Tensor, param, tp_rank: int = 0) -> torch.Tensor:
@@ -63,8 +101,8 @@ def own_experts(whole: torch.Tensor, param, tp_rank: int = 0) -> torch.Tensor:
 
 
 def gathers_experts(mesh: Mesh) -> bool:
-    """Whether this rank takes part in `whole_experts`' gather: under ep > 1 or expert tensor
-    parallelism, the ranks of the checkpoint writer's ep group, at every tp rank
+    """Whether this rank takes part in `expert_blocks`' collectives: under ep > 1 or expert
+    tensor parallelism, the ranks of the checkpoint writer's ep group, at every tp rank
     (expert-data-parallel rank 0: the block of the cp x dp index holding the writer, dp rank 0
     and cp rank 0, whose other ranks may have other cp and dp ranks, `Mesh`; they hold the
     experts' optimizer state, gathered there by the optimizer, and under ZeRO-3 keep a host
@@ -73,43 +111,92 @@ def gathers_experts(mesh: Mesh) -> bool:
     return split and mesh.edp_rank == 0
 
 
-def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Tensor, dict]]:
-    """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
-    gathered whole over the ep group along dim 0, so a checkpoint holds all E experts, the
-    same in every ep (the canonical form, as tp shards are gathered into it); under expert
-    tensor parallelism each expert's tp slices gathered over tp first. Only the ep groups of
-    the checkpoint's writer (`gathers_experts`, one per tp rank) gather (collective over those
-    groups and their tp groups); the other ranks, and ep 1 without the split, get {}.
+def expert_blocks(
+    model, mesh: Mesh, optim_tensors, writes: bool = True
+) -> dict[str, tuple[torch.Tensor, dict]]:
+    """{name: (block, {key: moment block})} of every routed expert's stacked weights: this tp
+    rank's block of the whole [E, ...] stack as its checkpoint file holds it (`saved_expert`:
+    experts [tp_rank * L, (tp_rank + 1) * L), zero padded past E; the whole stack at tp 1).
 
-    `optim_tensors` must hold every expert's moments on those ranks: the optimizer gives them
-    there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel rank 0,
-    which is that group's; ZeRO-3 gathers each experts' unit's slices there too). A moment in
-    host memory is gathered through `mesh.device` (the collectives' device) and returned in
-    host memory. Under ZeRO-3 `model` is the `HostStage` of the gathered weights, which holds
-    the experts on those ranks."""
+    Under ep > 1 or expert tensor parallelism only the ranks of the checkpoint writer's ep
+    groups (`gathers_experts`, one per tp rank) make them (collective over those ep groups and
+    their tp groups): the block's experts broadcast over ep by the ep ranks holding them (no
+    rank receives more than its block); under expert tensor parallelism each tp rank's slices
+    of every expert all-gathered over ep, then one all-to-all over tp gives each tp rank every
+    rank's slices of its block's experts, joined (no rank holds every expert whole).
+    Otherwise (the experts whole on every tp rank) a rank that `writes` takes its block of its
+    own stack, without communication; the other ranks, and tp 1 without ep or the split, get
+    {}.
+
+    `optim_tensors` must hold every expert's moments on the gathering ranks: the optimizer
+    gives them there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel
+    rank 0, which is that group's; ZeRO-3 gathers each experts' unit's slices there too). A
+    moment in host memory is exchanged through `mesh.device` (the collectives' device) and
+    returned in host memory. Under ZeRO-3 `model` is the `HostStage` of the gathered weights,
+    which holds the experts on those ranks."""
     out: dict[str, tuple[torch.Tensor, dict]] = {}
-    if not gathers_experts(mesh):
+    collective = gathers_experts(mesh)
+    if not (collective or (writes and mesh.tp > 1)):
+        return out
+    tp, tp_rank = mesh.tp, mesh.tp_rank
+
+    def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        if t.shape[0] == rows:
+            return t
+        out = t.new_zeros((rows, *t.shape[1:]))
+        out[: t.shape[0]] = t
         return out
 
-    def gathered(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t, group=group)
-        return parts
+    def block(t: torch.Tensor, param) -> torch.Tensor:
+        whole = whole_expert_shape(param)
+        local = saved_expert(whole, tp)[1][0]
+        mine = t.detach()
+        if not collective:  # every expert here, whole: this rank's block of them
+            start = min(whole[0], tp_rank * local)
+            stop = min(whole[0], start + local)
+            return padded(mine.narrow(0, start, stop - start), local)
+        mine = mine.to(mesh.device).contiguous()
+        if split_expert(param):  # every tp rank's slices of this rank's block, joined
+            mine = padded(rows(mine, param, 0, whole[0]), local * tp)
+            got = torch.empty_like(mine)
+            dist.all_to_all_single(got, mine, group=mesh.tp_group)
+            mine = join_shards(list(got.chunk(tp)), param.tp_dim, tp_parts(param))
+        else:
+            start = min(whole[0], tp_rank * local)
+            mine = padded(rows(mine, param, start, min(whole[0], start + local)), local)
+        return mine.contiguous().to(t.device)
 
-    def whole(t: torch.Tensor, param) -> torch.Tensor:
-        mine = t.detach().to(mesh.device).contiguous()
-        if split_expert(param):  # each tp rank's slice of every expert: joined first
-            shards = gathered(mine, mesh.tp, mesh.tp_group)
-            mine = join_shards(shards, param.tp_dim, tp_parts(param)).contiguous()
-        if ep_shard(param)[1] > 1:
-            mine = torch.cat(gathered(mine, mesh.ep, mesh.ep_group))
-        return mine.to(t.device)
+    def rows(mine: torch.Tensor, param, start: int, stop: int) -> torch.Tensor:
+        """Experts [start, stop) of the whole stack, from the ep ranks holding them: all of
+        them all-gathered over ep, a part broadcast by each ep rank holding some of it."""
+        ep = ep_shard(param)[1]
+        if ep == 1:
+            return mine.narrow(0, start, stop - start)
+        n = mine.shape[0]  # experts per ep rank
+        if (start, stop) == (0, n * ep):
+            parts = [torch.empty_like(mine) for _ in range(ep)]
+            dist.all_gather(parts, mine, group=mesh.ep_group)
+            return torch.cat(parts)
+        group = mesh.ep_group
+        assert group is not None  # ep > 1
+        parts = []
+        for j in range(start // n, ep):  # ep rank j holds experts [j n, (j + 1) n)
+            lo, hi = max(start, j * n), min(stop, (j + 1) * n)
+            if lo >= hi:
+                break
+            if j == mesh.ep_rank:
+                part = mine.narrow(0, lo - j * n, hi - lo).contiguous()
+            else:
+                part = mine.new_empty((hi - lo, *mine.shape[1:]))
+            dist.broadcast(part, dist.get_global_rank(group, j), group=group)
+            parts.append(part)
+        return torch.cat(parts) if parts else mine.narrow(0, 0, 0)
 
     for name, param in model.named_parameters():
-        if ep_shard(param)[1] > 1 or split_expert(param):
+        if is_routed_expert(param):
             moments = (optim_tensors or {}).get(name, {})
             out[name] = (
-                whole(param, param),
-                {k: whole(v, param) for k, v in sorted(moments.items())},
+                block(param, param),
+                {k: block(v, param) for k, v in sorted(moments.items())},
             )
     return out

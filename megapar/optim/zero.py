@@ -446,7 +446,7 @@ class ZeroOptimizer(AdamWOptimizer):
         """Every non-tied parameter's full (local tp / pp / ep shard) state, in host memory, on
         rank 0 of the group its bucket is sharded over: dp rank 0 (cp rank 0) for the dense
         parameters, expert-data-parallel rank 0 for the experts' (under ep, the ranks of the
-        checkpoint writer's ep group, `checkpoint.stage_tensors.whole_experts`); absent
+        checkpoint writer's ep group, `checkpoint.stage_tensors.expert_blocks`); absent
         elsewhere ({} on ranks that are rank 0 of no group). Collective over every bucket's
         group. Sharded, the state is always gathered into host copies (`copy` matters only
         unsharded).

@@ -543,7 +543,7 @@ class Engine:
         of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp, and
         the expert-data-parallel group under ep): every parameter on the writer (dp rank 0, cp
         rank 0), and under ep the experts on the ranks of its ep group too, which gather them
-        whole (`whole_experts`)."""
+        over ep (`expert_blocks`)."""
         if self.sharded_params is None:
             self.exact_params()
             return self.model
