@@ -34,26 +34,45 @@ def _where_a_large_tensor_lives() -> tuple[int, int]:
     return during.hblkhd - before.hblkhd, during.uordblks - before.uordblks
 
 
-def _before_and_after_an_engine():
+def _one_spawned_worker() -> dict:
+    """What the tests below read, from one spawned worker (a fresh process: nothing of this
+    one's arenas or mallopt settings inherited), in this order: the arenas in use once a thread
+    has allocated (before anything else allocates in a thread); where a large tensor lives
+    before any engine; after an engine built with MEGAPAR_HOST_MALLOC=system (the opt-out);
+    after an engine built with the default (the opt-out leaves glibc's policy as it was, so the
+    default engine starts from the same state as a fresh worker's)."""
+    import os
+
     import megapar
 
+    arenas = _arenas_after_a_thread_allocates()
     before = _where_a_large_tensor_lives()
+    os.environ["MEGAPAR_HOST_MALLOC"] = "system"
     megapar.prepare("gpt2-tiny", micro_batch_size=1, seq_len=16)
-    return before, _where_a_large_tensor_lives()
+    opted_out = _where_a_large_tensor_lives()
+    del os.environ["MEGAPAR_HOST_MALLOC"]
+    megapar.prepare("gpt2-tiny", micro_batch_size=1, seq_len=16)
+    return {"arenas": arenas, "before": before, "opted_out": opted_out,
+            "after": _where_a_large_tensor_lives()}
 
 
-def test_a_worker_serves_large_tensors_from_the_heap_once_its_engine_is_built():
-    (mmapped, _), (mmapped_after, heap) = run_local(_before_and_after_an_engine, 1,
-                                                    start_method="spawn")[0]
+@pytest.fixture(scope="module")
+def spawned() -> dict:
+    """`_one_spawned_worker`'s figures: one spawned worker (torch, transformers and megapar
+    imported once) instead of one per test."""
+    return run_local(_one_spawned_worker, 1, start_method="spawn")[0]
+
+
+def test_a_worker_serves_large_tensors_from_the_heap_once_its_engine_is_built(spawned):
+    mmapped, _ = spawned["before"]
+    mmapped_after, heap = spawned["after"]
     assert mmapped >= 64 * 2**20  # building the state: glibc's default, one mmap each
     assert mmapped_after == 0 and heap >= 64 * 2**20, (mmapped_after, heap)
 
 
-def test_opt_out_keeps_the_system_allocator():
-    _, (mmapped, _) = run_local(_before_and_after_an_engine, 1,
-                                env={"MEGAPAR_HOST_MALLOC": "system"}, start_method="spawn")[0]
+def test_opt_out_keeps_the_system_allocator(spawned):
+    mmapped, _ = spawned["opted_out"]
     assert mmapped >= 64 * 2**20  # glibc's default: one mmap per large tensor
-
 
 
 def _arenas_after_a_thread_allocates() -> int:
@@ -77,10 +96,10 @@ def _arenas_after_a_thread_allocates() -> int:
         return sum(line.startswith("Arena ") for line in out)
 
 
-def test_worker_threads_allocate_from_one_arena():
+def test_worker_threads_allocate_from_one_arena(spawned):
     """Workers allocate from glibc's one main arena (megapar.device.share_host_arena): in an
     arena of its own, what gloo's threads free (the bucket copies of its reduce-scatters and
     all-gathers) the main thread could not reuse, and under the kept heap both high-water marks
     added up at the OS peak (GPT-2 124M, dp 2: half of ZeRO-1's saving gone). Spawned: nothing
     of this process's arenas is inherited."""
-    assert run_local(_arenas_after_a_thread_allocates, 1, start_method="spawn") == [1]
+    assert spawned["arenas"] == 1
