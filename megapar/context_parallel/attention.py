@@ -441,22 +441,50 @@ class LayerAttention:
         self.kv_map: list[int] | None = None
         self._local_index: dict[str, torch.Tensor | None] = {}  # a2a: `kv_plan` per device
 
-    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
-        """`window`: a sliding window (None: causal over the whole sequence, or bidirectional)."""
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        key_mask=None,
+        kv_index=None,
+        dropout_p: float = 0.0,
+        window=None,
+        attn_mask=None,
+    ):
+        """`window`: a sliding window (None: causal over the whole sequence, or bidirectional).
+        `attn_mask`: an additive mask [b, 1, s, s] of the whole sequence in sequence order
+        (packed documents, `megapar.models.documents`: the causal rule and any window
+        included), which only the all-to-all takes (it holds the whole sequence)."""
         if torch.compiler.is_compiling():  # --compile: the exchanges stay eager (a graph break)
-            return self._eager(q, k, v, key_mask, kv_index, dropout_p, window)
-        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
+            return self._eager(q, k, v, key_mask, kv_index, dropout_p, window, attn_mask)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window, attn_mask)
 
     @graph_break
-    def _eager(self, q, k, v, key_mask, kv_index, dropout_p, window):
+    def _eager(self, q, k, v, key_mask, kv_index, dropout_p, window, attn_mask=None):
         """`_run`, run eagerly inside torch.compile'd code: the ring's point-to-point messages
         and the all-gathers stay the torch.distributed calls (timeouts, counts) they are."""
-        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window, attn_mask)
 
-    def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
+    def _run(
+        self,
+        q,
+        k,
+        v,
+        key_mask=None,
+        kv_index=None,
+        dropout_p: float = 0.0,
+        window=None,
+        attn_mask=None,
+    ):
         mesh = self.mesh
         if self.method == "a2a":
-            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window)
+            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window, attn_mask)
+        if attn_mask is not None:
+            raise ValueError(
+                f"{self.label}: document masking under context parallelism needs the "
+                f"all-to-all (--cp-comm-type a2a), not the {self.method}"
+            )
         if self.method == "ring":
             if self.ring is None:
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
@@ -475,7 +503,7 @@ class LayerAttention:
         )
         return attention(q, k, v, spec, key_mask, kv_index, self.method)
 
-    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window):
+    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window, attn_mask=None):
         mesh, cp = self.mesh, self.mesh.cp
         why = a2a.heads_error(q.shape[1], cp)
         if why is not None:
@@ -502,4 +530,5 @@ class LayerAttention:
             dropout_p,
             window,
             self.biases,
+            attn_mask,
         )

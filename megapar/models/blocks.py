@@ -68,7 +68,9 @@ def embedding(num: int, dim: int, device) -> nn.Embedding:
 class ParallelAttention(nn.Module):
     """Multi-head self-attention with this rank's share of the heads.
 
-    `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, or None.
+    `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, an
+    additive mask [b, 1, s, s] of the whole sequence (document masking,
+    `megapar.models.documents`; it holds the causal rule), or None.
     With `kv_cache` set (causal attention, generation) the keys and values of earlier
     positions are the cache's and `x` holds only the new positions (`megapar.models.kv_cache`).
     Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
@@ -98,7 +100,11 @@ class ParallelAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
+                if mask is not None and mask.dim() == 4:
+                    return self.context_parallel(q, k, v, attn_mask=mask, dropout_p=dropout)
                 return self.context_parallel(q, k, v, mask, dropout_p=dropout)
+            if mask is not None and mask.dim() == 4:  # documents: the causal rule included
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -161,17 +167,22 @@ class ResidualDropout(nn.Dropout):
         return super().forward(x)
 
 
-def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker):
-    """Run blocks in order; with recompute == "full" keep only each block's input for backward."""
+def run_layers(
+    layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker, docs=None
+):
+    """Run blocks in order; with recompute == "full" keep only each block's input for backward.
+    `docs`: the micro-batch's `megapar.models.documents.Documents`, handed to every block (as
+    a third argument) where not None."""
+    extra = () if docs is None else (docs,)
     for layer in layers.values():
         if recompute == "full" and torch.is_grad_enabled():
             hidden = (
-                tracker.checkpoint(layer, hidden, mask)
-                if mask is not None
+                tracker.checkpoint(layer, hidden, mask, *extra)
+                if mask is not None or extra
                 else tracker.checkpoint(layer, hidden)
             )
         else:
-            hidden = layer(hidden, mask)
+            hidden = layer(hidden, mask, *extra)
     return hidden
 
 

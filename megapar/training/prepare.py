@@ -42,7 +42,7 @@ from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
-from megapar.training.validate import check_cp_comm, check_ranges
+from megapar.training.validate import check_cp_comm, check_documents, check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
@@ -498,6 +498,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         raise LayoutError(f"megapar.prepare: {error}")
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
+        check_documents(cfg, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
     except UsageError as exc:
         raise LayoutError(f"megapar.prepare: {exc}") from None
 

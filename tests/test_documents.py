@@ -1,0 +1,142 @@
+"""Packed documents (`megapar.models.documents`): block_causal attention with reset position ids
+gives each document of a packed sequence the logits it has alone in transformers' model, and
+(with --eod-mask-loss) a loss and gradients equal to the sum of the documents' own losses over
+the labelled tokens; other layouts equal one process."""
+
+import pytest
+import torch
+import transformers
+from tp_utils import assert_close, make_mesh
+
+from megapar.checkpoint import hf_names
+from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.models import GPT2, Llama
+from megapar.models.documents import (
+    document_ids,
+    document_positions,
+    mask_eod_labels,
+    set_documents,
+)
+
+VOCAB, SEQ, EOD = 101, 16, 100
+ROWS = [[5, 7, 4], [9, 7]]  # document lengths per row; every document but a row's last ends
+# with the eod
+GPT2_TINY = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LLAMA_TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=10000.0)
+MODELS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_TINY)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_TINY)),
+    # a sliding window of 4 cutting the documents of up to 9 tokens: window AND documents
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**LLAMA_TINY, sliding_window=4)),
+}
+
+
+def _packed():
+    """(input_ids [2, SEQ], each row's documents as (start, stop))."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, EOD, (len(ROWS), SEQ), generator=gen)
+    spans = []
+    for r, lengths in enumerate(ROWS):
+        start, row = 0, []
+        for j, n in enumerate(lengths):
+            if j < len(lengths) - 1:
+                ids[r, start + n - 1] = EOD
+            row.append((start, start + n))
+            start += n
+        spans.append(row)
+    return ids, spans
+
+
+def test_document_ids_and_positions():
+    ids = torch.tensor([[7, EOD, 3, 4, EOD, EOD, 9]])
+    assert document_ids(ids, EOD).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert document_positions(ids, EOD).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    labels = torch.tensor([[EOD, 3, 4, EOD, EOD, 9, -100]])
+    masked = mask_eod_labels({"input_ids": ids, "labels": labels}, EOD)["labels"]
+    assert masked.tolist() == [[EOD, -100, 4, EOD, -100, -100, -100]]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_docs")
+    out = {}
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model = make()
+        with torch.no_grad():  # non-trivial norms and biases, so a mapping mistake shows
+            for key, p in model.named_parameters():
+                if "norm" in key or "ln_" in key or key.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_documents_equal_each_alone(hf_dirs, name):
+    """Per token, the logits of a packed sequence (block_causal, reset position ids) equal
+    those of its document run alone through transformers' model (fp32, 1e-5); with
+    --eod-mask-loss every document's tokens but its last are labelled, and the loss (the mean
+    over them) and every gradient equal those of the documents' summed losses over that
+    count."""
+    path = hf_dirs[name]
+    reader = HFReader(path)
+    mesh = make_mesh()
+    model = (GPT2 if name == "gpt2" else Llama)(reader.config, mesh)
+    assert load_hf_weights(model, reader) == []
+    set_documents(model, "block_causal", True, EOD)
+    ids, spans = _packed()
+    labels = torch.cat([ids[:, 1:], torch.full((len(ROWS), 1), -100)], dim=1)
+    batch = mask_eod_labels({"input_ids": ids, "labels": labels}, EOD)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    hf.eval()
+    model.eval()
+    with torch.no_grad():
+        logits = model(None, {"input_ids": ids})
+    total, count = 0.0, 0
+    for r, row in enumerate(spans):
+        for start, stop in row:
+            doc = ids[r:r + 1, start:stop]
+            out = hf(input_ids=doc, labels=doc)
+            assert_close(logits[r, start:stop, :VOCAB], out.logits[0].detach(),
+                         what=f"{name} logits of row {r} tokens {start}:{stop}")
+            total = total + out.loss * (stop - start - 1)
+            count += stop - start - 1
+    assert int((batch["labels"] != -100).sum()) == count
+    (total / count).backward()
+
+    loss = model(None, batch)
+    loss.backward()
+    assert_close(loss, total.detach() / count, what=f"{name} loss")
+    grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+
+    def get(key):
+        return grads[reader.prefix + key] if reader.prefix + key in grads else grads[key]
+
+    canonical = hf_names.gpt2_canonical if name == "gpt2" else hf_names.llama_canonical
+    for key, p in model.named_parameters():
+        grad = p.grad[tuple(slice(0, n) for n in p.full_shape)]  # the vocab's padding cut
+        assert_close(grad, canonical(key, get, reader.config), what=f"{name} grad of {key}")
+
+
+def test_causal_is_unchanged_and_documents_change_it(hf_dirs):
+    """The default (causal, positions from 0) is the model as before; block_causal changes the
+    logits of every document after a row's first (so the test above tests something)."""
+    reader = HFReader(hf_dirs["llama"])
+    model = Llama(reader.config, make_mesh())
+    assert load_hf_weights(model, reader) == []
+    ids, spans = _packed()
+    with torch.no_grad():
+        plain = model(None, {"input_ids": ids})
+        set_documents(model, "causal", False, EOD)
+        assert torch.equal(model(None, {"input_ids": ids}), plain)
+        set_documents(model, "block_causal", False, EOD)
+        masked = model(None, {"input_ids": ids})
+    first = spans[0][0][1]
+    assert torch.equal(masked[0, :first], plain[0, :first])
+    assert not torch.allclose(masked[0, first:], plain[0, first:])
