@@ -140,3 +140,65 @@ def test_causal_is_unchanged_and_documents_change_it(hf_dirs):
     first = spans[0][0][1]
     assert torch.equal(masked[0, :first], plain[0, :first])
     assert not torch.allclose(masked[0, first:], plain[0, first:])
+
+
+# --- layouts equal one process -------------------------------------------------------------
+G, STEPS = 4, 3
+LAYOUTS = {  # name: (model, prepare's layout keywords)
+    "tp2_pp2_sp_full": ("mistral", dict(tp=2, pp=2, sequence_parallel=True, recompute="full")),
+    "dp2_zero3": ("mistral", dict(zero=3)),
+    "cp2_a2a_selective": ("mistral", dict(cp=2, cp_comm_type="a2a", recompute="selective")),
+    "gpt2_tp2_pp2_interleaved": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
+                                              virtual_stages=2, micro_batch_size=1)),
+}
+PARITY_MODELS = {  # 4 layers (interleaved pp 2 x 2 chunks); Mistral's window of 6 cuts SEQ
+    "gpt2": lambda: transformers.GPT2Config(**{**GPT2_TINY, "n_layer": 4}),
+    "mistral": lambda: transformers.MistralConfig(**{**LLAMA_TINY, "num_hidden_layers": 4},
+                                                  sliding_window=6),
+}
+
+
+def _global_batches() -> list[dict]:
+    """STEPS global batches of G packed rows, documents of 1 to 8 tokens ended by the eod."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, EOD, (G, SEQ + 1), generator=gen)
+        ids[torch.rand(G, SEQ + 1, generator=gen) < 0.2] = EOD
+        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
+    return out
+
+
+def _train(kind: str, layout: dict) -> list[float]:
+    import megapar
+
+    torch.manual_seed(0)
+    options = {"micro_batch_size": 2, **layout}
+    engine = megapar.prepare(PARITY_MODELS[kind](), lr=3e-3, weight_decay=0.1, clip_grad=0.3,
+                             seed=4, attention_mask_type="block_causal",
+                             reset_position_ids=True, eod_mask_loss=True, eod_id=EOD,
+                             loss_mean="token", **options)
+    batches = _global_batches()
+    losses = [engine.train_step(b) for b in batches]
+    return losses + [engine.eval_step(batches[0])]  # the weights after the last step
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return {kind: _train(kind, {}) for kind in PARITY_MODELS}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_one_process(run, one_process, name):
+    """Three steps (AdamW, clipping) and an evaluation after them give one process's losses
+    (fp32, 1e-5; the token mean, the same at any micro-batch size) with block_causal, reset
+    position ids and --eod-mask-loss, at tp 2 x pp 2
+    (sequence parallelism, full recompute), dp 2 with ZeRO-3, cp 2 by the all-to-all
+    (selective recompute) and GPT-2 at tp 2 x pp 2 interleaved."""
+    kind, layout = LAYOUTS[name]
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    world *= 2 if layout.get("zero") else 1
+    results = run(_train, world, kind, layout)
+    for losses in results:
+        for step, (got, want) in enumerate(zip(losses, one_process[kind])):
+            assert_close(torch.tensor(got), torch.tensor(want), what=f"{name} loss {step}")
