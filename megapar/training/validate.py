@@ -333,17 +333,17 @@ def check_documents(cfg, layout, config, api: bool = False) -> None:
     under cp document masking needs the all-to-all, which holds the whole sequence;
     `megapar.prepare` needs the end-of-document id. UsageError naming the fix."""
 
-    def name(field: str, value: str = "") -> str:
+    def name(field: str, value: object = None) -> str:
         if api:
-            return f"{field}={value!r}" if value else f"{field}=True"
-        return "--" + field.replace("_", "-") + (f" {value}" if value else "")
+            return f"{field}={value!r}" if value is not None else f"{field}=True"
+        return "--" + field.replace("_", "-") + (f" {value}" if value is not None else "")
 
     used = [
         name(f, v)
         for f, v, on in (
             ("attention_mask_type", "block_causal", cfg.attention_mask_type == "block_causal"),
-            ("reset_position_ids", "", cfg.reset_position_ids),
-            ("eod_mask_loss", "", cfg.eod_mask_loss),
+            ("reset_position_ids", None, cfg.reset_position_ids),
+            ("eod_mask_loss", None, cfg.eod_mask_loss),
         )
         if on
     ]
@@ -367,7 +367,7 @@ def check_documents(cfg, layout, config, api: bool = False) -> None:
         )
     if cfg.eod_id is not None and cfg.eod_id >= config.vocab_size:
         raise UsageError(
-            f"{name('eod_id', str(cfg.eod_id))} is outside the model's vocabulary of "
+            f"{name('eod_id', cfg.eod_id)} is outside the model's vocabulary of "
             f"{config.vocab_size} ids; give the tokenizer's end-of-document id"
         )
 
