@@ -150,6 +150,9 @@ LAYOUTS = {  # name: (model, prepare's layout keywords)
     "cp2_a2a_selective": ("mistral", dict(cp=2, cp_comm_type="a2a", recompute="selective")),
     "gpt2_tp2_pp2_interleaved": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
                                               virtual_stages=2, micro_batch_size=1)),
+    # positions alone need no mask: the ring (and the all-gather) take them
+    "cp2_ring_positions_only": ("mistral", dict(cp=2, cp_comm_type="p2p",
+                                                attention_mask_type="causal")),
 }
 PARITY_MODELS = {  # 4 layers (interleaved pp 2 x 2 chunks); Mistral's window of 6 cuts SEQ
     "gpt2": lambda: transformers.GPT2Config(**{**GPT2_TINY, "n_layer": 4}),
@@ -173,10 +176,9 @@ def _train(kind: str, layout: dict) -> list[float]:
     import megapar
 
     torch.manual_seed(0)
-    options = {"micro_batch_size": 2, **layout}
+    options = {"micro_batch_size": 2, "attention_mask_type": "block_causal", **layout}
     engine = megapar.prepare(PARITY_MODELS[kind](), lr=3e-3, weight_decay=0.1, clip_grad=0.3,
-                             seed=4, attention_mask_type="block_causal",
-                             reset_position_ids=True, eod_mask_loss=True, eod_id=EOD,
+                             seed=4, reset_position_ids=True, eod_mask_loss=True, eod_id=EOD,
                              loss_mean="token", **options)
     batches = _global_batches()
     losses = [engine.train_step(b) for b in batches]
@@ -185,7 +187,15 @@ def _train(kind: str, layout: dict) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_process():
-    return {kind: _train(kind, {}) for kind in PARITY_MODELS}
+    """`reference(kind, mask type)`: one process's losses, computed once each."""
+    done = {}
+
+    def reference(kind, mask):
+        if (kind, mask) not in done:
+            done[kind, mask] = _train(kind, {"attention_mask_type": mask})
+        return done[kind, mask]
+
+    return reference
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -194,13 +204,15 @@ def test_layouts_equal_one_process(run, one_process, name):
     (fp32, 1e-5; the token mean, the same at any micro-batch size) with block_causal, reset
     position ids and --eod-mask-loss, at tp 2 x pp 2
     (sequence parallelism, full recompute), dp 2 with ZeRO-3, cp 2 by the all-to-all
-    (selective recompute) and GPT-2 at tp 2 x pp 2 interleaved."""
+    (selective recompute) and GPT-2 at tp 2 x pp 2 interleaved; reset position ids alone at
+    cp 2 by the ring."""
     kind, layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     world *= 2 if layout.get("zero") else 1
     results = run(_train, world, kind, layout)
+    want_losses = one_process(kind, layout.get("attention_mask_type", "block_causal"))
     for losses in results:
-        for step, (got, want) in enumerate(zip(losses, one_process[kind])):
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
             assert_close(torch.tensor(got), torch.tensor(want), what=f"{name} loss {step}")
 
 

@@ -260,6 +260,11 @@ def prepare(
     plain cross-entropy. Not with cp > 1, loss_mean="token" or z_loss (docs/guides/python-api.md).
     label_smoothing=EPS and z_loss=COEF (keywords, `--label-smoothing`, `--z-loss`) shape the
     training loss as in megapar-train.
+    Packed documents (keywords, `--attention-mask-type`, `--reset-position-ids`,
+    `--eod-mask-loss`): attention_mask_type="block_causal" keeps each token's attention within
+    its document, reset_position_ids=True restarts positions at each, eod_mask_loss=True labels
+    the end-of-document positions -100 in `train_step` / `eval_step`; each needs eod_id= (the
+    end-of-document token's id, found in the batches' input_ids: no other batch key).
     """
 
     set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
