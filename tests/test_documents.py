@@ -150,7 +150,10 @@ LAYOUTS = {  # name: (model, prepare's layout keywords)
     "cp2_a2a_selective": ("mistral", dict(cp=2, cp_comm_type="a2a", recompute="selective")),
     "gpt2_tp2_pp2_interleaved": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
                                               virtual_stages=2, micro_batch_size=1)),
-    # positions alone need no mask: the ring (and the all-gather) take them
+    # the all-gather (Mistral's grouped-query default) and the ring mask each kernel call
+    "cp2_all_gather": ("mistral", dict(cp=2)),
+    "tp2_cp2_ring_sp": ("mistral", dict(tp=2, cp=2, cp_comm_type="p2p", sequence_parallel=True)),
+    # positions alone need no mask
     "cp2_ring_positions_only": ("mistral", dict(cp=2, cp_comm_type="p2p",
                                                 attention_mask_type="causal")),
 }
@@ -204,8 +207,9 @@ def test_layouts_equal_one_process(run, one_process, name):
     (fp32, 1e-5; the token mean, the same at any micro-batch size) with block_causal, reset
     position ids and --eod-mask-loss, at tp 2 x pp 2
     (sequence parallelism, full recompute), dp 2 with ZeRO-3, cp 2 by the all-to-all
-    (selective recompute) and GPT-2 at tp 2 x pp 2 interleaved; reset position ids alone at
-    cp 2 by the ring."""
+    (selective recompute), cp 2 by the all-gather, tp 2 x cp 2 by the ring (sequence
+    parallelism) and GPT-2 at tp 2 x pp 2 interleaved; reset position ids alone at cp 2 by the
+    ring."""
     kind, layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     world *= 2 if layout.get("zero") else 1
@@ -220,8 +224,9 @@ def test_layouts_equal_one_process(run, one_process, name):
 def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
     """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines
     record each): --attention-mask-type block_causal --reset-position-ids --eod-mask-loss (the
-    eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 by the
-    all-to-all with the same losses (fp32, 1e-5), which differ from the run without them."""
+    eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 (the
+    all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
+    the run without them."""
     import json
     from pathlib import Path
 
@@ -250,7 +255,7 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
         return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
     pp2 = losses("--pp", "2", *flags)
-    cp2 = losses("--tp", "2", "--cp", "2", "--cp-comm-type", "a2a", *flags)
+    cp2 = losses("--tp", "2", "--cp", "2", *flags)  # the all-gather: grouped-query heads
     plain = losses("--pp", "2")
     assert len(pp2) == 3
     for a, b in zip(pp2, cp2):
@@ -261,8 +266,6 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
 @pytest.mark.parametrize("argv, said", [
     (["--model", "bert-tiny", "--eod-mask-loss"],
      "--eod-mask-loss reads the documents packed into a decoder's sequences, and BERT's"),
-    (["--cp", "2", "--attention-mask-type", "block_causal"],
-     "--attention-mask-type block_causal under context parallelism needs --cp-comm-type a2a"),
     (["--eod-id", "3"], "--eod-id 3 would be ignored"),
     (["--reset-attention-mask"], "did you mean --attention-mask-type block_causal?"),
     (["--model.attn_mask_type", "block_causal"], "did you mean --attention-mask-type?"),

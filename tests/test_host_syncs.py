@@ -73,9 +73,10 @@ DOCUMENTS = dict(attention_mask_type="block_causal", reset_position_ids=True, eo
 
 def test_packed_documents_add_no_host_sync():
     """block_causal with reset position ids and --eod-mask-loss: the documents' masks (Mistral's
-    window ANDed with them) and rotary positions are made on the device per micro-batch, at
-    cp 2 x pp 2 by the all-to-all, with no host sync."""
-    documents = {**DOCUMENTS, "cp_comm_type": "a2a"}
+    window ANDed with them; the ring's, per kernel call, from the documents of its queries' and
+    keys' global positions) and rotary positions are made on the device per micro-batch, at
+    cp 2 x pp 2 by the ring, with no host sync."""
+    documents = {**DOCUMENTS, "cp_comm_type": "p2p"}
     for rank, counts in enumerate(run_local(syncs_worker, 4, "mistral", 2, "1f1b", documents)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])

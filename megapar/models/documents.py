@@ -44,15 +44,27 @@ class DocumentSettings:
 
 @dataclass
 class Documents:
-    """One micro-batch's documents as a stage's layers read them: `biases` maps each sliding
-    window of the stage's layers (None: no window) to the additive mask [b, 1, s, s] of the
-    whole sequence (0: attend, -inf: not; in the attention's dtype), empty with causal
-    attention; `cos` / `sin` the rotary tables of this rank's tokens at their positions in their
-    documents ([b, 1, s_cp, head_dim]; Llama with reset positions, else None)."""
+    """One micro-batch's documents as a stage's layers read them: `ids` the document of each
+    token of the whole sequence ([b, s], `document_ids`; None: causal attention across them),
+    from which `bias` makes each sliding window's mask once (the first layer to ask makes it,
+    the others share it); `cos` / `sin` the rotary tables of this rank's tokens at their
+    positions in their documents ([b, 1, s_cp, head_dim]; Llama with reset positions, else
+    None)."""
 
-    biases: dict = field(default_factory=dict)
+    ids: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    biases: dict = field(default_factory=dict, repr=False)
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask [b, 1, s, s] of the whole sequence for sliding `window` (None:
+        none) in `dtype` (`block_causal_bias`), made on first use; None without `ids`."""
+        if self.ids is None:
+            return None
+        key = (window, dtype)
+        if key not in self.biases:
+            self.biases[key] = block_causal_bias(self.ids, window, dtype)
+        return self.biases[key]
 
 
 def document_ids(ids: torch.Tensor, eod: int) -> torch.Tensor:
@@ -99,19 +111,17 @@ def attention_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def stage_documents(stage, batch: dict, hidden: torch.Tensor, windows) -> Documents | None:
+def stage_documents(stage, batch: dict) -> Documents | None:
     """The `Documents` of a micro-batch for `stage` (a StageModel), or None where its
     settings read no documents (or the batch is a generation step's: no input_ids, or
-    positions after a KV cache). `windows`: the sliding windows of its layers (None: none)."""
+    positions after a KV cache)."""
     settings = stage.documents
     if not settings.active or "input_ids" not in batch or "positions_from" in batch:
         return None
-    ids = batch["input_ids"]
     docs = Documents()
     if settings.mask_type == "block_causal":
-        doc = document_ids(ids, settings.eod_id)
-        dtype = attention_dtype(hidden)
-        docs.biases = {w: block_causal_bias(doc, w, dtype) for w in set(windows)}
+        assert settings.eod_id is not None  # `set_documents` checks
+        docs.ids = document_ids(batch["input_ids"], settings.eod_id)
     return docs
 
 

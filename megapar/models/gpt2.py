@@ -45,8 +45,8 @@ class GPT2Block(nn.Module):
         self.mlp = ParallelMLP(config.n_embd, config.ffn_size, mesh, config.activation_function)
         self.dropout = ResidualDropout(config.resid_pdrop, mesh, tracker)
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), mask))
+    def forward(self, x: torch.Tensor, mask=None, docs=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), mask, docs))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -129,9 +129,9 @@ class GPT2(StageModel):
                 positions = self._local_tokens(document_positions(ids, self.documents.eod_id))
             hidden = self.embed(self._cp_tokens(ids), positions)
         assert hidden is not None  # later stages: the previous stage's output
-        docs = stage_documents(self, batch, hidden, [None])
-        mask = None if docs is None else docs.biases.get(None)  # block_causal's, else None
-        hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
+        docs = stage_documents(self, batch)  # block_causal's document ids, else None
+        docs = docs if docs is not None and docs.ids is not None else None
+        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker, docs)
         if not self.post_process:
             return hidden
         return self._head(self.final_norm(hidden), self.word_embeddings, batch)

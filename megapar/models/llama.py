@@ -313,19 +313,16 @@ class LlamaAttention(nn.Module):
             )
         return index
 
-    def _core(self, q, k, v, index=None, bias=None):
-        """`bias`: the micro-batch's document mask of this layer's window ([b, 1, s, s],
-        `megapar.models.documents`: the causal rule and the window included), or None."""
+    def _core(self, q, k, v, index=None, docs=None):
+        """`docs`: the micro-batch's packed documents (`megapar.models.documents.Documents`:
+        attention within each, this layer's window ANDed), or None."""
         dropout = self.dropout if self.training else 0.0
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
-                if bias is not None:
-                    return self.context_parallel(
-                        q, k, v, kv_index=index, dropout_p=dropout, attn_mask=bias
-                    )
                 return self.context_parallel(
-                    q, k, v, kv_index=index, dropout_p=dropout, window=self.window
+                    q, k, v, kv_index=index, dropout_p=dropout, window=self.window, documents=docs
                 )
+            bias = None if docs is None else docs.bias(self.window, q.dtype)
             mask = (
                 bias if bias is not None else self.masks(q.shape[2], self.window, q.dtype, q.device)
             )
@@ -373,14 +370,13 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = heads(self.v(x, entered=True))
         index = None if self.kv_index == list(range(k.shape[1])) else self._index_on(k.device)
-        bias = None if docs is None else docs.biases.get(self.window)
         if cache is not None:
             out = cache.attend(q, k, v, index, self.window)
         elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
-            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index, bias)
+            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index, docs)
         else:
-            out = self._core(q, k, v, index, bias)
+            out = self._core(q, k, v, index, docs)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -526,12 +522,7 @@ class Llama(StageModel):
             isinstance(layer.mlp, MoE) for layer in self.layers.values()
         ):
             padding = self._local_tokens(batch["attention_mask"])
-        docs = stage_documents(
-            self,
-            batch,
-            hidden,
-            [getattr(layer.attn, "window", None) for layer in self.layers.values()],
-        )
+        docs = stage_documents(self, batch)
         if docs is not None and self.documents.reset_position_ids:
             assert self.documents.eod_id is not None  # `set_documents` checks
             # this cp rank's tokens (the attention holds the whole sequence under SP)

@@ -144,7 +144,7 @@ class TrainConfig:
     seq_len: int = 128
     """Sequence length in tokens."""
     attention_mask_type: str = "causal"
-    """What a token of a packed sequence attends to: causal (every earlier token of the sequence, across the documents packed into it) or block_causal (only the earlier tokens of its own document, the end-of-document token ending it: torchtitan's attn_mask_type, Megatron-LM's --reset-attention-mask, Llama 3's document masking). An explicit mask per micro-batch, made on the device from the input ids and shared by the layers (and ANDed with a sliding window); GPT-2 and the Llama family, at any layout (under --cp with --cp-comm-type a2a)."""
+    """What a token of a packed sequence attends to: causal (every earlier token of the sequence, across the documents packed into it) or block_causal (only the earlier tokens of its own document, the end-of-document token ending it: torchtitan's attn_mask_type, Megatron-LM's --reset-attention-mask, Llama 3's document masking). An explicit mask per micro-batch, made on the device from the input ids and shared by the layers (and ANDed with a sliding window); GPT-2 and the Llama family, in every layout (under --cp every --cp-comm-type: the all-to-all takes the whole sequence's mask, the ring and the all-gather mask each block of keys by its tokens' documents)."""
     reset_position_ids: bool = False
     """Positions restart at 0 after each end-of-document token (Megatron-LM's --reset-position-ids): Llama's rotary angles and GPT-2's learned positions are each token's position in its document."""
     eod_mask_loss: bool = False

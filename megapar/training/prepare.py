@@ -503,7 +503,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         raise LayoutError(f"megapar.prepare: {error}")
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
-        check_documents(cfg, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
+        check_documents(cfg, config, api=True)
     except UsageError as exc:
         raise LayoutError(f"megapar.prepare: {exc}") from None
 

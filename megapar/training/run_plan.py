@@ -120,7 +120,7 @@ def plan_data(
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     if reads_documents(cfg) and cfg.eod_id is None:  # the data's end-of-document token
         cfg.eod_id = IndexedDataset(plan.prefix, cfg.tokenizer).eod_id
-        check_documents(cfg, layout, config)  # inside the vocabulary
+        check_documents(cfg, config)  # inside the vocabulary
     try:
         train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
         if isinstance(train, SFTDataset) and train.unlabelled == len(train):
@@ -187,7 +187,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
     check_cp_comm(cfg.cp_comm_type, layout, config)
-    check_documents(cfg, layout, config)
+    check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:

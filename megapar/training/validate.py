@@ -327,11 +327,11 @@ def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> N
         )
 
 
-def check_documents(cfg, layout, config, api: bool = False) -> None:
+def check_documents(cfg, config, api: bool = False) -> None:
     """--attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss read the
     documents packed into a decoder's sequences: BERT's samples are one sentence pair each;
-    under cp document masking needs the all-to-all, which holds the whole sequence;
-    `megapar.prepare` needs the end-of-document id. UsageError naming the fix."""
+    `megapar.prepare` needs the end-of-document id, which must be inside the vocabulary.
+    UsageError naming the fix."""
 
     def name(field: str, value: object = None) -> str:
         if api:
@@ -353,12 +353,6 @@ def check_documents(cfg, layout, config, api: bool = False) -> None:
         raise UsageError(
             f"{used[0]} reads the documents packed into a decoder's sequences, and BERT's "
             f"samples are one sentence pair each; drop it or train GPT-2 or a Llama-family model"
-        )
-    if cfg.attention_mask_type == "block_causal" and layout.cp > 1 and cfg.cp_comm_type != "a2a":
-        raise UsageError(
-            f"{name('attention_mask_type', 'block_causal')} under context parallelism needs "
-            f"{name('cp_comm_type', 'a2a')} (the all-to-all holds the whole sequence; the ring "
-            f"and the all-gather do not take a document mask)"
         )
     if api and cfg.eod_id is None:
         raise UsageError(
