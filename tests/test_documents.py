@@ -148,8 +148,9 @@ LAYOUTS = {  # name: (model, prepare's layout keywords)
     "tp2_pp2_sp_full": ("mistral", dict(tp=2, pp=2, sequence_parallel=True, recompute="full")),
     "dp2_zero3": ("mistral", dict(zero=3)),
     "cp2_a2a_selective": ("mistral", dict(cp=2, cp_comm_type="a2a", recompute="selective")),
-    "gpt2_tp2_pp2_interleaved": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
-                                              virtual_stages=2, micro_batch_size=1)),
+    "gpt2_tp2_pp2_interleaved_sp": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
+                                                 virtual_stages=2, micro_batch_size=1,
+                                                 sequence_parallel=True)),
     # the all-gather (Mistral's grouped-query default) and the ring mask each kernel call
     "cp2_all_gather": ("mistral", dict(cp=2)),
     "tp2_cp2_ring_sp": ("mistral", dict(tp=2, cp=2, cp_comm_type="p2p", sequence_parallel=True)),
@@ -205,11 +206,10 @@ def one_process():
 def test_layouts_equal_one_process(run, one_process, name):
     """Three steps (AdamW, clipping) and an evaluation after them give one process's losses
     (fp32, 1e-5; the token mean, the same at any micro-batch size) with block_causal, reset
-    position ids and --eod-mask-loss, at tp 2 x pp 2
-    (sequence parallelism, full recompute), dp 2 with ZeRO-3, cp 2 by the all-to-all
-    (selective recompute), cp 2 by the all-gather, tp 2 x cp 2 by the ring (sequence
-    parallelism) and GPT-2 at tp 2 x pp 2 interleaved; reset position ids alone at cp 2 by the
-    ring."""
+    position ids and --eod-mask-loss, at tp 2 x pp 2 (sequence parallelism, full recompute),
+    dp 2 with ZeRO-3, cp 2 by the all-to-all (selective recompute), cp 2 by the all-gather,
+    tp 2 x cp 2 by the ring (sequence parallelism) and GPT-2 at tp 2 x pp 2 interleaved (SP);
+    reset position ids alone at cp 2 by the ring."""
     kind, layout = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     world *= 2 if layout.get("zero") else 1
