@@ -11,10 +11,11 @@ masking through FlexAttention) and Llama 3's pretraining mask the same way.
 
 Everything is made on the device from the micro-batch's input_ids with tensor operations (a
 cumulative sum, a cumulative maximum, comparisons): no host synchronisation, no host data
-copied to the device. A stage makes the masks once per micro-batch (one per sliding window its
-layers use) and every layer's attention shares them, as `WindowMasks` shares a window's mask;
-every pipeline stage reads the whole micro-batch (its input_ids included), so each makes its
-own.
+copied to the device. A stage makes a micro-batch's mask once per sliding window its layers use
+(the first layer to ask makes it) and every layer's attention shares it, as `WindowMasks` shares
+a window's mask; every pipeline stage reads the whole micro-batch (its input_ids included), so
+each makes its own. Under context parallelism the all-to-all takes the same mask; the ring and
+the all-gather mask each kernel call from the document ids (`megapar.context_parallel`).
 """
 
 from __future__ import annotations
@@ -97,18 +98,6 @@ def block_causal_bias(docs: torch.Tensor, window: int | None, dtype: torch.dtype
         keep &= t[None, :, None] - t[None, None, :] < window
     bias = torch.zeros(keep.shape, dtype=dtype, device=docs.device)
     return bias.masked_fill_(~keep, float("-inf"))[:, None]
-
-
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-"""Device types autocast knows (torch raises on others, such as the dry run's "meta")."""
-
-
-def attention_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in: autocast's where it is on, else the hidden states'."""
-    kind = hidden.device.type
-    if kind in AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return hidden.dtype
 
 
 def stage_documents(stage, batch: dict) -> Documents | None:

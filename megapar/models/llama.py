@@ -29,12 +29,7 @@ from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
-from megapar.models.documents import (
-    AUTOCAST_DEVICES,  # noqa: F401 - where it was first defined
-    attention_dtype,
-    document_positions,
-    stage_documents,
-)
+from megapar.models.documents import document_positions, stage_documents
 from megapar.models.kv_cache import KVCache, window_mask
 from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
@@ -116,6 +111,10 @@ class Rotary:
             emb = torch.cat([freqs, freqs], dim=-1)
             self._cache = {key: (emb.cos(), emb.sin())}
         return self._cache[key]
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+"""Device types autocast knows (torch raises on others, such as the dry run's "meta")."""
 
 
 class WindowMasks:
@@ -514,7 +513,12 @@ class Llama(StageModel):
             windows = {getattr(layer.attn, "window", None) for layer in self.layers.values()}
             cutting = sorted(w for w in windows if w is not None and w < seq_len)
             if self.mesh.cp == 1 and cutting and self.documents.mask_type == "causal":
-                dtype = attention_dtype(hidden)  # autocast's, else the hidden states'
+                dtype = (  # the attention's: autocast's, else the hidden states'
+                    torch.get_autocast_dtype(kind)
+                    if (kind := hidden.device.type) in AUTOCAST_DEVICES
+                    and torch.is_autocast_enabled(kind)
+                    else hidden.dtype
+                )
                 for window in cutting:
                     self.window_masks(seq_len, window, dtype, hidden.device)
         padding = None  # an MoE layer's: which of this rank's tokens are not right-padding
