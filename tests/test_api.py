@@ -1228,6 +1228,12 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"cp": 8, "cp_comm_type": "a2a"}, ["megapar.prepare: cp_comm_type='a2a' at cp 8: "
                                         "all-to-all context parallelism", "use cp=2 or 4 "
                                         "(dividing 4), or cp_comm_type='p2p' (the ring"]),
+    # packed documents: the eod id has no default here, and must be in the vocabulary
+    ({"attention_mask_type": "block_causal"},
+     ["megapar.prepare: attention_mask_type='block_causal' needs the end-of-document token's "
+      "id: pass eod_id="]),
+    ({"reset_position_ids": True, "eod_id": 50257},
+     ["megapar.prepare: eod_id=50257 is outside the model's vocabulary"]),
     # megapar-train's ranges: clip_grad=-1 trained unclipped, weight_decay=-0.1 grew the weights
     ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
     ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),

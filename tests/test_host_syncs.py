@@ -51,17 +51,37 @@ def batch(kind, m):
     return out
 
 
-def syncs_worker(kind, cp=1, schedule="1f1b"):
+def syncs_worker(kind, cp=1, schedule="1f1b", documents=None):
     layers = 4 if schedule in ("zb-v", "dualpipev") else 2  # the V: 2 pp chunks
     engine = megapar.prepare(config(kind, layers), tp=2 // cp, cp=cp, pp=2, micro_batch_size=1,
-                             schedule=schedule)
+                             schedule=schedule, **(documents or {}))
     counts = {}
     for m in (4, 8):
-        engine.train_step(batch(kind, m))  # the first step of a shape builds its executor
+        packed = batch(kind, m)
+        if documents:  # documents of 5 tokens, each ended by the eod (id 0)
+            packed["input_ids"][:, 4::5] = 0
+        engine.train_step(packed)  # the first step of a shape builds its executor
         with count_syncs() as syncs:
-            engine.train_step(batch(kind, m))
+            engine.train_step(packed)
         counts[m] = syncs
     return counts
+
+
+DOCUMENTS = dict(attention_mask_type="block_causal", reset_position_ids=True, eod_mask_loss=True,
+                 eod_id=0)
+
+
+def test_packed_documents_add_no_host_sync():
+    """block_causal with reset position ids and --eod-mask-loss: the documents' masks (Mistral's
+    window ANDed with them; the ring's, per kernel call, from the documents of its queries' and
+    keys' global positions) and rotary positions are made on the device per micro-batch, at
+    cp 2 x pp 2 by the ring, with no host sync."""
+    documents = {**DOCUMENTS, "cp_comm_type": "p2p"}
+    for rank, counts in enumerate(run_local(syncs_worker, 4, "mistral", 2, "1f1b", documents)):
+        assert counts[4] == counts[8], (rank, counts)
+        assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])
+        inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)
 
 
 @pytest.mark.parametrize("kind,cp", [(kind, cp) for kind in ("gpt2", "bert", "llama")

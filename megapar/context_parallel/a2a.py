@@ -134,6 +134,7 @@ def attention(
     dropout_p: float = 0.0,
     window: int | None = None,
     masks: dict | None = None,
+    attn_mask=None,
 ):
     """Attention of this rank's tokens over the whole (cp-split) sequence by all-to-alls.
 
@@ -141,14 +142,19 @@ def attention(
     each query head's kv head (None: one each); `local_index`: after the all-to-all, the
     rank's query heads' kv heads among its own (a tensor, `kv_plan`), or None: k and v are
     expanded by kv_index before it. key_mask: [b, s] bool of the whole sequence (True: a
-    real token). `masks`: where the window's mask is kept (one per shape). Returns
-    [b, heads, 2c, d]."""
+    real token). `masks`: where the window's mask is kept (one per shape). `attn_mask`: an
+    additive mask [b, 1, s, s] of the whole sequence in sequence order (packed documents: the
+    causal rule and any window included), used instead of the causal rule, window and key
+    mask. Returns [b, heads, 2c, d]."""
     if kv_index is not None and local_index is None:
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     q, k, v = _ToHeads.apply(group, cp, q, k, v)
     if local_index is not None:
         k, v = k.index_select(1, local_index), v.index_select(1, local_index)
     s = q.shape[2]
+    if attn_mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        return _ToSequence.apply(group, cp, out)[0]
     mask = None
     if window is not None and causal and window < s:
         key = (s, window, str(q.device))

@@ -40,6 +40,12 @@ is left out (no work; the K/V block still travels on, the exchanges are the same
 keys are all within it runs as above, and one the window cuts runs with an additive mask of
 the window and the causal rule (`window_bias`, from the global positions; made on the device
 once per layer and shape).
+
+Packed documents (`megapar.models.documents`, ``--attention-mask-type block_causal``): every rank
+holds the document of each token of the whole sequence (from the micro-batch's ids), so each
+kernel call's queries and keys are masked where their documents differ (`_Pass._document_bias`:
+the dtype's lowest value, made per call on the device; nothing more travels), on top of the
+causal rule and any window.
 """
 
 from __future__ import annotations
@@ -211,13 +217,15 @@ def _reduce(grad, kv_index, kv_heads: int):
 class _Pass:
     """The per-source work of one forward or backward, shared by both methods."""
 
-    def __init__(self, spec: Spec, q, key_mask, kv_index):
+    def __init__(self, spec: Spec, q, key_mask, kv_index, doc_ids=None):
         self.spec, self.q, self.key_mask, self.kv_index = spec, q, key_mask, kv_index
+        self.doc_ids = doc_ids
+        self.q_docs = None if doc_ids is None else split(doc_ids, spec.cp, spec.rank, dim=-1)
         self.c = q.shape[2] // 2
         self.window = spec.window if spec.causal else None
         if self.window is not None and self.window >= self.c * 2 * spec.cp:
             self.window = None  # no shorter than the sequence: it cuts nothing
-        masked = key_mask is not None or self.window is not None
+        masked = key_mask is not None or self.window is not None or doc_ids is not None
         self.kernel = spec.kernel or choose_kernel(
             q.device, spec.dropout_p, q.dtype, masked, q.shape[-1]
         )
@@ -227,7 +235,26 @@ class _Pass:
 
     def bias(self, source: int, call: Call, key_bias):
         """The additive mask of `call`: the key mask's columns, plus the window's where it
-        cuts the call (None: neither)."""
+        cuts the call (None: neither), the dtype's lowest value where a key is of another
+        document than its query (`_document_bias`)."""
+        return self._document_bias(source, call, self._key_window_bias(source, call, key_bias))
+
+    def _document_bias(self, source: int, call: Call, bias):
+        """`bias` (or 0) with the lowest value where the query's and the key's documents
+        differ ([b, 1, rows, columns]), from the documents of their global positions; `bias`
+        as it is without documents. Made per call (the documents are the micro-batch's), on
+        the device from the ids every rank holds: nothing travels."""
+        if self.doc_ids is None:
+            return bias
+        assert self.q_docs is not None
+        keys = split(self.doc_ids, self.spec.cp, source, dim=-1)[:, call.kv]
+        same = (self.q_docs[:, call.q][:, :, None] == keys[:, None, :])[:, None]
+        dtype = self.q.dtype
+        base = bias if bias is not None else torch.zeros((), dtype=dtype, device=same.device)
+        lowest = torch.full((), _lowest(dtype), dtype=dtype, device=same.device)
+        return torch.where(same, base, lowest)
+
+    def _key_window_bias(self, source: int, call: Call, key_bias):
         bias = None if key_bias is None else key_bias[..., call.kv]
         if not call.window:
             return bias
@@ -305,10 +332,10 @@ def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec):
+def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids=None):
     """The merged output; what backward needs is kept (this rank's blocks only)."""
     out, lse = _result(acc, q)
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index, doc_ids)
     ctx.spec = spec
     return out
 
@@ -316,16 +343,17 @@ def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec):
 def _backward_start(ctx):
     """(saved tensors, spec, the per-source work, dq zeroed in the accumulation dtype)."""
     saved = ctx.saved_tensors
-    q, _, _, _, _, key_mask, kv_index = saved
-    return saved, ctx.spec, _Pass(ctx.spec, q, key_mask, kv_index), wide(torch.zeros_like(q))
+    q, _, _, _, _, key_mask, kv_index, doc_ids = saved
+    work = _Pass(ctx.spec, q, key_mask, kv_index, doc_ids)
+    return saved[:7], ctx.spec, work, wide(torch.zeros_like(q))
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention: K/V blocks passed around the cp group, overlapped with the attention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
-        work, ring, cp = _Pass(spec, q, key_mask, kv_index), spec.comm, spec.cp
+    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec, doc_ids=None):
+        work, ring, cp = _Pass(spec, q, key_mask, kv_index, doc_ids), spec.comm, spec.cp
         assert isinstance(ring, Ring)  # `attention` passes the ring method a Ring
         kv = torch.stack([k, v])
         acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -335,7 +363,7 @@ class RingAttention(torch.autograd.Function):
             work.forward(source, kv[0], kv[1], acc)
             if handle is not None:
                 kv = ring.finish(handle)
-        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids)
 
     @staticmethod
     def backward(ctx, dout):
@@ -357,7 +385,7 @@ class RingAttention(torch.autograd.Function):
                 if handle is not None:
                     kv = ring.finish(handle)
             dkv = ring.finish(grads)  # own K/V's gradient, back from its trip around the ring
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -365,13 +393,13 @@ class AllGatherAttention(torch.autograd.Function):
     K/V gradients are reduce-scattered to their owners)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
-        work = _Pass(spec, q, key_mask, kv_index)
+    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec, doc_ids=None):
+        work = _Pass(spec, q, key_mask, kv_index, doc_ids)
         acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         every = _gather(torch.stack([k, v]), spec)
         for source in range(spec.cp):
             work.forward(source, every[source, 0], every[source, 1], acc)
-        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids)
 
     @staticmethod
     def backward(ctx, dout):
@@ -390,7 +418,7 @@ class AllGatherAttention(torch.autograd.Function):
             )
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
         reduce_scatter_flat(mine, dkv, spec.comm)
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
 
 
 def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -404,12 +432,16 @@ def _replaying(spec: Spec):
     return spec.masks.replaying() if spec.masks is not None else contextlib.nullcontext()
 
 
-def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "ring"):
+def attention(
+    q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "ring", doc_ids=None
+):
     """Attention of this rank's queries over the whole (cp-split) sequence.
 
     q: [b, heads, 2c, d] (this rank's two chunks); k, v: [b, kv heads, 2c, d], with
     `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
-    (True = a real token) of the *whole* sequence, or None. Returns [b, heads, 2c, d]."""
+    (True = a real token) of the *whole* sequence, or None; doc_ids: [b, s] the document of
+    each token of the whole sequence (causal: a query sees only its document's keys), or None.
+    Returns [b, heads, 2c, d]."""
     if method not in METHODS[:2]:
         raise ValueError(
             f"unknown context-parallel attention {method!r}; expected one of {METHODS[:2]} "
@@ -418,7 +450,7 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
     if spec.dropout_p > 0:  # this call's masks (a spec may be reused)
         spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
     fn = RingAttention if method == "ring" else AllGatherAttention
-    return fn.apply(q, k, v, key_mask, kv_index, spec)
+    return fn.apply(q, k, v, key_mask, kv_index, spec, doc_ids)
 
 
 class LayerAttention:
@@ -441,22 +473,49 @@ class LayerAttention:
         self.kv_map: list[int] | None = None
         self._local_index: dict[str, torch.Tensor | None] = {}  # a2a: `kv_plan` per device
 
-    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
-        """`window`: a sliding window (None: causal over the whole sequence, or bidirectional)."""
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        key_mask=None,
+        kv_index=None,
+        dropout_p: float = 0.0,
+        window=None,
+        documents=None,
+    ):
+        """`window`: a sliding window (None: causal over the whole sequence, or bidirectional).
+        `documents`: a micro-batch's packed documents (`megapar.models.documents.Documents`;
+        causal only): each query sees only the keys of its own document. The all-to-all takes
+        their mask of the whole sequence; the ring and the all-gather mask each kernel call
+        from the documents of its queries' and keys' global positions."""
+        if documents is not None and documents.ids is None:
+            documents = None  # reset positions only: nothing to mask
         if torch.compiler.is_compiling():  # --compile: the exchanges stay eager (a graph break)
-            return self._eager(q, k, v, key_mask, kv_index, dropout_p, window)
-        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
+            return self._eager(q, k, v, key_mask, kv_index, dropout_p, window, documents)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window, documents)
 
     @graph_break
-    def _eager(self, q, k, v, key_mask, kv_index, dropout_p, window):
+    def _eager(self, q, k, v, key_mask, kv_index, dropout_p, window, documents=None):
         """`_run`, run eagerly inside torch.compile'd code: the ring's point-to-point messages
         and the all-gathers stay the torch.distributed calls (timeouts, counts) they are."""
-        return self._run(q, k, v, key_mask, kv_index, dropout_p, window)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p, window, documents)
 
-    def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0, window=None):
+    def _run(
+        self,
+        q,
+        k,
+        v,
+        key_mask=None,
+        kv_index=None,
+        dropout_p: float = 0.0,
+        window=None,
+        documents=None,
+    ):
         mesh = self.mesh
         if self.method == "a2a":
-            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window)
+            attn_mask = None if documents is None else documents.bias(window, q.dtype)
+            return self._a2a(q, k, v, key_mask, kv_index, dropout_p, window, attn_mask)
         if self.method == "ring":
             if self.ring is None:
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
@@ -473,9 +532,10 @@ class LayerAttention:
             window=window,
             biases=self.biases,
         )
-        return attention(q, k, v, spec, key_mask, kv_index, self.method)
+        doc_ids = None if documents is None else documents.ids
+        return attention(q, k, v, spec, key_mask, kv_index, self.method, doc_ids)
 
-    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window):
+    def _a2a(self, q, k, v, key_mask, kv_index, dropout_p, window, attn_mask=None):
         mesh, cp = self.mesh, self.mesh.cp
         why = a2a.heads_error(q.shape[1], cp)
         if why is not None:
@@ -502,4 +562,5 @@ class LayerAttention:
             dropout_p,
             window,
             self.biases,
+            attn_mask,
         )

@@ -68,7 +68,9 @@ def embedding(num: int, dim: int, device) -> nn.Embedding:
 class ParallelAttention(nn.Module):
     """Multi-head self-attention with this rank's share of the heads.
 
-    `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, or None.
+    `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, or None;
+    `docs` a micro-batch's packed documents (`megapar.models.documents.Documents`: attention
+    within each document), or None.
     With `kv_cache` set (causal attention, generation) the keys and values of earlier
     positions are the cache's and `x` holds only the new positions (`megapar.models.kv_cache`).
     Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
@@ -94,11 +96,14 @@ class ParallelAttention(nn.Module):
         if causal:  # generation's cache of this rank's heads (`megapar.models.kv_cache`)
             self.kv_cache: KVCache | None = None
 
-    def _core(self, q, k, v, mask):
+    def _core(self, q, k, v, mask, docs=None):
         dropout = self.dropout if self.training else 0.0
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
-                return self.context_parallel(q, k, v, mask, dropout_p=dropout)
+                return self.context_parallel(q, k, v, mask, dropout_p=dropout, documents=docs)
+            bias = None if docs is None else docs.bias(None, q.dtype)
+            if bias is not None:  # documents: the causal rule included
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -108,7 +113,7 @@ class ParallelAttention(nn.Module):
                 is_causal=self.causal and mask is None,
             )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, docs=None):
         qkv = self.qkv(x)  # the whole sequence, also when x is a sequence-parallel slice
         b, s = qkv.shape[:2]
         # [b, s, local heads, (q, k, v), head_dim] -> three [b, local heads, s, head_dim]
@@ -119,14 +124,14 @@ class ParallelAttention(nn.Module):
             out = cache.attend(q, k, v)
         elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
-            if mask is None:
+            if mask is None and docs is None:
                 out = checkpoint_for(
                     self.tracker, dropout, lambda q_, k_, v_: self._core(q_, k_, v_, None), q, k, v
                 )
             else:
-                out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, mask)
+                out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, mask, docs)
         else:
-            out = self._core(q, k, v, mask)
+            out = self._core(q, k, v, mask, docs)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.proj(out)
 
@@ -161,17 +166,22 @@ class ResidualDropout(nn.Dropout):
         return super().forward(x)
 
 
-def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker):
-    """Run blocks in order; with recompute == "full" keep only each block's input for backward."""
+def run_layers(
+    layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker, docs=None
+):
+    """Run blocks in order; with recompute == "full" keep only each block's input for backward.
+    `docs`: the micro-batch's `megapar.models.documents.Documents`, handed to every block (as
+    a third argument) where not None."""
+    extra = () if docs is None else (docs,)
     for layer in layers.values():
         if recompute == "full" and torch.is_grad_enabled():
             hidden = (
-                tracker.checkpoint(layer, hidden, mask)
-                if mask is not None
+                tracker.checkpoint(layer, hidden, mask, *extra)
+                if mask is not None or extra
                 else tracker.checkpoint(layer, hidden)
             )
         else:
-            hidden = layer(hidden, mask)
+            hidden = layer(hidden, mask, *extra)
     return hidden
 
 

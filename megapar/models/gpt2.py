@@ -23,6 +23,7 @@ from megapar.models.blocks import (
     run_layers,
 )
 from megapar.models.config import GPT2Config
+from megapar.models.documents import document_positions, stage_documents
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
     VocabParallelEmbedding,
@@ -44,8 +45,8 @@ class GPT2Block(nn.Module):
         self.mlp = ParallelMLP(config.n_embd, config.ffn_size, mesh, config.activation_function)
         self.dropout = ResidualDropout(config.resid_pdrop, mesh, tracker)
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x), mask))
+    def forward(self, x: torch.Tensor, mask=None, docs=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), mask, docs))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -71,7 +72,9 @@ class GPT2(StageModel):
     `batch` holds "input_ids" [b, s] and, for a loss, "labels" [b, s] (next-token ids, -100 to
     ignore) and, generating with a KV cache (`megapar.models.kv_cache`), "positions_from": the
     position of input_ids' first (the ids after the cached ones): an int, or [b, 1] per row of
-    a left-padded batch (negative at its padding). Returns the hidden states,
+    a left-padded batch (negative at its padding). Packed documents (`set_documents`): the
+    attention kept within each and positions restarting at each, as the model's `documents`
+    says. Returns the hidden states,
     or on the last stage the mean loss over labelled tokens (or this rank's vocab slice of the
     logits when the batch has no labels).
     """
@@ -121,9 +124,14 @@ class GPT2(StageModel):
             if "positions_from" in batch:  # generation with a KV cache: the new positions
                 # (per row [b, 1] in a left-padded batch: its pad slots at 0)
                 positions = (positions + batch["positions_from"]).clamp_min(0)
+            elif self.documents.reset_position_ids:  # each token's position in its document
+                assert self.documents.eod_id is not None  # `set_documents` checks
+                positions = self._local_tokens(document_positions(ids, self.documents.eod_id))
             hidden = self.embed(self._cp_tokens(ids), positions)
         assert hidden is not None  # later stages: the previous stage's output
-        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
+        docs = stage_documents(self, batch)  # block_causal's document ids, else None
+        docs = docs if docs is not None and docs.ids is not None else None
+        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker, docs)
         if not self.post_process:
             return hidden
         return self._head(self.final_norm(hidden), self.word_embeddings, batch)

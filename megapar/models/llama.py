@@ -29,6 +29,7 @@ from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
+from megapar.models.documents import document_positions, stage_documents
 from megapar.models.kv_cache import KVCache, window_mask
 from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
@@ -311,14 +312,19 @@ class LlamaAttention(nn.Module):
             )
         return index
 
-    def _core(self, q, k, v, index=None):
+    def _core(self, q, k, v, index=None, docs=None):
+        """`docs`: the micro-batch's packed documents (`megapar.models.documents.Documents`:
+        attention within each, this layer's window ANDed), or None."""
         dropout = self.dropout if self.training else 0.0
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(
-                    q, k, v, kv_index=index, dropout_p=dropout, window=self.window
+                    q, k, v, kv_index=index, dropout_p=dropout, window=self.window, documents=docs
                 )
-            mask = self.masks(q.shape[2], self.window, q.dtype, q.device)
+            bias = None if docs is None else docs.bias(self.window, q.dtype)
+            mask = (
+                bias if bias is not None else self.masks(q.shape[2], self.window, q.dtype, q.device)
+            )
             if mask is not None:  # the window cuts the sequence: SDPA with the explicit mask
                 if index is not None:
                     k, v = k.index_select(1, index), v.index_select(1, index)
@@ -334,7 +340,9 @@ class LlamaAttention(nn.Module):
                 k, v = k.index_select(1, index), v.index_select(1, index)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+        """`docs`: the micro-batch's `megapar.models.documents.Documents` (None: causal over
+        the whole sequence, positions from 0)."""
         x = self.q.enter(x)  # one region for q, k and v (under SP: the whole sequence, gathered)
         b, s, _ = x.shape
 
@@ -342,7 +350,9 @@ class LlamaAttention(nn.Module):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         cache = self.kv_cache
-        if cache is None:
+        if cache is None and docs is not None and docs.cos is not None:
+            cos, sin = docs.cos, docs.sin  # each token's position in its document
+        elif cache is None:
             # global positions of these tokens (of the whole sequence under SP, cp rank's under
             # cp)
             cos, sin = self.rotary(s * self.cp, x.device)
@@ -363,9 +373,9 @@ class LlamaAttention(nn.Module):
             out = cache.attend(q, k, v, index, self.window)
         elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
-            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index)
+            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index, docs)
         else:
-            out = self._core(q, k, v, index)
+            out = self._core(q, k, v, index, docs)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -407,10 +417,11 @@ class LlamaBlock(nn.Module):
         moe = getattr(config, "is_moe_layer", None)
         self.mlp: SwiGLU | MoE = MoE(config, mesh) if moe and moe(index) else SwiGLU(config, mesh)
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None, docs=None) -> torch.Tensor:
         """`mask` [b, s] (this rank's tokens; None: no padding): an MoE MLP routes no padding.
-        Causal attention keeps right-padding out of the tokens before it."""
-        x = x + self.attn(self.attn_norm(x))
+        Causal attention keeps right-padding out of the tokens before it. `docs`: the
+        micro-batch's packed documents (`megapar.models.documents.Documents`), or None."""
+        x = x + self.attn(self.attn_norm(x), docs)
         if isinstance(self.mlp, MoE):
             return x + self.mlp(self.mlp_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
@@ -501,7 +512,7 @@ class Llama(StageModel):
             self.rotary(seq_len, hidden.device)
             windows = {getattr(layer.attn, "window", None) for layer in self.layers.values()}
             cutting = sorted(w for w in windows if w is not None and w < seq_len)
-            if self.mesh.cp == 1 and cutting:
+            if self.mesh.cp == 1 and cutting and self.documents.mask_type == "causal":
                 dtype = (  # the attention's: autocast's, else the hidden states'
                     torch.get_autocast_dtype(kind)
                     if (kind := hidden.device.type) in AUTOCAST_DEVICES
@@ -515,7 +526,17 @@ class Llama(StageModel):
             isinstance(layer.mlp, MoE) for layer in self.layers.values()
         ):
             padding = self._local_tokens(batch["attention_mask"])
-        hidden = run_layers(self.layers, hidden, padding, self.recompute, self.tracker)
+        docs = stage_documents(self, batch)
+        if docs is not None and self.documents.reset_position_ids:
+            assert self.documents.eod_id is not None  # `set_documents` checks
+            # this cp rank's tokens (the attention holds the whole sequence under SP)
+            positions = self._cp_tokens(
+                document_positions(batch["input_ids"], self.documents.eod_id)
+            )
+            freqs = positions.float()[..., None] * self.rotary.inv_freq.to(hidden.device)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            docs.cos, docs.sin = emb.cos()[:, None], emb.sin()[:, None]
+        hidden = run_layers(self.layers, hidden, padding, self.recompute, self.tracker, docs)
         if not self.post_process:
             return hidden
         return self._head(self.final_norm(hidden), self.output_weights, batch)

@@ -26,6 +26,7 @@ from torch import nn
 
 from megapar import context_parallel as cp
 from megapar.mesh import Mesh
+from megapar.models.documents import DocumentSettings
 from megapar.tensor_parallel import (
     LOSS_CHUNK_TOKENS,
     NullTracker,
@@ -69,6 +70,9 @@ class StageModel(nn.Module):
         computed once; the head's fp32 weight gradient held from the loss's forward to its
         backward). The pipeline executor turns it off for a step whose schedule holds several
         losses in flight at once (GPipe): there the backward recomputes the logits instead."""
+        self.documents = DocumentSettings()
+        """How packed documents are read (`megapar.models.documents.set_documents`): causal
+        attention over the whole sequence and positions from 0 by default."""
         self.loss_weight: torch.Tensor | float | None = None
         """None: the loss is the micro-batch's mean over its labelled tokens; else (set by the
         pipeline executor for one step, ``--loss-mean token``) their sum times this weight."""

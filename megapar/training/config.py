@@ -27,6 +27,7 @@ from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
 from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
+from megapar.models.documents import MASK_TYPES
 from megapar.one_line_parser import OneLineParser
 from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
@@ -142,6 +143,14 @@ class TrainConfig:
     """Share of documents held out for validation."""
     seq_len: int = 128
     """Sequence length in tokens."""
+    attention_mask_type: str = "causal"
+    """What a token of a packed sequence attends to: causal (every earlier token of the sequence, across the documents packed into it) or block_causal (only the earlier tokens of its own document, the end-of-document token ending it: torchtitan's attn_mask_type, Megatron-LM's --reset-attention-mask, Llama 3's document masking). An explicit mask per micro-batch, made on the device from the input ids and shared by the layers (and ANDed with a sliding window); GPT-2 and the Llama family, in every layout (under --cp every --cp-comm-type: the all-to-all takes the whole sequence's mask, the ring and the all-gather mask each block of keys by its tokens' documents)."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each end-of-document token (Megatron-LM's --reset-position-ids): Llama's rotary angles and GPT-2's learned positions are each token's position in its document."""
+    eod_mask_loss: bool = False
+    """No loss on the positions whose input is the end-of-document token (Megatron-LM's --eod-mask-loss): the prediction of the next document's first token across the boundary. Their labels become -100 before the loss and its token counts."""
+    eod_id: int | None = None
+    """The end-of-document token's id that --attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss read. Default: the data's tokenizer's."""
     micro_batch_size: int = 4
     """Sequences per micro-batch."""
     global_batch_size: int = 16
@@ -391,6 +400,7 @@ def flag_choices() -> dict[str, list]:
         "grad_compression": list(GRAD_COMPRESSIONS),
         "zero3_reduce": list(ZERO3_REDUCES),
         "loss_mean": list(LOSS_MEANS),
+        "attention_mask_type": list(MASK_TYPES),
     }
 
 

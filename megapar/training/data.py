@@ -670,19 +670,25 @@ def continue_order(cfg: TrainConfig, sampler: GlobalBatchSampler, saved: dict | 
     return notes
 
 
-def batches(dataset, sampler, device: torch.device):
+def _same(batch: dict) -> dict:
+    return batch
+
+
+def batches(dataset, sampler, device: torch.device, transform=None):
     """Endless: per global batch, this rank's micro-batches as dicts of tensors on `device`.
 
     Collation is a few index lookups per sample (profiled: not in the top 20 of the default
     job's CPU time), so it stays in the training process; on CUDA the batch goes through pinned
-    memory and an asynchronous copy, so the next step's upload overlaps the compute queue."""
+    memory and an asynchronous copy, so the next step's upload overlaps the compute queue.
+    `transform`: a function of each collated micro-batch (on the host) before its copy
+    (--eod-mask-loss's labels)."""
     cuda = device.type == "cuda"
     while True:
         for micro_batches in sampler:
             yield [
                 {
                     k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
-                    for k, v in collate([dataset[i] for i in mb]).items()
+                    for k, v in (transform or _same)(collate([dataset[i] for i in mb])).items()
                 }
                 for mb in micro_batches
             ]

@@ -58,6 +58,7 @@ from megapar.training.batch_check import (
     unshifted_labels,
 )
 from megapar.training.config import TrainConfig
+from megapar.training.documents import eod_masked
 from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, stage_for
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
@@ -394,7 +395,7 @@ class Engine:
             )
         if self.saver is not None:  # a background save's outcome, agreed by every rank
             self.saver.poll()
-        batch = self._checked(batch, "train_step")
+        batch = eod_masked(self.cfg, self._checked(batch, "train_step"))
         result = self.run_step(self.split(batch), self._labelled(batch))
         if self.on_nonfinite == "raise":
             self._guard.observe(
@@ -445,7 +446,7 @@ class Engine:
         """Mean loss of a global batch (same format as `train_step`, the same mean), without
         training."""
         self.in_its_group("eval_step")
-        batch = self._checked(batch, "eval_step")
+        batch = eod_masked(self.cfg, self._checked(batch, "eval_step"))
         micro = self.split(batch)
         executor = self.executor_for(micro[0]["input_ids"].shape[1])
         labelled = self._labelled(batch)

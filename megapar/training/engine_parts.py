@@ -15,12 +15,14 @@ from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
 from megapar.models import set_cp_comm, set_loss_chunk_tokens, set_loss_terms, set_sp_regather
 from megapar.models.compile import compile_blocks
+from megapar.models.documents import set_documents
 from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.tensor_parallel.fp8_convert import convert_to_fp8, none_kept_by_size
 from megapar.training.config import TrainConfig
+from megapar.training.documents import reads_documents
 
 API_ADVICE = (
     "the optimizer step was skipped: the weights and the optimizer state are those "
@@ -79,6 +81,8 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     set_loss_terms(model, cfg.label_smoothing, cfg.z_loss)
     set_sp_regather(model, cfg.sp_regather)  # kept off under --recompute full
     set_cp_comm(model, cfg.cp_comm_type)
+    if reads_documents(cfg):
+        set_documents(model, cfg.attention_mask_type, cfg.reset_position_ids, cfg.eod_id)
     where = f" on pipeline rank {mesh.pp_rank} of {mesh.pp}" if mesh.pp > 1 else ""
     summary = (
         None

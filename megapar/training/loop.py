@@ -51,6 +51,7 @@ from megapar.training.data import (
     make_sampler,
     planned_samples,
 )
+from megapar.training.documents import eod_masked
 from megapar.training.engine import Engine
 from megapar.training.engine import dp_mean as _dp_mean
 from megapar.training.engine_parts import fp8_note
@@ -156,6 +157,10 @@ class Trainer:
         return self.engine.step
 
     # -- start ------------------------------------------------------------------------------
+    def _labels(self, batch: dict) -> dict:
+        """A collated micro-batch with --eod-mask-loss applied to its labels (`eod_masked`)."""
+        return eod_masked(self.cfg, batch)
+
     def _load_hf(self, path: str) -> None:
         reader = HFReader(path)
         with self.engine.params_whole():
@@ -253,7 +258,9 @@ class Trainer:
         )
         losses, counts = [], []
         self.model.eval()
-        for i, micro_batches in enumerate(batches(self.val_ds, sampler, self.mesh.device)):
+        for i, micro_batches in enumerate(
+            batches(self.val_ds, sampler, self.mesh.device, self._labels)
+        ):
             if i >= min(self.cfg.eval_steps, sampler.batches_per_epoch):
                 break
             weight, count = None, 1
@@ -466,7 +473,7 @@ class Trainer:
         )
         self.announce(logger)
         history: list[dict] = []
-        data = batches(self.train_ds, self.sampler, mesh.device)
+        data = batches(self.train_ds, self.sampler, mesh.device, self._labels)
         profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         at = self.step + 1  # the step being run (or saved), for the failure message
         guard = NonFiniteGuard(

@@ -459,6 +459,15 @@ OTHER_TOOLS_FLAGS = {
         field="shared_expert_intermediate_size"
     ),
     "--moe-router-score-function": MOE_FIELD.format(field="moe_router_score (softmax or sigmoid)"),
+    # packed documents: Megatron-LM's --reset-attention-mask (its --reset-position-ids and
+    # --eod-mask-loss are megapar's names too) and torchtitan's attn_mask_type
+    "--reset-attention-mask": "--attention-mask-type block_causal",
+    "--reset_attention_mask": "--attention-mask-type block_causal",
+    "--attn-mask-type": "--attention-mask-type",
+    "--attn_mask_type": "--attention-mask-type",
+    "--model.attn_mask_type": "--attention-mask-type",
+    "--reset_position_ids": "--reset-position-ids",
+    "--eod_mask_loss": "--eod-mask-loss",
     "--label-smoothing-factor": "--label-smoothing",
     "--label_smoothing_factor": "--label-smoothing",
     "--z-loss-multiplier": "--z-loss",

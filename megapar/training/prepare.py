@@ -42,7 +42,7 @@ from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
-from megapar.training.validate import check_cp_comm, check_ranges
+from megapar.training.validate import check_cp_comm, check_documents, check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
@@ -260,6 +260,11 @@ def prepare(
     plain cross-entropy. Not with cp > 1, loss_mean="token" or z_loss (docs/guides/python-api.md).
     label_smoothing=EPS and z_loss=COEF (keywords, `--label-smoothing`, `--z-loss`) shape the
     training loss as in megapar-train.
+    Packed documents (keywords, `--attention-mask-type`, `--reset-position-ids`,
+    `--eod-mask-loss`): attention_mask_type="block_causal" keeps each token's attention within
+    its document, reset_position_ids=True restarts positions at each, eod_mask_loss=True labels
+    the end-of-document positions -100 in `train_step` / `eval_step`; each needs eod_id= (the
+    end-of-document token's id, found in the batches' input_ids: no other batch key).
     """
 
     set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
@@ -498,6 +503,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         raise LayoutError(f"megapar.prepare: {error}")
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
+        check_documents(cfg, config, api=True)
     except UsageError as exc:
         raise LayoutError(f"megapar.prepare: {exc}") from None
 

@@ -30,6 +30,7 @@ from megapar.training.data import (
     prepare_data,
     resolve_model,
 )
+from megapar.training.documents import reads_documents
 from megapar.training.profiling import parse_steps
 from megapar.training.tokenizer_checks import default_to_hf_tokenizer
 from megapar.training.validate import (
@@ -37,6 +38,7 @@ from megapar.training.validate import (
     adapt_defaults,
     check_cp_comm,
     check_cp_seq_len,
+    check_documents,
     check_inject_slow,
     check_outputs,
     check_settings,
@@ -111,9 +113,14 @@ def plan_data(
         plan.sampler_state = (manifest.get("meta") or {}).get("sampler")
         plan.start_step = int(manifest.get("step", 0))
     if plan.prefix is None:  # a rehearsal without the data
+        if reads_documents(cfg) and cfg.eod_id is None:  # the masks' shapes need no real id
+            cfg.eod_id = int(getattr(config, "eos_token_id", None) or 0)
         return plan
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
+    if reads_documents(cfg) and cfg.eod_id is None:  # the data's end-of-document token
+        cfg.eod_id = IndexedDataset(plan.prefix, cfg.tokenizer).eod_id
+        check_documents(cfg, config)  # inside the vocabulary
     try:
         train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
         if isinstance(train, SFTDataset) and train.unlabelled == len(train):
@@ -180,6 +187,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
     check_cp_comm(cfg.cp_comm_type, layout, config)
+    check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:

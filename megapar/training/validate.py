@@ -70,6 +70,7 @@ _RULES: list[_Rule] = [
     ("save_interval", "int", 0, True),
     ("log_interval", "int", 1, True),
     ("seed", "int", 0, True),
+    ("eod_id", "int", 0, True),
     ("lr", "float", 0.0, False),
     ("min_lr", "float", 0.0, True),
     ("weight_decay", "float", 0.0, True),
@@ -323,6 +324,45 @@ def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> N
             f"--seq-len {seq_len} is not divisible by {need}: --cp {cp} cuts "
             f"each sequence into 2 x cp = {2 * cp} chunks{why}; choose a multiple "
             f"of {need}"
+        )
+
+
+def check_documents(cfg, config, api: bool = False) -> None:
+    """--attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss read the
+    documents packed into a decoder's sequences: BERT's samples are one sentence pair each;
+    `megapar.prepare` needs the end-of-document id, which must be inside the vocabulary.
+    UsageError naming the fix."""
+
+    def name(field: str, value: object = None) -> str:
+        if api:
+            return f"{field}={value!r}" if value is not None else f"{field}=True"
+        return "--" + field.replace("_", "-") + (f" {value}" if value is not None else "")
+
+    used = [
+        name(f, v)
+        for f, v, on in (
+            ("attention_mask_type", "block_causal", cfg.attention_mask_type == "block_causal"),
+            ("reset_position_ids", None, cfg.reset_position_ids),
+            ("eod_mask_loss", None, cfg.eod_mask_loss),
+        )
+        if on
+    ]
+    if not used:
+        return
+    if config.model_type == "bert":
+        raise UsageError(
+            f"{used[0]} reads the documents packed into a decoder's sequences, and BERT's "
+            f"samples are one sentence pair each; drop it or train GPT-2 or a Llama-family model"
+        )
+    if api and cfg.eod_id is None:
+        raise UsageError(
+            f"{used[0]} needs the end-of-document token's id: pass eod_id= (e.g. "
+            f"tokenizer.eos_token_id)"
+        )
+    if cfg.eod_id is not None and cfg.eod_id >= config.vocab_size:
+        raise UsageError(
+            f"{name('eod_id', cfg.eod_id)} is outside the model's vocabulary of "
+            f"{config.vocab_size} ids; give the tokenizer's end-of-document id"
         )
 
 

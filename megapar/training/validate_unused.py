@@ -52,6 +52,15 @@ def check_unused(cfg, given: set[str]) -> None:
             "add --cp N (N > 1)",
         ),
         (
+            "eod_id",
+            cfg.attention_mask_type == "block_causal"
+            or cfg.reset_position_ids
+            or cfg.eod_mask_loss,
+            "it is the end-of-document token that --attention-mask-type block_causal, "
+            "--reset-position-ids and --eod-mask-loss read, and none is given",
+            "add one of them",
+        ),
+        (
             "profile_dir",
             bool(cfg.profile_steps),
             "it is where the traces of --profile-steps go",

@@ -1,0 +1,282 @@
+"""Packed documents (`megapar.models.documents`): block_causal attention with reset position ids
+gives each document of a packed sequence the logits it has alone in transformers' model, and
+(with --eod-mask-loss) a loss and gradients equal to the sum of the documents' own losses over
+the labelled tokens; other layouts equal one process."""
+
+import pytest
+import torch
+import transformers
+from tp_utils import assert_close, make_mesh
+
+from megapar.checkpoint import hf_names
+from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.models import GPT2, Llama
+from megapar.models.documents import (
+    document_ids,
+    document_positions,
+    mask_eod_labels,
+    set_documents,
+)
+
+VOCAB, SEQ, EOD = 101, 16, 100
+ROWS = [[5, 7, 4], [9, 7]]  # document lengths per row; every document but a row's last ends
+# with the eod
+GPT2_TINY = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LLAMA_TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=10000.0)
+MODELS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_TINY)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_TINY)),
+    # a sliding window of 4 cutting the documents of up to 9 tokens: window AND documents
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**LLAMA_TINY, sliding_window=4)),
+}
+
+
+def _packed():
+    """(input_ids [2, SEQ], each row's documents as (start, stop))."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, EOD, (len(ROWS), SEQ), generator=gen)
+    spans = []
+    for r, lengths in enumerate(ROWS):
+        start, row = 0, []
+        for j, n in enumerate(lengths):
+            if j < len(lengths) - 1:
+                ids[r, start + n - 1] = EOD
+            row.append((start, start + n))
+            start += n
+        spans.append(row)
+    return ids, spans
+
+
+def test_document_ids_and_positions():
+    ids = torch.tensor([[7, EOD, 3, 4, EOD, EOD, 9]])
+    assert document_ids(ids, EOD).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert document_positions(ids, EOD).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    labels = torch.tensor([[EOD, 3, 4, EOD, EOD, 9, -100]])
+    masked = mask_eod_labels({"input_ids": ids, "labels": labels}, EOD)["labels"]
+    assert masked.tolist() == [[EOD, -100, 4, EOD, -100, -100, -100]]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_docs")
+    out = {}
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model = make()
+        with torch.no_grad():  # non-trivial norms and biases, so a mapping mistake shows
+            for key, p in model.named_parameters():
+                if "norm" in key or "ln_" in key or key.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_documents_equal_each_alone(hf_dirs, name):
+    """Per token, the logits of a packed sequence (block_causal, reset position ids) equal
+    those of its document run alone through transformers' model (fp32, 1e-5); with
+    --eod-mask-loss every document's tokens but its last are labelled, and the loss (the mean
+    over them) and every gradient equal those of the documents' summed losses over that
+    count."""
+    path = hf_dirs[name]
+    reader = HFReader(path)
+    mesh = make_mesh()
+    model = (GPT2 if name == "gpt2" else Llama)(reader.config, mesh)
+    assert load_hf_weights(model, reader) == []
+    set_documents(model, "block_causal", True, EOD)
+    ids, spans = _packed()
+    labels = torch.cat([ids[:, 1:], torch.full((len(ROWS), 1), -100)], dim=1)
+    batch = mask_eod_labels({"input_ids": ids, "labels": labels}, EOD)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    hf.eval()
+    model.eval()
+    with torch.no_grad():
+        logits = model(None, {"input_ids": ids})
+    total, count = 0.0, 0
+    for r, row in enumerate(spans):
+        for start, stop in row:
+            doc = ids[r:r + 1, start:stop]
+            out = hf(input_ids=doc, labels=doc)
+            assert_close(logits[r, start:stop, :VOCAB], out.logits[0].detach(),
+                         what=f"{name} logits of row {r} tokens {start}:{stop}")
+            total = total + out.loss * (stop - start - 1)
+            count += stop - start - 1
+    assert int((batch["labels"] != -100).sum()) == count
+    (total / count).backward()
+
+    loss = model(None, batch)
+    loss.backward()
+    assert_close(loss, total.detach() / count, what=f"{name} loss")
+    grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+
+    def get(key):
+        return grads[reader.prefix + key] if reader.prefix + key in grads else grads[key]
+
+    canonical = hf_names.gpt2_canonical if name == "gpt2" else hf_names.llama_canonical
+    for key, p in model.named_parameters():
+        grad = p.grad[tuple(slice(0, n) for n in p.full_shape)]  # the vocab's padding cut
+        assert_close(grad, canonical(key, get, reader.config), what=f"{name} grad of {key}")
+
+
+def test_causal_is_unchanged_and_documents_change_it(hf_dirs):
+    """The default (causal, positions from 0) is the model as before; block_causal changes the
+    logits of every document after a row's first (so the test above tests something)."""
+    reader = HFReader(hf_dirs["llama"])
+    model = Llama(reader.config, make_mesh())
+    assert load_hf_weights(model, reader) == []
+    ids, spans = _packed()
+    with torch.no_grad():
+        plain = model(None, {"input_ids": ids})
+        set_documents(model, "causal", False, EOD)
+        assert torch.equal(model(None, {"input_ids": ids}), plain)
+        set_documents(model, "block_causal", False, EOD)
+        masked = model(None, {"input_ids": ids})
+    first = spans[0][0][1]
+    assert torch.equal(masked[0, :first], plain[0, :first])
+    assert not torch.allclose(masked[0, first:], plain[0, first:])
+
+
+# --- layouts equal one process -------------------------------------------------------------
+G, STEPS = 4, 3
+LAYOUTS = {  # name: (model, prepare's layout keywords)
+    "tp2_pp2_sp_full": ("mistral", dict(tp=2, pp=2, sequence_parallel=True, recompute="full")),
+    "dp2_zero3": ("mistral", dict(zero=3)),
+    "cp2_a2a_selective": ("mistral", dict(cp=2, cp_comm_type="a2a", recompute="selective")),
+    "gpt2_tp2_pp2_interleaved_sp": ("gpt2", dict(tp=2, pp=2, schedule="interleaved",
+                                                 virtual_stages=2, micro_batch_size=1,
+                                                 sequence_parallel=True)),
+    # the all-gather (Mistral's grouped-query default) and the ring mask each kernel call
+    "cp2_all_gather": ("mistral", dict(cp=2)),
+    "tp2_cp2_ring_sp": ("mistral", dict(tp=2, cp=2, cp_comm_type="p2p", sequence_parallel=True)),
+    # positions alone need no mask
+    "cp2_ring_positions_only": ("mistral", dict(cp=2, cp_comm_type="p2p",
+                                                attention_mask_type="causal")),
+}
+PARITY_MODELS = {  # 4 layers (interleaved pp 2 x 2 chunks); Mistral's window of 6 cuts SEQ
+    "gpt2": lambda: transformers.GPT2Config(**{**GPT2_TINY, "n_layer": 4}),
+    "mistral": lambda: transformers.MistralConfig(**{**LLAMA_TINY, "num_hidden_layers": 4},
+                                                  sliding_window=6),
+}
+
+
+def _global_batches() -> list[dict]:
+    """STEPS global batches of G packed rows, documents of 1 to 8 tokens ended by the eod."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, EOD, (G, SEQ + 1), generator=gen)
+        ids[torch.rand(G, SEQ + 1, generator=gen) < 0.2] = EOD
+        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
+    return out
+
+
+def _train(kind: str, layout: dict) -> list[float]:
+    import megapar
+
+    torch.manual_seed(0)
+    options = {"micro_batch_size": 2, "attention_mask_type": "block_causal", **layout}
+    engine = megapar.prepare(PARITY_MODELS[kind](), lr=3e-3, weight_decay=0.1, clip_grad=0.3,
+                             seed=4, reset_position_ids=True, eod_mask_loss=True, eod_id=EOD,
+                             loss_mean="token", **options)
+    batches = _global_batches()
+    losses = [engine.train_step(b) for b in batches]
+    return losses + [engine.eval_step(batches[0])]  # the weights after the last step
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """`reference(kind, mask type)`: one process's losses, computed once each."""
+    done = {}
+
+    def reference(kind, mask):
+        if (kind, mask) not in done:
+            done[kind, mask] = _train(kind, {"attention_mask_type": mask})
+        return done[kind, mask]
+
+    return reference
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_one_process(run, one_process, name):
+    """Three steps (AdamW, clipping) and an evaluation after them give one process's losses
+    (fp32, 1e-5; the token mean, the same at any micro-batch size) with block_causal, reset
+    position ids and --eod-mask-loss, at tp 2 x pp 2 (sequence parallelism, full recompute),
+    dp 2 with ZeRO-3, cp 2 by the all-to-all (selective recompute), cp 2 by the all-gather,
+    tp 2 x cp 2 by the ring (sequence parallelism) and GPT-2 at tp 2 x pp 2 interleaved (SP);
+    reset position ids alone at cp 2 by the ring."""
+    kind, layout = LAYOUTS[name]
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    world *= 2 if layout.get("zero") else 1
+    results = run(_train, world, kind, layout)
+    want_losses = one_process(kind, layout.get("attention_mask_type", "block_causal"))
+    for losses in results:
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            assert_close(torch.tensor(got), torch.tensor(want), what=f"{name} loss {step}")
+
+
+# --- megapar-train end to end --------------------------------------------------------------
+def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
+    """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines
+    record each): --attention-mask-type block_causal --reset-position-ids --eod-mask-loss (the
+    eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 (the
+    all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
+    the run without them."""
+    import json
+    from pathlib import Path
+
+    from megapar.cli.train import main
+    from megapar.data import asset_path
+
+    text = Path(asset_path("shakespeare_sample.txt")).read_text()[:30_000]
+    docs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    model = tmp_path / "llama.json"
+    model.write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 64}))
+    common = ["--model", str(model), "--data", str(data), "--tokenizer", "sentencepiece",
+              "--data-cache", str(tmp_path / "cache"), "--seq-len", "32",
+              "--micro-batch-size", "2", "--global-batch-size", "4", "--max-steps", "3",
+              "--lr", "3e-3", "--log-interval", "1", "--eval-interval", "0", "--no-progress",
+              "--warmup-steps", "1"]
+    flags = ["--attention-mask-type", "block_causal", "--reset-position-ids", "--eod-mask-loss"]
+
+    def losses(*args):
+        log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
+        assert main([*common, *args, "--log-json", str(log)]) == 0
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    pp2 = losses("--pp", "2", *flags)
+    cp2 = losses("--tp", "2", "--cp", "2", *flags)  # the all-gather: grouped-query heads
+    plain = losses("--pp", "2")
+    assert len(pp2) == 3
+    for a, b in zip(pp2, cp2):
+        assert abs(a - b) <= 1e-5 * abs(b), (pp2, cp2)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(pp2, plain)), (pp2, plain)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--model", "bert-tiny", "--eod-mask-loss"],
+     "--eod-mask-loss reads the documents packed into a decoder's sequences, and BERT's"),
+    (["--eod-id", "3"], "--eod-id 3 would be ignored"),
+    (["--reset-attention-mask"], "did you mean --attention-mask-type block_causal?"),
+    (["--model.attn_mask_type", "block_causal"], "did you mean --attention-mask-type?"),
+])
+def test_megapar_train_refuses_in_one_line(capsys, argv, said):
+    """What cannot run is refused before any worker starts: one line, exit 2; Megatron-LM's
+    and torchtitan's names are answered with megapar's flag."""
+    from megapar.cli.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and said in err[0], err
