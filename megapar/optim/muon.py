@@ -133,6 +133,37 @@ def whole_updates(
     return out
 
 
+def matrices_of(p: torch.Tensor) -> list[tuple[int, int]]:
+    """The (rows, cols) of each matrix Newton-Schulz orthogonalises in parameter `p` (its whole
+    shape over tp; a fused qkv weight's q, k and v apart)."""
+    rows, cols = full_shape(p)
+    split = getattr(p, "muon_split", None)
+    return [(rows // split[0], cols)] * split[0] if split is not None else [(rows, cols)]
+
+
+def ns_cost(p: torch.Tensor) -> int:
+    """Newton-Schulz's cost of parameter `p`, ~ m n min(m, n) per matrix (the Gram products)."""
+    return sum(m * n * min(m, n) for m, n in matrices_of(p))
+
+
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """The rank (of `ranks`) that orthogonalises each matrix of cost `costs[i]`: the longest
+    first to the least-loaded rank (ties: the earlier matrix, the lower rank). Deterministic:
+    every rank that passes the same costs gets the same assignment."""
+    load = [0] * ranks
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+def muon_ratio(p: torch.Tensor, adjust_lr: str) -> float:
+    """The lr factor `orthogonalised` gives parameter `p` (its matrices' shape, one for all)."""
+    return lr_ratio(matrices_of(p)[0], adjust_lr)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon over the groups marked ``"muon": True``, torch's AdamW over the others (sharing this
     optimizer's groups and state). `tp_group` gathers tp-split matrices; `ns_dtype`: the
