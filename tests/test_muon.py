@@ -460,15 +460,20 @@ def _plan_facts(optimizer, model) -> dict:
     and each matrix's owner by name with its cost."""
     from megapar.optim.muon import matrices_of, ns_cost
 
+    import torch.distributed as dist
+
     plan = optimizer.muon_plan
     names = {id(p): n for n, p in model.named_parameters()}
     owned = [p for p, _ in plan.owned]
+    split = [getattr(p, "tp_dim", None) is not None for p in owned]
+    tp_rank = dist.get_rank(optimizer.tp_group) if split and any(split) else 0
     mine = sum(e - s for p, s, e in optimizer._piece_of if id(p) in optimizer.muon_ids)
     return {"expected_a2a": [("all_to_all_single", mine),
                              ("all_to_all_single", sum(p.numel() for p in owned))],
-            "expected_owned_tp": sorted(("all_gather", p.numel()) for p in owned
-                                        if getattr(p, "tp_dim", None) is not None),
-            "expected_ns": sorted(m for p in owned for m in matrices_of(p)),
+            "expected_owned_tp": sorted((op, p.numel()) for p, tp in zip(owned, split) if tp
+                                        for op in ("gather", "scatter")),
+            "expected_ns": sorted(m for p, tp, r in zip(owned, split, plan.tp_owners)
+                                  if not tp or r == tp_rank for m in matrices_of(p)),
             "owners": {names[i]: r for i, r in plan.owner.items()},
             "costs": {names[i]: ns_cost(p) for i, p in
                       ((id(p), p) for p in optimizer.params) if i in plan.owner}}
@@ -541,13 +546,12 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
             assert all(m["owners"] == members[0]["owners"] for m in members)
             owners, costs = members[0]["owners"], members[0]["costs"]
             assert set(owners) == set(costs) and owners
-            ns = sorted(c for m in members for c in m["ns_calls"])
-            if layout == 0:  # every matrix once in the group: one rank's share of the old
-                assert ns == every_rank[members[0]["rank"]]
             load = [sum(c for n, c in costs.items() if owners[n] == r)
                     for r in range(len(members))]
             assert max(load) - min(load) <= max(costs.values()), load
     assert {len(calls) for calls in every_rank.values()} == {4 * 6}  # 4 blocks, q k v apart
+    for layout in range(3):  # each matrix once in the job: one rank's calls in the old scheme
+        assert sorted(c for o in outs for c in o[layout]["ns_calls"]) == every_rank[0]
     for out in (o[1] for o in outs):  # dp 4: fewer elements than every rank's gathers receive
         assert sum(n for _, n in out["expected_a2a"]) < 3 * sum(out["muon_gathers"])
 

@@ -73,7 +73,13 @@ from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.clip import is_counted, norm_of, squares_each, sum_of_squares
-from megapar.optim.muon import assign_owners, muon_ratio, ns_cost, whole_updates
+from megapar.optim.muon import (
+    assign_owners,
+    muon_ratio,
+    ns_cost,
+    owner_updates,
+    whole_updates,
+)
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
@@ -470,15 +476,18 @@ class ZeroOptimizer(AdamWOptimizer):
                 raise ValueError("distributed Muon needs its matrices' buckets in one dp group")
         me = dist.get_rank(group)
         matrices = [(b, p) for b in buckets for p in b.params if id(p) in self.muon_ids]
-        owners = assign_owners([ns_cost(p) for _, p in matrices], n)
+        tp = group_size(self.tp_group)
+        slots = assign_owners([ns_cost(p) for _, p in matrices], n * tp)
+        owners = [slot // tp for slot in slots]
         local_base, at = {}, 0
         for b in buckets:
             local_base[id(b)] = at
             at += b.padded // n
-        owned, whole_at, size = [], {}, 0
-        for (_, p), r in zip(matrices, owners):
+        owned, whole_at, size, tp_owners = [], {}, 0, []
+        for (_, p), r, slot in zip(matrices, owners, slots):
             if r == me:
                 owned.append((p, size))
+                tp_owners.append(slot % tp)
                 whole_at[id(p)] = size
                 size += p.numel()
 
@@ -508,6 +517,7 @@ class ZeroOptimizer(AdamWOptimizer):
             group=group,
             owner={id(p): r for (_, p), r in zip(matrices, owners)},
             owned=owned,
+            tp_owners=tp_owners,
             local_at=local_at,
             send=send,
             recv=recv,
@@ -544,11 +554,11 @@ class ZeroOptimizer(AdamWOptimizer):
         _exchange(local, plan.send, whole, plan.recv, plan, forward=True)
         matrices: list[torch.Tensor] = [p for p, _ in plan.owned]
         views = [whole[at : at + p.numel()].view_as(p) for p, at in plan.owned]
-        done = whole_updates(
-            matrices, views, self.tp_group, self.muon_adjust_lr, self.muon_ns_dtype
+        done = owner_updates(
+            matrices, views, plan.tp_owners, self.tp_group, self.muon_adjust_lr, self.muon_ns_dtype
         )
         del views
-        for (p, at), (o, _) in zip(plan.owned, done):
+        for (p, at), o in zip(plan.owned, done):
             whole[at : at + p.numel()] = o.reshape(-1)
         _exchange(whole, plan.recv, local, plan.send, plan, forward=False)
         return [
@@ -743,6 +753,7 @@ class _MuonPlan:
     group: Any
     owner: dict[int, int]
     owned: list[tuple[nn.Parameter, int]]
+    tp_owners: list[int]
     local_at: dict[int, int]
     send: list[tuple[int, int]]
     recv: list[tuple[int, int]]
