@@ -31,8 +31,11 @@ ZeRO-1 / 2 / 3 (`zero.py`, `zero3.py`) a rank steps flat *pieces* of parameters:
 is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
 (`ZeroOptimizer._muon_whole`), then as above.
 Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
-gradient. Every rank of a tp (dp) group computes every whole matrix's NS (no whole matrices
-assigned to ranks as in distributed Muon: simpler, the same result, more compute per rank).
+gradient. By default every rank of a tp (dp) group computes every whole matrix's NS. Distributed
+Muon (`--muon-distributed`, ZeRO 1 / 2 / 3: `ZeroOptimizer._muon_split`) assigns each matrix to
+one dp x tp slot (`assign_owners`, by `ns_cost`): its pieces' U go to the owning dp rank in an
+all-to-all, whose tp group gathers a tp-split matrix to the owning tp rank (`owner_updates`),
+and the results go back the same way: each matrix orthogonalised once, the same result.
 """
 
 from __future__ import annotations

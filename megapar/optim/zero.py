@@ -51,6 +51,11 @@ expert-data-parallel group, and ep x expert dp is the dp (x cp) group, so the su
 every element of the stacked tensor once: the one process's norm, whose ratio the whole
 stacked tensor shares.
 
+Muon needs whole matrices: by default each bucket holding Muon matrices is all-gathered over dp
+and every rank orthogonalises every matrix (`_muon_whole`); with `muon_distributed` each matrix
+is orthogonalised by one rank (`_plan_muon` assigns owners once, at attach; `_muon_split`: an
+all-to-all to the owners and one back), the same result.
+
 Checkpoints keep the canonical format: `state_tensors()` gathers each bucket's slices to rank 0
 of the bucket's group (dp rank 0, the rank that writes the shard file, for dense buckets;
 expert-data-parallel rank 0 for expert buckets, whose experts the checkpoint then gathers over
