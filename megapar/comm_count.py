@@ -30,6 +30,7 @@ _PAYLOAD = {
     "all_gather_into_tensor": (1, "input_tensor"),
     "reduce_scatter_tensor": (1, "input"),
     "gather": (0, "tensor"),
+    "scatter": (0, "tensor"),
     "all_gather_single": (1, "input_tensor"),
     "reduce_scatter_single": (1, "input"),
     "reduce_scatter": (0, "output"),

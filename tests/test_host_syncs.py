@@ -178,6 +178,30 @@ def test_zero12_16_bit_gathers_add_no_host_sync(zero):
         assert not inside, (rank, inside)
 
 
+def muon_syncs_worker():
+    """One ZeRO-1 step's syncs (dp 2, --optimizer muon) with every rank orthogonalising every
+    matrix and with --muon-distributed (its all-to-alls' sizes and indices fixed at build)."""
+    counts = {}
+    for distributed in (False, True):
+        engine = megapar.prepare(config("gpt2"), micro_batch_size=1, zero=1, optimizer="muon",
+                                 muon_distributed=distributed)
+        assert (engine.optimizer.muon_plan is not None) == distributed
+        engine.train_step(batch("gpt2", 4))
+        with count_syncs() as syncs:
+            engine.train_step(batch("gpt2", 4))
+        counts[distributed] = syncs
+    return counts
+
+
+def test_distributed_muon_adds_no_host_sync():
+    """--muon-distributed's step (dp 2, ZeRO-1) makes the every-rank scheme's syncs (the
+    gradient norm's), none in Muon's exchange: no sizes or owners are read from the device."""
+    for rank, counts in enumerate(run_local(muon_syncs_worker, 2)):
+        assert counts[True] == counts[False], (rank, counts)
+        muon = [where for _, where in counts[True] if where.startswith(("optim/zero", "optim/mu"))]
+        assert not muon, (rank, muon)
+
+
 def fp16_syncs_worker():
     """An fp16 step's syncs (tp 2 x dp 2, --optimizer muon, PowerSGD, hysteresis 2) at 2 and
     4 micro-batches, and at a step whose gradients overflow; the schedule's position after

@@ -143,7 +143,7 @@ def muon_reference(kind: str, adjust: str = "match_rms_adamw", ns: str = "bf16")
 
 def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
            adjust: str = "match_rms_adamw", ns: str = "fp32", sp: bool = False,
-           cp: int = 1) -> dict:
+           cp: int = 1, distributed: bool = False) -> dict:
     """megapar's TrainStep with --optimizer muon in one layout (`test_parity_3d._train`'s
     parts); full weights and first-step gradients from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
@@ -159,7 +159,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     model = build_stage(config(kind), mesh, SEED)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, 8 // cp // (tp if sp else 1), 32))
     muon = dict(kind="muon", momentum=MOMENTUM, muon_adjust_lr=adjust,
-                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16)
+                muon_ns_dtype=torch.float32 if ns == "fp32" else torch.bfloat16,
+                **({"muon_distributed": True} if distributed else {}))
     if zero == 3:
         from megapar.data_parallel.sharded_params import ShardedParams
         from megapar.optim.zero3 import Zero3Optimizer
@@ -184,7 +185,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, kind: str = "gpt2",
     buffers = {n: gather_full(s["momentum_buffer"], p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters() for s in [state.get(n, {})]
                if "momentum_buffer" in s}
-    return {"layout": (tp, pp, dp, zero, kind, sp, cp), "results": results,
+    return {"layout": (tp, pp, dp, zero, kind, sp, cp, distributed), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {},
             "buffers": buffers if keep else {},
             "keys": {n: sorted(s) for n, s in state.items()}}
@@ -292,14 +293,32 @@ def test_muon_layouts_equal_one_process():
     test_moe_parallel's Qwen3-MoE model (router and shared experts Muon's, routed experts
     AdamW's) at tp 2 x dp 2 x ep 2 and at dp 4 x ep 2 with ZeRO-1 equals megapar's one process
     (losses, grad norms, router statistics, biases, weights, momentum buffers), which equals
-    torch.optim.Muon + AdamW on it (the switch and z-loss, the moving routing biases); one
-    launch of 4 ranks."""
+    torch.optim.Muon + AdamW on it (the switch and z-loss, the moving routing biases); and
+    distributed Muon (each matrix orthogonalised by one dp rank, `--muon-distributed`) at
+    tp 2 x dp 2 with ZeRO-1 and ZeRO-3, dp 4 with ZeRO-2 and pp 2 x dp 2 with ZeRO-1 equals
+    the one process, and has the every-rank scheme's losses and weights to the bit in the
+    layouts both run; one launch of 4 ranks."""
     runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
             (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
             (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
             (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2),
             ("moe", 2, 2, 2, 0), ("moe", 1, 4, 2, 1)]
-    outs = run_local(_worker, 4, runs)
+    split = ("gpt2", "match_rms_adamw", "fp32", False, 1, True)  # --muon-distributed
+    distributed = [(2, 1, 2, 1, *split), (1, 1, 4, 2, *split), (2, 1, 2, 3, *split),
+                   (1, 2, 2, 1, *split)]
+    outs = run_local(_worker, 4, distributed + runs)
+    references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
+    for i, run in enumerate(distributed):  # the same weights and losses as every rank's NS
+        same = runs.index(run[:4]) + len(distributed) if run[:4] in runs else None
+        per_rank = [o[i] for o in outs]
+        check_against(references["gpt2"], per_rank)
+        _buffers_match(references["gpt2"], per_rank)
+        for out in outs if same is not None else ():
+            assert [r.loss for r in out[i]["results"]] == [r.loss for r in out[same]["results"]]
+            assert out[i]["weights"].keys() == out[same]["weights"].keys()
+            for name, w in out[i]["weights"].items():
+                assert torch.equal(w, out[same]["weights"][name]), (run, name)
+    outs = [o[len(distributed):] for o in outs]
     moe_reference = _train_moe(1, 1, 1, 0)
     torch_moe = muon_reference("moe", ns="fp32")  # the one process is torch's Muon + AdamW
     assert [r.loss for r in moe_reference["results"]] == pytest.approx(torch_moe["losses"],
@@ -316,7 +335,6 @@ def test_muon_layouts_equal_one_process():
     for i in range(len(runs) - 2, len(runs)):
         _check_moe(moe_reference, [o[i] for o in outs])
     runs = runs[:-2]
-    references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
     for i, run in enumerate(runs):
         per_rank = [o[i] for o in outs]
         reference = references[run[4] if len(run) > 4 else "gpt2"]
@@ -327,8 +345,8 @@ def test_muon_layouts_equal_one_process():
 def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     """megapar-train --optimizer muon at tp 2 x dp 2 with ZeRO-1 saves at step 3 of 6 (Muon's
     momentum buffers sharded over dp, gathered to the writer); resumed at pp 2 x dp 2 with
-    ZeRO-3 (resharded on load, each rank taking its slices), steps 4-6 have the uninterrupted
-    run's losses and grad norms."""
+    ZeRO-3 and --muon-distributed (resharded on load, each rank taking its slices; the same
+    checkpoint either way), steps 4-6 have the uninterrupted run's losses and grad norms."""
     muon = ["--optimizer", "muon", "--muon-momentum", "0.9"]
     reference, step3 = _train_and_checkpoint(
         tmp_path, [*common, *muon], ["--tp", "2", "--dp", "2", "--zero", "1"])
@@ -336,7 +354,8 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
     assert sorted(entries["layers.0.attn.qkv.weight"]["optim"]) == ["momentum_buffer"]
     assert sorted(entries["layers.0.attn.qkv.bias"]["optim"]) == ["exp_avg", "exp_avg_sq"]
     log = tmp_path / "resumed.jsonl"
-    assert train([*common, *muon, "--pp", "2", "--dp", "2", "--zero", "3", "--load", str(step3),
+    assert train([*common, *muon, "--pp", "2", "--dp", "2", "--zero", "3", "--muon-distributed",
+                  "--load", str(step3),
                   "--log-json", str(log)]) == 0
     print(_assert_continues(reference, log, "muon tp 2 x dp 2 zero 1 -> pp 2 x dp 2 zero 3"))
 
@@ -355,7 +374,11 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
      "--offload-params needs --offload-optimizer (the host-held parameter shards are the weights "
      "the optimizer steps), which steps AdamW or SGD on the host, not --optimizer muon: drop "
      "--offload-params or use --optimizer adamw"),
-], ids=["offloaded", "momentum", "without-muon", "offloaded-params"])
+    (["--optimizer", "muon", "--muon-distributed"],
+     "--muon-distributed would be ignored: it splits the orthogonalisation of ZeRO's sharded "
+     "updates over the data-parallel ranks, and at --zero 0 every rank holds whole matrices "
+     "(nothing to exchange): use --zero 1, 2 or 3, or drop --muon-distributed"),
+], ids=["offloaded", "momentum", "without-muon", "offloaded-params", "distributed-zero-0"])
 def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags, says):
     """--optimizer muon with --offload-optimizer, a momentum outside [0, 1), and Muon's flags
     without it: one line naming the problem and the fix, exit 2, no worker started."""
@@ -364,10 +387,13 @@ def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags
     assert len(err) == 1 and says in err[0], err
 
 
-def _count_step(tp: int, dp: int, zero: int, pp: int = 1) -> dict:
+def _count_step(tp: int, dp: int, zero: int, pp: int = 1, distributed: bool = False) -> dict:
     """The collectives of one --optimizer muon optimizer step (GPT-2, tp x pp x dp) by group,
-    and in issue order (op, elements, the group's ranks)."""
+    and in issue order (op, elements, the group's ranks); with `distributed` (distributed
+    Muon), the Newton-Schulz calls and what the plan says each rank sends and owns."""
     import torch.distributed as dist
+
+    import megapar.optim.muon as muon_module
 
     from megapar.comm_count import count_collectives
     from megapar.data_parallel import build_grad_sync
@@ -382,18 +408,29 @@ def _count_step(tp: int, dp: int, zero: int, pp: int = 1) -> dict:
         from megapar.optim.zero3 import Zero3Optimizer
 
         optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
-                                   tp_group=mesh.tp_group, kind="muon")
+                                   tp_group=mesh.tp_group, kind="muon",
+                                   muon_distributed=distributed)
         grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
     else:
-        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon")
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, kind="muon",
+                                    muon_distributed=distributed)
         grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
     step = TrainStep(model, mesh, PipelineExecutor(model, mesh, "1f1b", (MBS, 8, 32)),
                      optimizer, scheduler(), Precision("fp32", mesh.device), 0.0, grad_sync)
-    counted, optimizer_step = [], optimizer.step
+    counted, optimizer_step, ns_calls = [], optimizer.step, []
+    newton_schulz = muon_module.newton_schulz
+
+    def counted_ns(g, *args):
+        ns_calls.append(tuple(g.shape))
+        return newton_schulz(g, *args)
 
     def counted_step():
-        with count_collectives() as calls:
-            optimizer_step()
+        muon_module.newton_schulz = counted_ns
+        try:
+            with count_collectives() as calls:
+                optimizer_step()
+        finally:
+            muon_module.newton_schulz = newton_schulz
         counted.extend(calls)
 
     optimizer.step = counted_step
@@ -408,7 +445,38 @@ def _count_step(tp: int, dp: int, zero: int, pp: int = 1) -> dict:
             "expected_tp": sorted(("all_gather", p.numel()) for p in matrices),
             "expected_dp": sorted([("all_gather_into_tensor", b.padded // dp)
                                    for b in [*muon_buckets, *buckets]]),
-            "rank": mesh.rank, "issued": [(c.op, c.numel, c.ranks) for c in counted]}
+            "muon_gathers": [b.padded // dp for b in muon_buckets],
+            "param_gathers": [("all_gather_into_tensor", b.padded // dp) for b in buckets],
+            "rank": mesh.rank, "issued": [(c.op, c.numel, c.ranks) for c in counted],
+            "ns_calls": ns_calls, "dp_rank": mesh.dp_rank, "tp_rank": mesh.tp_rank,
+            "pp_rank": mesh.pp_rank, **(_plan_facts(optimizer, model) if distributed else {})}
+
+
+def _plan_facts(optimizer, model) -> dict:
+    """What distributed Muon's plan implies for one step on this rank: the all-to-alls'
+    elements (first: the Muon elements of this rank's slices, to their owners; second: the
+    elements of the (tp shards of the) matrices it owns, back), the tp all-gathers (one per
+    owned tp-split matrix), the Newton-Schulz calls (one per owned matrix, q / k / v apart),
+    and each matrix's owner by name with its cost."""
+    from megapar.optim.muon import matrices_of, ns_cost
+
+    import torch.distributed as dist
+
+    plan = optimizer.muon_plan
+    names = {id(p): n for n, p in model.named_parameters()}
+    owned = [p for p, _ in plan.owned]
+    split = [getattr(p, "tp_dim", None) is not None for p in owned]
+    tp_rank = dist.get_rank(optimizer.tp_group) if split and any(split) else 0
+    mine = sum(e - s for p, s, e in optimizer._piece_of if id(p) in optimizer.muon_ids)
+    return {"expected_a2a": [("all_to_all_single", mine),
+                             ("all_to_all_single", sum(p.numel() for p in owned))],
+            "expected_owned_tp": sorted((op, p.numel()) for p, tp in zip(owned, split) if tp
+                                        for op in ("gather", "scatter")),
+            "expected_ns": sorted(m for p, tp, r in zip(owned, split, plan.tp_owners)
+                                  if not tp or r == tp_rank for m in matrices_of(p)),
+            "owners": {names[i]: r for i, r in plan.owner.items()},
+            "costs": {names[i]: ns_cost(p) for i, p in
+                      ((id(p), p) for p in optimizer.params) if i in plan.owner}}
 
 
 def _count_steps(layouts: list[tuple]) -> list[dict]:
@@ -417,11 +485,13 @@ def _count_steps(layouts: list[tuple]) -> list[dict]:
 
 def _same_order_in_every_group(outs: list[dict]) -> None:
     """Every rank of each group issued the same collectives over it in the same order (NCCL
-    pairs a group's collectives by issue order)."""
+    pairs a group's collectives by issue order), of the same sizes but the all-to-all(-v)s'
+    (each rank's input its own)."""
     by_group: dict = {}
     for out in outs:
         for op, numel, ranks in out["issued"]:
-            by_group.setdefault(ranks, {}).setdefault(out["rank"], []).append((op, numel))
+            size = None if op == "all_to_all_single" else numel
+            by_group.setdefault(ranks, {}).setdefault(out["rank"], []).append((op, size))
     assert by_group
     for ranks, issued in by_group.items():
         assert sorted(issued) == sorted(ranks), ranks
@@ -443,6 +513,47 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
     for layout in range(2):
         _same_order_in_every_group([o[layout] for o in outs])
     assert {len(o[1]["issued"]) > 0 for o in outs} == {True}  # the ZeRO-3 units' gathers
+
+
+def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
+    """--muon-distributed (one optimizer step of GPT-2): at tp 2 x dp 2 with ZeRO-1, dp 4 with
+    ZeRO-2 and pp 2 x dp 2 with ZeRO-3 each rank issues two all-to-alls over dp (the Muon
+    elements of its slices to their owners; its owned matrices' elements back) and one tp
+    all-gather per tp-split matrix it owns, nothing else for Muon; it runs Newton-Schulz on
+    its owned matrices only, so each matrix (q / k / v apart) once per dp group, the same
+    matrices as one rank of the every-rank scheme (tp 2 x dp 2 ZeRO-1 without the flag: every
+    rank all of them); the assignment is the same on every rank, covers every matrix, and is
+    balanced to within one matrix's cost; every rank of each group issues its collectives in
+    the same order."""
+    layouts = [(2, 2, 1, 1, True), (1, 4, 2, 1, True), (1, 2, 3, 2, True), (2, 2, 1)]
+    outs = run_local(_count_steps, 4, layouts)
+    every_rank = {o[3]["rank"]: sorted(o[3]["ns_calls"]) for o in outs}
+    for layout in range(3):
+        per = [o[layout] for o in outs]
+        _same_order_in_every_group(per)
+        for out in per:
+            a2a = [(op, n) for op, n, _ in out["issued"] if op == "all_to_all_single"]
+            assert a2a == out["expected_a2a"], (layouts[layout], out["rank"])
+            if layout == 0:
+                assert sorted(out["tp"]) == out["expected_owned_tp"], out["rank"]
+            if layout < 2:  # ZeRO-1 / 2: and the parameter buckets' all-gather after the step
+                assert out["dp"] == sorted(out["param_gathers"] + out["expected_a2a"])
+            assert sorted(out["ns_calls"]) == out["expected_ns"], (layouts[layout], out["rank"])
+        groups: dict = {}
+        for out in per:  # the dp group: same tp and pp ranks
+            groups.setdefault((out["tp_rank"], out["pp_rank"]), []).append(out)
+        for members in groups.values():
+            assert all(m["owners"] == members[0]["owners"] for m in members)
+            owners, costs = members[0]["owners"], members[0]["costs"]
+            assert set(owners) == set(costs) and owners
+            load = [sum(c for n, c in costs.items() if owners[n] == r)
+                    for r in range(len(members))]
+            assert max(load) - min(load) <= max(costs.values()), load
+    assert {len(calls) for calls in every_rank.values()} == {4 * 6}  # 4 blocks, q k v apart
+    for layout in range(3):  # each matrix once in the job: one rank's calls in the old scheme
+        assert sorted(c for o in outs for c in o[layout]["ns_calls"]) == every_rank[0]
+    for out in (o[1] for o in outs):  # dp 4: fewer elements than every rank's gathers receive
+        assert sum(n for _, n in out["expected_a2a"]) < 3 * sum(out["muon_gathers"])
 
 
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():

@@ -31,8 +31,11 @@ ZeRO-1 / 2 / 3 (`zero.py`, `zero3.py`) a rank steps flat *pieces* of parameters:
 is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
 (`ZeroOptimizer._muon_whole`), then as above.
 Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
-gradient. Every rank of a tp (dp) group computes every whole matrix's NS (no whole matrices
-assigned to ranks as in distributed Muon: simpler, the same result, more compute per rank).
+gradient. By default every rank of a tp (dp) group computes every whole matrix's NS. Distributed
+Muon (`--muon-distributed`, ZeRO 1 / 2 / 3: `ZeroOptimizer._muon_split`) assigns each matrix to
+one dp x tp slot (`assign_owners`, by `ns_cost`): its pieces' U go to the owning dp rank in an
+all-to-all, whose tp group gathers a tp-split matrix to the owning tp rank (`owner_updates`),
+and the results go back the same way: each matrix orthogonalised once, the same result.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ import torch
 import torch.distributed as dist
 
 from megapar.expert_parallel import is_expert
-from megapar.tensor_parallel.partition import full_shape, gather_full, tp_dim
+from megapar.tensor_parallel.partition import (
+    full_shape,
+    gather_full,
+    join_shards,
+    tp_dim,
+    tp_parts,
+    unpad,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 NS_STEPS = 5
@@ -131,6 +141,90 @@ def whole_updates(
             o = o.narrow(dim, rank * u.shape[dim], u.shape[dim])
         out.append((o, ratio))
     return out
+
+
+def owner_updates(
+    params: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    tp_owners: list[int],
+    tp_group,
+    adjust_lr: str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[torch.Tensor]:
+    """This rank's (tp shard of) O of each parameter, from its update U of the same shape,
+    each tp-split matrix orthogonalised by one tp rank: its shards gathered to tp rank
+    `tp_owners[i]` of `tp_group`, which runs Newton-Schulz and scatters the result's shards
+    back; a matrix that is not tp-split is orthogonalised by every tp rank (each has it
+    whole). Collective over `tp_group` (its ranks pass the same parameters in the same order:
+    every gather, then every scatter)."""
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    me = dist.get_rank(tp_group) if size > 1 else 0
+    out: list[torch.Tensor | None] = [None] * len(params)
+    gathered = {}
+    for i, (p, u) in enumerate(zip(params, updates)):
+        if tp_dim(p) is None or size == 1:
+            split = getattr(p, "muon_split", None)
+            out[i] = orthogonalised(unpad(u, tp_dim(p), full_shape(p)), split, adjust_lr, dtype)[0]
+            continue
+        root = dist.get_global_rank(tp_group, tp_owners[i])
+        shards = [torch.empty_like(u) for _ in range(size)] if me == tp_owners[i] else None
+        dist.gather(u.contiguous(), shards, dst=root, group=tp_group)
+        if shards is not None:
+            gathered[i] = shards
+    for i, (p, u) in enumerate(zip(params, updates)):
+        if out[i] is not None:
+            continue
+        dim = tp_dim(p)
+        assert dim is not None and tp_parts(p) == 1  # a routed expert's parts are not Muon's
+        chunks = None
+        if i in gathered:
+            whole = unpad(join_shards(gathered.pop(i), dim, tp_parts(p)), dim, full_shape(p))
+            o, _ = orthogonalised(whole, getattr(p, "muon_split", None), adjust_lr, dtype)
+            padded = torch.zeros(
+                *u.shape[:dim],
+                u.shape[dim] * size,
+                *u.shape[dim + 1 :],
+                dtype=o.dtype,
+                device=o.device,
+            )
+            padded.narrow(dim, 0, o.shape[dim]).copy_(o)
+            chunks = [c.contiguous() for c in padded.chunk(size, dim=dim)]
+        mine = torch.empty_like(u)
+        root = dist.get_global_rank(tp_group, tp_owners[i])
+        dist.scatter(mine, chunks, src=root, group=tp_group)
+        out[i] = mine
+    return [o for o in out if o is not None]
+
+
+def matrices_of(p: torch.Tensor) -> list[tuple[int, int]]:
+    """The (rows, cols) of each matrix Newton-Schulz orthogonalises in parameter `p` (its whole
+    shape over tp; a fused qkv weight's q, k and v apart)."""
+    rows, cols = full_shape(p)
+    split = getattr(p, "muon_split", None)
+    return [(rows // split[0], cols)] * split[0] if split is not None else [(rows, cols)]
+
+
+def ns_cost(p: torch.Tensor) -> int:
+    """Newton-Schulz's cost of parameter `p`, ~ m n min(m, n) per matrix (the Gram products)."""
+    return sum(m * n * min(m, n) for m, n in matrices_of(p))
+
+
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """The rank (of `ranks`) that orthogonalises each matrix of cost `costs[i]`: the longest
+    first to the least-loaded rank (ties: the earlier matrix, the lower rank). Deterministic:
+    every rank that passes the same costs gets the same assignment."""
+    load = [0] * ranks
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+def muon_ratio(p: torch.Tensor, adjust_lr: str) -> float:
+    """The lr factor `orthogonalised` gives parameter `p` (its matrices' shape, one for all)."""
+    return lr_ratio(matrices_of(p)[0], adjust_lr)
 
 
 class MuonAdamW(torch.optim.Optimizer):

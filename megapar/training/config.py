@@ -210,6 +210,8 @@ class TrainConfig:
     """Muon's momentum (Nesterov), --optimizer muon."""
     muon_adjust_lr: str = "match_rms_adamw"
     """Muon's per-matrix learning-rate factor: match_rms_adamw (Moonlight's 0.2 x sqrt(max(rows, cols)): the update's RMS is AdamW's, so an AdamW --lr and --weight-decay carry over) or original (Keller Jordan's sqrt(max(1, rows / cols)), which wants a larger --lr, e.g. 0.02)."""
+    muon_distributed: bool = False
+    """--optimizer muon with --zero 1, 2 or 3: each whole matrix is orthogonalised by one rank of its data-parallel x tensor-parallel group (balanced by Newton-Schulz cost) and the results sent back, as Megatron's distributed optimizer and torchtitan's DistMuon do, instead of every rank orthogonalising every matrix: 1/(dp x tp) of the Newton-Schulz compute, the same weights bit for bit; its traffic is two all-to-alls of the Muon matrices' updates over dp and, for a tp-split matrix, a gather to and a scatter from its owning tp rank (docs/guides/training.md#muon). Not taken from a --load checkpoint (like --zero)."""
     adam_eps: float = 1e-8
     """Epsilon of AdamW / LAMB (added to the root of the second moment)."""
     adam_beta1: float = 0.9

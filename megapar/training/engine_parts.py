@@ -154,6 +154,7 @@ def _muon_settings(cfg: TrainConfig) -> dict[str, Any]:
         "momentum": cfg.muon_momentum,
         "muon_adjust_lr": cfg.muon_adjust_lr,
         "muon_ns_dtype": torch.float32 if cfg.precision == "fp32" else torch.bfloat16,
+        "muon_distributed": cfg.muon_distributed,
     }
 
 

@@ -279,6 +279,7 @@ NOT_INHERITED = {
     "grad_bucket_mb",
     "p2p_dtype",
     "grad_reduce_dtype",
+    "muon_distributed",  # bit for bit the every-rank scheme; --zero 0 refuses it
     # how this machine runs --fp8's products (emulated on a CPU, real kernels on FP8 GPUs): a
     # run tried on a laptop under --fp8-emulate and resumed on the cluster runs the kernels
     "fp8_emulate",

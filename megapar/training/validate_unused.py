@@ -150,7 +150,14 @@ def check_unused(cfg, given: set[str]) -> None:
                 f"it is Muon's, and --optimizer is {cfg.optimizer}",
                 "add --optimizer muon",
             )
-            for name in ("muon_momentum", "muon_adjust_lr")
+            for name in ("muon_momentum", "muon_adjust_lr", "muon_distributed")
+        ),
+        (
+            "muon_distributed",
+            cfg.optimizer != "muon" or cfg.zero > 0,
+            "it splits the orthogonalisation of ZeRO's sharded updates over the data-parallel "
+            "ranks, and at --zero 0 every rank holds whole matrices (nothing to exchange)",
+            "use --zero 1, 2 or 3",
         ),
     ]
     for name, applies, why, fix in rules:
