@@ -901,3 +901,18 @@ def test_dry_run_names_the_expert_split_and_the_cp_communication():
     job = describe_job(cfg, resolve_model("mixtral-tiny"), layout, 8, 1, "all")
     assert job.split("\n")[0].endswith(
         "; fp32, recompute none, each expert split over tp 2, --cp-comm-type a2a"), job
+
+
+def test_the_traffic_line_names_each_collective_in_words():
+    """Every collective the dry run counts is named in words (an all-to-all read
+    "all_to_all_singles": the experts', a2a cp's and distributed Muon's exchanges)."""
+    from megapar.dryrun.report import _traffic
+
+    entry = {"ranks": 2, "crosses_nodes": False}
+    line = _traffic({
+        "ep": {**entry, "all_to_all_single": {"count": 40, "bytes": 4 * 2**20}},
+        "dp": {**entry, "all_reduce": {"count": 1, "bytes": 2**20},
+               "reduce_scatter": {"count": 2, "bytes": 2**20},
+               "all_gather": {"count": 2, "bytes": 2**20}}})
+    assert line == ("dp (2 ranks, in a node): 1 all-reduce 1.00 MiB, 2 reduce-scatters 1.00 MiB,"
+                    " 2 all-gathers 1.00 MiB; ep (2 ranks, in a node): 40 all-to-alls 4.00 MiB")

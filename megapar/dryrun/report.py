@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
 
-_OPS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+_OPS = {
+    "all_reduce": "all-reduce",
+    "reduce_scatter": "reduce-scatter",
+    "all_gather": "all-gather",
+    "all_to_all_single": "all-to-all",
+}
 
 
 def size(nbytes: float) -> str:
