@@ -221,12 +221,14 @@ def test_layouts_equal_one_process(run, one_process, name):
 
 
 # --- megapar-train end to end --------------------------------------------------------------
-def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
+def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines
     record each): --attention-mask-type block_causal --reset-position-ids --eod-mask-loss (the
     eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 (the
     all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
-    the run without them."""
+    the run without them. megapar-eval of the checkpoint (at tp 2) evaluates as it trained:
+    its loss is each document of each window run alone through the model (positions from 0,
+    no eod position labelled)."""
     import json
     from pathlib import Path
 
@@ -254,13 +256,44 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path):
         assert main([*common, *args, "--log-json", str(log)]) == 0
         return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
-    pp2 = losses("--pp", "2", *flags)
+    pp2 = losses("--pp", "2", *flags, "--save", str(tmp_path / "ckpt"))
     cp2 = losses("--tp", "2", "--cp", "2", *flags)  # the all-gather: grouped-query heads
     plain = losses("--pp", "2")
     assert len(pp2) == 3
     for a, b in zip(pp2, cp2):
         assert abs(a - b) <= 1e-5 * abs(b), (pp2, cp2)
     assert all(abs(a - b) > 1e-3 for a, b in zip(pp2, plain)), (pp2, plain)
+
+    from megapar.cli.eval import main as evaluate
+    from megapar.data import GPTDataset, IndexedDataset
+    from megapar.training.inference import load_model
+
+    capsys.readouterr()
+    assert evaluate(["--load", str(tmp_path / "ckpt"), "--tp", "2", "--data", str(data),
+                     "--data-cache", str(tmp_path / "cache"), "--seq-len", "32",
+                     "--micro-batch-size", "2", "--max-batches", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (prefix,) = {str(p.with_suffix("")) for p in (tmp_path / "cache").rglob("*.idx")}
+    windows = GPTDataset(IndexedDataset(prefix), 32)
+    _, config, model = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, positions from 0
+    eod = json.loads(next((tmp_path / "ckpt").rglob("manifest.json")).read_text())[
+        "meta"]["train_config"]["eod_id"]
+    nll, labelled, documents = 0.0, 0, 0
+    with torch.no_grad():
+        for i in range(4):
+            ids, labels = windows[i]["input_ids"], windows[i]["labels"]
+            ends = [j + 1 for j in range(len(ids)) if int(ids[j]) == eod]
+            for start, stop in zip([0, *ends], [*ends, len(ids)]):
+                if start == stop:
+                    continue
+                documents += 1
+                logits = model(None, {"input_ids": ids[None, start:stop]})[0, :, :config.vocab_size]
+                keep = (labels[start:stop] != -100) & (ids[start:stop] != eod)
+                nll += float(torch.nn.functional.cross_entropy(
+                    logits[keep], labels[start:stop][keep], reduction="sum"))
+                labelled += int(keep.sum())
+    assert documents > 4 and report["tokens"] == labelled, (report, labelled, documents)
+    assert abs(report["loss"] - nll / labelled) <= 1e-5 * nll / labelled, (report, nll / labelled)
 
 
 @pytest.mark.parametrize("argv, said", [

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import launched_size_refusal, prints_refusals, run_reported
 from megapar.context_parallel import split as cp_split
@@ -43,9 +45,10 @@ from megapar.data.indexed import remove_stale_tmps, tmp_name
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.training.inference import forward_logits, load_model
+from megapar.training.inference import forward_logits, load_model, trained_documents
 from megapar.training.logging import perplexity, strict_json
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
@@ -224,7 +227,8 @@ def build_parser() -> OneLineParser:
 
 @torch.no_grad()
 def _loss_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp)
+    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
+    trained = trained_documents(read_manifest(resolve_checkpoint(args.load)))
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -251,6 +255,8 @@ def _loss_worker(args):
         }
         for i in range(k)
     )
+    if trained.get("eod_mask_loss"):  # as the run trained and validated: no loss at an eod
+        batches = (mask_eod_labels(batch, trained["eod_id"]) for batch in batches)
     if config.model_type not in CAUSAL_LM_TYPES:
         return _mlm_report(mesh, config, model, batches, k)
     shape = (b, args.seq_len // mesh.cp, config.hidden_size)  # a cp rank's tokens
@@ -308,7 +314,7 @@ def _mlm_report(mesh, config, model, batches, k: int):
 
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp)
+    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
     batch = {"input_ids": load_input_ids(args.input_ids)}
     if args.attention_mask:
         batch["attention_mask"] = load_input_ids(args.attention_mask, flag="--attention-mask")

@@ -20,22 +20,53 @@ from megapar.context_parallel import unsplit
 from megapar.device import keep_freed_host_memory
 from megapar.mesh import Mesh
 from megapar.models.config import config_from_dict
+from megapar.models.documents import set_documents
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 
 
-def load_model(load: str, tp: int, pp: int, cp: int = 1, dtype: torch.dtype | None = None):
+def load_model(
+    load: str,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    dtype: torch.dtype | None = None,
+    documents: bool = False,
+):
     """(mesh, config, this rank's stage model) of checkpoint `load` at tp x cp x pp (resharded
-    on load), in eval mode; its parameters cast to `dtype` once loaded (None: as saved)."""
+    on load), in eval mode; its parameters cast to `dtype` once loaded (None: as saved); with
+    `documents`, attending and placing positions within the packed documents as the checkpoint
+    trained (`trained_documents`; megapar-eval's forwards of whole sequences, not a KV cache's)."""
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
-    config = config_from_dict(read_manifest(resolve_checkpoint(load))["model"])
+    manifest = read_manifest(resolve_checkpoint(load))
+    config = config_from_dict(manifest["model"])
     model = build_stage(config, mesh, seed=0, init=False)
+    trained = trained_documents(manifest) if documents else {}
+    if trained:
+        set_documents(
+            model, trained["attention_mask_type"], trained["reset_position_ids"], trained["eod_id"]
+        )
     load_checkpoint(load, model, mesh)
     if dtype is not None:
         model.to(dtype)
     model.eval()
     keep_freed_host_memory()  # the weights are in place: later tensors are kept
     return mesh, config, model
+
+
+def trained_documents(manifest: dict) -> dict:
+    """The packed-document settings a checkpoint's run trained with (its manifest's saved
+    train_config: attention_mask_type, reset_position_ids, eod_mask_loss, eod_id), or {} where
+    it attended causally across its sequences with positions from 0 and every label counted."""
+    saved = (manifest.get("meta") or {}).get("train_config") or {}
+    got = {
+        "attention_mask_type": saved.get("attention_mask_type") or "causal",
+        "reset_position_ids": bool(saved.get("reset_position_ids")),
+        "eod_mask_loss": bool(saved.get("eod_mask_loss")),
+        "eod_id": saved.get("eod_id"),
+    }
+    reads = got["attention_mask_type"] != "causal" or got["reset_position_ids"]
+    return got if (reads or got["eod_mask_loss"]) and got["eod_id"] is not None else {}
 
 
 @torch.no_grad()
