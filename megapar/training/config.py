@@ -84,7 +84,7 @@ class TrainConfig:
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused, as is a tokenizer.json (or vocab.json + merges.txt) that transformers' AutoTokenizer reads otherwise for this model type (e.g. GPT-2's files in a Qwen2 directory); without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     loss_scale: float = 0.0
