@@ -24,7 +24,7 @@ from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
 from megapar.dryrun.command import rehearse
-from megapar.dryrun.modelled import planned_job
+from megapar.dryrun.modelled import expert_tp_note, planned_job
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import (
@@ -57,7 +57,7 @@ from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
 from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
-from megapar.training.validate import UsageError
+from megapar.training.validate import UsageError, explicit
 
 
 def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, DataPlan]:
@@ -68,6 +68,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     manifest = read_resumed_settings(cfg, notes)
     layout = _layout(cfg)
     plan = plan_data(cfg, layout, notes, manifest)
+    given = "expert_tensor_parallel_size" in explicit(cfg)
+    notes.extend(expert_tp_note(cfg, config_from_dict(plan.model_config), layout, given))
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan
