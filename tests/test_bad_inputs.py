@@ -479,6 +479,41 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
                      f"with the model's own if it is another"], notes
 
 
+def test_under_torchrun_a_start_up_error_is_printed_once_a_node(env, no_workers, capsys,
+                                                                monkeypatch):
+    """Under torchrun every rank runs megapar-train on the same flags and finds the same bad
+    input: the first process of each node (LOCAL_RANK 0) prints the line, the others exit with
+    the same code silently (N ranks printed N copies). Both kinds: a value refused before any
+    worker (exit 2) and a flag the parser does not know (SystemExit 2, argparse's line)."""
+    bad_value = [*env["common"], "--global-batch-size", "0"]
+    bad_flag = [*env["common"], "--globl-batch-size", "3"]
+    for rank, local, prints in ((0, 0, True), (1, 1, False), (2, 0, True), (3, 1, False)):
+        for name, value in (("RANK", rank), ("LOCAL_RANK", local), ("WORLD_SIZE", 4),
+                            ("LOCAL_WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        assert train(bad_value) == 2
+        err = capsys.readouterr().err
+        if prints:
+            assert _lines(err) == ["megapar-train: error: --global-batch-size 0 is invalid: it "
+                                   "must be a whole number >= 1 (the default is 16)"], err
+        else:
+            assert err == "", (rank, err)
+        with pytest.raises(SystemExit) as stop:
+            train(bad_flag)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        if prints:
+            assert _lines(err)[0].startswith(
+                "megapar-train: error: unrecognized arguments: --globl-batch-size 3; "
+                "--globl-batch-size: did you mean --global-batch-size?"), err
+        else:
+            assert err == "", (rank, err)
+
+
+def _lines(err: str) -> list[str]:
+    return err.strip().splitlines()
+
+
 def test_from_hf_with_another_familys_tokenizer_is_refused(env, tmp_path, no_workers, capsys):
     """A Qwen2 directory holding GPT-2's tokenizer files (vocab.json + merges.txt): megapar reads
     them with GPT-2's splitting, transformers' AutoTokenizer builds Qwen2's over them (a Qwen2

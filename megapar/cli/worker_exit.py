@@ -1,7 +1,8 @@
 """How megapar-eval's and megapar-generate's workers ending in an exception end the command:
 a Ctrl-C or SIGTERM that stopped the ranks is one line and exit 130 / 143, any other failure
 one line naming the rank (its traceback in a log file) and exit 1; and their refusal of a
-torchrun / Slurm job of another size than tp x pp."""
+torchrun / Slurm job of another size than tp x pp. Which process of such a job prints what
+every process refuses (`prints_refusals`: megapar-train's start-up errors too)."""
 
 from __future__ import annotations
 
@@ -103,5 +104,8 @@ def launched_size_refusal(tool: str, tp: int, pp: int, cp: int = 1) -> str | Non
 
 def prints_refusals() -> bool:
     """Whether this process prints a refusal (or a note) every process of a torchrun / Slurm
-    job makes: the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone."""
+    job makes: the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone
+    (megapar-eval's, megapar-generate's, and megapar-train's start-up errors). Per node, not
+    RANK 0 alone: each node's torchrun shows its own workers' output, so every node's says
+    why it stopped, once."""
     return not under_launcher() or env_local_rank() == 0
