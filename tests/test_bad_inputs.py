@@ -481,33 +481,42 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
 
 def test_under_torchrun_a_start_up_error_is_printed_once_a_node(env, no_workers, capsys,
                                                                 monkeypatch):
-    """Under torchrun every rank runs megapar-train on the same flags and finds the same bad
+    """Under torchrun every rank runs the command on the same flags and finds the same bad
     input: the first process of each node (LOCAL_RANK 0) prints the line, the others exit with
-    the same code silently (N ranks printed N copies). Both kinds: a value refused before any
-    worker (exit 2) and a flag the parser does not know (SystemExit 2, argparse's line)."""
-    bad_value = [*env["common"], "--global-batch-size", "0"]
-    bad_flag = [*env["common"], "--globl-batch-size", "3"]
+    the same code silently (N ranks printed N copies). megapar-train, megapar-eval and
+    megapar-generate; both kinds: a value refused before any worker (exit 2) and a flag the
+    parser does not know (SystemExit 2, argparse's line)."""
+    from megapar.cli.generate import main as generate
+
+    missing = str(env["root"] / "nothing")
+    said = {"--load": f"--load {missing}: no such checkpoint directory; pass a directory "
+                      f"written by --save (or one of its step_* directories)"}
+    cases = [  # (command, its name, bad value, its line's start, bad flag)
+        (train, "megapar-train", [*env["common"], "--global-batch-size", "0"],
+         "--global-batch-size 0 is invalid: it must be a whole number >= 1 (the default is 16)",
+         [*env["common"], "--globl-batch-size", "3"]),
+        (evaluate, "megapar-eval", ["--load", missing, "--tp", "4", "--data", env["common"][1]],
+         said["--load"], ["--lod", missing]),
+        (generate, "megapar-generate", ["--load", missing, "--tp", "4", "--prompt", "To be"],
+         said["--load"], ["--lod", missing]),
+    ]
     for rank, local, prints in ((0, 0, True), (1, 1, False), (2, 0, True), (3, 1, False)):
         for name, value in (("RANK", rank), ("LOCAL_RANK", local), ("WORLD_SIZE", 4),
                             ("LOCAL_WORLD_SIZE", 2)):
             monkeypatch.setenv(name, str(value))
-        assert train(bad_value) == 2
-        err = capsys.readouterr().err
-        if prints:
-            assert _lines(err) == ["megapar-train: error: --global-batch-size 0 is invalid: it "
-                                   "must be a whole number >= 1 (the default is 16)"], err
-        else:
-            assert err == "", (rank, err)
-        with pytest.raises(SystemExit) as stop:
-            train(bad_flag)
-        assert stop.value.code == 2
-        err = capsys.readouterr().err
-        if prints:
-            assert _lines(err)[0].startswith(
-                "megapar-train: error: unrecognized arguments: --globl-batch-size 3; "
-                "--globl-batch-size: did you mean --global-batch-size?"), err
-        else:
-            assert err == "", (rank, err)
+        for command, prog, bad_value, line, bad_flag in cases:
+            assert command(bad_value) == 2
+            err = capsys.readouterr().err
+            assert _lines(err) == ([f"{prog}: error: {line}"] if prints else []), (rank, err)
+            with pytest.raises(SystemExit) as stop:
+                command(bad_flag)
+            assert stop.value.code == 2
+            err = capsys.readouterr().err
+            if prints:
+                assert _lines(err)[0].startswith(
+                    f"{prog}: error: unrecognized arguments: {bad_flag[-2]} "), err
+            else:
+                assert err == "", (prog, rank, err)
 
 
 def _lines(err: str) -> list[str]:

@@ -10,8 +10,6 @@ one clear message instead of N stack traces or a hung process group.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shlex
 import signal
@@ -24,7 +22,7 @@ from megapar.checkpoint.lock import LOCK_NAME, SaveLock, SaveLockError, read_own
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import prints_refusals
+from megapar.cli.worker_exit import parser_errors_once, refused
 from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import expert_tp_note, planned_job
@@ -212,10 +210,8 @@ def main(argv=None) -> int:
     made: list[Path] = []  # the directories of --save this run makes: removed if left empty
     previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
     use_run_log_name(None)  # this run's own (an earlier run in this process had its own)
-    speaks = True  # whether this process prints a refusal: under torchrun, one a node
     try:
-        speaks = prints_refusals()  # (malformed launcher variables: every process says so)
-        with contextlib.redirect_stderr(sys.stderr if speaks else io.StringIO()):
+        with parser_errors_once():  # under torchrun / Slurm: one process a node prints
             cfg = parse_args(argv)  # a bad flag: the parser's line, then SystemExit(2)
         layout, plan = plan_run(cfg, notes)
         if cfg.save and takes_save_lock() and not cfg.dry_run:  # held until this exits
@@ -240,10 +236,8 @@ def main(argv=None) -> int:
         if lock is not None:
             lock.release()
         remove_empty(made)
-        if speaks:
-            print(f"megapar-train: error: {exc}", file=sys.stderr)
         tell_torchrun(str(exc), None)  # its summary's root cause, not "error_file: <N/A>"
-        return 2
+        return refused("megapar-train", exc)  # once per node under torchrun / Slurm
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
             raise
