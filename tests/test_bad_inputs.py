@@ -528,10 +528,13 @@ def test_from_hf_with_another_familys_tokenizer_is_refused(env, tmp_path, no_wor
     them with GPT-2's splitting, transformers' AutoTokenizer builds Qwen2's over them (a Qwen2
     model gets Qwen2Tokenizer whatever the files say), so the same text has other ids in each.
     It trained silently (an export carried the mismatch); now it is refused before any worker
-    in one line naming the class transformers builds, the first text that differs and the fix.
+    in one line naming the class transformers builds, the first text that differs and the fix
+    (and so is megapar-convert's import of the directory).
     The tokenizer that AutoTokenizer saves from those files (Qwen2's splitting in its
     tokenizer.json), the model's own, is taken and trains."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from megapar.cli.convert import main as convert
 
     hf, own = tmp_path / "qwen2", tmp_path / "own"
     AutoModelForCausalLM.from_config(Qwen2Config(
@@ -554,6 +557,13 @@ def test_from_hf_with_another_familys_tokenizer_is_refused(env, tmp_path, no_wor
         f"so the model's token ids and megapar's would differ; put the model's own tokenizer "
         f"there (AutoTokenizer.from_pretrained(<the model's name>).save_pretrained({hf})), or "
         f"train another tokenizer from --model with --tokenizer"), line
+    # megapar-convert's import of it refuses it too, and writes nothing
+    assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-convert")
+    assert line.startswith(f"megapar-convert: error: {hf}: transformers reads its tokenizer "
+                           f"files otherwise than megapar does for this model (AutoTokenizer "
+                           f"builds a Qwen2Tokenizer that encodes "), line
+    assert not (tmp_path / "ckpt").exists()
     AutoTokenizer.from_pretrained(hf).save_pretrained(own)  # Qwen2's splitting, GPT-2's vocab
     from megapar.training.config import parse_args
 

@@ -343,10 +343,14 @@ def transformers_difference(directory: str, tok: Tokenizer) -> str | None:
     the tokenizer class comes from its config.json's model type and tokenizer_config.json, and
     for some model types, e.g. qwen2, that type's own splitting whatever the files say) encodes
     text as `tok`, megapar's reading of the directory's tokenizer files, does: None when it
-    does, or when transformers cannot load it (nothing to compare), else what differs (the
-    class it built and `encoding_difference`)."""
+    does, when transformers cannot load it (nothing to compare) and for a SentencePiece
+    `tok` (its tokenizer.model is the model's original, which megapar encodes with the
+    sentencepiece library: transformers' conversion of it is not what the ids are checked by),
+    else what differs (the class it built and `encoding_difference`)."""
     from transformers import AutoTokenizer
 
+    if tok.kind == "sentencepiece":
+        return None
     try:
         hf = AutoTokenizer.from_pretrained(directory)
     except Exception:  # noqa: BLE001 - transformers raises many kinds; then no comparison

@@ -184,9 +184,7 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
             f"--from-hf {cfg.from_hf}: its tokenizer does not load ({exc}), so the data "
             f"cannot be checked against it; repair or remove its tokenizer files"
         ) from None
-    # a SentencePiece tokenizer.model is the model's original (megapar encodes with the
-    # sentencepiece library): transformers' conversion of it is not what the ids are checked by
-    differs = None if own.kind == "sentencepiece" else transformers_difference(cfg.from_hf, own)
+    differs = transformers_difference(cfg.from_hf, own)
     if differs:
         raise UsageError(
             f"--from-hf {cfg.from_hf}: transformers reads its tokenizer files otherwise than "
