@@ -479,6 +479,99 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
                      f"with the model's own if it is another"], notes
 
 
+def test_under_torchrun_a_start_up_error_is_printed_once_a_node(env, no_workers, capsys,
+                                                                monkeypatch):
+    """Under torchrun every rank runs the command on the same flags and finds the same bad
+    input: the first process of each node (LOCAL_RANK 0) prints the line, the others exit with
+    the same code silently (N ranks printed N copies). megapar-train, megapar-eval and
+    megapar-generate; both kinds: a value refused before any worker (exit 2) and a flag the
+    parser does not know (SystemExit 2, argparse's line)."""
+    from megapar.cli.generate import main as generate
+
+    missing = str(env["root"] / "nothing")
+    said = {"--load": f"--load {missing}: no such checkpoint directory; pass a directory "
+                      f"written by --save (or one of its step_* directories)"}
+    cases = [  # (command, its name, bad value, its line's start, bad flag)
+        (train, "megapar-train", [*env["common"], "--global-batch-size", "0"],
+         "--global-batch-size 0 is invalid: it must be a whole number >= 1 (the default is 16)",
+         [*env["common"], "--globl-batch-size", "3"]),
+        (evaluate, "megapar-eval", ["--load", missing, "--tp", "4", "--data", env["common"][1]],
+         said["--load"], ["--lod", missing]),
+        (generate, "megapar-generate", ["--load", missing, "--tp", "4", "--prompt", "To be"],
+         said["--load"], ["--lod", missing]),
+    ]
+    for rank, local, prints in ((0, 0, True), (1, 1, False), (2, 0, True), (3, 1, False)):
+        for name, value in (("RANK", rank), ("LOCAL_RANK", local), ("WORLD_SIZE", 4),
+                            ("LOCAL_WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        for command, prog, bad_value, line, bad_flag in cases:
+            assert command(bad_value) == 2
+            err = capsys.readouterr().err
+            assert _lines(err) == ([f"{prog}: error: {line}"] if prints else []), (rank, err)
+            with pytest.raises(SystemExit) as stop:
+                command(bad_flag)
+            assert stop.value.code == 2
+            err = capsys.readouterr().err
+            if prints:
+                assert _lines(err)[0].startswith(
+                    f"{prog}: error: unrecognized arguments: {bad_flag[-2]} "), err
+            else:
+                assert err == "", (prog, rank, err)
+
+
+def _lines(err: str) -> list[str]:
+    return err.strip().splitlines()
+
+
+def test_from_hf_with_another_familys_tokenizer_is_refused(env, tmp_path, no_workers, capsys):
+    """A Qwen2 directory holding GPT-2's tokenizer files (vocab.json + merges.txt): megapar reads
+    them with GPT-2's splitting, transformers' AutoTokenizer builds Qwen2's over them (a Qwen2
+    model gets Qwen2Tokenizer whatever the files say), so the same text has other ids in each.
+    It trained silently (an export carried the mismatch); now it is refused before any worker
+    in one line naming the class transformers builds, the first text that differs and the fix
+    (and so is megapar-convert's import of the directory).
+    The tokenizer that AutoTokenizer saves from those files (Qwen2's splitting in its
+    tokenizer.json), the model's own, is taken and trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from megapar.cli.convert import main as convert
+
+    hf, own = tmp_path / "qwen2", tmp_path / "own"
+    AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=50304, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=True)).save_pretrained(hf)
+    shutil.copytree(hf, own)
+    shutil.copy(asset_path("gpt2_vocab.json"), hf / "vocab.json")
+    shutil.copy(asset_path("gpt2_merges.txt"), hf / "merges.txt")
+    common = ["--data", str(env["root"] / "text.txt"), "--data-cache", str(tmp_path / "cache"),
+              "--seq-len", "32", "--no-progress"]
+    capsys.readouterr()
+    assert train(["--from-hf", str(hf), *common]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert line.startswith(
+        f"megapar-train: error: --from-hf {hf}: transformers reads its tokenizer files otherwise "
+        f"than megapar does for this qwen2 model (AutoTokenizer builds a Qwen2Tokenizer that "
+        f"encodes "), line
+    assert line.endswith(
+        f"so the model's token ids and megapar's would differ; put the model's own tokenizer "
+        f"there (AutoTokenizer.from_pretrained(<the model's name>).save_pretrained({hf})), or "
+        f"train another tokenizer from --model with --tokenizer"), line
+    # megapar-convert's import of it refuses it too, and writes nothing
+    assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-convert")
+    assert line.startswith(f"megapar-convert: error: {hf}: transformers reads its tokenizer "
+                           f"files otherwise than megapar does for this model (AutoTokenizer "
+                           f"builds a Qwen2Tokenizer that encodes "), line
+    assert not (tmp_path / "ckpt").exists()
+    AutoTokenizer.from_pretrained(hf).save_pretrained(own)  # Qwen2's splitting, GPT-2's vocab
+    from megapar.training.config import parse_args
+
+    notes: list[str] = []
+    train_cli.plan_run(parse_args(["--from-hf", str(own), *common]), notes)
+    assert f"--tokenizer not given: using --from-hf {own}'s own tokenizer ({own})" in notes
+
+
 def test_a_bert_tokenizer_without_mask_is_named_as_that(env, tmp_path, no_workers, capsys):
     """--from-hf a BERT whose own tokenizer has no [MASK]: megapar appends [MASK] after the
     vocabulary, beyond the model's rows. The line names the missing token and how to add it

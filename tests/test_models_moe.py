@@ -318,6 +318,31 @@ def test_sigmoid_router_weighs_by_unbiased_scores_renormalised():
     assert_close(probs.sum(1), torch.ones(5))
 
 
+def test_padding_does_not_widen_the_capacity(hf_dirs):
+    """With a capacity factor, a right-padded row's tokens route as the same tokens unpadded:
+    the capacity is ceil(factor x T x k / E) of the T tokens that are not padding, not of every
+    row (which let a padded batch keep assignments its tokens alone would drop). The same
+    logits on the real tokens and the same dropped assignments in each MoE layer (some)."""
+    reader = HFReader(hf_dirs["mixtral"])
+    reader.config.moe_capacity_factor = 1.0
+    model = Llama(reader.config, make_mesh(1)).train()
+    load_hf_weights(model, reader)
+    ids, _ = batch()
+    real = 7
+    mask = (torch.arange(SEQ)[None] < real).long().expand(B, SEQ)
+    padded = torch.where(mask.bool(), ids, 0)
+    runs = {}
+    for name, inputs in (("padded", {"input_ids": padded, "attention_mask": mask}),
+                         ("alone", {"input_ids": ids[:, :real]})):
+        for layer in moe_layers(model):
+            layer.stats.reset()
+        logits = model(None, inputs)[:, :real]
+        dropped = [layer.stats.values[-2].item() for layer in moe_layers(model)]
+        runs[name] = logits.detach(), dropped
+    assert runs["padded"][1] == runs["alone"][1] and sum(runs["alone"][1]) > 0, runs
+    assert_close(runs["padded"][0], runs["alone"][0], what="the real tokens' logits")
+
+
 def test_one_host_sync_per_moe_layer_per_micro_batch(hf_dirs):
     """The expert loop reads the tokens per expert to the host once per MoE layer (the only
     sync of a micro-batch's forward and backward); routing, capacity and combine make none."""

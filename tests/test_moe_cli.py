@@ -4,6 +4,7 @@ with --from-hf at tp 2 under a capacity factor, saved, exported with megapar-con
 loaded back by transformers with the logits megapar computes from the exported weights."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,32 @@ def test_an_expert_tensor_parallel_size_it_cannot_take_is_refused_in_one_line(
                  "--max-steps", "1", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_experts_whole_on_every_tp_rank_by_default_is_said_once(common):
+    """A MoE model at --tp 2 without --expert-tensor-parallel-size (megapar's default 1,
+    Megatron-core's the tp size) gets one start-up note (printed by rank 0 with the others):
+    every tp rank holds every expert whole, and the flag at 2 splits them, with the state a
+    rank holds either way; none when the flag is given, at --tp 1, or for a dense model."""
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+
+    def said(*argv):
+        notes: list[str] = []
+        plan_run(parse_args([*argv, "--max-steps", "1", *common]), notes)
+        return [n for n in notes if "--expert-tensor-parallel-size" in n]
+
+    [note] = said("--model", "mixtral-tiny", "--tp", "2")
+    assert note.startswith(
+        "--expert-tensor-parallel-size not given: 1 (Megatron-core's default is --tp), so each "
+        "of the 2 tp ranks holds every routed expert whole ("), note
+    assert " of parameters, gradients and optimizer state a rank, megapar-plan's count); " \
+        "--expert-tensor-parallel-size 2 splits each expert over them (" in note, note
+    whole, split = (float(m) for m in re.findall(r"\(([\d.]+) MiB", note))
+    assert whole > split, note
+    assert said("--model", "mixtral-tiny", "--tp", "2", "--expert-tensor-parallel-size", "1") == []
+    assert said("--model", "mixtral-tiny") == []
+    assert said("--model", "llama-tiny", "--tp", "2") == []
 
 
 def _canonical(step_dir):

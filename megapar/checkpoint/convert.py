@@ -43,11 +43,13 @@ from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.checkpoint.stage_tensors import is_routed_expert, saved_expert, stage_tensors
+from megapar.data.hf_tokenizer import transformers_difference
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict
+from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, unpad
 from megapar.wording import counted
@@ -347,6 +349,15 @@ def _hf_dir_tokenizer(hf_dir) -> dict | None:
             f"{hf_dir}: its tokenizer does not load ({exc}); repair its tokenizer files, or "
             f"move them out to import the model without one"
         ) from None
+    differs = transformers_difference(str(hf_dir), tok)
+    if differs:  # as megapar-train --from-hf refuses it (`check_hf_tokenizer`)
+        raise CheckpointError(
+            f"{hf_dir}: transformers reads its tokenizer files otherwise than megapar does for "
+            f"this model ({differs}), so the model's token ids and megapar's would differ; put "
+            f"the model's own tokenizer there (AutoTokenizer.from_pretrained(<the model's "
+            f"name>).save_pretrained({shell_word(str(hf_dir))})), or move its tokenizer files "
+            f"out to import the model without one"
+        )
     return _record_of(tok)
 
 

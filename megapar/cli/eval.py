@@ -30,7 +30,13 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import launched_size_refusal, prints_refusals, run_reported
+from megapar.cli.worker_exit import (
+    launched_size_refusal,
+    parser_errors_once,
+    prints_refusals,
+    refused,
+    run_reported,
+)
 from megapar.context_parallel import split as cp_split
 from megapar.data import (
     GPTDataset,
@@ -489,22 +495,19 @@ def main(argv=None) -> int:
     parser = build_parser()
     several = data_values(list(sys.argv[1:] if argv is None else argv))
     if len(several) > 1:  # argparse would say "unrecognized arguments" and name no fix
-        print(f"megapar-eval: error: {several_data(several)}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+        return refused("megapar-eval", several_data(several))
+    with parser_errors_once():  # under torchrun / Slurm: one process a node prints
+        args = parser.parse_args(argv)
     try:
         worker = _choose_worker(args, parser.given(argv))
     except UsageError as exc:
-        print(f"megapar-eval: error: {exc}", file=sys.stderr)
-        return 2
+        return refused("megapar-eval", exc)
     previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         world = args.tp * args.cp * args.pp
         refusal = launched_size_refusal("megapar-eval", args.tp, args.pp, args.cp)
         if refusal:
-            if prints_refusals():  # once per node, not once per process
-                print(f"megapar-eval: error: {refusal}", file=sys.stderr)
-            return 2
+            return refused("megapar-eval", refusal)
         manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
@@ -512,8 +515,7 @@ def main(argv=None) -> int:
         if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
-        print(f"megapar-eval: error: {exc}", file=sys.stderr)
-        return 2
+        return refused("megapar-eval", exc)
     except SystemExit as exc:
         if exc.code != SIGTERM_EXIT_CODE:
             raise

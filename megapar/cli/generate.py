@@ -24,7 +24,12 @@ import torch
 
 from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import launched_size_refusal, prints_refusals, run_reported
+from megapar.cli.worker_exit import (
+    launched_size_refusal,
+    parser_errors_once,
+    refused,
+    run_reported,
+)
 from megapar.data import load_tokenizer
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer
 from megapar.faults.processes import exit_uncollected
@@ -396,15 +401,14 @@ def _run(args):
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
-    args = parser.parse_args(argv)
+    with parser_errors_once():  # under torchrun / Slurm: one process a node prints
+        args = parser.parse_args(argv)
     try:  # every argument, the checkpoint and the prompts: before any model is built
         check_values(args, parser.given(argv))
         prompts = read_prompts(args)
         refusal = launched_size_refusal("megapar-generate", args.tp, args.pp)
         if refusal:
-            if prints_refusals():  # once per node, not once per process
-                print(f"megapar-generate: error: {refusal}", file=sys.stderr)
-            return 2
+            return refused("megapar-generate", refusal)
         if not args.oversubscribe and not under_launcher():
             check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
         manifest = checkpoint_of(args.load)
@@ -424,8 +428,7 @@ def main(argv=None) -> int:
         )
         args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
     except (UsageError, OSError, ValueError) as exc:
-        print(f"megapar-generate: error: {exc}", file=sys.stderr)
-        return 2
+        return refused("megapar-generate", exc)
     results = _run(args)
     if isinstance(results, int):
         return results

@@ -22,9 +22,10 @@ from megapar.checkpoint.lock import LOCK_NAME, SaveLock, SaveLockError, read_own
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.worker_exit import parser_errors_once, refused
 from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
 from megapar.dryrun.command import rehearse
-from megapar.dryrun.modelled import planned_job
+from megapar.dryrun.modelled import expert_tp_note, planned_job
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import (
@@ -57,7 +58,7 @@ from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
 from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
-from megapar.training.validate import UsageError
+from megapar.training.validate import UsageError, explicit
 
 
 def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, DataPlan]:
@@ -68,6 +69,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     manifest = read_resumed_settings(cfg, notes)
     layout = _layout(cfg)
     plan = plan_data(cfg, layout, notes, manifest)
+    given = "expert_tensor_parallel_size" in explicit(cfg)
+    notes.extend(expert_tp_note(cfg, config_from_dict(plan.model_config), layout, given))
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
     use_run_log_name(None)  # this run's own (an earlier run in this process had its own)
     try:
-        cfg = parse_args(argv)
+        with parser_errors_once():  # under torchrun / Slurm: one process a node prints
+            cfg = parse_args(argv)  # a bad flag: the parser's line, then SystemExit(2)
         layout, plan = plan_run(cfg, notes)
         if cfg.save and takes_save_lock() and not cfg.dry_run:  # held until this exits
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
@@ -232,9 +236,8 @@ def main(argv=None) -> int:
         if lock is not None:
             lock.release()
         remove_empty(made)
-        print(f"megapar-train: error: {exc}", file=sys.stderr)
         tell_torchrun(str(exc), None)  # its summary's root cause, not "error_file: <N/A>"
-        return 2
+        return refused("megapar-train", exc)  # once per node under torchrun / Slurm
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
             raise

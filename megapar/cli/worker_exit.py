@@ -1,15 +1,19 @@
 """How megapar-eval's and megapar-generate's workers ending in an exception end the command:
 a Ctrl-C or SIGTERM that stopped the ranks is one line and exit 130 / 143, any other failure
 one line naming the rank (its traceback in a log file) and exit 1; and their refusal of a
-torchrun / Slurm job of another size than tp x pp."""
+torchrun / Slurm job of another size than tp x pp. Which process of such a job prints what
+every process refuses (`prints_refusals`; `refused`, `parser_errors_once`: the start-up errors
+of megapar-train too)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megapar.device import env_local_rank
@@ -103,5 +107,27 @@ def launched_size_refusal(tool: str, tp: int, pp: int, cp: int = 1) -> str | Non
 
 def prints_refusals() -> bool:
     """Whether this process prints a refusal (or a note) every process of a torchrun / Slurm
-    job makes: the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone."""
-    return not under_launcher() or env_local_rank() == 0
+    job makes: the first on its node (LOCAL_RANK / SLURM_LOCALID 0), or one started alone
+    (megapar-train's, megapar-eval's and megapar-generate's start-up errors). Per node, not
+    RANK 0 alone: each node's torchrun shows its own workers' output, so every node's says
+    why it stopped, once. Malformed launcher variables: every process (its own to say)."""
+    try:
+        return not under_launcher() or env_local_rank() == 0
+    except ValueError:
+        return True
+
+
+def refused(tool: str, message: object) -> int:
+    """Print `tool`'s one-line start-up error (bad input, before any worker) where
+    `prints_refusals` says; its exit code, 2, on every process."""
+    if prints_refusals():
+        print(f"{tool}: error: {message}", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def parser_errors_once() -> Iterator[None]:
+    """Within: a parser's error line (argparse prints it, then exits 2) reaches stderr only
+    where `prints_refusals`; elsewhere stderr is discarded, the exit code the same."""
+    with contextlib.redirect_stderr(sys.stderr if prints_refusals() else io.StringIO()):
+        yield

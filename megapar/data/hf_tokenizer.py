@@ -314,6 +314,51 @@ Shakespeare sample (literal special tokens are left out: transformers gives thei
 the pieces of their text)."""
 
 
+def encoding_difference(tok: Tokenizer, hf) -> str | None:
+    """Where the transformers tokenizer `hf` encodes text otherwise than megapar's `tok`
+    (without special tokens added): ``"encodes 'TEXT' differently (ids [...] vs [...] at token
+    N)"`` for the first of `SAMPLE_TEXTS` and a piece of the shipped Shakespeare sample whose
+    ids differ; None when every one encodes alike. The check an export makes of the tokenizer
+    it writes (`save_for_transformers`), and megapar-train --from-hf of the directory's
+    (`transformers_difference`)."""
+    with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
+        texts = [*SAMPLE_TEXTS, f.read(4000)]
+    hf.model_max_length = int(1e30)  # whole texts are encoded: no length warning
+    for text in texts:
+        ours, theirs = tok.encode(text), hf(text, add_special_tokens=False)["input_ids"]
+        if ours != theirs:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                min(len(ours), len(theirs)),
+            )
+            return (
+                f"encodes {text[:40]!r} differently (ids {ours[at : at + 3]} vs "
+                f"{theirs[at : at + 3]} at token {at})"
+            )
+    return None
+
+
+def transformers_difference(directory: str, tok: Tokenizer) -> str | None:
+    """Whether ``AutoTokenizer.from_pretrained(directory)`` (a transformers model directory:
+    the tokenizer class comes from its config.json's model type and tokenizer_config.json, and
+    for some model types, e.g. qwen2, that type's own splitting whatever the files say) encodes
+    text as `tok`, megapar's reading of the directory's tokenizer files, does: None when it
+    does, when transformers cannot load it (nothing to compare) and for a SentencePiece
+    `tok` (its tokenizer.model is the model's original, which megapar encodes with the
+    sentencepiece library: transformers' conversion of it is not what the ids are checked by),
+    else what differs (the class it built and `encoding_difference`)."""
+    from transformers import AutoTokenizer
+
+    if tok.kind == "sentencepiece":
+        return None
+    try:
+        hf = AutoTokenizer.from_pretrained(directory)
+    except Exception:  # noqa: BLE001 - transformers raises many kinds; then no comparison
+        return None
+    differs = encoding_difference(tok, hf)
+    return None if differs is None else f"AutoTokenizer builds a {type(hf).__name__} that {differs}"
+
+
 def _trailing_space_is_a_token(tok: Tokenizer) -> bool:
     """Whether a space at the end of a text becomes a token of its own ("a " -> "a", "Ġ" in a
     byte-level BPE), i.e. the tokenizer keeps a word's leading space in the word's tokens
@@ -455,8 +500,6 @@ def save_for_transformers(
 
     from transformers import AutoTokenizer
 
-    with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
-        texts = [*SAMPLE_TEXTS, f.read(4000)]
     hf = to_transformers(tok, vocab_size, sentence_pairs, model_max_length)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
@@ -473,19 +516,11 @@ def save_for_transformers(
         with open(config_path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
         back = AutoTokenizer.from_pretrained(tmp)
-        back.model_max_length = int(1e30)  # the check encodes whole texts: no length warning
-        for text in texts:
-            ours, theirs = tok.encode(text), back(text, add_special_tokens=False)["input_ids"]
-            if ours != theirs:
-                at = next(
-                    (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                    min(len(ours), len(theirs)),
-                )
-                raise ValueError(
-                    f"tokenizer {tok.path}: transformers' version of it encodes "
-                    f"{text[:40]!r} differently (ids {ours[at : at + 3]} vs "
-                    f"{theirs[at : at + 3]} at token {at}); not exported"
-                )
+        differs = encoding_difference(tok, back)
+        if differs:
+            raise ValueError(
+                f"tokenizer {tok.path}: transformers' version of it {differs}; not exported"
+            )
         if info is not None:
             info.update(
                 {f"{role}_token_id": getattr(back, f"{role}_token_id") for role in SPECIAL_ROLES}

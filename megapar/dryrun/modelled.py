@@ -11,7 +11,9 @@ from megapar.mesh import Layout
 from megapar.pipeline import messages
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.plan import Candidate, Problem, stage_memory
-from megapar.plan.estimate import activation_sizes, estimate, stage_roles
+from megapar.plan.estimate import activation_sizes, estimate, stage_roles, stage_states
+from megapar.plan.experts import is_moe
+from megapar.plan.host import gib
 from megapar.plan.process import TARGETS, process_peak
 
 
@@ -61,6 +63,31 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         etp=cfg.expert_tensor_parallel_size,
     )
     return problem, candidate
+
+
+def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
+    """megapar-train's start-up note for a mixture-of-experts model at --tp > 1 without
+    --expert-tensor-parallel-size (`given`: whether it was given; megapar's default is 1,
+    Megatron-core's the tp size): every tp rank holds every routed expert whole, and the flag
+    at --tp splits them, with the state the most loaded rank holds either way (the planner's
+    parameters, gradients and optimizer state, `stage_states`; activations not included).
+    None where the flag was given, at --tp 1, for a dense model, or where --tp does not divide
+    the experts' intermediate size (the split would be refused)."""
+    tp = layout.tp
+    if tp == 1 or given or not is_moe(config) or config.expert_size % tp:
+        return []
+    problem, whole = planned_job(cfg, config, layout)
+
+    def held(c: Candidate) -> int:
+        return max(s.weights + s.grads + s.master + s.optimizer for s in stage_states(problem, c))
+
+    return [
+        f"--expert-tensor-parallel-size not given: 1 (Megatron-core's default is --tp), so each "
+        f"of the {tp} tp ranks holds every routed expert whole ({gib(held(whole))} of "
+        f"parameters, gradients and optimizer state a rank, megapar-plan's count); "
+        f"--expert-tensor-parallel-size {tp} splits each expert over them "
+        f"({gib(held(replace(whole, etp=tp)))})"
+    ]
 
 
 def planned_bubble(cfg, config, layout: Layout) -> tuple[float, str]:

@@ -13,9 +13,9 @@ One `MoE` layer, on the tokens x [T, H] of a micro-batch:
    ceil(factor * T * k / E) of its assignments (first come, first kept) and the rest are dropped:
    sorted after every expert's, their output zero, counted. Dropless (no factor) by default.
    Padding (the zeros of a right-padded batch's ``attention_mask``, which the model hands each
-   MoE layer as this rank's slice) is not routed: sorted last, output zero, no capacity taken,
-   and left out of the balancing terms and statistics, as transformers' attention_mask leaves
-   it out of its load-balancing loss.
+   MoE layer as this rank's slice) is not routed: sorted last, output zero, no capacity taken
+   (T counts the tokens that are not padding), and left out of the balancing terms and
+   statistics, as transformers' attention_mask leaves it out of its load-balancing loss.
 3. `GroupedExperts`: the experts' weights stacked [E, 2I, H] (gate and up) and [E, H, I] (down),
    transformers 5's layout, so ep can later shard dim 0. `forward(sorted tokens,
    tokens_per_expert)` is the one entry point a dispatch plugs into: on CUDA one
@@ -131,7 +131,7 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
-def route(experts: torch.Tensor, num_experts: int, capacity: int | None, keep=None):
+def route(experts: torch.Tensor, num_experts: int, capacity: int | torch.Tensor | None, keep=None):
     """Sort the T x k assignments `experts` [T, k] by expert. Returns (order [T*k]: the flat
     assignment index of each sorted row, tokens_per_expert [E] (kept ones), dropped (a device
     scalar)); dropped assignments, if any, are the last rows of `order`. `keep` [T] (bool, None:
@@ -367,10 +367,16 @@ class MoE(nn.Module):
         self.last: dict[str, torch.Tensor] = {}
         """The last forward's switch loss, z-loss and router logits (for tests and tools)."""
 
-    def capacity(self, tokens: int) -> int | None:
+    def capacity(self, rows: int, keep: torch.Tensor | None = None) -> int | torch.Tensor | None:
+        """The most assignments an expert keeps (None: dropless): ceil(factor x T x k / E),
+        T the tokens routed: the `rows`, or where `keep` [rows] marks the padding, the tokens
+        that are not padding (a device scalar: no host sync), so padding does not widen it."""
         if self.capacity_factor is None:
             return None
-        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        if keep is None:
+            return math.ceil(self.capacity_factor * rows * self.top_k / self.num_experts)
+        tokens = keep.sum(dtype=torch.float64)
+        return torch.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     def _plan(self, tokens_per_expert: torch.Tensor, rows: int) -> Route:
         """The route of this forward: planned (one count all-to-all and one host sync), or,
@@ -457,7 +463,7 @@ class MoE(nn.Module):
         weights, experts = picked[:, :k], picked[:, k : 2 * k].detach().long()
         keep = None if keep is None else picked[:, 2 * k].detach() != 0
         order, tokens_per_expert, dropped = route(
-            experts, self.num_experts, self.capacity(every.shape[0]), keep
+            experts, self.num_experts, self.capacity(every.shape[0], keep), keep
         )
         out = self._experts_out(every, weights, order, tokens_per_expert).to(x.dtype)
         out = reduce_scatter_to_sequence_parallel_region(out[None], group)[0]
@@ -471,7 +477,7 @@ class MoE(nn.Module):
             out, tokens_per_expert, dropped = self._gathered(x, weights, experts, keep)
         else:
             order, tokens_per_expert, dropped = route(
-                experts, self.num_experts, self.capacity(x.shape[0]), keep
+                experts, self.num_experts, self.capacity(x.shape[0], keep), keep
             )
             if self.tp_group is not None:  # every tp rank's experts give partial sums
                 x, weights = (

@@ -41,13 +41,13 @@ def check_host_memory(
     owner = f"{ranks} rank's" if ranks == 1 else f"{ranks} ranks'"
     state = "parameters, gradients and optimizer state" if optimizer else "parameters and gradients"
     raise ValueError(
-        f"{what} needs at least {_size(need)} for its {owner} {state} "
+        f"{what} needs at least {gib(need)} for its {owner} {state} "
         f"(megapar-plan's count, activations "
-        f"not included), more than the {_size(available)} this machine has available; "
+        f"not included), more than the {gib(available)} this machine has available; "
         f"{fix}"
     )
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in GiB (MiB below one)."""
+def gib(nbytes: float) -> str:
+    """Bytes in GiB (MiB below one), as megapar-train's messages give memory."""
     return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.0f} MiB"

@@ -5,7 +5,11 @@ takes that directory's as its default --tokenizer)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from megapar.data import load_tokenizer
+from megapar.data.hf_tokenizer import transformers_difference
 from megapar.data.inputs import is_raw_text
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import (
@@ -166,6 +170,9 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
     dataset's own) is the one the --from-hf directory holds: the same files, or the same ids
     (`encodes_alike`: e.g. GPT-2's BPE and the tokenizer.json an export made of it). UsageError
     naming both (their sha256) and the fix otherwise: the model learned that tokenizer's ids. A
+    directory whose tokenizer.json (or vocab.json + merges.txt) transformers' AutoTokenizer
+    reads otherwise than megapar (`transformers_difference`: e.g. GPT-2's files in a Qwen2
+    directory, which transformers splits as Qwen2's) is refused too, naming the difference. A
     directory without a tokenizer is not checked."""
     spec = hf_dir_tokenizer(cfg.from_hf)
     if spec is None:
@@ -177,6 +184,16 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
             f"--from-hf {cfg.from_hf}: its tokenizer does not load ({exc}), so the data "
             f"cannot be checked against it; repair or remove its tokenizer files"
         ) from None
+    differs = transformers_difference(cfg.from_hf, own)
+    if differs:
+        raise UsageError(
+            f"--from-hf {cfg.from_hf}: transformers reads its tokenizer files otherwise than "
+            f"megapar does for this {_model_type(cfg.from_hf)} model ({differs}), so the "
+            f"model's token ids and megapar's would differ; put the model's own tokenizer "
+            f"there (AutoTokenizer.from_pretrained(<the model's name>).save_pretrained("
+            f"{shell_word(cfg.from_hf)})), or train another tokenizer from --model with "
+            f"--tokenizer"
+        )
     if same_tokenizer(own, tokenizer) or encodes_alike(own, tokenizer):
         return
 
@@ -193,6 +210,18 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
         f"--from-hf {cfg.from_hf} holds its tokenizer {own.path} ({sha(own)}) but {ours}: "
         f"its token ids would be other tokens to the model; {fix}"
     )
+
+
+def _model_type(directory: str) -> str:
+    """The model type a transformers directory's config.json names ("model" where none)."""
+    try:
+        with open(
+            os.path.join(os.path.expanduser(directory), "config.json"), encoding="utf-8"
+        ) as f:
+            kind = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    return str(kind) if kind else "model"
 
 
 def check_blend_tokenizers(paths: list[str], parts: list) -> None:
