@@ -78,6 +78,7 @@ from megapar.plan.params import (
 from megapar.plan.problem import Problem
 from megapar.plan.process import ProcessPeak, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
+from megapar.plan.shared import Shared
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, RankState, w_reported, whole_grads
 from megapar.plan.timing import (
@@ -142,24 +143,6 @@ class ActivationSizes:
     def blocks(self, k: int, k_moe: int) -> float:
         """The activations kept by `k` blocks of which `k_moe` are MoE layers."""
         return (k - k_moe) * self.per_layer + k_moe * self.per_moe_layer
-
-
-class Shared:
-    """Work that the estimates of one `Problem`'s candidates share, done once per key: a
-    search's candidates differ in a few fields each, and each part of an estimate reads only
-    some (`_shape`: the activations, the chunks' times; `_state_key`: the stages' state).
-    `plan` passes one to every `estimate` of its search; it lives as long as the search."""
-
-    def __init__(self) -> None:
-        self._parts: dict = {}
-
-    def get(self, key: tuple, make):
-        """The part stored under `key`, made by `make()` the first time."""
-        try:
-            return self._parts[key]
-        except KeyError:
-            part = self._parts[key] = make()
-            return part
 
 
 def _shape(c: Candidate) -> tuple:
@@ -510,7 +493,7 @@ def estimate(
         if p.fp8 != "off":  # its float8 linears: the copies autocast does not make
             key += (fp8.converted_params(p, c, s_.stage),)
         if key not in alike:
-            alike[key] = process_peak(p, c, s_, *roles, sizes.full)
+            alike[key] = process_peak(p, c, s_, *roles, sizes.full, shared=shared)
         peaks.append(alike[key])
     worst_stage = max(range(len(stages)), key=lambda i: peaks[i].total)
     worst, process = stages[worst_stage], peaks[worst_stage]
