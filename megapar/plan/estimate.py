@@ -164,6 +164,24 @@ def _shape(c: Candidate) -> tuple:
     )
 
 
+def _size_fields(p: Problem, c: Candidate) -> tuple:
+    """What `activation_sizes` reads of candidate `c` (its `Shared` key): tp, cp, the
+    micro-batch size, recomputation, SP, ep, etp, and of the rest (pp, dp, the schedule)
+    only whether `--sp-regather` applies and whether the loss makes its gradients in the
+    forward."""
+    return (
+        c.tp,
+        c.cp,
+        c.mbs,
+        c.recompute,
+        c.sp,
+        c.ep,
+        c.etp,
+        regathers(p, c),
+        pipeline.loss_grads_in_forward(p, c),
+    )
+
+
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
     """The activation bytes per micro-batch of a block, the embedding, the head and a stage
     boundary's message, on one rank of candidate `c`. `full` is the larger of a dense and a
@@ -256,10 +274,16 @@ def _stage_memory(
             ("activations", _shape(c), simulate),
             lambda: _stage_activations(p, c, sizes, None, simulate),
         )
-        states = shared.get(_state_key(p, c, m), lambda: _stage_states_of(p, c, m, placement))
+        states = shared.get(
+            ("states of", *_state_fields(c)),
+            lambda: shared.get(_state_key(p, c, m), lambda: _stage_states_of(p, c, m, placement)),
+        )
     else:
         activations = _stage_activations(p, c, sizes, counts, simulate)
         states = _stage_states_of(p, c, m, placement)
+    rebuilt = 0.0  # under recomputation the layer a block's backward rebuilds (`plan.process`)
+    if c.recompute != "none":
+        rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
     out = [
         mem.MemoryBreakdown(
             stage,
@@ -277,12 +301,10 @@ def _stage_memory(
             held.gathered_end,
             held.grad_buffers_top,
             *held.in_backward,
+            rebuilt_layer=rebuilt,
         )
         for stage, ((kept, in_flight, buffers), held) in enumerate(zip(activations, states))
     ]
-    if c.recompute != "none":  # the layer a block's backward rebuilds (`plan.process`)
-        rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
-        out = [dataclasses.replace(s_, rebuilt_layer=rebuilt) for s_ in out]
     if sp_saved is None:
         sp_saved = p.target == "cpu"
     if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
@@ -395,6 +417,28 @@ def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[R
     return _stage_states(p, c, params, m, placement)
 
 
+def _state_fields(c: Candidate) -> tuple:
+    """The fields of `c` that its stages' state reads (through `layout_of`, `offload_of` and
+    the micro-batches a step): all but its activations' options (recomputation, SP, the cp
+    attention). Candidates equal in them share their `_state_key` without making it."""
+    return (
+        c.tp,
+        c.cp,
+        c.pp,
+        c.dp,
+        c.ep,
+        c.etp,
+        c.mbs,
+        c.schedule,
+        c.v,
+        c.zero,
+        c.offload_optimizer,
+        c.offload_params,
+        c.keep_params,
+        c.zero3_reduce,
+    )
+
+
 def _state_key(p: Problem, c: Candidate, m: int) -> tuple:
     """What `stage_states` reads of candidate `c` at `m` micro-batches a step: its state's
     `Shared` key (the layout and offload settings as `most_loaded` takes them)."""
@@ -481,7 +525,7 @@ def estimate(
     if shared is None:
         shared = Shared()
     shape = _shape(c)
-    sizes = shared.get(("sizes", shape), lambda: activation_sizes(p, c))
+    sizes = shared.get(("sizes", *_size_fields(p, c)), lambda: activation_sizes(p, c))
     stages = _stage_memory(p, c, sizes, simulate=simulate, shared=shared)
     roles_of: list[tuple[bool, bool]] = shared.get(
         ("roles", c.pp, c.v, placement_of(c.schedule)), lambda: _roles(p, c)
@@ -512,7 +556,7 @@ def estimate(
     p2p = (
         2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9) + p.latency_us * 1e-6)
     )
-    dp_exposed = _dp_exposed(p, c, m, busiest)
+    dp_exposed = _dp_exposed(p, c, m, busiest, shared)
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = (
@@ -622,30 +666,33 @@ def tp_sync_seconds(p: Problem, c: Candidate) -> float:
     return ring_seconds(c.tp, nbytes, p.intra_gbps, p.latency_us) if nbytes else 0.0
 
 
-def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:
+def _dp_exposed(
+    p: Problem, c: Candidate, m: int, busiest: list[ChunkTime], shared: Shared | None = None
+) -> float:
     """Seconds of the data-parallel gradient reduction (and ZeRO's gathers) not hidden behind
     the busiest rank's compute (`sharding.dp_seconds`), and under ZeRO-3's float8 all-gather
-    its scales' two amax all-reduces a step."""
-    cfg, t, n = p.config, c.tp, c.cp
-    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule)))
+    its scales' two amax all-reduces a step (`shared`: the search's `Shared` work, for the
+    stage's parameters, `_dp_params`)."""
+    t, n = c.tp, c.cp
     t_f = sum(x.forward for x in busiest)
     t_b = sum(x.backward_input + x.backward_weight for x in busiest)
     one_node = p.gpus <= p.gpus_per_node
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
-    # reduced and gathered over the expert-data-parallel group)
-    placement = placement_of(c.schedule)
-    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
-    # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
-    # bytes an element, not 4
-    float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
-    half = fp8.half_weights(p, c, stage)
-    if c.ep > 1:
-        n_params -= n_experts
+    if shared is None:
+        layers, n_params, n_experts, float8, half = _dp_params(p, c)
     else:
-        n_experts = 0
+        key = (
+            "dp params",
+            c.tp,
+            c.pp,
+            c.v,
+            placement_of(c.schedule),
+            c.ep,
+            c.etp,
+            fp8.float8_gathered(p, c),
+            fp8.half_gathered(p, c),
+        )
+        layers, n_params, n_experts, float8, half = shared.get(key, lambda: _dp_params(p, c))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     reduced = 2 if p.precision == "fp16" else 4
     grad_bytes = n_params * reduced
@@ -690,3 +737,27 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         w_reported(c.schedule, c.pp, m, c.v),
         (replicas // c.ep, n_experts * reduced, expert_bytes),
     )
+
+
+def _dp_params(p: Problem, c: Candidate) -> tuple[int, int, int, int, int]:
+    """What `_dp_exposed` reads of the stage with the most parameters: (the most layers a stage
+    holds, its parameters less its routed experts' under ep > 1, those experts' (0 at ep 1),
+    its weights ZeRO gathers in float8, its weights ZeRO gathers in 16 bits). It reads tp, pp,
+    v, the schedule's placement, ep, etp and what ZeRO gathers in float8 or 16 bits of `c`."""
+    cfg, t = p.config, c.tp
+    placement = placement_of(c.schedule)
+    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement))
+    # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
+    # reduced and gathered over the expert-data-parallel group)
+    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
+    # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
+    # bytes an element, not 4
+    float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
+    half = fp8.half_weights(p, c, stage)
+    if c.ep > 1:
+        n_params -= n_experts
+    else:
+        n_experts = 0
+    return layers, n_params, n_experts, float8, half
