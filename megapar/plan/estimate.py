@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -547,10 +548,10 @@ def estimate(
     # under --fp8 the chunks' amax all-reduces (`fp8.block_reductions`) read the ZeRO options:
     # whether the step caches the float8 weights, whether ZeRO-3 gathers them in float8
     amax = (fp8.weight_cached(p, c), fp8.float8_gathered(p, c)) if p.fp8 != "off" else None
-    times, (pipe_s, frac, source), busiest = shared.get(
+    times, (pipe_s, frac, source), busiest, sums = shared.get(
         ("times", shape, amax, simulate), lambda: _times(p, c, m, simulate)
     )
-    compute = m * sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest) / rate
+    compute = m * sums.flops / rate
     act = s // n * b * h * p.act_bytes
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     p2p = (
@@ -569,29 +570,22 @@ def estimate(
     # the busiest rank's own collectives, m micro-batches of them: its busy time is `compute`
     # and these; the rest of the pipeline's makespan it waits (`idle`)
     comm = {
-        "tp": m * sum(x.tp for x in busiest) + tp_sync,
+        "tp": m * sums.tp + tp_sync,
         "pp": p2p + tied,
         "dp": dp_exposed,
     }
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
-        comm["cp"] = m * sum(x.cp for x in busiest)
+        comm["cp"] = m * sums.cp
     if c.ep > 1:
-        comm["ep"] = m * sum(x.ep for x in busiest)
+        comm["ep"] = m * sums.ep
     step = pipe_s + p2p + dp_exposed + zero_s + tied + tp_sync
-    idle = max(pipe_s - m * sum(x.total for x in busiest), 0.0)
+    idle = max(pipe_s - m * sums.total, 0.0)
     tokens = p.global_batch * s
 
-    model, whole = shared.get(
-        ("model flops",),
-        lambda: (training_flops_per_token(cfg, s), matmul_flops(cfg, s, 1, padded=False)),
-    )
-    recompute_flops = (
-        tokens
-        * cfg.num_layers
-        * {"none": 0.0, "selective": whole.attention, "full": whole.layer()}[c.recompute]
-    )
+    model, rebuilt = shared.get(("model flops",), lambda: _model_flops(p))
+    recompute_flops = tokens * cfg.num_layers * rebuilt[c.recompute]
     return Estimate(
         c,
         worst,
@@ -617,11 +611,40 @@ _not_stage = operator.attrgetter(
 
 
 def _times(p: Problem, c: Candidate, m: int, simulate: bool) -> tuple:
-    """(`chunk_times`, `pipeline_time`, the busiest rank's row of chunk times) of `c` at `m`
-    micro-batches a step."""
+    """(`chunk_times`, `pipeline_time`, the busiest rank's row of chunk times, its
+    `_RowSums`) of `c` at `m` micro-batches a step."""
     times = chunk_times(p, c)
     busiest = max(times, key=lambda row: sum(x.total for x in row))
-    return times, pipeline_time(c, m, times, simulate), busiest
+    sums = _RowSums(
+        sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest),
+        sum(x.tp for x in busiest),
+        sum(x.cp for x in busiest),
+        sum(x.ep for x in busiest),
+        sum(x.total for x in busiest),
+    )
+    return times, pipeline_time(c, m, times, simulate), busiest, sums
+
+
+class _RowSums(NamedTuple):
+    """A row of chunk times summed (one micro-batch on every chunk of a rank), as `estimate`
+    reads it."""
+
+    flops: float
+    """FLOPs, the float8 linears' at `Problem.fp8_speedup` x the rate counted as fewer."""
+    tp: float
+    cp: float
+    ep: float
+    total: float
+    """F + B + W seconds."""
+
+
+def _model_flops(p: Problem) -> tuple[float, dict[str, float]]:
+    """(the model's training FLOPs per token, {recompute: the FLOPs per token and layer it
+    repeats}): what `estimate` reads of the model's FLOPs, the same for every candidate."""
+    cfg, s = p.config, p.seq_len
+    whole = matmul_flops(cfg, s, 1, padded=False)
+    rebuilt = {"none": 0.0, "selective": whole.attention, "full": whole.layer()}
+    return training_flops_per_token(cfg, s), rebuilt
 
 
 def _roles(p: Problem, c: Candidate) -> list[tuple[bool, bool]]:
