@@ -77,7 +77,7 @@ from megapar.plan.params import (
     stage_tensors,
 )
 from megapar.plan.problem import Problem
-from megapar.plan.process import ProcessPeak, process_peak
+from megapar.plan.process import ProcessPeak, process_floor, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
 from megapar.plan.shared import Shared
 from megapar.plan.slices import most_loaded
@@ -601,6 +601,19 @@ def estimate(
         process,
         idle,
     )
+
+
+def cannot_fit(p: Problem, c: Candidate, shared: Shared) -> bool:
+    """Whether candidate `c` provably does not fit a GPU (its `estimate(..., simulate=False)`
+    has `fits` False), from its stages' memory alone, before its process figure and time
+    model: some stage's `process.process_floor` exceeds the memory. False for a CPU figure
+    (not bounded so)."""
+    if p.target != "gpu":
+        return False
+    sizes = shared.get(("sizes", *_size_fields(p, c)), lambda: activation_sizes(p, c))
+    limit = p.gpu_memory_gb * mem.GIB
+    stages = _stage_memory(p, c, sizes, simulate=False, shared=shared)
+    return any(process_floor(s_) > limit for s_ in stages)
 
 
 _not_stage = operator.attrgetter(

@@ -376,6 +376,18 @@ def process_peak(
 _RESERVE_NOTE = f"{GPU_RESERVE - 1:.2f} x the tensors' peak"
 _CUDA_CONTEXT_TERM = Term("CUDA context", CUDA_CONTEXT, "measured on an H200")
 
+
+def process_floor(mem: MemoryBreakdown) -> float:
+    """A lower bound of the GPU figure `process_peak(...).total` of the rank `mem` describes:
+    its state and kept activations alone, with the allocator's reserve and the CUDA context.
+    The top of the backward holds them and more (every other term is >= 0), and the figure is
+    the same operations, in the same order, on a peak at least as large (IEEE rounding is
+    monotone), so a floor above the memory proves the rank does not fit."""
+    state = mem.total - mem.activations - mem.buffers - mem.gathered - mem.grad_buffers
+    tensors = state + mem.activations
+    return tensors + (GPU_RESERVE - 1) * tensors + CUDA_CONTEXT
+
+
 INSIDE = "reduction of a block"
 """ZeRO-3's third phase (`_inside_backward`): the tensors' peak at the reduction of a block."""
 
