@@ -282,9 +282,6 @@ def _stage_memory(
     else:
         activations = _stage_activations(p, c, sizes, counts, simulate)
         states = _stage_states_of(p, c, m, placement)
-    rebuilt = 0.0  # under recomputation the layer a block's backward rebuilds (`plan.process`)
-    if c.recompute != "none":
-        rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
     out = [
         mem.MemoryBreakdown(
             stage,
@@ -302,10 +299,13 @@ def _stage_memory(
             held.gathered_end,
             held.grad_buffers_top,
             *held.in_backward,
-            rebuilt_layer=rebuilt,
         )
         for stage, ((kept, in_flight, buffers), held) in enumerate(zip(activations, states))
     ]
+    if c.recompute != "none":  # the layer a block's backward rebuilds (`plan.process`)
+        rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
+        for s_ in out:  # made just above: set in place, not replaced
+            s_.rebuilt_layer = rebuilt
     if sp_saved is None:
         sp_saved = p.target == "cpu"
     if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
