@@ -2,6 +2,12 @@
 outputs are byte-identical.
 
     python benchmarks/plan/plan_speed.py --baseline /path/to/other/checkout [--repeats 3]
+    python benchmarks/plan/plan_speed.py --baseline ... --set search --repeats 1
+
+`--set search` runs the searches that try ep, etp and cp's attentions (mixtral-8x7b, qwen3-30b-a3b,
+llama-8b at 8,192 and 32,768 tokens), with and without fixed choices (--zero-stages,
+--expert-tensor-parallel-size, --cp-comm-type, --today, --json), and the small presets on 8 GPUs
+(GPT-2, fp8, CPU figures, mixtral-tiny, qwen3-moe-tiny), for a change that must print the same.
 
 Each command runs as `python -m megapar.cli.plan ARGS` in a fresh process of each tree in turn
 (baseline, this tree, baseline, ...), its CPU seconds (user + sys, the OS's accounting of the
@@ -31,6 +37,39 @@ COMMANDS = [
     "--model llama-1b --gpus 16 --global-batch-size 256 --seq-len 4096 --top 5",
     "--model gpt2-1.5b --gpus 8 --gpu-memory-gb 16 --global-batch-size 64 --seq-len 1024",
 ]
+MIXTRAL = "--model mixtral-8x7b --gpus 64 --global-batch-size 256 --seq-len 4096"
+LLAMA = "--model llama-8b --gpus 64 --global-batch-size 256"
+SEARCH = [  # `--set search`: the searches with ep, etp and cp's attentions, and fixed choices
+    MIXTRAL,
+    f"{MIXTRAL} --json --top 3000",
+    f"{MIXTRAL} --zero-stages 3",
+    f"{MIXTRAL} --expert-tensor-parallel-size 1 --target cpu",
+    f"{MIXTRAL} --today --top 40",
+    "--model mixtral-8x7b --gpus 16 --global-batch-size 64 --seq-len 8192 --cp-sizes 1 2 "
+    "--cp-comm-type a2a",
+    "--model qwen3-30b-a3b --gpus 32 --global-batch-size 256 --seq-len 4096 --zero-stages 1 3 "
+    "--offload none optimizer both",
+    f"{LLAMA} --seq-len 8192",
+    "--model llama-8b --gpus 64 --global-batch-size 64 --seq-len 32768 --json --top 1000",
+    f"{LLAMA} --seq-len 8192 --cp-comm-type a2a --zero-stages 1 --master-weights separate",
+    "--model llama-8b --gpus 8 --gpu-memory-gb 24 --global-batch-size 64 --seq-len 4096",
+    "--model gpt2-124m --gpus 8 --global-batch-size 64 --seq-len 1024",
+    "--model gpt2-1.5b --gpus 8 --gpu-memory-gb 16 --global-batch-size 64 --seq-len 1024 --json "
+    "--top 2000",
+    "--model gpt2-1.5b --gpus 8 --global-batch-size 64 --seq-len 1024 --fp8 tensorwise "
+    "--zero-stages 3",
+    "--model gpt2-350m --gpus 8 --global-batch-size 32 --seq-len 1024 --target cpu "
+    "--sp-regather --no-fused-attention",
+    "--model gpt2-774m --gpus 8 --global-batch-size 32 --seq-len 1024 --precision fp32 "
+    "--loss-chunk-tokens 0 --fp8 rowwise",
+    "--model mixtral-tiny --gpus 8 --global-batch-size 16 --seq-len 256 --target cpu --json "
+    "--top 5000",
+    "--model qwen3-moe-tiny --gpus 8 --global-batch-size 16 --seq-len 256 --offload none "
+    "optimizer both",
+    f"{MIXTRAL} --explain tp=4,pp=4,dp=4,etp=4,mbs=2,schedule=zb-v,v=2,recompute=none,sp=1,"
+    "zero=3,keep_params=1",
+]
+SETS = {"speed": COMMANDS, "search": SEARCH}
 
 
 def run(tree: Path, args: str) -> tuple[float, bytes]:
@@ -49,9 +88,13 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, required=True, help="another megapar checkout")
     parser.add_argument("--tree", type=Path, default=HERE, help="the checkout to time (this one)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--commands", type=int, nargs="+", help="indices into COMMANDS")
+    parser.add_argument("--set", choices=SETS, default="speed",
+                        help="speed: the commands timed in docs/performance.md; search: the "
+                             "searches with ep, etp and cp attentions and fixed choices")
+    parser.add_argument("--commands", type=int, nargs="+", help="indices into the set")
     args = parser.parse_args()
-    chosen = [COMMANDS[i] for i in args.commands] if args.commands else COMMANDS
+    commands = SETS[args.set]
+    chosen = [commands[i] for i in args.commands] if args.commands else commands
     print(f"{'baseline s':>10} {'this s':>8} {'ratio':>6} {'same output':>11}  command")
     same_all = True
     for command in chosen:

@@ -43,7 +43,7 @@ from megapar.plan import (
     cycle_collection_paused,
     estimate,
     parse_candidate,
-    plan,
+    search,
 )
 from megapar.plan.layouts import (
     CP_COMMS,
@@ -569,8 +569,13 @@ def main(argv=None) -> int:
         print(f"megapar-plan: error: {exc}", file=sys.stderr)
         return 2
 
-    estimates, rejected = plan(
+    # the rows read from the top of the ranking: a layout that cannot fit is dropped unless
+    # fewer fit (`plan.search`); with --today the count of layouts is of those it keeps, and
+    # a negative --top shows all but the last rows: every layout estimated
+    shown = max(args.top, args.verify, 1) if min(args.top, args.verify) >= 0 else None
+    found = search(
         problem,
+        shown=None if args.today else shown,
         micro_batch_sizes=tuple(args.micro_batch_sizes),
         schedules=tuple(args.schedules),
         virtual_stages=tuple(args.virtual_stages),
@@ -581,12 +586,14 @@ def main(argv=None) -> int:
         etp=args.expert_tensor_parallel_size,
         cp_comm=args.cp_comm_type,
     )
+    estimates, rejected, valid = found.estimates, found.rejected, found.valid
     if args.today:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
+        valid = len(estimates)
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
     if args.json:
-        print_json(args.top, problem, estimates, rejected, cmd)
+        print_json(args.top, problem, estimates, rejected, cmd, valid)
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
@@ -594,7 +601,7 @@ def main(argv=None) -> int:
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
         f"{problem.gpu_memory_gb:g} GiB each); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; "
-        f"{counted(len(estimates), 'valid layout')}, "
+        f"{counted(valid, 'valid layout')}, "
         f"{len(rejected)} rejected"
     )
     print(table(estimates[: args.top], problem.master_weights, problem.target))

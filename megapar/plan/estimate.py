@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -76,8 +77,9 @@ from megapar.plan.params import (
     stage_tensors,
 )
 from megapar.plan.problem import Problem
-from megapar.plan.process import ProcessPeak, process_peak
+from megapar.plan.process import ProcessPeak, process_floor, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
+from megapar.plan.shared import Shared
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, RankState, w_reported, whole_grads
 from megapar.plan.timing import (
@@ -144,24 +146,6 @@ class ActivationSizes:
         return (k - k_moe) * self.per_layer + k_moe * self.per_moe_layer
 
 
-class Shared:
-    """Work that the estimates of one `Problem`'s candidates share, done once per key: a
-    search's candidates differ in a few fields each, and each part of an estimate reads only
-    some (`_shape`: the activations, the chunks' times; `_state_key`: the stages' state).
-    `plan` passes one to every `estimate` of its search; it lives as long as the search."""
-
-    def __init__(self) -> None:
-        self._parts: dict = {}
-
-    def get(self, key: tuple, make):
-        """The part stored under `key`, made by `make()` the first time."""
-        try:
-            return self._parts[key]
-        except KeyError:
-            part = self._parts[key] = make()
-            return part
-
-
 def _shape(c: Candidate) -> tuple:
     """The fields of `c` that its activations and chunk times read: all but the ZeRO stage and
     its options (offload, kept parameters, when ZeRO-3 reduces)."""
@@ -178,6 +162,24 @@ def _shape(c: Candidate) -> tuple:
         c.v,
         c.recompute,
         c.sp,
+    )
+
+
+def _size_fields(p: Problem, c: Candidate) -> tuple:
+    """What `activation_sizes` reads of candidate `c` (its `Shared` key): tp, cp, the
+    micro-batch size, recomputation, SP, ep, etp, and of the rest (pp, dp, the schedule)
+    only whether `--sp-regather` applies and whether the loss makes its gradients in the
+    forward."""
+    return (
+        c.tp,
+        c.cp,
+        c.mbs,
+        c.recompute,
+        c.sp,
+        c.ep,
+        c.etp,
+        regathers(p, c),
+        pipeline.loss_grads_in_forward(p, c),
     )
 
 
@@ -273,7 +275,10 @@ def _stage_memory(
             ("activations", _shape(c), simulate),
             lambda: _stage_activations(p, c, sizes, None, simulate),
         )
-        states = shared.get(_state_key(p, c, m), lambda: _stage_states_of(p, c, m, placement))
+        states = shared.get(
+            ("states of", *_state_fields(c)),
+            lambda: shared.get(_state_key(p, c, m), lambda: _stage_states_of(p, c, m, placement)),
+        )
     else:
         activations = _stage_activations(p, c, sizes, counts, simulate)
         states = _stage_states_of(p, c, m, placement)
@@ -299,7 +304,8 @@ def _stage_memory(
     ]
     if c.recompute != "none":  # the layer a block's backward rebuilds (`plan.process`)
         rebuilt = max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
-        out = [dataclasses.replace(s_, rebuilt_layer=rebuilt) for s_ in out]
+        for s_ in out:  # made just above: set in place, not replaced
+            s_.rebuilt_layer = rebuilt
     if sp_saved is None:
         sp_saved = p.target == "cpu"
     if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
@@ -412,6 +418,28 @@ def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[R
     return _stage_states(p, c, params, m, placement)
 
 
+def _state_fields(c: Candidate) -> tuple:
+    """The fields of `c` that its stages' state reads (through `layout_of`, `offload_of` and
+    the micro-batches a step): all but its activations' options (recomputation, SP, the cp
+    attention). Candidates equal in them share their `_state_key` without making it."""
+    return (
+        c.tp,
+        c.cp,
+        c.pp,
+        c.dp,
+        c.ep,
+        c.etp,
+        c.mbs,
+        c.schedule,
+        c.v,
+        c.zero,
+        c.offload_optimizer,
+        c.offload_params,
+        c.keep_params,
+        c.zero3_reduce,
+    )
+
+
 def _state_key(p: Problem, c: Candidate, m: int) -> tuple:
     """What `stage_states` reads of candidate `c` at `m` micro-batches a step: its state's
     `Shared` key (the layout and offload settings as `most_loaded` takes them)."""
@@ -498,7 +526,7 @@ def estimate(
     if shared is None:
         shared = Shared()
     shape = _shape(c)
-    sizes = shared.get(("sizes", shape), lambda: activation_sizes(p, c))
+    sizes = shared.get(("sizes", *_size_fields(p, c)), lambda: activation_sizes(p, c))
     stages = _stage_memory(p, c, sizes, simulate=simulate, shared=shared)
     roles_of: list[tuple[bool, bool]] = shared.get(
         ("roles", c.pp, c.v, placement_of(c.schedule)), lambda: _roles(p, c)
@@ -510,7 +538,7 @@ def estimate(
         if p.fp8 != "off":  # its float8 linears: the copies autocast does not make
             key += (fp8.converted_params(p, c, s_.stage),)
         if key not in alike:
-            alike[key] = process_peak(p, c, s_, *roles, sizes.full)
+            alike[key] = process_peak(p, c, s_, *roles, sizes.full, shared=shared)
         peaks.append(alike[key])
     worst_stage = max(range(len(stages)), key=lambda i: peaks[i].total)
     worst, process = stages[worst_stage], peaks[worst_stage]
@@ -520,16 +548,16 @@ def estimate(
     # under --fp8 the chunks' amax all-reduces (`fp8.block_reductions`) read the ZeRO options:
     # whether the step caches the float8 weights, whether ZeRO-3 gathers them in float8
     amax = (fp8.weight_cached(p, c), fp8.float8_gathered(p, c)) if p.fp8 != "off" else None
-    times, (pipe_s, frac, source), busiest = shared.get(
+    times, (pipe_s, frac, source), busiest, sums = shared.get(
         ("times", shape, amax, simulate), lambda: _times(p, c, m, simulate)
     )
-    compute = m * sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest) / rate
+    compute = m * sums.flops / rate
     act = s // n * b * h * p.act_bytes
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     p2p = (
         2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9) + p.latency_us * 1e-6)
     )
-    dp_exposed = _dp_exposed(p, c, m, busiest)
+    dp_exposed = _dp_exposed(p, c, m, busiest, shared)
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = (
@@ -542,29 +570,22 @@ def estimate(
     # the busiest rank's own collectives, m micro-batches of them: its busy time is `compute`
     # and these; the rest of the pipeline's makespan it waits (`idle`)
     comm = {
-        "tp": m * sum(x.tp for x in busiest) + tp_sync,
+        "tp": m * sums.tp + tp_sync,
         "pp": p2p + tied,
         "dp": dp_exposed,
     }
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
-        comm["cp"] = m * sum(x.cp for x in busiest)
+        comm["cp"] = m * sums.cp
     if c.ep > 1:
-        comm["ep"] = m * sum(x.ep for x in busiest)
+        comm["ep"] = m * sums.ep
     step = pipe_s + p2p + dp_exposed + zero_s + tied + tp_sync
-    idle = max(pipe_s - m * sum(x.total for x in busiest), 0.0)
+    idle = max(pipe_s - m * sums.total, 0.0)
     tokens = p.global_batch * s
 
-    model, whole = shared.get(
-        ("model flops",),
-        lambda: (training_flops_per_token(cfg, s), matmul_flops(cfg, s, 1, padded=False)),
-    )
-    recompute_flops = (
-        tokens
-        * cfg.num_layers
-        * {"none": 0.0, "selective": whole.attention, "full": whole.layer()}[c.recompute]
-    )
+    model, rebuilt = shared.get(("model flops",), lambda: _model_flops(p))
+    recompute_flops = tokens * cfg.num_layers * rebuilt[c.recompute]
     return Estimate(
         c,
         worst,
@@ -582,6 +603,19 @@ def estimate(
     )
 
 
+def cannot_fit(p: Problem, c: Candidate, shared: Shared) -> bool:
+    """Whether candidate `c` provably does not fit a GPU (its `estimate(..., simulate=False)`
+    has `fits` False), from its stages' memory alone, before its process figure and time
+    model: some stage's `process.process_floor` exceeds the memory. False for a CPU figure
+    (not bounded so)."""
+    if p.target != "gpu":
+        return False
+    sizes = shared.get(("sizes", *_size_fields(p, c)), lambda: activation_sizes(p, c))
+    limit = p.gpu_memory_gb * mem.GIB
+    stages = _stage_memory(p, c, sizes, simulate=False, shared=shared)
+    return any(process_floor(s_) > limit for s_ in stages)
+
+
 _not_stage = operator.attrgetter(
     *(f.name for f in dataclasses.fields(mem.MemoryBreakdown) if f.name != "stage")
 )
@@ -590,11 +624,40 @@ _not_stage = operator.attrgetter(
 
 
 def _times(p: Problem, c: Candidate, m: int, simulate: bool) -> tuple:
-    """(`chunk_times`, `pipeline_time`, the busiest rank's row of chunk times) of `c` at `m`
-    micro-batches a step."""
+    """(`chunk_times`, `pipeline_time`, the busiest rank's row of chunk times, its
+    `_RowSums`) of `c` at `m` micro-batches a step."""
     times = chunk_times(p, c)
     busiest = max(times, key=lambda row: sum(x.total for x in row))
-    return times, pipeline_time(c, m, times, simulate), busiest
+    sums = _RowSums(
+        sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest),
+        sum(x.tp for x in busiest),
+        sum(x.cp for x in busiest),
+        sum(x.ep for x in busiest),
+        sum(x.total for x in busiest),
+    )
+    return times, pipeline_time(c, m, times, simulate), busiest, sums
+
+
+class _RowSums(NamedTuple):
+    """A row of chunk times summed (one micro-batch on every chunk of a rank), as `estimate`
+    reads it."""
+
+    flops: float
+    """FLOPs, the float8 linears' at `Problem.fp8_speedup` x the rate counted as fewer."""
+    tp: float
+    cp: float
+    ep: float
+    total: float
+    """F + B + W seconds."""
+
+
+def _model_flops(p: Problem) -> tuple[float, dict[str, float]]:
+    """(the model's training FLOPs per token, {recompute: the FLOPs per token and layer it
+    repeats}): what `estimate` reads of the model's FLOPs, the same for every candidate."""
+    cfg, s = p.config, p.seq_len
+    whole = matmul_flops(cfg, s, 1, padded=False)
+    rebuilt = {"none": 0.0, "selective": whole.attention, "full": whole.layer()}
+    return training_flops_per_token(cfg, s), rebuilt
 
 
 def _roles(p: Problem, c: Candidate) -> list[tuple[bool, bool]]:
@@ -639,30 +702,33 @@ def tp_sync_seconds(p: Problem, c: Candidate) -> float:
     return ring_seconds(c.tp, nbytes, p.intra_gbps, p.latency_us) if nbytes else 0.0
 
 
-def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:
+def _dp_exposed(
+    p: Problem, c: Candidate, m: int, busiest: list[ChunkTime], shared: Shared | None = None
+) -> float:
     """Seconds of the data-parallel gradient reduction (and ZeRO's gathers) not hidden behind
     the busiest rank's compute (`sharding.dp_seconds`), and under ZeRO-3's float8 all-gather
-    its scales' two amax all-reduces a step."""
-    cfg, t, n = p.config, c.tp, c.cp
-    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule)))
+    its scales' two amax all-reduces a step (`shared`: the search's `Shared` work, for the
+    stage's parameters, `_dp_params`)."""
+    t, n = c.tp, c.cp
     t_f = sum(x.forward for x in busiest)
     t_b = sum(x.backward_input + x.backward_weight for x in busiest)
     one_node = p.gpus <= p.gpus_per_node
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
-    # reduced and gathered over the expert-data-parallel group)
-    placement = placement_of(c.schedule)
-    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
-    # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
-    # bytes an element, not 4
-    float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
-    half = fp8.half_weights(p, c, stage)
-    if c.ep > 1:
-        n_params -= n_experts
+    if shared is None:
+        layers, n_params, n_experts, float8, half = _dp_params(p, c)
     else:
-        n_experts = 0
+        key = (
+            "dp params",
+            c.tp,
+            c.pp,
+            c.v,
+            placement_of(c.schedule),
+            c.ep,
+            c.etp,
+            fp8.float8_gathered(p, c),
+            fp8.half_gathered(p, c),
+        )
+        layers, n_params, n_experts, float8, half = shared.get(key, lambda: _dp_params(p, c))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     reduced = 2 if p.precision == "fp16" else 4
     grad_bytes = n_params * reduced
@@ -707,3 +773,27 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         w_reported(c.schedule, c.pp, m, c.v),
         (replicas // c.ep, n_experts * reduced, expert_bytes),
     )
+
+
+def _dp_params(p: Problem, c: Candidate) -> tuple[int, int, int, int, int]:
+    """What `_dp_exposed` reads of the stage with the most parameters: (the most layers a stage
+    holds, its parameters less its routed experts' under ep > 1, those experts' (0 at ep 1),
+    its weights ZeRO gathers in float8, its weights ZeRO gathers in 16 bits). It reads tp, pp,
+    v, the schedule's placement, ep, etp and what ZeRO gathers in float8 or 16 bits of `c`."""
+    cfg, t = p.config, c.tp
+    placement = placement_of(c.schedule)
+    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement))
+    # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
+    # reduced and gathered over the expert-data-parallel group)
+    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
+    # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
+    # bytes an element, not 4
+    float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
+    half = fp8.half_weights(p, c, stage)
+    if c.ep > 1:
+        n_params -= n_experts
+    else:
+        n_experts = 0
+    return layers, n_params, n_experts, float8, half

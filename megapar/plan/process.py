@@ -35,6 +35,7 @@ baseline (the interpreter and its imports), which a rise in the peak resident se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megapar.data_parallel import shard_comm
 from megapar.pipeline.placement import placement_of
@@ -45,6 +46,7 @@ from megapar.plan.memory import GIB, MemoryBreakdown
 from megapar.plan.params import stage_expert_params, whole_casts
 from megapar.plan.pipeline import loss_grads_in_forward
 from megapar.plan.problem import Problem
+from megapar.plan.shared import Shared
 from megapar.tensor_parallel.partition import local_size
 
 TARGETS = ("gpu", "cpu")
@@ -169,9 +171,9 @@ BOUNDS = {
 """The error bound `megapar-plan` prints for each target."""
 
 
-@dataclass(frozen=True)
-class Term:
-    """One named amount of a process's peak."""
+class Term(NamedTuple):
+    """One named amount of a process's peak (a named tuple: a search makes millions, and a
+    frozen dataclass takes several times as long to make)."""
 
     name: str
     bytes: float
@@ -220,11 +222,13 @@ def process_peak(
     has_head: bool,
     block_bytes: float,
     target: str | None = None,
+    shared: Shared | None = None,
 ) -> ProcessPeak:
     """The process figure of the rank `mem` describes (its stage holds the embedding and / or
     the head as flagged; `block_bytes`: what one of its blocks keeps for backward without
     recomputation, `estimate.activation_sizes(...).full`), for `target` (default
-    `p.target`)."""
+    `p.target`); `shared`: the search's `Shared` work, for the terms that read no memory
+    figure (`_top_terms`)."""
     target = target or p.target
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
@@ -238,7 +242,7 @@ def process_peak(
     # kept activations, as the block's working set is not (`CPU_NO_WORKING_SET`)
     cp_peak = cp_buffers(p, c) if cpu_set else 0.0
     buffers = mem.buffers - cp_peak
-    a = _top_of_backward(p, c, mem, has_embedding, has_head)
+    a = list(_top_terms(p, c, mem.stage, has_embedding, has_head, shared))
     a[1:1] = _zero3_terms(mem.gathered_top, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
         a.append(
@@ -292,10 +296,7 @@ def process_peak(
     ]
     if target == "gpu":
         reserve = (GPU_RESERVE - 1) * tensors
-        terms += [
-            Term("allocator's reserve", reserve, f"{GPU_RESERVE - 1:.2f} x the tensors' peak"),
-            Term("CUDA context", CUDA_CONTEXT, "measured on an H200"),
-        ]
+        terms += [Term("allocator's reserve", reserve, _RESERVE_NOTE), _CUDA_CONTEXT_TERM]
         return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
     # ZeRO-3 on a CPU serves every allocation above 4 MiB with its own mapping, unmapped when
     # freed (`megapar.device.return_freed_host_memory`): its units and buffers leave no room
@@ -370,6 +371,21 @@ def process_peak(
     ]
     total = tensors + room + holes + rebuilt + CPU_RUNTIME  # `moved`: in `settled` only
     return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
+
+
+_RESERVE_NOTE = f"{GPU_RESERVE - 1:.2f} x the tensors' peak"
+_CUDA_CONTEXT_TERM = Term("CUDA context", CUDA_CONTEXT, "measured on an H200")
+
+
+def process_floor(mem: MemoryBreakdown) -> float:
+    """A lower bound of the GPU figure `process_peak(...).total` of the rank `mem` describes:
+    its state and kept activations alone, with the allocator's reserve and the CUDA context.
+    The top of the backward holds them and more (every other term is >= 0), and the figure is
+    the same operations, in the same order, on a peak at least as large (IEEE rounding is
+    monotone), so a floor above the memory proves the rank does not fit."""
+    state = mem.total - mem.activations - mem.buffers - mem.gathered - mem.grad_buffers
+    tensors = state + mem.activations
+    return tensors + (GPU_RESERVE - 1) * tensors + CUDA_CONTEXT
 
 
 INSIDE = "reduction of a block"
@@ -518,13 +534,49 @@ def _tied(p: Problem) -> bool:
     return bool(getattr(p.config, "tie_word_embeddings", True))
 
 
+def _top_terms(
+    p: Problem,
+    c: Candidate,
+    stage: int,
+    has_embedding: bool,
+    has_head: bool,
+    shared: Shared | None,
+) -> tuple[Term, ...]:
+    """`_top_of_backward` of pipeline rank `stage`, made once per search (`shared`) for the
+    fields of `c` it reads: its terms read no memory figure, and a search's candidates share
+    them by the thousand (those that differ in micro-batch size, recomputation, SP, dp or
+    the ZeRO stage below 3 but not in what ZeRO gathers in 16 bits)."""
+    if shared is None:
+        return _top_of_backward(p, c, stage, has_embedding, has_head)
+    head = None
+    if has_head:  # the log-softmax's gradient reads the tokens at tp 1 with the whole logits
+        whole = not p.loss_chunk_tokens and c.tp == 1
+        head = (loss_grads_in_forward(p, c), (c.cp, c.mbs) if whole else None)
+    key = (
+        "process: top of the backward",
+        c.tp,
+        c.ep,
+        c.etp,
+        c.zero == 3,
+        fp8.half_gathered(p, c),
+        c.pp,
+        c.v,
+        placement_of(c.schedule),
+        stage,
+        has_embedding,
+        head,
+    )
+    return shared.get(key, lambda: _top_of_backward(p, c, stage, has_embedding, has_head))
+
+
 def _top_of_backward(
-    p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
-) -> list[Term]:
-    """Phase A's transient terms; the first is autocast's copies (also in phase B)."""
+    p: Problem, c: Candidate, stage: int, has_embedding: bool, has_head: bool
+) -> tuple[Term, ...]:
+    """Phase A's transient terms on pipeline rank `stage`; the first is autocast's copies
+    (also in phase B). They read no memory figure (`_top_terms`)."""
     vocab, h = _vocab_h(p, c)
-    out = [_autocast_copies(p, c, mem, has_head)]
-    routed = _routed_expert_casts(p, c, mem)
+    out = [_autocast_copies(p, c, stage, has_head)]
+    routed = _routed_expert_casts(p, c, stage)
     if routed is not None:
         out.append(routed)
     if has_head:
@@ -557,10 +609,10 @@ def _top_of_backward(
                     "the saved log-softmax and the logits' gradient",
                 )
             )
-    return out
+    return tuple(out)
 
 
-def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: bool) -> Term:
+def _autocast_copies(p: Problem, c: Candidate, stage: int, has_head: bool) -> Term:
     """Autocast's cache of 16-bit copies of the parameters the rank's ops run in 16 bits read
     whole, kept until the step's autocast region ends: of each parameter an op autocast runs
     in 16 bits reads whole (a leaf tensor). Not a norm's (run in fp32), a row-parallel
@@ -594,12 +646,12 @@ def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: b
         )
         for kind, xs in linears.items()
     }
-    elements = sum(per_kind[kind] for kind in fp8.stage_kinds(p, c, mem.stage))
+    elements = sum(per_kind[kind] for kind in fp8.stage_kinds(p, c, stage))
     head = 0
     if has_head:
         vocab, h = _vocab_h(p, c)
         head = whole.head + (0 if p.loss_chunk_tokens else vocab * h + whole.head_bias)
-    float8 = fp8.converted_params(p, c, mem.stage)
+    float8 = fp8.converted_params(p, c, stage)
     if half:
         what = "ZeRO-3: the blocks' linears read their gathered 16-bit weights (no copy); "
     elif c.zero == 3:
@@ -626,22 +678,22 @@ def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: b
     )
 
 
-def _routed_expert_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term | None:
-    """Under ZeRO 0-2 with 16-bit autocast, on a stage with routed experts: their weights' 16-bit
-    casts, made per use in each MoE layer's forward (slices, not cached) and saved for its
-    backward, so alive at the top of the backward: one micro-batch's, all the stage's MoE
-    layers (mixtral-tiny at dp 2: 393,216 bytes at the peak, `tests/test_process_peak.py`).
-    More micro-batches in flight hold more (not counted); under ZeRO-3 not counted either.
-    None otherwise."""
+def _routed_expert_casts(p: Problem, c: Candidate, stage: int) -> Term | None:
+    """Under ZeRO 0-2 with 16-bit autocast, on pipeline rank `stage` with routed experts: their
+    weights' 16-bit casts, made per use in each MoE layer's forward (slices, not cached) and
+    saved for its backward, so alive at the top of the backward: one micro-batch's, all the
+    stage's MoE layers (mixtral-tiny at dp 2: 393,216 bytes at the peak,
+    `tests/test_process_peak.py`). More micro-batches in flight hold more (not counted); under
+    ZeRO-3 not counted either. None otherwise."""
     if not p.sixteen_bit or c.zero == 3:
         return None
     placement = placement_of(c.schedule)
     experts = stage_expert_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    if not experts[mem.stage]:
+    if not experts[stage]:
         return None
     return Term(
         "routed experts' 16-bit casts",
-        experts[mem.stage] * p.act_bytes,
+        experts[stage] * p.act_bytes,
         "cast per use in each MoE layer's forward and saved for its backward (one micro-batch's)",
     )
 
@@ -667,6 +719,8 @@ def _float8_weight_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term
     """Under --fp8 (not ZeRO-3), on a stage with float8 linears: the step's float8 casts of
     their weights, which its micro-batches share, held to the end of its backward
     (`fp8.weight_cache_bytes`). None otherwise."""
+    if p.fp8 == "off":  # no float8 linear (what `weight_cache_bytes` finds, sooner)
+        return None
     nbytes = fp8.weight_cache_bytes(p, c, mem.stage)
     if not nbytes:
         return None

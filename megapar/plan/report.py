@@ -524,9 +524,12 @@ def _amount(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
-def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
-    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
-    chosen layout's megapar-train command."""
+def print_json(
+    top: int, problem: Problem, estimates, rejected, cmd, valid: int | None = None
+) -> None:
+    """The ranked layouts as JSON: the top rows, the counts (`valid`: of the valid layouts,
+    by default as many as `estimates`), the rejections by reason and the chosen layout's
+    megapar-train command."""
     reasons: dict[str, int] = {}
     for _, reason in rejected:
         key = reason.split(";")[0]
@@ -538,7 +541,7 @@ def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
                 "active_params": model_params(problem.config)
                 - getattr(problem.config, "idle_expert_params", 0),
                 "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
-                "valid": len(estimates),
+                "valid": len(estimates) if valid is None else valid,
                 "rejected": len(rejected),
                 "rejected_reasons": reasons,
                 "fused_attention": problem.fused_attention,
