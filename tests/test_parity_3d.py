@@ -539,6 +539,7 @@ def _evaluate(prefix: str, pp: int, dp: int) -> dict[str, float]:
         cfg, val = _mlm_setup(prefix, mean)
         trainer = SimpleNamespace(cfg=cfg, val_ds=val, mesh=mesh, model=model,
                                   executor=executor, precision=Precision("fp32", mesh.device))
+        trainer._labels = lambda batch, t=trainer: Trainer._labels(t, batch)
         out[mean] = Trainer.evaluate(trainer)
     return out
 
