@@ -1,19 +1,25 @@
 """Layout fuzzer: random parallel layouts and features, each run against one process.
 
 megapar promises the same numbers in any layout (fp32: losses and gradient norms within 1e-5
-relative of one process). This tool draws random combinations of a tiny model, a layout (tp,
-pp and its schedule, dp, cp and its communication, ep and expert tensor parallelism, at most 8
-ranks) and features (ZeRO stage, sequence parallelism, recomputation, micro-batch count,
-gradient clipping, label smoothing, z-loss, optimizer, loss mean, SFT padding), runs each
-through `megapar-train` as a user does (it starts its own forked gloo workers on the CPU), and
-compares every step's logged numbers (loss, grad_norm, z_loss, MoE terms: `--log-json`) and
-the final weights (the `--save`d checkpoint, read whole) with the same run on one process
+relative of one process). This tool draws random combinations of a tiny model, a layout (tp, pp
+and its schedule, dp, cp and its communication, ep and expert tensor parallelism, at most 8
+ranks) and features (ZeRO stage and its options, sequence parallelism, recomputation, micro-
+batch size and count, sequence length, sliding windows, gradient clipping, label smoothing,
+z-loss, MoE router losses and bias updates, optimizer and offload, loss mean, SFT padding,
+evaluation, and steps 1-2 in another layout resumed from their checkpoint), runs each through
+`megapar-train` as a user does (it starts its own forked gloo workers on the CPU), and compares
+every step's logged numbers (loss, grad_norm, val_loss, z_loss, the MoE terms: `--log-json`)
+and the final weights (the `--save`d checkpoint, read whole) with the same run on one process
 (tp = pp = dp = cp = ep = 1, ZeRO 0, no recomputation, the same global and micro-batch size).
 Adam's eps is 1e-4 (tests/test_parity_3d.py says why: with 1e-8, entries whose gradient is
 rounding noise take +-lr steps, and weights differ ~3e-5 per tensor after 3 steps even at dp 2
-alone; the losses and grad norms agree either way). A refused combination must be refused in
-one line on stderr with exit code 2; the line is recorded, and flagged (clear: false) when the
-refusal is not one line or comes with a traceback.
+alone; the losses and grad norms agree either way). Even at 1e-4 a zero-initialised bias can
+differ ~1.5e-5 after 3 steps (its update is ~lr per entry whatever the gradient, so its
+rounding noise is all the tensor holds), so a case whose logged numbers agree but whose weights
+do not, under an optimizer with Adam moments, is rerun with SGD (an update linear in the
+gradient): if that passes, the case is adam-noise, else a mismatch. A refused combination must
+be refused in one line on stderr with exit code 2; the line is recorded, and flagged (clear:
+false) when the refusal is not one line or comes with a traceback.
 
 It is a tool, not part of the test suite (a run is minutes to hours of CPU)::
 
@@ -22,11 +28,11 @@ It is a tool, not part of the test suite (a run is minutes to hours of CPU)::
     PYTHONPATH=$PWD python3 tools/layout_fuzz.py --args "--model gpt2-tiny --tp 2 --zero 1"
 
 Each case appends one JSON line to OUT/results.jsonl (its arguments, its outcome: pass,
-mismatch, refused, crash or timeout, and the largest relative difference seen); one-process
-references are cached in OUT/ref by their arguments. `--args` runs one given case (layout flags
-and features; the rest as the fuzzer sets them). `--bf16` also draws bf16 runs, compared with
-a one-process bf16 run to BF16_TOL (autocast's bf16 products round to 8 bits of mantissa, and
-the layouts sum them in other orders: a bound on the losses only, not weights).
+mismatch, refused, crash, timeout or adam-noise, and the largest relative difference seen);
+one-process references are cached in OUT/ref by their arguments. `--args` runs one given case
+(layout flags and features; the rest as the fuzzer sets them). `--bf16` also draws bf16 runs,
+compared with a one-process bf16 run to BF16_TOL (autocast's bf16 products round to 8 bits of
+mantissa, and the layouts sum them in other orders: a bound on the losses only, not weights).
 """
 
 from __future__ import annotations
@@ -233,6 +239,15 @@ def draw(rng: random.Random, bf16: bool) -> dict:
     if rng.random() < 0.3:
         c["--loss-chunk-tokens"] = rng.choice([0, 8])
     c["--precision"] = "bf16" if bf16 and rng.random() < 0.2 else "fp32"
+    if rng.random() < 0.25:  # steps 1-2 in another layout, resumed from its checkpoint
+        samples = c["--global-batch-size"] // mbs
+        first: dict = {"--tp": rng.choice([1, 2]), "--pp": rng.choice([1, 2])}
+        if samples % 2 == 0 and rng.random() < 0.5:
+            first["--dp"] = 2
+            first["--zero"] = rng.choice([0, 1, 2, 3])
+            if moe and rng.random() < 0.5:
+                first["--ep"] = 2
+        c["resume"] = first
     return c
 
 
@@ -262,6 +277,8 @@ def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
         "--timeout-s",
         "120",
         "--no-progress",
+        "--lr-decay-steps",
+        str(STEPS),
     ]
     if case.get("--optimizer", "adamw") in ADAM:
         argv += ["--adam-eps", "1e-4"]
@@ -281,7 +298,11 @@ def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
 
 def reference_case(case: dict) -> dict:
     """The same case on one process: no layout flag, no recomputation."""
-    return {k: v for k, v in case.items() if k not in LAYOUT_FLAGS and k not in LAYOUT_SWITCHES}
+    return {
+        k: v
+        for k, v in case.items()
+        if k not in LAYOUT_FLAGS and k not in LAYOUT_SWITCHES and k != "resume"
+    }
 
 
 def run_cli(argv: list[str], directory: Path, timeout_s: float) -> tuple[int | str, str, str]:
@@ -356,28 +377,32 @@ def rel(a: float, b: float) -> float:
 
 def compare(got: list[dict], ref: list[dict]) -> tuple[float, list[str]]:
     """(largest relative difference, one description per compared number) over every step's
-    logged results (loss, grad_norm, val_loss, z_loss, the MoE terms)."""
+    logged results: loss, grad_norm, val_loss, z_loss, the MoE terms (a list, as the tokens
+    each expert received, entry by entry)."""
     worst, where = 0.0, []
     if len(got) != len(ref):
         return math.inf, [f"{len(got)} logged steps, one process {len(ref)}"]
+
+    def numbers(rec: dict) -> dict:
+        out = {}
+        for k, v in rec.items():
+            if k in NOT_COMPARED or isinstance(v, bool):
+                continue
+            if isinstance(v, int | float):
+                out[k] = float(v)
+            elif isinstance(v, list) and all(isinstance(x, int | float) for x in v):
+                out.update({f"{k}[{i}]": float(x) for i, x in enumerate(v)})
+        return out
+
     for g, r in zip(got, ref, strict=True):
-        keys = {
-            k
-            for k in r
-            if k not in NOT_COMPARED
-            and isinstance(r[k], int | float)
-            and not isinstance(r[k], bool)
-        }
-        for k in sorted(
-            keys
-            | {k for k in g if k in r and k not in NOT_COMPARED and isinstance(g[k], int | float)}
-        ):
-            if k not in g:
-                where.append(f"step {r['step']}: {k} not logged")
+        gn, rn = numbers(g), numbers(r)
+        for k in sorted(rn):
+            if k not in gn:
+                where.append(f"step {r['step']}: {k} not logged (rel inf)")
                 worst = math.inf
                 continue
-            e = rel(float(g[k]), float(r[k]))
-            where.append(f"step {r['step']} {k}: {g[k]!r} vs {r[k]!r} (rel {e:.2e})")
+            e = rel(gn[k], rn[k])
+            where.append(f"step {r['step']} {k}: {gn[k]!r} vs {rn[k]!r} (rel {e:.2e})")
             worst = max(worst, e)
     return worst, where
 
@@ -461,8 +486,16 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
 
         shutil.rmtree(d)
     argv = argv_of(case, out, d / "ckpt" if weights else None, d / "log.jsonl")
+    rc, err = 0, ""
+    if "resume" in case:  # steps 1-2 in the layout case["resume"], saved, resumed in this one
+        first = {**reference_case(case), **case["resume"]}
+        argv1 = argv_of(first, out, d / "ckpt1", d / "log1.jsonl") + ["--max-steps", "2"]
+        rec["argv_first"] = "megapar-train " + shlex.join(argv1)
+        rc, _, err = run_cli(argv1, d / "first", TIMEOUT_S)
+        argv += ["--load", str(d / "ckpt1")]
     rec["argv"] = "megapar-train " + shlex.join(argv)
-    rc, _, err = run_cli(argv, d, TIMEOUT_S)
+    if rc == 0:
+        rc, _, err = run_cli(argv, d, TIMEOUT_S)
     rec["rc"] = rc
     if rc == 2:
         line, clear = one_line(err)
@@ -475,7 +508,8 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
         if ref["rc"] != 0:
             rec.update(outcome="reference-failed", stderr_tail=ref["stderr_tail"])
         else:
-            worst, where = compare(read_log(d / "log.jsonl"), read_log(rd / "log.jsonl"))
+            got = read_log(d / "log1.jsonl") + read_log(d / "log.jsonl")
+            worst, where = compare(got, read_log(rd / "log.jsonl"))
             rec["max_rel"] = worst
             rec["details"] = [
                 w
@@ -488,9 +522,17 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
                 )
             bad = worst > tol or (weights and rec["weights_rel"] > tol)
             rec["outcome"] = "mismatch" if bad else "pass"
+            if bad and worst <= tol and case.get("--optimizer", "adamw") in ADAM:
+                # weights alone: the same case with SGD, whose update is linear in the gradient
+                sgd = {k: v for k, v in case.items() if k != "--optimizer"}
+                sub = run_case({**sgd, "--optimizer": "sgd"}, out, index + 10000, True)
+                rec["sgd_check"] = {k: sub.get(k) for k in ("outcome", "max_rel", "weights_rel")}
+                if sub["outcome"] == "pass":
+                    rec["outcome"] = "adam-noise"
             import shutil
 
             shutil.rmtree(d / "ckpt", ignore_errors=True)
+            shutil.rmtree(d / "ckpt1", ignore_errors=True)
     rec["seconds"] = round(time.monotonic() - t0, 1)
     return rec
 
