@@ -30,9 +30,11 @@ It is a tool, not part of the test suite (a run is minutes to hours of CPU)::
 Each case appends one JSON line to OUT/results.jsonl (its arguments, its outcome: pass,
 mismatch, refused, crash, timeout or adam-noise, and the largest relative difference seen);
 one-process references are cached in OUT/ref by their arguments. `--args` runs one given case
-(layout flags and features; the rest as the fuzzer sets them). `--bf16` also draws bf16 runs,
-compared with a one-process bf16 run to BF16_TOL (autocast's bf16 products round to 8 bits of
-mantissa, and the layouts sum them in other orders: a bound on the losses only, not weights).
+(layout flags and features; the rest as the fuzzer sets them). `--edges` puts one of EDGES (a
+setting at the edge of what a layout allows) on 30 % of the cases, to collect refusals.
+`--bf16` also draws bf16 runs, compared with a one-process bf16 run to BF16_TOL (autocast's
+bf16 products round to 8 bits of mantissa, and the layouts sum them in other orders: a bound on
+the losses only, not weights).
 """
 
 from __future__ import annotations
@@ -168,7 +170,25 @@ def sft_data(work: Path) -> str:
     return str(path)
 
 
-def draw(rng: random.Random, bf16: bool) -> dict:
+EDGES = [  # one setting at the edge of what a layout allows, put on a drawn case
+    {"--ep": 2},  # on a dense model, or where ep does not divide dp x cp
+    {"--expert-tensor-parallel-size": 2},  # without --tp 2, or on a dense model
+    {"--virtual-stages": 3},
+    {"--schedule": "dualpipev", "--pp": 2},  # micro-batches maybe fewer than 2 x pp
+    {"--schedule": "interleaved", "--pp": 2, "--virtual-stages": 4},  # 8 chunks of 4 layers
+    {"--sequence-parallel": True},  # maybe at tp 1
+    {"--cp": 2, "--cp-comm-type": "a2a", "--tp": 2},  # heads per rank vs cp
+    {"seq": 18},  # not a multiple of 2 x cp, or of tp with sp
+    {"--zero": 3, "--dp": 1},
+    {"--micro-batch-size": 5},  # the global batch not a multiple of it
+    {"--pp": 2, "--schedule": "zb-v", "--virtual-stages": 2},
+    {"--offload-optimizer": True, "--optimizer": "muon"},
+    {"--loss-chunk-tokens": 7},
+    {"--eval-interval": 1, "--eval-steps": 1, "--pp": 2},
+]
+
+
+def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     """One random case: the layout and the features, as a dict of flag -> value."""
     model = rng.choice(MODELS)
     moe = model in MOE
@@ -239,6 +259,10 @@ def draw(rng: random.Random, bf16: bool) -> dict:
     if rng.random() < 0.3:
         c["--loss-chunk-tokens"] = rng.choice([0, 8])
     c["--precision"] = "bf16" if bf16 and rng.random() < 0.2 else "fp32"
+    if edges and rng.random() < 0.3:  # an edge megapar may refuse: its line is recorded
+        edge = rng.choice(EDGES)
+        c.update(edge)
+        c["edge"] = next(iter(edge))
     if rng.random() < 0.25:  # steps 1-2 in another layout, resumed from its checkpoint
         samples = c["--global-batch-size"] // mbs
         first: dict = {"--tp": rng.choice([1, 2]), "--pp": rng.choice([1, 2])}
@@ -577,6 +601,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=0, help="stop drawing after (0: no limit)")
     ap.add_argument("--no-weights", action="store_true", help="compare the logs only")
     ap.add_argument("--bf16", action="store_true", help="also draw bf16 cases (BF16_TOL)")
+    ap.add_argument("--edges", action="store_true", help="put EDGES on some cases")
     ap.add_argument("--args", help="run this one case instead of drawing")
     ap.add_argument("--replay", help="a results.jsonl to take --case from")
     ap.add_argument("--case", type=int, help="with --replay: the case's index")
@@ -597,7 +622,7 @@ def main() -> int:
         cases = [r["case"] for r in recs if a.case is None or r["index"] == a.case]
     else:
         rng = random.Random(a.seed)
-        cases = [draw(rng, a.bf16) for _ in range(a.cases)]
+        cases = [draw(rng, a.bf16, a.edges) for _ in range(a.cases)]
     results = out / "results.jsonl"
     start = len(results.read_text().splitlines()) if results.exists() else 0
     t0 = time.monotonic()
@@ -619,7 +644,13 @@ def main() -> int:
             f"{json.dumps(case)}\n      {extra}",
             flush=True,
         )
-    print("layout_fuzz:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    cpu = os.times()
+    print(
+        "layout_fuzz:",
+        ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+        f"({time.monotonic() - t0:.0f} s, CPU {cpu.children_user + cpu.children_system:.0f} s"
+        " in the runs)",
+    )
     return 1 if any(k in counts for k in ("mismatch", "crash", "timeout")) else 0
 
 
