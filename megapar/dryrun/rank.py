@@ -4,8 +4,9 @@
 
 1. the real start-up: `Engine(cfg, config, mesh)` on the real `Mesh` (DeviceMesh, every group,
    the rank order), so the stage is built (its layers, chunks, tp shards, padded vocabulary,
-   split or replicated kv heads) and initialised, the optimizer made (ZeRO-1 slices), the
-   gradient buffer cut into buckets and the pipeline executor set up, exactly as in a run;
+   split or replicated kv heads), the optimizer made (ZeRO-1 slices), the gradient buffer cut
+   into buckets and the pipeline executor set up, exactly as in a run (but for the weights'
+   initialisation: fake tensors hold no values to fill);
 2. the executor on one micro-batch (the first one of the data, when there is data): every
    chunk's forward and backward, its messages, the gradient buckets' reduction and the loss
    broadcast, with every collective counted; then the gradient syncs after the schedule and the

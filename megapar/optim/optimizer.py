@@ -439,7 +439,9 @@ def step_state(inner: torch.optim.Optimizer, steps: int, p: torch.Tensor) -> tor
     """An Adam-style `state["step"]` as torch keeps it: a float32 scalar on the parameter's
     device for the fused kernel, on the CPU otherwise."""
     fused = bool(inner.defaults.get("fused"))
-    return torch.tensor(float(steps), dtype=torch.float32, device=p.device if fused else "cpu")
+    # torch.full, not torch.tensor: the same 0-d tensor, made without a host value to copy in
+    # (under the dry run's FakeTensorMode, torch.tensor converts a real tensor: 4x the cost)
+    return torch.full((), float(steps), dtype=torch.float32, device=p.device if fused else "cpu")
 
 
 FUSED_DEVICES = ("cpu", "cuda")

@@ -66,7 +66,8 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
 
 
 def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
-    """(this rank's model stage, built and initialised as cfg says; under --fp8 the line that
+    """(this rank's model stage, built and initialised as cfg says (a dry run's is not
+    initialised: its fake tensors hold no values); under --fp8 the line that
     names its float8 and high-precision linears, with its pipeline rank at pp > 1, else
     None)."""
     model = build_stage(
@@ -74,6 +75,7 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
         mesh,
         cfg.seed,
         cfg.recompute,
+        init=not cfg.dry_run,  # a rehearsal's fake tensors hold no values to initialise
         virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
         placement=placement_of(cfg.schedule),
     )
