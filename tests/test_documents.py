@@ -318,7 +318,8 @@ def test_megapar_train_refuses_in_one_line(capsys, argv, said):
 def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, capsys):
     """A run that reads documents says, before it starts, when its settings likely miss: the
     data is one text tokenized whole (a document many times --seq-len: few sequences hold a
-    boundary), or --eod-id is not the data's tokenizer's end-of-document token."""
+    boundary), or --eod-id is not the data's tokenizer's end-of-document token; a dry run says
+    what its modelled activations leave out (the block_causal mask's size)."""
     import json
     from pathlib import Path
 
@@ -349,6 +350,9 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
             f"block_causal, --eod-mask-loss change little") in err, err
     assert (f"--eod-id 5 is not the end-of-document token of --data {prefix}'s tokenizer "
             f"({indexed.eod_id}, which ends each of its documents)") in err, err
+    # the dry run names the mask its modelled activations leave out (4 x 32 x 32 fp32)
+    assert ("dry run: --attention-mask-type block_causal's mask (4 x 32 x 32, 16.00 KiB per "
+            "micro-batch in flight and sliding window on a stage;") in err, err
 
     class Cfg:
         attention_mask_type, reset_position_ids, eod_mask_loss, seq_len = "causal", True, False, 8
