@@ -228,7 +228,7 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
     the run without them. megapar-eval of the checkpoint (at tp 2) evaluates as it trained:
     its loss is each document of each window run alone through the model (positions from 0,
-    no eod position labelled)."""
+    no eod position labelled), and it says which settings it applies."""
     import json
     from pathlib import Path
 
@@ -272,7 +272,13 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     assert evaluate(["--load", str(tmp_path / "ckpt"), "--tp", "2", "--data", str(data),
                      "--data-cache", str(tmp_path / "cache"), "--seq-len", "32",
                      "--micro-batch-size", "2", "--max-batches", "2"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    said = capsys.readouterr()
+    report = json.loads(said.out.strip().splitlines()[-1])
+    eod_said = json.loads(next((tmp_path / "ckpt").rglob("manifest.json")).read_text())[
+        "meta"]["train_config"]["eod_id"]
+    assert ("megapar-eval: evaluates as the checkpoint's run trained: --attention-mask-type "
+            "block_causal, --reset-position-ids, --eod-mask-loss (end-of-document id "
+            f"{eod_said})") in said.err, said.err
     (prefix,) = {str(p.with_suffix("")) for p in (tmp_path / "cache").rglob("*.idx")}
     windows = GPTDataset(IndexedDataset(prefix), 32)
     _, config, model = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, positions from 0
