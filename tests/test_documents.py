@@ -324,7 +324,8 @@ def test_megapar_train_refuses_in_one_line(capsys, argv, said):
 def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, capsys):
     """A run that reads documents says, before it starts, when its settings likely miss: the
     data is one text tokenized whole (a document many times --seq-len: few sequences hold a
-    boundary), or --eod-id is not the data's tokenizer's end-of-document token; a dry run says
+    boundary), fine-tuning records (one sample each: nothing changes), or --eod-id is not the
+    data's tokenizer's end-of-document token; a dry run says
     what its modelled activations leave out (the block_causal mask's size)."""
     import json
     from pathlib import Path
@@ -371,3 +372,8 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
         "sequences hold two documents, so --reset-position-ids changes little (a text tokenized "
         "whole is one document: megapar-data --split-lines, or a .jsonl of one record per "
         "document, keeps them apart)"]
+    # fine-tuning records: one right-padded sample each, whatever their lengths
+    assert document_notes(Cfg, 2, num_docs=10, num_tokens=50, data_name="--data d",
+                          records=True) == [
+        "--data d holds fine-tuning records (--sft-keys), one right-padded sample each: no "
+        "sequence holds two documents, so --reset-position-ids changes nothing (drop it)"]

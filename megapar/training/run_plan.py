@@ -122,7 +122,12 @@ def plan_data(
         indexed = IndexedDataset(plan.prefix, cfg.tokenizer)
         notes.extend(
             document_notes(
-                cfg, indexed.eod_id, indexed.num_docs, indexed.num_tokens, _data_named(cfg)
+                cfg,
+                indexed.eod_id,
+                indexed.num_docs,
+                indexed.num_tokens,
+                _data_named(cfg),
+                records=indexed.prompt_lengths is not None,
             )
         )
         if cfg.eod_id is None:  # the data's end-of-document token
