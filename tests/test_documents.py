@@ -228,7 +228,7 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
     the run without them. megapar-eval of the checkpoint (at tp 2) evaluates as it trained:
     its loss is each document of each window run alone through the model (positions from 0,
-    no eod position labelled)."""
+    no eod position labelled), and it says which settings it applies."""
     import json
     from pathlib import Path
 
@@ -272,7 +272,13 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     assert evaluate(["--load", str(tmp_path / "ckpt"), "--tp", "2", "--data", str(data),
                      "--data-cache", str(tmp_path / "cache"), "--seq-len", "32",
                      "--micro-batch-size", "2", "--max-batches", "2"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    said = capsys.readouterr()
+    report = json.loads(said.out.strip().splitlines()[-1])
+    eod_said = json.loads(next((tmp_path / "ckpt").rglob("manifest.json")).read_text())[
+        "meta"]["train_config"]["eod_id"]
+    assert ("megapar-eval: evaluates as the checkpoint's run trained: --attention-mask-type "
+            "block_causal, --reset-position-ids, --eod-mask-loss (end-of-document id "
+            f"{eod_said})") in said.err, said.err
     (prefix,) = {str(p.with_suffix("")) for p in (tmp_path / "cache").rglob("*.idx")}
     windows = GPTDataset(IndexedDataset(prefix), 32)
     _, config, model = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, positions from 0
@@ -313,3 +319,61 @@ def test_megapar_train_refuses_in_one_line(capsys, argv, said):
         raise SystemExit(code)
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and said in err[0], err
+
+
+def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, capsys):
+    """A run that reads documents says, before it starts, when its settings likely miss: the
+    data is one text tokenized whole (a document many times --seq-len: few sequences hold a
+    boundary), fine-tuning records (one sample each: nothing changes), or --eod-id is not the
+    data's tokenizer's end-of-document token; a dry run says
+    what its modelled activations leave out (the block_causal mask's size)."""
+    import json
+    from pathlib import Path
+
+    from megapar.cli.data import main as data_main
+    from megapar.cli.train import main
+    from megapar.data import IndexedDataset, asset_path
+    from megapar.training.documents import document_notes
+
+    text = tmp_path / "one.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:6_000])
+    prefix = str(tmp_path / "one")
+    assert data_main(["--input", str(text), "--output-prefix", prefix,
+                      "--tokenizer", "sentencepiece"]) == 0
+    indexed = IndexedDataset(prefix)
+    assert indexed.num_docs == 1 and indexed.num_tokens > 10 * 32
+    model = tmp_path / "llama.json"
+    model.write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 4, "max_position_embeddings": 64}))
+    capsys.readouterr()
+    assert main(["--model", str(model), "--data", prefix, "--seq-len", "32", "--max-steps", "1",
+                 "--global-batch-size", "4", "--micro-batch-size", "4", "--val-fraction", "0",
+                 "--attention-mask-type", "block_causal", "--eod-mask-loss",
+                 "--eod-id", "5", "--dry-run", "--world-size", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (f"--data {prefix} holds 1 document of {indexed.num_tokens:,} tokens, at least 10 x "
+            f"--seq-len 32: few sequences hold two documents, so --attention-mask-type "
+            f"block_causal, --eod-mask-loss change little") in err, err
+    assert (f"--eod-id 5 is not the end-of-document token of --data {prefix}'s tokenizer "
+            f"({indexed.eod_id}, which ends each of its documents)") in err, err
+    # the dry run names the mask its modelled activations leave out (4 x 32 x 32 fp32)
+    assert ("dry run: --attention-mask-type block_causal's mask (4 x 32 x 32, 16.00 KiB per "
+            "micro-batch in flight and sliding window on a stage;") in err, err
+
+    class Cfg:
+        attention_mask_type, reset_position_ids, eod_mask_loss, seq_len = "causal", True, False, 8
+        eod_id = None
+
+    # documents shorter than 10 x --seq-len, and the data's own eod: nothing to say
+    assert document_notes(Cfg, 2, num_docs=10, num_tokens=799, data_name="--data d") == []
+    assert document_notes(Cfg, 2, num_docs=10, num_tokens=800, data_name="--data d") == [
+        "--data d holds 10 documents of 80 tokens on average, at least 10 x --seq-len 8: few "
+        "sequences hold two documents, so --reset-position-ids changes little (a text tokenized "
+        "whole is one document: megapar-data --split-lines, or a .jsonl of one record per "
+        "document, keeps them apart)"]
+    # fine-tuning records: one right-padded sample each, whatever their lengths
+    assert document_notes(Cfg, 2, num_docs=10, num_tokens=50, data_name="--data d",
+                          records=True) == [
+        "--data d holds fine-tuning records (--sft-keys), one right-padded sample each: no "
+        "sequence holds two documents, so --reset-position-ids changes nothing (drop it)"]

@@ -154,8 +154,8 @@ def test_an_expert_tensor_parallel_size_it_cannot_take_is_refused_in_one_line(
 def test_experts_whole_on_every_tp_rank_by_default_is_said_once(common):
     """A MoE model at --tp 2 without --expert-tensor-parallel-size (megapar's default 1,
     Megatron-core's the tp size) gets one start-up note (printed by rank 0 with the others):
-    every tp rank holds every expert whole, and the flag at 2 splits them, with the state a
-    rank holds either way; none when the flag is given, at --tp 1, or for a dense model."""
+    every tp rank holds every expert whole (its ep share under --ep), and the flag at 2 splits
+    them, with the state a rank holds either way; none when the flag is given, at --tp 1, or for a dense model."""
     from megapar.cli.train import plan_run
     from megapar.training.config import parse_args
 
@@ -172,6 +172,12 @@ def test_experts_whole_on_every_tp_rank_by_default_is_said_once(common):
         "--expert-tensor-parallel-size 2 splits each expert over them (" in note, note
     whole, split = (float(m) for m in re.findall(r"\(([\d.]+) MiB", note))
     assert whole > split, note
+    # under --ep a tp rank holds its ep share of the experts, not every one
+    [ep] = said("--model", "mixtral-tiny", "--tp", "2", "--ep", "2", "--dp", "2")
+    assert ep.startswith(
+        "--expert-tensor-parallel-size not given: 1 (Megatron-core's default is --tp), so each "
+        "of the 2 tp ranks holds its 2 of the 4 routed experts of each MoE layer (--ep 2) "
+        "whole ("), ep
     assert said("--model", "mixtral-tiny", "--tp", "2", "--expert-tensor-parallel-size", "1") == []
     assert said("--model", "mixtral-tiny") == []
     assert said("--model", "llama-tiny", "--tp", "2") == []

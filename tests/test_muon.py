@@ -376,8 +376,9 @@ def test_muon_checkpoint_continues_in_another_layout(tmp_path, common):
      "--offload-params or use --optimizer adamw"),
     (["--optimizer", "muon", "--muon-distributed"],
      "--muon-distributed would be ignored: it splits the orthogonalisation of ZeRO's sharded "
-     "updates over the data-parallel ranks, and at --zero 0 every rank holds whole matrices "
-     "(nothing to exchange): use --zero 1, 2 or 3, or drop --muon-distributed"),
+     "updates over the data-parallel ranks, and at --zero 0 every data-parallel rank holds "
+     "whole matrices (nothing to exchange over dp; under --tp each tp-split matrix is "
+     "all-gathered over tp either way): use --zero 1, 2 or 3, or drop --muon-distributed"),
 ], ids=["offloaded", "momentum", "without-muon", "offloaded-params", "distributed-zero-0"])
 def test_muon_bad_settings_are_refused_before_workers_start(common, capfd, flags, says):
     """--optimizer muon with --offload-optimizer, a momentum outside [0, 1), and Muon's flags

@@ -576,7 +576,8 @@ def test_zero3_optimizer_says_it_is_stage_3():
 
 
 def test_zero_settings_that_change_nothing_are_said():
-    """Accepted, with one note each: ZeRO with nothing to shard over, --zero3-reduce
+    """Accepted, with one note each: ZeRO with nothing to shard over (and --muon-distributed
+    with it), --zero3-reduce
     micro-batch where the units reduce once a step anyway (one micro-batch; a W schedule), and
     --p2p-dtype / --grad-reduce-dtype / --grad-compression where nothing travels that way."""
     from megapar.training.config import TrainConfig
@@ -588,6 +589,12 @@ def test_zero_settings_that_change_nothing_are_said():
 
     assert "--zero 3 with dp x cp = 1: there is no rank to shard over" in notes(zero=3)
     assert "shard over" not in notes(zero=3, dp=2, global_batch_size=8, micro_batch_size=4)
+    # --muon-distributed at dp 1 (tp 2) splits nothing: said, not silently ignored
+    assert ("--zero 1 with dp x cp = 1: there is no rank to shard over, so every rank keeps "
+            "whole state (offloads still apply); --muon-distributed has no data-parallel rank "
+            "to split the orthogonalisation over") in notes(zero=1, tp=2, optimizer="muon",
+                                                          muon_distributed=True)
+    assert "--muon-distributed" not in notes(zero=1, tp=2, optimizer="muon")
     one = notes(zero=3, dp=2, zero3_reduce="micro-batch", global_batch_size=4,
                 micro_batch_size=2)
     assert "with one micro-batch per step: the same as step" in one

@@ -54,7 +54,12 @@ from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.training.inference import forward_logits, load_model, trained_documents
+from megapar.training.inference import (
+    forward_logits,
+    load_model,
+    trained_documents,
+    trained_documents_note,
+)
 from megapar.training.logging import perplexity, strict_json
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
@@ -514,6 +519,9 @@ def main(argv=None) -> int:
             args.save_logits = logits_file(args.save_logits)
         if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
+        said = trained_documents_note(trained_documents(manifest))
+        if said and (args.data or args.input_ids) and prints_refusals():
+            print(f"megapar-eval: {said}", file=sys.stderr)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         return refused("megapar-eval", exc)
     except SystemExit as exc:

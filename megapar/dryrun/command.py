@@ -52,7 +52,8 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
                 f"dry run: the first batch shown is the one the resumed run trains on next "
                 f"(--load's data order: sample {sample} of epoch {epoch})"
             )
-    for note in notes:
+    mask = report.documents_note(cfg)
+    for note in notes + ([mask] if mask else []):
         print(f"megapar-train: {note}", file=sys.stderr)
     step_dir = f"{cfg.save or '<--save>'}/step_{first_save_step(cfg, plan.start_step):08d}"
     out = sys.stdout

@@ -68,7 +68,8 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
 def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     """megapar-train's start-up note for a mixture-of-experts model at --tp > 1 without
     --expert-tensor-parallel-size (`given`: whether it was given; megapar's default is 1,
-    Megatron-core's the tp size): every tp rank holds every routed expert whole, and the flag
+    Megatron-core's the tp size): every tp rank holds every routed expert whole (its ep share
+    of them under --ep), and the flag
     at --tp splits them, with the state the most loaded rank holds either way (the planner's
     parameters, gradients and optimizer state, `stage_states`; activations not included).
     None where the flag was given, at --tp 1, for a dense model, or where --tp does not divide
@@ -81,9 +82,16 @@ def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     def held(c: Candidate) -> int:
         return max(s.weights + s.grads + s.master + s.optimizer for s in stage_states(problem, c))
 
+    experts = config.num_local_experts
+    held_experts = (
+        f"its {experts // layout.ep} of the {experts} routed experts of each MoE layer (--ep "
+        f"{layout.ep}) whole"
+        if layout.ep > 1
+        else "every routed expert whole"
+    )
     return [
         f"--expert-tensor-parallel-size not given: 1 (Megatron-core's default is --tp), so each "
-        f"of the {tp} tp ranks holds every routed expert whole ({gib(held(whole))} of "
+        f"of the {tp} tp ranks holds {held_experts} ({gib(held(whole))} of "
         f"parameters, gradients and optimizer state a rank, megapar-plan's count); "
         f"--expert-tensor-parallel-size {tp} splits each expert over them "
         f"({gib(held(replace(whole, etp=tp)))})"

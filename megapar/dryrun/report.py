@@ -206,3 +206,18 @@ def footer(seconds: float, ranks: int, world: int) -> str:
         f"real code's tensors and collectives\n"
         f"rehearsed {ranks:,} of {world:,} rank{'s' if world > 1 else ''} in {seconds:.1f} s"
     )
+
+
+def documents_note(cfg) -> str | None:
+    """What the modelled activations leave out under --attention-mask-type block_causal: the
+    additive mask a stage makes per micro-batch in flight and sliding window (b x s x s in the
+    attention's dtype; under the ring and the all-gather a block per kernel call instead)."""
+    if cfg.attention_mask_type != "block_causal":
+        return None
+    nbytes = cfg.micro_batch_size * cfg.seq_len**2 * (4 if cfg.precision == "fp32" else 2)
+    return (
+        f"dry run: --attention-mask-type block_causal's mask ({cfg.micro_batch_size} x "
+        f"{cfg.seq_len} x {cfg.seq_len}, {size(nbytes)} per micro-batch in flight and sliding "
+        f"window on a stage; under --cp by the ring or the all-gather a block per kernel call "
+        f"instead) is not in the modelled activations below, nor in megapar-plan's"
+    )

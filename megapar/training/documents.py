@@ -19,3 +19,53 @@ def eod_masked(cfg, batch: dict) -> dict:
         return batch
     assert cfg.eod_id is not None  # `check_documents` / `plan_data` set or refuse it
     return mask_eod_labels(batch, cfg.eod_id)
+
+
+def document_notes(
+    cfg, data_eod: int, num_docs: int, num_tokens: int, data_name: str, records: bool = False
+) -> list[str]:
+    """Start-up notes for a run that reads documents (`reads_documents`) where its settings
+    likely do not do what the user meant: an --eod-id other than the end-of-document token of
+    the data's tokenizer (`data_eod`, which ends each of its documents), or documents so long
+    (10 x --seq-len or more on average) that few sequences hold a document boundary and the
+    flags change little (a text file tokenized whole as one document); or `records`,
+    fine-tuning records (--sft-keys), each one right-padded sample: no sequence holds two
+    documents, and the flags change nothing."""
+    flags = ", ".join(
+        flag
+        for flag, on in (
+            ("--attention-mask-type block_causal", cfg.attention_mask_type == "block_causal"),
+            ("--reset-position-ids", cfg.reset_position_ids),
+            ("--eod-mask-loss", cfg.eod_mask_loss),
+        )
+        if on
+    )
+    notes = []
+    if cfg.eod_id is not None and cfg.eod_id != data_eod:
+        notes.append(
+            f"--eod-id {cfg.eod_id} is not the end-of-document token of {data_name}'s tokenizer "
+            f"({data_eod}, which ends each of its documents): {flags} take token {cfg.eod_id} "
+            f"as a document's end instead; drop --eod-id unless that token is meant"
+        )
+    verb = "change" if ", " in flags else "changes"
+    if records:
+        notes.append(
+            f"{data_name} holds fine-tuning records (--sft-keys), one right-padded sample "
+            f"each: no sequence holds two documents, so {flags} {verb} nothing (drop "
+            f"{'them' if verb == 'change' else 'it'})"
+        )
+    elif num_docs and num_tokens >= 10 * cfg.seq_len * num_docs:
+        notes.append(
+            f"{data_name} holds "
+            + (
+                f"1 document of {num_tokens:,} tokens"
+                if num_docs == 1
+                else f"{num_docs:,} documents of {num_tokens // num_docs:,} tokens on average"
+            )
+            + f", at least 10 x --seq-len "
+            f"{cfg.seq_len}: few sequences hold two documents, so {flags} "
+            f"{verb} little (a "
+            f"text tokenized whole is one document: megapar-data --split-lines, or a .jsonl "
+            f"of one record per document, keeps them apart)"
+        )
+    return notes

@@ -110,3 +110,23 @@ def forward_logits(
         if last_only:
             logits = logits[:, -1:].contiguous()
     return logits
+
+
+def trained_documents_note(trained: dict) -> str | None:
+    """One line naming the packed-document settings `trained` (`trained_documents`) that an
+    evaluation applies as the run trained, or None where there are none."""
+    if not trained:
+        return None
+    flags = [
+        flag
+        for flag, on in (
+            ("--attention-mask-type block_causal", trained["attention_mask_type"] != "causal"),
+            ("--reset-position-ids", trained["reset_position_ids"]),
+            ("--eod-mask-loss", trained["eod_mask_loss"]),
+        )
+        if on
+    ]
+    return (
+        f"evaluates as the checkpoint's run trained: {', '.join(flags)} (end-of-document id "
+        f"{trained['eod_id']})"
+    )

@@ -30,7 +30,7 @@ from megapar.training.data import (
     prepare_data,
     resolve_model,
 )
-from megapar.training.documents import reads_documents
+from megapar.training.documents import document_notes, reads_documents
 from megapar.training.profiling import parse_steps
 from megapar.training.tokenizer_checks import default_to_hf_tokenizer
 from megapar.training.validate import (
@@ -118,9 +118,21 @@ def plan_data(
         return plan
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
-    if reads_documents(cfg) and cfg.eod_id is None:  # the data's end-of-document token
-        cfg.eod_id = IndexedDataset(plan.prefix, cfg.tokenizer).eod_id
-        check_documents(cfg, config)  # inside the vocabulary
+    if reads_documents(cfg):
+        indexed = IndexedDataset(plan.prefix, cfg.tokenizer)
+        notes.extend(
+            document_notes(
+                cfg,
+                indexed.eod_id,
+                indexed.num_docs,
+                indexed.num_tokens,
+                _data_named(cfg),
+                records=indexed.prompt_lengths is not None,
+            )
+        )
+        if cfg.eod_id is None:  # the data's end-of-document token
+            cfg.eod_id = indexed.eod_id
+            check_documents(cfg, config)  # inside the vocabulary
     try:
         train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
         if isinstance(train, SFTDataset) and train.unlabelled == len(train):

@@ -526,6 +526,13 @@ def _inert_zero_settings(cfg, dp: int) -> list[str]:
         notes.append(
             f"--zero {cfg.zero} with dp x cp = 1: there is no rank to shard over, so "
             f"every rank keeps whole state (offloads still apply)"
+            + (
+                "; --muon-distributed has no data-parallel rank to split the "
+                "orthogonalisation over: every rank orthogonalises each of its matrices (a "
+                "tp-split one all-gathered over tp), as without it"
+                if cfg.optimizer == "muon" and cfg.muon_distributed
+                else ""
+            )
         )
     m = cfg.global_batch_size // max(1, cfg.micro_batch_size * dp)
     if cfg.zero == 3 and cfg.zero3_reduce == "micro-batch":

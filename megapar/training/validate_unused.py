@@ -156,7 +156,9 @@ def check_unused(cfg, given: set[str]) -> None:
             "muon_distributed",
             cfg.optimizer != "muon" or cfg.zero > 0,
             "it splits the orthogonalisation of ZeRO's sharded updates over the data-parallel "
-            "ranks, and at --zero 0 every rank holds whole matrices (nothing to exchange)",
+            "ranks, and at --zero 0 every data-parallel rank holds whole matrices (nothing to "
+            "exchange over dp; under --tp each tp-split matrix is all-gathered over tp either "
+            "way)",
             "use --zero 1, 2 or 3",
         ),
     ]
