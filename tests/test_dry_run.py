@@ -916,3 +916,28 @@ def test_the_traffic_line_names_each_collective_in_words():
                "all_gather": {"count": 2, "bytes": 2**20}}})
     assert line == ("dp (2 ranks, in a node): 1 all-reduce 1.00 MiB, 2 reduce-scatters 1.00 MiB,"
                     " 2 all-gathers 1.00 MiB; ep (2 ranks, in a node): 40 all-to-alls 4.00 MiB")
+
+
+def test_dry_run_holds_each_rank_to_the_gpu_memory_and_names_the_ones_over(capsys):
+    """--gpu-memory-gb (default 80, megapar-plan's): each rehearsed rank's modelled GPU peak is
+    said to fit or not, and the ranks over it are named in one line (the most loaded first);
+    the JSON carries fits_gpu. A rehearsal of a job that would run out of memory said nothing
+    of it (mixtral-8x7b at tp 8 x pp 4: 207.50 GiB on rank 0 against 80)."""
+    import json
+
+    args = ["--model", "gpt2-tiny", "--pp", "2", "--world-size", "2", "--dry-run"]
+    rc, out, err = _train(args, capsys)
+    assert rc == 0, err
+    assert out.count("which fits a GPU of 80 GiB (--gpu-memory-gb)") == 2
+    assert "out of GPU memory" not in err
+    rc, out, err = _train([*args, "--gpu-memory-gb", "0.01"], capsys)
+    units = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0}
+    peaks = [float(n) * units[u] for n, u in (line.split("a GPU holds ")[1].split()[:2]
+                                               for line in out.splitlines() if "GPU holds" in line)]
+    assert rc == 0 and len(peaks) == 2 and all(p > 0.01 for p in peaks), (out, err)
+    assert out.count("which does NOT fit a GPU of 0.01 GiB (--gpu-memory-gb)") == 2
+    first = max((0, 1), key=lambda r: peaks[r])
+    line = [x for x in err.splitlines() if "out of GPU memory" in x]
+    assert len(line) == 1 and f": rank {first} " in line[0], err
+    rc, out, err = _train([*args, "--json", "--gpu-memory-gb", "0.01"], capsys)
+    assert [json.loads(x)["fits_gpu"] for x in out.splitlines()] == [False, False]

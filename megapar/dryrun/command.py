@@ -91,11 +91,16 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             return 1
         reports.append(r)
         print(
-            json.dumps(r.to_json()) if cfg.json else report.describe_rank(r, step_dir),
+            json.dumps({**r.to_json(), "fits_gpu": report.fits(r, cfg.gpu_memory_gb)})
+            if cfg.json
+            else report.describe_rank(r, step_dir, cfg.gpu_memory_gb),
             file=out,
             flush=True,
         )
     if not cfg.json:
         print(report.describe_checkpoint(reports, layout, step_dir), file=out)
         print(report.footer(time.perf_counter() - start, len(reports), layout.world_size), file=out)
+    over = report.over_gpu_memory(reports, cfg.gpu_memory_gb)
+    if over:
+        print(f"megapar-train: {over}", file=sys.stderr)
     return 0

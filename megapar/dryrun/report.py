@@ -112,7 +112,12 @@ def _traffic(comm: dict) -> str:
     return "; ".join(parts) or "nothing"
 
 
-def describe_rank(r: RankReport, step_dir: str) -> str:
+def fits(r: RankReport, gpu_gib: float) -> bool:
+    """Whether rank report `r`'s modelled peak on a GPU fits a GPU of `gpu_gib` GiB."""
+    return r.peak_gpu <= gpu_gib * 2**30
+
+
+def describe_rank(r: RankReport, step_dir: str, gpu_gib: float | None = None) -> str:
     worth = "stages' worth of " if r.chunks > 1 else ""  # a chunk counts 1 / chunks
     cp = f", cp {r.cp_rank}" if r.cp_rank or any(k.startswith("cp") for k in r.comm) else ""
     ep = f", ep {r.ep_rank}" if r.ep_rank or "ep" in r.comm else ""
@@ -144,8 +149,14 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
         + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
         f"  at its peak (modelled, at the {r.peak_phase}; megapar-plan's terms): a GPU holds "
         f"{size(r.peak_gpu)} (transients {size(r.transients)} and the tensors made in the "
-        f"backward, the allocator's reserve, the CUDA context); on a CPU the resident set "
-        f"rises {size(r.peak_cpu)} over the process's baseline",
+        f"backward, the allocator's reserve, the CUDA context)"
+        + (
+            ""
+            if gpu_gib is None
+            else f", which {'fits' if fits(r, gpu_gib) else 'does NOT fit'} a GPU of "
+            f"{gpu_gib:g} GiB (--gpu-memory-gb)"
+        )
+        + f"; on a CPU the resident set rises {size(r.peak_cpu)} over the process's baseline",
         f"  per step: {_traffic(r.comm)}"
         + (
             f" ({r.buckets} "
@@ -194,6 +205,21 @@ def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str
             f"writer; a stage's tp ranks hold equal shapes){tail}"
         )
     return f"{head}; {len(seen)} of them sized above{tail}"
+
+
+def over_gpu_memory(reports: list[RankReport], gpu_gib: float) -> str | None:
+    """One line naming the rehearsed ranks whose modelled peak on a GPU exceeds `gpu_gib` GiB
+    (the most loaded first) and what to try, or None where every one fits."""
+    over = sorted((r for r in reports if not fits(r, gpu_gib)), key=lambda r: -r.peak_gpu)
+    if not over:
+        return None
+    named = ", ".join(f"rank {r.rank} {size(r.peak_gpu)}" for r in over[:4])
+    more = f" and {len(over) - 4} more" if len(over) > 4 else ""
+    return (
+        f"the job would run out of GPU memory: {named}{more} at their modelled peak, over the "
+        f"{gpu_gib:g} GiB of a GPU (--gpu-memory-gb); megapar-plan ranks the layouts that fit "
+        f"(the model's terms within about 10 %: a figure near the limit may also fail)"
+    )
 
 
 def footer(seconds: float, ranks: int, world: int) -> str:

@@ -293,6 +293,8 @@ class TrainConfig:
     """With --dry-run: ranks of the job (dp = world size / (tp x cp x pp)); default tp x cp x pp x dp. At most 1,048,576 (one rehearsed rank of such a job takes 30 s and 1 GB: it builds all of the job's groups)."""
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
+    gpu_memory_gb: float = 80.0
+    """With --dry-run: each GPU's memory in GiB, as megapar-plan's --gpu-memory-gb (default 80: an H100's or an 80 GB A100's): each rehearsed rank's modelled peak on a GPU is held to it, and the ranks that would not fit are named."""
     dry_run_ranks: str = "sample"
     """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle; with --cp one at the last cp rank; the dry run names them and why), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False

@@ -398,6 +398,7 @@ LOOP_OPTIONS = (
     *("eval_interval", "eval_steps", "log_json", "tensorboard", "wandb_project", "peak_tflops"),
     *("profile_steps", "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval"),
     *("record_step", "replay", "replay_against", "world_size", "dry_run_ranks", "json", "debug"),
+    "gpu_memory_gb",
 )
 """TrainConfig fields only megapar-train's run and loop read (saving, loading, logging,
 evaluation, stopping, the dry run), which a caller's loop replaces: the engine never reads

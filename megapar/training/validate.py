@@ -107,6 +107,7 @@ _RULES: list[_Rule] = [
     ("straggler_factor", "float", 1.0, False, (0, "off")),
     ("world_size", "int", 1, True),
     ("gpus_per_node", "int", 1, True),
+    ("gpu_memory_gb", "float", 0.0, False),
 ]
 
 
@@ -237,7 +238,7 @@ def _check_combinations(cfg) -> None:
     check_optimizer_sharding(cfg)  # ZeRO 1/2 with compression, LAMB / LARS offloaded
     rehearsal = [
         name
-        for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
+        for name in ("world_size", "gpus_per_node", "gpu_memory_gb", "dry_run_ranks", "json")
         if name in explicit(cfg)
     ]
     if rehearsal and not cfg.dry_run:

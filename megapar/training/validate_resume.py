@@ -316,6 +316,7 @@ NOT_INHERITED = {
     "dry_run",
     "world_size",
     "gpus_per_node",
+    "gpu_memory_gb",
     "dry_run_ranks",
     "json",
 }
