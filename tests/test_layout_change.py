@@ -122,10 +122,10 @@ def test_zero1_dp2_checkpoint_continues_at_dp1_with_and_without_zero_and_at_dp4(
     print("\n".join(measured))  # shown with -s
 
 
-def test_zero2_checkpoint_continues_at_zero0_and_the_reverse(tmp_path, common):
+def test_zero2_checkpoint_continues_at_zero0_and_the_reverse(tmp_path, common, capfd):
     """A --zero 2 checkpoint (pp 2 x dp 2: gradients and state sharded) resumes at --zero 0 and
-    --zero 1 with the losses of the run that did not stop, and a --zero 0 one resumes at
-    --zero 2 (dp 2, pp 1)."""
+    --zero 1 with the losses of the run that did not stop (the resume line names the ZeRO
+    change), and a --zero 0 one resumes at --zero 2 (dp 2, pp 1)."""
     measured = []
     (tmp_path / "a").mkdir()
     reference, step3 = _train_and_checkpoint(
@@ -135,6 +135,7 @@ def test_zero2_checkpoint_continues_at_zero0_and_the_reverse(tmp_path, common):
         assert train([*common, "--tp", "1", "--pp", "2", "--dp", "2", "--zero", zero,
                       "--load", str(step3), "--log-json", str(log)]) == 0
         measured.append(_assert_continues(reference, log, f"zero=2 -> zero={zero}"))
+        assert f"at step 3 (same layout; --zero 2 -> {zero})" in capfd.readouterr().out
     (tmp_path / "b").mkdir()
     reference, step3 = _train_and_checkpoint(
         tmp_path / "b", common, ["--tp", "1", "--pp", "1", "--dp", "2", "--zero", "0"])

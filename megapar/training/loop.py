@@ -195,9 +195,9 @@ class Trainer:
             else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         )
         trained = state.meta.get("train_config") or {}
-        how += "".join(  # how the layout runs, which Layout does not hold (never inherited)
+        how += "".join(  # how the layout runs, which Layout does not hold (not inherited)
             f"; --{name.replace('_', '-')} {was} -> {now}"
-            for name in ("expert_tensor_parallel_size", "cp_comm_type")
+            for name in ("zero", "expert_tensor_parallel_size", "cp_comm_type")
             if (was := trained.get(name)) is not None and was != (now := getattr(self.cfg, name))
         )
         ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
