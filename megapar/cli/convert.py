@@ -405,8 +405,9 @@ def _to_hf(args) -> str:
     elif rows is not None:
         report += (
             f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
-            f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
-            f"where missing), which this model trained its softmax over, so they "
+            f"{rows[1] - rows[2]} special tokens megapar's tokenizers append for every "
+            f"model (BERT's [PAD] [CLS] [SEP] [MASK], where missing), which this model "
+            f"trained its softmax over, so they "
             f"stay (cutting them would "
             f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
             f"shaped as Hugging Face's model"
