@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
-from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import (
     launched_size_refusal,
@@ -239,7 +238,7 @@ def build_parser() -> OneLineParser:
 @torch.no_grad()
 def _loss_worker(args):
     mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
-    trained = trained_documents(read_manifest(resolve_checkpoint(args.load)))
+    trained = trained_documents(read_manifest(args.load))  # read_manifest resolves it
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
