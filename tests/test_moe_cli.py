@@ -4,6 +4,7 @@ with --from-hf at tp 2 under a capacity factor, saved, exported with megapar-con
 loaded back by transformers with the logits megapar computes from the exported weights."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tp_utils import assert_close, make_mesh
 
+import megapar.checkpoint.manifest as manifest_module
 from megapar.checkpoint.convert import checkpoint_info, write_checkpoint
 from megapar.checkpoint.distributed import load_checkpoint, planned_shard
 from megapar.checkpoint.format import ShardReader
@@ -372,14 +374,15 @@ def _safetensors_keys(path):
 
 
 def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
-        tmp_path, common, capfd):
+        tmp_path, common, capfd, monkeypatch):
     """A run at --tp 2 --dp 2 --ep 2 --zero 1 --expert-tensor-parallel-size 2 (each expert's
     weights split over tp, its state over ZeRO-1's expert-dp slices) saves each routed expert's
     stack (weights and moments) once, split along the experts over the two tp files (tp rank r's
     file experts [2r, 2r + 2) of 4; manifest tp_dim 0): the expert bytes of the two files are one
     copy of the stacks, not two; the dry run's file size is the file's. Its step-1 checkpoint
-    resumes at --tp 2 with the experts unsplit (ETP 1, ep 1, dp 1) with step 2's loss (1e-6)
-    and saves at step 2 (an ETP 1 file, its experts split the same way), which resumes at one
+    resumes at --tp 2 with the experts unsplit (ETP 1, ep 1, dp 1) with step 2's loss (1e-6),
+    every file of it hashed once, by the launcher before its two workers start (which check
+    only the sizes of what they read), and saves at step 2 (an ETP 1 file, its experts split the same way), which resumes at one
     process with step 3's loss and saves at step 3 what the straight run saves (1e-5), and
     loads in its own layout unresharded, its RNG states restored. The same step-2 checkpoint
     rewritten in the old form (every expert whole in every tp file, no tp split) resumes at
@@ -397,13 +400,26 @@ def test_experts_are_saved_once_split_over_the_tp_files_and_resume_in_any_form(
             "one": ["--load", str(etp1 / "step_00000002")],
             "old": ["--tp", "2", "--expert-tensor-parallel-size", "2", "--load", str(old)]}
     losses, saved = {}, {}
+    hashed = tmp_path / "hashed.txt"  # (process, file) of every file hashed on load
+    record = manifest_module.file_record
+
+    def hashing(path):
+        with open(hashed, "a") as f:
+            f.write(f"{os.getpid()} {Path(path).name}\n")
+        return record(path)
+
     for run, layout in runs.items():
         if run == "old":
             _old_form(etp1 / "step_00000002", old)
         log = tmp_path / f"{run}.jsonl"
         save = tmp_path / (run if run != "old" else "old_ck")
+        if run == "etp1":  # the workers are forked: they hash through the patched function
+            monkeypatch.setattr(manifest_module, "file_record", hashing)
         assert main([*args, *layout, "--save", str(save), "--log-json", str(log)]) == 0
+        monkeypatch.undo()
         losses[run] = {r["step"]: r["loss"] for r in _records(log)}
+    files = sorted(p.name for p in (straight / "step_00000001").glob("*.safetensors"))
+    assert sorted(hashed.read_text().splitlines()) == [f"{os.getpid()} {f}" for f in files]
     # the resume note names the change the layout (tp 2 both times) does not show
     assert "; --expert-tensor-parallel-size 2 -> 1)" in "".join(capfd.readouterr())
     assert set(losses["etp1"]) == {2} and set(losses["one"]) == set(losses["old"]) == {3}

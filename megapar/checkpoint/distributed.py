@@ -8,7 +8,8 @@ publishes the directory and tells every rank the outcome, so all ranks return (o
 
 Load: each rank reads what its own parameters need. In the checkpoint's own layout that is its
 own file; in any other layout (tp, pp, padding) the shards are reassembled through the canonical
-index space (`ShardReader`), weights and optimizer moments alike. dp and cp never matter.
+index space (`ShardReader`), weights and optimizer moments alike; of the routed experts' stacks
+only the rows (and columns) of the experts the rank keeps. dp and cp never matter.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ from megapar.checkpoint.stage_tensors import (
     own_experts,
     saved_expert,
     saved_tp_dim,
+    split_expert,
     stage_tensors,
     whole_expert_shape,
 )
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_dict
+from megapar.tensor_parallel.partition import tp_dim, tp_parts
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
 # a checkpoint loads into a model that differs only in these.
@@ -446,7 +449,7 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
             raise CheckpointError(
                 f"{step_dir}: {source} has shape {entry['full_shape']}, the model expects {want}"
             )
-        pdim = saved_tp_dim(param)  # a routed expert's stack is read whole (`own_experts`)
+        pdim = saved_tp_dim(param)  # a routed expert's own rows are read (`_read`)
         if not is_routed_expert(param):  # its split follows the tp size, compared below
             resharded |= dim is not None and entry["local_shape"] != list(param.shape)
             resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
@@ -456,13 +459,52 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
     return wanted, resharded
 
 
+def _own_rows(reader: ShardReader, source: str, param) -> tuple[int, int] | None:
+    """[start, stop) of the whole [E, ...] stack's experts that `param` (a routed expert's
+    stack, this ep rank's block of it) holds, when the checkpoint keeps the stack so that
+    they can be read alone (split along the experts over the tp files, or whole in each);
+    None for any other tensor (read through `ShardReader.pieces`)."""
+    entry = reader.entry(source)
+    if not is_routed_expert(param) or entry["tp_dim"] not in (0, None) or "fused_from" in entry:
+        return None
+    ep_rank, _ = ep_shard(param)
+    n = param.shape[0]  # the experts this ep rank holds
+    return ep_rank * n, (ep_rank + 1) * n
+
+
+def _files(reader: ShardReader, source: str, param, mesh: Mesh, local) -> list[str]:
+    """The files `_read` reads `param`'s tensors from."""
+    rows = _own_rows(reader, source, param)
+    if rows is None:
+        return [f for f, *_ in reader.pieces(source, mesh.tp, mesh.tp_rank, local)]
+    return [f for f, *_ in reader.row_pieces(source, *rows, mesh.tp_rank)]
+
+
+def _read(reader: ShardReader, source: str, key, param, mesh: Mesh, local) -> torch.Tensor:
+    """This rank's shard of `param`'s weights (`key` None) or moment `key` from the checkpoint:
+    of a routed expert's stack only its ep block's rows, and under expert tensor parallelism
+    only its tp slice of them, read alone (`ShardReader.rows`: no other rank's experts are
+    read); of any other tensor the overlapping slices of the source shards."""
+    rows = _own_rows(reader, source, param)
+    if rows is None:
+        whole = reader.shard(source, key, mesh.tp, mesh.tp_rank, local, saved_tp_dim(param))
+        return own_experts(whole, param, mesh.tp_rank)
+    dim = tp_dim(param) if split_expert(param) else None
+    width = None if dim is None else param.shape[dim]
+    return reader.rows(source, key, *rows, mesh.tp_rank, dim, width, tp_parts(param))
+
+
 @torch.no_grad()
 def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedState:
     """Fill `model` (this rank's stage) from a checkpoint saved in any layout.
 
     `path`: a checkpoint ROOT (follows ``latest``) or step directory. `verify`: "sha256" (default:
-    every file this rank reads is hashed against the manifest), "size" or "none".
-    Not collective: each rank reads only the slices it needs.
+    every file this rank reads from is hashed whole against the manifest), "size" (their sizes
+    only, and every tensor's shape from the file's header: where every file was hashed before,
+    as megapar-train's launcher does before its workers start) or "none".
+    Not collective: each rank reads only the slices it needs; of a routed expert's stack only
+    its own experts' rows (its ep block), and under expert tensor parallelism only its tp slice
+    of them (`ShardReader.rows`), never another rank's experts.
     """
     step_dir = resolve_checkpoint(path)
     manifest = read_manifest(step_dir)
@@ -474,9 +516,7 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     same_layout = src == mesh.layout and not resharded
     rng_record = manifest["files"].get(RNG_FILE)
     needed = {
-        f
-        for _, source, _, local in wanted
-        for f, *_ in reader.pieces(source, mesh.tp, mesh.tp_rank, local)
+        f for _, source, param, local in wanted for f in _files(reader, source, param, mesh, local)
     }
     if same_layout and rng_record:
         needed.add(RNG_FILE)
@@ -486,19 +526,12 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
                 raise CheckpointError(f"{step_dir}: {fname} is not in the manifest")
             verify_file(step_dir, fname, manifest["files"][fname], verify == "sha256")
     optim = {}
-    tp, tp_rank = mesh.tp, mesh.tp_rank
     for _name, source, param, local in wanted:
-        pdim = saved_tp_dim(param)
-        param.copy_(
-            own_experts(reader.shard(source, None, tp, tp_rank, local, pdim), param, tp_rank)
-        )
+        param.copy_(_read(reader, source, None, param, mesh, local))
         # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied
         # to, keyed by that canonical name, which the optimizer accepts for the copy.
         keys = reader.entry(source)["optim"]
-        moments = {
-            k: own_experts(reader.shard(source, k, tp, tp_rank, local, pdim), param, tp_rank)
-            for k in keys
-        }
+        moments = {k: _read(reader, source, k, param, mesh, local) for k in keys}
         if moments:
             optim[source] = moments
     rng = None

@@ -316,6 +316,70 @@ class ShardReader:
                 )
         return out
 
+    def row_pieces(self, name: str, start: int, stop: int, tp_rank: int = 0, entry=None):
+        """[(file, source rows [a, b), target row offset)] of rows [start, stop) of dim 0 of
+        canonical tensor `name`, split along dim 0 over the tp files (a routed expert's stack,
+        ``tp_dim`` 0) or whole in each (``tp_dim`` None: an older checkpoint's expert, read
+        from tp rank `tp_rank`'s own file where the source has one, as `pieces` does)."""
+        entry = entry or self.entry(name)
+        dim, stage = entry["tp_dim"], entry["stage"]
+        if dim is None:
+            own = tp_rank if tp_rank < self.src_tp else 0
+            return [(shard_file_name(own, stage), (start, stop), 0)] if start < stop else []
+        if dim != 0 or "fused_from" in entry:
+            raise CheckpointError(f"{self.step_dir}: {name} is not split along dim 0")
+        full, src_local = entry["full_shape"][0], entry["local_shape"][0]
+        out = []
+        for t in range(self.src_tp):
+            s0, s1 = shard_range(full, src_local, t)
+            lo, hi = max(start, s0), min(stop, s1)
+            if lo < hi:
+                out.append((shard_file_name(t, stage), (lo - s0, hi - s0), lo - start))
+        return out
+
+    def rows(
+        self,
+        name: str,
+        key: str | None,
+        start: int,
+        stop: int,
+        tp_rank: int = 0,
+        dim: int | None = None,
+        local: int | None = None,
+        parts: int = 1,
+    ) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of canonical tensor `name` (weights, or optimizer
+        moment `key`) laid out as `row_pieces` says (a routed expert's stack: an ep rank's
+        experts); with `dim`, of those rows only tp rank `tp_rank`'s shard along `dim`, `local`
+        wide (zero padded) and of `parts` parts (`shard_of`'s rule: an expert split over tp).
+        Reads only those elements (``get_slice`` of each file's rows and columns)."""
+        entry = self.entry(name)
+        tkey = f"model/{name}" if key is None else f"optim/{name}/{key}"
+        if key is not None and key not in entry["optim"]:
+            raise CheckpointError(f"{self.step_dir}: no optimizer state {key!r} for {name}")
+        dtype = dtype_from_name(entry["dtype"] if key is None else entry["optim"][key])
+        shape = [stop - start, *entry["full_shape"][1:]]
+        cols: list[tuple[int, int, int]] = []  # (source [lo, hi) along dim, target offset)
+        if dim is not None:
+            assert local is not None  # a split dim has a local size
+            part, width = shape[dim] // parts, local // parts
+            for p in range(parts):
+                lo, hi = shard_range(part, width, tp_rank)
+                if lo < hi:
+                    cols.append((p * part + lo, p * part + hi, p * width))
+            shape[dim] = local
+        out = torch.zeros(shape, dtype=dtype)
+        for fname, (a, b), at in self.row_pieces(name, start, stop, tp_rank, entry):
+            rows = out.narrow(0, at, b - a)
+            handle = self._file(fname).get_slice(tkey)
+            if dim is None:
+                rows.copy_(handle[a:b])
+                continue
+            for lo, hi, to in cols:
+                index = (slice(a, b),) + (slice(None),) * (dim - 1) + (slice(lo, hi),)
+                rows.narrow(dim, to, hi - lo).copy_(handle[index])
+        return out
+
     def shard(
         self,
         name: str,

@@ -11,11 +11,13 @@ On save each tp rank's block is made from what the ranks hold (`expert_blocks`):
 expert parallelism the ep ranks' blocks gathered over the ep group; under expert tensor
 parallelism (each expert's weights split over tp, `models.moe`) every tp rank's slices of the
 block exchanged over tp (one all-to-all) and joined (by the one shard rule, its ``tp_parts``
-included). On load a rank reads the stack whole (`saved_tp_dim`: the shard reader joins the
-files' blocks) and takes its own part (`own_experts`), so a checkpoint moves between any ep,
-tp and --expert-tensor-parallel-size (1 or tp), as between any two layouts. A checkpoint whose
-expert entries have ``tp_dim`` None (an older megapar's: each stack whole in every tp file) is
-read as such.
+included). On load a rank reads only its own part: its ep block's rows of the stack from the
+files holding them, and under expert tensor parallelism only its tp slice of those
+(`checkpoint.distributed`, `ShardReader.rows`; `own_experts` is that part of a stack read
+whole), so a checkpoint moves between any ep, tp and --expert-tensor-parallel-size (1 or tp),
+as between any two layouts. A checkpoint whose expert entries have ``tp_dim`` None (an older
+megapar's: each stack whole in every tp file) is read as such (the rows from the rank's own
+tp file).
 
 Buffers are replicated over every parallel axis (tp, dp, cp, ep), so a checkpoint keeps them as
 it keeps a replicated parameter, with no optimizer state, marked ``"buffer": true`` in the
@@ -67,7 +69,7 @@ def split_expert(param) -> bool:
 
 def saved_tp_dim(param) -> int | None:
     """The tp dim `param` is read from a checkpoint split along: its own, but None for a
-    routed expert (its stack is read whole, `own_experts` takes the rank's part)."""
+    routed expert (its stack is indexed whole: the rank's rows of it, `own_experts`)."""
     return None if is_routed_expert(param) else tp_dim(param)
 
 
@@ -90,7 +92,8 @@ def saved_expert(whole: list[int], tp: int) -> tuple[int | None, list[int]]:
 
 def own_experts(whole: torch.Tensor, param, tp_rank: int = 0) -> torch.Tensor:
     """This rank's part of a whole tensor read for `param`: under ep its experts (block of
-    dim 0), and of an expert split over tp, tp rank `tp_rank`'s shard of those."""
+    dim 0), and of an expert split over tp, tp rank `tp_rank`'s shard of those (what
+    `ShardReader.rows` reads alone)."""
     ep_rank, ep = ep_shard(param)
     n = whole.shape[0] // ep
     mine = whole.narrow(0, ep_rank * n, n) if ep > 1 else whole

@@ -84,6 +84,11 @@ class DataPlan:
     start_step: int = 0
     """The step --load's checkpoint saved, after which the resumed run trains (0 on a fresh
     start)."""
+    checked_load: str | None = None
+    """The step directory of --load whose files the launcher checked, every one whole (sizes
+    and sha256, `checkpoint_manifest`), before the workers started: the ranks load that
+    directory and check only the sizes of the files they read (each reads only its part of a
+    file: its experts' rows, say). None on a fresh start."""
 
 
 def resolve_data_prefix(

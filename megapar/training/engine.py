@@ -580,17 +580,18 @@ class Engine:
         rank when it failed. Collective (one small all-reduce while a write is in flight)."""
         return self.saver.poll() if self.saver is not None else None
 
-    def load(self, path: str | Path):
+    def load(self, path: str | Path, verify: str = "sha256"):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
         (any layout: resharded on load). The checkpoint's megapar schedule replaces the
         engine's, or becomes it when `prepare` was given none and no torch scheduler drives
         `optimizer`. Returns the checkpoint's `LoadedState` (its `.meta` holds what
-        `save(extra=...)` stored)."""
+        `save(extra=...)` stored). `verify`: how each rank checks the files it reads
+        (`load_checkpoint`: "sha256", "size" where every file was hashed before, or "none")."""
 
         _check_path("engine.load", path)
         self.in_its_group("engine.load")
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
-            state = load_checkpoint(path, self.model, self.mesh)
+            state = load_checkpoint(path, self.model, self.mesh, verify=verify)
         if state.optim_tensors:
             self.optimizer.load_state_tensors(state.optim_tensors)
         restore_meta(self, state.meta)

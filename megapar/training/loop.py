@@ -136,7 +136,7 @@ class Trainer:
         """Steps skipped for inf / nan since the last console line (`log_step`)."""
         if resume:
             assert cfg.load is not None  # resume: --load names a checkpoint
-            self._resume(cfg.load)
+            self._resume(cfg.load, plan.checked_load)
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see: its
             # steps from the sampler's position (a resumed run's, where the checkpoint left it)
             planned = planned_samples(self.sampler, cfg.max_steps - self.step)
@@ -172,9 +172,12 @@ class Trainer:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
         self.notes.append(note)
 
-    def _resume(self, path: str) -> None:
+    def _resume(self, path: str, checked: str | None = None) -> None:
+        """Restore the run from --load `path`; `checked`: its step directory whose every file
+        the launcher hashed before the workers started (`DataPlan.checked_load`), loaded with
+        the sizes of the files read checked (None: each rank hashes the files it reads)."""
         planned = self.scheduler.state_dict() if self.scheduler is not None else None
-        state = self.engine.load(path)
+        state = self.engine.load(checked or path, verify="size" if checked else "sha256")
         if planned is not None and self.scheduler.state_dict() != planned:
             # the flags (or, where not given, the checkpoint's saved flags) set the schedule:
             # e.g. a raised --max-steps stretches the decay instead of staying at --min-lr

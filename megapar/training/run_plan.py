@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 
+from megapar.checkpoint.format import step_dir_name
 from megapar.checkpoint.lock import check_unlocked
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.publish import has_checkpoint, resolve_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record, loss_terms
@@ -112,6 +113,9 @@ def plan_data(
     if manifest is not None:  # the data order the resumed run continues (a dry run shows it)
         plan.sampler_state = (manifest.get("meta") or {}).get("sampler")
         plan.start_step = int(manifest.get("step", 0))
+        step_dir = resolve_checkpoint(os.path.expanduser(cfg.load or ""))
+        if step_dir.name == step_dir_name(plan.start_step):  # the step its files were checked of
+            plan.checked_load = str(step_dir)
     if plan.prefix is None:  # a rehearsal without the data
         if reads_documents(cfg) and cfg.eod_id is None:  # the masks' shapes need no real id
             cfg.eod_id = int(getattr(config, "eos_token_id", None) or 0)
