@@ -2,20 +2,18 @@
 expert tensor parallelism, the columns) of the experts it keeps. A mixtral-tiny checkpoint of
 random tensors and moments at tp 2 (each stack split along the experts over the two tp files,
 and the older form with every stack whole in both) is loaded by every rank of tp 2 x dp 2 x
-ep 2 at --expert-tensor-parallel-size 1 and 2, and of tp 2 alone, counting the bytes each
+ep 2 and of tp 2 alone, each at --expert-tensor-parallel-size 1 and 2, counting the bytes each
 asks safetensors for: a rank's expert bytes are exactly those of its own shards (weights and
 moments), and what it loads equals its part of the whole stack as read before (the whole
 stack read, then `own_experts`)."""
 
-from collections import Counter
-
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 
 import megapar.checkpoint.format as fmt
-import megapar.checkpoint.manifest as manifest_mod
 from megapar.checkpoint.convert import plan, write_checkpoint
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import ShardReader
@@ -90,10 +88,9 @@ def loaded_by_every_rank(step_dir, layout, etp, monkeypatch, verify="size"):
     whole tensor read whole (`ShardReader.shard` at tp 1), as the loader took it before."""
     config = config_from_dict(read_manifest(step_dir)["model"])
     full = ShardReader(step_dir, read_manifest(step_dir))
-    out = {}
+    out, opened = {}, fmt.open_safetensors
     for rank in range(layout.world_size):
         reads: Counter = Counter()
-        opened = fmt.open_safetensors
         monkeypatch.setattr(fmt, "open_safetensors",
                             lambda path, what="", r=reads: Counted(opened(path), path.name, r))
         mesh = Mesh.virtual(layout, rank=rank, device="cpu", expert_tp=etp)
@@ -114,10 +111,6 @@ def loaded_by_every_rank(step_dir, layout, etp, monkeypatch, verify="size"):
                 pairs[name, key] = (got, own_experts(whole, p, mesh.tp_rank))
         out[rank] = (reads, own, pairs)
     return out
-
-
-def expert_bytes(reads):
-    return sum(n for (_, key), n in reads.items() if ".experts." in key)
 
 
 @pytest.mark.parametrize("old_form", [False, True], ids=["split", "old-form"])
