@@ -449,6 +449,8 @@ def _count_step(tp: int, dp: int, zero: int, pp: int = 1, distributed: bool = Fa
             "muon_gathers": [b.padded // dp for b in muon_buckets],
             "param_gathers": [("all_gather_into_tensor", b.padded // dp) for b in buckets],
             "rank": mesh.rank, "issued": [(c.op, c.numel, c.ranks) for c in counted],
+            "muon": sorted((c.op, c.numel) for c in counted if c.purpose == "muon"),
+            "others": sorted((c.op, c.numel) for c in counted if c.purpose != "muon"),
             "ns_calls": ns_calls, "dp_rank": mesh.dp_rank, "tp_rank": mesh.tp_rank,
             "pp_rank": mesh.pp_rank, **(_plan_facts(optimizer, model) if distributed else {})}
 
@@ -530,12 +532,16 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
     all-gather after the step (ZeRO-1's own) and one more all-gather of each bucket holding
     Muon matrices (their pieces' updates); nothing else. Every rank of each group issues them
     in the same order, there and at pp 2 x dp 2 with ZeRO-3 (each stage's own matrices and
-    units)."""
+    units). The tp all-gathers and the Muon buckets' all-gathers are recorded as Muon's
+    (`Call.purpose`, what the dry run names them by), the parameter buckets' not."""
     outs = run_local(_count_steps, 4, [(2, 2, 1), (1, 2, 3, 2)])
     for out in (o[0] for o in outs):
         assert len(out["expected_tp"]) == 16
         assert out["tp"] == out["expected_tp"]
         assert out["dp"] == out["expected_dp"]
+        assert out["muon"] == sorted(out["expected_tp"] + [("all_gather_into_tensor", n)
+                                                           for n in out["muon_gathers"]])
+        assert out["others"] == sorted(out["param_gathers"])
     for layout in range(2):
         _same_order_in_every_group([o[layout] for o in outs])
     assert {len(o[1]["issued"]) > 0 for o in outs} == {True}  # the ZeRO-3 units' gathers
@@ -552,7 +558,9 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
     balanced to within one matrix's cost; every rank of each group issues its collectives in
     the same order; the elements its all-to-alls carry to and from the other dp ranks are what
     `muon.exchange_elements` counts from the buckets' layout (the count
-    test_owner_placement_moves_fewer_bytes_at_the_same_balance compares)."""
+    test_owner_placement_moves_fewer_bytes_at_the_same_balance compares); the all-to-alls and
+    the tp gathers and scatters are recorded as Muon's (`Call.purpose`), the parameter
+    buckets' all-gathers not."""
     layouts = [(2, 2, 1, 1, True), (1, 4, 2, 1, True), (1, 2, 3, 2, True), (2, 2, 1)]
     outs = run_local(_count_steps, 4, layouts)
     every_rank = {o[3]["rank"]: sorted(o[3]["ns_calls"]) for o in outs}
@@ -566,6 +574,8 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
                 assert sorted(out["tp"]) == out["expected_owned_tp"], out["rank"]
             if layout < 2:  # ZeRO-1 / 2: and the parameter buckets' all-gather after the step
                 assert out["dp"] == sorted(out["param_gathers"] + out["expected_a2a"])
+                assert out["others"] == sorted(out["param_gathers"])
+            assert out["muon"] == sorted(out["expected_a2a"] + out["tp"]), out["rank"]
             assert sorted(out["ns_calls"]) == out["expected_ns"], (layouts[layout], out["rank"])
             assert out["wire"] == out["counted"], (layouts[layout], out["rank"])
         groups: dict = {}

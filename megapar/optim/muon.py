@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megapar.comm_count import issued_for
 from megapar.expert_parallel import is_expert
 from megapar.tensor_parallel.partition import (
     full_shape,
@@ -361,10 +362,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 tensors.append(p)
                 updates.append(p.grad.lerp(buf, mu))
                 groups.append(g)
-        if self.whole is not None:
-            done = self.whole(tensors, updates)
-        else:
-            done = whole_updates(tensors, updates, self.tp_group, self.adjust_lr, self.ns_dtype)
+        with issued_for("muon"):  # the dry run names these collectives Muon's
+            if self.whole is not None:
+                done = self.whole(tensors, updates)
+            else:
+                done = whole_updates(tensors, updates, self.tp_group, self.adjust_lr, self.ns_dtype)
         for p, g, (o, ratio) in zip(tensors, groups, done):
             p.mul_(1 - g["lr"] * g["weight_decay"])
             p.add_(o.view_as(p), alpha=-(g["lr"] * ratio))

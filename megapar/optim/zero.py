@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapar.comm_count import issued_for
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
@@ -271,7 +272,8 @@ class ZeroOptimizer(AdamWOptimizer):
             self._full_norms([], [])  # own nothing, but the norm all-reduces are collective
         if self.sharded and self.inner is None and self.kind == "muon":
             # own nothing, but Muon's gathers / exchanges are collective
-            (self._muon_split if self.muon_plan else self._muon_whole)([], [])
+            with issued_for("muon"):
+                (self._muon_split if self.muon_plan else self._muon_whole)([], [])
         super().step(closure)
 
     @torch.no_grad()
