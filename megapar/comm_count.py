@@ -6,11 +6,16 @@ wrapper sees them all; point-to-point messages grouped by `dist.batch_isend_irec
 one per message): the op, the payload's element count, bytes, dtype and device, the size of the
 group it ran over and its ranks. The tests count a step's traffic with it, and the dry
 run (`megapar.dryrun`) counts what each rank of a large job would send.
+
+Code whose collectives serve one purpose that their group does not tell (Muon's exchanges over
+dp and tp, `megapar.optim.muon`) issues them inside `issued_for(purpose)`: its calls are
+recorded with that `Call.purpose`, which the dry run reports them under.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -56,6 +61,22 @@ class Call:
     group_size: int
     ranks: tuple[int, ...] | None = field(default=None, compare=False)
     """Global ranks of the group it ran over (None: the default group, every rank)."""
+    purpose: str = field(default="", compare=False)
+    """What issued it, where `issued_for` said so ("muon": Muon's exchanges); "" otherwise."""
+
+
+_PURPOSE: contextvars.ContextVar[str] = contextvars.ContextVar("purpose", default="")
+
+
+@contextlib.contextmanager
+def issued_for(purpose: str):
+    """The collectives issued inside are recorded with `purpose` (`Call.purpose`) by any
+    `count_collectives` around them; outside one it changes nothing."""
+    token = _PURPOSE.set(purpose)
+    try:
+        yield
+    finally:
+        _PURPOSE.reset(token)
 
 
 def _group_size(group) -> int:
@@ -83,6 +104,7 @@ def count_collectives(device: torch.device | None = None):
                 t.device,
                 _group_size(group),
                 None if group is None else tuple(dist.get_process_group_ranks(group)),
+                _PURPOSE.get(),
             )
         )
 

@@ -918,6 +918,35 @@ def test_the_traffic_line_names_each_collective_in_words():
                     " 2 all-gathers 1.00 MiB; ep (2 ranks, in a node): 40 all-to-alls 4.00 MiB")
 
 
+def test_the_dry_run_names_muons_collectives_the_optimizers():
+    """Collectives issued for Muon (`comm_count.issued_for`, as its step issues its exchanges)
+    are reported as "muon over" their group: an all-to-all over the dp group, which is the ep
+    group here (ep = dp), is Muon's, not expert parallelism's "ep" (the experts' all-to-all
+    over the same ranks stays "ep"), and one over tp is "muon over tp"; the others keep their
+    groups' names."""
+    import torch
+    import torch.distributed as dist
+
+    from megapar.comm_count import count_collectives, issued_for
+    from megapar.dryrun.rank import traffic
+    from megapar.dryrun.world import fake_process_group
+    from megapar.mesh import Mesh
+
+    with fake_process_group(4, 1):
+        mesh = Mesh(Layout(2, 1, 2, ep=2), 1)
+        x = torch.zeros(8)
+        with count_collectives() as calls:
+            dist.all_to_all_single(torch.empty(8), x, group=mesh.ep_group)
+            with issued_for("muon"):
+                dist.all_to_all_single(torch.empty(8), x, group=mesh.dp_group)
+                dist.all_to_all_single(torch.empty(8), x, group=mesh.tp_group)
+            dist.all_to_all_single(torch.empty(8), x, group=mesh.tp_group)
+        comm = traffic(calls, mesh, 8)
+    assert mesh.ep_group is not None
+    assert {group: e["all_to_all_single"]["count"] for group, e in comm.items()} == {
+        "ep": 1, "muon over dp": 1, "muon over tp": 1, "tp": 1}
+
+
 def test_dry_run_holds_each_rank_to_the_gpu_memory_and_names_the_ones_over(capsys):
     """--gpu-memory-gb (default 80, megapar-plan's): each rehearsed rank's modelled GPU peak is
     said to fit or not, and the ranks over it are named in one line (the most loaded first);

@@ -449,6 +449,8 @@ def _count_step(tp: int, dp: int, zero: int, pp: int = 1, distributed: bool = Fa
             "muon_gathers": [b.padded // dp for b in muon_buckets],
             "param_gathers": [("all_gather_into_tensor", b.padded // dp) for b in buckets],
             "rank": mesh.rank, "issued": [(c.op, c.numel, c.ranks) for c in counted],
+            "muon": sorted((c.op, c.numel) for c in counted if c.purpose == "muon"),
+            "others": sorted((c.op, c.numel) for c in counted if c.purpose != "muon"),
             "ns_calls": ns_calls, "dp_rank": mesh.dp_rank, "tp_rank": mesh.tp_rank,
             "pp_rank": mesh.pp_rank, **(_plan_facts(optimizer, model) if distributed else {})}
 
@@ -458,8 +460,10 @@ def _plan_facts(optimizer, model) -> dict:
     elements (first: the Muon elements of this rank's slices, to their owners; second: the
     elements of the (tp shards of the) matrices it owns, back), the tp all-gathers (one per
     owned tp-split matrix), the Newton-Schulz calls (one per owned matrix, q / k / v apart),
-    and each matrix's owner by name with its cost."""
-    from megapar.optim.muon import matrices_of, ns_cost
+    and each matrix's owner by name with its cost; the elements its all-to-alls carry to and
+    from the other dp ranks, by the plan's splits and as `muon.exchange_elements` counts them
+    from the buckets' layout."""
+    from megapar.optim.muon import exchange_elements, matrices_of, ns_cost, slices_held
 
     import torch.distributed as dist
 
@@ -476,8 +480,31 @@ def _plan_facts(optimizer, model) -> dict:
             "expected_ns": sorted(m for p, tp, r in zip(owned, split, plan.tp_owners)
                                   if not tp or r == tp_rank for m in matrices_of(p)),
             "owners": {names[i]: r for i, r in plan.owner.items()},
+            "wire": _wire(plan, dist.get_rank(plan.group)),
+            "counted": _counted(optimizer, plan, exchange_elements, slices_held),
             "costs": {names[i]: ns_cost(p) for i, p in
                       ((id(p), p) for p in optimizer.params) if i in plan.owner}}
+
+
+def _wire(plan, me: int) -> int:
+    """Elements the plan's two all-to-alls carry into this rank from the others: the first's
+    received split, and what it sent in the first coming back in the second."""
+    return sum(n for r, n in enumerate(plan.recv_splits) if r != me) + sum(
+        n for r, n in enumerate(plan.send_splits) if r != me)
+
+
+def _counted(optimizer, plan, exchange_elements, slices_held) -> int:
+    """`exchange_elements` of this rank from the Muon buckets' layout and the plan's owners."""
+    import torch.distributed as dist
+
+    held, owners = [], []
+    for b in optimizer.grad_sync.buckets:
+        parts = slices_held([p.numel() for p in b.params], b.padded, b.group_size)
+        for p, h in zip(b.params, parts):
+            if id(p) in plan.owner:
+                held.append(h)
+                owners.append(plan.owner[id(p)])
+    return exchange_elements(held, owners)[dist.get_rank(plan.group)]
 
 
 def _count_steps(layouts: list[tuple]) -> list[dict]:
@@ -505,12 +532,16 @@ def test_muon_step_gathers_each_tp_matrix_once_and_the_muon_buckets_over_dp():
     all-gather after the step (ZeRO-1's own) and one more all-gather of each bucket holding
     Muon matrices (their pieces' updates); nothing else. Every rank of each group issues them
     in the same order, there and at pp 2 x dp 2 with ZeRO-3 (each stage's own matrices and
-    units)."""
+    units). The tp all-gathers and the Muon buckets' all-gathers are recorded as Muon's
+    (`Call.purpose`, what the dry run names them by), the parameter buckets' not."""
     outs = run_local(_count_steps, 4, [(2, 2, 1), (1, 2, 3, 2)])
     for out in (o[0] for o in outs):
         assert len(out["expected_tp"]) == 16
         assert out["tp"] == out["expected_tp"]
         assert out["dp"] == out["expected_dp"]
+        assert out["muon"] == sorted(out["expected_tp"] + [("all_gather_into_tensor", n)
+                                                           for n in out["muon_gathers"]])
+        assert out["others"] == sorted(out["param_gathers"])
     for layout in range(2):
         _same_order_in_every_group([o[layout] for o in outs])
     assert {len(o[1]["issued"]) > 0 for o in outs} == {True}  # the ZeRO-3 units' gathers
@@ -525,7 +556,11 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
     matrices as one rank of the every-rank scheme (tp 2 x dp 2 ZeRO-1 without the flag: every
     rank all of them); the assignment is the same on every rank, covers every matrix, and is
     balanced to within one matrix's cost; every rank of each group issues its collectives in
-    the same order."""
+    the same order; the elements its all-to-alls carry to and from the other dp ranks are what
+    `muon.exchange_elements` counts from the buckets' layout (the count
+    test_owner_placement_moves_fewer_bytes_at_the_same_balance compares); the all-to-alls and
+    the tp gathers and scatters are recorded as Muon's (`Call.purpose`), the parameter
+    buckets' all-gathers not."""
     layouts = [(2, 2, 1, 1, True), (1, 4, 2, 1, True), (1, 2, 3, 2, True), (2, 2, 1)]
     outs = run_local(_count_steps, 4, layouts)
     every_rank = {o[3]["rank"]: sorted(o[3]["ns_calls"]) for o in outs}
@@ -539,7 +574,10 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
                 assert sorted(out["tp"]) == out["expected_owned_tp"], out["rank"]
             if layout < 2:  # ZeRO-1 / 2: and the parameter buckets' all-gather after the step
                 assert out["dp"] == sorted(out["param_gathers"] + out["expected_a2a"])
+                assert out["others"] == sorted(out["param_gathers"])
+            assert out["muon"] == sorted(out["expected_a2a"] + out["tp"]), out["rank"]
             assert sorted(out["ns_calls"]) == out["expected_ns"], (layouts[layout], out["rank"])
+            assert out["wire"] == out["counted"], (layouts[layout], out["rank"])
         groups: dict = {}
         for out in per:  # the dp group: same tp and pp ranks
             groups.setdefault((out["tp_rank"], out["pp_rank"]), []).append(out)
@@ -555,6 +593,109 @@ def test_distributed_muon_orthogonalises_each_matrix_once_per_dp_group():
         assert sorted(c for o in outs for c in o[layout]["ns_calls"]) == every_rank[0]
     for out in (o[1] for o in outs):  # dp 4: fewer elements than every rank's gathers receive
         assert sum(n for _, n in out["expected_a2a"]) < 3 * sum(out["muon_gathers"])
+
+
+def _muon_layouts(name: str, dps) -> dict:
+    """{(zero, dp): (each Muon matrix's cost, its elements on each dp rank, elements of the
+    buckets / units holding Muon matrices)} of model `name` built on the meta device (one
+    process): ZeRO-1 / 2's 25 MB fp32 buckets (`make_buckets`) and ZeRO-3's units
+    (`plan.params.stage_units`), each padded to a multiple of dp."""
+    import json
+    import os
+
+    from megapar.data_parallel.buckets import make_buckets
+    from megapar.models import build_model
+    from megapar.models.config import config_from_dict
+    from megapar.optim.muon import is_muon_matrix, ns_cost, slices_held
+    from megapar.plan.params import StageLayout, stage_units
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "models", f"{name}.json")) as f:
+        cfg = config_from_dict(json.load(f))
+    named = list(build_model(cfg, Mesh.virtual(Layout(1, 1, 1))).named_parameters())
+    params = [p for _, p in named]
+    muon = {id(p) for n, p in named if is_muon_matrix(n, p)}
+    out = {}
+    for n in dps:
+        units = [[params[i] for i in u.tensors]
+                 for u in stage_units(StageLayout.of(cfg, dp=n, zero=3))]
+        for zero, groups in ((1, [(b.params, b.padded) for b in make_buckets(params, 25.0, n)]),
+                             (3, [(u, -(-sum(p.numel() for p in u) // n) * n) for u in units])):
+            costs, held, total = [], [], 0
+            for group, padded in groups:
+                if any(id(p) in muon for p in group):
+                    total += padded
+                for p, parts in zip(group, slices_held([p.numel() for p in group], padded, n)):
+                    if id(p) in muon:
+                        costs.append(ns_cost(p))
+                        held.append(parts)
+            out[zero, n] = costs, held, total
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "llama-160m"])
+def test_owner_placement_moves_fewer_bytes_at_the_same_balance(name):
+    """--muon-distributed's all-to-alls counted without processes, for GPT-2 124M and a
+    Llama of 160M (full shapes on the meta device) in ZeRO-1 / 2's buckets and ZeRO-3's units
+    at dp 2, 4 and 8: with each matrix placed where its slices lie (`place_owners`), the most
+    any dp rank receives (the same as it sends) is less than with owners by Newton-Schulz cost
+    alone (`assign_owners`, the placement before) and less than the every-rank scheme's
+    all-gather of the Muon buckets receives on every rank; the job moves no more in total; and
+    no slot's Newton-Schulz cost exceeds `assign_owners`' heaviest. (The figures:
+    benchmarks/data_parallel/muon_exchange.py, docs/guides/training.md#muon.)"""
+    from megapar.optim.muon import assign_owners, exchange_elements, place_owners
+
+    for (zero, n), (costs, held, total) in _muon_layouts(name, (2, 4, 8)).items():
+        before = exchange_elements(held, assign_owners(costs, n))
+        slots = place_owners(costs, held)
+        after = exchange_elements(held, slots)
+        assert max(after) < max(before), (zero, n, before, after)
+        assert sum(after) <= sum(before), (zero, n)
+        assert max(after) < (n - 1) * total // n, (zero, n, after, total)
+        heaviest = max(sum(c for c, s in zip(costs, assign_owners(costs, n)) if s == r)
+                       for r in range(n))
+        assert max(sum(c for c, s in zip(costs, slots) if s == r) for r in range(n)) <= heaviest
+
+
+def test_place_owners_keeps_matrices_where_they_lie_within_the_cap():
+    """`place_owners` by hand and at random: at dp 2 two matrices of one cost each wholly on
+    the other rank than `assign_owners` gives them stay where they lie (nothing crosses the
+    wire); three on rank 0 leave one to rank 1 (the cap: longest-first's heaviest slot holds
+    two); under tp 2 a slot is dp rank x 2 + tp rank; `slices_held` agrees with ZeRO's pieces
+    (`slice_pieces`); and for random costs and layouts no slot ends above the cap, every
+    matrix has a slot, and the same input gives the same placement."""
+    import random
+
+    from megapar.data_parallel.buckets import slice_pieces
+    from megapar.optim.muon import assign_owners, exchange_elements, place_owners, slices_held
+
+    assert assign_owners([5, 5], 2) == [0, 1]
+    assert exchange_elements([[0, 4], [4, 0]], [0, 1]) == [8, 8]
+    assert place_owners([5, 5], [[0, 4], [4, 0]]) == [1, 0]
+    assert exchange_elements([[0, 4], [4, 0]], [1, 0]) == [0, 0]
+    three = [[4, 0]] * 3
+    slots = place_owners([5, 5, 5], three)
+    assert sorted(slots) == [0, 0, 1]
+    assert exchange_elements(three, slots) == [4, 4]
+    assert place_owners([5, 5], [[0, 4], [4, 0]], tp=2) == [2, 0]
+    rng = random.Random(0)
+    for _ in range(200):
+        n, tp, m = rng.choice([2, 3, 4]), rng.choice([1, 2]), rng.randrange(1, 12)
+        numels = [rng.randrange(1, 50) for _ in range(m)]
+        padded = -(-sum(numels) // n) * n
+        held = slices_held(numels, padded, n)
+        size = padded // n
+        for r in range(n):
+            pieces = slice_pieces(numels, r * size, (r + 1) * size)
+            assert [h[r] for h in held] == [
+                sum(e - s for i, s, e in pieces if i == j) for j in range(m)]
+        costs = [rng.randrange(1, 30) for _ in range(m)]
+        slots = place_owners(costs, held, tp)
+        assert slots == place_owners(costs, held, tp)
+        assert all(0 <= s < n * tp for s in slots)
+        cap = max(sum(c for c, s in zip(costs, assign_owners(costs, n * tp)) if s == r)
+                  for r in range(n * tp))
+        assert max(sum(c for c, s in zip(costs, slots) if s == r) for r in range(n * tp)) <= cap
 
 
 def test_planner_counts_one_momentum_buffer_per_muon_matrix():

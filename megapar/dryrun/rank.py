@@ -183,7 +183,9 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     --cp-comm-type a2a's where the cp group is the ep group; over another cp group they stay cp's);
     "expert dp" for the expert-data-parallel group, the experts' ZeRO collectives (a group of one at
     dp = ep: tp's ranks at tp 1, where tp issues nothing; "cp = expert dp" where its ranks are
-    cp's); "world" for the default group). Bytes are the whole tensor each call reduces, gathers,
+    cp's); "world" for the default group). A call issued for a purpose (`Call.purpose`: Muon's
+    gathers, scatters and all-to-alls, "muon") is named by it and its group ("muon over dp",
+    "muon over tp"), never "ep". Bytes are the whole tensor each call reduces, gathers,
     scatters or sends (an all-gather's output, a reduce-scatter's input), so an all-gather and the
     reduce-scatter it undoes weigh the same."""
 
@@ -204,8 +206,10 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
+        if c.purpose:  # the optimizer's (Muon's), whatever group it runs over
+            name = f"{c.purpose} over {name}"
         # the experts' all-to-alls; --cp-comm-type a2a's over another group stay cp's
-        if c.op == "all_to_all_single" and mesh.layout.ep > 1 and ep_ranks in (None, ranks):
+        elif c.op == "all_to_all_single" and mesh.layout.ep > 1 and ep_ranks in (None, ranks):
             name = "ep"
         op = OP_NAMES.get(c.op, c.op)
         entry = out.setdefault(

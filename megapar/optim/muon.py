@@ -33,20 +33,23 @@ is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
 Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
 gradient. By default every rank of a tp (dp) group computes every whole matrix's NS. Distributed
 Muon (`--muon-distributed`, ZeRO 1 / 2 / 3: `ZeroOptimizer._muon_split`) assigns each matrix to
-one dp x tp slot (`assign_owners`, by `ns_cost`): its pieces' U go to the owning dp rank in an
+one dp x tp slot (`place_owners`: balanced by `ns_cost`, on the dp rank whose ZeRO slices hold
+the most of it where the balance allows): its pieces' U go to the owning dp rank in an
 all-to-all, whose tp group gathers a tp-split matrix to the owning tp rank (`owner_updates`),
 and the results go back the same way: each matrix orthogonalised once, the same result.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megapar.comm_count import issued_for
 from megapar.expert_parallel import is_expert
 from megapar.tensor_parallel.partition import (
     full_shape,
@@ -222,6 +225,84 @@ def assign_owners(costs: list[int], ranks: int) -> list[int]:
     return owner
 
 
+def slices_held(numels: Sequence[int], padded: int, n: int) -> list[list[int]]:
+    """For parameters of these sizes laid out back to back from 0 in a bucket (ZeRO-3: unit) of
+    `padded` elements cut into `n` equal slices (ZeRO's dp ranks, `slice_pieces`): the elements
+    of each parameter inside each slice, [parameter][slice]."""
+    size = padded // n
+    out, start = [], 0
+    for numel in numels:
+        end = start + numel
+        out.append([max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(n)])
+        start = end
+    return out
+
+
+def place_owners(costs: list[int], held: list[list[int]], tp: int = 1) -> list[int]:
+    """The slot (dp rank x `tp` + tp rank) that orthogonalises each matrix of cost `costs[i]`,
+    whose update lies `held[i][r]` elements on dp rank r (`slices_held`; tp ranks hold the same
+    layout): `assign_owners`' balance, placed where the updates lie.
+
+    The cap is the heaviest slot's load under `assign_owners` (longest first to the
+    least-loaded slot). Matrices go longest first (ties: the earlier); each goes to the
+    least-loaded slot of the dp rank holding the most of it, else of the one holding the next
+    most, and so on, taking the first such slot from which longest-first placement of the
+    matrices still to come (the placement finished as `assign_owners` would) stays within the
+    cap; where none does, to the least-loaded slot, which always does (it is longest-first's
+    own step). So no slot ends with more Newton-Schulz work than the cap, and a matrix leaves
+    the ranks that hold it only where the balance needs it. Deterministic: every rank that
+    passes the same costs and layout gets the same placement."""
+    n = len(held[0]) if held else 1
+    slots = n * tp
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    lpt = assign_owners(costs, slots)
+    cap = max((sum(c for c, s in zip(costs, lpt) if s == r) for r in range(slots)), default=0)
+    load = [0] * slots
+    owner = [0] * len(costs)
+
+    def finishes(k: int, r: int) -> bool:
+        """Whether, with matrix order[k] on slot r, longest-first placement of order[k + 1:]
+        keeps every slot within the cap."""
+        heap = list(load)
+        heap[r] += costs[order[k]]
+        if heap[r] > cap:
+            return False
+        heapq.heapify(heap)
+        for i in order[k + 1 :]:
+            least = heapq.heappop(heap) + costs[i]
+            if least > cap:
+                return False
+            heapq.heappush(heap, least)
+        return True
+
+    for k, i in enumerate(order):
+        ranks = sorted((r for r in range(n) if held[i][r] > 0), key=lambda r: (-held[i][r], r))
+        slot = min(range(slots), key=lambda s: (load[s], s))
+        for r in ranks:
+            mine = min(range(r * tp, (r + 1) * tp), key=lambda s: (load[s], s))
+            if finishes(k, mine):
+                slot = mine
+                break
+        owner[i] = slot
+        load[slot] += costs[i]
+    return owner
+
+
+def exchange_elements(held: list[list[int]], owners: list[int]) -> list[int]:
+    """Per dp rank, the elements distributed Muon's two all-to-alls carry across the wire into
+    it (the same number leave it): each matrix's elements held by the other dp ranks go to its
+    owner `owners[i]` (a dp rank) in the first and come back in the second; what a rank holds
+    of its own matrices stays."""
+    n = len(held[0]) if held else 1
+    into = [0] * n
+    for parts, o in zip(held, owners):
+        for r, k in enumerate(parts):
+            if r != o:
+                into[o] += k  # to the owner
+                into[r] += k  # and back
+    return into
+
+
 def muon_ratio(p: torch.Tensor, adjust_lr: str) -> float:
     """The lr factor `orthogonalised` gives parameter `p` (its matrices' shape, one for all)."""
     return lr_ratio(matrices_of(p)[0], adjust_lr)
@@ -281,10 +362,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 tensors.append(p)
                 updates.append(p.grad.lerp(buf, mu))
                 groups.append(g)
-        if self.whole is not None:
-            done = self.whole(tensors, updates)
-        else:
-            done = whole_updates(tensors, updates, self.tp_group, self.adjust_lr, self.ns_dtype)
+        with issued_for("muon"):  # the dry run names these collectives Muon's
+            if self.whole is not None:
+                done = self.whole(tensors, updates)
+            else:
+                done = whole_updates(tensors, updates, self.tp_group, self.adjust_lr, self.ns_dtype)
         for p, g, (o, ratio) in zip(tensors, groups, done):
             p.mul_(1 - g["lr"] * g["weight_decay"])
             p.add_(o.view_as(p), alpha=-(g["lr"] * ratio))

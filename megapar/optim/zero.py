@@ -74,15 +74,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapar.comm_count import issued_for
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.clip import is_counted, norm_of, squares_each, sum_of_squares
 from megapar.optim.muon import (
-    assign_owners,
     muon_ratio,
     ns_cost,
     owner_updates,
+    place_owners,
+    slices_held,
     whole_updates,
 )
 from megapar.optim.optimizer import AdamWOptimizer, step_state
@@ -270,7 +272,8 @@ class ZeroOptimizer(AdamWOptimizer):
             self._full_norms([], [])  # own nothing, but the norm all-reduces are collective
         if self.sharded and self.inner is None and self.kind == "muon":
             # own nothing, but Muon's gathers / exchanges are collective
-            (self._muon_split if self.muon_plan else self._muon_whole)([], [])
+            with issued_for("muon"):
+                (self._muon_split if self.muon_plan else self._muon_whole)([], [])
         super().step(closure)
 
     @torch.no_grad()
@@ -463,9 +466,11 @@ class ZeroOptimizer(AdamWOptimizer):
 
     def _plan_muon(self) -> _MuonPlan | None:
         """The distributed Muon's plan, the same on every rank of the dp group: each Muon
-        matrix's owner (`muon.assign_owners` by Newton-Schulz cost; tp ranks have the same
-        matrices and whole shapes, so a matrix's owners across tp form one tp group), and the
-        element ranges of the two all-to-alls (`_muon_split`). None without Muon matrices."""
+        matrix's owner (`muon.place_owners`: balanced by Newton-Schulz cost, each matrix on
+        the dp rank whose slices hold the most of it where the balance allows; tp ranks have
+        the same matrices, whole shapes and bucket layout, so a matrix's owners across tp
+        form one tp group), and the element ranges of the two all-to-alls (`_muon_split`).
+        None without Muon matrices."""
         buckets = [
             b for b in self.grad_sync.buckets if any(id(p) in self.muon_ids for p in b.params)
         ]
@@ -480,9 +485,15 @@ class ZeroOptimizer(AdamWOptimizer):
             ):
                 raise ValueError("distributed Muon needs its matrices' buckets in one dp group")
         me = dist.get_rank(group)
-        matrices = [(b, p) for b in buckets for p in b.params if id(p) in self.muon_ids]
+        matrices, held = [], []
+        for b in buckets:
+            each = slices_held([p.numel() for p in b.params], b.padded, n)
+            for p, parts in zip(b.params, each):
+                if id(p) in self.muon_ids:
+                    matrices.append((b, p))
+                    held.append(parts)
         tp = group_size(self.tp_group)
-        slots = assign_owners([ns_cost(p) for _, p in matrices], n * tp)
+        slots = place_owners([ns_cost(p) for _, p in matrices], held, tp)
         owners = [slot // tp for slot in slots]
         local_base, at = {}, 0
         for b in buckets:
