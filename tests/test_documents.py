@@ -142,6 +142,94 @@ def test_causal_is_unchanged_and_documents_change_it(hf_dirs):
     assert not torch.allclose(masked[0, first:], plain[0, first:])
 
 
+@pytest.mark.parametrize("kind,window,masks", [("gpt2", None, 1), ("qwen2", 4, 2),
+                                               ("qwen2", SEQ, 1)])
+def test_the_planner_counts_the_masks_the_model_keeps(monkeypatch, kind, window, masks):
+    """block_causal's additive masks as the real code makes them: one [b, 1, s, s] per
+    micro-batch and sliding window the layers cut the sequence with (Qwen2 here: a full layer
+    and two of the window; a window of s cuts nothing and shares the full layer's mask),
+    shared by the layers, kept by the attention until the backward and freed by it; their
+    bytes are the planner's (`plan.memory`: masks x b s^2 x 4 in fp32)."""
+    import gc
+    import weakref
+
+    from megapar.models import documents
+    from megapar.models.config import config_from_dict
+    from megapar.plan import memory as mem
+
+    if kind == "gpt2":
+        config = config_from_dict({"model_type": "gpt2", **GPT2_TINY})
+    else:  # layer 0 full, layers 1 and 2 windowed (max_window_layers)
+        config = config_from_dict({"model_type": "qwen2", **LLAMA_TINY, "num_hidden_layers": 3,
+                                   "use_sliding_window": True, "sliding_window": window,
+                                   "max_window_layers": 1})
+    model = (GPT2 if kind == "gpt2" else Llama)(config, make_mesh())
+    set_documents(model, "block_causal", False, EOD)
+    made, real = [], documents.block_causal_bias
+
+    def recorded(*args):
+        bias = real(*args)
+        made.append(weakref.ref(bias))
+        return bias
+
+    monkeypatch.setattr(documents, "block_causal_bias", recorded)
+    ids, _ = _packed()
+    labels = torch.cat([ids[:, 1:], torch.full((len(ROWS), 1), -100)], dim=1)
+    loss = model(None, {"input_ids": ids, "labels": labels})
+    gc.collect()
+    alive = [r() for r in made]
+    assert len(alive) == masks and all(t is not None for t in alive), "kept for the backward"
+    layers = range(config.num_layers)
+    assert mem.document_masks(config, layers, SEQ) == masks
+    b = len(ROWS)
+    assert sum(t.nbytes for t in alive) == masks * mem.document_mask_bytes(SEQ, b, 4)
+    assert mem.document_mask_bytes(SEQ, b, 4) == b * SEQ * SEQ * 4  # [b, 1, s, s] fp32
+    del alive
+    loss.backward()
+    gc.collect()
+    assert all(r() is None for r in made), "freed by the backward"
+
+
+def test_the_planner_adds_the_mask_per_micro_batch_in_flight(capsys):
+    """megapar-plan under --attention-mask-type block_causal: each stage's activations grow by
+    its micro-batches in flight x one mask (b x s x s x 2 bytes in bf16: 128 MiB at 8,192
+    tokens); a chunk counts its own (interleaved: every chunk's micro-batches); under cp by the
+    ring the masks are per kernel call, transient buffers, and the a2a keeps the whole one."""
+    import dataclasses
+
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import Candidate, Problem, stage_memory
+    from megapar.plan.context_parallel import cp_document_call_bytes
+    from megapar.plan.memory import document_mask_bytes
+
+    assert document_mask_bytes(8192, 1, 2) == 128 * 2**20
+    config = resolve_model("gpt2-tiny")
+    causal = Problem(config, 4, global_batch=8, seq_len=64, precision="bf16")
+    block = dataclasses.replace(causal, attention_mask_type="block_causal")
+    mask = 2 * 64 * 64 * 2
+    for c, chunks in ((Candidate(1, 2, 1, 2), 1), (Candidate(1, 2, 1, 1, "interleaved", 2), 2)):
+        for before, after in zip(stage_memory(causal, c), stage_memory(block, c)):
+            assert after.activations - before.activations == before.in_flight * chunks * (
+                mask if c.mbs == 2 else mask // 2), (c, before.stage)
+            assert after.buffers == before.buffers
+    ring = Candidate(1, 1, 2, 2, cp=2, cp_comm="p2p")
+    (before,), (after,) = stage_memory(causal, ring), stage_memory(block, ring)
+    assert after.activations == before.activations
+    assert after.buffers - before.buffers == cp_document_call_bytes(64, 2, 2, 2) == 2 * 16 * 32 * 3
+    a2a = dataclasses.replace(ring, cp_comm="a2a")
+    (before,), (after,) = stage_memory(causal, a2a), stage_memory(block, a2a)
+    assert after.activations - before.activations == before.in_flight * mask
+    # megapar-plan takes the flag, says how it counts the mask, and hands the flag on
+    from megapar.cli.plan import main as plan_main
+
+    assert plan_main(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
+                      "--seq-len", "64", "--attention-mask-type", "block_causal",
+                      "--explain", "tp=1,pp=2,mbs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "block_causal: its additive mask (micro-batch x 64 x 64, 2 bytes an element)" in out
+    assert "--seq-len 64 --attention-mask-type block_causal --micro-batch-size 2" in out, out
+
+
 # --- layouts equal one process -------------------------------------------------------------
 G, STEPS = 4, 3
 LAYOUTS = {  # name: (model, prepare's layout keywords)
@@ -326,7 +414,7 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
     data is one text tokenized whole (a document many times --seq-len: few sequences hold a
     boundary), fine-tuning records (one sample each: nothing changes), or --eod-id is not the
     data's tokenizer's end-of-document token; a dry run says
-    what its modelled activations leave out (the block_causal mask's size)."""
+    how its modelled activations count the block_causal mask (its size)."""
     import json
     from pathlib import Path
 
@@ -357,9 +445,10 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
             f"block_causal, --eod-mask-loss change little") in err, err
     assert (f"--eod-id 5 is not the end-of-document token of --data {prefix}'s tokenizer "
             f"({indexed.eod_id}, which ends each of its documents)") in err, err
-    # the dry run names the mask its modelled activations leave out (4 x 32 x 32 fp32)
+    # the dry run names the mask its modelled activations count (4 x 32 x 32 fp32)
     assert ("dry run: --attention-mask-type block_causal's mask (4 x 32 x 32, 16.00 KiB per "
-            "micro-batch in flight and sliding window on a stage;") in err, err
+            "micro-batch in flight and sliding window on a model chunk;") in err, err
+    assert "is counted in the modelled activations below, as megapar-plan counts it" in err
 
     class Cfg:
         attention_mask_type, reset_position_ids, eod_mask_loss, seq_len = "causal", True, False, 8

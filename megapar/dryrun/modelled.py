@@ -20,8 +20,8 @@ from megapar.plan.process import TARGETS, process_peak
 def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
     """The planner's problem and candidate for megapar-train's job `cfg` (a `TrainConfig`) of
     model `config` on `layout`, for `target`'s ranks (`Problem.target`), with the job's own
-    settings that the planner reads: --optimizer, --fp8, --fp8-layers and --compile (which
-    turns ZeRO-3's float8 all-gather off), --grad-bucket-mb, the offloads and
+    settings that the planner reads: --optimizer, --attention-mask-type, --fp8, --fp8-layers
+    and --compile (which turns ZeRO-3's float8 all-gather off), --grad-bucket-mb, the offloads and
     ZeRO-3's --zero3-keep-params, --zero3-reduce and --zero3-persistence-threshold (which
     units are gathered and which gradient buffers alive at the top and at the end of the
     backward, where `plan.process` takes the peak). Besides the state its real code holds, a
@@ -43,6 +43,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         grad_bucket_mb=cfg.grad_bucket_mb,
         zero3_persistence_threshold=cfg.zero3_persistence_threshold if cfg.zero == 3 else 0,
         optimizer=cfg.optimizer,
+        attention_mask_type=cfg.attention_mask_type,
     )
     candidate = Candidate(
         layout.tp,
