@@ -308,6 +308,25 @@ def test_layouts_equal_one_process(run, one_process, name):
             assert_close(torch.tensor(got), torch.tensor(want), what=f"{name} loss {step}")
 
 
+def test_the_resume_line_names_a_change_of_the_document_flags():
+    """A --load run given --attention-mask-type, --reset-position-ids or --eod-mask-loss other
+    than the checkpoint's run says so on its resume line, as it names a ZeRO change (flags not
+    given are the checkpoint's: no change to name)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.resume import setting_changes
+
+    trained = dict(attention_mask_type="block_causal", reset_position_ids=True,
+                   eod_mask_loss=True)
+    saved = TrainConfig(zero=2, **trained).to_dict()
+    now = TrainConfig(zero=0, attention_mask_type="causal", reset_position_ids=True)
+    assert setting_changes(saved, now) == (
+        "; --zero 2 -> 0; --attention-mask-type block_causal -> causal; --eod-mask-loss on -> off")
+    assert setting_changes(TrainConfig().to_dict(), TrainConfig(reset_position_ids=True)) == (
+        "; --reset-position-ids off -> on")
+    assert setting_changes(saved, TrainConfig(zero=2, **trained)) == ""
+    assert setting_changes({}, now) == ""  # a checkpoint that recorded no settings
+
+
 # --- megapar-train end to end --------------------------------------------------------------
 def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
     """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines

@@ -63,6 +63,7 @@ from megapar.training.logging import (
     perplexity,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.resume import setting_changes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
@@ -194,12 +195,7 @@ class Trainer:
             if state.resharded
             else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         )
-        trained = state.meta.get("train_config") or {}
-        how += "".join(  # how the layout runs, which Layout does not hold (not inherited)
-            f"; --{name.replace('_', '-')} {was} -> {now}"
-            for name in ("zero", "expert_tensor_parallel_size", "cp_comm_type")
-            if (was := trained.get(name)) is not None and was != (now := getattr(self.cfg, name))
-        )
+        how += setting_changes(state.meta.get("train_config") or {}, self.cfg)
         ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
             f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
         )
