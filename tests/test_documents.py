@@ -432,8 +432,9 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
     """A run that reads documents says, before it starts, when its settings likely miss: the
     data is one text tokenized whole (a document many times --seq-len: few sequences hold a
     boundary), fine-tuning records (one sample each: nothing changes), or --eod-id is not the
-    data's tokenizer's end-of-document token; a dry run says
-    how its modelled activations count the block_causal mask (its size)."""
+    data's tokenizer's end-of-document token; each part of a blended --data is checked (here
+    the second); a dry run says how its modelled activations count the block_causal mask (its
+    size)."""
     import json
     from pathlib import Path
 
@@ -449,21 +450,28 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
                       "--tokenizer", "sentencepiece"]) == 0
     indexed = IndexedDataset(prefix)
     assert indexed.num_docs == 1 and indexed.num_tokens > 10 * 32
+    short = tmp_path / "short.jsonl"  # a blend's first part of short documents: nothing to say
+    short.write_text("".join(json.dumps({"text": f"document {i} is short."}) + "\n"
+                             for i in range(40)))
+    assert data_main(["--input", str(short), "--output-prefix", str(tmp_path / "short"),
+                      "--tokenizer", "sentencepiece"]) == 0
+    blend = ["1", str(tmp_path / "short"), "1", prefix]
     model = tmp_path / "llama.json"
     model.write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
                                  "intermediate_size": 64, "num_hidden_layers": 1,
                                  "num_attention_heads": 4, "max_position_embeddings": 64}))
     capsys.readouterr()
-    assert main(["--model", str(model), "--data", prefix, "--seq-len", "32", "--max-steps", "1",
+    assert main(["--model", str(model), "--data", *blend, "--seq-len", "32", "--max-steps", "1",
                  "--global-batch-size", "4", "--micro-batch-size", "4", "--val-fraction", "0",
                  "--attention-mask-type", "block_causal", "--eod-mask-loss",
                  "--eod-id", "5", "--dry-run", "--world-size", "1"]) == 0
     err = capsys.readouterr().err
-    assert (f"--data {prefix} holds 1 document of {indexed.num_tokens:,} tokens, at least 10 x "
-            f"--seq-len 32: few sequences hold two documents, so --attention-mask-type "
+    assert (f"--data's part {prefix} holds 1 document of {indexed.num_tokens:,} tokens, at least "
+            f"10 x --seq-len 32: few sequences hold two documents, so --attention-mask-type "
             f"block_causal, --eod-mask-loss change little") in err, err
-    assert (f"--eod-id 5 is not the end-of-document token of --data {prefix}'s tokenizer "
-            f"({indexed.eod_id}, which ends each of its documents)") in err, err
+    assert err.count("few sequences hold two documents") == 1, err  # not the short part
+    assert (f"--eod-id 5 is not the end-of-document token of --data {' '.join(blend)}'s "
+            f"tokenizer ({indexed.eod_id}, which ends each of its documents)") in err, err
     # the dry run names the mask its modelled activations count (4 x 32 x 32 fp32)
     assert ("dry run: --attention-mask-type block_causal's mask (4 x 32 x 32, 16.00 KiB per "
             "micro-batch in flight and sliding window on a model chunk;") in err, err
@@ -474,14 +482,13 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
         eod_id = None
 
     # documents shorter than 10 x --seq-len, and the data's own eod: nothing to say
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=799, data_name="--data d") == []
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=800, data_name="--data d") == [
+    assert document_notes(Cfg, 2, [("--data d", 10, 799)], "--data d") == []
+    assert document_notes(Cfg, 2, [("--data d", 10, 800)], "--data d") == [
         "--data d holds 10 documents of 80 tokens on average, at least 10 x --seq-len 8: few "
         "sequences hold two documents, so --reset-position-ids changes little (a text tokenized "
         "whole is one document: megapar-data --split-lines, or a .jsonl of one record per "
         "document, keeps them apart)"]
     # fine-tuning records: one right-padded sample each, whatever their lengths
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=50, data_name="--data d",
-                          records=True) == [
+    assert document_notes(Cfg, 2, [("--data d", 10, 50)], "--data d", records=True) == [
         "--data d holds fine-tuning records (--sft-keys), one right-padded sample each: no "
         "sequence holds two documents, so --reset-position-ids changes nothing (drop it)"]
