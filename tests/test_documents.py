@@ -328,14 +328,15 @@ def test_the_resume_line_names_a_change_of_the_document_flags():
 
 
 # --- megapar-train end to end --------------------------------------------------------------
-def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
+def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys, monkeypatch):
     """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines
     record each): --attention-mask-type block_causal --reset-position-ids --eod-mask-loss (the
     eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 (the
     all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
     the run without them. megapar-eval of the checkpoint (at tp 2) evaluates as it trained:
     its loss is each document of each window run alone through the model (positions from 0,
-    no eod position labelled), and it says which settings it applies."""
+    no eod position labelled), and it says which settings it applies; `load_model` returns
+    them, its manifest read once."""
     import json
     from pathlib import Path
 
@@ -388,9 +389,18 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
             f"{eod_said})") in said.err, said.err
     (prefix,) = {str(p.with_suffix("")) for p in (tmp_path / "cache").rglob("*.idx")}
     windows = GPTDataset(IndexedDataset(prefix), 32)
-    _, config, model = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, positions from 0
+    _, config, model, none = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, from 0
     eod = json.loads(next((tmp_path / "ckpt").rglob("manifest.json")).read_text())[
         "meta"]["train_config"]["eod_id"]
+    from megapar.training import inference
+
+    reads = []
+    monkeypatch.setattr(inference, "read_manifest",
+                        lambda path, real=inference.read_manifest: reads.append(path) or real(path))
+    loaded = load_model(str(tmp_path / "ckpt"), 1, 1, documents=True)
+    assert none == {} and len(reads) == 1, reads
+    assert loaded.documents == {"attention_mask_type": "block_causal", "reset_position_ids": True,
+                                "eod_mask_loss": True, "eod_id": eod}
     nll, labelled, documents = 0.0, 0, 0
     with torch.no_grad():
         for i in range(4):
