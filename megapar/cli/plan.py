@@ -66,6 +66,7 @@ from megapar.plan.report import (
     fp8_json,
     fp8_lines,
     fp8_note,
+    hardware_phrase,
     peak_note,
     print_json,
     ranks_phrase,
@@ -609,8 +610,8 @@ def main(argv=None) -> int:
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
         f"{active_note(problem.config)}; "
-        f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
-        f"{problem.gpu_memory_gb:g} GiB each); global batch "
+        f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node; "
+        f"{hardware_phrase(problem)}); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; "
         f"{counted(valid, 'valid layout')}, "
         f"{len(rejected)} rejected"

@@ -55,6 +55,16 @@ def ranks_phrase(n: int, target: str) -> str:
     return f"{n:,} GPU{plural}" if target == "gpu" else f"{n:,} CPU rank{plural}"
 
 
+def hardware_phrase(p: Problem) -> str:
+    """What the plan's first line says it assumes of each GPU (or CPU rank): its memory and
+    its peak dense matmul rate in the plan's precision, and the flags that set them, e.g. "each
+    80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"."""
+    return (
+        f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s peak in {p.precision}: "
+        f"--gpu-memory-gb, --peak-tflops"
+    )
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:>7.1f}Gi" if nbytes >= GIB else f"{nbytes / 2**20:>7.1f}Mi"
 
