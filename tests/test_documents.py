@@ -228,6 +228,15 @@ def test_the_planner_adds_the_mask_per_micro_batch_in_flight(capsys):
     out = capsys.readouterr().out
     assert "block_causal: its additive mask (micro-batch x 64 x 64, 2 bytes an element)" in out
     assert "--seq-len 64 --attention-mask-type block_causal --micro-batch-size 2" in out, out
+    # --verify's dry runs rehearse the masks too; BERT is refused as megapar-train refuses it
+    from megapar.dryrun.verify import train_config
+
+    cfg = train_config(block, Candidate(1, 2, 1, 2))
+    assert cfg.attention_mask_type == "block_causal" and cfg.eod_id is not None
+    assert plan_main(["--model", "bert-tiny", "--gpus", "2", "--global-batch-size", "8",
+                      "--seq-len", "64", "--attention-mask-type", "block_causal"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "BERT's samples are one sentence pair each" in err[0], err
 
 
 # --- layouts equal one process -------------------------------------------------------------

@@ -451,6 +451,12 @@ def _problem(args, given: tuple[str, ...] = ()):
     # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
     # divide) hold at every layout: at one GPU's layout only they can fail
     config.validate(Layout(1, 1, 1))
+    if args.attention_mask_type == "block_causal" and config.model_type == "bert":
+        raise ValueError(  # as megapar-train refuses it (`check_documents`)
+            "--attention-mask-type block_causal reads the documents packed into a decoder's "
+            "sequences, and BERT's samples are one sentence pair each; drop it or plan GPT-2 "
+            "or a Llama-family model"
+        )
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
