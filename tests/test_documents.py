@@ -142,6 +142,100 @@ def test_causal_is_unchanged_and_documents_change_it(hf_dirs):
     assert not torch.allclose(masked[0, first:], plain[0, first:])
 
 
+@pytest.mark.parametrize("kind,window,masks", [("gpt2", None, 1), ("qwen2", 4, 2),
+                                               ("qwen2", SEQ, 1)])
+def test_the_planner_counts_the_masks_the_model_keeps(monkeypatch, kind, window, masks):
+    """block_causal's additive masks as the real code makes them: one [b, 1, s, s] per
+    micro-batch and sliding window the layers cut the sequence with (Qwen2 here: a full layer
+    and two of the window; a window of s cuts nothing and shares the full layer's mask),
+    shared by the layers, kept by the attention until the backward and freed by it; their
+    bytes are the planner's (`plan.memory`: masks x b s^2 x 4 in fp32)."""
+    import weakref
+
+    from megapar.models import documents
+    from megapar.models.config import config_from_dict
+    from megapar.plan import memory as mem
+
+    if kind == "gpt2":
+        config = config_from_dict({"model_type": "gpt2", **GPT2_TINY})
+    else:  # layer 0 full, layers 1 and 2 windowed (max_window_layers)
+        config = config_from_dict({"model_type": "qwen2", **LLAMA_TINY, "num_hidden_layers": 3,
+                                   "use_sliding_window": True, "sliding_window": window,
+                                   "max_window_layers": 1})
+    model = (GPT2 if kind == "gpt2" else Llama)(config, make_mesh())
+    set_documents(model, "block_causal", False, EOD)
+    made, real = [], documents.block_causal_bias
+
+    def recorded(*args):
+        bias = real(*args)
+        made.append(weakref.ref(bias))
+        return bias
+
+    monkeypatch.setattr(documents, "block_causal_bias", recorded)
+    ids, _ = _packed()
+    labels = torch.cat([ids[:, 1:], torch.full((len(ROWS), 1), -100)], dim=1)
+    loss = model(None, {"input_ids": ids, "labels": labels})
+    alive = [r() for r in made]
+    assert len(alive) == masks and all(t is not None for t in alive), "kept for the backward"
+    layers = range(config.num_layers)
+    assert mem.document_masks(config, layers, SEQ) == masks
+    b = len(ROWS)
+    assert sum(t.nbytes for t in alive) == masks * mem.document_mask_bytes(SEQ, b, 4)
+    assert mem.document_mask_bytes(SEQ, b, 4) == b * SEQ * SEQ * 4  # [b, 1, s, s] fp32
+    del alive
+    loss.backward()  # freed by reference counts: no collection (slow in a large test process)
+    assert all(r() is None for r in made), "freed by the backward"
+
+
+def test_the_planner_adds_the_mask_per_micro_batch_in_flight(capsys):
+    """megapar-plan under --attention-mask-type block_causal: each stage's activations grow by
+    its micro-batches in flight x one mask (b x s x s x 2 bytes in bf16: 128 MiB at 8,192
+    tokens); a chunk counts its own (interleaved: every chunk's micro-batches); under cp by the
+    ring the masks are per kernel call, transient buffers, and the a2a keeps the whole one."""
+    import dataclasses
+
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import Candidate, Problem, stage_memory
+    from megapar.plan.context_parallel import cp_document_call_bytes
+    from megapar.plan.memory import document_mask_bytes
+
+    assert document_mask_bytes(8192, 1, 2) == 128 * 2**20
+    config = resolve_model("gpt2-tiny")
+    causal = Problem(config, 4, global_batch=8, seq_len=64, precision="bf16")
+    block = dataclasses.replace(causal, attention_mask_type="block_causal")
+    mask = 2 * 64 * 64 * 2
+    for c, chunks in ((Candidate(1, 2, 1, 2), 1), (Candidate(1, 2, 1, 1, "interleaved", 2), 2)):
+        for before, after in zip(stage_memory(causal, c), stage_memory(block, c)):
+            assert after.activations - before.activations == before.in_flight * chunks * (
+                mask if c.mbs == 2 else mask // 2), (c, before.stage)
+            assert after.buffers == before.buffers
+    ring = Candidate(1, 1, 2, 2, cp=2, cp_comm="p2p")
+    (before,), (after,) = stage_memory(causal, ring), stage_memory(block, ring)
+    assert after.activations == before.activations
+    assert after.buffers - before.buffers == cp_document_call_bytes(64, 2, 2, 2) == 2 * 16 * 32 * 3
+    a2a = dataclasses.replace(ring, cp_comm="a2a")
+    (before,), (after,) = stage_memory(causal, a2a), stage_memory(block, a2a)
+    assert after.activations - before.activations == before.in_flight * mask
+    # megapar-plan takes the flag, says how it counts the mask, and hands the flag on
+    from megapar.cli.plan import main as plan_main
+
+    assert plan_main(["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8",
+                      "--seq-len", "64", "--attention-mask-type", "block_causal",
+                      "--explain", "tp=1,pp=2,mbs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "block_causal: its additive mask (micro-batch x 64 x 64, 2 bytes an element)" in out
+    assert "--seq-len 64 --attention-mask-type block_causal --micro-batch-size 2" in out, out
+    # --verify's dry runs rehearse the masks too; BERT is refused as megapar-train refuses it
+    from megapar.dryrun.verify import train_config
+
+    cfg = train_config(block, Candidate(1, 2, 1, 2))
+    assert cfg.attention_mask_type == "block_causal" and cfg.eod_id is not None
+    assert plan_main(["--model", "bert-tiny", "--gpus", "2", "--global-batch-size", "8",
+                      "--seq-len", "64", "--attention-mask-type", "block_causal"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "BERT's samples are one sentence pair each" in err[0], err
+
+
 # --- layouts equal one process -------------------------------------------------------------
 G, STEPS = 4, 3
 LAYOUTS = {  # name: (model, prepare's layout keywords)
@@ -220,15 +314,35 @@ def test_layouts_equal_one_process(run, one_process, name):
             assert_close(torch.tensor(got), torch.tensor(want), what=f"{name} loss {step}")
 
 
+def test_the_resume_line_names_a_change_of_the_document_flags():
+    """A --load run given --attention-mask-type, --reset-position-ids or --eod-mask-loss other
+    than the checkpoint's run says so on its resume line, as it names a ZeRO change (flags not
+    given are the checkpoint's: no change to name)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.resume import setting_changes
+
+    trained = dict(attention_mask_type="block_causal", reset_position_ids=True,
+                   eod_mask_loss=True)
+    saved = TrainConfig(zero=2, **trained).to_dict()
+    now = TrainConfig(zero=0, attention_mask_type="causal", reset_position_ids=True)
+    assert setting_changes(saved, now) == (
+        "; --zero 2 -> 0; --attention-mask-type block_causal -> causal; --eod-mask-loss on -> off")
+    assert setting_changes(TrainConfig().to_dict(), TrainConfig(reset_position_ids=True)) == (
+        "; --reset-position-ids off -> on")
+    assert setting_changes(saved, TrainConfig(zero=2, **trained)) == ""
+    assert setting_changes({}, now) == ""  # a checkpoint that recorded no settings
+
+
 # --- megapar-train end to end --------------------------------------------------------------
-def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
+def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys, monkeypatch):
     """megapar-train on the shipped Shakespeare sample cut into short documents (a JSON Lines
     record each): --attention-mask-type block_causal --reset-position-ids --eod-mask-loss (the
     eod id the tokenizer's) train 3 steps of a tiny Llama at pp 2 and at tp 2 x cp 2 (the
     all-gather of its grouped-query heads) with the same losses (fp32, 1e-5), which differ from
     the run without them. megapar-eval of the checkpoint (at tp 2) evaluates as it trained:
     its loss is each document of each window run alone through the model (positions from 0,
-    no eod position labelled), and it says which settings it applies."""
+    no eod position labelled), and it says which settings it applies; `load_model` returns
+    them, its manifest read once."""
     import json
     from pathlib import Path
 
@@ -281,9 +395,18 @@ def test_megapar_train_packs_documents_alike_at_two_layouts(tmp_path, capsys):
             f"{eod_said})") in said.err, said.err
     (prefix,) = {str(p.with_suffix("")) for p in (tmp_path / "cache").rglob("*.idx")}
     windows = GPTDataset(IndexedDataset(prefix), 32)
-    _, config, model = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, positions from 0
+    _, config, model, none = load_model(str(tmp_path / "ckpt"), 1, 1)  # causal, from 0
     eod = json.loads(next((tmp_path / "ckpt").rglob("manifest.json")).read_text())[
         "meta"]["train_config"]["eod_id"]
+    from megapar.training import inference
+
+    reads = []
+    monkeypatch.setattr(inference, "read_manifest",
+                        lambda path, real=inference.read_manifest: reads.append(path) or real(path))
+    loaded = load_model(str(tmp_path / "ckpt"), 1, 1, documents=True)
+    assert none == {} and len(reads) == 1, reads
+    assert loaded.documents == {"attention_mask_type": "block_causal", "reset_position_ids": True,
+                                "eod_mask_loss": True, "eod_id": eod}
     nll, labelled, documents = 0.0, 0, 0
     with torch.no_grad():
         for i in range(4):
@@ -325,8 +448,9 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
     """A run that reads documents says, before it starts, when its settings likely miss: the
     data is one text tokenized whole (a document many times --seq-len: few sequences hold a
     boundary), fine-tuning records (one sample each: nothing changes), or --eod-id is not the
-    data's tokenizer's end-of-document token; a dry run says
-    what its modelled activations leave out (the block_causal mask's size)."""
+    data's tokenizer's end-of-document token; each part of a blended --data is checked (here
+    the second); a dry run says how its modelled activations count the block_causal mask (its
+    size)."""
     import json
     from pathlib import Path
 
@@ -342,38 +466,45 @@ def test_megapar_train_says_when_the_documents_flags_change_little(tmp_path, cap
                       "--tokenizer", "sentencepiece"]) == 0
     indexed = IndexedDataset(prefix)
     assert indexed.num_docs == 1 and indexed.num_tokens > 10 * 32
+    short = tmp_path / "short.jsonl"  # a blend's first part of short documents: nothing to say
+    short.write_text("".join(json.dumps({"text": f"document {i} is short."}) + "\n"
+                             for i in range(40)))
+    assert data_main(["--input", str(short), "--output-prefix", str(tmp_path / "short"),
+                      "--tokenizer", "sentencepiece"]) == 0
+    blend = ["1", str(tmp_path / "short"), "1", prefix]
     model = tmp_path / "llama.json"
     model.write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
                                  "intermediate_size": 64, "num_hidden_layers": 1,
                                  "num_attention_heads": 4, "max_position_embeddings": 64}))
     capsys.readouterr()
-    assert main(["--model", str(model), "--data", prefix, "--seq-len", "32", "--max-steps", "1",
+    assert main(["--model", str(model), "--data", *blend, "--seq-len", "32", "--max-steps", "1",
                  "--global-batch-size", "4", "--micro-batch-size", "4", "--val-fraction", "0",
                  "--attention-mask-type", "block_causal", "--eod-mask-loss",
                  "--eod-id", "5", "--dry-run", "--world-size", "1"]) == 0
     err = capsys.readouterr().err
-    assert (f"--data {prefix} holds 1 document of {indexed.num_tokens:,} tokens, at least 10 x "
-            f"--seq-len 32: few sequences hold two documents, so --attention-mask-type "
+    assert (f"--data's part {prefix} holds 1 document of {indexed.num_tokens:,} tokens, at least "
+            f"10 x --seq-len 32: few sequences hold two documents, so --attention-mask-type "
             f"block_causal, --eod-mask-loss change little") in err, err
-    assert (f"--eod-id 5 is not the end-of-document token of --data {prefix}'s tokenizer "
-            f"({indexed.eod_id}, which ends each of its documents)") in err, err
-    # the dry run names the mask its modelled activations leave out (4 x 32 x 32 fp32)
+    assert err.count("few sequences hold two documents") == 1, err  # not the short part
+    assert (f"--eod-id 5 is not the end-of-document token of --data {' '.join(blend)}'s "
+            f"tokenizer ({indexed.eod_id}, which ends each of its documents)") in err, err
+    # the dry run names the mask its modelled activations count (4 x 32 x 32 fp32)
     assert ("dry run: --attention-mask-type block_causal's mask (4 x 32 x 32, 16.00 KiB per "
-            "micro-batch in flight and sliding window on a stage;") in err, err
+            "micro-batch in flight and sliding window on a model chunk;") in err, err
+    assert "is counted in the modelled activations below, as megapar-plan counts it" in err
 
     class Cfg:
         attention_mask_type, reset_position_ids, eod_mask_loss, seq_len = "causal", True, False, 8
         eod_id = None
 
     # documents shorter than 10 x --seq-len, and the data's own eod: nothing to say
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=799, data_name="--data d") == []
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=800, data_name="--data d") == [
+    assert document_notes(Cfg, 2, [("--data d", 10, 799)], "--data d") == []
+    assert document_notes(Cfg, 2, [("--data d", 10, 800)], "--data d") == [
         "--data d holds 10 documents of 80 tokens on average, at least 10 x --seq-len 8: few "
         "sequences hold two documents, so --reset-position-ids changes little (a text tokenized "
         "whole is one document: megapar-data --split-lines, or a .jsonl of one record per "
         "document, keeps them apart)"]
     # fine-tuning records: one right-padded sample each, whatever their lengths
-    assert document_notes(Cfg, 2, num_docs=10, num_tokens=50, data_name="--data d",
-                          records=True) == [
+    assert document_notes(Cfg, 2, [("--data d", 10, 50)], "--data d", records=True) == [
         "--data d holds fine-tuning records (--sft-keys), one right-padded sample each: no "
         "sequence holds two documents, so --reset-position-ids changes nothing (drop it)"]

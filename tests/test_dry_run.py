@@ -761,6 +761,26 @@ def test_plan_and_dry_run_report_the_same_activations_at_their_defaults(model, c
     assert scores["memory_gib"]["activations"] > gib["activations"]
 
 
+def test_the_dry_run_counts_the_block_causal_mask_as_the_planner():
+    """--attention-mask-type block_causal at pp 2: the first stage's rehearsed rank's modelled
+    activations are the planner's, whose mask (2 x 64 x 64 bf16 per micro-batch in flight: 2
+    on the first stage under 1F1B) adds exactly that to the causal figure."""
+    import dataclasses
+
+    from megapar.plan import Candidate, Problem, stage_memory
+
+    config = resolve_model("gpt2-tiny")
+    cfg = TrainConfig(tp=1, pp=2, dp=1, seq_len=64, micro_batch_size=2, global_batch_size=8,
+                      precision="bf16", attention_mask_type="block_causal", eod_id=0)
+    (rehearsed,) = dry_run(cfg, config, Layout(1, 2, 1), [0])
+    causal = Problem(config, 2, global_batch=8, seq_len=64, precision="bf16")
+    block = dataclasses.replace(causal, attention_mask_type="block_causal")
+    before, after = (stage_memory(p, Candidate(1, 2, 1, 2))[0] for p in (causal, block))
+    assert rehearsed.pp_rank == 0 and rehearsed.activations == int(after.activations)
+    assert after.in_flight == 2
+    assert after.activations - before.activations == 2 * (2 * 64 * 64 * 2)
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_the_plan_s_total_is_the_dry_run_s_bytes_plus_the_transient_buffers(recompute):
     """What a plan shows beyond a dry run's figures is its transient buffers: on the LM head's

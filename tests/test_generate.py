@@ -174,7 +174,7 @@ def test_bf16_greedy_equals_transformers_bf16_generate(imported, capsys):
             want = theirs.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=8, eos_token_id=EOS, pad_token_id=EOS)
         assert record["new_ids"] == want[0, ids.shape[1]:].tolist(), (kind, prompt)
-    mesh, config, ours = load_model(str(ckpt), 1, 1, dtype=torch.bfloat16)
+    mesh, config, ours, _ = load_model(str(ckpt), 1, 1, dtype=torch.bfloat16)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
     cached = []
     hook = next(iter(ours.layers.values())).register_forward_hook(
@@ -483,7 +483,7 @@ def _cached_and_plain(ckpt, prompt):
 
     from megapar.training.inference import load_model
 
-    mesh, config, model = load_model(str(ckpt), 2, 2)
+    mesh, config, model, _ = load_model(str(ckpt), 2, 2)
     issued: list = []
     real = {name: getattr(dist, name) for name in ("send", "recv", "broadcast")}
 

@@ -503,12 +503,17 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     base = ["--model", "gpt2-tiny", "--gpus", "4", "--global-batch-size", "8", "--seq-len", "64"]
     code, out = _cli(capsys, *base, "--target", "cpu", "--top", "2")
     assert code == 0 and "GPU" not in out.out, out.out
-    assert "; 4 CPU ranks (8 per node, 80 GiB each);" in out.out and " mem/rank " in out.out
+    assert ("; 4 CPU ranks (8 per node; each 80 GiB, 312 TFLOP/s peak in bf16: "
+            "--gpu-memory-gb, --peak-tflops);") in out.out and " mem/rank " in out.out
     assert "keeps on CPU ranks without attention dropout;" in out.out
     code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
     assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out
     code, out = _cli(capsys, *base, "--top", "2")
-    assert code == 0 and "; 4 GPUs (8 per node, 80 GiB each);" in out.out
+    assert code == 0 and ("; 4 GPUs (8 per node; each 80 GiB, 312 TFLOP/s peak in bf16: "
+                          "--gpu-memory-gb, --peak-tflops);") in out.out
+    # the GPU it assumes is the flags' (an H100's bf16 peak, 80 GB)
+    code, out = _cli(capsys, *base, "--top", "2", "--peak-tflops", "989", "--precision", "fp16")
+    assert code == 0 and "(8 per node; each 80 GiB, 989 TFLOP/s peak in fp16: " in out.out
     assert " mem/GPU " in out.out and "keeps on GPUs;" in out.out
 
 

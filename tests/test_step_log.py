@@ -36,11 +36,13 @@ def test_the_log_calls_the_idle_share_a_bubble_only_with_a_pipeline(tmp_path, ca
         assert absent not in record and 0.0 <= record[logged] <= 1.0, record
     out = capfd.readouterr().out
     lines = [x for x in out.splitlines() if x.startswith("step ")]
-    # the first line's micro-batches are each dp rank's: at dp 2 it says so, so that they
-    # multiply back to the global batch (2 x 2 x 2 = 8; "2 micro-batches per step" did not)
-    header = {"2": "global batch 8 x 32 tokens, 2 micro-batches per step of 2 on each of the "
-                   "2 dp ranks\n",
-              "1": "global batch 8 x 32 tokens, 4 micro-batches per step\n"}
+    # the first line names the factors of the global batch, so that they multiply back to it
+    # (2 x 2 x 2 = 8; "2 micro-batches per step of 2 on each of the 2 dp ranks" read
+    # ambiguously: "of 2" the micro-batch size or the step's count?)
+    header = {"2": "global batch 8 sequences of 32 tokens: 2 dp ranks x 2 micro-batches per "
+                   "step x micro-batch size 2\n",
+              "1": "global batch 8 sequences of 32 tokens: 4 micro-batches per step x "
+                   "micro-batch size 2\n"}
     assert header[layout[1] if layout[0] == "--dp" else "1"] in out, out
     label = {"bubble": "bubble", "grad_reduce_wait": "grad-reduce wait"}
     assert len(lines) == 2 and all(f"| {label[logged]} " in x for x in lines), lines

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapar.checkpoint.format import CheckpointError
-from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import (
     launched_size_refusal,
@@ -237,8 +236,7 @@ def build_parser() -> OneLineParser:
 
 @torch.no_grad()
 def _loss_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
-    trained = trained_documents(read_manifest(args.load))  # read_manifest resolves it
+    mesh, config, model, trained = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -324,7 +322,7 @@ def _mlm_report(mesh, config, model, batches, k: int):
 
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
+    mesh, config, model, _ = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
     batch = {"input_ids": load_input_ids(args.input_ids)}
     if args.attention_mask:
         batch["attention_mask"] = load_input_ids(args.attention_mask, flag="--attention-mask")

@@ -368,7 +368,9 @@ def positions_note(sample: int, limit_name: str, prompt_len: int, new_len: int) 
 
 
 def _worker(args):
-    mesh, config, model = load_model(args.load, args.tp, args.pp, dtype=PRECISIONS[args.precision])
+    mesh, config, model, _ = load_model(
+        args.load, args.tp, args.pp, dtype=PRECISIONS[args.precision]
+    )
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     rows = [ids for ids in args.prompt_ids for _ in range(args.samples)]
     # sample i's own CPU generator: the same draws on any device, layout and batch size

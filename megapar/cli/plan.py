@@ -33,6 +33,7 @@ from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError
+from megapar.models.documents import MASK_TYPES
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
@@ -59,11 +60,13 @@ from megapar.plan.report import (
     active_note,
     attention_note,
     command,
+    documents_note,
     expert_lines,
     explain,
     fp8_json,
     fp8_lines,
     fp8_note,
+    hardware_phrase,
     peak_note,
     print_json,
     ranks_phrase,
@@ -216,6 +219,14 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--attention-mask-type",
+        choices=list(MASK_TYPES),
+        default="causal",
+        help="megapar-train's --attention-mask-type: block_causal counts the additive mask "
+        "(micro-batch x seq-len x seq-len in the activation dtype) each model chunk makes per "
+        "micro-batch and sliding window and keeps until the backward",
+    )
 
 
 def add_precision_arguments(p: argparse.ArgumentParser) -> None:
@@ -440,6 +451,12 @@ def _problem(args, given: tuple[str, ...] = ()):
     # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
     # divide) hold at every layout: at one GPU's layout only they can fail
     config.validate(Layout(1, 1, 1))
+    if args.attention_mask_type == "block_causal" and config.model_type == "bert":
+        raise ValueError(  # as megapar-train refuses it (`check_documents`)
+            "--attention-mask-type block_causal reads the documents packed into a decoder's "
+            "sequences, and BERT's samples are one sentence pair each; drop it or plan GPT-2 "
+            "or a Llama-family model"
+        )
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
@@ -473,6 +490,7 @@ def _problem(args, given: tuple[str, ...] = ()):
         fp8_layers=args.fp8_layers,
         fp8_speedup=args.fp8_speedup,
         optimizer=args.optimizer,
+        attention_mask_type=args.attention_mask_type,
     )
 
 
@@ -542,7 +560,7 @@ def _explain(args, problem) -> int:
         "\n".join([explain(e, problem.target), *expert_lines(e, problem), *fp8_lines(e, problem)])
     )
     print(attention_note(problem.fused_attention, problem.target))
-    for note in (fp8_note(problem), peak_note(problem)):
+    for note in (documents_note(problem), fp8_note(problem), peak_note(problem)):
         if note:
             print(note)
     if e.process is not None:
@@ -598,15 +616,15 @@ def main(argv=None) -> int:
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
         f"{active_note(problem.config)}; "
-        f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
-        f"{problem.gpu_memory_gb:g} GiB each); global batch "
+        f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node; "
+        f"{hardware_phrase(problem)}); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; "
         f"{counted(valid, 'valid layout')}, "
         f"{len(rejected)} rejected"
     )
     print(table(estimates[: args.top], problem.master_weights, problem.target))
     print(attention_note(problem.fused_attention, problem.target))
-    for note in (fp8_note(problem), peak_note(problem)):
+    for note in (documents_note(problem), fp8_note(problem), peak_note(problem)):
         if note:
             print(note)
     if not estimates:

@@ -20,8 +20,8 @@ from megapar.plan.process import TARGETS, process_peak
 def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
     """The planner's problem and candidate for megapar-train's job `cfg` (a `TrainConfig`) of
     model `config` on `layout`, for `target`'s ranks (`Problem.target`), with the job's own
-    settings that the planner reads: --optimizer, --fp8, --fp8-layers and --compile (which
-    turns ZeRO-3's float8 all-gather off), --grad-bucket-mb, the offloads and
+    settings that the planner reads: --optimizer, --attention-mask-type, --fp8, --fp8-layers
+    and --compile (which turns ZeRO-3's float8 all-gather off), --grad-bucket-mb, the offloads and
     ZeRO-3's --zero3-keep-params, --zero3-reduce and --zero3-persistence-threshold (which
     units are gathered and which gradient buffers alive at the top and at the end of the
     backward, where `plan.process` takes the peak). Besides the state its real code holds, a
@@ -43,6 +43,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         grad_bucket_mb=cfg.grad_bucket_mb,
         zero3_persistence_threshold=cfg.zero3_persistence_threshold if cfg.zero == 3 else 0,
         optimizer=cfg.optimizer,
+        attention_mask_type=cfg.attention_mask_type,
     )
     candidate = Candidate(
         layout.tp,
@@ -65,6 +66,13 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
     return problem, candidate
 
 
+ETP_NOTE_BYTES = 2**30
+"""`expert_tp_note` speaks where the split saves a rank at least this (1 GiB): below it the
+choice changes no GPU's fit by much (1.25 % of an 80 GB GPU). A share of the rank's state would
+speak on tiny runs whose experts are most of it (mixtral-tiny with a 1,000-token vocabulary:
+4 against 3 MiB)."""
+
+
 def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     """megapar-train's start-up note for a mixture-of-experts model at --tp > 1 without
     --expert-tensor-parallel-size (`given`: whether it was given; megapar's default is 1,
@@ -72,8 +80,9 @@ def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     of them under --ep), and the flag
     at --tp splits them, with the state the most loaded rank holds either way (the planner's
     parameters, gradients and optimizer state, `stage_states`; activations not included).
-    None where the flag was given, at --tp 1, for a dense model, or where --tp does not divide
-    the experts' intermediate size (the split would be refused)."""
+    None where the flag was given, at --tp 1, for a dense model, where --tp does not divide
+    the experts' intermediate size (the split would be refused), or where the split saves a
+    rank less than `ETP_NOTE_BYTES` (a small model: the choice does not matter)."""
     tp = layout.tp
     if tp == 1 or given or not is_moe(config) or config.expert_size % tp:
         return []
@@ -82,6 +91,10 @@ def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     def held(c: Candidate) -> int:
         return max(s.weights + s.grads + s.master + s.optimizer for s in stage_states(problem, c))
 
+    whole_bytes, split_bytes = held(whole), held(replace(whole, etp=tp))
+    saved = whole_bytes - split_bytes
+    if saved < ETP_NOTE_BYTES:
+        return []
     experts = config.num_local_experts
     held_experts = (
         f"its {experts // layout.ep} of the {experts} routed experts of each MoE layer (--ep "
@@ -91,10 +104,10 @@ def expert_tp_note(cfg, config, layout: Layout, given: bool) -> list[str]:
     )
     return [
         f"--expert-tensor-parallel-size not given: 1 (Megatron-core's default is --tp), so each "
-        f"of the {tp} tp ranks holds {held_experts} ({gib(held(whole))} of "
+        f"of the {tp} tp ranks holds {held_experts} ({gib(whole_bytes)} of "
         f"parameters, gradients and optimizer state a rank, megapar-plan's count); "
         f"--expert-tensor-parallel-size {tp} splits each expert over them "
-        f"({gib(held(replace(whole, etp=tp)))})"
+        f"({gib(split_bytes)})"
     ]
 
 

@@ -8,6 +8,7 @@ code's tensors and collectives; the activations are the planner's model, and say
 from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
+from megapar.plan.memory import document_mask_bytes
 
 _OPS = {
     "all_reduce": "all-reduce",
@@ -235,15 +236,18 @@ def footer(seconds: float, ranks: int, world: int) -> str:
 
 
 def documents_note(cfg) -> str | None:
-    """What the modelled activations leave out under --attention-mask-type block_causal: the
-    additive mask a stage makes per micro-batch in flight and sliding window (b x s x s in the
-    attention's dtype; under the ring and the all-gather a block per kernel call instead)."""
+    """How the modelled activations count --attention-mask-type block_causal's additive mask:
+    b x s x s in the attention's dtype (`plan.memory.document_mask_bytes`), one per micro-batch
+    in flight and sliding window on each model chunk, as megapar-plan counts it (under the
+    ring and the all-gather a block per kernel call instead, a transient)."""
     if cfg.attention_mask_type != "block_causal":
         return None
-    nbytes = cfg.micro_batch_size * cfg.seq_len**2 * (4 if cfg.precision == "fp32" else 2)
+    act_bytes = 4 if cfg.precision == "fp32" else 2
+    nbytes = document_mask_bytes(cfg.seq_len, cfg.micro_batch_size, act_bytes)
     return (
         f"dry run: --attention-mask-type block_causal's mask ({cfg.micro_batch_size} x "
         f"{cfg.seq_len} x {cfg.seq_len}, {size(nbytes)} per micro-batch in flight and sliding "
-        f"window on a stage; under --cp by the ring or the all-gather a block per kernel call "
-        f"instead) is not in the modelled activations below, nor in megapar-plan's"
+        f"window on a model chunk; under --cp by the ring or the all-gather a block per kernel "
+        f"call instead, a transient) is counted in the modelled activations below, as "
+        f"megapar-plan counts it"
     )

@@ -83,6 +83,9 @@ def train_config(problem, candidate):
         fp8_layers=problem.fp8_layers if problem.fp8 != "off" else "auto",
         compile=problem.compile,
         optimizer=problem.optimizer,
+        attention_mask_type=problem.attention_mask_type,
+        # the masks' shapes need no real end-of-document id (a dry run without data: 0)
+        eod_id=0 if problem.attention_mask_type == "block_causal" else None,
     )
     return cfg
 

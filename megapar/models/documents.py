@@ -59,9 +59,12 @@ class Documents:
 
     def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """The additive mask [b, 1, s, s] of the whole sequence for sliding `window` (None:
-        none) in `dtype` (`block_causal_bias`), made on first use; None without `ids`."""
+        none) in `dtype` (`block_causal_bias`), made on first use (a window of s or more cuts
+        nothing: it shares the unwindowed mask); None without `ids`."""
         if self.ids is None:
             return None
+        if window is not None and window >= self.ids.shape[1]:
+            window = None
         key = (window, dtype)
         if key not in self.biases:
             self.biases[key] = block_causal_bias(self.ids, window, dtype)

@@ -218,6 +218,14 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
     )
 
 
+def cp_document_call_bytes(s: int, b: int, cp: int, act_bytes: int) -> float:
+    """--attention-mask-type block_causal under the ring or the all-gather: the largest kernel
+    call's document mask (`attention._Pass._document_bias`), made per call and not kept: one
+    chunk's s / (2 cp) queries against two chunks' keys, the boolean comparison and the
+    additive mask in the attention's dtype, [b, 1, s / (2 cp), s / cp] each."""
+    return b * (s // (2 * cp)) * (s // cp) * (1 + act_bytes)
+
+
 def a2a_buffers(p: Problem, c: Candidate) -> float:
     """Kept: nothing beyond the layer's terms (`plan.memory.layer_bytes`). During the core each
     rank holds the whole sequence for its cp-th of the heads: q, k and v (k and v at the query

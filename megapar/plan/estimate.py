@@ -65,7 +65,7 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, fp8, pipeline
 from megapar.plan import memory as mem
-from megapar.plan.context_parallel import cp_buffers
+from megapar.plan.context_parallel import cp_buffers, cp_document_call_bytes, cp_method
 from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.params import (
     StageLayout,
@@ -140,6 +140,12 @@ class ActivationSizes:
     `experts.routed_bytes` at the plan's imbalance included); 0 for a dense model."""
     full_moe: float = 0.0
     """A MoE layer's activations without recompute."""
+    document_mask: float = 0.0
+    """--attention-mask-type block_causal: one additive mask of the whole sequence
+    (`memory.document_mask_bytes`), which a model chunk makes per micro-batch and sliding
+    window (`memory.document_masks`) and its attention keeps until the backward; 0 for causal
+    attention, and under context parallelism by the ring or the all-gather (a block per kernel
+    call: `_stage_buffers`)."""
 
     def blocks(self, k: int, k_moe: int) -> float:
         """The activations kept by `k` blocks of which `k_moe` are MoE layers."""
@@ -236,8 +242,22 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         grads_in_forward=pipeline.loss_grads_in_forward(p, c),
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
+    whole_mask = c.cp == 1 or cp_method(cfg, c.cp_comm) == "a2a"  # else a block per call
+    mask = (
+        mem.document_mask_bytes(p.seq_len, b, p.act_bytes)
+        if p.attention_mask_type == "block_causal" and whole_mask
+        else 0.0
+    )
     return ActivationSizes(
-        per_layer, max(full, full_moe), embedding, head, message, vocab_local, per_moe, full_moe
+        per_layer,
+        max(full, full_moe),
+        embedding,
+        head,
+        message,
+        vocab_local,
+        per_moe,
+        full_moe,
+        mask,
     )
 
 
@@ -338,6 +358,12 @@ def _stage_activations(
             sizes.blocks(k, k_moe) + (sizes.embedding if pre else 0) + (sizes.head if post else 0)
             for k, pre, post, k_moe in shape
         ]
+        if sizes.document_mask:  # each chunk's masks, one per window its layers cut with
+            specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
+            chunks = [
+                w + mem.document_masks(cfg, spec.layers, p.seq_len) * sizes.document_mask
+                for w, spec in zip(chunks, specs)
+            ]
         seen = (counts or {}).get(stage) or (
             pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None
         )
@@ -393,10 +419,13 @@ def _peak_activations(seen, chunks: list, message: float, v: int) -> tuple[float
 
 
 def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: bool) -> float:
-    """Transient bytes of a stage: cp attention's K/V in flight, the layer rebuilt by
+    """Transient bytes of a stage: cp attention's K/V in flight (under block_causal by the ring
+    or the all-gather with its largest kernel call's document mask), the layer rebuilt by
     recompute, and (on the stage with the head) the logits' gradient in backward."""
     s = p.seq_len // c.cp
     buffers = cp_buffers(p, c)  # cp attention's K/V in flight
+    if c.cp > 1 and p.attention_mask_type == "block_causal" and not sizes.document_mask:
+        buffers += cp_document_call_bytes(p.seq_len, c.mbs, c.cp, p.act_bytes)
     if c.recompute != "none":  # one layer rebuilt during backward
         buffers += max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
     if has_head:  # the logits' gradient in backward

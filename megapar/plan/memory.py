@@ -193,6 +193,23 @@ def logits_buffer_bytes(
     return min(chunk_tokens, s * b) * vocab_local * (4 + (act_bytes if act_bytes < 4 else 0))
 
 
+def document_mask_bytes(s: int, b: int, act_bytes: int) -> float:
+    """One additive mask of --attention-mask-type block_causal: [b, 1, s, s] in the attention's
+    dtype (`megapar.models.documents.block_causal_bias`), of the whole sequence's s tokens."""
+    return b * s * s * act_bytes
+
+
+def document_masks(config, layers, s: int) -> int:
+    """How many block_causal masks a model chunk holding `layers` makes per micro-batch: one
+    per distinct sliding window its layers cut a sequence of `s` tokens with (a window of s or
+    more cuts nothing: the whole sequence's mask), as `Documents.bias` shares them; GPT-2 has
+    no window. 0 for a chunk without blocks."""
+    if config.model_type not in LLAMA_TYPES:
+        return 1 if len(layers) else 0
+    windows = {config.layer_window(i) for i in layers}
+    return len({w if w is not None and w < s else None for w in windows})
+
+
 def embedding_bytes(
     s: int, b: int, h: int, dropout: bool, sp_t: int = 1, terms: BlockTerms = BlockTerms()
 ) -> float:

@@ -90,6 +90,12 @@ class Problem:
     against 989 bf16, so 2.0): the rate of the converted linears' products. The casts' memory
     traffic is not modelled, so the speed-up it gives is an upper bound."""
 
+    attention_mask_type: str = "causal"
+    """megapar-train's --attention-mask-type: block_causal makes an additive mask of the whole
+    sequence per micro-batch and sliding window on each model chunk, kept by its attention for
+    the backward (`memory.document_mask_bytes`, counted in the activations); under context
+    parallelism by the ring or the all-gather a block per kernel call instead (a transient)."""
+
     @cached_property
     def config_json(self) -> str:
         """The model config as canonical JSON (what `plan.state`'s cached functions take)."""

@@ -55,6 +55,16 @@ def ranks_phrase(n: int, target: str) -> str:
     return f"{n:,} GPU{plural}" if target == "gpu" else f"{n:,} CPU rank{plural}"
 
 
+def hardware_phrase(p: Problem) -> str:
+    """What the plan's first line says it assumes of each GPU (or CPU rank): its memory and
+    its peak dense matmul rate in the plan's precision, and the flags that set them, e.g. "each
+    80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"."""
+    return (
+        f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s peak in {p.precision}: "
+        f"--gpu-memory-gb, --peak-tflops"
+    )
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:>7.1f}Gi" if nbytes >= GIB else f"{nbytes / 2**20:>7.1f}Mi"
 
@@ -113,6 +123,11 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         *([f"--expert-tensor-parallel-size {c.etp}"] if c.etp > 1 else []),
         f"--pp {c.pp}",
         f"--seq-len {p.seq_len}",
+        *(
+            [f"--attention-mask-type {p.attention_mask_type}"]
+            if p.attention_mask_type != "causal"
+            else []
+        ),
         f"--micro-batch-size {c.mbs}",
         f"--global-batch-size {p.global_batch}",
         f"--recompute {c.recompute}",
@@ -259,6 +274,20 @@ def attention_note(fused: bool, target: str = "gpu") -> str:
         "attention: the a*s^2 scores counted with their softmax and dropout mask (the "
         "unfused kernel: megapar-train on a CPU with attention dropout; on GPUs it runs a "
         "fused kernel, which keeps none), except under context parallelism"
+    )
+
+
+def documents_note(p) -> str | None:
+    """Under --attention-mask-type block_causal, the line that says how a plan counts its
+    additive mask (`Problem.attention_mask_type`); None for causal attention."""
+    if p.attention_mask_type != "block_causal":
+        return None
+    return (
+        f"block_causal: its additive mask (micro-batch x {p.seq_len} x {p.seq_len}, "
+        f"{p.act_bytes} bytes an element) counted in the activations, one per micro-batch in "
+        f"flight and sliding window on each model chunk (its attention keeps it for the "
+        f"backward; megapar-train --dry-run counts the same); under cp by the ring or the "
+        f"all-gather a block per kernel call instead, a transient"
     )
 
 

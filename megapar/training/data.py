@@ -118,6 +118,13 @@ def resolve_data_prefix(
     return prefixes[0]
 
 
+def blend_parts(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """A blended --data's drawn parts as (path given, prepared prefix), in order (their text
+    tokenized already: `resolve_data_prefix`); [] for one dataset."""
+    blend = parse_blend(cfg.data) if cfg.data is not None else None
+    return [(path, _resolve_one(cfg, path)) for _, path in blend or []]
+
+
 def _check_recorded_tokenizer(data: str, part: IndexedDataset) -> None:
     """The tokenizer prepared dataset `part` records still has the files it was made with
     (`check_dataset_tokenizer`); one that no longer loads is left to `data_tokenizer` (the

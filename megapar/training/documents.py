@@ -22,15 +22,21 @@ def eod_masked(cfg, batch: dict) -> dict:
 
 
 def document_notes(
-    cfg, data_eod: int, num_docs: int, num_tokens: int, data_name: str, records: bool = False
+    cfg,
+    data_eod: int,
+    parts: list[tuple[str, int, int]],
+    data_name: str,
+    records: bool = False,
 ) -> list[str]:
     """Start-up notes for a run that reads documents (`reads_documents`) where its settings
     likely do not do what the user meant: an --eod-id other than the end-of-document token of
-    the data's tokenizer (`data_eod`, which ends each of its documents), or documents so long
-    (10 x --seq-len or more on average) that few sequences hold a document boundary and the
-    flags change little (a text file tokenized whole as one document); or `records`,
-    fine-tuning records (--sft-keys), each one right-padded sample: no sequence holds two
-    documents, and the flags change nothing."""
+    the data's tokenizer (`data_eod`, which ends each of its documents; a blend's parts share
+    one), or documents so long (10 x --seq-len or more on average) that few sequences hold a
+    document boundary and the flags change little (a text file tokenized whole as one
+    document), said of each of `parts` ((name, documents, tokens): --data, or each part of a
+    blend) that holds such; or `records`, fine-tuning records (--sft-keys), each one
+    right-padded sample: no sequence holds two documents, and the flags change nothing.
+    `data_name` names --data as a whole."""
     flags = ", ".join(
         flag
         for flag, on in (
@@ -54,18 +60,20 @@ def document_notes(
             f"each: no sequence holds two documents, so {flags} {verb} nothing (drop "
             f"{'them' if verb == 'change' else 'it'})"
         )
-    elif num_docs and num_tokens >= 10 * cfg.seq_len * num_docs:
-        notes.append(
-            f"{data_name} holds "
-            + (
-                f"1 document of {num_tokens:,} tokens"
-                if num_docs == 1
-                else f"{num_docs:,} documents of {num_tokens // num_docs:,} tokens on average"
+        return notes
+    for name, num_docs, num_tokens in parts:
+        if num_docs and num_tokens >= 10 * cfg.seq_len * num_docs:
+            notes.append(
+                f"{name} holds "
+                + (
+                    f"1 document of {num_tokens:,} tokens"
+                    if num_docs == 1
+                    else f"{num_docs:,} documents of {num_tokens // num_docs:,} tokens on average"
+                )
+                + f", at least 10 x --seq-len "
+                f"{cfg.seq_len}: few sequences hold two documents, so {flags} "
+                f"{verb} little (a "
+                f"text tokenized whole is one document: megapar-data --split-lines, or a .jsonl "
+                f"of one record per document, keeps them apart)"
             )
-            + f", at least 10 x --seq-len "
-            f"{cfg.seq_len}: few sequences hold two documents, so {flags} "
-            f"{verb} little (a "
-            f"text tokenized whole is one document: megapar-data --split-lines, or a .jsonl "
-            f"of one record per document, keeps them apart)"
-        )
     return notes

@@ -10,6 +10,8 @@ Parameters are replicated over cp, so a checkpoint loads at any cp.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -19,10 +21,22 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.context_parallel import unsplit
 from megapar.device import keep_freed_host_memory
 from megapar.mesh import Mesh
-from megapar.models.config import config_from_dict
+from megapar.models.config import ModelConfig, config_from_dict
 from megapar.models.documents import set_documents
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
+
+
+class LoadedModel(NamedTuple):
+    """A checkpoint's model as `load_model` loads it for inference."""
+
+    mesh: Mesh
+    config: ModelConfig
+    """The model config (`config_from_dict` of the manifest's)."""
+    model: torch.nn.Module
+    """This rank's stage model, in eval mode."""
+    documents: dict
+    """The packed-document settings it applies (`trained_documents`; {}: none, or not asked)."""
 
 
 def load_model(
@@ -32,11 +46,12 @@ def load_model(
     cp: int = 1,
     dtype: torch.dtype | None = None,
     documents: bool = False,
-):
-    """(mesh, config, this rank's stage model) of checkpoint `load` at tp x cp x pp (resharded
-    on load), in eval mode; its parameters cast to `dtype` once loaded (None: as saved); with
-    `documents`, attending and placing positions within the packed documents as the checkpoint
-    trained (`trained_documents`; megapar-eval's forwards of whole sequences, not a KV cache's)."""
+) -> LoadedModel:
+    """(mesh, config, this rank's stage model, its document settings) of checkpoint `load` at
+    tp x cp x pp (resharded on load), in eval mode; its parameters cast to `dtype` once loaded
+    (None: as saved); with `documents`, attending and placing positions within the packed
+    documents as the checkpoint trained (`trained_documents`, returned so its manifest is read
+    once; megapar-eval's forwards of whole sequences, not a KV cache's)."""
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     manifest = read_manifest(resolve_checkpoint(load))
     config = config_from_dict(manifest["model"])
@@ -51,7 +66,7 @@ def load_model(
         model.to(dtype)
     model.eval()
     keep_freed_host_memory()  # the weights are in place: later tensors are kept
-    return mesh, config, model
+    return LoadedModel(mesh, config, model, trained)
 
 
 def trained_documents(manifest: dict) -> dict:

@@ -63,9 +63,11 @@ from megapar.training.logging import (
     perplexity,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.resume import setting_changes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
+from megapar.wording import counted
 
 
 class TrainingError(RuntimeError):
@@ -94,6 +96,18 @@ def _num_params(model, mesh: Mesh) -> tuple[int, int]:
     t = torch.tensor([real, allocated], dtype=torch.float64, device=mesh.device)
     real, allocated = (int(x) for x in all_reduce(t, mesh.mp_group).tolist())
     return real, allocated
+
+
+def batch_phrase(global_batch: int, seq_len: int, dp: int, micro_batches: int, size: int) -> str:
+    """How the start-up line splits a step's global batch, its factors named so they multiply
+    back to it: "global batch 8 sequences of 32 tokens: 2 dp ranks x 2 micro-batches per step x
+    micro-batch size 2" (without "dp ranks x" at dp 1)."""
+    ranks = f"{dp} dp ranks x " if dp > 1 else ""
+    return (
+        f"global batch {counted(global_batch, 'sequence')} of {seq_len} tokens: {ranks}"
+        f"{counted(micro_batches, 'micro-batch', 'micro-batches')} per step x micro-batch "
+        f"size {size}"
+    )
 
 
 class Trainer:
@@ -197,12 +211,7 @@ class Trainer:
             if state.resharded
             else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         )
-        trained = state.meta.get("train_config") or {}
-        how += "".join(  # how the layout runs, which Layout does not hold (not inherited)
-            f"; --{name.replace('_', '-')} {was} -> {now}"
-            for name in ("zero", "expert_tensor_parallel_size", "cp_comm_type")
-            if (was := trained.get(name)) is not None and was != (now := getattr(self.cfg, name))
-        )
+        how += setting_changes(state.meta.get("train_config") or {}, self.cfg)
         ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
             f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
         )
@@ -318,18 +327,18 @@ class Trainer:
                 f"{self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
                 f"to {padded:,}, a multiple of {multiple} x tp"
             )
+        sampler = self.sampler
+        batch = batch_phrase(
+            cfg.global_batch_size,
+            cfg.seq_len,
+            mesh.dp,
+            sampler.micro_batches_per_rank,
+            sampler.micro_batch_size,
+        )
         logger.message(
             f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
             + (f" ({'; '.join(notes)})" if notes else "")
-            + ", "
-            f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
-            f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
-            f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step"
-            + (
-                f" of {self.sampler.micro_batch_size} on each of the {mesh.dp} dp ranks"
-                if mesh.dp > 1
-                else ""
-            )
+            + f", {mesh.layout}, {batch}"
         )
         for note in self.notes:
             logger.message(note)

@@ -55,6 +55,34 @@ def recorded_settings(engine) -> dict:
     return settings
 
 
+CHANGES_NAMED = (
+    "zero",
+    "expert_tensor_parallel_size",
+    "cp_comm_type",
+    "attention_mask_type",
+    "reset_position_ids",
+    "eod_mask_loss",
+)
+"""Settings whose change a --load run's resume line names: how the layout runs, which `Layout`
+does not hold (never taken from the checkpoint), and the packed-document flags (taken from it
+unless given: a change is one given on the command line)."""
+
+
+def setting_changes(trained: dict, cfg) -> str:
+    """The resume line's changes of `CHANGES_NAMED` from the checkpoint's recorded settings
+    (`trained`, its train_config) to `cfg`'s: "; --zero 2 -> 0" each (a switch "off -> on"),
+    in that order; "" where none changed or the checkpoint recorded none."""
+
+    def shown(value) -> str:
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+    return "".join(
+        f"; --{name.replace('_', '-')} {shown(was)} -> {shown(now)}"
+        for name in CHANGES_NAMED
+        if (was := trained.get(name)) is not None and was != (now := getattr(cfg, name))
+    )
+
+
 def checkpoint_meta(engine, extra: dict | None) -> dict:
     """The metadata `Engine.save` writes: megapar's keys and the caller's `extra` (which may
     not use megapar's own, ValueError)."""

@@ -25,6 +25,7 @@ from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placemen
 from megapar.training.config import TrainConfig
 from megapar.training.data import (
     DataPlan,
+    blend_parts,
     build_datasets,
     discard_tokenized,
     max_samples,
@@ -124,12 +125,17 @@ def plan_data(
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     if reads_documents(cfg):
         indexed = IndexedDataset(plan.prefix, cfg.tokenizer)
+        parts = [  # each part of a blend (index counts only), or the one dataset
+            (f"--data's part {path}", part.num_docs, part.num_tokens)
+            for path, part in (
+                (path, IndexedDataset(prefix, cfg.tokenizer)) for path, prefix in blend_parts(cfg)
+            )
+        ] or [(_data_named(cfg), indexed.num_docs, indexed.num_tokens)]
         notes.extend(
             document_notes(
                 cfg,
                 indexed.eod_id,
-                indexed.num_docs,
-                indexed.num_tokens,
+                parts,
                 _data_named(cfg),
                 records=indexed.prompt_lengths is not None,
             )
