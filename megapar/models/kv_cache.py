@@ -89,8 +89,9 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the keys and values of the next positions; the keys and values the new queries
-        attend over, these included (every cached one; under a trimming window the last
-        window - 1 before these, or the buffer whole in slot order: `key_slots`)."""
+        attend over, these included: every cached one, in order; under a trimming window the
+        first forward's own, then the rolling buffer's filled indices (at least the last
+        window - 1 slots before these; each one's slot: `key_slots`)."""
         b, h, s, d = k.shape
         end = self.length + s
         if end > self.capacity:
