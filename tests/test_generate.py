@@ -19,6 +19,7 @@
 The command runs in-process (`main(argv)`); its ranks at tp x pp > 1 are forked gloo ranks.
 """
 
+import contextlib
 import copy
 import json
 import signal
@@ -551,8 +552,19 @@ WINDOWED = {  # a sliding window of 4: Mistral's in every layer, Qwen2's in its 
 }
 
 
-@pytest.mark.parametrize("kind", list(WINDOWED))
-def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_path):
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def windowed(request, tmp_path_factory):
+    """(kind, transformers model with a sliding window of 4, its saved directory)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(WINDOWED[request.param]()).eval()
+    with torch.no_grad():  # a peaked distribution: greedy ties are out of reach of rounding
+        hf.get_input_embeddings().weight.mul_(4.0)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, hf, path
+
+
+def test_greedy_beyond_a_sliding_window_equals_transformers_generate(windowed):
     """A prompt longer than the sliding window and 12 new tokens: greedy with the KV cache
     (one position per token, the window over the cached keys) and without it give
     transformers' `generate(do_sample=False, use_cache=True)` tokens, and the same logits at
@@ -561,12 +573,8 @@ def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_p
     from megapar.mesh import Mesh
     from megapar.models import Llama
 
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(WINDOWED[kind]()).eval()
-    with torch.no_grad():  # a peaked distribution: greedy ties are out of reach of rounding
-        hf.get_input_embeddings().weight.mul_(4.0)
-    hf.save_pretrained(tmp_path)
-    reader = HFReader(str(tmp_path))
+    kind, hf, path = windowed
+    reader = HFReader(str(path))
     config, mesh = reader.config, Mesh.from_env(1, 1, 1)
     model = Llama(config, mesh)
     assert load_hf_weights(model, reader) == []
@@ -585,6 +593,138 @@ def test_greedy_beyond_a_sliding_window_equals_transformers_generate(kind, tmp_p
     # a left-padded batch: the window in the pad mask's slots (a row's positions are its slots
     # less its pads, so the same distances)
     _batch_equals_each_alone(model, mesh, config, [prompt, prompt[:2], _ids(PROMPTS[1])], kind)
+
+
+WINDOWED_PROMPTS = ["Now is the winter of our discontent", PROMPTS[0], "Hello world!", "To be"]
+
+
+def _windowed_generate(path, tp: int, pp: int, prompts: list[list[int]], new: int):
+    """This rank's greedy `generate_batch` of `prompts` (one left-padded batch, `new` tokens
+    each) at tp x pp from the transformers model saved at `path`: the new ids, each cache's
+    (window, trims, shape of its keys) once the batch ended, and the most keys a trimming
+    cache's queries attended over in a step of one new position."""
+    from megapar.checkpoint.hf import HFReader, load_hf_weights
+    from megapar.mesh import Mesh
+    from megapar.models import kv_cache as kv
+    from megapar.pipeline.partition import build_stage
+    from megapar.training import generate as gen
+
+    mesh = Mesh.from_env(tp, pp, 1)
+    reader = HFReader(str(path))
+    config = reader.config
+    model = build_stage(config, mesh, seed=0, init=False)
+    assert load_hf_weights(model, reader) == []
+    caches: list = []
+    decode_keys = [0]
+    real_cache, real_append = gen.kv_cache, kv.KVCache.append
+
+    @contextlib.contextmanager
+    def kept(*args):
+        with real_cache(*args) as made:
+            caches.extend(made)
+            yield made
+
+    def append(self, k, v):
+        keys, values = real_append(self, k, v)
+        if self.trims and k.shape[2] == 1:
+            decode_keys[0] = max(decode_keys[0], keys.shape[2])
+        return keys, values
+
+    gen.kv_cache, kv.KVCache.append = kept, append
+    try:
+        out = gen.generate_batch(model.eval(), mesh, prompts, new, gen.Sampling(temperature=0),
+                                 [torch.Generator() for _ in prompts], config.hidden_size,
+                                 config.vocab_size, config.max_positions, None)
+    finally:
+        gen.kv_cache, kv.KVCache.append = real_cache, real_append
+    return ([g.new_ids for g in out], [(c.window, c.trims, tuple(c.k.shape)) for c in caches],
+            decode_keys[0])
+
+
+def test_a_sliding_windows_cache_keeps_the_window_and_batches_equal_transformers(windowed):
+    """Prompts of 14, 7, 5 and 2 tokens and 16 new ones in one left-padded batch, at tp 1 and at
+    tp 2 x pp 2 (Qwen2's full layer on one stage, its windowed one on the other): the greedy
+    tokens of transformers' left-padded batch with an attention_mask (the 2 tokens' row keeps
+    a pad slot in its rolling buffer, which has wrapped, past the prefill). A windowed layer's cache
+    ends as [rows, this rank's kv heads, window, head_dim] (the rolling buffer: the 30
+    positions generated are not kept) and a step of one new position attends over the window's
+    4 keys; a full layer's keeps every position (the batch's 30)."""
+    from megapar.launcher import run_workers
+
+    kind, hf, path = windowed
+    rows = [_ids(p) for p in WINDOWED_PROMPTS]
+    width, new = max(map(len, rows)), 16
+    assert [len(r) for r in rows] == [14, 7, 5, 2] and width + new <= 32
+    ids = torch.tensor([[EOS] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=mask, do_sample=False, use_cache=True,
+                           max_new_tokens=new, pad_token_id=EOS)[:, width:].tolist()
+    for tp, ranks in ((1, [_windowed_generate(path, 1, 1, rows, new)]),
+                      (2, run_workers(_windowed_generate, 4, path, 2, 2, rows, new))):
+        for tokens, caches, decode_keys in ranks:
+            assert tokens == want, (kind, tp)
+            for window, trims, shape in caches:
+                kv_heads = 2 // tp
+                if window is None:
+                    assert kind == "qwen2" and shape == (4, kv_heads, width + new, 8)
+                else:
+                    assert trims and shape == (4, kv_heads, 4, 8), (kind, tp, shape)
+            assert decode_keys == (4 if any(c[1] for c in caches) else 0)
+        assert sum(len(c) for _, c, _ in ranks) == 2 * tp  # each layer on each of its tp ranks
+
+
+def _attention_over_all(q, k, v, first: int, window, pads):
+    """SDPA of the queries of positions first.. over the keys of every position 0.. (under the
+    window, the pad slots seen by no other slot): what a cache's attention must give."""
+    from megapar.context_parallel.kernels import in_window
+
+    keys, queries = torch.arange(k.shape[2]), torch.arange(first, first + q.shape[2])
+    seen = in_window(queries, keys, window) if window else keys[None] <= queries[:, None]
+    if pads is not None:
+        real = keys[None] >= pads[:, None]
+        seen = (seen[None] & (real[:, None] | (keys[None] == queries[:, None])[None]))[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+
+
+@pytest.mark.parametrize("pads", [None, [0, 3, 1]])
+def test_a_trimmed_cache_attends_as_one_over_every_position(pads):
+    """Forwards of 5, 1, 3, 1, 1, 6, 1, 2 positions (after the first, more than one new
+    position grows the rolling buffer) through the caches of layers of windows 3, none, 3, 4,
+    none sharing a step's masks, a row dropped midway: each forward's attention is that over
+    every position so far (fp32, 1e-5); a step makes at most one mask per kind of layer (3);
+    a window's buffer holds window - 1 + the most positions a forward after the first added."""
+    from megapar.models.kv_cache import KVCache, StepMasks
+
+    torch.manual_seed(0)
+    chunks, total, windows = [5, 1, 3, 1, 1, 6, 1, 2], 20, [3, None, 3, 4, None]
+    pad = None if pads is None else torch.tensor(pads)
+    q, k, v = (torch.randn(3, 2, total, 4) for _ in range(3))
+    masks = StepMasks()
+    caches = [KVCache(total, pad, masks, w) for w in windows]
+    made, real_mask = [], KVCache._mask
+    rows, at = torch.arange(3), 0
+    KVCache._mask = lambda self, *a: made.append(self.length) or real_mask(self, *a)
+    try:
+        for step, s in enumerate(chunks):
+            if step == 4:  # row 1 finished
+                keep = torch.tensor([0, 2])
+                rows = rows[keep]
+                pad = None if pad is None else pad[keep]
+                for cache in caches:
+                    cache.keep_rows(keep)
+            new = slice(at, at + s)
+            for window, cache in zip(windows, caches, strict=True):
+                got = cache.attend(q[rows][:, :, new], k[rows][:, :, new], v[rows][:, :, new])
+                want = _attention_over_all(q[rows][:, :, new], k[rows][:, :, : at + s],
+                                           v[rows][:, :, : at + s], at, window, pad)
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (window, step)
+            at += s
+            assert made.count(at) <= 3, (step, made)
+    finally:
+        KVCache._mask = real_mask
+    assert [(c.trims, c.k.shape[2]) for c in caches] == [
+        (True, 8), (False, 20), (True, 8), (True, 9), (False, 20)]
 
 
 @pytest.mark.parametrize("argv, line", [

@@ -370,7 +370,7 @@ class LlamaAttention(nn.Module):
         v = heads(self.v(x, entered=True))
         index = None if self.kv_index == list(range(k.shape[1])) else self._index_on(k.device)
         if cache is not None:
-            out = cache.attend(q, k, v, index, self.window)
+            out = cache.attend(q, k, v, index)
         elif self.recompute_core and torch.is_grad_enabled():
             dropout = self.dropout if self.training else 0.0
             out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index, docs)

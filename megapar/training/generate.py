@@ -3,8 +3,9 @@ time, with a KV cache.
 
 The prompts are left-padded to the longest and their forward (the prefill) fills each attention
 layer's cache of keys and values (`megapar.models.kv_cache`: this tp rank's heads, this
-pipeline stage's layers; the pad slots attended by no other slot, each row's positions counted
-from its first real token, as transformers' generate with an attention_mask). Each step then
+pipeline stage's layers, a sliding window's layer only the window's last positions; the pad
+slots attended by no other slot, each row's positions counted from its first real token, as
+transformers' generate with an attention_mask). Each step then
 runs a forward of one position per row, which appends to the cache and reads it (as
 transformers' and torchtitan's generate with a cache); under pp only those positions' hidden
 states cross the stages, the whole batch as one micro-batch. A row that stops (its
