@@ -712,3 +712,66 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     assert out.returncode == rc, out.stderr
     log = tmp_path / "log"
     assert (log.read_text() if log.exists() else "") == ("77\n" if requeued else ""), out.stderr
+
+
+def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, text, cache,
+                                                                    monkeypatch):
+    """A --tp 2 checkpoint (a 1-step run's, converted) resumed at --tp 2 by two processes
+    forked with torchrun's variables, each running megapar-train's start-up itself, a byte of
+    tp rank 1's file altered (its size kept). Every process hashed every file of --load at its
+    start-up (both tp files each, and refused the run there); now its start-up checks only the
+    manifest and the sizes, and its rank hashes what it reads, its own tp file (the checkpoint
+    once over the job): rank 1 is refused in one line naming the step, the file and the fix,
+    and rank 0, which loaded its own, stops with it (the ranks agree after the load), naming
+    rank 1's failure."""
+    import megapar.checkpoint.manifest as manifest_module
+    from forked import exit_code, fork_running
+    from megapar.cli.convert import main as convert
+    from megapar.launcher import free_port
+    from megapar.training.loop import Trainer
+
+    ckpt = tmp_path / "ckpt"
+    args = ["--tp", "2", "--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
+            "--data-cache", cache, "--timeout-s", "30", *TINY, "--warmup-steps", "0"]
+    assert main([*args, "--tp", "1", "--max-steps", "1", "--save", str(tmp_path / "tp1")]) == 0
+    assert convert([str(tmp_path / "tp1"), str(ckpt), "--tp", "2", "--no-progress"]) == 0
+    step = ckpt / "step_00000001"
+    shard = step / "model_tp01_pp00.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte: the header still reads
+    shard.write_bytes(bytes(data))
+    hashed = tmp_path / "hashed.txt"  # (process, file) of every file hashed
+    record = manifest_module.file_record
+
+    def hashing(path):
+        with open(hashed, "a") as f:
+            f.write(f"{os.getpid()} {Path(path).name}\n")
+        return record(path)
+
+    monkeypatch.setattr(manifest_module, "file_record", hashing)  # forked: inherited
+    monkeypatch.setattr(Trainer, "run", lambda self: [])  # were it loaded: no step to train
+    port = str(free_port())
+
+    def rank(r):
+        def run():
+            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port})
+            return main([*args, "--max-steps", "2", "--load", str(ckpt)])
+        return run
+
+    pids = [fork_running(rank(r), tmp_path / f"out{r}") for r in range(2)]
+    codes = [exit_code(pid) for pid in pids]
+    outs = [(tmp_path / f"out{r}").read_text() for r in range(2)]
+    assert codes == [1, 1], outs
+    per_process = {}
+    for line in hashed.read_text().splitlines():
+        pid, name = line.split()
+        per_process.setdefault(int(pid), []).append(name)
+    assert per_process == {pids[0]: ["model_tp00_pp00.safetensors"],
+                           pids[1]: ["model_tp01_pp00.safetensors"]}
+    refusal = (f"--load {step}: model_tp01_pp00.safetensors: checksum mismatch (file altered or "
+               f"truncated); restore it or use another checkpoint")
+    assert f"megapar-train: error: rank 1 failed before training started: {refusal}\n" in outs[1]
+    assert (f"megapar-train: error: rank 0 failed before training started: --load {step}: rank 1 "
+            f"failed at ") in outs[0] and refusal in outs[0], outs[0]

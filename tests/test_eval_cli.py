@@ -1062,3 +1062,20 @@ def test_too_little_data_is_counted_in_words():
         with pytest.raises(UsageError, match=said):
             _check_batches(args, SimpleNamespace(num_tokens=tokens, prompt_lengths=None), None,
                            causal=True)
+
+
+def test_each_file_of_the_checkpoint_is_hashed_once(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """megapar-eval's start-up hashed every file of --load, then its rank (at --tp 1 this very
+    process) hashed each one it read again (2 hashes of each file); the rank now loads the step
+    directory the start-up checked with the sizes checked only: each file hashed once."""
+    import megapar.checkpoint.manifest as manifest_module
+
+    ckpt, ids = tiny_ckpt
+    hashed = []
+    record = manifest_module.file_record
+    monkeypatch.setattr(manifest_module, "file_record",
+                        lambda path: hashed.append(Path(path).name) or record(path))
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(tmp_path / "out.npy")]) == 0, capsys.readouterr().err
+    files = sorted(p.name for p in (ckpt / "step_00000003").glob("*.safetensors"))
+    assert files and sorted(hashed) == files

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -740,3 +741,21 @@ def test_transformers_generate_flags_are_answered(argv, line, capsys):
         generate(["--load", "ckpt", "--prompt", "a", *argv])
     err = capsys.readouterr().err.splitlines()
     assert stop.value.code == 2 and len(err) == 1 and line in err[0], err
+
+
+def test_each_file_of_the_checkpoint_is_hashed_once(imported, capsys, monkeypatch):
+    """megapar-generate's start-up hashed every file of --load, then its rank (at --tp 1 this
+    very process, reading all four files of the tp 2 x pp 2 checkpoint) hashed them again (2
+    hashes of each file); the rank now loads the step directory the start-up checked with the
+    sizes checked only: each file hashed once."""
+    import megapar.checkpoint.manifest as manifest_module
+    from megapar.checkpoint.publish import resolve_checkpoint
+
+    _, _, ckpt = imported
+    hashed = []
+    record = manifest_module.file_record
+    monkeypatch.setattr(manifest_module, "file_record",
+                        lambda path: hashed.append(Path(path).name) or record(path))
+    assert len(_run(ckpt, capsys, "--prompt", "To be", "--max-new-tokens", "1")) == 1
+    files = sorted(p.name for p in resolve_checkpoint(ckpt).glob("*.safetensors"))
+    assert len(files) == 4 and sorted(hashed) == files

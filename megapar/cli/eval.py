@@ -231,12 +231,22 @@ def build_parser() -> OneLineParser:
         help="for raw text: replace invalid UTF-8 with U+FFFD even above 0.1%% of a file's "
         "bytes (else an error; fewer are replaced with a warning)",
     )
+    # --load's step directory the start-up checked and how the ranks check what they read
+    # (`check_eval_args`); parsed arguments unchecked: --load itself, each rank hashing its files
+    p.set_defaults(load_step=None, load_verify="sha256")
     return p
 
 
 @torch.no_grad()
 def _loss_worker(args):
-    mesh, config, model, trained = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
+    mesh, config, model, trained = load_model(
+        args.load_step or args.load,
+        args.tp,
+        args.pp,
+        args.cp,
+        documents=True,
+        verify=args.load_verify,
+    )
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -322,7 +332,14 @@ def _mlm_report(mesh, config, model, batches, k: int):
 
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model, _ = load_model(args.load, args.tp, args.pp, args.cp, documents=True)
+    mesh, config, model, _ = load_model(
+        args.load_step or args.load,
+        args.tp,
+        args.pp,
+        args.cp,
+        documents=True,
+        verify=args.load_verify,
+    )
     batch = {"input_ids": load_input_ids(args.input_ids)}
     if args.attention_mask:
         batch["attention_mask"] = load_input_ids(args.attention_mask, flag="--attention-mask")

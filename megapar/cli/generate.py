@@ -42,7 +42,7 @@ from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError
-from megapar.training.validate_resume import checkpoint_manifest
+from megapar.training.validate_resume import checked_step, checkpoint_manifest, worker_verify
 
 OTHER_FLAGS = {
     "--cp": "megapar-generate has no context parallelism; drop it, or use --tp / --pp",
@@ -179,6 +179,9 @@ def build_parser() -> OneLineParser:
         help="start more local processes (tp x pp) than 4 per CPU core (at least 8), as "
         "megapar-eval --oversubscribe; refused otherwise",
     )
+    # --load's step directory the start-up checked and how the ranks check what they read
+    # (`main`); parsed arguments unchecked: --load itself, each rank hashing its files
+    p.set_defaults(load_step=None, load_verify="sha256")
     return p
 
 
@@ -369,7 +372,11 @@ def positions_note(sample: int, limit_name: str, prompt_len: int, new_len: int) 
 
 def _worker(args):
     mesh, config, model, _ = load_model(
-        args.load, args.tp, args.pp, dtype=PRECISIONS[args.precision]
+        args.load_step or args.load,
+        args.tp,
+        args.pp,
+        dtype=PRECISIONS[args.precision],
+        verify=args.load_verify,
     )
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     rows = [ids for ids in args.prompt_ids for _ in range(args.samples)]
@@ -414,6 +421,7 @@ def main(argv=None) -> int:
         if not args.oversubscribe and not under_launcher():
             check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
         manifest = checkpoint_of(args.load)
+        args.load_step, args.load_verify = checked_step(args.load, manifest), worker_verify()
         config = config_from_dict(manifest["model"])
         if config.model_type not in CAUSAL_LM_TYPES:
             raise UsageError(

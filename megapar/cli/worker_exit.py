@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import signal
 import sys
@@ -41,12 +42,14 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
         line, code = stopped_line(tool, stopped.group(1) is not None, stopped_note)
         print(line, file=sys.stderr)
         return code
-    text = (
-        str(exc)
-        if isinstance(exc, WorkerError)
-        else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    )
-    line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
+    rank = None  # a WorkerError names its rank
+    if isinstance(exc, WorkerError):
+        text = str(exc)
+    else:  # this process's rank: under torchrun / Slurm its own, not rank 0
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
+        text = f"{type(exc).__name__}: {exc}{tb}"
+    line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), rank)
     print(
         f"{tool}: error: {line.replace('before training started', doing)}"
         + (f" (full traceback in {log})" if log else ""),

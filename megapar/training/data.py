@@ -85,10 +85,13 @@ class DataPlan:
     """The step --load's checkpoint saved, after which the resumed run trains (0 on a fresh
     start)."""
     checked_load: str | None = None
-    """The step directory of --load whose files the launcher checked, every one whole (sizes
-    and sha256, `checkpoint_manifest`), before the workers started: the ranks load that
-    directory and check only the sizes of the files they read (each reads only its part of a
-    file: its experts' rows, say). None on a fresh start."""
+    """The step directory of --load whose files the start-up checked (`checkpoint_manifest`),
+    before the workers started: the ranks load that directory, checking the files they read as
+    `load_verify` says. None on a fresh start."""
+    load_verify: str = "size"
+    """How the ranks check the files of `checked_load` they read (`worker_verify`): "size"
+    (sizes and header shapes) where the launching process hashed every file, "sha256" under
+    torchrun / Slurm, whose processes' start-ups check only the sizes."""
 
 
 def resolve_data_prefix(

@@ -69,6 +69,7 @@ from megapar.training.rng import (
     set_rng_state,
 )
 from megapar.training.step import BatchPlan, StepResult, TrainStep, loss_weight
+from megapar.training.validate_resume import load_everywhere
 from megapar.wording import counted
 
 ON_NONFINITE = ("raise", "skip")
@@ -580,18 +581,26 @@ class Engine:
         rank when it failed. Collective (one small all-reduce while a write is in flight)."""
         return self.saver.poll() if self.saver is not None else None
 
-    def load(self, path: str | Path, verify: str = "sha256"):
+    def load(self, path: str | Path, verify: str = "sha256", what: str = "engine.load"):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
         (any layout: resharded on load). The checkpoint's megapar schedule replaces the
         engine's, or becomes it when `prepare` was given none and no torch scheduler drives
         `optimizer`. Returns the checkpoint's `LoadedState` (its `.meta` holds what
         `save(extra=...)` stored). `verify`: how each rank checks the files it reads
-        (`load_checkpoint`: "sha256", "size" where every file was hashed before, or "none")."""
+        (`load_checkpoint`: "sha256", "size" where every file was hashed before, or "none");
+        a file that fails it is refused in one line naming it and the fix, and under torchrun
+        / Slurm every rank then raises, naming the one that failed (`load_everywhere`; `what`:
+        where `path` was given, for the line)."""
 
         _check_path("engine.load", path)
         self.in_its_group("engine.load")
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
-            state = load_checkpoint(path, self.model, self.mesh, verify=verify)
+            state = load_everywhere(
+                str(path),
+                lambda: load_checkpoint(path, self.model, self.mesh, verify=verify),
+                self.mesh.device,
+                what,
+            )
         if state.optim_tensors:
             self.optimizer.load_state_tensors(state.optim_tensors)
         restore_meta(self, state.meta)

@@ -25,6 +25,7 @@ from megapar.models.config import ModelConfig, config_from_dict
 from megapar.models.documents import set_documents
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
+from megapar.training.validate_resume import load_everywhere
 
 
 class LoadedModel(NamedTuple):
@@ -46,12 +47,16 @@ def load_model(
     cp: int = 1,
     dtype: torch.dtype | None = None,
     documents: bool = False,
+    verify: str = "sha256",
 ) -> LoadedModel:
     """(mesh, config, this rank's stage model, its document settings) of checkpoint `load` at
     tp x cp x pp (resharded on load), in eval mode; its parameters cast to `dtype` once loaded
     (None: as saved); with `documents`, attending and placing positions within the packed
     documents as the checkpoint trained (`trained_documents`, returned so its manifest is read
-    once; megapar-eval's forwards of whole sequences, not a KV cache's)."""
+    once; megapar-eval's forwards of whole sequences, not a KV cache's). `verify`: how this
+    rank checks the files it reads (`load_checkpoint`: "sha256", or "size" where the start-up
+    hashed every file); a file that fails it is refused in one line naming the rank, the file
+    and the fix, and under torchrun / Slurm every other rank with it (`load_everywhere`)."""
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     manifest = read_manifest(resolve_checkpoint(load))
     config = config_from_dict(manifest["model"])
@@ -61,7 +66,7 @@ def load_model(
         set_documents(
             model, trained["attention_mask_type"], trained["reset_position_ids"], trained["eod_id"]
         )
-    load_checkpoint(load, model, mesh)
+    load_everywhere(load, lambda: load_checkpoint(load, model, mesh, verify=verify), mesh.device)
     if dtype is not None:
         model.to(dtype)
     model.eval()

@@ -150,7 +150,7 @@ class Trainer:
         """Steps skipped for inf / nan since the last console line (`log_step`)."""
         if resume:
             assert cfg.load is not None  # resume: --load names a checkpoint
-            self._resume(cfg.load, plan.checked_load)
+            self._resume(cfg.load, plan.checked_load, plan.load_verify)
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see: its
             # steps from the sampler's position (a resumed run's, where the checkpoint left it)
             planned = planned_samples(self.sampler, cfg.max_steps - self.step)
@@ -186,12 +186,16 @@ class Trainer:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
         self.notes.append(note)
 
-    def _resume(self, path: str, checked: str | None = None) -> None:
-        """Restore the run from --load `path`; `checked`: its step directory whose every file
-        the launcher hashed before the workers started (`DataPlan.checked_load`), loaded with
-        the sizes of the files read checked (None: each rank hashes the files it reads)."""
+    def _resume(self, path: str, checked: str | None = None, verify: str = "sha256") -> None:
+        """Restore the run from --load `path`; `checked`: its step directory whose files the
+        start-up checked (`DataPlan.checked_load`), loaded with the files read checked as
+        `verify` says (`DataPlan.load_verify`; without `checked`, each rank hashes the files it
+        reads). A file that fails this rank's check is refused in one line naming the rank, the
+        file and the fix, and under torchrun / Slurm every other rank with it
+        (`Engine.load`)."""
         planned = self.scheduler.state_dict() if self.scheduler is not None else None
-        state = self.engine.load(checked or path, verify="size" if checked else "sha256")
+        load = checked or path
+        state = self.engine.load(load, verify=verify if checked else "sha256", what="--load")
         if planned is not None and self.scheduler.state_dict() != planned:
             # the flags (or, where not given, the checkpoint's saved flags) set the schedule:
             # e.g. a raised --max-steps stretches the decay instead of staying at --min-lr

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 
-from megapar.checkpoint.format import step_dir_name
 from megapar.checkpoint.lock import check_unlocked
-from megapar.checkpoint.publish import has_checkpoint, resolve_checkpoint
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record, loss_terms
@@ -54,9 +53,11 @@ from megapar.training.validate_resume import (
     check_resumable,
     check_same_data,
     check_save_format,
+    checked_step,
     checkpoint_manifest,
     named,
     settings_from_checkpoint,
+    worker_verify,
 )
 from megapar.training.validate_sft import check_sft_model
 from megapar.wording import counted
@@ -114,9 +115,9 @@ def plan_data(
     if manifest is not None:  # the data order the resumed run continues (a dry run shows it)
         plan.sampler_state = (manifest.get("meta") or {}).get("sampler")
         plan.start_step = int(manifest.get("step", 0))
-        step_dir = resolve_checkpoint(os.path.expanduser(cfg.load or ""))
-        if step_dir.name == step_dir_name(plan.start_step):  # the step its files were checked of
-            plan.checked_load = str(step_dir)
+        assert cfg.load is not None  # a manifest: --load's
+        plan.checked_load = checked_step(cfg.load, manifest)  # the step its files were checked of
+        plan.load_verify = worker_verify()
     if plan.prefix is None:  # a rehearsal without the data
         if reads_documents(cfg) and cfg.eod_id is None:  # the masks' shapes need no real id
             cfg.eod_id = int(getattr(config, "eos_token_id", None) or 0)

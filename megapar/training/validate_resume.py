@@ -1,7 +1,10 @@
 """The checks of a run that resumes a checkpoint (`--load`), made before a worker starts: the
 path, the checkpoint's integrity, the settings it records, whether the run can continue its data
 order on its data, and which steps a run would replace in `--save` (or which other format's
-files it would be mixed with)."""
+files it would be mixed with). Who hashes the checkpoint's files: the process that starts the
+workers, every file, or under torchrun / Slurm (every process its own start-up, which checks
+the sizes) each rank the files it reads, the ranks agreeing after the load whether all loaded
+(`load_everywhere`)."""
 
 from __future__ import annotations
 
@@ -9,20 +12,28 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
-from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
+from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, step_dir_name
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import (
     deepspeed_checkpoint,
     foreign_checkpoint,
     has_checkpoint,
     newest_step,
+    resolve_checkpoint,
     steps_after,
 )
 from megapar.data.blended import data_paths, parse_blend
 from megapar.data.inputs import parse_sft_keys
+from megapar.faults import progress
+from megapar.launcher import under_launcher
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
@@ -31,6 +42,7 @@ from megapar.training.usage import flag_with_value
 from megapar.training.validate import UsageError, explicit, flag_of
 
 _STEP_DIR = re.compile(r"step_\d+")
+T = TypeVar("T")
 
 
 def check_load_path(cfg) -> None:
@@ -219,16 +231,81 @@ def check_optimizer_state(cfg, manifest: dict) -> None:
     )
 
 
-def checkpoint_manifest(path: str) -> dict:
-    """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
+def hashes_at_start() -> bool:
+    """Whether this process's start-up hashes (sha256) every file of a --load checkpoint: where
+    it starts the workers itself (forked local ranks, which then check only the sizes of the
+    files they read: `worker_verify`); not under torchrun / Slurm, where every process runs its
+    own start-up (there it checks the manifest and every file's size, and each rank hashes the
+    files it reads, so the checkpoint is hashed about once per replica set, not per process)."""
+    return not under_launcher()
 
+
+def worker_verify() -> str:
+    """How the ranks check the files of --load they read (`load_checkpoint`'s `verify`):
+    "size" where the start-up hashed every file (`hashes_at_start`), else "sha256"."""
+    return "size" if hashes_at_start() else "sha256"
+
+
+def checked_step(path: str, manifest: dict) -> str | None:
+    """The step directory of --load `path` that `checkpoint_manifest` checked (its `manifest`
+    records that step), for the ranks to load that directory and no other (a `latest` moved
+    since); None where it is not that step."""
+    step_dir = resolve_checkpoint(os.path.expanduser(path))
+    return str(step_dir) if step_dir.name == step_dir_name(int(manifest.get("step", 0))) else None
+
+
+def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointError:
+    """The error of a rank whose own check of the files of --load `load` it reads (sha256 under
+    torchrun / Slurm) failed with `exc`: one line (the rank's failure line names the rank)
+    naming the step directory, the file and the fix (`_other_steps`: the newest other step of
+    its root to resume from); `what` names where `load` was given."""
+    other = _other_steps(load).replace("--load ", f"{what} ")
+    err = CheckpointError(f"{what} {load}: {exc}{other}")
+    err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
+    return err
+
+
+def load_everywhere(load: str, fn: Callable[[], T], device, what: str = "--load") -> T:
+    """`fn()`, this rank's load of checkpoint `load` (given to `what`); a file that fails its
+    check raises `load_refusal`'s line. Under torchrun / Slurm, where no launcher of megapar's
+    brings the other ranks down, every rank then agrees whether all loaded (one MAX all-reduce
+    of a flag on `device`, the default group's timeout bounding it): the failed rank's line is
+    recorded in the job's store and the others raise one line naming it
+    (`progress.holding_up`), rather than each failing later in a collective the failed rank
+    never joins."""
+    failed: CheckpointError | None = None
+    out = None
+    try:
+        out = fn()
+    except CheckpointError as exc:
+        failed = load_refusal(load, exc, what)
+        progress.mark_failed(str(failed))
+    if under_launcher() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(failed is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if failed is None and flag.item() > 0:
+            cause = progress.holding_up() or "another rank failed to load it"
+            failed = CheckpointError(f"{what} {load}: {cause}")
+            failed.no_traceback = True  # type: ignore[attr-defined]
+    if failed is not None:
+        raise failed
+    return out  # type: ignore[return-value]  # fn returned
+
+
+def checkpoint_manifest(path: str, checksums: bool | None = None) -> dict:
+    """The manifest of a --load checkpoint after checking every file it lists: its size, and
+    its sha256 where `checksums` (None: `hashes_at_start()`; else the ranks hash what they
+    read)."""
+
+    if checksums is None:
+        checksums = hashes_at_start()
     if not os.path.exists(os.path.expanduser(path)):
         raise UsageError(
             f"--load {path}: no such checkpoint directory; pass a directory written by --save "
             f"(or one of its step_* directories)"
         )
     try:
-        return verify(os.path.expanduser(path))
+        return verify(os.path.expanduser(path), checksums)
     except (CheckpointError, KeyError, OSError) as exc:
         raise UsageError(f"--load {path}: {exc}{_other_steps(path)}") from None
 

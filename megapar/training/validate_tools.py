@@ -44,7 +44,7 @@ from megapar.training.validate import (
     check_mlm_token_types,
     flag_of,
 )
-from megapar.training.validate_resume import checkpoint_manifest
+from megapar.training.validate_resume import checked_step, checkpoint_manifest, worker_verify
 from megapar.wording import counted
 
 
@@ -63,7 +63,8 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     if not args.oversubscribe and not under_launcher():  # one process per tp, cp, pp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
         check_local_workers(args.tp * args.pp * args.cp, f"--tp {args.tp}{cp} x --pp {args.pp}")
-    manifest = checkpoint_manifest(args.load)
+    manifest = checkpoint_manifest(args.load)  # sha256 where the ranks then check sizes only
+    args.load_step, args.load_verify = checked_step(args.load, manifest), worker_verify()
     config = config_from_dict(manifest["model"])
     layout = Layout(args.tp, args.pp, 1, cp=args.cp)
     try:
