@@ -774,4 +774,4 @@ def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, te
                f"truncated); restore it or use another checkpoint")
     assert f"megapar-train: error: rank 1 failed before training started: {refusal}\n" in outs[1]
     assert (f"megapar-train: error: rank 0 failed before training started: --load {step}: rank 1 "
-            f"failed at ") in outs[0] and refusal in outs[0], outs[0]
+            f"failed at checking --load's files: ") in outs[0] and refusal in outs[0], outs[0]

@@ -33,6 +33,7 @@ from megapar.checkpoint.publish import (
 from megapar.data.blended import data_paths, parse_blend
 from megapar.data.inputs import parse_sft_keys
 from megapar.faults import progress
+from megapar.faults.status import set_action
 from megapar.launcher import under_launcher
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
@@ -279,6 +280,7 @@ def load_everywhere(load: str, fn: Callable[[], T], device, what: str = "--load"
         out = fn()
     except CheckpointError as exc:
         failed = load_refusal(load, exc, what)
+        set_action(f"checking {what}'s files")  # what the others then name it failing at
         progress.mark_failed(str(failed))
     if under_launcher() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([float(failed is not None)], device=device)
