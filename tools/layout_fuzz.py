@@ -86,6 +86,8 @@ NOT_COMPARED = {
     "compute_s_max",
     "compute_s_max_rank",
     "wait_s_median",
+    "grad_reduce_wait",
+    "bubble",
     "skipped",
 }
 LAYOUT_FLAGS = {
@@ -146,6 +148,8 @@ MODELS = [
     "qwen3-win",
 ]
 MOE = {"mixtral-tiny", "qwen3-moe-tiny"}
+TIED = {"gpt2-tiny", "bert-tiny", "qwen3-win"}  # the models whose head is the word embedding
+FP8_TP_SAFE = {"gpt2-tiny", "bert-tiny"}  # block linears' dims multiples of 16 at tp 1, 2, 4
 ADAM = {"adamw", "lamb", "muon"}  # the optimizers with Adam moments (and --adam-eps)
 
 
@@ -313,7 +317,7 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
         first: dict = {"--tp": rng.choice([1, 2]), "--pp": rng.choice([1, 2])}
         if samples % 2 == 0 and rng.random() < 0.5:
             first["--dp"] = 2
-            first["--zero"] = rng.choice([0, 1, 2, 3])
+            first["--zero"] = 0 if "--grad-compression" in c else rng.choice([0, 1, 2, 3])
             if moe and rng.random() < 0.5:
                 first["--ep"] = 2
         c["resume"] = first
@@ -394,8 +398,22 @@ def special_reference(case: dict) -> dict:
       batch and other assignments are dropped than at one process (a different model of the
       same run, not a rounding). The reference keeps the flags that slice the tokens (cp and
       its communication; tp, sequence parallelism and expert tp) and drops the rest.
+    - PowerSGD at pp > 1 on a model with tied embeddings (TIED): each pipeline copy of the
+      embedding (the lookup's gradient, the head's) is compressed on its own and the two
+      summed after the dp reduction (`pipeline/tied.py` runs after the schedule), where one
+      process compresses their sum: the reference keeps pp too.
+    - --fp8-layers all converts the block linears whose local dims (this tp rank's N x K)
+      are multiples of 16 (torch's float8 matmul), so a tp that cuts a dim off that grid runs
+      another set of linears in float8 (llama-tiny's 176-wide MLP is 88 wide at tp 2): the
+      reference keeps tp (and expert tp) but on the models whose every block linear stays on
+      the grid at tp 2 and 4 (FP8_TP_SAFE); `run_case` checks both runs name the same
+      float8 linears.
     {} where the one-process reference is the same computation."""
     keep: dict = {}
+    if case.get("--fp8", "off") != "off" and case["model"] not in FP8_TP_SAFE:
+        for k in ("--tp", "--expert-tensor-parallel-size"):
+            if k in case:
+                keep[k] = case[k]
     if case.get("--moe-capacity-factor") and splits_tokens(case):
         for k in ("--cp", "--cp-comm-type"):
             if k in case:
@@ -408,6 +426,8 @@ def special_reference(case: dict) -> dict:
         for k in ("--tp", "--ep", "--expert-tensor-parallel-size"):
             if k in case:
                 keep[k] = case[k]
+        if case["model"] in TIED and case.get("--pp", 1) > 1:
+            keep["--pp"] = case["--pp"]
         dp_cp = case.get("--dp", 1) * case.get("--cp", 1)
         keep["--dp"] = dp_cp // keep.get("--cp", 1)
     return keep
@@ -684,6 +704,16 @@ def in_child(fn) -> tuple[float, str]:
     return float(diff), where
 
 
+def fp8_linears(stdout: Path) -> set[str]:
+    """The block linears a run's --fp8 line says run in float8 (their names, not their
+    local dims)."""
+    import re
+
+    text = stdout.read_text(errors="replace") if stdout.exists() else ""
+    m = re.search(r"linears in float8 \(([^)]*)\)", text)
+    return {part.split()[0] for part in m.group(1).split(", ")} if m else set()
+
+
 def key_of(case: dict) -> str:
     return hashlib.sha1(json.dumps(case, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -754,6 +784,11 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
         else:
             got = read_log(d / "log1.jsonl") + read_log(d / "log.jsonl")
             worst, where = compare(got, read_log(rd / "log.jsonl"))
+            if case.get("--fp8", "off") != "off":  # the same linears in float8 in both
+                ours, theirs = fp8_linears(d / "stdout.txt"), fp8_linears(rd / "stdout.txt")
+                if ours != theirs:
+                    worst = math.inf
+                    where.insert(0, f"float8 linears {sorted(ours)} vs {sorted(theirs)} (rel inf)")
             rec["max_rel"] = worst
             rec["details"] = [
                 w
