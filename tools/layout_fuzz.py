@@ -149,7 +149,17 @@ MODELS = [
 ]
 MOE = {"mixtral-tiny", "qwen3-moe-tiny"}
 TIED = {"gpt2-tiny", "bert-tiny", "qwen3-win"}  # the models whose head is the word embedding
-FP8_TP_SAFE = {"gpt2-tiny", "bert-tiny"}  # block linears' dims multiples of 16 at tp 1, 2, 4
+FP8_KEEP = (  # the flags an --fp8 reference keeps (`special_reference`)
+    "--tp",
+    "--sequence-parallel",
+    "--sp-regather",
+    "--expert-tensor-parallel-size",
+    "--cp",
+    "--cp-comm-type",
+)
+DISCRETE = ("moe_tokens_per_expert", "moe_imbalance", "moe_dropped")
+"""Routing statistics (counts): compared in fp32 modes; in an inexact one a token whose top-k
+choice flips moves whole counts, which no relative tolerance on the losses bounds."""
 ADAM = {"adamw", "lamb", "muon"}  # the optimizers with Adam moments (and --adam-eps)
 
 
@@ -402,16 +412,21 @@ def special_reference(case: dict) -> dict:
       embedding (the lookup's gradient, the head's) is compressed on its own and the two
       summed after the dp reduction (`pipeline/tied.py` runs after the schedule), where one
       process compresses their sum: the reference keeps pp too.
-    - --fp8-layers all converts the block linears whose local dims (this tp rank's N x K)
-      are multiples of 16 (torch's float8 matmul), so a tp that cuts a dim off that grid runs
-      another set of linears in float8 (llama-tiny's 176-wide MLP is 88 wide at tp 2): the
-      reference keeps tp (and expert tp) but on the models whose every block linear stays on
-      the grid at tp 2 and 4 (FP8_TP_SAFE); `run_case` checks both runs name the same
-      float8 linears.
+    - --fp8: the casts take the same scales in every layout (the amaxes are reduced over tp
+      and cp), but a cast turns an fp32 rounding difference at a float8 rounding boundary
+      into a float8 step (2^-3 relative in e4m3, 2^-2 in e5m2), so the layouts that sum the
+      activations or their gradients in another fp32 order (tp's reductions and sequence
+      parallelism, cp's attention) are not fp32-equal under float8 (mixtral-tiny cp 2 alone:
+      3e-5 in the logs, equal to 1e-7 without --fp8). And --fp8-layers all converts the
+      block linears whose local dims are multiples of 16, which tp changes (llama-tiny's
+      176-wide MLP is 88 wide at tp 2). The reference keeps tp, sequence parallelism, expert
+      tp, cp and its communication: what stays checked is that pp, dp, ZeRO, ep,
+      recomputation and a resume change nothing under float8 (`run_case` checks both runs
+      name the same float8 linears).
     {} where the one-process reference is the same computation."""
     keep: dict = {}
-    if case.get("--fp8", "off") != "off" and case["model"] not in FP8_TP_SAFE:
-        for k in ("--tp", "--expert-tensor-parallel-size"):
+    if case.get("--fp8", "off") != "off":
+        for k in FP8_KEEP:
             if k in case:
                 keep[k] = case[k]
     if case.get("--moe-capacity-factor") and splits_tokens(case):
@@ -449,9 +464,10 @@ def tolerance(case: dict) -> float:
       (dp + 1) u sum_r |g_r| of the exact one (data_parallel/compression.py), <= 5u at
       dp x cp <= 4, so one gradient's relative error is ~5u: 2.4e-3 (fp16), 2e-2 (bf16) on
       the gradient norm, the same tolerances;
-    - fp8 emulation, PowerSGD, capacity drops: FP32_TOL against `reference_case`: the float8
-      casts take the same scales in every layout (the amax is reduced over tp), the products
-      are fp32; PowerSGD and the drops are the same computation as their reference.
+    - fp8 emulation, PowerSGD, capacity drops: FP32_TOL against `reference_case`, which is
+      the same computation (float8: the same scales and the same fp32 sums upstream of each
+      cast, the products fp32).
+    In the inexact modes the MoE routing counts (DISCRETE) are not compared.
     The final weights are compared with the reference only at FP32_TOL (Adam's per-element
     amplification of a gradient's rounding is unbounded in the inexact modes)."""
     tol = FP32_TOL
@@ -634,7 +650,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare(got: list[dict], ref: list[dict]) -> tuple[float, list[str]]:
+def compare(got: list[dict], ref: list[dict], exact: bool = True) -> tuple[float, list[str]]:
     """(largest relative difference, one description per compared number) over every step's
     logged results: loss, grad_norm, val_loss, z_loss, the MoE terms (a list, as the tokens
     each expert received, entry by entry)."""
@@ -645,7 +661,7 @@ def compare(got: list[dict], ref: list[dict]) -> tuple[float, list[str]]:
     def numbers(rec: dict) -> dict:
         out = {}
         for k, v in rec.items():
-            if k in NOT_COMPARED or isinstance(v, bool):
+            if k in NOT_COMPARED or isinstance(v, bool) or (not exact and k in DISCRETE):
                 continue
             if isinstance(v, int | float):
                 out[k] = float(v)
@@ -783,7 +799,7 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
             rec.update(outcome="reference-failed", stderr_tail=ref["stderr_tail"])
         else:
             got = read_log(d / "log1.jsonl") + read_log(d / "log.jsonl")
-            worst, where = compare(got, read_log(rd / "log.jsonl"))
+            worst, where = compare(got, read_log(rd / "log.jsonl"), tol == FP32_TOL)
             if case.get("--fp8", "off") != "off":  # the same linears in float8 in both
                 ours, theirs = fp8_linears(d / "stdout.txt"), fp8_linears(rd / "stdout.txt")
                 if ours != theirs:
