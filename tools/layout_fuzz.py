@@ -236,7 +236,7 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     if pp > 1:
         sched = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
         c["--schedule"] = sched
-        if sched == "interleaved" and pp == 4:  # 4 layers: one per stage, no chunks
+        if sched in ("interleaved", "zb-v", "dualpipev") and pp == 4:  # 4 layers: no chunks
             sched = c["--schedule"] = rng.choice(["gpipe", "1f1b", "zb-h1"])
         if sched == "interleaved":
             c["--virtual-stages"] = 2
