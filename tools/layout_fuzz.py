@@ -334,6 +334,12 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     return c
 
 
+def timeout_of(case: dict) -> float:
+    """Seconds a run of `case` may take: TIMEOUT_S, three times that with --compile (its
+    first step compiles every block: tens of seconds alone, minutes on a shared CPU)."""
+    return TIMEOUT_S * (3 if case.get("--compile") else 1)
+
+
 def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
     """megapar-train's arguments for `case`."""
     argv = [
@@ -358,7 +364,7 @@ def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
         "--data-cache",
         str(work / "cache"),
         "--timeout-s",
-        "120",
+        "600" if case.get("--compile") else "120",  # a first step that compiles: minutes
         "--no-progress",
         "--lr-decay-steps",
         str(STEPS),
@@ -754,7 +760,7 @@ def reference(case: dict, out: Path, weights: bool) -> dict:
         shutil.rmtree(d)
     d.mkdir(parents=True)
     argv = argv_of(rcase, out, d / "ckpt" if weights else None, d / "log.jsonl")
-    rc, _, err = run_cli(argv, d, TIMEOUT_S)
+    rc, _, err = run_cli(argv, d, timeout_of(rcase))
     res = {"rc": rc, "stderr_tail": err[-2000:], "argv": argv}
     done.write_text(json.dumps(res))
     return res
@@ -781,11 +787,11 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
         first = {**one_process(case), **case["resume"]}
         argv1 = argv_of(first, out, d / "ckpt1", d / "log1.jsonl") + ["--max-steps", "2"]
         rec["argv_first"] = "megapar-train " + shlex.join(argv1)
-        rc, _, err = run_cli(argv1, d / "first", TIMEOUT_S)
+        rc, _, err = run_cli(argv1, d / "first", timeout_of(case))
         argv += ["--load", str(d / "ckpt1")]
     rec["argv"] = "megapar-train " + shlex.join(argv)
     if rc == 0:
-        rc, _, err = run_cli(argv, d, TIMEOUT_S, d / "ranks" if saves else None)
+        rc, _, err = run_cli(argv, d, timeout_of(case), d / "ranks" if saves else None)
     rec["rc"] = rc
     if rc == 2:
         line, clear = one_line(err)
