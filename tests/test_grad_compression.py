@@ -116,6 +116,31 @@ def test_powersgd_error_feedback_identical_ranks_and_bytes(run):
     assert 8 * sent[0] < 4 * sum(math.prod(s) for s in SHAPES)  # > 8x fewer bytes than fp32
 
 
+def _powersgd_by_place(named):
+    """PowerSGD's result for the same 64 x 24 gradient (plus a 48 x 40 one) with the matrix
+    first and then second in its bucket (as pp, cp or --grad-bucket-mb move a parameter),
+    the parameters given their canonical names or not."""
+    outs = []
+    for order in ((0, 1), (1, 0)):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in ((64, 24), (48, 40))]
+        comp = make_compressor("powersgd", 2)
+        if named:
+            comp.name_params([("layers.0.mlp.down.weight", params[0]), ("a", params[1])])
+        buckets = GradBuckets([params[i] for i in order], dist.group.WORLD, compressor=comp)
+        grads = _grads(dist.get_rank())
+        g = {0: grads[2], 1: grads[0]}  # SHAPES[2] is 64 x 24, SHAPES[0] 48 x 40
+        out = _reduce(buckets, [params[i] for i in order], [g[i] for i in order])
+        outs.append(out[order.index(0)])
+    return bool(torch.equal(outs[0], outs[1]))
+
+
+def test_powersgd_starts_a_parameter_from_the_same_q_wherever_its_bucket_holds_it(run):
+    # a layout (pp, cp, --grad-bucket-mb) moves a parameter within its bucket: its first Q,
+    # seeded by its canonical name, must not move with it (seeded by the place, it did)
+    assert run(_powersgd_by_place, 2, True) == [True, True]
+    assert run(_powersgd_by_place, 2, False) == [False, False]  # by place: another Q
+
+
 def _rank1():
     params = [torch.nn.Parameter(torch.zeros(32, 16))]
     buckets = GradBuckets(params, dist.group.WORLD, compressor=make_compressor("powersgd", 1))

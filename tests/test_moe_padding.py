@@ -7,7 +7,10 @@ biases, first-step gradients and final weights (fp32, 1e-5 relative). Each rank 
 tokens' slice of the mask (cp, SP) on every stage, as it takes the ids; that the terms equal
 transformers' with attention_mask is test_models_moe.py's."""
 
+import sys
+
 import pytest
+import test_moe_parallel
 import torch
 from test_moe_ep import _whole
 from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, VOCAB, WD, biases, check_rank
@@ -19,6 +22,7 @@ from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 
 STEPS, EPS = 1, 1e-4
+_base_config = config
 
 
 def padded_batches() -> list[dict]:
@@ -95,6 +99,27 @@ def test_padded_samples_train_a_moe_as_one_process(run, reference, layout):
         assert set(merged[key]) == set(reference[key]), f"{layout}: names differ"
         for name, t in merged[key].items():
             assert_close(t, reference[key][name], what=f"{layout} {key} {name}")
+
+
+def _capacity_config():
+    cfg = _base_config()
+    cfg.moe_capacity_factor = 1.0  # drops: which assignments come first decides what is kept
+    return cfg
+
+
+def test_a_capacity_under_expert_tp_and_sp_keeps_what_one_process_keeps(run, monkeypatch):
+    # under expert tp with sequence parallelism the tp ranks' slices of the micro-batch's
+    # MBS = 2 rows are gathered rank by rank; routed in that order, "first come, first kept"
+    # kept other assignments than one process (layout_fuzz: mixtral-tiny 1.5e-2 apart)
+    for module in (test_moe_parallel, sys.modules[__name__]):
+        monkeypatch.setattr(module, "config", _capacity_config)
+    reference = serial_reference(padded_batches())
+    assert any(r.get("dropped", 0) for r in reference["routers"]), "nothing was dropped"
+    merged: dict = {"weights": {}, "grads": {}}
+    for rank, out in enumerate(run(_train, 2, *RUNS["tp2_sp_etp2"])):
+        check_rank(out, f"capacity tp2_sp_etp2 rank {rank}", reference, merged)
+    for name, t in merged["weights"].items():
+        assert_close(t, reference["weights"][name], what=f"capacity weights {name}")
 
 
 def test_a_right_padding_mask_is_kept_for_a_moe_and_dropped_for_a_dense_decoder():

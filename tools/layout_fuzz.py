@@ -2,24 +2,37 @@
 
 megapar promises the same numbers in any layout (fp32: losses and gradient norms within 1e-5
 relative of one process). This tool draws random combinations of a tiny model, a layout (tp, pp
-and its schedule, dp, cp and its communication, ep and expert tensor parallelism, at most 8
-ranks) and features (ZeRO stage and its options, sequence parallelism, recomputation, micro-
-batch size and count, sequence length, sliding windows, gradient clipping, label smoothing,
-z-loss, MoE router losses and bias updates, optimizer and offload, loss mean, SFT padding,
-evaluation, and steps 1-2 in another layout resumed from their checkpoint), runs each through
-`megapar-train` as a user does (it starts its own forked gloo workers on the CPU), and compares
-every step's logged numbers (loss, grad_norm, val_loss, z_loss, the MoE terms: `--log-json`)
-and the final weights (the `--save`d checkpoint, read whole) with the same run on one process
-(tp = pp = dp = cp = ep = 1, ZeRO 0, no recomputation, the same global and micro-batch size).
+and its schedule, dp, cp and its communication, ep and expert tensor parallelism: each axis 1
+or 2 with at most 8 ranks, or one axis 4 and the rest 1) and features (ZeRO stage and its
+options, sequence parallelism, recomputation, micro-batch size and count, sequence length,
+sliding windows, gradient clipping, label smoothing, z-loss, MoE router losses, bias updates
+and capacity factor, optimizer and offload, --muon-distributed, loss mean, SFT padding, packed
+documents (block-causal masks, reset positions, no loss on end-of-document), fp16 with loss
+scaling, --fp8 in torchao's emulation, compressed dp reduction (PowerSGD, fp16, bf16), rarely
+--compile, evaluation, and steps 1-2 in another layout resumed from their checkpoint), runs
+each through `megapar-train` as a user does (it starts its own forked gloo workers on the CPU),
+and compares every step's logged numbers (loss, grad_norm, val_loss, z_loss, loss_scale, the
+MoE terms: `--log-json`) and the final weights with the reference run: the same run on one
+process (tp = pp = dp = cp = ep = 1, ZeRO 0, no recomputation, the same global and micro-
+batch size), or, where one process is another computation (PowerSGD, a capacity factor on a
+rank's slice of the tokens), the smallest layout that is the same one (`special_reference`).
+The final weights are compared twice: the `--save`d checkpoint read whole (dp rank 0's and cp
+rank 0's copy), and every rank's own parameters (`dump_ranks`: each rank writes what it holds
+after the final save), each cut from the whole tensors by the shard rule a load uses, against
+the reference's and against the run's own checkpoint (a replica that drifted from the copy the
+checkpoint keeps). The tolerance follows the case's mode (`tolerance`): FP32_TOL for fp32,
+fp8 emulation, PowerSGD and capacity drops; BF16_TOL / FP16_TOL on the logged numbers for
+bf16 / fp16 autocast and cast compression, whose weights are compared with the reference not
+at all and with their own replicas at FP32_TOL.
 Adam's eps is 1e-4 (tests/test_parity_3d.py says why: with 1e-8, entries whose gradient is
 rounding noise take +-lr steps, and weights differ ~3e-5 per tensor after 3 steps even at dp 2
 alone; the losses and grad norms agree either way). Even at 1e-4 a zero-initialised bias can
 differ ~1.5e-5 after 3 steps (its update is ~lr per entry whatever the gradient, so its
-rounding noise is all the tensor holds), so a case whose logged numbers agree but whose weights
-do not, under an optimizer with Adam moments, is rerun with SGD (an update linear in the
-gradient): if that passes, the case is adam-noise, else a mismatch. A refused combination must
-be refused in one line on stderr with exit code 2; the line is recorded, and flagged (clear:
-false) when the refusal is not one line or comes with a traceback.
+rounding noise is all the tensor holds), so a case whose logged numbers and replicas agree but
+whose weights do not, under an optimizer with Adam moments, is rerun with SGD (an update linear
+in the gradient): if that passes, the case is adam-noise, else a mismatch. A refused
+combination must be refused in one line on stderr with exit code 2; the line is recorded, and
+flagged (clear: false) when the refusal is not one line or comes with a traceback.
 
 It is a tool, not part of the test suite (a run is minutes to hours of CPU)::
 
@@ -53,6 +66,7 @@ from pathlib import Path
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
+FP16_TOL = 2.5e-3  # BF16_TOL x 2^-11 / 2^-8: fp16's unit roundoff is 8x smaller than bf16's
 STEPS = 3
 SEQ = 16
 TIMEOUT_S = 420
@@ -72,8 +86,9 @@ NOT_COMPARED = {
     "compute_s_max",
     "compute_s_max_rank",
     "wait_s_median",
+    "grad_reduce_wait",
+    "bubble",
     "skipped",
-    "loss_scale",
 }
 LAYOUT_FLAGS = {
     "--tp",
@@ -98,6 +113,7 @@ LAYOUT_SWITCHES = {
     "--sp-regather",
     "--zero3-keep-params",
     "--offload-optimizer",
+    "--muon-distributed",
 }
 WINDOWED = {  # the windowed dense families, as llama-tiny plus a window shorter than SEQ
     "mistral-win": {"model_type": "mistral", "sliding_window": 8},
@@ -132,6 +148,18 @@ MODELS = [
     "qwen3-win",
 ]
 MOE = {"mixtral-tiny", "qwen3-moe-tiny"}
+TIED = {"gpt2-tiny", "bert-tiny", "qwen3-win"}  # the models whose head is the word embedding
+FP8_KEEP = (  # the flags an --fp8 reference keeps (`special_reference`)
+    "--tp",
+    "--sequence-parallel",
+    "--sp-regather",
+    "--expert-tensor-parallel-size",
+    "--cp",
+    "--cp-comm-type",
+)
+DISCRETE = ("moe_tokens_per_expert", "moe_imbalance", "moe_dropped")
+"""Routing statistics (counts): compared in fp32 modes; in an inexact one a token whose top-k
+choice flips moves whole counts, which no relative tolerance on the losses bounds."""
 ADAM = {"adamw", "lamb", "muon"}  # the optimizers with Adam moments (and --adam-eps)
 
 
@@ -192,10 +220,13 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     """One random case: the layout and the features, as a dict of flag -> value."""
     model = rng.choice(MODELS)
     moe = model in MOE
-    while True:
-        tp, pp, dp, cp = (rng.choice([1, 2]) for _ in range(4))
-        if 1 < tp * pp * dp * cp <= 8:
-            break
+    if rng.random() < 0.15:  # 4 on one axis, the world 4
+        tp, pp, dp, cp = rng.choice([(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4)])
+    else:
+        while True:
+            tp, pp, dp, cp = (rng.choice([1, 2]) for _ in range(4))
+            if 1 < tp * pp * dp * cp <= 8:
+                break
     c: dict = {"model": model, "--tp": tp, "--pp": pp, "--dp": dp, "--cp": cp}
     if model in WINDOWED:
         c["window"] = rng.choice([3, 5, 8])
@@ -205,6 +236,8 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     if pp > 1:
         sched = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
         c["--schedule"] = sched
+        if sched in ("interleaved", "zb-v", "dualpipev") and pp == 4:  # 4 layers: no chunks
+            sched = c["--schedule"] = rng.choice(["gpipe", "1f1b", "zb-h1"])
         if sched == "interleaved":
             c["--virtual-stages"] = 2
         m = rng.choice([pp, 2 * pp] if sched != "dualpipev" else [2 * pp])
@@ -214,11 +247,19 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
         c["--cp-comm-type"] = rng.choice(["auto", "p2p", "all_gather", "a2a"])
     if moe:
         if (dp * cp) % 2 == 0 and rng.random() < 0.6:
-            c["--ep"] = 2
+            c["--ep"] = 4 if dp * cp == 4 and rng.random() < 0.4 else 2
         if tp > 1 and rng.random() < 0.5:
             c["--expert-tensor-parallel-size"] = tp
     if dp * cp > 1 or rng.random() < 0.2:
         c["--zero"] = rng.choice([0, 1, 2, 3])
+    if dp * cp > 1 and rng.random() < 0.2:  # compressed dp reduction: ZeRO 0 only
+        c["--zero"] = 0
+        c["--grad-compression"] = rng.choice(["powersgd", "powersgd", "fp16", "bf16"])
+        if c["--grad-compression"] == "powersgd":
+            if rng.random() < 0.5:
+                c["--powersgd-rank"] = 2
+            if (c["--global-batch-size"] // (mbs * dp)) % cp:  # the reference runs dp x cp
+                c["--global-batch-size"] *= cp
     if tp > 1 and rng.random() < 0.5:
         c["--sequence-parallel"] = True
         if rng.random() < 0.3:
@@ -259,20 +300,44 @@ def draw(rng: random.Random, bf16: bool, edges: bool = False) -> dict:
     if rng.random() < 0.3:
         c["--loss-chunk-tokens"] = rng.choice([0, 8])
     c["--precision"] = "bf16" if bf16 and rng.random() < 0.2 else "fp32"
+    if c["--optimizer"] == "muon" and c.get("--zero", 0) > 0 and rng.random() < 0.6:
+        c["--muon-distributed"] = True
+    if rng.random() < 0.12:  # fp16 with dynamic loss scaling (or a small initial scale)
+        c["--precision"] = "fp16"
+        if rng.random() < 0.4:
+            c["--initial-loss-scale"] = 1024.0
+    elif rng.random() < 0.1:  # torchao's float8 in emulation: casts and scales, fp32 products
+        c["--fp8"] = rng.choice(["tensorwise", "rowwise"])
+        c["--fp8-emulate"] = True
+        c["--fp8-layers"] = "all"
+    if moe and rng.random() < 0.3:
+        c["--moe-capacity-factor"] = rng.choice([1.0, 1.25])
+    if model != "bert-tiny" and not c.get("sft") and rng.random() < 0.15:  # packed documents
+        c["--attention-mask-type"] = "block_causal"
+        c["--reset-position-ids"] = True
+        c["--eod-mask-loss"] = True
+    if rng.random() < 0.04:  # rarely: the first step pays tens of seconds of compiling
+        c["--compile"] = True
     if edges and rng.random() < 0.3:  # an edge megapar may refuse: its line is recorded
         edge = rng.choice(EDGES)
         c.update(edge)
         c["edge"] = next(iter(edge))
-    if rng.random() < 0.25:  # steps 1-2 in another layout, resumed from its checkpoint
+    if rng.random() < 0.25 and not special_reference(c):  # steps 1-2 in another layout
         samples = c["--global-batch-size"] // mbs
         first: dict = {"--tp": rng.choice([1, 2]), "--pp": rng.choice([1, 2])}
         if samples % 2 == 0 and rng.random() < 0.5:
             first["--dp"] = 2
-            first["--zero"] = rng.choice([0, 1, 2, 3])
+            first["--zero"] = 0 if "--grad-compression" in c else rng.choice([0, 1, 2, 3])
             if moe and rng.random() < 0.5:
                 first["--ep"] = 2
         c["resume"] = first
     return c
+
+
+def timeout_of(case: dict) -> float:
+    """Seconds a run of `case` may take: TIMEOUT_S, three times that with --compile (its
+    first step compiles every block: tens of seconds alone, minutes on a shared CPU)."""
+    return TIMEOUT_S * (3 if case.get("--compile") else 1)
 
 
 def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
@@ -299,7 +364,7 @@ def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
         "--data-cache",
         str(work / "cache"),
         "--timeout-s",
-        "120",
+        "600" if case.get("--compile") else "120",  # a first step that compiles: minutes
         "--no-progress",
         "--lr-decay-steps",
         str(STEPS),
@@ -320,7 +385,7 @@ def argv_of(case: dict, work: Path, save: Path | None, log: Path) -> list[str]:
     return argv
 
 
-def reference_case(case: dict) -> dict:
+def one_process(case: dict) -> dict:
     """The same case on one process: no layout flag, no recomputation."""
     return {
         k: v
@@ -329,9 +394,198 @@ def reference_case(case: dict) -> dict:
     }
 
 
-def run_cli(argv: list[str], directory: Path, timeout_s: float) -> tuple[int | str, str, str]:
+def splits_tokens(case: dict) -> bool:
+    """Whether a rank routes fewer tokens of a micro-batch than one process does: cp, or
+    sequence parallelism without expert tensor parallelism (each tp rank routes its slice)."""
+    sp_split = case.get("--sequence-parallel") and case.get("--expert-tensor-parallel-size", 1) == 1
+    return case.get("--cp", 1) > 1 or bool(sp_split and case.get("--tp", 1) > 1)
+
+
+def special_reference(case: dict) -> dict:
+    """The layout flags the reference keeps where one process is not the same computation:
+
+    - PowerSGD compresses each gradient matrix as this rank holds it (a tp shard, an ep
+      block) and only where the dp x cp group has more than one rank; its result is linear in
+      the group's sum of gradients and residuals, so any dp x cp split of the same batch gives
+      the same result to fp32 rounding. The reference keeps tp, ep and expert tp, and runs
+      dp x cp as dp (cp 1, pp 1, ZeRO 0, no sequence parallelism, no recomputation).
+    - a capacity factor caps each expert at ceil(factor x T x k / E) of the T tokens a rank
+      routes: under cp, or sequence parallelism at expert tp 1, T is a slice of the micro-
+      batch and other assignments are dropped than at one process (a different model of the
+      same run, not a rounding). The reference keeps the flags that slice the tokens (cp and
+      its communication; tp, sequence parallelism and expert tp) and drops the rest.
+    - PowerSGD at pp > 1 on a model with tied embeddings (TIED): each pipeline copy of the
+      embedding (the lookup's gradient, the head's) is compressed on its own and the two
+      summed after the dp reduction (`pipeline/tied.py` runs after the schedule), where one
+      process compresses their sum: the reference keeps pp too.
+    - --fp8: the casts take the same scales in every layout (the amaxes are reduced over tp
+      and cp), but a cast turns an fp32 rounding difference at a float8 rounding boundary
+      into a float8 step (2^-3 relative in e4m3, 2^-2 in e5m2), so the layouts that sum the
+      activations or their gradients in another fp32 order (tp's reductions and sequence
+      parallelism, cp's attention) are not fp32-equal under float8 (mixtral-tiny cp 2 alone:
+      3e-5 in the logs, equal to 1e-7 without --fp8). And --fp8-layers all converts the
+      block linears whose local dims are multiples of 16, which tp changes (llama-tiny's
+      176-wide MLP is 88 wide at tp 2). The reference keeps tp, sequence parallelism, expert
+      tp, cp and its communication: what stays checked is that pp, dp, ZeRO, ep,
+      recomputation and a resume change nothing under float8 (`run_case` checks both runs
+      name the same float8 linears).
+    {} where the one-process reference is the same computation."""
+    keep: dict = {}
+    if case.get("--fp8", "off") != "off":
+        for k in FP8_KEEP:
+            if k in case:
+                keep[k] = case[k]
+    if case.get("--moe-capacity-factor") and splits_tokens(case):
+        for k in ("--cp", "--cp-comm-type"):
+            if k in case:
+                keep[k] = case[k]
+        if case.get("--sequence-parallel") and case.get("--tp", 1) > 1:
+            for k in ("--tp", "--sequence-parallel", "--expert-tensor-parallel-size"):
+                if k in case:
+                    keep[k] = case[k]
+    if case.get("--grad-compression") == "powersgd":
+        for k in ("--tp", "--ep", "--expert-tensor-parallel-size"):
+            if k in case:
+                keep[k] = case[k]
+        if case["model"] in TIED and case.get("--pp", 1) > 1:
+            keep["--pp"] = case["--pp"]
+        dp_cp = case.get("--dp", 1) * case.get("--cp", 1)
+        keep["--dp"] = dp_cp // keep.get("--cp", 1)
+    return keep
+
+
+def reference_case(case: dict) -> dict:
+    """The run `case` is compared with: one process (`one_process`), or where that is another
+    computation the smallest layout that is the same one (`special_reference`)."""
+    return {**one_process(case), **special_reference(case)}
+
+
+def tolerance(case: dict) -> float:
+    """The relative bound on the logged numbers, from the case's inexact mode:
+
+    - bf16 autocast: BF16_TOL (its products round to 8 bits, summed in other orders);
+    - fp16 autocast (loss scaling exact: powers of two): FP16_TOL, the same bound at fp16's
+      11 bits (unit roundoff 2^-11 against bf16's 2^-8);
+    - --grad-compression fp16 / bf16: each element of the dp average is within
+      (dp + 1) u sum_r |g_r| of the exact one (data_parallel/compression.py), <= 5u at
+      dp x cp <= 4, so one gradient's relative error is ~5u: 2.4e-3 (fp16), 2e-2 (bf16) on
+      the gradient norm, the same tolerances;
+    - fp8 emulation, PowerSGD, capacity drops: FP32_TOL against `reference_case`, which is
+      the same computation (float8: the same scales and the same fp32 sums upstream of each
+      cast, the products fp32).
+    In the inexact modes the MoE routing counts (DISCRETE) are not compared.
+    The final weights are compared with the reference only at FP32_TOL (Adam's per-element
+    amplification of a gradient's rounding is unbounded in the inexact modes)."""
+    tol = FP32_TOL
+    for mode in (case.get("--precision"), case.get("--grad-compression")):
+        tol = max(tol, {"bf16": BF16_TOL, "fp16": FP16_TOL}.get(mode or "", FP32_TOL))
+    return tol
+
+
+def dump_ranks(directory: Path) -> None:
+    """Make every rank of the runs this process starts write, after each `Engine.save`, the
+    parameters and buffers it holds (whole under ZeRO-3: `params_whole`; exact under ZeRO-1 /
+    2: `exact_params`) to DIRECTORY/rank{R}.safetensors, with what places each in the whole
+    tensor (tp dim and parts, ep block, tied copy). The workers are forked from this process,
+    so they inherit the wrapper; the checkpoint itself is untouched (it keeps dp rank 0's and
+    cp rank 0's copy only: the other replicas are what this adds)."""
+    from megapar.training.engine import Engine
+
+    save = Engine.save
+
+    def save_and_dump(self, path, extra=None):
+        out = save(self, path, extra)
+        import torch
+        from safetensors.torch import save_file
+
+        from megapar.checkpoint.stage_tensors import ep_shard, is_routed_expert, stage_tensors
+        from megapar.tensor_parallel.partition import full_shape, tp_dim, tp_parts
+
+        tensors, params = {}, {}
+        with self.params_whole(), torch.no_grad():
+            for name, t, buffer in stage_tensors(self.model):
+                tensors[name] = t.detach().float().cpu().clone().contiguous()
+                params[name] = {
+                    "tp_dim": tp_dim(t),
+                    "parts": tp_parts(t),
+                    "full": list(full_shape(t)),
+                    "expert": is_routed_expert(t),
+                    "ep": list(ep_shard(t)),
+                    "tied_to": getattr(t, "tied_to", None),
+                    "buffer": buffer,
+                }
+        m = self.mesh
+        where = {k: getattr(m, k, 0) for k in ("rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank")}
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(
+            tensors,
+            str(directory / f"rank{m.rank}.safetensors"),
+            metadata={"fuzz": json.dumps({**where, "params": params})},
+        )
+        return out
+
+    Engine.save = save_and_dump
+
+
+def rank_diff(dump: Path, whole: dict) -> tuple[float, str]:
+    """Largest per-tensor relative difference between what each rank holds (`dump_ranks`) and
+    its part of the whole tensors `whole` (a checkpoint read whole, `read_weights`): the part
+    cut by the shard rule a load uses (`shard_of`: the tp shard of each of `parts`, zero
+    padded; a routed expert's ep block, then its tp slice under expert tp), compared on the
+    entries that are the whole tensor's (not tp's or the reference's vocabulary padding)."""
+    import torch
+    from safetensors import safe_open
+
+    from megapar.tensor_parallel.partition import shard_of
+
+    files = sorted(dump.glob("rank*.safetensors"))
+    if not files:
+        return math.inf, f"no rank's weights in {dump}"
+    worst, name_of = 0.0, ""
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            info = json.loads(h.metadata()["fuzz"])
+            for name, m in info["params"].items():
+                got = h.get_tensor(name)
+                key = m["tied_to"] or name
+                if key not in whole:
+                    return math.inf, f"{f.stem} {name}: not in the whole tensors"
+                want = whole[key].float()
+                valid = torch.ones_like(want)
+                dim = m["tp_dim"]
+                if m["expert"]:
+                    ep_rank, ep = m["ep"]
+                    n = want.shape[0] // ep
+                    want, valid = (t.narrow(0, ep_rank * n, n) for t in (want, valid))
+                if dim is not None:
+                    if not m["expert"]:  # the reference's own vocabulary padding cut off
+                        n = min(want.shape[dim], m["full"][dim])
+                        want, valid = (t.narrow(dim, 0, n) for t in (want, valid))
+                    want, valid = (
+                        shard_of(t, dim, got.shape[dim], info["tp_rank"], m["parts"])
+                        for t in (want, valid)
+                    )
+                if want.dim() != got.dim():
+                    return (
+                        math.inf,
+                        f"{f.stem} {name}: shape {tuple(got.shape)} vs {tuple(want.shape)}",
+                    )
+                idx = tuple(slice(0, min(a, b)) for a, b in zip(got.shape, want.shape, strict=True))
+                g, w, v = got[idx], want[idx], valid[idx]
+                denom = float((w * v).norm())
+                num = float(((g - w) * v).norm())
+                e = num / denom if denom > 0 else num
+                if e > worst:
+                    worst, name_of = e, f"{f.stem} {name}"
+    return worst, name_of
+
+
+def run_cli(
+    argv: list[str], directory: Path, timeout_s: float, dump: Path | None = None
+) -> tuple[int | str, str, str]:
     """megapar-train ARGV in a forked child of this process (which has imported megapar's
-    command): (exit code or 'timeout', stdout, stderr)."""
+    command): (exit code or 'timeout', stdout, stderr); with `dump`, every rank's weights
+    are written there after the final save (`dump_ranks`)."""
     directory.mkdir(parents=True, exist_ok=True)
     out, err = directory / "stdout.txt", directory / "stderr.txt"
     pid = os.fork()
@@ -346,6 +600,9 @@ def run_cli(argv: list[str], directory: Path, timeout_s: float) -> tuple[int | s
             sys.stderr = open(2, "w", buffering=1, closefd=False)
             os.setpgid(0, 0)  # its own group: a timeout ends its workers too
             from megapar.cli.train import main
+
+            if dump is not None:
+                dump_ranks(dump)
 
             code = main(argv) or 0
         except SystemExit as exc:
@@ -399,7 +656,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare(got: list[dict], ref: list[dict]) -> tuple[float, list[str]]:
+def compare(got: list[dict], ref: list[dict], exact: bool = True) -> tuple[float, list[str]]:
     """(largest relative difference, one description per compared number) over every step's
     logged results: loss, grad_norm, val_loss, z_loss, the MoE terms (a list, as the tokens
     each expert received, entry by entry)."""
@@ -410,7 +667,7 @@ def compare(got: list[dict], ref: list[dict]) -> tuple[float, list[str]]:
     def numbers(rec: dict) -> dict:
         out = {}
         for k, v in rec.items():
-            if k in NOT_COMPARED or isinstance(v, bool):
+            if k in NOT_COMPARED or isinstance(v, bool) or (not exact and k in DISCRETE):
                 continue
             if isinstance(v, int | float):
                 out[k] = float(v)
@@ -469,6 +726,16 @@ def in_child(fn) -> tuple[float, str]:
     return float(diff), where
 
 
+def fp8_linears(stdout: Path) -> set[str]:
+    """The block linears a run's --fp8 line says run in float8 (their names, not their
+    local dims)."""
+    import re
+
+    text = stdout.read_text(errors="replace") if stdout.exists() else ""
+    m = re.search(r"linears in float8 \(([^)]*)\)", text)
+    return {part.split()[0] for part in m.group(1).split(", ")} if m else set()
+
+
 def key_of(case: dict) -> str:
     return hashlib.sha1(json.dumps(case, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -493,15 +760,20 @@ def reference(case: dict, out: Path, weights: bool) -> dict:
         shutil.rmtree(d)
     d.mkdir(parents=True)
     argv = argv_of(rcase, out, d / "ckpt" if weights else None, d / "log.jsonl")
-    rc, _, err = run_cli(argv, d, TIMEOUT_S)
+    rc, _, err = run_cli(argv, d, timeout_of(rcase))
     res = {"rc": rc, "stderr_tail": err[-2000:], "argv": argv}
     done.write_text(json.dumps(res))
     return res
 
 
 def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
-    tol = BF16_TOL if case.get("--precision") == "bf16" else FP32_TOL
-    weights = weights and case.get("--precision") != "bf16"
+    """Run `case` and its reference; the record of its outcome. With `weights` the final
+    weights are compared: every rank's (`dump_ranks`) with its own run's checkpoint (a
+    replica that drifted from the one the checkpoint keeps; any mode, FP32_TOL), and, where
+    the tolerance is FP32_TOL, the checkpoint and every rank's with the reference's."""
+    tol = tolerance(case)
+    saves = weights
+    weights = weights and tol == FP32_TOL
     rec: dict = {"index": index, "case": case, "tol": tol}
     t0 = time.monotonic()
     d = out / "cases" / f"{index:04d}"
@@ -509,17 +781,17 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
         import shutil
 
         shutil.rmtree(d)
-    argv = argv_of(case, out, d / "ckpt" if weights else None, d / "log.jsonl")
+    argv = argv_of(case, out, d / "ckpt" if saves else None, d / "log.jsonl")
     rc, err = 0, ""
     if "resume" in case:  # steps 1-2 in the layout case["resume"], saved, resumed in this one
-        first = {**reference_case(case), **case["resume"]}
+        first = {**one_process(case), **case["resume"]}
         argv1 = argv_of(first, out, d / "ckpt1", d / "log1.jsonl") + ["--max-steps", "2"]
         rec["argv_first"] = "megapar-train " + shlex.join(argv1)
-        rc, _, err = run_cli(argv1, d / "first", TIMEOUT_S)
+        rc, _, err = run_cli(argv1, d / "first", timeout_of(case))
         argv += ["--load", str(d / "ckpt1")]
     rec["argv"] = "megapar-train " + shlex.join(argv)
     if rc == 0:
-        rc, _, err = run_cli(argv, d, TIMEOUT_S)
+        rc, _, err = run_cli(argv, d, timeout_of(case), d / "ranks" if saves else None)
     rec["rc"] = rc
     if rc == 2:
         line, clear = one_line(err)
@@ -527,35 +799,53 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
     elif rc != 0:
         rec.update(outcome="timeout" if rc == "timeout" else "crash", stderr_tail=err[-3000:])
     else:
-        ref = reference(case, out, weights)
+        ref = reference(case, out, saves)
         rd = out / "ref" / key_of(reference_case(case))
         if ref["rc"] != 0:
             rec.update(outcome="reference-failed", stderr_tail=ref["stderr_tail"])
         else:
             got = read_log(d / "log1.jsonl") + read_log(d / "log.jsonl")
-            worst, where = compare(got, read_log(rd / "log.jsonl"))
+            worst, where = compare(got, read_log(rd / "log.jsonl"), tol == FP32_TOL)
+            if case.get("--fp8", "off") != "off":  # the same linears in float8 in both
+                ours, theirs = fp8_linears(d / "stdout.txt"), fp8_linears(rd / "stdout.txt")
+                if ours != theirs:
+                    worst = math.inf
+                    where.insert(0, f"float8 linears {sorted(ours)} vs {sorted(theirs)} (rel inf)")
             rec["max_rel"] = worst
             rec["details"] = [
                 w
                 for w in where
                 if "rel" not in w or float(w.rsplit("rel ", 1)[1].rstrip(")")) > tol
             ][:12]
+            if saves:
+                rec["replica_rel"], rec["replica_worst"] = in_child(
+                    lambda: rank_diff(d / "ranks", read_weights(d / "ckpt"))
+                )
             if weights:
                 rec["weights_rel"], rec["weights_worst"] = in_child(
                     lambda: weight_diff(read_weights(d / "ckpt"), read_weights(rd / "ckpt"))
                 )
-            bad = worst > tol or (weights and rec["weights_rel"] > tol)
+                rec["ranks_rel"], rec["ranks_worst"] = in_child(
+                    lambda: rank_diff(d / "ranks", read_weights(rd / "ckpt"))
+                )
+            weights_bad = weights and max(rec["weights_rel"], rec["ranks_rel"]) > tol
+            bad = worst > tol or weights_bad or (saves and rec["replica_rel"] > FP32_TOL)
             rec["outcome"] = "mismatch" if bad else "pass"
-            if bad and worst <= tol and case.get("--optimizer", "adamw") in ADAM:
+            replicas_ok = not saves or rec["replica_rel"] <= FP32_TOL
+            if bad and worst <= tol and replicas_ok and case.get("--optimizer", "adamw") in ADAM:
                 # weights alone: the same case with SGD, whose update is linear in the gradient
-                sgd = {k: v for k, v in case.items() if k != "--optimizer"}
+                sgd = {
+                    k: v for k, v in case.items() if k not in ("--optimizer", "--muon-distributed")
+                }
                 sub = run_case({**sgd, "--optimizer": "sgd"}, out, index + 10000, True)
                 rec["sgd_check"] = {k: sub.get(k) for k in ("outcome", "max_rel", "weights_rel")}
                 if sub["outcome"] == "pass":
                     rec["outcome"] = "adam-noise"
             import shutil
 
-            shutil.rmtree(d / "ckpt", ignore_errors=True)
+            if rec["outcome"] != "mismatch":  # kept for the triage of a mismatch
+                shutil.rmtree(d / "ckpt", ignore_errors=True)
+                shutil.rmtree(d / "ranks", ignore_errors=True)
             shutil.rmtree(d / "ckpt1", ignore_errors=True)
     rec["seconds"] = round(time.monotonic() - t0, 1)
     return rec
@@ -636,6 +926,7 @@ def main() -> int:
             f.write(json.dumps(rec) + "\n")
         extra = rec.get("line") or (
             f"max_rel {rec['max_rel']:.2e} weights {rec.get('weights_rel', 0):.2e}"
+            f" ranks {rec.get('ranks_rel', 0):.2e} replicas {rec.get('replica_rel', 0):.2e}"
             if "max_rel" in rec
             else (rec.get("stderr_tail") or "")[-300:]
         )

@@ -15,7 +15,10 @@ with the dp sum (so the average) and returns the bytes it put on the wire.
   algorithm of torch's DDP powerSGD_hook, here on megapar's buckets): each gradient matrix
   M (n x m, plus its error-feedback residual) is sent as rank-r factors: P = M Q, all-reduce P,
   orthonormalise P, Q = M^T P, all-reduce Q, result P Q^T ((n + m) r numbers instead of n m).
-  Q is warm-started from the previous step (seeded identically on every rank at first). The
+  Q is warm-started from the previous step; the first Q of a parameter is seeded by its
+  canonical name and shape (`name_params`), so it is the same on every rank of the group and
+  in every layout and bucketing that holds the same matrix (pp, virtual stages, cp,
+  --grad-bucket-mb: a parameter's place in its bucket changes with them). The
   residual e = M - P P^T M stays on the rank and is added to the next step's gradient (error
   feedback), so sum_t result_t + sum_r e_r,T = sum_t mean_r g_r,t exactly: nothing is lost,
   only delayed (but at a skipped step, a non-finite one or an fp16 overflow, whose state is
@@ -34,6 +37,8 @@ the backward); `none` keeps the asynchronous all-reduce.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -88,6 +93,15 @@ class PowerSGDCompressor:
         self.rank, self.seed = rank, seed
         self.errors: dict[int, torch.Tensor] = {}
         self.qs: dict[int, torch.Tensor] = {}
+        self.names: dict[int, str] = {}
+
+    def name_params(self, named) -> None:
+        """Seed each parameter's first Q by its canonical name: `named` the stage's (name,
+        parameter) pairs (a tied copy takes the name it is tied to, so both copies of a tied
+        embedding start from the same Q). Unnamed parameters are seeded by their place in
+        their bucket."""
+        for name, p in named:
+            self.names[id(p)] = getattr(p, "tied_to", None) or name
 
     def _matrix_shape(self, p: torch.Tensor) -> tuple[int, int] | None:
         if p.dim() < 2:
@@ -95,11 +109,12 @@ class PowerSGDCompressor:
         n, m = p.shape[0], p.numel() // p.shape[0]
         return (n, m) if (n + m) * self.rank < n * m else None
 
-    def initial_q(self, index: int, n: int, m: int) -> torch.Tensor:
-        """The first Q (m x rank) of the `index`-th parameter of a bucket, an n x m matrix: the
-        same on every rank of the group (seeded by the compressor's seed, the place and the
-        shape)."""
-        gen = torch.Generator().manual_seed(self.seed * 100003 + index * 7919 + n * 31 + m)
+    def initial_q(self, place: str | int, n: int, m: int) -> torch.Tensor:
+        """The first Q (m x rank) of an n x m matrix: the same on every rank of the group,
+        seeded by the compressor's seed, the parameter's canonical name (`name_params`; or
+        its index in its bucket, an int) and the shape."""
+        salt = zlib.crc32(place.encode()) if isinstance(place, str) else place
+        gen = torch.Generator().manual_seed(self.seed * 100003 + salt * 7919 + n * 31 + m)
         return torch.randn(m, self.rank, generator=gen)
 
     @torch.no_grad()
@@ -127,14 +142,14 @@ class PowerSGDCompressor:
             return self._reduce(flat, params, group)
 
     def _reduce(self, flat: torch.Tensor, params, group) -> int:
-        views: list[tuple[int, torch.Tensor, tuple[int, int], int]] = []
+        views: list[tuple[int, torch.Tensor, tuple[int, int], str | int]] = []
         plain: list[tuple[int, torch.Tensor, None, int]] = []
         offset = 0
         for i, p in enumerate(params):
             piece = flat[offset : offset + p.numel()]
             shape = self._matrix_shape(p)
             if shape:
-                views.append((id(p), piece, shape, i))
+                views.append((id(p), piece, shape, self.names.get(id(p), i)))
             else:
                 plain.append((id(p), piece, shape, i))
             offset += p.numel()
@@ -150,12 +165,12 @@ class PowerSGDCompressor:
         if not views:
             return sent
         ms, ps = [], []
-        for key, piece, (n, m), index in views:
+        for key, piece, (n, m), place in views:
             mat = piece.view(n, m)
             if key in self.errors:
                 mat.add_(self.errors[key])
             if key not in self.qs:
-                self.qs[key] = self.initial_q(index, n, m).to(mat)
+                self.qs[key] = self.initial_q(place, n, m).to(mat)
             ms.append(mat)
             ps.append(mat @ self.qs[key])
         p_flat = torch.cat([p.reshape(-1) for p in ps])

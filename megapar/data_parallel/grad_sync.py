@@ -119,6 +119,8 @@ def build_grad_sync(
     experts = mesh.expert_dp_group if getattr(mesh, "ep", 1) > 1 else None
     if compressor is not None:
         reduce_dtype = None
+        if hasattr(compressor, "name_params"):  # PowerSGD: Q seeded by canonical name
+            compressor.name_params(model.named_parameters())
     params = list(model.parameters())
     if zero == 0 or mesh.dp * mesh.cp == 1:
         return GradBuckets(

@@ -419,22 +419,22 @@ class MoE(nn.Module):
         keep = None if mask is None else mask.reshape(-1) != 0
         logits, probs, weights, experts = self.router(x)
         if torch.compiler.is_compiling():  # --compile: routed eagerly (a graph break)
-            out = self._routed_eagerly(x, logits, probs, weights, experts, keep)
+            out = self._routed_eagerly(x, logits, probs, weights, experts, keep, shape[0])
         else:
-            out = self._routed(x, logits, probs, weights, experts, keep)
+            out = self._routed(x, logits, probs, weights, experts, keep, shape[0])
         out = out.view(shape)
         if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
             out = out + self.shared(hidden)
         return out
 
     @graph_break
-    def _routed_eagerly(self, x, logits, probs, weights, experts, keep) -> torch.Tensor:
+    def _routed_eagerly(self, x, logits, probs, weights, experts, keep, batch=1) -> torch.Tensor:
         """`_routed`, run eagerly inside torch.compile'd code (`--compile`: a graph break on
         purpose, as torchtitan keeps its token dispatch out of the graph): the rows per expert
         are data-dependent shapes (the CPU loop reads them to the host, the ep exchange's
         splits are host integers) and the recompute test reads autograd's state; compiled,
         every micro-batch's new counts would recompile the block."""
-        return self._routed(x, logits, probs, weights, experts, keep)
+        return self._routed(x, logits, probs, weights, experts, keep, batch)
 
     def _experts_out(self, x, weights, order, tokens_per_expert) -> torch.Tensor:
         """The routed experts' output [T, H] (in the experts' dtype) of tokens `x` [T, H]
@@ -448,33 +448,43 @@ class MoE(nn.Module):
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         return out.view(x.shape[0], self.top_k, -1).sum(1)
 
-    def _gathered(self, x, weights, experts, keep):
+    def _gathered(self, x, weights, experts, keep, batch=1):
         """(this rank's tokens' output [T/tp, H], the micro-batch's kept tokens per expert,
         its dropped assignments) under expert tensor parallelism with sequence parallelism:
         the tokens, combine weights and choices of the tp group all-gathered (one gather of x,
         one of [T/tp, 2k (+1 with padding)] numbers), routed and run through this rank's
-        slices of the experts, the partial output reduce-scattered back."""
+        slices of the experts, the partial output reduce-scattered back. The gathered rows
+        come rank by rank ([tp, b, s / tp] of the `batch` sequences' slices), so they are routed
+        in one process's token order ([b, s]: "first come, first kept" under a capacity keeps
+        the same assignments) and the output put back in rank order."""
         group, k = self.tp_group, self.top_k
         picks = [weights, experts.to(weights.dtype)]  # ids < 2^24: exact in fp32
         if keep is not None:
             picks.append(keep.to(weights.dtype)[:, None])
         picked = gather_from_sequence_parallel_region(torch.cat(picks, 1)[None], group)[0]
         every = gather_from_sequence_parallel_region(x[None], group)[0]
+        tp = every.shape[0] // x.shape[0]
+
+        def swap(t: torch.Tensor, a: int, b: int) -> torch.Tensor:  # [a, b, r, c] -> [b, a, r, c]
+            return t.reshape(a, b, -1, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+
+        picked, every = swap(picked, tp, batch), swap(every, tp, batch)  # one process's order
         weights, experts = picked[:, :k], picked[:, k : 2 * k].detach().long()
         keep = None if keep is None else picked[:, 2 * k].detach() != 0
         order, tokens_per_expert, dropped = route(
             experts, self.num_experts, self.capacity(every.shape[0], keep), keep
         )
         out = self._experts_out(every, weights, order, tokens_per_expert).to(x.dtype)
+        out = swap(out, batch, tp)  # back in rank order
         out = reduce_scatter_to_sequence_parallel_region(out[None], group)[0]
         return out, tokens_per_expert, dropped
 
-    def _routed(self, x, logits, probs, weights, experts, keep=None) -> torch.Tensor:
+    def _routed(self, x, logits, probs, weights, experts, keep=None, batch=1) -> torch.Tensor:
         """The routed experts' output [T, H] for tokens `x` [T, H] and the router's choice,
         with the balancing penalty attached and the statistics added; `keep` [T] (bool, None:
         all): the tokens that are not padding."""
         if self.tp_gathers:
-            out, tokens_per_expert, dropped = self._gathered(x, weights, experts, keep)
+            out, tokens_per_expert, dropped = self._gathered(x, weights, experts, keep, batch)
         else:
             order, tokens_per_expert, dropped = route(
                 experts, self.num_experts, self.capacity(x.shape[0], keep), keep
