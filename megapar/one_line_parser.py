@@ -123,7 +123,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(
             2,
             f"{self.prog}: error: {message}{self._did_you_mean(message)}"
-            f"{self._value_wanted(message)}{self._value_named_elsewhere(message)} "
+            f"{self._value_wanted(message)}"
+            f"{self._value_named_elsewhere(message) or self._closest_choice(message)} "
             f"(see {self.prog} --help)\n",
         )
 
@@ -145,6 +146,21 @@ class OneLineParser(argparse.ArgumentParser):
             value = value[1:-1]
         said = name(value)
         return f"; {said}" if said else ""
+
+    def _closest_choice(self, message: str) -> str:
+        """For a value a flag's choices lack, the closest of them (`--attention-mask-type
+        block-causal`: "did you mean block_causal?"); "" when none is close."""
+        match = re.fullmatch(r"argument (\S+): invalid choice: '(.+?)' \(choose from .*\)", message)
+        if match is None:
+            return ""
+        action = self._option_string_actions.get(_long_spelling(match.group(1)))
+        if action is None or not action.choices:
+            return ""
+        choices = [str(c) for c in action.choices]
+        close = difflib.get_close_matches(match.group(2), choices, n=1)
+        if not close:
+            close = difflib.get_close_matches(match.group(2).lower(), choices, n=1)
+        return f"; did you mean {close[0]}?" if close else ""
 
     def _value_wanted(self, message: str) -> str:
         """For a flag given without its value (`--recompute` at the end of the line, or before

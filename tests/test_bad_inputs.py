@@ -1006,6 +1006,22 @@ def test_an_unknown_flag_is_never_taken_for_help(capsys):
         assert hint is None or hint in err, err
 
 
+def test_a_misspelt_choice_is_answered_with_the_closest(capsys):
+    """A value a flag's choices lack (`--attention-mask-type block-causal`, `--optimizer Muon`)
+    was refused with the choices only; now the closest is named, and none when none is close."""
+    from megapar.training.config import parse_args
+
+    for argv, hint in ((["--attention-mask-type", "block-causal"], "did you mean block_causal?"),
+                       (["--optimizer", "Muon"], "did you mean muon?"),
+                       (["--schedule", "xyz"], None)):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "invalid choice" in err, err
+        assert (hint in err) if hint else ("did you mean" not in err), err
+
+
 def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     """Megatron-LM's, torchtitan's or Hugging Face Trainer's name for a flag: difflib named an
     unrelated one (`--resume: did you mean --recompute?`, `--train-iters`: `--rank-order`,

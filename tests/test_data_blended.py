@@ -37,7 +37,9 @@ def test_blended_dataset_items_and_description():
     assert len(blend) == 40 and blend.weights.tolist() == [0.75, 0.25]
     items = [blend[i] for i in range(len(blend))]
     assert sum(x[0] == "a" for x in items) == 30  # A (10 samples) is drawn 3 times over
-    assert "A 0.7500 (weight 0.7500, 10 samples)" in blend.describe()
+    # "10 samples" read as what the blend draws of A: 30 drawn of the part's 10
+    assert "A 0.7500 (weight 0.7500: 30 drawn of the part's 10 samples)" in blend.describe()
+    assert "B 0.2500 (weight 0.2500: 10 drawn of the part's 30 samples)" in blend.describe()
 
 
 def test_each_epoch_of_a_blend_draws_on_where_the_last_left_off():

@@ -921,6 +921,9 @@ def test_dry_run_names_the_expert_split_and_the_cp_communication():
     job = describe_job(cfg, resolve_model("mixtral-tiny"), layout, 8, 1, "all")
     assert job.split("\n")[0].endswith(
         "; fp32, recompute none, each expert split over tp 2, --cp-comm-type a2a"), job
+    # the batch in megapar-train's start-up words (batch_phrase), not "1 micro-batch of 1 x 16"
+    assert ("schedule 1f1b, global batch 1 sequence of 16 tokens: 1 micro-batch per step x "
+            "micro-batch size 1; fp32") in job, job
 
 
 def test_the_traffic_line_names_each_collective_in_words():

@@ -225,10 +225,14 @@ class BlendedDataset:
         return counts / max(1, len(which))
 
     def describe(self, indices: np.ndarray | None = None) -> str:
-        achieved = self.proportions(indices)
-        n = self.size if indices is None else len(indices)
+        """The blend's line: each part's share of the `n` samples drawn, its weight, how many of
+        the `n` it gives and how many samples the part holds (a part drawn more times than it
+        holds repeats its samples)."""
+        which = self.dataset_index if indices is None else self.dataset_index[indices % self.size]
+        drawn = np.bincount(which, minlength=len(self.datasets))
+        n = len(which)
         parts = [
-            f"{name} {a:.4f} (weight {w:.4f}, {len(d)} samples)"
-            for name, a, w, d in zip(self.names, achieved, self.weights, self.datasets)
+            f"{name} {k / max(1, n):.4f} (weight {w:.4f}: {k} drawn of the part's {len(d)} samples)"
+            for name, k, w, d in zip(self.names, drawn.tolist(), self.weights, self.datasets)
         ]
         return f"blend over {n} samples: " + ", ".join(parts)

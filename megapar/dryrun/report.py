@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
 from megapar.plan.memory import document_mask_bytes
+from megapar.training.loop import batch_phrase
 
 _OPS = {
     "all_reduce": "all-reduce",
@@ -35,7 +36,6 @@ def _order(layout) -> str:
 def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice: str) -> str:
     """The job's line, then which ranks are rehearsed and why (`sample.describe_choice`)."""
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
     nodes = -(-layout.world_size // gpus_per_node)
     v = f" V {cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""
     offloaded = [
@@ -72,8 +72,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
         + (f" with ep {layout.ep} in dp x cp" if getattr(layout, "ep", 1) > 1 else "")
         + ", "
         f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
-        f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
-        f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
+        f"{gpus_per_node}); schedule {cfg.schedule}{v}, "
+        f"{batch_phrase(cfg.global_batch_size, cfg.seq_len, layout.dp, m, cfg.micro_batch_size)}; "
         f"{', '.join(extras)}\nrehearsing {choice}; on this CPU (fake process group, fake "
         f"tensors: nothing is communicated or allocated)"
     )
