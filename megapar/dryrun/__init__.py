@@ -4,9 +4,10 @@ For a sample of the job's ranks (or all of them), one after another in this proc
 start-up and one step's bookkeeping run on torch's fake process group and fake tensors
 (`world.py`): no communication, no tensor memory, the real mesh and rank order, model stage,
 partition, ZeRO slices and ZeRO-3 units, gradient buckets, pipeline schedule and checkpoint files
-(`rank.py`; the rehearsed micro-batch, its collectives counted: `watch.py`). Which ranks:
-`sample.py`. What is printed: `report.py`. `megapar-plan --verify` compares the planner's bytes
-with these.
+(`rank.py`; the rehearsed micro-batch, its collectives counted: `watch.py`; the layers between
+the first and last of a stack of identical ones replay their recorded effect: `replay.py`).
+Which ranks: `sample.py`. What is printed: `report.py`. `megapar-plan --verify` compares the
+planner's bytes with these.
 
 The package sits above `training` and `plan` (it runs the engine and reads the planner's
 activation model); only the command-line tools import it.

@@ -15,6 +15,7 @@ import torch
 
 from megapar.comm_count import Call, count_collectives
 from megapar.data import collate
+from megapar.dryrun.replay import replay_layers
 from megapar.mesh import Layout
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.plan.state import whole_grads
@@ -54,6 +55,10 @@ def run_micro_batch(
     casts = engine.step_fn.fp8_weight_casts
     if casts is not None:  # --fp8: the weights' casts, once a step
         restore_casts = _watch_weight_casts(casts, lambda: run_calls, per_step)
+    # identical layers: the first and last run, the ones between replay them (`replay.py`)
+    restore_layers = replay_layers(
+        engine, lambda: run_calls, lambda: per_step | per_micro_batch_buckets
+    )
     try:
         with count_collectives() as run_calls, ExitStack() as scope:
             scope.enter_context(engine.precision.autocast())
@@ -66,6 +71,7 @@ def run_micro_batch(
             )
     finally:
         restore()
+        restore_layers()
         if casts is not None:
             restore_casts()
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
