@@ -28,6 +28,7 @@ from megapar.cli.plan_args import (
     check_number_arguments,
     check_search_arguments,
     offload_refused,
+    take_vocabulary,
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
@@ -226,6 +227,24 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="megapar-train's --attention-mask-type: block_causal counts the additive mask "
         "(micro-batch x seq-len x seq-len in the activation dtype) each model chunk makes per "
         "micro-batch and sliding window and keeps until the backward",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        default=None,
+        help="the tokenizer of megapar-train's --data (its --tokenizer: gpt2, a tokenizer.json "
+        "directory, a .model file, ...): a recipe's vocabulary becomes this tokenizer's, as in "
+        "megapar-train (only its size is read; the command carries it); default: the recipe's "
+        "own vocabulary",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the data's tokenizer's vocabulary, given as a number instead of --tokenizer "
+        "(Megatron-LM's name); padded per layout to a multiple of the model's "
+        "make_vocab_size_divisible_by x tp, as megapar-train pads it",
     )
 
 
@@ -448,6 +467,7 @@ def _problem(args, given: tuple[str, ...] = ()):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid
     (`given`: the options the command line sets, `OneLineParser.given`)."""
     config = resolve_model(args.model)
+    take_vocabulary(args, config)
     # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
     # divide) hold at every layout: at one GPU's layout only they can fail
     config.validate(Layout(1, 1, 1))
@@ -491,6 +511,7 @@ def _problem(args, given: tuple[str, ...] = ()):
         fp8_speedup=args.fp8_speedup,
         optimizer=args.optimizer,
         attention_mask_type=args.attention_mask_type,
+        tokenizer=args.tokenizer,
     )
 
 
