@@ -1135,3 +1135,23 @@ def test_the_plan_takes_the_data_tokenizer_s_vocabulary_as_the_dry_run_does(caps
         assert ("--tokenizer gpt2" in out.split("command: ")[1]) == ("--tokenizer" in extra)
     code, out = _cli(capsys, *base, "--tokenizer", "gpt2", "--vocab-size", "50261")
     assert code == 2 and "keep one" in out.err
+
+
+def test_the_global_batch_defaults_to_megapar_train_s_and_the_header_says_so(capsys):
+    """megapar-plan required --global-batch-size where megapar-train defaults it: it now takes
+    megapar-train's default (`TrainConfig.global_batch_size`) and its header names it as
+    assumed; a given batch is not called assumed."""
+    from megapar.training.config import TrainConfig
+
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64"]
+    default = TrainConfig.global_batch_size
+    said = "(megapar-train's default --global-batch-size, assumed as none was given"
+    code, out = _cli(capsys, *base, "--top", "1")
+    assert code == 0 and f"global batch {default} x 64 tokens {said}" in out.out.splitlines()[0]
+    code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2")
+    assert code == 0 and out.out.startswith(f"global batch {default} sequences {said}")
+    assert f"--global-batch-size {default} " in out.out.split("command: ")[1]
+    for extra in (["--top", "1"], ["--explain", "tp=1,pp=2"]):
+        code, out = _cli(capsys, *base, "--global-batch-size", str(2 * default), *extra)
+        assert code == 0 and "assumed" not in out.out and f"--global-batch-size {2 * default}" \
+            in out.out.split("command: ")[1]

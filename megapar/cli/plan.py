@@ -77,6 +77,7 @@ from megapar.plan.report import (
 )
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
+from megapar.training.config import TrainConfig
 from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MOE_FIELD
 from megapar.training.usage import flag_of
 from megapar.wording import counted
@@ -218,7 +219,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
-    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per step (default: megapar-train's, {TrainConfig.global_batch_size}, "
+        f"which the header then names)",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument(
         "--attention-mask-type",
@@ -467,6 +474,9 @@ def _problem(args, given: tuple[str, ...] = ()):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid
     (`given`: the options the command line sets, `OneLineParser.given`)."""
     config = resolve_model(args.model)
+    args.batch_assumed = args.global_batch_size is None
+    if args.batch_assumed:
+        args.global_batch_size = TrainConfig.global_batch_size
     take_vocabulary(args, config)
     # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
     # divide) hold at every layout: at one GPU's layout only they can fail
@@ -513,6 +523,12 @@ def _problem(args, given: tuple[str, ...] = ()):
         attention_mask_type=args.attention_mask_type,
         tokenizer=args.tokenizer,
     )
+
+
+BATCH_ASSUMED = (
+    " (megapar-train's default --global-batch-size, assumed as none was given; give the run's own)"
+)
+"""What the header adds where --global-batch-size was not given."""
 
 
 SEARCH_OPTIONS = (
@@ -577,6 +593,8 @@ def _explain(args, problem) -> int:
             )
         )
         return 0
+    if getattr(args, "batch_assumed", False):
+        print(f"global batch {problem.global_batch} sequences{BATCH_ASSUMED}")
     print(
         "\n".join([explain(e, problem.target), *expert_lines(e, problem), *fp8_lines(e, problem)])
     )
@@ -639,7 +657,8 @@ def main(argv=None) -> int:
         f"{active_note(problem.config)}; "
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node; "
         f"{hardware_phrase(problem)}); global batch "
-        f"{problem.global_batch} x {problem.seq_len} tokens; "
+        f"{problem.global_batch} x {problem.seq_len} tokens"
+        f"{BATCH_ASSUMED if getattr(args, 'batch_assumed', False) else ''}; "
         f"{counted(valid, 'valid layout')}, "
         f"{len(rejected)} rejected"
     )
