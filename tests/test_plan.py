@@ -1137,6 +1137,20 @@ def test_the_plan_takes_the_data_tokenizer_s_vocabulary_as_the_dry_run_does(caps
     assert code == 2 and "keep one" in out.err
 
 
+def test_the_plan_s_data_flag_names_the_tokenizer_flags(capsys):
+    """--data, which megapar-plan does not read, was answered "drop it": the data's vocabulary
+    is now the plan's input (--tokenizer / --vocab-size), and the answer names them; Megatron's
+    --make-vocab-size-divisible-by names the model config's field."""
+    base = ["--model", "llama-tiny", "--gpus", "4", "--seq-len", "64"]
+    with pytest.raises(SystemExit) as exit_:
+        _cli(capsys, *base, "--data", "my.txt")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "(--tokenizer SPEC, or --vocab-size N)" in err, err
+    with pytest.raises(SystemExit):
+        _cli(capsys, *base, "--make-vocab-size-divisible-by", "64")
+    assert "set make_vocab_size_divisible_by there" in capsys.readouterr().err
+
+
 def test_the_global_batch_defaults_to_megapar_train_s_and_the_header_says_so(capsys):
     """megapar-plan required --global-batch-size where megapar-train defaults it: it now takes
     megapar-train's default (`TrainConfig.global_batch_size`) and its header names it as

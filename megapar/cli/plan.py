@@ -78,7 +78,7 @@ from megapar.plan.report import (
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig
-from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MOE_FIELD
+from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MODEL_FIELD, MOE_FIELD
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 
@@ -150,7 +150,9 @@ OTHER_FLAGS = {
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",
     "--nodes": "--gpus (all of them) and --gpus-per-node",
-    "--data": "megapar-plan needs no data, only the model and the sizes; drop it",
+    "--data": "megapar-plan reads no data: drop it, and give the data's tokenizer as "
+    "megapar-train takes it (--tokenizer SPEC, or --vocab-size N) for its vocabulary",
+    "--make-vocab-size-divisible-by": MODEL_FIELD.format(field="make_vocab_size_divisible_by"),
     # DeepSpeed's and megapar-train's names: difflib named --fp8 for --fp16, --micro-batch-sizes
     # for --train-batch-size (the global batch), or nothing
     "--fp16": "--precision fp16",

@@ -282,6 +282,5 @@ def take_vocabulary(args, config) -> None:
         config.vocab_size = load_tokenizer(args.tokenizer).vocab_size
     except (OSError, ValueError) as exc:
         raise ValueError(
-            f"--tokenizer {args.tokenizer} does not load ({exc}); give megapar-train's "
-            f"--tokenizer (gpt2, a tokenizer.json directory, a .model file), or --vocab-size N"
+            f"--tokenizer {args.tokenizer} does not load: {exc}; or give --vocab-size N"
         ) from None
