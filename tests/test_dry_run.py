@@ -993,3 +993,26 @@ def test_dry_run_holds_each_rank_to_the_gpu_memory_and_names_the_ones_over(capsy
     assert len(line) == 1 and f": rank {first} " in line[0], err
     rc, out, err = _train([*args, "--json", "--gpu-memory-gb", "0.01"], capsys)
     assert [json.loads(x)["fits_gpu"] for x in out.splitlines()] == [False, False]
+
+
+def test_a_dry_run_names_every_raw_text_part_of_a_blend_it_skips(tmp_path):
+    """A dry run skips raw text, and on a blend it named only the first part ("--data
+    docs_a.jsonl is raw text ..."): it now names every raw part, and says how many of the
+    blend's parts they are."""
+    from megapar.cli.data import main as data_main
+    from megapar.training.config import parse_args
+    from megapar.training.data import _dry_run_without_data
+
+    a, b = tmp_path / "docs_a.txt", tmp_path / "docs_b.txt"
+    for path in (a, b):
+        path.write_text("a few words\n\nand a few more")
+    cfg = parse_args(["--dry-run", "--data", "0.5", str(a), "0.5", str(b)])
+    reason, known = _dry_run_without_data(cfg)
+    assert known and reason.startswith(f"--data's 2 parts are raw text ({a}, {b}), which "), reason
+    assert data_main(["--input", str(b), "--output-prefix", str(tmp_path / "b"),
+                      "--no-progress"]) == 0
+    cfg = parse_args(["--dry-run", "--data", "0.5", str(a), "0.5", str(tmp_path / "b")])
+    reason, known = _dry_run_without_data(cfg)
+    assert known and reason.startswith(f"1 of --data's 2 parts is raw text ({a}), which "), reason
+    cfg = parse_args(["--dry-run", "--data", str(a)])
+    assert _dry_run_without_data(cfg)[0].startswith(f"--data {a} is raw text, which ")

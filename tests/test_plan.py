@@ -1096,3 +1096,76 @@ def test_explain_takes_the_layout_name_the_table_prints(capsys):
     assert code == 0, named.err
     code, keyed = _cli(capsys, *base, "--explain", "tp=1,pp=1,mbs=1,schedule=1f1b,zero=1")
     assert code == 0 and named.out == keyed.out and "--zero 1" in named.out
+
+
+def test_the_plan_takes_the_data_tokenizer_s_vocabulary_as_the_dry_run_does(capsys, tmp_path):
+    """megapar-train gives a recipe its --data tokenizer's vocabulary (llama-tiny on raw text
+    under the default gpt2: 50,261, not the recipe's 32,000), so its dry run's last stage held
+    15.23 MiB of activations and 894.67 MiB in all where megapar-plan said 10.7 / 850.8.
+    megapar-plan --tokenizer (or --vocab-size N) now plans that vocabulary, padded per layout
+    as megapar-train pads it, and its command carries --tokenizer."""
+    import re
+
+    from megapar.cli.train import main as train_main
+
+    text = tmp_path / "my.txt"
+    text.write_text("\n\n".join(f"document {i} of a few words" for i in range(20)))
+    rc = train_main(["--model", "llama-tiny", "--dry-run", "--world-size", "4", "--pp", "2",
+                     "--dp", "2", "--seq-len", "64", "--attention-mask-type", "block_causal",
+                     "--data", str(text), "--dry-run-ranks", "1"])
+    dry = capsys.readouterr().out
+    assert rc == 0, dry
+    rank1 = dry.split("\nrank 1 (")[1]
+    acts = float(re.search(r"activations ([\d.]+) MiB", rank1).group(1))
+    holds = float(re.search(r"a GPU holds ([\d.]+) MiB", rank1).group(1))
+    base = ["--model", "llama-tiny", "--gpus", "4", "--seq-len", "64", "--global-batch-size",
+            "16", "--precision", "fp32", "--attention-mask-type", "block_causal",
+            "--explain", "tp1 pp2 dp2 mbs4 1f1b rc=none zero0"]
+
+    def planned(*extra):
+        code, out = _cli(capsys, *base, *extra)
+        assert code == 0, out
+        return (float(re.search(r"activations kept for backward +([\d.]+) MiB", out.out)[1]),
+                float(re.search(r"= the device holds +([\d.]+) MiB", out.out)[1]), out.out)
+
+    own = planned()
+    for extra in (["--tokenizer", "gpt2"], ["--vocab-size", "50261"]):
+        a, total, out = planned(*extra)
+        assert (a, total) == (round(acts, 1), round(holds, 1)) != own[:2], (extra, dry)
+        assert ("--tokenizer gpt2" in out.split("command: ")[1]) == ("--tokenizer" in extra)
+    code, out = _cli(capsys, *base, "--tokenizer", "gpt2", "--vocab-size", "50261")
+    assert code == 2 and "keep one" in out.err
+
+
+def test_the_plan_s_data_flag_names_the_tokenizer_flags(capsys):
+    """--data, which megapar-plan does not read, was answered "drop it": the data's vocabulary
+    is now the plan's input (--tokenizer / --vocab-size), and the answer names them; Megatron's
+    --make-vocab-size-divisible-by names the model config's field."""
+    base = ["--model", "llama-tiny", "--gpus", "4", "--seq-len", "64"]
+    with pytest.raises(SystemExit) as exit_:
+        _cli(capsys, *base, "--data", "my.txt")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "(--tokenizer SPEC, or --vocab-size N)" in err, err
+    with pytest.raises(SystemExit):
+        _cli(capsys, *base, "--make-vocab-size-divisible-by", "64")
+    assert "set make_vocab_size_divisible_by there" in capsys.readouterr().err
+
+
+def test_the_global_batch_defaults_to_megapar_train_s_and_the_header_says_so(capsys):
+    """megapar-plan required --global-batch-size where megapar-train defaults it: it now takes
+    megapar-train's default (`TrainConfig.global_batch_size`) and its header names it as
+    assumed; a given batch is not called assumed."""
+    from megapar.training.config import TrainConfig
+
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64"]
+    default = TrainConfig.global_batch_size
+    said = "(megapar-train's default --global-batch-size, assumed as none was given"
+    code, out = _cli(capsys, *base, "--top", "1")
+    assert code == 0 and f"global batch {default} x 64 tokens {said}" in out.out.splitlines()[0]
+    code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2")
+    assert code == 0 and out.out.startswith(f"global batch {default} sequences {said}")
+    assert f"--global-batch-size {default} " in out.out.split("command: ")[1]
+    for extra in (["--top", "1"], ["--explain", "tp=1,pp=2"]):
+        code, out = _cli(capsys, *base, "--global-batch-size", str(2 * default), *extra)
+        assert code == 0 and "assumed" not in out.out and f"--global-batch-size {2 * default}" \
+            in out.out.split("command: ")[1]

@@ -28,6 +28,7 @@ from megapar.cli.plan_args import (
     check_number_arguments,
     check_search_arguments,
     offload_refused,
+    take_vocabulary,
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
@@ -76,7 +77,8 @@ from megapar.plan.report import (
 )
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
-from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MOE_FIELD
+from megapar.training.config import TrainConfig
+from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MODEL_FIELD, MOE_FIELD
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 
@@ -148,7 +150,9 @@ OTHER_FLAGS = {
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",
     "--nodes": "--gpus (all of them) and --gpus-per-node",
-    "--data": "megapar-plan needs no data, only the model and the sizes; drop it",
+    "--data": "megapar-plan reads no data: drop it, and give the data's tokenizer as "
+    "megapar-train takes it (--tokenizer SPEC, or --vocab-size N) for its vocabulary",
+    "--make-vocab-size-divisible-by": MODEL_FIELD.format(field="make_vocab_size_divisible_by"),
     # DeepSpeed's and megapar-train's names: difflib named --fp8 for --fp16, --micro-batch-sizes
     # for --train-batch-size (the global batch), or nothing
     "--fp16": "--precision fp16",
@@ -217,7 +221,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
-    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per step (default: megapar-train's, {TrainConfig.global_batch_size}, "
+        f"which the header then names)",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument(
         "--attention-mask-type",
@@ -226,6 +236,24 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="megapar-train's --attention-mask-type: block_causal counts the additive mask "
         "(micro-batch x seq-len x seq-len in the activation dtype) each model chunk makes per "
         "micro-batch and sliding window and keeps until the backward",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        default=None,
+        help="the tokenizer of megapar-train's --data (its --tokenizer: gpt2, a tokenizer.json "
+        "directory, a .model file, ...): a recipe's vocabulary becomes this tokenizer's, as in "
+        "megapar-train (only its size is read; the command carries it); default: the recipe's "
+        "own vocabulary",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the data's tokenizer's vocabulary, given as a number instead of --tokenizer "
+        "(Megatron-LM's name); padded per layout to a multiple of the model's "
+        "make_vocab_size_divisible_by x tp, as megapar-train pads it",
     )
 
 
@@ -448,6 +476,10 @@ def _problem(args, given: tuple[str, ...] = ()):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid
     (`given`: the options the command line sets, `OneLineParser.given`)."""
     config = resolve_model(args.model)
+    args.batch_assumed = args.global_batch_size is None
+    if args.batch_assumed:
+        args.global_batch_size = TrainConfig.global_batch_size
+    take_vocabulary(args, config)
     # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
     # divide) hold at every layout: at one GPU's layout only they can fail
     config.validate(Layout(1, 1, 1))
@@ -491,7 +523,14 @@ def _problem(args, given: tuple[str, ...] = ()):
         fp8_speedup=args.fp8_speedup,
         optimizer=args.optimizer,
         attention_mask_type=args.attention_mask_type,
+        tokenizer=args.tokenizer,
     )
+
+
+BATCH_ASSUMED = (
+    " (megapar-train's default --global-batch-size, assumed as none was given; give the run's own)"
+)
+"""What the header adds where --global-batch-size was not given."""
 
 
 SEARCH_OPTIONS = (
@@ -556,6 +595,8 @@ def _explain(args, problem) -> int:
             )
         )
         return 0
+    if getattr(args, "batch_assumed", False):
+        print(f"global batch {problem.global_batch} sequences{BATCH_ASSUMED}")
     print(
         "\n".join([explain(e, problem.target), *expert_lines(e, problem), *fp8_lines(e, problem)])
     )
@@ -618,7 +659,8 @@ def main(argv=None) -> int:
         f"{active_note(problem.config)}; "
         f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node; "
         f"{hardware_phrase(problem)}); global batch "
-        f"{problem.global_batch} x {problem.seq_len} tokens; "
+        f"{problem.global_batch} x {problem.seq_len} tokens"
+        f"{BATCH_ASSUMED if getattr(args, 'batch_assumed', False) else ''}; "
         f"{counted(valid, 'valid layout')}, "
         f"{len(rejected)} rejected"
     )

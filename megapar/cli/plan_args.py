@@ -5,8 +5,11 @@ the fix) before the search starts."""
 from __future__ import annotations
 
 import math
+import os
 
+from megapar.data.tokenizers import load_tokenizer
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.models.config import load_config_file
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.plan.layouts import default_cp_sizes
 
@@ -243,3 +246,41 @@ def _no_zero3(args) -> tuple[str, str]:
         return "--gpus 1 has no ZeRO-3 layout", "raise --gpus"
     listed = " ".join(map(str, args.zero_stages))
     return f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
+
+
+def take_vocabulary(args, config) -> None:
+    """Give `config` the vocabulary of megapar-train's data tokenizer, as megapar-train gives it
+    to a recipe (or to a config file without vocab_size): --tokenizer's size (the tokenizer is
+    loaded, nothing tokenized) or --vocab-size N. Padding per layout stays the model's
+    (make_vocab_size_divisible_by x tp). ValueError if both are given, N < 1, the tokenizer
+    does not load, or --model is a config file whose vocab_size megapar-train keeps."""
+    if args.tokenizer is None and args.vocab_size is None:
+        return
+    if args.tokenizer is not None and args.vocab_size is not None:
+        raise ValueError(
+            "--tokenizer and --vocab-size both give the data's vocabulary: keep one "
+            "(--tokenizer, which the printed megapar-train command carries)"
+        )
+    flag = f"--vocab-size {args.vocab_size}" if args.vocab_size is not None else "--tokenizer"
+    path = os.path.expanduser(args.model)
+    if os.path.exists(path):
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if "vocab_size" in load_config_file(file):
+            raise ValueError(
+                f"{flag} sets the data's vocabulary, and the model config {args.model} fixes "
+                f"vocab_size {config.vocab_size:,}, which megapar-train keeps: drop {flag}, or "
+                f"leave vocab_size out of the config to take the tokenizer's"
+            )
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise ValueError(
+                f"--vocab-size {args.vocab_size} is invalid: give the tokenizer's vocabulary, >= 1"
+            )
+        config.vocab_size = args.vocab_size
+        return
+    try:
+        config.vocab_size = load_tokenizer(args.tokenizer).vocab_size
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"--tokenizer {args.tokenizer} does not load: {exc}; or give --vocab-size N"
+        ) from None

@@ -95,6 +95,9 @@ class Problem:
     sequence per micro-batch and sliding window on each model chunk, kept by its attention for
     the backward (`memory.document_mask_bytes`, counted in the activations); under context
     parallelism by the ring or the all-gather a block per kernel call instead (a transient)."""
+    tokenizer: str | None = None
+    """megapar-train's --tokenizer whose vocabulary `config` has (`cli.plan_args.take_vocabulary`),
+    carried by the printed command; None: the model's own vocabulary, or --vocab-size's."""
 
     @cached_property
     def config_json(self) -> str:

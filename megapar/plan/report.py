@@ -130,6 +130,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         ),
         f"--micro-batch-size {c.mbs}",
         f"--global-batch-size {p.global_batch}",
+        *([f"--tokenizer {p.tokenizer}"] if p.tokenizer else []),
         f"--recompute {c.recompute}",
         f"--precision {p.precision}",
         f"--peak-tflops {p.peak_tflops:g}",

@@ -428,19 +428,33 @@ def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:
         return None, True
     if cfg.data is None:
         return "no --data given", False
-    reason = None
+    raw: list[str] = []
+    paths = data_paths(cfg.data)
     try:
-        for path in data_paths(cfg.data):
-            if is_raw_text(_text_or_prefix(cfg, path)) and reason is None:
-                reason = (
-                    f"--data {path} is raw text, which a rehearsal does not tokenize: it "
-                    f"writes nothing, and a corpus can take hours; tokenize it once with "
-                    f"megapar-data and rehearse with its --output-prefix to see batch "
-                    f"indices"
-                )
+        for path in paths:
+            if is_raw_text(_text_or_prefix(cfg, path)):
+                raw.append(str(path))
     except FileNotFoundError as exc:
-        return reason or str(exc), False
-    return reason, True
+        return _raw_text_reason(raw, len(paths)) or str(exc), False
+    return _raw_text_reason(raw, len(paths)), True
+
+
+def _raw_text_reason(raw: list[str], parts: int) -> str | None:
+    """Why a dry run skips the --data parts `raw` (raw text, each named; `parts`: how many
+    --data has), or None for none."""
+    if not raw:
+        return None
+    if parts == 1:
+        parts_are = f"--data {raw[0]} is"
+    else:
+        parts_are = ("" if len(raw) == parts else f"{len(raw)} of ") + f"--data's {parts} parts"
+        parts_are += " is" if len(raw) == 1 else " are"
+    named = "" if parts == 1 else f" ({', '.join(raw)})"
+    return (
+        f"{parts_are} raw text{named}, which a rehearsal does not tokenize: it writes nothing, and "
+        f"a corpus can take hours; tokenize {'it' if len(raw) == 1 else 'each'} once with "
+        f"megapar-data and rehearse with its --output-prefix to see batch indices"
+    )
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
