@@ -236,9 +236,11 @@ class GradBuckets:
         last: Iterable[torch.nn.Parameter] = (),
         expert_group=None,
     ):
-        """`last`: parameters laid out in the last bucket(s) (the ZeRO kinds' deferred tied
-        embedding; ignored here). `expert_group`: the group expert parameters reduce over
-        (`Mesh.expert_dp_group` under expert parallelism); None: they reduce over dp."""
+        """`last`: parameters laid out in the last bucket(s), to be deferred by `defer` (the
+        tied embedding: the ZeRO kinds' always, this kind's only with a `compressor`, see
+        `defers_last`; ignored without one). `expert_group`: the group expert parameters
+        reduce over (`Mesh.expert_dp_group` under expert parallelism); None: they reduce over
+        dp."""
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if compressor is not None and reduce_dtype is not None:
@@ -282,9 +284,39 @@ class GradBuckets:
         if self.dp > 1:
             self._attach_hooks()
 
+    @property
+    def defers_last(self) -> bool:
+        """Whether the tied embedding's buckets (`last`) must be deferred (`defer`) until its
+        sum over the first and last pipeline stage: a compressor's reduction is not linear
+        (PowerSGD's low-rank factors, a cast's rounding), so compressing each stage's share
+        and summing afterwards is not compressing the sum, as pp 1 does. The plain
+        all-reduce is linear and reduces without waiting (the tied sum follows `finish`)."""
+        return self.compressor is not None and self.dp > 1
+
     def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
-        """The buckets: `bucket_layout`'s, unpadded."""
-        return self._make_buckets(False, ())
+        """The buckets: `bucket_layout`'s, unpadded; `last` in the last one(s) when they are
+        to be deferred (a compressor)."""
+        return self._make_buckets(False, last if self.compressor is not None else ())
+
+    def defer(self, last: Iterable[torch.nn.Parameter], before_reduce) -> None:
+        """The buckets holding `last` (as laid out) launch only in finish(), after
+        `before_reduce()` (the tied-embedding sync). Call before the first step."""
+        if self.in_step:
+            raise RuntimeError("defer() during a step")
+        last = list(last)
+        laid = self._layout(last)
+        if [[id(p) for p in b.params] for b in laid] != [
+            [id(p) for p in b.params] for b in self.buckets
+        ]:
+            raise ValueError(
+                f"{type(self).__name__} was laid out with other `last` parameters "
+                f"than it is deferred with: build it with the same `last` "
+                f"(build_grad_sync does)"
+            )
+        late = {id(p) for p in last}
+        self.before_reduce = before_reduce
+        for b in self.buckets:
+            b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
 
     def _make_buckets(self, sharded: bool, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
         """`make_buckets`' buckets (padded to their group's size when `sharded`), each with

@@ -21,7 +21,9 @@ reduce-scattered over that group, each led by its block's unit (`zero3_units.Uni
 
 The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
 `attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
-pipeline stage.
+pipeline stage. The all-reduce kind takes it from the step (`TrainStep`) when it compresses
+(`GradBuckets.defers_last`: a compressor is not linear, so it must compress the stages' sum, as
+pp 1 does); uncompressed, it reduces each stage's share and the step sums them afterwards.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def build_grad_sync(
     """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
-    deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
+    deferred by the optimizer's `attach`; in the all-reduce kind only with a compressor, to
+    be deferred by the step). `compressor` (a `compression.py` compressor)
     replaces `reduce_dtype`; the zero3 options are `ShardedParams`' (`zero3_float8`: its
     `float8`; `zero3_half`: its `half`). `zero12_half` (ZeRO-1 / 2): the autocast dtype the
     optimizer all-gathers the blocks' non-float8 linear weights in (`zero3_half.half_weights`,
@@ -122,6 +125,12 @@ def build_grad_sync(
         if hasattr(compressor, "name_params"):  # PowerSGD: Q seeded by canonical name
             compressor.name_params(model.named_parameters())
     params = list(model.parameters())
+    # the tied embedding (marked by pipeline/tied.py), summed over stages before its reduction
+    last = (
+        [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        if mesh.pp > 1
+        else []
+    )
     if zero == 0 or mesh.dp * mesh.cp == 1:
         return GradBuckets(
             params,
@@ -130,6 +139,7 @@ def build_grad_sync(
             compressor,
             reduce_dtype,
             average_over=dp,
+            last=last,
             expert_group=experts,
         )
     if zero == 3:
@@ -148,12 +158,6 @@ def build_grad_sync(
     kinds = {1: Zero1Buckets, 2: Zero2Buckets}
     if zero not in kinds:
         raise ValueError(f"--zero {zero} is not supported; use 0, 1, 2 or 3")
-    # the tied embedding (marked by pipeline/tied.py), summed over stages before its reduction
-    last = (
-        [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
-        if mesh.pp > 1
-        else ()
-    )
     half_params = (
         [m.weight for m in half_weights(model).values() if not is_expert(m.weight)]
         if zero12_half is not None

@@ -86,26 +86,6 @@ class Zero1Buckets(GradBuckets):
         """`bucket_layout`'s buckets padded to a multiple of dp, `last` in the last ones."""
         return self._make_buckets(True, last)
 
-    def defer(self, last: Iterable[torch.nn.Parameter], before_reduce) -> None:
-        """The buckets holding `last` (as laid out) launch only in finish(), after
-        `before_reduce()` (the tied-embedding sync). Call before the first step."""
-        if self.in_step:
-            raise RuntimeError("defer() during a step")
-        last = list(last)
-        laid = self._make_buckets(True, last)
-        if [[id(p) for p in b.params] for b in laid] != [
-            [id(p) for p in b.params] for b in self.buckets
-        ]:
-            raise ValueError(
-                f"{type(self).__name__} was laid out with other `last` parameters "
-                f"than it is deferred with: build it with the same `last` "
-                f"(build_grad_sync does)"
-            )
-        late = {id(p) for p in last}
-        self.before_reduce = before_reduce
-        for b in self.buckets:
-            b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
-
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b` (relative to the bucket)."""
         size = b.padded // b.group_size

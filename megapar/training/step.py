@@ -11,7 +11,9 @@
    everything below (clipping, fp16's unscale) sees the true gradients;
    sum over tp the gradients that are partial there (--sequence-parallel's replicated
    parameters; Llama's k / v kept whole where tp does not divide the kv heads);
-3. sum the tied embedding's gradient over the first and last stage (pp > 1);
+3. sum the tied embedding's gradient over the first and last stage (pp > 1; under a
+   compressed all-reduce, --grad-compression, inside `grad_sync.finish()` before the tied
+   buckets are reduced: a compressor must see the stages' sum, as pp 1 does);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm or
@@ -201,8 +203,17 @@ class TrainStep:
             f" ({', '.join(collectives)})" if collectives else ""
         )
         """What a hang in the optimizer step was doing (`set_action`): its collectives, if any."""
+        self.tied_in_finish = self.sharded or (
+            mesh.pp > 1 and getattr(grad_sync, "defers_last", False)
+        )
+        """The tied embedding's sum over the first and last stage runs inside the grad sync's
+        finish(), before its (deferred) dp reduction: the sharded kinds, and the compressed
+        all-reduce (`GradBuckets.defers_last`); else `sync_gradients` sums the reduced
+        shares."""
         if self.sharded:
             self._attach()
+        elif self.tied_in_finish:
+            self.grad_sync.defer(*self._tied_sync())
         elif optimizer.zero and mesh.dp * mesh.cp > 1:
             raise ValueError(
                 f"the ZeRO-{optimizer.zero} optimizer with dp x cp > 1 needs its "
@@ -213,6 +224,12 @@ class TrainStep:
     def _attach(self) -> None:
         """Attach the distributed optimizer to the sharded grad sync; with pp > 1 the tied
         embedding is synchronised inside finish(), before its bucket's reduce-scatter."""
+        self.optimizer.attach(self.grad_sync, *self._tied_sync())
+
+    def _tied_sync(self):
+        """(the tied embedding's parameters on this stage, the function summing their
+        gradients over the first and last stage), or ((), None) where there are none or pp
+        is 1: what the grad sync defers (`defer`) when it runs the sum in finish()."""
         last: Sequence[nn.Parameter] = ()
         before = None
         if self.mesh.pp > 1:
@@ -223,18 +240,18 @@ class TrainStep:
                     set_action("tied-embedding gradient all-reduce (first + last stage)")
                     sync_tied_embeddings(self.model, self.mesh)
 
-        self.optimizer.attach(self.grad_sync, last, before)
+        return last, before
 
     def sync_gradients(self) -> None:
         """After the schedule: sum what is partial over tp (`partial_over_tp`) and the tied
-        embedding over the first and last stage (unless a sharded grad_sync's finish() did
-        that already)."""
+        embedding over the first and last stage (unless the grad sync's finish() did that
+        already: `tied_in_finish`)."""
         if self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
             # ZeRO-2 / 3: the gradients are this rank's pieces by now (the sum is linear)
             self.optimizer.sum_partial_over_tp(self.mesh.tp_group)
         elif self.partial_over_tp:  # each rank's share: its positions (SP), its heads (k / v)
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
-        if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()
+        if self.mesh.pp > 1 and not self.tied_in_finish:  # else done in grad_sync.finish()
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
 
