@@ -1279,7 +1279,7 @@ OTHER_TOOLS = [
      "give ep=N to --explain (e.g. --explain dp=8,ep=8,mbs=1)"),
     ("plan", ["--model", "mixtral-tiny", "--ep", "2"], "--ep: megapar-plan tries every ep "
      "dividing dp x cp and the experts itself"),
-    ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
+    ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan reads no data"),
     # DeepSpeed's: "--fp16: did you mean --fp8?", "--train-batch-size: did you mean
     # --micro-batch-sizes?" (the global batch), nothing for --bf16 and the accumulation steps
     ("plan", ["--model", "llama-1b", "--fp16"], "--fp16: did you mean --precision fp16?"),

@@ -114,7 +114,7 @@ class PowerSGDReference:
     summed, result P Q^T, residual M - P P^T M kept per rank, Q warm-started) of every dp
     rank's gradients on one process: dense parameters over the dp ranks, each ep rank's experts
     over the dp ranks holding them, each rank's experts' gradient the sum over its ep group
-    (the tokens the all-to-all brings). The first Q of a parameter is seeded by its place in
+    (the tokens the all-to-all brings). The first Q of a parameter is seeded by its canonical name in
     its bucket (`index_of`), as the compressor seeds it."""
 
     def __init__(self, dp, index_of):
@@ -145,7 +145,7 @@ class PowerSGDReference:
         mats = [g.reshape(n, m) + self.errors.get((key, k), 0) for k, g in enumerate(members)]
         q = self.qs.get(key)
         if q is None:
-            q = self.seeds.initial_q(self.index_of[name], n, m)
+            q = self.seeds.initial_q(name, n, m)
         p = torch.linalg.qr(sum(mat @ q for mat in mats)).Q
         q = sum(mat.t() @ p for mat in mats)
         for k, mat in enumerate(mats):
