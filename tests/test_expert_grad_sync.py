@@ -114,8 +114,8 @@ class PowerSGDReference:
     summed, result P Q^T, residual M - P P^T M kept per rank, Q warm-started) of every dp
     rank's gradients on one process: dense parameters over the dp ranks, each ep rank's experts
     over the dp ranks holding them, each rank's experts' gradient the sum over its ep group
-    (the tokens the all-to-all brings). The first Q of a parameter is seeded by its canonical name in
-    its bucket (`index_of`), as the compressor seeds it."""
+    (the tokens the all-to-all brings). The first Q of a parameter is seeded by its name, as the
+    compressor seeds it."""
 
     def __init__(self, dp, index_of):
         self.dp, self.index_of = dp, index_of
