@@ -237,9 +237,10 @@ def build_parser() -> OneLineParser:
     return p
 
 
-@torch.no_grad()
-def _loss_worker(args):
-    mesh, config, model, trained = load_model(
+def _load(args):
+    """The checkpoint at the step directory the start-up checked (else --load), with its
+    packed-document settings, at this worker's layout: `load_model`'s LoadedModel."""
+    return load_model(
         args.load_step or args.load,
         args.tp,
         args.pp,
@@ -247,6 +248,11 @@ def _loss_worker(args):
         documents=True,
         verify=args.load_verify,
     )
+
+
+@torch.no_grad()
+def _loss_worker(args):
+    mesh, config, model, trained = _load(args)
     indexed = IndexedDataset(args.data, args.tokenizer)
     dataset: GPTDataset | MLMDataset | SFTDataset
     if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
@@ -332,14 +338,7 @@ def _mlm_report(mesh, config, model, batches, k: int):
 
 @torch.no_grad()
 def _logits_worker(args):
-    mesh, config, model, _ = load_model(
-        args.load_step or args.load,
-        args.tp,
-        args.pp,
-        args.cp,
-        documents=True,
-        verify=args.load_verify,
-    )
+    mesh, config, model, _ = _load(args)
     batch = {"input_ids": load_input_ids(args.input_ids)}
     if args.attention_mask:
         batch["attention_mask"] = load_input_ids(args.attention_mask, flag="--attention-mask")
