@@ -95,19 +95,20 @@ def test_the_planner_is_within_10_percent_of_a_25m_model_at_zero_1(launch):
     """The planner's CPU figure for another layout than GPT-2 124M's (issue 47): 8 blocks of
     hidden 512 at dp 2, ZeRO-1, 4 MB buckets (gloo's reduce-scatter and all-gather take a copy
     of a bucket each; at the default 25 MB they would be as large as this model's state), the
-    most risen rank's lower run of two (a run's peak varies by tens of MiB on a busy machine,
-    444 and 482 MiB at ZeRO-0 once; noise only ever adds to a peak). Measured 2026-11-29
+    most risen rank's peak in one run, up to two more where the lowest so far is above the
+    bound, the lowest taken (a run's peak varies by tens of MiB on a busy machine, 444 and 482
+    MiB at ZeRO-0 once; noise only ever adds to a peak). Measured 2026-11-29
     (these workers, load 2-3): 381 MiB against 377 predicted (-1.0 %; ZeRO-0 / 2 then 499 / 340
     against 476 / 328); 2026-12-01 (load 8-11) 398 MiB against 366: 305 MiB of tensors, the
     runtime (30) and the heap's room (0.2 x the transients above the state, 0.3 x the
     backward's parameter gradients); 2026-12-01 late, in a clean-clone run beside other work
-    (load 6-12), 408 MiB: above the bound in both runs, so where both are a third is taken, as
-    tests/test_process_peak.py does."""
+    (load 6-12), 408 MiB: above the bound in both of two runs, so a third is taken where they
+    are, as tests/test_process_peak.py does."""
     planned = _planned(1)
-    runs = [max(r for r, _, _ in launch(_peak_rise, 1)) for _ in range(2)]
-    if min(runs) * 0.9 > planned:  # noise only adds to a peak: a third run, the lowest taken
+    runs = [max(r for r, _, _ in launch(_peak_rise, 1))]
+    while min(runs) * 0.9 > planned and len(runs) < 3:  # noise only adds to a peak: again,
         runs.append(max(r for r, _, _ in launch(_peak_rise, 1)))
-    measured = min(runs)
+    measured = min(runs)  # the lowest run taken
     assert abs(planned / measured - 1) <= 0.10, (measured / 2**20, planned / 2**20)
 
 

@@ -129,15 +129,16 @@ def _rise(kwargs: dict, mbs: int, seq: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cpu_figure_within_10_percent_of_the_os_peak():
-    """The planner's CPU figure against a spawned rank's peak resident set rise (the lower of two
-    runs, of three where both rose above the bound: noise only adds to a peak, and once in a
-    loaded suite run both did): within 10 % (issue 47). Measured 2026-11-29 with the
-    imports in the baseline (benchmarks/memory/planner_layouts.py gpt2-wide-one-process): 1,594
-    MiB against 1,663 predicted (+4.3 %): 1,534 MiB of tensors (the state and, at the end of the
-    backward, two embedding-sized gradients: the head's, held, and the lookup's, added into it
-    in place), the heap's room (0.2 x 295 MiB) and the runtime (70 MiB); 2026-12-01 1,591 MiB
-    against 1,610 (+1.2 %: the room 0.1 x the transients in one process, the backward's
-    parameter gradients among them, the runtime 30 MiB). Before, three
+    """The planner's CPU figure against a spawned rank's peak resident set rise (one run, up to
+    two more where the lowest so far rose above the bound, the lowest taken: noise only adds to
+    a peak, and once in a loaded suite run two did): within 10 % (issue 47). Measured
+    2026-11-29 with the imports in the baseline (benchmarks/memory/planner_layouts.py
+    gpt2-wide-one-process): 1,594 MiB against 1,663 predicted (+4.3 %): 1,534 MiB of tensors
+    (the state and, at the end of the backward, two embedding-sized gradients: the head's,
+    held, and the lookup's, added into it in place), the heap's room (0.2 x 295 MiB) and the
+    runtime (70 MiB); 2026-12-01 1,591 MiB against 1,610 (+1.2 %: the room 0.1 x the
+    transients in one process, the backward's parameter gradients among them, the runtime 30
+    MiB). Before, three
     embedding-sized gradients and a 62 MiB runtime: 1,832 predicted, 12 % over on a quiet
     machine. The tensors counted before issue 47 (1.24 GiB) lacked the gradients at the end of
     the backward, the heap's room and the runtime: the figure under-predicted, the failure users
@@ -151,10 +152,10 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     stage = stage_memory(p, c)[0]
     peak = process_peak(p, c, stage, *stage_roles(p, c, 0), activation_sizes(p, c).full)
     assert peak.phase == "end of the backward"
-    runs = [run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0] for _ in range(2)]
-    if min(runs) * 0.9 > peak.total:  # noise only adds to a peak: a third run, the lowest taken
+    runs = [run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0]]
+    while min(runs) * 0.9 > peak.total and len(runs) < 3:  # noise only adds to a peak: again,
         runs.append(run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0])
-    measured = min(runs)
+    measured = min(runs)  # the lowest run taken
     assert measured > 1.1 * stage.total, (measured / 2**20, stage.total / 2**20)
     assert abs(peak.total / measured - 1) <= 0.10, (peak.total / 2**20, runs)
 
