@@ -129,3 +129,51 @@ def test_deepseek_v3_config_refusals():
         DeepseekV3Config.from_dict(dict(config.to_dict(), n_group=3)).validate(Layout())
     with pytest.raises(ValueError, match="--cp 2: .*MLA"):
         config.validate(Layout(cp=2))
+
+
+def test_deepseek_v3_recipe_counts_and_plan_terms():
+    """The `deepseek-v3` recipe has DeepSeek-V3's published 671B parameters (37B active); the
+    FLOPs count MLA's projections as the built attention holds them; the planner's block terms
+    are the bytes a real forward saves (a middle stage: one dense and one MoE block, the
+    rotary tables and, beyond `routed_bytes`, 36 bytes of router loads and the sigmoid
+    router's fp32 per-token sum)."""
+    from megapar.mesh import Mesh
+    from megapar.models import build_model
+    from megapar.models.flops import mla_widths
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import memory as mem
+    from megapar.plan.experts import routed_bytes
+    from megapar.plan.params import model_params
+
+    v3 = resolve_model("deepseek-v3")
+    assert (model_params(v3), model_params(v3) - v3.idle_expert_params) == (
+        671_026_404_352, 37_552_282_624)
+    s, b, h = 32, 3, 64
+    for q_rank in (24, None):
+        config = DeepseekV3Config(
+            vocab_size=300, hidden_size=h, intermediate_size=160, moe_intermediate_size=40,
+            num_hidden_layers=2, num_attention_heads=4, q_lora_rank=q_rank, kv_lora_rank=20,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=s,
+            num_local_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+            first_k_dense_replace=1)
+        model = build_model(config, Mesh(Layout()), range(2), False, False)
+        model.init_weights(0)
+        attn = model.layers["0"].attn
+        assert mla_widths(config) == sum(p.numel() for n, p in attn.named_parameters()
+                                         if "norm" not in n)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved = {}
+
+        def pack(t, params=params, saved=saved):
+            if t.untyped_storage()._cdata not in params:
+                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(torch.randn(b, s, h, requires_grad=True), {})
+        held = sum(saved.values()) + out.untyped_storage().nbytes()
+        dense, moe = (mem.layer_bytes(s, b, h, 4, act_bytes=4, dropout=False,
+                                      fused_attention=True, norm_stats=True,
+                                      terms=mem.block_terms(config, m)) for m in (False, True))
+        moe += routed_bytes(config, s * b, 4) + 36 + s * b * 4
+        assert dense + moe + s * b * h * 4 + 2 * s * config.rope_dim * 4 == held, q_rank
