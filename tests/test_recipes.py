@@ -84,7 +84,8 @@ def test_train_help_names_every_model_family_and_parallelism():
     from megapar.training.config import build_parser
 
     names = {"gpt2": "GPT-2", "bert": "BERT", "llama": "Llama", "mixtral": "Mixtral",
-             "qwen3_moe": "Qwen3-MoE", "qwen3": "Qwen3,", "qwen2": "Qwen2", "mistral": "Mistral"}
+             "qwen3_moe": "Qwen3-MoE", "qwen3": "Qwen3,", "qwen2": "Qwen2", "mistral": "Mistral",
+             "deepseek_v3": "DeepSeek-V3"}
     text = build_parser().description
     assert set(CONFIG_CLASSES) <= set(names), sorted(CONFIG_CLASSES)
     for model_type in CONFIG_CLASSES:

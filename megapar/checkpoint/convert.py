@@ -39,6 +39,7 @@ from megapar.checkpoint.format import (
     step_dir_name,
 )
 from megapar.checkpoint.hf import HFReader
+from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
@@ -392,7 +393,11 @@ def import_hf(
 
     reader = HFReader(hf_dir)
     config, layout = reader.config, Layout(tp, pp, dp)
-    target = {n: e for n, e in plan(config, layout).items() if not e.get("buffer")}  # HF: none
+    target = {  # HF has no buffer but DeepSeek-V3's router bias (e_score_correction_bias)
+        n: e
+        for n, e in plan(config, layout).items()
+        if not e.get("buffer") or config.model_type in DEEPSEEK_ROUTER_TYPES
+    }
     reader.check_files()
     initialised: list[str] = []
     meta = {

@@ -12,6 +12,7 @@ import torch
 from megapar.checkpoint.convert import check_output
 from megapar.checkpoint.format import CheckpointError, ShardReader
 from megapar.checkpoint.hf import ARCHITECTURES, GENERATION_FILE, HF_FILES, save_hf
+from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
@@ -83,6 +84,9 @@ def export_hf(
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
+        if e.get("buffer") and config.model_type in DEEPSEEK_ROUTER_TYPES:
+            canonical[name] = reader.shard(name, None, 1, 0, None)  # e_score_correction_bias
+            continue
         if e.get("buffer"):  # the balancing bias: transformers' Mixtral / Qwen3-MoE have none
             if reader.shard(name, None, 1, 0, None).any():
                 reader.release()
@@ -114,7 +118,9 @@ def _refuse_unrepresentable(config) -> None:
     """Raise `CheckpointError` when `config` has a part its transformers class lacks (a MoE's
     sigmoid router or shared experts: DeepSeek-style, megapar's own fields), which an export
     would leave out or write as weights transformers ignores, giving another model."""
-    parts = []
+    parts: list[str] = []
+    if config.model_type in DEEPSEEK_ROUTER_TYPES:  # its transformers class has them all
+        return
     if getattr(config, "moe_router_score", "softmax") != "softmax":
         parts.append(f"moe_router_score {config.moe_router_score!r}")
     if getattr(config, "shared_expert_intermediate_size", None):

@@ -23,7 +23,13 @@ from megapar.checkpoint.format import CheckpointError, open_safetensors
 
 # ARCHITECTURES and hf_parameter_names are imported from here too (`X as X`: a re-export).
 from megapar.checkpoint.hf_names import ARCHITECTURES as ARCHITECTURES
-from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TIED_HEAD, TO_HF
+from megapar.checkpoint.hf_names import (
+    CANONICAL,
+    DEEPSEEK_ROUTER_TYPES,
+    HF_PREFIXES,
+    TIED_HEAD,
+    TO_HF,
+)
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
@@ -185,7 +191,7 @@ class HFReader:
         self.prefix = self._detect_prefix()
         self._untie_a_distinct_head()
         self._expected: dict[str, tuple[int, ...]] | None = None
-        self._meta: dict[str, torch.nn.Parameter] | None = None
+        self._meta: dict[str, torch.Tensor] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
         self._generation: dict | None = None  # an in-memory model's (`from_model`)
 
@@ -355,7 +361,7 @@ class HFReader:
                 f"the model again with save_pretrained"
             )
 
-    def _meta_params(self) -> dict[str, torch.nn.Parameter]:
+    def _meta_params(self) -> dict[str, torch.Tensor]:
         """The config's model's canonical parameters on the meta device (`_meta_parameters`),
         built once for this reader's checks."""
         if self._meta is None:
@@ -401,10 +407,13 @@ TOLERATED = {
         r"^cls\.seq_relationship\.",
         r"^cls\.predictions\.decoder\.bias$",
     ),
+    "deepseek_v3": (r"^(model\.)?layers\.61\.",),
 }
 """Per model type, the other tensors a file may hold that transformers' class ignores too:
 GPT-2's causal-mask buffers; BERT's pooler and next-sentence head (of BertModel /
-BertForPreTraining checkpoints) and the decoder's bias (tied to ``cls.predictions.bias``)."""
+BertForPreTraining checkpoints) and the decoder's bias (tied to ``cls.predictions.bias``);
+DeepSeek-V3's multi-token prediction layer 61 (transformers' _keys_to_ignore_on_load_unexpected:
+neither builds it)."""
 
 
 def _fields_to_fix(unused: list[str], config) -> str:
@@ -431,11 +440,17 @@ def _embedding(config) -> str:
     )
 
 
-def _meta_parameters(config) -> dict[str, torch.nn.Parameter]:
+def _meta_parameters(config) -> dict[str, torch.Tensor]:
     """megapar's canonical parameters of the model `config` describes, by name, built on the
-    meta device (tied copies not: they read their source)."""
+    meta device (tied copies not: they read their source), and the buffers its transformers
+    class holds too (DeepSeek-V3's router bias, `DEEPSEEK_ROUTER_TYPES`)."""
     stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
-    return {n: p for n, p in stage.named_parameters() if not hasattr(p, "tied_to")}
+    out: dict[str, torch.Tensor] = {
+        n: p for n, p in stage.named_parameters() if not hasattr(p, "tied_to")
+    }
+    if config.model_type in DEEPSEEK_ROUTER_TYPES:
+        out.update((n, b) for n, b in stage.named_buffers() if n.endswith(".router.bias"))
+    return out
 
 
 def expected_hf_shapes(config, params=None) -> dict[str, tuple[int, ...]]:
@@ -443,7 +458,10 @@ def expected_hf_shapes(config, params=None) -> dict[str, tuple[int, ...]]:
     `HFReader.get` takes (without the base model's prefix): megapar's parameters (`params`, the
     config's `_meta_parameters` where not given), mapped as an export maps them."""
     params = _meta_parameters(config) if params is None else params
-    canonical = {name: torch.empty(p.full_shape, device="meta") for name, p in params.items()}
+    canonical = {
+        name: torch.empty(getattr(p, "full_shape", p.shape), device="meta")
+        for name, p in params.items()
+    }
     shapes = {}
     for name, tensor in TO_HF[config.model_type](canonical, config).items():
         for prefix in HF_PREFIXES:
@@ -482,6 +500,12 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
             )
         local = param.shape[dim] if dim is not None else None
         param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank, tp_parts(param)))
+    for name, buffer in model.named_buffers():
+        if name.endswith(".router.bias"):  # DeepSeek-V3's e_score_correction_bias
+            try:
+                buffer.copy_(reader.canonical(name))
+            except KeyError:  # a model whose files have none (megapar's own balancing bias)
+                pass
     return missing
 
 

@@ -5,8 +5,9 @@ canonical tensors, and the HF names of one megapar parameter.
 GPT-2's Conv1D stores weights transposed and fuses q, k, v into `c_attn` as [q | k | v]; BERT
 keeps query, key and value apart; megapar's fused `attn.qkv` is head-major
 (`partition.fuse_heads`). Llama has transformers' layout: only the names differ (so have
-Qwen3's q / k norms, Qwen2's q / k / v biases, Mistral, and Mixtral's and Qwen3-MoE's layers
-but their stacked experts).
+Qwen3's q / k norms, Qwen2's q / k / v biases, Mistral, Mixtral's, Qwen3-MoE's and
+DeepSeek-V3's layers (its MLA projections, its router's e_score_correction_bias: the router's
+`bias` buffer) but their stacked experts).
 """
 
 from __future__ import annotations
@@ -148,6 +149,12 @@ _LLAMA_LAYER = {
     "mlp.gate": "mlp.gate_proj",
     "mlp.up": "mlp.up_proj",
     "mlp.down": "mlp.down_proj",
+    "attn.q_a": "self_attn.q_a_proj",
+    "attn.q_a_norm": "self_attn.q_a_layernorm",
+    "attn.q_b": "self_attn.q_b_proj",
+    "attn.kv_a": "self_attn.kv_a_proj_with_mqa",
+    "attn.kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn.kv_b": "self_attn.kv_b_proj",
 }
 
 
@@ -163,6 +170,7 @@ Mixtral or Qwen3-MoE has them)."""
 _EXPERTS = {  # model type -> the MoE block's name, (gate, up, down) of expert e
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 """The routed experts as files hold them (transformers 4 and 5 alike: 5 fuses them into
 `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] in memory only, which is
@@ -180,6 +188,8 @@ def _llama_layer_hf(i: str, rest: str, config) -> list[str]:
         block, (gate, up, down) = _EXPERTS[config.model_type]
         if rest == "mlp.router.weight":
             return [f"layers.{i}.{block}.gate.weight"]
+        if rest == "mlp.router.bias":  # DeepSeek-V3's buffer
+            return [f"layers.{i}.{block}.gate.e_score_correction_bias"]
         names = (gate, up) if rest == "mlp.experts.gate_up" else (down,)
         return [
             f"layers.{i}.{block}.experts.{e}.{n}.weight"
@@ -271,8 +281,13 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 """The transformers class megapar trains and exports, per model type."""
+DEEPSEEK_ROUTER_TYPES = ("deepseek_v3",)
+"""Model types whose transformers class has DeepSeek's router (sigmoid scores, shared experts,
+the e_score_correction_bias buffer: megapar's router `bias`, imported and exported with the
+weights)."""
 HF_PREFIXES = ("transformer.", "bert.", "model.")
 """The base models' name prefixes in the full HF names."""
 

@@ -461,7 +461,7 @@ def _check_tokenizer_rows(src: str) -> None:
     if kind not in CAUSAL_LM_TYPES:
         raise ValueError(
             f"--tokenizer-rows applies to a causal LM (GPT-2, Llama, Qwen3, Qwen2, Mistral, "
-            f"Mixtral, Qwen3-MoE), "
+            f"Mixtral, Qwen3-MoE, DeepSeek-V3), "
             f"whose appended [PAD] [CLS] [SEP] [MASK] rows it cuts; this is a {kind}, which "
             f"uses them: drop --tokenizer-rows"
         )

@@ -1,5 +1,5 @@
 """GPT-2, BERT and Llama (its dense variants Qwen3, Qwen2, Mistral; its MoE variants Mixtral,
-Qwen3-MoE) from tensor-parallel layers.
+Qwen3-MoE, and DeepSeek-V3 with Multi-head Latent Attention) from tensor-parallel layers.
 
 Models never import the pipeline or CLI."""
 
@@ -18,6 +18,7 @@ from megapar.models.config import (
     config_from_hf,
     load_config_file,
 )
+from megapar.models.deepseek import DeepseekV3
 from megapar.models.dense_config import (
     DENSE_SUPPORTED_DEFAULTS,
     MistralConfig,
@@ -26,15 +27,26 @@ from megapar.models.dense_config import (
 )
 from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
-from megapar.models.moe_config import MOE_SUPPORTED_DEFAULTS, MixtralConfig, Qwen3MoeConfig
+from megapar.models.moe_config import (
+    MOE_SUPPORTED_DEFAULTS,
+    DeepseekV3Config,
+    MixtralConfig,
+    Qwen3MoeConfig,
+)
 from megapar.models.stage import set_loss_chunk_tokens, set_loss_fn, set_loss_terms
 
-MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, **dict.fromkeys(LLAMA_TYPES, Llama)}
+MODEL_CLASSES = {
+    "gpt2": GPT2,
+    "bert": Bert,
+    **dict.fromkeys(LLAMA_TYPES, Llama),
+    "deepseek_v3": DeepseekV3,
+}
 # the dense and MoE variants subclass LlamaConfig (config.py cannot import them: a cycle)
 CONFIG_CLASSES.update(
     {
         "mixtral": MixtralConfig,
         "qwen3_moe": Qwen3MoeConfig,
+        "deepseek_v3": DeepseekV3Config,
         "qwen3": Qwen3Config,
         "qwen2": Qwen2Config,
         "mistral": MistralConfig,
@@ -70,6 +82,8 @@ __all__ = [
     "LlamaConfig",
     "MixtralConfig",
     "Qwen3MoeConfig",
+    "DeepseekV3",
+    "DeepseekV3Config",
     "Qwen3Config",
     "Qwen2Config",
     "MistralConfig",

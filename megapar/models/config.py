@@ -59,6 +59,8 @@ def _pp_error(layers: int, pp: int, api: bool) -> str:
 class _Base:
     model_type: ClassVar[str]  # "gpt2", "bert" or "llama", set by each subclass
     hf_config_class = ""  # the transformers config class this one maps onto
+    zero_ok: ClassVar[frozenset[str]] = frozenset({"max_window_layers"})
+    """Whole-number fields that may be 0 (`check_sizes`; every other one is >= 1)."""
 
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}
@@ -130,8 +132,9 @@ class _Base:
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
                 continue
-            # token ids may be 0, and Qwen's max_window_layers (every layer windowed)
-            low = 0 if f.name.endswith("token_id") or f.name == "max_window_layers" else 1
+            # token ids may be 0, and the fields of `zero_ok` (Qwen's max_window_layers: every
+            # layer windowed; DeepSeek-V3's first_k_dense_replace: no dense layer)
+            low = 0 if f.name.endswith("token_id") or f.name in self.zero_ok else 1
             if f.type in ("int", "int | None") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
@@ -370,6 +373,11 @@ class LlamaConfig(_Base):
         return False
 
     @property
+    def mla(self) -> bool:
+        """Multi-head Latent Attention (DeepSeek-V3) instead of grouped-query attention."""
+        return False
+
+    @property
     def qkv_bias(self) -> bool:
         """Biases on the q, k and v projections (Qwen2)."""
         return False
@@ -390,6 +398,16 @@ class LlamaConfig(_Base):
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    rope_yarn: ClassVar[bool] = False
+    """Whether the model takes YaRN rope_scaling (DeepSeek-V3; the other Llama types refuse
+    it)."""
+
+    @property
+    def rope_dim(self) -> int:
+        """The elements of a head the rotary embedding turns (all of it; DeepSeek-V3: its
+        qk_rope_head_dim part)."""
+        return self.head_size
+
     def validate(self, layout: Layout, api: bool = False) -> None:
         """LayoutError / ConfigError unless the model can take `layout` (worded for
         megapar-train, or with `api` for megapar.prepare: `layout_option`)."""
@@ -403,8 +421,8 @@ class LlamaConfig(_Base):
                 f"hidden size {self.hidden_size} is not divisible by {q} "
                 f"attention heads (or set head_dim)"
             )
-        if self.head_size % 2:
-            raise ConfigError(f"head size {self.head_size} must be even for rotary embeddings")
+        if self.rope_dim % 2:
+            raise ConfigError(f"head size {self.rope_dim} must be even for rotary embeddings")
         sizes = {"attention heads": q, "FFN size": self.intermediate_size}
         for what, size in sizes.items():
             if size % layout.tp:
@@ -427,7 +445,8 @@ class LlamaConfig(_Base):
         rope_type = (self.rope_scaling or {}).get(
             "rope_type", (self.rope_scaling or {}).get("type")
         )
-        if self.rope_scaling is not None and rope_type not in ("default", "linear", "llama3"):
+        kinds = ("default", "linear", "llama3", *(("yarn",) if self.rope_yarn else ()))
+        if self.rope_scaling is not None and rope_type not in kinds:
             raise ConfigError(
                 f"rope_scaling type {rope_type!r} is not supported; megapar "
                 f"implements default, linear and llama3: remove rope_scaling from config.json "
@@ -452,13 +471,14 @@ class LlamaConfig(_Base):
 ROPE_SCALING_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 """The numbers each rotary scaling megapar implements reads from `rope_scaling`."""
 
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""
 
-LLAMA_TYPES = ("llama", "mixtral", "qwen3_moe", "qwen3", "qwen2", "mistral")
+LLAMA_TYPES = ("llama", "mixtral", "qwen3_moe", "qwen3", "qwen2", "mistral", "deepseek_v3")
 """Model types built as megapar's `Llama` (Llama's layout: RMSNorm, rotary, SwiGLU, GQA)."""
 
 CAUSAL_LM_TYPES = ("gpt2", *LLAMA_TYPES)

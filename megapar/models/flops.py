@@ -8,8 +8,11 @@ activations, softmax and the loss are not matmuls). Per token and block:
   two (2 h f): 2 (4 h^2 + 2 h f);
 - Llama: q and the output projection (h x heads x head size each), k and v (h x kv heads x
   head size each: grouped-query attention), SwiGLU's gate, up and down (3 h f);
+- DeepSeek-V3's Multi-head Latent Attention: its down projections (whole on every tp rank), q's
+  up projection, kv_b and the output projection (`mla_widths`);
 - attention's core, q k^T and the probabilities times v, over `seq_len` keys: 4 s x heads x
-  head size (the whole s x s square, as Megatron counts it, also for causal models).
+  head size (the whole s x s square, as Megatron counts it, also for causal models; MLA: 2 s x
+  heads x (qk head size + v head size)).
 
 The head: the logits (h x vocabulary; BERT's MLM head adds its h x h transform). The backward
 is twice the forward (the input gradient and, for the weights, their gradient). Per tp rank
@@ -81,6 +84,19 @@ def mlp_widths(config, etp: int = 1) -> tuple[float, float]:
     return split / layers, (experts + router) / layers
 
 
+def mla_widths(config, tp: int = 1) -> float:
+    """Multiply-adds per token of one tp rank's Multi-head Latent Attention projections
+    (DeepSeek-V3): the down projections q_a (h x q_lora_rank) and kv_a (h x (kv_lora_rank +
+    qk_rope_head_dim)), whole on every rank, and this rank's heads' share of q_b (q_lora_rank,
+    or h with a plain q projection, x heads x qk head size), kv_b (kv_lora_rank x heads x
+    (qk_nope_head_dim + v_head_dim)) and the output projection (heads x v_head_dim x h)."""
+    h, a, qk, v = config.hidden_size, heads(config), head_size(config), config.v_head_dim
+    q_in = config.q_lora_rank or h
+    down = h * (config.q_lora_rank or 0) + h * (config.kv_lora_rank + config.qk_rope_head_dim)
+    per_head = q_in * qk + config.kv_lora_rank * (config.qk_nope_head_dim + v) + v * h
+    return down + a * per_head / tp
+
+
 def matmul_flops(
     config, seq_len: int, tp: int = 1, padded: bool = True, etp: int = 1
 ) -> MatmulFlops:
@@ -88,7 +104,12 @@ def matmul_flops(
     per query; `padded=False`: the model's own vocabulary, not the shard padded for tp (what
     MFU counts, at tp 1); `etp`: the routed experts split over tp (`mlp_widths`)."""
     h, f, d, a = config.hidden_size, config.ffn_size, head_size(config), heads(config)
-    if config.model_type in LLAMA_TYPES:
+    attention = 4 * seq_len * a * d / tp
+    if getattr(config, "mla", False):
+        split, whole = mlp_widths(config, etp)
+        block = 2 * (mla_widths(config, tp) + 3 * h * split / tp + 3 * h * whole)
+        attention = 2 * seq_len * a * (d + config.v_head_dim) / tp
+    elif config.model_type in LLAMA_TYPES:
         kv = kv_heads_per_rank(config, tp) * d
         split, whole = mlp_widths(config, etp)
         block = 2 * (2 * h * a * d / tp + 2 * h * kv + 3 * h * split / tp + 3 * h * whole)
@@ -100,7 +121,7 @@ def matmul_flops(
         else config.vocab_size / tp
     )
     head = 2 * h * vocab + (2 * h * h if config.model_type == "bert" else 0)
-    return MatmulFlops(block, 4 * seq_len * a * d / tp, head)
+    return MatmulFlops(block, attention, head)
 
 
 def training_flops_per_token(config, seq_len: int) -> float:

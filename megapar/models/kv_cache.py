@@ -171,12 +171,18 @@ class KVCache:
         return i + torch.div(self.length - 1 - i, size, rounding_mode="floor") * size
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the queries `q` of the next positions over the cached keys,
         after appending `k` and `v`; `index` [query heads]: the kv head of each query head
         (grouped-query attention), None where they are as many. Under the cache's `window`
-        each query attends to the `window` keys up to itself only (a sliding window)."""
+        each query attends to the `window` keys up to itself only (a sliding window).
+        `scale`: the softmax scale (None: 1 / sqrt(head size))."""
         k, v = self.append(k, v)
         if index is not None:
             k, v = k.index_select(1, index), v.index_select(1, index)
@@ -184,8 +190,8 @@ class KVCache:
         key = (s, self.length, self.kept, (self.window, total))
         mask = self.masks.get(key, lambda: self._mask(s, total, self.window, q.device))
         if mask is None and s == total:  # the prefill, every position from 0: the fused path
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def _mask(self, s: int, total: int, window: int | None, device) -> torch.Tensor | None:
         """The boolean mask of the last `s` positions' queries over the `total` keys of this

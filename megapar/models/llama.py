@@ -64,9 +64,67 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor of a context `scale` (transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(config: LlamaConfig) -> float:
+    """The factor of the rotary cos / sin tables: YaRN's attention_factor (given, or
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)); 1 for the other scalings."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = (
+        scaling["factor"],
+        scaling.get("mscale"),
+        scaling.get("mscale_all_dim"),
+    )
+    if mscale and all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+    return _yarn_mscale(factor)
+
+
+def rope_softmax_factor(config: LlamaConfig) -> float:
+    """The factor of the attention's softmax scale from the rotary scaling: mscale(factor,
+    mscale_all_dim)^2 where a scaled rope gives mscale_all_dim (DeepSeek-V3's YaRN,
+    transformers' yarn_apply_mscale); else 1."""
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    all_dim = scaling.get("mscale_all_dim") or 0
+    if kind == "default" or not all_dim:
+        return 1.0
+    return _yarn_mscale(scaling["factor"], all_dim) ** 2
+
+
+def _yarn_frequencies(config: LlamaConfig, dim: int) -> torch.Tensor:
+    """YaRN's inverse frequencies (transformers' _compute_yarn_parameters): interpolated by
+    `factor` below the beta_slow correction dimension, kept above beta_fast's, a linear ramp
+    between."""
+    scaling, base = config.rope_scaling or {}, config.rope_theta
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with the config's scaling applied."""
-    dim = config.head_size
+    dim = config.rope_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
@@ -74,6 +132,8 @@ def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn_frequencies(config, dim)
     if kind != "llama3":
         return inv_freq
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -99,17 +159,25 @@ class Rotary:
         self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0, device: torch.device | str = "cpu"
     ):
         self.inv_freq = rope_frequencies(config).to(device)
+        self.scale = rope_attention_factor(config)
+        """The factor of the cos / sin tables (YaRN's attention_factor; 1 elsewhere)."""
         self.cp, self.cp_rank = cp, cp_rank
         self._cache: dict = {}
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [..., rope dim] of float `positions` [...] (on the frequencies' device)."""
+        freqs = positions[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        if self.scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.scale, emb.sin() * self.scale
 
     def __call__(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))
         if key not in self._cache:
-            inv_freq = self.inv_freq.to(device)  # the device it was built on: no copy
+            # the frequencies are on the device they were built on: no copy
             positions = cp_positions(seq_len, self.cp, self.cp_rank, device).float()
-            freqs = positions[:, None] * inv_freq[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self._cache = {key: (emb.cos(), emb.sin())}
+            self._cache = {key: self.tables(positions)}
         return self._cache[key]
 
 
@@ -145,6 +213,24 @@ class WindowMasks:
                 ~keep, float("-inf")
             )
         return self._cache[key]
+
+
+def rotary_angles(
+    rotary: Rotary, s: int, cp: int, device, cache: KVCache | None = None, docs=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin of an attention's `s` tokens (the whole sequence under SP, this cp rank's
+    under cp): their global positions; each token's position in its document (`docs` with
+    reset positions); in generation (`cache`) the positions after the cached ones, or in a
+    left-padded batch each row's [b, 1, s, d], from its first real token."""
+    if cache is None and docs is not None and docs.cos is not None:
+        return docs.cos, docs.sin
+    if cache is None:
+        return rotary(s * cp, device)
+    cos, sin = rotary(cache.length + s, device)
+    if cache.pads is None:
+        return cos[cache.length :], sin[cache.length :]
+    positions = cache.positions(s, device)
+    return cos[positions][:, None], sin[positions][:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -350,19 +436,7 @@ class LlamaAttention(nn.Module):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         cache = self.kv_cache
-        if cache is None and docs is not None and docs.cos is not None:
-            cos, sin = docs.cos, docs.sin  # each token's position in its document
-        elif cache is None:
-            # global positions of these tokens (of the whole sequence under SP, cp rank's under
-            # cp)
-            cos, sin = self.rotary(s * self.cp, x.device)
-        elif cache.pads is None:  # generation: the positions after the cached ones
-            cos, sin = self.rotary(cache.length + s, x.device)
-            cos, sin = cos[cache.length :], sin[cache.length :]
-        else:  # a left-padded batch: each row's positions [b, s], from its first real token
-            cos, sin = self.rotary(cache.length + s, x.device)
-            positions = cache.positions(s, x.device)
-            cos, sin = cos[positions][:, None], sin[positions][:, None]
+        cos, sin = rotary_angles(self.rotary, s, self.cp, x.device, cache, docs)
         q, k = heads(self.q(x, entered=True)), heads(self.k(x, entered=True))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -407,12 +481,14 @@ class LlamaBlock(nn.Module):
         tracker,
         index: int = 0,
         masks: WindowMasks | None = None,
+        attention: type[nn.Module] | None = None,
     ):
+        """`attention`: the attention's class (None: `LlamaAttention`; DeepSeek-V3's MLA)."""
         super().__init__()
         eps, d = config.rms_norm_eps, mesh.device
         self.attn_norm = RMSNorm(config.hidden_size, eps, d)
         window = config.layer_window(index)
-        self.attn = LlamaAttention(config, mesh, rotary, tracker, window, masks)
+        self.attn = (attention or LlamaAttention)(config, mesh, rotary, tracker, window, masks)
         self.mlp_norm = RMSNorm(config.hidden_size, eps, d)
         moe = getattr(config, "is_moe_layer", None)
         self.mlp: SwiGLU | MoE = MoE(config, mesh) if moe and moe(index) else SwiGLU(config, mesh)
@@ -434,6 +510,9 @@ class Llama(StageModel):
     `head.weight`. Tied: the head reuses the embedding, and a last stage without it holds the
     tied copy, exactly as GPT-2 does.
     """
+
+    attention: type[nn.Module] | None = None
+    """The blocks' attention class (None: `LlamaAttention`; a subclass's own)."""
 
     def __init__(
         self,
@@ -457,7 +536,10 @@ class Llama(StageModel):
         else:
             self.embed = None
         self.layers = nn.ModuleDict(
-            {str(i): LlamaBlock(config, mesh, rotary, self.tracker, i, masks) for i in layers}
+            {
+                str(i): LlamaBlock(config, mesh, rotary, self.tracker, i, masks, self.attention)
+                for i in layers
+            }
         )
         self.tied = config.tie_word_embeddings
         if post_process:
@@ -533,9 +615,8 @@ class Llama(StageModel):
             positions = self._cp_tokens(
                 document_positions(batch["input_ids"], self.documents.eod_id)
             )
-            freqs = positions.float()[..., None] * self.rotary.inv_freq.to(hidden.device)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            docs.cos, docs.sin = emb.cos()[:, None], emb.sin()[:, None]
+            cos, sin = self.rotary.tables(positions.float())
+            docs.cos, docs.sin = cos[:, None], sin[:, None]
         hidden = run_layers(self.layers, hidden, padding, self.recompute, self.tracker, docs)
         if not self.post_process:
             return hidden

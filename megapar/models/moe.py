@@ -90,12 +90,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device))
         self.score = config.moe_router_score
         self.renormalize = config.renormalize_topk
+        self.scale = config.routed_scale
+        self.groups, self.topk_groups = config.expert_groups
         self.bias: torch.Tensor | None
-        bias = torch.zeros(e, device=device) if config.moe_bias_update_rate else None
+        bias = torch.zeros(e, device=device) if config.router_bias else None
         self.register_buffer("bias", bias)
-        """DeepSeek-V3's balancing bias (None without `moe_bias_update_rate`): added to the
-        scores to choose, never to weigh; `update_bias` moves it after each step. A buffer,
-        not a parameter: no gradient, no optimizer, but checkpoints keep it (it decides the
+        """DeepSeek-V3's balancing bias (its e_score_correction_bias; None where the config
+        has none, `router_bias`): added to the scores to choose, never to weigh;
+        `update_bias` moves it after each step (`moe_bias_update_rate`). A buffer, not a
+        parameter: no gradient, no optimizer, but checkpoints keep it (it decides the
         routing, so a resumed run needs it to continue exactly)."""
 
     def forward(self, x: torch.Tensor):
@@ -107,14 +110,33 @@ class Router(nn.Module):
         else:
             scores = torch.sigmoid(logits.float())
             probs = scores / scores.sum(-1, keepdim=True)
-        if self.bias is None:
+        if self.bias is None and self.groups == 1:
             weights, experts = torch.topk(scores, self.k, dim=-1)
         else:
-            experts = torch.topk(scores + self.bias, self.k, dim=-1).indices
+            # the choice needs no gradient: nothing of it is kept for the backward
+            choice = scores.detach() if self.bias is None else scores.detach() + self.bias
+            if self.groups > 1:
+                choice = self._in_chosen_groups(choice)
+            experts = torch.topk(choice, self.k, dim=-1).indices
             weights = scores.gather(-1, experts)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # DeepSeek-V3's sigmoid weights may all be tiny: transformers adds 1e-20
+            eps = 1e-20 if self.score == "sigmoid" else 0.0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return logits, probs, weights, experts
+
+    def _in_chosen_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [T, E] with the experts outside each token's `topk_groups` best groups at
+        -inf (DeepSeek-V3's group-limited routing: a group's score is the sum of its two best
+        experts'; the E experts form `groups` groups of consecutive ids)."""
+        t, e = choice.shape
+        grouped = choice.view(t, self.groups, e // self.groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        chosen = torch.topk(group_scores, self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores).scatter_(1, chosen, 1.0)
+        return grouped.masked_fill(keep[:, :, None] == 0, float("-inf")).view(t, e)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:

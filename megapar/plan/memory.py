@@ -89,6 +89,8 @@ def block_terms(config, moe: bool | None = None) -> BlockTerms:
         moe = bool(getattr(config, "num_moe_layers", 0))
     if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
         f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
+    if getattr(config, "mla", False):
+        return _mla_terms(config, f)
     if config.model_type in LLAMA_TYPES:
         return BlockTerms(
             replicated=6.0,
@@ -100,6 +102,31 @@ def block_terms(config, moe: bool | None = None) -> BlockTerms:
             position_ids=False,
         )
     return BlockTerms(replicated=4.0, gathered=2.0, split=4.0 + 2.0 * f)
+
+
+def _mla_terms(config, f: float) -> BlockTerms:
+    """DeepSeek-V3's block (`megapar.models.deepseek`), Llama's norms and SwiGLU (of width f h)
+    with Multi-head Latent Attention: whole on every tp rank, the q latent (q_lora_rank: the
+    down projection's output and the normalised one), the kv projection's output (kv_lora_rank
+    + qk_rope_head_dim) and the normalised kv latent, and the latents entering the tp region
+    (q_lora_rank + kv_lora_rank + qk_rope_head_dim: kept gathered under SP, as the MLP's
+    input; with a plain q projection, its gathered input too); split over tp, this rank's heads'
+    q, k, the value zero-padded to the qk head size and the attention kernel's output (qk head
+    size each), and the output projection's input (v_head_dim); one fp32 1/rms per token and
+    norm."""
+    h, a = config.hidden_size, config.num_attention_heads
+    q_rank, kv_rank, rope = config.q_lora_rank or 0, config.kv_lora_rank, config.qk_rope_head_dim
+    latent = q_rank + kv_rank + rope
+    qk, v = config.head_size, config.v_head_dim
+    return BlockTerms(
+        replicated=6.0 + (2 * q_rank + 2 * kv_rank + rope + latent) / h,
+        gathered=1.0 + latent / h + (0.0 if q_rank else 1.0),
+        split=a * (4 * max(qk, v) + v) / h + 4.0 * f,
+        norm_stats=3.0 + (1.0 if q_rank else 0.0),
+        final_norm=3.0,
+        final_stats=1.0,
+        position_ids=False,
+    )
 
 
 def layer_bytes(
