@@ -1,7 +1,7 @@
 """Configs of the mixture-of-experts Llama variants: Mixtral, Qwen3-MoE and DeepSeek-V3.
 
 Each is a `LlamaConfig` (norms, rotary as Llama; DeepSeek-V3's attention is Multi-head Latent
-Attention, `megapar.models.mla`) whose MLPs are MoE layers (`megapar.models.moe`). Field names
+Attention, `megapar.models.deepseek`) whose MLPs are MoE layers (`megapar.models.moe`). Field names
 are transformers' `MixtralConfig` / `Qwen3MoeConfig` / `DeepseekV3Config`'s, so their
 config.json files load as they are; the `moe_*` fields and `shared_expert_intermediate_size`
 are megapar's own (never exported).
@@ -227,7 +227,7 @@ class Qwen3MoeConfig(_MoEConfig):
 class DeepseekV3Config(_MoEConfig):
     """DeepSeek-V3 (transformers' DeepseekV3ForCausalLM, without its multi-token prediction
     layers, which transformers does not build either): Multi-head Latent Attention
-    (`megapar.models.mla`: low-rank q (q_lora_rank; None: a plain q projection) and a shared
+    (`megapar.models.deepseek`: low-rank q (q_lora_rank; None: a plain q projection) and a shared
     kv latent of kv_lora_rank with one rotary key part of qk_rope_head_dim for all heads),
     dense SwiGLU layers for the first first_k_dense_replace, then MoE layers: a sigmoid router
     whose e_score_correction_bias chooses (never weighs), group-limited top-k (n_group /
