@@ -86,17 +86,17 @@ def test_trains_at_tp2_pp2_and_loss_falls(tmp_path, text, cache, tokenizer, monk
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, text, cache, kind):
+    """The uninterrupted run saves at step 3 (a save changes nothing it trains on after); the
+    run resumed from that checkpoint logs its steps 4-6 bitwise."""
     common = ["--model", _model(tmp_path, kind), "--data", text, "--tokenizer", "sentencepiece",
               "--data-cache", cache, "--pp", "2", "--lr", "2e-3", *TINY]
-    full = tmp_path / "full.jsonl"
-    assert main([*common, "--max-steps", "6", "--log-json", str(full)]) == 0
-    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    full, second = tmp_path / "full.jsonl", tmp_path / "b.jsonl"
     ckpt = tmp_path / "ckpt"
     assert main([*common, "--max-steps", "6", "--save", str(ckpt), "--save-interval", "3",
-                 "--log-json", str(first)]) == 0
+                 "--log-json", str(full)]) == 0
     assert main([*common, "--max-steps", "6", "--load", str(ckpt / "step_00000003"),
                  "--log-json", str(second)]) == 0
-    resumed = _losses(first)[:3] + _losses(second)
+    resumed = _losses(full)[:3] + _losses(second)
     assert [json.loads(x)["step"] for x in second.read_text().splitlines()] == [4, 5, 6]
     assert resumed == _losses(full)
 
