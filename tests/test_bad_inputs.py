@@ -163,6 +163,15 @@ TRAIN = [
     (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--pp", "3"], "2 layers cannot be cut into --pp 3 stages"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "2"],
+     "--decoder-first-pipeline-num-layers 2 = 2 layers leave 0 of the model's 2 for the other 1 "
+     "of --pp 2 stages (each needs at least one); give at most 1 in all"),
+    (["--decoder-last-pipeline-num-layers", "1"], "--decoder-last-pipeline-num-layers 1 cuts the "
+     "layers over pipeline stages, but --pp is 1 (one stage holds every layer)"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "0"],
+     "--decoder-first-pipeline-num-layers 0 is invalid"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "1",
+      "--account-for-loss-in-pipeline-split"], "not both"),
     (["--seq-len", "100"], "--seq-len 100 exceeds the model's maximum of 64 positions"),
     # was the dataset's "seq_len must be >= 5 ..., got 4", naming neither the flag nor the fix
     (["--model", "bert-tiny", "--seq-len", "4"], "--seq-len 4 is too short for a BERT model's "

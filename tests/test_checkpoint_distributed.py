@@ -12,24 +12,25 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline.partition import build_stage
+from megapar.pipeline.partition import EVEN, PipelineSplit, build_stage
 from megapar.tensor_parallel.partition import gather_full
 
 STEP = 11
 
 
-def _save(root, tp, pp, dp):
+def _save(root, tp, pp, dp, split=EVEN):
     mesh = make_mesh(tp, pp, dp)
-    model = build_stage(tiny_config("gpt2"), mesh, seed=7)
+    model = build_stage(tiny_config("gpt2"), mesh, seed=7, split=split)
     rng = {"cpu": torch.get_rng_state(), "marker": torch.tensor([mesh.rank, 1000 + mesh.rank])}
     meta = {"consumed_samples": 352, "args": {"lr": 3e-4}}
     return str(save_checkpoint(root, STEP, model, mesh, optim_for(model, mesh), meta, rng))
 
 
-def _load(path, tp, pp, dp):
-    """Load into a differently seeded model; gather weights and moments to canonical tensors."""
+def _load(path, tp, pp, dp, split=EVEN):
+    """Load into a differently seeded model (its blocks cut into stages as `split` says);
+    gather weights and moments to canonical tensors."""
     mesh = make_mesh(tp, pp, dp)
-    model = build_stage(tiny_config("gpt2"), mesh, seed=99)
+    model = build_stage(tiny_config("gpt2"), mesh, seed=99, split=split)
     opened, real_file = set(), ShardReader._file
     ShardReader._file = lambda self, name: opened.add(name) or real_file(self, name)
     state = load_checkpoint(path, model, mesh)
@@ -114,6 +115,35 @@ def test_dp_replicas_write_once(tmp_path):
         "model_tp00_pp00.safetensors", "model_tp01_pp00.safetensors", RNG_FILE]
     assert len([k for k in file_tensors(resolve_checkpoint(paths[0]) / RNG_FILE)
                 if k.endswith("/marker")]) == 4
+
+
+def _save_and_load_splits(root):
+    """Save at pp 2 with the first stage holding 1 of the 4 blocks, then load it at pp 2 with
+    the first stage holding 3, and with the even cut (2 each)."""
+    path = _save(root, 1, 2, 1, PipelineSplit(first=1))
+    return path, [_load(path, 1, 2, 1, split)[:2] for split in (PipelineSplit(first=3), EVEN)]
+
+
+def test_a_checkpoint_of_an_uneven_split_loads_with_any_split_and_pp(tmp_path):
+    """Tensors are saved under their global block index (each in the file of the stage that held
+    it), so a checkpoint saved with one split loads with another, the even one and at pp 1: the
+    canonical weights and moments each time."""
+    outs = run_local(_save_and_load_splits, 2, str(tmp_path / "ckpt"))
+    stages = {name: e["stage"] for name, e in read_manifest(outs[0][0])["tensors"].items()}
+    assert {stages[n] for n in stages if n.startswith("layers.0.")} == {0}
+    assert {stages[n] for n in stages if n.startswith(("layers.1.", "layers.3."))} == {1}
+    ref_weights, ref_moments = _reference()
+    loads = [[out[1][i] for out in outs] for i in range(2)] + [[_load(outs[0][0], 1, 1, 1)[:2]]]
+    for per_rank in loads:
+        weights, moments = {}, {}
+        for w, m in per_rank:
+            weights.update(w)
+            moments.update(m)
+        assert weights.keys() == ref_weights.keys()
+        for name, value in ref_weights.items():
+            assert torch.equal(weights[name], value), name
+            for key in KEYS:
+                assert torch.equal(moments[name][key], ref_moments[name][key]), (name, key)
 
 
 def _save_with_bad_rank(root):

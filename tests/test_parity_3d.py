@@ -23,7 +23,7 @@ from megapar.models import (BertConfig, GPT2Config, LlamaConfig, MistralConfig, 
                             set_sp_regather)
 from megapar.optim import LRScheduler
 from megapar.models.stage import StageModel
-from megapar.pipeline.partition import build_stage
+from megapar.pipeline.partition import EVEN, PipelineSplit, build_stage
 from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
 
@@ -59,6 +59,8 @@ DENSE = {  # the dense families of Llama's layout, as OTHER's Llama plus what ea
 
 
 def config(kind: str = "gpt2"):
+    if kind == "gpt2_6":  # six blocks: room for uneven cuts into pp 2 x V 2 chunks
+        return GPT2Config(**{**CONFIG, "n_layer": 6})
     if kind == "bert":
         return BertConfig(**OTHER["bert"])
     if kind == "llama":
@@ -144,13 +146,15 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            offload: bool = False,
            kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
            uneven: bool = False, loss_chunk_tokens: int | None = None,
-           loss_scale: float | None = None, cp_comm: str = "auto") -> dict:
+           loss_scale: float | None = None, cp_comm: str = "auto",
+           split: PipelineSplit = EVEN) -> dict:
     """One layout on this rank: STEPS steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
     syncs of the last step counted (`count_syncs`). `loss_chunk_tokens`: the head's chunk
     (`set_loss_chunk_tokens`; 0: the whole logits; None: the default). `loss_scale`: fp16's
     dynamic loss scaling from this scale, on fp32 compute (no autocast: exact to compare).
-    `cp_comm`: the cp attention (`set_cp_comm`, --cp-comm-type)."""
+    `cp_comm`: the cp attention (`set_cp_comm`, --cp-comm-type). `split`: how the blocks are cut
+    into stages or chunks (`PipelineSplit`)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -165,7 +169,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     mesh = Mesh(Layout(tp, pp, dp, order, cp), rank, sequence_parallel=sequence_parallel)
     model = build_stage(config(kind), mesh, SEED,
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
-                        placement=placement_of(schedule))
+                        placement=placement_of(schedule), split=split)
     set_sp_regather(model, regather)
     set_cp_comm(model, cp_comm)
     if loss_chunk_tokens is not None:
@@ -173,7 +177,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
-    if not isinstance(offload, bool) or kind not in ("gpt2", "bert", "llama", *DENSE):
+    if not isinstance(offload, bool) or kind not in ("gpt2", "gpt2_6", "bert", "llama", *DENSE):
         raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
@@ -203,6 +207,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean,
                        loss_chunk_tokens, loss_scale),
             "results": results, "syncs": syncs, "grads_in_forward": grads_in_forward,
+            "blocks": sorted({int(n.split(".")[1]) for n, _ in model.named_parameters()
+                              if n.startswith("layers.")}),
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
@@ -314,6 +320,31 @@ def test_3d_parity_v_schedules(reference):
     outs = run_local(_worker, 4, [(1, 2, 2, 1, "fp32", "dualpipev", 1, "tp-pp-dp", False, 1, 1),
                                   (1, 2, 2, 1, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
     for i in range(2):
+        check_against(reference, [o[i] for o in outs])
+
+
+UNEVEN = [  # (schedule, V, split, each pp rank's blocks of gpt2_6's six)
+    ("1f1b", 1, PipelineSplit(first=1), [[0], [1, 2, 3, 4, 5]]),
+    # chunks of 2, 2, 1, 1 blocks; rank r holds chunks r and r + 2
+    ("interleaved", 2, PipelineSplit(first=2, last=1), [[0, 1, 4], [2, 3, 5]]),
+    # chunks of 1, 2, 2, 1 in the V: rank 0 holds the first and the last
+    ("zb-v", 1, PipelineSplit(embedding=True, loss=True), [[0, 5], [1, 2, 3, 4]]),
+]
+"""Uneven pipeline splits at pp 2: the first stage given one block under 1F1B, the first and
+last model chunks two and one under interleaved 1F1B, the embedding and the loss counted as a
+block each in ZB-V's V."""
+
+
+def test_uneven_pipeline_splits_equal_one_process():
+    """Each `UNEVEN` split trains as the serial loop does (losses, grad norms, first-step
+    gradients and final weights over STEPS steps, fp32, < 1e-5), its ranks holding the blocks
+    the split gives them; in one launch of 2 ranks."""
+    reference = serial_reference("gpt2_6")
+    outs = run_local(_worker, 2, [(1, 2, 1, 0, "fp32", schedule, v,
+                                   dict(kind="gpt2_6", split=split))
+                                  for schedule, v, split, _ in UNEVEN])
+    for i, (schedule, _, split, blocks) in enumerate(UNEVEN):
+        assert [o[i]["blocks"] for o in outs] == blocks, (schedule, split)
         check_against(reference, [o[i] for o in outs])
 
 

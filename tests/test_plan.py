@@ -14,7 +14,7 @@ from megapar.cli.plan import main as plan_main
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config, build_model
 from megapar.models.recipes import resolve_model
-from megapar.pipeline.partition import partition_layers
+from megapar.pipeline.partition import EVEN, PipelineSplit, partition_layers
 from megapar.pipeline.schedules import SCHEDULES, get_schedule, in_flight_peak
 from megapar.pipeline.simulate import Costs, simulate_schedule
 from megapar.pipeline.timeline import bubble_stats
@@ -55,11 +55,17 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     assert stage_params(config, tp, pp) == built
 
 
-@pytest.mark.parametrize("recipe,tp,pp,v,placement", [
-    ("gpt2-tiny", 2, 3, 1, "loop"), ("bert-tiny", 2, 2, 1, "loop"), ("llama-tiny", 4, 2, 2, "loop"),
-    ("gpt2-tiny", 1, 2, 2, "loop"), ("llama-tiny", 2, 1, 1, "loop"), ("gpt2-tiny", 2, 2, 2, "v"),
-    ("bert-tiny", 1, 2, 2, "v")])
-def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v, placement):
+@pytest.mark.parametrize("recipe,tp,pp,v,placement,split", [
+    ("gpt2-tiny", 2, 3, 1, "loop", EVEN), ("bert-tiny", 2, 2, 1, "loop", EVEN),
+    ("llama-tiny", 4, 2, 2, "loop", EVEN), ("gpt2-tiny", 1, 2, 2, "loop", EVEN),
+    ("llama-tiny", 2, 1, 1, "loop", EVEN), ("gpt2-tiny", 2, 2, 2, "v", EVEN),
+    ("bert-tiny", 1, 2, 2, "v", EVEN),
+    # uneven splits: the first stage's blocks, the loss as a block, the V's end chunks'
+    ("gpt2-tiny", 1, 2, 1, "loop", PipelineSplit(first=1)),
+    ("llama-tiny", 2, 2, 1, "loop", PipelineSplit(loss=True)),
+    ("gpt2-124m", 1, 2, 2, "v", PipelineSplit(first=2, last=3))])
+def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v, placement,
+                                                                split):
     from megapar.pipeline.partition import build_stage
     from megapar.plan.params import StageLayout, stage_params, stage_tensors
 
@@ -67,14 +73,15 @@ def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp,
     layout = Layout(tp, pp, 1)
     for stage in range(pp):
         model = build_stage(config, Mesh.virtual(layout, rank=layout.rank(tp - 1, stage, 0)), 0,
-                            init=False, virtual_stages=v, placement=placement)
+                            init=False, virtual_stages=v, placement=placement, split=split)
         built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
                   hasattr(p, "tied_to")) for p in model.parameters()]
-        at = StageLayout.of(config, tp=tp, pp=pp, v=v, stage=stage, placement=placement)
+        at = StageLayout.of(config, tp=tp, pp=pp, v=v, stage=stage, placement=placement,
+                            split=split)
         planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(at)]
         assert planned == built
         if tp == 1:  # stage_params counts tp rank 0's (the vocabulary padding on the last)
-            assert stage_params(config, tp, pp, v, placement)[stage] == \
+            assert stage_params(config, tp, pp, v, placement, split=split)[stage] == \
                 sum(p.numel() for p in model.parameters())
 
 

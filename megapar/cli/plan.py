@@ -38,6 +38,7 @@ from megapar.models.documents import MASK_TYPES
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
+from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.plan import (
     Problem,
@@ -313,6 +314,33 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "in the backward (not under full recompute or a zero-bubble schedule)",
     )
     p.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="megapar-train's --decoder-first-pipeline-num-layers: the blocks of the first "
+        "stage (with several chunks per rank, of the model's first chunk), the rest cut "
+        "evenly over the other stages or chunks; layouts that cannot take it are rejected",
+    )
+    p.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="megapar-train's --decoder-last-pipeline-num-layers: the blocks of the last "
+        "stage (or the model's last chunk), as --decoder-first-pipeline-num-layers",
+    )
+    p.add_argument(
+        "--account-for-embedding-in-pipeline-split",
+        action="store_true",
+        help="megapar-train's --account-for-embedding-in-pipeline-split: the embedding "
+        "counted as one block when the blocks are cut evenly into stages or chunks",
+    )
+    p.add_argument(
+        "--account-for-loss-in-pipeline-split",
+        action="store_true",
+        help="megapar-train's --account-for-loss-in-pipeline-split: the head and loss "
+        "counted as one block when the blocks are cut evenly into stages or chunks",
+    )
+    p.add_argument(
         "--fp8",
         choices=FP8_RECIPES,
         default="off",
@@ -497,6 +525,13 @@ def _problem(args, given: tuple[str, ...] = ()):
     check_mode_arguments(args)
     check_search_arguments(args, config, given)
     check_fp8_arguments(args, given)
+    split = PipelineSplit(
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+        args.account_for_embedding_in_pipeline_split,
+        args.account_for_loss_in_pipeline_split,
+    )
+    split.check(2)  # its own errors; each layout's pp and layers are checked with it
     return Problem(
         config,
         args.gpus,
@@ -517,6 +552,7 @@ def _problem(args, given: tuple[str, ...] = ()):
         loss_chunk_tokens=args.loss_chunk_tokens,
         moe_imbalance=args.moe_imbalance,
         sp_regather=args.sp_regather,
+        pipeline_split=split,
         target=args.target,
         fp8=args.fp8,
         fp8_layers=args.fp8_layers,

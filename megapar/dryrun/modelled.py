@@ -44,6 +44,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         zero3_persistence_threshold=cfg.zero3_persistence_threshold if cfg.zero == 3 else 0,
         optimizer=cfg.optimizer,
         attention_mask_type=cfg.attention_mask_type,
+        pipeline_split=cfg.pipeline_split,
     )
     candidate = Candidate(
         layout.tp,

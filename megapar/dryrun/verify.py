@@ -160,7 +160,9 @@ def _alltoall_difference(problem, c, r, out: Verified) -> list:
     attention (`step_a2a`), summed over the ep and cp groups (the dry run names a cp all-to-all
     over the ep group's ranks ep's)."""
     cfg = problem.config
-    specs = chunk_specs(cfg.num_layers, c.pp, r.pp_rank, c.v, placement_of(c.schedule))
+    specs = chunk_specs(
+        cfg.num_layers, c.pp, r.pp_rank, c.v, placement_of(c.schedule), problem.pipeline_split
+    )
     held = [i for s in specs for i in s.layers]
     planned = step_a2a(problem, c, len(held))
     if c.ep > 1:

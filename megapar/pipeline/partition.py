@@ -1,9 +1,10 @@
 """Cutting a model into pipeline stages, and building this rank's stage.
 
 Stage 0 holds the embedding, the last stage the final norm and the head, and the blocks are
-spread evenly by count (the first `num_layers % pp` stages take one extra: `stage_spec`,
-`chunk_specs`, pure functions). `build_stage` builds the stage (or the model chunks) of a
-rank from them, initialised the same in every layout.
+spread evenly by count (the first `num_layers % pp` stages take one extra), or as a
+`PipelineSplit` says (the first and last slices' blocks given, or the embedding and the loss
+counted as a block each): `stage_spec`, `chunk_specs`, pure functions. `build_stage` builds the
+stage (or the model chunks) of a rank from them, initialised the same in every layout.
 """
 
 from __future__ import annotations
@@ -32,42 +33,174 @@ class StageSpec:
     """Holds the final norm and the head (last stage)."""
 
 
-def partition_layers(num_layers: int, pp: int) -> list[range]:
+FIRST_FLAG = "--decoder-first-pipeline-num-layers"
+LAST_FLAG = "--decoder-last-pipeline-num-layers"
+EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
+LOSS_FLAG = "--account-for-loss-in-pipeline-split"
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How the blocks are cut into the model's slices (the pp stages, or the pp x V model chunks
+    of a virtual-stage schedule, in model order: the first slice holds the embedding, the last
+    the head). The default cuts them evenly by count; `first` / `last` give the first / last
+    slice's blocks and cut the rest evenly over the other slices (Megatron-LM's
+    --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers); `embedding` /
+    `loss` count the embedding / the head and loss as one more block in an even cut, which
+    the first / last slice then holds in place of one of its blocks (Megatron-LM's
+    --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split). Counts
+    that do not divide evenly give the first of the evenly cut slices one block more each, as
+    the even cut does. Every slice keeps at least one block."""
+
+    first: int | None = None
+    """Blocks of the first slice (the one with the embedding); None: cut with the others."""
+    last: int | None = None
+    """Blocks of the last slice (the one with the head); None: cut with the others."""
+    embedding: bool = False
+    """Count the embedding as one block of the first slice."""
+    loss: bool = False
+    """Count the head and the loss as one block of the last slice."""
+
+    @property
+    def even(self) -> bool:
+        """Whether this is the even cut by count (no setting given)."""
+        return self == EVEN
+
+    def given(self) -> dict[str, int]:
+        """{flag: blocks} of the first and last counts given."""
+        pairs = ((FIRST_FLAG, self.first), (LAST_FLAG, self.last))
+        return {name: n for name, n in pairs if n is not None}
+
+    def check(self, pp: int) -> None:
+        """LayoutError in one line naming the fix where this split cannot apply whatever the
+        model: at `pp` 1, with counts below 1, or with both counts and the embedding / loss
+        counted as blocks (Megatron-LM refuses both too)."""
+        if self.even:
+            return
+        flags = self.flags()
+        it = "them" if " --" in flags else "it"
+        if self.given() and (self.embedding or self.loss):
+            raise LayoutError(
+                f"{flags}: give the first / last stage's layers or count the embedding / "
+                f"loss as a layer, not both; drop one kind"
+            )
+        if pp < 2:
+            raise LayoutError(
+                f"{flags} cuts the layers over pipeline stages, but --pp is {pp} (one stage "
+                f"holds every layer); raise --pp or drop {it}"
+            )
+        for name, n in self.given().items():
+            if n < 1:
+                raise LayoutError(
+                    f"{name} {n}: the stage or chunk needs at least one layer; give 1 or more, "
+                    f"or drop it"
+                )
+
+    def flags(self) -> str:
+        """The megapar-train flags that give this split ("" for the even cut)."""
+        out = [f"{FIRST_FLAG} {self.first}"] if self.first is not None else []
+        out += [f"{LAST_FLAG} {self.last}"] if self.last is not None else []
+        out += [EMBEDDING_FLAG] if self.embedding else []
+        out += [LOSS_FLAG] if self.loss else []
+        return " ".join(out)
+
+
+EVEN = PipelineSplit()
+"""The even cut by count (the first `num_layers % slices` slices one block more)."""
+
+
+def _even_counts(units: int, slices: int) -> list[int]:
+    base, extra = divmod(units, slices)
+    return [base + (1 if s < extra else 0) for s in range(slices)]
+
+
+def split_counts(num_layers: int, slices: int, split: PipelineSplit, what: str) -> list[int]:
+    """Blocks of each of `slices` slices as `split` cuts `num_layers` blocks, or a LayoutError in
+    one line naming the fix; `what` names the slices in it (e.g. "--pp 4 stages")."""
+    if split.even:
+        if num_layers < slices:
+            raise LayoutError(
+                f"{num_layers} layers cannot be cut into {what} (each needs at least one "
+                f"layer); lower --pp"
+            )
+        return _even_counts(num_layers, slices)
+    split.check(slices)
+    given = split.given()
+    if split.embedding or split.loss:
+        counts = _even_counts(num_layers + split.embedding + split.loss, slices)
+        counts[0] -= split.embedding
+        counts[-1] -= split.loss
+        if min(counts) < 1:
+            raise LayoutError(
+                f"{split.flags()}: {num_layers} layers cut into {what} with the embedding or "
+                f"loss counted as a layer leave one without a layer; lower --pp or "
+                f"--virtual-stages, or drop the flag"
+            )
+        return counts
+    rest = num_layers - sum(given.values())
+    middle = slices - len(given)
+    named = " + ".join(f"{name} {n}" for name, n in given.items())
+    if middle == 0 and rest != 0:
+        raise LayoutError(
+            f"{named} = {num_layers - rest} layers: with {what} they are the whole model, so "
+            f"they must add up to its {num_layers} layers; give counts that do"
+        )
+    if rest < middle:
+        raise LayoutError(
+            f"{named} = {num_layers - rest} layers leave {max(rest, 0)} of the model's "
+            f"{num_layers} for the other {middle} of {what} (each needs at least one); give "
+            f"at most {num_layers - middle} in all"
+        )
+    counts = _even_counts(rest, middle) if middle else []
+    if split.first is not None:
+        counts.insert(0, split.first)
+    if split.last is not None:
+        counts.append(split.last)
+    return counts
+
+
+@lru_cache(maxsize=4096)
+def split_layers(
+    num_layers: int, slices: int, split: PipelineSplit = EVEN, what: str = ""
+) -> tuple[range, ...]:
+    """The block indices of each of `slices` slices as `split` cuts them (`split_counts`),
+    cached (the planner asks for each stage's chunks of thousands of layouts)."""
+    ranges, start = [], 0
+    for count in split_counts(num_layers, slices, split, what or f"{slices} slices"):
+        ranges.append(range(start, start + count))
+        start += count
+    return tuple(ranges)
+
+
+def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> list[range]:
     """The block indices of each of `pp` stages."""
     if pp < 1:
         raise LayoutError(f"--pp must be >= 1, got {pp}")
-    if num_layers < pp:
+    if split.even and num_layers < pp:
         raise LayoutError(
             f"{num_layers} layers cannot be cut into --pp {pp} stages "
             f"(each stage needs at least one layer); lower --pp"
         )
-    base, extra = divmod(num_layers, pp)
-    counts = [base + (1 if s < extra else 0) for s in range(pp)]
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
+    return list(split_layers(num_layers, pp, split, f"--pp {pp} stages"))
 
 
-@lru_cache(maxsize=1024)
-def _even_cut(num_layers: int, pp: int) -> tuple[range, ...]:
-    """`partition_layers`, cached (the planner asks for each stage's
-    chunks of thousands of layouts)."""
-    return tuple(partition_layers(num_layers, pp))
-
-
-def stage_spec(num_layers: int, pp: int, stage: int) -> StageSpec:
+def stage_spec(num_layers: int, pp: int, stage: int, split: PipelineSplit = EVEN) -> StageSpec:
     """The StageSpec of pipeline rank `stage`."""
-    ranges = partition_layers(num_layers, pp)
+    ranges = partition_layers(num_layers, pp, split)
     return StageSpec(stage, ranges[stage], stage == 0, stage == pp - 1)
 
 
 def chunk_specs(
-    num_layers: int, pp: int, stage: int, virtual_stages: int, placement: str = "loop"
+    num_layers: int,
+    pp: int,
+    stage: int,
+    virtual_stages: int,
+    placement: str = "loop",
+    split: PipelineSplit = EVEN,
 ) -> list[StageSpec]:
     """The StageSpecs of the `virtual_stages` model chunks pipeline rank `stage` holds: the
-    blocks are cut into pp * V slices as evenly as `partition_layers` cuts them into stages,
+    blocks are cut into pp * V slices as `split` says (evenly, as `partition_layers` cuts them
+    into stages, by default; its first and last counts are the model's first and last chunks'),
     and chunk c of rank r holds slice `virtual_stage(r, c, pp, placement)` (c * pp + r for
     Megatron's round-robin "loop" placement). Only the model's first slice holds the embedding
     and only its last the head."""
@@ -86,7 +219,8 @@ def chunk_specs(
             f"{virtual_stages} = {total} model chunks (each needs at least one "
             f"layer); lower --virtual-stages or --pp"
         )
-    ranges = _even_cut(num_layers, total)
+    what = f"--pp {pp} x {virtual_stages} = {total} model chunks"
+    ranges = split_layers(num_layers, total, split, what)
     specs = []
     for chunk in range(virtual_stages):
         vs = virtual_stage(stage, chunk, pp, placement)
@@ -102,16 +236,18 @@ def build_stage(
     init: bool = True,
     virtual_stages: int = 1,
     placement: str = "loop",
+    split: PipelineSplit = EVEN,
 ):
     """This rank's stage of `config` (validated against the mesh first), seeded the same in
-    every layout: the full model's weights do not depend on tp or pp.
+    every layout: the full model's weights do not depend on tp or pp, nor on `split` (how the
+    blocks are cut into stages or chunks).
 
     With `virtual_stages` V > 1 (interleaved schedules) the rank holds V model chunks, returned
     as a `ModelChunks` whose parameter names are the canonical ones."""
     config.validate(mesh.layout)
     if virtual_stages > 1:
-        return _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement)
-    spec = stage_spec(config.num_layers, mesh.pp, mesh.pp_rank)
+        return _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement, split)
+    spec = stage_spec(config.num_layers, mesh.pp, mesh.pp_rank, split)
     tracker = RNGTracker(seed, mesh) if mesh.device.type != "meta" else None
     model = build_model(config, mesh, spec.layers, spec.pre_process, spec.post_process, tracker)
     set_recompute(model, recompute)
@@ -120,10 +256,11 @@ def build_stage(
     return model
 
 
-def _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement):
+def _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement, split):
     tracker = RNGTracker(seed, mesh) if mesh.device.type != "meta" else None
     chunks = []
-    for spec in chunk_specs(config.num_layers, mesh.pp, mesh.pp_rank, virtual_stages, placement):
+    pp, rank = mesh.pp, mesh.pp_rank
+    for spec in chunk_specs(config.num_layers, pp, rank, virtual_stages, placement, split):
         chunk = build_model(config, mesh, spec.layers, spec.pre_process, spec.post_process, tracker)
         set_recompute(chunk, recompute)
         if init:

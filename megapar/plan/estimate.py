@@ -112,6 +112,10 @@ class Estimate:
     idle_s: float = 0.0
     """Seconds the busiest rank waits in the pipeline (its share of the bubble): the step is
     `compute_s` + the exposed communication (`comm_s`) + this."""
+    stages: tuple = ()
+    """Per pipeline rank (its blocks, its process figure in bytes, its busy seconds a step: the
+    F, B and W of its chunks over the step's micro-batches): how evenly the stages are loaded
+    (`--decoder-first-pipeline-num-layers` and the like move blocks between them)."""
 
     @property
     def comm_share(self) -> float:
@@ -350,7 +354,9 @@ def _stage_activations(
     cfg = p.config
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
-    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
+    shapes = chunk_shapes(
+        cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds, p.pipeline_split
+    )
     buffers = {}  # by whether the stage holds the head
     out = []
     for stage, shape in enumerate(shapes):
@@ -359,7 +365,9 @@ def _stage_activations(
             for k, pre, post, k_moe in shape
         ]
         if sizes.document_mask:  # each chunk's masks, one per window its layers cut with
-            specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
+            specs = chunk_specs(
+                cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule), p.pipeline_split
+            )
             chunks = [
                 w + mem.document_masks(cfg, spec.layers, p.seq_len) * sizes.document_mask
                 for w, spec in zip(chunks, specs)
@@ -400,7 +408,9 @@ def sp_grouped_copies(p: Problem, c: Candidate, stage: int, in_flight: float) ->
     if not (c.sp and c.tp > 1) or c.mbs == 1 or c.recompute == "full":
         return 0.0
     cfg = p.config
-    specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
+    specs = chunk_specs(
+        cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule), p.pipeline_split
+    )
     blocks = sum(len(spec.layers) - experts.moe_layers(cfg, spec.layers) for spec in specs)
     whole = (p.seq_len // c.cp) * c.mbs * cfg.hidden_size * p.act_bytes
     return in_flight * blocks * SP_GROUPED_COPIES * whole
@@ -443,7 +453,9 @@ def stage_states(p: Problem, c: Candidate) -> list[RankState]:
 
 def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[RankState]:
     """`stage_states` of `m` micro-batches a step and the schedule's `placement`."""
-    params = stage_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    params = stage_params(
+        p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp, p.pipeline_split
+    )
     return _stage_states(p, c, params, m, placement)
 
 
@@ -496,7 +508,7 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
     layout, offload = layout_of(p, c), offload_of(c, m).at_zero(c.zero)
     return [
         most_loaded(dataclasses.replace(layout, stage=alike), offload)
-        for alike in alike_stages(p.config_json, c.pp, c.v, placement)
+        for alike in alike_stages(p.config_json, c.pp, c.v, placement, p.pipeline_split)
     ]
 
 
@@ -524,6 +536,7 @@ def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
         v=c.v,
         stage=stage,
         placement=placement_of(c.schedule),
+        split=p.pipeline_split,
         ep=c.ep,
         etp=c.etp,
         dp=c.dp * c.cp,
@@ -615,6 +628,12 @@ def estimate(
 
     model, rebuilt = shared.get(("model flops",), lambda: _model_flops(p))
     recompute_flops = tokens * cfg.num_layers * rebuilt[c.recompute]
+    blocks = stage_layer_counts(
+        cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.pipeline_split
+    )
+    per_stage = tuple(
+        (k, peak.total, m * sum(x.total for x in row)) for k, peak, row in zip(blocks, peaks, times)
+    )
     return Estimate(
         c,
         worst,
@@ -629,6 +648,7 @@ def estimate(
         (tokens * model + recompute_flops) / (step * p.gpus) / 1e12,
         process,
         idle,
+        per_stage,
     )
 
 
@@ -698,7 +718,9 @@ def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
     """(holds the embedding, holds the LM head): the first and last virtual stages' chunks of
     pipeline rank `stage`."""
     cfg = p.config
-    shape = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
+    shape = chunk_shapes(
+        cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds, p.pipeline_split
+    )
     return any(pre for _, pre, _, _ in shape[stage]), any(post for _, _, post, _ in shape[stage])
 
 
@@ -811,11 +833,12 @@ def _dp_params(p: Problem, c: Candidate) -> tuple[int, int, int, int, int]:
     v, the schedule's placement, ep, etp and what ZeRO gathers in float8 or 16 bits of `c`."""
     cfg, t = p.config, c.tp
     placement = placement_of(c.schedule)
-    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement))
+    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement, p.pipeline_split))
     # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
     # reduced and gathered over the expert-data-parallel group)
-    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
-    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    split = p.pipeline_split
+    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp, split)
+    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep, c.etp, split)
     n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
     # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
     # bytes an element, not 4

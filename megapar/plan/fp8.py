@@ -114,7 +114,7 @@ def stage_kinds(p, c, stage: int) -> list[bool]:
     """The block kind (True: mixture of experts) of each layer pipeline rank `stage` of
     candidate `c` holds, all its chunks (`Problem.layer_kinds`: worked out once per plan)."""
     placement = placement_of(c.schedule)
-    specs = chunk_specs(p.config.num_layers, c.pp, stage, c.v, placement)
+    specs = chunk_specs(p.config.num_layers, c.pp, stage, c.v, placement, p.pipeline_split)
     return [bool(p.layer_kinds[i]) for spec in specs for i in spec.layers]
 
 

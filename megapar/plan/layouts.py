@@ -18,6 +18,7 @@ from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import heads
+from megapar.pipeline.partition import split_layers
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
 from megapar.plan.problem import Problem
@@ -273,11 +274,28 @@ def _option_refusal(c: Candidate, p: Problem) -> str | None:
     return (
         _grid_refusal(c, p.gpus, p.gpus_per_node)
         or _schedule_refusal(c, p.config, p.global_batch)
+        or _split_refusal(c, p)
         or _sequence_refusal(c, p.seq_len)
         or _cp_comm_refusal(c, p.config)
         or _zero_refusal(c)
         or _expert_refusal(c, p.config)
     )
+
+
+def _split_refusal(c: Candidate, p: Problem) -> str | None:
+    """Why the candidate's stages or model chunks cannot take `p.pipeline_split` (megapar-train's
+    own rule, `split_counts`), or None."""
+    split = p.pipeline_split
+    if split.even:
+        return None
+    try:
+        split.check(c.pp)
+        chunks = f"--pp {c.pp} x {c.v} = {c.pp * c.v} model chunks"
+        what = f"--pp {c.pp} stages" if c.v == 1 else chunks
+        split_layers(p.config.num_layers, c.pp * c.v, split, what)
+    except LayoutError as exc:
+        return str(exc)
+    return None
 
 
 def _expert_refusal(c: Candidate, config) -> str | None:

@@ -28,7 +28,13 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import build_model
 from megapar.models.config import config_from_dict
 from megapar.models.moe import Router
-from megapar.pipeline.partition import chunk_specs, partition_layers, stage_spec
+from megapar.pipeline.partition import (
+    EVEN,
+    PipelineSplit,
+    chunk_specs,
+    partition_layers,
+    stage_spec,
+)
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -236,7 +242,9 @@ def stage_tensors(layout: StageLayout) -> list[TensorSpec]:
 
 
 @lru_cache(maxsize=4096)
-def alike_stages(config_json: str, pp: int, v: int, placement: str = "loop") -> tuple[int, ...]:
+def alike_stages(
+    config_json: str, pp: int, v: int, placement: str = "loop", split: PipelineSplit = EVEN
+) -> tuple[int, ...]:
     """Per pipeline rank, the lowest rank that holds the same parameters: chunk by chunk the
     same kinds of layer in the same order and the same embedding and head, so the same
     `stage_tensors` and `stage_units` (and the same state under any ZeRO stage), which the
@@ -247,9 +255,9 @@ def alike_stages(config_json: str, pp: int, v: int, placement: str = "loop") -> 
     out = []
     for stage in range(pp):
         specs = (
-            chunk_specs(config.num_layers, pp, stage, v, placement)
+            chunk_specs(config.num_layers, pp, stage, v, placement, split)
             if v > 1
-            else [stage_spec(config.num_layers, pp, stage)]
+            else [stage_spec(config.num_layers, pp, stage, split)]
         )
         held = tuple(
             (spec.pre_process, spec.post_process, tuple(kinds[i] for i in spec.layers))
@@ -353,6 +361,8 @@ class StageLayout:
     """The pipeline rank whose parameters and state these are."""
     placement: str = "loop"
     """How chunks map to virtual stages (`megapar.pipeline.placement.PLACEMENTS`)."""
+    split: PipelineSplit = EVEN
+    """How the blocks are cut into stages or chunks (`Problem.pipeline_split`)."""
     ep: int = 1
     """Expert-parallel ranks: a MoE block holds E / ep routed experts."""
     etp: int = 1
@@ -406,9 +416,10 @@ def _config_of(config_json: str):
 def _chunk_specs(layout: StageLayout) -> list:
     """The `StageSpec` of each model chunk `layout.stage` holds, in order."""
     num_layers = layout.config.num_layers
+    pp, stage, split = layout.pp, layout.stage, layout.split
     if layout.v > 1:
-        return chunk_specs(num_layers, layout.pp, layout.stage, layout.v, layout.placement)
-    return [stage_spec(num_layers, layout.pp, layout.stage)]
+        return chunk_specs(num_layers, pp, stage, layout.v, layout.placement, split)
+    return [stage_spec(num_layers, pp, stage, split)]
 
 
 def stage_units(layout: StageLayout) -> list[UnitSpec]:
@@ -478,21 +489,28 @@ def stage_units(layout: StageLayout) -> list[UnitSpec]:
     return units + (made("persistent", -1, small, small_embedding) if small else [])
 
 
-def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
-    """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
-    with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""
-    return list(_stage_layer_counts(num_layers, pp, v, placement))
+def stage_layer_counts(
+    num_layers: int, pp: int, v: int = 1, placement: str = "loop", split: PipelineSplit = EVEN
+) -> list[int]:
+    """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1,
+    or as `split` says; with v > 1 model chunks per rank, the blocks of its chunks, cut into
+    pp * v slices)."""
+    return list(_stage_layer_counts(num_layers, pp, v, placement, split))
 
 
 @lru_cache(maxsize=4096)
-def _stage_layer_counts(num_layers: int, pp: int, v: int, placement: str) -> tuple[int, ...]:
+def _stage_layer_counts(
+    num_layers: int, pp: int, v: int, placement: str, split: PipelineSplit = EVEN
+) -> tuple[int, ...]:
     """`stage_layer_counts`, cached (the planner asks for each of thousands of layouts)."""
     if v > 1:
         return tuple(
-            sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v, placement))
+            sum(
+                len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v, placement, split)
+            )
             for stage in range(pp)
         )
-    return tuple(len(r) for r in partition_layers(num_layers, pp))
+    return tuple(len(r) for r in partition_layers(num_layers, pp, split))
 
 
 def stage_params(
@@ -504,18 +522,26 @@ def stage_params(
     config_json: str | None = None,
     ep: int = 1,
     etp: int = 1,
+    split: PipelineSplit = EVEN,
 ) -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
-    in the "v" placement both are on rank 0; routed experts split over `ep`, each over `etp`).
-    `config_json` as for `piece_counts`."""
+    in the "v" placement both are on rank 0; routed experts split over `ep`, each over `etp`;
+    the blocks cut as `split` says). `config_json` as for `piece_counts`."""
     json_ = config_json or _config_json(config)
-    return list(_stage_params(json_, tp, pp, v, placement, ep, etp))
+    return list(_stage_params(json_, tp, pp, v, placement, ep, etp, split))
 
 
 @lru_cache(maxsize=4096)
 def _stage_params(
-    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int = 1, etp: int = 1
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    placement: str,
+    ep: int = 1,
+    etp: int = 1,
+    split: PipelineSplit = EVEN,
 ) -> tuple[int, ...]:
     """`stage_params`, cached (the planner asks twice for each of thousands of layouts)."""
     pieces = _pieces(config_json, tp, ep, etp)
@@ -524,9 +550,9 @@ def _stage_params(
     head_rank = 0 if placement == "v" else pp - 1
     for stage in range(pp):
         specs = (
-            chunk_specs(num_layers, pp, stage, v, placement)
+            chunk_specs(num_layers, pp, stage, v, placement, split)
             if v > 1
-            else [stage_spec(num_layers, pp, stage)]
+            else [stage_spec(num_layers, pp, stage, split)]
         )
         n = sum(pieces.blocks[i] for spec in specs for i in spec.layers)
         if stage == 0:
@@ -546,19 +572,34 @@ def stage_expert_params(
     config_json: str | None = None,
     ep: int = 1,
     etp: int = 1,
+    split: PipelineSplit = EVEN,
 ) -> list[int]:
     """Of `stage_params`, the elements of routed experts' parameters (split over `ep`, each
     over `etp`) one tp rank of each pipeline stage holds."""
     json_ = config_json or _config_json(config)
-    return list(_stage_expert_params(json_, tp, pp, v, placement, ep, etp))
+    return list(_stage_expert_params(json_, tp, pp, v, placement, ep, etp, split))
 
 
 @lru_cache(maxsize=4096)
 def _stage_expert_params(
-    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int, etp: int = 1
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    placement: str,
+    ep: int,
+    etp: int = 1,
+    split: PipelineSplit = EVEN,
 ) -> tuple[int, ...]:
     layout = StageLayout(
-        config_json=config_json, tp=tp, pp=pp, v=v, placement=placement, ep=ep, etp=etp
+        config_json=config_json,
+        tp=tp,
+        pp=pp,
+        v=v,
+        placement=placement,
+        split=split,
+        ep=ep,
+        etp=etp,
     )
     return tuple(
         sum(t.numel for t in stage_tensors(replace(layout, stage=stage)) if t.expert)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megapar.models.config import ModelConfig
+from megapar.pipeline.partition import EVEN, PipelineSplit
 from megapar.plan import experts
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 
@@ -95,6 +96,11 @@ class Problem:
     sequence per micro-batch and sliding window on each model chunk, kept by its attention for
     the backward (`memory.document_mask_bytes`, counted in the activations); under context
     parallelism by the ring or the all-gather a block per kernel call instead (a transient)."""
+    pipeline_split: PipelineSplit = EVEN
+    """megapar-train's --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers,
+    --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: how each
+    layout's blocks are cut into its stages or model chunks (`PipelineSplit`); a layout it
+    cannot cut is rejected with the reason (`plan.layouts.check`)."""
     tokenizer: str | None = None
     """megapar-train's --tokenizer whose vocabulary `config` has (`cli.plan_args.take_vocabulary`),
     carried by the printed command; None: the model's own vocabulary, or --vocab-size's."""

@@ -688,7 +688,9 @@ def _routed_expert_casts(p: Problem, c: Candidate, stage: int) -> Term | None:
     if not p.sixteen_bit or c.zero == 3:
         return None
     placement = placement_of(c.schedule)
-    experts = stage_expert_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp)
+    experts = stage_expert_params(
+        p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep, c.etp, p.pipeline_split
+    )
     if not experts[stage]:
         return None
     return Term(

@@ -158,6 +158,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         name = next((n for n in _FEATURE_FIELDS[feature] if n in fields), None)
         if value and name:
             flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
+    if not p.pipeline_split.even:
+        flags.append(p.pipeline_split.flags())
     if p.sp_regather and c.sp and c.tp > 1:
         flags.append("--sp-regather")
     if p.fp8 != "off":
@@ -193,6 +195,10 @@ def row(e: Estimate, master_weights: str = "fp32") -> dict:
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
         "hw_tflops_per_gpu": e.hw_tflops,
+        "stages": [
+            {"blocks": k, "process_gib": nbytes / GIB, "busy_s": busy}
+            for k, nbytes, busy in e.stages
+        ],
         "runs_today": not missing,
         "missing_in_megapar_train": missing,
     }
@@ -383,6 +389,14 @@ def explain(e: Estimate, target: str = "gpu") -> str:
         f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
         f"{e.hw_tflops:.1f} TFLOP/s per {rank_word(target)} incl. recomputation",
     ]
+    if len(e.stages) > 1:
+        lines.append(
+            "per pipeline stage (blocks, the process's GiB, busy s a step): "
+            + "; ".join(
+                f"{i}: {k}, {nbytes / GIB:.2f}, {busy:.4f}"
+                for i, (k, nbytes, busy) in enumerate(e.stages)
+            )
+        )
     return "\n".join(lines)
 
 
@@ -425,7 +439,9 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
             cfg,
             [
                 i
-                for spec in chunk_specs(cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule))
+                for spec in chunk_specs(
+                    cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule), p.pipeline_split
+                )
                 for i in spec.layers
             ],
         )

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from megapar.mesh import Layout
 from megapar.models.flops import matmul_flops
-from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.partition import EVEN, PipelineSplit, chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, fp8, pipeline
 from megapar.plan.context_parallel import cp_layer_seconds
@@ -177,7 +177,9 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             x8 * (3 + full),
         )
 
-    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
+    shapes = chunk_shapes(
+        cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds, p.pipeline_split
+    )
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
 
@@ -227,9 +229,17 @@ def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
 
 
 @lru_cache(maxsize=4096)
-def chunk_shapes(num_layers: int, pp: int, v: int, placement: str, kinds: tuple = ()) -> tuple:
+def chunk_shapes(
+    num_layers: int,
+    pp: int,
+    v: int,
+    placement: str,
+    kinds: tuple = (),
+    split: PipelineSplit = EVEN,
+) -> tuple:
     """Per rank, per model chunk: (blocks, holds the embedding, holds the head, MoE blocks);
-    `kinds`: 1 for each MoE layer, 0 for a dense one (none: a dense model)."""
+    `kinds`: 1 for each MoE layer, 0 for a dense one (none: a dense model); the blocks cut as
+    `split` says."""
     return tuple(
         tuple(
             (
@@ -238,7 +248,7 @@ def chunk_shapes(num_layers: int, pp: int, v: int, placement: str, kinds: tuple 
                 spec.post_process,
                 sum(kinds[i] for i in spec.layers) if kinds else 0,
             )
-            for spec in chunk_specs(num_layers, pp, stage, v, placement)
+            for spec in chunk_specs(num_layers, pp, stage, v, placement, split)
         )
         for stage in range(pp)
     )

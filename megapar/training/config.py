@@ -33,6 +33,7 @@ from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES, WSD_STYLES, decay_named_elsewhere
+from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
@@ -67,6 +68,14 @@ class TrainConfig:
     """With --cp > 1: how context-parallel attention communicates (Megatron-core's names): auto (each model's choice: p2p for multi-head attention, all_gather for grouped-query heads), p2p (a ring of K/V blocks, overlapped with the attention; scales past the head count), all_gather (one all-gather of K/V per layer) or a2a (DeepSpeed-Ulysses: all-to-alls turn a cp rank's tokens of every head into every token of a cp-th of the heads and back, 4 x a cp-th of the activations per layer; needs a tp rank's query heads divisible by cp, and replicates kv heads fewer than cp)."""
     pp: int = 1
     """Pipeline-parallel size (stages)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer blocks of the first pipeline stage, the one that also holds the embedding (Megatron-LM's flag): the other stages split the rest evenly (where it does not divide, the first of them one block more each; Megatron-LM refuses that). Under a schedule with several model chunks per rank (--schedule interleaved, zb-v, dualpipev) it is the blocks of the model's first chunk (on rank 0), and the other pp x V - 1 chunks split the rest (torchtitan's rule, chunk by chunk; Megatron-LM's interleaved schedule gives each of its first rank's chunks N / V instead). Lightens the stage a large vocabulary's embedding weighs on (docs/guides/schedules.md "Uneven stages": megapar-plan takes the flag and counts each stage with it). Needs --pp > 1 and at least one block left for every stage or chunk; the numbers and checkpoints do not depend on it (a checkpoint resumes with any split). Default: the even split."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer blocks of the last pipeline stage, the one that also holds the final norm, the LM head and the loss (Megatron-LM's flag), the rest split evenly over the other stages; under several model chunks per rank, the blocks of the model's last chunk (on rank pp - 1; in the V of zb-v and dualpipev on rank 0). As --decoder-first-pipeline-num-layers, which it composes with."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one more transformer block when the blocks are cut evenly into stages (or pp x V model chunks): the first stage (chunk) holds it in place of a block (Megatron-LM's flag; the counts need not divide evenly: the first slices take one more each). Not with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; needs --pp > 1."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the LM head and the loss as one more transformer block when the blocks are cut evenly into stages (or pp x V model chunks): the last stage (chunk) holds them in place of a block (Megatron-LM's flag). As --account-for-embedding-in-pipeline-split, which it composes with."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * cp * pp) (1 when megapar-train starts the workers)."""
     ep: int = 1
@@ -308,6 +317,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def pipeline_split(self) -> PipelineSplit:
+        """How the blocks are cut into pipeline stages or chunks (`PipelineSplit`) as
+        --decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-
+        split say; the even cut without them."""
+        return PipelineSplit(
+            self.decoder_first_pipeline_num_layers,
+            self.decoder_last_pipeline_num_layers,
+            self.account_for_embedding_in_pipeline_split,
+            self.account_for_loss_in_pipeline_split,
+        )
 
     @property
     def zero3_float8(self) -> str | None:

@@ -78,6 +78,7 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
         init=not cfg.dry_run,  # a rehearsal's fake tensors hold no values to initialise
         virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
         placement=placement_of(cfg.schedule),
+        split=cfg.pipeline_split,
     )
     set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
     set_loss_terms(model, cfg.label_smoothing, cfg.z_loss)

@@ -87,6 +87,13 @@ FP32_WEIGHTS = (
     "megapar keeps the weights, gradients and optimizer state in fp32 under every --precision "
     "(autocast casts each op's inputs), as apex's O1; drop it"
 )
+LESS_LAYERS = (
+    "torchtitan counts the {part} as that many layers when it cuts the layers evenly over the "
+    "(virtual) stages, 1 by default; megapar cuts them evenly by count unless told: "
+    "--account-for-{what}-in-pipeline-split counts it as one layer (torchtitan's default), or "
+    "--decoder-{end}-pipeline-num-layers N gives the {end} stage (or the model's {end} chunk) "
+    "N layers and cuts the rest evenly"
+)
 INITIAL_SCALE_POWER = "--initial-loss-scale (2 ** the power: 65536 for 16)"
 ZERO3_PREFETCH = (
     "megapar's --zero 3 gathers one unit (a block) ahead of the one in use, with no size "
@@ -388,6 +395,21 @@ OTHER_TOOLS_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage": "--schedule interleaved --virtual-stages (model "
     "chunks per rank: the layers over --pp x the layers of a chunk)",
     "--parallelism.pipeline_parallel_schedule": "--schedule",
+    "--parallelism.pipeline_parallel_first_stage_less_layers": LESS_LAYERS.format(
+        part="embedding", end="first", what="embedding"
+    ),
+    "--parallelism.pipeline_parallel_last_stage_less_layers": LESS_LAYERS.format(
+        part="output layer", end="last", what="loss"
+    ),
+    "--parallelism.pipeline_parallel_layers_per_stage": "--schedule interleaved "
+    "--virtual-stages (model chunks per rank: the layers over --pp x the layers of a chunk), "
+    "or --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers for the first "
+    "and last chunk's",
+    "--pipeline-model-parallel-layout": "megapar has no per-stage layout string: it cuts the "
+    "layers evenly over the stages (or pp x V chunks) with the first and last given their own "
+    "counts by --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or the "
+    "embedding and loss counted as a layer by --account-for-embedding-in-pipeline-split / "
+    "--account-for-loss-in-pipeline-split",
     "--train-samples": "megapar-train counts steps: give --max-steps, the samples over "
     "--global-batch-size",
     "--rampup-batch-size": "megapar-train has no batch-size ramp-up: stop each phase (e.g. "

@@ -35,7 +35,8 @@ from megapar.models import set_loss_fn
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
-from megapar.pipeline.schedules import schedule_named_elsewhere
+from megapar.pipeline.partition import chunk_specs, partition_layers
+from megapar.pipeline.schedules import chunks_per_rank, placement_of, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
@@ -502,6 +503,16 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
         )
     if error:
         raise LayoutError(f"megapar.prepare: {error}")
+    split = cfg.pipeline_split
+    try:
+        split.check(cfg.pp)
+        chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages) if not split.even else 1
+        if chunks > 1:
+            chunk_specs(config.num_layers, cfg.pp, 0, chunks, placement_of(cfg.schedule), split)
+        else:
+            partition_layers(config.num_layers, cfg.pp, split)
+    except LayoutError as exc:  # named by megapar-train's flags, as TrainConfig's fields are
+        raise LayoutError(f"megapar.prepare: {exc}") from None
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
         check_documents(cfg, config, api=True)

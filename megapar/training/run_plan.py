@@ -19,7 +19,7 @@ from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
 from megapar.optim.scheduler import flags_schedule
-from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
 from megapar.training.config import TrainConfig
 from megapar.training.data import (
@@ -219,8 +219,11 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
             f"{config.num_layers}; lower --pp or use --schedule zb-h1"
         )
+    split = cfg.pipeline_split  # enough layers for each stage or chunk?
     if chunks > 1:
-        chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
+        chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)
+    else:
+        partition_layers(config.num_layers, layout.pp, split)
     _check_injection(cfg, config, layout, per_step, manifest)
     _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:

@@ -35,7 +35,7 @@ from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.faults.slow import SlowRank
-from megapar.mesh import layout_option
+from megapar.mesh import LayoutError, layout_option
 from megapar.models.flops import heads
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
@@ -80,6 +80,8 @@ _RULES: list[_Rule] = [
     ("nccl_timeout_s", "float", 0.0, False),
     ("val_fraction", "float", 0.0, True),
     ("virtual_stages", "int", 1, True),
+    ("decoder_first_pipeline_num_layers", "int", 1, True),
+    ("decoder_last_pipeline_num_layers", "int", 1, True),
     ("adam_eps", "float", 0.0, False),
     ("grad_bucket_mb", "float", 0.0, False),
     ("adam_beta1", "float", 0.0, True),
@@ -220,6 +222,10 @@ def _check_combinations(cfg) -> None:
             f"{cfg.initial_loss_scale:g}: lower --min-loss-scale or raise --initial-loss-scale"
         )
     check_zero3(cfg)
+    try:
+        cfg.pipeline_split.check(cfg.pp)  # the model's layers are checked once it is read
+    except LayoutError as exc:
+        raise UsageError(str(exc)) from None
     tools = [n for n in ("record_step", "replay", "inject_corrupt") if getattr(cfg, n, None)]
     if cfg.compile and tools:
         raise UsageError(

@@ -1,0 +1,72 @@
+"""Uneven pipeline splits (`PipelineSplit`): the blocks of each stage or model chunk, and the
+one-line refusals of splits that cannot apply. Parity and checkpoints: tests/test_parity_3d.py
+`test_uneven_pipeline_splits_equal_one_process`, tests/test_checkpoint_distributed.py
+`test_a_checkpoint_of_an_uneven_split_loads_with_any_split_and_pp`."""
+
+import pytest
+
+from megapar.mesh import LayoutError
+from megapar.models.recipes import resolve_model
+from megapar.pipeline.partition import EVEN, PipelineSplit, chunk_specs, split_counts, stage_spec
+from megapar.plan.layouts import Candidate, check
+from megapar.plan.problem import Problem
+
+
+@pytest.mark.parametrize("layers, slices, split, counts", [
+    (30, 4, EVEN, [8, 8, 7, 7]),
+    # Megatron's first / last counts, the rest evenly (the first of the others one more)
+    (32, 4, PipelineSplit(first=6, last=6), [6, 10, 10, 6]),
+    (30, 4, PipelineSplit(first=6, last=5), [6, 10, 9, 5]),
+    (30, 4, PipelineSplit(first=3), [3, 9, 9, 9]),
+    (30, 4, PipelineSplit(last=6), [8, 8, 8, 6]),
+    (5, 2, PipelineSplit(first=2, last=3), [2, 3]),
+    # the embedding and the loss as a block each: 32 units cut evenly, one less at each end
+    (30, 4, PipelineSplit(embedding=True, loss=True), [7, 8, 8, 7]),
+    (30, 4, PipelineSplit(embedding=True), [7, 8, 8, 7]),
+])
+def test_split_counts(layers, slices, split, counts):
+    assert split_counts(layers, slices, split, "slices") == counts
+
+
+def test_the_counts_go_to_the_models_first_and_last_chunks():
+    """Under chunks the first and last counts are the model's first and last chunks': rank 0's
+    chunk 0 and rank pp - 1's last chunk in the loop, both on rank 0 in the V."""
+    split = PipelineSplit(first=1, last=2)  # 8 blocks in 4 chunks: 1, 3, 2, 2
+    loop = [[list(s.layers) for s in chunk_specs(8, 2, r, 2, "loop", split)] for r in (0, 1)]
+    assert loop == [[[0], [4, 5]], [[1, 2, 3], [6, 7]]]
+    v0 = chunk_specs(8, 2, 0, 2, "v", split)
+    assert [list(s.layers) for s in v0] == [[0], [6, 7]]
+    assert (v0[0].pre_process, v0[1].post_process) == (True, True)
+    assert list(stage_spec(8, 2, 1, PipelineSplit(first=1)).layers) == [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layers, pp, v, split, message", [
+    (4, 2, 1, PipelineSplit(first=4), "--decoder-first-pipeline-num-layers 4 = 4 layers leave 0 "
+     "of the model's 4 for the other 1 of --pp 2 stages (each needs at least one); give at most "
+     "3 in all"),
+    (4, 2, 1, PipelineSplit(first=1, last=2), "with --pp 2 stages they are the whole model, so "
+     "they must add up to its 4 layers"),
+    (8, 2, 2, PipelineSplit(first=4, last=3), "leave 1 of the model's 8 for the other 2 of --pp 2 "
+     "x 2 = 4 model chunks"),
+    (4, 1, 1, PipelineSplit(last=2), "--decoder-last-pipeline-num-layers 2 cuts the layers over "
+     "pipeline stages, but --pp is 1 (one stage holds every layer); raise --pp or drop it"),
+    (4, 2, 1, PipelineSplit(first=1, embedding=True), "not both"),
+    (4, 2, 2, PipelineSplit(embedding=True, loss=True), "leave one without a layer"),
+])
+def test_a_split_that_cannot_apply_is_one_line_naming_the_fix(layers, pp, v, split, message):
+    with pytest.raises(LayoutError) as exc:
+        split.check(pp)
+        if v > 1:
+            chunk_specs(layers, pp, 0, v, "loop", split)
+        else:
+            stage_spec(layers, pp, 0, split)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_planner_rejects_the_layouts_a_split_does_not_fit():
+    config = resolve_model("gpt2-tiny")  # 4 blocks
+    p = Problem(config, 4, pipeline_split=PipelineSplit(first=3))
+    assert check(Candidate(pp=2, dp=2), p) is None
+    assert "--pp is 1" in check(Candidate(pp=1, dp=4), p)
+    assert "leave 1 of the model's 4 for the other 3 of --pp 4 stages" in check(
+        Candidate(pp=4, dp=1), p)
