@@ -9,6 +9,8 @@ values in fp32, so everything here is exact to fp32 rounding, and that is the to
 - tp 2 (with and without sequence parallelism) equals one process: the amax of an operand
   split over tp is reduced (MAX) over the tp group, so every element gets the scale it gets in
   one process (a control shows tp 2 without the reduction differs by float8 rounding, ~5e-2);
+- the float8 linears are chosen by their whole N x K: tp 2 runs the ones one process runs
+  (and equals it), and a tp splitting one into shards not multiples of 16 is refused;
 - training steps with pp (recompute full), dp under ZeRO-1 / 2 / 3, tp with sequence
   parallelism and zb-h1 equal one process under --fp8;
 - checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back;
@@ -294,6 +296,65 @@ def test_training_steps_in_every_layout_equal_one_process():
     for losses, _, _ in run_local(_train, 2, cp=2, cp_amax=False):
         with pytest.raises(AssertionError, match="relative error"):
             assert_close(torch.tensor(losses), torch.tensor(serial), 1e-5, "cp 2, own amax")
+
+
+WIDE = dict(GPT, n_inner=1056)
+"""The MLP's fc is 1056 x 32: tensorwise's size rule converts it by its whole N (> 1024), which
+is 528 at tp 2; nothing else converts."""
+
+
+def _wide_steps(tp=1):
+    engine = megapar.prepare(transformers.GPT2Config(**WIDE), micro_batch_size=2, lr=3e-3,
+                             global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0, tp=tp,
+                             fp8="tensorwise", fp8_emulate=True)
+    return [engine.train_step(b) for b in _batches()[:2]], engine.fp8_summary
+
+
+@needs_torchao
+def test_the_float8_linears_are_the_models_at_every_tp():
+    """Which linears run in float8 is read off their whole N x K, so tp 2 converts what one
+    process converts and computes what it computes (within fp32 rounding: the parity tests'
+    1e-5). The rule read each rank's shard: tp 2 kept the 528-wide fc in high precision where
+    one process ran it in float8 (2 linears against 0), and its losses differed."""
+    serial, line = _wide_steps()
+    assert line.startswith("fp8 tensorwise (emulated: fp32 products): 2 linears in float8 "
+                           "(layers.mlp.fc 1056x32); kept in high precision: "), line
+    for losses, tp_line in run_local(_wide_steps, 2, 2):
+        assert tp_line == line
+        assert_close(torch.tensor(losses), torch.tensor(serial), 1e-5, "tp 2, float8 fc")
+
+
+def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(capsys):
+    """--fp8-layers all runs llama-tiny's 176-wide gate, up and down in float8; at tp 2 their
+    shards are 88 wide, and FP8 matmuls need multiples of 16: megapar-train refuses the tp in
+    one line (exit 2) before any worker starts, and megapar-plan finds the candidate invalid
+    for the same reason; tp 1 runs."""
+    from megapar.cli.plan import main as plan_main
+    from megapar.cli.train import main as train_main
+    from megapar.models.recipes import resolve_model
+    from megapar.training.validate_fp8 import fp8_layout_problem
+
+    config = resolve_model("llama-tiny")
+    problem = fp8_layout_problem(config, 2, "tensorwise", "all")
+    assert problem == ("layers.mlp.gate 176x64 runs in float8 and is 88x64 on each tp rank: FP8 "
+                       "matmuls need N and K multiples of 16; only tp 1 splits every float8 "
+                       "linear into multiples of 16"), problem
+    assert fp8_layout_problem(config, 1, "tensorwise", "all") is None
+    assert fp8_layout_problem(config, 2, "tensorwise", "auto") is None  # none converts
+    assert "held whole on every tp rank" in fp8_layout_problem(  # k / v replicated at tp 4
+        dataclasses.replace(config, intermediate_size=256), 4, "rowwise", "all")
+    argv = ["--model", "llama-tiny", "--dry-run", "--seq-len", "16", "--micro-batch-size",
+            "1", "--global-batch-size", "2", "--fp8", "tensorwise", "--fp8-layers", "all"]
+    assert train_main(argv + ["--tp", "2", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(
+        f"--fp8 tensorwise --fp8-layers all at --tp 2: {problem}; use such a tp, or --fp8 "
+        f"off\n"), err
+    plan = ["--model", "llama-tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len",
+            "64", "--fp8", "tensorwise", "--fp8-layers", "all", "--explain", "tp=2,mbs=2"]
+    assert plan_main(plan) == 1  # megapar-plan's answer for a candidate it finds invalid
+    assert f"invalid: fp8 tensorwise with fp8_layers all at tp 2: {problem}" in (
+        capsys.readouterr().out)
 
 
 def _weight_casts(recipe="tensorwise", cached=True, tp=1):

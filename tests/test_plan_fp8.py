@@ -189,14 +189,14 @@ def test_the_dry_runs_gpu_figure_drops_by_the_planners_amount(capsys):
     from megapar.cli.train import main
     from megapar.models.recipes import resolve_model
 
-    base = ["--model", "llama-tiny", "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+    base = ["--model", "gpt2-tiny", "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
             "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--precision", "bf16",
             "--json", "--dry-run-ranks", "0"]
     peaks = []
     for extra in ([], ["--fp8", "tensorwise", "--fp8-layers", "all"]):
         assert main(base + extra) == 0
         peaks.append(json.loads(capsys.readouterr().out.splitlines()[0])["peak_gpu"])
-    config = resolve_model("llama-tiny")
+    config = resolve_model("gpt2-tiny")  # every linear's shards at tp 2 multiples of 16
     c = Candidate(tp=2, mbs=1)
     kw = dict(gpus=2, global_batch=4)
     planned = [estimate(Problem(config, seq_len=32, fp8=f, fp8_layers="all", **kw), c).process.total
@@ -242,10 +242,9 @@ def test_explain_names_the_float8_linears_as_training_does_and_json_carries_them
     assert f"{line} (pipeline rank 0, per tp rank)" in out.out, (line, out.out)
     assert "float8 casts in a linear's backward" in out.out and "--fp8 tensorwise" in out.out
     code, out = _plan(capsys, "--fp8", "tensorwise", "--fp8-layers", "all", "--explain",
-                      "tp=2,mbs=2")
-    assert "fp8 tensorwise: 16 linears in float8 (layers.attn.q 32x64, layers.attn.k 16x64, " \
-        "layers.attn.v 16x64, layers.attn.proj 64x32); kept in high precision: " \
-        "layers.mlp.gate 88x64 (N or K not a multiple of 16)" in out.out
+                      "tp=2,mbs=2")  # the 176-wide MLP's shards, 88 wide: refused as training does
+    assert code == 1 and "invalid: fp8 tensorwise with fp8_layers all at tp 2: layers.mlp.gate " \
+        "176x64 runs in float8 and is 88x64 on each tp rank" in out.out, out.out
     code, out = _plan(capsys, "--fp8", "rowwise", "--explain", "tp=2,mbs=2", "--json")
     got = json.loads(out.out)
     assert (got["fp8"], got["fp8_layers"], got["fp8_speedup"]) == ("rowwise", "auto", 2.0)

@@ -423,12 +423,12 @@ def special_reference(case: dict) -> dict:
       into a float8 step (2^-3 relative in e4m3, 2^-2 in e5m2), so the layouts that sum the
       activations or their gradients in another fp32 order (tp's reductions and sequence
       parallelism, cp's attention) are not fp32-equal under float8 (mixtral-tiny cp 2 alone:
-      3e-5 in the logs, equal to 1e-7 without --fp8). And --fp8-layers all converts the
-      block linears whose local dims are multiples of 16, which tp changes (llama-tiny's
-      176-wide MLP is 88 wide at tp 2). The reference keeps tp, sequence parallelism, expert
-      tp, cp and its communication: what stays checked is that pp, dp, ZeRO, ep,
-      recomputation and a resume change nothing under float8 (`run_case` checks both runs
-      name the same float8 linears).
+      3e-5 in the logs, equal to 1e-7 without --fp8). (The float8 linears are chosen by
+      their whole dims, the same at every tp; a tp splitting one into shards that are not
+      multiples of 16 is refused: llama-tiny's 176-wide MLP at tp 2 under --fp8-layers all.)
+      The reference keeps tp, sequence parallelism, expert tp, cp and its communication: what
+      stays checked is that pp, dp, ZeRO, ep, recomputation and a resume change nothing under
+      float8 (`run_case` checks both runs name the same float8 linears).
     {} where the one-process reference is the same computation."""
     keep: dict = {}
     if case.get("--fp8", "off") != "off":

@@ -345,7 +345,7 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         choices=FP8_RECIPES,
         default="off",
         help="megapar-train's --fp8: the block linears that torchao's size rule converts at "
-        "each layout (their local N x K) run their products at --fp8-speedup x the rate, "
+        "every layout (by their whole N x K) run their products at --fp8-speedup x the rate, "
         "with their amax all-reduces; autocast keeps no 16-bit copy of their weights and "
         "their casts' transients are counted",
     )
@@ -353,8 +353,9 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "--fp8-layers",
         choices=FP8_LAYERS,
         default="auto",
-        help="megapar-train's --fp8-layers: auto (torchao's size rule on each rank's local "
-        "N x K) or all (every block linear whose local dims are multiples of 16)",
+        help="megapar-train's --fp8-layers: auto (torchao's size rule on each layer's whole "
+        "N x K) or all (every block linear whose dims are multiples of 16); a layout whose tp "
+        "splits a chosen one into shards that are not multiples of 16 is refused",
     )
     p.add_argument(
         "--target",

@@ -251,6 +251,10 @@ class ReplicatedHeads(nn.Module):
     the tp group (each rank only sees its query heads' share), so the copies stay equal.
     """
 
+    replicated_projection = True
+    """`--fp8` cannot convert it (`fp8_convert.REPLICATED`): a tp at which it is one of the
+    float8 linears is refused."""
+
     def __init__(
         self,
         in_features: int,

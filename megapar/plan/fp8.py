@@ -3,9 +3,12 @@ the matmul FLOPs, the amax all-reduces they add, and their memory terms.
 
 The linears are read off the real blocks built on the meta device at the candidate's tp (as
 `plan.params` counts parameters), so their local N x K is the matmul each rank runs, and the
-rule deciding which convert is training's own (`tensor_parallel.fp8_convert.wanted`). Only the
-column- and row-parallel linears are candidates, as in `convert_to_fp8`: the embedding, the LM
-head, replicated k / v heads, a mixture of experts' router and routed experts never convert.
+rule deciding which convert is training's own (`tensor_parallel.fp8_convert.wanted`, on the
+whole N x K: the same layers at every tp). A tp at which a chosen layer's shard is not a
+multiple of 16, or at which it is a replicated projection, is refused as megapar-train refuses
+it (`fp8_refusal`). Only the column- and row-parallel linears are candidates, as in
+`convert_to_fp8`: the embedding, the LM head, a mixture of experts' router and routed experts
+never convert.
 
 Per converted linear (`_Float8Matmul`, `_cast`, `Fp8WeightCache` in `tensor_parallel/fp8.py`):
 
@@ -38,8 +41,7 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan.params import GatherCasts, kind_blocks
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
-from megapar.tensor_parallel.fp8_convert import none_kept_by_size, wanted
-from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megapar.tensor_parallel.fp8_convert import fp8_linears, layout_problem, none_kept_by_size
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class Linear:
     params: int
     """Elements of its parameters (the weight and any bias) on this rank."""
     why_kept: str | None
-    """None when it runs in float8, else `wanted`'s reason."""
+    """None when it runs in float8, else `wanted`'s reason (read off its whole N x K)."""
+    key: str = ""
+    """How the fp8 line names it: its kind and whole N x K (`Fp8Linear.key`)."""
 
     @property
     def converted(self) -> bool:
@@ -67,28 +71,46 @@ class Linear:
 @lru_cache(maxsize=256)
 def block_linears(config_json: str, tp: int, recipe: str, layers: str) -> dict[bool, tuple]:
     """{block kind (True: mixture of experts): its column- and row-parallel `Linear`s} on one
-    tp rank, with `wanted`'s verdict under `recipe` / `layers`."""
+    tp rank, with `wanted`'s verdict under `recipe` / `layers` (`fp8_convert.fp8_linears`: by
+    the whole N x K, the same at every tp)."""
     config = config_from_dict(json.loads(config_json))
     out = {}
     for kind, block in kind_blocks(config, tp).items():
-        found = []
-        for name, module in block.named_modules():
-            if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                continue
-            n, k = module.weight.shape
-            short = ".".join(part for part in name.split(".") if not part.isdigit())
-            found.append(
-                Linear(
-                    short,
-                    n,
-                    k,
-                    isinstance(module, ColumnParallelLinear),
-                    sum(p.numel() for p in module.parameters()),
-                    wanted(recipe, n, k, layers),
-                )
+        out[kind] = tuple(
+            Linear(
+                x.name,
+                x.n,
+                x.k,
+                x.split == "out",
+                sum(p.numel() for p in module.parameters()),
+                x.why_kept,
+                x.key,
             )
-        out[kind] = tuple(found)
+            for module, x in fp8_linears(block, recipe, layers)
+            if x.split is not None  # a replicated projection: never converted
+        )
     return out
+
+
+@lru_cache(maxsize=256)
+def _layout_problem(config_json: str, tp: int, recipe: str, layers: str) -> str | None:
+    config = config_from_dict(json.loads(config_json))
+    for block in kind_blocks(config, tp).values():
+        problem = layout_problem(block, recipe, layers)
+        if problem:
+            return problem
+    return None
+
+
+def fp8_refusal(p, tp: int) -> str | None:
+    """Why tp `tp` cannot run the linears `p`'s model runs in float8 under its --fp8, as
+    megapar-train refuses it (`check_fp8_layout`), or None (and None without --fp8)."""
+    if p.fp8 == "off" or p.fp8 not in FP8_RECIPES or p.fp8_layers not in FP8_LAYERS:
+        return None  # an unknown recipe is `converted`'s refusal
+    problem = _layout_problem(p.config_json, tp, p.fp8, p.fp8_layers)
+    if problem is None:
+        return None
+    return f"fp8 {p.fp8} with fp8_layers {p.fp8_layers} at tp {tp}: {problem}"
 
 
 def converted(p, tp: int) -> dict[bool, tuple]:
@@ -330,7 +352,7 @@ def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
 
 def summary(p, c, stage: int) -> str:
     """The line `megapar-train` logs for its conversion (`convert_to_fp8`), for pipeline rank
-    `stage` of candidate `c`: how many linears run in float8, per kind with its local N x K,
+    `stage` of candidate `c`: how many linears run in float8, per kind with its whole N x K,
     and which are kept in high precision and why; where the size rule of --fp8-layers auto
     kept every one (a small model), the flag that converts them anyway, as megapar-train's
     line says (`fp8_note`)."""
@@ -339,7 +361,7 @@ def summary(p, c, stage: int) -> str:
     kept: dict[str, str] = {}
     for kind in stage_kinds(p, c, stage):
         for x in every[kind]:
-            key = f"{x.name} {x.n}x{x.k}"
+            key = x.key
             if x.converted:
                 converted_n[key] = converted_n.get(key, 0) + 1
             else:

@@ -21,6 +21,7 @@ from megapar.models.flops import heads
 from megapar.pipeline.partition import split_layers
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
+from megapar.plan.fp8 import fp8_refusal
 from megapar.plan.problem import Problem
 from megapar.training.validate import check_cp_seq_len
 
@@ -279,6 +280,7 @@ def _option_refusal(c: Candidate, p: Problem) -> str | None:
         or _cp_comm_refusal(c, p.config)
         or _zero_refusal(c)
         or _expert_refusal(c, p.config)
+        or fp8_refusal(p, c.tp)
     )
 
 

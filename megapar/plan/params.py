@@ -37,6 +37,7 @@ from megapar.pipeline.partition import (
 )
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megapar.tensor_parallel.partition import full_shape
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class TensorSpec:
     """A routed expert's stacked weights (`megapar.expert_parallel.is_expert`): under ep > 1
     in gradient buckets of their own, reduced and sharded over the expert-data-parallel group."""
     linear: tuple[int, int] | None = None
-    """The weight of a column- or row-parallel linear: its local (N, K), which says whether
+    """The weight of a column- or row-parallel linear: its whole (N, K), which says whether
     --fp8 converts it (`fp8_convert.wanted`); None: any other parameter."""
     block: bool = False
     """A transformer block's parameter (not the embedding's nor the head's): its linear
@@ -186,7 +187,7 @@ class TensorSpec:
 
 def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
     linears: dict[int, tuple[int, int]] = {
-        id(m.weight): (m.weight.shape[0], m.weight.shape[1])
+        id(m.weight): (full_shape(m.weight)[0], full_shape(m.weight)[1])
         for m in module.modules()
         if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     }

@@ -80,8 +80,9 @@ class Problem:
     """megapar-train's --fp8: off, tensorwise or rowwise (`plan.fp8`: which block linears
     convert at a layout, their FLOPs, amax all-reduces and memory terms)."""
     fp8_layers: str = "auto"
-    """megapar-train's --fp8-layers: auto (torchao's size rule on each rank's local N x K) or
-    all (every block linear whose local dims are multiples of 16)."""
+    """megapar-train's --fp8-layers: auto (torchao's size rule on each layer's whole N x K) or
+    all (every block linear whose dims are multiples of 16); a tp splitting a chosen one into
+    shards that are not multiples of 16 is refused (`plan.fp8.fp8_refusal`)."""
     compile: bool = False
     """megapar-train's --compile (each block's forward traced by torch.compile): its traced
     float8 casts read the fp32 weight, so ZeRO-3 gathers the float8 linears' weights in fp32,

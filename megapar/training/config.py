@@ -118,7 +118,7 @@ class TrainConfig:
     fp8_emulate: bool = False
     """With --fp8: torchao's emulate mode: the same float8 casts and scales, the products in fp32 on any device (CPU tests, the dry run; slower than bf16)."""
     fp8_layers: str = "auto"
-    """With --fp8: which block linears run in float8: auto (torchao's size rule on each rank's local N x K; smaller layers are slower in FP8) or all (every one whose local dims are multiples of 16)."""
+    """With --fp8: which block linears run in float8, by each layer's whole N x K (the same layers at every tp; a tp splitting one into shards that are not multiples of 16 is refused): auto (torchao's size rule; smaller layers are slower in FP8) or all (every one whose dims are multiples of 16)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped; at tp 1 the chunk's gradients are formed right away and held to the backward (the head's fp32 weight gradient kept from forward to backward), at tp > 1 the backward recomputes the logits (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     loss_mean: str = "microbatch"

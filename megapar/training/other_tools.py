@@ -109,7 +109,7 @@ FP8_RECIPE = (
 )
 FP8_FILTER = (
     "megapar has no per-module float8 filter: --fp8-layers auto keeps the linears torchao's size "
-    "rule finds too small (on each rank's local N x K) in high precision, all converts every "
+    "rule finds too small (by the layer's whole N x K) in high precision, all converts every "
     "block linear whose dims are multiples of 16, and the embedding and the LM head always stay "
     "in high precision (the run's fp8 line names each kind of layer); drop it"
 )

@@ -44,7 +44,7 @@ from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents, check_ranges
-from megapar.training.validate_fp8 import check_fp8
+from megapar.training.validate_fp8 import check_fp8, check_fp8_layout
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
 
@@ -513,6 +513,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
             partition_layers(config.num_layers, cfg.pp, split)
     except LayoutError as exc:  # named by megapar-train's flags, as TrainConfig's fields are
         raise LayoutError(f"megapar.prepare: {exc}") from None
+    check_fp8_layout(cfg, config, cfg.tp, keyword="megapar.prepare")  # Fp8Error
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)
         check_documents(cfg, config, api=True)

@@ -46,6 +46,7 @@ from megapar.training.validate import (
     explicit,
     fit_batch_to_data,
 )
+from megapar.training.validate_fp8 import check_fp8_layout
 from megapar.training.validate_resume import (
     check_load_path,
     check_newer_steps,
@@ -209,6 +210,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
+    check_fp8_layout(cfg, config, layout.tp)  # the model's float8 linears at this tp
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)

@@ -1,5 +1,6 @@
 """`--fp8`'s checks, before any worker starts: torchao installed and a GPU with FP8 (or
---fp8-emulate) (`check_fp8`)."""
+--fp8-emulate) (`check_fp8`), and a tp at which every linear the model runs in float8 can
+(`check_fp8_layout`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import importlib.util
 import torch
 
 from megapar.device import use_cuda
+from megapar.mesh import Layout, Mesh
+from megapar.models import build_model
+from megapar.tensor_parallel.fp8_convert import layout_problem
 from megapar.training.validate_sharding import _terms
 
 FP8_CAPABILITY = (8, 9)
@@ -75,3 +79,37 @@ def _check_gpu(fp8: str, drop: str, emulate: str, where: str) -> None:
             f"L4 / L40, H100, H200, B200); this {name} is {capability[0]}.{capability[1]}: "
             f"{drop} (or add {emulate}, slower than bf16)"
         )
+
+
+def fp8_layout_problem(config, tp: int, recipe: str, layers: str) -> str | None:
+    """Why tp `tp` cannot run the linears model `config` runs in float8 under `recipe` /
+    `layers` (`fp8_convert.layout_problem`, read off one block of each kind built on the meta
+    device as tp rank 0 holds it), or None. "off": None."""
+    if recipe == "off":
+        return None
+    firsts: dict[bool, int] = {}
+    moe = getattr(config, "is_moe_layer", None)
+    for i in range(config.num_layers):
+        firsts.setdefault(bool(moe and moe(i)), i)
+    mesh = Mesh.virtual(Layout(tp, 1, 1), rank=0, device="meta")
+    for i in firsts.values():
+        block = build_model(config, mesh, range(i, i + 1), pre_process=False, post_process=False)
+        problem = layout_problem(block, recipe, layers)
+        if problem:
+            return problem
+    return None
+
+
+def check_fp8_layout(cfg, config, tp: int, keyword: str | None = None) -> None:
+    """Fp8Error where tp `tp` cannot run a linear that model `config` runs in float8 (the
+    layers are chosen by their whole N x K, the same at every tp: `fp8_convert`), naming the
+    layer and the fix; `keyword` as `check_fp8`'s."""
+    problem = fp8_layout_problem(config, tp, cfg.fp8, cfg.fp8_layers)
+    if problem is None:
+        return
+    term = _terms(keyword)
+    where = f"{keyword}: " if keyword else ""
+    raise Fp8Error(
+        f"{where}{term('fp8', cfg.fp8)} {term('fp8_layers', cfg.fp8_layers)} at "
+        f"{term('tp', tp)}: {problem}; use such a tp, or {term('fp8', 'off')}"
+    )
