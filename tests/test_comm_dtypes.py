@@ -148,3 +148,27 @@ def test_bucket_reduced_in_bf16_is_the_rounded_average(sharded):
         # error bound of two bf16 roundings (unit roundoff 2^-8): the halves', then the sum's
         scale = (flat[0].abs() + flat[1].abs())[lo:lo + n] / 2
         assert ((got[:n] - exact[lo:lo + n]).abs() <= 2 ** -7 * scale).all(), rank
+
+
+def _tied_grad(pp):
+    """One step of the tied GPT-2 over dp 2 (pp x 2 ranks), its gradients reduced in bf16:
+    this rank's copies of the tied embedding's reduced gradient (the first stage's embedding,
+    the last stage's head; both at pp 1)."""
+    engine = megapar.prepare(_model(), pp=pp, micro_batch_size=MBS, optimizer="sgd",
+                             grad_reduce_dtype="bf16")
+    engine.train_step(_batches()[0])
+    return [p.grad.clone() for name, p in engine.model.named_parameters()
+            if "embed.word.weight" in (name, getattr(p, "tied_to", None))]
+
+
+def test_a_bf16_reduction_of_a_tied_embedding_rounds_the_stages_sum_as_pp_1_does():
+    # at pp 2 the first and last stage each hold a share of the tied embedding's gradient;
+    # each share was cast and reduced apart and the two summed afterwards, so 1,216 of its
+    # 4,096 elements differed from pp 1's (which rounds their sum), 373 by more than one
+    # rounding (2^-8 of the value), up to half of it. Now the stages sum first and the sum is
+    # rounded: measured equal to pp 1's, bit for bit (m = 2 micro-batches per dp rank)
+    [want] = run_local(_tied_grad, 2, 1)[0]
+    got = run_local(_tied_grad, 4, 2)
+    assert [len(g) for g in got] == [1, 1, 1, 1]  # the embedding and its copy, on both dp ranks
+    for [g] in got:
+        assert ((g - want).abs() <= 2**-8 * want.abs()).all(), (g - want).abs().max()
