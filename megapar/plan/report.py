@@ -520,9 +520,9 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
         3,
         m,
         c.pp,
-        c.keep_params,
-        c.zero3_reduce == "micro-batch",
-        w_reported(c.schedule, c.pp, m, c.v),
+        keep_params=c.keep_params,
+        per_micro_batch=c.zero3_reduce == "micro-batch",
+        once_a_step=w_reported(c.schedule, c.pp, m, c.v),
     )
     ops = {
         group: ", ".join(f"{n} {op.replace('_', '-')}s {_amount(b)}" for op, n, b in rows)
