@@ -28,6 +28,33 @@ def exit_code(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def torchrun_ranks(fn, world_size: int, directory) -> tuple[list[int], list[str]]:
+    """`fn()` (a command's `main(argv)`, say) in `world_size` forked children, each with the
+    variables torchrun gives its rank on one node (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a free port), as the processes a torchrun job
+    starts; returns their exit codes and their outputs (stdout and stderr, each kept in
+    `directory`/out<rank>), by rank."""
+    from pathlib import Path
+
+    from megapar.launcher import free_port
+
+    port = str(free_port())
+
+    def rank(r):
+        def run():
+            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r),
+                               "WORLD_SIZE": str(world_size),
+                               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port})
+            return fn()
+        return run
+
+    outs = [Path(directory) / f"out{r}" for r in range(world_size)]
+    pids = [fork_running(rank(r), out) for r, out in enumerate(outs)]
+    codes = [exit_code(pid) for pid in pids]
+    return codes, [out.read_text() for out in outs]
+
+
 def join_or_kill(procs, timeout_s: float) -> None:
     """Join the multiprocessing children `procs`, each within `timeout_s`; one still alive then
     is killed (and reaped), so a hung child never outlives its test."""

@@ -400,8 +400,7 @@ def test_under_torchrun_no_rank_logs_into_a_save_the_failed_run_made(tmp_path, t
     now every rank's log goes under --data-cache, as rank 0's did, and no --save is left."""
     import torch.distributed as dist
 
-    from forked import exit_code, fork_running
-    from megapar.launcher import free_port
+    from forked import torchrun_ranks
     from megapar.training.step import TrainStep
 
     real_step = TrainStep.step
@@ -416,19 +415,9 @@ def test_under_torchrun_no_rank_logs_into_a_save_the_failed_run_made(tmp_path, t
     argv = ["--dp", "2", "--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
             "--data-cache", cache, "--max-steps", "2", "--save", str(save), "--timeout-s", "60",
             *TINY]
-    port = str(free_port())
-
-    def rank(r):
-        def run():
-            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": port})
-            return main(argv)
-        return run
-
-    pids = [fork_running(rank(r), tmp_path / f"out{r}") for r in range(2)]
-    assert [exit_code(pid) for pid in pids] == [1, 1]
-    out = (tmp_path / "out1").read_text()
+    codes, outs = torchrun_ranks(lambda: main(argv), 2, tmp_path)
+    assert codes == [1, 1], outs
+    out = outs[1]
     assert "rank 1 failed at step 1: RuntimeError: injected failure" in out, out
     log = Path(out.split("full traceback in ")[1].split(" (or ")[0])
     assert log.parent.parent == Path(cache) / "logs" and log.name == "rank1.log", out
@@ -725,9 +714,8 @@ def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, te
     and rank 0, which loaded its own, stops with it (the ranks agree after the load), naming
     rank 1's failure."""
     import megapar.checkpoint.manifest as manifest_module
-    from forked import exit_code, fork_running
+    from forked import torchrun_ranks
     from megapar.cli.convert import main as convert
-    from megapar.launcher import free_port
     from megapar.training.loop import Trainer
 
     ckpt = tmp_path / "ckpt"
@@ -740,36 +728,25 @@ def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, te
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # the last tensor's last byte: the header still reads
     shard.write_bytes(bytes(data))
-    hashed = tmp_path / "hashed.txt"  # (process, file) of every file hashed
+    hashed = tmp_path / "hashed.txt"  # (rank, file) of every file hashed
     record = manifest_module.file_record
 
     def hashing(path):
         with open(hashed, "a") as f:
-            f.write(f"{os.getpid()} {Path(path).name}\n")
+            f.write(f"{os.environ['RANK']} {Path(path).name}\n")
         return record(path)
 
     monkeypatch.setattr(manifest_module, "file_record", hashing)  # forked: inherited
     monkeypatch.setattr(Trainer, "run", lambda self: [])  # were it loaded: no step to train
-    port = str(free_port())
-
-    def rank(r):
-        def run():
-            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": port})
-            return main([*args, "--max-steps", "2", "--load", str(ckpt)])
-        return run
-
-    pids = [fork_running(rank(r), tmp_path / f"out{r}") for r in range(2)]
-    codes = [exit_code(pid) for pid in pids]
-    outs = [(tmp_path / f"out{r}").read_text() for r in range(2)]
+    codes, outs = torchrun_ranks(lambda: main([*args, "--max-steps", "2", "--load", str(ckpt)]),
+                                 2, tmp_path)
     assert codes == [1, 1], outs
-    per_process = {}
+    per_rank = {}
     for line in hashed.read_text().splitlines():
-        pid, name = line.split()
-        per_process.setdefault(int(pid), []).append(name)
-    assert per_process == {pids[0]: ["model_tp00_pp00.safetensors"],
-                           pids[1]: ["model_tp01_pp00.safetensors"]}
+        rank, name = line.split()
+        per_rank.setdefault(rank, []).append(name)
+    assert per_rank == {"0": ["model_tp00_pp00.safetensors"],
+                        "1": ["model_tp01_pp00.safetensors"]}
     refusal = (f"--load {step}: model_tp01_pp00.safetensors: checksum mismatch (file altered or "
                f"truncated); restore it or use another checkpoint")
     assert f"megapar-train: error: rank 1 failed before training started: {refusal}\n" in outs[1]

@@ -52,11 +52,19 @@ def _batches():
 RUNS = {  # name: (precision, p2p dtype, grad-reduce dtype, zero)
     "fp32": ("fp32", "auto", "auto", 0),
     "fp32_narrow": ("fp32", "bf16", "bf16", 0),
+    "fp32_reduce_bf16": ("fp32", "auto", "bf16", 0),  # the tied embedding's test's
     "fp32_narrow_zero1": ("fp32", "bf16", "bf16", 1),
     "fp32_narrow_zero2": ("fp32", "bf16", "bf16", 2),
     "bf16": ("bf16", "auto", "auto", 0),
     "bf16_wide": ("bf16", "fp32", "auto", 0),
 }
+
+
+def _tied_grads(engine):
+    """This rank's copies of the tied embedding's gradient as the last step left it (the first
+    stage's embedding, the last stage's head; both at pp 1): the reduced one at --zero 0."""
+    return [p.grad.clone() for name, p in engine.model.named_parameters()
+            if "embed.word.weight" in (name, getattr(p, "tied_to", None))]
 
 
 def _train_all():
@@ -65,12 +73,17 @@ def _train_all():
         engine = megapar.prepare(_model(), pp=2, micro_batch_size=MBS, lr=3e-3,
                                  precision=precision, zero=zero, p2p_dtype=p2p,
                                  grad_reduce_dtype=reduce)
-        losses = [engine.train_step(b) for b in _batches()]
+        losses, tied = [], None
+        for b in _batches():
+            losses.append(engine.train_step(b))
+            if name == "fp32_reduce_bf16" and tied is None:  # the first step's
+                tied = _tied_grads(engine)
         buckets = engine.grad_sync.buckets
         out[name] = {"losses": losses, "p2p_bytes": engine.executor.p2p.bytes_sent,
                      "dp_bytes": engine.grad_sync.bytes_sent,
                      "buffer": sum(b.padded for b in buckets),
-                     "deferred": sum(b.padded for b in buckets if b.deferred)}
+                     "deferred": sum(b.padded for b in buckets if b.deferred),
+                     "tied_grads": tied}
     return out
 
 
@@ -148,3 +161,24 @@ def test_bucket_reduced_in_bf16_is_the_rounded_average(sharded):
         # error bound of two bf16 roundings (unit roundoff 2^-8): the halves', then the sum's
         scale = (flat[0].abs() + flat[1].abs())[lo:lo + n] / 2
         assert ((got[:n] - exact[lo:lo + n]).abs() <= 2 ** -7 * scale).all(), rank
+
+
+def _tied_grad_at_pp_1():
+    """`runs`' fp32_reduce_bf16 first step at pp 1 x dp 2: the tied embedding's gradient reduced
+    in bf16."""
+    engine = megapar.prepare(_model(), micro_batch_size=MBS, lr=3e-3, grad_reduce_dtype="bf16")
+    engine.train_step(_batches()[0])
+    return _tied_grads(engine)
+
+
+def test_a_bf16_reduction_of_a_tied_embedding_rounds_the_stages_sum_as_pp_1_does(runs):
+    # at pp 2 the first and last stage each hold a share of the tied embedding's gradient;
+    # each share was cast and reduced apart and the two summed afterwards, so 1,216 of its
+    # 4,096 elements differed from pp 1's (which rounds their sum), 373 by more than one
+    # rounding (2^-8 of the value), up to half of it. Now the stages sum first and the sum is
+    # rounded: measured equal to pp 1's, bit for bit (m = 2 micro-batches per dp rank)
+    [want] = run_local(_tied_grad_at_pp_1, 2)[0]
+    got = [out["fp32_reduce_bf16"]["tied_grads"] for out in runs]  # pp 2 x dp 2
+    assert [len(g) for g in got] == [1, 1, 1, 1]  # the embedding and its copy, on both dp ranks
+    for [g] in got:
+        assert ((g - want).abs() <= 2**-8 * want.abs()).all(), (g - want).abs().max()

@@ -608,8 +608,9 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch, verified):
                                             placement=placement_of(c.schedule), ep=c.ep,
                                             dp=c.dp, zero=c.zero,
                                             bucket_mb=problem.grad_bucket_mb)),
-                c.zero, m, c.pp, c.keep_params, c.zero3_reduce == "micro-batch",
-                w_reported(c.schedule, c.pp, m, c.v)).items()}
+                c.zero, m, c.pp, keep_params=c.keep_params,
+                per_micro_batch=c.zero3_reduce == "micro-batch",
+                once_a_step=w_reported(c.schedule, c.pp, m, c.v)).items()}
         # at dp 2 x ep 2 the expert-data-parallel group is one rank: ZeRO-3 keeps the experts'
         # units whole, and nothing at all runs over that group
         whole = moe and c.dp == c.ep

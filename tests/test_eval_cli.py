@@ -1079,3 +1079,33 @@ def test_each_file_of_the_checkpoint_is_hashed_once(tiny_ckpt, tmp_path, capsys,
                      str(tmp_path / "out.npy")]) == 0, capsys.readouterr().err
     files = sorted(p.name for p in (ckpt / "step_00000003").glob("*.safetensors"))
     assert files and sorted(hashed) == files
+
+
+def test_under_torchrun_a_corrupt_file_fails_the_rank_reading_it_and_the_other_names_it(
+        tiny_ckpt, tmp_path):
+    """megapar-eval --pp 2 under torchrun (two processes forked with its variables, each
+    running the command), a byte of stage 1's file altered (its size kept): the start-up checks
+    the sizes only and each rank hashes the file it reads, as megapar-train's do
+    (test_cli_train's torchrun hashing test). Rank 1 fails in one line naming the step, the file
+    and the fix; rank 0, which loaded its own file, comes down naming rank 1's failure."""
+    from forked import torchrun_ranks
+
+    ckpt, ids = tiny_ckpt
+    pp2 = tmp_path / "pp2"
+    assert convert([str(ckpt), str(pp2), "--pp", "2", "--no-progress"]) == 0
+    step = pp2 / "step_00000003"
+    shard = step / "model_tp00_pp01.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte: the header still reads
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "logits.npy"
+    argv = ["--load", str(pp2), "--pp", "2", "--input-ids", str(ids), "--save-logits", str(out)]
+    codes, outs = torchrun_ranks(lambda: evaluate(argv), 2, tmp_path)
+    assert codes == [1, 1], outs
+    refusal = (f"--load {step}: model_tp00_pp01.safetensors: checksum mismatch (file altered or "
+               f"truncated); restore it or use another checkpoint")
+    assert outs[1] == f"megapar-eval: error: rank 1 failed in evaluation: {refusal}\n", outs[1]
+    assert outs[0].startswith(f"megapar-eval: error: rank 0 failed in evaluation: --load {step}: "
+                              f"rank 1 failed at checking --load's files: ") \
+        and refusal in outs[0] and outs[0].count("\n") == 1, outs[0]
+    assert not out.exists()

@@ -1176,3 +1176,24 @@ def test_the_global_batch_defaults_to_megapar_train_s_and_the_header_says_so(cap
         code, out = _cli(capsys, *base, "--global-batch-size", str(2 * default), *extra)
         assert code == 0 and "assumed" not in out.out and f"--global-batch-size {2 * default}" \
             in out.out.split("command: ")[1]
+
+
+def test_json_says_whether_the_global_batch_was_assumed(capsys):
+    """megapar-plan --json did not say that the global batch was megapar-train's default,
+    assumed where --global-batch-size was not given, as the text header does: the search's
+    object and --explain's (a valid layout's and an invalid one's) now carry the batch and
+    whether it was assumed."""
+    from megapar.training.config import TrainConfig
+
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--json"]
+    default = TrainConfig.global_batch_size
+    modes = ((["--top", "1"], 0, None),  # the search; --explain of a valid and an invalid layout
+             (["--explain", "tp=1,pp=2"], 0, True), (["--explain", "tp=1,pp=4"], 1, False))
+    for given, size, assumed in (([], default, True),
+                                 (["--global-batch-size", str(2 * default)], 2 * default, False)):
+        for mode, rc, valid in modes:
+            code, out = _cli(capsys, *base, *given, *mode)
+            got = json.loads(out.out)
+            assert code == rc and (valid is None or got["valid"] is valid), (mode, out)
+            assert (got["global_batch_size"], got["global_batch_size_assumed"]) == (
+                size, assumed), (given, mode, got)

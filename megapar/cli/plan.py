@@ -61,6 +61,7 @@ from megapar.plan.process import TARGETS, describe
 from megapar.plan.report import (
     active_note,
     attention_note,
+    batch_json,
     command,
     documents_note,
     expert_lines,
@@ -607,10 +608,11 @@ def _explain(args, problem) -> int:
         raise ValueError(f"--explain: zero={c.zero}: use one of {', '.join(map(str, ZERO_STAGES))}")
     if c.offload_optimizer and problem.optimizer in NOT_OFFLOADED:
         raise ValueError(offload_refused(f"--explain offload={c.offloaded()}", problem.optimizer))
+    batch = batch_json(problem, getattr(args, "batch_assumed", False))
     reason = check(c, problem)
     if reason:
         if args.json:
-            print(json.dumps({"layout": c.label(), "valid": False, "reason": reason}))
+            print(json.dumps({"layout": c.label(), "valid": False, "reason": reason, **batch}))
         else:
             print(f"{c.label()}: invalid: {reason}")
         return 1
@@ -623,6 +625,7 @@ def _explain(args, problem) -> int:
                 {
                     **row(e, problem.master_weights),
                     "valid": True,
+                    **batch,
                     "command": cmd,
                     "fused_attention": problem.fused_attention,
                     "sp_regather": problem.sp_regather,
@@ -689,7 +692,8 @@ def main(argv=None) -> int:
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
     if args.json:
-        print_json(args.top, problem, estimates, rejected, cmd, valid)
+        assumed = getattr(args, "batch_assumed", False)
+        print_json(args.top, problem, estimates, rejected, cmd, valid, batch_assumed=assumed)
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"

@@ -36,23 +36,28 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
     """Print `tool`'s line for `exc`, raised by its `run_workers`, and return the exit code.
     A Ctrl-C or SIGTERM (the terminal's to every rank, or passed on by the launcher) is not a
     failure: "interrupted" / "terminated (SIGTERM)" and `stopped_note`; a failure's line says
-    `doing` (e.g. "in evaluation") where megapar-train's says "before training started"."""
+    `doing` (e.g. "in evaluation") where megapar-train's says "before training started". A
+    failure this process's rank raised without a traceback to show (`no_traceback`: under
+    torchrun a checkpoint file failing its check, or another rank's failure to load it,
+    `load_everywhere`) is its message alone, as megapar-train's line is: no type name, no
+    log named for a traceback it does not hold."""
     stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
     if stopped:
         line, code = stopped_line(tool, stopped.group(1) is not None, stopped_note)
         print(line, file=sys.stderr)
         return code
     rank = None  # a WorkerError names its rank
+    clean = False
     if isinstance(exc, WorkerError):
         text = str(exc)
     else:  # this process's rank: under torchrun / Slurm its own, not rank 0
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
-        text = f"{type(exc).__name__}: {exc}{tb}"
+        clean = getattr(exc, "no_traceback", False)
+        text = str(exc) if clean else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), rank)
     print(
         f"{tool}: error: {line.replace('before training started', doing)}"
-        + (f" (full traceback in {log})" if log else ""),
+        + (f" (full traceback in {log})" if log and not clean else ""),
         file=sys.stderr,
     )
     return 1

@@ -33,7 +33,8 @@ into its view when its bucket launches, so the result is right either way.
 `reduce_dtype` (--grad-reduce-dtype) narrows the reduction: a bucket is cast to it, reduced, and
 the result cast back into the buffer when waited for (half the bytes in bf16 / fp16, one
 transient half-size copy of the bucket in flight). A `compression.py` compressor reduces a
-bucket synchronously instead.
+bucket synchronously instead. Either rounds, so at pp > 1 the tied embedding's buckets wait
+for its sum over the first and last stage (`defers_last`), as the ZeRO kinds' always do.
 With a dp group of size 1 the buffer still serves (no per-step gradient allocation); nothing is
 communicated. Under context parallelism the group is cp x dp (`Mesh.dp_cp_group`) and
 `average_over` is dp: each cp rank's gradient is its tokens' share, so the reduction sums over
@@ -237,10 +238,10 @@ class GradBuckets:
         expert_group=None,
     ):
         """`last`: parameters laid out in the last bucket(s), to be deferred by `defer` (the
-        tied embedding: the ZeRO kinds' always, this kind's only with a `compressor`, see
-        `defers_last`; ignored without one). `expert_group`: the group expert parameters
-        reduce over (`Mesh.expert_dp_group` under expert parallelism); None: they reduce over
-        dp."""
+        tied embedding: the ZeRO kinds' always, this kind's only where its reduction rounds,
+        `rounds`: a `compressor`, or a `reduce_dtype` narrower than a gradient; ignored
+        otherwise). `expert_group`: the group expert parameters reduce over
+        (`Mesh.expert_dp_group` under expert parallelism); None: they reduce over dp."""
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if compressor is not None and reduce_dtype is not None:
@@ -256,6 +257,11 @@ class GradBuckets:
         self.average_over = average_over or self.dp
         """The sum over the group is divided by this (dp; the group may be cp x dp)."""
         self.params = [p for p in params if p.requires_grad]
+        self.rounds = compressor is not None or (
+            reduce_dtype is not None and any(p.dtype != reduce_dtype for p in self.params)
+        )
+        """The reduction is not the exact sum: a compressor, or a cast to `reduce_dtype` (what
+        a sum of shares reduced apart is not equal to the reduced sum under: `defers_last`)."""
         self.active = self.in_step = False
         self._armed: set[int] = set()
         """Parameters (ids) armed by `arm` this step, before the hooks of all are."""
@@ -287,16 +293,17 @@ class GradBuckets:
     @property
     def defers_last(self) -> bool:
         """Whether the tied embedding's buckets (`last`) must be deferred (`defer`) until its
-        sum over the first and last pipeline stage: a compressor's reduction is not linear
-        (PowerSGD's low-rank factors, a cast's rounding), so compressing each stage's share
-        and summing afterwards is not compressing the sum, as pp 1 does. The plain
-        all-reduce is linear and reduces without waiting (the tied sum follows `finish`)."""
-        return self.compressor is not None and self.dp > 1
+        sum over the first and last pipeline stage: a reduction that rounds (`rounds`:
+        PowerSGD's low-rank factors, the fp16 / bf16 compressors' or `reduce_dtype`'s cast)
+        is not linear, so reducing each stage's share and summing afterwards is not reducing
+        the sum, as pp 1 does. The exact all-reduce reduces without waiting (the tied sum
+        follows `finish`)."""
+        return self.rounds and self.dp > 1
 
     def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
         """The buckets: `bucket_layout`'s, unpadded; `last` in the last one(s) when they are
-        to be deferred (a compressor)."""
-        return self._make_buckets(False, last if self.compressor is not None else ())
+        to be deferred (a reduction that `rounds`)."""
+        return self._make_buckets(False, last if self.rounds else ())
 
     def defer(self, last: Iterable[torch.nn.Parameter], before_reduce) -> None:
         """The buckets holding `last` (as laid out) launch only in finish(), after

@@ -21,9 +21,10 @@ reduce-scattered over that group, each led by its block's unit (`zero3_units.Uni
 
 The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
 `attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
-pipeline stage. The all-reduce kind takes it from the step (`TrainStep`) when it compresses
-(`GradBuckets.defers_last`: a compressor is not linear, so it must compress the stages' sum, as
-pp 1 does); uncompressed, it reduces each stage's share and the step sums them afterwards.
+pipeline stage. The all-reduce kind takes it from the step (`TrainStep`) when its reduction
+rounds (`GradBuckets.defers_last`: a compressor, or a 16-bit `reduce_dtype`, is not linear, so it
+must reduce the stages' sum, as pp 1 does); exact, it reduces each stage's share and the step
+sums them afterwards.
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ def build_grad_sync(
     """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
-    deferred by the optimizer's `attach`; in the all-reduce kind only with a compressor, to
-    be deferred by the step). `compressor` (a `compression.py` compressor)
-    replaces `reduce_dtype`; the zero3 options are `ShardedParams`' (`zero3_float8`: its
+    deferred by the optimizer's `attach`; in the all-reduce kind only where its reduction
+    rounds, a compressor or a 16-bit `reduce_dtype`, to be deferred by the step).
+    `compressor` (a `compression.py` compressor) replaces `reduce_dtype`; the zero3 options
+    are `ShardedParams`' (`zero3_float8`: its
     `float8`; `zero3_half`: its `half`). `zero12_half` (ZeRO-1 / 2): the autocast dtype the
     optimizer all-gathers the blocks' non-float8 linear weights in (`zero3_half.half_weights`,
     experts' left out), laid out in buckets of their own; None: every bucket gathers fp32.

@@ -473,10 +473,10 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
         cfg.zero,
         m,
         layout.pp,
-        cfg.zero3_keep_params,
-        cfg.zero3_reduce == "micro-batch",
-        w_reported(cfg.schedule, layout.pp, m, v),
-        scale,
+        keep_params=cfg.zero3_keep_params,
+        per_micro_batch=cfg.zero3_reduce == "micro-batch",
+        once_a_step=w_reported(cfg.schedule, layout.pp, m, v),
+        grad_scale=scale,
     ).items():
         group = comm.get(names[name])
         if group is None:

@@ -517,6 +517,12 @@ def fp8_json(p: Problem, e: Estimate | None = None) -> dict:
     return out
 
 
+def batch_json(p: Problem, assumed: bool) -> dict:
+    """The global batch for the JSON outputs: its sequences, and whether it was assumed
+    (megapar-train's default, --global-batch-size not given), as the text header says."""
+    return {"global_batch_size": p.global_batch, "global_batch_size_assumed": assumed}
+
+
 def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
     """ZeRO-3 under ep: where the experts' units go (sharded over the expert-data-parallel
     group, gathered with their block), the gathered units and full gradient buffers against
@@ -530,9 +536,9 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
         3,
         m,
         c.pp,
-        c.keep_params,
-        c.zero3_reduce == "micro-batch",
-        w_reported(c.schedule, c.pp, m, c.v),
+        keep_params=c.keep_params,
+        per_micro_batch=c.zero3_reduce == "micro-batch",
+        once_a_step=w_reported(c.schedule, c.pp, m, c.v),
     )
     ops = {
         group: ", ".join(f"{n} {op.replace('_', '-')}s {_amount(b)}" for op, n, b in rows)
@@ -571,10 +577,17 @@ def _amount(nbytes: float) -> str:
 
 
 def print_json(
-    top: int, problem: Problem, estimates, rejected, cmd, valid: int | None = None
+    top: int,
+    problem: Problem,
+    estimates,
+    rejected,
+    cmd,
+    valid: int | None = None,
+    batch_assumed: bool = False,
 ) -> None:
-    """The ranked layouts as JSON: the top rows, the counts (`valid`: of the valid layouts,
-    by default as many as `estimates`), the rejections by reason and the chosen layout's
+    """The ranked layouts as JSON: the global batch (`batch_json`: `batch_assumed`, it was
+    megapar-train's default), the top rows, the counts (`valid`: of the valid layouts, by
+    default as many as `estimates`), the rejections by reason and the chosen layout's
     megapar-train command."""
     reasons: dict[str, int] = {}
     for _, reason in rejected:
@@ -586,6 +599,7 @@ def print_json(
                 "model_params": model_params(problem.config),
                 "active_params": model_params(problem.config)
                 - getattr(problem.config, "idle_expert_params", 0),
+                **batch_json(problem, batch_assumed),
                 "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
                 "valid": len(estimates) if valid is None else valid,
                 "rejected": len(rejected),

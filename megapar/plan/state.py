@@ -243,28 +243,22 @@ def _finish(
         deferred = _deferred(tensors, units, layout.pp)
         kept = offload.micro_batches > 1
         grad_buffers = grad_buffers_peak(
-            specs, grad_nbytes, deferred, offload.whole_grads, kept, alone
+            specs, grad_nbytes, deferred, whole=offload.whole_grads, kept=kept, alone=alone
         )
+        whole, keep = offload.whole_grads, offload.keep_params
         gathered_top, gathered_end, grad_buffers_top = phases(
-            specs,
-            full,
-            deferred,
-            offload.whole_grads,
-            offload.keep_params,
-            kept,
-            grad_nbytes,
-            sent,
+            specs, full, deferred, whole=whole, keep=keep, kept=kept, grads=grad_nbytes, sent=sent
         )
         mid = in_backward(
             specs,
             full,
             deferred,
-            offload.whole_grads,
-            offload.keep_params,
-            kept,
-            grad_nbytes,
-            sent,
-            alone,
+            whole=whole,
+            keep=keep,
+            kept=kept,
+            grads=grad_nbytes,
+            sent=sent,
+            alone=alone,
         )
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
@@ -272,18 +266,18 @@ def _finish(
         weights = 0
         host = max(host, offloaded)  # (--offload-params needs --offload-optimizer)
     return RankState(
-        elements,
-        weights,
-        grads,
-        optimizer,
-        master,
-        gathered,
-        host,
-        grad_buffers,
-        gathered_top,
-        gathered_end,
-        grad_buffers_top,
-        mid,
+        params=elements,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        master=master,
+        gathered=gathered,
+        host=host,
+        grad_buffers=grad_buffers,
+        gathered_top=gathered_top,
+        gathered_end=gathered_end,
+        grad_buffers_top=grad_buffers_top,
+        in_backward=mid,
     )
 
 
@@ -381,6 +375,7 @@ def groups_traffic(
     zero: int,
     m: int,
     pp: int,
+    *,
     keep_params: bool = False,
     per_micro_batch: bool = False,
     once_a_step: bool = False,
@@ -395,14 +390,14 @@ def groups_traffic(
             m,
             pp,
             keep_params,
-            t.nbytes * grad_scale,
-            t.gathered,
-            t.pieces,
-            t.persistent,
-            per_micro_batch,
-            (t.deferred[0], t.deferred[1] * grad_scale),
-            once_a_step,
-            t.tail,
+            grad_bytes=t.nbytes * grad_scale,
+            param_bytes=t.gathered,
+            pieces=t.pieces,
+            persistent=t.persistent,
+            per_micro_batch=per_micro_batch,
+            deferred=(t.deferred[0], t.deferred[1] * grad_scale),
+            once_a_step=once_a_step,
+            tail=t.tail,
         )
         for group, t in traffic.items()
     }

@@ -11,9 +11,10 @@
    everything below (clipping, fp16's unscale) sees the true gradients;
    sum over tp the gradients that are partial there (--sequence-parallel's replicated
    parameters; Llama's k / v kept whole where tp does not divide the kv heads);
-3. sum the tied embedding's gradient over the first and last stage (pp > 1; under a
-   compressed all-reduce, --grad-compression, inside `grad_sync.finish()` before the tied
-   buckets are reduced: a compressor must see the stages' sum, as pp 1 does);
+3. sum the tied embedding's gradient over the first and last stage (pp > 1; under an
+   all-reduce that rounds, --grad-compression or a 16-bit --grad-reduce-dtype, inside
+   `grad_sync.finish()` before the tied buckets are reduced: the rounding must see the
+   stages' sum, as pp 1 does);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm or
@@ -207,9 +208,9 @@ class TrainStep:
             mesh.pp > 1 and getattr(grad_sync, "defers_last", False)
         )
         """The tied embedding's sum over the first and last stage runs inside the grad sync's
-        finish(), before its (deferred) dp reduction: the sharded kinds, and the compressed
-        all-reduce (`GradBuckets.defers_last`); else `sync_gradients` sums the reduced
-        shares."""
+        finish(), before its (deferred) dp reduction: the sharded kinds, and the all-reduce
+        that rounds (`GradBuckets.defers_last`: compressed, or in a 16-bit reduce dtype); else
+        `sync_gradients` sums the reduced shares."""
         if self.sharded:
             self._attach()
         elif self.tied_in_finish:
