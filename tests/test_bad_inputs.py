@@ -1523,3 +1523,20 @@ def test_a_model_directory_given_as_text_is_named_as_a_model(tmp_path, capsys):
         _refuse_what_is_not_text(str(hf))
     # a directory of text that holds a config.json (no weights beside it) is still text
     assert data_main(["--input", str(text), "--output-prefix", str(out), "--no-progress"]) == 0
+
+
+def test_a_dry_run_refuses_raw_text_the_run_could_not_read(no_workers, tmp_path, capsys):
+    """megapar-train --dry-run --data DIR of no text (here SentencePiece models), or --data a
+    binary file, rehearsed the job ('data skipped (... raw text, which a rehearsal does not
+    tokenize ...)') that the run then refused: the rehearsal checks the inputs as the run lists
+    them (nothing is tokenized). A --data that is not on this machine is still skipped."""
+    models = tmp_path / "sp"
+    models.mkdir()
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), models / "a.model")
+    (tmp_path / "data.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(64))
+    common = ["--model", "gpt2-tiny", "--seq-len", "32", "--max-steps", "1", "--dry-run"]
+    for data, says in [(models, f"input directory {models} holds only SentencePiece models"),
+                       (tmp_path / "data.gz", "gzip")]:
+        assert train(["--data", str(data), *common]) == 2
+        line = _one_line(capsys, "megapar-train")
+        assert says in line, line

@@ -351,3 +351,26 @@ def test_a_head_other_than_the_embedding_is_refused_where_megapar_always_ties(tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"{head} holds other values than the word embedding" in err, err
+
+
+@pytest.mark.parametrize("kind, vocab", [("gpt2", 1004), ("llama", 2)])
+def test_to_hf_makes_no_special_id_outside_the_vocabulary(kind, vocab, monkeypatch):
+    """A GPT-2 trained on a SentencePiece vocabulary of 1,004 was exported with transformers'
+    warnings "bos_token_id / eos_token_id must be `None` or an integer within the vocabulary
+    (between 0 and 1003), got 50256" on stderr: `to_hf` made the config with GPT2Config's
+    default ids before the export replaced them. The config is made without them now (a
+    Llama's own eos_token_id 2 alike in a vocabulary of 2), and transformers says nothing."""
+    from megapar.models import config_from_dict
+
+    said = []
+    monkeypatch.setattr(transformers.configuration_utils.logger, "warning_once",
+                        lambda msg, *a, **k: said.append(msg))
+    fields = ({"n_embd": 32, "n_layer": 1, "n_head": 4} if kind == "gpt2" else
+              {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+               "num_attention_heads": 4})
+    hf = config_from_dict({"model_type": kind, "vocab_size": vocab, **fields}).to_hf()
+    ids = {k: v for k, v in hf.to_dict().items() if k.endswith("_token_id")}
+    assert all(v is None or 0 <= v < vocab for v in ids.values()), ids
+    assert not [m for m in said if "_token_id" in m], said
+    if kind == "llama":
+        assert hf.bos_token_id == 1 and hf.eos_token_id is None

@@ -220,6 +220,31 @@ def test_a_tokenizer_kept_in_a_text_directory_is_not_read_as_text(tmp_path):
         expand_inputs([str(root / "gpt2")])
 
 
+def test_a_sentencepiece_model_as_input_is_named_a_tokenizer(tmp_path):
+    """A directory holding only SentencePiece models, or one given as the input, was 'binary
+    (NUL bytes in its first KiB), not text; ... convert it to one of them ... and pass that':
+    it is the tokenizer, named with the --tokenizer that uses it. A text named .model is text."""
+    import shutil
+
+    from megapar.data.preprocess import expand_inputs
+
+    root = tmp_path / "sp"
+    root.mkdir()
+    for name in ("a.model", "b.model"):
+        shutil.copy(asset_path("botchan_en_unigram_1000.model"), root / name)
+    with pytest.raises(FileNotFoundError, match=(
+            rf"^input directory {root} holds only SentencePiece models \(a.model, b.model\): "
+            rf"tokenizers, not text; give one as --tokenizer {root}/a.model and the text to "
+            rf"tokenize as the input$")):
+        expand_inputs([str(root)])
+    with pytest.raises(ValueError, match=(
+            rf"^input {root}/a.model is a SentencePiece model: a tokenizer, not text; give it "
+            rf"as --tokenizer {root}/a.model and")):
+        expand_inputs([str(root / "a.model")])
+    (tmp_path / "notes.model").write_text("a text that happens to end in .model\n")
+    assert expand_inputs([str(tmp_path / "notes.model")]) == [str(tmp_path / "notes.model")]
+
+
 def test_a_file_given_twice_is_refused_and_repeated_inputs_all_read(tmp_path, capsys):
     """The same file given twice, or a file beside a directory that holds it, would be
     tokenized twice: one line naming it, exit 2, nothing written. `--input A --input B` reads

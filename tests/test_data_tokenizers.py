@@ -121,6 +121,27 @@ def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
         load_tokenizer("bert-base-uncased")
 
 
+def test_a_model_without_its_suffix_or_a_datasets_prefix_as_tokenizer_names_the_path(tmp_path):
+    """--tokenizer DIR/botchan_en_bpe_1000 (the .model left off) and --tokenizer data/corpus
+    (megapar-data's prefix, whose .json records the tokenizer) were each 'no such file or
+    directory; pass an existing SentencePiece .model file ...', naming neither the file there
+    nor the dataset's tokenizer."""
+    from megapar.data.preprocess import preprocess_files
+
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), tmp_path / "sp.model")
+    with pytest.raises(ValueError, match=f"'{tmp_path}/sp': no such file or directory; "
+                                         f"{tmp_path}/sp.model is there: for that SentencePiece "
+                                         f"model pass --tokenizer {tmp_path}/sp.model$"):
+        load_tokenizer(str(tmp_path / "sp"))
+    (tmp_path / "a.txt").write_text("Some text to tokenize.\n")
+    preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "corpus"),
+                     str(tmp_path / "sp.model"), progress=False)
+    with pytest.raises(ValueError, match=f"'{tmp_path}/corpus' is the prefix of a tokenized "
+                                         f"dataset .*it was made with --tokenizer "
+                                         f"{tmp_path}/sp.model: pass that"):
+        load_tokenizer(str(tmp_path / "corpus"))
+
+
 def test_a_hugging_face_hub_id_as_tokenizer_names_the_download(tmp_path, monkeypatch):
     """--tokenizer meta-llama/Llama-3.2-1B (the id transformers users pass) was "no such file
     or directory; pass an existing SentencePiece .model file or tokenizer directory", the

@@ -11,6 +11,7 @@ for what is done with the documents.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -268,6 +269,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"on it)"
                 )
             if not path.endswith(".parquet"):  # its name is no promise of text
+                if _sentencepiece_model(path):
+                    raise ValueError(_a_tokenizer_not_text(path, [path]))
                 check_is_text(path)
             files.append(path)
         else:
@@ -292,6 +295,8 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         )
     if not others:
         return line
+    if all(map(_sentencepiece_model, others)):
+        return _a_tokenizer_not_text(path, others)
     kinds = sorted({os.path.splitext(f)[1] or "no suffix" for f in others})
     line += (
         f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
@@ -305,6 +310,38 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         f"{line}: give such a file by its own path ({shell_word(others[0])}: a file named as "
         f"input is read as text whatever its name), or rename them .txt"
     )
+
+
+def _sentencepiece_model(path: str) -> bool:
+    """Whether file `path` is a SentencePiece model: named ``.model``, its first KiB binary (a
+    NUL byte, or bytes that are not UTF-8: the protobuf's scores), as no text is."""
+    if not path.endswith(".model"):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024)
+    except OSError:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in head
+
+
+def _a_tokenizer_not_text(path: str, models: list[str]) -> str:
+    """The line for input `path` that is a SentencePiece model, or a directory holding only
+    `models` (``.model`` files): a tokenizer, not text; the fix names the --tokenizer."""
+    names = ", ".join(os.path.basename(f) for f in models[:3]) + (
+        ", ..." if len(models) > 3 else ""
+    )
+    what = (
+        f"input {path} is a SentencePiece model: a tokenizer, not text; give it"
+        if models == [path]
+        else f"input directory {path} holds only SentencePiece models ({names}): tokenizers, "
+        f"not text; give one"
+    )
+    return f"{what} as --tokenizer {shell_word(models[0])} and the text to tokenize as the input"
 
 
 def check_read_once(inputs: Sequence[str]) -> None:

@@ -32,7 +32,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from megapar.data.assets import asset_path, moved_asset
 from megapar.data.hf_tokenizer import SAMPLE_TEXTS, load_hf_tokenizer
+from megapar.data.inputs import dataset_of
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
+from megapar.one_line_parser import shell_word
 
 __all__ = [
     "APPENDED_ORDER",
@@ -199,6 +201,33 @@ def _count_merges(path: str) -> int:
         return sum(1 for line in f if line.strip() and not line.startswith("#version"))
 
 
+def _meant_instead(spec: str) -> str | None:
+    """The line for a --tokenizer `spec` that names no file but a file beside it: a
+    SentencePiece model given without its ``.model``, or the prefix of a tokenized dataset
+    (``spec.bin`` / ``.idx`` / ``.json``), whose ``.json`` records its tokenizer; else None."""
+    if os.path.isfile(spec + ".model"):
+        return (
+            f"tokenizer {spec!r}: no such file or directory; {spec}.model is there: for that "
+            f"SentencePiece model pass --tokenizer {shell_word(spec + '.model')}"
+        )
+    if dataset_of(spec + ".json") is None:
+        return None
+    try:
+        with open(spec + ".json", encoding="utf-8") as f:
+            recorded = (json.load(f).get("tokenizer") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    line = (
+        f"tokenizer {spec!r} is the prefix of a tokenized dataset ({spec}.bin / .idx / .json), "
+        f"not a tokenizer; "
+    )
+    if isinstance(recorded, str):
+        line += f"it was made with --tokenizer {shell_word(recorded)}: pass that"
+    else:
+        line += "pass the tokenizer it was made with"
+    return line + f" (megapar-train --data {shell_word(spec)} takes it by itself)"
+
+
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     """Load a tokenizer from ``spec`` (see the module docstring), or from a
     ``Tokenizer.spec()`` dict.
@@ -328,6 +357,9 @@ def _load(spec: str) -> Tokenizer:
             f"tokenizer {spec!r} is one file of a tokenizer; pass the directory holding it: "
             f"{os.path.dirname(spec) or '.'}"
         )
+    meant = None if os.path.exists(spec) else _meant_instead(spec)
+    if meant is not None:
+        raise ValueError(meant)
     if (
         _HUB_ID.fullmatch(spec)
         and not spec.endswith((".model", ".json", ".txt"))

@@ -66,16 +66,23 @@ class _Base:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}
 
     def to_hf(self):
-        """The transformers config with the same fields (megapar-only fields left out)."""
+        """The transformers config with the same fields (megapar-only fields left out). A
+        special token id outside the vocabulary, the class's default (GPT-2's 50256 in a
+        SentencePiece vocabulary of 1,004) or this config's, is None: transformers warns of
+        one as the config is made ("must be `None` or an integer within the vocabulary")."""
         import transformers
 
-        return getattr(transformers, self.hf_config_class)(
-            **{
-                k: v
-                for k, v in dataclasses.asdict(self).items()
-                if k != "make_vocab_size_divisible_by"
-            }
-        )
+        cls = getattr(transformers, self.hf_config_class)
+        fields = {
+            k: v for k, v in dataclasses.asdict(self).items() if k != "make_vocab_size_divisible_by"
+        }
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # transformers 5's
+        for name in {**defaults, **fields}:
+            value = fields.get(name, defaults.get(name))
+            if name.endswith("_token_id") and isinstance(value, int):
+                if not 0 <= value < self.vocab_size:
+                    fields[name] = None
+        return cls(**fields)
 
     @classmethod
     def from_dict(cls, d: dict):

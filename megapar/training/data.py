@@ -194,6 +194,11 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
         if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
         _refuse_what_is_not_text(data)
+        if cfg.dry_run:  # the run reads it: a binary file, a directory of no text fail here
+            try:
+                expand_inputs([data])
+            except FileNotFoundError as exc:  # it is there: not a corpus left on the cluster
+                raise ValueError(str(exc)) from exc
         return data
     missing = missing_files(data)
     if missing:
