@@ -306,8 +306,8 @@ def test_from_hf_of_a_model_megapar_does_not_build(tmp_path, capsys):
     from megapar.cli.train import main as train
 
     trains = ("GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / "
-              "Qwen3MoeForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM "
-              "checkpoints")
+              "Qwen3MoeForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / "
+              "DeepseekV3ForCausalLM checkpoints")
     cases = [("neox", {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
               "GPTNeoXForCausalLM (model_type 'gpt_neox')"),
              ("opt", {"model_type": "opt", "architectures": ["OPTForCausalLM"]},

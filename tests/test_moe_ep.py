@@ -47,7 +47,7 @@ def _whole(t, p, mesh):
 
 
 def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False,
-            precision="fp32", sp=False, etp=1, make=config):
+            precision="fp32", sp=False, etp=1, make=None):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -57,7 +57,7 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=Fals
 
     mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank(), sequence_parallel=sp,
                 expert_tp=etp)
-    model = build_stage(make(), mesh, SEED, recompute)
+    model = build_stage((make or config)(), mesh, SEED, recompute)
     seq = SEQ // cp // (tp if sp else 1)
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32))
     if zero == 3:
@@ -74,7 +74,7 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=Fals
 
 
 def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1, offload=False,
-           sp=False, etp=1, make=config):
+           sp=False, etp=1, make=None):
     mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp, offload,
                                            sp=sp, etp=etp, make=make)
     grads, optimizer_step = {}, optimizer.step

@@ -59,11 +59,11 @@ def biases(model) -> dict:
             for n, m in model.named_modules() if hasattr(m, "router")}
 
 
-def serial_reference(batches: list[dict] | None = None, make=config) -> dict:
+def serial_reference(batches: list[dict] | None = None, make=None) -> dict:
     """One process trained with torch's AdamW on `batches` (default `global_batches()`), the
     model of `make()` (default `config()`)."""
     mesh = Mesh(Layout())
-    model = build_stage(make(), mesh, SEED)
+    model = build_stage((make or config)(), mesh, SEED)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -94,7 +94,7 @@ def serial_reference(batches: list[dict] | None = None, make=config) -> dict:
             "routers": routers, "biases": biases(model)}
 
 
-def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, make=config):
+def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, make=None):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -106,7 +106,7 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, 
     mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp,
                 expert_tp=etp)
     virtual = 2 if schedule == "interleaved" else 1
-    model = build_stage(make(), mesh, SEED, recompute,
+    model = build_stage((make or config)(), mesh, SEED, recompute,
                         virtual_stages=chunks_per_rank(schedule, virtual),
                         placement=placement_of(schedule))
     seq = SEQ // cp // (tp if sp else 1)
