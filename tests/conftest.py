@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -37,6 +38,12 @@ def _write_megapar_bytecode() -> None:
 
 _write_megapar_bytecode()
 torch.set_num_threads(1)
+# A suite started in the background by a shell without job control (`.ci/run &` in a script)
+# inherits SIGINT ignored, as would every process it starts; megapar keeps an ignored SIGINT
+# ignored (as Python does), so the tests of a terminal's Ctrl-C (test_faults, test_eval_cli,
+# test_generate) would see none arrive. The suite takes Python's own handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # The suite runs on the CPU with gloo on any machine (many ranks on one device); the tests marked
 # `cuda` (tests/test_cuda.py, tools/gpu_check.sh) run on the GPUs with NCCL instead.
 os.environ.setdefault("MEGAPAR_CPU", "1")
