@@ -5,14 +5,22 @@ the switch loss, the z-loss and the moving e_score_correction_bias) trains the s
 (the latents gathered), pp 2 with full recomputation and dp 2 x ep 2 as one process: losses,
 grad norms, router statistics, biases, first-step gradients and final weights, fp32, 1e-5
 relative, over three steps (the harness and the serial reference of test_moe_parallel.py and
-test_moe_ep.py, given this model)."""
+test_moe_ep.py, given this model). Context parallelism too: cp 2 by each --cp-comm-type (the
+ring, the all-gather and the all-to-all, v zero-padded to the qk head size for their kernels),
+and tp 2 x cp 2 with sequence parallelism by the all-to-all (a tp rank's two heads, one per cp
+rank; the latents gathered over the cp rank's tokens) with YaRN, whose softmax factor goes onto
+q before the cp kernels."""
 
+import dataclasses
+
+import pytest
 from test_moe_ep import _train as _train_ep
 from test_moe_parallel import E, _train, check_rank, serial_reference
 from tp_utils import assert_close
 
 from megapar.launcher import run_local
 from megapar.models import DeepseekV3Config
+from megapar.models.blocks import CP_COMM_TYPES
 
 
 def config() -> DeepseekV3Config:
@@ -25,6 +33,16 @@ def config() -> DeepseekV3Config:
         router_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.01)
 
 
+def yarn_config() -> DeepseekV3Config:
+    """`config()` with YaRN rope scaling: the softmax scale times mscale(factor,
+    mscale_all_dim)^2, which under cp goes onto q before the cp kernels (their scale is the head
+    size's); weights drawn wide enough (std 0.1) that the scale moves the softmax (a cp run
+    without the factor is 30 % off in some gradients; at std 0.02 only 1e-5 in the grad norm)."""
+    return dataclasses.replace(config(), initializer_range=0.1, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+
+
 RUNS = [(2, 1, 1, 0, "1f1b"), (2, 1, 1, 0, "1f1b", "none", True), (1, 2, 1, 0, "1f1b", "full")]
 
 
@@ -33,12 +51,13 @@ def _worker():
             + [_train_ep(1, 1, 2, 2, 0, make=config)])
 
 
-def test_deepseek_layouts_match_serial_training():
-    reference = serial_reference(make=config)
-    assert reference["losses"][-1] < reference["losses"][0]
-    assert any(b.abs().sum() > 0 for b in reference["biases"].values())  # the bias moved
-    outs = run_local(_worker, 2)
-    for i, run in enumerate([*RUNS, "dp 2 x ep 2"]):
+@pytest.fixture(scope="module")
+def reference():
+    return serial_reference(make=config)
+
+
+def check(outs, runs, reference) -> None:
+    for i, run in enumerate(runs):
         merged = {"weights": {}, "grads": {}}
         for rank, out in enumerate(o[i] for o in outs):
             check_rank(out, f"{run} rank {rank}", reference, merged)
@@ -46,3 +65,33 @@ def test_deepseek_layouts_match_serial_training():
             assert set(merged[key]) == set(reference[key]), f"{run}: parameter names differ"
             for name, t in merged[key].items():
                 assert_close(t, reference[key][name], what=f"{run} {key} {name}")
+
+
+def test_deepseek_layouts_match_serial_training(reference):
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert any(b.abs().sum() > 0 for b in reference["biases"].values())  # the bias moved
+    check(run_local(_worker, 2), [*RUNS, "dp 2 x ep 2"], reference)
+
+
+def _cp_worker(runs, make):
+    return [_train(*run[:-1], make=make, comm=run[-1]) for run in runs]
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_deepseek_cp2_matches_serial_training(reference, comm):
+    """MLA under cp 2 by the ring (p2p), the all-gather and the all-to-all."""
+    runs = [(1, 1, 1, 0, "1f1b", "none", False, 2, 1, comm)]
+    outs = run_local(_cp_worker, 2, runs, config)
+    assert all(o[0]["cp_methods"] == {CP_COMM_TYPES[comm]} for o in outs)
+    check(outs, runs, reference)
+
+
+def test_deepseek_tp2_cp2_sp_yarn_matches_serial_training():
+    """tp 2 x cp 2 with sequence parallelism by the all-to-all, with YaRN's softmax factor."""
+    from megapar.models.llama import rope_softmax_factor
+
+    assert rope_softmax_factor(yarn_config()) > 1.01
+    runs = [(2, 1, 1, 0, "1f1b", "none", True, 2, 1, "a2a")]
+    outs = run_local(_cp_worker, 4, runs, yarn_config)
+    assert all(o[0]["cp_methods"] == {"a2a"} for o in outs)
+    check(outs, runs, serial_reference(make=yarn_config))

@@ -94,10 +94,13 @@ def serial_reference(batches: list[dict] | None = None, make=None) -> dict:
             "routers": routers, "biases": biases(model)}
 
 
-def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, make=None):
+def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, make=None,
+           comm="auto"):
+    """`comm`: --cp-comm-type (auto: the model's own cp attention)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
+    from megapar.models import set_cp_comm
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
@@ -109,6 +112,7 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, 
     model = build_stage((make or config)(), mesh, SEED, recompute,
                         virtual_stages=chunks_per_rank(schedule, virtual),
                         placement=placement_of(schedule))
+    set_cp_comm(model, comm)
     seq = SEQ // cp // (tp if sp else 1)
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32), virtual_stages=virtual)
     if zero == 3:
@@ -145,7 +149,9 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, 
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
     return {"run": (tp, pp, dp, zero, schedule, etp), "results": results,
             "weights": weights if keep else {}, "grads": grads if keep else {},
-            "biases": biases(model)}
+            "biases": biases(model),
+            "cp_methods": {m.context_parallel.method for m in model.modules()
+                           if getattr(m, "context_parallel", None) is not None}}
 
 
 RUNS = [(2, 1, 1, 0, "1f1b"), (1, 2, 1, 0, "1f1b"), (1, 2, 1, 0, "zb-h1"),

@@ -24,8 +24,17 @@ share, all-reduced in the backward, so every rank's down projections get the who
 or under sequence parallelism all-gathered along the sequence (the gradient reduce-scattered;
 each rank's down projections see only its slice of the tokens, and their gradients are summed
 over tp once a step as every replicated parameter's under SP). So the tp collective of the
-attention's input carries the latent, not the hidden states. Context parallelism is refused
-(`DeepseekV3Config.validate`): its kernels take q / k and v heads of one size.
+attention's input carries the latent, not the hidden states.
+
+Context parallelism runs the core through `megapar.context_parallel` (`LayerAttention`: the
+ring by default, every head having its own keys and values; the all-gather or the all-to-all
+by --cp-comm-type), as Llama's attention does: a cp rank projects its tokens' latents, turns
+their rotary parts by their global positions, and the kernels see the whole sequence's keys.
+Those kernels take one head size for q, k and v (the ring and the all-gather send k and v
+stacked, the all-to-all q, k and v in one tensor, and the fused kernels need it), so v is
+zero-padded to the qk head size first and the output cut back, as for SDPA: a K/V block
+carries heads x 2 x qk numbers a token. Their softmax scale is the head size's (qk^-1/2); a
+YaRN mscale factor on it is applied to q before them.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapar.context_parallel import LayerAttention, method_for
 from megapar.mesh import Mesh
 from megapar.models.blocks import checkpoint_for, fork_for
 from megapar.models.kv_cache import KVCache
@@ -107,24 +117,37 @@ class MLAttention(nn.Module):
         )
         self.proj = RowParallelLinear(heads * self.v_dim, hidden, mesh, bias=False, name=name)
         self.interleave = config.rope_interleave
-        self.scaling = self.qk_dim**-0.5 * rope_softmax_factor(config)
+        self.softmax_factor = rope_softmax_factor(config)
+        self.scaling = self.qk_dim**-0.5 * self.softmax_factor
         self.rotary, self.tracker = rotary, tracker
         self.window = None
         self.dropout = config.attention_dropout
         self.recompute_core = False
         self.cp = mesh.cp
+        # every head its own keys and values (kv heads = query heads): the ring by default
+        self.context_parallel = (
+            LayerAttention(mesh, True, method_for(heads, heads)) if mesh.cp > 1 else None
+        )
         self.kv_cache: KVCache | None = None  # generation's (`megapar.models.kv_cache`)
 
     def _core(self, q, k, v, docs=None):
-        """Causal attention of this rank's heads (within each packed document of `docs`). v
-        narrower than q / k is zero-padded to their size and the output cut back: SDPA's fused
-        kernels (FlashAttention, the CPU's) take one head size, and without them it would
-        keep the s x s probabilities for the backward."""
+        """Causal attention of this rank's heads (within each packed document of `docs`);
+        under cp over the whole sequence, by `megapar.context_parallel`. v narrower than q / k
+        is zero-padded to their size and the output cut back: SDPA's fused kernels
+        (FlashAttention, the CPU's) take one head size, and without them it would keep the
+        s x s probabilities for the backward; the cp kernels take one head size too (k and v
+        travel stacked, the all-to-all's q, k and v in one tensor)."""
         dropout = self.dropout if self.training else 0.0
         width = v.shape[-1]
         if width < q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - width))
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
+            if self.context_parallel is not None:
+                # the cp kernels' scale is the head size's: YaRN's mscale factor goes on q
+                if self.softmax_factor != 1.0:
+                    q = q * self.softmax_factor
+                out = self.context_parallel(q, k, v, dropout_p=dropout, documents=docs)
+                return out[..., :width]
             bias = None if docs is None else docs.bias(None, q.dtype)
             if bias is not None:
                 out = F.scaled_dot_product_attention(

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from megapar.mesh import Layout, LayoutError, layout_option
+from megapar.mesh import Layout
 from megapar.models.config import ConfigError, LlamaConfig
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -398,12 +398,6 @@ class DeepseekV3Config(_MoEConfig):
             raise ConfigError(
                 f"shared_expert_intermediate_size {self.shared_expert_intermediate_size} is "
                 f"DeepSeek-V3's n_shared_experts x moe_intermediate_size ({size}); remove it"
-            )
-        if layout.cp > 1:
-            raise LayoutError(
-                f"{layout_option('cp', layout.cp, api)}: megapar's context-parallel attention "
-                f"takes q / k and v heads of one size, and MLA's differ (qk "
-                f"{self.head_size}, v {self.v_head_dim}); use {layout_option('cp', 1, api)}"
             )
 
 
