@@ -9,15 +9,20 @@ test_moe_ep.py, given this model). Context parallelism too: cp 2 by each --cp-co
 ring, the all-gather and the all-to-all, v zero-padded to the qk head size for their kernels),
 and tp 2 x cp 2 with sequence parallelism by the all-to-all (a tp rank's two heads, one per cp
 rank; the latents gathered over the cp rank's tokens) with YaRN, whose softmax factor goes onto
-q before the cp kernels."""
+q before the cp kernels; and cp 2 in bf16 by each comm type (k cast to the activations' dtype
+for the cp kernels: the blocks travel in 16 bits; no host sync per micro-batch added)."""
 
 import dataclasses
 
 import pytest
+import torch
+from sync_count import count_syncs
+from test_moe_ep import _engine
 from test_moe_ep import _train as _train_ep
-from test_moe_parallel import E, _train, check_rank, serial_reference
+from test_moe_parallel import MBS, SEQ, E, _train, check_rank, global_batches, serial_reference
 from tp_utils import assert_close
 
+from megapar.comm_count import count_collectives
 from megapar.launcher import run_local
 from megapar.models import DeepseekV3Config
 from megapar.models.blocks import CP_COMM_TYPES
@@ -95,3 +100,58 @@ def test_deepseek_tp2_cp2_sp_yarn_matches_serial_training():
     outs = run_local(_cp_worker, 4, runs, yarn_config)
     assert all(o[0]["cp_methods"] == {"a2a"} for o in outs)
     check(outs, runs, serial_reference(make=yarn_config))
+
+
+def _bf16_worker(comms):
+    """Per --cp-comm-type at cp 2 in bf16: the first step's loss, and a later step's host syncs
+    and collectives at 4 and at 8 micro-batches."""
+    from megapar.models import set_cp_comm
+    from megapar.training.step import BatchPlan
+
+    out = []
+    for comm in comms:
+        _, model, _, step = _engine(1, 1, 1, 1, 0, "none", cp=2, precision="bf16", make=config)
+        set_cp_comm(model, comm)
+        first, second, _ = global_batches()
+        both = {k: torch.cat([first[k], second[k]]) for k in first}
+        runs = {}
+        for m, batch in ((4, first), (8, both)):
+            split = BatchPlan(len(batch["input_ids"]), MBS, 1).split(batch, 0)
+            loss = step.step(split, 0).loss  # the first step of a shape builds its executor
+            with count_syncs() as syncs, count_collectives() as calls:
+                step.step(split, 1)
+            runs[m] = {"loss": loss, "syncs": syncs,
+                       "calls": {(c.op, c.dtype, c.bytes) for c in calls if c.op != "all_reduce"}}
+        out.append(runs)
+    return out
+
+
+def test_deepseek_cp2_bf16_sends_16_bit_blocks_and_adds_no_host_sync(reference):
+    """Under bf16 autocast MLA's k is fp32 (its rotary part comes from the latent, fp32 after
+    the norm's fp32 weight); the cp kernels take it in bf16, as SDPA's autocast does at cp 1
+    (an fp32 k was refused by the CPU flash kernel and doubled the all-to-all). K/V blocks travel
+    in bf16 at the qk head size (v zero-padded: 2 x MBS x heads x SEQ / 2 x 16 x 2 bytes), the
+    ring's dK/dV and the all-gather's reduce-scatter in fp32; the loss is within bf16's rounding
+    of fp32's; the only host sync per micro-batch is the MoE layers' (`moe.host_counts`)."""
+    comms = ["p2p", "all_gather", "a2a"]
+    block = 2 * MBS * 4 * SEQ // 2 * 16 * 2
+    expected = {
+        "p2p": {(op, dtype, size) for op in ("isend", "irecv")
+                for dtype, size in ((torch.bfloat16, block), (torch.float32, 2 * block))},
+        "all_gather": {("all_gather_into_tensor", torch.bfloat16, block),
+                       ("reduce_scatter_tensor", torch.float32, 4 * block)},
+        # q, k and v in one (3 x 4 heads over 2 ranks), the output in another
+        "a2a": {("all_to_all_single", torch.bfloat16, 3 * block // 2),
+                ("all_to_all_single", torch.bfloat16, block // 2)},
+    }
+    for runs in run_local(_bf16_worker, 2, comms):
+        for comm, by_m in zip(comms, runs):
+            assert abs(by_m[4]["loss"] - reference["losses"][0]) < 1e-2 * reference["losses"][0]
+            for m, run in by_m.items():
+                assert run["calls"] == expected[comm], (comm, m, run["calls"])
+            syncs = [by_m[m]["syncs"] for m in (4, 8)]
+            grow = {k for k in syncs[0] | syncs[1] if syncs[0][k] != syncs[1][k]}
+            assert len(grow) == 1, (comm, syncs)  # one call site grows with the micro-batches
+            (site,) = grow
+            assert site[1].startswith("models/moe.py"), (comm, site)
+            assert [s[site] for s in syncs] == [3 * 4, 3 * 8], (comm, syncs)  # 3 MoE layers
