@@ -140,8 +140,6 @@ def test_deepseek_v3_recipe_counts_and_plan_terms():
     from megapar.models import build_model
     from megapar.models.flops import mla_widths
     from megapar.models.recipes import resolve_model
-    from megapar.plan import memory as mem
-    from megapar.plan.experts import routed_bytes
     from megapar.plan.params import model_params
 
     v3 = resolve_model("deepseek-v3")
@@ -156,23 +154,70 @@ def test_deepseek_v3_recipe_counts_and_plan_terms():
             num_local_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
             first_k_dense_replace=1)
         model = build_model(config, Mesh(Layout()), range(2), False, False)
-        model.init_weights(0)
         attn = model.layers["0"].attn
         assert mla_widths(config) == sum(p.numel() for n, p in attn.named_parameters()
                                          if "norm" not in n)
-        params = {p.untyped_storage()._cdata for p in model.parameters()}
-        saved = {}
+        held, planned = _held_and_planned(config, Mesh(Layout()), s, b)
+        assert held == planned, q_rank
 
-        def pack(t, params=params, saved=saved):
-            if t.untyped_storage()._cdata not in params:
-                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-            return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(torch.randn(b, s, h, requires_grad=True), {})
-        held = sum(saved.values()) + out.untyped_storage().nbytes()
-        dense, moe = (mem.layer_bytes(s, b, h, 4, act_bytes=4, dropout=False,
-                                      fused_attention=True, norm_stats=True,
-                                      terms=mem.block_terms(config, m)) for m in (False, True))
-        moe += routed_bytes(config, s * b, 4) + 36 + s * b * 4
-        assert dense + moe + s * b * h * 4 + 2 * s * config.rope_dim * 4 == held, q_rank
+def _held_and_planned(config, mesh, s, b, comm="auto"):
+    """(bytes a middle stage of `config` (one dense and one MoE block) keeps for backward on
+    this rank's s tokens, fp32, and the planner's count of them: the blocks' terms, the rotary
+    tables, the output and, beyond `routed_bytes`, 36 bytes of router loads and the sigmoid
+    router's fp32 per-token sum). `comm`: --cp-comm-type."""
+    from megapar.models import build_model, set_cp_comm
+    from megapar.plan import memory as mem
+    from megapar.plan.experts import routed_bytes
+
+    h = config.hidden_size
+    model = build_model(config, mesh, range(2), False, False)
+    model.init_weights(0)
+    set_cp_comm(model, comm)
+    if mesh.cp > 1:
+        assert {layer.attn.context_parallel.method for layer in model.layers.values()} == {
+            {"p2p": "ring", "all_gather": "all-gather", "a2a": "a2a"}[comm]}
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(b, s, h, requires_grad=True), {})
+    held = sum(saved.values()) + out.untyped_storage().nbytes()
+    dense, moe = (mem.layer_bytes(s, b, h, 4, act_bytes=4, dropout=False, fused_attention=True,
+                                  norm_stats=True, terms=mem.block_terms(config, m))
+                  for m in (False, True))
+    moe += routed_bytes(config, s * b, 4) + 36 + s * b * 4
+    return held, dense + moe + s * b * h * 4 + 2 * s * config.rope_dim * 4
+
+
+def _held_at_cp2():
+    import torch.distributed as dist
+
+    from megapar.mesh import Mesh
+
+    config = DeepseekV3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=160, moe_intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=20,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=32,
+        num_local_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1)
+    mesh = Mesh(Layout(cp=2), dist.get_rank())
+    return {comm: _held_and_planned(config, mesh, 32 // 2, 3, comm)
+            for comm in ("p2p", "all_gather", "a2a")}
+
+
+def test_the_plan_terms_hold_under_cp():
+    """At cp 2 (each rank's 16 of 32 tokens, by the ring, the all-gather and the all-to-all)
+    a middle stage keeps what the planner counts for its tokens: the cp kernels keep what SDPA
+    keeps at cp 1 (q, k, the value zero-padded to the qk head size, the output and its
+    log-sum-exp)."""
+    from megapar.launcher import run_local
+
+    for out in run_local(_held_at_cp2, 2):
+        for comm, (held, planned) in out.items():
+            assert held == planned, comm
