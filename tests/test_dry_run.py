@@ -883,6 +883,26 @@ def test_plan_verify_holds_all_to_all_context_parallelism():
     assert v.differences == [(1, "all_to_all", planned + 2, planned)], v.differences
 
 
+def test_plan_verify_holds_mla_context_parallelism():
+    """deepseek-v3-tiny (MLA: v zero-padded to the qk head size for the cp kernels) at cp 2 x
+    dp 2 by the ring and at tp 2 x cp 2 with sequence parallelism by the all-to-all, bf16: the
+    planner offers both, and their parameters, state, activations and the attention's
+    all-to-all bytes equal the dry run's (an fp32 k sent in the all-to-all, before k was cast
+    to the activations' dtype, was 1.75 x the plan's bytes)."""
+    from megapar.dryrun.verify import verify_layout
+    from megapar.plan import Problem, parse_candidate
+    from megapar.plan.layouts import check
+
+    problem = Problem(resolve_model("deepseek-v3-tiny"), 4, global_batch=4, seq_len=64,
+                      precision="bf16")
+    for spec, rank in (("tp=1,pp=1,cp=2,dp=2,mbs=1", 3),
+                       ("tp=2,pp=1,cp=2,dp=1,mbs=1,sp=1,cp_comm=a2a", 1)):
+        c = parse_candidate(spec, 4)
+        assert check(c, problem) is None, spec
+        v = verify_layout(problem, c, ranks=[rank])
+        assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], ""), spec
+
+
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
     """After a dry run's fake backward a forked process still runs a backward (the launcher's
     ranks): torch 2.11's CUDA build (the GPU machines') started autograd's threads for 8 fake
