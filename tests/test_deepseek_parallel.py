@@ -6,7 +6,8 @@ the switch loss, the z-loss and the moving e_score_correction_bias) trains the s
 grad norms, router statistics, biases, first-step gradients and final weights, fp32, 1e-5
 relative, over three steps (the harness and the serial reference of test_moe_parallel.py and
 test_moe_ep.py, given this model). Context parallelism too: cp 2 by each --cp-comm-type (the
-ring, the all-gather and the all-to-all, v zero-padded to the qk head size for their kernels),
+ring with selective recomputation, the all-gather, and the all-to-all with full
+recomputation; v zero-padded to the qk head size for their kernels),
 and tp 2 x cp 2 with sequence parallelism by the all-to-all (a tp rank's two heads, one per cp
 rank; the latents gathered over the cp rank's tokens) with YaRN, whose softmax factor goes onto
 q before the cp kernels; and cp 2 in bf16 by each comm type (k cast to the activations' dtype
@@ -82,10 +83,12 @@ def _cp_worker(runs, make):
     return [_train(*run[:-1], make=make, comm=run[-1]) for run in runs]
 
 
-@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
-def test_deepseek_cp2_matches_serial_training(reference, comm):
-    """MLA under cp 2 by the ring (p2p), the all-gather and the all-to-all."""
-    runs = [(1, 1, 1, 0, "1f1b", "none", False, 2, 1, comm)]
+@pytest.mark.parametrize("comm,recompute", [("p2p", "selective"), ("all_gather", "none"),
+                                            ("a2a", "full")])
+def test_deepseek_cp2_matches_serial_training(reference, comm, recompute):
+    """MLA under cp 2 by the ring (p2p; the core recomputed), the all-gather and the
+    all-to-all (full recomputation)."""
+    runs = [(1, 1, 1, 0, "1f1b", recompute, False, 2, 1, comm)]
     outs = run_local(_cp_worker, 2, runs, config)
     assert all(o[0]["cp_methods"] == {CP_COMM_TYPES[comm]} for o in outs)
     check(outs, runs, reference)
