@@ -212,20 +212,43 @@ def _meant_instead(spec: str) -> str | None:
         )
     if dataset_of(spec + ".json") is None:
         return None
+    return _dataset_line(spec, spec)
+
+
+def _dataset_line(shown: str, prefix: str) -> str:
+    """The line for a --tokenizer `shown` that is the tokenized dataset `prefix` or one of its
+    files: not a tokenizer; the one its ``.json`` records (a Megatron-LM index has none)."""
+    recorded = None
     try:
-        with open(spec + ".json", encoding="utf-8") as f:
+        with open(prefix + ".json", encoding="utf-8") as f:
             recorded = (json.load(f).get("tokenizer") or {}).get("path")
     except (OSError, ValueError, AttributeError):
-        recorded = None
-    line = (
-        f"tokenizer {spec!r} is the prefix of a tokenized dataset ({spec}.bin / .idx / .json), "
-        f"not a tokenizer; "
-    )
+        pass  # none recorded: the line asks for the tokenizer it was made with
+    files = ".bin / .idx / .json" if os.path.isfile(prefix + ".json") else ".bin / .idx"
+    what = "the prefix" if shown == prefix else "a file"
+    line = f"tokenizer {shown!r} is {what} of a tokenized dataset ({prefix}{files}), "
+    line += "not a tokenizer; "
+    if not files.endswith(".json"):  # Megatron-LM's: megapar-train --data needs --tokenizer
+        return line + "pass the tokenizer it was made with"
     if isinstance(recorded, str):
         line += f"it was made with --tokenizer {shell_word(recorded)}: pass that"
     else:
         line += "pass the tokenizer it was made with"
-    return line + f" (megapar-train --data {shell_word(spec)} takes it by itself)"
+    return line + f" (megapar-train --data {shell_word(prefix)} takes it by itself)"
+
+
+def _sentencepiece_unsuffixed(spec: str) -> str | None:
+    """The line for a --tokenizer `spec` that is a SentencePiece model file not named
+    ``.model`` (the name megapar tells a SentencePiece model by), else None."""
+    try:
+        spm.SentencePieceProcessor(model_file=spec)
+    except (RuntimeError, OSError):  # not a SentencePiece model
+        return None
+    return (
+        f"tokenizer {spec!r} is a SentencePiece model, but megapar takes one by its .model "
+        f"suffix; rename it (mv {shell_word(spec)} {shell_word(spec + '.model')}) and pass "
+        f"--tokenizer {shell_word(spec + '.model')}"
+    )
 
 
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
@@ -358,6 +381,9 @@ def _load(spec: str) -> Tokenizer:
             f"{os.path.dirname(spec) or '.'}"
         )
     meant = None if os.path.exists(spec) else _meant_instead(spec)
+    if os.path.isfile(spec):  # a tokenized dataset's file, or a model named without .model
+        prefix = dataset_of(spec)
+        meant = _dataset_line(spec, prefix) if prefix else _sentencepiece_unsuffixed(spec)
     if meant is not None:
         raise ValueError(meant)
     if (
