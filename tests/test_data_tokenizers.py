@@ -171,6 +171,23 @@ def test_a_datasets_file_or_an_unsuffixed_model_as_tokenizer_names_the_fix(tmp_p
         load_tokenizer(str(tmp_path / "a.txt"))
 
 
+def test_megapar_datas_output_directory_as_tokenizer_names_the_datasets_tokenizer(tmp_path):
+    """--tokenizer data (the directory of megapar-data's --output-prefix data/corpus) said
+    "tokenizer directory 'data' lacks vocab.json, merges.txt; a GPT-2 BPE directory needs
+    vocab.json and merges.txt"; the line names the datasets there and their tokenizer."""
+    from megapar.data.preprocess import preprocess_files
+
+    (tmp_path / "a.txt").write_text("Some text to tokenize.\n")
+    (tmp_path / "data").mkdir()
+    preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "data" / "corpus"), "gpt2",
+                     progress=False)
+    with pytest.raises(FileNotFoundError, match=f"^tokenizer directory '{tmp_path}/data' holds "
+                                                f"tokenized datasets \\(corpus\\), not a "
+                                                f"tokenizer; {tmp_path}/data/corpus: it was made "
+                                                f"with --tokenizer gpt2: pass that"):
+        load_tokenizer(str(tmp_path / "data"))
+
+
 def test_a_hugging_face_hub_id_as_tokenizer_names_the_download(tmp_path, monkeypatch):
     """--tokenizer meta-llama/Llama-3.2-1B (the id transformers users pass) was "no such file
     or directory; pass an existing SentencePiece .model file or tokenizer directory", the

@@ -218,22 +218,29 @@ def _meant_instead(spec: str) -> str | None:
 def _dataset_line(shown: str, prefix: str) -> str:
     """The line for a --tokenizer `shown` that is the tokenized dataset `prefix` or one of its
     files: not a tokenizer; the one its ``.json`` records (a Megatron-LM index has none)."""
+    files = ".bin / .idx / .json" if os.path.isfile(prefix + ".json") else ".bin / .idx"
+    what = "the prefix" if shown == prefix else "a file"
+    return (
+        f"tokenizer {shown!r} is {what} of a tokenized dataset ({prefix}{files}), not a "
+        f"tokenizer; {_made_with(prefix)}"
+    )
+
+
+def _made_with(prefix: str) -> str:
+    """What to pass for the tokenized dataset `prefix`'s tokenizer: the one its ``.json``
+    records, which megapar-train --data takes by itself (a Megatron-LM index records none)."""
+    if not os.path.isfile(prefix + ".json"):  # Megatron-LM's: megapar-train --data needs it
+        return "pass the tokenizer it was made with"
     recorded = None
     try:
         with open(prefix + ".json", encoding="utf-8") as f:
             recorded = (json.load(f).get("tokenizer") or {}).get("path")
     except (OSError, ValueError, AttributeError):
         pass  # none recorded: the line asks for the tokenizer it was made with
-    files = ".bin / .idx / .json" if os.path.isfile(prefix + ".json") else ".bin / .idx"
-    what = "the prefix" if shown == prefix else "a file"
-    line = f"tokenizer {shown!r} is {what} of a tokenized dataset ({prefix}{files}), "
-    line += "not a tokenizer; "
-    if not files.endswith(".json"):  # Megatron-LM's: megapar-train --data needs --tokenizer
-        return line + "pass the tokenizer it was made with"
     if isinstance(recorded, str):
-        line += f"it was made with --tokenizer {shell_word(recorded)}: pass that"
+        line = f"it was made with --tokenizer {shell_word(recorded)}: pass that"
     else:
-        line += "pass the tokenizer it was made with"
+        line = "pass the tokenizer it was made with"
     return line + f" (megapar-train --data {shell_word(prefix)} takes it by itself)"
 
 
@@ -357,6 +364,17 @@ def _load(spec: str) -> Tokenizer:
                 f"tokenizer.json, which megapar reads; write one beside it: python3 -c "
                 f'"from transformers import BertTokenizerFast as T; '
                 f'T.from_pretrained({spec!r}).save_pretrained({spec!r})"'
+            )
+        datasets = sorted(
+            prefix
+            for n in os.listdir(spec)
+            if n.endswith(".json") and (prefix := dataset_of(os.path.join(spec, n)))
+        )
+        if missing and datasets:  # megapar-data's output directory
+            raise FileNotFoundError(
+                f"tokenizer directory {spec!r} holds tokenized datasets ("
+                f"{', '.join(os.path.basename(d) for d in datasets[:3])}), not a tokenizer; "
+                f"{datasets[0]}: {_made_with(datasets[0])}"
             )
         if missing:
             raise FileNotFoundError(
