@@ -186,7 +186,9 @@ class OneLineParser(argparse.ArgumentParser):
         spelt close to an unrelated flag (`--resume`: `--recompute`); a `known_as` entry that is
         not a flag is said as it is (what to do instead: `--cp` to megapar-eval, which has no
         context parallelism), and an empty one suppresses the guess (`--no-load-optim` is not
-        `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too."""
+        `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too; one
+        that begins one known flag only is that flag cut short (`--out`: `--output-prefix`, not
+        the closer spelt `--input`)."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
@@ -204,6 +206,9 @@ class OneLineParser(argparse.ArgumentParser):
                     hints.append(f"{flag}: {ours}")
                 continue
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+            longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []
+            if len(longer) == 1:  # cut short (no abbreviations): `--out` is `--output-prefix`
+                close = longer
             if close:
                 hints.append(f"{flag}: did you mean {close[0]}?")
         return "; " + "; ".join(hints) if hints else ""

@@ -1015,6 +1015,19 @@ def test_an_unknown_flag_is_never_taken_for_help(capsys):
         assert hint is None or hint in err, err
 
 
+def test_a_flag_cut_short_is_answered_with_the_one_it_begins(capsys):
+    """No flag takes an abbreviation, and `megapar-data --out DIR` was answered "--out: did you
+    mean --input?" (difflib's closest spelling); a name that begins one flag only is that
+    flag."""
+    from megapar.cli.data import main as data_main
+
+    with pytest.raises(SystemExit) as exc:
+        data_main(["--input", "a.txt", "--out", "data/x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--out: did you mean --output-prefix?" in err
+
+
 def test_a_misspelt_choice_is_answered_with_the_closest(capsys):
     """A value a flag's choices lack (`--attention-mask-type block-causal`, `--optimizer Muon`)
     was refused with the choices only; now the closest is named, and none when none is close."""

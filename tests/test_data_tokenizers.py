@@ -142,6 +142,52 @@ def test_a_model_without_its_suffix_or_a_datasets_prefix_as_tokenizer_names_the_
         load_tokenizer(str(tmp_path / "corpus"))
 
 
+def test_a_datasets_file_or_an_unsuffixed_model_as_tokenizer_names_the_fix(tmp_path):
+    """--tokenizer data/corpus.bin (.idx, .json: a file of megapar-data's dataset) and
+    --tokenizer tok (a SentencePiece model saved without .model) were each 'unknown tokenizer
+    ...: use 'gpt2', 'sentencepiece', ... or the path of an existing SentencePiece .model file',
+    though the file is there; the line names what it is and the fix."""
+    from megapar.data.preprocess import preprocess_files
+
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), tmp_path / "tok")
+    with pytest.raises(ValueError, match=f"^tokenizer '{tmp_path}/tok' is a SentencePiece model, "
+                                         f"but megapar takes one by its .model suffix; rename it "
+                                         f"\\(mv {tmp_path}/tok {tmp_path}/tok.model\\) and pass "
+                                         f"--tokenizer {tmp_path}/tok.model$"):
+        load_tokenizer(str(tmp_path / "tok"))
+    (tmp_path / "a.txt").write_text("Some text to tokenize.\n")
+    preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "corpus"), "gpt2",
+                     progress=False)
+    for ext in (".bin", ".idx", ".json"):
+        with pytest.raises(ValueError, match=f"^tokenizer '{tmp_path}/corpus{ext}' is a file of "
+                                             f"a tokenized dataset .*it was made with "
+                                             f"--tokenizer gpt2: pass that"):
+            load_tokenizer(str(tmp_path / f"corpus{ext}"))
+    (tmp_path / "corpus.json").unlink()  # a Megatron-LM index: no tokenizer recorded
+    with pytest.raises(ValueError, match=r"\(.*corpus.bin / .idx\), not a tokenizer; pass the "
+                                         r"tokenizer it was made with$"):
+        load_tokenizer(str(tmp_path / "corpus.bin"))
+    with pytest.raises(ValueError, match="^unknown tokenizer"):  # any other file: as before
+        load_tokenizer(str(tmp_path / "a.txt"))
+
+
+def test_megapar_datas_output_directory_as_tokenizer_names_the_datasets_tokenizer(tmp_path):
+    """--tokenizer data (the directory of megapar-data's --output-prefix data/corpus) said
+    "tokenizer directory 'data' lacks vocab.json, merges.txt; a GPT-2 BPE directory needs
+    vocab.json and merges.txt"; the line names the datasets there and their tokenizer."""
+    from megapar.data.preprocess import preprocess_files
+
+    (tmp_path / "a.txt").write_text("Some text to tokenize.\n")
+    (tmp_path / "data").mkdir()
+    preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "data" / "corpus"), "gpt2",
+                     progress=False)
+    with pytest.raises(FileNotFoundError, match=f"^tokenizer directory '{tmp_path}/data' holds "
+                                                f"tokenized datasets \\(corpus\\), not a "
+                                                f"tokenizer; {tmp_path}/data/corpus: it was made "
+                                                f"with --tokenizer gpt2: pass that"):
+        load_tokenizer(str(tmp_path / "data"))
+
+
 def test_a_hugging_face_hub_id_as_tokenizer_names_the_download(tmp_path, monkeypatch):
     """--tokenizer meta-llama/Llama-3.2-1B (the id transformers users pass) was "no such file
     or directory; pass an existing SentencePiece .model file or tokenizer directory", the

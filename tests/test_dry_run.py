@@ -735,6 +735,29 @@ def test_plan_verify_lays_out_a_v_schedule_s_stages_in_the_v():
     assert result.error == "" and result.ranks == 4 and result.differences == [], result
 
 
+@pytest.mark.parametrize("schedule, split", [
+    ("1f1b", dict(first=1)),  # 6 blocks: 1, 5 (even: 3, 3)
+    ("zb-v", dict(first=1)),  # chunks 1, 2, 2, 1: rank 0 holds 1 + 1, rank 1 2 + 2
+    ("interleaved", dict(first=3)),  # chunks 3, 1, 1, 1: rank 0 holds 3 + 1, rank 1 1 + 1
+    ("1f1b", dict(loss=True)),  # 7 units cut 4, 3: 4, 3 - 1
+])
+def test_plan_verify_dry_runs_the_planned_uneven_split(schedule, split):
+    """megapar-plan --decoder-last-pipeline-num-layers 2 --verify 2 (llama-1b) dry-ran each
+    layout with the even cut, so every stage was a block apart: '3 of 3 ranks differ ... rank 0
+    params: plan 951,089,152, dry run 1,011,910,656 (-60,821,504)'."""
+    from megapar.dryrun.verify import verify_layout
+    from megapar.pipeline.partition import PipelineSplit
+    from megapar.plan import Problem, parse_candidate
+
+    config = dataclasses.replace(resolve_model("gpt2-tiny"), n_layer=6)
+    problem = Problem(config, 4, global_batch=8, seq_len=32, precision="fp32",
+                      pipeline_split=PipelineSplit(**split))
+    v = ",v=2" if schedule == "interleaved" else ""
+    c = parse_candidate(f"tp=1,pp=2,mbs=1,schedule={schedule}{v}", 4)
+    result = verify_layout(problem, c)
+    assert result.error == "" and result.differences == [], result
+
+
 @pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny"])
 def test_plan_and_dry_run_report_the_same_activations_at_their_defaults(model, capsys):
     """A user comparing `megapar-plan --explain` with `megapar-train --dry-run` of the same

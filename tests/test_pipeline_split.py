@@ -63,6 +63,31 @@ def test_a_split_that_cannot_apply_is_one_line_naming_the_fix(layers, pp, v, spl
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize("layers, pp, v, placement, split, fix", [
+    (4, 4, 1, "loop", PipelineSplit(embedding=True, loss=True),
+     "; lower --pp to 3, or drop the flags"),
+    # zb-v / dualpipev take no --virtual-stages, and --pp 1 refuses the flag
+    (4, 2, 2, "v", PipelineSplit(loss=True),
+     "; use a schedule with one model chunk per rank (--schedule 1f1b or zb-h1), or drop the "
+     "flag"),
+    (8, 4, 2, "v", PipelineSplit(embedding=True, loss=True),
+     "; lower --pp to 2, use a schedule with one model chunk per rank (--schedule 1f1b "
+     "or zb-h1), or drop the flags"),
+    (8, 4, 2, "loop", PipelineSplit(embedding=True, loss=True),
+     "; lower --pp or --virtual-stages (pp x V at most 5), use a schedule with one model chunk "
+     "per rank (--schedule 1f1b or zb-h1), or drop the flags"),
+    (2, 2, 1, "loop", PipelineSplit(loss=True), "; drop the flag"),
+])
+def test_the_embedding_or_loss_counted_as_a_layer_names_fewer_slices_that_fit(
+    layers, pp, v, placement, split, fix
+):
+    """Refused with 'lower --pp or --virtual-stages, or drop the flag' whatever the schedule:
+    zb-v / dualpipev refuse --virtual-stages, 1f1b has none, and --pp 1 refuses the flags."""
+    with pytest.raises(LayoutError) as exc:
+        chunk_specs(layers, pp, 0, v, placement, split)
+    assert str(exc.value).endswith(fix)
+
+
 def test_the_planner_rejects_the_layouts_a_split_does_not_fit():
     config = resolve_model("gpt2-tiny")  # 4 blocks
     p = Problem(config, 4, pipeline_split=PipelineSplit(first=3))

@@ -212,20 +212,50 @@ def _meant_instead(spec: str) -> str | None:
         )
     if dataset_of(spec + ".json") is None:
         return None
+    return _dataset_line(spec, spec)
+
+
+def _dataset_line(shown: str, prefix: str) -> str:
+    """The line for a --tokenizer `shown` that is the tokenized dataset `prefix` or one of its
+    files: not a tokenizer; the one its ``.json`` records (a Megatron-LM index has none)."""
+    files = ".bin / .idx / .json" if os.path.isfile(prefix + ".json") else ".bin / .idx"
+    what = "the prefix" if shown == prefix else "a file"
+    return (
+        f"tokenizer {shown!r} is {what} of a tokenized dataset ({prefix}{files}), not a "
+        f"tokenizer; {_made_with(prefix)}"
+    )
+
+
+def _made_with(prefix: str) -> str:
+    """What to pass for the tokenized dataset `prefix`'s tokenizer: the one its ``.json``
+    records, which megapar-train --data takes by itself (a Megatron-LM index records none)."""
+    if not os.path.isfile(prefix + ".json"):  # Megatron-LM's: megapar-train --data needs it
+        return "pass the tokenizer it was made with"
+    recorded = None
     try:
-        with open(spec + ".json", encoding="utf-8") as f:
+        with open(prefix + ".json", encoding="utf-8") as f:
             recorded = (json.load(f).get("tokenizer") or {}).get("path")
     except (OSError, ValueError, AttributeError):
-        recorded = None
-    line = (
-        f"tokenizer {spec!r} is the prefix of a tokenized dataset ({spec}.bin / .idx / .json), "
-        f"not a tokenizer; "
-    )
+        pass  # none recorded: the line asks for the tokenizer it was made with
     if isinstance(recorded, str):
-        line += f"it was made with --tokenizer {shell_word(recorded)}: pass that"
+        line = f"it was made with --tokenizer {shell_word(recorded)}: pass that"
     else:
-        line += "pass the tokenizer it was made with"
-    return line + f" (megapar-train --data {shell_word(spec)} takes it by itself)"
+        line = "pass the tokenizer it was made with"
+    return line + f" (megapar-train --data {shell_word(prefix)} takes it by itself)"
+
+
+def _sentencepiece_unsuffixed(spec: str) -> str | None:
+    """The line for a --tokenizer `spec` that is a SentencePiece model file not named
+    ``.model`` (the name megapar tells a SentencePiece model by), else None."""
+    try:
+        spm.SentencePieceProcessor(model_file=spec)
+    except (RuntimeError, OSError):  # not a SentencePiece model
+        return None
+    return (
+        f"tokenizer {spec!r} is a SentencePiece model, but megapar takes one by its .model "
+        f"suffix; rename it (mv {shell_word(spec)} {shell_word(spec + '.model')}) and pass "
+        f"--tokenizer {shell_word(spec + '.model')}"
+    )
 
 
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
@@ -335,6 +365,17 @@ def _load(spec: str) -> Tokenizer:
                 f'"from transformers import BertTokenizerFast as T; '
                 f'T.from_pretrained({spec!r}).save_pretrained({spec!r})"'
             )
+        datasets = sorted(
+            prefix
+            for n in os.listdir(spec)
+            if n.endswith(".json") and (prefix := dataset_of(os.path.join(spec, n)))
+        )
+        if missing and datasets:  # megapar-data's output directory
+            raise FileNotFoundError(
+                f"tokenizer directory {spec!r} holds tokenized datasets ("
+                f"{', '.join(os.path.basename(d) for d in datasets[:3])}), not a tokenizer; "
+                f"{datasets[0]}: {_made_with(datasets[0])}"
+            )
         if missing:
             raise FileNotFoundError(
                 f"tokenizer directory {spec!r} lacks "
@@ -358,6 +399,9 @@ def _load(spec: str) -> Tokenizer:
             f"{os.path.dirname(spec) or '.'}"
         )
     meant = None if os.path.exists(spec) else _meant_instead(spec)
+    if os.path.isfile(spec):  # a tokenized dataset's file, or a model named without .model
+        prefix = dataset_of(spec)
+        meant = _dataset_line(spec, prefix) if prefix else _sentencepiece_unsuffixed(spec)
     if meant is not None:
         raise ValueError(meant)
     if (

@@ -114,9 +114,45 @@ def _even_counts(units: int, slices: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(slices)]
 
 
-def split_counts(num_layers: int, slices: int, split: PipelineSplit, what: str) -> list[int]:
+def _counted_fit(num_layers: int, slices: int, split: PipelineSplit) -> bool:
+    """Whether every one of `slices` slices keeps a block with the embedding / loss counted."""
+    counts = _even_counts(num_layers + split.embedding + split.loss, slices)
+    return counts[0] - split.embedding >= 1 and counts[-1] - split.loss >= 1
+
+
+def _fewer_slices(
+    num_layers: int, slices: int, split: PipelineSplit, per_rank: int, placement: str
+) -> str:
+    """How to cut the model into few enough slices for the embedding / loss counted as blocks:
+    the layouts that fit named for the schedule's kind (`per_rank` model chunks per rank,
+    placed as `placement` says), or dropping the flag."""
+    most = max((s for s in range(1, slices) if _counted_fit(num_layers, s, split)), default=1)
+    # with a block per chunk, at least pp + 1 slices fit: one chunk per rank at this pp does
+    one_chunk = "use a schedule with one model chunk per rank (--schedule 1f1b or zb-h1)"
+    fixes = []
+    if per_rank == 1 and most >= 2:
+        fixes.append(f"lower --pp to {most}")
+    elif per_rank > 1 and placement == "v":  # two chunks per rank, whatever --virtual-stages
+        fixes += [f"lower --pp to {most // 2}"] if most >= 4 else []
+        fixes += [one_chunk] if most >= 2 else []
+    elif per_rank > 1:
+        fixes += [f"lower --pp or --virtual-stages (pp x V at most {most})"] if most >= 4 else []
+        fixes += [one_chunk] if most >= 2 else []
+    drop = "drop the flags" if split.embedding and split.loss else "drop the flag"
+    return ", ".join(fixes) + f", or {drop}" if fixes else drop
+
+
+def split_counts(
+    num_layers: int,
+    slices: int,
+    split: PipelineSplit,
+    what: str,
+    per_rank: int = 1,
+    placement: str = "loop",
+) -> list[int]:
     """Blocks of each of `slices` slices as `split` cuts `num_layers` blocks, or a LayoutError in
-    one line naming the fix; `what` names the slices in it (e.g. "--pp 4 stages")."""
+    one line naming the fix; `what` names the slices in it (e.g. "--pp 4 stages"), which are
+    `per_rank` model chunks on each pipeline rank, placed as `placement` says ("loop", "v")."""
     if split.even:
         if num_layers < slices:
             raise LayoutError(
@@ -131,10 +167,10 @@ def split_counts(num_layers: int, slices: int, split: PipelineSplit, what: str) 
         counts[0] -= split.embedding
         counts[-1] -= split.loss
         if min(counts) < 1:
+            fix = _fewer_slices(num_layers, slices, split, per_rank, placement)
             raise LayoutError(
                 f"{split.flags()}: {num_layers} layers cut into {what} with the embedding or "
-                f"loss counted as a layer leave one without a layer; lower --pp or "
-                f"--virtual-stages, or drop the flag"
+                f"loss counted as a layer leave one without a layer; {fix}"
             )
         return counts
     rest = num_layers - sum(given.values())
@@ -161,12 +197,18 @@ def split_counts(num_layers: int, slices: int, split: PipelineSplit, what: str) 
 
 @lru_cache(maxsize=4096)
 def split_layers(
-    num_layers: int, slices: int, split: PipelineSplit = EVEN, what: str = ""
+    num_layers: int,
+    slices: int,
+    split: PipelineSplit = EVEN,
+    what: str = "",
+    per_rank: int = 1,
+    placement: str = "loop",
 ) -> tuple[range, ...]:
     """The block indices of each of `slices` slices as `split` cuts them (`split_counts`),
     cached (the planner asks for each stage's chunks of thousands of layouts)."""
     ranges, start = [], 0
-    for count in split_counts(num_layers, slices, split, what or f"{slices} slices"):
+    what = what or f"{slices} slices"
+    for count in split_counts(num_layers, slices, split, what, per_rank, placement):
         ranges.append(range(start, start + count))
         start += count
     return tuple(ranges)
@@ -220,7 +262,7 @@ def chunk_specs(
             f"layer); lower --virtual-stages or --pp"
         )
     what = f"--pp {pp} x {virtual_stages} = {total} model chunks"
-    ranges = split_layers(num_layers, total, split, what)
+    ranges = split_layers(num_layers, total, split, what, virtual_stages, placement)
     specs = []
     for chunk in range(virtual_stages):
         vs = virtual_stage(stage, chunk, pp, placement)

@@ -294,7 +294,8 @@ def _split_refusal(c: Candidate, p: Problem) -> str | None:
         split.check(c.pp)
         chunks = f"--pp {c.pp} x {c.v} = {c.pp * c.v} model chunks"
         what = f"--pp {c.pp} stages" if c.v == 1 else chunks
-        split_layers(p.config.num_layers, c.pp * c.v, split, what)
+        n = p.config.num_layers
+        split_layers(n, c.pp * c.v, split, what, c.v, placement_of(c.schedule))
     except LayoutError as exc:
         return str(exc)
     return None
