@@ -137,6 +137,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         w = tokens * (k * fl.block + head - moved)
         bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head - moved + recomputed)
         emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
+        emb_b = ring * 0.5 if first and c.sp else 0.0  # SP: its output's gradient gathered
         head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = ring * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
@@ -156,6 +157,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + k_tp * tp_bwd
             + k * cp_b
             + regathered
+            + emb_b
             + head_b
             + k_moe * ep_b
             + tp8_b
@@ -166,6 +168,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + k_moe * (etp_f + etp_b)
             + regathered
             + emb_comm
+            + emb_b
             + head_f
             + head_b
             + tp8_f
