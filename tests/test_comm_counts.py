@@ -50,14 +50,16 @@ def micro_batches(kind: str) -> list[dict]:
 
 
 def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | None = None,
-              zero: int = 0, bucket_mb: float | None = None, **step_kwargs):
+              zero: int = 0, bucket_mb: float | None = None, precision: str = "fp32",
+              **step_kwargs):
     """A TrainStep (1F1B) for `kind` on `mesh`; with `bucket_mb` its gradients are reduced over
     cp x dp in buckets of that size."""
     from megapar.optim import LRScheduler, Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    config = CONFIG_CLASSES[kind](**{**CONFIGS[kind], **(overrides or {})})
+    config = (deepseek_config() if kind == "deepseek"
+              else CONFIG_CLASSES[kind](**{**CONFIGS[kind], **(overrides or {})}))
     model = build_stage(config, mesh, seed=0, recompute=recompute)
     seq = SEQ // mesh.cp // (mesh.tp if mesh.sequence_parallel else 1)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, H))
@@ -67,7 +69,7 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
 
         step_kwargs["grad_sync"] = build_grad_sync(model, mesh, zero, bucket_mb)
     return TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 10, "constant"),
-                     Precision("fp32", mesh.device), 1.0, **step_kwargs)
+                     Precision(precision, mesh.device), 1.0, **step_kwargs)
 
 
 def _worker(kind: str, tp: int, sequence_parallel: bool = False, adjust=None):
@@ -157,6 +159,92 @@ def expected_sp_step(kind: str, tp: int, seq: int = SEQ, regather: bool = False)
                     ("all_reduce", bs, tp): M * 3,
                     ("all_reduce", replicated + embeddings, tp): 1,
                     ("all_reduce", 1, tp): 1})
+
+
+# --- mixed precision: every tp collective of activations in 16 bits, as Megatron's ------------
+def deepseek_config():
+    """DeepSeek-V3 (MLA, a dense first layer, three MoE layers with a shared expert) at this
+    module's sizes: its attention enters the tp region with its latents (q 16 + kv 16 + the
+    rotary key's 8 = 40 numbers a token), not the hidden states."""
+    from megapar.models import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=16,
+        num_hidden_layers=L + 1, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=SEQ,
+        make_vocab_size_divisible_by=8, num_local_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1)
+
+
+def _half_worker(kind: str, sequence_parallel: bool, precision: str):
+    """One counted step's calls at tp 2 (after a warm-up) under `precision`."""
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(2, 1, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
+    step = make_step(kind, mesh, precision=precision)
+    step.step(to_device(micro_batches(kind), mesh.device), 0)  # warm-up
+    with count_collectives() as calls:
+        step.step(to_device(micro_batches(kind), mesh.device), 1)
+    from megapar.tensor_parallel.sequence_parallel import sequence_parallel_params
+
+    return calls, sum(p.numel() for p in sequence_parallel_params(step.model))
+
+
+def expected_half_step(kind: str, sp: bool, half: torch.dtype, replicated: int) -> Counter:
+    """(op, elements, dtype) of one step at tp 2 under autocast to `half`: every collective of
+    activations or their gradients in `half` (Megatron's 16-bit model moves them so); in fp32
+    only what Megatron keeps in fp32 too: the vocab-parallel cross-entropy's per-token
+    all-reduces, the replicated parameters' gradient sum under SP and the MoE layers' load
+    counts and router statistics (the gradient norm's sum of squares: fp64); `replicated`:
+    the elements of the parameters whose gradients SP sums over tp once a step. Llama's:
+    `expected_tp_step` / `expected_sp_step`. DeepSeek-V3's L + 1 layers: the MLA's tp region
+    carries its latents (b s x 40), every other one b s h; the MoE layers' routed experts are
+    whole on each rank, their shared expert split as a dense MLP."""
+    f32, tp = torch.float32, 2
+    bs, bsh = MBS * SEQ, MBS * SEQ * H
+    if kind == "llama":
+        counts = expected_sp_step(kind, tp) if sp else expected_tp_step(tp, kind)
+        wide = {bs, 1} | ({replicated} if sp else set())
+        return Counter({(op, n, torch.float64 if n == 1 else f32 if n in wide else half): k
+                        for (op, n, _), k in counts.items()})
+    layers, latent, moe = L + 1, MBS * SEQ * 40, L
+    out = Counter({("all_reduce", bs, f32): M * 3, ("all_reduce", 1, torch.float64): 1})
+    if not sp:  # forward: 2 row-parallel outputs a layer, the embedding; backward: the
+        # column-parallel inputs (the latents, the MLP's), the head's
+        out[("all_reduce", bsh, half)] = M * (2 * layers + 1 + layers + 1)
+        out[("all_reduce", latent, half)] = M * layers
+        return out
+    # forward: the MLPs' inputs and the head's gathered, the latents gathered, the row-parallel
+    # outputs and the embedding's reduce-scattered; backward the reverse
+    out[("all_gather_into_tensor", bsh // tp, half)] = M * (layers + 1 + 2 * layers + 1)
+    out[("all_gather_into_tensor", latent // tp, half)] = M * layers
+    out[("reduce_scatter_tensor", bsh, half)] = M * (2 * layers + 1 + layers + 1)
+    out[("reduce_scatter_tensor", latent, half)] = M * layers
+    out[("all_reduce", 4 + 1, f32)] = M * moe  # the switch loss's load counts
+    out[("all_reduce", moe * (4 + 4), f32)] = 1  # the step's router statistics
+    out[("all_reduce", replicated, f32)] = 1
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_mixed_precision_tp_collectives_move_16_bits(kind, precision):
+    """Under autocast megapar keeps fp32 weights, so the norms' outputs, the embedding's output
+    and the residual stream are fp32; where they enter a tp collective they travel in the
+    autocast dtype (`mappings.to_wire_dtype`), as Megatron's 16-bit activations: the
+    column-parallel inputs' gradients (SP: the norm outputs' all-gathers and their gradients'
+    reduce-scatters), MLA's latents, the embedding's reduction, the head input's. Each call
+    at its dtype's bytes (elements x 2). Without the cast (before it) 4 bytes: the backward's
+    two a layer, the embedding's and the head's."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for sp in (False, True):
+        for rank_calls, replicated in run_local(_half_worker, 2, kind, sp, precision):
+            got = Counter((c.op, c.numel, c.dtype) for c in rank_calls)
+            want = expected_half_step(kind, sp, half, replicated)
+            if precision == "fp16":  # the loss scaler's found-inf flag, MAX over the world
+                want[("all_reduce", 1, torch.float32)] += 1
+            assert got == want, (sp, got)
+            assert all(c.bytes == c.numel * c.dtype.itemsize for c in rank_calls)
 
 
 def _sp_worker(kind: str, tp: int):

@@ -97,18 +97,19 @@ def _tp_bytes(recipe, sp, master_weights, s=64, b=2):
 def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
     """Per layer 2 all-reduces of s b h in the forward and 2 in the backward (SP: as many
     all-gathers and reduce-scatters, the same ring bytes), plus the vocab-parallel
-    embedding's (SP: a reduce-scatter) and the head input's. Megatron's 16-bit model
-    (--master-weights separate): all at 2 bytes. megapar-train's autocast keeps the norms'
-    outputs, the residual stream and the embedding's output in fp32, so the column-parallel
-    inputs' gradients (SP: half of each direction's), the embedding's and the head's move 4
-    bytes: 1.5 x the paper's per layer."""
+    embedding's (SP: a reduce-scatter, its gradient all-gathered) and the head input's, all
+    at 2 bytes: Megatron's
+    16-bit model (--master-weights separate), and megapar-train's fp32 weights under autocast
+    too (its fp32 norm outputs, embedding output and residual stream are cast to the autocast
+    dtype where they enter a tp collective; until then the backward's two moved 4 bytes, 1.5 x
+    the paper's per layer)."""
     s, b, h, layers = 64, 2, 64, 4
     sbh = s * b * h
-    ends = 1.5 if sp else 2  # SP: the embedding's reduce-scatter is half an all-reduce's ring
-    assert _tp_bytes("gpt2-tiny", sp, "separate") == pytest.approx(
-        layers * 4 * sbh * 2 + ends * sbh * 2, rel=1e-12)
-    assert _tp_bytes("gpt2-tiny", sp, "fp32") == pytest.approx(
-        layers * (2 * sbh * 2 + 2 * sbh * 4) + ends * sbh * 4, rel=1e-12)
+    ends = 2  # SP: the embedding's reduce-scatter and its gradient's all-gather, the head's
+    # gather and its gradient's reduce-scatter, each half an all-reduce's ring
+    for master_weights in ("separate", "fp32"):
+        assert _tp_bytes("gpt2-tiny", sp, master_weights) == pytest.approx(
+            layers * 4 * sbh * 2 + ends * sbh * 2, rel=1e-12)
 
 
 @pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "shared-experts"])
@@ -133,8 +134,27 @@ def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
     counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
     planned = _tp_bytes(model, False, "fp32", s, b)
     assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
-    if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, bf16 and fp32
-        assert planned == pytest.approx(4 * (8192 * 2 + 8192 * 4) + 2 * 8192 * 4, rel=1e-12)
+    if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, all bf16
+        assert planned == pytest.approx(4 * 2 * 8192 * 2 + 2 * 8192 * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny"])
+def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
+    """Under SP at tp 2 the planner's ring bytes are half the dry run's all-gather and
+    reduce-scatter bytes (it counts each call's whole s b h tensor, of which a rank sends
+    (t - 1) / t), every one in bf16: the blocks', the embedding's reduce-scatter
+    and its gradient's all-gather, the head input's gather and its gradient's reduce-scatter
+    (until 2026-12-03 the planner left the embedding's gradient out). Not DeepSeek-V3: the
+    planner prices its MLA's tp region at h a token, where the latents (q + kv + rotary key,
+    72 in deepseek-v3-tiny) travel (303,104 counted against 294,912 planned)."""
+    s, b = 64, 2
+    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel"]
+    assert train_main(argv) == 0
+    tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+    counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
+    assert counted == pytest.approx(_tp_bytes(recipe, True, "fp32", s, b), rel=1e-12)
 
 
 @pytest.mark.parametrize("recipe, cp, tp", [("llama-70b", 8, 8), ("llama-8b", 4, 4),

@@ -33,8 +33,9 @@ their rotary parts by their global positions, and the kernels see the whole sequ
 Those kernels take one head size for q, k and v (the ring and the all-gather send k and v
 stacked, the all-to-all q, k and v in one tensor, and the fused kernels need it), so v is
 zero-padded to the qk head size first and the output cut back, as for SDPA: a K/V block
-carries heads x 2 x qk numbers a token. They take one dtype too: under autocast k is fp32 (its
-rotary part is the latent's, which the norms' fp32 weights make fp32) and is cast to q's, as
+carries heads x 2 x qk numbers a token. They take one dtype too: under autocast k is fp32
+at tp 1 (its rotary part is the latent's, which the norms' fp32 weights make fp32; at tp > 1
+the latents enter the tp region in the autocast dtype, `to_wire_dtype`) and is cast to q's, as
 SDPA's autocast casts it at cp 1. Their softmax scale is the head size's (qk^-1/2); a YaRN
 mscale factor on it is applied to q before them.
 """
@@ -145,8 +146,9 @@ class MLAttention(nn.Module):
             v = F.pad(v, (0, q.shape[-1] - width))
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
-                # under autocast k is fp32 (its rotary part comes from the latent, which the
-                # fp32 norm weight's product makes fp32): the cp kernels take one dtype, the
+                # under autocast k is fp32 at tp 1 (its rotary part comes from the latent,
+                # which the fp32 norm weight's product makes fp32; at tp > 1 the latent enters
+                # the tp region in the autocast dtype): the cp kernels take one dtype, the
                 # activations' (what SDPA's autocast casts k to), as they take one head size
                 k, v = k.to(q.dtype), v.to(q.dtype)
                 # the cp kernels' scale is the head size's: YaRN's mscale factor goes on q

@@ -42,6 +42,7 @@ from megapar.tensor_parallel import (
     initialize,
 )
 from megapar.tensor_parallel.layers import regathers
+from megapar.tensor_parallel.mappings import to_wire_dtype
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
 from megapar.tensor_parallel.regather import regathered_linear, shard_of
 from megapar.tensor_parallel.sequence_parallel import (
@@ -291,6 +292,7 @@ class ReplicatedHeads(nn.Module):
         weight = self.weight[self.rows[0] : self.rows[1]]
         bias = None if self.bias is None else self.bias[self.rows[0] : self.rows[1]]
         if not entered:
+            x = to_wire_dtype(x, self.group)  # under autocast in its dtype, as `enter`
             x = (
                 gather_from_sequence_parallel_region(x, self.group)
                 if self.sequence_parallel

@@ -73,7 +73,11 @@ from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megapar.tensor_parallel.layers import divide
-from megapar.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from megapar.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    to_wire_dtype,
+)
 from megapar.tensor_parallel.partition import set_partition
 from megapar.tensor_parallel.sequence_parallel import (
     gather_from_sequence_parallel_region,
@@ -484,7 +488,9 @@ class MoE(nn.Module):
         if keep is not None:
             picks.append(keep.to(weights.dtype)[:, None])
         picked = gather_from_sequence_parallel_region(torch.cat(picks, 1)[None], group)[0]
-        every = gather_from_sequence_parallel_region(x[None], group)[0]
+        # the tokens (and the output back) in the autocast dtype, as Megatron's 16-bit ones
+        wire = to_wire_dtype(x, group)
+        every = gather_from_sequence_parallel_region(wire[None], group)[0]
         tp = every.shape[0] // x.shape[0]
 
         def swap(t: torch.Tensor, a: int, b: int) -> torch.Tensor:  # [a, b, r, c] -> [b, a, r, c]
@@ -496,9 +502,9 @@ class MoE(nn.Module):
         order, tokens_per_expert, dropped = route(
             experts, self.num_experts, self.capacity(every.shape[0], keep), keep
         )
-        out = self._experts_out(every, weights, order, tokens_per_expert).to(x.dtype)
+        out = self._experts_out(every, weights, order, tokens_per_expert).to(wire.dtype)
         out = swap(out, batch, tp)  # back in rank order
-        out = reduce_scatter_to_sequence_parallel_region(out[None], group)[0]
+        out = reduce_scatter_to_sequence_parallel_region(out[None], group)[0].to(x.dtype)
         return out, tokens_per_expert, dropped
 
     def _routed(self, x, logits, probs, weights, experts, keep=None, batch=1) -> torch.Tensor:
@@ -511,14 +517,15 @@ class MoE(nn.Module):
             order, tokens_per_expert, dropped = route(
                 experts, self.num_experts, self.capacity(x.shape[0], keep), keep
             )
+            dtype = x.dtype
             if self.tp_group is not None:  # every tp rank's experts give partial sums
-                x, weights = (
-                    copy_to_tp_region(x, self.tp_group),
+                x, weights = (  # the tokens in the autocast dtype (`to_wire_dtype`)
+                    copy_to_tp_region(to_wire_dtype(x, self.tp_group), self.tp_group),
                     copy_to_tp_region(weights, self.tp_group),
                 )
             out = self._experts_out(x, weights, order, tokens_per_expert).to(x.dtype)
-            if self.tp_group is not None:
-                out = reduce_from_tp_region(out, self.tp_group)
+            if self.tp_group is not None:  # reduced in that dtype, back in the stream's
+                out = reduce_from_tp_region(out, self.tp_group).to(dtype)
         if keep is None:
             load = expert_counts(experts.reshape(-1), self.num_experts).float()
             whole = torch.cat([load, load.new_full((1,), x.shape[0])])

@@ -35,7 +35,8 @@ assumption (default `DEFAULT_IMBALANCE`, or the model's capacity factor when it 
 
 **Expert tensor parallelism** (`expert_tp_collectives`, per MoE layer and micro-batch, the
 tp collectives of `megapar.models.moe` with each expert split over tp, as `comm_count`
-records them: an all-reduce's tensor, an all-gather's input, a reduce-scatter's input).
+records them: an all-reduce's tensor, an all-gather's input, a reduce-scatter's input; the
+tokens and the output in the activations' dtype, the weights and choices in fp32).
 Without sequence parallelism, T tokens on every tp rank: forward one all-reduce of the
 weighted output (T h), backward one of the combine weights' gradient (T k fp32) and one of
 the tokens' (T h). Under it, T / t tokens a rank: forward an all-gather of the weights and
@@ -166,8 +167,9 @@ def expert_tp_collectives(
     """(forward, backward) [(op, elements)] of one MoE layer's tp collectives for a
     micro-batch with its experts split over `tp` (module docstring): `tokens` the micro-batch's
     tokens on a tp rank without sequence parallelism, the whole group's with it (`sp`);
-    `padded`: a mask rides with the weights. The residual stream's dtype (fp32 in megapar)
-    for every element; the [T, 2k] weights are fp32."""
+    `padded`: a mask rides with the weights. The tokens and the output in the activations'
+    dtype (under autocast cast to it, `tensor_parallel.mappings.to_wire_dtype`); the [T, 2k]
+    weights and choices in fp32."""
     if tp == 1:
         return [], []
     h, k = config.hidden_size, config.num_experts_per_tok

@@ -70,32 +70,30 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     rate = p.peak_tflops * 1e12 * p.efficiency
     act = tokens * cfg.hidden_size * p.act_bytes
     ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
-    # megapar-train's autocast (`Problem.sixteen_bit`) keeps the residual stream, the norms'
-    # outputs and the embedding's output in fp32: what tp reduces or gathers of those (the
-    # column-parallel inputs' gradients, SP's gathered norm outputs, the embedding's output, the
-    # head input's gradient) moves 4 bytes an element; the row-parallel matmuls' outputs (and
-    # under SP their gradients) the 16-bit ones. Megatron's 16-bit model (--master-weights
-    # separate): all 16-bit, the paper's 2 + 2 all-reduces of s b h x 2 bytes a layer.
-    wide = ring_seconds(t, tokens * cfg.hidden_size * tp_wire_bytes(p), p.intra_gbps, p.latency_us)
+    # every tp collective of activations or their gradients moves the activations' dtype, as
+    # Megatron's: megapar-train's autocast keeps the residual stream, the norms' outputs and the
+    # embedding's output in fp32, but casts them to the autocast dtype where they enter a tp
+    # collective (`tensor_parallel.mappings.to_wire_dtype`): the paper's 2 + 2 all-reduces of
+    # s b h x 2 bytes a layer under bf16 / fp16
     half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
     # per layer: 2 all-reduces in the forward (the row-parallel outputs) and 2 in the backward
     # (the column-parallel inputs' gradients); SP: an all-gather of each norm output and a
     # reduce-scatter of each row-parallel output, and in the backward the reverse
-    tp_fwd = ring + wide if c.sp else 2 * ring
-    tp_bwd = (ring + wide if c.sp else 2 * wide) + (tp_fwd if c.recompute == "full" else 0.0)
+    tp_fwd = 2 * ring
+    tp_bwd = 2 * ring + (tp_fwd if c.recompute == "full" else 0.0)
     # --sp-regather: one more all-gather per shared input in the backward (attention's, the
     # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
     # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
-    regather = 0.5 * wide if regathers(p, c) else 0.0
+    regather = 0.5 * ring if regathers(p, c) else 0.0
     moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
     # a MoE layer's tp collectives: its attention's, and only with shared experts (split over
     # tp like a dense MLP) its MLP's; the routed experts are whole on every tp rank
     moe_tp = moe_regathers / 2
     # with the routed experts split over tp (etp): their output's all-reduce in the forward and
     # the tokens' gradient's in the backward (under SP an all-gather and a reduce-scatter
-    # each, the same ring bytes), of the fp32 residual stream, and the combine weights'
+    # each, the same ring bytes), in the activations' dtype, and the combine weights'
     # gradient (T k fp32; `experts.expert_tp_collectives`)
-    etp_f = wide if c.etp > 1 else 0.0
+    etp_f = ring if c.etp > 1 else 0.0
     etp_b = (
         etp_f
         + ring_seconds(
@@ -138,9 +136,10 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         f = tokens * (k * fl.layer() + head + 2 * moved)
         w = tokens * (k * fl.block + head - moved)
         bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head - moved + recomputed)
-        emb_comm = wide * half if first else 0.0  # the vocab-parallel lookup's reduction
-        head_f = wide * 0.5 if last and c.sp else 0.0  # SP: its input gathered
-        head_b = wide * half if last else 0.0  # its input's gradient
+        emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
+        emb_b = ring * 0.5 if first and c.sp else 0.0  # SP: its output's gradient gathered
+        head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
+        head_b = ring * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
         k_tp = k - k_moe + moe_tp * k_moe  # blocks' worth of tp collectives
         return ChunkTime(
@@ -158,6 +157,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + k_tp * tp_bwd
             + k * cp_b
             + regathered
+            + emb_b
             + head_b
             + k_moe * ep_b
             + tp8_b
@@ -168,6 +168,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + k_moe * (etp_f + etp_b)
             + regathered
             + emb_comm
+            + emb_b
             + head_f
             + head_b
             + tp8_f
@@ -182,13 +183,6 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     )
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
-
-
-def tp_wire_bytes(p: Problem) -> int:
-    """Bytes an element of the tp collectives on the fp32 side of megapar-train's autocast (the
-    residual stream, the norms' and the embedding's outputs, their gradients): 4 where
-    autocast runs the matmuls on fp32 weights (`Problem.sixteen_bit`), else the activations'."""
-    return 4 if p.sixteen_bit else p.act_bytes
 
 
 @lru_cache(maxsize=4096)

@@ -19,6 +19,7 @@ from megapar.tensor_parallel.mappings import (
     gather_from_tp_region,
     reduce_from_tp_region,
     scatter_to_tp_region,
+    to_wire_dtype,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
 from megapar.tensor_parallel.regather import (
@@ -113,7 +114,10 @@ class ColumnParallelLinear(nn.Module):
         """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
         region. Several projections of one X (q, k, v; gate, up) enter once and share it, so
         the backward reduces their summed input gradient in one collective (and under
-        `regather` re-gathers X once for all of them: the gathered X carries its shard)."""
+        `regather` re-gathers X once for all of them: the gathered X carries its shard).
+        Under autocast X enters in its dtype (`to_wire_dtype`: what the matmuls read), so the
+        collective and its gradient's move 16 bits, not the fp32 of a norm's output."""
+        x = to_wire_dtype(x, self.group)
         if not self.sequence_parallel:
             return copy_to_tp_region(x, self.group)
         if self._keeps_shard():
@@ -208,9 +212,13 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        # under autocast the sum travels in its dtype (one rank holds each row, the others'
+        # zeros: the sum is the row rounded once) and returns to the weight's (the residual
+        # stream's fp32); under SP the gradient's all-gather then moves 16 bits too
+        wire = to_wire_dtype(out, self.group)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out, self.group)
-        return reduce_from_tp_region(out, self.group)
+            return reduce_scatter_to_sequence_parallel_region(wire, self.group).to(out.dtype)
+        return reduce_from_tp_region(wire, self.group).to(out.dtype)
 
 
 def parallel_lm_logits(
@@ -227,7 +235,8 @@ def parallel_lm_logits(
 def lm_head_input(hidden: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """The LM head's input as every tp rank multiplies it by its vocabulary rows: the tp
     region's copy (its gradient summed over tp), or under sequence parallelism the gathered
-    sequence (its gradient reduce-scattered)."""
+    sequence (its gradient reduce-scattered); under autocast in its dtype (`to_wire_dtype`)."""
+    hidden = to_wire_dtype(hidden, mesh.tp_group)
     if _sequence_parallel(mesh):
         return gather_from_sequence_parallel_region(hidden, mesh.tp_group)
     return copy_to_tp_region(hidden, mesh.tp_group)

@@ -13,6 +13,14 @@ With a group of None (tp = 1) every primitive is the identity. The all-reduces r
 as Megatron's: the forward one on the partial sums a row-parallel layer just made (marked dirty
 for autograd), the backward one on the gradient the region's consumers (linear layers) just
 made; no copy of the b x s x h activation is taken.
+
+Under mixed precision (autocast) the tensors that enter the tp region are often fp32 where
+Megatron's are 16-bit: megapar keeps fp32 parameters, so the norms' outputs, the embedding's
+output and the residual stream are fp32. `to_wire_dtype` casts such a tensor to the autocast
+dtype where a collective of more than one rank will carry it (what the linear reading it
+would cast it to anyway): the collective, and in the backward the gradient flowing back
+through it, move 2 bytes an element, as Megatron's; autograd casts the gradient back to fp32
+behind the cast. fp32 runs (no autocast) and tp 1 are untouched.
 """
 
 from __future__ import annotations
@@ -35,6 +43,17 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     with blocked(x.device):
         dist.all_reduce(x, group=group)
     return x
+
+
+def to_wire_dtype(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` in the autocast dtype where autocast is on, `x` is fp32 and `group` has more than one
+    rank (a tp collective will carry it, or its gradient); else `x` itself. No host sync."""
+    if _size(group) == 1 or x.dtype != torch.float32:
+        return x
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x
+    return x.to(torch.get_autocast_dtype(kind))
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
