@@ -231,7 +231,9 @@ def test_split_experts_divide_their_flops_by_tp_and_add_their_reductions_to_tp()
     """With the routed experts split over tp (etp = tp) a tp rank computes I / tp of each of
     its k experts a token (the router's E outputs stay whole), and each MoE layer adds, per
     micro-batch, its output's all-reduce forward and the tokens' (and combine weights')
-    backward to the tp column: ring all-reduces of the fp32 residual stream."""
+    backward to the tp column: ring all-reduces in the activations' dtype (bf16 here: the
+    residual stream is cast where it enters the collective), the combine weights' gradient in
+    fp32."""
     from megapar.plan.timing import ring_seconds
 
     cfg = resolve_model("mixtral-8x7b")
@@ -242,6 +244,7 @@ def test_split_experts_divide_their_flops_by_tp_and_add_their_reductions_to_tp()
     one, two = (chunk_times(p, Candidate(2, 1, 32, 1, ep=8, etp=e, zero=1))[0][0]
                 for e in (1, 2))
     tokens, layers = 4096, cfg.num_layers
-    wide = ring_seconds(2, tokens * h * 4, p.intra_gbps, p.latency_us)
+    assert p.act_bytes == 2
+    wide = ring_seconds(2, tokens * h * 2, p.intra_gbps, p.latency_us)
     weights = ring_seconds(2, tokens * k * 4, p.intra_gbps, p.latency_us)
     assert two.tp - one.tp == pytest.approx(layers * (2 * wide + weights))
