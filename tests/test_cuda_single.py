@@ -267,9 +267,9 @@ def test_more_ranks_than_gpus_is_refused_in_one_line():
 
 
 # context parallelism's kernels ----------------------------------------------------------------
-def _blocks(dtype, s_q, s_k, masked, seed=0):
+def _blocks(dtype, s_q, s_k, masked, seed=0, d=64):
     gen = torch.Generator().manual_seed(seed)
-    b, h, d = 2, 4, 64
+    b, h = 2, 4
     q, do = (torch.randn(b, h, s_q, d, generator=gen).to(GPU, dtype) for _ in range(2))
     k, v = (torch.randn(b, h, s_k, d, generator=gen).to(GPU, dtype) for _ in range(2))
     bias = None
@@ -281,19 +281,21 @@ def _blocks(dtype, s_q, s_k, masked, seed=0):
     return q, k, v, do, bias
 
 
+@pytest.mark.parametrize("head_dim", [64, 192], ids=["d64", "d192"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal,masked,s_k", [(True, False, 64), (False, False, 128),
                                                (False, True, 128), (False, True, 40)])
-def test_cp_fused_kernels_equal_the_fp32_reference(dtype, causal, masked, s_k):
+def test_cp_fused_kernels_equal_the_fp32_reference(dtype, causal, masked, s_k, head_dim):
     """A block of 64 queries against a block of keys (causal: its own positions; s_k 40: a
     key block whose length is not a multiple of the kernels' alignment) in the kernel
     `choose_kernel` picks, forward (out and log-sum-exp) and backward, against the fp32
-    "math" kernel on the same inputs."""
-    kernel = choose_kernel(GPU, 0.0, dtype, masked, 64)
+    "math" kernel on the same inputs; head size 64 and DeepSeek-V3 MLA's 192 (fused on a GPU
+    from sm80 on, where PyTorch runs flash up to 256)."""
+    kernel = choose_kernel(GPU, 0.0, dtype, masked, head_dim)
     if on_cuda():
         half = dtype == torch.bfloat16
         assert kernel == ("cuda-flash" if half and not masked else "cuda-efficient")
-    q, k, v, do, bias = _blocks(dtype, 64, s_k, masked)
+    q, k, v, do, bias = _blocks(dtype, 64, s_k, masked, d=head_dim)
     out, lse = block_forward(q, k, v, causal, bias, kernel)
     ref_out, ref_lse = block_forward(q, k, v, causal, bias, "math")
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -305,6 +307,7 @@ def test_cp_fused_kernels_equal_the_fp32_reference(dtype, causal, masked, s_k):
     errors = [rel_err(g.float(), r.float()) for g, r in zip(grads, ref_grads)]
     assert max(errors) < tol, errors
     record(f"cp kernel {kernel}", dtype=str(dtype), causal=causal, masked=masked, s_k=s_k,
+           head_dim=head_dim,
            out_rel=rel_err(out.float(), ref_out.float()), grad_rel=max(errors))
 
 

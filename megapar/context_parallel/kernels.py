@@ -16,7 +16,8 @@ context parallelism, `torch.distributed.tensor.experimental.context_parallel`, c
   bf16 / fp16 blocks without a padding mask.
 - "cuda-efficient": the memory-efficient kernel on CUDA
   (`aten._scaled_dot_product_efficient_attention`), for fp32 blocks and BERT's padding bias.
-  Neither CUDA kernel materialises the s_q x s_k scores.
+  Neither CUDA kernel materialises the s_q x s_k scores; which head sizes each takes on a GPU
+  is PyTorch's answer (`choose_kernel`, `torch_accepts`).
 - "math": the same computation written out in fp32 matmuls, on any device: wherever attention
   dropout is on (its masks are drawn again in backward from the RNG state saved in forward, so
   nothing quadratic is kept), and as the reference the others are tested against.
@@ -54,17 +55,62 @@ def choose_kernel(
     masked: bool = False,
     head_dim: int = 64,
 ) -> str:
-    """The kernel for a device: a fused one unless attention dropout is on (on CUDA: flash for
-    16-bit blocks without a mask, memory-efficient otherwise, for head sizes that are a
-    multiple of 8 up to 128, which both support on every GPU they run on), else "math"."""
+    """The kernel for a device: "math" with attention dropout; on CPU "flash"; on CUDA
+    "cuda-flash" for 16-bit blocks without a mask and "cuda-efficient" otherwise, where PyTorch
+    says the kernel runs (`torch_accepts`: its own checks, forward and backward) for this GPU,
+    dtype and head size, and for "cuda-flash" the head size is a multiple of 8 too (the op
+    megapar calls does not pad it, as `scaled_dot_product_attention` does before calling it:
+    `mha_fwd` / `mha_bwd` in aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp
+    refuse any other); else "math". Head sizes above 128 (MLA's 192) run fused where PyTorch
+    runs them: flash up to 256 (on sm86 / sm89 / sm120 / sm121 in training not 193-224), the
+    memory-efficient kernel at any size aligned to its GEMMs."""
     if dropout_p:
         return "math"
     if device.type == "cpu":
         return "flash"
-    if device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 128:
+    if device.type == "cuda":
         half = dtype in (torch.bfloat16, torch.float16)
-        return "cuda-flash" if half and not masked else "cuda-efficient"
+        if half and not masked and head_dim % 8 == 0:
+            if torch_accepts("cuda-flash", device, dtype, head_dim):
+                return "cuda-flash"
+        if torch_accepts("cuda-efficient", device, dtype, head_dim):
+            return "cuda-efficient"
     return "math"
+
+
+_ACCEPTS: dict[tuple[str, str, torch.dtype, int], bool] = {}
+"""(kernel, device, dtype, head size) -> `torch_accepts`'s answer, asked once."""
+
+
+def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+    """A [1, 1, 1, head_dim] tensor on `device` that requires its gradient: what PyTorch's
+    kernel checks read (device, dtype, sizes, strides; never its values)."""
+    return torch.empty((1, 1, 1, head_dim), dtype=dtype, device=device, requires_grad=True)
+
+
+def torch_accepts(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether PyTorch runs `kernel` ("cuda-flash" or "cuda-efficient") on q, k and v of
+    `dtype` and `head_dim` on `device`, in training: its own checks,
+    `torch.backends.cuda.can_use_flash_attention` / `can_use_efficient_attention` (the
+    filters of `scaled_dot_product_attention`'s choice: sdp::can_use_flash_attention /
+    can_use_mem_efficient_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:
+    the GPU's architecture, the dtype, check_head_dim_size_flash / _mem_efficient, and with
+    grad enabled check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120, the
+    backward's limit), asked with tensors that require their gradient under grad mode, no
+    mask, no dropout and no causal flag (the calls with one are square). Asked once per
+    kernel, device, dtype and head size: no host synchronisation, no kernel launched."""
+    key = (kernel, str(device), dtype, head_dim)
+    if key not in _ACCEPTS:
+        check = (
+            torch.backends.cuda.can_use_flash_attention
+            if kernel == "cuda-flash"
+            else torch.backends.cuda.can_use_efficient_attention
+        )
+        with torch.enable_grad():
+            t = _probe(device, dtype, head_dim)
+            params = torch.backends.cuda.SDPAParams(t, t, t, None, 0.0, False, False)
+            _ACCEPTS[key] = bool(check(params, False))
+    return _ACCEPTS[key]
 
 
 _EFFICIENT_ALIGN = 16
