@@ -84,11 +84,12 @@ def test_flops_per_token_are_6n_plus_12_l_h_s_without_the_lookups(recipe):
         assert whole / training_flops_per_token(config, s) == pytest.approx(1.0654, abs=1e-3)
 
 
-def _tp_bytes(recipe, sp, master_weights, s=64, b=2):
+def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=False):
     """Bytes the planner's tp collectives of one micro-batch move on tp 2 (a ring's 2 (n-1)/n
     is 1 there), read back from its seconds at 8 Gbit/s and no latency."""
-    p = Problem(resolve_model(recipe), 2, global_batch=b, seq_len=s, precision="bf16",
-                master_weights=master_weights, intra_gbps=8.0, latency_us=0.0)
+    p = Problem(resolve_model(recipe), 2, global_batch=b, seq_len=s, precision=precision,
+                master_weights=master_weights, intra_gbps=8.0, latency_us=0.0,
+                sp_regather=regather)
     ((chunk,),) = chunk_times(p, Candidate(tp=2, mbs=b, sp=sp))
     return chunk.tp * 1e9
 
@@ -112,13 +113,16 @@ def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
             layers * 4 * sbh * 2 + ends * sbh * 2, rel=1e-12)
 
 
-@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "shared-experts"])
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "shared-experts",
+                                    "deepseek-v3-tiny"])
 def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
     """megapar-train --dry-run of tp 2 in bf16 counts the real code's all-reduces: the planner's
     bytes, plus the vocab-parallel cross-entropy's three fp32 all-reduces per token (its max,
     sum of exponentials and target logit: latency, not timed by the planner). A MoE layer
     (mixtral-tiny: every layer) reduces only its attention's over tp, its routed experts being
-    whole on every rank; with shared experts (split over tp) also its MLP's, as a dense layer."""
+    whole on every rank; with shared experts (split over tp) also its MLP's, as a dense layer.
+    DeepSeek-V3's MLA reduces its latents' gradient, not h's
+    (`test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts`)."""
     s, b = 64, 2
     model = recipe
     if recipe == "shared-experts":
@@ -138,15 +142,15 @@ def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
         assert planned == pytest.approx(4 * 2 * 8192 * 2 + 2 * 8192 * 2, rel=1e-12)
 
 
-@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "deepseek-v3-tiny"])
 def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
     """Under SP at tp 2 the planner's ring bytes are half the dry run's all-gather and
     reduce-scatter bytes (it counts each call's whole s b h tensor, of which a rank sends
     (t - 1) / t), every one in bf16: the blocks', the embedding's reduce-scatter
     and its gradient's all-gather, the head input's gather and its gradient's reduce-scatter
-    (until 2026-12-03 the planner left the embedding's gradient out). Not DeepSeek-V3: the
-    planner prices its MLA's tp region at h a token, where the latents (q + kv + rotary key,
-    72 in deepseek-v3-tiny) travel (303,104 counted against 294,912 planned)."""
+    (until 2026-12-03 the planner left the embedding's gradient out). DeepSeek-V3's MLA
+    gathers its latents (72 a token in deepseek-v3-tiny) where Megatron's attention gathers
+    h: 303,104 bytes counted and planned (the planner had priced h: 294,912)."""
     s, b = 64, 2
     argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
             str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
@@ -155,6 +159,49 @@ def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
     tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
     counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
     assert counted == pytest.approx(_tp_bytes(recipe, True, "fp32", s, b), rel=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("sp", ["none", "sp", "regather"])
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts(capsys, tmp_path, q_lora_rank, sp,
+                                                          precision):
+    """DeepSeek-V3's Multi-head Latent Attention at tp 2 (deepseek-v3-tiny: h 64, 4 layers, the
+    first dense, the others MoE with a shared expert split over tp): its down projections are
+    whole on every rank, and what enters its tp region is their output, the q latent (32), the
+    normed kv latent (32) and the shared rotary key (8), one tensor of 72 a token, not h: its
+    gradient all-reduced in the backward (SP: all-gathered in the forward, reduce-scattered in
+    the backward). With a plain q projection (q_lora_rank None) the kv latent and rotary key
+    (40) enter in one collective and q's input (h) in its own. The output projection's and the
+    MLP's collectives carry h. So a layer moves 3 h + 72 (plain q: 4 h + 40) a token where
+    Megatron's moves 4 h, plus the ends' 2 h (the embedding's and the head's), in the
+    activations' dtype (bf16: 2 bytes, `to_wire_dtype`; fp32: 4). --sp-regather re-gathers the
+    MLPs' inputs and a plain q's (h / 2 each), not the latent (q_b and kv_b read slices of it,
+    which the re-gather does not follow). The planner's bytes equal the dry run's (less the
+    vocab-parallel cross-entropy's three fp32 all-reduces a token); it priced h a token, 294,912
+    bytes in bf16 against the 303,104 (plain q: 335,872) counted."""
+    s, b, h, layers = 64, 2, 64, 4
+    config = json.loads((ROOT / "models" / "deepseek-v3-tiny.json").read_text())
+    model = tmp_path / "mla.json"
+    model.write_text(json.dumps({**config, "q_lora_rank": q_lora_rank}))
+    argv = ["--model", str(model), "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            precision, "--dry-run-ranks", "0", "--json"]
+    argv += {"none": [], "sp": ["--sequence-parallel"],
+             "regather": ["--sequence-parallel", "--sp-regather"]}[sp]
+    assert train_main(argv) == 0
+    tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+    if sp == "none":
+        counted = tp["all_reduce"]["bytes"] - 3 * s * b * 4
+        assert "all_gather" not in tp and "reduce_scatter" not in tp
+    else:
+        counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
+    planned = _tp_bytes(str(model), sp != "none", "fp32", s, b, precision, sp == "regather")
+    assert counted == pytest.approx(planned, rel=1e-12)
+    latents = 72 if q_lora_rank else 40 + h
+    regathered = (h + (0 if q_lora_rank else h)) / 2 if sp == "regather" else 0
+    width = layers * (3 * h + latents + regathered) + 2 * h
+    assert planned == pytest.approx(s * b * width * (2 if precision == "bf16" else 4), rel=1e-12)
 
 
 @pytest.mark.parametrize("recipe, cp, tp", [("llama-70b", 8, 8), ("llama-8b", 4, 4),

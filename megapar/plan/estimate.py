@@ -17,7 +17,8 @@ Time model (all per optimizer step):
   2 (p-1) activation transfers on the fill / drain critical path (steady-state transfers
   overlap compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
 - tensor parallelism: per layer 2 all-reduces of s b h activations in the forward and 2 in the
-  backward (with SP: all-gather + reduce-scatter, the same bytes), ring cost 2 (t-1)/t x bytes /
+  backward (with SP: all-gather + reduce-scatter, the same bytes; MLA's attention input: its
+  latents' width, `timing.attention_inputs`), ring cost 2 (t-1)/t x bytes /
   intra-node bandwidth + 2 (t-1) message latencies, not overlapped (they sit between the
   matmuls); full recompute repeats the forward's. The embedding adds one forward reduction
   (SP: a reduce-scatter, half the bytes), the head its input gradient's all-reduce backward

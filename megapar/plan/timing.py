@@ -25,6 +25,26 @@ def ring_seconds(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) ->
     return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
+def attention_inputs(config) -> tuple[tuple[int, bool], ...]:
+    """The tensors that enter a layer's attention tp region, each in a collective of its own
+    (its gradient's all-reduce in the backward; under SP its all-gather in the forward and
+    reduce-scatter in the backward), as (numbers a token, whether --sp-regather re-gathers it
+    in the backward). Megatron's attention: the normed hidden states, (h, True). DeepSeek-V3's
+    Multi-head Latent Attention (`megapar.models.deepseek`), whose down projections are whole on
+    every tp rank: their outputs, the q latent, the normed kv latent and the shared rotary key,
+    as one tensor (q_lora_rank + kv_lora_rank + qk_rope_head_dim; 2,112 against h = 7,168 in
+    DeepSeek-V3), not re-gathered (q_b and kv_b read slices of it, which do not carry the
+    gathered tensor's `SequenceShard`: the latent is kept gathered); with a plain q projection
+    (q_lora_rank None) the kv latent and rotary key, and q's own input (h, re-gathered)."""
+    h = config.hidden_size
+    if not getattr(config, "mla", False):
+        return ((h, True),)
+    kv = config.kv_lora_rank + config.qk_rope_head_dim
+    if config.q_lora_rank is None:
+        return ((kv, False), (h, True))
+    return ((config.q_lora_rank + kv, False),)
+
+
 @dataclass(frozen=True)
 class ChunkTime:
     """Seconds of one micro-batch on one model chunk of one rank."""
@@ -68,27 +88,35 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     tokens = p.seq_len // n * b  # this cp rank's tokens
     fl = matmul_flops(cfg, p.seq_len, t, etp=c.etp)
     rate = p.peak_tflops * 1e12 * p.efficiency
-    act = tokens * cfg.hidden_size * p.act_bytes
-    ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
+
+    def rings(width: int) -> float:  # one all-reduce of `width` numbers a token
+        return ring_seconds(t, tokens * width * p.act_bytes, p.intra_gbps, p.latency_us)
+
+    ring = rings(cfg.hidden_size)  # one all-reduce of the activations
     # every tp collective of activations or their gradients moves the activations' dtype, as
     # Megatron's: megapar-train's autocast keeps the residual stream, the norms' outputs and the
     # embedding's output in fp32, but casts them to the autocast dtype where they enter a tp
     # collective (`tensor_parallel.mappings.to_wire_dtype`): the paper's 2 + 2 all-reduces of
     # s b h x 2 bytes a layer under bf16 / fp16
     half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
-    # per layer: 2 all-reduces in the forward (the row-parallel outputs) and 2 in the backward
-    # (the column-parallel inputs' gradients); SP: an all-gather of each norm output and a
-    # reduce-scatter of each row-parallel output, and in the backward the reverse
-    tp_fwd = 2 * ring
-    tp_bwd = 2 * ring + (tp_fwd if c.recompute == "full" else 0.0)
-    # --sp-regather: one more all-gather per shared input in the backward (attention's, the
-    # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
-    # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
-    regather = 0.5 * ring if regathers(p, c) else 0.0
-    moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
-    # a MoE layer's tp collectives: its attention's, and only with shared experts (split over
-    # tp like a dense MLP) its MLP's; the routed experts are whole on every tp rank
-    moe_tp = moe_regathers / 2
+    # per layer, the attention: its output's all-reduce in the forward (the row-parallel
+    # projection's) and its inputs' gradients' in the backward (`attention_inputs`: MLA's
+    # latents, not h); SP: an all-gather of each input and a reduce-scatter of the output in
+    # the forward, the reverse in the backward, each half an all-reduce's ring bytes
+    inputs = attention_inputs(cfg)
+    entry = sum(rings(width) for width, _ in inputs)
+    attn_f = (entry + ring) / 2 if c.sp else ring
+    attn_b = attn_f if c.sp else entry
+    # a dense MLP (and a MoE layer's shared experts, split over tp like it; its routed experts
+    # are whole on every tp rank): its output's all-reduce forward, its input's gradient's
+    # backward, of s b h each (SP: as the attention's)
+    shared = bool(getattr(cfg, "shared_expert_intermediate_size", 0))
+    # --sp-regather: one more all-gather per re-gathered input in the backward (the attention's,
+    # the MLP's), counted exposed (the run overlaps it with one input-gradient matmul: an upper
+    # bound)
+    regather = regathers(p, c)
+    attn_regather = sum(rings(w) for w, again in inputs if again) / 2 if regather else 0.0
+    mlp_regather = ring / 2 if regather else 0.0
     # with the routed experts split over tp (etp): their output's all-reduce in the forward and
     # the tokens' gradient's in the backward (under SP an all-gather and a reduce-scatter
     # each, the same ring bytes), in the activations' dtype, and the combine weights'
@@ -140,12 +168,14 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         emb_b = ring * 0.5 if first and c.sp else 0.0  # SP: its output's gradient gathered
         head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = ring * half if last else 0.0  # its input's gradient
-        regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
-        k_tp = k - k_moe + moe_tp * k_moe  # blocks' worth of tp collectives
+        mlps = k - k_moe + (k_moe if shared else 0)  # MLPs split over tp
+        tp_fwd = k * attn_f + mlps * ring
+        tp_bwd = k * attn_b + mlps * ring + (tp_fwd if c.recompute == "full" else 0.0)
+        regathered = k * attn_regather + mlps * mlp_regather
         return ChunkTime(
             (f - cut) / rate
             + k_moe * etp_f
-            + k_tp * tp_fwd
+            + tp_fwd
             + k * cp_f
             + emb_comm
             + head_f
@@ -154,7 +184,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + cp8_f,
             (bi + x8 - cut * (2 + full)) / rate
             + k_moe * etp_b
-            + k_tp * tp_bwd
+            + tp_bwd
             + k * cp_b
             + regathered
             + emb_b
@@ -164,7 +194,8 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + cp8_b,
             (w - x8) / rate,
             f + bi + w,
-            k_tp * (tp_fwd + tp_bwd)
+            tp_fwd
+            + tp_bwd
             + k_moe * (etp_f + etp_b)
             + regathered
             + emb_comm
