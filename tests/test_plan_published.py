@@ -84,13 +84,14 @@ def test_flops_per_token_are_6n_plus_12_l_h_s_without_the_lookups(recipe):
         assert whole / training_flops_per_token(config, s) == pytest.approx(1.0654, abs=1e-3)
 
 
-def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=False):
+def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=False,
+              recompute="none", etp=1):
     """Bytes the planner's tp collectives of one micro-batch move on tp 2 (a ring's 2 (n-1)/n
     is 1 there), read back from its seconds at 8 Gbit/s and no latency."""
     p = Problem(resolve_model(recipe), 2, global_batch=b, seq_len=s, precision=precision,
                 master_weights=master_weights, intra_gbps=8.0, latency_us=0.0,
                 sp_regather=regather)
-    ((chunk,),) = chunk_times(p, Candidate(tp=2, mbs=b, sp=sp))
+    ((chunk,),) = chunk_times(p, Candidate(tp=2, mbs=b, sp=sp, recompute=recompute, etp=etp))
     return chunk.tp * 1e9
 
 
@@ -159,6 +160,43 @@ def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
     tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
     counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
     assert counted == pytest.approx(_tp_bytes(recipe, True, "fp32", s, b), rel=1e-12)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recipe, etp, recompute", [
+    ("gpt2-tiny", 1, "full"), ("shared-experts", 1, "full"), ("mixtral-tiny", 2, "none"),
+    ("shared-experts", 2, "full"), ("deepseek-v3-tiny", 2, "full")])
+def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe,
+                                                                   etp, recompute, sp):
+    """Full recomputation re-runs a layer's forward only up to the last tensor its backward
+    reads (torch.utils.checkpoint's early stop): a layer whose MLP (or shared experts) is split
+    over tp stops before that MLP's output all-reduce (SP: reduce-scatter), so a dense layer
+    moves 5 all-reduces of s b h, not 6. With the routed experts split over tp under SP, their
+    combine weights and choices ([T, 2k] fp32) are all-gathered in the forward as well as
+    reduce-scattered in the backward. The planner's tp bytes at tp 2 in bf16 equal the dry
+    run's (less the cross-entropy's three fp32 all-reduces a token)."""
+    s, b = 64, 2
+    model = recipe
+    if recipe == "shared-experts":
+        config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
+        model = str(tmp_path / "shared.json")
+        (tmp_path / "shared.json").write_text(json.dumps(
+            {**config, "shared_expert_intermediate_size": 32}))
+    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json", "--recompute", recompute,
+            "--expert-tensor-parallel-size", str(etp)] + (["--sequence-parallel"] if sp else [])
+    assert train_main(argv) == 0
+    tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+    if sp:
+        counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
+    else:
+        counted = tp["all_reduce"]["bytes"] - 3 * s * b * 4
+    planned = _tp_bytes(model, sp, "fp32", s, b, recompute=recompute, etp=etp)
+    assert counted == pytest.approx(planned, rel=1e-12)
+    if recipe == "gpt2-tiny":  # 4 layers x (2 + 2 + 1 recomputed) s b h, and the ends' 2;
+        # SP: the recompute's 2 all-gathers and 1 reduce-scatter, half a ring's bytes each
+        assert planned == pytest.approx((4 * (5.5 if sp else 5) + 2) * s * b * 64 * 2, rel=1e-12)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -92,6 +92,9 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     def rings(width: int) -> float:  # one all-reduce of `width` numbers a token
         return ring_seconds(t, tokens * width * p.act_bytes, p.intra_gbps, p.latency_us)
 
+    def fp32_rings(width: int) -> float:  # the same of fp32 numbers
+        return ring_seconds(t, tokens * width * 4, p.intra_gbps, p.latency_us)
+
     ring = rings(cfg.hidden_size)  # one all-reduce of the activations
     # every tp collective of activations or their gradients moves the activations' dtype, as
     # Megatron's: megapar-train's autocast keeps the residual stream, the norms' outputs and the
@@ -120,14 +123,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     # with the routed experts split over tp (etp): their output's all-reduce in the forward and
     # the tokens' gradient's in the backward (under SP an all-gather and a reduce-scatter
     # each, the same ring bytes), in the activations' dtype, and the combine weights'
-    # gradient (T k fp32; `experts.expert_tp_collectives`)
-    etp_f = ring if c.etp > 1 else 0.0
+    # gradient (T k fp32); under SP the weights and choices ([T, 2k] fp32) are gathered in the
+    # forward too, their gradient reduce-scattered (`experts.expert_tp_collectives`)
+    k_routed = getattr(cfg, "num_experts_per_tok", 0)
+    picks = fp32_rings(2 * k_routed) / 2 if c.sp else 0.0
+    etp_f = ring + picks if c.etp > 1 else 0.0
     etp_b = (
-        etp_f
-        + ring_seconds(
-            t, tokens * getattr(cfg, "num_experts_per_tok", 0) * 4, p.intra_gbps, p.latency_us
-        )
-        + (etp_f if c.recompute == "full" else 0.0)
+        ring + fp32_rings(k_routed) + (etp_f if c.recompute == "full" else 0.0)
         if c.etp > 1
         else 0.0
     )
@@ -170,7 +172,11 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         head_b = ring * half if last else 0.0  # its input's gradient
         mlps = k - k_moe + (k_moe if shared else 0)  # MLPs split over tp
         tp_fwd = k * attn_f + mlps * ring
-        tp_bwd = k * attn_b + mlps * ring + (tp_fwd if c.recompute == "full" else 0.0)
+        # full recompute re-runs each layer's forward up to the last tensor its backward
+        # reads (torch.utils.checkpoint's early stop): a layer whose MLP is split over tp
+        # stops before that MLP's output reduction (SP: its reduce-scatter)
+        again = tp_fwd - mlps * ring * half
+        tp_bwd = k * attn_b + mlps * ring + (again if c.recompute == "full" else 0.0)
         regathered = k * attn_regather + mlps * mlp_regather
         return ChunkTime(
             (f - cut) / rate
