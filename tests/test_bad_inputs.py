@@ -1115,6 +1115,55 @@ def test_a_misspelt_choice_is_answered_with_the_closest(capsys):
         assert (hint in err) if hint else ("did you mean" not in err), err
 
 
+def test_a_value_given_to_a_switch_is_answered_with_the_switch(capsys):
+    """`--account-for-embedding-in-pipeline-split=1` got argparse's "argument
+    --account-for-embedding-in-pipeline-split/--no-account-for-embedding-in-pipeline-split:
+    ignored explicit argument '1'"; now the switch is named with what the value meant: the flag
+    alone for on, its --no- spelling for off."""
+    from megapar.cli.plan import main as plan
+    from megapar.training.config import parse_args
+
+    flag = "--account-for-embedding-in-pipeline-split"
+    for argv, says in [
+        ([f"{flag}=1"], f"{flag} is a switch and takes no value (=1 given); give {flag} alone"),
+        ([f"{flag}=false"], f"{flag} is a switch and takes no value (=false given); give "
+                            f"--no-{flag[2:]}"),
+        (["--dry-run=maybe"], "--dry-run is a switch and takes no value (=maybe given); give "
+                              "--dry-run alone to turn it on; to turn it off, give --no-dry-run"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+        line = _one_line(capsys, "megapar-train")
+        assert says in line, line
+    with pytest.raises(SystemExit) as exc:
+        plan(["--model", "llama-tiny", "--gpus", "2", "--seq-len", "128",
+              "--account-for-loss-in-pipeline-split=1"])
+    assert exc.value.code == 2
+    assert "give --account-for-loss-in-pipeline-split alone" in _one_line(capsys, "megapar-plan")
+
+
+def test_a_pipeline_split_given_to_explain_names_megapar_plans_flag(capsys):
+    """`megapar-plan --explain tp=1,pp=2,first=1` was "unknown key 'first'; keys: tp, pp, ..."
+    (the split is no layout key): now the flag that gives it beside --explain is named."""
+    from megapar.cli.plan import main as plan
+
+    common = ["--model", "llama-tiny", "--gpus", "2", "--seq-len", "128", "--explain"]
+    for item, says in [
+        ("first=1", "--explain: first=1 is not a layout item: the pipeline split is "
+                    "megapar-plan's flag, which --explain's layout takes too; drop it and give "
+                    "--decoder-first-pipeline-num-layers 1 beside --explain"),
+        ("decoder-last-pipeline-num-layers=3", "give --decoder-last-pipeline-num-layers 3 "
+                                               "beside --explain"),
+        ("embedding=1", "give --account-for-embedding-in-pipeline-split beside --explain"),
+        ("loss=0", "megapar-plan's --account-for-loss-in-pipeline-split, off unless given; "
+                   "drop loss=0"),
+    ]:
+        assert plan([*common, f"tp=1,pp=2,{item}"]) == 2
+        line = _one_line(capsys, "megapar-plan")
+        assert says in line, line
+
+
 def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     """Megatron-LM's, torchtitan's or Hugging Face Trainer's name for a flag: difflib named an
     unrelated one (`--resume: did you mean --recompute?`, `--train-iters`: `--rank-order`,
