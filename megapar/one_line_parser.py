@@ -120,6 +120,7 @@ class OneLineParser(argparse.ArgumentParser):
         return f"pass {' and '.join(what for _, what in flags)} as {shlex.join(parts)}"
 
     def error(self, message: str):
+        message = self._switch_given_a_value(message) or message
         self.exit(
             2,
             f"{self.prog}: error: {message}{self._did_you_mean(message)}"
@@ -127,6 +128,29 @@ class OneLineParser(argparse.ArgumentParser):
             f"{self._value_named_elsewhere(message) or self._closest_choice(message)} "
             f"(see {self.prog} --help)\n",
         )
+
+    def _switch_given_a_value(self, message: str) -> str:
+        """For a value given to a flag that takes none (`--account-for-embedding-in-pipeline-
+        split=1`, which argparse answers "ignored explicit argument '1'"), the line naming the
+        switch and how to say what the value meant: the flag alone for on (1, true, yes),
+        its --no- spelling, or leaving it out, for off; "" for any other message."""
+        match = re.fullmatch(r"argument (\S+): ignored explicit argument '(.*)'", message)
+        if match is None:
+            return ""
+        spellings = [name for name in match.group(1).split("/") if name.startswith("--")]
+        on = next((name for name in spellings if not name.startswith("--no-")), None)
+        if on is None:
+            return ""
+        off = f"--no-{on[2:]}"
+        off = f"give {off}" if off in spellings else "leave it out"
+        value = match.group(2)
+        if value.lower() in ("1", "true", "yes", "on"):
+            fix = f"give {on} alone"
+        elif value.lower() in ("0", "false", "no", "off"):
+            fix = off
+        else:
+            fix = f"give {on} alone to turn it on; to turn it off, {off}"
+        return f"{on} is a switch and takes no value (={value} given); {fix}"
 
     def _value_named_elsewhere(self, message: str) -> str:
         """For a value a flag's choices (or its type) lack, another tool's name for one of

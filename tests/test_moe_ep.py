@@ -217,10 +217,11 @@ def _bf16_steps():
     from unittest import mock
 
     from megapar.models import moe
+    from megapar.tensor_parallel.mappings import to_wire_dtype
 
     out = []
-    for wire in (moe.wire_dtype, lambda x: x.dtype):
-        with mock.patch.object(moe, "wire_dtype", wire):
+    for wire in (to_wire_dtype, lambda x, group: x):
+        with mock.patch.object(moe, "to_wire_dtype", wire):
             mesh, model, _, step = _engine(1, 1, 2, 2, 0, "none", precision="bf16")
             split = BatchPlan(G, MBS, 2).split(global_batches()[0], mesh.dp_rank)
             with count_collectives() as calls, count_syncs() as syncs:

@@ -95,3 +95,38 @@ def test_the_planner_rejects_the_layouts_a_split_does_not_fit():
     assert "--pp is 1" in check(Candidate(pp=1, dp=4), p)
     assert "leave 1 of the model's 4 for the other 3 of --pp 4 stages" in check(
         Candidate(pp=4, dp=1), p)
+
+
+def test_the_dry_runs_first_line_names_an_uneven_splits_blocks_per_stage(capsys):
+    """megapar-train --dry-run with --decoder-first-pipeline-num-layers (or the embedding /
+    loss counted as a block) said "schedule 1f1b, global batch ..." as for the even cut; now
+    the stages' (or model chunks') blocks and the flags that gave them follow the schedule,
+    and the even cut says nothing more. The start-up line of a run says the same
+    (`loop.stages_phrase`). Its bubble line said "(equal stages)" of the formula's estimate,
+    which prices the busiest stage and averages the others' idle time: now it says so."""
+    from megapar.cli.train import main as train
+
+    common = ["--model", "llama-tiny", "--pp", "2", "--dry-run", "--dry-run-ranks", "0"]
+    for flags, says in [
+        (["--decoder-first-pipeline-num-layers", "1"],
+         "schedule 1f1b, stages of 1 + 3 blocks (--decoder-first-pipeline-num-layers 1), "
+         "global batch"),
+        (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+         "stages of 2 + 2 blocks (--account-for-embedding-in-pipeline-split "
+         "--account-for-loss-in-pipeline-split), global batch"),
+        (["--schedule", "interleaved", "--virtual-stages", "2",
+          "--decoder-last-pipeline-num-layers", "1"],
+         "schedule interleaved V 2, model chunks (in model order) of 1 + 1 + 1 + 1 blocks "
+         "(--decoder-last-pipeline-num-layers 1), global batch"),
+        ([], "schedule 1f1b, global batch"),
+    ]:
+        assert train([*common, *flags]) == 0
+        out = capsys.readouterr().out
+        assert says in out, out
+    assert train([*common, "--decoder-first-pipeline-num-layers", "1", "--micro-batch-size",
+                  "1", "--global-batch-size", "40000"]) == 0
+    out = capsys.readouterr().out
+    assert ("1f1b leaves the pp ranks idle 48.6 % of the step on average (the schedule's "
+            "formula on the busiest stage's times; a stage holding more, such as the LM head's, "
+            "adds to the others' wait)") in out, out
+    assert "equal stages" not in out

@@ -156,7 +156,10 @@ class HFReader:
         raw = json.loads(cfg.read_text())
         _refuse_megapar_parts(raw, cfg)
         _refuse_other_model(raw, self.path)
-        self.config = config_from_dict(raw)
+        try:
+            self.config = config_from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg}: {exc}") from None
         self._saved_dtype = raw.get("dtype") or raw.get("torch_dtype")
         st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"
         if st.exists():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
 from megapar.plan.memory import document_mask_bytes
-from megapar.training.loop import batch_phrase
+from megapar.training.loop import batch_phrase, stages_phrase
 
 _OPS = {
     "all_reduce": "all-reduce",
@@ -64,6 +64,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
         + ([f"--label-smoothing {cfg.label_smoothing:g}"] if cfg.label_smoothing else [])
         + ([f"--z-loss {cfg.z_loss:g}"] if cfg.z_loss else [])
     )
+    stages, size = stages_phrase(cfg, config.num_layers, layout.pp), cfg.micro_batch_size
     return (
         f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
         f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
@@ -73,7 +74,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
         + ", "
         f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
         f"{gpus_per_node}); schedule {cfg.schedule}{v}, "
-        f"{batch_phrase(cfg.global_batch_size, cfg.seq_len, layout.dp, m, cfg.micro_batch_size)}; "
+        + (f"{stages}, " if stages else "")
+        + f"{batch_phrase(cfg.global_batch_size, cfg.seq_len, layout.dp, m, size)}; "
         f"{', '.join(extras)}\nrehearsing {choice}; on this CPU (fake process group, fake "
         f"tensors: nothing is communicated or allocated)"
     )
@@ -81,11 +83,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice:
 
 def describe_bubble(bubble: float, source: str, schedule: str) -> str:
     """The job's pipeline bubble line (`modelled.planned_bubble`)."""
-    how = (
-        " (a stage holding more, such as the LM head's, adds to the others' wait)"
-        if source == "simulated"
-        else " (equal stages)"
-    )
+    formula = "the schedule's formula on the busiest stage's times; " if source == "formula" else ""
+    how = f" ({formula}a stage holding more, such as the LM head's, adds to the others' wait)"
     return (
         f"pipeline bubble (modelled, megapar-plan's estimate, {source}): {schedule} leaves "
         f"the pp ranks idle {100 * bubble:.1f} % of the step on average{how}; megapar-bubble "

@@ -16,8 +16,8 @@ in (sorted by local expert across source ranks) is computed on the device from t
 expert; `combine` is its inverse (the experts' outputs put back in source order and returned
 with the all-to-all of swapped splits) and each one's backward is the other's forward. Rows and
 gradients travel in the dtype they are given: the MoE layer hands its rows over in the compute
-dtype (fp32, or bf16 / fp16 under mixed precision: `megapar.models.moe.wire_dtype`) and the
-experts' outputs come back in it. The
+dtype (fp32, or bf16 / fp16 under mixed precision:
+`megapar.tensor_parallel.mappings.to_wire_dtype`) and the experts' outputs come back in it. The
 exchange is `_AllToAll`, a small autograd function around `dist.all_to_all_single` rather than
 `torch.distributed.nn.functional.all_to_all_single`: both directions run inside
 `comm_wait.blocked`, so the time a rank waits there for a slow peer, forward and backward,

@@ -61,6 +61,11 @@ class _Base:
     hf_config_class = ""  # the transformers config class this one maps onto
     zero_ok: ClassVar[frozenset[str]] = frozenset({"max_window_layers"})
     """Whole-number fields that may be 0 (`check_sizes`; every other one is >= 1)."""
+    hub_code_keys: ClassVar[frozenset[str]] = frozenset()
+    """Keys of a hub config.json that are settings of the model's own code (not transformers'
+    class), refused as such (`hub_code_note`) rather than with difflib's closest field."""
+    hub_code_note: ClassVar[str] = ""
+    """What `hub_code_keys` are, as a refusal names them."""
 
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}
@@ -87,32 +92,22 @@ class _Base:
     @classmethod
     def from_dict(cls, d: dict):
         """The config from a dict; an unknown key, or a transformers setting megapar does not
-        implement set to anything but its default, is an error (never silently dropped)."""
+        implement set to anything but its default, is an error (never silently dropped), all of
+        them named in one line (`_refusal`)."""
         names = {f.name for f in dataclasses.fields(cls)}
         supported = HF_SUPPORTED_DEFAULTS[cls.model_type]
-        for key, value in d.items():
-            if (
-                key in names
-                or key == "model_type"
-                or key in HF_METADATA_KEYS
-                or key.startswith("summary_")
-            ):
-                continue
-            if key in supported:
-                if value != supported[key]:
-                    raise ConfigError(
-                        f"model config: {key}={value!r} is a transformers {cls.hf_config_class} "
-                        f"setting megapar does not implement (only {key}={supported[key]!r}); "
-                        f"remove it or use a model without it"
-                    )
-                continue
-            close = difflib.get_close_matches(key, sorted(names | set(supported)), n=1)
-            hint = (
-                f"did you mean {close[0]!r}?"
-                if close
-                else f"valid keys: {', '.join(sorted(names))}"
-            )
-            raise ConfigError(f"model config: unknown key {key!r} for {cls.model_type}; {hint}")
+        unknown = [
+            key
+            for key in d
+            if key not in names
+            and key != "model_type"
+            and key not in HF_METADATA_KEYS
+            and not key.startswith("summary_")
+            and key not in supported
+        ]
+        unsupported = [key for key in d if key in supported and d[key] != supported[key]]
+        if unknown or unsupported:
+            raise ConfigError(cls._refusal(d, unknown, unsupported))
         config = cls(**{k: v for k, v in d.items() if k in names})
         config.check_sizes()
         for key in ("activation_function", "hidden_act"):
@@ -122,6 +117,50 @@ class _Base:
                     f"does not implement; it implements {', '.join(ACTIVATION_NAMES)}"
                 )
         return config
+
+    @classmethod
+    def _refusal(cls, d: dict, unknown: list[str], unsupported: list[str]) -> str:
+        """The one line refusing every key of `d` megapar does not take: the `unknown` keys (a
+        did-you-mean each where a field is close; the `hub_code_keys` together, named as such)
+        and the transformers settings of `unsupported` at a value megapar does not implement.
+        One unknown key without a close field lists the valid keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        supported = HF_SUPPORTED_DEFAULTS[cls.model_type]
+        if not unknown and len(unsupported) == 1:
+            key = unsupported[0]
+            return (
+                f"model config: {key}={d[key]!r} is a transformers {cls.hf_config_class} "
+                f"setting megapar does not implement (only {key}={supported[key]!r}); "
+                f"remove it or use a model without it"
+            )
+        code = [key for key in unknown if key in cls.hub_code_keys]
+        close = {
+            key: difflib.get_close_matches(key, sorted(names | set(supported)), n=1)
+            for key in unknown
+            if key not in code
+        }
+        if len(close) == 1 and not code and not unsupported:
+            key, match = next(iter(close.items()))
+            hint = (
+                f"did you mean {match[0]!r}?"
+                if match
+                else f"valid keys: {', '.join(sorted(names))}"
+            )
+            return f"model config: unknown key {key!r} for {cls.model_type}; {hint}"
+        parts = [f"{', '.join(map(repr, code))} ({cls.hub_code_note})"] if code else []
+        parts += [
+            f"{key!r}" + (f" (did you mean {m[0]!r}?)" if m else "") for key, m in close.items()
+        ]
+        parts += [
+            f"{key}={d[key]!r} (a transformers {cls.hf_config_class} setting megapar implements "
+            f"only at {supported[key]!r})"
+            for key in unsupported
+        ]
+        count = len(unknown) + len(unsupported)
+        return (
+            f"model config: {cls.model_type} does not take {', '.join(parts)}; remove "
+            f"{'it' if count == 1 else f'these {count} keys'}"
+        )
 
     @property
     def draws_dropout(self) -> bool:

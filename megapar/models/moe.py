@@ -189,22 +189,10 @@ def host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
     return tokens_per_expert.tolist()
 
 
-def wire_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype expert parallelism sends `x`'s routed rows in: under autocast (bf16 / fp16
-    mixed precision) the autocast dtype, which the experts' linears cast their input to anyway
-    (rounded before the all-to-all instead of after it: the same values, half fp32's bytes,
-    and the same gradient, each row's bf16 / fp16 gradient cast back to fp32 on the rank that
-    routed it); otherwise x's own dtype."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind) and x.dtype == torch.float32:
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
 def grouped_dtype(x: torch.Tensor, size: int) -> torch.dtype | None:
     """bf16 where the experts of intermediate `size` run as grouped matmuls on `x` [N, H]:
     on CUDA, x in bf16 or bf16 autocast on (megapar's master weights stay fp32 and at ep 1 the
-    rows reach the experts in fp32 under it; under ep in bf16, `wire_dtype`), rows of 16
+    rows reach the experts in fp32 under it; under ep in bf16, `to_wire_dtype`), rows of 16
     bytes; None elsewhere (the loop)."""
     autocast = torch.is_autocast_enabled("cuda") and x.is_cuda
     dtype = torch.get_autocast_dtype("cuda") if autocast else x.dtype
@@ -426,10 +414,12 @@ class MoE(nn.Module):
         """Rows sorted by global expert sent to the ep ranks holding their experts, run
         through this rank's experts and combined back, in `rows`' order (rows dropped by a
         capacity, after the kept ones, get zeros). Under mixed precision the rows travel in
-        the compute dtype (`wire_dtype`), as the experts' outputs come back in it."""
+        the compute dtype (`to_wire_dtype`: the autocast dtype the experts' linears cast them to
+        anyway, rounded before the all-to-all instead of after it), as the experts' outputs come
+        back in it."""
         route = self._plan(tokens_per_expert, rows.shape[0])
         kept = sum(route.send_splits)
-        local = dispatch(rows[:kept].to(wire_dtype(rows)), route)
+        local = dispatch(to_wire_dtype(rows[:kept], self.ep_group), route)
         y = combine(self.experts(local, route.tokens_per_local_expert, route.counts), route)
         if kept < rows.shape[0]:
             y = torch.cat([y, y.new_zeros(rows.shape[0] - kept, y.shape[1])])

@@ -243,6 +243,22 @@ class DeepseekV3Config(_MoEConfig):
     zero_ok: ClassVar[frozenset[str]] = frozenset(
         {"first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"}
     )
+    hub_code_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            "auto_map",
+            "aux_loss_alpha",
+            "ep_size",
+            "moe_layer_freq",
+            "quantization_config",
+            "scoring_func",
+            "seq_aux",
+            "topk_method",
+        }
+    )
+    hub_code_note: ClassVar[str] = (
+        "settings of DeepSeek's own code and FP8 weights in the hub's config.json, which megapar "
+        "does not read: docs/guides/moe.md"
+    )
     megapar_only: ClassVar[frozenset[str]] = _MoEConfig.megapar_only | {
         "num_local_experts",
         "head_dim",

@@ -214,6 +214,21 @@ def split_layers(
     return tuple(ranges)
 
 
+def split_phrase(
+    num_layers: int, pp: int, split: PipelineSplit, per_rank: int = 1, placement: str = "loop"
+) -> str:
+    """The blocks of each stage (or of each of the pp x `per_rank` model chunks, in model
+    order) where `split` is not the even cut, as the start-up and dry-run lines name them:
+    "stages of 1 + 3 blocks (--decoder-first-pipeline-num-layers 1)"; "" for the even cut."""
+    if split.even:
+        return ""
+    slices = pp * per_rank
+    what = f"--pp {pp} stages" if per_rank == 1 else f"--pp {pp} x {per_rank} model chunks"
+    counts = split_counts(num_layers, slices, split, what, per_rank, placement)
+    kind = "stages" if per_rank == 1 else "model chunks (in model order)"
+    return f"{kind} of {' + '.join(map(str, counts))} blocks ({split.flags()})"
+
+
 def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> list[range]:
     """The block indices of each of `pp` stages."""
     if pp < 1:

@@ -11,7 +11,7 @@ tp rank runs all s b / cp tokens' rows through its I / t units of each expert, u
 `dist.all_to_all_single`, whose payload counts every row, the ones it keeps for itself too, as
 `megapar.comm_count` counts it): the count exchange (E int64 counts), the dispatch (the T k
 rows, h wide, in the compute dtype: fp32, or under bf16 / fp16 autocast the 16-bit dtype the
-experts' linears read, `megapar.models.moe.wire_dtype`), the combine (the rows it received
+experts' linears read, `tensor_parallel.mappings.to_wire_dtype`), the combine (the rows it received
 back, T k under uniform routing, in the experts' output dtype: the compute dtype), and in the
 backward the same two exchanges of the gradients (the combine's
 gradient out, T k rows; the dispatch's back, the received ones). Full recomputation repeats the

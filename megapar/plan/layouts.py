@@ -18,7 +18,13 @@ from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import heads
-from megapar.pipeline.partition import split_layers
+from megapar.pipeline.partition import (
+    EMBEDDING_FLAG,
+    FIRST_FLAG,
+    LAST_FLAG,
+    LOSS_FLAG,
+    split_layers,
+)
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
 from megapar.plan.fp8 import fp8_refusal
@@ -152,6 +158,35 @@ _ALIASES = {
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
+_SPLIT_KEYS = {
+    **dict.fromkeys(("first", "decoder_first_pipeline_num_layers"), FIRST_FLAG),
+    **dict.fromkeys(("last", "decoder_last_pipeline_num_layers"), LAST_FLAG),
+    **dict.fromkeys(("embedding", "account_for_embedding_in_pipeline_split"), EMBEDDING_FLAG),
+    **dict.fromkeys(("loss", "account_for_loss_in_pipeline_split"), LOSS_FLAG),
+}
+"""--explain keys (dashes read as underscores) that name a pipeline split: megapar-plan's flags
+for every layout, --explain's included, not a layout's own item."""
+
+
+def _split_key_refusal(key: str, value: str) -> str:
+    """The one line for a pipeline split given as an --explain item (`first=1`): the
+    megapar-plan flag that gives it, beside --explain."""
+    flag = _SPLIT_KEYS[key]
+    if flag in (FIRST_FLAG, LAST_FLAG):
+        given = f"{flag} {value}"
+    elif value.lower() in _FALSE:
+        return (
+            f"--explain: {key}={value} is not a layout item: the pipeline split is "
+            f"megapar-plan's {flag}, off unless given; drop {key}={value}"
+        )
+    else:
+        given = flag
+    return (
+        f"--explain: {key}={value} is not a layout item: the pipeline split is megapar-plan's "
+        f"flag, which --explain's layout takes too; drop it and give {given} beside --explain"
+    )
+
+
 _LABEL_SIZE = re.compile(r"(tp|cp|pp|dp|ep|etp|mbs|v|zero)(\d+)")
 _LABEL_FLAGS = {
     "sp": "sp=1",
@@ -207,6 +242,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             values["offload_optimizer"] = value in ("optimizer", "both")
             values["offload_params"] = value in ("params", "both")
             continue
+        if key.replace("-", "_") in _SPLIT_KEYS:
+            raise ValueError(_split_key_refusal(key.replace("-", "_"), value))
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {keys}")
         if key in ("schedule", "recompute", "zero3_reduce", "cp_comm"):

@@ -20,7 +20,8 @@ output and the residual stream are fp32. `to_wire_dtype` casts such a tensor to 
 dtype where a collective of more than one rank will carry it (what the linear reading it
 would cast it to anyway): the collective, and in the backward the gradient flowing back
 through it, move 2 bytes an element, as Megatron's; autograd casts the gradient back to fp32
-behind the cast. fp32 runs (no autocast) and tp 1 are untouched.
+behind the cast. fp32 runs (no autocast) and tp 1 are untouched. Expert parallelism sends the
+routed rows through it too (`megapar.models.moe`, over the ep group).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def to_wire_dtype(x: torch.Tensor, group) -> torch.Tensor:
     """`x` in the autocast dtype where autocast is on, `x` is fp32 and `group` has more than one
-    rank (a tp collective will carry it, or its gradient); else `x` itself. No host sync."""
+    rank (a collective of `group` will carry it, or its gradient: a tp region's, or expert
+    parallelism's dispatch of the routed rows); else `x` itself. No host sync."""
     if _size(group) == 1 or x.dtype != torch.float32:
         return x
     kind = x.device.type

@@ -39,6 +39,8 @@ from megapar.models.config import config_from_dict
 from megapar.models.flops import training_flops_per_token
 from megapar.optim import LRScheduler
 from megapar.optim.scheduler import changed_fields, resume_change
+from megapar.pipeline.partition import split_phrase
+from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.timeline import bubble_stats
 from megapar.pipeline.trace import gather_timeline
 from megapar.tensor_parallel.partition import local_size
@@ -108,6 +110,16 @@ def batch_phrase(global_batch: int, seq_len: int, dp: int, micro_batches: int, s
         f"{counted(micro_batches, 'micro-batch', 'micro-batches')} per step x micro-batch "
         f"size {size}"
     )
+
+
+def stages_phrase(cfg: TrainConfig, num_layers: int, pp: int) -> str:
+    """The start-up line's blocks per stage (or model chunk) where --decoder-first/last-pipeline-
+    num-layers or --account-for-embedding/loss-in-pipeline-split cut them unevenly ("stages of
+    1 + 3 blocks (--decoder-first-pipeline-num-layers 1)", `split_phrase`); "" otherwise."""
+    if pp == 1:
+        return ""
+    per_rank = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+    return split_phrase(num_layers, pp, cfg.pipeline_split, per_rank, placement_of(cfg.schedule))
 
 
 class Trainer:
@@ -339,10 +351,13 @@ class Trainer:
             sampler.micro_batches_per_rank,
             sampler.micro_batch_size,
         )
+        stages = stages_phrase(cfg, self.config.num_layers, mesh.pp)
         logger.message(
             f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
             + (f" ({'; '.join(notes)})" if notes else "")
-            + f", {mesh.layout}, {batch}"
+            + f", {mesh.layout}, "
+            + (f"{stages}, " if stages else "")
+            + batch
         )
         for note in self.notes:
             logger.message(note)
