@@ -97,6 +97,32 @@ def test_appended_order_is_documented_and_errors_are_clear(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_misspelt_tokenizer_is_answered_with_the_closest(tmp_path, monkeypatch):
+    """A name close to 'gpt2' / 'sentencepiece' (any case), or a path whose directory holds a
+    close tokenizer directory or .model file, is answered with it in the one line; a data
+    file beside it is not offered, nor is a word close to nothing."""
+    for given, meant in [("GPT2", "gpt2"), ("gpt2-bpe", "gpt2"), ("sentencepeice",
+                                                                    "sentencepiece")]:
+        with pytest.raises(ValueError, match=rf"^unknown tokenizer '{given}' \(did you mean "
+                                             rf"'{meant}'\?\): use 'gpt2'"):
+            load_tokenizer(given)
+    (tmp_path / "llama_tok").mkdir()
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), tmp_path / "spm.model")
+    (tmp_path / "corpus.txt").write_text("text")
+    for given, meant in [("llama_tokk", "llama_tok"), ("spn.model", "spm.model")]:
+        with pytest.raises(ValueError, match=rf"no such file or directory \(did you mean "
+                                             rf"'{tmp_path / meant}'\?\); pass"):
+            load_tokenizer(str(tmp_path / given))
+    with pytest.raises(ValueError, match=r"no such file or directory; pass"):
+        load_tokenizer(str(tmp_path / "corpus.txtx"))
+    monkeypatch.chdir(tmp_path)  # a bare word: the working directory's entries
+    with pytest.raises(ValueError, match=r"^unknown tokenizer 'lama_tok' \(did you mean "
+                                         r"'\./llama_tok'\?\)"):
+        load_tokenizer("lama_tok")
+    with pytest.raises(ValueError, match=r"^unknown tokenizer 'xyz': use"):
+        load_tokenizer("xyz")
+
+
 def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
     """What a user passes as --tokenizer by mistake: each was 'unknown tokenizer: use gpt2,
     ...' (or, for BERT's vocab.txt, 'lacks vocab.json, merges.txt; a GPT-2 BPE directory

@@ -21,6 +21,7 @@ Every one is a `megapar.data.tokenizer.Tokenizer` (its special tokens: see there
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -213,6 +214,34 @@ def _meant_instead(spec: str) -> str | None:
     if dataset_of(spec + ".json") is None:
         return None
     return _dataset_line(spec, spec)
+
+
+NAMED_TOKENIZERS = ("gpt2", "sentencepiece")
+"""The --tokenizer values that name a tokenizer rather than a path."""
+
+
+def _misspelt(spec: str) -> str:
+    """`` (did you mean X?)`` for a --tokenizer `spec` that is neither a name nor an existing
+    path but close to one: a named tokenizer (any case) for a bare word, else an entry of the
+    path's existing directory that could be a tokenizer (a directory or a .model file); else
+    ''."""
+    if os.sep not in spec:
+        close = difflib.get_close_matches(spec.lower(), NAMED_TOKENIZERS, n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    parent = os.path.dirname(spec) or "."
+    if not os.path.isdir(parent):
+        return ""
+    try:
+        entries = sorted(
+            n
+            for n in os.listdir(parent)
+            if n.endswith(".model") or os.path.isdir(os.path.join(parent, n))
+        )
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(os.path.basename(spec), entries, n=1, cutoff=0.8)
+    return f" (did you mean {os.path.join(parent, close[0])!r}?)" if close else ""
 
 
 def _dataset_line(shown: str, prefix: str) -> str:
@@ -416,11 +445,12 @@ def _load(spec: str) -> Tokenizer:
         )
     if not os.path.exists(spec) and (os.sep in spec or spec.endswith((".model", ".json"))):
         raise ValueError(
-            f"tokenizer {spec!r}: no such file or directory; pass an existing SentencePiece "
-            f".model file or tokenizer directory, or 'gpt2' / 'sentencepiece'"
+            f"tokenizer {spec!r}: no such file or directory{_misspelt(spec)}; pass an existing "
+            "SentencePiece .model file or tokenizer directory, or 'gpt2' / 'sentencepiece'"
         )
     raise ValueError(
-        f"unknown tokenizer {spec!r}: use 'gpt2', 'sentencepiece', a directory with "
+        f"unknown tokenizer {spec!r}{_misspelt(spec)}: use 'gpt2', 'sentencepiece', a "
+        "directory with "
         "tokenizer.json (transformers) or vocab.json + merges.txt, or the path of an existing "
         "SentencePiece .model file (nothing is downloaded: a Hugging Face Hub name needs its "
         "tokenizer saved to a local directory first)"
