@@ -136,25 +136,31 @@ class MLAttention(nn.Module):
     def _core(self, q, k, v, docs=None):
         """Causal attention of this rank's heads (within each packed document of `docs`);
         under cp over the whole sequence, by `megapar.context_parallel`. v narrower than q / k
-        is zero-padded to their size and the output cut back: SDPA's fused kernels
-        (FlashAttention, the CPU's) take one head size, and without them it would keep the
-        s x s probabilities for the backward; the cp kernels take one head size too (k and v
-        travel stacked, the all-to-all's q, k and v in one tensor)."""
+        is zero-padded to their size and the output cut back where one tensor or kernel
+        takes them together: SDPA's fused kernels (FlashAttention, the CPU's) take one head
+        size, and without them it would keep the s x s probabilities for the backward; the
+        cp all-to-all sends q, k and v in one tensor. The ring and the all-gather send v at
+        its own size (k and v in one flat buffer) and pad it only around each fused kernel
+        call (`megapar.context_parallel.kernels`)."""
         dropout = self.dropout if self.training else 0.0
         width = v.shape[-1]
-        if width < q.shape[-1]:
+        cp = self.context_parallel
+        if width < q.shape[-1] and (cp is None or cp.method == "a2a"):
             v = F.pad(v, (0, q.shape[-1] - width))
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
-            if self.context_parallel is not None:
+            if cp is not None:
                 # under autocast k is fp32 at tp 1 (its rotary part comes from the latent,
                 # which the fp32 norm weight's product makes fp32; at tp > 1 the latent enters
                 # the tp region in the autocast dtype): the cp kernels take one dtype, the
                 # activations' (what SDPA's autocast casts k to), as they take one head size
                 k, v = k.to(q.dtype), v.to(q.dtype)
+                # the ring and the all-gather keep v for the backward: in its own storage, not
+                # as a view of kv_b's output, which would keep k_nope's columns alive with it
+                v = v.contiguous()
                 # the cp kernels' scale is the head size's: YaRN's mscale factor goes on q
                 if self.softmax_factor != 1.0:
                     q = q * self.softmax_factor
-                out = self.context_parallel(q, k, v, dropout_p=dropout, documents=docs)
+                out = cp(q, k, v, dropout_p=dropout, documents=docs)
                 return out[..., :width]
             bias = None if docs is None else docs.bias(None, q.dtype)
             if bias is not None:
