@@ -127,7 +127,7 @@ def test_deepseek_v3_config_refusals():
     config.validate(Layout(tp=2))
     with pytest.raises(ConfigError, match="n_group 3"):
         DeepseekV3Config.from_dict(dict(config.to_dict(), n_group=3)).validate(Layout())
-    config.validate(Layout(tp=2, cp=2))  # MLA under cp: v zero-padded to the qk head size
+    config.validate(Layout(tp=2, cp=2))  # MLA under cp
 
 
 def test_deepseek_v3_recipe_counts_and_plan_terms():

@@ -30,10 +30,11 @@ Context parallelism runs the core through `megapar.context_parallel` (`LayerAtte
 ring by default, every head having its own keys and values; the all-gather or the all-to-all
 by --cp-comm-type), as Llama's attention does: a cp rank projects its tokens' latents, turns
 their rotary parts by their global positions, and the kernels see the whole sequence's keys.
-Those kernels take one head size for q, k and v (the ring and the all-gather send k and v
-stacked, the all-to-all q, k and v in one tensor, and the fused kernels need it), so v is
-zero-padded to the qk head size first and the output cut back, as for SDPA: a K/V block
-carries heads x 2 x qk numbers a token. They take one dtype too: under autocast k is fp32
+The ring and the all-gather send k and v as one flat buffer, v at its own head size (a K/V
+block carries heads x (qk + v_head_dim) numbers a token), and zero-pad v to the qk head size
+only around each fused kernel call, which takes one head size, cutting the output and dV back;
+the all-to-all sends q, k and v in one tensor, so for it v is zero-padded first and the output
+cut back, as for SDPA. The cp kernels take one dtype: under autocast k is fp32
 at tp 1 (its rotary part is the latent's, which the norms' fp32 weights make fp32; at tp > 1
 the latents enter the tp region in the autocast dtype, `to_wire_dtype`) and is cast to q's, as
 SDPA's autocast casts it at cp 1. Their softmax scale is the head size's (qk^-1/2); a YaRN
