@@ -7,7 +7,8 @@ grad norms, router statistics, biases, first-step gradients and final weights, f
 relative, over three steps (the harness and the serial reference of test_moe_parallel.py and
 test_moe_ep.py, given this model). Context parallelism too: cp 2 by each --cp-comm-type (the
 ring with selective recomputation, the all-gather, and the all-to-all with full
-recomputation; v zero-padded to the qk head size for their kernels),
+recomputation; v zero-padded to the qk head size around the ring's and the all-gather's
+fused kernel calls, and before the all-to-all),
 and tp 2 x cp 2 with sequence parallelism by the all-to-all (a tp rank's two heads, one per cp
 rank; the latents gathered over the cp rank's tokens) with YaRN, whose softmax factor goes onto
 q before the cp kernels; and cp 2 in bf16 by each comm type (k cast to the activations' dtype
@@ -132,20 +133,27 @@ def _bf16_worker(comms):
 def test_deepseek_cp2_bf16_sends_16_bit_blocks_and_adds_no_host_sync(reference):
     """Under bf16 autocast MLA's k is fp32 (its rotary part comes from the latent, fp32 after
     the norm's fp32 weight); the cp kernels take it in bf16, as SDPA's autocast does at cp 1
-    (an fp32 k was refused by the CPU flash kernel and doubled the all-to-all). K/V blocks travel
-    in bf16 at the qk head size (v zero-padded: 2 x MBS x heads x SEQ / 2 x 16 x 2 bytes), the
-    ring's dK/dV and the all-gather's reduce-scatter in fp32; the loss is within bf16's rounding
-    of fp32's; the only host sync per micro-batch is the MoE layers' (`moe.host_counts`)."""
+    (an fp32 k was refused by the CPU flash kernel and doubled the all-to-all). The ring's and
+    the all-gather's K/V blocks travel in bf16 with k at the qk head size and v at its own
+    (MBS x SEQ / 2 tokens x 4 heads x (16 + 12) x 2 bytes), their dK/dV (the ring's sends, the
+    all-gather's reduce-scatter of 2 blocks) in fp32; the all-to-all's q, k and v at the qk head
+    size (v zero-padded: one head size in one tensor); the loss is within bf16's rounding of
+    fp32's; the only host sync per micro-batch is the MoE layers' (`moe.host_counts`)."""
     comms = ["p2p", "all_gather", "a2a"]
-    block = 2 * MBS * 4 * SEQ // 2 * 16 * 2
+    cfg = config()
+    heads, qk, v = cfg.num_attention_heads, cfg.head_size, cfg.v_head_dim
+    assert (heads, qk, v) == (4, 16, 12)
+    tokens = MBS * SEQ // 2  # a cp rank's
+    block = tokens * heads * (qk + v) * 2  # bf16 k and v
+    head = tokens * heads * qk * 2  # bf16, one of q, k, v or the output at the qk head size
     expected = {
         "p2p": {(op, dtype, size) for op in ("isend", "irecv")
                 for dtype, size in ((torch.bfloat16, block), (torch.float32, 2 * block))},
         "all_gather": {("all_gather_into_tensor", torch.bfloat16, block),
                        ("reduce_scatter_tensor", torch.float32, 4 * block)},
-        # q, k and v in one (3 x 4 heads over 2 ranks), the output in another
-        "a2a": {("all_to_all_single", torch.bfloat16, 3 * block // 2),
-                ("all_to_all_single", torch.bfloat16, block // 2)},
+        # q, k and v in one, the output in another: what a rank sends of its tokens
+        "a2a": {("all_to_all_single", torch.bfloat16, 3 * head),
+                ("all_to_all_single", torch.bfloat16, head)},
     }
     for runs in run_local(_bf16_worker, 2, comms):
         for comm, by_m in zip(comms, runs):

@@ -907,23 +907,52 @@ def test_plan_verify_holds_all_to_all_context_parallelism():
 
 
 def test_plan_verify_holds_mla_context_parallelism():
-    """deepseek-v3-tiny (MLA: v zero-padded to the qk head size for the cp kernels) at cp 2 x
-    dp 2 by the ring and at tp 2 x cp 2 with sequence parallelism by the all-to-all, bf16: the
-    planner offers both, and their parameters, state, activations and the attention's
-    all-to-all bytes equal the dry run's (an fp32 k sent in the all-to-all, before k was cast
-    to the activations' dtype, was 1.75 x the plan's bytes)."""
-    from megapar.dryrun.verify import verify_layout
+    """deepseek-v3-tiny (MLA: 4 heads, qk head size 24, v_head_dim 16) at cp 2 x dp 2 by the
+    ring (the default and p2p) and the all-gather, and at tp 2 x cp 2 with sequence parallelism
+    by the all-to-all, bf16: the planner offers each, and their parameters, state, activations
+    and the attention's all-to-all bytes equal the dry run's (an fp32 k sent in the all-to-all,
+    before k was cast to the activations' dtype, was 1.75 x the plan's bytes), and so do the
+    cp group's bytes per step (`cp_traffic` x 4 layers x the micro-batches: 2 at dp 2, 4 at
+    dp 1). The ring and the all-gather send k at 24 and v at 16 a head: a rank's 32 tokens'
+    block is 32 x 4 x (24 + 16) = 5,120 elements (10,240 bytes bf16, 20,480 fp32), the ring's
+    step 491,520 bytes (589,824 with v padded to 24), the all-gather's 327,680 gathered and as
+    many reduce-scattered (393,216 each padded); the all-to-all sends q, k and v at 24 (v
+    zero-padded) and the output, each way: 393,216 bytes, as before."""
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.verify import train_config, verify_layout
+    from megapar.mesh import Layout
     from megapar.plan import Problem, parse_candidate
+    from megapar.plan.context_parallel import cp_traffic
     from megapar.plan.layouts import check
 
-    problem = Problem(resolve_model("deepseek-v3-tiny"), 4, global_batch=4, seq_len=64,
-                      precision="bf16")
-    for spec, rank in (("tp=1,pp=1,cp=2,dp=2,mbs=1", 3),
-                       ("tp=2,pp=1,cp=2,dp=1,mbs=1,sp=1,cp_comm=a2a", 1)):
+    config = resolve_model("deepseek-v3-tiny")
+    problem = Problem(config, 4, global_batch=4, seq_len=64, precision="bf16")
+    heads, qk, v = config.num_attention_heads, config.head_size, config.v_head_dim
+    assert (heads, qk, v) == (4, 24, 16)
+    block = 64 // 2 * heads * (qk + v)  # a rank's K/V block at mbs 1, elements
+    names = {"send": "send", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+             "all-to-all": "all_to_all_single"}
+    for spec, rank, sent in (
+            ("tp=1,pp=1,cp=2,dp=2,mbs=1", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
+            ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=p2p", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
+            ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=all_gather", 3,
+             {"all_gather": 2 * 2 * 2 * block * 8, "reduce_scatter": 2 * 4 * block * 8}),
+            ("tp=2,pp=1,cp=2,dp=1,mbs=1,sp=1,cp_comm=a2a", 1,
+             {"all_to_all_single": 2 * (3 + 1) * 64 // 2 * heads // 2 * qk * 2 * 4 * 4})):
         c = parse_candidate(spec, 4)
         assert check(c, problem) is None, spec
         v = verify_layout(problem, c, ranks=[rank])
         assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], ""), spec
+        (report,) = dry_run(train_config(problem, c), config,
+                            Layout(c.tp, c.pp, c.dp, cp=c.cp), [rank], problem.gpus_per_node)
+        planned: dict[str, int] = {}
+        traffic, m = cp_traffic(problem, c), 4 // c.dp
+        for op, calls, nbytes in traffic["forward"] + traffic["backward"]:
+            # the dry run counts an all-gather's output: cp blocks
+            nbytes *= c.cp if op == "all-gather" else 1
+            planned[names[op]] = planned.get(names[op], 0) + calls * nbytes * 4 * m
+        counted = {op: report.comm["cp"][op]["bytes"] for op in planned}
+        assert counted == planned == sent, spec
 
 
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():

@@ -127,7 +127,7 @@ def test_deepseek_v3_config_refusals():
     config.validate(Layout(tp=2))
     with pytest.raises(ConfigError, match="n_group 3"):
         DeepseekV3Config.from_dict(dict(config.to_dict(), n_group=3)).validate(Layout())
-    config.validate(Layout(tp=2, cp=2))  # MLA under cp: v zero-padded to the qk head size
+    config.validate(Layout(tp=2, cp=2))  # MLA under cp
 
 
 def test_deepseek_v3_recipe_counts_and_plan_terms():
@@ -165,9 +165,11 @@ def _held_and_planned(config, mesh, s, b, comm="auto"):
     """(bytes a middle stage of `config` (one dense and one MoE block) keeps for backward on
     this rank's s tokens, fp32, and the planner's count of them: the blocks' terms, the rotary
     tables, the output and, beyond `routed_bytes`, 36 bytes of router loads and the sigmoid
-    router's fp32 per-token sum). `comm`: --cp-comm-type."""
+    router's fp32 per-token sum). `comm`: --cp-comm-type, whose attention decides the MLA
+    terms (`memory._mla_terms`)."""
     from megapar.models import build_model, set_cp_comm
     from megapar.plan import memory as mem
+    from megapar.plan.context_parallel import cp_method
     from megapar.plan.experts import routed_bytes
 
     h = config.hidden_size
@@ -188,8 +190,9 @@ def _held_and_planned(config, mesh, s, b, comm="auto"):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(torch.randn(b, s, h, requires_grad=True), {})
     held = sum(saved.values()) + out.untyped_storage().nbytes()
+    method = cp_method(config, comm) if mesh.cp > 1 else None
     dense, moe = (mem.layer_bytes(s, b, h, 4, act_bytes=4, dropout=False, fused_attention=True,
-                                  norm_stats=True, terms=mem.block_terms(config, m))
+                                  norm_stats=True, terms=mem.block_terms(config, m, method))
                   for m in (False, True))
     moe += routed_bytes(config, s * b, 4) + 36 + s * b * 4
     return held, dense + moe + s * b * h * 4 + 2 * s * config.rope_dim * 4
@@ -213,9 +216,12 @@ def _held_at_cp2():
 
 def test_the_plan_terms_hold_under_cp():
     """At cp 2 (each rank's 16 of 32 tokens, by the ring, the all-gather and the all-to-all)
-    a middle stage keeps what the planner counts for its tokens: the cp kernels keep what SDPA
-    keeps at cp 1 (q, k, the value zero-padded to the qk head size, the output and its
-    log-sum-exp)."""
+    a middle stage keeps what the planner counts for its tokens: the all-to-all's kernel
+    keeps what SDPA keeps at cp 1 (q, k, the value zero-padded to the qk head size, the output
+    and its log-sum-exp; the output projection's input, the output cut back, apart), the ring
+    and the all-gather q and k at the qk head size, v and the output at v's (the output
+    projection's input a view of it) and the log-sum-exp: per head and token 2 x 16 + 2 x 12
+    = 56 elements against 4 x 16 + 12 = 76."""
     from megapar.launcher import run_local
 
     for out in run_local(_held_at_cp2, 2):

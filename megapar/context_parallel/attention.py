@@ -294,8 +294,7 @@ class _Pass:
         kv_heads = k.shape[1]
         k, v = _expand(k, self.kv_index), _expand(v, self.kv_index)
         bias = _source_bias(self.key_mask, self.spec.cp, source, self.q.dtype)
-        dk = wide(torch.zeros_like(k))
-        dv = torch.zeros_like(dk)
+        dk, dv = wide(torch.zeros_like(k)), wide(torch.zeros_like(v))
         for call in self.calls(source):
             r, kv = call.q, call.kv
             g = block_backward(
@@ -316,11 +315,11 @@ class _Pass:
         return _reduce(dk, self.kv_index, kv_heads), _reduce(dv, self.kv_index, kv_heads)
 
 
-def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
+def _result(acc: dict, q, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged (out, lse) of every query row. out is [b, heads, s, d] laid out as
     [b, s, heads, d] in memory, as torch's attention kernels return it, so that the caller's
     transpose(1, 2).reshape(b, s, heads x d) is a view, not a copy kept by the next linear."""
-    b, heads, s, d = q.shape
+    b, heads, s, _ = q.shape
     out = torch.empty((b, s, heads, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = None
     for (start, stop), (part, part_lse) in acc.items():
@@ -334,7 +333,7 @@ def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids=None):
     """The merged output; what backward needs is kept (this rank's blocks only)."""
-    out, lse = _result(acc, q)
+    out, lse = _result(acc, q, v.shape[-1])
     ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index, doc_ids)
     ctx.spec = spec
     return out
@@ -355,12 +354,12 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec, doc_ids=None):
         work, ring, cp = _Pass(spec, q, key_mask, kv_index, doc_ids), spec.comm, spec.cp
         assert isinstance(ring, Ring)  # `attention` passes the ring method a Ring
-        kv = torch.stack([k, v])
+        kv = _pack(k, v)
         acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(cp):
             source = (spec.rank - i) % cp
             handle = ring.start(kv, f"{spec.label}: K/V step {i + 1}") if i + 1 < cp else None
-            work.forward(source, kv[0], kv[1], acc)
+            work.forward(source, *_unpack(kv, k, v), acc)
             if handle is not None:
                 kv = ring.finish(handle)
         return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids)
@@ -369,7 +368,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
         ring, cp = spec.comm, spec.cp
-        kv, grads = torch.stack([k, v]), None
+        kv, grads = _pack(k, v), None
         with _replaying(spec):
             for i in range(cp):
                 source = (spec.rank - i) % cp
@@ -378,14 +377,14 @@ class RingAttention(torch.autograd.Function):
                     if i + 1 < cp
                     else None
                 )
-                dkv = torch.stack(work.backward(source, kv[0], kv[1], dout, out, lse, dq))
+                dkv = _pack(*work.backward(source, *_unpack(kv, k, v), dout, out, lse, dq))
                 if grads is not None:  # the gradient of this block's K/V so far, from upstream
                     dkv += ring.finish(grads)
                 grads = ring.start(dkv, f"{spec.label} backward: dK/dV step {i + 1}")
                 if handle is not None:
                     kv = ring.finish(handle)
-            dkv = ring.finish(grads)  # own K/V's gradient, back from its trip around the ring
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+            dk, dv = _unpack(ring.finish(grads), k, v)  # own K/V's gradient, back from its trip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -396,33 +395,40 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec, doc_ids=None):
         work = _Pass(spec, q, key_mask, kv_index, doc_ids)
         acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        every = _gather(torch.stack([k, v]), spec)
+        every = _gather(_pack(k, v), spec)
         for source in range(spec.cp):
-            work.forward(source, every[source, 0], every[source, 1], acc)
+            work.forward(source, *_unpack(every[source], k, v), acc)
         return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec, doc_ids)
 
     @staticmethod
     def backward(ctx, dout):
         (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
-        every = _gather(torch.stack([k, v]), spec)
+        every = _gather(_pack(k, v), spec)
         with _replaying(spec):
             dkv = torch.stack(
                 [
-                    torch.stack(
-                        work.backward(
-                            source, every[source, 0], every[source, 1], dout, out, lse, dq
-                        )
-                    )
+                    _pack(*work.backward(source, *_unpack(every[source], k, v), dout, out, lse, dq))
                     for source in range(spec.cp)
                 ]
             )
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
         reduce_scatter_flat(mine, dkv, spec.comm)
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
+        dk, dv = _unpack(mine, k, v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _pack(k, v) -> torch.Tensor:
+    """k and v in one flat buffer (k's elements, then v's): one message, whatever v's head size."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(kv, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k, v) views of a `_pack`ed buffer, shaped as k and v."""
+    return kv[: k.numel()].view(k.shape), kv[k.numel() :].view(v.shape)
 
 
 def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """[cp, 2, b, kv heads, 2c, d]: every cp rank's stacked K/V block, in cp rank order."""
+    """[cp, n]: every cp rank's packed K/V block (`_pack`), in cp rank order."""
     out = torch.empty((spec.cp,) + kv.shape, dtype=kv.dtype, device=kv.device)
     all_gather_flat(out, kv.contiguous(), spec.comm)
     return out
@@ -437,11 +443,12 @@ def attention(
 ):
     """Attention of this rank's queries over the whole (cp-split) sequence.
 
-    q: [b, heads, 2c, d] (this rank's two chunks); k, v: [b, kv heads, 2c, d], with
+    q: [b, heads, 2c, d] (this rank's two chunks); k: [b, kv heads, 2c, d], v: [b, kv heads,
+    2c, d_v] (d_v <= d; k and v travel together as one flat buffer, `_pack`), with
     `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
     (True = a real token) of the *whole* sequence, or None; doc_ids: [b, s] the document of
     each token of the whole sequence (causal: a query sees only its document's keys), or None.
-    Returns [b, heads, 2c, d]."""
+    Returns [b, heads, 2c, d_v]."""
     if method not in METHODS[:2]:
         raise ValueError(
             f"unknown context-parallel attention {method!r}; expected one of {METHODS[:2]} "

@@ -25,11 +25,14 @@ context parallelism, `torch.distributed.tensor.experimental.context_parallel`, c
 The fused kernels have no dropout here (their dropout draws from a Philox stream megapar does
 not replay), so dropout always takes "math".
 
-Blocks are [b, heads, s_q, d] queries against [b, heads, s_k, d] keys / values; `causal` is the
-square causal mask (a block against its own positions), `bias` an additive mask broadcastable
-to [b, 1, 1, s_k] (BERT's padding) or [b, 1, s_q, s_k] (a sliding window's): 0 or the dtype's
-lowest value, never -inf, so a block whose keys are all masked has a finite log-sum-exp and
-merges with weight 0.
+Blocks are [b, heads, s_q, d] queries against [b, heads, s_k, d] keys and [b, heads, s_k, d_v]
+values, d_v <= d (Multi-head Latent Attention's values are narrower than its keys: the fused
+kernels take one head size, so a narrower v is zero-padded to d for each of their calls and the
+output and dV cut back, exactly, the padded columns being zero; "math" takes it as it is);
+`causal` is the square causal mask (a block against its own positions), `bias` an additive mask
+broadcastable to [b, 1, 1, s_k] (BERT's padding) or [b, 1, s_q, s_k] (a sliding window's): 0 or
+the dtype's lowest value, never -inf, so a block whose keys are all masked has a finite
+log-sum-exp and merges with weight 0.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 
 def in_window(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
@@ -223,6 +227,11 @@ def block_forward(
     q, k, v, causal: bool, bias=None, kernel: str = "flash", dropout: DropoutMasks | None = None
 ):
     """(out in q's dtype, lse fp32 [b, heads, s_q]) of q against k / v."""
+    width = v.shape[-1]
+    if kernel != "math" and width < q.shape[-1]:
+        pad = (0, q.shape[-1] - width)
+        out, lse = block_forward(q, k, F.pad(v, pad), causal, bias, kernel, dropout)
+        return out[..., :width], lse
     if kernel == "flash":
         if bias is not None:
             bias = bias.to(q.dtype)
@@ -268,6 +277,22 @@ def block_backward(
     dropout: DropoutMasks | None = None,
 ):
     """(dq, dk, dv) of this block's share, from the *merged* out and lse of the query rows."""
+    width = v.shape[-1]
+    if kernel != "math" and width < q.shape[-1]:
+        pad = (0, q.shape[-1] - width)
+        dq, dk, dv = block_backward(
+            F.pad(dout, pad),
+            q,
+            k,
+            F.pad(v, pad),
+            F.pad(out, pad),
+            lse,
+            causal,
+            bias,
+            kernel,
+            dropout,
+        )
+        return dq, dk, dv[..., :width]
     if kernel == "flash":
         if bias is not None:
             bias = bias.to(q.dtype)

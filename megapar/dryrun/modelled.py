@@ -20,12 +20,13 @@ from megapar.plan.process import TARGETS, process_peak
 def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
     """The planner's problem and candidate for megapar-train's job `cfg` (a `TrainConfig`) of
     model `config` on `layout`, for `target`'s ranks (`Problem.target`), with the job's own
-    settings that the planner reads: --optimizer, --attention-mask-type, --fp8, --fp8-layers
-    and --compile (which turns ZeRO-3's float8 all-gather off), --grad-bucket-mb, the offloads and
-    ZeRO-3's --zero3-keep-params, --zero3-reduce and --zero3-persistence-threshold (which
-    units are gathered and which gradient buffers alive at the top and at the end of the
-    backward, where `plan.process` takes the peak). Besides the state its real code holds, a
-    dry run takes its activations, transients and process peak from these."""
+    settings that the planner reads: --cp-comm-type, --optimizer, --attention-mask-type, --fp8,
+    --fp8-layers and --compile (which turns ZeRO-3's float8 all-gather off), --grad-bucket-mb,
+    the offloads and ZeRO-3's --zero3-keep-params, --zero3-reduce and
+    --zero3-persistence-threshold (which units are gathered and which gradient buffers alive at
+    the top and at the end of the backward, where `plan.process` takes the peak). Besides the
+    state its real code holds, a dry run takes its activations, transients and process peak
+    from these."""
     problem = Problem(
         config,
         layout.world_size,
@@ -63,6 +64,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         zero3_reduce=cfg.zero3_reduce,
         ep=layout.ep,
         etp=cfg.expert_tensor_parallel_size,
+        cp_comm=cfg.cp_comm_type if layout.cp > 1 else "auto",
     )
     return problem, candidate
 

@@ -30,10 +30,11 @@ Context parallelism runs the core through `megapar.context_parallel` (`LayerAtte
 ring by default, every head having its own keys and values; the all-gather or the all-to-all
 by --cp-comm-type), as Llama's attention does: a cp rank projects its tokens' latents, turns
 their rotary parts by their global positions, and the kernels see the whole sequence's keys.
-Those kernels take one head size for q, k and v (the ring and the all-gather send k and v
-stacked, the all-to-all q, k and v in one tensor, and the fused kernels need it), so v is
-zero-padded to the qk head size first and the output cut back, as for SDPA: a K/V block
-carries heads x 2 x qk numbers a token. They take one dtype too: under autocast k is fp32
+The ring and the all-gather send k and v as one flat buffer, v at its own head size (a K/V
+block carries heads x (qk + v_head_dim) numbers a token), and zero-pad v to the qk head size
+only around each fused kernel call, which takes one head size, cutting the output and dV back;
+the all-to-all sends q, k and v in one tensor, so for it v is zero-padded first and the output
+cut back, as for SDPA. The cp kernels take one dtype: under autocast k is fp32
 at tp 1 (its rotary part is the latent's, which the norms' fp32 weights make fp32; at tp > 1
 the latents enter the tp region in the autocast dtype, `to_wire_dtype`) and is cast to q's, as
 SDPA's autocast casts it at cp 1. Their softmax scale is the head size's (qk^-1/2); a YaRN
@@ -136,25 +137,31 @@ class MLAttention(nn.Module):
     def _core(self, q, k, v, docs=None):
         """Causal attention of this rank's heads (within each packed document of `docs`);
         under cp over the whole sequence, by `megapar.context_parallel`. v narrower than q / k
-        is zero-padded to their size and the output cut back: SDPA's fused kernels
-        (FlashAttention, the CPU's) take one head size, and without them it would keep the
-        s x s probabilities for the backward; the cp kernels take one head size too (k and v
-        travel stacked, the all-to-all's q, k and v in one tensor)."""
+        is zero-padded to their size and the output cut back where one tensor or kernel
+        takes them together: SDPA's fused kernels (FlashAttention, the CPU's) take one head
+        size, and without them it would keep the s x s probabilities for the backward; the
+        cp all-to-all sends q, k and v in one tensor. The ring and the all-gather send v at
+        its own size (k and v in one flat buffer) and pad it only around each fused kernel
+        call (`megapar.context_parallel.kernels`)."""
         dropout = self.dropout if self.training else 0.0
         width = v.shape[-1]
-        if width < q.shape[-1]:
+        cp = self.context_parallel
+        if width < q.shape[-1] and (cp is None or cp.method == "a2a"):
             v = F.pad(v, (0, q.shape[-1] - width))
         with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
-            if self.context_parallel is not None:
+            if cp is not None:
                 # under autocast k is fp32 at tp 1 (its rotary part comes from the latent,
                 # which the fp32 norm weight's product makes fp32; at tp > 1 the latent enters
                 # the tp region in the autocast dtype): the cp kernels take one dtype, the
                 # activations' (what SDPA's autocast casts k to), as they take one head size
                 k, v = k.to(q.dtype), v.to(q.dtype)
+                # the ring and the all-gather keep v for the backward: in its own storage, not
+                # as a view of kv_b's output, which would keep k_nope's columns alive with it
+                v = v.contiguous()
                 # the cp kernels' scale is the head size's: YaRN's mscale factor goes on q
                 if self.softmax_factor != 1.0:
                     q = q * self.softmax_factor
-                out = self.context_parallel(q, k, v, dropout_p=dropout, documents=docs)
+                out = cp(q, k, v, dropout_p=dropout, documents=docs)
                 return out[..., :width]
             bias = None if docs is None else docs.bias(None, q.dtype)
             if bias is not None:

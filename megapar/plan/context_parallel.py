@@ -19,10 +19,12 @@ def _heads(cfg) -> int:
 
 
 def kv_width(cfg, t: int) -> int:
-    """Elements per token of this tp rank's keys (as many for values): its kv heads x head size
-    (a grouped-query model keeping its kv heads whole when tp does not divide them uses those
-    its query heads need; the busiest rank's)."""
-    return kv_heads_per_rank(cfg, t) * head_size(cfg)
+    """Elements per token of this tp rank's keys and values together, as the ring and the
+    all-gather send them: its kv heads x (the head size + the value head size: Multi-head
+    Latent Attention's v_head_dim, the head size otherwise). A grouped-query model keeping its
+    kv heads whole when tp does not divide them uses those its query heads need (the busiest
+    rank's)."""
+    return kv_heads_per_rank(cfg, t) * (head_size(cfg) + getattr(cfg, "v_head_dim", head_size(cfg)))
 
 
 def cp_method(cfg, comm: str = "auto") -> str:
@@ -44,15 +46,17 @@ def a2a_heads(cfg, t: int, cp: int) -> tuple[int, int]:
 
 def a2a_elements(p: Problem, c: Candidate) -> tuple[int, int]:
     """(q + k + v, output) elements of one layer's two all-to-alls per micro-batch: what a rank
-    sends (its own cp-th included) of its s / cp tokens at the heads `a2a_heads` names."""
+    sends (its own cp-th included) of its s / cp tokens at the heads `a2a_heads` names, every
+    one at the head size (Multi-head Latent Attention's v zero-padded to it: q, k and v travel
+    as one tensor)."""
     q, kv = a2a_heads(p.config, c.tp, c.cp)
     per_head = c.mbs * (p.seq_len // c.cp) * head_size(p.config)
     return (q + 2 * kv) * per_head, q * per_head
 
 
 def cp_block(p: Problem, c: Candidate) -> int:
-    """Elements of this rank's K/V block (keys and values of its s / cp tokens)."""
-    return 2 * (p.seq_len // c.cp) * c.mbs * kv_width(p.config, c.tp)
+    """Elements of this rank's K/V block (keys and values of its s / cp tokens, `kv_width`)."""
+    return (p.seq_len // c.cp) * c.mbs * kv_width(p.config, c.tp)
 
 
 def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]]:
@@ -125,6 +129,7 @@ def cp_attention_peak(
     causal: bool = True,
     cpu: bool = False,
     scores_per_elem: int = 0,
+    expanded_elems: int = 0,
 ) -> float:
     """Bytes a rank's context-parallel attention allocates at the peak of its backward
     (`RingAttention.backward` / `AllGatherAttention.backward` with a fused kernel), beyond the
@@ -133,7 +138,9 @@ def cp_attention_peak(
     query elements (b x its heads x s / cp x d); kv_elems: its K/V block (keys and values at its kv
     heads, `cp_block`); rows: its tokens per sequence (s / cp); `cpu`: a CPU rank (gloo's copy, one
     thread's flash tiles); scores_per_elem: with attention dropout (the unfused "math" kernel,
-    `kernels.choose_kernel`), b x query heads, else 0. Forward holds less (measured).
+    `kernels.choose_kernel`), b x query heads, else 0; expanded_elems: a block's K and V at the
+    query heads (0: 2 x q_elems, v as wide as q; Multi-head Latent Attention's v is narrower).
+    Forward holds less (measured).
 
     Held through the backward: dq accumulated in fp32 (q_elems x 4). Per source block: K/V
     expanded to the query heads (g = query heads / kv heads; a copy only when g > 1) and their
@@ -153,7 +160,7 @@ def cp_attention_peak(
       fp32 dK/dV of the sources before; then the list stacked into one tensor beside it (2 x cp
       fp32 blocks); then the reduce-scatter of that stack (on a CPU gloo copies its input)."""
     a, w = act_bytes, 4
-    expanded = 2 * q_elems  # a block's K and V at the query heads: g x kv_elems
+    expanded = expanded_elems or 2 * q_elems  # a block's K and V at the query heads: g x kv_elems
     per_row, per_col = q_elems / rows, expanded / rows
     g = expanded / kv_elems
     held_block = (expanded * a if g > 1 else 0) + expanded * w  # expanded K/V, fp32 dK/dV
@@ -203,6 +210,7 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
     cfg = p.config
     rows = p.seq_len // c.cp
     q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
+    v_size = getattr(cfg, "v_head_dim", head_size(cfg))
     if cp_method(cfg, c.cp_comm) == "a2a":
         return a2a_buffers(p, c)
     return cp_attention_peak(
@@ -215,6 +223,7 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
         getattr(cfg, "model_type", "") != "bert",
         p.target == "cpu",
         c.mbs * (_heads(cfg) // c.tp) if attention_dropout(cfg) else 0,
+        q_elems + q_elems // head_size(cfg) * v_size,
     )
 
 

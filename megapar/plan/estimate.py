@@ -177,13 +177,14 @@ def _shape(c: Candidate) -> tuple:
 
 
 def _size_fields(p: Problem, c: Candidate) -> tuple:
-    """What `activation_sizes` reads of candidate `c` (its `Shared` key): tp, cp, the
-    micro-batch size, recomputation, SP, ep, etp, and of the rest (pp, dp, the schedule)
-    only whether `--sp-regather` applies and whether the loss makes its gradients in the
-    forward."""
+    """What `activation_sizes` reads of candidate `c` (its `Shared` key): tp, cp and the cp
+    attention it runs, the micro-batch size, recomputation, SP, ep, etp, and of the rest (pp,
+    dp, the schedule) only whether `--sp-regather` applies and whether the loss makes its
+    gradients in the forward."""
     return (
         c.tp,
         c.cp,
+        cp_method(p.config, c.cp_comm) if c.cp > 1 else None,
         c.mbs,
         c.recompute,
         c.sp,
@@ -202,6 +203,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
     h, a = cfg.hidden_size, heads(cfg)
     sp_t = t if c.sp else 1
     fused = p.fused_attention or c.cp > 1  # cp attention keeps a log-sum-exp, never scores
+    method = cp_method(cfg, c.cp_comm) if c.cp > 1 else None
 
     def block(recompute: str, moe: bool = False) -> float:
         kept = mem.layer_bytes(
@@ -216,7 +218,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
             p.dropout,
             fused,
             norm_stats=True,
-            terms=mem.block_terms(cfg, moe),
+            terms=mem.block_terms(cfg, moe, method),
             regather=regathers(p, c),  # never under full recompute
         )
         if moe and recompute != "full":  # the routed tokens, replicated over tp
@@ -247,7 +249,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         grads_in_forward=pipeline.loss_grads_in_forward(p, c),
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
-    whole_mask = c.cp == 1 or cp_method(cfg, c.cp_comm) == "a2a"  # else a block per call
+    whole_mask = method in (None, "a2a")  # else a block per call
     mask = (
         mem.document_mask_bytes(p.seq_len, b, p.act_bytes)
         if p.attention_mask_type == "block_causal" and whole_mask

@@ -79,18 +79,20 @@ class BlockTerms:
     """The first stage keeps int64 position ids (a learned position embedding)."""
 
 
-def block_terms(config, moe: bool | None = None) -> BlockTerms:
+def block_terms(config, moe: bool | None = None, cp_method: str | None = None) -> BlockTerms:
     """megapar's blocks for a model config (GPT-2, BERT: LayerNorm + GELU MLP; Llama: RMSNorm +
     SwiGLU), with its FFN width. A mixture of experts' MoE layer (`moe` True, the default for a
     MoE config) counts here only its shared experts' SwiGLU (tp-split like a dense MLP); its
-    routed tokens are `plan.experts.routed_bytes`. `moe` False: its dense layers' MLP."""
+    routed tokens are `plan.experts.routed_bytes`. `moe` False: its dense layers' MLP.
+    `cp_method`: the context-parallel attention the blocks run ("ring", "all-gather" or
+    "a2a"; None at cp 1), which decides what Multi-head Latent Attention keeps (`_mla_terms`)."""
     f = config.ffn_size / config.hidden_size
     if moe is None:
         moe = bool(getattr(config, "num_moe_layers", 0))
     if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
         f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
     if getattr(config, "mla", False):
-        return _mla_terms(config, f)
+        return _mla_terms(config, f, cp_method)
     if config.model_type in LLAMA_TYPES:
         return BlockTerms(
             replicated=6.0,
@@ -104,24 +106,28 @@ def block_terms(config, moe: bool | None = None) -> BlockTerms:
     return BlockTerms(replicated=4.0, gathered=2.0, split=4.0 + 2.0 * f)
 
 
-def _mla_terms(config, f: float) -> BlockTerms:
+def _mla_terms(config, f: float, cp_method: str | None = None) -> BlockTerms:
     """DeepSeek-V3's block (`megapar.models.deepseek`), Llama's norms and SwiGLU (of width f h)
     with Multi-head Latent Attention: whole on every tp rank, the q latent (q_lora_rank: the
     down projection's output and the normalised one), the kv projection's output (kv_lora_rank
     + qk_rope_head_dim) and the normalised kv latent, and the latents entering the tp region
     (q_lora_rank + kv_lora_rank + qk_rope_head_dim: kept gathered under SP, as the MLP's
-    input; with a plain q projection, its gathered input too); split over tp, this rank's heads'
-    q, k, the value zero-padded to the qk head size and the attention kernel's output (qk head
-    size each), and the output projection's input (v_head_dim); one fp32 1/rms per token and
-    norm."""
+    input; with a plain q projection, its gathered input too); one fp32 1/rms per token and
+    norm. Split over tp, this rank's heads' attention: at cp 1 and under the cp all-to-all
+    (`cp_method` None or "a2a"), q, k, the value zero-padded to the qk head size and the
+    attention kernel's output (qk head size each), and the output projection's input
+    (v_head_dim, the output cut back: a copy); under the ring or the all-gather, which take v
+    at its own size, q and k (qk head size each), v and the output (v_head_dim each; the output
+    projection's input is a view of the output)."""
     h, a = config.hidden_size, config.num_attention_heads
     q_rank, kv_rank, rope = config.q_lora_rank or 0, config.kv_lora_rank, config.qk_rope_head_dim
     latent = q_rank + kv_rank + rope
     qk, v = config.head_size, config.v_head_dim
+    attention = 2 * qk + 2 * v if cp_method in ("ring", "all-gather") else 4 * max(qk, v) + v
     return BlockTerms(
         replicated=6.0 + (2 * q_rank + 2 * kv_rank + rope + latent) / h,
         gathered=1.0 + latent / h + (0.0 if q_rank else 1.0),
-        split=a * (4 * max(qk, v) + v) / h + 4.0 * f,
+        split=a * attention / h + 4.0 * f,
         norm_stats=3.0 + (1.0 if q_rank else 0.0),
         final_norm=3.0,
         final_stats=1.0,
