@@ -164,8 +164,8 @@ TRAIN = [
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--pp", "3"], "2 layers cannot be cut into --pp 3 stages"),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "2"],
-     "--decoder-first-pipeline-num-layers 2 = 2 layers leave 0 of the model's 2 for the other 1 "
-     "of --pp 2 stages (each needs at least one); give at most 1 in all"),
+     "--decoder-first-pipeline-num-layers 2 leaves 0 of the model's 2 layers for the other 1 "
+     "of --pp 2 stages (each needs at least one); give at most 1"),
     (["--decoder-last-pipeline-num-layers", "1"], "--decoder-last-pipeline-num-layers 1 cuts the "
      "layers over pipeline stages, but --pp is 1 (one stage holds every layer)"),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "0"],

@@ -41,13 +41,13 @@ def test_the_counts_go_to_the_models_first_and_last_chunks():
 
 
 @pytest.mark.parametrize("layers, pp, v, split, message", [
-    (4, 2, 1, PipelineSplit(first=4), "--decoder-first-pipeline-num-layers 4 = 4 layers leave 0 "
-     "of the model's 4 for the other 1 of --pp 2 stages (each needs at least one); give at most "
-     "3 in all"),
+    (4, 2, 1, PipelineSplit(first=4), "--decoder-first-pipeline-num-layers 4 leaves 0 of the "
+     "model's 4 layers for the other 1 of --pp 2 stages (each needs at least one); give at most "
+     "3"),
     (4, 2, 1, PipelineSplit(first=1, last=2), "with --pp 2 stages they are the whole model, so "
      "they must add up to its 4 layers"),
-    (8, 2, 2, PipelineSplit(first=4, last=3), "leave 1 of the model's 8 for the other 2 of --pp 2 "
-     "x 2 = 4 model chunks"),
+    (8, 2, 2, PipelineSplit(first=4, last=3), "= 7 layers leave 1 of the model's 8 layers for the "
+     "other 2 of --pp 2 x 2 = 4 model chunks (each needs at least one); give at most 6 in all"),
     (4, 1, 1, PipelineSplit(last=2), "--decoder-last-pipeline-num-layers 2 cuts the layers over "
      "pipeline stages, but --pp is 1 (one stage holds every layer); raise --pp or drop it"),
     (4, 2, 1, PipelineSplit(first=1, embedding=True), "not both"),
@@ -93,7 +93,7 @@ def test_the_planner_rejects_the_layouts_a_split_does_not_fit():
     p = Problem(config, 4, pipeline_split=PipelineSplit(first=3))
     assert check(Candidate(pp=2, dp=2), p) is None
     assert "--pp is 1" in check(Candidate(pp=1, dp=4), p)
-    assert "leave 1 of the model's 4 for the other 3 of --pp 4 stages" in check(
+    assert "leaves 1 of the model's 4 layers for the other 3 of --pp 4 stages" in check(
         Candidate(pp=4, dp=1), p)
 
 

@@ -182,10 +182,13 @@ def split_counts(
             f"they must add up to its {num_layers} layers; give counts that do"
         )
     if rest < middle:
+        taken = (
+            f"{named} leaves" if len(given) == 1 else f"{named} = {num_layers - rest} layers leave"
+        )
+        most = f"at most {num_layers - middle}" + (" in all" if len(given) > 1 else "")
         raise LayoutError(
-            f"{named} = {num_layers - rest} layers leave {max(rest, 0)} of the model's "
-            f"{num_layers} for the other {middle} of {what} (each needs at least one); give "
-            f"at most {num_layers - middle} in all"
+            f"{taken} {max(rest, 0)} of the model's {num_layers} layers for the other "
+            f"{middle} of {what} (each needs at least one); give {most}"
         )
     counts = _even_counts(rest, middle) if middle else []
     if split.first is not None:
