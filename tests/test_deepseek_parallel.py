@@ -2,7 +2,8 @@
 three MoE layers with group-limited sigmoid routing, routed_scaling_factor, a shared expert,
 the switch loss, the z-loss and the moving e_score_correction_bias) trains the same at tp 2
 (MLA's heads split, its down projections whole on each rank), tp 2 with sequence parallelism
-(the latents gathered), pp 2 with full recomputation and dp 2 x ep 2 as one process: losses,
+(the latents gathered; and with --sp-regather, which keeps this rank's slice of the latents and
+re-gathers them once in the backward for q_b and kv_b), pp 2 with full recomputation and dp 2 x ep 2 as one process: losses,
 grad norms, router statistics, biases, first-step gradients and final weights, fp32, 1e-5
 relative, over three steps (the harness and the serial reference of test_moe_parallel.py and
 test_moe_ep.py, given this model). Context parallelism too: cp 2 by each --cp-comm-type (the
@@ -55,7 +56,8 @@ RUNS = [(2, 1, 1, 0, "1f1b"), (2, 1, 1, 0, "1f1b", "none", True), (1, 2, 1, 0, "
 
 def _worker():
     return ([_train(*run, make=config) for run in RUNS]
-            + [_train_ep(1, 1, 2, 2, 0, make=config)])
+            + [_train(2, 1, 1, 0, "1f1b", "none", True, make=config, regather=True),
+               _train_ep(1, 1, 2, 2, 0, make=config)])
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def check(outs, runs, reference) -> None:
 def test_deepseek_layouts_match_serial_training(reference):
     assert reference["losses"][-1] < reference["losses"][0]
     assert any(b.abs().sum() > 0 for b in reference["biases"].values())  # the bias moved
-    check(run_local(_worker, 2), [*RUNS, "dp 2 x ep 2"], reference)
+    check(run_local(_worker, 2), [*RUNS, "tp 2 SP --sp-regather", "dp 2 x ep 2"], reference)
 
 
 def _cp_worker(runs, make):

@@ -95,12 +95,12 @@ def serial_reference(batches: list[dict] | None = None, make=None) -> dict:
 
 
 def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, make=None,
-           comm="auto"):
-    """`comm`: --cp-comm-type (auto: the model's own cp attention)."""
+           comm="auto", regather=False):
+    """`comm`: --cp-comm-type (auto: the model's own cp attention); `regather`: --sp-regather."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
-    from megapar.models import set_cp_comm
+    from megapar.models import set_cp_comm, set_sp_regather
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
@@ -113,6 +113,7 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1, etp=1, 
                         virtual_stages=chunks_per_rank(schedule, virtual),
                         placement=placement_of(schedule))
     set_cp_comm(model, comm)
+    set_sp_regather(model, regather)
     seq = SEQ // cp // (tp if sp else 1)
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32), virtual_stages=virtual)
     if zero == 3:

@@ -213,11 +213,12 @@ def test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts(capsys, tmp_path, q_lo
     (40) enter in one collective and q's input (h) in its own. The output projection's and the
     MLP's collectives carry h. So a layer moves 3 h + 72 (plain q: 4 h + 40) a token where
     Megatron's moves 4 h, plus the ends' 2 h (the embedding's and the head's), in the
-    activations' dtype (bf16: 2 bytes, `to_wire_dtype`; fp32: 4). --sp-regather re-gathers the
-    MLPs' inputs and a plain q's (h / 2 each), not the latent (q_b and kv_b read slices of it,
-    which the re-gather does not follow). The planner's bytes equal the dry run's (less the
-    vocab-parallel cross-entropy's three fp32 all-reduces a token); it priced h a token, 294,912
-    bytes in bf16 against the 303,104 (plain q: 335,872) counted."""
+    activations' dtype (bf16: 2 bytes, `to_wire_dtype`; fp32: 4). --sp-regather re-gathers, in
+    the backward, each MLP's input (h) and the attention's inputs (72: the latents, of whose one
+    re-gather q_b and kv_b read their columns; plain q: 40 + h), each half a ring's bytes. The
+    planner's bytes equal the dry run's (less the vocab-parallel cross-entropy's three fp32
+    all-reduces a token); it priced h a token, 294,912 bytes in bf16 against the 303,104
+    (plain q: 335,872) counted."""
     s, b, h, layers = 64, 2, 64, 4
     config = json.loads((ROOT / "models" / "deepseek-v3-tiny.json").read_text())
     model = tmp_path / "mla.json"
@@ -237,7 +238,7 @@ def test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts(capsys, tmp_path, q_lo
     planned = _tp_bytes(str(model), sp != "none", "fp32", s, b, precision, sp == "regather")
     assert counted == pytest.approx(planned, rel=1e-12)
     latents = 72 if q_lora_rank else 40 + h
-    regathered = (h + (0 if q_lora_rank else h)) / 2 if sp == "regather" else 0
+    regathered = (h + latents) / 2 if sp == "regather" else 0
     width = layers * (3 * h + latents + regathered) + 2 * h
     assert planned == pytest.approx(s * b * width * (2 if precision == "bf16" else 4), rel=1e-12)
 

@@ -24,7 +24,10 @@ share, all-reduced in the backward, so every rank's down projections get the who
 or under sequence parallelism all-gathered along the sequence (the gradient reduce-scattered;
 each rank's down projections see only its slice of the tokens, and their gradients are summed
 over tp once a step as every replicated parameter's under SP). So the tp collective of the
-attention's input carries the latent, not the hidden states.
+attention's input carries the latent, not the hidden states. With --sp-regather q_b and kv_b
+read their columns of it through `tensor_parallel.regather.split_keeping_shard`: they keep this
+rank's slice of the whole tensor for the backward (once between them) and all-gather it once
+there, as the other column-parallel layers do their inputs.
 
 Context parallelism runs the core through `megapar.context_parallel` (`LayerAttention`: the
 ring by default, every head having its own keys and values; the all-gather or the all-to-all
@@ -61,6 +64,7 @@ from megapar.models.llama import (
 )
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
 from megapar.tensor_parallel.partition import set_partition
+from megapar.tensor_parallel.regather import split_keeping_shard
 
 
 class WholeLinear(nn.Module):
@@ -186,11 +190,13 @@ class MLAttention(nn.Module):
         b, s, _ = latent.shape
         if self.q_b is not None:
             assert self.q_rank is not None
-            q_latent, kv_latent, k_rot = latent.split([self.q_rank, self.kv_rank, self.rope], -1)
+            q_latent, kv_latent, k_rot = split_keeping_shard(
+                latent, [self.q_rank, self.kv_rank, self.rope]
+            )
             q = self.q_b(q_latent, entered=True)
         else:
             assert self.q is not None
-            kv_latent, k_rot = latent.split([self.kv_rank, self.rope], -1)
+            kv_latent, k_rot = split_keeping_shard(latent, [self.kv_rank, self.rope])
             q = self.q(x)
         q = q.view(b, s, self.local_heads, self.qk_dim).transpose(1, 2)
         q_pass, q_rot = q.split([self.nope, self.rope], dim=-1)

@@ -33,16 +33,16 @@ def attention_inputs(config) -> tuple[tuple[int, bool], ...]:
     Multi-head Latent Attention (`megapar.models.deepseek`), whose down projections are whole on
     every tp rank: their outputs, the q latent, the normed kv latent and the shared rotary key,
     as one tensor (q_lora_rank + kv_lora_rank + qk_rope_head_dim; 2,112 against h = 7,168 in
-    DeepSeek-V3), not re-gathered (q_b and kv_b read slices of it, which do not carry the
-    gathered tensor's `SequenceShard`: the latent is kept gathered); with a plain q projection
-    (q_lora_rank None) the kv latent and rotary key, and q's own input (h, re-gathered)."""
+    DeepSeek-V3), re-gathered once for q_b and kv_b, which read its columns
+    (`tensor_parallel.regather.split_keeping_shard`); with a plain q projection (q_lora_rank
+    None) the kv latent and rotary key, and q's own input (h), each re-gathered."""
     h = config.hidden_size
     if not getattr(config, "mla", False):
         return ((h, True),)
     kv = config.kv_lora_rank + config.qk_rope_head_dim
     if config.q_lora_rank is None:
-        return ((kv, False), (h, True))
-    return ((config.q_lora_rank + kv, False),)
+        return ((kv, True), (h, True))
+    return ((config.q_lora_rank + kv, True),)
 
 
 @dataclass(frozen=True)

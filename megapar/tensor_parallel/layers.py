@@ -23,7 +23,7 @@ from megapar.tensor_parallel.mappings import (
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
 from megapar.tensor_parallel.regather import (
-    SequenceShard,
+    Shard,
     gather_keeping_shard,
     regathered_linear,
     shard_of,
@@ -52,7 +52,7 @@ def _param(shape, tp_dim, full_shape, device) -> nn.Parameter:
 
 
 def _matmul(
-    layer, x: torch.Tensor, bias: torch.Tensor | None, shard: SequenceShard | None = None
+    layer, x: torch.Tensor, bias: torch.Tensor | None, shard: Shard | None = None
 ) -> torch.Tensor:
     """X W^T + b of a parallel linear: in float8 when converted (its weight gradient then
     computed in the backward, never deferred), else F.linear or its zero-bubble split; or,

@@ -15,11 +15,17 @@ again; the others reuse that copy, which is dropped after the last one:
 |          | the summed dX reduce-scattered once, by the gather's own backward (as before) |
 
 So per block the two whole-sequence inputs become slices (1 / t of them), for one all-gather
-more per shared X in the backward (s b h / t elements sent per rank). The re-gather starts in the
-backward of whichever reader autograd runs first, asynchronously, and is waited for after that
-reader's input-gradient matmul (Megatron's overlap): the same graph on every tp rank, so the
-same order of collectives on every rank (NCCL's rule), none issued while it is in flight; the
-wait orders the stream on NCCL (no host sync) and is bounded by the group's timeout on gloo.
+more per shared X in the backward (s b h / t elements sent per rank). Layers may also read
+column ranges of one gathered X (DeepSeek-V3's q_b and kv_b read the q latent and the kv latent
+of the latents that enter MLA's tp region together): `split_keeping_shard` splits X along its
+last dim and tags each part with its columns of X's shard (`ShardColumns`), so those layers
+save X's slice once between them, re-gather X once, and each reads its columns of it.
+
+The re-gather starts in the backward of whichever reader autograd runs first, asynchronously,
+and is waited for after that reader's input-gradient matmul (Megatron's overlap): the same
+graph on every tp rank, so the same order of collectives on every rank (NCCL's rule), none
+issued while it is in flight; the wait orders the stream on NCCL (no host sync) and is bounded
+by the group's timeout on gloo.
 
 The slice is saved through `ctx.save_for_backward` (what saved-tensor hooks and the dry run
 see), cast once to the autocast dtype where autocast is on: what a plain linear would have
@@ -95,6 +101,36 @@ class SequenceShard:
             self._whole, self._saved = None, None
 
 
+class ShardColumns:
+    """Columns [start, stop) of the last dim of a `SequenceShard`'s X, for a layer that reads
+    that part of X (`split_keeping_shard`): it saves and re-gathers X's whole slice, shared
+    with the readers of X's other parts, and reads its columns of the re-gathered X."""
+
+    def __init__(self, shard: SequenceShard, start: int, stop: int) -> None:
+        self.shard = shard
+        self.columns = slice(start, stop)
+
+    def read(self) -> torch.Tensor:
+        """A reader's forward: X's slice to save (`SequenceShard.read`), all its columns."""
+        return self.shard.read()
+
+    def start(self, saved: torch.Tensor) -> None:
+        """`SequenceShard.start`: launch the re-gather of X unless a reader already did."""
+        self.shard.start(saved)
+
+    def whole(self) -> torch.Tensor:
+        """This part of the re-gathered X: its columns (a view)."""
+        return self.shard.whole()[..., self.columns]
+
+    def done(self) -> None:
+        """`SequenceShard.done`."""
+        self.shard.done()
+
+
+Shard = SequenceShard | ShardColumns
+"""What a column-parallel layer reading a gathered X (or a part of it) keeps and re-gathers."""
+
+
 def _start_gather(x: torch.Tensor, group) -> tuple:
     """`sequence_parallel.gather_sequence`'s all-gather, launched asynchronously."""
     x = x.contiguous()
@@ -128,8 +164,24 @@ def gather_keeping_shard(x: torch.Tensor, group) -> torch.Tensor:
     return whole
 
 
-def shard_of(x: torch.Tensor) -> SequenceShard | None:
-    """The `SequenceShard` of a tensor made by `gather_keeping_shard`, else None."""
+def split_keeping_shard(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """x split along its last dim into parts of `sizes` (views); where x carries a
+    `SequenceShard` (`gather_keeping_shard`), each part carries its columns of it
+    (`ShardColumns`), so the layers that read the parts keep only x's slice (once between
+    them) and re-gather x once in the backward."""
+    parts = x.split(sizes, dim=-1)
+    shard = shard_of(x)
+    if isinstance(shard, SequenceShard):
+        start = 0
+        for part, n in zip(parts, sizes, strict=True):
+            part.sp_shard = ShardColumns(shard, start, start + n)  # a tag on the view
+            start += n
+    return parts
+
+
+def shard_of(x: torch.Tensor) -> Shard | None:
+    """The `SequenceShard` of a tensor made by `gather_keeping_shard`, the `ShardColumns` of a
+    part of one (`split_keeping_shard`), else None."""
     return getattr(x, "sp_shard", None)
 
 
@@ -138,7 +190,7 @@ class _RegatheredLinear(torch.autograd.Function):
     the weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, shard: SequenceShard):
+    def forward(ctx, x, weight, bias, shard: Shard):
         ctx.save_for_backward(shard.read(), weight)
         ctx.shard, ctx.has_bias = shard, bias is not None
         return F.linear(x, weight, bias)  # autocast (if on) casts here, as for F.linear
@@ -160,7 +212,8 @@ class _RegatheredLinear(torch.autograd.Function):
 
 
 def regathered_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard: SequenceShard
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard
 ) -> torch.Tensor:
-    """X W^T + b (X from `gather_keeping_shard`), keeping only `shard`'s slice for backward."""
+    """X W^T + b (X from `gather_keeping_shard`, or a part of it from `split_keeping_shard`),
+    keeping only `shard`'s slice for backward."""
     return _RegatheredLinear.apply(x, weight, bias, shard)
