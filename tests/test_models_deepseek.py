@@ -227,3 +227,59 @@ def test_the_plan_terms_hold_under_cp():
     for out in run_local(_held_at_cp2, 2):
         for comm, (held, planned) in out.items():
             assert held == planned, comm
+
+
+def _held_at_tp2():
+    """Per (q_lora_rank, --sp-regather): what a stage of two dense MLA blocks (of a model whose
+    third is MoE) keeps for backward on a tp 2 rank under sequence parallelism (fp32, s 32,
+    b 3: its 16 tokens' slice of each sequence), and the planner's count of it (the blocks' terms, the rotary tables of
+    the whole sequence and the stage's output slice)."""
+    import torch.distributed as dist
+
+    from megapar.mesh import Mesh
+    from megapar.models import build_model, set_sp_regather
+    from megapar.plan import memory as mem
+
+    s, b, h, t = 32, 3, 64, 2
+    out = {}
+    for q_rank, regather in ((24, False), (24, True), (None, True)):
+        config = DeepseekV3Config(
+            vocab_size=300, hidden_size=h, intermediate_size=160, num_hidden_layers=3,
+            num_attention_heads=4, q_lora_rank=q_rank, kv_lora_rank=20, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=s, num_local_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=2)
+        mesh = Mesh(Layout(tp=t), dist.get_rank(), sequence_parallel=True)
+        model = build_model(config, mesh, range(2), False, False)
+        model.init_weights(0)
+        set_sp_regather(model, regather)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved = {}
+
+        def pack(x, params=params, saved=saved):
+            if x.untyped_storage()._cdata not in params:
+                saved[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            y = model(torch.randn(b, s // t, h, requires_grad=True), {})
+        held = sum(saved.values()) + y.untyped_storage().nbytes()
+        block = mem.layer_bytes(s, b, h, 4, t, True, act_bytes=4, dropout=False,
+                                fused_attention=True, norm_stats=True,
+                                terms=mem.block_terms(config, False), regather=regather)
+        out[q_rank, regather] = held, 2 * block + s * b * h * 4 / t + 2 * s * config.rope_dim * 4
+    return out
+
+
+def test_the_plan_terms_hold_at_tp2_with_sequence_parallelism():
+    """At tp 2 under SP two dense MLA blocks keep what the planner counts: without
+    --sp-regather the latents (24 + 20 + 8 = 52 a token) whole, as they were gathered; with it
+    this rank's slice of them (q_b and kv_b save it once between them and re-gather it in the
+    backward), as the planner's split count: 9,984 bytes a layer less, with the MLP input's
+    12,288 (a plain q projection too: its input's slice is the attention norm's output, which
+    kv_a keeps anyway)."""
+    from megapar.launcher import run_local
+
+    for out in run_local(_held_at_tp2, 2):
+        for key, (held, planned) in out.items():
+            assert held == planned, key
+        assert out[24, False][0] - out[24, True][0] == 2 * 3 * (32 - 16) * (52 + 64) * 4
