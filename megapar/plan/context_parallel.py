@@ -203,18 +203,20 @@ def cp_attention_peak(
 
 def cp_buffers(p: Problem, c: Candidate) -> float:
     """Transient bytes of context-parallel attention in one layer (0 at cp 1): the peak of its
-    backward on the most loaded rank (`cp_attention_peak`, for the method megapar uses and the
-    plan's target)."""
+    backward on the most loaded rank (`cp_attention_peak` for the ring or the all-gather,
+    `a2a_buffers` for the all-to-all: the method the candidate's --cp-comm-type runs,
+    `cp_method`) at the plan's target."""
     if c.cp == 1:
         return 0.0
     cfg = p.config
     rows = p.seq_len // c.cp
     q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
     v_size = getattr(cfg, "v_head_dim", head_size(cfg))
-    if cp_method(cfg, c.cp_comm) == "a2a":
+    method = cp_method(cfg, c.cp_comm)
+    if method == "a2a":
         return a2a_buffers(p, c)
     return cp_attention_peak(
-        cp_method(cfg),
+        method,
         c.cp,
         q_elems,
         cp_block(p, c),
