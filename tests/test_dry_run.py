@@ -917,12 +917,11 @@ def test_plan_verify_holds_mla_context_parallelism():
     block is 32 x 4 x (24 + 16) = 5,120 elements (10,240 bytes bf16, 20,480 fp32), the ring's
     step 491,520 bytes (589,824 with v padded to 24), the all-gather's 327,680 gathered and as
     many reduce-scattered (393,216 each padded); the all-to-all sends q, k and v at 24 (v
-    zero-padded) and the output, each way: 393,216 bytes, as before."""
-    from megapar.dryrun import dry_run
-    from megapar.dryrun.verify import train_config, verify_layout
-    from megapar.mesh import Layout
+    zero-padded) and the output, each way: 393,216 bytes, as before. `verify_layout` compares
+    the cp group's bytes (`step_cp_bytes`, `step_a2a`); here they are pinned."""
+    from megapar.dryrun.verify import verify_layout
     from megapar.plan import Problem, parse_candidate
-    from megapar.plan.context_parallel import cp_traffic
+    from megapar.plan.context_parallel import step_a2a, step_cp_bytes
     from megapar.plan.layouts import check
 
     config = resolve_model("deepseek-v3-tiny")
@@ -930,8 +929,6 @@ def test_plan_verify_holds_mla_context_parallelism():
     heads, qk, v = config.num_attention_heads, config.head_size, config.v_head_dim
     assert (heads, qk, v) == (4, 24, 16)
     block = 64 // 2 * heads * (qk + v)  # a rank's K/V block at mbs 1, elements
-    names = {"send": "send", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-             "all-to-all": "all_to_all_single"}
     for spec, rank, sent in (
             ("tp=1,pp=1,cp=2,dp=2,mbs=1", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
             ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=p2p", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
@@ -941,18 +938,45 @@ def test_plan_verify_holds_mla_context_parallelism():
              {"all_to_all_single": 2 * (3 + 1) * 64 // 2 * heads // 2 * qk * 2 * 4 * 4})):
         c = parse_candidate(spec, 4)
         assert check(c, problem) is None, spec
-        v = verify_layout(problem, c, ranks=[rank])
+        v = verify_layout(problem, c, ranks=[rank])  # cp bytes: step_cp_bytes / step_a2a
         assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], ""), spec
-        (report,) = dry_run(train_config(problem, c), config,
-                            Layout(c.tp, c.pp, c.dp, cp=c.cp), [rank], problem.gpus_per_node)
-        planned: dict[str, int] = {}
-        traffic, m = cp_traffic(problem, c), 4 // c.dp
-        for op, calls, nbytes in traffic["forward"] + traffic["backward"]:
-            # the dry run counts an all-gather's output: cp blocks
-            nbytes *= c.cp if op == "all-gather" else 1
-            planned[names[op]] = planned.get(names[op], 0) + calls * nbytes * 4 * m
-        counted = {op: report.comm["cp"][op]["bytes"] for op in planned}
-        assert counted == planned == sent, spec
+        planned = step_cp_bytes(problem, c, 4) or {"all_to_all_single": step_a2a(problem, c, 4)}
+        assert {op: planned[op] for op in sent} == sent, spec
+
+
+@pytest.mark.parametrize("comm,field", [("p2p", "cp_send"), ("all_gather", "cp_all_gather")])
+def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, comm, field):
+    """llama-tiny at cp 2 by the ring and by the all-gather, bf16: --verify is equal with the
+    planner's cp traffic, and exits 1 naming the cp group's bytes when the planner's
+    `cp_traffic` doubles every payload (the ring's sends and receives, the all-gather's
+    gathers and reduce-scatters per step: plan twice the dry run's). A layout whose cp group is
+    dp x cp's under ZeRO (dp 1) says its all-gathers are not compared."""
+    import megapar.plan.context_parallel as context_parallel
+
+    argv = ["--model", "llama-tiny", "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
+            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", comm, "--top", "1",
+            "--verify", "1"]
+    rc, out, err = _plan(argv, capsys)
+    verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
+    assert rc == 0 and "equal, 0 bytes apart" in verified[0], out + err
+    if comm == "all_gather":  # the top layout is tp1 cp2 pp2 dp1 ... zero3
+        assert "cp all-gather and reduce-scatter bytes not compared" in verified[0]
+        argv += ["--zero-stages", "0"]
+    real = context_parallel.cp_traffic
+
+    def doubled(p, c):
+        return {way: [(op, calls, 2 * nbytes) for op, calls, nbytes in ops]
+                for way, ops in real(p, c).items()}
+
+    monkeypatch.setattr(context_parallel, "cp_traffic", doubled)
+    rc, out, err = _plan(argv, capsys)
+    verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
+    assert rc == 1, out + err
+    lines = [line.split() for line in verified if f" {field}: plan " in line]
+    assert lines, verified
+    for words in lines:  # rank R field: plan P, dry run D (+D)
+        planned, dry = (int(words[i].strip(",").replace(",", "")) for i in (4, 7))
+        assert planned == 2 * dry > 0, words
 
 
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():

@@ -85,3 +85,48 @@ def test_a_cpu_figure_holds_the_cp_attention_peak_within_the_kept_activations():
         expected = mem.total - held if target == "cpu" else mem.total + block
         assert peak.phase == "top of the backward"
         assert peak.tensors == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe,buffers", [
+    ("llama-tiny", {"auto": 69_632, "p2p": 73_728, "all_gather": 69_632, "a2a": 36_864}),
+    ("deepseek-v3-tiny", {"auto": 112_640, "p2p": 112_640, "all_gather": 114_688, "a2a": 73_728}),
+])
+def test_a_forced_cp_comm_type_is_priced_with_its_own_peak(recipe, buffers):
+    """llama-tiny (4 heads of 16, 2 kv heads: the all-gather its own) and deepseek-v3-tiny
+    (MLA, 4 heads, qk 24, v 16: the ring its own) at cp 2 x dp 2, 64 tokens, bf16: each
+    --cp-comm-type's cp buffers are its own method's peak (`cp_attention_peak` for the ring and
+    the all-gather, `a2a_buffers` for the all-to-all), in bytes as pinned, each method's
+    different; auto is the model's own. The dry run of the same job (the planner's model with
+    the job's --cp-comm-type, `dryrun.modelled.planned_job`) reports the plan's transients."""
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.verify import train_config
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import parse_candidate, stage_memory
+    from megapar.plan.context_parallel import a2a_buffers, cp_method
+
+    config = resolve_model(recipe)
+    p = Problem(config, 4, global_batch=4, seq_len=64, precision="bf16")
+    heads, d = config.num_attention_heads, config.head_size
+    v_size = getattr(config, "v_head_dim", d)
+    rows = 64 // 2
+    q_elems = rows * heads * d
+    own = {"llama-tiny": "all-gather", "deepseek-v3-tiny": "ring"}[recipe]
+    methods = {"auto": own, "p2p": "ring", "all_gather": "all-gather", "a2a": "a2a"}
+    planned, others = {}, set()
+    for comm, method in methods.items():
+        c = parse_candidate(f"tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm={comm}", 4)
+        assert cp_method(config, comm) == method
+        expected = a2a_buffers(p, c) if method == "a2a" else cp_attention_peak(
+            method, 2, q_elems, cp_block(p, c), 2, rows, True, False, 0,
+            q_elems + rows * heads * v_size)
+        planned[comm] = cp_buffers(p, c)
+        assert planned[comm] == expected, comm
+        (stage,) = stage_memory(p, c)
+        others.add(stage.buffers - planned[comm])  # the logits' gradient: the same for each
+        (report,) = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp, cp=c.cp), [3],
+                            p.gpus_per_node)
+        assert report.transients == int(stage.buffers), comm
+    assert planned == buffers
+    assert len({planned["p2p"], planned["all_gather"], planned["a2a"]}) == 3
+    assert len(others) == 1

@@ -33,7 +33,8 @@ def verify_estimates(estimates, problem) -> int:
     print(
         f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
         f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
-        f"buffers and modelled activations of every sampled rank; the plan's transient "
+        f"buffers, modelled activations, and the expert and context-parallel communication "
+        f"bytes of every sampled rank; the plan's transient "
         f"buffers are not in a dry run's report and not compared):"
     )
     failed = False

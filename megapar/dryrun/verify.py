@@ -11,8 +11,10 @@ the executor's programs (`megapar.plan.pipeline.held_is_exact`) has its activati
 and they are not compared (`Verified.note` says so). Under expert parallelism each rank's
 all-to-all bytes per step are compared with the plan's (`megapar.plan.experts.step_alltoall`)
 where the dry run's even routing gives every rank the mean rows (the micro-batch's T k rows a
-multiple of the experts; otherwise the note says they were not), and under --cp-comm-type a2a
-the attention's all-to-all bytes with the plan's (`megapar.plan.context_parallel.step_a2a`).
+multiple of the experts; otherwise the note says they were not), under --cp-comm-type a2a
+the attention's all-to-all bytes with the plan's (`megapar.plan.context_parallel.step_a2a`), and
+under the ring and the all-gather the cp group's send / receive, all-gather and reduce-scatter
+bytes with the plan's (`megapar.plan.context_parallel.step_cp_bytes`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megapar.mesh import Layout
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline, stage_memory
-from megapar.plan.context_parallel import step_a2a
+from megapar.plan.context_parallel import step_a2a, step_cp_bytes
 from megapar.plan.estimate import layout_of, offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
@@ -154,7 +156,47 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
                 (r.rank, "activations", int(stages[r.pp_rank].activations), r.activations)
             )
         out.differences += _alltoall_difference(problem, c, r, out)
+        out.differences += _cp_difference(problem, c, r, out)
     return out
+
+
+def _held_layers(problem, c, pp_rank: int) -> list[int]:
+    """The layers pipeline rank `pp_rank` holds (every chunk's)."""
+    cfg = problem.config
+    specs = chunk_specs(
+        cfg.num_layers, c.pp, pp_rank, c.v, placement_of(c.schedule), problem.pipeline_split
+    )
+    return [i for s in specs for i in s.layers]
+
+
+def _cp_difference(problem, c, r, out: Verified) -> list:
+    """[(rank, "cp_<collective>", planned, dry run)] for each of the cp group's collectives of
+    the ring or the all-gather attention (`step_cp_bytes`: send and receive, or all_gather and
+    reduce_scatter) whose bytes per step in rank report `r` differ from the plan's. Under ZeRO
+    where the cp group is also dp x cp's (dp 1) or expert dp's, the state's all-gathers and
+    reduce-scatters share its name in the dry run: those two are then not compared (a note)."""
+    planned = step_cp_bytes(problem, c, len(_held_layers(problem, c, r.pp_rank)))
+    name = next((n for n in r.comm if n == "cp" or n.startswith("cp = ")), "cp")
+    if c.zero and (c.dp == 1 or name != "cp"):
+        shared = [op for op in ("all_gather", "reduce_scatter") if planned.pop(op, 0)]
+        if shared and "cp all-gather" not in out.note:
+            out.note = "; ".join(
+                filter(
+                    None,
+                    [
+                        out.note,
+                        "cp all-gather and reduce-scatter bytes not compared (ZeRO's share "
+                        "the cp group)",
+                    ],
+                )
+            )
+    group = r.comm.get(name, {})
+    counted = {op: group.get(op, {}).get("bytes", 0) for op in planned}
+    return [
+        (r.rank, f"cp_{op}", planned[op], counted[op])
+        for op in planned
+        if counted[op] != planned[op]
+    ]
 
 
 def _alltoall_difference(problem, c, r, out: Verified) -> list:
@@ -164,10 +206,7 @@ def _alltoall_difference(problem, c, r, out: Verified) -> list:
     attention (`step_a2a`), summed over the ep and cp groups (the dry run names a cp all-to-all
     over the ep group's ranks ep's)."""
     cfg = problem.config
-    specs = chunk_specs(
-        cfg.num_layers, c.pp, r.pp_rank, c.v, placement_of(c.schedule), problem.pipeline_split
-    )
-    held = [i for s in specs for i in s.layers]
+    held = _held_layers(problem, c, r.pp_rank)
     planned = step_a2a(problem, c, len(held))
     if c.ep > 1:
         tokens = experts.routed_tokens(problem.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)

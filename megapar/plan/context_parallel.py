@@ -1,6 +1,7 @@
 """Context-parallel attention's cost in the planner: what one layer sends per micro-batch
-(`cp_traffic`), the transient buffers it holds (`cp_buffers`) and the seconds of it not hidden
-behind the attention (`cp_layer_seconds`), for the ring or the all-gather megapar runs."""
+(`cp_traffic`; per step as a dry run counts it: `step_cp_bytes`, `step_a2a`), the transient
+buffers it holds (`cp_buffers`) and the seconds of it not hidden behind the attention
+(`cp_layer_seconds`), for the ring, the all-gather or the all-to-all megapar runs."""
 
 from __future__ import annotations
 
@@ -98,6 +99,35 @@ def step_a2a(p: Problem, c: Candidate, layers: int) -> int:
     forwards = 2 if c.recompute != "none" else 1
     m = p.global_batch // (c.mbs * c.dp)
     return (forwards * forward + backward) * layers * m
+
+
+DRY_RUN_NAMES = {
+    "send": ("send", "receive"),
+    "all-gather": ("all_gather",),
+    "reduce-scatter": ("reduce_scatter",),
+}
+"""`cp_traffic`'s operations of the ring and the all-gather -> the collectives a dry run counts
+them as in the cp group (a ring's send is as many bytes received)."""
+
+
+def step_cp_bytes(p: Problem, c: Candidate, layers: int) -> dict[str, int]:
+    """One rank's cp group bytes per step of the ring or the all-gather attention, by the
+    collectives a dry run counts (`DRY_RUN_NAMES`; {} for the all-to-all, `step_a2a`, and at
+    cp 1): `cp_traffic`'s forward (twice where recomputation repeats the attention's forward:
+    selective and full) and backward, an all-gather counted by its output (cp blocks), x its
+    pipeline rank's `layers` attention layers x the micro-batches of its dp rank."""
+    if c.cp == 1 or cp_method(p.config, c.cp_comm) == "a2a":
+        return {}
+    traffic = cp_traffic(p, c)
+    forwards = 2 if c.recompute != "none" else 1
+    m = p.global_batch // (c.mbs * c.dp)
+    out: dict[str, int] = {}
+    for way, repeats in (("forward", forwards), ("backward", 1)):
+        for op, calls, nbytes in traffic[way]:
+            counted = calls * nbytes * (c.cp if op == "all-gather" else 1) * repeats
+            for name in DRY_RUN_NAMES[op]:
+                out[name] = out.get(name, 0) + counted * layers * m
+    return out
 
 
 FLASH_KV_SPLIT = 512
@@ -203,18 +233,20 @@ def cp_attention_peak(
 
 def cp_buffers(p: Problem, c: Candidate) -> float:
     """Transient bytes of context-parallel attention in one layer (0 at cp 1): the peak of its
-    backward on the most loaded rank (`cp_attention_peak`, for the method megapar uses and the
-    plan's target)."""
+    backward on the most loaded rank (`cp_attention_peak` for the ring or the all-gather,
+    `a2a_buffers` for the all-to-all: the method the candidate's --cp-comm-type runs,
+    `cp_method`) at the plan's target."""
     if c.cp == 1:
         return 0.0
     cfg = p.config
     rows = p.seq_len // c.cp
     q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
     v_size = getattr(cfg, "v_head_dim", head_size(cfg))
-    if cp_method(cfg, c.cp_comm) == "a2a":
+    method = cp_method(cfg, c.cp_comm)
+    if method == "a2a":
         return a2a_buffers(p, c)
     return cp_attention_peak(
-        cp_method(cfg),
+        method,
         c.cp,
         q_elems,
         cp_block(p, c),
