@@ -979,6 +979,32 @@ def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, c
         assert planned == 2 * dry > 0, words
 
 
+def test_plan_verify_compares_the_transient_buffers(capsys, monkeypatch):
+    """--verify compares each rank's modelled transients (the LM head's logits, cp's K/V
+    blocks in flight) with the plan's buffers for its stage: equal for llama-tiny at cp 2 by
+    the ring, and exit 1 naming `transients` when the plan's buffers are a kibibyte more."""
+    import megapar.dryrun.verify as verify
+
+    argv = ["--model", "llama-tiny", "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
+            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", "p2p", "--top", "1",
+            "--verify", "1", "--zero-stages", "0"]
+    rc, out, err = _plan(argv, capsys)
+    assert rc == 0 and "equal, 0 bytes apart" in out, out + err
+    real = verify.stage_memory
+
+    def more(problem, candidate):
+        return [dataclasses.replace(s, buffers=s.buffers + 1024)
+                for s in real(problem, candidate)]
+
+    monkeypatch.setattr(verify, "stage_memory", more)
+    rc, out, err = _plan(argv, capsys)
+    lines = [line.split() for line in out.splitlines() if " transients: plan " in line]
+    assert rc == 1 and lines, out + err
+    for words in lines:  # rank R transients: plan P, dry run D (+1,024)
+        planned, dry = (int(words[i].strip(",").replace(",", "")) for i in (4, 7))
+        assert planned == dry + 1024 and dry > 0, words
+
+
 def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
     """After a dry run's fake backward a forked process still runs a backward (the launcher's
     ranks): torch 2.11's CUDA build (the GPU machines') started autograd's threads for 8 fake

@@ -34,8 +34,8 @@ def verify_estimates(estimates, problem) -> int:
         f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
         f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
         f"buffers, modelled activations, and the expert and context-parallel communication "
-        f"bytes of every sampled rank; the plan's transient "
-        f"buffers are not in a dry run's report and not compared):"
+        f"bytes of every sampled rank, and the modelled activations and transient buffers of "
+        f"its stage):"
     )
     failed = False
     for i, e in enumerate(estimates, 1):

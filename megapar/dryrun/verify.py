@@ -6,8 +6,11 @@ compares each rank's weights, gradients, optimizer bytes (with offload, its host
 host bytes; ZeRO-3's gathered units) and parameter count with what the
 planner counts for that rank (`megapar.plan.state.rank_state`), and its activations with the
 plan's for its stage (`megapar.plan.stage_memory`, with megapar's fused attention, as the dry
-run models it). They must be equal to the byte; a layout too large for the planner to read
-the executor's programs (`megapar.plan.pipeline.held_is_exact`) has its activations estimated,
+run models it), and its transients (the modelled buffers at the peak: the LM head's logits, a
+layer rebuilt under recomputation, cp's K/V blocks) with the plan's buffers: the dry run
+models both from the job it was given, so a setting that does not reach its model shows.
+They must be equal to the byte; a layout too large for the planner to read the executor's
+programs (`megapar.plan.pipeline.held_is_exact`) has its activations estimated,
 and they are not compared (`Verified.note` says so). Under expert parallelism each rank's
 all-to-all bytes per step are compared with the plan's (`megapar.plan.experts.step_alltoall`)
 where the dry run's even routing gives every rank the mean rows (the micro-batch's T k rows a
@@ -151,10 +154,16 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
             for f in FIELDS
             if getattr(planned, f) != getattr(r, f)
         ]
-        if exact and int(stages[r.pp_rank].activations) != r.activations:
-            out.differences.append(
-                (r.rank, "activations", int(stages[r.pp_rank].activations), r.activations)
-            )
+        if exact:
+            stage = stages[r.pp_rank]
+            out.differences += [
+                (r.rank, name, int(planned_bytes), counted)
+                for name, planned_bytes, counted in (
+                    ("activations", stage.activations, r.activations),
+                    ("transients", stage.buffers, r.transients),
+                )
+                if int(planned_bytes) != counted
+            ]
         out.differences += _alltoall_difference(problem, c, r, out)
         out.differences += _cp_difference(problem, c, r, out)
     return out

@@ -279,8 +279,8 @@ class MemoryBreakdown:
     """Transient bytes at the peak that are not kept for the backward: one chunk's logits on the
     stage with the LM head (the whole logits' fp32 gradient with --loss-chunk-tokens 0), one
     layer's activations rebuilt under recomputation, context parallelism's K/V blocks in flight
-    (`estimate.stage_memory`). A dry run does not list them; pipeline messages are in
-    `activations`."""
+    (`estimate.stage_memory`). A dry run lists them as its transients (in its peak, not in
+    its device bytes); pipeline messages are in `activations`."""
     master: float = 0.0
     """--offload-optimizer: host copies of the stepped tensors and their gradients."""
     gathered: float = 0.0

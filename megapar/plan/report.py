@@ -345,9 +345,9 @@ BUFFERS_NOTE = (
     "buffers: transient, not kept for the backward: one chunk's logits on the LM "
     "head's stage (the whole logits' fp32 gradient with --loss-chunk-tokens 0), "
     "one layer rebuilt under recomputation, context "
-    "parallelism's K/V blocks in flight; megapar-train --dry-run does not list "
-    "them (its device bytes besides activations plus its activations are this "
-    "total less the buffers)"
+    "parallelism's K/V blocks in flight; megapar-train --dry-run lists them as "
+    "the transients of its peak (its device bytes besides activations plus its "
+    "activations are this total less the buffers)"
 )
 """The line `explain` prints under the memory breakdown."""
 
