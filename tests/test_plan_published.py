@@ -95,6 +95,27 @@ def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=
     return chunk.tp * 1e9
 
 
+def _tiny_model(tmp_path, recipe):
+    """`recipe`, or for "shared-experts" mixtral-tiny with a shared expert of 32 (split over
+    tp like a dense MLP) written to a config file."""
+    if recipe != "shared-experts":
+        return recipe
+    config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
+    (tmp_path / "shared.json").write_text(json.dumps(
+        {**config, "shared_expert_intermediate_size": 32}))
+    return str(tmp_path / "shared.json")
+
+
+def _dry_run_tp(capsys, model, *flags, s=64, b=2):
+    """Rank 0's tp collectives ({op: {"bytes": ...}}) in megapar-train --dry-run of `model` at
+    tp 2, bf16, one micro-batch of `b` x `s`, with `flags`."""
+    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json", *flags]
+    assert train_main(argv) == 0
+    return json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
     """Per layer 2 all-reduces of s b h in the forward and 2 in the backward (SP: as many
@@ -125,18 +146,8 @@ def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
     DeepSeek-V3's MLA reduces its latents' gradient, not h's
     (`test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts`)."""
     s, b = 64, 2
-    model = recipe
-    if recipe == "shared-experts":
-        config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
-        model = str(tmp_path / "shared.json")
-        (tmp_path / "shared.json").write_text(json.dumps(
-            {**config, "shared_expert_intermediate_size": 32}))
-    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
-            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
-            "bf16", "--dry-run-ranks", "0", "--json"]
-    assert train_main(argv) == 0
-    rank = json.loads(capsys.readouterr().out.splitlines()[0])
-    counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
+    model = _tiny_model(tmp_path, recipe)
+    counted = _dry_run_tp(capsys, model)["all_reduce"]["bytes"]
     planned = _tp_bytes(model, False, "fp32", s, b)
     assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
     if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, all bf16
@@ -153,11 +164,7 @@ def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
     gathers its latents (72 a token in deepseek-v3-tiny) where Megatron's attention gathers
     h: 303,104 bytes counted and planned (the planner had priced h: 294,912)."""
     s, b = 64, 2
-    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
-            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
-            "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel"]
-    assert train_main(argv) == 0
-    tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+    tp = _dry_run_tp(capsys, recipe, "--sequence-parallel")
     counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
     assert counted == pytest.approx(_tp_bytes(recipe, True, "fp32", s, b), rel=1e-12)
 
@@ -176,18 +183,9 @@ def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_pa
     reduce-scattered in the backward. The planner's tp bytes at tp 2 in bf16 equal the dry
     run's (less the cross-entropy's three fp32 all-reduces a token)."""
     s, b = 64, 2
-    model = recipe
-    if recipe == "shared-experts":
-        config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
-        model = str(tmp_path / "shared.json")
-        (tmp_path / "shared.json").write_text(json.dumps(
-            {**config, "shared_expert_intermediate_size": 32}))
-    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
-            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
-            "bf16", "--dry-run-ranks", "0", "--json", "--recompute", recompute,
-            "--expert-tensor-parallel-size", str(etp)] + (["--sequence-parallel"] if sp else [])
-    assert train_main(argv) == 0
-    tp = json.loads(capsys.readouterr().out.splitlines()[0])["comm"]["tp"]
+    model = _tiny_model(tmp_path, recipe)
+    tp = _dry_run_tp(capsys, model, "--recompute", recompute, "--expert-tensor-parallel-size",
+                     str(etp), *(["--sequence-parallel"] if sp else []))
     if sp:
         counted = (tp["all_gather"]["bytes"] + tp["reduce_scatter"]["bytes"]) / 2
     else:
