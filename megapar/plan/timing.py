@@ -25,24 +25,24 @@ def ring_seconds(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) ->
     return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
-def attention_inputs(config) -> tuple[tuple[int, bool], ...]:
-    """The tensors that enter a layer's attention tp region, each in a collective of its own
-    (its gradient's all-reduce in the backward; under SP its all-gather in the forward and
-    reduce-scatter in the backward), as (numbers a token, whether --sp-regather re-gathers it
-    in the backward). Megatron's attention: the normed hidden states, (h, True). DeepSeek-V3's
+def attention_inputs(config) -> tuple[int, ...]:
+    """Numbers a token of each tensor that enters a layer's attention tp region, each in a
+    collective of its own (its gradient's all-reduce in the backward; under SP its all-gather
+    in the forward and reduce-scatter in the backward; under --sp-regather one more all-gather
+    in the backward). Megatron's attention: the normed hidden states, h. DeepSeek-V3's
     Multi-head Latent Attention (`megapar.models.deepseek`), whose down projections are whole on
     every tp rank: their outputs, the q latent, the normed kv latent and the shared rotary key,
     as one tensor (q_lora_rank + kv_lora_rank + qk_rope_head_dim; 2,112 against h = 7,168 in
     DeepSeek-V3), re-gathered once for q_b and kv_b, which read its columns
     (`tensor_parallel.regather.split_keeping_shard`); with a plain q projection (q_lora_rank
-    None) the kv latent and rotary key, and q's own input (h), each re-gathered."""
+    None) the kv latent and rotary key, and q's own input (h)."""
     h = config.hidden_size
     if not getattr(config, "mla", False):
-        return ((h, True),)
+        return (h,)
     kv = config.kv_lora_rank + config.qk_rope_head_dim
     if config.q_lora_rank is None:
-        return ((kv, True), (h, True))
-    return ((config.q_lora_rank + kv, True),)
+        return (kv, h)
+    return (config.q_lora_rank + kv,)
 
 
 @dataclass(frozen=True)
@@ -107,18 +107,18 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     # latents, not h); SP: an all-gather of each input and a reduce-scatter of the output in
     # the forward, the reverse in the backward, each half an all-reduce's ring bytes
     inputs = attention_inputs(cfg)
-    entry = sum(rings(width) for width, _ in inputs)
+    entry = sum(rings(width) for width in inputs)
     attn_f = (entry + ring) / 2 if c.sp else ring
     attn_b = attn_f if c.sp else entry
     # a dense MLP (and a MoE layer's shared experts, split over tp like it; its routed experts
     # are whole on every tp rank): its output's all-reduce forward, its input's gradient's
     # backward, of s b h each (SP: as the attention's)
     shared = bool(getattr(cfg, "shared_expert_intermediate_size", 0))
-    # --sp-regather: one more all-gather per re-gathered input in the backward (the attention's,
+    # --sp-regather: one more all-gather of each input in the backward (the attention's,
     # the MLP's), counted exposed (the run overlaps it with one input-gradient matmul: an upper
     # bound)
     regather = regathers(p, c)
-    attn_regather = sum(rings(w) for w, again in inputs if again) / 2 if regather else 0.0
+    attn_regather = entry / 2 if regather else 0.0
     mlp_regather = ring / 2 if regather else 0.0
     # with the routed experts split over tp (etp): their output's all-reduce in the forward and
     # the tokens' gradient's in the backward (under SP an all-gather and a reduce-scatter
