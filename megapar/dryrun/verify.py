@@ -54,6 +54,12 @@ class Verified:
     """What was not compared (activations the plan estimates at this size; a ZeRO stage this
     megapar-train lacks, whose state the dry run takes from the plan)."""
 
+    def add_note(self, text: str) -> None:
+        """Append `text` to `note` (after a "; "), unless it says that already (each sampled
+        rank finds the same)."""
+        if text not in self.note:
+            self.note = "; ".join(filter(None, [self.note, text]))
+
 
 def train_config(problem, candidate):
     """The megapar-train settings of a planned layout."""
@@ -129,18 +135,10 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
             f"programs (it estimates them)"
         )
     if any(r.modelled for r in reports):
-        out.note = "; ".join(
-            filter(
-                None,
-                [
-                    out.note,
-                    (
-                        f"--zero {c.zero} as planned is not served by this megapar-train: "
-                        f"the dry run's state is the plan's model (equal by construction), its "
-                        f"tp / cp / pp and checkpoint rehearsed"
-                    ),
-                ],
-            )
+        out.add_note(
+            f"--zero {c.zero} as planned is not served by this megapar-train: the dry run's "
+            f"state is the plan's model (equal by construction), its tp / cp / pp and "
+            f"checkpoint rehearsed"
         )
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
@@ -188,16 +186,9 @@ def _cp_difference(problem, c, r, out: Verified) -> list:
     name = next((n for n in r.comm if n == "cp" or n.startswith("cp = ")), "cp")
     if c.zero and (c.dp == 1 or name != "cp"):
         shared = [op for op in ("all_gather", "reduce_scatter") if planned.pop(op, 0)]
-        if shared and "cp all-gather" not in out.note:
-            out.note = "; ".join(
-                filter(
-                    None,
-                    [
-                        out.note,
-                        "cp all-gather and reduce-scatter bytes not compared (ZeRO's share "
-                        "the cp group)",
-                    ],
-                )
+        if shared:
+            out.add_note(
+                "cp all-gather and reduce-scatter bytes not compared (ZeRO's share the cp group)"
             )
     group = r.comm.get(name, {})
     counted = {op: group.get(op, {}).get("bytes", 0) for op in planned}
@@ -220,10 +211,7 @@ def _alltoall_difference(problem, c, r, out: Verified) -> list:
     if c.ep > 1:
         tokens = experts.routed_tokens(problem.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
         if tokens * cfg.num_experts_per_tok % cfg.num_local_experts:
-            if "all-to-all" not in out.note:
-                out.note = "; ".join(
-                    filter(None, [out.note, "all-to-all bytes not compared (uneven even split)"])
-                )
+            out.add_note("all-to-all bytes not compared (uneven even split)")
             return []
         planned += experts.step_alltoall(problem, c, experts.moe_layers(cfg, held))
     elif not planned:
