@@ -17,6 +17,10 @@ from collections.abc import Callable
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 """A word argparse takes for a value, not a flag, where no flag looks like one (`-1`, `-.5`)."""
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+"""The words (lower case) a switch's value may be given as: on, off (`--config` files,
+`megapar-plan --explain` items, a value given to a switch on the command line)."""
+
 
 def shell_word(value: str | os.PathLike) -> str:
     """`value` (a path or other user-given value) as one word of a command line a message
@@ -144,9 +148,9 @@ class OneLineParser(argparse.ArgumentParser):
         off = f"--no-{on[2:]}"
         off = f"give {off}" if off in spellings else "leave it out"
         value = match.group(2)
-        if value.lower() in ("1", "true", "yes", "on"):
+        if value.lower() in TRUE_WORDS:
             fix = f"give {on} alone"
-        elif value.lower() in ("0", "false", "no", "off"):
+        elif value.lower() in FALSE_WORDS:
             fix = off
         else:
             fix = f"give {on} alone to turn it on; to turn it off, {off}"

@@ -18,6 +18,7 @@ from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import heads
+from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS
 from megapar.pipeline.partition import (
     EMBEDDING_FLAG,
     FIRST_FLAG,
@@ -156,8 +157,6 @@ _ALIASES = {
 }
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
 _SPLIT_KEYS = {
     **dict.fromkeys(("first", "decoder_first_pipeline_num_layers"), FIRST_FLAG),
     **dict.fromkeys(("last", "decoder_last_pipeline_num_layers"), LAST_FLAG),
@@ -174,7 +173,7 @@ def _split_key_refusal(key: str, value: str) -> str:
     flag = _SPLIT_KEYS[key]
     if flag in (FIRST_FLAG, LAST_FLAG):
         given = f"{flag} {value}"
-    elif value.lower() in _FALSE:
+    elif value.lower() in FALSE_WORDS:
         return (
             f"--explain: {key}={value} is not a layout item: the pipeline split is "
             f"megapar-plan's {flag}, off unless given; drop {key}={value}"
@@ -257,11 +256,11 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                 raise ValueError(f"--explain: {key}={value!r}: use one of {', '.join(allowed)}")
             values[key] = value
         elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
-            if value.lower() not in _TRUE + _FALSE:
+            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
                 raise ValueError(
                     f"--explain: {key}={value!r} is not a boolean; give {key}=1 or {key}=0"
                 )
-            values[key] = value.lower() in _TRUE
+            values[key] = value.lower() in TRUE_WORDS
         else:
             try:
                 values[key] = int(value)

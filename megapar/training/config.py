@@ -28,7 +28,7 @@ from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.models.documents import MASK_TYPES
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS, OneLineParser
 from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
@@ -550,9 +550,6 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     return parser
 
 
-TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
 def _config_value(f, value: Any, path: str) -> Any:
     """A `--config` value converted with its flag's type, as the command line would: "1e-3"
     is 0.001, "no" is False, 32.0 is 32; null, or a value the flag cannot take, is an error.
@@ -567,8 +564,8 @@ def _config_value(f, value: Any, path: str) -> Any:
         if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
             return bool(value)
         text = str(value).strip().lower() if isinstance(value, str) else None
-        if text in TRUE or text in FALSE:
-            return text in TRUE
+        if text in TRUE_WORDS or text in FALSE_WORDS:
+            return text in TRUE_WORDS
         raise ConfigError(
             f"{path}: {flag} {value!r} is invalid: a switch is true or false (also yes / no, 1 / 0)"
         )
