@@ -19,13 +19,18 @@ def _heads(cfg) -> int:
     return heads(cfg)
 
 
+def value_size(cfg) -> int:
+    """A value head's size: Multi-head Latent Attention's v_head_dim, the head size otherwise."""
+    return getattr(cfg, "v_head_dim", head_size(cfg))
+
+
 def kv_width(cfg, t: int) -> int:
     """Elements per token of this tp rank's keys and values together, as the ring and the
     all-gather send them: its kv heads x (the head size + the value head size: Multi-head
     Latent Attention's v_head_dim, the head size otherwise). A grouped-query model keeping its
     kv heads whole when tp does not divide them uses those its query heads need (the busiest
     rank's)."""
-    return kv_heads_per_rank(cfg, t) * (head_size(cfg) + getattr(cfg, "v_head_dim", head_size(cfg)))
+    return kv_heads_per_rank(cfg, t) * (head_size(cfg) + value_size(cfg))
 
 
 def cp_method(cfg, comm: str = "auto") -> str:
@@ -241,7 +246,6 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
     cfg = p.config
     rows = p.seq_len // c.cp
     q_elems = rows * c.mbs * (_heads(cfg) // c.tp) * head_size(cfg)
-    v_size = getattr(cfg, "v_head_dim", head_size(cfg))
     method = cp_method(cfg, c.cp_comm)
     if method == "a2a":
         return a2a_buffers(p, c)
@@ -255,7 +259,7 @@ def cp_buffers(p: Problem, c: Candidate) -> float:
         getattr(cfg, "model_type", "") != "bert",
         p.target == "cpu",
         c.mbs * (_heads(cfg) // c.tp) if attention_dropout(cfg) else 0,
-        q_elems + q_elems // head_size(cfg) * v_size,
+        q_elems + q_elems // head_size(cfg) * value_size(cfg),
     )
 
 
