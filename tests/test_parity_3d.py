@@ -6,9 +6,12 @@ takes its contiguous slice of the same global batch as m = 4 / dp micro-batches,
 pipeline executor (1F1B), bucketed dp averaging, the tied-embedding sync, global clipping and
 our optimizer (with and without ZeRO-1). Three steps (STEPS: the first with its gradients, a
 warmup one and a cosine one) must give the same losses, grad norms and final weights (fp32,
-relative error < 1e-5), with clipping active on every step.
+relative error < 1e-5), with clipping active on every step. Layouts whose schedule needs no
+more than one block a stage (1F1B, ZB-H1 at pp 2) train 2-block models (`two_blocks`), against
+the serial run of the same model.
 """
 
+import functools
 from contextlib import nullcontext
 
 import pytest
@@ -59,16 +62,32 @@ DENSE = {  # the dense families of Llama's layout, as OTHER's Llama plus what ea
 
 
 def config(kind: str = "gpt2"):
-    if kind == "gpt2_6":  # six blocks: room for uneven cuts into pp 2 x V 2 chunks
-        return GPT2Config(**{**CONFIG, "n_layer": 6})
-    if kind == "bert":
-        return BertConfig(**OTHER["bert"])
-    if kind == "llama":
-        return LlamaConfig(**OTHER["llama"])
-    if kind in DENSE:
-        cls, extra = DENSE[kind]
-        return cls(**OTHER["llama"], **extra)
-    return GPT2Config(**CONFIG)
+    """The model of `kind`: a family (gpt2, bert, llama or one of `DENSE`), optionally with
+    "_N" for N blocks instead of 4: gpt2_6 has room for uneven cuts into pp 2 x V 2 chunks,
+    the "_2" models (`two_blocks`) one block a stage at pp 2, enough for 1F1B and ZB-H1 (the
+    interleaved and V schedules need the four chunks of 4 blocks at pp 2)."""
+    family, _, blocks = kind.partition("_")
+    layers = {"num_hidden_layers": int(blocks)} if blocks else {}
+    if family == "bert":
+        return BertConfig(**{**OTHER["bert"], **layers})
+    if family == "llama":
+        return LlamaConfig(**{**OTHER["llama"], **layers})
+    if family in DENSE:
+        cls, extra = DENSE[family]
+        return cls(**{**OTHER["llama"], **layers}, **extra)
+    return GPT2Config(**{**CONFIG, **({"n_layer": int(blocks)} if blocks else {})})
+
+
+def two_blocks(kind: str = "gpt2") -> str:
+    """`kind` with 2 blocks (one a stage at pp 2): the same code paths as 4 blocks at half the
+    per-block collectives, for the layouts whose schedule does not need 4 chunks."""
+    return f"{kind}_2"
+
+
+@functools.cache
+def reference_of(kind: str = "gpt2") -> dict:
+    """`serial_reference(kind)`, computed once per module (the checks only read it)."""
+    return serial_reference(kind)
 
 
 def scheduler(steps: int = STEPS) -> LRScheduler:
@@ -177,7 +196,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
-    if not isinstance(offload, bool) or kind not in ("gpt2", "gpt2_6", "bert", "llama", *DENSE):
+    if not isinstance(offload, bool) or \
+            kind.partition("_")[0] not in ("gpt2", "bert", "llama", *DENSE):
         raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
@@ -232,7 +252,14 @@ def _token_worker(runs: list[tuple]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference():
-    return serial_reference()
+    return reference_of("gpt2")
+
+
+def check_each(outs: list[list[dict]]) -> None:
+    """`check_against` for each run of a launch, against the serial run of its model."""
+    for i in range(len(outs[0])):
+        per_rank = [o[i] for o in outs]
+        check_against(reference_of(per_rank[0]["layout"][7]), per_rank)
 
 
 def check_against(reference: dict, per_rank: list[dict]) -> None:
@@ -268,27 +295,24 @@ def test_reference_clips_every_step(reference):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
-SP_REGATHER = [(2, 2, 2, 0, "fp32", schedule, 1, "tp-pp-dp", True, 1, MBS, False, kind, True)
-               for kind, schedule in (("gpt2", "1f1b"), ("llama", "1f1b"), ("llama", "zb-h1"))]
+SP_REGATHER = [(2, 2, 2, 0, "fp32", schedule, 1, "tp-pp-dp", True, 1, MBS, False, two_blocks(kind),
+                True) for kind, schedule in (("gpt2", "1f1b"), ("llama", "1f1b"), ("llama", "zb-h1"))]
 """--sp-regather at tp 2 x pp 2 x dp 2: GPT-2 and grouped-query Llama under 1F1B (the slices
 kept, re-gathered in the backward), Llama under ZB-H1 (deferred weight gradients: the gathered X
 kept, as without the flag)."""
 
 
-def test_3d_parity_tp2_pp2_dp2(reference):
+def test_3d_parity_tp2_pp2_dp2():
     """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism (also under
     ZeRO-1: the tp sum of the replicated parameters' gradients follows the reduce-scatter), in
     one launch of 8 ranks; and SP with --sp-regather (`SP_REGATHER`), whose runs also equal
-    the SP run without it."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1),
-                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True),
-                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True),
+    the SP run without it. All on 2-block models (`two_blocks`)."""
+    two = dict(kind=two_blocks())
+    outs = run_local(_worker, 8, [(2, 2, 2, 0, two), (2, 2, 2, 1, two),
+                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True, two),
+                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True, two),
                                   *SP_REGATHER])
-    for i in range(4):
-        check_against(reference, [o[i] for o in outs])
-    references = {"gpt2": reference, "llama": serial_reference("llama")}
-    for i, run in enumerate(SP_REGATHER, start=4):
-        check_against(references[run[12]], [o[i] for o in outs])
+    check_each(outs)
     for o in outs:  # and equal to SP without the flag (GPT-2 1F1B)
         for a, b in zip(o[4]["results"], o[2]["results"]):
             assert_close(torch.tensor(a.loss), torch.tensor(b.loss), what="regather vs SP loss")
@@ -296,13 +320,14 @@ def test_3d_parity_tp2_pp2_dp2(reference):
             assert_close(g, o[2]["grads"][name], what=f"regather vs SP gradient of {name}")
 
 
-def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
-    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W; also with ZeRO-1), and
-    interleaved 1F1B (V=2) with ZeRO-1 in Megatron's rank order (pp outermost)."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
+def test_3d_parity_tp2_pp2_dp2_new_schedules():
+    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W; also with ZeRO-1; 2-block
+    models), and interleaved 1F1B (V=2) with ZeRO-1 in Megatron's rank order (pp outermost)."""
+    two = dict(kind=two_blocks())
+    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1", two),
+                                  (2, 2, 2, 1, "fp32", "zb-h1", two),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
-    for i in range(3):
-        check_against(reference, [o[i] for o in outs])
+    check_each(outs)
 
 
 def test_3d_parity_v_schedules(reference):
@@ -348,30 +373,32 @@ def test_uneven_pipeline_splits_equal_one_process():
         check_against(reference, [o[i] for o in outs])
 
 
-def test_4d_parity_tp2_cp2_pp2(reference):
+def test_4d_parity_tp2_cp2_pp2():
     """tp x cp x pp x dp = 2 x 2 x 2 x 1 (context parallelism: each sequence split over 2
     ranks, ring attention), with and without sequence parallelism, and with ZB-H1; cp 2 x dp 2
     with ZeRO-1 (the optimizer state sharded over cp x dp) on 4 of the 8 ranks' worth; and
     the all-to-all (--cp-comm-type a2a) at tp 2 x cp 2 x pp 2 for GPT-2 and, with SP, for
-    grouped-query Llama."""
+    grouped-query Llama. 2-block models (`two_blocks`); at dp 1 micro-batches of 4 (m 2 = pp:
+    1F1B's and ZB-H1's steady state still reached)."""
     a2a = (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp")
-    outs = run_local(_worker, 8, [(2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
-                                  (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", True, 2),
-                                  (2, 2, 1, 0, "fp32", "zb-h1", 1, "tp-dp-pp", False, 2),
-                                  (1, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
-                                  (*a2a, False, 2, dict(cp_comm="a2a")),
-                                  (*a2a, True, 2, dict(cp_comm="a2a", kind="llama"))])
-    for i in range(5):
-        check_against(reference, [o[i] for o in outs])
-    check_against(serial_reference("llama"), [o[5] for o in outs])
+    two, m2 = dict(kind=two_blocks()), dict(kind=two_blocks(), mbs=2 * MBS)
+    outs = run_local(_worker, 8, [(2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 2, m2),
+                                  (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", True, 2, m2),
+                                  (2, 2, 1, 0, "fp32", "zb-h1", 1, "tp-dp-pp", False, 2, m2),
+                                  (1, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", False, 2, two),
+                                  (*a2a, False, 2, dict(cp_comm="a2a", **m2)),
+                                  (*a2a, True, 2, dict(m2, cp_comm="a2a",
+                                                       kind=two_blocks("llama")))])
+    check_each(outs)
 
 
-def test_3d_parity_4_ranks(reference):
+def test_3d_parity_4_ranks():
     """tp=1 pp=2 dp=2 and tp=2 pp=1 dp=2 (plus ZeRO-1), and ZeRO-1 at dp=4 (its slices cut
-    parameters), in one launch of 4 ranks."""
-    outs = run_local(_worker, 4, [(1, 2, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (1, 1, 4, 1)])
-    for i in range(4):
-        check_against(reference, [o[i] for o in outs])
+    parameters), in one launch of 4 ranks; 2-block models (`two_blocks`)."""
+    two = dict(kind=two_blocks())
+    outs = run_local(_worker, 4, [(1, 2, 2, 0, two), (2, 1, 2, 0, two), (2, 1, 2, 1, two),
+                                  (1, 1, 4, 1, two)])
+    check_each(outs)
     assert all(o[3]["cut"] for o in outs), "dp=4: no parameter is cut between two dp ranks"
 
 
@@ -491,21 +518,24 @@ def test_zero2_parity(kind):
     for GPT-2 at every layout above, BERT and grouped-query Llama at their 1F1B ones, and the
     dense families of Llama's layout (Qwen3's q / k norms and tied head; Qwen2's q / k / v
     biases, split over tp 2 and whole over tp 4 with sequence parallelism) at `DENSE_RUNS`: losses, grad norms
-    (from the slices), first-step gradients (gathered from the slices) and final weights."""
-    reference = serial_reference(kind)
+    (from the slices), first-step gradients (gathered from the slices) and final weights. The
+    models have 2 blocks (`two_blocks`) but under interleaved 1F1B."""
     # the schedules (ZB-H1, interleaved) and cp at 4 ranks run for GPT-2 only: how they report
     # gradients to ZeRO-2 does not depend on the model
     zero2_8 = ZERO2_8 if kind == "gpt2" else [r for r in ZERO2_8 if r[5:6] in ((), ("1f1b",))]
     zero2_4 = ZERO2_4 if kind == "gpt2" else ZERO2_4[:3]
     if kind in DENSE_RUNS:
         zero2_8, zero2_4 = DENSE_RUNS[kind]
-    outs8 = run_local(_worker, 8, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
-                                    MBS, False, kind) for r in zero2_8]) if zero2_8 else []
-    outs4 = run_local(_worker, 4, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
-                                    MBS, False, kind) for r in zero2_4]) if zero2_4 else []
-    for outs, runs in ((outs8, zero2_8), (outs4, zero2_4)):
-        for i in range(len(runs)):
-            check_against(reference, [o[i] for o in outs])
+
+    def runs(layouts):  # 2-block models but under interleaved 1F1B (4 chunks at pp 2)
+        return [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]), MBS, False,
+                 kind if r[5:6] == ("interleaved",) else two_blocks(kind)) for r in layouts]
+
+    outs8 = run_local(_worker, 8, runs(zero2_8)) if zero2_8 else []
+    outs4 = run_local(_worker, 4, runs(zero2_4)) if zero2_4 else []
+    for outs in (outs8, outs4):
+        if outs:
+            check_each(outs)
     if kind not in DENSE_RUNS:  # ZERO2_4's first run: dp 4
         assert all(o[0]["cut"] for o in outs4), "dp=4: no parameter is cut between two dp ranks"
 
