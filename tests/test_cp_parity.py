@@ -165,38 +165,45 @@ def check(runs, outs, tol=1e-5):
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
+TWO = dict(layers=2)
+"""2 blocks: one a stage at pp 2 (the schedules of one chunk a rank; interleaved and ZB-V
+keep the config's 4 blocks for their 4 chunks), and the same code paths at pp 1 with half the
+per-block collectives."""
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_tp2_cp2_pp2_every_schedule_sp_and_recompute(kind):
     """tp 2 x cp 2 x pp 2: every schedule, without SP and recompute, then with SP and full
-    recompute (selective with interleaved); Llama also with the ring instead of its all-gather."""
+    recompute (selective with interleaved); Llama also with the ring instead of its all-gather.
+    2 blocks (`TWO`) but under interleaved and ZB-V."""
     runs = []
     for schedule, v in SCHEDULES:
-        runs.append((kind, 2, 2, 2, 1, dict(schedule=schedule, v=v)))
+        blocks = TWO if v == 1 else {}
+        runs.append((kind, 2, 2, 2, 1, dict(schedule=schedule, v=v, **blocks)))
         recompute = "selective" if schedule == "interleaved" else "full"
         runs.append((kind, 2, 2, 2, 1, dict(schedule=schedule, v=v, sp=True,
-                                            recompute=recompute)))
+                                            recompute=recompute, **blocks)))
     if kind == "llama":
-        runs.append((kind, 2, 2, 2, 1, dict(method="ring", sp=True)))
-        runs.append(("mistral", 2, 2, 2, 1, dict(method="ring", sp=True)))  # its window
+        runs.append((kind, 2, 2, 2, 1, dict(method="ring", sp=True, **TWO)))
+        runs.append(("mistral", 2, 2, 2, 1, dict(method="ring", sp=True, **TWO)))  # its window
     check(runs, run_local(_worker, 8, runs))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_cp4_with_tp2_or_pp2(kind):
-    """cp 4 x tp 2 (SP off / on with full recompute) and cp 4 x pp 2 (1F1B, interleaved)."""
-    runs = [(kind, 2, 4, 1, 1, {}), (kind, 2, 4, 1, 1, dict(sp=True, recompute="full")),
-            (kind, 1, 4, 2, 1, {}), (kind, 1, 4, 2, 1, dict(schedule="interleaved", v=2))]
+    """cp 4 x tp 2 (SP off / on with full recompute) and cp 4 x pp 2 (1F1B, interleaved); 2
+    blocks (`TWO`) but under interleaved."""
+    runs = [(kind, 2, 4, 1, 1, TWO), (kind, 2, 4, 1, 1, dict(sp=True, recompute="full", **TWO)),
+            (kind, 1, 4, 2, 1, TWO), (kind, 1, 4, 2, 1, dict(schedule="interleaved", v=2))]
     check(runs, run_local(_worker, 8, runs))
 
 
 def test_cp_alone_and_with_data_parallel_zero1():
     """cp 2 and cp 4 alone (Mistral's sliding window too); cp 2 x dp 2 with and without ZeRO-1
-    (sharded over cp x dp)."""
-    runs = [(kind, 1, cp, 1, 1, {}) for kind in ("gpt2", "llama", "mistral", "bert")
+    (sharded over cp x dp). 2 blocks (`TWO`)."""
+    runs = [(kind, 1, cp, 1, 1, TWO) for kind in ("gpt2", "llama", "mistral", "bert")
             for cp in (2, 4)]
-    runs += [(kind, 1, 2, 1, 2, dict(zero=zero)) for kind in ("gpt2", "bert")
+    runs += [(kind, 1, 2, 1, 2, dict(zero=zero, **TWO)) for kind in ("gpt2", "bert")
              for zero in (0, 1)]
     outs = run_local(_worker, 4, [r for r in runs if r[2] * r[4] == 4])
     check([r for r in runs if r[2] * r[4] == 4], outs)
@@ -255,12 +262,13 @@ def test_a2a_alone_and_with_tp2_pp2_or_dp2_zero1():
     2 kv heads over cp 2), Mistral's sliding window and BERT's padding alone; GPT-2 and Llama
     at tp 2 (Llama's one kv head per tp rank replicated over cp; with SP and selective
     recompute), Llama at pp 2 (full recompute) and at dp 2 with ZeRO-1; GPT-2 and Llama (its 2 kv heads
-    replicated over cp 4) at cp 4, one head a rank."""
-    runs = [(kind, 1, 2, 1, 1, dict(method="a2a")) for kind in ("gpt2", "llama", "mistral", "bert")]
+    replicated over cp 4) at cp 4, one head a rank. 2 blocks (`TWO`)."""
+    a2a = dict(method="a2a", **TWO)
+    runs = [(kind, 1, 2, 1, 1, a2a) for kind in ("gpt2", "llama", "mistral", "bert")]
     check(runs, run_local(_worker, 2, runs))
-    runs = [("gpt2", 2, 2, 1, 1, dict(method="a2a")),
-            ("llama", 2, 2, 1, 1, dict(method="a2a", sp=True, recompute="selective")),
-            ("llama", 1, 2, 2, 1, dict(method="a2a", recompute="full")),
-            ("llama", 1, 2, 1, 2, dict(method="a2a", zero=1)),
-            ("gpt2", 1, 4, 1, 1, dict(method="a2a")), ("llama", 1, 4, 1, 1, dict(method="a2a"))]
+    runs = [("gpt2", 2, 2, 1, 1, a2a),
+            ("llama", 2, 2, 1, 1, dict(a2a, sp=True, recompute="selective")),
+            ("llama", 1, 2, 2, 1, dict(a2a, recompute="full")),
+            ("llama", 1, 2, 1, 2, dict(a2a, zero=1)),
+            ("gpt2", 1, 4, 1, 1, a2a), ("llama", 1, 4, 1, 1, a2a)]
     check(runs, run_local(_worker, 4, runs))
