@@ -19,7 +19,7 @@ import pytest
 import torch
 from sync_count import count_syncs
 from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
-from test_moe_parallel import biases, check_rank, scheduler, serial_reference
+from test_moe_parallel import biases, check_rank, scheduler, serial_reference, three_layers
 from tp_utils import assert_close
 from tp_utils import full_grads as gathered_grads
 
@@ -136,9 +136,10 @@ def _check(outs, run, reference):
             assert_close(t, reference[key][name], what=f"{run} {key} {name}")
 
 
-def _runs(runs, bf16=False):
-    """Each run's `_train`; with `bf16`, `_bf16_steps` last."""
-    return [_train(*run) for run in runs] + ([_bf16_steps()] if bf16 else [])
+def _runs(runs, bf16=False, make=None):
+    """Each run's `_train` (on the model of `make()`, default `config()`); with `bf16`,
+    `_bf16_steps` last."""
+    return [_train(*run, make=make) for run in runs] + ([_bf16_steps()] if bf16 else [])
 
 
 RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "full"),
@@ -266,12 +267,15 @@ def _check_bf16_rows(outs):
     assert total == 2 * layers * m * one.total  # over the ep group: every row
 
 
-def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):
+def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training():
     """ep folds into dp x cp: every run here is four ranks (at dp 2 x cp 2 x ep 4 every rank
     holds one of the four experts; at ep 2 ZeRO-1 slices the experts' state over the dp ranks
     holding them). With expert tensor parallelism (the last four runs) each expert's
-    gate_up / down are split over tp and its gradients still reduced over expert dp."""
-    outs = run_local(_runs, 4, RUNS_4)
+    gate_up / down are split over tp and its gradients still reduced over expert dp. On the
+    model's first three layers (`three_layers`: the dense one and two MoE ones; at pp 2 one
+    MoE layer a stage), against the serial run of the same model."""
+    reference = serial_reference(make=three_layers)
+    outs = run_local(_runs, 4, RUNS_4, False, three_layers)
     for i, run in enumerate(RUNS_4):
         _check([o[i] for o in outs], run, reference)
     for i, run in enumerate(RUNS_4):  # ep's all-to-alls over its own group
