@@ -297,22 +297,24 @@ def test_muon_layouts_equal_one_process():
     distributed Muon (each matrix orthogonalised by one dp rank, `--muon-distributed`) at
     tp 2 x dp 2 with ZeRO-1 and ZeRO-3, dp 4 with ZeRO-2 and pp 2 x dp 2 with ZeRO-1 equals
     the one process, and has the every-rank scheme's losses and weights to the bit in the
-    layouts both run; one launch of 4 ranks."""
-    runs = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 1), (1, 1, 4, 2), (2, 1, 2, 0, "llama"),
-            (1, 2, 2, 1, "llama"), (2, 1, 2, 3), (1, 1, 4, 3, "llama"),
-            (2, 1, 2, 1, "gpt2", "match_rms_adamw", "fp32", True),
-            (1, 1, 2, 1, "llama", "match_rms_adamw", "fp32", False, 2),
+    layouts both run; one launch of 4 ranks. GPT-2 and Llama with 2 blocks (one a stage at
+    pp 2: test_parity_3d's "_2" kinds), against the one process of the same model."""
+    gpt2, llama = "gpt2_2", "llama_2"
+    runs = [(2, 2, 1, 0, gpt2), (1, 2, 2, 0, gpt2), (2, 1, 2, 1, gpt2), (1, 1, 4, 2, gpt2),
+            (2, 1, 2, 0, llama), (1, 2, 2, 1, llama), (2, 1, 2, 3, gpt2), (1, 1, 4, 3, llama),
+            (2, 1, 2, 1, gpt2, "match_rms_adamw", "fp32", True),
+            (1, 1, 2, 1, llama, "match_rms_adamw", "fp32", False, 2),
             ("moe", 2, 2, 2, 0), ("moe", 1, 4, 2, 1)]
-    split = ("gpt2", "match_rms_adamw", "fp32", False, 1, True)  # --muon-distributed
+    split = (gpt2, "match_rms_adamw", "fp32", False, 1, True)  # --muon-distributed
     distributed = [(2, 1, 2, 1, *split), (1, 1, 4, 2, *split), (2, 1, 2, 3, *split),
                    (1, 2, 2, 1, *split)]
     outs = run_local(_worker, 4, distributed + runs)
-    references = {k: muon_reference(k, ns="fp32") for k in ("gpt2", "llama")}
+    references = {k: muon_reference(k, ns="fp32") for k in (gpt2, llama)}
     for i, run in enumerate(distributed):  # the same weights and losses as every rank's NS
-        same = runs.index(run[:4]) + len(distributed) if run[:4] in runs else None
+        same = runs.index(run[:5]) + len(distributed) if run[:5] in runs else None
         per_rank = [o[i] for o in outs]
-        check_against(references["gpt2"], per_rank)
-        _buffers_match(references["gpt2"], per_rank)
+        check_against(references[gpt2], per_rank)
+        _buffers_match(references[gpt2], per_rank)
         for out in outs if same is not None else ():
             assert [r.loss for r in out[i]["results"]] == [r.loss for r in out[same]["results"]]
             assert out[i]["weights"].keys() == out[same]["weights"].keys()
@@ -337,7 +339,7 @@ def test_muon_layouts_equal_one_process():
     runs = runs[:-2]
     for i, run in enumerate(runs):
         per_rank = [o[i] for o in outs]
-        reference = references[run[4] if len(run) > 4 else "gpt2"]
+        reference = references[run[4]]
         check_against(reference, per_rank)
         _buffers_match(reference, per_rank)
 
