@@ -1,10 +1,14 @@
 """Interleaved 1F1B and ZB-H1 compute exactly what one process computes.
 
-GPT-2 and BERT (8 tiny blocks, so pp=4 x V=2 gives every chunk one block) at (tp, pp) in
+GPT-2 and BERT (pp x V tiny blocks, so every chunk has one block: 8 at pp 4, 4 at pp 2) at
+(tp, pp) in
 (1, 2), (1, 4), (2, 2), m in {4, 8}: interleaved 1F1B with V=2 chunks per rank and ZB-H1 (split
 backward: the linear layers' weight products deferred to W, counted) give the loss and every parameter's gradient of the single-process model
-(fp32, relative error < 1e-5). One `run_local` per layout.
+(fp32, relative error < 1e-5). One `run_local` per layout; each reference computed once, before
+the ranks are forked (`reference_of`).
 """
+
+import functools
 
 import pytest
 from test_pipeline_parity import (
@@ -30,14 +34,19 @@ LAYERS, V, MS = 8, 2, (4, 8)
 RUNS = (("interleaved", V), ("zb-h1", 1))
 
 
-def make_config(kind):
+def blocks(pp: int) -> int:
+    """One block a model chunk at pp x V chunks (LAYERS at pp 4)."""
+    return pp * V
+
+
+def make_config(kind, layers=LAYERS):
     if kind == "gpt2":
-        return GPT2Config(**{**CONFIGS[kind], "n_layer": LAYERS})
-    return BertConfig(**{**CONFIGS[kind], "num_hidden_layers": LAYERS})
+        return GPT2Config(**{**CONFIGS[kind], "n_layer": layers})
+    return BertConfig(**{**CONFIGS[kind], "num_hidden_layers": layers})
 
 
-def reference(kind, batches):
-    model = build_stage(make_config(kind), Mesh(Layout()), SEED)
+def reference(kind, batches, layers=LAYERS):
+    model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
     losses = []
     for batch in batches:
         loss = model(None, batch)
@@ -46,14 +55,22 @@ def reference(kind, batches):
     return sum(losses) / len(batches), {n: full_grad(p) for n, p in model.named_parameters()}
 
 
+@functools.cache
+def reference_of(kind, m, layers, device):
+    """`reference` of `micro_batches(kind, m, seed=m)` on `device`, once per process (forked
+    ranks inherit what their launcher computed)."""
+    return reference(kind, to_device(micro_batches(kind, m, seed=m), device), layers)
+
+
 def parity_worker(tp, pp):
     mesh = make_mesh(tp, pp)
     checked, steps = set(), 0
     for kind in CONFIGS:
-        models = {v: build_stage(make_config(kind), mesh, SEED, virtual_stages=v) for v in (1, V)}
+        models = {v: build_stage(make_config(kind, blocks(pp)), mesh, SEED, virtual_stages=v)
+                  for v in (1, V)}
         for m in MS:
             batches = to_device(micro_batches(kind, m, seed=m), mesh.device)
-            ref_loss, ref_grads = reference(kind, batches)
+            ref_loss, ref_grads = reference_of(kind, m, blocks(pp), mesh.device)
             for schedule, v in RUNS:
                 what = f"{kind} tp={tp} pp={pp} {schedule} V={v} m={m} stage {mesh.pp_rank}"
                 model = models[v]
@@ -77,10 +94,13 @@ def parity_worker(tp, pp):
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (1, 4), (2, 2)])
 def test_new_schedules_match_single_process(tp, pp):
+    for kind in CONFIGS:  # before the fork: the ranks inherit them
+        for m in MS:
+            reference_of(kind, m, blocks(pp), Mesh(Layout()).device)
     results = run_local(parity_worker, tp * pp, tp, pp)
     assert all(r["steps"] == len(CONFIGS) * len(MS) * len(RUNS) for r in results)
     names = set()
     for kind in CONFIGS:
-        model = build_stage(make_config(kind), Mesh(Layout()), SEED)
+        model = build_stage(make_config(kind, blocks(pp)), Mesh(Layout()), SEED)
         names |= {f"{kind}:{n}" for n, _ in model.named_parameters()}
     assert set().union(*(r["checked"] for r in results)) == names

@@ -1,14 +1,17 @@
 """ZB-V and DualPipeV (two chunks per rank in a V) compute exactly what one process computes.
 
-GPT-2, BERT and grouped-query Llama (8 tiny blocks, so pp=4 gives each of the 8 virtual stages
-one block) at (tp, pp) in (1, 2), (1, 4), (2, 2): the loss and every parameter's gradient (the tied embedding's after
+GPT-2, BERT and grouped-query Llama (2 pp tiny blocks, so each of the 2 pp virtual stages has
+one block: 8 at pp 4, 4 at pp 2) at (tp, pp) in (1, 2), (1, 4), (2, 2): the loss and every parameter's gradient (the tied embedding's after
 `sync_tied_embeddings`, which in the V sums both copies on rank 0) equal the single-process
 model's (fp32, relative error < 1e-5). ZB-V at m in {1, 3, 4, 8} (fewer micro-batches than
 stages, not a multiple of pp, ...), DualPipeV at every m >= 2 pp of those; at tp 2 (which
 changes what each stage computes, not the order) ZB-V at m 3 and DualPipeV at m 4 only
 (tests/test_parity_3d.py runs the V at tp 2 with dp, cp and ZeRO-1 too). The V's turn (virtual
 stage pp - 1 to pp on rank pp - 1) is handed over in memory: no message for it is issued.
+Each reference is computed once, before the ranks are forked (`reference_of`).
 """
+
+import functools
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from test_pipeline_parity import (
     full_grad,
     micro_batches,
 )
-from test_pipeline_parity_chunks import LAYERS
+from test_pipeline_parity_chunks import LAYERS, blocks
 from test_pipeline_parity_chunks import make_config as make_gpt2_or_bert
 from tp_utils import make_mesh, rel_err, to_device
 
@@ -38,16 +41,16 @@ RUNS = ("zb-v", "dualpipev")
 KINDS = (*CONFIGS, "llama")
 
 
-def make_config(kind):
+def make_config(kind, layers=LAYERS):
     if kind != "llama":
-        return make_gpt2_or_bert(kind)
+        return make_gpt2_or_bert(kind, layers)
     return LlamaConfig(vocab_size=101, hidden_size=HIDDEN, intermediate_size=64,
-                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=16, tie_word_embeddings=False)
 
 
-def reference(kind, batches):
-    model = build_stage(make_config(kind), Mesh(Layout()), SEED)
+def reference(kind, batches, layers=LAYERS):
+    model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
     losses = []
     for batch in batches:
         loss = model(None, batch)
@@ -62,14 +65,22 @@ def runs(tp, pp):
     return [(s, m) for s in RUNS for m in MS if s == "zb-v" or m >= 2 * pp]
 
 
+@functools.cache
+def reference_of(kind, m, layers, device):
+    """`reference` of `micro_batches(kind, m, seed=m)` on `device`, once per process (forked
+    ranks inherit what their launcher computed)."""
+    return reference(kind, to_device(micro_batches(kind, m, seed=m), device), layers)
+
+
 def parity_worker(tp, pp):
     mesh = make_mesh(tp, pp)
     checked, steps = set(), 0
     for kind in KINDS:
-        model = build_stage(make_config(kind), mesh, SEED, virtual_stages=2, placement="v")
+        model = build_stage(make_config(kind, blocks(pp)), mesh, SEED, virtual_stages=2,
+                            placement="v")
         for schedule, m in runs(tp, pp):
             batches = to_device(micro_batches(kind, m, seed=m), mesh.device)
-            ref_loss, ref_grads = reference(kind, batches)
+            ref_loss, ref_grads = reference_of(kind, m, blocks(pp), mesh.device)
             what = f"{kind} tp={tp} pp={pp} {schedule} m={m} stage {mesh.pp_rank}"
             model.zero_grad(set_to_none=True)
             executor = PipelineExecutor(model, mesh, schedule, (MB, SEQ, HIDDEN))
@@ -97,10 +108,13 @@ def parity_worker(tp, pp):
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (1, 4), (2, 2)])
 def test_v_schedules_match_single_process(tp, pp):
+    for kind in KINDS:  # before the fork: the ranks inherit them
+        for _, m in runs(tp, pp):
+            reference_of(kind, m, blocks(pp), Mesh(Layout()).device)
     results = run_local(parity_worker, tp * pp, tp, pp)
     assert all(r["steps"] == len(KINDS) * len(runs(tp, pp)) for r in results)
     names = set()
     for kind in KINDS:
-        model = build_stage(make_config(kind), Mesh(Layout()), SEED)
+        model = build_stage(make_config(kind, blocks(pp)), Mesh(Layout()), SEED)
         names |= {f"{kind}:{n}" for n, _ in model.named_parameters()}
     assert set().union(*(r["checked"] for r in results)) == names
