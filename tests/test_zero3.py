@@ -167,15 +167,17 @@ def test_zero3_reduce_per_micro_batch_parity(reference):
 
 
 # --- BERT and grouped-query Llama, LAMB, bf16 -------------------------------------------------
-def other_config(kind: str):
+def other_config(kind: str, layers: int = 4):
+    """BERT or grouped-query Llama of `layers` blocks."""
     from megapar.models import BertConfig, LlamaConfig
 
     if kind == "bert":
-        return BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4,
+        return BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers,
                           num_attention_heads=4, intermediate_size=64,
                           max_position_embeddings=16, make_vocab_size_divisible_by=16,
                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    return LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                        make_vocab_size_divisible_by=16, tie_word_embeddings=False)
 
@@ -190,9 +192,9 @@ def other_batches(kind: str) -> list[dict]:
     return out
 
 
-def serial_other(kind: str) -> dict:
+def serial_other(kind: str, layers: int = 4) -> dict:
     """Plain torch (AdamW, clip_grad_norm_) on the whole model, 4 micro-batches of 2."""
-    model = build_stage(other_config(kind), Mesh(Layout()), SEED)
+    model = build_stage(other_config(kind, layers), Mesh(Layout()), SEED)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -221,7 +223,8 @@ def _other_worker(kind: str, layouts: list[tuple], optimizer: str = "adamw",
     for tp, pp, dp, *rest in layouts:
         cp, schedule, v = (*rest, *(1, "1f1b", 1)[len(rest):])  # (tp, pp, dp[, cp, schedule, v])
         mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank())
-        _, step, _ = build(mesh, schedule, model_config=other_config(kind), kind=optimizer,
+        _, step, _ = build(mesh, schedule, model_config=other_config(kind, blocks(v)),
+                           kind=optimizer,
                            precision=precision, virtual_stages=v)
         plan = BatchPlan(G, 2, dp)
         out.append([step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
@@ -229,24 +232,32 @@ def _other_worker(kind: str, layouts: list[tuple], optimizer: str = "adamw",
     return out
 
 
+def blocks(v: int) -> int:
+    """The blocks of `test_zero3_parity_bert_and_grouped_query_llama`'s models at v chunks a
+    rank: one a stage at pp 2 (2), and 4 for interleaved's 4 chunks."""
+    return 2 * v
+
+
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_zero3_parity_bert_and_grouped_query_llama(kind):
     """dp 2, tp 2 x dp 2, pp 2 x dp 2 (1F1B, ZB-H1, interleaved), cp 2 x dp 2 and the full
-    2 x 2 x 2: the losses and grad norms of one process."""
-    ref = serial_other(kind)
-    runs = [run_local(_other_worker, 2, kind, [(1, 1, 2)]),
-            run_local(_other_worker, 4, kind, [(2, 1, 2), (1, 2, 2), (1, 2, 2, 1, "zb-h1"),
-                                               (1, 2, 2, 1, "interleaved", 2), (1, 1, 2, 2)]),
-            run_local(_other_worker, 8, kind, [(2, 2, 2)])]
-    for per_rank in runs:
-        for results in per_rank:
-            for steps in results:
+    2 x 2 x 2: the losses and grad norms of one process (of the same model: 2 blocks, 4 under
+    interleaved, `blocks`)."""
+    refs = {v: serial_other(kind, blocks(v)) for v in (1, 2)}
+    launches = {2: [(1, 1, 2)],
+                4: [(2, 1, 2), (1, 2, 2), (1, 2, 2, 1, "zb-h1"), (1, 2, 2, 1, "interleaved", 2),
+                    (1, 1, 2, 2)],
+                8: [(2, 2, 2)]}
+    for world, layouts in launches.items():
+        for results in run_local(_other_worker, world, kind, layouts):  # per rank
+            for layout, steps in zip(layouts, results, strict=True):
+                ref = refs[layout[5] if len(layout) > 5 else 1]  # v
                 assert not any(r.skipped for r in steps)
                 for s, r in enumerate(steps):
                     assert_close(torch.tensor(r.loss), torch.tensor(ref["losses"][s]),
-                                 what=f"{kind} loss at step {s}")
+                                 what=f"{kind} {layout} loss at step {s}")
                     assert_close(torch.tensor(r.grad_norm), torch.tensor(ref["norms"][s]),
-                                 what=f"{kind} grad norm at step {s}")
+                                 what=f"{kind} {layout} grad norm at step {s}")
 
 
 def _zero0_worker(optimizer: str, precision: str) -> list:
