@@ -195,6 +195,56 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
     assert 2 * per_layer + s * b * h * 4 + extra == held
 
 
+def _moe_blocks_held_at_tp2():
+    """{(shared expert size, SP, --sp-regather, etp): (bytes a stage of two Mixtral blocks keeps
+    for backward on a tp 2 rank, the planner's per_moe_layer for it)} (fp32, s 32, b 3)."""
+    import torch.distributed as dist
+
+    from megapar.models import MixtralConfig, set_sp_regather
+    from megapar.plan.estimate import activation_sizes
+
+    s, b, h, t = 32, 3, 64, 2
+    out = {}
+    for shared, sp, regather, etp in [(None, False, False, 1), (None, True, False, 1),
+                                      (None, True, True, 1), (96, True, False, 1),
+                                      (96, True, True, 1), (None, True, False, 2),
+                                      (96, True, False, 2), (96, True, True, 2)]:
+        config = MixtralConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=s, num_local_experts=4,
+                               shared_expert_intermediate_size=shared)
+        mesh = Mesh(Layout(tp=t), dist.get_rank(), sequence_parallel=sp, expert_tp=etp)
+        model = build_model(config, mesh, range(2), False, False)
+        model.init_weights(0)
+        set_sp_regather(model, regather)
+        hidden = torch.randn(b, s // (t if sp else 1), h, requires_grad=True)
+        saved, y = saved_bytes(model, lambda model=model, hidden=hidden: model(hidden, {}))
+        problem = Problem(config, t, global_batch=b, seq_len=s, precision="fp32",
+                          sp_regather=regather)
+        planned = activation_sizes(problem, Candidate(tp=t, mbs=b, sp=sp, etp=etp))
+        out[shared, sp, regather, etp] = saved + y.untyped_storage().nbytes(), planned
+    return out
+
+
+def test_a_moe_block_keeps_what_the_plan_counts_at_tp2():
+    """Two Mixtral blocks on a tp 2 rank, with and without shared experts, SP, --sp-regather
+    and experts split over tp: the planner's MoE layer (`activation_sizes().per_moe_layer`) is
+    every byte kept, but for the rotary tables and kv index (as the dense test above) and 20
+    bytes a layer of the router's E-long load vectors. Before, under SP without the flag, it
+    counted the MLP norm's output gathered (a dense MLP's input), which only shared experts
+    gather: 12,288 bytes a layer over without them, and under with them (their router keeps
+    this rank's slice besides); and with experts split over tp under SP, the router's per-token
+    terms of the whole sequence, where it scores this rank's slice (3,072 bytes over)."""
+    from megapar.launcher import run_local
+
+    s, head_size = 32, 16
+    extra = 2 * s * head_size * 4 + 2 * 4 * 8 + 2 * 20  # rotary tables, kv index, load vectors
+    for rank, out in enumerate(run_local(_moe_blocks_held_at_tp2, 2)):
+        for key, (held, planned) in out.items():
+            sliced = planned.message  # the stage's output: an activation in flight
+            assert held == 2 * planned.per_moe_layer + sliced + extra, (rank, key, held, planned)
+
+
 # -- pipeline ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (8, 3)])

@@ -37,7 +37,7 @@ Megatron re-gathers them in backward: those 2 s b h of the replicated terms stay
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from megapar.models.config import LLAMA_TYPES
 
@@ -67,6 +67,10 @@ class BlockTerms:
     """Of those, the ones kept whole under SP too (megapar keeps the column-parallel
     projections' gathered inputs; the paper and `--sp-regather`, re-gathering them in the
     backward, split all)."""
+    sliced_too: float = 0.0
+    """Of the gathered ones, those whose own slice is kept as well under SP (a MoE layer with
+    shared experts: its router reads the MLP norm's output on this rank's s / t tokens, its
+    shared experts the gathered copy)."""
     split: float = 12.0
     """q, k, v, the attention output and the MLP's intermediates: split by t."""
     norm_stats: float = 4.0
@@ -92,7 +96,21 @@ def block_terms(config, moe: bool | None = None, cp_method: str | None = None) -
     if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
         f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
     if getattr(config, "mla", False):
-        return _mla_terms(config, f, cp_method)
+        terms = _mla_terms(config, f, cp_method)
+    else:
+        terms = _dense_terms(config, f)
+    if not moe:
+        return terms
+    # The MoE layer's router reads the MLP norm's output as it is (this rank's s / t tokens under
+    # SP, as its routed experts do): only shared experts gather it, and keep the gathered copy.
+    if f:
+        return replace(terms, sliced_too=1.0)
+    return replace(terms, gathered=terms.gathered - 1.0)
+
+
+def _dense_terms(config, f: float) -> BlockTerms:
+    """GPT-2's and BERT's block (LayerNorm, a GELU MLP of width f h) or Llama's (RMSNorm, a
+    SwiGLU of width f h)."""
     if config.model_type in LLAMA_TYPES:
         return BlockTerms(
             replicated=6.0,
@@ -161,8 +179,9 @@ def layer_bytes(
     if recompute == "full":
         return sbh * act_bytes / rep
     whole = terms.gathered if sp and t > 1 and not regather else 0.0
+    sliced_too = terms.sliced_too if whole else 0.0
     replicated = (
-        (terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)
+        (terms.replicated - whole + sliced_too) * sbh * act_bytes + (2 * sbh if dropout else 0)
     ) + rep * whole * sbh * act_bytes
     split = terms.split * sbh * act_bytes
     if recompute == "selective":
