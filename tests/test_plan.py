@@ -945,6 +945,11 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     # the keys listed left out offload=KIND, which is taken
     ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
      "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, cp_comm, offload"),
+    # the key as written, the closest one named; megapar-plan's own flag named as such
+    ("tp=2,micro-batch=2", "unknown key 'micro-batch' (did you mean 'mbs'?)"),
+    ("tp=2,recomput=full", "unknown key 'recomput' (did you mean 'recompute'?)"),
+    ("tp=2,sp=1,sp-regather=1", "sp-regather is megapar-plan's --sp-regather, which applies to "
+     "every layout, not a layout's item: give --sp-regather beside --explain"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read
@@ -953,6 +958,17 @@ def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
             "1024", "--gpu-memory-gb", "40"]
     code, out = _cli(capsys, *base, "--explain", *(layout.split() or [""]))
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
+
+
+def test_explain_reads_dashes_and_megapar_trains_names_of_its_keys():
+    """keep-params, cp-comm-type, sequence-parallel, expert-tensor-parallel-size: the names
+    megapar-train's flags (and Megatron-LM's) give these settings, read as --explain's keys."""
+    spelt = parse_candidate("tensor-model-parallel-size=2,pp=1,dp=2,sequence-parallel=1,"
+                            "keep-params=1,zero=3,cp-comm-type=a2a,cp=2,micro-batch-size=2", 8)
+    assert spelt == parse_candidate("tp=2,pp=1,dp=2,sp=1,keep_params=1,zero=3,cp_comm=a2a,cp=2,"
+                                    "mbs=2", 8)
+    assert (spelt.tp, spelt.sp, spelt.keep_params, spelt.cp_comm, spelt.mbs) == \
+        (2, True, True, "a2a", 2)
 
 
 def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
