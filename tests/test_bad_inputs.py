@@ -56,7 +56,7 @@ def env(tmp_path_factory):
         configs[name] = str(root / name)
     negative = root / "negative.json"
     negative.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": -2,
-                                    "n_head": 4}))
+                                    "n_head": 4, "resid_pdrop": 1.5}))
     ids = {}
     for name, array in {"float": np.zeros((1, 4)), "flat": np.zeros(4, dtype=np.int64),
                         "long": np.zeros((1, 100), dtype=np.int64),
@@ -196,7 +196,8 @@ TRAIN = [
     (["--config", "{typo.yaml}"], "unknown setting 'max_step'; did you mean 'max_steps'?"),
     (["--config", "{choice.yaml}"], "choice.yaml: --schedule 'zigzag' is invalid: choose one of"),
     (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
-    (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
+    (["--model", "{negative}"],  # every bad value in the one line, not the first alone
+     "n_layer=-2 must be a whole number >= 1; resid_pdrop=1.5 must be in [0, 1)"),
     (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict, with --model: starts fresh (requeue)
     (["--load", "{empty_dir}", "--load-strict"], "empty_dir: no checkpoint there (--load-strict)"),
     (["--load", "{corrupt}"], "checksum mismatch"),

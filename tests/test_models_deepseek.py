@@ -242,7 +242,7 @@ def _held_at_tp2():
 
     s, b, h, t = 32, 3, 64, 2
     out = {}
-    for q_rank, regather in ((24, False), (24, True), (None, True)):
+    for q_rank, regather in ((24, False), (24, True), (None, False), (None, True)):
         config = DeepseekV3Config(
             vocab_size=300, hidden_size=h, intermediate_size=160, num_hidden_layers=3,
             num_attention_heads=4, q_lora_rank=q_rank, kv_lora_rank=20, qk_nope_head_dim=8,
@@ -276,10 +276,12 @@ def test_the_plan_terms_hold_at_tp2_with_sequence_parallelism():
     this rank's slice of them (q_b and kv_b save it once between them and re-gather it in the
     backward), as the planner's split count: 9,984 bytes a layer less, with the MLP input's
     12,288 (a plain q projection too: its input's slice is the attention norm's output, which
-    kv_a keeps anyway)."""
+    kv_a keeps anyway). Without the flag a plain q projection keeps its gathered input and
+    kv_a this rank's slice of it: the plan had counted the former only (12,288 bytes a layer
+    short)."""
     from megapar.launcher import run_local
 
     for out in run_local(_held_at_tp2, 2):
         for key, (held, planned) in out.items():
-            assert held == planned, key
+            assert held == planned, (key, held, planned)
         assert out[24, False][0] - out[24, True][0] == 2 * 3 * (32 - 16) * (52 + 64) * 4

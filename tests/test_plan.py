@@ -195,6 +195,56 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
     assert 2 * per_layer + s * b * h * 4 + extra == held
 
 
+def _moe_blocks_held_at_tp2():
+    """{(shared expert size, SP, --sp-regather, etp): (bytes a stage of two Mixtral blocks keeps
+    for backward on a tp 2 rank, the planner's per_moe_layer for it)} (fp32, s 32, b 3)."""
+    import torch.distributed as dist
+
+    from megapar.models import MixtralConfig, set_sp_regather
+    from megapar.plan.estimate import activation_sizes
+
+    s, b, h, t = 32, 3, 64, 2
+    out = {}
+    for shared, sp, regather, etp in [(None, False, False, 1), (None, True, False, 1),
+                                      (None, True, True, 1), (96, True, False, 1),
+                                      (96, True, True, 1), (None, True, False, 2),
+                                      (96, True, False, 2), (96, True, True, 2)]:
+        config = MixtralConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=s, num_local_experts=4,
+                               shared_expert_intermediate_size=shared)
+        mesh = Mesh(Layout(tp=t), dist.get_rank(), sequence_parallel=sp, expert_tp=etp)
+        model = build_model(config, mesh, range(2), False, False)
+        model.init_weights(0)
+        set_sp_regather(model, regather)
+        hidden = torch.randn(b, s // (t if sp else 1), h, requires_grad=True)
+        saved, y = saved_bytes(model, lambda model=model, hidden=hidden: model(hidden, {}))
+        problem = Problem(config, t, global_batch=b, seq_len=s, precision="fp32",
+                          sp_regather=regather)
+        planned = activation_sizes(problem, Candidate(tp=t, mbs=b, sp=sp, etp=etp))
+        out[shared, sp, regather, etp] = saved + y.untyped_storage().nbytes(), planned
+    return out
+
+
+def test_a_moe_block_keeps_what_the_plan_counts_at_tp2():
+    """Two Mixtral blocks on a tp 2 rank, with and without shared experts, SP, --sp-regather
+    and experts split over tp: the planner's MoE layer (`activation_sizes().per_moe_layer`) is
+    every byte kept, but for the rotary tables and kv index (as the dense test above) and 20
+    bytes a layer of the router's E-long load vectors. Before, under SP without the flag, it
+    counted the MLP norm's output gathered (a dense MLP's input), which only shared experts
+    gather: 12,288 bytes a layer over without them, and under with them (their router keeps
+    this rank's slice besides); and with experts split over tp under SP, the router's per-token
+    terms of the whole sequence, where it scores this rank's slice (3,072 bytes over)."""
+    from megapar.launcher import run_local
+
+    s, head_size = 32, 16
+    extra = 2 * s * head_size * 4 + 2 * 4 * 8 + 2 * 20  # rotary tables, kv index, load vectors
+    for rank, out in enumerate(run_local(_moe_blocks_held_at_tp2, 2)):
+        for key, (held, planned) in out.items():
+            sliced = planned.message  # the stage's output: an activation in flight
+            assert held == 2 * planned.per_moe_layer + sliced + extra, (rank, key, held, planned)
+
+
 # -- pipeline ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (8, 3)])
@@ -895,6 +945,11 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     # the keys listed left out offload=KIND, which is taken
     ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
      "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, cp_comm, offload"),
+    # the key as written, the closest one named; megapar-plan's own flag named as such
+    ("tp=2,micro-batch=2", "unknown key 'micro-batch' (did you mean 'mbs'?)"),
+    ("tp=2,recomput=full", "unknown key 'recomput' (did you mean 'recompute'?)"),
+    ("tp=2,sp=1,sp-regather=1", "sp-regather is megapar-plan's --sp-regather, which applies to "
+     "every layout, not a layout's item: give --sp-regather beside --explain"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read
@@ -903,6 +958,17 @@ def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
             "1024", "--gpu-memory-gb", "40"]
     code, out = _cli(capsys, *base, "--explain", *(layout.split() or [""]))
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
+
+
+def test_explain_reads_dashes_and_megapar_trains_names_of_its_keys():
+    """keep-params, cp-comm-type, sequence-parallel, expert-tensor-parallel-size: the names
+    megapar-train's flags (and Megatron-LM's) give these settings, read as --explain's keys."""
+    spelt = parse_candidate("tensor-model-parallel-size=2,pp=1,dp=2,sequence-parallel=1,"
+                            "keep-params=1,zero=3,cp-comm-type=a2a,cp=2,micro-batch-size=2", 8)
+    assert spelt == parse_candidate("tp=2,pp=1,dp=2,sp=1,keep_params=1,zero=3,cp_comm=a2a,cp=2,"
+                                    "mbs=2", 8)
+    assert (spelt.tp, spelt.sp, spelt.keep_params, spelt.cp_comm, spelt.mbs) == \
+        (2, True, True, "a2a", 2)
 
 
 def test_moe_imbalance_scales_the_experts_rows_under_ep_only():

@@ -173,7 +173,9 @@ class _Base:
         )
 
     def check_sizes(self) -> None:
-        """Every size and count is a whole number >= 1 (dropouts in [0, 1))."""
+        """Every size and count is a whole number >= 1 (dropouts in [0, 1)); every value that is
+        not, named in one line."""
+        problems = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
@@ -184,13 +186,13 @@ class _Base:
             if f.type in ("int", "int | None") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
-                raise ConfigError(
-                    f"model config: {f.name}={value!r} must be a whole number >= {low}"
-                )
+                problems.append(f"{f.name}={value!r} must be a whole number >= {low}")
             if f.name.endswith(("pdrop", "dropout_prob")) and not (
                 isinstance(value, (int, float)) and 0 <= value < 1
             ):
-                raise ConfigError(f"model config: {f.name}={value!r} must be in [0, 1)")
+                problems.append(f"{f.name}={value!r} must be in [0, 1)")
+        if problems:
+            raise ConfigError("model config: " + "; ".join(problems))
 
     def _check(
         self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int, api: bool

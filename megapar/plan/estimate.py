@@ -223,8 +223,9 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         )
         if moe and recompute != "full":  # the routed tokens, replicated over tp
             tokens = experts.routed_tokens(p.seq_len, b, c.cp, experts.routing_split(c))
+            scored = experts.routed_tokens(p.seq_len, b, c.cp, sp_t)
             imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
-            kept += experts.routed_bytes(cfg, tokens, p.act_bytes, imbalance, c.ep, c.etp)
+            kept += experts.routed_bytes(cfg, tokens, p.act_bytes, imbalance, c.ep, c.etp, scored)
         return kept
 
     moe = experts.is_moe(cfg)

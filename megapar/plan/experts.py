@@ -25,7 +25,8 @@ routed row, the expert's input and its SwiGLU's gate / up output, activation and
 (h + 4 I elements) on the rank that holds the expert, and two h-wide rows on the rank that
 routed it (the combined output kept for the weighting, and the gathered input); per token the
 router's fp32 logits and scores (2 E x 4 bytes), its top-k weights and ids (k x 12 bytes) and 8
-bytes more, per row its int64 sort index and token index and fp32 weight (20 bytes). Measured
+bytes more (per token it scores: T / t with experts split over tp under SP), per row its int64
+sort index and token index and fp32 weight (20 bytes). Measured
 on a Mixtral block with saved-tensor hooks at ep 1 (`tests/test_plan.py`: equal but for
 36 bytes a layer, its E-long load vectors). The expert side is
 scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (dropless
@@ -137,17 +138,26 @@ def leaving(ep: int) -> float:
 
 
 def routed_bytes(
-    config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1, etp: int = 1
+    config,
+    tokens: int,
+    act_bytes: int,
+    imbalance: float = 1.0,
+    ep: int = 1,
+    etp: int = 1,
+    router_tokens: int | None = None,
 ) -> float:
     """Bytes one MoE layer keeps for its routed tokens per micro-batch on the busiest rank (see
     the module docstring); `imbalance` scales the rows its experts receive (at ep 1 a rank
     holds every expert and receives exactly its T k rows); with each expert split over `etp`
-    ranks a row's SwiGLU terms are its I / etp units'."""
+    ranks a row's SwiGLU terms are its I / etp units'. `router_tokens`: the tokens this rank's
+    router scores, where they are fewer than `tokens` (with experts split over tp under SP the
+    router scores this rank's T / t and the tp group all-gathers its choices)."""
     h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_local_experts
     rows = tokens * k
     received = rows * (imbalance if ep > 1 else 1.0)
     expert_side = received * (h + 4 * config.expert_size // etp) * act_bytes
-    token_side = rows * 2 * h * act_bytes + rows * 20 + tokens * (2 * e * 4 + k * 12 + 8)
+    scored = tokens if router_tokens is None else router_tokens
+    token_side = rows * 2 * h * act_bytes + rows * 20 + scored * (2 * e * 4 + k * 12 + 8)
     return expert_side + token_side
 
 

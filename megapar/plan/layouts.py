@@ -10,6 +10,7 @@ the `--explain` syntax.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -150,11 +151,22 @@ class Candidate:
 
 _ALIASES = {
     "micro_batch_size": "mbs",
-    "micro-batch-size": "mbs",
     "virtual_stages": "v",
-    "virtual-stages": "v",
     "vpp": "v",
+    # megapar-train's and Megatron-LM's names of the same settings
+    "sequence_parallel": "sp",
+    "cp_comm_type": "cp_comm",
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "virtual_pipeline_model_parallel_size": "v",
 }
+"""--explain keys (dashes read as underscores) read as another key."""
+
+_PLAN_FLAG_KEYS = {"sp_regather": "--sp-regather"}
+"""--explain keys naming a megapar-plan flag that applies to every layout, not a layout's item."""
 
 
 _SPLIT_KEYS = {
@@ -231,7 +243,9 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                 f"layout's name in the table (e.g. tp2 pp4 mbs1 1f1b rc=none zero1)"
             )
         key, value = item.split("=", 1)
-        key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        given = key.strip()  # as the user wrote it, for the lines below
+        key = given.lower().replace("-", "_")
+        key = _ALIASES.get(key, key)
         if key in seen:
             raise ValueError(f"--explain: {key} is given twice; give it once")
         seen.add(key)
@@ -241,10 +255,18 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             values["offload_optimizer"] = value in ("optimizer", "both")
             values["offload_params"] = value in ("params", "both")
             continue
-        if key.replace("-", "_") in _SPLIT_KEYS:
-            raise ValueError(_split_key_refusal(key.replace("-", "_"), value))
+        if key in _SPLIT_KEYS:
+            raise ValueError(_split_key_refusal(key, value))
+        if key in _PLAN_FLAG_KEYS:
+            flag = _PLAN_FLAG_KEYS[key]
+            raise ValueError(
+                f"--explain: {given} is megapar-plan's {flag}, which applies to every layout, not "
+                f"a layout's item: give {flag} beside --explain"
+            )
         if key not in fields:
-            raise ValueError(f"--explain: unknown key {key!r}; keys: {keys}")
+            close = difflib.get_close_matches(key, [*fields, "offload", *_ALIASES], n=1)
+            hint = f" (did you mean {_ALIASES.get(close[0], close[0])!r}?)" if close else ""
+            raise ValueError(f"--explain: unknown key {given!r}{hint}; keys: {keys}")
         if key in ("schedule", "recompute", "zero3_reduce", "cp_comm"):
             allowed = {
                 "schedule": PLAN_SCHEDULES,

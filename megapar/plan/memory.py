@@ -37,7 +37,7 @@ Megatron re-gathers them in backward: those 2 s b h of the replicated terms stay
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from megapar.models.config import LLAMA_TYPES
 
@@ -67,6 +67,11 @@ class BlockTerms:
     """Of those, the ones kept whole under SP too (megapar keeps the column-parallel
     projections' gathered inputs; the paper and `--sp-regather`, re-gathering them in the
     backward, split all)."""
+    sliced_too: float = 0.0
+    """Of the gathered ones, those whose own slice is kept as well under SP (a MoE layer with
+    shared experts: its router reads the MLP norm's output on this rank's s / t tokens, its
+    shared experts the gathered copy; MLA with a plain q projection: kv_a reads the attention
+    norm's output as it is, q the gathered copy)."""
     split: float = 12.0
     """q, k, v, the attention output and the MLP's intermediates: split by t."""
     norm_stats: float = 4.0
@@ -92,7 +97,21 @@ def block_terms(config, moe: bool | None = None, cp_method: str | None = None) -
     if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
         f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
     if getattr(config, "mla", False):
-        return _mla_terms(config, f, cp_method)
+        terms = _mla_terms(config, f, cp_method)
+    else:
+        terms = _dense_terms(config, f)
+    if not moe:
+        return terms
+    # The MoE layer's router reads the MLP norm's output as it is (this rank's s / t tokens under
+    # SP, as its routed experts do): only shared experts gather it, and keep the gathered copy.
+    if f:
+        return replace(terms, sliced_too=terms.sliced_too + 1.0)
+    return replace(terms, gathered=terms.gathered - 1.0)
+
+
+def _dense_terms(config, f: float) -> BlockTerms:
+    """GPT-2's and BERT's block (LayerNorm, a GELU MLP of width f h) or Llama's (RMSNorm, a
+    SwiGLU of width f h)."""
     if config.model_type in LLAMA_TYPES:
         return BlockTerms(
             replicated=6.0,
@@ -112,7 +131,8 @@ def _mla_terms(config, f: float, cp_method: str | None = None) -> BlockTerms:
     down projection's output and the normalised one), the kv projection's output (kv_lora_rank
     + qk_rope_head_dim) and the normalised kv latent, and the latents entering the tp region
     (q_lora_rank + kv_lora_rank + qk_rope_head_dim: kept gathered under SP, as the MLP's
-    input; with a plain q projection, its gathered input too); one fp32 1/rms per token and
+    input; with a plain q projection, its gathered input too, besides the slice kv_a reads);
+    one fp32 1/rms per token and
     norm. Split over tp, this rank's heads' attention: at cp 1 and under the cp all-to-all
     (`cp_method` None or "a2a"), q, k, the value zero-padded to the qk head size and the
     attention kernel's output (qk head size each), and the output projection's input
@@ -127,6 +147,7 @@ def _mla_terms(config, f: float, cp_method: str | None = None) -> BlockTerms:
     return BlockTerms(
         replicated=6.0 + (2 * q_rank + 2 * kv_rank + rope + latent) / h,
         gathered=1.0 + latent / h + (0.0 if q_rank else 1.0),
+        sliced_too=0.0 if q_rank else 1.0,  # a plain q's input: kv_a reads its slice
         split=a * attention / h + 4.0 * f,
         norm_stats=3.0 + (1.0 if q_rank else 0.0),
         final_norm=3.0,
@@ -161,8 +182,9 @@ def layer_bytes(
     if recompute == "full":
         return sbh * act_bytes / rep
     whole = terms.gathered if sp and t > 1 and not regather else 0.0
+    sliced_too = terms.sliced_too if whole else 0.0
     replicated = (
-        (terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)
+        (terms.replicated - whole + sliced_too) * sbh * act_bytes + (2 * sbh if dropout else 0)
     ) + rep * whole * sbh * act_bytes
     split = terms.split * sbh * act_bytes
     if recompute == "selective":
