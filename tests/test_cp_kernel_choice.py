@@ -132,6 +132,26 @@ def test_torch_is_asked_for_training_without_mask_or_dropout_once(gpu):
         assert params.query.shape[-1] == params.key.shape[-1] == params.value.shape[-1] == 192
 
 
+def test_a_kernel_disabled_after_the_first_choice_is_not_chosen(gpu, monkeypatch):
+    """PyTorch's checks refuse a kernel its user disabled (`enable_flash_sdp(False)`:
+    check_runtime_disabled_flash in sdp_utils.cpp); the answers kept per process are kept per
+    switch too, so a choice made before the switch does not outlive it."""
+    sdp = gpu(H100)
+    flash = sdp.flash
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda params, debug:
+                        torch.backends.cuda.flash_sdp_enabled() and flash(params, debug))
+    was = torch.backends.cuda.flash_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_flash_sdp(True)
+        assert choose_kernel(GPU, 0.0, torch.bfloat16, False, 128) == "cuda-flash"
+        torch.backends.cuda.enable_flash_sdp(False)
+        assert choose_kernel(GPU, 0.0, torch.bfloat16, False, 128) == "cuda-efficient"
+        torch.backends.cuda.enable_flash_sdp(True)
+        assert choose_kernel(GPU, 0.0, torch.bfloat16, False, 128) == "cuda-flash"
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
+
+
 def test_older_gpus_and_dropout(gpu):
     """sm70 (V100): no flash; the memory-efficient kernel in fp16 and fp32 (fp32 without
     tensor cores: any head size), not bf16. Dropout is "math" on every device; a CPU "flash"."""

@@ -82,8 +82,9 @@ def choose_kernel(
     return "math"
 
 
-_ACCEPTS: dict[tuple[str, str, torch.dtype, int], bool] = {}
-"""(kernel, device, dtype, head size) -> `torch_accepts`'s answer, asked once."""
+_ACCEPTS: dict[tuple[str, str, torch.dtype, int, bool], bool] = {}
+"""(kernel, device, dtype, head size, whether the kernel is enabled) -> `torch_accepts`'s
+answer, asked once."""
 
 
 def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
@@ -102,12 +103,20 @@ def torch_accepts(kernel: str, device: torch.device, dtype: torch.dtype, head_di
     grad enabled check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120, the
     backward's limit), asked with tensors that require their gradient under grad mode, no
     mask, no dropout and no causal flag (the calls with one are square). Asked once per
-    kernel, device, dtype and head size: no host synchronisation, no kernel launched."""
-    key = (kernel, str(device), dtype, head_dim)
+    kernel, device, dtype, head size and whether the kernel is enabled (PyTorch's checks read
+    `torch.backends.cuda.enable_flash_sdp` / `enable_mem_efficient_sdp`, which a user may
+    switch between runs in one process): no host synchronisation, no kernel launched."""
+    flash = kernel == "cuda-flash"
+    enabled = (
+        torch.backends.cuda.flash_sdp_enabled()
+        if flash
+        else torch.backends.cuda.mem_efficient_sdp_enabled()
+    )
+    key = (kernel, str(device), dtype, head_dim, enabled)
     if key not in _ACCEPTS:
         check = (
             torch.backends.cuda.can_use_flash_attention
-            if kernel == "cuda-flash"
+            if flash
             else torch.backends.cuda.can_use_efficient_attention
         )
         with torch.enable_grad():
