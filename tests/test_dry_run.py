@@ -72,9 +72,11 @@ def test_small_layout_equals_the_real_run(run, tmp_path, monkeypatch, recipe, sc
     # gpt2-small-cpu 1f1b sp (the final norm's input counted whole under SP) is fixed (issue
     # 47: 4 bytes apart with the chunked loss); the chunked head's count is held to the byte in
     # test_chunked_loss.py
+    # the dry run first: the ranks forked after it share what it imported (under --fp8,
+    # torchao: 8 imports of ~4 s of CPU each in the forked ranks when the real run came first)
+    dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, dp, cp=cp), list(range(8)))}
     real = run(measured_rank, 8, cfg.to_dict(), config.to_dict(), 2, str(tmp_path / "ckpt"))
     step_dir = resolve_checkpoint(tmp_path / "ckpt")
-    dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, dp, cp=cp), list(range(8)))}
     for meas in real:
         d = dry[meas["rank"]]
         assert (d.params, d.weights, d.grads, d.optimizer, d.gathered) == (
