@@ -974,9 +974,9 @@ def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, t
     whose cp group is dp x cp's under ZeRO (dp 1) says its all-gathers are not compared."""
     import megapar.plan.context_parallel as context_parallel
 
-    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
-            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", comm, "--top", "1",
-            "--verify", "1"]
+    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4",
+            "--global-batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--cp-sizes", "2",
+            "--cp-comm-type", comm, "--top", "1", "--verify", "1"]
     rc, out, err = _plan(argv, capsys)
     verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
     assert rc == 0 and "equal, 0 bytes apart" in verified[0], out + err
@@ -1007,9 +1007,9 @@ def test_plan_verify_compares_the_transient_buffers(capsys, monkeypatch, tmp_pat
     kibibyte more."""
     import megapar.dryrun.verify as verify
 
-    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
-            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", "p2p", "--top", "1",
-            "--verify", "1", "--zero-stages", "0"]
+    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4",
+            "--global-batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--cp-sizes", "2",
+            "--cp-comm-type", "p2p", "--top", "1", "--verify", "1", "--zero-stages", "0"]
     rc, out, err = _plan(argv, capsys)
     assert rc == 0 and "equal, 0 bytes apart" in out, out + err
     real = verify.stage_memory
