@@ -72,9 +72,11 @@ def test_small_layout_equals_the_real_run(run, tmp_path, monkeypatch, recipe, sc
     # gpt2-small-cpu 1f1b sp (the final norm's input counted whole under SP) is fixed (issue
     # 47: 4 bytes apart with the chunked loss); the chunked head's count is held to the byte in
     # test_chunked_loss.py
+    # the dry run first: the ranks forked after it share what it imported (under --fp8,
+    # torchao: 8 imports of ~4 s of CPU each in the forked ranks when the real run came first)
+    dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, dp, cp=cp), list(range(8)))}
     real = run(measured_rank, 8, cfg.to_dict(), config.to_dict(), 2, str(tmp_path / "ckpt"))
     step_dir = resolve_checkpoint(tmp_path / "ckpt")
-    dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, dp, cp=cp), list(range(8)))}
     for meas in real:
         d = dry[meas["rank"]]
         assert (d.params, d.weights, d.grads, d.optimizer, d.gathered) == (
@@ -924,38 +926,57 @@ def test_plan_verify_holds_mla_context_parallelism():
     from megapar.plan.context_parallel import step_a2a, step_cp_bytes
     from megapar.plan.layouts import check
 
-    config = resolve_model("deepseek-v3-tiny")
+    # 2 of its 4 layers (its dense one and a MoE one): the figures above are of 4, per layer
+    # the same; the dry runs rehearse half as many
+    config = dataclasses.replace(resolve_model("deepseek-v3-tiny"), num_hidden_layers=2)
+    layers = config.num_layers
     problem = Problem(config, 4, global_batch=4, seq_len=64, precision="bf16")
     heads, qk, v = config.num_attention_heads, config.head_size, config.v_head_dim
     assert (heads, qk, v) == (4, 24, 16)
     block = 64 // 2 * heads * (qk + v)  # a rank's K/V block at mbs 1, elements
+    steps = layers * 2  # layers x the micro-batches at dp 2 (dp 1: x 4)
     for spec, rank, sent in (
-            ("tp=1,pp=1,cp=2,dp=2,mbs=1", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
-            ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=p2p", 3, {"send": (2 + 2 + 2 * 4) * block * 8}),
+            ("tp=1,pp=1,cp=2,dp=2,mbs=1", 3, {"send": (2 + 2 + 2 * 4) * block * steps}),
+            ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=p2p", 3,
+             {"send": (2 + 2 + 2 * 4) * block * steps}),
             ("tp=1,pp=1,cp=2,dp=2,mbs=1,cp_comm=all_gather", 3,
-             {"all_gather": 2 * 2 * 2 * block * 8, "reduce_scatter": 2 * 4 * block * 8}),
+             {"all_gather": 2 * 2 * 2 * block * steps, "reduce_scatter": 2 * 4 * block * steps}),
             ("tp=2,pp=1,cp=2,dp=1,mbs=1,sp=1,cp_comm=a2a", 1,
-             {"all_to_all_single": 2 * (3 + 1) * 64 // 2 * heads // 2 * qk * 2 * 4 * 4})):
+             {"all_to_all_single": 2 * (3 + 1) * 64 // 2 * heads // 2 * qk * 2 * layers * 4})):
         c = parse_candidate(spec, 4)
         assert check(c, problem) is None, spec
         v = verify_layout(problem, c, ranks=[rank])  # cp bytes: step_cp_bytes / step_a2a
         assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], ""), spec
-        planned = step_cp_bytes(problem, c, 4) or {"all_to_all_single": step_a2a(problem, c, 4)}
+        planned = (step_cp_bytes(problem, c, layers)
+                   or {"all_to_all_single": step_a2a(problem, c, layers)})
         assert {op: planned[op] for op in sent} == sent, spec
 
 
+def _first_layers(tmp_path, recipe: str, layers: int) -> str:
+    """A config file of `recipe` (a file of models/) cut to its first `layers` layers: a
+    cheaper rehearsal where what a test checks is per layer (cp traffic, transients)."""
+    from pathlib import Path
+
+    config = json.loads((Path(__file__).parents[1] / "models" / f"{recipe}.json").read_text())
+    config["n_layer" if "n_layer" in config else "num_hidden_layers"] = layers
+    path = tmp_path / f"{recipe}-{layers}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 @pytest.mark.parametrize("comm,field", [("p2p", "cp_send"), ("all_gather", "cp_all_gather")])
-def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, comm, field):
-    """llama-tiny at cp 2 by the ring and by the all-gather, bf16: --verify is equal with the
-    planner's cp traffic, and exits 1 naming the cp group's bytes when the planner's
-    `cp_traffic` doubles every payload (the ring's sends and receives, the all-gather's
-    gathers and reduce-scatters per step: plan twice the dry run's). A layout whose cp group is
-    dp x cp's under ZeRO (dp 1) says its all-gathers are not compared."""
+def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, tmp_path, comm,
+                                                         field):
+    """llama-tiny (2 of its 4 layers) at cp 2 by the ring and by the all-gather, bf16: --verify
+    is equal with the planner's cp traffic, and exits 1 naming the cp group's bytes when the
+    planner's `cp_traffic` doubles every payload (the ring's sends and receives, the
+    all-gather's gathers and reduce-scatters per step: plan twice the dry run's). A layout
+    whose cp group is dp x cp's under ZeRO (dp 1) says its all-gathers are not compared."""
     import megapar.plan.context_parallel as context_parallel
 
-    argv = ["--model", "llama-tiny", "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
-            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", comm, "--top", "1",
-            "--verify", "1"]
+    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4",
+            "--global-batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--cp-sizes", "2",
+            "--cp-comm-type", comm, "--top", "1", "--verify", "1"]
     rc, out, err = _plan(argv, capsys)
     verified = out.split("verifying the 1 best layouts")[1].strip().splitlines()[1:]
     assert rc == 0 and "equal, 0 bytes apart" in verified[0], out + err
@@ -979,15 +1000,16 @@ def test_plan_verify_catches_cp_bytes_the_plan_gets_wrong(capsys, monkeypatch, c
         assert planned == 2 * dry > 0, words
 
 
-def test_plan_verify_compares_the_transient_buffers(capsys, monkeypatch):
+def test_plan_verify_compares_the_transient_buffers(capsys, monkeypatch, tmp_path):
     """--verify compares each rank's modelled transients (the LM head's logits, cp's K/V
-    blocks in flight) with the plan's buffers for its stage: equal for llama-tiny at cp 2 by
-    the ring, and exit 1 naming `transients` when the plan's buffers are a kibibyte more."""
+    blocks in flight) with the plan's buffers for its stage: equal for llama-tiny (2 of its 4
+    layers) at cp 2 by the ring, and exit 1 naming `transients` when the plan's buffers are a
+    kibibyte more."""
     import megapar.dryrun.verify as verify
 
-    argv = ["--model", "llama-tiny", "--gpus", "4", "--global-batch-size", "4", "--seq-len", "64",
-            "--precision", "bf16", "--cp-sizes", "2", "--cp-comm-type", "p2p", "--top", "1",
-            "--verify", "1", "--zero-stages", "0"]
+    argv = ["--model", _first_layers(tmp_path, "llama-tiny", 2), "--gpus", "4",
+            "--global-batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--cp-sizes", "2",
+            "--cp-comm-type", "p2p", "--top", "1", "--verify", "1", "--zero-stages", "0"]
     rc, out, err = _plan(argv, capsys)
     assert rc == 0 and "equal, 0 bytes apart" in out, out + err
     real = verify.stage_memory

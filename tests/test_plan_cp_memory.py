@@ -4,6 +4,7 @@ CPU allocator's live bytes (benchmarks/memory/cp_attention_memory.py: one proces
 communication replaced by stand-ins that allocate what megapar's ring and gloo's collectives
 do)."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -105,7 +106,10 @@ def test_a_forced_cp_comm_type_is_priced_with_its_own_peak(recipe, buffers):
     from megapar.plan import parse_candidate, stage_memory
     from megapar.plan.context_parallel import a2a_buffers, cp_method
 
-    config = resolve_model(recipe)
+    # 2 of the recipe's 4 layers (deepseek-v3-tiny: its dense one and a MoE one): a stage's
+    # transients are one layer's cp buffers and the logits' gradient whatever its layer count,
+    # and each dry run below rehearses every layer
+    config = dataclasses.replace(resolve_model(recipe), num_hidden_layers=2)
     p = Problem(config, 4, global_batch=4, seq_len=64, precision="bf16")
     heads, d = config.num_attention_heads, config.head_size
     v_size = getattr(config, "v_head_dim", d)

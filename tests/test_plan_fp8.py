@@ -327,9 +327,8 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
     state), gathered peak and dp traffic equal the dry run's to the byte, with fewer gathered
     bytes than fp32 gathers; rowwise plans fp32 gathers. (megapar-plan --verify now rehearses
     --fp8: it ran the job without it.)"""
-    from megapar.dryrun.verify import train_config, verify_layout
-    from megapar.dryrun import dry_run
-    from megapar.mesh import Layout
+    from verified import verified
+
     from megapar.models.recipes import resolve_model
     from megapar.plan import parse_candidate
     from megapar.plan.estimate import layout_of
@@ -341,13 +340,13 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
     for fp8 in ("tensorwise", "rowwise", "off"):
         p = Problem(config, world, global_batch=8, seq_len=16, precision="fp32", fp8=fp8,
                     fp8_layers="all")
-        result = verify_layout(p, c, [0])
+        # the dp traffic below is read off the reports of --verify's own dry run
+        result, (r,) = verified(p, c, [0])
         assert result.error == "" and result.differences == [], result
         gathered[fp8] = stage_memory(p, c)[0].gathered
         if fp8 != "tensorwise":
             assert not zero3_casts(p, c).float8
             continue
-        r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
         m = 8 // (c.mbs * c.dp)
         planned = groups_traffic(
             zero_traffic(layout_of(p, c)),

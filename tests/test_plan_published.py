@@ -95,15 +95,20 @@ def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=
     return chunk.tp * 1e9
 
 
-def _tiny_model(tmp_path, recipe):
+def _tiny_model(tmp_path, recipe, layers=None):
     """`recipe`, or for "shared-experts" mixtral-tiny with a shared expert of 32 (split over
-    tp like a dense MLP) written to a config file."""
-    if recipe != "shared-experts":
+    tp like a dense MLP) written to a config file; with `layers`, its first `layers` layers
+    (a config file too)."""
+    if recipe != "shared-experts" and layers is None:
         return recipe
-    config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
-    (tmp_path / "shared.json").write_text(json.dumps(
-        {**config, "shared_expert_intermediate_size": 32}))
-    return str(tmp_path / "shared.json")
+    name = "mixtral-tiny" if recipe == "shared-experts" else recipe
+    config = json.loads((ROOT / "models" / f"{name}.json").read_text())
+    if recipe == "shared-experts":
+        config["shared_expert_intermediate_size"] = 32
+    if layers is not None:
+        config["n_layer" if "n_layer" in config else "num_hidden_layers"] = layers
+    (tmp_path / "model.json").write_text(json.dumps(config))
+    return str(tmp_path / "model.json")
 
 
 def _dry_run_tp(capsys, model, *flags, s=64, b=2):
@@ -182,8 +187,10 @@ def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_pa
     combine weights and choices ([T, 2k] fp32) are all-gathered in the forward as well as
     reduce-scattered in the backward. The planner's tp bytes at tp 2 in bf16 equal the dry
     run's (less the cross-entropy's three fp32 all-reduces a token)."""
-    s, b = 64, 2
-    model = _tiny_model(tmp_path, recipe)
+    # 2 of each model's 4 layers (deepseek-v3-tiny: its dense one and a MoE one): a layer's
+    # bytes are the same whatever their count, and the dry run rehearses half as many
+    s, b, layers = 64, 2, 2
+    model = _tiny_model(tmp_path, recipe, layers)
     tp = _dry_run_tp(capsys, model, "--recompute", recompute, "--expert-tensor-parallel-size",
                      str(etp), *(["--sequence-parallel"] if sp else []))
     if sp:
@@ -192,9 +199,10 @@ def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_pa
         counted = tp["all_reduce"]["bytes"] - 3 * s * b * 4
     planned = _tp_bytes(model, sp, "fp32", s, b, recompute=recompute, etp=etp)
     assert counted == pytest.approx(planned, rel=1e-12)
-    if recipe == "gpt2-tiny":  # 4 layers x (2 + 2 + 1 recomputed) s b h, and the ends' 2;
+    if recipe == "gpt2-tiny":  # a layer's (2 + 2 + 1 recomputed) s b h, and the ends' 2;
         # SP: the recompute's 2 all-gathers and 1 reduce-scatter, half a ring's bytes each
-        assert planned == pytest.approx((4 * (5.5 if sp else 5) + 2) * s * b * 64 * 2, rel=1e-12)
+        assert planned == pytest.approx((layers * (5.5 if sp else 5) + 2) * s * b * 64 * 2,
+                                        rel=1e-12)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -216,11 +224,14 @@ def test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts(capsys, tmp_path, q_lo
     re-gather q_b and kv_b read their columns; plain q: 40 + h), each half a ring's bytes. The
     planner's bytes equal the dry run's (less the vocab-parallel cross-entropy's three fp32
     all-reduces a token); it priced h a token, 294,912 bytes in bf16 against the 303,104
-    (plain q: 335,872) counted."""
-    s, b, h, layers = 64, 2, 64, 4
+    (plain q: 335,872) counted at its 4 layers."""
+    # 2 of its 4 layers (the dense one and a MoE one): a layer's bytes are the same whatever
+    # their count, and the dry run rehearses half as many
+    s, b, h, layers = 64, 2, 64, 2
     config = json.loads((ROOT / "models" / "deepseek-v3-tiny.json").read_text())
     model = tmp_path / "mla.json"
-    model.write_text(json.dumps({**config, "q_lora_rank": q_lora_rank}))
+    model.write_text(json.dumps({**config, "q_lora_rank": q_lora_rank,
+                                 "num_hidden_layers": layers}))
     argv = ["--model", str(model), "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
             str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
             precision, "--dry-run-ranks", "0", "--json"]
