@@ -953,15 +953,11 @@ def test_plan_verify_holds_mla_context_parallelism():
 
 
 def _first_layers(tmp_path, recipe: str, layers: int) -> str:
-    """A config file of `recipe` (a file of models/) cut to its first `layers` layers: a
-    cheaper rehearsal where what a test checks is per layer (cp traffic, transients)."""
-    from pathlib import Path
+    """A config file of `recipe` cut to its first `layers` layers: a cheaper rehearsal where
+    what a test checks is per layer (cp traffic, transients)."""
+    from recipe_layers import write_with_layers
 
-    config = json.loads((Path(__file__).parents[1] / "models" / f"{recipe}.json").read_text())
-    config["n_layer" if "n_layer" in config else "num_hidden_layers"] = layers
-    path = tmp_path / f"{recipe}-{layers}.json"
-    path.write_text(json.dumps(config))
-    return str(path)
+    return write_with_layers(tmp_path / f"{recipe}-{layers}.json", recipe, layers)
 
 
 @pytest.mark.parametrize("comm,field", [("p2p", "cp_send"), ("all_gather", "cp_all_gather")])

@@ -2,11 +2,11 @@
 between a stack's first and last replayed reports what it reports with every layer run."""
 
 import pytest
+from recipe_layers import with_layers
 
 from megapar.dryrun import dry_run, replay, watch
 from megapar.mesh import Layout
 from megapar.models.config import config_from_dict
-from megapar.models.recipes import resolve_model
 from megapar.training.config import TrainConfig
 
 CASES = [  # (recipe, layers, layout (tp, pp, dp, cp, ep), ranks, TrainConfig options)
@@ -30,9 +30,7 @@ CASES = [  # (recipe, layers, layout (tp, pp, dp, cp, ep), ranks, TrainConfig op
 def test_replayed_layers_report_what_every_layer_run_reports(monkeypatch, recipe, layers,
                                                             layout, ranks, options):
     tp, pp, dp, cp, ep = layout
-    fields = resolve_model(recipe).to_dict()
-    fields["n_layer" if "n_layer" in fields else "num_hidden_layers"] = layers
-    config = config_from_dict(fields)
+    config = config_from_dict(with_layers(recipe, layers))
     cfg = TrainConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, seq_len=16, micro_batch_size=1,
                       global_batch_size=2 * pp * dp, grad_bucket_mb=0.05, **options)
     mesh = Layout(tp, pp, dp, cp=cp, ep=ep)

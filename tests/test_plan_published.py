@@ -99,16 +99,14 @@ def _tiny_model(tmp_path, recipe, layers=None):
     """`recipe`, or for "shared-experts" mixtral-tiny with a shared expert of 32 (split over
     tp like a dense MLP) written to a config file; with `layers`, its first `layers` layers
     (a config file too)."""
+    from recipe_layers import write_with_layers
+
     if recipe != "shared-experts" and layers is None:
         return recipe
     name = "mixtral-tiny" if recipe == "shared-experts" else recipe
-    config = json.loads((ROOT / "models" / f"{name}.json").read_text())
-    if recipe == "shared-experts":
-        config["shared_expert_intermediate_size"] = 32
-    if layers is not None:
-        config["n_layer" if "n_layer" in config else "num_hidden_layers"] = layers
-    (tmp_path / "model.json").write_text(json.dumps(config))
-    return str(tmp_path / "model.json")
+    shared = {"shared_expert_intermediate_size": 32} if recipe == "shared-experts" else {}
+    return write_with_layers(tmp_path / "model.json", name,
+                             layers or resolve_model(name).num_layers, **shared)
 
 
 def _dry_run_tp(capsys, model, *flags, s=64, b=2):
@@ -228,11 +226,11 @@ def test_mla_tp_bytes_are_its_latents_as_a_dry_run_counts(capsys, tmp_path, q_lo
     # 2 of its 4 layers (the dense one and a MoE one): a layer's bytes are the same whatever
     # their count, and the dry run rehearses half as many
     s, b, h, layers = 64, 2, 64, 2
-    config = json.loads((ROOT / "models" / "deepseek-v3-tiny.json").read_text())
-    model = tmp_path / "mla.json"
-    model.write_text(json.dumps({**config, "q_lora_rank": q_lora_rank,
-                                 "num_hidden_layers": layers}))
-    argv = ["--model", str(model), "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+    from recipe_layers import write_with_layers
+
+    model = write_with_layers(tmp_path / "mla.json", "deepseek-v3-tiny", layers,
+                              q_lora_rank=q_lora_rank)
+    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
             str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
             precision, "--dry-run-ranks", "0", "--json"]
     argv += {"none": [], "sp": ["--sequence-parallel"],
