@@ -45,8 +45,9 @@ def make_config(kind, layers=LAYERS):
     return BertConfig(**{**CONFIGS[kind], "num_hidden_layers": layers})
 
 
-def reference(kind, batches, layers=LAYERS):
-    model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
+def reference(kind, batches, layers=LAYERS, make=make_config):
+    """One process's loss and full gradients for `batches` of the `make(kind, layers)` model."""
+    model = build_stage(make(kind, layers), Mesh(Layout()), SEED)
     losses = []
     for batch in batches:
         loss = model(None, batch)
@@ -56,10 +57,10 @@ def reference(kind, batches, layers=LAYERS):
 
 
 @functools.cache
-def reference_of(kind, m, layers, device):
+def reference_of(kind, m, layers, device, make=make_config):
     """`reference` of `micro_batches(kind, m, seed=m)` on `device`, once per process (forked
     ranks inherit what their launcher computed)."""
-    return reference(kind, to_device(micro_batches(kind, m, seed=m), device), layers)
+    return reference(kind, to_device(micro_batches(kind, m, seed=m), device), layers, make)
 
 
 def parity_worker(tp, pp):

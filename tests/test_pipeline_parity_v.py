@@ -11,7 +11,6 @@ stage pp - 1 to pp on rank pp - 1) is handed over in memory: no message for it i
 Each reference is computed once, before the ranks are forked (`reference_of`).
 """
 
-import functools
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from test_pipeline_parity import (
     full_grad,
     micro_batches,
 )
-from test_pipeline_parity_chunks import LAYERS, blocks
+from test_pipeline_parity_chunks import LAYERS, blocks, reference_of
 from test_pipeline_parity_chunks import make_config as make_gpt2_or_bert
 from tp_utils import make_mesh, rel_err, to_device
 
@@ -49,27 +48,10 @@ def make_config(kind, layers=LAYERS):
                        max_position_embeddings=16, tie_word_embeddings=False)
 
 
-def reference(kind, batches, layers=LAYERS):
-    model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
-    losses = []
-    for batch in batches:
-        loss = model(None, batch)
-        (loss / len(batches)).backward()
-        losses.append(loss.detach())
-    return sum(losses) / len(batches), {n: full_grad(p) for n, p in model.named_parameters()}
-
-
 def runs(tp, pp):
     if tp > 1:
         return [("zb-v", 3), ("dualpipev", 2 * pp)]
     return [(s, m) for s in RUNS for m in MS if s == "zb-v" or m >= 2 * pp]
-
-
-@functools.cache
-def reference_of(kind, m, layers, device):
-    """`reference` of `micro_batches(kind, m, seed=m)` on `device`, once per process (forked
-    ranks inherit what their launcher computed)."""
-    return reference(kind, to_device(micro_batches(kind, m, seed=m), device), layers)
 
 
 def parity_worker(tp, pp):
@@ -80,7 +62,7 @@ def parity_worker(tp, pp):
                             placement="v")
         for schedule, m in runs(tp, pp):
             batches = to_device(micro_batches(kind, m, seed=m), mesh.device)
-            ref_loss, ref_grads = reference_of(kind, m, blocks(pp), mesh.device)
+            ref_loss, ref_grads = reference_of(kind, m, blocks(pp), mesh.device, make_config)
             what = f"{kind} tp={tp} pp={pp} {schedule} m={m} stage {mesh.pp_rank}"
             model.zero_grad(set_to_none=True)
             executor = PipelineExecutor(model, mesh, schedule, (MB, SEQ, HIDDEN))
@@ -110,7 +92,7 @@ def parity_worker(tp, pp):
 def test_v_schedules_match_single_process(tp, pp):
     for kind in KINDS:  # before the fork: the ranks inherit them
         for _, m in runs(tp, pp):
-            reference_of(kind, m, blocks(pp), Mesh(Layout()).device)
+            reference_of(kind, m, blocks(pp), Mesh(Layout()).device, make_config)
     results = run_local(parity_worker, tp * pp, tp, pp)
     assert all(r["steps"] == len(KINDS) * len(runs(tp, pp)) for r in results)
     names = set()
