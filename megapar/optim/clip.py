@@ -44,25 +44,51 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's sum of the squares of its elements (fp64, one element a tensor), from one
-    foreach norm accumulated in fp64 (CUDA's fused kernel reads each tensor in its own dtype),
-    each CPU tensor cut into pieces of at most `CPU_NORM_PIECE` elements (views, no copy;
-    CUDA reduces a whole tensor in a tree, so its tensors go whole) whose squares are added
-    back in order. `tensors` must not be empty."""
-    pieces, owner = [], []
-    for i, t in enumerate(tensors):
-        if t.device.type == "cpu" and t.numel() > CPU_NORM_PIECE:
-            cut = t.reshape(-1).split(CPU_NORM_PIECE)
-            pieces.extend(cut)
-            owner.extend([i] * len(cut))
-        else:
-            pieces.append(t)
-            owner.append(i)
-    sq = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
-    if len(pieces) == len(tensors):
+    """Each tensor's sum of the squares of its elements (fp64, one element a tensor), each
+    accumulated in fp64. `tensors` must not be empty and share one device. Off the CPU one
+    foreach norm (CUDA's fused kernel reads each tensor in its own dtype and reduces a whole
+    tensor in a tree); on the CPU `_cpu_squares_each`."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square()
+    return _cpu_squares_each(tensors)
+
+
+CPU_NORM_STAGE = 64 * CPU_NORM_PIECE
+"""Elements of a CPU tensor cast to fp64 at a time (8 MiB), a whole number of pieces."""
+
+
+def _cpu_squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`squares_each` on the CPU: each tensor cut into pieces of at most `CPU_NORM_PIECE`
+    elements, each piece normed in fp64, the pieces' squares added back in order. The fp64
+    copies go through one staging buffer, `CPU_NORM_STAGE` elements at a time, and the norms
+    into one preallocated vector, so the tensors made do not grow with the pieces: a copy and
+    a norm per piece (a foreach norm's) leave a hole under a live norm per piece in glibc's
+    heap, which the next copy may not fit (docs/performance.md, "At the peak the OS sees")."""
+    counts = [max(1, -(-t.numel() // CPU_NORM_PIECE)) for t in tensors]
+    norms = torch.zeros(sum(counts), dtype=torch.float64)  # an empty tensor's piece: 0
+    staging = torch.empty(min(max(t.numel() for t in tensors), CPU_NORM_STAGE), dtype=torch.float64)
+    at = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), CPU_NORM_STAGE):
+            part = staging[: min(CPU_NORM_STAGE, flat.numel() - start)]
+            part.copy_(flat[start : start + part.numel()])
+            rows, rest = divmod(part.numel(), CPU_NORM_PIECE)
+            if rows:
+                whole = part[: rows * CPU_NORM_PIECE].view(rows, CPU_NORM_PIECE)
+                torch.linalg.vector_norm(whole, dim=1, out=norms[at : at + rows])
+            if rest:
+                torch.linalg.vector_norm(part[rows * CPU_NORM_PIECE :], out=norms[at + rows])
+            at += rows + (rest > 0)
+        at += flat.numel() == 0
+    sq = norms.square_()
+    if len(norms) == len(tensors):
         return sq
+    owner = torch.arange(len(tensors)).repeat_interleave(
+        torch.tensor(counts), output_size=len(norms)
+    )
     each = torch.zeros(len(tensors), dtype=torch.float64)  # CPU: index_add_ adds in order
-    return each.index_add_(0, torch.tensor(owner), sq)
+    return each.index_add_(0, owner, sq)
 
 
 def is_counted(param: nn.Parameter, mesh: Mesh) -> bool:
