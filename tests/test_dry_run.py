@@ -593,7 +593,7 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch, verified):
     moe = spec.startswith("mixtral,")
     config = resolve_model("mixtral-tiny" if moe else "gpt2-tiny")
     spec = spec.removeprefix("mixtral,")
-    world = int(spec.split("dp=")[1][0]) * (1 + (c_pp := "pp=2" in spec))
+    world = int(spec.split("dp=")[1][0]) * (1 + ("pp=2" in spec))
     c = parse_candidate(spec, world)
     problem = Problem(config, world, global_batch=global_batch, seq_len=16, precision="fp32")
     ranks = [world - 1] if moe else None
