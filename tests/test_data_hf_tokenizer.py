@@ -61,6 +61,9 @@ def test_train_bpe_then_preprocess_and_auto_tokenizer_agree(tmp_path):
     directory = prefix + "-tokenizer"
     ours, auto = _same_as_auto(directory)
     assert ours.base_vocab_size == 600 == len(auto)
+    umask = os.umask(0)
+    os.umask(umask)  # the folder's mode is the umask's, as the data files' are (it was 0700)
+    assert os.stat(directory).st_mode & 0o777 == 0o777 & ~umask
     ds = IndexedDataset(prefix)
     assert ds.tokenizer_spec["kind"] == "hf" and ds.vocab_size == ours.vocab_size
     first = [p for p in TEXT.split("\n\n") if p.strip()][0].strip("\n")

@@ -291,6 +291,9 @@ def _save_trained(tok: HFTokenizer, out_dir: str, config: dict) -> str:
     staging = f".{os.path.basename(out_dir)}.tmp-"
     remove_stale_temporaries(parent, staging)  # a run killed with -9 while writing it
     tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
+    umask = os.umask(0)  # mkdtemp makes its folder 0700: give the tokenizer the usual mode
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
