@@ -168,6 +168,37 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_use(tmp_path, kind, how, ca
     assert f"{key} has shape {list(shape)}" in err and f"{list(expected)}" in err, err
 
 
+LAYERS_KEY = {"gpt2": "n_layer", "bert": "num_hidden_layers", "llama": "num_hidden_layers"}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS_KEY))
+@pytest.mark.parametrize("how", ["convert", "train"])
+def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, kind, how, capsys):
+    """config.json naming a layer more than the files hold is refused in one line naming the
+    layers it implies and those the weights hold, nothing written: the import used to write a
+    checkpoint with the missing block initialised from the seed, noted after "wrote". (Fewer
+    layers than the files hold: `test_tensors_the_config_does_not_use_are_named_before_use`.)"""
+    from megapar.cli.train import main as train
+
+    torch.manual_seed(0)
+    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
+               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)),
+               "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA_HF))}[kind]
+    src = _hf_dir(tmp_path / "hf", cls(hf))
+    cfg = Path(src) / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), LAYERS_KEY[kind]: 3}))
+    capsys.readouterr()
+    if how == "convert":
+        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+        assert not (tmp_path / "ckpt").exists()
+    else:  # refused as the run resolves its model, before any worker starts
+        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "config.json implies 3 layers, but the weights hold layers 0-1" in err, err
+    assert "config.json does not describe these weights" in err, err
+
+
 def test_from_hf_with_a_model_that_disagrees_is_refused(tmp_path, capsys):
     """megapar-train --from-hf takes the model from the directory's config.json: a --model
     naming another model is an error (it was silently ignored); one describing the same

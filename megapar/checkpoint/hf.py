@@ -373,19 +373,39 @@ class HFReader:
 
     def check_files(self) -> None:
         """Check what a conversion reads before it reads it (ConfigError naming the first
-        problem): that the config uses every tensor of the files (`unused_keys`), every
-        tensor's shape against the config (from the files' headers: nothing is loaded from
-        safetensors) and generation_config.json."""
+        problem): that the config uses every tensor of the files (`unused_keys`), that the
+        files hold every tensor of the blocks the config implies, every tensor's shape against
+        the config (from the files' headers: nothing is loaded from safetensors) and
+        generation_config.json."""
         self._read_generation_config()
         if self._expected is None:
             self._expected = expected_hf_shapes(self.config, self._meta_params())
+        lacking = []
         for key in self._expected:
             try:
                 shape = self._shape(self._key(key))
             except KeyError:
-                continue  # a tensor the model lacks (BertModel's head) is initialised instead
+                lacking.append(key)  # outside the blocks (BertModel's head): initialised instead
+                continue
             self._check_shape(key, shape)
-        self._refuse_unused()
+        self._refuse_unused()  # first: it names the config's fields to fix, where it can
+        self._refuse_lacking_blocks(lacking)
+
+    def _refuse_lacking_blocks(self, lacking: list[str]) -> None:
+        """ConfigError if the files lack a tensor of a block the config implies: config.json
+        then describes other weights (another layer count or block), which an import would
+        fill with freshly initialised layers."""
+        blocks = [k for k in lacking if BLOCK_KEY.search(k)]
+        if not blocks:
+            return
+        held = sorted({int(m.group(2)) for k in self.keys if (m := BLOCK_KEY.search(k))})
+        holds = f"layers {held[0]}-{held[-1]}" if held else "no layer"
+        raise ConfigError(
+            f"{self.path}: config.json implies {self.config.num_layers} layers, but the weights "
+            f"hold {holds} and lack {len(blocks)} tensor(s) of the blocks ({blocks[0]}, ...); "
+            f"config.json does not describe these weights: correct it (its layer count?), or "
+            f"save the model again with save_pretrained"
+        )
 
     def get(self, key: str) -> torch.Tensor:
         """An HF tensor by its name (without the model prefix for base-model tensors), checked
@@ -399,6 +419,10 @@ class HFReader:
         fn = CANONICAL[self.config.model_type]
         return fn(name, self.get, self.config).contiguous()
 
+
+BLOCK_KEY = re.compile(r"(^|\.)(?:h|layers|layer)\.(\d+)\.")
+"""A transformers tensor name of a block's tensor (GPT-2's h.N., BERT's encoder.layer.N.,
+Llama's and the MoE models' layers.N.); group 2 is the block's index."""
 
 TOLERATED_ALL = (r"(^|\.)rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
 """Buffers older transformers saved and transformers ignores on loading (regular expressions
