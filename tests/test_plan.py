@@ -556,12 +556,14 @@ def test_explain_v_on_a_one_chunk_schedule_names_the_schedules_that_take_it(caps
 def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     """--target cpu plans megapar-train on CPU ranks, but the plan's first line, its table's
     memory column and --explain's TFLOP/s said GPUs; they say CPU ranks / rank, and the GPU
-    plan keeps its words."""
+    plan keeps its words. The first line says the memory and peak flags' defaults are a GPU's
+    (a new user read the 312 TFLOP/s and tokens/s of an A100 as a CPU rank's)."""
     base = ["--model", "gpt2-tiny", "--gpus", "4", "--global-batch-size", "8", "--seq-len", "64"]
     code, out = _cli(capsys, *base, "--target", "cpu", "--top", "2")
     assert code == 0 and "GPU" not in out.out, out.out
     assert ("; 4 CPU ranks (8 per node; each 80 GiB, 312 TFLOP/s peak in bf16: "
-            "--gpu-memory-gb, --peak-tflops);") in out.out and " mem/rank " in out.out
+            "--gpu-memory-gb, --peak-tflops, whose defaults are an A100's: give a CPU rank's);"
+            ) in out.out and " mem/rank " in out.out
     assert "keeps on CPU ranks without attention dropout;" in out.out
     code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
     assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out

@@ -230,7 +230,13 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         help=f"sequences per step (default: megapar-train's, {TrainConfig.global_batch_size}, "
         f"which the header then names)",
     )
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        required=True,
+        help="tokens per sequence (required, unlike --global-batch-size: activations grow with it, "
+        "and megapar-train's default, 128 tokens, is a smoke test's length)",
+    )
     p.add_argument(
         "--attention-mask-type",
         choices=list(MASK_TYPES),

@@ -58,10 +58,12 @@ def ranks_phrase(n: int, target: str) -> str:
 def hardware_phrase(p: Problem) -> str:
     """What the plan's first line says it assumes of each GPU (or CPU rank): its memory and
     its peak dense matmul rate in the plan's precision, and the flags that set them, e.g. "each
-    80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"."""
+    80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"; for CPU ranks it adds
+    that the flags' defaults are a GPU's."""
+    cpu = ", whose defaults are an A100's: give a CPU rank's" if p.target == "cpu" else ""
     return (
         f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s peak in {p.precision}: "
-        f"--gpu-memory-gb, --peak-tflops"
+        f"--gpu-memory-gb, --peak-tflops{cpu}"
     )
 
 
