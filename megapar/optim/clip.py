@@ -64,9 +64,12 @@ def _cpu_squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
     into one preallocated vector, so the tensors made do not grow with the pieces: a copy and
     a norm per piece (a foreach norm's) leave a hole under a live norm per piece in glibc's
     heap, which the next copy may not fit (docs/performance.md, "At the peak the OS sees")."""
+    cpu, f64 = tensors[0].device, torch.float64
     counts = [max(1, -(-t.numel() // CPU_NORM_PIECE)) for t in tensors]
-    norms = torch.zeros(sum(counts), dtype=torch.float64)  # an empty tensor's piece: 0
-    staging = torch.empty(min(max(t.numel() for t in tensors), CPU_NORM_STAGE), dtype=torch.float64)
+    norms = torch.zeros(sum(counts), dtype=f64, device=cpu)  # an empty tensor's piece: 0
+    staging = torch.empty(
+        min(max(t.numel() for t in tensors), CPU_NORM_STAGE), dtype=f64, device=cpu
+    )
     at = 0
     for t in tensors:
         flat = t.detach().reshape(-1)
@@ -84,10 +87,10 @@ def _cpu_squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
     sq = norms.square_()
     if len(norms) == len(tensors):
         return sq
-    owner = torch.arange(len(tensors)).repeat_interleave(
-        torch.tensor(counts), output_size=len(norms)
+    owner = torch.arange(len(tensors), device=cpu).repeat_interleave(
+        torch.tensor(counts, device=cpu), output_size=len(norms)
     )
-    each = torch.zeros(len(tensors), dtype=torch.float64)  # CPU: index_add_ adds in order
+    each = torch.zeros(len(tensors), dtype=f64, device=cpu)  # CPU: index_add_ adds in order
     return each.index_add_(0, owner, sq)
 
 
