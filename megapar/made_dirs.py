@@ -1,9 +1,11 @@
 """The directories a write makes and takes back: `missing_dirs` lists what ``mkdir(parents=True)``
 would make, `remove_empty` removes them again while they are empty (a failed first save, a rank
-log that could not be written). Standard library only, for any layer."""
+log that could not be written); `give_usual_mode` gives what a writer made private the mode a
+plain create would. Standard library only, for any layer."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -26,3 +28,12 @@ def remove_empty(dirs: list[Path]) -> None:
             directory.rmdir()
         except OSError:
             return
+
+
+def give_usual_mode(path: str | os.PathLike) -> None:
+    """Give `path` the mode a plain create under this process's umask would: 0o777 less the
+    umask for a directory, 0o666 less it for a file (`tempfile.mkdtemp` makes its directory
+    0700, safetensors its file 0600, so what is renamed into place would be its owner's only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)

@@ -39,6 +39,31 @@ def _hf_dir(path, model):
     return str(path)
 
 
+def _dense_hf_dir(path, kind: str) -> str:
+    """A transformers directory of a small GPT-2, BERT (masked LM) or Llama (`_hf_dir`)."""
+    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
+               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)),
+               "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA_HF))}[kind]
+    return _hf_dir(path, cls(hf))
+
+
+def _refused_in_one_line(src: str, tmp_path, how: str, capsys) -> str:
+    """`src` imported by megapar-convert --from-hf (`how` "convert": exit 2, nothing written)
+    or megapar-train --from-hf --dry-run ("train": exit 2 as the run resolves its model,
+    before any worker starts); the one line of stderr, checked to be one line, no traceback."""
+    from megapar.cli.train import main as train
+
+    capsys.readouterr()
+    if how == "convert":
+        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+        assert not (tmp_path / "ckpt").exists()
+    else:
+        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "llama-tied", *DENSE_HF])
 def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys):
     """Qwen3, Qwen2 and Mistral come back as their own transformers class, with their config's
@@ -145,26 +170,14 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_use(tmp_path, kind, how, ca
     wrong width used to reach `fuse_heads` and end in a traceback."""
     from safetensors.torch import load_file, save_file
 
-    from megapar.cli.train import main as train
-
     torch.manual_seed(0)
-    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
-               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)),
-               "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA_HF))}[kind]
-    src = _hf_dir(tmp_path / "hf", cls(hf))
+    src = _dense_hf_dir(tmp_path / "hf", kind)
     key, shape, expected = FORGED[kind]
     state = load_file(f"{src}/model.safetensors")
     assert tuple(state[key].shape) == expected
     state[key] = torch.zeros(shape)
     save_file(state, f"{src}/model.safetensors", metadata={"format": "pt"})
-    capsys.readouterr()
-    if how == "convert":
-        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
-        assert not (tmp_path / "ckpt").exists()
-    else:  # refused as the run resolves its model, before any worker starts (a rehearsal too)
-        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    err = _refused_in_one_line(src, tmp_path, how, capsys)
     assert f"{key} has shape {list(shape)}" in err and f"{list(expected)}" in err, err
 
 
@@ -178,23 +191,11 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, kind, h
     layers it implies and those the weights hold, nothing written: the import used to write a
     checkpoint with the missing block initialised from the seed, noted after "wrote". (Fewer
     layers than the files hold: `test_tensors_the_config_does_not_use_are_named_before_use`.)"""
-    from megapar.cli.train import main as train
-
     torch.manual_seed(0)
-    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
-               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)),
-               "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA_HF))}[kind]
-    src = _hf_dir(tmp_path / "hf", cls(hf))
+    src = _dense_hf_dir(tmp_path / "hf", kind)
     cfg = Path(src) / "config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), LAYERS_KEY[kind]: 3}))
-    capsys.readouterr()
-    if how == "convert":
-        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
-        assert not (tmp_path / "ckpt").exists()
-    else:  # refused as the run resolves its model, before any worker starts
-        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    err = _refused_in_one_line(src, tmp_path, how, capsys)
     assert "config.json implies 3 layers, but the weights hold layers 0-1" in err, err
     assert "config.json does not describe these weights" in err, err
 
@@ -304,22 +305,13 @@ def test_tensors_the_config_does_not_use_are_named_before_use(tmp_path, edit, ho
     weights is refused in one line, naming the tensors it would not use, how many, and the
     fields to fix: the layer's router and experts used to be dropped silently (and a dense MLP
     seeded in their place)."""
-    from megapar.cli.train import main as train
-
     torch.manual_seed(0)
     src = _hf_dir(tmp_path / "hf", transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(**QWEN3_MOE_HF)))
     fields, first = DISAGREE[edit]
     cfg = Path(src) / "config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **fields}))
-    capsys.readouterr()
-    if how == "convert":
-        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
-        assert not (tmp_path / "ckpt").exists()
-    else:  # refused as the run resolves its model, before any worker starts
-        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    err = _refused_in_one_line(src, tmp_path, how, capsys)
     assert f"13 tensor(s) the model its config.json describes does not use: {first}" in err, err
     assert "(and 10 more)" in err and "decoder_sparse_step / mlp_only_layers" in err, err
 

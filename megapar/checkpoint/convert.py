@@ -386,9 +386,9 @@ def import_hf(
 ) -> tuple[Path, list[str]]:
     """A megapar checkpoint (step 0, no optimizer state) from a transformers directory.
 
-    Tensors outside the blocks the HF model lacks (a plain BertModel's MLM head; a block's
-    are refused, `HFReader.check_files`) are initialised from `seed`
-    exactly as training would; their names are returned and recorded in meta. Every tensor's
+    Tensors the HF model lacks outside its blocks (the MLM head of a plain BertModel; a block's
+    are refused, `HFReader.check_files`) are initialised from `seed` exactly as training would;
+    their names are returned and recorded in meta. Every tensor's
     shape is checked against the config first. The directory's ``generation_config.json``, if
     any, is recorded (meta ``hf_generation_config``), so that `export_hf` writes it back."""
 

@@ -35,6 +35,7 @@ from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
 from megapar.data.inputs import HF_WEIGHTS
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.made_dirs import give_usual_mode
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
     CAUSAL_LM_TYPES,
@@ -385,7 +386,7 @@ class HFReader:
             try:
                 shape = self._shape(self._key(key))
             except KeyError:
-                lacking.append(key)  # outside the blocks (BertModel's head): initialised instead
+                lacking.append(key)  # a block's: refused; else (BertModel's head) initialised
                 continue
             self._check_shape(key, shape)
         self._refuse_unused()  # first: it names the config's fields to fix, where it can
@@ -645,9 +646,7 @@ def save_hf(
         save_file(
             to_hf_state(canonical, config), str(tmp["model.safetensors"]), metadata={"format": "pt"}
         )
-        umask = os.umask(0)  # safetensors creates its file 0600: give it the usual mode
-        os.umask(umask)
-        os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
+        give_usual_mode(tmp["model.safetensors"])  # safetensors creates it 0600
         tmp["config.json"].write_text(_config_json(hf_config, config))
         for name in sorted(os.listdir(stage)) if stage.is_dir() else ():
             os.replace(stage / name, out_dir / name)

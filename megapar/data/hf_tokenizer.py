@@ -30,6 +30,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.made_dirs import give_usual_mode
 
 #: End-of-sequence tokens recognised when the directory names none.
 COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -291,9 +292,7 @@ def _save_trained(tok: HFTokenizer, out_dir: str, config: dict) -> str:
     staging = f".{os.path.basename(out_dir)}.tmp-"
     remove_stale_temporaries(parent, staging)  # a run killed with -9 while writing it
     tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
-    umask = os.umask(0)  # mkdtemp makes its folder 0700: give the tokenizer the usual mode
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    give_usual_mode(tmp)  # mkdtemp's 0700 would keep the tokenizer from other users
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
