@@ -573,6 +573,10 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     # the GPU it assumes is the flags' (an H100's bf16 peak, 80 GB)
     code, out = _cli(capsys, *base, "--top", "2", "--peak-tflops", "989", "--precision", "fp16")
     assert code == 0 and "(8 per node; each 80 GiB, 989 TFLOP/s peak in fp16: " in out.out
+    # at fp32 the default peak is not called fp32's: it is an A100's bf16 peak, planned as given
+    code, out = _cli(capsys, *base, "--top", "2", "--precision", "fp32")
+    assert code == 0 and ("(8 per node; each 80 GiB, 312 TFLOP/s (an A100's bf16 peak) taken "
+                          "for fp32: --gpu-memory-gb") in out.out, out.out
     assert " mem/GPU " in out.out and "keeps on GPUs;" in out.out
 
 
@@ -618,6 +622,16 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     assert "--recompute full" not in out.out  # already among the layouts tried
     code, out = _cli(capsys, *small, "--gpus", "8", "--recompute", "none")
     assert "add --recompute full" in out.out
+    # the cp sizes it names divide --gpus (--cp-sizes 4 at --gpus 2 was refused), and none at
+    # --gpus 1 or where the search tried cp already (from 8,192 tokens on)
+    llama = ["--model", "llama-70b", "--global-batch-size", "8", "--top", "2"]
+    for gpus, seq, advice in [("2", "4096", "try context parallelism (--cp-sizes 1 2), "),
+                              ("8", "4096", "try context parallelism (--cp-sizes 1 2 4 8), "),
+                              ("1", "4096", ""), ("2", "8192", "")]:
+        code, out = _cli(capsys, *llama, "--gpus", gpus, "--seq-len", seq)
+        assert code == 1 and out.out.splitlines()[-1] == (
+            f"no layout fits: raise --gpus or --gpu-memory-gb, {advice}or shorten --seq-len"
+        ), (gpus, seq, out.out)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -650,6 +664,10 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                                  "sequence parallelism at tp > 1, and no tp > 1 "
                                                  "divides --gpus 8 within a node")),
     (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
+    (["--schedules", "1f1b", "--virtual-stages", "3"], (
+        "--virtual-stages is the chunks per rank of the interleaved schedule, and --schedules "
+        "1f1b has no interleaved (zb-v and dualpipev have 2 chunks per rank each): drop it, or "
+        "add interleaved to --schedules")),
     # the experts' and cp attention's settings where no layout reads them
     (["--expert-tensor-parallel-size", "2"], ("--expert-tensor-parallel-size 2 splits a mixture "
                                               "of experts' routed experts over tp, and this gpt2 "

@@ -54,6 +54,7 @@ from megapar.plan.layouts import (
     PLAN_SCHEDULES,
     RECOMPUTE,
     ZERO_STAGES,
+    default_cp_sizes,
     model_refusal,
 )
 from megapar.plan.params import model_params
@@ -769,8 +770,10 @@ def _no_fit(args) -> int:
     fixes = ["raise --gpus or --gpu-memory-gb"]
     if "full" not in args.recompute:
         fixes.append("add --recompute full")
-    if not args.cp_sizes:
-        fixes.append("try context parallelism (--cp-sizes 1 2 4 8)")
+    tried = args.cp_sizes or default_cp_sizes(args.seq_len)
+    sizes = [cp for cp in (1, 2, 4, 8) if args.gpus % cp == 0 and args.seq_len % (2 * cp) == 0]
+    if max(tried) == 1 and len(sizes) > 1:  # cp sizes the search could try and did not
+        fixes.append(f"try context parallelism (--cp-sizes {' '.join(map(str, sizes))})")
     print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
     return 1
 

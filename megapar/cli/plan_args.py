@@ -199,7 +199,7 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
     """ValueError naming an option given (`given`) that no layout of the search reads, as it
     would be ignored without a word: --zero3-persistence-threshold without ZeRO-3 among the
     stages tried (`stages`: --zero-stages where there are dp ranks), --pcie-gbps without an
-    offload, --sp-regather where no layout has sequence parallelism at tp > 1 (no tp > 1 fits
+    offload, --virtual-stages without the interleaved schedule, --sp-regather where no layout has sequence parallelism at tp > 1 (no tp > 1 fits
     a node, or --recompute full only, under which the layers keep the gathered input)."""
     if "zero3_persistence_threshold" in given and 3 not in stages:
         why, fix = _no_zero3(args)
@@ -210,6 +210,13 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
         raise ValueError(
             "--pcie-gbps is the host-device bandwidth of offload's copies, and --offload "
             "none tries no offload: drop it, or add optimizer (or both) to --offload"
+        )
+    if "virtual_stages" in given and "interleaved" not in args.schedules:
+        listed = " ".join(args.schedules)
+        raise ValueError(
+            f"--virtual-stages is the chunks per rank of the interleaved schedule, and "
+            f"--schedules {listed} has no interleaved (zb-v and dualpipev have 2 chunks per "
+            f"rank each): drop it, or add interleaved to --schedules"
         )
     if not args.sp_regather:
         return

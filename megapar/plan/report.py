@@ -61,8 +61,10 @@ def hardware_phrase(p: Problem) -> str:
     80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"; for CPU ranks it adds
     that the flags' defaults are a GPU's."""
     cpu = ", whose defaults are an A100's: give a CPU rank's" if p.target == "cpu" else ""
+    # the default peak at fp32 is an A100's bf16 rate, planned as given (`peak_note` says so)
+    rate = "(an A100's bf16 peak) taken for fp32" if peak_note(p) else f"peak in {p.precision}"
     return (
-        f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s peak in {p.precision}: "
+        f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s {rate}: "
         f"--gpu-memory-gb, --peak-tflops{cpu}"
     )
 
