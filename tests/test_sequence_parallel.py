@@ -249,3 +249,29 @@ def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
         assert freed == 2 * MBS * SEQ * H * 4 // 2, (saved[False], saved[True])  # 2 x (1 - 1/t)
         assert sorted(n for _, n in saved["deferred"]) == sorted(n for _, n in saved[False]), \
             (saved["deferred"], saved[False])  # the same storages (some saved in other shapes)
+
+
+def test_sp_regather_where_the_blocks_keep_the_gathered_input_anyway_is_a_note():
+    """--sp-regather under --recompute full, --compile or a zero-bubble schedule (deferred W,
+    at pp 1 too) re-gathers nothing (the blocks keep the gathered input, as its help says); megapar-train
+    accepted it without a word, where megapar-plan refuses the same. A start-up note says so,
+    and with --fp8 that the float8 linears keep theirs; none where it applies."""
+    from megapar.mesh import Layout
+    from megapar.training.config import TrainConfig
+    from megapar.training.run_plan import regather_notes
+
+    def notes(layout=Layout(2), **kw):
+        return regather_notes(TrainConfig(sequence_parallel=True, sp_regather=True, **kw), layout)
+
+    assert notes() == [] and notes(schedule="zb-h1")[0].startswith(
+        "--sp-regather with --schedule zb-h1: the blocks keep")  # W deferred at pp 1 too
+    assert notes(recompute="selective") == [] and notes(Layout(2, 2), schedule="1f1b") == []
+    assert notes(recompute="full") == [
+        "--sp-regather with --recompute full: the blocks keep the gathered input for the "
+        "backward anyway, so nothing is re-gathered (drop --sp-regather)"]
+    assert notes(Layout(2, 2), schedule="dualpipev", compile=True)[0].startswith(
+        "--sp-regather with --compile and --schedule dualpipev: the blocks keep")
+    assert notes(fp8="rowwise") == [
+        "--sp-regather with --fp8 rowwise: the float8 linears keep the gathered input for the "
+        "backward anyway; only the linears left in fp32 re-gather theirs"]
+    assert regather_notes(TrainConfig(sp_regather=True, recompute="full"), Layout(2)) == []

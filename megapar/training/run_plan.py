@@ -20,7 +20,12 @@ from megapar.launcher import under_launcher
 from megapar.mesh import Layout
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
-from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
+from megapar.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    check_schedule,
+    chunks_per_rank,
+    placement_of,
+)
 from megapar.training.config import TrainConfig
 from megapar.training.data import (
     DataPlan,
@@ -182,6 +187,32 @@ def plan_data(
     return plan
 
 
+def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """The start-up note where --sp-regather re-gathers nothing, or less than every
+    column-parallel layer's input: where the layers keep the gathered input for the backward
+    anyway (--recompute full's rebuilt blocks, --compile'd blocks, zero-bubble schedules'
+    deferred weight gradients, --fp8's float8 linears), as its help says."""
+    if not (cfg.sp_regather and cfg.sequence_parallel and layout.tp > 1):
+        return []  # refused in `validate` where sequence parallelism is off
+    kept = [
+        ("--recompute full", cfg.recompute == "full"),
+        ("--compile", cfg.compile),
+        (f"--schedule {cfg.schedule}", cfg.schedule in SPLIT_BACKWARD),
+    ]
+    named = [flag for flag, on in kept if on]
+    if named:
+        return [
+            f"--sp-regather with {' and '.join(named)}: the blocks keep the gathered input for "
+            f"the backward anyway, so nothing is re-gathered (drop --sp-regather)"
+        ]
+    if cfg.fp8 != "off":
+        return [
+            f"--sp-regather with --fp8 {cfg.fp8}: the float8 linears keep the gathered input "
+            f"for the backward anyway; only the linears left in {cfg.precision} re-gather theirs"
+        ]
+    return []
+
+
 def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict | None):
     """The settings checked against `layout` and each other, and the model resolved and
     checked against them, before any data is read or anything written. Returns (the model's
@@ -205,6 +236,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
+    notes.extend(regather_notes(cfg, layout))
 
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
