@@ -199,8 +199,9 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
     """ValueError naming an option given (`given`) that no layout of the search reads, as it
     would be ignored without a word: --zero3-persistence-threshold without ZeRO-3 among the
     stages tried (`stages`: --zero-stages where there are dp ranks), --pcie-gbps without an
-    offload, --virtual-stages without the interleaved schedule, --sp-regather where no layout has sequence parallelism at tp > 1 (no tp > 1 fits
-    a node, or --recompute full only, under which the layers keep the gathered input)."""
+    offload, --virtual-stages without the interleaved schedule, --sp-regather where no layout
+    has sequence parallelism at tp > 1 (no tp > 1 fits a node, or --recompute full only, under
+    which the layers keep the gathered input)."""
     if "zero3_persistence_threshold" in given and 3 not in stages:
         why, fix = _no_zero3(args)
         raise ValueError(
