@@ -267,6 +267,13 @@ TRAIN = [
     (["--data", "{mixed}"], "mixed holds tokenized datasets beside its text; pass a dataset's "
                             "prefix (e.g. --data "),
     (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
+    # nor a directory of datasets a checkpoint: --save mixed step_* and latest in among them
+    # (after which --data called it a checkpoint); --load said only "no checkpoint there"
+    (["--save", "{cache}"], "holds tokenized datasets ("),
+    (["--save", "{cache}"], "megapar-data's .bin / .idx): this run's checkpoints would be mixed "
+                            "into it; give another --save"),
+    (["--load", "{cache}"], "megapar-data's .bin / .idx), not a megapar checkpoint; pass a "
+                            "dataset's prefix to megapar-train --data"),
     # an empty .idx is what is wrong, not the .json a megapar index would need
     (["--data", "{empty_idx}"], ("empty_idx.idx is empty (0 bytes): not a megapar or "
                                  "Megatron-LM index")),

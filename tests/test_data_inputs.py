@@ -220,6 +220,28 @@ def test_a_tokenizer_kept_in_a_text_directory_is_not_read_as_text(tmp_path):
         expand_inputs([str(root / "gpt2")])
 
 
+def test_a_directory_of_datasets_is_named_by_megapar_data_and_megapar_convert(tmp_path):
+    """megapar-data's output given back as its input was "holds no .txt / .jsonl / .json /
+    .parquet files" (it holds the datasets' .json), and megapar-convert said "neither a
+    checkpoint step directory ... was the save interrupted?": both name the datasets."""
+    from megapar.checkpoint.format import CheckpointError
+    from megapar.checkpoint.publish import resolve_checkpoint
+    from megapar.data.preprocess import expand_inputs
+
+    for name in ("a", "b", "c", "d"):
+        for ext in (".bin", ".idx"):
+            (tmp_path / (name + ext)).write_bytes(b"")
+        (tmp_path / (name + ".json")).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=(
+            r"holds tokenized datasets \(.*/a, .*/b, .*/c and 1 more: megapar-data's output\), "
+            r"no text: train on one with megapar-train --data .*/a, or give the text")):
+        expand_inputs([str(tmp_path)])
+    with pytest.raises(CheckpointError, match=(
+            r"holds tokenized datasets \(.*/a, .*/b, .*/c and 1 more: megapar-data's .bin / "
+            r"\.idx\), not a megapar checkpoint; pass a dataset's prefix to megapar-train")):
+        resolve_checkpoint(tmp_path)
+
+
 def test_a_sentencepiece_model_as_input_is_named_a_tokenizer(tmp_path):
     """A directory holding only SentencePiece models, or one given as the input, was 'binary
     (NUL bytes in its first KiB), not text; ... convert it to one of them ... and pass that':

@@ -27,6 +27,7 @@ import socket
 from pathlib import Path
 
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, fsync_dir
+from megapar.data.inputs import named_datasets, tokenized_datasets
 from megapar.faults.processes import pid_alive
 from megapar.one_line_parser import shell_word
 
@@ -244,7 +245,8 @@ def foreign_checkpoint(path: str | Path) -> str | None:
     config.json (torchtitan's ``--checkpoint.last-save-in-hf`` output), a Megatron-LM checkpoint
     (a root with ``latest_checkpointed_iteration.txt``, a torch_dist save's ``metadata.json``,
     the legacy ``mp_rank_XX/model_optim_rng.pt``), a DeepSpeed checkpoint
-    (`deepspeed_checkpoint`)."""
+    (`deepspeed_checkpoint`); and tokenized datasets (`tokenized_datasets`), which are no
+    checkpoint of any kind."""
     p = Path(path).expanduser()
     deepspeed = deepspeed_checkpoint(p) if p.is_dir() else None
     if deepspeed is not None:
@@ -294,6 +296,11 @@ def foreign_checkpoint(path: str | Path) -> str | None:
             f"megapar checkpoint; add the model's config.json there, then start from it "
             f"with --from-hf {shell_word(path)} (or megapar-convert --from-hf "
             f"{shell_word(path)} CKPT_DIR)"
+        )
+    if tokenized_datasets(p):
+        return (
+            f"holds tokenized datasets ({named_datasets(p)}: megapar-data's .bin / .idx), not "
+            f"a megapar checkpoint; pass a dataset's prefix to megapar-train --data"
         )
     return None
 

@@ -286,6 +286,12 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
     binary: `check_is_text`'s line; text under another name: give it by its own path); or only
     a tokenizer's files (`tokenizer`)."""
     line = f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
+    if not others and tokenized_datasets(path):  # megapar-data's output, given as its input
+        return (
+            f"input directory {path} holds tokenized datasets ({named_datasets(path)}: "
+            f"megapar-data's output), no text: train on one with megapar-train --data "
+            f"{shell_word(tokenized_datasets(path)[0])}, or give the text they were made from"
+        )
     if tokenizer and not others:
         names = ", ".join(os.path.basename(f) for f in tokenizer[:3])
         return (
@@ -665,6 +671,22 @@ def dataset_of(path: str) -> str | None:
     if ext in (".bin", ".idx") and os.path.isfile(stem + (".idx" if ext == ".bin" else ".bin")):
         return stem
     return None
+
+
+def tokenized_datasets(path: str | os.PathLike) -> list[str]:
+    """The prefixes of the tokenized datasets in directory `path` (megapar-data's, or
+    Megatron-LM's: NAME.bin beside NAME.idx), as paths, sorted; [] for none (or no directory)."""
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    found = (n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
+    return sorted(os.path.join(os.fspath(path), n) for n in found)
+
+
+def named_datasets(path: str | os.PathLike, most: int = 3) -> str:
+    """`tokenized_datasets(path)` for a message: the first `most`, shell-quoted, and how many
+    more ("d/a, d/b, d/c and 3 more")."""
+    found = tokenized_datasets(path)
+    shown = ", ".join(shell_word(p) for p in found[:most])
+    return shown + (f" and {len(found) - most} more" if len(found) > most else "")
 
 
 def _dataset_tokenizer_dirs(root: str, names: Sequence[str]) -> set[str]:

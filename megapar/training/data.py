@@ -39,6 +39,7 @@ from megapar.data.inputs import (
     is_raw_text,
     model_directory,
     parse_sft_keys,
+    tokenized_datasets,
     unread_inputs,
 )
 from megapar.data.megatron import is_megatron_index
@@ -238,9 +239,8 @@ def _refuse_what_is_not_text(path: str) -> None:
             f"megapar-train --from-hf {shell_word(path)} (or import it: megapar-convert "
             f"--from-hf {shell_word(path)} CKPT_DIR), and pass the text or dataset to --data"
         )
-    prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
-    if prefixes:
-        shown = ", ".join(shell_word(os.path.join(path, p)) for p in prefixes[:3])
+    if tokenized_datasets(path):
+        shown = ", ".join(shell_word(p) for p in tokenized_datasets(path)[:3])
         try:
             text = bool(expand_inputs([path]))  # a dataset's own .json is not text
         except FileNotFoundError:
