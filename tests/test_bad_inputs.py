@@ -496,6 +496,27 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
                      f"with the model's own if it is another"], notes
 
 
+def test_a_load_that_records_no_tokenizer_says_the_default_tokenizes():
+    """A checkpoint imported without a tokenizer (megapar-convert --from-hf of a directory
+    without one) resumed on raw text with the default gpt2 without a word, where --from-hf of
+    the same directory says so in a note: --load says it too; not where --tokenizer is given,
+    nor where the checkpoint records one."""
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    bare = {"meta": {"train_config": {"seq_len": 32}}}
+    cfg = parse_args(["--load", "ck", "--data", "held.txt"])
+    assert settings_from_checkpoint(cfg, bare) == [
+        "from the checkpoint (not given): --seq-len 32",
+        "--load ck records no tokenizer (imported without one, or older): raw text is "
+        "tokenized with the default --tokenizer gpt2 (a prepared --data keeps its own); pass "
+        "--tokenizer with the model's own if it is another"]
+    cfg = parse_args(["--load", "ck", "--tokenizer", "sentencepiece"])
+    assert settings_from_checkpoint(cfg, bare) == ["from the checkpoint (not given): --seq-len 32"]
+    recorded = {"meta": {"train_config": {}, "tokenizer": {"kind": "gpt2", "sha256": ["0"]}}}
+    assert settings_from_checkpoint(parse_args(["--load", "ck"]), recorded) == []
+
+
 def test_under_torchrun_a_start_up_error_is_printed_once_a_node(env, no_workers, capsys,
                                                                 monkeypatch):
     """Under torchrun every rank runs the command on the same flags and finds the same bad

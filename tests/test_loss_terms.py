@@ -253,7 +253,8 @@ def test_a_resume_takes_the_loss_terms_unless_given():
     from megapar.training.validate_resume import settings_from_checkpoint
 
     saved = TrainConfig(label_smoothing=0.1, z_loss=1e-4).to_dict()
-    manifest = {"meta": {"train_config": {k: saved[k] for k in ("label_smoothing", "z_loss")}}}
+    manifest = {"meta": {"train_config": {k: saved[k] for k in ("label_smoothing", "z_loss",
+                                                                 "tokenizer")}}}
     cfg = parse_args(["--load", "ck"])
     note = settings_from_checkpoint(cfg, manifest)
     assert (cfg.label_smoothing, cfg.z_loss) == (0.1, 1e-4)

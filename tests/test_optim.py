@@ -172,7 +172,7 @@ def test_a_wsd_fraction_given_on_load_replaces_the_checkpoints_decay_steps():
     cfg = TrainConfig(lr_wsd_decay_fraction=0.5, max_steps=12)
     cfg.explicit = frozenset({"lr_wsd_decay_fraction", "max_steps"})
     saved = {"lr_decay": "wsd", "lr_wsd_decay_steps": 3, "lr_wsd_decay_fraction": 0.2,
-             "max_steps": 8, "warmup_steps": 2}
+             "max_steps": 8, "warmup_steps": 2, "tokenizer": "gpt2"}
     assert settings_from_checkpoint(cfg, {"meta": {"train_config": saved}}) == [
         "from the checkpoint (not given): --lr-decay wsd, --warmup-steps 2"]
     assert Engine.flags_schedule(cfg).decay_steps == 6

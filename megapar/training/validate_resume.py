@@ -409,7 +409,8 @@ NOT_INHERITED = {
 def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
     schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
-    came from; layout and output flags are never taken. Returns a note listing what was taken."""
+    came from; layout and output flags are never taken. Returns a note listing what was taken,
+    and one saying that the default tokenizer is used where the checkpoint records none."""
     saved = _with_recorded_tokenizer(manifest)
     given, taken, inherited = explicit(cfg), [], set()
     for f in dataclasses.fields(cfg):
@@ -433,7 +434,15 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         given.add(name)
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
-    return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+    notes = [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    if "tokenizer" not in given and not (isinstance(recorded, dict) and recorded.get("sha256")):
+        notes.append(  # as --from-hf's note where its directory holds none
+            f"--load {cfg.load} records no tokenizer (imported without one, or older): raw "
+            f"text is tokenized with the default --tokenizer {cfg.tokenizer} (a prepared --data "
+            f"keeps its own); pass --tokenizer with the model's own if it is another"
+        )
+    return notes
 
 
 def _with_recorded_tokenizer(manifest: dict) -> dict:
