@@ -148,6 +148,9 @@ def test_a_tiny_file_trains_with_a_batch_that_fits(texts, cache, tiny_model, tmp
     ([400] * 100, 4, "as asked"),      # 5 % of the docs already hold a batch
     ([20] * 10, 8, "none"),            # a batch would take more than half the data
     ([40, 40], 2, "none"),             # a batch needs both documents: none left to train
+    # enough tokens, in too few documents to hold out whole ones: the fix is more documents,
+    # not "use more data" (a user's 667k tokens in 3 paragraphs were called too small)
+    ([20000, 40, 40], 4, "uneven"),
 ])
 def test_the_validation_split_grows_to_one_batch_or_steps_aside(doc_tokens, gbs, expect):
     import numpy as np
@@ -162,8 +165,14 @@ def test_the_validation_split_grows_to_one_batch_or_steps_aside(doc_tokens, gbs,
 
     cfg = TrainConfig(seq_len=32, global_batch_size=gbs, micro_batch_size=1)
     train_docs, val_docs, note = split_for_training(cfg, Indexed, "gpt2")
-    if expect == "none":
-        assert val_docs is None and train_docs is None and "no validation split" in note
+    if expect in ("none", "uneven"):
+        assert val_docs is None and train_docs is None, (train_docs, val_docs)
+        assert note.startswith("no validation split: " + (
+            "the data is too small for a validation batch of" if expect == "none" else
+            f"its 3 documents are too few or too uneven to hold out whole ones for a validation "
+            f"batch of {gbs} x 32 tokens besides training; training without validation (split "
+            f"the text into more documents: paragraphs separated by blank lines, or megapar-data "
+            f"--split-lines)")), note
         return
     assert sorted([*train_docs, *val_docs]) == list(range(len(doc_tokens)))
     val_tokens = sum(doc_tokens[i] for i in val_docs)

@@ -516,16 +516,20 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
     want = max(1, int(round(n * cfg.val_fraction)))
     k = max(want, int(np.searchsorted(counts, cfg.global_batch_size)) + 1)
     if k >= n or k > max(want, n // 2) or rest[k] < cfg.global_batch_size:
-        return (
-            None,
-            None,
-            (
-                f"no validation split: the data is too small for a validation "
-                f"batch of {cfg.global_batch_size} x {cfg.seq_len} tokens besides "
-                f"training; training without validation (use more data, a shorter "
-                f"--seq-len or a smaller --global-batch-size to get one)"
-            ),
-        )
+        batch = f"a validation batch of {cfg.global_batch_size} x {cfg.seq_len} tokens"
+        if counts[-1] >= 2 * cfg.global_batch_size:  # enough tokens, in too few documents
+            why, fix = (
+                f"its {counted(n, 'document')} are too few or too uneven to hold out whole "
+                f"ones for {batch} besides training",
+                "split the text into more documents: paragraphs separated by blank lines, or "
+                "megapar-data --split-lines",
+            )
+        else:
+            why, fix = (
+                f"the data is too small for {batch} besides training",
+                "use more data, a shorter --seq-len or a smaller --global-batch-size",
+            )
+        return None, None, f"no validation split: {why}; training without validation ({fix})"
     note = None
     if k > want:
         note = (
