@@ -119,6 +119,44 @@ def test_steps_after_lists_the_complete_newer_steps(tmp_path):
     assert publish.steps_after(root, 6) == [] == publish.steps_after(tmp_path / "none", 0)
 
 
+def test_remove_steps_before_latest_keeps_the_newest_k_and_the_one_latest_names(tmp_path):
+    root = tmp_path / "root"
+    for step in (2, 4, 6, 8):
+        save_serial(root, step=step)
+    (root / "step_00000010").mkdir()  # an interrupted copy (no manifest): not a step, kept
+    publish.set_latest(root, "step_00000004")  # a requeue resumed from 4: kept whatever K says
+    assert publish.remove_steps_before_latest(root, 2) == ["step_00000002"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step_00000004", "step_00000006", "step_00000008", "step_00000010"]
+    publish.set_latest(root, "step_00000008")
+    assert publish.remove_steps_before_latest(root, 1) == ["step_00000004", "step_00000006"]
+    assert resolve_checkpoint(root).name == "step_00000008"
+    assert publish.remove_steps_before_latest(root, 1) == []
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_latest_k_leaves_the_newest_k_steps_and_a_resume_goes_on(tmp_path, capsys,
+                                                                      async_save):
+    """--keep-latest-k 2 with a save every step: after each publish (a background one's too)
+    the older steps go, logged on rank 0; the run resumes from the newest (torchtitan's
+    checkpoint.keep_latest_k; every step stayed, 40 of a user's 200-step run at 1.6 GB)."""
+    import megapar.cli.train as train_cli
+
+    root = tmp_path / "ckpt"
+    common = ["--model", "gpt2-tiny", "--seq-len", "16", "--global-batch-size", "2",
+              "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress",
+              "--save-interval", "1", "--keep-latest-k", "2", "--save", str(root),
+              *(["--async-save"] if async_save else [])]
+    assert train_cli.main([*common, "--max-steps", "4"]) == 0
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "latest", "step_00000003", "step_00000004"]
+    out = capsys.readouterr().out
+    assert "removed step_00000001 (--keep-latest-k 2)" in out
+    assert "removed step_00000002 (--keep-latest-k 2)" in out
+    assert train_cli.main([*common, "--max-steps", "5", "--load", str(root)]) == 0
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000005"]
+
+
 def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, capsys,
                                                                     monkeypatch):
     """--load ROOT/step_3 --save ROOT where step_6 is: one line naming it and the fixes, before

@@ -161,6 +161,25 @@ def remove_steps_after(root: str | Path, step: int) -> list[str]:
     return newer
 
 
+def remove_steps_before_latest(root: str | Path, keep: int) -> list[str]:
+    """Remove the complete ``step_N`` directories of `root` but the newest `keep` (by N) and
+    the one ``latest`` names (--keep-latest-k); returns the removed steps' names, oldest
+    first. Each is renamed to a hidden ``.old-`` name before it is deleted, so a crash
+    mid-delete leaves a hidden leftover, never a half step among those a load takes."""
+    root = Path(root).expanduser()
+    steps = steps_after(root, -1)
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    removed = [name for name in steps[: max(0, len(steps) - keep)] if name != named]
+    for name in removed:
+        aside = root / f".old-{name}-{secrets.token_hex(4)}"
+        os.rename(root / name, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
     p = Path(path).expanduser()

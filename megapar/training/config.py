@@ -241,6 +241,8 @@ class TrainConfig:
     """Checkpoint directory to save into."""
     save_interval: int = 0
     """Save every N steps (0: only at the end)."""
+    keep_latest_k: int = 0
+    """Keep only the newest K checkpoints in --save (torchtitan's checkpoint.keep_latest_k): once a step is published, rank 0 deletes the older step_* directories beyond K (never the one `latest` names; --record-step's records stay). 0 (the default) keeps every step."""
     async_save: bool = False
     """Save without stopping training: the state is copied to host memory (pinned on GPUs; as much as the rank's shard file) and a background thread writes it; the checkpoint is published (and `latest` moved) once every rank's files are complete. At most one write in flight; the final save (and one on a stop) is waited for before exit."""
     load: str | None = None

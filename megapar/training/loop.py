@@ -17,7 +17,7 @@ from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.distributed import RNG_NOT_RESTORED
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.publish import has_checkpoint, remove_steps_before_latest
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.data.tokenizers import forget_loaded
@@ -263,16 +263,28 @@ class Trainer:
                 **logger.checkpoint_meta(),  # rank 0's (the one written): its W&B run
             },
         )
-        logger.message(
-            f"saving {path} in the background" if self.engine.saver is not None else f"saved {path}"
-        )
+        if self.engine.saver is not None:
+            logger.message(f"saving {path} in the background")
+        else:
+            logger.message(f"saved {path}")
+            self.keep_latest(logger)
         return path
 
-    @staticmethod
-    def log_saved(logger, published: Path | None) -> None:
-        """Log a checkpoint a background save has published."""
+    def log_saved(self, logger, published: Path | None) -> None:
+        """Log a checkpoint a background save has published, and apply --keep-latest-k."""
         if published is not None:
             logger.message(f"saved {published}")
+            self.keep_latest(logger)
+
+    def keep_latest(self, logger) -> None:
+        """--keep-latest-k K: rank 0 deletes the --save steps older than the newest K (after a
+        step is published, so the newest K are complete)."""
+        if self.cfg.keep_latest_k and self.cfg.save and self.mesh.rank == 0:
+            removed = remove_steps_before_latest(self.cfg.save, self.cfg.keep_latest_k)
+            if removed:
+                logger.message(
+                    f"removed {', '.join(removed)} (--keep-latest-k {self.cfg.keep_latest_k})"
+                )
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

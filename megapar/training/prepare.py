@@ -395,7 +395,8 @@ SCHEDULE_OPTIONS = (
 """megapar-train's schedule flags: prepare builds a schedule only from `lr_schedule`."""
 
 LOOP_OPTIONS = (
-    *("save", "save_interval", "load", "load_strict", "overwrite_newer", "log_interval"),
+    *("save", "save_interval", "keep_latest_k", "load", "load_strict", "overwrite_newer"),
+    "log_interval",
     *("eval_interval", "eval_steps", "log_json", "tensorboard", "wandb_project", "peak_tflops"),
     *("profile_steps", "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval"),
     *("record_step", "replay", "replay_against", "world_size", "dry_run_ranks", "json", "debug"),

@@ -68,6 +68,7 @@ _RULES: list[_Rule] = [
     ("eval_interval", "int", 0, True),
     ("eval_steps", "int", 1, True),
     ("save_interval", "int", 0, True),
+    ("keep_latest_k", "int", 0, True),
     ("log_interval", "int", 1, True),
     ("seed", "int", 0, True),
     ("eod_id", "int", 0, True),

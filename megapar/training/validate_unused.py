@@ -23,6 +23,12 @@ def check_unused(cfg, given: set[str]) -> None:
             "give --save DIR too",
         ),
         (
+            "keep_latest_k",
+            bool(cfg.save) or cfg.dry_run or cfg.keep_latest_k == 0,
+            "it is how many checkpoints --save keeps, and no --save is given",
+            "give --save DIR too",
+        ),
+        (
             "powersgd_rank",
             cfg.grad_compression == "powersgd",
             f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}",
