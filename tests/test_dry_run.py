@@ -152,6 +152,12 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
                            "8", "--dry-run", "--zero", "1", "--save", "/cluster/ckpt"], capsys)
     assert rc == 0, err
     assert "data skipped (no --data given)" in err
+    # run for real the command trains on the shipped sample, whose tokenizer's vocabulary (gpt2:
+    # 50,261 ids) the recipe's 50,257 gives way to: a note says so
+    assert ("dry run: the same command without --dry-run trains on megapar's shipped sample, "
+            "tokenized with --tokenizer gpt2, whose vocabulary of 50,261 the model takes in "
+            "place of its recipe's 50,257 rehearsed here; give --data to rehearse the job's"
+            ) in err, err
     for rank in sample_ranks(Layout(2, 2, 2)):
         assert f"\nrank {rank} (" in out
     assert "/cluster/ckpt/step_00000300/model_tp00_pp00.safetensors" in out

@@ -355,6 +355,7 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
             else "the model keeps its own vocabulary"
         )
         notes.append(f"dry run: data skipped ({skipped}); {vocab} and no batch indices are shown")
+        notes.extend(_sample_vocab_note(cfg, manifest))
     if skipped is not None and not known:
         return resolve_model_config(
             cfg, _own_vocab(cfg, manifest), cfg.tokenizer, manifest=manifest, notes=notes
@@ -460,6 +461,24 @@ def _raw_text_reason(raw: list[str], parts: int) -> str | None:
         f"a corpus can take hours; tokenize {'it' if len(raw) == 1 else 'each'} once with "
         f"megapar-data and rehearse with its --output-prefix to see batch indices"
     )
+
+
+def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
+    """A dry run of a recipe without --data keeps the recipe's vocabulary, but the same command
+    run for real trains on the shipped sample with --tokenizer's: the note saying so where the
+    two differ (the real run's model is then of another size); none for a checkpoint's or
+    --from-hf's model, whose vocabulary both keep."""
+    if cfg.data is not None or manifest is not None or cfg.from_hf:
+        return []
+    own, theirs = _own_vocab(cfg, None), load_tokenizer(cfg.tokenizer).vocab_size
+    if theirs == own:
+        return []
+    return [
+        f"dry run: the same command without --dry-run trains on megapar's shipped sample, "
+        f"tokenized with --tokenizer {cfg.tokenizer}, whose vocabulary of {theirs:,} the model "
+        f"takes in place of its recipe's {own:,} rehearsed here; give --data to rehearse the "
+        f"job's"
+    ]
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
