@@ -1364,6 +1364,10 @@ OTHER_TOOLS = [
     ("train", ["--train_micro_batch_size_per_gpu", "2"], "did you mean --micro-batch-size?"),
     ("train", ["--gradient-accumulation-steps", "4"], "give --global-batch-size (= "
      "--micro-batch-size x the accumulation steps x dp)"),
+    # its shortening, and Lightning's name: no hint (a new user's tryout)
+    ("train", ["--grad-accumulation-steps", "4"], "give --global-batch-size (= "
+     "--micro-batch-size x the accumulation steps x dp)"),
+    ("train", ["--accumulate-grad-batches", "4"], "give --global-batch-size (= "),
     ("train", ["--loss_scale", "0"], "--loss_scale: did you mean --loss-scale (a static scale; "
      "DeepSpeed's 0, dynamic, is megapar's default)?"),
     ("train", ["--initial-scale-power", "16"], "--initial-scale-power: did you mean "
@@ -1457,6 +1461,8 @@ OTHER_TOOLS = [
     ("plan", ["--model", "llama-1b", "--train-batch-size", "8"],
      "--train-batch-size: did you mean --global-batch-size?"),
     ("plan", ["--model", "llama-1b", "--gradient-accumulation-steps", "4"],
+     "derives each layout's micro-batches per step from --global-batch-size"),
+    ("plan", ["--model", "llama-1b", "--grad-accumulation-steps", "4"],
      "derives each layout's micro-batches per step from --global-batch-size"),
     ("plan", ["--model", "llama-1b", "--offload-optimizer"], "did you mean --offload optimizer?"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"

@@ -388,6 +388,9 @@ OTHER_TOOLS_FLAGS = {
     "--output_dir": "--save",
     "--per_device_train_batch_size": "--micro-batch-size",
     "--gradient_accumulation_steps": GRAD_ACCUM,
+    "--grad-accumulation-steps": GRAD_ACCUM,  # a shortening difflib matched to nothing
+    "--grad_accumulation_steps": GRAD_ACCUM,
+    "--accumulate-grad-batches": GRAD_ACCUM,  # Lightning's Trainer(accumulate_grad_batches)
     "--model_name_or_path": "--from-hf",
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
