@@ -737,6 +737,8 @@ BUBBLE = [
      "zb-h1's bubble formula gives 0.0005, with no run"),
     (["--pp", "300", "-m", "2", "--schedule", "interleaved", "--virtual-stages", "2",
       "--simulate", "--fwd-ms", "1"], "interleaved's bubble formula gives 0.9933"),
+    # a bubble under 1e-4 in two significant digits (was "0.0000": a new user's tryout)
+    (["--pp", "4", "-m", "100000"], "1f1b's bubble formula gives 3.00e-05, with no run"),
     # zb-v holds two chunks per rank: 2 x 100 x 249 x 2 = 99,600 actions (counted as one chunk,
     # 49,800, it was printed, in 12.8 s where 1f1b's 49,800 took 5.8 s)
     (["--pp", "100", "-m", "249", "--schedule", "zb-v", "--show-schedule"],

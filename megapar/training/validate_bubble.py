@@ -165,4 +165,5 @@ def _formula_instead(args) -> str:
     if math.isnan(value):
         return f"{args.schedule}'s published formula does not apply to these costs either"
     bound = " (a lower bound)" if args.schedule in ("zb-v", "dualpipev") else ""
-    return f"{args.schedule}'s bubble formula gives {value:.4f}{bound}, with no run"
+    shown = f"{value:.2e}" if 0 < value < 1e-4 else f"{value:.4f}"  # not 0.0000 for 3e-05
+    return f"{args.schedule}'s bubble formula gives {shown}{bound}, with no run"
