@@ -202,7 +202,7 @@ class TrainConfig:
     lr_decay: str = "cosine"
     """Decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay: --lr until a final decay to --min-lr over the last --lr-wsd-decay-steps, shaped by --lr-wsd-decay-style; Megatron-LM's --lr-decay-style WSD)."""
     lr_decay_steps: int = 0
-    """Step at which the decay reaches --min-lr, which holds after it (Megatron-LM's --lr-decay-iters; 0: --max-steps)."""
+    """Step at which the decay reaches --min-lr, which holds after it (Megatron-LM's --lr-decay-iters; 0: --max-steps). The schedule counts steps from 0, as transformers' and Megatron-LM's do: the log's step N trains at schedule step N - 1, so --min-lr is first reached at the log's step N + 1 (docs/guides/training.md)."""
     lr_wsd_decay_steps: int = 0
     """With --lr-decay wsd: steps of the final decay, which ends at --max-steps, or --lr-decay-steps (0: --lr-wsd-decay-fraction of those)."""
     lr_wsd_decay_fraction: float = 0.2
