@@ -565,6 +565,12 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
             "--gpu-memory-gb, --peak-tflops, whose defaults are an A100's: give a CPU rank's);"
             ) in out.out and " mem/rank " in out.out
     assert "keeps on CPU ranks without attention dropout;" in out.out
+    # its command leaves the A100's peak out: megapar-train's CPU default gives its MFU (a new
+    # user's CPU run of the printed command logged MFU 0.00 % at 312); a peak given is kept
+    command = out.out.splitlines()[-1]
+    assert command.startswith("command: megapar-train ") and "--peak-tflops" not in command
+    code, out = _cli(capsys, *base, "--target", "cpu", "--top", "1", "--peak-tflops", "2")
+    assert code == 0 and "--peak-tflops 2 " in out.out.splitlines()[-1], out.out
     code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
     assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out
     code, out = _cli(capsys, *base, "--top", "2")

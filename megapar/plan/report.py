@@ -137,7 +137,13 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         *([f"--tokenizer {p.tokenizer}"] if p.tokenizer else []),
         f"--recompute {c.recompute}",
         f"--precision {p.precision}",
-        f"--peak-tflops {p.peak_tflops:g}",
+        # a CPU plan's default peak is an A100's: megapar-train's own default (1.0, a rough CPU
+        # figure) gives its MFU, where 312 logged 0.00 %
+        *(
+            []
+            if p.target == "cpu" and p.peak_tflops == A100_PEAK_TFLOPS
+            else [f"--peak-tflops {p.peak_tflops:g}"]
+        ),
     ]
     missing = runnable(e, p.master_weights)
     if c.pp > 1 and not any(c.schedule in m for m in missing):
