@@ -101,8 +101,8 @@ def test_greedy_equals_transformers_generate(imported, capsys):
         assert record["new_ids"] == want.tolist(), (kind, prompt)
         assert record["stop"] == ("positions" if prompt == long else "max_new_tokens")
     assert len(got[2]["new_ids"]) == 2
-    assert err[0] == ("megapar-generate: sample 3 stopped at the model's 32 positions (its "
-                      "prompt's 30 tokens and 2 new ones)\n")
+    assert err[0] == ("megapar-generate: prompt 2 stopped at the model's 32 positions (its "
+                      "prompt's 30 tokens and 2 new ones)\n")  # counted from 0, as --json's
     # transformers' batch of the two short prompts, left-padded with an attention_mask
     rows = [_ids(p) for p in PROMPTS]
     width = max(map(len, rows))
@@ -360,10 +360,15 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
 def test_the_positions_note_counts_one_new_token_in_the_singular():
     from megapar.cli.generate import positions_note
 
-    assert positions_note(1, "the model's 64 positions", 63, 1) == (
-        "megapar-generate: sample 1 stopped at the model's 64 positions (its prompt's 63 "
+    assert positions_note(0, 0, (1, 1), "the model's 64 positions", 63, 1) == (
+        "megapar-generate: the sample stopped at the model's 64 positions (its prompt's 63 "
         "tokens and 1 new one)")
-    assert positions_note(2, "the model's 32 positions", 30, 2).endswith("and 2 new ones)")
+    assert positions_note(0, 1, (1, 2), "the model's 32 positions", 30, 2).endswith(
+        "and 2 new ones)")
+    # the numbers --json gives its records ("sample" from 0 for each prompt, prompts in order)
+    assert positions_note(2, 1, (3, 2), "the model's 32 positions", 30, 2).startswith(
+        "megapar-generate: prompt 2's sample 1 stopped at")
+    assert positions_note(0, 1, (1, 2), "x", 30, 2).startswith("megapar-generate: sample 1 ")
 
 
 KV_MODELS = {  # tiny ones of each attention: GPT-2's, Llama's GQA, Qwen3's q / k norms,

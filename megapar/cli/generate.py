@@ -361,12 +361,20 @@ def check_prompts(
     return out, limit, what
 
 
-def positions_note(sample: int, limit_name: str, prompt_len: int, new_len: int) -> str:
-    """The stderr line for sample number `sample` (from 1), stopped at the model's positions."""
+def positions_note(
+    prompt: int, sample: int, shape: tuple[int, int], limit_name: str, prompt_len: int, new_len: int
+) -> str:
+    """The stderr line for `sample` of `prompt` (both from 0, as --json's "sample" counts;
+    `shape`: how many prompts and samples per prompt, which name it only where there are
+    several), stopped at the model's positions."""
+    prompts, samples = shape
+    named = [f"prompt {prompt}"] if prompts > 1 else []
+    named += [f"sample {sample}"] if samples > 1 else []
+    who = "'s ".join(named) if named else "the sample"
     new = f"{new_len} new one" if new_len == 1 else f"{new_len} new ones"
     return (
-        f"megapar-generate: sample {sample} stopped at {limit_name} (its prompt's "
-        f"{prompt_len} tokens and {new})"
+        f"megapar-generate: {who} stopped at {limit_name} (its prompt's {prompt_len} tokens "
+        f"and {new})"
     )
 
 
@@ -451,7 +459,9 @@ def main(argv=None) -> int:
         text = new_ids[:-1] if stop == "eos" else new_ids
         completion = completion_text(tok, ids, text)
         if stop == "positions":
-            print(positions_note(i + 1, limit_name, len(ids), len(new_ids)), file=sys.stderr)
+            shape = (len(args.prompt_ids), args.samples)
+            note = positions_note(p, i % args.samples, shape, limit_name, len(ids), len(new_ids))
+            print(note, file=sys.stderr)
         if args.json:
             record = {
                 "prompt": prompts[p],
