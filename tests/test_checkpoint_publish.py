@@ -132,6 +132,9 @@ def test_remove_steps_before_latest_keeps_the_newest_k_and_the_one_latest_names(
     assert publish.remove_steps_before_latest(root, 1) == ["step_00000004", "step_00000006"]
     assert resolve_checkpoint(root).name == "step_00000008"
     assert publish.remove_steps_before_latest(root, 1) == []
+    # a prune cut short leaves a hidden copy, which the next save's clean-up deletes
+    (root / ".dropped-step_00000006-0a1b").mkdir()
+    assert publish.clean_stale(root) == [".dropped-step_00000006-0a1b"]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -164,15 +164,16 @@ def remove_steps_after(root: str | Path, step: int) -> list[str]:
 def remove_steps_before_latest(root: str | Path, keep: int) -> list[str]:
     """Remove the complete ``step_N`` directories of `root` but the newest `keep` (by N) and
     the one ``latest`` names (--keep-latest-k); returns the removed steps' names, oldest
-    first. Each is renamed to a hidden ``.old-`` name before it is deleted, so a crash
-    mid-delete leaves a hidden leftover, never a half step among those a load takes."""
+    first. Each is renamed to a hidden ``.dropped-`` name before it is deleted, so a crash
+    mid-delete leaves a hidden leftover (which `clean_stale` deletes), never a half step among
+    those a load takes."""
     root = Path(root).expanduser()
     steps = steps_after(root, -1)
     latest = root / LATEST
     named = latest.read_text().strip() if latest.is_file() else None
     removed = [name for name in steps[: max(0, len(steps) - keep)] if name != named]
     for name in removed:
-        aside = root / f".old-{name}-{secrets.token_hex(4)}"
+        aside = root / f".dropped-{name}-{secrets.token_hex(4)}"
         os.rename(root / name, aside)
         shutil.rmtree(aside, ignore_errors=True)
     if removed:
@@ -344,8 +345,9 @@ def clean_stale(root: str | Path) -> list[str]:
     """Delete leftovers of dead saves in `root`; returns their names.
 
     ``.tmp-step_*`` whose owner process (on this host) is gone, and ``.old-step_*`` whose step
-    is in place again, ``.latest.tmp-{pid}-*`` of dead processes; never the only complete copy of
-    a step that ``latest`` is missing."""
+    is in place again, ``.latest.tmp-{pid}-*`` of dead processes, ``.dropped-step_*`` (a step
+    `remove_steps_before_latest` was deleting); never the only complete copy of a step that
+    ``latest`` is missing."""
     root = Path(root)
     removed: list[str] = []
     if not root.is_dir():
@@ -362,6 +364,8 @@ def clean_stale(root: str | Path) -> list[str]:
             )
         elif p.name.startswith(".latest.tmp-"):
             stale = _owner_gone(p)
+        elif p.name.startswith(".dropped-step_"):
+            stale = True
         else:
             continue
         if stale and p.is_file():
