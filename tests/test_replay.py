@@ -284,3 +284,32 @@ def test_a_zero_sharded_replay_says_why_the_gradient_norms_are_not_compared(reco
     line = _verdict(captured.out.splitlines())
     assert "no weight-gradient norms were recorded" not in line, line
     assert "weight-gradient norms are not compared: the replay's gradients are sharded" in line
+
+
+def test_an_expert_parallel_record_agrees_with_a_one_process_replay(tmp_path, capfd):
+    """A MoE run at dp 2 x ep 2 recorded its experts' weight-gradient norms from dp rank 0
+    alone, whose ep block holds half of them (0.00137 of layer 0's 0.00316), so a replay in
+    any other layout said the experts' gradients differ; they are summed over the ep ranks of
+    the first block, and the table has their rows (they had none: no [b, s, h] output). Runs
+    on the shipped sample (no shared data)."""
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 1000, "hidden_size": 32,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "tie_word_embeddings": False}))
+    save = tmp_path / "ckpt"
+    assert main(["--model", str(model), "--tokenizer", "sentencepiece", "--seq-len", "32",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "0",
+                 "--no-progress", "--max-steps", "3", "--dp", "2", "--ep", "2",
+                 "--data-cache", str(tmp_path / "cache"), "--save", str(save),
+                 "--save-interval", "2", "--record-step", "3"]) == 0
+    capfd.readouterr()
+    assert main(["--load", str(save / "step_00000002"), "--replay", "3", "--no-progress"]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert "no difference" in _verdict(out), out
+    for layer in (0, 1):
+        row = next(line.split() for line in out
+                   if line.startswith(f"model.layers.{layer}.block_sparse_moe.experts "))
+        assert row[1:3] == ["-", "-"] and float(row[3]) > 0, row
+        assert abs(float(row[3]) - float(row[4])) <= 1e-5 * float(row[3]), row

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from megapar.checkpoint.distributed import differing_fields, gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.diagnostics.module_trace import ModuleTrace
+from megapar.expert_parallel import is_expert
 from megapar.tensor_parallel.layers import ColumnParallelLinear
 
 RTOL = 1e-5
@@ -118,24 +119,24 @@ class StepRecorder:
     def grad_norms(self) -> dict[str, float]:
         """Each module's weight-gradient squared norm over this rank's parameters, as this rank
         adds it to the combined one (tp slices summed; replicated ones from tp rank 0 only;
-        dp and cp replicas from their rank 0 only)."""
+        dp and cp replicas from their rank 0 only; routed experts, which the ep ranks of a
+        block split, from every ep rank of the first block: `edp_rank` 0)."""
         mesh = self.mesh
         out: dict[str, float] = {}
-        if (
-            not self.grads
-            or mesh.dp_rank
-            or mesh.cp_rank
-            or getattr(self.engine.step_fn, "sharded", False)
-        ):
+        if not self.grads or getattr(self.engine.step_fn, "sharded", False):
             return out
+        dense = mesh.dp_rank == 0 and mesh.cp_rank == 0  # this rank counts the dense replicas
         for _, module, name in self.trace.modules:
+            params = list(module.parameters(recurse=False))
+            counted = [p for p in params if (mesh.edp_rank == 0 if is_expert(p) else dense)]
+            if not counted:
+                continue
             total = 0.0
-            for p in module.parameters(recurse=False):
+            for p in counted:
                 if p.grad is None or (getattr(p, "tp_dim", None) is None and mesh.tp_rank):
                     continue
                 total += float(p.grad.detach().double().square().sum())
-            if any(True for _ in module.parameters(recurse=False)):
-                out[name] = out.get(name, 0.0) + total
+            out[name] = out.get(name, 0.0) + total
         return out
 
     def payload(self) -> bytes:
@@ -422,9 +423,13 @@ class StepReplay:
         )
         lines = [header]
         old_grads = self.record.get("grad_sq_norms", {}) if self.record is not None else {}
-        for name in sorted(full, key=lambda n: first_key[n]):
+        # the modules with outputs in forward order, then those with weight gradients only (a
+        # MoE layer's stacked experts, whose output is no [batch, sequence, features] tensor)
+        names = sorted(full, key=lambda n: first_key[n])
+        names += [n for n in dict.fromkeys([*grads, *old_grads]) if n not in full]
+        for name in names:
             lines.append(
-                f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
+                f"{name:48s} {_norm(full.get(name), 14)} {_norm(recorded.get(name), 14)} "
                 f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}"
             )
         if self.record is not None:
