@@ -232,6 +232,29 @@ def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, mon
     assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
 
 
+def test_a_sigterm_before_the_launcher_forwards_it_is_one_line_and_exit_143(tmp_path, common,
+                                                                          monkeypatch):
+    """The same SIGTERM a moment later, after the run is planned and --save's lock taken but
+    before the launcher forwards signals to the workers it starts (a new user's `timeout -s
+    TERM 2`): it had its default action there, which killed megapar-train without a word
+    (exit 143 from the kernel) and left --save holding only its lock."""
+    import megapar.cli.train as train_cli
+
+    def sigterm_before_forwarding(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(train_cli, "run_workers", sigterm_before_forwarding)
+    pid = _fork_main([*common, "--max-steps", "2", "--save", str(tmp_path / "ckpt")],
+                     tmp_path / "out")
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 143, out
+    assert out.strip().splitlines()[-1] == (
+        "megapar-train: aborted (SIGTERM while starting): nothing saved"), out
+    assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
+
+
 def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path, common):
     """--save-interval 1: the step the SIGINT stops after is saved already, so no "saving"
     is followed by no "saved" line; the message says that step was saved."""

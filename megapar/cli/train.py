@@ -299,9 +299,10 @@ def _run(
     for note in notes if rank == 0 else []:
         print(f"megapar-train: {note}", file=sys.stderr)
     forward = tuple(s.name for s in parse_signals(cfg.exit_signals)) + ("SIGINT",)
-    # a SIGTERM --exit-signals does not name aborts the run (no save) as a second SIGINT does:
-    # with its default action it would kill this process with --save's lock in place
-    previous = None if "SIGTERM" in forward else sigterm_as_exit()
+    # a SIGTERM --exit-signals does not name aborts the run (no save) as a second SIGINT does,
+    # and so does one that comes before the launcher forwards it (the workers starting): with
+    # its default action it would kill this process with --save's lock in place, saying nothing
+    previous = sigterm_as_exit()
     try:
         run_workers(
             _worker,
@@ -345,15 +346,17 @@ def _run(
         _remove_dead_saves(cfg)
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
-    except SystemExit as exc:  # SIGTERM, not an exit signal: the workers are gone, none saved
+    except SystemExit as exc:  # SIGTERM, not forwarded: the workers are gone, none saved
         if exc.code != SIGTERM_EXIT_CODE or previous is None:
             raise
         _remove_dead_saves(cfg)
-        print(
-            f"megapar-train: aborted (SIGTERM, which --exit-signals {cfg.exit_signals!r} does "
-            f"not name, so no save at the stop): {_what_is_saved(cfg)}",
-            file=sys.stderr,
+        why = (
+            "SIGTERM while starting"  # before the launcher forwards it to the workers
+            if "SIGTERM" in forward
+            else f"SIGTERM, which --exit-signals {cfg.exit_signals!r} does not name, so no "
+            f"save at the stop"
         )
+        print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return SIGTERM_EXIT_CODE
     finally:
         if previous is not None:
