@@ -150,8 +150,8 @@ def _check_ep(cfg: TrainConfig, config) -> None:
         if getattr(config, "num_local_experts", None) is None:
             raise ConfigError(
                 f"{flag} splits a mixture-of-experts model's experts over tp (mixtral, "
-                f"qwen3_moe: e.g. --model mixtral-tiny); this {config.model_type} model has no "
-                f"experts: use --expert-tensor-parallel-size 1"
+                f"qwen3_moe, deepseek_v3: e.g. --model mixtral-tiny); this {config.model_type} "
+                f"model has no experts: use --expert-tensor-parallel-size 1"
             )
         if config.expert_size % etp:
             raise ConfigError(
@@ -164,9 +164,9 @@ def _check_ep(cfg: TrainConfig, config) -> None:
     experts = getattr(config, "num_local_experts", None)
     if experts is None:
         raise ConfigError(
-            f"--ep {cfg.ep} shards a mixture-of-experts model's experts (mixtral, qwen3_moe: "
-            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: "
-            f"use --ep 1"
+            f"--ep {cfg.ep} shards a mixture-of-experts model's experts (mixtral, qwen3_moe, "
+            f"deepseek_v3: e.g. --model mixtral-tiny); this {config.model_type} model has no "
+            f"experts: use --ep 1"
         )
     if experts % cfg.ep:
         raise ConfigError(
@@ -191,8 +191,9 @@ def _apply_moe_flags(cfg: TrainConfig, config) -> None:
     if given and not hasattr(config, "num_local_experts"):
         flag = "--" + given[0].replace("_", "-")
         raise ConfigError(
-            f"{flag} applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. --model "
-            f"mixtral-tiny); this {config.model_type} model has no experts: remove the flag"
+            f"{flag} applies to a mixture-of-experts model (mixtral, qwen3_moe, deepseek_v3: "
+            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: remove "
+            f"the flag"
         )
     for name in given:
         value = getattr(cfg, name)
