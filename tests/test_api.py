@@ -372,6 +372,40 @@ def test_prepare_rejects_different_weights_per_rank(run):
         run(differ, 2)
 
 
+def _moe_prepared(kw):
+    """A tiny transformers Mixtral prepared with keywords `kw`: (its router's auxiliary-loss
+    and capacity settings as the engine's model has them, the eval loss of a fixed batch)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, router_aux_loss_coef=0.02))
+    engine = megapar.prepare(model, micro_batch_size=2, **kw)
+    ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    loss = engine.eval_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    config = engine.config
+    return config.router_aux_loss_coef, config.moe_capacity_factor, loss
+
+
+def test_prepare_applies_the_moe_keywords_and_refuses_them_for_a_dense_model(run):
+    """moe_aux_loss_coef, moe_z_loss_coef, moe_capacity_factor and moe_bias_update_rate reached
+    the model only through megapar-train's flags: prepare accepted them and trained with the
+    config's own (a user's moe_aux_loss_coef=0, the MoE guide's way to train as transformers'
+    Trainer does, left its 0.02 in the router's gradients); on a dense model they were taken
+    without a word, where megapar-train refuses the flags."""
+    aux, capacity, loss = run(_moe_prepared, 1, {})[0]
+    assert (aux, capacity) == (0.02, None)
+    aux, capacity, capped = run(_moe_prepared, 1, {"moe_aux_loss_coef": 0.0,
+                                                   "moe_capacity_factor": 0.1})[0]
+    assert (aux, capacity) == (0.0, 0.1) and capped != loss  # tokens over capacity dropped
+    with pytest.raises(megapar.WorkerError, match=(
+            r"megapar.prepare: moe_aux_loss_coef=0.1 applies to a mixture-of-experts model "
+            r"\(mixtral, qwen3_moe, deepseek_v3: .*; this gpt2 model has no experts: drop it")):
+        run(lambda: megapar.prepare(_hf_model(), moe_aux_loss_coef=0.1), 1)
+
+
 def _tiny_bert():
     """The seeded tiny transformers BertForMaskedLM the BERT tests train and compare against."""
     from transformers import BertConfig, BertForMaskedLM

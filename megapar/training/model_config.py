@@ -101,7 +101,7 @@ def resolve_model_config(
     if manifest is not None:
         config = _checkpoint_model(cfg, manifest, config, given_from, needed, tokenizer_name)
     _fit_seq_len(cfg, config, notes)
-    _apply_moe_flags(cfg, config)
+    apply_moe_flags(cfg, config)
     _check_ep(cfg, config)
     return config
 
@@ -184,16 +184,22 @@ MOE_FLAGS = {
 """The --moe-* flags and the model config field each sets."""
 
 
-def _apply_moe_flags(cfg: TrainConfig, config) -> None:
+def apply_moe_flags(cfg: TrainConfig, config, keyword: str | None = None) -> None:
     """The --moe-* flags given set their model config fields (--moe-capacity-factor 0:
-    dropless); refused for a model without experts."""
+    dropless); refused for a model without experts (worded for megapar-train, or with
+    `keyword`, the function whose keywords they are: "megapar.prepare")."""
     given = [name for name in MOE_FLAGS if getattr(cfg, name) is not None]
     if given and not hasattr(config, "num_local_experts"):
-        flag = "--" + given[0].replace("_", "-")
+        name = given[0]
+        flag = (
+            f"{keyword}: {name}={getattr(cfg, name)!r}"
+            if keyword
+            else "--" + name.replace("_", "-")
+        )
+        fix = "drop it" if keyword else "remove the flag"
         raise ConfigError(
             f"{flag} applies to a mixture-of-experts model (mixtral, qwen3_moe, deepseek_v3: "
-            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: remove "
-            f"the flag"
+            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: {fix}"
         )
     for name in given:
         value = getattr(cfg, name)

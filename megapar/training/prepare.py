@@ -41,6 +41,7 @@ from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.model_config import apply_moe_flags
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents, check_ranges
@@ -331,6 +332,7 @@ def prepare(
             f"attention communicates, and cp=1 has none: pass cp > 1 or drop cp_comm_type"
         )
     check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
+    apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
     _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
