@@ -1328,6 +1328,17 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
                                                "is megapar's schedule='interleaved', "
                                                "virtual_stages=V"]),
     ({"optimizer": "adam"}, ["megapar.prepare: optimizer='adam' is invalid", "'adamw'"]),
+    # a schedule's model chunks: refused at the first train_step, in megapar-train's flags
+    ({"pp": 2, "schedule": "interleaved"}, [
+        "megapar.prepare: schedule='interleaved' needs virtual_stages >= 2 model chunks per "
+        "rank, got virtual_stages=1: give virtual_stages=2 (or more), or schedule='1f1b'"]),
+    ({"schedule": "zb-v"}, ["megapar.prepare: schedule='zb-v' runs several model chunks on each "
+                            "of pp > 1 stages, and pp=1: give pp=2 or more"]),
+    ({"pp": 2, "virtual_stages": 2}, [
+        "megapar.prepare: virtual_stages=2 needs schedule='interleaved' or 'zb-v' or "
+        "'dualpipev'; schedule='1f1b' runs one model chunk per rank: give one of them"]),
+    ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 3}, [
+        "megapar.prepare: virtual_stages=3 does not apply to schedule='dualpipev'"]),
     ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):

@@ -36,7 +36,13 @@ from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
-from megapar.pipeline.schedules import chunks_per_rank, placement_of, schedule_named_elsewhere
+from megapar.pipeline.placement import schedules_taking
+from megapar.pipeline.schedules import (
+    CHUNKED_SCHEDULES,
+    chunks_per_rank,
+    placement_of,
+    schedule_named_elsewhere,
+)
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
@@ -333,6 +339,7 @@ def prepare(
         )
     check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
+    _check_schedule(cfg)
     _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
@@ -485,6 +492,40 @@ def _check_world(cfg: TrainConfig) -> None:
             f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "
             f"ranks per model replica, but this job runs {world} process"
             f"{'es' if world > 1 else ''}; {fix}, or pass a smaller tp / cp / pp"
+        )
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The schedule's model chunks at this pp, in the API's terms, before the engine is built
+    (the schedule's own check ran at the first train_step, in megapar-train's flags): a
+    schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2."""
+    name, v = cfg.schedule, cfg.virtual_stages
+    if name not in CHUNKED_SCHEDULES:
+        if v != 1:
+            takers = " or ".join(repr(s) for s in schedules_taking(v))
+            raise ValueError(
+                f"megapar.prepare: virtual_stages={v} needs schedule={takers}; schedule="
+                f"{name!r} runs one model chunk per rank: give one of them, or leave "
+                f"virtual_stages out"
+            )
+        return
+    if CHUNKED_SCHEDULES[name] == "v" and v not in (1, 2):
+        raise ValueError(
+            f"megapar.prepare: virtual_stages={v} does not apply to schedule={name!r}: it "
+            f"places exactly two model chunks per rank in a V; leave virtual_stages out, or "
+            f"give 2"
+        )
+    chunks = chunks_per_rank(name, v)
+    if cfg.pp < 2:
+        raise ValueError(
+            f"megapar.prepare: schedule={name!r} runs several model chunks on each of "
+            f"pp > 1 stages, and pp={cfg.pp}: give pp=2 or more, or schedule='1f1b'"
+        )
+    if chunks < 2:
+        raise ValueError(
+            f"megapar.prepare: schedule={name!r} needs virtual_stages >= 2 model chunks "
+            f"per rank, got virtual_stages={v}: give virtual_stages=2 (or "
+            f"more), or schedule='1f1b' for one chunk per rank"
         )
 
 
