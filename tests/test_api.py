@@ -312,6 +312,28 @@ def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
         (3e-3, 3e-3, "constant", 0, 0.0)
 
 
+def _train_and_save(ckpt, steps):
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2)
+    for batch in _batches(steps):
+        engine.train_step(batch)
+    return str(engine.save(ckpt))
+
+
+def test_engine_save_refuses_a_directory_holding_newer_steps(run, tmp_path):
+    """A fresh engine at step 1 saving where another run's step 2 is: it wrote step_1 beside
+    it and pointed latest back at it, one directory holding two runs (megapar-train refuses
+    that without --overwrite-newer). Refused on every rank, before anything is written."""
+    ckpt = tmp_path / "ckpt"
+    assert run(_train_and_save, 2, str(ckpt), 2)[0] == str(ckpt / "step_00000002")
+    with pytest.raises(megapar.WorkerError, match=(
+            f"engine.save: {ckpt} holds step_00000002, newer than this engine's step 1: saving "
+            f"would move latest back and mix those with this run's steps; save into another "
+            f"directory, or remove those steps first")):
+        run(_train_and_save, 2, str(ckpt), 1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+
+
 def _constant_save(ckpt):
     engine = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=3e-3)
     engine.train_step(_batches(1)[0])

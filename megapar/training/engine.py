@@ -25,12 +25,14 @@ from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.distributed import (
     SavedState,
+    broadcast_text,
     capture,
     load_checkpoint,
     save_checkpoint,
 )
 from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.publish import steps_after
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
 from megapar.data_parallel.compression import make_compressor
@@ -490,6 +492,7 @@ class Engine:
                 f"engine.save(extra=...) takes a dict of JSON-able values (e.g. "
                 f"{{'sched': sched.state_dict()}}), got a {type(extra).__name__}"
             )
+        self._refuse_newer_steps(path)
         meta = checkpoint_meta(self, extra)
         set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.saver is not None:
@@ -506,6 +509,21 @@ class Engine:
             )
         _returned("engine.save")
         return out
+
+    def _refuse_newer_steps(self, path: str | Path) -> None:
+        """ValueError on every rank (rank 0 looks, as it publishes) where `path` holds steps
+        newer than this engine's: the save would point ``latest`` back at this step and leave
+        those of another run (or of this one's future) mixed with it, as megapar-train refuses
+        without --overwrite-newer."""
+        newer = steps_after(path, self.step) if self.mesh.rank == 0 else None
+        found = ", ".join(newer[-3:]) if newer else ""
+        found = broadcast_text(found, self.mesh)
+        if found:
+            raise ValueError(
+                f"engine.save: {path} holds {found}, newer than this engine's step "
+                f"{self.step}: saving would move latest back and mix those with this run's "
+                f"steps; save into another directory, or remove those steps first"
+            )
 
     def params_whole(self):
         """A context in which the stage's parameters are whole and exact on this rank, to read
