@@ -666,6 +666,29 @@ def test_prepare_refuses_a_model_whose_head_it_would_drop(run):
     assert "GPT2LMHeadModel" in refused and math.isfinite(loss)
 
 
+def _headless_llama():
+    import warnings
+
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(3)
+    body = LlamaModel(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, tie_word_embeddings=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        megapar.prepare(body, micro_batch_size=2)
+    return [str(w.message) for w in caught if "megapar.prepare" in str(w.message)]
+
+
+def test_a_headless_models_missing_head_is_named_as_transformers_names_it(run):
+    """A LlamaModel (no LM head) was warned of as lacking 'head.weight', megapar's own name;
+    the warning names transformers' lm_head.weight."""
+    assert run(_headless_llama, 1)[0] == [
+        "megapar.prepare: the LlamaModel has no lm_head.weight; initialised from seed 1234 "
+        "(pass the model with its head to keep trained ones)"]
+
+
 def _betas_vs_torch_default():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -17,6 +17,7 @@ from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.checkpoint.hf_names import hf_parameter_names
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.tokenizers import hf_dir_tokenizer
@@ -641,8 +642,9 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     with engine.params_whole():
         missing = load_hf_weights(engine.model, reader)
     if missing and engine.mesh.rank == 0:
+        names = [n for m in missing for n in hf_parameter_names(engine.config, m)]  # theirs
         warnings.warn(
-            f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
+            f"megapar.prepare: the {type(model).__name__} has no {', '.join(names)}"
             f"; initialised from seed {seed} (pass the model with its head to keep "
             f"trained ones)",
             stacklevel=3,
