@@ -208,43 +208,25 @@ def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
     assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
 
 
-def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, monkeypatch):
-    """A SIGTERM while megapar-train prepares its run (e.g. tokenizing --data, no worker yet)
-    killed it without a word (exit -15, a partial .bin.tmp left in --data-cache), where a
-    Ctrl-C there says "aborted (SIGINT while starting)"."""
+@pytest.mark.parametrize("where", ["plan_run", "run_workers"])
+def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, monkeypatch, where):
+    """A SIGTERM while megapar-train prepares its run (plan_run: e.g. tokenizing --data, no
+    worker yet) killed it without a word (exit -15, a partial .bin.tmp left in --data-cache),
+    where a Ctrl-C there says "aborted (SIGINT while starting)". So did one a moment later
+    (run_workers: the run planned, --save's lock taken, the launcher not yet forwarding signals
+    to the workers it starts; a new user's `timeout -s TERM 2`), which left --save holding only
+    its lock."""
     import megapar.cli.train as train_cli
 
-    plan_run = train_cli.plan_run
+    real = getattr(train_cli, where)
 
-    def plan_then_sigterm(cfg, notes):
-        planned = plan_run(cfg, notes)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-        return planned
-
-    monkeypatch.setattr(train_cli, "plan_run", plan_then_sigterm)
-    pid = _fork_main([*common, "--max-steps", "2", "--save", str(tmp_path / "ckpt")],
-                     tmp_path / "out")
-    _, status = os.waitpid(pid, 0)
-    out = (tmp_path / "out").read_text()
-    assert os.waitstatus_to_exitcode(status) == 143, out
-    assert "megapar-train: aborted (SIGTERM while starting): nothing saved" in out, out
-    assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
-
-
-def test_a_sigterm_before_the_launcher_forwards_it_is_one_line_and_exit_143(tmp_path, common,
-                                                                          monkeypatch):
-    """The same SIGTERM a moment later, after the run is planned and --save's lock taken but
-    before the launcher forwards signals to the workers it starts (a new user's `timeout -s
-    TERM 2`): it had its default action there, which killed megapar-train without a word
-    (exit 143 from the kernel) and left --save holding only its lock."""
-    import megapar.cli.train as train_cli
-
-    def sigterm_before_forwarding(*args, **kwargs):
+    def then_sigterm(*args, **kwargs):
+        if where == "plan_run":
+            real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
 
-    monkeypatch.setattr(train_cli, "run_workers", sigterm_before_forwarding)
+    monkeypatch.setattr(train_cli, where, then_sigterm)
     pid = _fork_main([*common, "--max-steps", "2", "--save", str(tmp_path / "ckpt")],
                      tmp_path / "out")
     _, status = os.waitpid(pid, 0)
