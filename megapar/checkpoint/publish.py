@@ -317,9 +317,10 @@ def foreign_checkpoint(path: str | Path) -> str | None:
             f"with --from-hf {shell_word(path)} (or megapar-convert --from-hf "
             f"{shell_word(path)} CKPT_DIR)"
         )
-    if tokenized_datasets(p):
+    found = tokenized_datasets(p)
+    if found:
         return (
-            f"holds tokenized datasets ({named_datasets(p)}: megapar-data's .bin / .idx), not "
+            f"holds tokenized datasets ({named_datasets(found)}: megapar-data's .bin / .idx), not "
             f"a megapar checkpoint; pass a dataset's prefix to megapar-train --data"
         )
     return None

@@ -286,11 +286,12 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
     binary: `check_is_text`'s line; text under another name: give it by its own path); or only
     a tokenizer's files (`tokenizer`)."""
     line = f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
-    if not others and tokenized_datasets(path):  # megapar-data's output, given as its input
+    found = [] if others else tokenized_datasets(path)  # megapar-data's output as its input
+    if found:
         return (
-            f"input directory {path} holds tokenized datasets ({named_datasets(path)}: "
+            f"input directory {path} holds tokenized datasets ({named_datasets(found)}: "
             f"megapar-data's output), no text: train on one with megapar-train --data "
-            f"{shell_word(tokenized_datasets(path)[0])}, or give the text they were made from"
+            f"{shell_word(found[0])}, or give the text they were made from"
         )
     if tokenizer and not others:
         names = ", ".join(os.path.basename(f) for f in tokenizer[:3])
@@ -681,10 +682,9 @@ def tokenized_datasets(path: str | os.PathLike) -> list[str]:
     return sorted(os.path.join(os.fspath(path), n) for n in found)
 
 
-def named_datasets(path: str | os.PathLike, most: int = 3) -> str:
-    """`tokenized_datasets(path)` for a message: the first `most`, shell-quoted, and how many
-    more ("d/a, d/b, d/c and 3 more")."""
-    found = tokenized_datasets(path)
+def named_datasets(found: list[str], most: int = 3) -> str:
+    """`tokenized_datasets`' `found` for a message: the first `most`, shell-quoted, and how
+    many more ("d/a, d/b, d/c and 3 more")."""
     shown = ", ".join(shell_word(p) for p in found[:most])
     return shown + (f" and {len(found) - most} more" if len(found) > most else "")
 

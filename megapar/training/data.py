@@ -239,8 +239,9 @@ def _refuse_what_is_not_text(path: str) -> None:
             f"megapar-train --from-hf {shell_word(path)} (or import it: megapar-convert "
             f"--from-hf {shell_word(path)} CKPT_DIR), and pass the text or dataset to --data"
         )
-    if tokenized_datasets(path):
-        shown = ", ".join(shell_word(p) for p in tokenized_datasets(path)[:3])
+    found = tokenized_datasets(path)
+    if found:
+        shown = ", ".join(shell_word(p) for p in found[:3])
         try:
             text = bool(expand_inputs([path]))  # a dataset's own .json is not text
         except FileNotFoundError:
