@@ -43,30 +43,37 @@ CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
 take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
 
 
-def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
+def chunks_per_rank(name: str, virtual_stages: int = 1, api: bool = False) -> int:
     """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
     the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
-    ValueError with one line naming the fix where `virtual_stages` does not apply."""
+    ValueError with one line naming the fix where `virtual_stages` does not apply, worded for
+    megapar-train's flags, or with `api` for megapar.prepare's keywords only."""
+    v = virtual_stages
     if CHUNKED_SCHEDULES.get(name) == "v":
-        if virtual_stages not in (1, 2):
+        if v not in (1, 2):
             raise ValueError(
-                f"--virtual-stages {virtual_stages} does not apply to --schedule "
-                f"{name} (in Python: virtual_stages={virtual_stages}, "
-                f"schedule={name!r}): it places exactly two model chunks per rank "
-                f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
+                f"virtual_stages={v} does not apply to schedule={name!r}: it places exactly "
+                f"two model chunks per rank in a V; leave virtual_stages out, or give 2"
+                if api
+                else f"--virtual-stages {v} does not apply to --schedule {name} (in Python: "
+                f"virtual_stages={v}, schedule={name!r}): it places exactly two model chunks "
+                f"per rank in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
                 f"--virtual-stages / virtual_stages out, or give 2"
             )
         return 2
     if name in CHUNKED_SCHEDULES:
-        return virtual_stages
-    if virtual_stages != 1:
-        takers = schedules_taking(virtual_stages)
+        return v
+    if v != 1:
+        takers = schedules_taking(v)
+        give = "give it" if len(takers) == 1 else "give one of them"
         raise ValueError(
-            f"--virtual-stages {virtual_stages} needs --schedule {or_list(takers)} (in "
-            f"Python: virtual_stages={virtual_stages}, schedule={takers[0]!r}); "
-            f"schedule {name!r} runs one model chunk per rank: "
-            f"{'give it' if len(takers) == 1 else 'give one of them'}, or leave "
-            f"--virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+            f"virtual_stages={v} needs schedule={' or '.join(map(repr, takers))}; schedule="
+            f"{name!r} runs one model chunk per rank: {give}, or leave virtual_stages out"
+            if api
+            else f"--virtual-stages {v} needs --schedule {or_list(takers)} (in Python: "
+            f"virtual_stages={v}, schedule={takers[0]!r}); schedule {name!r} runs one model "
+            f"chunk per rank: {give}, or leave --virtual-stages "
+            f"out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
         )
     return 1
 

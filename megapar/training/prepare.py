@@ -37,7 +37,6 @@ from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
-from megapar.pipeline.placement import schedules_taking
 from megapar.pipeline.schedules import (
     CHUNKED_SCHEDULES,
     chunks_per_rank,
@@ -501,22 +500,12 @@ def _check_schedule(cfg: TrainConfig) -> None:
     (the schedule's own check ran at the first train_step, in megapar-train's flags): a
     schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2."""
     name, v = cfg.schedule, cfg.virtual_stages
+    try:
+        chunks = chunks_per_rank(name, v, api=True)
+    except ValueError as exc:
+        raise ValueError(f"megapar.prepare: {exc}") from None
     if name not in CHUNKED_SCHEDULES:
-        if v != 1:
-            takers = " or ".join(repr(s) for s in schedules_taking(v))
-            raise ValueError(
-                f"megapar.prepare: virtual_stages={v} needs schedule={takers}; schedule="
-                f"{name!r} runs one model chunk per rank: give one of them, or leave "
-                f"virtual_stages out"
-            )
         return
-    if CHUNKED_SCHEDULES[name] == "v" and v not in (1, 2):
-        raise ValueError(
-            f"megapar.prepare: virtual_stages={v} does not apply to schedule={name!r}: it "
-            f"places exactly two model chunks per rank in a V; leave virtual_stages out, or "
-            f"give 2"
-        )
-    chunks = chunks_per_rank(name, v)
     if cfg.pp < 2:
         raise ValueError(
             f"megapar.prepare: schedule={name!r} runs several model chunks on each of "
