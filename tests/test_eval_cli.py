@@ -464,6 +464,27 @@ def test_save_logits_naming_a_directory_is_refused(tiny_ckpt, tmp_path, capsys, 
     assert "which is a directory" in _one_error_line(capsys)
 
 
+def test_an_existing_save_logits_file_is_replaced_only_with_overwrite(tiny_ckpt, tmp_path,
+                                                                      capsys):
+    """A second run into the same --save-logits used to replace the first's logits silently,
+    where megapar-data and megapar-convert ask for --overwrite: refused before any worker, the
+    file untouched; --overwrite replaces it; --overwrite with --data (nothing written) refused."""
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "lg.npy"
+    np.save(out, np.zeros(3, dtype=np.float32))
+    argv = ["--load", str(ckpt), "--input-ids", str(ids), "--save-logits", str(tmp_path / "lg")]
+    assert evaluate(argv) == 2
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: --save-logits {tmp_path / 'lg'} would replace {out}, which "
+        f"exists; pass --overwrite to replace it, or give another file name")
+    assert np.load(out).shape == (3,)
+    assert evaluate([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+    assert np.load(out).shape == (2, 8, 101)
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--overwrite"]) == 2
+    assert "--overwrite is used only with --save-logits" in _one_error_line(capsys)
+
+
 def test_save_logits_interrupted_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
     # a Ctrl-C inside np.save used to leave a cut-short logits.npy behind "nothing was written"
     import megapar.cli.eval as eval_cli

@@ -189,7 +189,12 @@ def build_parser() -> OneLineParser:
         "--save-logits",
         type=os.path.expanduser,
         help="where rank 0 writes the float32 logits (.npy; the "
-        "suffix is added when missing, as numpy does)",
+        "suffix is added when missing, as numpy does); an existing file only with --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --save-logits file (as megapar-data and megapar-convert ask)",
     )
     p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking (default: 1234)")
     p.add_argument(
@@ -398,9 +403,10 @@ def _check_ids(args, vocab_size: int) -> None:
             check_given_tokenizer(args.tokenizer, args.data, load_tokenizer(indexed.tokenizer_spec))
 
 
-def logits_file(path: str) -> str:
+def logits_file(path: str, overwrite: bool = False) -> str:
     """The file `np.save(path, ...)` writes (it adds .npy when missing), checked up front:
-    not a directory, and its directory writable (created if missing, as the run needs)."""
+    not a directory, not an existing file unless `overwrite`, and its directory writable
+    (created if missing, as the run needs)."""
 
     target = os.path.expanduser(path)
     if names_directory(path):
@@ -412,6 +418,11 @@ def logits_file(path: str) -> str:
     if os.path.isdir(real):
         raise ValueError(
             f"--save-logits {path} would write {real}, which is a directory; give another file name"
+        )
+    if os.path.exists(real) and not overwrite:
+        raise ValueError(
+            f"--save-logits {path} would replace {real}, which exists; pass --overwrite to "
+            "replace it, or give another file name"
         )
     check_writable(real, "--save-logits", kind="file")
     return real
@@ -451,6 +462,11 @@ def _choose_worker(args, given: tuple[str, ...]):
         raise UsageError(
             "--save-logits is used only with --input-ids IDS.npy (--data reports the loss); "
             "drop it or give --input-ids"
+        )
+    if args.overwrite:
+        raise UsageError(
+            "--overwrite is used only with --save-logits (--data reports the loss and writes "
+            "nothing); drop it"
         )
     _refuse_given(
         given,
@@ -529,7 +545,7 @@ def main(argv=None) -> int:
         manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
-            args.save_logits = logits_file(args.save_logits)
+            args.save_logits = logits_file(args.save_logits, args.overwrite)
         if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
         said = trained_documents_note(trained_documents(manifest))
