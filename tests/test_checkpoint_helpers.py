@@ -61,10 +61,11 @@ def optim_for(model, mesh) -> dict:
     return out
 
 
-def save_serial(root, kind="gpt2", seed=7, step=3, meta=None):
-    """A 1x1 checkpoint (no process group) of a seeded tiny model with synthetic moments."""
+def save_serial(root, kind="gpt2", seed=7, step=3, meta=None, **overrides):
+    """A 1x1 checkpoint (no process group) of a seeded tiny model (`overrides`: of its config)
+    with synthetic moments."""
     mesh = Mesh(Layout(1, 1, 1))
-    model = build_stage(tiny_config(kind), mesh, seed)
+    model = build_stage(tiny_config(kind, **overrides), mesh, seed)
     rng = {"cpu": torch.get_rng_state()}
     return save_checkpoint(root, step, model, mesh, optim_for(model, mesh),
                            meta or {"consumed_samples": 96}, rng)

@@ -693,6 +693,39 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert len(err.splitlines()) == 1 and "is not the tokenizer --data" in err, err
 
 
+def test_a_tokenizer_far_smaller_than_an_unrecorded_models_vocabulary_gets_a_note(
+        tmp_path, corpus, capsys):
+    """A checkpoint that records no tokenizer took any --tokenizer whose ids stayed in range:
+    the shipped 1,004-id sentencepiece on a 2,100-id model scored without a word. Now megapar-eval
+    (raw text and a prepared dataset) and megapar-generate say it is likely another tokenizer;
+    a model padded within 1,024 ids of it (2,000) gets no note, as a real model's padding."""
+    from test_checkpoint_helpers import save_serial
+
+    from megapar.cli.generate import main as generate
+
+    prefix, _, root = corpus
+    text = str(root / "sample.txt")
+    for vocab, noted in ((2100, True), (2000, False)):
+        ckpt = tmp_path / f"v{vocab}"
+        save_serial(ckpt, vocab_size=vocab)
+        base = ["--load", str(ckpt), "--seq-len", "16", "--max-batches", "1"]
+        runs = [
+            (evaluate, [*base, "--data", text, "--tokenizer", "sentencepiece", "--data-cache",
+                        str(tmp_path / "cache")], "--tokenizer sentencepiece"),
+            (evaluate, [*base, "--data", prefix],
+             f"the tokenizer --data {prefix} was made with ("),
+            (generate, ["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "To be",
+                        "--max-new-tokens", "2"], "--tokenizer sentencepiece"),
+        ]
+        for command, argv, name in runs:
+            assert command(argv) == 0, capsys.readouterr().err
+            err = capsys.readouterr().err
+            note = (f"has 1,004 ids and --load {ckpt}'s model {vocab:,}, which records no "
+                    f"tokenizer: a model's vocabulary is its tokenizer's (padded by at most a few "
+                    f"hundred), so this is likely not the one it trained with")
+            assert (note in err and name in err) == noted, (argv, err)
+
+
 def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys, monkeypatch):
     """megapar-eval has no data parallelism: 4 torchrun processes for --tp 2 is one line, rc 2,
     before any process group (not a LayoutError from every rank, each calling itself rank 0)."""

@@ -27,6 +27,7 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import (
     launched_size_refusal,
     parser_errors_once,
+    prints_refusals,
     refused,
     run_reported,
 )
@@ -40,7 +41,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.training.config import precision_named_elsewhere
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
-from megapar.training.tokenizer_checks import recorded_as_trained
+from megapar.training.tokenizer_checks import recorded_as_trained, unlike_vocab_note
 from megapar.training.validate import UsageError
 from megapar.training.validate_resume import checked_step, checkpoint_manifest, worker_verify
 
@@ -445,6 +446,11 @@ def main(argv=None) -> int:
             prompts, prompt_names(args), tok, config
         )
         args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
+        unlike = unlike_vocab_note(
+            args.load, manifest, tok, config.vocab_size, f"--tokenizer {args.tokenizer}"
+        )
+        if unlike and prints_refusals():  # once per node
+            print(f"megapar-generate: {unlike}", file=sys.stderr)
     except (UsageError, OSError, ValueError) as exc:
         return refused("megapar-generate", exc)
     results = _run(args)

@@ -56,6 +56,7 @@ from megapar.training.tokenizer_checks import (
     check_dataset_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
+    unlike_vocab_note,
 )
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
@@ -364,9 +365,17 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
     vocab_size, tokenizer = data_tokenizer(cfg)
     data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
     if manifest is not None:
-        check_checkpoint_tokenizer(
-            cfg.load, manifest, tokenizer, data, _text_tokenizer(cfg) if is_raw_text(data) else None
+        text = _text_tokenizer(cfg) if is_raw_text(data) else None
+        check_checkpoint_tokenizer(cfg.load, manifest, tokenizer, data, text)
+        unlike = unlike_vocab_note(
+            cfg.load,
+            manifest,
+            tokenizer,
+            manifest["model"]["vocab_size"],
+            text or f"the tokenizer --data {data} was made with ({tokenizer.path})",
         )
+        if unlike and notes is not None:
+            notes.append(unlike)
     elif cfg.from_hf:
         check_hf_tokenizer(cfg, tokenizer, data, is_raw_text(data))
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)

@@ -93,6 +93,28 @@ def recorded_as_trained(recorded: dict) -> Tokenizer | None:
     return tok if unchanged else None
 
 
+def unlike_vocab_note(
+    load: str, manifest: dict, tokenizer, vocab_size: int, name: str
+) -> str | None:
+    """The start-up note for a tokenizer (`name` in messages) of a --load checkpoint that records
+    none, when its vocabulary is far smaller than the model's `vocab_size`: a model's vocabulary
+    is its tokenizer's, padded at most by a few hundred ids (GPT-2 50,257 of 50,257, Qwen2.5
+    151,665 of 151,936, DeepSeek-V3 128,815 of 129,280), so this is likely another tokenizer,
+    whose ids stay in range and mean other tokens. None otherwise: a checkpoint that records
+    its tokenizer is checked against it (`check_checkpoint_tokenizer`)."""
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    if isinstance(recorded, dict) and recorded.get("path"):
+        return None
+    if tokenizer.vocab_size + max(1024, vocab_size // 64) >= vocab_size:
+        return None
+    return (
+        f"{name} has {tokenizer.vocab_size:,} ids and --load {load}'s model "
+        f"{vocab_size:,}, which records no tokenizer: a model's vocabulary is its tokenizer's "
+        f"(padded by at most a few hundred), so this is likely not the one it trained with "
+        f"and its ids would be other tokens; pass --tokenizer with the model's own"
+    )
+
+
 def check_checkpoint_tokenizer(
     load: str | None, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
 ) -> None:

@@ -36,6 +36,7 @@ from megapar.training.eval_text import (
 from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     check_dataset_tokenizer,
+    unlike_vocab_note,
 )
 from megapar.training.validate import (
     UsageError,
@@ -107,7 +108,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         try:
             if is_text(args.data):  # tokenized into --data-cache as megapar-train does
                 args.data = tokenize_text(args, manifest, config.vocab_size, tokenized)
-            left_note = _check_data(args, manifest, causal)
+            left_note = _check_data(args, manifest, causal, config.vocab_size)
         except BaseException:
             discard_tokenized(tokenized)
             raise
@@ -118,10 +119,11 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     return manifest
 
 
-def _check_data(args, manifest: dict, causal: bool) -> str | None:
+def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | None:
     """The checks of --data as a dataset prefix (raw text already tokenized): its files, its
-    tokenizer against the checkpoint's, and one batch's worth of samples. Returns the line
-    naming the samples the whole batches leave out (`_left_out`)."""
+    tokenizer against the checkpoint's, and one batch's worth of samples. Returns the lines
+    naming the samples the whole batches leave out (`_left_out`) and a tokenizer far smaller
+    than the model's vocabulary (`unlike_vocab_note`), or None."""
     missing = [f[len(args.data) :] for f in missing_files(args.data)]
     if missing:
         raise UsageError(
@@ -140,7 +142,15 @@ def _check_data(args, manifest: dict, causal: bool) -> str | None:
     if getattr(args, "data_shown", args.data) == args.data:  # text: tokenized with --tokenizer
         check_dataset_tokenizer(args.data, indexed.tokenizer_spec, tokenizer)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-    return _check_batches(args, indexed, tokenizer, causal)
+    shown = getattr(args, "data_shown", args.data)
+    name = (
+        f"--tokenizer {args.tokenizer}"
+        if shown != args.data or args.tokenizer
+        else f"the tokenizer --data {shown} was made with ({tokenizer.path})"
+    )
+    unlike = unlike_vocab_note(args.load, manifest, tokenizer, vocab_size, name)
+    notes = [_check_batches(args, indexed, tokenizer, causal), unlike and f"megapar-eval: {unlike}"]
+    return "\n".join(n for n in notes if n) or None
 
 
 def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
