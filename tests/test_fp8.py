@@ -19,7 +19,7 @@ values in fp32, so everything here is exact to fp32 rounding, and that is the to
   gathers with per-use casts, at a quarter of the bytes; rowwise gathers fp32;
 - where torch has float8 matmuls on the CPU (`torch._scaled_mm`, x86), the path a GPU runs,
   torchao's float8 tensors through that kernel, equals the emulation at tp 2 and at ZeRO-3
-  dp 2 (the gathered float8 weights) in bf16 (rowwise where the CPU kernel takes rowwise
+  dp 2 (the gathered float8 weights) in bf16, and at tp 2 in fp16 (rowwise where the CPU kernel takes rowwise
   scales: torch 2.13's does, 2.11's takes one scale a tensor only).
 
 torchao is an optional dependency (megapar[fp8]); without it these tests skip (the checks of
@@ -496,8 +496,9 @@ def _cpu_float8_kernels(recipe: str = "tensorwise") -> str | None:
     return None
 
 
-def _kernels_and_emulation(recipe, tp, zero=0):
-    """Three bf16 steps with the float8 products emulated, then with torch's kernels."""
+def _kernels_and_emulation(recipe, tp, zero=0, precision="bf16"):
+    """Three steps (bf16 or fp16) with the float8 products emulated, then with torch's
+    kernels."""
     from megapar.training import prepare as prepare_module
 
     prepare_module.check_fp8 = lambda cfg, *args, **kwargs: None  # (a forked rank's copy)
@@ -508,7 +509,7 @@ def _kernels_and_emulation(recipe, tp, zero=0):
         try:
             engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2,
                                      lr=3e-3, global_batch_size=GBS, seq_len=SEQ, seed=5,
-                                     clip_grad=1.0, tp=tp, precision="bf16", fp8=recipe,
+                                     clip_grad=1.0, tp=tp, precision=precision, fp8=recipe,
                                      fp8_emulate=emulate, fp8_layers="all", zero=zero)
             runs.append(([engine.train_step(b) for b in _batches()[:STEPS]], len(calls)))
         finally:
@@ -517,22 +518,24 @@ def _kernels_and_emulation(recipe, tp, zero=0):
 
 
 @pytest.mark.skipif(_cpu_float8_kernels() is not None, reason=str(_cpu_float8_kernels()))
-@pytest.mark.parametrize("recipe,tp,zero", [("tensorwise", 2, 0), ("rowwise", 2, 0),
-                                            ("tensorwise", 1, 3)])
-def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe, tp, zero):
+@pytest.mark.parametrize("recipe,tp,zero,precision", [
+    ("tensorwise", 2, 0, "bf16"), ("rowwise", 2, 0, "bf16"), ("tensorwise", 1, 3, "bf16"),
+    ("tensorwise", 2, 0, "fp16")])
+def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe, tp, zero, precision):
     """The path a GPU runs, short of its kernels: torchao's float8 tensors through
     `torch._scaled_mm` (their layouts, the cached weight casts reused transposed in the
     backward; under ZeRO-3 at dp 2, the float8 weights gathered as bytes, views into the
     gathered buffer), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) and
     ZeRO-3 dp 2 three bf16 steps equal the emulation's within 1e-5: the same casts and scales,
-    the products in fp32 either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these
+    the products in fp32 either way, rounded to bf16 once; and under fp16 (its loss scale
+    multiplying the gradients the float8 casts scale) at tp 2. (--fp8 itself refuses a CPU: these
     kernels are not what a CPU should train with; the test calls prepare past that check.)"""
     if _cpu_float8_kernels(recipe) is not None:  # torch 2.11's CPU kernel: tensorwise only
         pytest.skip(_cpu_float8_kernels(recipe))
     micro_batches = GBS // 2 // (2 // tp)  # a rank's: tp 2, or dp 2
     products = 3 * micro_batches * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
     for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, tp,
-                                                        zero):
+                                                        zero, precision):
         assert (none, calls) == (0, products), (none, calls)
         assert_close(torch.tensor(kernels), torch.tensor(emulated), 1e-5, f"{recipe} kernels")
 
