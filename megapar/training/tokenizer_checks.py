@@ -94,7 +94,7 @@ def recorded_as_trained(recorded: dict) -> Tokenizer | None:
 
 
 def unlike_vocab_note(
-    load: str, manifest: dict, tokenizer, vocab_size: int, name: str
+    load: str | None, manifest: dict, tokenizer, vocab_size: int, name: str
 ) -> str | None:
     """The start-up note for a tokenizer (`name` in messages) of a --load checkpoint that records
     none, when its vocabulary is far smaller than the model's `vocab_size`: a model's vocabulary
