@@ -303,6 +303,8 @@ def test_a_diverging_run_stops_and_saves_nothing(tmp_path, common, capsys, preci
     err = capsys.readouterr().err
     assert rc == 1
     assert "training diverged" in err and "Traceback" not in err, err
+    # clipping is on (--clip-grad 1.0, the default): "lower" it, not "use" it
+    assert "raise --warmup-steps or lower --clip-grad;" in err, err
     assert not ckpt.exists() or not any(p.name.startswith("step_") for p in ckpt.iterdir())
 
 

@@ -62,17 +62,18 @@ class NonFiniteGuard:
 
     CLI_ADVICE = (
         "stopped without saving (the last checkpoint, if any, is intact). Lower --lr, "
-        "raise --warmup-steps or use --clip-grad; --max-nonfinite-steps sets the "
+        "raise --warmup-steps or {clip} --clip-grad; --max-nonfinite-steps sets the "
         "patience (0 = never stop)"
     )
-    """What megapar-train's error adds after the reason."""
+    """What megapar-train's error adds after the reason ({clip}: "lower" where the run clips,
+    "use" where it does not)."""
 
     def __init__(
         self,
         max_steps: int,
         precision: str,
         scaler: LossScaler | None = None,
-        advice: str = CLI_ADVICE,
+        advice: str = CLI_ADVICE.format(clip="use"),
         keywords: bool = False,
     ):
         self.max_steps, self.precision, self.scaler = max_steps, precision, scaler
