@@ -465,6 +465,21 @@ def test_a_deepspeed_scheduler_names_megapars_decay(scheduler, flags, left):
     assert deepspeed_equivalents({"scheduler": scheduler}) == (flags, left, [])
 
 
+def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():
+    """An optimizer's lr and a WarmupLR's warmup_max_lr (which DeepSpeed trains at) gave two
+    --lr flags, a new user's finding; now the scheduler's alone, in either order."""
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_type": "linear"}}
+    for data in ({"optimizer": optimizer, "scheduler": scheduler},
+                 {"scheduler": scheduler, "optimizer": optimizer}):
+        flags = " ".join(deepspeed_equivalents(data)[0]).split()
+        assert flags.count("--lr") == 1 and flags[flags.index("--lr") + 1] == "0.0003", flags
+    alone = deepspeed_equivalents({"optimizer": optimizer})[0]
+    assert "--lr 0.001" in alone, alone
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")

@@ -138,8 +138,10 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             else:
                 left.append(f"optimizer.type {value.get('type')}")
             params = value.get("params") or {}
+            # a scheduler's warmup_max_lr is the lr DeepSpeed trains at: its --lr, said once
+            scheduler_lr = "warmup_max_lr" in ((data.get("scheduler") or {}).get("params") or {})
             for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
-                if name in params:
+                if name in params and not (name == "lr" and scheduler_lr):
                     flags.append(f"{flag} {_flag_value(params[name])}")
             if "weight_decay" in params:
                 flags.append(f"--weight-decay {_flag_value(params['weight_decay'])}")
