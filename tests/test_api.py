@@ -1339,7 +1339,7 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"zero": 3, "grad_compression": "powersgd"},
      ["megapar.prepare: grad_compression='powersgd' cannot be combined with zero=3"]),
     ({"zero": 3, "precision": "bf16", "grad_reduce_dtype": "bf16"},
-     ["megapar.prepare: grad_reduce_dtype='bf16' is not served with zero=3", "use zero=1"]),
+     ["megapar.prepare: grad_reduce_dtype='bf16' is not served with zero=3", "use zero=0, zero=1 or zero=2 for a bf16"]),
     # refused only inside the engine, in megapar-train's flags ("--grad-compression ... --zero")
     ({"zero": 1, "grad_compression": "powersgd"},
      ["megapar.prepare: grad_compression='powersgd' cannot be combined with zero=1",

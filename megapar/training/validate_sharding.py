@@ -103,8 +103,9 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
     if cfg.grad_reduce_dtype not in ("auto", "fp32"):
         raise UsageError(
             f"{where}{term('grad_reduce_dtype', cfg.grad_reduce_dtype)} is not served with "
-            f"{zero3} (its reduce-scatters run in fp32); use {term('zero', 1)} for a "
-            f"{cfg.grad_reduce_dtype} reduction, or drop {term('grad_reduce_dtype')}"
+            f"{zero3} (its reduce-scatters run in fp32); use {term('zero', 0)}, "
+            f"{term('zero', 1)} or {term('zero', 2)} for a {cfg.grad_reduce_dtype} reduction, "
+            f"or drop {term('grad_reduce_dtype')}"
         )
     if cfg.offload_params and not cfg.offload_optimizer and cfg.optimizer in NOT_OFFLOADED:
         raise UsageError(  # adding the offloaded optimizer would be refused next
