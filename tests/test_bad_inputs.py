@@ -444,6 +444,17 @@ def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_
     assert "choose a multiple" not in line
 
 
+def test_a_resumed_cp_that_cannot_split_the_checkpoints_seq_len(env, no_workers, capsys):
+    """--seq-len is the checkpoint's when not given: --cp 3 at its 32 said '--seq-len 32 is not
+    divisible by 6' as if the user had typed it, and named no --cp that fits; a new user's
+    finding."""
+    assert train(["--load", env["ckpt"], "--cp", "3", "--max-steps", "3"]) == 2
+    assert _one_line(capsys, "megapar-train").endswith(
+        f"--seq-len 32 (not given: the value --load {env['ckpt']} recorded) is not divisible "
+        f"by 6: --cp 3 cuts each sequence into 2 x cp = 6 chunks; choose a multiple of 6, or a "
+        f"--cp it allows (2, 4, 8, 16)")
+
+
 def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
     """--from-hf DIR without --tokenizer tokenizes with DIR's own tokenizer (here its
     SentencePiece tokenizer.model), said in a start-up note; a --tokenizer, or a prepared --data,

@@ -230,10 +230,10 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(
-            f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
+            f"{named(cfg, 'seq_len')} is not divisible by --tp {layout.tp}, which "
             f"--sequence-parallel needs; choose a multiple of {layout.tp}"
         )
-    check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
+    check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel, named(cfg, "seq_len"))
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))

@@ -320,18 +320,28 @@ def check_mlm_token_types(config) -> None:
         )
 
 
-def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
+def check_cp_seq_len(
+    seq_len: int, layout, sequence_parallel: bool = False, shown: str | None = None
+) -> None:
     """Context parallelism cuts each sequence into 2 x cp chunks (and, under sequence
     parallelism, a cp rank's tokens into tp slices): --seq-len must be a multiple of
-    `length_multiple` (the rule the cp split itself checks, `check_length`)."""
+    `length_multiple` (the rule the cp split itself checks, `check_length`). The refusal names
+    the --cp sizes that fit the length too; `shown`: --seq-len as the message names it, e.g.
+    one a --load checkpoint recorded (`validate_resume.named`)."""
     cp, tp = layout.cp, layout.tp
     need = length_multiple(cp, tp, sequence_parallel)
     if cp > 1 and seq_len % need:
         why = " and each cp rank's tokens into --tp slices" if need != 2 * cp else ""
+        fits = [
+            str(c)
+            for c in range(2, seq_len // 2 + 1)
+            if seq_len % length_multiple(c, tp, sequence_parallel) == 0
+        ][:4]
+        other = f", or a --cp it allows ({', '.join(fits)})" if fits else ""
         raise UsageError(
-            f"--seq-len {seq_len} is not divisible by {need}: --cp {cp} cuts "
+            f"{shown or f'--seq-len {seq_len}'} is not divisible by {need}: --cp {cp} cuts "
             f"each sequence into 2 x cp = {2 * cp} chunks{why}; choose a multiple "
-            f"of {need}"
+            f"of {need}{other}"
         )
 
 
