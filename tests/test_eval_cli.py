@@ -1077,6 +1077,10 @@ def test_windows_whole_batches_leave_out_are_said_in_one_line():
     assert "(1 batch of --micro-batch-size 4); the last 1 (4 predicted tokens) is left " in (
         line(4 * 5 + 1))
     assert line(4 * 8 + 1) is None and line(4 * 8 + 3) is None  # every window scored
+    assert line(4 * 30 + 1).endswith("--micro-batch-size 5 scores every one")  # 6 batches
+    # a prime count: 479 windows were told --micro-batch-size 479 (one batch of them all)
+    assert line(4 * 479 + 1, max_batches=200).endswith(
+        "--micro-batch-size 1 --max-batches 479 scores every one")
     assert line(4 * 10 + 1, max_batches=2) is None  # fewer batches asked for
 
 

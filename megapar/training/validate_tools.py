@@ -216,17 +216,20 @@ def _left_out(
         return None if given else _capped(args, shown, samples, unit)
     if scored == samples:
         return None
-    sizes = [  # samples itself is one (a single batch): never empty here
-        d for d in range(2, samples + 1) if samples % d == 0 and samples // d <= args.max_batches
-    ]
-    size = min(sizes, key=lambda d: (abs(d - b), d))
+    # the divisor of `samples` nearest --micro-batch-size in --max-batches batches, up to twice
+    # the size; else the nearest at all (1 at worst, not a prime count's one batch of them all)
+    # with the --max-batches its batches need
+    divisors = [d for d in range(1, samples + 1) if samples % d == 0]
+    fit = [d for d in divisors if d <= 2 * b and samples // d <= args.max_batches]
+    size = min(fit or divisors, key=lambda d: (abs(d - b), d))
+    more = f" --max-batches {samples // size}" if samples // size > args.max_batches else ""
     left = samples - scored
     tokens = f" ({counted(left * tokens_each, 'predicted token')})" if tokens_each else ""
     return (
         f"megapar-eval: scores {scored:,} of the {counted(samples, unit)} of --data {shown} "
         f"({counted(scored // b, 'batch', 'batches')} of --micro-batch-size {b}); the last "
         f"{left:,}{tokens} {'is' if left == 1 else 'are'} left out, as only whole batches are "
-        f"scored: --micro-batch-size {size} scores every one"
+        f"scored: --micro-batch-size {size}{more} scores every one"
     )
 
 
