@@ -444,6 +444,23 @@ def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_
     assert "choose a multiple" not in line
 
 
+def test_a_model_configs_vocabulary_smaller_than_the_tokenizers_names_both_counts(
+        env, no_workers, capsys, tmp_path):
+    """A config's vocab_size 32000 under the default gpt2 tokenizer was told the tokenizer
+    'needs 50257 token ids' while every other line says it has 50,261; the line says why the
+    counts differ (a new user's finding)."""
+    model = tmp_path / "l32.json"
+    model.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "vocab_size": 32000}))
+    assert train(["--model", str(model), "--max-steps", "1", "--seq-len", "32"]) == 2
+    assert _one_line(capsys, "megapar-train") == (
+        f"megapar-train: error: the model config {model} has vocab_size 32000 but the data's "
+        f"tokenizer gpt2 needs 50,257 token ids (of its 50,261: a causal model does not read "
+        f"the 4 special tokens appended after its vocabulary); make them match (or leave "
+        f"vocab_size out of the config to take the tokenizer's)")
+
+
 def test_a_resumed_cp_that_cannot_split_the_checkpoints_seq_len(env, no_workers, capsys):
     """--seq-len is the checkpoint's when not given: --cp 3 at its 32 said '--seq-len 32 is not
     divisible by 6' as if the user had typed it, and named no --cp that fits; a new user's

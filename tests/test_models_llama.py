@@ -275,6 +275,10 @@ def test_dense_recipes_count_as_transformers_builds_them_and_as_the_planner(name
      "rope_scaling of type 'llama3' needs low_freq_factor \\(a number"),
     (dict(rope_scaling={"type": "linear"}), (1, 1), "type 'linear' needs factor \\(a number"),
     (dict(), (1, 3), "2 layers cannot be cut into --pp 3"),
+    # an odd head size named by the fields that make it (it said "head size 15" alone)
+    (dict(hidden_size=60), (1, 1), r"^the head size 15 \(hidden_size 60 / num_attention_heads "
+                                   r"4\) must be even for rotary embeddings; choose sizes"),
+    (dict(head_dim=15), (1, 1), "^head_dim 15 must be even for rotary embeddings"),
 ])
 def test_configs_the_model_cannot_take(change, layout, message):
     from megapar.mesh import Layout

@@ -470,7 +470,18 @@ class LlamaConfig(_Base):
                 f"attention heads (or set head_dim)"
             )
         if self.rope_dim % 2:
-            raise ConfigError(f"head size {self.rope_dim} must be even for rotary embeddings")
+            if self.rope_dim != self.head_size:
+                odd = f"qk_rope_head_dim {self.rope_dim}"
+            elif self.head_dim is not None:
+                odd = f"head_dim {self.head_dim}"
+            else:
+                odd = (
+                    f"the head size {self.rope_dim} (hidden_size {self.hidden_size} / "
+                    f"num_attention_heads {q})"
+                )
+            raise ConfigError(
+                f"{odd} must be even for rotary embeddings; choose sizes that make it even"
+            )
         sizes = {"attention heads": q, "FFN size": self.intermediate_size}
         for what, size in sizes.items():
             if size % layout.tp:

@@ -50,6 +50,17 @@ def resolve_model_config(
         causal = config.model_type in CAUSAL_LM_TYPES
         return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
 
+    def needs(config) -> str:
+        """ "needs N token ids", saying why N is not the tokenizer's size where it is not."""
+        n = needed(config)
+        why = (
+            f" (of its {vocab_size:,}: a causal model does not read the {vocab_size - n} "
+            f"special tokens appended after its vocabulary)"
+            if n < vocab_size
+            else ""
+        )
+        return f"needs {n:,} token ids{why}"
+
     given_from = ""
     if cfg.from_hf:
         reader = HFReader(cfg.from_hf)
@@ -62,7 +73,7 @@ def resolve_model_config(
         if config.vocab_size < needed(config) and manifest is None:
             _check_appended(cfg, config, tokenizer_name, appended)
             raise ConfigError(
-                f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
+                f"tokenizer {tokenizer_name} {needs(config)} but the model from "
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
                 f"tokenizer (--tokenizer) or data tokenized with it"
             )
@@ -79,7 +90,7 @@ def resolve_model_config(
         elif config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
-                f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
+                f"tokenizer {tokenizer_name} {needs(config)}; make them match "
                 f"(or leave vocab_size out of the config to take the tokenizer's)"
             )
     else:
@@ -99,7 +110,9 @@ def resolve_model_config(
         _take_special_ids(config, special_ids)
         given_from = "recipe"
     if manifest is not None:
-        config = _checkpoint_model(cfg, manifest, config, given_from, needed, tokenizer_name)
+        config = _checkpoint_model(
+            cfg, manifest, config, given_from, (needed, needs), tokenizer_name
+        )
     _fit_seq_len(cfg, config, notes)
     apply_moe_flags(cfg, config)
     _check_ep(cfg, config)
@@ -209,17 +222,18 @@ def apply_moe_flags(cfg: TrainConfig, config, keyword: str | None = None) -> Non
 
 
 def _checkpoint_model(
-    cfg: TrainConfig, manifest: dict, config, given_from: str, needed, tokenizer_name: str
+    cfg: TrainConfig, manifest: dict, config, given_from: str, need, tokenizer_name: str
 ):
     """--load's model (`model_from_checkpoint`: a --model or --from-hf `config` given as well
     must be the same), refused when its vocabulary holds fewer ids than the data's tokenizer
-    needs (`needed(config)`)."""
+    needs (`need`: the count of a config, and the words saying it)."""
+    needed, needs = need
     given = config if (cfg.model or cfg.from_hf) else None
     config = model_from_checkpoint(cfg, manifest, given, given_from)
     if config.vocab_size < needed(config):
         raise ConfigError(
             f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
-            f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
+            f"data's tokenizer {tokenizer_name} {needs(config)}; use data "
             f"tokenized with the checkpoint's tokenizer"
         )
     return config
