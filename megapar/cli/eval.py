@@ -135,7 +135,8 @@ def build_parser() -> OneLineParser:
         type=int,
         default=1,
         help="context-parallel size: each sequence split over cp ranks as megapar-train --cp "
-        "splits it (2 x cp chunks, ring attention), for sequences too long for one device; "
+        "splits it (2 x cp chunks; a ring of key / value blocks, Llama and its kin: one "
+        "all-gather of them), for sequences too long for one device; "
         "--seq-len (or --input-ids' length) a multiple of 2 x cp (default: 1)",
     )
     p.add_argument(
