@@ -51,15 +51,7 @@ def resolve_model_config(
         return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
 
     def needs(config) -> str:
-        """ "needs N token ids", saying why N is not the tokenizer's size where it is not."""
-        n = needed(config)
-        why = (
-            f" (of its {vocab_size:,}: a causal model does not read the {vocab_size - n} "
-            f"special tokens appended after its vocabulary)"
-            if n < vocab_size
-            else ""
-        )
-        return f"needs {n:,} token ids{why}"
+        return needs_ids(needed(config), vocab_size)
 
     given_from = ""
     if cfg.from_hf:
@@ -111,7 +103,7 @@ def resolve_model_config(
         given_from = "recipe"
     if manifest is not None:
         config = _checkpoint_model(
-            cfg, manifest, config, given_from, (needed, needs), tokenizer_name
+            cfg, manifest, config, given_from, needed, vocab_size, tokenizer_name
         )
     _fit_seq_len(cfg, config, notes)
     apply_moe_flags(cfg, config)
@@ -221,19 +213,36 @@ def apply_moe_flags(cfg: TrainConfig, config, keyword: str | None = None) -> Non
         )
 
 
+def needs_ids(needed: int, vocab_size: int) -> str:
+    """ "needs N token ids" of a tokenizer of `vocab_size` ids, saying why `needed` is fewer
+    where it is: a causal model reads its base vocabulary and end-of-document id only."""
+    why = (
+        f" (of its {vocab_size:,}: a causal model does not read the {vocab_size - needed} "
+        f"special tokens appended after its vocabulary)"
+        if needed < vocab_size
+        else ""
+    )
+    return f"needs {needed:,} token ids{why}"
+
+
 def _checkpoint_model(
-    cfg: TrainConfig, manifest: dict, config, given_from: str, need, tokenizer_name: str
+    cfg: TrainConfig,
+    manifest: dict,
+    config,
+    given_from: str,
+    needed,
+    vocab_size: int,
+    tokenizer_name: str,
 ):
     """--load's model (`model_from_checkpoint`: a --model or --from-hf `config` given as well
-    must be the same), refused when its vocabulary holds fewer ids than the data's tokenizer
-    needs (`need`: the count of a config, and the words saying it)."""
-    needed, needs = need
+    must be the same), refused when its vocabulary holds fewer than the ids the data's
+    tokenizer (of `vocab_size`) gives a model of its type (`needed(config)`)."""
     given = config if (cfg.model or cfg.from_hf) else None
     config = model_from_checkpoint(cfg, manifest, given, given_from)
     if config.vocab_size < needed(config):
         raise ConfigError(
             f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
-            f"data's tokenizer {tokenizer_name} {needs(config)}; use data "
+            f"data's tokenizer {tokenizer_name} {needs_ids(needed(config), vocab_size)}; use data "
             f"tokenized with the checkpoint's tokenizer"
         )
     return config
