@@ -33,9 +33,9 @@ def verify_estimates(estimates, problem) -> int:
     print(
         f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
         f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
-        f"buffers, modelled activations, and the expert and context-parallel communication "
-        f"bytes of every sampled rank, and the modelled activations and transient buffers of "
-        f"its stage):"
+        f"buffers, modelled activations, and the expert, context-parallel and ZeRO "
+        f"data-parallel communication bytes of every sampled rank, and the modelled "
+        f"activations and transient buffers of its stage):"
     )
     failed = False
     for i, e in enumerate(estimates, 1):

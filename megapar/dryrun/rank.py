@@ -45,10 +45,10 @@ from megapar.dryrun.modelled import modelled_stage, process_peaks
 from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
-from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
 from megapar.plan.params import GatherCasts, StageLayout
+from megapar.plan.sharding import reduce_scale
 from megapar.plan.state import (
     DENSE,
     EXPERTS,
@@ -467,7 +467,7 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
         return
     # the reduced gradients' bytes per fp32 byte (the rehearsal's all-gathers are no measure:
     # in bf16 / fp16 ZeRO-1 gathers the blocks' linear weights in 16 bits)
-    scale = comm_dtypes(cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype)[1].itemsize / 4
+    scale = reduce_scale(cfg.zero, cfg.precision, cfg.grad_reduce_dtype)
     for name, ops in groups_traffic(
         planned,
         cfg.zero,

@@ -17,7 +17,9 @@ where the dry run's even routing gives every rank the mean rows (the micro-batch
 multiple of the experts; otherwise the note says they were not), under --cp-comm-type a2a
 the attention's all-to-all bytes with the plan's (`megapar.plan.context_parallel.step_a2a`), and
 under the ring and the all-gather the cp group's send / receive, all-gather and reduce-scatter
-bytes with the plan's (`megapar.plan.context_parallel.step_cp_bytes`).
+bytes with the plan's (`megapar.plan.context_parallel.step_cp_bytes`). Under ZeRO 1-3 each
+rank's reduce-scatters and all-gathers over cp x dp (and the expert-data-parallel group) per
+step, calls and bytes, are compared with the plan's (`megapar.plan.state.groups_traffic`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline, stage_memory
 from megapar.plan.context_parallel import step_a2a, step_cp_bytes
 from megapar.plan.estimate import layout_of, offload_of
-from megapar.plan.state import rank_state
+from megapar.plan.sharding import reduce_scale
+from megapar.plan.state import DENSE, EXPERTS, groups_traffic, rank_state, w_reported, zero_traffic
 from megapar.training.config import TrainConfig
 
 FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "grad_buffers", "host")
@@ -111,9 +114,10 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
     c, start = candidate, time.perf_counter()
     layout = Layout(c.tp, c.pp, c.dp, cp=c.cp, ep=c.ep)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
+    cfg = train_config(problem, c)
     try:
         reports = dry_run(
-            train_config(problem, c),
+            cfg,
             problem.config,
             layout,
             ranks,
@@ -164,7 +168,46 @@ def verify_layout(problem, candidate, ranks=None) -> Verified:
             ]
         out.differences += _alltoall_difference(problem, c, r, out)
         out.differences += _cp_difference(problem, c, r, out)
+        if not r.modelled:  # a modelled stage's traffic is the plan's (equal by construction)
+            out.differences += _dp_difference(problem, c, cfg, m, r, out)
     return out
+
+
+def _dp_difference(problem, c, cfg, m: int, r, out: Verified) -> list:
+    """[(rank, "<group> <collective>", planned, dry run)] for each of ZeRO's reduce-scatters and
+    all-gathers of a step (calls, then bytes) over cp x dp and the expert-data-parallel group
+    whose figure in rank report `r` differs from the plan's (`groups_traffic`, the gradients in
+    the reduce dtype of the job `cfg`). Where cp x dp is the cp group (dp 1), cp attention's
+    all-gathers and reduce-scatters share its name: not compared (`_cp_difference` notes it)."""
+    scale = reduce_scale(c.zero, cfg.precision, cfg.grad_reduce_dtype)
+    planned = groups_traffic(
+        zero_traffic(layout_of(problem, c, r.pp_rank)),
+        c.zero,
+        m,
+        c.pp,
+        keep_params=c.keep_params,
+        per_micro_batch=c.zero3_reduce == "micro-batch",
+        once_a_step=w_reported(c.schedule, c.pp, m, c.v),
+        grad_scale=scale,
+    )
+    dense = "dp" if c.cp == 1 else ("dp x cp" if c.dp > 1 else None)
+    differences = []
+    for group, ops in planned.items():
+        if group == EXPERTS:
+            name = next((n for n in r.comm if n.endswith(EXPERTS)), EXPERTS)
+        elif group == DENSE and dense is not None:
+            name = dense
+        else:
+            continue
+        for op, calls, nbytes in ops:
+            counted = r.comm.get(name, {}).get(op, {"count": 0, "bytes": 0})
+            for what, plan, dry in (
+                ("calls", calls, counted["count"]),
+                ("bytes", int(nbytes), counted["bytes"]),
+            ):
+                if plan != dry:
+                    differences.append((r.rank, f"{name} {op} {what}", plan, dry))
+    return differences
 
 
 def _held_layers(problem, c, pp_rank: int) -> list[int]:

@@ -79,7 +79,7 @@ from megapar.plan.params import (
 )
 from megapar.plan.problem import Problem
 from megapar.plan.process import ProcessPeak, process_floor, process_peak
-from megapar.plan.sharding import dp_seconds, pcie_seconds
+from megapar.plan.sharding import dp_seconds, pcie_seconds, reduce_scale
 from megapar.plan.shared import Shared
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, RankState, w_reported, whole_grads
@@ -785,7 +785,8 @@ def _dp_exposed(
         )
         layers, n_params, n_experts, float8, half = shared.get(key, lambda: _dp_params(p, c))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
-    reduced = 2 if p.precision == "fp16" else 4
+    # but by ZeRO-3, in fp32
+    reduced = 4 * reduce_scale(c.zero, p.precision)
     grad_bytes = n_params * reduced
     # the parameters ZeRO gathers: fp32 (megapar-train's), less what it gathers in 16 bits or
     # float8; --master-weights separate: 16-bit parameters, gathered as they are (Megatron's

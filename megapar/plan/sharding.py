@@ -9,7 +9,8 @@ counts them; a ring moves (r - 1) / r of them per rank, an all-reduce twice that
     zero 1   one reduce-scatter of the gradients + one all-gather of the parameters (after
              the step): the bytes of one all-reduce
     zero 2   a reduce-scatter per micro-batch (m x, as DeepSpeed: the gradient is kept only as
-             this rank's shard between micro-batches) + one all-gather of the parameters
+             this rank's shard between micro-batches; at pp > 1 the buckets holding the tied
+             embedding once, after its sum over the stages) + one all-gather of the parameters
     zero 3   an all-gather of each unit before its forward and again before its backward, per
              micro-batch (2 m x; a chunk's root unit, kept from its forward to its backward,
              m x; with --zero3-keep-params, and for the persistent unit, once per step), and
@@ -26,6 +27,17 @@ each gather. The optimizer step itself (on the device or the host) is not modell
 """
 
 from __future__ import annotations
+
+from megapar.optim.precision import comm_dtypes
+
+
+def reduce_scale(zero: int, precision: str, grad_reduce_dtype: str = "auto") -> float:
+    """The reduced gradients' bytes per fp32 byte: ZeRO-3 reduce-scatters in fp32
+    (`ShardedParams` takes no reduce dtype), the others in the job's reduce dtype
+    (`comm_dtypes`: fp16 under fp16, else fp32, unless --grad-reduce-dtype says)."""
+    if zero >= 3:
+        return 1.0
+    return comm_dtypes(precision, "auto", grad_reduce_dtype)[1].itemsize / 4
 
 
 def dp_traffic(
@@ -45,9 +57,10 @@ def dp_traffic(
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
     gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call; `persistent`
-    the bytes of ZeRO-3's persistent unit among them (one of the `pieces`). ZeRO-3
-    `per_micro_batch` (--zero3-reduce micro-batch): every unit reduce-scattered m times but
-    the `deferred` (units, bytes) holding the tied embedding over stages, once.
+    the bytes of ZeRO-3's persistent unit among them (one of the `pieces`). ZeRO-2, and ZeRO-3
+    `per_micro_batch` (--zero3-reduce micro-batch): every bucket or unit reduce-scattered m
+    times but the `deferred` (buckets or units, bytes) holding the tied embedding over stages,
+    once.
     `once_a_step`: the schedule reports weight gradients once a step (`state.w_reported`), so
     ZeRO-2's and ZeRO-3's per-micro-batch reductions run once. `tail`: ZeRO-3's (units, bytes)
     of root units among the `pieces` (`state.tail_units`), gathered once a micro-batch."""
@@ -56,7 +69,11 @@ def dp_traffic(
     if zero in (1, 2):
         times = m if zero == 2 and not once_a_step else 1
         return [
-            ("reduce_scatter", times * pieces, times * grad_bytes),
+            (
+                "reduce_scatter",
+                times * (pieces - deferred[0]) + deferred[0],
+                times * (grad_bytes - deferred[1]) + deferred[1],
+            ),
             ("all_gather", pieces, param_bytes),
         ]
     gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)

@@ -199,8 +199,9 @@ CAST_BYTES = {"half": 2, "float8": 4}
 
 
 def _deferred(tensors, units, pp: int) -> set[int]:
-    """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
-    `ShardedParams.finish()`, after its sum over the first and last stage)."""
+    """The buckets (ZeRO-1 / 2) or units (ZeRO-3) holding the tied embedding over pipeline
+    stages: reduced once, in the grad sync's `finish()`, after its sum over the first and last
+    stage (a ZeRO-2 bucket not every micro-batch)."""
     return {k for k, (idx, _) in enumerate(units) if pp > 1 and any(tensors[i].shared for i in idx)}
 
 
@@ -342,7 +343,7 @@ def zero_traffic(layout: StageLayout) -> dict[str, Traffic]:
     ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO."""
     tensors, units, specs = _layout(layout)
     zero, dp, ep = layout.zero, layout.dp, layout.ep
-    late = _deferred(tensors, units, layout.pp) if zero >= 3 else set()
+    late = _deferred(tensors, units, layout.pp)
     half = set(layout.casts.zero12_half(tensors)) if zero in (1, 2) else set()
     kinds = [u.kind for u in specs] if specs else [""] * len(units)
     for k, u in enumerate(specs or ()):
