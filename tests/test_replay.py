@@ -264,14 +264,29 @@ def test_a_replay_with_no_record_is_refused_before_any_worker_starts(recorded, c
              "--replay 4: no record of step 4", "--record-step 4")
 
 
-@pytest.mark.parametrize("flag", ["--save", "--record-step"])
-def test_save_or_record_step_under_replay_is_refused(recorded, tmp_path, capfd, flag):
+@pytest.mark.parametrize("flag", ["--save", "--record-step", "--log-json", "--tensorboard"])
+def test_save_record_step_or_a_log_under_replay_is_refused(recorded, tmp_path, capfd, flag):
     """--save / --record-step under --replay were ignored silently (and --save's directory
-    made): refused in one line, nothing made."""
-    extra = [flag, str(tmp_path / "out")] if flag == "--save" else [flag, "3"]
+    made): refused in one line, nothing made. A --log-json or --tensorboard of the run (its
+    command line or --config repeated with --replay) lost its records after the checkpoint's
+    step, a new user's finding: refused too, the log untouched."""
+    out = tmp_path / "out"
+    log = '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    if flag == "--log-json":
+        out.write_text(log)
+    extra = [flag, "3"] if flag == "--record-step" else [flag, str(out)]
     _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
                      "--no-progress", *extra], f"{flag} with --replay 3", f"drop {flag}")
-    assert not (tmp_path / "out").exists()
+    assert out.read_text() == log if flag == "--log-json" else not out.exists()
+
+
+@pytest.mark.parametrize("load", ["", "step_00000004"])
+def test_a_replay_of_a_step_the_checkpoint_is_past_names_an_earlier_one(recorded, capfd, load):
+    """--replay 3 from the run's latest (step 4) said 'nothing left to train; raise
+    --max-steps', which led to a second refusal; it names the step directory to --load."""
+    _refused(capfd, ["--load", str(recorded / load), "--replay", "3", "--no-progress"],
+             f"--replay 3 re-runs step 3 from a checkpoint saved before it, and --load "
+             f"{recorded / load} is at step 4; --load {recorded / 'step_00000002'}")
 
 
 def test_a_zero_sharded_replay_says_why_the_gradient_norms_are_not_compared(recorded, capfd):

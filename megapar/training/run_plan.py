@@ -62,6 +62,7 @@ from megapar.training.validate_resume import (
     checked_step,
     checkpoint_manifest,
     named,
+    replay_past,
     settings_from_checkpoint,
     worker_verify,
 )
@@ -406,12 +407,13 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
     """--record-step, --replay, --replay-against: a step this run reaches, a place to write, a
     readable record of the replayed step and model to compare with."""
     start = int(manifest.get("step", 0)) if manifest else 0
-    given = [f for f in ("save", "record_step") if f in explicit(cfg) and getattr(cfg, f)]
-    if cfg.replay and given:
+    outputs = ("save", "record_step", "log_json", "tensorboard", "wandb_project")
+    given = [f for f in outputs if f in explicit(cfg) and getattr(cfg, f)]
+    if cfg.replay and given:  # a log would also lose the records after the checkpoint's step
         flag = "--" + given[0].replace("_", "-")
         raise UsageError(
             f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
-            f"once, compares it and exits without saving or recording; drop {flag}"
+            f"once, compares it and exits without saving, recording or logging; drop {flag}"
         )
     if cfg.record_step and not cfg.save:
         raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
@@ -437,7 +439,9 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
             f"re-runs the recorded step on its samples, and --load {cfg.load} trained on global "
             f"batches of {trained}; drop --global-batch-size (the checkpoint's is taken)"
         )
-    if not start < cfg.replay <= cfg.max_steps:
+    if cfg.replay <= start:
+        raise UsageError(replay_past(cfg, start))
+    if cfg.replay > cfg.max_steps:
         raise UsageError(
             f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
             f"ends at --max-steps {cfg.max_steps}; replay a step in "

@@ -485,6 +485,28 @@ def named(cfg, name: str, value=None) -> str:
     return f"{flag_of(name)} {shown}"
 
 
+def replay_past(cfg, step: int) -> str:
+    """The refusal of --replay N from a --load checkpoint at `step` >= N: it re-runs step N from
+    a checkpoint saved before it, naming the newest such step directory beside --load's."""
+    root = Path(os.path.expanduser(str(cfg.load)))
+    if re.fullmatch(r"step_\d+", root.name):
+        root = root.parent
+    earlier = sorted(
+        (int(p.name[5:]), p)
+        for p in root.glob("step_*")
+        if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) < cfg.replay and p.is_dir()
+    )
+    where = (
+        f"--load {shell_word(str(earlier[-1][1]))}"
+        if earlier
+        else f"--load a checkpoint saved at or before step {cfg.replay - 1} (none is beside it)"
+    )
+    return (
+        f"--replay {cfg.replay} re-runs step {cfg.replay} from a checkpoint saved before it, "
+        f"and --load {cfg.load} is at step {step}; {where}"
+    )
+
+
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
 
@@ -662,6 +684,8 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
                 f"{shown}; with --load the model comes from the checkpoint, drop "
                 f"--model / --from-hf"
             )
+    if cfg.replay and cfg.replay <= int(manifest.get("step", 0)):
+        raise UsageError(replay_past(cfg, int(manifest.get("step", 0))))
     if cfg.max_steps <= int(manifest.get("step", 0)):
         raise UsageError(
             f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
