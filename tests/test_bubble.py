@@ -142,6 +142,27 @@ def test_measured_run_writes_chrome_trace_and_gantt(capsys, tmp_path):
     assert_png(out_png)
 
 
+def test_plot_trace_draws_a_profiler_trace_whose_thread_ids_mix_numbers_and_names(tmp_path,
+                                                                                capsys):
+    """torch.profiler's traces (--profile-steps) hold spans on numbered threads and on named
+    ones (pid "Spans", tid "PyTorch Profiler"): plot_trace failed sorting them ('<' not
+    supported between str and int), a new user's finding. Now it draws each thread as a row
+    and, having no pipeline compute, prints no bubble table."""
+    trace = tmp_path / "trace_rank0.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 4242, "tid": 4242, "ts": 10,
+         "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 4242, "tid": 17, "ts": 12,
+         "dur": 2},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "pid": "Spans",
+         "tid": "PyTorch Profiler", "ts": 0, "dur": 30}]}))
+    out_png = tmp_path / "profile.png"
+    assert load_tool("plot_trace").main([str(trace), "-o", str(out_png)]) == 0
+    assert_png(out_png)
+    out = capsys.readouterr().out
+    assert "no pipeline compute events" in out and "bubble %" not in out, out
+
+
 def test_1f1b_holds_fewer_micro_batches_and_less_activation_memory_than_gpipe():
     kw = dict(steps=1, micro_batch_size=2, seq_len=16)
     gpipe, one_f = (bubble.measure(2, 8, s, **kw) for s in ("gpipe", "1f1b"))

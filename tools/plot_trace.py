@@ -5,7 +5,9 @@ Usage::
     python tools/plot_trace.py TRACE.json [-o gantt.png] [--title TEXT]
 
 TRACE.json is a Chrome trace written by ``megapar-bubble --trace`` (complete "X" events, one
-thread per stage; other Chrome traces work too, one row per pid/thread) or a `Timeline` JSON
+thread per stage; other Chrome traces work too, one row per pid/thread, such as the
+``--profile-steps`` traces of torch.profiler, whose thread ids mix numbers and names, with no
+bubble table where no event is a pipeline compute) or a `Timeline` JSON
 (``{"events": [{rank, kind, mb, start, end, chunk}, ...]}``, `Timeline.save`). Prints the bubble
 table of the loaded timeline and writes the chart (default: TRACE with a .png suffix).
 """
@@ -32,7 +34,11 @@ def load_timeline(path):
     if records and "ph" not in records[0]:
         return Timeline.from_json(records)  # a bare list of Timeline event dicts
     spans = [r for r in records if r.get("ph") == "X"]
-    threads = sorted({(r.get("pid", 0), r.get("tid", 0)) for r in spans})
+    # numbered threads first, then named ones (torch.profiler's traces mix the two)
+    threads = sorted(
+        {(r.get("pid", 0), r.get("tid", 0)) for r in spans},
+        key=lambda t: [(isinstance(x, str), x if isinstance(x, int | float) else 0, str(x)) for x in t],
+    )
     # megapar traces have one pid and tid = stage: keep the tid; otherwise number the threads.
     single_pid = len({pid for pid, _ in threads}) <= 1
     row = {t: (t[1] if single_pid else i) for i, t in enumerate(threads)}
@@ -55,7 +61,12 @@ def main(argv=None) -> int:
     p.add_argument("--row-name", default="stage", help="row label prefix (default: stage)")
     args = p.parse_args(argv)
     from megapar.cli.bubble import plot_file
-    from megapar.pipeline.timeline import bubble_stats, format_bubble_table, plot_gantt
+    from megapar.pipeline.timeline import (
+        COMPUTE_KINDS,
+        bubble_stats,
+        format_bubble_table,
+        plot_gantt,
+    )
     from megapar.training.validate import check_writable
 
     output = args.output or str(Path(args.trace).with_suffix(".png"))
@@ -73,7 +84,11 @@ def main(argv=None) -> int:
     if not timeline.events:
         print(f"plot_trace: error: {args.trace} has no events", file=sys.stderr)
         return 2
-    print(format_bubble_table(bubble_stats(timeline), row_name=args.row_name))
+    if any(e.kind in COMPUTE_KINDS for e in timeline.events):
+        print(format_bubble_table(bubble_stats(timeline), row_name=args.row_name))
+    else:  # e.g. a torch.profiler trace: its rows are threads, not stages
+        print(f"no pipeline compute events ({', '.join(sorted(COMPUTE_KINDS))}) in {args.trace}: "
+              f"no bubble table; the chart shows its threads' spans")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     plot_gantt(timeline, output, title=args.title or Path(args.trace).name, row_name=args.row_name)
     print(f"wrote {output}")
