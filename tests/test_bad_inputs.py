@@ -280,6 +280,7 @@ TRAIN = [
     # an empty path would log nothing (or save nothing) without a word
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),
+    (["--wandb-project", ""], "--wandb-project '' is an empty name: give a project"),
     (["--save", ""], "--save '' is an empty path"),
     (["--data-cache", ""], "--data-cache '' is an empty path"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)

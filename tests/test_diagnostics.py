@@ -67,7 +67,8 @@ def test_profile_steps_writes_a_chrome_trace_per_rank(tmp_path, capfd):
                "--profile-steps", "2:2", "--profile-dir", str(tmp_path / "prof"),
                "--eval-interval", "0", "--log-interval", "1", "--no-progress"])
     assert rc == 0
-    assert f"{tmp_path / 'prof'}/trace_rank<R>.json" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert f"profiler traces of step 2: {tmp_path / 'prof'}/trace_rank<R>.json" in out, out
     for rank in (0, 1):
         events = json.loads((tmp_path / "prof" / f"trace_rank{rank}.json").read_text())
         names = {e.get("name") for e in events["traceEvents"]}

@@ -64,7 +64,7 @@ from megapar.training.logging import (
     peak_memory_mb,
     perplexity,
 )
-from megapar.training.profiling import StepProfiler
+from megapar.training.profiling import StepProfiler, parse_steps
 from megapar.training.resume import setting_changes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
@@ -543,8 +543,10 @@ class Trainer:
                     result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
                 if profiler.after_step(self.step):
+                    first, last = parse_steps(str(cfg.profile_steps))
+                    steps = f"step {first}" if first == last else f"steps {first}-{last}"
                     logger.message(
-                        f"profiler traces of steps {cfg.profile_steps}: "
+                        f"profiler traces of {steps}: "
                         f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)"
                     )
                 loss = float(result.loss)  # already averaged over the global batch

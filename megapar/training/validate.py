@@ -146,6 +146,11 @@ def check_settings(cfg) -> None:
                 f"{flag_of(name)} '' is an empty path: give a path (e.g. "
                 f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
             )
+    if cfg.wandb_project is not None and not cfg.wandb_project.strip():  # an unset $PROJECT
+        raise UsageError(
+            "--wandb-project '' is an empty name: give a project (e.g. --wandb-project "
+            "megapar), or leave the flag out (no W&B log)"
+        )
 
     for name in ("timeout_s", "nccl_timeout_s"):
         if getattr(cfg, name) > MAX_TIMEOUT_S:
