@@ -223,6 +223,9 @@ def test_plot_log_draws_loss_and_val_loss(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert tool.main([str(log), "-o", str(tmp_path / "curve")]) == 0
     assert f"wrote {tmp_path / 'curve.png'}" in capsys.readouterr().out
+    # a metric no record holds (a typo) was skipped without a word, yet named on the y axis
+    assert tool.main([str(log), "-o", str(png), "--metrics", "loss,lost"]) == 0
+    assert f"plot_log: no lost records in {log}: left out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tool.main(["--help"])
     assert "--log-json" in capsys.readouterr().out

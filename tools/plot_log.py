@@ -6,8 +6,10 @@ Usage::
                              [--log-y] [--title TEXT]
 
 Each LOG is a file written by ``megapar-train --log-json LOG``: one JSON record per logged step
-({"step", "loss", "lr", ..., and "val_loss" on evaluation steps}). A resumed run appends to the
-same file, so a step logged twice keeps its last record. With several files (e.g. two layouts of
+({"step", "loss", "lr", ..., and "val_loss" on evaluation steps}). A resumed run keeps the
+file's records up to its checkpoint's step and appends after them; a step logged twice (a file
+joined from two) keeps its last record. A metric no file records is named on stderr and left
+out of the chart. With several files (e.g. two layouts of
 the same run) every curve is labelled with its file name.
 """
 
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    curves = 0
+    curves, drawn = 0, set()
     for log in args.logs:
         try:
             series = read_series(log, metrics)
@@ -77,12 +79,18 @@ def main(argv=None) -> int:
             print(f"{log}: {key}: {len(steps)} points, steps {steps[0]}..{steps[-1]}, "
                   f"last {values[-1]:.4f}")
             curves += 1
+            drawn.add(key)
     if curves == 0:
         print(f"plot_log: error: no {', '.join(metrics)} records in {', '.join(args.logs)}",
               file=sys.stderr)
         return 2
+    plotted = [m for m in metrics if m in drawn]
+    missing = [m for m in metrics if m not in drawn]
+    if missing:
+        print(f"plot_log: no {', '.join(missing)} records in {', '.join(args.logs)}: left out",
+              file=sys.stderr)
     ax.set_xlabel("step")
-    ax.set_ylabel(" / ".join(metrics))
+    ax.set_ylabel(" / ".join(plotted))
     if args.log_y:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
