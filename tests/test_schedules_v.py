@@ -140,17 +140,17 @@ def test_virtual_stages_on_a_one_chunk_schedule_names_every_schedule_that_takes_
     with pytest.raises(ValueError) as two:
         chunks_per_rank("gpipe", 2)
     assert str(two.value) == (
-        "--virtual-stages 2 needs --schedule interleaved, zb-v or dualpipev (in Python: "
-        "virtual_stages=2, schedule='interleaved'); schedule 'gpipe' runs one model chunk per "
-        "rank: give one of them, or leave --virtual-stages out (torch's ScheduleLoopedBFS, "
-        "GPipe's order over several chunks per rank, is not built)")
+        "--virtual-stages 2 with --schedule gpipe (in Python: virtual_stages=2, "
+        "schedule='gpipe') needs --schedule interleaved, zb-v or dualpipev: gpipe runs one model "
+        "chunk per rank; give one of them, or leave --virtual-stages out (torch's "
+        "ScheduleLoopedBFS, GPipe's order over several chunks per rank, is not built)")
     with pytest.raises(ValueError) as three:
         chunks_per_rank("zb-h1", 3)
     assert str(three.value) == (
-        "--virtual-stages 3 needs --schedule interleaved (in Python: virtual_stages=3, "
-        "schedule='interleaved'); schedule 'zb-h1' runs one model chunk per rank: give it, or "
-        "leave --virtual-stages out (torch's ScheduleInterleavedZeroBubble over several chunks "
-        "per rank is not built; zb-v is the zero-bubble schedule with two)")
+        "--virtual-stages 3 with --schedule zb-h1 (in Python: virtual_stages=3, "
+        "schedule='zb-h1') needs --schedule interleaved: zb-h1 runs one model chunk per rank; "
+        "give it, or leave --virtual-stages out (torch's ScheduleInterleavedZeroBubble over "
+        "several chunks per rank is not built; zb-v is the zero-bubble schedule with two)")
 
 
 def test_refusals_name_the_fix():
@@ -164,8 +164,8 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"\(in Python: virtual_stages=3, schedule='zb-v'\).*"
                                          r"leave --virtual-stages / virtual_stages out, or give 2"):
         chunks_per_rank("zb-v", 3)
-    with pytest.raises(ValueError, match=r"needs --schedule interleaved, zb-v or dualpipev \(in "
-                                         r"Python: virtual_stages=2, schedule='interleaved'\)"):
+    with pytest.raises(ValueError, match=r"\(in Python: virtual_stages=2, schedule='1f1b'\) "
+                                         r"needs --schedule interleaved, zb-v or dualpipev"):
         chunks_per_rank("1f1b", 2)
     with pytest.raises(ValueError, match="at least 2 x pp = 8 micro-batches.*the zb-v schedule, which takes any m"):
         check_schedule("dualpipev", 4, 7)

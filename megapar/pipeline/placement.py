@@ -70,9 +70,9 @@ def chunks_per_rank(name: str, virtual_stages: int = 1, api: bool = False) -> in
             f"virtual_stages={v} needs schedule={' or '.join(map(repr, takers))}; schedule="
             f"{name!r} runs one model chunk per rank: {give}, or leave virtual_stages out"
             if api
-            else f"--virtual-stages {v} needs --schedule {or_list(takers)} (in Python: "
-            f"virtual_stages={v}, schedule={takers[0]!r}); schedule {name!r} runs one model "
-            f"chunk per rank: {give}, or leave --virtual-stages "
+            else f"--virtual-stages {v} with --schedule {name} (in Python: virtual_stages={v}, "
+            f"schedule={name!r}) needs --schedule {or_list(takers)}: {name} runs one model "
+            f"chunk per rank; {give}, or leave --virtual-stages "
             f"out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
         )
     return 1
