@@ -328,6 +328,31 @@ def _text(what) -> str:
 _SLURM_RANGES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
+def check_torchrun_environment() -> None:
+    """Raise ValueError (one line naming the variable and the fix) when a variable of torchrun's
+    that megapar reads is malformed: RANK / LOCAL_RANK not a rank, WORLD_SIZE /
+    LOCAL_WORLD_SIZE not a count, RANK not below WORLD_SIZE or LOCAL_RANK not below
+    LOCAL_WORLD_SIZE (a rank that would wait out --timeout-s for peers that never come)."""
+    env = os.environ
+    fix = "run under torchrun (which sets it), or unset it"
+    counts = {}
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        if name not in env:
+            continue
+        value = env[name].strip()
+        if not value.isdigit() or (name.endswith("SIZE") and int(value) < 1):
+            what = "process count (>= 1)" if name.endswith("SIZE") else "rank (0, 1, ...)"
+            raise ValueError(f"{name}={env[name]!r} is not a {what}; {fix}")
+        counts[name] = int(value)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in counts and size in counts and counts[rank] >= counts[size]:
+            ranks = f"0-{counts[size] - 1}" if counts[size] > 1 else "only 0"
+            raise ValueError(
+                f"{rank}={counts[rank]} is not below {size}={counts[size]} (the ranks are "
+                f"{ranks}); {fix}"
+            )
+
+
 def check_slurm_environment() -> None:
     """Raise ValueError (one line naming the variable and the fix) when a Slurm variable that
     megapar reads is malformed: SLURM_PROCID / SLURM_LOCALID not a rank below SLURM_NTASKS,

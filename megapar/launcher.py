@@ -407,7 +407,9 @@ def under_launcher() -> bool:
     """True under torchrun, or under `srun` with several tasks (one process per rank, started
     by them; `megapar.device.adopt_slurm_environment` gives torch.distributed torchrun's
     variables then). Raises ValueError (one line naming the variable) when Slurm's variables
-    are malformed (`megapar.device.check_slurm_environment`)."""
+    are malformed (`megapar.device.check_slurm_environment`), and so are torchrun's
+    (`check_torchrun_environment`)."""
+    _device.check_torchrun_environment()
     _device.check_slurm_environment()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True

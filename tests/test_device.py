@@ -189,11 +189,21 @@ def test_a_script_under_srun_without_torchrun_trains_as_one_job():
     ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"}, "SLURM_PROCID=5 is not below SLURM_NTASKS=2"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[1-"},
      "SLURM_JOB_NODELIST='node[1-' is not a Slurm host list"),
+    # torchrun's: RANK=x was a traceback, WORLD_SIZE=two 'rank 0 failed ... invalid literal'
+    # (exit 1), and RANK=1 WORLD_SIZE=1 waited out --timeout-s and blamed the rendezvous (new
+    # users' findings)
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a rank (0, 1, ...); run under torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a process count (>= 1)"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' is not a rank"),
+    ({"RANK": "1", "WORLD_SIZE": "1"},
+     "RANK=1 is not below WORLD_SIZE=1 (the ranks are only 0); run under torchrun"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not below WORLD_SIZE=2 (the ranks are 0-1)"),
 ])
 def test_malformed_slurm_variables_are_one_line_naming_the_variable(env, name, monkeypatch,
                                                                     capsys):
-    """Each malformed Slurm variable: megapar-train exits 2 with one line naming it (no
-    traceback, no 'invalid literal'), before any worker starts or any rendezvous is tried."""
+    """Each malformed Slurm or torchrun variable: megapar-train exits 2 with one line naming it
+    (no traceback, no 'invalid literal'), before any worker starts or any rendezvous is
+    tried."""
     import megapar.cli.train as train_cli
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
