@@ -1566,3 +1566,20 @@ def test_a_skipped_step_does_not_advance_the_lr_schedule_and_a_resume_keeps_the_
         (1, False), (2, True), (3, False), (4, False)]
     lrs = [m["lr"] for m in lines]  # warmup position s trains at 1e-3 x (s + 1) / 4
     assert lrs == pytest.approx([2.5e-4, 5e-4, 5e-4, 7.5e-4], rel=1e-12)
+
+
+def test_exit_signals_take_names_and_numbers_and_refuse_what_cannot_be_caught():
+    """--exit-signals 15 said 'SIG15 is not a signal that can be caught' (a new user's finding):
+    numbers are taken as kill -l gives them; SIGKILL / SIGSTOP (by name or number) and a number
+    no signal has are refused in one line."""
+    import signal
+
+    from megapar.faults.stop import parse_signals
+
+    assert parse_signals("15, usr1") == [signal.SIGTERM, signal.SIGUSR1]
+    assert parse_signals("") == []
+    for spec, message in (("9", "SIGKILL is not a signal that can be caught"),
+                          ("stop", "SIGSTOP is not a signal that can be caught"),
+                          ("999", "999 is not a signal number here; use names")):
+        with pytest.raises(ValueError, match=message):
+            parse_signals(spec)

@@ -217,9 +217,18 @@ def _on_sigint(signum, frame):
 
 
 def parse_signals(spec: str) -> list[signal.Signals]:
-    """ "SIGTERM,SIGUSR1" (or "TERM,USR1", or "" for none) -> signals; raises ValueError."""
+    """ "SIGTERM,SIGUSR1" (or "TERM,USR1", or numbers as kill -l gives them: "15,10"; or ""
+    for none) -> signals; raises ValueError."""
     out = []
     for name in filter(None, (s.strip().upper() for s in spec.split(","))):
+        if name.isdigit():  # a number: its name on this system, if it has one
+            try:
+                name = signal.Signals(int(name)).name
+            except ValueError:
+                raise ValueError(
+                    f"--exit-signals: {name} is not a signal number here; use names, e.g. "
+                    f"SIGTERM,SIGUSR1"
+                ) from None
         name = name if name.startswith("SIG") else "SIG" + name
         if name in ("SIGKILL", "SIGSTOP") or not hasattr(signal, name):
             raise ValueError(

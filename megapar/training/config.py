@@ -280,7 +280,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: a non-finite loss; an overflow with a finite loss is skipped and not counted, but one at the loss scale's floor, --min-loss-scale, stops the run). 0 never stops."""
     exit_signals: str = "SIGTERM,SIGUSR1"
-    """Signals that make every rank finish its step, save (with --save) and exit 0; "" for none (a SIGTERM not named aborts the run without a save, exit 143). A first SIGINT does the same, a second (1 s or more later) aborts."""
+    """Signals that make every rank finish its step, save (with --save) and exit 0, by name or number (15,10); "" for none (a SIGTERM not named aborts the run without a save, exit 143). A first SIGINT does the same, a second (1 s or more later) aborts."""
     exit_duration_mins: float = 0.0
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
