@@ -357,7 +357,7 @@ TRAIN = [
     (["--load", "{empty_dir}", "--replay", "2"],
      "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
-     "--replay 1: the checkpoint is at step 1"),
+     "is at step 1; no run saves a checkpoint before step 1: record and replay a later step"),
     (["--cp-comm-type", "a2a"], "--cp-comm-type a2a would be ignored: it chooses how "
                                 "context-parallel attention communicates, and --cp 1 has none: "
                                 "add --cp N (N > 1)"),

@@ -445,7 +445,7 @@ def test_a_dataset_whose_tokenizer_files_changed_since_is_refused(tmp_path, caps
             f"with at {bpe}, or tokenize the text again with megapar-data --tokenizer {bpe}")
     evaluated = SimpleNamespace(data=prefix, tokenizer=None, load=str(tmp_path / "ck"))
     with pytest.raises(UsageError, match=r"whose files changed since the dataset was made"):
-        check_eval_data(evaluated, {}, True)  # megapar-eval's check of its --data
+        check_eval_data(evaluated, {}, True, 400)  # megapar-eval's check of its --data
     blend = TrainConfig(data=f"1 {prefix} 1 {prefix}")
     with pytest.raises(ValueError, match=r"whose files changed since the dataset was made"):
         resolve_data_prefix(blend)

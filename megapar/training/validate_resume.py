@@ -496,11 +496,12 @@ def replay_past(cfg, step: int) -> str:
         for p in root.glob("step_*")
         if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) < cfg.replay and p.is_dir()
     )
-    where = (
-        f"--load {shell_word(str(earlier[-1][1]))}"
-        if earlier
-        else f"--load a checkpoint saved at or before step {cfg.replay - 1} (none is beside it)"
-    )
+    if earlier:
+        where = f"--load {shell_word(str(earlier[-1][1]))}"
+    elif cfg.replay == 1:  # no run saves before its first step
+        where = "no run saves a checkpoint before step 1: record and replay a later step"
+    else:
+        where = f"--load a checkpoint saved at or before step {cfg.replay - 1} (none is beside it)"
     return (
         f"--replay {cfg.replay} re-runs step {cfg.replay} from a checkpoint saved before it, "
         f"and --load {cfg.load} is at step {step}; {where}"
