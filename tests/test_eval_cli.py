@@ -773,14 +773,15 @@ def test_the_notes_before_the_evaluation_are_printed_once_per_node_under_torchru
     monkeypatch.setattr(eval_cli, "run_reported", start)
     for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a node of two processes at tp 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     ckpt, ids = tiny_ckpt
     for rank, said in (("0", f"{note}\n"), ("1", "")):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
         with pytest.raises(Started):
-            evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
-                      str(ckpt.parent / "out.npy")])
+            evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                      "--save-logits", str(ckpt.parent / "out.npy")])
         assert capsys.readouterr().err == said, rank
 
 
@@ -929,7 +930,7 @@ def test_a_sigterm_under_torchrun_is_one_line_per_node_and_exit_143(tiny_ckpt, t
     def patch():
         for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
             os.environ.pop(name, None)
-        os.environ.update(RANK="0", LOCAL_RANK=local_rank, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        os.environ.update(RANK="0", LOCAL_RANK=local_rank, WORLD_SIZE="1", LOCAL_WORLD_SIZE="2",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         eval_cli._logits_worker = sigterm_itself
 
