@@ -163,9 +163,11 @@ BOUNDS = {
         "ranks'; re-measured 2026-12-01 with ZeRO-3's block reduction, the room of the "
         "backward's gradients and a 30 MiB runtime (spawned ranks, lower of 2 runs): "
         "mixtral-tiny ZeRO-3 with ep +5 % / +8 %; outside it: the wide pp 2 1F1B stage "
-        "(-10.4 %: its heap grows over the micro-batches) and ZeRO-3 with both offloads "
-        "(-17 %, not traced); the heap's room (0.2 x the "
-        "transients, 0.1 in one process; 0 to 0.8 measured) is the least certain term"
+        "(-10.4 %: its heap grows over the micro-batches), ZeRO-3 with both offloads "
+        "(-17 %, not traced) and micro-batches of a logits chunk (1,024 tokens) or more "
+        "(from step 2 the heap keeps one chunk more: -31 % at gpt2-tiny 8 x 128, 2026-12-03); "
+        "the heap's room (0.2 x the transients, 0.1 in one process; 0 to 0.8 measured) is "
+        "the least certain term"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
