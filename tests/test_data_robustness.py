@@ -416,8 +416,18 @@ def test_documents_that_tokenize_to_nothing_warn_or_fail(tmp_path, capsys):
     assert data_main(["--input", str(tmp_path / "cyr.txt"), "--output-prefix",
                       str(tmp_path / "cyr"), "--tokenizer", directory, "--split-lines",
                       "--no-progress"]) == 2
-    _one_line_error(capsys, "encodes the text of", "all 2 documents gave no token ids")
+    _one_line_error(capsys, "encodes the text of", "all 2 documents gave no token ids",
+                    "covers this text (e.g. --tokenizer gpt2)")
     assert not list(tmp_path.glob("cyr.*[bnx]"))
+    # records whose fields are all empty: 'use --tokenizer gpt2' was the advice under gpt2 itself
+    # (a new user's finding); the line names the fields
+    (tmp_path / "empty.jsonl").write_text('{"prompt": "", "response": ""}\n' * 4)
+    assert data_main(["--input", str(tmp_path / "empty.jsonl"), "--output-prefix",
+                      str(tmp_path / "empty"), "--tokenizer", "gpt2", "--sft-keys",
+                      "prompt,response", "--no-progress"]) == 2
+    line = _one_line_error(capsys, "all 4 records gave no token ids", "fill the records' prompt "
+                           "and response fields, or use a tokenizer whose vocabulary covers")
+    assert "e.g. --tokenizer gpt2" not in line, line
 
 
 def test_empty_gpt2_bpe_directory_is_refused(tmp_path):

@@ -224,12 +224,15 @@ def preprocess_files(
         bar.close()
         stats["docs"] = builder.num_docs
         if stats["empty_docs"] == builder.num_docs:
+            other = " (e.g. --tokenizer gpt2)" if str(tok.path) != "gpt2" else ""
+            fix = f"use a tokenizer whose vocabulary covers this text{other}"
+            if sft_keys is not None:  # records: most likely their fields are empty
+                fix = f"fill the records' {' and '.join(sft_keys)} fields, or {fix}"
             raise ValueError(
                 f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
-                f"{counted(builder.num_docs, 'document')} gave no token ids (only end-of-document "
-                "tokens "
-                f"would be written); use a tokenizer whose vocabulary covers this text "
-                f"(e.g. --tokenizer gpt2); nothing written"
+                f"{counted(builder.num_docs, 'record' if sft_keys else 'document')} gave no "
+                f"token ids (only end-of-document tokens would be written); {fix}; nothing "
+                f"written"
             )
         return builder.finalize()
 
