@@ -70,7 +70,8 @@ def test_first_step_loss_equals_transformers_forward_on_the_masked_batch(tmp_pat
     err = capsys.readouterr().err
     assert ("supervised fine-tuning: 8 records (prompt,completion), one right-padded sample "
             "each, the loss on the responses only; 2 longer than --seq-len + 1 = 33 tokens "
-            "truncated at the end (1 of them with no response token left); the loss the mean "
+            "truncated at the end; 1 with no response token to learn (a prompt that fills the "
+            "sample, or an empty response); the loss the mean "
             "over the global batch's response tokens (--loss-mean token, TRL's and "
             "torchtune's)") in err, err
 
@@ -115,6 +116,30 @@ def test_a_prepared_dataset_of_records_keeps_the_prompt_out_of_the_labels(record
     assert len(SFTDataset(ds, 32)) == 16 == ds.num_docs
 
 
+def test_an_empty_record_counts_as_one_with_no_response_token(tmp_path):
+    """An empty prompt and response under a tokenizer without BOS is its end-of-document token
+    alone, which no position predicts. The log named such records only as "of them" among the
+    truncated ones (where some were: one they were not part of) and not at all where none was,
+    a new user's finding; the count is its own clause now."""
+    from types import SimpleNamespace
+
+    from megapar.data import IndexedDataset, IndexedDatasetBuilder, SFTDataset
+    from megapar.training.data import _records_note
+
+    prefix = str(tmp_path / "recs")
+    with IndexedDatasetBuilder(prefix, 101, 0, {"kind": "x"}, sft_keys=["p", "r"]) as b:
+        for doc, prompt in (([5, 6, 7, 0], 1), ([0], 0), ([8, 9, 0], 0)):
+            b.add_document(doc[:-1], prompt_length=prompt)  # the eod follows each
+        b.finalize()
+    ds = IndexedDataset(prefix)
+    sft = SFTDataset(ds, 8)
+    assert (sft.truncated, sft.unlabelled) == (0, 1)
+    sample = sft[1]  # [eod] then padding: nothing to learn
+    assert (sample["labels"] != -100).sum() == 0
+    note = _records_note(SimpleNamespace(seq_len=8, loss_mean="token"), ds, [sft])
+    assert "none longer than --seq-len + 1 = 9 tokens; 1 with no response token to learn" in note
+
+
 def test_the_log_line_names_records_without_a_response_token_only_where_there_are(records):
     """At a --seq-len where the long prompt and one of its response tokens fit (the long
     response's record fits whole), the line says 1 truncated, without "(0 of them with no
@@ -132,9 +157,9 @@ def test_the_log_line_names_records_without_a_response_token_only_where_there_ar
     mean = "; the loss the mean over the global batch's response tokens (--loss-mean token, "
     assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
                              f"the end{mean}TRL's and torchtune's)"), notes
-    assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end (1 "
-                             f"of them with no response token left){mean}TRL's and "
-                             "torchtune's)"), notes
+    assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end; 1 "
+                             "with no response token to learn (a prompt that fills the sample, "
+                             f"or an empty response){mean}TRL's and torchtune's)"), notes
 
 
 def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):

@@ -656,12 +656,17 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
     truncated = sum(p.truncated for p in parts)
     unlabelled = sum(p.unlabelled for p in parts)
     keys = ",".join(indexed.sft_keys)
-    left = f" ({unlabelled:,} of them with no response token left)" if unlabelled else ""
+    left = (  # counted apart: an empty record has none either, truncated or not
+        f"; {unlabelled:,} with no response token to learn (a prompt that fills the sample, or "
+        f"an empty response)"
+        if unlabelled
+        else ""
+    )
     cut = (
         f"{truncated:,} longer than --seq-len + 1 = {cfg.seq_len + 1} tokens truncated at the "
         f"end{left}"
         if truncated
-        else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens"
+        else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens{left}"
     )
     mean = (
         "; the loss the mean over the global batch's response tokens (--loss-mean token, TRL's "
