@@ -702,6 +702,12 @@ def test_a_resume_does_not_take_fp8_emulate_from_the_checkpoint():
         assert str(exc.value).startswith(
             "--fp8 rowwise (not given: the value --load ck recorded) needs a GPU with FP8 "
             "matmuls") and "give --fp8 off, or add --fp8-emulate" in str(exc.value), exc.value
+    # --fp8 off given: the layers' choice is not taken either (it was, said in the note, and
+    # saved on into the fp32 run's checkpoints, so a later --fp8 got 'all' unseen: a new user's
+    # finding); --fp8-layers given by hand without --fp8 is refused (check_settings)
+    cfg = parse_args(["--load", "ck", "--fp8", "off"])
+    note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
+    assert (cfg.fp8, cfg.fp8_layers) == ("off", "auto") and "fp8" not in note[0], note
 
 
 @needs_torchao

@@ -419,6 +419,8 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             continue
         if name == "lr_wsd_decay_steps" and "lr_wsd_decay_fraction" in given:
             continue  # the fraction given now sets the decay's length, not the saved steps
+        if name == "fp8_layers" and (cfg.fp8 if "fp8" in given else saved.get("fp8")) == "off":
+            continue  # no float8 linears this run: nor their choice (it would be saved on)
         inherited.add(name)
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
