@@ -174,6 +174,27 @@ def test_cli_usage_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"cannot export into {into}: it is inside the megapar checkpoint" in err, err
         assert len(err.strip().splitlines()) == 1 and not into.exists()
+    # ... and --to-dcp too (it wrote one inside the step directory)
+    llama = tmp_path / "llama"
+    save_serial(llama, kind="llama")
+    lstep = resolve_checkpoint(llama)
+    assert main([str(llama), "--to-dcp", str(lstep / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {lstep / 'x'}: it is inside the megapar checkpoint" in err, err
+    assert not (lstep / "x").exists()
+    # an output that is its own source, with --overwrite: the source was deleted (--from-hf HF
+    # HF turned the transformers directory into a checkpoint; --to-dcp SRC SRC the reverse),
+    # a new user's finding; refused, the source untouched
+    hf = tmp_path / "hf_src"
+    assert main([src, "--to-hf", str(hf), "--no-progress"]) == 0
+    capsys.readouterr()
+    for argv, shown in ((["--from-hf", str(hf), str(hf)], f"{hf} is the source"),
+                        ([str(lstep), "--to-dcp", str(llama)],
+                         f"{llama} holds the source {lstep}")):
+        assert main([*argv, "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"megapar-convert: error: {shown}: writing there would delete" in err, err
+    assert (hf / "config.json").exists() and resolve_checkpoint(llama) == lstep
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):

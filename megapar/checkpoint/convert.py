@@ -138,11 +138,13 @@ def check_output(path, into: bool = False) -> None:
             f"cannot export into {path}: it holds a megapar checkpoint ({', '.join(held)}), "
             f"and the transformers files would be mixed into it; choose another directory"
         )
-    outer = _checkpoint_above(target) if into else None
-    if outer is not None:  # its step directories would hold, or sit beside, the export
+    outer = _checkpoint_above(target)
+    if outer is not None:  # its step directories would hold, or sit beside, the output
+        what = "the transformers files" if into else "the written checkpoint"
         raise CheckpointError(
-            f"cannot export into {path}: it is inside the megapar checkpoint {outer}, and "
-            f"the transformers files would be mixed into it; choose a directory outside it"
+            f"cannot {'export into' if into else 'write'} {path}: it is inside the megapar "
+            f"checkpoint {outer}, and {what} would be mixed into it; choose a directory "
+            f"outside it"
         )
     directory = target if into else target.parent
     try:

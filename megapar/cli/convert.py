@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
@@ -271,6 +272,8 @@ def run(args) -> str:
 
     progress = show_progress(False if args.no_progress else None)
     _check_modes(args)
+    if args.overwrite:  # without it an existing output is refused anyway
+        _refuse_onto_source(args)
     if args.from_dcp or args.to_dcp:
         return _dcp(args, progress)
     if args.from_megatron:
@@ -289,6 +292,26 @@ def run(args) -> str:
         src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
     )
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+
+
+def _refuse_onto_source(args) -> None:
+    """Refuse an import or export whose output would replace its own source (DST the source
+    directory or one holding it): with --overwrite it deleted the source model. A conversion
+    between megapar layouts checks the same (`convert_checkpoint`)."""
+    first = args.paths[0] if args.paths else None
+    imported = args.from_hf or args.from_dcp or args.from_megatron
+    exported = args.to_hf or args.to_dcp
+    source, output = (imported, first) if imported else (first, exported)
+    if source is None or output is None:
+        return
+    src = Path(os.path.expanduser(source)).resolve()
+    dst = Path(os.path.expanduser(output)).resolve()
+    if dst == src or dst in src.parents:
+        where = "is the source" if dst == src else f"holds the source {source}"
+        raise ValueError(
+            f"{output} {where}: writing there would delete the source; give another output "
+            f"directory"
+        )
 
 
 def _check_modes(args) -> None:
