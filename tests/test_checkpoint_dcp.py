@@ -331,3 +331,23 @@ def test_an_import_unpickles_the_index_once(tmp_path, small, monkeypatch):
     assert len(loads) == 1  # one tensor at a time, each given the index read at the start
     assert torch.equal(reader.titan("output.weight"), state["output.weight"])
     assert len(loads) == 1
+
+
+def test_a_missing_or_cut_data_file_is_one_line(small, tmp_path, capsys):
+    """A DCP checkpoint whose .distcp file is missing or cut short was a Python traceback
+    (torch's CheckpointException, a BaseException, with the worker's traceback as its text), a
+    new user's finding; now one line naming the checkpoint and the cause, nothing written."""
+    _, step, model = small
+    data = next(step.glob("*.distcp"))
+    whole = data.read_bytes()
+    for damage, cause in ((lambda: data.write_bytes(whole[:1000]), "RuntimeError"),
+                          (data.unlink, "FileNotFoundError")):
+        damage()
+        assert convert(["--from-dcp", str(step), str(tmp_path / "out"), "--model", model,
+                        "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"megapar-convert: error: {step}: its data files cannot be read "
+                              f"({cause}") and "\n" not in err, err
+        assert err.endswith("the checkpoint is incomplete or damaged; copy it again from where "
+                            "it was written"), err
+        assert not (tmp_path / "out").exists()

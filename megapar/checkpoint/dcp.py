@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dist_cp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapar.checkpoint.convert import (
@@ -183,6 +184,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def load_data(out: dict, reader, path, planner=None) -> None:
+    """``dist_cp.load(out, ...)`` in one process, a data file that is missing, cut short or
+    damaged reported as a CheckpointError naming `path` and the first failure (torch wraps
+    each in a CheckpointException whose text is the worker's traceback)."""
+    with warnings.catch_warnings():  # "assuming ... a single process": what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dist_cp.load(out, storage_reader=reader, planner=planner, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line, its cause
+            failures = getattr(exc, "failures", None) or {}
+            inner = next(iter(failures.values()), exc)
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            said = (str(inner).strip().splitlines() or [""])[0].split(". ")[0][:160]
+            cause = f"{type(inner).__name__}: {said}" if said else type(inner).__name__
+            raise CheckpointError(
+                f"{path}: its data files cannot be read ({cause}): the checkpoint is "
+                f"incomplete or damaged; copy it again from where it was written"
+            ) from None
+
+
 class _Reader(dist_cp.FileSystemReader):
     """`FileSystemReader` whose ``.metadata`` is read by `unpickler` (`_MetadataUnpickler`), or
     given (`metadata`: the checkpoint's index, read once per checkpoint, not once per tensor)."""
@@ -315,9 +336,7 @@ class DCPReader:
         key = self._key(titan)
         entry = self.tensors[key]
         out = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
-        with warnings.catch_warnings():  # "assuming ... a single process": what is meant
-            warnings.simplefilter("ignore", UserWarning)
-            dist_cp.load(out, storage_reader=_Reader(self.path, self.metadata), no_dist=True)
+        load_data(out, _Reader(self.path, self.metadata), self.path)
         return out[key]
 
     def canonical(self, name: str) -> torch.Tensor:

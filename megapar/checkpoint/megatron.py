@@ -54,20 +54,18 @@ import argparse
 import json
 import pickle
 import re
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed.checkpoint as dist_cp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megapar.checkpoint.convert import write_weights
-from megapar.checkpoint.dcp import METADATA, _MetadataUnpickler
+from megapar.checkpoint.dcp import METADATA, _MetadataUnpickler, load_data
 from megapar.checkpoint.dcp import _Reader as _DCPReader
 from megapar.checkpoint.format import CheckpointError
 from megapar.mesh import Layout
@@ -697,10 +695,7 @@ class MegatronReader:
         size = list(entry.size) if layer is None else [1, *list(entry.size)[1:]]
         out = {key: torch.empty(size, dtype=entry.properties.dtype)}
         planner = None if layer is None else _LayerPlanner(key, layer)
-        with warnings.catch_warnings():  # "assuming ... a single process": what is meant
-            warnings.simplefilter("ignore", UserWarning)
-            reader = _Reader(self.path, self.metadata)
-            dist_cp.load(out, storage_reader=reader, planner=planner, no_dist=True)
+        load_data(out, _Reader(self.path, self.metadata), self.path, planner)
         self.last = ((key, layer), out[key] if layer is None else out[key][0])
         return self.last[1]
 
