@@ -297,6 +297,21 @@ def test_sharded_safetensors_checkpoint_loads(tmp_path, hf_dirs):
     assert load_hf_weights(loaded, reader) == []
     a, b = gather_canonical(loaded), gather_canonical(original)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # an index mapping a tensor to a shard that does not hold it was safetensors' traceback
+    # ("File does not contain tensor ..."), a new user's finding: one line naming the index
+    import json
+
+    from megapar.models.config import ConfigError
+
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    key = "model.layers.0.self_attn.o_proj.weight"
+    wrong = next(f for f in sorted(set(doc["weight_map"].values())) if f != doc["weight_map"][key])
+    doc["weight_map"][key] = wrong
+    index.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=f"maps {key} to {wrong}, which does not hold it: the "
+                                          f"index does not match its shards"):
+        HFReader(tmp_path / "sharded").check_files()
 
 
 @pytest.mark.parametrize("model_type, key, value", [

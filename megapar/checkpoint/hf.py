@@ -172,11 +172,19 @@ class HFReader:
             index = json.loads((self.path / "model.safetensors.index.json").read_text())
             weight_map: dict[str, str] = index["weight_map"]
             opened: dict[str, object] = {}
+            held: dict[str, set[str]] = {}  # each shard's tensor names
 
             def shard(key: str):
                 fname = weight_map[key]
                 if fname not in opened:
-                    opened[fname] = _open(self.path / fname)
+                    handle = opened[fname] = _open(self.path / fname)
+                    held[fname] = set(handle.keys())
+                if key not in held[fname]:  # a damaged index (safetensors: a traceback)
+                    raise ConfigError(
+                        f"{self.path / 'model.safetensors.index.json'} maps {key} to {fname}, "
+                        f"which does not hold it: the index does not match its shards; copy the "
+                        f"model directory again (or save it again with save_pretrained)"
+                    )
                 return opened[fname]
 
             self.keys = set(weight_map)
