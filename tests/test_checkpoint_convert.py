@@ -138,6 +138,9 @@ def test_cli_usage_errors(tmp_path, capsys):
                         (["--info", src, "--tp", "2"], "--tp and --pp are not used with --info"),
                         (["--info", src, "--pp", "2"], "--tp and --pp are not used with --info"),
                         ([src, "--to-dcp", out, "--tokenizer-rows"],
+                         "--tokenizer-rows and --dtype are used only with --to-hf"),
+                        # --info printed the checkpoint and ignored them (a new user's finding)
+                        (["--info", src, "--dtype", "bf16"],
                          "--tokenizer-rows and --dtype are used only with --to-hf")]:
         assert main(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err

@@ -280,6 +280,7 @@ def run(args) -> str:
         return _from_megatron(args, progress)
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
+        _check_export_flags(args)  # --to-hf's options: refused, not ignored
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
     _check_export_flags(args)
     if args.to_hf:
