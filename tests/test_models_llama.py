@@ -312,6 +312,12 @@ def test_sharded_safetensors_checkpoint_loads(tmp_path, hf_dirs):
     with pytest.raises(ConfigError, match=f"maps {key} to {wrong}, which does not hold it: the "
                                           f"index does not match its shards"):
         HFReader(tmp_path / "sharded").check_files()
+    # a damaged index or config.json said only json's "Expecting value: line 2 column 1"
+    for name, what in (("model.safetensors.index.json", "the shards' index"),
+                       ("config.json", "the model's config")):
+        (tmp_path / "sharded" / name).write_text('{"x": \n')
+        with pytest.raises(ConfigError, match=f"{name}: not a readable JSON file .*; it is {what}"):
+            HFReader(tmp_path / "sharded")
 
 
 @pytest.mark.parametrize("model_type, key, value", [
