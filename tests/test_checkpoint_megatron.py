@@ -303,6 +303,13 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(zarr), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "llama"))
     assert "'zarr'" in err and "--ckpt-convert-format torch_dist" in err
+    assert "megapar reads torch_dist checkpoints: convert it to torch_dist with" in err, err
+    # a damaged metadata.json was "names the sharded backend None ... convert it" (a new user)
+    info = next(zarr.rglob("metadata.json"))
+    info.write_text("{")
+    err = refusal(capsys, "--from-megatron", str(zarr), str(tmp_path / "o"),
+                  "--model", spec_file(tmp_path, "llama"))
+    assert "metadata.json is not readable JSON" in err and "the checkpoint is damaged" in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -202,14 +202,17 @@ def resolve_iteration(path: str | Path) -> Path:
             f"give a checkpoint root (with {TRACKER}) or one iter_NNNNNNN directory"
         )
     try:
-        backend = json.loads(info.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError):
-        backend = None
+        data = json.loads(info.read_text())
+    except ValueError as exc:  # damaged: no other backend to convert from
+        raise CheckpointError(
+            f"--from-megatron {path}: {info} is not readable JSON ({exc}): the checkpoint is "
+            f"damaged; copy it again from where it was written"
+        ) from None
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
     if backend != "torch_dist":
         raise CheckpointError(
             f"--from-megatron {path}: {info.name} names the sharded backend {backend!r}; "
-            f"megapar reads torch_dist: "
-            + _TO_TORCH_DIST.format(path=shell_word(path)).removeprefix("convert it to ")
+            f"megapar reads torch_dist checkpoints: " + _TO_TORCH_DIST.format(path=shell_word(path))
         )
     if not (p / METADATA).is_file():
         raise CheckpointError(
