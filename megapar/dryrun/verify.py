@@ -177,8 +177,8 @@ def _dp_difference(problem, c, cfg, m: int, r, out: Verified) -> list:
     """[(rank, "<group> <collective>", planned, dry run)] for each of ZeRO's reduce-scatters and
     all-gathers of a step (calls, then bytes) over cp x dp and the expert-data-parallel group
     whose figure in rank report `r` differs from the plan's (`groups_traffic`, the gradients in
-    the reduce dtype of the job `cfg`). Where cp x dp is the cp group (dp 1), cp attention's
-    all-gathers and reduce-scatters share its name: not compared (`_cp_difference` notes it).
+    the reduce dtype of the job `cfg`). Where cp x dp is the cp group (dp 1), the dry run names
+    its traffic cp's, with cp attention's all-gathers and reduce-scatters: not compared.
     Under LAMB / LARS the dry run does not run the optimizer step (its trust ratios read norms),
     so ZeRO-1 / 2's parameter all-gathers after it are not compared (a note)."""
     scale = reduce_scale(c.zero, cfg.precision, cfg.grad_reduce_dtype)
