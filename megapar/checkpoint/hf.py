@@ -43,6 +43,7 @@ from megapar.models.config import (
     ConfigError,
     config_from_dict,
     config_from_hf,
+    load_config_file,
 )
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
@@ -146,23 +147,6 @@ def _refuse_other_model(raw: dict, path: Path) -> None:
     )
 
 
-def _json_file(path: Path, what: str) -> dict:
-    """The JSON object in `path`; ConfigError naming the file (`what` it is) where it is not
-    one (a damaged config.json said only 'Expecting property name ... line 2 column 1')."""
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{path}: not a readable JSON file ({exc}); it is {what}: copy the model "
-            f"directory again (or save it again with save_pretrained)"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{path}: not a JSON object; it is {what}: copy the model directory again"
-        )
-    return data
-
-
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -171,7 +155,7 @@ class HFReader:
         cfg = self.path / "config.json"
         if not cfg.exists():
             raise FileNotFoundError(_not_transformers(self.path))
-        raw = _json_file(cfg, "the model's config")
+        raw = load_config_file(cfg)
         _refuse_megapar_parts(raw, cfg)
         _refuse_other_model(raw, self.path)
         try:
@@ -186,7 +170,7 @@ class HFReader:
             self._get = self._file.get_tensor
             self._shape = lambda key: self._file.get_slice(key).get_shape()
         elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
-            index = _json_file(self.path / "model.safetensors.index.json", "the shards' index")
+            index = load_config_file(self.path / "model.safetensors.index.json")
             weight_map: dict[str, str] = index["weight_map"]
             opened: dict[str, object] = {}
             held: dict[str, set[str]] = {}  # each shard's tensor names
