@@ -328,22 +328,32 @@ def _text(what) -> str:
 _SLURM_RANGES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
+def _set_counts(names: dict[str, str | None], fix: str) -> dict[str, int]:
+    """{name: value} of the environment variables `names` that are set, each a rank (0, 1,
+    ...; `names[name]` None) or a count >= 1 (`names[name]`: what it counts); ValueError
+    naming the first malformed one and the `fix`."""
+    env, counts = os.environ, {}
+    for name, unit in names.items():
+        if name not in env:
+            continue
+        value = env[name].strip()
+        if not value.isdigit() or (unit is not None and int(value) < 1):
+            what = f"{unit} count (>= 1)" if unit is not None else "rank (0, 1, ...)"
+            raise ValueError(f"{name}={env[name]!r} is not a {what}; {fix}")
+        counts[name] = int(value)
+    return counts
+
+
 def check_torchrun_environment() -> None:
     """Raise ValueError (one line naming the variable and the fix) when a variable of torchrun's
     that megapar reads is malformed: RANK / LOCAL_RANK not a rank, WORLD_SIZE /
     LOCAL_WORLD_SIZE not a count, RANK not below WORLD_SIZE or LOCAL_RANK not below
     LOCAL_WORLD_SIZE (a rank that would wait out --timeout-s for peers that never come)."""
-    env = os.environ
     fix = "run under torchrun (which sets it), or unset it"
-    counts = {}
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        if name not in env:
-            continue
-        value = env[name].strip()
-        if not value.isdigit() or (name.endswith("SIZE") and int(value) < 1):
-            what = "process count (>= 1)" if name.endswith("SIZE") else "rank (0, 1, ...)"
-            raise ValueError(f"{name}={env[name]!r} is not a {what}; {fix}")
-        counts[name] = int(value)
+    counts = _set_counts(
+        {"WORLD_SIZE": "process", "LOCAL_WORLD_SIZE": "process", "RANK": None, "LOCAL_RANK": None},
+        fix,
+    )
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         if rank in counts and size in counts and counts[rank] >= counts[size]:
             ranks = f"0-{counts[size] - 1}" if counts[size] > 1 else "only 0"
@@ -360,18 +370,10 @@ def check_slurm_environment() -> None:
     variables (RANK set) take precedence and leave SLURM_PROCID / SLURM_NTASKS unread."""
     env = os.environ
     fix = "run under srun (which sets it), or unset it"
-    counts = {}
     names = ["SLURM_LOCALID"] if "LOCAL_RANK" not in env else []
     if "RANK" not in env:
         names = ["SLURM_NTASKS", "SLURM_PROCID", *names]
-    for name in names:
-        if name not in env:
-            continue
-        value = env[name].strip()
-        if not value.isdigit() or (name == "SLURM_NTASKS" and int(value) < 1):
-            what = "task count (>= 1)" if name == "SLURM_NTASKS" else "rank (0, 1, ...)"
-            raise ValueError(f"{name}={env[name]!r} is not a {what}; {fix}")
-        counts[name] = int(value)
+    counts = _set_counts({n: "task" if n == "SLURM_NTASKS" else None for n in names}, fix)
     tasks = counts.get("SLURM_NTASKS")
     for name in ("SLURM_PROCID", "SLURM_LOCALID"):
         if tasks is not None and counts.get(name, 0) >= tasks:
