@@ -489,17 +489,14 @@ def named(cfg, name: str, value=None) -> str:
 
 def replay_past(cfg, step: int) -> str:
     """The refusal of --replay N from a --load checkpoint at `step` >= N: it re-runs step N from
-    a checkpoint saved before it, naming the newest such step directory beside --load's."""
+    a checkpoint saved before it, naming the newest such complete step directory beside
+    --load's (`steps_after`)."""
     root = Path(os.path.expanduser(str(cfg.load)))
     if re.fullmatch(r"step_\d+", root.name):
         root = root.parent
-    earlier = sorted(
-        (int(p.name[5:]), p)
-        for p in root.glob("step_*")
-        if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) < cfg.replay and p.is_dir()
-    )
+    earlier = [name for name in steps_after(root, -1) if int(name[5:]) < cfg.replay]
     if earlier:
-        where = f"--load {shell_word(str(earlier[-1][1]))}"
+        where = f"--load {shell_word(str(root / earlier[-1]))}"
     elif cfg.replay == 1:  # no run saves before its first step
         where = "no run saves a checkpoint before step 1: record and replay a later step"
     else:
