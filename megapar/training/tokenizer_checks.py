@@ -98,10 +98,9 @@ def unlike_vocab_note(
 ) -> str | None:
     """The start-up note for a tokenizer (`name` in messages) of a --load checkpoint that records
     none, when its vocabulary is far smaller than the model's `vocab_size`: a model's vocabulary
-    is its tokenizer's, padded at most by a few hundred ids (GPT-2 50,257 of 50,257, Qwen2.5
-    151,665 of 151,936, DeepSeek-V3 128,815 of 129,280), so this is likely another tokenizer,
-    whose ids stay in range and mean other tokens. None otherwise: a checkpoint that records
-    its tokenizer is checked against it (`check_checkpoint_tokenizer`)."""
+    is its tokenizer's, padded at most by a few hundred ids, so this is likely another
+    tokenizer, whose ids stay in range and mean other tokens. None otherwise: a checkpoint that
+    records its tokenizer is checked against it (`check_checkpoint_tokenizer`)."""
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if isinstance(recorded, dict) and recorded.get("path"):
         return None
