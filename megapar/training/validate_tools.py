@@ -139,10 +139,10 @@ def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | No
         args.tokenizer = text_tokenizer(args, manifest)[0]
     indexed = IndexedDataset(args.data, args.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
-    if getattr(args, "data_shown", args.data) == args.data:  # text: tokenized with --tokenizer
+    shown = getattr(args, "data_shown", args.data)
+    if shown == args.data:  # text: tokenized with --tokenizer
         check_dataset_tokenizer(args.data, indexed.tokenizer_spec, tokenizer)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-    shown = getattr(args, "data_shown", args.data)
     name = (
         f"--tokenizer {args.tokenizer}"
         if shown != args.data or args.tokenizer
