@@ -9,7 +9,7 @@ import os
 
 from megapar.data.tokenizers import load_tokenizer
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
-from megapar.models.config import load_config_file
+from megapar.models.config import load_config_file, no_experts
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.plan.layouts import default_cp_sizes
 
@@ -156,9 +156,8 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
     reject nothing for it and name another reason, or none."""
     if args.moe_imbalance is not None and not getattr(config, "num_moe_layers", 0):
         raise ValueError(
-            f"--moe-imbalance applies to a mixture-of-experts model (mixtral, qwen3_moe, "
-            f"deepseek_v3: e.g. --model mixtral-tiny); this {config.model_type} model has no "
-            f"experts: remove the flag"
+            f"--moe-imbalance applies to a mixture-of-experts model {no_experts(config)}: "
+            f"remove the flag"
         )
     etp = args.expert_tensor_parallel_size
     if etp is not None and etp < 1:

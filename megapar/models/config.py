@@ -543,6 +543,19 @@ LLAMA_TYPES = ("llama", "mixtral", "qwen3_moe", "qwen3", "qwen2", "mistral", "de
 CAUSAL_LM_TYPES = ("gpt2", *LLAMA_TYPES)
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
+MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
+"""Model types with routed experts (mixtures of experts)."""
+
+
+def no_experts(config) -> str:
+    """The words a refusal of an expert setting for `config`, a model without experts, ends
+    its reason with: which models have them, and that this one has none."""
+    return (
+        f"({', '.join(MOE_TYPES)}: e.g. --model mixtral-tiny); this {config.model_type} model "
+        f"has no experts"
+    )
+
+
 CONFIG_CLASSES: dict[str, type[_Base]] = {
     "gpt2": GPT2Config,
     "bert": BertConfig,

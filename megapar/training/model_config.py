@@ -7,7 +7,7 @@ import os
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.hf import HFReader
-from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file, no_experts
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.validate import (
@@ -154,9 +154,8 @@ def _check_ep(cfg: TrainConfig, config) -> None:
         flag = f"--expert-tensor-parallel-size {etp}"
         if getattr(config, "num_local_experts", None) is None:
             raise ConfigError(
-                f"{flag} splits a mixture-of-experts model's experts over tp (mixtral, "
-                f"qwen3_moe, deepseek_v3: e.g. --model mixtral-tiny); this {config.model_type} "
-                f"model has no experts: use --expert-tensor-parallel-size 1"
+                f"{flag} splits a mixture-of-experts model's experts over tp "
+                f"{no_experts(config)}: use --expert-tensor-parallel-size 1"
             )
         if config.expert_size % etp:
             raise ConfigError(
@@ -169,9 +168,8 @@ def _check_ep(cfg: TrainConfig, config) -> None:
     experts = getattr(config, "num_local_experts", None)
     if experts is None:
         raise ConfigError(
-            f"--ep {cfg.ep} shards a mixture-of-experts model's experts (mixtral, qwen3_moe, "
-            f"deepseek_v3: e.g. --model mixtral-tiny); this {config.model_type} model has no "
-            f"experts: use --ep 1"
+            f"--ep {cfg.ep} shards a mixture-of-experts model's experts {no_experts(config)}: "
+            f"use --ep 1"
         )
     if experts % cfg.ep:
         raise ConfigError(
@@ -203,8 +201,7 @@ def apply_moe_flags(cfg: TrainConfig, config, keyword: str | None = None) -> Non
         )
         fix = "drop it" if keyword else "remove the flag"
         raise ConfigError(
-            f"{flag} applies to a mixture-of-experts model (mixtral, qwen3_moe, deepseek_v3: "
-            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: {fix}"
+            f"{flag} applies to a mixture-of-experts model {no_experts(config)}: {fix}"
         )
     for name in given:
         value = getattr(cfg, name)
