@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    curves, drawn = 0, set()
+    drawn: set[str] = set()  # the metrics some file has a curve of
     for log in args.logs:
         try:
             series = read_series(log, metrics)
@@ -78,9 +78,8 @@ def main(argv=None) -> int:
             ax.plot(steps, values, label=label, **STYLES.get(key, {}))
             print(f"{log}: {key}: {len(steps)} points, steps {steps[0]}..{steps[-1]}, "
                   f"last {values[-1]:.4f}")
-            curves += 1
             drawn.add(key)
-    if curves == 0:
+    if not drawn:
         print(f"plot_log: error: no {', '.join(metrics)} records in {', '.join(args.logs)}",
               file=sys.stderr)
         return 2
