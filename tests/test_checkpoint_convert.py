@@ -90,6 +90,25 @@ def test_conversion_updates_layout_drops_rng_and_keeps_meta(tmp_path):
     assert manifest["tensors"]["layers.3.attn.qkv.weight"]["local_shape"] == [48, 32]
 
 
+def test_conversion_into_the_same_layout_keeps_the_rng_states(tmp_path):
+    """The RNG states belong to the ranks of a layout: a conversion into that same layout
+    copies them (it dropped them, and the resume said they belonged to another layout)."""
+    from megapar.checkpoint.distributed import load_checkpoint
+
+    src = save_serial(tmp_path / "src")
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "dst", 1, 1, progress=False)
+    manifest = read_manifest(out)
+    assert manifest["files"][RNG_FILE] == read_manifest(src)["files"][RNG_FILE]
+    assert "rng_note" not in manifest["meta"]
+    assert file_tensors(out / RNG_FILE).keys() == file_tensors(src / RNG_FILE).keys()
+    mesh = Mesh(Layout())
+    state = load_checkpoint(out, build_stage(tiny_config("gpt2"), mesh, seed=1), mesh)
+    assert state.rng is not None and state.notes == []
+    original = load_checkpoint(src, build_stage(tiny_config("gpt2"), mesh, seed=1), mesh)
+    assert state.rng.keys() == original.rng.keys()
+    assert all(torch.equal(state.rng[k], original.rng[k]) for k in state.rng)
+
+
 def test_cli_convert_and_info(tmp_path, capsys, monkeypatch):
     """SRC, DST and --info written '~/x' (quoted) are under the home directory: DST '~/dst'
     was written to ./~/dst."""

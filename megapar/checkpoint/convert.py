@@ -190,11 +190,13 @@ def write_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     after_tensor: Callable[[], None] | None = None,
+    copied: dict[str, Path] | None = None,
 ) -> Path:
     """Write checkpoint root `dst` (step dir + latest) tensor by tensor; returns the step dir.
 
     `fill(name, key, tp_rank, local)` gives one target shard (key None = weights). `meta` is
-    written last, so `fill` may still add to it.
+    written last, so `fill` may still add to it. `copied` names files copied into the step
+    directory as they are (file name -> source path), listed in the manifest with the shards.
     """
 
     dst = Path(dst)
@@ -228,6 +230,9 @@ def write_checkpoint(
         for writer in writers.values():
             writer.close()
         files = {w.path.name: file_record(w.path) for w in writers.values()}
+        for fname, source in (copied or {}).items():
+            shutil.copyfile(source, step_dir / fname)
+            files[fname] = file_record(step_dir / fname)
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -257,7 +262,8 @@ def convert_checkpoint(
     """Rewrite checkpoint `src` (ROOT or step dir) for layout tp x pp (x dp) as root `dst`.
 
     Weights and optimizer moments are resharded exactly; the manifest is carried over with the
-    new layout; RNG states (which belong to ranks) are dropped and the fact noted in meta."""
+    new layout. RNG states belong to ranks: they are copied into the same layout, and dropped
+    (the fact noted in meta) into another."""
     step_dir = resolve_checkpoint(src)
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
         raise CheckpointError(
@@ -294,7 +300,9 @@ def convert_checkpoint(
         e["dtype"], e["optim"] = source[name]["dtype"], dict(source[name]["optim"])
     meta = dict(manifest["meta"])
     meta["converted_from"] = {"path": str(step_dir), "layout": manifest["layout"]}
-    if RNG_FILE in manifest["files"]:
+    rng = RNG_FILE in manifest["files"]
+    same_layout = Layout(**manifest["layout"]) == layout
+    if rng and not same_layout:
         meta["rng_note"] = (
             f"megapar-convert dropped the RNG states of the "
             f"{Layout(**manifest['layout'])} ranks (they belong to the ranks of "
@@ -316,6 +324,7 @@ def convert_checkpoint(
         overwrite,
         progress,
         after_tensor=reader.release,
+        copied={RNG_FILE: step_dir / RNG_FILE} if rng and same_layout else None,
     )
 
 
