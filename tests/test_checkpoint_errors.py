@@ -1,6 +1,7 @@
 """Every broken input gives an error naming the problem, and DST is never touched on failure."""
 
 import os
+import re
 
 import pytest
 from test_checkpoint_helpers import save_serial, tiny_config
@@ -149,6 +150,28 @@ def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src,
         modes["generation_config.json"], modes
     assert (dst / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_hf_export_over_a_sharded_save_removes_its_shards_and_index(src, tmp_path):
+    """A directory that holds transformers' sharded save (model-0000N-of-0000M.safetensors and
+    its index): the export was written beside them, and loaders that read the index first
+    (vLLM) loaded the old weights."""
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dst = tmp_path / "hf"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).save_pretrained(
+        dst, max_shard_size="20KB")
+    shards = sorted(p.name for p in dst.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (dst / "model.safetensors.index.json").is_file()
+    listed = f"({len(shards) + 3} files: config.json, generation_config.json, {shards[0]}, ...)"
+    with pytest.raises(CheckpointError, match=re.escape(f"{listed}; pass --overwrite")):
+        export_hf(src, dst)
+    assert sorted(p.name for p in dst.glob("model-*.safetensors")) == shards
+    export_hf(src, dst, overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors"]
+    assert "h.0.attn.c_attn.weight" in " ".join(load_file(dst / "model.safetensors"))
 
 
 def test_failure_midway_leaves_dst_untouched_and_no_temp_dirs(src, tmp_path, monkeypatch):

@@ -11,7 +11,13 @@ import torch
 
 from megapar.checkpoint.convert import check_output
 from megapar.checkpoint.format import CheckpointError, ShardReader
-from megapar.checkpoint.hf import ARCHITECTURES, GENERATION_FILE, HF_FILES, save_hf
+from megapar.checkpoint.hf import (
+    ARCHITECTURES,
+    GENERATION_FILE,
+    HF_FILES,
+    other_weights,
+    save_hf,
+)
 from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import resolve_checkpoint
@@ -64,9 +70,12 @@ def export_hf(
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
     existing = [n for n in (*HF_FILES, GENERATION_FILE) if (hf_dir / n).exists()]
+    existing += other_weights(hf_dir)
     if not overwrite and existing:
+        shown = ", ".join(existing[:3])
+        shown = f"{len(existing)} files: {shown}, ..." if existing[3:] else shown
         raise CheckpointError(
-            f"{hf_dir} already holds an exported model ({', '.join(existing)})"
+            f"{hf_dir} already holds an exported model ({shown})"
             f"; pass --overwrite to replace those files (other files there "
             f"are kept)"
         )

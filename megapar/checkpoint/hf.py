@@ -583,6 +583,19 @@ HF_FILES = ("model.safetensors", "config.json")
 """The files an export writes (and replaces); anything else in the directory is left alone."""
 GENERATION_FILE = "generation_config.json"
 """What a causal LM's export writes besides `HF_FILES` (and replaces)."""
+OTHER_WEIGHTS = re.compile(
+    r"model\.safetensors\.index\.json|model-\d+-of-\d+\.safetensors"
+    r"|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
+)
+"""Weights files of another save into the directory (`save_pretrained`'s shards and index, a
+``pytorch_model.bin``), which an export removes: a stale index beside the new
+``model.safetensors`` sends loaders that read the index first (vLLM) to the old weights."""
+
+
+def other_weights(out_dir: Path) -> list[str]:
+    """The names of `OTHER_WEIGHTS` files in `out_dir`, sorted."""
+    names = os.listdir(out_dir) if out_dir.is_dir() else []
+    return sorted(n for n in names if OTHER_WEIGHTS.fullmatch(n))
 
 
 TOKENIZER_STAGE = ".tokenizer.export-"
@@ -610,7 +623,8 @@ def save_hf(
     in the files (default: as given), recorded as the config's ``dtype``. `tokenizer_rows`: a
     causal LM's embedding (and head) cut to its tokenizer's ids (`cut_to_tokenizer`). As
     `save_pretrained`,
-    other files there (notes) are left alone; each file is written under a temporary name and
+    the weights files of another save there are removed (`OTHER_WEIGHTS`), other files (notes)
+    are left alone; each file is written under a temporary name and
     renamed when all are complete (the tokenizer, then the rest), so an interrupted or failed
     export leaves no file of its own (nor the directory, when it made it); the temporaries of
     one killed -9 (named with `owner_tag`) are removed by the next export into the directory."""
@@ -661,6 +675,8 @@ def save_hf(
             os.replace(stage / name, out_dir / name)
         for name in names:
             os.replace(tmp[name], out_dir / name)
+        for name in other_weights(out_dir):
+            (out_dir / name).unlink(missing_ok=True)
     except BaseException:
         for path in tmp.values():
             path.unlink(missing_ok=True)

@@ -25,7 +25,8 @@ tokenizer_config.json, checked to encode as megapar does, truncating at the mode
 as transformers' save_pretrained does, the config's special token ids the tokenizer's, in the dtype
 of the Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
 generation_config.json too (the one of the model it was imported from, else one made from its
-config); other files there are kept, an earlier export is replaced only with --overwrite.
+config); other files there are kept, an earlier export (or another save's weights: shards and
+index, pytorch_model.bin) is replaced only with --overwrite.
 --from-dcp / --to-dcp move a Llama's weights between megapar and torchtitan's DCP checkpoints
 (torchtitan's names; wq and wk in its rotary layout); the model is the one --job-config's
 [model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
