@@ -343,7 +343,7 @@ def format_line(step: int, m: dict, fp16: bool = False) -> str:
         parts.append(f"bubble {100 * m['bubble']:.1f}%")
     if "grad_reduce_wait" in m:
         parts.append(f"grad-reduce wait {100 * m['grad_reduce_wait']:.1f}%")
-    parts.append(f"mem {m['peak_mem_mb']:,.0f} MB")
+    parts.append(f"mem {m['peak_mem_mb']:,.0f} MiB")
     if "moe_aux_loss" in m:
         parts.append(
             f"moe aux {m['moe_aux_loss']:.4f} z {m['moe_z_loss']:.3f} "
