@@ -261,6 +261,36 @@ def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys)
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_a_tied_llama_moves_with_output_weight_as_torchtitans_tied_model_saves_it(
+        tmp_path, capsys):
+    """torchtitan's Llama loads ``output.weight`` tied or not (its enable_weight_tying saves
+    the shared tensor under both names): --to-dcp of a tied Llama wrote no output.weight, and
+    --from-dcp with a tied --model silently untied a checkpoint that has one."""
+    tied = {**SMALL, "tie_word_embeddings": True}
+    (tmp_path / "tied.json").write_text(json.dumps(tied))
+    state = titan_state(SMALL)
+    state["output.weight"] = state["tok_embeddings.weight"]
+    dcp_save(state, tmp_path / "titan")
+    model = str(tmp_path / "tied.json")
+    assert convert(["--from-dcp", str(tmp_path / "titan"), str(tmp_path / "ck"), "--model",
+                    model, "--no-progress"]) == 0
+    manifest = json.loads((tmp_path / "ck" / "step_00000000" / "manifest.json").read_text())
+    assert manifest["model"]["tie_word_embeddings"] and "head.weight" not in manifest["tensors"]
+    capsys.readouterr()
+    assert convert([str(tmp_path / "ck"), "--to-dcp", str(tmp_path / "back")]) == 0
+    assert "enable_weight_tying=True" in capsys.readouterr().out
+    back = dcp_load(state, tmp_path / "back")
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    # untied weights under a tied config: refused, not untied
+    dcp_save(titan_state(SMALL), tmp_path / "untied")
+    assert convert(["--from-dcp", str(tmp_path / "untied"), str(tmp_path / "ck2"), "--model",
+                    model, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "output.weight is not its tok_embeddings.weight" in err and "\n" not in err, err
+    assert not (tmp_path / "ck2").exists()
+
+
 def test_load_of_another_format_is_refused_naming_the_import(tmp_path, small, capsys,
                                                              monkeypatch):
     import megapar.cli.train as train_cli

@@ -308,7 +308,7 @@ class DCPReader:
                 f"--model is a {config.model_type} model; torchtitan's "
                 f"checkpoints hold Llama weights: give a llama config"
             )
-        tied = self.shape("output.weight") is None
+        tied = self._tied(config)
         if tied != bool(config.tie_word_embeddings) or vocab != config.vocab_size:
             if vocab != config.vocab_size:
                 self.spec_vocab = config.vocab_size
@@ -324,6 +324,22 @@ class DCPReader:
                     f"{want}; give the --job-config / --model it was trained with"
                 )
         return config
+
+    def _tied(self, config) -> bool:
+        """Whether the weights are a tied Llama: no ``output.weight`` (megapar's exports before
+        they wrote it), or one equal to ``tok_embeddings.weight`` where `config` ties them
+        (torchtitan's ``enable_weight_tying`` saves the shared tensor under both names); a
+        different one under a tied `config` is refused."""
+        if self.shape("output.weight") is None:
+            return True
+        if not config.tie_word_embeddings:
+            return False
+        if torch.equal(self.titan("output.weight"), self.titan("tok_embeddings.weight")):
+            return True
+        raise ConfigError(
+            f"{self.path}: its output.weight is not its tok_embeddings.weight, but the "
+            f"--model config ties them (tie_word_embeddings); give an untied config"
+        )
 
     @property
     def dtype(self) -> str:
@@ -418,8 +434,9 @@ def import_dcp(
 
 def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     """A DCP checkpoint of a megapar Llama's weights in torchtitan's names (wq, wk in its
-    rotary layout), written by ``torch.distributed.checkpoint.save`` in one process, each
-    tensor in its checkpoint dtype; returns the directory and the torchtitan model args."""
+    rotary layout; a tied embedding under ``output.weight`` too, as torchtitan's tied model
+    saves it), written by ``torch.distributed.checkpoint.save`` in one process, each tensor in
+    its checkpoint dtype; returns the directory and the torchtitan model args."""
     step_dir = resolve_checkpoint(src)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
@@ -445,6 +462,8 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
             tensor = to_interleaved(tensor, kv_heads)
         state[titan_name(name)] = tensor.contiguous()
     reader.release()
+    if config.tie_word_embeddings:  # torchtitan's Llama loads output.weight, tied or not
+        state["output.weight"] = state["tok_embeddings.weight"]
     remove_stale_temporaries(dst.parent, f".{dst.name}.tmp-")  # of an export killed -9
     tmp = staging_dir(dst.parent, f".{dst.name}.tmp-{owner_tag()}-")
     try:
@@ -465,4 +484,6 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
         "rope_theta": config.rope_theta,
         "hidden_dim": config.intermediate_size,
     }
+    if config.tie_word_embeddings:
+        args["enable_weight_tying"] = True
     return dst, args
