@@ -682,6 +682,22 @@ def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, 
     assert rc == 2 and "--wandb-project needs wandb, which is not installed" in line, line
 
 
+def test_a_wandb_mode_that_wandb_does_not_take_is_refused_before_the_run(env, no_workers,
+                                                                        capsys, monkeypatch):
+    """WANDB_MODE=bogus was rank 0's pydantic ValidationError after the workers started; the
+    modes listed are the ones the installed wandb's settings take."""
+    from typing import get_args
+
+    from megapar.training.logging import WANDB_MODES
+
+    settings = pytest.importorskip("wandb.sdk.wandb_settings", reason="wandb is not installed")
+    assert set(WANDB_MODES) == set(get_args(settings.Settings.model_fields["mode"].annotation))
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    rc = train([*env["common"], "--wandb-project", "mine"])
+    line = _one_line(capsys, "megapar-train")
+    assert rc == 2 and "WANDB_MODE='bogus' is not one of W&B's modes (online, offline" in line
+
+
 EVAL = [
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--max-batches", "0"],
      "--max-batches 0 is invalid"),

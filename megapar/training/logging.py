@@ -35,6 +35,10 @@ def peak_memory_mb(device: torch.device) -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
+"""The values W&B's settings take for WANDB_MODE (wandb 0.31's ``Settings.mode``)."""
+
+
 def wandb_mode(timeout_s: float = 2.0) -> tuple[str, str]:
     """(mode, reason): WANDB_MODE when set; else online when the W&B server answers and
     credentials exist (WANDB_API_KEY or ~/.netrc), offline otherwise (sync later with

@@ -39,6 +39,7 @@ from megapar.mesh import LayoutError, layout_option
 from megapar.models.flops import heads
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
+from megapar.training.logging import WANDB_MODES
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys, holds_records
@@ -663,6 +664,13 @@ def check_outputs(cfg) -> None:
         raise UsageError(
             "--wandb-project needs wandb, which is not installed: pip install "
             "'megapar[wandb]' (or wandb), or log with --tensorboard / --log-json"
+        )
+    mode = os.environ.get("WANDB_MODE")
+    if cfg.wandb_project and mode and mode not in WANDB_MODES:
+        raise UsageError(
+            f"--wandb-project: WANDB_MODE={mode!r} is not one of W&B's modes "
+            f"({', '.join(WANDB_MODES)}); set one, or unset WANDB_MODE to log online when "
+            f"the server answers (offline otherwise)"
         )
 
     if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
