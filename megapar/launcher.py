@@ -577,7 +577,8 @@ def launch(
     before `fn` runs (use `megapar.prepare` inside it). A failing rank brings all down and
     raises `WorkerError` naming it. Under torchrun / Slurm (RANK / WORLD_SIZE set) `fn` runs
     once as this process's rank and its value is returned; `nprocs` is then ignored.
-    `timeout_s`: give up (naming the unfinished ranks) after this long; None waits. More
+    One rank is a worker process too, as every rank is. `timeout_s`: give up (naming the
+    unfinished ranks) after this long; None waits. More
     processes than `local_worker_limit` (4 per CPU core, at least 8) is a ValueError before any
     starts, unless `oversubscribe=True`; an `fn` that is not callable or an `nprocs` that is not
     an int is a TypeError before any starts.
@@ -602,8 +603,15 @@ def launch(
     method = None
     if _device.use_cuda():
         method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
-    if nprocs == 1 and method is None:  # a run of its own in this process: its own records
-        diagnostics.begin()
-        begin_marks()
-        return fn(*args)
+    if nprocs == 1:  # run_local makes no group for one rank; launch's fn finds one
+        fn, args = _in_group_of_one, (fn, *args)
     return run_local(fn, nprocs, *args, timeout_s=timeout_s, start_method=method)[0]
+
+
+def _in_group_of_one(fn: Callable[..., Any], *args) -> Any:
+    """`fn(*args)` in a worker of `megapar.launch(fn, 1)`, as the one rank of a process group
+    on an in-process store (kept, so that `fn` can destroy the group and join again)."""
+    store = dist.HashStore()
+    _device.LaunchStore.keep(store)
+    _device.init_distributed(0, 1, store=store)
+    return fn(*args)

@@ -1320,6 +1320,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     # a misspelt or missing key of the schedule was LRScheduler's raw TypeError
     ({"lr_schedule": {"max_step": 10}}, ["lr_schedule has unknown keys ['max_step']"]),
     ({"lr_schedule": {"warmup_steps": 2}}, ["lr_schedule has no 'max_steps'", "(needed)"]),
+    ({"lr_schedule": {"max_steps": 0}}, ["megapar.prepare: lr_schedule {'max_steps': 0}: "
+                                         "need warmup_steps >= 0 and max_steps >= 1"]),
+    # 0 was the default (300 s), taken silently
+    ({"timeout_s": 0}, ["megapar.prepare: timeout_s=0 is invalid", "> 0.0"]),
     ({"lr_schedule": {"max_steps": 10, "decay": "wsd"}},
      ["megapar.prepare: lr_schedule decay 'wsd' needs decay_steps"]),
     # read by no part of the engine: trained at a constant lr, saved nothing

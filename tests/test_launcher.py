@@ -117,6 +117,26 @@ def test_launch_refuses_a_non_callable_fn_or_a_non_int_nprocs_before_any_worker_
     assert megapar.launch(print, 2) == 2 == started[0]
 
 
+def _group_and_rank(fail: bool = False):
+    import torch.distributed as dist
+
+    if fail:
+        raise RuntimeError("boom")
+    return dist.is_initialized() and (dist.get_rank(), dist.get_world_size())
+
+
+def test_launch_of_one_rank_keeps_the_contract_of_many():
+    """megapar.launch(fn, 1) called fn in the launching process: no process group (fn's
+    dist.get_rank() failed only there), its exception raised as it was, not a WorkerError
+    naming the rank, and timeout_s ignored."""
+    import megapar
+
+    assert megapar.launch(_group_and_rank, 1) == (0, 1)
+    assert megapar.launch(_group_and_rank, 2) == (0, 2)
+    with pytest.raises(megapar.WorkerError, match="rank 0 failed: RuntimeError: boom"):
+        megapar.launch(_group_and_rank, 1, True)
+
+
 def _as_torchrun_rank(rank, world, port, out, body, launcher="torchrun"):
     """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun), or
     with launcher="srun" of an srun step without torchrun (Slurm's variables only): reports

@@ -305,7 +305,7 @@ def prepare(
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         seed=seed,
-        timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+        timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
         progress=False,
         **options,
     )
@@ -574,7 +574,10 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
                 "final decay, which ends at max_steps); wsd_style is linear unless given"
             )
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
-        lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
+        try:
+            lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
+        except ValueError as exc:
+            raise ValueError(f"megapar.prepare: lr_schedule {lr_schedule}: {exc}") from None
     elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
         raise TypeError(
             "lr_schedule must be None, a dict of LRScheduler fields or an "
