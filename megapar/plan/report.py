@@ -18,6 +18,7 @@ from megapar.plan.state import DENSE, EXPERTS, groups_traffic, w_reported, zero_
 from megapar.plan.timing import chunk_times
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
+from megapar.wording import counted
 
 # Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is
 # only emitted when megapar-train has the field; otherwise the command says what is missing.
@@ -458,6 +459,7 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
         for st in range(c.pp)
     )
     sent = experts.step_alltoall(p, c, layers)
+    micro = p.global_batch // (c.mbs * c.dp)
     imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
     edp = c.dp * c.cp // c.ep
     sharded = {
@@ -476,10 +478,11 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
             f"ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
         ),
         *_zero3_experts(e, p, one, edp),
-        f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
-        f"{p.global_batch // (c.mbs * c.dp)} micro-batches: the counts, the dispatch and the "
-        f"combine, {passes}), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
-        f"under uniform routing: {e.comm_s.get('ep', 0.0):.4g} s exposed per step",
+        f"  all-to-all per step: {_amount(sent)} put in by each rank "
+        f"({counted(layers, 'MoE layer')} x {counted(micro, 'micro-batch', 'micro-batches')}: "
+        f"the counts, the dispatch and the combine, {passes}), of which "
+        f"{100 * experts.leaving(c.ep):.0f} % leaves the rank under uniform routing: "
+        f"{e.comm_s.get('ep', 0.0):.4g} s exposed per step",
         f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
         f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
         f"factor bounds it)",

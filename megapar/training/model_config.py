@@ -18,6 +18,7 @@ from megapar.training.validate import (
 )
 from megapar.training.validate_resume import model_from_checkpoint
 from megapar.training.validate_sft import check_sft_model
+from megapar.wording import counted
 
 DEFAULT_MODEL = "gpt2-tiny"
 """The recipe of a run that names no model."""
@@ -158,9 +159,14 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"{no_experts(config)}: use --expert-tensor-parallel-size 1"
             )
         if config.expert_size % etp:
+            key = (
+                "moe_intermediate_size"
+                if hasattr(config, "moe_intermediate_size")
+                else ("intermediate_size")
+            )
             raise ConfigError(
                 f"{flag} does not divide the experts' intermediate size {config.expert_size} "
-                f"(moe_intermediate_size): use --expert-tensor-parallel-size 1, or a --tp "
+                f"({key}): use --expert-tensor-parallel-size 1, or a --tp "
                 f"that divides {config.expert_size}"
             )
     if cfg.ep == 1:
@@ -173,7 +179,8 @@ def _check_ep(cfg: TrainConfig, config) -> None:
         )
     if experts % cfg.ep:
         raise ConfigError(
-            f"--ep {cfg.ep} does not divide the model's {experts} experts: choose an --ep "
+            f"--ep {cfg.ep} does not divide the model's {counted(experts, 'expert')}: choose "
+            f"an --ep "
             f"that divides {experts}"
         )
 
