@@ -402,6 +402,32 @@ def test_transformers_saved_tokenizer_is_loaded_or_refused(tmp_path):
             load_tokenizer(str(out))
 
 
+def test_a_special_tokens_text_inside_a_document_is_noted_where_it_becomes_the_token(
+        tmp_path, capsys):
+    """A tokenizer.json encodes '<|endoftext|>' written out as the token (as transformers
+    does), a document boundary inside the document; the GPT-2 BPE spells it out. The
+    difference was silent."""
+    import transformers
+
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    hf = tmp_path / "hf"  # the GPT-2 BPE as its export writes it, saved by transformers again
+    save_for_transformers(load_tokenizer("gpt2"), str(tmp_path / "export"))
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "export").save_pretrained(hf)
+    text = tmp_path / "t.txt"
+    text.write_text("before <|endoftext|> after\n\nplain text\n\nand more\n")
+    ids = {}
+    for name, spec in (("hf", str(hf)), ("bpe", "gpt2")):
+        assert data_main(["--input", str(text), "--output-prefix", str(tmp_path / "out" / name),
+                          "--tokenizer", spec, "--split-lines", "--no-progress"]) == 0
+        err = capsys.readouterr().err
+        noted = "note: 1 of 3 documents holds the end-of-document token before their end"
+        assert (noted in err) == (name == "hf"), err
+        ids[name] = IndexedDataset(str(tmp_path / "out" / name)).doc(0).tolist()
+    assert ids["hf"] == [19052, 220, 50256, 706, 50256]
+    assert ids["bpe"][:3] == [19052, 1279, 91] and ids["bpe"].count(50256) == 1
+
+
 def test_documents_that_tokenize_to_nothing_warn_or_fail(tmp_path, capsys):
     vocab = {c: i for i, c in enumerate(string.ascii_letters + ".,")}
     vocab["<|endoftext|>"] = len(vocab)

@@ -143,7 +143,8 @@ def preprocess_files(
 
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
     ``stats`` (a dict, when given) receives ``docs`` and ``empty_docs``: the documents written
-    and those of them that tokenized to no ids (raises ValueError when that is all of them).
+    and those of them that tokenized to no ids (raises ValueError when that is all of them);
+    and ``eod_inside``: those holding the end-of-document id before their end.
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
@@ -195,7 +196,7 @@ def preprocess_files(
     ):  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar, tok.bos_id, stats, sft_keys is not None)
+            _consume(results, builder, bar, tok.bos_id, stats, sft_keys is not None, tok.eod_id)
         else:
             # Workers start as fresh interpreters (spawned): a fork of this process inherits
             # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
@@ -219,6 +220,7 @@ def preprocess_files(
                     tok.bos_id,
                     stats,
                     sft_keys is not None,
+                    tok.eod_id,
                 )
         bar.n = total
         bar.close()
@@ -257,13 +259,20 @@ def _consume(
     bos_id: int | None = None,
     stats: dict | None = None,
     sft: bool = False,
+    eod_id: int | None = None,
 ) -> None:
     """Add each document (after the tokenizer's own BOS, when it has one; the eod follows);
-    count into ``stats["empty_docs"]`` those that tokenized to no ids. `sft`: each batch is
+    count into ``stats["empty_docs"]`` those that tokenized to no ids, and into
+    ``stats["eod_inside"]`` those holding `eod_id` before their end (a tokenizer.json encodes
+    the text of its special token as the token, as transformers does). `sft`: each batch is
     its records' prompts then their responses (`_sft_batched`), added as one document per
     record with its prompt length."""
     bos = [] if bos_id is None else [bos_id]
     for encoded, nbytes in results:
+        if stats is not None and eod_id is not None:  # a special token's text, as its id
+            stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
+                1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
+            )
         if sft:
             half = len(encoded) // 2
             for prompt, response in zip(encoded[:half], encoded[half:]):
