@@ -57,16 +57,19 @@ def test_crlf_and_cr_files_give_the_lf_dataset_byte_for_byte(tmp_path, split):
 
 
 def test_crlf_inside_jsonl_records_is_normalised(tmp_path):
+    """Records ended by CR alone (old Mac) too: they were one line, 'not valid JSON (Extra
+    data)'; the --help says every input kind reads CR as LF."""
     paras = [p for p in TEXT.split("\n\n") if p.strip()][:20]
     (tmp_path / "lf.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
-    (tmp_path / "crlf.jsonl").write_bytes("".join(
-        json.dumps({"text": p.replace("\n", "\r\n")}) + "\r\n" for p in paras).encode())
-    docs = [t for t, _ in iter_documents([str(tmp_path / "crlf.jsonl")])]
-    assert docs == paras
-    for name in ("lf", "crlf"):
+    for name, end in (("crlf", "\r\n"), ("cr", "\r")):
+        (tmp_path / f"{name}.jsonl").write_bytes("".join(
+            json.dumps({"text": p.replace("\n", end)}) + end for p in paras).encode())
+        docs = [t for t, _ in iter_documents([str(tmp_path / f"{name}.jsonl")])]
+        assert docs == paras
+    for name in ("lf", "crlf", "cr"):
         assert data_main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
                           str(tmp_path / name), "--no-progress"]) == 0
-    assert _files(tmp_path / "crlf") == _files(tmp_path / "lf")
+    assert _files(tmp_path / "crlf") == _files(tmp_path / "lf") == _files(tmp_path / "cr")
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "json array", "json object"])

@@ -463,6 +463,16 @@ def iter_documents(
         yield normalize_newlines(text), size
 
 
+def _record_lines(f) -> Iterator[bytes]:
+    """The lines of binary file `f`, each ended by LF, CRLF or CR (old Mac): a JSON record
+    holds no raw CR (JSON escapes it), so a CR ends one as LF does."""
+    for raw in f:
+        if b"\r" not in raw:
+            yield raw
+        else:
+            yield from raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").splitlines(True)
+
+
 def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
     report = {} if report is None else report  # invalid UTF-8 counted per file all the same
     for path in files:
@@ -481,7 +491,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         if path.endswith((".jsonl", ".json")):
             size = os.path.getsize(path)
             with open(path, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
+                for lineno, raw in enumerate(_record_lines(f), 1):
                     if not raw.strip():
                         continue
                     line = _decode_utf8(
@@ -620,7 +630,7 @@ def iter_records(files: Sequence[str], keys: Sequence[str]) -> Iterator[tuple[st
     for path in files:
         check_not_wide(path)
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(_record_lines(f), 1):
                 if not line.strip():
                     continue
                 record = _line_object(path, lineno, line, keys[0])
@@ -726,7 +736,7 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
         if not head.startswith(b"{"):
             return "lines", None
         f.seek(0)
-        first = next((line for line in f if line.strip()), b"")
+        first = next((line for line in _record_lines(f) if line.strip()), b"")
     try:  # told apart by their structure: invalid UTF-8 is counted when read (`_load_json`)
         json.loads(first.removeprefix(BOM).decode("utf-8", errors="replace"))
         return "lines", None
