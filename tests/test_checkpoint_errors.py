@@ -50,15 +50,19 @@ BREAKS = {
 }
 
 
-def _dst_with_marker(tmp_path):
+def _dst_with_marker(tmp_path, root: bool = True):
+    """A DST that exists: an earlier conversion's root (its `latest`, which --overwrite
+    replaces), or with `root` False a directory of other files (a tokenizer's)."""
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "marker").write_text("keep me")
+    if root:
+        (dst / LATEST).write_text("step_00000001\n")
     return dst
 
 
 def _assert_untouched(dst):
-    assert [p.name for p in dst.iterdir()] == ["marker"]
+    assert sorted(p.name for p in dst.iterdir()) == [LATEST, "marker"]
     assert (dst / "marker").read_text() == "keep me"
     leftovers = [p.name for p in dst.parent.iterdir() if p.name.startswith(".")]
     assert leftovers == [], f"temporary directories left behind: {leftovers}"
@@ -125,16 +129,28 @@ def test_overwrite_of_a_dst_spelt_through_itself(src, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert (dst / LATEST).is_file() and not (dst / "marker").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    # a file replaced by --overwrite was left beside it as a hidden .NAME.old-* (rmtree of a
-    # file fails, and its errors were ignored)
+    # --overwrite replaced a file, a dataset's directory or one of notes with the checkpoint
+    # (the refusal without it suggested --overwrite): only a checkpoint root is replaced
     (tmp_path / "afile").write_text("x")
-    assert main([str(src), str(tmp_path / "afile"), "--overwrite", "--no-progress"]) == 0
-    assert (tmp_path / "afile" / LATEST).is_file()
+    (tmp_path / "n").mkdir()
+    notes = _dst_with_marker(tmp_path / "n", root=False)
+    for path, what in ((tmp_path / "afile", "is a file"),
+                       (notes, "is a directory of other files (marker)")):
+        assert main([str(src), str(path), "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{what}, not a megapar checkpoint: --overwrite replaces only a megapar " \
+            "checkpoint (or an empty directory); give another DST" in err and "\n" not in err
+    assert (tmp_path / "afile").read_text() == "x"
+    assert [p.name for p in notes.iterdir()] == ["marker"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(src), str(empty), "--overwrite", "--no-progress"]) == 0
+    assert (empty / LATEST).is_file()
 
 
 def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src, tmp_path):
-    dst = _dst_with_marker(tmp_path)   # e.g. a tokenizer directory: exported into, as
+    dst = _dst_with_marker(tmp_path, root=False)  # a tokenizer directory: exported into, as
     export_hf(src, dst)             # transformers' save_pretrained does, the marker kept
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
                                                      "marker", "model.safetensors"]

@@ -10,6 +10,7 @@ DST and renamed at the end, so a failure leaves DST untouched.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import secrets
@@ -98,14 +99,33 @@ def _local(entry: dict) -> int | None:
     return None if dim is None else entry["local_shape"][dim]
 
 
-def _refuse_existing(dst: Path, overwrite: bool) -> None:
+def _refuse_existing(
+    dst: Path, overwrite: bool, marks: tuple[str, ...] = (LATEST,), kind: str = "megapar checkpoint"
+) -> None:
     """Refuse a `dst` that exists (unless `overwrite`) or that a live run saves into (always:
-    replacing it would delete that run's checkpoints and its lock)."""
+    replacing it would delete that run's checkpoints and its lock). Only an output of the
+    same `kind` (a directory holding one of `marks`: a checkpoint root's `latest`) or an empty
+    directory is replaced: anything else is refused, `overwrite` or not."""
     try:
         check_unlocked(dst)
     except SaveLockError as exc:
         raise CheckpointError(f"cannot replace {dst}: {exc}") from None
-    if dst.exists() and not overwrite:
+    if not os.path.lexists(dst):
+        return
+    if dst.is_symlink() or not dst.is_dir():
+        what = "a file"
+    elif any((dst / m).is_file() for m in marks) or not any(dst.iterdir()):
+        what = None
+    else:
+        names = sorted(p.name for p in itertools.islice(dst.iterdir(), 4))
+        shown = ", ".join(names[:3]) + (", ..." if names[3:] else "")
+        what = f"a directory of other files ({shown})"
+    if what is not None:
+        raise CheckpointError(
+            f"{dst} is {what}, not a {kind}: --overwrite replaces only a {kind} (or an "
+            f"empty directory); give another DST"
+        )
+    if not overwrite:
         raise CheckpointError(
             f"{dst} already exists; pass --overwrite to replace it (it is "
             f"replaced only once the new output is complete)"

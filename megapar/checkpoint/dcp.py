@@ -446,7 +446,7 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
             f"torchtitan's Llama checkpoints (a llama model)"
         )
     dst = Path(dcp_dir).expanduser()
-    _refuse_existing(dst, overwrite)
+    _refuse_existing(dst, overwrite, (".metadata",), "DCP checkpoint")  # .metadata: its index
     check_output(dst)
     q_heads, kv_heads = _heads(config)
     reader = ShardReader(step_dir, manifest)

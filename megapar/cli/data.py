@@ -498,8 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"megapar-data: note: {stats['eod_inside']:,} of "
                 f"{counted(stats['docs'], 'document')} "
                 f"{'holds' if stats['eod_inside'] == 1 else 'hold'} the end-of-document token "
-                f"before their end: tokenizer {tokenizer} encodes the text of a special token (e.g. "
-                f"'<|endoftext|>' written out) as the token, as transformers does, and "
+                f"before their end: tokenizer {tokenizer} encodes the text of a special "
+                f"token (e.g. '<|endoftext|>' written out) as the token, as transformers does, and "
                 f"--attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss "
                 f"take a document boundary there",
                 file=sys.stderr,
