@@ -49,6 +49,35 @@ def test_megapar_data_refuses_an_existing_prefix_unless_overwrite(tmp_path, caps
     assert after[".bin"] != before[".bin"] and len(after[".bin"]) > len(before[".bin"])
 
 
+def test_a_prefix_another_run_finished_meanwhile_is_not_replaced_without_overwrite(
+        tmp_path, capsys, monkeypatch):
+    """Two megapar-data runs to one prefix, the second started before the first finished:
+    both passed the start-up check and both said 'wrote', the later rename winning silently."""
+    from megapar.data.indexed import IndexedDatasetBuilder
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(TEXT[:3000])
+    second.write_text(TEXT[3000:9000])
+    prefix = tmp_path / "out" / "d"
+    common = ["--output-prefix", str(prefix), "--tokenizer", "sentencepiece", "--no-progress"]
+    real = IndexedDatasetBuilder.finalize
+    other = {}
+
+    def the_other_run_finishes_first(self):
+        monkeypatch.setattr(IndexedDatasetBuilder, "finalize", real)
+        assert data(["--input", str(first), *common]) == 0
+        other.update(_outputs(prefix))
+        return real(self)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", the_other_run_finishes_first)
+    assert data(["--input", str(second), *common]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert "d.bin, " in line and "appeared while this run tokenized (another run wrote them); " \
+        "this run's dataset is discarded: pass --overwrite" in line, line
+    assert _outputs(prefix) == other
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["d.bin", "d.idx", "d.json"]
+
+
 def test_megapar_data_refuses_an_existing_trained_tokenizer(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(TEXT[:3000])
     prefix = tmp_path / "bpe"

@@ -477,6 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report=report,
             stats=stats,
             sft_keys=args.sft_keys,
+            overwrite=args.overwrite,
         )
         for path, count in report.items():
             print(

@@ -105,6 +105,7 @@ class IndexedDatasetBuilder:
         tokenizer_spec: dict[str, Any],
         format: str = "megapar",
         sft_keys: Sequence[str] | None = None,
+        replace: bool = True,
     ):
         if format not in INDEX_FORMATS:
             raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
@@ -132,6 +133,9 @@ class IndexedDatasetBuilder:
         self.max_id = -1
         self.sft_keys = list(sft_keys) if sft_keys is not None else None
         self._prompt_lengths = array.array("q")
+        self.replace = replace
+        """Whether `finalize` replaces a dataset at the prefix (False: one that another writer
+        finished meanwhile is refused, this one discarded)."""
 
     def add_document(
         self, ids: Sequence[int] | np.ndarray, prompt_length: int | None = None
@@ -170,6 +174,15 @@ class IndexedDatasetBuilder:
     def finalize(self) -> str:
         """Write the index and metadata, rename everything into place, return the prefix."""
         self._bin.close()
+        landed = [
+            self.prefix + e for e in (".bin", ".idx", ".json") if os.path.lexists(self.prefix + e)
+        ]
+        if landed and not self.replace:
+            raise ValueError(
+                f"{', '.join(landed)} appeared while this run tokenized (another run wrote "
+                f"them); this run's dataset is discarded: pass --overwrite to replace them, or "
+                f"choose another prefix"
+            )
         offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
         idx_tmp = tmp_name(self.prefix + ".idx")
         if self.format == "megatron":

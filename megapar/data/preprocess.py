@@ -135,8 +135,12 @@ def preprocess_files(
     report: dict | None = None,
     stats: dict | None = None,
     sft_keys: tuple[str, str] | None = None,
+    overwrite: bool = True,
 ) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
+
+    ``overwrite=False``: a dataset that another writer finished at the prefix meanwhile is
+    refused (ValueError) rather than replaced.
 
     ``sft_keys``: read each JSON Lines record's prompt and response under these keys, one
     document per record with its prompt length (see the module docstring).
@@ -189,6 +193,7 @@ def preprocess_files(
             {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]},
             format,
             sft_keys,
+            replace=overwrite,
         ) as builder,
         tqdm(
             total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
