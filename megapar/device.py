@@ -348,12 +348,21 @@ def check_torchrun_environment() -> None:
     """Raise ValueError (one line naming the variable and the fix) when a variable of torchrun's
     that megapar reads is malformed: RANK / LOCAL_RANK not a rank, WORLD_SIZE /
     LOCAL_WORLD_SIZE not a count, RANK not below WORLD_SIZE or LOCAL_RANK not below
-    LOCAL_WORLD_SIZE (a rank that would wait out --timeout-s for peers that never come)."""
+    LOCAL_WORLD_SIZE (a rank that would wait out --timeout-s for peers that never come), a
+    WORLD_SIZE above 1 without RANK outside srun (a stray export: the one process took it as
+    its world and failed after starting)."""
     fix = "run under torchrun (which sets it), or unset it"
     counts = _set_counts(
         {"WORLD_SIZE": "process", "LOCAL_WORLD_SIZE": "process", "RANK": None, "LOCAL_RANK": None},
         fix,
     )
+    stray = "RANK" not in counts and "SLURM_PROCID" not in os.environ
+    if stray and counts.get("WORLD_SIZE", 1) > 1:
+        raise ValueError(
+            f"WORLD_SIZE={counts['WORLD_SIZE']} is set but RANK is not: each process of a "
+            f"torchrun job has both; {fix} (megapar-train starts tp x cp x pp x dp workers "
+            f"itself)"
+        )
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         if rank in counts and size in counts and counts[rank] >= counts[size]:
             ranks = f"0-{counts[size] - 1}" if counts[size] > 1 else "only 0"

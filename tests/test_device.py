@@ -198,6 +198,9 @@ def test_a_script_under_srun_without_torchrun_trains_as_one_job():
     ({"RANK": "1", "WORLD_SIZE": "1"},
      "RANK=1 is not below WORLD_SIZE=1 (the ranks are only 0); run under torchrun"),
     ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not below WORLD_SIZE=2 (the ranks are 0-1)"),
+    # a stray WORLD_SIZE alone: rank 0's LayoutError 'world size 3 != tp*pp*dp' after starting
+    ({"WORLD_SIZE": "3"}, "WORLD_SIZE=3 is set but RANK is not: each process of a torchrun "
+                          "job has both; run under torchrun"),
 ])
 def test_malformed_slurm_variables_are_one_line_naming_the_variable(env, name, monkeypatch,
                                                                     capsys):
@@ -206,8 +209,8 @@ def test_malformed_slurm_variables_are_one_line_naming_the_variable(env, name, m
     tried."""
     import megapar.cli.train as train_cli
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_LOCALID"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_LOCALID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
