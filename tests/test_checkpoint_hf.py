@@ -285,6 +285,19 @@ def test_import_records_the_directorys_tokenizer_as_megapar_train_from_hf_finds_
         err.endswith("repair its tokenizer files, or move them out to import the model "
                      "without one"), err
     assert not (tmp_path / "ckpt2").exists()
+    # a tokenizer with more ids than the model's rows: imported, then every command refused it
+    # ("token id 999 outside the model's vocabulary"); megapar-train --from-hf refused it
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_HF,
+                                                                      "vocab_size": 500}))
+    src = Path(_hf_dir(tmp_path / "hf500", small))
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), src / "tokenizer.model")
+    capsys.readouterr()  # save_pretrained's bar
+    assert main(["--from-hf", str(src), str(tmp_path / "ckpt3"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megapar-convert: error: {src}: its tokenizer has 1,000 token ids, and its "
+                   f"model a vocabulary of 500; put the model's own tokenizer there, or move its "
+                   f"tokenizer files out to import the model without one"), err
+    assert not (tmp_path / "ckpt3").exists()
 
 
 QWEN3_MOE_HF = dict(vocab_size=101, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

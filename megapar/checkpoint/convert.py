@@ -50,7 +50,7 @@ from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, LayoutError, Mesh
-from megapar.models.config import config_from_dict
+from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, unpad
@@ -364,13 +364,14 @@ def _record_of(tok) -> dict:
     return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
 
 
-def _hf_dir_tokenizer(hf_dir) -> dict | None:
+def _hf_dir_tokenizer(hf_dir, config) -> dict | None:
     """What the checkpoint imported from `hf_dir` records of the tokenizer that directory holds
     (`recorded_tokenizer`), as megapar-train --from-hf finds it (`hf_dir_tokenizer`: its
     tokenizer.json, vocab.json + merges.txt, or SentencePiece tokenizer.model); None where it
-    holds none. CheckpointError for one that does not load (a damaged tokenizer.json), before
+    holds none. CheckpointError for one that does not load (a damaged tokenizer.json), or whose
+    ids the model `config`'s vocabulary lacks (as megapar-train --from-hf refuses it), before
     anything is written: recorded as none, raw text would later be refused as if the directory
-    had had no tokenizer."""
+    had had no tokenizer; recorded too large, every later command would fail on it."""
     spec = hf_dir_tokenizer(os.fspath(hf_dir))
     if spec is None:
         return None
@@ -381,6 +382,14 @@ def _hf_dir_tokenizer(hf_dir) -> dict | None:
             f"{hf_dir}: its tokenizer does not load ({exc}); repair its tokenizer files, or "
             f"move them out to import the model without one"
         ) from None
+    causal = config.model_type in CAUSAL_LM_TYPES  # reads no appended special token
+    needed = max(tok.base_vocab_size, tok.eod_id + 1) if causal else tok.vocab_size
+    if config.vocab_size < needed:
+        raise CheckpointError(
+            f"{hf_dir}: its tokenizer has {needed:,} token ids, and its model a vocabulary of "
+            f"{config.vocab_size:,}; put the model's own tokenizer there, or move its "
+            f"tokenizer files out to import the model without one"
+        )
     differs = transformers_difference(str(hf_dir), tok)
     if differs:  # as megapar-train --from-hf refuses it (`check_hf_tokenizer`)
         raise CheckpointError(
@@ -441,7 +450,7 @@ def import_hf(
     }
     if reader.generation_config is not None:
         meta["hf_generation_config"] = reader.generation_config
-    tokenizer = _hf_dir_tokenizer(hf_dir)
+    tokenizer = _hf_dir_tokenizer(hf_dir, config)
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
     current: dict[str, torch.Tensor] = {}
