@@ -705,7 +705,7 @@ EVAL = [
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "100"],
      "--seq-len 100 exceeds the model's 64 positions"),
     (["--load", "{ckpt}", "--data", "/nonexistent/prefix", "--seq-len", "16"],
-     "--data /nonexistent/prefix: .bin, .idx, .json not found"),
+     "--data /nonexistent/prefix: prefix.bin, prefix.idx, prefix.json not found"),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--tp", "3"],
      "not divisible by --tp 3"),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--pp", "0"],

@@ -210,6 +210,7 @@ BAD = [
     (["--prompt", "a", "--temperature", "0", "--top-k", "5"],
      "--top-k would be ignored: --temperature 0 is greedy"),
     (["--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such file"),
+    (["--prompt-file", "{tmp}"], "--prompt-file {tmp} is a directory; give a text file"),
     (["--prompt", " ".join(["the"] * 40)],
      "is 40 tokens, which leaves no room in the model's 32 positions; shorten it to at most 31"),
     (["--prompt-file", "{tmp}/long.txt"],

@@ -235,6 +235,11 @@ def read_prompts(args) -> list[str]:
                 prompts.append(f.read())
         except FileNotFoundError:
             raise UsageError(f"--prompt-file {path}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(
+                f"--prompt-file {path} is a directory; give a text file (one prompt: its whole "
+                f"text), or several --prompt-file"
+            ) from None
         except UnicodeDecodeError:
             raise UsageError(f"--prompt-file {path} is not UTF-8 text") from None
         except OSError as exc:

@@ -124,7 +124,7 @@ def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | No
     tokenizer against the checkpoint's, and one batch's worth of samples. Returns the lines
     naming the samples the whole batches leave out (`_left_out`) and a tokenizer far smaller
     than the model's vocabulary (`unlike_vocab_note`), or None."""
-    missing = [f[len(args.data) :] for f in missing_files(args.data)]
+    missing = [os.path.basename(f) for f in missing_files(args.data)]
     if missing:
         raise UsageError(
             f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
