@@ -435,6 +435,22 @@ def test_more_ranks_than_the_machine_runs_well_are_refused_as_megapar_train_refu
     assert "no such checkpoint directory" in _one_error_line(capsys)
 
 
+def test_a_pp_the_checkpoints_model_cannot_take_is_named_before_the_process_count(
+        tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """--pp 9 of a 4-layer model said it started too many processes (--oversubscribe), where
+    no --oversubscribe could make 9 stages of 4 layers."""
+    from megapar.launcher import local_worker_limit
+
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt
+    pp = local_worker_limit() + 1
+    assert evaluate(["--load", str(ckpt), "--pp", str(pp), "--input-ids", str(ids),
+                     "--save-logits", str(tmp_path / "out.npy")]) == 2
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: 4 layers cannot be cut into --pp {pp} stages (each stage needs "
+        f"at least one layer); lower --pp")
+
+
 def test_unwritable_save_logits_is_refused_before_the_evaluation(tiny_ckpt, tmp_path, capsys,
                                                                   monkeypatch):
     # used to fail with exit 1 (rank 0's FileNotFoundError) after the evaluation

@@ -17,6 +17,8 @@ from collections.abc import Collection
 
 import numpy as np
 
+from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.manifest import read_manifest
 from megapar.data import IndexedDataset, MLMDataset, SFTDataset, load_tokenizer
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
@@ -61,13 +63,17 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
+    layout = Layout(args.tp, args.pp, 1, cp=args.cp)
     if not args.oversubscribe and not under_launcher():  # one process per tp, cp, pp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
-        check_local_workers(args.tp * args.pp * args.cp, f"--tp {args.tp}{cp} x --pp {args.pp}")
+        try:  # before the checkpoint's files are hashed
+            check_local_workers(args.tp * args.pp * args.cp, f"--tp {args.tp}{cp} x --pp {args.pp}")
+        except ValueError:
+            _refuse_layout(args.load, layout)  # --pp 9 of 4 layers: that, not the processes
+            raise
     manifest = checkpoint_manifest(args.load)  # sha256 where the ranks then check sizes only
     args.load_step, args.load_verify = checked_step(args.load, manifest), worker_verify()
     config = config_from_dict(manifest["model"])
-    layout = Layout(args.tp, args.pp, 1, cp=args.cp)
     try:
         config.validate(layout)
     except (LayoutError, ConfigError) as exc:
@@ -117,6 +123,20 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     notes = [n for n in (note, sft_note, left_note) if n]  # printed once its checks pass
     args.seq_len_note = "\n".join(notes) or None
     return manifest
+
+
+def _refuse_layout(load: str, layout: Layout) -> None:
+    """UsageError where the model of checkpoint `load` (its manifest read, not verified) cannot
+    take `layout`; nothing where it can, or where the manifest does not read (its own checks
+    say why later)."""
+    try:
+        config = config_from_dict(read_manifest(os.path.expanduser(load))["model"])
+    except (CheckpointError, ConfigError, KeyError, OSError, TypeError, ValueError):
+        return
+    try:
+        config.validate(layout)
+    except (LayoutError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | None:
