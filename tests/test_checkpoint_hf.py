@@ -410,3 +410,22 @@ def test_to_hf_makes_no_special_id_outside_the_vocabulary(kind, vocab, monkeypat
     assert not [m for m in said if "_token_id" in m], said
     if kind == "llama":
         assert hf.bos_token_id == 1 and hf.eos_token_id is None
+
+
+def test_an_export_narrower_than_the_trained_weights_says_so():
+    """A bf16 model imported, trained (fp32 master weights) and exported without --dtype is
+    written in bf16, its import's dtype: the export's logits moved (1.7 on a scaled model) and
+    nothing said why; the note names --dtype float32. An import not trained since, a float32
+    source, or one without a recorded dtype get none."""
+    from megapar.cli.convert import _narrowed_to
+
+    def manifest(step, hf, held="float32"):
+        tensors = {"embed.weight": {"dtype": held}, "bias": {"dtype": "float32", "buffer": True}}
+        return {"step": step, "meta": {} if hf is None else {"hf_dtype": hf}, "tensors": tensors}
+
+    assert _narrowed_to(manifest(2, "bfloat16")) == ("float32", "bfloat16")
+    assert _narrowed_to(manifest(2, "float16")) == ("float32", "float16")
+    assert _narrowed_to(manifest(0, "bfloat16")) is None
+    assert _narrowed_to(manifest(2, "bfloat16", held="bfloat16")) is None
+    assert _narrowed_to(manifest(2, "float32")) is None
+    assert _narrowed_to(manifest(2, None)) is None

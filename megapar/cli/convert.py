@@ -438,18 +438,40 @@ def _to_hf(args) -> str:
             f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
             f"shaped as Hugging Face's model"
         )
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.checkpoint.publish import resolve_checkpoint
+
+    manifest = read_manifest(resolve_checkpoint(src))
+    narrowed = _narrowed_to(manifest) if args.dtype is None else None
+    if narrowed:
+        report += (
+            f"\nnote: the weights are written in {narrowed[1]}, the dtype of the Hugging Face "
+            f"model the checkpoint was imported from; the checkpoint holds them in "
+            f"{narrowed[0]} (trained since the import), which --dtype {narrowed[0]} keeps exactly"
+        )
     if not (out / "tokenizer_config.json").exists():
         from megapar.checkpoint.export import tokenizer_hint
-        from megapar.checkpoint.manifest import read_manifest
-        from megapar.checkpoint.publish import resolve_checkpoint
         from megapar.models.config import config_from_dict
 
-        config = config_from_dict(read_manifest(resolve_checkpoint(src))["model"])
+        config = config_from_dict(manifest["model"])
         report += (
             f"\nnote: the checkpoint records no tokenizer, so the export has none "
             f"(AutoTokenizer cannot load it); {tokenizer_hint(config, api=False)}"
         )
     return report
+
+
+def _narrowed_to(manifest: dict) -> tuple[str, str] | None:
+    """(the checkpoint's dtype, the export's) where `--to-hf` without --dtype writes a trained
+    checkpoint's weights narrower than it holds them (a bf16 model's import, trained in fp32
+    master weights), else None."""
+    hf = manifest["meta"].get("hf_dtype")
+    held = {e["dtype"] for e in manifest["tensors"].values() if not e.get("buffer")}
+    if hf is None or manifest["step"] == 0 or len(held) != 1 or hf in held:
+        return None
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    (ours,) = held
+    return (ours, hf) if size.get(hf, 4) < size.get(ours, 0) else None
 
 
 def _from_hf(args, progress: bool) -> str:
