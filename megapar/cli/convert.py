@@ -465,13 +465,15 @@ def _narrowed_to(manifest: dict) -> tuple[str, str] | None:
     """(the checkpoint's dtype, the export's) where `--to-hf` without --dtype writes a trained
     checkpoint's weights narrower than it holds them (a bf16 model's import, trained in fp32
     master weights), else None."""
+    from megapar.checkpoint.format import dtype_from_name
+
     hf = manifest["meta"].get("hf_dtype")
     held = {e["dtype"] for e in manifest["tensors"].values() if not e.get("buffer")}
-    if hf is None or manifest["step"] == 0 or len(held) != 1 or hf in held:
+    if hf is None or manifest["step"] == 0 or len(held) != 1:
         return None
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}
     (ours,) = held
-    return (ours, hf) if size.get(hf, 4) < size.get(ours, 0) else None
+    narrower = dtype_from_name(hf).itemsize < dtype_from_name(ours).itemsize
+    return (ours, hf) if narrower else None
 
 
 def _from_hf(args, progress: bool) -> str:

@@ -510,8 +510,8 @@ class LlamaConfig(_Base):
                 f"rope_scaling type {rope_type!r} is not supported; megapar "
                 f"implements default, linear and llama3: remove rope_scaling from config.json "
                 f"(transformers 5 writes it into rope_parameters: set its rope_type to "
-                f"'default') to train at the model's original length (as Qwen's published configs ship; "
-                f"they add YaRN only to run past it), or choose one of those"
+                f"'default') to train at the model's original length (as Qwen's published "
+                f"configs ship; they add YaRN only to run past it), or choose one of those"
             )
         scaling = self.rope_scaling or {}
         needed = ROPE_SCALING_FIELDS.get(str(rope_type), ()) if scaling else ()
