@@ -92,7 +92,7 @@ class TrainConfig:
     """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     # --- model ---
     model: str | None = None
-    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny, deepseek-v3-tiny) or a JSON/YAML config file."""
+    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny, deepseek-v3-tiny) or a JSON/YAML config file; default gpt2-tiny (a --load's or --from-hf's model where one is given)."""
     from_hf: str | None = None
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM / DeepseekV3ForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused, as is a tokenizer.json (or vocab.json + merges.txt) that transformers' AutoTokenizer reads otherwise for this model type (e.g. GPT-2's files in a Qwen2 directory); without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
