@@ -49,6 +49,23 @@ def test_the_log_calls_the_idle_share_a_bubble_only_with_a_pipeline(tmp_path, ca
     assert not any(f"| {label[absent]} " in x for x in lines), lines
 
 
+def test_an_evaluation_between_log_lines_prints_its_validation_loss(tmp_path, capfd):
+    """--eval-interval 3 --log-interval 2: step 3's val_loss was in --log-json only; the
+    console showed the evaluations that fell on a logging step (Megatron prints each)."""
+    text = tmp_path / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
+    log = tmp_path / "log.jsonl"
+    argv = [*TINY, "--max-steps", "4", "--log-interval", "2", "--eval-interval", "3",
+            "--data", str(text), "--data-cache", str(tmp_path / "cache"), "--log-json", str(log)]
+    assert main(argv) == 0
+    records = {r["step"]: r for r in map(json.loads, log.read_text().splitlines())}
+    lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("step ")]
+    assert [int(x.split()[1]) for x in lines] == [2, 3, 4], lines
+    assert lines[1] == (f"step      3 | loss {records[3]['loss']:.4f} | val_loss "
+                        f"{records[3]['val_loss']:.4f}")
+    assert "val_loss" not in lines[0] and "val_loss" not in lines[2]
+
+
 def test_a_step_without_pipeline_or_dp_logs_neither():
     metrics = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e3, "tflops": 0.1,
                "tflops_per_rank": 0.05, "mfu": 0.01, "peak_mem_mb": 100.0}

@@ -493,7 +493,9 @@ class Trainer:
     def log_step(self, logger, metrics: dict, loss: float, logging_step: bool) -> None:
         """Record a step's metrics and loss; on a logging step also print its line, with the
         steps skipped for inf / nan since the last line (Megatron's "number of skipped
-        iterations": a skip between --log-interval lines would not show otherwise)."""
+        iterations": a skip between --log-interval lines would not show otherwise); on an
+        evaluation step between logging steps a line of its validation loss (as Megatron
+        prints every evaluation)."""
         logger.log(self.step, metrics)
         logger.advance(self.step, loss)
         self.skipped_since_line += bool(metrics["skipped"])
@@ -503,6 +505,10 @@ class Trainer:
             logger.message(
                 format_line(self.step, line, fp16=self.cfg.precision == "fp16")
                 + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+            )
+        elif "val_loss" in metrics:
+            logger.message(
+                f"step {self.step:>6} | loss {loss:.4f} | val_loss {metrics['val_loss']:.4f}"
             )
 
     def run(self) -> list[dict]:
