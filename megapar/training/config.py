@@ -149,7 +149,7 @@ class TrainConfig:
     allow_invalid_utf8: bool = False
     """For raw text: replace invalid UTF-8 with U+FFFD even above 0.1 % of a file's bytes (else an error; fewer are replaced with a warning)."""
     val_fraction: float = 0.05
-    """Share of documents held out for validation."""
+    """Share of documents held out for validation, drawn with --seed (another seed holds out other documents)."""
     seq_len: int = 128
     """Sequence length in tokens."""
     attention_mask_type: str = "causal"
@@ -235,7 +235,7 @@ class TrainConfig:
     max_steps: int = 300
     """Optimizer steps to train for."""
     seed: int = 1234
-    """Seed for weights, data order and dropout (results do not depend on the layout)."""
+    """Seed for weights, data order, dropout and which documents --val-fraction holds out (results do not depend on the layout)."""
     # --- checkpoint ---
     save: str | None = None
     """Checkpoint directory to save into."""
