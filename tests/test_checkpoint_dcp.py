@@ -6,6 +6,7 @@ of a DCP directory refused in one line naming the import; megapar's shard files 
 DCP's HuggingFaceStorageReader."""
 
 import json
+import math
 import shutil
 import subprocess
 import warnings
@@ -19,6 +20,7 @@ import transformers
 
 from megapar.checkpoint.dcp import (
     FLAVORS,
+    TITAN_ROPE_SCALING,
     intermediate_size,
     to_interleaved,
     to_rotate_half,
@@ -98,15 +100,27 @@ def hf_model_direct(state: dict, cfg: dict):
     return model.eval()
 
 
-def titan_forward(state: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
+def llama31_scaled(freqs: torch.Tensor, factor=8.0, low=1.0, high=4.0, original=8192):
+    """Llama 3.1's RoPE frequency scaling (Meta's reference ``apply_scaling``): wavelengths
+    beyond original / low divided by `factor`, below original / high kept, blended between."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > original / low, freqs / factor, freqs)
+    return torch.where((wavelen >= original / high) & (wavelen <= original / low), mid, out)
+
+
+def titan_forward(state: dict, cfg: dict, ids: torch.Tensor, scaled: bool = False) -> torch.Tensor:
     """torchtitan's Llama 3 forward (its model.py: Meta's complex rotary on interleaved pairs,
     repeat_kv, nn.RMSNorm, SwiGLU), on its own names: the reference the permutation answers
-    to. In float64, but for the rotary angles, which torchtitan (and transformers) compute in
-    float32 (complex64)."""
+    to; `scaled`: with the RoPE scaling its flavors have had since 2025-10 (Llama 3.1's). In
+    float64, but for the rotary angles, which torchtitan (and transformers) compute in float32
+    (complex64)."""
     state = {k: v.double() for k, v in state.items()}
     d, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, eps, n = d // heads, cfg["rms_norm_eps"], ids.shape[1]
     freqs = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
+    freqs = llama31_scaled(freqs) if scaled else freqs
     freqs = torch.outer(torch.arange(n), freqs).float()
     cis = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex128).view(1, n, 1, hd // 2)
 
@@ -185,18 +199,25 @@ def test_a_job_config_names_the_flavor_and_the_checkpoint_the_vocabulary(tmp_pat
     job.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n\n[training]\nseq_len = 128\n')
     assert convert(["--from-dcp", str(tmp_path / "step-5"), str(tmp_path / "ck"),
                     "--job-config", str(job), "--no-progress"]) == 0
-    assert "holds optimizer state too; it is not imported" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "holds optimizer state too; it is not imported" in out
+    assert "note: RoPE scaled as torchtitan's Llama 3 flavors scale it since" in out
     assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "hf")]) == 0
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf_cfg["vocab_size"], hf_cfg["intermediate_size"], hf_cfg["num_attention_heads"],
             hf_cfg["max_position_embeddings"]) == (300, 768, 16, 128)
+    # every flavor's RoPE is scaled (Llama 3.1's) since torchtitan's 2025-10-08 version: the
+    # import took the flavor's sizes without it, logits 1e-2 apart from torchtitan's own
+    assert hf_cfg["rope_parameters"] == {**TITAN_ROPE_SCALING, "rope_theta": 500000.0}
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.arange(40).view(1, 40) * 7 % 300
     del state["optimizer"]
     with torch.no_grad():
-        titan = titan_forward(state, cfg, ids)
+        titan = titan_forward(state, cfg, ids, scaled=True)
         diff = (exported.double()(ids).logits - titan).abs().max()
+        unscaled = (titan_forward(state, cfg, ids) - titan).abs().max()
     assert diff <= 1e-5 * titan.abs().max(), (diff, titan.abs().max())  # as above, 6 layers
+    assert unscaled > 1e3 * diff, (unscaled, diff)
     # a flavor whose sizes are not the weights': one line naming the tensor and the fix
     job.write_text('[model]\nname = "llama3"\nflavor = "8B"\n')
     capsys.readouterr()
@@ -252,7 +273,10 @@ def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys)
         [live.name, other.name])
     shutil.rmtree(live)
     shutil.rmtree(other)
-    assert "n_kv_heads=2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "n_kv_heads=2" in out
+    # torchtitan's flavors scale RoPE since 2025-10: weights trained without run otherwise there
+    assert "note: the model's RoPE scaling is none, not that of torchtitan's Llama 3 flavors" in out
     back = dcp_load(state, tmp_path / "back")
     assert sorted(back) == sorted(state)
     for k, v in state.items():

@@ -87,18 +87,20 @@ _NEWER = {
 }
 _MEGAPAR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
+_DEBUG = {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000}
+_8B = {
+    "dim": 4096,
+    "n_layers": 32,
+    "n_heads": 32,
+    "n_kv_heads": 8,
+    "ffn_dim_multiplier": 1.3,
+    "multiple_of": 1024,
+    "rope_theta": 500000,
+}
 FLAVORS: dict[str, dict[str, Any]] = {
-    "debugmodel": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
-    "debugmodel_flex_attn": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
-    "8B": {
-        "dim": 4096,
-        "n_layers": 32,
-        "n_heads": 32,
-        "n_kv_heads": 8,
-        "ffn_dim_multiplier": 1.3,
-        "multiple_of": 1024,
-        "rope_theta": 500000,
-    },
+    # the _flex / _varlen flavors: the same sizes, another attention kernel
+    **dict.fromkeys(("debugmodel", "debugmodel_flex_attn", "debugmodel_varlen_attn"), _DEBUG),
+    **dict.fromkeys(("8B", "8B_flex", "8B_varlen"), _8B),
     "70B": {
         "dim": 8192,
         "n_layers": 80,
@@ -121,7 +123,19 @@ FLAVORS: dict[str, dict[str, Any]] = {
 """torchtitan's Llama 3 flavors (``llama3_configs``, torchtitan/models/llama3/__init__.py),
 the fields a job config's ``[model] flavor`` stands for (defaults: multiple_of 256, norm_eps
 1e-5, n_kv_heads = n_heads; the vocabulary follows the tokenizer, so it is read from the
-checkpoint's embedding)."""
+checkpoint's embedding; the RoPE scaling `TITAN_ROPE_SCALING`)."""
+
+TITAN_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+"""The RoPE scaling of every torchtitan Llama 3 flavor since torchtitan's 2025-10-08 change
+(#1839, ``RoPEScalingArgs``' defaults: Llama 3.1's), through the last versions that read TOML
+job configs: transformers' ``llama3`` rope type. A checkpoint of an earlier torchtitan was
+trained without it (`--model` then gives the sizes without ``rope_scaling``)."""
 
 
 def titan_name(name: str) -> str:
@@ -368,8 +382,9 @@ class DCPReader:
 
 def config_from_job(path: str, vocab_size: int):
     """A megapar LlamaConfig from torchtitan's job config TOML: its ``[model]`` name (llama3)
-    and flavor (`FLAVORS`), ``[training] seq_len`` as the longest sequence (torchtitan's
-    ``max_seq_len``; default 2048) and `vocab_size` (the tokenizer's: the checkpoint's)."""
+    and flavor (`FLAVORS`, with `TITAN_ROPE_SCALING`), ``[training] seq_len`` as the longest
+    sequence (torchtitan's ``max_seq_len``; default 2048) and `vocab_size` (the tokenizer's:
+    the checkpoint's)."""
     try:
         with open(path, "rb") as f:
             job = tomllib.load(f)
@@ -402,6 +417,7 @@ def config_from_job(path: str, vocab_size: int):
         max_position_embeddings=seq_len,
         rms_norm_eps=args["norm_eps"],
         rope_theta=float(args["rope_theta"]),
+        rope_scaling=dict(TITAN_ROPE_SCALING),
         tie_word_embeddings=False,
     )
 
@@ -436,7 +452,8 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     """A DCP checkpoint of a megapar Llama's weights in torchtitan's names (wq, wk in its
     rotary layout; a tied embedding under ``output.weight`` too, as torchtitan's tied model
     saves it), written by ``torch.distributed.checkpoint.save`` in one process, each tensor in
-    its checkpoint dtype; returns the directory and the torchtitan model args."""
+    its checkpoint dtype; returns the directory and the torchtitan model args (its
+    ``rope_scaling`` as `titans_rope` gives it, to compare with `TITAN_ROPE_SCALING`)."""
     step_dir = resolve_checkpoint(src)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
@@ -486,4 +503,14 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     }
     if config.tie_word_embeddings:
         args["enable_weight_tying"] = True
+    args["rope_scaling"] = titans_rope(config.rope_scaling)
     return dst, args
+
+
+def titans_rope(scaling: dict | None) -> dict | None:
+    """`scaling` (a LlamaConfig's rope_scaling, transformers' form) as `TITAN_ROPE_SCALING`'s
+    fields, to compare with it: its type (``type`` in older configs) and numbers."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return {k: kind if k == "rope_type" else scaling.get(k) for k in TITAN_ROPE_SCALING}

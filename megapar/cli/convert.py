@@ -554,11 +554,21 @@ def _dcp(args, progress: bool) -> str:
                 "unsharded model; drop them"
             )
         out, titan = dcp.export_dcp(src, args.to_dcp, overwrite=args.overwrite)
+        scaling = titan.pop("rope_scaling")
         shown = ", ".join(f"{k}={v}" for k, v in titan.items())
-        return (
+        report = (
             f"wrote DCP checkpoint {out} (torchtitan's Llama names; weights only, no "
             f"optimizer state)\ntorchtitan model args: {shown}"
         )
+        if scaling != dcp.TITAN_ROPE_SCALING:
+            said = "none" if scaling is None else ", ".join(f"{k} {v}" for k, v in scaling.items())
+            report += (
+                f"\nnote: the model's RoPE scaling is {said}, not that of torchtitan's Llama 3 "
+                f"flavors (llama3: factor 8, low / high frequency factors 1 / 4, original "
+                f"8192 positions, since its 2025-10-08 version): run the weights with this "
+                f"scaling there, or their logits are another model's"
+            )
+        return report
     (dst,) = _need(
         args, 1, "--from-dcp DCP_DIR DST (--job-config TOML | --model SPEC) [--tp N] [--pp M]"
     )
@@ -577,6 +587,13 @@ def _dcp(args, progress: bool) -> str:
         progress=progress,
     )
     report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
+    if args.job_config:
+        report += (
+            "\nnote: RoPE scaled as torchtitan's Llama 3 flavors scale it since its 2025-10-08 "
+            "version (llama3: factor 8, low / high frequency factors 1 / 4, original 8192 "
+            "positions); a checkpoint of an earlier torchtitan trained without: import it with "
+            "--model SPEC (the flavor's sizes, no rope_scaling)"
+        )
     if reader.spec_vocab is not None:
         report += (
             f"\nnote: the vocabulary is the checkpoint's {reader.config.vocab_size:,} tokens "
