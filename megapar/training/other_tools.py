@@ -260,6 +260,18 @@ OTHER_TOOLS_FLAGS = {
     "--lr_scheduler.lr_min": "--min-lr (a learning rate, not a factor: --lr x lr_min)",
     "--eval-iters": "--eval-steps",
     "--data-path": "--data",
+    "--train-data-path": "--data (megapar-train holds out --val-fraction of it for validation)",
+    "--valid-data-path": "--val-fraction (the share of --data held out for validation; "
+    "megapar-eval scores another dataset)",
+    "--test-data-path": "megapar-eval --load CKPT --data",
+    "--mock-data": "leave --data out: megapar-train then trains on its shipped Shakespeare sample",
+    "--calculate-per-token-loss": "--loss-mean token",
+    "--use-flash-attn": "megapar runs torch's fused attention (scaled_dot_product_attention) "
+    "wherever the mask allows; drop it",
+    "--ckpt-format": "megapar's checkpoints are safetensors shards with a manifest (megapar-"
+    "convert --from-megatron reads Megatron-LM's torch_dist); drop it",
+    "--use-checkpoint-args": "on --load the model and every setting not given are the "
+    "checkpoint's; drop it",
     "--training.dataset_path": "--data",
     "--split": "--val-fraction",
     "--vocab-file": "--tokenizer",
