@@ -817,8 +817,9 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     # the hint fits the model: it suggested tokenizer='gpt2' for any model, here a GPT-2 of
     # 1,004 ids (GPT-2's BPE has 50,257 ids: that export is refused)
     (gpt2,) = [s for s in said if "no tokenizer given" in s]
-    assert "'gpt2'" not in gpt2 and "pass tokenizer=SPEC, the tokenizer it trained with: the " \
-        "directory of the GPT2LMHeadModel it came from" in gpt2, gpt2
+    assert "'gpt2'" not in gpt2 and "pass tokenizer=SPEC, the tokenizer it trained with: a " \
+        "transformers directory with its tokenizer.json or vocab.json + merges.txt (a " \
+        "GPT2LMHeadModel's)" in gpt2, gpt2
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "without").dtype == torch.float16
     # wrong types: one line naming the call and what it takes (was os's 'expected str, bytes
@@ -995,8 +996,8 @@ def test_export_hf_without_a_tokenizer_names_one_that_fits_the_model(run, tmp_pa
     said = [s for s in run(_export_llama_without_tokenizer, 1, str(tmp_path / "out"))[0]
             if "no tokenizer given" in s]
     assert len(said) == 1 and "'gpt2'" not in said[0] and (
-        "pass tokenizer=SPEC, the tokenizer it trained with: the directory of the "
-        "LlamaForCausalLM it came from (its tokenizer.json), or its tokenizer.model file"
+        "pass tokenizer=SPEC, the tokenizer it trained with: a transformers directory with "
+        "its tokenizer.json (a LlamaForCausalLM's), or its tokenizer.model file"
     ) in said[0], said
     assert not (tmp_path / "out" / "tokenizer_config.json").exists()
 

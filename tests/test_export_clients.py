@@ -240,7 +240,7 @@ def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "records no tokenizer, so the export has none" in out
     # where a tokenizer for this model is, in megapar-convert's flags (it said only "SPEC")
-    assert "pass --tokenizer SPEC, the tokenizer it trained with: the directory of the " in out
+    assert "pass --tokenizer SPEC, the tokenizer it trained with: a transformers directory " in out
 
 
 # --- what serving and fine-tuning an export need -----------------------------------------------

@@ -152,13 +152,14 @@ GPT2_BPE_IDS = 50257
 def tokenizer_hint(config, api: bool) -> str:
     """How to give an export of `config`'s model the tokenizer it lacks, fitting that model:
     the tokenizer its data was tokenized with, as the kinds of `load_tokenizer` spec a model of
-    its type comes with (for a Llama or BERT, the transformers directory it came from);
+    its type comes with (for a Llama or BERT, a transformers directory holding it, wherever
+    the model came from: Hugging Face, Megatron-LM, torchtitan or megapar's own training);
     ``"gpt2"`` (GPT-2's BPE) only for a GPT-2 whose vocabulary holds its 50,257 ids. In
     megapar-convert's terms, or with `api` in `Engine.export_hf`'s (`option`)."""
     spec = option("tokenizer", "SPEC", api)
     arch = ARCHITECTURES.get(config.model_type, "Hugging Face model")
     files = "tokenizer.json or vocab.json + merges.txt" if config.model_type == "gpt2" else ""
-    kinds = f"the directory of the {arch} it came from (its {files or 'tokenizer.json'})"
+    kinds = f"a transformers directory with its {files or 'tokenizer.json'} (a {arch}'s)"
     if config.model_type in ("llama", "mixtral", "mistral"):  # SentencePiece's, no .json
         kinds += ", or its tokenizer.model file"
     if config.model_type == "gpt2" and config.vocab_size >= GPT2_BPE_IDS:
