@@ -285,6 +285,24 @@ def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys)
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_a_torchtitan_checkpoint_folder_is_answered_with_its_newest_step(tmp_path, small,
+                                                                         capsys):
+    """--from-dcp of the folder that holds step-9 and step-10 said only 'not a DCP checkpoint
+    (no .metadata)'; --load of it named a step, the lexically last (step-9)."""
+    import shutil
+
+    state, step, model = small
+    shutil.copytree(step, tmp_path / "step-9")
+    assert convert(["--from-dcp", str(tmp_path), str(tmp_path / "ck"), "--model", model]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megapar-convert: error: {tmp_path} is torchtitan's checkpoint folder "
+                   f"(step-9, step-10), not one step; give a torchtitan step directory "
+                   f"({tmp_path / 'step-10'})"), err
+    from megapar.checkpoint.publish import foreign_checkpoint
+
+    assert f"--from-dcp {tmp_path / 'step-10'} CKPT_DIR" in foreign_checkpoint(tmp_path)
+
+
 def test_a_tied_llama_moves_with_output_weight_as_torchtitans_tied_model_saves_it(
         tmp_path, capsys):
     """torchtitan's Llama loads ``output.weight`` tied or not (its enable_weight_tying saves

@@ -54,11 +54,12 @@ from megapar.checkpoint.format import (
     staging_dir,
 )
 from megapar.checkpoint.manifest import verify
-from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.checkpoint.publish import resolve_checkpoint, titan_steps
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError, LlamaConfig, config_from_dict
 from megapar.models.recipes import resolve_model
+from megapar.one_line_parser import shell_word
 
 METADATA = ".metadata"
 """The index file of a DCP checkpoint."""
@@ -258,14 +259,16 @@ class DCPReader:
     def __init__(self, path: str | Path, config=None, job_config: str | None = None):
         self.path = Path(path).expanduser()
         if not (self.path / METADATA).is_file():
+            steps = titan_steps(self.path) if self.path.is_dir() else []
             what = (
                 "has *.distcp files but no .metadata (an interrupted save?)"
                 if is_dcp(self.path)
+                else f"is torchtitan's checkpoint folder ({', '.join(steps[-3:])}), not one step"
+                if steps
                 else "is not a DCP checkpoint (no .metadata)"
             )
-            raise CheckpointError(
-                f"{path} {what}; give a torchtitan step directory (checkpoint/step-N)"
-            )
+            step = shell_word(str(Path(path) / steps[-1])) if steps else "checkpoint/step-N"
+            raise CheckpointError(f"{path} {what}; give a torchtitan step directory ({step})")
         self.metadata = metadata = _Reader(self.path).read_metadata()
         """The checkpoint's index, read once (every tensor's load is given it)."""
         self.tensors = {

@@ -257,6 +257,13 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
     )
 
 
+def titan_steps(folder: Path) -> list[str]:
+    """The step directories (``step-N`` holding a DCP ``.metadata``) of torchtitan checkpoint
+    folder `folder`, oldest first (by N: step-9 before step-10)."""
+    steps = [d.name for d in folder.glob("step-*") if (d / ".metadata").is_file()]
+    return sorted(steps, key=lambda n: (len(n), n))
+
+
 def foreign_checkpoint(path: str | Path) -> str | None:
     """What another framework's checkpoint in directory `path` is, and the command that imports
     it, in one phrase; None when `path` holds none (or is a megapar checkpoint). Seen: a DCP
@@ -297,7 +304,7 @@ def foreign_checkpoint(path: str | Path) -> str | None:
             f"megapar-convert --from-dcp {shell_word(path)} CKPT_DIR --job-config JOB.toml "
             f"(or --model SPEC), then --load CKPT_DIR"
         )
-    steps = sorted(d.name for d in p.glob("step-*") if (d / ".metadata").is_file())
+    steps = titan_steps(p)
     if steps:
         return (
             f"holds torchtitan's DCP checkpoints ({', '.join(steps[-3:])}), not a megapar "
