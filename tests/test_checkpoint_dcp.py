@@ -201,7 +201,7 @@ def test_a_job_config_names_the_flavor_and_the_checkpoint_the_vocabulary(tmp_pat
                     "--job-config", str(job), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "holds optimizer state too; it is not imported" in out
-    assert "note: RoPE scaled as torchtitan's Llama 3 flavors scale it since" in out
+    assert "note: RoPE scaled as torchtitan's Llama 3 flavors scale it (llama3: factor 8" in out
     assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "hf")]) == 0
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf_cfg["vocab_size"], hf_cfg["intermediate_size"], hf_cfg["num_attention_heads"],

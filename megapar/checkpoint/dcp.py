@@ -137,6 +137,11 @@ TITAN_ROPE_SCALING = {
 (#1839, ``RoPEScalingArgs``' defaults: Llama 3.1's), through the last versions that read TOML
 job configs: transformers' ``llama3`` rope type. A checkpoint of an earlier torchtitan was
 trained without it (`--model` then gives the sizes without ``rope_scaling``)."""
+TITAN_ROPE_SAID = (
+    "llama3: factor 8, low / high frequency factors 1 / 4, 8,192 original positions, since "
+    "torchtitan's 2025-10-08 version"
+)
+"""`TITAN_ROPE_SCALING` in the words of the notes on it."""
 
 
 def titan_name(name: str) -> str:

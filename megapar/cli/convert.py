@@ -564,9 +564,8 @@ def _dcp(args, progress: bool) -> str:
             said = "none" if scaling is None else ", ".join(f"{k} {v}" for k, v in scaling.items())
             report += (
                 f"\nnote: the model's RoPE scaling is {said}, not that of torchtitan's Llama 3 "
-                f"flavors (llama3: factor 8, low / high frequency factors 1 / 4, original "
-                f"8192 positions, since its 2025-10-08 version): run the weights with this "
-                f"scaling there, or their logits are another model's"
+                f"flavors ({dcp.TITAN_ROPE_SAID}): run the weights with this scaling there, or "
+                f"their logits are another model's"
             )
         return report
     (dst,) = _need(
@@ -589,10 +588,9 @@ def _dcp(args, progress: bool) -> str:
     report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
     if args.job_config:
         report += (
-            "\nnote: RoPE scaled as torchtitan's Llama 3 flavors scale it since its 2025-10-08 "
-            "version (llama3: factor 8, low / high frequency factors 1 / 4, original 8192 "
-            "positions); a checkpoint of an earlier torchtitan trained without: import it with "
-            "--model SPEC (the flavor's sizes, no rope_scaling)"
+            f"\nnote: RoPE scaled as torchtitan's Llama 3 flavors scale it "
+            f"({dcp.TITAN_ROPE_SAID}); a checkpoint of an earlier torchtitan trained without: "
+            f"import it with --model SPEC (the flavor's sizes, no rope_scaling)"
         )
     if reader.spec_vocab is not None:
         report += (

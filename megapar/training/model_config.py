@@ -159,11 +159,8 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"{no_experts(config)}: use --expert-tensor-parallel-size 1"
             )
         if config.expert_size % etp:
-            key = (
-                "moe_intermediate_size"
-                if hasattr(config, "moe_intermediate_size")
-                else ("intermediate_size")
-            )
+            moe_key = hasattr(config, "moe_intermediate_size")  # a Mixtral's is its own
+            key = "moe_intermediate_size" if moe_key else "intermediate_size"
             raise ConfigError(
                 f"{flag} does not divide the experts' intermediate size {config.expert_size} "
                 f"({key}): use --expert-tensor-parallel-size 1, or a --tp "

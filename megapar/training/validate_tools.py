@@ -74,10 +74,7 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     manifest = checkpoint_manifest(args.load)  # sha256 where the ranks then check sizes only
     args.load_step, args.load_verify = checked_step(args.load, manifest), worker_verify()
     config = config_from_dict(manifest["model"])
-    try:
-        config.validate(layout)
-    except (LayoutError, ConfigError) as exc:
-        raise UsageError(str(exc)) from None
+    _check_layout(config, layout)
     positions = config.max_positions
     note = None  # said once every check has passed (a refusal stays one line)
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
@@ -133,6 +130,11 @@ def _refuse_layout(load: str, layout: Layout) -> None:
         config = config_from_dict(read_manifest(os.path.expanduser(load))["model"])
     except (CheckpointError, ConfigError, KeyError, OSError, TypeError, ValueError):
         return
+    _check_layout(config, layout)
+
+
+def _check_layout(config, layout: Layout) -> None:
+    """UsageError (one line) where model `config` cannot take `layout`."""
     try:
         config.validate(layout)
     except (LayoutError, ConfigError) as exc:
