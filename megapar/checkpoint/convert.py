@@ -39,7 +39,7 @@ from megapar.checkpoint.format import (
     staging_dir,
     step_dir_name,
 )
-from megapar.checkpoint.hf import HFReader
+from megapar.checkpoint.hf import HFReader, causal_rows
 from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
@@ -383,7 +383,7 @@ def _hf_dir_tokenizer(hf_dir, config) -> dict | None:
             f"move them out to import the model without one"
         ) from None
     causal = config.model_type in CAUSAL_LM_TYPES  # reads no appended special token
-    needed = max(tok.base_vocab_size, tok.eod_id + 1) if causal else tok.vocab_size
+    needed = causal_rows(tok) if causal else tok.vocab_size
     if config.vocab_size < needed:
         raise CheckpointError(
             f"{hf_dir}: its tokenizer has {needed:,} token ids, and its model a vocabulary of "

@@ -15,6 +15,7 @@ from megapar.checkpoint.hf import (
     ARCHITECTURES,
     GENERATION_FILE,
     HF_FILES,
+    causal_rows,
     other_weights,
     save_hf,
 )
@@ -233,11 +234,7 @@ def export_tokenizer(
             )
     # a causal LM sees only the base vocabulary and the end of document (the appended
     # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
-    needed = (
-        max(tok.base_vocab_size, tok.eod_id + 1)
-        if config.model_type in CAUSAL_LM_TYPES
-        else tok.vocab_size
-    )
+    needed = causal_rows(tok) if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
     if needed > config.vocab_size:
         raise CheckpointError(
             f"{what} has {needed:,} token ids, more than the model's "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megapar.checkpoint.format import MANIFEST
-from megapar.checkpoint.hf import HFReader
+from megapar.checkpoint.hf import HFReader, causal_rows
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import (
     GlobalBatchSampler,
@@ -378,7 +378,7 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
             notes.append(unlike)
     elif cfg.from_hf:
         check_hf_tokenizer(cfg, tokenizer, data, is_raw_text(data))
-    gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
+    gpt_vocab = causal_rows(tokenizer)
     return resolve_model_config(
         cfg,
         vocab_size,
