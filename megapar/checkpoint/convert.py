@@ -113,7 +113,7 @@ def _refuse_existing(
     if not os.path.lexists(dst):
         return
     if dst.is_symlink() or not dst.is_dir():
-        what = "a file"
+        what = "a symbolic link" if dst.is_symlink() else "a file"
     elif any((dst / m).is_file() for m in marks) or not any(dst.iterdir()):
         what = None
     else:
