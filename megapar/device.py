@@ -575,6 +575,32 @@ def _all_joined(store, world_size: int, wait_s: float) -> None:
     store.wait([round_key], timedelta(seconds=wait_s))
 
 
+WAITING_NOTICE_S = 15.0
+"""Seconds a rank waits for the others to join before it says once that it is waiting."""
+
+
+def waiting_notice(rank: int, world_size: int, wait_s: float) -> threading.Event:
+    """An event to set once this rank's join of the default process group returns: if it is
+    not set within `WAITING_NOTICE_S` (and the wait is longer), the rank says once on stderr
+    whom it waits for, where and how long it will, instead of staying silent up to `wait_s` (a
+    rank started before the others, or started alone with RANK / WORLD_SIZE set)."""
+    done = threading.Event()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    def watch() -> None:
+        if done.wait(WAITING_NOTICE_S):
+            return
+        stop.write_block(
+            f"megapar: rank {rank} has waited {WAITING_NOTICE_S:g} s for all {world_size} ranks "
+            f"to join at MASTER_ADDR:MASTER_PORT = {where}; it waits up to {wait_s:g} s "
+            f"(--timeout-s) and then stops"
+        )
+
+    if world_size > 1 and wait_s > WAITING_NOTICE_S:
+        threading.Thread(target=watch, name="megapar-waiting-notice", daemon=True).start()
+    return done
+
+
 STORE_FIX = (
     "give every rank the same MASTER_ADDR and MASTER_PORT (under srun the job's; under "
     "torchrun the --master-addr / --master-port of node 0) and start rank 0's node"
@@ -692,6 +718,7 @@ def init_distributed(
     wait = timeout_s or DEFAULT_TIMEOUT_S
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
     set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
+    joined = waiting_notice(rank, world_size, wait)
     try:
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             addr, port = os.environ["MASTER_ADDR"], _master_port()
@@ -731,6 +758,8 @@ def init_distributed(
             f"rank {rank} could not use the rendezvous store at MASTER_ADDR:MASTER_PORT = "
             f"{where} ({first}); {STORE_FIX}"
         ) from None
+    finally:
+        joined.set()
     if shared_gpu.enabled():
         shared_gpu.install()  # gloo gets CUDA tensors only where it has a CUDA path
     set_action("joined the process group")

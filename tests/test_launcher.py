@@ -360,7 +360,7 @@ def test_a_settings_comparison_that_times_out_says_its_wait_as_it_is(monkeypatch
         launcher.check_same_settings({"--tp": 1}, 0.5)
 
 
-def _join_unreachable(port, out, rank):
+def _join_unreachable(port, out, rank, timeout_s=None):
     """Rank `rank` of 2 through torch's env:// rendezvous (srun, a wrong MASTER_PORT): rank 1
     with nothing at MASTER_PORT, rank 0 with the port taken by another listener."""
     import os
@@ -372,7 +372,8 @@ def _join_unreachable(port, out, rank):
     taken = socket.create_server(("", port)) if rank == 0 else None
     start = time.monotonic()
     try:
-        device.init_distributed(rank=rank, world_size=2, timeout_s=0.5 if rank else 1)
+        wait = timeout_s or (0.5 if rank else 1)
+        device.init_distributed(rank=rank, world_size=2, timeout_s=wait)
         out.put(("joined", 0.0))
     except Exception as exc:  # noqa: BLE001 - the message is the test
         out.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
@@ -408,6 +409,38 @@ def test_a_rank_that_cannot_use_master_port_says_so_in_words(rank, capfd):
                                   "store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
         assert "the port is in use on this host" in message, message
     assert "give every rank the same" in message, message
+
+
+def _wait_alone(port: int, out, notice_s: float) -> None:
+    """Rank 1 of 2 whose rank 0 never starts, saying it waits after `notice_s`."""
+    from megapar import device
+
+    device.WAITING_NOTICE_S = notice_s
+    _join_unreachable(port, out, 1, timeout_s=1.5)
+
+
+@pytest.mark.parametrize("notice_s", [0.3, 5.0])
+def test_a_rank_waiting_for_the_others_says_so_once_instead_of_staying_silent(notice_s, capfd):
+    """`RANK=1 WORLD_SIZE=2 megapar-train` outside torchrun waited the whole --timeout-s
+    (300 s by default) without a word. It now says once, after WAITING_NOTICE_S, whom it
+    waits for, where and for how long; a join that ends sooner says nothing."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    out, port = mp.get_context("fork").Queue(), free_port()
+    p = mp.get_context("fork").Process(target=_wait_alone, args=(port, out, notice_s))
+    p.start()
+    message, _ = out.get(timeout=60)
+    p.join(timeout=30)
+    assert message.startswith("TimeoutError: rank 1 could not reach"), message
+    said = [line for line in capfd.readouterr().err.splitlines() if "has waited" in line]
+    if notice_s < 1.5:
+        assert said == [f"megapar: rank 1 has waited 0.3 s for all 2 ranks to join at "
+                        f"MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}; it waits up to 1.5 s "
+                        f"(--timeout-s) and then stops"], said
+    else:
+        assert said == [], said
 
 
 def _listening() -> list[str]:
