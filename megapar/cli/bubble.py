@@ -40,6 +40,7 @@ from megapar.pipeline.schedules import SCHEDULES, check_schedule, schedule_named
 from megapar.pipeline.timeline import (
     Timeline,
     format_bubble_table,
+    percent,
     plot_gantt,
     write_chrome_trace,
 )
@@ -467,6 +468,15 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     JSON summary line."""
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
+    if args.schedule in ("zb-v", "dualpipev") and run.costs is not None:
+        own = bubble_run.equal_stage_bubble(
+            args.pp, args.microbatches, args.schedule, args.virtual_stages, run.costs
+        )
+        print(
+            f"theory % is the pipeline fill, a lower bound; {args.schedule} itself at pp "
+            f"{args.pp}, m {args.microbatches} on equal stages at the mean costs with free "
+            f"communication: {percent(own)} %"
+        )
     chunks = chunks_per_rank(args.schedule, args.virtual_stages)
     unit = (
         f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"

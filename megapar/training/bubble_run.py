@@ -83,6 +83,20 @@ def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> 
     return None if math.isnan(value) else value
 
 
+def equal_stage_bubble(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
+    """The schedule's own bubble with every stage at the mean `costs` (F, B, W) and free
+    communication: what a V schedule (zb-v, dualpipev) reaches at these sizes, where its
+    formula, the pipeline fill, is only a lower bound (reached with t_F = t_B = t_W and
+    m >= floor(3 pp / 2), or 2 pp for dualpipev: `simulate.theoretical_bubble`)."""
+    fwd = costs["fwd_ms"]
+    b, w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
+    b = fwd if b is None else b
+    w = fwd if w is None else w
+    equal = Costs(fwd, b + w, bwd_input_ms=b, bwd_weight_ms=w)
+    timeline = simulate_schedule(schedule, pp, m, equal, virtual_stages)
+    return bubble_stats(timeline)["measured_bubble"]
+
+
 def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     """Per-action costs (ms) for the simulator: mean forward and backward (for zero-bubble
     schedules also B = backward_input and W = backward_weight, and backward = B + W), and the
