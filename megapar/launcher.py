@@ -273,13 +273,15 @@ def run_local(
     try:
         outputs = _await_results(procs, results, statuses, stacks, deadline, timeout_s)
     finally:
-        restore()
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        shutil.rmtree(stacks, ignore_errors=True)
+        try:  # the workers end under the forwarding handlers: a second SIGINT is one still
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+        finally:
+            restore()
+            shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
 
 

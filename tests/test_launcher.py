@@ -35,6 +35,26 @@ def test_failing_rank_is_named_and_nobody_hangs():
     assert time.monotonic() - start < 30
 
 
+def test_the_workers_end_under_the_forwarding_handlers(monkeypatch):
+    """A second Ctrl-C while the launcher reaped its workers after their results met Python's
+    own handler again: a bare KeyboardInterrupt, which megapar-train called "SIGINT while
+    starting" at step 4. The launcher's handlers stay until every worker is joined."""
+    import multiprocessing.process
+    import signal
+
+    seen = []
+    join = multiprocessing.process.BaseProcess.join
+
+    def watched(self, timeout=None):
+        seen.append(signal.getsignal(signal.SIGINT))
+        return join(self, timeout)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", watched)
+    assert run_local(_sum_ranks, 2) == [1.0, 1.0]
+    assert len(seen) >= 2 and signal.default_int_handler not in seen, seen
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 _JOINED_AT = []
 """When this (forked) rank's init_process_group returned (`_slow_join`)."""
 
