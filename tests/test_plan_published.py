@@ -97,14 +97,15 @@ def _tp_bytes(recipe, sp, master_weights, s=64, b=2, precision="bf16", regather=
 
 def _tiny_model(tmp_path, recipe, layers=None):
     """`recipe`, or for "shared-experts" mixtral-tiny with a shared expert of 32 (split over
-    tp like a dense MLP) written to a config file; with `layers`, its first `layers` layers
-    (a config file too)."""
+    tp like a dense MLP), for "gpt2-dropout" gpt2-tiny with a residual dropout of 0.1, written
+    to a config file; with `layers`, its first `layers` layers (a config file too)."""
     from recipe_layers import write_with_layers
 
-    if recipe != "shared-experts" and layers is None:
+    if recipe not in ("shared-experts", "gpt2-dropout") and layers is None:
         return recipe
-    name = "mixtral-tiny" if recipe == "shared-experts" else recipe
+    name = {"shared-experts": "mixtral-tiny", "gpt2-dropout": "gpt2-tiny"}.get(recipe, recipe)
     shared = {"shared_expert_intermediate_size": 32} if recipe == "shared-experts" else {}
+    shared |= {"resid_pdrop": 0.1} if recipe == "gpt2-dropout" else {}
     return write_with_layers(tmp_path / "model.json", name,
                              layers or resolve_model(name).num_layers, **shared)
 
@@ -174,14 +175,17 @@ def test_sp_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
 
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recipe, etp, recompute", [
-    ("gpt2-tiny", 1, "full"), ("shared-experts", 1, "full"), ("mixtral-tiny", 2, "none"),
-    ("shared-experts", 2, "full"), ("deepseek-v3-tiny", 2, "full")])
+    ("gpt2-tiny", 1, "full"), ("gpt2-dropout", 1, "full"), ("bert-tiny", 1, "full"),
+    ("shared-experts", 1, "full"), ("mixtral-tiny", 2, "none"), ("shared-experts", 2, "full"),
+    ("deepseek-v3-tiny", 2, "full")])
 def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe,
                                                                    etp, recompute, sp):
     """Full recomputation re-runs a layer's forward only up to the last tensor its backward
     reads (torch.utils.checkpoint's early stop): a layer whose MLP (or shared experts) is split
     over tp stops before that MLP's output all-reduce (SP: reduce-scatter), so a dense layer
-    moves 5 all-reduces of s b h, not 6. With the routed experts split over tp under SP, their
+    moves 5 all-reduces of s b h, not 6, unless something after it keeps a tensor: a residual
+    dropout's mask (GPT-2 and GPT-3 at resid_pdrop 0.1, which the planner priced at 5 until
+    2026-12-04), BERT's post-norm input. With the routed experts split over tp under SP, their
     combine weights and choices ([T, 2k] fp32) are all-gathered in the forward as well as
     reduce-scattered in the backward. The planner's tp bytes at tp 2 in bf16 equal the dry
     run's (less the cross-entropy's three fp32 all-reduces a token)."""
@@ -197,10 +201,11 @@ def test_recomputed_and_expert_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_pa
         counted = tp["all_reduce"]["bytes"] - 3 * s * b * 4
     planned = _tp_bytes(model, sp, "fp32", s, b, recompute=recompute, etp=etp)
     assert counted == pytest.approx(planned, rel=1e-12)
-    if recipe == "gpt2-tiny":  # a layer's (2 + 2 + 1 recomputed) s b h, and the ends' 2;
-        # SP: the recompute's 2 all-gathers and 1 reduce-scatter, half a ring's bytes each
-        assert planned == pytest.approx((layers * (5.5 if sp else 5) + 2) * s * b * 64 * 2,
-                                        rel=1e-12)
+    if recipe in ("gpt2-tiny", "gpt2-dropout"):  # a layer's (2 + 2 + 1 recomputed) s b h,
+        # and the ends' 2; SP: the recompute's 2 all-gathers and 1 reduce-scatter, half a
+        # ring's bytes each; with the dropout the MLP's reduction recomputed too
+        per_layer = 6 if recipe == "gpt2-dropout" else (5.5 if sp else 5)
+        assert planned == pytest.approx((layers * per_layer + 2) * s * b * 64 * 2, rel=1e-12)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -73,6 +73,18 @@ class ChunkTime:
         return self.forward + self.backward_input + self.backward_weight
 
 
+def recompute_stops_before_mlp_output(cfg) -> bool:
+    """Whether a fully recomputed block stops before its MLP's output reduction: torch's
+    checkpoint re-runs the forward only up to the last tensor the backward reads, and in a
+    pre-norm block without dropout (GPT-2 at resid_pdrop 0, Llama) nothing after that
+    reduction keeps one (the residual add keeps none). A dropout there (GPT-2's resid_pdrop,
+    BERT's hidden_dropout_prob) keeps its mask, and BERT's post-norm its input, so the reduction
+    runs again (`megapar-train --dry-run` counts it)."""
+    if getattr(cfg, "model_type", "") == "bert":
+        return False
+    return not getattr(cfg, "resid_pdrop", 0) > 0
+
+
 def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     """Per pipeline rank, per model chunk, what one micro-batch costs (`ChunkTime`): the
     chunk's blocks, plus the LM head on the chunk that holds it (the last virtual stage: rank
@@ -174,8 +186,10 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         tp_fwd = k * attn_f + mlps * ring
         # full recompute re-runs each layer's forward up to the last tensor its backward
         # reads (torch.utils.checkpoint's early stop): a layer whose MLP is split over tp
-        # stops before that MLP's output reduction (SP: its reduce-scatter)
-        again = tp_fwd - mlps * ring * half
+        # stops before that MLP's output reduction (SP: its reduce-scatter) unless something
+        # after it keeps a tensor (`recompute_stops_before_mlp_output`)
+        stops = recompute_stops_before_mlp_output(cfg)
+        again = tp_fwd - (mlps * ring * half if stops else 0.0)
         tp_bwd = k * attn_b + mlps * ring + (again if c.recompute == "full" else 0.0)
         regathered = k * attn_regather + mlps * mlp_regather
         return ChunkTime(
