@@ -471,3 +471,23 @@ def test_a_text_cached_with_another_bos_is_tokenized_again(tmp_path, monkeypatch
     theirs = transformers.AutoTokenizer.from_pretrained(directory)("hello world")["input_ids"]
     assert IndexedDataset(old).doc(0).tolist()[0] == (3 if before is None else before)
     assert IndexedDataset(new).doc(0).tolist()[: len(theirs)] == theirs
+
+
+def test_an_exports_tokenizer_reads_a_written_out_special_token_as_transformers_does(tmp_path):
+    """`megapar-convert --to-hf` of a GPT-2 BPE model writes a tokenizer.json whose added
+    tokens hold the appended [PAD] [CLS] [SEP] [MASK] only, and names <|endoftext|> as its
+    bos / eos / unk in tokenizer_config.json; AutoTokenizer makes that a special token when it
+    loads it, megapar spelled it out (7 ids), so megapar-data on that directory gave other ids
+    than transformers for the same text. The configs' named tokens are special in both now."""
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    out = tmp_path / "exported"
+    save_for_transformers(load_tokenizer("gpt2"), str(out))
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    assert "<|endoftext|>" not in {t["content"] for t in added}
+    ours, hf = load_tokenizer(str(out)), transformers.AutoTokenizer.from_pretrained(out)
+    for text in ("Hello there<|endoftext|>after", " <|endoftext|> x<|endoftext|><|endoftext|>",
+                 "a [PAD] b [MASK]c"):
+        assert ours.encode(text) == hf(text, add_special_tokens=False)["input_ids"], text
+    assert ours.encode("there<|endoftext|>after") == [8117, 50256, 8499]
+    assert load_tokenizer("gpt2").encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]

@@ -66,6 +66,7 @@ def _special_names(directory: str) -> dict[str, str | None]:
             for key in (
                 "bos_token",
                 "eos_token",
+                "unk_token",
                 "pad_token",
                 "cls_token",
                 "sep_token",
@@ -93,6 +94,7 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
         ) from None
     size = backend.get_vocab_size(with_added_tokens=True)
     names = _special_names(directory)
+    _split_on_named_specials(backend, names)
 
     def find(key: str, fallbacks: Iterable[str] = ()) -> int | None:
         named = names.get(key)
@@ -137,6 +139,21 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
         bos = None  # BERT's [CLS]: its masked-LM samples put their own
     tok.bos_id = bos if bos is not None and bos != eos else None
     return tok
+
+
+def _split_on_named_specials(backend, names: dict[str, str | None]) -> None:
+    """Make the special tokens the directory's configs name (`_special_names`) that its
+    tokenizer.json has in its vocabulary but not among its added tokens special ones, as
+    ``AutoTokenizer.from_pretrained`` does when it loads them: a text that writes one out
+    (``<|endoftext|>``) is then that token, not its spelling, in megapar as in transformers
+    (a ``megapar-convert --to-hf`` export of the GPT-2 BPE names it in tokenizer_config.json
+    only)."""
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    missing = sorted(
+        {n for n in names.values() if n and n not in added and backend.token_to_id(n) is not None}
+    )
+    if missing:
+        backend.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in missing])
 
 
 def _added_before(directory: str, backend) -> list[int]:
