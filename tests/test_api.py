@@ -281,6 +281,21 @@ def _resume_run(ckpt, stop_at, load, layout):
     return losses, engine.step
 
 
+def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path):
+    """engine.load(verify="md5") (or "SHA256") checked sizes only, without a word, and loaded
+    a checkpoint with a flipped byte that the default refuses. Any word but "sha256", "size"
+    and "none" is one line now, before anything is read."""
+    engine = megapar.prepare(_hf_model(), micro_batch_size=4)
+    engine.save(tmp_path)
+    for word in ("md5", "SHA256"):
+        with pytest.raises(ValueError) as refused:
+            engine.load(tmp_path, verify=word)
+        assert str(refused.value) == (
+            f"engine.load: verify={word!r} is not one of 'sha256', 'size', 'none'; leave it "
+            f"out to hash every file read")
+    assert engine.load(tmp_path, verify="size") is not None
+
+
 @pytest.mark.parametrize("layout", [(2, 2, 0), (1, 2, 1)])
 def test_engine_save_load_resumes_exactly(run, tmp_path, layout):
     full, _ = run(_resume_run, 4, str(tmp_path / "a"), 6, False, layout)[0]

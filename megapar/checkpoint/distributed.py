@@ -494,6 +494,11 @@ def _read(reader: ShardReader, source: str, key, param, mesh: Mesh, local) -> to
     return reader.rows(source, key, *rows, mesh.tp_rank, dim, width, tp_parts(param))
 
 
+VERIFY_MODES = ("sha256", "size", "none")
+"""How `load_checkpoint` checks the files it reads (its `verify`; `Engine.load` refuses any
+other word, which would check sizes only without a word)."""
+
+
 @torch.no_grad()
 def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedState:
     """Fill `model` (this rank's stage) from a checkpoint saved in any layout.

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.distributed import (
+    VERIFY_MODES,
     SavedState,
     broadcast_text,
     capture,
@@ -611,6 +612,11 @@ class Engine:
         where `path` was given, for the line)."""
 
         _check_path("engine.load", path)
+        if verify not in VERIFY_MODES:
+            raise ValueError(
+                f"engine.load: verify={verify!r} is not one of "
+                f"{', '.join(map(repr, VERIFY_MODES))}; leave it out to hash every file read"
+            )
         self.in_its_group("engine.load")
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_everywhere(
