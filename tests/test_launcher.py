@@ -595,7 +595,7 @@ def test_a_return_value_that_cannot_leave_its_worker_is_named_in_one_line():
     with pytest.raises(WorkerError) as info:
         run_local(_returns_a_process_group, 2, timeout_s=60)
     first = str(info.value).splitlines()[0]
-    assert first.startswith("rank 0 failed: UnsendableResult: rank 0's fn returned a ")
+    assert first.startswith("rank 0 failed: UnsendableResult: rank 0's fn returned a value of type ")
     assert "cannot pickle" in first and "not the engine" in first
     assert "Traceback" not in str(info.value)  # the line says it all
 
