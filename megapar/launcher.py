@@ -179,10 +179,10 @@ def _returned(out: Any, rank: int) -> bytes:
         return pickle.dumps(out)
     except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
         raise UnsendableResult(
-            f"rank {rank}'s fn returned a value of type {type(out).__name__}, which cannot be sent back from "
-            f"its worker process ({type(exc).__name__}: {exc}); return plain values (numbers, "
-            f"strings, lists, dicts, CPU tensors, a model's state_dict()), not the engine or "
-            f"anything holding its process groups, which live only inside fn"
+            f"rank {rank}'s fn returned a value of type {type(out).__name__}, which cannot be "
+            f"sent back from its worker process ({type(exc).__name__}: {exc}); return plain "
+            f"values (numbers, strings, lists, dicts, CPU tensors, a model's state_dict()), not "
+            f"the engine or anything holding its process groups, which live only inside fn"
         ) from None
 
 
