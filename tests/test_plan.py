@@ -571,6 +571,12 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     assert command.startswith("command: megapar-train ") and "--peak-tflops" not in command
     code, out = _cli(capsys, *base, "--target", "cpu", "--top", "1", "--peak-tflops", "2")
     assert code == 0 and "--peak-tflops 2 " in out.out.splitlines()[-1], out.out
+    # a GPU plan's too: megapar-train takes the GPU's datasheet peak (pasted onto an H100,
+    # --peak-tflops 312 logged 3.2 x its MFU); a peak given is kept
+    code, out = _cli(capsys, *base, "--top", "1")
+    assert code == 0 and "--peak-tflops" not in out.out.splitlines()[-1], out.out
+    code, out = _cli(capsys, *base, "--top", "1", "--peak-tflops", "989")
+    assert code == 0 and "--peak-tflops 989 " in out.out.splitlines()[-1], out.out
     code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
     assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out
     code, out = _cli(capsys, *base, "--top", "2")

@@ -138,13 +138,10 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         *([f"--tokenizer {p.tokenizer}"] if p.tokenizer else []),
         f"--recompute {c.recompute}",
         f"--precision {p.precision}",
-        # a CPU plan's default peak is an A100's: megapar-train's own default (1.0, a rough CPU
-        # figure) gives its MFU, where 312 logged 0.00 %
-        *(
-            []
-            if p.target == "cpu" and p.peak_tflops == A100_PEAK_TFLOPS
-            else [f"--peak-tflops {p.peak_tflops:g}"]
-        ),
+        # the default peak (an A100's) is left to megapar-train, which takes the GPU's own
+        # datasheet figure (an A100's 312; an H100's 989, where 312 pasted logged 3.2 x its
+        # MFU) and on CPU its rough 1.0 (where 312 logged 0.00 %)
+        *([] if p.peak_tflops == A100_PEAK_TFLOPS else [f"--peak-tflops {p.peak_tflops:g}"]),
     ]
     missing = runnable(e, p.master_weights)
     if c.pp > 1 and not any(c.schedule in m for m in missing):
