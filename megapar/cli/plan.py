@@ -713,7 +713,7 @@ def main(argv=None) -> int:
         f"{problem.global_batch} x {problem.seq_len} tokens"
         f"{BATCH_ASSUMED if getattr(args, 'batch_assumed', False) else ''}; "
         f"{counted(valid, 'valid layout')}, "
-        f"{len(rejected)} rejected"
+        f"{len(rejected):,} rejected"
     )
     print(table(estimates[: args.top], problem.master_weights, problem.target))
     print(attention_note(problem.fused_attention, problem.target))
