@@ -281,6 +281,19 @@ def _resume_run(ckpt, stop_at, load, layout):
     return losses, engine.step
 
 
+def test_a_refused_batch_does_not_use_up_the_unshifted_labels_check():
+    """A first train_step of 3 rows at micro_batch_size 2 was refused (without the
+    "train_step:" its other batch refusals have) after marking the labels checked, so a later
+    batch with labels = input_ids trained without the one-time warning."""
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2)
+    x = _batches(1)[0]["input_ids"][:4]
+    with pytest.raises(ValueError, match=r"^train_step: global batch size 3 is not divisible by "
+                                         r"micro-batch size 2 x dp 1 = 2; "):
+        engine.train_step({"input_ids": x[:3], "labels": x[:3]})
+    with pytest.warns(UserWarning, match="^train_step: the labels equal input_ids"):
+        engine.train_step({"input_ids": x, "labels": x})
+
+
 def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path):
     """engine.load(verify="md5") (or "SHA256") checked sizes only, without a word, and loaded
     a checkpoint with a flipped byte that the default refuses. Any word but "sha256", "size"

@@ -430,10 +430,6 @@ class Engine:
         mesh = self.mesh
         check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
         same_on_every_rank(batch, self.mesh.device, what)
-        if not self.labels_checked and "labels" in batch:
-            self.labels_checked = True
-            if unshifted_labels(batch, self.config) and self.mesh.rank == 0:
-                warnings.warn(UNSHIFTED_WARNING.format(what=what), stacklevel=3)
         rows = batch["input_ids"].shape[0]
         if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
             raise ValueError(
@@ -443,6 +439,14 @@ class Engine:
                 f"{counted(self.batch_rows, 'row')}, "
                 f"or drop global_batch_size"
             )
+        try:  # `split`'s cut, refused here with the others, before the one-time labels check
+            BatchPlan(rows, self.cfg.micro_batch_size, self.mesh.dp)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        if not self.labels_checked and "labels" in batch:  # a batch refused does not count
+            self.labels_checked = True
+            if unshifted_labels(batch, self.config) and self.mesh.rank == 0:
+                warnings.warn(UNSHIFTED_WARNING.format(what=what), stacklevel=3)
         return batch
 
     @torch.no_grad()
