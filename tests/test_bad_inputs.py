@@ -445,6 +445,23 @@ def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_
     assert "choose a multiple" not in line
 
 
+def test_a_resumed_warmup_longer_than_a_shortened_run_names_the_checkpoint(env, capsys,
+                                                                           tmp_path):
+    """A fresh run's default warmup shrinks to 10 % of a short run; a resumed one keeps its
+    checkpoint's, and a --max-steps below it was told 'warmup of 20 steps is longer than the 6
+    training steps; lower --warmup-steps', a flag the user never gave. The line names the
+    checkpoint's value and both fixes."""
+    ckpt = tmp_path / "ckpt"
+    assert train([*env["common"], "--max-steps", "40", "--exit-interval", "1", "--save",
+                  str(ckpt)]) == 0
+    capsys.readouterr()
+    assert train(["--load", str(ckpt), "--max-steps", "3"]) == 2  # its warmup: 4, 10 % of 40
+    assert _one_line(capsys, "megapar-train") == (
+        f"megapar-train: error: --warmup-steps 4 (not given: the value --load {ckpt} recorded) "
+        f"is longer than the 3 steps of --max-steps 3; give --warmup-steps 3 or fewer (the "
+        f"steps after the checkpoint follow the new schedule), or --max-steps 4 or more")
+
+
 def test_a_model_configs_vocabulary_smaller_than_the_tokenizers_names_both_counts(
         env, no_workers, capsys, tmp_path):
     """A config's vocab_size 32000 under the default gpt2 tokenizer was told the tokenizer

@@ -239,6 +239,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))
 
+    _check_resumed_warmup(cfg)
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
@@ -377,6 +378,22 @@ def _batch_refusal(cfg: TrainConfig, dp: int) -> str:
     return (
         f"global batch size {gbs} is not divisible by micro-batch size {mbs} x dp {dp} = "
         f"{mbs * dp}; {fix}"
+    )
+
+
+def _check_resumed_warmup(cfg: TrainConfig) -> None:
+    """UsageError for a resumed run whose checkpoint's warmup (kept: --warmup-steps not given)
+    is longer than the schedule this run gives (a shorter --max-steps or --lr-decay-steps),
+    naming where the warmup came from; a fresh run's default warmup shrinks instead
+    (`adapt_defaults`)."""
+    end = cfg.lr_decay_steps or cfg.max_steps
+    if "warmup_steps" not in getattr(cfg, "from_checkpoint", ()) or cfg.warmup_steps <= end:
+        return
+    ends = f"--lr-decay-steps {end}" if cfg.lr_decay_steps else f"--max-steps {end}"
+    raise UsageError(
+        f"{named(cfg, 'warmup_steps')} is longer than the {end} steps of {ends}; give "
+        f"--warmup-steps {end} or fewer (the steps after the checkpoint follow the new "
+        f"schedule), or {ends.split()[0]} {cfg.warmup_steps} or more"
     )
 
 
