@@ -250,7 +250,8 @@ def test_overwrite_newer_removes_every_step_newer_than_the_start(tmp_path, capsy
 def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkeypatch):
     """--save into a Hugging Face model's directory (or a DCP checkpoint's) would mix the
     checkpoint's files into it, as megapar-convert --to-hf refuses the other way round (and
-    after it, --to-hf --overwrite of that export is refused): one line before any worker."""
+    after it, --to-hf --overwrite of that export is refused): one line before any worker; so
+    are a checkpoint's own directories and the --data directory."""
     import megapar.cli.train as train_cli
 
     started = []
@@ -284,6 +285,18 @@ def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkey
         assert err.startswith(f"megapar-train: error: --save {where} {what}"), err
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
     assert not (step / "x").exists()
+    # the --data directory: its checkpoint made a later --data of it "a megapar checkpoint,
+    # not data"; a directory inside it is taken (the text walk leaves a checkpoint out)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("To be, or not to be: that is the question.\n" * 50)
+    assert train_cli.main([*common, "--data", str(corpus), "--save", str(corpus)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megapar-train: error: --save {corpus} is the --data directory {corpus}: "
+                   f"its checkpoints would make it a checkpoint, not data, for every later run; "
+                   f"give --save another directory (a new one beside it, or one inside it: the "
+                   f"text is read without it)") and not started
+    assert [p.name for p in corpus.iterdir()] == ["a.txt"]
 
 
 def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):

@@ -313,6 +313,29 @@ def test_hidden_directories_of_an_input_directory_are_not_walked(tmp_path, capsy
     assert len(IndexedDataset(out)) == 2
 
 
+def test_a_checkpoint_inside_an_input_directory_is_not_read(tmp_path, capsys):
+    """megapar-train --data corpus --save corpus/ckpt: the next run's --data corpus read the
+    step directory's manifest.json as JSON records ("the object has no string field 'text'")
+    and its logs as text. A checkpoint's root and step directories are not walked."""
+    corpus = tmp_path / "corpus"
+    step = corpus / "ckpt" / "step_00000001"
+    step.mkdir(parents=True)
+    (corpus / "ckpt" / "latest").write_text("step_00000001\n")
+    (step / "manifest.json").write_text("{}")
+    (step / "model_tp00_pp00.safetensors").write_bytes(b"\0" * 8)
+    (corpus / "ckpt" / "logs").mkdir()
+    (corpus / "ckpt" / "logs" / "rank0.txt").write_text("Traceback\n")
+    alone = corpus / "copied_step"  # a step directory without its root
+    alone.mkdir()
+    (alone / "manifest.json").write_text("{}")
+    (alone / "model_tp00_pp00.safetensors").write_bytes(b"\0" * 8)
+    (corpus / "a.txt").write_text("one\n")
+    (corpus / "notes").mkdir()  # a directory that merely holds a manifest.json is walked
+    (corpus / "notes" / "manifest.json").write_text('{"text": "two"}\n')
+    assert expand_inputs([str(corpus)]) == [str(corpus / "a.txt"),
+                                            str(corpus / "notes" / "manifest.json")]
+
+
 def test_hidden_files_of_an_input_directory_are_not_read(tmp_path, capsys):
     """macOS writes `._a.txt` (a file's attributes, binary) beside `a.txt` on a copy to a
     foreign disk or into a zip, and an editor's `.#a.txt` lock is a dangling link: a hidden

@@ -411,6 +411,21 @@ def tokenizer_names(names: Sequence[str]) -> set[str]:
     return present & set(TOKENIZER_FILES)
 
 
+def _checkpoint_dir(path: str) -> bool:
+    """Whether directory `path` is a megapar checkpoint's root (a ``latest`` file) or step
+    directory (``manifest.json`` beside ``model_tp*_pp*.safetensors`` shards): a run's output,
+    whose manifest would be read as JSON records and its log as text."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    if "latest" in names and any(n.startswith("step_") for n in names):
+        return True
+    return "manifest.json" in names and any(
+        n.startswith("model_tp") and n.endswith(".safetensors") for n in names
+    )
+
+
 def _directory_files(path: str) -> tuple[list[str], list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, those left
     out for their type and those left out as a tokenizer's (`unread_inputs`,
@@ -418,8 +433,9 @@ def _directory_files(path: str) -> tuple[list[str], list[str], list[str]]:
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
     megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
     hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's
-    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out. A symbolic
-    link to a directory is walked as the directory (a corpus of linked shards), once."""
+    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out, nor a megapar
+    checkpoint's directory (`_checkpoint_dir`: megapar-train's ``--save`` inside a corpus). A
+    symbolic link to a directory is walked as the directory (a corpus of linked shards), once."""
     read, skipped, tokenizer = [], [], []
     walked = {os.path.realpath(path)}  # symbolic links are followed, each directory walked once
     for root, dirs, names in os.walk(path, followlinks=True):
@@ -428,9 +444,10 @@ def _directory_files(path: str) -> tuple[list[str], list[str], list[str]]:
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(root, d))
-            if not d.startswith(".") and real not in own and real not in walked:
-                kept.append(d)
-                walked.add(real)
+            if d.startswith(".") or real in own or real in walked or _checkpoint_dir(real):
+                continue
+            kept.append(d)
+            walked.add(real)
         dirs[:] = kept
         for n in names:
             full = os.path.join(root, n)

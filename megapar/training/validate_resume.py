@@ -112,6 +112,7 @@ def check_save_format(cfg) -> None:
     if not cfg.save:
         return
     _check_save_outside_checkpoint(cfg)
+    _check_save_is_not_data(cfg)
     foreign = foreign_checkpoint(os.path.expanduser(cfg.save))
     if foreign is None:
         return
@@ -120,6 +121,20 @@ def check_save_format(cfg) -> None:
         f"--save {cfg.save} {what}: this run's checkpoints would be mixed into it; give "
         f"another --save (a new directory, or one that holds megapar checkpoints)"
     )
+
+
+def _check_save_is_not_data(cfg) -> None:
+    """--save naming a --data directory: its `latest` and step directories would make it a
+    checkpoint, which a later --data of it refuses ("a megapar checkpoint, not data"). A
+    directory inside it is fine: the text walk leaves a checkpoint out."""
+    save = os.path.realpath(os.path.expanduser(cfg.save))
+    for path in data_paths(cfg.data):
+        if path and os.path.isdir(path) and os.path.realpath(path) == save:
+            raise UsageError(
+                f"--save {cfg.save} is the --data directory {path}: its checkpoints would "
+                f"make it a checkpoint, not data, for every later run; give --save another "
+                f"directory (a new one beside it, or one inside it: the text is read without it)"
+            )
 
 
 def _check_save_outside_checkpoint(cfg) -> None:
