@@ -423,3 +423,42 @@ def test_a_missing_or_cut_data_file_is_one_line(small, tmp_path, capsys):
         assert err.endswith("the checkpoint is incomplete or damaged; copy it again from where "
                             "it was written"), err
         assert not (tmp_path / "out").exists()
+
+
+def _dotted_call(marker: Path) -> bytes:
+    """A .metadata pickle (protocol 4) that looks up `os.system` as a dotted name in DCP's
+    metadata module, which imports os, and calls it: what a hostile checkpoint could hold."""
+    module, name, command = (b"torch.distributed.checkpoint.metadata", b"os.system",
+                             f"touch {marker}".encode())
+    return (b"\x80\x04" + b"\x8c" + bytes([len(module)]) + module + b"\x94"
+            + b"\x8c" + bytes([len(name)]) + name + b"\x94\x93"
+            + b"\x8c" + bytes([len(command)]) + command + b"\x94\x85R.")
+
+
+def test_an_index_that_calls_code_is_refused_without_running_it(small, tmp_path, capsys):
+    """DCP's .metadata is a pickle: its reader took any name in DCP's metadata module, and
+    protocol 4 looks dotted names up, so `os.system` ran (a helper's find; a traceback
+    followed). Only that module's own classes are taken, never a dotted name; an index that
+    is not DCP's Metadata is one line. The Megatron import reads its .metadata so too."""
+    from test_checkpoint_megatron import megatron_llama_state, save_megatron
+
+    _, step, model = small
+    marker = tmp_path / "ran"
+    (step / ".metadata").write_bytes(_dotted_call(marker))
+    assert convert(["--from-dcp", str(step), str(tmp_path / "out"), "--model", model]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megapar-convert: error: {step / '.metadata'}: not a DCP index megapar "
+                   f"reads (torch.distributed.checkpoint.metadata.os.system is not part of "
+                   f"DCP's metadata); refused without running it"), err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    root = save_megatron(megatron_llama_state(True), tmp_path / "m")
+    (root / "iter_0000003" / ".metadata").write_bytes(_dotted_call(marker))
+    assert convert(["--from-megatron", str(root), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not part of DCP's metadata); refused without running it" in err, err
+    assert not marker.exists() and "\n" not in err
+    (step / ".metadata").write_bytes(b"\x80\x04K\x07.")  # the int 7
+    assert convert(["--from-dcp", str(step), str(tmp_path / "out"), "--model", model]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megapar-convert: error: {step / '.metadata'}: not a DCP index megapar reads (it "
+        f"holds a value of type int, not DCP's Metadata)")

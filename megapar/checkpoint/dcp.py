@@ -38,8 +38,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dist_cp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from megapar.checkpoint.convert import (
     _refuse_existing,
@@ -182,9 +183,16 @@ def intermediate_size(dim: int, multiple_of: int = 256, ffn_dim_multiplier=None)
 
 # --- reading a DCP directory ---------------------------------------------------------------
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch sizes, dtypes and layouts, paths; nothing else."""
+    """Builds DCP's metadata classes, torch sizes, dtypes and layouts, paths; nothing else: a
+    name is looked up only where it is one of these, never as a dotted path (pickle's protocol
+    4 would follow ``os.system`` from a module that imports os)."""
 
     _ALLOWED: ClassVar[dict[str, set[str]]] = {
+        "torch.distributed.checkpoint.metadata": {
+            n
+            for n, v in vars(dcp_metadata).items()
+            if isinstance(v, type) and v.__module__ == dcp_metadata.__name__
+        },
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
         "torch.serialization": {"_get_layout"},
         "torch": {"Size"},
@@ -194,9 +202,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module, name):
-        allowed = (
-            module == "torch.distributed.checkpoint.metadata"
-            or name in self._ALLOWED.get(module, ())
+        allowed = "." not in name and (
+            name in self._ALLOWED.get(module, ())
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         )
         if not allowed:
@@ -244,11 +251,17 @@ class _Reader(dist_cp.FileSystemReader):
         path = Path(self.path) / METADATA
         try:
             with open(path, "rb") as f:
-                return self.unpickler(f).load()
+                metadata = self.unpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
             raise CheckpointError(
                 f"{path}: not a DCP index megapar reads ({exc}); refused without running it"
             ) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"{path}: not a DCP index megapar reads (it holds a value of type "
+                f"{type(metadata).__name__}, not DCP's Metadata)"
+            )
+        return metadata
 
 
 def is_dcp(path: str | Path) -> bool:
