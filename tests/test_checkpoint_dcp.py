@@ -462,3 +462,25 @@ def test_an_index_that_calls_code_is_refused_without_running_it(small, tmp_path,
     assert capsys.readouterr().err.strip() == (
         f"megapar-convert: error: {step / '.metadata'}: not a DCP index megapar reads (it "
         f"holds a value of type int, not DCP's Metadata)")
+
+
+def test_a_tensor_the_import_has_no_place_for_is_refused_not_dropped(small, tmp_path, capsys):
+    """A torchtitan checkpoint holding a weight megapar's Llama lacks (a bias) was imported
+    without it, silently (a helper's find), where the Megatron import refuses it; it is
+    refused in one line now. An older torchtitan's saved rotary table (freqs_cis) and the
+    optimizer's state are not weights, and still import."""
+    state, _, model = small
+    odd = {**state, "layers.0.attention.bias": torch.zeros(4)}
+    dcp_save(odd, tmp_path / "odd")
+    assert convert(["--from-dcp", str(tmp_path / "odd"), str(tmp_path / "out"), "--model",
+                    model, "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megapar-convert: error: {tmp_path / 'odd'}: tensors megapar's llama has no place "
+        f"for: layers.0.attention.bias; refused rather than dropped (give the --job-config / "
+        f"--model it was trained with, if megapar's Llama has them)")
+    assert not (tmp_path / "out").exists()
+    kept = {**state, "freqs_cis": torch.zeros(8, 2),
+            "optimizer.state.tok_embeddings.weight.exp_avg": torch.zeros(2)}
+    dcp_save(kept, tmp_path / "kept")
+    assert convert(["--from-dcp", str(tmp_path / "kept"), str(tmp_path / "out"), "--model",
+                    model, "--no-progress"]) == 0

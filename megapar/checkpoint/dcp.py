@@ -145,6 +145,10 @@ TITAN_ROPE_SAID = (
 """`TITAN_ROPE_SCALING` in the words of the notes on it."""
 
 
+_NOT_WEIGHTS = ("optimizer.", "lr_scheduler", "dataloader", "train_state", "rng")
+"""The state a torchtitan checkpoint keeps beside its model's weights (not imported)."""
+
+
 def titan_name(name: str) -> str:
     """torchtitan's name of megapar's canonical Llama parameter `name`."""
     if name in _TOP:
@@ -358,6 +362,22 @@ class DCPReader:
                     f"{'missing' if got is None else got}, the config implies "
                     f"{want}; give the --job-config / --model it was trained with"
                 )
+        read = {self._key(titan_name(name)) for name in plan(config, Layout(1, 1, 1))}
+        extra = sorted(
+            k
+            for k in self.tensors
+            if k.startswith(self.prefix)
+            and k not in read | {self._key("output.weight")}
+            and not k.startswith(_NOT_WEIGHTS)
+            and not k.endswith("freqs_cis")  # older torchtitan's saved rotary table
+        )
+        if extra:
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            raise ConfigError(
+                f"{self.path}: tensors megapar's llama has no place for: "
+                f"{', '.join(extra[:3])}{more}; refused rather than dropped (give the "
+                f"--job-config / --model it was trained with, if megapar's Llama has them)"
+            )
         return config
 
     def _tied(self, config) -> bool:
