@@ -765,3 +765,16 @@ def test_each_file_of_the_checkpoint_is_hashed_once(imported, capsys, monkeypatc
     assert len(_run(ckpt, capsys, "--prompt", "To be", "--max-new-tokens", "1")) == 1
     files = sorted(p.name for p in resolve_checkpoint(ckpt).glob("*.safetensors"))
     assert len(files) == 4 and sorted(hashed) == files
+
+
+def test_a_temperature_whose_division_overflows_samples_the_largest_logit():
+    """--temperature 1e-45 passed the checks, and logits / 1e-45 overflowed to inf: the rank
+    failed mid-generation drawing from NaN probabilities (a helper's find). Such a temperature
+    draws the largest logit, as any small one does; a usual one is unchanged, bit for bit."""
+    from megapar.training.generate import Sampling, filtered_logits, next_token
+
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
+    gen = torch.Generator().manual_seed(0)
+    for t in (1e-45, 1e-38):
+        assert [next_token(logits, Sampling(temperature=t), gen) for _ in range(20)] == [1] * 20
+    assert torch.equal(filtered_logits(logits, Sampling(temperature=0.7)), logits / 0.7)

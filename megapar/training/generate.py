@@ -48,8 +48,12 @@ class Sampling:
 
 def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """`logits` ([vocab], float32) / temperature with the tokens top-k and top-p leave out set
-    to -inf (transformers' TopKLogitsWarper and TopPLogitsWarper, at least one token kept)."""
+    to -inf (transformers' TopKLogitsWarper and TopPLogitsWarper, at least one token kept). A
+    temperature so small that the division overflows (1e-45) divides the logits less their
+    largest instead: the same softmax, the largest 0 where it was inf (it drew from NaNs)."""
     out = logits / sampling.temperature
+    if torch.isinf(out).any() and torch.isfinite(logits).any():
+        out = (logits - logits[torch.isfinite(logits)].max()) / sampling.temperature
     if 0 < sampling.top_k < out.numel():
         kth = torch.topk(out, sampling.top_k).values[-1]
         out = out.masked_fill(out < kth, float("-inf"))
