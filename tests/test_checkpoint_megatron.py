@@ -274,6 +274,9 @@ def refusal(capsys, *argv) -> str:
     return err
 
 
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+
+
 def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     legacy = tmp_path / "legacy" / "iter_0000005" / "mp_rank_00"
     legacy.mkdir(parents=True)
@@ -282,6 +285,18 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(tmp_path / "legacy"), str(tmp_path / "o"),
                   "--model", spec_file(tmp_path, "gpt"))
     assert "legacy torch format" in err and "--ckpt-convert-format torch_dist" in err
+    # its mp_rank_XX directory or its pickle: Megatron's --load takes the root (the fix named
+    # the mp_rank_00 directory; the pickle was "no such directory")
+    for given in (legacy, legacy / "model_optim_rng.pt", legacy.parent):
+        err = refusal(capsys, "--from-megatron", str(given), str(tmp_path / "o"))
+        assert "legacy torch format" in err, err
+        assert f"--load {tmp_path / 'legacy'} --ckpt-convert-format torch_dist" in err, err
+    err = refusal(capsys, "--from-megatron", str(tmp_path / "legacy" / TRACKER_NAME),
+                  str(tmp_path / "o"))
+    assert err.strip() == (
+        f"megapar-convert: error: --from-megatron {tmp_path / 'legacy' / TRACKER_NAME} is a "
+        f"file; give a Megatron-LM checkpoint root (with {TRACKER_NAME}) or one iter_NNNNNNN "
+        f"directory"), err
     err = refusal(capsys, "--from-megatron", str(save_megatron(megatron_llama_state(True),
                                                                tmp_path / "bare")),
                   str(tmp_path / "o"))

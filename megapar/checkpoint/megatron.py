@@ -158,13 +158,31 @@ def _legacy(p: Path) -> bool:
     return (p / "model_optim_rng.pt").is_file() or any(p.glob("mp_rank_*"))
 
 
+def _root_of(p: Path) -> Path:
+    """The checkpoint root a directory of a Megatron-LM save belongs to (what Megatron's
+    --load takes): the nearest of `p` and its parents holding `TRACKER`; else, for an
+    mp_rank_XX or iter_NNNNNNN directory, the directory above its iteration."""
+    for a in (p, *p.parents):
+        if (a / TRACKER).is_file():
+            return a
+    if p.name.startswith("mp_rank_"):
+        p = p.parent
+    return p.parent if _ITER.fullmatch(p.name) or p.name == "release" else p
+
+
 def resolve_iteration(path: str | Path) -> Path:
     """The ``iter_NNNNNNN`` (or ``release``) directory `path` names: itself, or the one a
     checkpoint root's ``latest_checkpointed_iteration.txt`` names; refuses the legacy format,
     other sharded backends and anything else in one line."""
     p = Path(path).expanduser()
-    if not p.is_dir():
-        raise CheckpointError(f"--from-megatron {path}: no such directory")
+    if p.is_file() and p.name == "model_optim_rng.pt":
+        p = p.parent  # the legacy pickle itself: refused below as its directory is
+    elif not p.is_dir():
+        what = "is a file" if p.exists() else "does not exist"
+        raise CheckpointError(
+            f"--from-megatron {path} {what}; give a Megatron-LM checkpoint root (with "
+            f"{TRACKER}) or one iter_NNNNNNN directory"
+        )
     if (p / TRACKER).is_file():
         text = (p / TRACKER).read_text().strip()
         if text == "release":
@@ -193,7 +211,7 @@ def resolve_iteration(path: str | Path) -> Path:
         raise CheckpointError(
             f"--from-megatron {path}: Megatron's legacy torch format "
             f"(mp_rank_XX/model_optim_rng.pt, a pickle megapar does not load); "
-            + _TO_TORCH_DIST.format(path=shell_word(path))
+            + _TO_TORCH_DIST.format(path=shell_word(_root_of(p)))
         )
     info = p / "metadata.json"
     if not info.is_file():
