@@ -310,6 +310,20 @@ def test_a_usage_error_under_torchrun_is_its_summarys_root_cause(tmp_path, monke
     assert line in capsys.readouterr().err
     message = json.loads(error_file.read_text())["message"]
     assert message["message"].startswith(line), message
+    # the parser's own refusals too (a mistyped flag, a bad choice: "<N/A>" until 2026-12-04),
+    # printed once a node and written on every rank
+    for argv, said in ((["--max-step", "3"], "--max-step: did you mean --max-steps?"),
+                       (["--precision", "fp64"], "argument --precision: invalid choice")):
+        error_file.unlink()
+        for rank in ("0", "1"):
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setenv("LOCAL_RANK", rank)
+            with pytest.raises(SystemExit) as exited:
+                main(argv)
+            assert exited.value.code == 2
+            message = json.loads(error_file.read_text())["message"]["message"]
+            assert message.startswith("megapar-train: error: ") and said in message, message
+            assert (said in capsys.readouterr().err) == (rank == "0")
 
 
 def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, cache):

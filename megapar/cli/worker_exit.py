@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megapar.device import env_local_rank
-from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 
@@ -136,6 +136,18 @@ def refused(tool: str, message: object) -> int:
 @contextlib.contextmanager
 def parser_errors_once() -> Iterator[None]:
     """Within: a parser's error line (argparse prints it, then exits 2) reaches stderr only
-    where `prints_refusals`; elsewhere stderr is discarded, the exit code the same."""
-    with contextlib.redirect_stderr(sys.stderr if prints_refusals() else io.StringIO()):
-        yield
+    where `prints_refusals`; elsewhere stderr is discarded, the exit code the same. Under
+    torchrun every rank's error file gets the line too (`tell_torchrun`), as a refusal after
+    the parser's does: its summary said "error_file: <N/A>" for a mistyped flag."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            yield
+    except SystemExit as exc:
+        line = said.getvalue().strip()
+        if exc.code == 2 and line:
+            tell_torchrun(line.splitlines()[-1], None)
+        raise
+    finally:
+        if prints_refusals():
+            sys.stderr.write(said.getvalue())
