@@ -513,6 +513,8 @@ def run_workers(
     Slurm the default process group is set up before `fn` and, if it was set up here, released
     (`release_process_groups`) once `fn` returns."""
     if under_launcher():
+        if "OMP_NUM_THREADS" not in os.environ and launched_local_size() > 1:
+            torch.set_num_threads(1)  # torchrun's default; srun's tasks had every core each
         _device.adopt_slurm_environment()  # srun without torchrun: torchrun's variables
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())

@@ -698,7 +698,7 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     stand_ins = {
-        "srun": f"exit {torchrun_rc}",
+        "srun": f'echo "$MASTER_PORT $PYTHON" > "$LOG.env"; exit {torchrun_rc}',
         "scontrol": 'if [ "$1" = requeue ]; then echo "$2" >> "$LOG"; else echo node0; fi',
         "squeue": "echo 3:00",  # minutes:seconds left
         "date": 'n=$(cat "$CLOCK" 2>/dev/null || echo 1000); echo $((n + 600)) > "$CLOCK"; '
@@ -715,6 +715,8 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     assert out.returncode == rc, out.stderr
     log = tmp_path / "log"
     assert (log.read_text() if log.exists() else "") == ("77\n" if requeued else ""), out.stderr
+    # the job's own port (a fixed 29500 until 2026-12-04) and the environment's interpreter
+    assert (tmp_path / "log.env").read_text() == "15077 python3\n"
 
 
 def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, text, cache,

@@ -781,3 +781,34 @@ def test_a_rank_refused_by_a_dead_members_address_says_so_in_one_line(tmp_path):
         r"job's or an earlier attempt's addresses\) and that the node at 127\.0\.0\.1 is up and "
         r"reachable from this one; --timeout-s \(0\.5 s\) bounds how long the members may take "
         r"to join", text.splitlines()[-1]), text
+
+
+@pytest.mark.parametrize(("env", "threads"), [
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+      "SLURM_TASKS_PER_NODE": "2(x2)"}, [1]),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+      "SLURM_TASKS_PER_NODE": "2(x2)", "OMP_NUM_THREADS": "4"}, []),
+])
+def test_srun_tasks_on_one_node_take_one_thread_each_as_torchruns_do(monkeypatch, env, threads):
+    """srun without torchrun: each of a node's tasks ran torch on every core (torchrun sets
+    OMP_NUM_THREADS=1 for its workers), 10 to 20 x slower on a CPU rehearsal (a helper's
+    find). Each takes one thread now, unless OMP_NUM_THREADS says otherwise."""
+    from megapar import device, launcher
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(device, "adopt_slurm_environment", stop)
+    with pytest.raises(Stop):
+        launcher.run_workers(lambda: None, 4)
+    assert set_to == threads
