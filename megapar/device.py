@@ -557,6 +557,30 @@ def bound_world_waits(timeout_s: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
+ARRIVED_KEY = "megapar/arrived"
+"""The rendezvous store's key prefix of the ranks that reached it (`_never_arrived`)."""
+
+
+def _never_arrived(store, world_size: int, said: str) -> str:
+    """The ranks whose key under `ARRIVED_KEY` is not in `store` ("ranks 2, 3"); without a store
+    (torch's rendezvous itself timed out: `said`, "1/2 clients joined") how many; "" where
+    neither can say (the store is gone, or every rank arrived and a later wait failed)."""
+    if store is None:
+        counted = re.search(r"(\d+)/(\d+) clients joined", said)
+        if counted is None:
+            return ""
+        came, all_ = int(counted.group(1)), int(counted.group(2))
+        return f"{all_ - came} of the {all_}"
+    try:
+        absent = [r for r in range(world_size) if not store.check([f"{ARRIVED_KEY}/{r}"])]
+    except Exception:  # noqa: BLE001 - the store itself failed: say nothing of the ranks
+        return ""
+    if not absent:
+        return ""
+    shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if absent[8:] else "")
+    return f"rank{'s' if len(absent) > 1 else ''} {shown}"
+
+
 JOINED_KEY = "megapar/joined"
 """The rendezvous store's count of the ranks whose process group is connected (`_all_joined`)."""
 
@@ -728,6 +752,7 @@ def init_distributed(
                 dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
             )
             store = dist.PrefixStore(default_store_prefix(), store)
+        store.set(f"{ARRIVED_KEY}/{rank}", "1")  # for a rank that waits in vain to name the rest
         with connect_bound("joining the process group", wait, rank):
             dist.init_process_group(
                 backend=backend(),
@@ -739,9 +764,11 @@ def init_distributed(
         if world_size > 1:  # every rank leaves the join together (a launcher's or torchrun's)
             _all_joined(store, world_size, wait)
     except dist.DistStoreError as exc:  # the store's own words name only keys
+        absent = _never_arrived(store, world_size, str(exc))
         raise TimeoutError(
             f"rank {rank} waited {wait:g} s for all {world_size} ranks to join the process "
-            f"group; some never did (a process that was refused, crashed or never started). "
+            f"group; {absent or 'some'} never did (a process that was refused, crashed or "
+            f"never started). "
             f"Under torchrun / Slurm give every node the same command and let each reach "
             f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})"
         ) from None
