@@ -214,7 +214,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
     optimizer: str = "adamw"
-    """adamw, lamb or lars (layer-wise trust ratio, for large batches), sgd (with momentum), or muon (torch.optim.Muon's orthogonalised momentum for the transformer blocks' 2-D weights, AdamW with the --adam-* settings for embeddings, head, norms, biases and routed experts; one --lr and --weight-decay for both; any --zero, not --offload-optimizer)."""
+    """adamw, lamb or lars (layer-wise trust ratio, for large batches; LARS's eta is 1e-3, so it wants an --lr near 1), sgd (with momentum), or muon (torch.optim.Muon's orthogonalised momentum for the transformer blocks' 2-D weights, AdamW with the --adam-* settings for embeddings, head, norms, biases and routed experts; one --lr and --weight-decay for both; any --zero, not --offload-optimizer)."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov), --optimizer muon."""
     muon_adjust_lr: str = "match_rms_adamw"
