@@ -656,9 +656,8 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
     truncated = sum(p.truncated for p in parts)
     unlabelled = sum(p.unlabelled for p in parts)
     keys = ",".join(indexed.sft_keys)
-    left = (  # counted apart: an empty record has none either, truncated or not
-        f"; {unlabelled:,} with no response token to learn (a prompt that fills the sample, or "
-        f"an empty response)"
+    left = (  # an empty response still learns its end of text: not counted
+        f"; {unlabelled:,} with no response token to learn (a prompt that fills the sample)"
         if unlabelled
         else ""
     )
