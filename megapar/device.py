@@ -609,15 +609,15 @@ def waiting_notice(rank: int, world_size: int, wait_s: float) -> threading.Event
     whom it waits for, where and how long it will, instead of staying silent up to `wait_s` (a
     rank started before the others, or started alone with RANK / WORLD_SIZE set)."""
     done = threading.Event()
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    where = f" at MASTER_ADDR:MASTER_PORT = {addr}:{port}" if addr and port else ""
 
     def watch() -> None:
         if done.wait(WAITING_NOTICE_S):
             return
         stop.write_block(
             f"megapar: rank {rank} has waited {WAITING_NOTICE_S:g} s for all {world_size} ranks "
-            f"to join at MASTER_ADDR:MASTER_PORT = {where}; it waits up to {wait_s:g} s "
-            f"(--timeout-s) and then stops"
+            f"to join{where}; it waits up to {wait_s:g} s (--timeout-s) and then stops"
         )
 
     if world_size > 1 and wait_s > WAITING_NOTICE_S:
