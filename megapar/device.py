@@ -742,7 +742,8 @@ def init_distributed(
     wait = timeout_s or DEFAULT_TIMEOUT_S
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
     set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
-    joined = waiting_notice(rank, world_size, wait)
+    # the launcher's own workers are watched by it; a rank of torchrun's or srun's waits alone
+    joined = waiting_notice(rank, world_size, wait) if store is None else threading.Event()
     try:
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             addr, port = os.environ["MASTER_ADDR"], _master_port()
