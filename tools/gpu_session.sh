@@ -11,7 +11,8 @@
 # part runs past GPU_SESSION_BUDGET seconds from the start (a later part's minimum is kept
 # back for it; the benchmark, last, takes its compiled runs last and is cut first).
 #
-#   tools/gpu_session.sh [OUT_DIR]          # default: $OUT, else ./gpu-session
+#   tools/gpu_session.sh [OUT_DIR]          # default: $OUT, else ./gpu-session (OUT_DIR and
+#                                           # ./ relative to where it is run from)
 #
 # OUT_DIR/report.md is the report (docs/testing.md shows its format); beside it
 # session.tar.gz, the session's files: the logs (install.log, gpu_check.log, shared.log,
@@ -49,10 +50,19 @@
 # shared-GPU tier passed (likewise: every test skipped is a failure), and every other part that
 # ran finished.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+case "${1:-}" in
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_session: unknown option $1: it takes one OUT_DIR (--help says more)" >&2
+        exit 2 ;;
+esac
+if [ "$#" -gt 1 ]; then
+    echo "gpu_session: one OUT_DIR, not $#: $*" >&2
+    exit 2
+fi
 out="${1:-${OUT:-gpu-session}}"
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
+mkdir -p "$out" || { echo "gpu_session: cannot make OUT_DIR $out" >&2; exit 2; }
+out="$(cd "$out" && pwd)"   # where it was run from, before the move to the repository
+cd "$(dirname "$0")/.."
 work="${GPU_SESSION_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-session.XXXXXX")}"
 mkdir -p "$work"
 work="$(cd "$work" && pwd)"

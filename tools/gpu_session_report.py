@@ -129,5 +129,29 @@ def main(out: str, rehearse: str, seconds: str) -> None:
     print(f"report: {os.path.join(out, 'report.md')}")
 
 
+USAGE = (
+    "usage: gpu_session_report.py WORK_DIR REHEARSE SECONDS: writes WORK_DIR/report.md from a "
+    "session's files (tools/gpu_session.sh calls it; REHEARSE 0 or 1, SECONDS the wall time)"
+)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        sys.exit(0)
+    problem = (
+        f"needs 3 arguments, got {len(args)}"
+        if len(args) != 3
+        else f"{args[0]} is not a directory"
+        if not os.path.isdir(args[0])
+        else f"REHEARSE {args[1]!r} is not 0 or 1"
+        if args[1] not in ("0", "1")
+        else f"SECONDS {args[2]!r} is not a whole number"
+        if not args[2].isdigit()
+        else ""
+    )
+    if problem:
+        print(f"gpu_session_report.py: error: {problem}; {USAGE}", file=sys.stderr)
+        sys.exit(2)
+    main(*args)

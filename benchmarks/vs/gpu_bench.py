@@ -232,6 +232,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device visible (--device cpu --tiny "
+                     f"rehearses this script on the CPU)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
