@@ -179,7 +179,15 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from megapar.launcher import run_local
 
-    spec = json.loads(sys.argv[1])
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.split("\n\n\"model\"")[0])
+        return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
+    try:
+        spec = json.loads(sys.argv[1])
+    except ValueError as exc:
+        print(f"process_terms.py: error: the run's spec is not JSON ({exc}); --help shows "
+              f"three", file=sys.stderr)
+        return 2
     world = spec.pop("world", 1)
     res = run_local(
         worker,
@@ -216,4 +224,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
