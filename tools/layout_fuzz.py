@@ -896,13 +896,22 @@ def main() -> int:
     ap.add_argument("--replay", help="a results.jsonl to take --case from")
     ap.add_argument("--case", type=int, help="with --replay: the case's index")
     a = ap.parse_args()
+    if a.cases < 1:
+        ap.error(f"--cases {a.cases}: draw at least 1")
+    if a.case is not None and not a.replay:
+        ap.error("--case needs --replay RESULTS.jsonl (the case's index there)")
+    if a.replay and not Path(a.replay).is_file():
+        ap.error(f"--replay {a.replay}: no such file (a results.jsonl a run wrote into --out)")
     if not Path(TOKENIZER).exists():
         print(
             f"layout_fuzz: run it from the repository root ({TOKENIZER} not found)", file=sys.stderr
         )
         return 2
     out = Path(a.out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {a.out}: cannot make it ({exc.strerror})")
     import megapar.cli.train  # noqa: F401 - imported once, inherited by every forked run
 
     if a.args:
@@ -910,6 +919,9 @@ def main() -> int:
     elif a.replay:
         recs = [json.loads(ln) for ln in Path(a.replay).read_text().splitlines()]
         cases = [r["case"] for r in recs if a.case is None or r["index"] == a.case]
+        if not cases:
+            known = ", ".join(str(r["index"]) for r in recs[:10]) or "none"
+            ap.error(f"--replay {a.replay} holds no case {a.case} (its cases: {known})")
     else:
         rng = random.Random(a.seed)
         cases = [draw(rng, a.bf16, a.edges) for _ in range(a.cases)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
 import random
 import re
 from collections import defaultdict
@@ -85,6 +86,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--spread", type=float, default=0.3)
     args = parser.parse_args()
+    if args.workers < 1 or args.runs < 1:
+        parser.error("--workers and --runs take a whole number >= 1")
+    for path in (args.log, args.collected):
+        if not os.path.isfile(path):
+            parser.error(f"{path}: no such file")
     seconds = durations(args.log)
     with open(args.collected) as f:
         order = [line.strip() for line in f if "::" in line]
