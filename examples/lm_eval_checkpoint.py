@@ -1,4 +1,4 @@
-"""Evaluate a megapar checkpoint with lm-evaluation-harness (pip install 'megapar[eval]').
+"""Evaluate a megapar checkpoint with lm-evaluation-harness (pip install -e ".[eval]").
 
     python examples/lm_eval_checkpoint.py CKPT                      # a tiny local task, offline
     python examples/lm_eval_checkpoint.py CKPT --tasks hellaswag    # any lm-eval task you have
@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:  # before the export: lm-eval's hf model needs both
         print(f"lm_eval_checkpoint.py: error: {' and '.join(missing)} not installed: pip "
-              f"install 'megapar[eval]' (or pip install 'lm-eval[hf]')", file=sys.stderr)
+              f"install -e '.[eval]' in the checkout (or pip install 'lm-eval[hf]')",
+              file=sys.stderr)
         sys.exit(2)
     from megapar.checkpoint.format import CheckpointError
     from megapar.checkpoint.publish import resolve_checkpoint

@@ -1,6 +1,6 @@
 """Clients no one here wrote, run on megapar's exports: transformers' AutoTokenizer and
 AutoModelForCausalLM (with generate) on `megapar-convert --to-hf` directories, and
-lm-evaluation-harness (when installed: `pip install megapar[eval]`).
+lm-evaluation-harness (when installed: `pip install -e ".[eval]"`).
 
 - every export carries the tokenizer the checkpoint trained with: AutoTokenizer on the export
   gives megapar's ids, for the GPT-2 BPE (the package's and the shared copy), SentencePiece
@@ -545,7 +545,7 @@ def test_the_lm_eval_example_without_lm_eval_says_what_to_install(monkeypatch, c
         example.main(["no-such-ckpt"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and "lm_eval" in err[0] and "not installed: " \
-        "pip install 'megapar[eval]'" in err[0], err
+        "pip install -e '.[eval]' in the checkout" in err[0], err
 
 
 def _lm_eval_example(monkeypatch, known_tasks=("hellaswag",)):
