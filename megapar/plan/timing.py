@@ -126,6 +126,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     # are whole on every tp rank): its output's all-reduce forward, its input's gradient's
     # backward, of s b h each (SP: as the attention's)
     shared = bool(getattr(cfg, "shared_expert_intermediate_size", 0))
+    stops = recompute_stops_before_mlp_output(cfg)  # the model's, the same for every chunk
     # --sp-regather: one more all-gather of each input in the backward (the attention's,
     # the MLP's), counted exposed (the run overlaps it with one input-gradient matmul: an upper
     # bound)
@@ -188,7 +189,6 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         # reads (torch.utils.checkpoint's early stop): a layer whose MLP is split over tp
         # stops before that MLP's output reduction (SP: its reduce-scatter) unless something
         # after it keeps a tensor (`recompute_stops_before_mlp_output`)
-        stops = recompute_stops_before_mlp_output(cfg)
         again = tp_fwd - (mlps * ring * half if stops else 0.0)
         tp_bwd = k * attn_b + mlps * ring + (again if c.recompute == "full" else 0.0)
         regathered = k * attn_regather + mlps * mlp_regather
