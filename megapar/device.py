@@ -28,7 +28,7 @@ import torch.distributed.nn  # noqa: F401
 from megapar import shared_gpu
 from megapar.faults import stop
 from megapar.faults.status import set_action
-from megapar.wording import counted
+from megapar.wording import counted, first_few
 
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
@@ -577,8 +577,7 @@ def _never_arrived(store, world_size: int, said: str) -> str:
         return ""
     if not absent:
         return ""
-    shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if absent[8:] else "")
-    return f"rank{'s' if len(absent) > 1 else ''} {shown}"
+    return f"rank{'s' if len(absent) > 1 else ''} {first_few([str(r) for r in absent], 8)}"
 
 
 JOINED_KEY = "megapar/joined"

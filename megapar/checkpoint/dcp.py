@@ -61,6 +61,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError, LlamaConfig, config_from_dict
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import shell_word
+from megapar.wording import first_few
 
 METADATA = ".metadata"
 """The index file of a DCP checkpoint."""
@@ -363,19 +364,19 @@ class DCPReader:
                     f"{want}; give the --job-config / --model it was trained with"
                 )
         read = {self._key(titan_name(name)) for name in plan(config, Layout(1, 1, 1))}
+        read.add(self._key("output.weight"))
         extra = sorted(
             k
             for k in self.tensors
             if k.startswith(self.prefix)
-            and k not in read | {self._key("output.weight")}
+            and k not in read
             and not k.startswith(_NOT_WEIGHTS)
             and not k.endswith("freqs_cis")  # older torchtitan's saved rotary table
         )
         if extra:
-            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
             raise ConfigError(
                 f"{self.path}: tensors megapar's llama has no place for: "
-                f"{', '.join(extra[:3])}{more}; refused rather than dropped (give the "
+                f"{first_few(extra, 3)}; refused rather than dropped (give the "
                 f"--job-config / --model it was trained with, if megapar's Llama has them)"
             )
         return config

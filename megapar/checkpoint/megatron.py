@@ -72,6 +72,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import shell_word
+from megapar.wording import first_few
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """The file of a Megatron-LM checkpoint root naming its newest save."""
@@ -583,7 +584,6 @@ class MegatronReader:
             if k not in expected and not k.startswith(("optimizer.", "rng_state"))
         )
         if extra:
-            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
             hint = (
                 " (an expert bias: give a config with moe_bias_update_rate > 0)"
                 if any(k == _ROUTER + "expert_bias" for k in extra)
@@ -593,7 +593,7 @@ class MegatronReader:
             )
             raise ConfigError(
                 f"{self.path}: tensors megapar's {arch} has no place for: "
-                f"{', '.join(extra[:3])}{more}{hint}; refused rather than dropped"
+                f"{first_few(extra, 3)}{hint}; refused rather than dropped"
             )
         for key, want in expected.items():
             got = self.shape(key)

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from megapar.one_line_parser import shell_word
-from megapar.wording import counted
+from megapar.wording import counted, first_few
 
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
@@ -712,8 +712,7 @@ def tokenized_datasets(path: str | os.PathLike) -> list[str]:
 def named_datasets(found: list[str], most: int = 3) -> str:
     """`tokenized_datasets`' `found` for a message: the first `most`, shell-quoted, and how
     many more ("d/a, d/b, d/c and 3 more")."""
-    shown = ", ".join(shell_word(p) for p in found[:most])
-    return shown + (f" and {len(found) - most} more" if len(found) > most else "")
+    return first_few([shell_word(p) for p in found], most)
 
 
 def _dataset_tokenizer_dirs(root: str, names: Sequence[str]) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from megapar.dryrun.rank import NOT_RUN, RankReport
 from megapar.plan.memory import document_mask_bytes
 from megapar.training.loop import batch_phrase, stages_phrase
+from megapar.wording import first_few
 
 _OPS = {
     "all_reduce": "all-reduce",
@@ -213,10 +214,9 @@ def over_gpu_memory(reports: list[RankReport], gpu_gib: float) -> str | None:
     over = sorted((r for r in reports if not fits(r, gpu_gib)), key=lambda r: -r.peak_gpu)
     if not over:
         return None
-    named = ", ".join(f"rank {r.rank} {size(r.peak_gpu)}" for r in over[:4])
-    more = f" and {len(over) - 4} more" if len(over) > 4 else ""
+    named = first_few([f"rank {r.rank} {size(r.peak_gpu)}" for r in over], 4)
     return (
-        f"the job would run out of GPU memory: {named}{more} at their modelled peak, over the "
+        f"the job would run out of GPU memory: {named} at their modelled peak, over the "
         f"{gpu_gib:g} GiB of a GPU (--gpu-memory-gb); megapar-plan ranks the layouts that fit "
         f"(the model's terms within about 10 %: a figure near the limit may also fail)"
     )
