@@ -7,6 +7,9 @@ the JSON record.
 - `run_peak` runs a command as a child process and returns, with its output, its peak resident
   set as the operating system counts it: `ru_maxrss` from `wait4`, which for a launcher is the
   largest of it and every worker it started and waited for.
+- `output_file` and `positive` are argparse types: a file the script writes at its end is
+  checked when the flags are read (its directory exists and is writable, it is not a directory),
+  so a mistyped path is one line at the start rather than a traceback after the run.
 - `write_json` is the one writer of a script's JSON record: strict JSON (a NaN or an infinity
   is an error, not a token other parsers reject), indented, ending in a newline; `json_number`
   turns a figure that was not measured (NaN) into null; `read_jsonl` reads megapar-train's
@@ -18,12 +21,14 @@ The scripts live in topic folders below this one and put it on `sys.path` with
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,6 +129,36 @@ def read_jsonl(path: str) -> list[dict]:
 def json_number(x: float | int | None) -> float | int | None:
     """`x`, or None where it is NaN or infinite (a figure not measured): strict JSON has no NaN."""
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file this script will write, refused now if it cannot be ('' stands
+    for none and passes)."""
+    if not text:
+        return text
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory: name a file in it")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: no directory {parent} (make it first)")
+    try:  # a file made and removed there: os.access says yes to root on a read-only mount
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write in {parent} ({err.strerror})")
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not writable")
+    return text
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def write_json(path: str, record: Any) -> None:

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from conftest import ROOT
 
 from megapar.pipeline.simulate import theoretical_bubble
@@ -61,3 +63,23 @@ def test_each_schedule_has_its_own_theory_line():
     assert lines[(2, "1f1b")] == [(2, 1 / 3), (4, 1 / 5)]
     assert lines[(2, "interleaved")] == [(2, 1 / 5), (4, 1 / 9)]
     assert lines[(2, "zb-h1")] == [(2, 1 / 7), (4, 1 / 13)]
+
+
+def test_an_output_it_cannot_write_is_refused_before_the_sweep(tmp_path, monkeypatch, capsys):
+    """The sweep wrote its --json and --plot only at the end: a path in a missing directory was a
+    traceback after minutes of measuring. benchmarks/common.py's `output_file` checks them when
+    the flags are read, and `positive` refuses --m 0."""
+    def measured(*args, **kwargs):
+        raise AssertionError("the sweep ran")
+
+    monkeypatch.setattr(bubble, "measure", measured)
+    sweep = _sweep_module()
+    for argv, words in ((["--json", str(tmp_path / "no" / "rows.json")], "no directory"),
+                        (["--plot", str(tmp_path)], "is a directory"),
+                        (["--m", "0"], "'0' is not a whole number >= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            sweep.main(["--pp", "2", *argv])
+        assert exit_.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert words in last, last
+    assert not (tmp_path / "no").exists()

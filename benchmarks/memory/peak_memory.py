@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import json_number, run_peak, train_argv, write_json  # noqa: E402
+from common import json_number, output_file, run_peak, train_argv, write_json  # noqa: E402
 
 from megapar.models.recipes import resolve_model  # noqa: E402
 from megapar.plan.process import cpu_baseline  # noqa: E402
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2,
                         help="steps per run (at dp > 1 under ZeRO 0-2 the heap grows for some "
                              "steps: 10-20 measure the run's peak, docs/guides/planner.md)")
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this file")
     parser.add_argument("--policies", nargs="+", default=["keep", "system"],
                         choices=["keep", "system"], help="heap policies to measure")
     args = parser.parse_args(argv)

@@ -22,11 +22,14 @@ mixtral-tiny (4 experts in each of 4 MoE layers) at 64 tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from pathlib import Path
 
 from megapar.launcher import run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import output_file, write_json  # noqa: E402
 
 WIDE = dict(n_embd=256, n_layer=8, n_head=8, n_positions=1024, vocab_size=1024)
 """Activations dominate: 8 blocks of hidden 256, 1,024 positions."""
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layouts", nargs="*", help=f"some of: {', '.join(LAYOUTS)}")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this file")
     parser.add_argument("--imports-in-rise", action="store_true",
                         help="import megapar's training modules and transformers after the "
                              "baseline is read (the rise then holds their ~110 MiB)")
@@ -169,8 +172,7 @@ def main(argv=None) -> int:
               f"{stages if pp > 1 else ''}", flush=True)
         rows[name] = {"predicted": figures, "rises": rises, "ratio": ratio}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 

@@ -19,7 +19,9 @@ price of recomputation.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -27,6 +29,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config, build_model, set_recompute
 from megapar.tensor_parallel import RNGTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 MODES = ("none", "selective", "full")
 
@@ -109,17 +114,6 @@ def measure_once(config: GPT2Config, args, whole: bool, mode: str) -> tuple[int,
     finally:
         torch_checkpoint.checkpoint = original
     return saved, elapsed
-
-
-def positive(text: str) -> int:
-    """An argparse type: a whole number >= 1 (--layers 0 was a LayoutError traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser, m: int) -> None:

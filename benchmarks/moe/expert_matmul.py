@@ -53,7 +53,7 @@ from megapar.models import MixtralConfig
 from megapar.models.moe import MoE, host_counts, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
 
 RATIOS = [  # (a, b): a's seconds over b's, round by round
     ("megapar loop", "transformers eager"),
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="rounds of all implementations")
     p.add_argument("--steps", type=int, default=2, help="forward + backward calls per run")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"MoE layer: hidden {args.hidden}, {args.experts} experts of {args.expert_size}, "

@@ -39,7 +39,7 @@ import transformers
 import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
 
 LR, CLIP = 1e-3, 1.0
 GROUPS = {  # profiler operator -> group, for the breakdown (the rest: "other")
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--profile", action="store_true", help="print one profiled step of each")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     moe_config, dense_config = configs(args)

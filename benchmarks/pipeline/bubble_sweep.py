@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import json_number, write_json  # noqa: E402
+from common import json_number, output_file, positive, write_json  # noqa: E402
 
 
 def sweep(args) -> list[dict]:
@@ -155,18 +155,19 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batches")
+    p.add_argument("--pp", type=positive, nargs="+", default=[2, 4], help="pipeline sizes")
+    p.add_argument("--m", type=positive, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batches")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"],
                    choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
-    p.add_argument("--virtual-stages", type=int, default=2,
+    p.add_argument("--virtual-stages", type=positive, default=2,
                    help="model chunks per rank for interleaved")
-    p.add_argument("--steps", type=int, default=2, help="measured steps per point (+1 warm-up)")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--plot", default="bubble_sweep.png", help="PNG to write ('' for none)")
-    p.add_argument("--json", help="also write the rows as JSON")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--steps", type=positive, default=2, help="measured steps per point (+1 warm-up)")
+    p.add_argument("--micro-batch-size", type=positive, default=4)
+    p.add_argument("--seq-len", type=positive, default=64)
+    p.add_argument("--plot", type=output_file, default="bubble_sweep.png",
+                   help="PNG to write ('' for none)")
+    p.add_argument("--json", type=output_file, help="also write the rows as JSON")
+    p.add_argument("--repeats", type=positive, default=1,
                    help="run the sweep this many times; report each point's spread")
     args = p.parse_args(argv)
 

@@ -38,7 +38,7 @@ import torch
 import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
 
 LR, CLIP = 1e-3, 1.0
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="rounds of the four systems in turn")
     p.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = batches(args, args.warmup + args.rounds * args.steps)

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import write_json  # noqa: E402
+from common import output_file, write_json  # noqa: E402
 
 VOCAB, SEQ, G = 96, 8, 8
 FP32_TOL = 1e-5
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="append", default=[],
                    help="run the cases whose name contains this (repeatable)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     names = [c.name for c in CASES] + [DRY_RUN]
     if args.list:

@@ -29,7 +29,7 @@ import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench.py
-from common import interleave, write_json  # noqa: E402
+from common import interleave, output_file, write_json  # noqa: E402
 from gpu_bench import LR, data, hf_config, reset_memory, timed  # noqa: E402
 
 VARIANTS = ("bf16", "tensorwise", "rowwise")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny model (a rehearsal)")
     parser.add_argument("--compile", action="store_true",
                         help="compile every variant's blocks (compiled inside the warm-up)")
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import read_jsonl, write_json  # noqa: E402
+from common import output_file, read_jsonl, write_json  # noqa: E402
 
 SEED, OTHER_SEED = 1234, 4321
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4"]
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny batches (a rehearsal)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this file")
     args = parser.parse_args(argv)
     if args.device == "cuda":  # else megapar-train would run the bf16 runs on the CPU
         import torch

@@ -45,7 +45,7 @@ from megapar.models.config import config_from_hf
 from megapar.plan import Candidate, Problem, estimate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import write_json  # noqa: E402
+from common import output_file, write_json  # noqa: E402
 
 MODELS = {  # recipe: (transformers config kwargs, micro-batch size, sequence length)
     "gpt2-124m": (dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a rehearsal)")
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

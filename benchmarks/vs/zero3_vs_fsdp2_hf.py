@@ -40,7 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, pair_ratios, ratio_summary, read_jsonl, run_peak, train_argv  # noqa: E402
+from common import (  # noqa: E402
+    interleave, output_file, pair_ratios, ratio_summary, read_jsonl, run_peak, train_argv,
+    write_json,
+)
 
 MODEL = dict(vocab_size=50257, n_positions=128, n_embd=128, n_layer=4, n_head=2)
 
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", help="also run megapar-train from this checkout (e.g. "
                         "a worktree of an earlier commit), a third side in each round")
     parser.add_argument("--fsdp2-side", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="write the figures here as JSON")
+    parser.add_argument("--json", type=output_file, help="write the figures here as JSON")
     args, rest = parser.parse_known_args(argv)
     if args.fsdp2_side:  # one FSDP2 run (a child of the comparison)
         fsdp2_main([a for a in rest if a != "--"], args.fsdp2_side)
@@ -190,10 +193,9 @@ def main(argv=None) -> int:
     first = ", ".join(f"{r['loss']:.5f}" for r in runs["megapar"][0])
     print(f"losses (megapar, round 0): {first}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ms": med, "ratios": ratios, "max_loss_diff": diff,
-                       "losses": {k: [[r["loss"] for r in run] for run in v]
-                                  for k, v in runs.items()}}, f, indent=1)
+        write_json(args.json, {"ms": med, "ratios": ratios, "max_loss_diff": diff,
+                               "losses": {k: [[r["loss"] for r in run] for run in v]
+                                          for k, v in runs.items()}})
     return 0
 
 
