@@ -762,6 +762,20 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
 
 
+def test_a_save_directory_replaced_under_the_run_releases_its_lock_quietly(tmp_path):
+    """--save moved away and a file put in its place (or made read-only) while the run went on:
+    the run failed with its one line at the next save, then released its lock with a traceback
+    (NotADirectoryError from the lock file's stat)."""
+    from megapar.checkpoint.lock import SaveLock
+
+    lock = SaveLock(tmp_path / "ckpt").acquire()
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    (tmp_path / "ckpt").write_text("a file now")
+    lock.release()
+    assert lock._fd is None
+    assert (tmp_path / "moved" / "megapar.lock").exists()  # not ours to delete any more
+
+
 def test_a_copy_of_a_live_runs_directory_is_not_locked_by_that_run(tmp_path):
     """`cp -r ckpt ckpt-copy` while the run saving into ckpt goes on copies its lock file too;
     that run locks ckpt, not the copy, so a run may save into the copy (with a note)."""

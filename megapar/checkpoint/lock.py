@@ -265,7 +265,7 @@ class SaveLock:
         try:
             if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:  # still ours
                 self.path.unlink()
-        except FileNotFoundError:
+        except OSError:  # gone, or --save was moved, replaced or made read-only under the run
             pass
         finally:
             os.close(self._fd)  # drops the flock
