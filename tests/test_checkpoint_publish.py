@@ -32,7 +32,7 @@ def _seeded(seed):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _save_and_die(root, point):
+def _save_and_die(root, point, step=3):
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         def crash(where):
@@ -40,7 +40,7 @@ def _save_and_die(root, point):
                 os._exit(9)
         publish.crash_point = crash
         try:
-            save_serial(root, seed=8, step=3)
+            save_serial(root, seed=8, step=step)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -97,6 +97,20 @@ def test_a_root_under_home_written_with_a_tilde_resolves(tmp_path, monkeypatch):
     save_serial(tmp_path / "root", seed=7, step=3)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_checkpoint("~/root") == tmp_path / "root" / "step_00000003"
+
+
+def test_a_complete_staging_copy_of_a_step_latest_does_not_name_is_cleaned(tmp_path):
+    """A save whose rank 0 died after writing the manifest, before the rename, left a complete
+    hidden copy of its step in --save after the run ended (the next save of that step removed
+    it): clean_stale kept every complete copy whose step was missing, not only the one a
+    dangling ``latest`` needs."""
+    root = tmp_path / "root"
+    save_serial(root, seed=7, step=3)
+    assert _save_and_die(root, "start", step=5) == 9
+    assert [p.name[:11] for p in root.glob(".tmp-*")] == [".tmp-step_5"]
+    assert [name[:11] for name in publish.clean_stale(root)] == [".tmp-step_5"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
+    assert resolve_checkpoint(root) == root / "step_00000003"
 
 
 def test_a_live_runs_staging_dir_is_not_cleaned(tmp_path):

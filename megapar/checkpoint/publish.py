@@ -12,8 +12,8 @@ Between 1 and 2 ``latest`` names a missing directory while two complete copies e
 `recover` (called when a load finds ``latest`` dangling) renames the newer complete copy into
 place, or names it when the root is read-only. A crash before the first ``latest`` is written
 leaves complete ``step_*`` directories: a load takes the newest. Staging directories carry an
-owner file (host, pid); `clean_stale` deletes those whose process is gone, never a copy that is
-the only complete one of its step.
+owner file (host, pid); `clean_stale` deletes those whose process is gone, never the complete
+copy that a dangling ``latest`` needs.
 """
 
 from __future__ import annotations
@@ -354,12 +354,17 @@ def clean_stale(root: str | Path) -> list[str]:
 
     ``.tmp-step_*`` whose owner process (on this host) is gone, and ``.old-step_*`` whose step
     is in place again, ``.latest.tmp-{pid}-*`` of dead processes, ``.dropped-step_*`` (a step
-    `remove_steps_before_latest` was deleting); never the only complete copy of a step that
-    ``latest`` is missing."""
+    `remove_steps_before_latest` was deleting); never the complete copy `recover` needs, of the
+    step ``latest`` names while that step is missing. A complete staging copy of any other step
+    (its save failed before the rename) is deleted with its dead owner: nothing loads it."""
     root = Path(root)
     removed: list[str] = []
     if not root.is_dir():
         return removed
+    try:
+        latest = (root / LATEST).read_text().strip()
+    except OSError:
+        latest = ""
     for p in root.iterdir():
         if p.name.startswith(".old-step_"):
             step_name = p.name[len(".old-") :].rsplit("-", 1)[0]
@@ -367,9 +372,12 @@ def clean_stale(root: str | Path) -> list[str]:
         elif p.name.startswith(".tmp-step_"):
             n = p.name[len(".tmp-step_") :].split("-", 1)[0]
             step_name = f"step_{int(n):08d}" if n.isdigit() else ""
-            stale = _owner_gone(p) and (
-                not (p / MANIFEST).exists() or (root / step_name / MANIFEST).exists()
+            needed = (
+                step_name == latest
+                and (p / MANIFEST).exists()
+                and not (root / step_name / MANIFEST).exists()
             )
+            stale = _owner_gone(p) and not needed
         elif p.name.startswith(".latest.tmp-"):
             stale = _owner_gone(p)
         elif p.name.startswith(".dropped-step_"):
