@@ -74,6 +74,12 @@ def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, com
                  "--moe-capacity-factor", "1.0", "--save", str(ckpt), "--save-interval", "2",
                  "--log-json", str(log), *common]) == 0
     assert all(r["moe_dropped"] > 0 for r in _records(log))  # capacity 1.0 drops some
+    # a copy without flags keeps the whole layout, so the ranks' RNG states too: it had become
+    # dp 1 (the --dp default) and ep 1 (never written), and dropped them
+    assert convert([str(ckpt / "step_00000002"), str(tmp_path / "copy"), "--no-progress"]) == 0
+    copy = read_manifest(tmp_path / "copy")
+    assert copy["layout"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 2}
+    assert "rng.safetensors" in copy["files"] and "rng_note" not in copy["meta"]
     skip_unless_transformers_converts()  # --to-hf exports the SentencePiece tokenizer too
     assert convert([str(ckpt / "step_00000002"), "--to-hf", str(out)]) == 0
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(out)).eval()

@@ -257,7 +257,7 @@ def write_checkpoint(
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "step": int(step),
-            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "layout": layout.to_dict(),
             "model": config.to_dict(),
             "meta": meta,
             "tensors": entries,
@@ -282,8 +282,9 @@ def convert_checkpoint(
     """Rewrite checkpoint `src` (ROOT or step dir) for layout tp x pp (x dp) as root `dst`.
 
     Weights and optimizer moments are resharded exactly; the manifest is carried over with the
-    new layout. RNG states belong to ranks: they are copied into the same layout, and dropped
-    (the fact noted in meta) into another."""
+    new layout. RNG states belong to ranks: they are copied into the same layout (the same tp, pp
+    and dp keep the source's cp, ep and rank order too), and dropped (the fact noted in meta)
+    into another."""
     step_dir = resolve_checkpoint(src)
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
         raise CheckpointError(
@@ -304,6 +305,8 @@ def convert_checkpoint(
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
     layout = Layout(tp, pp, dp)
+    if all(manifest["layout"].get(k, 1) == v for k, v in zip(("tp", "pp", "dp"), (tp, pp, dp))):
+        layout = Layout(**manifest["layout"])  # a copy keeps the whole layout: its cp, ep, order
     source = manifest["tensors"]
     target = {  # a checkpoint saved before buffers were kept has none
         n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")

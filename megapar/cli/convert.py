@@ -130,7 +130,9 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dp",
         type=int,
-        help="target data-parallel size (recorded only; files never depend on dp) (default: 1)",
+        help="target data-parallel size: recorded, and the ranks' RNG states are kept only in "
+        "the source's own tp, pp and dp (shards never depend on dp) (default: the source's; 1 "
+        "with --from-hf)",
     )
 
 
@@ -259,8 +261,8 @@ def _need(args, n: int, usage: str) -> list[str]:
 
 
 def _fill_layout(args, source: dict) -> None:
-    """A target size not given keeps the source's (`source`: {"tp": .., "pp": ..})."""
-    for name in ("tp", "pp"):
+    """A target size not given keeps the source's (`source`: {"tp": .., "pp": .., "dp": ..})."""
+    for name in ("tp", "pp", "dp"):
         if getattr(args, name) is None:
             setattr(args, name, int(source.get(name, 1)))
         elif getattr(args, name) < 1:
@@ -290,7 +292,8 @@ def run(args) -> str:
     if args.from_hf:
         return _from_hf(args, progress)
     src, dst = _need(args, 2, "SRC DST [--tp N] [--pp M]")
-    _fill_layout(args, read_manifest(src)["layout"] if args.tp is None or args.pp is None else {})
+    given = (args.tp, args.pp, args.dp)
+    _fill_layout(args, read_manifest(src)["layout"] if None in given else {})
     path = cv.convert_checkpoint(
         src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
     )
@@ -383,7 +386,6 @@ def _check_unused_options(args) -> None:
             "--dp is used only where a checkpoint is written (SRC DST, --from-hf, "
             "--from-dcp, --from-megatron); drop it"
         )
-    args.dp = 1 if args.dp is None else args.dp
     args.seed = 0 if args.seed is None else args.seed
 
 
