@@ -149,6 +149,20 @@ def test_a_blend_state_of_an_older_megapar_in_epoch_1_is_named_on_resume():
     assert resume(first) == []
 
 
+def test_a_trained_checkpoint_without_a_data_order_says_the_order_starts_anew():
+    """engine.save records no sampler (the caller fed the batches): megapar-train --load of it
+    at step 3 trained the samples of steps 1-3 again without a word."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import continue_order
+
+    sampler = GlobalBatchSampler(40, 8, 2, 1, 0, seed=3)
+    (note,) = continue_order(TrainConfig(), sampler, None, step=3)
+    assert note.startswith("the checkpoint of step 3 records no data order") and (
+        "starts at its first sample" in note)
+    assert sampler.position == (0, 0)
+    assert continue_order(TrainConfig(), sampler, None, step=0) == []  # an import of step 0
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match=r"global batch size 10 is not divisible by micro-batch size 2 x dp 4 = 8"):
         GlobalBatchSampler(100, 10, 2, 4, 0, seed=0)

@@ -709,13 +709,25 @@ def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True)
     )
 
 
-def continue_order(cfg: TrainConfig, sampler: GlobalBatchSampler, saved: dict | None) -> list[str]:
-    """Put `sampler` where a run resumed from a checkpoint whose data order is `saved` (its
-    sampler's `state_dict`; None: none recorded) takes its next global batch: the saved
+def continue_order(
+    cfg: TrainConfig, sampler: GlobalBatchSampler, saved: dict | None, step: int = 0
+) -> list[str]:
+    """Put `sampler` where a run resumed from a checkpoint of `step` whose data order is `saved`
+    (its sampler's `state_dict`; None: none recorded) takes its next global batch: the saved
     position, or the start of the order when --allow-data-change resumes on data of another
-    size. Returns the notes that say so (another global batch, the order started anew)."""
+    size, or when the checkpoint of a trained step records none (`engine.save`, whose caller fed
+    the batches, or an import). Returns the notes that say so (another global batch, the order
+    started anew)."""
     if not saved:
-        return []
+        return (
+            [
+                f"the checkpoint of step {step} records no data order (it was saved by "
+                f"engine.save, whose caller fed the batches, or imported): the data order "
+                f"starts at its first sample, as a fresh run's"
+            ]
+            if step
+            else []
+        )
     if cfg.allow_data_change and saved.get("dataset_len") != sampler.dataset_len:
         return [
             f"--allow-data-change: the data order starts anew on --data's "

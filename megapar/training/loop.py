@@ -220,7 +220,9 @@ class Trainer:
                     LRScheduler(**saved), self.scheduler, self.step, self.engine.schedule_step
                 )
             )
-        self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
+        self.notes.extend(
+            continue_order(self.cfg, self.sampler, state.meta.get("sampler"), self.step)
+        )
         self.wandb_run = state.meta.get("wandb_run")
         how = (
             f"resharded from {state.layout}"
