@@ -1124,12 +1124,15 @@ def _fp16_overflows():
     engine.precision.scaler.scale = 2.0**40  # every gradient overflows in fp16
     before = _state(engine)
     losses = [engine.train_step(batch) for batch in _batches(4)]  # finite losses: not counted
-    return losses, _same(before, _state(engine)), engine.precision.scaler.scale
+    seen = (engine.loss_scale, engine.last_skipped, engine.step, engine.schedule_step)
+    return losses, _same(before, _state(engine)), seen
 
 
 def test_fp16_overflows_are_the_loss_scalers_business_not_an_error(run):
-    losses, unchanged, scale = run(_fp16_overflows, 1)[0]
-    assert all(math.isfinite(x) for x in losses) and unchanged and scale == 2.0**36
+    """...and the engine shows them as megapar-train's log line does (`skipped`, `scale`)."""
+    losses, unchanged, seen = run(_fp16_overflows, 1)[0]
+    assert all(math.isfinite(x) for x in losses) and unchanged
+    assert seen == (2.0**36, True, 4, 0)  # halved 4 times; 4 steps run, none applied
 
 
 def test_on_nonfinite_is_checked(run):

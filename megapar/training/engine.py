@@ -215,6 +215,9 @@ class Engine:
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
+        self.last_skipped = False
+        """Whether the last training step's update was skipped (an fp16 overflow; a non-finite
+        step under `on_nonfinite="skip"`): megapar-train's `skipped`."""
         self.last_z_loss: float | None = None
         """The last training step's output z-loss term (`z_loss`; None without), which its
         backward added to the loss `train_step` returned."""
@@ -309,6 +312,7 @@ class Engine:
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
         self.schedule_step += not result.skipped
+        self.last_skipped = bool(result.skipped)
         self.last_z_loss = result.z_loss
         self.kept.loss_weight = self.step_fn.last_loss_weight
         if self.straggler is not None:
@@ -326,6 +330,12 @@ class Engine:
         if self.mesh.device.type != "cuda":
             return time.thread_time() - cpu_start
         return max(self.executor.last_compute_s - comm_wait.take(), 0.0)
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the next step uses (1.0 in fp32 and bf16): megapar-train's
+        `scale`. It halves on an overflow and grows after `loss_scale_window` clean steps."""
+        return self.precision.loss_scale
 
     def stragglers(self) -> StragglerReport | None:
         """Every rank's compute and wait time per step since the last call, and the ranks
