@@ -687,6 +687,20 @@ def test_load_whose_tokenizer_was_given_as_the_recorded_path_and_moved(tmp_path)
     assert cfg.tokenizer == "gpt2" and "tokenizer" not in cfg.from_checkpoint
 
 
+def test_load_does_not_compile_because_the_checkpoints_run_did(tmp_path):
+    """--compile is how a run executes (as --recompute): a --load run without it had compiled
+    its blocks, tens of seconds of a first step nobody asked for, because the checkpoint's run
+    gave --compile."""
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    manifest = {"meta": {"train_config": {"compile": True, "recompute": "full", "seq_len": 48}}}
+    cfg = parse_args(["--load", str(tmp_path / "ck")])
+    settings_from_checkpoint(cfg, manifest)
+    assert (cfg.compile, cfg.recompute, cfg.seq_len) == (False, "none", 48)
+    assert cfg.from_checkpoint == {"seq_len"}
+
+
 @pytest.mark.parametrize("torchrun_rc,requeued,rc", [(1, True, 0), (0, False, 0)],
                          ids=["stopped-by-the-time-limit-signal", "reached-max-steps"])
 def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(

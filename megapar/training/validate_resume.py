@@ -368,6 +368,7 @@ NOT_INHERITED = {
     "sequence_parallel",
     "sp_regather",
     "recompute",
+    "compile",  # the same numbers eager (dropout aside): how this run executes its blocks
     "zero",
     "offload_optimizer",
     "offload_params",
