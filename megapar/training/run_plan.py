@@ -238,6 +238,11 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))
+    if cfg.compile and not cfg.dry_run:  # else the first step's minute looks like a hang
+        notes.append(
+            "--compile: the first step compiles the blocks with torch.compile (tens of "
+            "seconds; its tok/s counts the compile), the later steps run compiled"
+        )
 
     _check_resumed_warmup(cfg)
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
