@@ -409,6 +409,15 @@ def test_a_killed_rank_is_named_with_its_signal():
     assert first == "rank 1 was killed by SIGKILL (9) at step 7, forward of micro-batch 2", first
 
 
+def test_a_rank_that_exits_143_is_said_to_have_ended_on_a_sigterm():
+    """A SIGTERM's stop cut a rank blocked in a long save after its grace (exit 143); the
+    launcher said it "exited with code 143 without reporting an error"."""
+    from megapar.faults.blame import _how
+
+    assert _how(143).startswith("exited with code 143 on a SIGTERM (a rank still blocked")
+    assert _how(3) == "exited with code 3 without reporting an error"
+
+
 def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffer():
     """set_action writes a known action's bytes after the "step S, " prefix only: the line must
     still be whole after the prefix changes length, after a longer action and when truncated."""

@@ -31,6 +31,11 @@ def _how(exitcode: int) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         return f"was killed by {name} ({-exitcode})"
+    if exitcode == 128 + signal.SIGTERM:  # megapar.faults.stop's exit of a rank it cut short
+        return (
+            f"exited with code {exitcode} on a SIGTERM (a rank still blocked in a wait when "
+            f"the stop's grace is up exits so, writing its stacks)"
+        )
     return f"exited with code {exitcode} without reporting an error"
 
 
