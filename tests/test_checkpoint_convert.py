@@ -413,6 +413,7 @@ def test_a_root_a_live_run_saves_into_is_never_replaced(tmp_path, capsys):
                      "--overwrite", "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is in use by another run" in err, err
+        assert "or give another DST" in err and "another --save" not in err, err  # convert's
         assert sorted(p.name for p in (tmp_path / "live").iterdir()) == sorted(
             [*before, "megapar.lock"])
     assert main([str(tmp_path / "src"), str(tmp_path / "live"), "--tp", "2", "--pp", "1",

@@ -107,7 +107,7 @@ def _refuse_existing(
     same `kind` (a directory holding one of `marks`: a checkpoint root's `latest`) or an empty
     directory is replaced: anything else is refused, `overwrite` or not."""
     try:
-        check_unlocked(dst)
+        check_unlocked(dst, other="give another DST")
     except SaveLockError as exc:
         raise CheckpointError(f"cannot replace {dst}: {exc}") from None
     if not os.path.lexists(dst):

@@ -119,8 +119,11 @@ def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
     return ("live" if age <= STALE_AFTER_S else "stale"), owner, age
 
 
-def refusal(root: Path, owner: dict, age: float | None) -> str:
-    """The message of a refused second writer: who holds the lock, and what to do."""
+def refusal(
+    root: Path, owner: dict, age: float | None, other: str = "give this run another --save"
+) -> str:
+    """The message of a refused second writer: who holds the lock, and what to do (`other`:
+    the writer's other way out, e.g. megapar-convert's another DST)."""
     other_host = owner.get("host") != socket.gethostname()
     when = (
         f"; a lock of another host counts as abandoned {STALE_AFTER_S / 60:g} minutes "
@@ -130,21 +133,26 @@ def refusal(root: Path, owner: dict, age: float | None) -> str:
     )
     return (
         f"{describe(owner, root, age if other_host else None)}: two runs saving into one "
-        f"directory overwrite each other's checkpoints; wait for it to end, stop it, or give "
-        f"this run another --save{when}"
+        f"directory overwrite each other's checkpoints; wait for it to end, stop it, or "
+        f"{other}{when}"
     )
 
 
-def check_unlocked(root: str | Path, allowed_pids: tuple[int, ...] = ()) -> None:
+def check_unlocked(
+    root: str | Path,
+    allowed_pids: tuple[int, ...] = (),
+    other: str = "give this run another --save",
+) -> None:
     """Raise SaveLockError when another live run (not one of `allowed_pids`, e.g. this process
-    and its launcher) holds `root`'s lock. Reads only; writes nothing."""
+    and its launcher) holds `root`'s lock (`other`: as `refusal`'s). Reads only; writes
+    nothing."""
     root = Path(root).expanduser()
     state, owner, age = owner_state(root / LOCK_NAME)
     if state != "live" or owner is None:
         return
     if owner.get("host") == socket.gethostname() and owner.get("pid") in allowed_pids:
         return
-    raise SaveLockError(refusal(root, owner, age))
+    raise SaveLockError(refusal(root, owner, age, other))
 
 
 class SaveLock:
