@@ -1606,3 +1606,19 @@ def test_exit_signals_take_names_and_numbers_and_refuse_what_cannot_be_caught():
                           ("999", "999 is not a signal number here; use names")):
         with pytest.raises(ValueError, match=message):
             parse_signals(spec)
+
+
+def test_a_failure_log_that_save_cannot_hold_goes_to_the_cache(tmp_path):
+    """--save replaced by a file under the run (or made read-only): its failure line ended
+    without naming any log; the log goes to the cache's log directory of the run instead."""
+    from megapar.cli import train as train_cli
+    from megapar.training.config import parse_args
+
+    (tmp_path / "ckpt").write_text("a file now")
+    cfg = parse_args(["--save", str(tmp_path / "ckpt"), "--data-cache", str(tmp_path / "cache")])
+    text = "rank 1 failed: CheckpointError: cannot create a staging directory\nTraceback ..."
+    line, log = train_cli._failure_log(cfg, [], text, None)
+    assert line == "rank 1 failed before training started: CheckpointError: cannot create a " \
+                   "staging directory"
+    assert log is not None and log.startswith(str(tmp_path / "cache" / "logs" / "run-"))
+    assert log.endswith("rank1.log") and open(log).read().startswith(text)

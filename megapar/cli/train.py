@@ -262,6 +262,18 @@ def main(argv=None) -> int:
             remove_empty(made)
 
 
+def _failure_log(
+    cfg: TrainConfig, made: list[Path], text: str, rank: int | None
+) -> tuple[str, str | None]:
+    """`worker_failure` into the run's log directory (`_rank_log_dir`), or, where that cannot
+    be written (--save moved, replaced by a file or read-only under the run, or its disk full),
+    into the cache's log directory of the run: the line names a log either way."""
+    line, log = worker_failure(text, _rank_log_dir(cfg, made), rank)
+    if log is None and cfg.save:
+        line, log = worker_failure(text, log_dir_for(None, cfg.data_cache), rank)
+    return line, log
+
+
 def _rank_log_dir(cfg: TrainConfig, made: list[Path]) -> Path:
     """Where this process writes a failed rank's log, the same place for every rank of the run:
     SAVE/logs when --save holds a checkpoint, or when --save was there before the run; else
@@ -320,7 +332,7 @@ def _run(
             text, failed = str(exc), rank
         else:  # a rank run in this process (one worker, or under torchrun)
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
-        line, log = worker_failure(text, _rank_log_dir(cfg, made), failed)
+        line, log = _failure_log(cfg, made, text, failed)
         _remove_dead_saves(cfg)
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"
