@@ -342,6 +342,22 @@ def test_a_llama2_style_tokenizer_model_directory_says_how_its_bos_differs(tmp_p
                            f"add_bos_token"), note
     assert default_to_hf_tokenizer(parse_args(["--from-hf", str(bare)]))[0].endswith(
         f"({bare / 'tokenizer.model'})")
+    # megapar-convert --from-hf records the tokenizer.model: it says so, and how to keep the BOS
+    # (it had recorded it without a word: generate's prompts and eval's documents lacked <s>)
+    import transformers
+
+    from megapar.cli.convert import main as convert_main
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )).save_pretrained(str(llama2))
+    assert convert_main(["--from-hf", str(llama2), str(tmp_path / "ck"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert (f"note: recorded {llama2}'s tokenizer.model as its tokenizer, but its "
+            f"tokenizer_config.json sets add_bos_token") in printed, printed
+    assert printed.rstrip().endswith(f"and import it again (add --overwrite to replace "
+                                     f"{tmp_path / 'ck'})"), printed
     # the fix named: transformers writes tokenizer.json; megapar's documents start with <s>
     LlamaTokenizer.from_pretrained(str(llama2)).save_pretrained(str(llama2))
     assert data_main([*out, str(tmp_path / "c"), "--tokenizer", str(llama2)]) == 0

@@ -481,6 +481,7 @@ def _narrowed_to(manifest: dict) -> tuple[str, str] | None:
 def _from_hf(args, progress: bool) -> str:
     """--from-hf: import a transformers directory as a step-0 checkpoint; returns the report."""
     from megapar.checkpoint import convert as cv
+    from megapar.data.tokenizers import sentencepiece_dir_bos
 
     (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
     _fill_layout(args, {})
@@ -495,6 +496,11 @@ def _from_hf(args, progress: bool) -> str:
         progress=progress,
     )
     report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, no optimizer state)"
+    bos = sentencepiece_dir_bos(
+        args.from_hf, then=f"import it again (add --overwrite to replace {dst})"
+    )
+    if bos:  # its tokenizer.model was recorded: megapar's documents, prompts would lack the BOS
+        report += f"\nnote: recorded {args.from_hf}'s tokenizer.model as its tokenizer, but {bos}"
     if initialised:
         report += (
             f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "

@@ -457,14 +457,15 @@ def _load(spec: str) -> Tokenizer:
     )
 
 
-def sentencepiece_dir_bos(directory: str) -> str | None:
+def sentencepiece_dir_bos(directory: str, then: str | None = None) -> str | None:
     """Where megapar and transformers would tokenize a directory's SentencePiece
     ``tokenizer.model`` (no ``tokenizer.json``) differently, the clause saying so and how to
     match them; else None. megapar reads the model file as SentencePiece does (no BOS starts a
     document); transformers' LlamaTokenizer (5.x, which megapar requires) adds the BOS where
     the directory's ``tokenizer_config.json`` sets ``"add_bos_token": true`` (Llama 2's
     directories do; transformers 4.x added it even without). A ``tokenizer.json`` saved beside
-    it is read with its BOS, which starts every document (`load_hf_tokenizer`)."""
+    it is read with its BOS, which starts every document (`load_hf_tokenizer`). `then`: what to
+    do once it is written (default: pass the directory as --tokenizer)."""
     path = os.path.expanduser(directory)
     model = os.path.join(path, "tokenizer.model")
     config_path = os.path.join(path, "tokenizer_config.json")
@@ -486,8 +487,8 @@ def sentencepiece_dir_bos(directory: str) -> str | None:
         f"every text with {bos}, and megapar, reading {model} as SentencePiece, would not; to "
         f"start every document with it as transformers does, write the directory's "
         f'tokenizer.json (python3 -c "from transformers import AutoTokenizer as T; '
-        f"T.from_pretrained('{directory}').save_pretrained('{directory}')\") and pass "
-        f"the directory (or pass {model} for documents without it)"
+        f"T.from_pretrained('{directory}').save_pretrained('{directory}')\") and "
+        + (then or f"pass the directory (or pass {model} for documents without it)")
     )
 
 
