@@ -407,3 +407,21 @@ def test_a_runs_start_up_reads_a_prepared_datasets_tokenizer_files_once(tmp_path
     with pytest.raises(Exception, match="whose files changed since the dataset was made"):
         plan_run(parse_args([*common, "--data", prefix]), [])
     assert reads.count("vocab.json") == 1, reads
+
+
+def test_a_moved_recorded_tokenizer_is_not_matched_by_one_that_starts_documents_otherwise():
+    """A checkpoint trained with a tokenizer.json that adds a BOS, its directory moved since:
+    the SentencePiece model it was made from has the same vocabulary and end-of-document id,
+    so megapar-eval and megapar-generate took it (the prompts without <s>, the loss 6.10 for
+    6.05). A record that names the BOS id tells them apart; one from before does not."""
+    from megapar.checkpoint.convert import recorded_tokenizer
+    from megapar.training.tokenizer_checks import matches_recorded
+
+    sp = load_tokenizer("sentencepiece")
+    assert sp.bos_id is None and recorded_tokenizer("sentencepiece")["bos_id"] is None
+    gone = {"kind": "hf", "path": "/gone/tokdir", "vocab_size": sp.vocab_size,
+            "base_vocab_size": sp.base_vocab_size, "eod_id": sp.eod_id, "sha256": ["0" * 64]}
+    assert not matches_recorded({**gone, "bos_id": 1}, sp, None)
+    assert matches_recorded({**gone, "bos_id": None}, sp, None)
+    assert matches_recorded(gone, sp, None)  # recorded before the BOS was: cannot tell
+    assert matches_recorded(recorded_tokenizer("sentencepiece"), sp, None)  # its own files

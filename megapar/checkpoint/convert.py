@@ -363,8 +363,13 @@ def recorded_tokenizer(spec) -> dict | None:
 
 
 def _record_of(tok) -> dict:
-    """A loaded tokenizer as a checkpoint records it: its spec and its files' sha256."""
-    return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
+    """A loaded tokenizer as a checkpoint records it: its spec, the id that starts each of its
+    documents (None: none does) and its files' sha256."""
+    return {
+        **tok.spec(),
+        "bos_id": tok.bos_id,
+        "sha256": [file_sha256(p) for p in tokenizer_files(tok)],
+    }
 
 
 def _hf_dir_tokenizer(hf_dir, config) -> dict | None:

@@ -41,7 +41,11 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.training.config import precision_named_elsewhere
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
-from megapar.training.tokenizer_checks import recorded_as_trained, unlike_vocab_note
+from megapar.training.tokenizer_checks import (
+    matches_recorded,
+    recorded_as_trained,
+    unlike_vocab_note,
+)
 from megapar.training.validate import UsageError
 from megapar.training.validate_resume import checked_step, checkpoint_manifest, worker_verify
 
@@ -292,13 +296,18 @@ def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
             tok = load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
-        if trained is not None and not (
-            same_tokenizer(trained, tok) or encodes_alike(trained, tok)
-        ):
+        gone = trained is None and isinstance(recorded, dict) and bool(recorded.get("sha256"))
+        if gone:  # moved or changed: its files, or another format of its sizes
+            other = not matches_recorded(recorded, tok, None)
+        else:
+            other = trained is not None and not (
+                same_tokenizer(trained, tok) or encodes_alike(trained, tok)
+            )
+        if other:
             raise UsageError(
                 f"--tokenizer {args.tokenizer} is not the tokenizer --load {args.load} trained "
-                f"with ({path}): its ids would be other tokens to the model; leave "
-                f"--tokenizer out"
+                f"with ({path}): its ids would be other tokens to the model; "
+                + ("pass that tokenizer, wherever it is now" if gone else "leave --tokenizer out")
             )
         return tok
     if path is None:

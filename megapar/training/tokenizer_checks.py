@@ -114,6 +114,26 @@ def unlike_vocab_note(
     )
 
 
+def matches_recorded(recorded: dict, tokenizer, trained) -> bool:
+    """Whether `tokenizer` is the one a checkpoint records (meta ``tokenizer`` with its files'
+    sha256; `trained`: it loaded as recorded, `recorded_as_trained`, or None): the same kind
+    and files (wherever they lie now), or, the recorded one at hand, one that encodes alike
+    (`encodes_alike`: the same tokenizer in another format). Where the recorded files are gone,
+    another format is taken on its vocabulary size, end-of-document id and, where the record
+    has it, the id that starts each document (a SentencePiece model and the tokenizer.json of
+    it that adds a BOS have the same sizes)."""
+    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    same_kind = tokenizer.kind == recorded.get("kind")
+    if same_kind and digests == recorded["sha256"]:
+        return True
+    if trained is not None:
+        return encodes_alike(trained, tokenizer)
+    sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))
+    same_bos = "bos_id" not in recorded or recorded["bos_id"] == tokenizer.bos_id
+    # another format of the same sizes, the recorded files gone: cannot tell them apart further
+    return not same_kind and same_bos and sizes == (tokenizer.vocab_size, tokenizer.eod_id)
+
+
 def check_checkpoint_tokenizer(
     load: str | None, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
 ) -> None:
@@ -131,16 +151,10 @@ def check_checkpoint_tokenizer(
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if not isinstance(recorded, dict) or not recorded.get("sha256"):
         return
-    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
-    same_kind = tokenizer.kind == recorded.get("kind")
-    if same_kind and digests == recorded["sha256"]:
-        return
     trained = recorded_as_trained(recorded)
-    if trained is not None and encodes_alike(trained, tokenizer):
+    if matches_recorded(recorded, tokenizer, trained):
         return
-    sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))
-    if trained is None and not same_kind and sizes == (tokenizer.vocab_size, tokenizer.eod_id):
-        return  # another format of the same sizes, the recorded files gone: cannot tell apart
+    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
     theirs = recorded.get("path")
     if text_tokenizer:
         ours, fix = (
