@@ -218,6 +218,10 @@ BAD = [
     (["--prompt", "a", "--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--prompt", "a", "--batch-size", "0"], "--batch-size 0 is invalid: it must be >= 1"),
     (["--prompt", "a", "--seed", "-1"], "--seed -1 is invalid"),
+    # a tokenizer larger than the model's vocabulary: refused only where a prompt's id fell
+    # outside it ("," is id 11 in GPT-2's BPE, so the sample ran with other tokens' ids)
+    (["--prompt", ",", "--tokenizer", "gpt2"],
+     "--tokenizer gpt2 has 50,257 token ids, more than the model's vocabulary of"),
 ]
 
 

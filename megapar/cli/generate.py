@@ -23,6 +23,7 @@ import sys
 import torch
 
 from megapar.checkpoint.format import LATEST, MANIFEST
+from megapar.checkpoint.hf import causal_rows
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import (
     launched_size_refusal,
@@ -456,6 +457,15 @@ def main(argv=None) -> int:
         except (LayoutError, ConfigError) as exc:
             raise UsageError(str(exc)) from None
         tok = prompt_tokenizer(args, manifest)
+        if causal_rows(tok) > config.vocab_size:  # its ids mean other tokens, or none
+            named = (
+                f"--tokenizer {args.tokenizer}" if args.tokenizer else f"its tokenizer {tok.path}"
+            )
+            raise UsageError(
+                f"{named} has {causal_rows(tok):,} token ids, more than the model's vocabulary "
+                f"of {config.vocab_size:,}; pass --tokenizer with the tokenizer the model "
+                f"trained with"
+            )
         args.prompt_ids, args.limit, limit_name = check_prompts(
             prompts, prompt_names(args), tok, config
         )
