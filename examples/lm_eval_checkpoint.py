@@ -9,7 +9,9 @@ task from the Shakespeare sample shipped with megapar, so it works without a net
     megapar-convert CKPT --to-hf exported/     # weights, config and the training tokenizer
     lm_eval --model hf --model_args pretrained=exported/,dtype=float32 --tasks ... --device cpu
 
-`pretrained=DIR` alone is enough: the export carries its tokenizer (AutoTokenizer loads it).
+`pretrained=DIR` alone is enough: the export carries its tokenizer (AutoTokenizer loads it),
+where the checkpoint records one: megapar-train's do, and `engine.save`'s where the model was
+prepared from a directory or checkpoint that holds one; the export says when it has none.
 """
 
 from __future__ import annotations

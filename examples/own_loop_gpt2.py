@@ -7,6 +7,7 @@
 megapar.launch starts the ranks (or, under torchrun / Slurm, just runs `train`);
 megapar.prepare converts the transformers model (its weights kept) into this rank's shard. The
 loop is yours: each step hands the engine the *global* batch; every dp rank takes its share.
+Without --data it tokenizes the shipped Shakespeare sample once into ~/.cache/megapar.
 """
 
 import argparse
@@ -45,7 +46,8 @@ def global_batches(prefix: str, seq_len: int, batch_size: int, seed: int):
 def train(args) -> list[float]:
     engine = megapar.prepare(make_model(), tp=args.tp, pp=args.pp, micro_batch_size=2,
                              lr=3e-3, weight_decay=0.1, clip_grad=1.0,
-                             lr_schedule={"warmup_steps": 2, "max_steps": args.steps,
+                             lr_schedule={"warmup_steps": min(2, args.steps),
+                                          "max_steps": args.steps,
                                           "min_lr": 3e-4})
     losses = []
     for batch in global_batches(args.data, args.seq_len, args.batch_size, args.seed):
@@ -72,6 +74,11 @@ def main(argv=None):
     parser.add_argument("--save", help="checkpoint directory")
     parser.add_argument("--json", help="write the losses to this file")
     args = parser.parse_args(argv)
+    for flag in ("tp", "pp", "dp", "steps", "seq_len", "batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: it must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: no such directory (the losses go there at the end)")
     split = args.tp * args.pp
     if under_launcher() and launched_world_size() % split:  # torchrun / srun chose the count
         print(f"own_loop_gpt2.py: error: {launched_world_size()} processes started, not a "

@@ -18,6 +18,7 @@ would average each micro-batch's own mean). --out exports the result for transfo
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -81,9 +82,8 @@ def train(args) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     engine = megapar.prepare(model, tp=args.tp, pp=args.pp, micro_batch_size=2, lr=args.lr,
                              loss_mean="token", precision="fp32")
-    pairs = read_pairs(args.data, args.keys)
     losses = []
-    for batch in global_batches(tokenizer, pairs, args.seq_len, args.batch_size, args.seed):
+    for batch in global_batches(tokenizer, args.pairs, args.seq_len, args.batch_size, args.seed):
         if engine.step == args.steps:
             break
         losses.append(engine.train_step(batch))
@@ -119,6 +119,18 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", help="write the losses to this file")
     args = parser.parse_args(argv)
+    for flag in ("tp", "pp", "steps", "seq_len", "batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: it must be >= 1")
+    if not os.path.isdir(args.model):  # else transformers would look for it on the Hub
+        parser.error(f"--model {args.model}: no such directory (a save_pretrained directory)")
+    try:
+        args.pairs = read_pairs(args.data, args.keys)  # checked here, before any rank starts
+    except OSError as e:
+        parser.error(f"--data {args.data}: {e.strerror}")
+    if len(args.pairs) < args.batch_size:  # no global batch: the loop would wait forever
+        parser.error(f"--batch-size {args.batch_size} is more than the {len(args.pairs)} pairs "
+                     f"of {args.data}; lower it")
     losses = megapar.launch(train, args.tp * args.pp, args)
     if args.json and losses is not None:
         with open(args.json, "w") as f:
