@@ -83,7 +83,7 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     assert user[-1] < user[0]
 
 
-def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path):
+def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path, monkeypatch):
     """examples/sft_prompt_mask.py --keys prompt,completion reads TRL's records; a record
     without the fields and a line that is not JSON each end with one line naming the line."""
     spec = importlib.util.spec_from_file_location(
@@ -107,6 +107,15 @@ def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path)
     assert str(not_json.value) == (
         f"sft_prompt_mask.py: error: {bad}:2: not valid JSON (Expecting ',' delimiter at "
         f"column 16); repair or delete the line")
+    # checked before any rank starts: a --batch-size above the pairs had looped forever
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(example.megapar, "launch", refuse)
+    with pytest.raises(SystemExit) as too_big:
+        example.main(["--model", str(tmp_path), "--data", str(data), "--keys",
+                      "prompt,completion", "--batch-size", "8"])
+    assert too_big.value.code == 2
 
 
 def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):
