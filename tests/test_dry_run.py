@@ -416,6 +416,12 @@ def test_a_resumed_dry_run_shows_the_batch_the_resumed_run_trains_on_next(capsys
                                "--world-size", "2"], capsys)
         assert rc == 0, err
         assert f"checkpoint of the first save: {tmp_path / 'ck'}/step_{first:08d}/" in out, out
+    # a fresh run into that --save is refused in the rehearsal as in the run (it had passed)
+    rc, _, err = _train([*common, "--global-batch-size", "4", "--max-steps", "2", "--save",
+                         str(tmp_path / "ck"), "--dry-run"], capsys)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith(
+        f"megapar-train: error: --save {tmp_path / 'ck'} holds step_00000002, of an earlier "
+        f"run, and this run starts from scratch"), err
 
 
 def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatch):

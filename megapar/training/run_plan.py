@@ -113,10 +113,12 @@ def plan_data(
     config, per_step = check_run(cfg, layout, notes, manifest)
     if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
         check_outputs(cfg)  # an unwritable --save is not found after the run
-        if cfg.save and takes_save_lock():
-            check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
-        check_save_format(cfg)  # a Hugging Face model's (or DCP) directory: never mixed
-        check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+    # what --save holds, where it is here too (a rehearsal reads it as the run would)
+    if cfg.save and takes_save_lock():
+        check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+    check_save_format(cfg)  # a Hugging Face model's (or DCP) directory: never mixed
+    check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+    if not cfg.dry_run:
         notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)
     if manifest is not None:  # the data order the resumed run continues (a dry run shows it)
