@@ -68,7 +68,8 @@ from megapar.training.validate import UsageError, check_zero3
 NOT_RUN = (
     "the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
     "over dp, fp16's overflow flag over all ranks and --loss-mean token's labelled-token count "
-    "over dp: scalars whose values the step reads"
+    "over dp: scalars whose values the step reads; with experts, the router statistics' "
+    "all-reduce (layers x (experts + 4) fp32 values over dp x cp, and their sums over pp)"
 )
 """Per-step collectives the rehearsal does not run (it has no values to read)."""
 
