@@ -1205,3 +1205,16 @@ def test_a_dry_run_names_every_raw_text_part_of_a_blend_it_skips(tmp_path):
     assert known and reason.startswith(f"1 of --data's 2 parts is raw text ({a}), which "), reason
     cfg = parse_args(["--dry-run", "--data", str(a)])
     assert _dry_run_without_data(cfg)[0].startswith(f"--data {a} is raw text, which ")
+
+
+def test_a_dry_run_under_torchrun_is_refused_naming_the_world_size(capsys, monkeypatch):
+    """Under torchrun each process rehearsed a job of its own flags' size (tp 2: 2 ranks, where
+    torchrun's WORLD_SIZE 8 makes dp 4), twice over with 2 processes, their output interleaved."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    rc, out, err = _train(["--model", "gpt2-tiny", "--tp", "2", "--dry-run"], capsys)
+    assert rc == 2 and not out
+    assert err.strip().splitlines()[-1] == (
+        "megapar-train: error: --dry-run rehearses a job in one process, not under torchrun "
+        "(RANK and WORLD_SIZE 8 are set here): run megapar-train --dry-run --world-size 8 with "
+        "the same flags on its own")

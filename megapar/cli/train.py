@@ -96,6 +96,13 @@ def _layout(cfg: TrainConfig) -> Layout:
     """The job's layout: a rehearsed job's as given (on this one process), torchrun's or
     Slurm's world, or the local workers megapar-train starts (checked against the GPUs and
     CPU cores there are)."""
+    if cfg.dry_run and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        size = os.environ["WORLD_SIZE"]  # torchrun's: each process would rehearse its own job
+        raise UsageError(
+            f"--dry-run rehearses a job in one process, not under torchrun (RANK and "
+            f"WORLD_SIZE {size} are set here): run megapar-train --dry-run --world-size {size} "
+            f"with the same flags on its own"
+        )
     if cfg.dry_run:  # the job's size as given, on this one process
         world = cfg.world_size or cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
         check_world(world)
