@@ -145,6 +145,13 @@ def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
         load_tokenizer(str(wordpiece))
     with pytest.raises(ValueError, match="nothing is downloaded"):
         load_tokenizer("bert-base-uncased")
+    # a Llama's directory with its tokenizer_config.json alone: it lacked GPT-2's vocab.json
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    with pytest.raises(FileNotFoundError, match="holds a tokenizer_config.json but no tokenizer "
+                                                "files: none of tokenizer.json, tokenizer.model"):
+        load_tokenizer(str(llama))
 
 
 def test_a_model_without_its_suffix_or_a_datasets_prefix_as_tokenizer_names_the_path(tmp_path):

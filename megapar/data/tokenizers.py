@@ -405,6 +405,12 @@ def _load(spec: str) -> Tokenizer:
                 f"{', '.join(os.path.basename(d) for d in datasets[:3])}), not a tokenizer; "
                 f"{datasets[0]}: {_made_with(datasets[0])}"
             )
+        if len(missing) == 2 and os.path.isfile(os.path.join(spec, "tokenizer_config.json")):
+            raise FileNotFoundError(  # e.g. a Llama's tokenizer_config.json without its model
+                f"tokenizer directory {spec!r} holds a tokenizer_config.json but no tokenizer "
+                f"files: none of tokenizer.json, tokenizer.model or vocab.json + merges.txt "
+                f"(copy the model's own tokenizer files there)"
+            )
         if missing:
             raise FileNotFoundError(
                 f"tokenizer directory {spec!r} lacks "
