@@ -217,6 +217,10 @@ def test_cli_usage_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"megapar-convert: error: {shown}: writing there would delete" in err, err
     assert (hf / "config.json").exists() and resolve_checkpoint(llama) == lstep
+    # an import of a directory without a tokenizer says so (it had recorded none silently)
+    assert main(["--from-hf", str(hf), str(tmp_path / "back"), "--no-progress"]) == 0
+    assert (f"note: {hf} holds no tokenizer (tokenizer.json, vocab.json + merges.txt, or "
+            f"tokenizer.model), so the checkpoint records none") in capsys.readouterr().out
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):

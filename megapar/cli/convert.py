@@ -481,7 +481,8 @@ def _narrowed_to(manifest: dict) -> tuple[str, str] | None:
 def _from_hf(args, progress: bool) -> str:
     """--from-hf: import a transformers directory as a step-0 checkpoint; returns the report."""
     from megapar.checkpoint import convert as cv
-    from megapar.data.tokenizers import sentencepiece_dir_bos
+    from megapar.data.tokenizers import hf_dir_tokenizer, sentencepiece_dir_bos
+    from megapar.training.tokenizer_checks import HF_TOKENIZER_FILES
 
     (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
     _fill_layout(args, {})
@@ -501,6 +502,12 @@ def _from_hf(args, progress: bool) -> str:
     )
     if bos:  # its tokenizer.model was recorded: megapar's documents, prompts would lack the BOS
         report += f"\nnote: recorded {args.from_hf}'s tokenizer.model as its tokenizer, but {bos}"
+    if hf_dir_tokenizer(args.from_hf) is None:
+        report += (
+            f"\nnote: {args.from_hf} holds no tokenizer ({HF_TOKENIZER_FILES}), so the "
+            f"checkpoint records none: megapar-eval and megapar-generate then need "
+            f"--tokenizer with the model's own, and --to-hf writes one only given --tokenizer"
+        )
     if initialised:
         report += (
             f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
