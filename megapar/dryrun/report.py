@@ -159,10 +159,10 @@ def describe_rank(r: RankReport, step_dir: str, gpu_gib: float | None = None) ->
         )
         + f"; on a CPU the resident set rises {size(r.peak_cpu)} over the process's baseline",
         f"  per step: {_traffic(r.comm)}"
-        + (
-            f" ({r.buckets} "
+        + (  # the data-parallel group's reductions, whichever group the line ends with
+            f"; the dp reductions in {r.buckets} "
             f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
-            f"{'s' if r.buckets > 1 else ''})"
+            f"{'s' if r.buckets > 1 else ''}"
             if r.buckets
             else ""
         ),
