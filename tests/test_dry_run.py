@@ -769,7 +769,7 @@ def test_dry_run_of_zero_3_reports_the_real_shards_and_gathered_units(capsys):
     assert ", ZeRO-3\n" in out and out.count("(ZeRO-3)") == 2 and "modelled)" not in out.split(
         "activations")[0]
     assert out.count("gathered units ") == 2 and "full gradient buffers" in out
-    assert "ZeRO-3 units)" in out and "is not in this megapar-train" not in out
+    assert "the dp reductions in 6 ZeRO-3 units" in out and "is not in this megapar-train" not in out
 
 
 def test_plan_verify_lays_out_a_v_schedule_s_stages_in_the_v():
