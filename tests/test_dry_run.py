@@ -1218,3 +1218,11 @@ def test_a_dry_run_under_torchrun_is_refused_naming_the_world_size(capsys, monke
         "megapar-train: error: --dry-run rehearses a job in one process, not under torchrun "
         "(RANK and WORLD_SIZE 8 are set here): run megapar-train --dry-run --world-size 8 with "
         "the same flags on its own")
+
+
+def test_a_dry_run_whose_load_holds_no_checkpoint_says_it_starts_from_scratch(tmp_path, capsys):
+    """The run says so at its start; its rehearsal had said nothing of --load."""
+    rc, _, err = _train(["--model", "gpt2-tiny", "--seq-len", "16", "--dry-run", "--load",
+                         str(tmp_path / "none")], capsys)
+    assert rc == 0 and (f"megapar-train: --load {tmp_path / 'none'}: no checkpoint there yet, "
+                        f"the rehearsed run starts from scratch") in err, err

@@ -101,6 +101,11 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
             f"fresh run would train; pass the directory written by --save (or one of its "
             f"step_* directories), or give --model / --from-hf to start a run there"
         )
+    if manifest is None and cfg.load and cfg.dry_run:  # the run's workers say it (`Trainer`)
+        notes.append(
+            f"--load {cfg.load}: no checkpoint there yet, the rehearsed run starts from scratch "
+            f"(--load-strict makes this an error)"
+        )
     return manifest
 
 
