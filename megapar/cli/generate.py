@@ -297,9 +297,9 @@ def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
             tok = load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
-        gone = trained is None and isinstance(recorded, dict) and bool(recorded.get("sha256"))
-        if gone:  # moved or changed: its files, or another format of its sizes
-            other = not matches_recorded(recorded, tok, None)
+        gone = recorded if trained is None and isinstance(recorded, dict) else None
+        if gone and gone.get("sha256"):  # moved or changed: its files, or another format
+            other = not matches_recorded(gone, tok, None)
         else:
             other = trained is not None and not (
                 same_tokenizer(trained, tok) or encodes_alike(trained, tok)
