@@ -289,7 +289,7 @@ class TrainConfig:
     """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row holding 4 steps or more: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
     # --- debug ---
     record_step: int = 0
-    """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""
+    """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_NNNNNNNN.json + .safetensors (N as 8 digits, as step directories), for --replay to compare with (needs --save; 0: none)."""
     replay: int = 0
     """With --load: run the steps after the checkpoint up to step N, print N's per-module output and weight-gradient norms, compare them with the run's record (--record-step) and name the first module and rank whose values differ; then exit without saving. Runs in any layout (--tp, --pp, --dp, --cp, --sequence-parallel; one process is enough), whatever the recorded run's was. 0: off."""
     replay_against: str | None = None
