@@ -277,6 +277,29 @@ def test_raw_text_whose_cached_dataset_names_a_tokenizer_since_moved_is_the_runs
     assert data_tokenizer_spec(str(text), str(mine), cached)["path"] == str(mine)
 
 
+def test_megapar_eval_of_raw_text_cached_under_a_moved_tokenizer_takes_the_given_one(tmp_path):
+    """megapar-eval --data TEXT --tokenizer MOVED, the text tokenized into the cache by the
+    training run before the tokenizer moved: eval loaded the cache's recorded path and failed
+    ("tokenizer '.../tokA': no such file or directory"), ignoring --tokenizer."""
+    from types import SimpleNamespace
+
+    from megapar.data import IndexedDataset
+    from megapar.data.preprocess import ensure_dataset
+    from megapar.training.eval_text import data_tokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n\nWhether 'tis nobler.\n")
+    first, moved = tmp_path / "first.model", tmp_path / "moved.model"
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), first)
+    prefix = ensure_dataset(str(text), str(first), str(tmp_path / "cache"))
+    os.rename(first, moved)
+    args = SimpleNamespace(data=prefix, data_shown=str(text), text_tokenizer=str(moved))
+    assert data_tokenizer(args, IndexedDataset(prefix)).path == str(moved)
+    prepared = SimpleNamespace(data=prefix)  # a prepared --data keeps its own (recorded) one
+    with pytest.raises(ValueError, match="no such file or directory"):
+        data_tokenizer(prepared, IndexedDataset(prefix))
+
+
 def test_raw_text_records_the_runs_own_tokenizer_not_the_cached_datasets(tmp_path):
     """Raw text is tokenized into a cache keyed by the text's and the tokenizer files' content,
     so a second run with the same text and a copy of the tokenizer elsewhere reuses the first

@@ -52,6 +52,7 @@ from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.training.eval_text import data_tokenizer
 from megapar.training.inference import (
     forward_logits,
     load_model,
@@ -266,9 +267,7 @@ def _loss_worker(args):
     elif config.model_type in CAUSAL_LM_TYPES:
         dataset = GPTDataset(indexed, args.seq_len)
     else:
-        dataset = MLMDataset(
-            indexed, args.seq_len, load_tokenizer(indexed.tokenizer_spec), args.seed
-        )
+        dataset = MLMDataset(indexed, args.seq_len, data_tokenizer(args, indexed), args.seed)
     b, k = args.micro_batch_size, args.max_batches
     if len(dataset) < b * k:
         k = len(dataset) // b

@@ -25,7 +25,11 @@ from megapar.data.inputs import (
 )
 from megapar.training.config import TrainConfig
 from megapar.training.data import resolve_data_prefix
-from megapar.training.tokenizer_checks import check_checkpoint_tokenizer, recorded_as_trained
+from megapar.training.tokenizer_checks import (
+    check_checkpoint_tokenizer,
+    data_tokenizer_spec,
+    recorded_as_trained,
+)
 from megapar.training.validate import UsageError, check_writable, flag_of
 from megapar.training.validate_sft import check_sft_keys
 
@@ -160,6 +164,17 @@ def text_tokenizer(args, manifest: dict) -> tuple[str, str]:
     return path, f"the tokenizer --load {args.load} trained with ({path})"
 
 
+def data_tokenizer(args, indexed):
+    """The tokenizer of megapar-eval's --data (`indexed`): for raw text the one that tokenized it
+    (`tokenize_text`; the cached dataset's .json names where the first run on that text found
+    the same files, which may have moved since: `data_tokenizer_spec`), else the dataset's own."""
+    given = getattr(args, "text_tokenizer", None)
+    spec = indexed.tokenizer_spec
+    if given is not None:
+        spec = data_tokenizer_spec(getattr(args, "data_shown", args.data), given, spec)
+    return load_tokenizer(spec)
+
+
 def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | None = None) -> str:
     """The cached dataset prefix of raw --data (tokenized now unless the cache holds it; then
     its prefix is appended to `tokenized`), after the tokenizer is checked against the
@@ -169,6 +184,7 @@ def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | 
     spec, name = text_tokenizer(args, manifest)
     tokenizer = load_tokenizer(spec)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data, name)
+    args.text_tokenizer = spec  # `data_tokenizer`: the cache's .json may name moved files
     cfg = TrainConfig(
         data=args.data,
         tokenizer=spec,

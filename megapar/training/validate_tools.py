@@ -19,7 +19,7 @@ import numpy as np
 
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
-from megapar.data import IndexedDataset, MLMDataset, SFTDataset, load_tokenizer
+from megapar.data import IndexedDataset, MLMDataset, SFTDataset
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -30,6 +30,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.data import discard_tokenized, is_megatron, missing_files
 from megapar.training.eval_text import (
     check_text_options,
+    data_tokenizer,
     is_text,
     text_tokenizer,
     tokenize_text,
@@ -160,7 +161,7 @@ def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | No
         # --load takes it
         args.tokenizer = text_tokenizer(args, manifest)[0]
     indexed = IndexedDataset(args.data, args.tokenizer)
-    tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    tokenizer = data_tokenizer(args, indexed)
     shown = getattr(args, "data_shown", args.data)
     if shown == args.data:  # text: tokenized with --tokenizer
         check_dataset_tokenizer(args.data, indexed.tokenizer_spec, tokenizer)
