@@ -59,7 +59,7 @@ def test_mixtral_tiny_trains_at_pp2_with_router_statistics(tmp_path, common):
         assert r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
 
 
-def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, common):
+def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, common, capsys):
     """A seeded transformers Qwen3-MoE (GQA), trained at tp 2 x dp 2 x ep 2 with a capacity
     that drops tokens, exported, loaded back by transformers: its logits are megapar's."""
     torch.manual_seed(0)
@@ -76,7 +76,9 @@ def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, com
     assert all(r["moe_dropped"] > 0 for r in _records(log))  # capacity 1.0 drops some
     # a copy without flags keeps the whole layout, so the ranks' RNG states too: it had become
     # dp 1 (the --dp default) and ep 1 (never written), and dropped them
+    capsys.readouterr()
     assert convert([str(ckpt / "step_00000002"), str(tmp_path / "copy"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip().endswith("(tp=2 pp=1 dp=2 ep=2)")
     copy = read_manifest(tmp_path / "copy")
     assert copy["layout"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 2}
     assert "rng.safetensors" in copy["files"] and "rng_note" not in copy["meta"]

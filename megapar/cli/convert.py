@@ -273,6 +273,7 @@ def run(args) -> str:
     """Do what the arguments ask; returns the report to print."""
     from megapar.checkpoint import convert as cv
     from megapar.checkpoint.manifest import read_manifest
+    from megapar.mesh import Layout
 
     progress = show_progress(False if args.no_progress else None)
     _check_modes(args)
@@ -297,7 +298,7 @@ def run(args) -> str:
     path = cv.convert_checkpoint(
         src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
     )
-    return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+    return f"wrote {path} ({Layout(**read_manifest(path)['layout'])})"  # a copy's cp, ep too
 
 
 def _refuse_onto_source(args) -> None:
