@@ -688,14 +688,15 @@ def test_a_resume_does_not_take_fp8_emulate_from_the_checkpoint():
     from megapar.training.config import parse_args
     from megapar.training.validate_resume import settings_from_checkpoint
 
-    saved = {"fp8": "rowwise", "fp8_emulate": True, "fp8_layers": "all", "compile": True,
+    saved = {"fp8": "rowwise", "fp8_emulate": True, "fp8_layers": "all", "eod_mask_loss": True,
              "tokenizer": "my tok"}
     cfg = parse_args(["--load", "ck"])
     note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
     assert (cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers) == ("rowwise", False, "all"), cfg
-    # flags a user can paste (a switch was "--compile True", a value with a space unquoted)
-    assert note == ["from the checkpoint (not given): --compile, --fp8 rowwise, --fp8-layers "
-                    "all, --tokenizer 'my tok'"], note
+    # flags a user can paste (a switch was "--compile True", a value with a space unquoted);
+    # --compile itself is no longer taken (how a run executes, as --recompute)
+    assert note == ["from the checkpoint (not given): --fp8 rowwise, --fp8-layers all, "
+                    "--tokenizer 'my tok', --eod-mask-loss"], note
     if HAVE_TORCHAO and not torch.cuda.is_available():
         with pytest.raises(UsageError) as exc:
             check_settings(cfg)
