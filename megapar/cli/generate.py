@@ -297,10 +297,9 @@ def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
             tok = load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
-        gone = recorded if trained is None and isinstance(recorded, dict) else None
-        if gone and gone.get("sha256"):  # moved or changed: its files, or another format
-            other = not matches_recorded(gone, tok, None)
-        else:
+        if isinstance(recorded, dict) and recorded.get("sha256"):  # as eval and --load check
+            other = not matches_recorded(recorded, tok, trained)
+        else:  # recorded before the files' sha256 were, or not at all
             other = trained is not None and not (
                 same_tokenizer(trained, tok) or encodes_alike(trained, tok)
             )
@@ -308,7 +307,11 @@ def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
             raise UsageError(
                 f"--tokenizer {args.tokenizer} is not the tokenizer --load {args.load} trained "
                 f"with ({path}): its ids would be other tokens to the model; "
-                + ("pass that tokenizer, wherever it is now" if gone else "leave --tokenizer out")
+                + (
+                    "leave --tokenizer out"
+                    if trained is not None
+                    else "pass that tokenizer, wherever it is now"
+                )
             )
         return tok
     if path is None:
