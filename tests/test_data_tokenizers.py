@@ -451,7 +451,7 @@ def test_a_moved_recorded_tokenizer_is_not_matched_by_one_that_starts_documents_
     assert sp.bos_id is None and recorded_tokenizer("sentencepiece")["bos_id"] is None
     gone = {"kind": "hf", "path": "/gone/tokdir", "vocab_size": sp.vocab_size,
             "base_vocab_size": sp.base_vocab_size, "eod_id": sp.eod_id, "sha256": ["0" * 64]}
-    assert not matches_recorded({**gone, "bos_id": 1}, sp, None)
-    assert matches_recorded({**gone, "bos_id": None}, sp, None)
-    assert matches_recorded(gone, sp, None)  # recorded before the BOS was: cannot tell
-    assert matches_recorded(recorded_tokenizer("sentencepiece"), sp, None)  # its own files
+    assert not matches_recorded({**gone, "bos_id": 1}, sp)
+    assert matches_recorded({**gone, "bos_id": None}, sp)
+    assert matches_recorded(gone, sp)  # recorded before the BOS was: cannot tell
+    assert matches_recorded(recorded_tokenizer("sentencepiece"), sp)  # its own files

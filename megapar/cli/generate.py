@@ -298,7 +298,7 @@ def prompt_tokenizer(args, manifest: dict) -> Tokenizer:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
         if isinstance(recorded, dict) and recorded.get("sha256"):  # as eval and --load check
-            other = not matches_recorded(recorded, tok, trained)
+            other = not matches_recorded(recorded, tok)
         else:  # recorded before the files' sha256 were, or not at all
             other = trained is not None and not (
                 same_tokenizer(trained, tok) or encodes_alike(trained, tok)

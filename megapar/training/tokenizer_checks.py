@@ -114,11 +114,11 @@ def unlike_vocab_note(
     )
 
 
-def matches_recorded(recorded: dict, tokenizer, trained) -> bool:
+def matches_recorded(recorded: dict, tokenizer) -> bool:
     """Whether `tokenizer` is the one a checkpoint records (meta ``tokenizer`` with its files'
-    sha256; `trained`: it loaded as recorded, `recorded_as_trained`, or None): the same kind
-    and files (wherever they lie now), or, the recorded one at hand, one that encodes alike
-    (`encodes_alike`: the same tokenizer in another format). Where the recorded files are gone,
+    sha256): the same kind and files (wherever they lie now), or, the recorded one at hand
+    (`recorded_as_trained`, loaded only then), one that encodes alike (`encodes_alike`: the
+    same tokenizer in another format). Where the recorded files are gone,
     another format is taken on its vocabulary size, end-of-document id and, where the record
     has it, the id that starts each document (a SentencePiece model and the tokenizer.json of
     it that adds a BOS have the same sizes)."""
@@ -126,6 +126,7 @@ def matches_recorded(recorded: dict, tokenizer, trained) -> bool:
     same_kind = tokenizer.kind == recorded.get("kind")
     if same_kind and digests == recorded["sha256"]:
         return True
+    trained = recorded_as_trained(recorded)
     if trained is not None:
         return encodes_alike(trained, tokenizer)
     sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))
@@ -151,9 +152,9 @@ def check_checkpoint_tokenizer(
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if not isinstance(recorded, dict) or not recorded.get("sha256"):
         return
-    trained = recorded_as_trained(recorded)
-    if matches_recorded(recorded, tokenizer, trained):
+    if matches_recorded(recorded, tokenizer):
         return
+    trained = recorded_as_trained(recorded)
     digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
     theirs = recorded.get("path")
     if text_tokenizer:
