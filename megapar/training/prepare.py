@@ -65,6 +65,9 @@ def _resolve_model(model):
         if path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists()):
             step_dir = resolve_checkpoint(path)
             return config_from_dict(read_manifest(step_dir)["model"]), step_dir
+        if path.is_dir() and any((path / f).exists() for f in HF_WEIGHT_FILES):
+            reader = HFReader(str(path))  # a transformers directory: its weights, as --from-hf
+            return reader.config, reader
         return resolve_model(str(model)), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
@@ -97,6 +100,10 @@ def _resolve_model(model):
         f"'gpt2-tiny'"
     )
 
+
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+"""What makes a directory passed to `prepare` a transformers model's, weights and all (without
+them, its config.json is a config)."""
 
 LM_CLASSES = tuple(ARCHITECTURES.values())
 """The transformers models megapar trains as they are."""
@@ -221,7 +228,9 @@ def prepare(
     refused; one built on the meta device has no weights: pass its config), a transformers
     config (weights initialised from `seed`, the same in every layout; each rank keeps only its
     stage's shards, one full tensor at a time made to cut them), a megapar recipe name
-    ("gpt2-tiny", "bert-base"), or a megapar checkpoint directory (`megapar-train --save`'s or
+    ("gpt2-tiny", "bert-base"), a transformers directory (`save_pretrained`'s: its weights read
+    as `megapar-train --from-hf` reads them, and its tokenizer; a directory holding only a
+    config.json is a config), or a megapar checkpoint directory (`megapar-train --save`'s or
     `engine.save`'s: its model with its weights, resharded to this layout, and the tokenizer
     it trained with; the optimizer state, step and RNG are `engine.load(dir)`'s to restore).
     dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
@@ -622,12 +631,18 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     """Load the transformers model's weights (`reader`) into the engine's stage, after checking
     every rank holds the same; warn (rank 0, at prepare's caller) of a head initialised from
     `seed` because the model lacks it."""
-    set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
+    from_dir = isinstance(model, (str, os.PathLike))  # every rank reads the same files
+    what = f"transformers directory {model}" if from_dir else type(model).__name__
+    set_action(f"megapar.prepare: loading the {what}'s weights")
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
     engine.source_generation_config = reader.generation_config  # and its generation_config
 
-    _check_same_weights(model, engine.mesh)
-    source = getattr(model, "name_or_path", "")  # from_pretrained(DIR)'s DIR
+    if not from_dir:
+        _check_same_weights(model, engine.mesh)
+    # the directory, or from_pretrained(DIR)'s DIR
+    source = (
+        os.path.expanduser(os.fspath(model)) if from_dir else getattr(model, "name_or_path", "")
+    )
     own = hf_dir_tokenizer(source) if source and os.path.isdir(source) else None
     if own is not None:  # its tokenizer, as megapar-train --from-hf DIR takes it: export_hf
         engine.tokenizer = recorded_tokenizer(own)  # and checkpoints carry it
@@ -636,7 +651,7 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     if missing and engine.mesh.rank == 0:
         names = [n for m in missing for n in hf_parameter_names(engine.config, m)]  # theirs
         warnings.warn(
-            f"megapar.prepare: the {type(model).__name__} has no {', '.join(names)}"
+            f"megapar.prepare: the {what} has no {', '.join(names)}"
             f"; initialised from seed {seed} (pass the model with its head to keep "
             f"trained ones)",
             stacklevel=3,
