@@ -155,6 +155,7 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
 
 def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
     from megapar.data.preprocess import _ordered_bounded, _worker_init
 
@@ -165,11 +166,11 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
             read.append(i)
             yield [f"document {i}"], 10
 
-    with mp.get_context("fork").Pool(2, initializer=_worker_init,
-                                     initargs=("sentencepiece",)) as pool:
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), initializer=_worker_init,
+                             initargs=("sentencepiece",)) as pool:
         results = _ordered_bounded(pool, batches(), window=4)
         first = next(results)
-        assert len(read) <= 5, len(read)  # not the whole input, as Pool.imap would
+        assert len(read) <= 5, len(read)  # not the whole input, as pool.map would
         assert first == (load_tokenizer("sentencepiece").encode_batch(["document 0"]), 10)
         rest = list(results)
     assert len(rest) == 1_999 and rest[-1][0] == load_tokenizer("sentencepiece").encode_batch(

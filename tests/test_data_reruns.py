@@ -161,6 +161,102 @@ def test_a_sigterm_after_training_a_tokenizer_leaves_nothing_and_says_so(tmp_pat
     assert not list(tmp_path.glob("out/*"))  # no d-tokenizer/
 
 
+def _documents_then(event, after: int = 48):
+    """Documents as iter_documents yields them: `after` of about 60 kB (a second's work a
+    batch), then `event()`, then one every 0.1 s for 3 s (a run that outlives `event`
+    failed to stop)."""
+    import time
+
+    for i in range(after):
+        yield f"document {i}: {TEXT[:60_000]}", 60_000
+    event()
+    for i in range(30):
+        time.sleep(0.1)
+        yield f"later document {i}", 20
+
+
+def test_a_tokenizer_worker_killed_is_one_line_not_a_hang(tmp_path, monkeypatch, capsys):
+    """A pool worker killed mid-run (the OOM killer): multiprocessing.Pool starts another but
+    never runs the dead one's batch again (CPython issue 22393), and a run waits for that batch
+    forever. Now a worker's death ends the run at once with one line, and nothing is written."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    from megapar.data import preprocess
+
+    def kill_a_worker():
+        time.sleep(2)  # the workers started, each on a batch
+        workers = [p for p in mp.active_children() if p.name.startswith("Spawn")]
+        assert workers, mp.active_children()
+        os.kill(workers[-1].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(preprocess, "iter_documents",
+                        lambda *args, **kwargs: _documents_then(kill_a_worker))
+    (tmp_path / "a.txt").write_text("unread: iter_documents is replaced")
+    assert data(["--input", str(tmp_path / "a.txt"), "--output-prefix",
+                 str(tmp_path / "out" / "d"), "--workers", "2", "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert "a tokenizer worker process ended abruptly" in line and "nothing written" in line
+    assert not list(tmp_path.glob("out/*"))
+
+
+_GROUP_SIGTERM = """
+import sys
+from pathlib import Path
+from megapar.data import preprocess
+from megapar.cli.data import main
+
+def documents(*args, **kwargs):
+    for i in range(48):
+        yield f"document {i} " * 40, 500
+    Path(sys.argv[1]).write_text("tokenizing")
+    end = __import__("time").monotonic() + 60
+    while __import__("time").monotonic() < end:  # the workers busy until the signal
+        yield f"later document {i} " * 40, 500
+
+preprocess.iter_documents = documents
+sys.exit(main(["--input", sys.argv[2], "--output-prefix", sys.argv[3], "--workers", "2",
+               "--no-progress"]))
+"""
+
+
+def test_a_sigterm_to_the_process_group_ends_the_pool_and_the_run(tmp_path):
+    """`timeout -s TERM` (a scheduler) signals megapar-data's whole process group, its pool's
+    workers too. A worker that died holding the task queue's read lock could leave
+    Pool.terminate() waiting for that lock forever (seen here about one try in three on a
+    21.6 MB text). Now: exit 143 within seconds, one line, nothing written."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "a.txt").write_text("unread: iter_documents is replaced")
+    started, out = tmp_path / "started", tmp_path / "out" / "d"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _GROUP_SIGTERM, str(started),
+                             str(tmp_path / "a.txt"), str(out)], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), proc.stderr.read() if proc.poll() is not None else "no start"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1].startswith(
+        "megapar-data: terminated (SIGTERM); nothing was written"), err
+    assert not list(tmp_path.glob("out/*"))
+
+
 # --- megapar-train: the cache of a text refused as too small ------------------------------------
 def test_a_text_too_small_to_train_on_leaves_no_cache(tmp_path, capsys):
     tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"

@@ -32,8 +32,8 @@ tokenizer cannot encode the text and nothing is written (an error).
 Bytes that are not valid UTF-8 become U+FFFD and are counted: more than
 ``MAX_INVALID_UTF8`` of a file's bytes (binary data, another encoding) is an error unless
 ``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.
-Tokenization runs in a ``multiprocessing`` pool when ``workers > 1``; documents are processed
-in order (``imap``), so the output is byte-identical whatever the number of workers.
+Tokenization runs in a process pool (spawned workers) when ``workers > 1``; documents are processed
+in order, so the output is byte-identical whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 import sentencepiece as spm
@@ -98,8 +100,9 @@ def _batched(docs: Iterator[tuple[_Item, int]], n: int) -> Iterator[tuple[list[_
 def _worker_init(spec: str) -> None:
     """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM, which a
     worker obeys even where the parent ignores SIGTERM (an ignored signal is inherited across
-    the spawn's exec)."""
+    the spawn's exec), and that ignores Ctrl-C (its parent's to handle)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
     _WORKER_TOKENIZER = load_tokenizer(spec)
@@ -208,16 +211,25 @@ def preprocess_files(
             # a worker could hang at start and outlive the pool. (Not a forkserver: its server
             # and preloads are one per process, shared with every other user of it.)
             ctx = mp.get_context("spawn")
-            # Started ignoring SIGINT, which they keep: a Ctrl-C is this process's to handle
-            # (it ends them), not a traceback from each worker.
+            # A process pool, not multiprocessing.Pool: a worker that dies (the OOM killer, a
+            # SIGTERM sent to the whole process group) marks the pool broken and its batches
+            # fail, where Pool resubmitted nothing (a hang) and its terminate() could wait
+            # forever on a queue lock the dead worker held.
+            pool = ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.path,)
+            )
+            # Workers start ignoring SIGINT, which they keep: a Ctrl-C is this process's to
+            # handle (it ends them), not a traceback from each worker. The pool starts a worker
+            # per submit until it has them all; these submits start them now, in the window.
             main_thread = threading.current_thread() is threading.main_thread()
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
             try:
-                pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,))
+                for _ in range(workers):
+                    pool.submit(os.getpid)
             finally:
                 if previous is not None:
                     signal.signal(signal.SIGINT, previous)
-            with pool:  # ends the workers, however this block ends
+            try:
                 _consume(
                     _ordered_bounded(pool, batches, 4 * workers),
                     builder,
@@ -227,6 +239,14 @@ def preprocess_files(
                     sft_keys is not None,
                     tok.eod_id,
                 )
+            except BrokenProcessPool:
+                raise ValueError(
+                    f"a tokenizer worker process ended abruptly (killed, or out of memory?); "
+                    f"nothing written; run again, with fewer --workers than {workers} if memory "
+                    f"is short"
+                ) from None
+            finally:  # on an error the queued batches are dropped; the running ones finish
+                pool.shutdown(cancel_futures=True)
         bar.n = total
         bar.close()
         stats["docs"] = builder.num_docs
@@ -244,17 +264,17 @@ def preprocess_files(
         return builder.finalize()
 
 
-def _ordered_bounded(pool, batches, window: int):
-    """``pool.imap(_worker_encode, batches)`` with at most `window` batches in flight (imap
-    would read the whole input ahead into its task queue)."""
+def _ordered_bounded(pool: ProcessPoolExecutor, batches, window: int):
+    """``pool.map(_worker_encode, batches)`` with at most `window` batches in flight (map
+    would read the whole input ahead into its queue)."""
 
     pending: deque = deque()
     for item in batches:
-        pending.append(pool.apply_async(_worker_encode, (item,)))
+        pending.append(pool.submit(_worker_encode, item))
         if len(pending) >= window:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
     while pending:
-        yield pending.popleft().get()
+        yield pending.popleft().result()
 
 
 def _consume(
