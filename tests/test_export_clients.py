@@ -85,6 +85,12 @@ def _trained_bpe(root: Path) -> str:
     return str(root / "bpe-tokenizer")
 
 
+def _bert_wordpiece(root: Path) -> str:
+    from test_data_hf_tokenizer import _wordpiece_dir
+
+    return _wordpiece_dir(root, with_mask=True)
+
+
 def _hf_gpt2_dir(root: Path) -> str:
     out = root / "hf gpt2 tokenizer"
     transformers.GPT2TokenizerFast.from_pretrained(_shared("gpt2-tokenizer")).save_pretrained(out)
@@ -100,6 +106,8 @@ TOKENIZERS = {  # name: (how to get the --tokenizer spec, model type)
     "byte-level bpe trained by megapar-data": (_trained_bpe, "gpt2"),
     "transformers directory (gpt2)": (_hf_gpt2_dir, "gpt2"),
     "transformers directory (llama 3 style)": (_llama3_style, "llama"),
+    # BertTokenizer's [CLS] A [SEP]: a causal LM's prompt ended in its end of document
+    "transformers directory (bert wordpiece)": (_bert_wordpiece, "llama"),
 }
 
 

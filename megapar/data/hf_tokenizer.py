@@ -407,6 +407,8 @@ def to_transformers(
     model's positions, where ``truncation=True`` cuts (transformers' default is unbounded)."""
 
     hf = _base_tokenizer(tok)
+    if not sentence_pairs:
+        hf = _as_causal(hf, tok)
     limit = vocab_size if vocab_size is not None else tok.vocab_size
     appended: list[str | AddedToken] = [
         name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit
@@ -462,6 +464,38 @@ def _base_tokenizer(tok: Tokenizer):
     else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
         hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok._backend.to_str()))
     return hf
+
+
+def _as_causal(hf, tok: Tokenizer):
+    """`hf`, or where it adds other special tokens to a text than megapar-data adds to a
+    document's start (a WordPiece's [CLS] A [SEP]: a causal LM's prompt would then end in its
+    end of document), a plain fast tokenizer of the same pipeline adding only the BOS megapar
+    starts documents with, if any (BertTokenizer's class would put [CLS] A [SEP] back on
+    load). Its inputs are ``input_ids`` and ``attention_mask`` (a causal LM takes no
+    ``token_type_ids``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    start = [] if tok.bos_id is None else [tok.bos_id]
+    if hf("a", add_special_tokens=True)["input_ids"] == start + tok.encode("a"):
+        return hf
+    backend = hf._tokenizer  # a fast tokenizer's, always there
+    assert backend is not None
+    if tok.bos_id is None:
+        template = processors.TemplateProcessing(single="$A", pair="$A $B:1")
+    else:
+        bos = hf.convert_ids_to_tokens(tok.bos_id)
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, tok.bos_id)]
+        )
+    before = backend.post_processor  # byte-level BPE's offset trimming is kept
+    backend.post_processor = (
+        processors.Sequence([before, template])
+        if isinstance(before, processors.ByteLevel)
+        else template
+    )
+    plain = PreTrainedTokenizerFast(tokenizer_object=backend)
+    plain.model_input_names = ["input_ids", "attention_mask"]
+    return plain
 
 
 def _adds_cls_sep(hf, tok: Tokenizer) -> bool:
