@@ -231,6 +231,23 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 (e.g. --vocab-size 8000)"
         )
+    training = args.train_tokenizer is not None or args.train_sentencepiece
+    if training and args.vocab_size is not None and args.vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size:,} is more than megapar-data trains: pass "
+            f"{MAX_VOCAB_SIZE} or less (the largest vocabularies in use have about 256,000 "
+            f"tokens)"
+        )
+    if args.train_tokenizer in TRAINS and args.train_sentencepiece:
+        raise ValueError(
+            f"--train-tokenizer {args.train_tokenizer} and --train-sentencepiece each train a "
+            f"tokenizer; keep one (--train-tokenizer sentencepiece is --train-sentencepiece)"
+        )
+
+
+MAX_VOCAB_SIZE = 1 << 21
+"""The largest --vocab-size trained: the tokenizers library's BPE trainer reserves memory by the
+size asked (70 GB for 10**9, an abort in its Rust code), whatever the corpus supports."""
 
 
 def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
@@ -377,6 +394,14 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
         )
         trained.append(tokenizer)
         print(f"trained {TRAINS[args.train_tokenizer]} {tokenizer}/tokenizer.json", file=sys.stderr)
+        if args.train_tokenizer == "wordpiece":
+            print(
+                f"megapar-data: note: the tokenizers library's WordPiece training is not "
+                f"deterministic (its issue 1794: ties broken in hash order), so this command run "
+                f"again can give another vocabulary; {tokenizer}/ is the one this dataset is "
+                f"tokenized with",
+                file=sys.stderr,
+            )
         got = info.get("vocab_size", args.vocab_size)
         if got < args.vocab_size:
             print(
