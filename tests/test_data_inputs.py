@@ -119,7 +119,8 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     (tmp_path / "arr.json").write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
     assert data_main(["--input", str(tmp_path / "arr.json"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
-    assert "item 1 is not an object with a string field 'text'" in capsys.readouterr().err
+    assert "item 1 (counting from 0) is not an object with a string field 'text'" in \
+        capsys.readouterr().err
     # a field that is there but is not text is an error, never a silently dropped document
     for name, lines, message in [("num.jsonl", ['{"text": 5}', '{"text": "hello"}'],
                                   "num.jsonl:1: field 'text' is an int, not a string"),
@@ -137,12 +138,38 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "null.parquet")
     assert data_main(["--input", str(tmp_path / "null.parquet"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
-    assert "null.parquet: row 1: column 'text' is null, not a string" in capsys.readouterr().err
+    assert "null.parquet: row 1 (counting from 0): column 'text' is null, not a string" in \
+        capsys.readouterr().err
     # one object spread over lines is not mistaken for JSON Lines: its missing key is named
     (tmp_path / "single.json").write_text(json.dumps({"body": "x"}, indent=2))
     assert data_main(["--input", str(tmp_path / "single.json"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
     assert "single.json: the object has no string field 'text'" in capsys.readouterr().err
+    # records nested in an object, or a struct column: where the text is and how to get it out
+    (tmp_path / "nested.json").write_text(json.dumps({"data": [{"text": "a"}, {"text": "b"}]}))
+    assert data_main(["--input", str(tmp_path / "nested.json"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "its field 'data' holds the records" in capsys.readouterr().err
+    pq.write_table(pa.table({"meta": [{"text": "a b"}]}), tmp_path / "struct.parquet")
+    assert data_main(["--input", str(tmp_path / "struct.parquet"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "'meta' is a struct column holding 'text'" in capsys.readouterr().err
+    # a lone surrogate escape parses as JSON; the tokenizers library raised a TypeError on it
+    for name, text, args in [
+            ("lone.jsonl", '{"text": "ok"}\n{"text": "a \\ud83d b"}\n', []),
+            ("lone.json", '[{"text": "bad \\ud800"}]', []),
+            ("sft.jsonl", '{"prompt": "a \\udc00", "response": "b"}\n',
+             ["--sft-keys", "prompt,response"])]:
+        (tmp_path / name).write_text(text)
+        assert data_main(["--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / "o"), "--no-progress", *args]) == 2
+        err = capsys.readouterr().err
+        assert "holds an unpaired surrogate escape" in err and err.count("\n") == 1, err
+    (tmp_path / "pair.jsonl").write_text('{"text": "\\ud83d\\ude00"}\n')  # a pair is fine
+    assert data_main(["--input", str(tmp_path / "pair.jsonl"), "--output-prefix",
+                      str(tmp_path / "ok"), "--no-progress"]) == 0
+    for ext in (".bin", ".idx", ".json"):
+        os.remove(tmp_path / f"ok{ext}")
     # a tokenized dataset's own file is not text (its .json was read as one missing 'text')
     for ext in (".bin", ".idx", ".json"):
         (tmp_path / f"ds{ext}").write_text("{}")
@@ -403,3 +430,18 @@ def test_a_symbolic_link_to_a_directory_in_the_corpus_is_walked_once(tmp_path):
     (corpus / "loop").symlink_to(corpus, target_is_directory=True)
     docs = [t for t, _ in iter_documents(expand_inputs([str(corpus)]))]
     assert docs == [PARAS[3], *PARAS[:3]]
+
+
+def test_an_empty_sft_record_is_named_as_one(tmp_path, capsys):
+    """A record of an empty prompt and response: the warning blamed the tokenizer's coverage
+    ("tokenizer gpt2 may not cover their text"); it names the records' empty fields."""
+    records = [{"prompt": "", "response": ""}] + [
+        {"prompt": f"Question {i}?", "response": f"Answer {i}."} for i in range(3)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert data_main(["--input", str(tmp_path / "sft.jsonl"), "--output-prefix",
+                      str(tmp_path / "o"), "--sft-keys", "prompt,response", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert ("1 of 4 records tokenized to no ids in either field (only their end-of-document "
+            "token was written): fill or drop the records whose prompt and response are "
+            "empty") in err, err
+    assert "may not cover" not in err

@@ -71,7 +71,7 @@ def test_first_step_loss_equals_transformers_forward_on_the_masked_batch(tmp_pat
     assert ("supervised fine-tuning: 8 records (prompt,completion), one right-padded sample "
             "each, the loss on the responses only; 2 longer than --seq-len + 1 = 33 tokens "
             "truncated at the end; 1 with no response token to learn (a prompt that fills the "
-            "sample); the loss the mean "
+            "sample, or a record of no text); the loss the mean "
             "over the global batch's response tokens (--loss-mean token, TRL's and "
             "torchtune's)") in err, err
 
@@ -158,7 +158,8 @@ def test_the_log_line_names_records_without_a_response_token_only_where_there_ar
     assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
                              f"the end{mean}TRL's and torchtune's)"), notes
     assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end; 1 "
-                             "with no response token to learn (a prompt that fills the sample)"
+                             "with no response token to learn (a prompt that fills the sample, "
+                             "or a record of no text)"
                              f"{mean}TRL's and torchtune's)"), notes
 
 

@@ -511,7 +511,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"with U+FFFD",
                 file=sys.stderr,
             )
-        if stats.get("empty_docs"):
+        if stats.get("empty_docs") and args.sft_keys is not None:
+            print(
+                f"megapar-data: warning: {stats['empty_docs']:,} of "
+                f"{counted(stats['docs'], 'record')} "
+                f"tokenized to no ids in either field (only their end-of-document token was "
+                f"written): fill or drop the records whose {' and '.join(args.sft_keys)} are "
+                f"empty",
+                file=sys.stderr,
+            )
+        elif stats.get("empty_docs"):
             print(
                 f"megapar-data: warning: {stats['empty_docs']:,} of "
                 f"{counted(stats['docs'], 'document')} "

@@ -30,6 +30,9 @@ MAX_INVALID_UTF8 = 0.001
 _ESCAPED = re.compile("[\udc80-\udcff]")
 #: UTF-8's byte-order mark, as Windows tools start a text: not text, dropped where read.
 BOM = b"\xef\xbb\xbf"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate: JSON's ``\\ud83d`` escape parses to one, alone, which is no character
+(the tokenizers library refuses the string)."""
 _CR = re.compile("\r\n?")
 #: Byte-order marks of the wide encodings (UTF-32's first: its little-endian one starts like
 #: UTF-16's), which Windows tools write: such a text is not UTF-8 but mostly decodes as UTF-8,
@@ -530,6 +533,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                             f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; fix "
                             f"the line or pass --jsonl-key naming the text field"
                         )
+                    check_characters(f"{path}:{lineno}", jsonl_key, text)
                     if text.strip():
                         yield text, len(line)
             continue
@@ -557,7 +561,8 @@ def _line_text(path: str, lineno: int, line: bytes | str, key: str):
         )
         raise ValueError(
             f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
-            f"--jsonl-key naming the text field, or add {key!r} to the line{sft}"
+            f"--jsonl-key naming the text field, or add {key!r} to the line"
+            f"{_records_inside(record, key) or sft}"
         )
     return record[key]
 
@@ -664,11 +669,26 @@ def iter_records(files: Sequence[str], keys: Sequence[str]) -> Iterator[tuple[st
                             f"{path}:{lineno}: field {key!r} is {_json_type(record[key])}, "
                             f"not a string; fix the line (--sft-keys reads text fields)"
                         )
+                    check_characters(f"{path}:{lineno}", key, record[key])
                 yield (
                     normalize_newlines(record[keys[0]]),
                     normalize_newlines(record[keys[1]]),
                     len(line),
                 )
+
+
+def check_characters(where: str, field: str, text: str) -> None:
+    """ValueError in one line where the JSON string `text` (field `field` at `where`, e.g.
+    ``FILE:LINE``) holds half of a UTF-16 surrogate pair (an escape such as ``\\ud83d``
+    without its other half): no character, which no tokenizer encodes."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise ValueError(
+            f"{where}: field {field!r} holds an unpaired surrogate escape "
+            f"\\u{ord(found.group()):04x} (half of a UTF-16 pair, not a character) at "
+            f"character {found.start() + 1}; repair the escape (e.g. \\ud83d\\ude00 is one "
+            f"emoji) or delete it"
+        )
 
 
 def _where(e: json.JSONDecodeError) -> str:
@@ -784,9 +804,23 @@ def _json_object_document(path: str, record, key: str) -> Iterator[tuple[str, in
     if not isinstance(record.get(key), str):
         raise ValueError(
             f"{path}: the object has no string field {key!r}; fix it or pass --jsonl-key"
+            f"{_records_inside(record, key)}"
         )
+    check_characters(path, key, record[key])
     if record[key].strip():
         yield record[key], os.path.getsize(path)
+
+
+def _records_inside(record: dict, key: str) -> str:
+    """The hint for a JSON object whose field holds the records (``{"data": [{"text": ...},
+    ...]}``): they must be the file's top-level array or lines; else ""."""
+    for name, value in record.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict) and key in value[0]:
+            return (
+                f"; its field {name!r} holds the records, and megapar reads a top-level array or "
+                f"JSON Lines: write them out, e.g. jq -c '.{name}[]' FILE > FILE.jsonl"
+            )
+    return ""
 
 
 def _json_array_documents(path: str, records: list, key: str) -> Iterator[tuple[str, int]]:
@@ -794,9 +828,10 @@ def _json_array_documents(path: str, records: list, key: str) -> Iterator[tuple[
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
             raise ValueError(
-                f"{path}: item {i} is not an object with a string field {key!r}; "
-                f"fix it or pass --jsonl-key"
+                f"{path}: item {i} (counting from 0) is not an object with a string field "
+                f"{key!r}; fix it or pass --jsonl-key"
             )
+        check_characters(f"{path}: item {i} (counting from 0)", key, record[key])
         if record[key].strip():
             yield record[key], int(size)
 
@@ -821,9 +856,21 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             f"out"
         ) from None
     if key not in file.schema_arrow.names:
+        nested = [
+            f.name
+            for f in file.schema_arrow
+            if pa.types.is_struct(f.type) and f.type.get_field_index(key.split(".")[-1]) >= 0
+        ]
+        inside = (
+            f"; {nested[0]!r} is a struct column holding {key.split('.')[-1]!r}, and only "
+            f"top-level columns are read: flatten the table (pyarrow's table.flatten() names "
+            f"it '{nested[0]}.{key.split('.')[-1]}') and pass that name"
+            if nested
+            else ""
+        )
         raise ValueError(
             f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
-            f"pass --jsonl-key COLUMN"
+            f"pass --jsonl-key COLUMN{inside}"
         )
     kind = file.schema_arrow.field(key).type
     text = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categorical
@@ -849,7 +896,8 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
         for text in batch.column(0).to_pylist():
             if text is None:  # never dropped silently (as a .jsonl line's null)
                 raise ValueError(
-                    f"{path}: row {row}: column {key!r} is null, not a string; fix the file "
+                    f"{path}: row {row} (counting from 0): column {key!r} is null, not a "
+                    f"string; fix the file "
                     f"(drop or fill the row) or pass --jsonl-key naming the text column"
                 )
             row += 1

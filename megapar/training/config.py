@@ -137,7 +137,7 @@ class TrainConfig:
     """Mixture of experts: DeepSeek-V3's auxiliary-loss-free balancing, the step by which each expert's routing bias moves toward a balanced load after every step (0: off). Default: the model config's (0)."""
     # --- data ---
     data: str | list[str] | None = None
-    """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
+    """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl / .json / .parquet file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
     """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json, which needs it given): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
     data_cache: str = "~/.cache/megapar"

@@ -657,7 +657,8 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
     unlabelled = sum(p.unlabelled for p in parts)
     keys = ",".join(indexed.sft_keys)
     left = (  # an empty response still learns its end of text: not counted
-        f"; {unlabelled:,} with no response token to learn (a prompt that fills the sample)"
+        f"; {unlabelled:,} with no response token to learn (a prompt that fills the sample, "
+        f"or a record of no text)"
         if unlabelled
         else ""
     )
