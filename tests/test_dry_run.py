@@ -147,7 +147,7 @@ def _train(argv, capsys):
     return rc, out, err
 
 
-def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
+def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(tmp_path, capsys):
     rc, out, err = _train(["--model", "gpt2-tiny", "--tp", "2", "--pp", "2", "--world-size",
                            "8", "--dry-run", "--zero", "1", "--save", "/cluster/ckpt"], capsys)
     assert rc == 0, err
@@ -166,6 +166,12 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
     assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing
     rc, out, err = _train(["--model", "gpt2-tiny", "--world-size", "1", "--dry-run"], capsys)
     assert rc == 0 and "with 1 shard file," in out, err  # not "1 shard files"
+    # a --model file naming its vocab_size keeps it in the real run too: no such note
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model_type": "gpt2", "n_positions": 128, "n_embd": 64,
+                                 "n_layer": 2, "n_head": 4, "vocab_size": 50304}))
+    rc, out, err = _train(["--model", str(model), "--world-size", "1", "--dry-run"], capsys)
+    assert rc == 0 and "vocabulary of 50,304" not in err and "dry run: the same" not in err, err
     assert "pipeline bubble" not in out  # no pipeline
     assert "per step: nothing\n" in out  # at dp 1 no bucket is reduced (none is named)
 

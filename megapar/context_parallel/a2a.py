@@ -102,7 +102,8 @@ def heads_error(heads: int, cp: int) -> str | None:
         return None
     return (
         f"all-to-all context parallelism gives each cp rank a cp-th of a tp rank's attention "
-        f"heads, and {heads} heads per tp rank do not divide over cp {cp}"
+        f"heads, and {heads} {'head' if heads == 1 else 'heads'} per tp rank "
+        f"{'does' if heads == 1 else 'do'} not divide over cp {cp}"
     )
 
 

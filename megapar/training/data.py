@@ -45,7 +45,7 @@ from megapar.data.inputs import (
 from megapar.data.megatron import is_megatron_index
 from megapar.data.sampler import older_epoch_order
 from megapar.data.tokenizers import hf_dir_tokenizer
-from megapar.models.config import CAUSAL_LM_TYPES
+from megapar.models.config import CAUSAL_LM_TYPES, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.one_line_parser import shell_word, show_progress
 from megapar.training.config import TrainConfig
@@ -478,7 +478,7 @@ def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
     run for real trains on the shipped sample with --tokenizer's: the note saying so where the
     two differ (the real run's model is then of another size); none for a checkpoint's or
     --from-hf's model, whose vocabulary both keep."""
-    if cfg.data is not None or manifest is not None or cfg.from_hf:
+    if cfg.data is not None or manifest is not None or cfg.from_hf or _fixed_vocab(cfg):
         return []
     own, theirs = _own_vocab(cfg, None), load_tokenizer(cfg.tokenizer).vocab_size
     if theirs == own:
@@ -489,6 +489,17 @@ def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
         f"takes in place of its recipe's {own:,} rehearsed here; give --data to rehearse the "
         f"job's"
     ]
+
+
+def _fixed_vocab(cfg: TrainConfig) -> bool:
+    """Whether --model is a config file (or directory) that names its vocab_size, which the
+    real run keeps whatever the tokenizer (a recipe takes the tokenizer's)."""
+    path = os.path.expanduser(cfg.model) if cfg.model else None
+    if path is None or not os.path.exists(path):
+        return False
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    return "vocab_size" in load_config_file(path)
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
