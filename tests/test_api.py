@@ -1214,7 +1214,7 @@ def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
 
     saved = rank_status.use(rank_status.RankStatus())
     rank_status.set_step(5)
-    rank_status.set_action("after step 5")
+    rank_status.set_action("done, before step 6")
     try:
         with pytest.raises(megapar.WorkerError) as info:
             run(_fails_on_rank_1, 2, where)

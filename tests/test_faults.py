@@ -581,6 +581,9 @@ def test_a_rank_killed_while_saving_leaves_no_staging_directory(tmp_path, common
                "--save-interval", "1", "--timeout-s", "20"])
     err = capsys.readouterr().err
     assert rc == 1 and "rank 1 was killed by SIGKILL (9) at step 2, saving" in err, err
+    # and where to resume: the failure line did not say that the save was lost
+    assert (f"; any save in flight is lost; {ckpt}/latest is step_00000001, the checkpoint to "
+            f"resume from (--load {ckpt})") in err, err
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "logs", "step_00000001"]
     assert (ckpt / "latest").read_text().strip() == "step_00000001"
 

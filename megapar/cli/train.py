@@ -341,6 +341,10 @@ def _run(
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
         line, log = _failure_log(cfg, made, text, failed)
         _remove_dead_saves(cfg)
+        saved = _what_is_saved(cfg)
+        if not any(s in line for s in ("before training started", "not saved", "nothing saved")):
+            if saved != "nothing saved":  # where to resume (an async save in flight is lost)
+                line += f"; {saved}"
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"
         if cfg.debug:

@@ -318,7 +318,7 @@ class Engine:
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
         self.step += 1
-        set_action(f"after step {self.step}")
+        set_action(f"done, before step {self.step + 1}")  # read "step S, done, before ..."
         return result
 
     def _compute_s(self, cpu_start: float) -> float:
