@@ -416,3 +416,13 @@ def test_a_compiled_zero_3_job_gathers_its_float8_weights_in_fp32_in_the_plan_an
         for flag in (True, False))
     assert r.gathered == compiled.memory.gathered > eager.memory.gathered  # fp32, not float8
     assert r.peak_gpu == int(compiled.process.total) > int(eager.process.total)
+
+
+def test_a_cpu_plans_command_runs_the_float8_linears_emulated(capsys):
+    """--target cpu --fp8: the command printed lacked --fp8-emulate, which megapar-train needs
+    on a CPU (it refused the command as printed)."""
+    for target, emulated in (("cpu", True), ("gpu", False)):
+        code, out = _plan(capsys, "--fp8", "tensorwise", "--target", target)
+        command = next(line for line in out.out.splitlines() if line.startswith("command: "))
+        assert code == 0 and ("--fp8 tensorwise" in command), out.out
+        assert command.endswith("--fp8-emulate") is emulated, command

@@ -174,6 +174,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         flags.append(f"--fp8 {p.fp8}")
         if p.fp8_layers != "auto":
             flags.append(f"--fp8-layers {p.fp8_layers}")
+        if p.target == "cpu":  # no float8 matmul on a CPU: torchao's emulation
+            flags.append("--fp8-emulate")
     if p.gpus <= p.gpus_per_node:
         head = f"megapar-train --dp {c.dp}"
     else:
