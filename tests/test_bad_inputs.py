@@ -1676,6 +1676,8 @@ STRAY = [
      "unexpected arguments 'a.txt', 'b.txt': pass the input as --input a.txt b.txt"),
     # a misspelt required flag: was "the following arguments are required: --load"
     ("eval", ["--lod", "ck"], "unrecognized arguments: --lod ck; --lod: did you mean --load?"),
+    # another tool's name for it, as megapar-generate knew it (megapar-eval said nothing)
+    ("eval", ["--checkpoint", "ck"], "--checkpoint ck; --checkpoint: did you mean --load?"),
     ("plan", ["llama3-8b"], "unexpected argument 'llama3-8b': pass the model as --model llama3-8b"),
     ("train", ["ck"], "'ck': megapar-train takes no positional arguments; give each value after"),
     ("train", ["--dry-run", "yes"], "unexpected argument 'yes': --dry-run takes no value"),

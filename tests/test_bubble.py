@@ -527,6 +527,13 @@ def test_output_naming_a_directory_is_refused(capsys, tmp_path, no_work, flag):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--plot"])
+def test_an_empty_output_name_is_refused(capsys, no_work, flag):
+    """--trace "" ran and wrote nothing, without a word."""
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, ""]) == 2
+    assert f"{flag} is given an empty file name; give one" in _error_line(capsys)
+
+
 def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--plot",
                  str(tmp_path / "g.txt")]) == 2

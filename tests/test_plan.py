@@ -616,6 +616,8 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     assert code == 1 and line.startswith("no valid layout; most common reasons: global batch "
                                          "1536 is not divisible by dp"), line
     assert "attention heads" not in line and "layouts like it" in line
+    assert line.endswith("; give a --global-batch-size that the dp size wanted divides (each dp "
+                         "rank takes its share of it), or fewer --gpus"), line  # the fix
     code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17")
     assert code == 1 and out.out.startswith("tp8 pp17 mbs1 1f1b rc=none: invalid: --gpus 1024 "
                                             "is not a multiple of tp*pp = 8*17 = 136, so no dp "

@@ -266,6 +266,12 @@ def plot_file(path: str, flag: str = "--plot") -> str:
 def check_output_files(args) -> None:
     """--trace / --plot: files (not directories) in writable directories, checked before any
     work; args.plot becomes the file name matplotlib will actually write."""
+    for flag in OUTPUTS:
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ValueError(
+                f"--{flag} is given an empty file name; give one, e.g. --{flag} "
+                f"{'trace.json' if flag == 'trace' else 'gantt.png'}, or drop --{flag}"
+            )
     if not (args.trace or args.plot):
         return
     from megapar.training.validate import check_writable, names_directory

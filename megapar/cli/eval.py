@@ -84,6 +84,8 @@ IDS_ONLY = ("attention_mask", "token_type_ids")
 """The options only --input-ids reads (--data's BERT samples carry their own)."""
 
 OTHER_FLAGS = {
+    "--checkpoint": "--load",
+    "--ckpt": "--load",
     "--context-parallel-size": "--cp",
     "--parallelism.context_parallel_degree": "--cp",
     "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",

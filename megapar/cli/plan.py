@@ -759,11 +759,18 @@ def _no_valid_layout(args, problem, rejected) -> int:
             f"give sizes that divide --gpus"
         )
         return 1
+    fix = (
+        "; give a --global-batch-size that the dp size wanted divides (each dp rank takes "
+        "its share of it), or fewer --gpus"
+        if common[0][1].startswith("global batch ")
+        else ""
+    )
     print(
         "no valid layout; most common reasons: "
         + "; ".join(
             f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common
         )
+        + fix
     )
     return 1
 
