@@ -6,6 +6,7 @@ logged) or fails with its documented message and exit code 2: never a traceback.
 in-process (their workers are forked from this test process), with a tiny model and 1-5 steps.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -674,7 +675,54 @@ def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(
     assert str(e.value).startswith(lead), str(e.value)
     assert f"resume with {lead.split(' differs')[0].split()[0]} {saved[key]}" in str(e.value)
     assert str(e.value).count("differs") == 1, str(e.value)  # d/a.txt from / is /d/a.txt
-    check_resumable(cfg, manifest, 682)  # the same sample count continues
+    if key != "val_fraction":
+        check_resumable(cfg, manifest, 682)  # the same sample count continues
+        return
+    # another split of as many samples holds out other documents, some trained on (a helper:
+    # --val-fraction 0.052 for 0.051 resumed without a word, 16 of 40 samples other)
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 682)
+    assert str(e.value).startswith("--val-fraction 0.1 differs from the checkpoint's 0.0: it "
+                                   "holds out other documents"), str(e.value)
+    assert "resume with --val-fraction 0.0" in str(e.value)
+    check_resumable(dataclasses.replace(cfg, allow_data_change=True), manifest, 682)
+
+
+def test_a_resume_on_a_blend_of_one_part_names_the_data():
+    """--data "1 PREFIX" for a checkpoint of --data PREFIX (or back): the same tokens drawn in
+    a blend's order; it failed in the worker with the sampler's ValueError ("sampler state has
+    shuffle=True but this sampler has False")."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    manifest = {"meta": {"train_config": {"data": "/d/small", "seed": 1234},
+                         "sampler": {"dataset_len": 87, "global_batch_size": 8, "seed": 1234}}}
+    cfg = TrainConfig(load="ck", global_batch_size=8, seed=1234, data="1 /d/small")
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 87)
+    assert str(e.value).startswith("--data 1 /d/small differs from the checkpoint's /d/small: "
+                                   "a blend draws its samples in another order"), str(e.value)
+    check_resumable(dataclasses.replace(cfg, data="/d/small"), manifest, 87)
+
+
+def test_a_resume_whose_global_batch_moved_the_validation_split_names_the_batch():
+    """The validation split holds out documents until it holds one global batch, so another
+    --global-batch-size can change the training samples: the refusal named --data, --seq-len,
+    --val-fraction and --seed, which had not changed; it names the batch size."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=32, val_fraction=0.05)
+    manifest = {"meta": {"train_config": {"seq_len": 32, "val_fraction": 0.05, "seed": 1234},
+                         "sampler": {"dataset_len": 87, "global_batch_size": 8, "seed": 1234}}}
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 81)
+    assert str(e.value).startswith("--global-batch-size 16 (the checkpoint's 8) changes the "
+                                   "validation split"), str(e.value)
+    assert "resume with --global-batch-size 8, or train with --val-fraction 0" in str(e.value)
+    check_resumable(cfg, manifest, 87)  # where the split held: the order continues at 16
 
 
 def test_a_resume_refused_for_its_seed_names_it_and_offers_no_allow_data_change():

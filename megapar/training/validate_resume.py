@@ -551,6 +551,35 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         for k in ours
         if k in state and state[k] != ours[k] and not (k == "dataset_len" and cfg.allow_data_change)
     ]
+    trained = ((manifest.get("meta") or {}).get("train_config") or {}).get("data")
+    if (
+        not cfg.allow_data_change
+        and trained is not None
+        and cfg.data is not None
+        and (parse_blend(trained) is None) != (parse_blend(cfg.data) is None)
+    ):  # a blend of one part is the same tokens in the blend's order, not the dataset's
+        raise UsageError(
+            f"{named(cfg, 'data')} differs from the checkpoint's {_shown(trained)}: "
+            f"{'a blend' if parse_blend(cfg.data) else 'one dataset'} draws its samples in "
+            f"another order than {'one dataset' if parse_blend(cfg.data) else 'a blend'}, so "
+            f"--load {cfg.load} cannot continue its data order; resume with --data "
+            f"{_shown(trained)} (or leave it out: the checkpoint's is taken), or pass "
+            f"--allow-data-change to continue on this order on purpose"
+        )
+    recorded = ((manifest.get("meta") or {}).get("train_config") or {}).get("val_fraction")
+    if (
+        not diff
+        and not cfg.allow_data_change
+        and recorded is not None
+        and not _same_value("val_fraction", recorded, cfg.val_fraction)
+    ):  # another split of as many samples: other documents (some trained on now held out)
+        raise UsageError(
+            f"{named(cfg, 'val_fraction')} differs from the checkpoint's "
+            f"{_shown(recorded)}: it holds out other documents than --load {cfg.load} did (some "
+            f"it trained on), so its data order cannot continue; resume with --val-fraction "
+            f"{_shown(recorded)} (or leave it out: the checkpoint's is taken), or pass "
+            f"--allow-data-change to continue on this split on purpose"
+        )
     if diff:
         shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
         other = (
@@ -581,6 +610,15 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
                 f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
                 f"resume with {back} (or leave {'them' if len(changed) > 1 else 'it'} out: the "
                 f"checkpoint's is taken){other}"
+            )
+        batch = state.get("global_batch_size")
+        if diff == ["dataset_len"] and batch is not None and batch != cfg.global_batch_size:
+            raise UsageError(  # the validation split grew (or shrank) to hold one batch
+                f"--global-batch-size {cfg.global_batch_size} (the checkpoint's {batch}) changes "
+                f"the validation split, which holds out whole documents until it holds one "
+                f"global batch: --load {cfg.load} cannot continue its data order ({shown}); "
+                f"resume with --global-batch-size {batch}, or train with --val-fraction 0"
+                f"{other}"
             )
         raise UsageError(
             f"--load {cfg.load} cannot continue its data order: {shown}; resume "
