@@ -561,10 +561,11 @@ ARRIVED_KEY = "megapar/arrived"
 """The rendezvous store's key prefix of the ranks that reached it (`_never_arrived`)."""
 
 
-def _never_arrived(store, world_size: int, said: str) -> str:
-    """The ranks whose key under `ARRIVED_KEY` is not in `store` ("ranks 2, 3"); without a store
-    (torch's rendezvous itself timed out: `said`, "1/2 clients joined") how many; "" where
-    neither can say (the store is gone, or every rank arrived and a later wait failed)."""
+def _never_arrived(store, world_size: int, said: str, first: int = 0) -> str:
+    """The ranks from `first` on whose key under `ARRIVED_KEY` is not in `store` ("ranks 2,
+    3"; `first` 1 where rank 0 holds the store, so is there); without a store (torch's
+    rendezvous itself timed out: `said`, "1/2 clients joined") how many; "" where neither can
+    say (the store is gone, or every rank arrived and a later wait failed)."""
     if store is None:
         counted = re.search(r"(\d+)/(\d+) clients joined", said)
         if counted is None:
@@ -572,7 +573,7 @@ def _never_arrived(store, world_size: int, said: str) -> str:
         came, all_ = int(counted.group(1)), int(counted.group(2))
         return f"{all_ - came} of the {all_}"
     try:
-        absent = [r for r in range(world_size) if not store.check([f"{ARRIVED_KEY}/{r}"])]
+        absent = [r for r in range(first, world_size) if not store.check([f"{ARRIVED_KEY}/{r}"])]
     except Exception:  # noqa: BLE001 - the store itself failed: say nothing of the ranks
         return ""
     if not absent:
@@ -743,6 +744,9 @@ def init_distributed(
     set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
     # the launcher's own workers are watched by it; a rank of torchrun's or srun's waits alone
     joined = waiting_notice(rank, world_size, wait) if store is None else threading.Event()
+    # env:// outside torchrun: rank 0's process holds the store, and waits in its own
+    # rendezvous for every client (setting no key): a store that answers is rank 0 there
+    rank0_store = store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             addr, port = os.environ["MASTER_ADDR"], _master_port()
@@ -764,7 +768,7 @@ def init_distributed(
         if world_size > 1:  # every rank leaves the join together (a launcher's or torchrun's)
             _all_joined(store, world_size, wait)
     except dist.DistStoreError as exc:  # the store's own words name only keys
-        absent = _never_arrived(store, world_size, str(exc))
+        absent = _never_arrived(store, world_size, str(exc), 1 if rank0_store else 0)
         raise TimeoutError(
             f"rank {rank} waited {wait:g} s for all {world_size} ranks to join the process "
             f"group; {absent or 'some'} never did (a process that was refused, crashed or "

@@ -1,4 +1,5 @@
 import math
+import os
 import sys
 import time
 
@@ -325,6 +326,40 @@ def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous, wa
     assert message.startswith(f"TimeoutError: rank 0 waited {wait_s:g} s for all 2 ranks to "
                               f"join the process group; {absent} never did"), message
     assert "give every node the same command" in message and "--timeout-s" in message
+
+
+def _join_by_hand(port, out, rank, wait_s):
+    """Rank `rank` of 3 started by hand (RANK / WORLD_SIZE / MASTER_* as a Slurm script sets
+    them, no torchrun): rank 0's process holds the env:// store."""
+    from megapar import device
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        device.init_distributed(rank=rank, world_size=3, timeout_s=wait_s)
+        out.put((rank, "joined"))
+    except Exception as exc:  # noqa: BLE001 - the message is the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_ranks_started_by_hand_name_only_the_rank_that_never_came():
+    """Ranks 0 and 1 of 3 started by hand, rank 2 never: rank 1 said "ranks 0, 2 never did",
+    though rank 0 was there (its process holds the store and waits in torch's rendezvous, so
+    it marks no arrival); rank 0 itself can only count."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    ctx, port = mp.get_context("fork"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_join_by_hand, args=(port, out, r, 3)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    said = dict(out.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert "; rank 2 never did" in said[1], said[1]
+    assert "; 1 of the 3 never did" in said[0], said[0]
 
 
 def _compare_settings(same):

@@ -195,10 +195,12 @@ its waits); every other one must be rank 0's (`check_same_settings`)."""
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
     if under_launcher():  # nodes started with other flags would build other groups
+        # --dp not given is the world size's share: a --tp that differs is named, not it
+        derived = set() if "dp" in explicit(cfg) else {"dp"}
         settings = {
             "--" + f.name.replace("_", "-"): getattr(cfg, f.name)
             for f in fields(cfg)
-            if f.name not in PER_NODE_SETTINGS
+            if f.name not in PER_NODE_SETTINGS | derived
         }
         check_same_settings(settings, cfg.timeout_s, "megapar-train flags")
     restore = install_stop_handlers(cfg.exit_signals)
