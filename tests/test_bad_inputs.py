@@ -1573,6 +1573,9 @@ OTHER_TOOLS = [
     # megapar-eval's "--fp8: did you mean --tp?", or nothing
     ("train", ["--model.converters", "float8", "--float8.recipe_name", "rowwise"],
      "--float8.recipe_name: did you mean --fp8 tensorwise or rowwise (torchao's recipes"),
+    # Transformer Engine's delayed scaling: said to be none (it named the recipes alone)
+    ("train", ["--fp8-recipe", "delayed"], "and no delayed scaling: the scales are each "
+     "tensor's current amax"),
     ("train", ["--float8"], "--float8: did you mean --fp8 tensorwise (or rowwise"),
     ("train", ["--quantize.linear.float8.enable_fsdp_float8_all_gather"],
      "megapar's --zero 3 gathers the --fp8 tensorwise linears' weights as float8 bytes"),

@@ -105,7 +105,8 @@ LAUNCHER_RANK = (
 )
 FP8_ON = "--fp8 tensorwise (or rowwise; megapar converts the blocks' linears itself)"
 FP8_RECIPE = (
-    "--fp8 tensorwise or rowwise (torchao's recipes of those names; not rowwise_with_gw_hp)"
+    "--fp8 tensorwise or rowwise (torchao's recipes of those names; not rowwise_with_gw_hp, "
+    "and no delayed scaling: the scales are each tensor's current amax)"
 )
 FP8_FILTER = (
     "megapar has no per-module float8 filter: --fp8-layers auto keeps the linears torchao's size "
