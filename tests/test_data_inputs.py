@@ -159,7 +159,10 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
             ("lone.jsonl", '{"text": "ok"}\n{"text": "a \\ud83d b"}\n', []),
             ("lone.json", '[{"text": "bad \\ud800"}]', []),
             ("sft.jsonl", '{"prompt": "a \\udc00", "response": "b"}\n',
-             ["--sft-keys", "prompt,response"])]:
+             ["--sft-keys", "prompt,response"]),
+            # trained on: sentencepiece wrapped it as its own failure ("a smaller --vocab-size")
+            ("sp.jsonl", '{"text": "ok text"}\n{"text": "a \\ud83d b"}\n',
+             ["--train-tokenizer", "sentencepiece", "--vocab-size", "50"])]:
         (tmp_path / name).write_text(text)
         assert data_main(["--input", str(tmp_path / name), "--output-prefix",
                           str(tmp_path / "o"), "--no-progress", *args]) == 2

@@ -245,7 +245,10 @@ def preprocess_files(
                     f"nothing written; run again, with fewer --workers than {workers} if memory "
                     f"is short"
                 ) from None
-            finally:  # on an error the queued batches are dropped; the running ones finish
+            except BaseException:  # an error, Ctrl-C, SIGTERM: the batches under way are
+                _end_workers(pool)  # not waited for (seconds each on a large input)
+                raise
+            finally:
                 pool.shutdown(cancel_futures=True)
         bar.n = total
         bar.close()
@@ -262,6 +265,18 @@ def preprocess_files(
                 f"written"
             )
         return builder.finalize()
+
+
+def _end_workers(pool: ProcessPoolExecutor) -> None:
+    """End `pool`'s workers now (SIGTERM), the batches they run dropped: Python 3.14's
+    ``terminate_workers``, else the same on the pool's processes (its shutdown then finds
+    them gone)."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def _ordered_bounded(pool: ProcessPoolExecutor, batches, window: int):
@@ -333,11 +348,17 @@ def train_sentencepiece(
         raise ValueError(f"--vocab-size {vocab_size} is invalid: it must be >= 1")
     files = expand_inputs(inputs)
 
+    failed: list[BaseException] = []  # the inputs' own error, which sentencepiece would wrap
+
     def sentences() -> Iterator[str]:
-        for text, _ in iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8):
-            for line in text.splitlines():
-                if line.strip():
-                    yield line
+        try:
+            for text, _ in iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8):
+                for line in text.splitlines():
+                    if line.strip():
+                        yield line
+        except ValueError as e:  # a bad input, named in one line (not a trainer's failure)
+            failed.append(e)
+            raise
 
     buf = io.BytesIO()
     try:
@@ -353,6 +374,8 @@ def train_sentencepiece(
             hard_vocab_limit=True,
         )
     except RuntimeError as e:
+        if failed:
+            raise failed[0] from None
         raise ValueError(_sentencepiece_error(str(e), vocab_size)) from None
     path = os.fspath(model_prefix) + ".model"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
