@@ -172,6 +172,12 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(tmp_path, capsys):
                                  "n_layer": 2, "n_head": 4, "vocab_size": 50304}))
     rc, out, err = _train(["--model", str(model), "--world-size", "1", "--dry-run"], capsys)
     assert rc == 0 and "vocabulary of 50,304" not in err and "dry run: the same" not in err, err
+    # ... unless the sample's tokenizer needs more ids than it names: the real run refuses
+    model.write_text(json.dumps({"model_type": "gpt2", "n_positions": 128, "n_embd": 64,
+                                 "n_layer": 2, "n_head": 4, "vocab_size": 512}))
+    rc, out, err = _train(["--model", str(model), "--world-size", "1", "--dry-run"], capsys)
+    assert rc == 0 and ("which needs 50,257 token ids, and is refused: the model config "
+                        f"{model} has vocab_size 512") in err, err
     assert "pipeline bubble" not in out  # no pipeline
     assert "per step: nothing\n" in out  # at dp 1 no bucket is reduced (none is named)
 

@@ -154,6 +154,8 @@ def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, c
     assert len(hf) == ours.vocab_size <= model.config.vocab_size
     assert hf.eos_token_id == ours.eod_id
     assert hf.convert_tokens_to_ids("[MASK]") == ours.mask_id
+    if name == "transformers directory (bert wordpiece)":  # kept as the plain tokenizer's
+        assert hf.unk_token == "[UNK]" and "token_type_ids" not in hf("a")
     prompt = hf("To be, or not to be", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     with torch.no_grad():

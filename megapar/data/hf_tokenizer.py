@@ -493,7 +493,7 @@ def _as_causal(hf, tok: Tokenizer):
         if isinstance(before, processors.ByteLevel)
         else template
     )
-    plain = PreTrainedTokenizerFast(tokenizer_object=backend)
+    plain = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=hf.unk_token)
     plain.model_input_names = ["input_ids", "attention_mask"]
     return plain
 

@@ -478,28 +478,47 @@ def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
     run for real trains on the shipped sample with --tokenizer's: the note saying so where the
     two differ (the real run's model is then of another size); none for a checkpoint's or
     --from-hf's model, whose vocabulary both keep."""
-    if cfg.data is not None or manifest is not None or cfg.from_hf or _fixed_vocab(cfg):
+    if cfg.data is not None or manifest is not None or cfg.from_hf:
         return []
-    own, theirs = _own_vocab(cfg, None), load_tokenizer(cfg.tokenizer).vocab_size
+    own, tokenizer = _own_vocab(cfg, None), load_tokenizer(cfg.tokenizer)
+    if _fixed_vocab(cfg):  # kept by the real run too, unless the sample's tokenizer needs more
+        config = recipe(cfg.model)
+        needed = (
+            causal_rows(tokenizer) if config.model_type in CAUSAL_LM_TYPES else tokenizer.vocab_size
+        )
+        if needed <= own:
+            return []
+        return [
+            f"dry run: the same command without --dry-run trains on megapar's shipped sample, "
+            f"tokenized with --tokenizer {cfg.tokenizer}, which needs {needed:,} token ids, "
+            f"and is refused: the model config {cfg.model} has vocab_size {own:,}; give --data "
+            f"tokenized with the model's tokenizer (and --tokenizer)"
+        ]
+    theirs = tokenizer.vocab_size
     if theirs == own:
         return []
+    whose = "its config's default" if _model_file(cfg) else "its recipe's"
     return [
         f"dry run: the same command without --dry-run trains on megapar's shipped sample, "
         f"tokenized with --tokenizer {cfg.tokenizer}, whose vocabulary of {theirs:,} the model "
-        f"takes in place of its recipe's {own:,} rehearsed here; give --data to rehearse the "
+        f"takes in place of {whose} {own:,} rehearsed here; give --data to rehearse the "
         f"job's"
     ]
+
+
+def _model_file(cfg: TrainConfig) -> str | None:
+    """--model's config file (a directory's config.json), or None for a recipe's name."""
+    path = os.path.expanduser(cfg.model) if cfg.model else None
+    if path is None or not os.path.exists(path):
+        return None
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
 def _fixed_vocab(cfg: TrainConfig) -> bool:
     """Whether --model is a config file (or directory) that names its vocab_size, which the
     real run keeps whatever the tokenizer (a recipe takes the tokenizer's)."""
-    path = os.path.expanduser(cfg.model) if cfg.model else None
-    if path is None or not os.path.exists(path):
-        return False
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    return "vocab_size" in load_config_file(path)
+    path = _model_file(cfg)
+    return path is not None and "vocab_size" in load_config_file(path)
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
