@@ -493,3 +493,23 @@ def test_an_exports_tokenizer_reads_a_written_out_special_token_as_transformers_
         assert ours.encode(text) == hf(text, add_special_tokens=False)["input_ids"], text
     assert ours.encode("there<|endoftext|>after") == [8117, 50256, 8499]
     assert load_tokenizer("gpt2").encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+
+
+def test_a_text_ending_in_the_eos_ends_with_it_once(tmp_path):
+    """A text (or an SFT record's response) whose last token is the EOS written out, which a
+    tokenizer.json encodes as the EOS: the document got a second EOS after it (data.md: the
+    EOS follows "unless that ends with it"), so an SFT model learned EOS after EOS."""
+    directory = _wordpiece_dir(tmp_path, with_mask=True)  # [SEP] (3) ends documents
+    tok = load_tokenizer(directory)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "the king [SEP]"}) + "\n"
+                                      + json.dumps({"text": "the king"}) + "\n")
+    (tmp_path / "r.jsonl").write_text(json.dumps({"prompt": "the", "response": "king [SEP]"})
+                                      + "\n")
+    for name, args in (("t", []), ("r", ["--sft-keys", "prompt,response"])):
+        assert data_main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
+                          str(tmp_path / name), "--tokenizer", directory, "--no-progress",
+                          *args]) == 0
+    king = tok.encode("the king")
+    ds = IndexedDataset(str(tmp_path / "t"))
+    assert ds.doc(0).tolist() == ds.doc(1).tolist() == king + [tok.eod_id]
+    assert IndexedDataset(str(tmp_path / "r")).doc(0).tolist() == king + [tok.eod_id]

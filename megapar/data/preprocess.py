@@ -301,7 +301,8 @@ def _consume(
     sft: bool = False,
     eod_id: int | None = None,
 ) -> None:
-    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows);
+    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows,
+    unless the text ends with it already: then that one ends it, as transformers encodes it);
     count into ``stats["empty_docs"]`` those that tokenized to no ids, and into
     ``stats["eod_inside"]`` those holding `eod_id` before their end (a tokenizer.json encodes
     the text of its special token as the token, as transformers does). `sft`: each batch is
@@ -313,6 +314,11 @@ def _consume(
             stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
                 1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
             )
+        if eod_id is not None:  # a text (a record's response) ending in the EOS's text: the
+            first = len(encoded) // 2 if sft else 0  # builder's EOS is that one
+            encoded = encoded[:first] + [
+                e[:-1] if e and e[-1] == eod_id else e for e in encoded[first:]
+            ]
         if sft:
             half = len(encoded) // 2
             for prompt, response in zip(encoded[:half], encoded[half:]):
