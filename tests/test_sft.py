@@ -286,7 +286,7 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
     (["--data", "{good}", "--model", "gpt2-tiny"],  # records, --sft-keys forgotten
      "the object has no field 'text' (its fields: 'prompt', 'response'); pass --jsonl-key "
      "naming the text field, or add 'text' to the line; or, for prompt / response records, "
-     "--sft-keys prompt,response to train on the responses"),
+     "--sft-keys prompt,response to read them as records (the loss on the responses only)"),
     (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
      "blends prompt / response records"),
 ])

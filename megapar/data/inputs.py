@@ -555,7 +555,8 @@ def _line_text(path: str, lineno: int, line: bytes | str, key: str):
         fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
         pair = _pair_keys(record)
         sft = (
-            f"; or, for prompt / response records, --sft-keys {pair} to train on the responses"
+            f"; or, for prompt / response records, --sft-keys {pair} to read them as records "
+            f"(the loss on the responses only)"
             if pair
             else ""
         )
