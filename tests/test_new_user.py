@@ -839,3 +839,21 @@ def test_a_raised_max_steps_stretches_the_lr_schedule(texts, cache, tiny_model, 
     for step, lr in lrs.items():
         assert lr == pytest.approx(expected.lr(step - 1), rel=1e-6)
     assert lrs[4] > 2e-4  # mid-decay, not the floor
+
+
+def test_a_resume_with_another_loss_mean_says_so():
+    """--loss-mean microbatch on a checkpoint trained with token means: allowed, but it
+    changed the loss's scale without a word (another learning-rate schedule is noted)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    manifest = {"meta": {"train_config": {"loss_mean": "token", "seq_len": 32}}}
+    cfg = TrainConfig(load="ck", loss_mean="microbatch")
+    cfg.explicit = frozenset({"load", "loss_mean"})
+    notes = settings_from_checkpoint(cfg, manifest)
+    assert any(n.startswith("--loss-mean microbatch differs from the checkpoint's token: from "
+                            "here the loss is the mean over each micro-batch") for n in notes), notes
+    cfg = TrainConfig(load="ck")
+    cfg.explicit = frozenset({"load"})
+    notes = settings_from_checkpoint(cfg, manifest)  # taken from the checkpoint: no such note
+    assert cfg.loss_mean == "token" and not any("differs" in n for n in notes), notes

@@ -429,6 +429,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     and one saying that the default tokenizer is used where the checkpoint records none."""
     saved = _with_recorded_tokenizer(manifest)
     given, taken, inherited = explicit(cfg), [], set()
+    explicit_before = set(given)
     for f in dataclasses.fields(cfg):
         name = f.name
         if name in NOT_INHERITED or name in given or name not in saved:
@@ -453,6 +454,13 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
     notes = [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+    if "loss_mean" in explicit_before and saved.get("loss_mean") not in (None, cfg.loss_mean):
+        notes.append(  # allowed (a fine-tuning choice), but never silently
+            f"--loss-mean {cfg.loss_mean} differs from the checkpoint's {saved['loss_mean']}: "
+            f"from here the loss is the mean over "
+            f"{'its tokens' if cfg.loss_mean == 'token' else 'each micro-batch, then those'}"
+            f", so its scale and the gradients' weighting change"
+        )
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if "tokenizer" not in given and not (isinstance(recorded, dict) and recorded.get("sha256")):
         notes.append(  # as --from-hf's note where its directory holds none
