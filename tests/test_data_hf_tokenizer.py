@@ -513,3 +513,24 @@ def test_a_text_ending_in_the_eos_ends_with_it_once(tmp_path):
     ds = IndexedDataset(str(tmp_path / "t"))
     assert ds.doc(0).tolist() == ds.doc(1).tolist() == king + [tok.eod_id]
     assert IndexedDataset(str(tmp_path / "r")).doc(0).tolist() == king + [tok.eod_id]
+
+
+def test_an_eos_found_by_its_usual_name_is_named_in_a_note(tmp_path, capsys):
+    """A tokenizer_config.json naming no eos_token: megapar takes an <|endoftext|> (or </s>,
+    ...) of the vocabulary as the end of document, where transformers has none; it did so
+    without a word."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:5000])
+    assert data_main(["--train-tokenizer", "bpe", "--vocab-size", "300", "--input", str(text),
+                      "--output-prefix", str(tmp_path / "bpe"), "--no-progress"]) == 0
+    directory = tmp_path / "bpe-tokenizer"
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token", "unk_token"):
+        config.pop(key, None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert data_main(["--input", str(text), "--output-prefix", str(tmp_path / "again"),
+                      "--tokenizer", str(directory), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (f"tokenizer {directory} names no eos_token in its tokenizer_config.json; its "
+            "'<|endoftext|>' (id 0) ends each document") in err, err

@@ -528,6 +528,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"tokenizer {tokenizer} may not cover their text",
                 file=sys.stderr,
             )
+        if stats.get("eod_guessed"):
+            name, tid = stats["eod_guessed"]
+            print(
+                f"megapar-data: note: tokenizer {tokenizer} names no eos_token in its "
+                f"tokenizer_config.json; its {name!r} (id {tid}) ends each document, as the "
+                f"usual name of one (transformers' eos_token_id is None for it: set eos_token "
+                f"there to say so)",
+                file=sys.stderr,
+            )
         if stats.get("eod_inside"):
             print(
                 f"megapar-data: note: {stats['eod_inside']:,} of "

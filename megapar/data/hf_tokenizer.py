@@ -130,6 +130,13 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
         if t.special
     ]
     tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
+    # an EOS found by its usual name where tokenizer_config.json names none (transformers then
+    # has no eos_token): megapar-data says which token ends the documents
+    tok.eod_guessed = (
+        backend.id_to_token(eos)
+        if names.get("eos_token") is None and backend.id_to_token(eos) in COMMON_EOS
+        else None
+    )
     _check_encodes_text(directory, backend, set(special) | set(present.values()))
     named = find("bos_token", COMMON_BOS)
     tok.named_bos_id = named if named is not None and named != eos else None

@@ -170,6 +170,8 @@ def preprocess_files(
     if workers is None:
         workers = min(8, cpu_cores()) if total > POOL_THRESHOLD_BYTES else 1
     stats = {} if stats is None else stats
+    if tok.eod_guessed:
+        stats["eod_guessed"] = (tok.eod_guessed, tok.eod_id)
     workers = min(workers, cpu_cores())  # more only thrash (and the output is the same)
     report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
     batches = (

@@ -94,6 +94,9 @@ class Tokenizer:
     #: The BOS a transformers tokenizer's configs name (or a conventional ``<s>`` of its
     #: vocabulary), whether or not a document starts with it (`bos_id`).
     named_bos_id: int | None = None
+    #: The end-of-document token's name where a transformers tokenizer's configs name no
+    #: ``eos_token`` and it was found by a usual name (``<|end_of_text|>``, ...); else None.
+    eod_guessed: str | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
