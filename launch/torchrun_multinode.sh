@@ -12,7 +12,7 @@
 # (needs tp*dp <= NPROC_PER_NODE for that). Extra torchrun flags can go
 # in TORCHRUN_ARGS (e.g. TORCHRUN_ARGS="--max-restarts 0"). Signal every node's torchrun: one
 # node's alone stops the job (the ranks save and exit 0), and the others wait 300 s in torch's
-# exit barrier for it (TORCHRUN_ARGS="--exit-barrier-timeout 30" shortens that), then exit 0.
+# exit barrier for it (torchrun has no flag to shorten that), then exit 0.
 set -euo pipefail
 die() { echo "torchrun_multinode.sh: error: $*" >&2; exit 2; }
 number='^[0-9]+$'

@@ -583,8 +583,9 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
     ):  # another split of as many samples: other documents (some trained on now held out)
         raise UsageError(
             f"{named(cfg, 'val_fraction')} differs from the checkpoint's "
-            f"{_shown(recorded)}: it holds out other documents than --load {cfg.load} did (some "
-            f"it trained on), so its data order cannot continue; resume with --val-fraction "
+            f"{_shown(recorded)}: it can hold out other documents than --load {cfg.load} did "
+            f"(some it trained on), so its data order is not known to continue; resume with "
+            f"--val-fraction "
             f"{_shown(recorded)} (or leave it out: the checkpoint's is taken), or pass "
             f"--allow-data-change to continue on this split on purpose"
         )
@@ -625,7 +626,8 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
                 f"--global-batch-size {cfg.global_batch_size} (the checkpoint's {batch}) changes "
                 f"the validation split, which holds out whole documents until it holds one "
                 f"global batch: --load {cfg.load} cannot continue its data order ({shown}); "
-                f"resume with --global-batch-size {batch}, or train with --val-fraction 0"
+                f"resume with --global-batch-size {batch} (a run trained with --val-fraction 0 has "
+                f"no split to move)"
                 f"{other}"
             )
         raise UsageError(
