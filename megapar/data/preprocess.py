@@ -316,8 +316,10 @@ def _consume(
             stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
                 1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
             )
-        if eod_id is not None:  # a text (a record's response) ending in the EOS's text: the
-            first = len(encoded) // 2 if sft else 0  # builder's EOS is that one
+        if eod_id is not None:
+            # a text (a record's response: the second half) ending in the EOS written out ends
+            # with that one: the builder adds it back
+            first = len(encoded) // 2 if sft else 0
             encoded = encoded[:first] + [
                 e[:-1] if e and e[-1] == eod_id else e for e in encoded[first:]
             ]
