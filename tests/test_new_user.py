@@ -852,7 +852,8 @@ def test_a_resume_with_another_loss_mean_says_so():
     cfg.explicit = frozenset({"load", "loss_mean"})
     notes = settings_from_checkpoint(cfg, manifest)
     assert any(n.startswith("--loss-mean microbatch differs from the checkpoint's token: from "
-                            "here the loss is the mean over each micro-batch") for n in notes), notes
+                            "here the loss is the mean of the micro-batches' means")
+               for n in notes), notes
     cfg = TrainConfig(load="ck")
     cfg.explicit = frozenset({"load"})
     notes = settings_from_checkpoint(cfg, manifest)  # taken from the checkpoint: no such note

@@ -455,11 +455,14 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
     notes = [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
     if "loss_mean" in explicit_before and saved.get("loss_mean") not in (None, cfg.loss_mean):
+        now = (
+            "the mean over the batch's labelled tokens"
+            if cfg.loss_mean == "token"
+            else "the mean of the micro-batches' means"
+        )
         notes.append(  # allowed (a fine-tuning choice), but never silently
             f"--loss-mean {cfg.loss_mean} differs from the checkpoint's {saved['loss_mean']}: "
-            f"from here the loss is the mean over "
-            f"{'its tokens' if cfg.loss_mean == 'token' else 'each micro-batch, then those'}"
-            f", so its scale and the gradients' weighting change"
+            f"from here the loss is {now}, so its scale and the gradients' weighting change"
         )
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if "tokenizer" not in given and not (isinstance(recorded, dict) and recorded.get("sha256")):
