@@ -235,6 +235,13 @@ class OneLineParser(argparse.ArgumentParser):
                 continue
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
             longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []
+            theirs = {  # another tool's flag cut short: `--checkp` is `--checkpoint` (`--load`)
+                self.known_as[k]
+                for k in self.known_as
+                if flag.startswith("--") and k.startswith(flag) and self.known_as[k][:2] == "--"
+            }
+            if not longer and len(theirs) == 1:
+                longer = list(theirs)
             if len(longer) == 1:  # cut short (no abbreviations): `--out` is `--output-prefix`
                 close = longer
             if close:

@@ -1681,6 +1681,7 @@ STRAY = [
     ("eval", ["--lod", "ck"], "unrecognized arguments: --lod ck; --lod: did you mean --load?"),
     # another tool's name for it, as megapar-generate knew it (megapar-eval said nothing)
     ("eval", ["--checkpoint", "ck"], "--checkpoint ck; --checkpoint: did you mean --load?"),
+    ("eval", ["--checkp", "ck"], "--checkp ck; --checkp: did you mean --load?"),  # was --cp
     ("plan", ["llama3-8b"], "unexpected argument 'llama3-8b': pass the model as --model llama3-8b"),
     ("train", ["ck"], "'ck': megapar-train takes no positional arguments; give each value after"),
     ("train", ["--dry-run", "yes"], "unexpected argument 'yes': --dry-run takes no value"),
