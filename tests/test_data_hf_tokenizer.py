@@ -523,6 +523,9 @@ def test_an_eos_found_by_its_usual_name_is_named_in_a_note(tmp_path, capsys):
     text.write_text(TEXT[:5000])
     assert data_main(["--train-tokenizer", "bpe", "--vocab-size", "300", "--input", str(text),
                       "--output-prefix", str(tmp_path / "bpe"), "--no-progress"]) == 0
+    # the size trained and the dataset's (it said "vocab size 304" alone, for 300 asked)
+    assert ("tokenizer.json (300 ids; the dataset's vocabulary adds [PAD] [CLS] [SEP] [MASK], "
+            "which megapar appends") in capsys.readouterr().err
     directory = tmp_path / "bpe-tokenizer"
     config = json.loads((directory / "tokenizer_config.json").read_text())
     for key in ("eos_token", "bos_token", "unk_token"):

@@ -393,7 +393,19 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
             info=info,
         )
         trained.append(tokenizer)
-        print(f"trained {TRAINS[args.train_tokenizer]} {tokenizer}/tokenizer.json", file=sys.stderr)
+        from megapar.data.tokenizers import load_tokenizer
+
+        appended = load_tokenizer(tokenizer).appended  # what the dataset's vocabulary adds
+        adds = (
+            f" ({info.get('vocab_size', args.vocab_size):,} ids; the dataset's vocabulary adds "
+            f"{' '.join(appended)}, which megapar appends where a tokenizer lacks them)"
+            if appended
+            else ""
+        )
+        print(
+            f"trained {TRAINS[args.train_tokenizer]} {tokenizer}/tokenizer.json{adds}",
+            file=sys.stderr,
+        )
         if args.train_tokenizer == "wordpiece":
             print(
                 f"megapar-data: note: the tokenizers library's WordPiece training is not "
