@@ -104,6 +104,24 @@ def test_a_part_weighted_0_is_left_out_as_in_megatron(parts, tmp_path, capfd):
     assert _losses(off) == _losses(ref)
 
 
+def test_a_part_given_twice_is_noted(parts):
+    """--data 0.7 A 0.3 A trained without a word, drawing A's samples by two independent
+    orders (megapar-data refuses a file given twice)."""
+    from megapar.training.config import parse_args
+    from megapar.training.data import build_datasets
+
+    (a, b), model = parts
+    cfg = parse_args(["--data", "0.6", a, "0.2", b, "0.2", a, "--tokenizer", "sentencepiece",
+                      "--model", model, "--seq-len", "32", "--global-batch-size", "8",
+                      "--val-fraction", "0"])
+    notes: list[str] = []
+    build_datasets(cfg, a, "gpt2", notes)
+    twice = [n for n in notes if "given more than once" in n]
+    assert twice == [f"{a}: given more than once in --data, so its samples are drawn by as many "
+                     f"independent orders (some twice before others once); give it once with "
+                     f"the weights summed to draw each sample once per pass"], notes
+
+
 def test_a_blend_of_two_tokenizers_of_one_size_is_refused(tmp_path):
     """Parts made with different tokenizers of the same vocabulary size and end-of-document id
     (the two botchan SentencePiece models of 1,000 pieces; here GPT-2's BPE and one with two

@@ -643,6 +643,13 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
             for name in unweighted_parts(cfg.data)
         )
         notes.extend(part_notes)
+        twice = [n for i, n in enumerate(names) if n in names[:i] or prefixes[i] in prefixes[:i]]
+        notes.extend(  # allowed, as Megatron allows it: two independent draws of one dataset
+            f"{name}: given more than once in --data, so its samples are drawn by as many "
+            f"independent orders (some twice before others once); give it once with the "
+            f"weights summed to draw each sample once per pass"
+            for name in dict.fromkeys(twice)
+        )
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
     return train, val
 
