@@ -197,7 +197,7 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
             yield [f"document {i}"], 10
 
     with ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), initializer=_worker_init,
-                             initargs=("sentencepiece",)) as pool:
+                             initargs=("sentencepiece", os.getpid())) as pool:
         results = _ordered_bounded(pool, batches(), window=4)
         first = next(results)
         assert len(read) <= 5, len(read)  # not the whole input, as pool.map would

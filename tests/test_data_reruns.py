@@ -286,6 +286,63 @@ def test_a_sigterm_to_the_process_group_ends_the_pool_and_the_run(tmp_path):
     assert not list(tmp_path.glob("out/*"))
 
 
+def _children_of(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`, from /proc."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_the_tokenizer_workers_die_with_a_parent_killed_with_minus_9(tmp_path):
+    """kill -9 of megapar-data left its workers idle for good (about 250 MB each), re-parented
+    to init: the task queue they wait on never closes. They now die with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "a.txt").write_text("unread: iter_documents is replaced")
+    started = tmp_path / "started"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _GROUP_SIGTERM, str(started),
+                             str(tmp_path / "a.txt"), str(tmp_path / "out" / "d")],
+                            start_new_session=True, stderr=subprocess.DEVNULL, env=env)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), "the run did not start"
+        workers = [c for c in _children_of(proc.pid)
+                   if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(workers) == 2, workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [w for w in workers if Path(f"/proc/{w}").exists()
+                 and Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not alive, f"workers {alive} outlived their parent"
+    finally:
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 # --- megapar-train: the cache of a text refused as too small ------------------------------------
 def test_a_text_too_small_to_train_on_leaves_no_cache(tmp_path, capsys):
     tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
@@ -615,3 +672,26 @@ def test_a_dataset_whose_tokenizer_files_changed_since_is_refused(tmp_path, caps
     meta = json.loads(Path(prefix + ".json").read_text())
     Path(prefix + ".json").write_text(json.dumps({**meta, "tokenizer": recorded}))
     assert resolve_data_prefix(cfg) == prefix
+
+
+def test_a_disk_that_fills_while_the_index_is_written_leaves_nothing(tmp_path, monkeypatch,
+                                                                     capsys):
+    """The disk full at the index's metadata (the .bin had fitted): a 25-line OSError traceback,
+    and the index's temporary (PREFIX.idx.tmp-*) was left, as the builder's abort removed the
+    .bin's alone. Now one line, and no temporary."""
+    import errno
+    import os
+
+    from megapar.data import indexed
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(indexed.json, "dump", full)
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    assert data(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out" / "d"),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "megapar-data: error: No space left on device while writing "), err
+    assert not list(tmp_path.glob("out/*"))  # no .bin, .idx or .json temporary

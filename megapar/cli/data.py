@@ -564,6 +564,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk full, the directory made read-only: one line, not a stack
+        note = _remove_trained(trained, replaced, args.output_prefix)
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"megapar-data: error: {e.strerror or e}{where} while writing "
+            f"{args.output_prefix}; nothing was written (the dataset is renamed into place "
+            f"only when complete); free space or choose another --output-prefix{note}",
+            file=sys.stderr,
+        )
+        return 1
     except (KeyboardInterrupt, SystemExit) as exc:
         note = _remove_trained(trained, replaced, args.output_prefix)
         sigterm = isinstance(exc, SystemExit)

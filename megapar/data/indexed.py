@@ -128,6 +128,7 @@ class IndexedDatasetBuilder:
         for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
             remove_stale_tmps(self.prefix + ext)
         self._bin_tmp = tmp_name(self.prefix + ".bin")
+        self._tmps: list[str] = []  # the index's and metadata's temporaries, once begun
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
         self.max_id = -1
@@ -185,6 +186,7 @@ class IndexedDatasetBuilder:
             )
         offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
         idx_tmp = tmp_name(self.prefix + ".idx")
+        self._tmps.append(idx_tmp)
         if self.format == "megatron":
             megatron.write_index(idx_tmp, self.dtype, np.diff(offsets))
         else:
@@ -207,6 +209,7 @@ class IndexedDatasetBuilder:
         if self.sft_keys is not None:
             meta["sft"] = {"keys": self.sft_keys, "prompt_lengths": self._prompt_lengths.tolist()}
         json_tmp = tmp_name(self.prefix + ".json")
+        self._tmps.append(json_tmp)
         with open(json_tmp, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         os.replace(self._bin_tmp, self.prefix + ".bin")
@@ -223,8 +226,11 @@ class IndexedDatasetBuilder:
         """Close and delete the temporary files (nothing is renamed), and the directories made
         for them where they are empty."""
         self._bin.close()
-        if os.path.exists(self._bin_tmp):
-            os.remove(self._bin_tmp)
+        for path in (self._bin_tmp, *self._tmps):  # the index's and metadata's, once begun
+            try:
+                os.remove(path)
+            except OSError:  # gone, or a directory made read-only meanwhile: the first error
+                pass  # is the one said
         for directory in self._made:
             try:
                 os.rmdir(directory)

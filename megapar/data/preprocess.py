@@ -76,6 +76,7 @@ from megapar.data.tokenizers import (  # noqa: F401 - file_sha256 re-exported
     tokenizer_files,
 )
 from megapar.device import cpu_cores
+from megapar.faults.processes import die_with_parent
 from megapar.wording import counted
 
 _Item = TypeVar("_Item")
@@ -97,12 +98,15 @@ def _batched(docs: Iterator[tuple[_Item, int]], n: int) -> Iterator[tuple[list[_
         yield batch, nbytes
 
 
-def _worker_init(spec: str) -> None:
+def _worker_init(spec: str, parent: int) -> None:
     """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM, which a
     worker obeys even where the parent ignores SIGTERM (an ignored signal is inherited across
-    the spawn's exec), and that ignores Ctrl-C (its parent's to handle)."""
+    the spawn's exec), and that ignores Ctrl-C (its parent's to handle). It dies with its
+    parent (`die_with_parent`): one killed with -9 left its workers idle forever, each holding
+    its tokenizer (about 250 MB), as the task queue they wait on never closes."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
     _WORKER_TOKENIZER = load_tokenizer(spec)
@@ -218,7 +222,7 @@ def preprocess_files(
             # fail, where Pool resubmitted nothing (a hang) and its terminate() could wait
             # forever on a queue lock the dead worker held.
             pool = ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.path,)
+                workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.path, os.getpid())
             )
             # Workers start ignoring SIGINT, which they keep: a Ctrl-C is this process's to
             # handle (it ends them), not a traceback from each worker. The pool starts a worker
