@@ -132,11 +132,9 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
     # an EOS found by its usual name where tokenizer_config.json names none (transformers then
     # has no eos_token): megapar-data says which token ends the documents
-    tok.eod_guessed = (
-        backend.id_to_token(eos)
-        if names.get("eos_token") is None and backend.id_to_token(eos) in COMMON_EOS
-        else None
-    )
+    eos_name = backend.id_to_token(eos)
+    guessed = names.get("eos_token") is None and eos_name in COMMON_EOS
+    tok.eod_guessed = eos_name if guessed else None
     _check_encodes_text(directory, backend, set(special) | set(present.values()))
     named = find("bos_token", COMMON_BOS)
     tok.named_bos_id = named if named is not None and named != eos else None

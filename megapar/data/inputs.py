@@ -857,15 +857,16 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             f"out"
         ) from None
     if key not in file.schema_arrow.names:
+        leaf = key.split(".")[-1]  # a struct's field, however it was named
         nested = [
             f.name
             for f in file.schema_arrow
-            if pa.types.is_struct(f.type) and f.type.get_field_index(key.split(".")[-1]) >= 0
+            if pa.types.is_struct(f.type) and f.type.get_field_index(leaf) >= 0
         ]
         inside = (
-            f"; {nested[0]!r} is a struct column holding {key.split('.')[-1]!r}, and only "
+            f"; {nested[0]!r} is a struct column holding {leaf!r}, and only "
             f"top-level columns are read: flatten the table (pyarrow's table.flatten() names "
-            f"it '{nested[0]}.{key.split('.')[-1]}') and pass that name"
+            f"it '{nested[0]}.{leaf}') and pass that name"
             if nested
             else ""
         )

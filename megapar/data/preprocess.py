@@ -102,8 +102,8 @@ def _worker_init(spec: str, parent: int) -> None:
     """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM, which a
     worker obeys even where the parent ignores SIGTERM (an ignored signal is inherited across
     the spawn's exec), and that ignores Ctrl-C (its parent's to handle). It dies with its
-    parent (`die_with_parent`): one killed with -9 left its workers idle forever, each holding
-    its tokenizer (about 250 MB), as the task queue they wait on never closes."""
+    parent (`die_with_parent`): the task queue it waits on never closes when the parent is
+    killed with -9."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)

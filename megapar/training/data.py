@@ -480,10 +480,9 @@ def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
     --from-hf's model, whose vocabulary both keep."""
     if cfg.data is not None or manifest is not None or cfg.from_hf:
         return []
-    own, tokenizer = _own_vocab(cfg, None), load_tokenizer(cfg.tokenizer)
+    config = recipe(cfg.model or DEFAULT_MODEL)  # the model the dry run keeps
+    own, tokenizer = config.vocab_size, load_tokenizer(cfg.tokenizer)
     if _fixed_vocab(cfg):  # kept by the real run too, unless the sample's tokenizer needs more
-        assert cfg.model is not None  # a config file
-        config = recipe(cfg.model)
         needed = (
             causal_rows(tokenizer) if config.model_type in CAUSAL_LM_TYPES else tokenizer.vocab_size
         )

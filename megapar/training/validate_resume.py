@@ -562,22 +562,24 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         for k in ours
         if k in state and state[k] != ours[k] and not (k == "dataset_len" and cfg.allow_data_change)
     ]
-    trained = ((manifest.get("meta") or {}).get("train_config") or {}).get("data")
+    train_config = (manifest.get("meta") or {}).get("train_config") or {}
+    trained = train_config.get("data")
+    blend = cfg.data is not None and parse_blend(cfg.data) is not None
     if (
         not cfg.allow_data_change
         and trained is not None
         and cfg.data is not None
-        and (parse_blend(trained) is None) != (parse_blend(cfg.data) is None)
+        and (parse_blend(trained) is not None) != blend
     ):  # a blend of one part is the same tokens in the blend's order, not the dataset's
         raise UsageError(
             f"{named(cfg, 'data')} differs from the checkpoint's {_shown(trained)}: "
-            f"{'a blend' if parse_blend(cfg.data) else 'one dataset'} draws its samples in "
-            f"another order than {'one dataset' if parse_blend(cfg.data) else 'a blend'}, so "
+            f"{'a blend' if blend else 'one dataset'} draws its samples in "
+            f"another order than {'one dataset' if blend else 'a blend'}, so "
             f"--load {cfg.load} cannot continue its data order; resume with --data "
             f"{_shown(trained)} (or leave it out: the checkpoint's is taken), or pass "
             f"--allow-data-change to continue on this order on purpose"
         )
-    recorded = ((manifest.get("meta") or {}).get("train_config") or {}).get("val_fraction")
+    recorded = train_config.get("val_fraction")
     if (
         not diff
         and not cfg.allow_data_change
@@ -601,7 +603,7 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
             else ""
         )
         saved = {
-            **((manifest.get("meta") or {}).get("train_config") or {}),
+            **train_config,
             **({"seed": state["seed"]} if "seed" in diff else {}),
         }
         changed = [
