@@ -1,5 +1,7 @@
 """GPTDataset windows (Megatron convention) and the document train/val split."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -81,3 +83,15 @@ def test_real_sample_train_val(tmp_path):
     for i in (0, len(train) // 2, len(train) - 1):
         pieces = tok.decode(train[i]["input_ids"].tolist()).split("<|endoftext|>")
         assert len(pieces) >= 2 and all(p in source for p in pieces)  # paragraphs, eod-separated
+
+
+def test_a_directory_given_with_a_trailing_slash_caches_under_its_name(tmp_path):
+    """`--data corpus/` tokenized into the cache as "-HASH.bin" (the basename of "corpus/" is
+    empty), a file named after nothing; it is "corpus-HASH", the cache of `--data corpus`."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("To be, or not to be.\n\nThat is the question.\n")
+    cache = str(tmp_path / "cache")
+    slash = ensure_dataset(str(corpus) + "/", "gpt2", cache)
+    assert os.path.basename(slash).startswith("corpus-"), slash
+    assert ensure_dataset(str(corpus), "gpt2", cache) == slash
