@@ -13,6 +13,7 @@ import random
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megapar.cli.convert import main as convert
@@ -686,6 +687,76 @@ def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(
                                    "can hold out other documents"), str(e.value)
     assert "resume with --val-fraction 0.0" in str(e.value)
     check_resumable(dataclasses.replace(cfg, allow_data_change=True), manifest, 682)
+    # where the training documents are known, the same ones continue and others are refused
+    asked = []
+
+    def split_of(fraction, batch):
+        asked.append((fraction, batch))
+        return [np.arange(3)] if fraction == 0.0 else [docs]
+
+    docs = np.arange(3)
+    check_resumable(cfg, manifest, 682, split_of)
+    assert asked == [(0.0, 16), (0.1, 16)]  # the checkpoint's split with the checkpoint's batch
+    docs = np.array([0, 1, 4])
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 682, split_of)
+    assert "it holds out other documents" in str(e.value), str(e.value)
+    assert "its data order cannot continue" in str(e.value), str(e.value)
+
+
+def test_another_val_fraction_is_refused_only_where_it_moves_documents(tmp_path):
+    """`training_documents` on a real index: --val-fraction 0.04 for 0.05 trains on as many
+    samples (616) but not the same documents (a one-token document moved), so a resume is
+    refused; 0.0501 holds out the same documents, so it continues."""
+    from megapar.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import training_documents
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    prefix = str(tmp_path / "ds")
+    with IndexedDatasetBuilder(prefix, vocab_size=100, eod_id=0, tokenizer_spec={}) as b:
+        b.add_documents([np.full(n, 5, dtype=np.int64) for n in [400] * 50 + [1] * 50])
+        b.finalize()
+    cfg = TrainConfig(load="ck", seq_len=32, global_batch_size=4, micro_batch_size=1,
+                      val_fraction=0.04, data=prefix)
+
+    def split_of(fraction, batch):
+        other = dataclasses.replace(cfg, val_fraction=fraction, global_batch_size=batch)
+        return training_documents(other, prefix, "gpt2")
+
+    def samples(fraction):
+        return len(GPTDataset(IndexedDataset(prefix), 32, doc_range=split_of(fraction, 4)[0]))
+
+    assert samples(0.04) == samples(0.05) == 616
+    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": prefix}, "sampler": {
+        "dataset_len": 616, "global_batch_size": 4, "seed": cfg.seed}}}
+    with pytest.raises(UsageError, match="it holds out other documents"):
+        check_resumable(cfg, manifest, 616, split_of)
+    check_resumable(dataclasses.replace(cfg, val_fraction=0.0501), manifest, 616, split_of)
+
+
+def test_a_resume_with_another_val_fraction_of_the_same_split_continues(texts, cache, tiny_model,
+                                                                      tmp_path, capsys):
+    """A --val-fraction that holds out the very documents the checkpoint's did (0.0501 for 0.05:
+    both round to the same count) continues its data order, losses equal to a resume with the
+    checkpoint's own; it was refused as one that "can hold out other documents"."""
+    ckpt = tmp_path / "ckpt"
+    base = ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+            "--tokenizer", "sentencepiece", "--seq-len", "32", "--global-batch-size", "8",
+            "--no-progress"]
+    rc, err = _run(train, [*base, "--val-fraction", "0.05", "--max-steps", "2", "--save", ckpt],
+                   capsys)
+    assert rc == 0, err
+    losses = []
+    for fraction in ("0.05", "0.0501"):
+        log = tmp_path / f"{fraction}.jsonl"
+        rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "4",
+                               "--val-fraction", fraction, "--log-json", log, "--no-progress"],
+                       capsys)
+        assert rc == 0, err
+        losses.append([(r["step"], r["loss"]) for r in _records(log)])
+    assert losses[0] == losses[1] and [s for s, _ in losses[0]] == [3, 4]
 
 
 def test_a_resume_on_a_blend_of_one_part_names_the_data():

@@ -653,6 +653,21 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
     return train, val
 
 
+def training_documents(cfg: TrainConfig, prefix: str, model_type: str) -> list:
+    """The documents each part of --data trains on (a sorted array, or None for all of it),
+    as `build_datasets` splits them: two settings that give equal lists hold out the same
+    documents, so a resume may change one for the other."""
+
+    blend = parse_blend(cfg.data) if cfg.data is not None else None
+    prefixes = [prefix] if blend is None else [_resolve_one(cfg, p) for _, p in blend]
+    splits = [
+        split_for_training(cfg, IndexedDataset(p, cfg.tokenizer), model_type) for p in prefixes
+    ]
+    if blend is not None and not all(val is not None for _, val, _ in splits):
+        return [None] * len(splits)  # a blend validates on every part or on none
+    return [train for train, _, _ in splits]
+
+
 def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] | None = None):
     indexed = IndexedDataset(prefix, cfg.tokenizer)
     train_docs, val_docs, note = split_for_training(cfg, indexed, model_type)

@@ -9,6 +9,7 @@ then `plan_data`.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
@@ -35,6 +36,7 @@ from megapar.training.data import (
     max_samples,
     prepare_data,
     resolve_model,
+    training_documents,
 )
 from megapar.training.documents import document_notes, reads_documents
 from megapar.training.profiling import parse_steps
@@ -190,7 +192,13 @@ def plan_data(
         raise
     notes.extend(split_notes)
     if manifest is not None:
-        check_resumable(cfg, manifest, len(train))
+        prefix, model_type = plan.prefix, config.model_type
+
+        def split_of(val_fraction: float, global_batch_size: int) -> list:
+            other = replace(cfg, val_fraction=val_fraction, global_batch_size=global_batch_size)
+            return training_documents(other, prefix, model_type)
+
+        check_resumable(cfg, manifest, len(train), split_of)
         check_same_data(cfg, manifest, plan.data_fingerprint)
     return plan
 

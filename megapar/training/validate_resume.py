@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -551,10 +552,22 @@ def _data_exists(data) -> bool:
     )
 
 
-def check_resumable(cfg, manifest: dict, train_len: int) -> None:
+def _same_documents(a: list, b: list) -> bool:
+    """Whether two `training_documents` lists name the same documents of every part."""
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y))
+        for x, y in zip(a, b)
+    )
+
+
+def check_resumable(
+    cfg, manifest: dict, train_len: int, split_of: Callable[[float, int], list] | None = None
+) -> None:
     """The checkpoint's data order can continue: same number of training samples (unless
     --allow-data-change: the order then starts anew) and seed as when it was saved. Another
-    global batch continues it (the next samples of the epoch, cut into the new size)."""
+    global batch continues it (the next samples of the epoch, cut into the new size). Another
+    --val-fraction continues it only where `split_of(val_fraction, global_batch_size)` (the
+    training documents of each part of --data) is the same for both."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
     ours = {"dataset_len": train_len, "seed": cfg.seed}
     diff = [
@@ -585,11 +598,20 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         and not cfg.allow_data_change
         and recorded is not None
         and not _same_value("val_fraction", recorded, cfg.val_fraction)
+        and not (
+            split_of is not None
+            and _same_documents(
+                split_of(recorded, state.get("global_batch_size", cfg.global_batch_size)),
+                split_of(cfg.val_fraction, cfg.global_batch_size),
+            )
+        )
     ):  # another split of as many samples: other documents (some trained on now held out)
         raise UsageError(
             f"{named(cfg, 'val_fraction')} differs from the checkpoint's "
-            f"{_shown(recorded)}: it can hold out other documents than --load {cfg.load} did "
-            f"(some it trained on), so its data order is not known to continue; resume with "
+            f"{_shown(recorded)}: it {'holds' if split_of else 'can hold'} out other documents "
+            f"than --load {cfg.load} did "
+            f"(some it trained on), so its data order "
+            f"{'cannot' if split_of else 'is not known to'} continue; resume with "
             f"--val-fraction "
             f"{_shown(recorded)} (or leave it out: the checkpoint's is taken), or pass "
             f"--allow-data-change to continue on this split on purpose"
