@@ -83,6 +83,35 @@ def test_a_read_only_root_names_the_copy(tmp_path, monkeypatch):
         resolve_checkpoint(root)
 
 
+@pytest.mark.parametrize("step", [3, 5])
+def test_a_full_disk_at_latest_takes_the_step_back(tmp_path, monkeypatch, step):
+    """`latest` not written (the disk filled between the rename and it): the save fails and
+    what is on disk is what the error says, the root as it was: the complete step_5 was left
+    (40 MB a helper's requeue then had no room beside), and a re-saved step 3 goes back to the
+    one it replaced. No temporary of latest is left."""
+    import errno
+
+    root = tmp_path / "root"
+    save_serial(root, seed=7, step=3)
+    before = sorted(p.name for p in root.iterdir())
+    real_open = open
+
+    def full(path, *a, **k):
+        if ".latest.tmp-" in str(path):
+            f = real_open(path, *a, **k)
+            f.close()  # created, as a full disk does, then the write fails
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full)
+    with pytest.raises(CheckpointError, match=f"step {step} not saved: rank 0: OSError: .*No space left"):
+        save_serial(root, seed=8, step=step)
+    monkeypatch.setattr("builtins.open", real_open)
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert (root / "latest").read_text() == "step_00000003\n"
+    assert all(torch.equal(_weights(root)[k], v) for k, v in _seeded(7).items())
+
+
 def test_without_latest_the_newest_complete_step_loads(tmp_path):
     root = tmp_path / "root"
     save_serial(root, seed=7, step=3)

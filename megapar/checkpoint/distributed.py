@@ -363,7 +363,12 @@ def write_checkpoint(
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             remove_empty(made)
-            outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
+            why = (  # the ranks' own errors name themselves; rank 0's RNG, manifest or publish
+                str(exc)
+                if isinstance(exc, CheckpointError)
+                else f"rank 0: {type(exc).__name__}: {exc}"
+            )
+            outcome = f"ERROR checkpoint of step {step} not saved: {why}"
     outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])

@@ -5,7 +5,9 @@ it. A crash (kill -9, power loss) at any point leaves a root that loads:
 
 1. (re-saving an existing step) ``step_N`` is moved aside to ``.old-step_N-*``;
 2. the staging directory ``.tmp-step_N-*`` (manifest written last) is renamed to ``step_N``;
-3. ``latest`` is replaced atomically (written to a temporary file, renamed);
+3. ``latest`` is replaced atomically (written to a temporary file, renamed); where it cannot
+   be written (a full disk), ``step_N`` is removed again (and one moved aside put back), so the
+   save fails as a whole;
 4. ``.old-step_N-*`` is deleted.
 
 Between 1 and 2 ``latest`` names a missing directory while two complete copies exist:
@@ -52,10 +54,14 @@ def set_latest(root: str | Path, step_name: str) -> None:
     """Atomically point ``root/latest`` at a step directory."""
     root = Path(root)
     tmp = root / f".latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        f.write(step_name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(step_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # a full disk: no temporary is left beside latest
+        tmp.unlink(missing_ok=True)
+        raise
     _crash("after-latest-tmp")
     os.replace(tmp, root / "latest")
     fsync_dir(root)
@@ -76,12 +82,32 @@ def publish_step(tmp: Path, root: str | Path, step_name: str) -> Path:
     os.rename(tmp, final)
     fsync_dir(root)
     _crash("after-rename")
-    (final / OWNER).unlink(missing_ok=True)
-    set_latest(root, step_name)
+    try:
+        (final / OWNER).unlink(missing_ok=True)
+        set_latest(root, step_name)
+    except OSError:  # a full disk: the step is taken back, as the error says it is not saved
+        _withdraw(final, old)
+        raise
     _crash("after-latest")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _withdraw(final: Path, old: Path | None) -> None:
+    """Undo `publish_step`'s rename where ``latest`` could not be written: remove `final` (its
+    space is what a full disk lacks; left, it would be a complete step that the error called
+    not saved, and a requeue's save would fail beside it) and put a step moved aside back."""
+    shutil.rmtree(final, ignore_errors=True)
+    if old is not None and not final.exists():
+        try:
+            os.rename(old, final)
+        except OSError:  # left as .old-step_N-*: `recover` or the next save's clean-up finds it
+            pass
+    try:
+        fsync_dir(final.parent)
+    except OSError:
+        pass
 
 
 def _copies(root: Path, step_name: str) -> list[Path]:
