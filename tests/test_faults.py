@@ -774,6 +774,28 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
 
 
+def test_a_full_disk_under_save_is_one_line_before_training(tmp_path, common, capsys,
+                                                            monkeypatch):
+    """A --save on a full disk: the lock's record cannot be written. It was a traceback from
+    os.pwrite, and an empty megapar.lock (and the --save the run made) were left behind."""
+    import errno
+
+    from megapar.checkpoint import lock as save_lock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(save_lock.os, "pwrite", full)
+    ckpt = tmp_path / "new" / "ckpt"
+    assert main([*common, "--max-steps", "2", "--save", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"megapar-train: error: No space left on device: {ckpt / save_lock.LOCK_NAME} while "
+        f"starting; nothing was trained (free space on that disk, or choose another directory)"
+    ), err
+    assert "Traceback" not in err and not (tmp_path / "new").exists()
+
+
 def test_a_save_directory_replaced_under_the_run_releases_its_lock_quietly(tmp_path):
     """--save moved away and a file put in its place (or made read-only) while the run went on:
     the run failed with its one line at the next save, then released its lock with a traceback

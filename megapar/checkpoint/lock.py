@@ -182,6 +182,8 @@ class SaveLock:
         self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
 
     def acquire(self) -> SaveLock:
+        """Take the lock: SaveLockError where a live run holds it, an OSError naming the lock
+        file where it cannot be written (a full disk; no file is left)."""
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -230,9 +232,14 @@ class SaveLock:
             "command": self.command,
             **({"rank_logs": self.rank_logs} if self.rank_logs is not None else {}),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as exc:  # a full disk: the empty file goes, the error names it
+            self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         self._fd, self._owner = fd, os.getpid()
         stop.on_forced_exit(self.release, "--save lock released")
         threading.Thread(target=self._heartbeat, name="megapar-save-lock", daemon=True).start()

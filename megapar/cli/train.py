@@ -247,6 +247,18 @@ def main(argv=None) -> int:
         remove_empty(made)
         tell_torchrun(str(exc), None)  # its summary's root cause, not "error_file: <N/A>"
         return refused("megapar-train", exc)  # once per node under torchrun / Slurm
+    except OSError as exc:  # a full disk under --save or --data-cache: one line, not a stack
+        if lock is not None:
+            lock.release()
+        remove_empty(made)
+        where = f": {exc.filename}" if exc.filename else ""
+        message = (
+            f"{exc.strerror or exc}{where} while starting; nothing was trained (free space on "
+            f"that disk, or choose another directory)"
+        )
+        tell_torchrun(message, None)
+        refused("megapar-train", message)
+        return 1
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
             raise
