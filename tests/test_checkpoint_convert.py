@@ -130,6 +130,34 @@ def test_cli_convert_and_info(tmp_path, capsys, monkeypatch):
     assert checkpoint_info(tmp_path / "dst").count(".safetensors") == len(manifest["files"])
 
 
+def test_a_full_disk_is_one_line_naming_the_destination(tmp_path, capsys, monkeypatch):
+    """A destination on a full disk said only "error: [Errno 28] No space left on device",
+    exit 2 (bad input's); it names the destination, exit 1, and leaves nothing behind."""
+    import errno
+
+    from megapar.checkpoint import format as ckpt_format
+
+    src = save_serial(tmp_path / "src")
+
+    from megapar.checkpoint import hf
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_format.ShardWriter, "write", full)
+    monkeypatch.setattr(hf, "save_file", full)
+    for dst, argv in [(tmp_path / "tp2", ["--tp", "2"]), (tmp_path / "hf", ["--to-hf"])]:
+        args = [str(src), *argv, str(dst)] if argv == ["--to-hf"] else [str(src), str(dst), *argv]
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == (
+            f"megapar-convert: error: No space left on device while writing {dst}; nothing was "
+            f"written (an output is renamed into place only when complete, so {dst} is as it "
+            f"was); free space or choose another destination"
+        ), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_cli_usage_errors(tmp_path, capsys):
     assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert f"{tmp_path / 'a'}: no such checkpoint directory" in capsys.readouterr().err

@@ -41,6 +41,7 @@ layers); the model is the training args its common.pt records (read without unpi
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -674,11 +675,15 @@ def _from_megatron(args, progress: bool) -> str:
     return report
 
 
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+"""What a full disk, a quota or a file system gone read-only raise: exit 1, not bad input's 2."""
+
+
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on any error, with the reason printed;
-    130 on Ctrl-C and 143 on SIGTERM, in one line: every output is renamed into place only
-    when complete)."""
+    """Entry point; returns the process exit code (2 on bad input, 1 where the destination
+    cannot be written, with the reason printed; 130 on Ctrl-C and 143 on SIGTERM, in one
+    line: every output is renamed into place only when complete)."""
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
     from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
@@ -690,7 +695,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             report = run(args)
-        except (CheckpointError, ConfigError, ValueError, OSError) as exc:
+        except OSError as exc:
+            if exc.errno not in WRITE_ERRORS:
+                print(f"megapar-convert: error: {exc}", file=sys.stderr)
+                return 2
+            dst = args.to_hf or args.to_dcp or (args.paths[-1] if args.paths else "DST")
+            where = f" ({exc.filename})" if exc.filename else ""
+            print(
+                f"megapar-convert: error: {exc.strerror or exc}{where} while writing {dst}; "
+                f"nothing was written (an output is renamed into place only when complete, so "
+                f"{dst} is as it was); free space or choose another destination",
+                file=sys.stderr,
+            )
+            return 1
+        except (CheckpointError, ConfigError, ValueError) as exc:
             print(f"megapar-convert: error: {exc}", file=sys.stderr)
             return 2
         print(report)  # a reader gone (| head) is not an error of the conversion's
