@@ -89,6 +89,27 @@ class Engine:
     `on_nonfinite`: what `train_step` does with a non-finite step (`ON_NONFINITE`).
     """
 
+    step: int
+    """Steps run (restored by `load`), those not applied included: a non-finite step
+    (raised or skipped, see `train_step`) counts, as megapar-train counts the fp16 loss
+    scaler's skipped steps."""
+    schedule_step: int
+    """The learning-rate schedule's position (restored by `load`; a checkpoint without it:
+    `step`): the steps applied, so a skipped step (an fp16 overflow, a non-finite loss or
+    gradient) does not advance it and the schedule lags `step` by the skipped steps, as
+    Megatron-LM's, DeepSpeed's and the Hugging Face Trainer's do. Every rank skips the
+    same steps, so it is the same on every rank in any layout."""
+    last_skipped: bool
+    """Whether the last training step's update was skipped (an fp16 overflow; a non-finite
+    step under `on_nonfinite="skip"`): megapar-train's `skipped`."""
+    tokenizer: dict | None
+    """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
+    in checkpoints and carried by `export_hf`."""
+    source_dtype: str | None
+    """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
+    on_nonfinite: str
+    """`"raise"` or `"skip"`: what `train_step` does with a non-finite step."""
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -199,41 +220,28 @@ class Engine:
 
     def _init_run_state(self, cfg: TrainConfig, on_nonfinite: str) -> None:
         """What the run keeps beside the model: the last step, the step count, the tokenizer
-        and Hugging Face source, and the non-finite policy and guard."""
+        and Hugging Face source, and the non-finite policy and guard (the public attributes
+        are documented in the class body, where the API reference finds them)."""
         self.kept: KeptStep | None = None
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
-        """Steps run (restored by `load`), those not applied included: a non-finite step
-        (raised or skipped, see `train_step`) counts, as megapar-train counts the fp16 loss
-        scaler's skipped steps."""
         self.schedule_step = 0
-        """The learning-rate schedule's position (restored by `load`; a checkpoint without it:
-        `step`): the steps applied, so a skipped step (an fp16 overflow, a non-finite loss or
-        gradient) does not advance it and the schedule lags `step` by the skipped steps, as
-        Megatron-LM's, DeepSpeed's and the Hugging Face Trainer's do. Every rank skips the
-        same steps, so it is the same on every rank in any layout."""
         self.labels_checked = False
         """Whether a batch's labels were checked for transformers' unshifted ones
         (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
         self.last_skipped = False
-        """Whether the last training step's update was skipped (an fp16 overflow; a non-finite
-        step under `on_nonfinite="skip"`): megapar-train's `skipped`."""
         self.last_z_loss: float | None = None
         """The last training step's output z-loss term (`z_loss`; None without), which its
         backward added to the loss `train_step` returned."""
         self.loss_fn = None
         """The loss hook `megapar.prepare(..., loss_fn=)` set on the stage (`set_loss_fn`), or
         None; with one, batches may carry keys for it."""
-        self.tokenizer: dict | None = None
-        """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
-        in checkpoints and carried by `export_hf`."""
-        self.source_dtype: str | None = None
-        """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
+        self.tokenizer = None
+        self.source_dtype = None
         self.source_generation_config: dict | None = None
         """The generation_config.json of the Hugging Face directory it started from (None:
         none), saved in checkpoints; `export_hf` writes it back."""
         self.on_nonfinite = on_nonfinite
-        """"raise" or "skip": see `train_step`."""
         self.batch_rows: int | None = None
         """The rows every `train_step` batch has: the global batch size `prepare` was given
         (what lr_scale_with_batch scales by and checkpoints record); None: any multiple of
