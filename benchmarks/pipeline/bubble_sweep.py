@@ -24,8 +24,8 @@ meaningful there; run pp=4 on a machine with at least 4 free cores.
                                       [--virtual-stages 2] [--steps 2] [--plot bubble_sweep.png]
                                       [--repeats 1]
 
---repeats N runs the whole sweep N times, the schedules alternating (so a load that changes
-during the run hits all of them alike), and ends with each point's measured bubble as mean,
+--repeats N runs the whole sweep N times, the schedules taking turns in the order given (so a
+load that changes during the run hits all of them alike), and ends with each point's measured bubble as mean,
 min and max over the repeats: the run-to-run spread.
 """
 
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
                    choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
     p.add_argument("--virtual-stages", type=positive, default=2,
                    help="model chunks per rank for interleaved")
-    p.add_argument("--steps", type=positive, default=2, help="measured steps per point (+1 warm-up)")
+    p.add_argument("--steps", type=positive, default=2,
+                   help="steps run per point after a warm-up; the last one is measured")
     p.add_argument("--micro-batch-size", type=positive, default=4)
     p.add_argument("--seq-len", type=positive, default=64)
     p.add_argument("--plot", type=output_file, default="bubble_sweep.png",

@@ -106,7 +106,11 @@ def build_parser() -> OneLineParser:
         "2 blocks/stage)",
     )
     p.add_argument(
-        "--steps", type=int, default=3, help="measured steps (after one warm-up) (default: 3)"
+        "--steps",
+        type=int,
+        default=3,
+        help="steps run after one warm-up; the last one's timeline is the measurement (the "
+        "earlier ones let caches and the allocator settle) (default: 3)",
     )
     p.add_argument(
         "--micro-batch-size",
