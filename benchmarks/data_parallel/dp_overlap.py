@@ -2,22 +2,33 @@
 
 Runs a GPT-2 stage on dp local ranks (gloo, CPU by default) and times one step of m micro-batches
 three ways: GradBuckets (async, launched during the last backward), one blocking all-reduce per
-parameter after the backward, and one flat blocking all-reduce after the backward. Also counts
-the all-reduces of each. Usage:
+parameter after the backward, and one flat blocking all-reduce after the backward (its result
+copied back into the gradients, as a real flat reduction must). The variants and the compute
+alone take turns, round after round (odd rounds in reverse order, `common.interleave`), so a
+changing load hits them alike; each round times --steps steps of each. Prints each variant's
+all-reduces per step (counted, `megapar.comm_count`) and its sync cost over the compute alone of
+the same round: median [min, max] over the rounds. Usage:
 
-    python benchmarks/data_parallel/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4] [--bucket-mb 1] [--steps 5]
+    python benchmarks/data_parallel/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4] [--bucket-mb 1] [--steps 5] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import interleave  # noqa: E402
+
 
 def _bench(args) -> dict:
+    from megapar.comm_count import count_collectives
     from megapar.data_parallel import GradBuckets
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
@@ -56,17 +67,29 @@ def _bench(args) -> dict:
         backward()
         g = torch.cat([p.grad.reshape(-1) for p in params]).div_(args.dp)
         dist.all_reduce(g, group=mesh.dp_group)
+        for p, part in zip(params, g.split([p.numel() for p in params])):
+            p.grad.copy_(part.view_as(p.grad))
 
-    out = {"buckets": len(buckets.buckets), "params": len(params)}
-    for name, fn in (("compute only", backward), ("flat after", flat),
-                     ("per-param after", per_param), ("bucketed+overlap", bucketed)):
-        fn()  # warm-up
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            fn()
-        dist.barrier()
-        out[name] = (time.perf_counter() - start) / args.steps
+    variants = {"compute only": backward, "flat after": flat, "per-param after": per_param,
+                "bucketed+overlap": bucketed}
+    out: dict = {"buckets": len(buckets.buckets), "params": len(params), "all-reduces": {}}
+    for name, fn in variants.items():
+        with count_collectives() as calls:
+            fn()  # warm-up, counted
+        out["all-reduces"][name] = sum(c.op == "all_reduce" for c in calls)
+
+    def timed(fn):
+        def run():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            dist.barrier()
+            return (time.perf_counter() - start) / args.steps
+        return run
+
+    out["rounds"] = interleave({k: timed(f) for k, f in variants.items()}, args.rounds,
+                               alternate=True)
     return out
 
 
@@ -77,16 +100,23 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant a round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the variants in turn")
     args = parser.parse_args(argv)
     from megapar.launcher import run_local
 
     res = run_local(_bench, args.dp, args)[0]
     print(f"dp={args.dp} hidden={args.hidden} layers={args.layers} m={args.micro_batches}: "
-          f"{res['params']} params, {res['buckets']} buckets of <= {args.bucket_mb} MB")
-    for name in ("compute only", "bucketed+overlap", "per-param after", "flat after"):
-        extra = res[name] - res["compute only"]
-        print(f"  {name:18s} {res[name] * 1e3:8.1f} ms/step  (sync cost {extra * 1e3:+7.1f} ms)")
+          f"{res['params']} params, {res['buckets']} buckets of <= {args.bucket_mb} MB; "
+          f"{args.rounds} rounds of {args.steps} steps each, the variants in turn")
+    rounds = res["rounds"]
+    base = rounds["compute only"]
+    print(f"  {'compute only':18s} {statistics.median(base) * 1e3:8.1f} ms/step (median)")
+    for name in ("bucketed+overlap", "per-param after", "flat after"):
+        cost = [(t - b) * 1e3 for t, b in zip(rounds[name], base)]
+        print(f"  {name:18s} {statistics.median(rounds[name]) * 1e3:8.1f} ms/step, sync cost "
+              f"{statistics.median(cost):+7.1f} ms [{min(cost):+.1f}, {max(cost):+.1f}] over the "
+              f"same round's compute; {res['all-reduces'][name]} all-reduce(s) a step")
 
 
 if __name__ == "__main__":
