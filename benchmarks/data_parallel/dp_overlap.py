@@ -9,7 +9,8 @@ changing load hits them alike; each round times --steps steps of each. Prints ea
 all-reduces per step (counted, `megapar.comm_count`) and its sync cost over the compute alone of
 the same round: median [min, max] over the rounds. Usage:
 
-    python benchmarks/data_parallel/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4] [--bucket-mb 1] [--steps 5] [--rounds 5]
+    python benchmarks/data_parallel/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4]
+        [--bucket-mb 1] [--steps 5] [--rounds 5]
 """
 
 from __future__ import annotations

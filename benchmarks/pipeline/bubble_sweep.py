@@ -25,8 +25,8 @@ meaningful there; run pp=4 on a machine with at least 4 free cores.
                                       [--repeats 1]
 
 --repeats N runs the whole sweep N times, the schedules taking turns in the order given (so a
-load that changes during the run hits all of them alike), and ends with each point's measured bubble as mean,
-min and max over the repeats: the run-to-run spread.
+load that changes during the run hits all of them alike), and ends with each point's measured
+bubble as mean, min and max over the repeats: the run-to-run spread.
 """
 
 from __future__ import annotations
