@@ -80,7 +80,10 @@ def _model(model):
         return model
     from transformers import GPT2Config
 
-    return GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **model)
+    # GPT-2's special ids (50256) lie outside a 1,024-token vocabulary: None, or transformers
+    # warns twice per layout that they "must be None or an integer within the vocabulary"
+    inside = {} if model["vocab_size"] > 50256 else {"bos_token_id": None, "eos_token_id": None}
+    return GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **inside, **model)
 
 
 def _rise(model, options: dict, batch: int, seq: int, env: dict, steps: int = 1,
