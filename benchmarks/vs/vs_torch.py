@@ -320,6 +320,10 @@ def main(argv=None) -> None:
               f"{med['megapar'] / med['torch']:>6.2f} {speed['megapar']:>8.2f} "
               f"{speed['torch']:>8.2f} {diff:>13.1e}  {pairs:>18}  "
               f"{', '.join(f'{x:.5f}' for x in a)}")
+    missing = {"serial" if CONFIGS[n][5] == "small" else "large-serial" for n in results}
+    missing -= set(results)
+    if missing:  # the speed-up columns divide by the serial run of the same size
+        print(f"mp x ser / tc x ser: nan without {' and '.join(sorted(missing))} in --configs")
 
 
 if __name__ == "__main__":
