@@ -143,7 +143,8 @@ def test_measured_run_writes_chrome_trace_and_gantt(capsys, tmp_path):
 
 
 def test_plot_trace_draws_a_profiler_trace_whose_thread_ids_mix_numbers_and_names(tmp_path,
-                                                                                capsys):
+                                                                                capsys,
+                                                                                monkeypatch):
     """torch.profiler's traces (--profile-steps) hold spans on numbered threads and on named
     ones (pid "Spans", tid "PyTorch Profiler"): plot_trace failed sorting them ('<' not
     supported between str and int), a new user's finding. Now it draws each thread as a row
@@ -157,10 +158,20 @@ def test_plot_trace_draws_a_profiler_trace_whose_thread_ids_mix_numbers_and_name
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "pid": "Spans",
          "tid": "PyTorch Profiler", "ts": 0, "dur": 30}]}))
     out_png = tmp_path / "profile.png"
+    from megapar.pipeline import timeline as timeline_module
+
+    drawn, real = [], timeline_module.plot_gantt
+
+    def plot_gantt(*args, **kwargs):
+        drawn.append(kwargs["row_name"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(timeline_module, "plot_gantt", plot_gantt)
     assert load_tool("plot_trace").main([str(trace), "-o", str(out_png)]) == 0
     assert_png(out_png)
     out = capsys.readouterr().out
     assert "no pipeline compute events" in out and "bubble %" not in out, out
+    assert drawn == ["thread"]  # its rows are threads: they read "stage 0" ... "stage 7"
 
 
 def test_1f1b_holds_fewer_micro_batches_and_less_activation_memory_than_gpipe():

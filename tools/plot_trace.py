@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("trace", help="Chrome trace JSON or Timeline JSON")
     p.add_argument("-o", "--output", help="PNG to write (default: TRACE with .png suffix)")
     p.add_argument("--title", help="chart title (default: the file name)")
-    p.add_argument("--row-name", default="stage", help="row label prefix (default: stage)")
+    p.add_argument("--row-name", help="row label prefix (default: stage, or thread for a "
+                   "trace with no pipeline compute event, such as torch.profiler's)")
     args = p.parse_args(argv)
     from megapar.cli.bubble import plot_file
     from megapar.pipeline.timeline import (
@@ -84,7 +85,10 @@ def main(argv=None) -> int:
     if not timeline.events:
         print(f"plot_trace: error: {args.trace} has no events", file=sys.stderr)
         return 2
-    if any(e.kind in COMPUTE_KINDS for e in timeline.events):
+    pipeline = any(e.kind in COMPUTE_KINDS for e in timeline.events)
+    if args.row_name is None:  # a profiler trace's rows are threads: "stage 7" of a pp 2 rank
+        args.row_name = "stage" if pipeline else "thread"
+    if pipeline:
         print(format_bubble_table(bubble_stats(timeline), row_name=args.row_name))
     else:  # e.g. a torch.profiler trace: its rows are threads, not stages
         print(f"no pipeline compute events ({', '.join(sorted(COMPUTE_KINDS))}) in {args.trace}: "
