@@ -36,6 +36,19 @@ def test_warmup_then_cosine_to_min_lr():
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
 
 
+def test_a_saved_schedule_with_a_field_of_a_newer_megapar_is_named():
+    """A megapar of 11-28 reading a schedule saved after --lr-decay wsd came failed with
+    "TypeError: LRScheduler.__init__() got an unexpected keyword argument 'decay_steps'"; a field
+    this one does not know is named as a newer megapar's, and a known state still loads."""
+    s = LRScheduler(1.0, 0.1, 4, 14, "cosine")
+    t = LRScheduler(2.0, 0.0, 0, 5, "linear")
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    with pytest.raises(ValueError, match="has future_field, which this megapar does not know: "
+                                         "it was written by a newer megapar"):
+        t.load_state_dict({**s.state_dict(), "future_field": 1})
+
+
 def test_linear_and_constant_decay():
     lin = LRScheduler(1.0, 0.0, 0, 10, "linear")
     assert [lin.lr(i) for i in (0, 5, 10, 20)] == pytest.approx([1.0, 0.5, 0.0, 0.0])

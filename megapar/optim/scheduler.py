@@ -108,6 +108,14 @@ class LRScheduler:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict) -> None:
+        """Take a saved schedule; a field this megapar does not know (a newer one's) is named
+        in a ValueError, not a TypeError of the constructor."""
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(LRScheduler)})
+        if unknown:
+            raise ValueError(
+                f"the saved learning-rate schedule has {', '.join(unknown)}, which this megapar "
+                f"does not know: it was written by a newer megapar; resume with that version"
+            )
         restored = LRScheduler(**d)  # validates
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(restored, f.name))
