@@ -793,9 +793,10 @@ def continue_order(
     if older_epoch_order(sampler, saved):
         notes.append(
             f"the checkpoint resumes a blend in epoch {epoch} and does not record its epoch "
-            f"order (an older megapar's): an older megapar drew every epoch of a blend as the "
-            f"first, this one continues each part's draws, so the samples from here may differ "
-            f"from those the older run would have drawn"
+            f"order (an older megapar's): a megapar before dae73c03 (2026-12-01) drew every "
+            f"epoch of a blend as the first, this one continues each part's draws, so the "
+            f"samples from here may differ from those the older run would have drawn (not for a "
+            f"checkpoint of dae73c03 to 2b3d7ca2, the same day, whose megapar drew them so)"
         )
     saved_batch = saved.get("global_batch_size", sampler.global_batch_size)
     if saved_batch != sampler.global_batch_size:
