@@ -736,6 +736,52 @@ def test_another_val_fraction_is_refused_only_where_it_moves_documents(tmp_path)
     check_resumable(dataclasses.replace(cfg, val_fraction=0.0501), manifest, 616, split_of)
 
 
+def test_another_global_batch_that_grows_the_split_over_other_documents_is_refused(tmp_path):
+    """On data so small that the validation split grows to hold one global batch, a resume at
+    global batch 5 for 4 held out one more document (a short one: the training samples stayed
+    25) and went on without a word (a helper's review); it is refused, naming the batch. A
+    batch that keeps the split continues."""
+    import random
+
+    from megapar.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import training_documents
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    prefix = str(tmp_path / "ds")
+    rng = random.Random(4)
+    lengths = [rng.choice([1, 1, 2, 5, 20, 33, 64, 100]) for _ in range(44)]
+    with IndexedDatasetBuilder(prefix, vocab_size=100, eod_id=0, tokenizer_spec={}) as b:
+        b.add_documents([np.full(n, 5, dtype=np.int64) for n in lengths])
+        b.finalize()
+    cfg = TrainConfig(load="ck", seq_len=32, global_batch_size=5, micro_batch_size=1,
+                      val_fraction=0.05, data=prefix)
+
+    def split_of(fraction, batch):
+        other = dataclasses.replace(cfg, val_fraction=fraction, global_batch_size=batch)
+        return training_documents(other, prefix, "gpt2")
+
+    def samples(batch):
+        return len(GPTDataset(IndexedDataset(prefix), 32, doc_range=split_of(0.05, batch)[0]))
+
+    assert samples(4) == samples(5) == 25
+    assert not np.array_equal(split_of(0.05, 4)[0], split_of(0.05, 5)[0])
+    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": prefix}, "sampler": {
+        "dataset_len": 25, "global_batch_size": 4, "seed": cfg.seed}}}
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 25, split_of)
+    assert str(e.value).startswith(
+        "--global-batch-size 5 (the checkpoint's 4) holds out other documents for validation "
+        "than --load ck did"), str(e.value)
+    assert "resume with --global-batch-size 4 (or leave it out" in str(e.value)
+    both = dataclasses.replace(cfg, val_fraction=0.0501)
+    with pytest.raises(UsageError, match="resume with --val-fraction 0.05 --global-batch-size 4"):
+        check_resumable(both, manifest, 25, split_of)
+    check_resumable(dataclasses.replace(cfg, global_batch_size=4), manifest, 25, split_of)
+    check_resumable(dataclasses.replace(cfg, allow_data_change=True), manifest, 25, split_of)
+
+
 def test_a_resume_with_another_val_fraction_of_the_same_split_continues(texts, cache, tiny_model,
                                                                       tmp_path, capsys):
     """A --val-fraction that holds out the very documents the checkpoint's did (0.0501 for 0.05:

@@ -593,27 +593,43 @@ def check_resumable(
             f"--allow-data-change to continue on this order on purpose"
         )
     recorded = train_config.get("val_fraction")
+    fraction = recorded if recorded is not None else cfg.val_fraction
+    batch = state.get("global_batch_size", cfg.global_batch_size)
+    moved = [
+        *(["val_fraction"] if not _same_value("val_fraction", fraction, cfg.val_fraction) else []),
+        *(["global_batch_size"] if batch != cfg.global_batch_size and split_of else []),
+    ]  # a split grown to hold one global batch moves with the batch
     if (
         not diff
         and not cfg.allow_data_change
-        and recorded is not None
-        and not _same_value("val_fraction", recorded, cfg.val_fraction)
+        and moved
         and not (
             split_of is not None
             and _same_documents(
-                split_of(recorded, state.get("global_batch_size", cfg.global_batch_size)),
-                split_of(cfg.val_fraction, cfg.global_batch_size),
+                split_of(fraction, batch), split_of(cfg.val_fraction, cfg.global_batch_size)
             )
         )
     ):  # another split of as many samples: other documents (some trained on now held out)
+        saved = {"val_fraction": fraction, "global_batch_size": batch}
+        back = " ".join(f"{flag_of(k)} {_shown(saved[k])}" for k in moved)
+        if moved == ["val_fraction"]:
+            raise UsageError(
+                f"{named(cfg, 'val_fraction')} differs from the checkpoint's "
+                f"{_shown(fraction)}: it {'holds' if split_of else 'can hold'} out other "
+                f"documents than --load {cfg.load} did (some it trained on), so its data order "
+                f"{'cannot' if split_of else 'is not known to'} continue; resume with {back} "
+                f"(or leave it out: the checkpoint's is taken), or pass --allow-data-change to "
+                f"continue on this split on purpose"
+            )
+        given = " and ".join(
+            f"{named(cfg, k)} (the checkpoint's {_shown(saved[k])})" for k in moved
+        )
         raise UsageError(
-            f"{named(cfg, 'val_fraction')} differs from the checkpoint's "
-            f"{_shown(recorded)}: it {'holds' if split_of else 'can hold'} out other documents "
-            f"than --load {cfg.load} did "
-            f"(some it trained on), so its data order "
-            f"{'cannot' if split_of else 'is not known to'} continue; resume with "
-            f"--val-fraction "
-            f"{_shown(recorded)} (or leave it out: the checkpoint's is taken), or pass "
+            f"{given} {'hold' if len(moved) > 1 else 'holds'} out other documents for validation "
+            f"than --load {cfg.load} did (some "
+            f"it trained on: a split too small for one global batch grows until it holds one), "
+            f"so its data order cannot continue; resume with {back} (or leave "
+            f"{'them' if len(moved) > 1 else 'it'} out: the checkpoint's is taken), or pass "
             f"--allow-data-change to continue on this split on purpose"
         )
     if diff:
