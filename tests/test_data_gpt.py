@@ -85,7 +85,7 @@ def test_real_sample_train_val(tmp_path):
         assert len(pieces) >= 2 and all(p in source for p in pieces)  # paragraphs, eod-separated
 
 
-def test_a_directory_given_with_a_trailing_slash_caches_under_its_name(tmp_path):
+def test_a_directory_given_with_a_trailing_slash_caches_under_its_name(tmp_path, monkeypatch):
     """`--data corpus/` tokenized into the cache as "-HASH.bin" (the basename of "corpus/" is
     empty), a file named after nothing; it is "corpus-HASH", the cache of `--data corpus`."""
     corpus = tmp_path / "corpus"
@@ -95,3 +95,5 @@ def test_a_directory_given_with_a_trailing_slash_caches_under_its_name(tmp_path)
     slash = ensure_dataset(str(corpus) + "/", "gpt2", cache)
     assert os.path.basename(slash).startswith("corpus-"), slash
     assert ensure_dataset(str(corpus), "gpt2", cache) == slash
+    monkeypatch.chdir(corpus)  # "--data ." inside it: ".-HASH", a hidden file, before
+    assert ensure_dataset(".", "gpt2", cache) == ensure_dataset("./", "gpt2", cache) == slash

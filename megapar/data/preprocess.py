@@ -504,7 +504,7 @@ def ensure_dataset(
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(os.path.normpath(text_path)))[0]  # DIR/ too
+    stem = os.path.splitext(os.path.basename(os.path.abspath(text_path)))[0]  # DIR/, . too
     prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
