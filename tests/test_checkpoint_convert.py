@@ -157,6 +157,15 @@ def test_a_full_disk_is_one_line_naming_the_destination(tmp_path, capsys, monkey
         ), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
+    def full_in_rust(*args, **kwargs):  # safetensors' and tokenizers' own exception types
+        raise Exception("No space left on device (os error 28)")  # noqa: TRY002
+
+    monkeypatch.setattr(hf, "save_file", full_in_rust)
+    assert main([str(src), "--to-hf", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"megapar-convert: error: No space left on device while writing "
+                          f"{tmp_path / 'hf'}; nothing was written") and "Traceback" not in err
+
 
 def test_cli_usage_errors(tmp_path, capsys):
     assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2

@@ -679,6 +679,19 @@ WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 """What a full disk, a quota or a file system gone read-only raise: exit 1, not bad input's 2."""
 
 
+def _disk_full(exc: BaseException) -> str | None:
+    """The words of a write error of the disk (`WRITE_ERRORS`), or None: an OSError's, or the
+    text of one the tokenizers and safetensors libraries raise as their own exception types
+    ("No space left on device (os error 28)")."""
+    if isinstance(exc, OSError):
+        return (exc.strerror or str(exc)) if exc.errno in WRITE_ERRORS else None
+    for code in WRITE_ERRORS:
+        words = os.strerror(code)
+        if words in str(exc) or f"os error {code})" in str(exc):
+            return words
+    return None
+
+
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, 1 where the destination
@@ -695,22 +708,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             report = run(args)
-        except OSError as exc:
-            if exc.errno not in WRITE_ERRORS:
-                print(f"megapar-convert: error: {exc}", file=sys.stderr)
-                return 2
+        except Exception as exc:  # noqa: BLE001 - the writers' own errors of a full disk too
+            full = _disk_full(exc)
+            if full is None:
+                if isinstance(exc, (CheckpointError, ConfigError, ValueError, OSError)):
+                    print(f"megapar-convert: error: {exc}", file=sys.stderr)
+                    return 2
+                raise
             dst = args.to_hf or args.to_dcp or (args.paths[-1] if args.paths else "DST")
-            where = f" ({exc.filename})" if exc.filename else ""
+            name = getattr(exc, "filename", None)
+            inside = name and os.path.abspath(str(name)).startswith(os.path.abspath(dst))
+            where = f" ({name})" if inside else ""  # a copy's error names its source file
             print(
-                f"megapar-convert: error: {exc.strerror or exc}{where} while writing {dst}; "
+                f"megapar-convert: error: {full}{where} while writing {dst}; "
                 f"nothing was written (an output is renamed into place only when complete, so "
                 f"{dst} is as it was); free space or choose another destination",
                 file=sys.stderr,
             )
             return 1
-        except (CheckpointError, ConfigError, ValueError) as exc:
-            print(f"megapar-convert: error: {exc}", file=sys.stderr)
-            return 2
         print(report)  # a reader gone (| head) is not an error of the conversion's
     except (KeyboardInterrupt, SystemExit) as exc:
         sigterm = isinstance(exc, SystemExit)
