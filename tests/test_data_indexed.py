@@ -52,6 +52,26 @@ def test_uint32_for_large_vocab_and_bad_ids(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_full_disk_leaves_no_temporary_and_names_the_dataset(tmp_path):
+    """A --data-cache on a full disk kept the partial PREFIX.bin.tmp-* (the disk still full):
+    the abort's close flushed its buffer again, raised ENOSPC, and removed nothing; the error
+    named no file."""
+    import errno
+
+    prefix = str(tmp_path / "new" / "ds")
+    with pytest.raises(OSError) as e:
+        with IndexedDatasetBuilder(prefix, 100, 0, {}) as b:
+            b.add_document([1, 2, 3])
+
+            def full(*args):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            b._bin.close = full  # the buffered file's flush at close, on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.filename == prefix + ".bin"
+    assert not (tmp_path / "new").exists()
+
+
 def test_missing_files_name_the_fix(tmp_path):
     prefix = str(tmp_path / "nothing")
     with pytest.raises(FileNotFoundError, match=r"nothing\.json not found; create it with .*megapar-data"):

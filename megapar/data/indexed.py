@@ -225,7 +225,10 @@ class IndexedDatasetBuilder:
     def abort(self) -> None:
         """Close and delete the temporary files (nothing is renamed), and the directories made
         for them where they are empty."""
-        self._bin.close()
+        try:
+            self._bin.close()  # flushes its buffer: on a full disk that fails again
+        except OSError:
+            pass
         for path in (self._bin_tmp, *self._tmps):  # the index's and metadata's, once begun
             try:
                 os.remove(path)
@@ -243,6 +246,8 @@ class IndexedDatasetBuilder:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and exc.filename is None:  # a write's: name what it wrote
+                exc.filename = self.prefix + ".bin"
 
 
 def read_doc_offsets(path: str) -> np.ndarray:
