@@ -68,7 +68,7 @@ def test_a_full_disk_leaves_no_temporary_and_names_the_dataset(tmp_path):
 
             b._bin.close = full  # the buffered file's flush at close, on a full disk
             raise OSError(errno.ENOSPC, "No space left on device")
-    assert e.value.filename == prefix + ".bin"
+    assert e.value.filename == prefix
     assert not (tmp_path / "new").exists()
 
 

@@ -566,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as e:  # the disk full, the directory made read-only: one line, not a stack
         note = _remove_trained(trained, replaced, args.output_prefix)
-        where = f" ({e.filename})" if e.filename else ""
+        where = f" ({e.filename})" if e.filename and e.filename != args.output_prefix else ""
         print(
             f"megapar-data: error: {e.strerror or e}{where} while writing "
             f"{args.output_prefix}; nothing was written (the dataset is renamed into place "

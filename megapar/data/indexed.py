@@ -246,8 +246,8 @@ class IndexedDatasetBuilder:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-            if isinstance(exc, OSError) and exc.filename is None:  # a write's: name what it wrote
-                exc.filename = self.prefix + ".bin"
+            if isinstance(exc, OSError) and exc.filename is None:  # a write's: name the dataset
+                exc.filename = self.prefix
 
 
 def read_doc_offsets(path: str) -> np.ndarray:
