@@ -791,7 +791,7 @@ def test_a_full_disk_under_save_is_one_line_before_training(tmp_path, common, ca
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (
         f"megapar-train: error: No space left on device: {ckpt / save_lock.LOCK_NAME} while "
-        f"starting; nothing was trained (free space on that disk, or choose another directory)"
+        f"starting; nothing was trained; free space on that disk, or choose another directory"
     ), err
     assert "Traceback" not in err and not (tmp_path / "new").exists()
 

@@ -10,6 +10,7 @@ one clear message instead of N stack traces or a hung process group.
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
@@ -252,10 +253,12 @@ def main(argv=None) -> int:
             lock.release()
         remove_empty(made)
         where = f": {exc.filename}" if exc.filename else ""
-        message = (
-            f"{exc.strerror or exc}{where} while starting; nothing was trained (free space on "
-            f"that disk, or choose another directory)"
-        )
+        fix = {  # a read's error (a --data file it may not read) gets no disk advice
+            errno.ENOSPC: "; free space on that disk, or choose another directory",
+            errno.EDQUOT: "; free space within the quota, or choose another directory",
+            errno.EROFS: "; that file system is read-only: choose another directory",
+        }.get(exc.errno or 0, "")
+        message = f"{exc.strerror or exc}{where} while starting; nothing was trained{fix}"
         tell_torchrun(message, None)
         refused("megapar-train", message)
         return 1

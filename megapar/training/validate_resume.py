@@ -566,8 +566,9 @@ def check_resumable(
     """The checkpoint's data order can continue: same number of training samples (unless
     --allow-data-change: the order then starts anew) and seed as when it was saved. Another
     global batch continues it (the next samples of the epoch, cut into the new size). Another
-    --val-fraction continues it only where `split_of(val_fraction, global_batch_size)` (the
-    training documents of each part of --data) is the same for both."""
+    --val-fraction, or another global batch (a small split grows to hold one), continues it only
+    where `split_of(val_fraction, global_batch_size)` (the training documents of each part of
+    --data) is the same for both."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
     ours = {"dataset_len": train_len, "seed": cfg.seed}
     diff = [
