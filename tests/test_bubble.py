@@ -588,7 +588,7 @@ def test_help_gives_the_default_of_every_flag_that_has_one(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help by width
     for text in ("tensor-parallel size per stage (default: 1)",
                  "--seq-len a multiple of 2 x cp) (default: 1)",
-                 "measured steps (after one warm-up) (default: 3)",
+                 "the earlier ones let caches and the allocator settle) (default: 3)",
                  "sequences per micro-batch of the measured model (default: 4)",
                  "tokens per sequence of the measured model (default: 64)"):
         assert text in out, text
