@@ -595,7 +595,7 @@ def check_resumable(
         )
     recorded = train_config.get("val_fraction")
     fraction = recorded if recorded is not None else cfg.val_fraction
-    batch = state.get("global_batch_size", cfg.global_batch_size)
+    batch = state.get("global_batch_size", cfg.global_batch_size)  # absent: not moved
     moved = [
         *(["val_fraction"] if not _same_value("val_fraction", fraction, cfg.val_fraction) else []),
         *(["global_batch_size"] if batch != cfg.global_batch_size and split_of else []),
@@ -664,8 +664,7 @@ def check_resumable(
                 f"resume with {back} (or leave {'them' if len(changed) > 1 else 'it'} out: the "
                 f"checkpoint's is taken){other}"
             )
-        batch = state.get("global_batch_size")
-        if diff == ["dataset_len"] and batch is not None and batch != cfg.global_batch_size:
+        if diff == ["dataset_len"] and batch != cfg.global_batch_size:
             raise UsageError(  # the validation split grew (or shrank) to hold one batch
                 f"--global-batch-size {cfg.global_batch_size} (the checkpoint's {batch}) changes "
                 f"the validation split, which holds out whole documents until it holds one "
