@@ -704,32 +704,39 @@ def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(
     assert "its data order cannot continue" in str(e.value), str(e.value)
 
 
+def _split_of_documents(tmp_path, lengths, **settings):
+    """A run's config on an index of documents of `lengths` tokens (seq-len 32), its
+    `training_documents` as a resume compares them, and the training samples they make."""
+    import functools
+
+    from megapar.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import training_documents
+
+    prefix = str(tmp_path / "ds")
+    with IndexedDatasetBuilder(prefix, vocab_size=100, eod_id=0, tokenizer_spec={}) as b:
+        b.add_documents([np.full(n, 5, dtype=np.int64) for n in lengths])
+        b.finalize()
+    cfg = TrainConfig(load="ck", seq_len=32, micro_batch_size=1, data=prefix, **settings)
+    split_of = functools.partial(training_documents, cfg, prefix, "gpt2")
+
+    def samples(fraction, batch):
+        return len(GPTDataset(IndexedDataset(prefix), 32, doc_range=split_of(fraction, batch)[0]))
+
+    return cfg, split_of, samples
+
+
 def test_another_val_fraction_is_refused_only_where_it_moves_documents(tmp_path):
     """`training_documents` on a real index: --val-fraction 0.04 for 0.05 trains on as many
     samples (616) but not the same documents (a one-token document moved), so a resume is
     refused; 0.0501 holds out the same documents, so it continues."""
-    from megapar.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
-    from megapar.training.config import TrainConfig
-    from megapar.training.data import training_documents
     from megapar.training.validate import UsageError
     from megapar.training.validate_resume import check_resumable
 
-    prefix = str(tmp_path / "ds")
-    with IndexedDatasetBuilder(prefix, vocab_size=100, eod_id=0, tokenizer_spec={}) as b:
-        b.add_documents([np.full(n, 5, dtype=np.int64) for n in [400] * 50 + [1] * 50])
-        b.finalize()
-    cfg = TrainConfig(load="ck", seq_len=32, global_batch_size=4, micro_batch_size=1,
-                      val_fraction=0.04, data=prefix)
-
-    def split_of(fraction, batch):
-        other = dataclasses.replace(cfg, val_fraction=fraction, global_batch_size=batch)
-        return training_documents(other, prefix, "gpt2")
-
-    def samples(fraction):
-        return len(GPTDataset(IndexedDataset(prefix), 32, doc_range=split_of(fraction, 4)[0]))
-
-    assert samples(0.04) == samples(0.05) == 616
-    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": prefix}, "sampler": {
+    cfg, split_of, samples = _split_of_documents(tmp_path, [400] * 50 + [1] * 50,
+                                                 global_batch_size=4, val_fraction=0.04)
+    assert samples(0.04, 4) == samples(0.05, 4) == 616
+    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": cfg.data}, "sampler": {
         "dataset_len": 616, "global_batch_size": 4, "seed": cfg.seed}}}
     with pytest.raises(UsageError, match="it holds out other documents"):
         check_resumable(cfg, manifest, 616, split_of)
@@ -741,33 +748,16 @@ def test_another_global_batch_that_grows_the_split_over_other_documents_is_refus
     global batch 5 for 4 held out one more document (a short one: the training samples stayed
     25) and went on without a word (a helper's review); it is refused, naming the batch. A
     batch that keeps the split continues."""
-    import random
-
-    from megapar.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
-    from megapar.training.config import TrainConfig
-    from megapar.training.data import training_documents
     from megapar.training.validate import UsageError
     from megapar.training.validate_resume import check_resumable
 
-    prefix = str(tmp_path / "ds")
     rng = random.Random(4)
     lengths = [rng.choice([1, 1, 2, 5, 20, 33, 64, 100]) for _ in range(44)]
-    with IndexedDatasetBuilder(prefix, vocab_size=100, eod_id=0, tokenizer_spec={}) as b:
-        b.add_documents([np.full(n, 5, dtype=np.int64) for n in lengths])
-        b.finalize()
-    cfg = TrainConfig(load="ck", seq_len=32, global_batch_size=5, micro_batch_size=1,
-                      val_fraction=0.05, data=prefix)
-
-    def split_of(fraction, batch):
-        other = dataclasses.replace(cfg, val_fraction=fraction, global_batch_size=batch)
-        return training_documents(other, prefix, "gpt2")
-
-    def samples(batch):
-        return len(GPTDataset(IndexedDataset(prefix), 32, doc_range=split_of(0.05, batch)[0]))
-
-    assert samples(4) == samples(5) == 25
+    cfg, split_of, samples = _split_of_documents(tmp_path, lengths, global_batch_size=5,
+                                                 val_fraction=0.05)
+    assert samples(0.05, 4) == samples(0.05, 5) == 25
     assert not np.array_equal(split_of(0.05, 4)[0], split_of(0.05, 5)[0])
-    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": prefix}, "sampler": {
+    manifest = {"meta": {"train_config": {"val_fraction": 0.05, "data": cfg.data}, "sampler": {
         "dataset_len": 25, "global_batch_size": 4, "seed": cfg.seed}}}
     with pytest.raises(UsageError) as e:
         check_resumable(cfg, manifest, 25, split_of)

@@ -653,11 +653,15 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
     return train, val
 
 
-def training_documents(cfg: TrainConfig, prefix: str, model_type: str) -> list:
+def training_documents(
+    cfg: TrainConfig, prefix: str, model_type: str, val_fraction: float, global_batch_size: int
+) -> list:
     """The documents each part of --data trains on (a sorted array, or None for all of it),
-    as `build_datasets` splits them: two settings that give equal lists hold out the same
-    documents, so a resume may change one for the other."""
+    as `build_datasets` splits them under `cfg` with this `val_fraction` and
+    `global_batch_size` (the split grows to hold one global batch): two settings that give
+    equal lists hold out the same documents, so a resume may change one for the other."""
 
+    cfg = replace(cfg, val_fraction=val_fraction, global_batch_size=global_batch_size)
     blend = parse_blend(cfg.data) if cfg.data is not None else None
     prefixes = [prefix] if blend is None else [_resolve_one(cfg, p) for _, p in blend]
     splits = [

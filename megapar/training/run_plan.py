@@ -9,7 +9,7 @@ then `plan_data`.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from functools import partial
 
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
@@ -192,12 +192,7 @@ def plan_data(
         raise
     notes.extend(split_notes)
     if manifest is not None:
-        prefix, model_type = plan.prefix, config.model_type
-
-        def split_of(val_fraction: float, global_batch_size: int) -> list:
-            other = replace(cfg, val_fraction=val_fraction, global_batch_size=global_batch_size)
-            return training_documents(other, prefix, model_type)
-
+        split_of = partial(training_documents, cfg, plan.prefix, config.model_type)
         check_resumable(cfg, manifest, len(train), split_of)
         check_same_data(cfg, manifest, plan.data_fingerprint)
     return plan
