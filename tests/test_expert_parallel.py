@@ -17,6 +17,7 @@ from megapar.comm_count import count_collectives
 from megapar.expert_parallel import combine, dispatch, local_experts, plan_route
 from megapar.launcher import run_local
 from megapar.mesh import Layout, LayoutError, Mesh
+from megapar.models.moe import expert_counts
 from megapar.training.config import TrainConfig
 from megapar.training.validate import UsageError, check_settings
 
@@ -47,7 +48,7 @@ def toy_moe(x, router, bias, gate, up, down, group):
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // K)
-    route = plan_route(torch.bincount(flat, minlength=E), group)
+    route = plan_route(expert_counts(flat, E), group)  # bincount would sync
     local = dispatch(rows, route)
     outs = [(F.silu(c @ gate[e]) * (c @ up[e])) @ down[e]
             for e, c in enumerate(local.split(route.counts))]

@@ -2,8 +2,9 @@
 
 On a GPU every `.item()`, `bool(tensor)`, boolean-mask index or host-to-device copy inside a
 micro-batch makes the host wait for the device, which stalls the pipeline. `sync_count` wraps
-those calls; a training step at tp 2 x pp 2 (GPT-2, BERT, grouped-query Llama with one kv head,
-from transformers configs, through `megapar.prepare`) makes the same number at 4 and at 8
+those calls and watches the aten ops behind them (a tensor used as a size, `unique`, ...); a
+training step at tp 2 x pp 2 (GPT-2, BERT, grouped-query Llama with one kv head, from
+transformers configs, through `megapar.prepare`) makes the same number at 4 and at 8
 micro-batches, and none of them is on the micro-batch path (models, tensor-parallel layers,
 pipeline): only per-step work (checking the user's global batch, the gradient norm, the loss).
 The same holds at cp 2 x pp 2, where every attention layer exchanges keys and values (with
@@ -119,6 +120,35 @@ def test_the_counter_sees_what_a_micro_batch_path_would_do():
         t.sum().item()
     assert sorted(call for call, _ in syncs) == [
         "__bool__", "item", "mask index", "torch.tensor(host data, device=...)"]
+
+
+def test_the_counter_sees_the_syncs_torch_makes_in_cpp():
+    """What no Python wrapper sees: a tensor as a size or a slice bound, a mask assignment,
+    `torch.where(cond)`, `unique`, `bincount`, `equal` and `repeat_interleave` without its
+    output size are counted by the aten op that waits; each once, and the same calls with
+    their sizes given are not counted."""
+    t, n = torch.arange(6.0), torch.tensor(3)
+    repeats = torch.ones(6, dtype=torch.long)
+    with count_syncs() as syncs:
+        torch.zeros(n)
+        t[:n]
+        t[t > 4] = 0
+        torch.where(t > 0)
+        torch.unique(t)
+        torch.bincount(repeats)
+        torch.equal(t, t)
+        torch.repeat_interleave(t, repeats)
+    assert sorted(call for call, _ in syncs) == [
+        "aten._local_scalar_dense", "aten._unique2", "aten.bincount", "aten.equal",
+        "aten.nonzero", "mask assignment", "repeat_interleave without output_size"]
+    assert syncs["aten._local_scalar_dense", "outside megapar"] == 2
+    with count_syncs() as syncs:  # the sync-free spellings
+        torch.zeros(3)
+        t[:3]
+        t.masked_fill_(t > 4, 0)
+        torch.where(t > 0, t, 0.0)
+        torch.repeat_interleave(t, repeats, output_size=6)
+    assert not syncs, syncs
 
 
 def zero3_syncs_worker(kind, precision="fp32", offload=False):
