@@ -2,6 +2,7 @@
 gives the same tokens whatever its form (CRLF / CR / LF line endings, .txt or .jsonl)."""
 
 import json
+import re
 import string
 from pathlib import Path
 
@@ -459,6 +460,62 @@ def test_documents_that_tokenize_to_nothing_warn_or_fail(tmp_path, capsys):
     assert "e.g. --tokenizer gpt2" not in line, line
 
 
+ZH = "床前明月光，疑是地上霜。举头望明月，低头思故乡。\n\nHello world, and good night.\n"
+
+
+def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_path, capsys):
+    """SentencePiece's English model (the shipped `sentencepiece`) makes Chinese its <unk>: the
+    text is lost from the dataset, which was silent (a new user's finding). megapar-data and
+    megapar-train's own tokenizing name the share; English text gives no line."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import resolve_data_prefix
+
+    (tmp_path / "zh.txt").write_text(ZH)
+    # (this model spells no Q, Z, V or X either: 0.2 % of the Shakespeare sample)
+    (tmp_path / "en.txt").write_text("Hello world, and good night to all of you.\n\n" * 50)
+    for name in ("zh", "en"):
+        prefix = tmp_path / name
+        assert data_main(["--input", str(tmp_path / f"{name}.txt"), "--output-prefix",
+                          str(prefix), "--tokenizer", "sentencepiece", "--no-progress"]) == 0
+        err = capsys.readouterr().err
+        ds = IndexedDataset(str(prefix))
+        ids = ds.get(0, ds.num_tokens)
+        unk = int((ids == load_tokenizer("sentencepiece").unk_id).sum())
+        text_tokens = ds.num_tokens - len(ds)  # less each document's end-of-document token
+        if name == "en":
+            assert "unknown token" not in err, err
+            continue
+        breaks = len(re.findall(r"\s*\n\s*", ZH))  # the shipped model spells no line break
+        unk -= breaks
+        assert unk > 0.1 * text_tokens
+        assert (f"megapar-data: warning: {unk} of the text's {text_tokens} tokens "
+                f"({100 * unk / text_tokens:.1f} %) are tokenizer sentencepiece's unknown "
+                f"token, not counting the {breaks} its line breaks and tabs became") in err, err
+    notes: list[str] = []
+    cfg = TrainConfig(data=str(tmp_path / "zh.txt"), tokenizer="sentencepiece",
+                      data_cache=str(tmp_path / "cache"))
+    resolve_data_prefix(cfg, notes)  # its paragraphs are documents: 2, of 15 tokens
+    assert [n for n in notes if n.startswith(f"warning: --data {tmp_path / 'zh.txt'}: ") and
+            "tokens (20.0 %) are tokenizer sentencepiece's unknown token" in n], notes
+
+
+def test_a_wordpiece_trained_on_another_script_is_not_refused_for_spelling_no_english(
+        tmp_path, capsys):
+    """The check that a tokenizer.json encodes text probes it with "Hello world": a WordPiece
+    trained on Chinese alone gives [UNK] [UNK], and was refused as one encoding nothing, with
+    advice about transformers that did not apply (a new user's finding)."""
+    (tmp_path / "zh.txt").write_text(ZH.split("\n\n")[0] * 20)
+    prefix = tmp_path / "wp"
+    assert data_main(["--input", str(tmp_path / "zh.txt"), "--train-tokenizer", "wordpiece",
+                      "--vocab-size", "200", "--output-prefix", str(prefix),
+                      "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "unknown token" not in err, err
+    tok = load_tokenizer(str(tmp_path / "wp-tokenizer"))
+    assert tok.encode("Hello") == [tok.unk_id]
+    assert tok.unk_id not in tok.encode("床前明月光")
+
+
 def test_empty_gpt2_bpe_directory_is_refused(tmp_path):
     (tmp_path / "bpe").mkdir()
     (tmp_path / "bpe" / "vocab.json").write_text("{}")
@@ -478,6 +535,30 @@ def test_bpe_vocab_smaller_than_asked_is_noted(tmp_path, capsys):
     got = load_tokenizer(str(tmp_path / "b-tokenizer")).base_vocab_size
     assert got < 70000
     assert f"note: --vocab-size 70000: the corpus supported only {got:,} tokens" in err
+
+
+def test_sentencepiece_learns_the_characters_of_a_line_longer_than_its_sentence_limit(
+        tmp_path, capsys):
+    """SentencePiece's trainer skips a sentence over 4,192 bytes without a word: a corpus of
+    one long line (Greek and Japanese here) was tokenized almost all to <unk> (a new user's
+    finding: 28 % of a dataset). The line is given to it in pieces."""
+    from megapar.data.preprocess import SENTENCE_BYTES, within_sentence_limit
+
+    line = "γάμμα δέλτα エプシロン ζήτα " * 400  # 15 KB, one line
+    (tmp_path / "long.txt").write_text(line + "\n\nshort line alpha beta\n")
+    assert data_main(["--train-sentencepiece", "--vocab-size", "37", "--input",
+                      str(tmp_path / "long.txt"), "--output-prefix", str(tmp_path / "s"),
+                      "--no-progress"]) == 0
+    assert "unknown token" not in capsys.readouterr().err
+    tok = load_tokenizer(str(tmp_path / "s.model"))
+    assert tok.unk_id not in tok.encode("γάμμα エプシロン")
+    pieces = list(within_sentence_limit(line))
+    assert "".join(pieces) == line and len(pieces) > 3
+    assert all(len(p.encode()) <= SENTENCE_BYTES and p.endswith(" ") for p in pieces[:-1])
+    chinese = "床前明月光" * 1000  # no spaces: cut between characters
+    pieces = list(within_sentence_limit(chinese))
+    assert "".join(pieces) == chinese
+    assert [len(p.encode()) for p in pieces[:-1]] == [SENTENCE_BYTES - SENTENCE_BYTES % 3] * 3
 
 
 def test_sentencepiece_vocab_size_out_of_reach_names_the_flag(tmp_path, capsys):

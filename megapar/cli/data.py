@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
     from megapar.data.inputs import check_read_once
-    from megapar.data.preprocess import expand_inputs, preprocess_files
+    from megapar.data.preprocess import expand_inputs, preprocess_files, unknown_tokens_note
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
@@ -540,6 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"tokenizer {tokenizer} may not cover their text",
                 file=sys.stderr,
             )
+        unknown = unknown_tokens_note(stats, tokenizer)
+        if unknown:
+            print(f"megapar-data: warning: {unknown}", file=sys.stderr)
         if stats.get("eod_guessed"):
             name, tid = stats["eod_guessed"]
             print(

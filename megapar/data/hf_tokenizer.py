@@ -135,7 +135,8 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     eos_name = backend.id_to_token(eos)
     guessed = names.get("eos_token") is None and eos_name in COMMON_EOS
     tok.eod_guessed = eos_name if guessed else None
-    _check_encodes_text(directory, backend, set(special) | set(present.values()))
+    tok.unk_id = _unk_id(backend)
+    _check_encodes_text(directory, backend, set(special) | set(present.values()), tok.unk_id)
     named = find("bos_token", COMMON_BOS)
     tok.named_bos_id = named if named is not None and named != eos else None
     before = _added_before(directory, backend)
@@ -191,16 +192,32 @@ def _prefix_of(framed: list[int], plain: list[int]) -> list[int]:
     return []
 
 
-def _check_encodes_text(directory: str, backend, special: set[int]) -> None:
+def _unk_id(backend) -> int | None:
+    """The id of the token a tokenizer.json's model gives text its vocabulary cannot spell
+    (WordPiece's ``[UNK]``, a Unigram's ``unk_id``); None where it has none."""
+    name = getattr(backend.model, "unk_token", None)
+    if name:
+        return backend.token_to_id(name)
+    if type(backend.model).__name__ == "Unigram":
+        unk = json.loads(backend.to_str())["model"].get("unk_id")
+        return unk if isinstance(unk, int) else None
+    return None
+
+
+def _check_encodes_text(directory: str, backend, special: set[int], unk: int | None) -> None:
     """Refuse a tokenizer.json that cannot encode ordinary text: `PROBE_TEXT` gives no ids, or
     only special ones (e.g. a vocabulary of nothing but ``<|endoftext|>``, which some
     transformers versions write when a slow-style tokenizer is built from vocab/merges files and
-    saved). Training on its output would train on end-of-document tokens alone."""
+    saved). Training on its output would train on end-of-document tokens alone. A probe that is
+    all unknown tokens where the vocabulary has ordinary ones is a tokenizer of another script
+    (one trained on Chinese spells no "Hello"): not refused."""
     ids = backend.encode(PROBE_TEXT, add_special_tokens=False).ids
     if ids and not all(i in special for i in ids):
         return
     total = backend.get_vocab_size(with_added_tokens=True)
     ordinary = total - len(special)
+    if ids and unk is not None and ordinary > 0 and all(i == unk for i in ids):
+        return
     what = (
         f"its tokenizer.json has {total:,} tokens, only special ones"
         if ordinary <= 0

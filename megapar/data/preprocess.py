@@ -121,6 +121,18 @@ def _sft_batched(
         yield [p for p, _ in batch] + [r for _, r in batch], nbytes
 
 
+_BREAKS = re.compile(r"\s*[\n\t]\s*")
+"""A run of white space holding a line break or a tab: one unknown token of a SentencePiece
+model that spells neither (megapar's `sentencepiece`, botchan's unigram model)."""
+
+
+def _counting_breaks(batches, stats: dict):
+    """`batches`, counting their texts' runs of `_BREAKS` into ``stats["break_unk"]``."""
+    for texts, nbytes in batches:
+        stats["break_unk"] = stats.get("break_unk", 0) + sum(len(_BREAKS.findall(t)) for t in texts)
+        yield texts, nbytes
+
+
 def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
     texts, nbytes = item
     return _WORKER_TOKENIZER.encode_batch(texts), nbytes
@@ -155,7 +167,9 @@ def preprocess_files(
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
     ``stats`` (a dict, when given) receives ``docs`` and ``empty_docs``: the documents written
     and those of them that tokenized to no ids (raises ValueError when that is all of them);
-    and ``eod_inside``: those holding the end-of-document id before their end.
+    ``eod_inside``: those holding the end-of-document id before their end; and ``tokens`` /
+    ``unk``: the text's ids and those of them the tokenizer's unknown token
+    (`unknown_tokens_note`).
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
@@ -192,6 +206,8 @@ def preprocess_files(
             f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
         )
     batches = itertools.chain([first], batches)
+    if tok.unk_id is not None and tok.unk_id in tok.encode("a\nb"):
+        batches = _counting_breaks(batches, stats)  # not the vocabulary's gaps: its normalizer's
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
@@ -210,7 +226,16 @@ def preprocess_files(
     ):  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar, tok.bos_id, stats, sft_keys is not None, tok.eod_id)
+            _consume(
+                results,
+                builder,
+                bar,
+                tok.bos_id,
+                stats,
+                sft_keys is not None,
+                tok.eod_id,
+                tok.unk_id,
+            )
         else:
             # Workers start as fresh interpreters (spawned): a fork of this process inherits
             # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
@@ -244,6 +269,7 @@ def preprocess_files(
                     stats,
                     sft_keys is not None,
                     tok.eod_id,
+                    tok.unk_id,
                 )
             except BrokenProcessPool:
                 raise ValueError(
@@ -271,6 +297,31 @@ def preprocess_files(
                 f"written"
             )
         return builder.finalize()
+
+
+UNKNOWN_SHARE_NOTED = 0.01
+"""The share of a text's tokens being the tokenizer's unknown token from which megapar-data
+and megapar-train say so (an English WordPiece gives a few per million on English prose)."""
+
+
+def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
+    """One line naming how many of the text's tokens (`preprocess_files`' ``stats``) are the
+    tokenizer's unknown token, where at least `UNKNOWN_SHARE_NOTED` of them are: its vocabulary
+    does not spell those characters, and the text they stood for is not in the dataset. A
+    model that spells no line break (``stats["break_unk"]``) is not counted for those: data.md
+    says SentencePiece's documents lose them."""
+    breaks = stats.get("break_unk", 0)
+    unk, tokens = max(stats.get("unk", 0) - breaks, 0), stats.get("tokens", 0)
+    if not tokens or unk < UNKNOWN_SHARE_NOTED * tokens:
+        return None
+    besides = f", not counting the {breaks:,} its line breaks and tabs became" if breaks else ""
+    return (
+        f"{unk:,} of the text's {counted(tokens, 'token')} ({100 * unk / tokens:.1f} %) are "
+        f"tokenizer {tokenizer}'s unknown token{besides}: its vocabulary does not spell those "
+        f"characters, so what they were is lost; tokenize with one that covers this text (a "
+        f"byte-level BPE spells any text: --tokenizer gpt2, or megapar-data "
+        f"--train-tokenizer bpe)"
+    )
 
 
 def _end_workers(pool: ProcessPoolExecutor) -> None:
@@ -306,16 +357,22 @@ def _consume(
     stats: dict | None = None,
     sft: bool = False,
     eod_id: int | None = None,
+    unk_id: int | None = None,
 ) -> None:
     """Add each document (after the tokenizer's own BOS, when it has one; the eod follows,
     unless the text ends with it already: then that one ends it, as transformers encodes it);
-    count into ``stats["empty_docs"]`` those that tokenized to no ids, and into
+    count into ``stats["empty_docs"]`` those that tokenized to no ids, into
     ``stats["eod_inside"]`` those holding `eod_id` before their end (a tokenizer.json encodes
-    the text of its special token as the token, as transformers does). `sft`: each batch is
-    its records' prompts then their responses (`_sft_batched`), added as one document per
-    record with its prompt length."""
+    the text of its special token as the token, as transformers does), and into
+    ``stats["tokens"]`` / ``stats["unk"]`` the text's ids and those of them `unk_id`. `sft`:
+    each batch is its records' prompts then their responses (`_sft_batched`), added as one
+    document per record with its prompt length."""
     bos = [] if bos_id is None else [bos_id]
     for encoded, nbytes in results:
+        if stats is not None:
+            stats["tokens"] = stats.get("tokens", 0) + sum(len(e) for e in encoded)
+            if unk_id is not None:
+                stats["unk"] = stats.get("unk", 0) + sum(e.count(unk_id) for e in encoded)
         if stats is not None and eod_id is not None:  # a special token's text, as its id
             stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
                 1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
@@ -339,6 +396,29 @@ def _consume(
             stats["empty_docs"] = stats.get("empty_docs", 0) + sum(1 for e in encoded if not e)
         builder.add_documents(encoded if bos_id is None else ([bos_id] + e for e in encoded))
         bar.update(nbytes)
+
+
+SENTENCE_BYTES = 4192
+"""The longest sentence SentencePiece's trainer reads, in UTF-8 bytes (its
+``max_sentence_length``, given explicitly): it skips longer ones without a word."""
+
+
+def within_sentence_limit(line: str, limit: int = SENTENCE_BYTES) -> Iterator[str]:
+    """`line` in pieces of at most `limit` UTF-8 bytes, each cut after its last space where
+    the second half of the piece has one (a line of no spaces, e.g. Chinese, between
+    characters), for SentencePiece's trainer, which would skip the whole line."""
+    start = 0
+    while (len(line) - start) * 4 > limit:  # may be longer than the limit in bytes
+        head = line[start : start + limit].encode("utf-8", "surrogatepass")[:limit]
+        fits = len(head.decode("utf-8", "ignore"))  # the characters whole in `limit` bytes
+        if start + fits >= len(line):
+            break
+        space = line.rfind(" ", start + fits // 2, start + fits)
+        cut = space + 1 if space >= 0 else start + max(fits, 1)
+        yield line[start:cut]
+        start = cut
+    if start < len(line):
+        yield line[start:]
 
 
 def train_sentencepiece(
@@ -369,7 +449,7 @@ def train_sentencepiece(
             for text, _ in iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8):
                 for line in text.splitlines():
                     if line.strip():
-                        yield line
+                        yield from within_sentence_limit(line)
         except ValueError as e:  # a bad input, named in one line (not a trainer's failure)
             failed.append(e)
             raise
@@ -383,6 +463,7 @@ def train_sentencepiece(
             model_type=model_type,
             user_defined_symbols=[t for t in APPENDED_ORDER if t != "[EOD]"],
             character_coverage=1.0,
+            max_sentence_length=SENTENCE_BYTES,
             num_threads=num_threads,
             minloglevel=2,
             hard_vocab_limit=True,

@@ -97,6 +97,9 @@ class Tokenizer:
     #: The end-of-document token's name where a transformers tokenizer's configs name no
     #: ``eos_token`` and it was found by a usual name (``<|end_of_text|>``, ...); else None.
     eod_guessed: str | None = None
+    #: The id text the vocabulary cannot spell encodes to (SentencePiece's ``<unk>``,
+    #: WordPiece's ``[UNK]``); None where there is none (a byte-level BPE spells every text).
+    unk_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""

@@ -101,9 +101,11 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     if "[PAD]" not in present and proc.pad_id() >= 0:
         present["[PAD]"] = proc.pad_id()
     reserved = [i for i in range(size) if proc.is_control(i) or proc.is_unknown(i)]
-    return Tokenizer(
+    tok = Tokenizer(
         "sentencepiece", model_path, proc, size, present, reserved + list(present.values())
     )
+    tok.unk_id = proc.unk_id() if proc.unk_id() >= 0 else None
+    return tok
 
 
 def tokenizer_files(tok: Tokenizer) -> list[str]:

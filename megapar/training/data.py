@@ -43,6 +43,7 @@ from megapar.data.inputs import (
     unread_inputs,
 )
 from megapar.data.megatron import is_megatron_index
+from megapar.data.preprocess import unknown_tokens_note
 from megapar.data.sampler import older_epoch_order
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES, load_config_file
@@ -172,6 +173,9 @@ def _resolve_one(
                 f"warning: {path}: {counted(n, 'byte')} of invalid UTF-8 replaced with U+FFFD"
                 for path, n in report.items()
             )
+            unknown = unknown_tokens_note(stats, cfg.tokenizer)
+            if unknown:
+                notes.append(f"warning: --data {data}: {unknown}")
             skipped, tokenizer = unread_inputs([data])
             if skipped:
                 notes.append(
