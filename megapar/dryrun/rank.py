@@ -144,6 +144,12 @@ class RankReport:
     peak_cpu: int = 0
     """Modelled: the rise of this rank's peak resident set on a CPU (`plan.process`, target
     cpu; the process's baseline, `plan.process.CPU_BASELINE`, apart)."""
+    peak_cpu_settled: int = 0
+    """Modelled: `peak_cpu` once a run's heap has settled after its first steps
+    (`plan.process.ProcessPeak.settled`: the terms some runs' heap grows to)."""
+    cpu_baseline: int = 0
+    """The process's resident set before the job on a CPU (`plan.process.cpu_baseline`):
+    `peak_cpu` above it is the OS's peak resident set."""
     peak_phase: str = ""
     """Where the tensors peak: at the top or at the end of the backward."""
 
@@ -320,6 +326,8 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
         transients=int(stage_mem.buffers),
         peak_gpu=int(peaks["gpu"].total),
         peak_cpu=int(peaks["cpu"].total),
+        peak_cpu_settled=int(peaks["cpu"].settled),
+        cpu_baseline=int(peaks["cpu"].baseline),
         peak_phase=peaks["gpu"].phase,
         in_flight=in_flight,
         chunks=chunks,

@@ -157,7 +157,19 @@ def describe_rank(r: RankReport, step_dir: str, gpu_gib: float | None = None) ->
             else f", which {'fits' if fits(r, gpu_gib) else 'does NOT fit'} a GPU of "
             f"{gpu_gib:g} GiB (--gpu-memory-gb)"
         )
-        + f"; on a CPU the resident set rises {size(r.peak_cpu)} over the process's baseline",
+        + f"; on a CPU the resident set rises {size(r.peak_cpu)} over the process's baseline"
+        + (
+            f" of {size(r.cpu_baseline)} (at the OS's peak: "
+            f"{size(r.cpu_baseline + r.peak_cpu)}"
+            + (
+                f", up to {size(r.cpu_baseline + r.peak_cpu_settled)} after the first steps"
+                if r.peak_cpu_settled > r.peak_cpu
+                else ""
+            )
+            + ")"
+            if r.cpu_baseline
+            else ""
+        ),
         f"  per step: {_traffic(r.comm)}"
         + (  # the data-parallel group's reductions, whichever group the line ends with
             f"; the dp reductions in {r.buckets} "

@@ -164,8 +164,10 @@ BOUNDS = {
         "backward's gradients and a 30 MiB runtime (spawned ranks, lower of 2 runs): "
         "mixtral-tiny ZeRO-3 with ep +5 % / +8 %; outside it: the wide pp 2 1F1B stage "
         "(-10.4 %: its heap grows over the micro-batches), ZeRO-3 with both offloads "
-        "(-17 %, not traced) and micro-batches of a logits chunk (1,024 tokens) or more "
-        "(from step 2 the heap keeps one chunk more: -31 % at gpt2-tiny 8 x 128, 2026-12-03); "
+        "(-17 %, not traced) and micro-batches of hundreds of tokens or more (from step 2 "
+        "the heap can keep a micro-batch's logits, one chunk's, once more: -31 % at "
+        "gpt2-tiny 8 x 128, 2026-12-03, -11 % at llama-tiny 1 x 512; `settled` holds them: "
+        "+4 % to +9 %, 2026-12-04); "
         "the heap's room (0.2 x the transients, 0.1 in one process; 0 to 0.8 measured) is "
         "the least certain term"
     ),
@@ -212,7 +214,7 @@ class ProcessPeak:
     def settled(self) -> float:
         """The figure once a run's heap has settled: `total` and the terms some runs hold only
         after their first steps (`Term.later`: the heap's second place for the embedding's
-        gradients)."""
+        gradients and for the logits)."""
         return self.total + sum(t.bytes for t in self.terms if t.later)
 
 
@@ -364,6 +366,17 @@ def process_peak(
                 later=True,
             )
         )
+    logits = _moved_logits(p, c, has_head)
+    if logits:
+        terms.append(
+            Term(
+                "logits' second place in the heap",
+                logits,
+                "not in the sum: from the second step a run's heap can hold room for a "
+                "micro-batch's logits (one chunk's) twice (measured)",
+                later=True,
+            )
+        )
     terms += [
         Term(
             "runtime (threads, libraries, objects)",
@@ -371,7 +384,7 @@ def process_peak(
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + holes + rebuilt + CPU_RUNTIME  # `moved`: in `settled` only
+    total = tensors + room + holes + rebuilt + CPU_RUNTIME  # `moved`, `logits`: `settled`
     return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
 
 
@@ -515,6 +528,23 @@ def _moved_embedding_gradients(
     if c.dp == 1 or c.zero == 3 or not has_embedding:
         return 0.0
     return sum(t.bytes for t in _end_of_backward(p, c, has_embedding, has_head))
+
+
+def _moved_logits(p: Problem, c: Candidate, has_head: bool) -> float:
+    """On a CPU, on the stage with the head, the heap room a run comes to hold for its
+    logits beyond the step's own: one micro-batch's fp32 logits of this rank's vocabulary (one
+    chunk's with the chunked loss), the step's largest transient. Measured in one process
+    (llama-tiny, 1 x 512 tokens: the peak rose 94-98 MiB at the second step, one logits'
+    98 MiB, and stayed; gpt2-tiny, 8 x 128: a chunk's 196 MiB) and at dp 2 (4 x 128: 98 MiB),
+    as the embedding's gradients move (`_moved_embedding_gradients`). Not under ZeRO-3, whose
+    rank maps every allocation above 4 MiB apart."""
+    if not has_head or c.zero == 3:
+        return 0.0
+    vocab, _ = _vocab_h(p, c)
+    tokens = p.seq_len // c.cp * c.mbs
+    if p.loss_chunk_tokens:
+        tokens = min(tokens, p.loss_chunk_tokens)
+    return float(tokens * vocab * 4)
 
 
 def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
@@ -804,6 +834,11 @@ def describe(peak: ProcessPeak) -> str:
         lines.append(
             f"  {'+ baseline (interpreter, imports)':<{width}} {_size(peak.baseline):>10}  "
             f"= {_size(peak.total + peak.baseline).strip()} at the OS's peak resident set"
+            + (
+                f" ({_size(peak.settled + peak.baseline).strip()} after the first steps)"
+                if peak.settled != peak.total
+                else ""
+            )
         )
     lines.append(f"error bound: {peak.bound}")
     return "\n".join(lines)
