@@ -60,6 +60,8 @@ def sft_batch(tokenizer, pairs, seq_len: int) -> dict[str, torch.Tensor]:
     for row, (prompt, response) in enumerate(pairs):
         p = tokenizer(prompt)["input_ids"]
         r = tokenizer(response, add_special_tokens=False)["input_ids"]  # no second BOS
+        if r and r[-1] == eos:  # a response ending in the EOS written out ends with that one,
+            r = r[:-1]  # as megapar-train --sft-keys does (a chat template's <|im_end|>)
         tokens = (p + r + [eos])[: seq_len + 1]
         ids[row, : len(tokens)] = torch.tensor(tokens)
         labels[row, len(p) : len(tokens)] = torch.tensor(tokens[len(p) :])

@@ -107,6 +107,19 @@ def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path,
     assert str(not_json.value) == (
         f"sft_prompt_mask.py: error: {bad}:2: not valid JSON (Expecting ',' delimiter at "
         f"column 16); repair or delete the line")
+    # a response ending in the end of text written out (a chat template's <|im_end|>) ends
+    # with that one, as megapar-train --sft-keys makes it: the example had added a second,
+    # one more label per record (a new user's finding)
+    class Chars:  # one id per character; "$" is the end of text
+        eos_token_id = ord("$")
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    once = example.sft_batch(Chars(), [("ab", "cd")], 8)
+    assert once["labels"][0].tolist() == [-100, ord("c"), ord("d"), ord("$")] + [-100] * 4
+    for key, value in example.sft_batch(Chars(), [("ab", "cd$")], 8).items():
+        assert torch.equal(value, once[key]), key
     # checked before any rank starts: a --batch-size above the pairs had looped forever
     def refuse(*args, **kwargs):
         raise AssertionError("ranks started")
