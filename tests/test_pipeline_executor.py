@@ -422,14 +422,17 @@ def status_line_worker():
     executor.handlers = {kind: reading(h) for kind, h in executor.handlers.items()}
     executor.p2p.wait_recv = reading(executor.p2p.wait_recv)
     executor.run(toy_batches(2))
-    return seen, line.value.decode()
+    training = seen[:], line.value.decode()
+    seen.clear()
+    executor.run(toy_batches(2), forward_only=True)
+    return training, (seen, line.value.decode())
 
 
 def test_the_status_line_names_every_wait_and_compute_of_a_step():
     """The walk publishes each action's pre-encoded text into the shared line; what the
     launcher reads (the line) and what the rank says (status()) name the step and action."""
-    stage0, stage1 = run_local(status_line_worker, 2)
-    for seen, _ in (stage0, stage1):
+    (stage0, eval0), (stage1, eval1) = run_local(status_line_worker, 2)
+    for seen, _ in (stage0, stage1, eval0, eval1):
         assert all(line == said for line, said in seen), seen
     assert [line for line, _ in stage1[0]] == [
         "step 3, recv_act of micro-batch 0 on pp stage 1 (from rank 0)",
@@ -442,6 +445,13 @@ def test_the_status_line_names_every_wait_and_compute_of_a_step():
         "step 3, forward of micro-batch 0 on pp stage 0",
         "step 3, forward of micro-batch 1 on pp stage 0"]
     assert stage0[1] == stage1[1] == "step 3, loss broadcast from the last pipeline stage"
+    # an evaluation's forwards say so: a rank stopped in one was named with a training action
+    assert [line for line, _ in eval1[0]] == [
+        "step 3, evaluation: recv_act of micro-batch 0 on pp stage 1 (from rank 0)",
+        "step 3, evaluation: forward of micro-batch 0 on pp stage 1",
+        "step 3, evaluation: recv_act of micro-batch 1 on pp stage 1 (from rank 0)",
+        "step 3, evaluation: forward of micro-batch 1 on pp stage 1"]
+    assert eval0[1] == eval1[1] == "step 3, evaluation: loss broadcast from the last pipeline stage"
 
 
 @pytest.mark.parametrize("loss_scale,m", [(1.0, 3), (8.0, 3), (3.7, 7), (0.3, 3)])

@@ -280,13 +280,14 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
             self._stamp_at(0)  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
                 self._walk(plan)
-            set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
+            said = "evaluation: " if forward_only else ""
+            set_action(f"{said}waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
             self._stamp_at(-3)
             self._sync_finish()
             self._stamp_at(-2)
-            set_action("loss broadcast from the last pipeline stage")
+            set_action(f"{said}loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
             self._stamp_at(-1)
             return loss

@@ -210,10 +210,12 @@ def plan_step(program: tuple, programs: tuple | None, place: StagePlace, chunks)
     acks = (
         {} if programs is None else messages.acknowledgements(programs, place.pp_rank, place.peer)
     )
+    # a program of forwards alone is an evaluation's: its actions say so where a rank stops
+    said = "" if any(a.kind in AUTOGRAD_KINDS for _, a in actions) else "evaluation: "
     steps = tuple(
-        plan_group(step, place)
+        plan_group(step, place, said)
         if isinstance(step, MessageGroup)
-        else plan_compute(i, step, acks, place)
+        else plan_compute(i, step, acks, place, said)
         for i, step in enumerate(program)
     )
     posts: dict[int, list] = {}
@@ -249,8 +251,9 @@ def plan_step(program: tuple, programs: tuple | None, place: StagePlace, chunks)
     )
 
 
-def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
-    """A message group with every message's peer rank, payload and slot worked out."""
+def plan_group(group: MessageGroup, place: StagePlace, said: str = "") -> PlannedGroup:
+    """A message group with every message's peer rank, payload and slot worked out (`said`
+    begins what the rank is doing: "evaluation: " in an evaluation's program)."""
     codes = {"send_act": SEND_ACT, "send_grad": SEND_GRAD}
     planned = []
     for a in group.messages:
@@ -270,7 +273,7 @@ def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
         )
     peers = sorted({message.peer for message in planned})
     doing = (
-        f"{group.name} {group} on pp stage {place.pp_rank} (with rank"
+        f"{said}{group.name} {group} on pp stage {place.pp_rank} (with rank"
         f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
     )
     receives_only = all(message.code == RECV for message in planned)
@@ -285,9 +288,12 @@ def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
     )
 
 
-def plan_compute(i: int, a: Action, acks: dict, place: StagePlace) -> PlannedCompute:
-    """Compute `a` (at index `i`) with the message it waits for, or the V's hand-over."""
-    doing = f"{a.kind} of micro-batch {a.mb} on pp stage {place.pp_rank}"
+def plan_compute(
+    i: int, a: Action, acks: dict, place: StagePlace, said: str = ""
+) -> PlannedCompute:
+    """Compute `a` (at index `i`) with the message it waits for, or the V's hand-over
+    (`said`: as `plan_group`'s)."""
+    doing = f"{said}{a.kind} of micro-batch {a.mb} on pp stage {place.pp_rank}"
     planned = PlannedCompute(
         i, a, a.kind, (a.kind, a.mb, a.chunk), None, None, encode_action(doing)
     )
@@ -303,7 +309,7 @@ def plan_compute(i: int, a: Action, acks: dict, place: StagePlace) -> PlannedCom
     if peer_stage == place.pp_rank:  # the V's turn: in memory
         return planned._replace(hand_over=(kind, place.slot(a.mb, peer_chunk)))
     peer = place.stage_rank(peer_stage)
-    waiting = f"{kind} of micro-batch {a.mb} on pp stage {place.pp_rank} (from rank {peer})"
+    waiting = f"{said}{kind} of micro-batch {a.mb} on pp stage {place.pp_rank} (from rank {peer})"
     return planned._replace(
         recv=PlannedRecv(
             key,
