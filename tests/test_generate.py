@@ -782,3 +782,19 @@ def test_a_temperature_whose_division_overflows_samples_the_largest_logit():
     for t in (1e-45, 1e-38):
         assert [next_token(logits, Sampling(temperature=t), gen) for _ in range(20)] == [1] * 20
     assert torch.equal(filtered_logits(logits, Sampling(temperature=0.7)), logits / 0.7)
+
+
+@pytest.mark.parametrize("dp,cp", [(2, 1), (1, 2)])
+def test_generate_batch_refuses_a_mesh_with_replicas(dp, cp):
+    """Each token is broadcast over the world from the last stage's tp rank 0 of the caller's
+    own dp / cp coordinates: on a mesh with dp or cp replicas the ranks would name different
+    sources (a hang under NCCL; a reviewer's finding). megapar-generate builds tp x pp alone;
+    any other caller is refused in one line before a token."""
+    from types import SimpleNamespace
+
+    from megapar.training.generate import Sampling, generate_batch
+
+    mesh = SimpleNamespace(dp=dp, cp=cp, tp=1, pp=1)
+    with pytest.raises(ValueError, match=f"dp={dp} cp={cp}; build the mesh with dp = cp = 1"):
+        generate_batch(None, mesh, [[1, 2]], 2, Sampling(temperature=0), [torch.Generator()],
+                       8, 16, 32, None)

@@ -137,7 +137,13 @@ def generate_batch(
     same arguments and returns the same result; row i draws from `generators[i]` (CPU), on the
     last stage's tp rank 0 only. `cache`: use the KV cache where the model takes it
     (`takes_kv_cache`); False, or a model it does not serve: each prompt alone, the whole
-    sequence's forward per token."""
+    sequence's forward per token. The mesh is tp x pp alone: each token is broadcast over
+    the world from its one chooser, which dp or cp replicas would each name as their own."""
+    if mesh.dp > 1 or mesh.cp > 1:
+        raise ValueError(
+            f"generate_batch runs on a mesh of tp x pp alone, and this one has dp={mesh.dp} "
+            f"cp={mesh.cp}; build the mesh with dp = cp = 1, as megapar-generate does"
+        )
     out = [Generated(list(p), [], "max_new_tokens") for p in prompts]
     if not (cache and takes_kv_cache(model)):
         for row, generated in enumerate(out):
