@@ -226,16 +226,7 @@ def preprocess_files(
     ):  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(
-                results,
-                builder,
-                bar,
-                tok.bos_id,
-                stats,
-                sft_keys is not None,
-                tok.eod_id,
-                tok.unk_id,
-            )
+            _consume(results, builder, bar, tok, stats, sft_keys is not None)
         else:
             # Workers start as fresh interpreters (spawned): a fork of this process inherits
             # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
@@ -265,11 +256,9 @@ def preprocess_files(
                     _ordered_bounded(pool, batches, 4 * workers),
                     builder,
                     bar,
-                    tok.bos_id,
+                    tok,
                     stats,
                     sft_keys is not None,
-                    tok.eod_id,
-                    tok.unk_id,
                 )
             except BrokenProcessPool:
                 raise ValueError(
@@ -353,20 +342,19 @@ def _consume(
     results,
     builder: IndexedDatasetBuilder,
     bar,
-    bos_id: int | None = None,
+    tok: Tokenizer,
     stats: dict | None = None,
     sft: bool = False,
-    eod_id: int | None = None,
-    unk_id: int | None = None,
 ) -> None:
-    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows,
-    unless the text ends with it already: then that one ends it, as transformers encodes it);
-    count into ``stats["empty_docs"]`` those that tokenized to no ids, into
-    ``stats["eod_inside"]`` those holding `eod_id` before their end (a tokenizer.json encodes
-    the text of its special token as the token, as transformers does), and into
-    ``stats["tokens"]`` / ``stats["unk"]`` the text's ids and those of them `unk_id`. `sft`:
-    each batch is its records' prompts then their responses (`_sft_batched`), added as one
-    document per record with its prompt length."""
+    """Add each document (after `tok`'s own BOS, when it has one; its eod follows, unless the
+    text ends with it already: then that one ends it, as transformers encodes it); count into
+    ``stats["empty_docs"]`` those that tokenized to no ids, into ``stats["eod_inside"]`` those
+    holding the eod before their end (a tokenizer.json encodes the text of its special token
+    as the token, as transformers does), and into ``stats["tokens"]`` / ``stats["unk"]`` the
+    text's ids and those of them its unknown token. `sft`: each batch is its records' prompts
+    then their responses (`_sft_batched`), added as one document per record with its prompt
+    length."""
+    bos_id, eod_id, unk_id = tok.bos_id, tok.eod_id, tok.unk_id
     bos = [] if bos_id is None else [bos_id]
     for encoded, nbytes in results:
         if stats is not None:
