@@ -396,3 +396,26 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
         f"trained on the records of --data {raw} with --sft-keys prompt,response, and "
         f"--sft-keys response,prompt reads them otherwise; leave --sft-keys out (the "
         f"checkpoint's), or pass --allow-data-change") in err[0], err
+
+
+def test_the_records_line_says_how_many_are_held_out_for_validation():
+    """With a validation split the log's count of records was all of them, the held-out ones
+    included (a new user's finding): it says how many of them train."""
+    from types import SimpleNamespace
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import _records_note
+
+    class Part(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+    indexed = SimpleNamespace(num_docs=40, sft_keys=("prompt", "completion"))
+    train = Part(n=24, truncated=0, unlabelled=0)
+    val = Part(n=16, truncated=0, unlabelled=0)
+    cfg = TrainConfig(seq_len=32)
+    assert _records_note(cfg, indexed, [train, val]).startswith(
+        "supervised fine-tuning: 40 records (prompt,completion), 24 to train on and 16 held out "
+        "for validation, one right-padded sample each")
+    assert _records_note(cfg, indexed, [train, None]).startswith(
+        "supervised fine-tuning: 40 records (prompt,completion), one right-padded sample each")

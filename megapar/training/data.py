@@ -735,9 +735,14 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
         else "; --loss-mean microbatch: each micro-batch's mean, averaged (one with no response "
         "token counts as 0)"
     )
+    held = (
+        f", {len(parts[0]):,} to train on and {len(parts[1]):,} held out for validation"
+        if len(parts) > 1
+        else ""
+    )
     return (
-        f"supervised fine-tuning: {counted(indexed.num_docs, 'record')} ({keys}), one right-padded "
-        f"sample each, the loss on the responses only; {cut}{mean}"
+        f"supervised fine-tuning: {counted(indexed.num_docs, 'record')} ({keys}){held}, one "
+        f"right-padded sample each, the loss on the responses only; {cut}{mean}"
     )
 
 
