@@ -782,3 +782,16 @@ def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, te
     assert f"megapar-train: error: rank 1 failed before training started: {refusal}\n" in outs[1]
     assert (f"megapar-train: error: rank 0 failed before training started: --load {step}: rank 1 "
             f"failed at checking --load's files: ") in outs[0] and refusal in outs[0], outs[0]
+
+
+@pytest.mark.parametrize("variable", ["TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"])
+def test_compile_under_an_environment_that_turns_torch_compile_off_says_so(
+        variable, monkeypatch, capsys, cache, text):
+    """torch.compile returns the function as it is under either variable: --compile said the
+    first step compiles and ran eager without a word (a new user's finding)."""
+    monkeypatch.setenv(variable, "1")
+    rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+               "--model", "gpt2-tiny", "--no-progress", "--compile", "--dry-run"])
+    assert rc == 0
+    assert (f"megapar-train: warning: --compile does nothing: {variable}=1 is set, which turns "
+            f"torch.compile off, so the blocks run eager") in capsys.readouterr().err

@@ -248,7 +248,13 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))
-    if cfg.compile and not cfg.dry_run:  # else the first step's minute looks like a hang
+    off = [v for v in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE") if os.environ.get(v) == "1"]
+    if cfg.compile and off:  # torch.compile then returns the function as it is, silently
+        notes.append(
+            f"warning: --compile does nothing: {off[0]}=1 is set, which turns torch.compile "
+            f"off, so the blocks run eager; unset it to compile, or drop --compile"
+        )
+    elif cfg.compile and not cfg.dry_run:  # else the first step's minute looks like a hang
         notes.append(
             "--compile: the first step compiles the blocks with torch.compile (tens of "
             "seconds; its tok/s counts the compile), the later steps run compiled"
