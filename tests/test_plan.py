@@ -565,6 +565,10 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
             "--gpu-memory-gb, --peak-tflops, whose defaults are an A100's: give a CPU rank's);"
             ) in out.out and " mem/rank " in out.out
     assert "keeps on CPU ranks without attention dropout;" in out.out
+    # its memory column is a rise over the process's baseline, which the legend names (a new
+    # user compared it with the OS's peak resident set)
+    assert ("(its resident set's rise over the process's baseline, 272 MiB, which --explain "
+            "adds)") in out.out, out.out
     # its command leaves the A100's peak out: megapar-train's CPU default gives its MFU (a new
     # user's CPU run of the printed command logged MFU 0.00 % at 312); a peak given is kept
     command = out.out.splitlines()[-1]

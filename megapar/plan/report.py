@@ -258,10 +258,23 @@ def table(estimates: list[Estimate], master_weights: str = "fp32", target: str =
             if target == "gpu"
             else "what the most loaded rank's process adds at its peak: its tensors, the "
             "heap's room and the runtime"
+            + (
+                f" (its resident set's rise over the process's baseline, "
+                f"{baseline / 2**20:.0f} MiB, which --explain adds)"
+                if (baseline := _baseline(estimates))
+                else ""
+            )
         )
         + ", the terms below and in --explain; today = megapar-train can run it now"
     )
     return "\n".join(lines)
+
+
+def _baseline(estimates: list[Estimate]) -> float:
+    """A CPU rank's baseline resident set, as the estimates' process figures have it (0
+    where they have none)."""
+    first = estimates[0].process if estimates else None
+    return first.baseline if first is not None else 0.0
 
 
 def active_note(config) -> str:
