@@ -795,3 +795,17 @@ def test_compile_under_an_environment_that_turns_torch_compile_off_says_so(
     assert rc == 0
     assert (f"megapar-train: warning: --compile does nothing: {variable}=1 is set, which turns "
             f"torch.compile off, so the blocks run eager") in capsys.readouterr().err
+
+
+def test_compile_with_an_unusable_inductor_cache_is_one_line_before_any_worker(
+        tmp_path, monkeypatch, capsys, cache, text):
+    """TORCHINDUCTOR_CACHE_DIR under a file: every rank failed its first compile with a bare
+    NotADirectoryError that named neither the variable nor --compile (a new user's finding)."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "afile" / "sub"))
+    rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+               "--model", "gpt2-tiny", "--no-progress", "--compile"])
+    assert rc == 2
+    assert (f"megapar-train: error: TORCHINDUCTOR_CACHE_DIR={tmp_path / 'afile' / 'sub'} cannot "
+            f"be --compile's cache (Not a directory); point it at a directory you can write, or "
+            f"unset it") in capsys.readouterr().err

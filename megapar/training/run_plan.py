@@ -254,7 +254,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"warning: --compile does nothing: {off[0]}=1 is set, which turns torch.compile "
             f"off, so the blocks run eager; unset it to compile, or drop --compile"
         )
-    elif cfg.compile and not cfg.dry_run:  # else the first step's minute looks like a hang
+    elif cfg.compile and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        _check_compile_cache(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    if cfg.compile and not off and not cfg.dry_run:  # else the first step's minute looks hung
         notes.append(
             "--compile: the first step compiles the blocks with torch.compile (tens of "
             "seconds; its tok/s counts the compile), the later steps run compiled"
@@ -557,3 +559,20 @@ def takes_save_lock() -> bool:
         not under_launcher()
         or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     )
+
+
+def _check_compile_cache(path: str) -> None:
+    """A ValueError naming TORCHINDUCTOR_CACHE_DIR where --compile's cache cannot be made or
+    written there (the first compile failed on every rank with a bare NotADirectoryError)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"TORCHINDUCTOR_CACHE_DIR={path} cannot be --compile's cache ({exc.strerror}); "
+            f"point it at a directory you can write, or unset it"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"TORCHINDUCTOR_CACHE_DIR={path} cannot be --compile's cache (not writable); "
+            f"point it at a directory you can write, or unset it"
+        )
