@@ -22,9 +22,11 @@ The scripts live in topic folders below this one and put it on `sys.path` with
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,6 +161,14 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return value
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new temporary directory for a benchmark's models and dataset caches, removed when
+    the process exits (they were left in /tmp, one per run: the tests run some of these)."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, work, True)
+    return work
 
 
 def write_json(path: str, record: Any) -> None:

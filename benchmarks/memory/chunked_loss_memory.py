@@ -18,11 +18,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import run_peak  # noqa: E402
+from common import run_peak, scratch_dir  # noqa: E402
 
 VOCAB = 128256
 MODEL = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2,
                         help="optimizer steps per run (the peak is reached in the first)")
     args = parser.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="megapar-chunked-loss-")
+    work = scratch_dir("megapar-chunked-loss-")
     model = os.path.join(work, "model.json")
     with open(model, "w") as f:
         json.dump(MODEL, f)

@@ -33,11 +33,17 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import json_number, output_file, run_peak, train_argv, write_json  # noqa: E402
+from common import (  # noqa: E402
+    json_number,
+    output_file,
+    run_peak,
+    scratch_dir,
+    train_argv,
+    write_json,
+)
 
 from megapar.models.recipes import resolve_model  # noqa: E402
 from megapar.plan.process import cpu_baseline  # noqa: E402
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", nargs="+", default=["keep", "system"],
                         choices=["keep", "system"], help="heap policies to measure")
     args = parser.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="megapar-peak-")
+    work = scratch_dir("megapar-peak-")
     model = os.path.join(work, "model.json")
     write_json(model, MODEL)
     mixtral = os.path.join(work, "mixtral-tiny.json")

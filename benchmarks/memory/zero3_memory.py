@@ -19,11 +19,10 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import read_jsonl, run_peak, train_argv  # noqa: E402
+from common import read_jsonl, run_peak, scratch_dir, train_argv  # noqa: E402
 
 PARAMS = 124_475_904  # GPT-2 124M as megapar allocates it (vocabulary padded to 50,304)
 BASE = ["--model", "gpt2-124m", "--seq-len", "64", "--micro-batch-size", "1", "--max-steps", "3",
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", nargs="+", default=["dp"], choices=list(GROUPS))
     args = parser.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="megapar-zero3-")
+    work = scratch_dir("megapar-zero3-")
     env = {**os.environ, "MEGAPAR_CPU": "1"}
     g = 2**30
     for group in args.groups:
