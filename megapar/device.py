@@ -793,4 +793,4 @@ def init_distributed(
         joined.set()
     if shared_gpu.enabled():
         shared_gpu.install()  # gloo gets CUDA tensors only where it has a CUDA path
-    set_action("building the mesh and the engine (the process group joined)")
+    set_action("setting up after joining the process group")

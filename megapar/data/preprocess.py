@@ -121,15 +121,23 @@ def _sft_batched(
         yield [p for p, _ in batch] + [r for _, r in batch], nbytes
 
 
-_BREAKS = re.compile(r"\s*[\n\t]\s*")
-"""A run of white space holding a line break or a tab: one unknown token of a SentencePiece
-model that spells neither (megapar's `sentencepiece`, botchan's unigram model)."""
+_BREAKS = re.compile(r"[^\S ]")
+"""White space other than a space (a line break, a tab, ...): an unknown token of a
+SentencePiece model that spells none of them (megapar's `sentencepiece`, botchan's unigram
+model), which also merges one into a run of unknown characters beside it."""
 
 
-def _counting_breaks(batches, stats: dict):
-    """`batches`, counting their texts' runs of `_BREAKS` into ``stats["break_unk"]``."""
+def _counting_unspelled(batches, tok: Tokenizer, stats: dict):
+    """`batches`, counting into ``stats["unk_spaced"]`` / ``stats["tokens_spaced"]`` the
+    unknown tokens and all tokens of their texts with `_BREAKS` made spaces: for a tokenizer
+    that makes a line break its unknown token, what its vocabulary cannot spell (encoding the
+    text twice, in this process)."""
+    unk = tok.unk_id
+    assert unk is not None  # the caller's condition
     for texts, nbytes in batches:
-        stats["break_unk"] = stats.get("break_unk", 0) + sum(len(_BREAKS.findall(t)) for t in texts)
+        spaced = tok.encode_batch([_BREAKS.sub(" ", t) for t in texts])
+        stats["unk_spaced"] = stats.get("unk_spaced", 0) + sum(e.count(unk) for e in spaced)
+        stats["tokens_spaced"] = stats.get("tokens_spaced", 0) + sum(len(e) for e in spaced)
         yield texts, nbytes
 
 
@@ -206,8 +214,8 @@ def preprocess_files(
             f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
         )
     batches = itertools.chain([first], batches)
-    if tok.unk_id is not None and tok.unk_id in tok.encode("a\nb"):
-        batches = _counting_breaks(batches, stats)  # not the vocabulary's gaps: its normalizer's
+    if tok.unk_id is not None and tok.unk_id in tok.encode("\n"):  # its normalizer's, not
+        batches = _counting_unspelled(batches, tok, stats)  # the vocabulary's gaps: apart
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
@@ -296,20 +304,26 @@ and megapar-train say so (an English WordPiece gives a few per million on Englis
 def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
     """One line naming how many of the text's tokens (`preprocess_files`' ``stats``) are the
     tokenizer's unknown token, where at least `UNKNOWN_SHARE_NOTED` of them are: its vocabulary
-    does not spell those characters, and the text they stood for is not in the dataset. A
-    model that spells no line break (``stats["break_unk"]``) is not counted for those: data.md
-    says SentencePiece's documents lose them."""
-    breaks = stats.get("break_unk", 0)
-    unk, tokens = max(stats.get("unk", 0) - breaks, 0), stats.get("tokens", 0)
+    does not spell those characters, and the text they stood for is not in the dataset. For a
+    model that makes a line break its unknown token too, counted with them as spaces
+    (``stats["unk_spaced"]``): data.md says SentencePiece's documents lose their line breaks."""
+    spaced = "unk_spaced" in stats
+    unk = stats.get("unk_spaced" if spaced else "unk", 0)
+    tokens = stats.get("tokens_spaced" if spaced else "tokens", 0)
     if not tokens or unk < UNKNOWN_SHARE_NOTED * tokens:
         return None
-    besides = f", not counting the {breaks:,} its line breaks and tabs became" if breaks else ""
+    share = f"({100 * unk / tokens:.1f} %)"
+    what = (
+        f"{share} of the text's tokens are tokenizer {tokenizer}'s unknown token, its line "
+        f"breaks and tabs apart (its model spells those so too)"
+        if spaced
+        else f"of the text's {counted(tokens, 'token')} {share} are tokenizer {tokenizer}'s "
+        f"unknown token"
+    )
     return (
-        f"{unk:,} of the text's {counted(tokens, 'token')} ({100 * unk / tokens:.1f} %) are "
-        f"tokenizer {tokenizer}'s unknown token{besides}: its vocabulary does not spell those "
-        f"characters, so what they were is lost; tokenize with one that covers this text (a "
-        f"byte-level BPE spells any text: --tokenizer gpt2, or megapar-data "
-        f"--train-tokenizer bpe)"
+        f"{unk:,} {what}: its vocabulary does not spell those characters, so what they were is "
+        f"lost; tokenize with one that covers this text (a byte-level BPE spells any text: "
+        f"--tokenizer gpt2, or megapar-data --train-tokenizer bpe)"
     )
 
 
