@@ -497,12 +497,21 @@ def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_pat
                 f"apart (its model spells those so too)") in err, err
     ds = IndexedDataset(str(tmp_path / "lines"))
     assert ds.num_tokens <= 4  # the whole document was one <unk> (and its BOS / eod)
-    notes: list[str] = []
-    cfg = TrainConfig(data=str(tmp_path / "zh.txt"), tokenizer="sentencepiece",
-                      data_cache=str(tmp_path / "cache"))
-    resolve_data_prefix(cfg, notes)  # its paragraphs are documents
-    assert [n for n in notes if n.startswith(f"warning: --data {tmp_path / 'zh.txt'}: ") and
-            "of the text's tokens are tokenizer sentencepiece's unknown token" in n], notes
+    said = "of the text's tokens are tokenizer sentencepiece's unknown token"
+    for _ in range(2):  # tokenized, then read from the cache: the dataset records its counts
+        notes: list[str] = []
+        cfg = TrainConfig(data=str(tmp_path / "zh.txt"), tokenizer="sentencepiece",
+                          data_cache=str(tmp_path / "cache"))
+        resolve_data_prefix(cfg, notes)  # its paragraphs are documents
+        assert [n for n in notes if n.startswith(f"warning: --data {tmp_path / 'zh.txt'}: ")
+                and said in n], notes
+    notes = []  # megapar-data's dataset, every run that trains on it
+    resolve_data_prefix(TrainConfig(data=str(tmp_path / "lines")), notes)
+    assert [n for n in notes if n.startswith(f"warning: --data {tmp_path / 'lines'}: ") and
+            "of the text's tokens are tokenizer " in n and "unknown token" in n], notes
+    notes = []
+    resolve_data_prefix(TrainConfig(data=str(tmp_path / "en")), notes)
+    assert not [n for n in notes if "unknown token" in n], notes
 
 
 def test_unknown_tokens_of_a_tokenizer_that_drops_line_breaks_are_all_counted(tmp_path, capsys):

@@ -137,6 +137,9 @@ class IndexedDatasetBuilder:
         self.replace = replace
         """Whether `finalize` replaces a dataset at the prefix (False: one that another writer
         finished meanwhile is refused, this one discarded)."""
+        self.unknown_tokens: dict[str, int] | None = None
+        """How many of the text's tokens are its tokenizer's unknown token (`preprocess`'s
+        counts, `unknown_tokens_note`), recorded in the metadata where set."""
 
     def add_document(
         self, ids: Sequence[int] | np.ndarray, prompt_length: int | None = None
@@ -208,6 +211,8 @@ class IndexedDatasetBuilder:
         }
         if self.sft_keys is not None:
             meta["sft"] = {"keys": self.sft_keys, "prompt_lengths": self._prompt_lengths.tolist()}
+        if self.unknown_tokens:
+            meta["unknown_tokens"] = self.unknown_tokens
         json_tmp = tmp_name(self.prefix + ".json")
         self._tmps.append(json_tmp)
         with open(json_tmp, "w") as f:

@@ -293,8 +293,14 @@ def preprocess_files(
                 f"token ids (only end-of-document tokens would be written); {fix}; nothing "
                 f"written"
             )
+        if tok.unk_id is not None:  # megapar-train says it again when it reads the dataset
+            builder.unknown_tokens = {k: stats[k] for k in UNKNOWN_COUNTS if k in stats}
         return builder.finalize()
 
+
+UNKNOWN_COUNTS = ("unk", "tokens", "unk_spaced", "tokens_spaced")
+"""The counts of ``stats`` `unknown_tokens_note` reads, which a dataset's metadata records
+(``unknown_tokens``) where its tokenizer has an unknown token."""
 
 UNKNOWN_SHARE_NOTED = 0.01
 """The share of a text's tokens being the tokenizer's unknown token from which megapar-data

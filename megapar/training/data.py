@@ -116,8 +116,14 @@ def resolve_data_prefix(
         check_megatron_tokenizer_named(cfg, prefix)
     parts = [IndexedDataset(prefix, cfg.tokenizer) for prefix in prefixes]
     for path, part in zip(paths, parts):
-        if not is_raw_text(_text_or_prefix(cfg, path)):  # text: its cache key is --tokenizer's
+        raw = is_raw_text(_text_or_prefix(cfg, path))
+        if not raw:  # text: its cache key is --tokenizer's
             _check_recorded_tokenizer(path or part.prefix, part)
+        # every run that reads it, as when it was tokenized (megapar-data, this cache)
+        tokenizer = cfg.tokenizer if raw else part.tokenizer_spec.get("path")
+        unknown = unknown_tokens_note(part.meta.get("unknown_tokens") or {}, tokenizer)
+        if unknown and notes is not None:
+            notes.append(f"warning: --data {path or part.prefix}: {unknown}")
     if fingerprints is not None:
         fingerprints.extend(part.fingerprint() for part in parts)
     check_blend_tokenizers([p or prefix for p, prefix in zip(paths, prefixes)], parts)
@@ -173,9 +179,6 @@ def _resolve_one(
                 f"warning: {path}: {counted(n, 'byte')} of invalid UTF-8 replaced with U+FFFD"
                 for path, n in report.items()
             )
-            unknown = unknown_tokens_note(stats, cfg.tokenizer)
-            if unknown:
-                notes.append(f"warning: --data {data}: {unknown}")
             skipped, tokenizer = unread_inputs([data])
             if skipped:
                 notes.append(
