@@ -176,8 +176,9 @@ def preprocess_files(
     ``stats`` (a dict, when given) receives ``docs`` and ``empty_docs``: the documents written
     and those of them that tokenized to no ids (raises ValueError when that is all of them);
     ``eod_inside``: those holding the end-of-document id before their end; and ``tokens`` /
-    ``unk``: the text's ids and those of them the tokenizer's unknown token
-    (`unknown_tokens_note`).
+    ``unk``: the text's ids and those of them the tokenizer's unknown token (with
+    ``tokens_spaced`` / ``unk_spaced`` where a line break is one too: `_counting_unspelled`),
+    which `unknown_tokens_note` reads and the dataset's metadata records.
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
