@@ -492,12 +492,13 @@ def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_pat
         spaced = model.encode(text.replace("\n", " "))
         unk = spaced.count(model.unk_id())
         assert unk >= 0.1 * len(spaced)
-        assert (f"megapar-data: warning: {unk} ({100 * unk / len(spaced):.1f} %) of the text's "
-                f"tokens are tokenizer sentencepiece's unknown token, its line breaks and tabs "
-                f"apart (its model spells those so too)") in err, err
+        assert (f"megapar-data: warning: {unk} of the text's {len(spaced)} tokens "
+                f"({100 * unk / len(spaced):.1f} %) are tokenizer sentencepiece's unknown "
+                f"token, counted with its line breaks and tabs as spaces (its model spells "
+                f"those so too)") in err, err
     ds = IndexedDataset(str(tmp_path / "lines"))
     assert ds.num_tokens <= 4  # the whole document was one <unk> (and its BOS / eod)
-    said = "of the text's tokens are tokenizer sentencepiece's unknown token"
+    said = "are tokenizer sentencepiece's unknown token, counted with its line breaks"
     for _ in range(2):  # tokenized, then read from the cache: the dataset records its counts
         notes: list[str] = []
         cfg = TrainConfig(data=str(tmp_path / "zh.txt"), tokenizer="sentencepiece",
@@ -508,10 +509,25 @@ def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_pat
     notes = []  # megapar-data's dataset, every run that trains on it
     resolve_data_prefix(TrainConfig(data=str(tmp_path / "lines")), notes)
     assert [n for n in notes if n.startswith(f"warning: --data {tmp_path / 'lines'}: ") and
-            "of the text's tokens are tokenizer " in n and "unknown token" in n], notes
+            "of the text's " in n and "unknown token" in n], notes
     notes = []
     resolve_data_prefix(TrainConfig(data=str(tmp_path / "en")), notes)
     assert not [n for n in notes if "unknown token" in n], notes
+    # records: English prompts, Chinese responses, 0.45 % of all tokens unknown and every
+    # response lost (a reviewer's finding): the responses, which fine-tuning trains on, are
+    # counted apart
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(
+        json.dumps({"prompt": "Hello world, and good night to all of you. " * 20,
+                    "response": "床前明月光疑是地上霜"}) + "\n" for _ in range(20)))
+    assert data_main(["--input", str(records), "--output-prefix", str(tmp_path / "records"),
+                      "--tokenizer", "sentencepiece", "--sft-keys", "prompt,response",
+                      "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    responses = [model.encode("床前明月光疑是地上霜")] * 20
+    unk, tokens = sum(r.count(model.unk_id()) for r in responses), sum(map(len, responses))
+    assert (f"megapar-data: warning: {unk} of the responses' {tokens} tokens "
+            f"({100 * unk / tokens:.1f} %) are tokenizer sentencepiece's unknown token") in err, err
 
 
 def test_unknown_tokens_of_a_tokenizer_that_drops_line_breaks_are_all_counted(tmp_path, capsys):

@@ -127,18 +127,30 @@ SentencePiece model that spells none of them (megapar's `sentencepiece`, botchan
 model), which also merges one into a run of unknown characters beside it."""
 
 
-def _counting_unspelled(batches, tok: Tokenizer, stats: dict):
-    """`batches`, counting into ``stats["unk_spaced"]`` / ``stats["tokens_spaced"]`` the
-    unknown tokens and all tokens of their texts with `_BREAKS` made spaces: for a tokenizer
-    that makes a line break its unknown token, what its vocabulary cannot spell (encoding the
-    text twice, in this process)."""
-    unk = tok.unk_id
-    assert unk is not None  # the caller's condition
+def _counting_unspelled(batches, tok: Tokenizer, stats: dict, sft: bool = False):
+    """`batches`, counting (`count_unknown`, its keys ending "_spaced") the tokens of their texts
+    with `_BREAKS` made spaces: for a tokenizer that makes a line break its unknown token, what
+    its vocabulary cannot spell (the text encoded twice, the second time in this process)."""
     for texts, nbytes in batches:
         spaced = tok.encode_batch([_BREAKS.sub(" ", t) for t in texts])
-        stats["unk_spaced"] = stats.get("unk_spaced", 0) + sum(e.count(unk) for e in spaced)
-        stats["tokens_spaced"] = stats.get("tokens_spaced", 0) + sum(len(e) for e in spaced)
+        count_unknown(stats, spaced, tok.unk_id, sft, "_spaced")
         yield texts, nbytes
+
+
+def count_unknown(
+    stats: dict, encoded: list[list[int]], unk: int | None, sft: bool, suffix: str = ""
+) -> None:
+    """Count into `stats` the ids of a batch's texts `encoded` (with `sft`, its records'
+    prompts then their responses) and those of them `unk`: ``tokens`` / ``unk``, and the
+    responses' alone, ``tokens_response`` / ``unk_response`` (each key ending with `suffix`);
+    `unknown_tokens_note` reads them."""
+    parts = [("", encoded)] + ([("_response", encoded[len(encoded) // 2 :])] if sft else [])
+    for part, texts in parts:
+        key = f"tokens{part}{suffix}"
+        stats[key] = stats.get(key, 0) + sum(len(e) for e in texts)
+        if unk is not None:
+            key = f"unk{part}{suffix}"
+            stats[key] = stats.get(key, 0) + sum(e.count(unk) for e in texts)
 
 
 def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
@@ -216,7 +228,8 @@ def preprocess_files(
         )
     batches = itertools.chain([first], batches)
     if tok.unk_id is not None and tok.unk_id in tok.encode("\n"):  # its normalizer's, not
-        batches = _counting_unspelled(batches, tok, stats)  # the vocabulary's gaps: apart
+        # the vocabulary's gaps: counted apart
+        batches = _counting_unspelled(batches, tok, stats, sft_keys is not None)
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
@@ -299,7 +312,12 @@ def preprocess_files(
         return builder.finalize()
 
 
-UNKNOWN_COUNTS = ("unk", "tokens", "unk_spaced", "tokens_spaced")
+UNKNOWN_COUNTS = tuple(
+    f"{what}{part}{suffix}"
+    for what in ("unk", "tokens")
+    for part in ("", "_response")
+    for suffix in ("", "_spaced")
+)
 """The counts of ``stats`` `unknown_tokens_note` reads, which a dataset's metadata records
 (``unknown_tokens``) where its tokenizer has an unknown token."""
 
@@ -309,29 +327,31 @@ and megapar-train say so (an English WordPiece gives a few per million on Englis
 
 
 def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
-    """One line naming how many of the text's tokens (`preprocess_files`' ``stats``) are the
+    """One line naming how many of the text's tokens (`count_unknown`'s counts) are the
     tokenizer's unknown token, where at least `UNKNOWN_SHARE_NOTED` of them are: its vocabulary
-    does not spell those characters, and the text they stood for is not in the dataset. For a
-    model that makes a line break its unknown token too, counted with them as spaces
-    (``stats["unk_spaced"]``): data.md says SentencePiece's documents lose their line breaks."""
-    spaced = "unk_spaced" in stats
-    unk = stats.get("unk_spaced" if spaced else "unk", 0)
-    tokens = stats.get("tokens_spaced" if spaced else "tokens", 0)
-    if not tokens or unk < UNKNOWN_SHARE_NOTED * tokens:
-        return None
-    share = f"({100 * unk / tokens:.1f} %)"
-    what = (
-        f"{share} of the text's tokens are tokenizer {tokenizer}'s unknown token, its line "
-        f"breaks and tabs apart (its model spells those so too)"
-        if spaced
-        else f"of the text's {counted(tokens, 'token')} {share} are tokenizer {tokenizer}'s "
-        f"unknown token"
-    )
-    return (
-        f"{unk:,} {what}: its vocabulary does not spell those characters, so what they were is "
-        f"lost; tokenize with one that covers this text (a byte-level BPE spells any text: "
-        f"--tokenizer gpt2, or megapar-data --train-tokenizer bpe)"
-    )
+    does not spell those characters, and the text they stood for is not in the dataset. Records'
+    responses (what fine-tuning trains on) are counted apart first: a few unknown tokens can be
+    all of them. For a model that makes a line break its unknown token too, and merges it into
+    the unknown characters beside it, the counts of the text with them as spaces (``*_spaced``):
+    data.md says SentencePiece's documents lose their line breaks."""
+    suffix = "_spaced" if "tokens_spaced" in stats else ""
+    for part, whose in (("_response", "the responses'"), ("", "the text's")):
+        unk, tokens = stats.get(f"unk{part}{suffix}"), stats.get(f"tokens{part}{suffix}")
+        if unk is None or not tokens or unk < UNKNOWN_SHARE_NOTED * tokens:
+            continue
+        spaced = (
+            ", counted with its line breaks and tabs as spaces (its model spells those so too)"
+            if suffix
+            else ""
+        )
+        return (
+            f"{unk:,} of {whose} {counted(tokens, 'token')} ({100 * unk / tokens:.1f} %) are "
+            f"tokenizer {tokenizer}'s unknown token{spaced}: its vocabulary does not spell "
+            f"those characters, so what they were is lost; tokenize with one that covers this "
+            f"text (a byte-level BPE spells any text: --tokenizer gpt2, or megapar-data "
+            f"--train-tokenizer bpe)"
+        )
+    return None
 
 
 def _end_workers(pool: ProcessPoolExecutor) -> None:
@@ -379,9 +399,7 @@ def _consume(
     bos = [] if bos_id is None else [bos_id]
     for encoded, nbytes in results:
         if stats is not None:
-            stats["tokens"] = stats.get("tokens", 0) + sum(len(e) for e in encoded)
-            if unk_id is not None:
-                stats["unk"] = stats.get("unk", 0) + sum(e.count(unk_id) for e in encoded)
+            count_unknown(stats, encoded, unk_id, sft)
         if stats is not None and eod_id is not None:  # a special token's text, as its id
             stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
                 1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
