@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import shlex
 from pathlib import Path
 
@@ -317,6 +318,14 @@ def test_default_flags_with_a_few_steps(steps, texts, cache, tiny_model, tmp_pat
     assert rc == 0, err
     assert f"--warmup-steps not given: using {steps // 10}" in err
     assert "--seq-len not given: using the model's 64 positions" in err
+    # how much data there is and how much the run reads (a new user found no line saying it)
+    said = re.search(r"data: --data \S+ holds ([\d,]+) training samples of 64 tokens \(([\d,]+) "
+                     r"samples? held out for validation\); --max-steps (\d+) x (\d+) sequences "
+                     r"read ([\d,]+) of them: ([\d.]+) of an epoch", err)
+    assert said, err
+    samples, held, drawn = (int(said[i].replace(",", "")) for i in (1, 2, 5))
+    assert int(said[3]) == steps and drawn == steps * int(said[4]) and held > 0
+    assert said[6] == f"{drawn / samples:.2f}"
     _assert_trained(log, steps)
 
 
@@ -553,7 +562,8 @@ nothing was saved); --debug puts it on the terminal."""
             "--save", tmp_path / "ckpt"]
     rc = train([str(a) for a in argv])
     err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("megapar-train: ") and "not given" not in x]
+    lines = [x for x in err.splitlines() if x.startswith("megapar-train: ") and "not given" not in x
+             and not x.startswith("megapar-train: data: ")]
     assert rc == 1 and "Traceback" not in err
     # the line also says what the failure cost (issue 11): nothing was saved yet
     assert lines[0] == ("megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"

@@ -161,7 +161,7 @@ def plan_data(
             cfg.eod_id = indexed.eod_id
             check_documents(cfg, config)  # inside the vocabulary
     try:
-        train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
+        train, val, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
         if isinstance(train, SFTDataset) and train.unlabelled == len(train):
             raise ValueError(
                 f"every one of the {len(train):,} training records of {_data_named(cfg)} has a "
@@ -191,6 +191,8 @@ def plan_data(
         )  # too little text to train on: its fresh copy in the cache goes
         raise
     notes.extend(split_notes)
+    if not isinstance(train, SFTDataset) and not blend_parts(cfg):  # their own lines say it
+        notes.append(_data_line(cfg, len(train), len(val) if val is not None else 0))
     if manifest is not None:
         split_of = partial(training_documents, cfg, plan.prefix, config.model_type)
         check_resumable(cfg, manifest, len(train), split_of)
@@ -524,14 +526,30 @@ def _training_split(
     for _ in range(4):  # a smaller batch can change the validation split: until it settles
         split_notes: list[str] = []
         try:
-            train, _ = build_datasets(cfg, plan.prefix, model_type, split_notes)
+            train, val = build_datasets(cfg, plan.prefix, model_type, split_notes)
         except ValueError as exc:
             raise ValueError(_name_user_data(str(exc), cfg)) from None
         note = fit_batch_to_data(cfg, len(train), layout.dp, fits)
         if note is None:
-            return train, split_notes
+            return train, val, split_notes
         notes.append(note)
-    return train, split_notes
+    return train, val, split_notes
+
+
+def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
+    """The log's line on how much data the run has and how much of it the run reads: its
+    training samples, those held out for validation, and --max-steps' share of an epoch."""
+    drawn = cfg.max_steps * cfg.global_batch_size
+    share = drawn / samples
+    epochs = f"{share:.2f} of an epoch" if share < 1 else f"{share:.1f} epochs"
+    validation = (
+        f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
+    )
+    return (
+        f"data: {_data_named(cfg)} holds {counted(samples, 'training sample')} of "
+        f"{cfg.seq_len} tokens{validation}; --max-steps {cfg.max_steps} x "
+        f"{cfg.global_batch_size} sequences read {drawn:,} of them: {epochs}"
+    )
 
 
 def _name_user_data(message: str, cfg: TrainConfig) -> str:
