@@ -513,6 +513,14 @@ def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_pat
     notes = []
     resolve_data_prefix(TrainConfig(data=str(tmp_path / "en")), notes)
     assert not [n for n in notes if "unknown token" in n], notes
+    # megapar-eval on a prepared dataset says it too (it did on raw text only)
+    from megapar.training.validate_tools import _say_unknown_tokens
+
+    for name, warned in (("lines", True), ("en", False)):
+        _say_unknown_tokens(str(tmp_path / name))
+        err = capsys.readouterr().err
+        assert err.startswith(f"megapar-eval: warning: --data {tmp_path / name}: ") == warned, err
+        assert ("unknown token" in err) == warned, err
     # records: English prompts, Chinese responses, 0.45 % of all tokens unknown and every
     # response lost (a reviewer's finding): the responses, which fine-tuning trains on, are
     # counted apart

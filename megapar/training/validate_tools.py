@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from collections.abc import Collection
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.data import IndexedDataset, MLMDataset, SFTDataset
+from megapar.data.preprocess import unknown_tokens_note
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -112,6 +114,8 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         try:
             if is_text(args.data):  # tokenized into --data-cache as megapar-train does
                 args.data = tokenize_text(args, manifest, config.vocab_size, tokenized)
+            else:  # a prepared dataset: its unknown tokens, as megapar-train says them
+                _say_unknown_tokens(args.data)
             left_note = _check_data(args, manifest, causal, config.vocab_size)
         except BaseException:
             discard_tokenized(tokenized)
@@ -121,6 +125,19 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     notes = [n for n in (note, sft_note, left_note) if n]  # printed once its checks pass
     args.seq_len_note = "\n".join(notes) or None
     return manifest
+
+
+def _say_unknown_tokens(prefix: str) -> None:
+    """megapar-eval's warning where a prepared dataset's metadata records that 1 % or more of
+    its tokens are its tokenizer's unknown token (`unknown_tokens_note`; raw text is told by
+    the tokenizing itself); nothing where it does not read (its own checks name it)."""
+    try:
+        meta = IndexedDataset(prefix).meta
+    except (OSError, ValueError):
+        return
+    said = unknown_tokens_note(meta.get("unknown_tokens") or {}, meta["tokenizer"].get("path"))
+    if said:
+        print(f"megapar-eval: warning: --data {prefix}: {said}", file=sys.stderr)
 
 
 def _refuse_layout(load: str, layout: Layout) -> None:
