@@ -14,6 +14,7 @@ from functools import partial
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
+from megapar.data.blended import BlendedDataset
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
@@ -191,7 +192,7 @@ def plan_data(
         )  # too little text to train on: its fresh copy in the cache goes
         raise
     notes.extend(split_notes)
-    if not isinstance(train, SFTDataset) and not blend_parts(cfg):  # their own lines say it
+    if not isinstance(train, (SFTDataset, BlendedDataset)):  # their own lines say it
         notes.append(_data_line(cfg, len(train), len(val) if val is not None else 0))
     if manifest is not None:
         split_of = partial(training_documents, cfg, plan.prefix, config.model_type)
