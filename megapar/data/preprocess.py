@@ -354,6 +354,13 @@ def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
     return None
 
 
+def recorded_unknown_note(meta: dict, tokenizer: str | None = None) -> str | None:
+    """`unknown_tokens_note` of a dataset's metadata (`IndexedDataset.meta`: the counts it
+    records), naming `tokenizer` (default: the one it records)."""
+    counts = meta.get("unknown_tokens") or {}
+    return unknown_tokens_note(counts, tokenizer or (meta.get("tokenizer") or {}).get("path"))
+
+
 def _end_workers(pool: ProcessPoolExecutor) -> None:
     """End `pool`'s workers now (SIGTERM), the batches they run dropped: Python 3.14's
     ``terminate_workers``, else the same on the pool's processes (its shutdown then finds

@@ -43,7 +43,7 @@ from megapar.data.inputs import (
     unread_inputs,
 )
 from megapar.data.megatron import is_megatron_index
-from megapar.data.preprocess import unknown_tokens_note
+from megapar.data.preprocess import recorded_unknown_note
 from megapar.data.sampler import older_epoch_order
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES, load_config_file
@@ -120,8 +120,7 @@ def resolve_data_prefix(
         if not raw:  # text: its cache key is --tokenizer's
             _check_recorded_tokenizer(path or part.prefix, part)
         # every run that reads it, as when it was tokenized (megapar-data, this cache)
-        tokenizer = cfg.tokenizer if raw else part.tokenizer_spec.get("path")
-        unknown = unknown_tokens_note(part.meta.get("unknown_tokens") or {}, tokenizer)
+        unknown = recorded_unknown_note(part.meta, cfg.tokenizer if raw else None)
         if unknown and notes is not None:
             notes.append(f"warning: --data {path or part.prefix}: {unknown}")
     if fingerprints is not None:

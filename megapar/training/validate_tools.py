@@ -21,7 +21,7 @@ import numpy as np
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.data import IndexedDataset, MLMDataset, SFTDataset
-from megapar.data.preprocess import unknown_tokens_note
+from megapar.data.preprocess import recorded_unknown_note
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -135,7 +135,7 @@ def _say_unknown_tokens(prefix: str) -> None:
         meta = IndexedDataset(prefix).meta
     except (OSError, ValueError):
         return
-    said = unknown_tokens_note(meta.get("unknown_tokens") or {}, meta["tokenizer"].get("path"))
+    said = recorded_unknown_note(meta)
     if said:
         print(f"megapar-eval: warning: --data {prefix}: {said}", file=sys.stderr)
 
