@@ -127,16 +127,6 @@ SentencePiece model that spells none of them (megapar's `sentencepiece`, botchan
 model), which also merges one into a run of unknown characters beside it."""
 
 
-def _counting_unspelled(batches, tok: Tokenizer, stats: dict, sft: bool = False):
-    """`batches`, counting (`count_unknown`, its keys ending "_spaced") the tokens of their texts
-    with `_BREAKS` made spaces: for a tokenizer that makes a line break its unknown token, what
-    its vocabulary cannot spell (the text encoded twice, the second time in this process)."""
-    for texts, nbytes in batches:
-        spaced = tok.encode_batch([_BREAKS.sub(" ", t) for t in texts])
-        count_unknown(stats, spaced, tok.unk_id, sft, "_spaced")
-        yield texts, nbytes
-
-
 def count_unknown(
     stats: dict, encoded: list[list[int]], unk: int | None, sft: bool, suffix: str = ""
 ) -> None:
@@ -153,9 +143,27 @@ def count_unknown(
             stats[key] = stats.get(key, 0) + sum(e.count(unk) for e in texts)
 
 
-def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
+def _encode(
+    tok: Tokenizer, item: tuple[list[str], int], sft: bool = False, spaced: bool = False
+) -> tuple[list[list[int]], int, dict]:
+    """A batch (texts, their bytes) encoded: (ids, bytes, `count_unknown`'s counts of them);
+    `spaced`, for a tokenizer that makes a line break its unknown token, counts also the texts
+    with `_BREAKS` made spaces (keys ending "_spaced"): what its vocabulary cannot spell (the
+    text encoded twice, in the process that encodes it)."""
     texts, nbytes = item
-    return _WORKER_TOKENIZER.encode_batch(texts), nbytes
+    encoded = tok.encode_batch(texts)
+    counts: dict = {}
+    count_unknown(counts, encoded, tok.unk_id, sft)
+    if spaced:
+        again = tok.encode_batch([_BREAKS.sub(" ", t) for t in texts])
+        count_unknown(counts, again, tok.unk_id, sft, "_spaced")
+    return encoded, nbytes, counts
+
+
+def _worker_encode(
+    item: tuple[list[str], int], sft: bool = False, spaced: bool = False
+) -> tuple[list[list[int]], int, dict]:
+    return _encode(_WORKER_TOKENIZER, item, sft, spaced)
 
 
 _WORKER_TOKENIZER: Tokenizer
@@ -189,7 +197,7 @@ def preprocess_files(
     and those of them that tokenized to no ids (raises ValueError when that is all of them);
     ``eod_inside``: those holding the end-of-document id before their end; and ``tokens`` /
     ``unk``: the text's ids and those of them the tokenizer's unknown token (with
-    ``tokens_spaced`` / ``unk_spaced`` where a line break is one too: `_counting_unspelled`),
+    ``tokens_spaced`` / ``unk_spaced`` where a line break is one too: `_encode`),
     which `unknown_tokens_note` reads and the dataset's metadata records.
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
@@ -227,9 +235,9 @@ def preprocess_files(
             f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
         )
     batches = itertools.chain([first], batches)
-    if tok.unk_id is not None and tok.unk_id in tok.encode("\n"):  # its normalizer's, not
-        # the vocabulary's gaps: counted apart
-        batches = _counting_unspelled(batches, tok, stats, sft_keys is not None)
+    sft = sft_keys is not None
+    # a line break that is an unknown token: its normalizer's, not the vocabulary's gaps
+    spaced = tok.unk_id is not None and tok.unk_id in tok.encode("\n")
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
@@ -247,8 +255,8 @@ def preprocess_files(
         ) as bar,
     ):  # closed (its line ended) before any error
         if workers == 1:
-            results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar, tok, stats, sft_keys is not None)
+            results = (_encode(tok, item, sft, spaced) for item in batches)
+            _consume(results, builder, bar, tok, stats, sft)
         else:
             # Workers start as fresh interpreters (spawned): a fork of this process inherits
             # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
@@ -275,12 +283,12 @@ def preprocess_files(
                     signal.signal(signal.SIGINT, previous)
             try:
                 _consume(
-                    _ordered_bounded(pool, batches, 4 * workers),
+                    _ordered_bounded(pool, batches, 4 * workers, sft, spaced),
                     builder,
                     bar,
                     tok,
                     stats,
-                    sft_keys is not None,
+                    sft,
                 )
             except BrokenProcessPool:
                 raise ValueError(
@@ -373,13 +381,15 @@ def _end_workers(pool: ProcessPoolExecutor) -> None:
         process.terminate()
 
 
-def _ordered_bounded(pool: ProcessPoolExecutor, batches, window: int):
+def _ordered_bounded(
+    pool: ProcessPoolExecutor, batches, window: int, sft: bool = False, spaced: bool = False
+):
     """``pool.map(_worker_encode, batches)`` with at most `window` batches in flight (map
     would read the whole input ahead into its queue)."""
 
     pending: deque = deque()
     for item in batches:
-        pending.append(pool.submit(_worker_encode, item))
+        pending.append(pool.submit(_worker_encode, item, sft, spaced))
         if len(pending) >= window:
             yield pending.popleft().result()
     while pending:
@@ -394,19 +404,20 @@ def _consume(
     stats: dict | None = None,
     sft: bool = False,
 ) -> None:
-    """Add each document (after `tok`'s own BOS, when it has one; its eod follows, unless the
-    text ends with it already: then that one ends it, as transformers encodes it); count into
-    ``stats["empty_docs"]`` those that tokenized to no ids, into ``stats["eod_inside"]`` those
-    holding the eod before their end (a tokenizer.json encodes the text of its special token
-    as the token, as transformers does), and into ``stats["tokens"]`` / ``stats["unk"]`` the
-    text's ids and those of them its unknown token. `sft`: each batch is its records' prompts
-    then their responses (`_sft_batched`), added as one document per record with its prompt
-    length."""
-    bos_id, eod_id, unk_id = tok.bos_id, tok.eod_id, tok.unk_id
+    """Add each document of `results` (`_encode`'s: ids, bytes, counts) after `tok`'s own
+    BOS, when it has one (its eod follows, unless the text ends with it already: then that one
+    ends it, as transformers encodes it); count into ``stats["empty_docs"]`` those that
+    tokenized to no ids, into ``stats["eod_inside"]`` those holding the eod before their end (a
+    tokenizer.json encodes the text of its special token as the token, as transformers does),
+    and add up the batches' unknown-token counts (`count_unknown`). `sft`: each batch is its
+    records' prompts then their responses (`_sft_batched`), added as one document per record
+    with its prompt length."""
+    bos_id, eod_id = tok.bos_id, tok.eod_id
     bos = [] if bos_id is None else [bos_id]
-    for encoded, nbytes in results:
+    for encoded, nbytes, counts in results:
         if stats is not None:
-            count_unknown(stats, encoded, unk_id, sft)
+            for key, n in counts.items():
+                stats[key] = stats.get(key, 0) + n
         if stats is not None and eod_id is not None:  # a special token's text, as its id
             stats["eod_inside"] = stats.get("eod_inside", 0) + sum(
                 1 for e in encoded if eod_id in e and e.index(eod_id) < len(e) - 1
