@@ -330,8 +330,8 @@ UNKNOWN_COUNTS = tuple(
 (``unknown_tokens``) where its tokenizer has an unknown token."""
 
 UNKNOWN_SHARE_NOTED = 0.01
-"""The share of a text's tokens being the tokenizer's unknown token from which megapar-data
-and megapar-train say so (an English WordPiece gives a few per million on English prose)."""
+"""The share of a text's tokens being the tokenizer's unknown token from which megapar-data,
+megapar-train and megapar-eval say so."""
 
 
 def unknown_tokens_note(stats: dict, tokenizer) -> str | None:

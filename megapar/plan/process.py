@@ -533,11 +533,10 @@ def _moved_embedding_gradients(
 def _moved_logits(p: Problem, c: Candidate, has_head: bool) -> float:
     """On a CPU, on the stage with the head, the heap room a run comes to hold for its
     logits beyond the step's own: one micro-batch's fp32 logits of this rank's vocabulary (one
-    chunk's with the chunked loss), the step's largest transient. Measured in one process
-    (llama-tiny, 1 x 512 tokens: the peak rose 94-98 MiB at the second step, one logits'
-    98 MiB, and stayed; gpt2-tiny, 8 x 128: a chunk's 196 MiB) and at dp 2 (4 x 128: 98 MiB),
-    as the embedding's gradients move (`_moved_embedding_gradients`). Not under ZeRO-3, whose
-    rank maps every allocation above 4 MiB apart."""
+    chunk's with the chunked loss), the step's largest transient, which the heap comes to hold
+    twice from the second step as it does the embedding's gradients
+    (`_moved_embedding_gradients`). Not under ZeRO-3, whose rank maps every allocation above
+    4 MiB apart. The measurements are in docs/guides/planner.md ("Outside 10 %")."""
     if not has_head or c.zero == 3:
         return 0.0
     vocab, _ = _vocab_h(p, c)

@@ -582,7 +582,7 @@ def takes_save_lock() -> bool:
 
 def _check_compile_cache(path: str) -> None:
     """A ValueError naming TORCHINDUCTOR_CACHE_DIR where --compile's cache cannot be made or
-    written there (the first compile failed on every rank with a bare NotADirectoryError)."""
+    written there, before any worker (each rank's first compile would fail on it)."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
