@@ -202,7 +202,8 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
         first = next(results)
         assert len(read) <= 5, len(read)  # not the whole input, as pool.map would
         ids = load_tokenizer("sentencepiece").encode_batch(["document 0"])
-        assert first == (ids, 10, {"tokens": len(ids[0]), "unk": 0})  # with its counts
+        assert first == (ids, 10, {"tokens": len(ids[0]), "unk": 0, "chars": 10,
+                         "unk_chars": 0})  # with its counts
         rest = list(results)
     assert len(rest) == 1_999 and rest[-1][0] == load_tokenizer("sentencepiece").encode_batch(
         ["document 1999"])

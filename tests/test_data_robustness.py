@@ -494,11 +494,12 @@ def test_a_tokenizer_that_cannot_spell_the_text_names_its_unknown_tokens(tmp_pat
         assert unk >= 0.1 * len(spaced)
         assert (f"megapar-data: warning: {unk} of the text's {len(spaced)} tokens "
                 f"({100 * unk / len(spaced):.1f} %) are tokenizer sentencepiece's unknown "
-                f"token, counted with its line breaks and tabs as spaces (its model spells "
-                f"those so too)") in err, err
+                f"token, standing for ") in err, err
+        assert (", counted with its line breaks and tabs as spaces (its model spells those so "
+                "too)") in err, err
     ds = IndexedDataset(str(tmp_path / "lines"))
     assert ds.num_tokens <= 4  # the whole document was one <unk> (and its BOS / eod)
-    said = "are tokenizer sentencepiece's unknown token, counted with its line breaks"
+    said = "counted with its line breaks and tabs as spaces"
     for _ in range(2):  # tokenized, then read from the cache: the dataset records its counts
         notes: list[str] = []
         cfg = TrainConfig(data=str(tmp_path / "zh.txt"), tokenizer="sentencepiece",
@@ -560,6 +561,43 @@ def test_unknown_tokens_of_a_tokenizer_that_drops_line_breaks_are_all_counted(tm
     assert unk == 40
     assert (f"megapar-data: warning: {unk} of the text's {text_tokens} tokens "
             f"({100 * unk / text_tokens:.1f} %) are tokenizer") in err, err
+    chars = len((tmp_path / "mixed.txt").read_text())  # each [UNK] is a whole "Paris"
+    assert (f"unknown token, standing for 200 of its {chars:,} characters "
+            f"({100 * 200 / chars:.1f} %): its vocabulary") in err, err
+
+
+def test_unknown_characters_are_counted_where_one_token_stands_for_many(tmp_path, capsys):
+    """SentencePiece merges a run of characters its vocabulary does not spell into one <unk>:
+    a paragraph of Chinese in every page of English was 0.2 % of the tokens and lost 1.1 % of
+    the text without a word (left alone at stop 85 with 4.4 % of a play's bytes). The
+    characters the unknown tokens stand for are counted too, and either share is said."""
+    zh = "床前明月光疑是地上霜举头望明月低头思故乡"  # 20 characters, none of them spelled
+    page = "Hello world, and good night to all of you. " * 40 + zh
+    text = "\n\n".join([page] * 10)
+    (tmp_path / "pages.txt").write_text(text)
+    assert data_main(["--input", str(tmp_path / "pages.txt"), "--output-prefix",
+                      str(tmp_path / "pages"), "--tokenizer", "sentencepiece",
+                      "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    meta = json.loads((tmp_path / "pages.json").read_text())["unknown_tokens"]
+    assert meta["unk_spaced"] < 0.01 * meta["tokens_spaced"]  # the tokens alone say nothing
+    lost = sum("\u4e00" <= c <= "\u9fff" for c in text)
+    assert (lost, len(text)) == (200, meta["chars_spaced"])
+    assert (f"are tokenizer sentencepiece's unknown token, standing for {lost} of its "
+            f"{len(text):,} characters ({100 * lost / len(text):.1f} %), counted with") in err, err
+    notes: list[str] = []  # megapar-train reads the counts the dataset records
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import resolve_data_prefix
+
+    resolve_data_prefix(TrainConfig(data=str(tmp_path / "pages")), notes)
+    assert [n for n in notes if f"standing for {lost} of its" in n], notes
+    # counts recorded before characters were counted (2026-12-04) still name the tokens
+    from megapar.data.preprocess import recorded_unknown_note
+
+    old = {k: v for k, v in meta.items() if "chars" not in k}
+    assert recorded_unknown_note({"unknown_tokens": old}) is None
+    old["unk_spaced"] = old["tokens_spaced"] // 50
+    assert "unknown token, counted with" in recorded_unknown_note({"unknown_tokens": old})
 
 
 def test_a_wordpiece_trained_on_another_script_is_not_refused_for_spelling_no_english(

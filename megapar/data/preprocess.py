@@ -128,19 +128,39 @@ model), which also merges one into a run of unknown characters beside it."""
 
 
 def count_unknown(
-    stats: dict, encoded: list[list[int]], unk: int | None, sft: bool, suffix: str = ""
+    stats: dict,
+    texts: Sequence[str],
+    encoded: list[list[int]],
+    tok: Tokenizer,
+    sft: bool,
+    suffix: str = "",
+    chars: bool = True,
 ) -> None:
-    """Count into `stats` the ids of a batch's texts `encoded` (with `sft`, its records'
-    prompts then their responses) and those of them `unk`: ``tokens`` / ``unk``, and the
-    responses' alone, ``tokens_response`` / ``unk_response`` (each key ending with `suffix`);
-    `unknown_tokens_note` reads them."""
-    parts = [("", encoded)] + ([("_response", encoded[len(encoded) // 2 :])] if sft else [])
-    for part, texts in parts:
-        key = f"tokens{part}{suffix}"
-        stats[key] = stats.get(key, 0) + sum(len(e) for e in texts)
+    """Count into `stats` the ids of a batch's `texts` `encoded` (with `sft`, its records'
+    prompts then their responses) and those of them `tok`'s unknown token: ``tokens`` /
+    ``unk``, and the responses' alone, ``tokens_response`` / ``unk_response`` (each key ending
+    with `suffix`); with `chars`, also the texts' characters and those the unknown tokens stand
+    for (``chars`` / ``unk_chars``: a model that merges a run of unknown characters into one
+    token loses more text than its tokens show). `unknown_tokens_note` reads them."""
+    unk = tok.unk_id
+    lost = [0] * len(encoded)
+    unknown = [e.count(unk) if unk is not None else 0 for e in encoded]
+    if chars and any(unknown):  # encoded again, the texts holding unknown tokens only
+        hit = [k for k, n in enumerate(unknown) if n]
+        chars_of = tok.unknown_characters([texts[k] for k in hit], [encoded[k] for k in hit])
+        for k, n in zip(hit, chars_of):
+            lost[k] = n
+    parts = [("", 0)] + ([("_response", len(encoded) // 2)] if sft else [])
+    for part, first in parts:
+        counts = {"tokens": sum(len(e) for e in encoded[first:])}
         if unk is not None:
-            key = f"unk{part}{suffix}"
-            stats[key] = stats.get(key, 0) + sum(e.count(unk) for e in texts)
+            counts["unk"] = sum(unknown[first:])
+            if chars:
+                counts["chars"] = sum(len(t) for t in texts[first:])
+                counts["unk_chars"] = sum(lost[first:])
+        for what, n in counts.items():
+            key = f"{what}{part}{suffix}"
+            stats[key] = stats.get(key, 0) + n
 
 
 def _encode(
@@ -148,15 +168,15 @@ def _encode(
 ) -> tuple[list[list[int]], int, dict]:
     """A batch (texts, their bytes) encoded: (ids, bytes, `count_unknown`'s counts of them);
     `spaced`, for a tokenizer that makes a line break its unknown token, counts also the texts
-    with `_BREAKS` made spaces (keys ending "_spaced"): what its vocabulary cannot spell (the
-    text encoded twice, in the process that encodes it)."""
+    with `_BREAKS` made spaces (keys ending "_spaced"), and their characters only so: what its
+    vocabulary cannot spell (the text encoded again, in the process that encodes it)."""
     texts, nbytes = item
     encoded = tok.encode_batch(texts)
     counts: dict = {}
-    count_unknown(counts, encoded, tok.unk_id, sft)
+    count_unknown(counts, texts, encoded, tok, sft, chars=not spaced)
     if spaced:
-        again = tok.encode_batch([_BREAKS.sub(" ", t) for t in texts])
-        count_unknown(counts, again, tok.unk_id, sft, "_spaced")
+        plain = [_BREAKS.sub(" ", t) for t in texts]
+        count_unknown(counts, plain, tok.encode_batch(plain), tok, sft, "_spaced")
     return encoded, nbytes, counts
 
 
@@ -322,7 +342,7 @@ def preprocess_files(
 
 UNKNOWN_COUNTS = tuple(
     f"{what}{part}{suffix}"
-    for what in ("unk", "tokens")
+    for what in ("unk", "tokens", "unk_chars", "chars")
     for part in ("", "_response")
     for suffix in ("", "_spaced")
 )
@@ -330,23 +350,35 @@ UNKNOWN_COUNTS = tuple(
 (``unknown_tokens``) where its tokenizer has an unknown token."""
 
 UNKNOWN_SHARE_NOTED = 0.01
-"""The share of a text's tokens being the tokenizer's unknown token from which megapar-data,
-megapar-train and megapar-eval say so."""
+"""The share of a text's tokens, or of its characters, that the tokenizer's unknown token
+stands for from which megapar-data, megapar-train and megapar-eval say so."""
 
 
 def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
     """One line naming how many of the text's tokens (`count_unknown`'s counts) are the
-    tokenizer's unknown token, where at least `UNKNOWN_SHARE_NOTED` of them are: its vocabulary
-    does not spell those characters, and the text they stood for is not in the dataset. Records'
-    responses (what fine-tuning trains on) are counted apart first: a few unknown tokens can be
-    all of them. For a model that makes a line break its unknown token too, and merges it into
-    the unknown characters beside it, the counts of the text with them as spaces (``*_spaced``):
-    data.md says SentencePiece's documents lose their line breaks."""
+    tokenizer's unknown token, and how many of its characters they stand for, where either is
+    at least `UNKNOWN_SHARE_NOTED`: its vocabulary does not spell those characters, and the
+    text they stood for is not in the dataset. Records' responses (what fine-tuning trains on)
+    are counted apart first: a few unknown tokens can be all of them. For a model that makes a
+    line break its unknown token too, and merges it into the unknown characters beside it, the
+    counts of the text with them as spaces (``*_spaced``): data.md says SentencePiece's
+    documents lose their line breaks. Counts recorded before characters were counted name the
+    tokens alone."""
     suffix = "_spaced" if "tokens_spaced" in stats else ""
-    for part, whose in (("_response", "the responses'"), ("", "the text's")):
+    for part, whose, its in (("_response", "the responses'", "their"), ("", "the text's", "its")):
         unk, tokens = stats.get(f"unk{part}{suffix}"), stats.get(f"tokens{part}{suffix}")
-        if unk is None or not tokens or unk < UNKNOWN_SHARE_NOTED * tokens:
+        lost, chars = stats.get(f"unk_chars{part}{suffix}"), stats.get(f"chars{part}{suffix}")
+        if unk is None or not tokens:
             continue
+        by_chars = lost is not None and chars and lost >= UNKNOWN_SHARE_NOTED * chars
+        if unk < UNKNOWN_SHARE_NOTED * tokens and not by_chars:
+            continue
+        standing = (
+            f", standing for {lost:,} of {its} {counted(chars, 'character')} "
+            f"({100 * lost / chars:.1f} %)"
+            if lost is not None and chars
+            else ""
+        )
         spaced = (
             ", counted with its line breaks and tabs as spaces (its model spells those so too)"
             if suffix
@@ -354,9 +386,9 @@ def unknown_tokens_note(stats: dict, tokenizer) -> str | None:
         )
         return (
             f"{unk:,} of {whose} {counted(tokens, 'token')} ({100 * unk / tokens:.1f} %) are "
-            f"tokenizer {tokenizer}'s unknown token{spaced}: its vocabulary does not spell "
-            f"those characters, so what they were is lost; tokenize with one that covers this "
-            f"text (a byte-level BPE spells any text: --tokenizer gpt2, or megapar-data "
+            f"tokenizer {tokenizer}'s unknown token{standing}{spaced}: its vocabulary does not "
+            f"spell those characters, so what they were is lost; tokenize with one that covers "
+            f"this text (a byte-level BPE spells any text: --tokenizer gpt2, or megapar-data "
             f"--train-tokenizer bpe)"
         )
     return None

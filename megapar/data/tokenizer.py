@@ -120,6 +120,40 @@ class Tokenizer:
             ]
         return [list(x) for x in self._backend.encode(list(texts))]
 
+    def unknown_characters(
+        self, texts: Sequence[str], encoded: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """How many characters of each text (`encoded`: its `encode_batch` ids) its unknown
+        tokens (`unk_id`) stand for: what of it the vocabulary does not spell (a WordPiece's
+        ``[UNK]`` is a whole word, a SentencePiece ``<unk>`` a run of characters); 0 each
+        where there is no unknown token."""
+        if self.unk_id is None:
+            return [0] * len(texts)
+        if self.kind == "sentencepiece":
+            return self._unknown_pieces_characters(texts, encoded)
+        return [
+            sum(end - start for i, (start, end) in zip(e.ids, e.offsets) if i == self.unk_id)
+            for e in self._backend.encode_batch(list(texts), add_special_tokens=False)
+        ]
+
+    def _unknown_pieces_characters(
+        self, texts: Sequence[str], encoded: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """`unknown_characters` of a SentencePiece model: an unknown piece is the normalized
+        text itself, so the normalized text's characters less those of its known pieces (one
+        normalizing, no second encoding). A model with byte pieces (``<0xE4>``) spells every
+        text, so never gets here."""
+        if self._piece_chars is None:
+            proc = self._backend
+            self._piece_chars = [len(proc.id_to_piece(i)) for i in range(proc.vocab_size())]
+        known, unk = self._piece_chars, self.unk_id
+        return [
+            len(normal) - sum(known[i] for i in ids if i != unk)
+            for normal, ids in zip(self._backend.normalize(list(texts)), encoded)
+        ]
+
+    _piece_chars: list[int] | None = None
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; appended special tokens are rendered by name, e.g. ``[MASK]``."""
         out: list[str] = []
