@@ -650,6 +650,12 @@ def test_the_cli_names_what_the_user_can_change(capsys):
         assert code == 1 and out.out.splitlines()[-1] == (
             f"no layout fits: raise --gpus or --gpu-memory-gb, {advice}or shorten --seq-len"
         ), (gpus, seq, out.out)
+    # memory under the CUDA context alone: no split helps (it named more GPUs and cp)
+    code, out = _cli(capsys, "--model", "gpt2-124m", "--gpus", "2", "--seq-len", "256",
+                     "--gpu-memory-gb", "0.1")
+    assert code == 1 and out.out.splitlines()[-1] == (
+        "no layout fits: --gpu-memory-gb 0.1 is no more than the 0.75 GiB CUDA context each "
+        "process holds before any tensor; give the GPU's memory (e.g. 80 for an H100)"), out.out
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -58,7 +58,7 @@ from megapar.plan.layouts import (
     model_refusal,
 )
 from megapar.plan.params import model_params
-from megapar.plan.process import TARGETS, describe
+from megapar.plan.process import CUDA_CONTEXT, GIB, TARGETS, describe
 from megapar.plan.report import (
     active_note,
     attention_note,
@@ -723,7 +723,7 @@ def main(argv=None) -> int:
     if not estimates:
         return _no_valid_layout(args, problem, rejected)
     if best is None:
-        return _no_fit(args)
+        return _no_fit(args, problem.target)
     assert cmd is not None  # made for the best layout
     if best.process is not None:
         print(describe(best.process))
@@ -775,8 +775,15 @@ def _no_valid_layout(args, problem, rejected) -> int:
     return 1
 
 
-def _no_fit(args) -> int:
+def _no_fit(args, target: str) -> int:
     """Say what would make a layout fit the memory; exit code 1."""
+    if target == "gpu" and args.gpu_memory_gb * GIB <= CUDA_CONTEXT:  # no split can help
+        print(
+            f"no layout fits: --gpu-memory-gb {args.gpu_memory_gb:g} is no more than the "
+            f"{CUDA_CONTEXT / GIB:g} GiB CUDA context each process holds before any tensor; "
+            f"give the GPU's memory (e.g. 80 for an H100)"
+        )
+        return 1
     fixes = ["raise --gpus or --gpu-memory-gb"]
     if "full" not in args.recompute:
         fixes.append("add --recompute full")
