@@ -1301,7 +1301,7 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     from megapar.training.config import parse_args
 
     job = tmp_path / "llama3_debug.toml"
-    job.write_text('[job]\ndump_folder = "out"\n[model]\nconverters = ["float8"]\n'
+    job.write_text('[job]\ndescription = "debug"\n[model]\nconverters = ["float8"]\n'
                    '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
                    '[float8]\nrecipe_name = "rowwise"\n'
                    'enable_fsdp_float8_all_gather = true\n')
@@ -1313,8 +1313,40 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
                            "megapar-train flags: --warmup-steps 200 --lr-decay linear "
                            "--min-lr 0 --max-steps 1000 --precision bf16 --fp8 "
                            "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
-                           "gathers") and said.endswith("(no flag named for: job.dump_folder)")
+                           "gathers") and said.endswith("(no flag named for: job.description)")
     assert "\n" not in said, said
+
+
+def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
+    """What a migrant's torchtitan job got wrong (a reviewer's finding): local_batch_size was
+    --micro-batch-size alone (megapar's default global batch of 16 then two micro-batches of
+    8), data_parallel_shard_degree (FSDP) and the model's flavor were "no flag named", and
+    [checkpoint] enable = false still gave --save-interval."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "debug.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nsteps = 10\n'
+                   'local_batch_size = 8\n[parallelism]\ndata_parallel_replicate_degree = 1\n'
+                   'data_parallel_shard_degree = -1\ntensor_parallel_degree = 2\n'
+                   '[checkpoint]\nenable = false\nfolder = "ckpt"\ninterval = 10\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    said = str(exc.value)
+    assert "--micro-batch-size 8 --tp 2;" in said, said
+    assert ("training.local_batch_size: --global-batch-size 8 x the --dp size too (torchtitan's "
+            "local batch is each dp rank's whole batch") in said, said
+    assert "parallelism.data_parallel_shard_degree: --zero 3 (torchtitan's FSDP) over" in said, said
+    assert "model.flavor: --model (a recipe such as llama-1b" in said, said
+    assert "replicate_degree" not in said and "checkpoint" not in said, said
+    assert "no flag named" not in said, said
+    job.write_text('[training]\nlocal_batch_size = 8\nglobal_batch_size = 32\n'
+                   '[checkpoint]\nfolder = "ckpt"\ninterval = 10\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", str(job)])
+    said = str(exc.value)  # both batches given; checkpointing on (torchtitan's default)
+    assert "--micro-batch-size 8 --global-batch-size 32 --save-interval 10" in said, said
+    assert "x the --dp size" not in said and "checkpoint.folder: --save" in said, said
 
 
 def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
@@ -1586,6 +1618,21 @@ OTHER_TOOLS = [
      "--fp8-emulate: megapar-plan plans the job's GPUs"),
     ("plan", ["--model", "llama-1b", "--compile"], "--compile: megapar-plan plans eager blocks"),
     ("eval", ["--load", "ck", "--fp8", "tensorwise"], "--fp8: megapar-eval computes in float32"),
+    # a Megatron user's flags to megapar-generate were "unrecognized" where train, eval and
+    # convert named --tp (a reviewer's finding); Megatron's log and kernel switches to train
+    ("generate", ["--load", "ck", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size: did you mean --tp?"),
+    ("generate", ["--load", "ck", "--pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size: did you mean --pp?"),
+    ("generate", ["--load", "ck", "--context-parallel-size", "2"],
+     "--context-parallel-size: megapar-generate has no context parallelism"),
+    ("train", ["--log-params-norm"], "--log-params-norm: megapar-train logs the gradient norm"),
+    ("train", ["--use-torch-fsdp2"], "--use-torch-fsdp2: did you mean --zero 3"),
+    ("train", ["--yaml-cfg", "c.yaml"], "--yaml-cfg: did you mean --config"),
+    ("train", ["--no-load-rng"], "--no-load-rng: on --load megapar-train continues the "
+     "checkpoint's random state"),
+    ("train", ["--use-cpu-initialization"], "--use-cpu-initialization: a Megatron-LM kernel or "
+     "initialization setting"),
     ("generate", ["--load", "ck", "--fp8-emulate"],
      "--fp8-emulate: megapar-generate computes in --precision fp32, bf16 or fp16"),
 ]

@@ -59,6 +59,14 @@ OTHER_FLAGS = {
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--parallelism.tensor_parallel_degree": "--tp",
+    "--parallelism.pipeline_parallel_degree": "--pp",
+    "--context-parallel-size": "megapar-generate has no context parallelism; drop it, or use "
+    "--tp / --pp",
+    "--expert-model-parallel-size": "megapar-generate holds every expert on each rank; drop it, "
+    "or use --tp / --pp",
     "--checkpoint": "--load",
     "--ckpt": "--load",
     "--out-dir": "--load (the checkpoint directory)",

@@ -140,6 +140,11 @@ FP8_FORMAT = (
     "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
 )
 
+MEGATRON_KERNEL = (
+    "a Megatron-LM kernel or initialization setting megapar has no counterpart for (torch's "
+    "kernels; each rank makes its own parameters); drop it"
+)
+
 LR_SAMPLES = (
     "{flag} (megapar counts optimizer steps, not samples: the samples over the global batch size)"
 )
@@ -329,7 +334,37 @@ OTHER_TOOLS_FLAGS = {
     "--load-optim": "--load",
     "--no-load-optim": WEIGHTS_ONLY,
     "--finetune": WEIGHTS_ONLY,
-    "--no-load-rng": "",
+    "--no-load-rng": "on --load megapar-train continues the checkpoint's random state (a "
+    "resumed run equals an unbroken one); drop it",
+    "--log-params-norm": "megapar-train logs the gradient norm each step (grad_norm), not the "
+    "parameters'; drop it",
+    "--use-torch-fsdp2": "--zero 3 (megapar's own sharding of parameters, gradients and "
+    "optimizer state over the --dp ranks)",
+    "--data-parallel-sharding-strategy": "--zero (optim: 1, optim_grads: 2, optim_grads_params: 3)",
+    "--yaml-cfg": "--config (a YAML or JSON file of megapar-train's flags)",
+    "--DDP-impl": "megapar's data parallelism is its own bucketed reduction (--zero for "
+    "sharding); drop it",
+    "--no-async-tensor-model-parallel-allreduce": MEGATRON_KERNEL,
+    "--use-cpu-initialization": MEGATRON_KERNEL,
+    "--no-gradient-accumulation-fusion": MEGATRON_KERNEL,
+    "--no-masked-softmax-fusion": MEGATRON_KERNEL,
+    "--no-bias-gelu-fusion": MEGATRON_KERNEL,
+    "--no-bias-dropout-fusion": MEGATRON_KERNEL,
+    "--no-persist-layer-norm": MEGATRON_KERNEL,
+    # torchtitan's job config keys (`toml_job_config`)
+    "--parallelism.data_parallel_shard_degree": "--zero 3 (torchtitan's FSDP) over the --dp "
+    "ranks, which are the ranks divided by --tp x --cp x --pp",
+    "--parallelism.data_parallel_replicate_degree": "--dp (megapar's ZeRO shards over all its "
+    "dp ranks: no replicas of shards)",
+    "--model.flavor": "--model (a recipe such as llama-1b, or a config.json of the flavor's "
+    "sizes: megapar-convert reads torchtitan's Llama 3 flavors from a job config)",
+    "--model.name": "--model (a recipe such as llama-1b, or a config.json)",
+    "--job.dump_folder": "--save (checkpoints) and --log-json or --tensorboard (logs)",
+    "--training.dataset": "--data (a text file, directory or dataset on disk; nothing is "
+    "downloaded)",
+    "--activation_checkpoint.selective_ac_option": "megapar's --recompute selective recomputes "
+    "each layer's attention core (Megatron's selective), with no op-level policy or every Nth "
+    "layer; drop it",
     # DeepSpeed's flags and ds_config.json keys (`--config` takes a file of megapar-train's
     # flags; `read_run_config` names a DeepSpeed config's equivalents): difflib named
     # --micro-batch-size for train_batch_size (the global batch), --loss-mean for --loss-scale,
@@ -632,6 +667,16 @@ def toml_job_config(path: str) -> str:
         (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
     )
     flags, sentences, left = [], [], []
+    saved = (job.get("checkpoint") or {}).get("enable") is not False
+    if not saved:  # torchtitan's checkpointing is off: no --save, whatever its interval
+        keys = [(k, v) for k, v in keys if not k.startswith("checkpoint.")]
+    training = job.get("training") or {}
+    if "local_batch_size" in training and "global_batch_size" not in training:
+        sentences.append(
+            f"training.local_batch_size: --global-batch-size {training['local_batch_size']} x "
+            f"the --dp size too (torchtitan's local batch is each dp rank's whole batch; "
+            f"megapar-train's default global batch is 16)"
+        )
     schedule = job.get("lr_scheduler")
     if schedule is None and isinstance(job.get("training"), dict):
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
@@ -652,6 +697,8 @@ def toml_job_config(path: str) -> str:
                 flags.append("--fp8 tensorwise")
         elif ours is None:
             left.append(key)
+        elif key.startswith("parallelism.data_parallel_") and value == 1:
+            continue  # torchtitan's default: no replicas, or no sharding
         elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
