@@ -478,6 +478,22 @@ def test_prepare_applies_the_moe_keywords_and_refuses_them_for_a_dense_model(run
         run(lambda: megapar.prepare(_hf_model(), moe_aux_loss_coef=0.1), 1)
 
 
+def test_prepare_refuses_an_ep_the_model_cannot_take(run):
+    """ep=2 on a dense model built and trained without a word (megapar-train refuses --ep 2
+    there), and an ep that does not divide the experts failed inside the model's build with a
+    traceback naming --ep (an expert-parallel tryout's findings): each is one line in the
+    API's terms."""
+    with pytest.raises(megapar.WorkerError, match=(
+            r"megapar.prepare: ep=2 shards a mixture-of-experts model's experts \(mixtral, "
+            r"qwen3_moe, deepseek_v3: e.g. 'mixtral-tiny'\); this llama model has no experts: "
+            r"use ep=1")):
+        run(lambda: megapar.prepare("llama-tiny", ep=2), 2)
+    with pytest.raises(megapar.WorkerError, match=(
+            r"megapar.prepare: ep=3 does not divide the model's 4 experts: choose an ep that "
+            r"divides 4")):
+        run(lambda: megapar.prepare("mixtral-tiny", ep=3), 3)
+
+
 def _tiny_bert():
     """The seeded tiny transformers BertForMaskedLM the BERT tests train and compare against."""
     from transformers import BertConfig, BertForMaskedLM
