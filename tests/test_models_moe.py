@@ -271,10 +271,12 @@ def test_qwen3_moe_config_reads_the_hub_spelling_and_round_trips():
     hf = config.to_hf()
     assert hf.architectures == ["Qwen3MoeForCausalLM"] and hf.num_experts == 8
     assert Qwen3MoeConfig.from_dict(config.to_dict()) == config
-    # refusals name the key the config.json has (the hub's num_experts) and what is wrong
+    # refusals name the key the config.json has (the hub's num_experts, transformers 5's
+    # num_local_experts: a tryout's file had only the latter) and what is wrong
     layout = Layout()
     with pytest.raises(ConfigError, match=r"^num_experts_per_tok 9 exceeds the 8 routed experts "
-                       r"\(num_experts\); route each token to at most 8$"):
+                       r"\(num_experts, or num_local_experts as transformers 5 writes it\); "
+                       r"route each token to at most 8$"):
         Qwen3MoeConfig.from_dict(dict(d, num_experts_per_tok=9)).validate(layout)
     with pytest.raises(ConfigError, match=r"\(num_local_experts\)"):
         MixtralConfig.from_dict(dict(BASE, num_local_experts=1)).validate(layout)

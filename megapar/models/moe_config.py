@@ -166,7 +166,7 @@ class Qwen3MoeConfig(_MoEConfig):
 
     model_type = "qwen3_moe"
     hf_config_class = "Qwen3MoeConfig"
-    experts_key: ClassVar[str] = "num_experts"
+    experts_key: ClassVar[str] = "num_experts, or num_local_experts as transformers 5 writes it"
     moe_intermediate_size: int = 768
     """Size of each routed expert's SwiGLU."""
     decoder_sparse_step: int = 1
