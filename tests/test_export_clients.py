@@ -311,7 +311,9 @@ def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_
     capsys.readouterr()
     assert convert([str(ckpt), "--to-hf", str(tmp_path / "all")]) == 0
     out = capsys.readouterr().out
-    assert "vocab_size 50,261: the tokenizer's 50,257 ids" in out and "--tokenizer-rows" in out
+    assert ("vocab_size 50,261: the tokenizer's 50,257 ids and the 4 special tokens megapar's "
+            "tokenizers append") in out and "--tokenizer-rows" in out
+    assert "padding" not in out, out
     assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf"), "--tokenizer-rows"]) == 0
     assert "the tokenizer's 50,257 rows of the model's 50,261" in capsys.readouterr().out
     model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -329,6 +331,28 @@ def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_
     with torch.no_grad():
         theirs = model(ids).logits
     assert (theirs - ours[..., :50257]).abs().max() <= 1e-5
+
+
+def test_an_export_names_a_padded_vocabularys_rows_as_padding(tmp_path, capsys):
+    """A model whose vocabulary is padded to a multiple (Megatron-LM's 50,304 for GPT-2's BPE):
+    the export's note called its 47 rows past the tokenizer's ids "the 47 special tokens
+    megapar's tokenizers append" (a migrant's finding: 4 are, 43 are padding)."""
+    hf = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50304, n_embd=8, n_layer=1, n_head=2, n_positions=16)).save_pretrained(hf)
+    save_for_transformers(load_tokenizer("gpt2"), str(hf), vocab_size=50304)
+    assert convert(["--from-hf", str(hf), str(tmp_path / "ck"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "out"), "--tokenizer",
+                    "gpt2", "--allow-other-tokenizer", "--no-progress"]) == 0
+    assert ("note: vocab_size 50,304: the tokenizer's 50,257 ids, the 4 special tokens megapar's "
+            "tokenizers append for every model (BERT's [PAD] [CLS] [SEP] [MASK], where missing) "
+            "and 43 rows of padding (a vocabulary padded to a multiple, as Megatron-LM pads it), "
+            "which this model") in capsys.readouterr().out
+    assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "own"),
+                    "--no-progress"]) == 0  # its own tokenizer holds those 4 as ids
+    assert ("note: vocab_size 50,304: the tokenizer's 50,261 ids and 43 rows of padding"
+            in capsys.readouterr().out)
 
 
 def test_exporting_a_tokenizer_for_a_short_model_logs_no_warning(tmp_path):

@@ -433,12 +433,21 @@ def _to_hf(args) -> str:
             f"probabilities differ slightly (it trained its softmax over all)"
         )
     elif rows is not None:
+        appended = min(rows[3], rows[1]) - rows[2]
+        beyond = [f"the tokenizer's {rows[2]:,} ids"]
+        if appended:
+            beyond.append(
+                f"the {appended} special tokens megapar's tokenizers append for every model "
+                f"(BERT's [PAD] [CLS] [SEP] [MASK], where missing)"
+            )
+        if rows[1] > rows[3]:
+            beyond.append(
+                f"{rows[1] - rows[3]} rows of padding (a vocabulary padded to a multiple, as "
+                f"Megatron-LM pads it)"
+            )
         report += (
-            f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
-            f"{rows[1] - rows[2]} special tokens megapar's tokenizers append for every "
-            f"model (BERT's [PAD] [CLS] [SEP] [MASK], where missing), which this model "
-            f"trained its softmax over, so they "
-            f"stay (cutting them would "
+            f"\nnote: vocab_size {rows[1]:,}: {', '.join(beyond[:-1])} and {beyond[-1]}, "
+            f"which this model trained its softmax over, so they stay (cutting them would "
             f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
             f"shaped as Hugging Face's model"
         )
@@ -542,9 +551,10 @@ def _check_tokenizer_rows(src: str) -> None:
         )
 
 
-def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
-    """(rows exported, the checkpoint's vocabulary, its tokenizer's ids) of a causal LM's
-    export whose vocabulary holds more rows than its tokenizer has ids (None otherwise)."""
+def _exported_rows(args, src: str, out) -> tuple[int, int, int, int] | None:
+    """(rows exported, the checkpoint's vocabulary, its tokenizer's ids, those with the
+    special tokens megapar appends) of a causal LM's export whose vocabulary holds more rows
+    than its tokenizer has ids (None otherwise)."""
     import json
 
     from megapar.checkpoint.hf import causal_rows
@@ -560,10 +570,12 @@ def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
         or not (out / "tokenizer_config.json").exists()
     ):
         return None
-    rows = causal_rows(load_tokenizer(spec))
+    tok = load_tokenizer(spec)
+    rows = causal_rows(tok)
     if rows >= model["vocab_size"]:
         return None
-    return json.loads((out / "config.json").read_text())["vocab_size"], model["vocab_size"], rows
+    exported = json.loads((out / "config.json").read_text())["vocab_size"]
+    return exported, model["vocab_size"], rows, tok.vocab_size
 
 
 def _dcp(args, progress: bool) -> str:
