@@ -163,7 +163,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Sequences per micro-batch."""
     global_batch_size: int = 16
-    """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it shrinks to what a small dataset holds (with a note), or with --load is the checkpoint's; another than the checkpoint's continues its data order (the epoch's next samples, this many a step)."""
+    """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it is the multiple of micro-batch size x dp nearest 16 (one at least; with a note), shrinks to what a small dataset holds (with a note), or with --load is the checkpoint's; another than the checkpoint's continues its data order (the epoch's next samples, this many a step)."""
     allow_data_change: bool = False
     """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint or its number of samples), on purpose: the same number of samples continues the data order, another number starts it anew; without it such a resume is refused."""
     # --- schedule ---
