@@ -988,7 +988,8 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
     # the keys listed left out offload=KIND, which is taken
     ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
-     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, cp_comm, offload"),
+     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, etp, cp_comm, offload "
+     "(or with dashes, or megapar-train's name: sequence-parallel, cp-comm-type, ...)"),
     # the key as written, the closest one named; megapar-plan's own flag named as such
     ("tp=2,micro-batch=2", "unknown key 'micro-batch' (did you mean 'mbs'?)"),
     ("tp=2,recomput=full", "unknown key 'recomput' (did you mean 'recompute'?)"),

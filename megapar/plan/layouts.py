@@ -266,7 +266,10 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if key not in fields:
             close = difflib.get_close_matches(key, [*fields, "offload", *_ALIASES], n=1)
             hint = f" (did you mean {_ALIASES.get(close[0], close[0])!r}?)" if close else ""
-            raise ValueError(f"--explain: unknown key {given!r}{hint}; keys: {keys}")
+            raise ValueError(
+                f"--explain: unknown key {given!r}{hint}; keys: {keys} (or with dashes, or "
+                f"megapar-train's name: sequence-parallel, cp-comm-type, ...)"
+            )
         if key in ("schedule", "recompute", "zero3_reduce", "cp_comm"):
             allowed = {
                 "schedule": PLAN_SCHEDULES,
