@@ -122,7 +122,8 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             raise
     if args.input_ids:
         _check_bert_inputs(args, _check_ids_file(args.input_ids, positions, args.cp), config)
-    notes = [n for n in (note, sft_note, left_note) if n]  # printed once its checks pass
+    paragraphs = getattr(args, "paragraphs_note", None)  # raw text's documents
+    notes = [n for n in (note, sft_note, paragraphs, left_note) if n]  # once its checks pass
     args.seq_len_note = "\n".join(notes) or None
     return manifest
 
