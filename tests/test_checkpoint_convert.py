@@ -128,6 +128,12 @@ def test_cli_convert_and_info(tmp_path, capsys, monkeypatch):
     assert "layers.3.mlp.fc.weight" in out and "128x32" in out
     manifest = json.loads((resolve_checkpoint(tmp_path / "dst") / "manifest.json").read_text())
     assert checkpoint_info(tmp_path / "dst").count(".safetensors") == len(manifest["files"])
+    # the total is the step's bytes on disk, its manifest too (it left out 17.6 KB of a
+    # 4-layer GPT-2's: a long-run tryout's finding at stop 85)
+    step = resolve_checkpoint(tmp_path / "dst")
+    on_disk = sum(p.stat().st_size for p in step.iterdir())
+    assert f"  {'total':32s} {on_disk:>14,} bytes" in out, out
+    assert "manifest.json" in out and "manifest.sha256" in out
 
 
 def test_a_full_disk_is_one_line_naming_the_destination(tmp_path, capsys, monkeypatch):

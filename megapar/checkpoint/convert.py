@@ -42,7 +42,7 @@ from megapar.checkpoint.format import (
 from megapar.checkpoint.hf import HFReader, causal_rows
 from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
-from megapar.checkpoint.manifest import verify, write_manifest
+from megapar.checkpoint.manifest import DIGEST, verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.checkpoint.stage_tensors import is_routed_expert, saved_expert, stage_tensors
 from megapar.data.hf_tokenizer import transformers_difference
@@ -524,9 +524,12 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
         f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
         "files:",
     ]
-    total = sum(r["bytes"] for r in m["files"].values())
-    lines += [f"  {name:32s} {r['bytes']:>14,} bytes" for name, r in m["files"].items()]
-    lines.append(f"  {'total':32s} {total:>14,} bytes")
+    files = {name: r["bytes"] for name, r in m["files"].items()}
+    for name in (MANIFEST, DIGEST):  # what the step holds besides its data: du's total too
+        if (step_dir / name).exists():
+            files[name] = (step_dir / name).stat().st_size
+    lines += [f"  {name:32s} {size:>14,} bytes" for name, size in files.items()]
+    lines.append(f"  {'total':32s} {sum(files.values()):>14,} bytes")
     if tensors:
         lines.append(f"{'tensor':44s} {'full shape':>16s} {'tp_dim':>6s} {'stage':>5s}  optim")
         for name, e in entries.items():
