@@ -439,3 +439,20 @@ def test_common_pt_is_read_without_running_it(tmp_path, capsys):
     err = refusal(capsys, "--from-megatron", str(odd), str(tmp_path / "o"))
     assert "common.pt's args: model config: num_hidden_layers='two'" in err
     assert not marker.exists()
+
+
+def test_a_gpt_whose_kv_channels_are_not_its_head_size_is_refused(tmp_path):
+    """Megatron's --kv-channels with learned positions (a GPT): megapar's GPT-2 splits hidden
+    over its heads, and the value was dropped without a word (a migrant's finding: a common.pt
+    of 8 heads of 16 channels at hidden 64 imported as heads of 8)."""
+    from megapar.checkpoint.megatron import config_from_args
+    from megapar.models.config import ConfigError
+
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=8,
+                              ffn_hidden_size=256, max_position_embeddings=16)
+    assert config_from_args(argparse.Namespace(**vars(args), kv_channels=8), 64,
+                            tmp_path).n_head == 8  # Megatron's default: hidden / heads
+    with pytest.raises(ConfigError, match=r"its args say --kv-channels 16 with learned positions "
+                       r"\(GPT-2's heads are hidden 64 / 8 heads = 8 wide\), which megapar's "
+                       r"models lack"):
+        config_from_args(argparse.Namespace(**vars(args), kv_channels=16), 64, tmp_path)

@@ -320,6 +320,11 @@ def config_from_args(args: argparse.Namespace, vocab: int, where: Path):
     if kind == "learned_absolute":
         if arg("group_query_attention") and arg("num_query_groups") not in (None, heads):
             raise lacks("query groups with learned positions")
+        if arg("kv_channels") not in (None, hidden // heads):  # GPT-2's heads split hidden
+            raise lacks(
+                f"--kv-channels {arg('kv_channels')} with learned positions (GPT-2's heads "
+                f"are hidden {hidden} / {heads} heads = {hidden // heads} wide)"
+            )
         return config_from_dict(
             {
                 "model_type": "gpt2",
