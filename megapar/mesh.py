@@ -177,6 +177,20 @@ class Layout:
             return ("pp", "dp", "cp", "tp"), (self.pp, self.dp, self.cp, self.tp)
         return ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
 
+    def across_nodes(self, per_node: int) -> list[str]:
+        """The axes (tp, cp, pp, dp, in that order) whose groups span more than one node of
+        `per_node` consecutive ranks (ranks are numbered node by node)."""
+        crossing = []
+        for axis in ("tp", "cp", "pp", "dp"):
+            n = getattr(self, axis)
+            placed = [
+                self.rank(**{"tp": 0, "pp": 0, "dp": 0, "cp": 0, axis: i}) // per_node
+                for i in range(n)
+            ]
+            if len(set(placed)) > 1:
+                crossing.append(axis)
+        return crossing
+
     def to_dict(self) -> dict:
         """{"tp", "pp", "dp"} (plus "cp", "ep" and "order" when they are not the defaults),
         as manifests store it."""

@@ -849,3 +849,28 @@ def test_srun_tasks_on_one_node_take_one_thread_each_as_torchruns_do(monkeypatch
     with pytest.raises(Stop):
         launcher.run_workers(lambda: None, 4)
     assert set_to == threads
+
+
+@pytest.mark.parametrize("layout, per_node, said", [
+    (dict(tp=2, pp=1, dp=2), 2, " on 2 nodes of 2 ranks (dp across them)"),
+    (dict(tp=1, pp=2, dp=1), 1, " on 2 nodes of 1 rank (pp across them)"),
+    (dict(tp=4, pp=4, dp=2, order="tp-dp-pp"), 8, " on 4 nodes of 8 ranks (pp across them)"),
+    (dict(tp=2, pp=2, dp=4), 2, " on 8 nodes of 2 ranks (pp and dp across them)"),
+    (dict(tp=2, pp=1, dp=2), 4, ""),  # one node
+])
+def test_the_first_line_says_which_groups_cross_nodes_under_torchrun(monkeypatch, layout,
+                                                                     per_node, said):
+    """Two torchrun nodes' logs said nothing of nodes: rank 0 printed tp=2 pp=1 dp=2 alone (a
+    multi-node rehearsal's finding); now how many nodes, and which groups span them."""
+    from megapar.mesh import Layout
+    from megapar.training.loop import nodes_phrase
+
+    shape = Layout(**layout)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(shape.world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    assert nodes_phrase(shape) == said
+    monkeypatch.delenv("RANK")  # megapar-train's own workers: one machine
+    monkeypatch.delenv("WORLD_SIZE")
+    assert nodes_phrase(shape) == ""

@@ -34,7 +34,8 @@ from megapar.faults.stop import (
     StopRequests,
     params_finite,
 )
-from megapar.mesh import Mesh, all_reduce
+from megapar.launcher import launched_local_size, under_launcher
+from megapar.mesh import Layout, Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.models.flops import training_flops_per_token
 from megapar.optim import LRScheduler
@@ -369,7 +370,7 @@ class Trainer:
         logger.message(
             f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
             + (f" ({'; '.join(notes)})" if notes else "")
-            + f", {mesh.layout}, "
+            + f", {mesh.layout}{nodes_phrase(mesh.layout)}, "
             + (f"{stages}, " if stages else "")
             + batch
         )
@@ -616,3 +617,19 @@ def _labelled_over_dp(micro_batches: list[dict], mesh: Mesh) -> int:
     summed over dp (read on the host: validation waits for its losses anyway)."""
     count = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
     return int(all_reduce(count.to(mesh.device), mesh.dp_group))
+
+
+def nodes_phrase(layout: Layout) -> str:
+    """ " on 2 nodes of 4 ranks (dp across them)": where torchrun or srun started the ranks on
+    more than one node (the groups that cross them, by `Layout.across_nodes`); "" on one node,
+    or where megapar-train started its own workers."""
+    if not under_launcher():
+        return ""
+    per_node = launched_local_size()
+    if layout.world_size <= per_node or layout.world_size % per_node:
+        return ""
+    crossing = layout.across_nodes(per_node)
+    return (
+        f" on {layout.world_size // per_node} nodes of {counted(per_node, 'rank')}"
+        f" ({' and '.join(crossing)} across them)"
+    )
