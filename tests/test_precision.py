@@ -171,14 +171,19 @@ def test_unscale_and_check_single_process():
     prec = Precision("fp16", "cpu", DynamicLossScaler(init_scale=4.0))
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([4.0, 8.0, -2.0])
-    assert prec.unscale_and_check([p]) is False
+    assert prec.backward_scale(1) == 4.0 and prec.backward_scale(2) == 2.0
+    assert prec.unscale_and_check([p], prec.backward_scale(1)) is False
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0, -0.5]))
+    p.grad = torch.tensor([2.0, 4.0, -1.0])  # backpropagated with the scale over dp 2
+    assert prec.unscale_and_check([p], prec.backward_scale(2)) is False
     assert torch.equal(p.grad, torch.tensor([1.0, 2.0, -0.5]))
     p.grad = torch.tensor([1.0, float("nan"), 0.0])
-    assert prec.unscale_and_check([p]) is True
+    assert prec.unscale_and_check([p], 4.0) is True
     # Modes other than fp16 never scale and never skip.
     q = torch.nn.Parameter(torch.zeros(1))
     q.grad = torch.tensor([float("inf")])
-    assert Precision("bf16", "cpu").unscale_and_check([q]) is False
+    assert Precision("bf16", "cpu").backward_scale(4) == 1.0
+    assert Precision("bf16", "cpu").unscale_and_check([q], 1.0) is False
 
 
 INJECT_STEP, INJECT_RANK = 2, 3
@@ -316,3 +321,39 @@ def test_fp16_zero1_equals_fp16_without_zero(runs, sharded):
             assert abs(a.loss - b.loss) <= tol * abs(a.loss), (i, a.loss, b.loss)
             if not a.skipped:
                 assert abs(a.grad_norm - b.grad_norm) <= tol * a.grad_norm, (i, a, b)
+
+
+def _fp16_skips(zero: int, reduce_dtype: str | None) -> list[tuple[bool, float]]:
+    """(skipped, loss scale) of 6 fp16 steps of a seeded 2-layer GPT-2 from 2^24 (a window of
+    2), 8 x 16 tokens a step in micro-batches of 2, at this rank's dp."""
+    import megapar
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2,
+                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    options = {} if reduce_dtype is None else {"grad_reduce_dtype": reduce_dtype}
+    engine = megapar.prepare(model, micro_batch_size=2, precision="fp16", zero=zero,
+                             initial_loss_scale=2.0**24, loss_scale_window=2,
+                             on_nonfinite="skip", **options)
+    g = torch.Generator().manual_seed(1)
+    pattern = []
+    for _ in range(6):
+        ids = torch.randint(0, 128, (8, 17), generator=g)
+        engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        pattern.append((engine.last_skipped, engine.precision.loss_scale))
+    return pattern
+
+
+@pytest.mark.parametrize("zero, reduce_dtype", [(0, "fp32"), (1, "fp32"), (3, None)])
+def test_fp16_reduced_in_fp32_skips_what_one_process_skips(zero, reduce_dtype):
+    """Each dp rank backpropagated its losses with the loss scale, its m micro-batches weighed
+    as m, not m x dp: its fp16 backward held dp times one process's values and overflowed at
+    half its scale, so dp 2 skipped steps one process applied, with an fp32 reduction and at
+    ZeRO-3 too (a reviewer's finding; precision-zero.md said it skips only what one process
+    does). The losses are now backpropagated with the scale over dp."""
+    one = run_local(_fp16_skips, 1, zero, reduce_dtype)[0]
+    assert any(s for s, _ in one) and not all(s for s, _ in one), one  # overflows and steps
+    two = run_local(_fp16_skips, 2, zero, reduce_dtype)
+    assert two[0] == two[1] == one, (one, two)

@@ -35,7 +35,8 @@ class KeptStep:
     step: int
     """The step's number (1 = the first)."""
     loss_scale: float
-    """The loss scale its backward used."""
+    """The scale its backward used (`Precision.backward_scale`: fp16's loss scale over
+    dp)."""
     loss_weight: Any = None
     """Its micro-batches' loss weight under --loss-mean token (`training.step.loss_weight`;
     set once the step has run), else None."""

@@ -67,7 +67,7 @@ def run_micro_batch(
             engine.executor.run(
                 [_micro_batch(cfg, config, dataset, first_batch)],
                 grad_sync=sync,
-                loss_scale=engine.precision.loss_scale,
+                loss_scale=engine.precision.backward_scale(engine.mesh.dp),
             )
     finally:
         restore()

@@ -2,8 +2,9 @@
 
 Parameters, gradients and optimizer state stay fp32 in every mode; `autocast()` runs matmuls in
 bf16 / fp16. In fp16 the loss is multiplied by a scale before backward (the executor takes it
-as `loss_scale`; dynamic, or static under --loss-scale); after backward `unscale_and_check`
-divides the gradients by it and finds infs / NaNs. The found-inf flag is all-reduced with MAX
+as `loss_scale`; dynamic, or static under --loss-scale), divided by the dp ranks whose average
+the gradients become (`backward_scale`); after backward `unscale_and_check` divides the
+gradients by that and finds infs / NaNs. The found-inf flag is all-reduced with MAX
 over the whole world, so every rank (every tp, pp and dp coordinate) skips the same step and
 changes its scale the same way.
 """
@@ -155,9 +156,17 @@ class Precision:
         assert self.scaler.scale is not None  # set by DynamicLossScaler.__post_init__
         return self.scaler.scale
 
+    def backward_scale(self, dp: int) -> float:
+        """The scale a step's losses are backpropagated with: in fp16 the loss scale over the
+        `dp` ranks whose average the gradients become, so each rank's m micro-batches weigh
+        as one process's m x dp do and its fp16 backward holds one process's values (it
+        overflowed at half one process's scale at dp 2); 1 in fp32 and bf16."""
+        return self.loss_scale / dp if self.scaler is not None else 1.0
+
     @torch.no_grad()
-    def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide gradients by the loss scale; True if any rank anywhere has an inf / NaN.
+    def unscale_and_check(self, params: Iterable[torch.Tensor], scale: float) -> bool:
+        """Divide gradients by `scale` (`backward_scale`'s); True if any rank anywhere has an
+        inf / NaN.
 
         Collective over the whole world in fp16 (every rank must call it); free otherwise.
         """
@@ -165,7 +174,7 @@ class Precision:
             return False
         grads = [p.grad for p in params if p.grad is not None]
         flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=self.device)
         if grads:  # one fused kernel: multiply by 1/scale and flag any inf / NaN
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -314,7 +314,10 @@ class Engine:
             )
         comm_wait.take()  # what evaluation forwards counted is not this step's
         self.kept = KeptStep(
-            micro_batches, self.rng_state(), self.step + 1, self.precision.loss_scale
+            micro_batches,
+            self.rng_state(),
+            self.step + 1,
+            self.precision.backward_scale(self.mesh.dp),
         )
         start, cpu = time.perf_counter(), time.thread_time()
         with self.injecting(self.executor, self.step + 1):

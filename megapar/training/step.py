@@ -15,7 +15,9 @@
    all-reduce that rounds, --grad-compression or a 16-bit --grad-reduce-dtype, inside
    `grad_sync.finish()` before the tied buckets are reduced: the rounding must see the
    stages' sum, as pp 1 does);
-4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
+4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN (the
+   losses were backpropagated with the loss scale over dp, `Precision.backward_scale`, so
+   a rank's fp16 backward holds one process's values and overflows where it does);
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm or
    loss is never applied); update the loss scale. The loss is all-reduced over dp before the
@@ -276,14 +278,15 @@ class TrainStep:
             self.optimizer.set_lr(self.scheduler.lr(step_index))
         lr = self.optimizer.lr
         scale = self.precision.loss_scale
+        seed = self.precision.backward_scale(self.mesh.dp)  # fp16: the scale over dp
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
-            set_penalty_grad(self.model, scale / len(micro_batches))
+            set_penalty_grad(self.model, seed / len(micro_batches))
         weight = self.last_loss_weight = (
             loss_weight(micro_batches, self.mesh, labelled) if self.loss_mean == "token" else None
         )
         with self.precision.autocast(), self.weights_scope():
             loss = self.executor.run(
-                micro_batches, grad_sync=self.grad_sync, loss_scale=scale, loss_weight=weight
+                micro_batches, grad_sync=self.grad_sync, loss_scale=seed, loss_weight=weight
             )
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
@@ -294,7 +297,7 @@ class TrainStep:
         all_reduce(loss, self.mesh.dp_group)
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
-            self.optimizer.grad_tensors() if self.sharded else self.params
+            self.optimizer.grad_tensors() if self.sharded else self.params, seed
         )
         set_action("gradient-norm all-reduce over tp x pp (clipping)")
         if skipped:
