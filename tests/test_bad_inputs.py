@@ -1294,20 +1294,25 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         parse_args(["--config", str(config)])
 
 
-def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path):
-    """A torchtitan TOML given to --config was 'not valid JSON at line 1 column 2'; now one
-    line names its settings as megapar-train's flags, the float8 recipe with its value."""
+def _toml_refusal(job, text: str) -> str:
+    """megapar-train's refusal of a TOML --config holding `text`, written at `job`."""
     from megapar.models.config import ConfigError
     from megapar.training.config import parse_args
 
-    job = tmp_path / "llama3_debug.toml"
-    job.write_text('[job]\ndescription = "debug"\n[model]\nconverters = ["float8"]\n'
-                   '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
-                   '[float8]\nrecipe_name = "rowwise"\n'
-                   'enable_fsdp_float8_all_gather = true\n')
+    job.write_text(text)
     with pytest.raises(ConfigError) as exc:
         parse_args(["--config", str(job)])
-    said = str(exc.value)
+    return str(exc.value)
+
+
+def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path):
+    """A torchtitan TOML given to --config was 'not valid JSON at line 1 column 2'; now one
+    line names its settings as megapar-train's flags, the float8 recipe with its value."""
+    job = tmp_path / "llama3_debug.toml"
+    said = _toml_refusal(job, '[job]\ndescription = "debug"\n[model]\nconverters = ["float8"]\n'
+                         '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
+                         '[float8]\nrecipe_name = "rowwise"\n'
+                         'enable_fsdp_float8_all_gather = true\n')
     assert said.startswith(f"{job}: --config takes a JSON or YAML file of megapar-train's "
                            "flags, not a TOML job config (torchtitan's); give its settings as "
                            "megapar-train flags: --warmup-steps 200 --lr-decay linear "
@@ -1322,17 +1327,12 @@ def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
     --micro-batch-size alone (megapar's default global batch of 16 then two micro-batches of
     8), data_parallel_shard_degree (FSDP) and the model's flavor were "no flag named", and
     [checkpoint] enable = false still gave --save-interval."""
-    from megapar.models.config import ConfigError
-    from megapar.training.config import parse_args
-
     job = tmp_path / "debug.toml"
-    job.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nsteps = 10\n'
-                   'local_batch_size = 8\n[parallelism]\ndata_parallel_replicate_degree = 1\n'
-                   'data_parallel_shard_degree = -1\ntensor_parallel_degree = 2\n'
-                   '[checkpoint]\nenable = false\nfolder = "ckpt"\ninterval = 10\n')
-    with pytest.raises(ConfigError) as exc:
-        parse_args(["--config", str(job)])
-    said = str(exc.value)
+    said = _toml_refusal(job, '[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\n'
+                         'steps = 10\nlocal_batch_size = 8\n[parallelism]\n'
+                         'data_parallel_replicate_degree = 1\ndata_parallel_shard_degree = -1\n'
+                         'tensor_parallel_degree = 2\n[checkpoint]\nenable = false\n'
+                         'folder = "ckpt"\ninterval = 10\n')
     assert "--micro-batch-size 8 --tp 2;" in said, said
     assert ("training.local_batch_size: --global-batch-size 8 x the --dp size too (torchtitan's "
             "local batch is each dp rank's whole batch") in said, said
@@ -1340,11 +1340,9 @@ def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
     assert "model.flavor: --model (a recipe such as llama-1b" in said, said
     assert "replicate_degree" not in said and "checkpoint" not in said, said
     assert "no flag named" not in said, said
-    job.write_text('[training]\nlocal_batch_size = 8\nglobal_batch_size = 32\n'
-                   '[checkpoint]\nfolder = "ckpt"\ninterval = 10\n')
-    with pytest.raises(ConfigError) as exc:
-        parse_args(["--config", str(job)])
-    said = str(exc.value)  # both batches given; checkpointing on (torchtitan's default)
+    said = _toml_refusal(job, '[training]\nlocal_batch_size = 8\nglobal_batch_size = 32\n'
+                         '[checkpoint]\nfolder = "ckpt"\ninterval = 10\n')
+    # both batches given; checkpointing on (torchtitan's default)
     assert "--micro-batch-size 8 --global-batch-size 32 --save-interval 10" in said, said
     assert "x the --dp size" not in said and "checkpoint.folder: --save" in said, said
 
