@@ -159,8 +159,8 @@ class Precision:
     def backward_scale(self, dp: int) -> float:
         """The scale a step's losses are backpropagated with: in fp16 the loss scale over the
         `dp` ranks whose average the gradients become, so each rank's m micro-batches weigh
-        as one process's m x dp do and its fp16 backward holds one process's values (it
-        overflowed at half one process's scale at dp 2); 1 in fp32 and bf16."""
+        as one process's m x dp do and its fp16 backward holds one process's values (and
+        overflows where one process's does); 1 in fp32 and bf16."""
         return self.loss_scale / dp if self.scaler is not None else 1.0
 
     @torch.no_grad()

@@ -213,8 +213,8 @@ def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | 
 def _paragraphs_note(args, documents: int) -> str | None:
     """The note where raw plain text (not records) became more documents than it has files:
     each blank-line paragraph is one, as megapar-train reads it, where megapar-data keeps a
-    file whole (without --split-lines), so that dataset's windows, and loss, differ (a held-out
-    play: 6.36 prepared, 6.76 raw); printed once megapar-eval's checks pass."""
+    file whole (without --split-lines), so that dataset's windows, and loss, differ
+    (evaluation.md); printed once megapar-eval's checks pass."""
     if args.sft_keys is not None:
         return None
     try:
