@@ -582,9 +582,14 @@ def test_unknown_characters_are_counted_where_one_token_stands_for_many(tmp_path
     meta = json.loads((tmp_path / "pages.json").read_text())["unknown_tokens"]
     assert meta["unk_spaced"] < 0.01 * meta["tokens_spaced"]  # the tokens alone say nothing
     lost = sum("\u4e00" <= c <= "\u9fff" for c in text)
-    assert (lost, len(text)) == (200, meta["chars_spaced"])
+    # the characters as the model reads them: its normalized text (runs of spaces as one)
+    import sentencepiece as spm
+
+    model = spm.SentencePieceProcessor(model_file=asset_path("botchan_en_unigram_1000.model"))
+    chars = len(model.normalize(text.replace("\n", " ")))
+    assert (lost, chars) == (200, meta["chars_spaced"]) and chars < len(text)
     assert (f"are tokenizer sentencepiece's unknown token, standing for {lost} of its "
-            f"{len(text):,} characters ({100 * lost / len(text):.1f} %), counted with") in err, err
+            f"{chars:,} characters ({100 * lost / chars:.1f} %), counted with") in err, err
     notes: list[str] = []  # megapar-train reads the counts the dataset records
     from megapar.training.config import TrainConfig
     from megapar.training.data import resolve_data_prefix
@@ -598,6 +603,21 @@ def test_unknown_characters_are_counted_where_one_token_stands_for_many(tmp_path
     assert recorded_unknown_note({"unknown_tokens": old}) is None
     old["unk_spaced"] = old["tokens_spaced"] // 50
     assert "unknown token, counted with" in recorded_unknown_note({"unknown_tokens": old})
+
+
+def test_the_share_of_unknown_characters_is_of_the_text_as_the_model_reads_it(tmp_path, capsys):
+    """NFKC makes one character many (ﷺ, an Arabic ligature, is 18): the characters the
+    unknown pieces stood for were counted on the normalized text and divided by the raw text's,
+    "31 of its 6 characters (516.7 %)" (a re-test's finding); both are the normalized text's."""
+    (tmp_path / "lig.txt").write_text("\ufdfa \ufdfd \ufdfa\n")
+    assert data_main(["--input", str(tmp_path / "lig.txt"), "--output-prefix",
+                      str(tmp_path / "lig"), "--tokenizer", "sentencepiece",
+                      "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "lig.json").read_text())["unknown_tokens"]
+    assert 0 < meta["unk_chars_spaced"] <= meta["chars_spaced"], meta
+    said = re.search(r"standing for ([\d,]+) of its ([\d,]+) characters \(([\d.]+) %\)",
+                     capsys.readouterr().err)
+    assert said and float(said.group(3)) <= 100, said
 
 
 def test_a_wordpiece_trained_on_another_script_is_not_refused_for_spelling_no_english(

@@ -129,35 +129,27 @@ model), which also merges one into a run of unknown characters beside it."""
 
 def count_unknown(
     stats: dict,
-    texts: Sequence[str],
     encoded: list[list[int]],
-    tok: Tokenizer,
+    unk: int | None,
     sft: bool,
     suffix: str = "",
-    chars: bool = True,
+    chars: list[tuple[int, int]] | None = None,
 ) -> None:
-    """Count into `stats` the ids of a batch's `texts` `encoded` (with `sft`, its records'
-    prompts then their responses) and those of them `tok`'s unknown token: ``tokens`` /
-    ``unk``, and the responses' alone, ``tokens_response`` / ``unk_response`` (each key ending
-    with `suffix`); with `chars`, also the texts' characters and those the unknown tokens stand
-    for (``chars`` / ``unk_chars``: a model that merges a run of unknown characters into one
-    token loses more text than its tokens show). `unknown_tokens_note` reads them."""
-    unk = tok.unk_id
-    lost = [0] * len(encoded)
-    unknown = [e.count(unk) if unk is not None else 0 for e in encoded]
-    if chars and any(unknown):  # encoded again, the texts holding unknown tokens only
-        hit = [k for k, n in enumerate(unknown) if n]
-        chars_of = tok.unknown_characters([texts[k] for k in hit], [encoded[k] for k in hit])
-        for k, n in zip(hit, chars_of):
-            lost[k] = n
+    """Count into `stats` the ids of a batch's texts `encoded` (with `sft`, its records'
+    prompts then their responses) and those of them `unk`: ``tokens`` / ``unk``, and the
+    responses' alone, ``tokens_response`` / ``unk_response`` (each key ending with `suffix`);
+    with `chars` (`Tokenizer.encode_counting_unknown`'s), also the characters the unknown
+    tokens stand for and the texts' (``unk_chars`` / ``chars``: a model that merges a run of
+    unknown characters into one token loses more text than its tokens show).
+    `unknown_tokens_note` reads them."""
     parts = [("", 0)] + ([("_response", len(encoded) // 2)] if sft else [])
     for part, first in parts:
         counts = {"tokens": sum(len(e) for e in encoded[first:])}
         if unk is not None:
-            counts["unk"] = sum(unknown[first:])
-            if chars:
-                counts["chars"] = sum(len(t) for t in texts[first:])
-                counts["unk_chars"] = sum(lost[first:])
+            counts["unk"] = sum(e.count(unk) for e in encoded[first:])
+            if chars is not None:
+                counts["unk_chars"] = sum(lost for lost, _ in chars[first:])
+                counts["chars"] = sum(length for _, length in chars[first:])
         for what, n in counts.items():
             key = f"{what}{part}{suffix}"
             stats[key] = stats.get(key, 0) + n
@@ -166,17 +158,24 @@ def count_unknown(
 def _encode(
     tok: Tokenizer, item: tuple[list[str], int], sft: bool = False, spaced: bool = False
 ) -> tuple[list[list[int]], int, dict]:
-    """A batch (texts, their bytes) encoded: (ids, bytes, `count_unknown`'s counts of them);
-    `spaced`, for a tokenizer that makes a line break its unknown token, counts also the texts
-    with `_BREAKS` made spaces (keys ending "_spaced"), and their characters only so: what its
-    vocabulary cannot spell (the text encoded again, in the process that encodes it)."""
+    """A batch (texts, their bytes) encoded: (ids, bytes, `count_unknown`'s counts of them,
+    with the characters unknown tokens stand for where the tokenizer has one); `spaced`, for a
+    tokenizer that makes a line break its unknown token, counts also the texts with `_BREAKS`
+    made spaces (keys ending "_spaced"), and their characters only so: what its vocabulary
+    cannot spell (the text encoded again, in the process that encodes it)."""
     texts, nbytes = item
-    encoded = tok.encode_batch(texts)
     counts: dict = {}
-    count_unknown(counts, texts, encoded, tok, sft, chars=not spaced)
-    if spaced:
-        plain = [_BREAKS.sub(" ", t) for t in texts]
-        count_unknown(counts, plain, tok.encode_batch(plain), tok, sft, "_spaced")
+    if tok.unk_id is None:
+        encoded = tok.encode_batch(texts)
+        count_unknown(counts, encoded, None, sft)
+    elif spaced:
+        encoded = tok.encode_batch(texts)
+        count_unknown(counts, encoded, tok.unk_id, sft)
+        again, chars = tok.encode_counting_unknown([_BREAKS.sub(" ", t) for t in texts])
+        count_unknown(counts, again, tok.unk_id, sft, "_spaced", chars)
+    else:
+        encoded, chars = tok.encode_counting_unknown(texts)
+        count_unknown(counts, encoded, tok.unk_id, sft, chars=chars)
     return encoded, nbytes, counts
 
 

@@ -120,35 +120,51 @@ class Tokenizer:
             ]
         return [list(x) for x in self._backend.encode(list(texts))]
 
-    def unknown_characters(
-        self, texts: Sequence[str], encoded: Sequence[Sequence[int]]
-    ) -> list[int]:
-        """How many characters of each text (`encoded`: its `encode_batch` ids) its unknown
-        tokens (`unk_id`) stand for: what of it the vocabulary does not spell (a WordPiece's
-        ``[UNK]`` is a whole word, a SentencePiece ``<unk>`` a run of characters); 0 each
-        where there is no unknown token."""
-        if self.unk_id is None:
-            return [0] * len(texts)
-        if self.kind == "sentencepiece":
-            return self._unknown_pieces_characters(texts, encoded)
-        return [
-            sum(end - start for i, (start, end) in zip(e.ids, e.offsets) if i == self.unk_id)
-            for e in self._backend.encode_batch(list(texts), add_special_tokens=False)
-        ]
+    def encode_counting_unknown(
+        self, texts: Sequence[str]
+    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """`encode_batch(texts)`, and for each text (the characters its unknown tokens stand
+        for, its characters): what of it the vocabulary does not spell (a WordPiece's
+        ``[UNK]`` is a whole word, a SentencePiece ``<unk>`` a run of characters), counted on
+        the text as the tokenizer reads it (a SentencePiece model's normalized text, so a
+        share is never over the whole); (0, its length) where there is no unknown token."""
+        unk = self.unk_id
+        if self.kind == "hf" and unk is not None:  # the offsets of the one encoding
+            encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+            ids = [list(e.ids) for e in encodings]
+            counts = []
+            for e, text_ids, text in zip(encodings, ids, texts):
+                spans = zip(e.ids, e.offsets) if unk in text_ids else ()
+                counts.append(
+                    (sum(end - start for i, (start, end) in spans if i == unk), len(text))
+                )
+            return ids, counts
+        ids = self.encode_batch(texts)
+        counts = [(0, len(text)) for text in texts]
+        if self.kind == "sentencepiece" and unk is not None:
+            hit = [k for k, e in enumerate(ids) if unk in e]
+            for k, count in zip(
+                hit, self._unknown_pieces_characters([texts[k] for k in hit], [ids[k] for k in hit])
+            ):
+                counts[k] = count
+        return ids, counts
 
     def _unknown_pieces_characters(
         self, texts: Sequence[str], encoded: Sequence[Sequence[int]]
-    ) -> list[int]:
-        """`unknown_characters` of a SentencePiece model: an unknown piece is the normalized
-        text itself, so the normalized text's characters less those of its known pieces (one
-        normalizing, no second encoding). A model with byte pieces (``<0xE4>``) spells every
-        text, so never gets here."""
+    ) -> list[tuple[int, int]]:
+        """`encode_counting_unknown`'s counts of a SentencePiece model's texts holding its
+        unknown token: an unknown piece is the normalized text itself, so the normalized text's
+        characters less those of its known pieces, and the normalized text's (one normalizing,
+        no second encoding). A model with byte pieces (``<0xE4>``) spells every text, so never
+        gets here."""
         if self._piece_chars is None:
             proc = self._backend
             self._piece_chars = [len(proc.id_to_piece(i)) for i in range(proc.vocab_size())]
         known, unk = self._piece_chars, self.unk_id
+        assert unk is not None  # the texts hold it
+        spelt = known.__getitem__
         return [
-            len(normal) - sum(known[i] for i in ids if i != unk)
+            (len(normal) - sum(map(spelt, ids)) + ids.count(unk) * known[unk], len(normal))
             for normal, ids in zip(self._backend.normalize(list(texts)), encoded)
         ]
 
