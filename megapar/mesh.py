@@ -178,17 +178,19 @@ class Layout:
         return ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
 
     def across_nodes(self, per_node: int) -> list[str]:
-        """The axes (tp, cp, pp, dp, in that order) whose groups span more than one node of
-        `per_node` consecutive ranks (ranks are numbered node by node)."""
+        """The axes (tp, cp, pp, dp, in that order) any of whose groups spans more than one
+        node of `per_node` consecutive ranks (ranks are numbered node by node)."""
         crossing = []
         for axis in ("tp", "cp", "pp", "dp"):
-            n = getattr(self, axis)
-            placed = [
-                self.rank(**{"tp": 0, "pp": 0, "dp": 0, "cp": 0, axis: i}) // per_node
-                for i in range(n)
-            ]
-            if len(set(placed)) > 1:
-                crossing.append(axis)
+            for rank in range(self.world_size):
+                tp, cp, pp, dp = self.coords4(rank)
+                at = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+                nodes = {
+                    self.rank(**{**at, axis: i}) // per_node for i in range(getattr(self, axis))
+                }
+                if len(nodes) > 1:
+                    crossing.append(axis)
+                    break
         return crossing
 
     def to_dict(self) -> dict:

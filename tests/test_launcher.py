@@ -857,6 +857,9 @@ def test_srun_tasks_on_one_node_take_one_thread_each_as_torchruns_do(monkeypatch
     (dict(tp=4, pp=4, dp=2, order="tp-dp-pp"), 8, " on 4 nodes of 8 ranks (pp across them)"),
     (dict(tp=2, pp=2, dp=4), 2, " on 8 nodes of 2 ranks (pp and dp across them)"),
     (dict(tp=2, pp=1, dp=2), 4, ""),  # one node
+    # 3 ranks a node: tp's group {2, 3} spans nodes 0 and 1 (a re-test's finding: rank 0's
+    # groups alone were looked at)
+    (dict(tp=2, pp=1, dp=3), 3, " on 2 nodes of 3 ranks (tp and dp across them)"),
 ])
 def test_the_first_line_says_which_groups_cross_nodes_under_torchrun(monkeypatch, layout,
                                                                      per_node, said):
