@@ -1009,6 +1009,29 @@ def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
         assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"
 
 
+def test_the_paragraphs_note_counts_non_empty_files_and_names_mixed_inputs(tmp_path):
+    """The note on raw text's paragraphs was silent for a directory of a two-paragraph file
+    and an empty one (2 documents, 2 files) and for .txt beside .jsonl (a re-test's
+    findings)."""
+    import argparse
+
+    from megapar.training.eval_text import _paragraphs_note
+
+    def note(files: dict, documents: int):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        return _paragraphs_note(argparse.Namespace(data=str(folder), sft_keys=None), documents)
+
+    assert "read as 2 documents, one per blank-line paragraph" in note(
+        {"a.txt": "one\n\ntwo\n", "b.txt": ""}, 2)
+    assert note({"a.txt": "one\n", "b.txt": "two\n"}, 2) is None  # a paragraph a file
+    assert "its .txt files are read as a document per blank-line paragraph" in note(
+        {"a.txt": "x\n\ny\n", "b.jsonl": '{"text": "z"}\n'}, 3)
+    assert note({"b.jsonl": '{"text": "z"}\n'}, 1) is None
+
+
 def test_seed_on_raw_text_for_a_causal_lm_is_refused_before_any_tokenizing(
         tiny_ckpt, tmp_path, capsys, monkeypatch):
     """--seed with a causal LM's checkpoint and raw --data: refused (it seeds only BERT's

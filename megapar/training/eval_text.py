@@ -211,10 +211,11 @@ def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | 
 
 
 def _paragraphs_note(args, documents: int) -> str | None:
-    """The note where raw plain text (not records) became more documents than it has files:
-    each blank-line paragraph is one, as megapar-train reads it, where megapar-data keeps a
-    file whole (without --split-lines), so that dataset's windows, and loss, differ
-    (evaluation.md); printed once megapar-eval's checks pass."""
+    """The note where raw plain text became more documents than it has non-empty files: each
+    blank-line paragraph is one, as megapar-train reads it, where megapar-data keeps a file
+    whole (without --split-lines), so that dataset's windows, and loss, differ
+    (evaluation.md); beside records (.jsonl / .json / .parquet, a document each) it says so
+    without a count. Printed once megapar-eval's checks pass."""
     if args.sft_keys is not None:
         return None
     try:
@@ -222,10 +223,18 @@ def _paragraphs_note(args, documents: int) -> str | None:
     except (FileNotFoundError, ValueError):
         return None
     plain = [f for f in files if not f.endswith((".jsonl", ".json", ".parquet"))]
-    if not plain or len(plain) != len(files) or documents <= len(files):
+    how = (
+        "as megapar-train reads text (megapar-data keeps each file one document unless "
+        "--split-lines: a dataset made so scores other windows)"
+    )
+    if plain and len(plain) < len(files):
+        return (
+            f"megapar-eval: --data {args.data}: its .txt files are read as a document per "
+            f"blank-line paragraph, {how}"
+        )
+    if not plain or documents <= sum(os.path.getsize(f) > 0 for f in plain):
         return None
     return (
         f"megapar-eval: --data {args.data}: read as {documents:,} documents, one per "
-        f"blank-line paragraph, as megapar-train reads text (megapar-data keeps each file one "
-        f"document unless --split-lines: a dataset made so scores other windows)"
+        f"blank-line paragraph, {how}"
     )
