@@ -1341,10 +1341,11 @@ def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
     assert "replicate_degree" not in said and "checkpoint" not in said, said
     assert "no flag named" not in said, said
     said = _toml_refusal(job, '[training]\nlocal_batch_size = 8\nglobal_batch_size = 32\n'
-                         '[checkpoint]\nfolder = "ckpt"\ninterval = 10\n')
+                         '[checkpoint]\nenable = true\nfolder = "ckpt"\ninterval = 10\n')
     # both batches given; checkpointing on (torchtitan's default)
     assert "--micro-batch-size 8 --global-batch-size 32 --save-interval 10" in said, said
     assert "x the --dp size" not in said and "checkpoint.folder: --save" in said, said
+    assert "no flag named" not in said, said  # enable = true: its folder names --save
 
 
 def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):

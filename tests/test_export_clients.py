@@ -311,8 +311,8 @@ def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_
     capsys.readouterr()
     assert convert([str(ckpt), "--to-hf", str(tmp_path / "all")]) == 0
     out = capsys.readouterr().out
-    assert ("vocab_size 50,261: the tokenizer's 50,257 ids and the 4 special tokens megapar's "
-            "tokenizers append") in out and "--tokenizer-rows" in out
+    assert ("vocab_size 50,261: the tokenizer's 50,257 ids and the special tokens [PAD] [CLS] "
+            "[SEP] [MASK] megapar's tokenizers append") in out and "--tokenizer-rows" in out
     assert "padding" not in out, out
     assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf"), "--tokenizer-rows"]) == 0
     assert "the tokenizer's 50,257 rows of the model's 50,261" in capsys.readouterr().out
@@ -345,9 +345,9 @@ def test_an_export_names_a_padded_vocabularys_rows_as_padding(tmp_path, capsys):
     capsys.readouterr()
     assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "out"), "--tokenizer",
                     "gpt2", "--allow-other-tokenizer", "--no-progress"]) == 0
-    assert ("note: vocab_size 50,304: the tokenizer's 50,257 ids, the 4 special tokens megapar's "
-            "tokenizers append for every model (BERT's [PAD] [CLS] [SEP] [MASK], where missing) "
-            "and 43 rows of padding (a vocabulary padded to a multiple, as Megatron-LM pads it), "
+    assert ("note: vocab_size 50,304: the tokenizer's 50,257 ids, the special tokens [PAD] "
+            "[CLS] [SEP] [MASK] megapar's tokenizers append for every model (BERT's, where "
+            "missing) and 43 rows of padding (a vocabulary padded to a multiple, as Megatron-LM pads it), "
             "which this model") in capsys.readouterr().out
     assert convert([str(tmp_path / "ck"), "--to-hf", str(tmp_path / "own"),
                     "--no-progress"]) == 0  # its own tokenizer holds those 4 as ids

@@ -433,12 +433,12 @@ def _to_hf(args) -> str:
             f"probabilities differ slightly (it trained its softmax over all)"
         )
     elif rows is not None:
-        appended = min(rows[3], rows[1]) - rows[2]
         beyond = [f"the tokenizer's {rows[2]:,} ids"]
-        if appended:
+        names = rows[4]  # those of megapar's appended special tokens inside the vocabulary
+        if names:
             beyond.append(
-                f"the {appended} special tokens megapar's tokenizers append for every model "
-                f"(BERT's [PAD] [CLS] [SEP] [MASK], where missing)"
+                f"the special token{'s' if len(names) > 1 else ''} {' '.join(names)} megapar's "
+                f"tokenizers append for every model (BERT's, where missing)"
             )
         if rows[1] > rows[3]:
             beyond.append(
@@ -551,10 +551,11 @@ def _check_tokenizer_rows(src: str) -> None:
         )
 
 
-def _exported_rows(args, src: str, out) -> tuple[int, int, int, int] | None:
+def _exported_rows(args, src: str, out) -> tuple[int, int, int, int, list[str]] | None:
     """(rows exported, the checkpoint's vocabulary, its tokenizer's ids, those with the
-    special tokens megapar appends) of a causal LM's export whose vocabulary holds more rows
-    than its tokenizer has ids (None otherwise)."""
+    special tokens megapar appends, the names of those of them inside the vocabulary) of a
+    causal LM's export whose vocabulary holds more rows than its tokenizer has ids (None
+    otherwise)."""
     import json
 
     from megapar.checkpoint.hf import causal_rows
@@ -575,7 +576,8 @@ def _exported_rows(args, src: str, out) -> tuple[int, int, int, int] | None:
     if rows >= model["vocab_size"]:
         return None
     exported = json.loads((out / "config.json").read_text())["vocab_size"]
-    return exported, model["vocab_size"], rows, tok.vocab_size
+    inside = range(rows, min(tok.vocab_size, model["vocab_size"]))
+    return exported, model["vocab_size"], rows, tok.vocab_size, [tok.decode([i]) for i in inside]
 
 
 def _dcp(args, progress: bool) -> str:

@@ -695,6 +695,8 @@ def toml_job_config(path: str) -> str:
         elif key == "model.converters" and "float8" in str(value):
             if recipe is None:  # torchtitan's default recipe: tensorwise
                 flags.append("--fp8 tensorwise")
+        elif key == "checkpoint.enable":  # its folder names --save; off, none is named
+            continue
         elif ours is None:
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
