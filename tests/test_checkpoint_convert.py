@@ -385,6 +385,19 @@ def test_a_deepspeed_checkpoint_is_refused_naming_zero_to_fp32(tmp_path, capsys)
         assert train_main(["--load", str(path), "--max-steps", "1"]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"megapar-train: error: --load {message}", err
+    # a step `latest` does not name is read by --tag, and a universal checkpoint (ds_to_universal's
+    # zero/) not by zero_to_fp32.py at all: the hint consolidated the latest step, or could not
+    # run (a checkpoint review's finding)
+    for name in ("global_step1", "global_step2_universal"):
+        (root / name).mkdir()
+        torch.save({"module": _RunsCode(marker)}, root / name / "mp_rank_00_model_states.pt")
+    (root / "global_step2_universal" / "zero").mkdir()
+    assert main(["--info", str(root / "global_step1")]) == 2
+    assert (f"zero_to_fp32.py {root} OUT_DIR --tag global_step1 --safe_serialization"
+            in capsys.readouterr().err)
+    assert main(["--info", str(root / "global_step2_universal")]) == 2
+    err = capsys.readouterr().err
+    assert "a DeepSpeed universal checkpoint, which zero_to_fp32.py does not read" in err, err
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

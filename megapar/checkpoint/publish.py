@@ -243,17 +243,22 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
     ``*_optim_states.pt``), one such step directory, or one of its files. megapar loads no
     pickle, so the way in is DeepSpeed's own consolidation to safetensors."""
     p = Path(path).expanduser()
+    step_dir: Path | None = None  # the step given, which zero_to_fp32.py reads by --tag
     if p.is_file():
         if not DEEPSPEED_FILE.fullmatch(p.name):
             return None
         example = p.name
-        root = p.parent.parent if p.parent.name.startswith("global_step") else p.parent
+        in_step = p.parent.name.startswith("global_step")
+        root = p.parent.parent if in_step else p.parent
+        step_dir = p.parent if in_step else None
         what = "is a file of a DeepSpeed checkpoint"
     elif p.is_dir():
         files = _deepspeed_files(p)
         if files:
             example = files[0]
-            root = p.parent if p.name.startswith("global_step") else p
+            in_step = p.name.startswith("global_step")
+            root = p.parent if in_step else p
+            step_dir = p if in_step else None
         else:
             latest = p / LATEST
             tag = ""
@@ -267,18 +272,36 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
             if named is None and not steps:
                 return None
             step = named if named is not None else steps[-1]
+            step_dir = None if named is not None else step  # zero_to_fp32.py reads `latest`
             files = _deepspeed_files(step)
             example = f"{step.name}/{files[0] if files else 'mp_rank_00_model_states.pt'}"
             root = p
         what = "holds a DeepSpeed checkpoint"
     else:
         return None
+    if step_dir is not None and (step_dir / "zero").is_dir():  # ds_to_universal's output
+        return (
+            f"{what} ({example}: pickles, which megapar never loads), not a megapar "
+            f"checkpoint: a DeepSpeed universal checkpoint, which zero_to_fp32.py does not "
+            f"read; resume it in DeepSpeed (--universal-checkpoint), save, consolidate that "
+            f"step with zero_to_fp32.py, then megapar-convert --from-hf OUT_DIR CKPT_DIR"
+        )
     script = root / "zero_to_fp32.py"
     run = shell_word(script) if script.is_file() else "zero_to_fp32.py"
+    latest = root / LATEST
+    try:
+        named_latest = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+    except OSError:
+        named_latest = ""
+    tag = (
+        f" --tag {shell_word(step_dir.name)}"
+        if step_dir is not None and step_dir.name != named_latest
+        else ""
+    )
     return (
         f"{what} ({example}: pickles, which megapar never loads), not a megapar checkpoint; "
         f"consolidate it with DeepSpeed's zero_to_fp32.py (python {run} {shell_word(root)} "
-        f"OUT_DIR --safe_serialization), copy the model's config.json into OUT_DIR, then "
+        f"OUT_DIR{tag} --safe_serialization), copy the model's config.json into OUT_DIR, then "
         f"megapar-convert --from-hf OUT_DIR CKPT_DIR"
     )
 
