@@ -275,6 +275,16 @@ def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys)
     shutil.rmtree(other)
     out = capsys.readouterr().out
     assert "n_kv_heads=2" in out
+    # the FFN size as torchtitan's model args give it (they have no hidden_dim, which was
+    # printed: a checkpoint review's finding), by its FeedForward's formula
+    args = dict(kv.split("=") for kv in out.split("torchtitan model args: ")[1]
+                .splitlines()[0].split(", "))
+    assert "hidden_dim" not in args, args
+    dim, multiple = int(args["dim"]), int(args["multiple_of"])
+    hidden = int(2 * 4 * dim / 3)
+    if "ffn_dim_multiplier" in args:
+        hidden = int(float(args["ffn_dim_multiplier"]) * hidden)
+    assert multiple * -(-hidden // multiple) == state["layers.0.feed_forward.w1.weight"].shape[0]
     # torchtitan's flavors scale RoPE since 2025-10: weights trained without run otherwise there
     assert "note: the model's RoPE scaling is none, not that of torchtitan's Llama 3 flavors" in out
     back = dcp_load(state, tmp_path / "back")

@@ -541,12 +541,23 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
         "vocab_size": config.vocab_size,
         "norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "hidden_dim": config.intermediate_size,
+        **ffn_args(config.hidden_size, config.intermediate_size),
     }
     if config.tie_word_embeddings:
         args["enable_weight_tying"] = True
     args["rope_scaling"] = titans_rope(config.rope_scaling)
     return dst, args
+
+
+def ffn_args(dim: int, size: int) -> dict:
+    """torchtitan's ``multiple_of`` (and ``ffn_dim_multiplier`` where needed) that give the FFN
+    size `size` at `dim` by its formula (`intermediate_size`; its model args name no FFN size):
+    rounded up to a multiple of `size`, any hidden size from 1 to `size` is `size`."""
+    base = int(2 * (4 * dim) / 3)
+    args: dict = {"multiple_of": size}
+    if size < base:  # scaled to size, not below 1
+        args["ffn_dim_multiplier"] = (size + 0.5) / base
+    return args
 
 
 def titans_rope(scaling: dict | None) -> dict | None:
