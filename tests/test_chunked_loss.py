@@ -100,6 +100,38 @@ def test_chunked_equals_whole_tp2(chunk):
     assert all(run_local(_check, 2, 2, chunk))
 
 
+def _fp16_scaled(tp, scale=2.0**20):
+    """(fp16 autocast's gradients of the chunked loss, x `scale`, unscaled; the fp32 ones), each
+    (grad x, full grad weight, full grad bias), on this rank."""
+    mesh = make_mesh(tp)
+    x, w, b, target, weights, local = _problem(tp, mesh.tp_rank)
+    out = []
+    for half in (True, False):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+            loss = linear_cross_entropy(xs, ws, target, bs, mesh.tp_group, mesh.tp_rank * local,
+                                        VOCAB, chunk_tokens=5)
+        (loss * weights * (scale if half else 1.0)).sum().backward()
+        grads = [xs.grad, ws.grad, bs.grad]
+        if tp > 1:
+            torch.distributed.all_reduce(grads[0], group=mesh.tp_group)
+        out.append([g.float() / (scale if half else 1.0) for g in grads])
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp16s_loss_scale_never_sits_in_an_fp16_product(tp):
+    """Under fp16 the incoming gradient holds the loss scale: it multiplied the logits' gradient
+    before its fp16 cast, and the weight gradient's fp16 product overflowed where the true
+    fp32 value was finite (tp 2 skipped steps one process applied, whose fused path scales in
+    fp32 after the product: a numerics trace's finding). Scaled by 2^20 the gradients now
+    equal the fp32 ones within fp16's rounding."""
+    for half, full in run_local(_fp16_scaled, tp, tp):
+        for a, b, what in zip(half, full, ("grad x", "grad weight", "grad bias")):
+            assert torch.isfinite(a).all(), f"tp {tp} {what}: not finite"
+            assert_close(a, b, 2e-2, what=f"tp {tp} {what}")
+
+
 def test_no_grad_forward_holds_no_graph():
     x, w, b, target, _, _ = _problem(1, 0)
     with torch.no_grad():

@@ -163,6 +163,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         real, chunk, dtype = ctx.real, ctx.chunk, ctx.dtype
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         scale = (grad_loss.float() * (~ignored)).reshape(-1)
+        # fp16: the incoming gradient (fp16's loss scale in it) divided by a power of two at
+        # least its largest, given back to the fp32 results: no scaled value ever sits in an
+        # fp16 tensor (the weight gradient's fp16 product overflowed where tp 1's fused path,
+        # which scales in fp32 after it, did not), and the bits are the same wherever
+        # nothing overflowed (scaling by 2^k is exact)
+        top = _power_of_two_at_least(scale) if dtype == torch.float16 else None
+        if top is not None:
+            scale = scale / top
         eps, z_coef, smooth = ctx.eps, ctx.z_coef, ctx.eps / ctx.vocab_size
         hit = (~outside).float()
         if eps:
@@ -194,11 +202,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grads = [grad_x, grad_w, grad_b]
                 _chunk_grads(grads, grad, buffers.to_compute(grad), x[i:j].to(dtype), w, i, j)
             del buffers
+        if top is not None:
+            for g in (grad_x, grad_w, grad_b):
+                if g is not None:
+                    g.mul_(top)
         return (
             grad_x,
             grad_w.to(weight.dtype) if need_w else None,
             grad_b.to(bias.dtype) if need_b else None,
         ) + (None,) * 9
+
+
+def _power_of_two_at_least(t: torch.Tensor) -> torch.Tensor:
+    """The least power of two at least every |t| (1 where t is all zeros), on t's device: no
+    host sync."""
+    top = t.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.exp2(torch.ceil(torch.log2(top)))
 
 
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
