@@ -620,6 +620,29 @@ def test_the_share_of_unknown_characters_is_of_the_text_as_the_model_reads_it(tm
     assert said and float(said.group(3)) <= 100, said
 
 
+def test_unknown_characters_of_one_character_made_several_words_are_counted_once(tmp_path,
+                                                                                   capsys):
+    """A transformers tokenizer whose NFKC makes ㈱ three words, "(", "株", ")", each an
+    [UNK] with ㈱'s offsets: their spans were summed, "9 of its 3 characters (300.0 %)" (a
+    re-test's finding); the characters they cover are counted once."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "a": 5, "plain": 6}
+    backend = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    (tmp_path / "nfkc").mkdir()
+    backend.save(str(tmp_path / "nfkc" / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text("\u3231\u3231\u3231 plain\n")
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix",
+                      str(tmp_path / "o"), "--tokenizer", str(tmp_path / "nfkc"),
+                      "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "o.json").read_text())["unknown_tokens"]
+    assert (meta["unk_chars"], meta["chars"]) == (3, 10), meta
+    assert "standing for 3 of its 10 characters (30.0 %)" in capsys.readouterr().err
+
+
 def test_a_wordpiece_trained_on_another_script_is_not_refused_for_spelling_no_english(
         tmp_path, capsys):
     """The check that a tokenizer.json encodes text probes it with "Hello world": a WordPiece

@@ -48,6 +48,18 @@ class SpecialTokens:
     """Every special/control id (base or appended); never masked, never a random replacement."""
 
 
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """The characters [start, end) `spans` cover together: a normalizer's expansion (NFKC's ㈱
+    is the words "(", "株", ")") gives several tokens one character's span."""
+    covered, reach = 0, 0
+    for start, end in sorted(spans):
+        start = max(start, reach)
+        if end > start:
+            covered += end - start
+            reach = end
+    return covered
+
+
 class Tokenizer:
     """A loaded tokenizer: ``encode``/``decode`` plus special-token ids.
 
@@ -134,10 +146,12 @@ class Tokenizer:
             ids = [list(e.ids) for e in encodings]
             counts = []
             for e, text_ids, text in zip(encodings, ids, texts):
-                spans = zip(e.ids, e.offsets) if unk in text_ids else ()
-                counts.append(
-                    (sum(end - start for i, (start, end) in spans if i == unk), len(text))
+                spans = (
+                    [span for i, span in zip(e.ids, e.offsets) if i == unk]
+                    if (unk in text_ids)
+                    else []
                 )
+                counts.append((_covered(spans), len(text)))
             return ids, counts
         ids = self.encode_batch(texts)
         counts = [(0, len(text)) for text in texts]
