@@ -1026,6 +1026,8 @@ def test_the_paragraphs_note_counts_non_empty_files_and_names_mixed_inputs(tmp_p
 
     assert "read as 2 documents, one per blank-line paragraph" in note(
         {"a.txt": "one\n\ntwo\n", "b.txt": ""}, 2)
+    assert "read as 2 documents, one per blank-line paragraph" in note(
+        {"a.txt": "one\n\ntwo\n", "b.txt": "  \n\n \t\n"}, 2)  # white space alone: none
     assert note({"a.txt": "one\n", "b.txt": "two\n"}, 2) is None  # a paragraph a file
     assert "its .txt files are read as a document per blank-line paragraph" in note(
         {"a.txt": "x\n\ny\n", "b.jsonl": '{"text": "z"}\n'}, 3)

@@ -232,9 +232,19 @@ def _paragraphs_note(args, documents: int) -> str | None:
             f"megapar-eval: --data {args.data}: its .txt files are read as a document per "
             f"blank-line paragraph, {how}"
         )
-    if not plain or documents <= sum(os.path.getsize(f) > 0 for f in plain):
+    if not plain or documents <= sum(_holds_text(f) for f in plain):
         return None
     return (
         f"megapar-eval: --data {args.data}: read as {documents:,} documents, one per "
         f"blank-line paragraph, {how}"
     )
+
+
+def _holds_text(path: str) -> bool:
+    """Whether file `path` holds anything but white space (an empty or blank file is no
+    document), read a block at a time until it does."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            if block.strip():
+                return True
+    return False
