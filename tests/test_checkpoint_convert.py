@@ -398,6 +398,19 @@ def test_a_deepspeed_checkpoint_is_refused_naming_zero_to_fp32(tmp_path, capsys)
     assert main(["--info", str(root / "global_step2_universal")]) == 2
     err = capsys.readouterr().err
     assert "a DeepSpeed universal checkpoint, which zero_to_fp32.py does not read" in err, err
+    # a root without `latest` (or naming a step not there): the newest step by its number,
+    # not by its name's spelling (global_step9 was taken over global_step10), and not a
+    # universal one, by --tag
+    (root / "global_step10").mkdir()
+    torch.save({"module": _RunsCode(marker)}, root / "global_step10" / "mp_rank_00_model_states.pt")
+    for latest in (None, "global_step7"):
+        if latest is None:
+            (root / "latest").unlink()
+        else:
+            (root / "latest").write_text(latest)
+        assert main(["--info", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert f"{root} OUT_DIR --tag global_step10 --safe_serialization" in err, (latest, err)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

@@ -267,11 +267,17 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
                     tag = latest.read_text(errors="replace").strip()
                 except OSError:
                     tag = ""
-            steps = sorted(d for d in p.glob("global_step*") if _deepspeed_files(d))
+            steps = sorted(  # the steps zero_to_fp32.py reads (not a universal one), by N
+                (d for d in p.glob("global_step*") if _deepspeed_files(d)),
+                key=lambda d: (not re.fullmatch(r"global_step\d+", d.name), _step_number(d)),
+            )
             named = p / tag if re.fullmatch(r"global_step\d+", tag) else None
+            if named is not None and not named.is_dir():  # `latest` names a step not there
+                named = None
             if named is None and not steps:
                 return None
-            step = named if named is not None else steps[-1]
+            plain = [d for d in steps if re.fullmatch(r"global_step\d+", d.name)]
+            step = named if named is not None else (plain or steps)[-1]
             step_dir = None if named is not None else step  # zero_to_fp32.py reads `latest`
             files = _deepspeed_files(step)
             example = f"{step.name}/{files[0] if files else 'mp_rank_00_model_states.pt'}"
@@ -304,6 +310,12 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
         f"OUT_DIR{tag} --safe_serialization), copy the model's config.json into OUT_DIR, then "
         f"megapar-convert --from-hf OUT_DIR CKPT_DIR"
     )
+
+
+def _step_number(d: Path) -> int:
+    """N of a DeepSpeed ``global_stepN`` directory (of ``global_stepN_universal`` too)."""
+    found = re.match(r"global_step(\d+)", d.name)
+    return int(found.group(1)) if found else -1
 
 
 def titan_steps(folder: Path) -> list[str]:
