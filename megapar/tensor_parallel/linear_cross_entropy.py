@@ -164,10 +164,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         scale = (grad_loss.float() * (~ignored)).reshape(-1)
         # fp16: the incoming gradient (fp16's loss scale in it) divided by a power of two at
-        # least its largest, given back to the fp32 results: no scaled value ever sits in an
-        # fp16 tensor (the weight gradient's fp16 product overflowed where tp 1's fused path,
-        # which scales in fp32 after it, did not), and the bits are the same wherever
-        # nothing overflowed (scaling by 2^k is exact)
+        # least its largest, given back to the fp32 results: no scaled value sits in an fp16
+        # tensor (the weight gradient's fp16 product would overflow where its fp32 value is
+        # finite, as the fused path's, which scales in fp32 after it, does not), and the bits
+        # are those of scaling first wherever nothing overflows (scaling by 2^k is exact)
         top = _power_of_two_at_least(scale) if dtype == torch.float16 else None
         if top is not None:
             scale = scale / top
@@ -214,8 +214,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _power_of_two_at_least(t: torch.Tensor) -> torch.Tensor:
-    """The least power of two at least every |t| (1 where t is all zeros), on t's device: no
-    host sync."""
+    """The least power of two at least every |t| (float32's least normal number where t is all
+    zeros: a zero gradient stays zero), on t's device: no host sync."""
     top = t.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
     return torch.exp2(torch.ceil(torch.log2(top)))
 
