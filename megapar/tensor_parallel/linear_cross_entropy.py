@@ -166,8 +166,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # fp16: the incoming gradient (fp16's loss scale in it) divided by a power of two at
         # least its largest, given back to the fp32 results: no scaled value sits in an fp16
         # tensor (the weight gradient's fp16 product would overflow where its fp32 value is
-        # finite, as the fused path's, which scales in fp32 after it, does not), and the bits
-        # are those of scaling first wherever nothing overflows (scaling by 2^k is exact)
+        # finite), as in the fused path, which scales in fp32 after its product; the smallest
+        # terms then round in fp16's subnormals as the fused path's do (not the same bits as
+        # scaling first, the same accuracy)
         top = _power_of_two_at_least(scale) if dtype == torch.float16 else None
         if top is not None:
             scale = scale / top
