@@ -548,12 +548,13 @@ MOE_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 """Model types with routed experts (mixtures of experts)."""
 
 
-def no_experts(config) -> str:
+def no_experts(config, api: bool = False) -> str:
     """The words a refusal of an expert setting for `config`, a model without experts, ends
-    its reason with: which models have them, and that this one has none."""
+    its reason with: which models have them, and that this one has none (an example recipe
+    as megapar-train's --model names it, or with `api` as megapar.prepare's model does)."""
+    example = "'mixtral-tiny'" if api else "--model mixtral-tiny"
     return (
-        f"({', '.join(MOE_TYPES)}: e.g. --model mixtral-tiny); this {config.model_type} model "
-        f"has no experts"
+        f"({', '.join(MOE_TYPES)}: e.g. {example}); this {config.model_type} model has no experts"
     )
 
 

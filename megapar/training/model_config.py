@@ -7,6 +7,7 @@ import os
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.hf import HFReader
+from megapar.mesh import layout_option
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file, no_experts
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -166,20 +167,30 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"({key}): use --expert-tensor-parallel-size 1, or a --tp "
                 f"that divides {config.expert_size}"
             )
-    if cfg.ep == 1:
-        return
+    error = ep_model_error(config, cfg.ep)
+    if error:
+        raise ConfigError(error)
+
+
+def ep_model_error(config, ep: int, api: bool = False) -> str | None:
+    """Why `ep` > 1 cannot split `config`'s experts (it has none, or ep does not divide
+    them), worded for megapar-train or with `api` for megapar.prepare (`layout_option`);
+    None where it can."""
+    if ep == 1:
+        return None
     experts = getattr(config, "num_local_experts", None)
     if experts is None:
-        raise ConfigError(
-            f"--ep {cfg.ep} shards a mixture-of-experts model's experts {no_experts(config)}: "
-            f"use --ep 1"
+        return (
+            f"{layout_option('ep', ep, api)} shards a mixture-of-experts model's experts "
+            f"{no_experts(config, api)}: use {layout_option('ep', 1, api)}"
         )
-    if experts % cfg.ep:
-        raise ConfigError(
-            f"--ep {cfg.ep} does not divide the model's {counted(experts, 'expert')}: choose "
-            f"an --ep "
-            f"that divides {experts}"
+    if experts % ep:
+        return (
+            f"{layout_option('ep', ep, api)} does not divide the model's "
+            f"{counted(experts, 'expert')}: choose an {layout_option('ep', None, api)} that "
+            f"divides {experts}"
         )
+    return None
 
 
 MOE_FLAGS = {

@@ -33,7 +33,7 @@ from megapar.mesh import (
     same_on_all_ranks,
 )
 from megapar.models import set_loss_fn
-from megapar.models.config import MOE_TYPES, ConfigError, config_from_dict, config_from_hf
+from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
@@ -47,7 +47,7 @@ from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
-from megapar.training.model_config import apply_moe_flags
+from megapar.training.model_config import apply_moe_flags, ep_model_error
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents, check_ranges
@@ -544,17 +544,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
             f"expert_tensor_parallel_size={etp} splits each routed expert over tp, and this "
             f"{config.model_type} model {what}: use expert_tensor_parallel_size=1"
         )
-    experts = getattr(config, "num_local_experts", None)
-    if error is None and cfg.ep > 1 and experts is None:  # megapar-train's `_check_ep`
-        error = (
-            f"ep={cfg.ep} shards a mixture-of-experts model's experts ({', '.join(MOE_TYPES)}: "
-            f"e.g. 'mixtral-tiny'); this {config.model_type} model has no experts: use ep=1"
-        )
-    elif error is None and experts is not None and experts % cfg.ep:
-        error = (
-            f"ep={cfg.ep} does not divide the model's {experts} experts: choose an ep that "
-            f"divides {experts}"
-        )
+    error = error or ep_model_error(config, cfg.ep, api=True)
     if error:
         raise LayoutError(f"megapar.prepare: {error}")
     split = cfg.pipeline_split
