@@ -807,5 +807,5 @@ def test_compile_with_an_unusable_inductor_cache_is_one_line_before_any_worker(
                "--model", "gpt2-tiny", "--no-progress", "--compile"])
     assert rc == 2
     assert (f"megapar-train: error: TORCHINDUCTOR_CACHE_DIR={tmp_path / 'afile' / 'sub'} cannot "
-            f"be --compile's cache (Not a directory); point it at a directory you can write, or "
-            f"unset it") in capsys.readouterr().err
+            f"be --compile's cache ({tmp_path / 'afile'} is a file, not a directory); point it at "
+            f"a directory you can write, or unset it") in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
+from megapar.checkpoint.format import probe_writable
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
@@ -582,16 +583,12 @@ def takes_save_lock() -> bool:
 
 def _check_compile_cache(path: str) -> None:
     """A ValueError naming TORCHINDUCTOR_CACHE_DIR where --compile's cache cannot be made or
-    written there, before any worker (each rank's first compile would fail on it)."""
+    written there (`probe_writable`), before any worker (each rank's first compile would fail
+    on it)."""
     try:
-        os.makedirs(path, exist_ok=True)
+        probe_writable(path)
     except OSError as exc:
         raise ValueError(
-            f"TORCHINDUCTOR_CACHE_DIR={path} cannot be --compile's cache ({exc.strerror}); "
-            f"point it at a directory you can write, or unset it"
+            f"TORCHINDUCTOR_CACHE_DIR={path} cannot be --compile's cache "
+            f"({exc.strerror or exc}); point it at a directory you can write, or unset it"
         ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"TORCHINDUCTOR_CACHE_DIR={path} cannot be --compile's cache (not writable); "
-            f"point it at a directory you can write, or unset it"
-        )
