@@ -260,27 +260,17 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
             root = p.parent if in_step else p
             step_dir = p if in_step else None
         else:
-            latest = p / LATEST
-            tag = ""
-            if latest.is_file():
-                try:
-                    tag = latest.read_text(errors="replace").strip()
-                except OSError:
-                    tag = ""
-            steps = sorted(  # the steps zero_to_fp32.py reads (not a universal one), by N
-                (d for d in p.glob("global_step*") if _deepspeed_files(d)),
-                key=lambda d: (not re.fullmatch(r"global_step\d+", d.name), _step_number(d)),
+            tag = _latest_tag(p)
+            steps = sorted(
+                (d for d in p.glob("global_step*") if _deepspeed_files(d)), key=_step_number
             )
-            named = p / tag if re.fullmatch(r"global_step\d+", tag) else None
-            if named is not None and not named.is_dir():  # `latest` names a step not there
-                named = None
+            named = p / tag if PLAIN_STEP.fullmatch(tag) and (p / tag).is_dir() else None
             if named is None and not steps:
                 return None
-            plain = [d for d in steps if re.fullmatch(r"global_step\d+", d.name)]
-            step = named if named is not None else (plain or steps)[-1]
-            step_dir = None if named is not None else step  # zero_to_fp32.py reads `latest`
-            files = _deepspeed_files(step)
-            example = f"{step.name}/{files[0] if files else 'mp_rank_00_model_states.pt'}"
+            plain = [d for d in steps if PLAIN_STEP.fullmatch(d.name)]  # not a universal one
+            step_dir = named if named is not None else (plain or steps)[-1]  # newest by N
+            files = _deepspeed_files(step_dir)
+            example = f"{step_dir.name}/{files[0] if files else 'mp_rank_00_model_states.pt'}"
             root = p
         what = "holds a DeepSpeed checkpoint"
     else:
@@ -294,14 +284,9 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
         )
     script = root / "zero_to_fp32.py"
     run = shell_word(script) if script.is_file() else "zero_to_fp32.py"
-    latest = root / LATEST
-    try:
-        named_latest = latest.read_text(errors="replace").strip() if latest.is_file() else ""
-    except OSError:
-        named_latest = ""
-    tag = (
+    tag = (  # zero_to_fp32.py reads the step `latest` names, any other by --tag
         f" --tag {shell_word(step_dir.name)}"
-        if step_dir is not None and step_dir.name != named_latest
+        if step_dir is not None and step_dir.name != _latest_tag(root)
         else ""
     )
     return (
@@ -310,6 +295,19 @@ def deepspeed_checkpoint(path: str | Path) -> str | None:
         f"OUT_DIR{tag} --safe_serialization), copy the model's config.json into OUT_DIR, then "
         f"megapar-convert --from-hf OUT_DIR CKPT_DIR"
     )
+
+
+PLAIN_STEP = re.compile(r"global_step\d+")
+"""A DeepSpeed step directory's name (``global_stepN``; ``global_stepN_universal`` is
+ds_to_universal's)."""
+
+
+def _latest_tag(root: Path) -> str:
+    """The step a DeepSpeed checkpoint root's ``latest`` names ("" where it has none)."""
+    try:
+        return (root / LATEST).read_text(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _step_number(d: Path) -> int:
