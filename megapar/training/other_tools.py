@@ -668,8 +668,11 @@ def toml_job_config(path: str) -> str:
     )
     flags, sentences, left = [], [], []
     saved = (job.get("checkpoint") or {}).get("enable") is not False
-    if not saved:  # torchtitan's checkpointing is off: no --save, whatever its interval
-        keys = [(k, v) for k, v in keys if not k.startswith("checkpoint.")]
+    keys = [  # enable: its folder names --save; off, no checkpoint key names anything
+        (k, v)
+        for k, v in keys
+        if k != "checkpoint.enable" and (saved or not k.startswith("checkpoint."))
+    ]
     training = job.get("training") or {}
     if "local_batch_size" in training and "global_batch_size" not in training:
         sentences.append(
@@ -695,8 +698,6 @@ def toml_job_config(path: str) -> str:
         elif key == "model.converters" and "float8" in str(value):
             if recipe is None:  # torchtitan's default recipe: tensorwise
                 flags.append("--fp8 tensorwise")
-        elif key == "checkpoint.enable":  # its folder names --save; off, none is named
-            continue
         elif ours is None:
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
