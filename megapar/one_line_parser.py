@@ -22,6 +22,25 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 `megapar-plan --explain` items, a value given to a switch on the command line)."""
 
 
+LAYOUT_NAMES = {
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp",
+    "--expert-model-parallel-size": "--ep",
+    "--parallelism.tensor_parallel_degree": "--tp",
+    "--parallelism.pipeline_parallel_degree": "--pp",
+    "--parallelism.context_parallel_degree": "--cp",
+    "--parallelism.expert_parallel_degree": "--ep",
+}
+"""Megatron-LM's and torchtitan's names for the parallel sizes, with megapar's flag for each."""
+
+
+def layout_names(*flags: str) -> dict[str, str]:
+    """`LAYOUT_NAMES`'s entries for the parallel sizes a tool takes (`"--tp", "--pp"`): each CLI
+    answers the other tools' names for its own sizes from this one table."""
+    return {theirs: ours for theirs, ours in LAYOUT_NAMES.items() if ours in flags}
+
+
 def shell_word(value: str | os.PathLike) -> str:
     """`value` (a path or other user-given value) as one word of a command line a message
     suggests, quoted where a shell would split or expand it (`out dir` -> `'out dir'`)."""

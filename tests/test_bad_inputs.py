@@ -1687,6 +1687,26 @@ def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
                        for w in ours.split() if w.startswith("--")), ours
 
 
+@pytest.mark.parametrize("tool", ["train", "eval", "convert", "generate", "bubble"])
+def test_each_command_answers_every_other_name_of_its_parallel_sizes(tool):
+    """Megatron-LM's and torchtitan's names for a parallel size a command takes (--tp, --pp,
+    --cp, --ep) are each answered by that command, from the one table `LAYOUT_NAMES`."""
+    import importlib
+
+    from megapar.one_line_parser import LAYOUT_NAMES
+
+    if tool == "train":
+        from megapar.training.config import build_parser
+        from megapar.training.other_tools import OTHER_TOOLS_FLAGS as table
+    else:
+        module = importlib.import_module(f"megapar.cli.{tool}")
+        build_parser, table = module.build_parser, module.OTHER_FLAGS
+    known = build_parser()._option_string_actions
+    taken = {theirs: ours for theirs, ours in LAYOUT_NAMES.items() if ours in known}
+    assert taken, f"megapar-{tool} takes none of {sorted(set(LAYOUT_NAMES.values()))}"
+    assert {theirs: table.get(theirs) for theirs in taken} == taken
+
+
 MISSING_VALUE = [
     ("train", ["--recompute"], "expected one argument; give it one of its values: "
      "--recompute none|selective|full"),

@@ -32,7 +32,7 @@ import sys
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
@@ -52,11 +52,8 @@ from megapar.wording import counted
 OTHER_FLAGS = {
     "--stages": "--pp",
     "--num-stages": "--pp",
-    "--pipeline-model-parallel-size": "--pp",
+    **layout_names("--tp", "--pp", "--cp"),
     "--num-microbatches": "--microbatches",
-    "--tensor-model-parallel-size": "--tp",
-    "--context-parallel-size": "--cp",
-    "--parallelism.context_parallel_degree": "--cp",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
     "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "
     "YAML config file, e.g. a GPT-2 config with n_layer 7; they need not divide evenly over "

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, shell_word, show_progress
+from megapar.one_line_parser import OneLineParser, layout_names, shell_word, show_progress
 
 _NOT_IN_FILES = (
     "a checkpoint does not depend on {flag} ({what}): megapar-train --load reads it at any "
@@ -60,8 +60,7 @@ _NOT_IN_FILES = (
 OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
-    "--tensor-model-parallel-size": "--tp",
-    "--pipeline-model-parallel-size": "--pp",
+    **layout_names("--tp", "--pp"),
     "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
     "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
     "--model-type": "the model is the source's own; drop it",

@@ -50,7 +50,7 @@ from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
-from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.training.eval_text import data_tokenizer
 from megapar.training.inference import (
@@ -86,8 +86,7 @@ IDS_ONLY = ("attention_mask", "token_type_ids")
 OTHER_FLAGS = {
     "--checkpoint": "--load",
     "--ckpt": "--load",
-    "--context-parallel-size": "--cp",
-    "--parallelism.context_parallel_degree": "--cp",
+    **layout_names("--tp", "--pp", "--cp"),
     "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",
@@ -106,8 +105,6 @@ OTHER_FLAGS = {
     "drop it",
     "--fp8-emulate": "megapar-eval computes in float32 (an --fp8 run's checkpoint holds fp32 "
     "weights); drop it",
-    "--tensor-model-parallel-size": "--tp",
-    "--pipeline-model-parallel-size": "--pp",
     "--eval-iters": "--max-batches",
     "--eval-steps": "--max-batches",
     "--data-path": "--data",

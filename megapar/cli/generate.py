@@ -38,7 +38,7 @@ from megapar.faults.processes import exit_uncollected
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
-from megapar.one_line_parser import OneLineParser, shell_word
+from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.training.config import precision_named_elsewhere
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
@@ -59,10 +59,7 @@ OTHER_FLAGS = {
     "--model": "the model is the checkpoint's (--load); drop it",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",
-    "--tensor-model-parallel-size": "--tp",
-    "--pipeline-model-parallel-size": "--pp",
-    "--parallelism.tensor_parallel_degree": "--tp",
-    "--parallelism.pipeline_parallel_degree": "--pp",
+    **layout_names("--tp", "--pp"),
     "--context-parallel-size": "megapar-generate has no context parallelism; drop it, or use "
     "--tp / --pp",
     "--expert-model-parallel-size": "megapar-generate holds every expert on each rank; drop it, "

@@ -36,7 +36,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.documents import MASK_TYPES
 from megapar.models.recipes import resolve_model
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, layout_names
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
 from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import schedule_named_elsewhere
@@ -110,6 +110,10 @@ _ONE_SETTING = (
     "(e.g. --explain {example})"
 )
 
+_ONE_EP = _ONE_SETTING.format(
+    what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
+)
+
 _ACCUMULATION = (
     "megapar-plan derives each layout's micro-batches per step from --global-batch-size, its "
     "micro-batch size (--micro-batch-sizes) and its dp; drop it"
@@ -130,25 +134,18 @@ OTHER_FLAGS = {
     "--zero": _ONE_SETTING.format(
         what="every ZeRO stage of --zero-stages", key="zero=N", example="dp=8,zero=3,mbs=1"
     ),
-    "--tensor-model-parallel-size": _ONE_LAYOUT,
-    "--pipeline-model-parallel-size": _ONE_LAYOUT,
-    "--context-parallel-size": _ONE_LAYOUT,
-    "--parallelism.context_parallel_degree": _ONE_LAYOUT,
+    **dict.fromkeys(layout_names("--tp", "--pp", "--cp"), _ONE_LAYOUT),
     "--use-distributed-optimizer": _ONE_SETTING.format(
         what="every ZeRO stage of --zero-stages", key="zero=1", example="dp=8,zero=1,mbs=1"
     ),
     "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
     "--moe-grouped-gemm": "megapar-train runs the experts as one grouped matmul per projection "
     "by itself (on CUDA in bf16); drop it",
-    "--expert-model-parallel-size": _ONE_SETTING.format(
-        what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
-    ),
+    **dict.fromkeys(layout_names("--ep"), _ONE_EP),
     "--tp": _ONE_LAYOUT,
     "--pp": _ONE_LAYOUT,
     "--dp": _ONE_LAYOUT,
-    "--ep": _ONE_SETTING.format(
-        what="every ep dividing dp x cp and the experts", key="ep=N", example="dp=8,ep=8,mbs=1"
-    ),
+    "--ep": _ONE_EP,
     "--cp": "--cp-sizes",
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",

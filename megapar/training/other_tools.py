@@ -13,6 +13,7 @@ import os
 import re
 import tomllib
 
+from megapar.one_line_parser import LAYOUT_NAMES
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
 
 WEIGHTS_ONLY = (
@@ -171,18 +172,11 @@ OTHER_TOOLS_FLAGS = {
     "--training.seq_len": "--seq-len",
     "--training.global_batch_size": "--global-batch-size",
     "--training.local_batch_size": "--micro-batch-size",
-    "--tensor-model-parallel-size": "--tp",
-    "--pipeline-model-parallel-size": "--pp",
-    "--context-parallel-size": "--cp",
-    "--expert-model-parallel-size": "--ep",
-    "--parallelism.tensor_parallel_degree": "--tp",
-    "--parallelism.pipeline_parallel_degree": "--pp",
-    "--parallelism.context_parallel_degree": "--cp",
+    **LAYOUT_NAMES,
     "--parallelism.context_parallel_rotate_method": CP_COMM,
     "--hierarchical-context-parallel-sizes": "megapar-train's cp group is one group over all "
     "--cp ranks (a ring, an all-gather or all-to-alls: --cp-comm-type), with no hierarchy; give "
     "the whole size to --cp",
-    "--parallelism.expert_parallel_degree": "--ep",
     "--parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size",
     "--use-distributed-optimizer": "--zero 1",
     "--bf16": "--precision bf16",
