@@ -1,10 +1,12 @@
-"""Optimizer (AdamW, optional ZeRO-1), LR schedule, global gradient clipping, mixed precision."""
+"""Optimizers (AdamW, LAMB, LARS, SGD, Muon; ZeRO 1-3), LR schedule, global gradient clipping,
+mixed precision."""
 
+from megapar.optim.build import build_optimizer
 from megapar.optim.clip import clip_grad_norm, grad_norm
 from megapar.optim.optimizer import AdamWOptimizer
 from megapar.optim.precision import DynamicLossScaler, Precision
 from megapar.optim.scheduler import LRScheduler
-from megapar.optim.zero import ZeroOptimizer, build_optimizer
+from megapar.optim.zero import ZeroOptimizer
 
 __all__ = [
     "AdamWOptimizer",

@@ -17,7 +17,6 @@ from megapar.models import set_cp_comm, set_loss_chunk_tokens, set_loss_terms, s
 from megapar.models.compile import compile_blocks
 from megapar.models.documents import set_documents
 from megapar.optim import Precision, build_optimizer
-from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.tensor_parallel.fp8_convert import convert_to_fp8, none_kept_by_size
@@ -120,19 +119,6 @@ def _experts_kept(model) -> str:
 
 def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
     """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
-    if cfg.zero == 3:
-        return Zero3Optimizer(
-            model.named_parameters(),
-            mesh.dp_cp_group,
-            lr,
-            cfg.weight_decay,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            kind=cfg.optimizer,
-            tp_group=mesh.tp_group,
-            offload=cfg.offload_optimizer,
-            **_muon_settings(cfg),
-        )
     return build_optimizer(
         model,
         mesh,
