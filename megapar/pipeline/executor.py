@@ -370,7 +370,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         stand_in = self._stand_in if self._act_numel > 1 else None  # one-element outputs kept
         take, pop_grad = self._take_output, self._in_grads.pop
         tensor: torch.Tensor | None  # a message's: None for a receive the group issues
-        for group, action, kind, recv, hand_over, said, at, sync_at, report_at in plan.walk:
+        for group, action, kind, recv, hand_over, said, stamp, sync_at, report_at in plan.walk:
             if group is not None:  # the message group before the compute
                 messages_, group_said, sent_acts, _, sent_at, issue = group  # PlannedGroup
                 if issue is None or ahead:  # sends, or receives some of which may be posted
@@ -415,7 +415,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
                 self._hand_over(hand_over, action)
             if sync_at is not None:
                 if traced:  # the wait ends before the call (`trace_events`)
-                    stamps[at - 1] = clock()
+                    stamps[stamp - 1] = clock()
                 self._sync_before(sync_at, plan)
             self._step_index = report_at  # a chunk's last weight-gradient action (`_ready`)
             line.value = said
@@ -424,7 +424,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
             except KeyError:
                 raise self._no_handler(kind) from None
             if traced:
-                stamps[at] = clock()
+                stamps[stamp] = clock()
             try:
                 if counted:  # the straggler measure: tp / cp waits inside the compute
                     with counting():
@@ -437,7 +437,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
                 exc.add_note(self._failed_in(action))
                 raise
             if traced:
-                stamps[at + 1] = clock()
+                stamps[stamp + 1] = clock()
 
     # grad sync: every call a step makes to `grad_sync` -------------------------------------
     def _sync_begin(self) -> None:
@@ -462,7 +462,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         return None
 
     def _sync_finish(self) -> None:
-        if self._grad_sync is not None:  # ZeRO 1-3 reduce-scatter the gradients
+        if self._grad_sync is not None:
             collective = "all-reduce" if self._grad_sync.stage == 0 else "reduce-scatter"
             set_action(f"waiting for the data-parallel gradient {collective}")
             self._grad_sync.finish()

@@ -6,13 +6,13 @@ between them. The plan turns each program step into a planned one, every field n
 `PlannedGroup` (its `PlannedMessage`s with their peers' ranks and the slots they read) or a
 `PlannedCompute` (its handler's kind, the `PlannedRecv` it waits for or the V's in-memory
 hand-over). The walk (`StepPlan.walk`, `walk_of`) is one `WalkStep` per compute, the group
-before it folded in; it holds them as plain tuples in their types' field order and unpacks each
-by the field names, which costs a tenth of reading the fields as attributes (the executor's
-host work per step is what `benchmarks/executor_instructions.py` counts).
+before it folded in; it holds them as plain tuples in their types' field order, which the
+executor's walk unpacks rather than reading attributes (its host work per step is what
+`benchmarks/executor_instructions.py` counts).
 
 The plan also holds the step's trace: a traced step writes clock stamps into a list the plan
 sized, one where an event ends and the next starts, each at the index the plan gave its step
-(`PlannedGroup.stamp`, `WalkStep.stamp`); which stamps bound which event is worked out here
+(`PlannedGroup.sent_at`, `WalkStep.stamp`); which stamps bound which event is worked out here
 once (`trace_events`).
 """
 
@@ -70,7 +70,7 @@ class StagePlace:
 
 class PlannedMessage(NamedTuple):
     """One message of a group as `p2p.issue` takes it, with what the walk does with it (kept
-    as a plain tuple in this field order: the walk unpacks it by these names)."""
+    as a plain tuple in this field order, which the walk unpacks)."""
 
     uid: int
     """The message action as one int in the step (``slot * 4 + kind``): what the set of
@@ -100,15 +100,15 @@ class PlannedGroup(NamedTuple):
     """The slot of every activation the group sends (its output's storage is freed)."""
     sends: tuple
     """(kind, mb, chunk) of every send, for the trace."""
-    stamp: int | None = None
+    sent_at: int | None = None
     """A group that sends: the index of the clock reading at its end in the step's stamps."""
-    received: tuple | None = None
+    issue: tuple | None = None
     """A group of receives only: what `p2p.issue` takes for it where no receive is posted
     ahead (NCCL: the same every step, so the walk builds nothing for it), else None."""
 
 
 class PlannedRecv(NamedTuple):
-    """The received message a compute waits for (a plain tuple in `WalkCompute.recv`)."""
+    """The received message a compute waits for (a plain tuple in `WalkStep.recv`)."""
 
     key: tuple
     """(kind, mb, chunk) of the receive."""
@@ -145,8 +145,8 @@ class PlannedCompute(NamedTuple):
 
 class WalkStep(NamedTuple):
     """A compute and the message group before it, as the walk runs them: kept as a plain tuple
-    in this field order (the walk unpacks it by these names, a tenth of the cost of reading
-    attributes). A group that no compute follows gets a step of its own, `kind` None."""
+    in this field order, which the walk unpacks. A group that no compute follows gets a step
+    of its own, `kind` None."""
 
     group: tuple | None
     """The `PlannedGroup` (a plain tuple) issued before the compute, or None."""
@@ -282,7 +282,7 @@ def plan_group(group: MessageGroup, place: StagePlace, said: str = "") -> Planne
         encode_action(doing),
         tuple(message.slot for message in planned if message.code == SEND_ACT),
         tuple(message.key for message in planned if message.code != RECV),
-        received=tuple((m.key, None, m.peer, m.carries, m.label) for m in planned)
+        issue=tuple((m.key, None, m.peer, m.carries, m.label) for m in planned)
         if receives_only
         else None,
     )
@@ -329,7 +329,7 @@ def walk_of(steps: tuple, at: tuple, syncs_at: frozenset, report_at: frozenset) 
         if isinstance(step, PlannedGroup):
             if group is not None:  # a group that no compute follows
                 walk.append(tuple(WalkStep(group, *(None,) * 8)))
-            group = tuple(step._replace(stamp=stamp))
+            group = tuple(step._replace(sent_at=stamp))
             continue
         walk.append(
             tuple(
