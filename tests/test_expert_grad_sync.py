@@ -41,7 +41,7 @@ from megapar.expert_parallel import is_expert, local_experts, mark_expert
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.optim.clip import clip_grad_norm
-from megapar.optim.zero import build_optimizer
+from megapar.optim import build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
 
 EP, M, STEPS, T = 2, 2, 3, 6
