@@ -212,15 +212,23 @@ def test_cp_alone_and_with_data_parallel_zero1():
 
 
 def test_bf16_at_cp2_follows_bf16_at_cp1():
-    """bf16 autocast composes: cp 2 x tp 2 lands within bf16's rounding of cp 1 (the parity
-    tolerance is fp32's; here the bound is a few bf16 ulps of the loss)."""
+    """bf16 autocast composes: cp 2 x tp 2's loss lands within bf16's rounding of cp 1's, and
+    its gradients are as close to cp 1's in bf16 as those are to fp32's (bf16's own rounding:
+    the bound is twice that distance, each model's worst parameter; a cp attention that drops
+    K/V blocks is 200 times it, where the loss at initialisation moves by 1e-4 only)."""
     runs = [(kind, 2, 2, 1, 1, dict(precision="bf16")) for kind in ("gpt2", "llama")]
     outs = run_local(_worker, 4, runs)
     for i, run in enumerate(runs):
-        ref = reference(run[0], "bf16")
+        ref, fp32 = reference(run[0], "bf16"), reference(run[0], "fp32")
+        rounding = max(rel_err(ref["grads"][n], fp32["grads"][n]) for n in ref["grads"])
         for out in (o[i] for o in outs):
-            assert abs(out["loss"] - ref["loss"]) / ref["loss"] < 1e-2, (run, out["loss"],
+            assert abs(out["loss"] - ref["loss"]) / ref["loss"] < 1e-3, (run, out["loss"],
                                                                         ref["loss"])
+            for name, grad in out["grads"].items():
+                tied = name == "head.weight" and run[0] != "llama"
+                err = rel_err(grad, ref["grads"]["embed.word.weight" if tied else name])
+                assert err < 2 * rounding, (run, name, err, rounding)
+        assert any(out["grads"] for out in (o[i] for o in outs)), run
 
 
 def _dropout_worker(comm="auto"):
