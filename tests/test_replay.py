@@ -3,10 +3,10 @@ tp / cp / sequence-parallel slices than the run's), compared value by value with
 record (megapar-train, real text)."""
 
 import json
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
-from conftest import shared_data
 
 from megapar.cli.train import main
 
@@ -14,7 +14,7 @@ from megapar.cli.train import main
 @pytest.fixture(scope="module")
 def common(tmp_path_factory):
     d = tmp_path_factory.mktemp("replay")
-    text = Path(shared_data("corpus", "shakespeare", "hamlet_gut.txt"))
+    text = files("megapar") / "assets" / "shakespeare_sample.txt"  # runs from a clone alone
     model = d / "m.json"
     model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4,
                                  "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
