@@ -565,8 +565,8 @@ RNG_NOT_RESTORED = "RNG states not restored"
 
 
 def missing_rng_note(meta: dict) -> str:
-    """One sentence on why a checkpoint loaded in its own layout has no RNG states (built from
-    meta's keys, not from the free-text rng_note, whose wording older versions garbled)."""
+    """One sentence on why a checkpoint has no RNG states to restore, in any layout (built from
+    meta's keys, not from its free-text rng_note)."""
     if meta.get("converted_from"):
         return (
             f"{RNG_NOT_RESTORED}: megapar-convert dropped them (they belong to the "

@@ -440,13 +440,13 @@ def step_state(inner: torch.optim.Optimizer, steps: int, p: torch.Tensor) -> tor
     device for the fused kernel, on the CPU otherwise."""
     fused = bool(inner.defaults.get("fused"))
     # torch.full, not torch.tensor: the same 0-d tensor, made without a host value to copy in
-    # (under the dry run's FakeTensorMode, torch.tensor converts a real tensor: 4x the cost)
+    # (under the dry run's FakeTensorMode, torch.tensor converts a real tensor)
     return torch.full((), float(steps), dtype=torch.float32, device=p.device if fused else "cpu")
 
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Devices where megapar runs torch's fused AdamW kernel (one pass over parameter, gradient and
-both moments; 3.3x faster than the per-tensor loop on a CPU core, Megatron's fused Adam on GPU)."""
+both moments, as Megatron's fused Adam on GPU; faster than the per-tensor loop on either)."""
 
 
 def _inner(

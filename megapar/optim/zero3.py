@@ -1,4 +1,4 @@
-"""ZeRO-3's optimizer: AdamW (or LAMB / LARS / SGD) stepping only this rank's parameter shards.
+"""ZeRO-3's optimizer: AdamW (or LAMB, LARS, SGD, Muon) stepping only this rank's shards.
 
 The parameters are sharded by `ShardedParams` (`megapar.data_parallel.sharded_params`): per
 unit, rank r of the dp (x cp) group holds slice r of the unit's flat fp32 parameters and of its

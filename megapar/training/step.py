@@ -28,7 +28,7 @@ With a sharded grad sync (`build_grad_sync`: ZeRO-1 / ZeRO-2 with the distribute
 `optim/zero.py`, dp x cp > 1) the gradient buffer is reduce-scattered, not all-reduced (ZeRO-2:
 every micro-batch, into this rank's shard; gradients partial over tp are then summed on the
 shard): step 3 runs inside `grad_sync.finish()` before the buffer slice holding the embedding
-is reduced (`attach` below), and steps 4-6 read only this rank's slices (the norm is
+is reduced (`_attach` below), and steps 4-6 read only this rank's slices (the norm is
 all-reduced over dp as well); the optimizer all-gathers the weights.
 ZeRO-3 (`optim/zero3.py`, `grad_sync` a `ShardedParams`) is the same with units instead of
 buckets, except that nothing is gathered after the step (each unit is gathered at its next use)
