@@ -27,6 +27,7 @@ from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
     VocabParallelEmbedding,
     initialize,
+    normal_init,
     parallel_lm_logits,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
@@ -131,17 +132,9 @@ class Bert(StageModel):
         self._end()
 
     def init_weights(self, seed: int) -> None:
-        """Layout-independent init, as transformers initialises BertForMaskedLM."""
-        std = self.config.initializer_range
-
-        def init(name, shape, gen):
-            if name.endswith("bias"):
-                return torch.zeros(shape)
-            if "norm" in name:
-                return torch.ones(shape)
-            return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-        initialize(self, seed, init, self.mesh.tp_rank)
+        """Layout-independent init, as transformers initialises BertForMaskedLM: biases zero, norm
+        weights one, the rest N(0, initializer_range)."""
+        initialize(self, seed, normal_init(self.config.initializer_range), self.mesh.tp_rank)
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:

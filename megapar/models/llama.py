@@ -40,6 +40,7 @@ from megapar.tensor_parallel import (
     copy_to_tp_region,
     divide,
     initialize,
+    normal_init,
 )
 from megapar.tensor_parallel.layers import regathers
 from megapar.tensor_parallel.mappings import to_wire_dtype
@@ -574,17 +575,9 @@ class Llama(StageModel):
         return self.word_embeddings if self.tied else self.head.weight  # type: ignore[return-value]
 
     def init_weights(self, seed: int) -> None:
-        """Layout-independent init, as transformers initialises LlamaForCausalLM."""
-        std = self.config.initializer_range
-
-        def init(name, shape, gen):
-            if "norm" in name:
-                return torch.ones(shape)
-            if name.endswith("bias"):  # Qwen2's q / k / v
-                return torch.zeros(shape)
-            return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-        initialize(self, seed, init, self.mesh.tp_rank)
+        """Layout-independent init, as transformers initialises LlamaForCausalLM: biases zero, norm
+        weights one, the rest N(0, initializer_range)."""
+        initialize(self, seed, normal_init(self.config.initializer_range), self.mesh.tp_rank)
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
