@@ -108,9 +108,9 @@ def grad_norm(model: nn.Module, mesh: Mesh) -> float:
     ep_group = getattr(mesh, "ep_group", None)
     params = [p for p in model.parameters() if p.grad is not None and is_counted(p, mesh)]
     apart = ep_group is not None
-    total = _squares([p.grad for p in params if not (apart and is_expert(p))], mesh.device)
+    total = squares_of([p.grad for p in params if not (apart and is_expert(p))], mesh.device)
     if apart:
-        experts = _squares([p.grad for p in params if is_expert(p)], mesh.device)
+        experts = squares_of([p.grad for p in params if is_expert(p)], mesh.device)
         all_reduce(experts, ep_group)
         total = total + experts
     all_reduce(total, mesh.mp_group)
@@ -124,8 +124,8 @@ def norm_of(total: torch.Tensor) -> float:
     return total.sqrt().float().item()
 
 
-def _squares(tensors: list, device) -> torch.Tensor:
-    """`sum_of_squares` of these gradients, or a zero when there is none."""
+def squares_of(tensors: list, device) -> torch.Tensor:
+    """`sum_of_squares` of these gradients, or an fp64 zero on `device` when there is none."""
     if tensors:
         return sum_of_squares([t.detach() for t in tensors])
     return torch.zeros((), dtype=torch.float64, device=device)
@@ -139,8 +139,15 @@ def clip_grad_norm(model: nn.Module, mesh: Mesh, max_norm: float) -> float:
     torch's CPU norm of a long tensor is not). max_norm <= 0 only reports.
     """
     total = grad_norm(model, mesh)
-    if max_norm > 0 and math.isfinite(total):
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coef)
+    scale_to(max_norm, total, [p.grad for p in model.parameters() if p.grad is not None])
     return total
+
+
+def scale_to(max_norm: float, norm: float, grads: list[torch.Tensor]) -> None:
+    """torch's `clip_grad_norm_` rule on gradients whose global norm is `norm`: each multiplied
+    by max_norm / (norm + 1e-6) where that is below one; none where max_norm <= 0 (report
+    only) or the norm is not finite (the step is skipped or stopped elsewhere)."""
+    if max_norm > 0 and math.isfinite(norm) and grads:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)

@@ -44,12 +44,12 @@ def full_norms(
     if not pairs:
         return []
     sq = squares_each([x for pair in pairs for x in pair]).view(-1, 2)
-    sq = _sum_where(sq, [getattr(p, "tp_dim", None) is not None for p in params], tp_group)
-    sq = _sum_where(sq, [is_expert(p) for p in params], ep_group)
+    sq = sum_where(sq, [getattr(p, "tp_dim", None) is not None for p in params], tp_group)
+    sq = sum_where(sq, [is_expert(p) for p in params], ep_group)
     return [(float(a), float(b)) for a, b in sq.sqrt().float().tolist()]
 
 
-def _sum_where(sq: torch.Tensor, rows: list[bool], group) -> torch.Tensor:
+def sum_where(sq: torch.Tensor, rows: list[bool], group) -> torch.Tensor:
     """`sq` with the marked rows summed over `group` (all-reduced when one is marked and the
     group has more than one rank; the marks are the same on every rank of the group)."""
     if group_size(group) == 1 or not any(rows):

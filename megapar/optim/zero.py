@@ -65,7 +65,6 @@ of the full per-parameter tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, overload
@@ -78,7 +77,13 @@ from megapar.comm_count import issued_for
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
-from megapar.optim.clip import is_counted, norm_of, squares_each, sum_of_squares
+from megapar.optim.clip import (
+    is_counted,
+    norm_of,
+    scale_to,
+    squares_each,
+    squares_of,
+)
 from megapar.optim.muon import (
     muon_ratio,
     ns_cost,
@@ -88,6 +93,7 @@ from megapar.optim.muon import (
     whole_updates,
 )
 from megapar.optim.optimizer import AdamWOptimizer, step_state
+from megapar.optim.trust_ratio import sum_where
 
 
 class ZeroOptimizer(AdamWOptimizer):
@@ -377,16 +383,11 @@ class ZeroOptimizer(AdamWOptimizer):
         counted = [
             _grad(t) for t, (p, _, _) in zip(self.pieces, self._piece_of) if is_counted(p, mesh)
         ]
-        total = torch.zeros((), dtype=torch.float64, device=mesh.device)
-        if counted:
-            total = sum_of_squares(counted)
+        total = squares_of(counted, mesh.device)
         all_reduce(total, mesh.mp_group)
         all_reduce(total, self.group)
         norm = norm_of(total)
-        if max_norm > 0 and math.isfinite(norm) and self.pieces:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_([_grad(t) for t in self.pieces], coef)
+        scale_to(max_norm, norm, [_grad(t) for t in self.pieces])
         return norm
 
     def _full_norms(
@@ -405,13 +406,8 @@ class ZeroOptimizer(AdamWOptimizer):
             for k, i in enumerate(rows):  # in order (a parameter's slices are few)
                 sq[i] += each[k]
         dist.all_reduce(sq, group=self.group)
-        if group_size(self.tp_group) > 1:
-            sharded = torch.tensor(
-                [getattr(p, "tp_dim", None) is not None for p in self.params], device=device
-            ).unsqueeze(1)
-            summed = torch.where(sharded, sq, torch.zeros_like(sq))
-            dist.all_reduce(summed, group=self.tp_group)
-            sq = torch.where(sharded, summed, sq)
+        sharded = [getattr(p, "tp_dim", None) is not None for p in self.params]
+        sq = sum_where(sq, sharded, self.tp_group)
         norms = sq.sqrt().float().tolist()
         return [(norms[i][0], norms[i][1]) for i in rows]
 
