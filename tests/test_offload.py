@@ -148,6 +148,21 @@ _STEPS = ("the host-held parameter shards are the weights the optimizer steps, s
      f"--offload-params",
      f"offload_params=True needs zero=3 ({_HOST.format(zero='zero=0')}): add zero=3, or drop "
      f"offload_params=True"),
+    # an optimizer the host does not step: the fix is not to add --offload-optimizer
+    ({"offload_params": True, "zero": 2, "optimizer": "lars"},
+     f"--offload-params needs --zero 3 ({_HOST.format(zero='--zero 2')}): drop --offload-params "
+     f"(--optimizer lars does not step on the host), or use --optimizer adamw with --zero 3 and "
+     f"--offload-optimizer",
+     f"offload_params=True needs zero=3 ({_HOST.format(zero='zero=2')}): drop offload_params=True "
+     f"(optimizer='lars' does not step on the host), or use optimizer='adamw' with zero=3 and "
+     f"offload_optimizer=True"),
+    ({"offload_params": True, "offload_optimizer": True, "optimizer": "muon"},
+     f"--offload-params needs --zero 3 ({_HOST.format(zero='--zero 0')}): drop --offload-params "
+     f"and --offload-optimizer (--optimizer muon does not step on the host), or use --optimizer "
+     f"adamw with --zero 3",
+     f"offload_params=True needs zero=3 ({_HOST.format(zero='zero=0')}): drop offload_params=True "
+     f"and offload_optimizer=True (optimizer='muon' does not step on the host), or use "
+     f"optimizer='adamw' with zero=3"),
     ({"offload_params": True, "zero": 3},
      f"--offload-params needs --offload-optimizer ({_STEPS}): add --offload-optimizer",
      f"offload_params=True needs offload_optimizer=True ({_STEPS}): add offload_optimizer=True"),

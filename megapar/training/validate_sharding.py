@@ -77,11 +77,17 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
         )
     params, optimizer = term("offload_params", True), term("offload_optimizer", True)
     if cfg.offload_params and cfg.zero != 3:
-        fix = (
-            f"add {zero3}, or drop {params}"
-            if cfg.offload_optimizer
-            else f"add {zero3} and {optimizer}, or use {optimizer} alone"
-        )
+        both = f"{zero3}" if cfg.offload_optimizer else f"{zero3} and {optimizer}"
+        if cfg.optimizer in NOT_OFFLOADED:  # the offloaded optimizer would be refused next
+            dropped = f"{params} and {optimizer}" if cfg.offload_optimizer else params
+            fix = (
+                f"drop {dropped} ({term('optimizer', cfg.optimizer)} does not step on the "
+                f"host), or use {term('optimizer', 'adamw')} with {both}"
+            )
+        elif cfg.offload_optimizer:
+            fix = f"add {zero3}, or drop {params}"
+        else:
+            fix = f"add {both}, or use {optimizer} alone"
         raise UsageError(
             f"{where}{params} needs {zero3} (it keeps the parameter shards in host memory; "
             f"{term('zero', cfg.zero)} keeps whole parameters on the device): {fix}"
