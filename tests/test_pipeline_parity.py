@@ -17,7 +17,8 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
-from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
+from megapar.pipeline.tied import sync_tied_embeddings
+from megapar.tensor_parallel.partition import shared_embedding_params
 from megapar.tensor_parallel.partition import gather_full
 
 SEED, MB, SEQ, HIDDEN = 1234, 2, 8, 32

@@ -33,7 +33,8 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import LlamaConfig
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
-from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
+from megapar.pipeline.tied import sync_tied_embeddings
+from megapar.tensor_parallel.partition import shared_embedding_params
 
 MS = (1, 3, 4, 8)
 RUNS = ("zb-v", "dualpipev")

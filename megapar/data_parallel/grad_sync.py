@@ -40,6 +40,7 @@ from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.data_parallel.zero3_half import half_weights
 from megapar.data_parallel.zero_buckets import Zero1Buckets, Zero2Buckets
 from megapar.expert_parallel import is_expert
+from megapar.tensor_parallel.partition import shared_embedding_params
 
 
 class GradSync(Protocol):
@@ -127,12 +128,8 @@ def build_grad_sync(
         if hasattr(compressor, "name_params"):  # PowerSGD: Q seeded by canonical name
             compressor.name_params(model.named_parameters())
     params = list(model.parameters())
-    # the tied embedding (marked by pipeline/tied.py), summed over stages before its reduction
-    last = (
-        [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
-        if mesh.pp > 1
-        else []
-    )
+    # the tied embedding (`shared_embedding`), summed over stages before its reduction
+    last = shared_embedding_params(model) if mesh.pp > 1 else []
     if zero == 0 or mesh.dp * mesh.cp == 1:
         return GradBuckets(
             params,

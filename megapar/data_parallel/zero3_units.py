@@ -52,6 +52,7 @@ from megapar.data_parallel.zero3_float8 import Float8Shard
 from megapar.data_parallel.zero3_half import HalfShard
 from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
+from megapar.tensor_parallel.partition import is_shared_embedding
 
 
 def in_backward() -> bool:
@@ -527,7 +528,7 @@ def chunk_roots(
         # a tail (a head, even one whose parameters all persist): tied weights are read there,
         # in its backward too, after the embedding unit is freed
         if any(id(p) not in own for p in every):
-            own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
+            own -= {id(p) for p in root if is_shared_embedding(p)}
     pre = [p for p in root if id(p) in own]
     post = [p for p in root if id(p) not in own]
     tail = make.unit(f"chunk {ci} root", chunk, post)

@@ -23,11 +23,7 @@ from torch import nn
 
 from megapar.device import wait
 from megapar.mesh import Mesh
-
-
-def shared_embedding_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters marked ``shared_embedding=True`` (the word embedding or its tied copy)."""
-    return [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+from megapar.tensor_parallel.partition import shared_embedding_params
 
 
 def sync_tied_embeddings(model: nn.Module, mesh: Mesh) -> int:

@@ -37,7 +37,7 @@ from megapar.pipeline.partition import (
 )
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megapar.tensor_parallel.partition import full_shape
+from megapar.tensor_parallel.partition import full_shape, is_shared_embedding
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
         TensorSpec(
             p.numel(),
             p.dtype,
-            bool(getattr(p, "shared_embedding", False)),
+            is_shared_embedding(p),
             getattr(p, "tied_to", None) is not None,
             bool(getattr(p, "expert", False)),
             linears.get(id(p)),

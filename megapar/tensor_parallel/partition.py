@@ -9,6 +9,9 @@ Every parameter of a megapar model carries two attributes, set by the layer that
   equal parts laid end to end (a routed expert's fused gate and up rows), each split by the rule
   below; a shard is its slice of every part, in part order, so a rank holds the gate and up
   rows of the same intermediate units (`shard_of`, `gather_full`).
+- ``param.shared_embedding`` (only where True): the word embedding, or the last pipeline
+  stage's tied copy of it, whose gradients are summed over the two stages (`pipeline/tied.py`;
+  `shared_embedding_params`).
 
 Shards are contiguous: tp rank r holds rows [r*s, (r+1)*s) of dim ``tp_dim`` of the full tensor
 padded along that dim to ``s * tp`` (s = the local size). Rows at or beyond ``full_shape[tp_dim]``
@@ -132,6 +135,16 @@ def unfuse_heads(fused: torch.Tensor, heads: int) -> list[torch.Tensor]:
     rows, rest = fused.shape[0] // 3, fused.shape[1:]
     split = fused.reshape(heads, 3, rows // heads, *rest).transpose(0, 1)
     return [t.reshape(rows, *rest) for t in split]
+
+
+def is_shared_embedding(param: torch.Tensor) -> bool:
+    """Whether `param` is the word embedding or its tied copy (``shared_embedding``)."""
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def shared_embedding_params(module) -> list:
+    """`module`'s parameters for which `is_shared_embedding` holds, in its order."""
+    return [p for p in module.parameters() if is_shared_embedding(p)]
 
 
 def mark_replicated(module) -> None:

@@ -50,12 +50,10 @@ from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.optim.clip import clip_grad_norm
-from megapar.pipeline.tied import (
-    shared_embedding_params,
-    sync_tied_embeddings,
-)
+from megapar.pipeline.tied import sync_tied_embeddings
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import weight_cast_cache
+from megapar.tensor_parallel.partition import shared_embedding_params
 from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
 
