@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
-from megapar.pipeline import executor as split_backward
+from megapar.pipeline import backward as split_backward
 from megapar.pipeline.schedules import SCHEDULES as SCHEDULE_NAMES
 from megapar.pipeline.schedules import (
     check_schedule,

@@ -53,9 +53,6 @@ from megapar.pipeline import messages
 from megapar.pipeline.backward import (
     PendingWeightGrad,
     StageBackward,
-    backward,
-    backward_input,
-    backward_weight,
     stand_in_for,
 )
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
@@ -79,7 +76,7 @@ from megapar.pipeline.step_plan import (
 from megapar.pipeline.trace import StepClock, StepTrace
 from megapar.tensor_parallel.weight_grad import store_of
 
-__all__ = ["PipelineExecutor", "PendingWeightGrad", "backward", "backward_input", "backward_weight"]
+__all__ = ["PipelineExecutor"]
 
 
 class _SetAction:

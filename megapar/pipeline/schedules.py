@@ -42,15 +42,11 @@ from functools import lru_cache
 # from here stay importable from here (the `X as X` form marks a re-export).
 from megapar.pipeline.actions import ACTION_KINDS as ACTION_KINDS
 from megapar.pipeline.actions import MESSAGE_KINDS as MESSAGE_KINDS
-from megapar.pipeline.actions import RECEIVE_KINDS as RECEIVE_KINDS
-from megapar.pipeline.actions import SEND_KINDS as SEND_KINDS
 from megapar.pipeline.actions import Action as Action
 from megapar.pipeline.actions import MessageGroup as MessageGroup
-from megapar.pipeline.actions import Step as Step
 from megapar.pipeline.actions import action
 from megapar.pipeline.actions import format_schedule as format_schedule
 from megapar.pipeline.placement import CHUNKED_SCHEDULES as CHUNKED_SCHEDULES
-from megapar.pipeline.placement import PLACEMENTS as PLACEMENTS
 from megapar.pipeline.placement import chunks_per_rank as chunks_per_rank
 from megapar.pipeline.placement import peer_of as peer_of
 from megapar.pipeline.placement import placement_of as placement_of
