@@ -1220,6 +1220,56 @@ def test_a_batch_that_differs_between_ranks_at_a_later_step_is_refused(run):
         assert step == 2  # the refused batches did not train
 
 
+def _different_calls(path):
+    import time
+
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=60)
+    good = _batches(2)
+    engine.train_step(good[0])
+    out = []
+    for other in ("save", "eval_step"):  # rank 1's call; rank 0 trains
+        began = time.monotonic()
+        try:
+            if dist.get_rank() == 0:
+                engine.train_step(good[1])
+            elif other == "save":
+                engine.save(path)
+            else:
+                engine.eval_step(good[1])
+            out.append(("accepted", 0.0))
+        except RuntimeError as exc:
+            out.append((str(exc), time.monotonic() - began))
+    out.append((refusal(engine, good[1]), 0.0))  # then the same call everywhere: it trains
+    return out, engine.step
+
+
+def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path):
+    """A save (or an eval_step) on one rank while the other trains: each rank raises at once,
+    naming both calls, where the two calls' collectives paired up and the others waited out the
+    timeout with gloo's "Timed out waiting for recv" (the user's tryout's finding); nothing is
+    trained or written, and the engine goes on."""
+    again = ("every rank must make the same megapar calls in the same order (train_step, "
+             "eval_step, save, load, export_hf, params_whole: each is collective)")
+    ranks = run(_different_calls, 2, str(tmp_path / "ck"))
+    for rank, (out, step) in enumerate(ranks):
+        (saved, t1), (evaluated, t2), (last, _) = out
+        if rank == 0:
+            assert saved == ("train_step: rank 0 is in train_step at step 1 while another rank "
+                             f"is in engine.save; {again}"), saved
+            assert evaluated == ("train_step: rank 0 is in train_step at step 1 while another "
+                                 f"rank is in eval_step; {again}"), evaluated
+        else:
+            assert saved == ("engine.save: rank 1 is in engine.save at step 1 while another "
+                             f"rank is in train_step; {again}"), saved
+            assert evaluated == ("eval_step: rank 1 is in eval_step at step 1 while another "
+                                 f"rank is in train_step; {again}"), evaluated
+        assert max(t1, t2) < 30, (t1, t2)  # at once, not after the 60 s timeout
+        assert last == "accepted" and step == 2, (last, step)
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
 def _fails_on_rank_1(where):
     import torch.distributed as dist
 

@@ -67,9 +67,9 @@ def test_the_engine_checks_a_batch_against_cp_and_sequence_parallelism(seq, cp, 
     def compare(*args):
         raise Compared
 
-    monkeypatch.setattr(engine_module, "same_on_every_rank", compare)
+    monkeypatch.setattr(engine_module, "same_call_on_every_rank", compare)
     mesh = SimpleNamespace(cp=cp, tp=tp, sequence_parallel=sp, device="cpu")
-    engine = SimpleNamespace(mesh=mesh, loss_fn=None, config=SimpleNamespace(
+    engine = SimpleNamespace(mesh=mesh, loss_fn=None, step=0, config=SimpleNamespace(
         model_type="llama", max_positions=64, vocab_size=100))
     ids = torch.zeros(2, seq, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}  # eval_step needs labels as train_step does

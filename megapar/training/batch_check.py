@@ -7,12 +7,14 @@ batch is checked in the user's process, with one clear error naming the fix:
 
 - `check_batch`: tensors of integer ids of one [G, seq] shape, keys the model reads, ids and
   labels inside the vocabulary (labels may be -100), seq within the model's positions;
-- `same_on_every_rank`: at every step, a fingerprint of the batch (its keys, shapes and values)
-  all-reduced over the world (one collective of two int64s, read once: one host wait per step,
-  none per micro-batch), since train_step takes the *same* global batch on every rank (draw it
-  from a seeded `torch.Generator`: unseeded processes, torchrun's, draw different batches).
-  Checked before the step runs, so a batch of another shape on one rank is refused instead of
-  hanging the pipeline, and nothing of a refused batch is trained.
+- `same_call_on_every_rank`: at every step, a fingerprint of the batch (its keys, shapes and
+  values) all-reduced over the world with the call and the step (one collective of six int64s,
+  read once: one host wait per step, none per micro-batch), since train_step takes the *same*
+  global batch on every rank (draw it from a seeded `torch.Generator`: unseeded processes,
+  torchrun's, draw different batches). Checked before the step runs, so a batch of another
+  shape on one rank is refused instead of hanging the pipeline, and nothing of a refused batch
+  is trained; the engine's other collective calls begin with it too (without a batch), so
+  ranks that make different calls all stop with one line.
 """
 
 from __future__ import annotations
@@ -218,20 +220,52 @@ def fingerprint(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def same_on_every_rank(
-    batch: dict[str, torch.Tensor], device: torch.device, what: str = "train_step"
+API_CALLS = (
+    "train_step",
+    "eval_step",
+    "engine.save",
+    "engine.load",
+    "engine.export_hf",
+    "engine.params_whole",
+)
+"""The engine's calls that communicate: each begins with `same_call_on_every_rank`, so ranks
+that make different ones meet in that one collective and all raise, instead of pairing one
+call's collectives with another's and waiting out the timeout."""
+
+
+def same_call_on_every_rank(
+    what: str, step: int, device: torch.device, batch: dict[str, torch.Tensor] | None = None
 ) -> None:
-    """Raise on every rank (no hang) unless all ranks hold the same batch: one all-reduce (MAX)
-    of [h, -h] over the world, read once (max == min)."""
+    """Raise on every rank (no hang) unless all ranks make the same call (`what`, one of
+    `API_CALLS`) at the same step, with the same batch where it takes one: one all-reduce
+    (MAX) of [c, -c, s, -s, h, -h] over the world (call, step, the batch's `fingerprint`), read
+    once (each max == -its min)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    h = fingerprint(batch)
-    both = torch.stack([h, -h]).to(device)
+    h = fingerprint(batch).to(device) if batch is not None else torch.zeros((), dtype=torch.int64)
+    c = API_CALLS.index(what)
+    signs = torch.tensor([c, -c, step, -step], dtype=torch.int64)
+    both = torch.cat([signs.to(device), torch.stack([h, -h]).to(device)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    high, neg_low = both.tolist()
+    c_high, c_low, s_high, s_low, high, neg_low = (int(x) for x in both.tolist())
+    rank = dist.get_rank()
+    if c_high != -c_low:
+        others = sorted({API_CALLS[c_high], API_CALLS[-c_low]} - {what})
+        raise RuntimeError(
+            f"{what}: rank {rank} is in {what} at step {step} while another rank is in "
+            f"{' or '.join(others)}; every rank must make the same megapar calls in the same "
+            f"order (train_step, eval_step, save, load, export_hf, params_whole: each is "
+            f"collective)"
+        )
+    if s_high != -s_low:
+        raise RuntimeError(
+            f"{what}: rank {rank} is at step {step} while the ranks' steps run from {-s_low} to "
+            f"{s_high}; every rank must make the same megapar calls in the same order (one "
+            f"skipped a train_step, or loaded another checkpoint)"
+        )
     if high != -neg_low:
         raise ValueError(
-            f"{what}: rank {dist.get_rank()} got another global batch than other ranks; every "
+            f"{what}: rank {rank} got another global batch than other ranks; every "
             f"rank must pass the same global batch (each takes its own share). Draw it from a "
             f"torch.Generator with a fixed seed (or seed torch's global RNG the same on every "
             f"rank: unseeded processes, torchrun's, differ)"

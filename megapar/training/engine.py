@@ -57,7 +57,7 @@ from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.batch_check import (
     UNSHIFTED_WARNING,
     check_batch,
-    same_on_every_rank,
+    same_call_on_every_rank,
     unshifted_labels,
 )
 from megapar.training.config import TrainConfig
@@ -391,7 +391,8 @@ class Engine:
         token_type_ids, attention_mask). Each dp rank takes its contiguous G / dp rows and cuts
         them into micro-batches of `micro_batch_size`; G must be a multiple of
         micro_batch_size x dp. The batch is checked first (ids inside the vocabulary, keys the
-        model reads; at every call, the same batch on every rank: one all-reduce of two int64s):
+        model reads; at every call, the same call, step and batch on every rank: one all-reduce of
+        six int64s):
         a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
         (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
         spread -100 labels it differs from one token mean over the whole batch (and depends on the
@@ -418,9 +419,9 @@ class Engine:
                 "megapar.prepare(lr_schedule=...) sets the learning rate at every step, "
                 "overriding it; use one of them: drop lr_schedule= or the torch scheduler"
             )
+        batch = eod_masked(self.cfg, self._checked(batch, "train_step"))
         if self.saver is not None:  # a background save's outcome, agreed by every rank
             self.saver.poll()
-        batch = eod_masked(self.cfg, self._checked(batch, "train_step"))
         result = self.run_step(self.split(batch), self._labelled(batch))
         if self.on_nonfinite == "raise":
             self._guard.observe(
@@ -450,7 +451,7 @@ class Engine:
         batch = check_batch(batch, self.config, what, extra=self.loss_fn is not None)
         mesh = self.mesh
         check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
-        same_on_every_rank(batch, self.mesh.device, what)
+        same_call_on_every_rank(what, self.step, self.mesh.device, batch)
         rows = batch["input_ids"].shape[0]
         if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
             raise ValueError(
@@ -513,6 +514,7 @@ class Engine:
         waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
         _check_path("engine.save", path)
         self.in_its_group("engine.save")
+        same_call_on_every_rank("engine.save", self.step, self.mesh.device)
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(
                 f"engine.save(extra=...) takes a dict of JSON-able values (e.g. "
@@ -558,6 +560,7 @@ class Engine:
         ZeRO-1 / 2 the 16-bit gathered weights made exact first (`exact_params`); otherwise
         nothing."""
         self.in_its_group("engine.params_whole")
+        same_call_on_every_rank("engine.params_whole", self.step, self.mesh.device)
         if self.sharded_params is None:
             self.exact_params()
             return contextlib.nullcontext()
@@ -643,6 +646,7 @@ class Engine:
                 f"{', '.join(map(repr, VERIFY_MODES))}; leave it out to hash every file read"
             )
         self.in_its_group("engine.load")
+        same_call_on_every_rank("engine.load", self.step, self.mesh.device)
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_everywhere(
                 str(path),
@@ -679,6 +683,7 @@ class Engine:
         leaves anything else there alone. Collective; rank 0 writes (`training.export`)."""
         _check_path("engine.export_hf", path)
         self.in_its_group("engine.export_hf")
+        same_call_on_every_rank("engine.export_hf", self.step, self.mesh.device)
         if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it
             dtype = str(dtype).removeprefix("torch.")
         if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
