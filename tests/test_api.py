@@ -1415,6 +1415,12 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
     ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
     ("enable_fsdp_float8_all_gather", "megapar's zero=3 gathers the fp8='tensorwise' linears'"),
+    # torchtitan's job config keys without their section: "did you mean
+    # expert_tensor_parallel_size?", or nothing
+    ("tensor_parallel_degree", "tensor_parallel_degree: did you mean tp?"),
+    ("pipeline_parallel_degree", "pipeline_parallel_degree: did you mean pp?"),
+    ("data_parallel_shard_degree", "data_parallel_shard_degree: did you mean zero=3"),
+    ("local_batch_size", "local_batch_size: did you mean micro_batch_size?"),
 ])
 def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     """DeepSpeed's config keys as keywords get megapar-train's answer to the flag of that name,

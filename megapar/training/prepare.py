@@ -182,7 +182,8 @@ def _keyword_terms(text: str, fields: list[str]) -> str:
 def _unknown_hint(name: str, fields: list[str]) -> str:
     """What to pass instead of the unknown keyword `name`: megapar-train's answer to another
     tool's flag of that name (DeepSpeed's, Megatron-LM's, Hugging Face Trainer's: ``fp16``,
-    ``gradient_clipping``, ``train_batch_size``), in keyword terms, else the closest field."""
+    ``gradient_clipping``, ``train_batch_size``; torchtitan's job config keys without their
+    section: ``tensor_parallel_degree``), in keyword terms, else the closest field."""
     if name == "config":
         return (
             "config: megapar.prepare reads no config file (a DeepSpeed config neither): pass "
@@ -190,6 +191,9 @@ def _unknown_hint(name: str, fields: list[str]) -> str:
             "global_batch_size, clip_grad, ...)"
         )
     other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
+    if not other:  # a torchtitan job config's key without its section (tensor_parallel_degree)
+        sections = {v for k, v in OTHER_TOOLS_FLAGS.items() if k.rpartition(".")[2] == name}
+        other = sections.pop() if len(sections) == 1 else None
     if other:
         said = _keyword_terms(other, fields)
         return f"{name}: did you mean {said}?" if other.startswith("--") else f"{name}: {said}"
