@@ -42,7 +42,14 @@ import torch.distributed as dist
 from megapar import device as _device
 from megapar.faults import progress, stop
 from megapar.faults import status as diagnostics
-from megapar.faults.blame import begin_marks, blame, forget_stale_marks, state
+from megapar.faults.blame import (
+    begin_marks,
+    blame,
+    consequential,
+    forget_stale_marks,
+    state,
+    stopped_siblings,
+)
 from megapar.faults.processes import (  # noqa: F401
     die_with_parent,
     finish_before_exit,
@@ -536,6 +543,9 @@ def run_workers(
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)
+        except Exception as exc:
+            _name_the_cause(exc)
+            raise
         finally:
             progress.stop()
         finish_before_exit()  # a background write in flight, before its group goes
@@ -556,6 +566,24 @@ def run_workers(
         nccl_timeout_s=nccl_timeout_s,
         optimizers=optimizers,
     )
+
+
+def _name_the_cause(exc: Exception) -> None:
+    """Under torchrun / srun, where no launcher of ours sees every rank, what `fn` raised on
+    this rank: an error of its own is recorded in the job's store, for the ranks that lose it
+    (`progress.mark_failed`); a lost peer or a timed-out wait gets a note naming the rank it
+    follows from (a stopped rank of this node, else the store's records: `rank 1 failed at
+    step 2, ...: KeyError: 'x'`), as megapar-train's error begins with it."""
+    error = f"{type(exc).__name__}: {exc}".split("\n", 1)[0][:300]
+    if not consequential(error):
+        progress.mark_failed(error)
+        return
+    stopped = stopped_siblings()
+    if stopped:
+        progress.mark_failed()
+    cause = stopped or progress.holding_up()
+    if cause:
+        exc.add_note(f"{cause}; rank {dist.get_rank()} gave up waiting")
 
 
 def _in_notebook() -> bool:

@@ -1270,6 +1270,43 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
 
+def _raises_in_the_loop():
+    import torch.distributed as dist
+
+    # a recipe: a transformers model imports transformers in each rank (15 s on 2 cores)
+    engine = megapar.prepare("gpt2-tiny", pp=2, micro_batch_size=2, lr=3e-3, timeout_s=20)
+    for step, batch in enumerate(_batches(3)):
+        if step == 1 and dist.get_rank() == 1:
+            raise KeyError("oops")
+        engine.train_step(batch)
+
+
+def _launched_under_torchrun():
+    import traceback
+
+    try:
+        megapar.launch(_raises_in_the_loop, 2)
+    except Exception as exc:
+        print("".join(traceback.format_exception_only(exc)), flush=True)
+        return 1
+    return 0
+
+
+def test_under_torchrun_a_rank_that_raises_in_the_loop_is_named_by_the_others(tmp_path):
+    """Under torchrun (each rank its own launch, no launcher of ours), rank 1 raising in the
+    caller's loop left rank 0 with gloo's bare "Connection closed by peer" (the API tryout's
+    finding): rank 0's error now names rank 1, its step, what it was doing and its error, from
+    the job's store, as megapar-train's does."""
+    import torch._dynamo  # noqa: F401  # what torch's optimizers import: once, not in each rank
+    from forked import torchrun_ranks
+
+    codes, outs = torchrun_ranks(_launched_under_torchrun, 2, tmp_path)
+    assert codes == [1, 1], outs
+    assert "KeyError: 'oops'" in outs[1], outs[1]
+    assert ("rank 1 failed at step 1, train_step returned; in the caller's code: KeyError: "
+            "'oops'; rank 0 gave up waiting") in outs[0], outs[0]
+
+
 def _fails_on_rank_1(where):
     import torch.distributed as dist
 
