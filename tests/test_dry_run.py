@@ -1238,3 +1238,26 @@ def test_a_dry_run_whose_load_holds_no_checkpoint_says_it_starts_from_scratch(tm
                          str(tmp_path / "none")], capsys)
     assert rc == 0 and (f"megapar-train: --load {tmp_path / 'none'}: no checkpoint there yet, "
                         f"the rehearsed run starts from scratch") in err, err
+
+
+def test_a_dry_run_without_the_data_still_checks_what_the_checkpoint_decides(tmp_path, capsys):
+    """A resume's --seed and --val-fraction that cannot continue the checkpoint's data order are
+    refused in the rehearsal with the run's own line, without the data; another --seq-len,
+    which the run refuses where it changes the number of samples it counts, gets a note (a
+    rehearsal of --seq-len 64 had passed without a word: the dry-run tryout's finding)."""
+    ck = tmp_path / "ck"
+    common = ["--model", "gpt2-tiny", "--global-batch-size", "2", "--micro-batch-size", "1"]
+    rc, _, err = _train([*common, "--seq-len", "16", "--max-steps", "1", "--save", str(ck),
+                         "--no-progress"], capsys)
+    assert rc == 0, err
+    rehearse = ["--load", str(ck), "--max-steps", "2", "--dry-run"]
+    rc, _, err = _train([*rehearse, "--seq-len", "32"], capsys)
+    assert rc == 0 and (f"megapar-train: dry run: --seq-len 32 differs from the checkpoint's 16, "
+                        f"and the run refuses it where that changes the number of samples") in err
+    rc, _, err = _train([*rehearse, "--seed", "7"], capsys)
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        f"megapar-train: error: --seed 7 differs from the checkpoint's 1234: --load {ck} cannot "
+        f"continue its data order (seed 1234 (checkpoint) vs 7); resume with --seed 1234 (or "
+        f"leave it out: the checkpoint's is taken)"), err
+    rc, _, err = _train(rehearse, capsys)  # the checkpoint's own settings: no word of them
+    assert rc == 0 and "differs from the checkpoint" not in err, err

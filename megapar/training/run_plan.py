@@ -61,6 +61,7 @@ from megapar.training.validate_resume import (
     check_newer_steps,
     check_optimizer_state,
     check_resumable,
+    check_resumable_without_data,
     check_same_data,
     check_save_format,
     checked_step,
@@ -137,6 +138,8 @@ def plan_data(
         plan.checked_load = checked_step(cfg.load, manifest)  # the step its files were checked of
         plan.load_verify = worker_verify()
     if plan.prefix is None:  # a rehearsal without the data
+        if manifest is not None:
+            notes.extend(check_resumable_without_data(cfg, manifest))
         if reads_documents(cfg) and cfg.eod_id is None:  # the masks' shapes need no real id
             cfg.eod_id = int(getattr(config, "eos_token_id", None) or 0)
         return plan

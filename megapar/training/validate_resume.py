@@ -560,6 +560,26 @@ def _same_documents(a: list, b: list) -> bool:
     )
 
 
+def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
+    """A rehearsal's `check_resumable` where the data is not at hand: what the checkpoint alone
+    decides is refused with the run's own line (another --seed, another --val-fraction), and
+    another --seq-len, which the run refuses where it changes the number of samples (it
+    counts them), gets a note saying so. Returns the notes."""
+    state = (manifest.get("meta") or {}).get("sampler") or {}
+    if "dataset_len" in state:
+        check_resumable(cfg, manifest, state["dataset_len"])
+    saved = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
+    if cfg.allow_data_change or saved is None or saved == cfg.seq_len:
+        return []
+    return [
+        f"dry run: --seq-len {cfg.seq_len} differs from the checkpoint's {saved}, and the run "
+        f"refuses it where that changes the number of samples (text packed into --seq-len "
+        f"samples: always; prompt / response records: not), which a rehearsal without the "
+        f"data cannot count; resume with --seq-len {saved} (or leave it out) to continue "
+        f"--load {cfg.load}'s data order"
+    ]
+
+
 def check_resumable(
     cfg, manifest: dict, train_len: int, split_of: Callable[[float, int], list] | None = None
 ) -> None:
