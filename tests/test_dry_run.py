@@ -152,6 +152,9 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(tmp_path, capsys):
                            "8", "--dry-run", "--zero", "1", "--save", "/cluster/ckpt"], capsys)
     assert rc == 0, err
     assert "data skipped (no --data given)" in err
+    # the outputs are the cluster's: said, not checked (the rehearsal had said nothing of them)
+    assert ("dry run: the run's outputs are the cluster's and not checked here (--save "
+            "/cluster/ckpt); the run checks that each is writable") in err, err
     # run for real the command trains on the shipped sample, whose tokenizer's vocabulary (gpt2:
     # 50,261 ids) the recipe's 50,257 gives way to: a note says so
     assert ("dry run: the same command without --dry-run trains on megapar's shipped sample, "

@@ -54,6 +54,7 @@ from megapar.training.validate import (
     check_settings,
     explicit,
     fit_batch_to_data,
+    unchecked_outputs,
 )
 from megapar.training.validate_fp8 import check_fp8_layout
 from megapar.training.validate_resume import (
@@ -121,7 +122,9 @@ def plan_data(
     checked against the checkpoint it resumes); raises with a clear message. Settings the user
     did not give may adapt to the ones they gave (said in `notes`)."""
     config, per_step = check_run(cfg, layout, notes, manifest)
-    if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
+    if cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
+        notes.extend(unchecked_outputs(cfg))
+    else:
         check_outputs(cfg)  # an unwritable --save is not found after the run
     # what --save holds, where it is here too (a rehearsal reads it as the run would)
     if cfg.save and takes_save_lock():

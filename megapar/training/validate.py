@@ -650,6 +650,30 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
         ) from None
 
 
+def unchecked_outputs(cfg) -> list[str]:
+    """A rehearsal's note on what `check_outputs` checks of the run and a rehearsal does not
+    (its paths are the cluster's, its W&B is the cluster's install and environment), naming
+    the run's outputs; none where it has none."""
+    given = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--save", cfg.save),
+            ("--log-json", cfg.log_json),
+            ("--tensorboard", cfg.tensorboard),
+            ("--profile-dir", cfg.profile_dir if cfg.profile_steps else None),
+            ("--wandb-project", cfg.wandb_project),
+        )
+        if value
+    ]
+    if not given:
+        return []
+    return [
+        f"dry run: the run's outputs are the cluster's and not checked here ({', '.join(given)}); "
+        f"the run checks that each is writable (and W&B's install and WANDB_MODE) before its "
+        f"workers start"
+    ]
+
+
 def check_outputs(cfg) -> None:
     """Every output location of a training run, checked in the launching process."""
     if cfg.save:
