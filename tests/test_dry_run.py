@@ -1247,7 +1247,8 @@ def test_a_dry_run_without_the_data_still_checks_what_the_checkpoint_decides(tmp
     """A resume's --seed and --val-fraction that cannot continue the checkpoint's data order are
     refused in the rehearsal with the run's own line, without the data; another --seq-len,
     which the run refuses where it changes the number of samples it counts, gets a note (a
-    rehearsal of --seq-len 64 had passed without a word: the dry-run tryout's finding)."""
+    rehearsal of --seq-len 64 had passed without a word: the dry-run tryout's finding); and it
+    says what the resumed run's first lines say."""
     ck = tmp_path / "ck"
     common = ["--model", "gpt2-tiny", "--global-batch-size", "2", "--micro-batch-size", "1"]
     rc, _, err = _train([*common, "--seq-len", "16", "--max-steps", "1", "--save", str(ck),
@@ -1264,3 +1265,13 @@ def test_a_dry_run_without_the_data_still_checks_what_the_checkpoint_decides(tmp
         f"leave it out: the checkpoint's is taken)"), err
     rc, _, err = _train(rehearse, capsys)  # the checkpoint's own settings: no word of them
     assert rc == 0 and "differs from the checkpoint" not in err, err
+    # the lines the resumed run starts with (the rehearsal had said none of them)
+    assert f"megapar-train: dry run: the run resumes from {ck} at step 1 (same layout)\n" in err
+    assert ("megapar-train: learning-rate schedule follows the flags, not the checkpoint: "
+            "max_steps 1 -> 2") in err, err
+    rc, _, err = _train([*rehearse, "--tp", "2", "--zero", "1"], capsys)
+    assert rc == 0 and (f"dry run: the run resumes from {ck} at step 1 (resharded from tp=1 pp=1 "
+                        f"dp=1; --zero 0 -> 1)") in err, err
+    assert ("megapar-train: RNG states not restored: they are the ranks' of the checkpoint's "
+            "layout tp=1 pp=1 dp=1, not of tp=2 pp=1 dp=1; dropout masks differ from an "
+            "uninterrupted run (this model has no dropout: its losses are unaffected)") in err, err

@@ -550,10 +550,7 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     elif same_layout:
         rng = _read_rng(step_dir / RNG_FILE, mesh.rank)
     else:
-        notes.append(
-            f"{RNG_NOT_RESTORED}: they are the ranks' of the checkpoint's layout {src}, not of "
-            f"{mesh.layout}; dropout masks differ from an uninterrupted run"
-        )
+        notes.append(other_layout_rng_note(src, mesh.layout))
     reader.release()
     return LoadedState(
         optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir, notes
@@ -562,6 +559,15 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
 
 RNG_NOT_RESTORED = "RNG states not restored"
 """How every note on a load that restores no RNG states begins."""
+
+
+def other_layout_rng_note(saved: Layout, layout: Layout) -> str:
+    """The note on a load into another layout than the checkpoint's (`saved`), or resharded:
+    its RNG states are not restored."""
+    return (
+        f"{RNG_NOT_RESTORED}: they are the ranks' of the checkpoint's layout {saved}, not of "
+        f"{layout}; dropout masks differ from an uninterrupted run"
+    )
 
 
 def missing_rng_note(meta: dict) -> str:

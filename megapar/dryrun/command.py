@@ -13,12 +13,19 @@ import sys
 import time
 import traceback
 
+from megapar.checkpoint.distributed import missing_rng_note, other_layout_rng_note
+from megapar.checkpoint.format import RNG_FILE
+from megapar.checkpoint.manifest import read_manifest
 from megapar.dryrun import parse_ranks, rehearse_rank, report
 from megapar.dryrun.modelled import planned_bubble
 from megapar.dryrun.sample import describe_choice
+from megapar.mesh import Layout
 from megapar.models.config import config_from_dict
+from megapar.optim.scheduler import LRScheduler, changed_fields, resume_change
 from megapar.plan.params import model_params
 from megapar.training.data import build_datasets, continue_order, make_sampler
+from megapar.training.engine import Engine
+from megapar.training.resume import NO_DROPOUT, resume_phrase
 
 
 def first_save_step(cfg, start: int) -> int:
@@ -30,6 +37,32 @@ def first_save_step(cfg, start: int) -> int:
         if step < cfg.max_steps:
             return step
     return cfg.max_steps
+
+
+def resume_notes(cfg, config, layout: Layout, manifest: dict) -> list[str]:
+    """The lines a run resumed from --load starts with (`Trainer._resume`), from its manifest:
+    the layout it comes from and the settings it changes, the RNG states it cannot restore,
+    and a learning-rate schedule the flags change."""
+    meta, step = manifest.get("meta") or {}, int(manifest["step"])
+    saved = Layout(**manifest["layout"])
+    resharded = (saved.tp, saved.pp) != (layout.tp, layout.pp)  # as `load_checkpoint` finds
+    how = resume_phrase(saved, layout, resharded, meta.get("train_config") or {}, cfg)
+    notes = [f"dry run: the run resumes from {cfg.load} at step {step} ({how})"]
+    if RNG_FILE not in manifest["files"]:
+        notes.append(missing_rng_note(meta))
+    elif resharded or saved != layout:
+        unaffected = "" if config.draws_dropout else NO_DROPOUT
+        notes.append(other_layout_rng_note(saved, layout) + unaffected)
+    schedule, planned = meta.get("scheduler"), Engine.flags_schedule(cfg)
+    if schedule and schedule != planned.state_dict():
+        notes.append(
+            "learning-rate schedule follows the flags, not the checkpoint: "
+            + changed_fields(schedule, planned.state_dict())
+            + resume_change(
+                LRScheduler(**schedule), planned, step, int(meta.get("schedule_step", step))
+            )
+        )
+    return notes
 
 
 def rehearse(cfg, layout, plan, notes: list[str]) -> int:
@@ -52,6 +85,8 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
                 f"dry run: the first batch shown is the one the resumed run trains on next "
                 f"(--load's data order: sample {sample} of epoch {epoch})"
             )
+    if cfg.load and plan.checked_load is not None:  # resuming
+        notes.extend(resume_notes(cfg, config, layout, read_manifest(plan.checked_load)))
     mask = report.documents_note(cfg)
     for note in notes + ([mask] if mask else []):
         print(f"megapar-train: {note}", file=sys.stderr)

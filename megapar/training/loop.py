@@ -66,7 +66,7 @@ from megapar.training.logging import (
     perplexity,
 )
 from megapar.training.profiling import StepProfiler, parse_steps
-from megapar.training.resume import setting_changes
+from megapar.training.resume import NO_DROPOUT, resume_phrase
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
@@ -225,19 +225,14 @@ class Trainer:
             continue_order(self.cfg, self.sampler, state.meta.get("sampler"), self.step)
         )
         self.wandb_run = state.meta.get("wandb_run")
-        how = (
-            f"resharded from {state.layout}"
-            if state.resharded
-            else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
-        )
-        how += setting_changes(state.meta.get("train_config") or {}, self.cfg)
+        trained = state.meta.get("train_config") or {}
+        how = resume_phrase(state.layout, self.mesh.layout, state.resharded, trained, self.cfg)
         ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
             f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
         )
         self.notes.append(f"resumed from {path} at step {self.step} ({how}{ignored})")
-        unaffected = " (this model has no dropout: its losses are unaffected)"
         self.notes.extend(
-            note + unaffected
+            note + NO_DROPOUT
             if note.startswith(RNG_NOT_RESTORED) and not self.config.draws_dropout
             else note
             for note in state.notes

@@ -55,6 +55,20 @@ def recorded_settings(engine) -> dict:
     return settings
 
 
+NO_DROPOUT = " (this model has no dropout: its losses are unaffected)"
+"""What a resume's note that the RNG states are not restored adds for a model without dropout."""
+
+
+def resume_phrase(saved, layout, resharded: bool, trained: dict, cfg) -> str:
+    """How a resume reaches `layout` from the checkpoint's `saved` layout, for its line:
+    "resharded from tp=2 pp=2 dp=1" (`resharded`: its tensors split otherwise), "from ...",
+    or "same layout"; then the settings it changes from `trained` (`setting_changes`)."""
+    how = f"from {saved}" if saved != layout else "same layout"
+    if resharded:
+        how = f"resharded from {saved}"
+    return how + setting_changes(trained, cfg)
+
+
 CHANGES_NAMED = (
     "zero",
     "expert_tensor_parallel_size",
