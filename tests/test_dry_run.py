@@ -231,6 +231,13 @@ def test_dry_run_prints_the_pipeline_bubble_the_plan_estimates(capsys, schedule,
                       f"pp=2,dp=2,mbs=2,schedule={schedule},v={v}", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["bubble"]
     assert float(shown.group(1)) == round(100 * planned, 1) > 0
+    # and in --json, each rank's line (it was in the text alone)
+    rc, out, err = _train(["--model", "llama-tiny", "--pp", "2", "--world-size", "4",
+                           "--dry-run", "--schedule", schedule, "--virtual-stages", v,
+                           "--global-batch-size", "16", "--micro-batch-size", "2",
+                           "--seq-len", "32", "--dry-run-ranks", "0", "--json"], capsys)
+    [row] = [json.loads(x) for x in out.splitlines()]
+    assert (row["bubble_modelled"], row["bubble_source"]) == (round(planned, 6), "simulated")
 
 
 def test_json_has_one_object_per_rank_with_bytes(capsys):

@@ -92,6 +92,7 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
         print(f"megapar-train: {note}", file=sys.stderr)
     step_dir = f"{cfg.save or '<--save>'}/step_{first_save_step(cfg, plan.start_step):08d}"
     out = sys.stdout
+    bubble = planned_bubble(cfg, config, layout) if layout.pp > 1 else None
     if not cfg.json:
         print(
             report.describe_job(
@@ -105,8 +106,7 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             file=out,
             flush=True,
         )
-        if layout.pp > 1:
-            bubble = planned_bubble(cfg, config, layout)
+        if bubble is not None:
             print(report.describe_bubble(*bubble, cfg.schedule), file=out, flush=True)
     start, reports = time.perf_counter(), []
     for rank in ranks:
@@ -126,7 +126,13 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             return 1
         reports.append(r)
         print(
-            json.dumps({**r.to_json(), "fits_gpu": report.fits(r, cfg.gpu_memory_gb)})
+            json.dumps(
+                {
+                    **r.to_json(),
+                    "fits_gpu": report.fits(r, cfg.gpu_memory_gb),
+                    **({} if bubble is None else report.bubble_json(*bubble)),
+                }
+            )
             if cfg.json
             else report.describe_rank(r, step_dir, cfg.gpu_memory_gb),
             file=out,

@@ -93,6 +93,11 @@ def describe_bubble(bubble: float, source: str, schedule: str) -> str:
     )
 
 
+def bubble_json(bubble: float, source: str) -> dict:
+    """The job's pipeline bubble (`modelled.planned_bubble`) in each rank's --json line."""
+    return {"bubble_modelled": round(bubble, 6), "bubble_source": source}
+
+
 GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
 """Order groups are listed in (others after)."""
 
