@@ -247,8 +247,9 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
             "notes.txt"]
     for name in dead + kept:
         (out / name).write_bytes(b"half")
-    (out / f".tokenizer.export-{child.pid}-{host}-").mkdir()
-    dead.append(f".tokenizer.export-{child.pid}-{host}-")
+    for stage in (".tokenizer.export-", ".tokenizer.tmp-"):  # the tokenizer's, and its check's
+        (out / f"{stage}{child.pid}-{host}-").mkdir()
+        dead.append(f"{stage}{child.pid}-{host}-")
     assert main([str(ckpt), "--to-hf", str(out)]) == 0, capsys.readouterr().err
     left = {p.name for p in out.iterdir()}
     assert not left & set(dead) and set(kept) <= left, left

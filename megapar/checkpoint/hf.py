@@ -32,7 +32,7 @@ from megapar.checkpoint.hf_names import (
 )
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
-from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
+from megapar.data.hf_tokenizer import SPECIAL_ROLES, TOKENIZER_TMP, save_for_transformers
 from megapar.data.inputs import HF_WEIGHTS
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.made_dirs import give_usual_mode
@@ -643,7 +643,7 @@ def save_hf(
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
-    for prefix in (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE):
+    for prefix in (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE, TOKENIZER_TMP):
         remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
     tmp = {name: out_dir / f".{name}.tmp-{owner_tag()}-" for name in names}
     stage = out_dir / f"{TOKENIZER_STAGE}{owner_tag()}-"  # the tokenizer's files, until the end

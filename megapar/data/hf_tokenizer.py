@@ -555,6 +555,11 @@ SPECIAL_ROLES = ("pad", "bos", "eos", "cls", "sep", "mask")
 """The special tokens whose ids a model config may name too (``pad_token_id`` ...)."""
 
 
+TOKENIZER_TMP = ".tokenizer.tmp-"
+"""The prefix of the directory `save_for_transformers` writes and checks a tokenizer in, beside
+its destination, named with `owner_tag` so that the next write there removes a killed one's."""
+
+
 def save_for_transformers(
     tok: Tokenizer,
     out_dir: str,
@@ -578,7 +583,8 @@ def save_for_transformers(
     hf = to_transformers(tok, vocab_size, sentence_pairs, model_max_length)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=parent)
+    remove_stale_temporaries(parent, TOKENIZER_TMP)  # of a writer killed -9 here
+    tmp = tempfile.mkdtemp(prefix=f"{TOKENIZER_TMP}{owner_tag()}-", dir=parent)
     try:
         hf.save_pretrained(tmp)
         if tok.kind == "sentencepiece":
