@@ -4,6 +4,8 @@ and directories of them (less a tokenized dataset's own .json), streamed through
 
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -187,7 +189,8 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from megapar.data.preprocess import _ordered_bounded, _worker_init
+    from megapar.data.preprocess import _ordered_bounded
+    from megapar.faults.processes import start_pool_worker
 
     read = []
 
@@ -196,8 +199,9 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
             read.append(i)
             yield [f"document {i}"], 10
 
-    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), initializer=_worker_init,
-                             initargs=("sentencepiece", os.getpid())) as pool:
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), initializer=start_pool_worker,
+                             initargs=(os.getpid(), "megapar.data.preprocess:_worker_init",
+                                       "sentencepiece")) as pool:
         results = _ordered_bounded(pool, batches(), window=4)
         first = next(results)
         assert len(read) <= 5, len(read)  # not the whole input, as pool.map would
@@ -207,6 +211,36 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
         rest = list(results)
     assert len(rest) == 1_999 and rest[-1][0] == load_tokenizer("sentencepiece").encode_batch(
         ["document 1999"])
+
+
+def _parent_death_signal(path):
+    """Write this process's parent-death signal (Linux's PR_GET_PDEATHSIG) into `path`."""
+    import ctypes
+
+    sig = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)
+    Path(path).write_text(str(sig.value))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_pool_worker_dies_with_its_parent_before_it_imports_its_work(tmp_path):
+    """megapar-data's workers set SIGKILL as their parent-death signal first, then import the
+    tokenizer's modules (`start_pool_worker`): a worker still importing torch when its parent
+    was killed -9 went on for seconds (0.8 s idle, over 3.5 s on a loaded machine: the
+    interruption tryout's finding)."""
+    from megapar.faults.processes import start_pool_worker
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            start_pool_worker(os.getppid(), f"{__name__}:_parent_death_signal", str(tmp_path / "s"))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "s").read_text() == str(int(signal.SIGKILL))
 
 
 def test_megapar_train_names_the_files_a_text_directory_leaves_unread(inputs, tmp_path):

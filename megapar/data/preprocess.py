@@ -76,7 +76,7 @@ from megapar.data.tokenizers import (  # noqa: F401 - file_sha256 re-exported
     tokenizer_files,
 )
 from megapar.device import cpu_cores
-from megapar.faults.processes import die_with_parent
+from megapar.faults.processes import start_pool_worker
 from megapar.wording import counted
 
 _Item = TypeVar("_Item")
@@ -98,15 +98,10 @@ def _batched(docs: Iterator[tuple[_Item, int]], n: int) -> Iterator[tuple[list[_
         yield batch, nbytes
 
 
-def _worker_init(spec: str, parent: int) -> None:
-    """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM, which a
-    worker obeys even where the parent ignores SIGTERM (an ignored signal is inherited across
-    the spawn's exec), and that ignores Ctrl-C (its parent's to handle). It dies with its
-    parent (`die_with_parent`): the task queue it waits on never closes when the parent is
-    killed with -9."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(parent)
+def _worker_init(spec: str) -> None:
+    """A pool worker's start, after `start_pool_worker` (it dies with its parent: the task
+    queue it waits on never closes when the parent is killed with -9; Ctrl-C is its
+    parent's): its tokenizer."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
     _WORKER_TOKENIZER = load_tokenizer(spec)
@@ -287,7 +282,10 @@ def preprocess_files(
             # fail, where Pool resubmitted nothing (a hang) and its terminate() could wait
             # forever on a queue lock the dead worker held.
             pool = ProcessPoolExecutor(
-                workers, mp_context=ctx, initializer=_worker_init, initargs=(tok.path, os.getpid())
+                workers,
+                mp_context=ctx,
+                initializer=start_pool_worker,
+                initargs=(os.getpid(), f"{__name__}:_worker_init", tok.path),
             )
             # Workers start ignoring SIGINT, which they keep: a Ctrl-C is this process's to
             # handle (it ends them), not a traceback from each worker. The pool starts a worker

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import importlib
 import os
 import re
 import shutil
@@ -132,6 +133,20 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
+
+
+def start_pool_worker(parent_pid: int, then: str, *args) -> None:
+    """A spawned pool worker's initializer, in this light module so that it runs before the
+    worker imports its work's modules (torch: seconds on a loaded machine, in which a worker of
+    a parent killed -9 would go on): it dies with `parent_pid` (`die_with_parent`), leaves
+    Ctrl-C to its parent (which ends it with SIGTERM, obeyed even where the parent ignores it:
+    an ignored signal is inherited across the spawn's exec), then calls `then`
+    ("module:function") with `args`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+    module, _, function = then.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def before_exit(finish) -> None:
