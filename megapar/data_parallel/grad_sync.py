@@ -45,7 +45,9 @@ from megapar.tensor_parallel.partition import shared_embedding_params
 
 class GradSync(Protocol):
     """A stage's gradient synchronisation over the data-parallel group, driven by the
-    executor once per training step."""
+    executor once per training step. Besides these, the training step reads what only some
+    kinds have where they have it: the all-reduce's `GradBuckets.defers_last` and
+    `compressor`, ZeRO-3's `ShardedParams.float8` and `step_scope`."""
 
     @property
     def stage(self) -> int:
@@ -92,6 +94,11 @@ class GradSync(Protocol):
 
     def finish(self) -> None:
         """After the schedule: launch every reduction not launched yet and wait for all."""
+
+    def defer(self, last: Iterable[nn.Parameter], before_reduce) -> None:
+        """The buckets or units holding `last` (the tied embedding's parameters) reduce only
+        in `finish`, after `before_reduce()` (their sum over the first and last stage); called
+        before the first step."""
 
 
 def build_grad_sync(
