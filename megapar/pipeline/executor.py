@@ -139,8 +139,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         """Where this rank's stage sits in the pipeline (what planning a step asks)."""
         self._chunk_count = virtual_stages  # `slot`
         last = mesh.pp * virtual_stages - 1
-        loss_rank, loss_chunk = stage_location(last, mesh.pp, self.placement)
-        self._loss_chunk = loss_chunk if loss_rank == mesh.pp_rank else None
+        self._loss_rank, loss_chunk = stage_location(last, mesh.pp, self.placement)
+        """The pp rank that computes the loss (rank 0 in a V)."""
+        self._loss_chunk = loss_chunk if self._loss_rank == mesh.pp_rank else None
         """The model chunk of this rank that computes the loss (the last virtual stage), or
         None."""
         self.timeout_s = timeout_s = timeout_s or mesh.timeout_s
@@ -483,7 +484,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         mb, chunk = a.mb, a.chunk
-        key = mb * self._chunk_count + chunk
+        key = mb * self._chunk_count + chunk  # `slot`, inline on the step's path
         x = self.inputs.get(key)
         out = self.chunks[chunk](x, self._batches[mb])
         if self._forward_only:  # no graph: the input is not needed any more
@@ -505,9 +506,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
         """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
-        last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp, self.placement)[
-            0
-        ]  # rank 0 in a V
+        last = self._loss_rank
         self.last_z_loss = None
         z_on = self._z_on  # the z-loss's mean rides with the loss's: one broadcast
         if self.mesh.pp_rank == last:
