@@ -7,22 +7,21 @@ counts parameters on meta-device models, `state.py` and `slices.py` the state a 
 all-to-all bytes), `pipeline.py` asks megapar's simulator (or a
 published formula) for bubbles and in-flight micro-batches, `timing.py` prices each model chunk
 (`context_parallel.py` its cp attention), `estimate.py` combines them for a `problem.py`
-`Problem`, `report.py` ranks and prints. `megapar-plan` (megapar/cli/plan.py) is the command.
+`Problem`, `search.py` searches every layout (`plan`), `report.py` ranks and prints.
+`megapar-plan` (megapar/cli/plan.py) is the command.
 """
 
-import gc
-from contextlib import contextmanager
-from dataclasses import dataclass
-
-from megapar.plan.estimate import Estimate, Shared, cannot_fit, estimate, stage_memory
+from megapar.plan.estimate import Estimate, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.problem import Problem
-from megapar.plan.report import rank
+from megapar.plan.search import SIMULATED_LEADERS, Search, cycle_collection_paused, plan, search
 
 __all__ = [
+    "SIMULATED_LEADERS",
     "Candidate",
     "Estimate",
     "Problem",
+    "Search",
     "check",
     "cycle_collection_paused",
     "enumerate_candidates",
@@ -32,78 +31,3 @@ __all__ = [
     "search",
     "stage_memory",
 ]
-
-
-SIMULATED_LEADERS = 64
-"""`plan` ranks every candidate with the bubble formula, then simulates the schedules of this
-many leaders and ranks again: the search stays seconds long for any GPU count."""
-
-
-def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
-    """(every valid candidate's estimate, ranked; [(candidate, reason)] rejected). The leading
-    `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
-    found = search(problem, **space)
-    return found.estimates, found.rejected
-
-
-@dataclass
-class Search:
-    """What `search` found."""
-
-    estimates: list[Estimate]
-    """Ranked (`report.rank`): every valid layout's estimate, or with `shown` every one but
-    those dropped as not fitting."""
-    valid: int
-    """How many layouts are valid (estimated or dropped)."""
-    rejected: list
-    """[(candidate, reason)] of the invalid layouts."""
-
-
-def search(problem: Problem, shown: int | None = None, **space) -> Search:
-    """`plan`'s search over `space` (`enumerate_candidates`' options). With `shown`, the rows
-    the caller reads from the top of the ranking (a table's, the layouts verified), layouts
-    that provably do not fit a GPU (`estimate.cannot_fit`) are dropped before their estimate,
-    as long as that leaves the ranking's first `shown` rows and the simulated leaders as they
-    are: where fewer than `SIMULATED_LEADERS` layouts fit in the first ranking, or fewer than
-    `shown` in the last, every layout is estimated. Dropped layouts fit nowhere, so they rank
-    below every layout that fits (`report.rank`), which the sort, stable, leaves in order."""
-    with cycle_collection_paused():
-        valid, rejected = enumerate_candidates(problem, **space)
-        shared = Shared()  # what the candidates' estimates have in common, done once
-        dropped = set()
-        if shown is not None:
-            dropped = {i for i, c in enumerate(valid) if cannot_fit(problem, c, shared)}
-        first_pass = {
-            i: estimate(problem, c, simulate=False, shared=shared)
-            for i, c in enumerate(valid)
-            if i not in dropped
-        }
-        while True:
-            first = rank(list(first_pass.values()))  # in the candidates' order, sorted stably
-            leaders = [
-                estimate(problem, e.candidate, shared=shared) for e in first[:SIMULATED_LEADERS]
-            ]
-            ranked = rank(leaders + first[SIMULATED_LEADERS:])
-            if not dropped or (
-                sum(e.fits for e in first) >= SIMULATED_LEADERS
-                and sum(e.fits for e in ranked) >= (shown or 0)
-            ):
-                return Search(ranked, len(valid), rejected)
-            for i in sorted(dropped):  # too few fit: the dropped estimated too, in their place
-                first_pass[i] = estimate(problem, valid[i], simulate=False, shared=shared)
-            first_pass = dict(sorted(first_pass.items()))
-            dropped = set()
-
-
-@contextmanager
-def cycle_collection_paused():
-    """Python's cycle collector off inside: a plan makes millions of small objects without
-    cycles (actions, events, message programs; reference counting frees them), and the
-    collector's full passes over the ones the caches keep would cost as much as the planning."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
