@@ -25,7 +25,9 @@ parameter is reduced over the ranks that hold the same experts, the same ep rank
 block (`expert_dp_group`, cp x dp / ep ranks; the cp x dp group itself when ep is 1). ep must
 divide dp x cp.
 
-There are no module-level process groups: code that communicates receives a `Mesh`.
+There are no module-level process groups: code that communicates receives a `Mesh`. Beside
+the groups' small helpers (`all_reduce`, `group_size`), text and bytes cross the world here
+(`broadcast_text`, `gather_payloads`: checkpoint outcomes, step records, the non-finite search).
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective
 over it is skipped), which is how serial reference models are built.
 """
@@ -578,3 +580,53 @@ def same_on_all_ranks(value: float, device: torch.device) -> bool:
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def _world(mesh: Mesh) -> bool:
+    """Whether `mesh` spans several processes joined by torch.distributed."""
+    return mesh.layout.world_size > 1 and dist.is_initialized()
+
+
+def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
+    """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
+    buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8, device="cpu")  # staging
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.to(device)
+
+
+def broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
+    """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
+    `group`: a gloo group spanning the world, on host tensors)."""
+    if not _world(mesh):
+        assert text is not None  # the only rank is `src`
+        return text
+    device = mesh.device if group is None else torch.device("cpu")
+    if mesh.rank == src:
+        assert text is not None  # `src` gives its text
+        data = text.encode()
+    else:
+        data = b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src, group=group)
+    buf = _bytes_tensor(data, device, int(length))
+    dist.broadcast(buf, src, group=group)
+    return buf.cpu().numpy().tobytes().decode()
+
+
+def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
+    """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers over the
+    world (or `group`, as in `broadcast_text`)."""
+    if not _world(mesh):
+        return [payload]
+    device = mesh.device if group is None else torch.device("cpu")
+    n = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(mesh.layout.world_size)]
+    dist.all_gather(sizes, n, group=group)
+    buf = _bytes_tensor(payload, device, max(int(s) for s in sizes))
+    parts = [torch.empty_like(buf) for _ in sizes] if mesh.rank == 0 else None
+    dist.gather(buf, parts, dst=0, group=group)
+    if mesh.rank != 0:
+        return None
+    assert parts is not None  # rank 0's
+    return [p[: int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load, save
 
 from megapar.checkpoint.format import (
@@ -60,7 +59,7 @@ from megapar.checkpoint.stage_tensors import (
     whole_expert_shape,
 )
 from megapar.made_dirs import missing_dirs, remove_empty
-from megapar.mesh import Layout, Mesh
+from megapar.mesh import Layout, Mesh, broadcast_text, gather_payloads
 from megapar.models.config import config_from_dict
 from megapar.tensor_parallel.partition import tp_dim, tp_parts
 
@@ -128,55 +127,6 @@ class LoadedState:
     path: Path | None = None
     notes: list[str] = field(default_factory=list)
     """Human-readable remarks (RNG not restored, non-structural config differences)."""
-
-
-def _world(mesh: Mesh) -> bool:
-    return mesh.layout.world_size > 1 and dist.is_initialized()
-
-
-def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
-    """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
-    buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8, device="cpu")  # staging
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf.to(device)
-
-
-def broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
-    """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
-    `group`: a gloo group spanning the world, on host tensors)."""
-    if not _world(mesh):
-        assert text is not None  # the only rank is `src`
-        return text
-    device = mesh.device if group is None else torch.device("cpu")
-    if mesh.rank == src:
-        assert text is not None  # `src` gives its text
-        data = text.encode()
-    else:
-        data = b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src, group=group)
-    buf = _bytes_tensor(data, device, int(length))
-    dist.broadcast(buf, src, group=group)
-    return buf.cpu().numpy().tobytes().decode()
-
-
-def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
-    """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers over the
-    world (or `group`, as in `broadcast_text`)."""
-    if not _world(mesh):
-        return [payload]
-    device = mesh.device if group is None else torch.device("cpu")
-    n = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(mesh.layout.world_size)]
-    dist.all_gather(sizes, n, group=group)
-    buf = _bytes_tensor(payload, device, max(int(s) for s in sizes))
-    parts = [torch.empty_like(buf) for _ in sizes] if mesh.rank == 0 else None
-    dist.gather(buf, parts, dst=0, group=group)
-    if mesh.rank != 0:
-        return None
-    assert parts is not None  # rank 0's
-    return [p[: int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
 
 
 def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:

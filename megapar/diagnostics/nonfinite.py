@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapar.checkpoint.distributed import broadcast_text
 from megapar.diagnostics.module_trace import NONE, ModuleTrace
 from megapar.diagnostics.replay import StepRecorder, record_paths
 from megapar.faults.status import set_action
+from megapar.mesh import broadcast_text
 
 
 @dataclass

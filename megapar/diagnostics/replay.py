@@ -31,10 +31,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megapar.checkpoint.distributed import differing_fields, gather_payloads
+from megapar.checkpoint.distributed import differing_fields
 from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.expert_parallel import is_expert
+from megapar.mesh import gather_payloads
 from megapar.tensor_parallel.layers import ColumnParallelLinear
 
 RTOL = 1e-5

@@ -26,7 +26,6 @@ from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.distributed import (
     VERIFY_MODES,
     SavedState,
-    broadcast_text,
     capture,
     load_checkpoint,
     save_checkpoint,
@@ -48,7 +47,7 @@ from megapar.diagnostics.nonfinite import KeptStep, locate
 from megapar.diagnostics.probes import build_probes
 from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
-from megapar.mesh import Mesh, all_reduce
+from megapar.mesh import Mesh, all_reduce, broadcast_text
 from megapar.optim import DynamicLossScaler, LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
 from megapar.optim.scheduler import flags_schedule

@@ -7,9 +7,10 @@ import shutil
 import warnings
 from pathlib import Path
 
-from megapar.checkpoint.distributed import broadcast_text, save_checkpoint
+from megapar.checkpoint.distributed import save_checkpoint
 from megapar.checkpoint.export import export_hf as export_checkpoint
 from megapar.checkpoint.export import tokenizer_hint
+from megapar.mesh import broadcast_text
 
 
 def export_engine(
