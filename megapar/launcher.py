@@ -543,7 +543,7 @@ def run_workers(
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt or SystemExit leaves its peers too
             _name_the_cause(exc)
             raise
         finally:
@@ -568,13 +568,14 @@ def run_workers(
     )
 
 
-def _name_the_cause(exc: Exception) -> None:
+def _name_the_cause(exc: BaseException) -> None:
     """Under torchrun / srun, where no launcher of ours sees every rank, what `fn` raised on
     this rank: an error of its own is recorded in the job's store, for the ranks that lose it
     (`progress.mark_failed`); a lost peer or a timed-out wait gets a note naming the rank it
     follows from (a stopped rank of this node, else the store's records: `rank 1 failed at
     step 2, ...: KeyError: 'x'`), as megapar-train's error begins with it."""
-    error = f"{type(exc).__name__}: {exc}".split("\n", 1)[0][:300]
+    error = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    error = error.split("\n", 1)[0][:300]
     if not consequential(error):
         progress.mark_failed(error)
         return
