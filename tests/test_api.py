@@ -1225,17 +1225,20 @@ def _different_calls(path):
 
     import torch.distributed as dist
 
-    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=60)
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=60,
+                             async_save=True)
     good = _batches(2)
     engine.train_step(good[0])
     out = []
-    for other in ("save", "eval_step"):  # rank 1's call; rank 0 trains
+    for other in ("save", "eval_step", "poll_save"):  # rank 1's call; rank 0 trains
         began = time.monotonic()
         try:
             if dist.get_rank() == 0:
                 engine.train_step(good[1])
             elif other == "save":
                 engine.save(path)
+            elif other == "poll_save":
+                engine.poll_save()
             else:
                 engine.eval_step(good[1])
             out.append(("accepted", 0.0))
@@ -1246,65 +1249,75 @@ def _different_calls(path):
 
 
 def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path):
-    """A save (or an eval_step) on one rank while the other trains: each rank raises at once,
-    naming both calls, where the two calls' collectives paired up and the others waited out the
-    timeout with gloo's "Timed out waiting for recv" (the user's tryout's finding); nothing is
+    """A save (or an eval_step, or a background save's poll) on one rank while the other trains:
+    each rank raises at once, naming both calls, where the two calls' collectives paired up and
+    the others waited out the timeout with gloo's "Timed out waiting for recv" (the user's
+    tryout's finding; a poll against a train_step aborted one rank: the re-test's); nothing is
     trained or written, and the engine goes on."""
     again = ("every rank must make the same megapar calls in the same order (train_step, "
-             "eval_step, save, load, export_hf, params_whole: each is collective)")
+             "eval_step, save, load, export_hf, params_whole, poll_save, wait_save: each is "
+             "collective)")
     ranks = run(_different_calls, 2, str(tmp_path / "ck"))
     for rank, (out, step) in enumerate(ranks):
-        (saved, t1), (evaluated, t2), (last, _) = out
+        (saved, t1), (evaluated, t2), (polled, t3), (last, _) = out
         if rank == 0:
             assert saved == ("train_step: rank 0 is in train_step at step 1 while another rank "
                              f"is in engine.save; {again}"), saved
             assert evaluated == ("train_step: rank 0 is in train_step at step 1 while another "
                                  f"rank is in eval_step; {again}"), evaluated
+            assert polled == ("train_step: rank 0 is in train_step at step 1 while another "
+                              f"rank is in engine.poll_save; {again}"), polled
         else:
             assert saved == ("engine.save: rank 1 is in engine.save at step 1 while another "
                              f"rank is in train_step; {again}"), saved
             assert evaluated == ("eval_step: rank 1 is in eval_step at step 1 while another "
                                  f"rank is in train_step; {again}"), evaluated
-        assert max(t1, t2) < 30, (t1, t2)  # at once, not after the 60 s timeout
+            assert polled == ("engine.poll_save: rank 1 is in engine.poll_save at step 1 while "
+                              f"another rank is in train_step; {again}"), polled
+        assert max(t1, t2, t3) < 30, (t1, t2, t3)  # at once, not after the 60 s timeout
         assert last == "accepted" and step == 2, (last, step)
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
 
-def _raises_in_the_loop():
+def _raises_in_the_loop(error):
     import torch.distributed as dist
 
     # a recipe: a transformers model imports transformers in each rank (15 s on 2 cores)
     engine = megapar.prepare("gpt2-tiny", pp=2, micro_batch_size=2, lr=3e-3, timeout_s=20)
     for step, batch in enumerate(_batches(3)):
         if step == 1 and dist.get_rank() == 1:
-            raise KeyError("oops")
+            raise error
         engine.train_step(batch)
 
 
-def _launched_under_torchrun():
+def _launched_under_torchrun(error):
     import traceback
 
     try:
-        megapar.launch(_raises_in_the_loop, 2)
-    except Exception as exc:
+        megapar.launch(_raises_in_the_loop, 2, error)
+    except BaseException as exc:
         print("".join(traceback.format_exception_only(exc)), flush=True)
         return 1
     return 0
 
 
-def test_under_torchrun_a_rank_that_raises_in_the_loop_is_named_by_the_others(tmp_path):
+@pytest.mark.parametrize("error, said", [(KeyError("oops"), "KeyError: 'oops'"),
+                                         (KeyboardInterrupt(), "KeyboardInterrupt")])
+def test_under_torchrun_a_rank_that_raises_in_the_loop_is_named_by_the_others(tmp_path, error,
+                                                                               said):
     """Under torchrun (each rank its own launch, no launcher of ours), rank 1 raising in the
     caller's loop left rank 0 with gloo's bare "Connection closed by peer" (the API tryout's
     finding): rank 0's error now names rank 1, its step, what it was doing and its error, from
-    the job's store, as megapar-train's does."""
+    the job's store, as megapar-train's does; a Ctrl-C there too (rank 0 named rank 1 at its
+    prepare, 11 s later: the re-test's finding)."""
     import torch._dynamo  # noqa: F401  # what torch's optimizers import: once, not in each rank
     from forked import torchrun_ranks
 
-    codes, outs = torchrun_ranks(_launched_under_torchrun, 2, tmp_path)
+    codes, outs = torchrun_ranks(lambda: _launched_under_torchrun(error), 2, tmp_path)
     assert codes == [1, 1], outs
-    assert "KeyError: 'oops'" in outs[1], outs[1]
-    assert ("rank 1 failed at step 1, train_step returned; in the caller's code: KeyError: "
-            "'oops'; rank 0 gave up waiting") in outs[0], outs[0]
+    assert said in outs[1], outs[1]
+    assert (f"rank 1 failed at step 1, train_step returned; in the caller's code: {said}; "
+            f"rank 0 gave up waiting") in outs[0], outs[0]
 
 
 def _fails_on_rank_1(where):

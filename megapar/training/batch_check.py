@@ -227,6 +227,8 @@ API_CALLS = (
     "engine.load",
     "engine.export_hf",
     "engine.params_whole",
+    "engine.poll_save",
+    "engine.wait_save",
 )
 """The engine's calls that communicate: each begins with `same_call_on_every_rank`, so ranks
 that make different ones meet in that one collective and all raise, instead of pairing one
@@ -254,8 +256,8 @@ def same_call_on_every_rank(
         raise RuntimeError(
             f"{what}: rank {rank} is in {what} at step {step} while another rank is in "
             f"{' or '.join(others)}; every rank must make the same megapar calls in the same "
-            f"order (train_step, eval_step, save, load, export_hf, params_whole: each is "
-            f"collective)"
+            f"order (train_step, eval_step, save, load, export_hf, params_whole, poll_save, "
+            f"wait_save: each is collective)"
         )
     if s_high != -s_low:
         raise RuntimeError(

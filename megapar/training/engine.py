@@ -619,13 +619,20 @@ class Engine:
         """Wait for the background save in flight (with `async_save`) and return the step
         directory it published (None: none was in flight); raises CheckpointError on every
         rank when it failed. Collective."""
-        return self.saver.wait() if self.saver is not None else None
+        if self.saver is None:  # nothing to wait for: no collective
+            return None
+        same_call_on_every_rank("engine.wait_save", self.step, self.mesh.device)
+        return self.saver.wait()
 
     def poll_save(self) -> Path | None:
         """The step directory a background save has published since the last call, once every
         rank's writer is done (None: none, or still writing); raises CheckpointError on every
-        rank when it failed. Collective (one small all-reduce while a write is in flight)."""
-        return self.saver.poll() if self.saver is not None else None
+        rank when it failed. Collective with `async_save` (the calls' agreement, and one small
+        all-reduce while a write is in flight)."""
+        if self.saver is None:  # no background saves: no collective
+            return None
+        same_call_on_every_rank("engine.poll_save", self.step, self.mesh.device)
+        return self.saver.poll()
 
     def load(self, path: str | Path, verify: str = "sha256", what: str = "engine.load"):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
