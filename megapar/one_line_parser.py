@@ -59,7 +59,9 @@ class OneLineParser(argparse.ArgumentParser):
     given; else the flag before the word, which takes no more values; else that the command
     takes flags only. Positionals of several words (megapar-convert's PATH...) may stand
     before, between and after the flags. A value a flag's choices lack is named as its
-    `value_known_as[flag]` function says (another tool's name for a choice), where it knows it."""
+    `value_known_as[flag]` function says (another tool's name for a choice), where it knows it.
+    Megatron's and torchtitan's names for a parallel size the command does not take (those
+    `known_as` answers by megapar's flag: `--ep` to megapar-eval) get that answer too."""
 
     def __init__(
         self,
@@ -72,7 +74,10 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.stray = stray
-        self.known_as = known_as or {}
+        self.known_as = dict(known_as or {})
+        for theirs, ours in LAYOUT_NAMES.items():  # a size it does not take: its own answer
+            if theirs not in self.known_as and ours in self.known_as:
+                self.known_as[theirs] = self.known_as[ours]
         self.value_known_as = value_known_as or {}
 
     def parse_args(self, args=None, namespace=None):

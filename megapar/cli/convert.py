@@ -67,9 +67,6 @@ OTHER_FLAGS = {
     "--load": "the source is the first PATH: megapar-convert SRC DST",
     "--save": "the destination is the second PATH: megapar-convert SRC DST",
     "--ep": _NOT_IN_FILES.format(flag="--ep", what="every expert is saved whole"),
-    "--expert-model-parallel-size": _NOT_IN_FILES.format(
-        flag="--ep", what="every expert is saved whole"
-    ),
     "--target-expert-parallel-size": _NOT_IN_FILES.format(
         flag="--ep", what="every expert is saved whole"
     ),
@@ -79,9 +76,6 @@ OTHER_FLAGS = {
     "--zero": _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
     "--cp": _NOT_IN_FILES.format(flag="--cp", what="context parallelism splits no weight"),
     "--target-context-parallel-size": _NOT_IN_FILES.format(
-        flag="--cp", what="context parallelism splits no weight"
-    ),
-    "--context-parallel-size": _NOT_IN_FILES.format(
         flag="--cp", what="context parallelism splits no weight"
     ),
 }

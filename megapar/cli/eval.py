@@ -90,8 +90,6 @@ OTHER_FLAGS = {
     "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",
-    "--expert-model-parallel-size": "megapar-eval holds every expert on each rank (a checkpoint "
-    "does not depend on ep); drop it, or use --tp / --pp",
     "--expert-tensor-parallel-size": "megapar-eval holds every expert whole on each rank (a "
     "checkpoint does not depend on it); drop it",
     "--cp-comm-type": "megapar-eval's --cp runs each model's default context-parallel "

@@ -60,10 +60,6 @@ OTHER_FLAGS = {
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",
     **layout_names("--tp", "--pp"),
-    "--context-parallel-size": "megapar-generate has no context parallelism; drop it, or use "
-    "--tp / --pp",
-    "--expert-model-parallel-size": "megapar-generate holds every expert on each rank; drop it, "
-    "or use --tp / --pp",
     "--checkpoint": "--load",
     "--ckpt": "--load",
     "--out-dir": "--load (the checkpoint directory)",
