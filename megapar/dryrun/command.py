@@ -25,7 +25,7 @@ from megapar.optim.scheduler import LRScheduler, changed_fields, resume_change
 from megapar.plan.params import model_params
 from megapar.training.data import build_datasets, continue_order, make_sampler
 from megapar.training.engine import Engine
-from megapar.training.resume import NO_DROPOUT, resume_phrase
+from megapar.training.resume import resume_phrase, rng_notes
 
 
 def first_save_step(cfg, start: int) -> int:
@@ -47,12 +47,7 @@ def resume_notes(cfg, config, layout: Layout, manifest: dict) -> list[str]:
     saved = Layout(**manifest["layout"])
     resharded = (saved.tp, saved.pp) != (layout.tp, layout.pp)  # as `load_checkpoint` finds
     how = resume_phrase(saved, layout, resharded, meta.get("train_config") or {}, cfg)
-    notes = [f"dry run: the run resumes from {cfg.load} at step {step} ({how})"]
-    if RNG_FILE not in manifest["files"]:
-        notes.append(missing_rng_note(meta))
-    elif resharded or saved != layout:
-        unaffected = "" if config.draws_dropout else NO_DROPOUT
-        notes.append(other_layout_rng_note(saved, layout) + unaffected)
+    notes = []  # in the run's order: the schedule, the resume, the RNG states
     schedule, planned = meta.get("scheduler"), Engine.flags_schedule(cfg)
     if schedule and schedule != planned.state_dict():
         notes.append(
@@ -62,7 +57,12 @@ def resume_notes(cfg, config, layout: Layout, manifest: dict) -> list[str]:
                 LRScheduler(**schedule), planned, step, int(meta.get("schedule_step", step))
             )
         )
-    return notes
+    notes.append(f"dry run: the run resumes from {cfg.load} at step {step} ({how})")
+    if RNG_FILE not in manifest["files"]:
+        notes.append(missing_rng_note(meta))
+    elif resharded or saved != layout:
+        notes.append(other_layout_rng_note(saved, layout))
+    return rng_notes(notes, config.draws_dropout)
 
 
 def rehearse(cfg, layout, plan, notes: list[str]) -> int:

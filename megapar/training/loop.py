@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from megapar.checkpoint.convert import recorded_tokenizer
-from megapar.checkpoint.distributed import RNG_NOT_RESTORED
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint, remove_steps_before_latest
@@ -66,7 +65,7 @@ from megapar.training.logging import (
     perplexity,
 )
 from megapar.training.profiling import StepProfiler, parse_steps
-from megapar.training.resume import NO_DROPOUT, resume_phrase
+from megapar.training.resume import resume_phrase, rng_notes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
@@ -227,16 +226,8 @@ class Trainer:
         self.wandb_run = state.meta.get("wandb_run")
         trained = state.meta.get("train_config") or {}
         how = resume_phrase(state.layout, self.mesh.layout, state.resharded, trained, self.cfg)
-        ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
-            f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
-        )
-        self.notes.append(f"resumed from {path} at step {self.step} ({how}{ignored})")
-        self.notes.extend(
-            note + NO_DROPOUT
-            if note.startswith(RNG_NOT_RESTORED) and not self.config.draws_dropout
-            else note
-            for note in state.notes
-        )
+        self.notes.append(f"resumed from {path} at step {self.step} ({how})")
+        self.notes.extend(rng_notes(state.notes, self.config.draws_dropout))
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self, logger) -> Path:

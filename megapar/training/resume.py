@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from megapar.checkpoint.distributed import RNG_NOT_RESTORED
 from megapar.data.blended import absolute_data
 from megapar.optim import LRScheduler
 
@@ -55,18 +56,26 @@ def recorded_settings(engine) -> dict:
     return settings
 
 
-NO_DROPOUT = " (this model has no dropout: its losses are unaffected)"
-"""What a resume's note that the RNG states are not restored adds for a model without dropout."""
+def rng_notes(notes: list[str], draws_dropout: bool) -> list[str]:
+    """A load's notes, those saying the RNG states are not restored ending, for a model without
+    dropout, with what that leaves unaffected."""
+    unaffected = " (this model has no dropout: its losses are unaffected)"
+    return [
+        note + unaffected if note.startswith(RNG_NOT_RESTORED) and not draws_dropout else note
+        for note in notes
+    ]
 
 
 def resume_phrase(saved, layout, resharded: bool, trained: dict, cfg) -> str:
     """How a resume reaches `layout` from the checkpoint's `saved` layout, for its line:
     "resharded from tp=2 pp=2 dp=1" (`resharded`: its tensors split otherwise), "from ...",
-    or "same layout"; then the settings it changes from `trained` (`setting_changes`)."""
+    or "same layout"; then the settings it changes from `trained` (`setting_changes`), and for
+    a run also given --from-hf (a requeued one) that the checkpoint's weights continue."""
     how = f"from {saved}" if saved != layout else "same layout"
     if resharded:
         how = f"resharded from {saved}"
-    return how + setting_changes(trained, cfg)
+    how += setting_changes(trained, cfg)
+    return how + (f"; its weights, not --from-hf {cfg.from_hf}'s" if cfg.from_hf else "")
 
 
 CHANGES_NAMED = (
