@@ -1260,20 +1260,11 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
     ranks = run(_different_calls, 2, str(tmp_path / "ck"))
     for rank, (out, step) in enumerate(ranks):
         (saved, t1), (evaluated, t2), (polled, t3), (last, _) = out
-        if rank == 0:
-            assert saved == ("train_step: rank 0 is in train_step at step 1 while another rank "
-                             f"is in engine.save; {again}"), saved
-            assert evaluated == ("train_step: rank 0 is in train_step at step 1 while another "
-                                 f"rank is in eval_step; {again}"), evaluated
-            assert polled == ("train_step: rank 0 is in train_step at step 1 while another "
-                              f"rank is in engine.poll_save; {again}"), polled
-        else:
-            assert saved == ("engine.save: rank 1 is in engine.save at step 1 while another "
-                             f"rank is in train_step; {again}"), saved
-            assert evaluated == ("eval_step: rank 1 is in eval_step at step 1 while another "
-                                 f"rank is in train_step; {again}"), evaluated
-            assert polled == ("engine.poll_save: rank 1 is in engine.poll_save at step 1 while "
-                              f"another rank is in train_step; {again}"), polled
+        for line, other in ((saved, "engine.save"), (evaluated, "eval_step"),
+                            (polled, "engine.poll_save")):
+            mine, theirs = ("train_step", other) if rank == 0 else (other, "train_step")
+            assert line == (f"{mine}: rank {rank} is in {mine} at step 1 while another rank is "
+                            f"in {theirs}; {again}"), line
         assert max(t1, t2, t3) < 30, (t1, t2, t3)  # at once, not after the 60 s timeout
         assert last == "accepted" and step == 2, (last, step)
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

@@ -55,25 +55,9 @@ def build_optimizer(
             muon_adjust_lr=muon_adjust_lr,
             muon_ns_dtype=muon_ns_dtype,
         )
-    if zero in (1, 2):
-        return ZeroOptimizer(
-            named,
-            mesh.dp_cp_group,
-            lr,
-            weight_decay,
-            betas,
-            eps,
-            kind,
-            mesh.tp_group,
-            stage=zero,
-            offload=offload,
-            momentum=momentum,
-            muon_adjust_lr=muon_adjust_lr,
-            muon_ns_dtype=muon_ns_dtype,
-            muon_distributed=muon_distributed,
-        )
-    if zero == 3:
-        return Zero3Optimizer(
+    if zero in (1, 2, 3):  # ZeRO-3's over the model's shards, its stage set by the class
+        sharded = {"stage": zero} if zero != 3 else {}
+        return (Zero3Optimizer if zero == 3 else ZeroOptimizer)(
             named,
             mesh.dp_cp_group,
             lr,
@@ -87,6 +71,7 @@ def build_optimizer(
             muon_adjust_lr=muon_adjust_lr,
             muon_ns_dtype=muon_ns_dtype,
             muon_distributed=muon_distributed,
+            **sharded,
         )
     raise ValueError(
         f"zero={zero}: use 0 (no sharding), 1 (optimizer state sharded over data-parallel "
