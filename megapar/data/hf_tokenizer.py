@@ -557,7 +557,8 @@ SPECIAL_ROLES = ("pad", "bos", "eos", "cls", "sep", "mask")
 
 TOKENIZER_TMP = ".tokenizer.tmp-"
 """The prefix of the directory `save_for_transformers` writes and checks a tokenizer in, beside
-its destination, named with `owner_tag` so that the next write there removes a killed one's."""
+its destination, named with `owner_tag` so that the next export there removes a killed one's
+(`checkpoint.hf`'s sweep)."""
 
 
 def save_for_transformers(
@@ -583,7 +584,6 @@ def save_for_transformers(
     hf = to_transformers(tok, vocab_size, sentence_pairs, model_max_length)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
-    remove_stale_temporaries(parent, TOKENIZER_TMP)  # of a writer killed -9 here
     tmp = tempfile.mkdtemp(prefix=f"{TOKENIZER_TMP}{owner_tag()}-", dir=parent)
     try:
         hf.save_pretrained(tmp)
