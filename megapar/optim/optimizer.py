@@ -446,7 +446,8 @@ def step_state(inner: torch.optim.Optimizer, steps: int, p: torch.Tensor) -> tor
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Devices where megapar runs torch's fused AdamW kernel (one pass over parameter, gradient and
-both moments, as Megatron's fused Adam on GPU; faster than the per-tensor loop on either)."""
+both moments, as Megatron's fused Adam on GPU, where the per-tensor loop passes once per
+operation)."""
 
 
 def _inner(
