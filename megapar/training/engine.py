@@ -450,7 +450,8 @@ class Engine:
         batch = check_batch(batch, self.config, what, extra=self.loss_fn is not None)
         mesh = self.mesh
         check_length(batch["input_ids"].shape[1], mesh.cp, mesh.tp, mesh.sequence_parallel)
-        same_call_on_every_rank(what, self.step, self.mesh.device, batch)
+        step = self.step + 1 if what == "train_step" else self.step  # the one it is for
+        same_call_on_every_rank(what, step, self.mesh.device, batch)
         rows = batch["input_ids"].shape[0]
         if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
             raise ValueError(
