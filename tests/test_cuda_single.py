@@ -317,7 +317,7 @@ def test_offload_optimizer_steps_on_the_host_and_frees_the_moments():
     off, 1e-5: the host's fused AdamW against the device's), the masters are pinned host
     copies, and the device holds 8 bytes per parameter less (AdamW's moments), measured with
     the allocator (reported)."""
-    from megapar.optim.offload import copies_wanted
+    from megapar.device import host_copies_wanted
 
     allocated = {}
     runs = {}
@@ -332,7 +332,7 @@ def test_offload_optimizer_steps_on_the_host_and_frees_the_moments():
                          {n: p.detach().cpu().clone() for n, p in engine.model.named_parameters()})
         if offload:
             host = engine.optimizer.host
-            assert host is not None and host.copies == copies_wanted(GPU)
+            assert host is not None and host.copies == host_copies_wanted(GPU)
             if on_cuda():
                 assert all(m.device.type == "cpu" and m.is_pinned() for m in host.masters)
                 assert all(t.device.type == "cpu" for s in engine.optimizer.inner.state.values()

@@ -58,9 +58,10 @@ def export_hf(
     tokenizer_rows: bool = False,
     api: bool = False,
 ) -> Path:
-    """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
-    checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
-    `load_tokenizer` spec, names where it is now; another tokenizer than the recorded one only
+    """A transformers directory (the model's class in `hf_names.ARCHITECTURES`: GPT2LMHeadModel,
+    BertForMaskedLM, LlamaForCausalLM, MixtralForCausalLM, ...) from a checkpoint, with the
+    tokenizer it trained with (`export_tokenizer`: `tokenizer`, a `load_tokenizer` spec, names
+    where it is now; another tokenizer than the recorded one only
     with `allow_other_tokenizer`), in `dtype` (default: the dtype of the Hugging Face model it
     came from, recorded on import, else float32); a causal LM with the generation config of
     the model it was imported from, else one made from its config (`save_hf`); with

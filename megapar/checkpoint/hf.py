@@ -547,7 +547,7 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
 
 
 def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """transformers' state dict (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM names)
+    """transformers' state dict (the names of the model's class in `hf_names.ARCHITECTURES`)
     from canonical tensors."""
     fn = TO_HF[config.model_type]
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}

@@ -38,7 +38,8 @@ def pieces(size: int, dp: int, itemsize: int, host: bool) -> list[tuple[int, int
 def reduce_scatter(flat: torch.Tensor, out: torch.Tensor, dp: int, group, host: bool):
     """Sum `flat` (dp equal slices) over `group` and leave this rank's slice of the sum in `out`
     (which may be that slice of `flat` itself); returns a handle to wait for. On the host, in
-    pieces, at most one staged piece in flight."""
+    pieces, at most two staged pieces in flight (the next issued before the last is waited
+    for)."""
     if dp == 1:  # a one-rank group (the experts' at ep = cp x dp): the sum is the input
         if out.data_ptr() != flat.data_ptr():
             out.copy_(flat)

@@ -17,7 +17,7 @@ One `MoE` layer, on the tokens x [T, H] of a micro-batch:
    (T counts the tokens that are not padding), and left out of the balancing terms and
    statistics, as transformers' attention_mask leaves it out of its load-balancing loss.
 3. `GroupedExperts`: the experts' weights stacked [E, 2I, H] (gate and up) and [E, H, I] (down),
-   transformers 5's layout, so ep can later shard dim 0. `forward(sorted tokens,
+   transformers 5's layout, whose dim 0 ep shards (`mark_expert`). `forward(sorted tokens,
    tokens_per_expert)` is the one entry point a dispatch plugs into: on CUDA one
    `torch._grouped_mm` per projection (no host sync); elsewhere a loop over the experts, each a
    contiguous slice of the sorted tokens (never a loop over tokens), whose slice sizes are read

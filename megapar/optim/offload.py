@@ -33,9 +33,7 @@ import torch
 
 from megapar.device import HOST_COPIES_ENV, host_copies_wanted
 
-__all__ = ["HOST_COPIES_ENV", "HostKeyed", "HostStep", "copies_wanted"]
-
-copies_wanted = host_copies_wanted
+__all__ = ["HOST_COPIES_ENV", "HostKeyed", "HostStep"]
 
 
 class HostKeyed(defaultdict):
@@ -93,7 +91,7 @@ class HostStep:
         device = self.stepped[0].device if self.stepped else torch.device("cpu")
         self.given = masters is not None
         """The masters were given (they hold the weights; nothing is copied back)."""
-        self.copies = self.given or copies_wanted(device)
+        self.copies = self.given or host_copies_wanted(device)
         """Separate host masters (CUDA, or asked for); otherwise the masters are `stepped`."""
         pin = self.pinned = device.type == "cuda"
         if self.copies:

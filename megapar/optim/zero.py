@@ -312,7 +312,7 @@ class ZeroOptimizer(AdamWOptimizer):
         (`shard_comm.all_gather`); elsewhere at most `HALF_BUFFERS_IN_FLIGHT` 16-bit buffers."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
-        halves = 1 if host else self.HALF_BUFFERS_IN_FLIGHT
+        halves = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else self.HALF_BUFFERS_IN_FLIGHT
         handles: list[Any] = []
         for b in self.grad_sync.buckets if only is None else only:
             flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
@@ -330,9 +330,9 @@ class ZeroOptimizer(AdamWOptimizer):
 
     HALF_BUFFERS_IN_FLIGHT = 2
     """At most this many 16-bit gather buffers (each half its bucket's fp32 bytes) are alive
-    at a time (on gloo: one, `Zero1Buckets.MAX_COPIES_IN_FLIGHT`). They live after the step,
-    when autocast's 16-bit copies of the same weights (held through the forwards and
-    backwards, at least as many bytes) are freed: they never raise the step's peak."""
+    at a time (on gloo: `Zero1Buckets.MAX_COPIES_IN_FLIGHT`). They live after the step, when
+    autocast's 16-bit copies of the same weights (held through the forwards and backwards, at
+    least as many bytes) are freed."""
 
     def _gather_half(self, b, flat: torch.Tensor, half: torch.dtype, host: bool):
         """Start the 16-bit all-gather of bucket `b` (`flat`: its range of the fp32 parameter
@@ -352,13 +352,13 @@ class ZeroOptimizer(AdamWOptimizer):
         all-reduce, after the dp reduction (the sum is linear): for the grad syncs whose
         reduced gradients are only this rank's slices (ZeRO-2, ZeRO-3). Every tp rank has the
         same bucket (unit) layout, so its pieces line up. Returns the pieces summed."""
+        if group_size(tp_group) == 1 or not self.sharded:
+            return 0
         grads = [
             _grad(t)
             for t, (p, _, _) in zip(self.pieces, self._piece_of)
             if getattr(p, "sequence_parallel", False)
         ]
-        if group_size(tp_group) == 1 or not self.sharded:
-            return 0
         flat = (
             torch.cat([g.reshape(-1) for g in grads])
             if grads
