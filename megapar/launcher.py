@@ -575,6 +575,8 @@ def _name_the_cause(exc: BaseException) -> None:
     follows from (a stopped rank of this node, else the store's records: `rank 1 failed at
     step 2, ...: KeyError: 'x'`), as megapar-train's error begins with it."""
     error = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, SystemExit):  # exit 0 included: it left the others waiting all the same
+        error = f"SystemExit({exc.code!r}): it exited while the other ranks still waited for it"
     error = error.split("\n", 1)[0][:300]
     if not consequential(error):
         progress.mark_failed(error)
@@ -609,7 +611,9 @@ def launch(
     before CUDA is initialised, where they are forked as well). The process group is set up
     before `fn` runs (use `megapar.prepare` inside it). A failing rank brings all down and
     raises `WorkerError` naming it. Under torchrun / Slurm (RANK / WORLD_SIZE set) `fn` runs
-    once as this process's rank and its value is returned; `nprocs` is then ignored.
+    once as this process's rank and its value is returned; `nprocs` is then ignored (an error
+    `fn` raises is recorded in the job's store, and the ranks that lose this one add a note
+    naming it, its step and its error: `_name_the_cause`).
     One rank is a worker process too, as every rank is. `timeout_s`: give up (naming the
     unfinished ranks) after this long; None waits. More
     processes than `local_worker_limit` (4 per CPU core, at least 8) is a ValueError before any

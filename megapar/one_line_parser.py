@@ -27,6 +27,7 @@ LAYOUT_NAMES = {
     "--pipeline-model-parallel-size": "--pp",
     "--context-parallel-size": "--cp",
     "--expert-model-parallel-size": "--ep",
+    "--data-parallel-size": "--dp",  # Megatron infers it; those who spell it mean --dp
     "--parallelism.tensor_parallel_degree": "--tp",
     "--parallelism.pipeline_parallel_degree": "--pp",
     "--parallelism.context_parallel_degree": "--cp",

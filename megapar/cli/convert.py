@@ -60,7 +60,7 @@ _NOT_IN_FILES = (
 OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
-    **layout_names("--tp", "--pp"),
+    **layout_names("--tp", "--pp", "--dp"),
     "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
     "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
     "--model-type": "the model is the source's own; drop it",

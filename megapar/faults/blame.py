@@ -112,8 +112,8 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
                 f"rank{'s' if len(done) > 1 else ''} {_ranks(done)} returned from the function "
                 f"while rank {first} still waited for {'them' if len(done) > 1 else 'it'}"
                 f"{where(first)}; every rank must make the same megapar calls (prepare, "
-                f"train_step, eval_step, save, load, stragglers) and collectives, in the same "
-                f"order",
+                f"train_step, eval_step, save, load, export_hf, stragglers) and collectives, in "
+                f"the same order",
             )
     same = [r for r, e in rest.items() if _gist(e) == _gist(lines[-1])]
     if same:
