@@ -11,7 +11,7 @@ published formula) for bubbles and in-flight micro-batches, `timing.py` prices e
 `megapar-plan` (megapar/cli/plan.py) is the command.
 """
 
-from megapar.plan.estimate import Estimate, estimate, stage_memory
+from megapar.plan.estimate import Estimate, Shared, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.problem import Problem
 from megapar.plan.search import SIMULATED_LEADERS, Search, cycle_collection_paused, plan, search
@@ -22,6 +22,7 @@ __all__ = [
     "Estimate",
     "Problem",
     "Search",
+    "Shared",
     "check",
     "cycle_collection_paused",
     "enumerate_candidates",
