@@ -32,14 +32,37 @@ LAYOUT_NAMES = {
     "--parallelism.pipeline_parallel_degree": "--pp",
     "--parallelism.context_parallel_degree": "--cp",
     "--parallelism.expert_parallel_degree": "--ep",
+    "--parallelism.data_parallel_shard_degree": "--dp",
+    "--parallelism.data_parallel_replicate_degree": "--dp",
+    "--virtual-pipeline-model-parallel-size": "--virtual-stages",
+    "--num-layers-per-virtual-pipeline-stage": "--virtual-stages",
+    "--tensor-parallel-size": "--tp",  # vLLM's and DeepSpeed-inference's
+    "--pipeline-parallel-size": "--pp",
+    "--tp-size": "--tp",  # SGLang's
+    "--pp-size": "--pp",
+    "--dp-size": "--dp",
+    "--ep-size": "--ep",
 }
-"""Megatron-LM's and torchtitan's names for the parallel sizes, with megapar's flag for each."""
+"""Megatron-LM's, torchtitan's, vLLM's and SGLang's names for the parallel sizes (and the model
+chunks per pipeline rank), with megapar's flag for each."""
+
+
+LAYOUT_NOTES = {
+    "--num-layers-per-virtual-pipeline-stage": " (model chunks per rank: the layers over pp x "
+    "the layers of a chunk)",
+}
+"""What a user of `LAYOUT_NAMES`' name must know to give megapar's flag its value, where the two
+count different things."""
 
 
 def layout_names(*flags: str) -> dict[str, str]:
     """`LAYOUT_NAMES`'s entries for the parallel sizes a tool takes (`"--tp", "--pp"`): each CLI
     answers the other tools' names for its own sizes from this one table."""
-    return {theirs: ours for theirs, ours in LAYOUT_NAMES.items() if ours in flags}
+    return {
+        theirs: ours + LAYOUT_NOTES.get(theirs, "")
+        for theirs, ours in LAYOUT_NAMES.items()
+        if ours in flags
+    }
 
 
 def shell_word(value: str | os.PathLike) -> str:

@@ -52,8 +52,11 @@ from megapar.wording import counted
 OTHER_FLAGS = {
     "--stages": "--pp",
     "--num-stages": "--pp",
-    **layout_names("--tp", "--pp", "--cp"),
+    **layout_names("--tp", "--pp", "--cp", "--virtual-stages"),
     "--num-microbatches": "--microbatches",
+    "--dp": "megapar-bubble measures one pipeline (--pp stages of --tp x --cp ranks each): data "
+    "parallelism runs copies of it side by side and adds no bubble; drop it",
+    "--ep": "megapar-bubble runs a model's experts all on each stage's ranks (ep 1); drop it",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
     "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "
     "YAML config file, e.g. a GPT-2 config with n_layer 7; they need not divide evenly over "

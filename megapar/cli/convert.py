@@ -78,6 +78,10 @@ OTHER_FLAGS = {
     "--target-context-parallel-size": _NOT_IN_FILES.format(
         flag="--cp", what="context parallelism splits no weight"
     ),
+    "--virtual-stages": _NOT_IN_FILES.format(
+        flag="--virtual-stages", what="its layers are saved by their number, not their chunk"
+    ),
+    "--schedule": _NOT_IN_FILES.format(flag="--schedule", what="a schedule holds no weight"),
 }
 """Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
 named `--model`, a --from-dcp option, for `--model-type`), and megapar-train's layout flags no

@@ -54,6 +54,11 @@ OTHER_FLAGS = {
     "(--split-lines makes each blank-line paragraph of a .txt a document); drop it",
     "--keep-newlines": "megapar-data keeps every newline as it is; drop it",
     "--partitions": "--workers",
+    **dict.fromkeys(
+        ("--tp", "--pp", "--cp", "--dp", "--ep", "--virtual-stages"),
+        "megapar-data's output serves every layout (megapar-train reads it at any --tp, --pp, "
+        "--cp and --dp); drop it",
+    ),
     "--log-interval": "megapar-data shows a progress bar when stderr is a terminal; drop it",
 }
 """Megatron-LM's preprocess_data.py flags, answered with megapar-data's (difflib named

@@ -87,6 +87,12 @@ OTHER_FLAGS = {
     "--checkpoint": "--load",
     "--ckpt": "--load",
     **layout_names("--tp", "--pp", "--cp"),
+    "--schedule": "megapar-eval runs the forward alone, stage after stage (no pipeline "
+    "schedule to choose); drop it",
+    "--virtual-stages": "megapar-eval holds each rank's layers as one chunk (a checkpoint does "
+    "not depend on the chunks); drop it",
+    "--zero": "megapar-eval holds no optimizer state and no ZeRO shards (a checkpoint does not "
+    "depend on --zero); drop it",
     "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",

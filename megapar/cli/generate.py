@@ -52,6 +52,12 @@ from megapar.training.validate_resume import checked_step, checkpoint_manifest, 
 
 OTHER_FLAGS = {
     "--cp": "megapar-generate has no context parallelism; drop it, or use --tp / --pp",
+    "--schedule": "megapar-generate runs the forward alone, stage after stage (no pipeline "
+    "schedule to choose); drop it",
+    "--virtual-stages": "megapar-generate holds each rank's layers as one chunk (a checkpoint does "
+    "not depend on the chunks); drop it",
+    "--zero": "megapar-generate holds no optimizer state and no ZeRO shards (a checkpoint does not "
+    "depend on --zero); drop it",
     "--dp": "megapar-generate runs on --tp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-generate holds every expert on each rank; drop it, or use --tp / --pp",
     "--expert-tensor-parallel-size": "megapar-generate holds every expert whole on each rank; "

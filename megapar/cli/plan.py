@@ -134,7 +134,8 @@ OTHER_FLAGS = {
     "--zero": _ONE_SETTING.format(
         what="every ZeRO stage of --zero-stages", key="zero=N", example="dp=8,zero=3,mbs=1"
     ),
-    **dict.fromkeys(layout_names("--tp", "--pp", "--cp"), _ONE_LAYOUT),
+    **dict.fromkeys(layout_names("--tp", "--pp"), _ONE_LAYOUT),
+    **dict.fromkeys(layout_names("--cp"), "--cp-sizes"),
     "--use-distributed-optimizer": _ONE_SETTING.format(
         what="every ZeRO stage of --zero-stages", key="zero=1", example="dp=8,zero=1,mbs=1"
     ),
@@ -142,6 +143,7 @@ OTHER_FLAGS = {
     "--moe-grouped-gemm": "megapar-train runs the experts as one grouped matmul per projection "
     "by itself (on CUDA in bf16); drop it",
     **dict.fromkeys(layout_names("--ep"), _ONE_EP),
+    **layout_names("--virtual-stages"),
     "--tp": _ONE_LAYOUT,
     "--pp": _ONE_LAYOUT,
     "--dp": _ONE_LAYOUT,
