@@ -1252,10 +1252,11 @@ def test_a_dry_run_whose_load_holds_no_checkpoint_says_it_starts_from_scratch(tm
 
 def test_a_dry_run_without_the_data_still_checks_what_the_checkpoint_decides(tmp_path, capsys):
     """A resume's --seed and --val-fraction that cannot continue the checkpoint's data order are
-    refused in the rehearsal with the run's own line, without the data; another --seq-len,
-    which the run refuses where it changes the number of samples it counts, gets a note (a
-    rehearsal of --seq-len 64 had passed without a word: the dry-run tryout's finding); and it
-    says what the resumed run's first lines say."""
+    refused in the rehearsal with the run's own line, without the data; so is another --seq-len
+    on packed text (the shipped sample, raw text: the number of samples always changes), which
+    on a prepared dataset not at hand gets a note (a rehearsal of --seq-len 64 had passed
+    without a word, then with a note where the run refuses: tryouts' findings); and it says
+    what the resumed run's first lines say."""
     ck = tmp_path / "ck"
     common = ["--model", "gpt2-tiny", "--global-batch-size", "2", "--micro-batch-size", "1"]
     rc, _, err = _train([*common, "--seq-len", "16", "--max-steps", "1", "--save", str(ck),
@@ -1263,6 +1264,17 @@ def test_a_dry_run_without_the_data_still_checks_what_the_checkpoint_decides(tmp
     assert rc == 0, err
     rehearse = ["--load", str(ck), "--max-steps", "2", "--dry-run"]
     rc, _, err = _train([*rehearse, "--seq-len", "32"], capsys)
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        f"megapar-train: error: --seq-len 32 differs from the checkpoint's 16: --load {ck} cannot "
+        f"continue its data order (text packed into --seq-len samples: another number of them); "
+        f"resume with --seq-len 16 (or leave it out: the checkpoint's is taken), or pass "
+        f"--allow-data-change to continue on this data on purpose (its data order starts anew)")
+    rc, _, err = _train([*rehearse, "--seq-len", "32", "--allow-data-change"], capsys)
+    assert rc == 0 and ("megapar-train: dry run: --allow-data-change: the run's data order "
+                        "starts anew on --data's samples of --seq-len 32 (the checkpoint's data "
+                        "had ") in err, err
+    rc, _, err = _train([*rehearse, "--seq-len", "32", "--data", str(tmp_path / "corpus")],
+                        capsys)  # a prepared dataset on the cluster: records keep their number
     assert rc == 0 and (f"megapar-train: dry run: --seq-len 32 differs from the checkpoint's 16, "
                         f"and the run refuses it where that changes the number of samples") in err
     rc, _, err = _train([*rehearse, "--seed", "7"], capsys)

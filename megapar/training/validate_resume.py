@@ -32,7 +32,7 @@ from megapar.checkpoint.publish import (
     steps_after,
 )
 from megapar.data.blended import data_paths, parse_blend
-from megapar.data.inputs import parse_sft_keys
+from megapar.data.inputs import is_raw_text, parse_sft_keys
 from megapar.faults import progress
 from megapar.faults.status import set_action
 from megapar.launcher import under_launcher
@@ -562,15 +562,39 @@ def _same_documents(a: list, b: list) -> bool:
 
 def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
     """A rehearsal's `check_resumable` where the data is not at hand: what the checkpoint alone
-    decides is refused with the run's own line (another --seed, another --val-fraction), and
-    another --seq-len, which the run refuses where it changes the number of samples (it
-    counts them), gets a note saying so. Returns the notes."""
+    decides is refused with the run's own line (another --seed, another --val-fraction), as is
+    another --seq-len on text packed into --seq-len samples (raw text or the shipped sample,
+    which always changes their number); on a prepared dataset, which may hold prompt / response
+    records (one sample each at any --seq-len), it gets a note saying the run decides.
+    --allow-data-change's new order gets the note the run's would be. Returns the notes."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
     if "dataset_len" in state:
         check_resumable(cfg, manifest, state["dataset_len"])
     saved = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
-    if cfg.allow_data_change or saved is None or saved == cfg.seq_len:
+    if saved is None or saved == cfg.seq_len:
         return []
+    packed = _packed_text(cfg, manifest)
+    if cfg.allow_data_change:
+        count = state.get("dataset_len")
+        had = f" (the checkpoint's data had {count})" if count is not None else ""
+        return [
+            f"dry run: --allow-data-change: the run's data order starts anew on --data's "
+            f"samples of --seq-len {cfg.seq_len}{had}"
+            + (
+                ""
+                if packed
+                else ", where their number differs (prompt / response records keep theirs: "
+                "a rehearsal without the data cannot count them)"
+            )
+        ]
+    if packed:
+        raise UsageError(
+            f"--seq-len {cfg.seq_len} differs from the checkpoint's {saved}: --load {cfg.load} "
+            f"cannot continue its data order (text packed into --seq-len samples: another "
+            f"number of them); resume with --seq-len {saved} (or leave it out: the "
+            f"checkpoint's is taken), or pass --allow-data-change to continue on this data on "
+            f"purpose (its data order starts anew)"
+        )
     return [
         f"dry run: --seq-len {cfg.seq_len} differs from the checkpoint's {saved}, and the run "
         f"refuses it where that changes the number of samples (text packed into --seq-len "
@@ -578,6 +602,17 @@ def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
         f"data cannot count; resume with --seq-len {saved} (or leave it out) to continue "
         f"--load {cfg.load}'s data order"
     ]
+
+
+def _packed_text(cfg, manifest: dict) -> bool:
+    """Whether the resumed run's data is text packed into --seq-len samples by its paths alone:
+    raw text (or the shipped sample) read without --sft-keys; a prepared dataset may hold
+    prompt / response records, and says so only in its files."""
+    train_config = (manifest.get("meta") or {}).get("train_config") or {}
+    if cfg.sft_keys or train_config.get("sft_keys"):
+        return False
+    data = cfg.data if cfg.data is not None else train_config.get("data")
+    return all(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(data))
 
 
 def check_resumable(
