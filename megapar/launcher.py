@@ -162,7 +162,7 @@ def _worker(
         results.put((rank, "ok", _returned(out, rank)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
         tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
+        results.put((rank, "error", error_line(exc) + tb))
     finally:
         try:
             if dist.is_initialized():
@@ -543,6 +543,7 @@ def run_workers(
         progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
         try:
             out = fn(*args)
+            progress.mark_returned()  # for the ranks a call made here only leaves waiting
         except BaseException as exc:  # a KeyboardInterrupt or SystemExit leaves its peers too
             _name_the_cause(exc)
             raise
@@ -568,16 +569,25 @@ def run_workers(
     )
 
 
+def error_line(exc: BaseException) -> str:
+    """What `fn` raised on a rank, as its report names it (under either launcher): `KeyError:
+    'x'`, a bare `KeyboardInterrupt` where it says nothing more, and an exit as one that left
+    the other ranks waiting (`SystemExit(0)` too), or, with the code a SIGTERM's becomes
+    (`stop.sigterm_as_exit`), as that stop."""
+    if isinstance(exc, SystemExit):
+        if exc.code == stop.SIGTERM_EXIT_CODE:
+            return f"SystemExit({exc.code}): terminated (SIGTERM)"
+        return f"SystemExit({exc.code!r}): it exited while the other ranks still waited for it"
+    return type(exc).__name__ + (f": {exc}" if str(exc) else "")
+
+
 def _name_the_cause(exc: BaseException) -> None:
     """Under torchrun / srun, where no launcher of ours sees every rank, what `fn` raised on
     this rank: an error of its own is recorded in the job's store, for the ranks that lose it
     (`progress.mark_failed`); a lost peer or a timed-out wait gets a note naming the rank it
     follows from (a stopped rank of this node, else the store's records: `rank 1 failed at
     step 2, ...: KeyError: 'x'`), as megapar-train's error begins with it."""
-    error = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-    if isinstance(exc, SystemExit):  # exit 0 included: it left the others waiting all the same
-        error = f"SystemExit({exc.code!r}): it exited while the other ranks still waited for it"
-    error = error.split("\n", 1)[0][:300]
+    error = error_line(exc).split("\n", 1)[0][:300]
     if not consequential(error):
         progress.mark_failed(error)
         return

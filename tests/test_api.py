@@ -1264,11 +1264,25 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
                             (polled, "engine.poll_save")):
             mine, theirs = ("train_step", other) if rank == 0 else (other, "train_step")
             at = 2 if rank == 0 else 1  # the step a train_step is for, the others' done
-            assert line == (f"{mine}: rank {rank} is in {mine} at step {at} while another rank "
-                            f"is in {theirs}; {again}"), line
+            assert line == (f"{mine}: rank {rank} is in {mine} at step {at} while rank "
+                            f"{1 - rank} is in {theirs}; {again}"), line
         assert max(t1, t2, t3) < 30, (t1, t2, t3)  # at once, not after the 60 s timeout
         assert last == "accepted" and step == 2, (last, step)
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_ranks_making_different_calls_are_each_named():
+    """With three calls among four ranks, each rank's line names every other call and its ranks
+    (it named two calls, from the all-reduce's highest and lowest: the re-test's finding); at
+    different steps, each rank's step."""
+    from megapar.training.batch_check import API_CALLS, ranks_doing_otherwise
+
+    calls = [(2, 2), (1, 2), (4, 2), (1, 2)]  # save, eval_step, export_hf, eval_step
+    named = ranks_doing_otherwise(calls, lambda c, _: f"in {API_CALLS[c]}", 0)
+    assert named == "ranks 1, 3 are in eval_step, rank 2 is in engine.export_hf", named
+    steps = [(0, 3), (0, 2), (0, 3), (0, 4)]
+    named = ranks_doing_otherwise(steps, lambda _, s: f"at step {s}", 2)
+    assert named == "rank 1 is at step 2, rank 3 is at step 4", named
 
 
 def _raises_in_the_loop(error):
@@ -1310,6 +1324,46 @@ def test_under_torchrun_a_rank_that_raises_in_the_loop_is_named_by_the_others(tm
     assert codes == [1, 1], outs
     assert (f"rank 1 failed at step 1, train_step returned; in the caller's code: {said}; "
             f"rank 0 gave up waiting") in outs[0], outs[0]
+
+
+def _returns_after_one_step():
+    import torch.distributed as dist
+
+    engine = megapar.prepare("gpt2-tiny", pp=2, micro_batch_size=2, lr=3e-3, timeout_s=20)
+    for step, batch in enumerate(_batches(2)):
+        if step == 1 and dist.get_rank() == 1:
+            return "returned"
+        engine.train_step(batch)
+    return "trained"
+
+
+def _launched_returning_early():
+    import time
+    import traceback
+
+    began = time.monotonic()
+    try:
+        print(megapar.launch(_returns_after_one_step, 2), flush=True)
+    except BaseException as exc:
+        print("".join(traceback.format_exception_only(exc)), flush=True)
+        print(f"after {time.monotonic() - began:.1f} s", flush=True)
+        return 1
+    return 0
+
+
+def test_under_torchrun_a_rank_that_returns_early_is_named_as_returned(tmp_path):
+    """Under torchrun, rank 1 returning from the function after step 1 while rank 0 trains step
+    2: rank 0's error says rank 1 returned, where it said that rank 1 "did not answer ... (killed,
+    stopped, frozen, or its node lost?)" at a step it had finished (the re-test's finding)."""
+    import torch._dynamo  # noqa: F401  # what torch's optimizers import: once, not in each rank
+    from forked import torchrun_ranks
+
+    codes, outs = torchrun_ranks(_launched_returning_early, 2, tmp_path)
+    assert codes == [1, 0], outs
+    assert ("rank 1 returned from the function (its last call: step 1, train_step returned; in "
+            "the caller's code) while rank 0 still waited for it at step 2, train_step: "
+            "checking the batch; every rank must make the same megapar calls") in outs[0], outs[0]
+    assert "did not answer" not in outs[0], outs[0]
 
 
 def _fails_on_rank_1(where):

@@ -1489,8 +1489,8 @@ def test_ranks_that_returned_while_others_waited_are_named_as_the_cause():
     assert lines[0] == (
         "rank 1 returned from the function while rank 0 still waited for it at step 1, "
         "train_step: checking the batch; every rank must make the same megapar calls (prepare, "
-        "train_step, eval_step, save, load, export_hf, stragglers) and collectives, in the same "
-        "order")
+        "train_step, eval_step, save, load, export_hf, params_whole, poll_save, wait_save, "
+        "stragglers) and collectives, in the same order")
     assert lines[1] == f"rank 0 failed: {closed}"
     procs.append(SimpleNamespace(pid=0, exitcode=0))
     lines = blame(procs, {1: None, 2: None}, {0: closed}, statuses + [""]).splitlines()

@@ -22,7 +22,9 @@ from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 
-_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
+_STOPPED = re.compile(
+    r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit\(143\): terminated \(SIGTERM\))$)", re.M
+)
 """How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
 
 

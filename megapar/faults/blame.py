@@ -58,6 +58,13 @@ _PEER = re.compile(r"\bpeers?\b")
 """A lost peer ("closed by peer"): the word, not the letters (a TypeError's name holds them)."""
 
 
+SAME_CALLS = (
+    "every rank must make the same megapar calls (prepare, train_step, eval_step, save, load, "
+    "export_hf, params_whole, poll_save, wait_save, stragglers) and collectives, in the same order"
+)
+"""What a report says where a rank returned from the function while the others waited."""
+
+
 def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None) -> str:
     """The failure report: first the cause, then the ranks that failed because of it.
 
@@ -111,9 +118,7 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
                 0,
                 f"rank{'s' if len(done) > 1 else ''} {_ranks(done)} returned from the function "
                 f"while rank {first} still waited for {'them' if len(done) > 1 else 'it'}"
-                f"{where(first)}; every rank must make the same megapar calls (prepare, "
-                f"train_step, eval_step, save, load, export_hf, stragglers) and collectives, in "
-                f"the same order",
+                f"{where(first)}; {SAME_CALLS}",
             )
     same = [r for r, e in rest.items() if _gist(e) == _gist(lines[-1])]
     if same:

@@ -33,7 +33,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from megapar.faults import status as _status
-from megapar.faults.blame import BUSY_SHARE, behind_first
+from megapar.faults.blame import BUSY_SHARE, SAME_CALLS, behind_first
 
 PUBLISH_S = 1.0
 """How often the publishing thread looks at its rank's status (and sends it when it changed).
@@ -61,6 +61,7 @@ class ProgressRecords:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's restarts
         self.prefix = f"{_KEY}/{attempt}/"
         self.failed = False
+        self.returned = False  # the function returned on this rank (`mark_returned`)
         self.error = ""  # its own error's first line when it failed of itself
         self._lock = threading.Lock()  # the thread's publish and `mark_failed`'s
         self._sent = ""
@@ -88,6 +89,7 @@ class ProgressRecords:
             "cpu_s": round(cpu, 3),
             "at": round(wall, 3),
             "failed": self.failed,
+            **({"returned": True} if self.returned else {}),
         }
         return {**record, "error": self.error} if self.error else record
 
@@ -133,6 +135,12 @@ class ProgressRecords:
         self.failed, self.error = True, error.split("\n", 1)[0][:300]
         self.publish()
 
+    def mark_returned(self) -> None:
+        """Say in the store that the function returned on this rank: ranks still waiting for
+        it name that rather than a rank that stopped answering."""
+        self.returned = True
+        self.publish()
+
     def read(self) -> dict[int, dict]:
         """{rank: record} of every other rank that has one (bounded by the store's timeout);
         none once the connection to the store broke."""
@@ -169,7 +177,8 @@ class ProgressRecords:
     def holding_up(self) -> str:
         """After this rank's wait timed out: "rank R did not answer at step S, action", the
         live rank most likely holding the others up, from the others' records read twice,
-        `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose heartbeat
+        `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose function
+        returned (a call made on some ranks only: `mark_returned`), else the ranks whose heartbeat
         did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
         by `blame.behind_first` (the earliest step, then busy in its own work rather than
         waiting, then using a CPU between the two reads (`cpu_share`), then the lowest rank);
@@ -181,6 +190,19 @@ class ProgressRecords:
             return store_gone() if self.lost else ""
         if failed := _failed_of_itself(first):
             return failed
+        if done := sorted(r for r, x in first.items() if x.get("returned")):
+            own = _status.status() or "its start"
+            if len(done) > 1:
+                return (
+                    f"ranks {', '.join(map(str, done))} returned from the function while rank "
+                    f"{self.rank} still waited for them at {own}; {SAME_CALLS}"
+                )
+            last = first[done[0]].get("status")
+            return (
+                f"rank {done[0]} returned from the function"
+                + (f" (its last call: {last})" if last else "")
+                + f" while rank {self.rank} still waited for it at {own}; {SAME_CALLS}"
+            )
         wait = heartbeat_wait_s()
         time.sleep(wait)
         later = _bounded(self.read, 2 * STORE_TIMEOUT_S, none)
@@ -326,6 +348,14 @@ def holding_up() -> str:
     (megapar's own launcher, which names the rank itself)."""
     records = _records.get("rank")
     return records.holding_up() if records is not None else ""
+
+
+def mark_returned() -> None:
+    """Record that the function returned on this rank (`ProgressRecords.mark_returned`);
+    nothing when no records are published."""
+    records = _records.get("rank")
+    if records is not None:
+        _bounded(records.mark_returned, STORE_TIMEOUT_S, None)
 
 
 def mark_failed(error: str = "") -> None:

@@ -24,6 +24,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from megapar.faults.status import set_action
+from megapar.wording import first_few
+
 BERT_KEYS = ("input_ids", "labels", "token_type_ids", "attention_mask")
 DECODER_KEYS = ("input_ids", "labels")
 
@@ -241,9 +244,12 @@ def same_call_on_every_rank(
     """Raise on every rank (no hang) unless all ranks make the same call (`what`, one of
     `API_CALLS`) at the same step, with the same batch where it takes one: one all-reduce
     (MAX) of [c, -c, s, -s, h, -h] over the world (call, step, the batch's `fingerprint`), read
-    once (each max == -its min)."""
+    once (each max == -its min). Where calls or steps differ, every rank sees it and gathers
+    each rank's (`_calls_of_ranks`), so that the line names them all."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    if batch is None:  # a batch's call said "checking the batch", which this is part of
+        set_action(f"{what}: agreeing on the call with the other ranks")
     h = fingerprint(batch).to(device) if batch is not None else torch.zeros((), dtype=torch.int64)
     c = API_CALLS.index(what)
     signs = torch.tensor([c, -c, step, -step], dtype=torch.int64)
@@ -252,18 +258,22 @@ def same_call_on_every_rank(
     c_high, c_low, s_high, s_low, high, neg_low = (int(x) for x in both.tolist())
     rank = dist.get_rank()
     if c_high != -c_low:
-        others = sorted({API_CALLS[c_high], API_CALLS[-c_low]} - {what})
+        others = ranks_doing_otherwise(
+            _calls_of_ranks(c, step, device), lambda call, _: f"in {API_CALLS[call]}", rank
+        )
         raise RuntimeError(
-            f"{what}: rank {rank} is in {what} at step {step} while another rank is in "
-            f"{' or '.join(others)}; every rank must make the same megapar calls in the same "
-            f"order (train_step, eval_step, save, load, export_hf, params_whole, poll_save, "
-            f"wait_save: each is collective)"
+            f"{what}: rank {rank} is in {what} at step {step} while {others}; every rank must "
+            f"make the same megapar calls in the same order (train_step, eval_step, save, load, "
+            f"export_hf, params_whole, poll_save, wait_save: each is collective)"
         )
     if s_high != -s_low:
+        others = ranks_doing_otherwise(
+            _calls_of_ranks(c, step, device), lambda _, at: f"at step {at}", rank
+        )
         raise RuntimeError(
-            f"{what}: rank {rank} is at step {step} while the ranks' steps run from {-s_low} to "
-            f"{s_high}; every rank must make the same megapar calls in the same order (one "
-            f"skipped a train_step, or loaded another checkpoint)"
+            f"{what}: rank {rank} is at step {step} while {others}; every rank must make the "
+            f"same megapar calls in the same order (one skipped a train_step, or loaded another "
+            f"checkpoint)"
         )
     if high != -neg_low:
         raise ValueError(
@@ -272,3 +282,32 @@ def same_call_on_every_rank(
             f"torch.Generator with a fixed seed (or seed torch's global RNG the same on every "
             f"rank: unseeded processes, torchrun's, differ)"
         )
+
+
+def _calls_of_ranks(c: int, step: int, device: torch.device) -> list[tuple[int, int]]:
+    """Every rank's (call index, step), gathered: on the path where they differ, which every
+    rank takes (they all read the same reduced values)."""
+    mine = torch.tensor([c, step], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [(int(t[0]), int(t[1])) for t in (x.tolist() for x in every)]
+
+
+def ranks_doing_otherwise(calls: list[tuple[int, int]], said, rank: int) -> str:
+    """The ranks whose (call, step) in `calls` (each rank's) `said` ("in eval_step", "at step
+    3") otherwise than `rank`'s, grouped: "rank 1 is in eval_step, ranks 2, 3 are in
+    engine.export_hf" (the first four groups, and how many more)."""
+    own = said(*calls[rank])
+    groups: dict[str, list[int]] = {}
+    for r, (call, at) in enumerate(calls):
+        groups.setdefault(said(call, at), []).append(r)
+    return first_few(
+        [
+            f"rank {ranks[0]} is {text}"
+            if len(ranks) == 1
+            else f"ranks {first_few([str(r) for r in ranks], 8)} are {text}"
+            for text, ranks in groups.items()
+            if text != own
+        ],
+        4,
+    )
