@@ -1271,6 +1271,30 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
 
+def _loads_other_checkpoints(path):
+    import torch.distributed as dist
+
+    engine = megapar.prepare("gpt2-tiny", dp=2, micro_batch_size=2, lr=3e-3, timeout_s=60)
+    for step, batch in enumerate(_batches(2), 1):
+        engine.train_step(batch)
+        engine.save(f"{path}/{step}")
+    try:
+        engine.load(f"{path}/{1 + dist.get_rank()}")  # rank 0 step 1, rank 1 step 2
+    except RuntimeError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_ranks_loading_checkpoints_of_other_steps_stop_at_the_load(run, tmp_path):
+    """Each rank loading a checkpoint of another step raises at the load, naming the steps read
+    (it surfaced only at the next train_step; a save or export straight after would have
+    written weights that differ between ranks: the re-test's finding)."""
+    lines = run(_loads_other_checkpoints, 2, str(tmp_path))
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"engine.load: rank {rank} is at step {1 + rank} while rank "
+                               f"{1 - rank} is at step {2 - rank}; every rank must make"), line
+
+
 def test_ranks_making_different_calls_are_each_named():
     """With three calls among four ranks, each rank's line names every other call and its ranks
     (it named two calls, from the all-reduce's highest and lowest: the re-test's finding); at

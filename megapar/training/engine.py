@@ -667,6 +667,7 @@ class Engine:
         if state.rng:
             self.set_rng_state(state.rng)
         set_step(self.step)
+        same_call_on_every_rank("engine.load", self.step, self.mesh.device)  # the same step read
         _returned("engine.load")
         return state
 
