@@ -247,7 +247,7 @@ TRAIN = [
                                                     "ckpt holds no step_* checkpoints"),
     # a global batch the user gave stays an error on data too small for it
     (["--global-batch-size", "1024"], "fewer than one global batch of 1024"),
-    (["--global-batch-size", "4096"], "fewer than one global batch of 4096: at most"),
+    (["--global-batch-size", "4096"], "fewer than one global batch of 4096"),
     # unbounded work from one flag: refused in one line, from the sizes alone
     (["--dp", "{too_many}"], "local worker processes, more than this machine runs well"),
     # a file that is not what the flag needs: one line, not a traceback

@@ -236,7 +236,9 @@ def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):
     (["--lr-wsd-decay-steps", "5"], "--lr-wsd-decay-steps 5 would be ignored: it shapes the "
                                     "final decay of --lr-decay wsd, and --lr-decay is cosine"),
     (["--global-batch-size", "512"], "fewer than one global batch of 512"),
-    (["--global-batch-size", "65536"], "fewer than one global batch of 65536: at most"),
+    (["--global-batch-size", "65536"], "samples of 128 tokens, fewer than one global "
+                                       "batch of 65536"),
+    (["--global-batch-size", "1000001"], "fewer than one global batch of 1000001: at most"),
 ])
 def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, text):
     rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
@@ -246,7 +248,7 @@ def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, tex
 
 
 @pytest.mark.parametrize("batch, message", [
-    ("65536", "--data {text} holds fewer than one global batch of 65536: at most"),
+    ("1000001", "--data {text} holds fewer than one global batch of 1000001: at most"),
     ("512", "the training split of --data {text} has "),
 ])
 def test_too_little_data_for_one_global_batch_names_the_data(batch, message, capsys, cache,
@@ -257,6 +259,24 @@ def test_too_little_data_for_one_global_batch_names_the_data(batch, message, cap
                "--model", "gpt2-tiny", "--no-progress", "--global-batch-size", batch])
     assert rc == 2
     assert message.format(text=text) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no text in {path}: every input is empty or whitespace"),
+    ("Short text.\n", "the selected documents hold 4 tokens, fewer than one window of --seq-len "
+                      "+ 1 = 33"),
+])
+def test_a_global_batch_given_on_tiny_text_gets_the_texts_own_line(content, message, tmp_path,
+                                                                   capsys):
+    """An empty text, or one shorter than a window, with --global-batch-size given: the line it
+    gets without the flag, where the bound from file sizes said it held "at most 1 sample" (2
+    for the short one; the real-data tryout's finding)."""
+    path = tmp_path / "tiny.txt"
+    path.write_text(content)
+    rc = main(["--data", str(path), "--data-cache", str(tmp_path / "cache"), "--model",
+               "gpt2-tiny", "--seq-len", "32", "--global-batch-size", "4", "--no-progress"])
+    assert rc == 2
+    assert message.format(path=path) in capsys.readouterr().err
 
 
 def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):

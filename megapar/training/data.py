@@ -330,11 +330,20 @@ def data_tokenizer(cfg: TrainConfig):
     return indexed.vocab_size, tokenizer
 
 
-def max_samples(cfg: TrainConfig, model_type: str) -> int:
+EXACTLY_COUNTED = 1_000_000
+"""Data bounded by fewer tokens than this, with a global batch of no more samples, is counted
+exactly in moments (a global batch of 10^9 took minutes to refuse there): `max_samples` leaves
+it to the run's exact line (an empty text's, one shorter than a window, a global batch too
+large)."""
+
+
+def max_samples(cfg: TrainConfig, model_type: str) -> int | None:
     """An upper bound on the samples --data can give, from file sizes alone (nothing is read):
     a token takes at least one byte of text (plus a begin and an end token per document, and a
     document at least one byte) or of a prepared .bin. Prompt / response records (--sft-keys,
-    or a dataset of them) give a sample per record, so at most one per token."""
+    or a dataset of them) give a sample per record, so at most one per token. None where the
+    run counts them exactly at once (`EXACTLY_COUNTED`: a bound of 1 sample for an empty file,
+    2 for a 12-byte one, said more than they hold)."""
 
     tokens, sft = 0, cfg.sft_keys is not None
     for path in data_paths(cfg.data):
@@ -344,6 +353,8 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
         else:
             tokens += os.path.getsize(data + ".bin")
             sft = sft or holds_records(data)
+    if tokens < EXACTLY_COUNTED and cfg.global_batch_size <= EXACTLY_COUNTED:
+        return None
     return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES and not sft else tokens
 
 

@@ -297,7 +297,11 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
-        if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
+        if (
+            most is not None
+            and cfg.global_batch_size > most
+            and "global_batch_size" in explicit(cfg)
+        ):
             raise ValueError(
                 f"{_data_named(cfg)} holds fewer than one global batch of "
                 f"{cfg.global_batch_size}: at most {most:,} sample{'s' * (most != 1)} of "
