@@ -254,8 +254,8 @@ def test_megapar_train_names_the_files_a_text_directory_leaves_unread(inputs, tm
     cfg = parse_args(["--data", str(root), "--data-cache", str(tmp_path / "cache"), "--tokenizer",
                       "sentencepiece", "--model", "gpt2-tiny", "--seq-len", "16", "--no-progress"])
     train_cli.plan_run(cfg, notes)
-    assert [n for n in notes if "not read for their type" in n] == [
-        f"--data {root}: 1 file not read for their type (not .txt / .jsonl / .json / "
+    assert [n for n in notes if "not read for its type" in n] == [
+        f"--data {root}: 1 file not read for its type (not .txt / .jsonl / .json / "
         f".parquet; e.g. {root / 'sub' / 'table.csv'})"], notes
 
 

@@ -181,7 +181,8 @@ def _resolve_one(
             skipped, tokenizer = unread_inputs([data])
             if skipped:
                 notes.append(
-                    f"--data {data}: {counted(len(skipped), 'file')} not read for their type "
+                    f"--data {data}: {counted(len(skipped), 'file')} not read for "
+                    f"{'its' if len(skipped) == 1 else 'their'} type "
                     f"(not {' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
                 )
             if tokenizer:
