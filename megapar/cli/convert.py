@@ -82,6 +82,8 @@ OTHER_FLAGS = {
         flag="--virtual-stages", what="its layers are saved by their number, not their chunk"
     ),
     "--schedule": _NOT_IN_FILES.format(flag="--schedule", what="a schedule holds no weight"),
+    "--to-megatron": "megapar-convert reads Megatron-LM's checkpoints (--from-megatron) but "
+    "writes none: give --to-hf (which Megatron's own converters import) or --to-dcp",
 }
 """Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
 named `--model`, a --from-dcp option, for `--model-type`), and megapar-train's layout flags no

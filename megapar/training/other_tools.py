@@ -200,7 +200,8 @@ OTHER_TOOLS_FLAGS = {
     "--master-weights": FP32_WEIGHTS,
     "--master_weights": FP32_WEIGHTS,
     "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD)",
-    "--lr-warmup-iters": "--warmup-steps",
+    "--lr-warmup-iters": "--warmup-steps (step s of W trains at --lr x (s+1)/W, where Megatron's "
+    "first iteration trains at lr 0: its warmup one step ahead, the same from its end on)",
     "--lr-wsd-decay-iters": "--lr-wsd-decay-steps (with --lr-decay wsd)",
     "--lr-wsd-decay-samples": "--lr-wsd-decay-steps with --lr-decay wsd (megapar counts "
     "steps: the samples over the global batch size)",
@@ -273,7 +274,8 @@ OTHER_TOOLS_FLAGS = {
     "--use-checkpoint-args": "on --load the model and every setting not given are the "
     "checkpoint's; drop it",
     "--training.dataset_path": "--data",
-    "--split": "--val-fraction",
+    "--split": "--val-fraction (the share held out for validation: 949,50,1 is about 0.05, as "
+    "whole documents --seed picks rather than a contiguous range; there is no test split)",
     "--vocab-file": "--tokenizer",
     "--merge-file": "--tokenizer",
     "--tokenizer-type": "--tokenizer",
