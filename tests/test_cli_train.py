@@ -6,6 +6,7 @@ The CLI is called in-process (`main(argv)`), so its workers are forked from this
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,6 +278,26 @@ def test_a_global_batch_given_on_tiny_text_gets_the_texts_own_line(content, mess
                "gpt2-tiny", "--seq-len", "32", "--global-batch-size", "4", "--no-progress"])
     assert rc == 2
     assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_a_split_far_above_val_fraction_says_why(tmp_path, capsys):
+    """Two long documents: the validation split holds out one whole (about half the samples,
+    where --val-fraction asks 5 %), and the data line says why and how to train on all (it gave
+    the count alone: the real-data tryout's finding)."""
+    from importlib.resources import files
+
+    text = (files("megapar") / "assets/shakespeare_sample.txt").read_text()[:40000]
+    path = tmp_path / "two.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in (text[:20000], text[20000:])))
+    rc = main(["--data", str(path), "--data-cache", str(tmp_path / "cache"), "--model",
+               "gpt2-tiny", "--seq-len", "32", "--max-steps", "1", "--global-batch-size", "4",
+               "--no-progress"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    said = re.search(r"samples held out for validation: (\d+)%, where --val-fraction 0.05 asks "
+                     r"5%, since the split holds out whole documents, at least one global batch "
+                     r"of them; --val-fraction 0 trains on all\)", err)
+    assert said and 40 <= int(said[1]) <= 60, err
 
 
 def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):

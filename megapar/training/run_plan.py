@@ -550,13 +550,22 @@ def _training_split(
 
 def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
     """The log's line on how much data the run has and how much of it the run reads: its
-    training samples, those held out for validation, and --max-steps' share of an epoch."""
+    training samples, those held out for validation (and why, where they are far more than
+    --val-fraction's share: whole documents, at least a global batch), and --max-steps' share
+    of an epoch."""
     drawn = cfg.max_steps * cfg.global_batch_size
     share = drawn / samples
     epochs = f"{share:.2f} of an epoch" if share < 1 else f"{share:.1f} epochs"
     validation = (
         f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
     )
+    if held and held > 2 * cfg.val_fraction * (samples + held):  # a few long documents
+        validation = (
+            f" ({counted(held, 'sample')} held out for validation: "
+            f"{held / (samples + held):.0%}, where --val-fraction {cfg.val_fraction} asks "
+            f"{cfg.val_fraction:.0%}, since the split holds out whole documents, at least one "
+            f"global batch of them; --val-fraction 0 trains on all)"
+        )
     return (
         f"data: {_data_named(cfg)} holds {counted(samples, 'training sample')} of "
         f"{cfg.seq_len} tokens{validation}; --max-steps {cfg.max_steps} x "
