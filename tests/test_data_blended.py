@@ -198,14 +198,14 @@ def test_blend_trains_the_same_in_any_layout_and_resumes_exactly(parts, tmp_path
               "--no-progress", "--log-interval", "1"]
     serial, parallel, resumed = (tmp_path / f"{n}.jsonl" for n in ("s", "p", "r"))
     assert train([*common, "--log-json", str(serial)]) == 0
-    assert "blend over 32 samples:" in capfd.readouterr().out
+    assert "blend: the 32 samples drawn:" in capfd.readouterr().out
     ckpt = tmp_path / "ckpt"
     assert train([*common, "--dp", "2", "--log-json", str(parallel), "--save", str(ckpt),
                   "--save-interval", "2"]) == 0
     capfd.readouterr()
     assert train([*common, "--pp", "2", "--log-json", str(resumed),
                   "--load", str(ckpt / "step_00000002")]) == 0
-    assert "blend over 16 samples:" in capfd.readouterr().out  # steps 3-4: what it will see
+    assert "blend: the 16 samples drawn:" in capfd.readouterr().out  # steps 3-4: what it will see
     ref = _losses(serial)
     got = _losses(parallel)
     both = got[:2] + _losses(resumed)
