@@ -36,7 +36,7 @@ from megapar.data.inputs import is_raw_text, parse_sft_keys
 from megapar.faults import progress
 from megapar.faults.status import set_action
 from megapar.launcher import under_launcher
-from megapar.models.config import config_from_dict
+from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
@@ -606,10 +606,14 @@ def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
 
 def _packed_text(cfg, manifest: dict) -> bool:
     """Whether the resumed run's data is text packed into --seq-len samples by its paths alone:
-    raw text (or the shipped sample) read without --sft-keys; a prepared dataset may hold
-    prompt / response records, and says so only in its files."""
+    raw text (or the shipped sample) read without --sft-keys by a causal LM; a prepared dataset
+    may hold prompt / response records, and says so only in its files; BERT's masked-LM
+    samples are each document's chunks, as many at any --seq-len for documents shorter than
+    both."""
     train_config = (manifest.get("meta") or {}).get("train_config") or {}
     if cfg.sft_keys or train_config.get("sft_keys"):
+        return False
+    if (manifest.get("model") or {}).get("model_type") not in CAUSAL_LM_TYPES:
         return False
     data = cfg.data if cfg.data is not None else train_config.get("data")
     return all(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(data))
