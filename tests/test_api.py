@@ -1274,25 +1274,37 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
 def _loads_other_checkpoints(path):
     import torch.distributed as dist
 
+    def load(engine, ours):
+        try:
+            engine.load(ours)
+        except RuntimeError as exc:
+            return str(exc)
+        return "loaded"
+
     engine = megapar.prepare("gpt2-tiny", dp=2, micro_batch_size=2, lr=3e-3, timeout_s=60)
     for step, batch in enumerate(_batches(2), 1):
         engine.train_step(batch)
         engine.save(f"{path}/{step}")
-    try:
-        engine.load(f"{path}/{1 + dist.get_rank()}")  # rank 0 step 1, rank 1 step 2
-    except RuntimeError as exc:
-        return str(exc)
-    return "loaded"
+    steps = load(engine, f"{path}/{1 + dist.get_rank()}")  # rank 0 step 1, rank 1 step 2
+    other = megapar.prepare("gpt2-tiny", dp=2, micro_batch_size=2, lr=1e-2, timeout_s=60)
+    other.train_step(_batches(1)[0])
+    other.save(f"{path}/other")  # step 1 too, other weights
+    files = load(other, f"{path}/{'1' if dist.get_rank() == 0 else 'other'}")
+    return steps, files
 
 
-def test_ranks_loading_checkpoints_of_other_steps_stop_at_the_load(run, tmp_path):
+def test_ranks_loading_other_checkpoints_stop_at_the_load(run, tmp_path):
     """Each rank loading a checkpoint of another step raises at the load, naming the steps read
     (it surfaced only at the next train_step; a save or export straight after would have
-    written weights that differ between ranks: the re-test's finding)."""
-    lines = run(_loads_other_checkpoints, 2, str(tmp_path))
-    for rank, line in enumerate(lines):
-        assert line.startswith(f"engine.load: rank {rank} is at step {1 + rank} while rank "
-                               f"{1 - rank} is at step {2 - rank}; every rank must make"), line
+    written weights that differ between ranks); loading checkpoints of one step with other files
+    raises too, naming that (it loaded: re-tests' findings)."""
+    results = run(_loads_other_checkpoints, 2, str(tmp_path))
+    for rank, (steps, files) in enumerate(results):
+        assert steps.startswith(f"engine.load: rank {rank} is at step {1 + rank} while rank "
+                                f"{1 - rank} is at step {2 - rank}; every rank must make"), steps
+        assert files == (f"engine.load: rank {rank} read another checkpoint of step 1 than other "
+                         f"ranks (its manifest lists other files); every rank must load the "
+                         f"same checkpoint"), files
 
 
 def test_ranks_making_different_calls_are_each_named():

@@ -239,18 +239,28 @@ call's collectives with another's and waiting out the timeout."""
 
 
 def same_call_on_every_rank(
-    what: str, step: int, device: torch.device, batch: dict[str, torch.Tensor] | None = None
+    what: str,
+    step: int,
+    device: torch.device,
+    batch: dict[str, torch.Tensor] | None = None,
+    read: int | None = None,
 ) -> None:
     """Raise on every rank (no hang) unless all ranks make the same call (`what`, one of
     `API_CALLS`) at the same step, with the same batch where it takes one: one all-reduce
     (MAX) of [c, -c, s, -s, h, -h] over the world (call, step, the batch's `fingerprint`), read
     once (each max == -its min). Where calls or steps differ, every rank sees it and gathers
-    each rank's (`_calls_of_ranks`), so that the line names them all."""
+    each rank's (`_calls_of_ranks`), so that the line names them all. `read`: in place of a
+    batch, a fingerprint of the checkpoint a load read (its manifest's files), the same on
+    every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     if batch is None:  # a batch's call said "checking the batch", which this is part of
         set_action(f"{what}: agreeing on the call with the other ranks")
-    h = fingerprint(batch).to(device) if batch is not None else torch.zeros((), dtype=torch.int64)
+    h = (
+        fingerprint(batch).to(device)
+        if batch is not None
+        else torch.tensor(read or 0, dtype=torch.int64)
+    )
     c = API_CALLS.index(what)
     signs = torch.tensor([c, -c, step, -step], dtype=torch.int64)
     both = torch.cat([signs.to(device), torch.stack([h, -h]).to(device)])
@@ -274,6 +284,11 @@ def same_call_on_every_rank(
             f"{what}: rank {rank} is at step {step} while {others}; every rank must make the "
             f"same megapar calls in the same order (one skipped a train_step, or loaded another "
             f"checkpoint)"
+        )
+    if high != -neg_low and batch is None:
+        raise RuntimeError(
+            f"{what}: rank {rank} read another checkpoint of step {step} than other ranks (its "
+            f"manifest lists other files); every rank must load the same checkpoint"
         )
     if high != -neg_low:
         raise ValueError(

@@ -13,9 +13,11 @@ Every rank calls every method together (they are collective).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from megapar.checkpoint.distributed import (
 )
 from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import steps_after
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
@@ -667,7 +670,10 @@ class Engine:
         if state.rng:
             self.set_rng_state(state.rng)
         set_step(self.step)
-        same_call_on_every_rank("engine.load", self.step, self.mesh.device)  # the same step read
+        read = zlib.crc32(
+            json.dumps(read_manifest(state.path or path)["files"], sort_keys=True).encode()
+        )
+        same_call_on_every_rank("engine.load", self.step, self.mesh.device, read=read)
         _returned("engine.load")
         return state
 
