@@ -356,7 +356,9 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int | None:
             sft = sft or holds_records(data)
     if tokens < EXACTLY_COUNTED and cfg.global_batch_size <= EXACTLY_COUNTED:
         return None
-    return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES and not sft else tokens
+    if model_type in CAUSAL_LM_TYPES and not sft:  # GPTDataset's count of those tokens
+        return max(0, (tokens - 1) // cfg.seq_len)
+    return tokens
 
 
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
