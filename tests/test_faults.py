@@ -878,7 +878,7 @@ def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
     lines = text.splitlines()
     assert lines[0] == ("rank 1 did not answer (it is stopped (SIGSTOP / SIGTSTP?)) at step 5, "
                         "forward of micro-batch 1"), text
-    assert lines[1] == "(ranks [0] were still waiting)", text
+    assert lines[1] == "(rank 0 was still waiting)", text
 
 
 def test_a_type_error_is_the_cause_not_the_lost_connections_it_left():
@@ -919,7 +919,7 @@ def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_fo
         text = blame(procs, {}, {2: timeout.format(2)},
                      [dp_wait, dp_wait, forward.format(0), forward.format(0)])
         assert text.splitlines()[:2] == [f"rank 3 did not answer at {forward.format(0)}",
-                                         "(ranks [0, 1] were still waiting)"], text
+                                         "(ranks 0 and 1 were still waiting)"], text
         line, log = worker_failure(text, tmp_path)
         assert line == f"rank 3 did not answer at {forward.format(0)}" and log.endswith("rank3.log")
         # pp 2 x dp 2: a receive waits for rank 3; the step behind comes first

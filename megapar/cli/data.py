@@ -56,8 +56,8 @@ OTHER_FLAGS = {
     "--partitions": "--workers",
     **dict.fromkeys(
         ("--tp", "--pp", "--cp", "--dp", "--ep", "--virtual-stages"),
-        "megapar-data's output serves every layout (megapar-train reads it at any --tp, --pp, "
-        "--cp and --dp); drop it",
+        "megapar-data's output serves every layout (megapar-train reads it at any parallel "
+        "sizes); drop it",
     ),
     "--log-interval": "megapar-data shows a progress bar when stderr is a terminal; drop it",
 }

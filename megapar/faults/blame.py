@@ -106,7 +106,10 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
             for r in named
         ]
         if len(named) < len(silent):  # waiting for it, their timeout not yet up
-            lines.append(f"(ranks {[r for r in silent if r not in named]} were still waiting)")
+            waiting = [r for r in silent if r not in named]
+            lines.append(
+                f"({_rank_words(waiting)} {'was' if len(waiting) == 1 else 'were'} still waiting)"
+            )
         rest = errors
     else:
         first = min(errors)
@@ -122,7 +125,7 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
             )
     same = [r for r, e in rest.items() if _gist(e) == _gist(lines[-1])]
     if same:
-        lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
+        lines.append(f"({_rank_words(sorted(same))} stopped for the same reason)")
     rest = {r: e for r, e in rest.items() if r not in same}
     if rest:
         lines.append(
@@ -301,6 +304,11 @@ def forget_stale_marks() -> None:
         parent = entry.name[len(_MARKS_PREFIX) :].split("-")[0]
         if parent.isdigit() and not pid_alive(int(parent)):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _rank_words(ranks: list[int]) -> str:
+    """ "rank 1", or "ranks 1, 2 and 3"."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
 
 
 def _ranks(ranks: list[int]) -> str:
