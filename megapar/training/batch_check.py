@@ -20,6 +20,7 @@ batch is checked in the user's process, with one clear error naming the fix:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -286,9 +287,18 @@ def same_call_on_every_rank(
             f"checkpoint)"
         )
     if high != -neg_low and batch is None:
+        groups: dict[int, list[int]] = {}
+        for r, (_, _, read_there) in enumerate(_calls_of_ranks(c, step, device, h)):
+            groups.setdefault(read_there, []).append(r)
+        who = [
+            f"rank {rs[0]}" if len(rs) == 1 else f"ranks {first_few([str(r) for r in rs], 8)}"
+            for rs in groups.values()
+        ]
         raise RuntimeError(
-            f"{what}: rank {rank} read another checkpoint of step {step} than other ranks (its "
-            f"manifest lists other files); every rank must load the same checkpoint"
+            f"{what}: the ranks read {len(groups)} different checkpoints of step {step} (their "
+            f"manifests list other files): {who[0]} read one, "
+            f"{first_few([f'{w} another' for w in who[1:]], 4)}; every rank must load the same "
+            f"checkpoint"
         )
     if high != -neg_low:
         raise ValueError(
@@ -299,22 +309,25 @@ def same_call_on_every_rank(
         )
 
 
-def _calls_of_ranks(c: int, step: int, device: torch.device) -> list[tuple[int, int]]:
-    """Every rank's (call index, step), gathered: on the path where they differ, which every
-    rank takes (they all read the same reduced values)."""
-    mine = torch.tensor([c, step], dtype=torch.int64, device=device)
+def _calls_of_ranks(
+    c: int, step: int, device: torch.device, h: torch.Tensor | None = None
+) -> list[tuple[int, int, int]]:
+    """Every rank's (call index, step, fingerprint), gathered: on the path where they differ,
+    which every rank takes (they all read the same reduced values)."""
+    read = int(h) if h is not None else 0
+    mine = torch.tensor([c, step, read], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return [(int(t[0]), int(t[1])) for t in (x.tolist() for x in every)]
+    return [(int(t[0]), int(t[1]), int(t[2])) for t in (x.tolist() for x in every)]
 
 
-def ranks_doing_otherwise(calls: list[tuple[int, int]], said, rank: int) -> str:
+def ranks_doing_otherwise(calls: Sequence[tuple[int, ...]], said, rank: int) -> str:
     """The ranks whose (call, step) in `calls` (each rank's) `said` ("in eval_step", "at step
     3") otherwise than `rank`'s, grouped: "rank 1 is in eval_step, ranks 2, 3 are in
     engine.export_hf" (the first four groups, and how many more)."""
-    own = said(*calls[rank])
+    own = said(*calls[rank][:2])
     groups: dict[str, list[int]] = {}
-    for r, (call, at) in enumerate(calls):
+    for r, (call, at, *_) in enumerate(calls):
         groups.setdefault(said(call, at), []).append(r)
     return first_few(
         [

@@ -657,6 +657,8 @@ class Engine:
             )
         self.in_its_group("engine.load")
         same_call_on_every_rank("engine.load", self.step, self.mesh.device)
+        if self.saver is not None:  # its own background save of `path` may be in flight
+            self.saver.wait()
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_everywhere(
                 str(path),
