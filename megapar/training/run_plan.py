@@ -563,8 +563,8 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
         validation = (
             f" ({counted(held, 'sample')} held out for validation: "
             f"{held / (samples + held):.0%}, where --val-fraction {cfg.val_fraction} asks "
-            f"{cfg.val_fraction:.0%}, since the split holds out whole documents, at least one "
-            f"global batch of them; --val-fraction 0 trains on all)"
+            f"{cfg.val_fraction * 100:.3g}%, since the split holds out whole documents, at "
+            f"least one global batch of them; --val-fraction 0 trains on all)"
         )
     return (
         f"data: {_data_named(cfg)} holds {counted(samples, 'training sample')} of "

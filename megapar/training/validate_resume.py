@@ -571,8 +571,9 @@ def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
     if "dataset_len" in state:
         check_resumable(cfg, manifest, state["dataset_len"])
     saved = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
-    if saved is None or saved == cfg.seq_len:
-        return []
+    train_config = (manifest.get("meta") or {}).get("train_config") or {}
+    if saved is None or saved == cfg.seq_len or cfg.sft_keys or train_config.get("sft_keys"):
+        return []  # prompt / response records: one sample each at any --seq-len
     packed = _packed_text(cfg, manifest)
     if cfg.allow_data_change:
         count = state.get("dataset_len")
