@@ -242,6 +242,26 @@ def test_plot_log_draws_loss_and_val_loss(tmp_path, capsys):
     assert "--log-json" in capsys.readouterr().out
 
 
+def test_plot_log_draws_a_list_per_element_and_names_a_file_without_points(tmp_path, capsys):
+    """A MoE log's moe_tokens_per_expert (a list) is a curve per expert, and an fp16 log whose
+    grad_norm is null on every step says so per file (it called the list field absent and left
+    the null one out without a word: the metrics audit's finding)."""
+    moe, fp16 = tmp_path / "moe.jsonl", tmp_path / "fp16.jsonl"
+    moe.write_text("".join(json.dumps({"step": s, "grad_norm": 1.0,
+                                       "moe_tokens_per_expert": [s, 2 * s]}) + "\n"
+                           for s in (1, 2)))
+    fp16.write_text("".join(json.dumps({"step": s, "grad_norm": None}) + "\n" for s in (1, 2)))
+    tool = load_tool("plot_log")
+    series = tool.read_series(moe, ["moe_tokens_per_expert"])
+    assert series == {"moe_tokens_per_expert/0": ([1, 2], [1.0, 2.0]),
+                      "moe_tokens_per_expert/1": ([1, 2], [2.0, 4.0])}
+    assert tool.main([str(moe), str(fp16), "-o", str(tmp_path / "p.png"), "--metrics",
+                      "grad_norm,moe_tokens_per_expert"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{fp16}: grad_norm: 0 points" in out and f"{moe}: grad_norm: 2 points" in out, out
+    assert "moe_tokens_per_expert/1: 2 points" in out and "left out" not in err, (out, err)
+
+
 def test_show_schedule_prints_each_stage_program_with_its_message_groups(capsys):
     assert main(["--pp", "2", "--microbatches", "3", "--schedule", "1f1b", "--show-schedule"]) == 0
     out = capsys.readouterr().out.splitlines()

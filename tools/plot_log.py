@@ -8,8 +8,10 @@ Usage::
 Each LOG is a file written by ``megapar-train --log-json LOG``: one JSON record per logged step
 ({"step", "loss", "lr", ..., and "val_loss" on evaluation steps}). A resumed run keeps the
 file's records up to its checkpoint's step and appends after them; a step logged twice (a file
-joined from two) keeps its last record. A metric no file records is named on stderr and left
-out of the chart. With several files (e.g. two layouts of
+joined from two) keeps its last record. A list field (`moe_tokens_per_expert`) is one curve per
+element (`moe_tokens_per_expert/0`, ...), as TensorBoard draws it. A metric a file has no point
+of (none recorded, or null on every step: grad_norm of an fp16 run that overflowed throughout)
+is said per file as 0 points; one no file records is named on stderr and left out of the chart. With several files (e.g. two layouts of
 the same run) every curve is labelled with its file name.
 """
 
@@ -28,8 +30,9 @@ STYLES = {"loss": dict(linewidth=1.2), "val_loss": dict(marker="o", linewidth=1.
 
 
 def read_series(path, metrics) -> dict[str, tuple[list[int], list[float]]]:
-    """{metric: (steps, values)} sorted by step; a step logged again (resume) keeps the last."""
-    latest: dict[str, dict[int, float]] = {k: {} for k in metrics}
+    """{metric: (steps, values)} sorted by step, a list field's element i as `metric/i`; a step
+    logged again (resume) keeps the last."""
+    latest: dict[str, dict[int, float]] = {}
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -37,10 +40,16 @@ def read_series(path, metrics) -> dict[str, tuple[list[int], list[float]]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from None
+        if "step" not in record:
+            continue
         for key in metrics:
-            if isinstance(record.get(key), (int, float)) and "step" in record:
-                latest[key][int(record["step"])] = float(record[key])
-    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in latest.items() if v}
+            value = record.get(key)
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    name = f"{key}/{i}" if isinstance(value, list) else key
+                    latest.setdefault(name, {})[int(record["step"])] = float(v)
+    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in latest.items()}
 
 
 def main(argv=None) -> int:
@@ -78,7 +87,10 @@ def main(argv=None) -> int:
             ax.plot(steps, values, label=label, **STYLES.get(key, {}))
             print(f"{log}: {key}: {len(steps)} points, steps {steps[0]}..{steps[-1]}, "
                   f"last {values[-1]:.4f}")
-            drawn.add(key)
+            drawn.add(key.split("/", 1)[0] if key.split("/", 1)[0] in metrics else key)
+        for key in metrics:
+            if not any(k == key or k.startswith(f"{key}/") for k in series):
+                print(f"{log}: {key}: 0 points")
     if not drawn:
         print(f"plot_log: error: no {', '.join(metrics)} records in {', '.join(args.logs)}",
               file=sys.stderr)
