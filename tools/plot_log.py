@@ -11,8 +11,8 @@ file's records up to its checkpoint's step and appends after them; a step logged
 joined from two) keeps its last record. A list field (`moe_tokens_per_expert`) is one curve per
 element (`moe_tokens_per_expert/0`, ...), as TensorBoard draws it. A metric a file has no point
 of (none recorded, or null on every step: grad_norm of an fp16 run that overflowed throughout)
-is said per file as 0 points; one no file records is named on stderr and left out of the chart. With several files (e.g. two layouts of
-the same run) every curve is labelled with its file name.
+is said per file as 0 points; one no file records is named on stderr and left out of the chart.
+With several files (e.g. two layouts of the same run) every curve is labelled with its file name.
 """
 
 from __future__ import annotations
