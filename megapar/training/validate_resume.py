@@ -564,14 +564,15 @@ def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
     """A rehearsal's `check_resumable` where the data is not at hand: what the checkpoint alone
     decides is refused with the run's own line (another --seed, another --val-fraction), as is
     another --seq-len on text packed into --seq-len samples (raw text or the shipped sample,
-    which always changes their number); on a prepared dataset, which may hold prompt / response
-    records (one sample each at any --seq-len), it gets a note saying the run decides.
+    which always changes their number); with --sft-keys (records, one sample each at any
+    --seq-len) nothing; on a prepared dataset, which may hold prompt / response records, a
+    note saying the run decides.
     --allow-data-change's new order gets the note the run's would be. Returns the notes."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
     if "dataset_len" in state:
         check_resumable(cfg, manifest, state["dataset_len"])
-    saved = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
     train_config = (manifest.get("meta") or {}).get("train_config") or {}
+    saved = train_config.get("seq_len")
     if saved is None or saved == cfg.seq_len or cfg.sft_keys or train_config.get("sft_keys"):
         return []  # prompt / response records: one sample each at any --seq-len
     packed = _packed_text(cfg, manifest)
@@ -606,14 +607,12 @@ def check_resumable_without_data(cfg, manifest: dict) -> list[str]:
 
 
 def _packed_text(cfg, manifest: dict) -> bool:
-    """Whether the resumed run's data is text packed into --seq-len samples by its paths alone:
-    raw text (or the shipped sample) read without --sft-keys by a causal LM; a prepared dataset
-    may hold prompt / response records, and says so only in its files; BERT's masked-LM
-    samples are each document's chunks, as many at any --seq-len for documents shorter than
-    both."""
+    """Whether the resumed run's data (read without --sft-keys) is text packed into --seq-len
+    samples by its paths alone: raw text (or the shipped sample) read by a causal LM; a
+    prepared dataset may hold prompt / response records, and says so only in its files; BERT's
+    masked-LM samples are each document's chunks, as many at any --seq-len for documents
+    shorter than both."""
     train_config = (manifest.get("meta") or {}).get("train_config") or {}
-    if cfg.sft_keys or train_config.get("sft_keys"):
-        return False
     if (manifest.get("model") or {}).get("model_type") not in CAUSAL_LM_TYPES:
         return False
     data = cfg.data if cfg.data is not None else train_config.get("data")
