@@ -127,6 +127,8 @@ class LoadedState:
     path: Path | None = None
     notes: list[str] = field(default_factory=list)
     """Human-readable remarks (RNG not restored, non-structural config differences)."""
+    files: dict = field(default_factory=dict)
+    """The manifest's record of each file (bytes, sha256): what identifies the checkpoint read."""
 
 
 def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
@@ -503,7 +505,15 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         notes.append(other_layout_rng_note(src, mesh.layout))
     reader.release()
     return LoadedState(
-        optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir, notes
+        optim,
+        manifest["meta"],
+        rng,
+        resharded,
+        manifest["step"],
+        src,
+        step_dir,
+        notes,
+        files=manifest["files"],
     )
 
 

@@ -34,7 +34,6 @@ from megapar.checkpoint.distributed import (
 )
 from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 from megapar.checkpoint.format import CheckpointError
-from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import steps_after
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
@@ -672,9 +671,7 @@ class Engine:
         if state.rng:
             self.set_rng_state(state.rng)
         set_step(self.step)
-        read = zlib.crc32(
-            json.dumps(read_manifest(state.path or path)["files"], sort_keys=True).encode()
-        )
+        read = zlib.crc32(json.dumps(state.files, sort_keys=True).encode())
         same_call_on_every_rank("engine.load", self.step, self.mesh.device, read=read)
         _returned("engine.load")
         return state
