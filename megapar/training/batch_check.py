@@ -20,7 +20,7 @@ batch is checked in the user's process, with one clear error naming the fix:
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -270,7 +270,7 @@ def same_call_on_every_rank(
     rank = dist.get_rank()
     if c_high != -c_low:
         others = ranks_doing_otherwise(
-            _calls_of_ranks(c, step, device), lambda call, _: f"in {API_CALLS[call]}", rank
+            _calls_of_ranks(c, step, 0, device), lambda call, _: f"in {API_CALLS[call]}", rank
         )
         raise RuntimeError(
             f"{what}: rank {rank} is in {what} at step {step} while {others}; every rank must "
@@ -279,7 +279,7 @@ def same_call_on_every_rank(
         )
     if s_high != -s_low:
         others = ranks_doing_otherwise(
-            _calls_of_ranks(c, step, device), lambda _, at: f"at step {at}", rank
+            _calls_of_ranks(c, step, 0, device), lambda _, at: f"at step {at}", rank
         )
         raise RuntimeError(
             f"{what}: rank {rank} is at step {step} while {others}; every rank must make the "
@@ -287,13 +287,8 @@ def same_call_on_every_rank(
             f"checkpoint)"
         )
     if high != -neg_low and batch is None:
-        groups: dict[int, list[int]] = {}
-        for r, (_, _, read_there) in enumerate(_calls_of_ranks(c, step, device, h)):
-            groups.setdefault(read_there, []).append(r)
-        who = [
-            f"rank {rs[0]}" if len(rs) == 1 else f"ranks {first_few([str(r) for r in rs], 8)}"
-            for rs in groups.values()
-        ]
+        groups = _ranks_by(t[2] for t in _calls_of_ranks(c, step, read or 0, device))
+        who = [_ranks_named(ranks) for ranks in groups.values()]
         raise RuntimeError(
             f"{what}: the ranks read {len(groups)} different checkpoints of step {step} (their "
             f"manifests list other files): {who[0]} read one, "
@@ -309,33 +304,38 @@ def same_call_on_every_rank(
         )
 
 
-def _calls_of_ranks(
-    c: int, step: int, device: torch.device, h: torch.Tensor | None = None
-) -> list[tuple[int, int, int]]:
-    """Every rank's (call index, step, fingerprint), gathered: on the path where they differ,
-    which every rank takes (they all read the same reduced values)."""
-    read = int(h) if h is not None else 0
+def _calls_of_ranks(c: int, step: int, read: int, device: torch.device) -> list[tuple[int, ...]]:
+    """Every rank's (call index, step, `read`), gathered: on the path where they differ, which
+    every rank takes (they all read the same reduced values)."""
     mine = torch.tensor([c, step, read], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return [(int(t[0]), int(t[1]), int(t[2])) for t in (x.tolist() for x in every)]
+    return [tuple(int(v) for v in x.tolist()) for x in every]
 
 
 def ranks_doing_otherwise(calls: Sequence[tuple[int, ...]], said, rank: int) -> str:
     """The ranks whose (call, step) in `calls` (each rank's) `said` ("in eval_step", "at step
     3") otherwise than `rank`'s, grouped: "rank 1 is in eval_step, ranks 2, 3 are in
     engine.export_hf" (the first four groups, and how many more)."""
-    own = said(*calls[rank][:2])
-    groups: dict[str, list[int]] = {}
-    for r, (call, at, *_) in enumerate(calls):
-        groups.setdefault(said(call, at), []).append(r)
+    said_of = [said(call, at) for call, at, *_ in calls]
     return first_few(
         [
-            f"rank {ranks[0]} is {text}"
-            if len(ranks) == 1
-            else f"ranks {first_few([str(r) for r in ranks], 8)} are {text}"
-            for text, ranks in groups.items()
-            if text != own
+            f"{_ranks_named(ranks)} {'is' if len(ranks) == 1 else 'are'} {text}"
+            for text, ranks in _ranks_by(said_of).items()
+            if text != said_of[rank]
         ],
         4,
     )
+
+
+def _ranks_by(values: Iterable[Hashable]) -> dict[Hashable, list[int]]:
+    """Each distinct value of `values` (one per rank, in rank order) with its ranks."""
+    groups: dict[Hashable, list[int]] = {}
+    for r, value in enumerate(values):
+        groups.setdefault(value, []).append(r)
+    return groups
+
+
+def _ranks_named(ranks: list[int]) -> str:
+    """ "rank 1", or "ranks 1, 2, 3" (the first eight, and how many more)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {first_few(list(map(str, ranks)), 8)}"
