@@ -52,7 +52,7 @@ from megapar.wording import counted
 OTHER_FLAGS = {
     "--stages": "--pp",
     "--num-stages": "--pp",
-    **layout_names("--tp", "--pp", "--cp", "--virtual-stages"),
+    **layout_names("--tp", "--pp", "--cp"),
     "--num-microbatches": "--microbatches",
     "--dp": "megapar-bubble measures one pipeline (--pp stages of --tp x --cp ranks each): data "
     "parallelism runs copies of it side by side and adds no bubble; drop it",
