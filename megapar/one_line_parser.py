@@ -136,7 +136,7 @@ class OneLineParser(argparse.ArgumentParser):
         if not extras:
             return
         if len(words) != len(extras):  # an unknown flag: its value is among the words
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"unrecognized arguments: {' '.join(_with_values(argv, extras))}")
         named = ", ".join(f"'{w}'" for w in words)
         self.error(
             f"unexpected argument{'s' if len(words) > 1 else ''} {named}: "
@@ -312,6 +312,24 @@ class OneLineParser(argparse.ArgumentParser):
             for action, default in held:
                 action.default = default
             self._defaults = parser_defaults
+
+
+def _with_values(argv: list[str], extras: list[str]) -> list[str]:
+    """`extras` with the word after each unknown flag in `argv` where the parse took that word
+    as a positional (an intermixed parse leaves `--tensor-parallel-size` over and reads its 2
+    as a PATH), so that the line shows the flag as it was given."""
+    shown, rest = [], list(extras)
+    for i, word in enumerate(argv):
+        if not rest or word != rest[0]:
+            continue
+        shown.append(rest.pop(0))
+        after = argv[i + 1] if i + 1 < len(argv) else None
+        takes_next = word.startswith("-") and "=" not in word and not _NEGATIVE_NUMBER.match(word)
+        if takes_next and after is not None and not after.startswith("-"):
+            if rest and rest[0] == after:
+                continue
+            shown.append(after)
+    return shown + rest
 
 
 def show_progress(progress: bool | None) -> bool:

@@ -1763,6 +1763,11 @@ STRAY = [
     ("train", ["--dry-run", "yes"], "unexpected argument 'yes': --dry-run takes no value"),
     ("bubble", ["--pp", "2", "-m", "4", "-1"], "unexpected argument '-1': -m takes one value"),
     ("bubble", ["ck"], "'ck': megapar-bubble takes no positional arguments"),
+    # an unknown flag before the paths: its 2 was read as a PATH and left out of the line
+    ("convert", ["--tensor-parallel-size", "2", "a", "b"],
+     "unrecognized arguments: --tensor-parallel-size 2; --tensor-parallel-size: did you mean --tp?"),
+    ("convert", ["a", "b", "--tensor-parallel-size", "2"],
+     "unrecognized arguments: --tensor-parallel-size 2; --tensor-parallel-size: did you mean --tp?"),
 ]
 
 
