@@ -85,7 +85,10 @@ class OneLineParser(argparse.ArgumentParser):
     before, between and after the flags. A value a flag's choices lack is named as its
     `value_known_as[flag]` function says (another tool's name for a choice), where it knows it.
     Megatron's and torchtitan's names for a parallel size the command does not take (those
-    `known_as` answers by megapar's flag: `--ep` to megapar-eval) get that answer too."""
+    `known_as` answers by megapar's flag: `--ep` to megapar-eval) get that answer too.
+    `afterword(unknown, given)`, given the unknown flags and every flag of the line, says what
+    the line should add once after their answers ("" for nothing): megapar-train's names the
+    defaults it does not share with the tool the flags come from."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class OneLineParser(argparse.ArgumentParser):
         stray: tuple[tuple[str, str], ...] = (),
         known_as: dict[str, str] | None = None,
         value_known_as: dict[str, Callable[[str], str]] | None = None,
+        afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,
     ):
         kwargs.setdefault("allow_abbrev", False)
@@ -103,9 +107,12 @@ class OneLineParser(argparse.ArgumentParser):
             if theirs not in self.known_as and ours in self.known_as:
                 self.known_as[theirs] = self.known_as[ours]
         self.value_known_as = value_known_as or {}
+        self.afterword = afterword
+        self._given_flags: set[str] = set()
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
+        self._given_flags = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
         self._refuse_unplaced(argv)
         if self._spread_positionals():
             return self.parse_intermixed_args(argv, namespace)
@@ -294,6 +301,10 @@ class OneLineParser(argparse.ArgumentParser):
                 close = longer
             if close:
                 hints.append(f"{flag}: did you mean {close[0]}?")
+        flags = [t.split("=", 1)[0] for t in message[len(prefix) :].split() if t[:2] == "--"]
+        said = self.afterword(flags, self._given_flags) if self.afterword is not None else ""
+        if said:
+            hints.append(said)
         return "; " + "; ".join(hints) if hints else ""
 
     def given(self, argv: list[str] | None = None) -> tuple[str, ...]:

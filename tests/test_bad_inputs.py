@@ -1654,6 +1654,36 @@ def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, cap
     assert "did you mean --top" not in line and "did you mean --today" not in line, line
 
 
+def test_a_megatron_command_is_told_the_defaults_megapar_does_not_share(capsys):
+    """A Megatron-LM command line translated flag by flag trained with megapar's weight decay,
+    beta2, decay, warmup and floor (0.1, 0.95, cosine, 20, lr / 10 against Megatron-LM's 0.01,
+    0.999, linear, 0, 0) unsaid; the line names those the command does not set in either name,
+    fp16's loss scaler under --fp16, and nothing for a line that is not Megatron-LM's."""
+    from megapar.cli.train import main as train
+
+    def line(argv):
+        with pytest.raises(SystemExit) as exc:
+            train(argv)
+        assert exc.value.code == 2
+        return _one_line(capsys, "megapar-train")
+
+    said = line(["--tensor-model-parallel-size", "2", "--train-iters", "5"])
+    assert "--train-iters: did you mean --max-steps?" in said, said
+    assert ("megapar-train's defaults that are not Megatron-LM's: --weight-decay 0.1 "
+            "(Megatron-LM's 0.01), --adam-beta2 0.95 (0.999), --lr-decay cosine (linear), "
+            "--warmup-steps 20, at most 10 % of the steps (0), --min-lr 1e-4, at most --lr x 0.1 "
+            "(0); give Megatron-LM's where the run should be its") in said, said
+    said = line(["--train-iters", "5", "--weight-decay", "0.01", "--lr-warmup-iters=3", "--fp16"])
+    assert "--weight-decay 0.1" not in said and "--warmup-steps 20" not in said, said
+    assert "--adam-beta2 0.95 (0.999)" in said and "--hysteresis 1 (2)" in said, said
+    assert "--initial-loss-scale 65536 (2^32)" in said, said
+    every = ["--train-iters", "5", "--weight-decay", "0.01", "--adam-beta2", "0.999",
+             "--lr-decay-style", "linear", "--warmup-steps", "0", "--min-lr", "0"]
+    assert "defaults" not in line(every)
+    assert "defaults" not in line(["--training.steps", "5"])  # torchtitan's
+    assert "defaults" not in line(["--max-step", "5"])
+
+
 @functools.cache
 def _every_commands_flags() -> frozenset[str]:
     """The flags of every megapar command (what a hint may name), built once (the tests look

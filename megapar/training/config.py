@@ -38,7 +38,7 @@ from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS, toml_job_config
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS, megatron_defaults, toml_job_config
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -515,6 +515,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--cp-comm-type": _cp_comm_named_elsewhere,
             "--precision": _train_precision_named_elsewhere,
         },
+        afterword=megatron_defaults,
         prog=prog,
         description=(
             "Train a GPT-2, BERT, Llama, Qwen3, Qwen2, Mistral, Mixtral, Qwen3-MoE or DeepSeek-V3 "

@@ -640,6 +640,67 @@ a model's size (`--num-layers`) is the --model config's; a sentence says what to
 megapar has no such flag, and an empty entry names nothing."""
 
 
+MEGATRON_MARKS = frozenset(
+    {
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "--expert-model-parallel-size",
+        "--num-layers",
+        "--num-attention-heads",
+        "--ffn-hidden-size",
+        "--seq-length",
+        "--max-position-embeddings",
+        "--train-iters",
+        "--train-samples",
+        "--lr-decay-style",
+        "--lr-decay-iters",
+        "--lr-warmup-iters",
+        "--lr-warmup-fraction",
+        "--use-distributed-optimizer",
+        "--data-path",
+        "--vocab-file",
+        "--merge-file",
+        "--tokenizer-type",
+        "--split",
+    }
+)
+"""Flags of Megatron-LM's pretrain_gpt.py that no other trainer spells so: one among a line's
+unknown flags marks a Megatron-LM command (`megatron_defaults`)."""
+
+
+def megatron_defaults(unknown: list[str], given: set[str]) -> str:
+    """For a command line whose `unknown` flags mark it as Megatron-LM's, megapar-train's
+    defaults that are not Megatron-LM's (its `arguments.py` and training config), to give where
+    the run should be Megatron-LM's: each unless the line `given` sets it in either tool's
+    name, and fp16's loss scaler only where `--fp16` is among them; "" for any other line."""
+    if not MEGATRON_MARKS & set(unknown):
+        return ""
+    defaults = [  # (the flags that set it, in megapar's and Megatron-LM's names; what differs)
+        (("--weight-decay",), "--weight-decay 0.1 (Megatron-LM's 0.01)"),
+        (("--adam-beta2",), "--adam-beta2 0.95 (0.999)"),
+        (("--lr-decay", "--lr-decay-style"), "--lr-decay cosine (linear)"),
+        (
+            ("--warmup-steps", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples"),
+            "--warmup-steps 20, at most 10 % of the steps (0)",
+        ),
+        (("--min-lr",), "--min-lr 1e-4, at most --lr x 0.1 (0)"),
+    ]
+    if "--fp16" in unknown:
+        defaults += [
+            (("--initial-loss-scale",), "--initial-loss-scale 65536 (2^32)"),
+            (("--hysteresis",), "--hysteresis 1 (2)"),
+        ]
+    differ = [said for flags, said in defaults if not given & set(flags)]
+    if not differ:
+        return ""
+    return (
+        "megapar-train's defaults that are not Megatron-LM's: "
+        + ", ".join(differ)
+        + "; give Megatron-LM's where the run should be its"
+    )
+
+
 def toml_job_config(path: str) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
