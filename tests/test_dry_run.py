@@ -393,6 +393,8 @@ def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     rc, out, err = _train(["--model", "gpt2-tiny", "--data", str(tmp_path / "nowhere"),
                            "--dry-run", "--world-size", "2"], capsys)
     assert rc == 0 and "data skipped (--data" in err and "rank 1 (" in out
+    # the rehearsal goes on without it, and says that the run would not
+    assert "; the run itself stops at once without it: put it at that path on the job's " in err
 
 
 def test_a_resumed_dry_run_shows_the_batch_the_resumed_run_trains_on_next(capsys, tmp_path):

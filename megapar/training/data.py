@@ -470,8 +470,9 @@ def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:
         for path in paths:
             if is_raw_text(_text_or_prefix(cfg, path)):
                 raw.append(str(path))
-    except FileNotFoundError as exc:
-        return _raw_text_reason(raw, len(paths)) or str(exc), False
+    except FileNotFoundError as exc:  # the rehearsal goes on; the run would stop here
+        absent = f"{exc}; the run itself stops at once without it: put it at that path on the"
+        return _raw_text_reason(raw, len(paths)) or f"{absent} job's machines", False
     return _raw_text_reason(raw, len(paths)), True
 
 
