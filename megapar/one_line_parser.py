@@ -34,6 +34,12 @@ LAYOUT_NAMES = {
     "--parallelism.expert_parallel_degree": "--ep",
     "--parallelism.data_parallel_shard_degree": "--dp",
     "--parallelism.data_parallel_replicate_degree": "--dp",
+    "--tensor-parallel-degree": "--tp",  # torchtitan's, without their section
+    "--pipeline-parallel-degree": "--pp",
+    "--context-parallel-degree": "--cp",
+    "--expert-parallel-degree": "--ep",
+    "--data-parallel-shard-degree": "--dp",
+    "--data-parallel-replicate-degree": "--dp",
     "--virtual-pipeline-model-parallel-size": "--virtual-stages",
     "--num-layers-per-virtual-pipeline-stage": "--virtual-stages",
     "--tensor-parallel-size": "--tp",  # vLLM's and DeepSpeed-inference's

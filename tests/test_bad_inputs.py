@@ -1374,7 +1374,62 @@ def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
                                        "--max-steps 1000"), exc.value
 
 
+def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
+    """A torchtitan user's findings: [float8] without model.converters float8 gave --fp8
+    (torchtitan converts nothing then); a pipeline schedule came out as a --schedule value
+    megapar refuses (Interleaved1F1B); seed, log_freq, keep_latest_k, async_mode,
+    reshard_after_forward and the pipeline's micro-batch were "no flag named" though megapar
+    has them; mode selective became --recompute selective unsaid (torchtitan's default
+    recomputes every 2nd layer whole); the default warmup of 200 exceeded a short job's steps;
+    a YAML or JSON job config was "unknown setting 'training'"."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    job = tmp_path / "job.toml"
+    said = _toml_refusal(job, '[training]\nsteps = 10\nlocal_batch_size = 8\nseed = 3\n'
+                         '[parallelism]\npipeline_parallel_degree = 2\n'
+                         'pipeline_parallel_schedule = "Interleaved1F1B"\n'
+                         'pipeline_parallel_microbatch_size = 2\n'
+                         'fsdp_reshard_after_forward = "never"\n'
+                         '[float8]\nrecipe_name = "rowwise"\nemulate = true\n'
+                         '[metrics]\nlog_freq = 5\n[checkpoint]\nfolder = "ck"\n'
+                         'async_mode = "async"\nkeep_latest_k = 3\n'
+                         '[activation_checkpoint]\nmode = "selective"\n')
+    assert ("flags: --warmup-steps 10 --lr-decay linear --min-lr 0 --max-steps 10 --seed 3 "
+            "--pp 2 --micro-batch-size 2 --zero3-keep-params --log-interval 5 --async-save "
+            "--keep-latest-k 3 --recompute selective;") in said, said
+    assert "--fp8 " not in said.split(";")[0] and 'only with model.converters = ["float8"]' in said
+    assert ("parallelism.pipeline_parallel_schedule Interleaved1F1B: 'Interleaved1F1B' is "
+            "megapar's --schedule interleaved --virtual-stages V") in said, said
+    assert "default selective_ac_option 2 recomputes every 2nd layer whole" in said, said
+    assert "no flag named" not in said, said
+    said = _toml_refusal(job, '[model]\nconverters = ["float8"]\n[parallelism]\n'
+                         'pipeline_parallel_schedule = "1F1B"\n[float8]\nemulate = true\n'
+                         '[debug]\nseed = 4\n[training]\nseed = 3\n')
+    assert "--schedule 1f1b --seed 4 --fp8 tensorwise --fp8-emulate" in said, said
+    assert "--seed 3" not in said, said  # debug.seed is the one torchtitan reads
+    for name, text in (("job.yaml", "training:\n  steps: 5\nparallelism:\n"
+                                    "  tensor_parallel_degree: 2\n"),
+                       ("job.json", '{"training": {"steps": 5}, '
+                                    '"parallelism": {"tensor_parallel_degree": 2}}')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            parse_args(["--config", str(tmp_path / name)])
+        assert str(exc.value) == (
+            f"{tmp_path / name} is a torchtitan job config, which megapar-train does not read; "
+            "give its settings as megapar-train flags: --warmup-steps 5 --lr-decay linear "
+            "--min-lr 0 --max-steps 5 --tp 2"), exc.value
+
+
 OTHER_TOOLS = [
+    ("train", ["--debug.seed", "1"], "--debug.seed: did you mean --seed?"),  # was --debug
+    ("train", ["--training.seed", "1"], "--training.seed: did you mean --seed?"),  # nothing
+    # torchtitan's names without their section: --expert-tensor-parallel-size, --log-interval
+    ("train", ["--tensor_parallel_degree", "2"], "--tensor_parallel_degree: did you mean --tp?"),
+    ("train", ["--steps", "5"], "--steps: did you mean --max-steps?"),
+    ("train", ["--local_batch_size", "2"], "did you mean --micro-batch-size?"),
+    ("train", ["--log_freq", "5"], "--log_freq: did you mean --log-interval?"),
+    ("train", ["--optimizer.name", "muon"], "(adamw, lamb, lars, sgd or muon)"),
     # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
     ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),
     ("train", ["--hidden-size", "64"], "--hidden-size: a model's sizes come from --model"),

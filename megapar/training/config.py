@@ -38,7 +38,13 @@ from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS, megatron_defaults, toml_job_config
+from megapar.training.other_tools import (
+    OTHER_TOOLS_FLAGS,
+    TORCHTITAN_SECTIONS,
+    megatron_defaults,
+    toml_job_config,
+    torchtitan_job,
+)
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -594,7 +600,11 @@ def read_run_config(path: str) -> dict[str, Any]:
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
         raise ConfigError(toml_job_config(path))
-    data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
+    loaded = load_config_file(path)
+    if any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items()):
+        said = f"{path} is a torchtitan job config, which megapar-train does not read"
+        raise ConfigError(torchtitan_job(loaded, said))
+    data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)
         raise ConfigError(

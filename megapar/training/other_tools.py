@@ -141,6 +141,15 @@ FP8_FORMAT = (
     "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
 )
 
+TENSORBOARD = "--tensorboard DIR (scalars written to that directory)"
+RESHARD = (
+    "--zero3-keep-params for never (reshard_after_forward=False: a unit stays gathered from "
+    "its forward to its backward); default and always are megapar's --zero 3 without it"
+)
+ASYNC_MODE = (
+    "--async-save for async and async_with_pinned_mem (megapar copies the state to pinned "
+    "host memory itself); disabled: leave it out"
+)
 MEGATRON_KERNEL = (
     "a Megatron-LM kernel or initialization setting megapar has no counterpart for (torch's "
     "kernels; each rank makes its own parameters); drop it"
@@ -245,7 +254,7 @@ OTHER_TOOLS_FLAGS = {
     "--lr-min": "--min-lr",
     # torchtitan's [optimizer] and [lr_scheduler] (its schedule is always warmup, stable, decay:
     # decay_ratio unset decays over all steps after warmup, megapar's --lr-decay linear)
-    "--optimizer.name": "--optimizer (adamw, lamb, lars or sgd)",
+    "--optimizer.name": "--optimizer (adamw, lamb, lars, sgd or muon)",
     "--optimizer.eps": "--adam-eps",
     "--optimizer.beta1": "--adam-beta1",
     "--optimizer.beta2": "--adam-beta2",
@@ -347,7 +356,32 @@ OTHER_TOOLS_FLAGS = {
     "--no-bias-gelu-fusion": MEGATRON_KERNEL,
     "--no-bias-dropout-fusion": MEGATRON_KERNEL,
     "--no-persist-layer-norm": MEGATRON_KERNEL,
-    # torchtitan's job config keys (`toml_job_config`)
+    # torchtitan's job config keys (`toml_job_config`); difflib named --debug for debug.seed,
+    # --expert-tensor-parallel-size for tensor_parallel_degree, nothing for training.seed
+    "--training.seed": "--seed",
+    "--debug.seed": "--seed",
+    "--metrics.log_freq": "--log-interval",
+    "--log-freq": "--log-interval",
+    "--metrics.enable_tensorboard": TENSORBOARD,
+    "--metrics.save_tb_folder": TENSORBOARD,
+    "--metrics.enable_wandb": "--wandb-project NAME (offline where there is no network)",
+    "--parallelism.pipeline_parallel_microbatch_size": "--micro-batch-size",
+    "--parallelism.fsdp_reshard_after_forward": RESHARD,
+    "--checkpoint.keep_latest_k": "--keep-latest-k",
+    "--checkpoint.async_mode": ASYNC_MODE,
+    "--checkpoint.enable": "--save DIR",
+    "--checkpoint.load_step": "--load DIR/step_XXXXXXXX (a step's directory; --load DIR "
+    "takes its latest)",
+    "--checkpoint.initial_load_path": "a megapar checkpoint is --load, a transformers "
+    "directory --from-hf; a DCP checkpoint is converted first (megapar-convert --from-dcp)",
+    "--checkpoint.last_save_in_hf": "megapar-convert CKPT --to-hf DIR writes a transformers "
+    "model of any megapar checkpoint; drop it",
+    "--comm.init_timeout_seconds": "--timeout-s",
+    "--comm.train_timeout_seconds": "--timeout-s",
+    "--profiling.enable_profiling": "--profile-steps A:B (a torch.profiler trace of those steps)",
+    "--local-batch-size": "--micro-batch-size",
+    "--steps": "--max-steps",
+    "--flavor": "--model (a recipe such as llama-1b, or a config.json of the flavor's sizes)",
     "--parallelism.data_parallel_shard_degree": "--zero 3 (torchtitan's FSDP) over the --dp "
     "ranks, which are the ranks divided by --tp x --cp x --pp",
     "--parallelism.data_parallel_replicate_degree": "--dp (megapar's ZeRO shards over all its "
@@ -701,6 +735,32 @@ def megatron_defaults(unknown: list[str], given: set[str]) -> str:
     )
 
 
+TORCHTITAN_SECTIONS = frozenset(
+    {
+        "job",
+        "model",
+        "training",
+        "parallelism",
+        "optimizer",
+        "lr_scheduler",
+        "checkpoint",
+        "activation_checkpoint",
+        "float8",
+        "quantize",
+        "metrics",
+        "profiling",
+        "comm",
+        "compile",
+        "validation",
+        "experimental",
+        "fault_tolerance",
+        "memory_estimation",
+        "debug",
+    }
+)
+"""The tables of a torchtitan job config: a JSON or YAML `--config` holding one is one."""
+
+
 def toml_job_config(path: str) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
@@ -714,15 +774,15 @@ def toml_job_config(path: str) -> str:
             job = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"{said} ({exc})"
-    keys = [
-        (f"{section}.{key}", value)
-        for section, table in job.items()
-        if isinstance(table, dict)
-        for key, value in table.items()
-    ]
-    recipe = next(
-        (v for k, v in keys if k.endswith("float8.recipe_name") and v in FP8_RECIPES[1:]), None
-    )
+    return torchtitan_job(job, said)
+
+
+def torchtitan_job(job: dict, said: str) -> str:
+    """`said` (why the file is not read) with torchtitan job config `job`'s settings as
+    megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value;
+    a sentence for a key it answers with one; the schedule's and float8's own rules
+    (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
+    keys = list(_leaves(job))
     flags, sentences, left = [], [], []
     saved = (job.get("checkpoint") or {}).get("enable") is not False
     keys = [  # enable: its folder names --save; off, no checkpoint key names anything
@@ -738,23 +798,40 @@ def toml_job_config(path: str) -> str:
             f"megapar-train's default global batch is 16)"
         )
     schedule = job.get("lr_scheduler")
-    if schedule is None and isinstance(job.get("training"), dict):
+    if schedule is None:
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
     if isinstance(schedule, dict):
         flags += torchtitan_schedule(job, schedule)
+    checkpointing = job.get("activation_checkpoint") or {}
+    if checkpointing.get("mode") == "selective" and "selective_ac_option" not in checkpointing:
+        sentences.append(
+            "activation_checkpoint.mode selective: torchtitan's default selective_ac_option 2 "
+            "recomputes every 2nd layer whole, where megapar's --recompute selective "
+            "recomputes each layer's attention core (--recompute full: every layer whole)"
+        )
+    given = {k for k, _ in keys}
+    overridden = {  # a key that another key of the job overrides (torchtitan reads the other)
+        "training.local_batch_size": "parallelism.pipeline_parallel_microbatch_size",
+        "training.seed": "debug.seed",
+    }
     for key, value in keys:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if overridden.get(key) in given:
+            continue  # its flag's value is the other key's
         if (
             key.startswith("lr_scheduler.")
             and key != "lr_scheduler.warmup_steps"
             and (key.split(".", 1)[1] in TORCHTITAN_SCHEDULE)
         ):
             continue  # named by torchtitan_schedule
-        if key.endswith("float8.recipe_name") and recipe is not None:
-            flags.append(f"--fp8 {recipe}")
-        elif key == "model.converters" and "float8" in str(value):
-            if recipe is None:  # torchtitan's default recipe: tensorwise
-                flags.append("--fp8 tensorwise")
+        if _is_float8(key) or key == "model.converters":
+            continue  # named by _float8_flags
+        said_for = _torchtitan_value(key, value)
+        if said_for is not None:
+            if said_for.startswith("--"):
+                flags.append(said_for)
+            elif said_for:
+                sentences.append(f"{key} {value}: {said_for}")
         elif ours is None:
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
@@ -766,6 +843,9 @@ def toml_job_config(path: str) -> str:
                 flags.append(ours if value is True else f"{ours} {shown}")
         else:
             sentences.append(f"{key}: {ours}")
+    fp8_flags, fp8_said = _float8_flags(job, keys)
+    flags += fp8_flags
+    sentences += fp8_said
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     return (
@@ -775,21 +855,92 @@ def toml_job_config(path: str) -> str:
     )
 
 
+def _leaves(table: dict, prefix: str = ""):
+    """(dotted key, value) of every setting of a job config's (nested) tables: `[quantize.
+    linear.float8] recipe_name` is `quantize.linear.float8.recipe_name`."""
+    for key, value in table.items():
+        if not prefix and not isinstance(value, dict):
+            continue  # a top-level key outside any table: no torchtitan setting
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _is_float8(key: str) -> bool:
+    return key.startswith(("float8.", "quantize.linear.float8."))
+
+
+def _float8_flags(job: dict, keys: list[tuple[str, object]]) -> tuple[list[str], list[str]]:
+    """The flags and sentences for a job's float8 settings: torchtitan converts its linears
+    only where `model.converters` lists float8 (`"float8"`, since 2025
+    `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default) and emulation;
+    without it [float8] is read by nothing, so it names no --fp8."""
+    converters = (job.get("model") or {}).get("converters") or []
+    on = any(
+        "float8" in str(c) for c in (converters if isinstance(converters, list) else [converters])
+    )
+    settings = {k.rsplit(".", 1)[1]: v for k, v in keys if _is_float8(k)}
+    if not on:
+        if not settings:
+            return [], []
+        return [], [
+            "float8: torchtitan applies its settings only with model.converters = "
+            '["float8"], which this config does not list; so no --fp8 (give --fp8 '
+            "tensorwise or rowwise to train in float8)"
+        ]
+    recipe = settings.get("recipe_name")
+    flags = [f"--fp8 {recipe if recipe in FP8_RECIPES[1:] else 'tensorwise'}"]
+    sentences = []
+    if recipe is not None and recipe not in FP8_RECIPES[1:]:
+        sentences.append(f"float8.recipe_name {recipe}: {FP8_RECIPE}")
+    for name, value in settings.items():
+        if name == "recipe_name":
+            continue
+        ours = OTHER_TOOLS_FLAGS.get(f"--float8.{name}")
+        if ours == "--fp8-emulate":
+            if value is True:
+                flags.append(ours)
+        elif ours is not None and value not in (False, [], None):
+            sentences.append(f"float8.{name}: {ours}")
+    return flags, sentences
+
+
+def _torchtitan_value(key: str, value) -> str | None:
+    """For a torchtitan setting whose megapar flag depends on its value, the flag (or "" for
+    nothing to give, or a sentence); None for every other setting."""
+    if key == "parallelism.pipeline_parallel_schedule":
+        from megapar.pipeline.schedules import schedule_named_elsewhere
+
+        said = schedule_named_elsewhere(str(value))
+        ours = said.split(" is megapar's ", 1)[-1] if " is megapar's " in said else ""
+        if ours.startswith("--") and " V" not in ours:
+            return ours
+        return said.split(": ", 1)[-1] if said else "not a schedule megapar names"
+    if key == "parallelism.fsdp_reshard_after_forward":
+        return "--zero3-keep-params" if value == "never" else ""
+    if key == "checkpoint.async_mode":
+        return "" if value == "disabled" else "--async-save"
+    if key in ("metrics.enable_tensorboard", "metrics.enable_wandb"):
+        return f"give {OTHER_TOOLS_FLAGS[f'--{key}']}" if value else ""
+    return None
+
+
 TORCHTITAN_SCHEDULE = ("decay_ratio", "decay_type", "min_lr_factor", "lr_min")
 """torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags (with warmup_steps)."""
 
 
 def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
     """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
-    filled in (warmup 200, decay_ratio None: a decay over every step after warmup, decay_type
-    linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
-    would train another schedule."""
-    warmup = schedule.get("warmup_steps", 200)
+    filled in (warmup 200, at most the steps; decay_ratio None: a decay over every step after
+    warmup; decay_type linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to
+    a tenth of --lr) would train another schedule."""
+    steps = (job.get("training") or {}).get("steps", 10000)
+    warmup = min(schedule.get("warmup_steps", 200), steps)  # torchtitan's clamp
     ratio = schedule.get("decay_ratio")
     shape = schedule.get("decay_type", "linear")
     factor = schedule.get("min_lr_factor", schedule.get("lr_min", 0.0))
     lr = (job.get("optimizer") or {}).get("lr", 8e-4)
-    steps = (job.get("training") or {}).get("steps", 10000)
     flags = [] if "warmup_steps" in schedule else [f"--warmup-steps {warmup}"]
     if ratio is not None:
         flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
