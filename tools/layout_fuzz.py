@@ -26,7 +26,8 @@ bf16 / fp16 autocast and cast compression, whose weights are compared with the r
 at all and with their own replicas at FP32_TOL.
 Adam's eps is 1e-4 (tests/test_parity_3d.py says why: with 1e-8, entries whose gradient is
 rounding noise take +-lr steps, and weights differ ~3e-5 per tensor after 3 steps even at dp 2
-alone; the losses and grad norms agree either way). Even at 1e-4 a zero-initialised bias can
+alone; the losses agree either way, the grad norms of some models only to ~3e-5 from the third
+step: docs/testing.md). Even at 1e-4 a zero-initialised bias can
 differ ~1.5e-5 after 3 steps (its update is ~lr per entry whatever the gradient, so its
 rounding noise is all the tensor holds), so a case whose logged numbers and replicas agree but
 whose weights do not, under an optimizer with Adam moments, is rerun with SGD (an update linear
