@@ -29,10 +29,10 @@ the shards are all-gathered over tp (one all-gather per tp-split Muon matrix per
 every tp rank orthogonalises the whole matrix and keeps its own rows / columns of O. Under
 ZeRO-1 / 2 / 3 (`zero.py`, `zero3.py`) a rank steps flat *pieces* of parameters: the pieces' U
 is all-gathered over the dp (x cp) group bucket (ZeRO-3: unit) by bucket first
-(`ZeroOptimizer._muon_whole`), then as above.
+(`zero_muon.muon_whole`), then as above.
 Under pp every matrix lives on one stage; dp replicas (no ZeRO) orthogonalise the same averaged
 gradient. By default every rank of a tp (dp) group computes every whole matrix's NS. Distributed
-Muon (`--muon-distributed`, ZeRO 1 / 2 / 3: `ZeroOptimizer._muon_split`) assigns each matrix to
+Muon (`--muon-distributed`, ZeRO 1 / 2 / 3: `zero_muon.muon_split`) assigns each matrix to
 one dp x tp slot (`place_owners`: balanced by `ns_cost`, on the dp rank whose ZeRO slices hold
 the most of it where the balance allows): its pieces' U go to the owning dp rank in an
 all-to-all, whose tp group gathers a tp-split matrix to the owning tp rank (`owner_updates`),

@@ -51,10 +51,8 @@ expert-data-parallel group, and ep x expert dp is the dp (x cp) group, so the su
 every element of the stacked tensor once: the one process's norm, whose ratio the whole
 stacked tensor shares.
 
-Muon needs whole matrices: by default each bucket holding Muon matrices is all-gathered over dp
-and every rank orthogonalises every matrix (`_muon_whole`); with `muon_distributed` each matrix
-is orthogonalised by one rank (`_plan_muon` assigns owners once, at attach; `_muon_split`: an
-all-to-all to the owners and one back), the same result.
+Muon needs whole matrices: `zero_muon.py` makes them from the pieces, all-gathered so that every
+rank orthogonalises every matrix, or (`muon_distributed`) sent to one owner per matrix and back.
 
 Checkpoints keep the canonical format: `state_tensors()` gathers each bucket's slices to rank 0
 of the bucket's group (dp rank 0, the rank that writes the shard file, for dense buckets;
@@ -66,7 +64,7 @@ of the full per-parameter tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn, overload
 
 import torch
@@ -84,16 +82,9 @@ from megapar.optim.clip import (
     squares_each,
     squares_of,
 )
-from megapar.optim.muon import (
-    muon_ratio,
-    ns_cost,
-    owner_updates,
-    place_owners,
-    slices_held,
-    whole_updates,
-)
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 from megapar.optim.trust_ratio import sum_where
+from megapar.optim.zero_muon import MuonPlan, muon_split, muon_whole, plan_muon
 
 
 class ZeroOptimizer(AdamWOptimizer):
@@ -143,10 +134,11 @@ class ZeroOptimizer(AdamWOptimizer):
         all-gathered in after a step (the grad sync's `half`, the autocast dtype); None: every
         bucket gathers fp32."""
         self.muon_distributed = muon_distributed
-        """Muon: each whole matrix orthogonalised by one rank of the dp group (`_muon_split`),
-        not by every rank (`_muon_whole`)."""
-        self.muon_plan: _MuonPlan | None = None
-        """The distributed Muon's assignment and exchange indices (`_plan_muon`, at attach)."""
+        """Muon: each whole matrix orthogonalised by one rank of the dp group
+        (`zero_muon.muon_split`), not by every rank (`zero_muon.muon_whole`)."""
+        self.muon_plan: MuonPlan | None = None
+        """The distributed Muon's assignment and exchange indices (`zero_muon.plan_muon`, at
+        attach)."""
         self.rounded = False
         """Other ranks' slices of the 16-bit buckets hold their 16-bit-rounded values (since
         the last step's gather); `exact_params` gathers them in fp32 again."""
@@ -256,9 +248,9 @@ class ZeroOptimizer(AdamWOptimizer):
         if self.inner is not None and hasattr(self.inner, "norms"):
             self.inner.norms = self._full_norms
         if self.kind == "muon" and self.muon_distributed:
-            self.muon_plan = self._plan_muon()
+            self.muon_plan = plan_muon(self)
         if self.inner is not None and hasattr(self.inner, "whole"):
-            self.inner.whole = self._muon_split if self.muon_plan else self._muon_whole
+            self.inner.whole = partial(muon_split if self.muon_plan else muon_whole, self)
         self.allocate_state()  # into the room the parameters moved out of
 
     # step -----------------------------------------------------------------------------------
@@ -279,7 +271,7 @@ class ZeroOptimizer(AdamWOptimizer):
         if self.sharded and self.inner is None and self.kind == "muon":
             # own nothing, but Muon's gathers / exchanges are collective
             with issued_for("muon"):
-                (self._muon_split if self.muon_plan else self._muon_whole)([], [])
+                (muon_split if self.muon_plan else muon_whole)(self, [], [])
         super().step(closure)
 
     @torch.no_grad()
@@ -411,173 +403,6 @@ class ZeroOptimizer(AdamWOptimizer):
         norms = sq.sqrt().float().tolist()
         return [(norms[i][0], norms[i][1]) for i in rows]
 
-    @torch.no_grad()
-    def _muon_whole(
-        self, pieces: list[torch.Tensor], updates: list[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, float]]:
-        """Muon on pieces: (this rank's piece of O, ratio) for each of its Muon pieces and their
-        updates U. Each bucket holding Muon matrices is all-gathered over its group (every
-        rank's pieces' U in a bucket-sized buffer laid out as the parameter buffer), so every
-        rank has each matrix's (tp shard of) U; then `muon.whole_updates` (the tp all-gathers,
-        NS) for every Muon matrix of the stage, in the same order on every rank. Collective
-        over the dp (x cp) group and tp."""
-        piece_of = {id(t): (p, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
-        buckets = [
-            b for b in self.grad_sync.buckets if any(id(p) in self.muon_ids for p in b.params)
-        ]
-        device = (self.pieces or self.params)[0].device
-        flats = {
-            id(b): torch.zeros(b.padded, dtype=b.params[0].dtype, device=device) for b in buckets
-        }
-        at = {}
-        for b in buckets:
-            for p in b.params:
-                at[id(p)] = (b, self._offset[id(p)])
-        for t, u in zip(pieces, updates):
-            p, s, e = piece_of[id(t)]
-            b, offset = at[id(p)]
-            flats[id(b)][offset + s : offset + e] = u.reshape(-1)
-        host = self.grad_sync.host_waits
-        for b in buckets:
-            shard_comm.all_gather(flats[id(b)], b.group_size, b.group, host).wait()
-        matrices = [p for b in buckets for p in b.params if id(p) in self.muon_ids]
-        whole = [
-            flats[id(at[id(p)][0])][at[id(p)][1] : at[id(p)][1] + p.numel()].view_as(p)
-            for p in matrices
-        ]
-        done = dict(
-            zip(
-                (id(p) for p in matrices),
-                whole_updates(
-                    matrices, whole, self.tp_group, self.muon_adjust_lr, self.muon_ns_dtype
-                ),
-            )
-        )
-        out = []
-        for t in pieces:
-            p, s, e = piece_of[id(t)]
-            o, ratio = done[id(p)]
-            out.append((o.reshape(-1)[s:e], ratio))
-        return out
-
-    def _plan_muon(self) -> _MuonPlan | None:
-        """The distributed Muon's plan, the same on every rank of the dp group: each Muon
-        matrix's owner (`muon.place_owners`: balanced by Newton-Schulz cost, each matrix on
-        the dp rank whose slices hold the most of it where the balance allows; tp ranks have
-        the same matrices, whole shapes and bucket layout, so a matrix's owners across tp
-        form one tp group), and the element ranges of the two all-to-alls (`_muon_split`).
-        None without Muon matrices."""
-        buckets = [
-            b for b in self.grad_sync.buckets if any(id(p) in self.muon_ids for p in b.params)
-        ]
-        if not buckets:
-            return None
-        group, n = buckets[0].group, buckets[0].group_size
-        ranks = dist.get_process_group_ranks(group)
-        for b in buckets:
-            if (
-                dist.get_process_group_ranks(b.group) != ranks
-                or b.params[0].dtype != buckets[0].params[0].dtype
-            ):
-                raise ValueError("distributed Muon needs its matrices' buckets in one dp group")
-        me = dist.get_rank(group)
-        matrices, held = [], []
-        for b in buckets:
-            each = slices_held([p.numel() for p in b.params], b.padded, n)
-            for p, parts in zip(b.params, each):
-                if id(p) in self.muon_ids:
-                    matrices.append((b, p))
-                    held.append(parts)
-        tp = group_size(self.tp_group)
-        slots = place_owners([ns_cost(p) for _, p in matrices], held, tp)
-        owners = [slot // tp for slot in slots]
-        local_base, at = {}, 0
-        for b in buckets:
-            local_base[id(b)] = at
-            at += b.padded // n
-        owned, whole_at, size, tp_owners = [], {}, 0, []
-        for (_, p), r, slot in zip(matrices, owners, slots):
-            if r == me:
-                owned.append((p, size))
-                tp_owners.append(slot % tp)
-                whole_at[id(p)] = size
-                size += p.numel()
-
-        def overlap(b, p, rank: int) -> tuple[int, int]:
-            """Positions [lo, hi) of matrix `p`'s elements inside `rank`'s slice of `b`."""
-            slice_size, start = b.padded // n, self._offset[id(p)]
-            lo, hi = max(start, rank * slice_size), min(start + p.numel(), (rank + 1) * slice_size)
-            return lo - start, hi - start
-
-        send: list[tuple[int, int]] = []
-        recv: list[tuple[int, int]] = []
-        send_splits, recv_splits = [], []
-        local_at = {
-            id(p): local_base[id(b)] + self._offset[id(p)] - me * (b.padded // n)
-            for b, p in matrices
-        }
-        for peer in range(n):
-            spans = [overlap(b, p, me) + (id(p),) for b, p in matrices]
-            spans = [(lo, hi, i) for (lo, hi, i), r in zip(spans, owners) if r == peer]
-            send += [(local_at[i] + lo, hi - lo) for lo, hi, i in spans if hi > lo]
-            send_splits.append(sum(max(0, hi - lo) for lo, hi, _ in spans))
-            spans = [overlap(b, p, peer) + (id(p),) for b, p in matrices]
-            spans = [(lo, hi, i) for (lo, hi, i), r in zip(spans, owners) if r == me]
-            recv += [(whole_at[i] + lo, hi - lo) for lo, hi, i in spans if hi > lo]
-            recv_splits.append(sum(max(0, hi - lo) for lo, hi, _ in spans))
-        return _MuonPlan(
-            group=group,
-            owner={id(p): r for (_, p), r in zip(matrices, owners)},
-            owned=owned,
-            tp_owners=tp_owners,
-            local_at=local_at,
-            send=send,
-            recv=recv,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            whole_size=size,
-            local_size=at,
-            dtype=buckets[0].params[0].dtype,
-            device=self.param_buffers[next(iter(self.param_buffers))].device,
-        )
-
-    @torch.no_grad()
-    def _muon_split(
-        self, pieces: list[torch.Tensor], updates: list[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, float]]:
-        """Distributed Muon on pieces: (this rank's piece of O, ratio) for each of its Muon
-        pieces and their updates U. One all-to-all over the dp group sends each piece's U to
-        its matrix's owner (`muon_plan`), the owners gather their matrices over tp and
-        orthogonalise them (`muon.whole_updates`: each matrix by one rank of the dp group, by
-        the tp ranks of that one), and a second all-to-all returns each piece's O. Collective
-        over the dp (x cp) group (every rank issues both, in the same order) and the owners'
-        tp groups (the same matrices in the same order on each)."""
-        plan = self.muon_plan
-        assert plan is not None
-        local = torch.zeros(plan.local_size, dtype=plan.dtype, device=plan.device)
-        piece_of = {id(t): (p, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
-        spans = []
-        for t, u in zip(pieces, updates):
-            p, s, e = piece_of[id(t)]
-            at = plan.local_at[id(p)] + s
-            spans.append((at, e - s))
-            local[at : at + e - s] = u.reshape(-1)
-        whole = torch.empty(plan.whole_size, dtype=plan.dtype, device=plan.device)
-        _exchange(local, plan.send, whole, plan.recv, plan, forward=True)
-        matrices: list[torch.Tensor] = [p for p, _ in plan.owned]
-        views = [whole[at : at + p.numel()].view_as(p) for p, at in plan.owned]
-        done = owner_updates(
-            matrices, views, plan.tp_owners, self.tp_group, self.muon_adjust_lr, self.muon_ns_dtype
-        )
-        del views
-        for (p, at), o in zip(plan.owned, done):
-            whole[at : at + p.numel()] = o.reshape(-1)
-        _exchange(whole, plan.recv, local, plan.send, plan, forward=False)
-        return [
-            (local[at : at + n], muon_ratio(piece_of[id(t)][0], self.muon_adjust_lr))
-            for t, (at, n) in zip(pieces, spans)
-        ]
-
     # checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
     def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
@@ -684,56 +509,6 @@ class ZeroOptimizer(AdamWOptimizer):
             for k, full in entry.items():
                 state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
             self.inner.state[t] = state
-
-
-@dataclass
-class _MuonPlan:
-    """Distributed Muon's plan for one rank (`ZeroOptimizer._plan_muon`): `owner` (id of each
-    Muon matrix -> the dp rank that orthogonalises it); `owned` (this rank's matrices and
-    their offsets in the whole buffer, those matrices back to back); `local_at` (each
-    matrix's offset in the local buffer, this rank's slices of the Muon buckets back to back,
-    negative where the slice starts inside it); `send` / `recv`: the (offset, length) ranges
-    of the local buffer sent and of the whole buffer received by the first all-to-all (by
-    peer, `*_splits` elements each; the second all-to-all runs it backwards)."""
-
-    group: Any
-    owner: dict[int, int]
-    owned: list[tuple[nn.Parameter, int]]
-    tp_owners: list[int]
-    local_at: dict[int, int]
-    send: list[tuple[int, int]]
-    recv: list[tuple[int, int]]
-    send_splits: list[int]
-    recv_splits: list[int]
-    whole_size: int
-    local_size: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _exchange(
-    source: torch.Tensor,
-    out_of: list[tuple[int, int]],
-    target: torch.Tensor,
-    into: list[tuple[int, int]],
-    plan: _MuonPlan,
-    forward: bool,
-) -> None:
-    """One all-to-all of distributed Muon over `plan.group`: the ranges `out_of` (offset,
-    length) of `source`, back to back, go to the peers (`plan.send_splits` elements each
-    forward, `plan.recv_splits` back), and what comes in lands in the ranges `into` of
-    `target`."""
-    sent, came = plan.send_splits, plan.recv_splits
-    if not forward:
-        sent, came = came, sent
-    wire = [source[at : at + n] for at, n in out_of]
-    out = torch.cat(wire) if wire else source.new_zeros(0)
-    received = torch.empty(sum(came), dtype=plan.dtype, device=plan.device)
-    dist.all_to_all_single(received, out, came, sent, group=plan.group)
-    k = 0
-    for at, n in into:
-        target[at : at + n] = received[k : k + n]
-        k += n
 
 
 class _HalfGathered:

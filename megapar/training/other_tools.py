@@ -14,6 +14,7 @@ import re
 import tomllib
 
 from megapar.one_line_parser import LAYOUT_NAMES
+from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
 
 WEIGHTS_ONLY = (
@@ -910,8 +911,6 @@ def _torchtitan_value(key: str, value) -> str | None:
     """For a torchtitan setting whose megapar flag depends on its value, the flag (or "" for
     nothing to give, or a sentence); None for every other setting."""
     if key == "parallelism.pipeline_parallel_schedule":
-        from megapar.pipeline.schedules import schedule_named_elsewhere
-
         said = schedule_named_elsewhere(str(value))
         ours = said.split(" is megapar's ", 1)[-1] if " is megapar's " in said else ""
         if ours.startswith("--") and " V" not in ours:
