@@ -1408,6 +1408,11 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
                          '[debug]\nseed = 4\n[training]\nseed = 3\n')
     assert "--schedule 1f1b --seed 4 --fp8 tensorwise --fp8-emulate" in said, said
     assert "--seed 3" not in said, said  # debug.seed is the one torchtitan reads
+    said = _toml_refusal(job, '[model]\nconverters = ["float8"]\n[quantize.linear.float8]\n'
+                         'recipe_name = "rowwise"\nnew_knob = 3\n')
+    assert "--fp8 rowwise" in said and "(no flag named for: quantize.linear.float8.new_knob)" in said
+    said = _toml_refusal(job, '[model]\nconverters = ["mx"]\n')
+    assert "--fp8" not in said.split(";")[0] and "no layers but float8 linears" in said, said
     for name, text in (("job.yaml", "training:\n  steps: 5\nparallelism:\n"
                                     "  tensor_parallel_degree: 2\n"),
                        ("job.json", '{"training": {"steps": 5}, '

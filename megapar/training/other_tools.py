@@ -825,7 +825,7 @@ def torchtitan_job(job: dict, said: str) -> str:
             and (key.split(".", 1)[1] in TORCHTITAN_SCHEDULE)
         ):
             continue  # named by torchtitan_schedule
-        if _is_float8(key) or key == "model.converters":
+        if _is_float8(key) or (key == "model.converters" and "float8" in str(value)):
             continue  # named by _float8_flags
         said_for = _torchtitan_value(key, value)
         if said_for is not None:
@@ -844,9 +844,10 @@ def torchtitan_job(job: dict, said: str) -> str:
                 flags.append(ours if value is True else f"{ours} {shown}")
         else:
             sentences.append(f"{key}: {ours}")
-    fp8_flags, fp8_said = _float8_flags(job, keys)
+    fp8_flags, fp8_said, fp8_left = _float8_flags(job, keys)
     flags += fp8_flags
     sentences += fp8_said
+    left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     return (
@@ -872,39 +873,46 @@ def _is_float8(key: str) -> bool:
     return key.startswith(("float8.", "quantize.linear.float8."))
 
 
-def _float8_flags(job: dict, keys: list[tuple[str, object]]) -> tuple[list[str], list[str]]:
-    """The flags and sentences for a job's float8 settings: torchtitan converts its linears
-    only where `model.converters` lists float8 (`"float8"`, since 2025
+def _float8_flags(
+    job: dict, keys: list[tuple[str, object]]
+) -> tuple[list[str], list[str], list[str]]:
+    """The flags, sentences and keys nothing answers for a job's float8 settings: torchtitan
+    converts its linears only where `model.converters` lists float8 (`"float8"`, since 2025
     `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default) and emulation;
     without it [float8] is read by nothing, so it names no --fp8."""
     converters = (job.get("model") or {}).get("converters") or []
     on = any(
         "float8" in str(c) for c in (converters if isinstance(converters, list) else [converters])
     )
-    settings = {k.rsplit(".", 1)[1]: v for k, v in keys if _is_float8(k)}
+    settings = {k: v for k, v in keys if _is_float8(k)}
     if not on:
         if not settings:
-            return [], []
-        return [], [
-            "float8: torchtitan applies its settings only with model.converters = "
-            '["float8"], which this config does not list; so no --fp8 (give --fp8 '
-            "tensorwise or rowwise to train in float8)"
-        ]
-    recipe = settings.get("recipe_name")
+            return [], [], []
+        return (
+            [],
+            [
+                "float8: torchtitan applies its settings only with model.converters = "
+                '["float8"], which this config does not list; so no --fp8 (give --fp8 '
+                "tensorwise or rowwise to train in float8)"
+            ],
+            [],
+        )
+    recipe = next((v for k, v in settings.items() if k.endswith(".recipe_name")), None)
     flags = [f"--fp8 {recipe if recipe in FP8_RECIPES[1:] else 'tensorwise'}"]
-    sentences = []
-    if recipe is not None and recipe not in FP8_RECIPES[1:]:
-        sentences.append(f"float8.recipe_name {recipe}: {FP8_RECIPE}")
-    for name, value in settings.items():
-        if name == "recipe_name":
-            continue
-        ours = OTHER_TOOLS_FLAGS.get(f"--float8.{name}")
-        if ours == "--fp8-emulate":
+    sentences, left = [], []
+    for key, value in settings.items():
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if key.endswith(".recipe_name"):
+            if recipe not in FP8_RECIPES[1:]:
+                sentences.append(f"{key} {value}: {ours}")
+        elif ours is None:
+            left.append(key)
+        elif ours == "--fp8-emulate":
             if value is True:
                 flags.append(ours)
-        elif ours is not None and value not in (False, [], None):
-            sentences.append(f"float8.{name}: {ours}")
-    return flags, sentences
+        elif value not in (False, [], None):
+            sentences.append(f"{key}: {ours}")
+    return flags, sentences, left
 
 
 def _torchtitan_value(key: str, value) -> str | None:
@@ -916,6 +924,8 @@ def _torchtitan_value(key: str, value) -> str | None:
         if ours.startswith("--") and " V" not in ours:
             return ours
         return said.split(": ", 1)[-1] if said else "not a schedule megapar names"
+    if key == "model.converters":  # without float8 (`_float8_flags` names that)
+        return "megapar converts no layers but float8 linears (--fp8); drop it"
     if key == "parallelism.fsdp_reshard_after_forward":
         return "--zero3-keep-params" if value == "never" else ""
     if key == "checkpoint.async_mode":
