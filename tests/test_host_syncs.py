@@ -20,7 +20,7 @@ import megapar
 from megapar.launcher import run_local
 
 PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/",
-                   "context_parallel/")
+                   "context_parallel/", "expert_parallel/")
 
 
 def config(kind, layers=2):
@@ -266,3 +266,41 @@ def test_fp16_muon_and_powersgd_add_no_host_sync():
             assert flags == [1], (rank, m, counts[m])
         assert set(counts["overflow"]) < set(counts[4]), (rank, counts)
         assert positions == [(2, 2, 2.0**16), (4, 4, 2.0**16), (4, 5, 2.0**120)], positions
+
+
+def moe_syncs_worker():
+    """A Mixtral step's syncs at pp 2 x ep 2 (one MoE layer a stage) at 4 and 8 micro-batches."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=32, vocab_size=96,
+                        bos_token_id=0, eos_token_id=0)
+    engine = megapar.prepare(cfg, pp=2, ep=2, micro_batch_size=1)
+    counts = {}
+    for m in (4, 8):
+        ids = torch.randint(0, 96, (2 * m, 16), generator=torch.Generator().manual_seed(m))
+        step = {"input_ids": ids, "labels": ids.clone()}
+        engine.train_step(step)  # the first step of a shape builds its executor
+        with count_syncs() as syncs:
+            engine.train_step(step)
+        counts[m] = syncs
+    return counts
+
+
+def test_expert_parallel_syncs_once_per_moe_layer_and_micro_batch():
+    """Under ep > 1 the token dispatch's all-to-all needs its split sizes on the host: one sync
+    per MoE layer per micro-batch's forward (docs/architecture.md: "the one host sync"), the
+    backward and recomputation reusing the kept route. A code reviewer's count (pp 2 x ep 2,
+    one MoE layer a stage): 4 at 4 micro-batches, 8 at 8, nothing else growing with m; this
+    holds it there, so a second per-micro-batch sync in the experts' path fails."""
+    for rank, counts in enumerate(run_local(moe_syncs_worker, 4)):
+        grew = counts[8] - counts[4]
+        assert sum(grew.values()) == 4 and len(grew) == 1, (rank, counts)
+        (call, where), = grew
+        assert where.startswith("expert_parallel/dispatch.py"), (rank, call, where)
+        assert counts[4][(call, where)] == 4, (rank, counts[4])
+        # per step: the batch check, the norm, the loss, the router statistics' one read
+        assert sum(counts[4].values()) - 4 <= 8, (rank, counts[4])
+        stats = [n for (c, w), n in counts[4].items() if w.startswith("models/moe.py")]
+        assert stats == [1], (rank, counts[4])  # was two: the loads, then the imbalance

@@ -597,13 +597,13 @@ def finish_step(model: nn.Module, mesh: Mesh, num_experts: int, update_bias: boo
     if mesh.pp > 1:
         all_reduce(total, mesh.pp_group)
         all_reduce(worst, mesh.pp_group, op=dist.ReduceOp.MAX)
-    values = total.tolist()
+    *values, imbalance = torch.cat([total, worst.reshape(1).to(total.dtype)]).tolist()  # 1 read
     tokens, (switch, z, dropped, forwards) = values[:num_experts], values[num_experts:]
     forwards = max(forwards, 1.0)
     return {
         "aux_loss": switch / forwards,
         "z_loss": z / forwards,
         "dropped": dropped / max(sum(tokens) + dropped, 1.0),
-        "imbalance": float(worst),
+        "imbalance": imbalance,
         "tokens_per_expert": [int(t) for t in tokens],
     }
