@@ -1362,9 +1362,9 @@ def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
     with pytest.raises(ConfigError) as exc:
         parse_args(["--config", str(job)])
     assert str(exc.value).endswith(
-        "give its settings as megapar-train flags: --lr-decay wsd --lr-wsd-decay-fraction 0.2 "
-        "--lr-wsd-decay-style sqrt --min-lr 4e-05 --max-steps 1000 --lr 0.0004 "
-        "--warmup-steps 100"), exc.value
+        "give its settings as megapar-train flags: --warmup-steps 100 --lr-decay wsd "
+        "--lr-wsd-decay-fraction 0.2 --lr-wsd-decay-style sqrt --min-lr 4e-05 --max-steps 1000 "
+        "--lr 0.0004"), exc.value
     for text in ("[training]\nsteps = 1000\n[lr_scheduler]\n", "[training]\nsteps = 1000\n"):
         # a job without [lr_scheduler] trains torchtitan's defaults too (it was named no flag)
         job.write_text(text)
@@ -1413,6 +1413,29 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     assert "--fp8 rowwise" in said and "(no flag named for: quantize.linear.float8.new_knob)" in said
     said = _toml_refusal(job, '[model]\nconverters = ["mx"]\n')
     assert "--fp8" not in said.split(";")[0] and "no layers but float8 linears" in said, said
+    # a reviewer's: a warmup past the steps (torchtitan clamps it; megapar-train refuses it)
+    said = _toml_refusal(job, '[training]\nsteps = 50\n[lr_scheduler]\nwarmup_steps = 500\n')
+    assert "--warmup-steps 50 " in said and "--warmup-steps 500" not in said, said
+    # steps that are no number: a traceback (TypeError) before
+    said = _toml_refusal(job, '[training]\nsteps = [100]\n')
+    assert "\n" not in said and "--warmup-steps 200" in said, said
+    # pipeline micro-batches of torchtitan's default 1, not the local batch
+    said = _toml_refusal(job, '[training]\nlocal_batch_size = 4\n[parallelism]\n'
+                         'pipeline_parallel_degree = 2\n')
+    assert "--micro-batch-size 1 --pp 2" in said and "--micro-batch-size 4" not in said, said
+    # a TOML with no torchtitan table (a pyproject.toml) is named no schedule
+    said = _toml_refusal(job, '[project]\nname = "x"\n[tool.ruff]\nline-length = 100\n')
+    assert said.endswith("give its settings as megapar-train flags (megapar-train --help)"), said
+    for name, text in (("mixed.json", '{"model": "llama-tiny", "tp": 2, '
+                                      '"float8": {"recipe_name": "rowwise"}}'),
+                       ("mixed.yaml", "model: llama-tiny\ntraining:\n  steps: 5\n")):
+        (tmp_path / name).write_text(text)  # megapar's keys beside torchtitan's tables
+        with pytest.raises(ConfigError) as exc:  # was an AttributeError's traceback
+            parse_args(["--config", str(tmp_path / name)])
+        said = str(exc.value)
+        assert ": outside torchtitan's tables; a --config file of megapar-train's flags" in said
+        assert "model" in said.split(": outside")[0].split("; ")[-1], said
+        assert "\n" not in said, said
     for name, text in (("job.yaml", "training:\n  steps: 5\nparallelism:\n"
                                     "  tensor_parallel_degree: 2\n"),
                        ("job.json", '{"training": {"steps": 5}, '
@@ -1730,14 +1753,19 @@ def test_a_megatron_command_is_told_the_defaults_megapar_does_not_share(capsys):
     said = line(["--tensor-model-parallel-size", "2", "--train-iters", "5"])
     assert "--train-iters: did you mean --max-steps?" in said, said
     assert ("megapar-train's defaults that are not Megatron-LM's: --weight-decay 0.1 "
-            "(Megatron-LM's 0.01), --adam-beta2 0.95 (0.999), --lr-decay cosine (linear), "
+            "(Megatron-LM's 0.01), --global-batch-size 16, a multiple of --micro-batch-size x dp "
+            "(--micro-batch-size x dp: no accumulation), --adam-beta2 0.95 (0.999), "
+            "--lr-decay cosine (linear), "
             "--warmup-steps 20, at most 10 % of the steps (0), --min-lr 1e-4, at most --lr x 0.1 "
             "(0); give Megatron-LM's where the run should be its") in said, said
     said = line(["--train-iters", "5", "--weight-decay", "0.01", "--lr-warmup-iters=3", "--fp16"])
     assert "--weight-decay 0.1" not in said and "--warmup-steps 20" not in said, said
     assert "--adam-beta2 0.95 (0.999)" in said and "--hysteresis 1 (2)" in said, said
     assert "--initial-loss-scale 65536 (2^32)" in said, said
+    said = line(["--train-iters", "5", "--start-weight-decay", "0.01"])
+    assert "--weight-decay 0.1" not in said and "--adam-beta2 0.95" in said, said
     every = ["--train-iters", "5", "--weight-decay", "0.01", "--adam-beta2", "0.999",
+             "--global-batch-size", "8",
              "--lr-decay-style", "linear", "--warmup-steps", "0", "--min-lr", "0"]
     assert "defaults" not in line(every)
     assert "defaults" not in line(["--training.steps", "5"])  # torchtitan's

@@ -712,7 +712,15 @@ def megatron_defaults(unknown: list[str], given: set[str]) -> str:
     if not MEGATRON_MARKS & set(unknown):
         return ""
     defaults = [  # (the flags that set it, in megapar's and Megatron-LM's names; what differs)
-        (("--weight-decay",), "--weight-decay 0.1 (Megatron-LM's 0.01)"),
+        (
+            ("--weight-decay", "--start-weight-decay", "--end-weight-decay"),
+            "--weight-decay 0.1 (Megatron-LM's 0.01)",
+        ),
+        (
+            ("--global-batch-size",),
+            "--global-batch-size 16, a multiple of --micro-batch-size x dp (--micro-batch-size "
+            "x dp: no accumulation)",
+        ),
         (("--adam-beta2",), "--adam-beta2 0.95 (0.999)"),
         (("--lr-decay", "--lr-decay-style"), "--lr-decay cosine (linear)"),
         (
@@ -783,15 +791,23 @@ def torchtitan_job(job: dict, said: str) -> str:
     megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value;
     a sentence for a key it answers with one; the schedule's and float8's own rules
     (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
+    if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     keys = list(_leaves(job))
     flags, sentences, left = [], [], []
-    saved = (job.get("checkpoint") or {}).get("enable") is not False
+    own = [str(k) for k, v in job.items() if not isinstance(v, dict)]
+    if own:
+        sentences.append(
+            f"{', '.join(own)}: outside torchtitan's tables; a --config file of megapar-train's "
+            "flags takes megapar's settings alone, without the tables"
+        )
+    saved = _table(job, "checkpoint").get("enable") is not False
     keys = [  # enable: its folder names --save; off, no checkpoint key names anything
         (k, v)
         for k, v in keys
         if k != "checkpoint.enable" and (saved or not k.startswith("checkpoint."))
     ]
-    training = job.get("training") or {}
+    training = _table(job, "training")
     if "local_batch_size" in training and "global_batch_size" not in training:
         sentences.append(
             f"training.local_batch_size: --global-batch-size {training['local_batch_size']} x "
@@ -803,7 +819,7 @@ def torchtitan_job(job: dict, said: str) -> str:
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
     if isinstance(schedule, dict):
         flags += torchtitan_schedule(job, schedule)
-    checkpointing = job.get("activation_checkpoint") or {}
+    checkpointing = _table(job, "activation_checkpoint")
     if checkpointing.get("mode") == "selective" and "selective_ac_option" not in checkpointing:
         sentences.append(
             "activation_checkpoint.mode selective: torchtitan's default selective_ac_option 2 "
@@ -815,15 +831,16 @@ def torchtitan_job(job: dict, said: str) -> str:
         "training.local_batch_size": "parallelism.pipeline_parallel_microbatch_size",
         "training.seed": "debug.seed",
     }
+    microbatch = "parallelism.pipeline_parallel_microbatch_size"
+    if _count(_table(job, "parallelism").get("pipeline_parallel_degree"), 1) > 1:
+        if microbatch not in given:  # torchtitan's pipeline micro-batches hold 1 sequence
+            flags.append("--micro-batch-size 1")
+        given.add(microbatch)  # the local batch is no micro-batch size
     for key, value in keys:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
         if overridden.get(key) in given:
             continue  # its flag's value is the other key's
-        if (
-            key.startswith("lr_scheduler.")
-            and key != "lr_scheduler.warmup_steps"
-            and (key.split(".", 1)[1] in TORCHTITAN_SCHEDULE)
-        ):
+        if key.startswith("lr_scheduler.") and key.split(".", 1)[1] in TORCHTITAN_SCHEDULE:
             continue  # named by torchtitan_schedule
         if _is_float8(key) or (key == "model.converters" and "float8" in str(value)):
             continue  # named by _float8_flags
@@ -880,7 +897,7 @@ def _float8_flags(
     converts its linears only where `model.converters` lists float8 (`"float8"`, since 2025
     `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default) and emulation;
     without it [float8] is read by nothing, so it names no --fp8."""
-    converters = (job.get("model") or {}).get("converters") or []
+    converters = _table(job, "model").get("converters") or []
     on = any(
         "float8" in str(c) for c in (converters if isinstance(converters, list) else [converters])
     )
@@ -935,22 +952,23 @@ def _torchtitan_value(key: str, value) -> str | None:
     return None
 
 
-TORCHTITAN_SCHEDULE = ("decay_ratio", "decay_type", "min_lr_factor", "lr_min")
-"""torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags (with warmup_steps)."""
+TORCHTITAN_SCHEDULE = ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min")
+"""torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags."""
 
 
 def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
     """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
-    filled in (warmup 200, at most the steps; decay_ratio None: a decay over every step after
-    warmup; decay_type linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to
-    a tenth of --lr) would train another schedule."""
-    steps = (job.get("training") or {}).get("steps", 10000)
-    warmup = min(schedule.get("warmup_steps", 200), steps)  # torchtitan's clamp
+    filled in (warmup 200; decay_ratio None: a decay over every step after warmup; decay_type
+    linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
+    would train another schedule. A warmup longer than the steps is the steps, as torchtitan
+    clamps it (megapar-train refuses it); a value that is no number counts as not given."""
+    steps = _count(_table(job, "training").get("steps"), 10000)
+    warmup = min(_count(schedule.get("warmup_steps"), 200), steps)
     ratio = schedule.get("decay_ratio")
     shape = schedule.get("decay_type", "linear")
-    factor = schedule.get("min_lr_factor", schedule.get("lr_min", 0.0))
-    lr = (job.get("optimizer") or {}).get("lr", 8e-4)
-    flags = [] if "warmup_steps" in schedule else [f"--warmup-steps {warmup}"]
+    factor = _number(schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
+    lr = _number(_table(job, "optimizer").get("lr"), 8e-4)
+    flags = [f"--warmup-steps {warmup}"]
     if ratio is not None:
         flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
     elif shape == "sqrt":  # over every step after warmup: a WSD without a stable phase
@@ -959,4 +977,30 @@ def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
         )
     else:
         flags.append(f"--lr-decay {shape}")
-    return [*flags, f"--min-lr {float(lr) * float(factor):g}"]
+    return [*flags, f"--min-lr {lr * factor:g}"]
+
+
+def _table(job: dict, name: str) -> dict:
+    """Table `name` of a job config; {} where it has none (or a value there, not a table)."""
+    table = job.get(name)
+    return table if isinstance(table, dict) else {}
+
+
+def _count(value, default: int) -> int:
+    """A job config's whole number, `default` where it gives none (or no number)."""
+    if isinstance(value, bool):
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _number(value, default: float) -> float:
+    """A job config's number, `default` where it gives none (or no number)."""
+    if isinstance(value, bool):
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
