@@ -1423,6 +1423,10 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     said = _toml_refusal(job, '[training]\nlocal_batch_size = 4\n[parallelism]\n'
                          'pipeline_parallel_degree = 2\n')
     assert "--micro-batch-size 1 --pp 2" in said and "--micro-batch-size 4" not in said, said
+    # true where a number belongs gave a bare --seq-len; a switch's true is its flag
+    said = _toml_refusal(job, '[training]\nseq_len = true\n[compile]\nenable = true\n')
+    assert "training.seq_len = true: --seq-len takes a value, not a switch" in said, said
+    assert "--compile" in said.split(";")[0] and "--seq-len" not in said.split(";")[0], said
     # a TOML with no torchtitan table (a pyproject.toml) is named no schedule
     said = _toml_refusal(job, '[project]\nname = "x"\n[tool.ruff]\nline-length = 100\n')
     assert said.endswith("give its settings as megapar-train flags (megapar-train --help)"), said

@@ -440,6 +440,13 @@ def flag_choices() -> dict[str, list]:
 MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)
 
 
+def _switches() -> frozenset[str]:
+    """megapar-train's flags that take no value (`--compile`)."""
+    return frozenset(
+        "--" + f.name.replace("_", "-") for f in fields(TrainConfig) if _type_of(f) == "bool"
+    )
+
+
 def _type_of(f) -> Any:
     text = str(f.type)
     if "bool" in text:
@@ -599,11 +606,11 @@ def read_run_config(path: str) -> dict[str, Any]:
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
-        raise ConfigError(toml_job_config(path))
+        raise ConfigError(toml_job_config(path, _switches()))
     loaded = load_config_file(path)
     if any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items()):
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
-        raise ConfigError(torchtitan_job(loaded, said))
+        raise ConfigError(torchtitan_job(loaded, said, _switches()))
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)

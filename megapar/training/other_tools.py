@@ -770,7 +770,7 @@ TORCHTITAN_SECTIONS = frozenset(
 """The tables of a torchtitan job config: a JSON or YAML `--config` holding one is one."""
 
 
-def toml_job_config(path: str) -> str:
+def toml_job_config(path: str, switches: frozenset[str] = frozenset()) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
     `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
@@ -783,12 +783,13 @@ def toml_job_config(path: str) -> str:
             job = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"{said} ({exc})"
-    return torchtitan_job(job, said)
+    return torchtitan_job(job, said, switches)
 
 
-def torchtitan_job(job: dict, said: str) -> str:
+def torchtitan_job(job: dict, said: str, switches: frozenset[str] = frozenset()) -> str:
     """`said` (why the file is not read) with torchtitan job config `job`'s settings as
-    megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value;
+    megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value (a
+    true or false only for the `switches`, megapar-train's flags that take no value);
     a sentence for a key it answers with one; the schedule's and float8's own rules
     (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
@@ -854,6 +855,8 @@ def torchtitan_job(job: dict, said: str) -> str:
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
             continue  # torchtitan's default: no replicas, or no sharding
+        elif isinstance(value, bool) and ours not in switches and ours.startswith("--"):
+            sentences.append(f"{key} = {str(value).lower()}: {ours} takes a value, not a switch")
         elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
