@@ -1305,6 +1305,11 @@ def _toml_refusal(job, text: str) -> str:
     return str(exc.value)
 
 
+def _flags(said: str) -> str:
+    """The flags a job config's refusal gives, before its sentences."""
+    return said.split("megapar-train flags: ", 1)[1].split(";")[0]
+
+
 def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path):
     """A torchtitan TOML given to --config was 'not valid JSON at line 1 column 2'; now one
     line names its settings as megapar-train's flags, the float8 recipe with its value."""
@@ -1398,7 +1403,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     assert ("flags: --warmup-steps 10 --lr-decay linear --min-lr 0 --max-steps 10 --seed 3 "
             "--pp 2 --micro-batch-size 2 --zero3-keep-params --log-interval 5 --async-save "
             "--keep-latest-k 3 --recompute selective;") in said, said
-    assert "--fp8 " not in said.split(";")[0] and 'only with model.converters = ["float8"]' in said
+    assert "--fp8" not in _flags(said) and 'only with model.converters = ["float8"]' in said
     assert ("parallelism.pipeline_parallel_schedule Interleaved1F1B: 'Interleaved1F1B' is "
             "megapar's --schedule interleaved --virtual-stages V") in said, said
     assert "default selective_ac_option 2 recomputes every 2nd layer whole" in said, said
@@ -1412,7 +1417,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
                          'recipe_name = "rowwise"\nnew_knob = 3\n')
     assert "--fp8 rowwise" in said and "(no flag named for: quantize.linear.float8.new_knob)" in said
     said = _toml_refusal(job, '[model]\nconverters = ["mx"]\n')
-    assert "--fp8" not in said.split(";")[0] and "no layers but float8 linears" in said, said
+    assert "--fp8" not in _flags(said) and "no layers but float8 linears" in said, said
     # a reviewer's: a warmup past the steps (torchtitan clamps it; megapar-train refuses it)
     said = _toml_refusal(job, '[training]\nsteps = 50\n[lr_scheduler]\nwarmup_steps = 500\n')
     assert "--warmup-steps 50 " in said and "--warmup-steps 500" not in said, said
@@ -1426,7 +1431,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     # true where a number belongs gave a bare --seq-len; a switch's true is its flag
     said = _toml_refusal(job, '[training]\nseq_len = true\n[compile]\nenable = true\n')
     assert "training.seq_len = true: --seq-len takes a value, not a switch" in said, said
-    assert "--compile" in said.split(";")[0] and "--seq-len" not in said.split(";")[0], said
+    assert "--compile" in _flags(said) and "--seq-len" not in _flags(said), said
     # a TOML with no torchtitan table (a pyproject.toml) is named no schedule
     said = _toml_refusal(job, '[project]\nname = "x"\n[tool.ruff]\nline-length = 100\n')
     assert said.endswith("give its settings as megapar-train flags (megapar-train --help)"), said
