@@ -149,7 +149,8 @@ class OneLineParser(argparse.ArgumentParser):
         if not extras:
             return
         if len(words) != len(extras):  # an unknown flag: its value is among the words
-            self.error(f"unrecognized arguments: {' '.join(_with_values(argv, extras))}")
+            shown = _with_values(argv, extras) if self._spread_positionals() else extras
+            self.error(f"unrecognized arguments: {' '.join(shown)}")
         named = ", ".join(f"'{w}'" for w in words)
         self.error(
             f"unexpected argument{'s' if len(words) > 1 else ''} {named}: "
@@ -311,6 +312,7 @@ class OneLineParser(argparse.ArgumentParser):
         said = self.afterword(flags, self._given_flags) if self.afterword is not None else ""
         if said:
             hints.append(said)
+        hints = list(dict.fromkeys(hints))  # a flag given twice is answered once
         return "; " + "; ".join(hints) if hints else ""
 
     def given(self, argv: list[str] | None = None) -> tuple[str, ...]:
@@ -332,21 +334,27 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _with_values(argv: list[str], extras: list[str]) -> list[str]:
-    """`extras` with the word after each unknown flag in `argv` where the parse took that word
-    as a positional (an intermixed parse leaves `--tensor-parallel-size` over and reads its 2
-    as a PATH), so that the line shows the flag as it was given."""
-    shown, rest = [], list(extras)
+    """For an intermixed parse (positionals of several words, megapar-convert's PATH...): the
+    unknown flags among `extras` (the words it left over from `argv`), each as it
+    was given: with the word after it in `argv` where that is no flag (its value, whether the
+    parse left it over or, intermixed, took it for a PATH). Words the parse left over that
+    follow no unknown flag are not shown: an intermixed parse leaves over paths after an
+    unknown flag (`a --foo 2 b`: `--foo 2 b`)."""
+    unknown = {w for w in extras if w.startswith("-") and not _NEGATIVE_NUMBER.match(w)}
+    shown = []
     for i, word in enumerate(argv):
-        if not rest or word != rest[0]:
+        if word not in unknown:
             continue
-        shown.append(rest.pop(0))
+        shown.append(word)
         after = argv[i + 1] if i + 1 < len(argv) else None
-        takes_next = word.startswith("-") and "=" not in word and not _NEGATIVE_NUMBER.match(word)
-        if takes_next and after is not None and not after.startswith("-"):
-            if rest and rest[0] == after:
-                continue
+        takes_next = "=" not in word
+        if (
+            takes_next
+            and after is not None
+            and (not after.startswith("-") or _NEGATIVE_NUMBER.match(after))
+        ):
             shown.append(after)
-    return shown + rest
+    return shown
 
 
 def show_progress(progress: bool | None) -> bool:

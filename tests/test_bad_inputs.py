@@ -1895,6 +1895,14 @@ STRAY = [
      "unrecognized arguments: --tensor-parallel-size 2; --tensor-parallel-size: did you mean --tp?"),
     ("convert", ["a", "b", "--tensor-parallel-size", "2"],
      "unrecognized arguments: --tensor-parallel-size 2; --tensor-parallel-size: did you mean --tp?"),
+    # a reviewer's: the path after an unknown flag's value was listed as unrecognized, a
+    # negative value dropped, a flag given twice answered twice
+    ("convert", ["a", "--foo", "2", "b"], "unrecognized arguments: --foo 2; --foo: did you mean "
+     "--info? (see"),
+    ("convert", ["--foo", "-1", "a", "b"], "unrecognized arguments: --foo -1; --foo: did you "
+     "mean --info? (see"),
+    ("convert", ["--foo", "2", "--foo", "3", "a", "b"], "unrecognized arguments: --foo 2 --foo "
+     "3; --foo: did you mean --info? (see"),
 ]
 
 
