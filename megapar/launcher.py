@@ -593,7 +593,7 @@ def _name_the_cause(exc: BaseException) -> None:
         return
     stopped = stopped_siblings()
     if stopped:
-        progress.mark_failed()
+        progress.mark_failed(found=stopped)  # for the ranks of other nodes
     cause = stopped or progress.holding_up()
     if cause:
         exc.add_note(f"{cause}; rank {dist.get_rank()} gave up waiting")

@@ -1042,6 +1042,36 @@ def test_the_computing_rank_is_named_by_its_cpu_between_the_reads(monkeypatch):
     assert progress.cpu_share({}, {"cpu": 0.2}) == 0.2
 
 
+def test_a_stopped_rank_found_on_another_node_is_named(monkeypatch):
+    """A reviewer's two-node drill: rank 3 (node 1) stopped; rank 2, its node's peer, found it
+    stopped and continued it, both then failed, and node 0's ranks, timing out later, read only
+    failed records: their error was gloo's bare "Timed out waiting 30000ms for recv". What rank
+    2 found is in its record now, and the ranks of other nodes name it."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from megapar.faults import progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    reader = ProgressRecords(store, 0, 4)
+    stopped_line = "on this node rank 3 (pid 21098) is stopped (SIGSTOP / SIGTSTP?)"
+    for rank, extra in ((1, {}), (2, {"found": stopped_line}), (3, {})):
+        store.set(reader.key(rank), json.dumps({
+            "status": "step 26, backward of micro-batch 0", "cpu": 0.0, "failed": True,
+            "beat": 5, **extra}))
+    monkeypatch.setattr(progress, "time", SimpleNamespace(
+        monotonic=time.monotonic, process_time=time.process_time, sleep=lambda s: None))
+    assert reader.holding_up() == (
+        "on rank 2's node rank 3 (pid 21098) is stopped (SIGSTOP / SIGTSTP?)")
+    # what rank 2 writes: its record carries the finding
+    finder = ProgressRecords(store, 2, 4)
+    finder.mark_failed(found=stopped_line)
+    assert json.loads(store.get(finder.key(2)))["found"] == stopped_line
+
+
 def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypatch):
     """The store lives with torchrun's agent (or rank 0 under srun): when it stops answering
     (here its process stopped) the report must not wait for it: the store's own timeout (1 s

@@ -63,6 +63,7 @@ class ProgressRecords:
         self.failed = False
         self.returned = False  # the function returned on this rank (`mark_returned`)
         self.error = ""  # its own error's first line when it failed of itself
+        self.found = ""  # the stopped ranks of its node it found when its wait timed out
         self._lock = threading.Lock()  # the thread's publish and `mark_failed`'s
         self._sent = ""
         self._sent_at = 0.0  # time.monotonic() of the last send
@@ -91,6 +92,8 @@ class ProgressRecords:
             "failed": self.failed,
             **({"returned": True} if self.returned else {}),
         }
+        if self.found:
+            record["found"] = self.found
         return {**record, "error": self.error} if self.error else record
 
     def publish(self) -> None:
@@ -128,11 +131,14 @@ class ProgressRecords:
     def stop(self) -> None:
         self._stop.set()
 
-    def mark_failed(self, error: str = "") -> None:
+    def mark_failed(self, error: str = "", found: str = "") -> None:
         """Say in the store that this rank has failed: of itself (`error`: its first line),
         which the ranks that time out after it then name; or (no `error`) its wait timed out,
-        and they do not name it (it waited, and it is no longer there to answer)."""
+        and they do not name it (it waited, and it is no longer there to answer), but name
+        what it `found`: the stopped ranks of its node (`blame.stopped_siblings`), which
+        ranks on other nodes cannot see (a stopped rank, continued, may have exited since)."""
         self.failed, self.error = True, error.split("\n", 1)[0][:300]
+        self.found = found[:300]
         self.publish()
 
     def mark_returned(self) -> None:
@@ -188,7 +194,7 @@ class ProgressRecords:
         first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
         if not first:
             return store_gone() if self.lost else ""
-        if failed := _failed_of_itself(first):
+        if failed := _failed_of_itself(first) or _found_stopped(first):
             return failed
         if done := sorted(r for r, x in first.items() if x.get("returned")):
             own = _status.status() or "its start"
@@ -206,7 +212,7 @@ class ProgressRecords:
         wait = heartbeat_wait_s()
         time.sleep(wait)
         later = _bounded(self.read, 2 * STORE_TIMEOUT_S, none)
-        if failed := _failed_of_itself(later):
+        if failed := _failed_of_itself(later) or _found_stopped(later):
             return failed
         records = {r: x for r, x in (later or first).items() if not x.get("failed")}
         if not records:
@@ -267,6 +273,17 @@ def _failed_of_itself(records: dict[int, dict]) -> str:
         return ""
     r = own[0]
     return f"rank {r} failed at {records[r].get('status', '')}: {records[r]['error']}"
+
+
+def _found_stopped(records: dict[int, dict]) -> str:
+    """ "on rank R's node rank S (pid P) is stopped (SIGSTOP / SIGTSTP?)": what the lowest rank
+    that found stopped ranks on its node recorded (`ProgressRecords.mark_failed`'s `found`);
+    "" when none did."""
+    found = sorted(r for r, x in records.items() if x.get("found"))
+    if not found:
+        return ""
+    r = found[0]
+    return str(records[r]["found"]).replace("on this node", f"on rank {r}'s node", 1)
 
 
 def heartbeat_wait_s() -> float:
@@ -358,13 +375,14 @@ def mark_returned() -> None:
         _bounded(records.mark_returned, STORE_TIMEOUT_S, None)
 
 
-def mark_failed(error: str = "") -> None:
+def mark_failed(error: str = "", found: str = "") -> None:
     """Record that this rank failed (`ProgressRecords.mark_failed`): with an error of its own
     (`error`), which the ranks that time out waiting for it then name, or (none) a wait that
-    timed out; nothing when no records are published."""
+    timed out, with the stopped ranks of its node it `found`; nothing when no records are
+    published."""
     records = _records.get("rank")
     if records is not None:
-        _bounded(lambda: records.mark_failed(error), STORE_TIMEOUT_S, None)
+        _bounded(lambda: records.mark_failed(error, found), STORE_TIMEOUT_S, None)
 
 
 os.register_at_fork(after_in_child=_records.clear)  # a forked child publishes nothing of its own

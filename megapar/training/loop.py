@@ -463,7 +463,7 @@ class Trainer:
             return ""
         stopped = stopped_siblings()
         if stopped:
-            progress.mark_failed()
+            progress.mark_failed(found=stopped)  # for the ranks of other nodes
             return f"{stopped}; here: "
         behind = progress.holding_up()
         return f"{behind}; rank {self.mesh.rank} gave up waiting: " if behind else ""
