@@ -507,9 +507,9 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, common, capsys
 
 
 @pytest.mark.parametrize("steps,interval,lost,latest", [
-    ("4", "2", "steps 3-4 (last checkpoint: step 2)", 2),
+    ("4", "2", "steps 3-4 (last checkpoint: step 2, resumed with --load ", 2),
     # one step lost said "not saved: steps 2-2"
-    ("3", "1", "step 2 (last checkpoint: step 1)", 1)])
+    ("3", "1", "step 2 (last checkpoint: step 1, resumed with --load ", 1)])
 def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(
         tmp_path, common, capsys, monkeypatch, steps, interval, lost, latest):
     import megapar.checkpoint.distributed as cd
@@ -529,7 +529,7 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "No space left on device" in err
-    assert f"not saved: {lost}" in err, err
+    assert f"not saved: {lost}{ckpt})" in err, err  # how to resume: a reviewer's drill
     assert (ckpt / "latest").read_text().strip() == f"step_{latest:08d}"
 
 
