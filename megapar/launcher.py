@@ -587,7 +587,7 @@ def _name_the_cause(exc: BaseException) -> None:
     (`progress.mark_failed`); a lost peer or a timed-out wait gets a note naming the rank it
     follows from (a stopped rank of this node, else the store's records: `rank 1 failed at
     step 2, ...: KeyError: 'x'`), as megapar-train's error begins with it."""
-    error = error_line(exc).split("\n", 1)[0][:300]
+    error = error_line(exc).split("\n", 1)[0]  # whole: what makes it consequential may be late
     if not consequential(error):
         progress.mark_failed(error)
         return

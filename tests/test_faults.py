@@ -1072,6 +1072,35 @@ def test_a_stopped_rank_found_on_another_node_is_named(monkeypatch):
     assert json.loads(store.get(finder.key(2)))["found"] == stopped_line
 
 
+def test_a_rank_that_gave_up_waiting_is_not_recorded_as_failing_of_itself(monkeypatch):
+    """A reviewer's two-node drill: rank 1's error named rank 3 ("rank 3 did not answer ...;
+    rank 1 gave up waiting: RuntimeError: [...] Connection closed by peer"), but its first line
+    was cut to 300 characters before it was asked whether it was a lost peer's, which came
+    later: it was recorded as an error of rank 1's own, so ranks 0 and 2 blamed rank 1 ("rank
+    1 failed at step 30, ...: TrainingError: rank 1 (...) failed ... RuntimeError: [/__w/
+    pytorch"). The whole line is asked now, and a rank that gave up waiting is consequential."""
+    from megapar import launcher
+    from megapar.faults import progress
+    from megapar.faults.blame import consequential
+
+    recorded = []
+    monkeypatch.setattr(progress, "mark_failed", lambda error="", found="": recorded.append(
+        (error, found)))
+    monkeypatch.setattr(launcher, "stopped_siblings", lambda: "")
+    monkeypatch.setattr(progress, "holding_up", lambda: "")
+    long = ("rank 1 (tp=1 pp=2 dp=2 coords tp=0 pp=1 dp=0) failed at step 30: rank 3 did not "
+            "answer at step 30, waiting for the data-parallel gradient all-reduce; its process "
+            "sent no heartbeat in 11 s (killed, stopped, frozen, or its node lost?); rank 1 gave "
+            "up waiting: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/"
+            "tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:62852")
+    launcher._name_the_cause(RuntimeError(long))
+    assert recorded == [], recorded
+    assert consequential("TrainingError: rank 0 failed: rank 2 did not answer; rank 0 gave up "
+                         "waiting: KeyError")
+    launcher._name_the_cause(KeyError("x"))  # an error of its own is still recorded
+    assert recorded == [("KeyError: 'x'", "")], recorded
+
+
 def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypatch):
     """The store lives with torchrun's agent (or rank 0 under srun): when it stops answering
     (here its process stopped) the report must not wait for it: the store's own timeout (1 s

@@ -52,6 +52,7 @@ _CONSEQUENTIAL = (
     "broken pipe",
     "connection refused",
     "did not complete",
+    "gave up waiting",  # a rank's own error naming the rank it waited for (`progress`)
 )
 
 _PEER = re.compile(r"\bpeers?\b")
