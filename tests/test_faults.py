@@ -1708,3 +1708,24 @@ def test_a_failure_log_that_save_cannot_hold_goes_to_the_cache(tmp_path):
                    "staging directory"
     assert log is not None and log.startswith(str(tmp_path / "cache" / "logs" / "run-"))
     assert log.endswith("rank1.log") and open(log).read().startswith(text)
+
+
+def test_gloo_noise_is_left_out_of_a_ranks_error():
+    """A reviewer's two-node drill: the lines carried gloo's source path and advice
+    ("[/__w/pytorch/.../pair.cc:553] ... This is typically caused by a remote worker crashing.
+    Check the logs of the remote worker before reporting an error. GLHF! 🏖️"), up to 900
+    characters; the fact (the connection closed, by which peer) stays."""
+    from megapar.faults.blame import without_gloo_noise
+
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:62852. This is typically caused by a remote worker "
+            "crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")
+    assert without_gloo_noise(f"RuntimeError: {gloo}; any save in flight is lost") == (
+        "RuntimeError: Connection closed by peer [127.0.0.1]:62852; any save in flight is lost")
+    assert without_gloo_noise(f"P2PTimeoutError: it failed ({gloo}); a peer") == (
+        "P2PTimeoutError: it failed (Connection closed by peer [127.0.0.1]:62852); a peer")
+    timed = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed "
+             "out waiting 30000ms for recv operation to complete")
+    assert without_gloo_noise(timed) == (
+        "RuntimeError: Timed out waiting 30000ms for recv operation to complete")
+    assert without_gloo_noise("KeyError: 'x'") == "KeyError: 'x'"

@@ -201,6 +201,21 @@ def behind_first(
     return max(alike, key=lambda r: (share[r], -r))
 
 
+_GLOO_SOURCE = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\] ")
+_GLOO_ADVICE = re.compile(
+    r"\.? ?This is typically caused by a remote worker crashing\.(?: Check the logs of the "
+    r"remote worker before reporting an error\.)?(?: GLHF!(?: [^\s;,)]+)?)?"
+)
+
+
+def without_gloo_noise(text: str) -> str:
+    """`text` without what gloo adds to a lost connection's error beside the fact: its source
+    file (`[/__w/pytorch/.../gloo/transport/tcp/pair.cc:553] `) and its advice ("This is
+    typically caused by a remote worker crashing. Check the logs ... GLHF!"), which the line
+    megapar prints says in its own words (which rank, and to look for its error)."""
+    return _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", text))
+
+
 def consequential(error: str) -> bool:
     """Whether an error (its first line) is a communication timeout or a lost connection: what
     a rank reports when another one stopped answering or died."""

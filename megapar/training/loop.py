@@ -24,7 +24,7 @@ from megapar.device import peak_tflops
 from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.expert_parallel import is_expert
 from megapar.faults import progress
-from megapar.faults.blame import consequential, stopped_siblings
+from megapar.faults.blame import consequential, stopped_siblings, without_gloo_noise
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
     NonFiniteError,
@@ -430,7 +430,7 @@ class Trainer:
         from under torchrun / srun (`cause`), and the steps not saved (`saved`: the last saved
         step)."""
         cfg, mesh = self.cfg, self.mesh
-        what = f"{type(exc).__name__}: {exc}"
+        what = without_gloo_noise(f"{type(exc).__name__}: {exc}")
         saver = self.engine.saver
         if saver is not None:  # a checkpoint from before the failure is still good
             note = saver.wait_quietly(cfg.timeout_s)
