@@ -608,10 +608,11 @@ def read_run_config(path: str) -> dict[str, Any]:
     if str(path).endswith(".toml"):
         raise ConfigError(toml_job_config(path, _switches()))
     loaded = load_config_file(path)
-    if any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items()):
+    data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
+    if torchtitan and not DEEPSPEED_KEYS & set(data):  # a DeepSpeed config has [optimizer] too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _switches()))
-    data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)
         raise ConfigError(

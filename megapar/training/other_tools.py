@@ -142,6 +142,11 @@ FP8_FORMAT = (
     "(Transformer Engine's hybrid), e4m3 for all three under --fp8 rowwise; drop it"
 )
 
+FSDP_DEGREE = (
+    "--zero 3 (torchtitan's FSDP) over the --dp ranks, which are the ranks divided by --tp x "
+    "--cp x --pp"
+)
+REPLICATE_DEGREE = "--dp (megapar's ZeRO shards over all its dp ranks: no replicas of shards)"
 TENSORBOARD = "--tensorboard DIR (scalars written to that directory)"
 RESHARD = (
     "--zero3-keep-params for never (reshard_after_forward=False: a unit stays gathered from "
@@ -383,10 +388,10 @@ OTHER_TOOLS_FLAGS = {
     "--local-batch-size": "--micro-batch-size",
     "--steps": "--max-steps",
     "--flavor": "--model (a recipe such as llama-1b, or a config.json of the flavor's sizes)",
-    "--parallelism.data_parallel_shard_degree": "--zero 3 (torchtitan's FSDP) over the --dp "
-    "ranks, which are the ranks divided by --tp x --cp x --pp",
-    "--parallelism.data_parallel_replicate_degree": "--dp (megapar's ZeRO shards over all its "
-    "dp ranks: no replicas of shards)",
+    "--parallelism.data_parallel_shard_degree": FSDP_DEGREE,
+    "--data-parallel-shard-degree": FSDP_DEGREE,  # without its section
+    "--parallelism.data_parallel_replicate_degree": REPLICATE_DEGREE,
+    "--data-parallel-replicate-degree": REPLICATE_DEGREE,
     "--model.flavor": "--model (a recipe such as llama-1b, or a config.json of the flavor's "
     "sizes: megapar-convert reads torchtitan's Llama 3 flavors from a job config)",
     "--model.name": "--model (a recipe such as llama-1b, or a config.json)",
