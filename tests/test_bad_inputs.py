@@ -1400,7 +1400,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
                          '[metrics]\nlog_freq = 5\n[checkpoint]\nfolder = "ck"\n'
                          'async_mode = "async"\nkeep_latest_k = 3\n'
                          '[activation_checkpoint]\nmode = "selective"\n')
-    assert ("flags: --warmup-steps 10 --lr-decay linear --min-lr 0 --max-steps 10 --seed 3 "
+    assert ("flags: --warmup-steps 10 --lr-decay constant --max-steps 10 --seed 3 "
             "--pp 2 --micro-batch-size 2 --zero3-keep-params --log-interval 5 --async-save "
             "--keep-latest-k 3 --recompute selective;") in said, said
     assert "--fp8" not in _flags(said) and 'only with model.converters = ["float8"]' in said
@@ -1421,6 +1421,16 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     # a reviewer's: a warmup past the steps (torchtitan clamps it; megapar-train refuses it)
     said = _toml_refusal(job, '[training]\nsteps = 50\n[lr_scheduler]\nwarmup_steps = 500\n')
     assert "--warmup-steps 50 " in said and "--warmup-steps 500" not in said, said
+    # a decay past the steps after warmup: cut as torchtitan cuts it (the line was refused)
+    said = _toml_refusal(job, '[training]\nsteps = 100\n[lr_scheduler]\nwarmup_steps = 50\n'
+                         'decay_ratio = 0.8\n')
+    assert "--warmup-steps 50 --lr-decay wsd --lr-wsd-decay-steps 50 " in said, said
+    said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\ndecay_ratio = 0.2\n')
+    assert _flags(said) == "--warmup-steps 10 --lr-decay constant --max-steps 10", said
+    # values of another kind than the flag takes are said so, not put in the line
+    said = _toml_refusal(job, '[training]\nsteps = "many"\n[optimizer]\nlr = "3e-4"\n')
+    assert "training.steps = 'many': --max-steps takes a whole number" in said, said
+    assert "--lr 3e-4" in _flags(said) and "--max-steps" not in _flags(said), said
     # steps that are no number: a traceback (TypeError) before
     said = _toml_refusal(job, '[training]\nsteps = [100]\n')
     assert "\n" not in said and "--warmup-steps 200" in said, said
@@ -1430,7 +1440,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     assert "--micro-batch-size 1 --pp 2" in said and "--micro-batch-size 4" not in said, said
     # true where a number belongs gave a bare --seq-len; a switch's true is its flag
     said = _toml_refusal(job, '[training]\nseq_len = true\n[compile]\nenable = true\n')
-    assert "training.seq_len = true: --seq-len takes a value, not a switch" in said, said
+    assert "training.seq_len = true: --seq-len takes a whole number" in said, said
     assert "--compile" in _flags(said) and "--seq-len" not in _flags(said), said
     # a TOML with no torchtitan table (a pyproject.toml) is named no schedule
     said = _toml_refusal(job, '[project]\nname = "x"\n[tool.ruff]\nline-length = 100\n')
@@ -1454,8 +1464,8 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
             parse_args(["--config", str(tmp_path / name)])
         assert str(exc.value) == (
             f"{tmp_path / name} is a torchtitan job config, which megapar-train does not read; "
-            "give its settings as megapar-train flags: --warmup-steps 5 --lr-decay linear "
-            "--min-lr 0 --max-steps 5 --tp 2"), exc.value
+            "give its settings as megapar-train flags: --warmup-steps 5 --lr-decay constant "
+            "--max-steps 5 --tp 2"), exc.value  # warmup = steps: no step left to decay in
 
 
 OTHER_TOOLS = [

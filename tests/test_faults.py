@@ -1729,3 +1729,8 @@ def test_gloo_noise_is_left_out_of_a_ranks_error():
     assert without_gloo_noise(timed) == (
         "RuntimeError: Timed out waiting 30000ms for recv operation to complete")
     assert without_gloo_noise("KeyError: 'x'") == "KeyError: 'x'"
+    reset = ("RuntimeError: Read error [127.0.0.1]:23953: Connection reset by peer. This is "
+             "typically caused by a remote worker hanging or bugs in the application. Check the "
+             "logs of the remote worker before reporting an error. GLHF! 🏖️")  # its other words
+    assert without_gloo_noise(reset) == (
+        "RuntimeError: Read error [127.0.0.1]:23953: Connection reset by peer")

@@ -203,7 +203,7 @@ def behind_first(
 
 _GLOO_SOURCE = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\] ")
 _GLOO_ADVICE = re.compile(
-    r"\.? ?This is typically caused by a remote worker crashing\.(?: Check the logs of the "
+    r"\.? ?This is typically caused by a remote worker [^.]*\.(?: Check the logs of the "
     r"remote worker before reporting an error\.)?(?: GLHF!(?: [^\s;,)]+)?)?"
 )
 
@@ -211,7 +211,8 @@ _GLOO_ADVICE = re.compile(
 def without_gloo_noise(text: str) -> str:
     """`text` without what gloo adds to a lost connection's error beside the fact: its source
     file (`[/__w/pytorch/.../gloo/transport/tcp/pair.cc:553] `) and its advice ("This is
-    typically caused by a remote worker crashing. Check the logs ... GLHF!"), which the line
+    typically caused by a remote worker crashing" or "hanging or bugs in the application". Check
+    the logs ... GLHF!"), which the line
     megapar prints says in its own words (which rank, and to look for its error)."""
     return _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", text))
 

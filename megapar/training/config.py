@@ -440,11 +440,10 @@ def flag_choices() -> dict[str, list]:
 MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)
 
 
-def _switches() -> frozenset[str]:
-    """megapar-train's flags that take no value (`--compile`)."""
-    return frozenset(
-        "--" + f.name.replace("_", "-") for f in fields(TrainConfig) if _type_of(f) == "bool"
-    )
+def _flag_kinds() -> dict[str, Any]:
+    """megapar-train's flags and what each takes: "bool" (a switch: no value), int, float or
+    str."""
+    return {"--" + f.name.replace("_", "-"): _type_of(f) for f in fields(TrainConfig)}
 
 
 def _type_of(f) -> Any:
@@ -606,13 +605,13 @@ def read_run_config(path: str) -> dict[str, Any]:
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
-        raise ConfigError(toml_job_config(path, _switches()))
+        raise ConfigError(toml_job_config(path, _flag_kinds()))
     loaded = load_config_file(path)
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
     if torchtitan and not DEEPSPEED_KEYS & set(data):  # a DeepSpeed config has [optimizer] too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
-        raise ConfigError(torchtitan_job(loaded, said, _switches()))
+        raise ConfigError(torchtitan_job(loaded, said, _flag_kinds()))
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)
         raise ConfigError(

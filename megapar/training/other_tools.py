@@ -775,7 +775,7 @@ TORCHTITAN_SECTIONS = frozenset(
 """The tables of a torchtitan job config: a JSON or YAML `--config` holding one is one."""
 
 
-def toml_job_config(path: str, switches: frozenset[str] = frozenset()) -> str:
+def toml_job_config(path: str, kinds: dict | None = None) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
     `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
@@ -788,13 +788,14 @@ def toml_job_config(path: str, switches: frozenset[str] = frozenset()) -> str:
             job = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"{said} ({exc})"
-    return torchtitan_job(job, said, switches)
+    return torchtitan_job(job, said, kinds)
 
 
-def torchtitan_job(job: dict, said: str, switches: frozenset[str] = frozenset()) -> str:
+def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     """`said` (why the file is not read) with torchtitan job config `job`'s settings as
     megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value (a
-    true or false only for the `switches`, megapar-train's flags that take no value);
+    value of the kind the flag takes, `kinds`: megapar-train's flags, "bool" for a switch, int,
+    float or str);
     a sentence for a key it answers with one; the schedule's and float8's own rules
     (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
@@ -860,8 +861,8 @@ def torchtitan_job(job: dict, said: str, switches: frozenset[str] = frozenset())
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
             continue  # torchtitan's default: no replicas, or no sharding
-        elif isinstance(value, bool) and ours not in switches and ours.startswith("--"):
-            sentences.append(f"{key} = {str(value).lower()}: {ours} takes a value, not a switch")
+        elif (wrong := _wrong_kind(value, (kinds or {}).get(ours))) is not None:
+            sentences.append(f"{key} = {wrong}: {ours} takes {_TAKES[(kinds or {})[ours]]}")
         elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
@@ -880,6 +881,31 @@ def torchtitan_job(job: dict, said: str, switches: frozenset[str] = frozenset())
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
         + (f" (no flag named for: {', '.join(left)})" if left else "")
     )
+
+
+_TAKES = {"bool": "no value (a switch)", int: "a whole number", float: "a number", str: "a value"}
+
+
+def _wrong_kind(value, kind) -> str | None:
+    """`value` as a job config shows it where it is not of the `kind` a megapar-train flag
+    takes (`_TAKES`: a true / false for a switch, a whole number, a number, a value: a list
+    only for a flag of several values); None where it is, or the kind is not known."""
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
+    if kind == "bool":
+        return None if isinstance(value, bool) else shown
+    if kind is None:
+        return None
+    if isinstance(value, (bool, dict)):
+        return shown
+    if kind is str:
+        return None
+    if isinstance(value, list):
+        return shown
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return shown
+    return shown if kind is int and not number.is_integer() else None
 
 
 def _leaves(table: dict, prefix: str = ""):
@@ -968,8 +994,9 @@ def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
     """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
     filled in (warmup 200; decay_ratio None: a decay over every step after warmup; decay_type
     linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
-    would train another schedule. A warmup longer than the steps is the steps, as torchtitan
-    clamps it (megapar-train refuses it); a value that is no number counts as not given."""
+    would train another schedule. A warmup longer than the steps is the steps, and a decay
+    longer than the steps after warmup those steps, as torchtitan cuts them (megapar-train
+    refuses both); a value that is no number counts as not given."""
     steps = _count(_table(job, "training").get("steps"), 10000)
     warmup = min(_count(schedule.get("warmup_steps"), 200), steps)
     ratio = schedule.get("decay_ratio")
@@ -977,14 +1004,20 @@ def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
     factor = _number(schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
     lr = _number(_table(job, "optimizer").get("lr"), 8e-4)
     flags = [f"--warmup-steps {warmup}"]
-    if ratio is not None:
+    ratio_n = _number(ratio, -1.0)
+    decay = round(steps * ratio_n) if ratio_n >= 0 else steps - warmup
+    if warmup + decay > steps:  # torchtitan cuts the decay to the steps after warmup
+        decay = steps - warmup
+    if ratio is not None and decay == round(steps * ratio_n) and decay > 0:
         flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
-    elif shape == "sqrt":  # over every step after warmup: a WSD without a stable phase
-        flags.append(
-            f"--lr-decay wsd --lr-wsd-decay-steps {steps - warmup} --lr-wsd-decay-style sqrt"
-        )
+    elif decay <= 0:  # no step left to decay in: the lr holds after warmup
+        flags.append("--lr-decay constant")
+    elif ratio is not None or shape == "sqrt":  # a WSD of those steps (sqrt: no stable phase)
+        flags.append(f"--lr-decay wsd --lr-wsd-decay-steps {decay} --lr-wsd-decay-style {shape}")
     else:
         flags.append(f"--lr-decay {shape}")
+    if flags[-1] == "--lr-decay constant":
+        return flags  # a constant lr reads no --min-lr (megapar-train refuses one)
     return [*flags, f"--min-lr {lr * factor:g}"]
 
 
