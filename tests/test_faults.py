@@ -507,9 +507,9 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, common, capsys
 
 
 @pytest.mark.parametrize("steps,interval,lost,latest", [
-    ("4", "2", "steps 3-4 (last checkpoint: step 2, resumed with --load ", 2),
+    ("4", "2", "steps 3-4 (last checkpoint: step 2; resume with --load ", 2),
     # one step lost said "not saved: steps 2-2"
-    ("3", "1", "step 2 (last checkpoint: step 1, resumed with --load ", 1)])
+    ("3", "1", "step 2 (last checkpoint: step 1; resume with --load ", 1)])
 def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(
         tmp_path, common, capsys, monkeypatch, steps, interval, lost, latest):
     import megapar.checkpoint.distributed as cd

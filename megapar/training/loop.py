@@ -446,7 +446,7 @@ class Trainer:
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
             first = (saved or 0) + 1
             lost = f"step {first}" if first == self.step else f"steps {first}-{self.step}"
-            last = f"step {saved:d}, resumed with --load {cfg.save}" if saved else "none"
+            last = f"step {saved:d}; resume with --load {cfg.save}" if saved else "none"
             err.args = (f"{err} -- not saved: {lost} (last checkpoint: {last})",)
         return err
 
