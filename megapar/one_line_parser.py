@@ -335,11 +335,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _with_values(argv: list[str], extras: list[str]) -> list[str]:
     """For an intermixed parse (positionals of several words, megapar-convert's PATH...): the
-    unknown flags among `extras` (the words it left over from `argv`), each as it
-    was given: with the word after it in `argv` where that is no flag (its value, whether the
-    parse left it over or, intermixed, took it for a PATH). Words the parse left over that
-    follow no unknown flag are not shown: an intermixed parse leaves over paths after an
-    unknown flag (`a --foo 2 b`: `--foo 2 b`)."""
+    unknown flags among `extras` (the words it left over from `argv`), each as it was given:
+    with the word after it in `argv` where that is no flag (its value, whether the parse left it
+    over or took it for a PATH). The other words left over are not shown: they are paths the
+    parse did not place after an unknown flag (`a --foo 2 b` leaves `--foo 2 b` over; the line
+    shows `--foo 2`)."""
     unknown = {w for w in extras if w.startswith("-") and not _NEGATIVE_NUMBER.match(w)}
     shown = []
     for i, word in enumerate(argv):

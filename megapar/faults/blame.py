@@ -211,9 +211,9 @@ _GLOO_ADVICE = re.compile(
 def without_gloo_noise(text: str) -> str:
     """`text` without what gloo adds to a lost connection's error beside the fact: its source
     file (`[/__w/pytorch/.../gloo/transport/tcp/pair.cc:553] `) and its advice ("This is
-    typically caused by a remote worker crashing" or "hanging or bugs in the application". Check
-    the logs ... GLHF!"), which the line
-    megapar prints says in its own words (which rank, and to look for its error)."""
+    typically caused by a remote worker crashing." or "... hanging or bugs in the application.",
+    "Check the logs ... GLHF!"), which megapar's line says in its own words (which rank, and to
+    look for its error)."""
     return _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", text))
 
 
