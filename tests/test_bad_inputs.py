@@ -1320,7 +1320,7 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
                          'enable_fsdp_float8_all_gather = true\n')
     assert said.startswith(f"{job}: --config takes a JSON or YAML file of megapar-train's "
                            "flags, not a TOML job config (torchtitan's); give its settings as "
-                           "megapar-train flags: --warmup-steps 200 --lr-decay linear "
+                           "megapar-train flags: --warmup-steps 200 --lr 0.0008 --lr-decay linear "
                            "--min-lr 0 --max-steps 1000 --precision bf16 --fp8 "
                            "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
                            "gathers") and said.endswith("(no flag named for: job.description)")
@@ -1375,7 +1375,7 @@ def test_a_torchtitan_lr_scheduler_is_named_as_megapars_schedule(tmp_path):
         job.write_text(text)
         with pytest.raises(ConfigError) as exc:
             parse_args(["--config", str(job)])
-        assert str(exc.value).endswith(": --warmup-steps 200 --lr-decay linear --min-lr 0 "
+        assert str(exc.value).endswith(": --warmup-steps 200 --lr 0.0008 --lr-decay linear --min-lr 0 "
                                        "--max-steps 1000"), exc.value
 
 
@@ -1400,7 +1400,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
                          '[metrics]\nlog_freq = 5\n[checkpoint]\nfolder = "ck"\n'
                          'async_mode = "async"\nkeep_latest_k = 3\n'
                          '[activation_checkpoint]\nmode = "selective"\n')
-    assert ("flags: --warmup-steps 10 --lr-decay constant --max-steps 10 --seed 3 "
+    assert ("flags: --warmup-steps 10 --lr 0.0008 --lr-decay constant --max-steps 10 --seed 3 "
             "--pp 2 --micro-batch-size 2 --zero3-keep-params --log-interval 5 --async-save "
             "--keep-latest-k 3 --recompute selective;") in said, said
     assert "--fp8" not in _flags(said) and 'only with model.converters = ["float8"]' in said
@@ -1424,9 +1424,29 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     # a decay past the steps after warmup: cut as torchtitan cuts it (the line was refused)
     said = _toml_refusal(job, '[training]\nsteps = 100\n[lr_scheduler]\nwarmup_steps = 50\n'
                          'decay_ratio = 0.8\n')
-    assert "--warmup-steps 50 --lr-decay wsd --lr-wsd-decay-steps 50 " in said, said
+    assert "--warmup-steps 50 --lr 0.0008 --lr-decay wsd --lr-wsd-decay-steps 50 " in said, said
     said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\ndecay_ratio = 0.2\n')
-    assert _flags(said) == "--warmup-steps 10 --lr-decay constant --max-steps 10", said
+    assert _flags(said) == "--warmup-steps 10 --lr 0.0008 --lr-decay constant --max-steps 10", said
+    # a third re-test's: torchtitan's default lr (8e-4, megapar-train's 1e-3) named; a float's
+    # whole number an int flag's; a negative ratio holds the lr; a decay torchtitan lacks, a
+    # negative warmup and a min_lr_factor past 1 said, not put in the line
+    said = _toml_refusal(job, '[training]\nsteps = 6\n[lr_scheduler]\nwarmup_steps = 1\n'
+                         'decay_ratio = 1.0\ndecay_type = "cosine"\nmin_lr_factor = 0.5\n')
+    assert _flags(said) == ("--warmup-steps 1 --lr 0.0008 --lr-decay wsd --lr-wsd-decay-steps 5 "
+                            "--lr-wsd-decay-style cosine --min-lr 0.0004 --max-steps 6"), said
+    said = _toml_refusal(job, '[training]\nsteps = 10.0\nlocal_batch_size = 8.0\n')
+    assert "--max-steps 10 " in _flags(said) and "--global-batch-size 8 x" in said, said
+    said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\nwarmup_steps = 2\n'
+                         'decay_ratio = -0.5\n')
+    assert "--lr-decay constant" in _flags(said), said
+    said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\nwarmup_steps = 2\n'
+                         'decay_type = "exp"\nmin_lr_factor = 1.5\n')
+    assert "--lr-decay" not in _flags(said) and "torchtitan has no such decay" in said, said
+    said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\nwarmup_steps = -2\n'
+                         'min_lr_factor = 1.5\n')
+    assert "--warmup-steps" not in _flags(said) and "--min-lr" not in _flags(said), said
+    assert "warmup_steps = -2: --warmup-steps takes a whole number >= 0" in said, said
+    assert "min_lr_factor 1.5: megapar's --min-lr is at most --lr" in said, said
     # values of another kind than the flag takes are said so, not put in the line
     said = _toml_refusal(job, '[training]\nsteps = "many"\n[optimizer]\nlr = "3e-4"\n')
     assert "training.steps = 'many': --max-steps takes a whole number" in said, said
@@ -1464,7 +1484,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
             parse_args(["--config", str(tmp_path / name)])
         assert str(exc.value) == (
             f"{tmp_path / name} is a torchtitan job config, which megapar-train does not read; "
-            "give its settings as megapar-train flags: --warmup-steps 5 --lr-decay constant "
+            "give its settings as megapar-train flags: --warmup-steps 5 --lr 0.0008 --lr-decay constant "
             "--max-steps 5 --tp 2"), exc.value  # warmup = steps: no step left to decay in
 
 

@@ -817,7 +817,8 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     training = _table(job, "training")
     if "local_batch_size" in training and "global_batch_size" not in training:
         sentences.append(
-            f"training.local_batch_size: --global-batch-size {training['local_batch_size']} x "
+            f"training.local_batch_size: --global-batch-size "
+            f"{_count(training['local_batch_size'], training['local_batch_size'])} x "
             f"the --dp size too (torchtitan's local batch is each dp rank's whole batch; "
             f"megapar-train's default global batch is 16)"
         )
@@ -825,7 +826,9 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     if schedule is None:
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
     if isinstance(schedule, dict):
-        flags += torchtitan_schedule(job, schedule)
+        schedule_flags, schedule_said = torchtitan_schedule(job, schedule)
+        flags += schedule_flags
+        sentences += schedule_said
     checkpointing = _table(job, "activation_checkpoint")
     if checkpointing.get("mode") == "selective" and "selective_ac_option" not in checkpointing:
         sentences.append(
@@ -866,6 +869,8 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
         elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
+            if (kinds or {}).get(ours) is int and not isinstance(value, (bool, list)):
+                shown = int(float(value))  # 10.0 (TOML's float) is --max-steps 10
             if value is not False:
                 flags.append(ours if value is True else f"{ours} {shown}")
         else:
@@ -990,35 +995,63 @@ TORCHTITAN_SCHEDULE = ("warmup_steps", "decay_ratio", "decay_type", "min_lr_fact
 """torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags."""
 
 
-def torchtitan_schedule(job: dict, schedule: dict) -> list[str]:
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+"""torchtitan's [lr_scheduler] decay_type values."""
+
+
+def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]]:
     """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
     filled in (warmup 200; decay_ratio None: a decay over every step after warmup; decay_type
-    linear, min_lr_factor 0, the lr 8e-4): megapar's own defaults (cosine to a tenth of --lr)
-    would train another schedule. A warmup longer than the steps is the steps, and a decay
-    longer than the steps after warmup those steps, as torchtitan cuts them (megapar-train
-    refuses both); a value that is no number counts as not given."""
+    linear, min_lr_factor 0, [optimizer] lr 8e-4): megapar's own defaults (cosine to a tenth of
+    --lr 1e-3) would train another schedule. As torchtitan computes it: a warmup longer than
+    the steps is the steps; the decay is round(steps x decay_ratio) steps, cut to the steps
+    after warmup, and none (the lr holds after warmup: --lr-decay constant) where that leaves
+    none or the ratio is negative. A value that is no number counts as not given; one
+    megapar-train cannot take (a negative warmup, a decay_type torchtitan lacks, a
+    min_lr_factor outside [0, 1]) is a sentence instead of its flag. Returns (flags,
+    sentences)."""
+    flags, said = [], []
     steps = _count(_table(job, "training").get("steps"), 10000)
     warmup = min(_count(schedule.get("warmup_steps"), 200), steps)
+    if warmup < 0:
+        said.append(
+            f"lr_scheduler.warmup_steps = {warmup}: --warmup-steps takes a whole number >= 0"
+        )
+    else:
+        flags.append(f"--warmup-steps {warmup}")
     ratio = schedule.get("decay_ratio")
+    ratio_n = None if ratio is None else _number(ratio, float("nan"))
+    if ratio_n is not None and ratio_n != ratio_n:  # no number: not given
+        ratio, ratio_n = None, None
     shape = schedule.get("decay_type", "linear")
-    factor = _number(schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
-    lr = _number(_table(job, "optimizer").get("lr"), 8e-4)
-    flags = [f"--warmup-steps {warmup}"]
-    ratio_n = _number(ratio, -1.0)
-    decay = round(steps * ratio_n) if ratio_n >= 0 else steps - warmup
-    if warmup + decay > steps:  # torchtitan cuts the decay to the steps after warmup
-        decay = steps - warmup
-    if ratio is not None and decay == round(steps * ratio_n) and decay > 0:
+    decay = round(steps * ratio_n) if ratio_n is not None else steps - max(warmup, 0)
+    if max(warmup, 0) + decay > steps:  # torchtitan cuts the decay to the steps after warmup
+        decay = steps - max(warmup, 0)
+    if "lr" not in _table(job, "optimizer"):
+        flags.append("--lr 0.0008")  # torchtitan's default; megapar-train's is 1e-3
+    if shape not in DECAY_TYPES and decay > 0:
+        known = ", ".join(DECAY_TYPES)
+        said.append(f"lr_scheduler.decay_type {shape}: torchtitan has no such decay ({known})")
+        return flags, said
+    if ratio_n is not None and decay == round(steps * ratio_n) and decay > 0:
         flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
-    elif decay <= 0:  # no step left to decay in: the lr holds after warmup
+    elif decay <= 0:  # no step left to decay in, or a negative ratio: the lr holds
         flags.append("--lr-decay constant")
+        return flags, said  # a constant lr reads no --min-lr (megapar-train refuses one)
     elif ratio is not None or shape == "sqrt":  # a WSD of those steps (sqrt: no stable phase)
         flags.append(f"--lr-decay wsd --lr-wsd-decay-steps {decay} --lr-wsd-decay-style {shape}")
     else:
         flags.append(f"--lr-decay {shape}")
-    if flags[-1] == "--lr-decay constant":
-        return flags  # a constant lr reads no --min-lr (megapar-train refuses one)
-    return [*flags, f"--min-lr {lr * factor:g}"]
+    factor = _number(schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
+    lr = _number(_table(job, "optimizer").get("lr"), 8e-4)
+    if 0 <= factor <= 1:
+        flags.append(f"--min-lr {lr * factor:g}")
+    else:
+        said.append(
+            f"lr_scheduler.min_lr_factor {factor:g}: megapar's --min-lr is at most --lr and "
+            "at least 0 (a factor from 0 to 1)"
+        )
+    return flags, said
 
 
 def _table(job: dict, name: str) -> dict:
