@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from megapar.one_line_parser import LAYOUT_NAMES
 from megapar.pipeline.schedules import schedule_named_elsewhere
@@ -795,9 +797,9 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     """`said` (why the file is not read) with torchtitan job config `job`'s settings as
     megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value (a
     value of the kind the flag takes, `kinds`: megapar-train's flags, "bool" for a switch, int,
-    float or str);
-    a sentence for a key it answers with one; the schedule's and float8's own rules
+    float or str); a sentence for a key it answers with one; the schedule's and float8's own rules
     (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
+    kinds = kinds or {}
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     keys = list(_leaves(job))
@@ -818,7 +820,7 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     if "local_batch_size" in training and "global_batch_size" not in training:
         sentences.append(
             f"training.local_batch_size: --global-batch-size "
-            f"{_count(training['local_batch_size'], training['local_batch_size'])} x "
+            f"{_as(int, training['local_batch_size'], training['local_batch_size'])} x "
             f"the --dp size too (torchtitan's local batch is each dp rank's whole batch; "
             f"megapar-train's default global batch is 16)"
         )
@@ -842,7 +844,7 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
         "training.seed": "debug.seed",
     }
     microbatch = "parallelism.pipeline_parallel_microbatch_size"
-    if _count(_table(job, "parallelism").get("pipeline_parallel_degree"), 1) > 1:
+    if _as(int, _table(job, "parallelism").get("pipeline_parallel_degree"), 1) > 1:
         if microbatch not in given:  # torchtitan's pipeline micro-batches hold 1 sequence
             flags.append("--micro-batch-size 1")
         given.add(microbatch)  # the local batch is no micro-batch size
@@ -864,12 +866,12 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
             left.append(key)
         elif key.startswith("parallelism.data_parallel_") and value == 1:
             continue  # torchtitan's default: no replicas, or no sharding
-        elif (wrong := _wrong_kind(value, (kinds or {}).get(ours))) is not None:
-            sentences.append(f"{key} = {wrong}: {ours} takes {_TAKES[(kinds or {})[ours]]}")
+        elif (wrong := _wrong_kind(value, kinds.get(ours))) is not None:
+            sentences.append(f"{key} = {wrong}: {ours} takes {_TAKES[kinds[ours]]}")
         elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
-            if (kinds or {}).get(ours) is int and not isinstance(value, (bool, list)):
+            if kinds.get(ours) is int and not isinstance(value, (bool, list)):
                 shown = int(float(value))  # 10.0 (TOML's float) is --max-steps 10
             if value is not False:
                 flags.append(ours if value is True else f"{ours} {shown}")
@@ -1011,8 +1013,8 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     min_lr_factor outside [0, 1]) is a sentence instead of its flag. Returns (flags,
     sentences)."""
     flags, said = [], []
-    steps = _count(_table(job, "training").get("steps"), 10000)
-    warmup = min(_count(schedule.get("warmup_steps"), 200), steps)
+    steps = _as(int, _table(job, "training").get("steps"), 10000)
+    warmup = min(_as(int, schedule.get("warmup_steps"), 200), steps)
     if warmup < 0:
         said.append(
             f"lr_scheduler.warmup_steps = {warmup}: --warmup-steps takes a whole number >= 0"
@@ -1020,13 +1022,13 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     else:
         flags.append(f"--warmup-steps {warmup}")
     ratio = schedule.get("decay_ratio")
-    ratio_n = None if ratio is None else _number(ratio, float("nan"))
+    ratio_n = None if ratio is None else _as(float, ratio, float("nan"))
     if ratio_n is not None and ratio_n != ratio_n:  # no number: not given
         ratio, ratio_n = None, None
     shape = schedule.get("decay_type", "linear")
-    decay = round(steps * ratio_n) if ratio_n is not None else steps - max(warmup, 0)
-    if max(warmup, 0) + decay > steps:  # torchtitan cuts the decay to the steps after warmup
-        decay = steps - max(warmup, 0)
+    after_warmup = steps - max(warmup, 0)
+    decay = round(steps * ratio_n) if ratio_n is not None else after_warmup
+    decay = min(decay, after_warmup)  # torchtitan cuts the decay to the steps after warmup
     if "lr" not in _table(job, "optimizer"):
         flags.append("--lr 0.0008")  # torchtitan's default; megapar-train's is 1e-3
     if shape not in DECAY_TYPES and decay > 0:
@@ -1042,8 +1044,8 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
         flags.append(f"--lr-decay wsd --lr-wsd-decay-steps {decay} --lr-wsd-decay-style {shape}")
     else:
         flags.append(f"--lr-decay {shape}")
-    factor = _number(schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
-    lr = _number(_table(job, "optimizer").get("lr"), 8e-4)
+    factor = _as(float, schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
+    lr = _as(float, _table(job, "optimizer").get("lr"), 8e-4)
     if 0 <= factor <= 1:
         flags.append(f"--min-lr {lr * factor:g}")
     else:
@@ -1060,19 +1062,17 @@ def _table(job: dict, name: str) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-def _count(value, default: int) -> int:
-    """A job config's whole number, `default` where it gives none (or no number)."""
+T = TypeVar("T")
+
+
+def _as(kind: Callable[[Any], T], value: Any, default: T) -> T:
+    """A job config's `value` as `kind` (int: a whole number, float: a number), `default`
+    where it gives none or no number (a true / false is none)."""
     if isinstance(value, bool):
         return default
     try:
-        return int(value)
+        return kind(value)
     except (TypeError, ValueError):
-        return default
-
-
-def _number(value, default: float) -> float:
-    """A job config's number, `default` where it gives none (or no number)."""
-    if isinstance(value, bool):
         return default
     try:
         return float(value)
