@@ -38,13 +38,8 @@ from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
-from megapar.training.other_tools import (
-    OTHER_TOOLS_FLAGS,
-    TORCHTITAN_SECTIONS,
-    megatron_defaults,
-    toml_job_config,
-    torchtitan_job,
-)
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS, megatron_defaults
+from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",

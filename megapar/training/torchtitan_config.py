@@ -1,0 +1,341 @@
+"""A torchtitan job config (its TOML, or a JSON / YAML file with its tables) read as
+megapar-train's flags: what a torchtitan user's `--config job.toml` is told to give instead
+(megapar-train does not read torchtitan's format), each setting as torchtitan reads it (its
+defaults, its learning-rate schedule's clamps, float8 only among `model.converters`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from megapar.pipeline.schedules import schedule_named_elsewhere
+from megapar.tensor_parallel.fp8 import FP8_RECIPES
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS
+
+TORCHTITAN_SECTIONS = frozenset(
+    {
+        "job",
+        "model",
+        "training",
+        "parallelism",
+        "optimizer",
+        "lr_scheduler",
+        "checkpoint",
+        "activation_checkpoint",
+        "float8",
+        "quantize",
+        "metrics",
+        "profiling",
+        "comm",
+        "compile",
+        "validation",
+        "experimental",
+        "fault_tolerance",
+        "memory_estimation",
+        "debug",
+    }
+)
+"""The tables of a torchtitan job config: a JSON or YAML `--config` holding one is one."""
+
+
+def toml_job_config(path: str, kinds: dict | None = None) -> str:
+    """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
+    recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
+    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
+    said = (
+        f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
+        f"job config (torchtitan's)"
+    )
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            job = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return f"{said} ({exc})"
+    return torchtitan_job(job, said, kinds)
+
+
+def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
+    """`said` (why the file is not read) with torchtitan job config `job`'s settings as
+    megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value (a
+    value of the kind the flag takes, `kinds`: megapar-train's flags, "bool" for a switch, int,
+    float or str); a sentence for a key it answers with one; the schedule's and float8's own rules
+    (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers."""
+    kinds = kinds or {}
+    if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    keys = list(_leaves(job))
+    flags, sentences, left = [], [], []
+    own = [str(k) for k, v in job.items() if not isinstance(v, dict)]
+    if own:
+        sentences.append(
+            f"{', '.join(own)}: outside torchtitan's tables; a --config file of megapar-train's "
+            "flags takes megapar's settings alone, without the tables"
+        )
+    saved = _table(job, "checkpoint").get("enable") is not False
+    keys = [  # enable: its folder names --save; off, no checkpoint key names anything
+        (k, v)
+        for k, v in keys
+        if k != "checkpoint.enable" and (saved or not k.startswith("checkpoint."))
+    ]
+    training = _table(job, "training")
+    if "local_batch_size" in training and "global_batch_size" not in training:
+        sentences.append(
+            f"training.local_batch_size: --global-batch-size "
+            f"{_as(int, training['local_batch_size'], training['local_batch_size'])} x "
+            f"the --dp size too (torchtitan's local batch is each dp rank's whole batch; "
+            f"megapar-train's default global batch is 16)"
+        )
+    schedule = job.get("lr_scheduler")
+    if schedule is None:
+        schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
+    if isinstance(schedule, dict):
+        schedule_flags, schedule_said = torchtitan_schedule(job, schedule)
+        flags += schedule_flags
+        sentences += schedule_said
+    checkpointing = _table(job, "activation_checkpoint")
+    if checkpointing.get("mode") == "selective" and "selective_ac_option" not in checkpointing:
+        sentences.append(
+            "activation_checkpoint.mode selective: torchtitan's default selective_ac_option 2 "
+            "recomputes every 2nd layer whole, where megapar's --recompute selective "
+            "recomputes each layer's attention core (--recompute full: every layer whole)"
+        )
+    given = {k for k, _ in keys}
+    overridden = {  # a key that another key of the job overrides (torchtitan reads the other)
+        "training.local_batch_size": "parallelism.pipeline_parallel_microbatch_size",
+        "training.seed": "debug.seed",
+    }
+    microbatch = "parallelism.pipeline_parallel_microbatch_size"
+    if _as(int, _table(job, "parallelism").get("pipeline_parallel_degree"), 1) > 1:
+        if microbatch not in given:  # torchtitan's pipeline micro-batches hold 1 sequence
+            flags.append("--micro-batch-size 1")
+        given.add(microbatch)  # the local batch is no micro-batch size
+    for key, value in keys:
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if overridden.get(key) in given:
+            continue  # its flag's value is the other key's
+        if key.startswith("lr_scheduler.") and key.split(".", 1)[1] in TORCHTITAN_SCHEDULE:
+            continue  # named by torchtitan_schedule
+        if _is_float8(key) or (key == "model.converters" and "float8" in str(value)):
+            continue  # named by _float8_flags
+        said_for = _torchtitan_value(key, value)
+        if said_for is not None:
+            if said_for.startswith("--"):
+                flags.append(said_for)
+            elif said_for:
+                sentences.append(f"{key} {value}: {said_for}")
+        elif ours is None:
+            left.append(key)
+        elif key.startswith("parallelism.data_parallel_") and value == 1:
+            continue  # torchtitan's default: no replicas, or no sharding
+        elif (wrong := _wrong_kind(value, kinds.get(ours))) is not None:
+            sentences.append(f"{key} = {wrong}: {ours} takes {_TAKES[kinds[ours]]}")
+        elif re.fullmatch(r"--[a-z0-9-]+", ours):  # one flag: with the file's value
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            shown = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(shown, shown)
+            if kinds.get(ours) is int and not isinstance(value, (bool, list)):
+                shown = int(float(value))  # 10.0 (TOML's float) is --max-steps 10
+            if value is not False:
+                flags.append(ours if value is True else f"{ours} {shown}")
+        else:
+            sentences.append(f"{key}: {ours}")
+    fp8_flags, fp8_said, fp8_left = _float8_flags(job, keys)
+    flags += fp8_flags
+    sentences += fp8_said
+    left += fp8_left
+    if not (flags or sentences):
+        return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    return (
+        f"{said}; give its settings as megapar-train flags: "
+        + "; ".join(([" ".join(flags)] if flags else []) + sentences)
+        + (f" (no flag named for: {', '.join(left)})" if left else "")
+    )
+
+
+_TAKES = {"bool": "no value (a switch)", int: "a whole number", float: "a number", str: "a value"}
+
+
+def _wrong_kind(value, kind) -> str | None:
+    """`value` as a job config shows it where it is not of the `kind` a megapar-train flag
+    takes (`_TAKES`: a true / false for a switch, a whole number, a number, a value: a list
+    only for a flag of several values); None where it is, or the kind is not known."""
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
+    if kind == "bool":
+        return None if isinstance(value, bool) else shown
+    if kind is None:
+        return None
+    if isinstance(value, (bool, dict)):
+        return shown
+    if kind is str:
+        return None
+    if isinstance(value, list):
+        return shown
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return shown
+    return shown if kind is int and not number.is_integer() else None
+
+
+def _leaves(table: dict, prefix: str = ""):
+    """(dotted key, value) of every setting of a job config's (nested) tables: `[quantize.
+    linear.float8] recipe_name` is `quantize.linear.float8.recipe_name`."""
+    for key, value in table.items():
+        if not prefix and not isinstance(value, dict):
+            continue  # a top-level key outside any table: no torchtitan setting
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _is_float8(key: str) -> bool:
+    return key.startswith(("float8.", "quantize.linear.float8."))
+
+
+def _float8_flags(
+    job: dict, keys: list[tuple[str, object]]
+) -> tuple[list[str], list[str], list[str]]:
+    """The flags, sentences and keys nothing answers for a job's float8 settings: torchtitan
+    converts its linears only where `model.converters` lists float8 (`"float8"`, since 2025
+    `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default) and emulation;
+    without it [float8] is read by nothing, so it names no --fp8."""
+    converters = _table(job, "model").get("converters") or []
+    on = any(
+        "float8" in str(c) for c in (converters if isinstance(converters, list) else [converters])
+    )
+    settings = {k: v for k, v in keys if _is_float8(k)}
+    if not on:
+        if not settings:
+            return [], [], []
+        return (
+            [],
+            [
+                "float8: torchtitan applies its settings only with model.converters = "
+                '["float8"], which this config does not list; so no --fp8 (give --fp8 '
+                "tensorwise or rowwise to train in float8)"
+            ],
+            [],
+        )
+    recipe = next((v for k, v in settings.items() if k.endswith(".recipe_name")), None)
+    flags = [f"--fp8 {recipe if recipe in FP8_RECIPES[1:] else 'tensorwise'}"]
+    sentences, left = [], []
+    for key, value in settings.items():
+        ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if key.endswith(".recipe_name"):
+            if recipe not in FP8_RECIPES[1:]:
+                sentences.append(f"{key} {value}: {ours}")
+        elif ours is None:
+            left.append(key)
+        elif ours == "--fp8-emulate":
+            if value is True:
+                flags.append(ours)
+        elif value not in (False, [], None):
+            sentences.append(f"{key}: {ours}")
+    return flags, sentences, left
+
+
+def _torchtitan_value(key: str, value) -> str | None:
+    """For a torchtitan setting whose megapar flag depends on its value, the flag (or "" for
+    nothing to give, or a sentence); None for every other setting."""
+    if key == "parallelism.pipeline_parallel_schedule":
+        said = schedule_named_elsewhere(str(value))
+        ours = said.split(" is megapar's ", 1)[-1] if " is megapar's " in said else ""
+        if ours.startswith("--") and " V" not in ours:
+            return ours
+        return said.split(": ", 1)[-1] if said else "not a schedule megapar names"
+    if key == "model.converters":  # without float8 (`_float8_flags` names that)
+        return "megapar converts no layers but float8 linears (--fp8); drop it"
+    if key == "parallelism.fsdp_reshard_after_forward":
+        return "--zero3-keep-params" if value == "never" else ""
+    if key == "checkpoint.async_mode":
+        return "" if value == "disabled" else "--async-save"
+    if key in ("metrics.enable_tensorboard", "metrics.enable_wandb"):
+        return f"give {OTHER_TOOLS_FLAGS[f'--{key}']}" if value else ""
+    return None
+
+
+TORCHTITAN_SCHEDULE = ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min")
+"""torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags."""
+
+
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+"""torchtitan's [lr_scheduler] decay_type values."""
+
+
+def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]]:
+    """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
+    filled in (warmup 200; decay_ratio None: a decay over every step after warmup; decay_type
+    linear, min_lr_factor 0, [optimizer] lr 8e-4): megapar's own defaults (cosine to a tenth of
+    --lr 1e-3) would train another schedule. As torchtitan computes it: a warmup longer than
+    the steps is the steps; the decay is round(steps x decay_ratio) steps, cut to the steps
+    after warmup, and none (the lr holds after warmup: --lr-decay constant) where that leaves
+    none or the ratio is negative. A value that is no number counts as not given; one
+    megapar-train cannot take (a negative warmup, a decay_type torchtitan lacks, a
+    min_lr_factor outside [0, 1]) is a sentence instead of its flag. Returns (flags,
+    sentences)."""
+    flags, said = [], []
+    steps = _as(int, _table(job, "training").get("steps"), 10000)
+    warmup = min(_as(int, schedule.get("warmup_steps"), 200), steps)
+    if warmup < 0:
+        said.append(
+            f"lr_scheduler.warmup_steps = {warmup}: --warmup-steps takes a whole number >= 0"
+        )
+    else:
+        flags.append(f"--warmup-steps {warmup}")
+    ratio = schedule.get("decay_ratio")
+    ratio_n = None if ratio is None else _as(float, ratio, float("nan"))
+    if ratio_n is not None and ratio_n != ratio_n:  # no number: not given
+        ratio, ratio_n = None, None
+    shape = schedule.get("decay_type", "linear")
+    after_warmup = steps - max(warmup, 0)
+    decay = round(steps * ratio_n) if ratio_n is not None else after_warmup
+    decay = min(decay, after_warmup)  # torchtitan cuts the decay to the steps after warmup
+    if "lr" not in _table(job, "optimizer"):
+        flags.append("--lr 0.0008")  # torchtitan's default; megapar-train's is 1e-3
+    if shape not in DECAY_TYPES and decay > 0:
+        known = ", ".join(DECAY_TYPES)
+        said.append(f"lr_scheduler.decay_type {shape}: torchtitan has no such decay ({known})")
+        return flags, said
+    if ratio_n is not None and decay == round(steps * ratio_n) and decay > 0:
+        flags.append(f"--lr-decay wsd --lr-wsd-decay-fraction {ratio} --lr-wsd-decay-style {shape}")
+    elif decay <= 0:  # no step left to decay in, or a negative ratio: the lr holds
+        flags.append("--lr-decay constant")
+        return flags, said  # a constant lr reads no --min-lr (megapar-train refuses one)
+    elif ratio is not None or shape == "sqrt":  # a WSD of those steps (sqrt: no stable phase)
+        flags.append(f"--lr-decay wsd --lr-wsd-decay-steps {decay} --lr-wsd-decay-style {shape}")
+    else:
+        flags.append(f"--lr-decay {shape}")
+    factor = _as(float, schedule.get("min_lr_factor", schedule.get("lr_min")), 0.0)
+    lr = _as(float, _table(job, "optimizer").get("lr"), 8e-4)
+    if 0 <= factor <= 1:
+        flags.append(f"--min-lr {lr * factor:g}")
+    else:
+        said.append(
+            f"lr_scheduler.min_lr_factor {factor:g}: megapar's --min-lr is at most --lr and "
+            "at least 0 (a factor from 0 to 1)"
+        )
+    return flags, said
+
+
+def _table(job: dict, name: str) -> dict:
+    """Table `name` of a job config; {} where it has none (or a value there, not a table)."""
+    table = job.get(name)
+    return table if isinstance(table, dict) else {}
+
+
+T = TypeVar("T")
+
+
+def _as(kind: Callable[[Any], T], value: Any, default: T) -> T:
+    """A job config's `value` as `kind` (int: a whole number, float: a number), `default`
+    where it gives none or no number (a true / false is none)."""
+    if isinstance(value, bool):
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return default
