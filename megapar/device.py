@@ -1,18 +1,20 @@
-"""The one place where the device and the distributed backend are chosen.
+"""The one place where the device and the distributed backend are chosen, and
+torch.distributed is started.
 
 Everything else asks here: no `.cuda()` calls scattered around. On a machine with CUDA the
-backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on the CPU.
+backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on the CPU. Also:
+torchrun's and Slurm's environments read and checked, the rendezvous and `init_distributed`
+(every wait bounded, a rank that cannot connect named), waiting on communication the way the
+device needs (`wait`), and GPUs' peak rates for MFU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -146,94 +148,6 @@ def cuda_context_bytes(dev: torch.device) -> int:
     processes on the GPU count too, so call it where this process is alone on it)."""
     free, total = torch.cuda.mem_get_info(dev)
     return max(0, total - free - torch.cuda.memory_reserved(dev))
-
-
-def host_memory_available() -> int | None:
-    """Bytes of memory this machine can still give its processes without swapping: the
-    kernel's MemAvailable (/proc/meminfo), or less where a cgroup v2 limit of this container
-    leaves less (memory.max less memory.current). None where neither can be read (not
-    Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            line = next((x for x in f if x.startswith("MemAvailable:")), None)
-    except OSError:
-        return None
-    if line is None:
-        return None
-    available = int(line.split()[1]) * 1024  # kB
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-    except (OSError, ValueError):
-        return available
-    return available if limit == "max" else min(available, max(0, int(limit) - used))
-
-
-def share_host_arena() -> bool:
-    """Make every thread allocate host memory from glibc's one main arena.
-
-    glibc gives threads their own arenas, whose freed blocks only that arena reuses: gloo's
-    worker threads make bucket-sized copies for its reduce-scatters and all-gathers, which the
-    main thread's freed room (the backward's transients) could not hold, and under
-    `keep_freed_host_memory` neither arena returns memory, so their high-water marks add up at
-    the OS peak (docs/performance.md, "ZeRO stages at the peak the OS sees"). Call it before any
-    other thread allocates (megapar-train's main, the launcher's worker, `Engine`): glibc
-    settles its arena limit, and threads their arenas, at their first allocations. Does nothing off
-    glibc or with MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
-    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-        "linux"
-    ):
-        return False
-    try:
-        m_arena_max = -8  # <malloc.h>
-        return bool(ctypes.CDLL("libc.so.6").mallopt(m_arena_max, 1))
-    except (OSError, AttributeError):
-        return False
-
-
-def keep_freed_host_memory() -> bool:
-    """Let glibc keep freed host memory for reuse instead of returning it to the kernel.
-
-    glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and
-    unmaps it on free, so each large CPU tensor (the logits: tokens x vocab x 4 bytes) costs
-    page faults that zero it again, step after step. Served from the heap and never trimmed,
-    the memory is reused, at the price of a larger resident set (docs/performance.md, "At the
-    peak the OS sees", has the figures). Called once the long-lived state is built (the end of
-    `Engine`'s construction; the eval and bubble tools after loading their models), so that
-    what setup frees goes back to the OS instead of staying as holes in the heap. Does nothing
-    off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited by forked workers.
-    Returns whether it applied."""
-    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-        "linux"
-    ):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-    except (OSError, AttributeError):  # not glibc (musl, ...): its allocator stays as it is
-        return False
-
-
-def return_freed_host_memory(threshold_mb: float = 4.0) -> bool:
-    """Serve every host allocation above `threshold_mb` with its own mmap, returned to the
-    kernel when freed (a fixed threshold: glibc's own rises to 32 MB after the first large
-    free, after which freed blocks stay as holes in the heap). For ZeRO-3, whose gathered
-    units and gradients are made and freed at every use: kept in the heap
-    (`keep_freed_host_memory`), their holes added up to more than the sharding saved. Does
-    nothing off glibc or with MEGAPAR_HOST_MALLOC=system; returns whether it applied."""
-    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-        "linux"
-    ):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_mmap_threshold = -3  # <malloc.h>
-        return bool(libc.mallopt(m_mmap_threshold, int(threshold_mb * 2**20)))
-    except (OSError, AttributeError):
-        return False
 
 
 def polls_host(device: torch.device) -> bool:

@@ -1,8 +1,9 @@
 """Start N local worker processes, one per rank, and bring them all down if one fails.
 
-Used by the tests (fork: 8 gloo ranks start in well under a second, because the parent has
-already imported torch), by `megapar-train` when it is not run under torchrun, and by
-`megapar-bubble`. Under CUDA the start method is spawn (CUDA cannot be forked).
+Used by the tests (fork: cheap, because the parent has already imported torch), by
+`megapar-train`, `megapar-eval` and `megapar-generate` when they are not run under torchrun, by
+`megapar-bubble`, `megapar.launch` and the schedule certificate's real steps
+(`pipeline/certify_real.py`). Under CUDA the start method is spawn (CUDA cannot be forked).
 
 A worker that raises sends its traceback to the parent, which kills the other workers at once
 (they may be blocked in a collective) and raises `WorkerError` naming the rank that caused it:
@@ -58,6 +59,7 @@ from megapar.faults.processes import (  # noqa: F401
 )
 from megapar.faults.report import run_log_name, use_run_log_name
 from megapar.faults.status import diagnose
+from megapar.host_memory import share_host_arena
 from megapar.shared_gpu import SHARED_GPU_ENV
 
 
@@ -122,7 +124,7 @@ def _worker(
     # runner's) is frozen: its collections (the full ones, and release_process_groups') skip
     # it instead of walking it while holding the GIL, which the result's queue thread needs
     gc.freeze()
-    _device.share_host_arena()  # before any thread of this worker allocates
+    share_host_arena()  # before any thread of this worker allocates
     # a forkserver's worker is the forkserver's child, which ends with the launcher
     die_with_parent(parent if parent is not None else os.getppid())
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))  # its own

@@ -1,6 +1,6 @@
 """Once the training state is built, large CPU tensors come from glibc's heap, which keeps freed
 memory for reuse, instead of a fresh mmap per tensor that is unmapped on free and faulted in
-(zeroed) again next time (megapar.device.keep_freed_host_memory, applied at the end of the
+(zeroed) again next time (megapar.host_memory.keep_freed_host_memory, applied at the end of the
 Engine's construction). Before that, while the weights, gradient buffer and optimizer state are
 made (and ZeRO-1 moves the weights into its buffer), glibc's own policy holds: a freed
 large block goes back to the OS instead of staying in the resident set."""
@@ -97,7 +97,7 @@ def _arenas_after_a_thread_allocates() -> int:
 
 
 def test_worker_threads_allocate_from_one_arena(spawned):
-    """Workers allocate from glibc's one main arena (megapar.device.share_host_arena): in an
+    """Workers allocate from glibc's one main arena (megapar.host_memory.share_host_arena): in an
     arena of its own, what gloo's threads free (the bucket copies of its reduce-scatters and
     all-gathers) the main thread could not reuse, and under the kept heap both high-water marks
     added up at the OS peak (GPT-2 124M, dp 2: half of ZeRO-1's saving gone). Spawned: nothing

@@ -9,9 +9,8 @@ import megapar.cli.bubble as bubble_cli
 import megapar.cli.train as train_cli
 import megapar.plan.host as host
 from megapar.data import asset_path
-from megapar.device import host_memory_available
+from megapar.host_memory import host_memory_available
 from megapar.mesh import Layout
-from megapar.models.config import config_from_dict
 from megapar.models.recipes import resolve_model
 from megapar.plan.params import model_params
 from megapar.training.config import parse_args

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [  # lowest first: a module may import its own layer and the ones below
     ("megapar.device", "megapar.faults", "megapar.comm_count", "megapar.comm_wait",
      "megapar.shared_gpu", "megapar.graph_break", "megapar.one_line_parser", "megapar.made_dirs",
-     "megapar.wording"),
+     "megapar.wording", "megapar.host_memory"),
     ("megapar.mesh", "megapar.launcher"),
     ("megapar.tensor_parallel", "megapar.context_parallel", "megapar.expert_parallel"),
     ("megapar.models", "megapar.pipeline", "megapar.data_parallel", "megapar.optim",

@@ -11,7 +11,7 @@ activations). A claim holds at the OS peak when the peaks differ as the counts d
 
 Each run is measured twice: with megapar's host allocator policy (the default: once the
 training state is built, glibc keeps freed blocks in its heap for reuse, which makes CPU steps
-2.3x faster; `megapar.device.keep_freed_host_memory`), and with glibc's own
+2.3x faster; `megapar.host_memory.keep_freed_host_memory`), and with glibc's own
 (`MEGAPAR_HOST_MALLOC=system`: a freed large block goes back to the OS). A transient that does
 not fit the heap's free room stays resident under the first, so its peak can be higher.
 

@@ -24,7 +24,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import parser_errors_once, refused
-from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
+from megapar.device import DeviceError, check_gpus, use_cuda
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import expert_tp_note, planned_job
 from megapar.dryrun.sample import check_world
@@ -42,6 +42,7 @@ from megapar.faults.stop import (
     parse_signals,
     sigterm_as_exit,
 )
+from megapar.host_memory import share_host_arena
 from megapar.launcher import (
     WorkerError,
     check_local_workers,

@@ -5,7 +5,7 @@ rank after minutes of start-up."""
 
 from __future__ import annotations
 
-from megapar.device import host_memory_available
+from megapar.host_memory import host_memory_available
 from megapar.plan.estimate import stage_states
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB
@@ -29,7 +29,7 @@ def check_host_memory(
 ) -> None:
     """ValueError (one line: the estimate, the memory available and `fix`) when the local
     ranks of `what` (the job, e.g. "llama-8b at --tp 1 x --pp 1 x --dp 1") would hold more than
-    this machine has available (`device.host_memory_available`; nothing is checked where it
+    this machine has available (`host_memory.host_memory_available`; nothing is checked where it
     cannot be read)."""
     available = host_memory_available()
     if available is None:

@@ -76,12 +76,12 @@ the heap's room")."""
 
 CPU_HEAP_ROOM = 0.2
 """Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and never
-trims, `megapar.device.keep_freed_host_memory`) as a share of the step's transients: the tensors
+trims, `host_memory.keep_freed_host_memory`) as a share of the step's transients: the tensors
 above the state at the peak and, under ZeRO 0-2, `CPU_GRADIENT_ROOM` of the parameter gradients
 autograd makes and frees in the backward (`_backward_grads`). Not of ZeRO-3's gathered units,
 full gradient buffers and reduce-scatter pieces, nor its backward's gradients: under ZeRO-3 a
 CPU rank serves every allocation above 4 MiB with its own mapping, unmapped when freed
-(`megapar.device.return_freed_host_memory`), so they leave no room. Measured in
+(`host_memory.return_freed_host_memory`), so they leave no room. Measured in
 docs/guides/planner.md ("The process at its peak": heap's room)."""
 
 CPU_GRADIENT_ROOM = 0.3
@@ -298,7 +298,7 @@ def process_peak(
         terms += [Term("allocator's reserve", reserve, _RESERVE_NOTE), _CUDA_CONTEXT_TERM]
         return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
     # ZeRO-3 on a CPU serves every allocation above 4 MiB with its own mapping, unmapped when
-    # freed (`megapar.device.return_freed_host_memory`): its units and buffers leave no room
+    # freed (`host_memory.return_freed_host_memory`): its units and buffers leave no room
     top_phase = phase == "top of the backward"
     if phase == INSIDE:  # the units, buffers and gloo's pieces, all mapped apart
         mapped = sum(t.bytes for t in c_ if t.name != _KEPT_INSIDE)
@@ -511,14 +511,14 @@ def _moved_embedding_gradients(
     weight gradients beyond the end of the backward's own (`_end_of_backward`): as many bytes
     again. Those gradients (the head's, made in the loss, and the lookup's) are the step's
     largest allocations, made afresh every step in glibc's heap, which megapar's host policy
-    never trims (`megapar.device.keep_freed_host_memory`). The heap grows by about one of them
+    never trims (`host_memory.keep_freed_host_memory`). The heap grows by about one of them
     at a time, at steps that vary from run to run, until it holds a second place for each:
     then it stays. Why, as far as measured (not traced allocation by allocation): the next
     step's smaller allocations take part of the holes the last step's gradients left, so they
     no longer fit there; the collectives' timing, which orders the frees, would make the steps
     vary. Not in
     one process (no growth seen) nor under ZeRO-3 (its rank maps every allocation above 4 MiB
-    apart, `megapar.device.return_freed_host_memory`). The measurements are in
+    apart, `host_memory.return_freed_host_memory`). The measurements are in
     docs/guides/planner.md ("The heap after the first steps")."""
     if c.dp == 1 or c.zero == 3 or not has_embedding:
         return 0.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megapar.device import keep_freed_host_memory
+from megapar.host_memory import keep_freed_host_memory
 from megapar.launcher import run_local
 from megapar.mesh import Mesh
 from megapar.models import GPT2Config

@@ -40,15 +40,12 @@ from megapar.context_parallel import check_length
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
-from megapar.device import (
-    keep_freed_host_memory,
-    process_group_timeout_s,
-    return_freed_host_memory,
-)
+from megapar.device import process_group_timeout_s
 from megapar.diagnostics.nonfinite import KeptStep, locate
 from megapar.diagnostics.probes import build_probes
 from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
+from megapar.host_memory import keep_freed_host_memory, return_freed_host_memory
 from megapar.mesh import Mesh, all_reduce, broadcast_text
 from megapar.optim import DynamicLossScaler, LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from megapar.device import share_host_arena
 from megapar.expert_parallel.params import is_expert
 from megapar.faults.stop import NonFiniteGuard
+from megapar.host_memory import share_host_arena
 from megapar.mesh import Mesh
 from megapar.models import set_cp_comm, set_loss_chunk_tokens, set_loss_terms, set_sp_regather
 from megapar.models.compile import compile_blocks

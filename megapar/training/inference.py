@@ -19,7 +19,7 @@ from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.context_parallel import unsplit
-from megapar.device import keep_freed_host_memory
+from megapar.host_memory import keep_freed_host_memory
 from megapar.mesh import Mesh
 from megapar.models.config import ModelConfig, config_from_dict
 from megapar.models.documents import set_documents
