@@ -12,9 +12,8 @@ torchtitan's attention applies rotary positions to interleaved pairs (Meta's com
 transformers' (and megapar's) to the two halves of each head (``rotate_half``). So wq and wk
 are permuted per head on the way in and back on the way out, exactly as torchtitan's own
 Hugging Face adapter does (torchtitan ``torchtitan/models/llama3/model/state_dict_adapter.py``,
-``Llama3StateDictAdapter._permute`` / ``_reverse_permute``, read at torchtitan commits 8bd8c930e
-(2025-08) and b5bcd76c6 (2026-08)); every other tensor is an ``nn.Linear`` / norm weight in the
-same layout under another name.
+``Llama3StateDictAdapter._permute`` / ``_reverse_permute``); every other tensor is an
+``nn.Linear`` / norm weight in the same layout under another name.
 
 Only model weights move: torchtitan's optimizer state is keyed by its version's flattening of
 ``torch.optim`` state (``optimizer.state.<fqn>.exp_avg``, ...) and its step counts and

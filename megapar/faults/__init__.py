@@ -9,7 +9,9 @@
   rank holding the others up named from them when a wait times out;
 - `report`: a worker's failure as one line for the terminal, its traceback in a per-rank log;
 - `processes`: whether a process is alive (lock owners, crashed saves, dead launchers), and
-  workers that die with their launcher.
+  workers that die with their launcher;
+- `slow`: `--inject-slow`, one rank's forwards slowed (a testing tool for the straggler
+  report and the timeouts).
 
 The launcher (`megapar.launcher`) starts workers and brings them all down when one fails, using
 these; the pipeline and the training step report their actions to `status`.

@@ -120,8 +120,8 @@ class DynamicLossScaler:
     def load_state_dict(self, d: dict) -> None:
         """Take the scale and its counters from `d` (a `state_dict`); the settings (initial
         and minimum scale, growth interval, hysteresis) stay this scaler's, as Megatron-LM's
-        scaler restores only its scale and trackers. A checkpoint written before the
-        hysteresis existed had used it up (hysteresis 1). A static scaler keeps its scale."""
+        scaler restores only its scale and trackers. A checkpoint without the hysteresis
+        counter resumes with it used up. A static scaler keeps its scale."""
         if not self.dynamic:
             return
         self.scale = float(d["scale"])

@@ -1,5 +1,6 @@
 """Plan a parallel layout before the cluster: predicted memory, bubble, communication and step
-time for every (tp, pp, dp, micro-batch size, schedule, recompute, SP, ZeRO-1), ranked.
+time for every layout (tp, cp, pp, dp, ep, micro-batch size, schedule, recompute, SP, ZeRO
+0-3, offload), ranked.
 
 `layouts.py` enumerates and rejects with reasons (ep for a mixture of experts), `params.py`
 counts parameters on meta-device models, `state.py` and `slices.py` the state a rank holds,

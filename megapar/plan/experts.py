@@ -26,9 +26,8 @@ routed row, the expert's input and its SwiGLU's gate / up output, activation and
 routed it (the combined output kept for the weighting, and the gathered input); per token the
 router's fp32 logits and scores (2 E x 4 bytes), its top-k weights and ids (k x 12 bytes) and 8
 bytes more (per token it scores: T / t with experts split over tp under SP), per row its int64
-sort index and token index and fp32 weight (20 bytes). Measured
-on a Mixtral block with saved-tensor hooks at ep 1 (`tests/test_plan.py`: equal but for
-36 bytes a layer, its E-long load vectors). The expert side is
+sort index and token index and fp32 weight (20 bytes); `tests/test_plan.py` holds it
+against a Mixtral block's saved tensors at ep 1. The expert side is
 scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (dropless
 routing has no bound; with a capacity factor c no expert keeps more than c x its mean share,
 so c bounds it). `Problem.moe_imbalance` (megapar-plan's --moe-imbalance) states the

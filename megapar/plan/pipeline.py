@@ -185,9 +185,8 @@ def order_held(name: str, pp: int, m: int, v: int, stage: int) -> frozenset:
     micro-batches in flight per chunk at every point of the stage's own action list (exact:
     the executor runs the computes in this order) and, estimated, every in-flight output's
     message held (the executor frees a sent output once a later message proves the peer has it,
-    and also holds the receives it posts ahead). On 108 GPT-3 175B layouts small enough to
-    compare, the most loaded stage's activations came out 1 % below to 8 % above the executor's
-    count."""
+    and also holds the receives it posts ahead). Its error against the executor's count is in
+    docs/guides/planner.md."""
     actions = schedules.stage_actions(name, pp, m, v)[stage]
     placement = placement_of(name)
     sends = [sched.virtual_stage(stage, c, pp, placement) < pp * v - 1 for c in range(v)]

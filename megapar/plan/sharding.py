@@ -63,7 +63,8 @@ def dp_traffic(
     once.
     `once_a_step`: the schedule reports weight gradients once a step (`state.w_reported`), so
     ZeRO-2's and ZeRO-3's per-micro-batch reductions run once. `tail`: ZeRO-3's (units, bytes)
-    of root units among the `pieces` (`state.tail_units`), gathered once a micro-batch."""
+    of root units among the `pieces` (`state.zero_traffic`'s `Traffic.tail`), gathered once a
+    micro-batch."""
     if zero == 0:
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):

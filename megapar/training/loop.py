@@ -1,8 +1,10 @@
 """The training loop one rank runs: build everything, resume, step, evaluate, log, save.
 
-Read top to bottom: `train()` builds the mesh, the model stage, data, pipeline executor and
-optimizer; resumes from a checkpoint if asked; then loops over optimizer steps. Every rank runs
-the same loop (same step count, same collectives); only global rank 0 logs.
+Read top to bottom: `train()`, one worker's entry, is `Trainer(cfg, plan).run()`.
+`Trainer.__init__` builds the `Engine` (the mesh, the model stage, the pipeline executor and the
+optimizer: `engine.py`, `engine_parts.py`) and the data, and resumes from a checkpoint if asked;
+`Trainer.run` loops over optimizer steps. Every rank runs the same loop (same step count, same
+collectives); only global rank 0 logs.
 """
 
 from __future__ import annotations

@@ -200,9 +200,9 @@ def _float8_flags(
     job: dict, keys: list[tuple[str, object]]
 ) -> tuple[list[str], list[str], list[str]]:
     """The flags, sentences and keys nothing answers for a job's float8 settings: torchtitan
-    converts its linears only where `model.converters` lists float8 (`"float8"`, since 2025
-    `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default) and emulation;
-    without it [float8] is read by nothing, so it names no --fp8."""
+    converts its linears only where `model.converters` lists float8 (`"float8"`, or in its
+    newer spelling `"quantize.linear.float8"`), with [float8]'s recipe (tensorwise by default)
+    and emulation; without it [float8] is read by nothing, so it names no --fp8."""
     converters = _table(job, "model").get("converters") or []
     on = any(
         "float8" in str(c) for c in (converters if isinstance(converters, list) else [converters])

@@ -1,4 +1,5 @@
-"""Everything about a run that can be checked before a worker starts, checked in one place.
+"""Everything about a run that can be checked before a worker starts: megapar-train's
+settings here, the rest in the `validate_*` modules beside it.
 
 The CLI entry points call these in the launching process, so a mistake costs one line and
 exit code 2 instead of N tracebacks after the workers started:
@@ -8,16 +9,17 @@ exit code 2 instead of N tracebacks after the workers started:
   (warmup vs --max-steps, --min-lr vs --lr, global vs micro-batch size, --loss-mean token on
   prompt / response records); returns notes saying what changed. `fit_batch_to_data` does the
   same for a global batch the data cannot fill.
-- for a run that resumes (validate_resume.py): `check_load_path(cfg)`: a --load that names a
-  file or a step that is not there is an error (a missing or empty directory starts fresh).
-- `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
-  sha256 of every file), read once here.
-- `settings_from_checkpoint` / `check_resumable` / `check_same_data`: `--load CKPT` alone
-  resumes its run; a setting that breaks the checkpoint's data order, or data whose content
-  changed since, is reported.
-- megapar-eval's and megapar-bubble's checks are in validate_tools.py.
+- for a run that resumes, validate_resume.py: `check_load_path(cfg)` (a --load that names a
+  file or a step that is not there is an error; a missing or empty directory starts fresh),
+  `checkpoint_manifest(path)` (a --load checkpoint exists, is complete and intact: sizes and
+  sha256 of every file), `settings_from_checkpoint` / `check_resumable` / `check_same_data`
+  (`--load CKPT` alone resumes its run; a setting that breaks the checkpoint's data order, or
+  data whose content changed since, is reported).
+- megapar-eval's and megapar-bubble's checks are in validate_tools.py and validate_bubble.py;
+  --fp8's, ZeRO's, unused flags' and SFT records' in validate_fp8.py, validate_sharding.py,
+  validate_unused.py and validate_sft.py.
 
-Unexpected errors in running workers are failures.py's.
+Unexpected errors in running workers are `megapar.faults.report`'s.
 """
 
 from __future__ import annotations
