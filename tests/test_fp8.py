@@ -341,8 +341,12 @@ def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(c
                        "linear into multiples of 16"), problem
     assert fp8_layout_problem(config, 1, "tensorwise", "all") is None
     assert fp8_layout_problem(config, 2, "tensorwise", "auto") is None  # none converts
-    assert "held whole on every tp rank" in fp8_layout_problem(  # k / v replicated at tp 4
-        dataclasses.replace(config, intermediate_size=256), 4, "rowwise", "all")
+    wider = dataclasses.replace(config, intermediate_size=256)  # 2 kv heads: k / v whole at tp 4
+    whole = fp8_layout_problem(wider, 4, "rowwise", "all")
+    assert whole == ("layers.attn.k 32x64 runs in float8 and is held whole on every tp rank (tp "
+                       "does not divide the kv heads); a tp dividing 2 splits every float8 linear "
+                       "into multiples of 16 and divides the kv heads"), whole
+    assert fp8_layout_problem(wider, 2, "rowwise", "all") is None  # the tp it names runs
     argv = ["--model", "llama-tiny", "--dry-run", "--seq-len", "16", "--micro-batch-size",
             "1", "--global-batch-size", "2", "--fp8", "tensorwise", "--fp8-layers", "all"]
     assert train_main(argv + ["--tp", "2", "--world-size", "2"]) == 2

@@ -80,6 +80,8 @@ class Fp8Linear:
     """What tp splits: "out" (column-parallel), "in" (row-parallel), None (held whole)."""
     why_kept: str | None
     """None when the model runs it in float8 (`wanted` on `full`), else why not."""
+    heads: int | None = None
+    """Held whole (`REPLICATED`): the heads a tp must divide to split it by its output rows."""
 
     @property
     def converted(self) -> bool:
@@ -115,7 +117,8 @@ def fp8_linears(model: nn.Module, recipe: str, layers: str = "auto"):
         full_n, full_k = full_shape(module.weight)
         split = "out" if column else "in" if isinstance(module, RowParallelLinear) else None
         why = wanted(recipe, full_n, full_k, layers)
-        yield module, Fp8Linear(short, n, k, (full_n, full_k), split, why)
+        heads = getattr(module, "heads", None) if split is None else None
+        yield module, Fp8Linear(short, n, k, (full_n, full_k), split, why, heads)
 
 
 def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str | None:
@@ -130,6 +133,8 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
     for x in found:
         if x.split is not None:
             common = math.gcd(common, (x.full[0] if x.split == "out" else x.full[1]) // 16)
+        else:  # held whole here: split by its output rows at a tp dividing its heads
+            common = math.gcd(common, x.full[0] // 16, x.heads or 1)
     which = "only tp 1 splits" if common == 1 else f"a tp dividing {common} splits"
     also = " and divides the kv heads" if bad.split is None else ""
     return (
