@@ -5,8 +5,9 @@ or one GPU each with MEGAPAR_CPU unset on a GPU machine): FSDP2 with `fully_shar
 and on the model (its default `reshard_after_forward=True`: gathered before forward and
 backward, freed after), stepped by torch's AdamW with `clip_grad_norm_`; megapar with its
 ZeRO-3 units (`ShardedParams`), `Zero3Optimizer` and the pipeline executor's step. The runs
-alternate step by step in the same processes (so a busy machine slows both alike); the figure
-is the median step time of each and their ratio, and the losses of the first steps (the same
+alternate step by step in the same processes (so a busy machine slows both alike), each side
+first every other step; the figure is the median step time of each and their ratio, the
+median and range of the step-by-step ratios, and the losses of the first steps (the same
 model, data and initialisation: they agree).
 
     python benchmarks/vs/vs_fsdp2.py                     # 10 steps each, about a minute on 2 cores
@@ -67,11 +68,7 @@ def _worker(args) -> dict:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
 
-    times = {"fsdp2": [], "megapar": []}
-    losses = {"fsdp2": [], "megapar": []}
-    for batch in batches:
-        sync()
-        start = time.perf_counter()
+    def fsdp_step(batch) -> float:
         fsdp_opt.zero_grad()
         loss = fsdp_model(None, batch)
         loss.backward()
@@ -79,13 +76,18 @@ def _worker(args) -> dict:
         fsdp_opt.step()
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
-        losses["fsdp2"].append(reduced.item() / 2)
-        sync()
-        times["fsdp2"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        losses["megapar"].append(step.step([batch], 0).loss)
-        sync()
-        times["megapar"].append(time.perf_counter() - start)
+        return reduced.item() / 2
+
+    sides = {"fsdp2": fsdp_step, "megapar": lambda batch: step.step([batch], 0).loss}
+    times: dict[str, list[float]] = {"fsdp2": [], "megapar": []}
+    losses: dict[str, list[float]] = {"fsdp2": [], "megapar": []}
+    for i, batch in enumerate(batches):
+        for name in list(sides)[:: -1 if i % 2 else 1]:  # neither side always first
+            sync()
+            start = time.perf_counter()
+            losses[name].append(sides[name](batch))
+            sync()
+            times[name].append(time.perf_counter() - start)
     return {"times": times, "losses": losses}
 
 
@@ -103,10 +105,12 @@ def main(argv=None) -> int:
     out = run_local(_worker, 2, args)[0]
     fsdp = statistics.median(out["times"]["fsdp2"][1:])
     ours = statistics.median(out["times"]["megapar"][1:])
+    pairs = [m / f for m, f in zip(out["times"]["megapar"][1:], out["times"]["fsdp2"][1:])]
     print(f"GPT-2 h {args.hidden}, {args.layers} layers, vocab {args.vocab}, micro-batch "
           f"{args.mbs} x {args.seq}, dp 2, {args.steps} steps each (median after the first)")
     print(f"  FSDP2 fully_shard  {fsdp * 1e3:8.1f} ms/step")
-    print(f"  megapar --zero 3   {ours * 1e3:8.1f} ms/step   ({ours / fsdp:.2f}x FSDP2's)")
+    print(f"  megapar --zero 3   {ours * 1e3:8.1f} ms/step   ({ours / fsdp:.2f}x FSDP2's; step "
+          f"by step {statistics.median(pairs):.2f}x [{min(pairs):.2f}, {max(pairs):.2f}])")
     print(f"  first losses: FSDP2 {out['losses']['fsdp2'][:3]}, megapar "
           f"{out['losses']['megapar'][:3]}")
     return 0

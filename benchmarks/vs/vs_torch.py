@@ -16,8 +16,8 @@ PyTorch GPT-2 parallelised with torch's own tools:
 - data parallel: one flat all-reduce of the gradients per step over the dp dimension of the
   DeviceMesh (DDP's bucketing without overlap).
 
-Every configuration runs both systems in alternation (megapar, torch, megapar, torch, ...,
-`--repeats` times each) so that machine noise hits both; each run forks its gloo ranks, takes
+Every configuration runs both systems in alternation (megapar, torch, torch, megapar, ...,
+`--repeats` times each: neither always first) so that machine noise hits both; each run forks its gloo ranks, takes
 one warm-up step and times `--steps` steps (barrier-synchronised). Printed per configuration:
 median s/step of each, megapar / torch, speedup over the serial run of the same system, and the
 losses of both (they must agree to 1e-5 relative: the same model and the same steps). Every
@@ -289,9 +289,10 @@ def _worker(system: str, name: str, steps: int) -> dict:
 
 def ab_runs(worker, name: str, world: int, systems, repeats: int, steps: int) -> dict:
     """{system: [rank 0's result of each round]}: `worker(system, name, steps)` on `world` forked
-    ranks, the systems taking turns round by round."""
+    ranks, the systems taking turns round by round, each first every other round."""
     return interleave({s: (lambda s=s: run_local(worker, world, s, name, steps,
-                                                 timeout_s=1200)[0]) for s in systems}, repeats)
+                                                 timeout_s=1200)[0]) for s in systems}, repeats,
+                      alternate=True)
 
 
 def main(argv=None) -> None:
