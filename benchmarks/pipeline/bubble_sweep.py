@@ -5,11 +5,11 @@ last of --steps steps after a warm-up); the simulator then replays the same sche
 run's own per-action costs, each stage with its own (`bubble.stage_costs`: forward, backward, B
 and W for zero-bubble schedules; the last stage also computes the LM head; p2p latency from
 the receives), and the
-theory is the schedule's published formula
+theory is the schedule's formula, published where one is
 ((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
 the measured F, B, W; n/a in the table and null in --json where it does not apply: ZB-H1 when
 the measured W > min(F, B) or m < pp, where the paper's count is below what the schedule
-reaches; ZB-V and DualPipeV: the pipeline fill, a lower bound). m values a schedule cannot
+reaches; ZB-V and DualPipeV: the pipeline fill, megapar's own lower bound, not a published formula). m values a schedule cannot
 take (interleaved: m % max(1, m // pp)) are skipped. Prints one table row per point (bubble %,
 step times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
 and writes a plot of bubble vs m: one line per source (measured solid, simulated dashed) per

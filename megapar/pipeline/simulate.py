@@ -326,7 +326,8 @@ def theoretical_bubble(
       t_W > min(t_F, t_B)) and this returns NaN (the simulator, `simulate_schedule`, covers
       every case);
     - ZB-V and DualPipeV (two chunks per rank in a V; the costs are a chunk's): the pipeline
-      fill, (pp-1) t_F next to 2 m (t_F + t_B + t_W) of compute. No schedule of two chunks per
+      fill, (pp-1) t_F next to 2 m (t_F + t_B + t_W) of compute: megapar's own lower bound,
+      not a formula from the papers, argued here. No schedule of two chunks per
       rank does better with a synchronous step (the last rank cannot start before pp - 1 chunk
       forwards, and then has all its work to do); ZB-V reaches it when t_F = t_B = t_W and
       m >= floor(3 pp / 2) (DualPipeV at every m >= 2 pp it takes); fewer micro-batches and

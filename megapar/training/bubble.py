@@ -146,7 +146,8 @@ def measure(
     (cp rank 0's pipeline; the cp ranks' costs include their attention exchanges).
 
     activation_mb is, per stage, the peak of the tensors autograd held for backward during
-    the step (parameters included when saved): what the schedule's in-flight count bounds."""
+    the step (parameters left out, even where a layer saves its weight): what the schedule's
+    in-flight count bounds."""
     check_schedule(schedule, pp, m, virtual_stages)
     config = bench_config(model, pp, chunks_per_rank(schedule, virtual_stages))
     results = run_local(
