@@ -297,6 +297,31 @@ def test_an_export_that_fails_midway_leaves_no_file_of_its_own(exports, tmp_path
     assert {p.name: p.stat().st_ino for p in earlier.iterdir()} == before  # nothing replaced
 
 
+def test_an_export_that_fails_while_putting_its_files_in_place_puts_back_what_it_replaced(
+        exports, tmp_path, monkeypatch, capsys):
+    """A failure among the renames that put an export's files in place (its model in place, its
+    config.json not yet): the earlier export it was replacing with --overwrite is put back whole,
+    another save's weights file too, and no file of the new export is left (a mixed directory,
+    a Llama's weights beside a GPT-2's config, loaded in transformers without an error)."""
+    import megapar.checkpoint.hf as hf
+
+    earlier = tmp_path / "hf"
+    shutil.copytree(exports / "hf-gpt2", earlier)
+    (earlier / "pytorch_model.bin").write_bytes(b"another save's weights")
+    before = {p.name: p.stat().st_ino for p in earlier.iterdir()}
+    real = os.replace
+
+    def failing(source, target):
+        if str(target).endswith("/config.json"):
+            raise OSError("Input/output error (simulated)")
+        return real(source, target)
+
+    monkeypatch.setattr(hf.os, "replace", failing)
+    assert convert([str(exports / "ckpt-bert"), "--to-hf", str(earlier), "--overwrite"]) == 2
+    assert "Input/output error" in capsys.readouterr().err
+    assert {p.name: p.stat().st_ino for p in earlier.iterdir()} == before  # all put back
+
+
 def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_rows(
         exports, tmp_path, capsys):
     """megapar's GPT-2 BPE appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids and the trained

@@ -601,6 +601,10 @@ def other_weights(out_dir: Path) -> list[str]:
 TOKENIZER_STAGE = ".tokenizer.export-"
 """The prefix of the directory an export writes its tokenizer's files into until the end."""
 
+REPLACED_STAGE = ".replaced.export-"
+"""The prefix of the directory an export moves the files it replaces into until it is
+complete: put back where it fails, removed where it succeeds."""
+
 
 def save_hf(
     canonical: dict[str, torch.Tensor],
@@ -625,9 +629,10 @@ def save_hf(
     `save_pretrained`,
     the weights files of another save there are removed (`OTHER_WEIGHTS`), other files (notes)
     are left alone; each file is written under a temporary name and
-    renamed when all are complete (the tokenizer, then the rest), so an interrupted or failed
-    export leaves no file of its own (nor the directory, when it made it); the temporaries of
-    one killed -9 (named with `owner_tag`) are removed by the next export into the directory."""
+    renamed when all are complete (the tokenizer, then the rest), the files it replaces moved
+    aside first (`REPLACED_STAGE`), so a failed export leaves no file of its own (nor the
+    directory, when it made it) and puts back those it replaced; the temporaries of one killed
+    -9 (named with `owner_tag`) are removed by the next export into the directory."""
 
     from transformers import GenerationConfig
 
@@ -643,10 +648,13 @@ def save_hf(
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
-    for prefix in (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE, TOKENIZER_TMP):
+    prefixes = (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE, TOKENIZER_TMP)
+    for prefix in (*prefixes, REPLACED_STAGE):
         remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
     tmp = {name: out_dir / f".{name}.tmp-{owner_tag()}-" for name in names}
     stage = out_dir / f"{TOKENIZER_STAGE}{owner_tag()}-"  # the tokenizer's files, until the end
+    replaced = out_dir / f"{REPLACED_STAGE}{owner_tag()}-"  # what it replaces, until the end
+    placed: list[Path] = []  # the files this export has put in place
     try:
         special_ids: dict[str, int | None] = {}
         if tokenizer is not None:
@@ -671,15 +679,24 @@ def save_hf(
         )
         give_usual_mode(tmp["model.safetensors"])  # safetensors creates it 0600
         tmp["config.json"].write_text(_config_json(hf_config, config))
-        for name in sorted(os.listdir(stage)) if stage.is_dir() else ():
-            os.replace(stage / name, out_dir / name)
-        for name in names:
-            os.replace(tmp[name], out_dir / name)
+        tokenizer_files = sorted(os.listdir(stage)) if stage.is_dir() else []
+        moves = [(stage / n, out_dir / n) for n in tokenizer_files]
+        moves += [(tmp[name], out_dir / name) for name in names]
+        replaced.mkdir()
         for name in other_weights(out_dir):
-            (out_dir / name).unlink(missing_ok=True)
+            os.replace(out_dir / name, replaced / name)
+        for source, target in moves:
+            if os.path.lexists(target):
+                os.replace(target, replaced / target.name)
+            os.replace(source, target)
+            placed.append(target)
+        shutil.rmtree(replaced, ignore_errors=True)  # complete: what it replaced goes
     except BaseException:
-        for path in tmp.values():
+        for path in (*tmp.values(), *placed):
             path.unlink(missing_ok=True)
+        for name in os.listdir(replaced) if replaced.is_dir() else ():
+            os.replace(replaced / name, out_dir / name)  # put back what it replaced
+        shutil.rmtree(replaced, ignore_errors=True)
         if created is not None:  # the directories are this export's: none is left
             shutil.rmtree(created, ignore_errors=True)
         raise
