@@ -119,6 +119,26 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
     _assert_untouched(dst)
 
 
+def test_overwrite_that_cannot_put_its_output_in_place_puts_the_old_dst_back(
+        src, tmp_path, monkeypatch, capsys):
+    """--overwrite moves the old DST aside, then renames the output into its place: where that
+    rename fails, the old DST is put back (it was left hidden as .dst.old-*, DST gone: a fault
+    drill's finding) and no temporary is left."""
+    dst = _dst_with_marker(tmp_path)
+    real = os.rename
+
+    def failing(source, target):
+        if str(source).startswith(str(tmp_path / ".dst.tmp-")):
+            raise OSError("Input/output error (simulated)")
+        return real(source, target)
+
+    monkeypatch.setattr(cv.os, "rename", failing)
+    assert main([str(src), str(dst), "--tp", "1", "--pp", "1", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Input/output error (simulated)" in err, err
+    _assert_untouched(dst)
+
+
 def test_overwrite_of_a_dst_spelt_through_itself(src, tmp_path, capsys):
     """DST out/../out: the old out was moved aside, then out/.. named nothing, so the rename
     failed ('No such file or directory') and out was gone, left as two hidden directories;

@@ -183,7 +183,8 @@ def check_output(path, into: bool = False) -> None:
 
 
 def _swap_into(tmp: Path, dst: Path) -> None:
-    """Move a finished output to `dst`, replacing an existing `dst` only at the very end."""
+    """Move a finished output to `dst`, replacing an existing `dst` only at the very end (moved
+    aside first, and back where the output cannot take its place)."""
     # both as the paths they name now: `dst` spelt through itself (out/../out) names nothing
     # once the old `dst` is moved aside
     tmp, dst = tmp.resolve(), dst.parent.resolve() / dst.name
@@ -191,7 +192,12 @@ def _swap_into(tmp: Path, dst: Path) -> None:
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
         os.rename(dst, old)
-    os.rename(tmp, dst)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dst)
+        raise
     fsync_dir(dst.parent)
     if old is not None and old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
