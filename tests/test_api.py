@@ -416,6 +416,59 @@ def test_export_hf_loads_in_transformers_with_the_engine_loss(run, tmp_path):
     assert math.isclose(loss, ref.item(), rel_tol=1e-5)
 
 
+def _actions_seen(ckpt, out_dir):
+    """The status a rank shows while engine.load reads a checkpoint and while engine.export_hf
+    saves and writes (what a hang there is reported as)."""
+    import megapar.training.engine as engine_module
+    import megapar.training.export as export_module
+    from megapar.faults import status as rank_status
+
+    seen = []
+
+    def watching(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            seen.append(rank_status.status())
+            return real(*args, **kwargs)
+
+        setattr(module, name, call)
+
+    for module, name in ((engine_module, "load_checkpoint"), (export_module, "save_checkpoint"),
+                         (export_module, "export_checkpoint")):
+        watching(module, name)
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+    engine.train_step(_batches(1)[0])
+    engine.save(ckpt)
+    engine.load(ckpt)
+    engine.export_hf(out_dir)
+    return seen
+
+
+def test_a_rank_says_it_is_loading_or_exporting_and_an_export_killed_leaves_nothing(
+        run, tmp_path):
+    """A rank hung while engine.load read the checkpoint said "engine.params_whole: agreeing on
+    the call", and one hung in engine.export_hf "engine.export_hf: agreeing on the call" (a
+    fault drill's finding): each now says what it does. The staging checkpoint of an export
+    whose rank 0 was killed (its process gone) was left beside the export for good; the next
+    export removes it."""
+    import subprocess
+
+    from megapar.faults.processes import _host
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f".hf.megapar-export-{gone.pid}-{_host()}-7"
+    (stale / "step_00000007").mkdir(parents=True)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    seen = run(_actions_seen, 2, str(ckpt), str(out))[0]
+    assert seen[0] == f"step 1, loading the checkpoint {ckpt} (engine.load)", seen
+    assert seen[1].startswith("step 1, engine.export_hf: saving the weights to export to "), seen
+    assert seen[2] == f"step 1, engine.export_hf: rank 0 writing the export {out}", seen
+    assert (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def _fails_on_rank(bad):
     import torch.distributed as dist
 

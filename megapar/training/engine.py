@@ -656,6 +656,7 @@ class Engine:
         if self.saver is not None:  # its own background save of `path` may be in flight
             self.saver.wait()
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
+            set_action(f"loading the checkpoint {path} ({what})")
             state = load_everywhere(
                 str(path),
                 lambda: load_checkpoint(path, self.model, self.mesh, verify=verify),

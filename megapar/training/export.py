@@ -10,6 +10,8 @@ from pathlib import Path
 from megapar.checkpoint.distributed import save_checkpoint
 from megapar.checkpoint.export import export_hf as export_checkpoint
 from megapar.checkpoint.export import tokenizer_hint
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.faults.status import set_action
 from megapar.mesh import broadcast_text
 
 
@@ -21,20 +23,27 @@ def export_engine(
     allow_other_tokenizer: bool = False,
 ) -> Path:
     """What `Engine.export_hf` documents: the engine's state saved as a megapar checkpoint
-    beside `path`, exported from there by rank 0 and removed; every rank returns `path` or
+    beside `path` (named with rank 0's `owner_tag`, so the next export removes one whose rank 0
+    was killed), exported from there by rank 0 and removed; every rank returns `path` or
     raises together (rank 0 its exception, every other rank one of its type, or of the nearest
     megapar or builtin class it derives from, with its message: `failure` / `raise_failure`).
     Collective."""
     path = Path(path).absolute()
-    tmp = path.parent / f".{path.name or 'export'}.megapar-export-{engine.step}"
+    prefix = f".{path.name or 'export'}.megapar-export-"
+    if engine.mesh.rank == 0:
+        remove_stale_temporaries(path.parent, prefix)  # of an export whose rank 0 was killed
+    tag = broadcast_text(owner_tag() if engine.mesh.rank == 0 else None, engine.mesh)
+    tmp = path.parent / f"{prefix}{tag}-{engine.step}"
     meta = {
         "step": engine.step,
         "hf_dtype": engine.source_dtype,
         "hf_generation_config": engine.source_generation_config,
         "tokenizer": engine.tokenizer,
     }
+    set_action(f"engine.export_hf: saving the weights to export to {tmp}")
     save_checkpoint(tmp, engine.step, engine.saved_model(), engine.mesh, {}, meta, {})
     outcome, error = "", None
+    set_action(f"engine.export_hf: rank 0 writing the export {path}")
     if engine.mesh.rank == 0:
         try:
             export_checkpoint(

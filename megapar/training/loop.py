@@ -28,6 +28,7 @@ from megapar.expert_parallel import is_expert
 from megapar.faults import progress
 from megapar.faults.blame import consequential, stopped_siblings, without_gloo_noise
 from megapar.faults.processes import launcher_alive
+from megapar.faults.status import set_action
 from megapar.faults.stop import (
     NonFiniteError,
     NonFiniteGuard,
@@ -528,6 +529,7 @@ class Trainer:
             while self.step < cfg.max_steps:
                 at = self.step + 1
                 start = time.perf_counter()
+                set_action(f"reading the batch of step {at}")
                 micro_batches = next(data)
                 profiler.before_step(self.step + 1)
                 if at in (cfg.record_step, cfg.replay):
