@@ -897,6 +897,23 @@ def test_a_type_error_is_the_cause_not_the_lost_connections_it_left():
     assert lines[1].startswith("then: rank 0: P2PTimeoutError"), lines
 
 
+def test_an_error_every_rank_raises_is_led_by_the_rank_it_names_as_its_origin():
+    """A save whose write failed on rank 2: every rank raises the CheckpointError that names
+    it, and the report led with rank 0 ("rank 0 failed ... rank 2: RuntimeError", rank 2 among
+    those that "stopped for the same reason": a fault drill's finding)."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=1) for _ in range(4)]
+    said = ("CheckpointError: checkpoint of step 4 not saved: rank 2: RuntimeError: disk "
+            "controller reset")
+    lines = blame(procs, {}, dict.fromkeys(range(4), said)).splitlines()
+    assert lines == [f"rank 2 failed: {said}", "(ranks 0, 1 and 3 stopped for the same reason)"]
+    one = "RuntimeError: rank 1: a message that names a rank"  # no collective report: rank 0's
+    assert blame(procs[:2], {}, {0: one, 1: one}).splitlines()[0] == f"rank 0 failed: {one}"
+
+
 def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_for_it(tmp_path):
     """`--inject-slow rank=3,ms=40000 --timeout-s 5`: rank 2 (its tp peer) timed out; ranks
     0 and 1 waited in the dp all-reduce and had not answered either. The console's one line

@@ -296,6 +296,7 @@ def write_checkpoint(
     tmp = root / tmp_name
     header: dict[str, Any] = {"rank": mesh.rank, "error": None}
     rng = {}
+    cause: Exception | None = None  # this rank's own failure, chained to the error it raises
     try:
         if isinstance(state, CheckpointError):
             raise state
@@ -307,6 +308,7 @@ def write_checkpoint(
             header.update(file=fname, record=write_tensors(tmp / fname, tensors), tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
+        cause = exc
     payloads = gather_payloads(_pack(header, rng), mesh, group)
     outcome = ""
     if mesh.rank == 0:
@@ -323,7 +325,7 @@ def write_checkpoint(
             outcome = f"ERROR checkpoint of step {step} not saved: {why}"
     outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
-        raise CheckpointError(outcome[6:])
+        raise CheckpointError(outcome[6:]) from cause  # its traceback in this rank's log
     return Path(outcome)
 
 

@@ -71,7 +71,8 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
 
     Cause, in order: ranks that died without a report (their signal / exit code, and from
     `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
-    communication timeout or lost connection; live ranks that never answered while the others
+    communication timeout or lost connection (led by the rank an error every rank raised names
+    as its origin, `_ORIGIN`); live ranks that never answered while the others
     timed out waiting for them: the stopped ones when some are, else the one most likely
     holding the others up (`most_behind`), each with where it was; ranks that returned while
     the others, still in a collective, lost their connection to them (a call made on some ranks
@@ -95,6 +96,9 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         rest = errors
     elif own:
         first = min(own)
+        origin = _ORIGIN.search(own[first].split("\n", 1)[0])
+        if origin is not None and int(origin.group(1)) in own:  # a collective report of it
+            first = int(origin.group(1))
         lines = [f"rank {first} failed: {own[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
@@ -332,6 +336,11 @@ def _ranks(ranks: list[int]) -> str:
     """The ranks in words: 1, or 1, 2 and 3."""
     names = [str(r) for r in ranks]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+_ORIGIN = re.compile(r": rank (\d+): \w+(Error|Exception)\b")
+"""Where every rank raises one error that names the rank where it arose (a checkpoint save:
+"checkpoint of step 4 not saved: rank 2: RuntimeError: ..."): that rank."""
 
 
 def _gist(text: str) -> str:
