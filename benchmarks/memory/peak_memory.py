@@ -108,6 +108,19 @@ GROUPS = {  # name: (the claim, [(label, flags)])
         for label, extra in (("bf16", []),
                              ("bf16 + fp8", ["--fp8", "tensorwise", "--fp8-emulate"]))]),
 }
+
+CHECKS = {  # name: [(what the claim says of the OS peaks, by row label, whether it holds)]
+    "zero": [("zero 1 <= 0.85x zero 0", lambda p: p["zero 1"] <= 0.85 * p["zero 0"]),
+             ("zero 2 < zero 1", lambda p: p["zero 2"] < p["zero 1"]),
+             ("zero 3 <= 0.7x zero 0", lambda p: p["zero 3"] <= 0.7 * p["zero 0"])],
+    "recompute": [("full < none", lambda p: p["full"] < p["none"])],
+    "sp": [("tp 2 + SP < tp 2", lambda p: p["tp 2 + SP"] < p["tp 2"])],
+    "cp": [("cp 4 < cp 2 < cp 1", lambda p: p["cp 4"] < p["cp 2"] < p["cp 1"])],
+    "schedules": [(f"{s} <= 1f1b", lambda p, s=s: p[s] <= p["1f1b"])
+                  for s in ("zb-v", "dualpipev")],
+}
+"""The parts of a group's claim read off its OS peaks (glibc's heap kept, the "keep" policy),
+each printed as held or not under its table."""
 COMMON = ["--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
           "--log-interval", "1"]
 
@@ -174,7 +187,12 @@ def main(argv=None) -> int:
                   f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
                   f"{(peaks['system'] - first[2]['system']) / g:+8.3f}        "
                   f"{predicted / g:9.3f} {predicted / peaks['keep']:9.3f}", flush=True)
-        results[group] = {"claim": claim, "rows": [
+        peak_of = {label: peaks["keep"] for label, _, peaks, _ in rows}
+        held = [(what, bool(check(peak_of))) for what, check in CHECKS.get(group, [])
+                if "keep" in args.policies]
+        for what, ok in held:
+            print(f"  claim at the OS peak: {what}: {'held' if ok else 'NOT HELD'}")
+        results[group] = {"claim": claim, "held": dict(held), "rows": [
             {"config": label, "counted_bytes": count, "os_peak_bytes": json_number(peaks["keep"]),
              "os_peak_glibc_bytes": json_number(peaks["system"]), "predicted_bytes": predicted}
             for label, count, peaks, predicted in rows]}
