@@ -347,6 +347,16 @@ def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(c
                        "does not divide the kv heads); a tp dividing 2 splits every float8 linear "
                        "into multiples of 16 and divides the kv heads"), whole
     assert fp8_layout_problem(wider, 2, "rowwise", "all") is None  # the tp it names runs
+    # 6 heads of 24, 2 kv heads: tp 2 and 3 each split some linear off 16, and tp 3 also holds
+    # k / v whole; no tp but 1 runs, and that is what either refusal names (tp 2's named "a tp
+    # dividing 3", leaving out the kv heads its split k / v have: a re-test's finding)
+    from megapar.models.config import config_from_dict
+
+    narrow = config_from_dict({"model_type": "llama", "vocab_size": 1000, "hidden_size": 144,
+                               "num_attention_heads": 6, "num_key_value_heads": 2,
+                               "intermediate_size": 432, "num_hidden_layers": 1})
+    for tp in (2, 3):
+        assert "; only tp 1 splits" in fp8_layout_problem(narrow, tp, "tensorwise", "all")
     argv = ["--model", "llama-tiny", "--dry-run", "--seq-len", "16", "--micro-batch-size",
             "1", "--global-batch-size", "2", "--fp8", "tensorwise", "--fp8-layers", "all"]
     assert train_main(argv + ["--tp", "2", "--world-size", "2"]) == 2

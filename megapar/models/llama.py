@@ -358,6 +358,7 @@ class LlamaAttention(nn.Module):
             rows = (first_kv * hd, (last_kv + 1) * hd)
             self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, n_kv, bias)
             self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, n_kv, bias)
+        self.q.heads, self.k.heads, self.v.heads = n_q, n_kv, n_kv  # what a tp must divide
         # local query head j attends with local kv head kv_index[j]
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
         local_kv = max(self.kv_index) + 1
@@ -374,6 +375,7 @@ class LlamaAttention(nn.Module):
         self.proj = RowParallelLinear(
             n_q * hd, hidden, mesh, bias=False, name="attention heads x head size"
         )
+        self.proj.heads = n_q
         self.rotary, self.tracker = rotary, tracker
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

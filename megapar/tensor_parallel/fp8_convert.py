@@ -81,7 +81,8 @@ class Fp8Linear:
     why_kept: str | None
     """None when the model runs it in float8 (`wanted` on `full`), else why not."""
     heads: int | None = None
-    """Held whole (`REPLICATED`): the heads a tp must divide to split it by its output rows."""
+    """An attention projection's heads (its module's `heads`), which a tp must divide to split
+    it by heads (k / v: held whole, `REPLICATED`, at a tp that does not); None for others."""
 
     @property
     def converted(self) -> bool:
@@ -117,7 +118,7 @@ def fp8_linears(model: nn.Module, recipe: str, layers: str = "auto"):
         full_n, full_k = full_shape(module.weight)
         split = "out" if column else "in" if isinstance(module, RowParallelLinear) else None
         why = wanted(recipe, full_n, full_k, layers)
-        heads = getattr(module, "heads", None) if split is None else None
+        heads = getattr(module, "heads", None)
         yield module, Fp8Linear(short, n, k, (full_n, full_k), split, why, heads)
 
 
@@ -135,6 +136,8 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
             common = math.gcd(common, (x.full[0] if x.split == "out" else x.full[1]) // 16)
         else:  # held whole here: split by its output rows at a tp dividing its heads
             common = math.gcd(common, x.full[0] // 16, x.heads or 1)
+        if x.heads is not None:  # split by heads: a tp dividing them
+            common = math.gcd(common, x.heads)
     which = "only tp 1 splits" if common == 1 else f"a tp dividing {common} splits"
     also = " and divides the kv heads" if bad.split is None else ""
     return (

@@ -83,6 +83,10 @@ class ColumnParallelLinear(nn.Module):
     first (its gradient reduce-scattered) instead of entering through `copy_to_tp_region`.
     """
 
+    heads: int | None = None
+    """An attention projection's heads, which tp splits (set by its model; `fp8_convert` names
+    the tps that divide them)."""
+
     def __init__(
         self,
         in_features: int,
@@ -149,6 +153,9 @@ class RowParallelLinear(nn.Module):
     once, after the partial sums are reduced. Under sequence parallelism the partial sums are
     reduce-scattered along the sequence instead of all-reduced.
     """
+
+    heads: int | None = None
+    """An attention output projection's heads, which tp splits (as `ColumnParallelLinear`'s)."""
 
     def __init__(
         self,
