@@ -38,6 +38,10 @@ whose cold compile is most of what four ranks on two cores would spend here.
 `benchmarks/vs/compile_layouts.py` runs every layout under Inductor.
 """
 
+import functools
+import importlib.util
+
+import pytest
 import torch
 from test_api import _batches, _hf_model
 from tp_utils import assert_close
@@ -198,3 +202,34 @@ def test_compiled_blocks_equal_eager_without_recompiles():
             unexpected = [k for k in r["breaks"] if not any(e in k for e in expected)]
             assert not unexpected, f"rank {rank} {name}: graph breaks {unexpected}"
             assert seen == expected, f"rank {rank} {name}: breaks {seen}, expected {expected}"
+
+
+def _fp8_graphs(layers: int) -> tuple[int, int]:
+    """(dynamo's unique graphs, frames) after one compiled step of a Llama of `layers` blocks
+    whose linears all run in float8 (emulated), one process."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import megapar
+
+    torch._dynamo.reset()
+    torch.compile = functools.partial(torch.compile, backend="aot_eager")  # a forked worker's
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=16))
+    engine = megapar.prepare(model, micro_batch_size=2, lr=3e-3, compile=True, fp8="tensorwise",
+                             fp8_emulate=True, fp8_layers="all")
+    engine.train_step(_batches(1)[0])
+    return counters["stats"]["unique_graphs"], counters["frames"]["total"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="--fp8 needs torchao")
+def test_float8_blocks_share_one_compiled_graph():
+    """--fp8 with --compile: each block compiled its own graph (the traced id() of its weight, a
+    guard on which parameter it is), so past torch's 8 recompilations a model's later blocks ran
+    eagerly, and fp8_bench.py --compile timed them so (a compile tester's finding). Identical
+    blocks share one graph: the graphs of 3 blocks are 1 block's."""
+    one, three = (run_local(_fp8_graphs, 1, n, timeout_s=300)[0] for n in (1, 3))
+    assert three == one, f"3 blocks: {three} (graphs, frames); 1 block: {one}"

@@ -227,16 +227,16 @@ def weight_slot(key: int, cast, axis: int, spec: Fp8Spec) -> tuple:
     return (key, cast, None if tensorwise else axis % 2)
 
 
-def _weight_cast(weight: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec):
+def _weight_cast(weight: torch.Tensor, key: int | None, cast, axis: int, spec: Fp8Spec):
     """`_cast` of the weight's W^T (never split over cp; `axis` of W^T), from the step's cache
     when it holds one (`key`: the weight's identity; a saved tensor unpacked under
     recomputation is another object): the same tensor a fresh cast makes, since the weight
     has not changed since (under ZeRO-3's float8 all-gather, put there from the gathered
     float8 bytes, and the fp32 weight is not gathered: read only here, only when there is no
-    cast to take). Not under --compile (a traced block casts per use)."""
+    cast to take). Not under --compile (a traced block casts per use), nor with no `key`."""
     role = spec.ao[1].GemmInputRole.WEIGHT
     cache = spec.cache
-    if cache is None or not cache.active or torch.compiler.is_compiling():
+    if key is None or cache is None or not cache.active or torch.compiler.is_compiling():
         return _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False)
     return cache.cast(
         weight_slot(key, cast, axis, spec),
@@ -250,7 +250,7 @@ class _Float8Matmul(torch.autograd.Function):
     Takes the weight W [N, K] itself, not W^T (read only if its cast is not kept)."""
 
     @staticmethod
-    def forward(ctx, x, weight, spec: Fp8Spec, key: int):
+    def forward(ctx, x, weight, spec: Fp8Spec, key: int | None):
         ctx.save_for_backward(x, weight)
         ctx.spec, ctx.key = spec, key
         c, role = spec.config, spec.ao[1].GemmInputRole
@@ -281,7 +281,11 @@ def fp8_linear(
     kind = x.device.type
     if torch.is_autocast_enabled(kind):
         x = x.to(torch.get_autocast_dtype(kind))
+    # the weight's identity keys the step's cast cache, which a traced block does not read:
+    # traced, id() would make the graph one block's (a guard on which parameter it is), so the
+    # blocks would no longer share it; None: cast afresh, also where the call runs eagerly
+    key = None if torch.compiler.is_compiling() else id(weight)
     with torch.autocast(kind, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, spec, id(weight))
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, spec, key)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias.to(y.dtype)
