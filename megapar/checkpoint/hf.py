@@ -627,12 +627,15 @@ def save_hf(
     in the files (default: as given), recorded as the config's ``dtype``. `tokenizer_rows`: a
     causal LM's embedding (and head) cut to its tokenizer's ids (`cut_to_tokenizer`). As
     `save_pretrained`,
-    the weights files of another save there are removed (`OTHER_WEIGHTS`), other files (notes)
+    the weights files of another save there are removed (`OTHER_WEIGHTS`; an encoder's export
+    also a causal LM's ``generation_config.json``), other files (notes)
     are left alone; each file is written under a temporary name and
-    renamed when all are complete (the tokenizer, then the rest), the files it replaces moved
-    aside first (`REPLACED_STAGE`), so a failed export leaves no file of its own (nor the
-    directory, when it made it) and puts back those it replaced; the temporaries of one killed
-    -9 (named with `owner_tag`) are removed by the next export into the directory."""
+    renamed when all are complete (the tokenizer, then the rest, config.json last), the files it
+    replaces moved aside first (`REPLACED_STAGE`, config.json first), so a failed export leaves
+    no file of its own (nor the directory, when it made it) and puts back those it replaced (or
+    says where they are), and one killed -9 midway leaves no config.json, which loaders refuse,
+    rather than two models' files; the temporaries of one killed -9 (named with `owner_tag`)
+    are removed by the next export into the directory."""
 
     from transformers import GenerationConfig
 
@@ -681,24 +684,39 @@ def save_hf(
         tmp["config.json"].write_text(_config_json(hf_config, config))
         tokenizer_files = sorted(os.listdir(stage)) if stage.is_dir() else []
         moves = [(stage / n, out_dir / n) for n in tokenizer_files]
-        moves += [(tmp[name], out_dir / name) for name in names]
+        moves += [(tmp[n], out_dir / n) for n in names if n != "config.json"]
+        moves.append((tmp["config.json"], out_dir / "config.json"))  # last: what loaders read
         replaced.mkdir()
-        for name in other_weights(out_dir):
-            os.replace(out_dir / name, replaced / name)
+        # what it replaces is moved aside first, config.json first of all, and config.json is
+        # put in place last: a directory this export stops in midway (killed -9) has no
+        # config.json, which transformers refuses to load, rather than a mix of two models
+        aside = ["config.json", *other_weights(out_dir), *(t.name for _, t in moves)]
+        if not causal:  # a causal LM's export it replaces: its generation config goes too
+            aside.append(GENERATION_FILE)
+        for name in dict.fromkeys(aside):
+            if os.path.lexists(out_dir / name):
+                os.replace(out_dir / name, replaced / name)
         for source, target in moves:
-            if os.path.lexists(target):
-                os.replace(target, replaced / target.name)
             os.replace(source, target)
             placed.append(target)
         shutil.rmtree(replaced, ignore_errors=True)  # complete: what it replaced goes
-    except BaseException:
+    except BaseException as exc:
         for path in (*tmp.values(), *placed):
             path.unlink(missing_ok=True)
+        stranded = []
         for name in os.listdir(replaced) if replaced.is_dir() else ():
-            os.replace(replaced / name, out_dir / name)  # put back what it replaced
-        shutil.rmtree(replaced, ignore_errors=True)
+            try:
+                os.replace(replaced / name, out_dir / name)  # put back what it replaced
+            except OSError:
+                stranded.append(name)
         if created is not None:  # the directories are this export's: none is left
             shutil.rmtree(created, ignore_errors=True)
+        if stranded:
+            raise CheckpointError(
+                f"{type(exc).__name__}: {exc}; and the files it replaced could not all be put "
+                f"back: {', '.join(stranded)} are in {replaced}"
+            ) from exc
+        shutil.rmtree(replaced, ignore_errors=True)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
