@@ -139,6 +139,30 @@ def test_overwrite_that_cannot_put_its_output_in_place_puts_the_old_dst_back(
     _assert_untouched(dst)
 
 
+def test_a_conversion_killed_between_its_renames_leaves_dst_as_it_was_for_the_next(
+        src, tmp_path, capsys):
+    """Killed -9 after the old DST was moved aside and before the output took its place: DST
+    was gone, the old one hidden as .dst.old-* for good (a re-test's finding). The next
+    conversion into DST puts it back first (saying so), and removes one left beside a DST
+    that is in place."""
+    import subprocess
+
+    from megapar.faults.processes import _host
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dst = _dst_with_marker(tmp_path)
+    os.rename(dst, tmp_path / f".dst.old-{gone.pid}-{_host()}-0a1b2c3d")
+    assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"note: {dst}: put back as it was" in err and "already exists" in err, err
+    _assert_untouched(dst)
+    (tmp_path / f".dst.old-{gone.pid}-{_host()}-4e5f6a7b").mkdir()  # its rmtree killed
+    assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
+    assert "put back" not in capsys.readouterr().err
+    _assert_untouched(dst)
+
+
 def test_overwrite_of_a_dst_spelt_through_itself(src, tmp_path, capsys):
     """DST out/../out: the old out was moved aside, then out/.. named nothing, so the rename
     failed ('No such file or directory') and out was gone, left as two hidden directories;

@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from megapar.checkpoint.stage_tensors import is_routed_expert, saved_expert, sta
 from megapar.data.hf_tokenizer import transformers_difference
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer, tokenizer_files
-from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.faults.processes import owner_tag, remove_stale_temporaries, stale_temporaries
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.one_line_parser import shell_word
@@ -105,7 +106,11 @@ def _refuse_existing(
     """Refuse a `dst` that exists (unless `overwrite`) or that a live run saves into (always:
     replacing it would delete that run's checkpoints and its lock). Only an output of the
     same `kind` (a directory holding one of `marks`: a checkpoint root's `latest`) or an empty
-    directory is replaced: anything else is refused, `overwrite` or not."""
+    directory is replaced: anything else is refused, `overwrite` or not. First a `dst` a
+    conversion killed midway left aside is put back (`recover_swap`, saying so on stderr)."""
+    note = recover_swap(dst)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     try:
         check_unlocked(dst, other="give another DST")
     except SaveLockError as exc:
@@ -182,21 +187,46 @@ def check_output(path, into: bool = False) -> None:
         ) from None
 
 
+def recover_swap(dst: Path) -> str | None:
+    """Finish what a `_swap_into` killed -9 left of `dst`: the old `dst` it had moved aside
+    (``.DST.old-PID-HOST-...`` of a process gone) is put back where `dst` is missing (killed
+    between its two renames: `dst` is then as it was), else removed (killed before removing
+    it). Call before checking `dst`; returns a note where it put one back."""
+    parent = dst.parent.resolve() if dst.parent.exists() else dst.parent
+    note = None
+    for name in stale_temporaries(parent, f".{dst.name}.old-"):
+        old = parent / name
+        if not os.path.lexists(parent / dst.name):
+            os.rename(old, parent / dst.name)
+            note = f"{dst}: put back as it was (a conversion into it was killed midway)"
+        elif old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    return note
+
+
 def _swap_into(tmp: Path, dst: Path) -> None:
     """Move a finished output to `dst`, replacing an existing `dst` only at the very end (moved
-    aside first, and back where the output cannot take its place)."""
+    aside first, named with `owner_tag` for `recover_swap`, and back where the output cannot
+    take its place)."""
     # both as the paths they name now: `dst` spelt through itself (out/../out) names nothing
     # once the old `dst` is moved aside
     tmp, dst = tmp.resolve(), dst.parent.resolve() / dst.name
     old = None
     if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
+        old = dst.parent / f".{dst.name}.old-{owner_tag()}-{secrets.token_hex(4)}"
         os.rename(dst, old)
     try:
         os.rename(tmp, dst)
-    except BaseException:
+    except BaseException as exc:
         if old is not None:
-            os.rename(old, dst)
+            try:
+                os.rename(old, dst)
+            except OSError:
+                raise CheckpointError(
+                    f"{type(exc).__name__}: {exc}; and {dst} could not be put back: it is {old}"
+                ) from exc
         raise
     fsync_dir(dst.parent)
     if old is not None and old.is_dir() and not old.is_symlink():

@@ -213,20 +213,29 @@ def owner_tag() -> str:
     return f"{os.getpid()}-{_host()}"
 
 
-def remove_stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
-    """Remove the entries ``directory/{prefix}PID-HOST-...`` (files or directories, named with
-    `owner_tag`) whose writer was a process of this host that is gone (killed with -9, say).
-    A live writer's (another run writing the same destination now), another host's (a shared
-    file system) and names without a tag are kept. Returns the names removed."""
+def stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
+    """The names of the entries ``directory/{prefix}PID-HOST-...`` (files or directories, named
+    with `owner_tag`) whose writer was a process of this host that is gone (killed with -9,
+    say), sorted. A live writer's (another run writing the same destination now), another
+    host's (a shared file system) and names without a tag are not among them."""
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    mine, removed = f"-{_host()}-", []
-    for name in names:
+    mine, stale = f"-{_host()}-", []
+    for name in sorted(names):
         match = re.match(r"(\d+)(-.*)", name[len(prefix) :]) if name.startswith(prefix) else None
         if match is None or not match.group(2).startswith(mine) or pid_alive(int(match.group(1))):
             continue
+        stale.append(name)
+    return stale
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
+    """Remove the `stale_temporaries` of `directory` under `prefix`; returns the names
+    removed."""
+    removed = []
+    for name in stale_temporaries(directory, prefix):
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
