@@ -469,6 +469,31 @@ def test_a_rank_says_it_is_loading_or_exporting_and_an_export_killed_leaves_noth
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def _export_interrupted(out_dir):
+    """engine.export_hf interrupted (Ctrl-C) while rank 0 writes the export: what is left beside
+    it."""
+    import megapar.training.export as export_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=3e-3)
+    engine.train_step(_batches(1)[0])
+    export_module.export_checkpoint = interrupted
+    try:
+        engine.export_hf(out_dir)
+    except KeyboardInterrupt:
+        return sorted(p.name for p in Path(out_dir).parent.iterdir())
+    return None
+
+
+def test_an_interrupted_export_leaves_no_staging_checkpoint(run, tmp_path):
+    """A Ctrl-C while rank 0 wrote the export left its staging checkpoint beside the export,
+    which no later export of the same (live) process removes: a copy of the weights per
+    interrupt in a notebook (a re-test's finding)."""
+    assert run(_export_interrupted, 1, str(tmp_path / "hf"))[0] == []
+
+
 def _fails_on_rank(bad):
     import torch.distributed as dist
 

@@ -57,7 +57,8 @@ def export_engine(
             )
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             outcome, error = failure(exc), exc
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:  # a Ctrl-C too: the next export, in this live process, would not remove it
+            shutil.rmtree(tmp, ignore_errors=True)
         if not outcome and tokenizer is None and engine.tokenizer is None:
             warnings.warn(
                 f"engine.export_hf({path}): no tokenizer given or known, the export has none "

@@ -531,6 +531,7 @@ class Trainer:
                 start = time.perf_counter()
                 set_action(f"reading the batch of step {at}")
                 micro_batches = next(data)
+                set_action(f"starting step {at}, its batch read")
                 profiler.before_step(self.step + 1)
                 if at in (cfg.record_step, cfg.replay):
                     result = self.watched_step(at, micro_batches, logger)
