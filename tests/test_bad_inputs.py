@@ -1294,6 +1294,37 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         parse_args(["--config", str(config)])
 
 
+@pytest.mark.parametrize("flag, hint", [
+    ("--save_steps", "did you mean --save-interval?"),  # difflib: --max-steps
+    ("--report-to", "did you mean --wandb-project NAME or --tensorboard DIR?"),  # --record-step
+    ("--eval_steps", "did you mean --eval-interval (steps between evaluations"),  # --eval-steps
+    ("--learning-rate", "did you mean --lr?"),  # nothing
+    ("--logging-steps", "did you mean --log-interval?"),  # --profile-steps
+])
+def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsys):
+    """The Trainer's names, in either spelling: difflib named an unrelated flag or none (a
+    Trainer user's tryout)."""
+    from megapar.training.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args([flag, "5"])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{flag}: {hint}" in err, err
+
+
+def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
+    """A Trainer user's --eval-steps 500 (every 500 steps there) read as 500 validation batches
+    an evaluation, silently: the data line says what it counts, and what the split holds."""
+    from megapar.training.config import parse_args
+    from megapar.training.run_plan import _data_line
+
+    line = _data_line(parse_args(["--eval-steps", "500"]), 2729, 142)
+    assert ("(142 samples held out for validation; --eval-steps 500 counts the validation "
+            "batches an evaluation reads, not the steps between evaluations, --eval-interval's "
+            "100: each reads all 8 batches the split holds)") in line, line
+    assert "--eval-steps" not in _data_line(parse_args(["--eval-steps", "5"]), 2729, 142)
+
+
 def _toml_refusal(job, text: str) -> str:
     """megapar-train's refusal of a TOML --config holding `text`, written at `job`."""
     from megapar.models.config import ConfigError

@@ -464,8 +464,35 @@ OTHER_TOOLS_FLAGS = {
     "--master_addr": LAUNCHER,
     "--job.config_file": "--config",
     "--tensorboard-dir": "--tensorboard",
-    "--output_dir": "--save",
-    "--per_device_train_batch_size": "--micro-batch-size",
+    "--output-dir": "--save",  # covers --output_dir too
+    "--per-device-train-batch-size": "--micro-batch-size (the accumulation steps are "
+    "--global-batch-size over micro-batch x dp; its default is 16)",
+    # more of the Trainer's (TrainingArguments'): a dashed entry covers both spellings, and
+    # difflib named --max-steps for --save_steps, --record-step for --report_to
+    "--learning-rate": "--lr",
+    "--max-grad-norm": "--clip-grad",
+    "--warmup-ratio": "--warmup-steps (a step count: the ratio x the training steps)",
+    "--save-steps": "--save-interval",
+    "--save-total-limit": "--keep-latest-k",
+    "--save-strategy": "--save-interval (megapar saves every --save-interval steps)",
+    "--logging-steps": "--log-interval",
+    "--logging-dir": "--tensorboard DIR",
+    "--report-to": "--wandb-project NAME or --tensorboard DIR",
+    "--run-name": "--wandb-project NAME, and the environment's WANDB_NAME for the run's name",
+    "--overwrite-output-dir": "megapar-train continues the checkpoints in --save (a new run "
+    "refuses a --save holding another run's newer steps: --overwrite-newer replaces those); "
+    "to start afresh give another --save",
+    "--eval_steps": "--eval-interval (steps between evaluations; megapar-train's own "
+    "--eval-steps is the validation batches each evaluation reads)",
+    "--eval-strategy": "--eval-interval (megapar evaluates every --eval-interval steps)",
+    "--evaluation-strategy": "--eval-interval (megapar evaluates every --eval-interval steps)",
+    "--per-device-eval-batch-size": "megapar evaluates with the training batch "
+    "(--micro-batch-size, --global-batch-size); drop it",
+    "--dataloader-num-workers": "megapar reads memory-mapped token files in each rank's own "
+    "process (no loader workers to set); drop it",
+    "--do-train": "megapar-train trains (megapar-eval evaluates a checkpoint); drop it",
+    "--do-eval": "megapar-train evaluates every --eval-interval steps (megapar-eval a "
+    "checkpoint); drop it",
     "--gradient_accumulation_steps": GRAD_ACCUM,
     "--grad-accumulation-steps": GRAD_ACCUM,  # a shortening difflib matched to nothing
     "--grad_accumulation_steps": GRAD_ACCUM,

@@ -551,8 +551,8 @@ def _training_split(
 def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
     """The log's line on how much data the run has and how much of it the run reads: its
     training samples, those held out for validation (and why, where they are far more than
-    --val-fraction's share: whole documents, at least a global batch), and --max-steps' share
-    of an epoch."""
+    --val-fraction's share: whole documents, at least a global batch; what a given --eval-steps
+    counts, where it is more than the split's batches), and --max-steps' share of an epoch."""
     drawn = cfg.max_steps * cfg.global_batch_size
     share = drawn / samples
     epochs = f"{share:.2f} of an epoch" if share < 1 else f"{share:.1f} epochs"
@@ -565,6 +565,13 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
             f"{held / (samples + held):.0%}, where --val-fraction {cfg.val_fraction} asks "
             f"{cfg.val_fraction * 100:.3g}%, since the split holds out whole documents, at "
             f"least one global batch of them; --val-fraction 0 trains on all)"
+        )
+    batches = held // cfg.global_batch_size
+    if held and "eval_steps" in explicit(cfg) and cfg.eval_steps > batches:
+        validation = validation[:-1] + (  # a Trainer user's --eval-steps 500: every 500 steps
+            f"; --eval-steps {cfg.eval_steps} counts the validation batches an evaluation reads, "
+            f"not the steps between evaluations, --eval-interval's {cfg.eval_interval}: each "
+            f"reads all {counted(batches, 'batch', 'batches')} the split holds)"
         )
     return (
         f"data: {_data_named(cfg)} holds {counted(samples, 'training sample')} of "
