@@ -2055,3 +2055,20 @@ def test_a_dry_run_refuses_raw_text_the_run_could_not_read(no_workers, tmp_path,
         assert train(["--data", str(data), *common]) == 2
         line = _one_line(capsys, "megapar-train")
         assert says in line, line
+
+
+def test_a_trainer_checkpoint_given_to_from_hf_says_what_is_not_read(tmp_path):
+    """A Hugging Face Trainer's checkpoint-500 given to --from-hf started at step 1 with a new
+    optimizer, its optimizer.pt, scheduler.pt and step dropped without a word (a Trainer
+    user's tryout): a note says so; a plain model directory gets none."""
+    from megapar.training.model_config import trainer_checkpoint_note
+
+    ckpt = tmp_path / "checkpoint-500"
+    ckpt.mkdir()
+    assert trainer_checkpoint_note(str(ckpt)) == []
+    (ckpt / "trainer_state.json").write_text('{"global_step": 500}')
+    (ckpt / "optimizer.pt").write_bytes(b"")
+    assert trainer_checkpoint_note(str(ckpt)) == [
+        f"--from-hf {ckpt}: a Hugging Face Trainer checkpoint at step 500; megapar-train starts "
+        f"from its weights alone, at step 1 with a new optimizer and schedule (its optimizer.pt, "
+        f"trainer_state.json are not read)"]

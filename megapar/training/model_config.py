@@ -3,6 +3,7 @@ tokenizer and --seq-len (`training.data.resolve_model` gives it the tokenizer)."
 
 from __future__ import annotations
 
+import json
 import os
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
@@ -62,6 +63,8 @@ def resolve_model_config(
         if cfg.model:
             _check_same_model(cfg, config)
         reader.check_files()  # a damaged file is named here, before any worker reads it
+        if notes is not None and manifest is None:
+            notes += trainer_checkpoint_note(cfg.from_hf)
         # --sft-keys on a BERT is refused as that, not for the vocabulary its data would need
         check_sft_model(cfg, config.model_type)
         if config.vocab_size < needed(config) and manifest is None:
@@ -314,3 +317,27 @@ def _take_special_ids(config, special_ids: dict | None) -> None:
     for key, value in (special_ids or {}).items():
         if hasattr(config, key):
             setattr(config, key, value)
+
+
+TRAINER_STATE = ("optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth")
+"""What a Hugging Face Trainer's ``checkpoint-N`` directory holds besides the model."""
+
+
+def trainer_checkpoint_note(path: str) -> list[str]:
+    """A note where --from-hf `path` is a Hugging Face Trainer checkpoint (``checkpoint-N``:
+    its optimizer, scheduler and step beside the model): megapar-train starts from its weights
+    alone, at step 1; none otherwise."""
+    held = [n for n in TRAINER_STATE if os.path.exists(os.path.join(path, n))]
+    if not held:
+        return []
+    step = ""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            step = f" at step {int(json.load(f)['global_step']):,}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return [
+        f"--from-hf {path}: a Hugging Face Trainer checkpoint{step}; megapar-train starts from "
+        f"its weights alone, at step 1 with a new optimizer and schedule (its "
+        f"{', '.join(held)} are not read)"
+    ]
