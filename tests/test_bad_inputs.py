@@ -2072,3 +2072,38 @@ def test_a_trainer_checkpoint_given_to_from_hf_says_what_is_not_read(tmp_path):
         f"--from-hf {ckpt}: a Hugging Face Trainer checkpoint at step 500; megapar-train starts "
         f"from its weights alone, at step 1 with a new optimizer and schedule (its optimizer.pt, "
         f"trainer_state.json are not read)"]
+
+
+def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_trains_flags(tmp_path):
+    """A Hugging Face TrainingArguments JSON was read as a DeepSpeed config (its fp16 / bf16
+    keys) and ~20 settings megapar has were called "no equivalent"; an accelerate config got
+    "unknown setting 'distributed_type'; did you mean 'muon_distributed'?" (a Trainer user's
+    tryout). Each is named, with its settings as flags, the Trainer's defaults where megapar's
+    differ; a megapar config sharing a Trainer name (eval_steps) is still read as megapar's."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({
+        "output_dir": "out", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "learning_rate": 3e-4, "max_steps": 100, "warmup_ratio": 0.1, "bf16": True,
+        "fp16": False, "lr_scheduler_type": "cosine", "save_steps": 50, "logging_steps": 5,
+        "seed": 7, "adam_beta2": 0.98, "gradient_checkpointing": True}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    said = str(info.value)
+    assert said.startswith(f"{args} is a Hugging Face Trainer's arguments (TrainingArguments)")
+    for flag in ("--micro-batch-size 4", "--lr 0.0003", "--weight-decay 0", "--adam-beta2 0.98",
+                 "--max-steps 100", "--warmup-steps 10", "--lr-decay cosine --min-lr 0",
+                 "--precision bf16", "--recompute full", "--save out --save-interval 50",
+                 "--log-interval 5", "--seed 7", "--global-batch-size 8 x the --dp size"):
+        assert flag in said, (flag, said)
+    accelerate = tmp_path / "fsdp.yaml"
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n"
+                          "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 4\n")
+    with pytest.raises(ConfigError, match=r"fsdp.yaml is an accelerate config, which "
+                       r"megapar-train does not read: .* give --dp 4 --zero 3 --precision bf16"):
+        parse_args(["--config", str(accelerate)])
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
+    assert parse_args(["--config", str(ours)]).eval_steps == 2

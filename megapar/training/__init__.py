@@ -4,5 +4,5 @@ made before a worker starts (`config`, the `validate_*` modules), the run's plan
 (`loop`), its logging, checkpoints and export; `megapar.prepare` (`prepare`); megapar-eval's,
 megapar-generate's and megapar-bubble's runs (`inference`, `generate`, `bubble`); other tools'
 flags and configs read as megapar-train's (`other_tools`, `deepspeed_config`,
-`torchtitan_config`). docs/architecture.md lists every module.
+`torchtitan_config`, `hf_trainer_config`). docs/architecture.md lists every module.
 """

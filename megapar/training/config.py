@@ -38,6 +38,12 @@ from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
+from megapar.training.hf_trainer_config import (
+    ACCELERATE_KEYS,
+    accelerate_config,
+    is_trainer_arguments,
+    trainer_arguments,
+)
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS, megatron_defaults
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
 
@@ -607,6 +613,10 @@ def read_run_config(path: str) -> dict[str, Any]:
     if torchtitan and not DEEPSPEED_KEYS & set(data):  # a DeepSpeed config has [optimizer] too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds()))
+    if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
+        raise ConfigError(trainer_arguments(data, path))
+    if ACCELERATE_KEYS <= set(data):
+        raise ConfigError(accelerate_config(data, path))
     if DEEPSPEED_KEYS & set(data):
         flags, left, auto = deepspeed_equivalents(data)
         raise ConfigError(

@@ -1,0 +1,179 @@
+"""A Hugging Face Trainer's arguments (a `TrainingArguments` JSON or YAML) read as
+megapar-train's flags: what a Trainer user's `--config args.json` is told to give instead
+(megapar-train does not read the Trainer's format), each setting as the Trainer reads it: its
+defaults where the file leaves one out and megapar-train's differs (weight decay 0, beta2
+0.999, a linear decay to 0 without warmup, seed 42).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRAINER_ONLY_KEYS = frozenset(
+    {
+        "output_dir",
+        "per_device_train_batch_size",
+        "learning_rate",
+        "num_train_epochs",
+        "lr_scheduler_type",
+        "logging_steps",
+        "save_steps",
+        "gradient_accumulation_steps",
+        "warmup_ratio",
+        "max_grad_norm",
+    }
+)
+"""Keys of the Trainer's arguments that are no megapar-train setting: a `--config` file with
+one (and no megapar-only setting, no DeepSpeed section) is the Trainer's."""
+
+SHARED_KEYS = frozenset(
+    {
+        "seed",
+        "max_steps",
+        "eval_steps",
+        "weight_decay",
+        "warmup_steps",
+        "adam_beta1",
+        "adam_beta2",
+        "tf32",
+        "debug",
+    }
+)
+"""Names the Trainer and megapar-train share (eval_steps and debug meaning other things)."""
+
+SCHEDULES = {
+    "linear": "--lr-decay linear --min-lr 0",
+    "cosine": "--lr-decay cosine --min-lr 0",
+    "constant": "--lr-decay constant",
+    "constant_with_warmup": "--lr-decay constant",
+}
+"""The Trainer's lr_scheduler_type as megapar-train's schedule flags (its decays end at 0)."""
+
+
+def is_trainer_arguments(data: dict, own: set[str]) -> bool:
+    """Whether a `--config` file's settings `data` are a Hugging Face Trainer's: a key only the
+    Trainer has, none only megapar-train has (`own`: its settings' names), and no DeepSpeed
+    section (a DeepSpeed config's fp16 / bf16 are tables; the Trainer's are true / false)."""
+    if not TRAINER_ONLY_KEYS & set(data) or (set(data) & own) - SHARED_KEYS:
+        return False
+    return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
+
+
+def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
+    """The Trainer's arguments `data` as megapar-train's (flags, sentences), the Trainer's
+    defaults filled in where megapar-train's differ."""
+    flags: list[str] = []
+    said: list[str] = []
+
+    def get(key: str, default: Any) -> Any:
+        value = data.get(key, default)
+        return default if value is None else value
+
+    micro = get("per_device_train_batch_size", 8)
+    flags.append(f"--micro-batch-size {micro}")
+    accumulation = get("gradient_accumulation_steps", 1)
+    said.append(
+        f"per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation}: "
+        f"--global-batch-size {micro * accumulation} x the --dp size (megapar-train's default "
+        f"global batch is 16)"
+    )
+    flags.append(f"--lr {get('learning_rate', 5e-5):g}")
+    flags.append(f"--weight-decay {get('weight_decay', 0.0):g}")
+    flags.append(f"--adam-beta1 {get('adam_beta1', 0.9):g}")
+    flags.append(f"--adam-beta2 {get('adam_beta2', 0.999):g}")
+    flags.append(f"--adam-eps {get('adam_epsilon', 1e-8):g}")
+    flags.append(f"--clip-grad {get('max_grad_norm', 1.0):g}")
+    flags.append(f"--seed {get('seed', 42)}")
+    steps = get("max_steps", -1)
+    if steps > 0:
+        flags.append(f"--max-steps {steps}")
+    else:
+        said.append(
+            f"num_train_epochs {get('num_train_epochs', 3.0):g}: megapar-train counts optimizer "
+            f"steps: --max-steps (an epoch is the training split's samples over the global batch)"
+        )
+    warmup, ratio = get("warmup_steps", 0), get("warmup_ratio", 0.0)
+    if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
+        warmup, ratio = 0, warmup
+    if ratio and steps > 0:
+        flags.append(f"--warmup-steps {round(ratio * steps)}")
+    elif ratio:
+        said.append(f"warmup_ratio {ratio:g}: --warmup-steps (the ratio x the training steps)")
+    else:
+        flags.append(f"--warmup-steps {int(warmup)}")
+    schedule = str(get("lr_scheduler_type", "linear"))
+    if schedule in SCHEDULES:
+        flags.append(SCHEDULES[schedule])
+    else:
+        said.append(
+            f"lr_scheduler_type {schedule}: megapar-train's --lr-decay is linear, cosine, "
+            f"constant or wsd (with --min-lr)"
+        )
+    if get("bf16", False) or get("fp16", False):
+        flags.append(f"--precision {'bf16' if get('bf16', False) else 'fp16'}")
+    if get("gradient_checkpointing", False):
+        flags.append("--recompute full")
+    if get("torch_compile", False):
+        flags.append("--compile")
+    if data.get("output_dir"):
+        flags.append(f"--save {data['output_dir']}")
+        if get("save_strategy", "steps") == "steps":
+            flags.append(f"--save-interval {get('save_steps', 500)}")
+        if data.get("save_total_limit"):
+            flags.append(f"--keep-latest-k {data['save_total_limit']}")
+    flags.append(f"--log-interval {get('logging_steps', 500)}")
+    if get("eval_strategy", get("evaluation_strategy", "no")) == "steps" or data.get("eval_steps"):
+        interval = get("eval_steps", None) or get("logging_steps", 500)
+        flags.append(f"--eval-interval {interval}")
+    if data.get("resume_from_checkpoint"):
+        said.append(
+            "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
+            "checkpoint's weights start a run with --from-hf"
+        )
+    return flags, said
+
+
+def trainer_arguments(data: dict, path: str) -> str:
+    """Why `path`, the Trainer's arguments, is not read, with its settings as flags."""
+    flags, said = trainer_flags(data)
+    return (
+        f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
+        f"does not read: give its settings as megapar-train flags: {' '.join(flags)}; "
+        + "; ".join(said)
+        + " (the Trainer's other arguments have no megapar-train flag, or are its defaults)"
+    )
+
+
+ACCELERATE_KEYS = frozenset({"compute_environment", "distributed_type"})
+"""Keys every `accelerate config` file holds: a `--config` file with both is one."""
+
+
+def accelerate_config(data: dict, path: str) -> str:
+    """Why `path`, an accelerate config, is not read, with what megapar-train takes instead."""
+    processes = data.get("num_processes") or 1
+    kind = str(data.get("distributed_type", "NO"))
+    flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
+    if kind == "FSDP":
+        offload = (data.get("fsdp_config") or {}).get("fsdp_offload_params") is True
+        flags.append("--zero 3" + (" --offload-params --offload-optimizer" if offload else ""))
+    elif kind == "DEEPSPEED":
+        stage = (data.get("deepspeed_config") or {}).get("zero_stage")
+        flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
+    precision = data.get("mixed_precision")
+    if precision in ("bf16", "fp16"):
+        flags.append(f"--precision {precision}")
+    elif precision == "fp8":
+        flags.append("--fp8 tensorwise")
+    machines = data.get("num_machines") or 1
+    nodes = (
+        "; on several machines run megapar-train under torchrun or launch/slurm.sbatch "
+        "(docs/guides/gpus.md)"
+        if isinstance(machines, int) and machines > 1
+        else ""
+    )
+    return (
+        f"{path} is an accelerate config, which megapar-train does not read: megapar-train "
+        f"starts its tp x cp x pp x dp workers itself (no accelerate launch); give "
+        + (" ".join(flags) if flags else "its settings as megapar-train flags")
+        + f" (the processes are tp x cp x pp x dp){nodes}"
+    )
