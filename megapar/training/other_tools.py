@@ -162,7 +162,8 @@ LR_SAMPLES = (
 CONSTANT_WD = "megapar's weight decay is constant: --weight-decay; drop it"
 HF_SCHEDULER = (
     "--lr-decay (linear or cosine with --min-lr 0; cosine_with_min_lr: cosine with a "
-    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd)"
+    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd; "
+    "cosine_with_restarts, polynomial, inverse_sqrt and reduce_lr_on_plateau have none)"
 )
 
 LAUNCHER = (
@@ -238,7 +239,7 @@ OTHER_TOOLS_FLAGS = {
     "--warmup_ratio": "--warmup-steps (a step count: the ratio x the training steps)",
     "--max_grad_norm": "--clip-grad",
     "--adam_epsilon": "--adam-eps",
-    "--optim": "--optimizer (adamw, lamb, lars or sgd; AdamW is torch's fused kernel)",
+    "--optim": "--optimizer (adamw, lamb, lars, sgd or muon; AdamW is torch's fused kernel)",
     "--lr-scheduler-kwargs": "megapar-train's schedule flags: --min-lr (an lr, not a ratio), "
     "--lr-wsd-decay-steps or --lr-wsd-decay-fraction, --lr-wsd-decay-style (decay_type)",
     "--num-train-epochs": "megapar-train counts optimizer steps: give --max-steps (an epoch is "
