@@ -358,8 +358,9 @@ OTHER_TOOLS_FLAGS = {
     "--no-bias-gelu-fusion": MEGATRON_KERNEL,
     "--no-bias-dropout-fusion": MEGATRON_KERNEL,
     "--no-persist-layer-norm": MEGATRON_KERNEL,
-    # torchtitan's job config keys (`toml_job_config`); difflib named --debug for debug.seed,
-    # --expert-tensor-parallel-size for tensor_parallel_degree, nothing for training.seed
+    # torchtitan's job config keys (`torchtitan_config.toml_job_config`); difflib named
+    # --debug for debug.seed, --expert-tensor-parallel-size for tensor_parallel_degree,
+    # nothing for training.seed
     "--training.seed": "--seed",
     "--debug.seed": "--seed",
     "--metrics.log_freq": "--log-interval",
