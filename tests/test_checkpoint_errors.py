@@ -143,8 +143,9 @@ def test_a_conversion_killed_between_its_renames_leaves_dst_as_it_was_for_the_ne
         src, tmp_path, capsys):
     """Killed -9 after the old DST was moved aside and before the output took its place: DST
     was gone, the old one hidden as .dst.old-* for good (a re-test's finding). The next
-    conversion into DST puts it back first (saying so), and removes one left beside a DST
-    that is in place."""
+    conversion into DST puts it back first (saying so), also spelt dst/../dst; one beside a
+    DST in place is an earlier DST, never removed (a second re-test: a run without --overwrite
+    removed it)."""
     import subprocess
 
     from megapar.faults.processes import _host
@@ -157,9 +158,15 @@ def test_a_conversion_killed_between_its_renames_leaves_dst_as_it_was_for_the_ne
     err = capsys.readouterr().err
     assert f"note: {dst}: put back as it was" in err and "already exists" in err, err
     _assert_untouched(dst)
-    (tmp_path / f".dst.old-{gone.pid}-{_host()}-4e5f6a7b").mkdir()  # its rmtree killed
+    os.rename(dst, tmp_path / f".dst.old-{gone.pid}-{_host()}-4e5f6a7b")
+    assert main([str(src), f"{dst}/../dst", "--tp", "1", "--pp", "1"]) == 2
+    assert "put back as it was" in capsys.readouterr().err
+    _assert_untouched(dst)
+    earlier = tmp_path / f".dst.old-{gone.pid}-{_host()}-5a6b7c8d"
+    earlier.mkdir()
     assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
-    assert "put back" not in capsys.readouterr().err
+    assert "put back" not in capsys.readouterr().err and earlier.is_dir()
+    earlier.rmdir()
     _assert_untouched(dst)
 
 

@@ -188,22 +188,24 @@ def check_output(path, into: bool = False) -> None:
 
 
 def recover_swap(dst: Path) -> str | None:
-    """Finish what a `_swap_into` killed -9 left of `dst`: the old `dst` it had moved aside
-    (``.DST.old-PID-HOST-...`` of a process gone) is put back where `dst` is missing (killed
-    between its two renames: `dst` is then as it was), else removed (killed before removing
-    it). Call before checking `dst`; returns a note where it put one back."""
-    parent = dst.parent.resolve() if dst.parent.exists() else dst.parent
-    note = None
-    for name in stale_temporaries(parent, f".{dst.name}.old-"):
-        old = parent / name
-        if not os.path.lexists(parent / dst.name):
-            os.rename(old, parent / dst.name)
-            note = f"{dst}: put back as it was (a conversion into it was killed midway)"
-        elif old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-    return note
+    """Undo what a `_swap_into` killed -9 between its two renames left of `dst`: the old `dst`
+    it had moved aside (``.DST.old-PID-HOST-...`` of a process gone) is put back where `dst` is
+    missing (the newest, where there are several), so `dst` is as it was. None is removed
+    here (beside a `dst` in place, one is an earlier `dst`: the user's to remove). Call before
+    checking `dst`; returns a note where it put one back, else None."""
+    name = os.path.basename(os.path.abspath(dst))  # out/../out: out
+    parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(dst))))  # as _swap_into's
+    stale = sorted(
+        stale_temporaries(parent, f".{name}.old-"),
+        key=lambda n: os.lstat(parent / n).st_ctime,  # when it was moved aside
+    )
+    if not stale or os.path.lexists(parent / name):
+        return None
+    os.rename(parent / stale.pop(), parent / name)
+    earlier = f"; earlier ones it had moved aside stay beside it: {', '.join(stale)}"
+    return f"{dst}: put back as it was (a conversion into it was killed midway)" + (
+        earlier if stale else ""
+    )
 
 
 def _swap_into(tmp: Path, dst: Path) -> None:
