@@ -2107,3 +2107,14 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2
+    # a megapar config with one Trainer spelling, and a DeepSpeed config with the Trainer's
+    # gradient_accumulation_steps, are not the Trainer's (a second re-test's findings)
+    ours.write_text(json.dumps({"seed": 1, "max_steps": 10, "learning_rate": 3e-4}))
+    with pytest.raises(ConfigError, match="unknown setting 'learning_rate'; did you mean --lr"):
+        parse_args(["--config", str(ours)])
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+                                     "gradient_accumulation_steps": "auto",
+                                     "train_micro_batch_size_per_gpu": "auto"}))
+    with pytest.raises(ConfigError, match=r"ds.json is a DeepSpeed config.*--zero 2"):
+        parse_args(["--config", str(deepspeed)])

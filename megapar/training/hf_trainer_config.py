@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megapar.training.deepspeed_config import DEEPSPEED_KEYS
+
 TRAINER_ONLY_KEYS = frozenset(
     {
         "output_dir",
@@ -18,13 +20,13 @@ TRAINER_ONLY_KEYS = frozenset(
         "lr_scheduler_type",
         "logging_steps",
         "save_steps",
-        "gradient_accumulation_steps",
         "warmup_ratio",
         "max_grad_norm",
     }
 )
-"""Keys of the Trainer's arguments that are no megapar-train setting: a `--config` file with
-one (and no megapar-only setting, no DeepSpeed section) is the Trainer's."""
+"""Keys of the Trainer's arguments that are no megapar-train setting (nor DeepSpeed's): a
+`--config` file with output_dir or two of them (one is a megapar config's misspelt setting),
+no megapar-only setting and no DeepSpeed key is the Trainer's."""
 
 SHARED_KEYS = frozenset(
     {
@@ -51,10 +53,13 @@ SCHEDULES = {
 
 
 def is_trainer_arguments(data: dict, own: set[str]) -> bool:
-    """Whether a `--config` file's settings `data` are a Hugging Face Trainer's: a key only the
-    Trainer has, none only megapar-train has (`own`: its settings' names), and no DeepSpeed
-    section (a DeepSpeed config's fp16 / bf16 are tables; the Trainer's are true / false)."""
-    if not TRAINER_ONLY_KEYS & set(data) or (set(data) & own) - SHARED_KEYS:
+    """Whether a `--config` file's settings `data` are a Hugging Face Trainer's (see
+    `TRAINER_ONLY_KEYS`; `own`: megapar-train's settings' names). A DeepSpeed config's keys
+    (`DEEPSPEED_KEYS`, zero_optimization, its fp16 / bf16 tables) make it DeepSpeed's."""
+    trainer = TRAINER_ONLY_KEYS & set(data)
+    if "output_dir" not in trainer and len(trainer) < 2:
+        return False
+    if (set(data) & own) - SHARED_KEYS or DEEPSPEED_KEYS & set(data) - {"fp16", "bf16"}:
         return False
     return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
 
@@ -72,10 +77,11 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     micro = get("per_device_train_batch_size", 8)
     flags.append(f"--micro-batch-size {micro}")
     accumulation = get("gradient_accumulation_steps", 1)
+    whole = isinstance(micro, int) and isinstance(accumulation, int)
     said.append(
         f"per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation}: "
-        f"--global-batch-size {micro * accumulation} x the --dp size (megapar-train's default "
-        f"global batch is 16)"
+        f"--global-batch-size {micro * accumulation if whole else 'their product'} x the --dp "
+        f"size (megapar-train's default global batch is 16)"
     )
     flags.append(f"--lr {get('learning_rate', 5e-5):g}")
     flags.append(f"--weight-decay {get('weight_decay', 0.0):g}")
