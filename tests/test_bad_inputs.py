@@ -2098,6 +2098,10 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                  "--precision bf16", "--recompute full", "--save out --save-interval 50",
                  "--log-interval 5", "--seed 7", "--global-batch-size 8 x the --dp size"):
         assert flag in said, (flag, said)
+    yaml_args = tmp_path / "args.yaml"  # YAML reads 3e-4 as a string: a traceback said so
+    yaml_args.write_text("output_dir: out\nlearning_rate: 3e-4\nmax_steps: '100'\n")
+    with pytest.raises(ConfigError, match=r"--lr 0.0003 .*--max-steps 100 "):
+        parse_args(["--config", str(yaml_args)])
     accelerate = tmp_path / "fsdp.yaml"
     accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n"
                           "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 4\n")

@@ -71,8 +71,21 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     said: list[str] = []
 
     def get(key: str, default: Any) -> Any:
+        """The setting, as a number where it reads as one (YAML reads 3e-4 as a string)."""
         value = data.get(key, default)
-        return default if value is None else value
+        if value is None:
+            return default
+        if isinstance(value, str) and isinstance(default, (int, float)):
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            return int(number) if isinstance(default, int) and number.is_integer() else number
+        return value
+
+    def shown(key: str, default: float) -> str:
+        value = get(key, default)
+        return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
     micro = get("per_device_train_batch_size", 8)
     flags.append(f"--micro-batch-size {micro}")
@@ -83,14 +96,15 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         f"--global-batch-size {micro * accumulation if whole else 'their product'} x the --dp "
         f"size (megapar-train's default global batch is 16)"
     )
-    flags.append(f"--lr {get('learning_rate', 5e-5):g}")
-    flags.append(f"--weight-decay {get('weight_decay', 0.0):g}")
-    flags.append(f"--adam-beta1 {get('adam_beta1', 0.9):g}")
-    flags.append(f"--adam-beta2 {get('adam_beta2', 0.999):g}")
-    flags.append(f"--adam-eps {get('adam_epsilon', 1e-8):g}")
-    flags.append(f"--clip-grad {get('max_grad_norm', 1.0):g}")
+    flags.append(f"--lr {shown('learning_rate', 5e-5)}")
+    flags.append(f"--weight-decay {shown('weight_decay', 0.0)}")
+    flags.append(f"--adam-beta1 {shown('adam_beta1', 0.9)}")
+    flags.append(f"--adam-beta2 {shown('adam_beta2', 0.999)}")
+    flags.append(f"--adam-eps {shown('adam_epsilon', 1e-8)}")
+    flags.append(f"--clip-grad {shown('max_grad_norm', 1.0)}")
     flags.append(f"--seed {get('seed', 42)}")
     steps = get("max_steps", -1)
+    steps = steps if isinstance(steps, int) else -1  # no whole number: the epochs count
     if steps > 0:
         flags.append(f"--max-steps {steps}")
     else:
@@ -99,6 +113,8 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"steps: --max-steps (an epoch is the training split's samples over the global batch)"
         )
     warmup, ratio = get("warmup_steps", 0), get("warmup_ratio", 0.0)
+    warmup = warmup if isinstance(warmup, (int, float)) else 0  # no number: the default
+    ratio = ratio if isinstance(ratio, (int, float)) else 0.0
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
         warmup, ratio = 0, warmup
     if ratio and steps > 0:
