@@ -651,8 +651,8 @@ def save_hf(
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
-    prefixes = (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE, TOKENIZER_TMP)
-    for prefix in (*prefixes, REPLACED_STAGE):
+    stages = (TOKENIZER_STAGE, TOKENIZER_TMP, REPLACED_STAGE)
+    for prefix in (*(f".{name}.tmp-" for name in names), *stages):
         remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
     tmp = {name: out_dir / f".{name}.tmp-{owner_tag()}-" for name in names}
     stage = out_dir / f"{TOKENIZER_STAGE}{owner_tag()}-"  # the tokenizer's files, until the end

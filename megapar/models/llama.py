@@ -256,6 +256,9 @@ class ReplicatedHeads(nn.Module):
     replicated_projection = True
     """`--fp8` cannot convert it (`fp8_convert.REPLICATED`): a tp at which it is one of the
     float8 linears is refused."""
+    heads: int | None = None
+    """The kv heads it holds (set by its attention): a tp dividing them splits it
+    (`fp8_convert.layout_problem`)."""
 
     def __init__(
         self,
@@ -263,14 +266,11 @@ class ReplicatedHeads(nn.Module):
         out_features: int,
         rows: tuple[int, int],
         mesh: Mesh,
-        heads: int,
         bias: bool = False,
     ):
         super().__init__()
         self.group = mesh.tp_group
         self.rows = rows
-        self.heads = heads
-        """The kv heads it holds: a tp dividing them splits it (`fp8_convert.layout_problem`)."""
         self.sequence_parallel = mesh.sequence_parallel and mesh.tp > 1
         self.weight = set_partition(
             nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)),
@@ -356,8 +356,8 @@ class LlamaAttention(nn.Module):
             first_kv = first_q // group
             last_kv = (first_q + self.local_heads - 1) // group
             rows = (first_kv * hd, (last_kv + 1) * hd)
-            self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, n_kv, bias)
-            self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, n_kv, bias)
+            self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, bias)
+            self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh, bias)
         self.q.heads, self.k.heads, self.v.heads = n_q, n_kv, n_kv  # what a tp must divide
         # local query head j attends with local kv head kv_index[j]
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]

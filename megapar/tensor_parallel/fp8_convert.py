@@ -132,12 +132,10 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
         return None
     common = 0  # a tp dividing every chosen split dim / 16 keeps them multiples of 16
     for x in found:
-        if x.split is not None:
-            common = math.gcd(common, (x.full[0] if x.split == "out" else x.full[1]) // 16)
-        else:  # held whole here: split by its output rows at a tp dividing its heads
-            common = math.gcd(common, x.full[0] // 16, x.heads or 1)
-        if x.heads is not None:  # split by heads: a tp dividing them
-            common = math.gcd(common, x.heads)
+        # held whole here (k / v): split by its output rows at a tp dividing its heads
+        common = math.gcd(common, (x.full[1] if x.split == "in" else x.full[0]) // 16)
+        if x.heads is not None or x.split is None:  # split by heads: a tp dividing them
+            common = math.gcd(common, x.heads or 1)
     which = "only tp 1 splits" if common == 1 else f"a tp dividing {common} splits"
     also = " and divides the kv heads" if bad.split is None else ""
     return (
