@@ -430,3 +430,17 @@ def test_an_export_narrower_than_the_trained_weights_says_so():
     assert _narrowed_to(manifest(2, "bfloat16", held="bfloat16")) is None
     assert _narrowed_to(manifest(2, "float32")) is None
     assert _narrowed_to(manifest(2, None)) is None
+
+
+def test_a_gpt2s_own_special_ids_survive_import_and_export(tmp_path):
+    """A GPT-2 config with bos_token_id 3 / eos_token_id 4 (a model of its own tokenizer) was
+    exported with both null in config.json: megapar's GPT-2 config kept no special ids, so a
+    transformers user's `model.config.eos_token_id` was lost (generation_config.json kept them).
+    They are fields now, carried from --from-hf to --to-hf."""
+    hf = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                 bos_token_id=3, eos_token_id=4)
+    transformers.GPT2LMHeadModel(hf).save_pretrained(tmp_path / "src")
+    assert main(["--from-hf", str(tmp_path / "src"), str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    assert main([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--no-progress"]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (3, 4), exported

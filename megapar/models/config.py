@@ -237,6 +237,10 @@ class GPT2Config(_Base):
     """LayerNorm epsilon."""
     initializer_range: float = 0.02
     """Std of the normal initialisation (output projections scaled by 1/sqrt(2 n_layer))."""
+    bos_token_id: int | None = 50256
+    """Beginning-of-sequence id (carried to exported configs; a recipe takes its tokenizer's)."""
+    eos_token_id: int | None = 50256
+    """End-of-sequence id (carried to exported configs; a recipe takes its tokenizer's)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this x tp (padding never leaves the model)."""
 
