@@ -365,6 +365,27 @@ def test_a_separate_master_weights_plan_does_not_run_today():
     assert runnable(e) == [] and "master weights" in runnable(e, "separate")[0]
 
 
+def test_a_separate_master_weights_zero3_plan_counts_the_gathered_units():
+    """Under --master-weights separate, ZeRO-3's gathered units and full gradient buffers were
+    0 bytes: GPT-3 175B at tp 4 pp 8 dp 32, DualPipeV, ZeRO-3 with kept parameters was ranked
+    first at 65.7 GiB "fits", where the same layout in fp32 counts 11.4 GiB of gathered units
+    and 21.5 of gradient buffers and does not fit. Both are megapar-train's now (its linear
+    weights gathered in 16 bits, its gradient buffers fp32, as Megatron's main gradients),
+    beside the separate 16-bit shards."""
+    from megapar.plan import parse_candidate
+
+    c = parse_candidate("tp=4,pp=8,dp=32,mbs=2,schedule=dualpipev,v=2,sp=1,zero=3,keep_params=1")
+    ours, separate = (
+        stage_memory(Problem(GPT3, 1024, 8, 80, 1536, 2048, master_weights=m), c)[0]
+        for m in ("fp32", "separate")
+    )
+    assert separate.gathered == ours.gathered > 10 * 2**30
+    assert separate.grad_buffers == ours.grad_buffers > 20 * 2**30
+    assert separate.gathered_top == ours.gathered_top > 0
+    assert separate.params == pytest.approx(ours.params / 2, rel=0.01)  # 16-bit shards
+    assert separate.total > 80 * 2**30  # the 80 GB GPU does not hold it either
+
+
 def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
     base = ["--model", "gpt2-tiny", "--global-batch-size", "16", "--seq-len", "64"]
     for extra, message in [(["--gpus", "12"], "is not a multiple of it"),

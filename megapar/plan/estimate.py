@@ -506,7 +506,27 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
     if p.target == "cpu" and not host_copies_wanted(torch.device("cpu")):
         c = dataclasses.replace(c, offload_optimizer=False, offload_params=False)
     if p.master_weights != "fp32":
-        return [_separate(n_params, c) for n_params in params]
+        separate = [_separate(n_params, c) for n_params in params]
+        if c.zero != 3:
+            return separate
+        # ZeRO-3's units gathered and gradient buffers alive at the peak, megapar-train's: its
+        # linear weights gathered in 16 bits (a norm's 4 bytes over-count a 16-bit one's 2),
+        # its full gradient buffers fp32 as Megatron's main gradients
+        ours = dataclasses.replace(p, master_weights="fp32")
+        return [
+            dataclasses.replace(
+                state,
+                gathered=held.gathered,
+                gathered_top=held.gathered_top,
+                gathered_end=held.gathered_end,
+                grad_buffers=held.grad_buffers,
+                grad_buffers_top=held.grad_buffers_top,
+                in_backward=held.in_backward,
+            )
+            for state, held in zip(
+                separate, _stage_states(ours, c, params, m, placement), strict=True
+            )
+        ]
     # what megapar-train holds, byte for byte; a stage holding the same parameters as a
     # lower one holds the same state
     layout, offload = layout_of(p, c), offload_of(c, m).at_zero(c.zero)
@@ -555,7 +575,7 @@ def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
 def _separate(n_params: int, c: Candidate):
     """--master-weights separate: the state by formula (`mem.state_bytes`), offload moving the
     optimizer (its fp32 master and moments) or ZeRO-3's 16-bit parameter shards to the host;
-    gathered units are not counted."""
+    ZeRO-3's gathered units and gradient buffers are added by `_stage_states`."""
     params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero, "separate")
     host = (optim if c.offload_optimizer else 0) + (params if c.offload_params else 0)
     return RankState(n_params, int(params), int(grads), int(optim), host=int(host))
