@@ -995,6 +995,10 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2,tp=4", "tp is given twice"),
     ("tp=2,pp=2,zero=3,keep_params=7", "keep_params='7' is not a boolean"),
     ("tp=2,pp=2,schedule=1f2b", "schedule='1f2b': use one of"),
+    # another tool's name was answered with the choices alone, as megapar-plan --schedules says
+    ("tp=2,pp=2,schedule=ScheduleInterleaved1F1B",
+     "('ScheduleInterleaved1F1B' is megapar's schedule=interleaved,v=V)"),
+    ("tp=2,pp=2,schedule=ZB-H1", "('ZB-H1' is megapar's schedule=zb-h1)"),
     ("tp=2,pp=2,recompute=most", "recompute='most': use one of"),
     ("tp=2,pp=2,zero=9", "zero=9: use one of 0, 1, 2, 3"),
     # a size < 1 answered 'invalid' with exit 1, like a layout that cannot run

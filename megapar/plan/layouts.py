@@ -28,7 +28,11 @@ from megapar.pipeline.partition import (
     split_layers,
 )
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
-from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
+from megapar.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    interleaved_rounds,
+    schedule_named_elsewhere,
+)
 from megapar.plan.fp8 import fp8_refusal
 from megapar.plan.problem import Problem
 from megapar.training.validate import check_cp_seq_len
@@ -278,7 +282,11 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                 "cp_comm": CP_COMMS,
             }[key]
             if value not in allowed:
-                raise ValueError(f"--explain: {key}={value!r}: use one of {', '.join(allowed)}")
+                known = _explain_schedule(value) if key == "schedule" else ""
+                raise ValueError(
+                    f"--explain: {key}={value!r}: use one of {', '.join(allowed)}"
+                    + (f" ({known})" if known else "")
+                )
             values[key] = value
         elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
             if value.lower() not in TRUE_WORDS + FALSE_WORDS:
@@ -446,6 +454,15 @@ def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
             f"parallelism needs the intra-node link"
         )
     return None
+
+
+def _explain_schedule(value: str) -> str:
+    """megapar's name for a schedule another tool or paper names (`ScheduleInterleaved1F1B`,
+    `ZB-H1`) in --explain's terms ("'ZB-H1' is megapar's schedule=zb-h1"); "" for a name
+    `schedule_named_elsewhere` does not know."""
+    said = schedule_named_elsewhere(value)
+    said = re.sub(r"--schedule ([\w-]+)", r"schedule=\1", said)
+    return said.replace(" --virtual-stages V", ",v=V")
 
 
 def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
