@@ -644,7 +644,7 @@ def launch(
             f"{type(nprocs).__name__} {nprocs!r:.60}"
         )
     if under_launcher():
-        return run_workers(fn, launched_world_size(), *args)[0]
+        return run_workers(_callers_function, launched_world_size(), fn, *args)[0]
     if nprocs < 1:
         raise ValueError(f"megapar.launch needs nprocs >= 1, got {nprocs}")
     if not oversubscribe:
@@ -652,9 +652,19 @@ def launch(
     method = None
     if _device.use_cuda():
         method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
+    fn, args = _callers_function, (fn, *args)
     if nprocs == 1:  # run_local makes no group for one rank; launch's fn finds one
         fn, args = _in_group_of_one, (fn, *args)
     return run_local(fn, nprocs, *args, timeout_s=timeout_s, start_method=method)[0]
+
+
+def _callers_function(fn: Callable[..., Any], *args) -> Any:
+    """`fn(*args)`, the rank's status naming it until a megapar call says more: a rank that
+    stalls or dies in the caller's code before `megapar.prepare` read "setting up after joining
+    the process group", megapar's own words for its workers."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    diagnostics.set_action(f"in {name}, the function megapar.launch runs (the caller's code)")
+    return fn(*args)
 
 
 def _in_group_of_one(fn: Callable[..., Any], *args) -> Any:

@@ -1532,6 +1532,25 @@ def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
         f"--- rank 1: {status} [exited]" in str(info.value), str(info.value)
 
 
+def _fails_before_prepare():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("user code broke")
+    megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+
+
+def test_a_rank_failing_in_the_callers_code_before_prepare_is_said_to_be_there():
+    """A rank that stalled or failed in the launched function before calling megapar.prepare
+    was reported "setting up after joining the process group", megapar's words for its own
+    workers; it is in the caller's function now, named."""
+    with pytest.raises(megapar.WorkerError) as info:
+        megapar.launch(_fails_before_prepare, 2, timeout_s=120)
+    said = str(info.value)
+    status = "in _fails_before_prepare, the function megapar.launch runs (the caller's code)"
+    assert f"--- rank 1: {status}" in said and "setting up after" not in said, said
+
+
 def test_prepare_outside_a_launch_names_the_processes_it_needs(monkeypatch):
     """One process asking for tp 2 x pp 2: the error is in the API's terms (megapar.launch's
     nprocs), before any process group or model is built."""
