@@ -31,6 +31,13 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
 fi
 : "${MASTER_ADDR:=127.0.0.1}"
 : "${MASTER_PORT:=29500}"
+[[ "$MASTER_PORT" =~ $number ]] && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] \
+  || die "MASTER_PORT=$MASTER_PORT: give a port (1 .. 65535), the same on every node"
+if command -v getent > /dev/null && ! getent ahosts "$MASTER_ADDR" > /dev/null; then
+  # torchrun repeated "The IPv6 network addresses of (node0, 29500) cannot be retrieved" until
+  # its rendezvous timeout
+  die "MASTER_ADDR=$MASTER_ADDR: this node cannot resolve that name; give node 0's address as every node reaches it (its IP, or a name in DNS or /etc/hosts)"
+fi
 PYTHON="${PYTHON:-python3}"
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \

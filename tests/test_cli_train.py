@@ -317,8 +317,13 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: give 0 .. 1 (NNODES=2)"),
     ({"NNODES": "1", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0: give the processes"),
     ({"NNODES": "2", "NODE_RANK": "1"}, "set MASTER_ADDR to node 0's address"),
+    # torchrun repeated "The IPv6 network addresses of (node0.invalid, 29500) cannot be
+    # retrieved" until its rendezvous timed out
+    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0.invalid"},
+     "MASTER_ADDR=node0.invalid: this node cannot resolve that name"),
+    ({"NNODES": "1", "MASTER_PORT": "http"}, "MASTER_PORT=http: give a port (1 .. 65535)"),
 ], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0",
-        "no-master-addr"])
+        "no-master-addr", "unresolvable-master-addr", "port-word"])
 def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
     """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
     NPROC_PER_NODE=0 was torchrun's AssertionError traceback; a missing NNODES was bash's
@@ -329,7 +334,7 @@ def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, en
     fake.write_text("#!/bin/sh\necho started >&2\nexit 99\n")
     fake.chmod(0o755)
     base = {k: v for k, v in os.environ.items()
-            if k not in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR")}
+            if k not in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), "--tp", "2"],
                          env={**base, "PYTHON": str(fake), **env}, capture_output=True,
                          text=True, timeout=30)
@@ -740,6 +745,18 @@ def test_load_does_not_compile_because_the_checkpoints_run_did(tmp_path):
     settings_from_checkpoint(cfg, manifest)
     assert (cfg.compile, cfg.recompute, cfg.seq_len) == (False, "none", 48)
     assert cfg.from_checkpoint == {"seq_len"}
+
+
+def test_slurm_sbatch_outside_a_job_says_to_submit_it(tmp_path):
+    """bash launch/slurm.sbatch outside Slurm was bash's "SLURM_JOB_NODELIST: unbound
+    variable", exit 1; it is one line naming sbatch, exit 2, and nothing starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--tp", "2"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, (out.returncode, err)
+    assert err[0].startswith("slurm.sbatch: error: not inside a Slurm job") and \
+        "sbatch --nodes N launch/slurm.sbatch" in err[0], err
 
 
 @pytest.mark.parametrize("torchrun_rc,requeued,rc", [(1, True, 0), (0, False, 0)],
