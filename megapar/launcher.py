@@ -474,7 +474,9 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
             f"with another command?); --timeout-s sets the wait"
         ) from None
     if store.check([SETTINGS_KEY + "/differ"]):
-        raise ValueError(store.get(SETTINGS_KEY + "/differ").decode())
+        mismatch = ValueError(store.get(SETTINGS_KEY + "/differ").decode())
+        mismatch.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
+        raise mismatch
 
 
 def launched_world_size() -> int:

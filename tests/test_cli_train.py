@@ -485,6 +485,29 @@ def test_under_torchrun_no_rank_logs_into_a_save_the_failed_run_made(tmp_path, t
     assert not save.exists(), sorted(save.rglob("*"))
 
 
+def test_nodes_started_with_other_flags_fail_in_one_line_each_in_its_own_log(tmp_path, cache,
+                                                                           text):
+    """Two torchrun ranks, rank 1 given another --lr: each printed the line and "full traceback
+    in ...", a log of the line alone, and rank 0 wrote its log as rank1.log (the line names
+    rank 1), where rank 1's own went. Each rank now prints the one line and its own log."""
+    from forked import torchrun_ranks
+
+    argv = ["--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
+            "--data-cache", cache, "--max-steps", "2", "--timeout-s", "60", *TINY]
+    codes, outs = torchrun_ranks(
+        lambda: main(argv + (["--lr", "1e-4"] if os.environ["RANK"] == "1" else [])), 2, tmp_path)
+    assert codes == [1, 1], outs
+    line = ("megapar-train: error: rank 1 was started with other megapar-train flags than rank "
+            "0: --lr 0.001 on rank 0 but 0.0001 on rank 1")
+    for rank, out in enumerate(outs):
+        said = [x for x in out.splitlines() if x.startswith("megapar-train: ")]
+        assert said and said[-1].startswith(line), out
+        assert "full traceback" not in out and "Traceback" not in out, out
+        logs = [log.name for log in (Path(cache) / "logs").glob("run-*/rank*.log")
+                if "was started with other" in log.read_text()]  # (the module's cache)
+        assert logs.count(f"rank{rank}.log") == 1, (logs, out)
+
+
 @pytest.mark.parametrize("existed", [True, False], ids=["save-there", "save-made"])
 def test_every_rank_of_a_run_logs_where_rank_0_does(tmp_path, capsys, monkeypatch, existed):
     """Under torchrun, a --save that was there before the run and holds no checkpoint: rank 0

@@ -377,7 +377,7 @@ def _run(
                 f"--debug)",
                 file=sys.stderr,
             )
-        elif log:
+        elif log and not getattr(exc, "no_traceback", False):  # (a clean line has none)
             print(
                 f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
             )

@@ -71,8 +71,8 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     died = _DIED.match(first)
     if m:
         rank, first = int(m.group(1)), first[m.end() :]
-    elif died:  # "rank R died with exit code C": no traceback to show
-        rank = int(died.group(1))
+    elif died and rank is None:  # "rank R died with exit code C": no traceback to show
+        rank = int(died.group(1))  # (a rank's own line naming another is logged as its own)
     rank = 0 if rank is None else rank
     s = _STEP.match(first)
     if s:
