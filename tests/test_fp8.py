@@ -723,6 +723,17 @@ def test_a_resume_does_not_take_fp8_emulate_from_the_checkpoint():
     cfg = parse_args(["--load", "ck", "--fp8", "off"])
     note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
     assert (cfg.fp8, cfg.fp8_layers) == ("off", "auto") and "fp8" not in note[0], note
+    # another recipe given: allowed (the weights are the master dtype's), but it was silent
+    assert "--fp8 off differs from the checkpoint's --fp8 rowwise: from here its linears run " \
+        "in high precision, so the loss may move by the recipes' rounding" in note, note
+    cfg = parse_args(["--load", "ck", "--fp8", "tensorwise"])
+    note = settings_from_checkpoint(cfg, {"meta": {"train_config": saved}})
+    assert "--fp8 tensorwise differs from the checkpoint's --fp8 rowwise: from here its " \
+        "linears run in float8 (tensorwise scales), so the loss may move by the recipes' " \
+        "rounding" in note, note
+    cfg = parse_args(["--load", "ck", "--fp8", "rowwise"])
+    assert not any("differs" in n for n in settings_from_checkpoint(
+        cfg, {"meta": {"train_config": saved}})), "the same recipe given again: no note"
 
 
 @needs_torchao

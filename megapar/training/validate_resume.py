@@ -465,6 +465,17 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             f"--loss-mean {cfg.loss_mean} differs from the checkpoint's {saved['loss_mean']}: "
             f"from here the loss is {now}, so its scale and the gradients' weighting change"
         )
+    if "fp8" in explicit_before and saved.get("fp8", cfg.fp8) != cfg.fp8:
+        before = saved["fp8"]
+        notes.append(  # allowed (the weights are kept in the master dtype), but never silently
+            f"--fp8 {cfg.fp8} differs from the checkpoint's --fp8 {before}: "
+            + (
+                "from here its linears run in high precision"
+                if cfg.fp8 == "off"
+                else f"from here its linears run in float8 ({cfg.fp8} scales)"
+            )
+            + ", so the loss may move by the recipes' rounding"
+        )
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if "tokenizer" not in given and not (isinstance(recorded, dict) and recorded.get("sha256")):
         notes.append(  # as --from-hf's note where its directory holds none
