@@ -60,3 +60,22 @@ def test_the_session_report_refuses_bad_arguments_in_one_line(tmp_path, argv, sa
     assert out.returncode == 2 and out.stderr.startswith(
         f"gpu_session_report.py: error: {said}; usage: "), out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("rehearse", ["0", "1"])
+def test_a_rehearsals_report_says_its_speeds_test_the_script(tmp_path, rehearse):
+    """A rehearsal's report put "tensorwise: 2,861 tokens/s (16.757 x bf16)" from one round of
+    two steps of a tiny model on a shared CPU under its FP8 heading as a session's would be;
+    each timed part of a rehearsal's report now says what its figures are. A GPU session's
+    report says nothing of the kind."""
+    (tmp_path / "fp8.log").write_text("fp8_bench on cpu\ntensorwise: 2,861 tokens/s "
+                                      "(16.757 x bf16)\n")
+    out = subprocess.run(["python3", str(ROOT / "tools" / "gpu_session_report.py"),
+                          str(tmp_path), rehearse, "5"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    fp8 = report.split("## FP8 against bf16")[1].split("```")[0]
+    said = "the speeds and ratios below test the script, not megapar"
+    assert (said in fp8) == (rehearse == "1"), report
+    assert report.count(said) == (3 if rehearse == "1" else 0), report

@@ -103,7 +103,13 @@ def excerpt(out: str, name: str, first: str, tail: int = 12) -> list[str]:
     return ["```", *(text[at[0]:] if at else text[-tail:]), "```", ""]
 
 
+REHEARSED_SPEEDS = ("*Rehearsal: tiny models timed for a step or two on the CPU; the speeds "
+                    "and ratios below test the script, not megapar.*")
+"""Above each timed part's excerpt in a rehearsal's report."""
+
+
 def main(out: str, rehearse: str, seconds: str) -> None:
+    said = [REHEARSED_SPEEDS, ""] if rehearse == "1" else []
     lines = ["# megapar GPU session", ""]
     if rehearse == "1":
         lines += ["**REHEARSAL ON THE CPU: not a GPU check.** Both tiers' logic ran on the CPU "
@@ -114,15 +120,16 @@ def main(out: str, rehearse: str, seconds: str) -> None:
     lines += ["## Tests", ""] + tests(out, "junit.xml")
     lines += ["## Shared-GPU tier (tests/test_cuda_shared.py)", ""] + tests(out, "shared.xml")
     lines += ["## Measured by the tests", ""] + measured(out)
-    lines += ["## Benchmarks (benchmarks/vs/gpu_bench.py)", ""]
+    lines += ["## Benchmarks (benchmarks/vs/gpu_bench.py)", ""] + said
     lines += excerpt(out, "bench.log", "gpu_bench on", 40)
     lines += ["## Memory against the planner (gpu_bench.py's megapar runs)", ""] + memory(out)
-    lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", ""]
+    lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", ""] + said
     lines += excerpt(out, "fp8.log", "fp8_bench on")
     if os.path.exists(os.path.join(out, "fp8_eager.log")):  # the compiled runs failed
         lines += ["The same runs eagerly, after the compiled runs failed:", ""]
         lines += excerpt(out, "fp8_eager.log", "fp8_bench on")
     lines += ["## The main job's loss curve, bf16 and fp8 (benchmarks/vs/fp8_curve.py)", ""]
+    lines += said
     lines += excerpt(out, "fp8_curve.log", "fp8_curve:", 20)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines))
