@@ -357,9 +357,23 @@ def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
     assert "--lr 0.003" in note and "--max-steps 6" in note and "--clip-grad 0.5" in note
     run(_constant_save, 4, str(tmp_path / "constant"))
     cfg = parse_args(["--load", str(tmp_path / "constant")])
-    settings_from_checkpoint(cfg, read_manifest(tmp_path / "constant"))
+    notes = settings_from_checkpoint(cfg, read_manifest(tmp_path / "constant"))
     assert (cfg.lr, cfg.min_lr, cfg.lr_decay, cfg.warmup_steps, cfg.weight_decay) == \
         (3e-3, 3e-3, "constant", 0, 0.0)
+    # its batches were the caller's: megapar-train's --seq-len 128, --global-batch-size 16 and
+    # --max-steps 300 were recorded as the run's, and taken, silently (a --seq-len 128 then
+    # refused on a model of 64 positions as if given)
+    trained = read_manifest(tmp_path / "constant")["meta"]["train_config"]
+    assert not {"data", "seq_len", "global_batch_size", "max_steps"} & set(trained), trained
+    assert "--global-batch-size" not in notes[0] and "--seq-len" not in notes[0], notes
+    assert (f"--load {tmp_path / 'constant'} records no --seq-len, --global-batch-size, "
+            f"--max-steps (saved by a megapar.prepare engine, whose batches were its caller's): "
+            f"megapar-train's defaults --seq-len 128, --global-batch-size 16, --max-steps 300; "
+            f"give the run's own") in notes, notes
+    cfg = parse_args(["--load", str(tmp_path / "scheduled"), "--seq-len", "32"])
+    notes = settings_from_checkpoint(cfg, read_manifest(tmp_path / "scheduled"))
+    assert any("records no --seq-len, --global-batch-size (saved by a megapar.prepare engine"
+               in n and "defaults --global-batch-size 16;" in n for n in notes), notes
 
 
 def _train_and_save(ckpt, steps):

@@ -244,6 +244,10 @@ class Engine:
         """The rows every `train_step` batch has: the global batch size `prepare` was given
         (what lr_scale_with_batch scales by and checkpoints record); None: any multiple of
         micro_batch_size x dp."""
+        self.batches_from_caller = False
+        """Whether `megapar.prepare` made it: its batches are its caller's, so its `cfg`'s data,
+        sequence length and (without a megapar schedule) step count are defaults it never
+        read, and checkpoints do not record them (`recorded_settings`)."""
         self._guard = api_guard(cfg, self.precision)
 
     def _start_saver(self, cfg: TrainConfig, mesh: Mesh) -> None:

@@ -364,6 +364,7 @@ def prepare(
     if loss_fn is not None:
         set_loss_fn(engine.model, loss_fn)
         engine.loss_fn = loss_fn
+    engine.batches_from_caller = True
     if "global_batch_size" in options:  # every train_step's batch has these rows
         engine.batch_rows = cfg.global_batch_size
     _warn_no_float8(engine, cfg)

@@ -24,6 +24,7 @@ RESERVED_META = frozenset(
         "hf_dtype",
         "hf_generation_config",
         "train_config",
+        "batches_from_caller",
     }
 )
 """Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
@@ -53,7 +54,17 @@ def recorded_settings(engine) -> dict:
             settings.update(
                 lr_wsd_decay_steps=schedule.decay_steps, lr_wsd_decay_style=schedule.wsd_style
             )
+    if engine.batches_from_caller:  # megapar-train's defaults, which this engine never read
+        unread = [*CALLERS_BATCHES, *(["max_steps"] if schedule is None else [])]
+        for name in unread:
+            if not (name == "global_batch_size" and engine.batch_rows is not None):
+                settings.pop(name, None)
     return settings
+
+
+CALLERS_BATCHES = ("data", "seq_len", "global_batch_size")
+"""Settings a `megapar.prepare` engine's checkpoint does not record unless it was given them
+(`global_batch_size`): its batches are its caller's (`Engine.batches_from_caller`)."""
 
 
 def rng_notes(notes: list[str], draws_dropout: bool) -> list[str]:
@@ -123,6 +134,8 @@ def checkpoint_meta(engine, extra: dict | None) -> dict:
         "train_config": recorded_settings(engine),
         **(extra or {}),
     }
+    if engine.batches_from_caller:  # its train_config has no data, seq-len, batch, steps
+        meta["batches_from_caller"] = True
     if engine.scheduler is not None:
         meta["scheduler"] = engine.scheduler.state_dict()
     if engine.tokenizer is not None:

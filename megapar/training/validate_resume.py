@@ -465,6 +465,15 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             f"--loss-mean {cfg.loss_mean} differs from the checkpoint's {saved['loss_mean']}: "
             f"from here the loss is {now}, so its scale and the gradients' weighting change"
         )
+    unrecorded = [n for n in ("seq_len", "global_batch_size", "max_steps") if n not in saved]
+    if (manifest.get("meta") or {}).get("batches_from_caller") and unrecorded:
+        defaults = [flag_with_value(n, getattr(cfg, n)) for n in unrecorded if n not in given]
+        if defaults:
+            notes.append(
+                f"--load {cfg.load} records no {', '.join(flag_of(n) for n in unrecorded)} "
+                f"(saved by a megapar.prepare engine, whose batches were its caller's): "
+                f"megapar-train's defaults {', '.join(defaults)}; give the run's own"
+            )
     if "fp8" in explicit_before and saved.get("fp8", cfg.fp8) != cfg.fp8:
         before = saved["fp8"]
         notes.append(  # allowed (the weights are kept in the master dtype), but never silently
