@@ -661,9 +661,8 @@ def launch(
 
 
 def _callers_function(fn: Callable[..., Any], *args) -> Any:
-    """`fn(*args)`, the rank's status naming it until a megapar call says more: a rank that
-    stalls or dies in the caller's code before `megapar.prepare` read "setting up after joining
-    the process group", megapar's own words for its workers."""
+    """`fn(*args)`, the rank's status naming `fn` as the caller's code until a megapar call
+    (`megapar.prepare`) says more, so a rank stalled or failed there is reported as such."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
     diagnostics.set_action(f"in {name}, the function megapar.launch runs (the caller's code)")
     return fn(*args)

@@ -427,7 +427,10 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
     schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
     came from; layout and output flags are never taken. Returns a note listing what was taken,
-    and one saying that the default tokenizer is used where the checkpoint records none."""
+    and notes where the run differs from the checkpoint unseen: another --loss-mean or --fp8
+    given, megapar-train's defaults where a `megapar.prepare` engine's checkpoint records no
+    --seq-len / --global-batch-size / --max-steps, the default tokenizer where it records
+    none."""
     saved = _with_recorded_tokenizer(manifest)
     given, taken, inherited = explicit(cfg), [], set()
     explicit_before = set(given)
