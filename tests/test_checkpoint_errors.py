@@ -165,7 +165,11 @@ def test_a_conversion_killed_between_its_renames_leaves_dst_as_it_was_for_the_ne
     earlier = tmp_path / f".dst.old-{gone.pid}-{_host()}-5a6b7c8d"
     earlier.mkdir()
     assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
-    assert "put back" not in capsys.readouterr().err and earlier.is_dir()
+    err = capsys.readouterr().err
+    assert "put back" not in err and earlier.is_dir()
+    # ... and kept without a word (an earlier DST the user may not know of): said now
+    assert (f"note: {dst}: 1 earlier copy a killed conversion moved aside is kept beside it: "
+            f"{earlier.name} (in {tmp_path.resolve()}); remove it when no longer needed") in err, err
     earlier.rmdir()
     _assert_untouched(dst)
 

@@ -192,15 +192,23 @@ def recover_swap(dst: Path) -> str | None:
     it had moved aside (``.DST.old-PID-HOST-...`` of a process gone) is put back where `dst` is
     missing (the newest, where there are several), so `dst` is as it was. None is removed
     here (beside a `dst` in place, one is an earlier `dst`: the user's to remove). Call before
-    checking `dst`; returns a note where it put one back, else None."""
+    checking `dst`; returns a note where it put one back or keeps one beside `dst`, else
+    None."""
     name = os.path.basename(os.path.abspath(dst))  # out/../out: out
     parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(dst))))  # as _swap_into's
     stale = sorted(
         stale_temporaries(parent, f".{name}.old-"),
         key=lambda n: os.lstat(parent / n).st_ctime,  # when it was moved aside
     )
-    if not stale or os.path.lexists(parent / name):
+    if not stale:
         return None
+    if os.path.lexists(parent / name):  # an earlier DST: never removed unasked, never unsaid
+        return (
+            f"{dst}: {counted(len(stale), 'earlier copy', 'earlier copies')} a killed "
+            f"conversion moved aside {'is' if len(stale) == 1 else 'are'} kept beside it: "
+            f"{', '.join(stale)} (in {parent}); remove {'it' if len(stale) == 1 else 'them'} "
+            f"when no longer needed"
+        )
     os.rename(parent / stale.pop(), parent / name)
     earlier = f"; earlier ones it had moved aside stay beside it: {', '.join(stale)}"
     return f"{dst}: put back as it was (a conversion into it was killed midway)" + (
