@@ -105,6 +105,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--measure", nargs=4, metavar=("SRC", "DST", "TP", "PP"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.measure and (args.layers < 4 or args.hidden < 8 or args.hidden % 8
+                             or args.vocab < 1):
+        p.error(f"--layers {args.layers} / --hidden {args.hidden} / --vocab {args.vocab}: the "
+                f"conversions go to pp 4 and the model has 8 heads, so --layers must be >= 4, "
+                f"--hidden a multiple of 8, --vocab >= 1")
     if args.measure:
         src, dst, tp, pp = args.measure
         print(json.dumps(measure(src, dst, int(tp), int(pp))))
@@ -121,7 +126,11 @@ def main() -> None:
         for i, (tp, pp) in enumerate([(2, 2), (4, 1), (1, 4)]):
             dst = Path(tmp) / f"c{i}"
             out = subprocess.run([sys.executable, __file__, "--measure", str(previous), str(dst),
-                                  str(tp), str(pp)], check=True, capture_output=True, text=True)
+                                  str(tp), str(pp)], capture_output=True, text=True)
+            if out.returncode != 0:  # its own words, not CalledProcessError's
+                said = (out.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+                sys.exit(f"convert_memory.py: error: the conversion to tp={tp} pp={pp} failed "
+                         f"(exit {out.returncode}): {said}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"convert -> tp={tp} pp={pp}: {r['seconds']:5.1f} s, peak heap "
                   f"+{r['anon_peak'] / MB:6.1f} MB, peak RSS +{r['rss_peak'] / MB:6.1f} MB "

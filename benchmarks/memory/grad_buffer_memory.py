@@ -19,7 +19,11 @@ import torch
 
 
 class PackedBuckets:
-    """The reference: cat each bucket's grads, all-reduce the packed copy, copy back."""
+    """The reference: cat each bucket's grads, all-reduce the packed copy, copy back (a
+    `megapar.data_parallel.grad_sync.GradSync` of stage 0 that reduces only in `finish`)."""
+
+    stage = 0
+    sharded = sharded_grads = reduces_every_micro_batch = False
 
     def __init__(self, params, group, bucket_mb):
         from megapar.data_parallel import make_buckets
@@ -27,15 +31,27 @@ class PackedBuckets:
 
         self.buckets, self.group, self.dp = make_buckets(params, bucket_mb), group, \
             group_size(group)
+        self.in_step = False
 
     def begin_step(self):
+        self.in_step = True
+
+    def arm(self, params):
         pass
 
     def before_last_backward(self):
         pass
 
+    def grads_ready(self, params):
+        pass
+
+    def defer(self, last, before_reduce):
+        raise NotImplementedError("PackedBuckets reduces one stage: no tied embedding to defer")
+
     def finish(self):
         import torch.distributed as dist
+
+        self.in_step = False
 
         pending = []
         for b in self.buckets:
