@@ -444,3 +444,9 @@ def test_a_gpt2s_own_special_ids_survive_import_and_export(tmp_path):
     assert main([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--no-progress"]) == 0
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (3, 4), exported
+    # a list of eos ids (as Llama 3 instruct's) was ignored as GPT-2's metadata: the fields
+    # refused it ("must be a whole number"); the first is taken, as a Llama's is
+    from megapar.models import config_from_dict
+
+    config = config_from_dict({**hf.to_dict(), "eos_token_id": [4, 5], "bos_token_id": []})
+    assert (config.bos_token_id, config.eos_token_id) == (None, 4)

@@ -94,6 +94,10 @@ class _Base:
         """The config from a dict; an unknown key, or a transformers setting megapar does not
         implement set to anything but its default, is an error (never silently dropped), all of
         them named in one line (`_refusal`)."""
+        d = dict(d)
+        for key in ("bos_token_id", "eos_token_id"):  # Llama 3 instruct lists several eos ids
+            if isinstance(d.get(key), list):
+                d[key] = d[key][0] if d[key] else None  # (generation_config.json keeps all)
         names = {f.name for f in dataclasses.fields(cls)}
         supported = HF_SUPPORTED_DEFAULTS[cls.model_type]
         unknown = [
@@ -393,8 +397,6 @@ class LlamaConfig(_Base):
             d.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
             if params.get("rope_type", params.get("type", "default")) != "default":
                 d.setdefault("rope_scaling", params)
-        if isinstance(d.get("eos_token_id"), list):  # Llama 3 instruct lists several
-            d["eos_token_id"] = d["eos_token_id"][0]
         return super().from_dict(d)
 
     def to_hf(self):
