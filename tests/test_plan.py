@@ -386,6 +386,26 @@ def test_a_separate_master_weights_zero3_plan_counts_the_gathered_units():
     assert separate.total > 80 * 2**30  # the 80 GB GPU does not hold it either
 
 
+@pytest.mark.parametrize("spec", ["tp=1,pp=1,dp=16,ep=8,zero=3", "tp=2,pp=2,dp=4,ep=4,zero=1"])
+def test_a_separate_master_weights_plan_shards_the_experts_over_their_group(spec):
+    """Under --master-weights separate the routed experts' state was divided by every cp x dp
+    rank, not the dp / ep of their expert-data-parallel group: mixtral-8x7b at dp 16 x ep 8,
+    ZeRO-3, held 0.84 GiB of parameters (5.44 at ep 1) and was ranked first, "fits". The 16-bit
+    parameters are half megapar-train's fp32 ones now, the fp32 gradients theirs, the master
+    and moments 1.5 x its moments, layout by layout."""
+    from megapar.plan import parse_candidate
+
+    c = parse_candidate(spec)
+    ours, separate = (
+        stage_memory(Problem(resolve_model("mixtral-8x7b"), 16, 8, 80, 16, 4096,
+                             master_weights=m), c)[0]
+        for m in ("fp32", "separate")
+    )
+    assert separate.params == pytest.approx(ours.params / 2, rel=1e-3)
+    assert separate.grads == pytest.approx(ours.grads, rel=1e-3)
+    assert separate.optimizer == pytest.approx(ours.optimizer * 1.5, rel=1e-3)
+
+
 def test_layouts_as_fast_as_the_table_shows_are_ranked_by_memory():
     """llama-8b at 32,768 tokens on 16 GPUs listed tp 2 cp 4 dp 2 ZeRO-3 a2a at 63.3 GiB above
     the same layout with SP at 58.7 GiB, both 17.613 s: SP's exchanges cost 2e-5 s more. Step

@@ -506,7 +506,20 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
     if p.target == "cpu" and not host_copies_wanted(torch.device("cpu")):
         c = dataclasses.replace(c, offload_optimizer=False, offload_params=False)
     if p.master_weights != "fp32":
-        separate = [_separate(n_params, c) for n_params in params]
+        routed = [0] * len(params)
+        if c.ep > 1:  # sharded over the expert-data-parallel group, not every cp x dp rank
+            routed = stage_expert_params(
+                p.config,
+                c.tp,
+                c.pp,
+                c.v,
+                placement,
+                p.config_json,
+                c.ep,
+                c.etp,
+                p.pipeline_split,
+            )
+        separate = [_separate(n, e, c) for n, e in zip(params, routed, strict=True)]
         if c.zero != 3:
             return separate
         # ZeRO-3's units gathered and gradient buffers alive at the peak, megapar-train's: its
@@ -572,11 +585,15 @@ def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
     ).trimmed()
 
 
-def _separate(n_params: int, c: Candidate):
-    """--master-weights separate: the state by formula (`mem.state_bytes`), offload moving the
-    optimizer (its fp32 master and moments) or ZeRO-3's 16-bit parameter shards to the host;
-    ZeRO-3's gathered units and gradient buffers are added by `_stage_states`."""
-    params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero, "separate")
+def _separate(n_params: int, n_experts: int, c: Candidate):
+    """--master-weights separate: the state of a stage's `n_params` parameters, `n_experts` of
+    them routed experts under ep > 1, by formula (`mem.state_bytes`: the others sharded over
+    the cp x dp ranks, the experts over the expert-data-parallel group's cp x dp / ep), offload
+    moving the optimizer (its fp32 master and moments) or ZeRO-3's 16-bit parameter shards to
+    the host; ZeRO-3's gathered units and gradient buffers are added by `_stage_states`."""
+    dense = mem.state_bytes(n_params - n_experts, c.dp * c.cp, c.zero, "separate")
+    routed = mem.state_bytes(n_experts, c.dp * c.cp // c.ep, c.zero, "separate")
+    params, grads, optim = (a + b for a, b in zip(dense, routed, strict=True))
     host = (optim if c.offload_optimizer else 0) + (params if c.offload_params else 0)
     return RankState(n_params, int(params), int(grads), int(optim), host=int(host))
 
