@@ -18,6 +18,7 @@ listen on the loopback interface only (GLOO_SOCKET_IFNAME=lo, whatever the envir
 
 from __future__ import annotations
 
+import functools
 import gc
 import glob
 import json
@@ -663,8 +664,11 @@ def launch(
 def _callers_function(fn: Callable[..., Any], *args) -> Any:
     """`fn(*args)`, the rank's status naming `fn` as the caller's code until a megapar call
     (`megapar.prepare`) says more, so a rank stalled or failed there is reported as such."""
-    name = getattr(fn, "__qualname__", type(fn).__name__)
-    diagnostics.set_action(f"in {name}, the function megapar.launch runs (the caller's code)")
+    inner = fn
+    while isinstance(inner, functools.partial):  # the user's function, not "partial"
+        inner = inner.func
+    name = getattr(inner, "__qualname__", type(inner).__qualname__)
+    diagnostics.set_action(f"calling {name} (the caller's code, which megapar.launch runs)")
     return fn(*args)
 
 

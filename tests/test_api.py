@@ -6,6 +6,7 @@ on the same data, seed and weights, and with the same script on one process.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -1558,10 +1559,10 @@ def test_a_rank_failing_in_the_callers_code_before_prepare_is_said_to_be_there()
     """A rank that stalled or failed in the launched function before calling megapar.prepare
     was reported "setting up after joining the process group", megapar's words for its own
     workers; it is in the caller's function now, named."""
-    with pytest.raises(megapar.WorkerError) as info:
-        megapar.launch(_fails_before_prepare, 2, timeout_s=120)
+    with pytest.raises(megapar.WorkerError) as info:  # a partial: its function named
+        megapar.launch(functools.partial(_fails_before_prepare), 2, timeout_s=120)
     said = str(info.value)
-    status = "in _fails_before_prepare, the function megapar.launch runs (the caller's code)"
+    status = "calling _fails_before_prepare (the caller's code, which megapar.launch runs)"
     assert f"--- rank 1: {status}" in said and "setting up after" not in said, said
 
 
