@@ -409,8 +409,9 @@ def test_a_separate_master_weights_plan_shards_the_experts_over_their_group(spec
 def test_layouts_as_fast_as_the_table_shows_are_ranked_by_memory():
     """llama-8b at 32,768 tokens on 16 GPUs listed tp 2 cp 4 dp 2 ZeRO-3 a2a at 63.3 GiB above
     the same layout with SP at 58.7 GiB, both 17.613 s: SP's exchanges cost 2e-5 s more. Step
-    times equal to the table's 5 significant digits rank by memory; a faster layout still
-    comes first however much it holds, and a layout that does not fit after every one that does."""
+    times the table shows equal rank by memory (its 3 decimals: at 5 significant digits
+    345.964 s was listed above 345.960 s); a faster layout still comes first however much it
+    holds, and a layout that does not fit after every one that does."""
     from types import SimpleNamespace
 
     from megapar.plan.report import rank
@@ -420,8 +421,12 @@ def test_layouts_as_fast_as_the_table_shows_are_ranked_by_memory():
                                memory=SimpleNamespace(total=gib * 2**30))
 
     layouts = [e("no sp", 17.612568, 63.3), e("sp", 17.612589, 58.7), e("faster", 17.6, 70.0),
-               e("slower", 17.69, 10.0), e("too big", 1.0, 90.0, fits=False)]
-    assert [x.name for x in rank(layouts)] == ["faster", "sp", "no sp", "slower", "too big"]
+               e("slower", 17.69, 10.0), e("too big", 1.0, 90.0, fits=False),
+               e("345.964", 345.9641, 1.0), e("345.960", 345.9603, 2.0),
+               e("1.680 big", 1.68012, 9.0), e("1.680 small", 1.68031, 8.0)]
+    assert [x.name for x in rank(layouts)] == ["1.680 small", "1.680 big", "faster", "sp",
+                                               "no sp", "slower", "345.960", "345.964",
+                                               "too big"]
 
 
 def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):

@@ -37,12 +37,12 @@ def held(e: Estimate) -> float:
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Layouts that fit, fastest first (step times equal to 5 significant digits, as the table
-    shows them, by memory: SP's few microseconds more do not put a layout holding more first);
-    then the others, smallest first."""
+    """Layouts that fit, fastest first (step times the table shows equal, `_seconds`, by
+    memory: SP's few microseconds more do not put a layout holding more first); then the
+    others, smallest first."""
 
     def step(e: Estimate) -> float:
-        return float(f"{e.step_s:.5g}")
+        return float(_seconds(e.step_s))
 
     return sorted(
         estimates,
