@@ -369,7 +369,8 @@ def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
     assert "--global-batch-size" not in notes[0] and "--seq-len" not in notes[0], notes
     assert (f"--load {tmp_path / 'constant'} records no --seq-len, --global-batch-size, "
             f"--max-steps (saved by a megapar.prepare engine, whose batches were its caller's): "
-            f"megapar-train's defaults --seq-len 128, --global-batch-size 16, --max-steps 300; "
+            f"megapar-train's defaults --seq-len 128 (or the model's positions, where fewer), "
+            f"--global-batch-size 16, --max-steps 300; "
             f"give the run's own") in notes, notes
     cfg = parse_args(["--load", str(tmp_path / "scheduled"), "--seq-len", "32"])
     notes = settings_from_checkpoint(cfg, read_manifest(tmp_path / "scheduled"))

@@ -470,7 +470,12 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         )
     unrecorded = [n for n in ("seq_len", "global_batch_size", "max_steps") if n not in saved]
     if (manifest.get("meta") or {}).get("batches_from_caller") and unrecorded:
-        defaults = [flag_with_value(n, getattr(cfg, n)) for n in unrecorded if n not in given]
+        defaults = [
+            flag_with_value(n, getattr(cfg, n))
+            + (" (or the model's positions, where fewer)" if n == "seq_len" else "")
+            for n in unrecorded
+            if n not in given
+        ]
         if defaults:
             notes.append(
                 f"--load {cfg.load} records no {', '.join(flag_of(n) for n in unrecorded)} "
