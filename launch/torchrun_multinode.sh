@@ -31,7 +31,7 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
 fi
 : "${MASTER_ADDR:=127.0.0.1}"
 : "${MASTER_PORT:=29500}"
-[[ "$MASTER_PORT" =~ $number ]] && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] \
+[[ "$MASTER_PORT" =~ ^[0-9]{1,5}$ ]] && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] \
   || die "MASTER_PORT=$MASTER_PORT: give a port (1 .. 65535), the same on every node"
 if command -v getent > /dev/null && ! getent ahosts "$MASTER_ADDR" > /dev/null; then
   # torchrun repeated "The IPv6 network addresses of (node0, 29500) cannot be retrieved" until

@@ -322,8 +322,10 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0.invalid"},
      "MASTER_ADDR=node0.invalid: this node cannot resolve that name"),
     ({"NNODES": "1", "MASTER_PORT": "http"}, "MASTER_PORT=http: give a port (1 .. 65535)"),
+    # (bash's "integer expression expected" came first)
+    ({"NNODES": "1", "MASTER_PORT": "9" * 20}, f"MASTER_PORT={'9' * 20}: give a port"),
 ], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0",
-        "no-master-addr", "unresolvable-master-addr", "port-word"])
+        "no-master-addr", "unresolvable-master-addr", "port-word", "port-too-long"])
 def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
     """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
     NPROC_PER_NODE=0 was torchrun's AssertionError traceback; a missing NNODES was bash's

@@ -109,27 +109,30 @@ REHEARSED_SPEEDS = ("*Rehearsal: tiny models timed for a step or two on the CPU;
 
 
 def main(out: str, rehearse: str, seconds: str) -> None:
-    said = [REHEARSED_SPEEDS, ""] if rehearse == "1" else []
+    def said(log: str) -> list[str]:  # above a rehearsed part that ran
+        ran = rehearse == "1" and os.path.exists(os.path.join(out, log))
+        return [REHEARSED_SPEEDS, ""] if ran else []
+
     lines = ["# megapar GPU session", ""]
     if rehearse == "1":
         lines += ["**REHEARSAL ON THE CPU: not a GPU check.** Both tiers' logic ran on the CPU "
-                  "(MEGAPAR_CUDA_TIER_ON_CPU=1) and every benchmark at its tiny sizes.", ""]
+                  "(MEGAPAR_CUDA_TIER_ON_CPU=1) and each benchmark run at its tiny sizes.", ""]
     lines += [f"Wall time {int(seconds) / 60:.1f} min.", "", "## Parts", ""] + parts(out)
     lines += ["## Machine and versions", "", "```", *(_read(out, "versions.txt") or []), "```",
               ""]
     lines += ["## Tests", ""] + tests(out, "junit.xml")
     lines += ["## Shared-GPU tier (tests/test_cuda_shared.py)", ""] + tests(out, "shared.xml")
     lines += ["## Measured by the tests", ""] + measured(out)
-    lines += ["## Benchmarks (benchmarks/vs/gpu_bench.py)", ""] + said
+    lines += ["## Benchmarks (benchmarks/vs/gpu_bench.py)", ""] + said("bench.log")
     lines += excerpt(out, "bench.log", "gpu_bench on", 40)
     lines += ["## Memory against the planner (gpu_bench.py's megapar runs)", ""] + memory(out)
-    lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", ""] + said
+    lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", ""] + said("fp8.log")
     lines += excerpt(out, "fp8.log", "fp8_bench on")
     if os.path.exists(os.path.join(out, "fp8_eager.log")):  # the compiled runs failed
         lines += ["The same runs eagerly, after the compiled runs failed:", ""]
         lines += excerpt(out, "fp8_eager.log", "fp8_bench on")
     lines += ["## The main job's loss curve, bf16 and fp8 (benchmarks/vs/fp8_curve.py)", ""]
-    lines += said
+    lines += said("fp8_curve.log")
     lines += excerpt(out, "fp8_curve.log", "fp8_curve:", 20)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines))
