@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave  # noqa: E402
+from common import interleave, positive  # noqa: E402
 
 
 def _bench(args) -> dict:
@@ -95,14 +95,14 @@ def _bench(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dp", type=positive, default=2)
+    parser.add_argument("--hidden", type=positive, default=256)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--micro-batches", type=positive, default=4)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant a round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the variants in turn")
+    parser.add_argument("--steps", type=positive, default=5, help="timed steps per variant a round")
+    parser.add_argument("--rounds", type=positive, default=5, help="rounds of the variants in turn")
     args = parser.parse_args(argv)
     from megapar.launcher import run_local
 

@@ -50,7 +50,7 @@ def main(argv=None):
     import megapar
     from megapar.data import asset_path, ensure_dataset
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -58,6 +58,8 @@ def main(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--powersgd-rank", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.steps <= 5:  # the learning rate warms up over 5 steps
+        parser.error(f"--steps {args.steps}: the schedule warms up over 5 steps; give 6 or more")
     prefix = ensure_dataset(asset_path("shakespeare_sample.txt"), "gpt2",
                             os.path.expanduser("~/.cache/megapar"))
     runs = {mode: megapar.launch(_train, args.dp, args, prefix, mode) for mode in MODES}

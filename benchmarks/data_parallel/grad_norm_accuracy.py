@@ -45,9 +45,11 @@ def timed(fn, grads, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
     gen = torch.Generator().manual_seed(0)
     print(f"{'gradients':28s} {'elements':>11s} {'error before':>13s} {'error now':>10s} "
           f"{'ms before':>10s} {'ms now':>8s} {'now / before':>13s}")

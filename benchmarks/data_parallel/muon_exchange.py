@@ -89,10 +89,18 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--zero", type=int, nargs="+", default=[1, 3])
     args = parser.parse_args()
+    for name in args.models:
+        if not os.path.exists(os.path.join(ROOT, "models", f"{name}.json")):
+            shipped = sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "models"))
+                             if n.endswith(".json"))
+            parser.error(f"--models {name}: no such recipe; shipped: {', '.join(shipped)}")
     print(
         "model | ZeRO | dp | all-gather (default) | all-to-alls, by cost (before) | "
         "all-to-alls, placed (after) | NS heaviest"
     )
+    print("(MiB received per dp rank a step, fp32, least-most over the ranks where they "
+          "differ; NS heaviest: the heaviest slot's Newton-Schulz cost placed against "
+          "assign_owners' heaviest, 1.00: no slot does more)")
     for name in args.models:
         with open(os.path.join(ROOT, "models", f"{name}.json")) as f:
             config = config_from_dict(json.load(f))

@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    if args.save_interval < 2 or args.max_steps < args.save_interval + 2:
+        parser.error(f"--max-steps {args.max_steps} / --save-interval {args.save_interval}: the "
+                     f"pauses are measured against steps that saved nothing, so give an interval "
+                     f">= 2 and --max-steps >= it + 2")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = ["--max-steps", str(args.max_steps), "--save-interval", str(args.save_interval)]

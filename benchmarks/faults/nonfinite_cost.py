@@ -28,7 +28,7 @@ def main() -> None:
     from megapar.diagnostics.module_trace import ModuleTrace
     from megapar.diagnostics.nonfinite import locate
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=64)

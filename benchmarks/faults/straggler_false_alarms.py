@@ -41,7 +41,7 @@ def _train(args, log: Path, cache: Path, text: Path, extra: list[str]) -> list[d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--fault-runs", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)

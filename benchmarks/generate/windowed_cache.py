@@ -42,7 +42,7 @@ from megapar.training import generate as gen  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompts", type=int, default=4)
@@ -51,6 +51,10 @@ def main() -> None:
     p.add_argument("--last", type=int, default=32, help="the late decode steps timed apart")
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     args = p.parse_args()
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v < 1]
+    if small:
+        p.error(f"{', '.join(small)}: give 1 or more")
+    args.last = min(args.last, args.new_tokens)  # (it said "last 32 steps" of 16)
     torch.set_num_threads(args.threads)
     config = config_from_dict({
         "model_type": "mistral", "vocab_size": args.vocab, "hidden_size": 64,

@@ -27,6 +27,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=50257)
     args = parser.parse_args()
+    sizes = {"--rounds": args.rounds, "--tokens": args.tokens, "--hidden": args.hidden,
+             "--vocab": args.vocab}
+    for flag, value in sizes.items():
+        if value < 1:
+            parser.error(f"{flag} {value}: give 1 or more")
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, requires_grad=True)
     w = (0.02 * torch.randn(args.vocab, args.hidden)).requires_grad_()

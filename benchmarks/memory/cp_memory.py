@@ -111,7 +111,7 @@ def longest_fitting(points: list[tuple[int, int]], budget: int, cp: int) -> tupl
 def main() -> None:
     from megapar.launcher import run_local
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -121,8 +121,17 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--budget-gib", type=float, default=2.0)
     args = parser.parse_args()
-    args.seqs = [int(s) for s in args.seqs.split(",")]
-    cps = [int(c) for c in args.cps.split(",")]
+    try:
+        args.seqs = [int(s) for s in args.seqs.split(",")]
+        cps = [int(c) for c in args.cps.split(",")]
+    except ValueError:
+        parser.error(f"--seqs {args.seqs} / --cps {args.cps}: give whole numbers, "
+                     f"comma-separated")
+    if len(set(args.seqs)) < 2 or any(s < 8 or s % 8 for s in args.seqs):
+        parser.error(f"--seqs {','.join(map(str, args.seqs))}: give two or more different "
+                     f"lengths, multiples of 8 (the fit is a line through them)")
+    if any(c < 1 for c in cps):
+        parser.error(f"--cps {args.cps}: give cp sizes >= 1")
     budget = int(args.budget_gib * 2**30)
     print(f"{time.strftime('%Y-%m-%d')} on {platform.machine()} ({platform.processor() or 'cpu'}"
           f"), torch {torch.__version__}; a middle stage of {args.layers} layers, hidden "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,12 @@ def measure(kind: str, recipe: str, m: int, n: int, k: int, cached: bool = False
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="MxNxK")
     args = parser.parse_args()
+    for shape in args.shapes:
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", shape):
+            parser.error(f"--shapes {shape}: give each shape as MxNxK, e.g. 600x224x144")
     print("shape (M x N x K)  recipe      bf16 peak  emulated / walk  cached / walk  "
           "_scaled_mm (CPU) / walk")
     for shape in args.shapes:

@@ -111,7 +111,7 @@ def _worker(args, variant: str):
 def main() -> None:
     from megapar.launcher import run_local
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=8192)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -182,11 +183,16 @@ def main(argv=None) -> int:
             rows.append((label, count, peaks, predicted))
             first = rows[0]
             g = 2**30
-            print(f"  {label:14} {count / g:9.3f} {peaks['keep'] / g:9.3f} "
-                  f"{peaks['system'] / g:9.3f}   {'':22} {(count - first[1]) / g:+8.3f} "
-                  f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
-                  f"{(peaks['system'] - first[2]['system']) / g:+8.3f}        "
-                  f"{predicted / g:9.3f} {predicted / peaks['keep']:9.3f}", flush=True)
+
+            def shown(x: float, width: int, sign: str = "") -> str:  # "-": a policy not run
+                return f"{x / g:{sign}{width}.3f}" if math.isfinite(x) else f"{'-':>{width}}"
+
+            print(f"  {label:14} {count / g:9.3f} {shown(peaks['keep'], 9)} "
+                  f"{shown(peaks['system'], 9)}   {'':22} {(count - first[1]) / g:+8.3f} "
+                  f"{shown(peaks['keep'] - first[2]['keep'], 8, '+')} "
+                  f"{shown(peaks['system'] - first[2]['system'], 8, '+')}        "
+                  f"{predicted / g:9.3f} "
+                  f"{shown(predicted / peaks['keep'] * g, 9)}", flush=True)
         peak_of = {label: peaks["keep"] for label, _, peaks, _ in rows}
         held = [(what, bool(check(peak_of))) for what, check in CHECKS.get(group, [])
                 if "keep" in args.policies]

@@ -131,7 +131,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser, m: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stage_arguments(parser, m=4)
     parser.add_argument("--repeats", type=positive, default=3,
                         help="timing: best of this many runs, after an untimed one")

@@ -80,7 +80,7 @@ def _worker(args) -> dict:
 def main() -> None:
     from megapar.launcher import run_local
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stage_arguments(parser, m=2)
     parser.add_argument("--repeats", type=int, default=5, help="timing: best of this many")
     args = parser.parse_args()

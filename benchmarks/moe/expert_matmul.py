@@ -53,7 +53,9 @@ from megapar.models import MixtralConfig
 from megapar.models.moe import MoE, host_counts, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import (  # noqa: E402
+    interleave, output_file, pair_ratios, positive, ratio_summary, write_json,
+)
 
 RATIOS = [  # (a, b): a's seconds over b's, round by round
     ("megapar loop", "transformers eager"),
@@ -231,15 +233,15 @@ def measure(args, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate")
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048],
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--expert-size", type=positive, default=512, help="each expert's intermediate")
+    p.add_argument("--experts", type=positive, default=8)
+    p.add_argument("--top-k", type=positive, default=2)
+    p.add_argument("--tokens", type=positive, nargs="+", default=[128, 512, 2048],
                    help="tokens per layer call (before top-k)")
-    p.add_argument("--rounds", type=int, default=8, help="rounds of all implementations")
-    p.add_argument("--steps", type=int, default=2, help="forward + backward calls per run")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--rounds", type=positive, default=8, help="rounds of all implementations")
+    p.add_argument("--steps", type=positive, default=2, help="forward + backward calls per run")
+    p.add_argument("--threads", type=positive, default=1, help="torch threads")
     p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -90,6 +90,9 @@ def main(argv=None) -> None:
     parser.add_argument("--baseline", metavar="FILE",
                         help="an earlier executor.py, counted beside this tree's")
     args = parser.parse_args(argv)
+    if args.baseline and not os.path.isfile(args.baseline):
+        parser.error(f"--baseline {args.baseline}: no such file (make it: git show "
+                     f"REV:megapar/pipeline/executor.py > FILE)")
     baseline = os.path.abspath(args.baseline) if args.baseline else None
     print("instructions per step (millions), traced / untraced"
           + (f"; before = {args.baseline}" if baseline else ""))

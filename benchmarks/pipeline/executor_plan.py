@@ -46,6 +46,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -334,10 +335,17 @@ def main(argv=None) -> None:
     parser.add_argument("--schedules", nargs="+", metavar="NAME",
                         help="only the layouts of these schedules (default: all of LAYOUTS)")
     args = parser.parse_args(argv)
+    if args.baseline and not Path(args.baseline).is_file():
+        parser.error(f"--baseline {args.baseline}: no such file (make it: git show "
+                     f"REV:megapar/pipeline/executor.py > FILE)")
     if args.stage is not None and args.each_stage_alone:
         parser.error("--stage and --each-stage-alone exclude each other: pick one")
     layouts = [layout for layout in LAYOUTS
                if args.schedules is None or layout[0] in args.schedules]
+    unknown = sorted(set(args.schedules or ()) - {layout[0] for layout in LAYOUTS})
+    if unknown:
+        parser.error(f"--schedules {' '.join(unknown)}: no layout of that schedule; those "
+                     f"measured: {', '.join(dict.fromkeys(layout[0] for layout in LAYOUTS))}")
     torch.set_num_threads(1)
     if not args.host_only:
         print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "

@@ -86,9 +86,12 @@ def _gib(n: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the jobs whose name contains this")
     args = parser.parse_args()
+    if args.only and not any(args.only in name for name in JOBS):
+        parser.error(f"--only {args.only}: no job's name contains it; the jobs: "
+                     f"{', '.join(JOBS)}")
     print(f"{'job':<28} {'ranks':>5} {'wall s':>7} {'CPU s':>6}  most loaded rehearsed rank: "
           f"weights / grads / optimizer / activations (modelled) GiB; planner")
     for name, (world, flags) in JOBS.items():

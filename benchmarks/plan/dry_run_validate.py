@@ -88,7 +88,7 @@ def main() -> None:
     from megapar.models.recipes import resolve_model
     from megapar.training.config import TrainConfig
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-small-cpu")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)

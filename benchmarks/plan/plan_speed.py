@@ -84,7 +84,7 @@ def run(tree: Path, args: str) -> tuple[float, bytes]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="another megapar checkout")
     parser.add_argument("--tree", type=Path, default=HERE, help="the checkout to time (this one)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -93,6 +93,10 @@ def main() -> int:
                              "searches with ep, etp and cp attentions and fixed choices")
     parser.add_argument("--commands", type=int, nargs="+", help="indices into the set")
     args = parser.parse_args()
+    for flag, tree in (("--baseline", args.baseline), ("--tree", args.tree)):
+        if not (tree / "megapar").is_dir():
+            parser.error(f"{flag} {tree}: not a megapar checkout (no megapar/ in it); make one "
+                         f"with git worktree add /tmp/base <commit>")
     commands = SETS[args.set]
     chosen = [commands[i] for i in args.commands] if args.commands else commands
     print(f"{'baseline s':>10} {'this s':>8} {'ratio':>6} {'same output':>11}  command")

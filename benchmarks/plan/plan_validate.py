@@ -117,7 +117,7 @@ def main() -> None:
     from megapar.plan import Candidate, Problem, stage_memory
     from megapar.plan.estimate import estimate
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)

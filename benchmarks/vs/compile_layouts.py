@@ -353,6 +353,8 @@ def main(argv=None) -> int:
         print("\n".join(names))
         return 0
     chosen = [n for n in names if not args.only or any(s in n for s in args.only)]
+    if not chosen:
+        p.error(f"--only {' '.join(args.only)}: no case's name contains it (--list names them)")
     os.environ["MEGAPAR_CPU"] = "1"
     print(f"torch {torch.__version__}; {args.steps} steps per run; {len(chosen)} cases\n")
     print("| case | result | rel. error loss / weights | recompiled step 1 -> 2 | graph breaks "

@@ -100,6 +100,8 @@ def main(argv=None) -> None:
     results = {name: ref.ab_runs(_worker, name, CONFIGS[name][0] * CONFIGS[name][1],
                                  args.systems, args.repeats, args.steps)
                for name in args.configs}
+    print("s: median seconds a step; ratio: megapar s / torch s (below 1: megapar faster); "
+          "pair by pair: megapar / torch per repeat, median [min, max]")
     print(f"{'config':>8} " + " ".join(f"{s + ' s':>10}" for s in args.systems)
           + f" {'ratio':>6} {'max loss diff':>13} {'pair by pair':>18}  "
           f"losses ({args.systems[0]})")

@@ -305,6 +305,9 @@ def main(argv=None) -> None:
     results = {name: ab_runs(_worker, name, math.prod(CONFIGS[name][:3]), ("megapar", "torch"),
                              args.repeats, args.steps)
                for name in args.configs}
+    print("s: median seconds a step; ratio: megapar s / torch s (below 1: megapar faster); mp x "
+          "ser / tc x ser: each side's speed-up over the one-process run of the same size; "
+          "pair by pair: megapar / torch per repeat, median [min, max]")
     print(f"{'config':>15} {'megapar s':>10} {'torch s':>9} {'ratio':>6} {'mp x ser':>8} "
           f"{'tc x ser':>8} {'max loss diff':>13}  {'pair by pair':>18}  losses (megapar)")
     for name, runs in results.items():

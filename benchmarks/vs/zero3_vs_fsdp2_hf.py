@@ -160,6 +160,12 @@ def main(argv=None) -> int:
     parser.add_argument("--fsdp2-side", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=output_file, help="write the figures here as JSON")
     args, rest = parser.parse_known_args(argv)
+    if args.warmup < 0 or args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} / --warmup {args.warmup}: the median is of the steps "
+                     f"after the warm-up; give --steps above --warmup")
+    if args.baseline and not (Path(args.baseline) / "megapar").is_dir():
+        parser.error(f"--baseline {args.baseline}: not a megapar checkout (no megapar/ in it); "
+                     f"make one with git worktree add /tmp/base <commit>")
     if args.fsdp2_side:  # one FSDP2 run (a child of the comparison)
         fsdp2_main([a for a in rest if a != "--"], args.fsdp2_side)
         return 0
