@@ -450,3 +450,13 @@ def test_a_gpt2s_own_special_ids_survive_import_and_export(tmp_path):
 
     config = config_from_dict({**hf.to_dict(), "eos_token_id": [4, 5], "bos_token_id": []})
     assert (config.bos_token_id, config.eos_token_id) == (None, 4)
+    # ... and the export's generation_config.json keeps them all where the import had none
+    raw = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**raw, "eos_token_id": [4, 5]}))
+    (tmp_path / "src" / "generation_config.json").unlink()
+    assert main(["--from-hf", str(tmp_path / "src"), str(tmp_path / "ck2"), "--no-progress"]) == 0
+    assert main([str(tmp_path / "ck2"), "--to-hf", str(tmp_path / "out2"), "--no-progress"]) == 0
+    generation = json.loads((tmp_path / "out2" / "generation_config.json").read_text())
+    exported = json.loads((tmp_path / "out2" / "config.json").read_text())
+    assert generation["eos_token_id"] == [4, 5] and exported["eos_token_id"] == 4, generation
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out2").eos_token_id == [4, 5]

@@ -206,7 +206,18 @@ class HFReader:
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._meta: dict[str, torch.Tensor] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
-        self._generation: dict | None = None  # an in-memory model's (`from_model`)
+        # an in-memory model's (`from_model`); without the file, config.json's list of eos ids
+        # (the model's config keeps the first), as transformers' from_model_config takes them
+        listed = any(isinstance(raw.get(k), list) for k in ("bos_token_id", "eos_token_id"))
+        self._generation: dict | None = (
+            {
+                k: raw[k]
+                for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if raw.get(k) is not None
+            }
+            if listed
+            else None
+        )
 
     @classmethod
     def from_model(cls, hf_model) -> HFReader:
@@ -240,10 +251,8 @@ class HFReader:
 
     def _read_generation_config(self) -> dict | None:
         path = self._generation_file
-        if path is None:
+        if path is None or not path.is_file():
             return self._generation
-        if not path.is_file():
-            return None
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
