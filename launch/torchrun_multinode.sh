@@ -15,7 +15,7 @@
 # exit barrier for it (torchrun has no flag to shorten that), then exit 0.
 set -euo pipefail
 die() { echo "torchrun_multinode.sh: error: $*" >&2; exit 2; }
-number='^[0-9]+$'
+number='^(0|[1-9][0-9]{0,5})$'  # decimal, no leading zero (bash reads 08 as octal), short
 [ -n "${NNODES:-}" ] || die "set NNODES (number of nodes), e.g. NNODES=2 NODE_RANK=0 $0 ARGS"
 [[ "$NNODES" =~ $number ]] && [ "$NNODES" -ge 1 ] || die "NNODES=$NNODES: give a number of nodes (1, 2, ...)"
 if [ "$NNODES" = "1" ]; then NODE_RANK="${NODE_RANK:-0}"; fi  # one node: it is node 0
@@ -31,8 +31,11 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
 fi
 : "${MASTER_ADDR:=127.0.0.1}"
 : "${MASTER_PORT:=29500}"
-[[ "$MASTER_PORT" =~ ^[0-9]{1,5}$ ]] && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] \
+[[ "$MASTER_PORT" =~ $number ]] && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] \
   || die "MASTER_PORT=$MASTER_PORT: give a port (1 .. 65535), the same on every node"
+if [[ "$MASTER_ADDR" =~ ^[^:]+:[0-9]+$ ]]; then  # host:port (an IPv6 address has more colons)
+  die "MASTER_ADDR=$MASTER_ADDR: give the address alone (MASTER_ADDR=${MASTER_ADDR%:*}) and the port as MASTER_PORT=${MASTER_ADDR##*:}"
+fi
 if command -v getent > /dev/null && ! getent ahosts "$MASTER_ADDR" > /dev/null; then
   # torchrun repeated "The IPv6 network addresses of (node0, 29500) cannot be retrieved" until
   # its rendezvous timeout

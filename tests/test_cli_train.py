@@ -324,8 +324,15 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     ({"NNODES": "1", "MASTER_PORT": "http"}, "MASTER_PORT=http: give a port (1 .. 65535)"),
     # (bash's "integer expression expected" came first)
     ({"NNODES": "1", "MASTER_PORT": "9" * 20}, f"MASTER_PORT={'9' * 20}: give a port"),
+    # NNODES=08 was bash's "value too great for base" and a launch with --nnodes 08
+    ({"NNODES": "08", "NODE_RANK": "1"}, "NNODES=08: give a number of nodes"),
+    ({"NNODES": "9" * 20}, f"NNODES={'9' * 20}: give a number of nodes"),
+    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1:29500"},
+     "MASTER_ADDR=127.0.0.1:29500: give the address alone (MASTER_ADDR=127.0.0.1) and the "
+     "port as MASTER_PORT=29500"),
 ], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0",
-        "no-master-addr", "unresolvable-master-addr", "port-word", "port-too-long"])
+        "no-master-addr", "unresolvable-master-addr", "port-word", "port-too-long",
+        "nnodes-octal", "nnodes-too-long", "addr-with-port"])
 def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
     """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
     NPROC_PER_NODE=0 was torchrun's AssertionError traceback; a missing NNODES was bash's
