@@ -79,3 +79,9 @@ def test_a_rehearsals_report_says_its_speeds_test_the_script(tmp_path, rehearse)
     said = "the speeds and ratios below test the script, not megapar"
     assert (said in fp8) == (rehearse == "1"), report
     assert report.count(said) == (1 if rehearse == "1" else 0), report  # the parts run only
+    for skipped in ("skipped: torchao is not installed (no wheels/torchao-*.whl)",
+                    "fp8: skipped, 12 s of the budget left"):  # gpu_session.sh's two skips
+        (tmp_path / "fp8.log").write_text(skipped + "\n")
+        subprocess.run(["python3", str(ROOT / "tools" / "gpu_session_report.py"), str(tmp_path),
+                        rehearse, "5"], check=True, timeout=60)
+        assert said not in (tmp_path / "report.md").read_text()

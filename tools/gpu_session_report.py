@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -109,8 +110,9 @@ REHEARSED_SPEEDS = ("*Rehearsal: tiny models timed for a step or two on the CPU;
 
 
 def main(out: str, rehearse: str, seconds: str) -> None:
-    def said(log: str) -> list[str]:  # above a rehearsed part that ran
-        ran = rehearse == "1" and os.path.exists(os.path.join(out, log))
+    def said(log: str) -> list[str]:  # above a rehearsed part that ran (not "skipped: ...")
+        text = _read(out, log) if rehearse == "1" else None
+        ran = bool(text) and not re.match(r"([\w-]+: )?skipped", text[0])
         return [REHEARSED_SPEEDS, ""] if ran else []
 
     lines = ["# megapar GPU session", ""]
