@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 MODES = ("none", "fp16", "bf16", "powersgd")
 
@@ -51,12 +56,12 @@ def main(argv=None):
     from megapar.data import asset_path, ensure_dataset
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--dp", type=positive, default=2)
+    parser.add_argument("--steps", type=positive, default=60)
+    parser.add_argument("--seq-len", type=positive, default=64)
+    parser.add_argument("--batch-size", type=positive, default=8)
+    parser.add_argument("--micro-batch-size", type=positive, default=2)
+    parser.add_argument("--powersgd-rank", type=positive, default=4)
     args = parser.parse_args(argv)
     if args.steps <= 5:  # the learning rate warms up over 5 steps
         parser.error(f"--steps {args.steps}: the schedule warms up over 5 steps; give 6 or more")

@@ -18,6 +18,11 @@ import time
 import torch
 
 from megapar.optim.clip import sum_of_squares
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def gpt2_shapes(hidden: int, layers: int, positions: int, tp: int = 1) -> list[tuple]:
@@ -46,7 +51,7 @@ def timed(fn, grads, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive, default=5)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give 1 or more")

@@ -36,6 +36,11 @@ from megapar.optim.muon import (
     slices_held,
 )
 from megapar.plan.params import StageLayout, stage_units
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,9 +90,9 @@ def counts(config, named, n: int, zero: int, tp: int = 1) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2-124m", "llama-160m"])
-    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--zero", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--dp", type=positive, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tp", type=positive, default=1)
+    parser.add_argument("--zero", type=int, nargs="+", default=[1, 3], choices=[1, 2, 3])
     args = parser.parse_args()
     for name in args.models:
         if not os.path.exists(os.path.join(ROOT, "models", f"{name}.json")):

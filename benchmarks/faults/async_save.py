@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, read_jsonl, run_peak, train_argv  # noqa: E402
+from common import interleave, read_jsonl, run_peak, train_argv, positive  # noqa: E402
 
 COMMON = ["--model", "gpt2-124m", "--seq-len", "32", "--micro-batch-size", "1",
           "--global-batch-size", "1", "--warmup-steps", "0", "--eval-interval", "0",
@@ -65,9 +65,9 @@ def blocked(records: list[dict], interval: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-steps", type=int, default=13)
+    parser.add_argument("--max-steps", type=positive, default=13)
     parser.add_argument("--save-interval", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive, default=1)
     args = parser.parse_args()
     if args.save_interval < 2 or args.max_steps < args.save_interval + 2:
         parser.error(f"--max-steps {args.max_steps} / --save-interval {args.save_interval}: the "

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, pair_ratios, ratio_summary, timed  # noqa: E402
+from common import interleave, pair_ratios, ratio_summary, timed, positive  # noqa: E402
 
 
 def main() -> None:
@@ -29,12 +29,12 @@ def main() -> None:
     from megapar.diagnostics.nonfinite import locate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--mbs", type=int, default=4)
-    ap.add_argument("--m", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=positive, default=4)
+    ap.add_argument("--hidden", type=positive, default=128)
+    ap.add_argument("--seq", type=positive, default=64)
+    ap.add_argument("--mbs", type=positive, default=4)
+    ap.add_argument("--m", type=positive, default=4)
+    ap.add_argument("--steps", type=positive, default=30)
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = GPT2Config(vocab_size=512, n_positions=args.seq, n_embd=args.hidden,

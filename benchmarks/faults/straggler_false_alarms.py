@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,13 +45,13 @@ def _train(args, log: Path, cache: Path, text: Path, extra: list[str]) -> list[d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--fault-runs", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--log-interval", type=int, default=2)
+    p.add_argument("--runs", type=positive, default=20)
+    p.add_argument("--fault-runs", type=positive, default=2)
+    p.add_argument("--tp", type=positive, default=2)
+    p.add_argument("--pp", type=positive, default=2)
+    p.add_argument("--dp", type=positive, default=1)
+    p.add_argument("--steps", type=positive, default=12)
+    p.add_argument("--log-interval", type=positive, default=2)
     p.add_argument("--slow-ms", type=float, default=300.0)
     p.add_argument("--slow-rank", type=int, default=1)
     args = p.parse_args()

@@ -36,9 +36,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-small-cpu")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompts", type=common.positive, default=8)
+    p.add_argument("--new-tokens", type=common.positive, default=64)
+    p.add_argument("--rounds", type=common.positive, default=5)
     p.add_argument("--precision", choices=list(DTYPES), default="fp32")
     args = p.parse_args()
     config = resolve_model(args.model)

@@ -43,13 +43,13 @@ from megapar.training import generate as gen  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--window", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--last", type=int, default=32, help="the late decode steps timed apart")
-    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
+    p.add_argument("--window", type=common.positive, default=16)
+    p.add_argument("--new-tokens", type=common.positive, default=256)
+    p.add_argument("--prompts", type=common.positive, default=4)
+    p.add_argument("--vocab", type=common.positive, default=32000)
+    p.add_argument("--rounds", type=common.positive, default=5)
+    p.add_argument("--last", type=common.positive, default=32, help="the late decode steps timed apart")
+    p.add_argument("--threads", type=common.positive, default=1, help="torch's intra-op threads")
     args = p.parse_args()
     small = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v < 1]
     if small:

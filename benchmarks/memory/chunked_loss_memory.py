@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import run_peak, scratch_dir  # noqa: E402
+from common import run_peak, scratch_dir, positive  # noqa: E402
 
 VOCAB = 128256
 MODEL = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=list(MODES), help="measure one mode")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    parser.add_argument("--steps", type=int, default=2,
+    parser.add_argument("--steps", type=positive, default=2,
                         help="optimizer steps per run (the peak is reached in the first)")
     args = parser.parse_args(argv)
     work = scratch_dir("megapar-chunked-loss-")

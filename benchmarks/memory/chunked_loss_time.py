@@ -11,6 +11,11 @@ import time
 import torch
 
 from megapar.tensor_parallel import linear_cross_entropy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def _once(x, w, target, reduction: str) -> float:
@@ -22,10 +27,10 @@ def _once(x, w, target, reduction: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=10, help="rounds (one run of each path)")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--rounds", type=positive, default=10, help="rounds (one run of each path)")
+    parser.add_argument("--tokens", type=positive, default=512)
+    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--vocab", type=positive, default=50257)
     args = parser.parse_args()
     sizes = {"--rounds": args.rounds, "--tokens": args.tokens, "--hidden": args.hidden,
              "--vocab": args.vocab}

@@ -26,6 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 MB = 1 << 20
 
 
@@ -100,9 +103,9 @@ def build_source(root: Path, layers: int, hidden: int, vocab: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--layers", type=positive, default=24)
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--vocab", type=positive, default=8192)
     p.add_argument("--measure", nargs=4, metavar=("SRC", "DST", "TP", "PP"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.measure and (args.layers < 4 or args.hidden < 8 or args.hidden % 8

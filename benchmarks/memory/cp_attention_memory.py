@@ -28,6 +28,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megapar.plan.context_parallel import cp_attention_peak
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 attention_module = importlib.import_module("megapar.context_parallel.attention")
 
@@ -124,10 +129,10 @@ def planned(method, cp, b, seq, heads, kv_heads, d, dtype, causal=True, dropout=
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-size", type=int, default=32)
+    parser.add_argument("--seq", type=positive, default=2048)
+    parser.add_argument("--batch", type=positive, default=1)
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--head-size", type=positive, default=32)
     parser.add_argument("--cps", default="2,4")
     args = parser.parse_args()
     mib = 2**20

@@ -27,6 +27,11 @@ import time
 import torch
 
 from recompute_memory import SavedBytes
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 class AttentionShare(SavedBytes):
@@ -112,9 +117,9 @@ def main() -> None:
     from megapar.launcher import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--hidden", type=positive, default=512)
+    parser.add_argument("--heads", type=positive, default=8)
     parser.add_argument("--seqs", default="1024,2048,4096",
                         help="sequence lengths (multiples of 8), comma-separated")
     parser.add_argument("--cps", default="1,2,4")

@@ -23,6 +23,10 @@ import ctypes
 import sys
 
 from megapar.launcher import run_local
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 MIB = 2**20
 
@@ -86,8 +90,8 @@ def worker(sizes_mib: list[int], repeats: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, nargs="*", default=[4, 25])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=2, help="the lower of the runs counts")
+    parser.add_argument("--repeats", type=positive, default=3)
+    parser.add_argument("--runs", type=positive, default=2, help="the lower of the runs counts")
     args = parser.parse_args(argv)
     runs = [
         run_local(worker, 2, args.mib, args.repeats, start_method="spawn", timeout_s=600)

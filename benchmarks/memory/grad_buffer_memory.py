@@ -16,6 +16,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 class PackedBuckets:
@@ -112,12 +117,12 @@ def main() -> None:
     from megapar.launcher import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--mb", type=int, default=1)
-    parser.add_argument("--m", type=int, default=2)
+    parser.add_argument("--hidden", type=positive, default=512)
+    parser.add_argument("--layers", type=positive, default=6)
+    parser.add_argument("--vocab", type=positive, default=8192)
+    parser.add_argument("--seq", type=positive, default=32)
+    parser.add_argument("--mb", type=positive, default=1)
+    parser.add_argument("--m", type=positive, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
     results = {v: run_local(_worker, 2, args, v) for v in ("packed", "buffer")}

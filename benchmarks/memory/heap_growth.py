@@ -20,6 +20,9 @@ import ctypes
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # process_terms: MallInfo2
 from process_terms import MallInfo2  # noqa: E402
 
@@ -90,10 +93,10 @@ def planned(zero: int, bucket_mb: float, world: int, layers: int) -> tuple[float
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--zero", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive, default=10)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
-    parser.add_argument("--world", type=int, default=2, help="dp ranks")
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--world", type=positive, default=2, help="dp ranks")
+    parser.add_argument("--layers", type=positive, default=12)
     parser.add_argument("--map-above-mb", type=float, default=0,
                         help="serve allocations above this size from their own mappings once "
                              "built (glibc's mmap threshold, at most 32): instead of the heap")

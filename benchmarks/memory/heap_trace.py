@@ -27,6 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 MIB = 2**20
 HERE = Path(__file__).resolve().parent
 
@@ -194,9 +197,9 @@ def aligned_hole_reused() -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", action="store_true", help="--sequence-parallel")
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--mbs", type=positive, default=4)
+    parser.add_argument("--seq", type=positive, default=1024)
+    parser.add_argument("--steps", type=positive, default=2)
     args = parser.parse_args(argv)
     if os.environ.get("HEAP_TRACE_SHIM") is None:  # compile the tracer, run again preloaded
         work = tempfile.mkdtemp(prefix="megapar-heap-")

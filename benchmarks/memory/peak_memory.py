@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (  # noqa: E402
+    positive,
     json_number,
     output_file,
     run_peak,
@@ -150,8 +151,8 @@ def counted(argv: list[str], env: dict) -> tuple[int, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2,
+    parser.add_argument("--repeats", type=positive, default=1)
+    parser.add_argument("--steps", type=positive, default=2,
                         help="steps per run (at dp > 1 under ZeRO 0-2 the heap grows for some "
                              "steps: 10-20 measure the run's peak, docs/guides/planner.md)")
     parser.add_argument("--json", type=output_file, help="write every figure to this file")

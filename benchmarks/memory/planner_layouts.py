@@ -29,7 +29,7 @@ from pathlib import Path
 from megapar.launcher import run_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import output_file, write_json  # noqa: E402
+from common import output_file, write_json, positive  # noqa: E402
 
 WIDE = dict(n_embd=256, n_layer=8, n_head=8, n_positions=1024, vocab_size=1024)
 """Activations dominate: 8 blocks of hidden 256, 1,024 positions."""
@@ -146,7 +146,7 @@ def predicted(model, world: int, options: dict, batch: int, seq: int, env: dict)
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layouts", nargs="*", help=f"some of: {', '.join(LAYOUTS)}")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive, default=1)
     parser.add_argument("--json", type=output_file, help="write every figure to this file")
     parser.add_argument("--imports-in-rise", action="store_true",
                         help="import megapar's training modules and transformers after the "

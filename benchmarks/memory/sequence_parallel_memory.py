@@ -28,6 +28,11 @@ import argparse
 import torch
 
 from recompute_memory import SavedBytes, add_stage_arguments
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 MODES = {"tp": (False, False), "tp + SP": (True, False), "SP regather": (True, True)}
@@ -82,7 +87,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stage_arguments(parser, m=2)
-    parser.add_argument("--repeats", type=int, default=5, help="timing: best of this many")
+    parser.add_argument("--repeats", type=positive, default=5, help="timing: best of this many")
     args = parser.parse_args()
     t, s, h, a = 2, args.seq, args.hidden, args.heads
     print(f"GPT-2 middle stage: {args.layers} layers, hidden {h}, {a} heads, seq {s}, "

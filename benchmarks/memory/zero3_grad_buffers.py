@@ -24,6 +24,11 @@ from __future__ import annotations
 import argparse
 
 from megapar.launcher import run_local
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def _rank(bounded: bool) -> tuple[int, int]:
@@ -64,7 +69,7 @@ def _rank(bounded: bool) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive, default=1)
     args = parser.parse_args(argv)
     print("| ZeRO-3 reductions in flight | peak RSS, largest rank (GiB) | full gradient buffers "
           "alive at once (GiB) |\n| --- | ---: | ---: |")

@@ -39,7 +39,7 @@ import transformers
 import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import interleave, output_file, pair_ratios, ratio_summary, write_json, positive  # noqa: E402
 
 LR, CLIP = 1e-3, 1.0
 GROUPS = {  # profiler operator -> group, for the breakdown (the rest: "other")
@@ -123,20 +123,20 @@ def print_profile(name: str, ops: dict[str, float]) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-size", type=int, default=512,
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--experts", type=positive, default=8)
+    p.add_argument("--top-k", type=positive, default=2)
+    p.add_argument("--expert-size", type=positive, default=512,
                    help="each expert's intermediate I (the dense MLP's: top-k x I)")
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=positive, default=1024)
+    p.add_argument("--seq", type=positive, default=256)
+    p.add_argument("--batch", type=positive, default=4)
     p.add_argument("--warmup", type=int, default=2, help="steps of each before timing")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of the two in turn")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--rounds", type=positive, default=10, help="rounds of the two in turn")
+    p.add_argument("--steps", type=positive, default=2, help="timed steps per model per round")
+    p.add_argument("--threads", type=positive, default=1, help="torch threads")
     p.add_argument("--profile", action="store_true", help="print one profiled step of each")
     p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)

@@ -30,6 +30,10 @@ import sys
 import tempfile
 
 import executor_plan
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def child(schedule: str, pp: int, m: int, v: int, stage: int, steps: int, trace: bool,
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
     parser.add_argument("--stages", nargs="+", type=int, metavar="S",
                         help="the stages counted (default: the middle one, pp // 2, which has "
                              "the most events)")
-    parser.add_argument("--steps", type=int, default=5, help="steps counted per run")
+    parser.add_argument("--steps", type=positive, default=5, help="steps counted per run")
     parser.add_argument("--baseline", metavar="FILE",
                         help="an earlier executor.py, counted beside this tree's")
     args = parser.parse_args(argv)

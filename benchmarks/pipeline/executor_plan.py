@@ -58,6 +58,9 @@ from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import placement_of, virtual_stage
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("zb-v", 16, 256, 2),
            ("dualpipev", 16, 256, 2), ("interleaved", 16, 256, 2), ("interleaved", 8, 128, 4)]
 """(schedule, pp, m, V): every schedule at pp 16, m 256 (interleaved with the fewest chunks it
@@ -313,8 +316,8 @@ TIMER_COST = 0.0
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=3, help="planning runs per stage")
-    parser.add_argument("--steps", type=int, default=20,
+    parser.add_argument("--repeat", type=positive, default=3, help="planning runs per stage")
+    parser.add_argument("--steps", type=positive, default=20,
                         help="host work: steps per stage (the minimum is kept)")
     parser.add_argument("--subtract-handlers", action="store_true",
                         help="host work as measured before: a stub model that computes, the "

@@ -33,6 +33,10 @@ import sys
 import time
 
 import torch
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def _worker(groups: int, rounds: int, shape: tuple):
@@ -93,9 +97,9 @@ def main(argv=None) -> int:
     from megapar.pipeline.schedules import MessageGroup
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=500, help="groups per round and implementation")
-    p.add_argument("--rounds", type=int, default=7, help="rounds (the minimum is kept)")
-    p.add_argument("--hidden", type=int, default=64,
+    p.add_argument("--groups", type=positive, default=500, help="groups per round and implementation")
+    p.add_argument("--rounds", type=positive, default=7, help="rounds (the minimum is kept)")
+    p.add_argument("--hidden", type=positive, default=64,
                    help="the message is (1, 16, hidden) fp32 (small: the host work, not the copy)")
     args = p.parse_args(argv)
     shape = (1, 16, args.hidden)

@@ -22,6 +22,10 @@ import sys
 import time
 
 import torch
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def _worker(pp, m, schedule, reps, hidden, seq_len, mbs):
@@ -80,13 +84,13 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--m", type=int, default=8)
+    p.add_argument("--pp", type=positive, default=2)
+    p.add_argument("--m", type=positive, default=8)
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    p.add_argument("--reps", type=int, default=40, help="ABBA blocks (2 steps on, 2 off each)")
-    p.add_argument("--hidden", type=int, help="model width (default: the bubble bench model's)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--reps", type=positive, default=40, help="ABBA blocks (2 steps on, 2 off each)")
+    p.add_argument("--hidden", type=positive, help="model width (default: the bubble bench model's)")
+    p.add_argument("--seq-len", type=positive, default=64)
+    p.add_argument("--micro-batch-size", type=positive, default=4)
     args = p.parse_args(argv)
     results = run_local(_worker, args.pp, args.pp, args.m, args.schedule, args.reps, args.hidden,
                         args.seq_len, args.micro_batch_size, timeout_s=3600)

@@ -23,6 +23,10 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -90,12 +94,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-small-cpu")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--mbs", type=int, default=2)
-    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--tp", type=positive, default=2)
+    parser.add_argument("--pp", type=positive, default=2)
+    parser.add_argument("--dp", type=positive, default=2)
+    parser.add_argument("--seq", type=positive, default=64)
+    parser.add_argument("--mbs", type=positive, default=2)
+    parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--recompute", nargs="+", default=list(RECOMPUTE))
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 1])

@@ -26,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
+
 HERE = Path(__file__).resolve().parents[2]
 GPT3 = "--model gpt3-175b --global-batch-size 1536 --seq-len 2048"
 COMMANDS = [
@@ -87,7 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="another megapar checkout")
     parser.add_argument("--tree", type=Path, default=HERE, help="the checkout to time (this one)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--set", choices=SETS, default="speed",
                         help="speed: the commands timed in docs/performance.md; search: the "
                              "searches with ep, etp and cp attentions and fixed choices")

@@ -29,6 +29,11 @@ import torch
 
 from megapar.dryrun.measure import HeldStorages, peak_held
 from megapar.dryrun.world import held_bytes
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 LAYOUTS = [  # (tp, pp, dp, schedule, zero)
     (1, 1, 1, "1f1b", 0),
@@ -118,14 +123,14 @@ def main() -> None:
     from megapar.plan.estimate import estimate
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--mbs", type=int, default=4, help="micro-batch size")
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5, help="measured steps (median)")
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--seq", type=positive, default=64)
+    parser.add_argument("--vocab", type=positive, default=1000)
+    parser.add_argument("--mbs", type=positive, default=4, help="micro-batch size")
+    parser.add_argument("--global-batch", type=positive, default=16)
+    parser.add_argument("--steps", type=positive, default=5, help="measured steps (median)")
     args = parser.parse_args()
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,

@@ -38,7 +38,7 @@ import torch
 import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import interleave, output_file, pair_ratios, ratio_summary, write_json  # noqa: E402
+from common import interleave, output_file, pair_ratios, ratio_summary, write_json, positive  # noqa: E402
 
 LR, CLIP = 1e-3, 1.0
 
@@ -107,16 +107,16 @@ RATIOS = [  # (a, b): a's s/step over b's, round by round
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--hidden", type=positive, default=128)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--vocab", type=positive, default=1024)
+    p.add_argument("--seq", type=positive, default=128)
+    p.add_argument("--batch", type=positive, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps before timing (compiles)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of the four systems in turn")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--rounds", type=positive, default=5, help="rounds of the four systems in turn")
+    p.add_argument("--steps", type=positive, default=5, help="timed steps per system per round")
+    p.add_argument("--threads", type=positive, default=1, help="torch threads")
     p.add_argument("--json", type=output_file, help="write every figure to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import output_file, write_json  # noqa: E402
+from common import output_file, write_json, positive  # noqa: E402
 
 VOCAB, SEQ, G = 96, 8, 8
 FP32_TOL = 1e-5
@@ -342,7 +342,7 @@ def describe(r: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    p.add_argument("--steps", type=positive, default=5, help="optimizer steps per run")
     p.add_argument("--only", action="append", default=[],
                    help="run the cases whose name contains this (repeatable)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")

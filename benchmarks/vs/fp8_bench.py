@@ -29,7 +29,7 @@ import megapar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench.py
-from common import interleave, output_file, write_json  # noqa: E402
+from common import interleave, output_file, positive, write_json  # noqa: E402
 from gpu_bench import LR, data, hf_config, reset_memory, timed  # noqa: E402
 
 VARIANTS = ("bf16", "tensorwise", "rowwise")
@@ -58,9 +58,9 @@ def run(variant: str, config, mbs: int, seq: int, batches, warmup: int, device, 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--steps", type=positive, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=positive, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model (a rehearsal)")
     parser.add_argument("--compile", action="store_true",

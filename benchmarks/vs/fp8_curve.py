@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import output_file, read_jsonl, write_json  # noqa: E402
+from common import output_file, read_jsonl, write_json, positive  # noqa: E402
 
 SEED, OTHER_SEED = 1234, 4321
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4"]
@@ -69,7 +69,7 @@ def train(flags: list[str], args, where: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=positive, default=None,
                         help="--max-steps of every run (default: the main job's 300)")
     parser.add_argument("--every", type=int, default=25, help="print every N-th step")
     parser.add_argument("--fp8", default="tensorwise", choices=["tensorwise", "rowwise"])

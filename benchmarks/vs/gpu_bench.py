@@ -45,7 +45,7 @@ from megapar.models.config import config_from_hf
 from megapar.plan import Candidate, Problem, estimate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import output_file, write_json  # noqa: E402
+from common import output_file, write_json, positive  # noqa: E402
 
 MODELS = {  # recipe: (transformers config kwargs, micro-batch size, sequence length)
     "gpt2-124m": (dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
@@ -222,7 +222,7 @@ def matmul_tflops(device) -> float | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
+    parser.add_argument("--steps", type=positive, default=10, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", nargs="*", default=None, metavar="MODEL",
                         help="models to also run compiled (default: all of --models)")

@@ -19,6 +19,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import positive  # noqa: E402
 
 
 def _worker(args) -> dict:
@@ -93,12 +98,12 @@ def _worker(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=positive, default=10)
+    parser.add_argument("--hidden", type=positive, default=256)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--seq", type=positive, default=128)
+    parser.add_argument("--mbs", type=positive, default=4)
+    parser.add_argument("--vocab", type=positive, default=8192)
     args = parser.parse_args(argv)
     from megapar.launcher import run_local
 

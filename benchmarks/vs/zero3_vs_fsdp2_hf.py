@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import (  # noqa: E402
+    positive,
     interleave, output_file, pair_ratios, ratio_summary, read_jsonl, run_peak, train_argv,
     write_json,
 )
@@ -150,8 +151,8 @@ def one_run(side: str, model_dir: str, steps: int, extra: list[str], work: str,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="rounds (one run of each side)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per run")
+    parser.add_argument("--repeats", type=positive, default=3, help="rounds (one run of each side)")
+    parser.add_argument("--steps", type=positive, default=12, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     parser.add_argument("--megapar-flags", nargs=argparse.REMAINDER, default=[],
                         help="more megapar-train flags (last on the line)")
