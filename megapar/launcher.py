@@ -669,7 +669,9 @@ def _callers_function(fn: Callable[..., Any], *args) -> Any:
         inner = inner.func
     name = getattr(inner, "__qualname__", type(inner).__qualname__)
     diagnostics.set_action(f"calling {name} (the caller's code, which megapar.launch runs)")
-    return fn(*args)
+    out = fn(*args)
+    diagnostics.set_action(f"{name} returned")  # what its peers see while they still work
+    return out
 
 
 def _in_group_of_one(fn: Callable[..., Any], *args) -> Any:
