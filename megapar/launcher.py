@@ -668,9 +668,11 @@ def _callers_function(fn: Callable[..., Any], *args) -> Any:
     while isinstance(inner, functools.partial):  # the user's function, not "partial"
         inner = inner.func
     name = getattr(inner, "__qualname__", type(inner).__qualname__)
-    diagnostics.set_action(f"calling {name} (the caller's code, which megapar.launch runs)")
+    calling = f"calling {name} (the caller's code, which megapar.launch runs)"
+    diagnostics.set_action(calling)
     out = fn(*args)
-    diagnostics.set_action(f"{name} returned")  # what its peers see while they still work
+    if diagnostics.current().action_text() == calling:  # a megapar call's status says more
+        diagnostics.set_action(f"{name} returned")  # what its peers see while they still work
     return out
 
 
