@@ -132,7 +132,8 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
         return None
     common = 0  # a tp dividing every chosen split dim / 16 keeps them multiples of 16
     for x in found:
-        # held whole here (k / v): split by its output rows at a tp dividing its heads
+        # its split dim: the input's of a row-parallel linear, else the output rows (k / v
+        # held whole here are split by them at a tp dividing their heads)
         common = math.gcd(common, (x.full[1] if x.split == "in" else x.full[0]) // 16)
         if x.heads is not None or x.split is None:  # split by heads: a tp dividing them
             common = math.gcd(common, x.heads or 1)

@@ -55,16 +55,12 @@ def recorded_settings(engine) -> dict:
                 lr_wsd_decay_steps=schedule.decay_steps, lr_wsd_decay_style=schedule.wsd_style
             )
     if engine.batches_from_caller:  # megapar-train's defaults, which this engine never read
-        unread = [*CALLERS_BATCHES, *(["max_steps"] if schedule is None else [])]
+        unread = ["data", "seq_len"]
+        unread += ["global_batch_size"] if engine.batch_rows is None else []  # not given
+        unread += ["max_steps"] if schedule is None else []  # a megapar schedule's is its own
         for name in unread:
-            if not (name == "global_batch_size" and engine.batch_rows is not None):
-                settings.pop(name, None)
+            settings.pop(name, None)
     return settings
-
-
-CALLERS_BATCHES = ("data", "seq_len", "global_batch_size")
-"""Settings a `megapar.prepare` engine's checkpoint does not record unless it was given them
-(`global_batch_size`): its batches are its caller's (`Engine.batches_from_caller`)."""
 
 
 def rng_notes(notes: list[str], draws_dropout: bool) -> list[str]:
