@@ -451,11 +451,45 @@ def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
     assert str(err.value).endswith(
         "--precision fp16 --hysteresis 4 (no equivalent: fp16.consecutive_hysteresis (megapar's "
         "hysteresis is restored when the scale grows, not after each clean step))"), err.value
-    # a static scale: DeepSpeed reads none of the dynamic keys then
-    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4}}))
+    # a static scale: DeepSpeed reads none of the dynamic keys then, and they are named so
+    # (consecutive_hysteresis beside one was dropped without a word: a new user's tryout)
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
     assert str(err.value).endswith("--precision fp16 --loss-scale 128"), err.value
+    ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4,
+                                       "consecutive_hysteresis": True}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        "--precision fp16 --loss-scale 128 (no equivalent: fp16.hysteresis, "
+        "fp16.consecutive_hysteresis (unused with a static loss_scale))"), err.value
+
+
+def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_path):
+    """A stage-3 config without stage3_param_persistence_threshold (DeepSpeed's 1e5, megapar's
+    0), a micro-batch without train_batch_size (DeepSpeed accumulates nothing, megapar-train's
+    default global batch is 16) and an activation_checkpointing section were translated as
+    `--zero 3 --micro-batch-size 4` and "no equivalent: activation_checkpointing" (a DeepSpeed
+    user's tryout of docs/comparison.md)."""
+    from megapar.training.config import ConfigError, read_run_config
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3},
+                              "train_micro_batch_size_per_gpu": 4,
+                              "activation_checkpointing": {"partition_activations": True}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(
+        "--zero 3 --zero3-persistence-threshold 100000 --micro-batch-size 4 "
+        "--global-batch-size (4 x dp) (no equivalent: activation_checkpointing (it tunes the "
+        "model's own checkpoint calls; megapar's --recompute full recomputes every block))"
+    ), err.value
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2},
+                              "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith(": --zero 2 --micro-batch-size 4 --global-batch-size 32"), \
+        err.value
 
 
 @pytest.mark.parametrize("scheduler, flags, left", [

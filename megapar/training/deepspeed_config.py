@@ -37,6 +37,16 @@ def _flag_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
+DYNAMIC_SCALER_KEYS = (
+    "initial_scale_power",
+    "loss_scale_window",
+    "min_loss_scale",
+    "hysteresis",
+    "consecutive_hysteresis",
+)
+"""An fp16 section's keys of DeepSpeed's dynamic loss scaler (unused with a static scale)."""
+
+
 def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
     """An enabled fp16 section's loss-scaler keys as megapar-train's flags (DeepSpeed's
     defaults where a key is absent and megapar's default differs: hysteresis 2; a static
@@ -45,6 +55,9 @@ def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
     flags: list[str] = []
     left: list[str] = []
     if fp16.get("loss_scale", 0) not in (0, 0.0, "0"):
+        dynamic = [k for k in DYNAMIC_SCALER_KEYS if k in fp16]
+        if dynamic:  # DeepSpeed ignores them beside a static scale, as megapar-train would
+            left.append(f"fp16.{', fp16.'.join(dynamic)} (unused with a static loss_scale)")
         return [f"--loss-scale {_flag_value(fp16['loss_scale'])}"], left
     if "initial_scale_power" in fp16:
         flags.append(f"--initial-loss-scale {_flag_value(2 ** int(fp16['initial_scale_power']))}")
@@ -93,6 +106,9 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             flags.append(f"--global-batch-size {_flag_value(value)}")
         elif key == "train_micro_batch_size_per_gpu":
             flags.append(f"--micro-batch-size {_flag_value(value)}")
+            if "train_batch_size" not in data and "gradient_accumulation_steps" not in data:
+                # DeepSpeed accumulates nothing then; megapar-train's default batch is 16
+                flags.append(f"--global-batch-size ({_flag_value(value)} x dp)")
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
             flags.append(f"--global-batch-size (micro-batch x {_flag_value(value)} x dp)")
         elif key == "gradient_accumulation_steps":
@@ -120,8 +136,9 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                     flags.append(flag)
                 elif device not in ("none", None):
                     left.append(f"zero_optimization.{part}.device {device} (the host only)")
-            if "stage3_param_persistence_threshold" in value:
-                threshold = _flag_value(value["stage3_param_persistence_threshold"])
+            if "stage3_param_persistence_threshold" in value or stage in (3, "3"):
+                # DeepSpeed's default is 1e5 elements, megapar-train's 0
+                threshold = _flag_value(value.get("stage3_param_persistence_threshold", 100000))
                 flags.append(f"--zero3-persistence-threshold {threshold}")
             if "reduce_bucket_size" in value:  # elements; megapar's gradients are fp32
                 mb = _flag_value(round(float(value["reduce_bucket_size"]) * 4 / 2**20, 3))
@@ -171,6 +188,11 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 flags.append(f"--min-lr (--lr x cos_min_ratio {ratio})")
             if decay is not None and params.get("warmup_type", "log") == "log":
                 left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")
+        elif key == "activation_checkpointing":
+            left.append(
+                "activation_checkpointing (it tunes the model's own checkpoint calls; "
+                "megapar's --recompute full recomputes every block)"
+            )
         else:
             left.append(key)
     return flags, left, auto
