@@ -278,7 +278,8 @@ class OneLineParser(argparse.ArgumentParser):
         context parallelism), and an empty one suppresses the guess (`--no-load-optim` is not
         `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too; one
         that begins one known flag only is that flag cut short (`--out`: `--output-prefix`, not
-        the closer spelt `--input`)."""
+        the closer spelt `--input`). A dotted key of a section another tool's flag names
+        (`--zero_optimization.sub_group_size`) gets that section's answer."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
@@ -288,6 +289,9 @@ class OneLineParser(argparse.ArgumentParser):
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
             named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
+            if named not in self.known_as and "." in flag:  # a key of a section it answers
+                section = flag.split(".", 1)[0]
+                named = section if section in self.known_as else section.replace("_", "-")
             if named in self.known_as:
                 ours = self.known_as[named]
                 if ours.startswith("--"):

@@ -190,6 +190,9 @@ TRAIN = [
      "global batch size 16 is not divisible by dp 3: each dp rank takes an equal share; choose "
      "a multiple of 3 (e.g. 15 or 18; the micro-batch size, not given, then adapts to it)"),
     (["--config", "{missing.yaml}"], "no such config file"),
+    # torchtitan's config registry name (--config llama3_8b): "no such config file" alone
+    (["--config", "llama3_8b"], "llama3_8b: no such config file; torchtitan's module and "
+     "config name a Python config of its registry"),
     (["--config", "{bad.yaml}"], "not valid YAML at line"),
     (["--config", "{bad.json}"], "not valid JSON at line 1"),
     (["--config", "{list.yaml}"], "expected a mapping of names to values, got a list"),
@@ -1300,6 +1303,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     ("--eval_steps", "did you mean --eval-interval (steps between evaluations"),  # --eval-steps
     ("--learning-rate", "did you mean --lr?"),  # nothing
     ("--logging-steps", "did you mean --log-interval?"),  # --profile-steps
+    # FSDP's, DeepSpeed's dotted keys and torchtitan's --module: "did you mean --dp?",
+    # "--config?" (which then refused an FSDP config's keys), "--model?", or nothing
+    ("--fsdp", "megapar's FSDP is --zero 3"),
+    ("--fsdp_config", "megapar's FSDP is --zero 3"),
+    ("--zero_optimization.stage", "did you mean --zero?"),
+    ("--zero_optimization.sub_group_size", "megapar's ZeRO is built in: give --zero 1, 2 or 3"),
+    ("--module", "torchtitan's module and config name a Python config of its registry"),
 ])
 def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsys):
     """The Trainer's names, in either spelling: difflib named an unrelated flag or none (a
@@ -2108,6 +2118,22 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"fsdp.yaml is an accelerate config, which "
                        r"megapar-train does not read: .* give --dp 4 --zero 3 --precision bf16"):
         parse_args(["--config", str(accelerate)])
+    # steps below 1 are the Trainer's ratios of the training steps, and its fsdp is --zero:
+    # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
+    args.write_text(json.dumps({
+        "output_dir": "out", "learning_rate": 3e-4, "max_steps": 100, "eval_steps": 0.5,
+        "logging_steps": 0.01, "save_steps": 0.25, "fsdp": "full_shard offload auto_wrap"}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    for flag in ("--zero 3 --offload-optimizer --offload-params", "--save-interval 25",
+                 "--log-interval 1 --eval-interval 50"):
+        assert flag in str(info.value), (flag, info.value)
+    args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, "eval_steps": 0.5,
+                                "fsdp": ["shard_grad_op"]}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    assert "--zero 2 " in str(info.value) and ("eval_steps 0.5: --eval-interval (the ratio x "
+                                               "the training steps)") in str(info.value), info.value
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

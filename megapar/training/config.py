@@ -18,6 +18,7 @@ import difflib
 import inspect
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from megapar.training.hf_trainer_config import (
     is_trainer_arguments,
     trainer_arguments,
 )
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS, megatron_defaults
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS, TORCHTITAN_MODULE, megatron_defaults
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
 
 GROUPS = {
@@ -607,6 +608,8 @@ def read_run_config(path: str) -> dict[str, Any]:
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
         raise ConfigError(toml_job_config(path, _flag_kinds()))
+    if not Path(path).suffix and not Path(path).expanduser().exists():  # torchtitan's llama3_8b
+        raise ConfigError(f"{path}: no such config file; {TORCHTITAN_MODULE}")
     loaded = load_config_file(path)
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())

@@ -7,6 +7,7 @@ defaults where the file leaves one out and megapar-train's differs (weight decay
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS
@@ -137,16 +138,35 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         flags.append("--recompute full")
     if get("torch_compile", False):
         flags.append("--compile")
+    fsdp = get("fsdp", "")
+    fsdp = " ".join(fsdp) if isinstance(fsdp, list) else str(fsdp or "")
+    if fsdp:  # full_shard / hybrid_shard shard the parameters too, shard_grad_op does not
+        zero = "--zero 2" if "shard_grad_op" in fsdp else "--zero 3"
+        offload = " --offload-optimizer" + (" --offload-params" if zero == "--zero 3" else "")
+        flags.append(zero + (offload if "offload" in fsdp else ""))
+
+    def interval(flag: str, key: str, default: float) -> None:
+        """`flag` for the Trainer's steps setting `key`; one below 1 is its ratio of the
+        training steps (rounded up, as the Trainer does)."""
+        value = get(key, default)
+        if isinstance(value, float) and 0 < value < 1:
+            if steps > 0:
+                flags.append(f"{flag} {math.ceil(value * steps)}")
+            else:
+                said.append(f"{key} {value:g}: {flag} (the ratio x the training steps)")
+        else:
+            flags.append(f"{flag} {int(value) if isinstance(value, float) else value}")
+
     if data.get("output_dir"):
         flags.append(f"--save {data['output_dir']}")
         if get("save_strategy", "steps") == "steps":
-            flags.append(f"--save-interval {get('save_steps', 500)}")
+            interval("--save-interval", "save_steps", 500)
         if data.get("save_total_limit"):
             flags.append(f"--keep-latest-k {data['save_total_limit']}")
-    flags.append(f"--log-interval {get('logging_steps', 500)}")
+    interval("--log-interval", "logging_steps", 500)
     if get("eval_strategy", get("evaluation_strategy", "no")) == "steps" or data.get("eval_steps"):
-        interval = get("eval_steps", None) or get("logging_steps", 500)
-        flags.append(f"--eval-interval {interval}")
+        every = "eval_steps" if data.get("eval_steps") else "logging_steps"  # the Trainer's
+        interval("--eval-interval", every, 500)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "

@@ -58,6 +58,17 @@ DS_CONFIG = (
     "offload_optimizer / offload_param --offload-optimizer / --offload-params, bf16 / fp16 "
     "--precision, gradient_clipping --clip-grad (--config ds.json names them for its keys)"
 )
+FSDP = (
+    "megapar's FSDP is --zero 3, its own sharding of parameters, gradients and optimizer state "
+    "over the --dp ranks (the Trainer's fsdp full_shard; shard_grad_op is --zero 2, offload "
+    "adds --offload-optimizer --offload-params); it reads no FSDP config"
+)
+TORCHTITAN_MODULE = (
+    "torchtitan's module and config name a Python config of its registry (llama3, "
+    "llama3_8b), which megapar-train cannot read: give the model as --model (a recipe such as "
+    "llama-8b or llama-tiny, or a JSON / YAML model config) and the job's settings as "
+    "megapar-train flags (an older torchtitan's TOML job config given to --config is translated)"
+)
 GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
     "--micro-batch-size x the accumulation steps x dp)"
@@ -392,6 +403,7 @@ OTHER_TOOLS_FLAGS = {
     "--model.flavor": "--model (a recipe such as llama-1b, or a config.json of the flavor's "
     "sizes: megapar-convert reads torchtitan's Llama 3 flavors from a job config)",
     "--model.name": "--model (a recipe such as llama-1b, or a config.json)",
+    "--module": TORCHTITAN_MODULE,
     "--job.dump_folder": "--save (checkpoints) and --log-json or --tensorboard (logs)",
     "--training.dataset": "--data (a text file, directory or dataset on disk; nothing is "
     "downloaded)",
@@ -409,6 +421,10 @@ OTHER_TOOLS_FLAGS = {
     "--deepspeed-config": DS_CONFIG,
     "--deepscale_config": DS_CONFIG,
     "--zero-stage": "--zero",
+    "--stage": "--zero",  # a ZeRO stage (DeepSpeed's zero_optimization.stage)
+    "--zero_optimization.stage": "--zero",
+    "--zero_optimization.offload_optimizer.device": "--offload-optimizer (cpu)",
+    "--zero_optimization.offload_param.device": "--offload-params (cpu)",
     "--zero_stage": "--zero",
     "--zero-optimization": DS_ZERO,
     "--zero_optimization": DS_ZERO,
@@ -467,6 +483,9 @@ OTHER_TOOLS_FLAGS = {
     "--job.config_file": "--config",
     "--tensorboard-dir": "--tensorboard",
     "--output-dir": "--save",  # covers --output_dir too
+    "--fsdp": FSDP,
+    "--fsdp-config": FSDP,
+    "--fsdp_config": FSDP,
     "--per-device-train-batch-size": "--micro-batch-size (the accumulation steps are "
     "--global-batch-size over micro-batch x dp; its default is 16)",
     # more of the Trainer's (TrainingArguments'): a dashed entry covers both spellings, and
