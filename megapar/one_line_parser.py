@@ -289,8 +289,11 @@ class OneLineParser(argparse.ArgumentParser):
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
             named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
+            if named not in self.known_as and "." in flag:  # DeepSpeed's --zero-optimization.x
+                head, _, rest = flag.partition(".")
+                named = "--" + head[2:].replace("-", "_") + "." + rest
             if named not in self.known_as and "." in flag:  # a key of a section it answers
-                section = flag.split(".", 1)[0]
+                section = named.split(".", 1)[0]
                 named = section if section in self.known_as else section.replace("_", "-")
             if named in self.known_as:
                 ours = self.known_as[named]

@@ -1677,6 +1677,8 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ("checkpoint_activations", "checkpoint_activations: did you mean recompute='full'?"),
     ("config", "config: megapar.prepare reads no config file (a DeepSpeed config neither)"),
     ("stage", "stage: did you mean zero?"),  # was "did you mean save?"
+    ("module", "module: torchtitan's module and config name a Python config of its registry "
+     "(llama3, llama3_8b), which megapar.prepare cannot read: pass the model"),
     # torchtitan's float8 names: "did you mean load?", or nothing; an int choice was quoted
     ("float8", "float8: did you mean fp8='tensorwise' (or rowwise"),
     ("enable_fsdp_float8_all_gather", "megapar's zero=3 gathers the fp8='tensorwise' linears'"),

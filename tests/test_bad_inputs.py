@@ -1310,6 +1310,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     ("--zero_optimization.stage", "did you mean --zero?"),
     ("--zero_optimization.sub_group_size", "megapar's ZeRO is built in: give --zero 1, 2 or 3"),
     ("--module", "torchtitan's module and config name a Python config of its registry"),
+    # DeepSpeed's keys under their section, in either spelling (a re-test's: "did you mean
+    # --precision fp16?" for the loss scale, --optimizer for its lr)
+    ("--fp16.loss_scale", "did you mean --loss-scale (a static scale"),
+    ("--optimizer.params.lr", "did you mean --lr?"),
+    ("--zero-optimization.stage", "did you mean --zero?"),
+    ("--zero_optimization.offload_param.device", "did you mean --offload-params (to the host; "
+     "no NVMe)?"),
 ])
 def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsys):
     """The Trainer's names, in either spelling: difflib named an unrelated flag or none (a
@@ -1320,6 +1327,24 @@ def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsy
         parse_args([flag, "5"])
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"{flag}: {hint}" in err, err
+
+
+@pytest.mark.parametrize("flag, hint", [
+    ("--stage", "megapar-plan tries every ZeRO stage of --zero-stages itself"),  # --target?
+    ("--zero_optimization.stage", "give zero=N to --explain"),  # nothing
+    ("--fsdp", "FSDP's full_shard is zero 3"),  # --fp8?
+    ("--deepspeed", "reads no FSDP or DeepSpeed config"),  # --fp8-speedup?
+    ("--module", "torchtitan's module and config name a Python config"),  # --model?
+])
+def test_megapar_plan_answers_fsdp_deepspeed_and_torchtitan_names(flag, hint, capsys):
+    """megapar-plan's answers to the names megapar-train answers (a re-test's finding: each
+    was difflib's guess of an unrelated flag, or nothing)."""
+    from megapar.cli.plan import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([flag, "3"])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{flag}: " in err and hint in err, err
 
 
 def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
@@ -2122,18 +2147,43 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
     args.write_text(json.dumps({
         "output_dir": "out", "learning_rate": 3e-4, "max_steps": 100, "eval_steps": 0.5,
-        "logging_steps": 0.01, "save_steps": 0.25, "fsdp": "full_shard offload auto_wrap"}))
+        "eval_strategy": "steps", "logging_steps": 0.01, "save_steps": 0.25, "fsdp": "full_shard offload auto_wrap"}))
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(args)])
     for flag in ("--zero 3 --offload-optimizer --offload-params", "--save-interval 25",
                  "--log-interval 1 --eval-interval 50"):
         assert flag in str(info.value), (flag, info.value)
     args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, "eval_steps": 0.5,
-                                "fsdp": ["shard_grad_op"]}))
+                                "eval_strategy": "steps", "fsdp": ["shard_grad_op"]}))
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(args)])
     assert "--zero 2 " in str(info.value) and ("eval_steps 0.5: --eval-interval (the ratio x "
                                                "the training steps)") in str(info.value), info.value
+    # as transformers 5 reads them (a re-test's findings): no_shard shards nothing,
+    # hybrid_shard_zero2 and reshard_after_forward false are ZeRO-2; a float max_steps counts;
+    # warmup rounds up; eval_steps without eval_strategy steps, a fractional logging_steps
+    # above 1 and a negative save_steps are no flags
+    cases = [
+        ({"fsdp": "no_shard", "max_steps": 10}, "--max-steps 10", "--zero"),
+        ({"fsdp": "hybrid_shard_zero2 offload"}, "--zero 2 --offload-optimizer --save",
+         "--offload-params"),
+        ({"fsdp": True, "fsdp_config": {"fsdp_reshard_after_forward": False}}, "--zero 2 ", ""),
+        ({"fsdp": True, "fsdp_config": {"cpu_offload": True}},
+         "--zero 3 --offload-optimizer --offload-params", ""),
+        ({"fsdp": "bogus"}, "fsdp bogus: not one of the Trainer's options", "--min-lr 0 --zero"),
+        ({"max_steps": 100.0, "warmup_ratio": 0.033}, "--max-steps 100 --warmup-steps 4", ""),
+        ({"max_steps": 100, "eval_steps": 0.2}, "eval_steps: the Trainer evaluates on steps "
+         "only with eval_strategy steps (here no)", "--eval-interval 20"),
+        ({"logging_steps": 2.5, "save_steps": -1}, "logging_steps 2.5: not a setting the "
+         "Trainer takes", "--log-interval 2"),
+        ({"logging_strategy": "epoch", "max_steps": 10}, "--max-steps 10", "--log-interval"),
+    ]
+    for extra, said, absent in cases:
+        args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, **extra}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(args)])
+        assert said in str(info.value), (extra, info.value)
+        assert not absent or absent not in str(info.value), (extra, info.value)
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

@@ -490,6 +490,18 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
         read_run_config(str(ds))
     assert str(err.value).endswith(": --zero 2 --micro-batch-size 4 --global-batch-size 32"), \
         err.value
+    # the Hugging Face Trainer's ZeRO-3 config ("auto" values it fills: not DeepSpeed's
+    # defaults then), a stage of 3.0 and its dynamic fp16 scaler under "enabled": "auto" (a
+    # re-test's: --zero3-persistence-threshold 100000 beside "megapar's own values", the
+    # batch "(4 x dp)" the Trainer's accumulation makes, --zero 3.0, the scaler dropped)
+    ds.write_text(json.dumps({
+        "zero_optimization": {"stage": 3.0, "stage3_param_persistence_threshold": "auto"},
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+        "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert ": --zero 3 --micro-batch-size 4 --initial-loss-scale 65536 --hysteresis 2; and " \
+        "for the keys the Hugging Face Trainer fills" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("scheduler, flags, left", [

@@ -169,6 +169,20 @@ OTHER_FLAGS = {
     "--grad_accumulation_steps": _ACCUMULATION,
     "--accumulate-grad-batches": _ACCUMULATION,
     "--zero_stage": "--zero-stages",
+    **dict.fromkeys(
+        ("--stage", "--zero-stage", "--zero_optimization", "--zero_optimization.stage"),
+        _ONE_SETTING.format(
+            what="every ZeRO stage of --zero-stages", key="zero=N", example="dp=8,zero=3,mbs=1"
+        ),
+    ),
+    **dict.fromkeys(
+        ("--fsdp", "--fsdp_config", "--fsdp-config", "--deepspeed", "--deepspeed_config"),
+        "megapar-plan tries every ZeRO stage of --zero-stages (FSDP's full_shard is zero 3, "
+        "shard_grad_op zero 2, DeepSpeed's stages the same numbers) and reads no FSDP or "
+        "DeepSpeed config; drop it",
+    ),
+    "--module": "torchtitan's module and config name a Python config of its registry, which "
+    "megapar-plan cannot read: give the model as --model (a recipe such as llama-8b)",
     "--offload-optimizer": "--offload optimizer",
     "--offload-params": "--offload both",
     "--offload_param": "--offload both",

@@ -106,7 +106,8 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             flags.append(f"--global-batch-size {_flag_value(value)}")
         elif key == "train_micro_batch_size_per_gpu":
             flags.append(f"--micro-batch-size {_flag_value(value)}")
-            if "train_batch_size" not in data and "gradient_accumulation_steps" not in data:
+            batch = ("train_batch_size", "gradient_accumulation_steps")
+            if not any(k in data or k in auto for k in batch):
                 # DeepSpeed accumulates nothing then; megapar-train's default batch is 16
                 flags.append(f"--global-batch-size ({_flag_value(value)} x dp)")
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
@@ -120,12 +121,15 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
         elif key in ("fp16", "bf16") and isinstance(value, dict):
             if on(value):
                 flags.append(f"--precision {key}")
-            if key == "fp16" and on(value):
+            scaler = "loss_scale" in value or any(k in value for k in DYNAMIC_SCALER_KEYS)
+            if key == "fp16" and (on(value) or ("fp16.enabled" in auto and scaler)):
                 fp16_flags, fp16_left = _fp16_scaler(value)
                 flags += fp16_flags
                 left += fp16_left
         elif key == "zero_optimization" and isinstance(value, dict):
             stage = value.get("stage", 0)
+            if isinstance(stage, float) and stage.is_integer():
+                stage = int(stage)  # 3.0
             flags.append(f"--zero {_flag_value(stage)}")
             for part, flag in (
                 ("offload_optimizer", "--offload-optimizer"),
@@ -136,7 +140,8 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                     flags.append(flag)
                 elif device not in ("none", None):
                     left.append(f"zero_optimization.{part}.device {device} (the host only)")
-            if "stage3_param_persistence_threshold" in value or stage in (3, "3"):
+            filled = "zero_optimization.stage3_param_persistence_threshold" in auto
+            if "stage3_param_persistence_threshold" in value or (stage in (3, "3") and not filled):
                 # DeepSpeed's default is 1e5 elements, megapar-train's 0
                 threshold = _flag_value(value.get("stage3_param_persistence_threshold", 100000))
                 flags.append(f"--zero3-persistence-threshold {threshold}")

@@ -105,6 +105,8 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     flags.append(f"--clip-grad {shown('max_grad_norm', 1.0)}")
     flags.append(f"--seed {get('seed', 42)}")
     steps = get("max_steps", -1)
+    if isinstance(steps, float) and steps.is_integer():
+        steps = int(steps)  # 100.0, as the Trainer takes it
     steps = steps if isinstance(steps, int) else -1  # no whole number: the epochs count
     if steps > 0:
         flags.append(f"--max-steps {steps}")
@@ -119,7 +121,7 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
         warmup, ratio = 0, warmup
     if ratio and steps > 0:
-        flags.append(f"--warmup-steps {round(ratio * steps)}")
+        flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
     elif ratio:
         said.append(f"warmup_ratio {ratio:g}: --warmup-steps (the ratio x the training steps)")
     else:
@@ -138,41 +140,108 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         flags.append("--recompute full")
     if get("torch_compile", False):
         flags.append("--compile")
-    fsdp = get("fsdp", "")
-    fsdp = " ".join(fsdp) if isinstance(fsdp, list) else str(fsdp or "")
-    if fsdp:  # full_shard / hybrid_shard shard the parameters too, shard_grad_op does not
-        zero = "--zero 2" if "shard_grad_op" in fsdp else "--zero 3"
-        offload = " --offload-optimizer" + (" --offload-params" if zero == "--zero 3" else "")
-        flags.append(zero + (offload if "offload" in fsdp else ""))
+    sharding, fsdp_said = _fsdp(data.get("fsdp"), data.get("fsdp_config"))
+    flags += sharding
+    said += fsdp_said
 
     def interval(flag: str, key: str, default: float) -> None:
         """`flag` for the Trainer's steps setting `key`; one below 1 is its ratio of the
-        training steps (rounded up, as the Trainer does)."""
+        training steps (rounded up, as the Trainer does); one the Trainer refuses is said so."""
         value = get(key, default)
         if isinstance(value, float) and 0 < value < 1:
             if steps > 0:
                 flags.append(f"{flag} {math.ceil(value * steps)}")
             else:
                 said.append(f"{key} {value:g}: {flag} (the ratio x the training steps)")
+        elif isinstance(value, (int, float)) and value >= 1 and float(value).is_integer():
+            flags.append(f"{flag} {int(value)}")
         else:
-            flags.append(f"{flag} {int(value) if isinstance(value, float) else value}")
+            said.append(
+                f"{key} {value}: not a setting the Trainer takes (a whole number >= 1, or a "
+                f"ratio of the training steps below 1); {flag} N"
+            )
+
+    def strategy(key: str, default: str) -> str:
+        """The Trainer's `key` strategy ("steps", "epoch", "no"; an enum's name read too)."""
+        return str(get(key, default)).lower().rpartition(".")[2]
 
     if data.get("output_dir"):
         flags.append(f"--save {data['output_dir']}")
-        if get("save_strategy", "steps") == "steps":
+        if strategy("save_strategy", "steps") == "steps":
             interval("--save-interval", "save_steps", 500)
         if data.get("save_total_limit"):
             flags.append(f"--keep-latest-k {data['save_total_limit']}")
-    interval("--log-interval", "logging_steps", 500)
-    if get("eval_strategy", get("evaluation_strategy", "no")) == "steps" or data.get("eval_steps"):
-        every = "eval_steps" if data.get("eval_steps") else "logging_steps"  # the Trainer's
-        interval("--eval-interval", every, 500)
+    if strategy("logging_strategy", "steps") == "steps":
+        interval("--log-interval", "logging_steps", 500)
+    evaluation = strategy("eval_strategy", strategy("evaluation_strategy", "no"))
+    if evaluation == "steps":  # eval_steps unset: the Trainer's logging_steps
+        interval(
+            "--eval-interval", "eval_steps" if data.get("eval_steps") else "logging_steps", 500
+        )
+    elif data.get("eval_steps"):
+        said.append(
+            f"eval_steps: the Trainer evaluates on steps only with eval_strategy steps (here "
+            f"{evaluation}); megapar-train evaluates every --eval-interval steps"
+        )
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
             "checkpoint's weights start a run with --from-hf"
         )
     return flags, said
+
+
+def _fsdp(fsdp: Any, fsdp_config: Any) -> tuple[list[str], list[str]]:
+    """The Trainer's `fsdp` / `fsdp_config` as megapar-train's (flags, sentences), read as
+    transformers 5 reads them: a legacy string or list of options sets `fsdp_config`'s
+    `reshard_after_forward` (full_shard True: ZeRO-3; shard_grad_op False: ZeRO-2; FSDP1's
+    hybrid_shard / hybrid_shard_zero2 / no_shard by name) and `cpu_offload` (offload)."""
+    if not fsdp or fsdp in ("false", "False"):
+        return [], []
+    config = dict(fsdp_config) if isinstance(fsdp_config, dict) else {}
+    config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
+    if isinstance(fsdp, (str, list)) and fsdp not in ("true", "True"):
+        items = fsdp.split() if isinstance(fsdp, str) else [str(i) for i in fsdp]
+        unknown = [i for i in items if i not in FSDP_OPTIONS]
+        if unknown:
+            return [], [
+                f"fsdp {' '.join(unknown)}: not one of the Trainer's options "
+                f"({', '.join(FSDP_OPTIONS)}); megapar's FSDP is --zero 3 (--zero 2 for "
+                f"shard_grad_op)"
+            ]
+        for item in items:
+            if item == "offload":
+                config.setdefault("cpu_offload", True)
+            elif item != "auto_wrap":
+                config.setdefault("reshard_after_forward", item)
+    reshard = str(config.get("reshard_after_forward", True)).lower()
+    zero = {
+        "true": 3,
+        "full_shard": 3,
+        "hybrid_shard": 3,
+        "false": 2,
+        "shard_grad_op": 2,
+        "hybrid_shard_zero2": 2,
+    }.get(reshard)
+    if zero is None:  # no_shard: the Trainer's plain data parallelism, megapar-train's default
+        return [], []
+    offload = str(config.get("cpu_offload", False)).lower() == "true"
+    flags = f"--zero {zero}"
+    if offload:
+        flags += " --offload-optimizer" + (" --offload-params" if zero == 3 else "")
+    return [flags], []
+
+
+FSDP_OPTIONS = (
+    "full_shard",
+    "shard_grad_op",
+    "hybrid_shard",
+    "hybrid_shard_zero2",
+    "no_shard",
+    "offload",
+    "auto_wrap",
+)
+"""The Trainer's `fsdp` options (transformers' `FSDPOption`)."""
 
 
 def trainer_arguments(data: dict, path: str) -> str:

@@ -69,6 +69,11 @@ TORCHTITAN_MODULE = (
     "llama-8b or llama-tiny, or a JSON / YAML model config) and the job's settings as "
     "megapar-train flags (an older torchtitan's TOML job config given to --config is translated)"
 )
+TORCHTITAN_MODULE_API = (
+    "torchtitan's module and config name a Python config of its registry (llama3, llama3_8b), "
+    "which megapar.prepare cannot read: pass the model (a transformers model, or a recipe name "
+    "such as 'llama-tiny') and the job's settings as keywords"
+)
 GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
     "--micro-batch-size x the accumulation steps x dp)"
@@ -423,8 +428,28 @@ OTHER_TOOLS_FLAGS = {
     "--zero-stage": "--zero",
     "--stage": "--zero",  # a ZeRO stage (DeepSpeed's zero_optimization.stage)
     "--zero_optimization.stage": "--zero",
-    "--zero_optimization.offload_optimizer.device": "--offload-optimizer (cpu)",
-    "--zero_optimization.offload_param.device": "--offload-params (cpu)",
+    "--zero_optimization.offload_optimizer.device": "--offload-optimizer (to the host; no NVMe)",
+    "--zero_optimization.offload_param.device": "--offload-params (to the host; no NVMe)",
+    "--zero_optimization.stage3_param_persistence_threshold": "--zero3-persistence-threshold",
+    "--zero_optimization.reduce_bucket_size": "--grad-bucket-mb (MB of fp32 gradients: "
+    "elements x 4 / 2^20)",
+    "--fp16.enabled": "--precision fp16",
+    "--bf16.enabled": "--precision bf16",
+    "--fp16.loss_scale": "--loss-scale (a static scale; DeepSpeed's 0, dynamic, is megapar's "
+    "default)",
+    "--fp16.initial_scale_power": INITIAL_SCALE_POWER,
+    "--fp16.loss_scale_window": "--loss-scale-window",
+    "--fp16.min_loss_scale": "--min-loss-scale",
+    "--fp16.hysteresis": "--hysteresis",
+    "--fp16.consecutive_hysteresis": CONSECUTIVE_HYSTERESIS,
+    "--optimizer.params.lr": "--lr",
+    "--optimizer.params.eps": "--adam-eps",
+    "--optimizer.params.weight_decay": "--weight-decay",
+    "--optimizer.params.betas": "--adam-beta1 and --adam-beta2",
+    "--scheduler.params.warmup_num_steps": "--warmup-steps",
+    "--scheduler.params.total_num_steps": "--max-steps",
+    "--scheduler.params.warmup_max_lr": "--lr",
+    "--scheduler.params.warmup_min_lr": "--min-lr",
     "--zero_stage": "--zero",
     "--zero-optimization": DS_ZERO,
     "--zero_optimization": DS_ZERO,

@@ -48,7 +48,7 @@ from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.model_config import apply_moe_flags, ep_model_error
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS
+from megapar.training.other_tools import OTHER_TOOLS_FLAGS, TORCHTITAN_MODULE_API
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents, check_ranges
 from megapar.training.validate_fp8 import check_fp8, check_fp8_layout
@@ -190,6 +190,8 @@ def _unknown_hint(name: str, fields: list[str]) -> str:
             "its settings as keywords (zero, offload_optimizer, precision, micro_batch_size, "
             "global_batch_size, clip_grad, ...)"
         )
+    if name == "module":  # torchtitan's config registry: megapar-train's answer names flags
+        return f"module: {TORCHTITAN_MODULE_API}"
     other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
     if not other:  # a torchtitan job config's key without its section (tensor_parallel_degree)
         sections = {v for k, v in OTHER_TOOLS_FLAGS.items() if k.rpartition(".")[2] == name}
