@@ -254,6 +254,21 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     left = {p.name for p in out.iterdir()}
     assert not left & set(dead) and set(kept) <= left, left
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
+    # one killed among its renames: its weights in place, no config.json, the model it
+    # replaced moved aside; the next export without --overwrite says so (it said "already
+    # holds an exported model" alone, the replaced model's files unnamed: stop 90's note)
+    replaced = out / f".replaced.export-{child.pid}-{host}-"
+    replaced.mkdir()
+    (out / "config.json").rename(replaced / "config.json")
+    capsys.readouterr()
+    assert main([str(ckpt), "--to-hf", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"already holds an exported model (model.safetensors, generation_config.json), "
+            f"without the config.json an export puts in place last: an export stopped midway "
+            f"(the files of the model it was replacing are in {replaced}); pass --overwrite"
+            ) in err, err
+    assert main([str(ckpt), "--to-hf", str(out), "--overwrite"]) == 0
+    assert not replaced.exists() and (out / "config.json").exists()
 
 
 def test_import_records_the_directorys_tokenizer_as_megapar_train_from_hf_finds_it(tmp_path,

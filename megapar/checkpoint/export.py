@@ -15,6 +15,7 @@ from megapar.checkpoint.hf import (
     ARCHITECTURES,
     GENERATION_FILE,
     HF_FILES,
+    REPLACED_STAGE,
     causal_rows,
     other_weights,
     save_hf,
@@ -25,6 +26,7 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
+from megapar.faults.processes import stale_temporaries
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -77,7 +79,7 @@ def export_hf(
         shown = ", ".join(existing[:3])
         shown = f"{len(existing)} files: {shown}, ..." if existing[3:] else shown
         raise CheckpointError(
-            f"{hf_dir} already holds an exported model ({shown})"
+            f"{hf_dir} already holds an exported model ({shown}){_stopped_export(hf_dir)}"
             f"; pass --overwrite to replace those files (other files there "
             f"are kept)"
         )
@@ -123,6 +125,19 @@ def export_hf(
         generation_config=manifest["meta"].get("hf_generation_config"),
         tokenizer_rows=tokenizer_rows,
     )
+
+
+def _stopped_export(hf_dir: Path) -> str:
+    """What an export stopped midway (killed -9) left in `hf_dir`, said after a refusal: its
+    files without a config.json, which it puts in place last, and where the files of the model
+    it was replacing wait (`REPLACED_STAGE`); "" for a complete export."""
+    if (hf_dir / "config.json").exists():
+        return ""
+    said = ", without the config.json an export puts in place last: an export stopped midway"
+    replaced = stale_temporaries(hf_dir, REPLACED_STAGE)
+    if replaced:
+        said += f" (the files of the model it was replacing are in {hf_dir / replaced[-1]})"
+    return said
 
 
 def _refuse_unrepresentable(config) -> None:
