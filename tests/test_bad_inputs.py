@@ -1310,6 +1310,9 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     ("--zero_optimization.stage", "did you mean --zero?"),
     ("--zero_optimization.sub_group_size", "megapar's ZeRO is built in: give --zero 1, 2 or 3"),
     ("--module", "torchtitan's module and config name a Python config of its registry"),
+    # megapar-generate's flags: "did you mean --recompute?", "--loss-chunk-tokens?"
+    ("--prompt", "megapar-generate continues prompts with a checkpoint"),
+    ("--max-new-tokens", "megapar-generate continues prompts with a checkpoint"),
     # DeepSpeed's keys under their section, in either spelling (a re-test's: "did you mean
     # --precision fp16?" for the loss scale, --optimizer for its lr)
     ("--fp16.loss_scale", "did you mean --loss-scale (a static scale"),
@@ -1884,7 +1887,7 @@ def _every_commands_flags() -> frozenset[str]:
     import importlib
 
     flags: set[str] = set()
-    for tool in ("train", "eval", "convert", "plan", "data", "bubble"):
+    for tool in ("train", "eval", "convert", "plan", "data", "bubble", "generate"):
         module = importlib.import_module(f"megapar.cli.{tool}")
         parser = (module.build_parser if hasattr(module, "build_parser")
                   else importlib.import_module("megapar.training.config").build_parser)()

@@ -200,10 +200,15 @@ def test_cli_usage_errors(tmp_path, capsys):
                         (["--info", src, "--tp", "2"], "--tp and --pp are not used with --info"),
                         (["--info", src, "--pp", "2"], "--tp and --pp are not used with --info"),
                         ([src, "--to-dcp", out, "--tokenizer-rows"],
-                         "--tokenizer-rows and --dtype are used only with --to-hf"),
-                        # --info printed the checkpoint and ignored them (a new user's finding)
+                         "--tokenizer-rows is used only with --to-hf (an export); drop "
+                         "--tokenizer-rows"),
+                        # --info printed the checkpoint and ignored them (a new user's finding);
+                        # then named all four export flags, not the ones given (a re-test's)
                         (["--info", src, "--dtype", "bf16"],
-                         "--tokenizer-rows and --dtype are used only with --to-hf")]:
+                         "--dtype is used only with --to-hf (an export); drop --dtype"),
+                        (["--info", src, "--dtype", "bf16", "--tokenizer", "gpt2"],
+                         "--tokenizer and --dtype are used only with --to-hf (an export); drop "
+                         "them")]:
         assert main(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("megapar-convert: error: ") and words in err, (argv, err)

@@ -743,6 +743,9 @@ def test_a_trimmed_cache_attends_as_one_over_every_position(pads):
      "--num_return_sequences: did you mean --samples (samples per prompt)?"),
     (["--do_sample"], "--do_sample: megapar-generate samples by default (--temperature 0 is "
      "greedy); drop it"),
+    # megapar-eval's (a reference reader's: "did you mean --tp?")
+    (["--data", "a.txt"], "--data: megapar-generate continues prompts (--prompt TEXT, "
+     "--prompt-file FILE); megapar-eval --load CKPT --data FILE gives a checkpoint's loss"),
 ])
 def test_transformers_generate_flags_are_answered(argv, line, capsys):
     """transformers' `generate` names (a Hugging Face user's): one line naming megapar's way

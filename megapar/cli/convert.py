@@ -392,13 +392,20 @@ def _check_unused_options(args) -> None:
 
 def _check_export_flags(args) -> None:
     """Refuse --to-hf's options without --to-hf, and --allow-other-tokenizer without one."""
-    if (
-        args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows
-    ) and not args.to_hf:
-        raise ValueError(
-            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are "
-            "used only with --to-hf"
+    given = [
+        flag
+        for flag, value in (
+            ("--tokenizer", args.tokenizer),
+            ("--allow-other-tokenizer", args.allow_other_tokenizer),
+            ("--tokenizer-rows", args.tokenizer_rows),
+            ("--dtype", args.dtype),
         )
+        if value
+    ]
+    if given and not args.to_hf:
+        said = " and ".join(given) + (" are" if given[1:] else " is")
+        drop = "them" if given[1:] else given[0]
+        raise ValueError(f"{said} used only with --to-hf (an export); drop {drop}")
     if args.allow_other_tokenizer and not args.tokenizer:
         raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
 

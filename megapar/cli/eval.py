@@ -211,9 +211,9 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer of raw text (default: the one the checkpoint trained with; it must be "
-        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json "
-        "(default: the checkpoint's too; refused when it records none)",
+        help="tokenizer of raw text and of a Megatron-LM dataset that has no megapar .json "
+        "(default: the one the checkpoint trained with, which raw text must use, wherever it is "
+        "now; refused when it records none)",
     )
     p.add_argument(
         "--data-cache",

@@ -63,6 +63,8 @@ OTHER_FLAGS = {
     "--expert-tensor-parallel-size": "megapar-generate holds every expert whole on each rank; "
     "drop it",
     "--model": "the model is the checkpoint's (--load); drop it",
+    "--data": "megapar-generate continues prompts (--prompt TEXT, --prompt-file FILE); "
+    "megapar-eval --load CKPT --data FILE gives a checkpoint's loss on a dataset",
     "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
     "--load CKPT",
     **layout_names("--tp", "--pp"),

@@ -169,7 +169,7 @@ class TrainConfig:
     eod_id: int | None = None
     """The end-of-document token's id that --attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss read. Default: the data's tokenizer's."""
     micro_batch_size: int = 4
-    """Sequences per micro-batch."""
+    """Sequences per micro-batch. Not given, it is the largest size up to 4 that divides a given --global-batch-size over dp, and that gives the pipeline schedule micro-batches it takes (with a note)."""
     global_batch_size: int = 16
     """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it is the multiple of micro-batch size x dp nearest 16 (one at least; with a note), shrinks to what a small dataset holds (with a note), or with --load is the checkpoint's; another than the checkpoint's continues its data order (the epoch's next samples, this many a step)."""
     allow_data_change: bool = False
@@ -218,7 +218,7 @@ class TrainConfig:
     lr_wsd_decay_style: str = "linear"
     """With --lr-decay wsd: the final decay's shape: linear, cosine, sqrt (1 - sqrt of the progress; Megatron-LM's minus_sqrt, transformers' 1-sqrt) or exponential (Megatron-LM's 2 x 0.5^progress - 1)."""
     warmup_steps: int = 20
-    """Linear warmup steps."""
+    """Linear warmup steps. Not given, at most 10 % of --lr-decay-steps or --max-steps (with a note)."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
     optimizer: str = "adamw"

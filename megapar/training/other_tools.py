@@ -409,6 +409,11 @@ OTHER_TOOLS_FLAGS = {
     "sizes: megapar-convert reads torchtitan's Llama 3 flavors from a job config)",
     "--model.name": "--model (a recipe such as llama-1b, or a config.json)",
     "--module": TORCHTITAN_MODULE,
+    **dict.fromkeys(
+        ("--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-k", "--top-p"),
+        "megapar-generate continues prompts with a checkpoint (megapar-generate --load CKPT "
+        "--prompt TEXT --max-new-tokens N); megapar-train trains",
+    ),
     "--job.dump_folder": "--save (checkpoints) and --log-json or --tensorboard (logs)",
     "--training.dataset": "--data (a text file, directory or dataset on disk; nothing is "
     "downloaded)",
