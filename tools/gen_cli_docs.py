@@ -74,8 +74,8 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
     default = action.default
     if default is None or default is argparse.SUPPRESS:
         return text, ""
-    if action.nargs == 0 and default is False:
-        return text, "off"
+    if isinstance(default, bool):  # a switch, or a --x / --no-x pair: shown alike
+        return text, "on" if default else "off"
     if isinstance(default, list):
         return text, " ".join(map(str, default))
     return text, str(default)

@@ -143,7 +143,12 @@ def build_parser() -> OneLineParser:
         "for pp <= 4, m <= 8; prints a table, exits 1 if a check fails "
         "(docs/guides/certificate.md)",
     )
-    p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="compute the timeline from costs (--fwd-ms ...; without them, measured first in "
+        "one step of the real model)",
+    )
     p.add_argument(
         "--fwd-ms",
         type=float,

@@ -545,7 +545,8 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
-        default = "" if f.default is None else f" (default: {f.default})"
+        shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
+        default = "" if f.default is None else f" (default: {shown})"
         group = groups[group_of[f.name]]
         if kind == "bool":
             group.add_argument(
