@@ -62,6 +62,7 @@ def run_job(world: int, flags: str) -> tuple[float, float, list[dict]]:
 
 
 def planner_equal(flags: str, world: int, rows: list[dict]) -> bool:
+    from megapar.dryrun.rank import zero3_casts
     from megapar.models.recipes import resolve_model
     from megapar.plan.params import StageLayout
     from megapar.plan.state import rank_state
@@ -73,7 +74,7 @@ def planner_equal(flags: str, world: int, rows: list[dict]) -> bool:
     for r in rows:
         layout = StageLayout.of(config, tp=cfg.tp, pp=cfg.pp, v=cfg.virtual_stages,
                                 stage=r["pp_rank"], dp=dp, zero=cfg.zero,
-                                bucket_mb=cfg.grad_bucket_mb)
+                                bucket_mb=cfg.grad_bucket_mb, casts=zero3_casts(cfg))
         held = rank_state(layout, r["dp_rank"])
         if (held.params, held.weights, held.grads, held.optimizer) != (
                 r["params"], r["weights"], r["grads"], r["optimizer"]):
