@@ -254,21 +254,37 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     left = {p.name for p in out.iterdir()}
     assert not left & set(dead) and set(kept) <= left, left
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
-    # one killed among its renames: its weights in place, no config.json, the model it
-    # replaced moved aside; the next export without --overwrite says so (it said "already
-    # holds an exported model" alone, the replaced model's files unnamed: stop 90's note)
+    # one killed among its renames: every file of the model it replaced moved aside, its own
+    # weights put in place, no config.json yet. The next export, without --overwrite, put
+    # nothing back and removed the moved-aside model as a dead export's temporary (a re-test's
+    # finding); now that model is put back first, said, and the export refused as over any
+    # model; with --overwrite it completes
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
     replaced = out / f".replaced.export-{child.pid}-{host}-"
     replaced.mkdir()
-    (out / "config.json").rename(replaced / "config.json")
+    for name in before:
+        if name != "notes.txt":
+            (out / name).rename(replaced / name)
+    (out / "model.safetensors").write_bytes(b"the killed export's weights")
     capsys.readouterr()
     assert main([str(ckpt), "--to-hf", str(out)]) == 2
     err = capsys.readouterr().err
-    assert (f"already holds an exported model (model.safetensors, generation_config.json), "
-            f"without the config.json an export puts in place last: an export stopped midway "
-            f"(the files of the model it was replacing are in {replaced}); pass --overwrite"
-            ) in err, err
+    assert f"note: {out}: the model an export killed midway was replacing is put back (" in err
+    assert "already holds an exported model" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")} \
+        == before and not replaced.exists()
+    assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
+    # a live export's moved-aside files, and another host's, are not put back
+    for owner in (f"{os.getppid()}-{host}", f"{child.pid}-elsewhere"):
+        live = out / f".replaced.export-{owner}-"
+        live.mkdir()
+        (out / "config.json").rename(live / "config.json")
+        assert main([str(ckpt), "--to-hf", str(out)]) == 2
+        assert "put back" not in capsys.readouterr().err
+        (live / "config.json").rename(out / "config.json")
+        live.rmdir()
     assert main([str(ckpt), "--to-hf", str(out), "--overwrite"]) == 0
-    assert not replaced.exists() and (out / "config.json").exists()
+    assert (out / "config.json").exists()
 
 
 def test_import_records_the_directorys_tokenizer_as_megapar_train_from_hf_finds_it(tmp_path,

@@ -5,6 +5,7 @@ the tokenizer it trained with (checked to be that one), the generation config (`
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -73,13 +74,16 @@ def export_hf(
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
+    note = recover_stopped_export(hf_dir)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     existing = [n for n in (*HF_FILES, GENERATION_FILE) if (hf_dir / n).exists()]
     existing += other_weights(hf_dir)
     if not overwrite and existing:
         shown = ", ".join(existing[:3])
         shown = f"{len(existing)} files: {shown}, ..." if existing[3:] else shown
         raise CheckpointError(
-            f"{hf_dir} already holds an exported model ({shown}){_stopped_export(hf_dir)}"
+            f"{hf_dir} already holds an exported model ({shown})"
             f"; pass --overwrite to replace those files (other files there "
             f"are kept)"
         )
@@ -127,17 +131,31 @@ def export_hf(
     )
 
 
-def _stopped_export(hf_dir: Path) -> str:
-    """What an export stopped midway (killed -9) left in `hf_dir`, said after a refusal: its
-    files without a config.json, which it puts in place last, and where the files of the model
-    it was replacing wait (`REPLACED_STAGE`); "" for a complete export."""
+def recover_stopped_export(hf_dir: Path) -> str | None:
+    """Undo what an export killed -9 among its final renames left in `hf_dir` (`save_hf`):
+    the files of the model it was replacing, moved aside into ``.replaced.export-PID-HOST-``
+    by a process of this host that is gone, are put back where `hf_dir` has no config.json
+    (the export had not completed: it puts config.json in place last), over the files it had
+    put in place, so the directory holds that model again. Where config.json is in place the
+    export had completed, and what it moved aside is what it replaced (`save_hf` removes it).
+    Call before checking `hf_dir`; returns a note where it put files back, else None."""
     if (hf_dir / "config.json").exists():
-        return ""
-    said = ", without the config.json an export puts in place last: an export stopped midway"
-    replaced = stale_temporaries(hf_dir, REPLACED_STAGE)
-    if replaced:
-        said += f" (the files of the model it was replacing are in {hf_dir / replaced[-1]})"
-    return said
+        return None
+    notes = []
+    for name in stale_temporaries(hf_dir, REPLACED_STAGE):
+        stash = hf_dir / name
+        files = sorted(os.listdir(stash)) if stash.is_dir() else []
+        for file in files:
+            os.replace(stash / file, hf_dir / file)
+        if files:
+            stash.rmdir()
+            notes.append(f"{len(files)} files from {name}")
+    if not notes:
+        return None
+    return (
+        f"{hf_dir}: the model an export killed midway was replacing is put back "
+        f"({', '.join(notes)})"
+    )
 
 
 def _refuse_unrepresentable(config) -> None:
