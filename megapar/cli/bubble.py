@@ -147,7 +147,7 @@ def build_parser() -> OneLineParser:
         "--simulate",
         action="store_true",
         help="compute the timeline from costs (--fwd-ms ...; without them, measured first in "
-        "one step of the real model)",
+        "a step of the real model, after a warm-up step)",
     )
     p.add_argument(
         "--fwd-ms",

@@ -403,7 +403,8 @@ def _check_export_flags(args) -> None:
         if value
     ]
     if given and not args.to_hf:
-        said = " and ".join(given) + (" are" if given[1:] else " is")
+        said = (", ".join(given[:-1]) + " and " if given[1:] else "") + given[-1]
+        said += " are" if given[1:] else " is"
         drop = "them" if given[1:] else given[0]
         raise ValueError(f"{said} used only with --to-hf (an export); drop {drop}")
     if args.allow_other_tokenizer and not args.tokenizer:

@@ -89,7 +89,7 @@ from megapar.wording import counted
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's help that ends each flag's text with its default, once: not for a required
     flag or one without a default (no "(default: None)"), nor where the text already says its
-    default; a list default is written as it is typed (1 2 4 8)."""
+    default; a list default is written as it is typed (1 2 4 8), a switch's as off / on."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -97,6 +97,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text
         if isinstance(action.default, list):
             return f"{text} (default: {' '.join(map(str, action.default))})"
+        if isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
         return super()._get_help_string(action) or ""
 
 

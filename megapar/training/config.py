@@ -169,7 +169,7 @@ class TrainConfig:
     eod_id: int | None = None
     """The end-of-document token's id that --attention-mask-type block_causal, --reset-position-ids and --eod-mask-loss read. Default: the data's tokenizer's."""
     micro_batch_size: int = 4
-    """Sequences per micro-batch. Not given, it is the largest size up to 4 that divides a given --global-batch-size over dp, and that gives the pipeline schedule micro-batches it takes (with a note)."""
+    """Sequences per micro-batch. Not given, it is the largest size up to 4 that divides a given --global-batch-size over dp, and that gives the pipeline schedule micro-batches it takes, or shrinks with the global batch to what a small dataset holds (with a note)."""
     global_batch_size: int = 16
     """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it is the multiple of micro-batch size x dp nearest 16 (one at least; with a note), shrinks to what a small dataset holds (with a note), or with --load is the checkpoint's; another than the checkpoint's continues its data order (the epoch's next samples, this many a step)."""
     allow_data_change: bool = False
