@@ -45,7 +45,7 @@ def child(schedule: str, pp: int, m: int, v: int, stage: int, steps: int, trace:
     from megapar.pipeline import executor as executor_module
     torch.set_num_threads(1)
     module = executor_plan.load_baseline(baseline) if baseline else executor_module
-    status._shared = ctypes.create_string_buffer(256)  # the launcher's status line
+    status.begin(ctypes.create_string_buffer(256))  # a worker's run over the launcher's line
     status.set_step(1000)
     executor = executor_plan._stage_executor(module, schedule, pp, m, v, stage, trace, False)
     batches = [{} for _ in range(m)]
