@@ -35,11 +35,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt2-small-cpu")
-    p.add_argument("--prompts", type=common.positive, default=8)
-    p.add_argument("--new-tokens", type=common.positive, default=64)
-    p.add_argument("--rounds", type=common.positive, default=5)
-    p.add_argument("--precision", choices=list(DTYPES), default="fp32")
+    p.add_argument("--model", default="gpt2-small-cpu",
+        help='a recipe (default gpt2-small-cpu)')
+    p.add_argument("--prompts", type=common.positive, default=8,
+        help='prompts generated together (default 8)')
+    p.add_argument("--new-tokens", type=common.positive, default=64,
+        help='tokens generated per prompt (default 64)')
+    p.add_argument("--rounds", type=common.positive, default=5,
+        help='timed rounds, each way in turn (default 5)')
+    p.add_argument("--precision", choices=list(DTYPES), default="fp32",
+        help="the weights' dtype (default fp32)")
     args = p.parse_args()
     config = resolve_model(args.model)
     mesh = Mesh.from_env(1, 1, 1)
