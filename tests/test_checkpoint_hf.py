@@ -269,7 +269,7 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     capsys.readouterr()
     assert main([str(ckpt), "--to-hf", str(out)]) == 2
     err = capsys.readouterr().err
-    assert f"note: {out}: the model an export killed midway was replacing is put back (" in err
+    assert f"note: {out}: an export killed midway: the model it was replacing put back (" in err
     assert "already holds an exported model" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")} \
         == before and not replaced.exists()
@@ -491,3 +491,75 @@ def test_a_gpt2s_own_special_ids_survive_import_and_export(tmp_path):
     exported = json.loads((tmp_path / "out2" / "config.json").read_text())
     assert generation["eos_token_id"] == [4, 5] and exported["eos_token_id"] == 4, generation
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "out2").eos_token_id == [4, 5]
+
+
+def _export_killed_at(k: int, ckpt, out) -> bool:
+    """Export `ckpt` into `out` (--overwrite) in a forked child that kills itself with -9 at
+    its k-th rename into `out` or within it; whether it was killed (False: it completed
+    first)."""
+    import os
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: no cleanup, no exit handlers, as the OOM killer leaves it
+        real, seen = os.replace, [0]
+
+        def replace(src, dst, *a, **kw):
+            if Path(out) in Path(dst).parents:  # into it, or moved aside within it
+                seen[0] += 1
+                if seen[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *a, **kw)
+
+        os.replace = replace
+        try:
+            code = main([str(ckpt), "--to-hf", str(out), "--overwrite"])
+        finally:
+            os._exit(99)
+        os._exit(code)  # pragma: no cover
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status)
+
+
+def test_an_export_killed_at_any_rename_leaves_the_model_it_replaced_for_the_next(tmp_path,
+                                                                                   capsys):
+    """A BERT export replaced by a GPT-2 one killed -9 at each of its renames in turn (and once
+    more while the next export puts the BERT back): the next export, without --overwrite,
+    finds the BERT whole, file for file, and nothing of the GPT-2 beside it, and refuses. The
+    first fix put the moved-aside files back over the top (the GPT-2's generation_config.json
+    stayed beside the BERT) and config.json first (a second kill left it without weights, and
+    then nothing was put back: config.json was in place); before it, the moved-aside BERT was
+    removed as a dead export's temporary (re-tests' findings)."""
+    import hashlib
+
+    def files(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()}
+
+    torch.manual_seed(0)
+    cks = {}
+    for name, model in (("gpt2", transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_HF))),
+                        ("bert", transformers.BertForMaskedLM(transformers.BertConfig(**BERT_HF)))):
+        cks[name] = tmp_path / f"ck_{name}"
+        assert main(["--from-hf", _hf_dir(tmp_path / name, model), str(cks[name]),
+                     "--no-progress"]) == 0
+    out = tmp_path / "out"
+    assert main([str(cks["bert"]), "--to-hf", str(out)]) == 0
+    (out / "notes.txt").write_text("the user's")
+    bert = files(out)
+    k = 1
+    while _export_killed_at(k, cks["gpt2"], out):
+        capsys.readouterr()
+        assert main([str(cks["gpt2"]), "--to-hf", str(out)]) == 2, k
+        assert "already holds an exported model" in capsys.readouterr().err, k
+        assert files(out) == bert, k
+        k += 1
+    assert k > 4 and "generation_config.json" in files(out)  # the GPT-2 completed at last
+    # killed just before its config.json, then the next one killed in the put-back
+    assert main([str(cks["bert"]), "--to-hf", str(out), "--overwrite"]) == 0
+    assert _export_killed_at(k - 1, cks["gpt2"], out)
+    assert _export_killed_at(2, cks["gpt2"], out)
+    assert main([str(cks["gpt2"]), "--to-hf", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert files(out) == bert, err
+    assert "an export killed midway: the model it was replacing put back (1 file from" in err
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left

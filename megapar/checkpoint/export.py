@@ -16,9 +16,9 @@ from megapar.checkpoint.hf import (
     ARCHITECTURES,
     GENERATION_FILE,
     HF_FILES,
-    REPLACED_STAGE,
     causal_rows,
     other_weights,
+    recover_stopped_export,
     save_hf,
 )
 from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
@@ -27,7 +27,6 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
-from megapar.faults.processes import stale_temporaries
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -128,33 +127,6 @@ def export_hf(
         getattr(torch, dtype),
         generation_config=manifest["meta"].get("hf_generation_config"),
         tokenizer_rows=tokenizer_rows,
-    )
-
-
-def recover_stopped_export(hf_dir: Path) -> str | None:
-    """Undo what an export killed -9 among its final renames left in `hf_dir` (`save_hf`):
-    the files of the model it was replacing, moved aside into ``.replaced.export-PID-HOST-``
-    by a process of this host that is gone, are put back where `hf_dir` has no config.json
-    (the export had not completed: it puts config.json in place last), over the files it had
-    put in place, so the directory holds that model again. Where config.json is in place the
-    export had completed, and what it moved aside is what it replaced (`save_hf` removes it).
-    Call before checking `hf_dir`; returns a note where it put files back, else None."""
-    if (hf_dir / "config.json").exists():
-        return None
-    notes = []
-    for name in stale_temporaries(hf_dir, REPLACED_STAGE):
-        stash = hf_dir / name
-        files = sorted(os.listdir(stash)) if stash.is_dir() else []
-        for file in files:
-            os.replace(stash / file, hf_dir / file)
-        if files:
-            stash.rmdir()
-            notes.append(f"{len(files)} files from {name}")
-    if not notes:
-        return None
-    return (
-        f"{hf_dir}: the model an export killed midway was replacing is put back "
-        f"({', '.join(notes)})"
     )
 
 

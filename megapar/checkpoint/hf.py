@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import deepspeed_checkpoint, has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, TOKENIZER_TMP, save_for_transformers
 from megapar.data.inputs import HF_WEIGHTS
-from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.faults.processes import owner_tag, remove_stale_temporaries, stale_temporaries
 from megapar.made_dirs import give_usual_mode
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
@@ -48,6 +49,7 @@ from megapar.models.config import (
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, tp_parts
+from megapar.wording import counted
 
 
 def _open(path: Path):
@@ -612,7 +614,56 @@ TOKENIZER_STAGE = ".tokenizer.export-"
 
 REPLACED_STAGE = ".replaced.export-"
 """The prefix of the directory an export moves the files it replaces into until it is
-complete: put back where it fails, removed where it succeeds."""
+complete: put back where it fails, removed where it succeeds, put back by the next export
+where it was killed (`recover_stopped_export`)."""
+
+PLACING = ".placing"
+"""The file in a `REPLACED_STAGE` directory that names, a line each, the files the export puts
+in place, written once every file it replaces is moved aside: an export killed after it had
+begun to put them in place left those (`recover_stopped_export`)."""
+
+
+EXPORT_STAGES = (TOKENIZER_STAGE, TOKENIZER_TMP, REPLACED_STAGE)
+"""The prefixes of an export's staging directories (named with `owner_tag`)."""
+
+
+def recover_stopped_export(out_dir: str | Path) -> str | None:
+    """Undo what an export killed -9 among its final renames (`save_hf`) left in `out_dir`,
+    where it has no config.json (the export puts it in place last, and this puts it back last):
+    the files that export had put in place (`PLACING`) are removed and the files of the model
+    it was replacing, moved aside into ``.replaced.export-PID-HOST-`` by a process of this host
+    that is gone, are put back, config.json last, so the directory holds that model again, or
+    nothing of the export's where it replaced nothing. A kill during this is undone by the next
+    call. Its other temporaries (the weights' size) are removed. Returns a note saying what it
+    did, else None."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return None
+    notes = []
+    if not (out_dir / "config.json").exists():
+        for name in stale_temporaries(out_dir, REPLACED_STAGE):
+            stash = out_dir / name
+            if not stash.is_dir() or stash.is_symlink():
+                continue
+            placing = stash / PLACING
+            if placing.exists():  # its own files first (none of them is the replaced model's)
+                placed = [n for n in placing.read_text().split("\n") if n]
+                for n in placed:
+                    (out_dir / n).unlink(missing_ok=True)
+                placing.unlink()
+                notes.append(f"the {counted(len(placed), 'file')} it had put in place removed")
+            files = sorted(os.listdir(stash), key=lambda n: n == "config.json")  # config last
+            for n in files:
+                os.replace(stash / n, out_dir / n)
+            shutil.rmtree(stash, ignore_errors=True)
+            if files:
+                notes.append(
+                    f"the model it was replacing put back ({counted(len(files), 'file')} from "
+                    f"{name})"
+                )
+    for prefix in (*(f".{n}.tmp-" for n in (*HF_FILES, GENERATION_FILE)), *EXPORT_STAGES):
+        remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
+    return f"{out_dir}: an export killed midway: " + "; ".join(notes) if notes else None
 
 
 def save_hf(
@@ -643,8 +694,9 @@ def save_hf(
     replaces moved aside first (`REPLACED_STAGE`, config.json first), so a failed export leaves
     no file of its own (nor the directory, when it made it) and puts back those it replaced (or
     says where they are), and one killed -9 midway leaves no config.json, which loaders refuse,
-    rather than two models' files; the temporaries of one killed -9 (named with `owner_tag`)
-    are removed by the next export into the directory."""
+    rather than two models' files; the next export into the directory undoes what one killed
+    -9 left (`recover_stopped_export`: the model it was replacing put back, its temporaries,
+    named with `owner_tag`, removed)."""
 
     from transformers import GenerationConfig
 
@@ -660,9 +712,9 @@ def save_hf(
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
-    stages = (TOKENIZER_STAGE, TOKENIZER_TMP, REPLACED_STAGE)
-    for prefix in (*(f".{name}.tmp-" for name in names), *stages):
-        remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
+    note = recover_stopped_export(out_dir)  # one killed among its renames, or its temporaries
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     tmp = {name: out_dir / f".{name}.tmp-{owner_tag()}-" for name in names}
     stage = out_dir / f"{TOKENIZER_STAGE}{owner_tag()}-"  # the tokenizer's files, until the end
     replaced = out_dir / f"{REPLACED_STAGE}{owner_tag()}-"  # what it replaces, until the end
@@ -705,6 +757,7 @@ def save_hf(
         for name in dict.fromkeys(aside):
             if os.path.lexists(out_dir / name):
                 os.replace(out_dir / name, replaced / name)
+        (replaced / PLACING).write_text("".join(f"{t.name}\n" for _, t in moves))
         for source, target in moves:
             os.replace(source, target)
             placed.append(target)
@@ -713,6 +766,7 @@ def save_hf(
         for path in (*tmp.values(), *placed):
             path.unlink(missing_ok=True)
         stranded = []
+        (replaced / PLACING).unlink(missing_ok=True)
         for name in os.listdir(replaced) if replaced.is_dir() else ():
             try:
                 os.replace(replaced / name, out_dir / name)  # put back what it replaced
