@@ -279,13 +279,15 @@ class OneLineParser(argparse.ArgumentParser):
         `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too; one
         that begins one known flag only is that flag cut short (`--out`: `--output-prefix`, not
         the closer spelt `--input`). A dotted key of a section another tool's flag names
-        (`--zero_optimization.sub_group_size`) gets that section's answer."""
+        (`--zero_optimization.sub_group_size`) gets that section's answer. A sentence that
+        answers several of the flags given is said once, after all of them."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
         known = sorted(o for o in self._option_string_actions if o.startswith("--"))
         known = [o for o in known if o != "--help"]
         hints = []
+        said_for: dict[str, list[str]] = {}  # a sentence answering several flags: said once
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
             named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
@@ -300,7 +302,8 @@ class OneLineParser(argparse.ArgumentParser):
                 if ours.startswith("--"):
                     hints.append(f"{flag}: did you mean {ours}?")
                 elif ours:
-                    hints.append(f"{flag}: {ours}")
+                    said_for.setdefault(ours, []).append(flag)
+                    hints.append(ours)  # said once, after every flag it answers (below)
                 continue
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
             longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []
@@ -319,7 +322,10 @@ class OneLineParser(argparse.ArgumentParser):
         said = self.afterword(flags, self._given_flags) if self.afterword is not None else ""
         if said:
             hints.append(said)
-        hints = list(dict.fromkeys(hints))  # a flag given twice is answered once
+        hints = [
+            f"{', '.join(dict.fromkeys(said_for[h]))}: {h}" if h in said_for else h
+            for h in dict.fromkeys(hints)  # a flag given twice is answered once
+        ]
         return "; " + "; ".join(hints) if hints else ""
 
     def given(self, argv: list[str] | None = None) -> tuple[str, ...]:

@@ -1332,6 +1332,19 @@ def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsy
     assert len(err.strip().splitlines()) == 1 and f"{flag}: {hint}" in err, err
 
 
+def test_flags_one_sentence_answers_are_answered_together(capsys):
+    """Several flags one sentence answers (megapar-generate's) were each followed by the whole
+    sentence, three times over (a re-test's finding): it is said once, after all of them."""
+    from megapar.training.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--prompt", "hi", "--max-new-tokens=5", "--top-p", "0.9", "--resume", "x"])
+    err = capsys.readouterr().err
+    assert "; --prompt, --max-new-tokens, --top-p: megapar-generate continues prompts" in err
+    assert err.count("megapar-generate continues") == 1 and "--resume: did you mean --load?" \
+        in err, err
+
+
 @pytest.mark.parametrize("flag, hint", [
     ("--stage", "megapar-plan tries every ZeRO stage of --zero-stages itself"),  # --target?
     ("--zero_optimization.stage", "give zero=N to --explain"),  # nothing
