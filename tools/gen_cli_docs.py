@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "cli.md"
-DEFAULT_IN_HELP = re.compile(r"\s*\(default: ((?:[^()]|\([^()]*\))*)\)\s*$", re.S)
+DEFAULT_IN_HELP = re.compile(r"\s*\(default: ((?:[^()]|\([^()]*\))*)\)\.?\s*$", re.S)
 """A help's closing "(default: X)"; X may hold parentheses one deep, but no "(default:" of an
 earlier sentence is taken with it (megapar-eval's --tokenizer has two)."""
 

@@ -90,8 +90,8 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--virtual-stages",
         type=int,
-        help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
-        "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)",
+        help="model chunks per rank (--schedule interleaved needs >= 2; zb-v and dualpipev "
+        "hold 2 whatever it says, and accept 1 or 2) (default: 1)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage (default: 1)")
     p.add_argument(
@@ -155,7 +155,7 @@ def build_parser() -> OneLineParser:
         help="forward cost of one micro-batch through one model chunk (a stage's "
         "whole forward, or 1/V of it with --virtual-stages V: give the chunk's)",
     )
-    p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
+    p.add_argument("--bwd-ms", type=float, help="backward cost (default: 2 x forward)")
     p.add_argument(
         "--bwd-input-ms",
         type=float,
@@ -168,7 +168,7 @@ def build_parser() -> OneLineParser:
         help="zero-bubble W (weight-gradient) cost (default: what B leaves of the "
         "backward, or half of it)",
     )
-    p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default 0)")
+    p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default: 0)")
     p.add_argument(
         "--oversubscribe",
         action="store_true",

@@ -113,8 +113,8 @@ def add_io_arguments(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=None,
-        help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
-        "the output is identical for any value",
+        help="tokenizer processes; the output is identical for any value (default: 1 for "
+        "inputs under 8 MB, else up to 8)",
     )
 
 
