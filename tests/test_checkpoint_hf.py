@@ -1,6 +1,7 @@
 """Hugging Face import (--from-hf) at 2x2 and export (--to-hf) give the original tensors back."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -250,9 +251,20 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     for stage in (".tokenizer.export-", ".tokenizer.tmp-"):  # the tokenizer's, and its check's
         (out / f"{stage}{child.pid}-{host}-").mkdir()
         dead.append(f"{stage}{child.pid}-{host}-")
+    # a live export's temporary, or another host's, is another export into the directory:
+    # refused, nothing removed (a re-test's finding: an export beside a live one took over its
+    # placed files, and the two mixed)
+    for other in kept[:2]:
+        capsys.readouterr()
+        assert main([str(ckpt), "--to-hf", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert (f"{out}: another export into it is running, or was killed on another host "
+                f"({other}: a temporary of it); wait for it to finish") in err, err
+        assert (out / other).exists() and (out / "notes.txt").exists(), other
+        (out / other).unlink()
     assert main([str(ckpt), "--to-hf", str(out)]) == 0, capsys.readouterr().err
     left = {p.name for p in out.iterdir()}
-    assert not left & set(dead) and set(kept) <= left, left
+    assert not left & set(dead) and "notes.txt" in left, left
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
     # one killed among its renames: every file of the model it replaced moved aside, its own
     # weights put in place, no config.json yet. The next export, without --overwrite, put
@@ -274,13 +286,14 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")} \
         == before and not replaced.exists()
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
-    # a live export's moved-aside files, and another host's, are not put back
+    # a live export's moved-aside files, and another host's, are not put back: refused
     for owner in (f"{os.getppid()}-{host}", f"{child.pid}-elsewhere"):
         live = out / f".replaced.export-{owner}-"
         live.mkdir()
         (out / "config.json").rename(live / "config.json")
-        assert main([str(ckpt), "--to-hf", str(out)]) == 2
-        assert "put back" not in capsys.readouterr().err
+        assert main([str(ckpt), "--to-hf", str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert "put back" not in err and f"({live.name}: what it moved aside)" in err, err
         (live / "config.json").rename(out / "config.json")
         live.rmdir()
     assert main([str(ckpt), "--to-hf", str(out), "--overwrite"]) == 0
@@ -563,3 +576,20 @@ def test_an_export_killed_at_any_rename_leaves_the_model_it_replaced_for_the_nex
     assert files(out) == bert, err
     assert "an export killed midway: the model it was replacing put back (1 file from" in err
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+    # into a new directory: the next export finds nothing of the killed one's and completes
+    # without --overwrite; its note counts only the files it removed (it said 3 where none
+    # was: a re-test's finding)
+    assert main([str(cks["gpt2"]), "--to-hf", str(tmp_path / "gpt2_ref")]) == 0
+    gpt2 = files(tmp_path / "gpt2_ref")
+    k = 1
+    while _export_killed_at(k, cks["gpt2"], tmp_path / f"fresh{k}"):
+        fresh = tmp_path / f"fresh{k}"
+        left = [p.name for p in fresh.iterdir() if not p.name.startswith(".")]
+        capsys.readouterr()
+        assert main([str(cks["gpt2"]), "--to-hf", str(fresh)]) == 0, k
+        err = capsys.readouterr().err
+        said = re.findall(r"the (\d+) files? it had put in place removed", err)
+        assert said == ([str(len(left))] if left else []), (k, left, err)
+        assert files(fresh) == gpt2, k
+        k += 1
+    assert k > 3

@@ -639,6 +639,8 @@ def recover_stopped_export(out_dir: str | Path) -> str | None:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return None
+    prefixes = (*(f".{n}.tmp-" for n in (*HF_FILES, GENERATION_FILE)), *EXPORT_STAGES)
+    _refuse_another_export(out_dir, prefixes)
     notes = []
     if not (out_dir / "config.json").exists():
         for name in stale_temporaries(out_dir, REPLACED_STAGE):
@@ -647,11 +649,12 @@ def recover_stopped_export(out_dir: str | Path) -> str | None:
                 continue
             placing = stash / PLACING
             if placing.exists():  # its own files first (none of them is the replaced model's)
-                placed = [n for n in placing.read_text().split("\n") if n]
+                placed = [n for n in placing.read_text().split("\n") if (out_dir / n).is_file()]
                 for n in placed:
-                    (out_dir / n).unlink(missing_ok=True)
+                    (out_dir / n).unlink()
                 placing.unlink()
-                notes.append(f"the {counted(len(placed), 'file')} it had put in place removed")
+                if placed:
+                    notes.append(f"the {counted(len(placed), 'file')} it had put in place removed")
             files = sorted(os.listdir(stash), key=lambda n: n == "config.json")  # config last
             for n in files:
                 os.replace(stash / n, out_dir / n)
@@ -661,9 +664,30 @@ def recover_stopped_export(out_dir: str | Path) -> str | None:
                     f"the model it was replacing put back ({counted(len(files), 'file')} from "
                     f"{name})"
                 )
-    for prefix in (*(f".{n}.tmp-" for n in (*HF_FILES, GENERATION_FILE)), *EXPORT_STAGES):
+    for prefix in prefixes:
         remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
     return f"{out_dir}: an export killed midway: " + "; ".join(notes) if notes else None
+
+
+def _refuse_another_export(out_dir: Path, prefixes: tuple[str, ...]) -> None:
+    """Raise `CheckpointError` where `out_dir` holds another export's temporaries or staging
+    directories that are not a dead process's of this host (`stale_temporaries`): a live
+    export's, or another host's, which may be either. Writing beside it would mix the two
+    exports' files, and another host's moved-aside model would be lost when it completes."""
+    names = os.listdir(out_dir)
+    for prefix in prefixes:
+        stale = set(stale_temporaries(out_dir, prefix))
+        mine = f"-{owner_tag()}-"  # this process's own (an export of it earlier, failed)
+        other = sorted(
+            n for n in names if n.startswith(prefix) and n not in stale and mine not in n
+        )
+        if other:
+            what = "what it moved aside" if prefix == REPLACED_STAGE else "a temporary of it"
+            raise CheckpointError(
+                f"{out_dir}: another export into it is running, or was killed on another host "
+                f"({other[0]}: {what}); wait for it to finish, or export elsewhere; where none "
+                f"runs, move {other[0]} out of {out_dir}"
+            )
 
 
 def save_hf(
