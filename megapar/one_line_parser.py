@@ -22,6 +22,21 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 `megapar-plan --explain` items, a value given to a switch on the command line)."""
 
 
+SHARDING_NAMES = (
+    "--fsdp",
+    "--fsdp_config",
+    "--fsdp-config",
+    "--deepspeed",
+    "--deepspeed_config",
+    "--deepspeed-config",
+    "--stage",
+    "--zero-stage",
+    "--zero_stage",
+    "--zero_optimization",
+)
+"""Other tools' names for sharding (FSDP's, DeepSpeed's), which a command answers as it answers
+--zero (megapar-train with --zero, the others with what --zero means to them)."""
+
 LAYOUT_NAMES = {
     "--tensor-model-parallel-size": "--tp",
     "--pipeline-model-parallel-size": "--pp",

@@ -1332,6 +1332,24 @@ def test_a_hugging_face_trainer_flag_is_answered_with_megapars(flag, hint, capsy
     assert len(err.strip().splitlines()) == 1 and f"{flag}: {hint}" in err, err
 
 
+@pytest.mark.parametrize("tool", ["eval", "generate", "convert"])
+def test_each_command_answers_fsdp_and_deepspeed_names(tool, capsys):
+    """FSDP's and DeepSpeed's names given to megapar-eval, -generate and -convert were difflib's
+    guesses ("--fsdp: did you mean --seed?", "--stage: did you mean --samples?"): each is
+    answered as the command answers --zero (a re-test's finding)."""
+    import importlib
+
+    from megapar.one_line_parser import SHARDING_NAMES
+
+    module = importlib.import_module(f"megapar.cli.{tool}")
+    for flag in SHARDING_NAMES:
+        with pytest.raises(SystemExit):
+            module.build_parser().parse_args([flag, "3"])
+        err = capsys.readouterr().err
+        said = module.OTHER_FLAGS[flag]
+        assert f"; {flag}: {said} (see" in err and "does not depend on --zero" in said, err
+
+
 def test_flags_one_sentence_answers_are_answered_together(capsys):
     """Several flags one sentence answers (megapar-generate's) were each followed by the whole
     sentence, three times over (a re-test's finding): it is said once, after all of them."""

@@ -50,7 +50,13 @@ from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, layout_names, shell_word, show_progress
+from megapar.one_line_parser import (
+    SHARDING_NAMES,
+    OneLineParser,
+    layout_names,
+    shell_word,
+    show_progress,
+)
 
 _NOT_IN_FILES = (
     "a checkpoint does not depend on {flag} ({what}): megapar-train --load reads it at any "
@@ -74,6 +80,10 @@ OTHER_FLAGS = {
         flag="--expert-tensor-parallel-size", what="every expert is saved whole"
     ),
     "--zero": _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
+    **dict.fromkeys(
+        SHARDING_NAMES,
+        _NOT_IN_FILES.format(flag="--zero", what="the optimizer state is saved whole"),
+    ),
     "--cp": _NOT_IN_FILES.format(flag="--cp", what="context parallelism splits no weight"),
     "--target-context-parallel-size": _NOT_IN_FILES.format(
         flag="--cp", what="context parallelism splits no weight"

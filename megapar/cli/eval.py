@@ -50,7 +50,7 @@ from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
-from megapar.one_line_parser import OneLineParser, layout_names, shell_word
+from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.training.eval_text import data_tokenizer
 from megapar.training.inference import (
@@ -93,6 +93,11 @@ OTHER_FLAGS = {
     "not depend on the chunks); drop it",
     "--zero": "megapar-eval holds no optimizer state and no ZeRO shards (a checkpoint does not "
     "depend on --zero); drop it",
+    **dict.fromkeys(
+        SHARDING_NAMES,
+        "megapar-eval holds no optimizer state and no ZeRO / FSDP shards (a checkpoint does not "
+        "depend on --zero); drop it",
+    ),
     "--dp": "megapar-eval runs on --tp x --cp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-eval holds every expert on each rank (a checkpoint does not depend on ep); "
     "drop it, or use --tp / --pp",

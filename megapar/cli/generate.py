@@ -38,7 +38,7 @@ from megapar.faults.processes import exit_uncollected
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
-from megapar.one_line_parser import OneLineParser, layout_names, shell_word
+from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
 from megapar.training.config import precision_named_elsewhere
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
@@ -58,6 +58,11 @@ OTHER_FLAGS = {
     "not depend on the chunks); drop it",
     "--zero": "megapar-generate holds no optimizer state and no ZeRO shards (a checkpoint does not "
     "depend on --zero); drop it",
+    **dict.fromkeys(
+        SHARDING_NAMES,
+        "megapar-generate holds no optimizer state and no ZeRO / FSDP shards (a checkpoint "
+        "does not depend on --zero); drop it",
+    ),
     "--dp": "megapar-generate runs on --tp x --pp processes, without data parallelism; drop it",
     "--ep": "megapar-generate holds every expert on each rank; drop it, or use --tp / --pp",
     "--expert-tensor-parallel-size": "megapar-generate holds every expert whole on each rank; "
