@@ -22,6 +22,14 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 `megapar-plan --explain` items, a value given to a switch on the command line)."""
 
 
+def shown_default(value) -> str:
+    """A flag's default as its help and the reference show it: a switch's as on / off (not
+    True / False), anything else as it is."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 SHARDING_NAMES = (
     "--fsdp",
     "--fsdp_config",
@@ -308,10 +316,10 @@ class OneLineParser(argparse.ArgumentParser):
             named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
             if named not in self.known_as and "." in flag:  # DeepSpeed's --zero-optimization.x
                 head, _, rest = flag.partition(".")
-                named = "--" + head[2:].replace("-", "_") + "." + rest
-            if named not in self.known_as and "." in flag:  # a key of a section it answers
-                section = named.split(".", 1)[0]
-                named = section if section in self.known_as else section.replace("_", "-")
+                section = "--" + head[2:].replace("-", "_")
+                named = f"{section}.{rest}"
+                if named not in self.known_as:  # a key of a section it answers
+                    named = section if section in self.known_as else section.replace("_", "-")
             if named in self.known_as:
                 ours = self.known_as[named]
                 if ours.startswith("--"):

@@ -75,7 +75,9 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
     if default is None or default is argparse.SUPPRESS:
         return text, ""
     if isinstance(default, bool):  # a switch, or a --x / --no-x pair: shown alike
-        return text, "on" if default else "off"
+        from megapar.one_line_parser import shown_default  # as the commands' parsers are
+
+        return text, shown_default(default)
     if isinstance(default, list):
         return text, " ".join(map(str, default))
     return text, str(default)

@@ -675,9 +675,9 @@ def _refuse_another_export(out_dir: Path, prefixes: tuple[str, ...]) -> None:
     export's, or another host's, which may be either. Writing beside it would mix the two
     exports' files, and another host's moved-aside model would be lost when it completes."""
     names = os.listdir(out_dir)
+    mine = f"-{owner_tag()}-"  # this process's own (an export of it earlier, failed)
     for prefix in prefixes:
         stale = set(stale_temporaries(out_dir, prefix))
-        mine = f"-{owner_tag()}-"  # this process's own (an export of it earlier, failed)
         other = sorted(
             n for n in names if n.startswith(prefix) and n not in stale and mine not in n
         )

@@ -36,7 +36,7 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.documents import MASK_TYPES
 from megapar.models.recipes import resolve_model
-from megapar.one_line_parser import OneLineParser, layout_names
+from megapar.one_line_parser import OneLineParser, layout_names, shown_default
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
 from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import schedule_named_elsewhere
@@ -81,7 +81,14 @@ from megapar.plan.report import (
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig
-from megapar.training.other_tools import FP8_FILTER, FP8_ON, FP8_RECIPE, MODEL_FIELD, MOE_FIELD
+from megapar.training.other_tools import (
+    FP8_FILTER,
+    FP8_ON,
+    FP8_RECIPE,
+    MODEL_FIELD,
+    MOE_FIELD,
+    TORCHTITAN_CONFIG,
+)
 from megapar.training.usage import flag_of
 from megapar.wording import counted
 
@@ -98,7 +105,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if isinstance(action.default, list):
             return f"{text} (default: {' '.join(map(str, action.default))})"
         if isinstance(action.default, bool):
-            return f"{text} (default: {'on' if action.default else 'off'})"
+            return f"{text} (default: {shown_default(action.default)})"
         return super()._get_help_string(action) or ""
 
 
@@ -183,8 +190,11 @@ OTHER_FLAGS = {
         "shard_grad_op zero 2, DeepSpeed's stages the same numbers) and reads no FSDP or "
         "DeepSpeed config; drop it",
     ),
-    "--module": "torchtitan's module and config name a Python config of its registry, which "
-    "megapar-plan cannot read: give the model as --model (a recipe such as llama-8b)",
+    "--module": TORCHTITAN_CONFIG.format(
+        examples="",
+        tool="megapar-plan",
+        instead="give the model as --model (a recipe such as llama-8b)",
+    ),
     "--offload-optimizer": "--offload optimizer",
     "--offload-params": "--offload both",
     "--offload_param": "--offload both",

@@ -29,7 +29,7 @@ from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.models.documents import MASK_TYPES
-from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS, OneLineParser
+from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS, OneLineParser, shown_default
 from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
@@ -545,8 +545,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
-        shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
-        default = "" if f.default is None else f" (default: {shown})"
+        default = "" if f.default is None else f" (default: {shown_default(f.default)})"
         group = groups[group_of[f.name]]
         if kind == "bool":
             group.add_argument(

@@ -63,16 +63,24 @@ FSDP = (
     "over the --dp ranks (the Trainer's fsdp full_shard; shard_grad_op is --zero 2, offload "
     "adds --offload-optimizer --offload-params); it reads no FSDP config"
 )
-TORCHTITAN_MODULE = (
-    "torchtitan's module and config name a Python config of its registry (llama3, "
-    "llama3_8b), which megapar-train cannot read: give the model as --model (a recipe such as "
-    "llama-8b or llama-tiny, or a JSON / YAML model config) and the job's settings as "
-    "megapar-train flags (an older torchtitan's TOML job config given to --config is translated)"
+TORCHTITAN_CONFIG = (
+    "torchtitan's module and config name a Python config of its registry{examples}, which "
+    "{tool} cannot read: {instead}"
 )
-TORCHTITAN_MODULE_API = (
-    "torchtitan's module and config name a Python config of its registry (llama3, llama3_8b), "
-    "which megapar.prepare cannot read: pass the model (a transformers model, or a recipe name "
-    "such as 'llama-tiny') and the job's settings as keywords"
+"""What a torchtitan job's --module / --config name is to a megapar command (`tool`), and what
+to give it `instead`."""
+TORCHTITAN_MODULE = TORCHTITAN_CONFIG.format(
+    examples=" (llama3, llama3_8b)",
+    tool="megapar-train",
+    instead="give the model as --model (a recipe such as llama-8b or llama-tiny, or a JSON / "
+    "YAML model config) and the job's settings as megapar-train flags (an older torchtitan's "
+    "TOML job config given to --config is translated)",
+)
+TORCHTITAN_MODULE_API = TORCHTITAN_CONFIG.format(
+    examples=" (llama3, llama3_8b)",
+    tool="megapar.prepare",
+    instead="pass the model (a transformers model, or a recipe name such as 'llama-tiny') and "
+    "the job's settings as keywords",
 )
 GRAD_ACCUM = (
     "megapar-train derives the micro-batches per step: give --global-batch-size (= "
