@@ -2177,6 +2177,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"fsdp.yaml is an accelerate config, which "
                        r"megapar-train does not read: .* give --dp 4 --zero 3 --precision bf16"):
         parse_args(["--config", str(accelerate)])
+    # its FSDP's strategy is read as the Trainer's fsdp is (every FSDP was --zero 3): by name
+    # (FSDP1), number (older files) or FSDP2's reshard_after_forward, with its offload
+    for fsdp_config, flags in (
+        ("fsdp_sharding_strategy: SHARD_GRAD_OP", "--dp 4 --zero 2 --precision"),
+        ("fsdp_sharding_strategy: 3", "--dp 4 --precision"),
+        ("fsdp_reshard_after_forward: false\n  fsdp_version: 2", "--dp 4 --zero 2 --precision"),
+        ("fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_offload_params: true",
+         "--dp 4 --zero 3 --offload-optimizer --offload-params --precision"),
+    ):
+        accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n"
+                              f"fsdp_config:\n  {fsdp_config}\nmixed_precision: bf16\n"
+                              "num_machines: 1\nnum_processes: 4\n")
+        with pytest.raises(ConfigError, match=f"give {flags} bf16 "):
+            parse_args(["--config", str(accelerate)])
     # steps below 1 are the Trainer's ratios of the training steps, and its fsdp is --zero:
     # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
     args.write_text(json.dumps({

@@ -259,14 +259,37 @@ ACCELERATE_KEYS = frozenset({"compute_environment", "distributed_type"})
 """Keys every `accelerate config` file holds: a `--config` file with both is one."""
 
 
+ACCELERATE_STRATEGIES = {
+    1: "full_shard",
+    2: "shard_grad_op",
+    3: "no_shard",
+    4: "hybrid_shard",
+    5: "hybrid_shard_zero2",
+}
+"""Older `accelerate config` files' `fsdp_sharding_strategy` numbers, by the names they stand for
+(newer files give the name, or FSDP2's `fsdp_reshard_after_forward` true / false)."""
+
+
 def accelerate_config(data: dict, path: str) -> str:
     """Why `path`, an accelerate config, is not read, with what megapar-train takes instead."""
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
     if kind == "FSDP":
-        offload = (data.get("fsdp_config") or {}).get("fsdp_offload_params") is True
-        flags.append("--zero 3" + (" --offload-params --offload-optimizer" if offload else ""))
+        given = data.get("fsdp_config")
+        config = (
+            {k.removeprefix("fsdp_"): v for k, v in given.items()}
+            if isinstance(given, dict)
+            else {}
+        )
+        strategy = config.get("reshard_after_forward", config.get("sharding_strategy", True))
+        flags += _fsdp(
+            True,
+            {
+                "reshard_after_forward": ACCELERATE_STRATEGIES.get(strategy, strategy),
+                "cpu_offload": config.get("offload_params", False),
+            },
+        )[0]
     elif kind == "DEEPSPEED":
         stage = (data.get("deepspeed_config") or {}).get("zero_stage")
         flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
