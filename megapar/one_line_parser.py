@@ -30,13 +30,18 @@ def shown_default(value) -> str:
     return str(value)
 
 
-SHARDING_NAMES = (
+SHARDING_CONFIG_NAMES = (
     "--fsdp",
     "--fsdp_config",
     "--fsdp-config",
     "--deepspeed",
     "--deepspeed_config",
     "--deepspeed-config",
+)
+"""FSDP's and DeepSpeed's switches and config files for sharding."""
+
+SHARDING_NAMES = (
+    *SHARDING_CONFIG_NAMES,
     "--stage",
     "--zero-stage",
     "--zero_stage",

@@ -1368,6 +1368,7 @@ def test_flags_one_sentence_answers_are_answered_together(capsys):
     ("--zero_optimization.stage", "give zero=N to --explain"),  # nothing
     ("--fsdp", "FSDP's full_shard is zero 3"),  # --fp8?
     ("--deepspeed", "reads no FSDP or DeepSpeed config"),  # --fp8-speedup?
+    ("--deepspeed-config", "reads no FSDP or DeepSpeed config"),  # nothing
     ("--module", "torchtitan's module and config name a Python config"),  # --model?
 ])
 def test_megapar_plan_answers_fsdp_deepspeed_and_torchtitan_names(flag, hint, capsys):

@@ -36,7 +36,12 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.documents import MASK_TYPES
 from megapar.models.recipes import resolve_model
-from megapar.one_line_parser import OneLineParser, layout_names, shown_default
+from megapar.one_line_parser import (
+    SHARDING_CONFIG_NAMES,
+    OneLineParser,
+    layout_names,
+    shown_default,
+)
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
 from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import schedule_named_elsewhere
@@ -185,7 +190,7 @@ OTHER_FLAGS = {
         ),
     ),
     **dict.fromkeys(
-        ("--fsdp", "--fsdp_config", "--fsdp-config", "--deepspeed", "--deepspeed_config"),
+        SHARDING_CONFIG_NAMES,
         "megapar-plan tries every ZeRO stage of --zero-stages (FSDP's full_shard is zero 3, "
         "shard_grad_op zero 2, DeepSpeed's stages the same numbers) and reads no FSDP or "
         "DeepSpeed config; drop it",
