@@ -63,6 +63,7 @@ from megapar.plan.layouts import (
     model_refusal,
 )
 from megapar.plan.params import model_params
+from megapar.plan.problem import runs_fused_attention
 from megapar.plan.process import CUDA_CONTEXT, GIB, TARGETS, describe
 from megapar.plan.report import (
     active_note,
@@ -326,11 +327,12 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fused-attention",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="count what a fused attention kernel keeps (a log-sum-exp, no a*s^2 "
-        "scores): what megapar-train runs on GPUs and its --dry-run counts; "
-        "--no-fused-attention counts the scores, softmax and dropout mask (the "
-        "paper; megapar-train on a CPU with attention dropout)",
+        "scores): what megapar-train runs on GPUs, and on CPU ranks without attention "
+        "dropout; --no-fused-attention counts the scores, softmax and dropout mask (the "
+        "paper; megapar-train on a CPU with attention dropout) (default: as megapar-train "
+        "runs on the --target)",
     )
     p.add_argument(
         "--loss-chunk-tokens",
@@ -583,7 +585,9 @@ def _problem(args, given: tuple[str, ...] = ()):
         args.seq_len,
         args.precision,
         args.master_weights,
-        args.fused_attention,
+        runs_fused_attention(config, args.target)
+        if args.fused_attention is None
+        else args.fused_attention,
         args.peak_tflops,
         args.efficiency,
         args.intra_node_gbps,

@@ -14,6 +14,7 @@ from megapar.plan import Candidate, Problem, stage_memory
 from megapar.plan.estimate import activation_sizes, estimate, stage_roles, stage_states
 from megapar.plan.experts import is_moe
 from megapar.plan.host import gib
+from megapar.plan.problem import runs_fused_attention
 from megapar.plan.process import TARGETS, process_peak
 
 
@@ -24,9 +25,9 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
     --fp8-layers and --compile (which turns ZeRO-3's float8 all-gather off), --grad-bucket-mb,
     the offloads and ZeRO-3's --zero3-keep-params, --zero3-reduce and
     --zero3-persistence-threshold (which units are gathered and which gradient buffers alive at
-    the top and at the end of the backward, where `plan.process` takes the peak). Besides the
-    state its real code holds, a dry run takes its activations, transients and process peak
-    from these."""
+    the top and at the end of the backward, where `plan.process` takes the peak), and the
+    attention kernel it runs there (`runs_fused_attention`). Besides the state its real code
+    holds, a dry run takes its activations, transients and process peak from these."""
     problem = Problem(
         config,
         layout.world_size,
@@ -34,7 +35,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         seq_len=cfg.seq_len,
         precision=cfg.precision,
         master_weights="fp32",
-        fused_attention=True,
+        fused_attention=runs_fused_attention(config, target),
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         sp_regather=cfg.sp_regather,
         fp8=cfg.fp8,
@@ -122,33 +123,49 @@ def planned_bubble(cfg, config, layout: Layout) -> tuple[float, str]:
     return e.bubble, e.bubble_source
 
 
-def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
-    """(the planner's problem and candidate for this job (`planned_job`), its
-    `MemoryBreakdown` of `stage` at the worst point of the stage's action list)."""
-    problem, candidate = planned_job(cfg, config, layout)
-    m = len([a for a in actions if a.kind == "forward"]) // candidate.v
-    held = messages.held(
-        messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
-        stage,
-        placement_of(cfg.schedule),
-    )
-    # sp_saved: the CPU figure (`process_peaks`) is made for every rank whatever the target
-    return problem, candidate, stage_memory(problem, candidate, {stage: held}, sp_saved=True)[stage]
+def modelled_stage(cfg, config, layout: Layout, stage: int, actions, cpu_copies: bool) -> dict:
+    """{target: (the planner's problem and candidate for this job on `target`'s ranks
+    (`planned_job`), its `MemoryBreakdown` of `stage` at the worst point of the stage's action
+    list)} for each of `plan.process.TARGETS`; on CPU ranks without offload's host copies
+    (`cpu_copies` False: `megapar.device.host_copies_wanted`, asked before a rehearsal makes
+    them), the job without offloads, as a CPU runs it."""
+    modelled: dict[str, tuple] = {}
+    for target in TARGETS:
+        problem, candidate = planned_job(cfg, config, layout, target)
+        if target == "cpu" and not cpu_copies:
+            candidate = replace(candidate, offload_optimizer=False, offload_params=False)
+        if not modelled:
+            m = len([a for a in actions if a.kind == "forward"]) // candidate.v
+            held = messages.held(
+                messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
+                stage,
+                placement_of(cfg.schedule),
+            )
+        # sp_saved: the CPU figure (`process_peaks`) is made for every rank whatever the target
+        memory = stage_memory(problem, candidate, {stage: held}, sp_saved=True)[stage]
+        modelled[target] = problem, candidate, memory
+    return modelled
 
 
-def process_peaks(problem, candidate, stage, held: dict, gathered: int, grad_buffers: int):
-    """{target: `plan.process.ProcessPeak`} of this rank: its real state (`held`, the gathered
-    units and full gradient buffers) with the modelled activations and buffers of `stage`."""
-    real = replace(
-        stage,
-        params=held["weights"],
-        grads=held["grads"],
-        optimizer=held["optimizer"],
-        master=held["master"],
-        host=held["host"],
-        gathered=gathered,
-        grad_buffers=grad_buffers,
-    )
-    roles = stage_roles(problem, candidate, stage.stage)
-    block = activation_sizes(problem, candidate).full
-    return {t: process_peak(problem, candidate, real, *roles, block, t) for t in TARGETS}
+def process_peaks(modelled: dict, held: dict) -> dict:
+    """{target: `plan.process.ProcessPeak`} of this rank: its real state on that target
+    (`held[target]`: `held_bytes`' figures with the peak's "gathered" units and full
+    "grad_buffers"; on a CPU without offload's host copies, what the offloads keep on the
+    host is where it is) with the modelled activations and buffers of its stage there
+    (`modelled_stage`)."""
+    peaks = {}
+    for target, (problem, candidate, stage) in modelled.items():
+        real = replace(
+            stage,
+            params=held[target]["weights"],
+            grads=held[target]["grads"],
+            optimizer=held[target]["optimizer"],
+            master=held[target]["master"],
+            host=held[target]["host"],
+            gathered=held[target]["gathered"],
+            grad_buffers=held[target]["grad_buffers"],
+        )
+        roles = stage_roles(problem, candidate, stage.stage)
+        block = activation_sizes(problem, candidate).full
+        peaks[target] = process_peak(problem, candidate, real, *roles, block, target)
+    return peaks

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megapar.checkpoint.distributed import planned_shard
 from megapar.comm_count import Call, count_collectives
+from megapar.device import host_copies_wanted
 from megapar.dryrun.modelled import modelled_stage, process_peaks
 from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
@@ -234,6 +235,9 @@ def rehearse_rank(
     """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
     docstring); `dataset`: the training split, for the first batch (None: no data); `order`:
     the data order a resumed run continues (`DataPlan.sampler_state`; None: a fresh start)."""
+    # whether this machine's CPU ranks would make offload's host copies: asked for here, before
+    # the rehearsal makes them as a GPU rank does (`fake_process_group`)
+    cpu_copies = host_copies_wanted(torch.device("cpu"))
     with fake_process_group(layout.world_size, rank):
         mesh = Mesh(
             layout,
@@ -242,17 +246,20 @@ def rehearse_rank(
             expert_tp=cfg.expert_tensor_parallel_size,
         )
         with fake_tensors():
-            return _rehearse(cfg, config, mesh, gpus_per_node, dataset, order)
+            return _rehearse(cfg, config, mesh, gpus_per_node, dataset, order, cpu_copies)
 
 
 REHEARSED_AS = {"dualpipev": "zb-v"}
 """Schedules whose one-micro-batch rehearsal runs under another of the same placement."""
 
 
-def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> RankReport:
+def _rehearse(
+    cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order, cpu_copies: bool
+) -> RankReport:
     """Rank `mesh.rank`'s first step, rehearsed on fake tensors: one micro-batch of the
     schedule, then the gradient syncs and the optimizer's first step, and what they hold and
-    send (see the module docstring)."""
+    send (see the module docstring); `cpu_copies`: whether a CPU rank's figure counts
+    offload's host copies (`process_peaks`)."""
     layout = mesh.layout
     notes: list[str] = []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
@@ -297,9 +304,16 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> Ra
     moments = {n: {k: p for k in optimizer.keys_of(p)} for n, p in engine.model.named_parameters()}
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
-    problem, candidate, stage_mem = modelled_stage(cfg, config, layout, mesh.pp_rank, actions)
+    stages = modelled_stage(cfg, config, layout, mesh.pp_rank, actions, cpu_copies)
+    stage_mem = stages["gpu"][2]  # the activations and transients of the job's GPUs
     activations = int(stage_mem.activations)
-    peaks = process_peaks(problem, candidate, stage_mem, held, gathered, grad_buffers)
+    on_gpu = {**held, "gathered": gathered, "grad_buffers": grad_buffers}
+    on_cpu = (
+        on_gpu
+        if cpu_copies
+        else _held_without_copies(cfg, config, mesh, engine, on_gpu, modelled, stages["cpu"][2])
+    )
+    peaks = process_peaks(stages, {"gpu": on_gpu, "cpu": on_cpu})
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     in_flight = in_flight_peak(actions) / chunks
     return RankReport(
@@ -494,6 +508,27 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
             group.pop(op, None)
         for op, count, total in ops:
             group[op] = {"count": count, "bytes": int(total)}
+
+
+def _held_without_copies(
+    cfg, config, mesh: Mesh, engine, held: dict, modelled: str, cpu_stage
+) -> dict:
+    """`held` (with the peak's gathered units and gradient buffers) as a CPU rank holds it
+    without offload's host copies (the host is the device,
+    `megapar.device.host_copies_wanted`): --offload-params' parameter shards are its weights
+    and its gathers copy no staging shard in (the planner's gathered peak of the CPU rank,
+    `cpu_stage`), the optimizer's state is where it is, and there are no copies; for a ZeRO
+    stage this megapar-train lacks (`modelled`), the planner's state without the offloads."""
+    out = {**held, "master": 0, "host": 0}
+    if modelled:
+        state = _planned_state(
+            replace(cfg, offload_optimizer=False, offload_params=False), config, mesh
+        )
+        out.update(weights=state.weights, grads=state.grads, optimizer=state.optimizer)
+    elif cfg.offload_params and engine.sharded_params is not None:
+        out["weights"] = sum(u.shard_nbytes for u in engine.sharded_params.units)
+        out["gathered"] = int(cpu_stage.gathered)
+    return out
 
 
 def _modelled_state(

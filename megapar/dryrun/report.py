@@ -245,7 +245,9 @@ def footer(seconds: float, ranks: int, world: int) -> str:
         f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
         f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
         f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
-        f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the "
+        f"a*s^2 scores, as on GPUs; a CPU's figure counts the scores where the model has "
+        f"attention dropout, as megapar-train runs there; megapar-plan the same by --target); "
+        f"every other figure is the "
         f"real code's tensors and collectives\n"
         f"rehearsed {ranks:,} of {world:,} rank{'s' if world > 1 else ''} in {seconds:.1f} s"
     )

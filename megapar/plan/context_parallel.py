@@ -12,7 +12,7 @@ from megapar.context_parallel.attention import plan as attention_calls
 from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import head_size, heads, kv_heads_per_rank
 from megapar.plan.layouts import Candidate
-from megapar.plan.problem import Problem
+from megapar.plan.problem import Problem, attention_dropout
 
 
 def _heads(cfg) -> int:
@@ -287,15 +287,6 @@ def a2a_buffers(p: Problem, c: Candidate) -> float:
     (3 x the q + k + v elements, `a2a_elements`)."""
     qkv, out = a2a_elements(p, c)
     return (3 * out + 3 * qkv) * p.act_bytes
-
-
-def attention_dropout(cfg) -> float:
-    """The model's attention-probability dropout (GPT-2's attn_pdrop, BERT's
-    attention_probs_dropout_prob, Llama's attention_dropout)."""
-    for key in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
-        if getattr(cfg, key, 0):
-            return float(getattr(cfg, key))
-    return 0.0
 
 
 def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[float, float]:

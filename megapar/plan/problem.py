@@ -132,3 +132,19 @@ class Problem:
         return any(
             getattr(c, k, 0) > 0 for k in ("resid_pdrop", "attn_pdrop", "hidden_dropout_prob")
         )
+
+
+def attention_dropout(config) -> float:
+    """The model's attention-probability dropout (GPT-2's attn_pdrop, BERT's
+    attention_probs_dropout_prob, Llama's attention_dropout)."""
+    for key in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
+        if getattr(config, key, 0):
+            return float(getattr(config, key))
+    return 0.0
+
+
+def runs_fused_attention(config, target: str) -> bool:
+    """Whether megapar-train's attention runs a fused kernel (`Problem.fused_attention`) on
+    `target`'s ranks: on GPUs always; on CPU ranks only without attention dropout (in training
+    torch's CPU kernel then falls back to the unfused one, which keeps the scores)."""
+    return target == "gpu" or not attention_dropout(config)
