@@ -1799,6 +1799,11 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 3}, [
         "megapar.prepare: virtual_stages=3 does not apply to schedule='dualpipev'"]),
     ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),
+    # None is no setting: fp8=None was "needs a GPU with FP8 matmuls" (None switched it on),
+    # and with fp8_emulate=True the engine's "fp8 recipe None / layers 'auto' unknown"
+    ({"fp8": None}, ["megapar.prepare: fp8=None is invalid: choose one of 'off', "]),
+    ({"fp8": None, "fp8_emulate": True, "precision": "bf16"}, ["fp8=None is invalid"]),
+    ({"schedule": None}, ["megapar.prepare: schedule=None is invalid: choose one of"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

@@ -144,7 +144,7 @@ def _check_choices(cfg: TrainConfig) -> None:
     anything is built (the engine's own checks raised later, not in the API's terms)."""
     for name, allowed in flag_choices().items():
         value = getattr(cfg, name)
-        if value is not None and value not in allowed:
+        if value not in allowed:  # None too: no setting means None (fp8=None switched it on)
             elsewhere = schedule_named_elsewhere(value, keywords=True) if name == "schedule" else ""
             raise UsageError(
                 f"megapar.prepare: {name}={value!r} is invalid: choose one of "
