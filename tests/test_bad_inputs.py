@@ -19,6 +19,10 @@ from megapar.cli.bubble import main as bubble
 from megapar.cli.eval import main as evaluate
 from megapar.cli.train import main as train
 from megapar.data import asset_path
+from megapar.models.recipes import recipe_dirs
+
+RECIPES = recipe_dirs()[0]
+"""Where megapar's recipe files lie (this source tree's models/)."""
 
 
 @pytest.fixture(scope="module")
@@ -1647,6 +1651,11 @@ OTHER_TOOLS = [
     ("train", ["--num-experts", "8"], "--num-experts: a mixture of experts' routing and sizes "
      "come from the model config"),
     ("train", ["--moe-router-topk", "2"], "set num_experts_per_tok there"),
+    # the file named was models/mixtral-tiny.json, a path only inside the source tree; and
+    # these two were answered with nothing
+    ("train", ["--moe-top-k", "2"], f"such as a copy of {RECIPES}/mixtral-tiny.json, or "),
+    ("train", ["--moe-token-dropping"], "did you mean --moe-capacity-factor (an expert's tokens "
+     "over its capacity are dropped"),
     ("train", ["--moe-router-topk-scaling-factor", "2.5"], "with no scaling factor; drop it"),
     ("train", ["--moe-grouped-gemm"], "one grouped matmul per projection by themselves"),
     ("train", ["--moe-token-dispatcher-type", "alltoall"], "always travel by all-to-all"),

@@ -219,7 +219,8 @@ def apply_moe_flags(cfg: TrainConfig, config, keyword: str | None = None) -> Non
         )
         fix = "drop it" if keyword else "remove the flag"
         raise ConfigError(
-            f"{flag} applies to a mixture-of-experts model {no_experts(config)}: {fix}"
+            f"{flag} applies to a mixture-of-experts model {no_experts(config, bool(keyword))}: "
+            f"{fix}"
         )
     for name in given:
         value = getattr(cfg, name)

@@ -10,7 +10,19 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 
 from __future__ import annotations
 
+from megapar.models.recipes import recipe_dirs
 from megapar.one_line_parser import LAYOUT_NAMES
+
+
+def _recipe_file(name: str) -> str:
+    """Where recipe `name`'s config file lies (the source tree's models/, else the installed
+    copy), to name as one to copy and edit: models/NAME.json was a path only inside the
+    source tree."""
+    for directory in recipe_dirs():
+        if (directory / f"{name}.json").is_file():
+            return str(directory / f"{name}.json")
+    return f"models/{name}.json"
+
 
 WEIGHTS_ONLY = (
     "megapar-train's --load resumes the optimizer state too; to start from a checkpoint's "
@@ -19,18 +31,18 @@ WEIGHTS_ONLY = (
 
 MODEL_SIZE = (
     "a model's sizes come from --model (a recipe, or a JSON / YAML config file such as "
-    "models/llama-tiny.json, in transformers' names)"
+    f"a copy of {_recipe_file('llama-tiny')}, in transformers' names)"
 )
 
 MODEL_FIELD = (
     "a model's settings come from --model (a JSON / YAML model config file such as "
-    "models/gpt2-tiny.json, in transformers' names): set {field} there"
+    f"a copy of {_recipe_file('gpt2-tiny')}, in transformers' names): set {{field}} there"
 )
 
 MOE_FIELD = (
     "a mixture of experts' routing and sizes come from the model config (a --model file such as "
-    "models/mixtral-tiny.json, or the config.json of the --from-hf directory, in transformers' "
-    "names): set {field} there"
+    f"a copy of {_recipe_file('mixtral-tiny')}, or the config.json of the --from-hf directory, "
+    "in transformers' names): set {field} there"
 )
 
 ARCHITECTURE = (
@@ -639,6 +651,7 @@ OTHER_TOOLS_FLAGS = {
     "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
     "--moe-router-topk": MOE_FIELD.format(field="num_experts_per_tok"),
     "--num-experts-per-tok": MOE_FIELD.format(field="num_experts_per_tok"),
+    "--moe-top-k": MOE_FIELD.format(field="num_experts_per_tok"),
     "--moe-ffn-hidden-size": MOE_FIELD.format(
         field="moe_intermediate_size (Qwen3-MoE; a Mixtral's experts are intermediate_size wide)"
     ),
@@ -675,6 +688,8 @@ OTHER_TOOLS_FLAGS = {
     "--router-aux-loss-coef": "--moe-aux-loss-coef",
     "--moe-z-loss-coeff": "--moe-z-loss-coef",
     "--moe-expert-capacity-factor": "--moe-capacity-factor",
+    "--moe-token-dropping": "--moe-capacity-factor (an expert's tokens over its capacity are "
+    "dropped; not given: none)",
     "--moe-router-bias-update-rate": "--moe-bias-update-rate",
     "--moe-router-enable-expert-bias": (
         "--moe-bias-update-rate (a rate > 0 turns the expert bias on)"
