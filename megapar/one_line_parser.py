@@ -22,6 +22,36 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 `megapar-plan --explain` items, a value given to a switch on the command line)."""
 
 
+MOST_GIB = 4096.0
+"""The most memory a `gib_amount` takes for one GPU or rank (4 TiB): above it a figure is
+another unit's (16000 for 16 GB is MB), not a device's."""
+
+_SIZE = re.compile(r"^\s*([^\sa-zA-Z]+(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def gib_amount(text) -> float:
+    """A flag's memory size in GiB (--gpu-memory-gb): a number, optionally followed by GB, GiB
+    or G (an "80 GB" GPU has 80 GiB, as the flag reads it); another unit (MB, TB), or above
+    `MOST_GIB`, refused naming the unit the flag takes (argparse.ArgumentTypeError)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    try:
+        value = float(match.group(1)) if match and unit in ("", "g", "gb", "gib") else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size in GiB: give a number of GiB, such as 80 for an 80 GB GPU"
+        )
+    if value > MOST_GIB:
+        in_mb = f" ({value:g} MB is {value / 1024:.3g} GiB)" if value < 2**20 else ""
+        raise argparse.ArgumentTypeError(
+            f"{text} GiB is more than any GPU holds: give a number of GiB, such as 80 for an "
+            f"80 GB GPU{in_mb}"
+        )
+    return value
+
+
 def shown_default(value) -> str:
     """A flag's default as its help and the reference show it: a switch's as on / off (not
     True / False), anything else as it is."""

@@ -416,6 +416,26 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_gpu_memory_is_read_in_gib_with_or_without_its_unit(env, no_workers, tmp_path, capsys):
+    """--gpu-memory-gb 16GB was argparse's "invalid float value", and 16000 (MB meant) held
+    the dry run to 16000 GiB: the unit's name is read, another unit or a figure no GPU has is
+    refused in one line, on the command line and in a --config file."""
+    from megapar.training.config import parse_args
+
+    assert parse_args(["--gpu-memory-gb", "40GB"]).gpu_memory_gb == 40.0
+    assert parse_args(["--gpu-memory-gb", "40 GiB"]).gpu_memory_gb == 40.0
+    with pytest.raises(SystemExit) as stop:
+        train([*env["common"], "--dry-run", "--gpu-memory-gb", "24000"])
+    assert stop.value.code == 2
+    assert ("--gpu-memory-gb: 24000 GiB is more than any GPU holds: give a number of GiB, such "
+            "as 80 for an 80 GB GPU (24000 MB is 23.4 GiB)") in _one_line(capsys, "megapar-train")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"gpu_memory_gb": "40MB"}))
+    assert train([*env["common"], "--config", str(config), "--dry-run"]) == 2
+    assert f"{config}: --gpu-memory-gb '40MB' is not a size in GiB" in _one_line(
+        capsys, "megapar-train")
+
+
 def test_a_load_with_no_checkpoint_and_no_model_is_refused(env, no_workers, tmp_path, capsys):
     """`megapar-train --load ckpt_typo` (no --model: the settings were to come from the
     checkpoint) started a fresh run of the default model, 300 steps, with a note. A requeue

@@ -457,6 +457,23 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
         assert len(err) == 1 and message in err[0], err
     assert plan_main(base + ["--gpus", "12", "--gpus-per-node", "4", "--top", "1"]) == 0
     assert "torchrun --nnodes 3 --nproc-per-node 4" in capsys.readouterr().out
+    # argparse's own line: 16GB was "invalid float value", 16000 (MB meant) planned 16000 GiB,
+    # a GPU's name was "did you mean --gpus?"
+    for extra, message in [
+            (["--gpu-memory-gb", "16MB"], "'16MB' is not a size in GiB: give a number of GiB, "
+             "such as 80 for an 80 GB GPU"),
+            (["--gpu-memory-gb", "16000"], "16000 GiB is more than any GPU holds: give a number "
+             "of GiB, such as 80 for an 80 GB GPU (16000 MB is 15.6 GiB)"),
+            (["--gpu", "a100"], "--gpu: megapar-plan takes a GPU's figures, not its name: "
+             "--gpu-memory-gb and --peak-tflops")]:
+        with pytest.raises(SystemExit) as stop:
+            plan_main([*base, "--gpus", "8", *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    for size in ("40GB", "40 GiB", "40g"):  # the unit's name, as a GPU's memory is written
+        assert plan_main(base + ["--gpus", "8", "--top", "1", "--gpu-memory-gb", size]) == 0
+        assert "each 40 GiB" in capsys.readouterr().out
 
 
 def test_gpt3_175b_on_1024_a100s_at_tp8_pp16():

@@ -39,6 +39,7 @@ from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import (
     SHARDING_CONFIG_NAMES,
     OneLineParser,
+    gib_amount,
     layout_names,
     shown_default,
 )
@@ -201,6 +202,11 @@ OTHER_FLAGS = {
         tool="megapar-plan",
         instead="give the model as --model (a recipe such as llama-8b)",
     ),
+    **dict.fromkeys(
+        ("--gpu", "--gpu-type", "--gpu-model"),
+        "megapar-plan takes a GPU's figures, not its name: --gpu-memory-gb and --peak-tflops "
+        "(the defaults are an 80 GB A100's: 80 and 312; an H100 SXM's are 80 and 989)",
+    ),
     "--offload-optimizer": "--offload optimizer",
     "--offload-params": "--offload both",
     "--offload_param": "--offload both",
@@ -257,7 +263,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model recipe (models/) or JSON/YAML config")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
+    p.add_argument(
+        "--gpu-memory-gb", type=gib_amount, default=80.0, help="memory per GPU, GiB (80 or 80GB)"
+    )
     p.add_argument(
         "--global-batch-size",
         type=int,
@@ -749,13 +757,13 @@ def main(argv=None) -> int:
         f"{counted(valid, 'valid layout')}, "
         f"{len(rejected):,} rejected"
     )
+    if not estimates:  # the reason, without an empty table and its notes
+        return _no_valid_layout(args, problem, rejected)
     print(table(estimates[: args.top], problem.master_weights, problem.target))
     print(attention_note(problem.fused_attention, problem.target))
     for note in (documents_note(problem), fp8_note(problem), peak_note(problem)):
         if note:
             print(note)
-    if not estimates:
-        return _no_valid_layout(args, problem, rejected)
     if best is None:
         return _no_fit(args, problem.target)
     assert cmd is not None  # made for the best layout
@@ -795,7 +803,13 @@ def _no_valid_layout(args, problem, rejected) -> int:
         return 1
     fix = (
         "; give a --global-batch-size that the dp size wanted divides (each dp rank takes "
-        "its share of it), or fewer --gpus"
+        "its share of it)"
+        + (
+            ", --micro-batch-sizes that divide each rank's share"
+            if "micro-batch size" in common[0][1]
+            else ""
+        )
+        + ", or fewer --gpus"
         if common[0][1].startswith("global batch ")
         else ""
     )

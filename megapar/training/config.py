@@ -29,7 +29,13 @@ from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.models.documents import MASK_TYPES
-from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS, OneLineParser, shown_default
+from megapar.one_line_parser import (
+    FALSE_WORDS,
+    TRUE_WORDS,
+    OneLineParser,
+    gib_amount,
+    shown_default,
+)
 from megapar.optim.muon import ADJUST_LR
 from megapar.optim.optimizer import OPTIMIZERS, optimizer_named_elsewhere
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
@@ -449,6 +455,8 @@ def _flag_kinds() -> dict[str, Any]:
 
 
 def _type_of(f) -> Any:
+    if f.name == "gpu_memory_gb":  # 80, or 80GB (its unit's name) as the user may write it
+        return gib_amount
     text = str(f.type)
     if "bool" in text:
         return "bool"
@@ -596,6 +604,8 @@ def _config_value(f, value: Any, path: str) -> Any:
         if kind is int and isinstance(value, float):
             return int(value) if value.is_integer() else value
         return kind(value.strip() if isinstance(value, str) else value)
+    except argparse.ArgumentTypeError as exc:  # a flag's own type's reason (gib_amount)
+        raise ConfigError(f"{path}: {flag} {exc}") from None
     except (ValueError, TypeError, OverflowError):
         what = "a whole number" if kind is int else "a number"
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
