@@ -59,6 +59,7 @@ from megapar.plan.host import check_host_memory
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
+from megapar.training.model_config import capacity_note
 from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
 from megapar.training.validate import UsageError, explicit
 
@@ -72,7 +73,9 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     layout = _layout(cfg)
     plan = plan_data(cfg, layout, notes, manifest)
     given = "expert_tensor_parallel_size" in explicit(cfg)
-    notes.extend(expert_tp_note(cfg, config_from_dict(plan.model_config), layout, given))
+    config = config_from_dict(plan.model_config)
+    notes.extend(expert_tp_note(cfg, config, layout, given))
+    notes.extend(capacity_note(config, layout, cfg.sequence_parallel))
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan

@@ -196,6 +196,25 @@ def ep_model_error(config, ep: int, api: bool = False) -> str | None:
     return None
 
 
+def capacity_note(config, layout, sequence_parallel: bool) -> list[str]:
+    """megapar-train's start-up note where an expert capacity counts a split sequence's tokens:
+    under cp, or sequence parallelism at tp > 1, each rank's capacity is of its own tokens (as
+    Megatron's is), so which tokens are dropped depends on the layout; [] otherwise."""
+    factor = getattr(config, "moe_capacity_factor", None)
+    split = [f"--cp {layout.cp}"] if layout.cp > 1 else []
+    if sequence_parallel and layout.tp > 1:
+        split.append(f"--sequence-parallel at --tp {layout.tp}")
+    if not factor or not split:
+        return []
+    return [
+        f"an expert capacity factor of {factor:g} (--moe-capacity-factor) under "
+        f"{' and '.join(split)}: each rank's expert "
+        f"capacity counts its own share of a sequence's tokens (as Megatron's), so the tokens "
+        f"dropped, and the loss, differ from a layout without it (dropless, no capacity "
+        f"factor, gives every layout the same numbers)"
+    ]
+
+
 MOE_FLAGS = {
     "moe_aux_loss_coef": "router_aux_loss_coef",
     "moe_z_loss_coef": "moe_z_loss_coef",
