@@ -527,6 +527,7 @@ def _held_without_copies(
         out.update(weights=state.weights, grads=state.grads, optimizer=state.optimizer)
     elif cfg.offload_params and engine.sharded_params is not None:
         out["weights"] = sum(u.shard_nbytes for u in engine.sharded_params.units)
+    if cfg.offload_params:
         out["gathered"] = int(cpu_stage.gathered)
     return out
 
