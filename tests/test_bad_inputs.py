@@ -436,6 +436,38 @@ def test_gpu_memory_is_read_in_gib_with_or_without_its_unit(env, no_workers, tmp
         capsys, "megapar-train")
 
 
+def test_a_read_only_data_cache_is_read_where_it_holds_the_text(env, tmp_path, monkeypatch):
+    """A shared, pre-filled --data-cache mounted read-only was refused ("is not writable")
+    though the run only reads its copy (a data tryout): its copy is read; a text it holds no
+    copy of is refused in one line naming the cache, when the write is refused."""
+    import errno
+
+    import megapar.data.preprocess as preprocess
+    import megapar.training.validate as validate
+    from megapar.training.config import parse_args
+
+    cache = env["common"][env["common"].index("--data-cache") + 1]
+
+    def probe(path, flag, kind="dir"):  # the directory's mode: writes refused
+        raise ValueError(f"{flag} {path} is not writable (probed)")
+
+    def write(inputs, prefix, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", prefix + ".bin.tmp")
+
+    monkeypatch.setattr(validate, "check_writable", probe)
+    monkeypatch.setattr(preprocess, "preprocess_files", write)
+    layout, plan = train_cli.plan_run(parse_args([*env["common"], "--max-steps", "1"]))
+    assert plan.prefix.startswith(cache), plan.prefix  # the cached copy, nothing written
+    other = tmp_path / "other.txt"
+    other.write_text("Another text, which the cache holds no copy of.\n\n" * 50)
+    argv = [*env["common"], "--max-steps", "1"]
+    argv[argv.index("--data") + 1] = str(other)
+    with pytest.raises(ValueError, match=(
+            rf"^--data-cache {cache} is not writable \(Permission denied\) and holds no tokenized "
+            rf"copy of --data {other} for this tokenizer; choose a location you can write to$")):
+        train_cli.plan_run(parse_args(argv))
+
+
 def test_a_load_with_no_checkpoint_and_no_model_is_refused(env, no_workers, tmp_path, capsys):
     """`megapar-train --load ckpt_typo` (no --model: the settings were to come from the
     checkpoint) started a fresh run of the default model, 300 steps, with a note. A requeue

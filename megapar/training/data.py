@@ -59,7 +59,8 @@ from megapar.training.tokenizer_checks import (
     check_hf_tokenizer,
     unlike_vocab_note,
 )
-from megapar.training.validate import explicit
+from megapar.training.usage import UsageError
+from megapar.training.validate import explicit, unwritable_in
 from megapar.training.validate_resume import checkpoint_manifest, named
 from megapar.training.validate_sft import holds_records
 from megapar.wording import counted
@@ -159,18 +160,28 @@ def _resolve_one(
     if is_raw_text(data):
         report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
         stats: dict = {}  # filled only when the text is tokenized now
-        prefix = ensure_dataset(
-            data,
-            cfg.tokenizer,
-            os.path.expanduser(cfg.data_cache),
-            split_paragraphs=True,
-            progress=show_progress(cfg.progress),
-            report=report,
-            jsonl_key=cfg.jsonl_key,
-            allow_invalid_utf8=cfg.allow_invalid_utf8,
-            stats=stats,
-            sft_keys=parse_sft_keys(cfg.sft_keys) if cfg.sft_keys is not None else None,
-        )
+        cache = os.path.expanduser(cfg.data_cache)
+        try:
+            prefix = ensure_dataset(
+                data,
+                cfg.tokenizer,
+                cache,
+                split_paragraphs=True,
+                progress=show_progress(cfg.progress),
+                report=report,
+                jsonl_key=cfg.jsonl_key,
+                allow_invalid_utf8=cfg.allow_invalid_utf8,
+                stats=stats,
+                sft_keys=parse_sft_keys(cfg.sft_keys) if cfg.sft_keys is not None else None,
+            )
+        except OSError as exc:  # a read-only cache is read where it holds the copy, not here
+            if not unwritable_in(exc, cache):
+                raise
+            raise UsageError(
+                f"--data-cache {cfg.data_cache} is not writable ({exc.strerror}) and holds no "
+                f"tokenized copy of --data {data} for this tokenizer; choose a location you can "
+                f"write to"
+            ) from None
         if stats and tokenized is not None:
             tokenized.append(prefix)
         if notes is not None:

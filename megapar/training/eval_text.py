@@ -47,7 +47,9 @@ def is_text(data: str) -> bool:
 def check_text_options(args) -> None:
     """UsageError for a raw-text option that --data would not read (given with a prepared
     dataset; --jsonl-key where no input is .jsonl / .json / .parquet), and ValueError for a
-    --data-cache that cannot be written; before anything is read or tokenized."""
+    --data-cache that cannot be made; before anything is read or tokenized (an existing
+    read-only one may hold the text's copy: a write it needs is refused when made,
+    `data._resolve_one`)."""
     given = [name for name in TEXT_OPTIONS if getattr(args, name) not in (None, False)]
     if not is_text(args.data):
         if args.sft_keys is not None:
@@ -77,7 +79,9 @@ def check_text_options(args) -> None:
                 f"--jsonl-key {args.jsonl_key} would be ignored: no --data input is .jsonl / "
                 f".json / .parquet (a .txt file's text is all of it); drop --jsonl-key"
             )
-    check_writable(args.data_cache or DEFAULT_CACHE, "--data-cache")
+    cache = args.data_cache or DEFAULT_CACHE
+    if not os.path.isdir(os.path.expanduser(cache)):  # an existing one may be read-only and
+        check_writable(cache, "--data-cache")  # hold the copy: a write it needs is refused then
 
 
 def _sft_keys_on_prepared(args, others: list[str]) -> str:

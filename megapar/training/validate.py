@@ -624,6 +624,14 @@ def names_directory(path: str) -> bool:
     return path.endswith(("/", os.sep)) or os.path.isdir(os.path.expanduser(path))
 
 
+def unwritable_in(exc: OSError, directory: str) -> bool:
+    """Whether `exc` is a write refused (EACCES, EPERM, EROFS) at or under `directory`."""
+    if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not exc.filename:
+        return False
+    path, root = os.path.abspath(os.fsdecode(exc.filename)), os.path.abspath(directory)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     """Raise ValueError unless `path` (a directory, or a file's directory) can be written now.
 
@@ -699,5 +707,8 @@ def check_outputs(cfg) -> None:
             f"the server answers (offline otherwise)"
         )
 
-    if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
-        check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it
+    # raw text is tokenized into it, once: an existing cache may hold this text's copy and be
+    # read-only (shared), so a write it needs is refused when made (`data._resolve_one`)
+    raw = any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data))
+    if raw and not os.path.isdir(os.path.expanduser(cfg.data_cache)):
+        check_writable(cfg.data_cache, "--data-cache")
