@@ -151,8 +151,13 @@ def test_a_binary_input_is_refused_before_any_work_and_text_of_any_name_is_read(
 
     raw = TEXT[:3000].encode()
     binaries = {
-        "t.txt.gz": (gzip.compress(raw), "is gzip-compressed", "gunzip -k "),
-        "t.bz2": (bz2.compress(raw), "is bzip2-compressed", "bunzip2 -k "),
+        # gunzip -k refused a name without its suffix: to standard output, named by it
+        "t.txt.gz": (gzip.compress(raw), "is gzip-compressed",
+                     f"gunzip -c {tmp_path / 't.txt.gz'} > {tmp_path / 't.txt'}"),
+        "t.bz2": (bz2.compress(raw), "is bzip2-compressed",
+                  f"bunzip2 -c {tmp_path / 't.bz2'} > {tmp_path / 't.txt'}"),
+        "plays.txt": (gzip.compress(raw), "is gzip-compressed",
+                      f"gunzip -c {tmp_path / 'plays.txt'} > {tmp_path / 'plays-text.txt'}"),
         "ids.npy": (None, "is a NumPy array (.npy)", "save the text it holds"),
         "zeros.bin": (bytes(2000), "is binary (NUL bytes in its first KiB)", "iconv"),
         "t.zip": (None, "is a zip archive", "unzip "),
@@ -816,7 +821,7 @@ def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsy
     _one_line_error(capsys, f"input directory {gz} holds no .txt / .jsonl / .json / .parquet "
                             f"files, only 2 other files (.gz, .zst), not read: input "
                             f"{gz / 'a.jsonl.gz'} is gzip-compressed",
-                    f"decompress it (gunzip -k {gz / 'a.jsonl.gz'})")
+                    f"decompress it (gunzip -c {gz / 'a.jsonl.gz'} > {gz / 'a.jsonl'})")
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "a.md").write_text("# A title\n\nSome text.\n")
@@ -875,3 +880,4 @@ def test_a_saved_hugging_face_dataset_directory_is_refused_naming_its_export(tmp
     (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     assert data_main(["--input", str(splits), *out]) == 2
     _one_line_error(capsys, f'datasets.load_from_disk("{splits}")["train"].to_parquet("dd.parquet")')
+

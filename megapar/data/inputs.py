@@ -120,12 +120,13 @@ def check_not_wide(path: str, head: bytes | None = None) -> None:
 
 
 #: The first bytes of binary formats an input given as text may be in, what each is and how to
-#: get text out of it (``{path}``: the file, quoted for the shell).
+#: get text out of it (``{path}``: the file, ``{text}``: a name for its text, both quoted for
+#: the shell; to standard output, as `gunzip -k` refuses a name without its suffix).
 _BINARY_MAGIC = (
-    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k {path})"),
-    (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -k {path})"),
-    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k {path})"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (unzstd {path})"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -c {path} > {text})"),
+    (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -c {path} > {text})"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -c {path} > {text})"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (unzstd -c {path} > {text})"),
     (b"PK\x03\x04", "a zip archive", "extract it (unzip {path})"),
     (b"\x93NUMPY", "a NumPy array (.npy)", "save the text it holds as a .txt file"),
 )
@@ -165,9 +166,22 @@ def check_not_binary(path: str, head: bytes | None = None) -> None:
             fix = "convert it to one of them (UTF-16 / UTF-32 text: to UTF-8, e.g. with iconv)"
     raise ValueError(
         f"input {path} is {kind}, not text; the inputs read are {READ_AS}: "
-        + fix.format(path=shell_word(path))
+        + fix.format(path=shell_word(path), text=shell_word(_text_name(path)))
         + ", and pass that"
     )
+
+
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _text_name(path: str) -> str:
+    """A name for compressed file `path`'s text: without its compression suffix (a.jsonl.gz:
+    a.jsonl; a.gz: a.txt), else beside it (plays.txt: plays-text.txt)."""
+    stem, ext = os.path.splitext(path)
+    if ext in _COMPRESSED:
+        return stem if os.path.splitext(stem)[1] else stem + ".txt"
+    inner = ext if ext in (".jsonl", ".json") else ".txt"
+    return stem + "-text" + inner
 
 
 def check_is_text(path: str, head: bytes | None = None) -> None:
