@@ -881,3 +881,30 @@ def test_a_saved_hugging_face_dataset_directory_is_refused_naming_its_export(tmp
     assert data_main(["--input", str(splits), *out]) == 2
     _one_line_error(capsys, f'datasets.load_from_disk("{splits}")["train"].to_parquet("dd.parquet")')
 
+
+def test_a_damaged_gpt2_tokenizer_names_the_file_at_fault(tmp_path):
+    """A vocab.json missing a token that merges.txt names was called a damaged merges.txt (a
+    data tryout): it names both files as not matching; a broken merges.txt or vocab.json is
+    named alone."""
+    vocab = json.loads(Path(asset_path("gpt2_vocab.json")).read_text())
+    merges = Path(asset_path("gpt2_merges.txt")).read_text()
+    renamed = dict(vocab)
+    renamed["XXine"] = renamed.pop("ine")
+    cases = {
+        "renamed": (json.dumps(renamed), merges, "tokenizer files {d}/vocab.json and "
+                    "{d}/merges.txt do not match (or one is damaged)"),
+        "merges": (json.dumps(vocab), merges.replace("\n", "\nbroken line with three\n", 1),
+                   "tokenizer file {d}/merges.txt is damaged or not a GPT-2 merges.txt"),
+        "vocab": ("{not json", merges,
+                  "tokenizer file {d}/vocab.json is damaged or not a GPT-2 vocab.json"),
+    }
+    for name, (vocab_text, merges_text, said) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "vocab.json").write_text(vocab_text)
+        (d / "merges.txt").write_text(merges_text)
+        with pytest.raises(ValueError) as info:
+            load_tokenizer(str(d))
+        message = str(info.value)
+        assert message.startswith(said.format(d=d)), message
+        assert message.endswith("copy the complete vocab.json and merges.txt there"), message

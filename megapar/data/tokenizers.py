@@ -60,11 +60,15 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
         model = models.BPE.from_file(vocab, merges)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
         message = " ".join(str(exc).split())
-        culprit = merges if "Merges" in message or "out of vocabulary" in message else vocab
+        if "out of vocabulary" in message:  # a merge's token missing from the vocabulary:
+            # either file may be the damaged one
+            what = f"tokenizer files {vocab} and {merges} do not match (or one is damaged)"
+        else:
+            culprit = merges if "Merges" in message else vocab
+            what = f"tokenizer file {culprit} is damaged or not a GPT-2 {os.path.basename(culprit)}"
         raise ValueError(
-            f"tokenizer file {culprit} is damaged or not a GPT-2 "
-            f"{os.path.basename(culprit)} (tokenizers: {message[:200]}); copy the "
-            f"complete vocab.json and merges.txt there"
+            f"{what} (tokenizers: {message[:200]}); copy the complete vocab.json and "
+            f"merges.txt there"
         ) from None
     backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
