@@ -2247,12 +2247,33 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         ("fsdp_reshard_after_forward: false\n  fsdp_version: 2", "--dp 4 --zero 2 --precision"),
         ("fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_offload_params: true",
          "--dp 4 --zero 3 --offload-optimizer --offload-params --precision"),
+        # a re-test's: a number as a string, torch's enum's name, a null beside a strategy
+        ("fsdp_sharding_strategy: '2'", "--dp 4 --zero 2 --precision"),
+        ("fsdp_sharding_strategy: _HYBRID_SHARD_ZERO2", "--dp 4 --zero 2 --precision"),
+        ("fsdp_reshard_after_forward: null\n  fsdp_sharding_strategy: SHARD_GRAD_OP",
+         "--dp 4 --zero 2 --precision"),
     ):
         accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n"
                               f"fsdp_config:\n  {fsdp_config}\nmixed_precision: bf16\n"
                               "num_machines: 1\nnum_processes: 4\n")
         with pytest.raises(ConfigError, match=f"give {flags} bf16 "):
             parse_args(["--config", str(accelerate)])
+    # a strategy it cannot read was plain data parallelism without a word (or, a list, a
+    # traceback): said; DeepSpeed's offload devices are its offload flags
+    for strategy in ("FULL_SHARDED", "9", "[1]"):
+        accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n"
+                              f"fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n"
+                              "num_machines: 1\nnum_processes: 4\n")
+        with pytest.raises(ConfigError, match=r"give --dp 4 \(the processes are tp x cp x pp x "
+                           r"dp\); FSDP's sharding .*: not one megapar reads \(reshard_after_"
+                           r"forward true / false, or full_shard, .*; megapar's FSDP is --zero 3"):
+            parse_args(["--config", str(accelerate)])
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                          "deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n"
+                          "  offload_param_device: cpu\nnum_machines: 1\nnum_processes: 4\n")
+    with pytest.raises(ConfigError, match=r"give --dp 4 --zero 3 --offload-optimizer "
+                       r"--offload-params \("):
+        parse_args(["--config", str(accelerate)])
     # steps below 1 are the Trainer's ratios of the training steps, and its fsdp is --zero:
     # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
     args.write_text(json.dumps({

@@ -214,23 +214,35 @@ def _fsdp(fsdp: Any, fsdp_config: Any) -> tuple[list[str], list[str]]:
                 config.setdefault("cpu_offload", True)
             elif item != "auto_wrap":
                 config.setdefault("reshard_after_forward", item)
-    reshard = str(config.get("reshard_after_forward", True)).lower()
-    zero = {
-        "true": 3,
-        "full_shard": 3,
-        "hybrid_shard": 3,
-        "false": 2,
-        "shard_grad_op": 2,
-        "hybrid_shard_zero2": 2,
-    }.get(reshard)
-    if zero is None:  # no_shard: the Trainer's plain data parallelism, megapar-train's default
+    given = config.get("reshard_after_forward", True)
+    # torch's enum's name too (ShardingStrategy._HYBRID_SHARD_ZERO2, as str() of one prints it)
+    reshard = str(given).lower().removeprefix("shardingstrategy.").lstrip("_")
+    if reshard == "no_shard":  # the Trainer's plain data parallelism, megapar-train's default
         return [], []
+    zero = RESHARD_ZERO.get(reshard)
+    if zero is None:
+        return [], [
+            f"FSDP's sharding {given!r}: not one megapar reads (reshard_after_forward true / "
+            f"false, or {', '.join(FSDP_OPTIONS[:5])}); megapar's FSDP is --zero 3 (--zero 2 "
+            f"for shard_grad_op)"
+        ]
     offload = str(config.get("cpu_offload", False)).lower() == "true"
     flags = f"--zero {zero}"
     if offload:
         flags += " --offload-optimizer" + (" --offload-params" if zero == 3 else "")
     return [flags], []
 
+
+RESHARD_ZERO = {
+    "true": 3,
+    "full_shard": 3,
+    "hybrid_shard": 3,
+    "false": 2,
+    "shard_grad_op": 2,
+    "hybrid_shard_zero2": 2,
+}
+"""FSDP's `reshard_after_forward` (FSDP2's true / false, FSDP1's strategy by name) as megapar's
+ZeRO stage (no_shard: none)."""
 
 FSDP_OPTIONS = (
     "full_shard",
@@ -275,6 +287,7 @@ def accelerate_config(data: dict, path: str) -> str:
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
+    said: list[str] = []
     if kind == "FSDP":
         given = data.get("fsdp_config")
         config = (
@@ -282,17 +295,38 @@ def accelerate_config(data: dict, path: str) -> str:
             if isinstance(given, dict)
             else {}
         )
-        strategy = config.get("reshard_after_forward", config.get("sharding_strategy", True))
-        flags += _fsdp(
+        strategy = next(
+            (
+                config[key]
+                for key in ("reshard_after_forward", "sharding_strategy")
+                if config.get(key) is not None
+            ),
+            True,
+        )
+        if isinstance(strategy, str) and strategy.strip().isdigit():  # "2", as accelerate reads
+            strategy = int(strategy)
+        if isinstance(strategy, (bool, int)):  # (True: 1, full_shard; False: 0, none of them)
+            strategy = ACCELERATE_STRATEGIES.get(strategy, strategy)
+        more, said = _fsdp(
             True,
             {
-                "reshard_after_forward": ACCELERATE_STRATEGIES.get(strategy, strategy),
+                "reshard_after_forward": strategy,
                 "cpu_offload": config.get("offload_params", False),
             },
-        )[0]
+        )
+        flags += more
     elif kind == "DEEPSPEED":
-        stage = (data.get("deepspeed_config") or {}).get("zero_stage")
+        deepspeed = data.get("deepspeed_config")
+        deepspeed = deepspeed if isinstance(deepspeed, dict) else {}
+        stage = deepspeed.get("zero_stage")
         flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
+        if str(deepspeed.get("offload_optimizer_device", "none")).lower() in ("cpu", "nvme"):
+            flags.append("--offload-optimizer")
+            if stage == 3 and str(deepspeed.get("offload_param_device", "none")).lower() in (
+                "cpu",
+                "nvme",
+            ):
+                flags.append("--offload-params")
     precision = data.get("mixed_precision")
     if precision in ("bf16", "fp16"):
         flags.append(f"--precision {precision}")
@@ -310,4 +344,5 @@ def accelerate_config(data: dict, path: str) -> str:
         f"starts its tp x cp x pp x dp workers itself (no accelerate launch); give "
         + (" ".join(flags) if flags else "its settings as megapar-train flags")
         + f" (the processes are tp x cp x pp x dp){nodes}"
+        + "".join(f"; {sentence}" for sentence in said)
     )
