@@ -44,9 +44,10 @@ def gib_amount(text) -> float:
             f"{text!r} is not a size in GiB: give a number of GiB, such as 80 for an 80 GB GPU"
         )
     if value > MOST_GIB:
-        in_mb = f" ({value:g} MB is {value / 1024:.3g} GiB)" if value < 2**20 else ""
+        # a bare number this large is MB meant (16000 for a 16 GB GPU)
+        in_mb = f" ({value:g} MB is {value / 1024:.3g} GiB)" if not unit and value < 2**20 else ""
         raise argparse.ArgumentTypeError(
-            f"{text} GiB is more than any GPU holds: give a number of GiB, such as 80 for an "
+            f"{value:g} GiB is more than any GPU holds: give a number of GiB, such as 80 for an "
             f"80 GB GPU{in_mb}"
         )
     return value

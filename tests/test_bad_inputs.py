@@ -1425,6 +1425,10 @@ def test_flags_one_sentence_answers_are_answered_together(capsys):
     ("--fsdp", "FSDP's full_shard is zero 3"),  # --fp8?
     ("--deepspeed", "reads no FSDP or DeepSpeed config"),  # --fp8-speedup?
     ("--deepspeed-config", "reads no FSDP or DeepSpeed config"),  # nothing
+    ("--zero_stage", "give zero=N to --explain"),  # --zero-stages?
+    ("--moe-top-k", "set num_experts_per_tok there"),  # --top?
+    ("--moe-router-topk", "set num_experts_per_tok there"),  # nothing
+    ("--moe-token-dropping", "takes a capacity factor from the model config"),  # nothing
     ("--module", "torchtitan's module and config name a Python config"),  # --model?
 ])
 def test_megapar_plan_answers_fsdp_deepspeed_and_torchtitan_names(flag, hint, capsys):
@@ -1705,9 +1709,10 @@ OTHER_TOOLS = [
     ("train", ["--moe-router-topk", "2"], "set num_experts_per_tok there"),
     # the file named was models/mixtral-tiny.json, a path only inside the source tree; and
     # these two were answered with nothing
+    ("train", ["--gpu", "a100"], "--gpu: megapar-train runs on the GPUs it is given"),  # --tp?
     ("train", ["--moe-top-k", "2"], f"such as a copy of {RECIPES}/mixtral-tiny.json, or "),
-    ("train", ["--moe-token-dropping"], "did you mean --moe-capacity-factor (an expert's tokens "
-     "over its capacity are dropped"),
+    ("train", ["--moe-token-dropping"], "--moe-token-dropping: megapar drops an expert's tokens "
+     "over its capacity with --moe-capacity-factor C (not given: dropless)"),
     ("train", ["--moe-router-topk-scaling-factor", "2.5"], "with no scaling factor; drop it"),
     ("train", ["--moe-grouped-gemm"], "one grouped matmul per projection by themselves"),
     ("train", ["--moe-token-dispatcher-type", "alltoall"], "always travel by all-to-all"),

@@ -219,8 +219,9 @@ def test_a_capacity_over_a_split_sequence_is_said_to_depend_on_the_layout(common
         return [n for n in notes if "capacity" in n]
 
     [note] = said("--cp", "2", "--moe-capacity-factor", "1.25")
-    assert note.startswith("an expert capacity factor of 1.25 (--moe-capacity-factor) under "
-                           "--cp 2: each rank's expert capacity counts its own share"), note
+    assert note.startswith("an expert capacity factor of 1.25 (--moe-capacity-factor, or the "
+                           "model config's moe_capacity_factor) under --cp 2: each rank's "
+                           "expert capacity counts its own share"), note
     [note] = said("--tp", "2", "--sequence-parallel", "--moe-capacity-factor", "1")
     assert "under --sequence-parallel at --tp 2: " in note, note
     assert said("--cp", "2") == said("--tp", "2", "--moe-capacity-factor", "1") == []

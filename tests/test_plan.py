@@ -1056,6 +1056,11 @@ def test_plan_counts_attention_as_megapar_train_runs_it_on_the_target(capsys):
     assert counted() == counted("--target", "gpu") == fused
     assert counted("--target", "cpu") == scores
     assert counted("--target", "cpu", "--fused-attention") == fused
+    # asked for on a CPU where this model's dropout runs the unfused kernel: said to differ
+    # from the dry run (it said "megapar-train --dry-run counts the same")
+    code, out = _cli(capsys, *base[:-1], "--target", "cpu", "--fused-attention")
+    assert code == 0 and "as asked (--fused-attention); megapar-train on CPU ranks runs this " \
+        "model's attention dropout with the unfused kernel" in out.out, out.out
 
 
 def test_plan_takes_the_zero3_persistence_threshold(capsys):

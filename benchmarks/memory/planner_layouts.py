@@ -124,6 +124,7 @@ def predicted(model, world: int, options: dict, batch: int, seq: int, env: dict)
     from megapar.models.recipes import resolve_model
     from megapar.plan import Candidate, Problem, stage_memory
     from megapar.plan.estimate import activation_sizes, stage_roles
+    from megapar.plan.problem import runs_fused_attention
     from megapar.plan.process import process_peak
 
     config = (
@@ -137,7 +138,8 @@ def predicted(model, world: int, options: dict, batch: int, seq: int, env: dict)
                   o.get("zero", 0), cp, offload_optimizer=o.get("offload_optimizer", False),
                   offload_params=o.get("offload_params", False), ep=o.get("ep", 1))
     p = Problem(config, world, global_batch=batch, seq_len=seq, precision="fp32", target="cpu",
-                grad_bucket_mb=o.get("grad_bucket_mb", 25.0))
+                grad_bucket_mb=o.get("grad_bucket_mb", 25.0),
+                fused_attention=runs_fused_attention(config, "cpu"))
     block = activation_sizes(p, c).full
     return [process_peak(p, c, s, *stage_roles(p, c, s.stage), block).total
             for s in stage_memory(p, c)]

@@ -156,6 +156,16 @@ OTHER_FLAGS = {
         what="every ZeRO stage of --zero-stages", key="zero=1", example="dp=8,zero=1,mbs=1"
     ),
     "--num-experts": MOE_FIELD.format(field="num_local_experts (Qwen3-MoE: num_experts)"),
+    **dict.fromkeys(
+        ("--moe-router-topk", "--moe-top-k", "--num-experts-per-tok"),
+        MOE_FIELD.format(field="num_experts_per_tok"),
+    ),
+    **dict.fromkeys(
+        ("--moe-token-dropping", "--moe-expert-capacity-factor", "--moe-capacity-factor"),
+        "megapar-plan takes a capacity factor from the model config (moe_capacity_factor), "
+        "as the most an expert's tokens can be over its mean share: set it there, or plan "
+        "routing's imbalance with --moe-imbalance",
+    ),
     "--moe-grouped-gemm": "megapar-train runs the experts as one grouped matmul per projection "
     "by itself (on CUDA in bf16); drop it",
     **dict.fromkeys(layout_names("--ep"), _ONE_EP),
@@ -184,9 +194,14 @@ OTHER_FLAGS = {
     "--grad-accumulation-steps": _ACCUMULATION,
     "--grad_accumulation_steps": _ACCUMULATION,
     "--accumulate-grad-batches": _ACCUMULATION,
-    "--zero_stage": "--zero-stages",
     **dict.fromkeys(
-        ("--stage", "--zero-stage", "--zero_optimization", "--zero_optimization.stage"),
+        (
+            "--stage",
+            "--zero-stage",
+            "--zero_stage",
+            "--zero_optimization",
+            "--zero_optimization.stage",
+        ),
         _ONE_SETTING.format(
             what="every ZeRO stage of --zero-stages", key="zero=N", example="dp=8,zero=3,mbs=1"
         ),
@@ -692,7 +707,7 @@ def _explain(args, problem) -> int:
     print(
         "\n".join([explain(e, problem.target), *expert_lines(e, problem), *fp8_lines(e, problem)])
     )
-    print(attention_note(problem.fused_attention, problem.target))
+    print(attention_note(problem))
     for note in (documents_note(problem), fp8_note(problem), peak_note(problem)):
         if note:
             print(note)
@@ -760,7 +775,7 @@ def main(argv=None) -> int:
     if not estimates:  # the reason, without an empty table and its notes
         return _no_valid_layout(args, problem, rejected)
     print(table(estimates[: args.top], problem.master_weights, problem.target))
-    print(attention_note(problem.fused_attention, problem.target))
+    print(attention_note(problem))
     for note in (documents_note(problem), fp8_note(problem), peak_note(problem)):
         if note:
             print(note)

@@ -13,7 +13,7 @@ from megapar.plan import experts, fp8
 from megapar.plan.estimate import Estimate, layout_of, stage_memory
 from megapar.plan.memory import GIB
 from megapar.plan.params import model_params
-from megapar.plan.problem import Problem
+from megapar.plan.problem import Problem, runs_fused_attention
 from megapar.plan.state import DENSE, EXPERTS, groups_traffic, w_reported, zero_traffic
 from megapar.plan.timing import chunk_times
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
@@ -296,9 +296,18 @@ def active_note(config) -> str:
     )
 
 
-def attention_note(fused: bool, target: str = "gpu") -> str:
-    """The line that says how a plan counts attention's activations (`Problem.fused_attention`)
-    on `target`'s ranks."""
+def attention_note(p) -> str:
+    """The line that says how plan `p` counts attention's activations (`Problem.fused_attention`)
+    on its target's ranks, and whether megapar-train runs that kernel there
+    (`runs_fused_attention`)."""
+    fused, target = p.fused_attention, p.target
+    if fused and not runs_fused_attention(p.config, target):  # --fused-attention on a CPU
+        return (
+            "attention: a fused kernel's log-sum-exp counted, no a*s^2 scores, as asked "
+            "(--fused-attention); megapar-train on CPU ranks runs this model's attention "
+            "dropout with the unfused kernel, which keeps the scores, and megapar-train "
+            "--dry-run counts those, as this plan does without --fused-attention"
+        )
     if fused:
         where = "on GPUs" if target == "gpu" else "on CPU ranks without attention dropout"
         return (

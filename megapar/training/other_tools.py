@@ -652,6 +652,12 @@ OTHER_TOOLS_FLAGS = {
     "--moe-router-topk": MOE_FIELD.format(field="num_experts_per_tok"),
     "--num-experts-per-tok": MOE_FIELD.format(field="num_experts_per_tok"),
     "--moe-top-k": MOE_FIELD.format(field="num_experts_per_tok"),
+    **dict.fromkeys(
+        ("--gpu", "--gpu-type", "--gpu-model"),
+        "megapar-train runs on the GPUs it is given (one a rank: CUDA_VISIBLE_DEVICES, or "
+        "torchrun's local ranks), whatever their model; with --dry-run, --gpu-memory-gb is "
+        "each GPU's memory",
+    ),
     "--moe-ffn-hidden-size": MOE_FIELD.format(
         field="moe_intermediate_size (Qwen3-MoE; a Mixtral's experts are intermediate_size wide)"
     ),
@@ -688,8 +694,8 @@ OTHER_TOOLS_FLAGS = {
     "--router-aux-loss-coef": "--moe-aux-loss-coef",
     "--moe-z-loss-coeff": "--moe-z-loss-coef",
     "--moe-expert-capacity-factor": "--moe-capacity-factor",
-    "--moe-token-dropping": "--moe-capacity-factor (an expert's tokens over its capacity are "
-    "dropped; not given: none)",
+    "--moe-token-dropping": "megapar drops an expert's tokens over its capacity with "
+    "--moe-capacity-factor C (not given: dropless)",
     "--moe-router-bias-update-rate": "--moe-bias-update-rate",
     "--moe-router-enable-expert-bias": (
         "--moe-bias-update-rate (a rate > 0 turns the expert bias on)"
