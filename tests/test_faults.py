@@ -881,6 +881,36 @@ def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
     assert lines[1] == "(rank 0 was still waiting)", text
 
 
+def test_a_stopped_rank_is_blamed_not_the_ranks_a_stops_grace_cut_short():
+    """SIGTERM to megapar-train while rank 1 was stopped: rank 0, blocked waiting for it, was
+    cut short when the stop's grace was up (exit 143) and was named as the cause, rank 1 not
+    at all (a fault drill's finding). The stopped rank is the cause, the exit its consequence;
+    a 143 beside no stopped rank is still the cause."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import CUT_SHORT, blame
+
+    halted = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(halted.pid, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(halted.pid) == "T", timeout=10)
+        procs = [SimpleNamespace(pid=0, exitcode=CUT_SHORT),
+                 SimpleNamespace(pid=halted.pid, exitcode=None)]
+        statuses = ["step 4, forward of micro-batch 0 on pp stage 0", "step 3, done"]
+        text = blame(procs, {}, {}, statuses)
+        alone = blame(procs[:1], {}, {}, statuses)
+    finally:
+        halted.kill()
+        halted.wait()
+    lines = text.splitlines()
+    assert lines[0] == ("rank 1 did not answer (it is stopped (SIGSTOP / SIGTSTP?)) at step 3, "
+                        "done"), text
+    assert lines[1].startswith("(rank 0 exited with code 143 on a SIGTERM") and \
+        lines[1].endswith("at step 4, forward of micro-batch 0 on pp stage 0, waiting for it)"), text
+    assert alone.startswith("rank 0 exited with code 143 on a SIGTERM"), alone
+
+
 def test_a_type_error_is_the_cause_not_the_lost_connections_it_left():
     """A loss_fn returning a vector at pp 2: the last stage's TypeError is the cause, the first
     stage's lost connection to it the consequence ("TypeError" holds the letters of "peer")."""

@@ -23,6 +23,10 @@ from pathlib import Path
 
 from megapar.faults.processes import cpu_ticks, pid_alive, sibling_ranks, stopped
 
+CUT_SHORT = 128 + signal.SIGTERM
+"""A rank's exit code where `megapar.faults.stop` cut it short: still blocked in a wait when a
+stop's grace was up."""
+
 
 def _how(exitcode: int) -> str:
     if exitcode < 0:
@@ -31,7 +35,7 @@ def _how(exitcode: int) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         return f"was killed by {name} ({-exitcode})"
-    if exitcode == 128 + signal.SIGTERM:  # megapar.faults.stop's exit of a rank it cut short
+    if exitcode == CUT_SHORT:  # megapar.faults.stop's exit of a rank it cut short
         return (
             f"exited with code {exitcode} on a SIGTERM (a rank still blocked in a wait when "
             f"the stop's grace is up exits so, writing its stacks)"
@@ -91,7 +95,14 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     silent = [
         r for r, p in enumerate(procs) if r not in outputs and r not in errors and r not in dead
     ]
-    if dead:
+    stuck = [r for r in silent if state(procs[r])]
+    if dead and stuck and all(procs[r].exitcode == CUT_SHORT for r in dead):
+        # a stop's grace ran out on ranks waiting for a stopped one: the stopped rank is the
+        # cause, their exits its consequence (the report named them, not it)
+        lines = [f"rank {r} did not answer (it {state(procs[r])}){where(r)}" for r in stuck]
+        lines += [f"(rank {r} {how}, waiting for it)" for r, how in sorted(dead.items())]
+        rest = errors
+    elif dead:
         lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
         rest = errors
     elif own:
@@ -102,7 +113,6 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines = [f"rank {first} failed: {own[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
-        stuck = [r for r in silent if state(procs[r])]
         named = stuck or [most_behind(procs, silent, statuses or [])]
         lines = [
             f"rank {r} did not answer"
