@@ -131,6 +131,7 @@ def _worker(
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))  # its own
     begin_marks()  # records, not those of its launcher's process (a run before, in a test)
     stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)
+    stop.default_on_signals(stop.ABORT_SIGNALS)  # nor its exits on SIGHUP, ...
     stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)

@@ -170,6 +170,26 @@ def test_a_sigterm_no_exit_signal_names_aborts_leaving_no_lock_nor_empty_save(
     assert f"{ckpt}/latest is {latest}, the checkpoint to resume from" in out
 
 
+def test_a_sighup_aborts_saying_so_and_releases_the_lock(tmp_path, common):
+    """A closed terminal's SIGHUP (and SIGQUIT, SIGUSR2) killed megapar-train by its default
+    action: nothing printed, exit -1, --save's lock left behind (a fault drill's finding). It
+    aborts as an unnamed SIGTERM does: one line naming it and how to save at it, exit 129, the
+    lock released, the checkpoints saved before it kept."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "200", "--save", str(ckpt),
+                      "--save-interval", "2", "--log-json", str(log)], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 3)
+    os.kill(pid, signal.SIGHUP)
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP, out
+    assert ("megapar-train: aborted (SIGHUP, which --exit-signals 'SIGTERM,SIGUSR1' does not "
+            "name, so no save at the stop; name it there to save): ") in out, out
+    assert "Traceback" not in out and not (ckpt / "megapar.lock").exists(), out
+    latest = (ckpt / "latest").read_text().strip()
+    assert f"{ckpt}/latest is {latest}, the checkpoint to resume from" in out
+
+
 def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
     """A first SIGINT stops the run at its step's end and saves, saying so; the same SIGINT
     again (as `timeout -s INT` sends it) is not a second one. In order, not by a sleep: the

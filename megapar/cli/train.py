@@ -37,7 +37,9 @@ from megapar.faults.report import (
     worker_failure,
 )
 from megapar.faults.stop import (
+    ABORT_SIGNALS,
     SIGTERM_EXIT_CODE,
+    exit_on_signals,
     install_stop_handlers,
     parse_signals,
     sigterm_as_exit,
@@ -343,6 +345,7 @@ def _run(
     # and so does one that comes before the launcher forwards it (the workers starting): with
     # its default action it would kill this process with --save's lock in place, saying nothing
     previous = sigterm_as_exit()
+    aborting = exit_on_signals(ABORT_SIGNALS, skip=forward)  # a closed terminal's SIGHUP, ...
     try:
         run_workers(
             _worker,
@@ -391,6 +394,17 @@ def _run(
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     except SystemExit as exc:  # SIGTERM, not forwarded: the workers are gone, none saved
+        named = {128 + sig: signal.Signals(sig).name for sig in aborting}
+        if isinstance(exc.code, int) and exc.code in named:  # SIGHUP, SIGQUIT, SIGUSR2: their
+            # default action ended the run without a word
+            _remove_dead_saves(cfg)
+            print(
+                f"megapar-train: aborted ({named[exc.code]}, which --exit-signals "
+                f"{cfg.exit_signals!r} does not name, so no save at the stop; name it there to "
+                f"save): {_what_is_saved(cfg)}",
+                file=sys.stderr,
+            )
+            return exc.code
         if exc.code != SIGTERM_EXIT_CODE or previous is None:
             raise
         _remove_dead_saves(cfg)
@@ -405,6 +419,8 @@ def _run(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        for sig, handler in aborting.items():
+            signal.signal(sig, handler)
     return 0
 
 

@@ -296,6 +296,36 @@ def terminate_on_sigterm(replace: bool = False) -> None:
         signal.signal(signal.SIGTERM, _terminate)
 
 
+ABORT_SIGNALS = ("SIGHUP", "SIGQUIT", "SIGUSR2")
+"""Signals whose default action ends a process without a word (SIGQUIT with a core dump): where
+--exit-signals does not name them, megapar-train's launcher turns them into an abort that says
+so and releases --save's lock (`exit_on_signals`; a closed terminal's SIGHUP left it behind)."""
+
+
+def exit_on_signals(names: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict:
+    """In the main thread: each signal of `names` not in `skip` whose action is the default
+    raises SystemExit(128 + its number) instead, so `finally` blocks run; returns {signal: its
+    previous handler} to restore. A worker forked after it takes the default back
+    (`default_on_signals`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    out = {}
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is not None and name not in skip and signal.getsignal(sig) is signal.SIG_DFL:
+            out[sig] = signal.signal(sig, _terminate)
+    return out
+
+
+def default_on_signals(names: tuple[str, ...]) -> None:
+    """In a forked worker: the signals of `names` its launcher made exits (`exit_on_signals`)
+    take their default action again."""
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is _terminate:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def sigterm_as_exit():
     """`terminate_on_sigterm` for a command's run (megapar-data, megapar-convert): in the main
     thread, where SIGTERM has its default action, SIGTERM raises SystemExit(143), so a run it
