@@ -132,6 +132,11 @@ class Run:
         lines = [x for x in self.out.read_text().splitlines()
                  if x.startswith(("megapar-train:", "SIGTERM", "SIGUSR1", "interrupted",
                                   "--exit"))]
+        # the start-up notes (megapar-train: data: ...) come first: the fault's line is the
+        # error, the abort, the stop or the lock taken over
+        said = [x for x in lines if re.search(r"error:|aborted|took over|received|interrupted|"
+                                              r"--exit", x)]
+        lines = said or lines
         if self.torchrun:  # every rank prints its own error line: the first one naming a rank
             named = [x for x in lines if "stopped" in x or "did not answer" in x]
             lines = named or lines
