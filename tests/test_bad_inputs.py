@@ -849,9 +849,11 @@ BUBBLE = [
     (["--pp", "100000", "-m", "100000", "--simulate", "--fwd-ms", "1"],
      "more than megapar-bubble measures or simulates"),
     (["--pp", "1000", "-m", "1000", "--simulate", "--fwd-ms", "1"],
-     "2,000,000 actions on 1000 stages, more than megapar-bubble measures or simulates in "
-     "seconds"),
-    (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"], "on 1000 stages"),
+     "2,000,000 actions on 1000 stages: 2,000,000 actions and 1000 stages, more than "
+     "megapar-bubble measures or simulates in seconds"),
+    # the stages are what is too many: it read as if 8,000 actions were more than 50,000
+    (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"],
+     "8,000 actions on 1000 stages: 1000 stages, more than"),
     # the bubble named instead is the schedule's own (it was 1F1B's for every schedule:
     # 0.0014 here, and 0.9868 for interleaved at m < pp where the exact one is 597 / 601)
     (["--pp", "8", "-m", "5000", "--schedule", "zb-h1", "--simulate", "--fwd-ms", "1"],
@@ -875,7 +877,8 @@ BUBBLE = [
     (["--pp", "2", "-m", "4", "--trace", "{new_dir/}"], "new_dir/ is a directory; give a file"),
     (["--pp", "2", "-m", "4", "--plot", "{new_dir/}"], "new_dir/ is a directory; give a file"),
     # measured runs are bounded too, and the chunks checked before a worker starts
-    (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages, more than megapar-bubble"),
+    (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages: 80,000 actions, more than "
+     "megapar-bubble"),
     (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "100000"],
      "--virtual-stages 100000 is 1,600,000 actions"),
     (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "3", "--model",

@@ -575,6 +575,10 @@ def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert f"wrote {tmp_path / 'g.png'}" in out
     assert_png(tmp_path / "g.png")
     assert not (tmp_path / "g").exists()
+    # a device is written as named: --plot /dev/null wrote a file /dev/null.png (a tryout)
+    from megapar.cli.bubble import plot_file
+
+    assert plot_file(os.devnull) == os.devnull
 
 
 def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkeypatch, tmp_path):

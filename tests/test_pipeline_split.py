@@ -135,3 +135,26 @@ def test_the_dry_runs_first_line_names_an_uneven_splits_blocks_per_stage(capsys)
             "formula on the busiest stage's times; a stage holding more, such as the LM head's, "
             "adds to the others' wait)") in out, out
     assert "equal stages" not in out
+
+
+@pytest.mark.parametrize("layers, pp, v, placement, fix", [
+    # zb-v on 3 layers said "lower --pp to 1 or less", which zb-v refuses (a bubble tryout)
+    (3, 2, 2, "v", "they need 4 layers or more (2 stages of two chunks): use a schedule with "
+                   "one chunk per rank (1f1b, zb-h1)"),
+    (6, 4, 2, "v", "lower --pp to 3 or less, or use a schedule with one chunk per rank (1f1b, "
+                   "zb-h1)"),
+    # interleaved on 3 layers: "lower --virtual-stages or --pp", both refused there
+    (3, 2, 2, "loop", "an interleaved schedule needs 4 layers or more (2 stages of two chunks): "
+                      "use a schedule with one chunk per rank (1f1b, zb-h1)"),
+    (6, 4, 2, "loop", "lower --pp to 3"),
+    (6, 2, 4, "loop", "lower --virtual-stages to 3"),
+    (8, 4, 4, "loop", "lower --virtual-stages to 2 or --pp to 2"),
+    (3, 4, 1, "loop", "lower --pp to 3 or less"),
+])
+def test_too_few_layers_for_the_chunks_names_a_fix_that_is_taken(layers, pp, v, placement, fix):
+    from megapar.mesh import LayoutError
+    from megapar.pipeline.partition import chunk_specs
+
+    with pytest.raises(LayoutError) as info:
+        chunk_specs(layers, pp, 0, v, placement)
+    assert str(info.value).endswith(fix), str(info.value)

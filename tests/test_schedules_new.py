@@ -149,8 +149,14 @@ def test_other_tools_schedule_names_are_answered_with_megapars():
         assert schedule_named_elsewhere(theirs).startswith(
             f"{theirs!r} is megapar's --schedule {ours}"), theirs
     for said in OTHER_NAMES.values():
+        if "--schedule " not in said:  # (Megatron's no-pipelining schedule: --pp 1 names none)
+            assert said.endswith("drop --schedule, or give --pp 2 or more to pipeline"), said
+            continue
         named = said.split("--schedule ", 1)[1].split()[0]
         assert named in SCHEDULE_NAMES, said
+    # Megatron's no-pipelining function was the list of names alone (a bubble tryout)
+    assert schedule_named_elsewhere("forward_backward_no_pipelining").startswith(
+        "'forward_backward_no_pipelining': Megatron's schedule without a pipeline")
     assert schedule_named_elsewhere("bogus") == ""
     with pytest.raises(ValueError, match="'Schedule1F1B' is megapar's --schedule 1f1b"):
         theoretical_bubble(4, 8, "Schedule1F1B")

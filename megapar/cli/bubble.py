@@ -261,6 +261,8 @@ def plot_file(path: str, flag: str = "--plot") -> str:
     """The file matplotlib's savefig writes for `path` (it adds .png when there is no suffix);
     the suffix must be a format it can write (ValueError naming `flag` otherwise)."""
     root, ext = os.path.splitext(path)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        return path  # a device (/dev/null) is written as named: .png beside it made a file
     if not ext or ext == ".":
         return root + ".png"
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -266,18 +266,34 @@ def chunk_specs(
     and only its last the head."""
 
     total = pp * virtual_stages
+    one_chunk = "use a schedule with one chunk per rank (1f1b, zb-h1)"
     if num_layers < total and placement == "v":  # two chunks per rank, whatever V says
+        fix = (
+            f"lower --pp to {num_layers // 2} or less, or {one_chunk}"
+            if num_layers // 2 >= 2  # (zb-v and dualpipev take 2 stages or more)
+            else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
+        )
         raise LayoutError(
             f"{num_layers} layers cannot be cut into 2 x --pp {pp} = {total} model chunks "
             f"(zb-v and dualpipev place two per rank in a V; each needs at least one layer); "
-            f"lower --pp to {num_layers // 2} or less, or use a schedule with one chunk per "
-            f"rank (1f1b, zb-h1)"
+            f"{fix}"
         )
     if num_layers < total:
+        fixes = [f"--pp to {num_layers} or less"] if virtual_stages == 1 else []
+        if virtual_stages > 1 and num_layers // pp >= 2:  # (an interleaved schedule's V >= 2)
+            fixes.append(f"--virtual-stages to {num_layers // pp}")
+        if virtual_stages > 1 and num_layers // virtual_stages >= 2:
+            fixes.append(f"--pp to {num_layers // virtual_stages}")
+        fix = (
+            "lower " + " or ".join(fixes)
+            if fixes
+            else f"an interleaved schedule needs 4 layers or more (2 stages of two chunks): "
+            f"{one_chunk}"
+        )
         raise LayoutError(
             f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
             f"{virtual_stages} = {total} model chunks (each needs at least one "
-            f"layer); lower --virtual-stages or --pp"
+            f"layer); {fix}"
         )
     what = f"--pp {pp} x {virtual_stages} = {total} model chunks"
     ranges = split_layers(num_layers, total, split, what, virtual_stages, placement)

@@ -426,6 +426,9 @@ OTHER_NAMES: dict[str, str] = {
     "interleaved": "--schedule interleaved --virtual-stages V",
     "interleaved1f1b": "--schedule interleaved --virtual-stages V",
     "forwardbackwardpipeliningwithinterleaving": "--schedule interleaved --virtual-stages V",
+    "forwardbackwardnopipelining": "Megatron's schedule without a pipeline (every "
+    "micro-batch's forward and backward on one stage), which megapar runs at --pp 1 whatever "
+    "the --schedule: drop --schedule, or give --pp 2 or more to pipeline",
     "interleavedzerobubble": "--schedule zb-h1 (torch's ScheduleInterleavedZeroBubble with one "
     "stage per rank; with several chunks per rank it is not built)",
     "zerobubble": "--schedule zb-h1",

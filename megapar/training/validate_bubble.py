@@ -69,11 +69,14 @@ def check_bubble_args(args) -> None:
                 if chunks == args.virtual_stages
                 else f" x {chunks} model chunks per rank"
             )
+        over = [f"{actions:,} actions"] if actions > MAX_SIMULATED_ACTIONS else []
+        if args.simulate and args.pp > MAX_SIMULATED_STAGES:
+            over.append(f"{args.pp} stages")
         raise UsageError(
             f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
-            f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
-            f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
-            f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
+            f"{actions:,} actions on {args.pp} stages: {' and '.join(over)}, more than "
+            f"megapar-bubble measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} "
+            f"actions, {MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
         )
 
 
