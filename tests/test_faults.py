@@ -1109,6 +1109,42 @@ def test_the_computing_rank_is_named_by_its_cpu_between_the_reads(monkeypatch):
     assert progress.cpu_share({}, {"cpu": 0.2}) == 0.2
 
 
+def test_a_killed_rank_of_this_node_is_named_at_once_under_torchrun(monkeypatch):
+    """Under torchrun a kill -9 of rank 1 took 22 s to report (a first read bounded by the
+    store's timeout, then the heartbeats' wait) and said "rank 1 did not answer": a rank of
+    this node whose process is gone and whose record says no failure or return is named at
+    once as gone; one that failed (its wait timed out) or returned is not, and outside
+    torchrun nothing is read from /proc."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from megapar.faults import processes, progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    reader = ProgressRecords(store, 0, 4)
+    backward = "step 4, backward of micro-batch 0 on pp stage 0"
+    for rank in (1, 2, 3):
+        store.set(reader.key(rank), json.dumps({
+            "status": backward, "cpu": 0.0, "failed": rank == 3, "beat": 5}))
+    slept = []
+    monkeypatch.setattr(progress, "time", SimpleNamespace(
+        monotonic=time.monotonic, process_time=time.process_time, sleep=slept.append))
+    for name, value in (("TORCHELASTIC_RUN_ID", "x"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(processes, "sibling_ranks", lambda: {2: 1234})  # 1 and 3 gone
+    assert processes.gone_siblings() == [1, 3]
+    assert reader.holding_up() == (
+        f"rank 1's process is gone from this node at {backward} without a report (killed, "
+        f"e.g. by the OOM killer or SIGKILL?)")
+    assert slept == []  # no heartbeats' wait
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert processes.gone_siblings() == []
+
+
 def test_a_stopped_rank_found_on_another_node_is_named(monkeypatch):
     """A reviewer's two-node drill: rank 3 (node 1) stopped; rank 2, its node's peer, found it
     stopped and continued it, both then failed, and node 0's ranks, timing out later, read only

@@ -113,6 +113,21 @@ def sibling_ranks() -> dict[int, int]:
     return found
 
 
+def gone_siblings() -> list[int]:
+    """Under torchrun: the global ranks of this node whose process is no longer there (killed,
+    or ended), from LOCAL_RANK, LOCAL_WORLD_SIZE and `sibling_ranks`; [] elsewhere (megapar's
+    own launcher's forked workers hold no rank in /proc's environment)."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return []
+    try:
+        rank = int(os.environ["RANK"])
+        local, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return []
+    here = set(sibling_ranks()) | {rank}
+    return [r for r in range(rank - local, rank - local + size) if r not in here]
+
+
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
     ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""

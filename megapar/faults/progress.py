@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megapar.faults import status as _status
 from megapar.faults.blame import BUSY_SHARE, SAME_CALLS, behind_first
+from megapar.faults.processes import gone_siblings
 
 PUBLISH_S = 1.0
 """How often the publishing thread looks at its rank's status (and sends it when it changed).
@@ -184,7 +185,9 @@ class ProgressRecords:
         """After this rank's wait timed out: "rank R did not answer at step S, action", the
         live rank most likely holding the others up, from the others' records read twice,
         `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose function
-        returned (a call made on some ranks only: `mark_returned`), else the ranks whose heartbeat
+        returned (a call made on some ranks only: `mark_returned`), else a rank of this node
+        whose process is gone without a word in its record (`gone_siblings`: killed), else the
+        ranks whose heartbeat
         did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
         by `blame.behind_first` (the earliest step, then busy in its own work rather than
         waiting, then using a CPU between the two reads (`cpu_share`), then the lowest rank);
@@ -208,6 +211,21 @@ class ProgressRecords:
                 f"rank {done[0]} returned from the function"
                 + (f" (its last call: {last})" if last else "")
                 + f" while rank {self.rank} still waited for it at {own}; {SAME_CALLS}"
+            )
+        # a rank of this node whose process is gone without a word in the store (no error of
+        # its own, no timed-out wait, no return): killed; named now, not after the heartbeats'
+        # wait (under torchrun a kill -9 took 22 s to report, as "did not answer")
+        gone = [
+            r
+            for r in gone_siblings()
+            if not (first.get(r, {}).get("failed") or first.get(r, {}).get("returned"))
+        ]
+        if gone:
+            last = first.get(gone[0], {}).get("status")
+            return (
+                f"rank {gone[0]}'s process is gone from this node"
+                + (f" at {last}" if last else "")
+                + " without a report (killed, e.g. by the OOM killer or SIGKILL?)"
             )
         wait = heartbeat_wait_s()
         time.sleep(wait)
