@@ -411,6 +411,22 @@ def test_load_of_a_megatron_directory_names_the_import(tmp_path):
         assert what is not None and "megapar-convert --from-megatron" in what, what
 
 
+def test_a_directory_of_torch_save_pickles_is_named_not_trained_over(tmp_path):
+    """--load of a directory holding model.pt (or pytorch_model.bin without a config.json, a
+    Lightning .ckpt) said "no checkpoint there yet, starting from scratch" and the run saved
+    into it (a checkpoints tryout): it is named as a PyTorch checkpoint megapar does not read,
+    without reading it."""
+    for name in ("model.pt", "pytorch_model.bin", "last.ckpt"):
+        path = tmp_path / name.split(".")[0]
+        path.mkdir()
+        (path / name).write_bytes(b"not read")
+        what = foreign_checkpoint(path)
+        assert what is not None and what.startswith(
+            f"holds a PyTorch checkpoint ({name}: torch.save's pickle), not a megapar "
+            f"checkpoint"), what
+        assert "start from it with --from-hf DIR" in what, what
+
+
 class _RunsCode:
     """Pickles as a call of os.system: what a hostile common.pt could hold."""
 

@@ -389,7 +389,20 @@ def foreign_checkpoint(path: str | Path) -> str | None:
             f"holds tokenized datasets ({named_datasets(found)}: megapar-data's .bin / .idx), not "
             f"a megapar checkpoint; pass a dataset's prefix to megapar-train --data"
         )
+    pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES and f.is_file())
+    if pickled:
+        return (
+            f"holds a PyTorch checkpoint ({', '.join(pickled[:3])}: torch.save's pickle), not a "
+            f"megapar checkpoint, which megapar does not read (pickles run code when loaded); "
+            f"save the model with transformers' save_pretrained (safetensors) and start from it "
+            f"with --from-hf DIR"
+        )
     return None
+
+
+PICKLED_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt"})
+"""torch.save's files as other tools name them (a Lightning .ckpt, pytorch_model.bin without
+its config.json): a directory of them is a checkpoint megapar does not read."""
 
 
 def _owner_gone(path: Path) -> bool:
