@@ -119,6 +119,23 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
     _assert_untouched(dst)
 
 
+def test_an_empty_dst_is_taken_and_a_step_directory_named(src, tmp_path, capsys):
+    """An empty DST made for the output needed --overwrite (megapar-train --save and --to-hf
+    take one); a checkpoint's step directory as DST was "a directory of other files
+    (manifest.json, ...), not a megapar checkpoint" (a checkpoints tryout): the root is named."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(src), str(empty), "--tp", "1", "--pp", "1"]) == 0
+    assert (empty / "latest").is_file()
+    capsys.readouterr()
+    step = next(empty.glob("step_*"))
+    assert main([str(src), str(step), "--tp", "1", "--pp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (
+        f"{step} is a checkpoint's step directory (it holds manifest.json), not a checkpoint "
+        f"root; give the root that holds it ({empty}), with --overwrite") in err, err
+
+
 def test_overwrite_that_cannot_put_its_output_in_place_puts_the_old_dst_back(
         src, tmp_path, monkeypatch, capsys):
     """--overwrite moves the old DST aside, then renames the output into its place: where that

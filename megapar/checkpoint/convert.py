@@ -107,7 +107,8 @@ def _refuse_existing(
     replacing it would delete that run's checkpoints and its lock). Only an output of the
     same `kind` (a directory holding one of `marks`: a checkpoint root's `latest`) or an empty
     directory is replaced: anything else is refused, `overwrite` or not. First a `dst` a
-    conversion killed midway left aside is put back (`recover_swap`, saying so on stderr)."""
+    conversion killed midway left aside is put back (`recover_swap`, saying so on stderr). An
+    empty directory is taken without `overwrite`: nothing in it is replaced."""
     note = recover_swap(dst)
     if note is not None:
         print(f"note: {note}", file=sys.stderr)
@@ -117,9 +118,17 @@ def _refuse_existing(
         raise CheckpointError(f"cannot replace {dst}: {exc}") from None
     if not os.path.lexists(dst):
         return
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        return  # an empty directory (one made for the output): nothing to replace
+    if dst.is_dir() and (dst / MANIFEST).is_file() and LATEST in marks:
+        raise CheckpointError(
+            f"{dst} is a checkpoint's step directory (it holds {MANIFEST}), not a checkpoint "
+            f"root; give the root that holds it ({dst.parent}), with --overwrite to replace "
+            f"that checkpoint, or another DST"
+        )
     if dst.is_symlink() or not dst.is_dir():
         what = "a symbolic link" if dst.is_symlink() else "a file"
-    elif any((dst / m).is_file() for m in marks) or not any(dst.iterdir()):
+    elif any((dst / m).is_file() for m in marks):
         what = None
     else:
         names = sorted(p.name for p in itertools.islice(dst.iterdir(), 4))
