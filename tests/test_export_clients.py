@@ -254,6 +254,19 @@ def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
     assert "records no tokenizer, so the export has none" in out
     # where a tokenizer for this model is, in megapar-convert's flags (it said only "SPEC")
     assert "pass --tokenizer SPEC, the tokenizer it trained with: a transformers directory " in out
+    # the config's special ids are the model config's, unchecked (a torchtitan import exported
+    # a GPT-2 vocabulary with Llama's bos 1 / eos 2 without a word: a checkpoints tryout)
+    # (a GPT-2's export without a tokenizer writes none: none are named)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] is None
+    assert "special token ids" not in out, out
+    save_serial(tmp_path / "llama", kind="llama")
+    assert convert([str(tmp_path / "llama"), "--to-hf", str(tmp_path / "hf_llama")]) == 0
+    out = capsys.readouterr().out
+    written = json.loads((tmp_path / "hf_llama" / "config.json").read_text())
+    ids = ", ".join(f"{k} {written[k]}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                    if written.get(k) is not None)
+    assert ids and f"its config's special token ids ({ids}) are the model config's, not " \
+        "checked against a tokenizer" in out, out
 
 
 # --- what serving and fine-tuning an export need -----------------------------------------------

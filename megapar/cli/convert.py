@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import signal
 import sys
@@ -492,8 +493,20 @@ def _to_hf(args) -> str:
         from megapar.models.config import config_from_dict
 
         config = config_from_dict(manifest["model"])
+        written = json.loads((out / "config.json").read_text())
+        ids = {
+            k: written[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if written.get(k) is not None
+        }
+        said = ", ".join(f"{k} {v}" for k, v in ids.items())
         report += (
             f"\nnote: the checkpoint records no tokenizer, so the export has none "
+            f"(AutoTokenizer cannot load it), and its config's special token ids ({said}) are "
+            f"the model config's, not checked against a tokenizer (generate stops at "
+            f"eos_token_id; --tokenizer sets them from it); {tokenizer_hint(config, api=False)}"
+            if ids
+            else f"\nnote: the checkpoint records no tokenizer, so the export has none "
             f"(AutoTokenizer cannot load it); {tokenizer_hint(config, api=False)}"
         )
     return report
