@@ -575,10 +575,17 @@ def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert f"wrote {tmp_path / 'g.png'}" in out
     assert_png(tmp_path / "g.png")
     assert not (tmp_path / "g").exists()
-    # a device is written as named: --plot /dev/null wrote a file /dev/null.png (a tryout)
-    from megapar.cli.bubble import plot_file
-
-    assert plot_file(os.devnull) == os.devnull
+    # a device is written as named: --plot /dev/null wrote a file /dev/null.png (a tryout),
+    # and then (plot_file's name alone mended) said it had not
+    beside = Path(os.devnull + ".png")
+    existed = beside.exists()
+    try:
+        _, out = run_cli(capsys, "--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1",
+                         "--plot", os.devnull)
+        assert f"wrote {os.devnull}" in out and (existed or not beside.exists()), out
+    finally:
+        if not existed:
+            beside.unlink(missing_ok=True)
 
 
 def test_simulated_plot_draws_no_comm_bars_when_messages_are_free(capsys, monkeypatch, tmp_path):

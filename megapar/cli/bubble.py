@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -261,7 +262,7 @@ def plot_file(path: str, flag: str = "--plot") -> str:
     """The file matplotlib's savefig writes for `path` (it adds .png when there is no suffix);
     the suffix must be a format it can write (ValueError naming `flag` otherwise)."""
     root, ext = os.path.splitext(path)
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+    if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
         return path  # a device (/dev/null) is written as named: .png beside it made a file
     if not ext or ext == ".":
         return root + ".png"

@@ -12,7 +12,9 @@ else (waiting for a receive, idling at the start or end of the step) is idle tim
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -270,9 +272,14 @@ def plot_gantt(
     row_name: str = "stage",
     comm: bool = True,
 ) -> None:
-    """Save a Gantt chart (`gantt_figure`) to `path` (PNG unless its suffix names another
-    format matplotlib writes)."""
-    gantt_figure(timeline, title, row_name, comm).savefig(path, dpi=120)
+    """Save a Gantt chart (`gantt_figure`) to `path` as named (PNG unless its suffix names
+    another format matplotlib writes: given, savefig adds no .png to a name without one, such
+    as a device's), rendered in memory first: a PNG writer seeks, which a FIFO cannot."""
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    image = io.BytesIO()
+    gantt_figure(timeline, title, row_name, comm).savefig(image, dpi=120, format=fmt)
+    with open(path, "wb") as f:
+        f.write(image.getvalue())
 
 
 def gantt_figure(
