@@ -416,15 +416,30 @@ def test_a_directory_of_torch_save_pickles_is_named_not_trained_over(tmp_path):
     Lightning .ckpt) said "no checkpoint there yet, starting from scratch" and the run saved
     into it (a checkpoints tryout): it is named as a PyTorch checkpoint megapar does not read,
     without reading it."""
-    for name in ("model.pt", "pytorch_model.bin", "last.ckpt"):
+    import io
+
+    legacy = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
+    for name, saved in (("model.pt", None), ("pytorch_model.bin", legacy.getvalue()),
+                        ("last.ckpt", None)):
         path = tmp_path / name.split(".")[0]
         path.mkdir()
-        (path / name).write_bytes(b"not read")
+        if saved is None:
+            torch.save({"w": torch.zeros(2)}, path / name)
+        else:
+            (path / name).write_bytes(saved)
         what = foreign_checkpoint(path)
         assert what is not None and what.startswith(
             f"holds a PyTorch checkpoint ({name}: torch.save's pickle), not a megapar "
             f"checkpoint"), what
         assert "start from it with --from-hf DIR" in what, what
+    # by what the file begins with, not its name alone: a .bin of tokens (megapar-data's,
+    # without its .idx) or of other bytes was called a PyTorch checkpoint (a re-test)
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "corpus.bin").write_bytes(torch.arange(128, 400, dtype=torch.int16).numpy().tobytes())
+    (tokens / "random.pt").write_bytes(os.urandom(64).replace(b"PK", b"pk"))
+    assert foreign_checkpoint(tokens) is None
 
 
 class _RunsCode:

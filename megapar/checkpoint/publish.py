@@ -389,7 +389,7 @@ def foreign_checkpoint(path: str | Path) -> str | None:
             f"holds tokenized datasets ({named_datasets(found)}: megapar-data's .bin / .idx), not "
             f"a megapar checkpoint; pass a dataset's prefix to megapar-train --data"
         )
-    pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES and f.is_file())
+    pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES and _saved(f))
     if pickled:
         return (
             f"holds a PyTorch checkpoint ({', '.join(pickled[:3])}: torch.save's pickle), not a "
@@ -403,6 +403,20 @@ def foreign_checkpoint(path: str | Path) -> str | None:
 PICKLED_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt"})
 """torch.save's files as other tools name them (a Lightning .ckpt, pytorch_model.bin without
 its config.json): a directory of them is a checkpoint megapar does not read."""
+
+TORCH_SAVE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\n")
+"""How a torch.save file begins: its zip archive (torch >= 1.6), or the legacy format's pickle
+of its magic number (protocol 2, a long of 10 bytes)."""
+
+
+def _saved(path: Path) -> bool:
+    """Whether file `path` begins as torch.save writes (`TORCH_SAVE_STARTS`): a .bin of tokens
+    (megapar-data's) is none."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4).startswith(TORCH_SAVE_STARTS)
+    except OSError:
+        return False
 
 
 def _owner_gone(path: Path) -> bool:
