@@ -1136,6 +1136,10 @@ def test_a_killed_rank_of_this_node_is_named_at_once_under_torchrun(monkeypatch)
                         ("LOCAL_WORLD_SIZE", "4")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(processes, "sibling_ranks", lambda: {2: 1234})  # 1 and 3 gone
+    # (this process's parent is pytest's, no torchrun: a wrapper's rank is not the agent's
+    # child, and its live siblings were "gone", a re-test's finding)
+    assert processes.gone_siblings() == []
+    monkeypatch.setattr(processes, "TORCHRUN_NAMES", (b"",))  # any parent: as torchrun's
     assert processes.gone_siblings() == [1, 3]
     assert reader.holding_up() == (
         f"rank 1's process is gone from this node at {backward} without a report (killed, "

@@ -113,11 +113,25 @@ def sibling_ranks() -> dict[int, int]:
     return found
 
 
+TORCHRUN_NAMES = (b"torchrun", b"torch.distributed.run", b"torch/distributed/run")
+"""What the command line of torchrun's agent holds (`torchrun ...`, `python -m
+torch.distributed.run ...`)."""
+
+
 def gone_siblings() -> list[int]:
-    """Under torchrun: the global ranks of this node whose process is no longer there (killed,
-    or ended), from LOCAL_RANK, LOCAL_WORLD_SIZE and `sibling_ranks`; [] elsewhere (megapar's
-    own launcher's forked workers hold no rank in /proc's environment)."""
+    """Under torchrun, this process its agent's child: the global ranks of this node whose
+    process is no longer there (killed, or ended), from LOCAL_RANK, LOCAL_WORLD_SIZE and
+    `sibling_ranks`; [] elsewhere (megapar's own launcher's forked workers hold no rank in
+    /proc's environment; a rank started through a wrapper, `torchrun --no-python run.sh`, is
+    not the agent's child, and its siblings are not found beside it)."""
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return []
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read()
+    except OSError:
+        return []
+    if not any(name in parent for name in TORCHRUN_NAMES):
         return []
     try:
         rank = int(os.environ["RANK"])
