@@ -228,22 +228,26 @@ def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
     assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("where", ["plan_run", "run_workers"])
-def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, monkeypatch, where):
+@pytest.mark.parametrize("where, sig", [("plan_run", "SIGTERM"), ("run_workers", "SIGTERM"),
+                                        ("plan_run", "SIGHUP")])
+def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, monkeypatch, where,
+                                                           sig):
     """A SIGTERM while megapar-train prepares its run (plan_run: e.g. tokenizing --data, no
     worker yet) killed it without a word (exit -15, a partial .bin.tmp left in --data-cache),
     where a Ctrl-C there says "aborted (SIGINT while starting)". So did one a moment later
     (run_workers: the run planned, --save's lock taken, the launcher not yet forwarding signals
     to the workers it starts; a new user's `timeout -s TERM 2`), which left --save holding only
-    its lock."""
+    its lock. A SIGHUP there (a closed terminal) killed it silently, a cache's .bin.tmp left
+    (a re-test): the same, exit 129."""
     import megapar.cli.train as train_cli
 
     real = getattr(train_cli, where)
+    signum = getattr(signal, sig)
 
     def then_sigterm(*args, **kwargs):
         if where == "plan_run":
             real(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         time.sleep(5)
 
     monkeypatch.setattr(train_cli, where, then_sigterm)
@@ -251,9 +255,9 @@ def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, mon
                      tmp_path / "out")
     _, status = os.waitpid(pid, 0)
     out = (tmp_path / "out").read_text()
-    assert os.waitstatus_to_exitcode(status) == 143, out
+    assert os.waitstatus_to_exitcode(status) == 128 + signum, out
     assert out.strip().splitlines()[-1] == (
-        "megapar-train: aborted (SIGTERM while starting): nothing saved"), out
+        f"megapar-train: aborted ({sig} while starting): nothing saved"), out
     assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
 
 

@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     lock, cfg = None, None
     made: list[Path] = []  # the directories of --save this run makes: removed if left empty
     previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
+    starting = exit_on_signals(ABORT_SIGNALS)  # and so do SIGHUP, SIGQUIT and SIGUSR2
     use_run_log_name(None)  # this run's own (an earlier run in this process had its own)
     try:
         with parser_errors_once():  # under torchrun / Slurm: one process a node prints
@@ -269,18 +270,23 @@ def main(argv=None) -> int:
         refused("megapar-train", message)
         return 1
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
-        if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
+        signals = {128 + sig: signal.Signals(sig).name for sig in starting}
+        signals[SIGTERM_EXIT_CODE] = "SIGTERM"
+        code = exc.code if isinstance(exc, SystemExit) else 130
+        if not isinstance(code, int) or isinstance(exc, SystemExit) and code not in signals:
             raise
         if lock is not None:
             lock.release()
         remove_empty(made)
         saved = _what_is_saved(cfg) if cfg is not None else "nothing saved"
-        what = "SIGTERM" if isinstance(exc, SystemExit) else "SIGINT"
+        what = signals.get(code, "SIGINT") if isinstance(exc, SystemExit) else "SIGINT"
         print(f"megapar-train: aborted ({what} while starting): {saved}", file=sys.stderr)
-        return SIGTERM_EXIT_CODE if isinstance(exc, SystemExit) else 130
+        return code
     finally:
         if previous is not None:  # the workers' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)
+        for sig, handler in starting.items():
+            signal.signal(sig, handler)
     code = 1
     try:
         code = _run(cfg, layout, plan, notes, made)
