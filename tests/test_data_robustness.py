@@ -908,3 +908,15 @@ def test_a_damaged_gpt2_tokenizer_names_the_file_at_fault(tmp_path):
         message = str(info.value)
         assert message.startswith(said.format(d=d)), message
         assert message.endswith("copy the complete vocab.json and merges.txt there"), message
+
+
+def test_a_decompression_hint_never_names_a_file_that_exists(tmp_path):
+    """gunzip -c b.txt.gz > b.txt would empty a b.txt beside it (a re-test): the hint names a
+    file that is not there."""
+    from megapar.data.inputs import _text_name
+
+    assert _text_name(str(tmp_path / "b.txt.gz")) == str(tmp_path / "b.txt")
+    (tmp_path / "b.txt").write_text("kept")
+    assert _text_name(str(tmp_path / "b.txt.gz")) == str(tmp_path / "b-text.txt")
+    assert _text_name(str(tmp_path / "a.jsonl.gz")) == str(tmp_path / "a.jsonl")
+    assert _text_name(str(tmp_path / "plays.txt")) == str(tmp_path / "plays-text.txt")

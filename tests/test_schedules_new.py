@@ -150,7 +150,8 @@ def test_other_tools_schedule_names_are_answered_with_megapars():
             f"{theirs!r} is megapar's --schedule {ours}"), theirs
     for said in OTHER_NAMES.values():
         if "--schedule " not in said:  # (Megatron's no-pipelining schedule: --pp 1 names none)
-            assert said.endswith("drop --schedule, or give --pp 2 or more to pipeline"), said
+            assert said.endswith("there drop --schedule; at --pp 2 or more choose one of its "
+                                 "pipelines"), said
             continue
         named = said.split("--schedule ", 1)[1].split()[0]
         assert named in SCHEDULE_NAMES, said

@@ -130,8 +130,7 @@ class Run:
                 leftovers.append("latest does not load")
         trained = max(_steps(self.log), default=0)
         lines = [x for x in self.out.read_text().splitlines()
-                 if x.startswith(("megapar-train:", "SIGTERM", "SIGUSR1", "interrupted",
-                                  "--exit"))]
+                 if x.startswith(("megapar-train:", "SIG", "interrupted", "--exit"))]
         # the start-up notes (megapar-train: data: ...) come first: the fault's line is the
         # error, the abort, the stop or the lock taken over
         said = [x for x in lines if re.search(r"error:|aborted|took over|received|interrupted|"

@@ -17,7 +17,7 @@ Examples:
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
 temporary directory and renamed at the end: on any error DST is left as it was. An empty DST
-is taken; any other existing DST is refused unless --overwrite, which replaces only a
+directory is taken; any other existing DST is refused unless --overwrite, which replaces only a
 checkpoint, and the --save root of a live run always. A target --tp or
 --pp not given keeps the source's (1 with --from-hf). --to-hf DIR writes config.json +
 model.safetensors and the tokenizer the checkpoint trained with (tokenizer.json +

@@ -176,10 +176,14 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 def _text_name(path: str) -> str:
     """A name for compressed file `path`'s text: without its compression suffix (a.jsonl.gz:
-    a.jsonl; a.gz: a.txt), else beside it (plays.txt: plays-text.txt)."""
+    a.jsonl; a.gz: a.txt) where no file has that name, else beside it (plays.txt, or a.jsonl.gz
+    beside an a.jsonl: plays-text.txt, a-text.jsonl)."""
     stem, ext = os.path.splitext(path)
     if ext in _COMPRESSED:
-        return stem if os.path.splitext(stem)[1] else stem + ".txt"
+        text = stem if os.path.splitext(stem)[1] else stem + ".txt"
+        if not os.path.lexists(text):  # (> would empty a file of that name)
+            return text
+        stem, ext = os.path.splitext(text)
     inner = ext if ext in (".jsonl", ".json") else ".txt"
     return stem + "-text" + inner
 

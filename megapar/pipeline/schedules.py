@@ -428,7 +428,7 @@ OTHER_NAMES: dict[str, str] = {
     "forwardbackwardpipeliningwithinterleaving": "--schedule interleaved --virtual-stages V",
     "forwardbackwardnopipelining": "Megatron's schedule without a pipeline (every "
     "micro-batch's forward and backward on one stage), which megapar runs at --pp 1 whatever "
-    "the --schedule: drop --schedule, or give --pp 2 or more to pipeline",
+    "the --schedule: there drop --schedule; at --pp 2 or more choose one of its pipelines",
     "interleavedzerobubble": "--schedule zb-h1 (torch's ScheduleInterleavedZeroBubble with one "
     "stage per rank; with several chunks per rank it is not built)",
     "zerobubble": "--schedule zb-h1",
