@@ -208,8 +208,7 @@ def capacity_note(config, layout, sequence_parallel: bool) -> list[str]:
         return []
     return [
         f"an expert capacity factor of {factor:g} (--moe-capacity-factor, or the model "
-        f"config's moe_capacity_factor) under "
-        f"{' and '.join(split)}: each rank's expert "
+        f"config's moe_capacity_factor) under {' and '.join(split)}: each rank's expert "
         f"capacity counts its own share of a sequence's tokens (as Megatron's), so the tokens "
         f"dropped, and the loss, differ from a layout without it (dropless, no capacity "
         f"factor, gives every layout the same numbers)"
