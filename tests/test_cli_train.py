@@ -102,6 +102,39 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, text, cache, 
     assert resumed == _losses(full)
 
 
+def test_an_fp16_resume_keeps_its_floor_restarts_a_given_scale_and_bf16_takes_none(
+        tmp_path, text, cache, capsys):
+    """A precision tryout's findings on resuming an fp16 run: a higher --min-loss-scale left
+    the restored scale below it (and an overflow there was reported at the old scale as "its
+    floor"); --initial-loss-scale given was ignored without a word; a bf16 resume said it took
+    the fp16 scaler's settings from the checkpoint. The scale starts at the floor; a given
+    initial scale restarts the scaler, said; a bf16 run takes no loss-scale setting (the floor:
+    test_precision's test_a_restored_scale_below_the_floor_starts_at_it)."""
+    common = ["--model", _model(tmp_path), "--data", text, "--tokenizer", "sentencepiece",
+              "--data-cache", cache, *TINY]
+    ckpt = tmp_path / "ckpt"
+    assert main([*common, "--precision", "fp16", "--initial-loss-scale", "256",
+                 "--loss-scale-window", "1000", "--max-steps", "2", "--save", str(ckpt)]) == 0
+    capsys.readouterr()
+
+    def resumed(*flags):
+        log = tmp_path / "resumed.jsonl"
+        log.unlink(missing_ok=True)
+        assert main([*common, "--max-steps", "3", "--load", str(ckpt), "--log-json", str(log),
+                     *flags]) == 0
+        records = [json.loads(x) for x in log.read_text().splitlines()]
+        return records[0].get("loss_scale"), capsys.readouterr()
+
+    scale, _ = resumed("--precision", "fp16")
+    assert scale == 256  # continued (no overflow at this scale)
+    scale, said = resumed("--precision", "fp16", "--initial-loss-scale", "128")
+    assert scale == 128 and ("the fp16 loss scale restarts at --initial-loss-scale 128, not at "
+                             "the checkpoint's 256") in said.out + said.err, said
+    scale, said = resumed("--precision", "bf16")
+    taken = [line for line in said.err.splitlines() if "from the checkpoint (not given)" in line]
+    assert scale in (None, 1.0) and not any("loss-scale" in line for line in taken), taken
+
+
 def test_a_resume_at_another_global_batch_continues_the_data_order(tmp_path, text, cache,
                                                                   capfd):
     """Stopped after 2 steps of --global-batch-size 8 and resumed at 16 on 2 data-parallel

@@ -143,6 +143,16 @@ def test_the_scaler_state_resumes_mid_hysteresis():
     assert (other.init_scale, other.growth_interval) == (2.0**10, 9)
 
 
+def test_a_restored_scale_below_the_floor_starts_at_it():
+    """A resume given a higher --min-loss-scale restored the scale below it: an overflow there
+    then raised it (max(min, scale / 2)) and was reported as "its floor" (a precision tryout)."""
+    scaler = DynamicLossScaler(init_scale=2.0**26, min_scale=2.0**24, hysteresis=1)
+    scaler.load_state_dict({"scale": 2.0**23, "clean_steps": 0, "hysteresis_left": 1})
+    assert scaler.scale == 2.0**24
+    scaler.update(True)
+    assert scaler.scale == 2.0**24
+
+
 def test_a_static_scale_never_changes():
     """--loss-scale (Megatron-LM's ConstantGradScaler): overflows and clean runs leave it, and
     a checkpoint's (dynamic) scale does not replace it."""

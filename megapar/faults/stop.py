@@ -124,8 +124,9 @@ class NonFiniteGuard:
         if self.max_steps and (self.bad >= self.max_steps or at_floor):
             what = nonfinite_parts(loss, grad_norm)
             if at_floor and self.bad < self.max_steps:
+                assert scaler is not None  # (at_floor)
                 why = (
-                    f"the fp16 loss scale reached its floor {loss_scale:g} "
+                    f"the fp16 loss scale reached its floor {scaler.min_scale:g} "
                     f"({self._name('min_loss_scale')}) and still overflowed"
                 )
             elif scaler is not None and not scaler.dynamic:

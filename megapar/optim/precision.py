@@ -121,10 +121,11 @@ class DynamicLossScaler:
         """Take the scale and its counters from `d` (a `state_dict`); the settings (initial
         and minimum scale, growth interval, hysteresis) stay this scaler's, as Megatron-LM's
         scaler restores only its scale and trackers. A checkpoint without the hysteresis
-        counter resumes with it used up. A static scaler keeps its scale."""
+        counter resumes with it used up. A static scaler keeps its scale. A scale below this
+        scaler's minimum (a resume given a higher --min-loss-scale) starts at the minimum."""
         if not self.dynamic:
             return
-        self.scale = float(d["scale"])
+        self.scale = max(self.min_scale, float(d["scale"]))
         self.clean_steps = int(d.get("clean_steps", 0))
         left = d.get("hysteresis_left")
         self.hysteresis_left = min(int(left), self.hysteresis) if left is not None else 0

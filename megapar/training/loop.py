@@ -226,11 +226,32 @@ class Trainer:
         self.notes.extend(
             continue_order(self.cfg, self.sampler, state.meta.get("sampler"), self.step)
         )
+        self.notes.extend(self._restart_loss_scale(state.meta.get("scaler")))
         self.wandb_run = state.meta.get("wandb_run")
         trained = state.meta.get("train_config") or {}
         how = resume_phrase(state.layout, self.mesh.layout, state.resharded, trained, self.cfg)
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")
         self.notes.extend(rng_notes(state.notes, self.config.draws_dropout))
+
+    def _restart_loss_scale(self, saved: dict | None) -> list[str]:
+        # (`saved`: the checkpoint's precision state; the engine's load restored its scale)
+        """--initial-loss-scale given to a resumed fp16 run: its scaler restarts there (with
+        its hysteresis and growth count), not at the scale the checkpoint's had reached (which
+        a resume keeps, as Megatron-LM's does, where it is not given); a note either way it
+        differs."""
+        scaler = self.engine.precision.scaler
+        given = explicit(self.cfg) - getattr(self.cfg, "from_checkpoint", frozenset())
+        if scaler is None or not scaler.dynamic or not saved or "initial_loss_scale" not in given:
+            return []
+        reached = scaler.scale  # the checkpoint's, as the engine's load restored it
+        scaler.scale = max(scaler.min_scale, float(self.cfg.initial_loss_scale))
+        scaler.clean_steps, scaler.hysteresis_left = 0, scaler.hysteresis
+        if scaler.scale == reached:
+            return []
+        return [
+            f"the fp16 loss scale restarts at --initial-loss-scale {scaler.scale:g}, not at the "
+            f"checkpoint's {reached:g} (which a resume without the flag continues)"
+        ]
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self, logger) -> Path:

@@ -423,6 +423,12 @@ NOT_INHERITED = {
 """Settings a --load run never takes from the checkpoint's saved train_config."""
 
 
+FP16_SCALER = frozenset(
+    {"loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"}
+)
+"""The fp16 loss scale's settings: a resume in another precision takes none of them."""
+
+
 def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
     schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
@@ -442,6 +448,9 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             continue  # the fraction given now sets the decay's length, not the saved steps
         if name == "fp8_layers" and (cfg.fp8 if "fp8" in given else saved.get("fp8")) == "off":
             continue  # no float8 linears this run: nor their choice (it would be saved on)
+        precision = cfg.precision if "precision" in given else saved.get("precision")
+        if name in FP16_SCALER and precision != "fp16":
+            continue  # no loss scale this run: nor its settings (given, they are refused)
         inherited.add(name)
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
