@@ -418,10 +418,16 @@ def test_a_directory_of_torch_save_pickles_is_named_not_trained_over(tmp_path):
     without reading it."""
     import io
 
-    legacy = io.BytesIO()
+    import pickle
+
+    legacy, legacy4 = io.BytesIO(), io.BytesIO()
     torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
+    # (protocol 4 puts a frame between the protocol and the magic number: a re-test's finding)
+    torch.save({"w": torch.zeros(2)}, legacy4, _use_new_zipfile_serialization=False,
+               pickle_protocol=4)
     for name, saved in (("model.pt", None), ("pytorch_model.bin", legacy.getvalue()),
-                        ("last.ckpt", None)):
+                        ("last.ckpt", None), ("weights.bin", legacy4.getvalue()),
+                        ("state.pth", pickle.dumps({"w": 1}, protocol=5))):
         path = tmp_path / name.split(".")[0]
         path.mkdir()
         if saved is None:
@@ -438,6 +444,8 @@ def test_a_directory_of_torch_save_pickles_is_named_not_trained_over(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     (tokens / "corpus.bin").write_bytes(torch.arange(128, 400, dtype=torch.int16).numpy().tobytes())
+    # (ids 640 and 2698 first: the bytes a legacy pickle's protocol 2 begins with)
+    (tokens / "ids.bin").write_bytes(torch.tensor([640, 2698, 5], dtype=torch.int16).numpy().tobytes())
     (tokens / "random.pt").write_bytes(os.urandom(64).replace(b"PK", b"pk"))
     assert foreign_checkpoint(tokens) is None
 

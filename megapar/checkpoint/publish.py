@@ -404,19 +404,27 @@ PICKLED_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt"})
 """torch.save's files as other tools name them (a Lightning .ckpt, pytorch_model.bin without
 its config.json): a directory of them is a checkpoint megapar does not read."""
 
-TORCH_SAVE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\n")
-"""How a torch.save file begins: its zip archive (torch >= 1.6), or the legacy format's pickle
-of its magic number (protocol 2, a long of 10 bytes)."""
+LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+"""The number torch.save's legacy (pre-zip) format pickles first, whatever the protocol."""
 
 
 def _saved(path: Path) -> bool:
-    """Whether file `path` begins as torch.save writes (`TORCH_SAVE_STARTS`): a .bin of tokens
-    (megapar-data's) is none."""
+    """Whether file `path` is a pickle as torch.save writes one: its zip archive (torch >= 1.6),
+    the legacy format (its magic number in the first bytes), or, for a .pt / .pth / .ckpt, any
+    pickle (protocol 2 to 5: `pickle.dump`'s too). A .bin of tokens (megapar-data's) is none,
+    whatever its first ids."""
     try:
         with open(path, "rb") as f:
-            return f.read(4).startswith(TORCH_SAVE_STARTS)
+            head = f.read(32)
     except OSError:
         return False
+    if head.startswith(b"PK\x03\x04") or LEGACY_MAGIC in head:
+        return True
+    return (
+        path.suffix != ".bin"
+        and head[:1] == b"\x80"
+        and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    )
 
 
 def _owner_gone(path: Path) -> bool:
