@@ -920,3 +920,8 @@ def test_a_decompression_hint_never_names_a_file_that_exists(tmp_path):
     assert _text_name(str(tmp_path / "b.txt.gz")) == str(tmp_path / "b-text.txt")
     assert _text_name(str(tmp_path / "a.jsonl.gz")) == str(tmp_path / "a.jsonl")
     assert _text_name(str(tmp_path / "plays.txt")) == str(tmp_path / "plays-text.txt")
+    # nor the name beside it (it was not checked: a re-test)
+    (tmp_path / "plays-text.txt").write_text("kept")
+    (tmp_path / "b-text.txt").write_text("kept")
+    assert _text_name(str(tmp_path / "plays.txt")) == str(tmp_path / "plays-text-2.txt")
+    assert _text_name(str(tmp_path / "b.txt.gz")) == str(tmp_path / "b-text-2.txt")

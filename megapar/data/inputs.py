@@ -175,17 +175,20 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 def _text_name(path: str) -> str:
-    """A name for compressed file `path`'s text: without its compression suffix (a.jsonl.gz:
-    a.jsonl; a.gz: a.txt) where no file has that name, else beside it (plays.txt, or a.jsonl.gz
-    beside an a.jsonl: plays-text.txt, a-text.jsonl)."""
+    """A name for compressed file `path`'s text, of no file there (a decompression to it would
+    empty one): without its compression suffix (a.jsonl.gz: a.jsonl; a.gz: a.txt), else beside
+    it (plays.txt: plays-text.txt, then plays-text-2.txt, ...)."""
     stem, ext = os.path.splitext(path)
     if ext in _COMPRESSED:
         text = stem if os.path.splitext(stem)[1] else stem + ".txt"
-        if not os.path.lexists(text):  # (> would empty a file of that name)
+        if not os.path.lexists(text):
             return text
         stem, ext = os.path.splitext(text)
     inner = ext if ext in (".jsonl", ".json") else ".txt"
-    return stem + "-text" + inner
+    n = 1
+    while os.path.lexists(name := stem + "-text" + (f"-{n}" if n > 1 else "") + inner):
+        n += 1
+    return name
 
 
 def check_is_text(path: str, head: bytes | None = None) -> None:
