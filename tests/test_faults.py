@@ -1143,7 +1143,8 @@ def test_a_killed_rank_of_this_node_is_named_at_once_under_torchrun(monkeypatch)
     # (this process's parent is pytest's, no torchrun: a wrapper's rank is not the agent's
     # child, and its live siblings were "gone", a re-test's finding)
     assert processes.gone_siblings() == []
-    monkeypatch.setattr(processes, "TORCHRUN_NAMES", (b"",))  # any parent: as torchrun's
+    agent = processes._is_torchrun
+    monkeypatch.setattr(processes, "_is_torchrun", lambda cmdline: True)  # as torchrun's
     assert processes.gone_siblings() == [1, 3]
     assert reader.holding_up() == (
         f"rank 1's process is gone from this node at {backward} without a report (killed, "
@@ -1151,6 +1152,11 @@ def test_a_killed_rank_of_this_node_is_named_at_once_under_torchrun(monkeypatch)
     assert slept == []  # no heartbeats' wait
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert processes.gone_siblings() == []
+    # the agent by its program or module, not a wrapper whose name holds the word (a re-test)
+    assert agent(b"/usr/bin/python3\0/usr/local/bin/torchrun\0--standalone\0train.py")
+    assert agent(b"python\0-m\0torch.distributed.run\0--nproc-per-node\0002")
+    assert not agent(b"/bin/bash\0./torchrun_wrapper.sh")
+    assert not agent(b"/bin/bash\0run.sh\0torchrun")
 
 
 def test_a_stopped_rank_found_on_another_node_is_named(monkeypatch):

@@ -113,9 +113,19 @@ def sibling_ranks() -> dict[int, int]:
     return found
 
 
-TORCHRUN_NAMES = (b"torchrun", b"torch.distributed.run", b"torch/distributed/run")
-"""What the command line of torchrun's agent holds (`torchrun ...`, `python -m
-torch.distributed.run ...`)."""
+TORCHRUN_NAMES = (b"torchrun", b"torch.distributed.run", b"torch.distributed.launch")
+"""How torchrun's agent is started: its script's name (`torchrun ...`, `python .../torchrun
+...`), or the module `python -m` runs."""
+
+
+def _is_torchrun(cmdline: bytes) -> bool:
+    """Whether a process's command line (NUL-separated) starts torchrun's agent: its program or
+    the script its interpreter runs is named torchrun, or it runs `-m torch.distributed.run`
+    (a wrapper script whose name or arguments merely hold the word is not)."""
+    argv = cmdline.split(b"\0")
+    if any(os.path.basename(a) in TORCHRUN_NAMES for a in argv[:2]):
+        return True
+    return any(a == b"-m" and b in TORCHRUN_NAMES for a, b in zip(argv, argv[1:]))
 
 
 def gone_siblings() -> list[int]:
@@ -131,7 +141,7 @@ def gone_siblings() -> list[int]:
             parent = f.read()
     except OSError:
         return []
-    if not any(name in parent for name in TORCHRUN_NAMES):
+    if not _is_torchrun(parent):
         return []
     try:
         rank = int(os.environ["RANK"])
