@@ -272,16 +272,20 @@ def main(argv=None) -> int:
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         signals = {128 + sig: signal.Signals(sig).name for sig in starting}
         signals[SIGTERM_EXIT_CODE] = "SIGTERM"
-        code = exc.code if isinstance(exc, SystemExit) else 130
-        if not isinstance(code, int) or isinstance(exc, SystemExit) and code not in signals:
+        exit_code = exc.code if isinstance(exc, SystemExit) else 130
+        if (
+            not isinstance(exit_code, int)
+            or isinstance(exc, SystemExit)
+            and (exit_code not in signals)
+        ):
             raise
         if lock is not None:
             lock.release()
         remove_empty(made)
         saved = _what_is_saved(cfg) if cfg is not None else "nothing saved"
-        what = signals.get(code, "SIGINT") if isinstance(exc, SystemExit) else "SIGINT"
+        what = signals[exit_code] if isinstance(exc, SystemExit) else "SIGINT"
         print(f"megapar-train: aborted ({what} while starting): {saved}", file=sys.stderr)
-        return code
+        return exit_code
     finally:
         if previous is not None:  # the workers' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)

@@ -187,8 +187,8 @@ class ProgressRecords:
         `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose function
         returned (a call made on some ranks only: `mark_returned`), else a rank of this node
         whose process is gone without a word in its record (`gone_siblings`: killed), else the
-        ranks whose heartbeat
-        did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
+        ranks whose heartbeat did not move (stopped, frozen or lost: the others wait for them),
+        else all live ranks,
         by `blame.behind_first` (the earliest step, then busy in its own work rather than
         waiting, then using a CPU between the two reads (`cpu_share`), then the lowest rank);
         the process that held the store when
