@@ -234,15 +234,17 @@ class Trainer:
         self.notes.extend(rng_notes(state.notes, self.config.draws_dropout))
 
     def _restart_loss_scale(self, saved: dict | None) -> list[str]:
-        # (`saved`: the checkpoint's precision state; the engine's load restored its scale)
-        """--initial-loss-scale given to a resumed fp16 run: its scaler restarts there (with
-        its hysteresis and growth count), not at the scale the checkpoint's had reached (which
-        a resume keeps, as Megatron-LM's does, where it is not given); a note either way it
-        differs."""
+        """--initial-loss-scale given to a resumed fp16 run, other than the checkpoint's run
+        had (`saved`: its precision state, whose scale the engine's load restored): its scaler
+        restarts there (with its hysteresis and growth count), not at the scale the checkpoint's
+        had reached, which a resume keeps, as Megatron-LM's does, where the flag is not given
+        or is the same (a requeued job's command line); a note where the scale changes."""
         scaler = self.engine.precision.scaler
         given = explicit(self.cfg) - getattr(self.cfg, "from_checkpoint", frozenset())
         if scaler is None or not scaler.dynamic or not saved or "initial_loss_scale" not in given:
             return []
+        if (saved.get("scaler") or {}).get("init_scale") == self.cfg.initial_loss_scale:
+            return []  # the same run's flag again
         reached = scaler.scale  # the checkpoint's, as the engine's load restored it
         scaler.scale = max(scaler.min_scale, float(self.cfg.initial_loss_scale))
         scaler.clean_steps, scaler.hysteresis_left = 0, scaler.hysteresis
