@@ -36,15 +36,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-small-cpu",
-        help='a recipe (default gpt2-small-cpu)')
+        help="a recipe (default %(default)s)")
     p.add_argument("--prompts", type=common.positive, default=8,
-        help='prompts generated together (default 8)')
+        help="prompts generated together (default %(default)s)")
     p.add_argument("--new-tokens", type=common.positive, default=64,
-        help='tokens generated per prompt (default 64)')
+        help="tokens generated per prompt (default %(default)s)")
     p.add_argument("--rounds", type=common.positive, default=5,
-        help='timed rounds, each way in turn (default 5)')
+        help="timed rounds, each way in turn (default %(default)s)")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
-        help="the weights' dtype (default fp32)")
+        help="the weights' dtype (default %(default)s)")
     args = p.parse_args()
     config = resolve_model(args.model)
     mesh = Mesh.from_env(1, 1, 1)

@@ -117,19 +117,19 @@ def main() -> None:
     from megapar.launcher import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive, default=4, help='blocks (default 4)')
+    parser.add_argument("--layers", type=positive, default=4, help="blocks (default %(default)s)")
     parser.add_argument("--hidden", type=positive, default=512,
-        help='hidden size (default 512)')
+        help="hidden size (default %(default)s)")
     parser.add_argument("--heads", type=positive, default=8,
-        help='attention heads (default 8)')
+        help="attention heads (default %(default)s)")
     parser.add_argument("--seqs", default="1024,2048,4096",
                         help="sequence lengths (multiples of 8), comma-separated")
     parser.add_argument("--cps", default="1,2,4",
-        help='context-parallel sizes, comma-separated (default 1,2,4)')
+        help="context-parallel sizes, comma-separated (default %(default)s)")
     parser.add_argument("--models", default="gpt2,llama",
-        help='model families, comma-separated (default gpt2,llama)')
+        help="model families, comma-separated (default %(default)s)")
     parser.add_argument("--budget-gib", type=float, default=2.0,
-        help='activation memory per rank the longest fitting sequence is found for, GiB (default 2.0)')
+        help="activation memory per rank the longest fitting sequence is found for, GiB (default %(default)s)")
     args = parser.parse_args()
     try:
         args.seqs = [int(s) for s in args.seqs.split(",")]

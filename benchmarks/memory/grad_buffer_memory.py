@@ -118,18 +118,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=positive, default=512,
-        help='hidden size (default 512)')
-    parser.add_argument("--layers", type=positive, default=6, help='blocks (default 6)')
+        help="hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=positive, default=6, help="blocks (default %(default)s)")
     parser.add_argument("--vocab", type=positive, default=8192,
-        help='vocabulary size (default 8192)')
+        help="vocabulary size (default %(default)s)")
     parser.add_argument("--seq", type=positive, default=32,
-        help='sequence length (default 32)')
+        help="sequence length (default %(default)s)")
     parser.add_argument("--mb", type=positive, default=1,
-        help='micro-batch size (default 1)')
+        help="micro-batch size (default %(default)s)")
     parser.add_argument("--m", type=positive, default=2,
-        help='micro-batches per step (default 2)')
+        help="micro-batches per step (default %(default)s)")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
-        help='gradient bucket size, MB (default 25.0)')
+        help="gradient bucket size, MB (default %(default)s)")
     args = parser.parse_args()
     results = {v: run_local(_worker, 2, args, v) for v in ("packed", "buffer")}
     grads = results["buffer"][0][2]

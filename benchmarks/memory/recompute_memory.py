@@ -120,19 +120,19 @@ def add_stage_arguments(parser: argparse.ArgumentParser, m: int) -> None:
     """The flags of the GPT-2 stage whose saved activations these scripts count (also
     sequence_parallel_memory.py's): its size, the micro-batches in flight (`m` by default) and
     the dropout."""
-    parser.add_argument("--layers", type=positive, default=4, help='blocks (default 4)')
+    parser.add_argument("--layers", type=positive, default=4, help="blocks (default %(default)s)")
     parser.add_argument("--hidden", type=positive, default=256,
-        help='hidden size (default 256)')
+        help="hidden size (default %(default)s)")
     parser.add_argument("--heads", type=positive, default=8,
-        help='attention heads (default 8)')
+        help="attention heads (default %(default)s)")
     parser.add_argument("--seq", type=positive, default=256,
-        help='sequence length (default 256)')
+        help="sequence length (default %(default)s)")
     parser.add_argument("--mb", type=positive, default=4, help="micro-batch size")
     parser.add_argument("--m", type=positive, default=m, help="micro-batches in flight")
     parser.add_argument("--vocab", type=positive, default=1000,
-        help='vocabulary size (default 1000)')
+        help="vocabulary size (default %(default)s)")
     parser.add_argument("--dropout", type=float, default=0.1,
-        help='dropout probability (default 0.1)')
+        help="dropout probability (default %(default)s)")
 
 
 def main() -> None:

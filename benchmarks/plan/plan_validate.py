@@ -123,18 +123,18 @@ def main() -> None:
     from megapar.plan.estimate import estimate
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive, default=4, help='blocks (default 4)')
+    parser.add_argument("--layers", type=positive, default=4, help="blocks (default %(default)s)")
     parser.add_argument("--hidden", type=positive, default=128,
-        help='hidden size (default 128)')
+        help="hidden size (default %(default)s)")
     parser.add_argument("--heads", type=positive, default=4,
-        help='attention heads (default 4)')
+        help="attention heads (default %(default)s)")
     parser.add_argument("--seq", type=positive, default=64,
-        help='sequence length (default 64)')
+        help="sequence length (default %(default)s)")
     parser.add_argument("--vocab", type=positive, default=1000,
-        help='vocabulary size (default 1000)')
+        help="vocabulary size (default %(default)s)")
     parser.add_argument("--mbs", type=positive, default=4, help="micro-batch size")
     parser.add_argument("--global-batch", type=positive, default=16,
-        help='sequences per step (default 16)')
+        help="sequences per step (default %(default)s)")
     parser.add_argument("--steps", type=positive, default=5, help="measured steps (median)")
     args = parser.parse_args()
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,

@@ -99,16 +99,16 @@ def _worker(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive, default=10,
-        help='timed steps (default 10)')
+        help="timed steps (default %(default)s)")
     parser.add_argument("--hidden", type=positive, default=256,
-        help='hidden size (default 256)')
-    parser.add_argument("--layers", type=positive, default=4, help='blocks (default 4)')
+        help="hidden size (default %(default)s)")
+    parser.add_argument("--layers", type=positive, default=4, help="blocks (default %(default)s)")
     parser.add_argument("--seq", type=positive, default=128,
-        help='sequence length (default 128)')
+        help="sequence length (default %(default)s)")
     parser.add_argument("--mbs", type=positive, default=4,
-        help='micro-batch size (default 4)')
+        help="micro-batch size (default %(default)s)")
     parser.add_argument("--vocab", type=positive, default=8192,
-        help='vocabulary size (default 8192)')
+        help="vocabulary size (default %(default)s)")
     args = parser.parse_args(argv)
     from megapar.launcher import run_local
 
