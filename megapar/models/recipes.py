@@ -24,6 +24,12 @@ def list_recipes() -> list[str]:
     return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.json")})
 
 
+def recipe_file(name: str) -> Path | None:
+    """Recipe `name`'s config file, from the first of `recipe_dirs` that holds it; None where
+    none does."""
+    return next((d / f"{name}.json" for d in recipe_dirs() if (d / f"{name}.json").exists()), None)
+
+
 def resolve_model(name_or_path: str):
     """A model config from a recipe name or a JSON/YAML config file."""
     path = Path(name_or_path)
@@ -33,10 +39,9 @@ def resolve_model(name_or_path: str):
         if path.is_dir():
             path = path / "config.json"
         return config_from_file(path)
-    for d in recipe_dirs():
-        candidate = d / f"{name_or_path}.json"
-        if candidate.exists():
-            return config_from_file(candidate)
+    found = recipe_file(name_or_path)
+    if found is not None:
+        return config_from_file(found)
     raise ConfigError(
         f"unknown model {name_or_path!r}; known recipes: "
         f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)"

@@ -10,18 +10,15 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 
 from __future__ import annotations
 
-from megapar.models.recipes import recipe_dirs
+from megapar.models.recipes import recipe_file
 from megapar.one_line_parser import LAYOUT_NAMES
 
 
 def _recipe_file(name: str) -> str:
-    """Where recipe `name`'s config file lies (the source tree's models/, else the installed
-    copy), to name as one to copy and edit: models/NAME.json was a path only inside the
-    source tree."""
-    for directory in recipe_dirs():
-        if (directory / f"{name}.json").is_file():
-            return str(directory / f"{name}.json")
-    return f"models/{name}.json"
+    """Where recipe `name`'s config file lies (`recipe_file`: the source tree's models/, else
+    the installed copy), to name as one to copy and edit: models/NAME.json was a path only
+    inside the source tree."""
+    return str(recipe_file(name) or f"models/{name}.json")
 
 
 WEIGHTS_ONLY = (
