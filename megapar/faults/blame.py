@@ -98,7 +98,7 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     stuck = [r for r in silent if state(procs[r])]
     if dead and stuck and all(procs[r].exitcode == CUT_SHORT for r in dead):
         # a stop's grace ran out on ranks waiting for a stopped one: the stopped rank is the
-        # cause, their exits its consequence (the report named them, not it)
+        # cause, their exits its consequence
         lines = [f"rank {r} did not answer (it {state(procs[r])}){where(r)}" for r in stuck]
         lines += [f"(rank {r} {how}, waiting for it)" for r, how in sorted(dead.items())]
         rest = errors

@@ -214,7 +214,7 @@ class ProgressRecords:
             )
         # a rank of this node whose process is gone without a word in the store (no error of
         # its own, no timed-out wait, no return): killed; named now, not after the heartbeats'
-        # wait (under torchrun a kill -9 took 22 s to report, as "did not answer")
+        # wait, which tells a stopped rank from a live one and cannot tell this one's death
         gone = [
             r
             for r in gone_siblings()
