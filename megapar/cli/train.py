@@ -39,6 +39,7 @@ from megapar.faults.report import (
 from megapar.faults.stop import (
     ABORT_SIGNALS,
     SIGTERM_EXIT_CODE,
+    exit_codes,
     exit_on_signals,
     install_stop_handlers,
     parse_signals,
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
         refused("megapar-train", message)
         return 1
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
-        signals = {128 + sig: signal.Signals(sig).name for sig in starting}
+        signals = exit_codes(starting)
         signals[SIGTERM_EXIT_CODE] = "SIGTERM"
         exit_code = exc.code if isinstance(exc, SystemExit) else 130
         if (
@@ -404,7 +405,7 @@ def _run(
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     except SystemExit as exc:  # SIGTERM, not forwarded: the workers are gone, none saved
-        named = {128 + sig: signal.Signals(sig).name for sig in aborting}
+        named = exit_codes(aborting)
         if isinstance(exc.code, int) and exc.code in named:  # SIGHUP, SIGQUIT, SIGUSR2: their
             # default action ended the run without a word
             _remove_dead_saves(cfg)

@@ -318,6 +318,12 @@ def exit_on_signals(names: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def exit_codes(handlers: dict) -> dict[int, str]:
+    """{the exit code `exit_on_signals` makes of a signal (128 + its number): the signal's
+    name} for the signals of `handlers`, what `exit_on_signals` returned."""
+    return {128 + int(sig): signal.Signals(sig).name for sig in handlers}
+
+
 def default_on_signals(names: tuple[str, ...]) -> None:
     """In a forked worker: the signals of `names` its launcher made exits (`exit_on_signals`)
     take their default action again."""
