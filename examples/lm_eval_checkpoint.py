@@ -2,6 +2,7 @@
 
     python examples/lm_eval_checkpoint.py CKPT                      # a tiny local task, offline
     python examples/lm_eval_checkpoint.py CKPT --tasks hellaswag    # any lm-eval task you have
+    python examples/lm_eval_checkpoint.py CKPT --tokenizer gpt2     # one that records none
 
 The recipe is two commands; this script runs them and, by default, builds a tiny perplexity
 task from the Shakespeare sample shipped with megapar, so it works without a network:
@@ -11,7 +12,9 @@ task from the Shakespeare sample shipped with megapar, so it works without a net
 
 `pretrained=DIR` alone is enough: the export carries its tokenizer (AutoTokenizer loads it),
 where the checkpoint records one: megapar-train's do, and `engine.save`'s where the model was
-prepared from a directory or checkpoint that holds one; the export says when it has none.
+prepared from a directory or checkpoint that holds one. For one that records none, --tokenizer
+names the tokenizer the model trained with (megapar-convert's flag); without it the script stops
+(lm-eval would score every document on zero tokens: perplexity 1.0).
 """
 
 from __future__ import annotations
@@ -26,13 +29,19 @@ TASK = "megapar_shakespeare_tiny"
 """The local task: rolling log-likelihood (word / byte perplexity, bits per byte) of documents."""
 
 
-def export(ckpt: str | Path, out: Path) -> Path:
-    """`megapar-convert CKPT --to-hf OUT`; returns OUT."""
+def export(ckpt: str | Path, out: Path, tokenizer: str | None = None) -> Path:
+    """`megapar-convert CKPT --to-hf OUT [--tokenizer SPEC]`; returns OUT. Stops with one line
+    when the export holds no tokenizer (the checkpoint records none and `tokenizer` is None)."""
     from megapar.cli.convert import main as convert
 
-    code = convert([str(ckpt), "--to-hf", str(out), "--overwrite"])
+    extra = ["--tokenizer", tokenizer] if tokenizer else []
+    code = convert([str(ckpt), "--to-hf", str(out), "--overwrite", *extra])
     if code != 0:  # megapar-convert printed the one line naming the problem
         raise SystemExit(code)
+    if not (out / "tokenizer_config.json").exists():  # AutoTokenizer would load an empty one
+        fail(f"{ckpt} records no tokenizer, so its export has none and lm-eval would score "
+             f"every document on zero tokens; pass --tokenizer SPEC, the tokenizer the model "
+             f"trained with (e.g. --tokenizer gpt2)")
     return out
 
 
@@ -68,10 +77,12 @@ def local_task(directory: Path, docs: list[str]) -> Path:
 
 
 def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
-             tasks: list[str] | None = None) -> tuple[dict, list[float]]:
-    """Export `ckpt` into WORK/exported and run lm-eval's `hf` model on `tasks` (default: the
-    local task over `docs`, or paragraphs of the shipped sample). Returns lm-eval's results and,
-    for the local task, each document's log-likelihood."""
+             tasks: list[str] | None = None,
+             tokenizer: str | None = None) -> tuple[dict, list[float]]:
+    """Export `ckpt` (with `tokenizer`, where it records none) into WORK/exported and run
+    lm-eval's `hf` model on `tasks` (default: the local task over `docs`, or paragraphs of the
+    shipped sample). Returns lm-eval's results and, for the local task, each document's
+    log-likelihood."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -90,7 +101,7 @@ def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
             docs = [p.strip() for p in text.split("\n\n") if 100 < len(p.strip()) < 400][:16]
         manager = TaskManager(include_path=str(local_task(work / "task", docs)))
         tasks = [TASK]
-    exported = export(ckpt, work / "exported")
+    exported = export(ckpt, work / "exported", tokenizer)
     results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={exported},dtype=float32", tasks=tasks,
         task_manager=manager, batch_size=1, device="cpu", log_samples=True)
@@ -105,6 +116,9 @@ def main(argv=None) -> None:
     parser.add_argument("ckpt", help="a checkpoint written by megapar-train --save")
     parser.add_argument("--work", default="lm_eval_work", help="where the export and task go")
     parser.add_argument("--tasks", nargs="+", help="lm-eval tasks (default: the local one)")
+    parser.add_argument("--tokenizer", help="the tokenizer the model trained with, for a "
+                        "checkpoint that records none (megapar-convert --tokenizer: 'gpt2', a "
+                        "tokenizer.json directory, ...)")
     args = parser.parse_args(argv)
     missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:  # before the export: lm-eval's hf model needs both
@@ -119,7 +133,7 @@ def main(argv=None) -> None:
         resolve_checkpoint(args.ckpt)
     except CheckpointError as exc:
         fail(str(exc))
-    results, _ = evaluate(args.ckpt, args.work, tasks=args.tasks)
+    results, _ = evaluate(args.ckpt, args.work, tasks=args.tasks, tokenizer=args.tokenizer)
     print(json.dumps(results["results"], indent=1, default=str))
 
 

@@ -774,3 +774,29 @@ def test_a_standard_gpt2_exports_with_the_gpt2_tokenizer_and_pads_inside_its_voc
     tok.pad_token = tok.pad_token or tok.eos_token          # what clients such as lm-eval do
     batch = tok(["To be", "or not to be"], return_tensors="pt", padding=True)
     assert model(**batch).logits.shape[:2] == batch["input_ids"].shape
+
+
+def test_the_lm_eval_example_stops_where_the_export_has_no_tokenizer(tmp_path, capsys):
+    """An `engine.save` checkpoint of a model prepared without a tokenizer exported none, and
+    AutoTokenizer then loaded an empty one: lm-eval scored every document on zero tokens and
+    printed perplexity 1.0, exit 0 (a python-api tryout). The example stops in one line; its
+    --tokenizer exports the one named."""
+    import importlib.util
+
+    from test_checkpoint_helpers import save_serial
+
+    spec = importlib.util.spec_from_file_location(
+        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
+        "lm_eval_checkpoint.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    save_serial(tmp_path / "ckpt", vocab_size=50304)
+    with pytest.raises(SystemExit) as exit_:
+        example.export(tmp_path / "ckpt", tmp_path / "bare")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("lm_eval_checkpoint.py: error: ") and "records no tokenizer, so " \
+        "its export has none" in err[0] and "pass --tokenizer SPEC" in err[0], err
+    out = example.export(tmp_path / "ckpt", tmp_path / "named", "gpt2")
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf("Hello world")["input_ids"] == load_tokenizer("gpt2").encode("Hello world")
