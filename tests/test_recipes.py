@@ -22,6 +22,22 @@ def test_unknown_model_names_the_recipes():
         resolve_model("gpt5")
 
 
+@pytest.mark.parametrize("name", ["/no/such/dir/", "./mymodel", "models/gpt2"])
+def test_a_path_that_does_not_exist_is_named_missing_not_an_unknown_recipe(tmp_path, name):
+    """`prepare("/x/nothere/")` (a directory of a transformers model, mistyped) said "unknown
+    model ...; known recipes: ..." (a python-api tryout): a name with a path's characters is
+    a path, and no recipe has them."""
+    import megapar
+
+    with pytest.raises(ConfigError) as exc:
+        resolve_model(name)
+    assert str(exc.value) == (f"model {name!r}: no such file or directory; pass a recipe name, "
+                              f"a JSON/YAML config file, or a directory that holds config.json")
+    with pytest.raises(ConfigError, match=f"^megapar.prepare: model {re.escape(repr(name))}: "
+                       f"no such file or directory"):
+        megapar.prepare(name)
+
+
 @pytest.mark.parametrize("layout, message", [
     (Layout(tp=5), "12 attention heads are not divisible by --tp 5"),
     (Layout(pp=16), "12 layers cannot be cut into --pp 16 stages"),

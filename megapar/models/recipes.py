@@ -7,6 +7,7 @@ training overrides it with the tokenizer's.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def resolve_model(name_or_path: str):
     found = recipe_file(name_or_path)
     if found is not None:
         return config_from_file(found)
+    if "/" in name_or_path or os.sep in name_or_path or name_or_path.startswith(("~", ".")):
+        raise ConfigError(  # a path (no recipe name has a separator): not "unknown model"
+            f"model {name_or_path!r}: no such file or directory; pass a recipe name, a JSON/YAML "
+            f"config file, or a directory that holds config.json"
+        )
     raise ConfigError(
         f"unknown model {name_or_path!r}; known recipes: "
         f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)"

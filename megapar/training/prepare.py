@@ -68,7 +68,10 @@ def _resolve_model(model):
         if path.is_dir() and any((path / f).exists() for f in HF_WEIGHT_FILES):
             reader = HFReader(str(path))  # a transformers directory: its weights, as --from-hf
             return reader.config, reader
-        return resolve_model(str(model)), None
+        try:
+            return resolve_model(str(model)), None
+        except ConfigError as exc:  # prepare's own prefix, as its other refusals
+            raise ConfigError(f"megapar.prepare: {exc}") from None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
         kind = getattr(model.config, "model_type", None)
