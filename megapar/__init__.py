@@ -7,7 +7,8 @@ The public API (imported lazily, so `import megapar` stays cheap):
   rank 0's return value. Under torchrun / Slurm it just calls `fn`.
 - `megapar.prepare(model, tp=, pp=, micro_batch_size=, ...)`: inside `fn`, shard a transformers
   GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM /
-  MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM (or config, or recipe name)
+  MistralForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM / DeepseekV3ForCausalLM (or
+  config, or recipe name)
   and return its `Engine`: `engine.train_step(batch)`, `eval_step`, `save`, `wait_save`, `load`,
   `export_hf`, `stragglers`, `optimizer`, `mesh`, `step`.
 """

@@ -54,6 +54,18 @@ def test_import_megapar_is_cheap():
     assert out.stdout.split() == ["True", "False", "True"], out.stderr
 
 
+def test_the_api_docstrings_name_every_model_class_prepare_takes():
+    """docs/reference/api.md is built from these docstrings, and they stopped at
+    Qwen3MoeForCausalLM when prepare took DeepseekV3ForCausalLM too (a python-api tryout)."""
+    from megapar.checkpoint.hf_names import ARCHITECTURES
+    from megapar.training.prepare import prepare
+
+    for doc in (megapar.__doc__, prepare.__doc__):
+        flat = " ".join(doc.split())
+        assert all(name in flat for name in ARCHITECTURES.values()), [
+            name for name in ARCHITECTURES.values() if name not in flat]
+
+
 def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     steps = 5
     out = tmp_path / "losses.json"

@@ -231,11 +231,11 @@ def prepare(
 
     model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` / `LlamaForCausalLM` /
     `Qwen3ForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` / `MixtralForCausalLM` /
-    `Qwen3MoeForCausalLM` instance (its weights are copied into the engine's own sharded
-    model, so the instance itself is not trained: `engine.export_hf(dir)` writes the trained
-    weights for `from_pretrained`; build it identically on every rank; a bare `GPT2Model` /
-    `BertModel` / `LlamaModel` gets its missing head initialised, with a warning; a model with
-    another head, e.g. for classification, is
+    `Qwen3MoeForCausalLM` / `DeepseekV3ForCausalLM` instance (its weights are copied into the
+    engine's own sharded model, so the instance itself is not trained: `engine.export_hf(dir)`
+    writes the trained weights for `from_pretrained`; build it identically on every rank; a
+    bare `GPT2Model` / `BertModel` / `LlamaModel` gets its missing head initialised, with a
+    warning; a model with another head, e.g. for classification, is
     refused; one built on the meta device has no weights: pass its config), a transformers
     config (weights initialised from `seed`, the same in every layout; each rank keeps only its
     stage's shards, one full tensor at a time made to cut them), a megapar recipe name
