@@ -342,6 +342,12 @@ def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path):
             f"engine.load: verify={word!r} is not one of 'sha256', 'size', 'none'; leave it "
             f"out to hash every file read")
     assert engine.load(tmp_path, verify="size") is not None
+    from megapar.checkpoint.format import CheckpointError
+
+    missing = tmp_path / "nope"  # its path was said twice: "engine.load X: X: no such ..."
+    with pytest.raises(CheckpointError) as refused:
+        engine.load(missing)
+    assert str(refused.value) == f"engine.load {missing}: no such checkpoint directory"
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 0), (1, 2, 1)])

@@ -277,7 +277,8 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
     other = _other_steps(load).replace("--load ", f"{what} ")
-    err = CheckpointError(f"{what} {load}: {exc}{other}")
+    said = str(exc).removeprefix(f"{load}: ")  # "nope: no such checkpoint directory": once
+    err = CheckpointError(f"{what} {load}: {said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
     return err
 
