@@ -92,6 +92,27 @@ def test_each_check_can_fail():
         cert.checks["pairs"].detail
 
 
+def test_an_evaluation_steps_pairs_check_can_fail():
+    """In evaluation the bound was C m, the number of sends there are: it could not fail (a
+    new-user tryout). Receives are held to A(s) + C there as in training; a rank whose sends no
+    message acknowledges holds them to the end, counted and said, not bounded."""
+    first, last = (list(p) for p in messages.programs("1f1b", 2, 4, 1, True))
+    assert format_schedule(last) == "[RA0] F0 [RA1] F1 [RA2] F2 [RA3] F3"
+    early = [MessageGroup(tuple(a for g in last if isinstance(g, MessageGroup)
+                                for a in g.messages))] + [a for a in last
+                                                          if not isinstance(a, MessageGroup)]
+    cert = certify.certify_programs([first, early], "1f1b", 2, 4, forward_only=True)
+    assert cert.checks["data order"].ok and cert.checks["progress"].ok, cert.failures
+    assert cert.checks["pairs"].detail.startswith(
+        "rank 1 holds 4 receives for one peer, more than the stated 2"), cert.checks["pairs"]
+    ok = certify.certify("1f1b", 2, 4, forward_only=True).checks["pairs"]
+    assert ok.ok and ok.detail == ("at most 4 sends and 1 receives held per peer (sends to the "
+                                   "step's end where no message comes back)")
+    # a V placement's turn acknowledges them: bounded as in training
+    assert certify.certify("zb-v", 2, 16, forward_only=True).checks["pairs"].detail == \
+        "at most 3 sends and 2 receives held per peer"
+
+
 def test_a_schedule_without_a_published_bound_fails(monkeypatch):
     monkeypatch.delitem(certify.IN_FLIGHT_BOUNDS, "zb-h1")
     cert = certify.certify("zb-h1", 2, 4)
