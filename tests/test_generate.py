@@ -114,6 +114,24 @@ def test_greedy_equals_transformers_generate(imported, capsys):
     assert [r["new_ids"] for r in got[:2]] == want[:, width:].tolist(), kind
 
 
+def test_a_prompt_the_vocabulary_cannot_spell_is_noted(imported, capsys):
+    """A SentencePiece model makes "日本語" its unknown token, and nothing said so (--json's
+    "prompt" repeats the text): a new-user tryout. One note per such prompt, the model's
+    answer unchanged."""
+    _, _, ckpt = imported
+    tok = load_tokenizer("sentencepiece")
+    assert tok.unk_id in _ids("日本語")
+    err: list[str] = []
+    got = _run(ckpt, capsys, "--prompt", "日本語", "--prompt", "Hello", "--max-new-tokens", "2",
+               err=err)
+    n = _ids("日本語").count(tok.unk_id)
+    assert err[0] == (f"megapar-generate: note: --prompt '日本語' holds characters the "
+                      f"tokenizer's vocabulary cannot spell: {n} token{'s' * (n > 1)} of it "
+                      f"{'are' if n > 1 else 'is'} its unknown token (id {tok.unk_id}), which "
+                      f"is what the model sees there\n")
+    assert [r["prompt_ids"] for r in got] == [_ids("日本語"), _ids("Hello")]
+
+
 def _reference_samples(model, prompt: str, n: int, new: int, t: float, k: int, p: float,
                        seed: int) -> list[list[int]]:
     """Samples drawn by a plain loop: transformers' logits of the last position, divided by t,

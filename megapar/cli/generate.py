@@ -49,6 +49,7 @@ from megapar.training.tokenizer_checks import (
 )
 from megapar.training.validate import UsageError
 from megapar.training.validate_resume import checked_step, checkpoint_manifest, worker_verify
+from megapar.wording import counted
 
 OTHER_FLAGS = {
     "--cp": "megapar-generate has no context parallelism; drop it, or use --tp / --pp",
@@ -394,6 +395,24 @@ def check_prompts(
     return out, limit, what
 
 
+def unknown_notes(prompts: list[str], names: list[str], tok: Tokenizer) -> list[str]:
+    """A note for each prompt holding characters the tokenizer's vocabulary cannot spell
+    (a SentencePiece model's "日本語" or "é"): their tokens are its unknown token, which is what
+    the model sees (--json's prompt_ids hold it; its "prompt" is the text as given)."""
+    if tok.unk_id is None:
+        return []
+    notes = []
+    for prompt, name in zip(prompts, names, strict=True):
+        n = tok.encode(prompt).count(tok.unk_id)
+        if n:
+            notes.append(
+                f"note: {name} holds characters the tokenizer's vocabulary cannot spell: "
+                f"{counted(n, 'token')} of it {'is' if n == 1 else 'are'} its unknown token "
+                f"(id {tok.unk_id}), which is what the model sees there"
+            )
+    return notes
+
+
 def positions_note(
     prompt: int, sample: int, shape: tuple[int, int], limit_name: str, prompt_len: int, new_len: int
 ) -> str:
@@ -487,6 +506,8 @@ def main(argv=None) -> int:
             prompts, prompt_names(args), tok, config
         )
         args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
+        for note in unknown_notes(prompts, prompt_names(args), tok) if prints_refusals() else ():
+            print(f"megapar-generate: {note}", file=sys.stderr)
         unlike = unlike_vocab_note(
             args.load, manifest, tok, config.vocab_size, f"--tokenizer {args.tokenizer}"
         )
