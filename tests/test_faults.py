@@ -1545,6 +1545,57 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_wait_after_the_grace(monkeypatch):
     assert lines[1].startswith("(rank 0 exited with code 143 on a SIGTERM"), str(info.value)
 
 
+def _sigterm_while_computing(err):
+    """A rank asked to stop cleanly (SIGTERM) inside one long C call that runs no Python (as a
+    CPU's backward of a large micro-batch can, for minutes): stderr to `err`."""
+    import ctypes
+
+    from megapar.faults import stop
+
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    stop.STOP_GRACE_S = 1.0
+    stop.watch_sigterm()
+    stop.install_stop_handlers("SIGTERM")
+    (err.parent / "ready").touch()
+    # one C call that releases the GIL and runs no Python, as a torch kernel does (this one:
+    # libc's usleep through ctypes, a minute, again after the signal cuts it short)
+    kernel = ctypes.CDLL(None).usleep
+    for _ in range(3):
+        kernel(60_000_000)
+    os._exit(0)
+
+
+def test_a_sigterm_ends_a_rank_inside_a_long_computation_in_one_line(tmp_path):
+    """A SIGTERM during a long step on a CPU (gpt2-124m, seq 1024, tp 2 x pp 2: minutes a step)
+    printed each rank as "still blocked ... (a wait that cannot see the signal)" with 40 lines
+    of stacks showing a backward, not a wait (a getting-started tryout). A computation is said
+    as one: one line per rank naming the call, no stacks (they are for a wait)."""
+    import multiprocessing as mp
+
+    err = tmp_path / "err.txt"
+    p = mp.get_context("fork").Process(target=_sigterm_while_computing, args=(err,))
+    p.start()
+    try:
+        assert _wait_for(lambda: (tmp_path / "ready").exists(), timeout=30)
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGTERM)
+        p.join(timeout=30)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    text = err.read_text()
+    assert p.exitcode == 143, (p.exitcode, text)
+    assert text.count("\n") == 1 and "Python stacks" not in text, text
+    assert text.startswith("megapar: rank ? : SIGTERM ".replace("? ", "?")) and (
+        " s ago and still computing at " in text) and (
+        ", inside one call that runs no Python (_sigterm_while_computing at test_faults.py:"
+        in text) and text.endswith(
+        "so it could not stop at the step's end within the 1 s MEGAPAR_STOP_GRACE_S gives: "
+        "exiting with code 143\n"), text
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, common,
                                                                     private_tmpdir):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import linecache
 import math
 import os
 import signal
@@ -430,14 +431,54 @@ def _end_if_blocked() -> None:
     done = run_forced_exit_cleanups()
     stuck = stopped_siblings()  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
-    _write_block(
-        f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
-        f"{_status.status()} (a wait that cannot see the signal): exiting with code "
-        f"{SIGTERM_EXIT_CODE}"
-        + "".join(f"; {d}" for d in [*done, stuck] if d)
-        + f"; its Python stacks:\n{_stacks()}"
-    )
+    call, waits = _main_thread_call()
+    if waits:
+        _write_block(
+            f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
+            f"{_status.status()} (a wait that cannot see the signal): exiting with code "
+            f"{SIGTERM_EXIT_CODE}"
+            + "".join(f"; {d}" for d in [*done, stuck] if d)
+            + f"; its Python stacks:\n{_stacks()}"
+        )
+    else:  # a long step's computation (a CPU's backward can take minutes): no stacks
+        late = (
+            f", so it could not stop at the step's end within the {grace:.0f} s "
+            f"MEGAPAR_STOP_GRACE_S gives"
+            if grace
+            else ""
+        )
+        _write_block(
+            f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still computing at "
+            f"{_status.status()}, inside one call that runs no Python ({call}){late}: "
+            f"exiting with code {SIGTERM_EXIT_CODE}"
+            + "".join(f"; {d}" for d in [*done, stuck] if d)
+            + "\n"
+        )
     os._exit(SIGTERM_EXIT_CODE)
+
+
+WAITS = ("/torch/distributed/", "/megapar/launcher", "/threading.py", "/multiprocessing/")
+"""Where a main thread's innermost Python frame is a wait (a collective, a rendezvous, a store,
+a join), not a computation (`_main_thread_call`)."""
+
+WAIT_CALLS = ("wait(", "barrier(", "join(", "recv(", "sleep(", "acquire(", ".get(", "select(")
+"""Calls that make the line a main thread's innermost Python frame runs a wait wherever it is
+(a collective's `work.wait()` in megapar's own code)."""
+
+
+def _main_thread_call() -> tuple[str, bool]:
+    """("function at file:line") of the main thread's innermost Python frame, the call it is
+    blocked in (a C call has no frame of its own), and whether that call is a wait (`WAITS`,
+    `WAIT_CALLS`); a wait where that cannot be told."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return "unknown", True
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    cut = max(path.rfind("/torch/"), path.rfind("/megapar/"))
+    where = f"{frame.f_code.co_name} at {path[cut + 1 :] if cut >= 0 else os.path.basename(path)}"
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    waits = not line or any(w in path for w in WAITS) or any(c in line for c in WAIT_CALLS)
+    return f"{where}:{frame.f_lineno}", waits
 
 
 def run_forced_exit_cleanups() -> list[str]:
