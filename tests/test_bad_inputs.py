@@ -1456,6 +1456,15 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
             "batches an evaluation reads, not the steps between evaluations, --eval-interval's "
             "100: each reads all 8 batches the split holds)") in line, line
     assert "--eval-steps" not in _data_line(parse_args(["--eval-steps", "5"]), 2729, 142)
+    # a --load run takes the checkpoint's --eval-steps (its default, never given): said as if
+    # the user gave it (a getting-started tryout); none, as on the run that saved it
+    resumed = parse_args(["--load", "ckpt"])
+    resumed.explicit, resumed.from_checkpoint = frozenset({"load", "eval_steps"}), \
+        frozenset({"eval_steps"})
+    assert "--eval-steps" not in _data_line(resumed, 60, 2), _data_line(resumed, 60, 2)
+    # a small share of an epoch was "0.00 of an epoch" (a getting-started tryout)
+    assert _data_line(parse_args(["--max-steps", "2"]), 20_000, 142).endswith(
+        "--max-steps 2 x 16 sequences read 32 of them: 0.0016 of an epoch")
 
 
 def _toml_refusal(job, text: str) -> str:

@@ -555,7 +555,8 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
     counts, where it is more than the split's batches), and --max-steps' share of an epoch."""
     drawn = cfg.max_steps * cfg.global_batch_size
     share = drawn / samples
-    epochs = f"{share:.2f} of an epoch" if share < 1 else f"{share:.1f} epochs"
+    shown = f"{share:.2f}" if share >= 0.01 else f"{share:.2g}"  # not "0.00" of a big corpus
+    epochs = f"{shown} of an epoch" if share < 1 else f"{share:.1f} epochs"
     validation = (
         f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
     )
@@ -567,7 +568,8 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
             f"least one global batch of them; --val-fraction 0 trains on all)"
         )
     batches = held // cfg.global_batch_size
-    if held and "eval_steps" in explicit(cfg) and cfg.eval_steps > batches:
+    given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())  # not --load's
+    if held and "eval_steps" in given and cfg.eval_steps > batches:
         validation = validation[:-1] + (  # a Trainer user's --eval-steps 500: every 500 steps
             f"; --eval-steps {cfg.eval_steps} counts the validation batches an evaluation reads, "
             f"not the steps between evaluations, --eval-interval's {cfg.eval_interval}: each "
