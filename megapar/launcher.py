@@ -431,7 +431,7 @@ def under_launcher() -> bool:
 
 SETTINGS_KEY = "megapar/settings"
 """The store keys of `check_same_settings`: rank 0's settings, the count of ranks that compared
-theirs, the first difference found."""
+theirs, the first difference found, the count of ranks that read it."""
 
 
 def check_same_settings(settings: dict, timeout_s: float, what: str = "command") -> None:
@@ -440,8 +440,8 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
     naming the first rank found, the flags and both values. Nodes started with other flags
     made the ranks build different groups: rank 0 failed with 'DistStoreError: wait timeout
     ... keys: /default_pg/0//7//cpu//0/1', the other with gloo's 'Connection closed by peer'.
-    Every rank waits (at most `timeout_s`) until all have compared; one store write and read
-    per rank."""
+    Every rank waits (at most `timeout_s`) until all have compared, and rank 0 (which may host
+    the store) until all have read the difference; a few store operations per rank."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
     store = dist.distributed_c10d._get_default_store()
@@ -475,8 +475,22 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
             f"settings with rank 0's; some never did (a process that failed or was started "
             f"with another command?); --timeout-s sets the wait"
         ) from None
-    if store.check([SETTINGS_KEY + "/differ"]):
-        mismatch = ValueError(store.get(SETTINGS_KEY + "/differ").decode())
+    differ = (
+        store.get(SETTINGS_KEY + "/differ").decode()
+        if store.check([SETTINGS_KEY + "/differ"])
+        else None
+    )
+    # rank 0 may host the store (srun, forked ranks): it leaves once every rank has read it (a
+    # rank that read late got 'Connection reset by peer' instead of the line)
+    if store.add(SETTINGS_KEY + "/read", 1) == world:
+        store.set(SETTINGS_KEY + "/done", "1")
+    if rank == 0 and differ is not None:
+        try:
+            store.wait([SETTINGS_KEY + "/done"], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            pass  # one that never reads: the line is raised all the same
+    if differ is not None:
+        mismatch = ValueError(differ)
         mismatch.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
         raise mismatch
 
