@@ -20,6 +20,10 @@ def test_named_recipes_load_with_hf_field_names():
 def test_unknown_model_names_the_recipes():
     with pytest.raises(ConfigError, match="unknown model 'gpt5'; known recipes: .*gpt2-124m"):
         resolve_model("gpt5")
+    # a misspelt recipe is named, as a misspelt flag is (a getting-started tryout)
+    with pytest.raises(ConfigError) as exc:
+        resolve_model("gpt2-tinny")
+    assert str(exc.value) == "unknown model 'gpt2-tinny'; did you mean gpt2-tiny?"
 
 
 @pytest.mark.parametrize("name", ["/no/such/dir/", "./mymodel", "models/gpt2"])

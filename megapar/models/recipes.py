@@ -7,6 +7,7 @@ training overrides it with the tokenizer's.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,10 @@ def resolve_model(name_or_path: str):
             f"model {name_or_path!r}: no such file or directory; pass a recipe name, a JSON/YAML "
             f"config file, or a directory that holds config.json"
         )
+    close = difflib.get_close_matches(name_or_path.lower(), list_recipes(), n=3, cutoff=0.7)
+    if close:  # --model gpt2-tinny
+        said = " or ".join([", ".join(close[:-1]), close[-1]] if len(close) > 1 else close)
+        raise ConfigError(f"unknown model {name_or_path!r}; did you mean {said}?")
     raise ConfigError(
         f"unknown model {name_or_path!r}; known recipes: "
         f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)"
