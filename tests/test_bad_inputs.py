@@ -1445,6 +1445,28 @@ def test_megapar_plan_answers_fsdp_deepspeed_and_torchtitan_names(flag, hint, ca
     assert len(err.strip().splitlines()) == 1 and f"{flag}: " in err and hint in err, err
 
 
+def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypatch):
+    """`--data data/corpu` (for data/corpus) said the prefix's three files were not found and
+    to pass a prefix or a .txt file; a name close to one beside it is named (a getting-started
+    tryout)."""
+    from megapar.training.config import parse_args
+    from megapar.training.data import _text_or_prefix
+
+    (tmp_path / "data" / "corpus").mkdir(parents=True)
+    (tmp_path / "data" / "hamlet.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args([])
+    for given, said in [("data/corpu", "data/corpu: corpu.bin, corpu.idx, corpu.json not found; "
+                                       "did you mean data/corpus?"),
+                        ("data/hamlt.txt", "data/hamlt.txt: no such text file; did you mean "
+                                           "data/hamlet.txt?")]:
+        with pytest.raises(FileNotFoundError) as exc:
+            _text_or_prefix(cfg, given)
+        assert str(exc.value) == f"--data {said}"
+    with pytest.raises(FileNotFoundError, match="zzz.json not found; pass the prefix written"):
+        _text_or_prefix(cfg, "data/zzz")
+
+
 def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
     """A Trainer user's --eval-steps 500 (every 500 steps there) read as 500 validation batches
     an evaluation, silently: the data line says what it counts, and what the split holds."""

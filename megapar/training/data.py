@@ -9,6 +9,7 @@ sizes, and `prepare_data` tokenizes raw text into the cache. Workers then call
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field, replace
 
@@ -212,7 +213,7 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
     data = os.path.expanduser(data if data is not None else asset_path(DEFAULT_TEXT))
     if is_raw_text(data):
         if not os.path.exists(data):
-            raise FileNotFoundError(f"--data {data}: no such text file")
+            raise FileNotFoundError(f"--data {data}: no such text file{_close_sibling(data)}")
         _refuse_what_is_not_text(data)
         if cfg.dry_run:  # the run reads it: a binary file, a directory of no text fail here
             try:
@@ -228,11 +229,31 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
                 f"{named(cfg, 'data', data)}: {names} not found; pass "
                 f"--data with where that data is now"
             )
+        close = _close_sibling(data)
         raise FileNotFoundError(
-            f"--data {data}: {names} not found; pass the prefix written by `megapar-data "
-            f"--output-prefix`, or a raw .txt file"
+            f"--data {data}: {names} not found{close}"
+            + (
+                ""
+                if close
+                else "; pass the prefix written by `megapar-data --output-prefix`, or a raw "
+                ".txt file"
+            )
         )
     return data
+
+
+def _close_sibling(path: str) -> str:
+    """The hint "; did you mean X?" for the names beside a --data `path` that does not exist,
+    which are close to its own (`data/corpu` for `data/corpus`); "" for none."""
+    parent, name = os.path.split(os.path.normpath(path))
+    try:
+        entries = [e for e in os.listdir(parent or ".") if not e.startswith(".")]
+    except OSError:
+        return ""
+    stems = {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx")) else e for e in entries}
+    close = difflib.get_close_matches(name, sorted(stems), n=2, cutoff=0.8)
+    said = " or ".join(os.path.join(parent, c) for c in close)
+    return f"; did you mean {said}?" if close else ""
 
 
 def _refuse_what_is_not_text(path: str) -> None:
