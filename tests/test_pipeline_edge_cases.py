@@ -199,7 +199,7 @@ def test_bf16_wire_v_schedules():
       "needs --schedule interleaved, zb-v or dualpipev: 1f1b runs one model chunk per rank; "
       "give one of them, or leave --virtual-stages out")),
     (["--pp", "2", "--schedule", "interleaved"],
-     "interleaved 1F1B needs --virtual-stages >= 2 model chunks per rank, got 1 (the default)"),
+     "interleaved 1F1B needs --virtual-stages >= 2 model chunks per rank, got 1 (its default is 1)"),
     (["--pp", "2", "--schedule", "dualpipev", "--global-batch-size", "3",
       "--micro-batch-size", "1"],
      ("DualPipeV needs at least 2 x pp = 4 micro-batches (one per virtual stage), got m = 3; "

@@ -93,8 +93,8 @@ def test_a_layout_refusal_is_worded_for_its_caller_at_the_source(model):
         with pytest.raises(LayoutError) as words:
             config.validate(layout, api=True)
         assert cli in str(flags.value) and api in str(words.value) and "--" not in str(words.value)
-        said = str(flags.value).replace("--tp ", "tp=").replace("--pp ", "pp=")
-        assert str(words.value) == said.replace("lower --pp", "lower pp")
+        said = str(flags.value).replace("lower --pp", "lower pp").replace("--tp ", "tp=")
+        assert str(words.value) == said.replace("--pp ", "pp=")
 
 
 def test_train_help_names_every_model_family_and_parallelism():

@@ -155,9 +155,10 @@ def split_counts(
     `per_rank` model chunks on each pipeline rank, placed as `placement` says ("loop", "v")."""
     if split.even:
         if num_layers < slices:
+            most = num_layers // per_rank
             raise LayoutError(
                 f"{num_layers} layers cannot be cut into {what} (each needs at least one "
-                f"layer); lower --pp"
+                f"layer); lower --pp" + (f" to {most} or less" if most >= 1 else "")
             )
         return _even_counts(num_layers, slices)
     split.check(slices)
@@ -239,7 +240,7 @@ def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> l
     if split.even and num_layers < pp:
         raise LayoutError(
             f"{num_layers} layers cannot be cut into --pp {pp} stages "
-            f"(each stage needs at least one layer); lower --pp"
+            f"(each stage needs at least one layer); lower --pp to {num_layers} or less"
         )
     return list(split_layers(num_layers, pp, split, f"--pp {pp} stages"))
 

@@ -380,8 +380,8 @@ def _check_chunks(pp: int, virtual_stages: int, what: str) -> None:
     if not isinstance(virtual_stages, int) or virtual_stages < 2:
         raise ValueError(
             f"{what} needs --virtual-stages >= 2 model chunks per rank, got "
-            f"{virtual_stages!r}{' (the default)' if virtual_stages == 1 else ''} (with one "
-            f"chunk per rank use --schedule 1f1b)"
+            f"{virtual_stages!r}{' (its default is 1)' if virtual_stages == 1 else ''} (with "
+            f"one chunk per rank use --schedule 1f1b)"
         )
 
 
