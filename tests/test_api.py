@@ -329,7 +329,7 @@ def test_a_refused_batch_does_not_use_up_the_unshifted_labels_check():
         engine.train_step({"input_ids": x, "labels": x})
 
 
-def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path):
+def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path, monkeypatch):
     """engine.load(verify="md5") (or "SHA256") checked sizes only, without a word, and loaded
     a checkpoint with a flipped byte that the default refuses. Any word but "sha256", "size"
     and "none" is one line now, before anything is read."""
@@ -348,6 +348,11 @@ def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path):
     with pytest.raises(CheckpointError) as refused:
         engine.load(missing)
     assert str(refused.value) == f"engine.load {missing}: no such checkpoint directory"
+    monkeypatch.chdir(tmp_path)  # other spellings of it too (a re-test)
+    for spelling in ("./nope", "nope/"):
+        with pytest.raises(CheckpointError) as refused:
+            engine.load(spelling)
+        assert str(refused.value) == f"engine.load {spelling}: no such checkpoint directory"
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 0), (1, 2, 1)])

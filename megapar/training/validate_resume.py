@@ -277,10 +277,17 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
     other = _other_steps(load).replace("--load ", f"{what} ")
-    said = str(exc).removeprefix(f"{load}: ")  # "nope: no such checkpoint directory": once
+    said, named = str(exc), str(exc).split(": ", 1)
+    if len(named) == 2 and _same_path(named[0], load):  # "X: no such checkpoint directory"
+        said = named[1]
     err = CheckpointError(f"{what} {load}: {said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
     return err
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two spellings of a path (`./x`, `x/`, `~/x`) name the same place."""
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
 
 
 def load_everywhere(load: str, fn: Callable[[], T], device, what: str = "--load") -> T:
