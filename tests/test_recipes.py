@@ -26,6 +26,18 @@ def test_unknown_model_names_the_recipes():
     assert str(exc.value) == "unknown model 'gpt2-tinny'; did you mean gpt2-tiny?"
 
 
+def test_a_config_path_with_a_tilde_is_read(tmp_path, monkeypatch):
+    """`megapar-plan --model=~/x.json` (no shell expands ~ after =) and `prepare("~/x.json")`
+    said the file was not found, where megapar-train read it (a re-test)."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).resolve().parents[1] / "models" / "gpt2-tiny.json",
+                tmp_path / "x.json")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_model("~/x.json") == resolve_model("gpt2-tiny")
+
+
 @pytest.mark.parametrize("name", ["/no/such/dir/", "./mymodel", "models/gpt2"])
 def test_a_path_that_does_not_exist_is_named_missing_not_an_unknown_recipe(tmp_path, name):
     """`prepare("/x/nothere/")` (a directory of a transformers model, mistyped) said "unknown

@@ -34,7 +34,7 @@ def recipe_file(name: str) -> Path | None:
 
 def resolve_model(name_or_path: str):
     """A model config from a recipe name or a JSON/YAML config file."""
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.exists():
             raise ConfigError(f"model config file {path} not found")
