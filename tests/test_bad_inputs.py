@@ -1465,6 +1465,11 @@ def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypat
         assert str(exc.value) == f"--data {said}"
     with pytest.raises(FileNotFoundError, match="zzz.json not found; pass the prefix written"):
         _text_or_prefix(cfg, "data/zzz")
+    # a prefix's files name the prefix, which --data takes, not its .json (a re-test)
+    for suffix in (".bin", ".idx", ".json"):
+        (tmp_path / "data" / f"ready{suffix}").write_text("x")
+    with pytest.raises(FileNotFoundError, match="; did you mean data/ready[?]$"):
+        _text_or_prefix(cfg, "data/ready.jsn")
 
 
 def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
@@ -1487,6 +1492,8 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
     # a small share of an epoch was "0.00 of an epoch" (a getting-started tryout)
     assert _data_line(parse_args(["--max-steps", "2"]), 20_000, 142).endswith(
         "--max-steps 2 x 16 sequences read 32 of them: 0.0016 of an epoch")
+    tiny = parse_args(["--max-steps", "1", "--global-batch-size", "1", "--micro-batch-size", "1"])
+    assert _data_line(tiny, 90_000, 142).endswith("read 1 of them: 0.000011 of an epoch")
 
 
 def _toml_refusal(job, text: str) -> str:

@@ -8,6 +8,7 @@ then `plan_data`.
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 
@@ -555,7 +556,8 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
     counts, where it is more than the split's batches), and --max-steps' share of an epoch."""
     drawn = cfg.max_steps * cfg.global_batch_size
     share = drawn / samples
-    shown = f"{share:.2f}" if share >= 0.01 else f"{share:.2g}"  # not "0.00" of a big corpus
+    places = 2 if share >= 0.01 else 1 - math.floor(math.log10(share))  # not "0.00"
+    shown = f"{share:.{places}f}"
     epochs = f"{shown} of an epoch" if share < 1 else f"{share:.1f} epochs"
     validation = (
         f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
