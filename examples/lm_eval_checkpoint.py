@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def export(ckpt: str | Path, out: Path, tokenizer: str | None = None) -> Path:
     from megapar.cli.convert import main as convert
 
     extra = ["--tokenizer", tokenizer] if tokenizer else []
+    shutil.rmtree(out, ignore_errors=True)  # this script's own: no file of an earlier export
     code = convert([str(ckpt), "--to-hf", str(out), "--overwrite", *extra])
     if code != 0:  # megapar-convert printed the one line naming the problem
         raise SystemExit(code)

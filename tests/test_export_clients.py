@@ -800,3 +800,8 @@ def test_the_lm_eval_example_stops_where_the_export_has_no_tokenizer(tmp_path, c
     out = example.export(tmp_path / "ckpt", tmp_path / "named", "gpt2")
     hf = transformers.AutoTokenizer.from_pretrained(out)
     assert hf("Hello world")["input_ids"] == load_tokenizer("gpt2").encode("Hello world")
+    # again into that --work: the earlier export's tokenizer, kept by --overwrite, passed the
+    # check, and lm-eval scored the model with it (a re-test)
+    with pytest.raises(SystemExit):
+        example.export(tmp_path / "ckpt", out)
+    assert "records no tokenizer" in capsys.readouterr().err
