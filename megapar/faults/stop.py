@@ -461,9 +461,13 @@ WAITS = ("/torch/distributed/", "/megapar/launcher", "/threading.py", "/multipro
 """Where a main thread's innermost Python frame is a wait (a collective, a rendezvous, a store,
 a join), not a computation (`_main_thread_call`)."""
 
-WAIT_CALLS = ("wait(", "barrier(", "join(", "recv(", "sleep(", "acquire(", ".get(", "select(")
-"""Calls that make the line a main thread's innermost Python frame runs a wait wherever it is
-(a collective's `work.wait()` in megapar's own code)."""
+WAIT_CALLS = (
+    *("wait(", "barrier(", "join(", "recv(", "sleep(", "acquire(", ".get(", "select("),
+    *("synchronize(", ".item(", ".cpu(", ".tolist("),
+)
+"""Calls that make the line a main thread's innermost Python frame runs a wait wherever it is:
+a collective's `work.wait()` in megapar's own code, and on a GPU a synchronisation (an event's,
+a host copy's) behind a hung NCCL kernel."""
 
 
 def _main_thread_call() -> tuple[str, bool]:
