@@ -420,7 +420,8 @@ def format_table(certs: list[Certificate]) -> str:
         f"{len(certs) - len(failed)} of {counted(len(certs), 'step')} certified (training and "
         f"evaluation); in flight: the stage with the most micro-batches in flight (per "
         f"chunk) at the largest m; held per peer: the most sends (S) / receives (R) a "
-        f"rank holds for one peer"
+        f"rank holds for one peer (in evaluation, sends no message acknowledges are held to "
+        f"the step's end: counted, not bounded)"
     )
     for c in failed:
         for failure in c.failures:
