@@ -163,7 +163,9 @@ BOUNDS = {
         "-13 % to -24 % from the second); ZeRO-3 with both offloads (-17 %, not traced); "
         "micro-batches of hundreds of tokens or more (from step 2 the heap can keep a "
         "micro-batch's logits, one chunk's, once more: -31 % at gpt2-tiny 8 x 128, -11 % at "
-        "llama-tiny 1 x 512; `settled` holds them: +4 % to +9 %). The heap's room (0.2 x the "
+        "llama-tiny 1 x 512; `settled` holds them: +4 % to +9 %); one process of BERT-base or "
+        "GPT-2 124M at 8 x 128 tokens, whose heap holds the embedding's gradients again in the "
+        "first step (-13 % to -17 %; `settled`: -2 % to -9 %). The heap's room (0.2 x the "
         "transients, 0.1 in one process; 0 to 0.8 measured) is the least certain term"
     ),
 }
@@ -356,8 +358,8 @@ def process_peak(
             Term(
                 "embedding gradients' second place in the heap",
                 moved,
-                "not in the sum: after the first steps at dp > 1 some runs' heap settles "
-                "holding room for the embedding's gradients twice (measured)",
+                "not in the sum: after the first steps (one process: in its first) some "
+                "runs' heap settles holding room for the embedding's gradients twice (measured)",
                 later=True,
             )
         )
@@ -507,20 +509,21 @@ def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> 
 def _moved_embedding_gradients(
     p: Problem, c: Candidate, has_embedding: bool, has_head: bool
 ) -> float:
-    """On a CPU at dp > 1 under ZeRO 0-2, the heap room a run settles into for the embedding's
-    weight gradients beyond the end of the backward's own (`_end_of_backward`): as many bytes
-    again. Those gradients (the head's, made in the loss, and the lookup's) are the step's
-    largest allocations, made afresh every step in glibc's heap, which megapar's host policy
-    never trims (`host_memory.keep_freed_host_memory`). The heap grows by about one of them
-    at a time, at steps that vary from run to run, until it holds a second place for each:
-    then it stays. Why, as far as measured (not traced allocation by allocation): the next
-    step's smaller allocations take part of the holes the last step's gradients left, so they
-    no longer fit there; the collectives' timing, which orders the frees, would make the steps
-    vary. Not in
-    one process (no growth seen) nor under ZeRO-3 (its rank maps every allocation above 4 MiB
-    apart, `host_memory.return_freed_host_memory`). The measurements are in
-    docs/guides/planner.md ("The heap after the first steps")."""
-    if c.dp == 1 or c.zero == 3 or not has_embedding:
+    """On a CPU under ZeRO 0-2, the heap room a run settles into for the embedding's weight
+    gradients beyond the end of the backward's own (`_end_of_backward`): as many bytes again.
+    Those gradients (the head's, made in the loss, and the lookup's) are the step's largest
+    allocations, made afresh every step in glibc's heap, which megapar's host policy never trims
+    (`host_memory.keep_freed_host_memory`). The heap grows by about one of them at a time, at
+    steps that vary from run to run, until it holds a second place for each: then it stays. Why,
+    as far as measured (not traced allocation by allocation): the next step's smaller
+    allocations take part of the holes the last step's gradients left, so they no longer fit
+    there; the collectives' timing, which orders the frees, would make the steps vary. One
+    process grows so in its first step: BERT-base and GPT-2 124M at 8 x 128 tokens, two
+    micro-batches, 148 to 295 MiB at each micro-batch's embedding backward, the heap's free room
+    (about 1 GiB) then in pieces too small for a 147 MiB gradient. Not under ZeRO-3 (its rank
+    maps every allocation above 4 MiB apart, `host_memory.return_freed_host_memory`). The
+    measurements are in docs/guides/planner.md ("The heap after the first steps")."""
+    if c.zero == 3 or not has_embedding:
         return 0.0
     return sum(t.bytes for t in _end_of_backward(p, c, has_embedding, has_head))
 
