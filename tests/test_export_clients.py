@@ -245,6 +245,24 @@ def test_a_sentencepiece_export_is_refused_where_transformers_converts_wrong(tmp
         assert not out.exists() or not any(out.iterdir())
 
 
+def test_an_export_without_a_tokenizer_names_the_tokenizer_files_it_did_not_write(tmp_path,
+                                                                                 capsys):
+    """--overwrite keeps the files an export does not write: an earlier export's tokenizer
+    stayed beside a model that records none, and AutoTokenizer loaded it with that model while
+    the report said the export had none (a re-test). The note names them."""
+    from test_checkpoint_helpers import save_serial
+
+    save_serial(tmp_path / "ckpt", vocab_size=50304)
+    hf = tmp_path / "hf"
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(hf), "--tokenizer", "gpt2"]) == 0
+    capsys.readouterr()
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(hf), "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: the checkpoint records no tokenizer, so the export wrote none, but {hf} "
+            f"holds tokenizer files it did not write (") in out, out
+    assert "tokenizer_config.json" in out and "AutoTokenizer cannot load it" not in out, out
+
+
 def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
     from test_checkpoint_helpers import save_serial
 

@@ -433,6 +433,7 @@ def _to_hf(args) -> str:
         )
     if args.tokenizer_rows:
         _check_tokenizer_rows(src)
+    before = _tokenizer_files(Path(args.to_hf))
     out = export_hf(
         src,
         args.to_hf,
@@ -480,7 +481,10 @@ def _to_hf(args) -> str:
             f"model the checkpoint was imported from; the checkpoint holds them in "
             f"{narrowed[0]} (trained since the import), which --dtype {narrowed[0]} keeps exactly"
         )
-    if (out / "tokenizer.model").exists():  # a SentencePiece model's export
+    after = _tokenizer_files(out)
+    written = {n for n, stamp in after.items() if before.get(n) != stamp}
+    left = sorted(set(after) - written)  # an earlier export's (--overwrite keeps them), or yours
+    if "tokenizer.model" in written:  # a SentencePiece model's export
         report += (
             "\nnote: tokenizer.json is transformers' conversion of the SentencePiece model "
             "tokenizer.model, checked on sample texts; it can still split a word otherwise "
@@ -488,7 +492,14 @@ def _to_hf(args) -> str:
             "unknown (rare: 14 of 118,610 tokens of three plays); the sentencepiece library "
             "on tokenizer.model gives megapar's ids exactly"
         )
-    if not (out / "tokenizer_config.json").exists():
+    if left and not written:
+        report += (
+            f"\nnote: the checkpoint records no tokenizer, so the export wrote none, but {out} "
+            f"holds tokenizer files it did not write ({', '.join(left)}: an earlier export's, "
+            f"or yours), which AutoTokenizer loads with this model: remove them unless they are "
+            f"the tokenizer it trained with, or pass --tokenizer SPEC"
+        )
+    elif not (out / "tokenizer_config.json").exists():
         from megapar.checkpoint.export import tokenizer_hint
         from megapar.models.config import config_from_dict
 
@@ -510,6 +521,21 @@ def _to_hf(args) -> str:
             f"(AutoTokenizer cannot load it); {tokenizer_hint(config, api=False)}"
         )
     return report
+
+
+def _tokenizer_files(directory: Path) -> dict[str, tuple[int, int]]:
+    """{name: (mtime_ns, size)} of the tokenizer files in `directory` (`TOKENIZER_FILES` and a
+    SentencePiece tokenizer.model), to tell the files an export writes from those it finds."""
+    from megapar.data.inputs import TOKENIZER_FILES
+
+    out = {}
+    for name in (*TOKENIZER_FILES, "tokenizer.model"):
+        try:
+            st = (directory / name).stat()
+        except OSError:
+            continue
+        out[name] = (st.st_mtime_ns, st.st_size)
+    return out
 
 
 def _narrowed_to(manifest: dict) -> tuple[str, str] | None:
