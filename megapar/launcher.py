@@ -475,7 +475,7 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
             f"settings with rank 0's; some never did (a process that failed or was started "
             f"with another command?); --timeout-s sets the wait"
         ) from None
-    differ = (
+    found = (
         store.get(SETTINGS_KEY + "/differ").decode()
         if store.check([SETTINGS_KEY + "/differ"])
         else None
@@ -484,13 +484,13 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
     # rank that read late got 'Connection reset by peer' instead of the line)
     if store.add(SETTINGS_KEY + "/read", 1) == world:
         store.set(SETTINGS_KEY + "/done", "1")
-    if rank == 0 and differ is not None:
+    if rank == 0 and found is not None:
         try:
             store.wait([SETTINGS_KEY + "/done"], timedelta(seconds=timeout_s))
         except dist.DistStoreError:
             pass  # one that never reads: the line is raised all the same
-    if differ is not None:
-        mismatch = ValueError(differ)
+    if found is not None:
+        mismatch = ValueError(found)
         mismatch.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
         raise mismatch
 

@@ -502,11 +502,10 @@ def main(argv=None) -> int:
                 f"of {config.vocab_size:,}; pass --tokenizer with the tokenizer the model "
                 f"trained with"
             )
-        args.prompt_ids, args.limit, limit_name = check_prompts(
-            prompts, prompt_names(args), tok, config
-        )
+        names = prompt_names(args)
+        args.prompt_ids, args.limit, limit_name = check_prompts(prompts, names, tok, config)
         args.eos_id = tok.eod_id if tok.eod_id < config.vocab_size else None
-        for note in unknown_notes(prompts, prompt_names(args), tok) if prints_refusals() else ():
+        for note in unknown_notes(prompts, names, tok) if prints_refusals() else ():
             print(f"megapar-generate: {note}", file=sys.stderr)
         unlike = unlike_vocab_note(
             args.load, manifest, tok, config.vocab_size, f"--tokenizer {args.tokenizer}"

@@ -462,8 +462,18 @@ WAITS = ("/torch/distributed/", "/megapar/launcher", "/threading.py", "/multipro
 a join), not a computation (`_main_thread_call`)."""
 
 WAIT_CALLS = (
-    *("wait(", "barrier(", "join(", "recv(", "sleep(", "acquire(", ".get(", "select("),
-    *("synchronize(", ".item(", ".cpu(", ".tolist("),
+    "wait(",
+    "barrier(",
+    "join(",
+    "recv(",
+    "sleep(",
+    "acquire(",
+    ".get(",
+    "select(",
+    "synchronize(",
+    ".item(",
+    ".cpu(",
+    ".tolist(",
 )
 """Calls that make the line a main thread's innermost Python frame runs a wait wherever it is:
 a collective's `work.wait()` in megapar's own code, and on a GPU a synchronisation (an event's,

@@ -304,10 +304,10 @@ def _pairs(cert: Certificate, programs, peer, chunks: int) -> Check:
                     f"rank {rank} holds {n} {what} for one peer, more than the "
                     f"stated {limit} ({PAIR_BOUND})",
                 )
-    held = " (sends to the step's end where no message comes back)" if held_to_end else ""
+    to_end = " (sends to the step's end where no message comes back)" if held_to_end else ""
     return Check(
         True,
-        f"at most {cert.pair_sends} sends and {cert.pair_recvs} receives held per peer{held}",
+        f"at most {cert.pair_sends} sends and {cert.pair_recvs} receives held per peer{to_end}",
     )
 
 

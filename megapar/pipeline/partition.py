@@ -155,10 +155,10 @@ def split_counts(
     `per_rank` model chunks on each pipeline rank, placed as `placement` says ("loop", "v")."""
     if split.even:
         if num_layers < slices:
-            most = num_layers // per_rank
+            pp_most = num_layers // per_rank
             raise LayoutError(
                 f"{num_layers} layers cannot be cut into {what} (each needs at least one "
-                f"layer); lower --pp" + (f" to {most} or less" if most >= 1 else "")
+                f"layer); lower --pp" + (f" to {pp_most} or less" if pp_most >= 1 else "")
             )
         return _even_counts(num_layers, slices)
     split.check(slices)

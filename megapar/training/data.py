@@ -250,9 +250,11 @@ def _close_sibling(path: str) -> str:
         entries = [e for e in os.listdir(parent or ".") if not e.startswith(".")]
     except OSError:
         return ""
-    stems = {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx", ".json")) else e for e in entries}
-    close = difflib.get_close_matches(name, sorted(stems), n=2, cutoff=0.8) or (
-        difflib.get_close_matches(name.rsplit(".", 1)[0], sorted(stems), n=2, cutoff=0.8)
+    stems = sorted(
+        {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx", ".json")) else e for e in entries}
+    )
+    close = difflib.get_close_matches(name, stems, n=2, cutoff=0.8) or (
+        difflib.get_close_matches(name.rsplit(".", 1)[0], stems, n=2, cutoff=0.8)
     )  # `data/corpus.jsn`: the prefix data/corpus
     said = " or ".join(os.path.join(parent, c) for c in close)
     return f"; did you mean {said}?" if close else ""
