@@ -474,6 +474,8 @@ WAIT_CALLS = (
     ".item(",
     ".cpu(",
     ".tolist(",
+    "float(",
+    '"cpu"',
 )
 """Calls that make the line a main thread's innermost Python frame runs a wait wherever it is:
 a collective's `work.wait()` in megapar's own code, and on a GPU a synchronisation (an event's,

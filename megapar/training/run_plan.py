@@ -287,7 +287,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         raise ValueError(
             f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
             f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
-            f"{config.num_layers}; lower --pp or use --schedule zb-h1"
+            f"{config.num_layers}; lower --pp"
+            + (f" to {config.num_layers // 2} or less" if config.num_layers >= 4 else "")
+            + " or use --schedule zb-h1"
         )
     split = cfg.pipeline_split  # enough layers for each stage or chunk?
     if chunks > 1:
@@ -556,8 +558,9 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
     counts, where it is more than the split's batches), and --max-steps' share of an epoch."""
     drawn = cfg.max_steps * cfg.global_batch_size
     share = drawn / samples
-    places = 2 if share >= 0.01 else 1 - math.floor(math.log10(share))  # not "0.00"
-    shown = f"{share:.{places}f}"
+    shown = f"{share:.2f}"
+    if 0 < share < 0.01:  # not "0.00": two significant digits (0.0016, 0.000011)
+        shown = f"{share:.{1 - math.floor(math.log10(share))}f}".rstrip("0").rstrip(".")
     epochs = f"{shown} of an epoch" if share < 1 else f"{share:.1f} epochs"
     validation = (
         f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
