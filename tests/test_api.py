@@ -1736,6 +1736,10 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
                  "4 (each divides the 4 attention heads, hidden size 32, FFN size 128)"]),
     ({"pp": 8}, ["megapar.prepare: 2 layers cannot be cut into pp=8 stages (each stage needs "
                  "at least one layer); lower pp"]),
+    # a two-chunk schedule's refusal came from the engine's build, without the prefix and in
+    # megapar-train's flags (a re-test)
+    ({"pp": 2, "schedule": "zb-v"}, ["megapar.prepare: 2 layers cannot be cut into 2 x pp=2 = "
+                                     "4 model chunks"]),
     ({"cp_comm_type": "p2p"}, ["megapar.prepare: cp_comm_type='p2p' chooses how "
                                "context-parallel attention communicates, and cp=1 has none"]),
     ({"cp": 8, "cp_comm_type": "a2a"}, ["megapar.prepare: cp_comm_type='a2a' at cp 8: "
