@@ -61,7 +61,7 @@ from megapar.training.tokenizer_checks import (
     unlike_vocab_note,
 )
 from megapar.training.usage import UsageError
-from megapar.training.validate import explicit, unwritable_in
+from megapar.training.validate import explicit, given_now, unwritable_in
 from megapar.training.validate_resume import checkpoint_manifest, named
 from megapar.training.validate_sft import holds_records
 from megapar.wording import counted
@@ -359,7 +359,7 @@ def data_tokenizer(cfg: TrainConfig):
             f"dataset keeps the tokenizer it was made with; --tokenizer does not replace it)"
         ) from None
     check_dataset_tokenizer(data, indexed.tokenizer_spec, tokenizer)
-    given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
+    given = given_now(cfg)
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
     if "tokenizer" in given:

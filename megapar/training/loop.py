@@ -71,7 +71,7 @@ from megapar.training.profiling import StepProfiler, parse_steps
 from megapar.training.resume import resume_phrase, rng_notes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
-from megapar.training.validate import explicit
+from megapar.training.validate import explicit, given_now
 from megapar.wording import counted
 
 
@@ -240,7 +240,7 @@ class Trainer:
         had reached, which a resume keeps, as Megatron-LM's does, where the flag is not given
         or is the same (a requeued job's command line); a note where the scale changes."""
         scaler = self.engine.precision.scaler
-        given = explicit(self.cfg) - getattr(self.cfg, "from_checkpoint", frozenset())
+        given = given_now(self.cfg)
         if scaler is None or not scaler.dynamic or not saved or "initial_loss_scale" not in given:
             return []
         if (saved.get("scaler") or {}).get("init_scale") == self.cfg.initial_loss_scale:

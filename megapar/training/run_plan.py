@@ -55,6 +55,7 @@ from megapar.training.validate import (
     check_settings,
     explicit,
     fit_batch_to_data,
+    given_now,
     unchecked_outputs,
 )
 from megapar.training.validate_fp8 import check_fp8_layout
@@ -573,8 +574,7 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
             f"least one global batch of them; --val-fraction 0 trains on all)"
         )
     batches = held // cfg.global_batch_size
-    given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())  # not --load's
-    if held and "eval_steps" in given and cfg.eval_steps > batches:
+    if held and "eval_steps" in given_now(cfg) and cfg.eval_steps > batches:
         validation = validation[:-1] + (  # a Trainer user's --eval-steps 500: every 500 steps
             f"; --eval-steps {cfg.eval_steps} counts the validation batches an evaluation reads, "
             f"not the steps between evaluations, --eval-interval's {cfg.eval_interval}: each "

@@ -244,7 +244,7 @@ def _check_combinations(cfg) -> None:
         )
     check_ep(cfg)
     try:
-        given = explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))
+        given = given_now(cfg)
         check_fp8(cfg, hardware=not cfg.dry_run, given=given)
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
@@ -438,6 +438,12 @@ def explicit(cfg) -> set[str]:
     return {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}
 
 
+def given_now(cfg) -> set[str]:
+    """The settings given on this run's command line or --config: `explicit`, without those a
+    --load run took from the checkpoint (`settings_from_checkpoint`'s `from_checkpoint`)."""
+    return explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))
+
+
 def adapt_defaults(cfg, dp: int) -> list[str]:
     """Let settings the user did not give adapt to the ones they gave; returns notes.
 
@@ -486,7 +492,7 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     if "loss_mean" not in given and trains_on_records(cfg):  # said by the records' log line
         cfg.loss_mean = "token"
     notes.extend(_inert_zero_settings(cfg, dp))
-    given -= set(getattr(cfg, "from_checkpoint", ()))
+    given = given_now(cfg)
     for name, idle, where in [
         (
             "p2p_dtype",
