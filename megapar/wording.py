@@ -1,8 +1,9 @@
 """How messages name a count of things: "1 byte", "0 bytes", "1,234 bytes".
 
 `counted` is the one place that chooses between a noun's singular and plural for a number
-shown to a user, `first_few` the one that names the first of many things and how many more
-(standard library only: megapar-data and megapar-convert use it before torch is imported).
+shown to a user, `first_few` the one that names the first of many things and how many more,
+`or_list` the one that offers alternatives (standard library only: megapar-data and
+megapar-convert use it before torch is imported).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     tokens"; `plural` where adding "s" is wrong (``counted(m, "micro-batch",
     "micro-batches")``). Thousands are separated by commas."""
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+def or_list(names: list[str]) -> str:
+    """`names` as prose: "a", "a or b", "a, b or c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def first_few(items: list[str], most: int) -> str:

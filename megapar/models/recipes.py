@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megapar.models.config import ConfigError, config_from_file
+from megapar.wording import or_list
 
 
 def recipe_dirs() -> list[Path]:
@@ -51,8 +52,7 @@ def resolve_model(name_or_path: str):
         )
     close = difflib.get_close_matches(name_or_path.lower(), list_recipes(), n=3, cutoff=0.7)
     if close:  # --model gpt2-tinny
-        said = " or ".join([", ".join(close[:-1]), close[-1]] if len(close) > 1 else close)
-        raise ConfigError(f"unknown model {name_or_path!r}; did you mean {said}?")
+        raise ConfigError(f"unknown model {name_or_path!r}; did you mean {or_list(close)}?")
     raise ConfigError(
         f"unknown model {name_or_path!r}; known recipes: "
         f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)"

@@ -5,6 +5,7 @@ or comes from."""
 from __future__ import annotations
 
 from megapar.pipeline.actions import Action
+from megapar.wording import or_list
 
 PLACEMENTS = ("loop", "v")
 """How a rank's chunks map to virtual stages. "loop" (Megatron's interleaving): chunk c of rank r
@@ -96,11 +97,6 @@ def schedules_taking(virtual_stages: int) -> list[str]:
         for name, placement in CHUNKED_SCHEDULES.items()
         if placement == "loop" or virtual_stages == 2
     ]
-
-
-def or_list(names: list[str]) -> str:
-    """`names` as prose: "a", "a or b", "a, b or c"."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def placement_of(name: str) -> str:

@@ -27,7 +27,7 @@ from megapar.pipeline.partition import (
     LOSS_FLAG,
     split_layers,
 )
-from megapar.pipeline.placement import or_list, placement_of, schedules_taking
+from megapar.pipeline.placement import placement_of, schedules_taking
 from megapar.pipeline.schedules import (
     SPLIT_BACKWARD,
     interleaved_rounds,
@@ -36,6 +36,7 @@ from megapar.pipeline.schedules import (
 from megapar.plan.fp8 import fp8_refusal
 from megapar.plan.problem import Problem
 from megapar.training.validate import check_cp_seq_len
+from megapar.wording import or_list
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
 """Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
