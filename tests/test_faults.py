@@ -1490,25 +1490,32 @@ def test_the_ranks_of_a_torchrun_job_without_save_share_one_log_directory(tmp_pa
 def test_a_routine_sigterm_under_torchrun_writes_one_line_and_no_stacks(tmp_path):
     """torchrun's / Slurm's SIGTERM of a preemption to a rank that runs: the run's stop line,
     no Python stacks (they are for a rank blocked in a wait, above)."""
-    import multiprocessing as mp
-
     from megapar.launcher import free_port
 
     err = tmp_path / "err.txt"
-    p = mp.get_context("fork").Process(target=_torchrun_rank_preempted, args=(err, free_port()))
+    exitcode, text = _sigterm_when_ready(_torchrun_rank_preempted, (err, free_port()), err)
+    assert exitcode == 0, (exitcode, text)
+    assert text.startswith("megapar-train: SIGTERM received: stopping at step ") and (
+        text.count("\n") == 1), text
+
+
+def _sigterm_when_ready(target, args, err, settle_s: float = 0.0) -> tuple[int | None, str]:
+    """Fork `target(*args)`, SIGTERM it once it touches "ready" beside `err` (and `settle_s`
+    later), and return its exit code and what it wrote to `err`."""
+    import multiprocessing as mp
+
+    p = mp.get_context("fork").Process(target=target, args=args)
     p.start()
     try:
-        assert _wait_for(lambda: (tmp_path / "ready").exists(), timeout=30)
+        assert _wait_for(lambda: (err.parent / "ready").exists(), timeout=30)
+        time.sleep(settle_s)
         os.kill(p.pid, signal.SIGTERM)
-        p.join(timeout=20)
+        p.join(timeout=30)
     finally:
         if p.is_alive():
             p.kill()
             p.join()
-    text = err.read_text()
-    assert p.exitcode == 0, (p.exitcode, text)
-    assert text.startswith("megapar-train: SIGTERM received: stopping at step ") and (
-        text.count("\n") == 1), text
+    return p.exitcode, err.read_text()
 
 
 def _sigterm_while_blocked():
@@ -1571,24 +1578,11 @@ def test_a_sigterm_ends_a_rank_inside_a_long_computation_in_one_line(tmp_path):
     printed each rank as "still blocked ... (a wait that cannot see the signal)" with 40 lines
     of stacks showing a backward, not a wait (a getting-started tryout). A computation is said
     as one: one line per rank naming the call, no stacks (they are for a wait)."""
-    import multiprocessing as mp
-
     err = tmp_path / "err.txt"
-    p = mp.get_context("fork").Process(target=_sigterm_while_computing, args=(err,))
-    p.start()
-    try:
-        assert _wait_for(lambda: (tmp_path / "ready").exists(), timeout=30)
-        time.sleep(0.5)
-        os.kill(p.pid, signal.SIGTERM)
-        p.join(timeout=30)
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    text = err.read_text()
-    assert p.exitcode == 143, (p.exitcode, text)
+    exitcode, text = _sigterm_when_ready(_sigterm_while_computing, (err,), err, settle_s=0.5)
+    assert exitcode == 143, (exitcode, text)
     assert text.count("\n") == 1 and "Python stacks" not in text, text
-    assert text.startswith("megapar: rank ? : SIGTERM ".replace("? ", "?")) and (
+    assert text.startswith("megapar: rank ?: SIGTERM ") and (
         " s ago and still computing at " in text) and (
         ", inside one call that runs no Python (_sigterm_while_computing at test_faults.py:"
         in text) and text.endswith(
