@@ -14,6 +14,8 @@ import shlex
 import sys
 from collections.abc import Callable
 
+from megapar.wording import and_list
+
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 """A word argparse takes for a value, not a flag, where no flag looks like one (`-1`, `-.5`)."""
 
@@ -242,7 +244,7 @@ class OneLineParser(argparse.ArgumentParser):
         parts = [flags[0][0], *head]
         for (flag, _), word in zip(flags[1:], words[len(words) - tail :]):
             parts += [flag, word]
-        return f"pass {' and '.join(what for _, what in flags)} as {shlex.join(parts)}"
+        return f"pass {and_list([what for _, what in flags])} as {shlex.join(parts)}"
 
     def error(self, message: str):
         message = self._switch_given_a_value(message) or message

@@ -2,8 +2,9 @@
 
 `counted` is the one place that chooses between a noun's singular and plural for a number
 shown to a user, `first_few` the one that names the first of many things and how many more,
-`or_list` the one that offers alternatives (standard library only: megapar-data and
-megapar-convert use it before torch is imported).
+`or_list` the one that offers alternatives, `and_list` the one that names several things
+together (standard library only: megapar-data and megapar-convert use them before torch is
+imported).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 def or_list(names: list[str]) -> str:
     """`names` as prose: "a", "a or b", "a, b or c"."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def and_list(names: list[str]) -> str:
+    """`names` as prose: "a", "a and b", "a, b and c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def first_few(items: list[str], most: int) -> str:

@@ -1,11 +1,12 @@
-"""Counts in messages take the noun's number: "1 byte", never "1 bytes" (`megapar.wording`)."""
+"""Counts in messages take the noun's number: "1 byte", never "1 bytes"; lists read as prose:
+"a, b and c", never "a and b and c" or " and a" (`megapar.wording`)."""
 
 import pytest
 
 from megapar.data.indexed import IndexedDataset
 from megapar.data.sampler import GlobalBatchSampler
 from megapar.mesh import Layout, LayoutError
-from megapar.wording import counted
+from megapar.wording import and_list, counted, or_list
 
 
 def test_counted_names_one_in_the_singular_and_any_other_in_the_plural():
@@ -25,3 +26,18 @@ def test_messages_with_a_count_of_one_say_it_in_the_singular(tmp_path):
     (tmp_path / "d.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"is truncated or another file \(1 byte\)"):
         IndexedDataset(str(tmp_path / "d"))
+
+
+def test_lists_in_messages_read_as_prose_at_any_length():
+    assert [and_list(["a", "b", "c"][:n]) for n in (1, 2, 3)] == ["a", "a and b", "a, b and c"]
+    assert [or_list(["a", "b", "c"][:n]) for n in (1, 2, 3)] == ["a", "a or b", "a, b or c"]
+
+
+def test_three_flags_an_export_reads_are_named_once_each_without_to_hf(capsys):
+    """megapar-convert's refusal of export-only flags without --to-hf names three as prose."""
+    from megapar.cli.convert import main as convert
+
+    assert convert(["a", "b", "--tokenizer", "gpt2", "--tokenizer-rows", "--dtype",
+                    "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer, --tokenizer-rows and --dtype are used only with --to-hf" in err, err

@@ -28,6 +28,7 @@ from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+from megapar.wording import and_list
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes an export can write its weights in."""
@@ -146,7 +147,7 @@ def _refuse_unrepresentable(config) -> None:
         )
     if parts:
         raise CheckpointError(
-            f"this {config.model_type} model has {' and '.join(parts)}, which transformers' "
+            f"this {config.model_type} model has {and_list(parts)}, which transformers' "
             f"{ARCHITECTURES[config.model_type]} does not have, so the export would not be this "
             f"model; evaluate it with megapar-eval, or train a model without them to export"
         )

@@ -58,6 +58,7 @@ from megapar.one_line_parser import (
     shell_word,
     show_progress,
 )
+from megapar.wording import and_list
 
 _NOT_IN_FILES = (
     "a checkpoint does not depend on {flag} ({what}): megapar-train --load reads it at any "
@@ -414,8 +415,7 @@ def _check_export_flags(args) -> None:
         if value
     ]
     if given and not args.to_hf:
-        said = (", ".join(given[:-1]) + " and " if given[1:] else "") + given[-1]
-        said += " are" if given[1:] else " is"
+        said = and_list(given) + (" are" if given[1:] else " is")
         drop = "them" if given[1:] else given[0]
         raise ValueError(f"{said} used only with --to-hf (an export); drop {drop}")
     if args.allow_other_tokenizer and not args.tokenizer:
@@ -465,7 +465,7 @@ def _to_hf(args) -> str:
                 f"Megatron-LM pads it)"
             )
         report += (
-            f"\nnote: vocab_size {rows[1]:,}: {', '.join(beyond[:-1])} and {beyond[-1]}, "
+            f"\nnote: vocab_size {rows[1]:,}: {and_list(beyond)}, "
             f"which this model trained its softmax over, so they stay (cutting them would "
             f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
             f"shaped as Hugging Face's model"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megapar.faults.processes import cpu_ticks, pid_alive, sibling_ranks, stopped
+from megapar.wording import and_list
 
 CUT_SHORT = 128 + signal.SIGTERM
 """A rank's exit code where `megapar.faults.stop` cut it short: still blocked in a wait when a
@@ -344,8 +345,7 @@ def _rank_words(ranks: list[int]) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     """The ranks in words: 1, or 1, 2 and 3."""
-    names = [str(r) for r in ranks]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return and_list([str(r) for r in ranks])
 
 
 _ORIGIN = re.compile(r": rank (\d+): \w+(Error|Exception)\b")

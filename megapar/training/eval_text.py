@@ -32,6 +32,7 @@ from megapar.training.tokenizer_checks import (
 )
 from megapar.training.validate import UsageError, check_writable, flag_of
 from megapar.training.validate_sft import check_sft_keys
+from megapar.wording import and_list
 
 TEXT_OPTIONS = ("jsonl_key", "sft_keys", "allow_invalid_utf8", "data_cache")
 """megapar-eval's options for raw text (their parser defaults, None / False, mean not given)."""
@@ -90,7 +91,7 @@ def _sft_keys_on_prepared(args, others: list[str]) -> str:
     (megapar-eval scores its responses without the flag), while one of plain text has none.
     `others`: the other raw-text options given, which go with it."""
     keys = prepared_sft_keys(os.path.expanduser(args.data))
-    drop = " and ".join(["--sft-keys", *(flag_of(n) for n in others)])
+    drop = and_list(["--sft-keys", *(flag_of(n) for n in others)])
     head = f"--sft-keys {args.sft_keys} applies to raw JSON Lines records"
     if keys is not None:
         return (

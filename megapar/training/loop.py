@@ -72,7 +72,7 @@ from megapar.training.resume import resume_phrase, rng_notes
 from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit, given_now
-from megapar.wording import counted
+from megapar.wording import and_list, counted
 
 
 class TrainingError(RuntimeError):
@@ -643,5 +643,5 @@ def nodes_phrase(layout: Layout) -> str:
     crossing = layout.across_nodes(per_node)
     return (
         f" on {layout.world_size // per_node} nodes of {counted(per_node, 'rank')}"
-        f" ({' and '.join(crossing)} across them)"
+        f" ({and_list(crossing)} across them)"
     )

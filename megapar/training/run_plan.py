@@ -75,7 +75,7 @@ from megapar.training.validate_resume import (
     worker_verify,
 )
 from megapar.training.validate_sft import check_sft_model
-from megapar.wording import counted
+from megapar.wording import and_list, counted
 
 
 def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
@@ -225,7 +225,7 @@ def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
     named = [flag for flag, on in kept if on]
     if named:
         return [
-            f"--sp-regather with {' and '.join(named)}: the blocks keep the gathered input for "
+            f"--sp-regather with {and_list(named)}: the blocks keep the gathered input for "
             f"the backward anyway, so nothing is re-gathered (drop --sp-regather)"
         ]
     if cfg.fp8 != "off":

@@ -42,6 +42,7 @@ from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.usage import flag_with_value
 from megapar.training.validate import UsageError, explicit, flag_of
+from megapar.wording import and_list
 
 _STEP_DIR = re.compile(r"step_\d+")
 T = TypeVar("T")
@@ -726,9 +727,7 @@ def check_resumable(
                 f"(or leave it out: the checkpoint's is taken), or pass --allow-data-change to "
                 f"continue on this split on purpose"
             )
-        given = " and ".join(
-            f"{named(cfg, k)} (the checkpoint's {_shown(saved[k])})" for k in moved
-        )
+        given = and_list([f"{named(cfg, k)} (the checkpoint's {_shown(saved[k])})" for k in moved])
         raise UsageError(
             f"{given} {'hold' if len(moved) > 1 else 'holds'} out other documents for validation "
             f"than --load {cfg.load} did (some "
