@@ -9,8 +9,10 @@ the first and last of a stack of identical ones replay their recorded effect: `r
 Which ranks: `sample.py`. What is printed: `report.py`. `megapar-plan --verify` compares the
 planner's bytes with these.
 
-The package sits above `training` and `plan` (it runs the engine and reads the planner's
-activation model); only the command-line tools import it.
+The package sits above `training` (it runs the engine) beside `plan` on one layer, reading the
+planner's activation model; only the command-line tools import it. `dry_run`: the sampled
+ranks rehearsed and their reports returned, as `megapar-plan --verify` calls it (megapar-train's
+`--dry-run` prints them as it goes: `command.py`).
 """
 
 from megapar.dryrun.rank import NOT_RUN, RankReport, rehearse_rank
