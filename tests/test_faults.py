@@ -1577,12 +1577,13 @@ def test_a_sigterm_ends_a_rank_inside_a_long_computation_in_one_line(tmp_path):
     """A SIGTERM during a long step on a CPU (gpt2-124m, seq 1024, tp 2 x pp 2: minutes a step)
     printed each rank as "still blocked ... (a wait that cannot see the signal)" with 40 lines
     of stacks showing a backward, not a wait (a getting-started tryout). A computation is said
-    as one: one line per rank naming the call, no stacks (they are for a wait)."""
+    as one: one line per rank naming the call, no stacks (they are for a wait); a process
+    outside a job names no rank (it said "rank ?")."""
     err = tmp_path / "err.txt"
     exitcode, text = _sigterm_when_ready(_sigterm_while_computing, (err,), err, settle_s=0.5)
     assert exitcode == 143, (exitcode, text)
     assert text.count("\n") == 1 and "Python stacks" not in text, text
-    assert text.startswith("megapar: rank ?: SIGTERM ") and (
+    assert text.startswith("megapar: SIGTERM ") and (  # one process: no rank to name
         " s ago and still computing at " in text) and (
         ", inside one call that runs no Python (_sigterm_while_computing at test_faults.py:"
         in text) and text.endswith(

@@ -434,7 +434,7 @@ def _end_if_blocked() -> None:
     call, waits = _main_thread_call()
     if waits:
         _write_block(
-            f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
+            f"megapar: {_who()}SIGTERM {waited:.0f} s ago and still blocked at "
             f"{_status.status()} (a wait that cannot see the signal): exiting with code "
             f"{SIGTERM_EXIT_CODE}"
             + "".join(f"; {d}" for d in [*done, stuck] if d)
@@ -448,7 +448,7 @@ def _end_if_blocked() -> None:
             else ""
         )
         _write_block(
-            f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still computing at "
+            f"megapar: {_who()}SIGTERM {waited:.0f} s ago and still computing at "
             f"{_status.status()}, inside one call that runs no Python ({call}){late}: "
             f"exiting with code {SIGTERM_EXIT_CODE}"
             + "".join(f"; {d}" for d in [*done, stuck] if d)
@@ -540,8 +540,12 @@ def main_thread_runs(within_s: float) -> bool:
     return answered.wait(within_s)
 
 
-def _rank() -> str:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+def _who() -> str:
+    """ "rank 3: " in a job's rank (torchrun's, Slurm's, the launcher's), "" in one process."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    if rank is None and dist.is_initialized():
+        rank = str(dist.get_rank())
+    return f"rank {rank}: " if rank is not None else ""
 
 
 def _stacks() -> str:
