@@ -1470,6 +1470,13 @@ def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypat
         (tmp_path / "data" / f"ready{suffix}").write_text("x")
     with pytest.raises(FileNotFoundError, match="; did you mean data/ready[?]$"):
         _text_or_prefix(cfg, "data/ready.jsn")
+    # the directory misspelt: the close one holding that name (a file, or a dataset's prefix)
+    with pytest.raises(FileNotFoundError, match="; did you mean data/hamlet.txt[?]$"):
+        _text_or_prefix(cfg, "dta/hamlet.txt")
+    with pytest.raises(FileNotFoundError, match="; did you mean data/ready[?]$"):
+        _text_or_prefix(cfg, "daat/ready")
+    with pytest.raises(FileNotFoundError, match=r"dta/macbeth.txt: no such text file$"):
+        _text_or_prefix(cfg, "dta/macbeth.txt")
 
 
 def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
@@ -1494,6 +1501,28 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
         "--max-steps 2 x 16 sequences read 32 of them: 0.0016 of an epoch")
     tiny = parse_args(["--max-steps", "1", "--global-batch-size", "1", "--micro-batch-size", "1"])
     assert _data_line(tiny, 90_000, 142).endswith("read 1 of them: 0.000011 of an epoch")
+
+
+def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_path):
+    """--data DIR/ read every text file under it, unnamed: a stray .txt (a tokenizer's merges
+    beside the corpus) trained silently. The data line names them (the first three, and how
+    many more)."""
+    from megapar.training.config import parse_args
+    from megapar.training.run_plan import _data_line
+
+    (tmp_path / "texts" / "more").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "more/c.jsonl", "more/d.txt"):
+        (tmp_path / "texts" / name).write_text("x")
+    line = _data_line(parse_args(["--data", f"{tmp_path}/texts/"]), 100, 0)
+    assert line.startswith(f"data: --data {tmp_path}/texts/ (its 4 text files: a.txt, b.txt, "
+                           "more/c.jsonl and 1 more) holds 100 training samples"), line
+    (tmp_path / "texts" / "b.txt").unlink()
+    (tmp_path / "texts" / "more" / "c.jsonl").unlink()
+    (tmp_path / "texts" / "more" / "d.txt").unlink()
+    line = _data_line(parse_args(["--data", str(tmp_path / "texts")]), 100, 0)
+    assert f"--data {tmp_path}/texts (its 1 text file: a.txt) holds" in line, line
+    line = _data_line(parse_args(["--data", str(tmp_path / "texts" / "a.txt")]), 100, 0)
+    assert "text file" not in line, line
 
 
 def _toml_refusal(job, text: str) -> str:

@@ -248,8 +248,20 @@ def _close_sibling(path: str) -> str:
     parent, name = os.path.split(os.path.normpath(path))
     try:
         entries = [e for e in os.listdir(parent or ".") if not e.startswith(".")]
-    except OSError:
-        return ""
+    except OSError:  # the directory misspelt (`dta/corpus.txt`): a close one that holds `name`
+        if not parent or parent == os.path.dirname(parent):
+            return ""
+        above, folder = os.path.split(parent)
+        try:
+            dirs = [e for e in os.listdir(above or ".") if os.path.isdir(os.path.join(above, e))]
+        except OSError:
+            return ""
+        close = [
+            os.path.join(above, d, name)
+            for d in difflib.get_close_matches(folder, dirs, n=2, cutoff=0.75)
+            if any(os.path.exists(os.path.join(above, d, name + e)) for e in ("", ".idx"))
+        ]  # the file, or a dataset's prefix
+        return f"; did you mean {' or '.join(close)}?" if close else ""
     stems = sorted(
         {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx", ".json")) else e for e in entries}
     )

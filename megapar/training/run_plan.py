@@ -17,6 +17,7 @@ from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset, SFTDataset
 from megapar.data.blended import BlendedDataset
+from megapar.data.inputs import expand_inputs
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
@@ -75,7 +76,7 @@ from megapar.training.validate_resume import (
     worker_verify,
 )
 from megapar.training.validate_sft import check_sft_model
-from megapar.wording import and_list, counted
+from megapar.wording import and_list, counted, first_few
 
 
 def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
@@ -320,6 +321,17 @@ def _data_named(cfg: TrainConfig) -> str:
     """--data as a message names it: its path(s), or the shipped sample when none was given."""
     if cfg.data is None:
         return "--data (not given: the shipped sample)"
+    if isinstance(cfg.data, str) and os.path.isdir(os.path.expanduser(cfg.data)):
+        root = os.path.expanduser(cfg.data)
+        try:
+            files = [os.path.relpath(f, root) for f in expand_inputs([root])]
+        except (OSError, ValueError):  # refused by the data path before this line is written
+            files = []
+        if files:
+            return (
+                f"{named(cfg, 'data')} (its {counted(len(files), 'text file')}: "
+                f"{first_few(files, 3)})"
+            )
     return named(cfg, "data")
 
 
