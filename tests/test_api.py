@@ -349,7 +349,7 @@ def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path, monkeypatch):
         engine.load(missing)
     assert str(refused.value) == f"engine.load {missing}: no such checkpoint directory"
     monkeypatch.chdir(tmp_path)  # other spellings of it too (a re-test)
-    for spelling in ("./nope", "nope/"):
+    for spelling in ("./nope", "nope/", "my: nope"):  # a path holding ": " said once too
         with pytest.raises(CheckpointError) as refused:
             engine.load(spelling)
         assert str(refused.value) == f"engine.load {spelling}: no such checkpoint directory"

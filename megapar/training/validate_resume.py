@@ -278,9 +278,13 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
     other = _other_steps(load).replace("--load ", f"{what} ")
-    said, named = str(exc), str(exc).split(": ", 1)
-    if len(named) == 2 and _same_path(named[0], load):  # "X: no such checkpoint directory"
-        said = named[1]
+    said = str(exc)
+    cut = said.find(": ")
+    while cut > 0:  # "X: no such checkpoint directory" (X may hold ": " itself)
+        if _same_path(said[:cut], load):
+            said = said[cut + 2 :]
+            break
+        cut = said.find(": ", cut + 1)
     err = CheckpointError(f"{what} {load}: {said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
     return err
