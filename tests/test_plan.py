@@ -456,7 +456,14 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert plan_main(base + ["--gpus", "12", "--gpus-per-node", "4", "--top", "1"]) == 0
-    assert "torchrun --nnodes 3 --nproc-per-node 4" in capsys.readouterr().out
+    out = capsys.readouterr().out  # each node's rank and node 0's address to fill in, named
+    assert ("torchrun --nnodes 3 --nproc-per-node 4 --node-rank $NODE_RANK --master-addr "
+            "$MASTER_ADDR --master-port 29500 -m megapar.cli.train") in out, out
+    assert ("  on each of the 3 nodes, with NODE_RANK its place (0 .. 2) and MASTER_ADDR node "
+            "0's address; or launch/torchrun_multinode.sh (NNODES=3 NPROC_PER_NODE=4)") in out
+    assert plan_main(base + ["--gpus", "4", "--gpus-per-node", "4", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "command: megapar-train" in out and "on each of the" not in out, out
     # argparse's own line: 16GB was "invalid float value", 16000 (MB meant) planned 16000 GiB,
     # a GPU's name was "did you mean --gpus?"
     for extra, message in [
@@ -838,7 +845,8 @@ def test_command_uses_only_flags_megapar_train_has():
     problem = Problem(resolve_model("gpt2-124m"), 16, 8, 80, 64, 1024)
     cand = Candidate(2, 4, 2, 1, "interleaved", 3, "selective", True, 1)
     cmd, missing = command(estimate(problem, cand), problem, "gpt2-124m")
-    assert cmd.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m megapar.cli.train")
+    assert cmd.startswith("torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK "
+                          "--master-addr $MASTER_ADDR --master-port 29500 -m megapar.cli.train")
     assert ("--sequence-parallel" in cmd) == ("sequence_parallel" in fields)
     assert ("sequence parallelism" in " ".join(missing)) == ("sequence_parallel" not in fields)
     assert ("--virtual-stages 3" in cmd) == ("virtual_stages" in fields)

@@ -78,6 +78,7 @@ from megapar.plan.report import (
     fp8_lines,
     fp8_note,
     hardware_phrase,
+    multinode_note,
     peak_note,
     print_json,
     ranks_phrase,
@@ -714,6 +715,8 @@ def _explain(args, problem) -> int:
     if e.process is not None:
         print(describe(e.process))
     print(f"command: {cmd}")
+    if multinode_note(problem):
+        print(multinode_note(problem))
     for m in missing:
         print(f"  note: megapar-train cannot do this yet: {m}")
     return 0
@@ -788,6 +791,8 @@ def main(argv=None) -> int:
         "\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem, estimates)])
     )
     print(f"command: {cmd[0]}")
+    if multinode_note(problem):
+        print(multinode_note(problem))
     for m in cmd[1]:
         print(
             f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "

@@ -185,11 +185,24 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
     if p.gpus <= p.gpus_per_node:
         head = f"megapar-train --dp {c.dp}"
     else:
-        head = (
+        head = (  # every node runs it, with its own NODE_RANK (`multinode_note`)
             f"torchrun --nnodes {-(-p.gpus // p.gpus_per_node)} --nproc-per-node "
-            f"{p.gpus_per_node} -m megapar.cli.train"
+            f"{p.gpus_per_node} --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
+            f"--master-port 29500 -m megapar.cli.train"
         )
     return " ".join([head] + flags), missing
+
+
+def multinode_note(p: Problem) -> str:
+    """How to run `command`'s torchrun line on a job of several nodes ("" on one node)."""
+    nodes = -(-p.gpus // p.gpus_per_node)
+    if nodes == 1:
+        return ""
+    return (
+        f"  on each of the {nodes} nodes, with NODE_RANK its place (0 .. {nodes - 1}) and "
+        f"MASTER_ADDR node 0's address; or launch/torchrun_multinode.sh (NNODES={nodes} "
+        f"NPROC_PER_NODE={p.gpus_per_node}) or launch/slurm.sbatch with megapar-train's flags"
+    )
 
 
 def row(e: Estimate, master_weights: str = "fp32") -> dict:
