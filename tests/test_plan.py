@@ -559,6 +559,11 @@ def test_an_fp32_plan_at_the_a100_s_bf16_peak_says_so(capsys):
         assert code == 0 and "A100's bf16 peak" not in out.out
         code, out = _cli(capsys, *base, "--precision", "fp32", "--peak-tflops", "19.5", *extra)
         assert code == 0 and "A100's bf16 peak" not in out.out
+        # an H100's 989, as planner.md gives it for bf16, was planned as fp32's (a re-test)
+        code, out = _cli(capsys, *base, "--precision", "fp32", "--peak-tflops", "989", *extra)
+        assert code == 0 and out.out.count(
+            "--peak-tflops 989 is an H100's bf16 peak; fp32 matmuls run at its fp32 rate (66.9, "
+            "494.7 with megapar-train --tf32): give your GPU's fp32 peak\n") == 1, out.out
 
 
 def test_explain_counts_the_micro_batches_in_flight_as_the_dry_run_does(capsys):

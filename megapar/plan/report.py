@@ -378,17 +378,28 @@ def fp8_note(p) -> str | None:
 
 
 def peak_note(p) -> str | None:
-    """At --precision fp32 and an A100's bf16 peak (`--peak-tflops`' default), the line that
-    says the plan's matmul rate is not an fp32 job's (megapar-train runs fp32 matmuls at the
-    GPU's fp32 rate, or its TF32 rate with --tf32); None otherwise."""
-    if p.precision != "fp32" or p.peak_tflops != A100_PEAK_TFLOPS:
+    """At --precision fp32 and a GPU's 16-bit peak (`--peak-tflops`' default, an A100's 312, or
+    an H100's 989 as the docs give it for bf16), the line that says the plan's matmul rate is
+    not an fp32 job's (megapar-train runs fp32 matmuls at the GPU's fp32 rate, or its TF32 rate
+    with --tf32); None otherwise."""
+    if p.precision != "fp32":
         return None
-    _, a100_tf32, a100_fp32 = PEAK_TFLOPS["A100"]
+    gpus = [
+        (name, rates)
+        for name, rates in PEAK_TFLOPS.items()
+        if abs(p.peak_tflops - rates[0]) <= 1  # 989 for 989.4
+    ]
+    if not gpus:
+        return None
+    name, (_, tf32, fp32) = gpus[0]
     _, h100_tf32, h100_fp32 = PEAK_TFLOPS["H100"]
+    others = (
+        f" (H100 / H200 SXM: {h100_fp32:g}, {h100_tf32:g} with --tf32)" if name == "A100" else ""
+    )
     return (
-        f"--peak-tflops {A100_PEAK_TFLOPS:g} is an A100's bf16 peak; fp32 matmuls run at its "
-        f"fp32 rate ({a100_fp32:g}, {a100_tf32:g} with megapar-train --tf32): give your GPU's "
-        f"fp32 peak (H100 / H200 SXM: {h100_fp32:g}, {h100_tf32:g} with --tf32)"
+        f"--peak-tflops {p.peak_tflops:g} is an {name}'s "
+        f"bf16 peak; fp32 matmuls run at its fp32 rate ({fp32:g}, {tf32:g} with megapar-train "
+        f"--tf32): give your GPU's fp32 peak{others}"
     )
 
 
