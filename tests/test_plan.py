@@ -434,6 +434,14 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
     for extra, message in [(["--gpus", "12"], "is not a multiple of it"),
                            (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0 is invalid"),
                            (["--gpus", "8", "--top", "0"], "--top must be >= 1"),
+                           # GFLOP/s and percentages were planned as given (a re-test)
+                           (["--gpus", "8", "--peak-tflops", "989e3"], "--peak-tflops 989000 "
+                            "is more than any GPU's dense peak: give TFLOP/s, such as 989 for "
+                            "an H100 / H200 in bf16 (989000 GFLOP/s is 989 TFLOP/s)"),
+                           (["--gpus", "8", "--efficiency", "60"], "--efficiency 60 is "
+                            "invalid: give the share of the peak matmuls reach, in (0, 1] (60 % "
+                            "is 0.6)"),
+                           (["--gpus", "8", "--efficiency", "1.5"], "reach, in (0, 1]"),
                            (["--gpus", "8", "--today", "--master-weights", "separate"],
                             "drop --master-weights separate"),
                            (["--gpus", "8", "--optimizer", "sgd", "--master-weights",
@@ -472,7 +480,9 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
             (["--gpu-memory-gb", "16000"], "16000 GiB is more than any GPU holds: give a number "
              "of GiB, such as 80 for an 80 GB GPU (16000 MB is 15.6 GiB)"),
             (["--gpu", "a100"], "--gpu: megapar-plan takes a GPU's figures, not its name: "
-             "--gpu-memory-gb and --peak-tflops")]:
+             "--gpu-memory-gb and --peak-tflops"),
+            (["--target", "h100"], "'h100' is not one of gpu, cpu: --target gpu plans any GPU, "
+             "whose figures are --gpu-memory-gb and --peak-tflops")]:
         with pytest.raises(SystemExit) as stop:
             plan_main([*base, "--gpus", "8", *extra])
         assert stop.value.code == 2

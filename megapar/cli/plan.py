@@ -426,11 +426,24 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--target",
+        type=_target,
         choices=TARGETS,
         default="gpu",
         help="what the memory figure is for: gpu (the tensors' peak, the caching "
         "allocator's reserve and the CUDA context) or cpu (megapar-train on CPU ranks: the "
         "heap's room and the runtime, the process's baseline apart)",
+    )
+
+
+def _target(word: str) -> str:
+    """--target's value: gpu or cpu; a GPU's or a device's name (h100, cuda) refused naming the
+    flags that give a GPU's figures."""
+    if word in TARGETS:
+        return word
+    raise argparse.ArgumentTypeError(
+        f"{word!r} is not one of {', '.join(TARGETS)}: --target gpu plans any GPU, whose "
+        f"figures are --gpu-memory-gb and --peak-tflops (the defaults are an 80 GB A100's: 80 "
+        f"and 312; an H100 SXM's are 80 and 989)"
     )
 
 

@@ -57,6 +57,10 @@ def check_layout_arguments(args) -> None:
         )
 
 
+MOST_TFLOPS = 20_000.0
+"""The most TFLOP/s --peak-tflops takes: above any GPU's dense rate (a B200's FP4 is 9,000)."""
+
+
 def check_number_arguments(args) -> None:
     """ValueError if a hardware figure (memory, speed, bandwidth, latency, efficiency) or the
     ZeRO-3 persistence threshold is invalid."""
@@ -86,8 +90,22 @@ def check_number_arguments(args) -> None:
         raise ValueError(
             f"--fp8-speedup {args.fp8_speedup:g} is invalid: it must be a finite number > 0"
         )
+    if args.peak_tflops > MOST_TFLOPS:  # GFLOP/s meant (989e3), or a sparse rate x 1000
+        raise ValueError(
+            f"--peak-tflops {args.peak_tflops:g} is more than any GPU's dense peak: give "
+            f"TFLOP/s, such as 989 for an H100 / H200 in bf16 ({args.peak_tflops:g} GFLOP/s "
+            f"is {args.peak_tflops / 1000:g} TFLOP/s)"
+        )
     if not 0 < args.efficiency <= 1:
-        raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
+        percent = (
+            f" ({args.efficiency:g} % is {args.efficiency / 100:g})"
+            if 5 <= args.efficiency <= 100  # a percentage (1.5 is no share at all)
+            else ""
+        )
+        raise ValueError(
+            f"--efficiency {args.efficiency:g} is invalid: give the share of the peak matmuls "
+            f"reach, in (0, 1]{percent}"
+        )
 
 
 def offload_refused(given: str, optimizer: str) -> str:
