@@ -296,13 +296,14 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
 @pytest.mark.parametrize("spec,gpus,reason", [
     ("tp=3", 3, "not divisible by --tp 3"),
     ("tp=16", 16, "span nodes"),
-    ("mbs=3", 1, "not divisible by micro-batch size 3"),
+    ("mbs=3", 1, "not divisible by micro-batch size 3 x dp 1; give mbs= a divisor of the 16 "
+                 "sequences each dp rank takes, or a --global-batch-size that is a multiple of 3"),
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
     ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
     ("pp=4,schedule=interleaved,v=2", 4, "cannot be cut into pp*v"),
     ("schedule=gpipe", 1, "needs pp > 1"),
-    ("tp=2,pp=2,dp=2", 4, "is not --gpus"),
+    ("tp=2,pp=2,dp=2", 4, "is not --gpus 4; give dp=1, or leave dp out (it is --gpus / (tp*pp))"),
 ])
 def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)

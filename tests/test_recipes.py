@@ -26,6 +26,24 @@ def test_unknown_model_names_the_recipes():
     assert str(exc.value) == "unknown model 'gpt2-tinny'; did you mean gpt2-tiny?"
 
 
+def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):
+    """`--model mymodel.json` (no such file) said "not found" and nothing more, where a
+    misspelt recipe name gets "did you mean": the close recipes or all of them, and a config
+    without model_type says the key is missing (it said "unknown model_type None")."""
+    with pytest.raises(ConfigError) as exc:
+        resolve_model("gpt2-124.json")
+    assert str(exc.value) == ("model config file gpt2-124.json not found; pass an existing "
+                              "JSON/YAML config file or a recipe name: did you mean gpt2-124m, "
+                              "gpt2-774m or gpt2-1.5b?")
+    with pytest.raises(ConfigError, match=r"not found; pass an existing JSON/YAML config file or "
+                       r"a recipe name: bert-base, .*gpt2-124m, .*llama-tiny"):
+        resolve_model("mymodel.json")
+    (tmp_path / "c.json").write_text('{"hidden_size": 64}')
+    with pytest.raises(ConfigError, match=r'the config has no model_type; add "model_type": one '
+                       r"of bert, deepseek_v3, gpt2, llama"):
+        resolve_model(str(tmp_path / "c.json"))
+
+
 def test_a_config_path_with_a_tilde_is_read(tmp_path, monkeypatch):
     """`megapar-plan --model=~/x.json` (no shell expands ~ after =) and `prepare("~/x.json")`
     said the file was not found, where megapar-train read it (a re-test)."""

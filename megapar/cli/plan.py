@@ -600,7 +600,11 @@ def _problem(args, given: tuple[str, ...] = ()):
         )
     limit = config.max_positions
     if args.seq_len > limit:
-        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
+        raise ValueError(
+            f"--seq-len {args.seq_len} is longer than the model's {limit} positions; give "
+            f"--seq-len {limit} or less, or a config file whose max_position_embeddings "
+            f"reaches {args.seq_len}"
+        )
     check_layout_arguments(args)
     check_number_arguments(args)
     check_mode_arguments(args)

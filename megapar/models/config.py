@@ -640,6 +640,11 @@ a megapar field and read as such."""
 def config_from_dict(d: dict):
     """A model config from a dict with a "model_type" key (one of `CONFIG_CLASSES`)."""
     kind = d.get("model_type")
+    if kind is None:
+        raise ConfigError(
+            f'the config has no model_type; add "model_type": one of '
+            f"{', '.join(sorted(CONFIG_CLASSES))}"
+        )
     if kind not in CONFIG_CLASSES:
         raise ConfigError(f"unknown model_type {kind!r}; expected one of {sorted(CONFIG_CLASSES)}")
     return CONFIG_CLASSES[kind].from_dict(d)

@@ -38,7 +38,15 @@ def resolve_model(name_or_path: str):
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.exists():
-            raise ConfigError(f"model config file {path} not found")
+            close = difflib.get_close_matches(path.stem.lower(), list_recipes(), n=3, cutoff=0.7)
+            raise ConfigError(
+                f"model config file {path} not found; pass an existing JSON/YAML config file "
+                + (
+                    f"or a recipe name: did you mean {or_list(close)}?"
+                    if close
+                    else f"or a recipe name: {', '.join(list_recipes())}"
+                )
+            )
         if path.is_dir():
             path = path / "config.json"
         return config_from_file(path)

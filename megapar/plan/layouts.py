@@ -448,7 +448,12 @@ def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
         why = (
             f": {names} = {split} does not divide {gpus}, so no dp fills it" if gpus % split else ""
         )
-        return f"{names}*dp = {sizes}*{c.dp} = {split * c.dp} is not --gpus {gpus}{why}"
+        fix = (
+            f"; give dp={gpus // split}, or leave dp out (it is --gpus / ({names}))"
+            if gpus % split == 0
+            else f"; choose sizes whose product divides {gpus}"
+        )
+        return f"{names}*dp = {sizes}*{c.dp} = {split * c.dp} is not --gpus {gpus}{why}{fix}"
     if c.tp > gpus_per_node:
         return (
             f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
@@ -476,8 +481,16 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
     if c.mbs < 1:
         return f"micro-batch size {c.mbs} is invalid: it is sequences per micro-batch, >= 1"
     if global_batch % (c.mbs * c.dp):
+        per_dp = global_batch // c.dp if global_batch % c.dp == 0 else 0
+        fix = (
+            f"; give mbs= a divisor of the {per_dp} sequences each dp rank takes, or a "
+            f"--global-batch-size that is a multiple of {c.mbs * c.dp}"
+            if per_dp
+            else f"; give a --global-batch-size that is a multiple of {c.mbs * c.dp}"
+        )
         return (
-            f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x dp {c.dp}"
+            f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x dp "
+            f"{c.dp}{fix}"
         )
     m = global_batch // (c.mbs * c.dp)
     if c.pp == 1 and c.schedule != "1f1b":
