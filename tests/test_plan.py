@@ -739,21 +739,37 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     assert refused["reason"].startswith("--gpus 1536 is not a multiple of tp*pp = 5*2 = 10")
     assert "attention heads are not divisible by --tp 5" in refused["reason"], refused
     small = [*base[:3], "64", *base[4:]]  # a global batch of 64: fewer layouts to simulate
-    code, out = _cli(capsys, *small, "--gpus", "8")
+    code, out = _cli(capsys, *small, "--gpus", "8")  # its state alone is 4 x the GPU
+    assert code == 1 and "the parameters, gradients and optimizer state alone need" in out.out
+    one_b = ["--model", "llama-1b", "--global-batch-size", "8", "--seq-len", "4096", "--gpus",
+             "8", "--gpu-memory-gb", "4"]
+    code, out = _cli(capsys, *one_b)
     assert code == 1 and "no layout fits: raise --gpus or --gpu-memory-gb, try context" in out.out
     assert "--recompute full" not in out.out  # already among the layouts tried
-    code, out = _cli(capsys, *small, "--gpus", "8", "--recompute", "none")
-    assert "add --recompute full" in out.out
+    code, out = _cli(capsys, *one_b, "--recompute", "none")
+    assert "add --recompute full" in out.out, out.out
     # the cp sizes it names divide --gpus (--cp-sizes 4 at --gpus 2 was refused), and none at
     # --gpus 1 or where the search tried cp already (from 8,192 tokens on)
-    llama = ["--model", "llama-70b", "--global-batch-size", "8", "--top", "2"]
-    for gpus, seq, advice in [("2", "4096", "try context parallelism (--cp-sizes 1 2), "),
-                              ("8", "4096", "try context parallelism (--cp-sizes 1 2 4 8), "),
-                              ("1", "4096", ""), ("2", "8192", "")]:
-        code, out = _cli(capsys, *llama, "--gpus", gpus, "--seq-len", seq)
+    llama = ["--model", "llama-1b", "--global-batch-size", "8", "--top", "2"]
+    for gpus, seq, gib, advice in [
+            ("2", "4096", "12", "try context parallelism (--cp-sizes 1 2), "),
+            ("8", "4096", "4", "try context parallelism (--cp-sizes 1 2 4 8), "),
+            ("1", "4096", "20", ""), ("2", "8192", "12", "")]:
+        code, out = _cli(capsys, *llama, "--gpus", gpus, "--seq-len", seq, "--gpu-memory-gb", gib)
         assert code == 1 and out.out.splitlines()[-1] == (
             f"no layout fits: raise --gpus or --gpu-memory-gb, {advice}or shorten --seq-len"
         ), (gpus, seq, out.out)
+    # the state alone too large (llama-70b on 8 GPUs: 130 GiB a GPU): context parallelism and a
+    # shorter --seq-len were advised, which cannot help; the GPUs that could hold it are named
+    code, out = _cli(capsys, "--model", "llama-70b", "--global-batch-size", "8", "--top", "2",
+                     "--gpus", "8", "--seq-len", "4096")
+    last = out.out.splitlines()[-1]
+    assert code == 1 and last.startswith(
+        "no layout fits: the parameters, gradients and optimizer state alone need "), last
+    assert last.endswith(", more than the 79.2 GiB it has for tensors, so recomputation, context "
+                         "parallelism or a shorter --seq-len cannot help; give --gpus 16 or "
+                         "more (the state shrinks at most in proportion), or more "
+                         "--gpu-memory-gb"), last
     # memory under the CUDA context alone: no split helps (it named more GPUs and cp)
     code, out = _cli(capsys, "--model", "gpt2-124m", "--gpus", "2", "--seq-len", "256",
                      "--gpu-memory-gb", "0.1")

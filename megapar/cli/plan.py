@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -800,7 +801,7 @@ def main(argv=None) -> int:
         if note:
             print(note)
     if best is None:
-        return _no_fit(args, problem.target)
+        return _no_fit(args, problem.target, estimates)
     assert cmd is not None  # made for the best layout
     if best.process is not None:
         print(describe(best.process))
@@ -860,13 +861,31 @@ def _no_valid_layout(args, problem, rejected) -> int:
     return 1
 
 
-def _no_fit(args, target: str) -> int:
-    """Say what would make a layout fit the memory; exit code 1."""
+def _no_fit(args, target: str, estimates: list | None = None) -> int:
+    """Say what would make a layout fit the memory; exit code 1. Where the state alone
+    (parameters, gradients, optimizer state) of the least loaded layout estimated is more than
+    the memory, only more GPUs or more memory can help: said with the fewest GPUs that could
+    hold it (the state shrinks at most in proportion to them)."""
     if target == "gpu" and args.gpu_memory_gb * GIB <= CUDA_CONTEXT:  # no split can help
         print(
             f"no layout fits: --gpu-memory-gb {args.gpu_memory_gb:g} is no more than the "
             f"{CUDA_CONTEXT / GIB:g} GiB CUDA context each process holds before any tensor; "
             f"give the GPU's memory (e.g. 80 for an H100)"
+        )
+        return 1
+    usable = args.gpu_memory_gb * GIB - (CUDA_CONTEXT if target == "gpu" else 0)
+    lightest = min(estimates or [], key=lambda e: _state_bytes(e.memory), default=None)
+    if lightest is not None and _state_bytes(lightest.memory) > usable:
+        state = _state_bytes(lightest.memory)
+        per_node = args.gpus_per_node
+        fewest = -(-math.ceil(args.gpus * state / usable) // per_node) * per_node
+        print(
+            f"no layout fits: the parameters, gradients and optimizer state alone need "
+            f"{state / GIB:.1f} GiB a {'GPU' if target == 'gpu' else 'rank'} on the least "
+            f"loaded layout ({lightest.candidate.label()}), more than the "
+            f"{usable / GIB:.1f} GiB it has for tensors, so recomputation, context parallelism "
+            f"or a shorter --seq-len cannot help; give --gpus {fewest:,} or more (the state "
+            f"shrinks at most in proportion), or more --gpu-memory-gb"
         )
         return 1
     fixes = ["raise --gpus or --gpu-memory-gb"]
@@ -878,6 +897,12 @@ def _no_fit(args, target: str) -> int:
         fixes.append(f"try context parallelism (--cp-sizes {' '.join(map(str, sizes))})")
     print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
     return 1
+
+
+def _state_bytes(m) -> float:
+    """A layout's device bytes for parameters, gradients and optimizer state at its peak
+    (ZeRO-3's gathered units and full gradient buffers with them; offloaded bytes left out)."""
+    return m.params + m.grads + m.optimizer + m.master + m.gathered + m.grad_buffers - m.host
 
 
 if __name__ == "__main__":
