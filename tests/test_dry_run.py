@@ -211,6 +211,21 @@ def test_dry_run_names_the_ranks_it_rehearses_and_why(capsys):
         "4 of 8 ranks: 0-2,7 (--dry-run-ranks 7,0-2)")
 
 
+def test_a_tp_spanning_nodes_is_noted_as_the_planner_refuses_it(capsys):
+    """tp 4 on nodes of 2 GPUs rehearsed without a word but "tp (4 ranks, across nodes)" in
+    each rank's lines, where megapar-plan refuses the layout: the dry run notes it, and not
+    a tp that stays inside a node."""
+    base = ["--model", "llama-tiny", "--world-size", "4", "--gpus-per-node", "2", "--dry-run",
+            "--seq-len", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--dry-run-ranks", "0"]
+    rc, out, err = _train([*base, "--tp", "4"], capsys)
+    assert rc == 0 and ("megapar-train: dry run: tp 4 spans nodes of 2 GPUs (--gpus-per-node): "
+                        "every layer's tp collectives cross the link between nodes, which "
+                        "megapar-plan refuses for tp; keep --tp 2 or less\n") in err, err
+    rc, out, err = _train([*base, "--tp", "2"], capsys)
+    assert rc == 0 and "spans nodes" not in err, err
+
+
 @pytest.mark.parametrize("schedule, v", [("1f1b", "1"), ("interleaved", "2")])
 def test_dry_run_prints_the_pipeline_bubble_the_plan_estimates(capsys, schedule, v):
     """A pipeline's dry run names its bubble (it printed none: a user rehearsing a job had to

@@ -87,6 +87,13 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             )
     if cfg.load and plan.checked_load is not None:  # resuming
         notes.extend(resume_notes(cfg, config, layout, read_manifest(plan.checked_load)))
+    per_node = cfg.gpus_per_node
+    if layout.tp > 1 and "tp" in layout.across_nodes(per_node):
+        notes.append(
+            f"dry run: tp {layout.tp} spans nodes of {per_node} GPUs (--gpus-per-node): "
+            f"every layer's tp collectives cross the link between nodes, which megapar-plan "
+            f"refuses for tp; keep --tp {per_node} or less"
+        )
     mask = report.documents_note(cfg)
     for note in notes + ([mask] if mask else []):
         print(f"megapar-train: {note}", file=sys.stderr)
