@@ -62,6 +62,7 @@ from megapar.faults.report import run_log_name, use_run_log_name
 from megapar.faults.status import diagnose
 from megapar.host_memory import share_host_arena
 from megapar.shared_gpu import SHARED_GPU_ENV
+from megapar.wording import counted
 
 
 class WorkerError(RuntimeError):
@@ -446,6 +447,7 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
         return
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
+    settings = {**settings, _PER_NODE: launched_local_size()}
     mine = json.loads(json.dumps(settings, sort_keys=True, default=str))
     if rank == 0:
         store.set(SETTINGS_KEY, json.dumps(mine, sort_keys=True))
@@ -453,7 +455,17 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
         store.wait([SETTINGS_KEY], timedelta(seconds=timeout_s))
         theirs = json.loads(store.get(SETTINGS_KEY))
         differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-        if differ:
+        if _PER_NODE in differ:  # another count on this node: the job is not the one planned
+            store.compare_set(
+                SETTINGS_KEY + "/differ",
+                "",
+                f"rank {rank}'s node started {counted(mine[_PER_NODE], 'process', 'processes')}"
+                f" where rank 0's started {theirs[_PER_NODE]}, so the job has "
+                f"{counted(world, 'rank')} on nodes of unequal size; start every node with "
+                f"the same count (torchrun --nproc-per-node, launch/torchrun_multinode.sh's "
+                f"NPROC_PER_NODE, srun's tasks per node)",
+            )
+        elif differ:
             shown = ", ".join(
                 f"{k} {theirs.get(k)!r} on rank 0 but {mine.get(k)!r} on rank {rank}"
                 for k in differ[:4]
@@ -493,6 +505,10 @@ def check_same_settings(settings: dict, timeout_s: float, what: str = "command")
         mismatch = ValueError(found)
         mismatch.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
         raise mismatch
+
+
+_PER_NODE = "processes on its node"
+"""`check_same_settings`' entry for the processes torchrun / srun started on a rank's node."""
 
 
 def launched_world_size() -> int:

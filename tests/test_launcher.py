@@ -377,11 +377,16 @@ class _LateReader:
         return self.store.check(keys)
 
 
-def _compare_settings(same, late=False):
+def _compare_settings(same, late=False, uneven=False):
     """This rank's `check_same_settings` of a --tp that is rank 0's (`same`) or its own rank;
-    rank 1 reading the result late (`late`)."""
+    rank 1 reading the result late (`late`); each rank's node started with rank + 1 processes
+    (`uneven`)."""
+    import os
+
     from megapar.launcher import check_same_settings
 
+    if uneven:
+        os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_rank() + 1)
     settings = {"--tp": 2 if same else dist.get_rank() + 1, "--model": "gpt2-tiny"}
     if late and dist.get_rank() == 1:
         store = dist.distributed_c10d._get_default_store()
@@ -412,6 +417,22 @@ def test_nodes_started_with_other_flags_are_named_on_every_rank(same, late):
         line = ("rank 1 was started with other megapar-train flags than rank 0: --tp 1 on rank 0 "
                 "but 2 on rank 1; give every node the same megapar-train flags")
         assert got == [line, line]
+
+
+def test_nodes_started_with_other_process_counts_are_named_on_every_rank():
+    """NNODES=2 with NPROC_PER_NODE 1 on node 0 and 2 on node 1 trained as dp 3 "on 3 nodes of
+    1 rank" (a launch-script tryout): the counts differ, so the job is not the one planned;
+    every rank names the node's count, before any flag."""
+    from megapar.launcher import run_workers
+
+    def body():
+        return run_workers(_compare_settings, 2, False, False, True)[0]
+
+    line = ("rank 1's node started 2 processes where rank 0's started 1, so the job has 2 ranks "
+            "on nodes of unequal size; start every node with the same count (torchrun "
+            "--nproc-per-node, launch/torchrun_multinode.sh's NPROC_PER_NODE, srun's tasks per "
+            "node)")
+    assert _run_as_torchrun(body, 2, "srun") == [line, line]
 
 
 def test_a_settings_comparison_that_times_out_says_its_wait_as_it_is(monkeypatch):
@@ -897,3 +918,18 @@ def test_the_first_line_says_which_groups_cross_nodes_under_torchrun(monkeypatch
     monkeypatch.delenv("RANK")  # megapar-train's own workers: one machine
     monkeypatch.delenv("WORLD_SIZE")
     assert nodes_phrase(shape) == ""
+
+
+def test_a_tp_group_across_nodes_is_noted_with_the_tp_that_stays_inside():
+    """tp 2 on nodes of 3 (and tp 16 on nodes of 8) trained with "(tp ... across them)" alone,
+    where megapar-plan refuses tp across nodes (a launch-script tryout): the log's note, which
+    the dry run prints too, names the tp that stays inside a node."""
+    from megapar.mesh import Layout
+    from megapar.training.loop import tp_across_nodes
+
+    tail = ("every layer's tp collectives cross the link between nodes, which megapar-plan "
+            "refuses for tp; ")
+    assert tp_across_nodes(Layout(tp=2, dp=3), 3) == (
+        f"tp 2 spans nodes of 3 ranks: {tail}give a --tp that divides 3")
+    assert tp_across_nodes(Layout(tp=16), 8) == f"tp 16 spans nodes of 8 ranks: {tail}keep --tp 8 or less"
+    assert tp_across_nodes(Layout(tp=2, dp=4), 2) == tp_across_nodes(Layout(dp=4), 1) == ""
