@@ -219,11 +219,18 @@ def test_a_tp_spanning_nodes_is_noted_as_the_planner_refuses_it(capsys):
             "--seq-len", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
             "--dry-run-ranks", "0"]
     rc, out, err = _train([*base, "--tp", "4"], capsys)
-    assert rc == 0 and ("megapar-train: dry run: tp 4 spans nodes of 2 GPUs (--gpus-per-node): "
+    assert rc == 0 and ("megapar-train: dry run: tp 4 spans nodes of 2 ranks (--gpus-per-node): "
                         "every layer's tp collectives cross the link between nodes, which "
                         "megapar-plan refuses for tp; keep --tp 2 or less\n") in err, err
     rc, out, err = _train([*base, "--tp", "2"], capsys)
     assert rc == 0 and "spans nodes" not in err, err
+    # tp 2 on nodes of 3 crosses too, though tp <= 3 (launch/torchrun_multinode.sh said so)
+    rc, out, err = _train(["--model", "llama-tiny", "--world-size", "6", "--gpus-per-node", "3",
+                           "--dry-run", "--seq-len", "16", "--micro-batch-size", "1",
+                           "--global-batch-size", "3", "--dry-run-ranks", "0", "--tp", "2"],
+                          capsys)
+    assert rc == 0 and "tp 2 spans nodes of 3 ranks (--gpus-per-node): " in err and (
+        "refuses for tp; give a --tp that divides 3\n") in err, err
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", "1"), ("interleaved", "2")])

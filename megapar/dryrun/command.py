@@ -25,6 +25,7 @@ from megapar.optim.scheduler import LRScheduler, changed_fields, resume_change
 from megapar.plan.params import model_params
 from megapar.training.data import build_datasets, continue_order, make_sampler
 from megapar.training.engine import Engine
+from megapar.training.loop import tp_across_nodes
 from megapar.training.resume import resume_phrase, rng_notes
 
 
@@ -87,13 +88,9 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             )
     if cfg.load and plan.checked_load is not None:  # resuming
         notes.extend(resume_notes(cfg, config, layout, read_manifest(plan.checked_load)))
-    per_node = cfg.gpus_per_node
-    if layout.tp > 1 and "tp" in layout.across_nodes(per_node):
-        notes.append(
-            f"dry run: tp {layout.tp} spans nodes of {per_node} GPUs (--gpus-per-node): "
-            f"every layer's tp collectives cross the link between nodes, which megapar-plan "
-            f"refuses for tp; keep --tp {per_node} or less"
-        )
+    spans = tp_across_nodes(layout, cfg.gpus_per_node, " (--gpus-per-node)")
+    if spans:
+        notes.append(f"dry run: {spans}")
     mask = report.documents_note(cfg)
     for note in notes + ([mask] if mask else []):
         print(f"megapar-train: {note}", file=sys.stderr)

@@ -386,6 +386,9 @@ class Trainer:
             + (f"{stages}, " if stages else "")
             + batch
         )
+        spans = tp_across_nodes(mesh.layout, launched_local_size()) if under_launcher() else ""
+        if spans:
+            logger.message(f"megapar: note: {spans}")
         for note in self.notes:
             logger.message(note)
 
@@ -644,4 +647,21 @@ def nodes_phrase(layout: Layout) -> str:
     return (
         f" on {layout.world_size // per_node} nodes of {counted(per_node, 'rank')}"
         f" ({and_list(crossing)} across them)"
+    )
+
+
+def tp_across_nodes(layout: Layout, per_node: int, given_by: str = "") -> str:
+    """The note on a tp group that spans nodes of `per_node` ranks (every layer's tp collectives
+    then cross the link between nodes, which megapar-plan refuses for tp); "" where each stays
+    inside a node. `given_by`: the flag that set `per_node`, named after it."""
+    if layout.tp == 1 or "tp" not in layout.across_nodes(per_node):
+        return ""
+    fit = (
+        f"keep --tp {per_node} or less"
+        if per_node % layout.tp == 0 or layout.tp > per_node
+        else f"give a --tp that divides {per_node}"
+    )
+    return (
+        f"tp {layout.tp} spans nodes of {counted(per_node, 'rank')}{given_by}: every layer's tp "
+        f"collectives cross the link between nodes, which megapar-plan refuses for tp; {fit}"
     )
