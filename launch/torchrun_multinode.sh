@@ -5,8 +5,8 @@
 #   NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 MASTER_ADDR=node0.example MASTER_PORT=29500 \
 #     launch/torchrun_multinode.sh --tp 8 --pp 2 --model gpt2-1.5b --data /data/corpus
 #
-# Rank order is tp fastest, then pp, then dp (--rank-order tp-pp-dp, the default): keep
-# tp <= NPROC_PER_NODE so tensor-parallel groups stay inside a node; dp (= world / (tp*pp))
+# Rank order is tp fastest, then pp, then dp (--rank-order tp-pp-dp, the default): give a tp
+# that divides NPROC_PER_NODE so tensor-parallel groups stay inside a node; dp (= world / (tp*pp))
 # crosses nodes. With --rank-order tp-dp-pp (Megatron's) pp is outermost instead: only the
 # point-to-point activations cross nodes and the dp gradient all-reduce stays inside one
 # (needs tp*dp <= NPROC_PER_NODE for that). Extra torchrun flags can go
@@ -22,9 +22,10 @@ if [ "$NNODES" = "1" ]; then NODE_RANK="${NODE_RANK:-0}"; fi  # one node: it is 
 [ -n "${NODE_RANK:-}" ] || die "set NODE_RANK (0 .. $((NNODES - 1))), this node's place, on each node"
 [[ "$NODE_RANK" =~ $number ]] && [ "$NODE_RANK" -lt "$NNODES" ] \
   || die "NODE_RANK=$NODE_RANK: give 0 .. $((NNODES - 1)) (NNODES=$NNODES)"
-: "${NPROC_PER_NODE:=1}"
+# no default: one process a node (torchrun's) would train on one GPU of each without a word
+[ -n "${NPROC_PER_NODE:-}" ] || die "set NPROC_PER_NODE (processes a node, one per GPU: 8 on a node of 8 GPUs), the same on every node"
 [[ "$NPROC_PER_NODE" =~ $number ]] && [ "$NPROC_PER_NODE" -ge 1 ] \
-  || die "NPROC_PER_NODE=$NPROC_PER_NODE: give the processes (GPUs) per node (1, 2, ...)"
+  || die "NPROC_PER_NODE=$NPROC_PER_NODE: give the processes (GPUs) per node as a number (1, 2, ...; nvidia-smi -L lists a node's GPUs)"
 if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   # 127.0.0.1 would make each node wait 600 s for a rendezvous on itself
   die "set MASTER_ADDR to node 0's address, the same on every node (MASTER_ADDR=127.0.0.1 only when all $NNODES nodes run on this machine)"
@@ -40,6 +41,10 @@ if command -v getent > /dev/null && ! getent ahosts "$MASTER_ADDR" > /dev/null; 
   # torchrun repeated "The IPv6 network addresses of (node0, 29500) cannot be retrieved" until
   # its rendezvous timeout
   die "MASTER_ADDR=$MASTER_ADDR: this node cannot resolve that name; give node 0's address as every node reaches it (its IP, or a name in DNS or /etc/hosts)"
+fi
+if [ "$NODE_RANK" = 0 ] && timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT" 2> /dev/null; then
+  # node 0 hosts the rendezvous there: torchrun's EADDRINUSE traceback (two jobs on one node)
+  die "MASTER_PORT=$MASTER_PORT is in use on this node (another job's rendezvous?); give another port, the same on every node (MASTER_PORT=$((MASTER_PORT + 1)))"
 fi
 PYTHON="${PYTHON:-python3}"
 exec "$PYTHON" -m torch.distributed.run \

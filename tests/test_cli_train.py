@@ -351,22 +351,28 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     ({"NNODES": "two"}, "NNODES=two: give a number of nodes"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: give 0 .. 1 (NNODES=2)"),
     ({"NNODES": "1", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0: give the processes"),
-    ({"NNODES": "2", "NODE_RANK": "1"}, "set MASTER_ADDR to node 0's address"),
+    ({"NNODES": "2", "NODE_RANK": "1"}, "set NPROC_PER_NODE (processes a node, one per GPU"),
+    ({"NNODES": "1", "NPROC_PER_NODE": "gpu"}, "NPROC_PER_NODE=gpu: give the processes (GPUs) "
+     "per node as a number"),
+    ({"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "2"},
+     "set MASTER_ADDR to node 0's address"),
     # torchrun repeated "The IPv6 network addresses of (node0.invalid, 29500) cannot be
     # retrieved" until its rendezvous timed out
-    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "node0.invalid"},
+    ({"NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "node0.invalid"},
      "MASTER_ADDR=node0.invalid: this node cannot resolve that name"),
-    ({"NNODES": "1", "MASTER_PORT": "http"}, "MASTER_PORT=http: give a port (1 .. 65535)"),
+    ({"NNODES": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "http"},
+     "MASTER_PORT=http: give a port (1 .. 65535)"),
     # (bash's "integer expression expected" came first)
-    ({"NNODES": "1", "MASTER_PORT": "9" * 20}, f"MASTER_PORT={'9' * 20}: give a port"),
+    ({"NNODES": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "9" * 20},
+     f"MASTER_PORT={'9' * 20}: give a port"),
     # NNODES=08 was bash's "value too great for base" and a launch with --nnodes 08
     ({"NNODES": "08", "NODE_RANK": "1"}, "NNODES=08: give a number of nodes"),
     ({"NNODES": "9" * 20}, f"NNODES={'9' * 20}: give a number of nodes"),
-    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1:29500"},
+    ({"NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1:29500"},
      "MASTER_ADDR=127.0.0.1:29500: give the address alone (MASTER_ADDR=127.0.0.1) and the "
      "port as MASTER_PORT=29500"),
 ], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0",
-        "no-master-addr", "unresolvable-master-addr", "port-word", "port-too-long",
+        "no-nproc", "nproc-word", "no-master-addr", "unresolvable-master-addr", "port-word", "port-too-long",
         "nnodes-octal", "nnodes-too-long", "addr-with-port"])
 def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
     """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
@@ -385,6 +391,28 @@ def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, en
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1, (out.returncode, err)
     assert err[0].startswith("torchrun_multinode.sh: error: ") and expected in err[0], err
+
+
+def test_torchrun_multinode_refuses_a_port_in_use_on_node_0(tmp_path):
+    """Two jobs on one node at the script's default MASTER_PORT: node 0's torchrun failed with
+    a 30-line EADDRINUSE traceback (a launch-script tryout); one line now, torchrun not
+    started."""
+    import socket
+
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho started >&2\nexit 99\n")
+    fake.chmod(0o755)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            ["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), "--tp", "2"],
+            env={**os.environ, "PYTHON": str(fake), "NNODES": "1", "NPROC_PER_NODE": "2",
+                 "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=30)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and err == [
+        f"torchrun_multinode.sh: error: MASTER_PORT={port} is in use on this node (another "
+        f"job's rendezvous?); give another port, the same on every node (MASTER_PORT="
+        f"{port + 1})"], err
 
 
 def test_a_usage_error_under_torchrun_is_its_summarys_root_cause(tmp_path, monkeypatch, capsys):
@@ -856,6 +884,32 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     assert (log.read_text() if log.exists() else "") == ("77\n" if requeued else ""), out.stderr
     # the job's own port (a fixed 29500 until 2026-12-04) and the environment's interpreter
     assert (tmp_path / "log.env").read_text() == "15077 python3\n"
+
+
+@pytest.mark.parametrize("env, nproc", [({}, "8"), ({"SLURM_GPUS_PER_NODE": "a100:4"}, "4"),
+                                        ({"SLURM_GPUS_PER_NODE": "4", "GPUS_PER_NODE": "2"}, "2")])
+def test_slurm_sbatch_starts_the_workers_sbatch_gave_each_node_their_cores(tmp_path, env, nproc):
+    """sbatch --gpus-per-node 4 still started 8 workers a node (GPUS_PER_NODE's default), and
+    srun (Slurm 22.05 on) does not take sbatch's --cpus-per-task, so each node's torchrun and
+    its workers shared one core (a launch-script tryout, read from Slurm's manual)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stand_ins = {"srun": 'echo "$SRUN_CPUS_PER_TASK $*" > "$LOG"', "scontrol": "echo node0",
+                 "squeue": "echo 60:00"}
+    for name, body in stand_ins.items():
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
+            and k != "GPUS_PER_NODE"}
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm.sbatch"), "--tp", "2"], capture_output=True,
+        env={**base, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+             "SLURM_JOB_NODELIST": "node0", "SLURM_CPUS_PER_TASK": "32",
+             "LOG": str(tmp_path / "log"), **env}, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    said = (tmp_path / "log").read_text()
+    assert said.startswith("32 --kill-on-bad-exit=1 bash -c ") and (
+        f"--nproc-per-node {nproc} " in said), said
 
 
 def test_under_torchrun_each_process_hashes_only_the_files_it_reads(tmp_path, text, cache,

@@ -469,7 +469,9 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
     assert ("torchrun --nnodes 3 --nproc-per-node 4 --node-rank $NODE_RANK --master-addr "
             "$MASTER_ADDR --master-port 29500 -m megapar.cli.train") in out, out
     assert ("  on each of the 3 nodes, with NODE_RANK its place (0 .. 2) and MASTER_ADDR node "
-            "0's address; or launch/torchrun_multinode.sh (NNODES=3 NPROC_PER_NODE=4)") in out
+            "0's address; or launch/torchrun_multinode.sh (NNODES=3 NPROC_PER_NODE=4), or "
+            "sbatch --nodes 3 --gpus-per-node 4 launch/slurm.sbatch, with megapar-train's "
+            "flags") in out
     assert plan_main(base + ["--gpus", "4", "--gpus-per-node", "4", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "command: megapar-train" in out and "on each of the" not in out, out

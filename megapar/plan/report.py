@@ -198,10 +198,12 @@ def multinode_note(p: Problem) -> str:
     nodes = -(-p.gpus // p.gpus_per_node)
     if nodes == 1:
         return ""
+    gpus = f" --gpus-per-node {p.gpus_per_node}" if p.gpus_per_node != 8 else ""
     return (
         f"  on each of the {nodes} nodes, with NODE_RANK its place (0 .. {nodes - 1}) and "
         f"MASTER_ADDR node 0's address; or launch/torchrun_multinode.sh (NNODES={nodes} "
-        f"NPROC_PER_NODE={p.gpus_per_node}) or launch/slurm.sbatch with megapar-train's flags"
+        f"NPROC_PER_NODE={p.gpus_per_node}), or sbatch --nodes {nodes}{gpus} "
+        f"launch/slurm.sbatch, with megapar-train's flags"
     )
 
 
