@@ -373,9 +373,17 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
                         lambda *args, **kwargs: [[(new, "eos")]])
     argv = ["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "Hello world"]
     assert generate(argv) == 0
-    assert capsys.readouterr().out == "Hello world and so on\n" + "-" * 15 + "\n"
+    said = capsys.readouterr()
+    assert said.out == "Hello world and so on\n" + "-" * 15 + "\n"
+    # a completion the model ended early reads as the command's fault unless said (README's
+    # "ROMEO:" gave "And for love" and nothing more: a new user's tryout)
+    assert said.err == ("megapar-generate: the sample ended where the model chose its "
+                        "end-of-text token, after 3 new tokens of --max-new-tokens 100 (another "
+                        "--seed, or --samples N, draws others)\n"), said.err
     assert generate([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {
+    said = capsys.readouterr()
+    assert "end-of-text" not in said.err  # --json's "stop" says it
+    assert json.loads(said.out) == {
         "prompt": "Hello world", "sample": 0, "completion": " and so on",
         "prompt_ids": tok.encode("Hello world"), "new_ids": new, "stop": "eos"}
 

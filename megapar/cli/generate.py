@@ -419,15 +419,30 @@ def positions_note(
     """The stderr line for `sample` of `prompt` (both from 0, as --json's "sample" counts;
     `shape`: how many prompts and samples per prompt, which name it only where there are
     several), stopped at the model's positions."""
+    new = f"{new_len} new one" if new_len == 1 else f"{new_len} new ones"
+    return (
+        f"megapar-generate: {_sample_named(prompt, sample, shape)} stopped at {limit_name} "
+        f"(its prompt's {prompt_len} tokens and {new})"
+    )
+
+
+def eos_note(prompt: int, sample: int, shape: tuple[int, int], new_len: int, most: int) -> str:
+    """The stderr line for a sample (`positions_note`'s names) the model ended with its
+    end-of-text token after `new_len` new tokens, fewer than --max-new-tokens `most`: a
+    completion of three words read as the command's fault."""
+    return (
+        f"megapar-generate: {_sample_named(prompt, sample, shape)} ended where the model chose "
+        f"its end-of-text token, after {counted(new_len, 'new token')} of --max-new-tokens "
+        f"{most} (another --seed, or --samples N, draws others)"
+    )
+
+
+def _sample_named(prompt: int, sample: int, shape: tuple[int, int]) -> str:
+    """ "prompt 1's sample 2", or "the sample" where there is one prompt and one sample."""
     prompts, samples = shape
     named = [f"prompt {prompt}"] if prompts > 1 else []
     named += [f"sample {sample}"] if samples > 1 else []
-    who = "'s ".join(named) if named else "the sample"
-    new = f"{new_len} new one" if new_len == 1 else f"{new_len} new ones"
-    return (
-        f"megapar-generate: {who} stopped at {limit_name} (its prompt's {prompt_len} tokens "
-        f"and {new})"
-    )
+    return "'s ".join(named) if named else "the sample"
 
 
 def _worker(args):
@@ -525,10 +540,17 @@ def main(argv=None) -> int:
         ids = args.prompt_ids[p]
         text = new_ids[:-1] if stop == "eos" else new_ids
         completion = completion_text(tok, ids, text)
+        shape = (len(args.prompt_ids), args.samples)
         if stop == "positions":
-            shape = (len(args.prompt_ids), args.samples)
             note = positions_note(p, i % args.samples, shape, limit_name, len(ids), len(new_ids))
             print(note, file=sys.stderr)
+        elif stop == "eos" and not args.json:  # --json says so in its "stop"
+            sys.stdout.flush()  # the note above its sample on a terminal
+            print(
+                eos_note(p, i % args.samples, shape, len(text), args.max_new_tokens),
+                file=sys.stderr,
+                flush=True,
+            )
         if args.json:
             record = {
                 "prompt": prompts[p],
