@@ -106,9 +106,10 @@ def gpu_shortage(ranks: int, gpus: int) -> str:
     return (
         f"{counted(ranks, 'rank')} on this node but {counted(gpus, 'GPU')} visible"
         f"{where}: NCCL needs a GPU per rank; start at most "
-        f"{counted(gpus, 'process', 'processes')} per node (torchrun --nproc-per-node {gpus}, or a "
-        f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "
-        f"with gloo"
+        f"{counted(gpus, 'process', 'processes')} per node (torchrun --nproc-per-node {gpus}, "
+        f"launch/torchrun_multinode.sh's NPROC_PER_NODE={gpus} or slurm.sbatch's "
+        f"GPUS_PER_NODE={gpus}, or a layout of tp x cp x pp x dp <= {gpus}), or set "
+        f"MEGAPAR_CPU=1 to run on the CPU with gloo"
     )
 
 

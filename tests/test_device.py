@@ -71,6 +71,7 @@ def test_more_ranks_than_gpus_is_one_line_naming_the_fix(monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "2 ranks on this node but 1 GPU visible" in message
     assert "--nproc-per-node 1" in message and "MEGAPAR_CPU=1" in message
+    assert "NPROC_PER_NODE=1 or slurm.sbatch's GPUS_PER_NODE=1" in message  # the scripts' names
     with pytest.raises(_device.DeviceError):
         _device.check_gpus(2)
     _device.check_gpus(1)
