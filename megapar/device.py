@@ -129,6 +129,26 @@ PEAK_TFLOPS = {  # dense TFLOP/s of one GPU by product name: (16-bit, TF32, fp32
 }
 """Peak dense matrix rates of the GPUs megapar has figures for (MFU's denominator)."""
 
+MOST_TFLOPS = 20_000.0
+"""The most TFLOP/s a --peak-tflops takes: above any GPU's dense rate (a B200's FP4 is 9,000)."""
+
+
+def too_fast(tflops: float) -> str | None:
+    """The refusal of a --peak-tflops above any GPU's dense peak (GFLOP/s meant: 989e3), or
+    None."""
+    if tflops <= MOST_TFLOPS:
+        return None
+    return (
+        f"--peak-tflops {tflops:g} is more than any GPU's dense peak: give TFLOP/s, such as 989 "
+        f"for an H100 / H200 in bf16 ({tflops:g} GFLOP/s is {tflops / 1000:g} TFLOP/s)"
+    )
+
+
+def bf16_peak_of(tflops: float) -> str | None:
+    """The GPU whose 16-bit dense peak `tflops` is (989 for an H100's 989.4), or None: given
+    for an fp32 run, a rate 15 x its fp32 one."""
+    return next((n for n, rates in PEAK_TFLOPS.items() if abs(tflops - rates[0]) <= 1), None)
+
 
 def peak_tflops(dev: torch.device, precision: str, tf32: bool = False) -> float | None:
     """The dense peak TFLOP/s of `dev` for a run in `precision` (bf16 / fp16: the 16-bit

@@ -324,6 +324,9 @@ TRAIN = [
     (["--hysteresis", "2", "--precision", "bf16"], "--hysteresis 2 would be ignored: it sets "
      "the fp16 loss scale, and --precision is bf16 (no loss scaling): add --precision fp16, or "
      "drop --hysteresis"),
+    # GFLOP/s read as TFLOP/s: an MFU of 0.00 % (megapar-plan refuses it too)
+    (["--peak-tflops", "989e3"], "--peak-tflops 989000 is more than any GPU's dense peak: give "
+     "TFLOP/s, such as 989 for an H100 / H200 in bf16 (989000 GFLOP/s is 989 TFLOP/s)"),
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),

@@ -577,6 +577,21 @@ def test_an_fp32_plan_at_the_a100_s_bf16_peak_says_so(capsys):
         assert code == 0 and out.out.count(
             "--peak-tflops 989 is an H100's bf16 peak; fp32 matmuls run at its fp32 rate (66.9, "
             "494.7 with megapar-train --tf32): give your GPU's fp32 peak\n") == 1, out.out
+        # ... and the search's heading names the H100, not the A100 (a re-test)
+        assert ("989 TFLOP/s (an H100's bf16 peak) taken for fp32" in out.out) == (
+            "--top" in extra), out.out
+    # megapar-train, handed that command's --precision fp32 --peak-tflops 989, says it too
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import adapt_defaults
+
+    cfg = TrainConfig(precision="fp32", peak_tflops=989.0)
+    cfg.explicit = frozenset({"precision", "peak_tflops"})
+    assert ("--peak-tflops 989 is an H100's bf16 peak, the MFU's denominator; fp32 matmuls run "
+            "at its fp32 rate (66.9, 494.7 with --tf32): give that, or leave --peak-tflops out "
+            "on that GPU") in adapt_defaults(cfg, 1)
+    cfg = TrainConfig(precision="bf16", peak_tflops=989.0)
+    cfg.explicit = frozenset({"precision", "peak_tflops"})
+    assert not [n for n in adapt_defaults(cfg, 1) if "peak" in n]
 
 
 def test_explain_counts_the_micro_batches_in_flight_as_the_dry_run_does(capsys):

@@ -600,11 +600,11 @@ def _problem(args, given: tuple[str, ...] = ()):
             "or a Llama-family model"
         )
     limit = config.max_positions
-    if args.seq_len > limit:
+    if args.seq_len > limit:  # the config's own name for its positions
+        key = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
         raise ValueError(
             f"--seq-len {args.seq_len} is longer than the model's {limit} positions; give "
-            f"--seq-len {limit} or less, or a config file whose max_position_embeddings "
-            f"reaches {args.seq_len}"
+            f"--seq-len {limit} or less, or a config file whose {key} reaches {args.seq_len}"
         )
     check_layout_arguments(args)
     check_number_arguments(args)

@@ -8,6 +8,7 @@ import math
 import os
 
 from megapar.data.tokenizers import load_tokenizer
+from megapar.device import too_fast
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.models.config import load_config_file, no_experts
 from megapar.optim.optimizer import NOT_OFFLOADED
@@ -57,10 +58,6 @@ def check_layout_arguments(args) -> None:
         )
 
 
-MOST_TFLOPS = 20_000.0
-"""The most TFLOP/s --peak-tflops takes: above any GPU's dense rate (a B200's FP4 is 9,000)."""
-
-
 def check_number_arguments(args) -> None:
     """ValueError if a hardware figure (memory, speed, bandwidth, latency, efficiency) or the
     ZeRO-3 persistence threshold is invalid."""
@@ -90,12 +87,8 @@ def check_number_arguments(args) -> None:
         raise ValueError(
             f"--fp8-speedup {args.fp8_speedup:g} is invalid: it must be a finite number > 0"
         )
-    if args.peak_tflops > MOST_TFLOPS:  # GFLOP/s meant (989e3), or a sparse rate x 1000
-        raise ValueError(
-            f"--peak-tflops {args.peak_tflops:g} is more than any GPU's dense peak: give "
-            f"TFLOP/s, such as 989 for an H100 / H200 in bf16 ({args.peak_tflops:g} GFLOP/s "
-            f"is {args.peak_tflops / 1000:g} TFLOP/s)"
-        )
+    if too_fast(args.peak_tflops):  # GFLOP/s meant (989e3)
+        raise ValueError(too_fast(args.peak_tflops))
     if not 0 < args.efficiency <= 1:
         percent = (
             f" ({args.efficiency:g} % is {args.efficiency / 100:g})"

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from megapar.device import PEAK_TFLOPS
+from megapar.device import PEAK_TFLOPS, bf16_peak_of
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, fp8
@@ -69,7 +69,8 @@ def hardware_phrase(p: Problem) -> str:
     that the flags' defaults are a GPU's."""
     cpu = ", whose defaults are an A100's: give a CPU rank's" if p.target == "cpu" else ""
     # the default peak at fp32 is an A100's bf16 rate, planned as given (`peak_note` says so)
-    rate = "(an A100's bf16 peak) taken for fp32" if peak_note(p) else f"peak in {p.precision}"
+    gpu = _bf16_peak_of(p)
+    rate = f"(an {gpu}'s bf16 peak) taken for fp32" if gpu else f"peak in {p.precision}"
     return (
         f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s {rate}: "
         f"--gpu-memory-gb, --peak-tflops{cpu}"
@@ -384,16 +385,10 @@ def peak_note(p) -> str | None:
     an H100's 989 as the docs give it for bf16), the line that says the plan's matmul rate is
     not an fp32 job's (megapar-train runs fp32 matmuls at the GPU's fp32 rate, or its TF32 rate
     with --tf32); None otherwise."""
-    if p.precision != "fp32":
+    name = _bf16_peak_of(p)
+    if name is None:
         return None
-    gpus = [
-        (name, rates)
-        for name, rates in PEAK_TFLOPS.items()
-        if abs(p.peak_tflops - rates[0]) <= 1  # 989 for 989.4
-    ]
-    if not gpus:
-        return None
-    name, (_, tf32, fp32) = gpus[0]
+    _, tf32, fp32 = PEAK_TFLOPS[name]
     _, h100_tf32, h100_fp32 = PEAK_TFLOPS["H100"]
     others = (
         f" (H100 / H200 SXM: {h100_fp32:g}, {h100_tf32:g} with --tf32)" if name == "A100" else ""
@@ -403,6 +398,12 @@ def peak_note(p) -> str | None:
         f"bf16 peak; fp32 matmuls run at its fp32 rate ({fp32:g}, {tf32:g} with megapar-train "
         f"--tf32): give your GPU's fp32 peak{others}"
     )
+
+
+def _bf16_peak_of(p) -> str | None:
+    """At --precision fp32, the GPU whose 16-bit peak --peak-tflops is (989 for an H100's
+    989.4); None otherwise."""
+    return bf16_peak_of(p.peak_tflops) if p.precision == "fp32" else None
 
 
 BUFFERS_NOTE = (

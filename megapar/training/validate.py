@@ -36,6 +36,7 @@ from megapar.context_parallel.split import length_multiple
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
+from megapar.device import PEAK_TFLOPS, bf16_peak_of, too_fast
 from megapar.faults.slow import SlowRank
 from megapar.mesh import LayoutError, layout_option
 from megapar.models.flops import heads
@@ -225,6 +226,8 @@ def _check_combinations(cfg) -> None:
         raise UsageError(
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
         )
+    if too_fast(cfg.peak_tflops):  # GFLOP/s meant (989e3): an MFU of 0.00 %
+        raise UsageError(too_fast(cfg.peak_tflops))
     if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
         raise UsageError(
             f"--min-loss-scale {cfg.min_loss_scale:g} is above --initial-loss-scale "
@@ -504,6 +507,14 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     ]:
         if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
             notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
+    gpu = bf16_peak_of(cfg.peak_tflops) if cfg.precision == "fp32" else None
+    if gpu and "peak_tflops" in given:  # megapar-plan's fp32 command carries it so
+        _, tf32, fp32 = PEAK_TFLOPS[gpu]
+        notes.append(
+            f"--peak-tflops {cfg.peak_tflops:g} is an {gpu}'s bf16 peak, the MFU's denominator; "
+            f"fp32 matmuls run at its fp32 rate ({fp32:g}, {tf32:g} with --tf32): give that, "
+            f"or leave --peak-tflops out on that GPU"
+        )
     return notes
 
 
