@@ -28,6 +28,8 @@ def and_list(names: list[str]) -> str:
 
 
 def first_few(items: list[str], most: int) -> str:
-    """The first `most` of `items` joined by commas, and how many more: "a, b, c and 3 more"."""
-    shown = ", ".join(items[:most])
-    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+    """The first `most` of `items` joined by commas, and how many more: "a, b, c and 3 more";
+    all of them as prose where they are no more than `most` ("a, b and c")."""
+    if len(items) <= most:
+        return and_list(items)
+    return f"{', '.join(items[:most])} and {len(items) - most} more"

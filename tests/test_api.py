@@ -353,6 +353,14 @@ def test_engine_load_refuses_a_verify_it_does_not_know(tmp_path, monkeypatch):
         with pytest.raises(CheckpointError) as refused:
             engine.load(spelling)
         assert str(refused.value) == f"engine.load {spelling}: no such checkpoint directory"
+    # a message that names the path without a colon after it said it twice too (a re-test):
+    # "engine.load X: X holds a gpt2 model, not a llama"
+    megapar.prepare("gpt2-tiny").save(tmp_path / "my: gpt2")
+    with pytest.raises(CheckpointError) as refused:
+        megapar.prepare("llama-tiny").load(tmp_path / "my: gpt2" / "step_00000000")
+    assert str(refused.value).startswith(
+        f"engine.load {tmp_path}/my: gpt2/step_00000000 holds a gpt2 model, not a llama; "), \
+        str(refused.value)
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 0), (1, 2, 1)])
@@ -1452,10 +1460,10 @@ def test_ranks_making_different_calls_are_each_named():
 
     calls = [(2, 2), (1, 2), (4, 2), (1, 2)]  # save, eval_step, export_hf, eval_step
     named = ranks_doing_otherwise(calls, lambda c, _: f"in {API_CALLS[c]}", 0)
-    assert named == "ranks 1, 3 are in eval_step, rank 2 is in engine.export_hf", named
+    assert named == "ranks 1 and 3 are in eval_step and rank 2 is in engine.export_hf", named
     steps = [(0, 3), (0, 2), (0, 3), (0, 4)]
     named = ranks_doing_otherwise(steps, lambda _, s: f"at step {s}", 2)
-    assert named == "rank 1 is at step 2, rank 3 is at step 4", named
+    assert named == "rank 1 is at step 2 and rank 3 is at step 4", named
 
 
 def _raises_in_the_loop(error):

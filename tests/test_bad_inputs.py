@@ -248,8 +248,9 @@ TRAIN = [
     (["--load", "{ckpt/shard}"], ".safetensors is a file; give the checkpoint directory (e.g. "
                                  "its parent"),
     (["--load", "{ckpt/step_00000099}"], "step_00000099: no such checkpoint; "),
-    (["--load", "{ckpt/step_00000099}"], "ckpt holds step_00000001; pass one of them"),
-    (["--load", "{ckpt/typo}"], "ckpt holds step_00000001; pass one of them"),
+    # one step is named as one (it said "pass one of them")
+    (["--load", "{ckpt/step_00000099}"], "ckpt holds step_00000001; pass "),
+    (["--load", "{ckpt/typo}"], "/ckpt/step_00000001, or "),
     (["--load", "/nonexistent/ckpt/step_00000003"], "no such checkpoint step, and /nonexistent/"
                                                     "ckpt holds no step_* checkpoints"),
     # a global batch the user gave stays an error on data too small for it
@@ -1519,6 +1520,10 @@ def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_
     line = _data_line(parse_args(["--data", f"{tmp_path}/texts/"]), 100, 0)
     assert line.startswith(f"data: --data {tmp_path}/texts/ (its 4 text files: a.txt, b.txt, "
                            "more/c.jsonl and 1 more) holds 100 training samples"), line
+    (tmp_path / "texts" / "more" / "d.txt").unlink()
+    line = _data_line(parse_args(["--data", f"{tmp_path}/texts/"]), 100, 0)
+    assert "(its 3 text files: a.txt, b.txt and more/c.jsonl) holds" in line, line  # a re-test
+    (tmp_path / "texts" / "more" / "d.txt").write_text("x")
     (tmp_path / "texts" / "b.txt").unlink()
     (tmp_path / "texts" / "more" / "c.jsonl").unlink()
     (tmp_path / "texts" / "more" / "d.txt").unlink()

@@ -6,7 +6,7 @@ import pytest
 from megapar.data.indexed import IndexedDataset
 from megapar.data.sampler import GlobalBatchSampler
 from megapar.mesh import Layout, LayoutError
-from megapar.wording import and_list, counted, or_list
+from megapar.wording import and_list, counted, first_few, or_list
 
 
 def test_counted_names_one_in_the_singular_and_any_other_in_the_plural():
@@ -31,6 +31,8 @@ def test_messages_with_a_count_of_one_say_it_in_the_singular(tmp_path):
 def test_lists_in_messages_read_as_prose_at_any_length():
     assert [and_list(["a", "b", "c"][:n]) for n in (1, 2, 3)] == ["a", "a and b", "a, b and c"]
     assert [or_list(["a", "b", "c"][:n]) for n in (1, 2, 3)] == ["a", "a or b", "a, b or c"]
+    assert [first_few(["a", "b", "c", "d", "e"][:n], 3) for n in (1, 2, 3, 5)] == [
+        "a", "a and b", "a, b and c", "a, b, c and 2 more"]  # "a, b" read as a cut list
 
 
 def test_three_flags_an_export_reads_are_named_once_each_without_to_hf(capsys):

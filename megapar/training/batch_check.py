@@ -315,7 +315,7 @@ def _calls_of_ranks(c: int, step: int, read: int, device: torch.device) -> list[
 
 def ranks_doing_otherwise(calls: Sequence[tuple[int, ...]], said, rank: int) -> str:
     """The ranks whose (call, step) in `calls` (each rank's) `said` ("in eval_step", "at step
-    3") otherwise than `rank`'s, grouped: "rank 1 is in eval_step, ranks 2, 3 are in
+    3") otherwise than `rank`'s, grouped: "rank 1 is in eval_step and ranks 2 and 3 are in
     engine.export_hf" (the first four groups, and how many more)."""
     said_of = [said(call, at) for call, at, *_ in calls]
     return first_few(

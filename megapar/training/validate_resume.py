@@ -97,14 +97,16 @@ def check_load_path(cfg) -> None:
         )
     if steps:
         shown = (
-            ", ".join(steps)
+            and_list(steps)
             if len(steps) <= 6
-            else f"{len(steps)} steps, {steps[0]} ... {', '.join(steps[-3:])}"
+            else f"{len(steps)} steps, {steps[0]} ... {and_list(steps[-3:])}"
         )
-        raise UsageError(
-            f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
-            f"pass one of them, or {root} for the latest"
+        which = (
+            f"pass {root}/{steps[0]}, or {root} (the latest)"
+            if len(steps) == 1
+            else f"pass one of them, or {root} for the latest"
         )
+        raise UsageError(f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; {which}")
 
 
 def check_save_format(cfg) -> None:
@@ -278,14 +280,14 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
     other = _other_steps(load).replace("--load ", f"{what} ")
-    said = str(exc)
-    cut = said.find(": ")
-    while cut > 0:  # "X: no such checkpoint directory" (X may hold ": " itself)
-        if _same_path(said[:cut], load):
-            said = said[cut + 2 :]
+    said = f": {exc}"
+    # "X: no such checkpoint directory", "X holds a different model": X said once (X may hold
+    # ": " or spaces itself)
+    for cut in (i for i, c in enumerate(str(exc)) if c == " " or str(exc)[i : i + 2] == ": "):
+        if _same_path(str(exc)[:cut], load):
+            said = str(exc)[cut:]
             break
-        cut = said.find(": ", cut + 1)
-    err = CheckpointError(f"{what} {load}: {said}{other}")
+    err = CheckpointError(f"{what} {load}{said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
     return err
 
