@@ -1481,6 +1481,22 @@ def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypat
         _text_or_prefix(cfg, "daat/ready")
     with pytest.raises(FileNotFoundError, match=r"dta/macbeth.txt: no such text file$"):
         _text_or_prefix(cfg, "dta/macbeth.txt")
+    # a short name transposed, a misspelt directory above the last, both (a re-test)
+    (tmp_path / "data" / "sub").mkdir()
+    (tmp_path / "data" / "sub" / "c.txt").write_text("x")
+    for given in ("data/sbu/c.txt", "dtaa/sub/c.txt", "dtaa/sbu/c.txt", "./dtaa/sub/c.txt"):
+        with pytest.raises(FileNotFoundError, match="; did you mean data/sub/c.txt[?]$"):
+            _text_or_prefix(cfg, given)
+    with pytest.raises(FileNotFoundError, match=f"; did you mean {tmp_path}/data/sub/c.txt[?]$"):
+        _text_or_prefix(cfg, f"{tmp_path}/dtaa/sub/c.txt")
+    # a directory meant (its trailing /) was ".bin, .idx, .json not found"
+    with pytest.raises(FileNotFoundError) as exc:
+        _text_or_prefix(cfg, "dtaa/")
+    assert str(exc.value) == "--data dtaa/: no such directory; did you mean data?"
+    with pytest.raises(FileNotFoundError) as exc:
+        _text_or_prefix(cfg, "zzz/")
+    assert str(exc.value) == ("--data zzz/: no such directory; pass a directory of text, a "
+                              "text file or a prepared prefix")
 
 
 def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():

@@ -221,6 +221,12 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             except FileNotFoundError as exc:  # it is there: not a corpus left on the cluster
                 raise ValueError(str(exc)) from exc
         return data
+    if data.endswith(("/", os.sep)) and not os.path.exists(data):  # a directory meant
+        close = _close_sibling(data)
+        raise FileNotFoundError(
+            f"--data {data}: no such directory{close}"
+            + ("" if close else "; pass a directory of text, a text file or a prepared prefix")
+        )
     missing = missing_files(data)
     if missing:
         names = ", ".join(os.path.basename(m) for m in missing)
@@ -248,20 +254,13 @@ def _close_sibling(path: str) -> str:
     parent, name = os.path.split(os.path.normpath(path))
     try:
         entries = [e for e in os.listdir(parent or ".") if not e.startswith(".")]
-    except OSError:  # the directory misspelt (`dta/corpus.txt`): a close one that holds `name`
-        if not parent or parent == os.path.dirname(parent):
-            return ""
-        above, folder = os.path.split(parent)
-        try:
-            dirs = [e for e in os.listdir(above or ".") if os.path.isdir(os.path.join(above, e))]
-        except OSError:
-            return ""
+    except OSError:  # a directory misspelt (`dta/corpus.txt`): close ones that hold `name`
         close = [
-            os.path.join(above, d, name)
-            for d in difflib.get_close_matches(folder, dirs, n=2, cutoff=0.75)
-            if any(os.path.exists(os.path.join(above, d, name + e)) for e in ("", ".idx"))
+            os.path.join(d, name)
+            for d in _close_dirs(parent)
+            if any(os.path.exists(os.path.join(d, name + e)) for e in ("", ".idx"))
         ]  # the file, or a dataset's prefix
-        return f"; did you mean {' or '.join(close)}?" if close else ""
+        return f"; did you mean {' or '.join(close[:2])}?" if close else ""
     stems = sorted(
         {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx", ".json")) else e for e in entries}
     )
@@ -270,6 +269,26 @@ def _close_sibling(path: str) -> str:
     )  # `data/corpus.jsn`: the prefix data/corpus
     said = " or ".join(os.path.join(parent, c) for c in close)
     return f"; did you mean {said}?" if close else ""
+
+
+def _close_dirs(path: str) -> list[str]:
+    """The existing directories `path` may have meant: its missing parts (below the deepest
+    that exists) each replaced by a close name beside it (`corpsu/sbu` for `corpus/sub`)."""
+    found = [os.sep if os.path.isabs(path) else "."]
+    for part in (p for p in os.path.normpath(path).split(os.sep) if p):
+        nxt = []
+        for d in found[:4]:
+            here = os.path.join(d, part)
+            if os.path.isdir(here):
+                nxt.append(here)
+                continue
+            try:
+                dirs = [e for e in os.listdir(d) if os.path.isdir(os.path.join(d, e))]
+            except OSError:
+                continue
+            nxt += [os.path.join(d, c) for c in difflib.get_close_matches(part, dirs, 3, 0.6)]
+        found = nxt
+    return [os.path.normpath(d) for d in found]
 
 
 def _refuse_what_is_not_text(path: str) -> None:
