@@ -44,7 +44,7 @@ if command -v getent > /dev/null && ! getent ahosts "$MASTER_ADDR" > /dev/null; 
 fi
 if [ "$NODE_RANK" = 0 ] && timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT" 2> /dev/null; then
   # node 0 hosts the rendezvous there: torchrun's EADDRINUSE traceback (two jobs on one node)
-  die "MASTER_PORT=$MASTER_PORT is in use on this node (another job's rendezvous?); give another port, the same on every node (MASTER_PORT=$((MASTER_PORT + 1)))"
+  die "MASTER_PORT=$MASTER_PORT is in use on this node (another job's rendezvous?); give another port, the same on every node (MASTER_PORT=$((MASTER_PORT < 65535 ? MASTER_PORT + 1 : MASTER_PORT - 1)))"
 fi
 PYTHON="${PYTHON:-python3}"
 exec "$PYTHON" -m torch.distributed.run \

@@ -475,6 +475,12 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
     assert plan_main(base + ["--gpus", "4", "--gpus-per-node", "4", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "command: megapar-train" in out and "on each of the" not in out, out
+    # --json carries it too (a re-test: its command alone)
+    assert plan_main(base + ["--gpus", "12", "--gpus-per-node", "4", "--top", "1", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["launch"].startswith("on each of the 3 nodes, with NODE_RANK"), said["launch"]
+    assert plan_main(base + ["--gpus", "4", "--gpus-per-node", "4", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["launch"] is None
     # argparse's own line: 16GB was "invalid float value", 16000 (MB meant) planned 16000 GiB,
     # a GPU's name was "did you mean --gpus?"
     for extra, message in [
@@ -758,6 +764,10 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     small = [*base[:3], "64", *base[4:]]  # a global batch of 64: fewer layouts to simulate
     code, out = _cli(capsys, *small, "--gpus", "8")  # its state alone is 4 x the GPU
     assert code == 1 and "the parameters, gradients and optimizer state alone need" in out.out
+    code, out = _cli(capsys, *small, "--gpus", "8", "--json")  # the line in --json (a re-test)
+    said = json.loads(out.out)
+    assert code == 1 and said["command"] is None and said["no_fit"].startswith(
+        "no layout fits: the parameters, gradients and optimizer state alone need"), said
     one_b = ["--model", "llama-1b", "--global-batch-size", "8", "--seq-len", "4096", "--gpus",
              "8", "--gpu-memory-gb", "4"]
     code, out = _cli(capsys, *one_b)

@@ -38,9 +38,14 @@ def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):
     with pytest.raises(ConfigError, match=r"not found; pass an existing JSON/YAML config file or "
                        r"a recipe name: bert-base, .*gpt2-124m, .*llama-tiny"):
         resolve_model("mymodel.json")
-    (tmp_path / "c.json").write_text('{"hidden_size": 64}')
-    with pytest.raises(ConfigError, match=r'the config has no model_type; add "model_type": one '
-                       r"of bert, deepseek_v3, gpt2, llama"):
+    for no_kind in ('{"hidden_size": 64}', '{"model_type": ""}'):
+        (tmp_path / "c.json").write_text(no_kind)
+        with pytest.raises(ConfigError, match=r'the config has no model_type; add "model_type": '
+                           r"one of bert, deepseek_v3, gpt2, llama, .*, qwen3 or qwen3_moe$"):
+            resolve_model(str(tmp_path / "c.json"))
+    (tmp_path / "c.json").write_text('{"model_type": "gptneox"}')
+    with pytest.raises(ConfigError, match=r"/c.json: unknown model_type 'gptneox'; expected one "
+                       r"of bert, .* or qwen3_moe$"):
         resolve_model(str(tmp_path / "c.json"))
 
 

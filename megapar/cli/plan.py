@@ -781,7 +781,10 @@ def main(argv=None) -> int:
     cmd = command(best, problem, args.model) if best else None
     if args.json:
         assumed = getattr(args, "batch_assumed", False)
-        print_json(args.top, problem, estimates, rejected, cmd, valid, batch_assumed=assumed)
+        no_fit = no_fit_line(args, problem.target, estimates) if estimates and not best else None
+        print_json(
+            args.top, problem, estimates, rejected, cmd, valid, batch_assumed=assumed, no_fit=no_fit
+        )
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters"
@@ -862,24 +865,29 @@ def _no_valid_layout(args, problem, rejected) -> int:
 
 
 def _no_fit(args, target: str, estimates: list | None = None) -> int:
-    """Say what would make a layout fit the memory; exit code 1. Where the state alone
-    (parameters, gradients, optimizer state) of the least loaded layout estimated is more than
-    the memory, only more GPUs or more memory can help: said with the fewest GPUs that could
-    hold it (the state shrinks at most in proportion to them)."""
+    """Say what would make a layout fit the memory (`no_fit_line`); exit code 1."""
+    print(no_fit_line(args, target, estimates))
+    return 1
+
+
+def no_fit_line(args, target: str, estimates: list | None = None) -> str:
+    """What would make a layout fit the memory. Where the state alone (parameters, gradients,
+    optimizer state) of the least loaded layout estimated is more than the memory, only more
+    GPUs or more memory can help: said with the fewest GPUs that could hold it (the state
+    shrinks at most in proportion to them)."""
     if target == "gpu" and args.gpu_memory_gb * GIB <= CUDA_CONTEXT:  # no split can help
-        print(
+        return (
             f"no layout fits: --gpu-memory-gb {args.gpu_memory_gb:g} is no more than the "
             f"{CUDA_CONTEXT / GIB:g} GiB CUDA context each process holds before any tensor; "
             f"give the GPU's memory (e.g. 80 for an H100)"
         )
-        return 1
     usable = args.gpu_memory_gb * GIB - (CUDA_CONTEXT if target == "gpu" else 0)
     lightest = min(estimates or [], key=lambda e: _state_bytes(e.memory), default=None)
     if lightest is not None and _state_bytes(lightest.memory) > usable:
         state = _state_bytes(lightest.memory)
         per_node = args.gpus_per_node
         fewest = -(-math.ceil(args.gpus * state / usable) // per_node) * per_node
-        print(
+        return (
             f"no layout fits: the parameters, gradients and optimizer state alone need "
             f"{state / GIB:.1f} GiB a {'GPU' if target == 'gpu' else 'rank'} on the least "
             f"loaded layout ({lightest.candidate.label()}), more than the "
@@ -887,7 +895,6 @@ def _no_fit(args, target: str, estimates: list | None = None) -> int:
             f"or a shorter --seq-len cannot help; give --gpus {fewest:,} or more (the state "
             f"shrinks at most in proportion), or more --gpu-memory-gb"
         )
-        return 1
     fixes = ["raise --gpus or --gpu-memory-gb"]
     if "full" not in args.recompute:
         fixes.append("add --recompute full")
@@ -895,8 +902,7 @@ def _no_fit(args, target: str, estimates: list | None = None) -> int:
     sizes = [cp for cp in (1, 2, 4, 8) if args.gpus % cp == 0 and args.seq_len % (2 * cp) == 0]
     if max(tried) == 1 and len(sizes) > 1:  # cp sizes the search could try and did not
         fixes.append(f"try context parallelism (--cp-sizes {' '.join(map(str, sizes))})")
-    print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
-    return 1
+    return f"no layout fits: {', '.join(fixes)}, or shorten --seq-len"
 
 
 def _state_bytes(m) -> float:

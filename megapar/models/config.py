@@ -17,6 +17,7 @@ from typing import ClassVar
 import yaml
 
 from megapar.mesh import Layout, LayoutError, layout_option
+from megapar.wording import or_list
 
 ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 """The activations megapar's blocks implement (transformers' names; `blocks.ACTIVATIONS`)."""
@@ -640,13 +641,11 @@ a megapar field and read as such."""
 def config_from_dict(d: dict):
     """A model config from a dict with a "model_type" key (one of `CONFIG_CLASSES`)."""
     kind = d.get("model_type")
-    if kind is None:
-        raise ConfigError(
-            f'the config has no model_type; add "model_type": one of '
-            f"{', '.join(sorted(CONFIG_CLASSES))}"
-        )
+    kinds = or_list(sorted(CONFIG_CLASSES))
+    if not kind:
+        raise ConfigError(f'the config has no model_type; add "model_type": one of {kinds}')
     if kind not in CONFIG_CLASSES:
-        raise ConfigError(f"unknown model_type {kind!r}; expected one of {sorted(CONFIG_CLASSES)}")
+        raise ConfigError(f"unknown model_type {kind!r}; expected one of {kinds}")
     return CONFIG_CLASSES[kind].from_dict(d)
 
 

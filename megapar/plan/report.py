@@ -651,11 +651,13 @@ def print_json(
     cmd,
     valid: int | None = None,
     batch_assumed: bool = False,
+    no_fit: str | None = None,
 ) -> None:
     """The ranked layouts as JSON: the global batch (`batch_json`: `batch_assumed`, it was
     megapar-train's default), the top rows, the counts (`valid`: of the valid layouts, by
-    default as many as `estimates`), the rejections by reason and the chosen layout's
-    megapar-train command."""
+    default as many as `estimates`), the rejections by reason, the chosen layout's
+    megapar-train command with how to launch it on several nodes (`multinode_note`), and
+    where no layout fits, the line saying what would make one (`no_fit`)."""
     reasons: dict[str, int] = {}
     for _, reason in rejected:
         key = reason.split(";")[0]
@@ -675,7 +677,9 @@ def print_json(
                 "sp_regather": problem.sp_regather,
                 **fp8_json(problem),
                 "command": cmd[0] if cmd else None,
+                "launch": multinode_note(problem).strip() or None if cmd else None,
                 "missing_in_megapar_train": cmd[1] if cmd else None,
+                "no_fit": no_fit,
             },
             indent=1,
         )
