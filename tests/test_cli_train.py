@@ -887,7 +887,8 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
 
 
 @pytest.mark.parametrize("env, nproc", [({}, "8"), ({"SLURM_GPUS_PER_NODE": "a100:4"}, "4"),
-                                        ({"SLURM_GPUS_PER_NODE": "4", "GPUS_PER_NODE": "2"}, "2")])
+                                        ({"SLURM_GPUS_PER_NODE": "4", "GPUS_PER_NODE": "2"}, "2"),
+                                        ({"SLURM_GPUS_ON_NODE": "4"}, "4")])  # --gres=gpu:4
 def test_slurm_sbatch_starts_the_workers_sbatch_gave_each_node_their_cores(tmp_path, env, nproc):
     """sbatch --gpus-per-node 4 still started 8 workers a node (GPUS_PER_NODE's default), and
     srun (Slurm 22.05 on) does not take sbatch's --cpus-per-task, so each node's torchrun and
