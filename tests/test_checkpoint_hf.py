@@ -92,6 +92,12 @@ def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys)
     assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1} and manifest["step"] == 0
     assert all(e["optim"] == {} for e in manifest["tensors"].values())
     assert manifest["meta"]["initialised_from_seed"] == []
+    capsys.readouterr()
+    # exported into the directory it was imported from: said so, not "an exported model" with
+    # --overwrite offered for the only copy of the original (an HF user's tryout)
+    assert main([str(ckpt), "--to-hf", src]) == 2
+    assert (f"error: {src} is the transformers model this checkpoint started from (") in \
+        capsys.readouterr().err
     assert main([str(ckpt), "--to-hf", str(out)]) == 0
     original = cls.from_pretrained(src).state_dict()
     exported = cls.from_pretrained(str(out)).state_dict()
@@ -180,6 +186,17 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_use(tmp_path, kind, how, ca
     save_file(state, f"{src}/model.safetensors", metadata={"format": "pt"})
     err = _refused_in_one_line(src, tmp_path, how, capsys)
     assert f"{key} has shape {list(shape)}" in err and f"{list(expected)}" in err, err
+
+
+@pytest.mark.parametrize("how", ["convert", "train"])
+def test_a_directory_without_weights_names_where_they_are(tmp_path, how, capsys):
+    """A directory holding only config.json (and a tokenizer) was "neither model.safetensors
+    ... nor pytorch_model.bin found", no fix (an HF user's tryout)."""
+    src = _dense_hf_dir(tmp_path / "hf", "llama")
+    (Path(src) / "model.safetensors").unlink()
+    err = _refused_in_one_line(src, tmp_path, how, capsys)
+    assert err.endswith("nor pytorch_model.bin found; give the directory save_pretrained wrote "
+                        "the weights into (a config alone has none)"), err
 
 
 LAYERS_KEY = {"gpt2": "n_layer", "bert": "num_hidden_layers", "llama": "num_hidden_layers"}

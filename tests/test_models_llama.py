@@ -267,8 +267,8 @@ def test_dense_recipes_count_as_transformers_builds_them_and_as_the_planner(name
 @pytest.mark.parametrize("change, layout, message", [
     (dict(num_key_value_heads=3), (1, 1), "num_attention_heads 4 is not a multiple of"),
     (dict(), (3, 1), "4 attention heads are not divisible by --tp 3"),
-    (dict(attention_bias=True), (1, 1), "^attention_bias=True: not supported; megapar's Llama"),
-    (dict(mlp_bias=True), (1, 1), "^mlp_bias=True: not supported; megapar's Llama has no"),
+    (dict(attention_bias=True), (1, 1), "^the config's attention_bias=True: not supported; megapar's Llama"),
+    (dict(mlp_bias=True), (1, 1), "^the config's mlp_bias=True: not supported; megapar's Llama has no"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), (1, 1), "'yarn' is not supported"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 16}), (1, 1),
@@ -430,10 +430,10 @@ def test_dense_config_defaults_are_transformers(cls, name):
 
 
 @pytest.mark.parametrize("family, change, message", [
-    ("qwen3", dict(attention_bias=True), "^attention_bias=True: not supported; megapar's qwen3 "
+    ("qwen3", dict(attention_bias=True), "^the config's attention_bias=True: not supported; megapar's qwen3 "
                                          "has no biases \\(as every published qwen3\\): use a "
                                          "model without them \\(attention_bias false\\)$"),
-    ("qwen2", dict(mlp_bias=True), "^mlp_bias=True: not supported; megapar's qwen2 has only "
+    ("qwen2", dict(mlp_bias=True), "^the config's mlp_bias=True: not supported; megapar's qwen2 has only "
                                    "q / k / v biases"),
     ("qwen2", dict(layer_types=["full_attention"]),
      "^layer_types \\['full_attention'\\] must name each of the 2 layers full_attention or "

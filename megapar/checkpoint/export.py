@@ -22,7 +22,7 @@ from megapar.checkpoint.hf import (
     save_hf,
 )
 from megapar.checkpoint.hf_names import DEEPSEEK_ROUTER_TYPES
-from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
@@ -82,9 +82,16 @@ def export_hf(
     if not overwrite and existing:
         shown = ", ".join(existing[:3])
         shown = f"{len(existing)} files: {shown}, ..." if existing[3:] else shown
+        flag = option("overwrite", None, api)
+        if _started_from(step_dir, hf_dir):  # the only copy of the weights it started from
+            raise CheckpointError(
+                f"{hf_dir} is the transformers model this checkpoint started from ({shown}); "
+                f"export to another directory ({flag} would replace its weights with the "
+                f"trained ones)"
+            )
         raise CheckpointError(
             f"{hf_dir} already holds an exported model ({shown})"
-            f"; pass --overwrite to replace those files (other files there "
+            f"; pass {flag} to replace those files (other files there "
             f"are kept)"
         )
     if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
@@ -129,6 +136,21 @@ def export_hf(
         generation_config=manifest["meta"].get("hf_generation_config"),
         tokenizer_rows=tokenizer_rows,
     )
+
+
+def _started_from(step_dir, hf_dir) -> bool:
+    """Whether `hf_dir` is the transformers directory the checkpoint at `step_dir` was imported
+    from (megapar-convert --from-hf) or trained from (megapar-train --from-hf, whose tokenizer
+    it records by its absolute path)."""
+    try:
+        meta = read_manifest(step_dir).get("meta", {})
+    except (CheckpointError, OSError, ValueError):
+        return False
+    here = Path(hf_dir).resolve()
+    sources = [meta.get("imported_from_hf")]
+    if (meta.get("train_config") or {}).get("from_hf"):
+        sources.append((meta.get("tokenizer") or {}).get("path"))
+    return any(s and Path(s).expanduser().resolve() == here for s in sources)
 
 
 def _refuse_unrepresentable(config) -> None:

@@ -201,7 +201,8 @@ class HFReader:
         else:
             raise FileNotFoundError(
                 f"{self.path}: neither model.safetensors (or its sharded "
-                f"index) nor pytorch_model.bin found"
+                f"index) nor pytorch_model.bin found; give the directory save_pretrained wrote "
+                f"the weights into (a config alone has none)"
             )
         self.prefix = self._detect_prefix()
         self._untie_a_distinct_head()

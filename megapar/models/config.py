@@ -498,13 +498,16 @@ class LlamaConfig(_Base):
         biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
         if biased and self.model_type in ("llama", "mixtral", "qwen3_moe"):
             raise ConfigError(
-                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's Llama "
-                f"has no biases (as every published Llama): use a model without them"
+                f"the config's {' and '.join(f'{k}=True' for k in biased)}: not supported; "
+                f"megapar's Llama "
+                f"has no biases (as every published Llama): use a model without them "
+                f"({' and '.join(biased)} false)"
             )
         if biased:  # Qwen3, Qwen2, Mistral: no published model sets them
+            has = "only q / k / v biases" if self.qkv_bias else "no biases"
             raise ConfigError(
-                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's "
-                f"{self.model_type} has {'only q / k / v biases' if self.qkv_bias else 'no biases'}"
+                f"the config's {' and '.join(f'{k}=True' for k in biased)}: not supported; "
+                f"megapar's {self.model_type} has {has}"
                 f" (as every published {self.model_type}): use a model without them "
                 f"({' and '.join(biased)} false)"
             )
