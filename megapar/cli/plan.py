@@ -733,8 +733,8 @@ def _explain(args, problem) -> int:
     if e.process is not None:
         print(describe(e.process))
     print(f"command: {cmd}")
-    if multinode_note(problem):
-        print(multinode_note(problem))
+    if launch := multinode_note(problem):
+        print(launch)
     for m in missing:
         print(f"  note: megapar-train cannot do this yet: {m}")
     return 0
@@ -812,8 +812,8 @@ def main(argv=None) -> int:
         "\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem, estimates)])
     )
     print(f"command: {cmd[0]}")
-    if multinode_note(problem):
-        print(multinode_note(problem))
+    if launch := multinode_note(problem):
+        print(launch)
     for m in cmd[1]:
         print(
             f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "

@@ -87,8 +87,8 @@ def check_number_arguments(args) -> None:
         raise ValueError(
             f"--fp8-speedup {args.fp8_speedup:g} is invalid: it must be a finite number > 0"
         )
-    if too_fast(args.peak_tflops):  # GFLOP/s meant (989e3)
-        raise ValueError(too_fast(args.peak_tflops))
+    if refusal := too_fast(args.peak_tflops):  # GFLOP/s meant (989e3)
+        raise ValueError(refusal)
     if not 0 < args.efficiency <= 1:
         percent = (
             f" ({args.efficiency:g} % is {args.efficiency / 100:g})"

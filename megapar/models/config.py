@@ -499,9 +499,8 @@ class LlamaConfig(_Base):
         if biased and self.model_type in ("llama", "mixtral", "qwen3_moe"):
             raise ConfigError(
                 f"the config's {' and '.join(f'{k}=True' for k in biased)}: not supported; "
-                f"megapar's Llama "
-                f"has no biases (as every published Llama): use a model without them "
-                f"({' and '.join(biased)} false)"
+                f"megapar's Llama has no biases (as every published Llama): use a model "
+                f"without them ({' and '.join(biased)} false)"
             )
         if biased:  # Qwen3, Qwen2, Mistral: no published model sets them
             has = "only q / k / v biases" if self.qkv_bias else "no biases"

@@ -68,7 +68,8 @@ def hardware_phrase(p: Problem) -> str:
     80 GiB, 312 TFLOP/s peak in bf16: --gpu-memory-gb, --peak-tflops"; for CPU ranks it adds
     that the flags' defaults are a GPU's."""
     cpu = ", whose defaults are an A100's: give a CPU rank's" if p.target == "cpu" else ""
-    # the default peak at fp32 is an A100's bf16 rate, planned as given (`peak_note` says so)
+    # a known GPU's bf16 peak at fp32 (the default is an A100's) is planned as given, named so
+    # here and by `peak_note`
     gpu = _bf16_peak_of(p)
     rate = f"(an {gpu}'s bf16 peak) taken for fp32" if gpu else f"peak in {p.precision}"
     return (
@@ -677,7 +678,7 @@ def print_json(
                 "sp_regather": problem.sp_regather,
                 **fp8_json(problem),
                 "command": cmd[0] if cmd else None,
-                "launch": multinode_note(problem).strip() or None if cmd else None,
+                "launch": (multinode_note(problem).strip() or None) if cmd else None,
                 "missing_in_megapar_train": cmd[1] if cmd else None,
                 "no_fit": no_fit,
             },

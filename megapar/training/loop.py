@@ -656,10 +656,11 @@ def tp_across_nodes(layout: Layout, per_node: int, given_by: str = "") -> str:
     inside a node. `given_by`: the flag that set `per_node`, named after it."""
     if layout.tp == 1 or "tp" not in layout.across_nodes(per_node):
         return ""
+    # tp is the fastest axis: a group crosses nodes where tp does not divide the node
     fit = (
         f"keep --tp {per_node} or less"
-        if per_node % layout.tp == 0 or layout.tp > per_node
-        else f"give a --tp that divides {per_node}"
+        if layout.tp > per_node
+        else (f"give a --tp that divides {per_node}")
     )
     return (
         f"tp {layout.tp} spans nodes of {counted(per_node, 'rank')}{given_by}: every layer's tp "

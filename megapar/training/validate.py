@@ -226,8 +226,8 @@ def _check_combinations(cfg) -> None:
         raise UsageError(
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
         )
-    if too_fast(cfg.peak_tflops):  # GFLOP/s meant (989e3): an MFU of 0.00 %
-        raise UsageError(too_fast(cfg.peak_tflops))
+    if refusal := too_fast(cfg.peak_tflops):  # GFLOP/s meant (989e3): an MFU of 0.00 %
+        raise UsageError(refusal)
     if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
         raise UsageError(
             f"--min-loss-scale {cfg.min_loss_scale:g} is above --initial-loss-scale "

@@ -280,12 +280,13 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
     other = _other_steps(load).replace("--load ", f"{what} ")
-    said = f": {exc}"
+    text = str(exc)
+    said = f": {text}"
     # "X: no such checkpoint directory", "X holds a different model": X said once (X may hold
     # ": " or spaces itself)
-    for cut in (i for i, c in enumerate(str(exc)) if c == " " or str(exc)[i : i + 2] == ": "):
-        if _same_path(str(exc)[:cut], load):
-            said = str(exc)[cut:]
+    for cut in (i for i, c in enumerate(text) if c == " " or text.startswith(": ", i)):
+        if _same_path(text[:cut], load):
+            said = text[cut:]
             break
     err = CheckpointError(f"{what} {load}{said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
