@@ -245,7 +245,8 @@ class Trainer:
             return []
         if (saved.get("scaler") or {}).get("init_scale") == self.cfg.initial_loss_scale:
             return []  # the same run's flag again
-        reached = scaler.scale  # the checkpoint's, as the engine's load restored it
+        # the checkpoint's (the engine's load raised it to a higher --min-loss-scale)
+        reached = float((saved.get("scaler") or {}).get("scale", scaler.scale))
         scaler.scale = max(scaler.min_scale, float(self.cfg.initial_loss_scale))
         scaler.clean_steps, scaler.hysteresis_left = 0, scaler.hysteresis
         if scaler.scale == reached:
