@@ -1492,7 +1492,7 @@ def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypat
     # a directory meant (its trailing /) was ".bin, .idx, .json not found"
     with pytest.raises(FileNotFoundError) as exc:
         _text_or_prefix(cfg, "dtaa/")
-    assert str(exc.value) == "--data dtaa/: no such directory; did you mean data?"
+    assert str(exc.value) == "--data dtaa/: no such directory; did you mean data/?"
     with pytest.raises(FileNotFoundError) as exc:
         _text_or_prefix(cfg, "zzz/")
     assert str(exc.value) == ("--data zzz/: no such directory; pass a directory of text, a "

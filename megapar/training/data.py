@@ -222,10 +222,14 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
                 raise ValueError(str(exc)) from exc
         return data
     if data.endswith(("/", os.sep)) and not os.path.exists(data):  # a directory meant
-        close = _close_sibling(data)
+        close = [d + os.sep for d in _close_dirs(data)[:2]]
         raise FileNotFoundError(
-            f"--data {data}: no such directory{close}"
-            + ("" if close else "; pass a directory of text, a text file or a prepared prefix")
+            f"--data {data}: no such directory"
+            + (
+                f"; did you mean {' or '.join(close)}?"
+                if close
+                else "; pass a directory of text, a text file or a prepared prefix"
+            )
         )
     missing = missing_files(data)
     if missing:
