@@ -1493,6 +1493,13 @@ def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError) as exc:
         _text_or_prefix(cfg, "dtaa/")
     assert str(exc.value) == "--data dtaa/: no such directory; did you mean data/?"
+    # a directory meant without its / (a re-test), and a file given a / (it lost its hint)
+    with pytest.raises(FileNotFoundError, match="; did you mean data/sub/[?]$"):
+        _text_or_prefix(cfg, "dtaa/sbu")
+    with pytest.raises(FileNotFoundError) as exc:
+        _text_or_prefix(cfg, "data/sub/c.txt/")
+    assert str(exc.value) == ("--data data/sub/c.txt/: data/sub/c.txt is a file, not a "
+                              "directory; drop the trailing /")
     with pytest.raises(FileNotFoundError) as exc:
         _text_or_prefix(cfg, "zzz/")
     assert str(exc.value) == ("--data zzz/: no such directory; pass a directory of text, a "

@@ -199,6 +199,29 @@ def test_a_directory_without_weights_names_where_they_are(tmp_path, how, capsys)
                         "the weights into (a config alone has none)"), err
 
 
+def test_no_export_replaces_the_transformers_model_the_weights_came_from(tmp_path, capsys):
+    """engine.export_hf into the directory `prepare` read wrote over its only copy without a
+    word, and a checkpoint saved from it (or trained by megapar-train --from-hf with a
+    tokenizer from elsewhere) was exported there as into "an exported model" with --overwrite
+    offered (a re-test): both refuse, naming the model it started from."""
+    import megapar
+
+    src = _dense_hf_dir(tmp_path / "hf", "llama")
+    engine = megapar.prepare(src)
+    with pytest.raises(ValueError, match=r"^engine.export_hf: .*hf/ is the transformers model "
+                       r"this engine started from; export to another directory"):
+        engine.export_hf(src + "/")
+    engine.save(tmp_path / "ckpt")
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to-hf", src]) == 2
+    assert f"{src} is the transformers model this checkpoint started from (" in \
+        capsys.readouterr().err
+    resumed = megapar.prepare(str(tmp_path / "ckpt"))  # the provenance travels with it
+    with pytest.raises(ValueError, match="started from; export to another directory"):
+        resumed.export_hf(src)
+    assert engine.export_hf(tmp_path / "out") == tmp_path / "out"
+
+
 LAYERS_KEY = {"gpt2": "n_layer", "bert": "num_hidden_layers", "llama": "num_hidden_layers"}
 
 

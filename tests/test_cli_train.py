@@ -901,7 +901,10 @@ def test_slurm_sbatch_starts_the_workers_sbatch_gave_each_node_their_cores(tmp_p
     its workers shared one core (a launch-script tryout, read from Slurm's manual)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    stand_ins = {"srun": 'echo "$SRUN_CPUS_PER_TASK $*" > "$LOG"', "scontrol": "echo node0",
+    # scontrol lists many nodes: `| head -n 1` killed it with SIGPIPE, which pipefail made the
+    # script's exit 141 (a re-test)
+    stand_ins = {"srun": 'echo "$SRUN_CPUS_PER_TASK $*" > "$LOG"',
+                 "scontrol": "echo node0; for i in $(seq 1 20000); do echo node$i; done",
                  "squeue": "echo 60:00"}
     for name, body in stand_ins.items():
         (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")

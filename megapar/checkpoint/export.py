@@ -140,17 +140,15 @@ def export_hf(
 
 def _started_from(step_dir, hf_dir) -> bool:
     """Whether `hf_dir` is the transformers directory the checkpoint at `step_dir` was imported
-    from (megapar-convert --from-hf) or trained from (megapar-train --from-hf, whose tokenizer
-    it records by its absolute path)."""
+    from (megapar-convert --from-hf: meta ``imported_from_hf``) or trained from (megapar-train
+    --from-hf, `megapar.prepare(DIR)`: ``hf_source_dir``)."""
     try:
         meta = read_manifest(step_dir).get("meta", {})
     except (CheckpointError, OSError, ValueError):
         return False
     here = Path(hf_dir).resolve()
-    sources = [meta.get("imported_from_hf")]
-    if (meta.get("train_config") or {}).get("from_hf"):
-        sources.append((meta.get("tokenizer") or {}).get("path"))
-    return any(s and Path(s).expanduser().resolve() == here for s in sources)
+    sources = (meta.get("imported_from_hf"), meta.get("hf_source_dir"))
+    return any(s and Path(s).resolve() == here for s in sources)
 
 
 def _refuse_unrepresentable(config) -> None:

@@ -221,13 +221,18 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             except FileNotFoundError as exc:  # it is there: not a corpus left on the cluster
                 raise ValueError(str(exc)) from exc
         return data
+    if data.endswith(("/", os.sep)) and os.path.isfile(data.rstrip("/" + os.sep)):
+        raise FileNotFoundError(
+            f"--data {data}: {data.rstrip('/' + os.sep)} is a file, not a directory; drop the "
+            f"trailing /"
+        )
     if data.endswith(("/", os.sep)) and not os.path.exists(data):  # a directory meant
-        close = [d + os.sep for d in _close_dirs(data)[:2]]
+        dirs = [d + os.sep for d in _close_dirs(data)[:2]]
         raise FileNotFoundError(
             f"--data {data}: no such directory"
             + (
-                f"; did you mean {' or '.join(close)}?"
-                if close
+                f"; did you mean {' or '.join(dirs)}?"
+                if dirs
                 else "; pass a directory of text, a text file or a prepared prefix"
             )
         )
@@ -264,6 +269,7 @@ def _close_sibling(path: str) -> str:
             for d in _close_dirs(parent)
             if any(os.path.exists(os.path.join(d, name + e)) for e in ("", ".idx"))
         ]  # the file, or a dataset's prefix
+        close = close or [d + os.sep for d in _close_dirs(path)]  # a directory of text meant
         return f"; did you mean {' or '.join(close[:2])}?" if close else ""
     stems = sorted(
         {e.rsplit(".", 1)[0] if e.endswith((".bin", ".idx", ".json")) else e for e in entries}
@@ -272,7 +278,9 @@ def _close_sibling(path: str) -> str:
         difflib.get_close_matches(name.rsplit(".", 1)[0], stems, n=2, cutoff=0.8)
     )  # `data/corpus.jsn`: the prefix data/corpus
     said = " or ".join(os.path.join(parent, c) for c in close)
-    return f"; did you mean {said}?" if close else ""
+    if not close:  # a directory of text meant (`dtaa` for `data`)
+        said = " or ".join(d + os.sep for d in _close_dirs(path)[:2])
+    return f"; did you mean {said}?" if said else ""
 
 
 def _close_dirs(path: str) -> list[str]:

@@ -236,6 +236,9 @@ class Engine:
         None; with one, batches may carry keys for it."""
         self.tokenizer = None
         self.source_dtype = None
+        self.source_dir: str | None = None
+        """The transformers directory the model's weights came from (absolute), where they did:
+        an export there would replace the only copy of them (`export_hf` refuses)."""
         self.source_generation_config: dict | None = None
         """The generation_config.json of the Hugging Face directory it started from (None:
         none), saved in checkpoints; `export_hf` writes it back."""
@@ -695,8 +698,15 @@ class Engine:
         `allow_other_tokenizer`.
         `dtype`: float32, bfloat16 or float16, as a name or a torch.dtype (default: the dtype
         of the transformers model given to `prepare`, else float32). Replaces those files,
-        leaves anything else there alone. Collective; rank 0 writes (`training.export`)."""
+        leaves anything else there alone; refuses the directory the weights came from
+        (`source_dir`). Collective; rank 0 writes (`training.export`)."""
         _check_path("engine.export_hf", path)
+        if self.source_dir and Path(path).expanduser().resolve() == Path(self.source_dir):
+            raise ValueError(  # on every rank: the one copy of the weights it started from
+                f"engine.export_hf: {path} is the transformers model this engine started from; "
+                f"export to another directory (the export would replace its weights with the "
+                f"trained ones)"
+            )
         self.in_its_group("engine.export_hf")
         same_call_on_every_rank("engine.export_hf", self.step, self.mesh.device)
         if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it

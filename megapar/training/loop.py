@@ -196,6 +196,7 @@ class Trainer:
             missing = load_hf_weights(self.model, reader)
         self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
         self.engine.source_generation_config = reader.generation_config  # and its generation
+        self.engine.source_dir = str(reader.path.resolve())  # an export never writes there
         note = f"loaded weights from {path}"
         if missing:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
@@ -246,7 +247,8 @@ class Trainer:
         if (saved.get("scaler") or {}).get("init_scale") == self.cfg.initial_loss_scale:
             return []  # the same run's flag again
         # the checkpoint's (the engine's load raised it to a higher --min-loss-scale)
-        reached = float((saved.get("scaler") or {}).get("scale", scaler.scale))
+        kept = (saved.get("scaler") or {}).get("scale")
+        reached = float(kept) if kept is not None else float(scaler.scale or 0.0)
         scaler.scale = max(scaler.min_scale, float(self.cfg.initial_loss_scale))
         scaler.clean_steps, scaler.hysteresis_left = 0, scaler.hysteresis
         if scaler.scale == reached:

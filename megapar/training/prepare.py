@@ -622,6 +622,7 @@ def _load_checkpoint_weights(engine: Engine, step_dir: Path) -> None:
     engine.tokenizer = meta.get("tokenizer")
     engine.source_dtype = meta.get("hf_dtype")
     engine.source_generation_config = meta.get("hf_generation_config")
+    engine.source_dir = meta.get("hf_source_dir")
 
 
 def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
@@ -652,6 +653,7 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     set_action(f"megapar.prepare: loading the {what}'s weights")
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
     engine.source_generation_config = reader.generation_config  # and its generation_config
+    engine.source_dir = str(reader.path.resolve())  # export_hf never writes there
 
     if not from_dir:
         _check_same_weights(model, engine.mesh)

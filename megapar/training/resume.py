@@ -23,6 +23,7 @@ RESERVED_META = frozenset(
         "tokenizer",
         "hf_dtype",
         "hf_generation_config",
+        "hf_source_dir",
         "train_config",
         "batches_from_caller",
     }
@@ -140,6 +141,8 @@ def checkpoint_meta(engine, extra: dict | None) -> dict:
         meta["hf_dtype"] = engine.source_dtype
     if engine.source_generation_config is not None:
         meta["hf_generation_config"] = engine.source_generation_config
+    if engine.source_dir is not None:
+        meta["hf_source_dir"] = engine.source_dir
     return meta
 
 
@@ -163,3 +166,4 @@ def restore_meta(engine, meta: dict) -> None:
     engine.source_generation_config = meta.get(
         "hf_generation_config", engine.source_generation_config
     )
+    engine.source_dir = meta.get("hf_source_dir", engine.source_dir)
