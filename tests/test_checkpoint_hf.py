@@ -199,6 +199,20 @@ def test_a_directory_without_weights_names_where_they_are(tmp_path, how, capsys)
                         "the weights into (a config alone has none)"), err
 
 
+@pytest.mark.parametrize("kind", ["", None, "lama"])
+def test_a_known_architecture_with_a_wrong_model_type_names_the_key_to_set(tmp_path, kind,
+                                                                            capsys):
+    """config.json of a LlamaForCausalLM whose model_type is empty, null or mistyped said
+    "LlamaForCausalLM (model_type '') is not a model megapar builds; it trains ... /
+    LlamaForCausalLM / ..." (a re-test): the key to set, named."""
+    src = _dense_hf_dir(tmp_path / "hf", "llama")
+    cfg = Path(src) / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_type": kind}))
+    err = _refused_in_one_line(src, tmp_path, "convert", capsys)
+    assert err.endswith(f"/config.json: LlamaForCausalLM with model_type {kind!r}; set "
+                        f'"model_type": "llama" (transformers writes it so)'), err
+
+
 def test_no_export_replaces_the_transformers_model_the_weights_came_from(tmp_path, capsys):
     """engine.export_hf into the directory `prepare` read wrote over its only copy without a
     word, and a checkpoint saved from it (or trained by megapar-train --from-hf with a

@@ -143,6 +143,12 @@ def _refuse_other_model(raw: dict, path: Path) -> None:
         return
     names = raw.get("architectures")
     name = ", ".join(map(str, names)) if isinstance(names, list) and names else "its model"
+    known = {v: k for k, v in ARCHITECTURES.items()}
+    if name in known:  # an architecture megapar builds, its model_type missing or mistyped
+        raise ConfigError(
+            f'{path}/config.json: {name} with model_type {kind!r}; set "model_type": '
+            f'"{known[name]}" (transformers writes it so)'
+        )
     raise ConfigError(
         f"{path}: {name} (model_type {kind!r}) is not a model megapar builds; it trains "
         f"{' / '.join(ARCHITECTURES.values())} checkpoints"
