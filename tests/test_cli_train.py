@@ -132,10 +132,10 @@ def test_an_fp16_resume_keeps_its_floor_restarts_a_given_scale_and_bf16_takes_no
                              "the checkpoint's 256") in said.out + said.err, said
     # with a floor above the checkpoint's scale, the note named the raised scale as the
     # checkpoint's ("not at the checkpoint's 512" for 256: a tryout)
-    scale, said = resumed("--precision", "fp16", "--initial-loss-scale", "1024",
-                          "--min-loss-scale", "512")
-    assert scale == 1024 and ("restarts at --initial-loss-scale 1024, not at the checkpoint's "
-                              "256 ") in said.out + said.err, said
+    scale, said = resumed("--precision", "fp16", "--initial-loss-scale", "1048576",
+                          "--min-loss-scale", "512")  # as given, not 1.04858e+06
+    assert scale == 1048576 and ("restarts at --initial-loss-scale 1048576, not at the "
+                                 "checkpoint's 256 ") in said.out + said.err, said
     # (the same flag again, a requeued job's command line, continues the checkpoint's scale
     # mid-hysteresis: test_faults' test_fp16_overflows_are_skipped_not_failures_...)
     scale, said = resumed("--precision", "bf16")

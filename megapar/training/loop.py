@@ -254,8 +254,8 @@ class Trainer:
         if scaler.scale == reached:
             return []
         return [
-            f"the fp16 loss scale restarts at --initial-loss-scale {scaler.scale:g}, not at the "
-            f"checkpoint's {reached:g} (which a resume without the flag continues)"
+            f"the fp16 loss scale restarts at --initial-loss-scale {scaler.scale:.10g}, not at the "
+            f"checkpoint's {reached:.10g} (which a resume without the flag continues)"
         ]
 
     # -- save / eval -------------------------------------------------------------------------
