@@ -41,6 +41,7 @@ from megapar.data_parallel.zero3_half import half_weights
 from megapar.data_parallel.zero_buckets import Zero1Buckets, Zero2Buckets
 from megapar.expert_parallel import is_expert
 from megapar.tensor_parallel.partition import shared_embedding_params
+from megapar.tensor_parallel.sequence_parallel import sequence_parallel_params
 
 
 class GradSync(Protocol):
@@ -101,6 +102,20 @@ class GradSync(Protocol):
         before the first step."""
 
 
+def summed_before_reduction(model: nn.Module, mesh) -> list[nn.Parameter]:
+    """The parameters whose gradient is a sum of shares taken on other ranks than dp's, which
+    a reduction that rounds (the all-reduce kind's compressors, a 16-bit reduce dtype:
+    `GradBuckets.defers_last`) must reduce only once summed, as one process has it: the tied
+    embedding (`shared_embedding`) over the first and last stage, and with tp > 1 the
+    parameters partial over tp (sequence parallelism's replicated ones, Llama's whole k / v).
+    Laid out last, in this order; the step defers them (`TrainStep`)."""
+    last = list(shared_embedding_params(model)) if mesh.pp > 1 else []
+    if mesh.tp > 1:
+        seen = {id(p) for p in last}
+        last += [p for p in sequence_parallel_params(model) if id(p) not in seen]
+    return last
+
+
 def build_grad_sync(
     model: nn.Module,
     mesh,
@@ -135,8 +150,6 @@ def build_grad_sync(
         if hasattr(compressor, "name_params"):  # PowerSGD: Q seeded by canonical name
             compressor.name_params(model.named_parameters())
     params = list(model.parameters())
-    # the tied embedding (`shared_embedding`), summed over stages before its reduction
-    last = shared_embedding_params(model) if mesh.pp > 1 else []
     if zero == 0 or mesh.dp * mesh.cp == 1:
         return GradBuckets(
             params,
@@ -145,9 +158,12 @@ def build_grad_sync(
             compressor,
             reduce_dtype,
             average_over=dp,
-            last=last,
+            last=summed_before_reduction(model, mesh),
             expert_group=experts,
         )
+    # the tied embedding (`shared_embedding`), summed over stages before its reduction; the
+    # sharded kinds sum what is partial over tp on their slices, once reduced (exact)
+    last = shared_embedding_params(model) if mesh.pp > 1 else []
     if zero == 3:
         return ShardedParams(
             model,

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapar.data_parallel.grad_sync import summed_before_reduction
 from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
@@ -204,17 +205,20 @@ class TrainStep:
             f" ({', '.join(collectives)})" if collectives else ""
         )
         """What a hang in the optimizer step was doing (`set_action`): its collectives, if any."""
-        self.tied_in_finish = self.sharded or (
-            mesh.pp > 1 and getattr(grad_sync, "defers_last", False)
-        )
+        rounds = getattr(grad_sync, "defers_last", False)
+        self.tied_in_finish = self.sharded or (mesh.pp > 1 and rounds)
         """The tied embedding's sum over the first and last stage runs inside the grad sync's
         finish(), before its (deferred) dp reduction: the sharded kinds, and the all-reduce
         that rounds (`GradBuckets.defers_last`: compressed, or in a 16-bit reduce dtype); else
         `sync_gradients` sums the reduced shares."""
+        self.partial_in_finish = self.partial_over_tp and not self.sharded and rounds
+        """What is partial over tp is summed there too, before the reduction that rounds
+        (PowerSGD compressing each tp rank's share apart was not one process's step); else
+        `sync_gradients` sums it after."""
         if self.sharded:
             self._attach()
-        elif self.tied_in_finish:
-            self.grad_sync.defer(*self._tied_sync())
+        elif self.tied_in_finish or self.partial_in_finish:
+            self.grad_sync.defer(*self._deferred_sync())
         elif optimizer.zero and mesh.dp * mesh.cp > 1:
             raise ValueError(
                 f"the ZeRO-{optimizer.zero} optimizer with dp x cp > 1 needs its "
@@ -226,6 +230,22 @@ class TrainStep:
         """Attach the distributed optimizer to the sharded grad sync; with pp > 1 the tied
         embedding is synchronised inside finish(), before its bucket's reduce-scatter."""
         self.optimizer.attach(self.grad_sync, *self._tied_sync())
+
+    def _deferred_sync(self):
+        """(`summed_before_reduction`'s parameters, the function summing them: the tied
+        embedding over the first and last stage, what is partial over tp over tp): what the
+        all-reduce kind defers when its reduction rounds."""
+        tied, sum_tied = self._tied_sync()
+        tp_group = self.mesh.tp_group
+
+        def before() -> None:
+            if sum_tied is not None:
+                sum_tied()
+            if self.partial_in_finish:
+                set_action("sequence-parallel gradient all-reduce over tp (before dp's)")
+                sync_sequence_parallel_grads(self.model, tp_group)
+
+        return summed_before_reduction(self.model, self.mesh), before
 
     def _tied_sync(self):
         """(the tied embedding's parameters on this stage, the function summing their
@@ -247,7 +267,9 @@ class TrainStep:
         """After the schedule: sum what is partial over tp (`partial_over_tp`) and the tied
         embedding over the first and last stage (unless the grad sync's finish() did that
         already: `tied_in_finish`)."""
-        if self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
+        if self.partial_in_finish:
+            pass  # summed before the dp reduction, in the grad sync's finish()
+        elif self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
             # ZeRO-2 / 3: the gradients are this rank's pieces by now (the sum is linear)
             self.optimizer.sum_partial_over_tp(self.mesh.tp_group)
         elif self.partial_over_tp:  # each rank's share: its positions (SP), its heads (k / v)
