@@ -1,0 +1,27 @@
+"""The layout fuzzer's own checks (tools/layout_fuzz.py): a comparison that finds nothing to
+compare, or two diverged runs, is no pass (a fuzz run's audit of the tool)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fuzz():
+    spec = importlib.util.spec_from_file_location("layout_fuzz", ROOT / "tools" / "layout_fuzz.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_comparison_with_nothing_compared_or_two_diverged_runs_fails():
+    fuzz = _fuzz()
+    assert fuzz.compare([], [])[0] == math.inf  # passed: 0 == 0 steps
+    assert fuzz.compare([{"step": 1}], [{"step": 1}])[0] == math.inf  # no number logged
+    assert fuzz.rel(math.inf, math.inf) == math.inf == fuzz.rel(math.nan, math.nan)
+    same = [{"step": 1, "loss": 2.5, "grad_norm": 1.0}]
+    assert fuzz.compare(same, same) == (0.0, ["step 1 grad_norm: 1.0 vs 1.0 (rel 0.00e+00)",
+                                              "step 1 loss: 2.5 vs 2.5 (rel 0.00e+00)"])
+    worst, _ = fuzz.compare([{"step": 1, "loss": 2.5001}], [{"step": 1, "loss": 2.5}])
+    assert math.isclose(worst, 4e-5, rel_tol=1e-6)
