@@ -235,7 +235,7 @@ class TrainStep:
         """(`summed_before_reduction`'s parameters, the function summing them: the tied
         embedding over the first and last stage, what is partial over tp over tp): what the
         all-reduce kind defers when its reduction rounds."""
-        tied, sum_tied = self._tied_sync()
+        _, sum_tied = self._tied_sync()
         tp_group = self.mesh.tp_group
 
         def before() -> None:
@@ -267,8 +267,8 @@ class TrainStep:
         """After the schedule: sum what is partial over tp (`partial_over_tp`) and the tied
         embedding over the first and last stage (unless the grad sync's finish() did that
         already: `tied_in_finish`)."""
-        if self.partial_in_finish:
-            pass  # summed before the dp reduction, in the grad sync's finish()
+        if self.partial_in_finish:  # summed before the dp reduction, in the grad sync's finish()
+            pass
         elif self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
             # ZeRO-2 / 3: the gradients are this rank's pieces by now (the sum is linear)
             self.optimizer.sum_partial_over_tp(self.mesh.tp_group)
