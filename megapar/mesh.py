@@ -49,6 +49,14 @@ from megapar.comm_wait import blocked
 from megapar.wording import counted
 
 
+def tp_spans_nodes(tp: int, world: int, per_node: int) -> bool:
+    """Whether a tp group of a job of `world` ranks, numbered node by node, spans two nodes of
+    `per_node` ranks: tp is the fastest axis in every rank order, so its groups are tp
+    consecutive ranks, and one crosses a node's end where tp does not divide `per_node` (on
+    more than one node)."""
+    return tp > 1 and world > per_node and per_node % tp != 0
+
+
 class LayoutError(ValueError):
     """A parallel layout that cannot work (sizes, world size, model shapes)."""
 
@@ -178,6 +186,10 @@ class Layout:
         if self.order == "tp-dp-pp":
             return ("pp", "dp", "cp", "tp"), (self.pp, self.dp, self.cp, self.tp)
         return ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
+
+    def tp_spans_nodes(self, per_node: int) -> bool:
+        """Whether a tp group spans two nodes of `per_node` ranks (`tp_spans_nodes`)."""
+        return tp_spans_nodes(self.tp, self.world_size, per_node)
 
     def across_nodes(self, per_node: int) -> list[str]:
         """The axes (tp, cp, pp, dp, in that order) any of whose groups spans more than one

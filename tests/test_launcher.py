@@ -933,3 +933,10 @@ def test_a_tp_group_across_nodes_is_noted_with_the_tp_that_stays_inside():
         f"tp 2 spans nodes of 3 ranks: {tail}give a --tp that divides 3")
     assert tp_across_nodes(Layout(tp=16), 8) == f"tp 16 spans nodes of 8 ranks: {tail}keep --tp 8 or less"
     assert tp_across_nodes(Layout(tp=2, dp=4), 2) == tp_across_nodes(Layout(dp=4), 1) == ""
+    # the rule (`mesh.tp_spans_nodes`, which megapar-plan applies too) is the groups' own
+    for tp in (1, 2, 3, 4, 6):
+        for dp in (1, 2, 3, 4):
+            for per_node in (1, 2, 3, 4, 5, 8):
+                layout = Layout(tp=tp, dp=dp)
+                assert layout.tp_spans_nodes(per_node) == (
+                    "tp" in layout.across_nodes(per_node)), (tp, dp, per_node)

@@ -313,6 +313,21 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     assert parse_candidate(c.spec()) == c
 
 
+def test_a_tp_that_does_not_divide_a_node_spans_nodes():
+    """tp 2 on nodes of 3 GPUs was planned (only tp above a node was refused), though its
+    group {2, 3} spans nodes 0 and 1, as megapar-train's log and dry run say."""
+    config = GPT2Config(n_layer=4, n_head=6, n_embd=384)
+    problem = Problem(config, 6, 3, global_batch=12, seq_len=128)
+    assert "tp 2 would span nodes (--gpus-per-node 3)" in check(parse_candidate("tp=2", 6),
+                                                                 problem)
+    assert check(parse_candidate("tp=3", 6), problem) is None
+    from megapar.plan.search import search
+
+    found = search(problem)
+    assert found.estimates and all(e.candidate.tp in (1, 3) for e in found.estimates)
+    assert any(c.tp == 2 and "span nodes" in r for c, r in found.rejected)
+
+
 def test_a_size_below_1_is_named_invalid():
     """check() names a size below 1; --explain refuses it as a bad value before (exit 2)."""
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)

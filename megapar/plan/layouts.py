@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megapar.context_parallel.a2a import heads_error
 from megapar.data_parallel.sharded_params import REDUCES
-from megapar.mesh import Layout, LayoutError
+from megapar.mesh import Layout, LayoutError, tp_spans_nodes
 from megapar.models.blocks import CP_COMM_TYPES
 from megapar.models.flops import heads
 from megapar.one_line_parser import FALSE_WORDS, TRUE_WORDS
@@ -454,11 +454,8 @@ def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
             else f"; choose sizes whose product divides {gpus}"
         )
         return f"{names}*dp = {sizes}*{c.dp} = {split * c.dp} is not --gpus {gpus}{why}{fix}"
-    if c.tp > gpus_per_node:
-        return (
-            f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
-            f"parallelism needs the intra-node link"
-        )
+    if tp_spans_nodes(c.tp, gpus, gpus_per_node):
+        return _spans_nodes(c.tp, gpus_per_node)
     return None
 
 
@@ -602,19 +599,25 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+def _spans_nodes(tp: int, gpus_per_node: int) -> str:
+    """The refusal of a tp whose groups span nodes (`mesh.tp_spans_nodes`)."""
+    return (
+        f"tp {tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor parallelism needs "
+        f"the intra-node link"
+    )
+
+
 def _grid_reason(
-    config, tp: int, pp: int, dp: int, gpus_per_node: int, global_batch: int
+    config, tp: int, pp: int, dp: int, gpus: int, gpus_per_node: int, global_batch: int
 ) -> str | None:
-    """Why no option (micro-batch size, schedule, recompute, SP, ZeRO) can run tp x pp x dp."""
+    """Why no option (micro-batch size, schedule, recompute, SP, ZeRO) can run tp x pp x dp
+    (x cp) on `gpus`."""
     try:
         config.validate(Layout(tp, pp, dp))
     except LayoutError as exc:
         return str(exc)
-    if tp > gpus_per_node:
-        return (
-            f"tp {tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
-            f"parallelism needs the intra-node link"
-        )
+    if tp_spans_nodes(tp, gpus, gpus_per_node):
+        return _spans_nodes(tp, gpus_per_node)
     if global_batch % dp:
         return f"global batch {global_batch} is not divisible by dp {dp}"
     return None
@@ -655,7 +658,7 @@ def enumerate_candidates(
         for cp in (c for c in cp_sizes or default_cp_sizes(p.seq_len) if (gpus // tp) % c == 0):
             for pp in divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                reason = _grid_reason(config, tp, pp, dp, p.gpus_per_node, p.global_batch)
+                reason = _grid_reason(config, tp, pp, dp, gpus, p.gpus_per_node, p.global_batch)
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue

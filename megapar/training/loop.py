@@ -657,7 +657,7 @@ def tp_across_nodes(layout: Layout, per_node: int, given_by: str = "") -> str:
     """The note on a tp group that spans nodes of `per_node` ranks (every layer's tp collectives
     then cross the link between nodes, which megapar-plan refuses for tp); "" where each stays
     inside a node. `given_by`: the flag that set `per_node`, named after it."""
-    if layout.tp == 1 or "tp" not in layout.across_nodes(per_node):
+    if not layout.tp_spans_nodes(per_node):
         return ""
     # tp is the fastest axis: a group crosses nodes where tp does not divide the node
     fit = (
