@@ -643,10 +643,10 @@ a megapar field and read as such."""
 def config_from_dict(d: dict):
     """A model config from a dict with a "model_type" key (one of `CONFIG_CLASSES`)."""
     kind = d.get("model_type")
-    kinds = or_list(sorted(CONFIG_CLASSES))
-    if not kind:
-        raise ConfigError(f'the config has no model_type; add "model_type": one of {kinds}')
     if kind not in CONFIG_CLASSES:
+        kinds = or_list(sorted(CONFIG_CLASSES))
+        if not kind:
+            raise ConfigError(f'the config has no model_type; add "model_type": one of {kinds}')
         raise ConfigError(f"unknown model_type {kind!r}; expected one of {kinds}")
     return CONFIG_CLASSES[kind].from_dict(d)
 

@@ -188,16 +188,21 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         head = f"megapar-train --dp {c.dp}"
     else:
         head = (  # every node runs it, with its own NODE_RANK (`multinode_note`)
-            f"torchrun --nnodes {-(-p.gpus // p.gpus_per_node)} --nproc-per-node "
+            f"torchrun --nnodes {_nodes(p)} --nproc-per-node "
             f"{p.gpus_per_node} --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
             f"--master-port 29500 -m megapar.cli.train"
         )
     return " ".join([head] + flags), missing
 
 
+def _nodes(p: Problem) -> int:
+    """The nodes a plan's GPUs fill."""
+    return -(-p.gpus // p.gpus_per_node)
+
+
 def multinode_note(p: Problem) -> str:
     """How to run `command`'s torchrun line on a job of several nodes ("" on one node)."""
-    nodes = -(-p.gpus // p.gpus_per_node)
+    nodes = _nodes(p)
     if nodes == 1:
         return ""
     gpus = f" --gpus-per-node {p.gpus_per_node}" if p.gpus_per_node != 8 else ""
