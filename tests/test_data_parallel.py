@@ -256,3 +256,58 @@ def test_every_schedule_launches_its_buckets_during_the_step(schedule, virtual_s
     for counts, buckets in run_local(_overlap_count_worker, 4, schedule, virtual_stages):
         assert buckets >= 4
         assert counts == [(buckets, 0)] * 2, (schedule, counts, buckets)
+
+
+def _tied_copies_worker(schedule: str, zero: int, reduce_dtype):
+    """Three steps of gpt2 at pp 2 x dp 4 (each dp rank its own data); returns this rank's
+    coordinates and its tied embedding's weights (the first stage's and / or the copy)."""
+    from test_comm_counts import CONFIGS, MBS, SEQ
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.mesh import Layout, Mesh
+    from megapar.optim import LRScheduler, Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.tensor_parallel.partition import shared_embedding_params
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(1, 2, 4), dist.get_rank())
+    v = schedule == "zb-v"
+    vocab, hidden = 1000, 64  # gloo sums a small buffer in one order on every rank
+    config = GPT2Config(**{**CONFIGS["gpt2"], "n_layer": 4, "vocab_size": vocab, "n_embd": hidden})
+    model = build_stage(config, mesh, seed=0,
+                        virtual_stages=2 if v else 1, placement="v" if v else "loop")
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, hidden))
+    optimizer = build_optimizer(model, mesh, 1e-2, 0.1, zero=zero)
+    sync = build_grad_sync(model, mesh, zero, 25.0, reduce_dtype=reduce_dtype)  # one bucket
+    step = TrainStep(model, mesh, executor, optimizer,
+                     LRScheduler(1e-2, 1e-3, 0, 10, "constant"), Precision("fp32", mesh.device),
+                     1.0, grad_sync=sync)
+    gen = torch.Generator().manual_seed(100 + mesh.dp_rank)
+    for i in range(3):
+        batches = []
+        for _ in range(4):
+            ids = torch.randint(0, vocab, (MBS, SEQ), generator=gen)
+            batches.append({"input_ids": ids, "labels": (ids + 1) % vocab})
+        step.step(batches, i)
+    return mesh.pp_rank, mesh.dp_rank, [p.detach().clone() for p in shared_embedding_params(model)]
+
+
+@pytest.mark.parametrize("schedule,zero,reduce_dtype", [
+    ("1f1b", 0, torch.float16), ("1f1b", 1, None), ("1f1b", 2, None), ("zb-v", 1, None),
+    ("zb-v", 0, torch.bfloat16)])
+def test_the_tied_embeddings_copies_stay_bitwise_equal(schedule, zero, reduce_dtype):
+    """Where the tied embedding's sum over the first and last stage precedes the dp reduction
+    (ZeRO-1 / 2; the all-reduce in 16 bits), each end reduced its copy in its own order of
+    summation over dp 4 (a ring's depends on where the copy lies in its bucket), and the copies
+    drifted apart (docs/testing.md). The first stage's reduced gradient replaces the last's
+    (`pipeline.tied.equal_tied_grads`); in the V placement (ZB-V) both are on pp rank 0."""
+    out = run_local(_tied_copies_worker, 8, schedule, zero, reduce_dtype)
+    held: dict[int, list] = {}
+    for _, dp_rank, weights in out:
+        held.setdefault(dp_rank, []).extend(weights)
+    assert sorted(held) == [0, 1, 2, 3]
+    for dp_rank, weights in held.items():
+        assert len(weights) == 2, (dp_rank, len(weights))  # the embedding and its copy
+        assert torch.equal(weights[0], weights[1]), (
+            f"dp rank {dp_rank}: copies differ by {(weights[0] - weights[1]).abs().max():.3g}")
+    assert not torch.equal(held[0][0], out[0][2][0] * 0)  # trained, not zeros

@@ -215,8 +215,13 @@ class InjectInf:
     def run(self, *args, **kwargs):
         loss = self.executor.run(*args, **kwargs)
         if self.calls == INJECT_STEP and self.rank == INJECT_RANK:
-            if self.optimizer is not None:
-                self.optimizer.pieces[-1].grad[0] = float("inf")
+            if self.optimizer is not None:  # not the tied copy's: the first stage's replaces it
+                from megapar.tensor_parallel.partition import is_shared_embedding
+
+                opt = self.optimizer
+                own = [t for t, (p, _, _) in zip(opt.pieces, opt._piece_of)
+                       if not is_shared_embedding(p)]
+                own[-1].grad[0] = float("inf")
             else:
                 self.model.final_norm.weight.grad[0] = float("inf")
         self.calls += 1

@@ -118,6 +118,7 @@ def bucket_layout(
     experts: Iterable[int] = (),
     expert_shards: int = 1,
     apart: Iterable[int] = (),
+    late_alone: bool = False,
 ) -> list[tuple[list[int], int]]:
     """How `GradBuckets` lays out parameters of these (numel, dtype), given in registration
     order: per bucket, (the parameters' indices in buffer order, the elements the bucket
@@ -125,7 +126,9 @@ def bucket_layout(
     larger single parameter gets a bucket of its own), never mixing dtypes nor the `experts`
     indices with the others; each bucket is zero-padded to a multiple of `shards` (dp when
     sharded for ZeRO-1; an experts' bucket: `expert_shards`) and the `late` indices go into the
-    last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it.
+    last bucket(s); `late_alone`: each in a bucket of its own (ZeRO-1 / 2's tied embedding, so
+    that its copies on the first and last stage are cut into the same slices). The ZeRO-1
+    planner (`megapar.plan`) counts bytes with it.
 
     The `apart` indices (ZeRO-1 / 2's 16-bit gathered weights) fill buckets of their own beside
     the others': two buckets are open at a time, one for `apart` parameters and one for the
@@ -150,6 +153,7 @@ def bucket_layout(
             dtype != sizes[open_[0]][1]
             or (i in experts) != (open_[0] in experts)
             or size[kind] + nbytes > limit
+            or (late_alone and (i in late or open_[0] in late))
         ):
             buckets.append(open_)
             current[kind], size[kind] = [], 0
@@ -173,6 +177,7 @@ def make_buckets(
     experts: Iterable[torch.nn.Parameter] = (),
     expert_shards: int = 1,
     apart: Iterable[torch.nn.Parameter] = (),
+    late_alone: bool = False,
 ) -> list[Bucket]:
     """`params` cut into buckets as `bucket_layout` lays them out; the buckets of `apart`
     parameters are marked `Bucket.half`."""
@@ -186,6 +191,7 @@ def make_buckets(
         [i for i, p in enumerate(params) if id(p) in expert_ids],
         expert_shards,
         [i for i, p in enumerate(params) if id(p) in apart_ids],
+        late_alone,
     )
     return [
         Bucket([params[i] for i in idx], padded=padded, half=id(params[idx[0]]) in apart_ids)
@@ -339,6 +345,7 @@ class GradBuckets:
             experts,
             edp if sharded else 1,
             self.half_params,
+            late_alone=sharded,
         )
         for b in buckets:
             if experts and is_expert(b.params[0]):
@@ -379,6 +386,11 @@ class GradBuckets:
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b`, relative to the bucket: all of it here."""
         return 0, b.padded
+
+    def reduced_part(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """What this rank holds of `param`'s reduced gradient once `finish` returned, in
+        place: here all of it (its ``.grad`` view)."""
+        return self._views[id(param)]
 
     def _place(self) -> None:
         """Each bucket's offset (`Bucket.start`) in its dtype's buffer."""

@@ -48,7 +48,8 @@ class GradSync(Protocol):
     """A stage's gradient synchronisation over the data-parallel group, driven by the
     executor once per training step. Besides these, the training step reads what only some
     kinds have where they have it: the all-reduce's `GradBuckets.defers_last` and
-    `compressor`, ZeRO-3's `ShardedParams.float8` and `step_scope`."""
+    `compressor`, the bucket kinds' `reduced_part` (all-reduce, ZeRO-1 / 2), ZeRO-3's
+    `ShardedParams.float8` and `step_scope`."""
 
     @property
     def stage(self) -> int:

@@ -91,6 +91,25 @@ class Zero1Buckets(GradBuckets):
         size = b.padded // b.group_size
         return b.group_rank * size, (b.group_rank + 1) * size
 
+    def reduced_part(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """What this rank holds of `param`'s reduced gradient once `finish` returned, in
+        place: its slice of the bucket `param` has to itself (the tied embedding's: `last`,
+        laid out alone), padding included."""
+        b = self._bucket_of[id(param)]
+        if len(b.params) != 1:
+            raise ValueError(
+                f"{type(self).__name__}.reduced_part: the parameter shares its bucket with "
+                f"{len(b.params) - 1} other(s), so its slices are not its own; only `last` "
+                f"parameters are laid out alone"
+            )
+        return self._slice(b)
+
+    def _slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced slice of bucket `b` (in the full buffer)."""
+        assert b.flat is not None  # a view of the full buffer (ZeRO-1)
+        lo, hi = self.shard_range(b)
+        return b.flat[lo:hi]
+
     def _bound_copies(self) -> None:
         """Gloo: wait for the oldest reduce-scatters in flight until fewer than
         MAX_COPIES_IN_FLIGHT are, so their bucket copies are freed during the backward."""
@@ -153,6 +172,11 @@ class Zero2Buckets(Zero1Buckets):
             offsets[dtype] = start + size
         for p in self.params:
             p.grad = None
+
+    def _slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced slice of bucket `b`: its shard."""
+        assert b.shard is not None  # set by _allocate
+        return b.shard
 
     def begin_step(self) -> None:
         """Start a step: zero the shards; ``.grad`` is autograd's own until a bucket is

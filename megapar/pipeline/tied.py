@@ -13,6 +13,14 @@ two copies are summed in place, and the last rank holds none.
 
 Call `sync_tied_embeddings` after the pipeline schedule (all gradients accumulated) and before
 gradient clipping and the optimizer step.
+
+Where the sum runs *before* the data-parallel reduction (ZeRO-1 / 2, and the all-reduce that
+rounds: compressed or in 16 bits), each end then reduces its copy in its own collective, whose
+order of summation is not the other end's (a ring's depends on where the tensor lies in its
+bucket, and on the communicator), so the two results may differ in the last bits and the copies
+drift apart step by step. `equal_tied_grads` then gives the last stage the first stage's reduced
+gradient (a broadcast over the embedding group of the part each rank holds; in the V placement,
+a copy), which makes the copies bitwise equal again.
 """
 
 from __future__ import annotations
@@ -64,3 +72,36 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh) -> int:
             "of them called sync_tied_embeddings",
         )
     return len(params)
+
+
+def equal_tied_grads(parts: list[torch.Tensor], mesh: Mesh) -> int:
+    """Make this rank's `parts` of the tied embedding's reduced gradient (the grad sync's
+    `reduced_part` of each `shared_embedding_params`, in their order: the embedding's before
+    its copy) the first stage's: broadcast from the first stage over `mesh.embedding_group`,
+    or, with both on this rank (the V placement), the copy's overwritten by the embedding's.
+    Call after the data-parallel reduction that followed `sync_tied_embeddings`; the part each
+    rank holds must be the same slice on both ends (the whole gradient, or ZeRO-1 / 2's slice
+    of a bucket the parameter has to itself). Returns the tensors made equal (0: pp == 1 or
+    no copy here)."""
+    if mesh.pp == 1 or not parts:
+        return 0
+    if len(parts) == 2:  # the V placement: both copies here
+        parts[1].copy_(parts[0])
+        return 1
+    if mesh.embedding_group is None:
+        raise RuntimeError(
+            f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
+            f"embedding group; only the first and last pipeline stage may hold one"
+        )
+    work = dist.broadcast(
+        parts[0], src=mesh.stage_rank(0), group=mesh.embedding_group, async_op=True
+    )
+    wait(
+        work,
+        mesh.device,
+        mesh.timeout_s,
+        f"rank {mesh.rank}: broadcast of the tied embedding's reduced gradient from the first "
+        f"stage to the last",
+        hint="; the first or last stage probably failed",
+    )
+    return 1

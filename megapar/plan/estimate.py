@@ -643,11 +643,7 @@ def estimate(
     dp_exposed = _dp_exposed(p, c, m, busiest, shared)
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
-    tied = (
-        ring_seconds(2, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps, p.latency_us)
-        if c.pp > 1
-        else 0.0
-    )
+    tied = _tied_seconds(p, c, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps)
     sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.etp, c.sp, c.zero >= 2, c.dp * n)
     tp_sync = shared.get(("tp sync", *sync_key), lambda: tp_sync_seconds(p, c))
     # the busiest rank's own collectives, m micro-batches of them: its busy time is `compute`
@@ -792,6 +788,22 @@ def tp_sync_seconds(p: Problem, c: Candidate) -> float:
         return 0.0
     nbytes = max(tp_sync_bytes(p, c, stage) for stage in range(c.pp))
     return ring_seconds(c.tp, nbytes, p.intra_gbps, p.latency_us) if nbytes else 0.0
+
+
+def _tied_seconds(p: Problem, c: Candidate, nbytes: int, gbps: float) -> float:
+    """The tied embedding's gradient (`nbytes`) over the first and last stage at pp > 1: its
+    sum, an all-reduce of two ranks; and where the dp reduction follows that sum and shards
+    or rounds it (ZeRO-1 / 2; without ZeRO, a reduction in 16 bits: fp16's), the first
+    stage's reduced part of it broadcast to the last (`pipeline.tied.equal_tied_grads`),
+    under ZeRO a slice of 1 / (dp x cp) of it."""
+    if c.pp == 1:
+        return 0.0
+    seconds = ring_seconds(2, nbytes, gbps, p.latency_us)
+    ranks = c.dp * c.cp
+    if ranks > 1 and (c.zero in (1, 2) or (c.zero == 0 and reduce_scale(0, p.precision) < 1)):
+        part = nbytes / ranks if c.zero else nbytes
+        seconds += part * 8 / (gbps * 1e9) + p.latency_us * 1e-6
+    return seconds
 
 
 def _dp_exposed(

@@ -302,7 +302,9 @@ def _layout(layout: StageLayout):
     experts = [i for i, t in enumerate(tensors) if t.expert] if ep > 1 else []
     sizes = [(t.numel, t.dtype) for t in tensors]
     apart = layout.casts.zero12_half(tensors)
-    buckets = bucket_layout(sizes, layout.bucket_mb, dp, late, experts, dp // ep, apart)
+    buckets = bucket_layout(
+        sizes, layout.bucket_mb, dp, late, experts, dp // ep, apart, late_alone=True
+    )
     return tensors, buckets, None
 
 

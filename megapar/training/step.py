@@ -51,7 +51,7 @@ from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.optim.clip import clip_grad_norm
-from megapar.pipeline.tied import sync_tied_embeddings
+from megapar.pipeline.tied import equal_tied_grads, sync_tied_embeddings
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import weight_cast_cache
 from megapar.tensor_parallel.partition import shared_embedding_params
@@ -277,6 +277,20 @@ class TrainStep:
         if self.mesh.pp > 1 and not self.tied_in_finish:  # else done in grad_sync.finish()
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
+        elif self.mesh.pp > 1:
+            self._equal_tied_grads()
+
+    def _equal_tied_grads(self) -> None:
+        """After a dp reduction that followed the tied embedding's sum (`tied_in_finish`),
+        the last stage's copy takes the first stage's reduced gradient (`equal_tied_grads`):
+        each end reduced its copy in its own order of summation. The bucket kinds say what
+        this rank holds of it (`reduced_part`); ZeRO-3, whose units cut the two copies into
+        other slices, has none and is left as it is."""
+        part = getattr(self.grad_sync, "reduced_part", None)
+        if part is None or self.mesh.dp * self.mesh.cp == 1:
+            return
+        set_action("tied-embedding gradient broadcast (first stage to last)")
+        equal_tied_grads([part(p) for p in shared_embedding_params(self.model)], self.mesh)
 
     def weights_scope(self):
         """The context of one step's forwards and backwards: under ZeRO-3 its gathers in the
