@@ -77,17 +77,19 @@ def layout_option(name: str, value: object = None, api: bool = False) -> str:
 
 def ep_split_error(ep: int, dp: int, cp: int, api: bool = False) -> str:
     """The one line for an ep that does not divide dp x cp (megapar-train's check of its
-    flags, `Layout`'s and megapar.prepare's): the product, and the ep values that divide it;
-    worded for the caller (`layout_option`)."""
+    flags, `Layout`'s and megapar.prepare's): the product, and the ep values that divide it
+    (which must divide the model's experts too, checked once the model is read); worded for
+    the caller (`layout_option`)."""
     ranks = dp * cp
     fits = [e for e in range(1, ranks + 1) if ranks % e == 0]
     choices = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
     dp_cp = f"{layout_option('dp', None, api)} / {layout_option('cp', None, api)}"
+    too = "; it must divide the model's experts too" if len(fits) > 1 else ""
     return (
         f"{layout_option('ep', ep, api)} does not divide dp x cp = {layout_option('dp', dp, api)}"
         f" x {layout_option('cp', cp, api)} = {ranks}: experts are sharded over the data- and "
         f"context-parallel ranks; use {layout_option('ep', choices, api)} (each divides dp x cp"
-        f" = {ranks}), or change {dp_cp}"
+        f" = {ranks}{too}), or change {dp_cp}"
     )
 
 

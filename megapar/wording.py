@@ -22,9 +22,9 @@ def or_list(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def and_list(names: list[str]) -> str:
-    """`names` as prose: "a", "a and b", "a, b and c"."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+def and_list(names: list[str], word: str = "and") -> str:
+    """`names` as prose: "a", "a and b", "a, b and c" (`word` "or": "a, b or c")."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
 
 
 def first_few(items: list[str], most: int) -> str:

@@ -156,10 +156,10 @@ def test_ep_must_divide_dp_x_cp_one_clear_line():
     """megapar-train's check of its flags and `Layout` refuse an --ep that does not divide
     dp x cp in one wording: the product, and the --ep values that would work."""
     four = (r"--ep 3 does not divide dp x cp = --dp 4 x --cp 1 = 4: experts are sharded over the "
-            r"data- and context-parallel ranks; use --ep 1, 2 or 4 \(each divides dp x cp = 4\), "
-            r"or change --dp / --cp$")
+            r"data- and context-parallel ranks; use --ep 1, 2 or 4 \(each divides dp x cp = 4; "
+            r"it must divide the model's experts too\), or change --dp / --cp$")
     two = (r"--ep 4 does not divide dp x cp = --dp 1 x --cp 2 = 2: .*; use --ep 1 or 2 "
-           r"\(each divides dp x cp = 2\), or change --dp / --cp$")
+           r"\(each divides dp x cp = 2; .*\), or change --dp / --cp$")
     with pytest.raises(LayoutError, match=four):
         Layout(dp=4, ep=3)
     with pytest.raises(LayoutError, match=two):
@@ -185,3 +185,19 @@ def test_ep_must_divide_dp_x_cp_one_clear_line():
     assert Layout(dp=4).to_dict() == {"tp": 1, "pp": 1, "dp": 4}
     with pytest.raises(ValueError, match="8 experts cannot be split over --ep 3"):
         local_experts(8, 3, 0)
+
+
+def test_an_ep_not_dividing_the_experts_offers_values_dividing_dp_x_cp_too():
+    """--ep 3 on 4 experts at dp 6: the refusal offers only the --ep values the next check
+    (dp x cp) lets through too; it offered 1, 2, 3 or 6 from dp x cp alone, and 3 and 6 were
+    then refused for the experts."""
+    from megapar.models.recipes import resolve_model
+    from megapar.training.model_config import ep_model_error
+
+    config = resolve_model("mixtral-tiny")
+    assert config.num_local_experts == 4
+    assert ep_model_error(config, 3, ranks=6) == (
+        "--ep 3 does not divide the model's 4 experts: use --ep 1 or 2 (each divides the 4 "
+        "experts and dp x cp = 6)")
+    assert ep_model_error(config, 3).endswith(": choose an --ep that divides 4")
+    assert ep_model_error(config, 2, ranks=6) is None

@@ -20,7 +20,7 @@ from megapar.training.validate import (
 )
 from megapar.training.validate_resume import model_from_checkpoint
 from megapar.training.validate_sft import check_sft_model
-from megapar.wording import counted
+from megapar.wording import and_list, counted
 
 DEFAULT_MODEL = "gpt2-tiny"
 """The recipe of a run that names no model."""
@@ -170,15 +170,15 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"({key}): use --expert-tensor-parallel-size 1, or a --tp "
                 f"that divides {config.expert_size}"
             )
-    error = ep_model_error(config, cfg.ep)
+    error = ep_model_error(config, cfg.ep, ranks=cfg.dp * cfg.cp if cfg.dp else None)
     if error:
         raise ConfigError(error)
 
 
-def ep_model_error(config, ep: int, api: bool = False) -> str | None:
+def ep_model_error(config, ep: int, api: bool = False, ranks: int | None = None) -> str | None:
     """Why `ep` > 1 cannot split `config`'s experts (it has none, or ep does not divide
     them), worded for megapar-train or with `api` for megapar.prepare (`layout_option`);
-    None where it can."""
+    None where it can. `ranks`: dp x cp where known, which the ep values offered divide too."""
     if ep == 1:
         return None
     experts = getattr(config, "num_local_experts", None)
@@ -188,10 +188,17 @@ def ep_model_error(config, ep: int, api: bool = False) -> str | None:
             f"{no_experts(config, api)}: use {layout_option('ep', 1, api)}"
         )
     if experts % ep:
+        if ranks is None:
+            fix = f"choose an {layout_option('ep', None, api)} that divides {experts}"
+        else:
+            fits = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
+            fix = (
+                f"use {layout_option('ep', and_list([str(e) for e in fits], 'or'), api)} "
+                f"(each divides the {experts} experts and dp x cp = {ranks})"
+            )
         return (
             f"{layout_option('ep', ep, api)} does not divide the model's "
-            f"{counted(experts, 'expert')}: choose an {layout_option('ep', None, api)} that "
-            f"divides {experts}"
+            f"{counted(experts, 'expert')}: {fix}"
         )
     return None
 
