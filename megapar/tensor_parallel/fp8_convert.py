@@ -37,6 +37,7 @@ from torch import nn
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, Fp8WeightCache, make_spec
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapar.tensor_parallel.partition import full_shape
+from megapar.wording import and_list
 
 
 def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
@@ -137,7 +138,8 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
         common = math.gcd(common, (x.full[1] if x.split == "in" else x.full[0]) // 16)
         if x.heads is not None or x.split is None:  # split by heads: a tp dividing them
             common = math.gcd(common, x.heads or 1)
-    which = "only tp 1 splits" if common == 1 else f"a tp dividing {common} splits"
+    tps = [str(t) for t in range(1, common + 1) if common % t == 0]
+    which = "only tp 1 splits" if common == 1 else f"tp {and_list(tps, 'or')} split"
     also = " and divides the kv heads" if bad.split is None else ""
     return (
         f"{bad.key} runs in float8 and is {bad.problem}; {which} every float8 linear into "
