@@ -25,3 +25,23 @@ def test_a_comparison_with_nothing_compared_or_two_diverged_runs_fails():
                                               "step 1 loss: 2.5 vs 2.5 (rel 0.00e+00)"])
     worst, _ = fuzz.compare([{"step": 1, "loss": 2.5001}], [{"step": 1, "loss": 2.5}])
     assert math.isclose(worst, 4e-5, rel_tol=1e-6)
+
+
+def test_the_references_keep_what_changes_the_computation_and_no_more():
+    """PowerSGD on a tied model at pp 2 is compared with dp alone (its tied sum now precedes
+    the compression: one process's computation); a tensorwise --fp8 reference keeps what sums
+    the gradients in another fp32 order (dp, ZeRO-2, pp on a tied model), a rowwise one only
+    tp / cp (its power-of-two scales absorb an ulp); both keep tp and cp."""
+    fuzz = _fuzz()
+    ref = fuzz.reference_case
+    powersgd = {"model": "gpt2-tiny", "--pp": 2, "--dp": 2, "--grad-compression": "powersgd"}
+    assert ref(powersgd) == {"model": "gpt2-tiny", "--grad-compression": "powersgd", "--dp": 2}
+    f8 = {"model": "gpt2-tiny", "--pp": 2, "--dp": 2, "--zero": 2, "--tp": 2, "--fp8-emulate": True}
+    assert ref({**f8, "--fp8": "tensorwise"}) == {
+        "model": "gpt2-tiny", "--fp8-emulate": True, "--fp8": "tensorwise", "--tp": 2, "--dp": 2,
+        "--zero": 2, "--pp": 2}
+    assert ref({**f8, "--fp8": "rowwise"}) == {
+        "model": "gpt2-tiny", "--fp8-emulate": True, "--fp8": "rowwise", "--tp": 2}
+    untied = {**f8, "model": "llama-tiny", "--zero": 1, "--fp8": "tensorwise"}
+    assert ref(untied) == {"model": "llama-tiny", "--fp8-emulate": True, "--fp8": "tensorwise",
+                           "--tp": 2, "--dp": 2}

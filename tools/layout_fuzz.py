@@ -415,10 +415,6 @@ def special_reference(case: dict) -> dict:
       batch and other assignments are dropped than at one process (a different model of the
       same run, not a rounding). The reference keeps the flags that slice the tokens (cp and
       its communication; tp, sequence parallelism and expert tp) and drops the rest.
-    - PowerSGD at pp > 1 on a model with tied embeddings (TIED): each pipeline copy of the
-      embedding (the lookup's gradient, the head's) is compressed on its own and the two
-      summed after the dp reduction (`pipeline/tied.py` runs after the schedule), where one
-      process compresses their sum: the reference keeps pp too.
     - --fp8: the casts take the same scales in every layout (the amaxes are reduced over tp
       and cp), but a cast turns an fp32 rounding difference at a float8 rounding boundary
       into a float8 step (2^-3 relative in e4m3, 2^-2 in e5m2), so the layouts that sum the
@@ -427,15 +423,34 @@ def special_reference(case: dict) -> dict:
       3e-5 in the logs, equal to 1e-7 without --fp8). (The float8 linears are chosen by
       their whole dims, the same at every tp; a tp splitting one into shards that are not
       multiples of 16 is refused: llama-tiny's 176-wide MLP at tp 2 under --fp8-layers all.)
-      The reference keeps tp, sequence parallelism, expert tp, cp and its communication: what
-      stays checked is that pp, dp, ZeRO, ep, recomputation and a resume change nothing under
-      float8 (`run_case` checks both runs name the same float8 linears).
+      The reference keeps tp, sequence parallelism, expert tp, cp and its communication.
+      Tensorwise's scale (448 / a tensor's amax) is no power of two, so one ulp on a weight's
+      largest entry moves every element's cast: an fp32 difference in the weights from any
+      other order of the gradients' sum then shows (llama-tiny dp 2 with ZeRO-2, which
+      reduces each micro-batch, 1.8e-3 in step 2's grad norm, ZeRO-2's fp32 run 7e-8;
+      gpt2-tiny dp 2 or pp 2, the micro-batches' sum or the tied embedding's halves, 6e-5).
+      Rowwise's scales are powers of two and absorb it (0.0 in all those). So a tensorwise
+      reference keeps dp, ZeRO-2 (and --zero3-reduce micro-batch), and pp on a tied model
+      too. What stays checked is that pp, ZeRO, ep, recomputation and a resume change
+      nothing under float8 (`run_case` checks both runs name the same float8 linears).
+      Every run is on one thread (`run_cli`), as each forked rank is: two threads split the
+      emulated products' sums otherwise (llama-tiny dp 2 differed by 2.3e-5 from a two-
+      thread reference, by 0.0 from a one-thread one).
     {} where the one-process reference is the same computation."""
     keep: dict = {}
     if case.get("--fp8", "off") != "off":
         for k in FP8_KEEP:
             if k in case:
                 keep[k] = case[k]
+        if case["--fp8"] == "tensorwise":  # see above: what sums the gradients elsewhere
+            if case.get("--dp", 1) > 1:
+                keep["--dp"] = case["--dp"]
+            if case.get("--zero") == 2 or case.get("--zero3-reduce") == "micro-batch":
+                keep["--zero"] = case["--zero"]
+                if "--zero3-reduce" in case:
+                    keep["--zero3-reduce"] = case["--zero3-reduce"]
+            if case["model"] in TIED and case.get("--pp", 1) > 1:
+                keep["--pp"] = case["--pp"]
     if case.get("--moe-capacity-factor") and splits_tokens(case):
         for k in ("--cp", "--cp-comm-type"):
             if k in case:
@@ -448,8 +463,6 @@ def special_reference(case: dict) -> dict:
         for k in ("--tp", "--ep", "--expert-tensor-parallel-size"):
             if k in case:
                 keep[k] = case[k]
-        if case["model"] in TIED and case.get("--pp", 1) > 1:
-            keep["--pp"] = case["--pp"]
         dp_cp = case.get("--dp", 1) * case.get("--cp", 1)
         keep["--dp"] = dp_cp // keep.get("--cp", 1)
     return keep
@@ -600,6 +613,12 @@ def run_cli(
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", buffering=1, closefd=False)
             os.setpgid(0, 0)  # its own group: a timeout ends its workers too
+            import torch
+
+            # one thread, as every forked worker (`launcher`): a one-process reference's
+            # matmuls then split their sums as the layout's ranks do (two threads moved
+            # --fp8's emulated products by an fp32 rounding, which float8 casts amplify)
+            torch.set_num_threads(1)
             from megapar.cli.train import main
 
             if dump is not None:
