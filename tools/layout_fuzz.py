@@ -114,6 +114,7 @@ LAYOUT_SWITCHES = {
     "--sp-regather",
     "--zero3-keep-params",
     "--offload-optimizer",
+    "--offload-params",
     "--muon-distributed",
 }
 WINDOWED = {  # the windowed dense families, as llama-tiny plus a window shorter than SEQ
