@@ -289,16 +289,20 @@ def _tied_copies_worker(schedule: str, zero: int, reduce_dtype):
             ids = torch.randint(0, vocab, (MBS, SEQ), generator=gen)
             batches.append({"input_ids": ids, "labels": (ids + 1) % vocab})
         step.step(batches, i)
+    if zero == 3:  # the whole parameters, gathered (their storage is freed between steps)
+        with sync.whole():
+            return (mesh.pp_rank, mesh.dp_rank,
+                    [p.detach().clone() for p in shared_embedding_params(model)])
     return mesh.pp_rank, mesh.dp_rank, [p.detach().clone() for p in shared_embedding_params(model)]
 
 
 @pytest.mark.parametrize("schedule,zero,reduce_dtype", [
-    ("1f1b", 0, torch.float16), ("1f1b", 1, None), ("1f1b", 2, None), ("zb-v", 1, None),
-    ("zb-v", 0, torch.bfloat16)])
+    ("1f1b", 0, torch.float16), ("1f1b", 1, None), ("1f1b", 2, None), ("1f1b", 3, None),
+    ("zb-v", 1, None), ("zb-v", 3, None), ("zb-v", 0, torch.bfloat16)])
 def test_the_tied_embeddings_copies_stay_bitwise_equal(schedule, zero, reduce_dtype):
     """Where the tied embedding's sum over the first and last stage precedes the dp reduction
-    (ZeRO-1 / 2; the all-reduce in 16 bits), each end reduced its copy in its own order of
-    summation over dp 4 (a ring's depends on where the copy lies in its bucket), and the copies
+    (ZeRO; the all-reduce in 16 bits), each end reduced its copy in its own order of summation
+    over dp 4 (a ring's depends on where the copy lies in its bucket or unit), and the copies
     drifted apart (docs/testing.md). The first stage's reduced gradient replaces the last's
     (`pipeline.tied.equal_tied_grads`); in the V placement (ZB-V) both are on pp rank 0."""
     out = run_local(_tied_copies_worker, 8, schedule, zero, reduce_dtype)

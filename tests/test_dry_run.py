@@ -722,10 +722,12 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch, verified):
             held_whole = m > 1 and c.zero3_reduce == "step"
             assert r.grad_buffers == whole if held_whole else r.grad_buffers <= whole, r.rank
             fewer.append(r.grad_buffers < whole)
-    # (gpt2-tiny at pp 2 has one block a stage: with the tied embedding's unit kept over the
-    # micro-batches, that is every unit)
+    # (at pp 2 the tied embedding is a unit of its own, kept over the micro-batches; the root
+    # it was in, with gpt2-tiny's one block a stage, is reduced each micro-batch, but where W
+    # reports the weight gradients once a step: ZB-H1)
+    once = w_reported(c.schedule, c.pp, m, c.v)
     assert any(fewer) == (c.zero == 3 and (m == 1 or c.zero3_reduce == "micro-batch"
-                                           and c.pp == 1))
+                                           and not once))
 
 
 def test_zero_3_persistence_threshold_in_the_plan_equals_the_dry_run():

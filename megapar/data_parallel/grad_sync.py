@@ -48,8 +48,7 @@ class GradSync(Protocol):
     """A stage's gradient synchronisation over the data-parallel group, driven by the
     executor once per training step. Besides these, the training step reads what only some
     kinds have where they have it: the all-reduce's `GradBuckets.defers_last` and
-    `compressor`, the bucket kinds' `reduced_part` (all-reduce, ZeRO-1 / 2), ZeRO-3's
-    `ShardedParams.float8` and `step_scope`."""
+    `compressor`, ZeRO-3's `ShardedParams.float8` and `step_scope`."""
 
     @property
     def stage(self) -> int:
@@ -96,6 +95,11 @@ class GradSync(Protocol):
 
     def finish(self) -> None:
         """After the schedule: launch every reduction not launched yet and wait for all."""
+
+    def reduced_part(self, param: nn.Parameter) -> torch.Tensor:
+        """What this rank holds of `param`'s reduced gradient once `finish` returned, in place:
+        all of it (all-reduce), or the slice of a bucket or unit `param` has to itself (ZeRO:
+        the tied embedding's, laid out so that the first and the last stage cut it alike)."""
 
     def defer(self, last: Iterable[nn.Parameter], before_reduce) -> None:
         """The buckets or units holding `last` (the tied embedding's parameters) reduce only

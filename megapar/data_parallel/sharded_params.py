@@ -65,6 +65,16 @@ from megapar.data_parallel.zero3_units import (
     stage_units,
 )
 from megapar.tensor_parallel.fp8 import Fp8WeightCache
+from megapar.tensor_parallel.partition import is_shared_embedding
+
+
+def split_tied(stage: nn.Module) -> bool:
+    """Whether `stage` holds a tied word embedding (or its copy) that another pipeline stage or
+    model chunk holds too (pp > 1: a chunk that does not both embed and end in the head),
+    which its units then lay out alone (`UnitMaker.tied_apart`)."""
+    chunks = list(getattr(stage, "chunks", [stage]))
+    shared = any(is_shared_embedding(p) for p in stage.parameters())
+    return shared and any(not (c.pre_process and c.post_process) for c in chunks)
 
 
 class ShardedParams(UnitGradSync):
@@ -101,7 +111,9 @@ class ShardedParams(UnitGradSync):
         over (None: they are sharded over `group` with the others). `float8`: the weights of
         the stage's tensorwise float8 linears gather in float8 during a step (`step_scope`,
         `zero3_float8.py`). `half` (bf16 / fp16: the autocast dtype): the other linears of the
-        blocks gather in it during a step (`zero3_half.py`); None: in fp32."""
+        blocks gather in it during a step (`zero3_half.py`); None: in fp32. A tied word
+        embedding or its copy on a stage of several (`split_tied`) is a unit of its own
+        (`UnitMaker.tied_apart`)."""
         dense = Shards.of(group)
         self.group, self.dp, self.dp_rank = group, dense.size, dense.rank
         self.keep = keep
@@ -110,7 +122,7 @@ class ShardedParams(UnitGradSync):
         experts = Shards.of(expert_group) if expert_group is not None else None
         weights8 = float8_weights(stage) if float8 else {}
         weights16 = half_weights(stage) if half is not None else {}
-        maker = UnitMaker(dense, experts, offload, weights8, weights16, half)
+        maker = UnitMaker(dense, experts, offload, weights8, weights16, half, split_tied(stage))
         made = stage_units(stage, maker, persist_below)
         self.chunks, self.roots, self.first = made.chunks, made.roots, made.first
         self.persistent = made.persistent
@@ -137,6 +149,19 @@ class ShardedParams(UnitGradSync):
     def buckets(self) -> list[Unit]:
         """The units, as the optimizer reads `GradBuckets.buckets`."""
         return self.units
+
+    def reduced_part(self, param: nn.Parameter) -> torch.Tensor:
+        """What this rank holds of `param`'s reduced gradient once `finish` returned, in
+        place: its unit's gradient shard, `param` being the unit's only parameter (the tied
+        embedding's, made so at pp > 1: `split_tied`)."""
+        u = self._unit_of[id(param)]
+        if len(u.params) != 1:
+            raise ValueError(
+                f"ShardedParams.reduced_part: unit {u.name} holds {len(u.params)} parameters, "
+                f"so its slices are not one parameter's; only the tied embedding's units "
+                f"at pp > 1 (split_tied) hold one"
+            )
+        return u.grad_shard
 
     def shard_range(self, u: Unit) -> tuple[int, int]:
         """This rank's slice [lo, hi) of unit `u`'s flat buffer."""

@@ -170,6 +170,11 @@ class Unit:
         """Under expert parallelism: the unit of this module's expert parameters (over the
         expert-data-parallel group), gathered, freed and given gradient buffers with this
         one; None: none."""
+        self.tied: list[Unit] = []
+        """At pp > 1 (`UnitMaker.tied_apart`): the units of this module's tied word embedding
+        or its copy, one parameter each, so that the first and the last stage cut it into the
+        same slices (`pipeline.tied.equal_tied_grads`); gathered, freed and given gradient
+        buffers with this one."""
         self.casts: list[Unit] = []
         """The units of this module's weights gathered in their matmuls' precision during a
         step (its 16-bit and its float8 weights: `zero3_half.py`, `zero3_float8.py`),
@@ -183,9 +188,10 @@ class Unit:
         self.free()
 
     def members(self) -> list[Unit]:
-        """This unit, its cast units and its experts' unit (those it has): what a gather or a
-        release of it takes, in this order on every rank."""
-        return [self, *self.casts] + ([self.experts] if self.experts is not None else [])
+        """This unit, its cast units, its tied embedding's and its experts' unit (those it
+        has): what a gather or a release of it takes, in this order on every rank."""
+        experts = [self.experts] if self.experts is not None else []
+        return [self, *self.casts, *self.tied, *experts]
 
     @property
     def in_cast(self) -> bool:
@@ -403,19 +409,24 @@ class UnitMaker:
     during a step (`zero3_half.half_weights`); empty: none."""
     half_dtype: torch.dtype | None = None
     """That autocast dtype (bf16 / fp16) where `half` has weights."""
+    tied_apart: bool = False
+    """At pp > 1: the tied word embedding and its copy (`is_shared_embedding`) each form a
+    unit of their own, led by the unit they would be in, so both ends shard them alike."""
 
     def unit(self, name: str, module: nn.Module, params: list) -> Unit | None:
         """The unit of `params` (None if there are none). Under expert parallelism the
         expert parameters among them form a unit of their own over the experts' group; the
         16-bit weights (`half`) and the float8 weights (`float8`) one each over the dense
-        group; the unit of the others leads them (or the first of those there is)."""
+        group, and with `tied_apart` each tied embedding (or copy) one; the unit of the others
+        leads them (or the first of those there is)."""
         split = self.experts is not None
         moe = [p for p in params if split and is_expert(p)]
         dense = [p for p in params if not (split and is_expert(p))]
         sharded = self.dense.size > 1
         f8 = [p for p in dense if sharded and id(p) in self.float8]
         hf = [p for p in dense if sharded and id(p) in self.half and id(p) not in self.float8]
-        cast_ids = {id(p) for p in f8 + hf}
+        shared = [p for p in dense if self.tied_apart and is_shared_embedding(p)]
+        cast_ids = {id(p) for p in f8 + hf + shared}
         rest = [p for p in dense if id(p) not in cast_ids]
         experts = half = fp8 = None
         if moe and self.experts is not None:
@@ -434,14 +445,16 @@ class UnitMaker:
                 return Float8Shard(ps, specs, rng, n)
 
             fp8 = Unit(f"{name} float8", module, f8, self.dense, self.offload, float8_cast)
+        tied = [Unit(f"{name} tied", module, [p], self.dense, self.offload) for p in shared]
         others = Unit(name, module, rest, self.dense, self.offload) if rest else None
-        parts = [u for u in (others, half, fp8, experts) if u is not None]
+        parts = [u for u in (others, half, fp8, *tied, experts) if u is not None]
         if not parts:
             return None
         lead = parts[0]
         for u in parts[1:]:
             u.lead = lead
         lead.casts = [u for u in (half, fp8) if u is not None and u is not lead]
+        lead.tied = [u for u in tied if u is not lead]
         lead.experts = experts if experts is not lead else None
         return lead
 

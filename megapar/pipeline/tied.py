@@ -14,10 +14,10 @@ two copies are summed in place, and the last rank holds none.
 Call `sync_tied_embeddings` after the pipeline schedule (all gradients accumulated) and before
 gradient clipping and the optimizer step.
 
-Where the sum runs *before* the data-parallel reduction (ZeRO-1 / 2, and the all-reduce that
-rounds: compressed or in 16 bits), each end then reduces its copy in its own collective, whose
-order of summation is not the other end's (a ring's depends on where the tensor lies in its
-bucket, and on the communicator), so the two results may differ in the last bits and the copies
+Where the sum runs *before* the data-parallel reduction (ZeRO, and the all-reduce that rounds:
+compressed or in 16 bits), each end then reduces its copy in its own collective, whose order of
+summation is not the other end's (a ring's depends on where the tensor lies in its bucket or
+unit, and on the communicator), so the two results may differ in the last bits and the copies
 drift apart step by step. `equal_tied_grads` then gives the last stage the first stage's reduced
 gradient (a broadcast over the embedding group of the part each rank holds; in the V placement,
 a copy), which makes the copies bitwise equal again.
@@ -80,8 +80,8 @@ def equal_tied_grads(parts: list[torch.Tensor], mesh: Mesh) -> int:
     its copy) the first stage's: broadcast from the first stage over `mesh.embedding_group`,
     or, with both on this rank (the V placement), the copy's overwritten by the embedding's.
     Call after the data-parallel reduction that followed `sync_tied_embeddings`; the part each
-    rank holds must be the same slice on both ends (the whole gradient, or ZeRO-1 / 2's slice
-    of a bucket the parameter has to itself). Returns the tensors made equal (0: pp == 1 or
+    rank holds must be the same slice on both ends (the whole gradient, or ZeRO's slice of a
+    bucket or unit the parameter has to itself). Returns the tensors made equal (0: pp == 1 or
     no copy here)."""
     if mesh.pp == 1 or not parts:
         return 0

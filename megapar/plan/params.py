@@ -275,7 +275,8 @@ class UnitSpec:
     kind: str
     """"block", "root" (a chunk's final norm and head, with a tied word embedding it reads; or
     the whole rest of a chunk that is not split), "embedding" (a split chunk's own embedding
-    parameters) or "persistent" (the stage's parameters under the persistence threshold)."""
+    parameters) or "persistent" (the stage's parameters under the persistence threshold); a
+    led unit's, one of `LED_KINDS`."""
     chunk: int
     """The model chunk (-1: the persistent unit, over the whole stage)."""
     tensors: tuple[int, ...]
@@ -294,12 +295,13 @@ class UnitSpec:
         """Led by the nearest unit before it that is not (its lead): under expert parallelism
         the expert parameters (kind "experts"), sharded over the expert-data-parallel group;
         under ZeRO-3's 16-bit and float8 all-gathers the weights gathered so (kinds "half",
-        "float8"). Gathered, freed and given gradient buffers with the lead, reduced just
-        before it."""
+        "float8"); a tied embedding held by two stages or chunks (kind "tied"). Gathered,
+        freed and given gradient buffers with the lead, reduced just before it (a tied one
+        deferred to the end of the step, after its sum over the stages)."""
         return self.kind in LED_KINDS
 
 
-LED_KINDS = ("half", "float8", "experts")
+LED_KINDS = ("half", "float8", "tied", "experts")
 """The kinds of unit led by another, in the order they follow their lead (`UnitMaker.unit`)."""
 
 
@@ -434,7 +436,9 @@ def stage_units(layout: StageLayout) -> list[UnitSpec]:
     form a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`),
     or the unit itself where it has no other parameters; so do, before them, the linear weights
     ZeRO-3 gathers in 16 bits and those it gathers in float8 (`layout.casts`; kinds "half",
-    "float8"). Reads what `stage_tensors` reads, and `persist_below` and `casts`."""
+    "float8"), and a tied word embedding or its copy held by two stages or chunks (kind
+    "tied": `sharded_params.split_tied`). Reads what `stage_tensors` reads, and
+    `persist_below` and `casts`."""
     blocks_of, embedding, head = _piece_tensors(
         layout.config_json, layout.tp, layout.ep, layout.etp
     )
@@ -452,6 +456,10 @@ def stage_units(layout: StageLayout) -> list[UnitSpec]:
         return [i for i, t in zip(idx, pieces) if t.numel >= persist_below]
 
     tensors = stage_tensors(layout)
+    # a tied embedding held by two stages or chunks is a unit of its own (`split_tied`)
+    split_tied = any(t.shared for t in tensors) and any(
+        not (s.pre_process and s.post_process) for s in specs
+    )
 
     def made(kind: str, ci: int, idx, embedding_grads: bool = False) -> list[UnitSpec]:
         """The unit of `idx` and the units it leads: its 16-bit and float8 weights' and,
@@ -460,8 +468,11 @@ def stage_units(layout: StageLayout) -> list[UnitSpec]:
         cast = {i: casts.of(tensors[i]) for i in idx if i not in moe}
         half = [i for i in idx if cast.get(i) == "half"]
         f8 = [i for i in idx if cast.get(i) == "float8"]
-        rest = [i for i in idx if i not in moe and cast.get(i) is None]
-        parts = [(p, part) for p, part in zip((kind, *LED_KINDS), (rest, half, f8, moe)) if part]
+        tied = [i for i in idx if split_tied and tensors[i].shared and cast.get(i) is None]
+        rest = [i for i in idx if i not in moe and cast.get(i) is None and i not in tied]
+        kinds = (kind, "half", "float8", *["tied"] * len(tied), "experts")
+        groups = (rest, half, f8, *[[i] for i in tied], moe)
+        parts = [(p, part) for p, part in zip(kinds, groups) if part]
         return [
             UnitSpec(
                 kind if j == 0 else p,

@@ -202,8 +202,8 @@ def in_backward(
     grads = nbytes if grads is None else grads
     sent = [0] * len(nbytes) if sent is None else sent
 
-    def held(units, sizes) -> int:
-        return sum(sizes[j] for i in units for j in members[i])
+    def held(units, sizes) -> int:  # a lead with its led units; a led unit (deferred) alone
+        return sum(sizes[j] for j in {j for i in units for j in members.get(i, [i])})
 
     last = max((specs[i].chunk for i in lead), default=-1)
     blocks = [i for i in lead if specs[i].chunk == last and specs[i].kind == "block"]
@@ -250,8 +250,8 @@ def phases(
     lead = list(members)
     kinds = {i: specs[i].kind for i in lead}
 
-    def held(units, sizes=nbytes) -> int:
-        return sum(sizes[j] for i in units for j in members[i])
+    def held(units, sizes=nbytes) -> int:  # a lead with its led units; a led unit alone
+        return sum(sizes[j] for j in {j for i in units for j in members.get(i, [i])})
 
     persistent = [i for i in lead if kinds[i] == "persistent"]
     last = max((specs[i].chunk for i in lead), default=-1)

@@ -283,12 +283,11 @@ class TrainStep:
     def _equal_tied_grads(self) -> None:
         """After a dp reduction that followed the tied embedding's sum (`tied_in_finish`),
         the last stage's copy takes the first stage's reduced gradient (`equal_tied_grads`):
-        each end reduced its copy in its own order of summation. The bucket kinds say what
-        this rank holds of it (`reduced_part`); ZeRO-3, whose units cut the two copies into
-        other slices, has none and is left as it is."""
-        part = getattr(self.grad_sync, "reduced_part", None)
-        if part is None or self.mesh.dp * self.mesh.cp == 1:
+        each end reduced its copy in its own order of summation. The grad sync says what
+        this rank holds of it (`reduced_part`)."""
+        if self.grad_sync is None or self.mesh.dp * self.mesh.cp == 1:
             return
+        part = self.grad_sync.reduced_part
         set_action("tied-embedding gradient broadcast (first stage to last)")
         equal_tied_grads([part(p) for p in shared_embedding_params(self.model)], self.mesh)
 
