@@ -254,3 +254,30 @@ def test_split_experts_divide_their_flops_by_tp_and_add_their_reductions_to_tp()
     wide = ring_seconds(2, tokens * h * 2, p.intra_gbps, p.latency_us)
     weights = ring_seconds(2, tokens * k * 4, p.intra_gbps, p.latency_us)
     assert two.tp - one.tp == pytest.approx(layers * (2 * wide + weights))
+
+
+def test_the_tied_copies_equalised_after_a_sharded_or_rounding_reduction_are_counted():
+    """At pp > 1 the tied embedding's reduced gradient goes from the first stage to the last
+    where its sum over the stages precedes a dp reduction that shards it (ZeRO: a slice of
+    1 / (dp x cp)) or rounds it (fp16's 16-bit reduction: all of it), one broadcast a step
+    (`pipeline.tied.equal_tied_grads`); the fp32 all-reduce sums after it and sends none."""
+    from megapar.plan.params import piece_counts
+
+    cfg = resolve_model("gpt2-124m")
+    p = Problem(cfg, 8, global_batch=32, seq_len=1024)
+    c = Candidate(1, 2, 4, 1, "1f1b", 1)
+    nbytes = piece_counts(cfg, 1, p.config_json).tied_copy * 4
+    assert nbytes == 4 * 50304 * 768  # the vocabulary padded to a multiple of 128
+
+    def pp_seconds(problem, zero):
+        return estimate(problem, dataclasses.replace(c, zero=zero)).comm_s["pp"]
+
+    def broadcast(n):
+        return n * 8 / (p.intra_gbps * 1e9) + p.latency_us * 1e-6
+
+    base = pp_seconds(p, 0)
+    for zero in (1, 2, 3):
+        assert pp_seconds(p, zero) - base == pytest.approx(broadcast(nbytes / 4))
+    fp16 = dataclasses.replace(p, precision="fp16")
+    assert pp_seconds(fp16, 0) - pp_seconds(dataclasses.replace(p, precision="bf16"), 0) == \
+        pytest.approx(broadcast(nbytes))

@@ -793,14 +793,14 @@ def tp_sync_seconds(p: Problem, c: Candidate) -> float:
 def _tied_seconds(p: Problem, c: Candidate, nbytes: int, gbps: float) -> float:
     """The tied embedding's gradient (`nbytes`) over the first and last stage at pp > 1: its
     sum, an all-reduce of two ranks; and where the dp reduction follows that sum and shards
-    or rounds it (ZeRO-1 / 2; without ZeRO, a reduction in 16 bits: fp16's), the first
-    stage's reduced part of it broadcast to the last (`pipeline.tied.equal_tied_grads`),
-    under ZeRO a slice of 1 / (dp x cp) of it."""
+    or rounds it (ZeRO; without ZeRO, a reduction in 16 bits: fp16's), the first stage's
+    reduced part of it broadcast to the last (`pipeline.tied.equal_tied_grads`), under ZeRO
+    a slice of 1 / (dp x cp) of it."""
     if c.pp == 1:
         return 0.0
     seconds = ring_seconds(2, nbytes, gbps, p.latency_us)
     ranks = c.dp * c.cp
-    if ranks > 1 and (c.zero in (1, 2) or (c.zero == 0 and reduce_scale(0, p.precision) < 1)):
+    if ranks > 1 and (c.zero > 0 or reduce_scale(0, p.precision) < 1):
         part = nbytes / ranks if c.zero else nbytes
         seconds += part * 8 / (gbps * 1e9) + p.latency_us * 1e-6
     return seconds
