@@ -278,10 +278,10 @@ def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path
     assert (ckpt / "latest").read_text().strip() == f"step_{step:08d}"
 
 
-def _stop_reason_when_rank_1_is_signalled(signame):
+def _stop_reason_when_signalled(signame, ranks):
     from megapar.faults import stop
 
-    if dist.get_rank() == 1:
+    if dist.get_rank() in ranks:
         stop._on_signal(signal.Signals[signame].value, None)
     try:
         return stop.StopRequests().reason(7)
@@ -291,11 +291,18 @@ def _stop_reason_when_rank_1_is_signalled(signame):
 
 def test_a_stop_names_the_rank_and_the_signal_it_came_from():
     """A signal delivered to one rank only (a node's preemption notice, an operator's kill)
-    stops every rank; rank 0, which logs, said only 'a signal on another rank received'."""
-    said = run_local(_stop_reason_when_rank_1_is_signalled, 3, "SIGUSR1")
-    assert said == ["SIGUSR1 on rank 1 received: stopping at step 7",
-                    "SIGUSR1 received: stopping at step 7",
-                    "SIGUSR1 on rank 1 received: stopping at step 7"], said
+    stops every rank, each naming that rank, rank 0 too: it said only 'a signal on another
+    rank received', and later, signalled alone itself, what a signal to every rank says."""
+    said = run_local(_stop_reason_when_signalled, 3, "SIGUSR1", (1,))
+    assert said == ["SIGUSR1 on rank 1 received: stopping at step 7"] * 3, said
+    said = run_local(_stop_reason_when_signalled, 3, "SIGTERM", (0,))
+    assert said == ["SIGTERM on rank 0 received: stopping at step 7"] * 3, said
+    said = run_local(_stop_reason_when_signalled, 3, "SIGTERM", (0, 2))
+    assert said == ["SIGTERM on 2 of 3 ranks received: stopping at step 7"] * 3, said
+    said = run_local(_stop_reason_when_signalled, 3, "SIGTERM", (0, 1, 2))
+    assert said == ["SIGTERM received: stopping at step 7"] * 3, said
+    said = run_local(_stop_reason_when_signalled, 2, "SIGINT", (0, 1))
+    assert said == ["interrupted at step 7, saving"] * 2, said
 
 
 def test_exit_interval_stops_and_saves(tmp_path, common, capsys):
@@ -1111,6 +1118,36 @@ def test_the_computing_rank_is_named_by_its_cpu_between_the_reads(monkeypatch):
     assert progress.cpu_share({"cpu_s": 5.0, "at": 100.0}, {"cpu_s": 5.0, "at": 100.0,
                                                            "cpu": 0.4}) == 0.4
     assert progress.cpu_share({}, {"cpu": 0.2}) == 0.2
+
+
+def test_the_rank_named_behind_gives_the_same_cause_when_it_fails_in_the_end():
+    """Under torchrun an --inject-slow rank 3 was named by the ranks that timed out ("rank 3 did
+    not answer at step 2, ..."), but its own error, once they were gone, was "rank 3 failed at
+    step 2: RuntimeError: Connection closed by peer": its records showed every other rank
+    failed, and nothing named. The rank that names one records it (`named`); a later reader
+    gives it at once (no heartbeats' wait), and the rank named says the others gave up on it."""
+    from datetime import timedelta
+
+    from megapar.faults import progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    cause = "rank 3 did not answer at step 2, forward of micro-batch 0 on pp stage 0"
+    first = ProgressRecords(store, 0, 4)
+    first.named = cause
+    first.failed = True
+    first.publish()
+    store.set(first.key(1), json.dumps({"status": "step 2", "failed": True, "beat": 1}))
+    slow = ProgressRecords(store, 3, 4)
+    started = time.monotonic()
+    assert slow.holding_up() == cause
+    assert time.monotonic() - started < progress.heartbeat_wait_s() / 2
+    assert progress.gave_up(cause, 3) == (
+        "; the other ranks gave up waiting for rank 3, which then lost them")
+    assert progress.gave_up(cause, 1) == "; rank 1 gave up waiting"
+    assert json.loads(store.get(slow.key(3)))["named"] == cause  # passed on in its turn
 
 
 def test_a_killed_rank_of_this_node_is_named_at_once_under_torchrun(monkeypatch):

@@ -571,10 +571,6 @@ def _write_block(text: str) -> None:
             return
 
 
-_RANKS = 1 << 32
-"""More ranks than a job has: `StopRequests.reason` sends signal x _RANKS + rank + 1."""
-
-
 class StopRequests:
     """Decides, the same way on every rank, whether to stop after the current step."""
 
@@ -590,27 +586,35 @@ class StopRequests:
 
     def reason(self, step: int) -> str | None:
         """Why to stop after `step` (None: go on). Collective over the world: call on every rank.
-        A rank that did not receive the signal itself names the one that did, and which signal
-        (one all-reduce of two numbers: whether to stop, and signal x `_RANKS` + rank + 1)."""
-        code, sender = 0, 0
-        if _requested["reason"]:
-            code = 2
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            sender = signal.Signals[_requested["reason"]].value * _RANKS + rank + 1
-        elif self.exit_duration_s and time.monotonic() - self.start >= self.exit_duration_s:
-            code = 1
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([code, sender], dtype=torch.int64, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code, sender = (int(v) for v in flag.tolist())
-        if code == 2:
-            who = _requested["reason"]
-            if not who:
-                signum, rank = divmod(sender - 1, _RANKS)
-                who = f"{signal.Signals(signum).name} on rank {rank}"
-            if who == "SIGINT":
+        A signal every rank received is named alone; one that some ranks received is named with
+        them, on every rank (one all-reduce, a sum of four numbers: the ranks signalled, the
+        ranks past --exit-duration-mins, and the signalled ranks' signal numbers and rank + 1,
+        which name the one rank where only one was signalled)."""
+        name = _requested["reason"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        due = bool(self.exit_duration_s) and time.monotonic() - self.start >= self.exit_duration_s
+        signum = signal.Signals[name].value if name else 0
+        counts = [int(bool(name)), int(due), signum, rank + 1 if name else 0]
+        if world > 1:
+            flag = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag)
+            counts = [int(v) for v in flag.tolist()]
+        signalled, due_ranks, signums, ranks = counts
+        if signalled:
+            one, rest = divmod(signums, signalled)  # the signal, where they all got the same
+            known = {s.value: s.name for s in signal.Signals}
+            name = known.get(one, "a signal") if rest == 0 else "a signal"
+            if signalled == 1 and world > 1:
+                who = f"{name} on rank {ranks - 1}"
+            elif signalled < world:
+                who = f"{name} on {signalled} of {world} ranks"
+            elif name == "SIGINT":
                 return f"interrupted at step {step}, saving"
+            else:
+                who = name
             return f"{who} received: stopping at step {step}"
+        code = 1 if due_ranks else 0
         if code == 1:
             return f"--exit-duration-mins {self.exit_duration_s / 60:g} reached at step {step}"
         if self.exit_interval and step % self.exit_interval == 0:
