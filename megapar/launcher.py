@@ -632,7 +632,7 @@ def _name_the_cause(exc: BaseException) -> None:
         progress.mark_failed(found=stopped)  # for the ranks of other nodes
     cause = stopped or progress.holding_up()
     if cause:
-        exc.add_note(f"{cause}; rank {dist.get_rank()} gave up waiting")
+        exc.add_note(f"{cause}{progress.gave_up(cause, dist.get_rank())}")
 
 
 def _in_notebook() -> bool:

@@ -65,6 +65,7 @@ class ProgressRecords:
         self.returned = False  # the function returned on this rank (`mark_returned`)
         self.error = ""  # its own error's first line when it failed of itself
         self.found = ""  # the stopped ranks of its node it found when its wait timed out
+        self.named = ""  # the rank holding the others up it named (`holding_up`)
         self._lock = threading.Lock()  # the thread's publish and `mark_failed`'s
         self._sent = ""
         self._sent_at = 0.0  # time.monotonic() of the last send
@@ -95,6 +96,8 @@ class ProgressRecords:
         }
         if self.found:
             record["found"] = self.found
+        if self.named:
+            record["named"] = self.named
         return {**record, "error": self.error} if self.error else record
 
     def publish(self) -> None:
@@ -182,9 +185,19 @@ class ProgressRecords:
         return self.read()
 
     def holding_up(self) -> str:
+        """`_holding_up`'s line, recorded for the ranks that fail after this one (`named`):
+        they give the same, the rank named too when it fails in the end."""
+        named = self._holding_up()
+        if named:
+            self.named = named[:300]
+            _bounded(self.publish, STORE_TIMEOUT_S, None)
+        return named
+
+    def _holding_up(self) -> str:
         """After this rank's wait timed out: "rank R did not answer at step S, action", the
         live rank most likely holding the others up, from the others' records read twice,
-        `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose function
+        `heartbeat_wait_s()` apart: a rank that failed of itself, else the rank another one
+        named before (`named`: the lowest rank's), else the ranks whose function
         returned (a call made on some ranks only: `mark_returned`), else a rank of this node
         whose process is gone without a word in its record (`gone_siblings`: killed), else the
         ranks whose heartbeat did not move (stopped, frozen or lost: the others wait for them),
@@ -197,7 +210,7 @@ class ProgressRecords:
         first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
         if not first:
             return store_gone() if self.lost else ""
-        if failed := _failed_of_itself(first) or _found_stopped(first):
+        if failed := _failed_of_itself(first) or _found_stopped(first) or _named(first):
             return failed
         if done := sorted(r for r, x in first.items() if x.get("returned")):
             own = _status.status() or "its start"
@@ -302,6 +315,22 @@ def _found_stopped(records: dict[int, dict]) -> str:
         return ""
     r = found[0]
     return str(records[r]["found"]).replace("on this node", f"on rank {r}'s node", 1)
+
+
+def _named(records: dict[int, dict]) -> str:
+    """What the lowest rank that named a rank holding the others up recorded (`holding_up`);
+    "" when none did."""
+    named = sorted(r for r, x in records.items() if x.get("named"))
+    return str(records[named[0]]["named"]) if named else ""
+
+
+def gave_up(cause: str, rank: int) -> str:
+    """What follows `cause` (`holding_up`'s line) in rank `rank`'s error: it gave up waiting;
+    or, where the cause names this rank itself (the others found it behind, and it failed
+    once they were gone), that they gave up waiting for it."""
+    if cause.startswith(f"rank {rank} did not answer"):
+        return f"; the other ranks gave up waiting for rank {rank}, which then lost them"
+    return f"; rank {rank} gave up waiting"
 
 
 def heartbeat_wait_s() -> float:

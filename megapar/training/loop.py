@@ -496,7 +496,7 @@ class Trainer:
             progress.mark_failed(found=stopped)  # for the ranks of other nodes
             return f"{stopped}; here: "
         behind = progress.holding_up()
-        return f"{behind}; rank {self.mesh.rank} gave up waiting: " if behind else ""
+        return f"{behind}{progress.gave_up(behind, self.mesh.rank)}: " if behind else ""
 
     def saved_at_start(self) -> int | None:
         """The step resumed from when it is already saved: it came from --save itself (a
