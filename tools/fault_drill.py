@@ -132,10 +132,10 @@ class Run:
         lines = [x for x in self.out.read_text().splitlines()
                  if x.startswith(("megapar-train:", "SIG", "interrupted", "--exit"))]
         # the start-up notes (megapar-train: data: ...) come first: the fault's line is the
-        # error, the abort, the stop or the lock taken over
-        said = [x for x in lines if re.search(r"error:|aborted|took over|received|interrupted|"
-                                              r"--exit", x)]
-        lines = said or lines
+        # error, the abort, the stop or the lock taken over; none (a launcher killed with -9
+        # says nothing): "(nothing)", not a start-up note
+        lines = [x for x in lines if re.search(r"error:|aborted|took over|received|interrupted|"
+                                               r"--exit", x)]
         if self.torchrun:  # every rank prints its own error line: the first one naming a rank
             named = [x for x in lines if "stopped" in x or "did not answer" in x]
             lines = named or lines
@@ -143,7 +143,7 @@ class Run:
                 "leftovers": ", ".join(leftovers) or "none",
                 "lost": f"{trained - saved} steps (trained {trained}, saved {saved})",
                 "said": re.sub(r"rank \d+ failed: TrainingError: rank \d+ \([^)]*\) ", "",
-                               lines[0] if lines else "")[:120]}
+                               lines[0] if lines else "(nothing)")[:120]}
 
 
 def drill(name: str, work: Path) -> dict:
