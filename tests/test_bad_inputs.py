@@ -1449,6 +1449,19 @@ def test_megapar_plan_answers_fsdp_deepspeed_and_torchtitan_names(flag, hint, ca
     assert len(err.strip().splitlines()) == 1 and f"{flag}: " in err and hint in err, err
 
 
+def test_megapar_plan_names_an_unknown_model_before_a_missing_flag(capsys):
+    """`megapar-plan --model gtp2-124m --gpus 8` asked for --seq-len first, and once given it
+    said the model was unknown: two tries for one typo. The model's line comes first now."""
+    from megapar.cli.plan import main
+
+    assert main(["--model", "gtp2-124m", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err == "megapar-plan: error: unknown model 'gtp2-124m'; did you mean gpt2-124m?\n", err
+    with pytest.raises(SystemExit):  # a known one: the missing flag, as before
+        main(["--model", "gpt2-124m", "--gpus", "8"])
+    assert "the following arguments are required: --seq-len" in capsys.readouterr().err
+
+
 def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypatch):
     """`--data data/corpu` (for data/corpus) said the prefix's three files were not found and
     to pass a prefix or a .txt file; a name close to one beside it is named (a getting-started

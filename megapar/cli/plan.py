@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 
@@ -741,9 +742,29 @@ def _explain(args, problem) -> int:
 
 
 @quiet_when_stdout_closes
+def _model_first(argv) -> str | None:
+    """The refusal of a --model that names no recipe and no file, or None: said before the
+    parser asks for a missing flag (`--model gtp2-124m` was asked for --seq-len, then told
+    the name was unknown)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model")
+    name = pre.parse_known_args(argv)[0].model
+    if not name or os.path.exists(os.path.expanduser(name)):
+        return None
+    try:
+        resolve_model(name)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
+    refusal = _model_first(argv)
+    if refusal is not None:
+        print(f"megapar-plan: error: {refusal}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         given = parser.given(argv)
