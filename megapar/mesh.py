@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megapar import device as _device
 from megapar.comm_wait import blocked
-from megapar.wording import counted
+from megapar.wording import counted, first_few
 
 
 def tp_spans_nodes(tp: int, world: int, per_node: int) -> bool:
@@ -292,11 +292,12 @@ def group_join_timeout(
         {ranks[int(i)] for i in indices if i.strip().isdigit() and int(i) < len(ranks)}
     )
     who = (
-        f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} never did"
+        f"{'rank' if len(missing) == 1 else 'ranks'} {first_few(list(map(str, missing)), 8)} "
+        f"never did"
         if missing
         else "some never did"
     )
-    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)})" if len(ranks) > 8 else "")
+    shown = first_few(list(map(str, ranks)), 8)
     return (
         f"rank {rank} waited {wait_s:g} s for ranks {shown} to create process group "
         f"{desc or 'of the mesh'} and {who} (a rank that failed, stopped or hung before "

@@ -131,7 +131,7 @@ def test_the_writers_group_is_named_and_bounded_by_the_timeout(run):
         run(_rank_1_makes_no_writer, 2, timeout_s=60)
     message = str(info.value)
     assert message.startswith(
-        "rank 0 failed: TimeoutError: rank 0 waited 1 s for ranks 0, 1 to create process "
+        "rank 0 failed: TimeoutError: rank 0 waited 1 s for ranks 0 and 1 to create process "
         "group async_save and rank 1 never did ("), message
     assert "keys:" not in message.splitlines()[0], message
 

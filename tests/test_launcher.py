@@ -750,7 +750,7 @@ def test_a_rank_that_never_creates_its_group_is_named_with_the_flag():
     message = str(info.value)
     assert message.startswith("rank 3 did not answer"), message  # the launcher's blame
     said = message.split("\n")[1]  # then: each rank's own line
-    assert ("rank 2: TimeoutError: rank 2 waited 3 s for ranks 2, 3 to create process group "
+    assert ("rank 2: TimeoutError: rank 2 waited 3 s for ranks 2 and 3 to create process group "
             "mesh_tp and rank 3 never did (") in said and "keys:" not in said, said
     assert said.count("--timeout-s sets the wait") == 3, said
     assert took < 20, took
