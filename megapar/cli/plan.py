@@ -741,7 +741,6 @@ def _explain(args, problem) -> int:
     return 0
 
 
-@quiet_when_stdout_closes
 def _model_first(argv) -> str | None:
     """The refusal of a --model that names no recipe and no file, or None: said before the
     parser asks for a missing flag (`--model gtp2-124m` was asked for --seq-len, then told
@@ -758,6 +757,7 @@ def _model_first(argv) -> str | None:
     return None
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
