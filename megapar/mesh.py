@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megapar import device as _device
 from megapar.comm_wait import blocked
-from megapar.wording import counted, first_few
+from megapar.wording import and_list, counted, first_few
 
 
 def tp_spans_nodes(tp: int, world: int, per_node: int) -> bool:
@@ -59,6 +59,15 @@ def tp_spans_nodes(tp: int, world: int, per_node: int) -> bool:
 
 class LayoutError(ValueError):
     """A parallel layout that cannot work (sizes, world size, model shapes)."""
+
+
+class EpSplitError(LayoutError):
+    """An ep that does not divide dp x cp (`ep_split_error`), with the sizes, so that a caller
+    that knows the model can say which values also divide its experts."""
+
+    def __init__(self, ep: int, dp: int, cp: int):
+        super().__init__(ep_split_error(ep, dp, cp))
+        self.ep, self.dp, self.cp = ep, dp, cp
 
 
 RANK_ORDERS = ("tp-pp-dp", "tp-dp-pp")
@@ -75,21 +84,25 @@ def layout_option(name: str, value: object = None, api: bool = False) -> str:
     return f"--{name}" if value is None else f"--{name} {value}"
 
 
-def ep_split_error(ep: int, dp: int, cp: int, api: bool = False) -> str:
-    """The one line for an ep that does not divide dp x cp (megapar-train's check of its
-    flags, `Layout`'s and megapar.prepare's): the product, and the ep values that divide it
-    (which must divide the model's experts too, checked once the model is read); worded for
+def ep_split_error(ep: int, dp: int, cp: int, api: bool = False, experts: int | None = None) -> str:
+    """The one line for an ep that does not divide dp x cp (megapar-train's check of the
+    model's experts, `Layout`'s and megapar.prepare's): the product, and the ep values that
+    divide it and, where `experts` (the model's routed experts) is given, them too; worded for
     the caller (`layout_option`)."""
     ranks = dp * cp
-    fits = [e for e in range(1, ranks + 1) if ranks % e == 0]
-    choices = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
+    fits = [e for e in range(1, ranks + 1) if ranks % e == 0 and (experts or e) % e == 0]
+    rule = f"dp x cp = {ranks}" + (f" and the {experts} experts" if experts else "")
+    if len(fits) == 1:
+        use = f"{layout_option('ep', fits[0], api)} (the only value dividing {rule})"
+    else:
+        choices = and_list([str(e) for e in fits], "or")
+        too = "" if experts else "; it must divide the model's experts too"
+        use = f"{layout_option('ep', choices, api)} (each divides {rule}{too})"
     dp_cp = f"{layout_option('dp', None, api)} / {layout_option('cp', None, api)}"
-    too = "; it must divide the model's experts too" if len(fits) > 1 else ""
     return (
         f"{layout_option('ep', ep, api)} does not divide dp x cp = {layout_option('dp', dp, api)}"
         f" x {layout_option('cp', cp, api)} = {ranks}: experts are sharded over the data- and "
-        f"context-parallel ranks; use {layout_option('ep', choices, api)} (each divides dp x cp"
-        f" = {ranks}{too}), or change {dp_cp}"
+        f"context-parallel ranks; use {use}, or change {dp_cp}"
     )
 
 
@@ -138,7 +151,7 @@ class Layout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
         if self.dp * self.cp % self.ep:
-            raise LayoutError(ep_split_error(self.ep, self.dp, self.cp))
+            raise EpSplitError(self.ep, self.dp, self.cp)
         if self.order not in RANK_ORDERS:
             raise LayoutError(
                 f"--rank-order must be one of {', '.join(RANK_ORDERS)}, got {self.order!r}"

@@ -7,7 +7,6 @@ on the same data, seed and weights, and with the same script on one process.
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from forked import run_python
+from repo_script import load_script
 from tp_utils import assert_close, refusal
 
 import megapar
@@ -31,10 +31,7 @@ EXAMPLE = ROOT / "examples" / "own_loop_gpt2.py"
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("own_loop_gpt2", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/own_loop_gpt2.py")
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +96,7 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
 def test_sft_example_reads_trl_keys_and_refuses_a_bad_line_in_one_line(tmp_path, monkeypatch):
     """examples/sft_prompt_mask.py --keys prompt,completion reads TRL's records; a record
     without the fields and a line that is not JSON each end with one line naming the line."""
-    spec = importlib.util.spec_from_file_location(
-        "sft_prompt_mask", ROOT / "examples" / "sft_prompt_mask.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/sft_prompt_mask.py")
     data, bad = tmp_path / "trl.jsonl", tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "c", "completion": ""}\n')
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
@@ -153,10 +147,7 @@ def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):
     from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast,
                               LlamaConfig, LlamaForCausalLM)
 
-    spec = importlib.util.spec_from_file_location(
-        "sft_prompt_mask", ROOT / "examples" / "sft_prompt_mask.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/sft_prompt_mask.py")
     assets, bpe = Path(asset_path("shakespeare_sample.txt")).parent, tmp_path / "bpe"
     bpe.mkdir()
     for name in ("vocab.json", "merges.txt"):  # megapar's GPT-2 BPE, under transformers' names
@@ -1896,5 +1887,5 @@ def test_prepare_refuses_an_ep_that_does_not_divide_dp_x_cp_in_the_apis_terms():
         megapar.prepare(cfg, ep=2)
     assert str(info.value) == (
         "megapar.prepare: ep=2 does not divide dp x cp = dp=1 x cp=1 = 1: experts are sharded "
-        "over the data- and context-parallel ranks; use ep=1 (each divides dp x cp = 1), or "
-        "change dp / cp")
+        "over the data- and context-parallel ranks; use ep=1 (the only value dividing dp x cp = "
+        "1), or change dp / cp")

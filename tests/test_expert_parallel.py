@@ -153,8 +153,12 @@ def test_ep_groups_fold_into_dp_x_cp():
 
 
 def test_ep_must_divide_dp_x_cp_one_clear_line():
-    """megapar-train's check of its flags and `Layout` refuse an --ep that does not divide
-    dp x cp in one wording: the product, and the --ep values that would work."""
+    """`Layout` refuses an --ep that does not divide dp x cp in one wording: the product, and
+    the --ep values that would work; megapar-train, which knows the model, offers only those
+    that divide its experts too (it offered 3 and 6 for 4 experts at dp 6, then refused them)."""
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+
     four = (r"--ep 3 does not divide dp x cp = --dp 4 x --cp 1 = 4: experts are sharded over the "
             r"data- and context-parallel ranks; use --ep 1, 2 or 4 \(each divides dp x cp = 4; "
             r"it must divide the model's experts too\), or change --dp / --cp$")
@@ -165,13 +169,16 @@ def test_ep_must_divide_dp_x_cp_one_clear_line():
     with pytest.raises(LayoutError, match=two):
         Layout(cp=2, ep=4)
     with pytest.raises(LayoutError, match=r"--ep 2 does not divide dp x cp = --dp 1 x --cp 1 = 1"
-                                          r": .*; use --ep 1 \(each"):
+                                          r": .*; use --ep 1 \(the only value dividing dp x "
+                                          r"cp = 1\), or"):
         Layout.infer(2, tp=2, ep=2)
     assert Layout.infer(2, cp=2, ep=2).dp == 1  # ep over the cp ranks
-    with pytest.raises(UsageError, match=four):
-        check_settings(TrainConfig(dp=4, ep=3))
-    with pytest.raises(UsageError, match=two):
-        check_settings(TrainConfig(dp=1, cp=2, ep=4))
+    with pytest.raises(UsageError, match=r"--ep 4 does not divide dp x cp = --dp 6 x --cp 1 = 6"
+                                         r": .*; use --ep 1 or 2 \(each divides dp x cp = 6 "
+                                         r"and the 4 experts\), or change --dp / --cp$"):
+        plan_run(parse_args(["--model", "mixtral-tiny", "--dp", "6", "--ep", "4", "--dry-run"]))
+    with pytest.raises(UsageError, match=r"--ep 3 shards a mixture-of-experts model's experts"):
+        plan_run(parse_args(["--model", "gpt2-tiny", "--dp", "4", "--ep", "3", "--dry-run"]))
     check_settings(TrainConfig(dp=1, cp=2, ep=2))  # served
     check_settings(TrainConfig(dp=4, ep=2, zero=3))  # served
     for zero in (1, 2, 3):  # LAMB / LARS's norms reduce each slice over its own group

@@ -56,13 +56,14 @@ from megapar.launcher import (
     under_launcher,
 )
 from megapar.made_dirs import missing_dirs, remove_empty
-from megapar.mesh import Layout, LayoutError
+from megapar.mesh import EpSplitError, Layout, LayoutError, ep_split_error
 from megapar.models.config import ConfigError, config_from_dict
+from megapar.models.recipes import resolve_model
 from megapar.plan.host import check_host_memory
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
-from megapar.training.model_config import capacity_note
+from megapar.training.model_config import capacity_note, ep_model_error
 from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
 from megapar.training.validate import UsageError, explicit
 
@@ -73,7 +74,16 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     `notes`)."""
     notes = [] if notes is None else notes
     manifest = read_resumed_settings(cfg, notes)
-    layout = _layout(cfg)
+    try:
+        layout = _layout(cfg)
+    except EpSplitError as exc:  # the values offered: those dividing the model's experts too
+        config = _model_of(cfg.model)
+        if config is None:
+            raise
+        if getattr(config, "num_local_experts", None) is None:  # no experts to shard at all
+            raise UsageError(ep_model_error(config, exc.ep) or str(exc)) from None
+        experts = config.num_local_experts
+        raise UsageError(ep_split_error(exc.ep, exc.dp, exc.cp, experts=experts)) from None
     plan = plan_data(cfg, layout, notes, manifest)
     given = "expert_tensor_parallel_size" in explicit(cfg)
     config = config_from_dict(plan.model_config)
@@ -82,6 +92,17 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan
+
+
+def _model_of(model: str | None):
+    """The config of the --model recipe or config file; None without one, or where it cannot
+    be read (that is refused later, on its own)."""
+    if not model:
+        return None
+    try:
+        return resolve_model(model)
+    except (ConfigError, OSError, ValueError):
+        return None
 
 
 def _check_host_memory(cfg: TrainConfig, layout: Layout, plan: DataPlan) -> None:

@@ -8,7 +8,7 @@ import os
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.hf import HFReader
-from megapar.mesh import layout_option
+from megapar.mesh import ep_split_error, layout_option
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file, no_experts
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -170,6 +170,9 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"({key}): use --expert-tensor-parallel-size 1, or a --tp "
                 f"that divides {config.expert_size}"
             )
+    experts = getattr(config, "num_local_experts", None)
+    if cfg.ep > 1 and experts is not None and cfg.dp is not None and cfg.dp * cfg.cp % cfg.ep:
+        raise ConfigError(ep_split_error(cfg.ep, cfg.dp, cfg.cp, experts=experts))
     error = ep_model_error(config, cfg.ep, ranks=cfg.dp * cfg.cp if cfg.dp else None)
     if error:
         raise ConfigError(error)
@@ -192,9 +195,9 @@ def ep_model_error(config, ep: int, api: bool = False, ranks: int | None = None)
             fix = f"choose an {layout_option('ep', None, api)} that divides {experts}"
         else:
             fits = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
-            fix = (
-                f"use {layout_option('ep', and_list([str(e) for e in fits], 'or'), api)} "
-                f"(each divides the {experts} experts and dp x cp = {ranks})"
+            rule = f"the {experts} experts and dp x cp = {ranks}"
+            fix = f"use {layout_option('ep', and_list([str(e) for e in fits], 'or'), api)} " + (
+                f"(each divides {rule})" if len(fits) > 1 else f"(the only value dividing {rule})"
             )
         return (
             f"{layout_option('ep', ep, api)} does not divide the model's "

@@ -5,7 +5,7 @@ the fix."""
 
 from __future__ import annotations
 
-from megapar.mesh import ep_split_error, expert_tp_error
+from megapar.mesh import expert_tp_error
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.training.usage import UsageError, flag_of
 
@@ -128,12 +128,8 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
 
 
 def check_ep(cfg) -> None:
-    """--ep: it divides dp x cp (when dp is given; an inferred dp is checked by the layout);
-    --expert-tensor-parallel-size: 1 or --tp."""
+    """--expert-tensor-parallel-size: 1 or --tp. (--ep is checked with the model's experts:
+    `model_config`; against an inferred dp by the layout.)"""
     error = expert_tp_error(cfg.expert_tensor_parallel_size, cfg.tp)
     if error:
         raise UsageError(error)
-    if cfg.ep == 1:
-        return
-    if cfg.dp is not None and cfg.dp * cfg.cp % cfg.ep:
-        raise UsageError(ep_split_error(cfg.ep, cfg.dp, cfg.cp))
