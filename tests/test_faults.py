@@ -281,8 +281,9 @@ def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path
 def _stop_reason_when_signalled(signame, ranks):
     from megapar.faults import stop
 
-    if dist.get_rank() in ranks:
-        stop._on_signal(signal.Signals[signame].value, None)
+    if dist.get_rank() in ranks:  # `signame`: one name, or {rank: name}
+        name = signame if isinstance(signame, str) else signame[dist.get_rank()]
+        stop._on_signal(signal.Signals[name].value, None)
     try:
         return stop.StopRequests().reason(7)
     finally:
@@ -303,6 +304,9 @@ def test_a_stop_names_the_rank_and_the_signal_it_came_from():
     assert said == ["SIGTERM received: stopping at step 7"] * 3, said
     said = run_local(_stop_reason_when_signalled, 2, "SIGINT", (0, 1))
     assert said == ["interrupted at step 7, saving"] * 2, said
+    # two signals: both named (their numbers' mean named SIGABRT, 2 and 10 over two ranks)
+    said = run_local(_stop_reason_when_signalled, 4, {0: "SIGINT", 1: "SIGUSR1"}, (0, 1))
+    assert said == ["SIGINT and SIGUSR1 on 2 of 4 ranks received: stopping at step 7"] * 4, said
 
 
 def test_exit_interval_stops_and_saves(tmp_path, common, capsys):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megapar.faults import status as _status
 from megapar.faults.blame import stopped_siblings
+from megapar.wording import and_list
 
 
 class RunStopped(RuntimeError):
@@ -571,6 +572,10 @@ def _write_block(text: str) -> None:
             return
 
 
+_SIGNALS = 65
+"""Signal numbers counted by `StopRequests.reason` (0-64: Linux's, real-time ones included)."""
+
+
 class StopRequests:
     """Decides, the same way on every rank, whether to stop after the current step."""
 
@@ -587,29 +592,31 @@ class StopRequests:
     def reason(self, step: int) -> str | None:
         """Why to stop after `step` (None: go on). Collective over the world: call on every rank.
         A signal every rank received is named alone; one that some ranks received is named with
-        them, on every rank (one all-reduce, a sum of four numbers: the ranks signalled, the
-        ranks past --exit-duration-mins, and the signalled ranks' signal numbers and rank + 1,
-        which name the one rank where only one was signalled)."""
+        them, on every rank (one all-reduce of summed counts: the ranks past --exit-duration-mins,
+        the signalled ranks' rank + 1, which name the one rank where only one was signalled,
+        and the ranks signalled by each signal number)."""
         name = _requested["reason"]
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         due = bool(self.exit_duration_s) and time.monotonic() - self.start >= self.exit_duration_s
-        signum = signal.Signals[name].value if name else 0
-        counts = [int(bool(name)), int(due), signum, rank + 1 if name else 0]
+        counts = [0] * (2 + _SIGNALS)
+        counts[0], counts[1] = int(due), rank + 1 if name else 0
+        if name:
+            counts[2 + signal.Signals[name].value] = 1
         if world > 1:
             flag = torch.tensor(counts, dtype=torch.int64, device=self.device)
             dist.all_reduce(flag)
             counts = [int(v) for v in flag.tolist()]
-        signalled, due_ranks, signums, ranks = counts
+        due_ranks, ranks, by_signal = counts[0], counts[1], counts[2:]
+        signalled = sum(by_signal)
         if signalled:
-            one, rest = divmod(signums, signalled)  # the signal, where they all got the same
-            known = {s.value: s.name for s in signal.Signals}
-            name = known.get(one, "a signal") if rest == 0 else "a signal"
+            got = [signal.Signals(n).name for n, k in enumerate(by_signal) if k]
+            name = and_list(got)
             if signalled == 1 and world > 1:
                 who = f"{name} on rank {ranks - 1}"
             elif signalled < world:
                 who = f"{name} on {signalled} of {world} ranks"
-            elif name == "SIGINT":
+            elif got == ["SIGINT"]:
                 return f"interrupted at step {step}, saving"
             else:
                 who = name
