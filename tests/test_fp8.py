@@ -345,7 +345,7 @@ def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(c
     whole = fp8_layout_problem(wider, 4, "rowwise", "all")
     assert whole == ("layers.attn.k 32x64 runs in float8 and is held whole on every tp rank (tp "
                        "does not divide the kv heads); tp 1 or 2 split every float8 linear "
-                       "into multiples of 16 and divides the kv heads"), whole
+                       "into multiples of 16 and divide the kv heads"), whole
     assert fp8_layout_problem(wider, 2, "rowwise", "all") is None  # the tp it names runs
     # 6 heads of 24, 2 kv heads: tp 2 and 3 each split some linear off 16, and tp 3 also holds
     # k / v whole; no tp but 1 runs, and that is what either refusal names (tp 2's named "a tp

@@ -140,7 +140,8 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
             common = math.gcd(common, x.heads or 1)
     tps = [str(t) for t in range(1, common + 1) if common % t == 0]
     which = "only tp 1 splits" if common == 1 else f"tp {and_list(tps, 'or')} split"
-    also = " and divides the kv heads" if bad.split is None else ""
+    verb = "divides" if common == 1 else "divide"  # "only tp 1 splits ...", "tp 1 or 2 split"
+    also = f" and {verb} the kv heads" if bad.split is None else ""
     return (
         f"{bad.key} runs in float8 and is {bad.problem}; {which} every float8 linear into "
         f"multiples of 16{also}"
