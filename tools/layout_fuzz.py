@@ -481,7 +481,8 @@ def tolerance(case: dict) -> float:
     - bf16 autocast: BF16_TOL (its products round to 8 bits, summed in other orders);
     - fp16 autocast (loss scaling exact: powers of two): FP16_TOL, the same bound at fp16's
       11 bits (unit roundoff 2^-11 against bf16's 2^-8);
-    - --grad-compression fp16 / bf16: each element of the dp average is within
+    - --grad-compression fp16 / bf16, and --grad-reduce-dtype fp16 / bf16 (the same cast of
+      the reduction, in place): each element of the dp average is within
       (dp + 1) u sum_r |g_r| of the exact one (data_parallel/compression.py), <= 5u at
       dp x cp <= 4, so one gradient's relative error is ~5u: 2.4e-3 (fp16), 2e-2 (bf16) on
       the gradient norm, the same tolerances;
@@ -492,7 +493,11 @@ def tolerance(case: dict) -> float:
     The final weights are compared with the reference only at FP32_TOL (Adam's per-element
     amplification of a gradient's rounding is unbounded in the inexact modes)."""
     tol = FP32_TOL
-    for mode in (case.get("--precision"), case.get("--grad-compression")):
+    for mode in (
+        case.get("--precision"),
+        case.get("--grad-compression"),
+        case.get("--grad-reduce-dtype"),
+    ):
         tol = max(tol, {"bf16": BF16_TOL, "fp16": FP16_TOL}.get(mode or "", FP32_TOL))
     return tol
 
@@ -907,6 +912,10 @@ def parse_case(text: str) -> dict:
             )
             i += 2
     case.setdefault("model", "gpt2-tiny")
+    if "--global-batch-size" not in case:  # one the layout divides, the reference's too
+        # (megapar-train's default adapts to the layout: 12 at dp 3, while one process took 16)
+        mbs, dp, cp = (case.get(k, 1) for k in ("--micro-batch-size", "--dp", "--cp"))
+        case["--global-batch-size"] = mbs * dp * cp * 4
     return case
 
 
