@@ -6,7 +6,6 @@ overlapping events, a bubble in [0, 1)) and deterministic memory, never wall-clo
 """
 
 import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_script import load_script
 
 from megapar.cli.bubble import main
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -40,10 +40,7 @@ def _not_json(name: str):
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"tools/{name}.py")
 
 
 def assert_png(path):

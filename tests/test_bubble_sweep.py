@@ -2,24 +2,17 @@
 formula when the measured W > min(F, B), or m < pp) is null in --json and n/a in the table,
 never NaN; each schedule's theory is its own."""
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-from conftest import ROOT
+from repo_script import load_script
 
 from megapar.pipeline.simulate import theoretical_bubble
 from megapar.training import bubble
 
 
 def _sweep_module():
-    spec = importlib.util.spec_from_file_location(
-        "bubble_sweep", os.path.join(ROOT, "benchmarks", "pipeline", "bubble_sweep.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/pipeline/bubble_sweep.py")
 
 
 def test_a_theory_outside_its_assumptions_is_null_not_nan(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import shlex
@@ -26,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- runnable -->"
@@ -171,10 +171,7 @@ def test_a_shown_plan_is_what_megapar_plan_prints(command, shown, capsys):
             "\n".join(printed)
 
 def _gen_cli_docs():
-    spec = importlib.util.spec_from_file_location("gen_cli_docs", ROOT / "tools" / "gen_cli_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/gen_cli_docs.py")
 
 
 def test_cli_reference_page_equals_the_parsers():

@@ -26,6 +26,7 @@ from conftest import (
     skip_unless_transformers_converts,
     transformers_converts,
 )
+from repo_script import load_script
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
@@ -657,11 +658,7 @@ def test_the_lm_eval_example_without_lm_eval_says_what_to_install(monkeypatch, c
     """Without lm-eval it stopped with ModuleNotFoundError's traceback, after the export."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
-        "lm_eval_checkpoint.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/lm_eval_checkpoint.py")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "lm_eval" else real(name, *a))
@@ -680,11 +677,7 @@ def _lm_eval_example(monkeypatch, known_tasks=("hellaswag",)):
     import sys
     import types
 
-    spec = importlib.util.spec_from_file_location(
-        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
-        "lm_eval_checkpoint.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/lm_eval_checkpoint.py")
 
     class TaskManager:
         def __init__(self, include_path=None):
@@ -735,13 +728,7 @@ def test_lm_eval_on_an_export_gives_megapars_log_likelihoods(tmp_path, text):
     each document (after the eos token it puts in front) equals megapar-eval's logits'."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
-        "lm_eval_checkpoint.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/lm_eval_checkpoint.py")
 
     from megapar.cli.eval import main as evaluate
 
@@ -799,15 +786,9 @@ def test_the_lm_eval_example_stops_where_the_export_has_no_tokenizer(tmp_path, c
     AutoTokenizer then loaded an empty one: lm-eval scored every document on zero tokens and
     printed perplexity 1.0, exit 0 (a python-api tryout). The example stops in one line; its
     --tokenizer exports the one named."""
-    import importlib.util
-
     from test_checkpoint_helpers import save_serial
 
-    spec = importlib.util.spec_from_file_location(
-        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
-        "lm_eval_checkpoint.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/lm_eval_checkpoint.py")
     save_serial(tmp_path / "ckpt", vocab_size=50304)
     with pytest.raises(SystemExit) as exit_:
         example.export(tmp_path / "ckpt", tmp_path / "bare")

@@ -3,21 +3,18 @@
 CUDA calls), and `tools/gpu_session.sh` / `tools/gpu_session_report.py` answer --help and bad
 arguments without starting a session (a helper's finds)."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(relative: str):
-    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(relative)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: nothing to refuse")

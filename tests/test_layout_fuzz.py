@@ -1,18 +1,16 @@
 """The layout fuzzer's own checks (tools/layout_fuzz.py): a comparison that finds nothing to
 compare, or two diverged runs, is no pass (a fuzz run's audit of the tool)."""
 
-import importlib.util
 import math
 from pathlib import Path
+
+from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fuzz():
-    spec = importlib.util.spec_from_file_location("layout_fuzz", ROOT / "tools" / "layout_fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/layout_fuzz.py")
 
 
 def test_a_comparison_with_nothing_compared_or_two_diverged_runs_fails():

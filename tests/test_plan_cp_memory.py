@@ -5,11 +5,11 @@ communication replaced by stand-ins that allocate what megapar's ring and gloo's
 do)."""
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
 import torch
+from repo_script import load_script
 
 from megapar.models import LlamaConfig
 from megapar.plan import Candidate, Problem
@@ -19,11 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "cp_attention_memory", os.path.join(ROOT, "benchmarks", "memory", "cp_attention_memory.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/memory/cp_attention_memory.py")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -4,12 +4,11 @@ collectives and the dry run (megapar/plan/fp8.py)."""
 import contextlib
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
 import transformers
-from conftest import ROOT
+from repo_script import load_script
 from tp_utils import make_mesh
 
 from megapar.comm_count import count_collectives
@@ -94,10 +93,7 @@ def test_the_casts_term_is_what_the_backward_allocates():
     backward and kept: a byte per weight element more, which the cache's own term counts).
     Equal to 0.3 % (the benchmark, at five shapes)."""
     pytest.importorskip("torchao")
-    spec = importlib.util.spec_from_file_location(
-        "fp8_transients", os.path.join(ROOT, "benchmarks", "memory", "fp8_transients.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/memory/fp8_transients.py")
 
     m, n, k = 600, 224, 144
     for recipe in ("tensorwise", "rowwise"):
