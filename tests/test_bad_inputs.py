@@ -281,7 +281,7 @@ TRAIN = [
     (["--save", "{cache}"], "megapar-data's .bin / .idx): this run's checkpoints would be mixed "
                             "into it; give another --save"),
     (["--load", "{cache}"], "megapar-data's .bin / .idx), not a megapar checkpoint; pass a "
-                            "dataset's prefix to megapar-train --data"),
+                            "dataset's prefix to --data (--data "),
     # an empty .idx is what is wrong, not the .json a megapar index would need
     (["--data", "{empty_idx}"], ("empty_idx.idx is empty (0 bytes): not a megapar or "
                                  "Megatron-LM index")),
@@ -838,6 +838,22 @@ def test_megapar_eval(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_a_refused_evaluation_leaves_no_data_cache_directory_it_made(env, no_workers, capsys,
+                                                                      tmp_path):
+    """A raw text refused for holding no window left the --data-cache directory it had made,
+    empty (a user's tryout of evaluation.md, which says such a refusal leaves no copy there);
+    `--json` is answered (it was "did you mean --jsonl-key?")."""
+    cache = tmp_path / "made" / "cache"
+    argv = _fill(["--load", "{ckpt}", "--data", "{few_words.txt}", "--seq-len", "16"], env)
+    assert evaluate([*argv, "--data-cache", str(cache)]) == 2
+    assert "has 0 windows" in _one_line(capsys, "megapar-eval")
+    assert not (tmp_path / "made").exists()
+    with pytest.raises(SystemExit):
+        evaluate([*argv, "--json"])
+    line = _one_line(capsys, "megapar-eval")
+    assert "--json: megapar-eval always prints its result as one JSON line" in line, line
+
+
 BUBBLE = [
     (["--pp", "0", "-m", "4"], "--pp 0 is invalid"),
     (["--pp", "2", "-m", "0"], "--microbatches 0 is invalid"),
@@ -851,13 +867,14 @@ BUBBLE = [
     (["--pp", "2", "-m", "4", "--seq-len", "100000"],
      "--seq-len 100000 exceeds the model's 256 positions"),
     (["--pp", "100000", "-m", "100000", "--simulate", "--fwd-ms", "1"],
-     "more than megapar-bubble measures or simulates"),
+     "more actions and stages than megapar-bubble simulates"),
     (["--pp", "1000", "-m", "1000", "--simulate", "--fwd-ms", "1"],
-     "2,000,000 actions on 1000 stages: 2,000,000 actions and 1000 stages, more than "
-     "megapar-bubble measures or simulates in seconds"),
+     "2,000,000 actions on 1000 stages, more actions and stages than megapar-bubble "
+     "simulates in seconds (50,000 actions, 256 stages)"),
     # the stages are what is too many: it read as if 8,000 actions were more than 50,000
     (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"],
-     "8,000 actions on 1000 stages: 1000 stages, more than"),
+     "8,000 actions on 1000 stages, more stages than megapar-bubble simulates in seconds "
+     "(256)"),
     # the bubble named instead is the schedule's own (it was 1F1B's for every schedule:
     # 0.0014 here, and 0.9868 for interleaved at m < pp where the exact one is 597 / 601)
     (["--pp", "8", "-m", "5000", "--schedule", "zb-h1", "--simulate", "--fwd-ms", "1"],
@@ -881,8 +898,8 @@ BUBBLE = [
     (["--pp", "2", "-m", "4", "--trace", "{new_dir/}"], "new_dir/ is a directory; give a file"),
     (["--pp", "2", "-m", "4", "--plot", "{new_dir/}"], "new_dir/ is a directory; give a file"),
     # measured runs are bounded too, and the chunks checked before a worker starts
-    (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages: 80,000 actions, more than "
-     "megapar-bubble"),
+    (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages, more actions than "
+     "megapar-bubble measures or simulates in seconds (50,000)"),
     (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "100000"],
      "--virtual-stages 100000 is 1,600,000 actions"),
     (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "3", "--model",

@@ -305,7 +305,8 @@ def test_a_directory_of_datasets_is_named_by_megapar_data_and_megapar_convert(tm
         expand_inputs([str(tmp_path)])
     with pytest.raises(CheckpointError, match=(
             r"holds tokenized datasets \(.*/a, .*/b, .*/c and 1 more: megapar-data's .bin / "
-            r"\.idx\), not a megapar checkpoint; pass a dataset's prefix to megapar-train")):
+            r"\.idx\), not a megapar checkpoint; pass a dataset's prefix to --data \(--data "
+            r".*/a: megapar-train's, megapar-eval's\) and a checkpoint to --load")):
         resolve_checkpoint(tmp_path)
 
 
@@ -484,3 +485,22 @@ def test_an_empty_sft_record_is_named_as_one(tmp_path, capsys):
             "token was written): fill or drop the records whose prompt and response are "
             "empty") in err, err
     assert "may not cover" not in err
+
+
+def test_a_tokenizer_other_than_a_prepared_datasets_is_answered_by_what_can_use_it():
+    """--tokenizer X with a dataset made with gpt2: megapar-train (a fresh run) may prepare
+    the data again with X; megapar-eval, whose checkpoint keeps its tokenizer, may not (that
+    advice led to the next refusal: a user's tryout of evaluation.md)."""
+    from megapar.data.assets import asset_path
+    from megapar.data.tokenizers import load_tokenizer
+    from megapar.training.tokenizer_checks import check_given_tokenizer
+
+    other = asset_path("botchan_en_unigram_1000.model")
+    gpt2 = load_tokenizer("gpt2")
+    with pytest.raises(ValueError, match=r"leave --tokenizer out .*, or prepare the data again "
+                                         r"with megapar-data --tokenizer .*botchan") as fresh:
+        check_given_tokenizer(other, "data/val", gpt2)
+    assert fresh.value is not None
+    with pytest.raises(ValueError) as held:
+        check_given_tokenizer(other, "data/val", gpt2, checkpoint=True)
+    assert str(held.value).endswith("without megapar's .json)"), held.value

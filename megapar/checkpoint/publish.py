@@ -387,7 +387,8 @@ def foreign_checkpoint(path: str | Path) -> str | None:
     if found:
         return (
             f"holds tokenized datasets ({named_datasets(found)}: megapar-data's .bin / .idx), not "
-            f"a megapar checkpoint; pass a dataset's prefix to megapar-train --data"
+            f"a megapar checkpoint; pass a dataset's prefix to --data (--data "
+            f"{shell_word(found[0])}: megapar-train's, megapar-eval's) and a checkpoint to --load"
         )
     pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES and _saved(f))
     if pickled:
@@ -538,6 +539,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if foreign is not None:
         raise CheckpointError(f"{path} {foreign}")
     raise CheckpointError(
-        f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
-        f"checkpoint root (no {LATEST} file); was the save interrupted?"
+        f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a checkpoint root (no "
+        f"{LATEST} file); pass the --save directory of a run, or one of its step_* directories "
+        f"(an interrupted first save leaves neither)"
     )

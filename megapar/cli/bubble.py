@@ -492,8 +492,13 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
         own = bubble_run.equal_stage_bubble(
             args.pp, args.microbatches, args.schedule, args.virtual_stages, run.costs
         )
+        bound = (  # reached where the schedule's own equals it (ZB-V from m = 3p/2 on)
+            "which it reaches"
+            if run.theoretical is not None and percent(own) == percent(run.theoretical)
+            else "a lower bound"
+        )
         print(
-            f"theory % is the pipeline fill, a lower bound; {args.schedule} itself at pp "
+            f"theory % is the pipeline fill, {bound}; {args.schedule} itself at pp "
             f"{args.pp}, m {args.microbatches} on equal stages at the mean costs with free "
             f"communication: {percent(own)} %"
         )

@@ -48,11 +48,12 @@ from megapar.data.blended import parse_blend
 from megapar.data.indexed import remove_stale_tmps, tmp_name
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.training.eval_text import data_tokenizer
+from megapar.training.eval_text import DEFAULT_CACHE, data_tokenizer
 from megapar.training.inference import (
     forward_logits,
     load_model,
@@ -124,6 +125,8 @@ OTHER_FLAGS = {
     "--split-lines": "megapar-eval already reads a .txt as a document per blank-line paragraph; "
     "drop it",
     "--output-prefix": "megapar-eval keeps raw text's tokens in --data-cache; drop it",
+    "--json": "megapar-eval always prints its result as one JSON line on stdout (> FILE keeps "
+    "it); drop it",
 }
 """megapar-train's and other tools' flags megapar-eval does not take, answered with what to do
 (difflib named unrelated ones: `--cp`, `--dp`: `--tp`)."""
@@ -408,7 +411,9 @@ def _check_ids(args, vocab_size: int) -> None:
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
         if args.tokenizer and os.path.isfile(args.data + ".json"):
-            check_given_tokenizer(args.tokenizer, args.data, load_tokenizer(indexed.tokenizer_spec))
+            check_given_tokenizer(
+                args.tokenizer, args.data, load_tokenizer(indexed.tokenizer_spec), checkpoint=True
+            )
 
 
 def logits_file(path: str, overwrite: bool = False) -> str:
@@ -545,6 +550,8 @@ def main(argv=None) -> int:
     except UsageError as exc:
         return refused("megapar-eval", exc)
     previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
+    # the --data-cache directories raw text's tokens would be kept in: a refusal leaves none
+    made = missing_dirs(args.data_cache or DEFAULT_CACHE) if args.data else []
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         world = args.tp * args.cp * args.pp
         refusal = launched_size_refusal("megapar-eval", args.tp, args.pp, args.cp)
@@ -560,10 +567,12 @@ def main(argv=None) -> int:
         if said and (args.data or args.input_ids) and prints_refusals():
             print(f"megapar-eval: {said}", file=sys.stderr)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
+        remove_empty(made)
         return refused("megapar-eval", exc)
     except SystemExit as exc:
         if exc.code != SIGTERM_EXIT_CODE:
             raise
+        remove_empty(made)
         print("megapar-eval: terminated (SIGTERM); nothing was written", file=sys.stderr)
         return SIGTERM_EXIT_CODE
     finally:

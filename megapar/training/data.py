@@ -405,8 +405,8 @@ def data_tokenizer(cfg: TrainConfig):
     given = given_now(cfg)
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
-    if "tokenizer" in given:
-        check_given_tokenizer(cfg.tokenizer, data, tokenizer)
+    if "tokenizer" in given:  # a resumed run's model keeps its checkpoint's tokenizer
+        check_given_tokenizer(cfg.tokenizer, data, tokenizer, checkpoint=bool(cfg.load))
     return indexed.vocab_size, tokenizer
 
 

@@ -45,17 +45,23 @@ def data_tokenizer_spec(data, given: str, spec: dict) -> dict:
     return spec
 
 
-def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
+def check_given_tokenizer(given: str, data: str, tokenizer, checkpoint: bool = False) -> None:
     """A --tokenizer given with a prepared dataset `data` (whose own is `tokenizer`) names the
     same files (wherever they lie): ValueError naming both otherwise, since the dataset keeps
-    its own. megapar-train and megapar-eval both call this."""
+    its own. megapar-train and megapar-eval both call this; `checkpoint`: the model is a
+    checkpoint's (megapar-eval), whose tokenizer the data must keep, so re-preparing it with
+    `given` is no fix."""
     if not same_tokenizer(load_tokenizer(given), tokenizer):
+        again = (
+            ""
+            if checkpoint
+            else f", or prepare the data again with megapar-data --tokenizer {shell_word(given)}"
+        )
         raise ValueError(
             f"--tokenizer {given} is not the tokenizer --data {data} was made with "
             f"({tokenizer.path}): a prepared dataset keeps its own; leave "
             f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
-            f"megapar's .json), or prepare the data again with megapar-data "
-            f"--tokenizer {shell_word(given)}"
+            f"megapar's .json){again}"
         )
 
 

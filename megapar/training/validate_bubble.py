@@ -69,14 +69,23 @@ def check_bubble_args(args) -> None:
                 if chunks == args.virtual_stages
                 else f" x {chunks} model chunks per rank"
             )
-        over = [f"{actions:,} actions"] if actions > MAX_SIMULATED_ACTIONS else []
-        if args.simulate and args.pp > MAX_SIMULATED_STAGES:
-            over.append(f"{args.pp} stages")
+        many = actions > MAX_SIMULATED_ACTIONS
+        stages = args.simulate and args.pp > MAX_SIMULATED_STAGES
+        what, limit = (
+            (
+                "actions and stages",
+                f"{MAX_SIMULATED_ACTIONS:,} actions, {MAX_SIMULATED_STAGES} stages",
+            )
+            if many and stages
+            else ("actions", f"{MAX_SIMULATED_ACTIONS:,}")
+            if many
+            else ("stages", f"{MAX_SIMULATED_STAGES}")
+        )
+        does = "simulates" if stages else "measures or simulates"
         raise UsageError(
             f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
-            f"{actions:,} actions on {args.pp} stages: {' and '.join(over)}, more than "
-            f"megapar-bubble measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} "
-            f"actions, {MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
+            f"{actions:,} actions on {args.pp} stages, more {what} than megapar-bubble {does} "
+            f"in seconds ({limit}); {_formula_instead(args)}"
         )
 
 

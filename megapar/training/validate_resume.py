@@ -341,7 +341,7 @@ def checkpoint_manifest(path: str, checksums: bool | None = None) -> dict:
     try:
         return verify(os.path.expanduser(path), checksums)
     except (CheckpointError, KeyError, OSError) as exc:
-        raise UsageError(f"--load {path}: {exc}{_other_steps(path)}") from None
+        raise UsageError(str(load_refusal(path, exc))) from None  # the path said once
 
 
 def _other_steps(path: str) -> str:
