@@ -621,8 +621,7 @@ class StopRequests:
             else:
                 who = name
             return f"{who} received: stopping at step {step}"
-        code = 1 if due_ranks else 0
-        if code == 1:
+        if due_ranks:
             return f"--exit-duration-mins {self.exit_duration_s / 60:g} reached at step {step}"
         if self.exit_interval and step % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached at step {step}"
