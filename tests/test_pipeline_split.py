@@ -149,6 +149,9 @@ def test_the_dry_runs_first_line_names_an_uneven_splits_blocks_per_stage(capsys)
     (6, 4, 2, "loop", "lower --pp to 3"),
     (6, 2, 4, "loop", "lower --virtual-stages to 3"),
     (8, 4, 4, "loop", "lower --virtual-stages to 2 or --pp to 2"),
+    # 4 layers at pp 4 x V 3 said "an interleaved schedule needs 4 layers or more" (a fuzz run)
+    (4, 4, 3, "loop", "lower both, to a --pp x --virtual-stages of 4 or less (--pp 2 "
+                      "--virtual-stages 2)"),
     (3, 4, 1, "loop", "lower --pp to 3 or less"),
 ])
 def test_too_few_layers_for_the_chunks_names_a_fix_that_is_taken(layers, pp, v, placement, fix):

@@ -285,6 +285,11 @@ def chunk_specs(
             fixes.append(f"--virtual-stages to {num_layers // pp}")
         if virtual_stages > 1 and num_layers // virtual_stages >= 2:
             fixes.append(f"--pp to {num_layers // virtual_stages}")
+        if virtual_stages > 1 and not fixes and num_layers >= 4:  # both must come down
+            fixes.append(
+                f"both, to a --pp x --virtual-stages of {num_layers} or less (--pp 2 "
+                f"--virtual-stages 2)"
+            )
         fix = (
             "lower " + " or ".join(fixes)
             if fixes
