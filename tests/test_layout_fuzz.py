@@ -40,6 +40,9 @@ def test_the_references_keep_what_changes_the_computation_and_no_more():
         "--zero": 2, "--pp": 2}
     assert ref({**f8, "--fp8": "rowwise"}) == {
         "model": "gpt2-tiny", "--fp8-emulate": True, "--fp8": "rowwise", "--tp": 2}
+    moe = {**f8, "model": "qwen3-moe-tiny", "--fp8": "rowwise"}  # routing flips on a step
+    assert ref(moe) == {"model": "qwen3-moe-tiny", "--fp8-emulate": True, "--fp8": "rowwise",
+                        "--tp": 2, "--dp": 2, "--zero": 2, "--pp": 2}
     untied = {**f8, "model": "llama-tiny", "--zero": 1, "--fp8": "tensorwise"}
     assert ref(untied) == {"model": "llama-tiny", "--fp8-emulate": True, "--fp8": "tensorwise",
                            "--tp": 2, "--dp": 2}

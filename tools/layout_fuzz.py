@@ -430,9 +430,13 @@ def special_reference(case: dict) -> dict:
       other order of the gradients' sum then shows (llama-tiny dp 2 with ZeRO-2, which
       reduces each micro-batch, 1.8e-3 in step 2's grad norm, ZeRO-2's fp32 run 7e-8;
       gpt2-tiny dp 2 or pp 2, the micro-batches' sum or the tied embedding's halves, 6e-5).
-      Rowwise's scales are powers of two and absorb it (0.0 in all those). So a tensorwise
-      reference keeps dp, ZeRO-2 (and --zero3-reduce micro-batch), and pp on a tied model
-      too. What stays checked is that pp, ZeRO, ep, recomputation and a resume change
+      Rowwise's scales are powers of two and absorb it (0.0 in all those), but not on a
+      mixture of experts, where one float8 step can send a token to other experts (qwen3-moe-
+      tiny pp 2 under gpipe at micro-batch 2, whose fp32 weights differ from one process by
+      8e-9, and by 0.0 under 1f1b, the backwards in the same order: rowwise 6.6e-2 after two
+      steps). So a tensorwise reference, and any --fp8 reference of a MoE model, keeps dp,
+      ZeRO-2 (and --zero3-reduce micro-batch), and on a tied or MoE model pp with its
+      schedule too. What stays checked is that pp, ZeRO, ep, recomputation and a resume change
       nothing under float8 (`run_case` checks both runs name the same float8 linears).
       Every run is on one thread (`run_cli`), as each forked rank is: two threads split the
       emulated products' sums otherwise (llama-tiny dp 2 differed by 2.3e-5 from a two-
@@ -443,15 +447,18 @@ def special_reference(case: dict) -> dict:
         for k in FP8_KEEP:
             if k in case:
                 keep[k] = case[k]
-        if case["--fp8"] == "tensorwise":  # see above: what sums the gradients elsewhere
+        moe = case["model"] in MOE  # a float8 step moves a token to other experts
+        if case["--fp8"] == "tensorwise" or moe:  # see above: what sums the gradients elsewhere
             if case.get("--dp", 1) > 1:
                 keep["--dp"] = case["--dp"]
             if case.get("--zero") == 2 or case.get("--zero3-reduce") == "micro-batch":
                 keep["--zero"] = case["--zero"]
                 if "--zero3-reduce" in case:
                     keep["--zero3-reduce"] = case["--zero3-reduce"]
-            if case["model"] in TIED and case.get("--pp", 1) > 1:
-                keep["--pp"] = case["--pp"]
+            if (case["model"] in TIED or moe) and case.get("--pp", 1) > 1:
+                for k in ("--pp", "--schedule", "--virtual-stages"):  # its order with them
+                    if k in case:
+                        keep[k] = case[k]
     if case.get("--moe-capacity-factor") and splits_tokens(case):
         for k in ("--cp", "--cp-comm-type"):
             if k in case:
