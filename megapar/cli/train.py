@@ -63,7 +63,7 @@ from megapar.plan.host import check_host_memory
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
-from megapar.training.model_config import capacity_note, ep_model_error
+from megapar.training.model_config import DEFAULT_MODEL, capacity_note, ep_model_error
 from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
 from megapar.training.validate import UsageError, explicit
 
@@ -77,7 +77,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     try:
         layout = _layout(cfg)
     except EpSplitError as exc:  # the values offered: those dividing the model's experts too
-        config = _model_of(cfg.model)
+        fresh = not (cfg.load or cfg.from_hf)  # a fresh run without --model: the default one
+        config = _model_of(cfg.model or (DEFAULT_MODEL if fresh else None))
         if config is None:
             raise
         if getattr(config, "num_local_experts", None) is None:  # no experts to shard at all
