@@ -606,8 +606,8 @@ def test_prepare_refuses_an_ep_the_model_cannot_take(run):
             r"use ep=1")):
         run(lambda: megapar.prepare("llama-tiny", ep=2), 2)
     with pytest.raises(megapar.WorkerError, match=(
-            r"megapar.prepare: ep=3 does not divide the model's 4 experts: choose an ep that "
-            r"divides 4")):
+            r"megapar.prepare: ep=3 does not divide the model's 4 experts: use ep=1 \(the only "
+            r"value dividing the 4 experts and dp x cp = 3\)")):
         run(lambda: megapar.prepare("mixtral-tiny", ep=3), 3)
 
 
@@ -1875,6 +1875,27 @@ def test_export_hf_of_an_in_memory_model_carries_its_generation_config(run, tmp_
         assert json.loads((tmp_path / hf / "generation_config.json").read_text()) == source
 
 
+def _prepare_mixtral_at_ep(ep: int) -> str:
+    from megapar.models.recipes import resolve_model
+
+    try:
+        megapar.prepare(resolve_model("mixtral-tiny"), ep=ep, seq_len=16)
+    except ValueError as exc:
+        return str(exc)
+    return "prepared"
+
+
+def test_prepare_offers_only_eps_that_divide_the_experts_too():
+    """At 6 ranks, ep=4 on 4 experts offered "ep=1, 2, 3 or 6", and ep=3 then "choose an ep
+    that divides 4", whose ep=4 was refused again (a re-test): both name 1 or 2 now."""
+    said = megapar.launch(_prepare_mixtral_at_ep, 6, 4)
+    assert said.endswith("use ep=1 or 2 (each divides dp x cp = 6 and the 4 experts), or "
+                         "change dp / cp"), said
+    said = megapar.launch(_prepare_mixtral_at_ep, 6, 3)
+    assert said == ("megapar.prepare: ep=3 does not divide the model's 4 experts: use ep=1 or 2 "
+                    "(each divides the 4 experts and dp x cp = 6)"), said
+
+
 def test_prepare_refuses_an_ep_that_does_not_divide_dp_x_cp_in_the_apis_terms():
     """An ep that does not divide the dp x cp prepare's world leaves was refused by the mesh in
     megapar-train's flags ('--ep 2 does not divide dp x cp = --dp 1 x --cp 1')."""
@@ -1888,4 +1909,4 @@ def test_prepare_refuses_an_ep_that_does_not_divide_dp_x_cp_in_the_apis_terms():
     assert str(info.value) == (
         "megapar.prepare: ep=2 does not divide dp x cp = dp=1 x cp=1 = 1: experts are sharded "
         "over the data- and context-parallel ranks; use ep=1 (the only value dividing dp x cp = "
-        "1), or change dp / cp")
+        "1 and the 4 experts), or change dp / cp")

@@ -1477,6 +1477,9 @@ def test_megapar_plan_names_an_unknown_model_before_a_missing_flag(capsys):
     with pytest.raises(SystemExit):  # a known one: the missing flag, as before
         main(["--model", "gpt2-124m", "--gpus", "8"])
     assert "the following arguments are required: --seq-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as help_:  # --help is answered whatever --model says
+        main(["--model", "gtp2-124m", "--help"])
+    assert help_.value.code == 0 and "usage: megapar-plan" in capsys.readouterr().out
 
 
 def test_a_misspelt_data_path_names_the_close_ones_beside_it(tmp_path, monkeypatch):

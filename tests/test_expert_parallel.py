@@ -208,3 +208,17 @@ def test_an_ep_not_dividing_the_experts_offers_values_dividing_dp_x_cp_too():
         "experts and dp x cp = 6)")
     assert ep_model_error(config, 3).endswith(": choose an --ep that divides 4")
     assert ep_model_error(config, 2, ranks=6) is None
+
+
+def test_a_resumed_runs_ep_refusal_offers_values_its_checkpoints_experts_take(tmp_path):
+    """`--load CKPT --dp 6 --ep 4` of a 4-expert checkpoint offered 1, 2, 3 or 6 (no --model
+    to read the experts from); the checkpoint's model is read now (a re-test)."""
+    from megapar.cli.train import main, plan_run
+    from megapar.training.config import parse_args
+
+    ckpt = str(tmp_path / "ck")
+    assert main(["--model", "mixtral-tiny", "--seq-len", "16", "--max-steps", "1",
+                 "--save", ckpt, "--no-progress"]) == 0
+    with pytest.raises(UsageError, match=r"use --ep 1 or 2 \(each divides dp x cp = 6 and the "
+                                         r"4 experts\)"):
+        plan_run(parse_args(["--load", ckpt, "--dp", "6", "--ep", "4", "--dry-run"]))

@@ -747,9 +747,11 @@ def _model_first(argv) -> str | None:
     the name was unknown)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model")
-    name = pre.parse_known_args(argv)[0].model
-    if not name or os.path.exists(os.path.expanduser(name)):
-        return None
+    pre.add_argument("-h", "--help", action="store_true")
+    known = pre.parse_known_args(argv)[0]
+    name = known.model
+    if known.help or not name or os.path.exists(os.path.expanduser(name)):
+        return None  # --help is answered first
     try:
         resolve_model(name)
     except ConfigError as exc:

@@ -77,8 +77,11 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     try:
         layout = _layout(cfg)
     except EpSplitError as exc:  # the values offered: those dividing the model's experts too
-        fresh = not (cfg.load or cfg.from_hf)  # a fresh run without --model: the default one
-        config = _model_of(cfg.model or (DEFAULT_MODEL if fresh else None))
+        if manifest is not None and manifest.get("model"):  # a resumed run: its checkpoint's
+            config = config_from_dict(manifest["model"])
+        else:  # a fresh run without --model: the default one
+            fresh = not (cfg.load or cfg.from_hf)
+            config = _model_of(cfg.model or (DEFAULT_MODEL if fresh else None))
         if config is None:
             raise
         if getattr(config, "num_local_experts", None) is None:  # no experts to shard at all

@@ -361,7 +361,7 @@ def prepare(
     apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
     _check_schedule(cfg)
     _check_model_layout(config, cfg)
-    _check_world(cfg)
+    _check_world(cfg, getattr(config, "num_local_experts", None))
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
@@ -491,13 +491,24 @@ def _refuse_unread(options: dict) -> None:
             )
 
 
-def _check_world(cfg: TrainConfig) -> None:
+def _dp_cp(cfg: TrainConfig) -> int | None:
+    """dp x cp of the launched world (dp given, or what the world leaves); None where the world
+    is no multiple of tp x cp x pp (refused by `_check_world`)."""
+    split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
+    if cfg.dp is None and world % split:
+        return None
+    return (cfg.dp if cfg.dp is not None else world // split) * cfg.cp
+
+
+def _check_world(cfg: TrainConfig, experts: int | None = None) -> None:
     """Refuse a world size that is not a multiple of tp x cp x pp (when dp is not given), and
-    an ep that does not divide the dp x cp it leaves, as Mesh would, in the API's terms."""
+    an ep that does not divide the dp x cp it leaves, as Mesh would, in the API's terms (the
+    values offered divide the model's `experts` too)."""
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
     dp = cfg.dp if cfg.dp is not None else world // split
     if not world % split and cfg.ep > 1 and (dp * cfg.cp) % cfg.ep:
-        raise LayoutError(f"megapar.prepare: {ep_split_error(cfg.ep, dp, cfg.cp, api=True)}")
+        said = ep_split_error(cfg.ep, dp, cfg.cp, api=True, experts=experts)
+        raise LayoutError(f"megapar.prepare: {said}")
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun started them: it decides the count
             fix = f"start a multiple of {split} processes (torchrun --nproc-per-node x --nnodes)"
@@ -556,7 +567,7 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
             f"expert_tensor_parallel_size={etp} splits each routed expert over tp, and this "
             f"{config.model_type} model {what}: use expert_tensor_parallel_size=1"
         )
-    error = error or ep_model_error(config, cfg.ep, api=True)
+    error = error or ep_model_error(config, cfg.ep, api=True, ranks=_dp_cp(cfg))
     if error:
         raise LayoutError(f"megapar.prepare: {error}")
     split = cfg.pipeline_split
