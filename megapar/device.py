@@ -144,9 +144,12 @@ def too_fast(tflops: float) -> str | None:
     )
 
 
-def bf16_peak_of(tflops: float) -> str | None:
-    """The GPU whose 16-bit dense peak `tflops` is (989 for an H100's 989.4), or None: given
-    for an fp32 run, a rate 15 x its fp32 one."""
+def bf16_peak_of(tflops: float, precision: str) -> str | None:
+    """For a run in `precision` fp32, the GPU whose 16-bit dense peak `tflops` is (989 for an
+    H100's 989.4: a rate 15 x its fp32 one); None otherwise (and at bf16 / fp16, where it is
+    the right rate)."""
+    if precision != "fp32":
+        return None
     return next((n for n, rates in PEAK_TFLOPS.items() if abs(tflops - rates[0]) <= 1), None)
 
 

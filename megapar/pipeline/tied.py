@@ -34,6 +34,17 @@ from megapar.mesh import Mesh
 from megapar.tensor_parallel.partition import shared_embedding_params
 
 
+def _embedding_group(mesh: Mesh):
+    """`mesh.embedding_group`, which a rank holding a shared embedding that is not in the V
+    placement is in; RuntimeError where it is not."""
+    if mesh.embedding_group is None:
+        raise RuntimeError(
+            f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
+            f"embedding group; only the first and last pipeline stage may hold one"
+        )
+    return mesh.embedding_group
+
+
 def sync_tied_embeddings(model: nn.Module, mesh: Mesh) -> int:
     """Sum the tied embedding's gradient over the first and last stage; returns how many
     parameters were synchronised (0 when pp == 1 or this stage holds no tied copy). Waits at
@@ -53,15 +64,11 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh) -> int:
         embedding.grad.copy_(total)
         copy.grad.copy_(total)
         return 2
-    if mesh.embedding_group is None:
-        raise RuntimeError(
-            f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
-            f"embedding group; only the first and last pipeline stage may hold one"
-        )
+    group = _embedding_group(mesh)
     for p in params:
         if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
             p.grad = torch.zeros_like(p)
-        work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
+        work = dist.all_reduce(p.grad, group=group, async_op=True)
         wait(
             work,
             mesh.device,
@@ -88,14 +95,8 @@ def equal_tied_grads(parts: list[torch.Tensor], mesh: Mesh) -> int:
     if len(parts) == 2:  # the V placement: both copies here
         parts[1].copy_(parts[0])
         return 1
-    if mesh.embedding_group is None:
-        raise RuntimeError(
-            f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
-            f"embedding group; only the first and last pipeline stage may hold one"
-        )
-    work = dist.broadcast(
-        parts[0], src=mesh.stage_rank(0), group=mesh.embedding_group, async_op=True
-    )
+    group = _embedding_group(mesh)
+    work = dist.broadcast(parts[0], src=mesh.stage_rank(0), group=group, async_op=True)
     wait(
         work,
         mesh.device,

@@ -70,7 +70,7 @@ def hardware_phrase(p: Problem) -> str:
     cpu = ", whose defaults are an A100's: give a CPU rank's" if p.target == "cpu" else ""
     # a known GPU's bf16 peak at fp32 (the default is an A100's) is planned as given, named so
     # here and by `peak_note`
-    gpu = _bf16_peak_of(p)
+    gpu = bf16_peak_of(p.peak_tflops, p.precision)
     rate = f"(an {gpu}'s bf16 peak) taken for fp32" if gpu else f"peak in {p.precision}"
     return (
         f"each {p.gpu_memory_gb:g} GiB, {p.peak_tflops:g} TFLOP/s {rate}: "
@@ -391,7 +391,7 @@ def peak_note(p) -> str | None:
     an H100's 989 as the docs give it for bf16), the line that says the plan's matmul rate is
     not an fp32 job's (megapar-train runs fp32 matmuls at the GPU's fp32 rate, or its TF32 rate
     with --tf32); None otherwise."""
-    name = _bf16_peak_of(p)
+    name = bf16_peak_of(p.peak_tflops, p.precision)
     if name is None:
         return None
     _, tf32, fp32 = PEAK_TFLOPS[name]
@@ -404,12 +404,6 @@ def peak_note(p) -> str | None:
         f"bf16 peak; fp32 matmuls run at its fp32 rate ({fp32:g}, {tf32:g} with megapar-train "
         f"--tf32): give your GPU's fp32 peak{others}"
     )
-
-
-def _bf16_peak_of(p) -> str | None:
-    """At --precision fp32, the GPU whose 16-bit peak --peak-tflops is (989 for an H100's
-    989.4); None otherwise."""
-    return bf16_peak_of(p.peak_tflops) if p.precision == "fp32" else None
 
 
 BUFFERS_NOTE = (

@@ -221,12 +221,12 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             except FileNotFoundError as exc:  # it is there: not a corpus left on the cluster
                 raise ValueError(str(exc)) from exc
         return data
-    if data.endswith(("/", os.sep)) and os.path.isfile(data.rstrip("/" + os.sep)):
+    slash = data.endswith(("/", os.sep))  # a directory meant
+    if slash and os.path.isfile(bare := data.rstrip("/" + os.sep)):
         raise FileNotFoundError(
-            f"--data {data}: {data.rstrip('/' + os.sep)} is a file, not a directory; drop the "
-            f"trailing /"
+            f"--data {data}: {bare} is a file, not a directory; drop the trailing /"
         )
-    if data.endswith(("/", os.sep)) and not os.path.exists(data):  # a directory meant
+    if slash and not os.path.exists(data):
         dirs = [d + os.sep for d in _close_dirs(data)[:2]]
         raise FileNotFoundError(
             f"--data {data}: no such directory"

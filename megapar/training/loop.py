@@ -663,7 +663,7 @@ def tp_across_nodes(layout: Layout, per_node: int, given_by: str = "") -> str:
     fit = (
         f"keep --tp {per_node} or less"
         if layout.tp > per_node
-        else (f"give a --tp that divides {per_node}")
+        else f"give a --tp that divides {per_node}"
     )
     return (
         f"tp {layout.tp} spans nodes of {counted(per_node, 'rank')}{given_by}: every layer's tp "

@@ -505,9 +505,9 @@ def _check_world(cfg: TrainConfig, experts: int | None = None) -> None:
     an ep that does not divide the dp x cp it leaves, as Mesh would, in the API's terms (the
     values offered divide the model's `experts` too)."""
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
-    dp = cfg.dp if cfg.dp is not None else world // split
-    if not world % split and cfg.ep > 1 and (dp * cfg.cp) % cfg.ep:
-        said = ep_split_error(cfg.ep, dp, cfg.cp, api=True, experts=experts)
+    ranks = _dp_cp(cfg)
+    if not world % split and cfg.ep > 1 and ranks is not None and ranks % cfg.ep:
+        said = ep_split_error(cfg.ep, ranks // cfg.cp, cfg.cp, api=True, experts=experts)
         raise LayoutError(f"megapar.prepare: {said}")
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun started them: it decides the count

@@ -507,7 +507,7 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     ]:
         if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
             notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
-    gpu = bf16_peak_of(cfg.peak_tflops) if cfg.precision == "fp32" else None
+    gpu = bf16_peak_of(cfg.peak_tflops, cfg.precision)
     if gpu and "peak_tflops" in given:  # megapar-plan's fp32 command carries it so
         _, tf32, fp32 = PEAK_TFLOPS[gpu]
         notes.append(
