@@ -38,6 +38,8 @@ def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):
     with pytest.raises(ConfigError, match=r"not found; pass an existing JSON/YAML config file or "
                        r"a recipe name: bert-base, .*gpt2-124m, .*llama-tiny"):
         resolve_model("mymodel.json")
+    with pytest.raises(ConfigError, match=r"^model config file \./mymodel\.json not found"):
+        resolve_model("./mymodel.json")  # as typed (Path dropped the ./)
     for no_kind in ('{"hidden_size": 64}', '{"model_type": ""}'):
         (tmp_path / "c.json").write_text(no_kind)
         with pytest.raises(ConfigError, match=r'the config has no model_type; add "model_type": '

@@ -40,11 +40,11 @@ def resolve_model(name_or_path: str):
         if not path.exists():
             close = difflib.get_close_matches(path.stem.lower(), list_recipes(), n=3, cutoff=0.7)
             raise ConfigError(
-                f"model config file {path} not found; pass an existing JSON/YAML config file "
+                f"model config file {name_or_path} not found; pass an existing JSON/YAML config "
                 + (
-                    f"or a recipe name: did you mean {or_list(close)}?"
+                    f"file or a recipe name: did you mean {or_list(close)}?"
                     if close
-                    else f"or a recipe name: {', '.join(list_recipes())}"
+                    else f"file or a recipe name: {', '.join(list_recipes())}"
                 )
             )
         if path.is_dir():
