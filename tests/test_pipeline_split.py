@@ -44,6 +44,10 @@ def test_the_counts_go_to_the_models_first_and_last_chunks():
     (4, 2, 1, PipelineSplit(first=4), "--decoder-first-pipeline-num-layers 4 leaves 0 of the "
      "model's 4 layers for the other 1 of --pp 2 stages (each needs at least one); give at most "
      "3"),
+    (4, 2, 1, PipelineSplit(first=5), "--decoder-first-pipeline-num-layers 5 is more than the "
+     "model's 4 layers, and the other 1 of --pp 2 stages need at least one each; give at most 3"),
+    (6, 4, 1, PipelineSplit(first=4, last=3), "= 7 layers are more than the model's 6 layers, "
+     "and the other 2 of --pp 4 stages need at least one each; give at most 4 in all"),
     (4, 2, 1, PipelineSplit(first=1, last=2), "with --pp 2 stages they are the whole model, so "
      "they must add up to its 4 layers"),
     (8, 2, 2, PipelineSplit(first=4, last=3), "= 7 layers leave 1 of the model's 8 layers for the "

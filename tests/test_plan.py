@@ -708,9 +708,11 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
             ) in out.out and " mem/rank " in out.out
     assert "keeps on CPU ranks without attention dropout;" in out.out
     # its memory column is a rise over the process's baseline, which the legend names (a new
-    # user compared it with the OS's peak resident set)
+    # user compared it with the OS's peak resident set), and so does fits (a re-test: "yes"
+    # beside a rise under --gpu-memory-gb whose sum with the baseline was over it)
     assert ("(its resident set's rise over the process's baseline, 272 MiB, which --explain "
-            "adds)") in out.out, out.out
+            "adds; fits compares the rise with --gpu-memory-gb, the baseline apart)"
+            ) in out.out, out.out
     # its command leaves the A100's peak out: megapar-train's CPU default gives its MFU (a new
     # user's CPU run of the printed command logged MFU 0.00 % at 312); a peak given is kept
     command = out.out.splitlines()[-1]
@@ -848,7 +850,9 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                              "and --offload none tries no offload: drop it")),
     (["--gpus-per-node", "1", "--sp-regather"], ("--sp-regather applies to layouts with "
                                                  "sequence parallelism at tp > 1, and no tp > 1 "
-                                                 "divides --gpus 8 within a node")),
+                                                 "divides --gpus 8 within a node of "
+                                                 "--gpus-per-node 1: drop it, or raise "
+                                                 "--gpus-per-node")),
     (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
     (["--schedules", "1f1b", "--virtual-stages", "3"], (
         "--virtual-stages is the chunks per rank of the interleaved schedule, and --schedules "
@@ -859,6 +863,18 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                               "of experts' routed experts over tp, and this gpt2 "
                                               "model has none: remove the flag")),
     (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size 0 is invalid"),
+    (["--expert-tensor-parallel-size", "3", "--model", "mixtral-tiny"], (
+        "--expert-tensor-parallel-size 3 splits each routed expert over a layout's tp ranks (it "
+        "is 1 or the tp), and the tp sizes of --gpus 8 within a node of --gpus-per-node 8 are 1, "
+        "2, 4 or 8: give one of them, or drop it")),
+    # an uneven pipeline split no pp fits: every layout was rejected for it (exit code 1)
+    (["--decoder-first-pipeline-num-layers", "5"], (
+        "--decoder-first-pipeline-num-layers 5 is more than the model's 4 layers, and the other "
+        "1 of --pp 2 stages need at least one each; give at most 3 (no pp the search tries fits: "
+        "2, 4, 8)")),
+    (["--gpus", "1", "--decoder-last-pipeline-num-layers", "1"], (
+        "--decoder-last-pipeline-num-layers 1 cuts the layers over pipeline stages, and --gpus 1 "
+        "has no pp > 1: drop it, or raise --gpus")),
     (["--cp-comm-type", "a2a"], ("--cp-comm-type a2a chooses how context-parallel attention "
                                  "communicates, and the search tries cp 1 only: add --cp-sizes")),
 ])
@@ -1325,8 +1341,8 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=4,ep=8", "does not divide dp x cp = 4"),
                               # at tp 1 it said "use etp=1 or etp=1"
-                              (moe, "dp=4,ep=2,etp=2", "etp 2 is neither 1 nor tp 1: use etp=1"),
-                              (moe, "tp=2,dp=2,etp=4", "neither 1 nor tp 2: use etp=1 or etp=2")):
+                              (moe, "dp=4,ep=2,etp=2", "etp 2 must be 1 or the layout's tp (1): use etp=1"),
+                              (moe, "tp=2,dp=2,etp=4", "must be 1 or the layout's tp (2): use etp=1 or etp=2")):
         said = check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8, seq_len=32))
         assert said.endswith(why) if "etp" in spec else why in said, (spec, said)
     eight = dataclasses.replace(moe, num_local_experts=8)

@@ -29,6 +29,7 @@ from megapar.cli.plan_args import (
     check_mode_arguments,
     check_number_arguments,
     check_search_arguments,
+    check_split_arguments,
     offload_refused,
     take_vocabulary,
 )
@@ -619,6 +620,8 @@ def _problem(args, given: tuple[str, ...] = ()):
         args.account_for_loss_in_pipeline_split,
     )
     split.check(2)  # its own errors; each layout's pp and layers are checked with it
+    if args.explain is None:
+        check_split_arguments(args, config, split)
     return Problem(
         config,
         args.gpus,

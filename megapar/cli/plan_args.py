@@ -10,9 +10,12 @@ import os
 from megapar.data.tokenizers import load_tokenizer
 from megapar.device import too_fast
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.mesh import LayoutError, tp_spans_nodes
 from megapar.models.config import load_config_file, no_experts
 from megapar.optim.optimizer import NOT_OFFLOADED
-from megapar.plan.layouts import default_cp_sizes
+from megapar.pipeline.partition import PipelineSplit, split_layers
+from megapar.plan.layouts import default_cp_sizes, divisors
+from megapar.wording import or_list
 
 MAX_VERIFY = 32
 """Most layouts --verify dry-runs in one run (each takes seconds: docs/guides/planner.md)."""
@@ -189,6 +192,14 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
         )
     if args.explain is not None:  # one layout: its own zero= and offload= are checked with it
         return
+    tps = [t for t in divisors(args.gpus) if not tp_spans_nodes(t, args.gpus, args.gpus_per_node)]
+    if etp is not None and etp not in tps:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} splits each routed expert over a layout's tp "
+            f"ranks (it is 1 or the tp), and the tp sizes of --gpus {args.gpus} within a node "
+            f"of --gpus-per-node {args.gpus_per_node} are {or_list(list(map(str, tps)))}: give "
+            f"one of them, or drop it"
+        )
     listed = " ".join(map(str, args.zero_stages))
     stages = [z for z in args.zero_stages if z == 0 or args.gpus > 1]
     if not stages:
@@ -203,6 +214,32 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
             f"or try the other offloads too (--offload none optimizer both)"
         )
     check_unread_options(args, stages, given)
+
+
+def check_split_arguments(args, config, split: PipelineSplit) -> None:
+    """ValueError if the uneven pipeline split (`split`: --decoder-first / last-pipeline-num-
+    layers, the embedding or loss counted as a layer) fits no pp the search tries (each a
+    divisor of --gpus, one chunk per rank: the fewest slices): every layout would be rejected
+    for it."""
+    if split.even:
+        return
+    pps = [pp for pp in divisors(args.gpus) if pp > 1]
+    if not pps:
+        raise ValueError(
+            f"{split.flags()} cuts the layers over pipeline stages, and --gpus {args.gpus} has "
+            f"no pp > 1: drop it, or raise --gpus"
+        )
+    refusals = []
+    for pp in pps:
+        try:
+            split_layers(config.num_layers, pp, split, f"--pp {pp} stages")
+            return
+        except LayoutError as exc:
+            refusals.append(str(exc))
+    # counts over the model's layers are said so at any pp; else the fewest stages' refusal
+    said = next((r for r in refusals if "more than the model's" in r), refusals[0])
+    tried = ", ".join(map(str, pps))
+    raise ValueError(said + ("" if len(pps) == 1 else f" (no pp the search tries fits: {tried})"))
 
 
 def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> None:
@@ -235,7 +272,8 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
         raise ValueError(
             f"--sp-regather applies to layouts with sequence parallelism at tp > 1, and no "
             f"tp > 1 divides --gpus {args.gpus} within a node of --gpus-per-node "
-            f"{args.gpus_per_node}: drop it, or raise --gpus"
+            f"{args.gpus_per_node}: drop it, or raise "
+            + ("--gpus" if args.gpus == 1 else "--gpus-per-node")
         )
     if set(args.recompute) == {"full"}:
         raise ValueError(

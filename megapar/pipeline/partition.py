@@ -187,8 +187,15 @@ def split_counts(
             f"{named} leaves" if len(given) == 1 else f"{named} = {num_layers - rest} layers leave"
         )
         most = f"at most {num_layers - middle}" + (" in all" if len(given) > 1 else "")
+        if rest < 0:  # more than the model has: "leaves 0" would hide by how much
+            over = named if len(given) == 1 else f"{named} = {num_layers - rest} layers"
+            raise LayoutError(
+                f"{over} {'is' if len(given) == 1 else 'are'} more than the model's "
+                f"{num_layers} layers, and the other {middle} of {what} need at least one "
+                f"each; give {most}"
+            )
         raise LayoutError(
-            f"{taken} {max(rest, 0)} of the model's {num_layers} layers for the other "
+            f"{taken} {rest} of the model's {num_layers} layers for the other "
             f"{middle} of {what} (each needs at least one); give {most}"
         )
     counts = _even_counts(rest, middle) if middle else []

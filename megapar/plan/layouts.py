@@ -376,7 +376,7 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     None."""
     if c.etp not in (1, c.tp):
         fix = "etp=1" if c.tp == 1 else f"etp=1 or etp={c.tp}"
-        return f"etp {c.etp} is neither 1 nor tp {c.tp}: use {fix}"
+        return f"etp {c.etp} must be 1 or the layout's tp ({c.tp}): use {fix}"
     if c.etp > 1:
         size = getattr(config, "expert_size", 0) if getattr(config, "num_moe_layers", 0) else 0
         if not size:
