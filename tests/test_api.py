@@ -1720,6 +1720,20 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     assert said in str(err.value), err.value
 
 
+def test_prepare_names_what_it_trains_for_an_object_it_cannot():
+    """An object that is no model, config or path said "cannot use a object" and named the
+    transformers classes only, not the paths `prepare` reads too."""
+    from megapar.models.config import ConfigError
+    from megapar.training.prepare import LM_CLASSES
+
+    with pytest.raises(ConfigError) as err:
+        megapar.prepare(object())
+    assert str(err.value) == (
+        f"megapar.prepare: cannot train a 'object' object; pass a transformers "
+        f"{' / '.join(LM_CLASSES)} (or its config), a recipe name such as 'gpt2-tiny', a "
+        f"config file, a transformers model's directory or a megapar checkpoint")
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 3, "offload_params": True},
      ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),

@@ -288,7 +288,8 @@ def table(estimates: list[Estimate], master_weights: str = "fp32", target: str =
             "heap's room and the runtime"
             + (
                 f" (its resident set's rise over the process's baseline, "
-                f"{baseline / 2**20:.0f} MiB, which --explain adds)"
+                f"{baseline / 2**20:.0f} MiB, which --explain adds; fits compares the rise "
+                f"with --gpu-memory-gb, the baseline apart)"
                 if (baseline := _baseline(estimates))
                 else ""
             )

@@ -98,9 +98,9 @@ def _resolve_model(model):
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):
         return config_from_hf(model), None
     raise ConfigError(
-        f"megapar.prepare: cannot use a {type(model).__name__}; pass a transformers "
-        f"{' / '.join(LM_CLASSES)} (or its config) or a recipe name such as "
-        f"'gpt2-tiny'"
+        f"megapar.prepare: cannot train a {type(model).__name__!r} object; pass a "
+        f"transformers {' / '.join(LM_CLASSES)} (or its config), a recipe name such as "
+        f"'gpt2-tiny', a config file, a transformers model's directory or a megapar checkpoint"
     )
 
 
