@@ -532,6 +532,26 @@ def test_an_interrupted_export_leaves_no_staging_checkpoint(run, tmp_path):
     assert run(_export_interrupted, 1, str(tmp_path / "hf"))[0] == []
 
 
+def _numpy_inside_whole(read):
+    engine = megapar.prepare(_hf_model(), zero=3, micro_batch_size=2, lr=1e-2)
+    with engine.params_whole():
+        weight = next(engine.model.parameters()).detach()
+        held = weight.numpy() if read else weight.clone().numpy()  # numpy's view, or a copy
+        first = held.copy()
+    losses = [engine.train_step(batch) for batch in _batches(3)]
+    return losses, bool((held == first).all())
+
+
+def test_a_weight_read_with_numpy_inside_params_whole_frees_under_zero3(run):
+    """`.numpy()` of a parameter inside `params_whole` made its ZeRO-3 unit's storage
+    unresizable, and leaving the context failed ("Trying to resize storage that is not
+    resizable", a re-test); the unit now takes a new buffer, numpy's array keeps the weights
+    it read, and training goes on as without it."""
+    (losses, kept), _ = run(_numpy_inside_whole, 2, True)
+    (copied, _), _ = run(_numpy_inside_whole, 2, False)
+    assert kept and len(losses) == 3 and losses == copied, (losses, copied)
+
+
 def _fails_on_rank(bad):
     import torch.distributed as dist
 

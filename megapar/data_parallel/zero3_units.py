@@ -203,10 +203,23 @@ class Unit:
         cast unit's cast buffer."""
         if self.resident:
             return
+        if not self.full.untyped_storage().resizable():  # shared with numpy: never resized
+            self._rebind_full()
         self.full.untyped_storage().resize_(0)
         if self.cast is not None:
             self.cast.full.untyped_storage().resize_(0)
         self.gathered = False
+
+    def _rebind_full(self) -> None:
+        """Give the parameters a new full buffer to be views of: a parameter read with
+        ``.numpy()`` while whole (`ShardedParams.whole`) made the old one's storage
+        unresizable for good, so it could never be freed again; numpy's arrays keep it."""
+        full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
+        offset = 0
+        for p in self.params:
+            p.data = full[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.full = full
 
     def launch_gather(self, piece: int | None = None) -> None:
         """Start the all-gather of the unit over its group into its full buffer (no-op when
