@@ -1561,6 +1561,16 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
         "--max-steps 2 x 16 sequences read 32 of them: 0.0016 of an epoch")
     tiny = parse_args(["--max-steps", "1", "--global-batch-size", "1", "--micro-batch-size", "1"])
     assert _data_line(tiny, 90_000, 142).endswith("read 1 of them: 0.000011 of an epoch")
+    # resumed at another global batch: "--max-steps 4 x 8 sequences read 32 of them", where
+    # the checkpoint's 3 steps had read 12 (a re-test); at its own batch the line is as before
+    saved = {"step": 3, "meta": {"consumed_samples": 12}}
+    wider = parse_args(["--load", "ck", "--max-steps", "4", "--global-batch-size", "8"])
+    assert _data_line(wider, 2729, 142, saved).endswith(
+        "--max-steps 4 read 20 of them (12 in the checkpoint's 3 steps, then 1 x 8): 0.0073 of "
+        "an epoch")
+    same = parse_args(["--load", "ck", "--max-steps", "5", "--global-batch-size", "4"])
+    assert _data_line(same, 2729, 142, saved).endswith(
+        "--max-steps 5 x 4 sequences read 20 of them: 0.0073 of an epoch")
 
 
 def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_path):

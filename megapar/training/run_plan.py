@@ -203,7 +203,7 @@ def plan_data(
         raise
     notes.extend(split_notes)
     if not isinstance(train, (SFTDataset, BlendedDataset)):  # their own lines say it
-        notes.append(_data_line(cfg, len(train), len(val) if val is not None else 0))
+        notes.append(_data_line(cfg, len(train), len(val) if val is not None else 0, manifest))
     if manifest is not None:
         split_of = partial(training_documents, cfg, plan.prefix, config.model_type)
         check_resumable(cfg, manifest, len(train), split_of)
@@ -564,12 +564,25 @@ def _training_split(
     return train, val, split_notes
 
 
-def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
+def _data_line(cfg: TrainConfig, samples: int, held: int, manifest: dict | None = None) -> str:
     """The log's line on how much data the run has and how much of it the run reads: its
     training samples, those held out for validation (and why, where they are far more than
     --val-fraction's share: whole documents, at least a global batch; what a given --eval-steps
-    counts, where it is more than the split's batches), and --max-steps' share of an epoch."""
+    counts, where it is more than the split's batches), and --max-steps' share of an epoch (a
+    run resumed from `manifest` at another global batch: the checkpoint's samples and the
+    steps left's)."""
     drawn = cfg.max_steps * cfg.global_batch_size
+    reads = f"--max-steps {cfg.max_steps} x {cfg.global_batch_size} sequences read {{:,}} of them"
+    manifest = manifest or {}
+    start = int(manifest.get("step", 0))
+    before = manifest.get("meta", {}).get("consumed_samples")
+    if before is not None and before != start * cfg.global_batch_size:  # batch changed
+        left = max(cfg.max_steps - start, 0)
+        drawn = int(before) + left * cfg.global_batch_size
+        reads = (
+            f"--max-steps {cfg.max_steps} read {{:,}} of them ({int(before):,} in the "
+            f"checkpoint's {start} steps, then {left} x {cfg.global_batch_size})"
+        )
     share = drawn / samples
     shown = f"{share:.2f}"
     if 0 < share < 0.01:  # not "0.00": two significant digits (0.0016, 0.000011)
@@ -594,8 +607,7 @@ def _data_line(cfg: TrainConfig, samples: int, held: int) -> str:
         )
     return (
         f"data: {_data_named(cfg)} holds {counted(samples, 'training sample')} of "
-        f"{cfg.seq_len} tokens{validation}; --max-steps {cfg.max_steps} x "
-        f"{cfg.global_batch_size} sequences read {drawn:,} of them: {epochs}"
+        f"{cfg.seq_len} tokens{validation}; {reads.format(drawn)}: {epochs}"
     )
 
 
