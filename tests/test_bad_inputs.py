@@ -1919,6 +1919,9 @@ OTHER_TOOLS = [
     ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
     ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
     ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),
+    # megapar-plan's own --offload was "did you mean --load?" (a re-test)
+    ("train", ["--offload"], "--offload: did you mean --offload-optimizer (and --offload-params "
+     "under --zero 3: its parameter shards too)?"),
     ("train", ["--deepspeed"], "megapar's ZeRO is built in: give --zero 1, 2 or 3"),
     ("train", ["--deepspeed_config", "ds.json"], "megapar-train reads no DeepSpeed config"),
     ("train", ["--num-gpus", "2"], "starts its tp x cp x pp x dp local workers itself (give --dp)"),

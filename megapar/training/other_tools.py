@@ -483,6 +483,10 @@ OTHER_TOOLS_FLAGS = {
     "--cpu-offload": "--offload-optimizer",
     "--cpu_offload": "--offload-optimizer",
     "--cpu-optimizer": "--offload-optimizer",
+    # megapar-plan's --offload (the offloads its search tries) and FSDP's offload: difflib
+    # named --load
+    "--offload": "--offload-optimizer (and --offload-params under --zero 3: its parameter "
+    "shards too)",
     "--loss_scale": "--loss-scale (a static scale; DeepSpeed's 0, dynamic, is megapar's default)",
     "--initial-scale-power": INITIAL_SCALE_POWER,
     "--initial_scale_power": INITIAL_SCALE_POWER,
