@@ -195,9 +195,17 @@ def test_bf16_wire_v_schedules():
      ("interleaved 1F1B runs the 5 micro-batches in max(1, m // pp) = 2 rounds of equal size, "
       "so m must be divisible by 2; the nearest valid m are 4 and 6")),
     (["--pp", "2", "--schedule", "1f1b", "--virtual-stages", "2"],
-     ("--virtual-stages 2 with --schedule 1f1b (in Python: virtual_stages=2, schedule='1f1b') "
-      "needs --schedule interleaved, zb-v or dualpipev: 1f1b runs one model chunk per rank; "
-      "give one of them, or leave --virtual-stages out")),
+     ("--virtual-stages 2 with --schedule 1f1b needs --schedule interleaved, zb-v or "
+      "dualpipev: 1f1b runs one model chunk per rank; give one of them, or leave "
+      "--virtual-stages out")),
+    # the default schedule was named as if given, with its Python spelling (a re-test)
+    (["--pp", "2", "--virtual-stages", "2"],
+     ("--virtual-stages 2 with --schedule 1f1b (the default) needs --schedule interleaved, "
+      "zb-v or dualpipev")),
+    (["--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"],
+     ("--virtual-stages 3 does not apply to --schedule zb-v: it places exactly two model "
+      "chunks per rank in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
+      "--virtual-stages out, or give 2")),
     (["--pp", "2", "--schedule", "interleaved"],
      "interleaved 1F1B needs --virtual-stages >= 2 model chunks per rank, got 1 (its default is 1)"),
     (["--pp", "2", "--schedule", "dualpipev", "--global-batch-size", "3",

@@ -44,22 +44,28 @@ CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
 take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
 
 
-def chunks_per_rank(name: str, virtual_stages: int = 1, api: bool = False) -> int:
+def chunks_per_rank(
+    name: str, virtual_stages: int = 1, api: bool = False, flags: str = "both"
+) -> int:
     """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
     the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
     ValueError with one line naming the fix where `virtual_stages` does not apply, worded for
-    megapar-train's flags, or with `api` for megapar.prepare's keywords only."""
+    megapar-train's flags and megapar.prepare's keywords, or with `api` for the keywords only;
+    `flags`: "given" / "default" for megapar-train's flags only, its --schedule given or its
+    default."""
     v = virtual_stages
+    python = "" if flags != "both" else f" (in Python: virtual_stages={v}, schedule={name!r})"
+    schedule = f"--schedule {name}" + (" (the default)" if flags == "default" else "")
     if CHUNKED_SCHEDULES.get(name) == "v":
         if v not in (1, 2):
             raise ValueError(
                 f"virtual_stages={v} does not apply to schedule={name!r}: it places exactly "
                 f"two model chunks per rank in a V; leave virtual_stages out, or give 2"
                 if api
-                else f"--virtual-stages {v} does not apply to --schedule {name} (in Python: "
-                f"virtual_stages={v}, schedule={name!r}): it places exactly two model chunks "
-                f"per rank in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
-                f"--virtual-stages / virtual_stages out, or give 2"
+                else f"--virtual-stages {v} does not apply to {schedule}{python}: it places "
+                f"exactly two model chunks per rank in a V (rank r holds virtual stages r and "
+                f"2 pp - 1 - r); leave --virtual-stages"
+                f"{' / virtual_stages' if python else ''} out, or give 2"
             )
         return 2
     if name in CHUNKED_SCHEDULES:
@@ -71,10 +77,9 @@ def chunks_per_rank(name: str, virtual_stages: int = 1, api: bool = False) -> in
             f"virtual_stages={v} needs schedule={' or '.join(map(repr, takers))}; schedule="
             f"{name!r} runs one model chunk per rank: {give}, or leave virtual_stages out"
             if api
-            else f"--virtual-stages {v} with --schedule {name} (in Python: virtual_stages={v}, "
-            f"schedule={name!r}) needs --schedule {or_list(takers)}: {name} runs one model "
-            f"chunk per rank; {give}, or leave --virtual-stages "
-            f"out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+            else f"--virtual-stages {v} with {schedule}{python} needs --schedule "
+            f"{or_list(takers)}: {name} runs one model chunk per rank; {give}, or leave "
+            f"--virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
         )
     return 1
 

@@ -284,7 +284,8 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
-    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
+    given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
+    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages, flags=given)
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:
         raise ValueError(
             f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
