@@ -342,7 +342,7 @@ def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkey
     assert [p.name for p in corpus.iterdir()] == ["a.txt"]
 
 
-def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
+def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path, capsys):
     """--load ROOT whose latest step has a truncated shard (a kill during a copy, a full disk)
     said 'restore it or use another checkpoint' without naming one; now the newest other step
     of its root, for the root and the step directory alike; none where there is no other."""
@@ -361,6 +361,17 @@ def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
         assert "(file truncated or altered)" in str(exc.value)
         assert str(exc.value).endswith(
             f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
+    # megapar-convert reading it says the same, in its own words: it named the file alone (a
+    # re-test)
+    from megapar.cli.convert import main as convert_main
+
+    for args in ([str(root), str(tmp_path / "out")], ["--info", str(root)],
+                 [str(root), "--to-hf", str(tmp_path / "hf")]):
+        assert convert_main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"megapar-convert: error: {root}: ") and err.endswith(
+            f"(the newest other step there: {root}/step_00000003)"), err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
     # `latest` names a step that is gone: the step offered is the newest complete one, not
     # step 6, whose shard is truncated (it was offered, and refused in turn)
     (root / "latest").write_text("step_00000009\n")

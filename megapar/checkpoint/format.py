@@ -70,6 +70,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted or of another model."""
 
 
+class CheckpointFileError(CheckpointError):
+    """A file of a checkpoint's step missing, or not the size or checksum its manifest
+    records (`manifest.verify_file`): another step of the same checkpoint may do instead."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{int(step):08d}"
 

@@ -20,6 +20,7 @@ from megapar.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
+    CheckpointFileError,
     file_record,
     shard_file_name,
 )
@@ -163,18 +164,18 @@ def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) 
     path = step_dir / name
     if not path.exists():
         kind = "shard" if name.startswith("model_") else "file"
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
             f"files deleted); restore it or use another checkpoint"
         )
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"{name}: {counted(size, 'byte')}, the manifest records {record['bytes']:,} "
             f"(file truncated or altered); restore it or use another checkpoint"
         )
     if checksum and file_record(path)["sha256"] != record["sha256"]:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"{name}: checksum mismatch (file altered or truncated); restore "
             f"it or use another checkpoint"
         )

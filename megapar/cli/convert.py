@@ -282,13 +282,29 @@ def _fill_layout(args, source: dict) -> None:
 
 
 def run(args) -> str:
-    """Do what the arguments ask; returns the report to print."""
+    """Do what the arguments ask; returns the report to print. A file of the checkpoint read
+    that fails its check is named with its checkpoint and the newest other step of it whose
+    files are whole (`load_refusal`, as megapar-train --load says it)."""
+    from megapar.checkpoint.format import CheckpointFileError
+    from megapar.training.validate_resume import load_refusal
+
+    progress = show_progress(False if args.no_progress else None)
+    _check_modes(args)
+    imported = args.from_hf or args.from_dcp or args.from_megatron
+    source = args.info or (None if imported or not args.paths else args.paths[0])
+    try:
+        return _run(args, progress)
+    except CheckpointFileError as exc:  # the step named, and another step of it to use
+        if source is None:
+            raise
+        raise load_refusal(source, exc, what="") from None
+
+
+def _run(args, progress) -> str:
     from megapar.checkpoint import convert as cv
     from megapar.checkpoint.manifest import read_manifest
     from megapar.mesh import Layout
 
-    progress = show_progress(False if args.no_progress else None)
-    _check_modes(args)
     if args.overwrite:  # without it an existing output is refused anyway
         _refuse_onto_source(args)
     if args.from_dcp or args.to_dcp:

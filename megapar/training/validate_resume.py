@@ -279,7 +279,8 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     torchrun / Slurm) failed with `exc`: one line (the rank's failure line names the rank)
     naming the step directory, the file and the fix (`_other_steps`: the newest other step of
     its root to resume from); `what` names where `load` was given."""
-    other = _other_steps(load).replace("--load ", f"{what} ")
+    prefix = f"{what} " if what else ""  # "": megapar-convert's positional SRC
+    other = _other_steps(load).replace("--load ", prefix)
     text = str(exc)
     said = f": {text}"
     # "X: no such checkpoint directory", "X holds a different model": X said once (X may hold
@@ -288,7 +289,7 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
         if _same_path(text[:cut], load):
             said = text[cut:]
             break
-    err = CheckpointError(f"{what} {load}{said}{other}")
+    err = CheckpointError(f"{prefix}{load}{said}{other}")
     err.no_traceback = True  # type: ignore[attr-defined]  # the line says it all
     return err
 
