@@ -3,8 +3,8 @@
 `counted` is the one place that chooses between a noun's singular and plural for a number
 shown to a user, `first_few` the one that names the first of many things and how many more,
 `or_list` the one that offers alternatives, `and_list` the one that names several things
-together (standard library only: megapar-data and megapar-convert use them before torch is
-imported).
+together, `scale_text` the one that shows an fp16 loss scale (standard library only:
+megapar-data and megapar-convert use them before torch is imported).
 """
 
 from __future__ import annotations
@@ -33,3 +33,11 @@ def first_few(items: list[str], most: int) -> str:
     if len(items) <= most:
         return and_list(items)
     return f"{', '.join(items[:most])} and {len(items) - most} more"
+
+
+def scale_text(scale: float) -> str:
+    """An fp16 loss scale as a user gives it: 65536 and 8388608 whole, not 6.554e+04 or
+    8.38861e+06; 0.5 (a floor below 1) and 1e+30 as `g` shows them (2^40 whole; 1e30 not as
+    31 digits)."""
+    whole = 1 <= scale < 1e12 and scale == int(scale)
+    return f"{scale:.0f}" if whole else f"{scale:g}"

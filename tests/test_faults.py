@@ -378,6 +378,13 @@ def test_guard_counts_consecutive_steps_and_the_fp16_floor():
     api = NonFiniteGuard(100, "fp16", scaler, keywords=True)  # megapar.prepare's terms
     with pytest.raises(NonFiniteError, match=r"floor 1 \(min_loss_scale\) and still"):
         api.observe(25, 5.0, float("inf"), True, 1.0)
+    # a floor above 1 (a --min-loss-scale given): lowering it is the fix (the advice named
+    # --lr and --clip-grad only; a re-test)
+    high = DynamicLossScaler(2.0**23, min_scale=2.0**23, hysteresis=1)
+    high.update(True)
+    with pytest.raises(NonFiniteError, match=r"floor 8388608 \(--min-loss-scale\) and "
+                       r"still overflowed \(lower --min-loss-scale to let it fall further\);"):
+        NonFiniteGuard(100, "fp16", high).observe(26, 5.0, float("inf"), True, 2.0**23)
 
 
 def test_fp16_overflows_are_skipped_not_failures_and_the_scale_resumes_mid_hysteresis(

@@ -153,6 +153,37 @@ def test_a_restored_scale_below_the_floor_starts_at_it():
     assert scaler.scale == 2.0**24
 
 
+def test_a_resume_in_another_precision_says_so():
+    """--load of an fp16 run given --precision bf16 (or a bf16 run given fp16) changed the
+    step's rounding and dropped (or started) the loss scale without a word, where another --fp8
+    is noted (a re-test); the same precision, or none given, says nothing."""
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    def notes(saved: str, *flags: str) -> list[str]:
+        cfg = parse_args(["--load", "ck", *flags])
+        meta = {"train_config": {"precision": saved, "tokenizer": "gpt2"}}
+        return [n for n in settings_from_checkpoint(cfg, {"meta": meta}) if "differs" in n]
+
+    assert notes("fp16", "--precision", "bf16") == [
+        "--precision bf16 differs from the checkpoint's --precision fp16: from here the step "
+        "runs in bf16; the checkpoint's loss scale is dropped (only fp16 scales the loss), so "
+        "the loss may move by the change of rounding"]
+    assert notes("bf16", "--precision", "fp16", "--initial-loss-scale", "1024") == [
+        "--precision fp16 differs from the checkpoint's --precision bf16: from here the step "
+        "runs in fp16; its loss scale starts at --initial-loss-scale 1024, so the loss may "
+        "move by the change of rounding"]
+    assert notes("bf16", "--precision", "fp32")[0].endswith("runs in fp32, so the loss may "
+                                                            "move by the change of rounding")
+    assert notes("fp16", "--precision", "fp16") == notes("fp16") == []
+    # a --min-loss-scale above the checkpoint's scale raised it unsaid (a re-test)
+    cfg = parse_args(["--load", "ck", "--min-loss-scale", "8388608"])
+    meta = {"train_config": {"precision": "fp16", "tokenizer": "gpt2"},
+            "scaler": {"mode": "fp16", "scaler": {"scale": 4194304.0, "min_scale": 1.0}}}
+    assert ("--min-loss-scale 8388608 is above the checkpoint's loss scale 4194304: the "
+            "scale starts at 8388608") in settings_from_checkpoint(cfg, {"meta": meta})
+
+
 def test_a_static_scale_never_changes():
     """--loss-scale (Megatron-LM's ConstantGradScaler): overflows and clean runs leave it, and
     a checkpoint's (dynamic) scale does not replace it."""

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megapar.faults import status as _status
 from megapar.faults.blame import stopped_siblings
-from megapar.wording import and_list
+from megapar.wording import and_list, scale_text
 
 
 class RunStopped(RuntimeError):
@@ -127,14 +127,18 @@ class NonFiniteGuard:
             what = nonfinite_parts(loss, grad_norm)
             if at_floor and self.bad < self.max_steps:
                 assert scaler is not None  # (at_floor)
+                floor = self._name("min_loss_scale")
                 why = (
-                    f"the fp16 loss scale reached its floor {scaler.min_scale:g} "
-                    f"({self._name('min_loss_scale')}) and still overflowed"
+                    f"the fp16 loss scale reached its floor {scale_text(scaler.min_scale)} "
+                    f"({floor}) and "
+                    f"still overflowed"
+                    + (f" (lower {floor} to let it fall further)" if scaler.min_scale > 1 else "")
                 )
             elif scaler is not None and not scaler.dynamic:
                 why = (
                     f"{self.bad} consecutive steps ({self.first_bad}-{step}) overflowed at the "
-                    f"static fp16 loss scale {loss_scale:g} ({self._name('loss_scale')}) or had "
+                    f"static fp16 loss scale {scale_text(loss_scale)} "
+                    f"({self._name('loss_scale')}) or had "
                     f"a non-finite loss (last: {what}; skipped)"
                 )
             elif self.bad == 1:

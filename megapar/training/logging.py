@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from megapar.diagnostics.straggler import Straggler
 from megapar.one_line_parser import show_progress
+from megapar.wording import scale_text
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -357,8 +358,6 @@ def format_line(step: int, m: dict, fp16: bool = False) -> str:
     if skipped:
         parts.append(f"skipped {skipped} (inf/nan)")
     if "loss_scale" in m and (fp16 or m["loss_scale"] != 1.0):
-        scale = m["loss_scale"]  # 65536, not 6.554e+04; 0.5 (a floor below 1), not 0; 1e30
-        whole = 1 <= scale < 1e12 and scale == int(scale)  # 2^32 whole; 1e30 not as 31 digits
-        parts.append(f"scale {scale:.0f}" if whole else f"scale {scale:g}")
+        parts.append(f"scale {scale_text(m['loss_scale'])}")
     parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))
     return " | ".join(parts)

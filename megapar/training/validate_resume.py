@@ -42,7 +42,7 @@ from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.usage import flag_with_value
 from megapar.training.validate import UsageError, explicit, flag_of
-from megapar.wording import and_list
+from megapar.wording import and_list, scale_text
 
 _STEP_DIR = re.compile(r"step_\d+")
 T = TypeVar("T")
@@ -518,6 +518,28 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
                 else f"from here its linears run in float8 ({cfg.fp8} scales)"
             )
             + ", so the loss may move by the recipes' rounding"
+        )
+    if "precision" in explicit_before and saved.get("precision", cfg.precision) != cfg.precision:
+        before = saved["precision"]
+        scale = (
+            "; the checkpoint's loss scale is dropped (only fp16 scales the loss)"
+            if before == "fp16"
+            else f"; its loss scale starts at --initial-loss-scale {cfg.initial_loss_scale:g}"
+            if cfg.precision == "fp16"
+            else ""
+        )
+        notes.append(  # allowed (the weights are kept in fp32), but never silently
+            f"--precision {cfg.precision} differs from the checkpoint's --precision {before}: "
+            f"from here the step runs in {cfg.precision}{scale}, so the loss may move by the "
+            f"change of rounding"
+        )
+    precision_state = (manifest.get("meta") or {}).get("scaler") or {}  # `Precision`'s
+    was = (precision_state.get("scaler") or {}).get("scale")
+    raised = "min_loss_scale" in explicit_before and cfg.precision == "fp16" and not cfg.loss_scale
+    if raised and was is not None and cfg.min_loss_scale > was:
+        notes.append(  # the scaler starts at its floor (`DynamicLossScaler.load_state_dict`)
+            f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above the checkpoint's "
+            f"loss scale {scale_text(was)}: the scale starts at {scale_text(cfg.min_loss_scale)}"
         )
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if "tokenizer" not in given and not (isinstance(recorded, dict) and recorded.get("sha256")):
