@@ -138,6 +138,15 @@ def shell_word(value: str | os.PathLike) -> str:
     return shlex.quote(os.fspath(value))
 
 
+def key_without_section(known_as: dict[str, str], flag: str) -> str | None:
+    """The dotted key of `known_as` (`--training.max_norm`) that `flag` (`--max_norm`,
+    `--max-norm`) is the last part of, where every such key has the same answer; None
+    otherwise (`--enabled` ends both fp16's and bf16's)."""
+    tail = flag[2:].replace("-", "_")
+    keys = [k for k in known_as if "." in k and k.rpartition(".")[2] == tail]
+    return keys[0] if keys and len({known_as[k] for k in keys}) == 1 else None
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with megapar's rule for bad input: one line naming the problem and where the fix
     is (exit 2), not the whole usage; flags are never abbreviated (`--max-step` is not
@@ -340,7 +349,9 @@ class OneLineParser(argparse.ArgumentParser):
         `--no-offload-optimizer`). An underscored name (`--grad_clip`) is looked up dashed too; one
         that begins one known flag only is that flag cut short (`--out`: `--output-prefix`, not
         the closer spelt `--input`). A dotted key of a section another tool's flag names
-        (`--zero_optimization.sub_group_size`) gets that section's answer. A sentence that
+        (`--zero_optimization.sub_group_size`) gets that section's answer, and a key given
+        without its section (`--max_norm`, torchtitan's `training.max_norm`) the answer of the
+        one dotted key it ends (`key_without_section`). A sentence that
         answers several of the flags given is said once, after all of them."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
@@ -358,6 +369,8 @@ class OneLineParser(argparse.ArgumentParser):
                 named = f"{section}.{rest}"
                 if named not in self.known_as:  # a key of a section it answers
                     named = section if section in self.known_as else section.replace("_", "-")
+            if named not in self.known_as and "." not in flag:  # torchtitan's --max_norm
+                named = key_without_section(self.known_as, flag) or named
             if named in self.known_as:
                 ours = self.known_as[named]
                 if ours.startswith("--"):

@@ -1919,6 +1919,21 @@ OTHER_TOOLS = [
     ("train", ["--gradient_clipping", "1.0"], "--gradient_clipping: did you mean --clip-grad?"),
     ("train", ["--checkpoint-activations"], "did you mean --recompute full?"),
     ("train", ["--cpu-offload"], "--cpu-offload: did you mean --offload-optimizer?"),
+    # torchtitan's keys without their section: "did you mean --log-interval / --model?", or
+    # nothing (a re-test); gradient accumulation's other spellings: --adam-eps, --warmup-steps
+    ("train", ["--interval", "2"], "--interval: did you mean --save-interval?"),
+    ("train", ["--folder", "ck"], "--folder: did you mean --save (and --load to resume)?"),
+    ("train", ["--max_norm", "1.0"], "--max_norm: did you mean --clip-grad?"),
+    ("train", ["--pipeline_parallel_schedule", "1F1B"], "--pipeline_parallel_schedule: did you "
+     "mean --schedule?"),
+    ("train", ["--grad_accum_steps", "2"], "--grad_accum_steps: megapar-train derives the "
+     "micro-batches per step: give --global-batch-size"),
+    ("train", ["--accumulation-steps", "2"], "--accumulation-steps: megapar-train derives"),
+    ("train", ["--loss-scale-power", "12"], "--loss-scale-power: did you mean "
+     "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
+    ("train", ["--activation_checkpointing"], "did you mean --recompute full?"),
+    ("train", ["--ddp_backend", "gloo"], "--ddp_backend: megapar-train chooses the backend by "
+     "the device"),
     # megapar-plan's own --offload was "did you mean --load?" (a re-test)
     ("train", ["--offload"], "--offload: did you mean --offload-optimizer (and --offload-params "
      "under --zero 3: its parameter shards too)?"),

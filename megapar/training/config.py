@@ -34,6 +34,7 @@ from megapar.one_line_parser import (
     TRUE_WORDS,
     OneLineParser,
     gib_amount,
+    key_without_section,
     shown_default,
 )
 from megapar.optim.muon import ADJUST_LR
@@ -650,6 +651,8 @@ def read_run_config(path: str) -> dict[str, Any]:
         other = OTHER_TOOLS_FLAGS.get(
             "--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key)
         )
+        if not other and (section_key := key_without_section(OTHER_TOOLS_FLAGS, "--" + key)):
+            other = OTHER_TOOLS_FLAGS[section_key]  # torchtitan's max_norm: training.max_norm
         if other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

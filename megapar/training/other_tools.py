@@ -58,7 +58,8 @@ MLM_RATE = (
 
 DS_ZERO = (
     "megapar's ZeRO is built in: give --zero 1, 2 or 3 (with --offload-optimizer, "
-    "--offload-params), and a DeepSpeed config's other settings as megapar-train flags"
+    "--offload-params), and a DeepSpeed config's other settings as megapar-train flags "
+    "(--config ds_config.json names them for its keys)"
 )
 DS_CONFIG = (
     "megapar-train reads no DeepSpeed config: give its settings as megapar-train flags (or a "
@@ -480,6 +481,23 @@ OTHER_TOOLS_FLAGS = {
     "--train-micro-batch-size-per-gpu": "--micro-batch-size",
     "--train_micro_batch_size_per_gpu": "--micro-batch-size",
     "--gradient-accumulation-steps": GRAD_ACCUM,
+    # other spellings of it (nanoGPT's, Lightning's, ...): difflib named --adam-eps,
+    # --warmup-steps, --max-steps, --grad-bucket-mb, or nothing
+    **dict.fromkeys(
+        (
+            "--grad-accum-steps",
+            "--grad-accum",
+            "--gradient-accumulation",
+            "--accumulation-steps",
+            "--accum-steps",
+            "--accumulate-grad-batches",
+        ),
+        GRAD_ACCUM,
+    ),
+    "--loss-scale-power": INITIAL_SCALE_POWER,  # difflib: --loss-scale-window
+    "--activation-checkpointing": "--recompute full",
+    "--ddp-backend": "megapar-train chooses the backend by the device: gloo on CPU ranks, NCCL "
+    "on GPUs; drop it",
     "--cpu-offload": "--offload-optimizer",
     "--cpu_offload": "--offload-optimizer",
     "--cpu-optimizer": "--offload-optimizer",

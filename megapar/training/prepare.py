@@ -35,6 +35,7 @@ from megapar.mesh import (
 from megapar.models import set_loss_fn
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
+from megapar.one_line_parser import key_without_section
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
@@ -197,8 +198,8 @@ def _unknown_hint(name: str, fields: list[str]) -> str:
         return f"module: {TORCHTITAN_MODULE_API}"
     other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
     if not other:  # a torchtitan job config's key without its section (tensor_parallel_degree)
-        sections = {v for k, v in OTHER_TOOLS_FLAGS.items() if k.rpartition(".")[2] == name}
-        other = sections.pop() if len(sections) == 1 else None
+        key = key_without_section(OTHER_TOOLS_FLAGS, "--" + name)
+        other = OTHER_TOOLS_FLAGS[key] if key else None
     if other:
         said = _keyword_terms(other, fields)
         return f"{name}: did you mean {said}?" if other.startswith("--") else f"{name}: {said}"
