@@ -416,7 +416,8 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         f"megapar-train flags (or a --config file of them): --global-batch-size 16 "
         f"--micro-batch-size 2 --clip-grad 1.0 --precision bf16 --zero 3 --offload-optimizer "
         f"--zero3-persistence-threshold 100000 --grad-bucket-mb 1907.349 --optimizer adamw "
-        f"--lr 0.0003 --adam-beta2 0.999 (no equivalent: zero_optimization.offload_param.device "
+        f"--lr 0.0003 --weight-decay 0 --adam-beta2 0.999 --lr-decay constant --warmup-steps 0 "
+        f"(no equivalent: zero_optimization.offload_param.device "
         f"nvme (the host only), zero_optimization.stage3_prefetch_bucket_size, "
         f"wall_clock_breakdown)"), err.value
     # the Hugging Face Trainer's "auto" values: were --global-batch-size auto and both
@@ -443,26 +444,30 @@ def test_a_deepspeed_fp16_section_names_the_loss_scale_flags(tmp_path):
         read_run_config(str(ds))
     assert str(err.value).endswith(
         "--global-batch-size 8 --precision fp16 --initial-loss-scale 4096 "
-        "--loss-scale-window 500 --min-loss-scale 0.5 --hysteresis 2"), err.value
+        "--loss-scale-window 500 --min-loss-scale 0.5 --hysteresis 2 --clip-grad 0 --lr-decay "
+        "constant --warmup-steps 0"), err.value
     ds.write_text(json.dumps({"fp16": {"enabled": True, "hysteresis": 4,
                                        "consecutive_hysteresis": True}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
     assert str(err.value).endswith(
-        "--precision fp16 --hysteresis 4 (no equivalent: fp16.consecutive_hysteresis (megapar's "
+        "--precision fp16 --hysteresis 4 --clip-grad 0 --lr-decay constant --warmup-steps 0 (no "
+        "equivalent: fp16.consecutive_hysteresis (megapar's "
         "hysteresis is restored when the scale grows, not after each clean step))"), err.value
     # a static scale: DeepSpeed reads none of the dynamic keys then, and they are named so
     # (consecutive_hysteresis beside one was dropped without a word: a new user's tryout)
     ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
-    assert str(err.value).endswith("--precision fp16 --loss-scale 128"), err.value
+    assert str(err.value).endswith("--precision fp16 --loss-scale 128 --clip-grad 0 --lr-decay "
+                                   "constant --warmup-steps 0"), err.value
     ds.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 4,
                                        "consecutive_hysteresis": True}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
     assert str(err.value).endswith(
-        "--precision fp16 --loss-scale 128 (no equivalent: fp16.hysteresis, "
+        "--precision fp16 --loss-scale 128 --clip-grad 0 --lr-decay constant --warmup-steps 0 "
+        "(no equivalent: fp16.hysteresis, "
         "fp16.consecutive_hysteresis (unused with a static loss_scale))"), err.value
 
 
@@ -481,15 +486,16 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
         read_run_config(str(ds))
     assert str(err.value).endswith(
         "--zero 3 --zero3-persistence-threshold 100000 --micro-batch-size 4 "
-        "--global-batch-size (4 x dp) (no equivalent: activation_checkpointing (it tunes the "
+        "--global-batch-size (4 x dp) --clip-grad 0 --lr-decay constant --warmup-steps 0 (no "
+        "equivalent: activation_checkpointing (it tunes the "
         "model's own checkpoint calls; megapar's --recompute full recomputes every block))"
     ), err.value
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2},
                               "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
-    assert str(err.value).endswith(": --zero 2 --micro-batch-size 4 --global-batch-size 32"), \
-        err.value
+    assert str(err.value).endswith(": --zero 2 --micro-batch-size 4 --global-batch-size 32 "
+                                   "--clip-grad 0 --lr-decay constant --warmup-steps 0"), err.value
     # the Hugging Face Trainer's ZeRO-3 config ("auto" values it fills: not DeepSpeed's
     # defaults then), a stage of 3.0 and its dynamic fp16 scaler under "enabled": "auto" (a
     # re-test's: --zero3-persistence-threshold 100000 beside "megapar's own values", the
@@ -506,12 +512,13 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
 
 @pytest.mark.parametrize("scheduler, flags, left", [
     ({"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 100}},
-     ["--lr-decay constant", "--warmup-steps 100", "--lr 0.0003"],
+     ["--lr-decay constant", "--warmup-steps 100", "--lr 0.0003", "--clip-grad 0"],
      ["scheduler.params.warmup_type log (megapar's warmup is linear)"]),
     ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 90,
                                           "warmup_min_lr": 1e-5, "warmup_type": "linear"}},
-     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--min-lr 1e-05"], []),
-    ({"type": "OneCycle", "params": {}}, [], ["scheduler.type OneCycle"]),
+     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--min-lr 1e-05",
+      "--clip-grad 0"], []),
+    ({"type": "OneCycle", "params": {}}, ["--clip-grad 0"], ["scheduler.type OneCycle"]),
 ])
 def test_a_deepspeed_scheduler_names_megapars_decay(scheduler, flags, left):
     """A ds_config's scheduler: its warmup steps were named without its decay, so a WarmupLR
@@ -520,6 +527,44 @@ def test_a_deepspeed_scheduler_names_megapars_decay(scheduler, flags, left):
     from megapar.training.deepspeed_config import deepspeed_equivalents
 
     assert deepspeed_equivalents({"scheduler": scheduler}) == (flags, left, [])
+
+
+def test_a_deepspeed_config_says_deepspeeds_own_defaults_and_refuses_a_value_for_a_section(
+        tmp_path):
+    """DeepSpeed's optimizers decay no weights and it clips nothing unless told, and without a
+    scheduler section its lr is constant: the translation kept megapar-train's 0.1, 1.0 and a
+    warmed-up cosine (the losses differed); an optimizer-only config was read as torchtitan's
+    (its schedule, --lr twice); adam_w_mode false, SGD's momentum and other params were
+    unsaid; a value where a section goes was a traceback (a DeepSpeed user's re-test)."""
+    from megapar.training.config import ConfigError, read_run_config
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {
+        "lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": False, "torch_adam": True}}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value) == (
+        f"{ds} is a DeepSpeed config, which megapar-train does not read: give its settings as "
+        f"megapar-train flags (or a --config file of them): --optimizer adamw --lr 0.001 "
+        f"--weight-decay 0.1 --adam-beta2 0.999 --clip-grad 0 --lr-decay constant "
+        f"--warmup-steps 0 (no equivalent: optimizer.params.adam_w_mode false (Adam with L2 "
+        f"decay in the gradient; megapar's adamw decays the weights apart from it))")
+    flags, left, _ = deepspeed_equivalents({"optimizer": {"type": "SGD", "params": {
+        "lr": 0.1, "momentum": 0.5, "nesterov": True}}, "gradient_clipping": 1.0})
+    assert flags == ["--optimizer sgd", "--lr 0.1", "--weight-decay 0", "--clip-grad 1.0",
+                     "--lr-decay constant --warmup-steps 0"], flags
+    assert left == ["optimizer.params.momentum 0.5 (megapar's sgd uses 0.9)",
+                    "optimizer.params.nesterov true"], left
+    for bad, said in (({"scheduler": {"type": "WarmupLR", "params": "x"}},
+                       'scheduler.params is "x": DeepSpeed takes a section there'),
+                      ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}},
+                       'zero_optimization.offload_optimizer is "cpu": DeepSpeed takes a section '
+                       'there ({...}, e.g. {"device": "cpu"})')):
+        ds.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError) as err:
+            read_run_config(str(ds))
+        assert str(err.value).startswith(f"{ds}: {said}"), err.value
 
 
 def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():

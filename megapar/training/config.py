@@ -45,7 +45,7 @@ from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
-from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents
+from megapar.training.deepspeed_config import deepspeed_equivalents, is_deepspeed_config
 from megapar.training.hf_trainer_config import (
     ACCELERATE_KEYS,
     accelerate_config,
@@ -624,15 +624,18 @@ def read_run_config(path: str) -> dict[str, Any]:
     loaded = load_config_file(path)
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
-    if torchtitan and not DEEPSPEED_KEYS & set(data):  # a DeepSpeed config has [optimizer] too
+    if torchtitan and not is_deepspeed_config(data):  # a DeepSpeed config has optimizer too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds()))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
         raise ConfigError(trainer_arguments(data, path))
     if ACCELERATE_KEYS <= set(data):
         raise ConfigError(accelerate_config(data, path))
-    if DEEPSPEED_KEYS & set(data):
-        flags, left, auto = deepspeed_equivalents(data)
+    if is_deepspeed_config(data):
+        try:
+            flags, left, auto = deepspeed_equivalents(data)
+        except ConfigError as exc:  # a value where DeepSpeed takes a section
+            raise ConfigError(f"{path}: {exc}") from None
         raise ConfigError(
             f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
             f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"

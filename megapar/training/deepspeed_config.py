@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from megapar.models.config import ConfigError
+
 DEEPSPEED_KEYS = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16"}
 )
@@ -25,6 +27,44 @@ ZERO_KEYS_READ = frozenset(
 )
 """zero_optimization's keys with a megapar equivalent, or whose behaviour megapar always has;
 the others (stage3_prefetch_bucket_size, sub_group_size, ...) are named as having none."""
+
+
+def is_deepspeed_config(data: dict) -> bool:
+    """Whether a `--config` file's top-level settings (`data`) are a DeepSpeed config's: one of
+    `DEEPSPEED_KEYS`, or an optimizer / scheduler section as DeepSpeed writes it, ``{"type":
+    ..., "params": {...}}`` (torchtitan's [optimizer] has name, lr, eps instead)."""
+    if DEEPSPEED_KEYS & set(data):
+        return True
+    return any(
+        isinstance(data.get(k), dict) and {"type", "params"} & set(data[k])
+        for k in ("optimizer", "scheduler")
+    )
+
+
+OPTIMIZER_PARAMS_READ = frozenset({"lr", "eps", "weight_decay", "betas", "torch_adam"})
+"""An optimizer section's params with a megapar equivalent (torch_adam: which Adam kernel, the
+same numbers); the others are named as having none."""
+
+
+def _section(value: Any, where: str) -> dict:
+    """`value`, a section of the config at `where` (``zero_optimization.offload_optimizer``),
+    or a ConfigError naming what DeepSpeed takes there (a value given where a section goes made
+    a traceback)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{where} is {json.dumps(value)}: DeepSpeed takes a section there ({{...}}, e.g. "
+            + (
+                '{"device": "cpu"}'
+                if where.startswith("zero_optimization.offload")
+                else '{"warmup_num_steps": 100}'
+                if where.startswith("scheduler")
+                else '{"lr": 0.001}'
+            )
+            + ")"
+        )
+    return value
 
 
 DEEPSPEED_DECAYS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
@@ -135,7 +175,9 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 ("offload_optimizer", "--offload-optimizer"),
                 ("offload_param", "--offload-params"),
             ):
-                device = (value.get(part) or {}).get("device", "none")
+                device = _section(value.get(part), f"zero_optimization.{part}").get(
+                    "device", "none"
+                )
                 if device == "cpu":
                     flags.append(flag)
                 elif device not in ("none", None):
@@ -159,21 +201,23 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 flags.append(f"--optimizer {'adamw' if kind == 'adam' else kind}")
             else:
                 left.append(f"optimizer.type {value.get('type')}")
-            params = value.get("params") or {}
+            params = _section(value.get("params"), "optimizer.params")
             # a scheduler's warmup_max_lr is the lr DeepSpeed trains at: its --lr, said once
-            scheduler_lr = "warmup_max_lr" in ((data.get("scheduler") or {}).get("params") or {})
+            scheduler = _section(data.get("scheduler"), "scheduler")
+            scheduler_lr = "warmup_max_lr" in _section(scheduler.get("params"), "scheduler.params")
             for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
                 if name in params and not (name == "lr" and scheduler_lr):
                     flags.append(f"{flag} {_flag_value(params[name])}")
-            if "weight_decay" in params:
-                flags.append(f"--weight-decay {_flag_value(params['weight_decay'])}")
+            # DeepSpeed's optimizers decay nothing unless told (megapar-train's default is 0.1)
+            flags.append(f"--weight-decay {_flag_value(params.get('weight_decay', 0))}")
             betas = params.get("betas")
             if isinstance(betas, list) and len(betas) == 2:
                 flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
             elif kind in ("adam", "adamw"):  # DeepSpeed's (torch's) 0.999, not megapar's 0.95
                 flags.append("--adam-beta2 0.999")
+            left += _optimizer_params_left(kind, params)
         elif key == "scheduler" and isinstance(value, dict):
-            params = value.get("params") or {}
+            params = _section(value.get("params"), "scheduler.params")
             kind = str(value.get("type", ""))
             decay = DEEPSPEED_DECAYS.get(kind)
             if decay is not None:  # megapar's default, cosine, would decay a WarmupLR's lr
@@ -200,4 +244,35 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             )
         else:
             left.append(key)
+    # DeepSpeed's defaults where megapar-train's differ: no clipping, and without a scheduler
+    # section a constant lr from the first step (a config with "auto" values is the Hugging
+    # Face Trainer's, which clips and schedules by its own arguments)
+    if not auto and "gradient_clipping" not in data:
+        flags.append("--clip-grad 0")
+    if not auto and "scheduler" not in data:
+        flags.append("--lr-decay constant --warmup-steps 0")
     return flags, left, auto
+
+
+def _optimizer_params_left(kind: str, params: dict) -> list[str]:
+    """An optimizer section's params that megapar-train has no flag for, each said with what
+    megapar does instead where that differs from DeepSpeed's."""
+    left = []
+    for name, value in params.items():
+        if name in OPTIMIZER_PARAMS_READ:
+            continue
+        if name == "adam_w_mode" and value in (True, "true", 1):
+            continue  # AdamW: megapar's adamw
+        if name == "adam_w_mode":
+            left.append(
+                "optimizer.params.adam_w_mode false (Adam with L2 decay in the gradient; "
+                "megapar's adamw decays the weights apart from it)"
+            )
+        elif name == "momentum" and kind == "sgd":
+            if value != 0.9:
+                left.append(f"optimizer.params.momentum {value} (megapar's sgd uses 0.9)")
+        else:
+            left.append(f"optimizer.params.{name} {json.dumps(value)}")
+    if kind == "sgd" and "momentum" not in params:  # torch's (DeepSpeed's) SGD: 0
+        left.append("optimizer.params.momentum (DeepSpeed's default 0; megapar's sgd uses 0.9)")
+    return left
