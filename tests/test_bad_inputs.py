@@ -2416,6 +2416,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
          "--dp 4 --zero 3 --offload-optimizer --offload-params --precision"),
         # a re-test's: a number as a string, torch's enum's name, a null beside a strategy
         ("fsdp_sharding_strategy: '2'", "--dp 4 --zero 2 --precision"),
+        # its activation checkpointing was dropped unsaid (a re-test)
+        ("fsdp_sharding_strategy: 1\n  fsdp_activation_checkpointing: true",
+         "--dp 4 --zero 3 --recompute full --precision"),
         ("fsdp_sharding_strategy: _HYBRID_SHARD_ZERO2", "--dp 4 --zero 2 --precision"),
         ("fsdp_reshard_after_forward: null\n  fsdp_sharding_strategy: SHARD_GRAD_OP",
          "--dp 4 --zero 2 --precision"),
@@ -2475,6 +2478,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         ({"logging_steps": 2.5, "save_steps": -1}, "logging_steps 2.5: not a setting the "
          "Trainer takes", "--log-interval 2"),
         ({"logging_strategy": "epoch", "max_steps": 10}, "--max-steps 10", "--log-interval"),
+        # the schedulers the command line's hint maps, the Trainer's warmup_steps over its
+        # ratio (transformers 4) and an optimizer megapar has not were left unsaid (a re-test)
+        ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+          "max_steps": 10}, "--lr-decay cosine --min-lr 3e-05", ""),
+        ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-5}},
+         "--lr-decay cosine --min-lr 1e-05", ""),
+        ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {
+            "num_decay_steps": 3, "decay_type": "1-sqrt", "min_lr_ratio": 0.5}},
+         "--lr-decay wsd --min-lr 0.00015 --lr-wsd-decay-steps 3 --lr-wsd-decay-style sqrt", ""),
+        ({"max_steps": 10, "warmup_steps": 2, "warmup_ratio": 0.5}, "--warmup-steps 2 ",
+         "--warmup-steps 5"),
+        ({"optim": "adafactor"}, "optim adafactor: megapar-train's --optimizer is adamw, lamb, "
+         "lars, sgd or muon (not given, it trains with AdamW)", ""),
+        ({"optim": "adamw_torch_fused"}, "--lr 0.0003", "optim adamw"),
     ]
     for extra, said, absent in cases:
         args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, **extra}))

@@ -120,19 +120,49 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     ratio = ratio if isinstance(ratio, (int, float)) else 0.0
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
         warmup, ratio = 0, warmup
+    elif warmup > 0:  # transformers 4: warmup_steps > 0 overrides warmup_ratio
+        ratio = 0.0
     if ratio and steps > 0:
         flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
     elif ratio:
         said.append(f"warmup_ratio {ratio:g}: --warmup-steps (the ratio x the training steps)")
     else:
         flags.append(f"--warmup-steps {int(warmup)}")
-    schedule = str(get("lr_scheduler_type", "linear"))
+    schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
+    kwargs = data.get("lr_scheduler_kwargs")
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    lr = get("learning_rate", 5e-5)
+    lr = lr if isinstance(lr, (int, float)) else 5e-5
     if schedule in SCHEDULES:
         flags.append(SCHEDULES[schedule])
+    elif schedule == "cosine_with_min_lr":  # min_lr, or min_lr_rate x the peak
+        floor = kwargs.get("min_lr", lr * float(kwargs.get("min_lr_rate", 0.0)))
+        flags.append(f"--lr-decay cosine --min-lr {float(floor):g}")
+    elif schedule == "warmup_stable_decay":
+        flags.append(f"--lr-decay wsd --min-lr {lr * float(kwargs.get('min_lr_ratio', 0.0)):g}")
+        if "num_decay_steps" in kwargs:
+            flags.append(f"--lr-wsd-decay-steps {kwargs['num_decay_steps']}")
+        style = {"1-sqrt": "sqrt"}.get(kwargs.get("decay_type"), kwargs.get("decay_type"))
+        if style is not None:
+            flags.append(f"--lr-wsd-decay-style {style}")
+        if "num_stable_steps" in kwargs:
+            said.append(
+                "lr_scheduler_kwargs num_stable_steps: megapar-train's stable phase is what "
+                "--max-steps leaves after the warmup and --lr-wsd-decay-steps"
+            )
     else:
         said.append(
             f"lr_scheduler_type {schedule}: megapar-train's --lr-decay is linear, cosine, "
             f"constant or wsd (with --min-lr)"
+        )
+    optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
+    if optim.startswith("adamw") or optim in ("adam", "lamb", "sgd"):  # adamw_torch_fused, ...
+        if not optim.startswith("adamw"):
+            flags.append(f"--optimizer {'adamw' if optim == 'adam' else optim}")
+    else:
+        said.append(
+            f"optim {optim}: megapar-train's --optimizer is adamw, lamb, lars, sgd or muon "
+            f"(not given, it trains with AdamW)"
         )
     if get("bf16", False) or get("fp16", False):
         flags.append(f"--precision {'bf16' if get('bf16', False) else 'fp16'}")
@@ -315,6 +345,8 @@ def accelerate_config(data: dict, path: str) -> str:
             },
         )
         flags += more
+        if config.get("activation_checkpointing") in (True, "true", "True"):
+            flags.append("--recompute full")
     elif kind == "DEEPSPEED":
         deepspeed = data.get("deepspeed_config")
         deepspeed = deepspeed if isinstance(deepspeed, dict) else {}
