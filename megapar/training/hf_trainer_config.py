@@ -142,8 +142,9 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         flags.append(f"--lr-decay wsd --min-lr {lr * float(kwargs.get('min_lr_ratio', 0.0)):g}")
         if "num_decay_steps" in kwargs:
             flags.append(f"--lr-wsd-decay-steps {kwargs['num_decay_steps']}")
-        style = {"1-sqrt": "sqrt"}.get(kwargs.get("decay_type"), kwargs.get("decay_type"))
+        style = kwargs.get("decay_type")
         if style is not None:
+            style = "sqrt" if style == "1-sqrt" else style
             flags.append(f"--lr-wsd-decay-style {style}")
         if "num_stable_steps" in kwargs:
             said.append(
