@@ -1731,6 +1731,17 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ("pipeline_parallel_degree", "pipeline_parallel_degree: did you mean pp?"),
     ("data_parallel_shard_degree", "data_parallel_shard_degree: did you mean zero=3"),
     ("local_batch_size", "local_batch_size: did you mean micro_batch_size?"),
+    # hints that named keywords prepare refuses (warmup_steps, lr_decay) or megapar-train's
+    # terms (a default global batch of 16, "as megapar-train flags"), or nothing (a re-test)
+    ("warmup_ratio", "warmup_ratio: prepare takes the learning-rate schedule as "
+     "lr_schedule={'max_steps': ..., 'warmup_steps': ..., 'decay': ..., 'min_lr': ...}"),
+    ("lr_scheduler_type", "lr_scheduler_type: prepare takes the learning-rate schedule as "
+     "lr_schedule="),
+    ("per_device_train_batch_size", "per_device_train_batch_size: did you mean "
+     "micro_batch_size? (each train_step's batch is the global batch"),
+    ("zero_optimization", "zero_optimization: megapar's ZeRO is built in: give zero=1, 2 or 3 "
+     "(with offload_optimizer, offload_params) and the config's other settings as keywords"),
+    ("activation_checkpoint", "activation_checkpoint: did you mean recompute='full'?"),
 ])
 def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     """DeepSpeed's config keys as keywords get megapar-train's answer to the flag of that name,
@@ -1738,6 +1749,28 @@ def test_prepare_answers_deepspeeds_keywords_with_its_own(keyword, said):
     with pytest.raises(TypeError) as err:
         megapar.prepare("gpt2-tiny", **{keyword: 1})
     assert said in str(err.value), err.value
+
+
+def test_prepare_warns_of_what_the_transformers_model_was_set_to_do(recwarn):
+    """A model's gradient checkpointing and 16-bit weights were dropped without a word: the
+    engine trains its own fp32 model at recompute='none', precision='fp32' (a Trainer user's
+    re-test); said, and not where the keywords ask for the same."""
+    model = _hf_model().to(torch.bfloat16)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
+    megapar.prepare(model, micro_batch_size=2)
+    said = [str(w.message) for w in recwarn if "megapar.prepare" in str(w.message)]
+    assert said == [
+        "megapar.prepare: the GPT2LMHeadModel's gradient checkpointing is not read (the engine "
+        "trains its own model): pass recompute='full' (or 'selective')",
+        "megapar.prepare: the GPT2LMHeadModel's weights are bfloat16: the engine keeps them in "
+        "fp32 and computes in fp32; pass precision='bf16' for bfloat16 autocast (export_hf "
+        "writes bfloat16 back either way)"], said
+    recwarn.clear()
+    megapar.prepare(model, micro_batch_size=2, recompute="full", precision="bf16")
+    assert not [w for w in recwarn if "megapar.prepare" in str(w.message)]
 
 
 def test_prepare_names_what_it_trains_for_an_object_it_cannot():

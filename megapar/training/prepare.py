@@ -183,6 +183,29 @@ def _keyword_terms(text: str, fields: list[str]) -> str:
     return re.sub(r"--([a-z][a-z0-9-]*)(?: ([a-z0-9][\w.]*))?", keyword, text)
 
 
+LR_SCHEDULE = (
+    "prepare takes the learning-rate schedule as lr_schedule={'max_steps': ..., "
+    "'warmup_steps': ..., 'decay': ..., 'min_lr': ...}"
+)
+"""Where another tool's schedule setting goes in `prepare` (megapar-train's flags for it,
+`SCHEDULE_OPTIONS`, are refused there)."""
+
+API_ANSWERS = {
+    "per_device_train_batch_size": "did you mean micro_batch_size? (each train_step's batch is "
+    "the global batch: its rows over micro_batch_size x dp are the accumulation steps)",
+    **dict.fromkeys(
+        ("deepspeed", "deepspeed_config", "zero_optimization"),
+        "megapar's ZeRO is built in: give zero=1, 2 or 3 (with offload_optimizer, "
+        "offload_params) and the config's other settings as keywords",
+    ),
+    **dict.fromkeys(
+        ("activation_checkpoint", "activation_checkpointing", "gradient_checkpointing"),
+        "did you mean recompute='full'? (or 'selective')",
+    ),
+}
+"""Keywords of other tools whose megapar-train answer names what `prepare` has otherwise."""
+
+
 def _unknown_hint(name: str, fields: list[str]) -> str:
     """What to pass instead of the unknown keyword `name`: megapar-train's answer to another
     tool's flag of that name (DeepSpeed's, Megatron-LM's, Hugging Face Trainer's: ``fp16``,
@@ -196,12 +219,16 @@ def _unknown_hint(name: str, fields: list[str]) -> str:
         )
     if name == "module":  # torchtitan's config registry: megapar-train's answer names flags
         return f"module: {TORCHTITAN_MODULE_API}"
+    if name in API_ANSWERS:
+        return f"{name}: {API_ANSWERS[name]}"
     other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
     if not other:  # a torchtitan job config's key without its section (tensor_parallel_degree)
         key = key_without_section(OTHER_TOOLS_FLAGS, "--" + name)
         other = OTHER_TOOLS_FLAGS[key] if key else None
     if other:
         said = _keyword_terms(other, fields)
+        if any(re.search(rf"\b{option}\b", said) for option in SCHEDULE_OPTIONS):
+            return f"{name}: {LR_SCHEDULE} (megapar-train's answer: {said})"
         return f"{name}: did you mean {said}?" if other.startswith("--") else f"{name}: {said}"
     close = difflib.get_close_matches(name, fields, n=1)
     return f"{name}: did you mean {close[0]}?" if close else ""
@@ -656,6 +683,29 @@ def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
     )
 
 
+def _warn_model_settings(model, what: str, dtype: str, cfg: TrainConfig) -> None:
+    """Warn of what a transformers model was set to do that the engine's own model does not
+    take from it: its gradient checkpointing (`recompute`) and 16-bit weights (the engine keeps
+    fp32 ones and computes in `precision`)."""
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5.2x
+    if checkpointing is None:  # its older name (deprecated there)
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and cfg.recompute == "none":
+        warnings.warn(
+            f"megapar.prepare: the {what}'s gradient checkpointing is not read (the engine "
+            f"trains its own model): pass recompute='full' (or 'selective')",
+            stacklevel=4,
+        )
+    if dtype in ("bfloat16", "float16") and cfg.precision == "fp32":
+        half = "bf16" if dtype == "bfloat16" else "fp16"
+        warnings.warn(
+            f"megapar.prepare: the {what}'s weights are {dtype}: the engine keeps them in "
+            f"fp32 and computes in fp32; pass precision={half!r} for {dtype} autocast "
+            f"(export_hf writes {dtype} back either way)",
+            stacklevel=4,
+        )
+
+
 def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     """Load the transformers model's weights (`reader`) into the engine's stage, after checking
     every rank holds the same; warn (rank 0, at prepare's caller) of a head initialised from
@@ -669,6 +719,8 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
 
     if not from_dir:
         _check_same_weights(model, engine.mesh)
+        if engine.mesh.rank == 0:
+            _warn_model_settings(model, what, reader.dtype, engine.cfg)
     # the directory, or from_pretrained(DIR)'s DIR
     source = (
         os.path.expanduser(os.fspath(model)) if from_dir else getattr(model, "name_or_path", "")
