@@ -1721,6 +1721,10 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     said = _toml_refusal(job, '[model]\nconverters = ["float8"]\n[quantize.linear.float8]\n'
                          'recipe_name = "rowwise"\nnew_knob = 3\n')
     assert "--fp8 rowwise" in said and "(no flag named for: quantize.linear.float8.new_knob)" in said
+    # a recipe megapar has not: was --fp8 tensorwise beside "not rowwise_with_gw_hp" (a re-test)
+    said = _toml_refusal(job, '[model]\nconverters = ["float8"]\n[float8]\n'
+                         'recipe_name = "rowwise_with_gw_hp"\n')
+    assert "--fp8 rowwise" in _flags(said) and "(the nearest given: --fp8 rowwise)" in said, said
     said = _toml_refusal(job, '[model]\nconverters = ["mx"]\n')
     assert "--fp8" not in _flags(said) and "no layers but float8 linears" in said, said
     # a reviewer's: a warmup past the steps (torchtitan clamps it; megapar-train refuses it)

@@ -221,13 +221,15 @@ def _float8_flags(
             [],
         )
     recipe = next((v for k, v in settings.items() if k.endswith(".recipe_name")), None)
-    flags = [f"--fp8 {recipe if recipe in FP8_RECIPES[1:] else 'tensorwise'}"]
+    # torchtitan's default is tensorwise; rowwise_with_gw_hp's nearest is rowwise
+    nearest = "rowwise" if str(recipe).startswith("rowwise") else "tensorwise"
+    flags = [f"--fp8 {recipe if recipe in FP8_RECIPES[1:] else nearest}"]
     sentences, left = [], []
     for key, value in settings.items():
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
         if key.endswith(".recipe_name"):
             if recipe not in FP8_RECIPES[1:]:
-                sentences.append(f"{key} {value}: {ours}")
+                sentences.append(f"{key} {value}: {ours} (the nearest given: {flags[0]})")
         elif ours is None:
             left.append(key)
         elif ours == "--fp8-emulate":
