@@ -103,6 +103,7 @@ LAYOUT_NAMES = {
     "--data-parallel-replicate-degree": "--dp",
     "--virtual-pipeline-model-parallel-size": "--virtual-stages",
     "--num-layers-per-virtual-pipeline-stage": "--virtual-stages",
+    "--num-virtual-stages-per-pipeline-rank": "--virtual-stages",  # Megatron-LM's newer name
     "--tensor-parallel-size": "--tp",  # vLLM's and DeepSpeed-inference's
     "--pipeline-parallel-size": "--pp",
     "--tp-size": "--tp",  # SGLang's
@@ -112,6 +113,22 @@ LAYOUT_NAMES = {
 }
 """Megatron-LM's, torchtitan's, vLLM's and SGLang's names for the parallel sizes (and the model
 chunks per pipeline rank), with megapar's flag for each."""
+
+
+_TOKENIZER_FILES = (
+    "--tokenizer DIR (a directory holding the vocabulary's files as vocab.json and merges.txt, "
+    "or a tokenizer.json; the GPT-2 tokenizer is --tokenizer gpt2)"
+)
+TOKENIZER_NAMES = {
+    "--vocab-file": _TOKENIZER_FILES,
+    "--merge-file": _TOKENIZER_FILES,
+    "--tokenizer-type": "--tokenizer (GPT2BPETokenizer: --tokenizer gpt2; "
+    "HuggingFaceTokenizer: --tokenizer DIR of its tokenizer.json; SentencePieceTokenizer: "
+    "--tokenizer FILE.model)",
+    "--tokenizer-model": "--tokenizer (a SentencePiece .model file, or a transformers directory)",
+}
+"""Megatron-LM's tokenizer flags, with what megapar-train's and megapar-data's --tokenizer take
+for each (one table for both CLIs)."""
 
 
 LAYOUT_NOTES = {

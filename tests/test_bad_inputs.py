@@ -2016,7 +2016,20 @@ OTHER_TOOLS = [
      "derives each layout's micro-batches per step from --global-batch-size"),
     ("plan", ["--model", "llama-1b", "--offload-optimizer"], "did you mean --offload optimizer?"),
     # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
-    ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
+    ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer "
+     "DIR (a directory holding the vocabulary's files as vocab.json and merges.txt"),
+    # Megatron-LM's tokenizer type named --tokenizer alone, whose GPT2BPETokenizer was then
+    # "unknown tokenizer"; wrong "did you mean"s, or none, to other Megatron-LM flags (a
+    # Megatron-LM user's re-test)
+    ("train", ["--tokenizer-type", "GPT2BPETokenizer"], "GPT2BPETokenizer: --tokenizer gpt2"),
+    ("train", ["--no-save-optim"], "--no-save-optim: megapar's checkpoints hold the optimizer "
+     "state"),
+    ("train", ["--sequence-parallel-size", "2"], "did you mean --cp N --cp-comm-type a2a"),
+    ("train", ["--num-virtual-stages-per-pipeline-rank", "2"], "did you mean --schedule "
+     "interleaved --virtual-stages?"),
+    ("train", ["--recompute-method", "uniform"], "(no uniform / block method, no layer count)"),
+    ("train", ["--untie-embeddings-and-output-weights"], "megapar's GPT-2 ties its embedding"),
+    ("train", ["--manual-gc"], "--manual-gc: a Megatron-LM setting megapar has no counterpart"),
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
      "document with the end-of-document token; drop it"),
     # ... and "--split-sentences / --keep-newlines / --partitions: did you mean --split-lines?"

@@ -59,6 +59,7 @@ OTHER_FLAGS = {
     "parallelism runs copies of it side by side and adds no bubble; drop it",
     "--ep": "megapar-bubble runs a model's experts all on each stage's ranks (ep 1); drop it",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-virtual-stages-per-pipeline-rank": "--schedule interleaved --virtual-stages",
     "--num-layers-per-virtual-pipeline-stage": "--schedule interleaved --virtual-stages (model "
     "chunks per rank: the layers over --pp x the layers of a chunk)",
     "--num-layers": "the measured model's layers are those of --model (a recipe, or a JSON or "

@@ -32,14 +32,11 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser, shell_word, show_progress
+from megapar.one_line_parser import TOKENIZER_NAMES, OneLineParser, shell_word, show_progress
 from megapar.wording import counted
 
 OTHER_FLAGS = {
-    "--vocab-file": "--tokenizer",
-    "--merge-file": "--tokenizer",
-    "--tokenizer-type": "--tokenizer",
-    "--tokenizer-model": "--tokenizer",
+    **TOKENIZER_NAMES,
     "--json-keys": "--jsonl-key",
     "--append-eod": "megapar-data always ends each document with the end-of-document token; "
     "drop it",

@@ -11,7 +11,7 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 from __future__ import annotations
 
 from megapar.models.recipes import recipe_file
-from megapar.one_line_parser import LAYOUT_NAMES
+from megapar.one_line_parser import LAYOUT_NAMES, TOKENIZER_NAMES
 
 
 def _recipe_file(name: str) -> str:
@@ -244,7 +244,8 @@ OTHER_TOOLS_FLAGS = {
     "--keep_batchnorm_fp32": FP32_WEIGHTS,
     "--master-weights": FP32_WEIGHTS,
     "--master_weights": FP32_WEIGHTS,
-    "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD)",
+    "--lr-decay-style": "--lr-decay (cosine, linear, constant, or wsd for WSD; "
+    "inverse-square-root has none)",
     "--lr-warmup-iters": "--warmup-steps (step s of W trains at --lr x (s+1)/W, where Megatron's "
     "first iteration trains at lr 0: its warmup one step ahead, the same from its end on)",
     "--lr-wsd-decay-iters": "--lr-wsd-decay-steps (with --lr-decay wsd)",
@@ -317,14 +318,12 @@ OTHER_TOOLS_FLAGS = {
     "--ckpt-format": "megapar's checkpoints are safetensors shards with a manifest (megapar-"
     "convert --from-megatron reads Megatron-LM's torch_dist); drop it",
     "--use-checkpoint-args": "on --load the model and every setting not given are the "
-    "checkpoint's; drop it",
+    "checkpoint's (not the layout: --tp, --pp, --dp and how they run are this run's own, and "
+    "the checkpoint reshards to them); drop it",
     "--training.dataset_path": "--data",
     "--split": "--val-fraction (the share held out for validation: 949,50,1 is about 0.05, as "
     "whole documents --seed picks rather than a contiguous range; there is no test split)",
-    "--vocab-file": "--tokenizer",
-    "--merge-file": "--tokenizer",
-    "--tokenizer-type": "--tokenizer",
-    "--tokenizer-model": "--tokenizer",
+    **TOKENIZER_NAMES,
     "--model.tokenizer_path": "--tokenizer",
     "--model.hf_assets_path": "--tokenizer",
     "--num-layers": MODEL_SIZE,
@@ -336,7 +335,9 @@ OTHER_TOOLS_FLAGS = {
     "--kv-channels": MODEL_FIELD.format(field="head_dim"),
     "--norm-epsilon": MODEL_FIELD.format(field="rms_norm_eps (GPT-2: layer_norm_epsilon)"),
     "--rotary-base": MODEL_FIELD.format(field="rope_theta"),
-    "--untie-embeddings-and-output-weights": MODEL_FIELD.format(field="tie_word_embeddings false"),
+    "--untie-embeddings-and-output-weights": "megapar's GPT-2 ties its embedding and output "
+    "weights as transformers' does (no untied GPT-2); the Llama-like models are untied unless "
+    "their config sets tie_word_embeddings: drop it",
     "--disable-bias-linear": MODEL_FIELD.format(
         field="attention_bias and mlp_bias (a Llama-like family's; GPT-2 and BERT have biases)"
     ),
@@ -363,6 +364,11 @@ OTHER_TOOLS_FLAGS = {
     "--max-position-embeddings": MODEL_SIZE,
     "--recompute-activations": "--recompute selective",
     "--recompute-granularity": "--recompute",
+    **dict.fromkeys(
+        ("--recompute-method", "--recompute-num-layers"),
+        "megapar's --recompute full recomputes every block of a stage and selective each "
+        "attention core (no uniform / block method, no layer count); drop it",
+    ),
     "--activation_checkpoint.mode": "--recompute",
     "--gradient-checkpointing": "--recompute full",
     "--gradient_checkpointing": "--recompute full",
@@ -490,7 +496,6 @@ OTHER_TOOLS_FLAGS = {
             "--gradient-accumulation",
             "--accumulation-steps",
             "--accum-steps",
-            "--accumulate-grad-batches",
         ),
         GRAD_ACCUM,
     ),
@@ -591,6 +596,7 @@ OTHER_TOOLS_FLAGS = {
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
     "--virtual-pipeline-model-parallel-size": "--schedule interleaved --virtual-stages",
+    "--num-virtual-stages-per-pipeline-rank": "--schedule interleaved --virtual-stages",
     "--num-layers-per-virtual-pipeline-stage": "--schedule interleaved --virtual-stages (model "
     "chunks per rank: the layers over --pp x the layers of a chunk)",
     "--parallelism.pipeline_parallel_schedule": "--schedule",
@@ -622,7 +628,8 @@ OTHER_TOOLS_FLAGS = {
     "(MEGAPAR_CPU=1 forces the CPU); drop it",
     "--log-throughput": "tokens/s, TFLOP/s and MFU are on every log line; drop it",
     "--tensorboard-log-interval": "--tensorboard gets every step's scalars; drop it",
-    "--log-validation-ppl-to-tensorboard": "--tensorboard gets val_ppl with val_loss; drop it",
+    "--log-validation-ppl-to-tensorboard": "megapar's --tensorboard DIR logs val_ppl beside "
+    "val_loss; drop it",
     "--sp": "--sequence-parallel",
     "--etp": "--expert-tensor-parallel-size",
     # torchtitan's float8 options (`--float8.*`, since 2025 `--quantize.linear.float8.*`),
@@ -740,6 +747,49 @@ OTHER_TOOLS_FLAGS = {
     "--moe-extended-tp": "Megatron's extended tp split each expert over tp x ep; megapar splits "
     "each expert over tp with --expert-tensor-parallel-size (the --tp size) and spreads the "
     "experts over --ep",
+    # a Megatron-LM user's re-test: these were "did you mean" an unrelated flag, or nothing
+    "--attention-softmax-in-fp32": MEGATRON_KERNEL,
+    "--apply-query-key-layer-scaling": MEGATRON_KERNEL,
+    "--cross-entropy-loss-fusion": "megapar's loss is its own chunked vocab-parallel cross-"
+    "entropy (the logits never whole); drop it",
+    "--timing-log-level": "megapar-train's log line times every step (--log-json adds each "
+    "rank's compute and wait); drop it",
+    "--no-save-optim": "megapar's checkpoints hold the optimizer state a resume needs "
+    "(megapar-convert --to-hf writes the weights alone); drop it",
+    "--no-save-rng": "megapar's checkpoints hold every rank's random state; drop it",
+    "--ckpt-step": "--load DIR/step_XXXXXXXX (a step's directory; --load DIR takes its latest)",
+    "--sequence-parallel-size": "--cp N --cp-comm-type a2a (DeepSpeed-Ulysses' all-to-all "
+    "context parallelism; megapar's --sequence-parallel is Megatron-LM's, over the tp ranks)",
+    "--openai-gelu": MODEL_FIELD.format(
+        field="activation_function gelu_new (the GPT-2 default; Megatron-LM's default is gelu)"
+    ),
+    "--check-for-nan-in-loss-and-grad": "megapar-train checks every step's loss and gradient "
+    "norm (--max-nonfinite-steps sets how many bad steps in a row stop the run); drop it",
+    "--deterministic-mode": "megapar sets no deterministic-algorithms switch of its own; drop it",
+    **dict.fromkeys(
+        ("--use-dist-ckpt", "--auto-detect-ckpt-format", "--dist-ckpt-strictness"),
+        "megapar's checkpoints are safetensors shards with a manifest, resharded to any layout "
+        "on --load (megapar-convert --from-megatron reads Megatron-LM's torch_dist); drop it",
+    ),
+    "--pretrained-checkpoint": "megapar-train starts from --load CKPT (megapar's; "
+    "megapar-convert --from-megatron imports Megatron-LM's) or --from-hf DIR (a transformers "
+    "model)",
+    "--empty-unused-memory-level": "megapar leaves the CUDA cache to torch's allocator; drop it",
+    "--ddp-average-in-collective": "megapar's gradient reduction averages over dp itself; drop it",
+    **dict.fromkeys(
+        (
+            "--rotary-percent",
+            "--fp32-residual-connection",
+            "--apply-layernorm-1p",
+            "--squared-relu",
+            "--num-distributed-optimizer-instances",
+            "--log-num-zeros-in-grad",
+            "--manual-gc",
+        ),
+        "a Megatron-LM setting megapar has no counterpart for; drop it",
+    ),
+    "--tp-comm-overlap-ag": "megapar-train does not split the linears' matmuls to overlap their "
+    "tp collectives; drop it",
     "--tp-comm-overlap": "megapar-train does not split the linears' matmuls to overlap their tp "
     "collectives (Transformer Engine's userbuffers); with --sequence-parallel --sp-regather the "
     "backward's re-gather overlaps an input-gradient matmul, as Megatron's; drop it",
