@@ -46,3 +46,15 @@ def test_the_references_keep_what_changes_the_computation_and_no_more():
     untied = {**f8, "model": "llama-tiny", "--zero": 1, "--fp8": "tensorwise"}
     assert ref(untied) == {"model": "llama-tiny", "--fp8-emulate": True, "--fp8": "tensorwise",
                            "--tp": 2, "--dp": 2}
+    # a fuzz run's findings (2026-12-05): ZeRO-3 and the bucket size order the sums too, and
+    # GPipe's loss makes its gradients by another path (under any recipe)
+    assert ref({**untied, "--zero": 3, "--grad-bucket-mb": 0.01}) == {
+        "model": "llama-tiny", "--fp8-emulate": True, "--fp8": "tensorwise", "--tp": 2,
+        "--dp": 2, "--grad-bucket-mb": 0.01, "--zero": 3}
+    gpipe = {"model": "llama-tiny", "--pp": 2, "--schedule": "gpipe", "--fp8": "rowwise"}
+    assert ref(gpipe) == gpipe
+    assert ref({**gpipe, "--loss-chunk-tokens": 0}) == {"model": "llama-tiny", "--fp8": "rowwise",
+                                                     "--loss-chunk-tokens": 0}
+    # which ranks were slow is the machine's load, not a result to compare
+    slow = [{"step": 1, "loss": 2.5, "straggler_suspects": [0]}]
+    assert fuzz.compare([{"step": 1, "loss": 2.5}], slow)[0] == 0.0
