@@ -149,13 +149,16 @@ def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):
     assert len(err) == 1 and "has no experts: use --ep 1" in err[0], err
 
 
-@pytest.mark.parametrize("model,etp,words", [
-    ("mixtral-tiny", "3", "must be 1 (experts whole on every tp rank) or the tp size --tp 2"),
-    ("llama-tiny", "2", "has no experts: use --expert-tensor-parallel-size 1")])
+@pytest.mark.parametrize("model,tp,etp,words", [
+    ("mixtral-tiny", "2", "3", "must be 1 (experts whole on every tp rank) or the tp size --tp 2"),
+    ("llama-tiny", "2", "2", "has no experts: use --expert-tensor-parallel-size 1"),
+    # at tp 1 a dense model was told "the tp size --tp 1", not that it has no experts (a
+    # fuzz run's finding)
+    ("llama-tiny", "1", "2", "has no experts: use --expert-tensor-parallel-size 1")])
 def test_an_expert_tensor_parallel_size_it_cannot_take_is_refused_in_one_line(
-        common, capsys, model, etp, words):
+        common, capsys, model, tp, etp, words):
     """Neither 1 nor --tp, or on a model without experts: one line, exit 2, no worker."""
-    assert main(["--model", model, "--tp", "2", "--expert-tensor-parallel-size", etp,
+    assert main(["--model", model, "--tp", tp, "--expert-tensor-parallel-size", etp,
                  "--max-steps", "1", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err

@@ -372,8 +372,8 @@ def _split_refusal(c: Candidate, p: Problem) -> str | None:
 
 
 def _expert_refusal(c: Candidate, config) -> str | None:
-    """Why the candidate's ep or etp cannot run (megapar-train's own rules, `check_ep`), or
-    None."""
+    """Why the candidate's ep or etp cannot run (megapar-train's own rules:
+    `training.model_config`), or None."""
     if c.etp not in (1, c.tp):
         fix = "etp=1" if c.tp == 1 else f"etp=1 or etp={c.tp}"
         return f"etp {c.etp} must be 1 or the layout's tp ({c.tp}): use {fix}"

@@ -8,7 +8,7 @@ import os
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.hf import HFReader
-from megapar.mesh import ep_split_error, layout_option
+from megapar.mesh import ep_split_error, expert_tp_error, layout_option
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file, no_experts
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -153,7 +153,8 @@ def _check_appended(
 
 def _check_ep(cfg: TrainConfig, config) -> None:
     """--ep > 1 needs a model with experts, as many as ep divides; so does
-    --expert-tensor-parallel-size > 1, with an expert intermediate size it divides."""
+    --expert-tensor-parallel-size > 1, which must be --tp, with an expert intermediate size it
+    divides."""
     etp = cfg.expert_tensor_parallel_size
     if etp > 1:
         flag = f"--expert-tensor-parallel-size {etp}"
@@ -162,6 +163,9 @@ def _check_ep(cfg: TrainConfig, config) -> None:
                 f"{flag} splits a mixture-of-experts model's experts over tp "
                 f"{no_experts(config)}: use --expert-tensor-parallel-size 1"
             )
+        error = expert_tp_error(etp, cfg.tp)  # after the model's: a dense one's says that
+        if error:
+            raise ConfigError(error)
         if config.expert_size % etp:
             moe_key = hasattr(config, "moe_intermediate_size")  # a Mixtral's is its own
             key = "moe_intermediate_size" if moe_key else "intermediate_size"

@@ -284,6 +284,12 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
+    if layout.pp == 1 and cfg.virtual_stages > 1 and "schedule" not in explicit(cfg):
+        raise ValueError(  # "needs --schedule interleaved", which then needs --pp 2 or more
+            f"--virtual-stages {cfg.virtual_stages} cuts each pipeline stage into model chunks, "
+            f"and --pp 1 runs no pipeline: drop --virtual-stages (or give --pp 2 or more with "
+            f"--schedule interleaved)"
+        )
     given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages, flags=given)
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:

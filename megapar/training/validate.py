@@ -46,7 +46,7 @@ from megapar.training.logging import WANDB_MODES
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys, holds_records
-from megapar.training.validate_sharding import check_ep, check_optimizer_sharding, check_zero3
+from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
 from megapar.wording import counted
 
@@ -245,7 +245,6 @@ def _check_combinations(cfg) -> None:
             f"sit inside the compiled blocks; run it without --compile (the eager blocks "
             f"compute the same values)"
         )
-    check_ep(cfg)
     try:
         given = given_now(cfg)
         check_fp8(cfg, hardware=not cfg.dry_run, given=given)

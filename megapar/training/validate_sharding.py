@@ -1,11 +1,10 @@
-"""The checks of ZeRO-3's options (`check_zero3`), of what the sharded and offloaded optimizers
-cannot serve (`check_optimizer_sharding`) and of expert parallelism's combinations
-(`check_ep`), before any worker starts; each raises a `UsageError` naming the problem and
-the fix."""
+"""The checks of ZeRO-3's options (`check_zero3`) and of what the sharded and offloaded
+optimizers cannot serve (`check_optimizer_sharding`), before any worker starts; each raises a
+`UsageError` naming the problem and the fix. (Expert parallelism's sizes are checked with the
+model's experts: `training.model_config`.)"""
 
 from __future__ import annotations
 
-from megapar.mesh import expert_tp_error
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.training.usage import UsageError, flag_of
 
@@ -125,11 +124,3 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
             f"the optimizer steps, so it steps on the host too, as DeepSpeed's offload_param "
             f"with offload_optimizer): add {optimizer}"
         )
-
-
-def check_ep(cfg) -> None:
-    """--expert-tensor-parallel-size: 1 or --tp. (--ep is checked with the model's experts:
-    `model_config`; against an inferred dp by the layout.)"""
-    error = expert_tp_error(cfg.expert_tensor_parallel_size, cfg.tp)
-    if error:
-        raise UsageError(error)
