@@ -1980,6 +1980,11 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
+    # Megatron-LM's converter's: difflib named --model, --seed, --from-megatron (a re-test)
+    ("convert", ["a", "b", "--saver", "hf"], "--saver: did you mean --to-hf HF_DIR"),
+    ("convert", ["a", "b", "--loader", "mcore"], "--loader: megapar-convert --from-megatron DIR"),
+    ("convert", ["a", "b", "--megatron-path", "/x"], "reads Megatron-LM's checkpoints without"),
+    ("convert", ["a", "b", "--bf16"], "--bf16: did you mean --dtype bfloat16?"),
     # megapar-train's Megatron names, given to the converter: no hint was given
     ("convert", ["a", "b", "--tensor-model-parallel-size", "2"], "did you mean --tp?"),
     ("convert", ["a", "b", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size: "

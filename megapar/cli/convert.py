@@ -69,7 +69,27 @@ OTHER_FLAGS = {
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
     **layout_names("--tp", "--pp", "--dp"),
-    "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
+    "--load-dir": "the source is the first PATH: megapar-convert SRC DST (a Megatron-LM "
+    "checkpoint: megapar-convert --from-megatron DIR DST)",
+    # Megatron-LM's tools/checkpoint/convert.py: difflib named --model, --seed,
+    # --from-megatron (for the path to Megatron's code), --tokenizer-rows, or nothing
+    "--loader": "megapar-convert --from-megatron DIR DST reads Megatron-LM's torch_dist "
+    "checkpoints (megatron-core's); drop it",
+    "--saver": "--to-hf HF_DIR (a transformers model; megapar's own checkpoint is DST), or "
+    "--to-dcp",
+    "--megatron-path": "megapar-convert reads Megatron-LM's checkpoints without its code; drop it",
+    "--tokenizer-model": "--tokenizer (the tokenizer --to-hf exports)",
+    "--bf16": "--dtype bfloat16",
+    "--fp16": "--dtype float16",
+    **dict.fromkeys(
+        ("--true-vocab-size", "--make-vocab-size-divisible-by"),
+        "the vocabulary is the checkpoint's own (--tokenizer-rows exports only the tokenizer's "
+        "rows with --to-hf)",
+    ),
+    "--checkpoint-type": "the format is read from the source (a megapar checkpoint, or "
+    "--from-hf, --from-dcp, --from-megatron); drop it",
+    "--position-embedding-type": "the model is the source's own (--model for --from-megatron "
+    "and --from-dcp); drop it",
     "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
     "--model-type": "the model is the source's own; drop it",
     "--load": "the source is the first PATH: megapar-convert SRC DST",
