@@ -121,7 +121,8 @@ def test_the_dry_runs_first_line_names_an_uneven_splits_blocks_per_stage(capsys)
         (["--schedule", "interleaved", "--virtual-stages", "2",
           "--decoder-last-pipeline-num-layers", "1"],
          "schedule interleaved V 2, model chunks (in model order) of 1 + 1 + 1 + 1 blocks "
-         "(--decoder-last-pipeline-num-layers 1), global batch"),
+         "(--decoder-last-pipeline-num-layers 1, the first / last chunk's, not rank's as in "
+         "Megatron-LM), global batch"),
         ([], "schedule 1f1b, global batch"),
     ]:
         assert train([*common, *flags]) == 0

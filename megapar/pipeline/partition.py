@@ -237,7 +237,9 @@ def split_phrase(
     what = f"--pp {pp} stages" if per_rank == 1 else f"--pp {pp} x {per_rank} model chunks"
     counts = split_counts(num_layers, slices, split, what, per_rank, placement)
     kind = "stages" if per_rank == 1 else "model chunks (in model order)"
-    return f"{kind} of {' + '.join(map(str, counts))} blocks ({split.flags()})"
+    chunked = split.given() and per_rank > 1  # not Megatron-LM's meaning: said where it differs
+    whose = ", the first / last chunk's, not rank's as in Megatron-LM" if chunked else ""
+    return f"{kind} of {' + '.join(map(str, counts))} blocks ({split.flags()}{whose})"
 
 
 def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> list[range]:
