@@ -2160,6 +2160,11 @@ def test_a_megatron_command_is_told_the_defaults_megapar_does_not_share(capsys):
     assert "defaults" not in line(every)
     assert "defaults" not in line(["--training.steps", "5"])  # torchtitan's
     assert "defaults" not in line(["--max-step", "5"])
+    # a line of Megatron-LM's recompute or eval flags was not marked as its (a re-test);
+    # --bf16 alone is the Trainer's and DeepSpeed's too
+    assert "--lr-decay cosine (linear)" in line(["--recompute-granularity", "full"])
+    assert "--hysteresis 1 (2)" in line(["--eval-iters", "2", "--fp16"])
+    assert "defaults" not in line(["--bf16"])
 
 
 @functools.cache

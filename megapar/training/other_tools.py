@@ -874,10 +874,28 @@ MEGATRON_MARKS = frozenset(
         "--merge-file",
         "--tokenizer-type",
         "--split",
+        "--eval-iters",
+        "--recompute-granularity",
+        "--recompute-method",
+        "--recompute-activations",
+        "--use-mcore-models",
+        "--transformer-impl",
+        "--num-query-groups",
+        "--group-query-attention",
+        "--kv-channels",
+        "--normalization",
+        "--swiglu",
+        "--position-embedding-type",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--virtual-pipeline-model-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank",
     }
 )
 """Flags of Megatron-LM's pretrain_gpt.py that no other trainer spells so: one among a line's
-unknown flags marks a Megatron-LM command (`megatron_defaults`)."""
+unknown flags marks a Megatron-LM command (`megatron_defaults`). (--bf16 and --fp16 are the
+Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
 def megatron_defaults(unknown: list[str], given: set[str]) -> str:
