@@ -205,6 +205,7 @@ def test_bf16_wire_v_schedules():
     # at pp 1 that advice led to "interleaved 1F1B needs --pp >= 2" (a fuzz run's finding)
     (["--virtual-stages", "3"], ("--virtual-stages 3 cuts each pipeline stage into model "
                                  "chunks, and --pp 1 runs no pipeline: drop --virtual-stages")),
+    (["--schedule", "gpipe", "--virtual-stages", "2"], "--pp 1 runs no pipeline: drop"),
     (["--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"],
      ("--virtual-stages 3 does not apply to --schedule zb-v: it places exactly two model "
       "chunks per rank in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "

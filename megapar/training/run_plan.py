@@ -26,6 +26,7 @@ from megapar.mesh import Layout
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
+    CHUNKED_SCHEDULES,
     SPLIT_BACKWARD,
     check_schedule,
     chunks_per_rank,
@@ -284,7 +285,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
-    if layout.pp == 1 and cfg.virtual_stages > 1 and "schedule" not in explicit(cfg):
+    if layout.pp == 1 and cfg.virtual_stages > 1 and cfg.schedule not in CHUNKED_SCHEDULES:
         raise ValueError(  # "needs --schedule interleaved", which then needs --pp 2 or more
             f"--virtual-stages {cfg.virtual_stages} cuts each pipeline stage into model chunks, "
             f"and --pp 1 runs no pipeline: drop --virtual-stages (or give --pp 2 or more with "
