@@ -334,7 +334,7 @@ TRAIN = [
     (["--precision", "fp16", "--loss-scale", "128", "--hysteresis", "2"], "--hysteresis 2 would "
      "be ignored: it sets the dynamic loss scale, and --loss-scale 128 is static: drop "
      "--loss-scale, or drop --hysteresis"),
-    (["--loss-scale", "128"], "--loss-scale 128.0 would be ignored: it sets the fp16 loss scale"),
+    (["--loss-scale", "128"], "--loss-scale 128 would be ignored: it sets the fp16 loss scale"),
     (["--precision", "fp16", "--hysteresis", "0"], "--hysteresis 0 is invalid: it must be a "
      "whole number >= 1 (the default is 1)"),
     (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),

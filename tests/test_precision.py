@@ -182,6 +182,16 @@ def test_a_resume_in_another_precision_says_so():
             "scaler": {"mode": "fp16", "scaler": {"scale": 4194304.0, "min_scale": 1.0}}}
     assert ("--min-loss-scale 8388608 is above the checkpoint's loss scale 4194304: the "
             "scale starts at 8388608") in settings_from_checkpoint(cfg, {"meta": meta})
+    # a loss scale a message names is whole, as given (was 4294967296.0, 4.0; a re-test)
+    from megapar.training.usage import flag_with_value
+    assert flag_with_value("initial_loss_scale", 4294967296.0) == "--initial-loss-scale 4294967296"
+    assert flag_with_value("min_loss_scale", 0.5) == "--min-loss-scale 0.5"
+    assert flag_with_value("clip_grad", 1.0) == "--clip-grad 1.0"  # other values as they were
+    # with --initial-loss-scale given the scale restarts there (its own note): not this one
+    cfg = parse_args(["--load", "ck", "--min-loss-scale", "8388608", "--initial-loss-scale",
+                      "16777216"])
+    assert not any("is above the checkpoint's" in n
+                   for n in settings_from_checkpoint(cfg, {"meta": meta}))
 
 
 def test_a_static_scale_never_changes():

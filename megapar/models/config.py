@@ -660,11 +660,11 @@ def load_config_file(path: str | Path) -> dict:
     """The mapping in a JSON or YAML file (a model config, a transformers config.json or a
     megapar-train --config), with one clear ConfigError for a missing file, bad syntax or a
     file that is not a mapping. The one reader of config files in megapar."""
-    path = Path(path).expanduser()
+    typed, path = path, Path(path).expanduser()  # named as given (./x.json, ~/x.json)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        raise ConfigError(f"{typed}: no such config file") from None
     except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"{path}: cannot be read as a config file ({exc})") from None
     if path.suffix in (".yaml", ".yml"):

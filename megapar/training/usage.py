@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shlex
 
+from megapar.wording import scale_text
+
 
 class UsageError(ValueError):
     """A bad input: the message names the problem and the fix (exit code 2)."""
@@ -15,6 +17,18 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+SCALE_FIELDS = frozenset({"loss_scale", "initial_loss_scale", "min_loss_scale"})
+"""The fields that hold an fp16 loss scale, shown as `wording.scale_text` shows one."""
+
+
+def value_text(name: str, value) -> str:
+    """Config field `name`'s `value` as a user writes it: a loss scale whole (65536, not
+    65536.0), any other value as str gives it."""
+    if name in SCALE_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return scale_text(float(value))
+    return str(value)
+
+
 def flag_with_value(name: str, value) -> str:
     """Config field `name` set to `value` as words a user can paste into a command line: a
     switch as ``--compile`` / ``--no-compile`` (argparse's BooleanOptionalAction), a list as
@@ -22,4 +36,4 @@ def flag_with_value(name: str, value) -> str:
     if isinstance(value, bool):
         return flag_of(name) if value else "--no-" + name.replace("_", "-")
     words = value if isinstance(value, (list, tuple)) else [value]
-    return " ".join([flag_of(name), *(shlex.quote(str(w)) for w in words)])
+    return " ".join([flag_of(name), *(shlex.quote(value_text(name, w)) for w in words)])

@@ -536,6 +536,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     precision_state = (manifest.get("meta") or {}).get("scaler") or {}  # `Precision`'s
     was = (precision_state.get("scaler") or {}).get("scale")
     raised = "min_loss_scale" in explicit_before and cfg.precision == "fp16" and not cfg.loss_scale
+    raised = raised and "initial_loss_scale" not in explicit_before  # else it restarts there
     if raised and was is not None and cfg.min_loss_scale > was:
         notes.append(  # the scaler starts at its floor (`DynamicLossScaler.load_state_dict`)
             f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above the checkpoint's "

@@ -7,7 +7,7 @@ import os
 
 from megapar.data.blended import data_paths
 from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
-from megapar.training.usage import UsageError, flag_of
+from megapar.training.usage import UsageError, flag_of, flag_with_value
 
 
 def check_unused(cfg, given: set[str]) -> None:
@@ -171,7 +171,7 @@ def check_unused(cfg, given: set[str]) -> None:
     for name, applies, why, fix in rules:
         if name in given and not applies:
             value = getattr(cfg, name)
-            shown = flag_of(name) + ("" if isinstance(value, bool) else f" {value}")
+            shown = flag_of(name) if isinstance(value, bool) else flag_with_value(name, value)
             drop = f"drop {flag_of(name)}"
             raise UsageError(
                 f"{shown} would be ignored: {why}: {fix}, or {drop}"
