@@ -372,6 +372,16 @@ def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path, cap
         assert err.startswith(f"megapar-convert: error: {root}: ") and err.endswith(
             f"(the newest other step there: {root}/step_00000003)"), err
     assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
+    # a corrupt manifest, or `latest` naming a step that is gone, was said without the step to
+    # use instead (a re-test)
+    manifest = root / "step_00000006" / "manifest.json"
+    saved = manifest.read_text()
+    manifest.write_text(saved[:50])
+    assert convert_main([str(root), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not valid JSON" in err and err.endswith(
+        f"(the newest other step there: {root}/step_00000003)"), err
+    manifest.write_text(saved)
     # `latest` names a step that is gone: the step offered is the newest complete one, not
     # step 6, whose shard is truncated (it was offered, and refused in turn)
     (root / "latest").write_text("step_00000009\n")

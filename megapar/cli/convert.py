@@ -305,13 +305,20 @@ def run(args) -> str:
     """Do what the arguments ask; returns the report to print. A file of the checkpoint read
     that fails its check is named with its checkpoint and the newest other step of it whose
     files are whole (`load_refusal`, as megapar-train --load says it)."""
-    from megapar.checkpoint.format import CheckpointFileError
+    from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, CheckpointFileError
+    from megapar.checkpoint.manifest import verify
     from megapar.training.validate_resume import load_refusal
 
     progress = show_progress(False if args.no_progress else None)
     _check_modes(args)
     imported = args.from_hf or args.from_dcp or args.from_megatron
     source = args.info or (None if imported or not args.paths else args.paths[0])
+    here = Path(os.path.expanduser(source)) if source else None
+    if here is not None and ((here / MANIFEST).is_file() or (here / LATEST).is_file()):
+        try:  # its manifest, its latest step and its files' sizes (the checksums: below)
+            verify(here, checksums=False)
+        except (CheckpointError, KeyError, OSError) as exc:
+            raise load_refusal(source, exc, what="") from None
     try:
         return _run(args, progress)
     except CheckpointFileError as exc:  # the step named, and another step of it to use
