@@ -314,7 +314,7 @@ def run(args) -> str:
     imported = args.from_hf or args.from_dcp or args.from_megatron
     source = args.info or (None if imported or not args.paths else args.paths[0])
     here = Path(os.path.expanduser(source)) if source else None
-    if here is not None and ((here / MANIFEST).is_file() or (here / LATEST).is_file()):
+    if source and here and ((here / MANIFEST).is_file() or (here / LATEST).is_file()):
         try:  # its manifest, its latest step and its files' sizes (the checksums: below)
             verify(here, checksums=False)
         except (CheckpointError, KeyError, OSError) as exc:
