@@ -1793,6 +1793,12 @@ def test_prepare_names_what_it_trains_for_an_object_it_cannot():
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # at pp 1: was "needs schedule='interleaved'", which then needs pp 2; a dense model at tp 1
+    # was told "the tp size tp=1", not that it has no experts (a re-test)
+    ({"virtual_stages": 2}, ["megapar.prepare: virtual_stages=2 cuts each pipeline stage into "
+                             "model chunks, and pp=1 runs no pipeline: drop virtual_stages"]),
+    ({"expert_tensor_parallel_size": 2}, ["expert_tensor_parallel_size=2 splits each routed "
+                                          "expert over tp, and this gpt2 model has no experts"]),
     # a string is truthy: fp8_emulate="no" ran emulated, sequence_parallel="False" split
     ({"fp8": "tensorwise", "fp8_emulate": "no"},
      ["megapar.prepare: fp8_emulate='no' is invalid: a switch is True or False"]),

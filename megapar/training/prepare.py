@@ -560,6 +560,12 @@ def _check_schedule(cfg: TrainConfig) -> None:
     (the schedule's own check ran at the first train_step, in megapar-train's flags): a
     schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2."""
     name, v = cfg.schedule, cfg.virtual_stages
+    if cfg.pp == 1 and v > 1 and name not in CHUNKED_SCHEDULES:  # not "needs interleaved"
+        raise ValueError(
+            f"megapar.prepare: virtual_stages={v} cuts each pipeline stage into model chunks, "
+            f"and pp=1 runs no pipeline: drop virtual_stages (or pass pp=2 or more with "
+            f"schedule='interleaved')"
+        )
     try:
         chunks = chunks_per_rank(name, v, api=True)
     except ValueError as exc:
@@ -587,8 +593,9 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
     except LayoutError as exc:
         raise LayoutError(f"megapar.prepare: {exc}") from None
     etp = cfg.expert_tensor_parallel_size
-    error = expert_tp_error(etp, cfg.tp, api=True)
     size = getattr(config, "expert_size", None) if hasattr(config, "num_local_experts") else None
+    # a dense model's refusal says it has no experts, whatever tp (was "the tp size tp=1")
+    error = None if size is None else expert_tp_error(etp, cfg.tp, api=True)
     if error is None and etp > 1 and (size is None or size % etp):
         what = "has no experts" if size is None else f"has an expert intermediate size of {size}"
         error = (
