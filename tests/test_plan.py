@@ -853,6 +853,7 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                                  "divides --gpus 8 within a node of "
                                                  "--gpus-per-node 1: drop it, or raise "
                                                  "--gpus-per-node")),
+    (["--gpus", "1", "--gpus-per-node", "1", "--sp-regather"], "raise --gpus and --gpus-per-node"),
     (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
     (["--schedules", "1f1b", "--virtual-stages", "3"], (
         "--virtual-stages is the chunks per rank of the interleaved schedule, and --schedules "
@@ -870,8 +871,12 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     # an uneven pipeline split no pp fits: every layout was rejected for it (exit code 1)
     (["--decoder-first-pipeline-num-layers", "5"], (
         "--decoder-first-pipeline-num-layers 5 is more than the model's 4 layers, and the other "
-        "1 of --pp 2 stages need at least one each; give at most 3 (no pp the search tries fits: "
+        "1 of pp 2 stages need at least one each; give at most 3 (no pp the search tries fits: "
         "2, 4, 8)")),
+    # with two chunks a rank, as the search's schedules cut them (a re-test: exit 1 after it)
+    (["--decoder-first-pipeline-num-layers", "2", "--schedules", "zb-v"], (
+        "--decoder-first-pipeline-num-layers 2 leaves 2 of the model's 4 layers for the other 3 "
+        "of pp 2 x 2 = 4 model chunks (each needs at least one); give at most 1")),
     (["--gpus", "1", "--decoder-last-pipeline-num-layers", "1"], (
         "--decoder-last-pipeline-num-layers 1 cuts the layers over pipeline stages, and --gpus 1 "
         "has no pp > 1: drop it, or raise --gpus")),

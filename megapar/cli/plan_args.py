@@ -14,6 +14,7 @@ from megapar.mesh import LayoutError, tp_spans_nodes
 from megapar.models.config import load_config_file, no_experts
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.pipeline.partition import PipelineSplit, split_layers
+from megapar.pipeline.schedules import placement_of
 from megapar.plan.layouts import default_cp_sizes, divisors
 from megapar.wording import or_list
 
@@ -218,9 +219,10 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
 
 def check_split_arguments(args, config, split: PipelineSplit) -> None:
     """ValueError if the uneven pipeline split (`split`: --decoder-first / last-pipeline-num-
-    layers, the embedding or loss counted as a layer) fits no pp the search tries (each a
-    divisor of --gpus, one chunk per rank: the fewest slices): every layout would be rejected
-    for it."""
+    layers, the embedding or loss counted as a layer) fits no pp the search tries (a divisor of
+    --gpus) with any of its schedules' chunks per rank (--schedules; --virtual-stages for the
+    interleaved one): every layout would be rejected for it. The refusal is the fewest
+    stages' (pp 2, its first schedule), in the planner's words (pp, not megapar-train's --pp)."""
     if split.even:
         return
     pps = [pp for pp in divisors(args.gpus) if pp > 1]
@@ -229,17 +231,30 @@ def check_split_arguments(args, config, split: PipelineSplit) -> None:
             f"{split.flags()} cuts the layers over pipeline stages, and --gpus {args.gpus} has "
             f"no pp > 1: drop it, or raise --gpus"
         )
+    chunkings = [
+        (v, placement_of(name))
+        for name in args.schedules
+        for v in (
+            args.virtual_stages
+            if name == "interleaved"
+            else (2,)
+            if placement_of(name) == "v"
+            else (1,)
+        )
+    ]
     refusals = []
     for pp in pps:
-        try:
-            split_layers(config.num_layers, pp, split, f"--pp {pp} stages")
-            return
-        except LayoutError as exc:
-            refusals.append(str(exc))
-    # counts over the model's layers are said so at any pp; else the fewest stages' refusal
-    said = next((r for r in refusals if "more than the model's" in r), refusals[0])
+        for v, placement in chunkings:
+            what = f"--pp {pp} stages" if v == 1 else f"--pp {pp} x {v} = {pp * v} model chunks"
+            try:
+                split_layers(config.num_layers, pp * v, split, what, v, placement)
+                return
+            except LayoutError as exc:
+                refusals.append(str(exc).replace("--pp ", "pp "))
     tried = ", ".join(map(str, pps))
-    raise ValueError(said + ("" if len(pps) == 1 else f" (no pp the search tries fits: {tried})"))
+    raise ValueError(
+        refusals[0] + ("" if len(pps) == 1 else f" (no pp the search tries fits: {tried})")
+    )
 
 
 def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> None:
@@ -273,7 +288,8 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
             f"--sp-regather applies to layouts with sequence parallelism at tp > 1, and no "
             f"tp > 1 divides --gpus {args.gpus} within a node of --gpus-per-node "
             f"{args.gpus_per_node}: drop it, or raise "
-            + ("--gpus" if args.gpus == 1 else "--gpus-per-node")
+            + ("--gpus-per-node" if args.gpus > 1 else "--gpus")
+            + (" and --gpus-per-node" if args.gpus == 1 and args.gpus_per_node == 1 else "")
         )
     if set(args.recompute) == {"full"}:
         raise ValueError(
