@@ -516,7 +516,7 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
      ["scheduler.params.warmup_type log (megapar's warmup is linear)"]),
     ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 90,
                                           "warmup_min_lr": 1e-5, "warmup_type": "linear"}},
-     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--min-lr 1e-05",
+     ["--lr-decay linear", "--warmup-steps 10", "--max-steps 90", "--lr 0.001", "--min-lr 1e-05",
       "--clip-grad 0"], []),
     ({"type": "OneCycle", "params": {}}, ["--clip-grad 0"], ["scheduler.type OneCycle"]),
 ])
@@ -565,6 +565,41 @@ def test_a_deepspeed_config_says_deepspeeds_own_defaults_and_refuses_a_value_for
         with pytest.raises(ConfigError) as err:
             read_run_config(str(ds))
         assert str(err.value).startswith(f"{ds}: {said}"), err.value
+
+
+def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
+    """WarmupLR / WarmupDecayLR train at warmup_max_lr, 1e-3 unless given, after 1000 warmup
+    steps unless given (within total_num_steps): the optimizer's lr was printed and megapar's
+    warmup kept; a WarmupCosineLR's floor is the optimizer's lr x cos_min_ratio, a number;
+    a log warmup of 0 steps is no warmup to warn of; "auto" keys are the Trainer's (a re-test)."""
+    from megapar.training.config import ConfigError, read_run_config
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    adamw = {"type": "AdamW", "params": {"lr": 3e-4}}
+    flags = deepspeed_equivalents({"optimizer": adamw, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}})[0]
+    assert "--lr 0.001" in flags and "--lr 0.0003" not in flags, flags
+    flags = deepspeed_equivalents({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 100}}})[0]
+    assert "--warmup-steps 100" in flags and "--max-steps 100" in flags, flags
+    flags, left, _ = deepspeed_equivalents({"optimizer": adamw, "scheduler": {
+        "type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1, "warmup_num_steps": 0}}})
+    assert "--min-lr 3e-05" in flags and "--lr 0.0003" in flags and not left, (flags, left)
+    trainer = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                         "betas": "auto"}},
+               "scheduler": {"type": "WarmupDecayLR", "params": {
+                   "warmup_num_steps": "auto", "warmup_max_lr": "auto", "total_num_steps": "auto",
+                   "warmup_min_lr": "auto"}}, "zero_optimization": {"stage": "auto"}}
+    flags = " ".join(deepspeed_equivalents(trainer)[0])
+    assert flags == "--optimizer adamw --lr-decay linear", flags
+    for bad, said in (({"fp16": True}, 'fp16 is true: DeepSpeed takes a section there ({...}, '
+                                       'e.g. {"enabled": true})'),
+                      ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+                       "fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")):
+        ds = tmp_path / "ds.json"
+        ds.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=re.escape(f"{ds}: {said}")):
+            read_run_config(str(ds))
 
 
 def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():

@@ -46,6 +46,19 @@ OPTIMIZER_PARAMS_READ = frozenset({"lr", "eps", "weight_decay", "betas", "torch_
 same numbers); the others are named as having none."""
 
 
+SECTION_EXAMPLES = (
+    ("zero_optimization.offload", '{"device": "cpu"}'),
+    ("zero_optimization", '{"stage": 2}'),
+    ("fp16", '{"enabled": true}'),
+    ("bf16", '{"enabled": true}'),
+    ("scheduler.params", '{"warmup_num_steps": 100}'),
+    ("scheduler", '{"type": "WarmupLR", "params": {...}}'),
+    ("optimizer.params", '{"lr": 0.001}'),
+    ("", '{"type": "AdamW", "params": {"lr": 0.001}}'),
+)
+"""What a section of a DeepSpeed config looks like, by where it goes (the first that matches)."""
+
+
 def _section(value: Any, where: str) -> dict:
     """`value`, a section of the config at `where` (``zero_optimization.offload_optimizer``),
     or a ConfigError naming what DeepSpeed takes there (a value given where a section goes made
@@ -55,17 +68,15 @@ def _section(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(
             f"{where} is {json.dumps(value)}: DeepSpeed takes a section there ({{...}}, e.g. "
-            + (
-                '{"device": "cpu"}'
-                if where.startswith("zero_optimization.offload")
-                else '{"warmup_num_steps": 100}'
-                if where.startswith("scheduler")
-                else '{"lr": 0.001}'
-            )
+            + next(example for start, example in SECTION_EXAMPLES if where.startswith(start))
             + ")"
         )
     return value
 
+
+PEAK_SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+"""DeepSpeed's schedulers that train at their warmup_max_lr (default 1e-3) whatever the
+optimizer's lr (WarmupCosineLR scales the optimizer's by ratios)."""
 
 DEEPSPEED_DECAYS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 """DeepSpeed's warmup schedulers as megapar's --lr-decay (what follows their warmup)."""
@@ -141,6 +152,8 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
     def on(section: Any) -> bool:
         return isinstance(section, dict) and section.get("enabled") in (True, "true", 1)
 
+    if all(isinstance(data.get(k), dict) and on(data[k]) for k in ("fp16", "bf16")):
+        raise ConfigError("fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")
     for key, value in data.items():
         if key == "train_batch_size":
             flags.append(f"--global-batch-size {_flag_value(value)}")
@@ -166,11 +179,16 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 fp16_flags, fp16_left = _fp16_scaler(value)
                 flags += fp16_flags
                 left += fp16_left
-        elif key == "zero_optimization" and isinstance(value, dict):
+        elif key in ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler") and not (
+            isinstance(value, dict)
+        ):
+            _section(value, key)  # a value where DeepSpeed takes a section: one line
+        elif key == "zero_optimization":
             stage = value.get("stage", 0)
             if isinstance(stage, float) and stage.is_integer():
                 stage = int(stage)  # 3.0
-            flags.append(f"--zero {_flag_value(stage)}")
+            if "zero_optimization.stage" not in auto:
+                flags.append(f"--zero {_flag_value(stage)}")
             for part, flag in (
                 ("offload_optimizer", "--offload-optimizer"),
                 ("offload_param", "--offload-params"),
@@ -202,19 +220,25 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             else:
                 left.append(f"optimizer.type {value.get('type')}")
             params = _section(value.get("params"), "optimizer.params")
-            # a scheduler's warmup_max_lr is the lr DeepSpeed trains at: its --lr, said once
+            # WarmupLR / WarmupDecayLR train at their warmup_max_lr (DeepSpeed's default 1e-3),
+            # not the optimizer's lr: the scheduler's --lr, said once
             scheduler = _section(data.get("scheduler"), "scheduler")
-            scheduler_lr = "warmup_max_lr" in _section(scheduler.get("params"), "scheduler.params")
+            scheduler_lr = scheduler.get("type") in PEAK_SCHEDULERS
             for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
                 if name in params and not (name == "lr" and scheduler_lr):
                     flags.append(f"{flag} {_flag_value(params[name])}")
+            if "lr" in value:
+                left.append("optimizer.lr (DeepSpeed reads the lr from optimizer.params)")
             # DeepSpeed's optimizers decay nothing unless told (megapar-train's default is 0.1)
-            flags.append(f"--weight-decay {_flag_value(params.get('weight_decay', 0))}")
+            if "optimizer.params.weight_decay" not in auto:
+                flags.append(f"--weight-decay {_flag_value(params.get('weight_decay', 0))}")
             betas = params.get("betas")
             if isinstance(betas, list) and len(betas) == 2:
                 flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
-            elif kind in ("adam", "adamw"):  # DeepSpeed's (torch's) 0.999, not megapar's 0.95
-                flags.append("--adam-beta2 0.999")
+            elif betas is not None:
+                left.append(f"optimizer.params.betas {json.dumps(betas)} (two: beta1, beta2)")
+            elif kind in ("adam", "adamw") and "optimizer.params.betas" not in auto:
+                flags.append("--adam-beta2 0.999")  # DeepSpeed's (torch's), not megapar's 0.95
             left += _optimizer_params_left(kind, params)
         elif key == "scheduler" and isinstance(value, dict):
             params = _section(value.get("params"), "scheduler.params")
@@ -224,18 +248,32 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 flags.append(f"--lr-decay {decay}")
             else:
                 left.append(f"scheduler.type {kind}")
-            if "warmup_num_steps" in params:
-                flags.append(f"--warmup-steps {_flag_value(params['warmup_num_steps'])}")
-            if "total_num_steps" in params:
-                flags.append(f"--max-steps {_flag_value(params['total_num_steps'])}")
-            if "warmup_max_lr" in params:
-                flags.append(f"--lr {_flag_value(params['warmup_max_lr'])}")
-            if kind == "WarmupDecayLR":  # decays linearly to warmup_min_lr
+            # DeepSpeed's defaults: 1000 warmup steps (within total_num_steps), a peak of 1e-3
+            # (not where the Trainer fills the key: "auto")
+            given_auto = {k.rpartition(".")[2] for k in auto if k.startswith("scheduler.params.")}
+            default = 1000 if decay is not None and "warmup_num_steps" not in given_auto else None
+            warmup = params.get("warmup_num_steps", default)
+            total = params.get("total_num_steps")
+            if isinstance(warmup, (int, float)) and isinstance(total, (int, float)):
+                warmup = min(warmup, total)
+            if warmup is not None:
+                flags.append(f"--warmup-steps {_flag_value(warmup)}")
+            if total is not None:
+                flags.append(f"--max-steps {_flag_value(total)}")
+            if kind in PEAK_SCHEDULERS and "warmup_max_lr" not in given_auto:
+                flags.append(f"--lr {_flag_value(params.get('warmup_max_lr', 0.001))}")
+            if kind == "WarmupDecayLR" and "warmup_min_lr" not in given_auto:  # linearly to it
                 flags.append(f"--min-lr {_flag_value(params.get('warmup_min_lr', 0))}")
             elif kind == "WarmupCosineLR":
-                ratio = _flag_value(params.get("cos_min_ratio", 0.0001))
-                flags.append(f"--min-lr (--lr x cos_min_ratio {ratio})")
-            if decay is not None and params.get("warmup_type", "log") == "log":
+                ratio = params.get("cos_min_ratio", 0.0001)
+                peak = ((data.get("optimizer") or {}).get("params") or {}).get("lr")
+                flags.append(
+                    f"--min-lr {float(peak) * float(ratio):.6g}"
+                    if isinstance(peak, (int, float)) and isinstance(ratio, (int, float))
+                    else f"--min-lr (--lr x cos_min_ratio {_flag_value(ratio)})"
+                )
+            log = params.get("warmup_type", "log") == "log" and warmup not in (0, None)
+            if decay is not None and log:
                 left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")
         elif key == "activation_checkpointing":
             left.append(
