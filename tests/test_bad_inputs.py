@@ -1933,6 +1933,8 @@ OTHER_TOOLS = [
     ("train", ["--grad_accum_steps", "2"], "--grad_accum_steps: megapar-train derives the "
      "micro-batches per step: give --global-batch-size"),
     ("train", ["--accumulation-steps", "2"], "--accumulation-steps: megapar-train derives"),
+    ("train", ["--epochs", "2"], "--epochs: megapar-train counts optimizer steps: --max-steps"),
+    ("train", ["--scheduler", "cosine"], "--scheduler: did you mean --lr-decay"),
     ("train", ["--loss-scale-power", "12"], "--loss-scale-power: did you mean "
      "--initial-loss-scale (2 ** the power: 65536 for 16)?"),
     ("train", ["--activation_checkpointing"], "did you mean --recompute full?"),
@@ -2465,6 +2467,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                            r"dp\); FSDP's sharding .*: not one megapar reads \(reshard_after_"
                            r"forward true / false, or full_shard, .*; megapar's FSDP is --zero 3"):
             parse_args(["--config", str(accelerate)])
+    # one written by hand without compute_environment was "unknown setting 'distributed_type';
+    # did you mean 'muon_distributed'?" (a re-test)
+    accelerate.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
+    with pytest.raises(ConfigError, match=r"is an accelerate config.* give --dp 4"):
+        parse_args(["--config", str(accelerate)])
     accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
                           "deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n"
                           "  offload_param_device: cpu\nnum_machines: 1\nnum_processes: 4\n")
@@ -2516,6 +2523,14 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
          "--lr-decay wsd --min-lr 0.00015 --lr-wsd-decay-steps 3 --lr-wsd-decay-style sqrt", ""),
         ({"max_steps": 10, "warmup_steps": 2, "warmup_ratio": 0.5}, "--warmup-steps 2 ",
          "--warmup-steps 5"),
+        # transformers' decay is cosine unless told (a second re-test: megapar's linear was
+        # kept), and a warmup_type megapar has not is said
+        ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {
+            "num_decay_steps": 3, "num_stable_steps": 4, "warmup_type": "cosine"}},
+         "--lr-wsd-decay-steps 3 --lr-wsd-decay-style cosine", ""),
+        ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {
+            "num_stable_steps": 4, "warmup_type": "cosine"}},
+         "lr_scheduler_kwargs warmup_type cosine: megapar-train's warmup is linear", ""),
         ({"optim": "adafactor"}, "optim adafactor: megapar-train's --optimizer is adamw, lamb, "
          "lars, sgd or muon (not given, it trains with AdamW)", ""),
         ({"optim": "adamw_torch_fused"}, "--lr 0.0003", "optim adamw"),

@@ -47,8 +47,8 @@ from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import deepspeed_equivalents, is_deepspeed_config
 from megapar.training.hf_trainer_config import (
-    ACCELERATE_KEYS,
     accelerate_config,
+    is_accelerate_config,
     is_trainer_arguments,
     trainer_arguments,
 )
@@ -629,7 +629,7 @@ def read_run_config(path: str) -> dict[str, Any]:
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds()))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
         raise ConfigError(trainer_arguments(data, path))
-    if ACCELERATE_KEYS <= set(data):
+    if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path))
     if is_deepspeed_config(data):
         try:

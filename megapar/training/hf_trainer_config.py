@@ -142,15 +142,19 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         flags.append(f"--lr-decay wsd --min-lr {lr * float(kwargs.get('min_lr_ratio', 0.0)):g}")
         if "num_decay_steps" in kwargs:
             flags.append(f"--lr-wsd-decay-steps {kwargs['num_decay_steps']}")
-        style = kwargs.get("decay_type")
-        if style is not None:
-            style = "sqrt" if style == "1-sqrt" else style
-            flags.append(f"--lr-wsd-decay-style {style}")
+        style = kwargs.get("decay_type", "cosine")  # transformers' get_wsd_schedule's default
+        flags.append(f"--lr-wsd-decay-style {'sqrt' if style == '1-sqrt' else style}")
         if "num_stable_steps" in kwargs:
             said.append(
-                "lr_scheduler_kwargs num_stable_steps: megapar-train's stable phase is what "
-                "--max-steps leaves after the warmup and --lr-wsd-decay-steps"
+                "lr_scheduler_kwargs num_stable_steps: --lr-decay-steps (the warmup + "
+                "num_stable_steps + num_decay_steps) ends the decay there, the lr then held at "
+                "--min-lr; without it the stable phase is what --max-steps leaves"
             )
+    if kwargs.get("warmup_type", "linear") != "linear":
+        said.append(
+            f"lr_scheduler_kwargs warmup_type {kwargs['warmup_type']}: megapar-train's warmup "
+            f"is linear"
+        )
     else:
         said.append(
             f"lr_scheduler_type {schedule}: megapar-train's --lr-decay is linear, cosine, "
@@ -299,7 +303,29 @@ def trainer_arguments(data: dict, path: str) -> str:
 
 
 ACCELERATE_KEYS = frozenset({"compute_environment", "distributed_type"})
-"""Keys every `accelerate config` file holds: a `--config` file with both is one."""
+"""Keys every `accelerate config` file holds: a `--config` file with both is one (or with
+`distributed_type` alone, of accelerate's values: a file written by hand)."""
+
+ACCELERATE_TYPES = frozenset(
+    {
+        "NO",
+        "MULTI_GPU",
+        "MULTI_CPU",
+        "MULTI_NPU",
+        "MULTI_XPU",
+        "FSDP",
+        "DEEPSPEED",
+        "MEGATRON_LM",
+        "XLA",
+        "TPU",
+    }
+)
+"""accelerate's `distributed_type` values."""
+
+
+def is_accelerate_config(data: dict) -> bool:
+    """Whether a `--config` file's settings `data` are an accelerate config's."""
+    return ACCELERATE_KEYS <= set(data) or str(data.get("distributed_type")) in ACCELERATE_TYPES
 
 
 ACCELERATE_STRATEGIES = {

@@ -500,6 +500,16 @@ OTHER_TOOLS_FLAGS = {
         GRAD_ACCUM,
     ),
     "--loss-scale-power": INITIAL_SCALE_POWER,  # difflib: --loss-scale-window
+    # a re-test's: difflib named --ep (expert parallelism), --schedule (the pipeline's),
+    # --no-progress and --muon-momentum
+    **dict.fromkeys(
+        ("--epochs", "--num-epochs"),
+        "megapar-train counts optimizer steps: --max-steps (an epoch is the training split's "
+        "samples over the global batch)",
+    ),
+    "--scheduler": "--lr-decay (the learning rate's schedule; --schedule is the pipeline's)",
+    "--num-processes": "--dp",
+    "--momentum": "megapar's sgd and lars use momentum 0.9 (Muon's is --muon-momentum); drop it",
     "--activation-checkpointing": "--recompute full",
     "--ddp-backend": "megapar-train chooses the backend by the device: gloo on CPU ranks, NCCL "
     "on GPUs; drop it",
