@@ -592,6 +592,14 @@ def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
                    "warmup_min_lr": "auto"}}, "zero_optimization": {"stage": "auto"}}
     flags = " ".join(deepspeed_equivalents(trainer)[0])
     assert flags == "--optimizer adamw --lr-decay linear", flags
+    # megapar-train's own settings beside DeepSpeed's were "no equivalent"
+    ds = tmp_path / "mixed.json"
+    ds.write_text(json.dumps({"model": "gpt2-tiny", "max_steps": 3, "zero_optimization": {
+        "stage": 1}}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(ds))
+    assert str(err.value).endswith("--zero 1 --clip-grad 0 --lr-decay constant --warmup-steps 0 "
+                                   "--model gpt2-tiny --max-steps 3"), err.value
     for bad, said in (({"fp16": True}, 'fp16 is true: DeepSpeed takes a section there ({...}, '
                                        'e.g. {"enabled": true})'),
                       ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},

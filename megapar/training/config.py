@@ -54,6 +54,7 @@ from megapar.training.hf_trainer_config import (
 )
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS, TORCHTITAN_MODULE, megatron_defaults
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
+from megapar.training.usage import flag_with_value
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -636,6 +637,9 @@ def read_run_config(path: str) -> dict[str, Any]:
             flags, left, auto = deepspeed_equivalents(data)
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None
+        ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
+        flags += [flag_with_value(k, data[k]) for k in ours]
+        left = [k for k in left if k not in by_name]
         raise ConfigError(
             f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
             f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"
