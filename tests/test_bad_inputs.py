@@ -2534,6 +2534,10 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         ({"optim": "adafactor"}, "optim adafactor: megapar-train's --optimizer is adamw, lamb, "
          "lars, sgd or muon (not given, it trains with AdamW)", ""),
         ({"optim": "adamw_torch_fused"}, "--lr 0.0003", "optim adamw"),
+        # a schedule megapar has is not also said to be one it has not (a read of the change)
+        ({"lr_scheduler_type": "cosine"}, "--lr-decay cosine --min-lr 0", "lr_scheduler_type"),
+        ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type polynomial: megapar-train's "
+         "--lr-decay is", ""),
     ]
     for extra, said, absent in cases:
         args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, **extra}))

@@ -150,15 +150,15 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
                 "num_stable_steps + num_decay_steps) ends the decay there, the lr then held at "
                 "--min-lr; without it the stable phase is what --max-steps leaves"
             )
-    if kwargs.get("warmup_type", "linear") != "linear":
-        said.append(
-            f"lr_scheduler_kwargs warmup_type {kwargs['warmup_type']}: megapar-train's warmup "
-            f"is linear"
-        )
     else:
         said.append(
             f"lr_scheduler_type {schedule}: megapar-train's --lr-decay is linear, cosine, "
             f"constant or wsd (with --min-lr)"
+        )
+    if kwargs.get("warmup_type", "linear") != "linear":
+        said.append(
+            f"lr_scheduler_kwargs warmup_type {kwargs['warmup_type']}: megapar-train's warmup "
+            f"is linear"
         )
     optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
     if optim.startswith("adamw") or optim in ("adam", "lamb", "sgd"):  # adamw_torch_fused, ...
