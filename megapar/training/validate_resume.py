@@ -524,7 +524,8 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         scale = (
             "; the checkpoint's loss scale is dropped (only fp16 scales the loss)"
             if before == "fp16"
-            else f"; its loss scale starts at --initial-loss-scale {cfg.initial_loss_scale:g}"
+            else f"; its loss scale starts at --initial-loss-scale "
+            f"{scale_text(cfg.initial_loss_scale)}"
             if cfg.precision == "fp16"
             else ""
         )
