@@ -171,13 +171,12 @@ def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) 
     size = path.stat().st_size
     if size != record["bytes"]:
         raise CheckpointFileError(
-            f"{step_dir.name}/{name}: {counted(size, 'byte')}, the manifest records "
-            f"{record['bytes']:,} "
+            f"{name}: {counted(size, 'byte')}, the manifest records {record['bytes']:,} "
             f"(file truncated or altered); restore it or use another checkpoint"
         )
     if checksum and file_record(path)["sha256"] != record["sha256"]:
         raise CheckpointFileError(
-            f"{step_dir.name}/{name}: checksum mismatch (file altered or truncated); restore "
+            f"{name}: checksum mismatch (file altered or truncated); restore "
             f"it or use another checkpoint"
         )
 
