@@ -15,7 +15,7 @@ from megapar.models.config import load_config_file, no_experts
 from megapar.optim.optimizer import NOT_OFFLOADED
 from megapar.pipeline.partition import PipelineSplit, split_layers
 from megapar.pipeline.schedules import placement_of
-from megapar.plan.layouts import default_cp_sizes, divisors
+from megapar.plan.layouts import chunk_counts, default_cp_sizes, divisors
 from megapar.wording import or_list
 
 MAX_VERIFY = 32
@@ -234,13 +234,7 @@ def check_split_arguments(args, config, split: PipelineSplit) -> None:
     chunkings = [
         (v, placement_of(name))
         for name in args.schedules
-        for v in (
-            args.virtual_stages
-            if name == "interleaved"
-            else (2,)
-            if placement_of(name) == "v"
-            else (1,)
-        )
+        for v in chunk_counts(name, args.virtual_stages)
     ]
     refusals = []
     for pp in pps:

@@ -84,6 +84,27 @@ def chunks_per_rank(
     return 1
 
 
+def one_stage_chunks_error(
+    name: str, virtual_stages: int, pp: int, api: bool = False
+) -> str | None:
+    """The one line for `virtual_stages` > 1 at `pp` 1 under a one-chunk schedule `name`
+    (`chunks_per_rank` would ask for an interleaved schedule, which needs pp > 1 in turn):
+    drop it; worded for megapar-train's flags, or with `api` for megapar.prepare's keywords.
+    None where it does not apply."""
+    v = virtual_stages
+    if pp != 1 or v <= 1 or name in CHUNKED_SCHEDULES:
+        return None
+    if api:
+        return (
+            f"virtual_stages={v} cuts each pipeline stage into model chunks, and pp=1 runs no "
+            f"pipeline: drop virtual_stages (or pass pp=2 or more with schedule='interleaved')"
+        )
+    return (
+        f"--virtual-stages {v} cuts each pipeline stage into model chunks, and --pp 1 runs no "
+        f"pipeline: drop --virtual-stages (or give --pp 2 or more with --schedule interleaved)"
+    )
+
+
 NOT_BUILT_OVER_CHUNKS = {
     "gpipe": " (torch's ScheduleLoopedBFS, GPipe's order over several chunks per rank, is not "
     "built)",

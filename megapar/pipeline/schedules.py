@@ -48,6 +48,7 @@ from megapar.pipeline.actions import action
 from megapar.pipeline.actions import format_schedule as format_schedule
 from megapar.pipeline.placement import CHUNKED_SCHEDULES as CHUNKED_SCHEDULES
 from megapar.pipeline.placement import chunks_per_rank as chunks_per_rank
+from megapar.pipeline.placement import one_stage_chunks_error as one_stage_chunks_error
 from megapar.pipeline.placement import peer_of as peer_of
 from megapar.pipeline.placement import placement_of as placement_of
 from megapar.pipeline.placement import stage_location as stage_location

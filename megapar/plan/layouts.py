@@ -709,6 +709,14 @@ def enumerate_candidates(
     return valid, rejected
 
 
+def chunk_counts(schedule: str, virtual_stages) -> tuple[int, ...]:
+    """The model chunks per rank a plan tries for `schedule`: each of `virtual_stages` for the
+    interleaved one, 2 for the V schedules (zb-v, dualpipev), 1 for the others."""
+    if schedule == "interleaved":
+        return tuple(virtual_stages)
+    return (2,) if placement_of(schedule) == "v" else (1,)
+
+
 def _options(
     pp,
     replicas,
@@ -725,13 +733,7 @@ def _options(
     pp, dp) layout (`eps(zero)`: the ep sizes tried with that ZeRO stage)."""
     for mbs in micro_batch_sizes:
         for schedule in schedules if pp > 1 else ("1f1b",):
-            for v in (
-                virtual_stages
-                if schedule == "interleaved"
-                else (2,)
-                if schedule in ("zb-v", "dualpipev")
-                else (1,)
-            ):
+            for v in chunk_counts(schedule, virtual_stages):
                 for rc in recompute:
                     for with_sp in (False, True) if sp else (False,):
                         for zero in (z for z in zero_stages if z == 0 or replicas > 1):

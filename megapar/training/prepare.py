@@ -41,6 +41,7 @@ from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
     CHUNKED_SCHEDULES,
     chunks_per_rank,
+    one_stage_chunks_error,
     placement_of,
     schedule_named_elsewhere,
 )
@@ -560,12 +561,9 @@ def _check_schedule(cfg: TrainConfig) -> None:
     (the schedule's own check ran at the first train_step, in megapar-train's flags): a
     schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2."""
     name, v = cfg.schedule, cfg.virtual_stages
-    if cfg.pp == 1 and v > 1 and name not in CHUNKED_SCHEDULES:  # not "needs interleaved"
-        raise ValueError(
-            f"megapar.prepare: virtual_stages={v} cuts each pipeline stage into model chunks, "
-            f"and pp=1 runs no pipeline: drop virtual_stages (or pass pp=2 or more with "
-            f"schedule='interleaved')"
-        )
+    one_stage = one_stage_chunks_error(name, v, cfg.pp, api=True)
+    if one_stage:
+        raise ValueError(f"megapar.prepare: {one_stage}")
     try:
         chunks = chunks_per_rank(name, v, api=True)
     except ValueError as exc:

@@ -26,10 +26,10 @@ from megapar.mesh import Layout
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
-    CHUNKED_SCHEDULES,
     SPLIT_BACKWARD,
     check_schedule,
     chunks_per_rank,
+    one_stage_chunks_error,
     placement_of,
 )
 from megapar.training.config import TrainConfig
@@ -285,12 +285,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
-    if layout.pp == 1 and cfg.virtual_stages > 1 and cfg.schedule not in CHUNKED_SCHEDULES:
-        raise ValueError(  # "needs --schedule interleaved", which then needs --pp 2 or more
-            f"--virtual-stages {cfg.virtual_stages} cuts each pipeline stage into model chunks, "
-            f"and --pp 1 runs no pipeline: drop --virtual-stages (or give --pp 2 or more with "
-            f"--schedule interleaved)"
-        )
+    one_stage = one_stage_chunks_error(cfg.schedule, cfg.virtual_stages, layout.pp)
+    if one_stage:
+        raise ValueError(one_stage)
     given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages, flags=given)
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:
