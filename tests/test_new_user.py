@@ -602,6 +602,9 @@ def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
                                    "--model gpt2-tiny --max-steps 3"), err.value
     for bad, said in (({"fp16": True}, 'fp16 is true: DeepSpeed takes a section there ({...}, '
                                        'e.g. {"enabled": true})'),
+                      # a cosine scheduler read before an optimizer given as a word: traceback
+                      ({"scheduler": {"type": "WarmupCosineLR", "params": {}},
+                        "optimizer": "adam"}, 'optimizer is "adam": DeepSpeed takes a section'),
                       ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
                        "fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")):
         ds = tmp_path / "ds.json"

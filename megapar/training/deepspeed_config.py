@@ -266,7 +266,8 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
                 flags.append(f"--min-lr {_flag_value(params.get('warmup_min_lr', 0))}")
             elif kind == "WarmupCosineLR":
                 ratio = params.get("cos_min_ratio", 0.0001)
-                peak = ((data.get("optimizer") or {}).get("params") or {}).get("lr")
+                optimizer = _section(data.get("optimizer"), "optimizer")
+                peak = _section(optimizer.get("params"), "optimizer.params").get("lr")
                 flags.append(
                     f"--min-lr {float(peak) * float(ratio):.6g}"
                     if isinstance(peak, (int, float)) and isinstance(ratio, (int, float))
