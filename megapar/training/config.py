@@ -34,7 +34,6 @@ from megapar.one_line_parser import (
     TRUE_WORDS,
     OneLineParser,
     gib_amount,
-    key_without_section,
     shown_default,
 )
 from megapar.optim.muon import ADJUST_LR
@@ -52,7 +51,12 @@ from megapar.training.hf_trainer_config import (
     is_trainer_arguments,
     trainer_arguments,
 )
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS, TORCHTITAN_MODULE, megatron_defaults
+from megapar.training.other_tools import (
+    OTHER_TOOLS_FLAGS,
+    TORCHTITAN_MODULE,
+    megatron_defaults,
+    other_tools_answer,
+)
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
 from megapar.training.usage import flag_with_value
 
@@ -655,11 +659,7 @@ def read_run_config(path: str) -> dict[str, Any]:
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
-        other = OTHER_TOOLS_FLAGS.get(
-            "--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key)
-        )
-        if not other and (section_key := key_without_section(OTHER_TOOLS_FLAGS, "--" + key)):
-            other = OTHER_TOOLS_FLAGS[section_key]  # torchtitan's max_norm: training.max_norm
+        other = other_tools_answer(key)
         if other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

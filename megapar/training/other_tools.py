@@ -11,7 +11,7 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 from __future__ import annotations
 
 from megapar.models.recipes import recipe_file
-from megapar.one_line_parser import LAYOUT_NAMES, TOKENIZER_NAMES
+from megapar.one_line_parser import LAYOUT_NAMES, TOKENIZER_NAMES, key_without_section
 
 
 def _recipe_file(name: str) -> str:
@@ -906,6 +906,16 @@ MEGATRON_MARKS = frozenset(
 """Flags of Megatron-LM's pretrain_gpt.py that no other trainer spells so: one among a line's
 unknown flags marks a Megatron-LM command (`megatron_defaults`). (--bf16 and --fp16 are the
 Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
+
+
+def other_tools_answer(key: str) -> str | None:
+    """`OTHER_TOOLS_FLAGS`' answer for another tool's setting `key` as a config key or keyword
+    names it (`grad_accum_steps`, `max_norm`): its dashed flag's, its own spelling's, or the one
+    dotted key it ends (`key_without_section`: torchtitan's `training.max_norm`); None."""
+    other = OTHER_TOOLS_FLAGS.get("--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key))
+    if not other and (dotted := key_without_section(OTHER_TOOLS_FLAGS, "--" + key)):
+        other = OTHER_TOOLS_FLAGS[dotted]
+    return other
 
 
 def megatron_defaults(unknown: list[str], given: set[str]) -> str:

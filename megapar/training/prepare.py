@@ -35,7 +35,6 @@ from megapar.mesh import (
 from megapar.models import set_loss_fn
 from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
-from megapar.one_line_parser import key_without_section
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
@@ -50,7 +49,10 @@ from megapar.tensor_parallel.fp8_convert import none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.model_config import apply_moe_flags, ep_model_error
-from megapar.training.other_tools import OTHER_TOOLS_FLAGS, TORCHTITAN_MODULE_API
+from megapar.training.other_tools import (
+    TORCHTITAN_MODULE_API,
+    other_tools_answer,
+)
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents, check_ranges
 from megapar.training.validate_fp8 import check_fp8, check_fp8_layout
@@ -222,10 +224,7 @@ def _unknown_hint(name: str, fields: list[str]) -> str:
         return f"module: {TORCHTITAN_MODULE_API}"
     if name in API_ANSWERS:
         return f"{name}: {API_ANSWERS[name]}"
-    other = OTHER_TOOLS_FLAGS.get("--" + name.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + name))
-    if not other:  # a torchtitan job config's key without its section (tensor_parallel_degree)
-        key = key_without_section(OTHER_TOOLS_FLAGS, "--" + name)
-        other = OTHER_TOOLS_FLAGS[key] if key else None
+    other = other_tools_answer(name)
     if other:
         said = _keyword_terms(other, fields)
         if any(re.search(rf"\b{option}\b", said) for option in SCHEDULE_OPTIONS):
