@@ -123,6 +123,16 @@ def test_a_misspelt_tokenizer_is_answered_with_the_closest(tmp_path, monkeypatch
         load_tokenizer("xyz")
 
 
+def test_megatron_tokenizer_types_are_answered_with_megapars_tokenizer():
+    """Megatron-LM's --tokenizer-type values given to --tokenizer name the --tokenizer that
+    loads the same tokenizer (GPT2BPETokenizer was told only the generic list)."""
+    for given, ours in [("GPT2BPETokenizer", "gpt2"), ("Llama2Tokenizer", "FILE.model"),
+                        ("HuggingFaceTokenizer", "DIR")]:
+        with pytest.raises(ValueError, match=rf"^tokenizer '{given}' is Megatron-LM's "
+                                             rf"--tokenizer-type; .*: --tokenizer {ours}"):
+            load_tokenizer(given)
+
+
 def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
     """What a user passes as --tokenizer by mistake: each was 'unknown tokenizer: use gpt2,
     ...' (or, for BERT's vocab.txt, 'lacks vocab.json, merges.txt; a GPT-2 BPE directory

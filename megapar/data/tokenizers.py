@@ -225,6 +225,16 @@ def _meant_instead(spec: str) -> str | None:
 NAMED_TOKENIZERS = ("gpt2", "sentencepiece")
 """The --tokenizer values that name a tokenizer rather than a path."""
 
+MEGATRON_TOKENIZER_TYPES = {
+    "gpt2bpetokenizer": "gpt2",
+    "huggingfacetokenizer": "DIR (a directory holding its tokenizer.json)",
+    "sentencepiecetokenizer": "FILE.model (its SentencePiece model)",
+    "gptsentencepiecetokenizer": "FILE.model (its SentencePiece model)",
+    "llama2tokenizer": "FILE.model (its SentencePiece model)",
+}
+"""Megatron-LM's --tokenizer-type values (lower-cased), with the --tokenizer that loads the same
+tokenizer in megapar."""
+
 
 def _misspelt(spec: str) -> str:
     """`` (did you mean X?)`` for a --tokenizer `spec` that is neither a name nor an existing
@@ -459,6 +469,11 @@ def _load(spec: str) -> Tokenizer:
         raise ValueError(
             f"tokenizer {spec!r}: no such file or directory{_misspelt(spec)}; pass an existing "
             "SentencePiece .model file or tokenizer directory, or 'gpt2' / 'sentencepiece'"
+        )
+    if spec.lower() in MEGATRON_TOKENIZER_TYPES:
+        raise ValueError(
+            f"tokenizer {spec!r} is Megatron-LM's --tokenizer-type; megapar's --tokenizer names "
+            f"the tokenizer itself: --tokenizer {MEGATRON_TOKENIZER_TYPES[spec.lower()]}"
         )
     raise ValueError(
         f"unknown tokenizer {spec!r}{_misspelt(spec)}: use 'gpt2', 'sentencepiece', a "
