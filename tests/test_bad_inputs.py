@@ -1632,6 +1632,15 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     assert "\n" not in said, said
 
 
+def test_a_flag_a_job_config_gives_twice_is_given_once_with_the_files_value(tmp_path):
+    """A TOML holding DeepSpeed's [optimizer.params] lr printed torchtitan's default --lr
+    0.0008 and then the file's --lr 0.0003: the default a key gives again is dropped."""
+    said = _toml_refusal(tmp_path / "ds.toml", '[optimizer]\ntype = "AdamW"\n'
+                         '[optimizer.params]\nlr = 3e-4\n')
+    assert said.endswith("megapar-train flags: --warmup-steps 200 --lr-decay linear --min-lr 0 "
+                         "--lr 0.0003 (no flag named for: optimizer.type)"), said
+
+
 def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
     """What a migrant's torchtitan job got wrong (a reviewer's finding): local_batch_size was
     --micro-batch-size alone (megapar's default global batch of 16 then two micro-batches of

@@ -148,6 +148,8 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    named = [flag.split()[0] for flag in flags]  # a default (--lr 0.0008) a key gave again
+    flags = [flag for i, flag in enumerate(flags) if named[i] not in named[i + 1 :]]
     return (
         f"{said}; give its settings as megapar-train flags: "
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
