@@ -490,6 +490,15 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
         "equivalent: activation_checkpointing (it tunes the "
         "model's own checkpoint calls; megapar's --recompute full recomputes every block))"
     ), err.value
+    # the micro-batch times the accumulation steps (was "(micro-batch x 3 x dp)" beside the
+    # micro-batch's 4), a number at the command line's --dp
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 3}))
+    for dp, batch in [(None, "(12 x dp)"), (2, "24")]:
+        with pytest.raises(ConfigError) as err:
+            read_run_config(str(ds), dp)
+        assert f": --micro-batch-size 4 --global-batch-size {batch} --clip-grad 0" in str(
+            err.value), err.value
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2},
                               "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}))
     with pytest.raises(ConfigError) as err:

@@ -617,9 +617,10 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
-def read_run_config(path: str) -> dict[str, Any]:
+def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
-    converted with the flags' types (so a file says what the command line says)."""
+    converted with the flags' types (so a file says what the command line says); `dp`, the
+    command line's --dp, makes another tool's per-GPU batch a global one."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
@@ -638,7 +639,7 @@ def read_run_config(path: str) -> dict[str, Any]:
         raise ConfigError(accelerate_config(data, path))
     if is_deepspeed_config(data):
         try:
-            flags, left, auto = deepspeed_equivalents(data)
+            flags, left, auto = deepspeed_equivalents(data, dp)
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
@@ -670,7 +671,7 @@ def read_run_config(path: str) -> dict[str, Any]:
 
 def parse_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
-    values: dict[str, Any] = read_run_config(args.config) if args.config else {}
+    values: dict[str, Any] = read_run_config(args.config, args.dp) if args.config else {}
     from_file = set(values)
     for f in fields(TrainConfig):
         given = getattr(args, f.name)

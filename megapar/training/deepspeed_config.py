@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from megapar.models.config import ConfigError
@@ -88,6 +89,17 @@ def _flag_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
+def _global_batch(factors: list, dp: int | None) -> str:
+    """--global-batch-size for DeepSpeed's per-GPU batch `factors` (the micro-batch, the
+    accumulation steps): their product times the given `dp`, or, where a factor is no whole
+    number or dp is not given, the product said as one (``(8 x dp)``)."""
+    whole = all(isinstance(f, int) and not isinstance(f, bool) for f in factors)
+    if whole and dp is not None:
+        return f"--global-batch-size {math.prod(factors) * dp}"
+    shown = str(math.prod(factors)) if whole else " x ".join(map(_flag_value, factors))
+    return f"--global-batch-size ({shown} x dp)"
+
+
 DYNAMIC_SCALER_KEYS = (
     "initial_scale_power",
     "loss_scale_window",
@@ -127,9 +139,13 @@ def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
     return flags, left
 
 
-def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
+def deepspeed_equivalents(
+    data: dict, dp: int | None = None
+) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
-    keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments)."""
+    keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
+    global batch from the micro-batch and the accumulation steps is a number at the command
+    line's --dp `dp`, else said as a product with dp."""
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -162,9 +178,10 @@ def deepspeed_equivalents(data: dict) -> tuple[list[str], list[str], list[str]]:
             batch = ("train_batch_size", "gradient_accumulation_steps")
             if not any(k in data or k in auto for k in batch):
                 # DeepSpeed accumulates nothing then; megapar-train's default batch is 16
-                flags.append(f"--global-batch-size ({_flag_value(value)} x dp)")
+                flags.append(_global_batch([value], dp))
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
-            flags.append(f"--global-batch-size (micro-batch x {_flag_value(value)} x dp)")
+            micro = data.get("train_micro_batch_size_per_gpu", "micro-batch")
+            flags.append(_global_batch([micro, value], dp))
         elif key == "gradient_accumulation_steps":
             continue  # train_batch_size says it
         elif key == "gradient_clipping":
