@@ -251,6 +251,15 @@ def _torchtitan_value(key: str, value) -> str | None:
         if ours.startswith("--") and " V" not in ours:
             return ours
         return said.split(": ", 1)[-1] if said else "not a schedule megapar names"
+    if key == "optimizer.name" and isinstance(value, str):
+        if value.lower() in ("adamw", "lamb", "lars", "sgd", "muon"):
+            return f"--optimizer {value.lower()}"
+        if value.lower() == "adam":
+            return (
+                "torch's Adam (the weight decay added to the gradient), which megapar has not; "
+                "its nearest is --optimizer adamw (the decay decoupled)"
+            )
+        return None
     if key == "model.converters":  # without float8 (`_float8_flags` names that)
         return "megapar converts no layers but float8 linears (--fp8); drop it"
     if key == "parallelism.fsdp_reshard_after_forward":
