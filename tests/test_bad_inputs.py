@@ -2498,6 +2498,24 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"give --dp 4 --zero 3 --offload-optimizer "
                        r"--offload-params \("):
         parse_args(["--config", str(accelerate)])
+    # its DeepSpeed plugin's clipping and accumulation, a dynamo backend and the Megatron-LM
+    # plugin's layout were dropped unsaid
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                          "deepspeed_config:\n  zero_stage: 2\n  gradient_clipping: 1.0\n"
+                          "  gradient_accumulation_steps: 4\ndynamo_config:\n"
+                          "  dynamo_backend: INDUCTOR\nnum_processes: 8\n")
+    with pytest.raises(ConfigError, match=r"give --dp 8 --zero 2 --clip-grad 1 --compile \(.*; "
+                       r"gradient_accumulation_steps 4: --global-batch-size \(--micro-batch-size "
+                       r"x 4 x the --dp size\)$"):
+        parse_args(["--config", str(accelerate)])
+    accelerate.write_text("distributed_type: MEGATRON_LM\nmegatron_lm_config:\n"
+                          "  megatron_lm_tp_degree: 2\n  megatron_lm_pp_degree: 2\n"
+                          "  megatron_lm_sequence_parallelism: true\n"
+                          "  megatron_lm_use_distributed_optimizer: true\n"
+                          "dynamo_backend: 'NO'\nnum_processes: 8\n")
+    with pytest.raises(ConfigError, match=r"give --dp 2 --tp 2 --pp 2 --sequence-parallel "
+                       r"--zero 1 \(the processes"):
+        parse_args(["--config", str(accelerate)])
     # steps below 1 are the Trainer's ratios of the training steps, and its fsdp is --zero:
     # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
     args.write_text(json.dumps({

@@ -386,6 +386,49 @@ def accelerate_config(data: dict, path: str) -> str:
                 "nvme",
             ):
                 flags.append("--offload-params")
+        clipping = deepspeed.get("gradient_clipping")
+        if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
+            flags.append(f"--clip-grad {clipping:g}")
+        steps = deepspeed.get("gradient_accumulation_steps")
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
+            said.append(
+                f"gradient_accumulation_steps {steps}: --global-batch-size "
+                f"(--micro-batch-size x {steps} x the --dp size)"
+            )
+    elif kind == "MEGATRON_LM":
+        megatron = data.get("megatron_lm_config")
+        megatron = megatron if isinstance(megatron, dict) else {}
+        model_parallel = 1
+        for key, flag in (("tp_degree", "--tp"), ("pp_degree", "--pp")):
+            degree = megatron.get(f"megatron_lm_{key}")
+            if isinstance(degree, int) and not isinstance(degree, bool) and degree > 1:
+                flags.append(f"{flag} {degree}")
+                model_parallel *= degree
+        if model_parallel > 1 and isinstance(processes, int):  # dp: the processes over tp x pp
+            flags = [f for f in flags if not f.startswith("--dp ")]
+            if processes % model_parallel == 0 and processes > model_parallel:
+                flags.insert(0, f"--dp {processes // model_parallel}")
+        if megatron.get("megatron_lm_sequence_parallelism") in (True, "true", "True"):
+            flags.append("--sequence-parallel")
+        if megatron.get("megatron_lm_recompute_activations") in (True, "true", "True"):
+            flags.append("--recompute selective")
+        if megatron.get("megatron_lm_use_distributed_optimizer") in (True, "true", "True"):
+            flags.append("--zero 1")  # Megatron-LM's distributed optimizer
+        clipping = megatron.get("megatron_lm_gradient_clipping")
+        if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
+            flags.append(f"--clip-grad {clipping:g}")
+        micro = megatron.get("megatron_lm_num_micro_batches")
+        if isinstance(micro, int) and not isinstance(micro, bool) and micro > 1:
+            said.append(
+                f"megatron_lm_num_micro_batches {micro}: --global-batch-size "
+                f"(--micro-batch-size x {micro} x the --dp size)"
+            )
+    dynamo = data.get("dynamo_config")
+    backend = (dynamo if isinstance(dynamo, dict) else {}).get(
+        "dynamo_backend", data.get("dynamo_backend", "NO")
+    )
+    if str(backend).upper() not in ("NO", "NONE", "FALSE"):
+        flags.append("--compile")  # megapar compiles each block with inductor
     precision = data.get("mixed_precision")
     if precision in ("bf16", "fp16"):
         flags.append(f"--precision {precision}")
