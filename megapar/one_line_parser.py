@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from megapar.wording import and_list
 
@@ -396,7 +396,7 @@ class OneLineParser(argparse.ArgumentParser):
                     said_for.setdefault(ours, []).append(flag)
                     hints.append(ours)  # said once, after every flag it answers (below)
                 continue
-            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+            close = _close_flag(flag, known)
             longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []
             theirs = {  # another tool's flag cut short: `--checkp` is `--checkpoint` (`--load`)
                 self.known_as[k]
@@ -435,6 +435,15 @@ class OneLineParser(argparse.ArgumentParser):
             for action, default in held:
                 action.default = default
             self._defaults = parser_defaults
+
+
+def _close_flag(flag: str, known: Sequence[str]) -> list[str]:
+    """The known flag closest to `flag` by name ([] for none, or for no ``--`` flag): compared
+    without their shared ``--``, which made any two short flags close (``--wd`` was ``--dp``)."""
+    if not flag.startswith("--"):
+        return []
+    names = {k[2:]: k for k in known if k.startswith("--")}
+    return [names[c] for c in difflib.get_close_matches(flag[2:], list(names), n=1)]
 
 
 def _with_values(argv: list[str], extras: list[str]) -> list[str]:

@@ -2305,12 +2305,17 @@ STRAY = [
      "unrecognized arguments: --tensor-parallel-size 2; --tensor-parallel-size: did you mean --tp?"),
     # a reviewer's: the path after an unknown flag's value was listed as unrecognized, a
     # negative value dropped, a flag given twice answered twice
-    ("convert", ["a", "--foo", "2", "b"], "unrecognized arguments: --foo 2; --foo: did you mean "
-     "--info? (see"),
-    ("convert", ["--foo", "-1", "a", "b"], "unrecognized arguments: --foo -1; --foo: did you "
+    ("convert", ["a", "--ifno", "2", "b"], "unrecognized arguments: --ifno 2; --ifno: did you "
      "mean --info? (see"),
-    ("convert", ["--foo", "2", "--foo", "3", "a", "b"], "unrecognized arguments: --foo 2 --foo "
-     "3; --foo: did you mean --info? (see"),
+    ("convert", ["--ifno", "-1", "a", "b"], "unrecognized arguments: --ifno -1; --ifno: did you "
+     "mean --info? (see"),
+    ("convert", ["--ifno", "2", "--ifno", "3", "a", "b"], "unrecognized arguments: --ifno 2 "
+     "--ifno 3; --ifno: did you mean --info? (see"),
+    # a short flag was close to any other by the "--" they share (--foo: --info, --wd: --dp)
+    ("convert", ["a", "--foo", "2", "b"], "unrecognized arguments: --foo 2 (see"),
+    ("train", ["--wd", "0.1"], "unrecognized arguments: --wd 0.1; --wd: did you mean "
+     "--weight-decay? (see"),
+    ("train", ["--amp"], "--amp: did you mean --precision bf16 (or fp16)? (see"),
 ]
 
 

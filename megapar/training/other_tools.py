@@ -813,6 +813,38 @@ OTHER_TOOLS_FLAGS = {
     "--attention-dropout": MODEL_FIELD.format(
         field="attn_pdrop (GPT-2), attention_probs_dropout_prob (BERT), attention_dropout (Llama)"
     ),
+    # nanoGPT's model and system settings, and the short names a user tries first (difflib
+    # named --fp8-layers for --n_layer, --recompute for --dropout, --dp for --wd, --seed for
+    # --bs, --tp for --amp, --tb and --out, --model for --nodes)
+    "--n-layer": MODEL_SIZE,
+    "--n-head": MODEL_SIZE,
+    "--n-embd": MODEL_SIZE,
+    "--layers": MODEL_SIZE,
+    "--heads": MODEL_SIZE,
+    "--dropout": MODEL_FIELD.format(field="resid_pdrop, embd_pdrop and attn_pdrop (GPT-2)"),
+    "--bias": "megapar's GPT-2 has its biases as transformers' does and its Llama-like models "
+    "none; drop it",
+    "--device": "megapar-train runs on CUDA where a GPU is present (one a rank), else on the CPU "
+    "with gloo (MEGAPAR_CPU=1 runs on the CPU beside a GPU); drop it",
+    "--backend": "megapar-train takes NCCL on GPUs and gloo on the CPU; drop it",
+    "--always-save-checkpoint": "--save DIR --save-interval N (every N steps, whatever the "
+    "validation loss)",
+    "--bs": "--micro-batch-size (per rank) or --global-batch-size (per optimizer step)",
+    "--batch": "--micro-batch-size (per rank) or --global-batch-size (per optimizer step)",
+    "--mbs": "--micro-batch-size",
+    "--gbs": "--global-batch-size",
+    "--wd": "--weight-decay",
+    "--tb": "--tensorboard",
+    "--out": "--save (checkpoints) and --log-json or --tensorboard (logs)",
+    "--nodes": LAUNCHER,
+    "--nnodes": LAUNCHER,
+    "--amp": "--precision bf16 (or fp16)",
+    "--iters": "--max-steps",
+    "--log": "--log-interval N (every N steps), --log-json FILE or --tensorboard DIR",
+    "--log-dir": "--log-json FILE or --tensorboard DIR",
+    "--zero1": "--zero 1",
+    "--zero2": "--zero 2",
+    "--zero3": "--zero 3",
     # Megatron-LM's and transformers' (run_mlm.py) BERT pretraining flags
     "--mask-prob": MLM_RATE,
     "--masked-lm-prob": MLM_RATE,
