@@ -1097,6 +1097,24 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
 
 
+@pytest.mark.parametrize("train", [["--train-tokenizer", "bpe", "--vocab-size", "300"],
+                                   ["--train-tokenizer", "wordpiece", "--vocab-size", "50"],
+                                   ["--train-sentencepiece", "--vocab-size", "50"]])
+def test_training_a_tokenizer_on_no_text_is_the_no_text_line(tmp_path, train, capsys):
+    """An empty input trained a BPE ("trained a byte-level BPE ...", then "no text"), failed in
+    SentencePiece's trainer ("a smaller --vocab-size ... fixes it") or WordPiece's ("encodes
+    text to nothing ... save it with AutoTokenizer"): each is refused before training."""
+    from megapar.cli.data import main as data
+
+    (tmp_path / "empty.txt").write_text("\n \n")
+    assert data(["--input", str(tmp_path / "empty.txt"), "--output-prefix",
+                 str(tmp_path / "out" / "x"), *train]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert line == (f"megapar-data: error: no text in {tmp_path / 'empty.txt'}: every input is "
+                    "empty or whitespace; nothing written"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_megapar_data_split_lines_without_a_txt_input_is_refused(tmp_path, capsys):
     """--split-lines cuts a .txt into paragraphs; with only .jsonl inputs it was ignored."""
     from megapar.cli.data import main as data

@@ -482,7 +482,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
     from megapar.data.inputs import check_read_once
-    from megapar.data.preprocess import expand_inputs, preprocess_files, unknown_tokens_note
+    from megapar.data.preprocess import (
+        check_has_text,
+        expand_inputs,
+        preprocess_files,
+        unknown_tokens_note,
+    )
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
@@ -500,6 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
         replaced = any(os.path.lexists(p) for p in outputs(args)[3:])
+        if args.train_tokenizer is not None or args.train_sentencepiece:  # nothing to train on
+            check_has_text(
+                files, args.split_lines, args.jsonl_key, args.allow_invalid_utf8, args.sft_keys
+            )
         tokenizer = train_tokenizer(args, trained, files)
         report: dict = {}
         stats: dict = {}

@@ -183,6 +183,28 @@ def _worker_encode(
 _WORKER_TOKENIZER: Tokenizer
 
 
+def _no_text(files: Sequence[str]) -> str:
+    return f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
+
+
+def check_has_text(
+    files: Sequence[str],
+    split_paragraphs: bool = False,
+    jsonl_key: str = "text",
+    allow_invalid_utf8: bool = False,
+    sft_keys: Sequence[str] | None = None,
+) -> None:
+    """ValueError, the line `preprocess_files` gives, where `files` hold no document: for a
+    tokenizer's training, which would train on nothing, to refuse as the tokenizing does."""
+    documents = (
+        iter_records(files, sft_keys)
+        if sft_keys is not None
+        else iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, {})
+    )
+    if next(iter(documents), None) is None:
+        raise ValueError(_no_text(files))
+
+
 def preprocess_files(
     inputs: Sequence[str],
     output_prefix: str,
@@ -245,9 +267,7 @@ def preprocess_files(
     )
     first = next(batches, None)  # a bad or empty first input fails before a bar is drawn
     if first is None:
-        raise ValueError(
-            f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
-        )
+        raise ValueError(_no_text(files))
     batches = itertools.chain([first], batches)
     sft = sft_keys is not None
     # a line break that is an unknown token: its normalizer's, not the vocabulary's gaps
