@@ -1589,6 +1589,13 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
     same = parse_args(["--load", "ck", "--max-steps", "5", "--global-batch-size", "4"])
     assert _data_line(same, 2729, 142, saved).endswith(
         "--max-steps 5 x 4 sequences read 20 of them: 0.0073 of an epoch")
+    # 31 samples at a global batch of 16: an epoch reads 16 (was "read 32 of them: 1.0
+    # epochs", more than there are, in what are 2 epochs; a new user's finding)
+    assert _data_line(parse_args(["--max-steps", "2"]), 31, 2840).endswith(
+        "--max-steps 2 x 16 sequences read 32 of them: 2.0 epochs (an epoch reads 16 of them, "
+        "whole global batches: the last 15 of each epoch's order are left out)")
+    assert _data_line(parse_args(["--max-steps", "2"]), 3201, 142).endswith("read 32 of them: "
+                                                                           "0.01 of an epoch")
 
 
 def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_path):

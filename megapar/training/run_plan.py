@@ -588,11 +588,17 @@ def _data_line(cfg: TrainConfig, samples: int, held: int, manifest: dict | None 
             f"--max-steps {cfg.max_steps} read {{:,}} of them ({int(before):,} in the "
             f"checkpoint's {start} steps, then {left} x {cfg.global_batch_size})"
         )
-    share = drawn / samples
+    per_epoch = max(samples // cfg.global_batch_size, 1) * cfg.global_batch_size
+    share = drawn / per_epoch  # an epoch's last, incomplete batch is dropped
     shown = f"{share:.2f}"
     if 0 < share < 0.01:  # not "0.00": two significant digits (0.0016, 0.000011)
         shown = f"{share:.{1 - math.floor(math.log10(share))}f}".rstrip("0").rstrip(".")
     epochs = f"{shown} of an epoch" if share < 1 else f"{share:.1f} epochs"
+    if share >= 1 and samples - per_epoch > 0.05 * samples:  # a twentieth or more unread
+        epochs += (
+            f" (an epoch reads {per_epoch:,} of them, whole global batches: the last "
+            f"{samples - per_epoch:,} of each epoch's order are left out)"
+        )
     validation = (
         f" ({counted(held, 'sample')} held out for validation)" if held else " (no validation)"
     )
