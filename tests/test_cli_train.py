@@ -305,7 +305,7 @@ def test_too_little_data_for_one_global_batch_names_the_data(batch, message, cap
 
 @pytest.mark.parametrize("content, message", [
     ("", "no text in {path}: every input is empty or whitespace"),
-    ("Short text.\n", "the selected documents hold 4 tokens, fewer than one window of --seq-len "
+    ("Short text.\n", "its documents hold 4 tokens, fewer than one window of --seq-len "
                       "+ 1 = 33"),
 ])
 def test_a_global_batch_given_on_tiny_text_gets_the_texts_own_line(content, message, tmp_path,

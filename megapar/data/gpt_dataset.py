@@ -113,8 +113,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = max(0, (len(self.stream) - 1) // self.seq_len)
         if self.num_samples == 0:
             raise ValueError(
-                f"{indexed.prefix}: the selected documents hold "
-                f"{counted(len(self.stream), 'token')}, "
+                f"{indexed.prefix}: {'its' if doc_range is None else 'its split'} "
+                f"documents hold {counted(len(self.stream), 'token')}, "
                 f"fewer than "
                 f"one window of --seq-len + 1 = {self.seq_len + 1}; use more data or a shorter "
                 f"--seq-len"
