@@ -516,8 +516,12 @@ def test_a_deepspeed_config_gets_deepspeeds_defaults_where_megapars_differ(tmp_p
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16}}))
     with pytest.raises(ConfigError) as err:
         read_run_config(str(ds))
-    assert ": --zero 3 --micro-batch-size 4 --initial-loss-scale 65536 --hysteresis 2; and " \
-        "for the keys the Hugging Face Trainer fills" in str(err.value), err.value
+    # the scaler's flags where the Trainer runs fp16 (alone, without --precision fp16, they
+    # were refused: "--initial-loss-scale 65536 would be ignored"; a re-test)
+    assert ": --zero 3 --micro-batch-size 4; and for the keys the Hugging Face Trainer fills " \
+        '("auto"): zero_optimization.stage3_param_persistence_threshold, train_batch_size, ' \
+        "fp16.enabled (where the Trainer runs fp16: --precision fp16 --initial-loss-scale " \
+        "65536 --hysteresis 2)" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("scheduler, flags, left", [
@@ -593,7 +597,8 @@ def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
         "total_num_steps": 100}}})[0]
     assert "--warmup-steps 100" in flags and "--max-steps 100" in flags, flags
     flags, left, _ = deepspeed_equivalents({"optimizer": adamw, "scheduler": {
-        "type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1, "warmup_num_steps": 0}}})
+        "type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1, "warmup_num_steps": 0,
+                                             "total_num_steps": 100}}})
     assert "--min-lr 3e-05" in flags and "--lr 0.0003" in flags and not left, (flags, left)
     trainer = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
                                                          "betas": "auto"}},
@@ -621,6 +626,60 @@ def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
         ds.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=re.escape(f"{ds}: {said}")):
             read_run_config(str(ds))
+
+
+def test_a_deepspeed_config_deepspeed_refuses_or_reads_otherwise_is_said(tmp_path):
+    """A re-test's findings: batch keys DeepSpeed refuses were translated (train_batch_size 16
+    beside a micro-batch of 4 and 3 accumulation steps); train_batch_size with accumulation
+    steps gave no micro-batch; an offload_param DeepSpeed ignores (stage 2) or megapar cannot
+    do alone (stage 3 without offload_optimizer) gave a flag megapar-train refuses; Lamb kept
+    megapar's beta2 0.95; a warmup past total_num_steps, a missing total_num_steps, a missing
+    optimizer type and WarmupLR's warmup_min_lr were unsaid."""
+    from megapar.training.config import ConfigError, read_run_config
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    ds = tmp_path / "ds.json"
+    for batch, dp, said in (
+        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 3}, None, "train_batch_size 16 is no multiple of "
+         "train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 3, which DeepSpeed "
+         "refuses"),
+        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, None,
+         "train_batch_size 10 is no multiple of train_micro_batch_size_per_gpu 4,"),
+        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 2}, 4, "train_batch_size 16 is not "
+         "train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x --dp 4 = 32, "
+         "which DeepSpeed refuses: correct one of them"),
+    ):
+        ds.write_text(json.dumps(batch))
+        with pytest.raises(ConfigError, match=re.escape(f"{ds}: {said}")):
+            read_run_config(str(ds), dp)
+    steps = {"train_batch_size": 16, "gradient_accumulation_steps": 2}
+    assert "--micro-batch-size (8 / dp)" in deepspeed_equivalents(steps)[0]
+    assert "--micro-batch-size 4" in deepspeed_equivalents(steps, 2)[0]
+    for zero, left in (({"stage": 2, "offload_param": {"device": "cpu"}},
+                        "zero_optimization.offload_param (DeepSpeed offloads parameters at "
+                        "stage 3 only)"),
+                       ({"stage": 3, "offload_param": {"device": "cpu"}},
+                        "zero_optimization.offload_param without offload_optimizer (megapar "
+                        "offloads the parameters with the optimizer state: --offload-optimizer "
+                        "--offload-params)")):
+        flags, said, _ = deepspeed_equivalents({"zero_optimization": zero})
+        assert "--offload-params" not in flags and said == [left], (flags, said)
+    assert "--adam-beta2 0.999" in deepspeed_equivalents({"optimizer": {"type": "Lamb"}})[0]
+    _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": 50, "total_num_steps": 20, "warmup_type": "linear"}}})
+    assert left == ["scheduler.params.warmup_num_steps 50 above total_num_steps 20 (DeepSpeed "
+                    "warms up over all 50, never reaching its peak lr; megapar's warmup ends "
+                    "within --max-steps)"], left
+    _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "warmup_type": "linear"}}, "optimizer": {"params": {"lr": 1e-3}}})
+    assert left == ["scheduler.params.total_num_steps (none given, which DeepSpeed's "
+                    "WarmupCosineLR requires: give --max-steps)",
+                    "optimizer.type (none given, which DeepSpeed refuses)"], left
+    _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 1e-5, "warmup_type": "linear"}}})
+    assert left == ["scheduler.params.warmup_min_lr 1e-05 (megapar's warmup rises from 0)"]
 
 
 def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():

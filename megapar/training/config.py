@@ -647,7 +647,8 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         left = [k for k in left if k not in by_name]
         raise ConfigError(
             f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
-            f"settings as megapar-train flags (or a --config file of them): {' '.join(flags)}"
+            f"settings as megapar-train flags (or a --config file of them)"
+            + (f": {' '.join(flags)}" if flags else "")
             + (f" (no equivalent: {', '.join(left)})" if left else "")
             + (
                 f'; and for the keys the Hugging Face Trainer fills ("auto"): '

@@ -100,6 +100,44 @@ def _global_batch(factors: list, dp: int | None) -> str:
     return f"--global-batch-size ({shown} x dp)"
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _offload(zero: dict, part: str) -> str | None:
+    """zero_optimization's `part` (offload_optimizer / offload_param) device where it offloads
+    (cpu, nvme), else None."""
+    section = zero.get(part)
+    device = section.get("device") if isinstance(section, dict) else None
+    return device if device in ("cpu", "nvme") else None
+
+
+def _check_batch(data: dict, dp: int | None) -> None:
+    """ConfigError where DeepSpeed would refuse the config's batch keys: train_batch_size must be
+    train_micro_batch_size_per_gpu x gradient_accumulation_steps x the data-parallel GPUs (the
+    given `dp` where there is one) for whole numbers of each."""
+    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    train = data.get("train_batch_size")
+    factors = {k: data[k] for k in keys if _whole(data.get(k))}
+    if not _whole(train) or not factors:
+        return
+    per_gpu = math.prod(factors.values())
+    named = " x ".join(f"{k} {v}" for k, v in factors.items())
+    if train % per_gpu:
+        raise ConfigError(
+            f"train_batch_size {train} is no multiple of {named}, which DeepSpeed refuses "
+            "(train_batch_size = micro-batch x accumulation steps x GPUs): correct one of them"
+        )
+    if dp is None:
+        return
+    whole = len(factors) == 2
+    if train != per_gpu * dp if whole else train % (per_gpu * dp):
+        raise ConfigError(
+            f"train_batch_size {train} is {'not' if whole else 'no multiple of'} {named} x "
+            f"--dp {dp} = {per_gpu * dp}, which DeepSpeed refuses: correct one of them"
+        )
+
+
 DYNAMIC_SCALER_KEYS = (
     "initial_scale_power",
     "loss_scale_window",
@@ -170,6 +208,7 @@ def deepspeed_equivalents(
 
     if all(isinstance(data.get(k), dict) and on(data[k]) for k in ("fp16", "bf16")):
         raise ConfigError("fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")
+    _check_batch(data, dp)
     for key, value in data.items():
         if key == "train_batch_size":
             flags.append(f"--global-batch-size {_flag_value(value)}")
@@ -182,8 +221,15 @@ def deepspeed_equivalents(
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
             micro = data.get("train_micro_batch_size_per_gpu", "micro-batch")
             flags.append(_global_batch([micro, value], dp))
-        elif key == "gradient_accumulation_steps":
-            continue  # train_batch_size says it
+        elif key == "gradient_accumulation_steps" and "train_micro_batch_size_per_gpu" in data:
+            continue  # train_batch_size says it, with the micro-batch
+        elif key == "gradient_accumulation_steps":  # the micro-batch DeepSpeed derives
+            per_rank = _whole(data["train_batch_size"]) and _whole(value)
+            micro = data["train_batch_size"] // value if per_rank else None
+            if micro is not None and dp is not None and micro % dp == 0:
+                flags.append(f"--micro-batch-size {micro // dp}")
+            elif micro is not None and dp is None:
+                flags.append(f"--micro-batch-size ({micro} / dp)")
         elif key == "gradient_clipping":
             flags.append(f"--clip-grad {_flag_value(value)}")
         elif key == "steps_per_print":
@@ -192,9 +238,16 @@ def deepspeed_equivalents(
             if on(value):
                 flags.append(f"--precision {key}")
             scaler = "loss_scale" in value or any(k in value for k in DYNAMIC_SCALER_KEYS)
-            if key == "fp16" and (on(value) or ("fp16.enabled" in auto and scaler)):
+            if key == "fp16" and on(value):
                 fp16_flags, fp16_left = _fp16_scaler(value)
                 flags += fp16_flags
+                left += fp16_left
+            elif key == "fp16" and "fp16.enabled" in auto and scaler:  # the Trainer's --fp16
+                fp16_flags, fp16_left = _fp16_scaler(value)
+                auto[auto.index("fp16.enabled")] = (
+                    f"fp16.enabled (where the Trainer runs fp16: --precision fp16 "
+                    f"{' '.join(fp16_flags)})"
+                )
                 left += fp16_left
         elif key in ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler") and not (
             isinstance(value, dict)
@@ -213,7 +266,19 @@ def deepspeed_equivalents(
                 device = _section(value.get(part), f"zero_optimization.{part}").get(
                     "device", "none"
                 )
-                if device == "cpu":
+                alone = part == "offload_param" and _offload(value, "offload_optimizer") is None
+                if device in ("cpu", "nvme") and part == "offload_param" and stage not in (3, "3"):
+                    left.append(
+                        "zero_optimization.offload_param (DeepSpeed offloads parameters at "
+                        "stage 3 only)"
+                    )
+                elif device == "cpu" and alone:
+                    left.append(
+                        "zero_optimization.offload_param without offload_optimizer (megapar "
+                        "offloads the parameters with the optimizer state: --offload-optimizer "
+                        "--offload-params)"
+                    )
+                elif device == "cpu":
                     flags.append(flag)
                 elif device not in ("none", None):
                     left.append(f"zero_optimization.{part}.device {device} (the host only)")
@@ -234,7 +299,9 @@ def deepspeed_equivalents(
             kind = str(value.get("type", "")).lower()
             if kind in ("adam", "adamw", "lamb", "sgd"):
                 flags.append(f"--optimizer {'adamw' if kind == 'adam' else kind}")
-            else:
+            elif "type" not in value and "optimizer.type" not in auto:
+                left.append("optimizer.type (none given, which DeepSpeed refuses)")
+            elif "type" in value:
                 left.append(f"optimizer.type {value.get('type')}")
             params = _section(value.get("params"), "optimizer.params")
             # WarmupLR / WarmupDecayLR train at their warmup_max_lr (DeepSpeed's default 1e-3),
@@ -254,7 +321,7 @@ def deepspeed_equivalents(
                 flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
             elif betas is not None:
                 left.append(f"optimizer.params.betas {json.dumps(betas)} (two: beta1, beta2)")
-            elif kind in ("adam", "adamw") and "optimizer.params.betas" not in auto:
+            elif kind in ("adam", "adamw", "lamb") and "optimizer.params.betas" not in auto:
                 flags.append("--adam-beta2 0.999")  # DeepSpeed's (torch's), not megapar's 0.95
             left += _optimizer_params_left(kind, params)
         elif key == "scheduler" and isinstance(value, dict):
@@ -272,7 +339,26 @@ def deepspeed_equivalents(
             warmup = params.get("warmup_num_steps", default)
             total = params.get("total_num_steps")
             if isinstance(warmup, (int, float)) and isinstance(total, (int, float)):
+                if warmup > total:
+                    left.append(
+                        f"scheduler.params.warmup_num_steps {_flag_value(warmup)} above "
+                        f"total_num_steps {_flag_value(total)} (DeepSpeed warms up over all "
+                        f"{_flag_value(warmup)}, never reaching its peak lr; megapar's warmup "
+                        "ends within --max-steps)"
+                    )
                 warmup = min(warmup, total)
+            needs_total = kind in ("WarmupDecayLR", "WarmupCosineLR")
+            if needs_total and total is None and "total_num_steps" not in given_auto:
+                left.append(
+                    f"scheduler.params.total_num_steps (none given, which DeepSpeed's {kind} "
+                    "requires: give --max-steps)"
+                )
+            start = params.get("warmup_min_lr", 0)
+            if kind == "WarmupLR" and start not in (0, 0.0, None):
+                left.append(
+                    f"scheduler.params.warmup_min_lr {_flag_value(start)} (megapar's warmup "
+                    "rises from 0)"
+                )
             if warmup is not None:
                 flags.append(f"--warmup-steps {_flag_value(warmup)}")
             if total is not None:
