@@ -2604,8 +2604,27 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         ({"optim": "adamw_torch_fused"}, "--lr 0.0003", "optim adamw"),
         # a schedule megapar has is not also said to be one it has not (a read of the change)
         ({"lr_scheduler_type": "cosine"}, "--lr-decay cosine --min-lr 0", "lr_scheduler_type"),
-        ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type polynomial: megapar-train's "
-         "--lr-decay is", ""),
+        ({"lr_scheduler_type": "polynomial", "lr_scheduler_kwargs": {"power": 2.0}},
+         "lr_scheduler_type polynomial power 2.0: megapar-train's --lr-decay is", ""),
+        # a third re-test's: polynomial at its default power 1 is a linear decay to lr_end;
+        # SGD got the Adam flags megapar-train refuses with it, and its momentum unsaid;
+        # num_cycles, a cosine_with_min_lr without its floor and the deepspeed file unsaid;
+        # the WSD's end of decay named but not computed
+        ({"lr_scheduler_type": "polynomial"}, "--lr-decay linear --min-lr 1e-07", "power"),
+        ({"optim": "sgd"}, "--optimizer sgd --save out", "--adam-"),
+        ({"optim": "sgd"}, "optim sgd: the Trainer's is torch's SGD without momentum; megapar's "
+         "sgd uses momentum 0.9", ""),
+        ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.0}},
+         "lr_scheduler_kwargs num_cycles 1.0: megapar-train's cosine is half a wave", ""),
+        ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_type cosine_with_min_lr: "
+         "transformers refuses it without min_lr or min_lr_rate", "--lr-decay cosine --min-lr 0"),
+        ({"deepspeed": "ds.json"}, "deepspeed ds.json: give that file to --config", ""),
+        ({"lr_scheduler_type": "warmup_stable_decay", "max_steps": 200, "warmup_steps": 10,
+          "lr_scheduler_kwargs": {"num_stable_steps": 70, "num_decay_steps": 20}},
+         "--lr-wsd-decay-style cosine --lr-decay-steps 100 --save", "num_stable_steps"),
+        ({"lr_scheduler_type": "warmup_stable_decay", "max_steps": 100, "warmup_steps": 10,
+          "lr_scheduler_kwargs": {"num_stable_steps": 70, "num_decay_steps": 20}},
+         "--lr-wsd-decay-style cosine --save", "--lr-decay-steps"),
     ]
     for extra, said, absent in cases:
         args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, **extra}))

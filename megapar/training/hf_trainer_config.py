@@ -97,11 +97,13 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         f"--global-batch-size {micro * accumulation if whole else 'their product'} x the --dp "
         f"size (megapar-train's default global batch is 16)"
     )
+    optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
     flags.append(f"--lr {shown('learning_rate', 5e-5)}")
     flags.append(f"--weight-decay {shown('weight_decay', 0.0)}")
-    flags.append(f"--adam-beta1 {shown('adam_beta1', 0.9)}")
-    flags.append(f"--adam-beta2 {shown('adam_beta2', 0.999)}")
-    flags.append(f"--adam-eps {shown('adam_epsilon', 1e-8)}")
+    if optim != "sgd":  # SGD has no moments (megapar-train refuses the Adam flags with it)
+        flags.append(f"--adam-beta1 {shown('adam_beta1', 0.9)}")
+        flags.append(f"--adam-beta2 {shown('adam_beta2', 0.999)}")
+        flags.append(f"--adam-eps {shown('adam_epsilon', 1e-8)}")
     flags.append(f"--clip-grad {shown('max_grad_norm', 1.0)}")
     flags.append(f"--seed {get('seed', 42)}")
     steps = get("max_steps", -1)
@@ -133,18 +135,37 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     kwargs = kwargs if isinstance(kwargs, dict) else {}
     lr = get("learning_rate", 5e-5)
     lr = lr if isinstance(lr, (int, float)) else 5e-5
+    cycles = kwargs.get("num_cycles", 0.5)
+    if schedule in ("cosine", "cosine_with_min_lr") and cycles != 0.5:
+        said.append(
+            f"lr_scheduler_kwargs num_cycles {cycles}: megapar-train's cosine is half a wave "
+            f"(num_cycles 0.5), from --lr down to --min-lr once"
+        )
     if schedule in SCHEDULES:
         flags.append(SCHEDULES[schedule])
+    elif schedule == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & set(kwargs):
+        said.append(
+            "lr_scheduler_type cosine_with_min_lr: transformers refuses it without min_lr or "
+            "min_lr_rate in lr_scheduler_kwargs; megapar-train's is --lr-decay cosine --min-lr LR"
+        )
     elif schedule == "cosine_with_min_lr":  # min_lr, or min_lr_rate x the peak
         floor = kwargs.get("min_lr", lr * float(kwargs.get("min_lr_rate", 0.0)))
         flags.append(f"--lr-decay cosine --min-lr {float(floor):g}")
+    elif schedule == "polynomial" and float(kwargs.get("power", 1.0)) == 1.0:  # linear to lr_end
+        flags.append(f"--lr-decay linear --min-lr {float(kwargs.get('lr_end', 1e-7)):g}")
     elif schedule == "warmup_stable_decay":
         flags.append(f"--lr-decay wsd --min-lr {lr * float(kwargs.get('min_lr_ratio', 0.0)):g}")
         if "num_decay_steps" in kwargs:
             flags.append(f"--lr-wsd-decay-steps {kwargs['num_decay_steps']}")
         style = kwargs.get("decay_type", "cosine")  # transformers' get_wsd_schedule's default
         flags.append(f"--lr-wsd-decay-style {'sqrt' if style == '1-sqrt' else style}")
-        if "num_stable_steps" in kwargs:
+        decay_steps, stable = kwargs.get("num_decay_steps"), kwargs.get("num_stable_steps")
+        ends = None
+        if isinstance(stable, int) and isinstance(decay_steps, int) and not ratio:
+            ends = int(warmup) + stable + decay_steps
+        if ends is not None and ends != steps:  # the decay ends before --max-steps
+            flags.append(f"--lr-decay-steps {ends}")
+        elif "num_stable_steps" in kwargs and ends is None:
             said.append(
                 "lr_scheduler_kwargs num_stable_steps: --lr-decay-steps (the warmup + "
                 "num_stable_steps + num_decay_steps) ends the decay there, the lr then held at "
@@ -152,18 +173,23 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             )
     else:
         said.append(
-            f"lr_scheduler_type {schedule}: megapar-train's --lr-decay is linear, cosine, "
-            f"constant or wsd (with --min-lr)"
+            f"lr_scheduler_type {schedule}"
+            + (f" power {kwargs['power']}" if schedule == "polynomial" else "")
+            + ": megapar-train's --lr-decay is linear, cosine, constant or wsd (with --min-lr)"
         )
     if kwargs.get("warmup_type", "linear") != "linear":
         said.append(
             f"lr_scheduler_kwargs warmup_type {kwargs['warmup_type']}: megapar-train's warmup "
             f"is linear"
         )
-    optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
     if optim.startswith("adamw") or optim in ("adam", "lamb", "sgd"):  # adamw_torch_fused, ...
         if not optim.startswith("adamw"):
             flags.append(f"--optimizer {'adamw' if optim == 'adam' else optim}")
+        if optim == "sgd":
+            said.append(
+                "optim sgd: the Trainer's is torch's SGD without momentum; megapar's "
+                "sgd uses momentum 0.9"
+            )
     else:
         said.append(
             f"optim {optim}: megapar-train's --optimizer is adamw, lamb, lars, sgd or muon "
@@ -217,6 +243,11 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         said.append(
             f"eval_steps: the Trainer evaluates on steps only with eval_strategy steps (here "
             f"{evaluation}); megapar-train evaluates every --eval-interval steps"
+        )
+    if isinstance(data.get("deepspeed"), str):
+        said.append(
+            f"deepspeed {data['deepspeed']}: give that file to --config for its settings as "
+            f"megapar-train flags"
         )
     if data.get("resume_from_checkpoint"):
         said.append(

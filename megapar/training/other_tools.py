@@ -196,8 +196,9 @@ LR_SAMPLES = (
 CONSTANT_WD = "megapar's weight decay is constant: --weight-decay; drop it"
 HF_SCHEDULER = (
     "--lr-decay (linear or cosine with --min-lr 0; cosine_with_min_lr: cosine with a "
-    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd; "
-    "cosine_with_restarts, polynomial, inverse_sqrt and reduce_lr_on_plateau have none)"
+    "--min-lr given; constant_with_warmup: constant; warmup_stable_decay: wsd; polynomial "
+    "at power 1: linear with --min-lr its lr_end; cosine_with_restarts, inverse_sqrt and "
+    "reduce_lr_on_plateau have none)"
 )
 
 LAUNCHER = (
