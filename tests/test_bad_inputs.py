@@ -2538,6 +2538,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                        r"gradient_accumulation_steps 4: --global-batch-size \(--micro-batch-size "
                        r"x 4 x the --dp size\)$"):
         parse_args(["--config", str(accelerate)])
+    # a DeepSpeed plugin's own file, its fp16 (DeepSpeed's scaler) and a parameter offload
+    # without the optimizer's were unsaid or dropped (a re-test)
+    accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n"
+                          "  offload_param_device: cpu\nmixed_precision: fp16\n"
+                          "num_processes: 2\n")
+    with pytest.raises(ConfigError, match=r"give --dp 2 --zero 3 --hysteresis 2 --precision "
+                       r"fp16 \(.*\); offload_param_device without offload_optimizer_device: "
+                       r"megapar offloads the parameters with the optimizer state"):
+        parse_args(["--config", str(accelerate)])
+    accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                          "  deepspeed_config_file: ds1.json\nnum_processes: 2\n")
+    with pytest.raises(ConfigError, match=r"give --dp 2 \(.*\); deepspeed_config_file ds1.json: "
+                       r"give that file to --config"):
+        parse_args(["--config", str(accelerate)])
     accelerate.write_text("distributed_type: MEGATRON_LM\nmegatron_lm_config:\n"
                           "  megatron_lm_tp_degree: 2\n  megatron_lm_pp_degree: 2\n"
                           "  megatron_lm_sequence_parallelism: true\n"

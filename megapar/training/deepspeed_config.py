@@ -148,7 +148,7 @@ DYNAMIC_SCALER_KEYS = (
 """An fp16 section's keys of DeepSpeed's dynamic loss scaler (unused with a static scale)."""
 
 
-def _fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
+def fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
     """An enabled fp16 section's loss-scaler keys as megapar-train's flags (DeepSpeed's
     defaults where a key is absent and megapar's default differs: hysteresis 2; a static
     loss_scale > 0, which DeepSpeed takes instead of the dynamic keys, alone), and the keys
@@ -239,11 +239,11 @@ def deepspeed_equivalents(
                 flags.append(f"--precision {key}")
             scaler = "loss_scale" in value or any(k in value for k in DYNAMIC_SCALER_KEYS)
             if key == "fp16" and on(value):
-                fp16_flags, fp16_left = _fp16_scaler(value)
+                fp16_flags, fp16_left = fp16_scaler(value)
                 flags += fp16_flags
                 left += fp16_left
             elif key == "fp16" and "fp16.enabled" in auto and scaler:  # the Trainer's --fp16
-                fp16_flags, fp16_left = _fp16_scaler(value)
+                fp16_flags, fp16_left = fp16_scaler(value)
                 auto[auto.index("fp16.enabled")] = (
                     f"fp16.enabled (where the Trainer runs fp16: --precision fp16 "
                     f"{' '.join(fp16_flags)})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megapar.training.deepspeed_config import DEEPSPEED_KEYS
+from megapar.training.deepspeed_config import DEEPSPEED_KEYS, fp16_scaler
 
 TRAINER_ONLY_KEYS = frozenset(
     {
@@ -409,14 +409,31 @@ def accelerate_config(data: dict, path: str) -> str:
         deepspeed = data.get("deepspeed_config")
         deepspeed = deepspeed if isinstance(deepspeed, dict) else {}
         stage = deepspeed.get("zero_stage")
-        flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
-        if str(deepspeed.get("offload_optimizer_device", "none")).lower() in ("cpu", "nvme"):
+        given_file = deepspeed.get("deepspeed_config_file")
+        if isinstance(given_file, str) and given_file:
+            said.append(
+                f"deepspeed_config_file {given_file}: give that file to --config for its "
+                "settings as megapar-train flags"
+            )
+        elif stage in (1, 2, 3):
+            flags.append(f"--zero {stage}")
+        else:
+            flags.append("--zero 1, 2 or 3")
+        offloads = {
+            part: str(deepspeed.get(f"offload_{part}_device", "none")).lower() in ("cpu", "nvme")
+            for part in ("optimizer", "param")
+        }
+        if offloads["optimizer"]:
             flags.append("--offload-optimizer")
-            if stage == 3 and str(deepspeed.get("offload_param_device", "none")).lower() in (
-                "cpu",
-                "nvme",
-            ):
-                flags.append("--offload-params")
+        if offloads["param"] and stage == 3 and offloads["optimizer"]:
+            flags.append("--offload-params")
+        elif offloads["param"] and stage == 3:
+            said.append(
+                "offload_param_device without offload_optimizer_device: megapar offloads the "
+                "parameters with the optimizer state (--offload-optimizer --offload-params)"
+            )
+        if data.get("mixed_precision") == "fp16":  # DeepSpeed's dynamic scaler's defaults
+            flags += fp16_scaler({})[0]
         clipping = deepspeed.get("gradient_clipping")
         if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
             flags.append(f"--clip-grad {clipping:g}")
