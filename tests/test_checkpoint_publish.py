@@ -359,6 +359,10 @@ def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path, cap
         with pytest.raises(UsageError) as exc:
             checkpoint_manifest(path)
         assert "(file truncated or altered)" in str(exc.value)
+        # the file with its step where the root is given (a re-test: the step was unnamed)
+        shown = shard_file_name(0, 0) if path.endswith("/") else \
+            f"step_00000006/{shard_file_name(0, 0)}"
+        assert f"{path}: {shown}: 100 bytes" in str(exc.value), str(exc.value)
         assert str(exc.value).endswith(
             f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
     # megapar-convert reading it says the same, in its own words: it named the file alone (a

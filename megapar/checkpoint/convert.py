@@ -372,7 +372,7 @@ def convert_checkpoint(
         odd = sorted(set(source) ^ set(target))[:5]
         raise CheckpointError(
             f"{step_dir}: its tensors do not match its own model config "
-            f"(e.g. {odd}); the manifest is inconsistent"
+            f"(e.g. {odd}); the manifest is damaged, restore it or use another checkpoint"
         )
     for name, e in target.items():
         e["dtype"], e["optim"] = source[name]["dtype"], dict(source[name]["optim"])

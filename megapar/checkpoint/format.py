@@ -72,7 +72,12 @@ class CheckpointError(RuntimeError):
 
 class CheckpointFileError(CheckpointError):
     """A file of a checkpoint's step missing, or not the size or checksum its manifest
-    records (`manifest.verify_file`): another step of the same checkpoint may do instead."""
+    records (`manifest.verify_file`): another step of the same checkpoint may do instead.
+    `path`: the file (None where not known)."""
+
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 def step_dir_name(step: int) -> str:

@@ -66,7 +66,7 @@ def check_manifest(manifest: dict, where) -> None:
     """Every key present with the right type; shard shapes consistent with the layout."""
     for key, kind in _TOP.items():
         if not isinstance(manifest.get(key), kind):
-            what = "is missing" if key not in manifest else f"is not a {kind.__name__}"
+            what = "is missing" if key not in manifest else f"is no {kind.__name__}"
             raise CheckpointError(
                 f"{where}: the manifest's {key!r} {what}; the manifest is "
                 f"damaged, restore it or use another checkpoint"
@@ -172,12 +172,14 @@ def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) 
     if size != record["bytes"]:
         raise CheckpointFileError(
             f"{name}: {counted(size, 'byte')}, the manifest records {record['bytes']:,} "
-            f"(file truncated or altered); restore it or use another checkpoint"
+            f"(file truncated or altered); restore it or use another checkpoint",
+            path,
         )
     if checksum and file_record(path)["sha256"] != record["sha256"]:
         raise CheckpointFileError(
             f"{name}: checksum mismatch (file altered or truncated); restore "
-            f"it or use another checkpoint"
+            f"it or use another checkpoint",
+            path,
         )
 
 

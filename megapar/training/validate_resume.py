@@ -282,6 +282,11 @@ def load_refusal(load: str, exc: Exception, what: str = "--load") -> CheckpointE
     prefix = f"{what} " if what else ""  # "": megapar-convert's positional SRC
     other = _other_steps(load).replace("--load ", prefix)
     text = str(exc)
+    damaged = getattr(exc, "path", None)  # a file of a step under the root `load` names
+    if damaged is not None and text.startswith(f"{damaged.name}: "):
+        if not _same_path(str(damaged.parent), load):
+            where = os.path.relpath(damaged, os.path.expanduser(load))
+            text = where + text[len(damaged.name) :]
     said = f": {text}"
     # "X: no such checkpoint directory", "X holds a different model": X said once (X may hold
     # ": " or spaces itself)
