@@ -186,8 +186,15 @@ TRAIN = [
      "megapar's BERT samples ([CLS] A [SEP] B [SEP]) give segment B token type 1; use a BERT "
      "with type_vocab_size >= 2"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
-     "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a multiple "
-     "of 4, or --micro-batch-size 2 / 5 / 10"),
+     "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a "
+     "--global-batch-size that is a multiple of 4 (8 or 12), or --micro-batch-size 1 / 2 / 5"),
+    # the sizes nearest the given one that the schedule takes (a fuzz run's: DualPipeV at pp 2
+    # was offered sizes leaving fewer than 4 micro-batches; zb-h1 at pp 4 the 3 largest, 24 one)
+    (["--model", "llama-tiny", "--pp", "2", "--schedule", "dualpipev", "--global-batch-size",
+      "4", "--micro-batch-size", "5"], "choose a --global-batch-size that is a multiple of 5 "
+     "(20), or --micro-batch-size 1"),
+    (["--model", "llama-tiny", "--pp", "4", "--schedule", "zb-h1", "--global-batch-size", "24",
+      "--micro-batch-size", "5"], "a multiple of 5 (20 or 25), or --micro-batch-size 3 / 4 / 6"),
     # the micro-batch size not given adapts to any multiple of dp: "choose a multiple of 12"
     # (the default micro-batch size 4 x dp 3) was stricter than the fix needs
     (["--dp", "3", "--global-batch-size", "16"],

@@ -248,7 +248,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         if cfg.micro_batch_size >= 1:
             _check_resumed_batch(cfg, layout.dp)
-        raise ValueError(_batch_refusal(cfg, layout.dp))
+        raise ValueError(_batch_refusal(cfg, layout.dp, layout.pp))
     _check_profile(cfg, manifest)
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     if cfg.save_interval < 0 or cfg.max_steps < 1:
@@ -416,11 +416,12 @@ def _check_injection(
         )
 
 
-def _batch_refusal(cfg: TrainConfig, dp: int) -> str:
+def _batch_refusal(cfg: TrainConfig, dp: int, pp: int = 1) -> str:
     """Why the global batch cannot be cut into micro-batches over dp, and the fixes that work:
     a global batch that is a multiple of dp when the micro-batch size was not given (it adapts
-    to any such one), else a multiple of micro-batch size x dp, or a micro-batch size that
-    divides the global batch's share of a dp rank."""
+    to any such one), else a multiple of micro-batch size x dp, or the (up to three) micro-batch
+    sizes nearest the given one that divide the global batch's share of a dp rank into
+    micro-batches the pipeline schedule takes (at `pp` stages)."""
     gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
     if "micro_batch_size" not in explicit(cfg) and gbs % dp:
         near = sorted({max(dp, gbs // dp * dp), (gbs // dp + 1) * dp})
@@ -429,10 +430,31 @@ def _batch_refusal(cfg: TrainConfig, dp: int) -> str:
             f"share; choose a multiple of {dp} (e.g. {' or '.join(map(str, near))}; the "
             f"micro-batch size, not given, then adapts to it)"
         )
-    fix = f"choose a multiple of {mbs * dp}"
+
+    def scheduled(m: int) -> bool:
+        """Whether the pipeline schedule takes `m` micro-batches (any m without a pipeline)."""
+        if pp == 1:
+            return True
+        try:
+            check_schedule(cfg.schedule, pp, m, cfg.virtual_stages)
+        except ValueError:
+            return False
+        return True
+
+    fix = f"choose a --global-batch-size that is a multiple of {mbs * dp}"
+    if mbs >= 1:
+        step = mbs * dp
+        counts = range(1, gbs // step + 4 * pp * cfg.virtual_stages + 8)
+        takes = [k * step for k in counts if scheduled(k)]
+        near = [b for b in takes if b < gbs][-1:] + [b for b in takes if b > gbs][:1]
+        if near:
+            fix += f" ({' or '.join(map(str, near))})"
     if mbs >= 1 and gbs % dp == 0:
-        sizes = [b for b in range(1, gbs // dp + 1) if (gbs // dp) % b == 0]
-        fix += f", or --micro-batch-size {' / '.join(map(str, sizes[-3:]))}"
+        share = gbs // dp
+        sizes = [b for b in range(1, share + 1) if share % b == 0 and scheduled(share // b)]
+        nearest = sorted(sorted(sizes, key=lambda b: (abs(b - mbs), b))[:3])
+        if nearest:
+            fix += f", or --micro-batch-size {' / '.join(map(str, nearest))}"
     return (
         f"global batch size {gbs} is not divisible by micro-batch size {mbs} x dp {dp} = "
         f"{mbs * dp}; {fix}"
