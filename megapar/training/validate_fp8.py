@@ -111,5 +111,6 @@ def check_fp8_layout(cfg, config, tp: int, keyword: str | None = None) -> None:
     where = f"{keyword}: " if keyword else ""
     raise Fp8Error(
         f"{where}{term('fp8', cfg.fp8)} {term('fp8_layers', cfg.fp8_layers)} at "
-        f"{term('tp', tp)}: {problem}; use such a tp, or {term('fp8', 'off')}"
+        f"{term('tp', tp)}: {problem}; use "
+        f"{term('tp', 1) if 'only tp 1 ' in problem else 'such a tp'}, or {term('fp8', 'off')}"
     )
