@@ -85,23 +85,33 @@ def chunks_per_rank(
 
 
 def one_stage_chunks_error(
-    name: str, virtual_stages: int, pp: int, api: bool = False
+    name: str, virtual_stages: int, pp: int, api: bool = False, layers: int | None = None
 ) -> str | None:
     """The one line for `virtual_stages` > 1 at `pp` 1 under a one-chunk schedule `name`
     (`chunks_per_rank` would ask for an interleaved schedule, which needs pp > 1 in turn):
     drop it; worded for megapar-train's flags, or with `api` for megapar.prepare's keywords.
-    None where it does not apply."""
+    A model of `layers` layers too few for pp 2 x V chunks is offered the V it takes (no
+    interleaving at all under 4). None where it does not apply."""
     v = virtual_stages
     if pp != 1 or v <= 1 or name in CHUNKED_SCHEDULES:
         return None
+    most = v if layers is None else min(v, layers // 2)  # pp 2 x V chunks of a layer or more
     if api:
+        fits = "pp=2 or more with schedule='interleaved'" + (
+            f" and virtual_stages={most} at most" if most < v else ""
+        )
         return (
             f"virtual_stages={v} cuts each pipeline stage into model chunks, and pp=1 runs no "
-            f"pipeline: drop virtual_stages (or pass pp=2 or more with schedule='interleaved')"
+            f"pipeline: drop virtual_stages" + (f" (or pass {fits})" if most >= 2 else "")
         )
+    fits = "--pp 2 or more with --schedule interleaved" + (
+        f" and --virtual-stages {most} at most: the model's {layers} layers make the pp x V chunks"
+        if most < v
+        else ""
+    )
     return (
         f"--virtual-stages {v} cuts each pipeline stage into model chunks, and --pp 1 runs no "
-        f"pipeline: drop --virtual-stages (or give --pp 2 or more with --schedule interleaved)"
+        f"pipeline: drop --virtual-stages" + (f" (or give {fits})" if most >= 2 else "")
     )
 
 

@@ -285,7 +285,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
-    one_stage = one_stage_chunks_error(cfg.schedule, cfg.virtual_stages, layout.pp)
+    one_stage = one_stage_chunks_error(
+        cfg.schedule, cfg.virtual_stages, layout.pp, layers=config.num_layers
+    )
     if one_stage:
         raise ValueError(one_stage)
     given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
