@@ -366,6 +366,25 @@ def test_a_forged_shard_behind_a_reforged_manifest_is_one_line(src, tmp_path, ca
     assert not (tmp_path / "dst").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_a_manifest_reforged_to_another_dtype_is_one_line(src, tmp_path, capsys):
+    """A manifest whose weight's dtype was edited (its digest redone) converted the fp32
+    weights to float16 without a word (a re-test): the file's header is checked against it."""
+    import json
+
+    from megapar.checkpoint.format import MANIFEST
+    from megapar.checkpoint.manifest import write_manifest
+
+    manifest = json.loads((src / MANIFEST).read_text())
+    name = next(n for n, e in manifest["tensors"].items() if e["dtype"] == "float32")
+    manifest["tensors"][name]["dtype"] = "float16"
+    write_manifest(src, manifest)
+    assert main([str(src), str(tmp_path / "dst"), "--tp", "1", "--pp", "1", "--no-progress"]) == 2
+    line = _one_line(capsys)
+    assert f"model/{name} is float32, the manifest records float16; the manifest does not " \
+           f"match its shards" in line, line
+    assert not (tmp_path / "dst").exists()
+
+
 def test_a_pickled_hf_checkpoint_that_is_not_plain_weights_is_one_line(tmp_path, capsys):
     import torch
     from transformers import GPT2Config

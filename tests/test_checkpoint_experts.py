@@ -54,6 +54,9 @@ class Counted:
             def get_shape(self):
                 return piece.get_shape()
 
+            def get_dtype(self):
+                return piece.get_dtype()
+
             def __getitem__(self, index):
                 t = piece[index]
                 outer.reads[outer.name, key] += t.numel() * t.itemsize

@@ -243,9 +243,24 @@ def staging_dir(parent: str | Path, prefix: str) -> Path:
 
 
 # --- reading -------------------------------------------------------------------------------
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+"""safetensors' dtype names, as the manifest records a tensor's dtype (torch's name)."""
+
+
 def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
     """The tensors in shard file `fname` (an open safetensors handle) have the shapes the
-    manifest records; checked from the file's header, before any data is read."""
+    manifest records, and its weights the dtype it records; checked from the file's header,
+    before any data is read (a manifest edited to another dtype converted the weights to it)."""
     tensors = manifest["tensors"]
     for key in handle.keys():
         parts = key.split("/")
@@ -260,6 +275,17 @@ def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
                 f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
                 f"records {tensors[name]['local_shape']}; the manifest does "
                 f"not match its shards"
+            )
+        stored = handle.get_slice(key).get_dtype()
+        recorded = tensors[name].get("dtype")
+        if (
+            parts[0] == "model"
+            and recorded
+            and SAFETENSORS_DTYPES.get(stored, recorded) != recorded
+        ):
+            raise CheckpointError(
+                f"{step_dir}/{fname}: {key} is {SAFETENSORS_DTYPES[stored]}, the manifest "
+                f"records {recorded}; the manifest does not match its shards"
             )
 
 
