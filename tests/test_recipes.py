@@ -24,6 +24,16 @@ def test_unknown_model_names_the_recipes():
     with pytest.raises(ConfigError) as exc:
         resolve_model("gpt2-tinny")
     assert str(exc.value) == "unknown model 'gpt2-tinny'; did you mean gpt2-tiny?"
+    # Hugging Face's names of a recipe's model (a new user's --model gpt2 got the whole list)
+    for hub, recipe in (("gpt2", "gpt2-124m"), ("openai-community/gpt2-xl", "gpt2-1.5b"),
+                        ("bert-base-uncased", "bert-base")):
+        with pytest.raises(ConfigError) as exc:
+            resolve_model(hub)
+        assert str(exc.value) == (f"unknown model {hub!r}; Hugging Face's {hub} is the recipe "
+                                  f"--model {recipe} (its weights: --from-hf DIR of a saved "
+                                  f"copy; nothing is downloaded)")
+        hub_shape = resolve_model(recipe)
+        assert hub_shape.vocab_size == (30522 if "bert" in hub else 50257)
 
 
 def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):

@@ -33,6 +33,19 @@ def recipe_file(name: str) -> Path | None:
     return next((d / f"{name}.json" for d in recipe_dirs() if (d / f"{name}.json").exists()), None)
 
 
+HUB_NAMES = {
+    "gpt2": "gpt2-124m",
+    "gpt2-small": "gpt2-124m",
+    "gpt2-medium": "gpt2-350m",
+    "gpt2-large": "gpt2-774m",
+    "gpt2-xl": "gpt2-1.5b",
+    "bert-base-uncased": "bert-base",
+    "bert-large-uncased": "bert-large",
+}
+"""Hugging Face Hub's names of the models a recipe is (the shapes; its weights come with
+--from-hf)."""
+
+
 def resolve_model(name_or_path: str):
     """A model config from a recipe name or a JSON/YAML config file."""
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
@@ -53,6 +66,14 @@ def resolve_model(name_or_path: str):
     found = recipe_file(name_or_path)
     if found is not None:
         return config_from_file(found)
+    owner, slash, bare = name_or_path.rpartition("/")
+    hub = HUB_NAMES.get(bare.lower())
+    hub_id = not slash or ("/" not in owner and not os.path.exists(owner))  # not a local path
+    if hub is not None and hub_id:  # gpt2, openai-community/gpt2
+        raise ConfigError(
+            f"unknown model {name_or_path!r}; Hugging Face's {name_or_path} is the recipe "
+            f"--model {hub} (its weights: --from-hf DIR of a saved copy; nothing is downloaded)"
+        )
     if "/" in name_or_path or os.sep in name_or_path or name_or_path.startswith(("~", ".")):
         raise ConfigError(  # a path (no recipe name has a separator): not "unknown model"
             f"model {name_or_path!r}: no such file or directory; pass a recipe name, a JSON/YAML "

@@ -832,6 +832,8 @@ OTHER_TOOLS_FLAGS = {
     "validation loss)",
     "--bs": "--micro-batch-size (per rank) or --global-batch-size (per optimizer step)",
     "--batch": "--micro-batch-size (per rank) or --global-batch-size (per optimizer step)",
+    "--batch-size": "--micro-batch-size (per rank; nanoGPT's batch_size) or --global-batch-size "
+    "(per optimizer step)",
     "--mbs": "--micro-batch-size",
     "--gbs": "--global-batch-size",
     "--wd": "--weight-decay",
