@@ -2567,6 +2567,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"give --dp 2 --tp 2 --pp 2 --sequence-parallel "
                        r"--zero 1 \(the processes"):
         parse_args(["--config", str(accelerate)])
+    accelerate.write_text(accelerate.read_text().replace("num_processes: 8", "num_processes: 6"))
+    with pytest.raises(ConfigError, match=r"give --tp 2 --pp 2 --sequence-parallel --zero 1 \(.*"
+                       r"; num_processes 6 is no multiple of tp x pp = 4, which Megatron-LM "
+                       r"refuses"):
+        parse_args(["--config", str(accelerate)])
     # steps below 1 are the Trainer's ratios of the training steps, and its fsdp is --zero:
     # were --eval-interval 0.5 (refused as no int) and nothing (a Trainer user's tryout)
     args.write_text(json.dumps({

@@ -456,6 +456,11 @@ def accelerate_config(data: dict, path: str) -> str:
             flags = [f for f in flags if not f.startswith("--dp ")]
             if processes % model_parallel == 0 and processes > model_parallel:
                 flags.insert(0, f"--dp {processes // model_parallel}")
+            elif processes % model_parallel:
+                said.append(
+                    f"num_processes {processes} is no multiple of tp x pp = {model_parallel}, "
+                    "which Megatron-LM refuses: the processes are tp x pp x dp"
+                )
         if megatron.get("megatron_lm_sequence_parallelism") in (True, "true", "True"):
             flags.append("--sequence-parallel")
         if megatron.get("megatron_lm_recompute_activations") in (True, "true", "True"):
