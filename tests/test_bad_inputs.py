@@ -427,6 +427,32 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_the_timeout_environment_variables_give_megapar_trains_defaults(env, no_workers,
+                                                                        monkeypatch, capsys):
+    """MEGAPAR_TIMEOUT_S was read by the library alone: megapar-train kept --timeout-s 300 (a
+    rank 20 s late under MEGAPAR_TIMEOUT_S=4 was waited for), and an invalid value was a
+    traceback at import. It is --timeout-s's default now (a given flag wins), and an invalid one
+    is refused in one line."""
+    from megapar.env_seconds import env_seconds
+    from megapar.training.config import parse_args
+
+    monkeypatch.setenv("MEGAPAR_TIMEOUT_S", "4")
+    monkeypatch.setenv("MEGAPAR_NCCL_TIMEOUT_S", "60")
+    cfg = parse_args([])
+    assert (cfg.timeout_s, cfg.nccl_timeout_s) == (4.0, 60.0)
+    assert "timeout_s" not in cfg.explicit
+    assert parse_args(["--timeout-s", "9"]).timeout_s == 9.0
+    monkeypatch.delenv("MEGAPAR_NCCL_TIMEOUT_S")
+    assert parse_args([]).nccl_timeout_s == 1800.0
+    for bad in ("abc", "0", "-3", "inf"):
+        monkeypatch.setenv("MEGAPAR_TIMEOUT_S", bad)
+        assert env_seconds("MEGAPAR_TIMEOUT_S", 300.0) == 300.0  # an import never fails
+        assert train([*env["common"]]) == 2
+        assert _one_line(capsys, "megapar-train") == (
+            f"megapar-train: error: MEGAPAR_TIMEOUT_S={bad!r} is invalid: give a number of "
+            f"seconds > 0, or unset it")
+
+
 def test_gpu_memory_is_read_in_gib_with_or_without_its_unit(env, no_workers, tmp_path, capsys):
     """--gpu-memory-gb 16GB was argparse's "invalid float value", and 16000 (MB meant) held
     the dry run to 16000 GiB: the unit's name is read, another unit or a figure no GPU has is

@@ -15,13 +15,29 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = [  # lowest first: a module may import its own layer and the ones below
-    ("megapar.device", "megapar.faults", "megapar.comm_count", "megapar.comm_wait",
-     "megapar.shared_gpu", "megapar.graph_break", "megapar.one_line_parser", "megapar.made_dirs",
-     "megapar.wording", "megapar.host_memory"),
+    (
+        "megapar.device",
+        "megapar.faults",
+        "megapar.comm_count",
+        "megapar.comm_wait",
+        "megapar.shared_gpu",
+        "megapar.graph_break",
+        "megapar.one_line_parser",
+        "megapar.made_dirs",
+        "megapar.wording",
+        "megapar.host_memory",
+        "megapar.env_seconds",
+    ),
     ("megapar.mesh", "megapar.launcher"),
     ("megapar.tensor_parallel", "megapar.context_parallel", "megapar.expert_parallel"),
-    ("megapar.models", "megapar.pipeline", "megapar.data_parallel", "megapar.optim",
-     "megapar.checkpoint", "megapar.data"),
+    (
+        "megapar.models",
+        "megapar.pipeline",
+        "megapar.data_parallel",
+        "megapar.optim",
+        "megapar.checkpoint",
+        "megapar.data",
+    ),
     ("megapar.diagnostics",),
     ("megapar.training",),
     ("megapar.plan", "megapar.dryrun"),
@@ -32,18 +48,21 @@ LAZY_FILES = {
     "megapar/__init__.py": "the public API is imported lazily, so `import megapar` is cheap",
     "megapar/cli/data.py": "megapar-data answers --help and bad input before torch is imported",
     "megapar/cli/convert.py": "megapar-convert answers --help and bad input before torch is "
-                              "imported",
+    "imported",
     "megapar/cli/bubble.py": "megapar-bubble answers --help and bad input, and simulates from "
-                             "given costs, before torch is imported",
+    "given costs, before torch is imported",
 }
 """Files whose function-level imports are deliberate, and why."""
 LAZY_PACKAGES = {
-    "matplotlib": "optional: plots only", "wandb": "optional: --wandb-project only",
-    "torch.utils.tensorboard": "optional: --tensorboard only", "pyarrow": "Parquet input only",
-    "IPython": "notebook detection only", "transformers": "heavy (seconds): HF import / export only",
+    "matplotlib": "optional: plots only",
+    "wandb": "optional: --wandb-project only",
+    "torch.utils.tensorboard": "optional: --tensorboard only",
+    "pyarrow": "Parquet input only",
+    "IPython": "notebook detection only",
+    "transformers": "heavy (seconds): HF import / export only",
     "torchao": "optional (megapar[fp8]): --fp8 only",
     "torch._dynamo": "heavy (1.2 s): imported by the launcher before forking the workers, "
-                     "whose torch optimizers import it (megapar.graph_break)",
+    "whose torch optimizers import it (megapar.graph_break)",
 }
 """Libraries any module may import where it uses them, and why."""
 
@@ -56,7 +75,7 @@ def modules() -> dict[str, str]:
             if f.endswith(".py"):
                 path = os.path.join(dirpath, f)
                 name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return out
 
 
@@ -86,10 +105,11 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
-                     for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
         for name in names:
             target = _resolve(name) if name.startswith("megapar") else None
             if target and target != module:
@@ -133,36 +153,53 @@ def test_no_import_cycles():
     for v in arrows:
         if v not in index:
             visit(v)
-    described = [" <-> ".join(c) + ": " + ", ".join(
-        f"{m} imports {t} (line {line})" for m in c for t, line, _ in arrows[m] if t in c)
-        for c in cycles]
+    described = [
+        " <-> ".join(c)
+        + ": "
+        + ", ".join(
+            f"{m} imports {t} (line {line})" for m in c for t, line, _ in arrows[m] if t in c
+        )
+        for c in cycles
+    ]
     assert not cycles, "import cycles:\n" + "\n".join(described)
 
 
 def _layer(module: str) -> int | None:
     """The layer of `module`: its longest prefix's in LAYERS ("megapar" is the package itself,
     not a prefix of every module); None where none is."""
-    found = [(i, len(prefix)) for i, names in enumerate(LAYERS) for prefix in names
-             if module == prefix or (prefix != "megapar" and module.startswith(prefix + "."))]
+    found = [
+        (i, len(prefix))
+        for i, names in enumerate(LAYERS)
+        for prefix in names
+        if module == prefix or (prefix != "megapar" and module.startswith(prefix + "."))
+    ]
     return max(found, key=lambda x: x[1])[0] if found else None
 
 
 def test_every_module_has_a_layer_and_no_arrow_runs_back_up():
-    """"megapar" matched every module as a prefix, so a module on no layer landed on the top
+    """ "megapar" matched every module as a prefix, so a module on no layer landed on the top
     one without a word (an architecture review's finding)."""
     unplaced = sorted(m for m in MODULES if _layer(m) is None)
     assert not unplaced, f"modules on no layer of LAYERS: {unplaced}"
     assert _layer("megapar.not_on_the_map") is None
     arrows = graph()
-    upward = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)}) at line {line}"
-              for m, targets in arrows.items() for t, line, _ in targets if _layer(t) > _layer(m)]
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)}) at line {line}"
+        for m, targets in arrows.items()
+        for t, line, _ in targets
+        if _layer(t) > _layer(m)
+    ]
     assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
 def test_models_never_import_the_pipeline_or_the_cli():
-    bad = [(m, t) for m, targets in graph().items() if m.startswith("megapar.models")
-           for t, _, _ in targets if t.startswith(("megapar.pipeline", "megapar.cli",
-                                                   "megapar.training"))]
+    bad = [
+        (m, t)
+        for m, targets in graph().items()
+        if m.startswith("megapar.models")
+        for t, _, _ in targets
+        if t.startswith(("megapar.pipeline", "megapar.cli", "megapar.training"))
+    ]
     assert not bad
 
 
@@ -188,9 +225,11 @@ def test_every_module_imports_on_its_own():
         "        bad.append(f'{name}: {type(exc).__name__}: {exc}')\n"
         "if 'torch._dynamo' in sys.modules:\n"
         "    bad.append('torch._dynamo was imported')\n"
-        "print('\\n'.join(bad))\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+        "print('\\n'.join(bad))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "", run.stdout
 
@@ -199,12 +238,20 @@ def test_the_commands_that_answer_before_torch_do_not_import_it():
     """LAZY_FILES' megapar-data, megapar-convert and megapar-bubble: importing them (their
     parser, --help, bad input) imports no torch (0.2 s instead of 2.5), nor does megapar-bubble's
     simulation from given costs or its refusal of a bad size."""
-    script = ("import sys, megapar.cli.data, megapar.cli.convert, megapar.cli.bubble as b\n"
-              "assert b.main(['--pp', '4', '-m', '8', '--simulate', '--fwd-ms', '1']) == 0\n"
-              "assert b.main(['--pp', '0', '-m', '8', '--simulate', '--fwd-ms', '1']) == 2\n"
-              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
-    run = subprocess.run([sys.executable, "-c", script],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    script = (
+        "import sys, megapar.cli.data, megapar.cli.convert, megapar.cli.bubble as b\n"
+        "assert b.main(['--pp', '4', '-m', '8', '--simulate', '--fwd-ms', '1']) == 0\n"
+        "assert b.main(['--pp', '0', '-m', '8', '--simulate', '--fwd-ms', '1']) == 2\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout[-300:]
 
 
@@ -228,5 +275,7 @@ def test_imports_are_at_the_top_unless_there_is_a_stated_reason():
                 for name in names:
                     if not name.startswith(tuple(LAZY_PACKAGES)):
                         late.append(f"{rel}:{node.lineno} imports {name} inside {func.name}()")
-    assert not late, ("imports inside functions without a stated reason (move them to the top, "
-                      "or add the reason to LAZY_FILES / LAZY_PACKAGES):\n" + "\n".join(late))
+    assert not late, (
+        "imports inside functions without a stated reason (move them to the top, "
+        "or add the reason to LAZY_FILES / LAZY_PACKAGES):\n" + "\n".join(late)
+    )

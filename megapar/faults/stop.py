@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megapar.env_seconds import env_seconds
 from megapar.faults import status as _status
 from megapar.faults.blame import stopped_siblings
 from megapar.wording import and_list, scale_text
@@ -265,7 +266,7 @@ def install_stop_handlers(spec: str = "SIGTERM,SIGUSR1"):
 
 
 # --- a SIGTERM obeyed while waiting ---------------------------------------------------------
-STOP_GRACE_S = float(os.environ.get("MEGAPAR_STOP_GRACE_S", "20"))
+STOP_GRACE_S = env_seconds("MEGAPAR_STOP_GRACE_S", 20.0)
 """After a SIGTERM that asks for a clean stop (`install_stop_handlers`), how long a rank may go
 on (finish its step, save) before a wait it is blocked in ends it. torchrun and Slurm kill a
 process 30 s after their SIGTERM; a rank that is still blocked then exits first, with its

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,6 +26,8 @@ import torch
 
 from megapar.data_parallel.compression import GRAD_COMPRESSIONS
 from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
+from megapar.device import TIMEOUT_ENV
+from megapar.env_seconds import env_seconds
 from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
@@ -294,9 +297,9 @@ class TrainConfig:
     """Show a progress bar on rank 0 (and while raw --data is tokenized). Not given: only when stderr is a terminal, so a log file (a redirect, a pipe, a batch job) gets the log lines alone."""
     # --- faults ---
     timeout_s: float = 300.0
-    """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s)."""
+    """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s). Not given: $MEGAPAR_TIMEOUT_S where it is set."""
     nccl_timeout_s: float = 1800.0
-    """On GPUs: timeout of the NCCL process groups, in seconds (NCCL's watchdog aborts a collective that has not finished by then). It also runs while ranks wait in a collective for a checkpoint save or a resharding load, so it is longer than --timeout-s."""
+    """On GPUs: timeout of the NCCL process groups, in seconds (NCCL's watchdog aborts a collective that has not finished by then). It also runs while ranks wait in a collective for a checkpoint save or a resharding load, so it is longer than --timeout-s. Not given: $MEGAPAR_NCCL_TIMEOUT_S where it is set."""
     max_nonfinite_steps: int = 5
     """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: a non-finite loss; an overflow with a finite loss is skipped and not counted, but one at the loss scale's floor, --min-loss-scale, stops the run). 0 never stops."""
     exit_signals: str = "SIGTERM,SIGUSR1"
@@ -685,6 +688,14 @@ def parse_args(argv=None) -> TrainConfig:
         problem = choice_problem(name, values[name]) if name in from_file else ""
         if problem:
             raise ConfigError(f"{args.config}: {problem}")
+    given = frozenset(values)  # what the user set; the rest may adapt (validate.py)
+    for name, variable in TIMEOUT_ENV.items():  # their environment's default, where set
+        if name not in values and variable in os.environ:
+            values[name] = env_seconds(variable, _field_default(name))
     cfg = TrainConfig(**values)
-    cfg.explicit = frozenset(values)  # what the user set; the rest may adapt (validate.py)
+    cfg.explicit = given
     return cfg
+
+
+def _field_default(name: str):
+    return next(f.default for f in fields(TrainConfig) if f.name == name)

@@ -22,6 +22,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
+from megapar.env_seconds import problem as env_problem
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
 from megapar.mesh import (
@@ -357,6 +358,9 @@ def prepare(
         progress=False,
         **options,
     )
+    wrong = env_problem("MEGAPAR_TIMEOUT_S", "MEGAPAR_STOP_GRACE_S") if timeout_s is None else None
+    if wrong:  # read at import, where an invalid value falls back to the default
+        raise ValueError(f"megapar.prepare: {wrong}")
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
     if cfg.label_smoothing >= 1:
         raise ValueError(

@@ -36,7 +36,8 @@ from megapar.context_parallel.split import length_multiple
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
-from megapar.device import PEAK_TFLOPS, bf16_peak_of, too_fast
+from megapar.device import PEAK_TFLOPS, TIMEOUT_ENV, bf16_peak_of, too_fast
+from megapar.env_seconds import problem as env_problem
 from megapar.faults.slow import SlowRank
 from megapar.mesh import LayoutError, layout_option
 from megapar.models.flops import heads
@@ -156,6 +157,9 @@ def check_settings(cfg) -> None:
             "megapar), or leave the flag out (no W&B log)"
         )
 
+    wrong = env_problem(*TIMEOUT_ENV.values(), "MEGAPAR_STOP_GRACE_S")
+    if wrong:  # read at import, where an invalid value falls back to the default
+        raise UsageError(wrong)
     for name in ("timeout_s", "nccl_timeout_s"):
         if getattr(cfg, name) > MAX_TIMEOUT_S:
             raise UsageError(
