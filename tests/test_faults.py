@@ -230,6 +230,11 @@ def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
     step = _steps(log)[-1]
     assert f"interrupted at step {step}, saving" in out
     assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
+    # said at once by rank 0 alone, before the step ends (a long step said nothing until its
+    # end, and a user pressing Ctrl-C again aborted the save: a re-test's finding)
+    said = ("megapar-train: interrupt received: the run stops at the end of this step, then "
+            "saves; Ctrl-C again aborts without saving")
+    assert out.count(said) == 1 and out.index(said) < out.index("interrupted at step"), out
 
 
 @pytest.mark.parametrize("where, sig", [("plan_run", "SIGTERM"), ("run_workers", "SIGTERM"),

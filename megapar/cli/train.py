@@ -236,7 +236,14 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
             if f.name not in PER_NODE_SETTINGS | derived
         }
         check_same_settings(settings, cfg.timeout_s, "megapar-train flags")
-    restore = install_stop_handlers(cfg.exit_signals)
+    saving = ", then saves" if cfg.save else " (nothing is saved without --save)"
+    acknowledge = (  # rank 0 says so at once, where the stop comes at the step's end
+        f"megapar-train: interrupt received: the run stops at the end of this step{saving}; "
+        f"Ctrl-C again aborts without saving"
+        if int(os.environ.get("RANK", "0")) == 0
+        else None
+    )
+    restore = install_stop_handlers(cfg.exit_signals, acknowledge)
     try:
         return train(cfg, plan)
     finally:

@@ -217,10 +217,18 @@ def _on_signal(signum, frame):
     _requested["reason"] = _requested["reason"] or signal.Signals(signum).name
 
 
+_acknowledge: dict[str, str | None] = {"line": None}
+
+
 def _on_sigint(signum, frame):
     which = _interrupts.arrive()
     if which == 2:
         os._exit(130)
+    if which == 1 and _acknowledge["line"]:  # said now: a long step ends later
+        try:  # os.write: a print could land inside another write to stderr (a progress bar)
+            os.write(2, (_acknowledge["line"] + "\n").encode())
+        except OSError:
+            pass
     _requested["reason"] = _requested["reason"] or "SIGINT"
 
 
@@ -247,11 +255,13 @@ def parse_signals(spec: str) -> list[signal.Signals]:
     return out
 
 
-def install_stop_handlers(spec: str = "SIGTERM,SIGUSR1"):
-    """In a worker: the signals in `spec` (and a first SIGINT) request a clean stop.
-    Returns a function that puts the previous handlers back."""
+def install_stop_handlers(spec: str = "SIGTERM,SIGUSR1", acknowledge: str | None = None):
+    """In a worker: the signals in `spec` (and a first SIGINT) request a clean stop; the first
+    SIGINT writes the line `acknowledge` to stderr at once, where one is given (the stop comes at
+    the step's end). Returns a function that puts the previous handlers back."""
     global _interrupts
     _requested.update(reason="")
+    _acknowledge["line"] = acknowledge
     _interrupts = Interrupts()
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
