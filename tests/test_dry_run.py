@@ -480,7 +480,7 @@ def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatc
     rc, _, err = _train(["--model", "gpt2-tiny", "--dry-run", "--world-size", "2"], capsys)
     assert rc == 1
     assert err.strip().splitlines()[-1] == (
-        "megapar-train: error: rank 0 (tp=1 pp=1 dp=2 coords tp=0 pp=0 dp=0) failed in the "
+        "megapar-train: error: rank 0 (tp rank 0, pp rank 0, dp rank 0 of tp=1 pp=1 dp=2) failed in the "
         "rehearsal: RuntimeError: out of something")
 
 

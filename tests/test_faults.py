@@ -1262,7 +1262,8 @@ def test_a_rank_that_gave_up_waiting_is_not_recorded_as_failing_of_itself(monkey
         (error, found)))
     monkeypatch.setattr(launcher, "stopped_siblings", lambda: "")
     monkeypatch.setattr(progress, "holding_up", lambda: "")
-    long = ("rank 1 (tp=1 pp=2 dp=2 coords tp=0 pp=1 dp=0) failed at step 30: rank 3 did not "
+    long = ("rank 1 (tp rank 0, pp rank 1, dp rank 0 of tp=1 pp=2 dp=2) failed at step 30: rank 3 "
+            "did not "
             "answer at step 30, waiting for the data-parallel gradient all-reduce; its process "
             "sent no heartbeat in 11 s (killed, stopped, frozen, or its node lost?); rank 1 gave "
             "up waiting: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/"

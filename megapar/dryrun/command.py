@@ -121,7 +121,8 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - what the job's worker would die of, one line
             tp, pp, dp = layout.coords(rank)
             print(
-                f"megapar-train: error: rank {rank} ({layout} coords tp={tp} pp={pp} dp={dp})"
+                f"megapar-train: error: rank {rank} (tp rank {tp}, pp rank {pp}, dp rank {dp} "
+                f"of {layout})"
                 f" failed in the rehearsal: {type(exc).__name__}: {exc}",
                 file=sys.stderr,
             )

@@ -470,8 +470,8 @@ class Trainer:
             saved = saver.published if saver.published is not None else loaded_step
         cause = self.cause(what)
         err = TrainingError(
-            f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
-            f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
+            f"rank {mesh.rank} (tp rank {mesh.tp_rank}, pp rank {mesh.pp_rank}, dp rank "
+            f"{mesh.dp_rank} of {mesh.layout}) failed at step "
             f"{at}: {cause}{what}"
         )
         err.no_traceback = getattr(exc, "no_traceback", False)
