@@ -445,11 +445,23 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
                  "nan"]) == 2
     assert "--bwd-weight-ms nan is invalid" in _error_line(capsys)
     # a schedule without a split backward ignored a lone B or W (1F1B ran its 2 x F backward)
-    for flags in (["--bwd-input-ms", "5"], ["--bwd-ms", "2", "--bwd-input-ms", "1",
-                                            "--bwd-weight-ms", "1"]):
-        assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", *flags]) == 2
-        assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
-            in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--bwd-input-ms",
+                 "5"]) == 2
+    assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
+        in _error_line(capsys)
+    # all three given: they must add up (B 3 + W 2 against --bwd-ms 4 was told the halves were
+    # unused, where 3 + 1 runs; a re-test), and then they are the backward
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--bwd-ms", "4",
+                 "--bwd-input-ms", "3", "--bwd-weight-ms", "2"]) == 2
+    assert ("--bwd-input-ms 3 + --bwd-weight-ms 2 = 5 is not --bwd-ms 4: --schedule 1f1b runs "
+            "the backward whole; give --bwd-ms alone, or the two halves alone") \
+        in _error_line(capsys)
+    from types import SimpleNamespace
+
+    from megapar.training.validate_bubble import check_split_costs
+
+    check_split_costs(SimpleNamespace(schedule="1f1b", fwd_ms=1.0, bwd_ms=2.0, bwd_input_ms=1.0,
+                                      bwd_weight_ms=1.0))  # three that agree: taken
     # B and W split the backward: --bwd-ms 4 --bwd-input-ms 3 simulated W 2 (B + W = 5)
     assert main(["--pp", "2", "-m", "4", "--schedule", "zb-h1", "--simulate", "--fwd-ms", "1",
                  "--bwd-ms", "4", "--bwd-input-ms", "3", "--bwd-weight-ms", "3"]) == 2

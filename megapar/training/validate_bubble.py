@@ -107,7 +107,15 @@ def check_split_costs(args) -> None:
         _check_split(args)
         return
     halves = [flag_of(n) for n in ("bwd_input_ms", "bwd_weight_ms") if getattr(args, n) is not None]
-    if halves and (len(halves) == 1 or args.bwd_ms is not None):
+    if len(halves) == 2 and args.bwd_ms is not None:  # three given: they must agree
+        if not math.isclose(b + w, args.bwd_ms, rel_tol=1e-9):
+            raise ValueError(
+                f"--bwd-input-ms {b:g} + --bwd-weight-ms {w:g} = {b + w:g} is not --bwd-ms "
+                f"{args.bwd_ms:g}: --schedule {args.schedule} runs the backward whole; give "
+                f"--bwd-ms alone, or the two halves alone (their sum is the backward)"
+            )
+        return
+    if len(halves) == 1:
         raise ValueError(
             f"{halves[0]} is not used by --schedule {args.schedule}, whose backward is not "
             f"split into B and W (only {', '.join(sorted(SPLIT_BACKWARD))} split it); give "
