@@ -245,12 +245,12 @@ def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_p
     # the default micro-batch size 4 gave m = 16 / 4 = 4 < 2 pp: refused, naming only "a
     # larger --global-batch-size" though --micro-batch-size was not given either
     (["--pp", "2", "--schedule", "dualpipev", "--global-batch-size", "8"],
-     "--micro-batch-size not given: using 2 (--schedule dualpipev at --pp 2 takes 4 "
-     "micro-batches a step, not 2) instead of 4"),
+     "--micro-batch-size not given: using 2 (--schedule dualpipev at --pp 2 does not take 2 "
+     "micro-batches a step; 4 it does) instead of 4"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size",
       "20"],
-     "--micro-batch-size not given: using 2 (--schedule interleaved at --pp 2 takes 10 "
-     "micro-batches a step, not 5) instead of 4"),
+     "--micro-batch-size not given: using 2 (--schedule interleaved at --pp 2 does not take 5 "
+     "micro-batches a step; 10 it does) instead of 4"),  # "takes 10" read as its only m
 ])
 def test_a_micro_batch_size_not_given_adapts_to_the_schedule(capsys, monkeypatch, tmp_path, args,
                                                               note):

@@ -560,8 +560,8 @@ def _micro_batches_for_schedule(cfg, dp: int) -> list[str]:
     was, cfg.micro_batch_size = cfg.micro_batch_size, fits[0]
     return [
         f"--micro-batch-size not given: using {fits[0]} (--schedule {cfg.schedule} at --pp "
-        f"{cfg.pp} takes {per_rank // fits[0]} micro-batches a step, not "
-        f"{per_rank // was}) instead of {was}"
+        f"{cfg.pp} does not take {per_rank // was} micro-batches a step; "
+        f"{per_rank // fits[0]} it does) instead of {was}"
     ]
 
 
