@@ -385,6 +385,27 @@ def test_a_manifest_reforged_to_another_dtype_is_one_line(src, tmp_path, capsys)
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_manifest_missing_a_tensor_is_one_line_for_every_reader(src, tmp_path, capsys):
+    """A manifest without one of its model's tensors (its digest redone): --to-hf was a
+    KeyError traceback and --info said nothing (a re-test); each reader now names it."""
+    import json
+
+    from megapar.checkpoint.format import MANIFEST
+    from megapar.checkpoint.manifest import write_manifest
+
+    manifest = json.loads((src / MANIFEST).read_text())
+    gone = next(iter(manifest["tensors"]))
+    del manifest["tensors"][gone]
+    write_manifest(src, manifest)
+    for argv in ([str(src), str(tmp_path / "dst"), "--tp", "1", "--pp", "1", "--no-progress"],
+                 [str(src), "--to-hf", str(tmp_path / "hf")], ["--info", str(src)]):
+        assert main(argv) == 2, argv
+        line = _one_line(capsys)
+        assert f"its tensors do not match its own model config (e.g. [{gone!r}]); the " \
+               f"manifest is damaged" in line, line
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
+
+
 def test_a_pickled_hf_checkpoint_that_is_not_plain_weights_is_one_line(tmp_path, capsys):
     import torch
     from transformers import GPT2Config

@@ -29,6 +29,7 @@ from megapar.checkpoint.format import (
     MANIFEST,
     RNG_FILE,
     CheckpointError,
+    CheckpointFileError,
     ShardReader,
     ShardWriter,
     dtype_from_name,
@@ -363,17 +364,7 @@ def convert_checkpoint(
     if all(manifest["layout"].get(k, 1) == v for k, v in zip(("tp", "pp", "dp"), (tp, pp, dp))):
         layout = Layout(**manifest["layout"])  # a copy keeps the whole layout: its cp, ep, order
     source = manifest["tensors"]
-    target = {  # a checkpoint saved before buffers were kept has none
-        n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")
-    }
-    if set(source) != set(target) or any(
-        source[n]["full_shape"] != e["full_shape"] for n, e in target.items()
-    ):
-        odd = sorted(set(source) ^ set(target))[:5]
-        raise CheckpointError(
-            f"{step_dir}: its tensors do not match its own model config "
-            f"(e.g. {odd}); the manifest is damaged, restore it or use another checkpoint"
-        )
+    target = model_tensors(step_dir, manifest, layout)
     for name, e in target.items():
         e["dtype"], e["optim"] = source[name]["dtype"], dict(source[name]["optim"])
     meta = dict(manifest["meta"])
@@ -559,11 +550,33 @@ def write_weights(
     return write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
 
 
+def model_tensors(step_dir, manifest: dict, layout: Layout | None = None) -> dict:
+    """The tensors of the manifest's own model at `layout` (default: the checkpoint's), as
+    `plan` lays them out; a CheckpointError where the manifest's tensors are not those (a
+    manifest edited, its digest redone: a reader would fail on the one missing)."""
+    config = config_from_dict(manifest["model"])
+    source = manifest["tensors"]
+    layout = layout or Layout(**manifest["layout"])
+    target = {  # a checkpoint saved before buffers were kept has none
+        n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")
+    }
+    if set(source) != set(target) or any(
+        source[n]["full_shape"] != e["full_shape"] for n, e in target.items()
+    ):
+        odd = sorted(set(source) ^ set(target))[:5]
+        raise CheckpointFileError(
+            f"{step_dir}: its tensors do not match its own model config "
+            f"(e.g. {odd}); the manifest is damaged, restore it or use another checkpoint"
+        )
+    return target
+
+
 def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     """A readable summary: layout, step, model, parameter count, bytes per file (and tensors).
     Every file is verified against the manifest (sha256 unless `checksums` is False: sizes)."""
     step_dir = resolve_checkpoint(path)
     m = verify(step_dir, checksums=checksums)
+    model_tensors(step_dir, m)
     model, entries = m["model"], m["tensors"]
     params = sum(math.prod(e["full_shape"]) for e in entries.values() if not e.get("buffer"))
     optim = sorted({k for e in entries.values() for k in e["optim"]})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megapar.checkpoint.convert import check_output
+from megapar.checkpoint.convert import check_output, model_tensors
 from megapar.checkpoint.format import CheckpointError, ShardReader
 from megapar.checkpoint.hf import (
     ARCHITECTURES,
@@ -102,6 +102,7 @@ def export_hf(
     dtype = None if dtype is None else export_dtype(dtype)
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
+    model_tensors(step_dir, manifest)
     config = config_from_dict(manifest["model"])
     _refuse_unrepresentable(config)
     tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer, api)
