@@ -414,7 +414,7 @@ def test_a_deepspeed_config_names_megapars_flags_for_its_keys(tmp_path):
         read_run_config(str(ds))
     assert str(err.value) == (
         f"{ds} is a DeepSpeed config, which megapar-train does not read: give its settings as "
-        f"megapar-train flags (or a --config file of them): --global-batch-size 16 "
+        f"megapar-train flags (or a --config file of them): --dp 2 --global-batch-size 16 "
         f"--micro-batch-size 2 --clip-grad 1.0 --precision bf16 --zero 3 --offload-optimizer "
         f"--zero3-persistence-threshold 100000 --grad-bucket-mb 1907.349 --optimizer adamw "
         f"--lr 0.0003 --weight-decay 0 --adam-beta2 0.999 --lr-decay constant --warmup-steps 0 "
@@ -680,6 +680,38 @@ def test_a_deepspeed_config_deepspeed_refuses_or_reads_otherwise_is_said(tmp_pat
     _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 1e-5, "warmup_type": "linear"}}})
     assert left == ["scheduler.params.warmup_min_lr 1e-05 (megapar's warmup rises from 0)"]
+
+
+def test_a_deepspeed_configs_batch_sgd_and_cosine_warmup_as_deepspeed_reads_them(tmp_path):
+    """A second re-test's: the three batch keys imply the dp (16 = 2 x 4 x 2) and were taken
+    at dp 1 without a word; train_batch_size alone at a --dp it is no multiple of, and SGD's
+    betas (DeepSpeed's torch.optim.SGD refuses them), were flags megapar-train then refused;
+    the Trainer's "auto" micro-batch was derived anyway; WarmupCosineLR's warmup_min_ratio was
+    dropped unsaid."""
+    from megapar.training.config import ConfigError, read_run_config
+    from megapar.training.deepspeed_config import deepspeed_equivalents
+
+    three = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4,
+             "gradient_accumulation_steps": 3}
+    assert deepspeed_equivalents(three)[0][0] == "--dp 2"
+    assert "--dp 2" not in deepspeed_equivalents(three, 2)[0]
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16}))
+    with pytest.raises(ConfigError, match="train_batch_size 16 is no multiple of --dp 3, which "
+                                          "DeepSpeed refuses"):
+        read_run_config(str(ds), 3)
+    flags, left, _ = deepspeed_equivalents({"optimizer": {"type": "SGD", "params": {
+        "lr": 0.1, "betas": [0.9, 0.99]}}})
+    assert not any("--adam-beta" in f for f in flags), flags
+    assert left[0] == ("optimizer.params.betas [0.9, 0.99] (SGD has none: DeepSpeed's "
+                       "torch.optim.SGD refuses them)"), left
+    flags, _, auto = deepspeed_equivalents({"train_batch_size": 32, "gradient_accumulation_steps":
+                                            2, "train_micro_batch_size_per_gpu": "auto"}, 1)
+    assert not any("--micro-batch-size" in f for f in flags) and auto, flags
+    _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_num_steps": 10, "warmup_min_ratio": 0.1,
+        "warmup_type": "linear"}}})
+    assert left == ["scheduler.params.warmup_min_ratio 0.1 (megapar's warmup rises from 0)"]
 
 
 def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():

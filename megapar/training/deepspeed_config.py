@@ -112,6 +112,15 @@ def _offload(zero: dict, part: str) -> str | None:
     return device if device in ("cpu", "nvme") else None
 
 
+def _implied_dp(data: dict) -> int | None:
+    """The data-parallel size DeepSpeed's three batch keys, all given, imply (train_batch_size
+    over micro-batch x accumulation steps); None where one is missing."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if not all(_whole(data.get(k)) for k in keys):
+        return None
+    return data[keys[0]] // (data[keys[1]] * data[keys[2]])
+
+
 def _check_batch(data: dict, dp: int | None) -> None:
     """ConfigError where DeepSpeed would refuse the config's batch keys: train_batch_size must be
     train_micro_batch_size_per_gpu x gradient_accumulation_steps x the data-parallel GPUs (the
@@ -119,6 +128,11 @@ def _check_batch(data: dict, dp: int | None) -> None:
     keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     train = data.get("train_batch_size")
     factors = {k: data[k] for k in keys if _whole(data.get(k))}
+    if _whole(train) and not factors and dp is not None and train % dp:  # type: ignore[operator]
+        raise ConfigError(
+            f"train_batch_size {train} is no multiple of --dp {dp}, which DeepSpeed refuses "
+            "(train_batch_size = micro-batch x accumulation steps x GPUs): correct one of them"
+        )
     if not _whole(train) or not factors:
         return
     per_gpu = math.prod(factors.values())
@@ -209,6 +223,9 @@ def deepspeed_equivalents(
     if all(isinstance(data.get(k), dict) and on(data[k]) for k in ("fp16", "bf16")):
         raise ConfigError("fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")
     _check_batch(data, dp)
+    implied = _implied_dp(data)
+    if dp is None and implied is not None and implied > 1:  # the three batch keys fix dp
+        flags.append(f"--dp {implied}")
     for key, value in data.items():
         if key == "train_batch_size":
             flags.append(f"--global-batch-size {_flag_value(value)}")
@@ -221,8 +238,10 @@ def deepspeed_equivalents(
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
             micro = data.get("train_micro_batch_size_per_gpu", "micro-batch")
             flags.append(_global_batch([micro, value], dp))
-        elif key == "gradient_accumulation_steps" and "train_micro_batch_size_per_gpu" in data:
-            continue  # train_batch_size says it, with the micro-batch
+        elif key == "gradient_accumulation_steps" and (
+            "train_micro_batch_size_per_gpu" in data or "train_micro_batch_size_per_gpu" in auto
+        ):
+            continue  # train_batch_size says it, with the micro-batch (or the Trainer's)
         elif key == "gradient_accumulation_steps":  # the micro-batch DeepSpeed derives
             per_rank = _whole(data["train_batch_size"]) and _whole(value)
             micro = data["train_batch_size"] // value if per_rank else None
@@ -317,7 +336,12 @@ def deepspeed_equivalents(
             if "optimizer.params.weight_decay" not in auto:
                 flags.append(f"--weight-decay {_flag_value(params.get('weight_decay', 0))}")
             betas = params.get("betas")
-            if isinstance(betas, list) and len(betas) == 2:
+            if betas is not None and kind == "sgd":  # torch's SGD takes no betas
+                left.append(
+                    f"optimizer.params.betas {json.dumps(betas)} (SGD has none: DeepSpeed's "
+                    "torch.optim.SGD refuses them)"
+                )
+            elif isinstance(betas, list) and len(betas) == 2:
                 flags.append(f"--adam-beta1 {betas[0]} --adam-beta2 {betas[1]}")
             elif betas is not None:
                 left.append(f"optimizer.params.betas {json.dumps(betas)} (two: beta1, beta2)")
@@ -358,6 +382,12 @@ def deepspeed_equivalents(
                 left.append(
                     f"scheduler.params.warmup_min_lr {_flag_value(start)} (megapar's warmup "
                     "rises from 0)"
+                )
+            ratio_start = params.get("warmup_min_ratio", 0)
+            if kind == "WarmupCosineLR" and ratio_start not in (0, 0.0, None):
+                left.append(
+                    f"scheduler.params.warmup_min_ratio {_flag_value(ratio_start)} (megapar's "
+                    "warmup rises from 0)"
                 )
             if warmup is not None:
                 flags.append(f"--warmup-steps {_flag_value(warmup)}")
