@@ -2664,8 +2664,27 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         # the WSD's end of decay named but not computed
         ({"lr_scheduler_type": "polynomial"}, "--lr-decay linear --min-lr 1e-07", "power"),
         ({"optim": "sgd"}, "--optimizer sgd --save out", "--adam-"),
-        ({"optim": "sgd"}, "optim sgd: the Trainer's is torch's SGD without momentum; megapar's "
+        ({"optim": "sgd"}, "optim sgd: the Trainer's is torch's SGD with momentum 0; megapar's "
          "sgd uses momentum 0.9", ""),
+        # a second re-test's: the momentum of optim_args (transformers 5 reads it), lamb (no
+        # optimizer of transformers'), a WSD without num_decay_steps and an lr_end above the
+        # lr (both refused by transformers), a warmup_ratio's steps in the WSD's end
+        ({"optim": "sgd", "optim_args": "momentum=0.9"}, "--optimizer sgd", "optim sgd:"),
+        ({"optim": "sgd", "optim_args": "momentum=0.5, nesterov=True"}, "optim sgd: the "
+         "Trainer's is torch's SGD with momentum 0.5 (its optim_args); megapar's", ""),
+        ({"optim": "lamb"}, "optim lamb: not one of transformers' optimizers",
+         "--optimizer lamb --save"),
+        ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {
+            "num_stable_steps": 50}}, "transformers refuses it without num_decay_steps", ""),
+        ({"lr_scheduler_type": "polynomial", "lr_scheduler_kwargs": {"lr_end": 1e-3}},
+         "lr_end 0.001: transformers refuses an lr_end not below learning_rate 0.0003",
+         "--min-lr 0.001"),
+        ({"lr_scheduler_type": "warmup_stable_decay", "max_steps": 100, "warmup_ratio": 0.1,
+          "lr_scheduler_kwargs": {"num_stable_steps": 50, "num_decay_steps": 30}},
+         "--warmup-steps 10 --lr-decay wsd", "num_stable_steps:"),
+        ({"lr_scheduler_type": "warmup_stable_decay", "max_steps": 100, "warmup_ratio": 0.1,
+          "lr_scheduler_kwargs": {"num_stable_steps": 50, "num_decay_steps": 30}},
+         "--lr-decay-steps 90", ""),
         ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.0}},
          "lr_scheduler_kwargs num_cycles 1.0: megapar-train's cosine is half a wave", ""),
         ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_type cosine_with_min_lr: "

@@ -151,6 +151,12 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     elif schedule == "cosine_with_min_lr":  # min_lr, or min_lr_rate x the peak
         floor = kwargs.get("min_lr", lr * float(kwargs.get("min_lr_rate", 0.0)))
         flags.append(f"--lr-decay cosine --min-lr {float(floor):g}")
+    elif schedule == "polynomial" and float(kwargs.get("lr_end", 1e-7)) >= lr:
+        said.append(
+            f"lr_scheduler_kwargs lr_end {float(kwargs.get('lr_end', 1e-7)):g}: transformers "
+            f"refuses an lr_end not below learning_rate {lr:g} (as megapar-train a --min-lr above "
+            f"--lr)"
+        )
     elif schedule == "polynomial" and float(kwargs.get("power", 1.0)) == 1.0:  # linear to lr_end
         flags.append(f"--lr-decay linear --min-lr {float(kwargs.get('lr_end', 1e-7)):g}")
     elif schedule == "warmup_stable_decay":
@@ -160,12 +166,18 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         style = kwargs.get("decay_type", "cosine")  # transformers' get_wsd_schedule's default
         flags.append(f"--lr-wsd-decay-style {'sqrt' if style == '1-sqrt' else style}")
         decay_steps, stable = kwargs.get("num_decay_steps"), kwargs.get("num_stable_steps")
+        if decay_steps is None:
+            said.append(
+                "lr_scheduler_type warmup_stable_decay: transformers refuses it without "
+                "num_decay_steps in lr_scheduler_kwargs (megapar-train's: --lr-wsd-decay-steps)"
+            )
+        warmed = math.ceil(ratio * steps) if ratio and steps > 0 else None if ratio else warmup
         ends = None
-        if isinstance(stable, int) and isinstance(decay_steps, int) and not ratio:
-            ends = int(warmup) + stable + decay_steps
+        if isinstance(stable, int) and isinstance(decay_steps, int) and warmed is not None:
+            ends = int(warmed) + stable + decay_steps
         if ends is not None and ends != steps:  # the decay ends before --max-steps
             flags.append(f"--lr-decay-steps {ends}")
-        elif "num_stable_steps" in kwargs and ends is None:
+        elif "num_stable_steps" in kwargs and ends is None and decay_steps is not None:
             said.append(
                 "lr_scheduler_kwargs num_stable_steps: --lr-decay-steps (the warmup + "
                 "num_stable_steps + num_decay_steps) ends the decay there, the lr then held at "
@@ -182,13 +194,25 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"lr_scheduler_kwargs warmup_type {kwargs['warmup_type']}: megapar-train's warmup "
             f"is linear"
         )
-    if optim.startswith("adamw") or optim in ("adam", "lamb", "sgd"):  # adamw_torch_fused, ...
+    if optim == "lamb":  # no OptimizerNames member: transformers refuses it
+        said.append(
+            "optim lamb: not one of transformers' optimizers (it refuses it); megapar-train's "
+            "--optimizer lamb is LAMB"
+        )
+    elif optim.startswith("adamw") or optim in ("adam", "sgd"):  # adamw_torch_fused, ...
         if not optim.startswith("adamw"):
             flags.append(f"--optimizer {'adamw' if optim == 'adam' else optim}")
-        if optim == "sgd":
+        given = dict(
+            part.split("=", 1)
+            for part in str(data.get("optim_args") or "").replace(" ", "").split(",")
+            if "=" in part
+        )
+        momentum = given.get("momentum", "0")
+        if optim == "sgd" and _number(momentum) != 0.9:
             said.append(
-                "optim sgd: the Trainer's is torch's SGD without momentum; megapar's "
-                "sgd uses momentum 0.9"
+                f"optim sgd: the Trainer's is torch's SGD with momentum {momentum}"
+                + (" (its optim_args)" if "momentum" in given else "")
+                + "; megapar's sgd uses momentum 0.9"
             )
     else:
         said.append(
@@ -255,6 +279,13 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             "checkpoint's weights start a run with --from-hf"
         )
     return flags, said
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _fsdp(fsdp: Any, fsdp_config: Any) -> tuple[list[str], list[str]]:
