@@ -2580,10 +2580,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                        r"fp16 \(.*\); offload_param_device without offload_optimizer_device: "
                        r"megapar offloads the parameters with the optimizer state"):
         parse_args(["--config", str(accelerate)])
+    # with the plugin's file, accelerate reads the precision from it, not from mixed_precision
+    # (--precision fp16 --hysteresis 2 contradicted the file's bf16; a second re-test)
     accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
-                          "  deepspeed_config_file: ds1.json\nnum_processes: 2\n")
+                          "  deepspeed_config_file: ds1.json\nmixed_precision: fp16\n"
+                          "num_processes: 2\n")
     with pytest.raises(ConfigError, match=r"give --dp 2 \(.*\); deepspeed_config_file ds1.json: "
-                       r"give that file to --config"):
+                       r"give that file to --config .*\(accelerate takes the precision, stage, "
+                       r"offload, clipping and accumulation from it"):
+        parse_args(["--config", str(accelerate)])
+    accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
+                          "  offload_optimizer_device: cpu\n  offload_param_device: cpu\n"
+                          "num_processes: 2\n")
+    with pytest.raises(ConfigError, match=r"give --dp 2 --zero 2 --offload-optimizer \(.*\); "
+                       r"offload_param_device: DeepSpeed offloads parameters at stage 3 only"):
         parse_args(["--config", str(accelerate)])
     accelerate.write_text("distributed_type: MEGATRON_LM\nmegatron_lm_config:\n"
                           "  megatron_lm_tp_degree: 2\n  megatron_lm_pp_degree: 2\n"

@@ -281,6 +281,39 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     return flags, said
 
 
+def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: list[str]) -> list:
+    """An accelerate DeepSpeed plugin's offload, fp16 scaler, clipping and accumulation (its
+    settings in the config itself) as megapar-train's flags; what has none goes to `said`."""
+    flags = []
+    offloads = {
+        part: str(deepspeed.get(f"offload_{part}_device", "none")).lower() in ("cpu", "nvme")
+        for part in ("optimizer", "param")
+    }
+    if offloads["optimizer"]:
+        flags.append("--offload-optimizer")
+    if offloads["param"] and stage != 3:
+        said.append("offload_param_device: DeepSpeed offloads parameters at stage 3 only")
+    elif offloads["param"] and offloads["optimizer"]:
+        flags.append("--offload-params")
+    elif offloads["param"]:
+        said.append(
+            "offload_param_device without offload_optimizer_device: megapar offloads the "
+            "parameters with the optimizer state (--offload-optimizer --offload-params)"
+        )
+    if precision == "fp16":  # DeepSpeed's dynamic scaler's defaults
+        flags += fp16_scaler({})[0]
+    clipping = deepspeed.get("gradient_clipping")
+    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
+        flags.append(f"--clip-grad {clipping:g}")
+    steps = deepspeed.get("gradient_accumulation_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
+        said.append(
+            f"gradient_accumulation_steps {steps}: --global-batch-size "
+            f"(--micro-batch-size x {steps} x the --dp size)"
+        )
+    return flags
+
+
 def _number(text: str) -> float | None:
     try:
         return float(text)
@@ -407,6 +440,7 @@ def accelerate_config(data: dict, path: str) -> str:
     kind = str(data.get("distributed_type", "NO"))
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
     said: list[str] = []
+    file_settings = False  # a DeepSpeed plugin's own file holds the precision
     if kind == "FSDP":
         given = data.get("fsdp_config")
         config = (
@@ -441,39 +475,16 @@ def accelerate_config(data: dict, path: str) -> str:
         deepspeed = deepspeed if isinstance(deepspeed, dict) else {}
         stage = deepspeed.get("zero_stage")
         given_file = deepspeed.get("deepspeed_config_file")
-        if isinstance(given_file, str) and given_file:
+        if isinstance(given_file, str) and given_file:  # accelerate then reads none of its own
             said.append(
                 f"deepspeed_config_file {given_file}: give that file to --config for its "
-                "settings as megapar-train flags"
+                "settings as megapar-train flags (accelerate takes the precision, stage, offload, "
+                "clipping and accumulation from it, not from this config)"
             )
-        elif stage in (1, 2, 3):
-            flags.append(f"--zero {stage}")
+            file_settings = True
         else:
-            flags.append("--zero 1, 2 or 3")
-        offloads = {
-            part: str(deepspeed.get(f"offload_{part}_device", "none")).lower() in ("cpu", "nvme")
-            for part in ("optimizer", "param")
-        }
-        if offloads["optimizer"]:
-            flags.append("--offload-optimizer")
-        if offloads["param"] and stage == 3 and offloads["optimizer"]:
-            flags.append("--offload-params")
-        elif offloads["param"] and stage == 3:
-            said.append(
-                "offload_param_device without offload_optimizer_device: megapar offloads the "
-                "parameters with the optimizer state (--offload-optimizer --offload-params)"
-            )
-        if data.get("mixed_precision") == "fp16":  # DeepSpeed's dynamic scaler's defaults
-            flags += fp16_scaler({})[0]
-        clipping = deepspeed.get("gradient_clipping")
-        if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
-            flags.append(f"--clip-grad {clipping:g}")
-        steps = deepspeed.get("gradient_accumulation_steps")
-        if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
-            said.append(
-                f"gradient_accumulation_steps {steps}: --global-batch-size "
-                f"(--micro-batch-size x {steps} x the --dp size)"
-            )
+            flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
+            flags += _accelerate_deepspeed(deepspeed, stage, data.get("mixed_precision"), said)
     elif kind == "MEGATRON_LM":
         megatron = data.get("megatron_lm_config")
         megatron = megatron if isinstance(megatron, dict) else {}
@@ -513,7 +524,7 @@ def accelerate_config(data: dict, path: str) -> str:
     )
     if str(backend).upper() not in ("NO", "NONE", "FALSE"):
         flags.append("--compile")  # megapar compiles each block with inductor
-    precision = data.get("mixed_precision")
+    precision = None if file_settings else data.get("mixed_precision")
     if precision in ("bf16", "fp16"):
         flags.append(f"--precision {precision}")
     elif precision == "fp8":
