@@ -1699,6 +1699,16 @@ def test_a_flag_a_job_config_gives_twice_is_given_once_with_the_files_value(tmp_
                          "--lr 0.0003 (no flag named for: optimizer.type)"), said
 
 
+def test_a_toml_lr_in_two_tables_is_torchtitans_whatever_their_order(tmp_path):
+    """[optimizer] lr beside an [optimizer.params] lr gave the later one's --lr (3e-4 or 1e-4
+    by the order of the keys; a second re-test): torchtitan's [optimizer] lr, the other named."""
+    for text in ('[optimizer]\nname = "AdamW"\nlr = 3e-4\n[optimizer.params]\nlr = 1e-4\n',
+                 '[optimizer]\nparams = {lr = 1e-4}\nname = "AdamW"\nlr = 3e-4\n'):
+        said = _toml_refusal(tmp_path / "two.toml", text)
+        assert said.endswith("--optimizer adamw --lr 0.0003 (no flag named for: "
+                             "optimizer.params.lr (torchtitan reads [optimizer] lr))"), said
+
+
 def test_a_torchtitan_optimizer_name_is_megapars_optimizer(tmp_path):
     """[optimizer] name = "AdamW" was "optimizer.name: --optimizer (adamw, lamb, ...)": it is
     --optimizer adamw; torch's Adam (coupled decay) is named as megapar's nearest."""

@@ -117,6 +117,9 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
         if overridden.get(key) in given:
             continue  # its flag's value is the other key's
+        if ours == "--lr" and key != "optimizer.lr" and "optimizer.lr" in given:
+            left.append(f"{key} (torchtitan reads [optimizer] lr)")
+            continue
         if key.startswith("lr_scheduler.") and key.split(".", 1)[1] in TORCHTITAN_SCHEDULE:
             continue  # named by torchtitan_schedule
         if _is_float8(key) or (key == "model.converters" and "float8" in str(value)):
@@ -148,8 +151,6 @@ def torchtitan_job(job: dict, said: str, kinds: dict | None = None) -> str:
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
-    named = [flag.split()[0] for flag in flags]  # a default (--lr 0.0008) a key gave again
-    flags = [flag for i, flag in enumerate(flags) if named[i] not in named[i + 1 :]]
     return (
         f"{said}; give its settings as megapar-train flags: "
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
@@ -307,7 +308,8 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     after_warmup = steps - max(warmup, 0)
     decay = round(steps * ratio_n) if ratio_n is not None else after_warmup
     decay = min(decay, after_warmup)  # torchtitan cuts the decay to the steps after warmup
-    if "lr" not in _table(job, "optimizer"):
+    lr_keys = [k for k, _ in _leaves(job) if OTHER_TOOLS_FLAGS.get(f"--{k}") == "--lr"]
+    if "lr" not in _table(job, "optimizer") and not lr_keys:  # a key gives --lr: its value
         flags.append("--lr 0.0008")  # torchtitan's default; megapar-train's is 1e-3
     if shape not in DECAY_TYPES and decay > 0:
         known = ", ".join(DECAY_TYPES)
