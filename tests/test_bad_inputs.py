@@ -2384,6 +2384,18 @@ STRAY = [
     ("train", ["--wd", "0.1"], "unrecognized arguments: --wd 0.1; --wd: did you mean "
      "--weight-decay? (see"),
     ("train", ["--amp"], "--amp: did you mean --precision bf16 (or fp16)? (see"),
+    # a second re-test's: a learning-rate scheduler was --schedule (the pipeline's), --gpus
+    # the dry run's --gpus-per-node, megapar-plan's --zero3 a ZeRO-3 threshold; the other
+    # tools answered no short name
+    ("train", ["--sched", "cosine"], "--sched: did you mean --lr-decay (the learning rate's "
+     "schedule; --schedule is the pipeline's)?"),
+    ("train", ["--gpus", "2"], "--gpus: megapar-train's processes are tp x cp x pp x dp, one "
+     "GPU each (give --dp)"),
+    ("plan", ["--model", "gpt2-tiny", "--zero3"], "--zero3: did you mean --zero-stages 3?"),
+    ("eval", ["--load", "ck", "--bs", "4"], "--bs: did you mean --micro-batch-size?"),
+    ("convert", ["a", "b", "--hf", "x"], "--hf: did you mean --from-hf DIR (a transformers "
+     "model in) or --to-hf DIR (out)?"),
+    ("data", ["--nproc", "2"], "--nproc: did you mean --workers?"),
 ]
 
 

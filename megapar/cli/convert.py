@@ -66,6 +66,11 @@ _NOT_IN_FILES = (
 )
 
 OTHER_FLAGS = {
+    # it takes its paths as positional words: megapar-convert SRC DST [--tp N ...]
+    "--input": "SRC, its first positional path (megapar-convert SRC DST)",
+    "--output": "DST, its second positional path (megapar-convert SRC DST)",
+    "--out": "DST, its second positional path (megapar-convert SRC DST)",
+    "--hf": "--from-hf DIR (a transformers model in) or --to-hf DIR (out)",
     "--target-tensor-parallel-size": "--tp",
     "--target-pipeline-parallel-size": "--pp",
     **layout_names("--tp", "--pp", "--dp"),

@@ -36,6 +36,10 @@ from megapar.one_line_parser import TOKENIZER_NAMES, OneLineParser, shell_word, 
 from megapar.wording import counted
 
 OTHER_FLAGS = {
+    "--nproc": "--workers",
+    "--num-proc": "--workers",
+    "--lowercase": "megapar-data keeps the text as it is (its tokenizer's normalizer, if any, "
+    "applies); lower-case the input first",
     **TOKENIZER_NAMES,
     "--json-keys": "--jsonl-key",
     "--append-eod": "megapar-data always ends each document with the end-of-document token; "

@@ -85,6 +85,9 @@ IDS_ONLY = ("attention_mask", "token_type_ids")
 """The options only --input-ids reads (--data's BERT samples carry their own)."""
 
 OTHER_FLAGS = {
+    "--bs": "--micro-batch-size",
+    "--batch-size": "--micro-batch-size",
+    "--gpu": "megapar-eval runs on the GPUs it is given (one a rank), else on the CPU",
     "--checkpoint": "--load",
     "--ckpt": "--load",
     **layout_names("--tp", "--pp", "--cp"),

@@ -145,6 +145,14 @@ FP8_ZERO3 = (
 )
 
 OTHER_FLAGS = {
+    # short names a user tries first (difflib named --zero3-persistence-threshold for --zero3)
+    "--zero3": "--zero-stages 3",
+    "--bs": "--global-batch-size (and --micro-batch-sizes to search)",
+    "--gbs": "--global-batch-size",
+    "--mbs": "--micro-batch-sizes",
+    "--amp": "--precision bf16 (or fp16)",
+    "--mem": "--gpu-memory-gb",
+    "--gpu-memory": "--gpu-memory-gb",
     "--sp": _ONE_SETTING.format(
         what="sequence parallelism at every tp > 1", key="sp=1", example="tp=2,sp=1,mbs=1"
     ),

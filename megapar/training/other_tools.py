@@ -843,6 +843,15 @@ OTHER_TOOLS_FLAGS = {
     "--nnodes": LAUNCHER,
     "--amp": "--precision bf16 (or fp16)",
     "--iters": "--max-steps",
+    "--sched": "--lr-decay (the learning rate's schedule; --schedule is the pipeline's)",
+    "--lr-scheduler": "--lr-decay (the learning rate's schedule; --schedule is the pipeline's)",
+    "--decay": "--lr-decay",
+    "--gpus": "megapar-train's processes are tp x cp x pp x dp, one GPU each (give --dp); on "
+    "several nodes run it under torchrun or launch/slurm.sbatch (--gpus-per-node is the dry "
+    "run's node size)",
+    "--n-gpu": LAUNCHER,
+    "--wandb-log": "--wandb-project NAME",
+    "--eval-only": "megapar-eval --load CKPT --data DATA (evaluation alone)",
     "--log": "--log-interval N (every N steps), --log-json FILE or --tensorboard DIR",
     "--log-dir": "--log-json FILE or --tensorboard DIR",
     "--zero1": "--zero 1",
