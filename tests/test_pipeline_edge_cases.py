@@ -206,9 +206,8 @@ def test_bf16_wire_v_schedules():
     # and its bracket offered pp 2 x V 3, which a 4-layer model refuses in turn (a fuzz run's)
     (["--virtual-stages", "3"], ("--virtual-stages 3 cuts each pipeline stage into model "
                                  "chunks, and --pp 1 runs no pipeline: drop --virtual-stages "
-                                 "(or give --pp 2 or more with --schedule interleaved and "
-                                 "--virtual-stages 2 at most: the model's 4 layers make the pp x "
-                                 "V chunks)")),
+                                 "(or give --pp 2 --schedule interleaved --virtual-stages 2: "
+                                 "--pp x --virtual-stages at most the model's 4 layers)")),
     (["--schedule", "gpipe", "--virtual-stages", "2"], "--pp 1 runs no pipeline: drop"),
     (["--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"],
      ("--virtual-stages 3 does not apply to --schedule zb-v: it places exactly two model "

@@ -104,10 +104,11 @@ def one_stage_chunks_error(
             f"virtual_stages={v} cuts each pipeline stage into model chunks, and pp=1 runs no "
             f"pipeline: drop virtual_stages" + (f" (or pass {fits})" if most >= 2 else "")
         )
-    fits = "--pp 2 or more with --schedule interleaved" + (
-        f" and --virtual-stages {most} at most: the model's {layers} layers make the pp x V chunks"
-        if most < v
-        else ""
+    fits = (
+        "--pp 2 or more with --schedule interleaved"
+        if layers is None
+        else f"--pp 2 --schedule interleaved{f' --virtual-stages {most}' if most < v else ''}: "
+        f"--pp x --virtual-stages at most the model's {layers} layers"
     )
     return (
         f"--virtual-stages {v} cuts each pipeline stage into model chunks, and --pp 1 runs no "
