@@ -148,7 +148,9 @@ TRAIN = [
     (["--zero3-keep-params"], "--zero3-keep-params only applies to --zero 3"),
     (["--sp-regather", "--tp", "2"], "--sp-regather changes what sequence parallelism keeps "
                                      "for the backward: add --sequence-parallel with --tp > 1"),
-    (["--sp-regather", "--sequence-parallel"], "add --sequence-parallel with --tp > 1"),
+    # --sequence-parallel given: tp is what is missing (a fuzz run's: "add --sequence-parallel")
+    (["--sp-regather", "--sequence-parallel"], "for the backward: give --tp > 1 (sequence "
+                                               "parallelism splits over tp), or drop"),
     (["--compile", "--inject-corrupt", "rank=0,step=1,module=layers.0"],
      "--inject-corrupt cannot be combined with --compile: its per-module hooks"),
     (["--zero", "2", "--zero3-reduce", "micro-batch"],

@@ -185,9 +185,14 @@ def check_settings(cfg) -> None:
             f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)"
         )
     if cfg.sp_regather and not (cfg.sequence_parallel and cfg.tp > 1):
+        missing = (
+            "--tp > 1 (sequence parallelism splits over tp)"
+            if cfg.sequence_parallel
+            else "--sequence-parallel with --tp > 1"
+        )
         raise UsageError(
             "--sp-regather changes what sequence parallelism keeps for the backward: "
-            "add --sequence-parallel with --tp > 1, or drop --sp-regather"
+            f"{'give' if cfg.sequence_parallel else 'add'} {missing}, or drop --sp-regather"
         )
     _check_combinations(cfg)
 
