@@ -40,6 +40,7 @@ from megapar.pipeline.schedules import (
     in_flight_peak,
     interleaved_rounds,
     schedule_actions,
+    schedule_takes,
 )
 from megapar.wording import counted
 
@@ -346,11 +347,8 @@ def grid(schedules=None, pps=GRID_PP, ms=GRID_M, vs=GRID_V) -> list[tuple[str, i
                 continue  # two chunks whatever V says: V 1 and 2 are the same programs
             for pp in pps:
                 for m in ms:
-                    try:
-                        check_schedule(name, pp, m, v)
-                    except ValueError:
-                        continue
-                    points.append((name, pp, m, v))
+                    if schedule_takes(name, pp, m, v):
+                        points.append((name, pp, m, v))
     return points
 
 

@@ -498,6 +498,16 @@ def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:
     schedule_actions(name, pp, m, 0, virtual_stages)
 
 
+def schedule_takes(name: str, pp: int, m: int, virtual_stages: int = 1) -> bool:
+    """Whether schedule `name` runs `m` micro-batches at `pp` stages and V `virtual_stages`
+    (`check_schedule` without its reason: for searching the m, or the sizes, that it takes)."""
+    try:
+        check_schedule(name, pp, m, virtual_stages)
+    except ValueError:
+        return False
+    return True
+
+
 def get_schedule(name: str) -> Callable[..., list[Action]]:
     """The schedule function called `name`; ValueError listing the valid names otherwise (and
     megapar's name for it where another tool's spelling is given)."""

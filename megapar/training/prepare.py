@@ -358,7 +358,9 @@ def prepare(
         progress=False,
         **options,
     )
-    wrong = env_problem("MEGAPAR_TIMEOUT_S", "MEGAPAR_STOP_GRACE_S") if timeout_s is None else None
+    wrong = env_problem(
+        *(["MEGAPAR_TIMEOUT_S"] if timeout_s is None else []), "MEGAPAR_STOP_GRACE_S"
+    )
     if wrong:  # read at import, where an invalid value falls back to the default
         raise ValueError(f"megapar.prepare: {wrong}")
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms

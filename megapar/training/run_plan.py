@@ -31,6 +31,7 @@ from megapar.pipeline.schedules import (
     chunks_per_rank,
     one_stage_chunks_error,
     placement_of,
+    schedule_takes,
 )
 from megapar.training.config import TrainConfig
 from megapar.training.data import (
@@ -435,13 +436,7 @@ def _batch_refusal(cfg: TrainConfig, dp: int, pp: int = 1) -> str:
 
     def scheduled(m: int) -> bool:
         """Whether the pipeline schedule takes `m` micro-batches (any m without a pipeline)."""
-        if pp == 1:
-            return True
-        try:
-            check_schedule(cfg.schedule, pp, m, cfg.virtual_stages)
-        except ValueError:
-            return False
-        return True
+        return pp == 1 or schedule_takes(cfg.schedule, pp, m, cfg.virtual_stages)
 
     fix = f"choose a --global-batch-size that is a multiple of {mbs * dp}"
     if mbs >= 1:
@@ -573,11 +568,7 @@ def _training_split(
     what the data holds (said in `notes`); errors name the user's --data, not its cache."""
 
     def fits(gbs: int, mbs: int) -> bool:
-        try:
-            check_schedule(cfg.schedule, layout.pp, gbs // (mbs * layout.dp), cfg.virtual_stages)
-        except ValueError:
-            return False
-        return True
+        return schedule_takes(cfg.schedule, layout.pp, gbs // (mbs * layout.dp), cfg.virtual_stages)
 
     assert plan.prefix is not None  # plan_data returns a plan without data before this
     for _ in range(4):  # a smaller batch can change the validation split: until it settles

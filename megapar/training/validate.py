@@ -41,7 +41,11 @@ from megapar.env_seconds import problem as env_problem
 from megapar.faults.slow import SlowRank
 from megapar.mesh import LayoutError, layout_option
 from megapar.models.flops import heads
-from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule_actions
+from megapar.pipeline.schedules import (
+    chunks_per_rank,
+    schedule_actions,
+    schedule_takes,
+)
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.logging import WANDB_MODES
 from megapar.training.usage import UsageError, flag_of
@@ -551,11 +555,7 @@ def _micro_batches_for_schedule(cfg, dp: int) -> list[str]:
     per_rank = cfg.global_batch_size // dp
 
     def takes(mbs: int) -> bool:
-        try:
-            check_schedule(cfg.schedule, cfg.pp, per_rank // mbs, cfg.virtual_stages)
-        except ValueError:
-            return False
-        return True
+        return schedule_takes(cfg.schedule, cfg.pp, per_rank // mbs, cfg.virtual_stages)
 
     if per_rank % cfg.micro_batch_size or takes(cfg.micro_batch_size):
         return []
