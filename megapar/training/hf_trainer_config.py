@@ -302,14 +302,24 @@ def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: lis
         )
     if precision == "fp16":  # DeepSpeed's dynamic scaler's defaults
         flags += fp16_scaler({})[0]
-    clipping = deepspeed.get("gradient_clipping")
+    flags += _clipping_and_steps(
+        deepspeed, "gradient_clipping", "gradient_accumulation_steps", said
+    )
+    return flags
+
+
+def _clipping_and_steps(section: dict, clip_key: str, steps_key: str, said: list[str]) -> list:
+    """A plugin `section`'s gradient clipping (`clip_key`) as --clip-grad, and its micro-batches
+    a step (`steps_key`) said as the global batch's factor (to `said`)."""
+    clipping = section.get(clip_key)
+    flags = []
     if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
         flags.append(f"--clip-grad {clipping:g}")
-    steps = deepspeed.get("gradient_accumulation_steps")
+    steps = section.get(steps_key)
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
         said.append(
-            f"gradient_accumulation_steps {steps}: --global-batch-size "
-            f"(--micro-batch-size x {steps} x the --dp size)"
+            f"{steps_key} {steps}: --global-batch-size (--micro-batch-size x {steps} x the --dp "
+            "size)"
         )
     return flags
 
@@ -509,15 +519,9 @@ def accelerate_config(data: dict, path: str) -> str:
             flags.append("--recompute selective")
         if megatron.get("megatron_lm_use_distributed_optimizer") in (True, "true", "True"):
             flags.append("--zero 1")  # Megatron-LM's distributed optimizer
-        clipping = megatron.get("megatron_lm_gradient_clipping")
-        if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
-            flags.append(f"--clip-grad {clipping:g}")
-        micro = megatron.get("megatron_lm_num_micro_batches")
-        if isinstance(micro, int) and not isinstance(micro, bool) and micro > 1:
-            said.append(
-                f"megatron_lm_num_micro_batches {micro}: --global-batch-size "
-                f"(--micro-batch-size x {micro} x the --dp size)"
-            )
+        flags += _clipping_and_steps(
+            megatron, "megatron_lm_gradient_clipping", "megatron_lm_num_micro_batches", said
+        )
     dynamo = data.get("dynamo_config")
     backend = (dynamo if isinstance(dynamo, dict) else {}).get(
         "dynamo_backend", data.get("dynamo_backend", "NO")
