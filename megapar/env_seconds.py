@@ -6,22 +6,34 @@ from __future__ import annotations
 
 import os
 
+MAX_SECONDS = 1e9
+"""Longest wait a timeout takes (about 31 years): torch's TCPStore fails at once from about
+1e10 s (its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from
+8.64e13 (measured with torch 2.13)."""
+
+TIMEOUT_VARIABLES = ("MEGAPAR_TIMEOUT_S", "MEGAPAR_NCCL_TIMEOUT_S", "MEGAPAR_STOP_GRACE_S")
+"""The environment variables of megapar's waits, checked by every command that waits."""
+
 
 def env_seconds(name: str, default: float) -> float:
-    """Environment variable `name` as seconds: its value where it is a finite number > 0, else
-    `default` (unset, or invalid)."""
+    """Environment variable `name` as seconds: its value where it is a number > 0 and at most
+    `MAX_SECONDS`, else `default` (unset, or invalid)."""
     try:
         value = float(os.environ[name])
     except (KeyError, ValueError):
         return default
-    return value if 0 < value < float("inf") else default
+    return value if 0 < value <= MAX_SECONDS else default
 
 
 def problem(*names: str) -> str | None:
-    """The one line for the first of environment variables `names` whose value is not a finite
-    number of seconds > 0; None where every one that is set is."""
-    for name in names:
+    """The one line for the first of environment variables `names` (default: every one of
+    `TIMEOUT_VARIABLES`) whose value is not a number of seconds > 0 and at most `MAX_SECONDS`;
+    None where every one that is set is."""
+    for name in names or TIMEOUT_VARIABLES:
         given = os.environ.get(name)
         if given is not None and env_seconds(name, -1.0) == -1.0:
-            return f"{name}={given!r} is invalid: give a number of seconds > 0, or unset it"
+            return (
+                f"{name}={given!r} is invalid: give a number of seconds > 0 and at most "
+                f"{MAX_SECONDS:g}, or unset it"
+            )
     return None

@@ -446,13 +446,24 @@ def test_the_timeout_environment_variables_give_megapar_trains_defaults(env, no_
     assert parse_args(["--timeout-s", "9"]).timeout_s == 9.0
     monkeypatch.delenv("MEGAPAR_NCCL_TIMEOUT_S")
     assert parse_args([]).nccl_timeout_s == 1800.0
-    for bad in ("abc", "0", "-3", "inf"):
+    # above 1e9 s (torch's store fails at once from about 1e10) it was "--timeout-s 1e+10 is
+    # invalid", a flag never given; megapar-eval took any value unsaid (a re-test)
+    for bad in ("abc", "0", "-3", "inf", "1e10"):
         monkeypatch.setenv("MEGAPAR_TIMEOUT_S", bad)
         assert env_seconds("MEGAPAR_TIMEOUT_S", 300.0) == 300.0  # an import never fails
+        said = (f"MEGAPAR_TIMEOUT_S={bad!r} is invalid: give a number of seconds > 0 and at "
+                f"most 1e+09, or unset it")
         assert train([*env["common"]]) == 2
-        assert _one_line(capsys, "megapar-train") == (
-            f"megapar-train: error: MEGAPAR_TIMEOUT_S={bad!r} is invalid: give a number of "
-            f"seconds > 0, or unset it")
+        assert _one_line(capsys, "megapar-train") == f"megapar-train: error: {said}"
+    monkeypatch.delenv("MEGAPAR_TIMEOUT_S")
+    monkeypatch.setenv("MEGAPAR_NCCL_TIMEOUT_S", "abc")
+    from argparse import Namespace
+
+    from megapar.training.usage import UsageError
+    from megapar.training.validate_tools import check_eval_args
+
+    with pytest.raises(UsageError, match=r"^MEGAPAR_NCCL_TIMEOUT_S='abc' is invalid"):
+        check_eval_args(Namespace())
 
 
 def test_gpu_memory_is_read_in_gib_with_or_without_its_unit(env, no_workers, tmp_path, capsys):

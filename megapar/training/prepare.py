@@ -358,9 +358,7 @@ def prepare(
         progress=False,
         **options,
     )
-    wrong = env_problem(
-        *(["MEGAPAR_TIMEOUT_S"] if timeout_s is None else []), "MEGAPAR_STOP_GRACE_S"
-    )
+    wrong = env_problem()  # every timeout variable: the launcher and the mesh read them
     if wrong:  # read at import, where an invalid value falls back to the default
         raise ValueError(f"megapar.prepare: {wrong}")
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms

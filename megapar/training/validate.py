@@ -36,7 +36,8 @@ from megapar.context_parallel.split import length_multiple
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
-from megapar.device import PEAK_TFLOPS, TIMEOUT_ENV, bf16_peak_of, too_fast
+from megapar.device import PEAK_TFLOPS, bf16_peak_of, too_fast
+from megapar.env_seconds import MAX_SECONDS
 from megapar.env_seconds import problem as env_problem
 from megapar.faults.slow import SlowRank
 from megapar.mesh import LayoutError, layout_option
@@ -130,10 +131,8 @@ _EXAMPLE_PATHS = {
     "data_cache": "~/.cache/megapar",
 }
 
-MAX_TIMEOUT_S = 1e9
-"""Longest --timeout-s / --nccl-timeout-s: torch's TCPStore fails at once from about 1e10 s
-(its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from 8.64e13
-(measured with torch 2.13)."""
+MAX_TIMEOUT_S = MAX_SECONDS
+"""Longest --timeout-s / --nccl-timeout-s (`env_seconds.MAX_SECONDS`)."""
 
 
 def _default(cfg, name: str):
@@ -161,7 +160,7 @@ def check_settings(cfg) -> None:
             "megapar), or leave the flag out (no W&B log)"
         )
 
-    wrong = env_problem(*TIMEOUT_ENV.values(), "MEGAPAR_STOP_GRACE_S")
+    wrong = env_problem()
     if wrong:  # read at import, where an invalid value falls back to the default
         raise UsageError(wrong)
     for name in ("timeout_s", "nccl_timeout_s"):

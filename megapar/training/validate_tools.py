@@ -22,6 +22,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.data import IndexedDataset, MLMDataset, SFTDataset
 from megapar.data.preprocess import recorded_unknown_note
+from megapar.env_seconds import problem as env_problem
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -62,6 +63,9 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
     and that raw --data is read as the records the checkpoint trained on (`trained_sft_keys`)
     (None where neither applies), for the caller to print once its own checks pass."""
 
+    wrong = env_problem()  # read at import, where an invalid value falls back to the default
+    if wrong:
+        raise UsageError(wrong)
     for name in ("tp", "pp", "cp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
