@@ -2717,6 +2717,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         ({"optim": "sgd", "optim_args": "momentum=0.9"}, "--optimizer sgd", "optim sgd:"),
         ({"optim": "sgd", "optim_args": "momentum=0.5, nesterov=True"}, "optim sgd: the "
          "Trainer's is torch's SGD with momentum 0.5 (its optim_args); megapar's", ""),
+        ({"optim": "sgd", "optim_args": "weight_decay=0.1,nesterov=true,dampening=0.1"},
+         "--weight-decay 0.1", "--weight-decay 0 "),
+        ({"optim": "sgd", "optim_args": "weight_decay=0.1,nesterov=true,dampening=0.1"},
+         "optim_args nesterov=true,dampening=0.1: megapar's sgd has no dampening and no "
+         "Nesterov momentum", ""),
         ({"optim": "lamb"}, "optim lamb: not one of transformers' optimizers",
          "--optimizer lamb --save"),
         ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {

@@ -214,6 +214,23 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
                 + (" (its optim_args)" if "momentum" in given else "")
                 + "; megapar's sgd uses momentum 0.9"
             )
+        if optim == "sgd" and "weight_decay" in given:  # transformers' SGD reads it there
+            flags[:] = [
+                f"--weight-decay {given['weight_decay']}" if f.startswith("--weight-decay ") else f
+                for f in flags
+            ]
+        others = [
+            f"{k}={v}"
+            for k, v in given.items()
+            if optim == "sgd"
+            and k in ("dampening", "nesterov")
+            and v not in ("0", "False", "false")
+        ]
+        if others:
+            said.append(
+                f"optim_args {','.join(others)}: megapar's sgd has no dampening and no Nesterov "
+                "momentum"
+            )
     else:
         said.append(
             f"optim {optim}: megapar-train's --optimizer is adamw, lamb, lars, sgd or muon "
