@@ -28,14 +28,14 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from megapar import shared_gpu
-from megapar.env_seconds import env_seconds
+from megapar.env_seconds import TIMEOUT_ENV, env_seconds
 from megapar.faults import stop
 from megapar.faults.status import set_action
 from megapar.wording import counted, first_few
 
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
-DEFAULT_TIMEOUT_S = env_seconds("MEGAPAR_TIMEOUT_S", 300.0)
+DEFAULT_TIMEOUT_S = env_seconds(TIMEOUT_ENV["timeout_s"], 300.0)
 
 #: Default timeout of an NCCL process group (seconds): NCCL's watchdog aborts a collective that
 #: has not finished by then. It is what ends a hang on GPUs (megapar's own waits only order the
@@ -43,11 +43,7 @@ DEFAULT_TIMEOUT_S = env_seconds("MEGAPAR_TIMEOUT_S", 300.0)
 #: checkpoint save or resharding load, so it is longer than the pipeline's DEFAULT_TIMEOUT_S
 #: (Megatron's --distributed-timeout-minutes, torchtitan's comm.train_timeout_seconds play the
 #: same part). Override with MEGAPAR_NCCL_TIMEOUT_S or megapar-train --nccl-timeout-s.
-DEFAULT_NCCL_TIMEOUT_S = env_seconds("MEGAPAR_NCCL_TIMEOUT_S", 1800.0)
-
-TIMEOUT_ENV = {"timeout_s": "MEGAPAR_TIMEOUT_S", "nccl_timeout_s": "MEGAPAR_NCCL_TIMEOUT_S"}
-"""megapar-train's timeout settings that an environment variable gives a default (where the
-command line and its --config give none)."""
+DEFAULT_NCCL_TIMEOUT_S = env_seconds(TIMEOUT_ENV["nccl_timeout_s"], 1800.0)
 
 
 def use_cuda() -> bool:

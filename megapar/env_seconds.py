@@ -11,7 +11,11 @@ MAX_SECONDS = 1e9
 1e10 s (its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from
 8.64e13 (measured with torch 2.13)."""
 
-TIMEOUT_VARIABLES = ("MEGAPAR_TIMEOUT_S", "MEGAPAR_NCCL_TIMEOUT_S", "MEGAPAR_STOP_GRACE_S")
+TIMEOUT_ENV = {"timeout_s": "MEGAPAR_TIMEOUT_S", "nccl_timeout_s": "MEGAPAR_NCCL_TIMEOUT_S"}
+"""megapar-train's timeout settings that an environment variable gives a default (where the
+command line and its --config give none)."""
+
+TIMEOUT_VARIABLES = (*TIMEOUT_ENV.values(), "MEGAPAR_STOP_GRACE_S")
 """The environment variables of megapar's waits, checked by every command that waits."""
 
 

@@ -26,8 +26,7 @@ import torch
 
 from megapar.data_parallel.compression import GRAD_COMPRESSIONS
 from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
-from megapar.device import TIMEOUT_ENV
-from megapar.env_seconds import env_seconds
+from megapar.env_seconds import TIMEOUT_ENV, env_seconds
 from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file

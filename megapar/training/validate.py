@@ -131,9 +131,6 @@ _EXAMPLE_PATHS = {
     "data_cache": "~/.cache/megapar",
 }
 
-MAX_TIMEOUT_S = MAX_SECONDS
-"""Longest --timeout-s / --nccl-timeout-s (`env_seconds.MAX_SECONDS`)."""
-
 
 def _default(cfg, name: str):
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
@@ -164,10 +161,10 @@ def check_settings(cfg) -> None:
     if wrong:  # read at import, where an invalid value falls back to the default
         raise UsageError(wrong)
     for name in ("timeout_s", "nccl_timeout_s"):
-        if getattr(cfg, name) > MAX_TIMEOUT_S:
+        if getattr(cfg, name) > MAX_SECONDS:
             raise UsageError(
                 f"{flag_of(name)} {getattr(cfg, name):g} is invalid: at most "
-                f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
+                f"{MAX_SECONDS:g} s (about 31 years; torch's rendezvous store "
                 f"counts its wait in nanoseconds and fails at once from about 1e10 "
                 f"s); give a finite wait in seconds (the default is "
                 f"{_default(cfg, name):g})"
