@@ -98,8 +98,16 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         f"size (megapar-train's default global batch is 16)"
     )
     optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
+    optim_args = dict(  # "momentum=0.9, nesterov=True": transformers' SGD reads them there
+        part.split("=", 1)
+        for part in str(data.get("optim_args") or "").replace(" ", "").split(",")
+        if "=" in part
+    )
     flags.append(f"--lr {shown('learning_rate', 5e-5)}")
-    flags.append(f"--weight-decay {shown('weight_decay', 0.0)}")
+    if optim == "sgd" and "weight_decay" in optim_args:
+        flags.append(f"--weight-decay {optim_args['weight_decay']}")
+    else:
+        flags.append(f"--weight-decay {shown('weight_decay', 0.0)}")
     if optim != "sgd":  # SGD has no moments (megapar-train refuses the Adam flags with it)
         flags.append(f"--adam-beta1 {shown('adam_beta1', 0.9)}")
         flags.append(f"--adam-beta2 {shown('adam_beta2', 0.999)}")
@@ -202,26 +210,16 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     elif optim.startswith("adamw") or optim in ("adam", "sgd"):  # adamw_torch_fused, ...
         if not optim.startswith("adamw"):
             flags.append(f"--optimizer {'adamw' if optim == 'adam' else optim}")
-        given = dict(
-            part.split("=", 1)
-            for part in str(data.get("optim_args") or "").replace(" ", "").split(",")
-            if "=" in part
-        )
-        momentum = given.get("momentum", "0")
+        momentum = optim_args.get("momentum", "0")
         if optim == "sgd" and _number(momentum) != 0.9:
             said.append(
                 f"optim sgd: the Trainer's is torch's SGD with momentum {momentum}"
-                + (" (its optim_args)" if "momentum" in given else "")
+                + (" (its optim_args)" if "momentum" in optim_args else "")
                 + "; megapar's sgd uses momentum 0.9"
             )
-        if optim == "sgd" and "weight_decay" in given:  # transformers' SGD reads it there
-            flags[:] = [
-                f"--weight-decay {given['weight_decay']}" if f.startswith("--weight-decay ") else f
-                for f in flags
-            ]
         others = [
             f"{k}={v}"
-            for k, v in given.items()
+            for k, v in optim_args.items()
             if optim == "sgd"
             and k in ("dampening", "nesterov")
             and v not in ("0", "False", "false")
