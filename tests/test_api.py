@@ -631,6 +631,19 @@ def test_prepare_refuses_an_ep_the_model_cannot_take(run):
         run(lambda: megapar.prepare("mixtral-tiny", ep=3), 3)
 
 
+def test_prepare_refuses_a_timeout_torch_cannot_wait():
+    """timeout_s=1e10 passed prepare's checks (megapar-train refuses --timeout-s above 1e9 s)
+    and failed at the world group's first wait; it is one line in the API's terms, before any
+    group is touched."""
+    for name in ("timeout_s", "nccl_timeout_s"):
+        with pytest.raises(ValueError) as exc:
+            megapar.prepare("gpt2-tiny", **{name: 1e10})
+        assert str(exc.value) == (
+            f"megapar.prepare: {name}=1e+10 is invalid: at most 1e+09 s (about 31 years; "
+            f"torch's rendezvous store counts its wait in nanoseconds and fails at once from "
+            f"about 1e10 s); give a finite wait in seconds")
+
+
 def _tiny_bert():
     """The seeded tiny transformers BertForMaskedLM the BERT tests train and compare against."""
     from transformers import BertConfig, BertForMaskedLM

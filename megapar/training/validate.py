@@ -160,15 +160,6 @@ def check_settings(cfg) -> None:
     wrong = env_problem()
     if wrong:  # read at import, where an invalid value falls back to the default
         raise UsageError(wrong)
-    for name in ("timeout_s", "nccl_timeout_s"):
-        if getattr(cfg, name) > MAX_SECONDS:
-            raise UsageError(
-                f"{flag_of(name)} {getattr(cfg, name):g} is invalid: at most "
-                f"{MAX_SECONDS:g} s (about 31 years; torch's rendezvous store "
-                f"counts its wait in nanoseconds and fails at once from about 1e10 "
-                f"s); give a finite wait in seconds (the default is "
-                f"{_default(cfg, name):g})"
-            )
     for name in flag_choices():
         problem = choice_problem(name, getattr(cfg, name))
         if problem:
@@ -227,6 +218,15 @@ def check_ranges(cfg, keyword: str | None = None) -> None:
                 )
             shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
             raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
+    for name in ("timeout_s", "nccl_timeout_s"):
+        if getattr(cfg, name) > MAX_SECONDS:
+            shown = f"{keyword}: {name}=" if keyword else f"{flag_of(name)} "
+            default = "" if keyword else f" (the default is {_default(cfg, name):g})"
+            raise UsageError(
+                f"{shown}{getattr(cfg, name):g} is invalid: at most {MAX_SECONDS:g} s (about 31 "
+                f"years; torch's rendezvous store counts its wait in nanoseconds and fails at "
+                f"once from about 1e10 s); give a finite wait in seconds{default}"
+            )
 
 
 def _check_combinations(cfg) -> None:
