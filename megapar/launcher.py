@@ -209,6 +209,7 @@ def run_local(
     forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
     nccl_timeout_s: float | None = None,
     optimizers: bool = True,
+    rank_place: Callable[[int], str] | None = None,
     **kwargs,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
@@ -228,7 +229,9 @@ def run_local(
     CPU), "spawn" (default on CUDA) or "forkserver" (workers forked from Python's forkserver,
     with whose end they die: it ends with this process). optimizers=False: the workers build no
     torch optimizer (an evaluation, a pipeline of toy stages), so torch._dynamo, which building
-    one imports, is not imported for them before forking.
+    one imports, is not imported for them before forking. rank_place: where a rank sits in
+    the job's mesh (`megapar.mesh.Layout.place`), for the report of a rank that died or never
+    answered.
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
     shared = (env or {}).get(SHARED_GPU_ENV, os.environ.get(SHARED_GPU_ENV, "")) == "1"
@@ -283,7 +286,7 @@ def run_local(
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     restore = _forward_signals(procs, forward)
     try:
-        outputs = _await_results(procs, results, statuses, stacks, deadline, timeout_s)
+        outputs = _await_results(procs, results, statuses, stacks, deadline, timeout_s, rank_place)
     finally:
         try:  # the workers end under the forwarding handlers: a second SIGINT is one still
             for p in procs:
@@ -298,11 +301,18 @@ def run_local(
 
 
 def _await_results(
-    procs, results, statuses, stacks: str, deadline: float, timeout_s: float | None
+    procs,
+    results,
+    statuses,
+    stacks: str,
+    deadline: float,
+    timeout_s: float | None,
+    rank_place: Callable[[int], str] | None = None,
 ) -> dict[int, Any]:
     """Every rank's result from the `results` queue, by rank; `WorkerError` naming the rank
-    that caused a failure (a moment after the first error or death, for the others' reports),
-    `TimeoutError` naming the unfinished ranks past `deadline`."""
+    that caused a failure (a moment after the first error or death, for the others' reports;
+    with its place in the mesh, `rank_place`, where given), `TimeoutError` naming the
+    unfinished ranks past `deadline`."""
     world_size = len(procs)
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
@@ -320,7 +330,8 @@ def _await_results(
             _drain(results, outputs, errors, block=0.0)
             last = [s.value.decode(errors="replace") for s in statuses]
             raise WorkerError(
-                f"{blame(procs, outputs, errors, last)}\n{diagnose(procs, statuses, stacks)}"
+                f"{blame(procs, outputs, errors, last, rank_place)}\n"
+                f"{diagnose(procs, statuses, stacks)}"
             )
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if r not in outputs]
@@ -549,12 +560,13 @@ def run_workers(
     forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
     nccl_timeout_s: float | None = None,
     optimizers: bool = True,
+    rank_place: Callable[[int], str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
-    `world_size` local workers (in this process when world_size is 1; `optimizers` as
-    `run_local` takes it). Returns the results of the ranks this process ran. Under torchrun /
-    Slurm the default process group is set up before `fn` and, if it was set up here, released
-    (`release_process_groups`) once `fn` returns."""
+    `world_size` local workers (in this process when world_size is 1; `optimizers` and
+    `rank_place` as `run_local` takes them). Returns the results of the ranks this process
+    ran. Under torchrun / Slurm the default process group is set up before `fn` and, if it was
+    set up here, released (`release_process_groups`) once `fn` returns."""
     if under_launcher():
         if "OMP_NUM_THREADS" not in os.environ and launched_local_size() > 1:
             torch.set_num_threads(1)  # torchrun's default; srun's tasks had every core each
@@ -602,6 +614,7 @@ def run_workers(
         forward=forward,
         nccl_timeout_s=nccl_timeout_s,
         optimizers=optimizers,
+        rank_place=rank_place,
     )
 
 

@@ -189,6 +189,13 @@ class Layout:
         tp, _, pp, dp = self.coords4(rank)
         return tp, pp, dp
 
+    def place(self, rank: int) -> str:
+        """Where a global rank sits, as a failure names it: "tp rank 0, pp rank 1, dp rank 0
+        of tp=1 pp=2 dp=2" (its cp rank too where cp > 1)."""
+        tp, cp, pp, dp = self.coords4(rank)
+        at_cp = f", cp rank {cp}" if self.cp > 1 else ""
+        return f"tp rank {tp}{at_cp}, pp rank {pp}, dp rank {dp} of {self}"
+
     def rank(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
         """Global rank of mesh coordinates."""
         if self.order == "tp-dp-pp":

@@ -631,7 +631,8 @@ def test_a_rank_killed_while_saving_leaves_no_staging_directory(tmp_path, common
     rc = main([*common, "--tp", "2", "--max-steps", "3", "--save", str(ckpt),
                "--save-interval", "1", "--timeout-s", "20"])
     err = capsys.readouterr().err
-    assert rc == 1 and "rank 1 was killed by SIGKILL (9) at step 2, saving" in err, err
+    assert rc == 1 and ("rank 1 (tp rank 1, pp rank 0, dp rank 0 of tp=2 pp=1 dp=1) was killed by SIGKILL "
+                       "(9) at step 2, saving") in err, err
     # and where to resume: the failure line did not say that the save was lost
     assert (f"; any save in flight is lost; {ckpt}/latest is step_00000001, the checkpoint to "
             f"resume from (--load {ckpt})") in err, err

@@ -108,6 +108,16 @@ def test_rank_order_with_cp_next_to_tp(order, expected):
     assert str(layout).startswith("tp=2 cp=2 pp=2 dp=1")
     assert layout.to_dict()["cp"] == 2 and "cp" not in Layout(2, 2, 2).to_dict()
     assert Layout(**layout.to_dict()) == layout
+
+
+def test_place_names_a_rank_where_a_failure_names_it():
+    """A failure names a rank with its place in the mesh (the training loop, the rehearsal and
+    the launcher's report of a rank that died or never answered); its cp rank where cp > 1."""
+    assert Layout(1, 2, 2).place(1) == "tp rank 0, pp rank 1, dp rank 0 of tp=1 pp=2 dp=2"
+    assert Layout(2, 2, 1, cp=2).place(6) == (
+        "tp rank 0, cp rank 1, pp rank 1, dp rank 0 of tp=2 cp=2 pp=2 dp=1")
+    assert Layout(1, 2, 2, "tp-dp-pp").place(1) == (
+        "tp rank 0, pp rank 0, dp rank 1 of tp=1 pp=2 dp=2 order=tp-dp-pp")
     with pytest.raises(LayoutError, match="not divisible by tp\\*cp\\*pp = 2\\*3\\*1"):
         Layout.infer(8, 2, cp=3)
 

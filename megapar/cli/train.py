@@ -398,6 +398,7 @@ def _run(
             collective_timeout_s=cfg.timeout_s,
             forward=forward,
             nccl_timeout_s=cfg.nccl_timeout_s,
+            rank_place=layout.place,
         )
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the rank's log
         if isinstance(exc, WorkerError):

@@ -119,11 +119,9 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
                 cfg, config, layout, rank, cfg.gpus_per_node, dataset, plan.sampler_state
             )
         except Exception as exc:  # noqa: BLE001 - what the job's worker would die of, one line
-            tp, pp, dp = layout.coords(rank)
             print(
-                f"megapar-train: error: rank {rank} (tp rank {tp}, pp rank {pp}, dp rank {dp} "
-                f"of {layout})"
-                f" failed in the rehearsal: {type(exc).__name__}: {exc}",
+                f"megapar-train: error: rank {rank} ({layout.place(rank)}) failed in the "
+                f"rehearsal: {type(exc).__name__}: {exc}",
                 file=sys.stderr,
             )
             if cfg.debug:

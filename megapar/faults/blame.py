@@ -71,7 +71,13 @@ SAME_CALLS = (
 """What a report says where a rank returned from the function while the others waited."""
 
 
-def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None) -> str:
+def blame(
+    procs,
+    outputs: dict,
+    errors: dict,
+    statuses: list[str] | None = None,
+    place: Callable[[int], str] | None = None,
+) -> str:
     """The failure report: first the cause, then the ranks that failed because of it.
 
     Cause, in order: ranks that died without a report (their signal / exit code, and from
@@ -81,7 +87,12 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     timed out waiting for them: the stopped ones when some are, else the one most likely
     holding the others up (`most_behind`), each with where it was; ranks that returned while
     the others, still in a collective, lost their connection to them (a call made on some ranks
-    only)."""
+    only). `place`: where a rank sits in the job's mesh ("tp rank 0, pp rank 1, dp rank 0 of
+    tp=1 pp=2 dp=2", `megapar.mesh.Layout.place`), named beside a rank that died or never
+    answered (a rank's own error names its place itself)."""
+
+    def named(r: int) -> str:
+        return f"rank {r} ({place(r)})" if place is not None else f"rank {r}"
 
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
@@ -100,11 +111,11 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     if dead and stuck and all(procs[r].exitcode == CUT_SHORT for r in dead):
         # a stop's grace ran out on ranks waiting for a stopped one: the stopped rank is the
         # cause, their exits its consequence
-        lines = [f"rank {r} did not answer (it {state(procs[r])}){where(r)}" for r in stuck]
+        lines = [f"{named(r)} did not answer (it {state(procs[r])}){where(r)}" for r in stuck]
         lines += [f"(rank {r} {how}, waiting for it)" for r, how in sorted(dead.items())]
         rest = errors
     elif dead:
-        lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
+        lines = [f"{named(r)} {how}" for r, how in sorted(dead.items())]
         rest = errors
     elif own:
         first = min(own)
@@ -114,15 +125,15 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines = [f"rank {first} failed: {own[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
-        named = stuck or [most_behind(procs, silent, statuses or [])]
+        causes = stuck or [most_behind(procs, silent, statuses or [])]
         lines = [
-            f"rank {r} did not answer"
+            f"{named(r)} did not answer"
             + (f" (it {state(procs[r])})" if r in stuck else "")
             + where(r)
-            for r in named
+            for r in causes
         ]
-        if len(named) < len(silent):  # waiting for it, their timeout not yet up
-            waiting = [r for r in silent if r not in named]
+        if len(causes) < len(silent):  # waiting for it, their timeout not yet up
+            waiting = [r for r in silent if r not in causes]
             lines.append(
                 f"({_rank_words(waiting)} {'was' if len(waiting) == 1 else 'were'} still waiting)"
             )

@@ -470,9 +470,7 @@ class Trainer:
             saved = saver.published if saver.published is not None else loaded_step
         cause = self.cause(what)
         err = TrainingError(
-            f"rank {mesh.rank} (tp rank {mesh.tp_rank}, pp rank {mesh.pp_rank}, dp rank "
-            f"{mesh.dp_rank} of {mesh.layout}) failed at step "
-            f"{at}: {cause}{what}"
+            f"rank {mesh.rank} ({mesh.layout.place(mesh.rank)}) failed at step {at}: {cause}{what}"
         )
         err.no_traceback = getattr(exc, "no_traceback", False)
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
