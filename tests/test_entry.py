@@ -77,6 +77,29 @@ def test_ctrl_c_the_command_does_not_handle_is_one_line_and_exit_130(monkeypatch
     assert signal.getsignal(signal.SIGINT) is before  # the import's handler taken off
 
 
+def test_a_ctrl_c_after_the_command_returned_is_ignored():
+    """A second Ctrl-C just after megapar-train's clean stop (0.3 s after the first) came once
+    the command had returned: its exit then printed the KeyboardInterrupt of a torch exit
+    handler it cut, or died of the SIGINT (exit -2) after a complete save. The console script
+    ignores one after its command returned; a caller that goes on (here: none named
+    megapar-data) keeps its handler."""
+    script = ("import os, signal, sys, time, types\n"
+              "from megapar.cli import entry\n"
+              "entry._import_main = lambda command, name: (lambda: 0)\n"
+              "sys.argv[0] = sys.argv[1]\n"
+              "code = entry.data()\n"
+              "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+              "print('exits', code)\n"
+              "sys.exit(code)\n")
+    for argv0 in ("/venv/bin/megapar-data", "notebook"):
+        run = subprocess.run([sys.executable, "-c", script, argv0], capture_output=True,
+                             text=True, timeout=60)
+        if argv0 == "notebook":
+            assert run.returncode == -signal.SIGINT and "KeyboardInterrupt" in run.stderr, run
+        else:
+            assert (run.returncode, run.stdout, run.stderr) == (0, "exits 0\n", ""), run
+
+
 def test_the_entry_module_imports_no_torch():
     run = subprocess.run([sys.executable, "-c", "import sys, megapar.cli.entry; print("
                           "sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],

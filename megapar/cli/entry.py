@@ -5,7 +5,8 @@ seconds; a Ctrl-C in them would print a traceback of whatever import it cut, and
 the command without a word. While it imports, either ends it at once
 with one line, exit 130 (Ctrl-C) or 143 (SIGTERM): nothing has been done yet, and an exception
 raised inside a library's import could be caught there and leave it half imported. A Ctrl-C
-the command's own ``main`` does not handle ends it with one line, exit 130, as well.
+the command's own ``main`` does not handle ends it with one line, exit 130, as well; in the
+console script, one after ``main`` returned is ignored (the command only exits then).
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def _run(name: str) -> int:
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    finally:  # done: a late Ctrl-C (a second one just after a clean stop) would only cut the
+        # exit short, with a traceback of an exit handler or a death by SIGINT
+        if _console_script(command) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _console_script(command: str) -> bool:
+    """Whether this process is `command`'s console script (which exits once the command
+    returns), not a caller of this module's functions that goes on (a test, a notebook)."""
+    return os.path.basename(sys.argv[0]).startswith(command) if sys.argv else False
 
 
 def train() -> int:
