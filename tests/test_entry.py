@@ -32,7 +32,11 @@ def test_entry_runs_the_command_s_main(monkeypatch, command):
 
 @pytest.mark.parametrize("sig,code,line", [
     ("SIGINT", 130, "megapar-data: interrupted while starting; nothing was done"),
-    ("SIGTERM", 143, "megapar-data: terminated (SIGTERM) while starting; nothing was done")])
+    ("SIGTERM", 143, "megapar-data: terminated (SIGTERM) while starting; nothing was done"),
+    # a closed terminal's SIGHUP, SIGQUIT, SIGUSR2: their default action ended it silently
+    ("SIGHUP", 129, "megapar-data: hung up (SIGHUP) while starting; nothing was done"),
+    ("SIGQUIT", 131, "megapar-data: quit (SIGQUIT) while starting; nothing was done"),
+    ("SIGUSR2", 140, "megapar-data: ended (SIGUSR2) while starting; nothing was done")])
 def test_ctrl_c_or_sigterm_while_starting_is_one_line(sig, code, line):
     """Ctrl-C: a traceback of the import it cut (23-28 lines); SIGTERM: a silent end. Now one
     line each, at once (an exception raised inside a library's import could be caught there:

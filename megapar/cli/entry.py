@@ -20,20 +20,29 @@ import threading
 INTERRUPTED_EXIT_CODE = 130
 """128 + SIGINT: the shells' exit status of a command a Ctrl-C ended."""
 
+_ENDED = {"SIGTERM": "terminated", "SIGHUP": "hung up", "SIGQUIT": "quit", "SIGUSR2": "ended"}
+"""The other signals whose default action would end a command while it imports, and the word
+its one line says then."""
+
 
 def _import_main(command: str, name: str):
-    """`megapar.cli.NAME`'s main. Meanwhile (in the main thread) a Ctrl-C or SIGTERM, where
-    it has its default action, writes one line and exits; the handlers are as they were again
-    once the import ends, for the command's own."""
+    """`megapar.cli.NAME`'s main. Meanwhile (in the main thread) a Ctrl-C, SIGTERM, SIGHUP,
+    SIGQUIT or SIGUSR2, where it has its default action, writes one line and exits (128 + its
+    number); the handlers are as they were again once the import ends, for the command's
+    own."""
     if threading.current_thread() is not threading.main_thread():
         return importlib.import_module(f"megapar.cli.{name}").main
 
     def exit_at_once(signum, frame):
-        what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        sig = signal.Signals(signum)
+        what = "interrupted" if sig == signal.SIGINT else f"{_ENDED[sig.name]} ({sig.name})"
         os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    defaults = {signal.SIGINT: signal.default_int_handler}
+    for other in _ENDED:  # where the platform has it (Windows has no SIGHUP)
+        if hasattr(signal, other):
+            defaults[getattr(signal, other)] = signal.SIG_DFL
     previous = {
         sig: signal.signal(sig, exit_at_once)
         for sig, default in defaults.items()
