@@ -39,7 +39,7 @@ def _import_main(command: str, name: str):
         os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
-    defaults = {signal.SIGINT: signal.default_int_handler}
+    defaults: dict[int, object] = {signal.SIGINT: signal.default_int_handler}
     for other in _ENDED:  # where the platform has it (Windows has no SIGHUP)
         if hasattr(signal, other):
             defaults[getattr(signal, other)] = signal.SIG_DFL
