@@ -139,6 +139,10 @@ TRAIN = [
     (["--timeout-s", "0"], "--timeout-s 0.0 is invalid"),
     (["--timeout-s", "-5"], "--timeout-s -5.0 is invalid"),
     (["--timeout-s", "1e15"], "--timeout-s 1e+15 is invalid: at most 1e+09 s (about 31 years"),
+    (["--timeout-s", "1e-300"], "--timeout-s 1e-300 is invalid: at least 0.001 s (torch counts a "
+                                "wait in whole milliseconds: a shorter one is 0 and times out at "
+                                "once); give a finite wait in seconds (the default is 300)"),
+    (["--nccl-timeout-s", "0.0001"], "--nccl-timeout-s 0.0001 is invalid: at least 0.001 s"),
     (["--nccl-timeout-s", "1e10"], "--nccl-timeout-s 1e+10 is invalid: at most 1e+09 s"),
     (["--log-interval", "0"], "--log-interval 0 is invalid"),
     (["--peak-tflops", "0"], "--peak-tflops 0.0 is invalid"),
@@ -448,11 +452,13 @@ def test_the_timeout_environment_variables_give_megapar_trains_defaults(env, no_
     assert parse_args([]).nccl_timeout_s == 1800.0
     # above 1e9 s (torch's store fails at once from about 1e10) it was "--timeout-s 1e+10 is
     # invalid", a flag never given; megapar-eval took any value unsaid (a re-test)
-    for bad in ("abc", "0", "-3", "inf", "1e10"):
+    # under 1 ms (1e-300, 1e-4) torch's wait is 0: every rank's join failed with gloo's stack
+    # dumps (a re-test)
+    for bad in ("abc", "0", "-3", "inf", "1e10", "1e-300", "0.0004"):
         monkeypatch.setenv("MEGAPAR_TIMEOUT_S", bad)
         assert env_seconds("MEGAPAR_TIMEOUT_S", 300.0) == 300.0  # an import never fails
-        said = (f"MEGAPAR_TIMEOUT_S={bad!r} is invalid: give a number of seconds > 0 and at "
-                f"most 1e+09, or unset it")
+        said = (f"MEGAPAR_TIMEOUT_S={bad!r} is invalid: give a number of seconds from 0.001 "
+                f"to 1e+09, or unset it")
         assert train([*env["common"]]) == 2
         assert _one_line(capsys, "megapar-train") == f"megapar-train: error: {said}"
     monkeypatch.delenv("MEGAPAR_TIMEOUT_S")

@@ -54,8 +54,9 @@ from megapar.training.other_tools import (
     TORCHTITAN_MODULE_API,
     other_tools_answer,
 )
+from megapar.training.ranges import check_ranges
 from megapar.training.usage import UsageError
-from megapar.training.validate import check_cp_comm, check_documents, check_ranges
+from megapar.training.validate import check_cp_comm, check_documents
 from megapar.training.validate_fp8 import check_fp8, check_fp8_layout
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 

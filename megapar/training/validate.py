@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import importlib.util
-import math
 import os
 
 from megapar.checkpoint.format import probe_writable
@@ -37,7 +36,6 @@ from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.device import PEAK_TFLOPS, bf16_peak_of, too_fast
-from megapar.env_seconds import MAX_SECONDS
 from megapar.env_seconds import problem as env_problem
 from megapar.faults.slow import SlowRank
 from megapar.mesh import LayoutError, layout_option
@@ -49,6 +47,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.logging import WANDB_MODES
+from megapar.training.ranges import check_ranges, default_of
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys, holds_records
@@ -56,84 +55,12 @@ from megapar.training.validate_sharding import check_optimizer_sharding, check_z
 from megapar.training.validate_unused import check_unused
 from megapar.wording import counted
 
-# --- megapar-train ---------------------------------------------------------------------------
-# (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
-# kind "int" or "float" (finite).
-_Rule = tuple[str, str, float, bool] | tuple[str, str, float, bool, tuple[int, str]]
-_RULES: list[_Rule] = [
-    ("tp", "int", 1, True),
-    ("cp", "int", 1, True),
-    ("pp", "int", 1, True),
-    ("dp", "int", 1, True),
-    ("ep", "int", 1, True),
-    ("expert_tensor_parallel_size", "int", 1, True),
-    ("seq_len", "int", 1, True),
-    ("micro_batch_size", "int", 1, True),
-    ("global_batch_size", "int", 1, True),
-    ("max_steps", "int", 1, True),
-    ("warmup_steps", "int", 0, True),
-    ("lr_decay_steps", "int", 1, True, (0, "--max-steps")),
-    ("lr_wsd_decay_steps", "int", 1, True, (0, "--lr-wsd-decay-fraction of --max-steps")),
-    ("lr_wsd_decay_fraction", "float", 0.0, False),
-    ("eval_interval", "int", 0, True),
-    ("eval_steps", "int", 1, True),
-    ("save_interval", "int", 0, True),
-    ("keep_latest_k", "int", 0, True),
-    ("log_interval", "int", 1, True),
-    ("seed", "int", 0, True),
-    ("eod_id", "int", 0, True),
-    ("lr", "float", 0.0, False),
-    ("min_lr", "float", 0.0, True),
-    ("weight_decay", "float", 0.0, True),
-    ("clip_grad", "float", 0.0, True),
-    ("peak_tflops", "float", 0.0, False),
-    ("timeout_s", "float", 0.0, False),
-    ("nccl_timeout_s", "float", 0.0, False),
-    ("val_fraction", "float", 0.0, True),
-    ("virtual_stages", "int", 1, True),
-    ("decoder_first_pipeline_num_layers", "int", 1, True),
-    ("decoder_last_pipeline_num_layers", "int", 1, True),
-    ("adam_eps", "float", 0.0, False),
-    ("grad_bucket_mb", "float", 0.0, False),
-    ("adam_beta1", "float", 0.0, True),
-    ("adam_beta2", "float", 0.0, True),
-    ("muon_momentum", "float", 0.0, True),
-    ("powersgd_rank", "int", 1, True),
-    ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
-    ("label_smoothing", "float", 0.0, True),
-    ("z_loss", "float", 0.0, True),
-    ("moe_aux_loss_coef", "float", 0.0, True),
-    ("moe_z_loss_coef", "float", 0.0, True),
-    ("moe_capacity_factor", "float", 0.0, False, (0, "dropless")),
-    ("moe_bias_update_rate", "float", 0.0, True),
-    ("lr_scale_with_batch", "int", 1, True, (0, "off")),
-    ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
-    ("loss_scale", "float", 0.0, False, (0, "dynamic")),
-    ("initial_loss_scale", "float", 0.0, False),
-    ("min_loss_scale", "float", 0.0, False),
-    ("loss_scale_window", "int", 1, True),
-    ("hysteresis", "int", 1, True),
-    ("exit_interval", "int", 1, True, (0, "never")),
-    ("record_step", "int", 1, True, (0, "none")),
-    ("replay", "int", 1, True, (0, "off")),
-    ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
-    ("straggler_factor", "float", 1.0, False, (0, "off")),
-    ("world_size", "int", 1, True),
-    ("gpus_per_node", "int", 1, True),
-    ("gpu_memory_gb", "float", 0.0, False),
-]
-
-
 _EXAMPLE_PATHS = {
     "save": "ckpt",
     "log_json": "run.jsonl",
     "tensorboard": "tb",
     "data_cache": "~/.cache/megapar",
 }
-
-
-def _default(cfg, name: str):
-    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
 def check_settings(cfg) -> None:
@@ -168,7 +95,7 @@ def check_settings(cfg) -> None:
         if getattr(cfg, name) >= 1:
             raise UsageError(
                 f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
-                f"[0, 1) (the default is {_default(cfg, name)})"
+                f"[0, 1) (the default is {default_of(cfg, name)})"
             )
     if cfg.val_fraction >= 1:
         raise UsageError(
@@ -186,47 +113,6 @@ def check_settings(cfg) -> None:
             f"{'give' if cfg.sequence_parallel else 'add'} {missing}, or drop --sp-regather"
         )
     _check_combinations(cfg)
-
-
-def check_ranges(cfg, keyword: str | None = None) -> None:
-    """UsageError for the first numeric setting outside its `_RULES` range; whole numbers
-    from a --config file (32.0) become ints. `keyword`: the function whose keywords the
-    settings are (e.g. "megapar.prepare"), named as `name=value` instead of by their flags
-    (and without the flag's default, which that function may not share)."""
-    for name, kind, low, inclusive, *off in _RULES:
-        value = getattr(cfg, name)
-        if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
-            continue
-        bound = f">= {low}" if inclusive else f"> {low}"
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if kind == "int":
-            ok = ok and math.isfinite(value) and float(value).is_integer()
-            if ok:
-                value = int(value)  # 32.0 from a --config file is 32
-                setattr(cfg, name, value)
-        else:
-            ok = ok and math.isfinite(value)
-        if ok:
-            ok = value >= low if inclusive else value > low
-        if not ok:
-            what = "a whole number" if kind == "int" else "a finite number"
-            default = None if keyword else _default(cfg, name)
-            hint = f" (the default is {default})" if default is not None else ""
-            if off:
-                hint = f", or {off[0][0]} for {off[0][1]}" + (
-                    " (the default)" if default == off[0][0] else hint
-                )
-            shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
-            raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
-    for name in ("timeout_s", "nccl_timeout_s"):
-        if getattr(cfg, name) > MAX_SECONDS:
-            shown = f"{keyword}: {name}=" if keyword else f"{flag_of(name)} "
-            default = "" if keyword else f" (the default is {_default(cfg, name):g})"
-            raise UsageError(
-                f"{shown}{getattr(cfg, name):g} is invalid: at most {MAX_SECONDS:g} s (about 31 "
-                f"years; torch's rendezvous store counts its wait in nanoseconds and fails at "
-                f"once from about 1e10 s); give a finite wait in seconds{default}"
-            )
 
 
 def _check_combinations(cfg) -> None:
@@ -471,7 +357,7 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
             )
             cfg.warmup_steps = warmup
     if "min_lr" not in given:
-        low, peak = _default(cfg, "min_lr"), _default(cfg, "lr")
+        low, peak = default_of(cfg, "min_lr"), default_of(cfg, "lr")
         min_lr = min(low, float(f"{cfg.lr * low / peak:.12g}"))  # the defaults' ratio, at most
         if min_lr != cfg.min_lr and cfg.lr_decay != "constant":  # constant never reads it
             notes.append(

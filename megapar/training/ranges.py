@@ -1,0 +1,132 @@
+"""The ranges of megapar-train's numeric settings (`RULES`) and the check of a run's settings
+against them (`check_ranges`): read by megapar-train's checks (`megapar.training.validate`),
+`megapar.prepare`'s, and the flags another tool's config is translated into
+(`megapar.training.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megapar.env_seconds import MAX_SECONDS, MIN_SECONDS
+from megapar.training.usage import UsageError, flag_of
+
+Rule = tuple[str, str, float, bool] | tuple[str, str, float, bool, tuple[int, str]]
+"""A setting's range: (field, kind, lowest allowed, lowest is allowed itself[, (value that turns
+it off, meaning)]); kind "int" or "float" (finite)."""
+
+RULES: list[Rule] = [
+    ("tp", "int", 1, True),
+    ("cp", "int", 1, True),
+    ("pp", "int", 1, True),
+    ("dp", "int", 1, True),
+    ("ep", "int", 1, True),
+    ("expert_tensor_parallel_size", "int", 1, True),
+    ("seq_len", "int", 1, True),
+    ("micro_batch_size", "int", 1, True),
+    ("global_batch_size", "int", 1, True),
+    ("max_steps", "int", 1, True),
+    ("warmup_steps", "int", 0, True),
+    ("lr_decay_steps", "int", 1, True, (0, "--max-steps")),
+    ("lr_wsd_decay_steps", "int", 1, True, (0, "--lr-wsd-decay-fraction of --max-steps")),
+    ("lr_wsd_decay_fraction", "float", 0.0, False),
+    ("eval_interval", "int", 0, True),
+    ("eval_steps", "int", 1, True),
+    ("save_interval", "int", 0, True),
+    ("keep_latest_k", "int", 0, True),
+    ("log_interval", "int", 1, True),
+    ("seed", "int", 0, True),
+    ("eod_id", "int", 0, True),
+    ("lr", "float", 0.0, False),
+    ("min_lr", "float", 0.0, True),
+    ("weight_decay", "float", 0.0, True),
+    ("clip_grad", "float", 0.0, True),
+    ("peak_tflops", "float", 0.0, False),
+    ("timeout_s", "float", 0.0, False),
+    ("nccl_timeout_s", "float", 0.0, False),
+    ("val_fraction", "float", 0.0, True),
+    ("virtual_stages", "int", 1, True),
+    ("decoder_first_pipeline_num_layers", "int", 1, True),
+    ("decoder_last_pipeline_num_layers", "int", 1, True),
+    ("adam_eps", "float", 0.0, False),
+    ("grad_bucket_mb", "float", 0.0, False),
+    ("adam_beta1", "float", 0.0, True),
+    ("adam_beta2", "float", 0.0, True),
+    ("muon_momentum", "float", 0.0, True),
+    ("powersgd_rank", "int", 1, True),
+    ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
+    ("label_smoothing", "float", 0.0, True),
+    ("z_loss", "float", 0.0, True),
+    ("moe_aux_loss_coef", "float", 0.0, True),
+    ("moe_z_loss_coef", "float", 0.0, True),
+    ("moe_capacity_factor", "float", 0.0, False, (0, "dropless")),
+    ("moe_bias_update_rate", "float", 0.0, True),
+    ("lr_scale_with_batch", "int", 1, True, (0, "off")),
+    ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
+    ("loss_scale", "float", 0.0, False, (0, "dynamic")),
+    ("initial_loss_scale", "float", 0.0, False),
+    ("min_loss_scale", "float", 0.0, False),
+    ("loss_scale_window", "int", 1, True),
+    ("hysteresis", "int", 1, True),
+    ("exit_interval", "int", 1, True, (0, "never")),
+    ("record_step", "int", 1, True, (0, "none")),
+    ("replay", "int", 1, True, (0, "off")),
+    ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
+    ("straggler_factor", "float", 1.0, False, (0, "off")),
+    ("world_size", "int", 1, True),
+    ("gpus_per_node", "int", 1, True),
+    ("gpu_memory_gb", "float", 0.0, False),
+]
+
+
+def default_of(cfg, name: str):
+    """The default of setting `name` of config `cfg` (a dataclass)."""
+    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+
+
+def check_ranges(cfg, keyword: str | None = None) -> None:
+    """UsageError for the first numeric setting outside its `RULES` range; whole numbers
+    from a --config file (32.0) become ints. `keyword`: the function whose keywords the
+    settings are (e.g. "megapar.prepare"), named as `name=value` instead of by their flags
+    (and without the flag's default, which that function may not share)."""
+    for name, kind, low, inclusive, *off in RULES:
+        value = getattr(cfg, name)
+        if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
+            continue
+        bound = f">= {low}" if inclusive else f"> {low}"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "int":
+            ok = ok and math.isfinite(value) and float(value).is_integer()
+            if ok:
+                value = int(value)  # 32.0 from a --config file is 32
+                setattr(cfg, name, value)
+        else:
+            ok = ok and math.isfinite(value)
+        if ok:
+            ok = value >= low if inclusive else value > low
+        if not ok:
+            what = "a whole number" if kind == "int" else "a finite number"
+            default = None if keyword else default_of(cfg, name)
+            hint = f" (the default is {default})" if default is not None else ""
+            if off:
+                hint = f", or {off[0][0]} for {off[0][1]}" + (
+                    " (the default)" if default == off[0][0] else hint
+                )
+            shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
+            raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
+    for name in ("timeout_s", "nccl_timeout_s"):
+        value = getattr(cfg, name)
+        if MIN_SECONDS <= value <= MAX_SECONDS:
+            continue
+        shown = f"{keyword}: {name}=" if keyword else f"{flag_of(name)} "
+        default = "" if keyword else f" (the default is {default_of(cfg, name):g})"
+        bound = (
+            f"at least {MIN_SECONDS:g} s (torch counts a wait in whole milliseconds: a shorter "
+            f"one is 0 and times out at once)"
+            if value < MIN_SECONDS
+            else f"at most {MAX_SECONDS:g} s (about 31 years; torch's rendezvous store counts "
+            f"its wait in nanoseconds and fails at once from about 1e10 s)"
+        )
+        raise UsageError(
+            f"{shown}{value:g} is invalid: {bound}; give a finite wait in seconds{default}"
+        )
