@@ -34,6 +34,26 @@ def test_unknown_model_names_the_recipes():
                                   f"copy; nothing is downloaded)")
         hub_shape = resolve_model(recipe)
         assert hub_shape.vocab_size == (30522 if "bert" in hub else 50257)
+    # the hub ids of the Llama, Qwen, Mistral and DeepSeek recipes (meta-llama/Llama-3.2-1B
+    # was "no such file or directory", a re-test), an -Instruct of the same shapes, a
+    # trailing slash; each recipe has the published shapes (vocabulary, hidden, layers)
+    for hub, recipe, shape in (
+            ("meta-llama/Llama-3.2-1B", "llama-1b", (128256, 2048, 16)),
+            ("meta-llama/Llama-3.2-1B-Instruct", "llama-1b", (128256, 2048, 16)),
+            ("meta-llama/Meta-Llama-3.1-8B", "llama-8b", (128256, 4096, 32)),
+            ("meta-llama/Llama-3.1-70B", "llama-70b", (128256, 8192, 80)),
+            ("Qwen/Qwen3-0.6B", "qwen3-0.6b", (151936, 1024, 28)),
+            ("Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b", (151936, 896, 24)),
+            ("mistralai/Mistral-7B-v0.1", "mistral-7b", (32000, 4096, 32)),
+            ("mistralai/Mixtral-8x7B-v0.1", "mixtral-8x7b", (32000, 4096, 32)),
+            ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b", (151936, 2048, 48)),
+            ("deepseek-ai/DeepSeek-V3", "deepseek-v3", (129280, 7168, 61)),
+            ("gpt2/", "gpt2-124m", (50257, 768, 12))):
+        with pytest.raises(ConfigError) as exc:
+            resolve_model(hub)
+        assert f"Hugging Face's {hub} is the recipe --model {recipe} (" in str(exc.value)
+        config = resolve_model(recipe).to_hf() if recipe == "gpt2-124m" else resolve_model(recipe)
+        assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == shape
 
 
 def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):

@@ -41,9 +41,21 @@ HUB_NAMES = {
     "gpt2-xl": "gpt2-1.5b",
     "bert-base-uncased": "bert-base",
     "bert-large-uncased": "bert-large",
+    "llama-3.2-1b": "llama-1b",
+    "llama-3.1-8b": "llama-8b",
+    "meta-llama-3.1-8b": "llama-8b",
+    "llama-3.1-70b": "llama-70b",
+    "meta-llama-3.1-70b": "llama-70b",
+    "qwen3-0.6b": "qwen3-0.6b",
+    "qwen2.5-0.5b": "qwen2.5-0.5b",
+    "mistral-7b-v0.1": "mistral-7b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",
+    "deepseek-v3": "deepseek-v3",
 }
 """Hugging Face Hub's names of the models a recipe is (the shapes; its weights come with
---from-hf)."""
+--from-hf), lowercased, without the owner (meta-llama/, Qwen/) or an -Instruct suffix (the
+same shapes)."""
 
 
 def resolve_model(name_or_path: str):
@@ -66,8 +78,8 @@ def resolve_model(name_or_path: str):
     found = recipe_file(name_or_path)
     if found is not None:
         return config_from_file(found)
-    owner, slash, bare = name_or_path.rpartition("/")
-    hub = HUB_NAMES.get(bare.lower())
+    owner, slash, bare = name_or_path.rstrip("/").rpartition("/")  # gpt2/ is gpt2
+    hub = HUB_NAMES.get(bare.lower().removesuffix("-instruct"))
     hub_id = not slash or ("/" not in owner and not os.path.exists(owner))  # not a local path
     if hub is not None and hub_id:  # gpt2, openai-community/gpt2
         raise ConfigError(
