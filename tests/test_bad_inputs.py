@@ -304,6 +304,13 @@ TRAIN = [
     (["--wandb-project", ""], "--wandb-project '' is an empty name: give a project"),
     (["--save", ""], "--save '' is an empty path"),
     (["--data-cache", ""], "--data-cache '' is an empty path"),
+    # an unset $CKPT / $MODEL / $DATA started from scratch, or trained the default model or the
+    # shipped sample, without a word (a re-test)
+    (["--load", ""], "--load '' is an empty path: give a path (e.g. --load ckpt)"),
+    (["--from-hf", ""], "--from-hf '' is an empty path"),
+    (["--model", ""], "--model '' is an empty name: give a recipe (e.g. --model gpt2-tiny)"),
+    (["--data", ""], "--data '' is an empty path: give a text file"),
+    (["--data", "0.5", "a.txt", "0.5", ""], "--data '' is an empty path"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
     (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),
     # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts
@@ -2773,3 +2780,81 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                                      "train_micro_batch_size_per_gpu": "auto"}))
     with pytest.raises(ConfigError, match=r"ds.json is a DeepSpeed config.*--zero 2"):
         parse_args(["--config", str(deepspeed)])
+
+
+@pytest.mark.parametrize("name,text,said", [
+    # a translation gave flags megapar-train then refused (a re-test of the config translations)
+    ("ds.json", {"zero_optimization": {"stage": 4}, "train_batch_size": 8},
+     "is a DeepSpeed config, which megapar-train does not read, and a value in it is one "
+     "megapar-train refuses: --zero 4 is invalid: choose one of 0, 1, 2, 3; correct it in the file"),
+    ("ds.json", {"train_batch_size": 8.5},
+     "megapar-train refuses: --global-batch-size '8.5' is invalid: expected a whole number"),
+    ("ds.json", {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"eps": 0}}},
+     "megapar-train refuses: --adam-eps 0.0 is invalid: it must be a finite number > 0.0"),
+    ("ds.json", {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR",
+                                                      "params": {"total_num_steps": 0}}},
+     "megapar-train refuses: --max-steps 0 is invalid: it must be a whole number >= 1"),
+    ("args.json", {"output_dir": "out", "per_device_train_batch_size": "auto"},
+     "is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train does not "
+     "read, and a value in it is one megapar-train refuses: --micro-batch-size 'auto' is "
+     "invalid: expected a whole number; correct it in the file"),
+    ("args.json", {"output_dir": "out", "weight_decay": -0.1},
+     "megapar-train refuses: --weight-decay -0.1 is invalid: it must be a finite number >= 0.0"),
+    ("args.json", {"output_dir": "out", "bf16": True, "fp16": True},
+     ": bf16 and fp16 are both true, which the Trainer refuses: set one"),
+    ("acc.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: MEGATRON_LM\n"
+                 "megatron_lm_config:\n  megatron_lm_gradient_clipping: -1\n",
+     "is an accelerate config, which megapar-train does not read, and a value in it is one "
+     "megapar-train refuses: --clip-grad -1.0 is invalid: it must be a finite number >= 0.0"),
+    ("job.toml", "[optimizer]\nname = 'AdamW'\neps = 0\n[training]\nsteps = 10\n",
+     "not a TOML job config (torchtitan's), and a value in it is one megapar-train refuses: "
+     "--adam-eps 0.0 is invalid"),
+])
+def test_a_translated_config_with_a_value_megapar_train_refuses_names_it(tmp_path, name, text,
+                                                                          said):
+    """Another tool's config whose value megapar-train refuses (DeepSpeed's stage 4, a batch of
+    8.5 or "auto", an eps of 0, a negative clipping) was answered with flags that megapar-train
+    then refused one at a time; the value is named at once, as megapar-train names it."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    path = tmp_path / name
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path)])
+    assert said in str(info.value), str(info.value)
+
+
+def test_a_translated_config_says_what_it_has_no_flag_for(tmp_path):
+    """A re-test's findings: accelerate's DeepSpeed stage 0 read "--zero 1, 2 or 3", its nvme
+    offload became host offload without a word (a DeepSpeed config's is said), a partial
+    optimizer offload's ratio and the Trainer's label smoothing were dropped, and a ratio given
+    as warmup_steps was said as warmup_ratio."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    def said(name: str, text) -> str:
+        path = tmp_path / name
+        path.write_text(text if isinstance(text, str) else json.dumps(text))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(path)])
+        return str(info.value)
+
+    plugin = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
+              "deepspeed_config:\n  zero_stage: {stage}\n  offload_optimizer_device: {device}\n")
+    line = said("a.yaml", plugin.format(stage=0, device="cpu"))
+    assert "give --dp 2 --zero 0 (" in line and ("offload_optimizer_device with zero_stage 0: "
+                                                 "megapar offloads the optimizer state under "
+                                                 "--zero 1, 2 or 3") in line, line
+    line = said("a.yaml", plugin.format(stage=2, device="nvme"))
+    assert "give --dp 2 --zero 2 (" in line and ("offload_optimizer_device nvme: no equivalent "
+                                                 "(megapar offloads to the host)") in line, line
+    line = said("ds.json", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    assert "--offload-optimizer" in line and ("no equivalent: zero_optimization.offload_optimizer"
+                                              ".ratio 0.3 (megapar offloads all of the optimizer "
+                                              "state)") in line, line
+    line = said("args.json", {"output_dir": "out", "label_smoothing_factor": 0.1,
+                              "warmup_steps": 0.05})
+    assert "--label-smoothing 0.1" in line and ("warmup_steps 0.05: --warmup-steps (the ratio x "
+                                                "the training steps)") in line, line

@@ -18,6 +18,7 @@ import difflib
 import inspect
 import os
 import re
+import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,9 @@ from megapar.training.other_tools import (
     megatron_defaults,
     other_tools_answer,
 )
+from megapar.training.ranges import check_ranges
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
-from megapar.training.usage import flag_with_value
+from megapar.training.usage import UsageError, flag_with_value
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -619,6 +621,44 @@ def _config_value(f, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
 
 
+def refused_flag(flags: list[str]) -> str | None:
+    """The first of the flags another tool's config was translated into (``--zero 4``,
+    ``--micro-batch-size auto``) whose value megapar-train refuses, said as megapar-train says
+    it ("--zero 4 is invalid: choose one of 0, 1, 2, 3"); None where it takes them all. A value
+    given as words, not pasteable (``(8 x dp)``, ``1, 2 or 3``), is not read; a number
+    followed by ``x`` (``0 x the --dp size``), a factor of the value, is."""
+    tokens: list[str] = []
+    for flag in flags:
+        try:
+            tokens += shlex.split(flag)
+        except ValueError:  # words with an apostrophe
+            tokens += flag.split()
+    by_flag = {"--" + f.name.replace("_", "-"): f for f in fields(TrainConfig)}
+    for i, token in enumerate(tokens):
+        f = by_flag.get(token)
+        if f is None or f.name in MULTI_VALUE or _type_of(f) == "bool" or i + 1 == len(tokens):
+            continue
+        value, after = tokens[i + 1], tokens[i + 2 : i + 3]
+        if value.startswith(("--", "(")) or (
+            after and not after[0].startswith("--") and after[0] != "x"
+        ):
+            continue
+        try:
+            converted = _config_value(f, value, "")
+        except ConfigError as exc:
+            return str(exc).removeprefix(": ")
+        problem = choice_problem(f.name, converted)
+        if problem:
+            return problem
+        cfg = TrainConfig()
+        setattr(cfg, f.name, converted)
+        try:
+            check_ranges(cfg)
+        except UsageError as exc:
+            return str(exc)
+    return None
+
+
 def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says); `dp`, the
@@ -626,7 +666,7 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
-        raise ConfigError(toml_job_config(path, _flag_kinds()))
+        raise ConfigError(toml_job_config(path, _flag_kinds(), refused_flag))
     if not Path(path).suffix and not Path(path).expanduser().exists():  # torchtitan's llama3_8b
         raise ConfigError(f"{path}: no such config file; {TORCHTITAN_MODULE}")
     loaded = load_config_file(path)
@@ -634,11 +674,11 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
     if torchtitan and not is_deepspeed_config(data):  # a DeepSpeed config has optimizer too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
-        raise ConfigError(torchtitan_job(loaded, said, _flag_kinds()))
+        raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
-        raise ConfigError(trainer_arguments(data, path))
+        raise ConfigError(trainer_arguments(data, path, refused_flag))
     if is_accelerate_config(data):
-        raise ConfigError(accelerate_config(data, path))
+        raise ConfigError(accelerate_config(data, path, refused_flag))
     if is_deepspeed_config(data):
         try:
             flags, left, auto = deepspeed_equivalents(data, dp)
@@ -647,6 +687,12 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
+        problem = refused_flag(flags)
+        if problem:
+            raise ConfigError(
+                f"{path} is a DeepSpeed config, which megapar-train does not read, and a value "
+                f"in it is one megapar-train refuses: {problem}; correct it in the file"
+            )
         raise ConfigError(
             f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
             f"settings as megapar-train flags (or a --config file of them)"

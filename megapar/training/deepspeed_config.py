@@ -299,6 +299,12 @@ def deepspeed_equivalents(
                     )
                 elif device == "cpu":
                     flags.append(flag)
+                    ratio = _section(value.get(part), f"zero_optimization.{part}").get("ratio", 1)
+                    if part == "offload_optimizer" and ratio not in (1, 1.0):
+                        left.append(
+                            f"zero_optimization.offload_optimizer.ratio {_flag_value(ratio)} "
+                            "(megapar offloads all of the optimizer state)"
+                        )
                 elif device not in ("none", None):
                     left.append(f"zero_optimization.{part}.device {device} (the host only)")
             filled = "zero_optimization.stage3_param_persistence_threshold" in auto

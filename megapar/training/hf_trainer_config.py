@@ -8,6 +8,7 @@ defaults where the file leaves one out and megapar-train's differs (weight decay
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, fp16_scaler
@@ -51,6 +52,10 @@ SCHEDULES = {
     "constant_with_warmup": "--lr-decay constant",
 }
 """The Trainer's lr_scheduler_type as megapar-train's schedule flags (its decays end at 0)."""
+
+Refused = Callable[[list[str]], str | None]
+"""megapar-train's check of translated flags: the first one whose value it refuses, said as it
+says it (`megapar.training.config.refused_flag`), or None."""
 
 
 def is_trainer_arguments(data: dict, own: set[str]) -> bool:
@@ -128,14 +133,15 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     warmup, ratio = get("warmup_steps", 0), get("warmup_ratio", 0.0)
     warmup = warmup if isinstance(warmup, (int, float)) else 0  # no number: the default
     ratio = ratio if isinstance(ratio, (int, float)) else 0.0
+    ratio_key = "warmup_ratio"
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
-        warmup, ratio = 0, warmup
+        warmup, ratio, ratio_key = 0, warmup, "warmup_steps"
     elif warmup > 0:  # transformers 4: warmup_steps > 0 overrides warmup_ratio
         ratio = 0.0
     if ratio and steps > 0:
         flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
     elif ratio:
-        said.append(f"warmup_ratio {ratio:g}: --warmup-steps (the ratio x the training steps)")
+        said.append(f"{ratio_key} {ratio:g}: --warmup-steps (the ratio x the training steps)")
     else:
         flags.append(f"--warmup-steps {int(warmup)}")
     schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
@@ -236,6 +242,9 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         )
     if get("bf16", False) or get("fp16", False):
         flags.append(f"--precision {'bf16' if get('bf16', False) else 'fp16'}")
+    smoothing = get("label_smoothing_factor", 0.0)
+    if smoothing != 0.0:
+        flags.append(f"--label-smoothing {smoothing}")
     if get("gradient_checkpointing", False):
         flags.append("--recompute full")
     if get("torch_compile", False):
@@ -300,11 +309,20 @@ def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: lis
     """An accelerate DeepSpeed plugin's offload, fp16 scaler, clipping and accumulation (its
     settings in the config itself) as megapar-train's flags; what has none goes to `said`."""
     flags = []
-    offloads = {
-        part: str(deepspeed.get(f"offload_{part}_device", "none")).lower() in ("cpu", "nvme")
+    devices = {
+        part: str(deepspeed.get(f"offload_{part}_device", "none")).lower()
         for part in ("optimizer", "param")
     }
-    if offloads["optimizer"]:
+    for part, device in devices.items():
+        if device == "nvme":  # as a DeepSpeed config's offload to nvme is said
+            said.append(f"offload_{part}_device nvme: no equivalent (megapar offloads to the host)")
+    offloads = {part: device == "cpu" for part, device in devices.items()}
+    if offloads["optimizer"] and stage == 0:
+        said.append(
+            "offload_optimizer_device with zero_stage 0: megapar offloads the optimizer state "
+            "under --zero 1, 2 or 3"
+        )
+    elif offloads["optimizer"]:
         flags.append("--offload-optimizer")
     if offloads["param"] and stage != 3:
         said.append("offload_param_device: DeepSpeed offloads parameters at stage 3 only")
@@ -411,9 +429,19 @@ FSDP_OPTIONS = (
 """The Trainer's `fsdp` options (transformers' `FSDPOption`)."""
 
 
-def trainer_arguments(data: dict, path: str) -> str:
-    """Why `path`, the Trainer's arguments, is not read, with its settings as flags."""
+def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> str:
+    """Why `path`, the Trainer's arguments, is not read, with its settings as flags (or the
+    first of them whose value megapar-train refuses, `refused`)."""
+    if all(str(data.get(key)).lower() in ("true", "1") for key in ("bf16", "fp16")):
+        return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     flags, said = trainer_flags(data)
+    problem = refused(flags) if refused is not None else None
+    if problem:
+        return (
+            f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which "
+            f"megapar-train does not read, and a value in it is one megapar-train refuses: "
+            f"{problem}; correct it in the file"
+        )
     return (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
         f"does not read: give its settings as megapar-train flags: {' '.join(flags)}; "
@@ -459,8 +487,9 @@ ACCELERATE_STRATEGIES = {
 (newer files give the name, or FSDP2's `fsdp_reshard_after_forward` true / false)."""
 
 
-def accelerate_config(data: dict, path: str) -> str:
-    """Why `path`, an accelerate config, is not read, with what megapar-train takes instead."""
+def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> str:
+    """Why `path`, an accelerate config, is not read, with what megapar-train takes instead
+    (or the first of its flags whose value megapar-train refuses, `refused`)."""
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
@@ -508,7 +537,7 @@ def accelerate_config(data: dict, path: str) -> str:
             )
             file_settings = True
         else:
-            flags.append(f"--zero {stage}" if stage in (1, 2, 3) else "--zero 1, 2 or 3")
+            flags.append(f"--zero {stage}" if stage in (0, 1, 2, 3) else "--zero 1, 2 or 3")
             flags += _accelerate_deepspeed(deepspeed, stage, data.get("mixed_precision"), said)
     elif kind == "MEGATRON_LM":
         megatron = data.get("megatron_lm_config")
@@ -555,6 +584,12 @@ def accelerate_config(data: dict, path: str) -> str:
         if isinstance(machines, int) and machines > 1
         else ""
     )
+    problem = refused(flags) if refused is not None else None
+    if problem:
+        return (
+            f"{path} is an accelerate config, which megapar-train does not read, and a value in "
+            f"it is one megapar-train refuses: {problem}; correct it in the file"
+        )
     return (
         f"{path} is an accelerate config, which megapar-train does not read: megapar-train "
         f"starts its tp x cp x pp x dp workers itself (no accelerate launch); give "

@@ -57,6 +57,8 @@ from megapar.wording import counted
 
 _EXAMPLE_PATHS = {
     "save": "ckpt",
+    "load": "ckpt",  # an unset $CKPT: a run from scratch, without a word
+    "from_hf": "hf_model",
     "log_json": "run.jsonl",
     "tensorboard": "tb",
     "data_cache": "~/.cache/megapar",
@@ -78,6 +80,17 @@ def check_settings(cfg) -> None:
                 f"{flag_of(name)} '' is an empty path: give a path (e.g. "
                 f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
             )
+    data = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    if "" in data:  # an unset $DATA: the shipped sample, without a word
+        raise UsageError(
+            "--data '' is an empty path: give a text file, a directory of them or a prepared "
+            "prefix (e.g. --data corpus.txt), or leave the flag out (the shipped sample)"
+        )
+    if cfg.model == "":  # an unset $MODEL: the default model, without a word
+        raise UsageError(
+            "--model '' is an empty name: give a recipe (e.g. --model gpt2-tiny) or a model "
+            "config file, or leave the flag out"
+        )
     if cfg.wandb_project is not None and not cfg.wandb_project.strip():  # an unset $PROJECT
         raise UsageError(
             "--wandb-project '' is an empty name: give a project (e.g. --wandb-project "
