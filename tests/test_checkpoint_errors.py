@@ -406,6 +406,26 @@ def test_a_manifest_missing_a_tensor_is_one_line_for_every_reader(src, tmp_path,
     assert not (tmp_path / "dst").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_a_manifest_whose_model_config_was_edited_names_the_shape(src, tmp_path, capsys):
+    """A manifest whose model's width was edited (its digest redone) said "its tensors do not
+    match its own model config (e.g. [])": the names matched, only the shapes did not (a
+    re-test); the first tensor of another shape is named with both shapes."""
+    import json
+
+    from megapar.checkpoint.format import MANIFEST
+    from megapar.checkpoint.manifest import write_manifest
+
+    manifest = json.loads((src / MANIFEST).read_text())
+    manifest["model"]["n_embd"] *= 2
+    write_manifest(src, manifest)
+    for argv in ([str(src), "--to-hf", str(tmp_path / "hf")], ["--info", str(src)]):
+        assert main(argv) == 2, argv
+        line = _one_line(capsys)
+        assert re.search(r"step_\d+: \S+ has shape \[\d+, \d+\], its own model config expects "
+                         r"\[\d+, \d+\]; the manifest is damaged", line), line
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
 def test_a_pickled_hf_checkpoint_that_is_not_plain_weights_is_one_line(tmp_path, capsys):
     import torch
     from transformers import GPT2Config

@@ -560,14 +560,19 @@ def model_tensors(step_dir, manifest: dict, layout: Layout | None = None) -> dic
     target = {  # a checkpoint saved before buffers were kept has none
         n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")
     }
-    if set(source) != set(target) or any(
-        source[n]["full_shape"] != e["full_shape"] for n, e in target.items()
-    ):
-        odd = sorted(set(source) ^ set(target))[:5]
+    odd = sorted(set(source) ^ set(target))[:5]
+    if odd:
         raise CheckpointFileError(
             f"{step_dir}: its tensors do not match its own model config "
             f"(e.g. {odd}); the manifest is damaged, restore it or use another checkpoint"
         )
+    for name, entry in target.items():
+        if source[name]["full_shape"] != entry["full_shape"]:
+            raise CheckpointFileError(
+                f"{step_dir}: {name} has shape {list(source[name]['full_shape'])}, its own "
+                f"model config expects {list(entry['full_shape'])}; the manifest is damaged, "
+                f"restore it or use another checkpoint"
+            )
     return target
 
 
