@@ -229,6 +229,10 @@ def test_a_capacity_over_a_split_sequence_is_said_to_depend_on_the_layout(common
     assert "under --sequence-parallel at --tp 2: " in note, note
     assert said("--cp", "2") == said("--tp", "2", "--moe-capacity-factor", "1") == []
     assert said("--dp", "2", "--ep", "2", "--moe-capacity-factor", "1") == []
+    # the experts split over tp gather the sequence's tokens: one process's capacity (a
+    # guide's tryout: the note was said, and the run gave one process's numbers)
+    assert said("--tp", "2", "--sequence-parallel", "--moe-capacity-factor", "1",
+                "--expert-tensor-parallel-size", "2") == []
 
 
 def _canonical(step_dir):

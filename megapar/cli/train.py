@@ -92,7 +92,9 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     given = "expert_tensor_parallel_size" in explicit(cfg)
     config = config_from_dict(plan.model_config)
     notes.extend(expert_tp_note(cfg, config, layout, given))
-    notes.extend(capacity_note(config, layout, cfg.sequence_parallel))
+    notes.extend(
+        capacity_note(config, layout, cfg.sequence_parallel, cfg.expert_tensor_parallel_size)
+    )
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan

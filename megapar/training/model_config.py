@@ -210,13 +210,15 @@ def ep_model_error(config, ep: int, api: bool = False, ranks: int | None = None)
     return None
 
 
-def capacity_note(config, layout, sequence_parallel: bool) -> list[str]:
+def capacity_note(config, layout, sequence_parallel: bool, expert_tp: int = 1) -> list[str]:
     """megapar-train's start-up note where an expert capacity counts a split sequence's tokens:
-    under cp, or sequence parallelism at tp > 1, each rank's capacity is of its own tokens (as
-    Megatron's is), so which tokens are dropped depends on the layout; [] otherwise."""
+    under cp, or sequence parallelism at tp > 1 with the experts whole on each tp rank
+    (`expert_tp` 1: with them split over tp the tp ranks gather the sequence's tokens before
+    the experts), each rank's capacity is of its own tokens (as Megatron's is), so which tokens
+    are dropped depends on the layout; [] otherwise."""
     factor = getattr(config, "moe_capacity_factor", None)
     split = [f"--cp {layout.cp}"] if layout.cp > 1 else []
-    if sequence_parallel and layout.tp > 1:
+    if sequence_parallel and layout.tp > 1 and expert_tp != layout.tp:
         split.append(f"--sequence-parallel at --tp {layout.tp}")
     if not factor or not split:
         return []
