@@ -952,6 +952,34 @@ def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(
     assert "its data order cannot continue" in str(e.value), str(e.value)
 
 
+def test_a_resume_of_the_shipped_sample_on_other_data_names_data():
+    """A checkpoint trained on the shipped sample, resumed with a --data: the refusal said
+    "dataset_len 1364 (checkpoint) vs 22648" and the four flags to check, not --data (a guide
+    re-test); it names --data and the sample, with a second flag beside it."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    saved = {"seq_len": 128, "val_fraction": 0.0, "global_batch_size": 16, "seed": 1234,
+             "data": None}
+    manifest = {"meta": {"train_config": saved, "sampler": {
+        "dataset_len": 682, "global_batch_size": 16, "seed": 1234}}}
+    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=128, val_fraction=0.0,
+                      data="corpus.txt")
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 22648)
+    assert str(e.value) == (
+        "--data corpus.txt differs from the checkpoint's (the shipped sample): --load ck cannot "
+        "continue its data order (dataset_len 682 (checkpoint) vs 22648); resume without --data "
+        "(the checkpoint's shipped sample is taken), or pass --allow-data-change to continue on "
+        "this data on purpose (its data order starts anew)")
+    cfg.seq_len = 64
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 45296)
+    assert "; --seq-len 64 differs from the checkpoint's 128: --load ck" in str(e.value)
+    assert "resume with --seq-len 128 and without --data (or leave them out" in str(e.value)
+
+
 def _split_of_documents(tmp_path, lengths, **settings):
     """A run's config on an index of documents of `lengths` tokens (seq-len 32), its
     `training_documents` as a resume compares them, and the training samples they make."""

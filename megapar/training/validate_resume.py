@@ -785,24 +785,32 @@ def check_resumable(
             **train_config,
             **({"seed": state["seed"]} if "seed" in diff else {}),
         }
+        sample = "data" in saved and saved["data"] is None  # it trained on the shipped sample
         changed = [
             k
             for k in ("data", "seq_len", "val_fraction", "seed")
             if (k in diff or "dataset_len" in diff)
-            and saved.get(k) is not None
+            and (saved.get(k) is not None or (k == "data" and sample and cfg.data is not None))
             and not _same_value(k, saved[k], getattr(cfg, k))
         ]
         if changed:  # the flag that changed the sample count is named first, not dataset_len
             lead = "; ".join(
                 f"{flag_of(k)} {_shown(getattr(cfg, k))} differs from the checkpoint's "
-                f"{_shown(saved[k])}"
+                f"{'(the shipped sample)' if saved[k] is None else _shown(saved[k])}"
                 for k in changed
             )
-            back = " ".join(f"{flag_of(k)} {_shown(saved[k])}" for k in changed)
+            kept = [k for k in changed if saved[k] is not None]
+            back = " ".join(f"{flag_of(k)} {_shown(saved[k])}" for k in kept)
+            without = " and without --data" if len(kept) < len(changed) else ""
+            resume = (
+                f"resume with {back}{without} (or leave {'them' if len(changed) > 1 else 'it'} "
+                f"out: the checkpoint's is taken)"
+                if kept
+                else "resume without --data (the checkpoint's shipped sample is taken)"
+            )
             raise UsageError(
                 f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
-                f"resume with {back} (or leave {'them' if len(changed) > 1 else 'it'} out: the "
-                f"checkpoint's is taken){other}"
+                f"{resume}{other}"
             )
         if diff == ["dataset_len"] and batch != cfg.global_batch_size:
             raise UsageError(  # the validation split grew (or shrank) to hold one batch
