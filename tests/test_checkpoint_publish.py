@@ -230,6 +230,18 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
     assert len(err.strip().splitlines()) == 1 and not started
     assert ("holds step_00000003, step_00000006, of an earlier run, and this run starts from "
             "scratch" in err and f"resume it with --load {root}, give another --save" in err)
+    # a fresh run of another model: --load ROOT would resume the other model (a guide re-test)
+    other = [*common[:1], "llama-tiny", *common[2:]]
+    for rehearse in ([], ["--dry-run"]):  # (a rehearsal's model keeps its own vocabulary)
+        assert train_cli.main([*other, *rehearse, "--max-steps", "8", "--save", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert (f"megapar-train: error: --save {root} holds step_00000003, step_00000006, of an "
+                f"earlier run of a gpt2 model, and this run trains a llama: this run's saves "
+                f"would replace or mix with them; give another --save, or pass --overwrite-newer "
+                f"to delete them") in err, err
+    for rehearse in ([], ["--dry-run"]):  # the same model's: resume it (the generic line)
+        assert train_cli.main([*common, *rehearse, "--max-steps", "8", "--save", str(root)]) == 2
+        assert f"resume it with --load {root}" in capsys.readouterr().err
     assert train_cli.main([*common, "--max-steps", "8", "--load", str(root), "--save",
                            str(root)]) == 0
     assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2

@@ -135,7 +135,7 @@ def plan_data(
     if cfg.save and takes_save_lock():
         check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
     check_save_format(cfg)  # a Hugging Face model's (or DCP) directory: never mixed
-    check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+    check_newer_steps(cfg, manifest, config)  # steps a resumed or fresh run would overwrite
     if not cfg.dry_run:
         notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)

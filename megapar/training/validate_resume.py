@@ -168,11 +168,13 @@ def _check_save_outside_checkpoint(cfg) -> None:
         )
 
 
-def check_newer_steps(cfg, manifest: dict | None) -> None:
+def check_newer_steps(cfg, manifest: dict | None, config=None) -> None:
     """--save holding complete steps newer than the step this run starts from (--load's, or 0
     for a fresh start): its saves would replace them, and `latest` would go back, leaving two
-    runs' steps mixed. Refused unless --overwrite-newer. A requeue (--load naming the --save
-    root itself) resumes that root's `latest`, and redoes any step past it the same way."""
+    runs' steps mixed. Refused unless --overwrite-newer; a fresh run's refusal says where those
+    steps are of another model than its own (`config`), which --load would not resume. A
+    requeue (--load naming the --save root itself) resumes that root's `latest`, and redoes any
+    step past it the same way."""
     if not cfg.save or cfg.overwrite_newer:
         return
     save = os.path.realpath(os.path.expanduser(cfg.save))
@@ -191,6 +193,17 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
         else "of an earlier run, and this run starts from scratch"
     )
     resume = "" if manifest is not None else f"resume it with --load {shell_word(cfg.save)}, "
+    other = None
+    if manifest is None and config is not None:
+        # a rehearsal skips the data: its model keeps its own vocabulary, not the tokenizer's
+        unknown = ("vocab_size",) if cfg.dry_run else ()
+        other = _other_model(cfg.save, newer[-1], config.to_dict(), "this run", unknown)
+    if other is not None:
+        raise UsageError(
+            f"--save {cfg.save} holds {shown}, of an earlier run of {other}: this run's saves "
+            f"would replace or mix with them; give another --save, or pass --overwrite-newer "
+            f"to delete them"
+        )
     raise UsageError(
         f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
         f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
@@ -205,28 +218,36 @@ def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
     so another --save is the fix."""
     if not saved:
         return
-    try:
-        theirs = dict(read_manifest(os.path.join(os.path.expanduser(cfg.save), saved[-1]))["model"])
-    except (CheckpointError, KeyError, OSError, ValueError):
-        return  # nothing to compare with; loading that step names what is wrong with it
-    ours = dict(manifest["model"])
-    if theirs.get("model_type") != ours.get("model_type"):
-        shown = (
-            f"a {theirs.get('model_type')} model, and this run trains a {ours.get('model_type')}"
-        )
-    else:
-        theirs = {**config_from_dict(theirs).to_dict(), **theirs}
-        ours = {**config_from_dict(ours).to_dict(), **ours}
-        keys = differing_fields(ours, theirs)
-        if not keys:
-            return
-        shown = "another model: " + ", ".join(
-            f"{k}={theirs.get(k)!r} (--save) vs {ours.get(k)!r} (--load)" for k in keys[:3]
-        )
+    shown = _other_model(cfg.save, saved[-1], dict(manifest["model"]), "--load")
+    if shown is None:
+        return
     steps = ", ".join(saved) if len(saved) <= 4 else f"{saved[0]} ... {saved[-1]} ({len(saved)})"
     raise UsageError(
         f"--save {cfg.save} holds {steps} of {shown}: this run's saves would be mixed with "
         f"them; give another --save"
+    )
+
+
+def _other_model(
+    save: str, step: str, ours: dict, label: str, unknown: tuple[str, ...] = ()
+) -> str | None:
+    """How the model of --save's `step` differs from `ours` (a model config's dict, named by
+    `label`: "--load", "this run"; its fields `unknown` not compared): "a llama model, and this
+    run trains a gpt2", "another model: n_embd=768 (--save) vs 64 (--load)"; None where it is
+    the same, or the step cannot be read (loading it names what is wrong with it)."""
+    try:
+        theirs = dict(read_manifest(os.path.join(os.path.expanduser(save), step))["model"])
+    except (CheckpointError, KeyError, OSError, ValueError):
+        return None
+    if theirs.get("model_type") != ours.get("model_type"):
+        return f"a {theirs.get('model_type')} model, and this run trains a {ours.get('model_type')}"
+    theirs = {**config_from_dict(theirs).to_dict(), **theirs}
+    ours = {**config_from_dict(ours).to_dict(), **ours}
+    keys = [k for k in differing_fields(ours, theirs) if k not in unknown]
+    if not keys:
+        return None
+    return "another model: " + ", ".join(
+        f"{k}={theirs.get(k)!r} (--save) vs {ours.get(k)!r} ({label})" for k in keys[:3]
     )
 
 
