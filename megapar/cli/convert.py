@@ -817,10 +817,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     line: every output is renamed into place only when complete)."""
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
-    from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+    sigterm_exit_code = 128 + int(signal.SIGTERM)  # megapar.faults.stop's, before it imports
+    previous = None
+    try:  # a Ctrl-C while the imports below run (seconds: torch) is one line too
+        from megapar.faults.stop import sigterm_as_exit
 
-    previous = sigterm_as_exit()  # a SIGTERM cleans up (the staging directory) as Ctrl-C does
-    try:
+        previous = sigterm_as_exit()  # a SIGTERM cleans up (the staging directory) as Ctrl-C
         from megapar.checkpoint.format import CheckpointError
         from megapar.models.config import ConfigError
 
@@ -847,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report)  # a reader gone (| head) is not an error of the conversion's
     except (KeyboardInterrupt, SystemExit) as exc:
         sigterm = isinstance(exc, SystemExit)
-        if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
+        if isinstance(exc, SystemExit) and exc.code != sigterm_exit_code:
             raise
         print(
             f"megapar-convert: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing "
@@ -855,7 +857,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"destination is as it was)",
             file=sys.stderr,
         )
-        return SIGTERM_EXIT_CODE if sigterm else 130
+        return sigterm_exit_code if sigterm else 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
