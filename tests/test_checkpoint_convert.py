@@ -269,6 +269,9 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert main(["--from-hf", str(hf), str(tmp_path / "back"), "--no-progress"]) == 0
     assert (f"note: {hf} holds no tokenizer (tokenizer.json, vocab.json + merges.txt, or "
             f"tokenizer.model), so the checkpoint records none") in capsys.readouterr().out
+    # the line names the layout written, its dp too (it said tp and pp: a guide re-test)
+    assert main(["--from-hf", str(hf), str(tmp_path / "dp2"), "--dp", "2", "--no-progress"]) == 0
+    assert "(tp=1 pp=1 dp=2, step 0, no optimizer state)" in capsys.readouterr().out
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):

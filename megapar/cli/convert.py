@@ -619,7 +619,7 @@ def _from_hf(args, progress: bool) -> str:
         overwrite=args.overwrite,
         progress=progress,
     )
-    report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, no optimizer state)"
+    report = f"wrote {path} ({_written_layout(path)}, step 0, no optimizer state)"
     bos = sentencepiece_dir_bos(
         args.from_hf, then=f"import it again (add --overwrite to replace {dst})"
     )
@@ -728,7 +728,7 @@ def _dcp(args, progress: bool) -> str:
         overwrite=args.overwrite,
         progress=progress,
     )
-    report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
+    report = f"wrote {path} ({_written_layout(path)}, step 0, weights only)"
     if args.job_config:
         report += (
             f"\nnote: RoPE scaled as torchtitan's Llama 3 flavors scale it "
@@ -768,7 +768,7 @@ def _from_megatron(args, progress: bool) -> str:
     )
     it = "" if reader.iteration is None else f" iteration {reader.iteration}"
     report = (
-        f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only) from Megatron "
+        f"wrote {path} ({_written_layout(path)}, step 0, weights only) from Megatron "
         f"{reader.path.name}{it}"
     )
     if reader.spec_vocab is not None:
@@ -808,6 +808,14 @@ def _disk_full(exc: BaseException) -> str | None:
         if words in str(exc) or f"os error {code})" in str(exc):
             return words
     return None
+
+
+def _written_layout(path) -> str:
+    """The layout the checkpoint step `path` was written in (its manifest's: tp, pp and dp)."""
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.mesh import Layout
+
+    return str(Layout(**read_manifest(path)["layout"]))
 
 
 @quiet_when_stdout_closes
