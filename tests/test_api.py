@@ -1996,3 +1996,21 @@ def test_prepare_refuses_an_ep_that_does_not_divide_dp_x_cp_in_the_apis_terms():
         "megapar.prepare: ep=2 does not divide dp x cp = dp=1 x cp=1 = 1: experts are sharded "
         "over the data- and context-parallel ranks; use ep=1 (the only value dividing dp x cp = "
         "1 and the 4 experts), or change dp / cp")
+
+
+def test_a_batch_without_input_ids_names_its_keys():
+    """A misspelt key ({"input_id": ...}) read "takes a dict of tensors ..., got dict" about a
+    dict (a Python API tryout); it names the keys the batch has."""
+    from types import SimpleNamespace
+
+    from megapar.training.batch_check import check_batch
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(TypeError) as exc:
+        check_batch({"input_id": ids, "labels": ids}, SimpleNamespace(model_type="gpt2"))
+    assert str(exc.value) == ("train_step: the batch has no 'input_ids' (its keys: 'input_id', "
+                              "'labels'); it takes a dict of tensors with at least 'input_ids' "
+                              "(and 'labels' to train)")
+    with pytest.raises(TypeError, match=r"at least 'input_ids' \(and 'labels' to train\), got "
+                                        r"tuple$"):
+        check_batch((ids, ids), SimpleNamespace(model_type="gpt2"))

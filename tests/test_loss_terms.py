@@ -262,3 +262,27 @@ def test_a_resume_takes_the_loss_terms_unless_given():
     cfg = parse_args(["--load", "ck", "--label-smoothing", "0", "--z-loss", "1e-3"])
     settings_from_checkpoint(cfg, manifest)
     assert (cfg.label_smoothing, cfg.z_loss) == (0.0, 1e-3)
+
+
+def _vector_loss():
+    import megapar
+
+    engine = megapar.prepare("gpt2-tiny", micro_batch_size=2,
+                             loss_fn=lambda per_token, batch: per_token.sum(-1))
+    ids = torch.randint(0, 100, (4, 8))
+    try:
+        engine.train_step({"input_ids": ids, "labels": ids})
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_loss_fn_returning_a_vector_names_its_shape():
+    """A hook returning a vector said "loss_fn returned (2,)", which reads as a tuple (a Python
+    API tryout): the tensor is named with its dtype and shape."""
+    from megapar.launcher import run_local
+
+    said = run_local(_vector_loss, 1)[0]
+    assert said == ("megapar.prepare's loss_fn returned a float32 tensor of shape (2,), not a "
+                    "0-dim floating tensor: return the micro-batch's loss, e.g. (per_token * "
+                    "w).sum() / w.sum()"), said

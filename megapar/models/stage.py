@@ -214,7 +214,11 @@ class StageModel(nn.Module):
         assert self.loss_fn is not None
         loss = self.loss_fn(per_token, batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-            shown = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            shown = (
+                f"a {str(loss.dtype).removeprefix('torch.')} tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}"
+            )
             raise TypeError(
                 f"megapar.prepare's loss_fn returned {shown}, not a 0-dim floating tensor: "
                 f"return the micro-batch's loss, e.g. (per_token * w).sum() / w.sum()"

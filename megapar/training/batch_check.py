@@ -43,10 +43,16 @@ def check_batch(
     tensors of one row per sequence.
     Everything here is local: a bad batch fails on every rank that holds it before any
     communication."""
-    if not isinstance(batch, dict) or "input_ids" not in batch:
+    if not isinstance(batch, dict):
         raise TypeError(
             f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
             f"to train), got {type(batch).__name__}"
+        )
+    if "input_ids" not in batch:
+        keys = ", ".join(map(repr, batch)) or "none"
+        raise TypeError(
+            f"{what}: the batch has no 'input_ids' (its keys: {keys}); it takes a dict of "
+            f"tensors with at least 'input_ids' (and 'labels' to train)"
         )
     if what in ("train_step", "eval_step") and "labels" not in batch:
         raise ValueError(  # eval_step's loss needs them too (else only the last stage fails)
