@@ -2014,3 +2014,39 @@ def test_a_batch_without_input_ids_names_its_keys():
     with pytest.raises(TypeError, match=r"at least 'input_ids' \(and 'labels' to train\), got "
                                         r"tuple$"):
         check_batch((ids, ids), SimpleNamespace(model_type="gpt2"))
+
+
+def _tokenizer_taken(tmp):
+    engine = megapar.prepare("gpt2-tiny", tokenizer="gpt2")
+    engine.save(f"{tmp}/ck")
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.checkpoint.publish import resolve_checkpoint
+
+    recorded = read_manifest(resolve_checkpoint(f"{tmp}/ck"))["meta"]["tokenizer"]
+    try:
+        engine.export_hf(f"{tmp}/hf", tokenizer=object())
+    except TypeError as exc:
+        refused = str(exc)
+    return engine.tokenizer["path"], recorded["path"], refused
+
+
+def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(tmp_path):
+    """prepare(tokenizer=...) was taken and never read (engine.tokenizer None, the checkpoint
+    recording none, export_hf warning of none), tokenizer=12345 failed at engine.save with a
+    TypeError from os.path, and export_hf(tokenizer=<a transformers tokenizer>) with one from
+    os.stat (a Python API tryout): the spec is the engine's tokenizer, anything else one
+    line."""
+    from megapar.launcher import run_local
+
+    taken, recorded, refused = run_local(_tokenizer_taken, 1, str(tmp_path))[0]
+    assert taken == recorded == "gpt2"
+    assert refused == ("engine.export_hf: tokenizer takes where a tokenizer is: 'gpt2', "
+                       "'sentencepiece', a SentencePiece .model file, or a transformers "
+                       "tokenizer's directory (e.g. the one tok.save_pretrained(DIR) writes); "
+                       "not a object object")
+    with pytest.raises(TypeError, match=r"^megapar.prepare: tokenizer takes where a tokenizer "
+                                        r"is: .*; not a int object$"):
+        megapar.prepare("gpt2-tiny", tokenizer=12345)
+    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer='nowhere/tok' cannot be "
+                                         r"loaded; pass 'gpt2', "):
+        megapar.prepare("gpt2-tiny", tokenizer="nowhere/tok")

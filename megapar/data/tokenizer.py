@@ -25,6 +25,13 @@ _ROLE_OF: dict[str, str] = {
     "[EOD]": "eod_id",
 }
 
+TOKENIZER_SPECS = (
+    "'gpt2', 'sentencepiece', a SentencePiece .model file, or a transformers tokenizer's "
+    "directory (e.g. the one tok.save_pretrained(DIR) writes)"
+)
+"""What the Python API's `tokenizer` keywords (`megapar.prepare`'s, `engine.export_hf`'s) take,
+as words for their errors."""
+
 
 @dataclass(frozen=True)
 class SpecialTokens:

@@ -37,6 +37,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.publish import steps_after
 from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
+from megapar.data.tokenizer import TOKENIZER_SPECS
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
@@ -701,6 +702,11 @@ class Engine:
         leaves anything else there alone; refuses the directory the weights came from
         (`source_dir`). Collective; rank 0 writes (`training.export`)."""
         _check_path("engine.export_hf", path)
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            raise TypeError(  # on every rank: a transformers tokenizer object, say
+                f"engine.export_hf: tokenizer takes where a tokenizer is: {TOKENIZER_SPECS}; "
+                f"not a {type(tokenizer).__name__} object"
+            )
         if self.source_dir and Path(path).expanduser().resolve() == Path(self.source_dir):
             raise ValueError(  # on every rank: the one copy of the weights it started from
                 f"engine.export_hf: {path} is the transformers model this engine started from; "

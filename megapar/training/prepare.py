@@ -20,6 +20,7 @@ from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.checkpoint.hf_names import hf_parameter_names
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.data.tokenizer import TOKENIZER_SPECS
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.env_seconds import problem as env_problem
@@ -377,6 +378,7 @@ def prepare(
         )
     _check_choices(cfg)
     _check_loss_fn(loss_fn, cfg)
+    given_tokenizer = _given_tokenizer(options)
     _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
@@ -410,8 +412,43 @@ def prepare(
         _load_checkpoint_weights(engine, reader)
     elif reader is not None:
         _load_model_weights(engine, model, reader, seed)
+    if given_tokenizer is not None:
+        _take_tokenizer(engine, given_tokenizer, options["tokenizer"])
     set_action("megapar.prepare returned; in the caller's code")
     return engine
+
+
+def _given_tokenizer(options: dict) -> dict | None:
+    """What the checkpoints record of the `tokenizer` keyword's tokenizer (`recorded_tokenizer`),
+    None where none is given; TypeError for a value that is no spec (a tokenizer object),
+    ValueError for one that does not load."""
+    if "tokenizer" not in options:
+        return None
+    spec = options["tokenizer"]
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(
+            f"megapar.prepare: tokenizer takes where a tokenizer is: {TOKENIZER_SPECS}; not a "
+            f"{type(spec).__name__} object"
+        )
+    record = recorded_tokenizer(os.path.expanduser(os.fspath(spec)))
+    if record is None:
+        raise ValueError(
+            f"megapar.prepare: tokenizer={spec!r} cannot be loaded; pass {TOKENIZER_SPECS}"
+        )
+    return record
+
+
+def _take_tokenizer(engine, record: dict, given) -> None:
+    """The `tokenizer` keyword's tokenizer (`record`) as the engine's, which its checkpoints
+    and export_hf carry; ValueError where the source (a checkpoint, a transformers directory)
+    records another."""
+    own = engine.tokenizer
+    if isinstance(own, dict) and own.get("sha256") and own["sha256"] != record["sha256"]:
+        raise ValueError(
+            f"megapar.prepare: tokenizer={given!r} is not the tokenizer the model comes with "
+            f"({own.get('path')}: its files differ); drop tokenizer= (the model's is taken)"
+        )
+    engine.tokenizer = record
 
 
 def _check_loss_fn(loss_fn, cfg: TrainConfig) -> None:
