@@ -871,7 +871,8 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     stand_ins = {
-        "srun": f'echo "$MASTER_PORT $PYTHON" > "$LOG.env"; exit {torchrun_rc}',
+        "srun": 'echo "$MASTER_PORT $PYTHON $TORCH_ELASTIC_SHUTDOWN_TIMEOUT '
+                f'$MEGAPAR_STOP_GRACE_S" > "$LOG.env"; exit {torchrun_rc}',
         "scontrol": 'if [ "$1" = requeue ]; then echo "$2" >> "$LOG"; else echo node0; fi',
         "squeue": "echo 3:00",  # minutes:seconds left
         "date": 'n=$(cat "$CLOCK" 2>/dev/null || echo 1000); echo $((n + 600)) > "$CLOCK"; '
@@ -888,8 +889,10 @@ def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
     assert out.returncode == rc, out.stderr
     log = tmp_path / "log"
     assert (log.read_text() if log.exists() else "") == ("77\n" if requeued else ""), out.stderr
-    # the job's own port (a fixed 29500 until 2026-12-04) and the environment's interpreter
-    assert (tmp_path / "log.env").read_text() == "15077 python3\n"
+    # the job's own port (a fixed 29500 until 2026-12-04), the environment's interpreter, and
+    # a stop of up to 90 s inside the signal's 120 s lead (torchrun's SIGKILL came 30 s after
+    # it, megapar's grace for a wait ended at 20 s: a cluster user's rehearsal)
+    assert (tmp_path / "log.env").read_text() == "15077 python3 100 90\n"
 
 
 @pytest.mark.parametrize("env, nproc", [({}, "8"), ({"SLURM_GPUS_PER_NODE": "a100:4"}, "4"),
