@@ -695,6 +695,11 @@ def test_explain_v_on_a_one_chunk_schedule_names_the_schedules_that_take_it(caps
                           "model chunk per rank: give it, or leave v out") in out.out, out.out
 
 
+def _command(out: str) -> str:
+    """The plan's command line (the notes after it apart)."""
+    return next(line for line in out.splitlines() if line.startswith("command: "))
+
+
 def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     """--target cpu plans megapar-train on CPU ranks, but the plan's first line, its table's
     memory column and --explain's TFLOP/s said GPUs; they say CPU ranks / rank, and the GPU
@@ -713,18 +718,24 @@ def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
     assert ("(its resident set's rise over the process's baseline, 272 MiB, which --explain "
             "adds; fits compares the rise with --gpu-memory-gb, the baseline apart)"
             ) in out.out, out.out
+    # and a note that the command reads no data: pasted, it trained on the shipped sample with
+    # gpt2's vocabulary (a cluster user's rehearsal)
+    assert ("  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC (plan "
+            "with --tokenizer SPEC for the command to carry it): without them megapar-train "
+            "trains on its shipped sample with gpt2's tokenizer, whose vocabulary replaces the "
+            "model's 50,257 the plan counts") in out.out, out.out
     # its command leaves the A100's peak out: megapar-train's CPU default gives its MFU (a new
     # user's CPU run of the printed command logged MFU 0.00 % at 312); a peak given is kept
-    command = out.out.splitlines()[-1]
+    command = _command(out.out)
     assert command.startswith("command: megapar-train ") and "--peak-tflops" not in command
     code, out = _cli(capsys, *base, "--target", "cpu", "--top", "1", "--peak-tflops", "2")
-    assert code == 0 and "--peak-tflops 2 " in out.out.splitlines()[-1], out.out
+    assert code == 0 and "--peak-tflops 2 " in _command(out.out), out.out
     # a GPU plan's too: megapar-train takes the GPU's datasheet peak (pasted onto an H100,
     # --peak-tflops 312 logged 3.2 x its MFU); a peak given is kept
     code, out = _cli(capsys, *base, "--top", "1")
-    assert code == 0 and "--peak-tflops" not in out.out.splitlines()[-1], out.out
+    assert code == 0 and "--peak-tflops" not in _command(out.out), out.out
     code, out = _cli(capsys, *base, "--top", "1", "--peak-tflops", "989")
-    assert code == 0 and "--peak-tflops 989 " in out.out.splitlines()[-1], out.out
+    assert code == 0 and "--peak-tflops 989 " in _command(out.out), out.out
     code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
     assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out
     code, out = _cli(capsys, *base, "--top", "2")

@@ -74,6 +74,7 @@ from megapar.plan.report import (
     attention_note,
     batch_json,
     command,
+    data_note,
     documents_note,
     expert_lines,
     explain,
@@ -745,6 +746,7 @@ def _explain(args, problem) -> int:
     if e.process is not None:
         print(describe(e.process))
     print(f"command: {cmd}")
+    print(data_note(problem))
     if launch := multinode_note(problem):
         print(launch)
     for m in missing:
@@ -846,6 +848,7 @@ def main(argv=None) -> int:
         "\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem, estimates)])
     )
     print(f"command: {cmd[0]}")
+    print(data_note(problem))
     if launch := multinode_note(problem):
         print(launch)
     for m in cmd[1]:

@@ -200,6 +200,23 @@ def _nodes(p: Problem) -> int:
     return -(-p.gpus // p.gpus_per_node)
 
 
+def data_note(p: Problem) -> str:
+    """What `command`'s megapar-train line lacks: the data (megapar-plan reads none), without
+    which the run trains on megapar's shipped sample, with gpt2's tokenizer's vocabulary in
+    place of the model's where the plan was given no --tokenizer."""
+    if p.tokenizer:
+        return (
+            f"  note: add your corpus as --data PATH (tokenized with --tokenizer "
+            f"{p.tokenizer}): without it megapar-train trains on its shipped sample"
+        )
+    return (
+        f"  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC (plan "
+        f"with --tokenizer SPEC for the command to carry it): without them megapar-train "
+        f"trains on its shipped sample with gpt2's tokenizer, whose vocabulary replaces the "
+        f"model's {p.config.vocab_size:,} the plan counts"
+    )
+
+
 def multinode_note(p: Problem) -> str:
     """How to run `command`'s torchrun line on a job of several nodes ("" on one node)."""
     nodes = _nodes(p)
