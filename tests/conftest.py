@@ -52,6 +52,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _refusals_without_the_lead(monkeypatch):
+    """A process that does not print a start-up refusal under torchrun waits
+    `REFUSAL_LEAD_S` (5 s) for the one that does (`worker_exit._after_the_printer`); tests
+    that pose as such processes do not (`test_worker_exit_lead` checks the wait)."""
+    monkeypatch.setattr("megapar.cli.worker_exit.REFUSAL_LEAD_S", 0.0)
+
+
 @pytest.fixture
 def run():
     """`run(fn, world_size, *args)`: fn on world_size forked gloo ranks, list of results."""

@@ -2858,3 +2858,24 @@ def test_a_translated_config_says_what_it_has_no_flag_for(tmp_path):
                               "warmup_steps": 0.05})
     assert "--label-smoothing 0.1" in line and ("warmup_steps 0.05: --warmup-steps (the ratio x "
                                                 "the training steps)") in line, line
+
+
+def test_worker_exit_lead(monkeypatch, capsys):
+    """Under torchrun a node's process that does not print a start-up refusal exits after the
+    one that prints it: torchrun ended the printing process (SIGTERM) once another exited, and
+    the line was lost (1 run in 4 of --tp 3 on 4 processes, a cluster user's rehearsal)."""
+    import time
+
+    import megapar.cli.worker_exit as worker_exit
+
+    monkeypatch.setattr(worker_exit, "REFUSAL_LEAD_S", 0.3)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    took = {}
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        start = time.perf_counter()
+        assert worker_exit.refused("megapar-train", "bad") == 2
+        took[local] = time.perf_counter() - start
+    assert took["0"] < 0.3 <= took["1"], took
+    assert capsys.readouterr().err == "megapar-train: error: bad\n"

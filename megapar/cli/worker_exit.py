@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,11 +128,28 @@ def prints_refusals() -> bool:
         return True
 
 
+REFUSAL_LEAD_S = 5.0
+"""How long a process that does not print a refusal every process makes (`prints_refusals`)
+waits before it exits: torchrun ends a node's other workers (SIGTERM) once one exits non-zero,
+and its first worker, about to print the line, was ended unheard (1 run in 4 of a --tp 3 on 4
+processes)."""
+
+
+def _after_the_printer() -> None:
+    """Under a launcher, in a process that does not print the refusal: wait `REFUSAL_LEAD_S`,
+    for the node's first process to print it before torchrun ends it."""
+    if under_launcher() and not prints_refusals():
+        time.sleep(REFUSAL_LEAD_S)
+
+
 def refused(tool: str, message: object) -> int:
     """Print `tool`'s one-line start-up error (bad input, before any worker) where
-    `prints_refusals` says; its exit code, 2, on every process."""
+    `prints_refusals` says; its exit code, 2, on every process (the others exit after the
+    one that prints, `_after_the_printer`)."""
     if prints_refusals():
         print(f"{tool}: error: {message}", file=sys.stderr)
+    else:
+        _after_the_printer()
     return 2
 
 
@@ -149,6 +167,7 @@ def parser_errors_once() -> Iterator[None]:
         line = said.getvalue().strip()
         if exc.code == 2 and line:
             tell_torchrun(line.splitlines()[-1], None)
+            _after_the_printer()
         raise
     finally:
         if prints_refusals():
