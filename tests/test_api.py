@@ -1413,8 +1413,9 @@ def test_ranks_making_different_calls_all_stop_at_once_naming_them(run, tmp_path
         for line, other in ((saved, "engine.save"), (evaluated, "eval_step"),
                             (polled, "engine.poll_save")):
             mine, theirs = ("train_step", other) if rank == 0 else (other, "train_step")
-            at = 2 if rank == 0 else 1  # the step a train_step is for, the others' done
-            assert line == (f"{mine}: rank {rank} is in {mine} at step {at} while rank "
+            # engine.step on both: it said the step a train_step is for (2) on one rank and
+            # the steps done (1) on the other (a Python API tryout)
+            assert line == (f"{mine}: rank {rank} is in {mine} at engine.step 1 while rank "
                             f"{1 - rank} is in {theirs}; {again}"), line
         assert max(t1, t2, t3) < 30, (t1, t2, t3)  # at once, not after the 60 s timeout
         assert last == "accepted" and step == 2, (last, step)

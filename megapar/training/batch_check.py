@@ -278,10 +278,11 @@ def same_call_on_every_rank(
         others = ranks_doing_otherwise(
             _calls_of_ranks(c, step, 0, device), lambda call, _: f"in {API_CALLS[call]}", rank
         )
+        taken = step - 1 if what == "train_step" else step  # engine.step: the steps taken
         raise RuntimeError(
-            f"{what}: rank {rank} is in {what} at step {step} while {others}; every rank must "
-            f"make the same megapar calls in the same order (train_step, eval_step, save, load, "
-            f"export_hf, params_whole, poll_save, wait_save: each is collective)"
+            f"{what}: rank {rank} is in {what} at engine.step {taken} while {others}; every "
+            f"rank must make the same megapar calls in the same order (train_step, eval_step, "
+            f"save, load, export_hf, params_whole, poll_save, wait_save: each is collective)"
         )
     if s_high != -s_low:
         others = ranks_doing_otherwise(
