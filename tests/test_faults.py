@@ -1959,3 +1959,24 @@ def test_gloo_noise_is_left_out_of_a_ranks_error():
              "logs of the remote worker before reporting an error. GLHF! 🏖️")  # its other words
     assert without_gloo_noise(reset) == (
         "RuntimeError: Read error [127.0.0.1]:23953: Connection reset by peer")
+
+
+def test_a_lost_connection_in_the_report_is_said_without_gloo_s_noise():
+    """A user's collective on some ranks only: the cause came first, then the waiting rank's
+    gloo error with its source path and advice ("[.../pair.cc:553] ... GLHF! 🏖️"), which the
+    report says in its own words (a Python API tryout): those are dropped there too."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=0) for _ in range(3)]
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+            " Connection closed by peer [127.0.0.1]:1234. This is typically caused by a remote "
+            "worker crashing. Check the logs of the remote worker before reporting an error. "
+            "GLHF! \U0001f3d6\ufe0f")
+    lines = blame(procs, {1: None}, {0: gloo + "\nTraceback ...", 2: gloo}).splitlines()
+    assert lines[0].startswith("rank 1 returned from the function while rank 0 still waited")
+    assert lines[1:] == ["rank 0 failed: RuntimeError: Connection closed by peer "
+                         "[127.0.0.1]:1234", "Traceback ...",
+                         "then: rank 2: RuntimeError: Connection closed by peer "
+                         "[127.0.0.1]:1234"], lines

@@ -140,7 +140,7 @@ def blame(
         rest = errors
     else:
         first = min(errors)
-        lines = [f"rank {first} failed: {errors[first]}"]
+        lines = [f"rank {first} failed: {without_gloo_noise(errors[first])}"]
         rest = {r: e for r, e in errors.items() if r != first}
         if outputs:  # they lost a peer that had returned: a call made on some ranks only
             done = sorted(outputs)
@@ -157,7 +157,10 @@ def blame(
     if rest:
         lines.append(
             "then: "
-            + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}" for r, e in sorted(rest.items()))
+            + "; ".join(
+                f"rank {r}: {without_gloo_noise(e.splitlines()[0])[:300]}"
+                for r, e in sorted(rest.items())
+            )
         )
     return "\n".join(lines)
 
