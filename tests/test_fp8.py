@@ -362,8 +362,10 @@ def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(c
     assert train_main(argv + ["--tp", "2", "--world-size", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.endswith(
-        f"--fp8 tensorwise --fp8-layers all at --tp 2: {problem}; use --tp 1, or --fp8 off\n"
-    ), err  # "use such a tp" where tp 1 is the only one (a fuzz run's wording point)
+        f"--fp8 tensorwise --fp8-layers all at --tp 2: {problem}; use --tp 1, or drop --fp8 "
+        f"tensorwise and --fp8-layers all\n"
+    ), err  # "use such a tp" where tp 1 is the only one (a fuzz run's wording point); "or
+    # --fp8 off" was refused next for --fp8-layers, which applies to --fp8 alone (another)
     plan = ["--model", "llama-tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len",
             "64", "--fp8", "tensorwise", "--fp8-layers", "all", "--explain", "tp=2,mbs=2"]
     assert plan_main(plan) == 1  # megapar-plan's answer for a candidate it finds invalid

@@ -13,6 +13,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import build_model
 from megapar.tensor_parallel.fp8_convert import layout_problem
 from megapar.training.validate_sharding import _terms
+from megapar.wording import and_list
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 matmuls (Ada; Hopper is 9.0, Blackwell 10.0)."""
@@ -109,8 +110,14 @@ def check_fp8_layout(cfg, config, tp: int, keyword: str | None = None) -> None:
         return
     term = _terms(keyword)
     where = f"{keyword}: " if keyword else ""
+    # without --fp8 its companions would be refused next (they apply to it alone)
+    off = [
+        term("fp8", cfg.fp8),
+        *([term("fp8_emulate", True)] if cfg.fp8_emulate else []),
+        *([term("fp8_layers", cfg.fp8_layers)] if cfg.fp8_layers != "auto" else []),
+    ]
     raise Fp8Error(
         f"{where}{term('fp8', cfg.fp8)} {term('fp8_layers', cfg.fp8_layers)} at "
         f"{term('tp', tp)}: {problem}; use "
-        f"{term('tp', 1) if 'only tp 1 ' in problem else 'such a tp'}, or {term('fp8', 'off')}"
+        f"{term('tp', 1) if 'only tp 1 ' in problem else 'such a tp'}, or drop {and_list(off)}"
     )
