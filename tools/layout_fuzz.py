@@ -31,7 +31,10 @@ step: docs/testing.md). Even at 1e-4 a zero-initialised bias can
 differ ~1.5e-5 after 3 steps (its update is ~lr per entry whatever the gradient, so its
 rounding noise is all the tensor holds), so a case whose logged numbers and replicas agree but
 whose weights do not, under an optimizer with Adam moments, is rerun with SGD (an update linear
-in the gradient): if that passes, the case is adam-noise, else a mismatch. A refused
+in the gradient): if that passes, the case is adam-noise, else a mismatch. An fp16 case whose
+gradients are reduced in fp16 (`fp16_wire`) and whose loss scale differs from the reference's
+(a step skipped on one side: the wire's range, which one process does not have) is rerun with
+--grad-reduce-dtype fp32: if that passes, the case is fp16-range, else a mismatch. A refused
 combination must be refused in one line on stderr with exit code 2; the line is recorded, and
 flagged (clear: false) when the refusal is not one line or comes with a traceback.
 
@@ -42,7 +45,8 @@ It is a tool, not part of the test suite (a run is minutes to hours of CPU)::
     PYTHONPATH=$PWD python3 tools/layout_fuzz.py --args "--model gpt2-tiny --tp 2 --zero 1"
 
 Each case appends one JSON line to OUT/results.jsonl (its arguments, its outcome: pass,
-mismatch, refused, crash, timeout or adam-noise, and the largest relative difference seen);
+mismatch, refused, crash, timeout, adam-noise or fp16-range, and the largest relative
+difference seen);
 one-process references are cached in OUT/ref by their arguments. `--args` runs one given case
 (layout flags and features; the rest as the fuzzer sets them). `--edges` puts one of EDGES (a
 setting at the edge of what a layout allows) on 30 % of the cases, to collect refusals.
@@ -501,6 +505,21 @@ def reference_case(case: dict) -> dict:
     return {**one_process(case), **special_reference(case)}
 
 
+def fp16_wire(case: dict) -> bool:
+    """Whether the case reduces its loss-scaled gradients over a wire of fp16's range: fp16
+    autocast at dp x cp > 1 with the default (fp16) or an fp16 --grad-reduce-dtype, without
+    ZeRO-3 (which reduces in fp32) or --grad-compression. Such a reduction overflows where a
+    scaled gradient or its sum passes 65,504, and skips a step that one process, whose fp32
+    gradients cross no wire, applies (docs/guides/precision-zero.md)."""
+    return (
+        case.get("--precision") == "fp16"
+        and case.get("--grad-reduce-dtype", "auto") in ("auto", "fp16")
+        and case.get("--dp", 1) * case.get("--cp", 1) > 1
+        and case.get("--zero", 0) != 3
+        and "--grad-compression" not in case
+    )
+
+
 def tolerance(case: dict) -> float:
     """The relative bound on the logged numbers, from the case's inexact mode:
 
@@ -899,6 +918,16 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
                 rec["sgd_check"] = {k: sub.get(k) for k in ("outcome", "max_rel", "weights_rel")}
                 if sub["outcome"] == "pass":
                     rec["outcome"] = "adam-noise"
+            if (
+                bad
+                and fp16_wire(case)
+                and any("loss_scale" in w or "not logged" in w for w in where)
+            ):
+                # a step skipped on one side: the same case reduced in fp32, which has no range
+                sub = run_case({**case, "--grad-reduce-dtype": "fp32"}, out, index + 20000, True)
+                rec["fp32_reduce_check"] = {k: sub.get(k) for k in ("outcome", "max_rel")}
+                if sub["outcome"] == "pass":
+                    rec["outcome"] = "fp16-range"
             import shutil
 
             if rec["outcome"] != "mismatch":  # kept for the triage of a mismatch
@@ -1017,8 +1046,11 @@ def main() -> int:
         ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
         f"({time.monotonic() - t0:.0f} s, CPU {cpu.children_user + cpu.children_system:.0f} s"
         " in the runs)"
-        + (f"; {ran} of {len(cases)} drawn cases run, --minutes {a.minutes:g} ended the rest"
-           if ran < len(cases) else ""),
+        + (
+            f"; {ran} of {len(cases)} drawn cases run, --minutes {a.minutes:g} ended the rest"
+            if ran < len(cases)
+            else ""
+        ),
     )
     failed = ("mismatch", "crash", "timeout", "reference-failed")  # a failed reference: unchecked
     return 1 if any(k in counts for k in failed) else 0
