@@ -642,6 +642,15 @@ def test_prepare_refuses_a_timeout_torch_cannot_wait():
             f"megapar.prepare: {name}=1e+10 is invalid: at most 1e+09 s (about 31 years; "
             f"torch's rendezvous store counts its wait in nanoseconds and fails at once from "
             f"about 1e10 s); give a finite wait in seconds")
+    for value, said in ((1e9 + 1, "=1000000001 is invalid: at most 1e+09 s"),
+                        (0.0005, "=0.0005 is invalid: it must be a finite number >= 0.001 (torch "
+                                 "counts a wait in whole milliseconds")):
+        with pytest.raises(ValueError, match=f"^megapar.prepare: timeout_s{re.escape(said)}"):
+            megapar.prepare("gpt2-tiny", timeout_s=value)
+    # the [0, 1) settings too, in the API's terms (megapar-train's own check only)
+    with pytest.raises(ValueError, match=r"^megapar.prepare: adam_beta2=1.0 is invalid: it must "
+                                         r"be in \[0, 1\)$"):
+        megapar.prepare("gpt2-tiny", adam_beta2=1.0)
 
 
 def _tiny_bert():

@@ -139,10 +139,15 @@ TRAIN = [
     (["--timeout-s", "0"], "--timeout-s 0.0 is invalid"),
     (["--timeout-s", "-5"], "--timeout-s -5.0 is invalid"),
     (["--timeout-s", "1e15"], "--timeout-s 1e+15 is invalid: at most 1e+09 s (about 31 years"),
-    (["--timeout-s", "1e-300"], "--timeout-s 1e-300 is invalid: at least 0.001 s (torch counts a "
-                                "wait in whole milliseconds: a shorter one is 0 and times out at "
-                                "once); give a finite wait in seconds (the default is 300)"),
-    (["--nccl-timeout-s", "0.0001"], "--nccl-timeout-s 0.0001 is invalid: at least 0.001 s"),
+    # below 1 ms one line, the same as 0's (">= 0.001", not "> 0.0": a re-test)
+    (["--timeout-s", "1e-300"], "--timeout-s 1e-300 is invalid: it must be a finite number >= "
+                                "0.001 (torch counts a wait in whole milliseconds: a shorter one "
+                                "times out at once; the default is 300.0)"),
+    (["--timeout-s", "0"], "--timeout-s 0.0 is invalid: it must be a finite number >= 0.001 ("),
+    (["--nccl-timeout-s", "0.0001"], "--nccl-timeout-s 0.0001 is invalid: it must be a finite "
+                                     "number >= 0.001"),
+    # just above the bound: the value as given (1e+09 read as the bound itself: a re-test)
+    (["--timeout-s", "1000000001"], "--timeout-s 1000000001 is invalid: at most 1e+09 s"),
     (["--nccl-timeout-s", "1e10"], "--nccl-timeout-s 1e+10 is invalid: at most 1e+09 s"),
     (["--log-interval", "0"], "--log-interval 0 is invalid"),
     (["--peak-tflops", "0"], "--peak-tflops 0.0 is invalid"),
@@ -2800,6 +2805,10 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "invalid: expected a whole number; correct it in the file"),
     ("args.json", {"output_dir": "out", "weight_decay": -0.1},
      "megapar-train refuses: --weight-decay -0.1 is invalid: it must be a finite number >= 0.0"),
+    ("args.json", {"output_dir": "out", "label_smoothing_factor": 1.0},  # [0, 1): a re-test
+     "megapar-train refuses: --label-smoothing 1.0 is invalid: it must be in [0, 1)"),
+    ("args.json", {"output_dir": "out", "adam_beta2": 1.0},
+     "megapar-train refuses: --adam-beta2 1.0 is invalid: it must be in [0, 1)"),
     ("args.json", {"output_dir": "out", "bf16": True, "fp16": True},
      ": bf16 and fp16 are both true, which the Trainer refuses: set one"),
     ("acc.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: MEGATRON_LM\n"

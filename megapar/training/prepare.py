@@ -364,11 +364,6 @@ def prepare(
     if wrong:  # read at import, where an invalid value falls back to the default
         raise ValueError(f"megapar.prepare: {wrong}")
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
-    if cfg.label_smoothing >= 1:
-        raise ValueError(
-            f"megapar.prepare: label_smoothing={cfg.label_smoothing!r} is invalid: it must be "
-            f"in [0, 1) (e.g. 0.1; 0: off)"
-        )
     _check_sharding(cfg)
     if cfg.loss_mean not in LOSS_MEANS:
         raise ValueError(

@@ -42,8 +42,8 @@ RULES: list[Rule] = [
     ("weight_decay", "float", 0.0, True),
     ("clip_grad", "float", 0.0, True),
     ("peak_tflops", "float", 0.0, False),
-    ("timeout_s", "float", 0.0, False),
-    ("nccl_timeout_s", "float", 0.0, False),
+    ("timeout_s", "float", MIN_SECONDS, True),
+    ("nccl_timeout_s", "float", MIN_SECONDS, True),
     ("val_fraction", "float", 0.0, True),
     ("virtual_stages", "int", 1, True),
     ("decoder_first_pipeline_num_layers", "int", 1, True),
@@ -79,6 +79,22 @@ RULES: list[Rule] = [
 ]
 
 
+WHY = {
+    "timeout_s": "torch counts a wait in whole milliseconds: a shorter one times out at once",
+    "nccl_timeout_s": "torch counts a wait in whole milliseconds: a shorter one times out at once",
+}
+"""Why a setting's lowest value is what `RULES` says, where that is not plain."""
+
+BELOW_ONE = {
+    "adam_beta1": "",
+    "adam_beta2": "",
+    "muon_momentum": "",
+    "label_smoothing": "",
+    "val_fraction": "it is the share of documents held out, ",
+}
+"""The settings that must also be below 1 (in [0, 1)), with what the refusal says of them."""
+
+
 def default_of(cfg, name: str):
     """The default of setting `name` of config `cfg` (a dataclass)."""
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
@@ -107,26 +123,30 @@ def check_ranges(cfg, keyword: str | None = None) -> None:
         if not ok:
             what = "a whole number" if kind == "int" else "a finite number"
             default = None if keyword else default_of(cfg, name)
-            hint = f" (the default is {default})" if default is not None else ""
+            said = [WHY[name]] if name in WHY else []
+            said += [f"the default is {default}"] if default is not None else []
+            hint = f" ({'; '.join(said)})" if said else ""
             if off:
                 hint = f", or {off[0][0]} for {off[0][1]}" + (
                     " (the default)" if default == off[0][0] else hint
                 )
             shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
             raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
+    for name, what in BELOW_ONE.items():
+        value = getattr(cfg, name)
+        if value < 1:
+            continue
+        shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
+        default = "" if keyword else f" (the default is {default_of(cfg, name)})"
+        raise UsageError(f"{shown} is invalid: {what}it must be in [0, 1){default}")
     for name in ("timeout_s", "nccl_timeout_s"):
         value = getattr(cfg, name)
-        if MIN_SECONDS <= value <= MAX_SECONDS:
+        if value <= MAX_SECONDS:
             continue
         shown = f"{keyword}: {name}=" if keyword else f"{flag_of(name)} "
-        default = "" if keyword else f" (the default is {default_of(cfg, name):g})"
-        bound = (
-            f"at least {MIN_SECONDS:g} s (torch counts a wait in whole milliseconds: a shorter "
-            f"one is 0 and times out at once)"
-            if value < MIN_SECONDS
-            else f"at most {MAX_SECONDS:g} s (about 31 years; torch's rendezvous store counts "
-            f"its wait in nanoseconds and fails at once from about 1e10 s)"
-        )
-        raise UsageError(
-            f"{shown}{value:g} is invalid: {bound}; give a finite wait in seconds{default}"
+        default = "" if keyword else f" (the default is {default_of(cfg, name)})"
+        raise UsageError(  # .10g: 1000000001 is not shown as 1e+09, the bound
+            f"{shown}{value:.10g} is invalid: at most {MAX_SECONDS:g} s (about 31 years; torch's "
+            f"rendezvous store counts its wait in nanoseconds and fails at once from about "
+            f"1e10 s); give a finite wait in seconds{default}"
         )

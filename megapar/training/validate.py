@@ -104,17 +104,6 @@ def check_settings(cfg) -> None:
         problem = choice_problem(name, getattr(cfg, name))
         if problem:
             raise UsageError(problem)
-    for name in ("adam_beta1", "adam_beta2", "muon_momentum", "label_smoothing"):
-        if getattr(cfg, name) >= 1:
-            raise UsageError(
-                f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
-                f"[0, 1) (the default is {default_of(cfg, name)})"
-            )
-    if cfg.val_fraction >= 1:
-        raise UsageError(
-            f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
-            f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)"
-        )
     if cfg.sp_regather and not (cfg.sequence_parallel and cfg.tp > 1):
         missing = (
             "--tp > 1 (sequence parallelism splits over tp)"
