@@ -2815,6 +2815,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                  "megatron_lm_config:\n  megatron_lm_gradient_clipping: -1\n",
      "is an accelerate config, which megapar-train does not read, and a value in it is one "
      "megapar-train refuses: --clip-grad -1.0 is invalid: it must be a finite number >= 0.0"),
+    ("acc.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                 "deepspeed_config:\n  zero_stage: 4\n",  # it said "--zero 1, 2 or 3"
+     "megapar-train refuses: --zero 4 is invalid: choose one of 0, 1, 2, 3"),
     ("job.toml", "[optimizer]\nname = 'AdamW'\neps = 0\n[training]\nsteps = 10\n",
      "not a TOML job config (torchtitan's), and a value in it is one megapar-train refuses: "
      "--adam-eps 0.0 is invalid"),

@@ -537,7 +537,8 @@ def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> 
             )
             file_settings = True
         else:
-            flags.append(f"--zero {stage}" if stage in (0, 1, 2, 3) else "--zero 1, 2 or 3")
+            # a stage given is its flag (one megapar-train refuses is named, `refused`)
+            flags.append(f"--zero {stage}" if stage is not None else "--zero 0, 1, 2 or 3")
             flags += _accelerate_deepspeed(deepspeed, stage, data.get("mixed_precision"), said)
     elif kind == "MEGATRON_LM":
         megatron = data.get("megatron_lm_config")
