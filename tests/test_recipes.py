@@ -48,12 +48,23 @@ def test_unknown_model_names_the_recipes():
             ("mistralai/Mixtral-8x7B-v0.1", "mixtral-8x7b", (32000, 4096, 32)),
             ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b", (151936, 2048, 48)),
             ("deepseek-ai/DeepSeek-V3", "deepseek-v3", (129280, 7168, 61)),
+            ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b", (32000, 4096, 32)),
+            ("Qwen/Qwen3-0.6B-Base", "qwen3-0.6b", (151936, 1024, 28)),
             ("gpt2/", "gpt2-124m", (50257, 768, 12))):
         with pytest.raises(ConfigError) as exc:
             resolve_model(hub)
         assert f"Hugging Face's {hub} is the recipe --model {recipe} (" in str(exc.value)
         config = resolve_model(recipe).to_hf() if recipe == "gpt2-124m" else resolve_model(recipe)
         assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == shape
+    # another hub id: megapar downloads nothing, said with what to do (it read "no such file or
+    # directory" alone)
+    with pytest.raises(ConfigError) as exc:
+        resolve_model("mistralai/Mistral-7B-Instruct-v0.3")
+    assert str(exc.value).startswith(
+        "model 'mistralai/Mistral-7B-Instruct-v0.3': no such file or directory, and megapar "
+        "downloads nothing (a Hugging Face Hub id is read from a saved copy: save_pretrained(DIR), "
+        "then --from-hf DIR for its weights, or --model DIR for its config); or pass a recipe "
+        "name: "), str(exc.value)
 
 
 def test_a_missing_config_file_names_what_to_pass_instead(tmp_path):

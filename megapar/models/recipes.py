@@ -58,6 +58,13 @@ HUB_NAMES = {
 same shapes)."""
 
 
+def _hub_shape_name(name: str) -> str:
+    """A hub model's name as `HUB_NAMES` keys it: lowercased, without an -Instruct (before the
+    version too: Mistral-7B-Instruct-v0.1) or a -Base suffix, whose shapes are the model's."""
+    bare = name.lower().replace("-instruct", "")
+    return bare.removesuffix("-base")
+
+
 def resolve_model(name_or_path: str):
     """A model config from a recipe name or a JSON/YAML config file."""
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
@@ -79,12 +86,19 @@ def resolve_model(name_or_path: str):
     if found is not None:
         return config_from_file(found)
     owner, slash, bare = name_or_path.rstrip("/").rpartition("/")  # gpt2/ is gpt2
-    hub = HUB_NAMES.get(bare.lower().removesuffix("-instruct"))
+    hub = HUB_NAMES.get(_hub_shape_name(bare))
     hub_id = not slash or ("/" not in owner and not os.path.exists(owner))  # not a local path
     if hub is not None and hub_id:  # gpt2, openai-community/gpt2
         raise ConfigError(
             f"unknown model {name_or_path!r}; Hugging Face's {name_or_path} is the recipe "
             f"--model {hub} (its weights: --from-hf DIR of a saved copy; nothing is downloaded)"
+        )
+    if hub_id and slash and bare:  # meta-llama/Meta-Llama-3-8B: a hub id, no local path
+        raise ConfigError(
+            f"model {name_or_path!r}: no such file or directory, and megapar downloads nothing "
+            f"(a Hugging Face Hub id is read from a saved copy: save_pretrained(DIR), then "
+            f"--from-hf DIR for its weights, or --model DIR for its config); or pass a recipe "
+            f"name: {', '.join(list_recipes())}"
         )
     if "/" in name_or_path or os.sep in name_or_path or name_or_path.startswith(("~", ".")):
         raise ConfigError(  # a path (no recipe name has a separator): not "unknown model"
