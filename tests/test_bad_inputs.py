@@ -316,6 +316,8 @@ TRAIN = [
     (["--model", ""], "--model '' is an empty name: give a recipe (e.g. --model gpt2-tiny)"),
     (["--data", ""], "--data '' is an empty path: give a text file"),
     (["--data", "0.5", "a.txt", "0.5", ""], "--data '' is an empty path"),
+    (["--data", " "], "--data ' ' is an empty path"),  # whitespace alone too (a re-test)
+    (["--save", " "], "--save ' ' is an empty path"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
     (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),
     # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts
@@ -2891,3 +2893,15 @@ def test_worker_exit_lead(monkeypatch, capsys):
         took[local] = time.perf_counter() - start
     assert took["0"] < 0.3 <= took["1"], took
     assert capsys.readouterr().err == "megapar-train: error: bad\n"
+
+
+def test_an_empty_data_list_in_a_config_file_is_one_line(tmp_path):
+    """{"data": []} in a --config file failed in the blend's parser with an IndexError
+    traceback (a re-test); it is the empty --data's line."""
+    from megapar.training.config import parse_args
+    from megapar.training.validate import UsageError, check_settings
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"data": [], "max_steps": 3}))
+    with pytest.raises(UsageError, match=r"^--data \[\] is an empty path: give a text file"):
+        check_settings(parse_args(["--config", str(path)]))

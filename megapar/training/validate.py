@@ -65,6 +65,14 @@ _EXAMPLE_PATHS = {
 }
 
 
+def _empty_shown(data) -> str:
+    """The empty part of a --data value as the refusal shows it ('' or ' ', [] for a list)."""
+    if data == []:
+        return "[]"
+    parts = data if isinstance(data, list) else [data]
+    return repr(next(d for d in parts if isinstance(d, str) and not d.strip()))
+
+
 def check_settings(cfg) -> None:
     """Raise UsageError for the first setting out of range (NaN and inf included), then for
     the first combination of settings that cannot run."""
@@ -75,20 +83,24 @@ def check_settings(cfg) -> None:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     for name in _EXAMPLE_PATHS:  # "" would silently write nothing (or into the working directory)
-        if getattr(cfg, name) == "":
+        if isinstance(getattr(cfg, name), str) and not getattr(cfg, name).strip():
             raise UsageError(
-                f"{flag_of(name)} '' is an empty path: give a path (e.g. "
+                f"{flag_of(name)} {getattr(cfg, name)!r} is an empty path: give a path (e.g. "
                 f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
             )
     data = cfg.data if isinstance(cfg.data, list) else [cfg.data]
-    if "" in data:  # an unset $DATA: the shipped sample, without a word
+    if cfg.data == [] or any(isinstance(d, str) and not d.strip() for d in data):
+        # an unset $DATA: the shipped sample, without a word ("data": [] in a --config file:
+        # a traceback)
         raise UsageError(
-            "--data '' is an empty path: give a text file, a directory of them or a prepared "
+            f"--data {_empty_shown(cfg.data)} is an empty path: give a text file, a directory "
+            "of them or a prepared "
             "prefix (e.g. --data corpus.txt), or leave the flag out (the shipped sample)"
         )
-    if cfg.model == "":  # an unset $MODEL: the default model, without a word
+    if isinstance(cfg.model, str) and not cfg.model.strip():  # an unset $MODEL: the default
         raise UsageError(
-            "--model '' is an empty name: give a recipe (e.g. --model gpt2-tiny) or a model "
+            f"--model {cfg.model!r} is an empty name: give a recipe (e.g. --model gpt2-tiny) "
+            "or a model "
             "config file, or leave the flag out"
         )
     if cfg.wandb_project is not None and not cfg.wandb_project.strip():  # an unset $PROJECT
