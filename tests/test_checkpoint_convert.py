@@ -288,13 +288,19 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
+@pytest.mark.parametrize("name,said", [("SIGTERM", "terminated (SIGTERM)"),
+                                       ("SIGHUP", "hung up (SIGHUP)"), ("SIGQUIT", "quit (SIGQUIT)"),
+                                       ("SIGUSR2", "ended (SIGUSR2)")])
+def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path, name, said):
     """A SIGTERM (timeout, a scheduler) in the middle of the writes ended the process at once:
     exit -15 without a word, and the hidden staging directory with the shards written so far
-    left beside DST until the next conversion into it."""
+    left beside DST until the next conversion into it. SIGHUP (a closed terminal), SIGQUIT and
+    SIGUSR2 likewise (a re-test: they ended it without a word), with 128 + their number."""
     import signal
 
     import megapar.checkpoint.convert as convert_module
+
+    sig = getattr(signal, name)
 
     save_serial(tmp_path / "src")
     out = tmp_path / "out.txt"
@@ -302,7 +308,7 @@ def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
 
     def write_then_sigterm(self, *args, **kwargs):
         write(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
     def run():  # in the child
         convert_module.ShardWriter.write = write_then_sigterm
@@ -310,8 +316,8 @@ def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
 
     code = exit_code(fork_running(run, out))
     err = out.read_text()
-    assert code == 143, err
-    assert err.startswith("megapar-convert: terminated (SIGTERM); nothing was written"), err
+    assert code == 128 + sig, err
+    assert err.startswith(f"megapar-convert: {said}; nothing was written"), err
     assert len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "src"]
 

@@ -46,10 +46,12 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.entry import ENDED_WORDS
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import (
     SHARDING_NAMES,
@@ -825,12 +827,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     line: every output is renamed into place only when complete)."""
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
-    sigterm_exit_code = 128 + int(signal.SIGTERM)  # megapar.faults.stop's, before it imports
-    previous = None
-    try:  # a Ctrl-C while the imports below run (seconds: torch) is one line too
-        from megapar.faults.stop import sigterm_as_exit
-
-        previous = sigterm_as_exit()  # a SIGTERM cleans up (the staging directory) as Ctrl-C
+    # SIGTERM, SIGHUP, SIGQUIT and SIGUSR2 (where they have their default action) clean up
+    # (the staging directory) as a Ctrl-C does, also while the imports below run (seconds:
+    # torch), where they ended it without a word
+    previous = _exit_on_ending_signals()
+    try:
         from megapar.checkpoint.format import CheckpointError
         from megapar.models.config import ConfigError
 
@@ -856,20 +857,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(report)  # a reader gone (| head) is not an error of the conversion's
     except (KeyboardInterrupt, SystemExit) as exc:
-        sigterm = isinstance(exc, SystemExit)
-        if isinstance(exc, SystemExit) and exc.code != sigterm_exit_code:
+        ended = {128 + int(sig): sig.name for sig in map(signal.Signals, previous)}
+        code = exc.code if isinstance(exc, SystemExit) else 130
+        if isinstance(exc, SystemExit) and not (isinstance(code, int) and code in ended):
             raise
+        name = ended.get(code) if isinstance(code, int) else None
+        what = f"{ENDED_WORDS[name]} ({name})" if name else "interrupted"
         print(
-            f"megapar-convert: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing "
-            f"was written (an output is renamed into place only when complete, so the "
-            f"destination is as it was)",
+            f"megapar-convert: {what}; nothing was written (an output is renamed into place "
+            f"only when complete, so the destination is as it was)",
             file=sys.stderr,
         )
-        return sigterm_exit_code if sigterm else 130
+        return code if isinstance(code, int) else 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _exit_on_ending_signals() -> dict:
+    """In the main thread: each of `ENDED_WORDS`' signals that has its default action raises
+    SystemExit(128 + its number), so `finally` blocks clean up; returns {signal: the handler
+    to restore}."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    installed = {}
+    for name in ENDED_WORDS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            installed[sig] = signal.signal(sig, stop)
+    return installed
 
 
 if __name__ == "__main__":

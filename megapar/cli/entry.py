@@ -20,9 +20,9 @@ import threading
 INTERRUPTED_EXIT_CODE = 130
 """128 + SIGINT: the shells' exit status of a command a Ctrl-C ended."""
 
-_ENDED = {"SIGTERM": "terminated", "SIGHUP": "hung up", "SIGQUIT": "quit", "SIGUSR2": "ended"}
-"""The other signals whose default action would end a command while it imports, and the word
-its one line says then."""
+ENDED_WORDS = {"SIGTERM": "terminated", "SIGHUP": "hung up", "SIGQUIT": "quit", "SIGUSR2": "ended"}
+"""The other signals whose default action would end a command without a word (while it
+imports, or a command that writes: megapar-convert), and the word its one line says then."""
 
 
 def _import_main(command: str, name: str):
@@ -35,12 +35,12 @@ def _import_main(command: str, name: str):
 
     def exit_at_once(signum, frame):
         sig = signal.Signals(signum)
-        what = "interrupted" if sig == signal.SIGINT else f"{_ENDED[sig.name]} ({sig.name})"
+        what = "interrupted" if sig == signal.SIGINT else f"{ENDED_WORDS[sig.name]} ({sig.name})"
         os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
     defaults: dict[int, object] = {signal.SIGINT: signal.default_int_handler}
-    for other in _ENDED:  # where the platform has it (Windows has no SIGHUP)
+    for other in ENDED_WORDS:  # where the platform has it (Windows has no SIGHUP)
         if hasattr(signal, other):
             defaults[getattr(signal, other)] = signal.SIG_DFL
     previous = {
