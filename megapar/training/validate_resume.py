@@ -191,7 +191,11 @@ def check_newer_steps(cfg, manifest: dict | None, config=None) -> None:
         f"newer than step {start}, where --load {cfg.load} resumes"
         if manifest is not None
         else "of an earlier run, and this run starts "
-        + (f"from --from-hf {cfg.from_hf}'s weights" if cfg.from_hf else "from scratch")
+        + (
+            f"from --from-hf {cfg.from_hf}'s weights"
+            if getattr(cfg, "from_hf", None)
+            else "from scratch"
+        )
     )
     resume = "" if manifest is not None else f"resume it with --load {shell_word(cfg.save)}, "
     other = None
