@@ -1534,3 +1534,22 @@ def test_json_says_whether_the_global_batch_was_assumed(capsys):
             assert code == rc and (valid is None or got["valid"] is valid), (mode, out)
             assert (got["global_batch_size"], got["global_batch_size_assumed"]) == (
                 size, assumed), (given, mode, got)
+
+
+def test_the_data_note_says_which_vocabulary_the_run_keeps(capsys, tmp_path):
+    """The note under the command said gpt2's tokenizer replaces the model's vocabulary for a
+    --model config file that fixes vocab_size and after --vocab-size N, where megapar-train
+    keeps it (a re-test); those get the note without the replacement."""
+    import shutil
+    from pathlib import Path
+
+    config = tmp_path / "g.json"
+    shutil.copy(Path(__file__).resolve().parents[1] / "models" / "gpt2-tiny.json", config)
+    base = ["--gpus", "2", "--seq-len", "64", "--global-batch-size", "8"]
+    for argv, count in ((["--model", str(config)], "50,257"),
+                        (["--model", "llama-tiny", "--vocab-size", "50261"], "50,261")):
+        code, out = _cli(capsys, *argv, *base)
+        assert code == 0 and (
+            f"  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC (of the "
+            f"{count} ids the plan counts): without them megapar-train trains on its shipped "
+            f"sample\n") in out.out, out.out

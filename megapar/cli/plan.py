@@ -32,6 +32,7 @@ from megapar.cli.plan_args import (
     check_split_arguments,
     offload_refused,
     take_vocabulary,
+    vocabulary_kept,
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
@@ -661,6 +662,7 @@ def _problem(args, given: tuple[str, ...] = ()):
         optimizer=args.optimizer,
         attention_mask_type=args.attention_mask_type,
         tokenizer=args.tokenizer,
+        vocabulary_kept=vocabulary_kept(args),
     )
 
 

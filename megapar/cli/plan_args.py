@@ -314,6 +314,21 @@ def _no_zero3(args) -> tuple[str, str]:
     return f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
 
 
+def vocabulary_kept(args) -> bool:
+    """Whether megapar-train's run keeps the vocabulary the plan counts whatever its data's
+    tokenizer: --model is a config file that fixes vocab_size, or --vocab-size N gave it."""
+    if args.vocab_size is not None:
+        return True
+    path = os.path.expanduser(args.model)
+    if not os.path.exists(path):
+        return False
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        return "vocab_size" in load_config_file(file)
+    except (OSError, ValueError):
+        return False
+
+
 def take_vocabulary(args, config) -> None:
     """Give `config` the vocabulary of megapar-train's data tokenizer, as megapar-train gives it
     to a recipe (or to a config file without vocab_size): --tokenizer's size (the tokenizer is

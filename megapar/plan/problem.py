@@ -105,6 +105,10 @@ class Problem:
     tokenizer: str | None = None
     """megapar-train's --tokenizer whose vocabulary `config` has (`cli.plan_args.take_vocabulary`),
     carried by the printed command; None: the model's own vocabulary, or --vocab-size's."""
+    vocabulary_kept: bool = False
+    """Whether the run keeps `config`'s vocabulary whatever its data's tokenizer (a config file's
+    vocab_size, or --vocab-size N: `cli.plan_args.vocabulary_kept`); else a recipe's, which the
+    data's tokenizer replaces."""
 
     @cached_property
     def config_json(self) -> str:
