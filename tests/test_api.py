@@ -2050,13 +2050,25 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
 
     taken, recorded, refused = run_local(_tokenizer_taken, 1, str(tmp_path))[0]
     assert taken == recorded == "gpt2"
-    assert refused == ("engine.export_hf: tokenizer takes where a tokenizer is: 'gpt2', "
+    assert refused == ("engine.export_hf: tokenizer takes a tokenizer's name or path ('gpt2', "
                        "'sentencepiece', a SentencePiece .model file, or a transformers "
-                       "tokenizer's directory (e.g. the one tok.save_pretrained(DIR) writes); "
-                       "not a object object")
-    with pytest.raises(TypeError, match=r"^megapar.prepare: tokenizer takes where a tokenizer "
-                                        r"is: .*; not a int object$"):
+                       "tokenizer's directory (e.g. the one tok.save_pretrained(DIR) writes)), "
+                       "not a value of type object")
+    with pytest.raises(TypeError, match=r"^megapar.prepare: tokenizer takes a tokenizer's name "
+                                        r"or path \(.*\), not a value of type int$"):
         megapar.prepare("gpt2-tiny", tokenizer=12345)
+    # more ids than the model's vocabulary: refused here, not after the training by export_hf
+    # (a re-test: a transformers GPT-2 tokenizer of 50,261 ids at the 50,257 of gpt2-tiny)
+    assets, wide = ROOT / "megapar" / "assets", tmp_path / "wide"
+    wide.mkdir()
+    vocab = json.loads((assets / "gpt2_vocab.json").read_text())
+    vocab.update({f"<extra{i}>": len(vocab) + i for i in range(5)})
+    (wide / "vocab.json").write_text(json.dumps(vocab))
+    shutil.copy(assets / "gpt2_merges.txt", wide / "merges.txt")
+    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer='.*wide' has 50,26\d "
+                                         r"token ids, more than the model's vocabulary of "
+                                         r"50,257; pass the tokenizer of the model's data$"):
+        megapar.prepare("gpt2-tiny", tokenizer=str(tmp_path / "wide"))
     with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer='nowhere/tok' cannot be "
                                          r"loaded; pass 'gpt2', "):
         megapar.prepare("gpt2-tiny", tokenizer="nowhere/tok")

@@ -704,8 +704,8 @@ class Engine:
         _check_path("engine.export_hf", path)
         if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
             raise TypeError(  # on every rank: a transformers tokenizer object, say
-                f"engine.export_hf: tokenizer takes where a tokenizer is: {TOKENIZER_SPECS}; "
-                f"not a {type(tokenizer).__name__} object"
+                f"engine.export_hf: tokenizer takes a tokenizer's name or path "
+                f"({TOKENIZER_SPECS}), not a value of type {type(tokenizer).__name__}"
             )
         if self.source_dir and Path(path).expanduser().resolve() == Path(self.source_dir):
             raise ValueError(  # on every rank: the one copy of the weights it started from

@@ -16,12 +16,12 @@ import torch
 from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import LATEST, MANIFEST
-from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.checkpoint.hf import ARCHITECTURES, HFReader, causal_rows, load_hf_weights
 from megapar.checkpoint.hf_names import hf_parameter_names
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.tokenizer import TOKENIZER_SPECS
-from megapar.data.tokenizers import hf_dir_tokenizer
+from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.env_seconds import problem as env_problem
 from megapar.faults.status import set_action, set_step
@@ -35,7 +35,7 @@ from megapar.mesh import (
     same_on_all_ranks,
 )
 from megapar.models import set_loss_fn
-from megapar.models.config import ConfigError, config_from_dict, config_from_hf
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
@@ -373,7 +373,7 @@ def prepare(
         )
     _check_choices(cfg)
     _check_loss_fn(loss_fn, cfg)
-    given_tokenizer = _given_tokenizer(options)
+    given_tokenizer = _given_tokenizer(options, config)
     _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
@@ -413,22 +413,32 @@ def prepare(
     return engine
 
 
-def _given_tokenizer(options: dict) -> dict | None:
+def _given_tokenizer(options: dict, config) -> dict | None:
     """What the checkpoints record of the `tokenizer` keyword's tokenizer (`recorded_tokenizer`),
-    None where none is given; TypeError for a value that is no spec (a tokenizer object),
-    ValueError for one that does not load."""
-    if "tokenizer" not in options:
+    None where none is given (or None); TypeError for a value that is no spec (a tokenizer
+    object), ValueError for one that does not load or has more ids than model `config`'s
+    vocabulary (as export_hf would refuse it, after the training)."""
+    spec = options.get("tokenizer")
+    if spec is None:
         return None
-    spec = options["tokenizer"]
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(
-            f"megapar.prepare: tokenizer takes where a tokenizer is: {TOKENIZER_SPECS}; not a "
-            f"{type(spec).__name__} object"
+            f"megapar.prepare: tokenizer takes a tokenizer's name or path ({TOKENIZER_SPECS}), "
+            f"not a value of type {type(spec).__name__}"
         )
-    record = recorded_tokenizer(os.path.expanduser(os.fspath(spec)))
+    path = os.path.expanduser(os.fspath(spec))
+    record = recorded_tokenizer(path)
     if record is None:
         raise ValueError(
             f"megapar.prepare: tokenizer={spec!r} cannot be loaded; pass {TOKENIZER_SPECS}"
+        )
+    tok = load_tokenizer(path)
+    needed = causal_rows(tok) if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
+    if needed > config.vocab_size:
+        raise ValueError(
+            f"megapar.prepare: tokenizer={spec!r} has {needed:,} token ids, more than the "
+            f"model's vocabulary of {config.vocab_size:,}; pass the tokenizer of the model's "
+            f"data"
         )
     return record
 
