@@ -980,6 +980,33 @@ def test_a_resume_of_the_shipped_sample_on_other_data_names_data():
     assert "resume with --seq-len 128 and without --data (or leave them out" in str(e.value)
 
 
+def test_other_data_of_as_many_samples_is_named_as_other_data_not_changed():
+    """A checkpoint of the shipped sample resumed with another file of as many samples said
+    "the content of swapped.txt changed since the checkpoint was saved", of a file it never
+    trained on (a re-test): other data is said to be other data."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_same_data
+
+    for trained, back in ((None, "resume without --data (the checkpoint's shipped sample is "
+                                 "taken)"),
+                          ("/d/a.txt", "resume with --data /d/a.txt (or leave --data out: the "
+                                       "checkpoint's is taken)")):
+        manifest = {"meta": {"train_config": {"data": trained}, "data_fingerprint": ["aaa"]}}
+        cfg = TrainConfig(load="ck", data="/d/swapped.txt")
+        with pytest.raises(UsageError) as e:
+            check_same_data(cfg, manifest, ["bbb"])
+        was = "the shipped sample" if trained is None else "--data /d/a.txt"
+        assert str(e.value) == (
+            f"--load ck trained on {was}, and --data /d/swapped.txt holds other tokens (their "
+            f"fingerprints differ); {back}, or pass --allow-data-change to continue on this data "
+            f"on purpose"), str(e.value)
+    # the same file, changed since: said so
+    cfg = TrainConfig(load="ck", data="/d/a.txt")
+    with pytest.raises(UsageError, match="the content of /d/a.txt changed since the checkpoint"):
+        check_same_data(cfg, manifest, ["bbb"])
+
+
 def _split_of_documents(tmp_path, lengths, **settings):
     """A run's config on an index of documents of `lengths` tokens (seq-len 32), its
     `training_documents` as a resume compares them, and the training samples they make."""

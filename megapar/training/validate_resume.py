@@ -885,6 +885,19 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
             f"leave --sft-keys out (the checkpoint's), or pass --allow-data-change to "
             f"continue on these fields on purpose"
         )
+    if "data" in (meta.get("train_config") or {}) and not _same_value("data", trained, cfg.data):
+        # other files than it trained on (not the same files changed since)
+        was = f"--data {_shown(trained)}" if trained is not None else "the shipped sample"
+        back = (
+            f"resume with --data {_shown(trained)} (or leave --data out: the checkpoint's is taken)"
+            if trained is not None
+            else "resume without --data (the checkpoint's shipped sample is taken)"
+        )
+        raise UsageError(
+            f"--load {cfg.load} trained on {was}, and --data {_shown(cfg.data)} holds other "
+            f"tokens (their fingerprints differ); {back}, or pass --allow-data-change to "
+            f"continue on this data on purpose"
+        )
     changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or [
         str(p) for p in paths
     ]
