@@ -79,10 +79,9 @@ RULES: list[Rule] = [
 ]
 
 
-WHY = {
-    "timeout_s": "torch counts a wait in whole milliseconds: a shorter one times out at once",
-    "nccl_timeout_s": "torch counts a wait in whole milliseconds: a shorter one times out at once",
-}
+_MILLISECONDS = "torch counts a wait in whole milliseconds: a shorter one times out at once"
+
+WHY = {"timeout_s": _MILLISECONDS, "nccl_timeout_s": _MILLISECONDS}
 """Why a setting's lowest value is what `RULES` says, where that is not plain."""
 
 BELOW_ONE = {
