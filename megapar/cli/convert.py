@@ -878,7 +878,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_on_ending_signals() -> dict:
     """In the main thread: each of `ENDED_WORDS`' signals that has its default action raises
     SystemExit(128 + its number), so `finally` blocks clean up; returns {signal: the handler
-    to restore}."""
+    to restore}. `megapar.faults.stop.exit_on_signals` does the same, and imports torch (its
+    module's), which takes seconds: this runs before."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
