@@ -1856,7 +1856,7 @@ def test_prepare_names_what_it_trains_for_an_object_it_cannot():
     ({"lr_schedule": {"max_steps": 0}}, ["megapar.prepare: lr_schedule {'max_steps': 0}: "
                                          "need warmup_steps >= 0 and max_steps >= 1"]),
     # 0 was the default (300 s), taken silently
-    ({"timeout_s": 0}, ["megapar.prepare: timeout_s=0 is invalid", "> 0.0"]),
+    ({"timeout_s": 0}, ["megapar.prepare: timeout_s=0 is invalid", ">= 0.001"]),
     ({"lr_schedule": {"max_steps": 10, "decay": "wsd"}},
      ["megapar.prepare: lr_schedule decay 'wsd' needs decay_steps"]),
     # read by no part of the engine: trained at a constant lr, saved nothing
