@@ -317,6 +317,13 @@ TRAIN = [
     (["--data", ""], "--data '' is an empty path: give a text file"),
     (["--data", "0.5", "a.txt", "0.5", ""], "--data '' is an empty path"),
     (["--data", " "], "--data ' ' is an empty path"),  # whitespace alone too (a re-test)
+    # a [0, 1) setting said with its whole range on either side, and inf without the reason of
+    # a wait too short (a re-test)
+    (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1 is invalid: it must be in [0, 1) (the "
+                               "default is 0.9)"),
+    (["--timeout-s", "inf"], "--timeout-s inf is invalid: it must be a finite number >= 0.001 "
+                             "(the default is 300.0)"),
+    (["--timeout-s", "1000000000.5"], "--timeout-s 1000000000.5 is invalid: at most 1e+09 s"),
     (["--save", " "], "--save ' ' is an empty path"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
     (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),

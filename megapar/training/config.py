@@ -653,7 +653,7 @@ def refused_flag(flags: list[str]) -> str | None:
         cfg = TrainConfig()
         setattr(cfg, f.name, converted)
         try:
-            check_ranges(cfg)
+            check_ranges(cfg, defaults=False)  # megapar-train's defaults are not the file's
         except UsageError as exc:
             return str(exc)
     return None

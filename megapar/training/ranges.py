@@ -99,11 +99,13 @@ def default_of(cfg, name: str):
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
-def check_ranges(cfg, keyword: str | None = None) -> None:
+def check_ranges(cfg, keyword: str | None = None, defaults: bool = True) -> None:
     """UsageError for the first numeric setting outside its `RULES` range; whole numbers
     from a --config file (32.0) become ints. `keyword`: the function whose keywords the
     settings are (e.g. "megapar.prepare"), named as `name=value` instead of by their flags
-    (and without the flag's default, which that function may not share)."""
+    (and without the flag's default, which that function may not share); `defaults=False`:
+    without the defaults either (a value of another tool's config, whose defaults differ)."""
+    defaults = defaults and keyword is None
     for name, kind, low, inclusive, *off in RULES:
         value = getattr(cfg, name)
         if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
@@ -121,8 +123,11 @@ def check_ranges(cfg, keyword: str | None = None) -> None:
             ok = value >= low if inclusive else value > low
         if not ok:
             what = "a whole number" if kind == "int" else "a finite number"
-            default = None if keyword else default_of(cfg, name)
-            said = [WHY[name]] if name in WHY else []
+            default = default_of(cfg, name) if defaults else None
+            if name in BELOW_ONE:  # its whole range, as a value of 1 or more is told
+                _below_one(cfg, name, value, keyword, defaults)
+            short = isinstance(value, (int, float)) and math.isfinite(value) and value < low
+            said = [WHY[name]] if name in WHY and short else []
             said += [f"the default is {default}"] if default is not None else []
             hint = f" ({'; '.join(said)})" if said else ""
             if off:
@@ -131,21 +136,27 @@ def check_ranges(cfg, keyword: str | None = None) -> None:
                 )
             shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
             raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
-    for name, what in BELOW_ONE.items():
+    for name in BELOW_ONE:
         value = getattr(cfg, name)
-        if value < 1:
-            continue
-        shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
-        default = "" if keyword else f" (the default is {default_of(cfg, name)})"
-        raise UsageError(f"{shown} is invalid: {what}it must be in [0, 1){default}")
+        if value >= 1:
+            _below_one(cfg, name, value, keyword, defaults)
     for name in ("timeout_s", "nccl_timeout_s"):
         value = getattr(cfg, name)
         if value <= MAX_SECONDS:
             continue
         shown = f"{keyword}: {name}=" if keyword else f"{flag_of(name)} "
-        default = "" if keyword else f" (the default is {default_of(cfg, name)})"
-        raise UsageError(  # .10g: 1000000001 is not shown as 1e+09, the bound
-            f"{shown}{value:.10g} is invalid: at most {MAX_SECONDS:g} s (about 31 years; torch's "
-            f"rendezvous store counts its wait in nanoseconds and fails at once from about "
-            f"1e10 s); give a finite wait in seconds{default}"
+        default = f" (the default is {default_of(cfg, name)})" if defaults else ""
+        text = f"{value:.10g}"  # 1e+15, 1000000001: not 1e+09, the bound itself
+        raise UsageError(
+            f"{shown}{text if float(text) == value else repr(value)} is invalid: at most "
+            f"{MAX_SECONDS:g} s (about 31 years; torch's rendezvous store counts its wait in "
+            f"nanoseconds and fails at once from about 1e10 s); give a finite wait in "
+            f"seconds{default}"
         )
+
+
+def _below_one(cfg, name: str, value, keyword: str | None, defaults: bool) -> None:
+    """UsageError for `BELOW_ONE` setting `name` out of [0, 1), said with its whole range."""
+    shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
+    default = f" (the default is {default_of(cfg, name)})" if defaults else ""
+    raise UsageError(f"{shown} is invalid: {BELOW_ONE[name]}it must be in [0, 1){default}")
