@@ -2863,10 +2863,10 @@ def test_a_translated_config_says_what_it_has_no_flag_for(tmp_path):
 
     plugin = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
               "deepspeed_config:\n  zero_stage: {stage}\n  offload_optimizer_device: {device}\n")
-    line = said("a.yaml", plugin.format(stage=0, device="cpu"))
-    assert "give --dp 2 --zero 0 (" in line and ("offload_optimizer_device with zero_stage 0: "
-                                                 "megapar offloads the optimizer state under "
-                                                 "--zero 1, 2 or 3") in line, line
+    line = said("a.yaml", plugin.format(stage=0, device="cpu"))  # megapar offloads at --zero 0
+    assert "give --dp 2 --zero 0 --offload-optimizer (" in line, line
+    line = said("a.yaml", plugin.format(stage='"3"', device="cpu") + "  offload_param_device: cpu\n")
+    assert "give --dp 2 --zero 3 --offload-optimizer --offload-params (" in line, line  # "3" is 3
     line = said("a.yaml", plugin.format(stage=2, device="nvme"))
     assert "give --dp 2 --zero 2 (" in line and ("offload_optimizer_device nvme: no equivalent "
                                                  "(megapar offloads to the host)") in line, line

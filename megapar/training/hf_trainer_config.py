@@ -317,17 +317,17 @@ def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: lis
         if device == "nvme":  # as a DeepSpeed config's offload to nvme is said
             said.append(f"offload_{part}_device nvme: no equivalent (megapar offloads to the host)")
     offloads = {part: device == "cpu" for part, device in devices.items()}
-    if offloads["optimizer"] and stage == 0:
-        said.append(
-            "offload_optimizer_device with zero_stage 0: megapar offloads the optimizer state "
-            "under --zero 1, 2 or 3"
-        )
-    elif offloads["optimizer"]:
+    if offloads["optimizer"]:
         flags.append("--offload-optimizer")
     if offloads["param"] and stage != 3:
         said.append("offload_param_device: DeepSpeed offloads parameters at stage 3 only")
     elif offloads["param"] and offloads["optimizer"]:
         flags.append("--offload-params")
+    elif offloads["param"] and devices["optimizer"] == "nvme":
+        said.append(
+            "offload_param_device cpu: megapar offloads the parameters with the optimizer state, "
+            "to the host (--offload-optimizer --offload-params)"
+        )
     elif offloads["param"]:
         said.append(
             "offload_param_device without offload_optimizer_device: megapar offloads the "
@@ -528,6 +528,10 @@ def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> 
         deepspeed = data.get("deepspeed_config")
         deepspeed = deepspeed if isinstance(deepspeed, dict) else {}
         stage = deepspeed.get("zero_stage")
+        if isinstance(stage, str) and stage.strip().isdigit():  # "3", as accelerate reads it
+            stage = int(stage)
+        elif isinstance(stage, float) and stage.is_integer():  # 2.0
+            stage = int(stage)
         given_file = deepspeed.get("deepspeed_config_file")
         if isinstance(given_file, str) and given_file:  # accelerate then reads none of its own
             said.append(
