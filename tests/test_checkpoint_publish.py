@@ -238,7 +238,7 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
         assert (f"megapar-train: error: --save {root} holds step_00000003, step_00000006, of an "
                 f"earlier run of a gpt2 model, and this run trains a llama: this run's saves "
                 f"would replace or mix with them; give another --save, or pass --overwrite-newer "
-                f"to delete them") in err, err
+                f"to replace them") in err, err
     for rehearse in ([], ["--dry-run"]):  # the same model's: resume it (the generic line)
         assert train_cli.main([*common, *rehearse, "--max-steps", "8", "--save", str(root)]) == 2
         assert f"resume it with --load {root}" in capsys.readouterr().err

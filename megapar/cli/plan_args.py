@@ -316,9 +316,8 @@ def _no_zero3(args) -> tuple[str, str]:
 
 def vocabulary_kept(args) -> bool:
     """Whether megapar-train's run keeps the vocabulary the plan counts whatever its data's
-    tokenizer: --model is a config file that fixes vocab_size, or --vocab-size N gave it."""
-    if args.vocab_size is not None:
-        return True
+    tokenizer: --model is a config file that fixes vocab_size (a recipe's, and --vocab-size's,
+    the data's tokenizer replaces)."""
     path = os.path.expanduser(args.model)
     if not os.path.exists(path):
         return False

@@ -107,8 +107,7 @@ class Problem:
     carried by the printed command; None: the model's own vocabulary, or --vocab-size's."""
     vocabulary_kept: bool = False
     """Whether the run keeps `config`'s vocabulary whatever its data's tokenizer (a config file's
-    vocab_size, or --vocab-size N: `cli.plan_args.vocabulary_kept`); else a recipe's, which the
-    data's tokenizer replaces."""
+    vocab_size: `cli.plan_args.vocabulary_kept`); else the data's tokenizer replaces it."""
 
     @cached_property
     def config_json(self) -> str:

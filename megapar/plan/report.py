@@ -203,18 +203,18 @@ def _nodes(p: Problem) -> int:
 def data_note(p: Problem) -> str:
     """What `command`'s megapar-train line lacks: the data (megapar-plan reads none), without
     which the run trains on megapar's shipped sample, with gpt2's tokenizer's vocabulary in
-    place of a recipe's where the plan was given no --tokenizer (a config file's vocab_size, or
-    --vocab-size's, the plan counts as the run's: `Problem.vocabulary_kept`)."""
+    place of a recipe's (or --vocab-size's) where the plan was given no --tokenizer (a config
+    file's vocab_size the run keeps: `Problem.vocabulary_kept`)."""
     if p.tokenizer:
         return (
             f"  note: add your corpus as --data PATH (tokenized with --tokenizer "
             f"{p.tokenizer}): without it megapar-train trains on its shipped sample"
         )
-    if p.vocabulary_kept:  # a config file's vocab_size, or --vocab-size: kept whatever the data
+    if p.vocabulary_kept:  # a config file's vocab_size: kept whatever the data
         return (
-            f"  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC (of "
-            f"the {p.config.vocab_size:,} ids the plan counts): without them megapar-train "
-            f"trains on its shipped sample"
+            f"  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC, of at "
+            f"most the {p.config.vocab_size:,} ids the model config fixes: without them "
+            f"megapar-train reads its shipped sample with gpt2's tokenizer"
         )
     return (
         f"  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC (plan "

@@ -207,7 +207,7 @@ def check_newer_steps(cfg, manifest: dict | None, config=None) -> None:
         raise UsageError(
             f"--save {cfg.save} holds {shown}, of an earlier run of {other}: this run's saves "
             f"would replace or mix with them; give another --save, or pass --overwrite-newer "
-            f"to delete them"
+            f"to replace them"
         )
     raise UsageError(
         f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
