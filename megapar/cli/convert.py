@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.entry import ENDED_WORDS
+from megapar.cli.entry import ENDED_WORDS, exit_while_starting
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import (
     SHARDING_NAMES,
@@ -825,15 +825,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, 1 where the destination
     cannot be written, with the reason printed; 130 on Ctrl-C and 143 on SIGTERM, in one
     line: every output is renamed into place only when complete)."""
-    exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
-    args = build_parser().parse_args(argv)
-    # SIGTERM, SIGHUP, SIGQUIT and SIGUSR2 (where they have their default action) clean up
-    # (the staging directory) as a Ctrl-C does, also while the imports below run (seconds:
-    # torch), where they ended it without a word
-    previous = _exit_on_ending_signals()
+    # SIGTERM, SIGHUP, SIGQUIT and SIGUSR2 (where they have their default action): while the
+    # imports run (seconds: torch), one line and an exit at once, as while the command imports
+    # (they ended it without a word); then they clean up (the staging directory) as Ctrl-C does
+    starting = exit_while_starting("megapar-convert")
+    previous = _on_ending_signals(starting)
     try:
+        exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
+        args = build_parser().parse_args(argv)
+        import megapar.checkpoint.convert  # noqa: F401 - torch and the writers, imported first
         from megapar.checkpoint.format import CheckpointError
         from megapar.models.config import ConfigError
+
+        _on_ending_signals(_raise_exit, replace=starting)
 
         try:
             report = run(args)
@@ -875,22 +879,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_ending_signals() -> dict:
-    """In the main thread: each of `ENDED_WORDS`' signals that has its default action raises
-    SystemExit(128 + its number), so `finally` blocks clean up; returns {signal: the handler
-    to restore}. `megapar.faults.stop.exit_on_signals` does the same, and imports torch (its
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _on_ending_signals(handler, replace=None) -> dict:
+    """In the main thread: `handler` for each of `ENDED_WORDS`' signals that has its default
+    action (or `replace`, the handler an earlier call installed); returns {signal: the handler
+    it had}. `megapar.faults.stop.exit_on_signals` does the like, and imports torch (its
     module's), which takes seconds: this runs before."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
     installed = {}
     for name in ENDED_WORDS:
         sig = getattr(signal, name, None)
-        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
-            installed[sig] = signal.signal(sig, stop)
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, replace):
+            installed[sig] = signal.signal(sig, handler)
     return installed
 
 

@@ -25,6 +25,20 @@ ENDED_WORDS = {"SIGTERM": "terminated", "SIGHUP": "hung up", "SIGQUIT": "quit", 
 imports, or a command that writes: megapar-convert), and the word its one line says then."""
 
 
+def exit_while_starting(command: str):
+    """A signal handler for `command` while it starts (imports): one line, then exit 128 + the
+    signal's number at once (os._exit: an exception raised inside a library's import could be
+    caught there, or abort the process)."""
+
+    def exit_at_once(signum, frame):
+        sig = signal.Signals(signum)
+        what = "interrupted" if sig == signal.SIGINT else f"{ENDED_WORDS[sig.name]} ({sig.name})"
+        os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
+        os._exit(128 + signum)
+
+    return exit_at_once
+
+
 def _import_main(command: str, name: str):
     """`megapar.cli.NAME`'s main. Meanwhile (in the main thread) a Ctrl-C, SIGTERM, SIGHUP,
     SIGQUIT or SIGUSR2, where it has its default action, writes one line and exits (128 + its
@@ -32,12 +46,7 @@ def _import_main(command: str, name: str):
     own."""
     if threading.current_thread() is not threading.main_thread():
         return importlib.import_module(f"megapar.cli.{name}").main
-
-    def exit_at_once(signum, frame):
-        sig = signal.Signals(signum)
-        what = "interrupted" if sig == signal.SIGINT else f"{ENDED_WORDS[sig.name]} ({sig.name})"
-        os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
-        os._exit(128 + signum)
+    exit_at_once = exit_while_starting(command)
 
     defaults: dict[int, object] = {signal.SIGINT: signal.default_int_handler}
     for other in ENDED_WORDS:  # where the platform has it (Windows has no SIGHUP)
