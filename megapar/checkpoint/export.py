@@ -16,7 +16,7 @@ from megapar.checkpoint.hf import (
     ARCHITECTURES,
     GENERATION_FILE,
     HF_FILES,
-    causal_rows,
+    model_rows,
     other_weights,
     recover_stopped_export,
     save_hf,
@@ -27,7 +27,7 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
-from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+from megapar.models.config import config_from_dict
 from megapar.wording import and_list
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -262,7 +262,7 @@ def export_tokenizer(
             )
     # a causal LM sees only the base vocabulary and the end of document (the appended
     # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
-    needed = causal_rows(tok) if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
+    needed = model_rows(tok, config.model_type)
     if needed > config.vocab_size:
         raise CheckpointError(
             f"{what} has {needed:,} token ids, more than the model's "

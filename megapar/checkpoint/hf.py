@@ -578,6 +578,12 @@ def causal_rows(tokenizer) -> int:
     return max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
 
 
+def model_rows(tokenizer, model_type: str) -> int:
+    """The token ids a model of `model_type` trained with megapar's `tokenizer` can see, which
+    its vocabulary must hold: a causal LM's `causal_rows`, BERT's every id."""
+    return causal_rows(tokenizer) if model_type in CAUSAL_LM_TYPES else tokenizer.vocab_size
+
+
 def cut_to_tokenizer(canonical: dict[str, torch.Tensor], config, tokenizer):
     """(canonical, config) of a causal LM cut to the rows of its tokenizer (`causal_rows`): a
     GPT-2 trained on the GPT-2 BPE to 50,257 rows, as Hugging Face's GPT-2 has, not the 50,261

@@ -16,7 +16,7 @@ import torch
 from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import LATEST, MANIFEST
-from megapar.checkpoint.hf import ARCHITECTURES, HFReader, causal_rows, load_hf_weights
+from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights, model_rows
 from megapar.checkpoint.hf_names import hf_parameter_names
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
@@ -35,7 +35,7 @@ from megapar.mesh import (
     same_on_all_ranks,
 )
 from megapar.models import set_loss_fn
-from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict, config_from_hf
+from megapar.models.config import ConfigError, config_from_dict, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs, partition_layers
@@ -433,7 +433,7 @@ def _given_tokenizer(options: dict, config) -> dict | None:
             f"megapar.prepare: tokenizer={spec!r} cannot be loaded; pass {TOKENIZER_SPECS}"
         )
     tok = load_tokenizer(path)
-    needed = causal_rows(tok) if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
+    needed = model_rows(tok, config.model_type)
     if needed > config.vocab_size:
         raise ValueError(
             f"megapar.prepare: tokenizer={spec!r} has {needed:,} token ids, more than the "
