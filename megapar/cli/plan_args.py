@@ -342,15 +342,12 @@ def take_vocabulary(args, config) -> None:
             "(--tokenizer, which the printed megapar-train command carries)"
         )
     flag = f"--vocab-size {args.vocab_size}" if args.vocab_size is not None else "--tokenizer"
-    path = os.path.expanduser(args.model)
-    if os.path.exists(path):
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if "vocab_size" in load_config_file(file):
-            raise ValueError(
-                f"{flag} sets the data's vocabulary, and the model config {args.model} fixes "
-                f"vocab_size {config.vocab_size:,}, which megapar-train keeps: drop {flag}, or "
-                f"leave vocab_size out of the config to take the tokenizer's"
-            )
+    if vocabulary_kept(args):  # (`config` is --model's file, read already: it loads)
+        raise ValueError(
+            f"{flag} sets the data's vocabulary, and the model config {args.model} fixes "
+            f"vocab_size {config.vocab_size:,}, which megapar-train keeps: drop {flag}, or "
+            f"leave vocab_size out of the config to take the tokenizer's"
+        )
     if args.vocab_size is not None:
         if args.vocab_size < 1:
             raise ValueError(
