@@ -1552,6 +1552,10 @@ def test_the_data_note_says_which_vocabulary_the_run_keeps(capsys, tmp_path):
         "  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC, of at most "
         "the 50,257 ids the model config fixes: without them megapar-train reads its shipped "
         "sample with gpt2's tokenizer\n") in out.out, out.out
+    # and a vocabulary given beside that file's is refused (the same check)
+    code, out = _cli(capsys, "--model", str(config), "--tokenizer", "gpt2", *base)
+    assert code == 2 and ("--tokenizer sets the data's vocabulary, and the model config "
+                          f"{config} fixes vocab_size 50,257, which megapar-train keeps") in out.err
     # --vocab-size: megapar-train has no such flag, the data's tokenizer replaces a recipe's
     code, out = _cli(capsys, "--model", "llama-tiny", "--vocab-size", "32000", *base)
     assert code == 0 and "whose vocabulary replaces the model's 32,000 the plan counts" in out.out
