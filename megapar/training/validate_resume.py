@@ -728,6 +728,10 @@ def _packed_text(cfg, manifest: dict) -> bool:
     return all(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(data))
 
 
+RESUME_ON_THE_SAMPLE = "resume without --data (the checkpoint's shipped sample is taken)"
+"""How a checkpoint trained on the shipped sample resumes, where a --data given breaks it."""
+
+
 def check_resumable(
     cfg, manifest: dict, train_len: int, split_of: Callable[[float, int], list] | None = None
 ) -> None:
@@ -832,7 +836,7 @@ def check_resumable(
                 f"resume with {back}{without} (or leave {'them' if len(changed) > 1 else 'it'} "
                 f"out: the checkpoint's is taken)"
                 if kept
-                else "resume without --data (the checkpoint's shipped sample is taken)"
+                else RESUME_ON_THE_SAMPLE
             )
             raise UsageError(
                 f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
@@ -891,7 +895,7 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
         back = (
             f"resume with --data {_shown(trained)} (or leave --data out: the checkpoint's is taken)"
             if trained is not None
-            else "resume without --data (the checkpoint's shipped sample is taken)"
+            else RESUME_ON_THE_SAMPLE
         )
         raise UsageError(
             f"--load {cfg.load} trained on {was}, and --data {_shown(cfg.data)} holds other "
