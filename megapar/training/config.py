@@ -52,6 +52,7 @@ from megapar.training.hf_trainer_config import (
     accelerate_config,
     is_accelerate_config,
     is_trainer_arguments,
+    refused_value,
     trainer_arguments,
 )
 from megapar.training.other_tools import (
@@ -687,15 +688,11 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
-        problem = refused_flag(flags)
-        if problem:
-            raise ConfigError(
-                f"{path} is a DeepSpeed config, which megapar-train does not read, and a value "
-                f"in it is one megapar-train refuses: {problem}; correct it in the file"
-            )
+        what = f"{path} is a DeepSpeed config, which megapar-train does not read"
+        if line := refused_value(what, flags, refused_flag):
+            raise ConfigError(line)
         raise ConfigError(
-            f"{path} is a DeepSpeed config, which megapar-train does not read: give its "
-            f"settings as megapar-train flags (or a --config file of them)"
+            f"{what}: give its settings as megapar-train flags (or a --config file of them)"
             + (f": {' '.join(flags)}" if flags else "")
             + (f" (no equivalent: {', '.join(left)})" if left else "")
             + (

@@ -58,6 +58,18 @@ Refused = Callable[[list[str]], str | None]
 says it (`megapar.training.config.refused_flag`), or None."""
 
 
+def refused_value(said: str, flags: list[str], refused: Refused | None) -> str | None:
+    """`said` (what the file is, which megapar-train does not read) with the first of its
+    translated `flags` whose value megapar-train refuses (`refused`); None where it takes them
+    all, or no check is given."""
+    problem = refused(flags) if refused is not None else None
+    if not problem:
+        return None
+    return (
+        f"{said}, and a value in it is one megapar-train refuses: {problem}; correct it in the file"
+    )
+
+
 def is_trainer_arguments(data: dict, own: set[str]) -> bool:
     """Whether a `--config` file's settings `data` are a Hugging Face Trainer's (see
     `TRAINER_ONLY_KEYS`; `own`: megapar-train's settings' names). A DeepSpeed config's keys
@@ -435,16 +447,14 @@ def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> 
     if all(str(data.get(key)).lower() in ("true", "1") for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     flags, said = trainer_flags(data)
-    problem = refused(flags) if refused is not None else None
-    if problem:
-        return (
-            f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which "
-            f"megapar-train does not read, and a value in it is one megapar-train refuses: "
-            f"{problem}; correct it in the file"
-        )
-    return (
+    what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
-        f"does not read: give its settings as megapar-train flags: {' '.join(flags)}; "
+        f"does not read"
+    )
+    if line := refused_value(what, flags, refused):
+        return line
+    return (
+        f"{what}: give its settings as megapar-train flags: {' '.join(flags)}; "
         + "; ".join(said)
         + " (the Trainer's other arguments have no megapar-train flag, or are its defaults)"
     )
@@ -589,15 +599,12 @@ def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> 
         if isinstance(machines, int) and machines > 1
         else ""
     )
-    problem = refused(flags) if refused is not None else None
-    if problem:
-        return (
-            f"{path} is an accelerate config, which megapar-train does not read, and a value in "
-            f"it is one megapar-train refuses: {problem}; correct it in the file"
-        )
+    what = f"{path} is an accelerate config, which megapar-train does not read"
+    if line := refused_value(what, flags, refused):
+        return line
     return (
-        f"{path} is an accelerate config, which megapar-train does not read: megapar-train "
-        f"starts its tp x cp x pp x dp workers itself (no accelerate launch); give "
+        f"{what}: megapar-train starts its tp x cp x pp x dp workers itself (no accelerate "
+        f"launch); give "
         + (" ".join(flags) if flags else "its settings as megapar-train flags")
         + f" (the processes are tp x cp x pp x dp){nodes}"
         + "".join(f"; {sentence}" for sentence in said)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
-from megapar.training.hf_trainer_config import Refused
+from megapar.training.hf_trainer_config import Refused, refused_value
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
 TORCHTITAN_SECTIONS = frozenset(
@@ -155,12 +155,8 @@ def torchtitan_job(
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
-    problem = refused(flags) if refused is not None else None
-    if problem:
-        return (
-            f"{said}, and a value in it is one megapar-train refuses: {problem}; correct it in "
-            f"the file"
-        )
+    if line := refused_value(said, flags, refused):
+        return line
     return (
         f"{said}; give its settings as megapar-train flags: "
         + "; ".join(([" ".join(flags)] if flags else []) + sentences)
