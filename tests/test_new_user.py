@@ -280,6 +280,26 @@ def test_config_file_values_are_parsed_like_flags(texts, cache, tiny_model, tmp_
     _assert_trained(tmp_path / "log.jsonl", 2)
 
 
+def test_a_config_files_value_out_of_range_is_said_with_the_file(tmp_path):
+    """A type error in a --config file named the file, a value out of range did not (the same
+    line as the flag's). It does now; a flag given beside the file's value replaces it."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    run = tmp_path / "run.yaml"
+    for text, said in [("label_smoothing: 1.5\n", "--label-smoothing 1.5 is invalid: it must be "
+                                                  "in [0, 1) (the default is 0.0)"),
+                       ("max_steps: 1.5\n", "--max-steps 1.5 is invalid: it must be a whole "
+                                            "number >= 1"),
+                       ("timeout_s: 1e12\n", "--timeout-s 1e+12 is invalid: at most 1e+09 s")]:
+        run.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            parse_args(["--config", str(run)])
+        assert str(err.value).startswith(f"{run}: {said}"), err.value
+    run.write_text("label_smoothing: 1.5\n")
+    assert parse_args(["--config", str(run), "--label-smoothing", "0.1"]).label_smoothing == 0.1
+
+
 def test_the_raw_text_flags_its_messages_recommend_exist(texts, cache, tiny_model, tmp_path,
                                                          capsys):
     """megapar-train said "pass --allow-invalid-utf8" / "pass --jsonl-key", flags only

@@ -730,6 +730,13 @@ def parse_args(argv=None) -> TrainConfig:
         problem = choice_problem(name, values[name]) if name in from_file else ""
         if problem:
             raise ConfigError(f"{args.config}: {problem}")
+    for name in sorted(from_file):  # out of range, said with the file that gave it
+        alone = TrainConfig()
+        setattr(alone, name, values[name])
+        try:
+            check_ranges(alone)
+        except UsageError as exc:
+            raise ConfigError(f"{args.config}: {exc}") from None
     given = frozenset(values)  # what the user set; the rest may adapt (validate.py)
     for name, variable in TIMEOUT_ENV.items():  # their environment's default, where set
         if name not in values and variable in os.environ:
