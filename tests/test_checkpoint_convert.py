@@ -358,6 +358,27 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_from_hf_of_a_hub_id_says_nothing_is_downloaded(tmp_path, capsys, monkeypatch):
+    """--from-hf meta-llama/Llama-3.2-1B (or gpt2), a hub id where no such directory is, said
+    "no such directory" alone: it now says megapar downloads nothing and how to save a copy. A
+    local name that is no hub name keeps the plain line."""
+    monkeypatch.chdir(tmp_path)
+    for hub in ("meta-llama/Llama-3.2-1B", "gpt2"):
+        assert main(["--from-hf", hub, "out"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"megapar-convert: error: {hub}: no such directory, and megapar downloads "
+                       f"nothing (a Hugging Face Hub id is read from a saved copy: "
+                       f"from_pretrained({hub!r}).save_pretrained(DIR) where the hub can be "
+                       f"reached, then --from-hf DIR)"), err
+    (tmp_path / "meta-llama").mkdir()  # a local folder of that name: a path, not a hub id
+    for path in ("meta-llama/Llama-3.2-1B", "my_hf_copy"):
+        assert main(["--from-hf", path, "out"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"megapar-convert: error: {path}: no such directory; pass a transformers directory "
+            f"written by save_pretrained")
+    assert not (tmp_path / "out").exists()
+
+
 class _RunsCode:
     """Pickles as a call of os.system: what a hostile DeepSpeed file could hold."""
 

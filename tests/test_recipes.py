@@ -29,9 +29,9 @@ def test_unknown_model_names_the_recipes():
                         ("bert-base-uncased", "bert-base")):
         with pytest.raises(ConfigError) as exc:
             resolve_model(hub)
-        assert str(exc.value) == (f"unknown model {hub!r}; Hugging Face's {hub} is the recipe "
-                                  f"--model {recipe} (its weights: --from-hf DIR of a saved "
-                                  f"copy; nothing is downloaded)")
+        assert str(exc.value) == (f"model {hub!r} is a Hugging Face Hub id, and megapar "
+                                  f"downloads nothing: its shape is the recipe --model {recipe} "
+                                  f"(its weights: --from-hf DIR of a saved copy)")
         hub_shape = resolve_model(recipe)
         assert hub_shape.vocab_size == (30522 if "bert" in hub else 50257)
     # the hub ids of the Llama, Qwen, Mistral and DeepSeek recipes (meta-llama/Llama-3.2-1B
@@ -53,7 +53,8 @@ def test_unknown_model_names_the_recipes():
             ("gpt2/", "gpt2-124m", (50257, 768, 12))):
         with pytest.raises(ConfigError) as exc:
             resolve_model(hub)
-        assert f"Hugging Face's {hub} is the recipe --model {recipe} (" in str(exc.value)
+        assert f"{hub!r} is a Hugging Face Hub id, and megapar downloads nothing: its shape is " \
+               f"the recipe --model {recipe} (" in str(exc.value)
         config = resolve_model(recipe).to_hf() if recipe == "gpt2-124m" else resolve_model(recipe)
         assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == shape
     # another hub id: megapar downloads nothing, said with what to do (it read "no such file or

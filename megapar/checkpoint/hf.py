@@ -46,6 +46,7 @@ from megapar.models.config import (
     config_from_hf,
     load_config_file,
 )
+from megapar.models.recipes import is_hub_name
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, tp_parts
@@ -90,6 +91,13 @@ def _load_pickled_weights(path: Path) -> dict:
 def _not_transformers(path: Path) -> str:
     """Why `path`, which has no config.json, is not a transformers directory, and the fix."""
     if not path.exists():
+        hub_id = len(path.parts) == 2 and not path.parent.exists()  # meta-llama/Llama-3.2-1B
+        if not path.is_absolute() and (hub_id or len(path.parts) == 1 and is_hub_name(str(path))):
+            return (
+                f"{path}: no such directory, and megapar downloads nothing (a Hugging Face Hub "
+                f"id is read from a saved copy: from_pretrained({str(path)!r}).save_pretrained(DIR)"
+                f" where the hub can be reached, then --from-hf DIR)"
+            )
         return (
             f"{path}: no such directory; pass a transformers directory written by save_pretrained"
         )

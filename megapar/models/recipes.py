@@ -58,6 +58,11 @@ HUB_NAMES = {
 same shapes)."""
 
 
+def is_hub_name(name: str) -> bool:
+    """Whether `name` is a Hugging Face Hub name of a recipe's model (gpt2, bert-base-uncased)."""
+    return _hub_shape_name(name.rstrip("/").rpartition("/")[2]) in HUB_NAMES
+
+
 def _hub_shape_name(name: str) -> str:
     """A hub model's name as `HUB_NAMES` keys it: lowercased, without an -Instruct (before the
     version too: Mistral-7B-Instruct-v0.1) or a -Base suffix, whose shapes are the model's."""
@@ -90,8 +95,8 @@ def resolve_model(name_or_path: str):
     hub_id = not slash or ("/" not in owner and not os.path.exists(owner))  # not a local path
     if hub is not None and hub_id:  # gpt2, openai-community/gpt2
         raise ConfigError(
-            f"unknown model {name_or_path!r}; Hugging Face's {name_or_path} is the recipe "
-            f"--model {hub} (its weights: --from-hf DIR of a saved copy; nothing is downloaded)"
+            f"model {name_or_path!r} is a Hugging Face Hub id, and megapar downloads nothing: "
+            f"its shape is the recipe --model {hub} (its weights: --from-hf DIR of a saved copy)"
         )
     if hub_id and slash and bare:  # meta-llama/Meta-Llama-3-8B: a hub id, no local path
         raise ConfigError(
