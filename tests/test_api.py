@@ -266,6 +266,11 @@ def test_load_continues_a_checkpoints_schedule_without_one_given(tmp_path):
     scheduler on engine.optimizer that scheduler keeps the learning rate."""
     schedule = {"warmup_steps": 1, "max_steps": 4, "min_lr": 1e-4}
     saved = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2, lr_schedule=schedule)
+    # read before the first step, the lr is that step's (warmup's), as a torch scheduler sets
+    # it on construction (it was the peak, 1e-2)
+    warming = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2,
+                              lr_schedule={**schedule, "warmup_steps": 4})
+    assert warming.optimizer.param_groups[0]["lr"] == warming.scheduler.lr(0) == 2.5e-3
     batch = _batches(1)[0]
     for _ in range(2):
         saved.train_step(batch)
@@ -273,6 +278,7 @@ def test_load_continues_a_checkpoints_schedule_without_one_given(tmp_path):
     want = [saved.scheduler.lr(s) for s in (2, 3)]  # the lr of steps 3 and 4: cosine decay
     engine = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
     engine.load(tmp_path)
+    assert engine.optimizer.param_groups[0]["lr"] == want[0]  # the next step's, not the last's
     lrs = []
     for _ in range(2):
         engine.train_step(batch)

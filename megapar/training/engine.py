@@ -148,6 +148,8 @@ class Engine:
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1 / 2 / 3, its slices
         of the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
+        if self.scheduler is not None:  # the first step's lr, as a torch scheduler sets it
+            self.optimizer.set_lr(self.scheduler.lr(0))
         self._build_grad_sync(cfg, mesh, reduce_dtype)
         self.straggler, self._slowdown, self.injector = build_probes(
             self.model,

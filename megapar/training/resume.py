@@ -161,6 +161,8 @@ def restore_meta(engine, meta: dict) -> None:
         engine.precision.load_state_dict(meta["scaler"])
     engine.step = int(meta.get("step", 0))
     engine.schedule_step = int(meta.get("schedule_step", engine.step))  # older: no skips kept
+    if engine.scheduler is not None:  # the next step's lr (the optimizer's state held the last)
+        engine.optimizer.set_lr(engine.scheduler.lr(engine.schedule_step))
     engine.tokenizer = meta.get("tokenizer", engine.tokenizer)
     engine.source_dtype = meta.get("hf_dtype", engine.source_dtype)
     engine.source_generation_config = meta.get(
