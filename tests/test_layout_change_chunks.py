@@ -60,7 +60,7 @@ def test_bad_virtual_stages_rejected_before_workers_start(common, capsys):
     assert "DualPipeV needs at least 2 x pp = 4 micro-batches" in capsys.readouterr().err
     assert train([*common, "--pp", "4", "--schedule", "zb-v"]) == 2
     assert "2 x --pp 4 = 8 virtual stages of at least one layer each, but it has 4; lower " \
-        "--pp to 2 or less or use --schedule zb-h1" in capsys.readouterr().err  # a number
+        "--pp to 2 or use --schedule zb-h1" in capsys.readouterr().err  # not "or less": pp 1 fails
 
 
 def test_zb_v_checkpoint_continues_under_1f1b_at_pp2_one_process_and_dualpipev(tmp_path, common,

@@ -298,7 +298,8 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
             f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
             f"{config.num_layers}; lower --pp"
-            + (f" to {config.num_layers // 2} or less" if config.num_layers >= 4 else "")
+            + (f" to {config.num_layers // 2}" if config.num_layers >= 4 else "")
+            + (" or less" if config.num_layers >= 6 else "")  # (ZB-V needs --pp 2 or more)
             + " or use --schedule zb-h1"
         )
     split = cfg.pipeline_split  # enough layers for each stage or chunk?
