@@ -652,3 +652,23 @@ def test_a_v_schedules_theory_is_called_a_bound_beside_what_it_reaches(schedule,
             f"equal stages at the mean costs with free communication: {own} %") in out, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert float(own) >= round(100 * summary["theoretical_bubble"], 1)
+
+
+def test_unequal_stages_are_said_beside_the_theory_column():
+    """The theory column assumes equal stages; a measured model whose last stage held a 50k
+    head showed 91.5 / 95.5 / 18.7 % beside a theory of 25 % with nothing saying why (a
+    tryout). A line says so where the busiest stage is 1.2 x the least busy; none below."""
+    from megapar.cli.bubble import unequal_stages_note
+
+    def stats(*busy_ms):
+        return {"per_rank": [{"busy_s": b / 1e3} for b in busy_ms]}
+
+    assert unequal_stages_note(stats(34, 18, 324), 0.25) == (
+        "theory % assumes equal stages; these differ (stage 2 busy 324.0 ms, stage 1 18.0 ms: "
+        "the embedding or the head, layers not divided evenly, or other processes on the "
+        "cores): the others wait for the busiest, so the measured bubble is not the schedule's "
+        "alone")
+    assert unequal_stages_note(stats(100, 119), 0.2) is None  # within 1.2 x
+    assert unequal_stages_note(stats(100, 121), 0.2) is not None
+    assert unequal_stages_note(stats(100, 300), None) is None  # no theory column to qualify
+    assert unequal_stages_note(stats(100), 0.0) is None

@@ -483,12 +483,35 @@ def simulated_run(args) -> bubble_run.BubbleRun:
     )
 
 
+UNEQUAL = 1.2
+"""The ratio of the busiest stage's busy time to the least busy's above which the report says
+that the theory column, which assumes equal stages, does not describe the run."""
+
+
+def unequal_stages_note(stats: dict, theoretical: float | None) -> str | None:
+    """The line saying that the stages' busy times differ by more than `UNEQUAL` while the
+    theory column assumes equal stages (a measured model's embedding and head, layers that do
+    not divide evenly, another process on the cores); None where they do not."""
+    busy = [r["busy_s"] for r in stats["per_rank"]]
+    if theoretical is None or len(busy) < 2 or max(busy) <= UNEQUAL * min(busy):
+        return None
+    most, least = busy.index(max(busy)), busy.index(min(busy))
+    return (
+        f"theory % assumes equal stages; these differ (stage {most} busy "
+        f"{1e3 * busy[most]:.1f} ms, stage {least} {1e3 * busy[least]:.1f} ms: the embedding or "
+        f"the head, layers not divided evenly, or other processes on the cores): the others wait "
+        f"for the busiest, so the measured bubble is not the schedule's alone"
+    )
+
+
 def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     """A measured or simulated run's report: its title, bubble table, in-flight micro-batches
     and activation memory per stage, the Chrome trace and Gantt plot where asked for, and the
     JSON summary line."""
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
+    if note := unequal_stages_note(run.stats, run.theoretical):
+        print(note)
     if args.schedule in ("zb-v", "dualpipev") and run.costs is not None:
         own = bubble_run.equal_stage_bubble(
             args.pp, args.microbatches, args.schedule, args.virtual_stages, run.costs
