@@ -2078,3 +2078,5 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
     with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer='nowhere/tok' cannot be "
                                          r"loaded; pass 'gpt2', "):
         megapar.prepare("gpt2-tiny", tokenizer="nowhere/tok")
+    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer=' ' is empty; pass 'gpt2'"):
+        megapar.prepare("gpt2-tiny", tokenizer=" ")  # was "cannot be loaded"

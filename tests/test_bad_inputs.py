@@ -317,6 +317,9 @@ TRAIN = [
     (["--data", ""], "--data '' is an empty path: give a text file"),
     (["--data", "0.5", "a.txt", "0.5", ""], "--data '' is an empty path"),
     (["--data", " "], "--data ' ' is an empty path"),  # whitespace alone too (a re-test)
+    # an unset $TOKENIZER was "unknown tokenizer ''" with the list of what is known
+    (["--tokenizer", " "], "--tokenizer ' ' is an empty name: give one (e.g. --tokenizer "
+                           "sentencepiece), or leave the flag out (gpt2; with --load"),
     # a [0, 1) setting said with its whole range on either side, and inf without the reason of
     # a wait too short (a re-test)
     (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1 is invalid: it must be in [0, 1) (the "
@@ -2904,11 +2907,18 @@ def test_worker_exit_lead(monkeypatch, capsys):
 
 def test_an_empty_data_list_in_a_config_file_is_one_line(tmp_path):
     """{"data": []} in a --config file failed in the blend's parser with an IndexError
-    traceback (a re-test); it is the empty --data's line."""
-    from megapar.training.config import parse_args
+    traceback (a re-test); it is one line naming the file and its key (it said "leave the flag
+    out" of the key), and a TrainConfig made in Python with data=[] is named as such."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import TrainConfig, parse_args
     from megapar.training.validate import UsageError, check_settings
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"data": [], "max_steps": 3}))
-    with pytest.raises(UsageError, match=r"^--data \[\] is an empty path: give a text file"):
-        check_settings(parse_args(["--config", str(path)]))
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    assert str(err.value) == (f"{path}: data: [] names no data: give a text file, a directory "
+                              f'of them or a prepared prefix (e.g. data: ["corpus.txt"]), or '
+                              f"remove the key (the shipped sample)")
+    with pytest.raises(UsageError, match=r"^TrainConfig\(data=\[\]\) names no data: give"):
+        check_settings(TrainConfig(data=[]))

@@ -595,6 +595,12 @@ def _config_value(f, value: Any, path: str) -> Any:
     if value is None:
         raise ConfigError(f"{path}: {flag}: null is not a value; remove the key to use the default")
     if f.name in MULTI_VALUE and isinstance(value, list):
+        if not value:  # (the blend's parser failed on it with an IndexError)
+            raise ConfigError(
+                f"{path}: {f.name}: [] names no data: give a text file, a directory of them or a "
+                f'prepared prefix (e.g. {f.name}: ["corpus.txt"]), or remove the key (the '
+                f"shipped sample)"
+            )
         return [str(v) for v in value]
     if kind == "bool":
         if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):

@@ -427,6 +427,8 @@ def _given_tokenizer(options: dict, config) -> dict | None:
             f"not a value of type {type(spec).__name__}"
         )
     path = os.path.expanduser(os.fspath(spec))
+    if not path.strip():
+        raise ValueError(f"megapar.prepare: tokenizer={spec!r} is empty; pass {TOKENIZER_SPECS}")
     record = recorded_tokenizer(path)
     if record is None:
         raise ValueError(

@@ -66,9 +66,7 @@ _EXAMPLE_PATHS = {
 
 
 def _empty_shown(data) -> str:
-    """The empty part of a --data value as the refusal shows it ('' or ' ', [] for a list)."""
-    if data == []:
-        return "[]"
+    """The empty part of a --data value as the refusal shows it ('' or ' ')."""
     parts = data if isinstance(data, list) else [data]
     return repr(next(d for d in parts if isinstance(d, str) and not d.strip()))
 
@@ -88,14 +86,25 @@ def check_settings(cfg) -> None:
                 f"{flag_of(name)} {getattr(cfg, name)!r} is an empty path: give a path (e.g. "
                 f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
             )
+    if cfg.data == []:  # a TrainConfig made in Python (a --config file's [] is refused there)
+        raise UsageError(
+            "TrainConfig(data=[]) names no data: give a text file, a directory of them or a "
+            'prepared prefix (e.g. data=["corpus.txt"]), or None (the shipped sample)'
+        )
     data = cfg.data if isinstance(cfg.data, list) else [cfg.data]
-    if cfg.data == [] or any(isinstance(d, str) and not d.strip() for d in data):
+    if any(isinstance(d, str) and not d.strip() for d in data):
         # an unset $DATA: the shipped sample, without a word ("data": [] in a --config file:
         # a traceback)
         raise UsageError(
             f"--data {_empty_shown(cfg.data)} is an empty path: give a text file, a directory "
             "of them or a prepared "
             "prefix (e.g. --data corpus.txt), or leave the flag out (the shipped sample)"
+        )
+    if isinstance(cfg.tokenizer, str) and not cfg.tokenizer.strip():  # an unset $TOKENIZER
+        raise UsageError(
+            f"--tokenizer {cfg.tokenizer!r} is an empty name: give one (e.g. --tokenizer "
+            f"sentencepiece), or leave the flag out (gpt2; with --load, the checkpoint's; with "
+            f"--from-hf, the model's own)"
         )
     if isinstance(cfg.model, str) and not cfg.model.strip():  # an unset $MODEL: the default
         raise UsageError(
