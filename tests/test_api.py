@@ -2080,3 +2080,18 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
         megapar.prepare("gpt2-tiny", tokenizer="nowhere/tok")
     with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer=' ' is empty; pass 'gpt2'"):
         megapar.prepare("gpt2-tiny", tokenizer=" ")  # was "cannot be loaded"
+    # a transformers directory whose own tokenizer has more ids than its model: refused here
+    # too (it was taken, and export_hf refused it after the training)
+    import transformers
+
+    small = tmp_path / "small"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=1000, n_positions=64)).save_pretrained(small)
+    shutil.copy(assets / "gpt2_vocab.json", small / "vocab.json")
+    shutil.copy(assets / "gpt2_merges.txt", small / "merges.txt")
+    with pytest.raises(ValueError) as err:
+        megapar.prepare(str(small))
+    assert str(err.value) == (f"megapar.prepare: the tokenizer in {small} has 50,257 token ids, "
+                              f"more than its model's vocabulary of 1,000: it is not the "
+                              f"model's; save the model's tokenizer there (save_pretrained), "
+                              f"or remove the tokenizer's files from it")

@@ -780,6 +780,14 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     )
     own = hf_dir_tokenizer(source) if source and os.path.isdir(source) else None
     if own is not None:  # its tokenizer, as megapar-train --from-hf DIR takes it: export_hf
+        needed = model_rows(load_tokenizer(own), engine.config.model_type)
+        if needed > engine.config.vocab_size:  # (export_hf refused it, after the training)
+            raise ValueError(
+                f"megapar.prepare: the tokenizer in {own} has {needed:,} token ids, more than "
+                f"its model's vocabulary of {engine.config.vocab_size:,}: it is not the model's; "
+                f"save the model's tokenizer there (save_pretrained), or remove the tokenizer's "
+                f"files from it"
+            )
         engine.tokenizer = recorded_tokenizer(own)  # and checkpoints carry it
     with engine.params_whole():
         missing = load_hf_weights(engine.model, reader)
