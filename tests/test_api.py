@@ -2075,9 +2075,18 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
                                          r"token ids, more than the model's vocabulary of "
                                          r"50,257; pass the tokenizer of the model's data$"):
         megapar.prepare("gpt2-tiny", tokenizer=str(tmp_path / "wide"))
-    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer='nowhere/tok' cannot be "
-                                         r"loaded; pass 'gpt2', "):
+    # what does not load says why, as megapar-train's --tokenizer does (it was "cannot be
+    # loaded" for a directory of tokenizer.model alone, where the file is what to pass)
+    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer 'nowhere/tok': no such "
+                                         r"file or directory, .* and pass tokenizer=DIR$"):
         megapar.prepare("gpt2-tiny", tokenizer="nowhere/tok")
+    (tmp_path / "sp").mkdir()
+    shutil.copy(ROOT / "megapar" / "assets" / "botchan_en_unigram_1000.model",
+                tmp_path / "sp" / "tokenizer.model")
+    with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer directory '.*sp' holds "
+                                         r"SentencePiece model\(s\) \(tokenizer.model\), .*; "
+                                         r"pass the model file itself, e.g. .*sp/tokenizer.model"):
+        megapar.prepare("gpt2-tiny", tokenizer=str(tmp_path / "sp"))
     with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer=' ' is empty; pass 'gpt2'"):
         megapar.prepare("gpt2-tiny", tokenizer=" ")  # was "cannot be loaded"
     # a transformers directory whose own tokenizer has more ids than its model: refused here

@@ -429,12 +429,13 @@ def _given_tokenizer(options: dict, config) -> dict | None:
     path = os.path.expanduser(os.fspath(spec))
     if not path.strip():
         raise ValueError(f"megapar.prepare: tokenizer={spec!r} is empty; pass {TOKENIZER_SPECS}")
+    try:
+        tok = load_tokenizer(path)  # (its reason, worded for megapar-train's --tokenizer)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).replace("--tokenizer ", "tokenizer=")  # it names the spec
+        raise ValueError(f"megapar.prepare: {reason}") from None
     record = recorded_tokenizer(path)
-    if record is None:
-        raise ValueError(
-            f"megapar.prepare: tokenizer={spec!r} cannot be loaded; pass {TOKENIZER_SPECS}"
-        )
-    tok = load_tokenizer(path)
+    assert record is not None  # it loads
     needed = model_rows(tok, config.model_type)
     if needed > config.vocab_size:
         raise ValueError(
