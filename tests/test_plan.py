@@ -1552,9 +1552,20 @@ def test_the_data_note_says_which_vocabulary_the_run_keeps(capsys, tmp_path):
         "  note: add your corpus as --data PATH and its tokenizer as --tokenizer SPEC, of at most "
         "the 50,257 ids the model config fixes: without them megapar-train reads its shipped "
         "sample with gpt2's tokenizer\n") in out.out, out.out
-    # and a vocabulary given beside that file's is refused (the same check)
-    code, out = _cli(capsys, "--model", str(config), "--tokenizer", "gpt2", *base)
-    assert code == 2 and ("--tokenizer sets the data's vocabulary, and the model config "
+    # a tokenizer that fits that file's vocabulary is taken, as megapar-train takes it (it was
+    # refused, a re-test); one that needs more ids is refused, as megapar-train refuses it
+    code, out = _cli(capsys, "--model", str(config), "--tokenizer", "sentencepiece", *base)
+    assert code == 0 and "--tokenizer sentencepiece" in out.out.split("command: ")[1], out.out
+    small = tmp_path / "small.json"
+    small.write_text(config.read_text().replace('"vocab_size": 50257', '"vocab_size": 500'))
+    code, out = _cli(capsys, "--model", str(small), "--tokenizer", "sentencepiece", *base)
+    assert code == 2 and out.err == (
+        f"megapar-plan: error: --tokenizer sentencepiece needs 1,000 token ids, and the model "
+        f"config {small} fixes vocab_size 500, which megapar-train keeps: give a tokenizer of "
+        f"at most 500 ids, or leave vocab_size out of the config to take the tokenizer's\n"), \
+        out.err
+    code, out = _cli(capsys, "--model", str(config), "--vocab-size", "32000", *base)
+    assert code == 2 and ("--vocab-size 32000 sets the data's vocabulary, and the model config "
                           f"{config} fixes vocab_size 50,257, which megapar-train keeps") in out.err
     # --vocab-size: megapar-train has no such flag, the data's tokenizer replaces a recipe's
     code, out = _cli(capsys, "--model", "llama-tiny", "--vocab-size", "32000", *base)

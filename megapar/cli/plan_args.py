@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 
+from megapar.checkpoint.hf import model_rows
 from megapar.data.tokenizers import load_tokenizer
 from megapar.device import too_fast
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
@@ -333,7 +334,8 @@ def take_vocabulary(args, config) -> None:
     to a recipe (or to a config file without vocab_size): --tokenizer's size (the tokenizer is
     loaded, nothing tokenized) or --vocab-size N. Padding per layout stays the model's
     (make_vocab_size_divisible_by x tp). ValueError if both are given, N < 1, the tokenizer
-    does not load, or --model is a config file whose vocab_size megapar-train keeps."""
+    does not load, or --model is a config file whose vocab_size megapar-train keeps (and a
+    --tokenizer beside it needs more ids, or --vocab-size is given)."""
     if args.tokenizer is None and args.vocab_size is None:
         return
     if args.tokenizer is not None and args.vocab_size is not None:
@@ -341,12 +343,11 @@ def take_vocabulary(args, config) -> None:
             "--tokenizer and --vocab-size both give the data's vocabulary: keep one "
             "(--tokenizer, which the printed megapar-train command carries)"
         )
-    flag = f"--vocab-size {args.vocab_size}" if args.vocab_size is not None else "--tokenizer"
-    if vocabulary_kept(args):  # (`config` is --model's file, read already: it loads)
+    if args.vocab_size is not None and vocabulary_kept(args):  # (--model's file: it loads)
         raise ValueError(
-            f"{flag} sets the data's vocabulary, and the model config {args.model} fixes "
-            f"vocab_size {config.vocab_size:,}, which megapar-train keeps: drop {flag}, or "
-            f"leave vocab_size out of the config to take the tokenizer's"
+            f"--vocab-size {args.vocab_size} sets the data's vocabulary, and the model config "
+            f"{args.model} fixes vocab_size {config.vocab_size:,}, which megapar-train keeps: "
+            f"drop --vocab-size, or leave vocab_size out of the config to take the tokenizer's"
         )
     if args.vocab_size is not None:
         if args.vocab_size < 1:
@@ -356,8 +357,19 @@ def take_vocabulary(args, config) -> None:
         config.vocab_size = args.vocab_size
         return
     try:
-        config.vocab_size = load_tokenizer(args.tokenizer).vocab_size
+        tokenizer = load_tokenizer(args.tokenizer)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"--tokenizer {args.tokenizer} does not load: {exc}; or give --vocab-size N"
         ) from None
+    if not vocabulary_kept(args):
+        config.vocab_size = tokenizer.vocab_size
+        return
+    needed = model_rows(tokenizer, config.model_type)  # as megapar-train checks it
+    if needed > config.vocab_size:
+        raise ValueError(
+            f"--tokenizer {args.tokenizer} needs {needed:,} token ids, and the model config "
+            f"{args.model} fixes vocab_size {config.vocab_size:,}, which megapar-train keeps: "
+            f"give a tokenizer of at most {config.vocab_size:,} ids, or leave vocab_size out of "
+            f"the config to take the tokenizer's"
+        )
