@@ -2922,3 +2922,42 @@ def test_an_empty_data_list_in_a_config_file_is_one_line(tmp_path):
                               f"remove the key (the shipped sample)")
     with pytest.raises(UsageError, match=r"^TrainConfig\(data=\[\]\) names no data: give"):
         check_settings(TrainConfig(data=[]))
+
+
+def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
+    """An unset $CKPT / $CONFIG / $DST (a re-test): megapar-eval and megapar-generate said
+    "--load : no such checkpoint directory", megapar-train's --config '' trained the defaults
+    without a word and --config ' ' was answered with torchtitan's registry, megapar-convert's
+    empty DST "holds the source", prepare('') "config.json: no such config file"."""
+    import megapar
+    from megapar.cli.convert import main as convert
+    from megapar.cli.generate import main as generate
+    from megapar.models.config import ConfigError
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n")
+    for command, argv, line in [
+        (evaluate, ["--load", "", "--data", str(text)], "megapar-eval: error: --load '' is an "
+         "empty path: give a directory written by --save (or one of its step_* directories)"),
+        (generate, ["--load", " ", "--prompt", "hi"], "megapar-generate: error: --load ' ' is an "
+         "empty path: give a directory written by --save (or one of its step_* directories)"),
+        (train, ["--config", ""], "megapar-train: error: --config '' is an empty path: give a "
+         "YAML or JSON file of megapar-train's settings, or leave the flag out"),
+        (train, ["--config", " ", "--dry-run"], "megapar-train: error: --config ' ' is an empty "
+         "path"),
+        (convert, [str(text), "", "--tp", "1"], "megapar-convert: error: DST '' is an empty "
+         "path: give a directory"),
+        (convert, ["", str(tmp_path / "out"), "--tp", "1"], "megapar-convert: error: SRC '' is "
+         "an empty path: give a directory"),
+        (convert, ["--from-hf", str(tmp_path), " "], "megapar-convert: error: DST ' ' is an "
+         "empty path: give a directory"),
+        (convert, ["--to-hf", " ", str(tmp_path)], "megapar-convert: error: --to-hf ' ' is an "
+         "empty path: give a directory"),
+    ]:
+        assert command(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(line) and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=r"^megapar.prepare: model '' is empty: give a "
+                                          r"transformers model or its directory, a recipe"):
+        megapar.prepare("")

@@ -387,8 +387,16 @@ def _check_modes(args) -> None:
     """Refuse an empty mode path, two modes at once, and the DCP model without --from-dcp."""
     modes = ("from_hf", "to_hf", "info", "from_dcp", "to_dcp", "from_megatron")
     for flag in modes:
-        if getattr(args, flag) == "":
-            raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {value!r} is an empty path: give a directory"
+            )
+    importing = args.from_hf or args.from_dcp or args.from_megatron  # its one path: DST
+    names = ("DST",) if importing and len(args.paths) == 1 else ("SRC", "DST")
+    for name, path in zip(names, args.paths):  # an unset $DST, $SRC
+        if not path.strip():
+            raise ValueError(f"{name} {path!r} is an empty path: give a directory")
     if sum(getattr(args, flag) is not None for flag in modes) > 1:
         raise ValueError(
             "--from-hf, --to-hf, --from-dcp, --to-dcp, --from-megatron and --info are "

@@ -723,6 +723,11 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
 
 def parse_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
+    if args.config is not None and not args.config.strip():  # an unset $CONFIG: the defaults
+        raise ConfigError(
+            f"--config {args.config!r} is an empty path: give a YAML or JSON file of "
+            f"megapar-train's settings, or leave the flag out"
+        )
     values: dict[str, Any] = read_run_config(args.config, args.dp) if args.config else {}
     from_file = set(values)
     for f in fields(TrainConfig):

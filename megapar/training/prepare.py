@@ -68,6 +68,12 @@ def _resolve_model(model):
     step directory)."""
 
     if isinstance(model, (str, os.PathLike)):
+        if not os.fspath(model).strip():  # an unset $MODEL ("config.json: no such config file")
+            raise ConfigError(
+                f"megapar.prepare: model {os.fspath(model)!r} is empty: give a transformers "
+                f"model or its directory, a recipe name (e.g. 'gpt2-tiny'), a model config file "
+                f"or a megapar checkpoint directory"
+            )
         path = Path(model).expanduser()
         if path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists()):
             step_dir = resolve_checkpoint(path)

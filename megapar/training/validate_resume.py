@@ -365,6 +365,11 @@ def checkpoint_manifest(path: str, checksums: bool | None = None) -> dict:
 
     if checksums is None:
         checksums = hashes_at_start()
+    if not path.strip():  # megapar-eval's, megapar-generate's (an unset $CKPT)
+        raise UsageError(
+            f"--load {path!r} is an empty path: give a directory written by --save (or one of "
+            f"its step_* directories)"
+        )
     if not os.path.exists(os.path.expanduser(path)):
         raise UsageError(
             f"--load {path}: no such checkpoint directory; pass a directory written by --save "
