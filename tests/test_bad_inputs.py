@@ -328,6 +328,11 @@ TRAIN = [
                              "(the default is 300.0)"),
     (["--timeout-s", "1000000000.5"], "--timeout-s 1000000000.5 is invalid: at most 1e+09 s"),
     (["--save", " "], "--save ' ' is an empty path"),
+    # a seed past what torch's generators take failed in rank 0 ("Overflow when unpacking long
+    # long", a re-test)
+    (["--seed", "100000000000000000000"], "--seed 100000000000000000000 is invalid: it must be "
+                                          "a whole number from 0 to 4,294,967,295 (megapar "
+                                          "offsets it per rank"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
     (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),
     # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts

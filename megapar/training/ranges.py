@@ -94,6 +94,16 @@ BELOW_ONE = {
 """The settings that must also be below 1 (in [0, 1)), with what the refusal says of them."""
 
 
+HIGHEST = {
+    "seed": (
+        2**32 - 1,
+        "megapar offsets it per rank and multiplies it into PowerSGD's seeds, which must fit "
+        "torch's 64 bits",
+    ),
+}
+"""The settings with a highest allowed value, and why."""
+
+
 def default_of(cfg, name: str):
     """The default of setting `name` of config `cfg` (a dataclass)."""
     return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
@@ -140,6 +150,15 @@ def check_ranges(cfg, keyword: str | None = None, defaults: bool = True) -> None
         value = getattr(cfg, name)
         if value >= 1:
             _below_one(cfg, name, value, keyword, defaults)
+    for name, (highest, why) in HIGHEST.items():
+        value = getattr(cfg, name)
+        if value > highest:
+            shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
+            default = f"; the default is {default_of(cfg, name)}" if defaults else ""
+            raise UsageError(
+                f"{shown} is invalid: it must be a whole number from 0 to {highest:,} ({why}"
+                f"{default})"
+            )
     for name in ("timeout_s", "nccl_timeout_s"):
         value = getattr(cfg, name)
         if value <= MAX_SECONDS:
