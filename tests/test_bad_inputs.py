@@ -2578,6 +2578,25 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                  "--precision bf16", "--recompute full", "--save out --save-interval 50",
                  "--log-interval 5", "--seed 7", "--global-batch-size 8 x the --dp size"):
         assert flag in said, (flag, said)
+    # a DeepSpeed config given inline as the Trainer's deepspeed argument (a dict, which the
+    # Trainer takes as it takes a file's path) was dropped without a word (a re-test): its
+    # settings join the flags, the Trainer's own first; a value megapar refuses is named
+    inline = tmp_path / "inline.json"
+    inline.write_text(json.dumps({
+        "output_dir": "out", "per_device_train_batch_size": 2, "max_grad_norm": 0.5,
+        "deepspeed": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                      "gradient_clipping": 2.0, "train_micro_batch_size_per_gpu": "auto",
+                      "wall_clock_breakdown": False, "flops_profiler": {"enabled": False}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(inline)])
+    said = str(info.value)
+    assert "--clip-grad 0.5 " in said and "--clip-grad 2" not in said, said
+    assert "--zero 3 --offload-optimizer" in said, said
+    inline.write_text(json.dumps({"output_dir": "out",
+                                  "deepspeed": {"zero_optimization": {"stage": 4}}}))
+    with pytest.raises(ConfigError, match=r"a value in it is one megapar-train refuses: --zero 4 "
+                                          r"is invalid: choose one of 0, 1, 2, 3"):
+        parse_args(["--config", str(inline)])
     yaml_args = tmp_path / "args.yaml"  # YAML reads 3e-4 as a string: a traceback said so
     yaml_args.write_text("output_dir: out\nlearning_rate: 3e-4\nmax_steps: '100'\n")
     with pytest.raises(ConfigError, match=r"--lr 0.0003 .*--max-steps 100 "):

@@ -11,7 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megapar.training.deepspeed_config import DEEPSPEED_KEYS, fp16_scaler
+from megapar.models.config import ConfigError
+from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
 
 TRAINER_ONLY_KEYS = frozenset(
     {
@@ -309,6 +310,8 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"deepspeed {data['deepspeed']}: give that file to --config for its settings as "
             f"megapar-train flags"
         )
+    elif isinstance(data.get("deepspeed"), dict):  # the config itself, as the Trainer takes it
+        flags += _inline_deepspeed(data["deepspeed"], flags, said)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
@@ -439,6 +442,20 @@ FSDP_OPTIONS = (
     "auto_wrap",
 )
 """The Trainer's `fsdp` options (transformers' `FSDPOption`)."""
+
+
+def _inline_deepspeed(deepspeed: dict, flags: list[str], said: list[str]) -> list[str]:
+    """The flags of a DeepSpeed config given inline as the Trainer's `deepspeed` argument that
+    the Trainer's own `flags` do not set already (its "auto" values are the Trainer's); its keys
+    without an equivalent go to `said`."""
+    try:
+        more, left, _auto = deepspeed_equivalents(deepspeed)
+    except ConfigError as exc:  # a value where DeepSpeed takes a section
+        said.append(f"deepspeed: {exc}")
+        return []
+    set_already = {flag.split()[0] for flag in flags}
+    said += [f"deepspeed's {key}: no equivalent" for key in left]
+    return [flag for flag in more if flag.split()[0] not in set_already]
 
 
 def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> str:
