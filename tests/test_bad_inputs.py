@@ -2597,6 +2597,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"a value in it is one megapar-train refuses: --zero 4 "
                                           r"is invalid: choose one of 0, 1, 2, 3"):
         parse_args(["--config", str(inline)])
+    # ddp_timeout is --timeout-s, checked as megapar-train checks it, and a warmup_ratio past
+    # 1 (which the Trainer refuses) is said, not turned into steps (both were dropped or
+    # passed on without a word; a re-test)
+    for given, line in (({"ddp_timeout": 600}, "--timeout-s 600"),
+                        ({"ddp_timeout": 0}, "--timeout-s 0.0 is invalid: it must be a finite "
+                                             "number >= 0.001"),
+                        ({"warmup_ratio": 1.5, "max_steps": 10}, "warmup_ratio 1.5: a share of "
+                                                                 "the training steps, from 0 "
+                                                                 "to 1")):
+        inline.write_text(json.dumps({"output_dir": "out", **given}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(inline)])
+        assert line in str(info.value), str(info.value)
+        assert "--warmup-steps 15" not in str(info.value)
     yaml_args = tmp_path / "args.yaml"  # YAML reads 3e-4 as a string: a traceback said so
     yaml_args.write_text("output_dir: out\nlearning_rate: 3e-4\nmax_steps: '100'\n")
     with pytest.raises(ConfigError, match=r"--lr 0.0003 .*--max-steps 100 "):

@@ -151,7 +151,9 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         warmup, ratio, ratio_key = 0, warmup, "warmup_steps"
     elif warmup > 0:  # transformers 4: warmup_steps > 0 overrides warmup_ratio
         ratio = 0.0
-    if ratio and steps > 0:
+    if not 0 <= ratio <= 1:  # the Trainer refuses it ("warmup_ratio must lie in range [0,1]")
+        said.append(f"{ratio_key} {ratio:g}: a share of the training steps, from 0 to 1")
+    elif ratio and steps > 0:
         flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
     elif ratio:
         said.append(f"{ratio_key} {ratio:g}: --warmup-steps (the ratio x the training steps)")
@@ -305,6 +307,8 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"eval_steps: the Trainer evaluates on steps only with eval_strategy steps (here "
             f"{evaluation}); megapar-train evaluates every --eval-interval steps"
         )
+    if data.get("ddp_timeout") is not None:  # the Trainer's default 1800 s; megapar's 300
+        flags.append(f"--timeout-s {shown('ddp_timeout', 1800)}")
     if isinstance(data.get("deepspeed"), str):
         said.append(
             f"deepspeed {data['deepspeed']}: give that file to --config for its settings as "
