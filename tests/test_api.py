@@ -1872,6 +1872,10 @@ def test_prepare_names_what_it_trains_for_an_object_it_cannot():
     ({"save": "ckpt", "save_interval": 1}, ["megapar.prepare: save='ckpt' is read only by "
                                             "megapar-train's own loop", "engine.save(dir)"]),
     ({"log_interval": 1}, ["log_interval=1 is read only by megapar-train's own loop"]),
+    # megapar-train's data: the caller's batches replace it (taken, unread; a re-test)
+    ({"data": "corp.txt"}, ["megapar.prepare: data='corp.txt' is megapar-train's data, which "
+                            "the engine does not read: your loop feeds engine.train_step(batch)"]),
+    ({"val_fraction": 0.1}, ["val_fraction=0.1 is megapar-train's data"]),
     # megapar-train's ZeRO-3 refusals: prepare trained on, ignoring them
     ({"zero": 3, "zero3_persistence_threshold": -5},
      ["megapar.prepare: zero3_persistence_threshold=-5 is invalid"]),

@@ -521,6 +521,14 @@ evaluation, stopping, the dry run), which a caller's loop replaces: the engine n
 them."""
 
 
+DATA_OPTIONS = (
+    *("data", "data_cache", "jsonl_key", "sft_keys", "allow_invalid_utf8", "val_fraction"),
+    "allow_data_change",
+)
+"""TrainConfig fields of megapar-train's data (the corpus, its cache and split), which the
+caller's batches replace: the engine never reads them."""
+
+
 LOSS_SCALE_OPTIONS = (
     "loss_scale",
     "initial_loss_scale",
@@ -557,7 +565,8 @@ def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
 def _refuse_unread(options: dict) -> None:
     """Refuse, in one line with the API's way, an option the engine would not read: one of
     megapar-train's schedule flags (`SCHEDULE_OPTIONS`: the schedule comes from `lr_schedule`)
-    or of its loop's (`LOOP_OPTIONS`: the caller's loop replaces it)."""
+    or of its loop's (`LOOP_OPTIONS`: the caller's loop replaces it) or data's (`DATA_OPTIONS`:
+    the caller's batches replace it)."""
     for name in SCHEDULE_OPTIONS:
         if name in options:
             raise ValueError(
@@ -565,6 +574,13 @@ def _refuse_unread(options: dict) -> None:
                 f"schedule, which prepare does not build from options: pass lr_schedule="
                 f"{{'max_steps': ..., 'warmup_steps': ..., 'decay': ..., 'min_lr': ...}} (or "
                 f"drive engine.optimizer with a torch LR scheduler)"
+            )
+    for name in DATA_OPTIONS:
+        if name in options:
+            raise ValueError(
+                f"megapar.prepare: {name}={options[name]!r} is megapar-train's data, which the "
+                f"engine does not read: your loop feeds engine.train_step(batch) its batches of "
+                f"token ids; drop it"
             )
     for name in LOOP_OPTIONS:
         if name in options:
