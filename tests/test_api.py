@@ -2047,7 +2047,11 @@ def _tokenizer_taken(tmp):
         engine.export_hf(f"{tmp}/hf", tokenizer=object())
     except TypeError as exc:
         refused = str(exc)
-    return engine.tokenizer["path"], recorded["path"], refused
+    try:
+        engine.export_hf(f"{tmp}/hf", tokenizer="sentencepiece")
+    except RuntimeError as exc:  # (a CheckpointError)
+        other = str(exc)
+    return engine.tokenizer["path"], recorded["path"], refused, other
 
 
 def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(tmp_path):
@@ -2058,8 +2062,12 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
     line."""
     from megapar.launcher import run_local
 
-    taken, recorded, refused = run_local(_tokenizer_taken, 1, str(tmp_path))[0]
+    taken, recorded, refused, other = run_local(_tokenizer_taken, 1, str(tmp_path))[0]
     assert taken == recorded == "gpt2"
+    # another tokenizer than the engine's: said of the engine (it said "the checkpoint
+    # records", with no checkpoint in sight; a re-test)
+    assert other.startswith("tokenizer='sentencepiece' is not the tokenizer the engine "
+                            "records, gpt2 "), other
     assert refused == ("engine.export_hf: tokenizer takes a tokenizer's name or path ('gpt2', "
                        "'sentencepiece', a SentencePiece .model file, or a transformers "
                        "tokenizer's directory (e.g. the one tok.save_pretrained(DIR) writes)), "

@@ -254,7 +254,7 @@ def export_tokenizer(
         digests = [file_sha256(p) for p in tokenizer_files(tok)]
         if digests != recorded["sha256"]:
             raise CheckpointError(
-                f"{what} is not the tokenizer the checkpoint records, "
+                f"{what} is not the tokenizer the {'engine' if api else 'checkpoint'} records, "
                 f"{_described(recorded)}: its files differ (sha256 "
                 f"{','.join(d[:12] for d in digests)}); pass that tokenizer (wherever it is "
                 f"now), or add {option('allow_other_tokenizer', None, api)} to export "
