@@ -159,7 +159,8 @@ def split_counts(
             raise LayoutError(
                 f"{num_layers} layers cannot be cut into {what} (each needs at least one "
                 f"layer); lower --pp"
-                + (f" to {pp_most}{' or less' * (pp_most > 1)}" if pp_most >= 1 else "")
+                + (f" to {pp_most}" if pp_most >= 1 else "")
+                + (" or less" if pp_most > 1 else "")
             )
         return _even_counts(num_layers, slices)
     split.check(slices)
@@ -251,8 +252,7 @@ def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> l
         raise LayoutError(
             f"{num_layers} layers cannot be cut into --pp {pp} stages "
             f"(each stage needs at least one layer); lower --pp to {num_layers}"
-            + " or less"
-            * (num_layers > 1)
+            + (" or less" if num_layers > 1 else "")
         )
     return list(split_layers(num_layers, pp, split, f"--pp {pp} stages"))
 
@@ -282,7 +282,8 @@ def chunk_specs(
     one_chunk = "use a schedule with one chunk per rank (1f1b, zb-h1)"
     if num_layers < total and placement == "v":  # two chunks per rank, whatever V says
         fix = (
-            f"lower --pp to {num_layers // 2}{' or less' * (num_layers >= 6)}, or {one_chunk}"
+            f"lower --pp to {num_layers // 2}{' or less' if num_layers >= 6 else ''}, or "
+            f"{one_chunk}"
             if num_layers // 2 >= 2  # (zb-v and dualpipev take 2 stages or more)
             else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
         )
