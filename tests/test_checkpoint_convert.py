@@ -370,6 +370,11 @@ def test_from_hf_of_a_hub_id_says_nothing_is_downloaded(tmp_path, capsys, monkey
                        f"nothing (a Hugging Face Hub id is read from a saved copy: "
                        f"from_pretrained({hub!r}).save_pretrained(DIR) where the hub can be "
                        f"reached, then --from-hf DIR)"), err
+    for address in ("hf://gpt2", "https://huggingface.co/gpt2"):  # Path made it hf:/gpt2
+        assert main(["--from-hf", address, "out"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"megapar-convert: error: {address} is an address, and megapar downloads nothing: "
+            f"save the model with save_pretrained(DIR) where it can be reached, then pass DIR")
     (tmp_path / "meta-llama").mkdir()  # a local folder of that name: a path, not a hub id
     for path in ("meta-llama/Llama-3.2-1B", "my_hf_copy"):
         assert main(["--from-hf", path, "out"]) == 2

@@ -169,6 +169,11 @@ class HFReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg = self.path / "config.json"
+        if "://" in str(path) and not cfg.exists():  # hf://gpt2, https://...: Path drops a /
+            raise FileNotFoundError(
+                f"{path} is an address, and megapar downloads nothing: save the model with "
+                f"save_pretrained(DIR) where it can be reached, then pass DIR"
+            )
         if not cfg.exists():
             raise FileNotFoundError(_not_transformers(self.path))
         raw = load_config_file(cfg)
