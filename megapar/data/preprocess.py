@@ -183,8 +183,16 @@ def _worker_encode(
 _WORKER_TOKENIZER: Tokenizer
 
 
-def _no_text(files: Sequence[str]) -> str:
-    return f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
+class NoTextError(ValueError):
+    """Inputs that hold no document (each empty or whitespace); `written`: said by a command
+    that writes what it reads (megapar-data: "nothing written"), not by one that only reads."""
+
+    def __init__(self, files: Sequence[str], written: bool = True):
+        self.files = list(files)
+        super().__init__(
+            f"no text in {', '.join(files)}: every input is empty or whitespace"
+            + ("; nothing written" if written else "")
+        )
 
 
 def check_has_text(
@@ -202,7 +210,7 @@ def check_has_text(
         else iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, {})
     )
     if next(iter(documents), None) is None:
-        raise ValueError(_no_text(files))
+        raise NoTextError(files)
 
 
 def preprocess_files(
@@ -267,7 +275,7 @@ def preprocess_files(
     )
     first = next(batches, None)  # a bad or empty first input fails before a bar is drawn
     if first is None:
-        raise ValueError(_no_text(files))
+        raise NoTextError(files)
     batches = itertools.chain([first], batches)
     sft = sft_keys is not None
     # a line break that is an unknown token: its normalizer's, not the vocabulary's gaps
@@ -683,16 +691,19 @@ def ensure_dataset(
     prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
-    return preprocess_files(
-        [text_path],
-        prefix,
-        tokenizer_spec,
-        workers=1,
-        split_paragraphs=split_paragraphs,
-        jsonl_key=jsonl_key,
-        progress=progress,
-        allow_invalid_utf8=allow_invalid_utf8,
-        report=report,
-        stats=stats,
-        sft_keys=sft_keys,
-    )
+    try:
+        return preprocess_files(
+            [text_path],
+            prefix,
+            tokenizer_spec,
+            workers=1,
+            split_paragraphs=split_paragraphs,
+            jsonl_key=jsonl_key,
+            progress=progress,
+            allow_invalid_utf8=allow_invalid_utf8,
+            report=report,
+            stats=stats,
+            sft_keys=sft_keys,
+        )
+    except NoTextError as exc:  # a cache the user did not ask for: "nothing written" unsaid
+        raise NoTextError(exc.files, written=False) from None
