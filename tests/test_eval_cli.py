@@ -547,6 +547,10 @@ def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path
             str(tmp_path / "lg.npy")]
     assert evaluate(base + ["--data", "x", "--seq-len", "8"]) == 2
     assert "--data and --input-ids are two modes" in _one_error_line(capsys)
+    # without --save-logits too: the two modes first (it said "--input-ids needs --save-logits",
+    # and the mode conflict after the user added it; a re-test)
+    assert evaluate(base[:4] + ["--data", "x"]) == 2
+    assert "--data and --input-ids are two modes" in _one_error_line(capsys)
     assert evaluate(base + ["--max-batches", "8", "--seed", "2"]) == 2
     line = _one_error_line(capsys)
     assert "--max-batches, --seed are used only with --data" in line and "drop them" in line

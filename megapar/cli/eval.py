@@ -461,13 +461,13 @@ def _choose_worker(args, given: tuple[str, ...]):
     no mode, both, or an option the chosen mode does not read (`given`: the options on the
     command line, `OneLineParser.given`)."""
     if args.input_ids:
-        if not args.save_logits:
-            raise UsageError("--input-ids needs --save-logits OUT.npy")
-        if args.data:
+        if args.data:  # before what either mode lacks
             raise UsageError(
                 "--data and --input-ids are two modes (the loss on a dataset, the logits "
                 "of given ids); give one, or run them as two commands"
             )
+        if not args.save_logits:
+            raise UsageError("--input-ids needs --save-logits OUT.npy")
         _refuse_given(
             given,
             LOSS_ONLY,
