@@ -377,8 +377,10 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
          f"{records} is a prepared dataset of records (made with --sft-keys prompt,response) "
          "that already holds their prompt lengths"),
         (["--data", raw, "--seq-len", "1", "--micro-batch-size", "4", "--data-cache", cache],
-         "none of the 16 records evaluated keeps a response token at --seq-len 1 (every prompt "
-         "is at least 2 tokens), so there is no loss to report; raise --seq-len to at least"),
+         # the shortest prompt, twice (it said "every prompt is at least" --seq-len + 1, a
+         # bound, beside the shortest prompt's length; a re-test)
+         "none of the 16 records evaluated keeps a response token at --seq-len 1 (the shortest "
+         "prompt is 5 tokens), so there is no loss to report; raise --seq-len to at least 5"),
         (["--data", raw, "--micro-batch-size", "32", "--data-cache", cache],
          "has 16 records (samples) of up to 33 tokens, fewer than one batch of "
          "--micro-batch-size 32; lower --micro-batch-size or give more records"),

@@ -302,9 +302,9 @@ def _check_responses(args, indexed, shown: str, used: int) -> None:
     if not kept.any():
         raise UsageError(
             f"--data {shown}: none of the {used:,} records evaluated keeps a response token "
-            f"at --seq-len {args.seq_len} (every prompt is at least {args.seq_len + 1} tokens), "
-            f"so there is no loss to report; raise --seq-len to at least "
-            f"{int(records.prompt[:used].min())} (the shortest prompt)"
+            f"at --seq-len {args.seq_len} (the shortest prompt is "
+            f"{int(records.prompt[:used].min())} tokens), so there is no loss to report; raise "
+            f"--seq-len to at least {int(records.prompt[:used].min())}"
         )
 
 
