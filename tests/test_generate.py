@@ -236,6 +236,11 @@ BAD = [
     (["--prompt", "a", "--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--prompt", "a", "--batch-size", "0"], "--batch-size 0 is invalid: it must be >= 1"),
     (["--prompt", "a", "--seed", "-1"], "--seed -1 is invalid"),
+    # the largest seed these samples take, not the range SEED + i must lie in, which the seed
+    # given did (a re-test)
+    (["--prompt", "a", "--samples", "2", "--seed", str(2**63 - 1)],
+     f"--seed {2**63 - 1} is invalid: sample i draws with seed SEED + i, which must be in "
+     f"[0, 2**63 - 1]; give a seed from 0 to 9,223,372,036,854,775,806 (for these 2 samples)"),
     # a tokenizer larger than the model's vocabulary: refused only where a prompt's id fell
     # outside it ("," is id 11 in GPT-2's BPE, so the sample ran with other tokens' ids)
     (["--prompt", ",", "--tokenizer", "gpt2"],

@@ -233,11 +233,12 @@ def check_values(args, given) -> None:
                 f"{', '.join(named)} would be ignored: --temperature 0 is greedy (the most "
                 f"likely token, no sampling); drop {'it' if len(named) == 1 else 'them'}"
             )
-    top = args.seed + (len(args.prompt) + len(args.prompt_file)) * args.samples - 1
-    if args.seed < 0 or top > 2**63 - 1:
+    drawn = (len(args.prompt) + len(args.prompt_file)) * args.samples  # (a file: 1 at least)
+    if args.seed < 0 or args.seed + drawn - 1 > 2**63 - 1:
         raise UsageError(
             f"--seed {args.seed} is invalid: sample i draws with seed SEED + i, which must be "
-            f"in [0, 2**63 - 1]; give a seed in that range"
+            f"in [0, 2**63 - 1]; give a seed from 0 to {2**63 - drawn:,}"
+            + (f" (for these {drawn:,} samples)" if drawn > 1 else "")
         )
     if not args.prompt and not args.prompt_file:
         raise UsageError(
