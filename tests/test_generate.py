@@ -206,14 +206,15 @@ def test_bf16_greedy_equals_transformers_bf16_generate(imported, capsys):
 
 
 @pytest.mark.parametrize("imported", ["gpt2"], indirect=True)  # tied embedding across pp
-def test_tp2_pp2_batched_equals_tp1_one_at_a_time(imported, capsys):
+def test_tp2_pp2_batched_equals_tp1_one_at_a_time(imported, capfd):
     """Two prompts of different lengths x 2 samples: one left-padded batch of 4 at tp 2 x pp 2
-    draws the text of --batch-size 1 at tp 1."""
+    draws the text of --batch-size 1 at tp 1. (capfd: a forked rank 0 prints each batch as it
+    finishes, on the command's standard output.)"""
     _, _, ckpt = imported
     args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--samples", "2",
             "--max-new-tokens", "6", "--seed", "5"]
-    one = _run(ckpt, capsys, *args, "--batch-size", "1")
-    four = _run(ckpt, capsys, *args, "--tp", "2", "--pp", "2")
+    one = _run(ckpt, capfd, *args, "--batch-size", "1")
+    four = _run(ckpt, capfd, *args, "--tp", "2", "--pp", "2")
     assert [r["new_ids"] for r in four] == [r["new_ids"] for r in one]
     assert all(len(r["new_ids"]) == 6 for r in one)
 
@@ -374,8 +375,12 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
     _, _, ckpt = imported
     tok = load_tokenizer("sentencepiece")
     new = [*tok.encode(" and so on"), EOS]
-    monkeypatch.setattr("megapar.cli.worker_exit.run_workers",
-                        lambda *args, **kwargs: [[(new, "eos")]])
+
+    def rank_0_printing(worker, world_size, args, **kwargs):  # as the worker prints a batch
+        args.printer.batch(0, [(new, "eos")])
+        return [None]
+
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", rank_0_printing)
     argv = ["--load", str(ckpt), "--tokenizer", "sentencepiece", "--prompt", "Hello world"]
     assert generate(argv) == 0
     said = capsys.readouterr()

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 
-def _stdout_closed() -> bool:
+def stdout_closed() -> bool:
     """Whether standard output is a pipe whose reader has gone (poll reports an error on it)."""
     try:
         fd = sys.stdout.fileno()
@@ -32,7 +32,7 @@ def quiet_when_stdout_closes(main: Callable[..., int]) -> Callable[..., int]:
             sys.stdout.flush()
             return code
         except BrokenPipeError:
-            if not _stdout_closed():
+            if not stdout_closed():
                 raise
             # The rest of what is buffered goes nowhere, so that exit's flush cannot fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

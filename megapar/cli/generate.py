@@ -24,7 +24,7 @@ import torch
 
 from megapar.checkpoint.format import LATEST, MANIFEST
 from megapar.checkpoint.hf import causal_rows
-from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.closed_stdout import quiet_when_stdout_closes, stdout_closed
 from megapar.cli.worker_exit import (
     launched_size_refusal,
     parser_errors_once,
@@ -446,6 +446,65 @@ def _sample_named(prompt: int, sample: int, shape: tuple[int, int]) -> str:
     return "'s ".join(named) if named else "the sample"
 
 
+class SamplePrinter:
+    """Prints the samples of rank 0's batches as each batch finishes (text, or `--json` lines,
+    with their stderr notes), so an interrupted run keeps what it finished. A reader that
+    closes standard output (`| head`) ends the printing, not the generation (the other ranks
+    are in the same collectives)."""
+
+    def __init__(self, args, tok: Tokenizer, prompts: list[str], limit_name: str):
+        self.args, self.tok, self.prompts, self.limit_name = args, tok, prompts, limit_name
+        self.closed = False
+
+    def batch(self, start: int, samples: list[tuple[list[int], str]]) -> None:
+        """Print `samples`, the batch whose first sample is sample `start` of the command."""
+        if self.closed:
+            return
+        try:
+            for i, (new_ids, stop) in enumerate(samples, start):
+                self._sample(i, new_ids, stop)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.closed = True
+
+    def _sample(self, i: int, new_ids: list[int], stop: str) -> None:
+        args = self.args
+        p = i // args.samples
+        ids = args.prompt_ids[p]
+        text = new_ids[:-1] if stop == "eos" else new_ids
+        completion = completion_text(self.tok, ids, text)
+        shape = (len(args.prompt_ids), args.samples)
+        if stop == "positions":
+            sys.stdout.flush()  # the note under the samples before it
+            note = positions_note(
+                p, i % args.samples, shape, self.limit_name, len(ids), len(new_ids)
+            )
+            print(note, file=sys.stderr, flush=True)
+        elif stop == "eos" and not args.json:  # --json says so in its "stop"
+            sys.stdout.flush()  # the note above its sample on a terminal
+            print(
+                eos_note(p, i % args.samples, shape, len(text), args.max_new_tokens),
+                file=sys.stderr,
+                flush=True,
+            )
+        if args.json:
+            record = {
+                "prompt": self.prompts[p],
+                "sample": i % args.samples,
+                "completion": completion,
+                "prompt_ids": ids,
+                "new_ids": new_ids,
+                "stop": stop,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(self.prompts[p] + completion)
+            print("-" * 15)
+
+
 def _worker(args):
     mesh, config, model, _ = load_model(
         args.load_step or args.load,
@@ -458,10 +517,9 @@ def _worker(args):
     rows = [ids for ids in args.prompt_ids for _ in range(args.samples)]
     # sample i's own CPU generator: the same draws on any device, layout and batch size
     generators = [torch.Generator().manual_seed(args.seed + i) for i in range(len(rows))]
-    results = []
     for start in range(0, len(rows), args.batch_size):
         end = start + args.batch_size
-        for out in generate_batch(
+        outs = generate_batch(
             model,
             mesh,
             rows[start:end],
@@ -472,9 +530,9 @@ def _worker(args):
             config.vocab_size,
             args.limit,
             args.eos_id,
-        ):
-            results.append((out.new_ids, out.stop))
-    return results if mesh.rank == 0 else None
+        )
+        if mesh.rank == 0:  # printed as each batch finishes
+            args.printer.batch(start, [(out.new_ids, out.stop) for out in outs])
 
 
 def _run(args):
@@ -530,42 +588,10 @@ def main(argv=None) -> int:
             print(f"megapar-generate: {unlike}", file=sys.stderr)
     except (UsageError, OSError, ValueError) as exc:
         return refused("megapar-generate", exc)
+    args.printer = SamplePrinter(args, tok, prompts, limit_name)  # rank 0's (`_worker`)
+    sys.stdout.flush()  # nothing buffered for a forked rank to print again
     results = _run(args)
-    if isinstance(results, int):
-        return results
-    samples = results[0] if results else None
-    if samples is None:  # under torchrun, a rank other than 0: rank 0 prints
-        return 0
-    for i, (new_ids, stop) in enumerate(samples):
-        p = i // args.samples
-        ids = args.prompt_ids[p]
-        text = new_ids[:-1] if stop == "eos" else new_ids
-        completion = completion_text(tok, ids, text)
-        shape = (len(args.prompt_ids), args.samples)
-        if stop == "positions":
-            note = positions_note(p, i % args.samples, shape, limit_name, len(ids), len(new_ids))
-            print(note, file=sys.stderr)
-        elif stop == "eos" and not args.json:  # --json says so in its "stop"
-            sys.stdout.flush()  # the note above its sample on a terminal
-            print(
-                eos_note(p, i % args.samples, shape, len(text), args.max_new_tokens),
-                file=sys.stderr,
-                flush=True,
-            )
-        if args.json:
-            record = {
-                "prompt": prompts[p],
-                "sample": i % args.samples,
-                "completion": completion,
-                "prompt_ids": ids,
-                "new_ids": new_ids,
-                "stop": stop,
-            }
-            print(json.dumps(record, ensure_ascii=False))
-        else:
-            print(prompts[p] + completion)
-            print("-" * 15)
-    return 0
+    return results if isinstance(results, int) else 0
 
 
 if __name__ == "__main__":
