@@ -2099,6 +2099,12 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
                                          r"SentencePiece model\(s\) \(tokenizer.model\), .*; "
                                          r"pass the model file itself, e.g. .*sp/tokenizer.model"):
         megapar.prepare("gpt2-tiny", tokenizer=str(tmp_path / "sp"))
+    # a hub id in prepare's own terms (it said --model llama-1b, --from-hf DIR; a re-test)
+    with pytest.raises(ValueError, match=r"^megapar.prepare: model 'meta-llama/Llama-3.2-1B' is a "
+                                         r"Hugging Face Hub id, and megapar downloads nothing: "
+                                         r"its shape is the recipe prepare\('llama-1b'\) \(its "
+                                         r"weights: prepare\(DIR\) of a saved copy\)$"):
+        megapar.prepare("meta-llama/Llama-3.2-1B")
     with pytest.raises(ValueError, match=r"^megapar.prepare: tokenizer=' ' is empty; pass 'gpt2'"):
         megapar.prepare("gpt2-tiny", tokenizer=" ")  # was "cannot be loaded"
     # a transformers directory whose own tokenizer has more ids than its model: refused here

@@ -70,8 +70,11 @@ def _hub_shape_name(name: str) -> str:
     return bare.removesuffix("-base")
 
 
-def resolve_model(name_or_path: str):
-    """A model config from a recipe name or a JSON/YAML config file."""
+def resolve_model(name_or_path: str, api: bool = False):
+    """A model config from a recipe name or a JSON/YAML config file; `api`: refusals name
+    `megapar.prepare`'s arguments, not megapar-train's --model / --from-hf."""
+    recipe = (lambda name: f"prepare({name!r})") if api else (lambda name: f"--model {name}")
+    weights = "prepare(DIR)" if api else "--from-hf DIR"
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.exists():
@@ -96,14 +99,18 @@ def resolve_model(name_or_path: str):
     if hub is not None and hub_id:  # gpt2, openai-community/gpt2
         raise ConfigError(
             f"model {name_or_path!r} is a Hugging Face Hub id, and megapar downloads nothing: "
-            f"its shape is the recipe --model {hub} (its weights: --from-hf DIR of a saved copy)"
+            f"its shape is the recipe {recipe(hub)} (its weights: {weights} of a saved copy)"
         )
     if hub_id and slash and bare:  # meta-llama/Meta-Llama-3-8B: a hub id, no local path
         raise ConfigError(
             f"model {name_or_path!r}: no such file or directory, and megapar downloads nothing "
             f"(a Hugging Face Hub id is read from a saved copy: save_pretrained(DIR), then "
-            f"--from-hf DIR for its weights, or --model DIR for its config); or pass a recipe "
-            f"name: {', '.join(list_recipes())}"
+            + (
+                "prepare(DIR)"
+                if api
+                else "--from-hf DIR for its weights, or --model DIR for its config"
+            )
+            + f"); or pass a recipe name: {', '.join(list_recipes())}"
         )
     if "/" in name_or_path or os.sep in name_or_path or name_or_path.startswith(("~", ".")):
         raise ConfigError(  # a path (no recipe name has a separator): not "unknown model"

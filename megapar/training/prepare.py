@@ -82,7 +82,7 @@ def _resolve_model(model):
             reader = HFReader(str(path))  # a transformers directory: its weights, as --from-hf
             return reader.config, reader
         try:
-            return resolve_model(str(model)), None
+            return resolve_model(str(model), api=True), None
         except ConfigError as exc:  # prepare's own prefix, as its other refusals
             raise ConfigError(f"megapar.prepare: {exc}") from None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
