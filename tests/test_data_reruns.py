@@ -564,6 +564,7 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
     tokenizer that no longer loads is named as the dataset's."""
     import shutil
 
+    from megapar.data import load_tokenizer
     from megapar.training.config import TrainConfig
     from megapar.training.data import data_tokenizer
 
@@ -589,18 +590,32 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert train(["--data", prefix, "--tokenizer", "sentencepiece", "--model", "gpt2-tiny"]) == 2
     assert "is not the tokenizer" in _one_line(capsys, "megapar-train")
+    alone = TrainConfig(data=prefix)
+    alone.explicit = frozenset({"data"})
     (bpe / "merges.txt").write_text("")  # the recorded tokenizer damaged after the fact
     with pytest.raises(ValueError, match=r"--data .* was made with the tokenizer at .*bpe, "
                                          r"which does not load now: .*merges.txt is cut short"):
-        data_tokenizer(given("gpt2"))
+        data_tokenizer(alone)
     shutil.move(bpe, tmp_path / "moved")  # gone from where the dataset records it
     with pytest.raises(ValueError) as gone:
-        data_tokenizer(given("gpt2"))
+        data_tokenizer(alone)
     assert str(gone.value) == (
         f"--data {prefix} was made with the tokenizer at {bpe}, which is not there now (moved "
-        f"or deleted?); put its files back there, or tokenize the text again with megapar-data "
-        f"--tokenizer where they are now (a prepared dataset keeps the tokenizer it was made "
-        f"with; --tokenizer does not replace it)"), gone.value  # not 'unknown tokenizer: use gpt2'
+        f"or deleted?); give a copy of its files as --tokenizer DIR (the same files: their "
+        f"sha256 is the dataset's), put them back there, or tokenize the text again with "
+        f"megapar-data --tokenizer where they are now (a prepared dataset keeps the tokenizer it "
+        f"was made with; another --tokenizer does not replace it)"), gone.value
+    # (not 'unknown tokenizer: use gpt2'). A copy of the files it was made with, given as
+    # --tokenizer, is read in its place: a dataset rsynced with its tokenizer beside it (it
+    # was refused whatever --tokenizer said; a re-test); a copy of other files is not
+    with pytest.raises(ValueError, match=r"which is not there now"):
+        data_tokenizer(given(str(tmp_path / "moved")))  # the damaged files, moved
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(asset_path(f"gpt2_{name}"), copy / name)
+    assert data_tokenizer(given(str(copy)))[1].path == str(copy)
+    assert load_tokenizer(str(bpe)).path == str(copy)  # for the rest of the run (its workers)
 
 
 
@@ -653,7 +668,8 @@ def test_a_dataset_whose_tokenizer_files_changed_since_is_refused(tmp_path, caps
             f"the dataset was made (sha256 "), message
         assert message.endswith(
             f"its token ids would be other tokens; restore the tokenizer the dataset was made "
-            f"with at {bpe}, or tokenize the text again with megapar-data --tokenizer {bpe}")
+            f"with at {bpe} (or give a copy of its files as --tokenizer DIR), or tokenize the "
+            f"text again with megapar-data --tokenizer {bpe}")
     evaluated = SimpleNamespace(data=prefix, tokenizer=None, load=str(tmp_path / "ck"))
     with pytest.raises(UsageError, match=r"whose files changed since the dataset was made"):
         check_eval_data(evaluated, {}, True, 400)  # megapar-eval's check of its --data

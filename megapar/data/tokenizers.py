@@ -48,6 +48,7 @@ __all__ = [
     "tokenizer_files",
     "encodes_alike",
     "forget_loaded",
+    "moved_to",
 ]
 
 #: A Hugging Face Hub model id (``org/name``), as a --tokenizer that is no path here (nor a
@@ -319,6 +320,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
         location = spec
     spec = os.path.expanduser(os.fspath(location))  # '~/tok' quoted, or from a --config file
     spec = moved_asset(spec) or spec  # a shipped file recorded by another install of megapar
+    spec = _MOVED.get(spec, spec)  # a dataset's tokenizer whose copy the run gave (`moved_to`)
     where = _location(spec)
     key = (where, _files_read(where))
     tok = _LOADED.get(key)
@@ -335,6 +337,18 @@ _LOADED: dict[tuple[str, tuple], Tokenizer] = {}
 (`_location`, `_files_read`); forked workers inherit them."""
 _KEEP = 8
 """At most this many kept (a test process loads many)."""
+
+
+_MOVED: dict[str, str] = {}
+"""Recorded tokenizer paths this process reads from elsewhere: a copy of the same files
+(`moved_to`); forked workers inherit them."""
+
+
+def moved_to(recorded: str, here: str) -> None:
+    """Read the tokenizer recorded at `recorded` (a prepared dataset's, moved or changed since)
+    from `here`, where a copy of the files it was made with lies (checked by the caller, which
+    compared their sha256), for the rest of this process."""
+    _MOVED[os.path.expanduser(recorded)] = here
 
 
 def forget_loaded() -> None:

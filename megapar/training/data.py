@@ -58,6 +58,7 @@ from megapar.training.tokenizer_checks import (
     check_dataset_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
+    take_moved_copy,
     unlike_vocab_note,
 )
 from megapar.training.usage import UsageError
@@ -387,22 +388,27 @@ def data_tokenizer(cfg: TrainConfig):
     indexed = IndexedDataset(data, cfg.tokenizer)
     if not os.path.isfile(data + ".json"):  # a Megatron-LM dataset: --tokenizer is its own
         return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
+    given = given_now(cfg)
+    # its files copied elsewhere with the dataset, given as --tokenizer (or the --load
+    # checkpoint's, which trained with them): read from there
+    take_moved_copy(indexed.tokenizer_spec, cfg.tokenizer if "tokenizer" in explicit(cfg) else None)
     try:
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
     except (OSError, ValueError) as exc:
         path = indexed.tokenizer_spec.get("path")
         why = (
-            "which is not there now (moved or deleted?); put its files back there, or "
-            "tokenize the text again with megapar-data --tokenizer where they are now"
+            "which is not there now (moved or deleted?); give a copy of its files as "
+            "--tokenizer DIR (the same files: their sha256 is the dataset's), put them back "
+            "there, or tokenize the text again with megapar-data --tokenizer where they are now"
             if isinstance(path, str) and not os.path.exists(os.path.expanduser(path))
             else f"which does not load now: {exc}"
         )
         raise ValueError(
             f"--data {data} was made with the tokenizer at {path}, {why} (a prepared "
-            f"dataset keeps the tokenizer it was made with; --tokenizer does not replace it)"
+            f"dataset keeps the tokenizer it was made with; another --tokenizer does not "
+            f"replace it)"
         ) from None
     check_dataset_tokenizer(data, indexed.tokenizer_spec, tokenizer)
-    given = given_now(cfg)
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
     if "tokenizer" in given:  # a resumed run's model keeps its checkpoint's tokenizer

@@ -16,6 +16,7 @@ from megapar.data.tokenizers import (
     Tokenizer,
     encodes_alike,
     hf_dir_tokenizer,
+    moved_to,
     same_tokenizer,
     sentencepiece_dir_bos,
     tokenizer_files,
@@ -65,6 +66,35 @@ def check_given_tokenizer(given: str, data: str, tokenizer, checkpoint: bool = F
         )
 
 
+def take_moved_copy(spec: dict, given: str | None) -> bool:
+    """Where the tokenizer a prepared dataset records (`spec`: its .json's ``tokenizer``) no
+    longer loads with the files it was made with (moved, deleted or changed since) and the
+    run's --tokenizer `given` has those very files (their sha256, as the dataset recorded
+    them), read it from `given` for the rest of this process (`moved_to`): a dataset copied to
+    another machine with its tokenizer beside it. Returns whether it did."""
+    recorded = spec.get("sha256")
+    if not given or not recorded or not isinstance(spec.get("path"), str):
+        return False
+    try:
+        tok = load_tokenizer(spec)
+        if tok.kind == spec.get("kind") and _digests(tok) == list(recorded):
+            return False  # where it was, as it was
+    except (OSError, ValueError):
+        pass
+    try:
+        copy = load_tokenizer(given)
+    except (OSError, ValueError):
+        return False
+    if copy.kind != spec.get("kind") or _digests(copy) != list(recorded):
+        return False
+    moved_to(spec["path"], copy.spec()["path"])
+    return True
+
+
+def _digests(tok: Tokenizer) -> list[str]:
+    return [file_sha256(p) for p in tokenizer_files(tok)]
+
+
 def check_dataset_tokenizer(data: str, spec: dict, tokenizer: Tokenizer) -> None:
     """The tokenizer a prepared dataset `data` loads from its recorded path (`spec`: its .json's
     ``tokenizer``, `tokenizer`: loaded from it) still has the files the dataset was made with:
@@ -82,8 +112,9 @@ def check_dataset_tokenizer(data: str, spec: dict, tokenizer: Tokenizer) -> None
         f"--data {data} was made with the tokenizer at {path}, whose files changed since the "
         f"dataset was made (sha256 {','.join(d[:12] for d in recorded)} then, "
         f"{','.join(d[:12] for d in digests)} now): its token ids would be other tokens; "
-        f"restore the tokenizer the dataset was made with at {path}, or tokenize the text "
-        f"again with megapar-data --tokenizer {shell_word(path)}"
+        f"restore the tokenizer the dataset was made with at {path} (or give a copy of its "
+        f"files as --tokenizer DIR), or tokenize the text again with megapar-data --tokenizer "
+        f"{shell_word(path)}"
     )
 
 

@@ -42,6 +42,7 @@ from megapar.training.eval_text import (
 from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     check_dataset_tokenizer,
+    take_moved_copy,
     unlike_vocab_note,
 )
 from megapar.training.validate import (
@@ -183,6 +184,12 @@ def _check_data(args, manifest: dict, causal: bool, vocab_size: int) -> str | No
         # --load takes it
         args.tokenizer = text_tokenizer(args, manifest)[0]
     indexed = IndexedDataset(args.data, args.tokenizer)
+    if os.path.isfile(args.data + ".json"):  # its tokenizer's files copied elsewhere: given,
+        # or the checkpoint's (which trained with them)
+        take_moved_copy(
+            indexed.tokenizer_spec,
+            args.tokenizer or (recorded.get("path") if isinstance(recorded, dict) else None),
+        )
     tokenizer = data_tokenizer(args, indexed)
     shown = getattr(args, "data_shown", args.data)
     if shown == args.data:  # text: tokenized with --tokenizer
