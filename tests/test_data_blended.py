@@ -99,7 +99,8 @@ def test_a_part_weighted_0_is_left_out_as_in_megatron(parts, tmp_path, capfd):
     out = capfd.readouterr()
     said = [x for x in (out.out + out.err).splitlines() if "weight 0 in" in x]
     assert len(said) == 1 and said[0].endswith(
-        f"{gone}: weight 0 in --data, so it is left out of the blend (not drawn, not read)"), said
+        f"{gone}: weight 0 in --data, so it is left out of the blend (not drawn, not read; no "
+        f"such file or prefix there either)"), said  # a mistyped path said so (a re-test)
     assert train(["--data", "0.7", a, "0.3", b, *common, "--log-json", str(ref)]) == 0
     assert _losses(off) == _losses(ref)
 

@@ -293,6 +293,25 @@ def test_a_bad_jsonl_line_is_named_with_its_own_fix(tmp_path, capsys, line, mess
     assert ("--jsonl-key" in message) == ("no field" in message)
 
 
+def test_a_missing_field_named_by_jsonl_key_and_a_prefix_ending_bin(tmp_path, capsys):
+    """A line without the field --jsonl-key names said "pass --jsonl-key naming the text
+    field", which the user had done; --output-prefix data/zz.bin wrote zz.bin.bin (a new user's
+    tryout): each is one line with the fix that fits."""
+    bad = tmp_path / "docs.jsonl"
+    bad.write_text('{"body": "a good line"}\n{"text": "x"}\n')
+    assert data_main(["--input", str(bad), "--jsonl-key", "body", "--output-prefix",
+                      str(tmp_path / "out"), "--no-progress"]) == 2
+    _one_line_error(capsys, f"{bad}:2: the object has no field 'body' (its fields: 'text'); add "
+                            f"'body' (--jsonl-key's) to the line, or give --jsonl-key the field "
+                            f"every line has")
+    prefix = tmp_path / "zz.bin"
+    assert data_main(["--input", str(bad), "--output-prefix", str(prefix), "--no-progress"]) == 2
+    _one_line_error(capsys, f"--output-prefix {prefix} names a file megapar-data writes: it "
+                            f"would write {prefix}.bin, {prefix}.idx and .json; give the prefix, "
+                            f"--output-prefix {tmp_path / 'zz'}")
+    assert not list(tmp_path.glob("zz*")) and not list(tmp_path.glob("out*"))
+
+
 def test_a_broken_json_array_names_the_file_and_line(tmp_path, capsys):
     """A .json array that is not valid JSON said only "Expecting ',' delimiter: line 3 column 1
     (char 29)", without the file."""

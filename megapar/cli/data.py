@@ -221,6 +221,13 @@ def check_flags(args: argparse.Namespace) -> None:
             f"hidden {os.path.join(args.output_prefix, '.bin')} and friends); give "
             f"a prefix such as data/corpus (writes data/corpus.bin, .idx, .json)"
         )
+    stem, ext = os.path.splitext(args.output_prefix)
+    if ext in (".bin", ".idx") and os.path.basename(stem):  # the file it writes, not the prefix
+        raise ValueError(
+            f"--output-prefix {args.output_prefix} names a file megapar-data writes: it would "
+            f"write {args.output_prefix}.bin, {args.output_prefix}.idx and .json; give the "
+            f"prefix, --output-prefix {stem}"
+        )
 
     if args.workers is not None and args.workers > cpu_cores():
         print(

@@ -226,14 +226,15 @@ class BlendedDataset:
 
     def describe(self, indices: np.ndarray | None = None) -> str:
         """The blend's line ("blend: the 32 samples drawn: A 0.6875 (weight 0.7000: 22 drawn of
-        the part's 1331 samples), ..."): each part's share of the `n` samples drawn, its
+        the part's 1,331 samples), ..."): each part's share of the `n` samples drawn, its
         weight, how many of the `n` it gives and how many samples the part holds (a part drawn
         more times than it holds repeats its samples)."""
         which = self.dataset_index if indices is None else self.dataset_index[indices % self.size]
         drawn = np.bincount(which, minlength=len(self.datasets))
         n = len(which)
         parts = [
-            f"{name} {k / max(1, n):.4f} (weight {w:.4f}: {k} drawn of the part's {len(d)} samples)"
+            f"{name} {k / max(1, n):.4f} (weight {w:.4f}: {k:,} drawn of the part's {len(d):,} "
+            f"samples)"
             for name, k, w, d in zip(self.names, drawn.tolist(), self.weights, self.datasets)
         ]
-        return f"blend: the {n} samples drawn: " + ", ".join(parts)
+        return f"blend: the {n:,} samples drawn: " + ", ".join(parts)

@@ -581,9 +581,14 @@ def _line_text(path: str, lineno: int, line: bytes | str, key: str):
             if pair
             else ""
         )
+        fix = (
+            f"pass --jsonl-key naming the text field, or add {key!r} to the line"
+            if key == "text"  # the default: the field may have another name
+            else f"add {key!r} (--jsonl-key's) to the line, or give --jsonl-key the field every "
+            f"line has"
+        )
         raise ValueError(
-            f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
-            f"--jsonl-key naming the text field, or add {key!r} to the line"
+            f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); {fix}"
             f"{_records_inside(record, key) or sft}"
         )
     return record[key]

@@ -251,11 +251,17 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             + (
                 ""
                 if close
-                else "; pass the prefix written by `megapar-data --output-prefix`, or a raw "
-                ".txt file"
+                else "; pass the prefix written by `megapar-data --output-prefix`, or raw text "
+                "(a .txt, .jsonl, .json or .parquet file, or a directory of them)"
             )
         )
     return data
+
+
+def _nowhere(path: str) -> bool:
+    """Whether a --data `path` names nothing: no file or directory, and no prefix's .bin."""
+    path = os.path.expanduser(path)
+    return not os.path.exists(path) and not os.path.exists(path + ".bin")
 
 
 def _close_sibling(path: str) -> str:
@@ -744,7 +750,9 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
         )
     if notes is not None:
         notes.extend(
-            f"{name}: weight 0 in --data, so it is left out of the blend (not drawn, not read)"
+            f"{name}: weight 0 in --data, so it is left out of the blend (not drawn, not read"
+            + ("; no such file or prefix there either" if _nowhere(name) else "")
+            + ")"
             for name in unweighted_parts(cfg.data)
         )
         notes.extend(part_notes)
