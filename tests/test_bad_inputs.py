@@ -1677,6 +1677,11 @@ def test_an_eval_steps_beyond_the_validation_split_says_what_it_counts():
         "whole global batches: the last 15 of each epoch's order are left out)")
     assert _data_line(parse_args(["--max-steps", "2"]), 3201, 142).endswith("read 32 of them: "
                                                                            "0.01 of an epoch")
+    # the main job's 4,800 of 682 samples is 7.0 x 682, shown as 7.1 epochs of 672 without a
+    # word, the 10 left out under a twentieth (a new user's tryout): said wherever it shows
+    assert _data_line(parse_args(["--max-steps", "300"]), 682, 128).endswith(
+        "read 4,800 of them: 7.1 epochs (an epoch reads 672 of them, whole global batches: the "
+        "last 10 of each epoch's order are left out)")
 
 
 def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_path):

@@ -610,7 +610,9 @@ def _data_line(cfg: TrainConfig, samples: int, held: int, manifest: dict | None 
     if 0 < share < 0.01:  # not "0.00": two significant digits (0.0016, 0.000011)
         shown = f"{share:.{1 - math.floor(math.log10(share))}f}".rstrip("0").rstrip(".")
     epochs = f"{shown} of an epoch" if share < 1 else f"{share:.1f} epochs"
-    if share >= 1 and samples - per_epoch > 0.05 * samples:  # a twentieth or more unread
+    unread = samples - per_epoch > 0.05 * samples  # a twentieth or more unread
+    # or where the count shown is not drawn / samples (4,800 of 682: 7.1 epochs, not 7.0)
+    if share >= 1 and (unread or f"{drawn / samples:.1f}" != f"{share:.1f}"):
         epochs += (
             f" (an epoch reads {per_epoch:,} of them, whole global batches: the last "
             f"{samples - per_epoch:,} of each epoch's order are left out)"
