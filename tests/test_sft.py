@@ -157,6 +157,13 @@ def test_the_log_line_names_records_without_a_response_token_only_where_there_ar
     mean = "; the loss the mean over the global batch's response tokens (--loss-mean token, "
     assert notes[0].endswith(f"1 longer than --seq-len + 1 = {seq_len + 1} tokens truncated at "
                              f"the end{mean}TRL's and torchtune's)"), notes
+    # with a validation split, the counts are of every record, and the line says so (it read
+    # as the training records'; a new user's tryout)
+    cfg = SimpleNamespace(seq_len=32, loss_mean="token")
+    half = ds.num_docs // 2
+    split = _records_note(cfg, ds, [SFTDataset(ds, 32, (0, half)),
+                                    SFTDataset(ds, 32, (half, ds.num_docs))])
+    assert f"; of all {ds.num_docs}, 2 longer than --seq-len + 1 = 33 tokens truncated" in split
     assert notes[1].endswith("2 longer than --seq-len + 1 = 33 tokens truncated at the end; 1 "
                              "with no response token to learn (a prompt that fills the sample, "
                              "or a record of no text)"

@@ -832,9 +832,10 @@ def _records_note(cfg: TrainConfig, indexed, parts) -> str:
         if unlabelled
         else ""
     )
+    every = f"of all {indexed.num_docs:,}, " if len(parts) > 1 else ""  # both splits counted
     cut = (
-        f"{truncated:,} longer than --seq-len + 1 = {cfg.seq_len + 1} tokens truncated at the "
-        f"end{left}"
+        f"{every}{truncated:,} longer than --seq-len + 1 = {cfg.seq_len + 1} tokens truncated "
+        f"at the end{left}"
         if truncated
         else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens{left}"
     )
