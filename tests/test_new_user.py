@@ -114,6 +114,12 @@ def test_text_of_every_shape_trains(shape, texts, cache, tiny_model, tmp_path, c
         assert err.count("no validation split: the data is one document") == 1
     if shape == "few_bad_bytes":  # under 0.1 % of the bytes: replaced and counted
         assert "warning: " in err and "3 bytes of invalid UTF-8 replaced" in err
+        # and again when the run reads the cached copy (said the first time alone, where the
+        # unknown-token warning is said every time; a new user's tryout)
+        rc, err = _run(train, ["--data", texts[shape], "--data-cache", cache, "--model",
+                               tiny_model, "--tokenizer", "sentencepiece", "--seq-len", "32",
+                               "--max-steps", "1", "--no-progress"], capsys)
+        assert rc == 0 and f"warning: {texts[shape]}: 3 bytes of invalid UTF-8 replaced" in err
 
 
 def test_a_poem_whose_held_out_paragraph_is_tiny_still_trains_and_evaluates(

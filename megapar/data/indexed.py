@@ -140,6 +140,10 @@ class IndexedDatasetBuilder:
         self.unknown_tokens: dict[str, int] | None = None
         """How many of the text's tokens are its tokenizer's unknown token (`preprocess`'s
         counts, `unknown_tokens_note`), recorded in the metadata where set."""
+        self.invalid_utf8: dict[str, int] | None = None
+        """Bytes of invalid UTF-8 replaced with U+FFFD, per input file (--allow-invalid-utf8
+        or under 0.1 %), recorded in the metadata where set: a run that reads the dataset
+        from a cache says them again."""
 
     def add_document(
         self, ids: Sequence[int] | np.ndarray, prompt_length: int | None = None
@@ -213,6 +217,8 @@ class IndexedDatasetBuilder:
             meta["sft"] = {"keys": self.sft_keys, "prompt_lengths": self._prompt_lengths.tolist()}
         if self.unknown_tokens:
             meta["unknown_tokens"] = self.unknown_tokens
+        if self.invalid_utf8:
+            meta["invalid_utf8"] = self.invalid_utf8
         json_tmp = tmp_name(self.prefix + ".json")
         self._tmps.append(json_tmp)
         with open(json_tmp, "w") as f:

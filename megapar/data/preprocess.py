@@ -362,6 +362,7 @@ def preprocess_files(
             )
         if tok.unk_id is not None:  # megapar-train says it again when it reads the dataset
             builder.unknown_tokens = {k: stats[k] for k in UNKNOWN_COUNTS if k in stats}
+        builder.invalid_utf8 = dict(report) or None  # and this (`ensure_dataset`'s cache)
         return builder.finalize()
 
 
@@ -646,7 +647,8 @@ def ensure_dataset(
     inputs returns the cached prefix without work.  By default every blank-line-separated
     paragraph is a document, so a single file can still be split into train/val by
     documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
-    ``report`` and ``stats``: as for `preprocess_files` (filled only when the text is tokenized).
+    ``report`` and ``stats``: as for `preprocess_files` (`stats` filled only when the text is
+    tokenized; `report` also from a cached copy's record).
     """
     if not os.path.exists(text_path):
         raise FileNotFoundError(
@@ -690,6 +692,12 @@ def ensure_dataset(
     stem = os.path.splitext(os.path.basename(os.path.abspath(text_path)))[0]  # DIR/, . too
     prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
+        if report is not None:  # the bytes replaced when it was tokenized, said again
+            with open(prefix + ".json") as f:
+                replaced = json.load(f).get("invalid_utf8") or {}
+            if replaced and os.path.isfile(text_path):  # named as this run names it
+                replaced = {text_path: sum(replaced.values())}
+            report.update(replaced)
         return prefix
     try:
         return preprocess_files(
