@@ -631,7 +631,11 @@ def test_a_resumed_cp_that_cannot_split_the_checkpoints_seq_len(env, no_workers,
     assert _one_line(capsys, "megapar-train").endswith(
         f"--seq-len 32 (not given: the value --load {env['ckpt']} recorded) is not divisible "
         f"by 6: --cp 3 cuts each sequence into 2 x cp = 6 chunks; choose a multiple of 6, or a "
-        f"--cp it allows (2, 4, 8, 16)")
+        f"--cp it allows (2, 4)")  # up to 2 x the --cp given (a --cp 31 offered to --cp 2
+    # for --seq-len 62 meant 29 more processes; a re-test): none there, none offered
+    assert train(["--load", env["ckpt"], "--cp", "2", "--seq-len", "62", "--max-steps", "3"]) == 2
+    assert _one_line(capsys, "megapar-train").endswith(
+        "--cp 2 cuts each sequence into 2 x cp = 4 chunks; choose a multiple of 4")
 
 
 def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
