@@ -2850,7 +2850,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     # a translation gave flags megapar-train then refused (a re-test of the config translations)
     ("ds.json", {"zero_optimization": {"stage": 4}, "train_batch_size": 8},
      "is a DeepSpeed config, which megapar-train does not read, and a value in it is one "
-     "megapar-train refuses: --zero 4 is invalid: choose one of 0, 1, 2, 3; correct it in the file"),
+     "megapar-train refuses: --zero 4 is invalid: choose one of 0, 1, 2, 3 (the file's "
+     "zero_optimization.stage 4); correct it in the file"),  # its key named (a re-test)
     ("ds.json", {"train_batch_size": 8.5},
      "megapar-train refuses: --global-batch-size '8.5' is invalid: expected a whole number"),
     ("ds.json", {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"eps": 0}}},
@@ -2861,7 +2862,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     ("args.json", {"output_dir": "out", "per_device_train_batch_size": "auto"},
      "is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train does not "
      "read, and a value in it is one megapar-train refuses: --micro-batch-size 'auto' is "
-     "invalid: expected a whole number; correct it in the file"),
+     "invalid: expected a whole number (the file's per_device_train_batch_size 'auto'); "
+     "correct it in the file"),
     ("args.json", {"output_dir": "out", "weight_decay": -0.1},
      "megapar-train refuses: --weight-decay -0.1 is invalid: it must be a finite number >= 0.0"),
     ("args.json", {"output_dir": "out", "label_smoothing_factor": 1.0},  # [0, 1): a re-test
@@ -2879,7 +2881,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "megapar-train refuses: --zero 4 is invalid: choose one of 0, 1, 2, 3"),
     ("job.toml", "[optimizer]\nname = 'AdamW'\neps = 0\n[training]\nsteps = 10\n",
      "not a TOML job config (torchtitan's), and a value in it is one megapar-train refuses: "
-     "--adam-eps 0.0 is invalid"),
+     "--adam-eps 0.0 is invalid: it must be a finite number > 0.0 (the file's optimizer.eps "
+     "0)"),
+    # two keys hold the refused value: neither is named, rather than the wrong one
+    ("ds.json", {"zero_optimization": {"stage": 4}, "train_micro_batch_size_per_gpu": 4},
+     "choose one of 0, 1, 2, 3; correct it in the file"),
 ])
 def test_a_translated_config_with_a_value_megapar_train_refuses_names_it(tmp_path, name, text,
                                                                           said):

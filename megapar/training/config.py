@@ -695,7 +695,7 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
         what = f"{path} is a DeepSpeed config, which megapar-train does not read"
-        if line := refused_value(what, flags, refused_flag):
+        if line := refused_value(what, flags, refused_flag, data):
             raise ConfigError(line)
         raise ConfigError(
             f"{what}: give its settings as megapar-train flags (or a --config file of them)"

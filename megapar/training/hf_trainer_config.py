@@ -8,6 +8,7 @@ defaults where the file leaves one out and megapar-train's differs (weight decay
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -59,16 +60,55 @@ Refused = Callable[[list[str]], str | None]
 says it (`megapar.training.config.refused_flag`), or None."""
 
 
-def refused_value(said: str, flags: list[str], refused: Refused | None) -> str | None:
+def refused_value(
+    said: str, flags: list[str], refused: Refused | None, data: dict | None = None
+) -> str | None:
     """`said` (what the file is, which megapar-train does not read) with the first of its
-    translated `flags` whose value megapar-train refuses (`refused`); None where it takes them
-    all, or no check is given."""
+    translated `flags` whose value megapar-train refuses (`refused`), and the key of the file's
+    settings `data` that holds that value where one alone does; None where it takes them all,
+    or no check is given."""
     problem = refused(flags) if refused is not None else None
     if not problem:
         return None
+    key = _key_of(problem, data) if data is not None else None
     return (
-        f"{said}, and a value in it is one megapar-train refuses: {problem}; correct it in the file"
+        f"{said}, and a value in it is one megapar-train refuses: {problem}"
+        + (f" (the file's {key})" if key else "")
+        + "; correct it in the file"
     )
+
+
+def _key_of(problem: str, data: dict) -> str | None:
+    """The dotted key of `data` (nested tables) whose value is the one a refusal ("--zero 4 is
+    invalid: ...") names, as "zero_optimization.stage 4"; None where no key, or several, hold
+    it."""
+    said = re.match(r"--[\w-]+ '?([^' ]+?)'? is invalid", problem)
+    if not said:
+        return None
+    value = said[1]
+
+    def same(v: Any) -> bool:
+        if isinstance(v, (dict, list)):
+            return False
+        if str(v) == value:
+            return True
+        try:
+            return not isinstance(v, bool) and float(v) == float(value)
+        except (TypeError, ValueError):
+            return False
+
+    found = [f"{k} {v!r}" for k, v in _leaves(data) if same(v)]
+    return found[0] if len(found) == 1 else None
+
+
+def _leaves(data: dict, above: str = ""):
+    """(dotted key, value) of every setting in `data`, tables' settings under theirs."""
+    for key, value in data.items():
+        name = f"{above}{key}"
+        if isinstance(value, dict):
+            yield from _leaves(value, name + ".")
+        else:
+            yield name, value
 
 
 def is_trainer_arguments(data: dict, own: set[str]) -> bool:
@@ -472,7 +512,7 @@ def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> 
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
         f"does not read"
     )
-    if line := refused_value(what, flags, refused):
+    if line := refused_value(what, flags, refused, data):
         return line
     return (
         f"{what}: give its settings as megapar-train flags: {' '.join(flags)}; "
@@ -621,7 +661,7 @@ def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> 
         else ""
     )
     what = f"{path} is an accelerate config, which megapar-train does not read"
-    if line := refused_value(what, flags, refused):
+    if line := refused_value(what, flags, refused, data):
         return line
     return (
         f"{what}: megapar-train starts its tp x cp x pp x dp workers itself (no accelerate "

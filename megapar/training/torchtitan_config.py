@@ -155,7 +155,7 @@ def torchtitan_job(
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
-    if line := refused_value(said, flags, refused):
+    if line := refused_value(said, flags, refused, job):
         return line
     return (
         f"{said}; give its settings as megapar-train flags: "
