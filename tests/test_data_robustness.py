@@ -848,6 +848,13 @@ def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsy
     _one_line_error(capsys, "only 1 other file (.md), not read: give such a file by its own "
                             f"path ({notes / 'a.md'}: a file named as input is read as text")
     assert data_main(["--input", str(notes / "a.md"), *out]) == 0  # as the line says
+    # beside one that is not text, the text ones are renamed, and the other named (it said
+    # "rename them .txt" of a .jsonl.gz too; a new user's tryout)
+    (notes / "b.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(20))
+    assert data_main(["--input", str(notes), *out, "--overwrite"]) == 2
+    _one_line_error(capsys, "or rename the text ones .txt; and input "
+                            f"{notes / 'b.jsonl.gz'} is gzip-compressed")
+    (notes / "b.jsonl.gz").unlink()
     (tmp_path / "empty").mkdir()
     assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
     assert _one_line_error(capsys).endswith(

@@ -337,9 +337,17 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         check_is_text(others[0])
     except ValueError as e:
         return f"{line}: {e}"
+    besides = ""  # a text file beside one that is not (a .md and a .jsonl.gz): not "rename them"
+    for other in others[1:20]:
+        try:
+            check_is_text(other)
+        except ValueError as e:
+            besides = f"; and {e}"
+            break
     return (
         f"{line}: give such a file by its own path ({shell_word(others[0])}: a file named as "
-        f"input is read as text whatever its name), or rename them .txt"
+        f"input is read as text whatever its name), or rename "
+        f"{'the text ones' if besides else 'them'} .txt{besides}"
     )
 
 
