@@ -237,7 +237,7 @@ class TrainConfig:
     warmup_steps: int = 20
     """Linear warmup steps. Not given, at most 10 % of --lr-decay-steps or --max-steps (with a note)."""
     weight_decay: float = 0.1
-    """AdamW weight decay (not applied to biases and norms)."""
+    """Weight decay of matrices and embeddings, not of biases and norms: decoupled (each step takes lr x decay x the weight off it) for AdamW and Muon, added to LAMB's update before its trust ratio, and an L2 term added to the gradient for SGD and LARS (as torch.optim.SGD's weight_decay and the LARS paper apply it)."""
     optimizer: str = "adamw"
     """adamw, lamb or lars (layer-wise trust ratio, for large batches; LARS's eta is 1e-3, so it wants an --lr near 1), sgd (with momentum), or muon (torch.optim.Muon's orthogonalised momentum for the transformer blocks' 2-D weights, AdamW with the --adam-* settings for embeddings, head, norms, biases and routed experts; one --lr and --weight-decay for both; any --zero, not --offload-optimizer)."""
     muon_momentum: float = 0.95
