@@ -619,13 +619,13 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
 
 
 
-def _bpe(directory: Path, vocab_size: int) -> str:
-    """A byte-level BPE of `vocab_size` trained on the sample text, saved as vocab.json +
-    merges.txt in `directory` (replacing what is there)."""
+def _bpe(directory: Path, vocab_size: int, text: str = TEXT[:20_000]) -> str:
+    """A byte-level BPE of `vocab_size` trained on `text` (by default the sample's start), saved
+    as vocab.json + merges.txt in `directory` (replacing what is there)."""
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator([TEXT[:20_000]], vocab_size=vocab_size, show_progress=False)
+    tok.train_from_iterator([text], vocab_size=vocab_size, show_progress=False)
     directory.mkdir(exist_ok=True)
     tok.save_model(str(directory))
     return str(directory)
@@ -711,3 +711,34 @@ def test_a_disk_that_fills_while_the_index_is_written_leaves_nothing(tmp_path, m
     assert len(err) == 1 and err[0].startswith(
         "megapar-data: error: No space left on device while writing "), err
     assert not list(tmp_path.glob("out/*"))  # no .bin, .idx or .json temporary
+
+
+def test_a_blend_of_moved_datasets_of_two_tokenizers_is_refused(tmp_path):
+    """Two datasets of two tokenizers of one vocabulary size, moved with copies of their
+    tokenizers, the originals deleted: --tokenizer naming the first's copy trained the blend on
+    the second's ids too, compared by vocabulary size alone (a re-test; the other order was
+    refused). The files each part recorded (sha256) are compared where one no longer loads."""
+    import shutil
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import resolve_data_prefix
+
+    prefixes, copies = [], []
+    for name, text in (("a", TEXT[:20_000]), ("b", TEXT[-20_000:])):
+        tok = Path(_bpe(tmp_path / f"{name}-tok", 600, text))
+        (tmp_path / f"{name}.txt").write_text(text)
+        prefix = str(tmp_path / name)
+        assert data(["--input", str(tmp_path / f"{name}.txt"), "--output-prefix", prefix,
+                     "--tokenizer", str(tok), "--no-progress"]) == 0
+        copies.append(shutil.copytree(tok, tmp_path / f"{name}-copy"))
+        shutil.rmtree(tok)
+        prefixes.append(prefix)
+    for first, copy in ((0, copies[0]), (1, copies[1])):
+        cfg = TrainConfig(data=["0.5", prefixes[first], "0.5", prefixes[1 - first]],
+                          tokenizer=str(copy))
+        cfg.explicit = frozenset({"data", "tokenizer"})
+        with pytest.raises(ValueError, match=r"were made with different tokenizers"):
+            resolve_data_prefix(cfg)
+    same = TrainConfig(data=["0.5", prefixes[0], "0.5", prefixes[0]], tokenizer=str(copies[0]))
+    same.explicit = frozenset({"data", "tokenizer"})
+    assert resolve_data_prefix(same) == prefixes[0]  # one tokenizer's copy: taken

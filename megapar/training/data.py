@@ -121,6 +121,9 @@ def resolve_data_prefix(
     for path, part in zip(paths, parts):
         raw = is_raw_text(_text_or_prefix(cfg, path))
         if not raw:  # text: its cache key is --tokenizer's
+            if os.path.isfile(part.prefix + ".json"):  # a copy of its tokenizer given
+                given = cfg.tokenizer if "tokenizer" in explicit(cfg) else None
+                take_moved_copy(part.tokenizer_spec, given)
             _check_recorded_tokenizer(path or part.prefix, part)
         # every run that reads it, as when it was tokenized (megapar-data, this cache)
         unknown = recorded_unknown_note(part.meta, cfg.tokenizer if raw else None)

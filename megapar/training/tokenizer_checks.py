@@ -300,15 +300,18 @@ def _model_type(directory: str) -> str:
 def check_blend_tokenizers(paths: list[str], parts: list) -> None:
     """The parts of a --data blend (`paths` as given, `parts` their IndexedDatasets) were made
     with one tokenizer: the same files (`same_tokenizer`) or alike encodings
-    (`encodes_alike`); parts whose recorded tokenizer no longer loads are compared by
-    vocabulary size and end-of-document id only. ValueError naming the two parts otherwise
-    (the same ids would be other tokens in each)."""
+    (`encodes_alike`); where a part's recorded tokenizer no longer loads, by the sha256 of
+    the files both recorded (else by vocabulary size and end-of-document id only). ValueError
+    naming the two parts otherwise (the same ids would be other tokens in each)."""
     first, tok = parts[0], _loaded(parts[0])
     for path, part in zip(paths[1:], parts[1:]):
         other = _loaded(part)
         same = (part.vocab_size, part.eod_id) == (first.vocab_size, first.eod_id)
         if same and tok is not None and other is not None:
             same = same_tokenizer(tok, other) or encodes_alike(tok, other)
+        elif same:  # one no longer loads: the files each was made with, where both say
+            digests = [p.tokenizer_spec.get("sha256") for p in (first, part)]
+            same = not all(digests) or digests[0] == digests[1]
         if not same:
             raise ValueError(
                 f"--data blend: {path} ({_named(part, other)}) and {paths[0]} "
