@@ -280,10 +280,11 @@ def test_load_continues_a_checkpoints_schedule_without_one_given(tmp_path):
     engine.load(tmp_path)
     assert engine.optimizer.param_groups[0]["lr"] == want[0]  # the next step's, not the last's
     lrs = []
-    for _ in range(2):
+    for _ in range(2):  # read before each step: the lr it trains at (after it: the next one's,
+        lrs.append(engine.optimizer.param_groups[0]["lr"])  # as a torch scheduler leaves it)
         engine.train_step(batch)
-        lrs.append(engine.optimizer.param_groups[0]["lr"])
     assert lrs == want and 1e-4 < want[1] < want[0] < 1e-2, (lrs, want)
+    assert engine.optimizer.param_groups[0]["lr"] == saved.scheduler.lr(4)  # step 5's
     driven = megapar.prepare(_hf_model(), micro_batch_size=4, lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(driven.optimizer, lambda s: 0.5)
     driven.load(tmp_path)

@@ -149,7 +149,7 @@ class Engine:
         of the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
         if self.scheduler is not None:  # the first step's lr, as a torch scheduler sets it
-            self.optimizer.set_lr(self.scheduler.lr(0))
+            self.optimizer.set_lr(self.scheduler.lr(0))  # (and after each step, the next's)
         self._build_grad_sync(cfg, mesh, reduce_dtype)
         self.straggler, self._slowdown, self.injector = build_probes(
             self.model,
@@ -331,6 +331,8 @@ class Engine:
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
         self.schedule_step += not result.skipped
+        if self.scheduler is not None:  # the next step's, as a torch scheduler's step() leaves
+            self.optimizer.set_lr(self.scheduler.lr(self.schedule_step))
         self.last_skipped = bool(result.skipped)
         self.last_z_loss = result.z_loss
         self.kept.loss_weight = self.step_fn.last_loss_weight
