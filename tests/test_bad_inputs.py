@@ -2596,6 +2596,15 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         "deepspeed": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
                       "gradient_clipping": 2.0, "train_micro_batch_size_per_gpu": "auto",
                       "wall_clock_breakdown": False, "flops_profiler": {"enabled": False}}}))
+    with pytest.raises(ConfigError) as info:  # its value unlike the Trainer's: refused, as
+        parse_args(["--config", str(inline)])  # the Trainer refuses it ("mismatch")
+    assert str(info.value) == (
+        f"{inline}: deepspeed's gradient_clipping 2.0 (--clip-grad 2.0) differs from the "
+        f"Trainer's own --clip-grad 0.5, which the Trainer refuses: set them alike, or the "
+        f'deepspeed one to "auto"'), str(info.value)
+    text = json.loads(inline.read_text())
+    text["deepspeed"]["gradient_clipping"] = "auto"
+    inline.write_text(json.dumps(text))
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(inline)])
     said = str(info.value)

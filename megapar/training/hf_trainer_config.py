@@ -497,9 +497,49 @@ def _inline_deepspeed(deepspeed: dict, flags: list[str], said: list[str]) -> lis
     except ConfigError as exc:  # a value where DeepSpeed takes a section
         said.append(f"deepspeed: {exc}")
         return []
-    set_already = {flag.split()[0] for flag in flags}
+    ours = {f.split()[0]: f.split()[1:] for f in flags}
+    for flag in more:  # the Trainer refuses a value unlike its own ("mismatch"): so does this
+        name, *value = flag.split()
+        key = TRAINER_FILLED.get(name)
+        given = _at(deepspeed, key) if key else None
+        if given is None or given == "auto" or len(value) != 1 or len(ours.get(name, ())) != 1:
+            continue  # (a key it leaves out is DeepSpeed's default, not compared)
+        if not _alike(value[0], ours[name][0]):
+            raise ConfigError(
+                f"deepspeed's {key} {given!r} ({flag}) differs from the Trainer's own {name} "
+                f"{ours[name][0]}, which the Trainer refuses: set them alike, or the deepspeed "
+                f'one to "auto"'
+            )
     said += [f"deepspeed's {key}: no equivalent" for key in left]
-    return [flag for flag in more if flag.split()[0] not in set_already]
+    return [flag for flag in more if flag.split()[0] not in ours]
+
+
+TRAINER_FILLED = {
+    "--micro-batch-size": "train_micro_batch_size_per_gpu",
+    "--clip-grad": "gradient_clipping",
+    "--lr": "optimizer.params.lr",
+    "--weight-decay": "optimizer.params.weight_decay",
+    "--adam-eps": "optimizer.params.eps",
+}
+"""The DeepSpeed keys the Trainer fills from its own arguments (its "auto") and whose value,
+given, must equal its own, by megapar-train's flag."""
+
+
+def _at(data: dict, key: str) -> Any:
+    """The value of dotted `key` in `data` (nested tables), None where it is not there."""
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _alike(a: str, b: str) -> bool:
+    """Whether two flag values are the same ("0.5" and "5e-01" are)."""
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
 
 
 def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> str:
@@ -507,7 +547,10 @@ def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> 
     first of them whose value megapar-train refuses, `refused`)."""
     if all(str(data.get(key)).lower() in ("true", "1") for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
-    flags, said = trainer_flags(data)
+    try:
+        flags, said = trainer_flags(data)
+    except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
+        return f"{path}: {exc}"
     what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
         f"does not read"
