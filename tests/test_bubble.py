@@ -416,6 +416,12 @@ def test_too_few_layers_for_the_v_names_a_fix_that_applies(capsys, no_work, sche
     line = _error_line(capsys)
     assert "4 layers cannot be cut into 2 x --pp 4 = 8 model chunks" in line
     assert "--virtual-stages" not in line and "lower --pp to 2, or use" in line  # (not "2 or less": zb-v needs 2)
+    # more stages than layers: the V's line too, not the model's "lower --pp" (to 4, which
+    # the V refuses in turn; a re-test)
+    assert main(["--pp", "8", "-m", "8", "--schedule", schedule, "--model", "gpt2-tiny"]) == 2
+    line = _error_line(capsys)
+    assert "4 layers cannot be cut into 2 x --pp 8 = 16 model chunks" in line, line
+    assert "lower --pp to 2, or use" in line, line
 
 
 def test_large_costs_whose_step_fits_a_float_simulate(capsys):

@@ -456,7 +456,7 @@ def test_a_pp_the_checkpoints_model_cannot_take_is_named_before_the_process_coun
                      "--save-logits", str(tmp_path / "out.npy")]) == 2
     assert _one_error_line(capsys) == (
         f"megapar-eval: error: 4 layers cannot be cut into --pp {pp} stages (each stage needs "
-        f"at least one layer); lower --pp")
+        f"at least one layer); lower --pp to 4 or less")  # a number (a re-test)
 
 
 def test_unwritable_save_logits_is_refused_before_the_evaluation(tiny_ckpt, tmp_path, capsys,

@@ -61,6 +61,9 @@ def test_bad_virtual_stages_rejected_before_workers_start(common, capsys):
     assert train([*common, "--pp", "4", "--schedule", "zb-v"]) == 2
     assert "2 x --pp 4 = 8 virtual stages of at least one layer each, but it has 4; lower " \
         "--pp to 2 or use --schedule zb-h1" in capsys.readouterr().err  # not "or less": pp 1 fails
+    assert train([*common, "--pp", "8", "--schedule", "zb-v"]) == 2  # beyond the layers too
+    assert "2 x --pp 8 = 16 virtual stages of at least one layer each, but it has 4; lower " \
+        "--pp to 2 or use --schedule zb-h1" in capsys.readouterr().err
 
 
 def test_zb_v_checkpoint_continues_under_1f1b_at_pp2_one_process_and_dualpipev(tmp_path, common,

@@ -52,7 +52,8 @@ def _pp_error(layers: int, pp: int, api: bool) -> str:
     """The one line for more pipeline stages than layers, worded for the caller."""
     return (
         f"{layers} layers cannot be cut into {layout_option('pp', pp, api)} stages (each stage "
-        f"needs at least one layer); lower {layout_option('pp', None, api)}"
+        f"needs at least one layer); lower {layout_option('pp', None, api)} to {layers}"
+        + (" or less" if layers > 1 else "")
     )
 
 

@@ -487,10 +487,10 @@ def check_bubble_measurement(args) -> None:
     try:
         chunks = chunks_per_rank(args.schedule, args.virtual_stages)  # 2 for the V schedules
         config = bench_config(args.model, args.pp, chunks)
-        config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
-        if chunks > 1:
-            placement = placement_of(args.schedule)  # the V's line names its own fixes
+        if chunks > 1:  # first: the V's and the loop's lines name the --pp their chunks take
+            placement = placement_of(args.schedule)
             chunk_specs(config.num_layers, args.pp, 0, chunks, placement)  # enough layers?
+        config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
 
