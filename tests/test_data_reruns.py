@@ -608,7 +608,9 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
     # (not 'unknown tokenizer: use gpt2'). A copy of the files it was made with, given as
     # --tokenizer, is read in its place: a dataset rsynced with its tokenizer beside it (it
     # was refused whatever --tokenizer said; a re-test); a copy of other files is not
-    with pytest.raises(ValueError, match=r"which is not there now"):
+    with pytest.raises(ValueError, match=r"which is not there now \(moved or deleted\?\); "
+                                         r"--tokenizer .*moved is no copy of it \(its files' "
+                                         r"sha256 are not the ones the dataset records\); give"):
         data_tokenizer(given(str(tmp_path / "moved")))  # the damaged files, moved
     copy = tmp_path / "copy"
     copy.mkdir()

@@ -205,3 +205,14 @@ def test_moe_config_refusals_say_the_fix(field, value, fix):
     setattr(config, field, value)
     with pytest.raises(ConfigError, match=f"{field}.*; {re.escape(fix)}"):
         config.validate(Layout())
+
+
+def test_an_address_given_as_a_model_is_said_as_one():
+    """--model hf://gpt2 (or prepare('hf://gpt2')) read "no such file or directory" with the
+    recipe list; --from-hf named it an address already (a re-test)."""
+    for api, weights in ((False, "--from-hf DIR"), (True, "prepare(DIR)")):
+        with pytest.raises(ConfigError) as exc:
+            resolve_model("hf://gpt2", api=api)
+        assert str(exc.value) == ("model 'hf://gpt2' is an address, and megapar downloads "
+                                  "nothing: save the model with save_pretrained(DIR) where it "
+                                  f"can be reached, then pass {weights}")

@@ -75,6 +75,11 @@ def resolve_model(name_or_path: str, api: bool = False):
     `megapar.prepare`'s arguments, not megapar-train's --model / --from-hf."""
     recipe = (lambda name: f"prepare({name!r})") if api else (lambda name: f"--model {name}")
     weights = "prepare(DIR)" if api else "--from-hf DIR"
+    if "://" in name_or_path and not os.path.exists(name_or_path):  # hf://gpt2, https://...
+        raise ConfigError(
+            f"model {name_or_path!r} is an address, and megapar downloads nothing: save the "
+            f"model with save_pretrained(DIR) where it can be reached, then pass {weights}"
+        )
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.exists():

@@ -405,8 +405,14 @@ def data_tokenizer(cfg: TrainConfig):
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
     except (OSError, ValueError) as exc:
         path = indexed.tokenizer_spec.get("path")
+        copy = (  # a --tokenizer given as its copy whose files are not the recorded ones
+            f"--tokenizer {cfg.tokenizer} is no copy of it (its files' sha256 are not the "
+            f"ones the dataset records); "
+            if "tokenizer" in given
+            else ""
+        )
         why = (
-            "which is not there now (moved or deleted?); give a copy of its files as "
+            f"which is not there now (moved or deleted?); {copy}give a copy of its files as "
             "--tokenizer DIR (the same files: their sha256 is the dataset's), put them back "
             "there, or tokenize the text again with megapar-data --tokenizer where they are now"
             if isinstance(path, str) and not os.path.exists(os.path.expanduser(path))
