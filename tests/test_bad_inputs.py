@@ -2971,6 +2971,8 @@ def test_an_empty_data_list_in_a_config_file_is_one_line(tmp_path):
     """{"data": []} in a --config file failed in the blend's parser with an IndexError
     traceback (a re-test); it is one line naming the file and its key (it said "leave the flag
     out" of the key), and a TrainConfig made in Python with data=[] is named as such."""
+    import re
+
     from megapar.models.config import ConfigError
     from megapar.training.config import TrainConfig, parse_args
     from megapar.training.validate import UsageError, check_settings
@@ -2984,6 +2986,11 @@ def test_an_empty_data_list_in_a_config_file_is_one_line(tmp_path):
                               f"remove the key (the shipped sample)")
     with pytest.raises(UsageError, match=r"^TrainConfig\(data=\[\]\) names no data: give"):
         check_settings(TrainConfig(data=[]))
+    for value, said in (("", "data: '' is an empty path"), ([""], "data: [''] holds an empty "
+                                                                 "path")):  # the file named too
+        path.write_text(json.dumps({"data": value}))
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {re.escape(said)}"):
+            parse_args(["--config", str(path)])
 
 
 def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):

@@ -309,6 +309,15 @@ def test_a_missing_field_named_by_jsonl_key_and_a_prefix_ending_bin(tmp_path, ca
     _one_line_error(capsys, f"--output-prefix {prefix} names a file megapar-data writes: it "
                             f"would write {prefix}.bin, {prefix}.idx and .json; give the prefix, "
                             f"--output-prefix {tmp_path / 'zz'}")
+    for name in ("zz.json", "zz.BIN"):  # any case, and the .json (a re-test)
+        assert data_main(["--input", str(bad), "--output-prefix", str(tmp_path / name),
+                          "--no-progress"]) == 2
+        _one_line_error(capsys, f"--output-prefix {tmp_path / name} names a file megapar-data")
+    bad.write_text('{"body": null}\n')  # a field of no string, --jsonl-key given already
+    assert data_main(["--input", str(bad), "--jsonl-key", "body", "--output-prefix",
+                      str(tmp_path / "out"), "--no-progress"]) == 2
+    _one_line_error(capsys, f"{bad}:1: field 'body' is null, not a string; fix the line "
+                            f"(--jsonl-key's field holds the text)")
     assert not list(tmp_path.glob("zz*")) and not list(tmp_path.glob("out*"))
 
 

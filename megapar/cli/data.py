@@ -222,7 +222,7 @@ def check_flags(args: argparse.Namespace) -> None:
             f"a prefix such as data/corpus (writes data/corpus.bin, .idx, .json)"
         )
     stem, ext = os.path.splitext(args.output_prefix)
-    if ext in (".bin", ".idx") and os.path.basename(stem):  # the file it writes, not the prefix
+    if ext.lower() in (".bin", ".idx", ".json") and os.path.basename(stem):  # a file it writes
         raise ValueError(
             f"--output-prefix {args.output_prefix} names a file megapar-data writes: it would "
             f"write {args.output_prefix}.bin, {args.output_prefix}.idx and .json; give the "

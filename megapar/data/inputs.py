@@ -558,9 +558,13 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                             if text is None
                             else (("an " if kind[0] in "aeiou" else "a ") + kind)
                         )
+                        fix = (  # the default field: the text may be under another name
+                            "fix the line or pass --jsonl-key naming the text field"
+                            if jsonl_key == "text"
+                            else "fix the line (--jsonl-key's field holds the text)"
+                        )
                         raise ValueError(
-                            f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; fix "
-                            f"the line or pass --jsonl-key naming the text field"
+                            f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; {fix}"
                         )
                     check_characters(f"{path}:{lineno}", jsonl_key, text)
                     if text.strip():

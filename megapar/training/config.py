@@ -594,7 +594,17 @@ def _config_value(f, value: Any, path: str) -> Any:
     flag, kind = "--" + f.name.replace("_", "-"), _type_of(f)
     if value is None:
         raise ConfigError(f"{path}: {flag}: null is not a value; remove the key to use the default")
+    if f.name in MULTI_VALUE and (value == "" or isinstance(value, str) and not value.strip()):
+        raise ConfigError(
+            f"{path}: {f.name}: {value!r} is an empty path: give a text file, a directory of "
+            f"them or a prepared prefix, or remove the key (the shipped sample)"
+        )
     if f.name in MULTI_VALUE and isinstance(value, list):
+        if any(isinstance(v, str) and not v.strip() for v in value):
+            raise ConfigError(
+                f"{path}: {f.name}: {value!r} holds an empty path: give a text file, a "
+                f"directory of them or a prepared prefix"
+            )
         if not value:  # (the blend's parser failed on it with an IndexError)
             raise ConfigError(
                 f"{path}: {f.name}: [] names no data: give a text file, a directory of them or a "
