@@ -6,6 +6,7 @@ The CLI is called in-process (`main(argv)`), so its workers are forked from this
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -378,6 +379,14 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
             "--micro-batch-size 4 scores every one") in out.err, out.err
     assert evaluate([*whole, "--max-batches", "2"]) == 0
     assert "left out" not in capsys.readouterr().err
+    # records scored that keep no response token are said (they add nothing to the loss: its
+    # "tokens" fell with no word; a re-test), as megapar-train's line counts them
+    assert evaluate(["--load", ckpt, "--seq-len", "5", "--micro-batch-size", "4", "--data",
+                     records]) == 0
+    said = re.search(r"megapar-eval: (\d+) of the 16 records scored keeps? no response token "
+                     r"at --seq-len 5 \(a prompt that fills the sample, or a record of no text\): "
+                     r"they add nothing to the loss", capsys.readouterr().err)
+    assert said and 0 < int(said[1]) < 16, said
     for argv, message in (
         (["--data", records, "--sft-keys", "prompt,response"],
          "--sft-keys prompt,response applies to raw JSON Lines records, and --data "

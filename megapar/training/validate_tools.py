@@ -246,8 +246,9 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> str | None:
         )
     scored = min(args.max_batches, samples // args.micro_batch_size) * args.micro_batch_size
     if causal and indexed.prompt_lengths is not None:
-        _check_responses(args, indexed, shown, scored)
-        return _left_out(args, shown, samples, scored, "record")
+        unlearnt = _check_responses(args, indexed, shown, scored)
+        notes = [_left_out(args, shown, samples, scored, "record"), unlearnt]
+        return "\n".join(n for n in notes if n) or None
     if causal:
         return _left_out(args, shown, samples, scored, "window", args.seq_len)
     return _left_out(args, shown, samples, scored, "MLM sample")
@@ -300,19 +301,28 @@ def _capped(args, shown: str, samples: int, unit: str) -> str:
     )
 
 
-def _check_responses(args, indexed, shown: str, used: int) -> None:
+def _check_responses(args, indexed, shown: str, used: int) -> str | None:
     """UsageError where none of the first `used` records (those the batches evaluate) keeps a
     response token at --seq-len (every prompt fills its sample): the loss would be over no
-    token, reported as 0."""
+    token, reported as 0. Returns the line naming how many of them keep none (they add nothing
+    to the loss, as megapar-train's line counts them), or None."""
     records = SFTDataset(indexed, args.seq_len)
     kept = np.minimum(records.length[:used], args.seq_len + 1) > records.prompt[:used]
-    if not kept.any():
-        raise UsageError(
-            f"--data {shown}: none of the {used:,} records evaluated keeps a response token "
-            f"at --seq-len {args.seq_len} (the shortest prompt is "
-            f"{int(records.prompt[:used].min())} tokens), so there is no loss to report; raise "
-            f"--seq-len to at least {int(records.prompt[:used].min())}"
+    if kept.all():
+        return None
+    if kept.any():
+        lost = int((~kept).sum())
+        return (
+            f"megapar-eval: {lost:,} of the {counted(used, 'record')} scored keep"
+            f"{'s' * (lost == 1)} no response token at --seq-len {args.seq_len} (a prompt that "
+            f"fills the sample, or a record of no text): they add nothing to the loss"
         )
+    raise UsageError(
+        f"--data {shown}: none of the {used:,} records evaluated keeps a response token "
+        f"at --seq-len {args.seq_len} (the shortest prompt is "
+        f"{int(records.prompt[:used].min())} tokens), so there is no loss to report; raise "
+        f"--seq-len to at least {int(records.prompt[:used].min())}"
+    )
 
 
 NPY_MAGIC = b"\x93NUMPY"
