@@ -116,7 +116,7 @@ def test_trust_ratio_optimizer_equals_single_process_reference(run, kind, tp, pp
         assert_close(w, ref_weights[name], 1e-5, f"{kind} {name}")
 
 
-def test_megapar_train_lamb_with_linear_lr_scaling(tmp_path):
+def test_megapar_train_lamb_with_linear_lr_scaling(tmp_path, capsys):
     """--optimizer lamb at tp 2 x dp 2 with ZeRO-1; --lr-scale-with-batch 4 at global batch 16
     multiplies the peak LR (reached after warmup) by 4, and the min LR with it."""
     import json
@@ -144,3 +144,7 @@ def test_megapar_train_lamb_with_linear_lr_scaling(tmp_path):
     assert lrs[:3] == pytest.approx([4e-3, 8e-3, 8e-3])  # warmup to 2e-3 x 16 / 4
     assert lrs[-1] == pytest.approx(8e-4 + (8e-3 - 8e-4) * 0.25)  # linear decay towards 8e-4
     assert records[-1]["loss"] < records[0]["loss"]
+    # said at the start: the logged lr was one the user never typed (a user's tryout)
+    assert ("--lr-scale-with-batch 4: the run trains at --lr 0.002 x global batch 16 / 4 = "
+            "0.008 (and --min-lr 0.0002 x the same, 0.0008), which the logged lr shows") \
+        in capsys.readouterr().err

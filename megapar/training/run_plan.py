@@ -277,6 +277,19 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             "seconds; its tok/s counts the compile), the later steps run compiled"
         )
 
+    if cfg.lr_scale_with_batch and cfg.global_batch_size != cfg.lr_scale_with_batch:
+        scale = cfg.global_batch_size / cfg.lr_scale_with_batch  # (Engine.scaled_lr)
+        notes.append(
+            f"--lr-scale-with-batch {cfg.lr_scale_with_batch}: the run trains at --lr {cfg.lr:g}"
+            f" x global batch {cfg.global_batch_size} / {cfg.lr_scale_with_batch} = "
+            f"{cfg.lr * scale:g}"
+            + (
+                f" (and --min-lr {cfg.min_lr:g} x the same, {cfg.min_lr * scale:g})"
+                if cfg.lr_decay != "constant"
+                else ""
+            )
+            + ", which the logged lr shows"
+        )
     _check_resumed_warmup(cfg)
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
