@@ -1478,6 +1478,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     config.write_text("train_iters: 3\n")
     with pytest.raises(Exception, match="unknown setting 'train_iters'; did you mean --max-steps"):
         parse_args(["--config", str(config)])
+    # a key no spelling is close to, sharing a word with a setting: named by that word (it said
+    # "valid keys are the megapar-train flags"; a user's tryout)
+    for key in ("lr_warmup", "learning_rate_warmup"):
+        config.write_text(f"{key}: 3\n")
+        with pytest.raises(Exception, match=f"unknown setting '{key}'; did you mean "
+                                            f"'warmup_steps'\\?$"):
+            parse_args(["--config", str(config)])
 
 
 @pytest.mark.parametrize("flag, hint", [

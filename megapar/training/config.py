@@ -64,6 +64,7 @@ from megapar.training.other_tools import (
 from megapar.training.ranges import check_ranges
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
 from megapar.training.usage import UsageError, flag_with_value
+from megapar.wording import or_list
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -721,7 +722,17 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     unknown = []  # every unknown key at once, not one per run
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
-        hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
+        if not close:  # lr_warmup: the settings that share its longer words (warmup_steps)
+            words = {w for w in key.lower().split("_") if len(w) >= 4}
+            shared = {n: max(map(len, words & set(n.split("_"))), default=0) for n in by_name}
+            best = max(shared.values(), default=0)  # the longest word shared
+            close = sorted(n for n, k in shared.items() if k and k == best)
+            close = close if len(close) <= 3 else []
+        hint = (
+            f"did you mean {or_list([repr(c) for c in close])}?"
+            if close
+            else "valid keys are the megapar-train flags"
+        )
         other = other_tools_answer(key)
         if other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
