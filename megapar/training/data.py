@@ -122,8 +122,7 @@ def resolve_data_prefix(
         raw = is_raw_text(_text_or_prefix(cfg, path))
         if not raw:  # text: its cache key is --tokenizer's
             if os.path.isfile(part.prefix + ".json"):  # a copy of its tokenizer given
-                given = cfg.tokenizer if "tokenizer" in explicit(cfg) else None
-                take_moved_copy(part.tokenizer_spec, given)
+                take_moved_copy(part.tokenizer_spec, _named_tokenizer(cfg))
             _check_recorded_tokenizer(path or part.prefix, part)
         # every run that reads it, as when it was tokenized (megapar-data, this cache)
         unknown = recorded_unknown_note(part.meta, cfg.tokenizer if raw else None)
@@ -259,6 +258,12 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             )
         )
     return data
+
+
+def _named_tokenizer(cfg: TrainConfig) -> str | None:
+    """The tokenizer the run names (--tokenizer, or the --load checkpoint's, which trained with
+    it), which may be a copy of a prepared dataset's moved tokenizer (`take_moved_copy`)."""
+    return cfg.tokenizer if "tokenizer" in explicit(cfg) else None
 
 
 def _nowhere(path: str) -> bool:
@@ -398,9 +403,7 @@ def data_tokenizer(cfg: TrainConfig):
     if not os.path.isfile(data + ".json"):  # a Megatron-LM dataset: --tokenizer is its own
         return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
     given = given_now(cfg)
-    # its files copied elsewhere with the dataset, given as --tokenizer (or the --load
-    # checkpoint's, which trained with them): read from there
-    take_moved_copy(indexed.tokenizer_spec, cfg.tokenizer if "tokenizer" in explicit(cfg) else None)
+    take_moved_copy(indexed.tokenizer_spec, _named_tokenizer(cfg))  # its files copied elsewhere
     try:
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
     except (OSError, ValueError) as exc:

@@ -92,6 +92,7 @@ def take_moved_copy(spec: dict, given: str | None) -> bool:
 
 
 def _digests(tok: Tokenizer) -> list[str]:
+    """The sha256 of `tok`'s files, as datasets and checkpoints record them."""
     return [file_sha256(p) for p in tokenizer_files(tok)]
 
 
@@ -104,7 +105,7 @@ def check_dataset_tokenizer(data: str, spec: dict, tokenizer: Tokenizer) -> None
     recorded = spec.get("sha256")
     if not recorded:
         return
-    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    digests = _digests(tokenizer)
     if tokenizer.kind == spec.get("kind") and digests == list(recorded):
         return
     path = str(spec.get("path"))
@@ -124,7 +125,7 @@ def recorded_as_trained(recorded: dict) -> Tokenizer | None:
     load or its files changed since."""
     try:
         tok = load_tokenizer(recorded)
-        unchanged = [file_sha256(p) for p in tokenizer_files(tok)] == recorded["sha256"]
+        unchanged = _digests(tok) == recorded["sha256"]
     except (OSError, ValueError):
         return None
     return tok if unchanged else None
@@ -159,7 +160,7 @@ def matches_recorded(recorded: dict, tokenizer) -> bool:
     another format is taken on its vocabulary size, end-of-document id and, where the record
     has it, the id that starts each document (a SentencePiece model and the tokenizer.json of
     it that adds a BOS have the same sizes)."""
-    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    digests = _digests(tokenizer)
     same_kind = tokenizer.kind == recorded.get("kind")
     if same_kind and digests == recorded["sha256"]:
         return True
@@ -192,7 +193,7 @@ def check_checkpoint_tokenizer(
     if matches_recorded(recorded, tokenizer):
         return
     trained = recorded_as_trained(recorded)
-    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    digests = _digests(tokenizer)
     theirs = recorded.get("path")
     if text_tokenizer:
         ours, fix = (
