@@ -863,7 +863,11 @@ def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsy
     assert data_main(["--input", str(notes), *out, "--overwrite"]) == 2
     _one_line_error(capsys, "or rename the text ones .txt; and input "
                             f"{notes / 'b.jsonl.gz'} is gzip-compressed")
-    (notes / "b.jsonl.gz").unlink()
+    (notes / "b.jsonl.gz").rename(notes / "0.jsonl.gz")  # sorted first: the same line
+    assert data_main(["--input", str(notes), *out, "--overwrite"]) == 2
+    _one_line_error(capsys, f"own path ({notes / 'a.md'}: a file", "or rename the text ones "
+                            f".txt; and input {notes / '0.jsonl.gz'} is gzip-compressed")
+    (notes / "0.jsonl.gz").unlink()
     (tmp_path / "empty").mkdir()
     assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
     assert _one_line_error(capsys).endswith(

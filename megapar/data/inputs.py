@@ -333,21 +333,19 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
         f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}), not read"
     )
-    try:
-        check_is_text(others[0])
-    except ValueError as e:
-        return f"{line}: {e}"
-    besides = ""  # a text file beside one that is not (a .md and a .jsonl.gz): not "rename them"
-    for other in others[1:20]:
+    texts, problem = [], ""  # a text file beside one that is not (a .md and a .jsonl.gz)
+    for other in others[:20]:
         try:
             check_is_text(other)
+            texts.append(other)
         except ValueError as e:
-            besides = f"; and {e}"
-            break
+            problem = problem or str(e)
+    if not texts:
+        return f"{line}: {problem}"
     return (
-        f"{line}: give such a file by its own path ({shell_word(others[0])}: a file named as "
+        f"{line}: give such a file by its own path ({shell_word(texts[0])}: a file named as "
         f"input is read as text whatever its name), or rename "
-        f"{'the text ones' if besides else 'them'} .txt{besides}"
+        f"{'the text ones' if problem else 'them'} .txt" + (f"; and {problem}" if problem else "")
     )
 
 
