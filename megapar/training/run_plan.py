@@ -294,21 +294,6 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
-    if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:  # before the
-        # model's own check, whose --pp would be refused here too
-        raise ValueError(
-            f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
-            f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
-            f"{config.num_layers}; lower --pp"
-            + (f" to {config.num_layers // 2}" if config.num_layers >= 4 else "")
-            + (" or less" if config.num_layers >= 6 else "")  # (ZB-V needs --pp 2 or more)
-            + " or use --schedule zb-h1"
-        )
-    config.validate(layout)
-    check_fp8_layout(cfg, config, layout.tp)  # the model's float8 linears at this tp
-    check_cp_comm(cfg.cp_comm_type, layout, config)
-    check_documents(cfg, config)
-    check_sft_model(cfg, config.model_type)
     one_stage = one_stage_chunks_error(
         cfg.schedule, cfg.virtual_stages, layout.pp, layers=config.num_layers
     )
@@ -316,11 +301,16 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         raise ValueError(one_stage)
     given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages, flags=given)
-    split = cfg.pipeline_split  # enough layers for each stage or chunk?
-    if chunks > 1:
+    split = cfg.pipeline_split  # enough layers for each stage or chunk? (before the model's
+    if chunks > 1:  # own check: the schedule's line names the --pp its chunks take)
         chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)
     else:
         partition_layers(config.num_layers, layout.pp, split)
+    config.validate(layout)
+    check_fp8_layout(cfg, config, layout.tp)  # the model's float8 linears at this tp
+    check_cp_comm(cfg.cp_comm_type, layout, config)
+    check_documents(cfg, config)
+    check_sft_model(cfg, config.model_type)
     _check_injection(cfg, config, layout, per_step, manifest)
     _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:
