@@ -1485,6 +1485,16 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         with pytest.raises(Exception, match=f"unknown setting '{key}'; did you mean "
                                             f"'warmup_steps'\\?$"):
             parse_args(["--config", str(config)])
+    # names of many training scripts, which the spelling matched to the wrong setting (max_lr to
+    # min_lr, save_dir to save_interval, peak_lr to peak_tflops; a second re-test)
+    for key, said in (("max_lr", "did you mean --lr (the peak"), ("peak_lr", "did you mean --lr (the peak"),
+                      ("save_dir", "did you mean --save?"),
+                      ("lr_schedule", "did you mean --lr-decay"),
+                      ("min_learning_rate", "did you mean --min-lr?")):
+        config.write_text(f"{key}: 3\n")
+        with pytest.raises(Exception, match=f"unknown setting '{key}'; {said}".replace(
+                "(", r"\(").replace("?", r"\?")):
+            parse_args(["--config", str(config)])
 
 
 @pytest.mark.parametrize("flag, hint", [

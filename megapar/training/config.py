@@ -723,7 +723,7 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
         if not close:  # lr_warmup: the settings that share its longer words (warmup_steps)
-            words = {w for w in key.lower().split("_") if len(w) >= 4}
+            words = {w for w in key.lower().split("_") if len(w) >= 5}  # not rate, peak
             shared = {n: max(map(len, words & set(n.split("_"))), default=0) for n in by_name}
             best = max(shared.values(), default=0)  # the longest word shared
             close = sorted(n for n, k in shared.items() if k and k == best)

@@ -896,6 +896,18 @@ OTHER_TOOLS_FLAGS = {
     "--max-batches": "--eval-steps",
     "--input-ids": "logits of given ids are megapar-eval's (megapar-eval --load CKPT "
     "--input-ids IDS.npy --save-logits OUT.npy); drop it",
+    # names common to many training scripts (a re-test's --config keys, which difflib matched
+    # to the wrong setting: max_lr to min_lr, save_dir to save_interval)
+    "--max-lr": "--lr (the peak learning rate, which warmup reaches)",
+    "--peak-lr": "--lr (the peak learning rate, which warmup reaches)",
+    "--min-learning-rate": "--min-lr",
+    "--lr-schedule": "--lr-decay (the learning rate's schedule; --schedule is the pipeline's)",
+    "--save-dir": "--save",
+    "--checkpoint-dir": "--save",
+    "--log-every": "--log-interval",
+    "--checkpoint-every": "--save-interval",
+    "--eval-batch-size": "megapar-train evaluates --eval-steps global batches of "
+    "--global-batch-size sequences: no batch size of its own",
 }
 """Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's names for megapar-train's
 flags: an unknown flag that is one of them is answered with megapar's (difflib would name an
