@@ -2909,9 +2909,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "not a TOML job config (torchtitan's), and a value in it is one megapar-train refuses: "
      "--adam-eps 0.0 is invalid: it must be a finite number > 0.0 (the file's optimizer.eps "
      "0)"),
-    # two keys hold the refused value: neither is named, rather than the wrong one
+    # two keys hold the refused value: the one nearest the flag's name is named (a re-test)...
     ("ds.json", {"zero_optimization": {"stage": 4}, "train_micro_batch_size_per_gpu": 4},
-     "choose one of 0, 1, 2, 3; correct it in the file"),
+     "choose one of 0, 1, 2, 3 (the file's zero_optimization.stage 4); correct it in the file"),
+    ("args.json", {"output_dir": "out", "weight_decay": -1, "max_grad_norm": -1},
+     "--weight-decay -1.0 is invalid: it must be a finite number >= 0.0 (the file's "
+     "weight_decay -1)"),
+    ("job.toml", "[optimizer]\nlr = -1\n[lr_scheduler]\nmin_lr_factor = -1\n",
+     "--lr -1.0 is invalid: it must be a finite number > 0.0 (the file's optimizer.lr -1)"),
+    # ... and where none is nearest, neither, rather than the wrong one
+    ("args.json", {"output_dir": "out", "per_device_train_batch_size": -2,
+                   "per_device_eval_batch_size": -2},
+     "--micro-batch-size -2 is invalid: it must be a whole number >= 1; correct it in the file"),
 ])
 def test_a_translated_config_with_a_value_megapar_train_refuses_names_it(tmp_path, name, text,
                                                                           said):

@@ -80,12 +80,13 @@ def refused_value(
 
 def _key_of(problem: str, data: dict) -> str | None:
     """The dotted key of `data` (nested tables) whose value is the one a refusal ("--zero 4 is
-    invalid: ...") names, as "zero_optimization.stage 4"; None where no key, or several, hold
-    it."""
-    said = re.match(r"--[\w-]+ '?([^' ]+?)'? is invalid", problem)
+    invalid: ...") names, as "zero_optimization.stage 4": of several keys holding it, the one
+    sharing most words with the flag's name; None where no key holds it, or no one key is
+    nearest."""
+    said = re.match(r"--([\w-]+) '?([^' ]+?)'? is invalid", problem)
     if not said:
         return None
-    value = said[1]
+    flag_words, value = set(said[1].split("-")), said[2]
 
     def same(v: Any) -> bool:
         if isinstance(v, (dict, list)):
@@ -97,8 +98,14 @@ def _key_of(problem: str, data: dict) -> str | None:
         except (TypeError, ValueError):
             return False
 
-    found = [f"{k} {v!r}" for k, v in _leaves(data) if same(v)]
-    return found[0] if len(found) == 1 else None
+    found = [(k, v) for k, v in _leaves(data) if same(v)]
+    if len(found) > 1:  # several: those whose key shares the most words with the flag's name
+        shared = [len(flag_words & set(re.split(r"[._]", k))) for k, _ in found]
+        found = [f for f, n in zip(found, shared) if n == max(shared) > 0]
+    if len(found) > 1:  # still several: the one named as the flag is (optimizer.lr for --lr)
+        exact = [f for f in found if f[0].rsplit(".", 1)[-1] == said[1].replace("-", "_")]
+        found = exact or found
+    return f"{found[0][0]} {found[0][1]!r}" if len(found) == 1 else None
 
 
 def _leaves(data: dict, above: str = ""):
