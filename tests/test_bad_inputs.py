@@ -2619,6 +2619,17 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         f"{inline}: deepspeed's gradient_clipping 2.0 (--clip-grad 2.0) differs from the "
         f"Trainer's own --clip-grad 0.5, which the Trainer refuses: set them alike, or the "
         f'deepspeed one to "auto"'), str(info.value)
+    for given, said in (({"gradient_accumulation_steps": 4}, "deepspeed's "
+                         "gradient_accumulation_steps 4 differs from the Trainer's own "
+                         "gradient_accumulation_steps 1"),
+                        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},
+                         "deepspeed's optimizer.params.betas.1 0.95 (--adam-beta2 0.95) differs "
+                         "from the Trainer's own --adam-beta2 0.999")):  # and these (a re-test)
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({"output_dir": "out", "deepspeed": given}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(other)])
+        assert said in str(info.value), str(info.value)
     text = json.loads(inline.read_text())
     text["deepspeed"]["gradient_clipping"] = "auto"
     inline.write_text(json.dumps(text))

@@ -362,7 +362,7 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"megapar-train flags"
         )
     elif isinstance(data.get("deepspeed"), dict):  # the config itself, as the Trainer takes it
-        flags += _inline_deepspeed(data["deepspeed"], flags, said)
+        flags += _inline_deepspeed(data["deepspeed"], flags, said, data)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
@@ -495,30 +495,55 @@ FSDP_OPTIONS = (
 """The Trainer's `fsdp` options (transformers' `FSDPOption`)."""
 
 
-def _inline_deepspeed(deepspeed: dict, flags: list[str], said: list[str]) -> list[str]:
+def _inline_deepspeed(
+    deepspeed: dict, flags: list[str], said: list[str], trainer: dict
+) -> list[str]:
     """The flags of a DeepSpeed config given inline as the Trainer's `deepspeed` argument that
-    the Trainer's own `flags` do not set already (its "auto" values are the Trainer's); its keys
-    without an equivalent go to `said`."""
+    the Trainer's own `flags` (of its arguments `trainer`) do not set already (its "auto" values
+    are the Trainer's); its keys without an equivalent go to `said`. ConfigError for a value the
+    Trainer fills unlike its own, which the Trainer refuses ("mismatch")."""
     try:
         more, left, _auto = deepspeed_equivalents(deepspeed)
     except ConfigError as exc:  # a value where DeepSpeed takes a section
         said.append(f"deepspeed: {exc}")
         return []
-    ours = {f.split()[0]: f.split()[1:] for f in flags}
-    for flag in more:  # the Trainer refuses a value unlike its own ("mismatch"): so does this
-        name, *value = flag.split()
+    ours = dict(_pairs(flags))
+    for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
-        given = _at(deepspeed, key) if key else None
-        if given is None or given == "auto" or len(value) != 1 or len(ours.get(name, ())) != 1:
+        given = _at(deepspeed, key) if key is not None else None
+        if key is None or given is None or given == "auto" or name not in ours:
             continue  # (a key it leaves out is DeepSpeed's default, not compared)
-        if not _alike(value[0], ours[name][0]):
-            raise ConfigError(
-                f"deepspeed's {key} {given!r} ({flag}) differs from the Trainer's own {name} "
-                f"{ours[name][0]}, which the Trainer refuses: set them alike, or the deepspeed "
-                f'one to "auto"'
-            )
+        if not _alike(value, ours[name]):
+            raise _mismatch(key, given, f"{name} {value}", f"{name} {ours[name]}")
+    steps = deepspeed.get("gradient_accumulation_steps")  # the Trainer's has no flag
+    theirs = trainer.get("gradient_accumulation_steps", 1)
+    if steps not in (None, "auto") and not _alike(str(steps), str(theirs)):
+        raise _mismatch(
+            "gradient_accumulation_steps", steps, "", f"gradient_accumulation_steps {theirs}"
+        )
     said += [f"deepspeed's {key}: no equivalent" for key in left]
     return [flag for flag in more if flag.split()[0] not in ours]
+
+
+def _pairs(flags: list[str]) -> list[tuple[str, str]]:
+    """The (flag, value) pairs of translated `flags` ("--adam-beta1 0.9 --adam-beta2 0.95" is
+    two); a switch, or a value of several words, is left out."""
+    tokens = [t for f in flags for t in f.split()]
+    return [
+        (t, tokens[i + 1])
+        for i, t in enumerate(tokens[:-1])
+        if t.startswith("--")
+        and not tokens[i + 1].startswith(("--", "("))
+        and (i + 2 == len(tokens) or tokens[i + 2].startswith("--"))
+    ]
+
+
+def _mismatch(key: str, given: Any, flag: str, own: str) -> ConfigError:
+    """The refusal of an inline deepspeed value unlike the Trainer's own, as it refuses it."""
+    return ConfigError(
+        f"deepspeed's {key} {given!r}{f' ({flag})' if flag else ''} differs from the Trainer's "
+        f'own {own}, which the Trainer refuses: set them alike, or the deepspeed one to "auto"'
+    )
 
 
 TRAINER_FILLED = {
@@ -527,6 +552,8 @@ TRAINER_FILLED = {
     "--lr": "optimizer.params.lr",
     "--weight-decay": "optimizer.params.weight_decay",
     "--adam-eps": "optimizer.params.eps",
+    "--adam-beta1": "optimizer.params.betas.0",
+    "--adam-beta2": "optimizer.params.betas.1",
 }
 """The DeepSpeed keys the Trainer fills from its own arguments (its "auto") and whose value,
 given, must equal its own, by megapar-train's flag."""
@@ -535,9 +562,12 @@ given, must equal its own, by megapar-train's flag."""
 def _at(data: dict, key: str) -> Any:
     """The value of dotted `key` in `data` (nested tables), None where it is not there."""
     for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
+        if isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]  # betas.0
+        elif isinstance(data, dict) and part in data:
+            data = data[part]
+        else:
             return None
-        data = data[part]
     return data
 
 
