@@ -442,14 +442,21 @@ def _given_tokenizer(options: dict, config) -> dict | None:
         raise ValueError(f"megapar.prepare: {reason}") from None
     record = recorded_tokenizer(path)
     assert record is not None  # it loads
+    fix = "; pass the tokenizer of the model's data"
+    _check_fits(tok, config, f"tokenizer={spec!r}", "the model's", fix)
+    return record
+
+
+def _check_fits(tok, config, named: str, whose: str, fix: str) -> None:
+    """ValueError where tokenizer `tok` (`named` in the line) has more token ids than model
+    `config`'s vocabulary (`whose` it is), as export_hf would refuse it after the training;
+    `fix`: the line's end, what to do."""
     needed = model_rows(tok, config.model_type)
     if needed > config.vocab_size:
         raise ValueError(
-            f"megapar.prepare: tokenizer={spec!r} has {needed:,} token ids, more than the "
-            f"model's vocabulary of {config.vocab_size:,}; pass the tokenizer of the model's "
-            f"data"
+            f"megapar.prepare: {named} has {needed:,} token ids, more than {whose} vocabulary "
+            f"of {config.vocab_size:,}{fix}"
         )
-    return record
 
 
 def _take_tokenizer(engine, record: dict, given) -> None:
@@ -803,14 +810,13 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     )
     own = hf_dir_tokenizer(source) if source and os.path.isdir(source) else None
     if own is not None:  # its tokenizer, as megapar-train --from-hf DIR takes it: export_hf
-        needed = model_rows(load_tokenizer(own), engine.config.model_type)
-        if needed > engine.config.vocab_size:  # (export_hf refused it, after the training)
-            raise ValueError(
-                f"megapar.prepare: the tokenizer in {own} has {needed:,} token ids, more than "
-                f"its model's vocabulary of {engine.config.vocab_size:,}: it is not the model's; "
-                f"save the model's tokenizer there (save_pretrained), or remove the tokenizer's "
-                f"files from it"
-            )
+        fix = (
+            ": it is not the model's; save the model's tokenizer there (save_pretrained), or "
+            "remove the tokenizer's files from it"
+        )
+        _check_fits(
+            load_tokenizer(own), engine.config, f"the tokenizer in {own}", "its model's", fix
+        )
         engine.tokenizer = recorded_tokenizer(own)  # and checkpoints carry it
     with engine.params_whole():
         missing = load_hf_weights(engine.model, reader)
