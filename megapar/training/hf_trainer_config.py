@@ -88,17 +88,11 @@ def _key_of(problem: str, data: dict) -> str | None:
         return None
     flag_words, value = set(said[1].split("-")), said[2]
 
-    def same(v: Any) -> bool:
-        if isinstance(v, (dict, list)):
-            return False
-        if str(v) == value:
-            return True
-        try:
-            return not isinstance(v, bool) and float(v) == float(value)
-        except (TypeError, ValueError):
-            return False
-
-    found = [(k, v) for k, v in _leaves(data) if same(v)]
+    found = [
+        (k, v)
+        for k, v in setting_leaves(data)
+        if not isinstance(v, (dict, list)) and _alike(str(v), value)
+    ]
     if len(found) > 1:  # several: those whose key shares the most words with the flag's name
         shared = [len(flag_words & set(re.split(r"[._]", k))) for k, _ in found]
         found = [f for f, n in zip(found, shared) if n == max(shared) > 0]
@@ -108,12 +102,13 @@ def _key_of(problem: str, data: dict) -> str | None:
     return f"{found[0][0]} {found[0][1]!r}" if len(found) == 1 else None
 
 
-def _leaves(data: dict, above: str = ""):
-    """(dotted key, value) of every setting in `data`, tables' settings under theirs."""
+def setting_leaves(data: dict, above: str = ""):
+    """(dotted key, value) of every setting in `data`, tables' settings under theirs
+    (`[quantize.linear.float8] recipe_name` is `quantize.linear.float8.recipe_name`)."""
     for key, value in data.items():
         name = f"{above}{key}"
         if isinstance(value, dict):
-            yield from _leaves(value, name + ".")
+            yield from setting_leaves(value, name + ".")
         else:
             yield name, value
 

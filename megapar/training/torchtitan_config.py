@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
-from megapar.training.hf_trainer_config import Refused, refused_value
+from megapar.training.hf_trainer_config import Refused, refused_value, setting_leaves
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
 TORCHTITAN_SECTIONS = frozenset(
@@ -189,16 +189,12 @@ def _wrong_kind(value, kind) -> str | None:
     return shown if kind is int and not number.is_integer() else None
 
 
-def _leaves(table: dict, prefix: str = ""):
-    """(dotted key, value) of every setting of a job config's (nested) tables: `[quantize.
-    linear.float8] recipe_name` is `quantize.linear.float8.recipe_name`."""
-    for key, value in table.items():
-        if not prefix and not isinstance(value, dict):
-            continue  # a top-level key outside any table: no torchtitan setting
+def _leaves(job: dict):
+    """(dotted key, value) of every setting of a job config's tables (`setting_leaves`); a
+    top-level key outside any table is no torchtitan setting."""
+    for key, value in job.items():
         if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
+            yield from setting_leaves(value, f"{key}.")
 
 
 def _is_float8(key: str) -> bool:
