@@ -45,6 +45,7 @@ from megapar.training.data import (
     training_documents,
 )
 from megapar.training.documents import document_notes, reads_documents
+from megapar.training.engine import Engine
 from megapar.training.profiling import parse_steps
 from megapar.training.tokenizer_checks import default_to_hf_tokenizer
 from megapar.training.validate import (
@@ -278,13 +279,13 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         )
 
     if cfg.lr_scale_with_batch and cfg.global_batch_size != cfg.lr_scale_with_batch:
-        scale = cfg.global_batch_size / cfg.lr_scale_with_batch  # (Engine.scaled_lr)
+        scaled = Engine.flags_schedule(cfg)  # the schedule the engine builds
         notes.append(
             f"--lr-scale-with-batch {cfg.lr_scale_with_batch}: the run trains at --lr {cfg.lr:g}"
             f" x global batch {cfg.global_batch_size} / {cfg.lr_scale_with_batch} = "
-            f"{cfg.lr * scale:g}"
+            f"{scaled.max_lr:g}"
             + (
-                f" (and --min-lr {cfg.min_lr:g} x the same, {cfg.min_lr * scale:g})"
+                f" (and --min-lr {cfg.min_lr:g} x the same, {scaled.min_lr:g})"
                 if cfg.lr_decay != "constant"
                 else ""
             )
