@@ -48,8 +48,9 @@ def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int], api: bo
     )
 
 
-def _pp_error(layers: int, pp: int, api: bool) -> str:
-    """The one line for more pipeline stages than layers, worded for the caller."""
+def too_few_layers(layers: int, pp: int, api: bool = False) -> str:
+    """The one line for more pipeline stages than layers, worded for the caller (megapar-train's
+    flags, or with `api` megapar.prepare's keywords)."""
     return (
         f"{layers} layers cannot be cut into {layout_option('pp', pp, api)} stages (each stage "
         f"needs at least one layer); lower {layout_option('pp', None, api)} to {layers}"
@@ -210,7 +211,7 @@ class _Base:
             if size % layout.tp:
                 raise LayoutError(tp_split_error(what, size, layout.tp, sizes, api))
         if layers < layout.pp:
-            raise LayoutError(_pp_error(layers, layout.pp, api))
+            raise LayoutError(too_few_layers(layers, layout.pp, api))
 
 
 @dataclass
@@ -495,7 +496,7 @@ class LlamaConfig(_Base):
             if size % layout.tp:
                 raise LayoutError(tp_split_error(what, size, layout.tp, sizes, api))
         if self.num_hidden_layers < layout.pp:
-            raise LayoutError(_pp_error(self.num_hidden_layers, layout.pp, api))
+            raise LayoutError(too_few_layers(self.num_hidden_layers, layout.pp, api))
         biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
         if biased and self.model_type in ("llama", "mixtral", "qwen3_moe"):
             raise ConfigError(

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from megapar.mesh import LayoutError, Mesh
 from megapar.models import build_model, set_recompute
+from megapar.models.config import too_few_layers
 from megapar.models.stage import ModelChunks
 from megapar.pipeline.placement import virtual_stage
 from megapar.tensor_parallel import RNGTracker
@@ -249,11 +250,7 @@ def partition_layers(num_layers: int, pp: int, split: PipelineSplit = EVEN) -> l
     if pp < 1:
         raise LayoutError(f"--pp must be >= 1, got {pp}")
     if split.even and num_layers < pp:
-        raise LayoutError(
-            f"{num_layers} layers cannot be cut into --pp {pp} stages "
-            f"(each stage needs at least one layer); lower --pp to {num_layers}"
-            + (" or less" if num_layers > 1 else "")
-        )
+        raise LayoutError(too_few_layers(num_layers, pp))
     return list(split_layers(num_layers, pp, split, f"--pp {pp} stages"))
 
 
