@@ -46,7 +46,7 @@ from megapar.models.config import (
     config_from_hf,
     load_config_file,
 )
-from megapar.models.recipes import is_hub_name
+from megapar.models.recipes import address_line, is_address, is_hub_name
 from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, tp_parts
@@ -169,11 +169,8 @@ class HFReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg = self.path / "config.json"
-        if "://" in str(path) and not cfg.exists():  # hf://gpt2, https://...: Path drops a /
-            raise FileNotFoundError(
-                f"{path} is an address, and megapar downloads nothing: save the model with "
-                f"save_pretrained(DIR) where it can be reached, then pass DIR"
-            )
+        if is_address(str(path)) and not cfg.exists():  # Path(hf://gpt2) drops a /
+            raise FileNotFoundError(address_line(str(path), "DIR"))
         if not cfg.exists():
             raise FileNotFoundError(_not_transformers(self.path))
         raw = load_config_file(cfg)

@@ -58,6 +58,19 @@ HUB_NAMES = {
 same shapes)."""
 
 
+def is_address(name: str) -> bool:
+    """Whether `name` is a network address (hf://gpt2, https://...), not a local path."""
+    return "://" in name and not os.path.exists(name)
+
+
+def address_line(shown: str, then: str) -> str:
+    """The refusal of an address given for a model (`shown`), saying to pass `then` instead."""
+    return (
+        f"{shown} is an address, and megapar downloads nothing: save the model with "
+        f"save_pretrained(DIR) where it can be reached, then pass {then}"
+    )
+
+
 def is_hub_name(name: str) -> bool:
     """Whether `name` is a Hugging Face Hub name of a recipe's model (gpt2, bert-base-uncased)."""
     return _hub_shape_name(name.rstrip("/").rpartition("/")[2]) in HUB_NAMES
@@ -75,11 +88,8 @@ def resolve_model(name_or_path: str, api: bool = False):
     `megapar.prepare`'s arguments, not megapar-train's --model / --from-hf."""
     recipe = (lambda name: f"prepare({name!r})") if api else (lambda name: f"--model {name}")
     weights = "prepare(DIR)" if api else "--from-hf DIR"
-    if "://" in name_or_path and not os.path.exists(name_or_path):  # hf://gpt2, https://...
-        raise ConfigError(
-            f"model {name_or_path!r} is an address, and megapar downloads nothing: save the "
-            f"model with save_pretrained(DIR) where it can be reached, then pass {weights}"
-        )
+    if is_address(name_or_path):
+        raise ConfigError(address_line(f"model {name_or_path!r}", weights))
     path = Path(name_or_path).expanduser()  # `--model=~/x.json`: no shell expands it
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         if not path.exists():
