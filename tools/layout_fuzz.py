@@ -33,9 +33,8 @@ rounding noise is all the tensor holds), so a case whose logged numbers and repl
 whose weights do not, under an optimizer with Adam moments, is rerun with SGD (an update linear
 in the gradient): if that passes, the case is adam-noise, else a mismatch. So is a bf16 / fp16
 case whose logged numbers differ beyond its tolerance under an Adam-type optimizer: its
-rounding noise takes such steps in every entry, and three steps of it moved fp16's grad norm
-2.65e-3 from fp32's in one process alone (qwen3-moe-tiny, tp 2: 3.1e-3 against one process in
-fp16, 1.9e-4 with SGD, 1.5e-7 in fp32). An fp16 case whose
+rounding noise takes such steps in every entry, moving the logged numbers by about its tolerance
+within three steps even in one process (docs/testing.md has the cases measured). An fp16 case whose
 gradients are reduced in fp16 (`fp16_wire`) and whose loss scale differs from the reference's
 (a step skipped on one side: the wire's range, which one process does not have) is rerun with
 --grad-reduce-dtype fp32: if that passes, the case is fp16-range, else a mismatch. A refused

@@ -896,8 +896,8 @@ OTHER_TOOLS_FLAGS = {
     "--max-batches": "--eval-steps",
     "--input-ids": "logits of given ids are megapar-eval's (megapar-eval --load CKPT "
     "--input-ids IDS.npy --save-logits OUT.npy); drop it",
-    # names common to many training scripts (a re-test's --config keys, which difflib matched
-    # to the wrong setting: max_lr to min_lr, save_dir to save_interval)
+    # names common to many training scripts, which the closest spelling matches to the wrong
+    # setting (max_lr to min_lr, save_dir to save_interval)
     "--max-lr": "--lr (the peak learning rate, which warmup reaches)",
     "--peak-lr": "--lr (the peak learning rate, which warmup reaches)",
     "--min-learning-rate": "--min-lr",

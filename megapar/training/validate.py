@@ -260,7 +260,7 @@ def check_cp_seq_len(
     need = length_multiple(cp, tp, sequence_parallel)
     if cp > 1 and seq_len % need:
         why = " and each cp rank's tokens into --tp slices" if need != 2 * cp else ""
-        fits = [  # near the --cp given: --cp 31, as many more processes, is no offer (a tryout)
+        fits = [  # near the --cp given: a --cp 31 for --cp 2 would be 29 more processes
             str(c)
             for c in range(2, min(seq_len // 2, 2 * cp) + 1)
             if seq_len % length_multiple(c, tp, sequence_parallel) == 0
