@@ -351,7 +351,28 @@ def test_bubble_cli_rejects_bad_virtual_stages(capsys):
                  "--simulate", "--fwd-ms", "1"]) == 2
     assert "m must be divisible by 2" in capsys.readouterr().err
     assert main(["--pp", "2", "-m", "4", "--virtual-stages", "2", "--show-schedule"]) == 2
-    assert "needs --schedule interleaved" in capsys.readouterr().err
+    # megapar-bubble's own flags: the default schedule said so, no Python spelling (there is
+    # none for megapar-bubble)
+    assert capsys.readouterr().err.strip() == (
+        "megapar-bubble: error: --virtual-stages 2 with --schedule 1f1b (the default) needs "
+        "--schedule interleaved, zb-v or dualpipev: 1f1b runs one model chunk per rank; give "
+        "one of them, or leave --virtual-stages out")
+
+
+def test_virtual_stages_on_a_one_chunk_schedule_offer_what_the_model_holds(capsys, no_work):
+    # "needs --schedule interleaved" with --virtual-stages 3, which 4 layers at --pp 2 refuse
+    # in turn (a session's finding)
+    assert main(["--pp", "2", "-m", "4", "--schedule", "zb-h1", "--virtual-stages", "3",
+                 "--model", "gpt2-tiny"]) == 2
+    line = _error_line(capsys)
+    assert ("zb-h1 runs one model chunk per rank, and the model's 4 layers at --pp 2 hold 2 "
+            "per rank at most; give --schedule interleaved, zb-v or dualpipev with "
+            "--virtual-stages 2, or leave --virtual-stages out") in line, line
+    assert main(["--pp", "4", "-m", "4", "--virtual-stages", "2", "--model", "gpt2-tiny"]) == 2
+    assert _error_line(capsys).endswith(
+        "--virtual-stages 2 with --schedule 1f1b (the default): 1f1b runs one model chunk per "
+        "rank, and the model's 4 layers at --pp 4 hold no more than one per rank; leave "
+        "--virtual-stages out")
 
 
 

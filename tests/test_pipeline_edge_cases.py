@@ -209,6 +209,15 @@ def test_bf16_wire_v_schedules():
                                  "(or give --pp 2 --schedule interleaved --virtual-stages 2: "
                                  "--pp x --virtual-stages at most the model's 4 layers)")),
     (["--schedule", "gpipe", "--virtual-stages", "2"], "--pp 1 runs no pipeline: drop"),
+    # a one-chunk schedule's line offered --virtual-stages 3 under interleaved, which the
+    # 4-layer model refuses in turn at --pp 2 (a session's finding)
+    (["--pp", "2", "--schedule", "zb-h1", "--virtual-stages", "3"],
+     ("--virtual-stages 3 with --schedule zb-h1: zb-h1 runs one model chunk per rank, and the "
+      "model's 4 layers at --pp 2 hold 2 per rank at most; give --schedule interleaved, zb-v "
+      "or dualpipev with --virtual-stages 2, or leave --virtual-stages out")),
+    (["--pp", "4", "--virtual-stages", "2"],
+     ("the model's 4 layers at --pp 4 hold no more than one per rank; leave --virtual-stages "
+      "out")),
     (["--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"],
      ("--virtual-stages 3 does not apply to --schedule zb-v: it places exactly two model "
       "chunks per rank in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "

@@ -611,6 +611,7 @@ def main(argv=None) -> int:
         parser.error(
             f"the following arguments are required: {', '.join(missing)} (or use --certify)"
         )
+    schedule_flag = "given" if args.schedule else "default"  # how a refusal names it
     if args.schedule is None:
         args.schedule = "1f1b"
     if args.virtual_stages is None:
@@ -624,8 +625,9 @@ def main(argv=None) -> int:
         if not builds_no_model:
             from megapar.training.validate_tools import check_bubble_measurement
 
-            check_bubble_measurement(args)
+            check_bubble_measurement(args, schedule_flag)
             check_measurement_memory(args)
+        chunks_per_rank(args.schedule, v, flags=schedule_flag)  # megapar-bubble's flags alone
         check_bubble_schedule(args.schedule, pp, m, v, m)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:

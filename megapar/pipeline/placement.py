@@ -45,14 +45,20 @@ take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
 
 
 def chunks_per_rank(
-    name: str, virtual_stages: int = 1, api: bool = False, flags: str = "both"
+    name: str,
+    virtual_stages: int = 1,
+    api: bool = False,
+    flags: str = "both",
+    layers: int | None = None,
+    pp: int = 1,
 ) -> int:
     """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
     the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
     ValueError with one line naming the fix where `virtual_stages` does not apply, worded for
     megapar-train's flags and megapar.prepare's keywords, or with `api` for the keywords only;
     `flags`: "given" / "default" for megapar-train's flags only, its --schedule given or its
-    default."""
+    default. With the model's `layers` at `pp` stages, the fix offered is a number of chunks
+    those layers hold (a chunk needs a layer), or leaving --virtual-stages out."""
     v = virtual_stages
     python = "" if flags != "both" else f" (in Python: virtual_stages={v}, schedule={name!r})"
     schedule = f"--schedule {name}" + (" (the default)" if flags == "default" else "")
@@ -71,6 +77,21 @@ def chunks_per_rank(
     if name in CHUNKED_SCHEDULES:
         return v
     if v != 1:
+        most = v if layers is None else min(v, layers // max(pp, 1))  # a layer or more a chunk
+        if most < 2 and not api:
+            raise ValueError(
+                f"--virtual-stages {v} with {schedule}{python}: {name} runs one model chunk per "
+                f"rank, and the model's {layers} layers at --pp {pp} hold no more than one per "
+                f"rank; leave --virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+            )
+        if most < v and not api:
+            takers = schedules_taking(most)
+            raise ValueError(
+                f"--virtual-stages {v} with {schedule}{python}: {name} runs one model chunk per "
+                f"rank, and the model's {layers} layers at --pp {pp} hold {most} per rank at "
+                f"most; give --schedule {or_list(takers)} with --virtual-stages {most}, or "
+                f"leave --virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+            )
         takers = schedules_taking(v)
         give = "give it" if len(takers) == 1 else "give one of them"
         raise ValueError(

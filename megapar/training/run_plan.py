@@ -301,7 +301,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if one_stage:
         raise ValueError(one_stage)
     given = "given" if "schedule" in explicit(cfg) else "default"  # one line if V does not apply
-    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages, flags=given)
+    chunks = chunks_per_rank(
+        cfg.schedule, cfg.virtual_stages, flags=given, layers=config.num_layers, pp=layout.pp
+    )
     split = cfg.pipeline_split  # enough layers for each stage or chunk? (before the model's
     if chunks > 1:  # own check: the schedule's line names the --pp its chunks take)
         chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)

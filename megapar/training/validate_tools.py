@@ -487,15 +487,19 @@ def _check_bert_inputs(args, shape: tuple[int, ...], config) -> None:
 
 
 # --- megapar-bubble --------------------------------------------------------------------------
-def check_bubble_measurement(args) -> None:
+def check_bubble_measurement(args, flags: str = "given") -> None:
     """megapar-bubble's flags where it builds a model (a measurement, a simulation of measured
     costs): the local processes a measurement starts, the model's layers and positions against
-    --pp, --tp, --cp and --seq-len. After `check_bubble_args`."""
+    --pp, --virtual-stages, --tp, --cp and --seq-len; `flags` says whether --schedule was
+    "given" or is the "default". After `check_bubble_args`."""
     if not args.oversubscribe:  # one process per stage, tp, cp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
         check_local_workers(args.pp * args.tp * args.cp, f"--pp {args.pp} x --tp {args.tp}{cp}")
     try:
-        chunks = chunks_per_rank(args.schedule, args.virtual_stages)  # 2 for the V schedules
+        layers = bench_config(args.model, args.pp).num_layers if args.model else None
+        chunks = chunks_per_rank(  # 2 for the V schedules; a --model's layers bound the fix
+            args.schedule, args.virtual_stages, flags=flags, layers=layers, pp=args.pp
+        )
         config = bench_config(args.model, args.pp, chunks)
         if chunks > 1:  # first: the V's and the loop's lines name the --pp their chunks take
             placement = placement_of(args.schedule)
