@@ -638,6 +638,21 @@ def test_a_resumed_cp_that_cannot_split_the_checkpoints_seq_len(env, no_workers,
         "--cp 2 cuts each sequence into 2 x cp = 4 chunks; choose a multiple of 4")
 
 
+@pytest.mark.parametrize("args, offered", [
+    (["--cp", "8", "--seq-len", "100"], " (2, 5)"),  # 10 processes on nodes of 8: refused next
+    (["--cp", "4", "--seq-len", "36", "--world-size", "16"], " (2)"),  # not 3: 16 / 3
+    (["--cp", "2", "--seq-len", "30", "--world-size", "4"], ""),  # not 3: 4 / 3
+])
+def test_the_cp_offered_for_a_seq_len_is_one_the_job_runs(capsys, no_workers, args, offered):
+    """A --seq-len cp does not split offered --cp sizes whose world the job refused next (a
+    --cp 10 for --gpus-per-node 8; a session's finding) or which do not divide --world-size."""
+    assert train(["--model", "gpt2-tiny", "--dry-run", "--max-steps", "1", *args]) == 2
+    line = _one_line(capsys, "megapar-train")
+    need = 2 * int(args[1])
+    assert line.endswith(f"choose a multiple of {need}" + (
+        f", or a --cp it allows{offered}" if offered else "")), line
+
+
 def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
     """--from-hf DIR without --tokenizer tokenizes with DIR's own tokenizer (here its
     SentencePiece tokenizer.model), said in a start-up note; a --tokenizer, or a prepared --data,

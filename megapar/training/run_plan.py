@@ -240,6 +240,17 @@ def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
     return []
 
 
+def _cp_runs(cfg: TrainConfig, layout: Layout):
+    """Whether the job runs at another --cp: a world the launcher or --world-size fixed must
+    divide into its tp x cp x pp; a world of the flags' sizes grows with cp, and a rehearsed one
+    is a node's --gpus-per-node or less, or a multiple of it (as `cli.train` checks)."""
+    if cfg.world_size or under_launcher():
+        return lambda c: layout.world_size % (layout.tp * layout.pp * c) == 0
+    others = layout.world_size // layout.cp
+    gpus = cfg.gpus_per_node
+    return lambda c: not cfg.dry_run or others * c <= gpus or others * c % gpus == 0
+
+
 def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict | None):
     """The settings checked against `layout` and each other, and the model resolved and
     checked against them, before any data is read or anything written. Returns (the model's
@@ -260,7 +271,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"{named(cfg, 'seq_len')} is not divisible by --tp {layout.tp}, which "
             f"--sequence-parallel needs; choose a multiple of {layout.tp}"
         )
-    check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel, named(cfg, "seq_len"))
+    check_cp_seq_len(
+        cfg.seq_len, layout, cfg.sequence_parallel, named(cfg, "seq_len"), _cp_runs(cfg, layout)
+    )
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))

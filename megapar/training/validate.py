@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import importlib.util
 import os
+from collections.abc import Callable
 
 from megapar.checkpoint.format import probe_writable
 from megapar.context_parallel.a2a import heads_error
@@ -249,13 +250,18 @@ def check_mlm_token_types(config) -> None:
 
 
 def check_cp_seq_len(
-    seq_len: int, layout, sequence_parallel: bool = False, shown: str | None = None
+    seq_len: int,
+    layout,
+    sequence_parallel: bool = False,
+    shown: str | None = None,
+    runs: Callable[[int], bool] | None = None,
 ) -> None:
     """Context parallelism cuts each sequence into 2 x cp chunks (and, under sequence
     parallelism, a cp rank's tokens into tp slices): --seq-len must be a multiple of
     `length_multiple` (the rule the cp split itself checks, `check_length`). The refusal names
-    the --cp sizes that fit the length too; `shown`: --seq-len as the message names it, e.g.
-    one a --load checkpoint recorded (`validate_resume.named`)."""
+    the --cp sizes that fit the length too, of those `runs` takes (the job's world at that
+    --cp); `shown`: --seq-len as the message names it, e.g. one a --load checkpoint recorded
+    (`validate_resume.named`)."""
     cp, tp = layout.cp, layout.tp
     need = length_multiple(cp, tp, sequence_parallel)
     if cp > 1 and seq_len % need:
@@ -264,6 +270,7 @@ def check_cp_seq_len(
             str(c)
             for c in range(2, min(seq_len // 2, 2 * cp) + 1)
             if seq_len % length_multiple(c, tp, sequence_parallel) == 0
+            and (runs is None or runs(c))
         ][:4]
         other = f", or a --cp it allows ({', '.join(fits)})" if fits else ""
         raise UsageError(
