@@ -291,8 +291,8 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     after warmup, and none (the lr holds after warmup: --lr-decay constant) where that leaves
     none or the ratio is negative. A value that is no number counts as not given; one
     megapar-train cannot take (a negative warmup, a decay_type torchtitan lacks, a
-    min_lr_factor outside [0, 1]) is a sentence instead of its flag. Returns (flags,
-    sentences)."""
+    min_lr_factor outside [0, 1]) is a sentence instead of its flag; a decay the job's table
+    sets is said to run one step ahead of megapar's. Returns (flags, sentences)."""
     flags, said = [], []
     steps = _as(int, _table(job, "training").get("steps"), 10000)
     warmup = min(_as(int, schedule.get("warmup_steps"), 200), steps)
@@ -334,6 +334,11 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
         said.append(
             f"lr_scheduler.min_lr_factor {factor:g}: megapar's --min-lr is at most --lr and "
             "at least 0 (a factor from 0 to 1)"
+        )
+    if schedule:  # the job's own [lr_scheduler] (training.md; linear_warmup_stable_decay's)
+        said.append(
+            "lr_scheduler: torchtitan's decay runs one step ahead of these flags' (its last step "
+            "trains at the minimum lr; megapar's, as Megatron-LM's, reaches it at step --max-steps)"
         )
     return flags, said
 
