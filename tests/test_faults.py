@@ -979,6 +979,26 @@ def test_a_type_error_is_the_cause_not_the_lost_connections_it_left():
     assert lines[1].startswith("then: rank 0: P2PTimeoutError"), lines
 
 
+def test_a_timed_out_wait_is_the_cause_not_the_connection_it_closed():
+    """--timeout-s 0.01 at tp 2: rank 1's send timed out and closed its connection, and the
+    report led with rank 0's 'Connection closed by peer' (the lower rank; a new user's
+    tryout). A later error is cut at a word's end with ' ...' (it ended 'a pee')."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=1) for _ in range(3)]
+    lost = "RuntimeError: Connection closed by peer [127.0.0.1]:16779"
+    timed = "RuntimeError: Timed out waiting 10ms for send operation to complete"
+    long = "TrainingError: timed out, then " + "word " * 80
+    lines = blame(procs, {}, {0: lost, 1: timed, 2: long.strip()}).splitlines()
+    assert lines[0] == f"rank 1 failed: {timed}", lines
+    assert lines[1].startswith(f"then: rank 0: {lost}; rank 2: TrainingError: timed out"), lines
+    assert lines[1].endswith(" word ..."), lines
+    assert len(lines[1]) < len(f"then: rank 0: {lost}; rank 2: ") + 300, lines
+    assert blame(procs[:2], {}, {0: lost, 1: lost}).splitlines()[0] == f"rank 0 failed: {lost}"
+
+
 def test_an_error_every_rank_raises_is_led_by_the_rank_it_names_as_its_origin():
     """A save whose write failed on rank 2: every rank raises the CheckpointError that names
     it, and the report led with rank 0 ("rank 0 failed ... rank 2: RuntimeError", rank 2 among

@@ -49,13 +49,13 @@ def state(proc) -> str:
     return "is stopped (SIGSTOP / SIGTSTP?)" if stopped(proc.pid) else ""
 
 
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
+"""Words of an error that says a connection was lost (by a peer that failed or gave up)."""
+
 _CONSEQUENTIAL = (
     "timed out",
     "timeout",
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "connection refused",
+    *_LOST,
     "did not complete",
     "gave up waiting",  # a rank's own error naming the rank it waited for (`progress`)
 )
@@ -138,8 +138,8 @@ def blame(
                 f"({_rank_words(waiting)} {'was' if len(waiting) == 1 else 'were'} still waiting)"
             )
         rest = errors
-    else:
-        first = min(errors)
+    else:  # every error a timeout or a lost connection: a timeout is the cause of the other
+        first = min((r for r in errors if not lost_connection(errors[r])), default=min(errors))
         lines = [f"rank {first} failed: {without_gloo_noise(errors[first])}"]
         rest = {r: e for r, e in errors.items() if r != first}
         if outputs:  # they lost a peer that had returned: a call made on some ranks only
@@ -158,7 +158,7 @@ def blame(
         lines.append(
             "then: "
             + "; ".join(
-                f"rank {r}: {without_gloo_noise(e.splitlines()[0])[:300]}"
+                f"rank {r}: {shortened(without_gloo_noise(e.splitlines()[0]), 300)}"
                 for r, e in sorted(rest.items())
             )
         )
@@ -244,6 +244,20 @@ def without_gloo_noise(text: str) -> str:
     "Check the logs ... GLHF!"), which megapar's line says in its own words (which rank, and to
     look for its error)."""
     return _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", text))
+
+
+def lost_connection(error: str) -> bool:
+    """Whether an error (its first line) is a lost connection, not a wait that timed out: the
+    peer that timed out closed it."""
+    first = error.split("\n", 1)[0].lower()
+    return any(w in first for w in _LOST) or _PEER.search(first) is not None
+
+
+def shortened(text: str, most: int) -> str:
+    """`text` cut to at most `most` characters at a word's end, with " ..." where cut."""
+    if len(text) <= most:
+        return text
+    return text[: most - 4].rsplit(" ", 1)[0] + " ..."
 
 
 def consequential(error: str) -> bool:
