@@ -393,6 +393,10 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
+SHORT_JOIN_S = 1.0
+"""A bound on joining a process group below this many seconds may be less than the members
+take to connect at all: the line that it ran out says so beside a member's death."""
+
 CONNECT_BOUND = 2.0
 """A gloo process group's creation may last this many times the wait (`--timeout-s`): the
 wait for its members' addresses, which gloo bounds by the group's timeout, and as long again
@@ -448,7 +452,13 @@ def connect_bound(what: str, wait_s: float, rank: int):
         stop.write_block(
             f"megapar: rank {rank}: {what} did not complete in {CONNECT_BOUND * wait_s:g} s "
             f"({CONNECT_BOUND:g} x --timeout-s {wait_s:g}): a member gave its address and "
-            f"then did not connect (it died or stopped); exiting with code 1"
+            f"then did not connect (it died or stopped)"
+            + (
+                f", or {CONNECT_BOUND * wait_s:g} s is too short to connect them: raise --timeout-s"
+                if CONNECT_BOUND * wait_s < SHORT_JOIN_S
+                else ""
+            )
+            + "; exiting with code 1"
             + "".join(f"; {d}" for d in cleaned)
         )
         os._exit(1)

@@ -298,9 +298,7 @@ class Layout:
 _STORE_KEYS = re.compile(r"keys: (.*)$", re.MULTILINE)
 
 
-def group_join_timeout(
-    rank: int, ranks: list[int], desc: str | None, wait_s: float, error: str
-) -> str:
+def group_join_timeout(rank: int, ranks: list[int], desc: str, wait_s: float, error: str) -> str:
     """The one line for a process group whose creation timed out (gloo's store wait for its
     members' addresses, `error`): the members that never came, named from the keys waited for
     (each ends with the member's index in `ranks`), and the flag that sets the wait."""
@@ -320,7 +318,7 @@ def group_join_timeout(
     shown = first_few(list(map(str, ranks)), 8)
     return (
         f"rank {rank} waited {wait_s:g} s for ranks {shown} to create process group "
-        f"{desc or 'of the mesh'} and {who} (a rank that failed, stopped or hung before "
+        f"{desc} and {who} (a rank that failed, stopped or hung before "
         f"it, or one started with other flags); --timeout-s sets the wait"
     )
 
@@ -436,14 +434,16 @@ class Mesh:
                     [L.rank(t, p, d, c) for d in range(L.dp) for c in range(L.cp)]
                     for p in range(L.pp)
                     for t in range(L.tp)
-                ]
+                ],
+                "mesh_dp_cp",
             )
         self.mp_group = self._new_groups(
             [
                 [L.rank(t, p, d, c) for p in range(L.pp) for t in range(L.tp)]
                 for d in range(L.dp)
                 for c in range(L.cp)
-            ]
+            ],
+            "mesh_mp",
         )
         self.embedding_group = self._new_groups(
             [
@@ -451,7 +451,8 @@ class Mesh:
                 for d in range(L.dp)
                 for c in range(L.cp)
                 for t in range(L.tp)
-            ]
+            ],
+            "mesh_embedding",
         )
 
     def _new_expert_groups(self) -> None:
@@ -476,7 +477,7 @@ class Mesh:
             "expert_dp",
         )
 
-    def _new_groups(self, all_ranks: list[list[int]], desc: str | None = None):
+    def _new_groups(self, all_ranks: list[list[int]], desc: str):
         """Create one process group per rank list, each with `group_timeout` (collective:
         every rank creates all of them, in the same order); returns the one holding this
         rank."""
