@@ -215,6 +215,10 @@ def test_bf16_wire_v_schedules():
      ("--virtual-stages 3 with --schedule zb-h1: zb-h1 runs one model chunk per rank, and the "
       "model's 4 layers at --pp 2 hold 2 per rank at most; give --schedule interleaved, zb-v "
       "or dualpipev with --virtual-stages 2, or leave --virtual-stages out")),
+    # a split flag beside more stages than layers said 'give at most -3' (a re-test)
+    (["--pp", "8", "--decoder-first-pipeline-num-layers", "2"],
+     "4 layers cannot be cut into --pp 8 stages (each needs at least one layer); lower --pp to "
+     "4 or less"),
     (["--pp", "4", "--virtual-stages", "2"],
      ("the model's 4 layers at --pp 4 hold no more than one per rank; leave --virtual-stages "
       "out")),
@@ -247,6 +251,26 @@ def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_p
                   "gpt2-tiny", "--seq-len", "32", "--no-progress", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_interleaved_without_virtual_stages_on_one_layer_names_the_schedules_need(
+        capsys, tmp_path):
+    """--schedule interleaved at --pp 2 on a 1-layer model said 'lower --pp to 1', which
+    interleaved refuses in turn; its own line comes first ('1 layers' was said too; a re-test)."""
+    import megapar.cli.train as train_cli
+
+    model = tmp_path / "g1.json"
+    model.write_text('{"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, '
+                     '"n_head": 2}')
+    argv = ["--model", str(model), "--pp", "2", "--dry-run", "--max-steps", "1", "--schedule",
+            "interleaved"]
+    assert train_cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "interleaved 1F1B needs --virtual-stages >= 2 model chunks per rank, got 1 (its default "
+        "is 1) (with one chunk per rank use --schedule 1f1b)")
+    assert train_cli.main([*argv, "--virtual-stages", "2"]) == 2
+    assert "error: 1 layer cannot be cut into --pp 2 x --virtual-stages 2" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, note", [

@@ -17,7 +17,7 @@ from typing import ClassVar
 import yaml
 
 from megapar.mesh import Layout, LayoutError, layout_option
-from megapar.wording import or_list
+from megapar.wording import counted, or_list
 
 ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 """The activations megapar's blocks implement (transformers' names; `blocks.ACTIVATIONS`)."""
@@ -52,8 +52,8 @@ def too_few_layers(layers: int, pp: int, api: bool = False) -> str:
     """The one line for more pipeline stages than layers, worded for the caller (megapar-train's
     flags, or with `api` megapar.prepare's keywords)."""
     return (
-        f"{layers} layers cannot be cut into {layout_option('pp', pp, api)} stages (each stage "
-        f"needs at least one layer); lower {layout_option('pp', None, api)} to {layers}"
+        f"{counted(layers, 'layer')} cannot be cut into {layout_option('pp', pp, api)} stages "
+        f"(each stage needs at least one layer); lower {layout_option('pp', None, api)} to {layers}"
         + (" or less" if layers > 1 else "")
     )
 

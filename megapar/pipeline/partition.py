@@ -18,6 +18,7 @@ from megapar.models.config import too_few_layers
 from megapar.models.stage import ModelChunks
 from megapar.pipeline.placement import virtual_stage
 from megapar.tensor_parallel import RNGTracker
+from megapar.wording import counted
 
 
 @dataclass(frozen=True)
@@ -154,15 +155,15 @@ def split_counts(
     """Blocks of each of `slices` slices as `split` cuts `num_layers` blocks, or a LayoutError in
     one line naming the fix; `what` names the slices in it (e.g. "--pp 4 stages"), which are
     `per_rank` model chunks on each pipeline rank, placed as `placement` says ("loop", "v")."""
+    if num_layers < slices:  # whatever the split flags say (they drew 'give at most -3')
+        pp_most = num_layers // per_rank
+        raise LayoutError(
+            f"{counted(num_layers, 'layer')} cannot be cut into {what} (each needs at least one "
+            f"layer); lower --pp"
+            + (f" to {pp_most}" if pp_most >= 1 else "")
+            + (" or less" if pp_most > 1 else "")
+        )
     if split.even:
-        if num_layers < slices:
-            pp_most = num_layers // per_rank
-            raise LayoutError(
-                f"{num_layers} layers cannot be cut into {what} (each needs at least one "
-                f"layer); lower --pp"
-                + (f" to {pp_most}" if pp_most >= 1 else "")
-                + (" or less" if pp_most > 1 else "")
-            )
         return _even_counts(num_layers, slices)
     split.check(slices)
     given = split.given()
@@ -285,9 +286,9 @@ def chunk_specs(
             else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
         )
         raise LayoutError(
-            f"{num_layers} layers cannot be cut into 2 x --pp {pp} = {total} model chunks "
-            f"(zb-v and dualpipev place two per rank in a V; each needs at least one layer); "
-            f"{fix}"
+            f"{counted(num_layers, 'layer')} cannot be cut into 2 x --pp {pp} = {total} model "
+            f"chunks (zb-v and dualpipev place two per rank in a V; each needs at least one "
+            f"layer); {fix}"
         )
     if num_layers < total:
         fixes = [f"--pp to {num_layers} or less"] if virtual_stages == 1 else []
@@ -307,7 +308,7 @@ def chunk_specs(
             f"{one_chunk}"
         )
         raise LayoutError(
-            f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
+            f"{counted(num_layers, 'layer')} cannot be cut into --pp {pp} x --virtual-stages "
             f"{virtual_stages} = {total} model chunks (each needs at least one "
             f"layer); {fix}"
         )

@@ -664,6 +664,20 @@ def _check_schedule(cfg: TrainConfig) -> None:
 def _check_model_layout(config, cfg: TrainConfig) -> None:
     """Refuse a tp / pp the model cannot take (heads tp does not divide, fewer layers than
     stages), as megapar-train does, in the API's terms: `tp=2`, not `--tp 2`."""
+    split = cfg.pipeline_split
+    try:
+        split.check(cfg.pp)
+        chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+        if chunks > 1:  # zb-v at pp 3 on 4 layers: here, not in the engine's build; before
+            # the model's own stage count, so that the schedule's line names the pp it takes
+            chunk_specs(config.num_layers, cfg.pp, 0, chunks, placement_of(cfg.schedule), split)
+        else:
+            partition_layers(config.num_layers, cfg.pp, split)
+    except LayoutError as exc:  # named by megapar-train's flags, as TrainConfig's fields are,
+        said = str(exc)  # but pp and virtual_stages as prepare's keywords
+        for flag, word in (("--pp", "pp"), ("--virtual-stages", "virtual_stages")):
+            said = said.replace(f"{flag} to ", f"{word} to ").replace(f"{flag} ", f"{word}=")
+        raise LayoutError(f"megapar.prepare: {said}") from None
     try:
         config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), api=True)
     except LayoutError as exc:
@@ -681,19 +695,6 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
     error = error or ep_model_error(config, cfg.ep, api=True, ranks=_dp_cp(cfg))
     if error:
         raise LayoutError(f"megapar.prepare: {error}")
-    split = cfg.pipeline_split
-    try:
-        split.check(cfg.pp)
-        chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
-        if chunks > 1:  # zb-v at pp 3 on 4 layers: here, not in the engine's build
-            chunk_specs(config.num_layers, cfg.pp, 0, chunks, placement_of(cfg.schedule), split)
-        else:
-            partition_layers(config.num_layers, cfg.pp, split)
-    except LayoutError as exc:  # named by megapar-train's flags, as TrainConfig's fields are,
-        said = str(exc)  # but pp and virtual_stages as prepare's keywords
-        for flag, word in (("--pp", "pp"), ("--virtual-stages", "virtual_stages")):
-            said = said.replace(f"{flag} to ", f"{word} to ").replace(f"{flag} ", f"{word}=")
-        raise LayoutError(f"megapar.prepare: {said}") from None
     check_fp8_layout(cfg, config, cfg.tp, keyword="megapar.prepare")  # Fp8Error
     try:
         check_cp_comm(cfg.cp_comm_type, Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), config, api=True)

@@ -26,6 +26,7 @@ from megapar.mesh import Layout
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
+    CHUNKED_SCHEDULES,
     SPLIT_BACKWARD,
     check_schedule,
     chunks_per_rank,
@@ -317,6 +318,8 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     chunks = chunks_per_rank(
         cfg.schedule, cfg.virtual_stages, flags=given, layers=config.num_layers, pp=layout.pp
     )
+    if chunks < 2 and cfg.schedule in CHUNKED_SCHEDULES:  # interleaved at V 1: its own line
+        check_schedule(cfg.schedule, layout.pp, 2 * layout.pp, cfg.virtual_stages)
     split = cfg.pipeline_split  # enough layers for each stage or chunk? (before the model's
     if chunks > 1:  # own check: the schedule's line names the --pp its chunks take)
         chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)
