@@ -174,7 +174,7 @@ TRAIN = [
      "--grad-reduce-dtype bf16 is not served with --zero 3"),
     (["--grad-reduce-dtype", "bf16", "--grad-compression", "fp16"],
      "--grad-reduce-dtype bf16 and --grad-compression fp16 both choose how gradients travel"),
-    (["--seed", "-1"], "--seed -1 is invalid"),
+    (["--seed", "-1"], "--seed -1 is invalid: it must be a whole number from 0 to 4,294,967,295"),
     (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--pp", "3"], "2 layers cannot be cut into --pp 3 stages"),

@@ -1061,6 +1061,23 @@ def test_seed_on_raw_text_for_a_causal_lm_is_refused_before_any_tokenizing(
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("seed", ["-5", "4294967296"])
+def test_a_seed_out_of_range_is_refused_before_any_worker(tmp_path, capsys, monkeypatch, seed):
+    """--seed -5 failed in rank 0's masking ('expected non-negative integer'), 2**64 was taken
+    (a re-test): megapar-train's range, one line."""
+    from test_checkpoint_helpers import save_serial
+
+    _refuse_workers(monkeypatch)
+    save_serial(tmp_path / "bert", kind="bert")
+    text = tmp_path / "corpus.txt"
+    text.write_text("Some words of a corpus. " * 50)
+    assert evaluate(["--load", str(tmp_path / "bert"), "--data", str(text), "--seed", seed,
+                     "--data-cache", str(tmp_path / "cache")]) == 2
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: --seed {seed} is invalid: it must be a whole number from 0 to "
+        f"4,294,967,295 (as megapar-train's; the default is 1234)")
+
+
 def test_perplexity_is_never_capped_and_an_overflow_is_null_in_valid_json(
         tmp_path, corpus, capsys, monkeypatch):
     """The loss's exponential as it is: at a loss of 60 exp(60) (was exp(50): capped silently);

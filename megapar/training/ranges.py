@@ -121,6 +121,8 @@ def check_ranges(cfg, keyword: str | None = None, defaults: bool = True) -> None
         if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
             continue
         bound = f">= {low}" if inclusive else f"> {low}"
+        if name in HIGHEST and inclusive:  # its whole range, as a value above it is told
+            bound = f"from {low} to {HIGHEST[name][0]:,}"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if kind == "int":
             ok = ok and math.isfinite(value) and float(value).is_integer()

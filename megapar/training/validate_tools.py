@@ -39,6 +39,7 @@ from megapar.training.eval_text import (
     tokenize_text,
     trained_sft_keys,
 )
+from megapar.training.ranges import HIGHEST
 from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     check_dataset_tokenizer,
@@ -100,6 +101,12 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
         raise UsageError(
             f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
             f"checkpoint holds a {config.model_type} (its loss masks nothing); drop it"
+        )
+    highest = HIGHEST["seed"][0]
+    if not 0 <= args.seed <= highest:  # as megapar-train's (it failed in rank 0's masking)
+        raise UsageError(
+            f"--seed {args.seed} is invalid: it must be a whole number from 0 to {highest:,} "
+            f"(as megapar-train's; the default is 1234)"
         )
     if args.sft_keys is not None and not causal:
         raise UsageError(
