@@ -868,6 +868,21 @@ def test_a_directory_of_only_unread_files_names_them_and_the_fix(tmp_path, capsy
     _one_line_error(capsys, f"own path ({notes / 'a.md'}: a file", "or rename the text ones "
                             f".txt; and input {notes / '0.jsonl.gz'} is gzip-compressed")
     (notes / "0.jsonl.gz").unlink()
+    # a read suffix in upper case is told to be lower-cased: "rename them .txt" would read a
+    # JSON Lines file's syntax as text (a re-test), as its own path would
+    (notes / "x.JSONL").write_text('{"text": "Some text."}\n')
+    assert data_main(["--input", str(notes), *out, "--overwrite"]) == 2
+    _one_line_error(capsys, "only 2 other files (.JSONL, .md), not read: megapar knows a file's "
+                            f"kind by its lower-case suffix; rename {notes / 'x.JSONL'} to "
+                            "x.jsonl")
+    assert data_main(["--input", str(notes / "x.JSONL"), *out, "--overwrite"]) == 2
+    _one_line_error(capsys, f"input {notes / 'x.JSONL'}: megapar knows a file's kind by its "
+                            "lower-case suffix, and .JSONL would be read as plain text; rename "
+                            "it x.jsonl")
+    (notes / "y.txt").write_text("Some more text, to read.\n")
+    assert data_main(["--input", str(notes), *out, "--overwrite"]) == 0
+    assert (f"(.JSONL, .md; e.g. {notes / 'a.md'}); rename {notes / 'x.JSONL'} to x.jsonl to "
+            "read it") in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert data_main(["--input", str(tmp_path / "empty"), *out, "--overwrite"]) == 2
     assert _one_line_error(capsys).endswith(

@@ -463,7 +463,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
 
 def _note_skipped(inputs: Sequence[str]) -> None:
     """A note naming the files the input directories hold that are not read (their type)."""
-    from megapar.data.inputs import INPUT_SUFFIXES, unread_inputs
+    from megapar.data.inputs import INPUT_SUFFIXES, rename_hint, unread_inputs
 
     skipped, tokenizer = unread_inputs(inputs)
     if skipped:
@@ -472,7 +472,7 @@ def _note_skipped(inputs: Sequence[str]) -> None:
             f"megapar-data: note: {counted(len(skipped), 'file')} in the input directories "
             f"{'is' if len(skipped) == 1 else 'are'} not {' / '.join(INPUT_SUFFIXES)} and "
             f"{'is' if len(skipped) == 1 else 'are'} not read ({', '.join(kinds[:8])}"
-            f"{', ...' if len(kinds) > 8 else ''}; e.g. {skipped[0]})",
+            f"{', ...' if len(kinds) > 8 else ''}; e.g. {skipped[0]}){rename_hint(skipped)}",
             file=sys.stderr,
         )
     if tokenizer:

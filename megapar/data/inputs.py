@@ -292,6 +292,13 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"the text it was made from (megapar-train --data {shell_word(stem)} trains "
                     f"on it)"
                 )
+            ext = os.path.splitext(path)[1]
+            if ext != ext.lower() and ext.lower() in KEYED_SUFFIXES:  # read as plain text
+                raise ValueError(
+                    f"input {path}: megapar knows a file's kind by its lower-case suffix, and "
+                    f"{ext} would be read as plain text; rename "
+                    f"it {os.path.basename(_lower_suffix(path))}"
+                )
             if not path.endswith(".parquet"):  # its name is no promise of text
                 if _sentencepiece_model(path):
                     raise ValueError(_a_tokenizer_not_text(path, [path]))
@@ -333,6 +340,16 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
         f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}), not read"
     )
+    cased = [f for f in others if os.path.splitext(f)[1].lower() in INPUT_SUFFIXES]
+    if cased:  # x.JSONL: not "rename them .txt", which would read its JSON syntax as text
+        renamed = [_lower_suffix(f) for f in cased]
+        return (
+            f"{line}: megapar knows a file's kind by its lower-case suffix; rename "
+            + ", ".join(
+                f"{shell_word(f)} to {os.path.basename(r)}" for f, r in zip(cased[:3], renamed)
+            )
+            + (f" (and {len(cased) - 3} more)" if len(cased) > 3 else "")
+        )
     texts, problem = [], ""  # a text file beside one that is not (a .md and a .jsonl.gz)
     for other in others[:20]:
         try:
@@ -347,6 +364,25 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         f"input is read as text whatever its name), or rename "
         f"{'the text ones' if problem else 'them'} .txt" + (f"; and {problem}" if problem else "")
     )
+
+
+def rename_hint(skipped: Sequence[str]) -> str:
+    """ "; rename x.JSONL to x.jsonl to read it" for the first of the unread files `skipped`
+    whose suffix is a read one in another case; "" where none is."""
+    cased = [f for f in skipped if os.path.splitext(f)[1].lower() in INPUT_SUFFIXES]
+    if not cased:
+        return ""
+    more = f" (and {len(cased) - 1} more)" if len(cased) > 1 else ""
+    return (
+        f"; rename {shell_word(cased[0])} to {os.path.basename(_lower_suffix(cased[0]))}{more} "
+        f"to read it: a file's kind is known by its lower-case suffix"
+    )
+
+
+def _lower_suffix(path: str) -> str:
+    """`path` with its suffix in lower case (x.JSONL: x.jsonl)."""
+    stem, ext = os.path.splitext(path)
+    return stem + ext.lower()
 
 
 def _sentencepiece_model(path: str) -> bool:

@@ -40,6 +40,7 @@ from megapar.data.inputs import (
     is_raw_text,
     model_directory,
     parse_sft_keys,
+    rename_hint,
     tokenized_datasets,
     unread_inputs,
 )
@@ -198,7 +199,7 @@ def _resolve_one(
                 notes.append(
                     f"--data {data}: {counted(len(skipped), 'file')} not read for "
                     f"{'its' if len(skipped) == 1 else 'their'} type "
-                    f"(not {' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
+                    f"(not {' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]}){rename_hint(skipped)}"
                 )
             if tokenizer:
                 notes.append(
