@@ -15,6 +15,7 @@ from functools import partial
 from megapar.checkpoint.format import probe_writable
 from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
+from megapar.context_parallel.a2a import heads_error
 from megapar.data import IndexedDataset, SFTDataset
 from megapar.data.blended import BlendedDataset
 from megapar.data.inputs import expand_inputs
@@ -23,6 +24,7 @@ from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
+from megapar.models.flops import heads
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
 from megapar.pipeline.schedules import (
@@ -241,15 +243,23 @@ def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
     return []
 
 
-def _cp_runs(cfg: TrainConfig, layout: Layout):
+def _cp_runs(cfg: TrainConfig, layout: Layout, config):
     """Whether the job runs at another --cp: a world the launcher or --world-size fixed must
     divide into its tp x cp x pp; a world of the flags' sizes grows with cp, and a rehearsed one
-    is a node's --gpus-per-node or less, or a multiple of it (as `cli.train` checks)."""
+    is a node's --gpus-per-node or less, or a multiple of it (as `cli.train` checks); under
+    --cp-comm-type a2a, the model's heads per tp rank divide over it (`check_cp_comm`)."""
+    per_tp = heads(config) // layout.tp
+
+    def model_runs(c: int) -> bool:
+        return cfg.cp_comm_type != "a2a" or heads_error(per_tp, c) is None
+
     if cfg.world_size or under_launcher():
-        return lambda c: layout.world_size % (layout.tp * layout.pp * c) == 0
+        return lambda c: model_runs(c) and layout.world_size % (layout.tp * layout.pp * c) == 0
     others = layout.world_size // layout.cp
     gpus = cfg.gpus_per_node
-    return lambda c: not cfg.dry_run or others * c <= gpus or others * c % gpus == 0
+    return lambda c: (
+        model_runs(c) and (not cfg.dry_run or others * c <= gpus or others * c % gpus == 0)
+    )
 
 
 def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict | None):
@@ -272,9 +282,6 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"{named(cfg, 'seq_len')} is not divisible by --tp {layout.tp}, which "
             f"--sequence-parallel needs; choose a multiple of {layout.tp}"
         )
-    check_cp_seq_len(
-        cfg.seq_len, layout, cfg.sequence_parallel, named(cfg, "seq_len"), _cp_runs(cfg, layout)
-    )
     if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
         notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
     notes.extend(regather_notes(cfg, layout))
@@ -309,6 +316,13 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
+    check_cp_seq_len(  # the --cp it offers: one the job and the model run
+        cfg.seq_len,
+        layout,
+        cfg.sequence_parallel,
+        named(cfg, "seq_len"),
+        _cp_runs(cfg, layout, config),
+    )
     one_stage = one_stage_chunks_error(
         cfg.schedule, cfg.virtual_stages, layout.pp, layers=config.num_layers
     )
