@@ -1158,7 +1158,7 @@ def test_megapar_data_caps_workers_at_the_cores(tmp_path, capsys):
 
 # --- megapar-data: one line, and no progress bar before it -------------------------------------
 DATA = [
-    ({"--output-prefix": ""}, "--output-prefix '' names no file"),
+    ({"--output-prefix": ""}, "--output-prefix '' is empty: give a prefix such as data/corpus"),
     ({"--output-prefix": "{root}/"}, "names no file"),
     ({"--input": "{binary}"}, "binary is binary (NUL bytes in its first KiB), not text"),
     ({"--input": "{latin1}"}, "are not valid UTF-8 (binary data or another encoding?)"),
@@ -3056,6 +3056,7 @@ def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
     empty DST "holds the source", prepare('') "config.json: no such config file"."""
     import megapar
     from megapar.cli.convert import main as convert
+    from megapar.cli.data import main as data
     from megapar.cli.generate import main as generate
     from megapar.models.config import ConfigError
 
@@ -3078,11 +3079,40 @@ def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
          "empty path: give a directory"),
         (convert, ["--to-hf", " ", str(tmp_path)], "megapar-convert: error: --to-hf ' ' is an "
          "empty path: give a directory"),
+        # an unset $TOKENIZER ran the checkpoint's, an unset $OUT wrote ' .bin' (a re-test)
+        (evaluate, ["--load", str(tmp_path), "--data", str(text), "--tokenizer", ""],
+         "megapar-eval: error: --tokenizer '' is empty: give one, or leave the flag out (the "
+         "checkpoint's)"),
+        (evaluate, ["--load", str(tmp_path), "--data", " "], "megapar-eval: error: --data ' ' is "
+         "empty: give a prepared prefix or a text file"),
+        (generate, ["--load", str(tmp_path), "--prompt", "hi", "--tokenizer", " "],
+         "megapar-generate: error: --tokenizer ' ' is empty"),
+        (generate, ["--load", str(tmp_path), "--prompt-file", ""], "megapar-generate: error: "
+         "--prompt-file '' is empty: give a file of the prompt's text"),
+        (data, ["--input", str(text), "--output-prefix", " "], "megapar-data: error: "
+         "--output-prefix ' ' is empty: give a prefix such as data/corpus"),
+        (data, ["--input", "", "--output-prefix", str(tmp_path / "out")], "megapar-data: error: "
+         "--input '' is empty: give a text file"),
+        (train, ["--profile-dir", "", "--profile-steps", "1:1", "--dry-run"], "megapar-train: "
+         "error: --profile-dir '' is an empty path: give a path (e.g. --profile-dir profile)"),
     ]:
         assert command(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(line) and err.count("\n") == 1, (argv, err)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(" *"))
+    for text, said in [("save: ''", "--save '' is an empty path: give a path (e.g. --save "
+                                     "ckpt), or remove the key"),
+                       ("model: ' '", "--model ' ' is an empty name: give a recipe (e.g. "
+                                      "--model gpt2-tiny) or a model config file, or remove "
+                                      "the key"),
+                       ("", "holds no settings: write megapar-train's settings in it (e.g. "
+                            "max_steps: 100), or leave --config out")]:
+        # the file named, as its other values' refusals (an empty file trained the defaults)
+        config = tmp_path / "c.yaml"
+        config.write_text(text)
+        assert train(["--config", str(config), "--dry-run"]) == 2
+        assert capsys.readouterr().err.strip() == f"megapar-train: error: {config}" + (
+            f": {said}" if text else f" {said}")
     with pytest.raises(ConfigError, match=r"^megapar.prepare: model '' is empty: give a "
                                           r"transformers model or its directory, a recipe"):
         megapar.prepare("")

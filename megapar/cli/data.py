@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import TOKENIZER_NAMES, OneLineParser, shell_word, show_progress
+from megapar.training.empty_values import check_blank_flags
 from megapar.wording import counted
 
 OTHER_FLAGS = {
@@ -207,6 +208,15 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for a numeric flag out of range (before any work);
     --workers above the CPU cores is capped there (with a note)."""
+    check_blank_flags(  # an unset $OUT wrote " .bin"; an unset $TEXT: "input  does not exist"
+        args,
+        {
+            "input": "give a text file, a .jsonl / .json / .parquet file or a directory of them",
+            "output_prefix": "give a prefix such as data/corpus (writes data/corpus.bin, "
+            ".idx, .json)",
+            "tokenizer": "give one (e.g. --tokenizer sentencepiece), or leave the flag out (gpt2)",
+        },
+    )
     if args.workers is not None and args.workers < 1:
         raise ValueError(
             f"--workers {args.workers} is invalid: it must be >= 1 (or leave it "

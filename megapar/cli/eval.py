@@ -53,6 +53,7 @@ from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.training.empty_values import check_blank_flags
 from megapar.training.eval_text import DEFAULT_CACHE, data_tokenizer
 from megapar.training.inference import (
     forward_logits,
@@ -549,6 +550,17 @@ def main(argv=None) -> int:
     with parser_errors_once():  # under torchrun / Slurm: one process a node prints
         args = parser.parse_args(argv)
     try:
+        check_blank_flags(  # an unset $TOKENIZER ran the checkpoint's without a word
+            args,
+            {
+                "data": "give a prepared prefix or a text file, or leave the flag out "
+                "(--input-ids)",
+                "tokenizer": "give one, or leave the flag out (the checkpoint's)",
+                "input_ids": "give a .npy file of token ids, or leave the flag out (--data)",
+                "save_logits": "give a .npy file to write",
+                "data_cache": "give a directory, or leave the flag out (~/.cache/megapar)",
+            },
+        )
         worker = _choose_worker(args, parser.given(argv))
     except UsageError as exc:
         return refused("megapar-eval", exc)

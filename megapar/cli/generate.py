@@ -40,6 +40,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
 from megapar.training.config import precision_named_elsewhere
+from megapar.training.empty_values import check_blank_flags
 from megapar.training.generate import Sampling, generate_batch
 from megapar.training.inference import load_model
 from megapar.training.tokenizer_checks import (
@@ -547,6 +548,13 @@ def main(argv=None) -> int:
     with parser_errors_once():  # under torchrun / Slurm: one process a node prints
         args = parser.parse_args(argv)
     try:  # every argument, the checkpoint and the prompts: before any model is built
+        check_blank_flags(  # an unset $TOKENIZER ran the checkpoint's without a word
+            args,
+            {
+                "tokenizer": "give one, or leave the flag out (the checkpoint's)",
+                "prompt_file": "give a file of the prompt's text",
+            },
+        )
         check_values(args, parser.given(argv))
         prompts = read_prompts(args)
         refusal = launched_size_refusal("megapar-generate", args.tp, args.pp)

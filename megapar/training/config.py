@@ -48,6 +48,7 @@ from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.training.deepspeed_config import deepspeed_equivalents, is_deepspeed_config
+from megapar.training.empty_values import check_empty
 from megapar.training.hf_trainer_config import (
     accelerate_config,
     is_accelerate_config,
@@ -688,6 +689,11 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     if not Path(path).suffix and not Path(path).expanduser().exists():  # torchtitan's llama3_8b
         raise ConfigError(f"{path}: no such config file; {TORCHTITAN_MODULE}")
     loaded = load_config_file(path)
+    if not loaded:  # an empty file trained the defaults without a word, as --config '' did
+        raise ConfigError(
+            f"{path} holds no settings: write megapar-train's settings in it (e.g. "
+            f"max_steps: 100), or leave --config out"
+        )
     data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
     if torchtitan and not is_deepspeed_config(data):  # a DeepSpeed config has optimizer too
@@ -762,13 +768,15 @@ def parse_args(argv=None) -> TrainConfig:
         problem = choice_problem(name, values[name]) if name in from_file else ""
         if problem:
             raise ConfigError(f"{args.config}: {problem}")
-    for name in sorted(from_file):  # out of range, said with the file that gave it
+    for name in sorted(from_file):  # out of range or empty, said with the file that gave it
         alone = TrainConfig()
         setattr(alone, name, values[name])
         try:
             check_ranges(alone)
+            check_empty(alone)
         except UsageError as exc:
-            raise ConfigError(f"{args.config}: {exc}") from None
+            said = str(exc).replace("or leave the flag out", "or remove the key")
+            raise ConfigError(f"{args.config}: {said}") from None
     given = frozenset(values)  # what the user set; the rest may adapt (validate.py)
     for name, variable in TIMEOUT_ENV.items():  # their environment's default, where set
         if name not in values and variable in os.environ:

@@ -47,6 +47,7 @@ from megapar.pipeline.schedules import (
     schedule_takes,
 )
 from megapar.training.config import choice_problem, flag_choices
+from megapar.training.empty_values import check_empty
 from megapar.training.logging import WANDB_MODES
 from megapar.training.ranges import check_ranges, default_of
 from megapar.training.usage import UsageError, flag_of
@@ -55,21 +56,6 @@ from megapar.training.validate_sft import check_sft_keys, holds_records
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
 from megapar.wording import counted
-
-_EXAMPLE_PATHS = {
-    "save": "ckpt",
-    "load": "ckpt",  # an unset $CKPT: a run from scratch, without a word
-    "from_hf": "hf_model",
-    "log_json": "run.jsonl",
-    "tensorboard": "tb",
-    "data_cache": "~/.cache/megapar",
-}
-
-
-def _empty_shown(data) -> str:
-    """The empty part of a --data value as the refusal shows it ('' or ' ')."""
-    parts = data if isinstance(data, list) else [data]
-    return repr(next(d for d in parts if isinstance(d, str) and not d.strip()))
 
 
 def check_settings(cfg) -> None:
@@ -81,43 +67,7 @@ def check_settings(cfg) -> None:
             SlowRank.parse(cfg.inject_slow)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    for name in _EXAMPLE_PATHS:  # "" would silently write nothing (or into the working directory)
-        if isinstance(getattr(cfg, name), str) and not getattr(cfg, name).strip():
-            raise UsageError(
-                f"{flag_of(name)} {getattr(cfg, name)!r} is an empty path: give a path (e.g. "
-                f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
-            )
-    if cfg.data == []:  # a TrainConfig made in Python (a --config file's [] is refused there)
-        raise UsageError(
-            "TrainConfig(data=[]) names no data: give a text file, a directory of them or a "
-            'prepared prefix (e.g. data=["corpus.txt"]), or None (the shipped sample)'
-        )
-    data = cfg.data if isinstance(cfg.data, list) else [cfg.data]
-    if any(isinstance(d, str) and not d.strip() for d in data):
-        # an unset $DATA: the shipped sample, without a word ("data": [] in a --config file:
-        # a traceback)
-        raise UsageError(
-            f"--data {_empty_shown(cfg.data)} is an empty path: give a text file, a directory "
-            "of them or a prepared "
-            "prefix (e.g. --data corpus.txt), or leave the flag out (the shipped sample)"
-        )
-    if isinstance(cfg.tokenizer, str) and not cfg.tokenizer.strip():  # an unset $TOKENIZER
-        raise UsageError(
-            f"--tokenizer {cfg.tokenizer!r} is an empty name: give one (e.g. --tokenizer "
-            f"sentencepiece), or leave the flag out (gpt2; with --load, the checkpoint's; with "
-            f"--from-hf, the model's own)"
-        )
-    if isinstance(cfg.model, str) and not cfg.model.strip():  # an unset $MODEL: the default
-        raise UsageError(
-            f"--model {cfg.model!r} is an empty name: give a recipe (e.g. --model gpt2-tiny) "
-            "or a model "
-            "config file, or leave the flag out"
-        )
-    if cfg.wandb_project is not None and not cfg.wandb_project.strip():  # an unset $PROJECT
-        raise UsageError(
-            "--wandb-project '' is an empty name: give a project (e.g. --wandb-project "
-            "megapar), or leave the flag out (no W&B log)"
-        )
+    check_empty(cfg)
 
     wrong = env_problem()
     if wrong:  # read at import, where an invalid value falls back to the default
