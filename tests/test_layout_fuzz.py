@@ -25,6 +25,20 @@ def test_a_comparison_with_nothing_compared_or_two_diverged_runs_fails():
     assert math.isclose(worst, 4e-5, rel_tol=1e-6)
 
 
+def test_an_fp16_range_rerun_needs_a_step_skipped_on_one_side():
+    """The fp32-reduction rerun that may call a mismatch fp16-range ran for every fp16 case
+    that logs a loss scale, equal ones too: a mismatch of another cause that an fp32 reduction
+    happened to pass would have been hidden (a fuzz run's audit of the tool)."""
+    fuzz = _fuzz()
+    equal = [{"step": 1, "loss": 2.5, "loss_scale": 65536.0}]
+    _, where = fuzz.compare(equal, [{"step": 1, "loss": 2.6, "loss_scale": 65536.0}])
+    assert not fuzz.skipped_on_one_side(where), where
+    _, where = fuzz.compare(equal, [{"step": 1, "loss": 2.5, "loss_scale": 32768.0}])
+    assert fuzz.skipped_on_one_side(where), where
+    _, where = fuzz.compare([{"step": 1, "loss": 2.5}], equal)
+    assert fuzz.skipped_on_one_side(where), where  # not logged on one side
+
+
 def test_the_references_keep_what_changes_the_computation_and_no_more():
     """PowerSGD on a tied model at pp 2 is compared with dp alone (its tied sum now precedes
     the compression: one process's computation); an --fp8 reference keeps what sums the
