@@ -423,8 +423,12 @@ TRAIN = [
     # a dry run's world is --world-size, not processes to launch
     (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
      "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
+    (["--dry-run", "--tp", "2", "--world-size", "7"],
+     "world size 7 is not divisible by tp*pp = 2*1; give a --world-size that is a multiple of 2"),
+    # a --tp the model's heads refuse is said first: --world-size 3 (a multiple of 3) was
+    # refused next for the heads (under torchrun too; a new user's tryout)
     (["--dry-run", "--tp", "3", "--world-size", "8"],
-     "world size 8 is not divisible by tp*pp = 3*1; give a --world-size that is a multiple of 3"),
+     "4 attention heads are not divisible by --tp 3; use --tp 1, 2 or 4"),
 ]
 
 

@@ -77,17 +77,21 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     try:
         layout = _layout(cfg)
     except EpSplitError as exc:  # the values offered: those dividing the model's experts too
-        if manifest is not None and manifest.get("model"):  # a resumed run: its checkpoint's
-            config = config_from_dict(manifest["model"])
-        else:  # a fresh run without --model: the default one
-            fresh = not (cfg.load or cfg.from_hf)
-            config = _model_of(cfg.model or (DEFAULT_MODEL if fresh else None))
+        config = _known_model(cfg, manifest)
         if config is None:
             raise
         if getattr(config, "num_local_experts", None) is None:  # no experts to shard at all
             raise UsageError(ep_model_error(config, exc.ep) or str(exc)) from None
         experts = config.num_local_experts
         raise UsageError(ep_split_error(exc.ep, exc.dp, exc.cp, experts=experts)) from None
+    except LayoutError:  # a world --tp x --pp does not divide: first a --tp the model refuses,
+        config = _known_model(cfg, manifest)  # which a world of its multiple would meet next
+        if config is not None:
+            try:
+                config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp))
+            except LayoutError as model:
+                raise UsageError(str(model)) from None
+        raise
     plan = plan_data(cfg, layout, notes, manifest)
     given = "expert_tensor_parallel_size" in explicit(cfg)
     config = config_from_dict(plan.model_config)
@@ -98,6 +102,15 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan
+
+
+def _known_model(cfg: TrainConfig, manifest: dict | None):
+    """The run's model config where it is known before the layout: a resumed run's checkpoint's,
+    or a fresh run's --model (or the default one); None otherwise."""
+    if manifest is not None and manifest.get("model"):
+        return config_from_dict(manifest["model"])
+    fresh = not (cfg.load or cfg.from_hf)
+    return _model_of(cfg.model or (DEFAULT_MODEL if fresh else None))
 
 
 def _model_of(model: str | None):
