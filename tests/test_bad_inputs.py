@@ -2142,6 +2142,10 @@ OTHER_TOOLS = [
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
      "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
+    # Megatron's rank order flag: no hint (a new user's tryout of parallelism.md)
+    ("train", ["--use-tp-pp-dp-mapping"], "--use-tp-pp-dp-mapping: megapar's default rank order "
+     "is the one it asks for, --rank-order tp-pp-dp: drop it (Megatron-LM's own default, "
+     "tp-cp-ep-dp-pp, is megapar's --rank-order tp-dp-pp)"),
     # Megatron's hierarchical cp: only argparse's "invalid choice"
     ("train", ["--cp-comm-type", "a2a+p2p"], "invalid choice: 'a2a+p2p' (choose from 'auto', "
      "'p2p', 'all_gather', 'a2a'); megapar's cp group is one level (no hierarchical a2a+p2p)"),

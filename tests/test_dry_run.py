@@ -1193,6 +1193,9 @@ def test_dry_run_names_the_expert_split_and_the_cp_communication():
     job = describe_job(cfg, resolve_model("mixtral-tiny"), layout, 8, 1, "all")
     assert job.split("\n")[0].endswith(
         "; fp32, recompute none, each expert split over tp 2, --cp-comm-type a2a"), job
+    # the order with cp beside tp, and the --rank-order that gives it ("tp-cp-pp-dp" alone
+    # was refused as a --rank-order; a new user's tryout)
+    assert "rank order tp-cp-pp-dp (--rank-order tp-pp-dp); 1 node of 8" in job, job
     # the batch in megapar-train's start-up words (batch_phrase), not "1 micro-batch of 1 x 16"
     assert ("schedule 1f1b, global batch 1 sequence of 16 tokens: 1 micro-batch per step x "
             "micro-batch size 1; fp32") in job, job

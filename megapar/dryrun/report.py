@@ -30,8 +30,11 @@ def size(nbytes: float) -> str:
 
 
 def _order(layout) -> str:
-    """The rank order, fastest axis first, with cp next to tp when there is one."""
-    return layout.order.replace("tp-", "tp-cp-", 1) if layout.cp > 1 else layout.order
+    """The rank order, fastest axis first, with cp next to tp when there is one (and then the
+    --rank-order that gives it, which names no cp)."""
+    if layout.cp == 1:
+        return layout.order
+    return f"{layout.order.replace('tp-', 'tp-cp-', 1)} (--rank-order {layout.order})"
 
 
 def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, choice: str) -> str:

@@ -225,6 +225,9 @@ OTHER_TOOLS_FLAGS = {
     "the whole size to --cp",
     "--parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size",
     "--use-distributed-optimizer": "--zero 1",
+    "--use-tp-pp-dp-mapping": "megapar's default rank order is the one it asks for, "
+    "--rank-order tp-pp-dp: drop it (Megatron-LM's own default, tp-cp-ep-dp-pp, is megapar's "
+    "--rank-order tp-dp-pp)",
     "--bf16": "--precision bf16",
     "--fp16": "--precision fp16",
     "--fp16-lm-cross-entropy": "megapar's LM-head cross-entropy runs in fp32 on the autocast "
