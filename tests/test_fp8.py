@@ -366,6 +366,11 @@ def test_a_tp_that_cannot_run_the_float8_linears_is_refused_before_the_workers(c
         f"tensorwise and --fp8-layers all\n"
     ), err  # "use such a tp" where tp 1 is the only one (a fuzz run's wording point); "or
     # --fp8 off" was refused next for --fp8-layers, which applies to --fp8 alone (another)
+    # beside --sp-regather, which tp 1 refuses in turn, the fix drops it too (a fuzz run's)
+    assert train_main(argv + ["--tp", "2", "--world-size", "2", "--sequence-parallel",
+                              "--sp-regather"]) == 2
+    assert "; use --tp 1 (dropping --sp-regather, which needs tp > 1), or drop --fp8" in \
+        capsys.readouterr().err
     plan = ["--model", "llama-tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len",
             "64", "--fp8", "tensorwise", "--fp8-layers", "all", "--explain", "tp=2,mbs=2"]
     assert plan_main(plan) == 1  # megapar-plan's answer for a candidate it finds invalid

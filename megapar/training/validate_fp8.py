@@ -116,8 +116,12 @@ def check_fp8_layout(cfg, config, tp: int, keyword: str | None = None) -> None:
         *([term("fp8_emulate", True)] if cfg.fp8_emulate else []),
         *([term("fp8_layers", cfg.fp8_layers)] if cfg.fp8_layers != "auto" else []),
     ]
+    one = "only tp 1 " in problem
+    regather = one and getattr(cfg, "sp_regather", False)  # refused at tp 1 in turn
+    fix = term("tp", 1) if one else "such a tp"
+    if regather:
+        fix += f" (dropping {term('sp_regather', True)}, which needs tp > 1)"
     raise Fp8Error(
         f"{where}{term('fp8', cfg.fp8)} {term('fp8_layers', cfg.fp8_layers)} at "
-        f"{term('tp', tp)}: {problem}; use "
-        f"{term('tp', 1) if 'only tp 1 ' in problem else 'such a tp'}, or drop {and_list(off)}"
+        f"{term('tp', tp)}: {problem}; use {fix}, or drop {and_list(off)}"
     )
