@@ -105,6 +105,11 @@ LAYOUT_NAMES = {
     "--num-layers-per-virtual-pipeline-stage": "--virtual-stages",
     "--num-virtual-stages-per-pipeline-rank": "--virtual-stages",  # Megatron-LM's newer name
     "--tensor-parallel-size": "--tp",  # vLLM's and DeepSpeed-inference's
+    "--tensor-parallel": "--tp",  # a --config key's spelling (tensor_parallel: 2)
+    "--pipeline-parallel": "--pp",
+    "--context-parallel": "--cp",
+    "--expert-parallel": "--ep",
+    "--data-parallel": "--dp",
     "--pipeline-parallel-size": "--pp",
     "--tp-size": "--tp",  # SGLang's
     "--pp-size": "--pp",

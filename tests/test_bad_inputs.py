@@ -1511,7 +1511,11 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     for key, said in (("max_lr", "did you mean --lr (the peak"), ("peak_lr", "did you mean --lr (the peak"),
                       ("save_dir", "did you mean --save?"),
                       ("lr_schedule", "did you mean --lr-decay"),
-                      ("min_learning_rate", "did you mean --min-lr?")):
+                      ("min_learning_rate", "did you mean --min-lr?"),
+                      # tensor_parallel was 'expert_tensor_parallel_size', pipeline_parallel
+                      # 'sequence_parallel' (a re-test)
+                      ("tensor_parallel", "did you mean --tp?"),
+                      ("pipeline_parallel", "did you mean --pp?")):
         config.write_text(f"{key}: 3\n")
         with pytest.raises(Exception, match=f"unknown setting '{key}'; {said}".replace(
                 "(", r"\(").replace("?", r"\?")):

@@ -641,8 +641,11 @@ def test_a_deepspeed_scheduler_gets_deepspeeds_own_defaults(tmp_path):
         read_run_config(str(ds))
     assert str(err.value).endswith("--zero 1 --clip-grad 0 --lr-decay constant --warmup-steps 0 "
                                    "--model gpt2-tiny --max-steps 3"), err.value
-    for bad, said in (({"fp16": True}, 'fp16 is true: DeepSpeed takes a section there ({...}, '
-                                       'e.g. {"enabled": true})'),
+    for bad, said in (({"train_batch_size": 8, "fp16": True}, 'fp16 is true: DeepSpeed takes a '
+                       'section there ({...}, e.g. {"enabled": true})'),
+                      # bf16: true alone is a flag's key, not a DeepSpeed config (it was told
+                      # that DeepSpeed takes a section there; a re-test)
+                      ({"bf16": True}, "unknown setting 'bf16'; did you mean --precision bf16?"),
                       # a cosine scheduler read before an optimizer given as a word: traceback
                       ({"scheduler": {"type": "WarmupCosineLR", "params": {}},
                         "optimizer": "adam"}, 'optimizer is "adam": DeepSpeed takes a section'),

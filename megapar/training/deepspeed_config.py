@@ -32,9 +32,13 @@ the others (stage3_prefetch_bucket_size, sub_group_size, ...) are named as havin
 
 def is_deepspeed_config(data: dict) -> bool:
     """Whether a `--config` file's top-level settings (`data`) are a DeepSpeed config's: one of
-    `DEEPSPEED_KEYS`, or an optimizer / scheduler section as DeepSpeed writes it, ``{"type":
-    ..., "params": {...}}`` (torchtitan's [optimizer] has name, lr, eps instead)."""
-    if DEEPSPEED_KEYS & set(data):
+    `DEEPSPEED_KEYS` (fp16 / bf16 as sections: ``bf16: true`` alone is another tool's flag,
+    megapar's --precision bf16), or an optimizer / scheduler section as DeepSpeed writes it,
+    ``{"type": ..., "params": {...}}`` (torchtitan's [optimizer] has name, lr, eps instead)."""
+    if any(
+        k in data and (k not in ("fp16", "bf16") or isinstance(data[k], dict))
+        for k in DEEPSPEED_KEYS
+    ):
         return True
     return any(
         isinstance(data.get(k), dict) and {"type", "params"} & set(data[k])
