@@ -2655,12 +2655,28 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                          "gradient_accumulation_steps 1"),
                         ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},
                          "deepspeed's optimizer.params.betas.1 0.95 (--adam-beta2 0.95) differs "
-                         "from the Trainer's own --adam-beta2 0.999")):  # and these (a re-test)
+                         "from the Trainer's own --adam-beta2 0.999"),  # and these (a re-test)
+                        # and what the Trainer fills from arguments of other names (a re-test)
+                        ({"bf16": {"enabled": True}}, "deepspeed's bf16.enabled True differs "
+                         "from the Trainer's own bf16 False"),
+                        ({"scheduler": {"type": "WarmupDecayLR", "params": {
+                            "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}},
+                         "deepspeed's scheduler.params.warmup_max_lr 0.001 differs from the "
+                         "Trainer's own --lr 5e-05"),
+                        ({"train_batch_size": 12}, "deepspeed's train_batch_size 12 differs from "
+                         "the Trainer's own per_device_train_batch_size x "
+                         "gradient_accumulation_steps = 8 times the number of processes")):
         other = tmp_path / "other.json"
         other.write_text(json.dumps({"output_dir": "out", "deepspeed": given}))
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(other)])
         assert said in str(info.value), str(info.value)
+    other.write_text(json.dumps({"output_dir": "out", "deepspeed": {"train_batch_size": 64}}))
+    with pytest.raises(ConfigError) as info:  # one that fits: its world said, not the flag
+        parse_args(["--config", str(other)])  # beside 'x the --dp size' (it said both)
+    assert ("deepspeed's train_batch_size 64: the Trainer's 8 per process on 8 processes, "
+            "--global-batch-size 64 at --dp 8") in str(info.value), str(info.value)
+    assert "--global-batch-size 64" not in str(info.value).split(";")[0], str(info.value)
     text = json.loads(inline.read_text())
     text["deepspeed"]["gradient_clipping"] = "auto"
     inline.write_text(json.dumps(text))

@@ -516,8 +516,56 @@ def _inline_deepspeed(
         raise _mismatch(
             "gradient_accumulation_steps", steps, "", f"gradient_accumulation_steps {theirs}"
         )
+    for key, own in _trainer_filled_others(trainer, ours).items():
+        given = _at(deepspeed, key)
+        if given is None or given == "auto" or own is None:
+            continue
+        same = bool(given) == own[1] if isinstance(own[1], bool) else _alike(str(given), own[1])
+        if not same:
+            raise _mismatch(key, given, "", own[0])
+    batch = deepspeed.get("train_batch_size")  # the Trainer's: per device x accumulation x world
+    per = _as_int(trainer.get("per_device_train_batch_size", 8)) * _as_int(theirs)
+    if batch not in (None, "auto") and per > 0:
+        if not isinstance(batch, int) or batch % per:
+            raise _mismatch(
+                "train_batch_size",
+                batch,
+                "",
+                f"per_device_train_batch_size x "
+                f"gradient_accumulation_steps = {per} times the number of processes",
+            )
+        said.append(
+            f"deepspeed's train_batch_size {batch}: the Trainer's {per} per process on "
+            f"{batch // per} processes, --global-batch-size {batch} at --dp {batch // per}"
+        )
+        more = [flag for flag in more if not flag.startswith("--global-batch-size ")]
     said += [f"deepspeed's {key}: no equivalent" for key in left]
     return [flag for flag in more if flag.split()[0] not in ours]
+
+
+def _trainer_filled_others(trainer: dict, ours: dict[str, str]) -> dict[str, Any]:
+    """The DeepSpeed keys the Trainer fills from arguments that `TRAINER_FILLED` does not pair by
+    flag: {key: (the Trainer's own as a refusal names it, its value)}, None where the Trainer's
+    value is not known here."""
+    lr, warmup, steps = (ours.get(f) for f in ("--lr", "--warmup-steps", "--max-steps"))
+    return {
+        "bf16.enabled": (f"bf16 {bool(trainer.get('bf16'))}", bool(trainer.get("bf16"))),
+        "fp16.enabled": (f"fp16 {bool(trainer.get('fp16'))}", bool(trainer.get("fp16"))),
+        "scheduler.params.warmup_max_lr": (f"--lr {lr}", lr) if lr else None,
+        "scheduler.params.warmup_min_lr": ("warmup min lr 0", "0"),
+        "scheduler.params.warmup_num_steps": (f"--warmup-steps {warmup}", warmup)
+        if warmup
+        else None,
+        "scheduler.params.total_num_steps": (f"--max-steps {steps}", steps) if steps else None,
+    }
+
+
+def _as_int(value: Any) -> int:
+    """A Trainer argument as a whole number; 0 where it is none."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _pairs(flags: list[str]) -> list[tuple[str, str]]:
