@@ -826,6 +826,31 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
 
 
+def test_every_torchrun_rank_checks_the_save_lock_but_not_its_own_jobs(tmp_path, monkeypatch):
+    """Under torchrun, rank 0 alone checked --save's lock: rank 1 went on to another refusal
+    ('holds steps of an earlier run') of a live run's directory and was cut off, exit 143 (a
+    new user's tryout of faults.md). Every rank checks it now; a rank but 0 does not refuse
+    the lock its own job's rank 0 took meanwhile (the record names the job)."""
+    from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked, launched_job
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    job = launched_job()
+    assert job == "10.0.0.1:29500/abc"
+    lock = SaveLock(tmp_path / "ckpt").acquire()  # this job's rank 0
+    try:
+        check_unlocked(tmp_path / "ckpt", job=job)  # its rank 1: its own job's
+        with pytest.raises(SaveLockError):
+            check_unlocked(tmp_path / "ckpt", job="10.0.0.2:29500/abc")  # another job's
+        with pytest.raises(SaveLockError):
+            check_unlocked(tmp_path / "ckpt")  # rank 0 of a job checks without one
+    finally:
+        lock.release()
+    monkeypatch.delenv("MASTER_ADDR")
+    assert launched_job() is None
+
+
 def test_a_full_disk_under_save_is_one_line_before_training(tmp_path, common, capsys,
                                                             monkeypatch):
     """A --save on a full disk: the lock's record cannot be written. It was a traceback from

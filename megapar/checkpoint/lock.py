@@ -138,19 +138,32 @@ def refusal(
     )
 
 
+def launched_job() -> str | None:
+    """The torchrun / Slurm job this process is a rank of, as its ranks all see it (its
+    rendezvous address and run id); None outside a launcher's job. A live job holds its
+    address, so another live run has another."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/{run}"
+
+
 def check_unlocked(
     root: str | Path,
     allowed_pids: tuple[int, ...] = (),
     other: str = "give this run another --save",
+    job: str | None = None,
 ) -> None:
     """Raise SaveLockError when another live run (not one of `allowed_pids`, e.g. this process
-    and its launcher) holds `root`'s lock (`other`: as `refusal`'s). Reads only; writes
-    nothing."""
+    and its launcher, nor the launcher's `job` whose rank 0 took it: `launched_job`) holds
+    `root`'s lock (`other`: as `refusal`'s). Reads only; writes nothing."""
     root = Path(root).expanduser()
     state, owner, age = owner_state(root / LOCK_NAME)
     if state != "live" or owner is None:
         return
     if owner.get("host") == socket.gethostname() and owner.get("pid") in allowed_pids:
+        return
+    if job is not None and owner.get("job") == job:
         return
     raise SaveLockError(refusal(root, owner, age, other))
 
@@ -231,6 +244,7 @@ class SaveLock:
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": self.command,
             **({"rank_logs": self.rank_logs} if self.rank_logs is not None else {}),
+            **({"job": launched_job()} if launched_job() is not None else {}),
         }
         try:
             os.ftruncate(fd, 0)

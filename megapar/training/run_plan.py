@@ -13,7 +13,7 @@ import os
 from functools import partial
 
 from megapar.checkpoint.format import probe_writable
-from megapar.checkpoint.lock import check_unlocked
+from megapar.checkpoint.lock import check_unlocked, launched_job
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.context_parallel.a2a import heads_error
 from megapar.data import IndexedDataset, SFTDataset
@@ -136,8 +136,10 @@ def plan_data(
     else:
         check_outputs(cfg)  # an unwritable --save is not found after the run
     # what --save holds, where it is here too (a rehearsal reads it as the run would)
-    if cfg.save and takes_save_lock():
-        check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+    if cfg.save:  # another run writing --save: refused before tokenizing, by every rank
+        # (a torchrun rank but 0 went on to another refusal, then was cut off); not this
+        # job's rank 0 lock, which it may take meanwhile
+        check_unlocked(cfg.save, job=None if takes_save_lock() else launched_job())
     check_save_format(cfg)  # a Hugging Face model's (or DCP) directory: never mixed
     check_newer_steps(cfg, manifest, config)  # steps a resumed or fresh run would overwrite
     if not cfg.dry_run:
