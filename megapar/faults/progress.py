@@ -235,10 +235,10 @@ class ProgressRecords:
         ]
         if gone:
             last = first.get(gone[0], {}).get("status")
-            return (
-                f"rank {gone[0]}'s process is gone from this node"
-                + (f" at {last}" if last else "")
-                + " without a report (killed, e.g. by the OOM killer or SIGKILL?)"
+            return (  # its record lags its work by up to PUBLISH_S (several short steps)
+                f"rank {gone[0]}'s process is gone from this node without a report (killed, "
+                f"e.g. by the OOM killer or SIGKILL?)"
+                + (f"; its last record, up to {PUBLISH_S:g} s old: {last}" if last else "")
             )
         wait = heartbeat_wait_s()
         time.sleep(wait)
