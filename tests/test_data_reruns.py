@@ -715,6 +715,37 @@ def test_a_disk_that_fills_while_the_index_is_written_leaves_nothing(tmp_path, m
     assert not list(tmp_path.glob("out/*"))  # no .bin, .idx or .json temporary
 
 
+def test_a_moved_sentencepiece_models_copy_is_asked_for_as_its_file(tmp_path):
+    """A dataset of a SentencePiece model that moved was told 'give a copy of its files as
+    --tokenizer DIR', and a directory holding the copy is refused (the model file is what
+    --tokenizer takes; a re-test): the line asks for the file, and the file is taken."""
+    import shutil
+
+    from megapar.cli.data import main as data
+    from megapar.data.assets import asset_path
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import data_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("Some words of a corpus, a sentence or two of it.\n" * 40)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), tok / "sp.model")
+    prefix = str(tmp_path / "d")
+    assert data(["--input", str(text), "--output-prefix", prefix, "--tokenizer",
+                 str(tok / "sp.model"), "--no-progress"]) == 0
+    shutil.move(tok, tmp_path / "moved")
+    alone = TrainConfig(data=prefix)
+    alone.explicit = frozenset({"data"})
+    with pytest.raises(ValueError, match=r"which is not there now \(moved or deleted\?\); give "
+                                         r"a copy of its file as --tokenizer FILE\.model \(the "
+                                         r"same files"):
+        data_tokenizer(alone)
+    copy = TrainConfig(data=prefix, tokenizer=str(tmp_path / "moved" / "sp.model"))
+    copy.explicit = frozenset({"data", "tokenizer"})
+    assert data_tokenizer(copy)[1].path == str(tmp_path / "moved" / "sp.model")
+
+
 def test_a_blend_of_moved_datasets_of_two_tokenizers_is_refused(tmp_path):
     """Two datasets of two tokenizers of one vocabulary size, moved with copies of their
     tokenizers, the originals deleted: --tokenizer naming the first's copy trained the blend on

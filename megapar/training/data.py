@@ -415,9 +415,14 @@ def data_tokenizer(cfg: TrainConfig):
             if "tokenizer" in given
             else ""
         )
+        form = (  # a SentencePiece model is one file
+            "its file as --tokenizer FILE.model"
+            if indexed.tokenizer_spec.get("kind") == "sentencepiece"
+            else "its files as --tokenizer DIR"
+        )
         why = (
-            f"which is not there now (moved or deleted?); {copy}give a copy of its files as "
-            "--tokenizer DIR (the same files: their sha256 is the dataset's), put them back "
+            f"which is not there now (moved or deleted?); {copy}give a copy of {form} (the "
+            "same files: their sha256 is the dataset's), put them back "
             "there, or tokenize the text again with megapar-data --tokenizer where they are now"
             if isinstance(path, str) and not os.path.exists(os.path.expanduser(path))
             else f"which does not load now: {exc}"
