@@ -153,6 +153,28 @@ def test_a_restored_scale_below_the_floor_starts_at_it():
     assert scaler.scale == 2.0**24
 
 
+def test_a_resumed_mixture_of_experts_at_another_micro_batch_size_says_so():
+    """moe.md: a MoE's balancing loss and capacity are per micro-batch, so another
+    --micro-batch-size on resuming changes the objective; it was said nowhere at the resume (a
+    new user's tryout of moe.md). A dense model's, or the same size, says nothing."""
+    from megapar.models.recipes import resolve_model
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    def notes(model: str, *flags: str) -> list[str]:
+        cfg = parse_args(["--load", "ck", *flags])
+        meta = {"train_config": {"micro_batch_size": 2, "tokenizer": "gpt2"}}
+        manifest = {"meta": meta, "model": resolve_model(model).to_dict()}
+        return [n for n in settings_from_checkpoint(cfg, manifest) if "differs" in n]
+
+    assert notes("mixtral-tiny", "--micro-batch-size", "4") == [
+        "--micro-batch-size 4 differs from the checkpoint's 2: a mixture of experts computes "
+        "its balancing loss and capacity per micro-batch, so from here the objective differs, "
+        "not only the rounding"]
+    assert notes("llama-tiny", "--micro-batch-size", "4") == []
+    assert notes("mixtral-tiny", "--micro-batch-size", "2") == notes("mixtral-tiny") == []
+
+
 def test_a_resume_in_another_precision_says_so():
     """--load of an fp16 run given --precision bf16 (or a bf16 run given fp16) changed the
     step's rounding and dropped (or started) the loss scale without a word, where another --fp8

@@ -530,6 +530,19 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             f"--loss-mean {cfg.loss_mean} differs from the checkpoint's {saved['loss_mean']}: "
             f"from here the loss is {now}, so its scale and the gradients' weighting change"
         )
+    micro = saved.get("micro_batch_size")
+    if "micro_batch_size" in explicit_before and micro not in (None, cfg.micro_batch_size):
+        model = manifest.get("model") or {}
+        try:  # a mixture of experts balances its routing per micro-batch (moe.md)
+            experts = getattr(config_from_dict(model), "num_local_experts", None) if model else None
+        except ValueError:
+            experts = None
+        if experts:
+            notes.append(  # allowed, but never silently
+                f"--micro-batch-size {cfg.micro_batch_size} differs from the checkpoint's "
+                f"{micro}: a mixture of experts computes its balancing loss and capacity per "
+                f"micro-batch, so from here the objective differs, not only the rounding"
+            )
     unrecorded = [n for n in ("seq_len", "global_batch_size", "max_steps") if n not in saved]
     if (manifest.get("meta") or {}).get("batches_from_caller") and unrecorded:
         defaults = [
