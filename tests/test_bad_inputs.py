@@ -2975,6 +2975,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "weight_decay -1)"),
     ("job.toml", "[optimizer]\nlr = -1\n[lr_scheduler]\nmin_lr_factor = -1\n",
      "--lr -1.0 is invalid: it must be a finite number > 0.0 (the file's optimizer.lr -1)"),
+    # a list's item, and the key another tool names the flag by, where no word is shared with
+    # it (neither was named; a re-test); a negative bucket said as the file's (-0.0 MB)
+    ("ds.json", {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}},
+     "--adam-beta2 1.5 is invalid: it must be in [0, 1) (the file's optimizer.params.betas.1 "
+     "1.5)"),
+    ("job.toml", "[parallelism]\ntensor_parallel_degree = 0\n[lr_scheduler]\n"
+                 "min_lr_factor = 0.0\n",
+     "--tp 0 is invalid: it must be a whole number >= 1 (the file's "
+     "parallelism.tensor_parallel_degree 0)"),
+    ("ds.json", {"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}},
+     "ds.json: zero_optimization.reduce_bucket_size -1 is invalid: DeepSpeed's bucket is a "
+     "number of elements > 0 (megapar's --grad-bucket-mb, 4 bytes each)"),
     # ... and where none is nearest, neither, rather than the wrong one
     ("args.json", {"output_dir": "out", "per_device_train_batch_size": -2,
                    "per_device_eval_batch_size": -2},

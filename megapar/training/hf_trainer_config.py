@@ -14,6 +14,7 @@ from typing import Any
 
 from megapar.models.config import ConfigError
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
+from megapar.training.other_tools import other_tools_answer
 
 TRAINER_ONLY_KEYS = frozenset(
     {
@@ -88,11 +89,15 @@ def _key_of(problem: str, data: dict) -> str | None:
         return None
     flag_words, value = set(said[1].split("-")), said[2]
 
-    found = [
-        (k, v)
+    leaves = [  # a list's items too (optimizer.params.betas.1 of betas: [0.9, 1.5])
+        (f"{k}.{i}", item) if isinstance(v, list) else (k, v)
         for k, v in setting_leaves(data)
-        if not isinstance(v, (dict, list)) and _alike(str(v), value)
+        for i, item in (enumerate(v) if isinstance(v, list) else [(0, v)])
     ]
+    found = [(k, v) for k, v in leaves if not isinstance(v, (dict, list)) and _alike(str(v), value)]
+    if len(found) > 1:  # several: the one another tool names the flag by (--tp's
+        known = [f for f in found if other_tools_answer(f[0]) == f"--{said[1]}"]  # degree)
+        found = known if len(known) == 1 else found
     if len(found) > 1:  # several: those whose key shares the most words with the flag's name
         shared = [len(flag_words & set(re.split(r"[._]", k))) for k, _ in found]
         found = [f for f, n in zip(found, shared) if n == max(shared) > 0]
