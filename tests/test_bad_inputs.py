@@ -3135,6 +3135,11 @@ def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
          "--input '' is empty: give a text file"),
         (train, ["--profile-dir", "", "--profile-steps", "1:1", "--dry-run"], "megapar-train: "
          "error: --profile-dir '' is an empty path: give a path (e.g. --profile-dir profile)"),
+        (data, ["--input", str(text), "--output-prefix", str(tmp_path / "j"), "--jsonl-key", ""],
+         "megapar-data: error: --jsonl-key '' is empty: give the field holding each record's "
+         "text"),  # it wrote a dataset; megapar-train asked to add '' to the line (a re-test)
+        (train, ["--jsonl-key", " ", "--dry-run"], "megapar-train: error: --jsonl-key ' ' is an "
+         "empty name: give the field holding each record's text (e.g. --jsonl-key body)"),
     ]:
         assert command(argv) == 2, argv
         err = capsys.readouterr().err

@@ -215,6 +215,8 @@ def check_flags(args: argparse.Namespace) -> None:
             "output_prefix": "give a prefix such as data/corpus (writes data/corpus.bin, "
             ".idx, .json)",
             "tokenizer": "give one (e.g. --tokenizer sentencepiece), or leave the flag out (gpt2)",
+            "jsonl_key": "give the field holding each record's text (e.g. --jsonl-key body), "
+            "or leave the flag out (text)",
         },
     )
     if args.workers is not None and args.workers < 1:

@@ -65,6 +65,11 @@ def check_empty(cfg) -> None:
             "--wandb-project '' is an empty name: give a project (e.g. --wandb-project "
             "megapar), or leave the flag out (no W&B log)"
         )
+    if isinstance(cfg.jsonl_key, str) and not cfg.jsonl_key.strip():  # "add '' to the line"
+        raise UsageError(
+            f"--jsonl-key {cfg.jsonl_key!r} is an empty name: give the field holding each "
+            f"record's text (e.g. --jsonl-key body), or leave the flag out (text)"
+        )
 
 
 def check_blank_flags(args, fixes: dict[str, str]) -> None:
