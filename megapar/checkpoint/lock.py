@@ -235,6 +235,7 @@ class SaveLock:
                 f"on {owner.get('host')} (started {owner.get('started')}), "
                 f"whose run is gone"
             )
+        job = launched_job()
         record = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -244,7 +245,7 @@ class SaveLock:
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": self.command,
             **({"rank_logs": self.rank_logs} if self.rank_logs is not None else {}),
-            **({"job": launched_job()} if launched_job() is not None else {}),
+            **({"job": job} if job is not None else {}),
         }
         try:
             os.ftruncate(fd, 0)

@@ -340,7 +340,7 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
         f", only {len(others)} other file{'s' if len(others) > 1 else ''} "
         f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}), not read"
     )
-    cased = [f for f in others if os.path.splitext(f)[1].lower() in INPUT_SUFFIXES]
+    cased = _read_in_another_case(others)
     if cased:  # x.JSONL: not "rename them .txt", which would read its JSON syntax as text
         renamed = [_lower_suffix(f) for f in cased]
         return (
@@ -369,7 +369,7 @@ def _nothing_to_read(path: str, others: list[str], tokenizer: Sequence[str] = ()
 def rename_hint(skipped: Sequence[str]) -> str:
     """ "; rename x.JSONL to x.jsonl to read it" for the first of the unread files `skipped`
     whose suffix is a read one in another case; "" where none is."""
-    cased = [f for f in skipped if os.path.splitext(f)[1].lower() in INPUT_SUFFIXES]
+    cased = _read_in_another_case(skipped)
     if not cased:
         return ""
     more = f" (and {len(cased) - 1} more)" if len(cased) > 1 else ""
@@ -377,6 +377,11 @@ def rename_hint(skipped: Sequence[str]) -> str:
         f"; rename {shell_word(cased[0])} to {os.path.basename(_lower_suffix(cased[0]))}{more} "
         f"to read it: a file's kind is known by its lower-case suffix"
     )
+
+
+def _read_in_another_case(files: Sequence[str]) -> list[str]:
+    """The `files` whose suffix is one of `INPUT_SUFFIXES` in another case (x.JSONL, y.TXT)."""
+    return [f for f in files if os.path.splitext(f)[1].lower() in INPUT_SUFFIXES]
 
 
 def _lower_suffix(path: str) -> str:
