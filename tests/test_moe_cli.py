@@ -378,9 +378,19 @@ def test_info_names_the_experts_and_the_active_parameters(tmp_path):
     experts = hf.model.layers[1].mlp.experts
     per_expert = sum(p.numel() for p in experts.parameters()) // 4
     active = hf.num_parameters() - 2 * (4 - 2) * per_expert  # 2 MoE layers, 2 idle experts
-    assert (f"qwen3_moe (3 layers, hidden 32, vocab 64; 4 routed experts of 16, top 2, in 2 of "
-            f"its layers), {hf.num_parameters():,} parameters (unpadded, as transformers counts "
-            f"them; {active:,} active per token)") in checkpoint_info(tmp_path / "ck"), active
+    assert (f"qwen3_moe (3 layers, hidden 32, vocab 64; 4 routed experts of 16, top 2, softmax "
+            f"router, in 2 of its layers), {hf.num_parameters():,} parameters (unpadded, as "
+            f"transformers counts them; {active:,} active per token)") in checkpoint_info(
+        tmp_path / "ck"), active
+    # the router's score and a shared expert, which --to-hf refuses for a Mixtral, are named
+    # (a new user's tryout of moe.md)
+    from megapar.checkpoint.convert import _size
+    from megapar.models.recipes import resolve_model
+
+    mixtral = {**resolve_model("mixtral-tiny").to_dict(), "moe_router_score": "sigmoid",
+               "shared_expert_intermediate_size": 32}
+    assert _size(mixtral).endswith("top 2, sigmoid router, a shared expert of 32, in 4 of its "
+                                   "layers"), _size(mixtral)
 
 
 def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):
