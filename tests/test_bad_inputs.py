@@ -2677,6 +2677,16 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     assert ("deepspeed's train_batch_size 64: the Trainer's 8 per process on 8 processes, "
             "--global-batch-size 64 at --dp 8") in str(info.value), str(info.value)
     assert "--global-batch-size 64" not in str(info.value).split(";")[0], str(info.value)
+    # its scheduler replaces the Trainer's (the Trainer builds none): WarmupLR holds the lr
+    # after warmup, where '--lr-decay linear' was given (a re-test)
+    other.write_text(json.dumps({"output_dir": "out", "deepspeed": {"scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(other)])
+    flags = str(info.value).split(";")[0]
+    assert "--lr-decay constant" in flags and "--lr-decay linear" not in flags, str(info.value)
+    assert "--min-lr" not in flags and "deepspeed's scheduler WarmupLR replaces the Trainer's " \
+        "lr_scheduler_type" in str(info.value), str(info.value)
     text = json.loads(inline.read_text())
     text["deepspeed"]["gradient_clipping"] = "auto"
     inline.write_text(json.dumps(text))

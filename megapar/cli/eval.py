@@ -559,6 +559,8 @@ def main(argv=None) -> int:
                 "input_ids": "give a .npy file of token ids, or leave the flag out (--data)",
                 "save_logits": "give a .npy file to write",
                 "data_cache": "give a directory, or leave the flag out (~/.cache/megapar)",
+                "jsonl_key": "give the field holding each record's text (e.g. --jsonl-key "
+                "body), or leave the flag out (text)",
             },
         )
         worker = _choose_worker(args, parser.given(argv))

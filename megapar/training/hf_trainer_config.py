@@ -15,6 +15,7 @@ from typing import Any
 from megapar.models.config import ConfigError
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
 from megapar.training.other_tools import other_tools_answer
+from megapar.wording import counted
 
 TRAINER_ONLY_KEYS = frozenset(
     {
@@ -501,12 +502,21 @@ def _inline_deepspeed(
     """The flags of a DeepSpeed config given inline as the Trainer's `deepspeed` argument that
     the Trainer's own `flags` (of its arguments `trainer`) do not set already (its "auto" values
     are the Trainer's); its keys without an equivalent go to `said`. ConfigError for a value the
-    Trainer fills unlike its own, which the Trainer refuses ("mismatch")."""
+    Trainer fills unlike its own, which the Trainer refuses ("mismatch"). Its scheduler section
+    replaces the Trainer's lr_scheduler_type (the Trainer then builds none): the decay's flags of
+    `flags` give way to its own."""
     try:
         more, left, _auto = deepspeed_equivalents(deepspeed)
     except ConfigError as exc:  # a value where DeepSpeed takes a section
         said.append(f"deepspeed: {exc}")
         return []
+    scheduler = deepspeed.get("scheduler")
+    if isinstance(scheduler, dict) and scheduler.get("type"):  # (WarmupLR: a constant lr)
+        flags[:] = [f for f in flags if not f.startswith(DECAY_FLAGS)]
+        said.append(
+            f"deepspeed's scheduler {scheduler['type']} replaces the Trainer's "
+            f"lr_scheduler_type, as the Trainer lets it"
+        )
     ours = dict(_pairs(flags))
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
@@ -541,7 +551,8 @@ def _inline_deepspeed(
             )
         said.append(
             f"deepspeed's train_batch_size {batch}: the Trainer's {per} per process on "
-            f"{batch // per} processes, --global-batch-size {batch} at --dp {batch // per}"
+            f"{counted(batch // per, 'process', 'processes')}, --global-batch-size {batch} at "
+            f"--dp {batch // per}"
         )
         more = [flag for flag in more if not flag.startswith("--global-batch-size ")]
     said += [f"deepspeed's {key}: no equivalent" for key in left]
@@ -592,6 +603,10 @@ def _mismatch(key: str, given: Any, flag: str, own: str) -> ConfigError:
         f"deepspeed's {key} {given!r}{f' ({flag})' if flag else ''} differs from the Trainer's "
         f'own {own}, which the Trainer refuses: set them alike, or the deepspeed one to "auto"'
     )
+
+
+DECAY_FLAGS = ("--lr-decay ", "--lr-wsd-", "--min-lr ")
+"""The flags of a learning rate's decay after warmup (its shape and floor)."""
 
 
 TRAINER_FILLED = {
