@@ -1520,6 +1520,16 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         with pytest.raises(Exception, match=f"unknown setting '{key}'; {said}".replace(
                 "(", r"\(").replace("?", r"\?")):
             parse_args(["--config", str(config)])
+    # a switch given as false was answered with what true asks for (bf16: false, "did you
+    # mean --precision bf16?"; a re-test)
+    for text, said in (("bf16: false", "false turns nothing on: remove the key (true would be "
+                                       "--precision bf16)"),
+                       ("use_tp_pp_dp_mapping: false", "false is Megatron-LM's default rank "
+                        "order, tp-cp-ep-dp-pp: --rank-order tp-dp-pp")):
+        config.write_text(text + "\n")
+        with pytest.raises(Exception) as info:
+            parse_args(["--config", str(config)])
+        assert said in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("flag, hint", [

@@ -57,6 +57,7 @@ from megapar.training.hf_trainer_config import (
     trainer_arguments,
 )
 from megapar.training.other_tools import (
+    FALSE_ANSWERS,
     OTHER_TOOLS_FLAGS,
     TORCHTITAN_MODULE,
     megatron_defaults,
@@ -740,7 +741,11 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
             else "valid keys are the megapar-train flags"
         )
         other = other_tools_answer(key)
-        if other:
+        if other and data[key] is False:  # bf16: false asks for no --precision bf16
+            hint = FALSE_ANSWERS.get(
+                key, f"false turns nothing on: remove the key (true would be {other})"
+            )
+        elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")
     if unknown:

@@ -967,6 +967,14 @@ unknown flags marks a Megatron-LM command (`megatron_defaults`). (--bf16 and --f
 Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
+FALSE_ANSWERS = {
+    "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
+    "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
+}
+"""Another tool's switch given as false in a --config file whose answer is not to remove it
+(`other_tools_answer` names what true asks for)."""
+
+
 def other_tools_answer(key: str) -> str | None:
     """`OTHER_TOOLS_FLAGS`' answer for another tool's setting `key` as a config key or keyword
     names it (`grad_accum_steps`, `max_norm`): its dashed flag's, its own spelling's, or the one
