@@ -429,6 +429,11 @@ TRAIN = [
     # refused next for the heads (under torchrun too; a new user's tryout)
     (["--dry-run", "--tp", "3", "--world-size", "8"],
      "4 attention heads are not divisible by --tp 3; use --tp 1, 2 or 4"),
+    # ... and those of its --tp the world takes, where not all (--tp 4 was offered to 4
+    # processes at --pp 2, refused next; a re-test)
+    (["--dry-run", "--model", "llama-tiny", "--tp", "3", "--pp", "2", "--world-size", "4"],
+     "use --tp 1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, 4 "
+     "processes at --pp 2 take --tp 1 or 2"),
 ]
 
 
