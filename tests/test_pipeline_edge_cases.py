@@ -215,10 +215,13 @@ def test_bf16_wire_v_schedules():
      ("--virtual-stages 3 with --schedule zb-h1: zb-h1 runs one model chunk per rank, and the "
       "model's 4 layers at --pp 2 hold 2 per rank at most; give --schedule interleaved, zb-v "
       "or dualpipev with --virtual-stages 2, or leave --virtual-stages out")),
-    # a split flag beside more stages than layers said 'give at most -3' (a re-test)
+    # a split flag beside more stages than layers said 'give at most -3', then 'lower --pp to
+    # 4 or less', refused at 4 for the split (two re-tests): the most it cuts the layers into
     (["--pp", "8", "--decoder-first-pipeline-num-layers", "2"],
      "4 layers cannot be cut into --pp 8 stages (each needs at least one layer); lower --pp to "
-     "4 or less"),
+     "3 or less"),
+    (["--pp", "6", "--account-for-embedding-in-pipeline-split",
+      "--account-for-loss-in-pipeline-split"], "lower --pp to 3 or less"),
     (["--pp", "4", "--virtual-stages", "2"],
      ("the model's 4 layers at --pp 4 hold no more than one per rank; leave --virtual-stages "
       "out")),

@@ -144,6 +144,20 @@ def _fewer_slices(
     return ", ".join(fixes) + f", or {drop}" if fixes else drop
 
 
+def _most_stages(num_layers: int, split: PipelineSplit, per_rank: int, placement: str) -> int:
+    """The most pipeline stages, of `per_rank` chunks each, that `split` cuts `num_layers`
+    blocks into (0: none, the split's flags refused at any): what a refusal of too many offers
+    (with --decoder-last-pipeline-num-layers 2, 4 layers take 3 stages, not 4)."""
+    for pp in range(num_layers // per_rank, 0, -1):
+        try:
+            split.check(pp)
+            split_counts(num_layers, pp * per_rank, split, "", per_rank, placement)
+        except LayoutError:
+            continue
+        return pp
+    return 0
+
+
 def split_counts(
     num_layers: int,
     slices: int,
@@ -156,7 +170,7 @@ def split_counts(
     one line naming the fix; `what` names the slices in it (e.g. "--pp 4 stages"), which are
     `per_rank` model chunks on each pipeline rank, placed as `placement` says ("loop", "v")."""
     if num_layers < slices:  # whatever the split flags say (they drew 'give at most -3')
-        pp_most = num_layers // per_rank
+        pp_most = _most_stages(num_layers, split, per_rank, placement)
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into {what} (each needs at least one "
             f"layer); lower --pp"
