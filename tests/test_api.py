@@ -1817,6 +1817,22 @@ def test_prepare_names_what_it_trains_for_an_object_it_cannot():
         f"config file, a transformers model's directory or a megapar checkpoint")
 
 
+def test_prepare_offers_the_chunks_the_models_layers_hold():
+    """virtual_stages beside a one-chunk schedule was offered the interleaved schedules at its
+    own V, which a 4-layer model refuses in turn (megapar-train's flags were fixed alone; a
+    re-test): the V the layers hold at this pp, or none."""
+    with pytest.raises(ValueError) as info:
+        megapar.prepare("gpt2-tiny", pp=2, schedule="zb-h1", virtual_stages=3)
+    assert str(info.value) == (
+        "megapar.prepare: virtual_stages=3 with schedule='zb-h1': zb-h1 runs one model chunk per "
+        "rank, and the model's 4 layers at pp=2 hold 2 per rank at most; leave virtual_stages "
+        "out, or give schedule='interleaved' or 'zb-v' or 'dualpipev' with virtual_stages=2")
+    with pytest.raises(ValueError, match=r"pp=1 runs no pipeline: drop virtual_stages \(or pass "
+                                         r"pp=2, schedule='interleaved', virtual_stages=2: pp x "
+                                         r"virtual_stages at most the model's 4 layers\)$"):
+        megapar.prepare("gpt2-tiny", virtual_stages=4)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 3, "offload_params": True},
      ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),
@@ -1931,9 +1947,12 @@ def test_prepare_names_what_it_trains_for_an_object_it_cannot():
         "rank, got virtual_stages=1: give virtual_stages=2 (or more), or schedule='1f1b'"]),
     ({"schedule": "zb-v"}, ["megapar.prepare: schedule='zb-v' runs several model chunks on each "
                             "of pp > 1 stages, and pp=1: give pp=2 or more"]),
+    # the 2-layer model holds one chunk per rank at pp 2: the interleaved schedules it was
+    # offered were refused next (a re-test)
     ({"pp": 2, "virtual_stages": 2}, [
-        "megapar.prepare: virtual_stages=2 needs schedule='interleaved' or 'zb-v' or "
-        "'dualpipev'; schedule='1f1b' runs one model chunk per rank: give one of them"]),
+        "megapar.prepare: virtual_stages=2 with schedule='1f1b': 1f1b runs one model chunk per "
+        "rank, and the model's 2 layers at pp=2 hold no more than one per rank; leave "
+        "virtual_stages out"]),
     ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 3}, [
         "megapar.prepare: virtual_stages=3 does not apply to schedule='dualpipev'"]),
     ({"recompute": "some"}, ["megapar.prepare: recompute='some' is invalid", "'selective'"]),

@@ -78,19 +78,31 @@ def chunks_per_rank(
         return v
     if v != 1:
         most = v if layers is None else min(v, layers // max(pp, 1))  # a layer or more a chunk
-        if most < 2 and not api:
-            raise ValueError(
-                f"--virtual-stages {v} with {schedule}{python}: {name} runs one model chunk per "
-                f"rank, and the model's {layers} layers at --pp {pp} hold no more than one per "
-                f"rank; leave --virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+        if most < v:  # the chunks the model's layers hold at this pp (a chunk needs a layer)
+            held = (
+                f"the model's {layers} layers at pp={pp} hold"
+                if api
+                else f"the model's {layers} layers at --pp {pp} hold"
             )
-        if most < v and not api:
-            takers = schedules_taking(most)
+            if api:
+                fix = "leave virtual_stages out" + (
+                    f", or give schedule={' or '.join(map(repr, schedules_taking(most)))} with "
+                    f"virtual_stages={most}"
+                    if most >= 2
+                    else ""
+                )
+                start = f"virtual_stages={v} with schedule={name!r}"
+            else:
+                fix = (
+                    f"give --schedule {or_list(schedules_taking(most))} with --virtual-stages "
+                    f"{most}, or leave --virtual-stages out"
+                    if most >= 2
+                    else "leave --virtual-stages out"
+                ) + NOT_BUILT_OVER_CHUNKS.get(name, "")
+                start = f"--virtual-stages {v} with {schedule}{python}"
+            amount = f"{most} per rank at most" if most >= 2 else "no more than one per rank"
             raise ValueError(
-                f"--virtual-stages {v} with {schedule}{python}: {name} runs one model chunk per "
-                f"rank, and the model's {layers} layers at --pp {pp} hold {most} per rank at "
-                f"most; give --schedule {or_list(takers)} with --virtual-stages {most}, or "
-                f"leave --virtual-stages out{NOT_BUILT_OVER_CHUNKS.get(name, '')}"
+                f"{start}: {name} runs one model chunk per rank, and {held} {amount}; {fix}"
             )
         takers = schedules_taking(v)
         give = "give it" if len(takers) == 1 else "give one of them"
@@ -118,8 +130,12 @@ def one_stage_chunks_error(
         return None
     most = v if layers is None else min(v, layers // 2)  # pp 2 x V chunks of a layer or more
     if api:
-        fits = "pp=2 or more with schedule='interleaved'" + (
-            f" and virtual_stages={most} at most" if most < v else ""
+        fits = (
+            "pp=2 or more with schedule='interleaved'"
+            if layers is None
+            else "pp=2, schedule='interleaved'"
+            + (f", virtual_stages={most}" if most < v else "")
+            + f": pp x virtual_stages at most the model's {layers} layers"
         )
         return (
             f"virtual_stages={v} cuts each pipeline stage into model chunks, and pp=1 runs no "

@@ -395,7 +395,7 @@ def prepare(
         )
     check_fp8(cfg, keyword="megapar.prepare")  # Fp8Error (a ValueError): torchao, a GPU with FP8
     apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
-    _check_schedule(cfg)
+    _check_schedule(cfg, config.num_layers)
     _check_model_layout(config, cfg)
     _check_world(cfg, getattr(config, "num_local_experts", None))
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
@@ -634,16 +634,17 @@ def _check_world(cfg: TrainConfig, experts: int | None = None) -> None:
         )
 
 
-def _check_schedule(cfg: TrainConfig) -> None:
+def _check_schedule(cfg: TrainConfig, layers: int) -> None:
     """The schedule's model chunks at this pp, in the API's terms, before the engine is built
     (the schedule's own check ran at the first train_step, in megapar-train's flags): a
-    schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2."""
+    schedule of several chunks per rank needs pp > 1, interleaved virtual_stages >= 2; a fix
+    offered is one the model's `layers` hold."""
     name, v = cfg.schedule, cfg.virtual_stages
-    one_stage = one_stage_chunks_error(name, v, cfg.pp, api=True)
+    one_stage = one_stage_chunks_error(name, v, cfg.pp, api=True, layers=layers)
     if one_stage:
         raise ValueError(f"megapar.prepare: {one_stage}")
     try:
-        chunks = chunks_per_rank(name, v, api=True)
+        chunks = chunks_per_rank(name, v, api=True, layers=layers, pp=cfg.pp)
     except ValueError as exc:
         raise ValueError(f"megapar.prepare: {exc}") from None
     if name not in CHUNKED_SCHEDULES:
