@@ -262,6 +262,21 @@ def test_dry_run_prints_the_pipeline_bubble_the_plan_estimates(capsys, schedule,
     assert (row["bubble_modelled"], row["bubble_source"]) == (round(planned, 6), "simulated")
 
 
+def test_the_dry_runs_plan_reads_its_peak_and_node_size():
+    """The dry run's bubble and step time are megapar-plan's for the same flags: a given
+    --peak-tflops was dropped (18.9 % where megapar-plan --peak-tflops 989 said 15.9 %; a new
+    user's tryout of planner.md), and --gpus-per-node too."""
+    from megapar.dryrun.modelled import planned_job
+    from megapar.training.config import parse_args
+
+    config = resolve_model("llama-tiny")
+    cfg = parse_args(["--model", "llama-tiny", "--peak-tflops", "989", "--gpus-per-node", "4"])
+    problem, _ = planned_job(cfg, config, Layout(1, 2, 2))
+    assert (problem.peak_tflops, problem.gpus_per_node) == (989.0, 4)
+    problem, _ = planned_job(parse_args(["--model", "llama-tiny"]), config, Layout(1, 2, 2))
+    assert (problem.peak_tflops, problem.gpus_per_node) == (312.0, 8)  # the planner's defaults
+
+
 def test_json_has_one_object_per_rank_with_bytes(capsys):
     rc, out, err = _train(["--model", "llama-tiny", "--tp", "2", "--world-size", "4",
                            "--dry-run", "--json", "--dry-run-ranks", "all"], capsys)

@@ -16,6 +16,7 @@ from megapar.plan.experts import is_moe
 from megapar.plan.host import gib
 from megapar.plan.problem import runs_fused_attention
 from megapar.plan.process import TARGETS, process_peak
+from megapar.training.validate import explicit
 
 
 def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
@@ -26,11 +27,14 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
     the offloads and ZeRO-3's --zero3-keep-params, --zero3-reduce and
     --zero3-persistence-threshold (which units are gathered and which gradient buffers alive at
     the top and at the end of the backward, where `plan.process` takes the peak), and the
-    attention kernel it runs there (`runs_fused_attention`). Besides the state its real code
-    holds, a dry run takes its activations, transients and process peak from these."""
+    attention kernel it runs there (`runs_fused_attention`), its --gpus-per-node and a given
+    --peak-tflops (the step time and bubble, as megapar-plan's for the same flags). Besides the
+    state its real code holds, a dry run takes its activations, transients and process peak
+    from these."""
     problem = Problem(
         config,
         layout.world_size,
+        cfg.gpus_per_node,
         global_batch=cfg.global_batch_size,
         seq_len=cfg.seq_len,
         precision=cfg.precision,
@@ -47,6 +51,7 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         optimizer=cfg.optimizer,
         attention_mask_type=cfg.attention_mask_type,
         pipeline_split=cfg.pipeline_split,
+        **({"peak_tflops": cfg.peak_tflops} if "peak_tflops" in explicit(cfg) else {}),
     )
     candidate = Candidate(
         layout.tp,
