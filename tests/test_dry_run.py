@@ -164,6 +164,14 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(tmp_path, capsys):
     for rank in sample_ranks(Layout(2, 2, 2)):
         assert f"\nrank {rank} (" in out
     assert "/cluster/ckpt/step_00000300/model_tp00_pp00.safetensors" in out
+    # --tokenizer given: the rehearsal takes its vocabulary, as the run and megapar-plan
+    # --tokenizer do (it kept the recipe's, another model than the plan's; a new user's tryout)
+    rc, given_out, given_err = _train(["--model", "gpt2-tiny", "--world-size", "1", "--dry-run",
+                                       "--tokenizer", "gpt2"], capsys)
+    assert rc == 0 and "its tokenizer's vocabulary is the run's" in given_err, given_err
+    assert "rehearsed here" not in given_err, given_err
+    assert "gpt2 with 3,424,960 parameters on 1 rank" in given_out, given_out  # the run's count
+    # (the recipe's vocabulary of 50,257 gives 3,424,704)
     assert "with 4 shard files" in out and "activations are modelled" in out
     assert "dp (2 ranks, in a node): " in out and " gradient bucket" in out
     assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing

@@ -567,12 +567,12 @@ def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:
     cluster's corpus is often not on the rehearsing machine, and the shipped sample never
     stands in for the job's data; and whether it still knows the run's tokenizer: every --data
     path is there (raw text is tokenized by --tokenizer, loaded but not run; a prepared dataset
-    names its own), so the model takes the run's vocabulary and the tokenizer checks run as in
-    the run."""
+    names its own), or no --data is given beside a --tokenizer, so the model takes the run's
+    vocabulary and the tokenizer checks run as in the run."""
     if not cfg.dry_run:
         return None, True
-    if cfg.data is None:
-        return "no --data given", False
+    if cfg.data is None:  # a --tokenizer given is the job's (its raw text's, or its dataset's)
+        return "no --data given", "tokenizer" in explicit(cfg)
     raw: list[str] = []
     paths = data_paths(cfg.data)
     try:
@@ -607,8 +607,9 @@ def _sample_vocab_note(cfg: TrainConfig, manifest: dict | None) -> list[str]:
     """A dry run of a recipe without --data keeps the recipe's vocabulary, but the same command
     run for real trains on the shipped sample with --tokenizer's: the note saying so where the
     two differ (the real run's model is then of another size); none for a checkpoint's or
-    --from-hf's model, whose vocabulary both keep."""
-    if cfg.data is not None or manifest is not None or cfg.from_hf:
+    --from-hf's model, whose vocabulary both keep, nor where --tokenizer is given (the dry run
+    takes its vocabulary too: `_dry_run_without_data`)."""
+    if cfg.data is not None or manifest is not None or cfg.from_hf or "tokenizer" in explicit(cfg):
         return []
     config = recipe(cfg.model or DEFAULT_MODEL)  # the model the dry run keeps
     own, tokenizer = config.vocab_size, load_tokenizer(cfg.tokenizer)
