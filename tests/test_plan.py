@@ -294,7 +294,7 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
 
 # -- layouts -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec,gpus,reason", [
-    ("tp=3", 3, "not divisible by --tp 3"),
+    ("tp=3", 3, "not divisible by tp=3"),
     ("tp=16", 16, "span nodes"),
     ("mbs=3", 1, "not divisible by micro-batch size 3 x dp 1; give mbs= a divisor of the 16 "
                  "sequences each dp rank takes, or a --global-batch-size that is a multiple of 3"),
@@ -568,7 +568,7 @@ def test_cli_json_and_explain(capsys):
     assert code == 0 and data["model_params"] == 124_439_808 and len(data["layouts"]) == 3
     assert data["layouts"][0]["fits"] and data["rejected"] > 0
     code, out = _cli(capsys, *base, "--explain", "tp=5,pp=1")
-    assert code == 1 and "12 attention heads are not divisible by --tp 5" in out.out
+    assert code == 1 and "12 attention heads are not divisible by tp=5" in out.out
     code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=2,recompute=selective")
     assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
     code, out = _cli(capsys, *base, "--seq-len", "4096")
@@ -788,7 +788,7 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     refused = json.loads(out.out)  # both reasons: the grid's and the heads'
     assert code == 1 and refused["layout"] == "tp5 pp2 mbs1 1f1b rc=none", refused
     assert refused["reason"].startswith("--gpus 1536 is not a multiple of tp*pp = 5*2 = 10")
-    assert "attention heads are not divisible by --tp 5" in refused["reason"], refused
+    assert "attention heads are not divisible by tp=5" in refused["reason"], refused
     small = [*base[:3], "64", *base[4:]]  # a global batch of 64: fewer layouts to simulate
     code, out = _cli(capsys, *small, "--gpus", "8")  # its state alone is 4 x the GPU
     assert code == 1 and "the parameters, gradients and optimizer state alone need" in out.out

@@ -321,8 +321,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
 def model_refusal(c: Candidate, config) -> str | None:
     """Why the model itself cannot be cut as `c` (heads over tp, layers over pp, ...), or None:
     the part of `check` that no other setting can mend."""
-    try:
-        config.validate(Layout(c.tp, c.pp, c.dp, cp=c.cp))
+    try:  # in the layout's own keys (tp=3), as --explain takes them
+        config.validate(Layout(c.tp, c.pp, c.dp, cp=c.cp), api=True)
     except LayoutError as exc:
         return str(exc)
     return None
@@ -613,7 +613,7 @@ def _grid_reason(
     """Why no option (micro-batch size, schedule, recompute, SP, ZeRO) can run tp x pp x dp
     (x cp) on `gpus`."""
     try:
-        config.validate(Layout(tp, pp, dp))
+        config.validate(Layout(tp, pp, dp), api=True)
     except LayoutError as exc:
         return str(exc)
     if tp_spans_nodes(tp, gpus, gpus_per_node):
