@@ -1527,7 +1527,8 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
             parse_args(["--config", str(config)])
     # a switch given as false was answered with what true asks for (bf16: false, "did you
     # mean --precision bf16?"; a re-test)
-    for text, said in (("bf16: false", "false turns nothing on: remove the key (true would be "
+    for text, said in (("bf16: false", "false asks for no bf16: remove the key (fp32 is "
+                                       "megapar-train's default --precision; true would be "
                                        "--precision bf16)"),
                        ("use_tp_pp_dp_mapping: false", "false is Megatron-LM's default rank "
                         "order, tp-cp-ep-dp-pp: --rank-order tp-dp-pp")):
@@ -3011,7 +3012,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "parallelism.tensor_parallel_degree 0)"),
     ("ds.json", {"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}},
      "ds.json: zero_optimization.reduce_bucket_size -1 is invalid: DeepSpeed's bucket is a "
-     "number of elements > 0 (megapar's --grad-bucket-mb, 4 bytes each)"),
+     "whole number of elements > 0 (megapar's --grad-bucket-mb, 4 bytes each)"),
+    ("ds.json", {"zero_optimization": {"stage": 2, "reduce_bucket_size": True}},
+     "ds.json: zero_optimization.reduce_bucket_size true is invalid"),  # (a bool is an int)
     # ... and where none is nearest, neither, rather than the wrong one
     ("args.json", {"output_dir": "out", "per_device_train_batch_size": -2,
                    "per_device_eval_batch_size": -2},

@@ -741,10 +741,8 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
             else "valid keys are the megapar-train flags"
         )
         other = other_tools_answer(key)
-        if other and data[key] is False:  # bf16: false asks for no --precision bf16
-            hint = FALSE_ANSWERS.get(
-                key, f"false turns nothing on: remove the key (true would be {other})"
-            )
+        if other and data[key] is False and key in FALSE_ANSWERS:  # bf16: false asks for no
+            hint = FALSE_ANSWERS[key]  # --precision bf16
         elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

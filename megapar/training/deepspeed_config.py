@@ -318,11 +318,11 @@ def deepspeed_equivalents(
                 flags.append(f"--zero3-persistence-threshold {threshold}")
             if "reduce_bucket_size" in value:  # elements; megapar's gradients are fp32
                 elements = value["reduce_bucket_size"]
-                if not isinstance(elements, (int, float)) or not elements > 0:  # (-1: -0.0 MB)
+                if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
                     raise ConfigError(
                         f"zero_optimization.reduce_bucket_size {json.dumps(elements)} is "
-                        f"invalid: DeepSpeed's bucket is a number of elements > 0 (megapar's "
-                        f"--grad-bucket-mb, 4 bytes each)"
+                        f"invalid: DeepSpeed's bucket is a whole number of elements > 0 "
+                        f"(megapar's --grad-bucket-mb, 4 bytes each)"
                     )
                 mb = _flag_value(float(f"{elements * 4 / 2**20:.7g}"))  # 100 elements: not 0.0
                 flags.append(f"--grad-bucket-mb {mb}")

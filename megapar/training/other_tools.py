@@ -968,11 +968,16 @@ Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
 FALSE_ANSWERS = {
+    "bf16": "false asks for no bf16: remove the key (fp32 is megapar-train's default "
+    "--precision; true would be --precision bf16)",
+    "fp16": "false asks for no fp16: remove the key (fp32 is megapar-train's default "
+    "--precision; true would be --precision fp16)",
     "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
     "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
 }
-"""Another tool's switch given as false in a --config file whose answer is not to remove it
-(`other_tools_answer` names what true asks for)."""
+"""Another tool's switches given as false in a --config file, answered as false (the others'
+answer, `other_tools_answer`, is what true asks for: a false one is answered as such only
+here)."""
 
 
 def other_tools_answer(key: str) -> str | None:
