@@ -434,6 +434,10 @@ TRAIN = [
     (["--dry-run", "--model", "llama-tiny", "--tp", "3", "--pp", "2", "--world-size", "4"],
      "use --tp 1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, 4 "
      "processes at --pp 2 take --tp 1 or 2"),
+    # and where the --tp given divides the world (the model refused it later, without the
+    # note; a re-test)
+    (["--dry-run", "--tp", "3", "--world-size", "6", "--cp", "2", "--seq-len", "32"],
+     "; of those, 6 processes at --cp 2 take --tp 1"),
 ]
 
 

@@ -64,9 +64,13 @@ from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
 from megapar.training.model_config import DEFAULT_MODEL, capacity_note, ep_model_error
-from megapar.training.run_plan import plan_data, read_resumed_settings, takes_save_lock
+from megapar.training.run_plan import (
+    plan_data,
+    read_resumed_settings,
+    takes_save_lock,
+    tps_the_world_takes,
+)
 from megapar.training.validate import UsageError, explicit
-from megapar.wording import counted, or_list
 
 
 def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, DataPlan]:
@@ -91,7 +95,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
             try:
                 config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp))
             except LayoutError as model:
-                raise UsageError(f"{model}{_tps_the_world_takes(cfg, config)}") from None
+                raise UsageError(f"{model}{tps_the_world_takes(cfg, config)}") from None
         raise
     plan = plan_data(cfg, layout, notes, manifest)
     given = "expert_tensor_parallel_size" in explicit(cfg)
@@ -103,29 +107,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
         _check_host_memory(cfg, layout, plan)
     return layout, plan
-
-
-def _tps_the_world_takes(cfg: TrainConfig, config) -> str:
-    """Beside the model's refusal of --tp under a world the job fixed (torchrun's, or a
-    rehearsal's --world-size): the --tp values both the model and that world take (the model
-    offered --tp 4 to 2 processes, refused next)."""
-    world = cfg.world_size if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
-    if not world:
-        return ""
-
-    def model_takes(tp: int) -> bool:
-        try:
-            config.validate(Layout(tp, cfg.pp, 1, cp=cfg.cp))
-        except (LayoutError, ConfigError):
-            return False
-        return True
-
-    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
-    fits = [str(t) for t in offered if world % (t * cfg.pp * cfg.cp) == 0]
-    if not fits or len(fits) == len(offered):  # every one the model offers runs
-        return ""
-    what = counted(world, "process", "processes") + (f" at --pp {cfg.pp}" if cfg.pp > 1 else "")
-    return f"; of those, {what} {'take' if world > 1 else 'takes'} --tp {or_list(fits)}"
 
 
 def _known_model(cfg: TrainConfig, manifest: dict | None):

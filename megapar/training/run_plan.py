@@ -22,8 +22,9 @@ from megapar.data.inputs import expand_inputs
 from megapar.diagnostics import inject
 from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
-from megapar.launcher import under_launcher
-from megapar.mesh import Layout
+from megapar.launcher import launched_world_size, under_launcher
+from megapar.mesh import Layout, LayoutError
+from megapar.models.config import ConfigError
 from megapar.models.flops import heads
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
@@ -82,7 +83,7 @@ from megapar.training.validate_resume import (
     worker_verify,
 )
 from megapar.training.validate_sft import check_sft_model
-from megapar.wording import and_list, counted, first_few
+from megapar.wording import and_list, counted, first_few, or_list
 
 
 def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
@@ -245,6 +246,30 @@ def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
     return []
 
 
+def tps_the_world_takes(cfg: TrainConfig, config) -> str:
+    """Beside the model's refusal of --tp under a world the job fixed (torchrun's, or a
+    rehearsal's --world-size): the --tp values both the model and that world take (the model
+    offered --tp 4 to 2 processes, refused next)."""
+    world = cfg.world_size if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
+    if not world:
+        return ""
+
+    def model_takes(tp: int) -> bool:
+        try:
+            config.validate(Layout(tp, cfg.pp, 1, cp=cfg.cp))
+        except (LayoutError, ConfigError):
+            return False
+        return True
+
+    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
+    fits = [str(t) for t in offered if world % (t * cfg.pp * cfg.cp) == 0]
+    if not fits or len(fits) == len(offered):  # every one the model offers runs
+        return ""
+    at = " x ".join(f"--{n} {v}" for n, v in (("cp", cfg.cp), ("pp", cfg.pp)) if v > 1)
+    what = counted(world, "process", "processes") + (f" at {at}" if at else "")
+    return f"; of those, {what} {'take' if world > 1 else 'takes'} --tp {or_list(fits)}"
+
+
 def _cp_runs(cfg: TrainConfig, layout: Layout, config):
     """Whether the job runs at another --cp: a world the launcher or --world-size fixed must
     divide into its tp x cp x pp; a world of the flags' sizes grows with cp, and a rehearsed one
@@ -341,7 +366,10 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)
     else:
         partition_layers(config.num_layers, layout.pp, split)
-    config.validate(layout)
+    try:
+        config.validate(layout)
+    except LayoutError as exc:  # a --tp of the world's that the model refuses: those both take
+        raise LayoutError(f"{exc}{tps_the_world_takes(cfg, config)}") from None
     check_fp8_layout(cfg, config, layout.tp)  # the model's float8 linears at this tp
     check_cp_comm(cfg.cp_comm_type, layout, config)
     check_documents(cfg, config)
