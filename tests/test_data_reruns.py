@@ -741,6 +741,11 @@ def test_a_moved_sentencepiece_models_copy_is_asked_for_as_its_file(tmp_path):
                                          r"a copy of its file as --tokenizer FILE\.model \(the "
                                          r"same files"):
         data_tokenizer(alone)
+    folder = TrainConfig(data=prefix, tokenizer=str(tmp_path / "moved"))  # the file's folder
+    folder.explicit = frozenset({"data", "tokenizer"})
+    with pytest.raises(ValueError, match=r"--tokenizer .*moved is a directory holding its copy: "
+                                         r"give the file, --tokenizer .*moved/sp\.model$"):
+        data_tokenizer(folder)  # (it said the folder was no copy of it; a re-test)
     copy = TrainConfig(data=prefix, tokenizer=str(tmp_path / "moved" / "sp.model"))
     copy.explicit = frozenset({"data", "tokenizer"})
     assert data_tokenizer(copy)[1].path == str(tmp_path / "moved" / "sp.model")

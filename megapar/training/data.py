@@ -47,7 +47,7 @@ from megapar.data.inputs import (
 from megapar.data.megatron import is_megatron_index
 from megapar.data.preprocess import recorded_unknown_note
 from megapar.data.sampler import older_epoch_order
-from megapar.data.tokenizers import hf_dir_tokenizer
+from megapar.data.tokenizers import file_sha256, hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.one_line_parser import shell_word, show_progress
@@ -415,11 +415,18 @@ def data_tokenizer(cfg: TrainConfig):
             if "tokenizer" in given
             else ""
         )
+        held = _model_copy_in(cfg.tokenizer, indexed.tokenizer_spec) if copy else None
         form = (  # a SentencePiece model is one file
             "its file as --tokenizer FILE.model"
             if indexed.tokenizer_spec.get("kind") == "sentencepiece"
             else "its files as --tokenizer DIR"
         )
+        if held is not None:  # a directory holding the SentencePiece model's copy
+            raise ValueError(
+                f"--data {data} was made with the tokenizer at {path}, which is not there now "
+                f"(moved or deleted?); --tokenizer {cfg.tokenizer} is a directory holding its "
+                f"copy: give the file, --tokenizer {shell_word(held)}"
+            ) from None
         why = (
             f"which is not there now (moved or deleted?); {copy}give a copy of {form} (the "
             "same files: their sha256 is the dataset's), put them back "
@@ -560,6 +567,20 @@ def discard_tokenized(tokenized: list[str]) -> None:
             if os.path.exists(prefix + ext):
                 os.remove(prefix + ext)
     tokenized.clear()
+
+
+def _model_copy_in(directory: str, spec: dict) -> str | None:
+    """The file of `directory` whose sha256 is the one a SentencePiece tokenizer `spec` (a
+    prepared dataset's) records, or None (no such file, no directory, another kind)."""
+    recorded = spec.get("sha256") or []
+    directory = os.path.expanduser(directory)
+    if spec.get("kind") != "sentencepiece" or len(recorded) != 1 or not os.path.isdir(directory):
+        return None
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(".model") and os.path.isfile(path) and file_sha256(path) == recorded[0]:
+            return path
+    return None
 
 
 def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:
