@@ -2944,6 +2944,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(args)])
         assert said in str(info.value), (extra, info.value)
         assert not absent or absent not in str(info.value), (extra, info.value)
+    # a deepspeed file that is there is read as the Trainer reads it: its scheduler replaces
+    # the Trainer's (the file's translation said --lr-decay constant, the Trainer's cosine; a
+    # re-test)
+    schedule = tmp_path / "ds_sched.json"
+    schedule.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_num_steps": "auto"}}}))
+    args.write_text(json.dumps({"output_dir": "out", "lr_scheduler_type": "cosine",
+                                "deepspeed": str(schedule)}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    flags = str(info.value).split(";")[0]
+    assert "--lr-decay constant" in flags and "cosine" not in flags, str(info.value)
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

@@ -8,11 +8,12 @@ defaults where the file leaves one out and megapar-train's differs (weight decay
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
 
-from megapar.models.config import ConfigError
+from megapar.models.config import ConfigError, load_config_file
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
 from megapar.training.other_tools import other_tools_answer
 from megapar.wording import counted
@@ -357,13 +358,19 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         )
     if data.get("ddp_timeout") is not None:  # the Trainer's default 1800 s; megapar's 300
         flags.append(f"--timeout-s {shown('ddp_timeout', 1800)}")
-    if isinstance(data.get("deepspeed"), str):
+    deepspeed = data.get("deepspeed")
+    if isinstance(deepspeed, str) and os.path.isfile(os.path.expanduser(deepspeed)):
+        try:  # the file the Trainer reads, read as it reads it (its scheduler replaces the
+            deepspeed = load_config_file(deepspeed)  # Trainer's, its values are compared)
+        except ConfigError:
+            pass
+    if isinstance(deepspeed, str):
         said.append(
-            f"deepspeed {data['deepspeed']}: give that file to --config for its settings as "
+            f"deepspeed {deepspeed}: give that file to --config for its settings as "
             f"megapar-train flags"
         )
-    elif isinstance(data.get("deepspeed"), dict):  # the config itself, as the Trainer takes it
-        flags += _inline_deepspeed(data["deepspeed"], flags, said, data)
+    elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
+        flags += _inline_deepspeed(deepspeed, flags, said, data)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
