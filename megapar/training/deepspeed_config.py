@@ -318,7 +318,8 @@ def deepspeed_equivalents(
                 flags.append(f"--zero3-persistence-threshold {threshold}")
             if "reduce_bucket_size" in value:  # elements; megapar's gradients are fp32
                 elements = value["reduce_bucket_size"]
-                if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+                whole = isinstance(elements, (int, float)) and float(elements).is_integer()
+                if isinstance(elements, bool) or not whole or elements < 1:  # (5e8 is whole)
                     raise ConfigError(
                         f"zero_optimization.reduce_bucket_size {json.dumps(elements)} is "
                         f"invalid: DeepSpeed's bucket is a whole number of elements > 0 "
