@@ -2956,6 +2956,13 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         parse_args(["--config", str(args)])
     flags = str(info.value).split(";")[0]
     assert "--lr-decay constant" in flags and "cosine" not in flags, str(info.value)
+    # a cosine's floor as a ratio: the number at the Trainer's lr (it was '--min-lr (--lr x
+    # cos_min_ratio 0.1)', which no shell takes; a re-test)
+    args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, "deepspeed": {
+        "scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1}}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    assert "--lr-decay cosine --min-lr 3e-05" in str(info.value).split(";")[0], str(info.value)
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

@@ -525,6 +525,8 @@ def _inline_deepspeed(
             f"lr_scheduler_type, as the Trainer lets it"
         )
     ours = dict(_pairs(flags))
+    if "--lr" in ours:  # a cosine's floor as a ratio of the lr the Trainer gives it
+        more = [_min_lr_of(flag, float(ours["--lr"])) for flag in more]
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
@@ -564,6 +566,13 @@ def _inline_deepspeed(
         more = [flag for flag in more if not flag.startswith("--global-batch-size ")]
     said += [f"deepspeed's {key}: no equivalent" for key in left]
     return [flag for flag in more if flag.split()[0] not in ours]
+
+
+def _min_lr_of(flag: str, lr: float) -> str:
+    """A DeepSpeed WarmupCosineLR's "--min-lr (--lr x cos_min_ratio R)" (its optimizer's lr
+    unknown) as the number it is at `lr`; any other flag as it is."""
+    ratio = re.fullmatch(r"--min-lr \(--lr x cos_min_ratio ([^)]+)\)", flag)
+    return f"--min-lr {lr * float(ratio[1]):.6g}" if ratio else flag
 
 
 def _trainer_filled_others(trainer: dict, ours: dict[str, str]) -> dict[str, Any]:
