@@ -388,9 +388,10 @@ def test_info_names_the_experts_and_the_active_parameters(tmp_path):
     from megapar.models.recipes import resolve_model
 
     mixtral = {**resolve_model("mixtral-tiny").to_dict(), "moe_router_score": "sigmoid",
-               "shared_expert_intermediate_size": 32}
-    assert _size(mixtral).endswith("top 2, sigmoid router, a shared expert of 32, in 4 of its "
-                                   "layers"), _size(mixtral)
+               "shared_expert_intermediate_size": 32, "moe_bias_update_rate": 0.001}
+    assert _size(mixtral).endswith("top 2, sigmoid router, a shared expert of 32, "
+                                   "auxiliary-loss-free bias (rate 0.001), in 4 of its layers"
+                                   ), _size(mixtral)
 
 
 def test_qwen3_moe_export_names_its_experts_as_the_hub_does(tmp_path):

@@ -640,7 +640,7 @@ def _fp8_line(meta: dict) -> list[str]:
 def _size(model: dict) -> str:
     """The model's shape as --info's model line gives it: layers, hidden, vocabulary and, for a
     mixture of experts, its routed experts (how many, how wide, the top-k, the router's score,
-    a shared expert, in how many layers)."""
+    a shared expert, an auxiliary-loss-free bias, in how many layers)."""
     config = config_from_dict(model)
     size = f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"
     moe_layers = getattr(config, "num_moe_layers", 0)
@@ -650,6 +650,11 @@ def _size(model: dict) -> str:
             f"; {config.num_local_experts} routed experts of {config.expert_size}, top "
             f"{config.num_experts_per_tok}, {config.moe_router_score} router"
             + (f", a shared expert of {shared}" if shared else "")
+            + (
+                f", auxiliary-loss-free bias (rate {rate:g})"
+                if (rate := getattr(config, "moe_bias_update_rate", 0))
+                else ""
+            )
             + f", in {moe_layers} of its layers"
         )
     return size
