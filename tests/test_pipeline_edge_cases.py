@@ -222,6 +222,14 @@ def test_bf16_wire_v_schedules():
      "3 or less"),
     (["--pp", "6", "--account-for-embedding-in-pipeline-split",
       "--account-for-loss-in-pipeline-split"], "lower --pp to 3 or less"),
+    # and under a schedule of several chunks, whose offers ignored the split (a re-test)
+    (["--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--decoder-last-pipeline-num-layers", "2"],
+     "--decoder-last-pipeline-num-layers 2 leaves no interleaved cut of them: use a schedule "
+     "with one chunk per rank (1f1b, zb-h1), or drop it"),
+    (["--pp", "8", "--schedule", "zb-v", "--account-for-loss-in-pipeline-split"],
+     "--account-for-loss-in-pipeline-split leaves no V of them: use a schedule with one chunk "
+     "per rank (1f1b, zb-h1), or drop it"),
     (["--pp", "4", "--virtual-stages", "2"],
      ("the model's 4 layers at --pp 4 hold no more than one per rank; leave --virtual-stages "
       "out")),

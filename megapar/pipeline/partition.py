@@ -144,6 +144,26 @@ def _fewer_slices(
     return ", ".join(fixes) + f", or {drop}" if fixes else drop
 
 
+def _leave(split: PipelineSplit) -> str:
+    """The verb for `split`'s flags as a subject: one leaves, several leave."""
+    return "leave" if " --" in split.flags() else "leaves"
+
+
+def _them(split: PipelineSplit) -> str:
+    """`split`'s flags as an object: "it" for one, "them" for several."""
+    return "them" if " --" in split.flags() else "it"
+
+
+def _cuts(num_layers: int, pp: int, virtual_stages: int, split: PipelineSplit) -> bool:
+    """Whether `split` cuts `num_layers` blocks into `pp` x `virtual_stages` loop-placed chunks."""
+    try:
+        split.check(pp)
+        split_counts(num_layers, pp * virtual_stages, split, "", virtual_stages, "loop")
+    except LayoutError:
+        return False
+    return True
+
+
 def _most_stages(num_layers: int, split: PipelineSplit, per_rank: int, placement: str) -> int:
     """The most pipeline stages, of `per_rank` chunks each, that `split` cuts `num_layers`
     blocks into (0: none, the split's flags refused at any): what a refusal of too many offers
@@ -293,11 +313,14 @@ def chunk_specs(
     total = pp * virtual_stages
     one_chunk = "use a schedule with one chunk per rank (1f1b, zb-h1)"
     if num_layers < total and placement == "v":  # two chunks per rank, whatever V says
+        most = _most_stages(num_layers, split, 2, "v")  # (the split's flags too)
         fix = (
-            f"lower --pp to {num_layers // 2}{' or less' if num_layers >= 6 else ''}, or "
-            f"{one_chunk}"
-            if num_layers // 2 >= 2  # (zb-v and dualpipev take 2 stages or more)
+            f"lower --pp to {most}{' or less' if most >= 3 else ''}, or {one_chunk}"
+            if most >= 2  # (zb-v and dualpipev take 2 stages or more)
             else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
+            if split.even
+            else f"{split.flags()} {_leave(split)} no V of them: {one_chunk}, or drop "
+            f"{_them(split)}"
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into 2 x --pp {pp} = {total} model "
@@ -306,11 +329,16 @@ def chunk_specs(
         )
     if num_layers < total:
         fixes = [f"--pp to {num_layers} or less"] if virtual_stages == 1 else []
-        if virtual_stages > 1 and num_layers // pp >= 2:  # (an interleaved schedule's V >= 2)
-            fixes.append(f"--virtual-stages to {num_layers // pp}")
-        if virtual_stages > 1 and num_layers // virtual_stages >= 2:
-            fixes.append(f"--pp to {num_layers // virtual_stages}")
-        if virtual_stages > 1 and not fixes and num_layers >= 4:  # both must come down
+        chunks = max(  # the most chunks a rank holds at this --pp, the split's flags too
+            (v for v in range(2, num_layers // pp + 1) if _cuts(num_layers, pp, v, split)),
+            default=0,
+        )
+        stages = _most_stages(num_layers, split, virtual_stages, "loop")
+        if virtual_stages > 1 and chunks >= 2:  # (an interleaved schedule's V >= 2)
+            fixes.append(f"--virtual-stages to {chunks}")
+        if virtual_stages > 1 and stages >= 2:
+            fixes.append(f"--pp to {stages}")
+        if virtual_stages > 1 and not fixes and _cuts(num_layers, 2, 2, split):  # both down
             fixes.append(
                 f"both, to a --pp x --virtual-stages of {num_layers} or less (--pp 2 "
                 f"--virtual-stages 2)"
@@ -320,6 +348,9 @@ def chunk_specs(
             if fixes
             else f"an interleaved schedule needs 4 layers or more (2 stages of two chunks): "
             f"{one_chunk}"
+            if split.even
+            else f"{split.flags()} {_leave(split)} no interleaved cut of them: {one_chunk}, or "
+            f"drop {_them(split)}"
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into --pp {pp} x --virtual-stages "
