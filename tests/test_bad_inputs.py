@@ -364,6 +364,10 @@ TRAIN = [
                                "go into --save, and no --save is given: give --save DIR too, or "
                                "drop --save-interval"),
     (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
+    # under ZeRO the fix names --zero 0 too: PowerSGD beside ZeRO was refused next (a new
+    # user's tryout of precision-zero.md)
+    (["--powersgd-rank", "8", "--zero", "1"], "add --grad-compression powersgd with --zero 0 "
+     "(PowerSGD compresses all-reduced gradients), or drop --powersgd-rank"),
     (["--hysteresis", "2", "--precision", "bf16"], "--hysteresis 2 would be ignored: it sets "
      "the fp16 loss scale, and --precision is bf16 (no loss scaling): add --precision fp16, or "
      "drop --hysteresis"),
@@ -2166,6 +2170,9 @@ OTHER_TOOLS = [
     ("train", ["--parallelism.context_parallel_rotate_method", "allgather"],
      "--cp-comm-type (with Megatron-core's names: p2p, all_gather, a2a"),
     ("train", ["--hierarchical-context-parallel-sizes", "2", "2"], "give the whole size to --cp"),
+    # DeepSpeed's / Megatron-LM's name for the default: "did you mean --min-loss-scale?"
+    ("train", ["--dynamic-loss-scale"], "--dynamic-loss-scale: megapar's fp16 loss scale is "
+     "dynamic unless --loss-scale S is given: drop it"),
     # Megatron's rank order flag: no hint (a new user's tryout of parallelism.md)
     ("train", ["--use-tp-pp-dp-mapping"], "--use-tp-pp-dp-mapping: megapar's default rank order "
      "is the one it asks for, --rank-order tp-pp-dp: drop it (Megatron-LM's own default, "

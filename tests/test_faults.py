@@ -378,8 +378,9 @@ def test_guard_counts_consecutive_steps_and_the_fp16_floor():
     static = NonFiniteGuard(2, "fp16", DynamicLossScaler(128.0, min_scale=128.0, dynamic=False))
     static.observe(1, 5.0, float("inf"), True, 128.0)
     with pytest.raises(NonFiniteError, match=r"2 consecutive steps \(1-2\) overflowed at the "
-                       r"static fp16 loss scale 128 \(--loss-scale\)"):
-        static.observe(2, 5.0, float("inf"), True, 128.0)
+                       r"static fp16 loss scale 128 \(--loss-scale\).*skipped\): lower "
+                       r"--loss-scale, or leave it out for the dynamic scale;"):
+        static.observe(2, 5.0, float("inf"), True, 128.0)  # (the fix named: a new user's)
     fp16 = NonFiniteGuard(100, "fp16", scaler)
     scaler.update(True)  # at the floor, the hysteresis used up: the scaler cannot help
     with pytest.raises(NonFiniteError, match=r"loss scale reached its floor 1 \(--min-loss-scale"):

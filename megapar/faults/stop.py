@@ -140,7 +140,8 @@ class NonFiniteGuard:
                     f"{self.bad} consecutive steps ({self.first_bad}-{step}) overflowed at the "
                     f"static fp16 loss scale {scale_text(loss_scale)} "
                     f"({self._name('loss_scale')}) or had "
-                    f"a non-finite loss (last: {what}; skipped)"
+                    f"a non-finite loss (last: {what}; skipped): lower "
+                    f"{self._name('loss_scale')}, or leave it out for the dynamic scale"
                 )
             elif self.bad == 1:
                 why = f"non-finite {what}"

@@ -527,6 +527,10 @@ OTHER_TOOLS_FLAGS = {
     "--loss_scale": "--loss-scale (a static scale; DeepSpeed's 0, dynamic, is megapar's default)",
     "--initial-scale-power": INITIAL_SCALE_POWER,
     "--initial_scale_power": INITIAL_SCALE_POWER,
+    "--dynamic-loss-scale": "megapar's fp16 loss scale is dynamic unless --loss-scale S is "
+    "given: drop it",
+    "--dynamic_loss_scale": "megapar's fp16 loss scale is dynamic unless --loss-scale S is "
+    "given: drop it",
     "--loss_scale_window": "--loss-scale-window",
     "--min_loss_scale": "--min-loss-scale",
     "--initial_loss_scale": "--initial-loss-scale",

@@ -32,7 +32,8 @@ def check_unused(cfg, given: set[str]) -> None:
             "powersgd_rank",
             cfg.grad_compression == "powersgd",
             f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}",
-            "add --grad-compression powersgd",
+            "add --grad-compression powersgd"
+            + (" with --zero 0 (PowerSGD compresses all-reduced gradients)" if cfg.zero else ""),
         ),
         (
             "eval_interval",
