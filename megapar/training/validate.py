@@ -55,7 +55,7 @@ from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys, holds_records
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
-from megapar.wording import counted
+from megapar.wording import counted, scale_text
 
 
 def check_settings(cfg) -> None:
@@ -98,9 +98,13 @@ def _check_combinations(cfg) -> None:
     if refusal := too_fast(cfg.peak_tflops):  # GFLOP/s meant (989e3): an MFU of 0.00 %
         raise UsageError(refusal)
     if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
+        recorded = "initial_loss_scale" in getattr(cfg, "from_checkpoint", ())
         raise UsageError(
-            f"--min-loss-scale {cfg.min_loss_scale:g} is above --initial-loss-scale "
-            f"{cfg.initial_loss_scale:g}: lower --min-loss-scale or raise --initial-loss-scale"
+            f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above --initial-loss-scale "
+            f"{scale_text(cfg.initial_loss_scale)}"
+            + (f" (not given: the value --load {cfg.load} recorded)" if recorded else "")
+            + ": lower --min-loss-scale or raise --initial-loss-scale"
+            + (" (the resumed scale then restarts there)" if recorded else "")
         )
     check_zero3(cfg)
     try:
