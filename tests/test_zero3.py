@@ -605,9 +605,15 @@ def test_zero_settings_that_change_nothing_are_said():
     assert "shard over" not in notes(zero=3, dp=2, global_batch_size=8, micro_batch_size=4)
     # --muon-distributed at dp 1 (tp 2) splits nothing: said, not silently ignored
     assert ("--zero 1 with dp x cp = 1: there is no rank to shard over, so every rank keeps "
-            "whole state (offloads still apply); --muon-distributed has no data-parallel rank "
+            "whole state; --muon-distributed has no data-parallel rank "
             "to split the orthogonalisation over") in notes(zero=1, tp=2, optimizer="muon",
                                                           muon_distributed=True)
+    # the optimizer's offload applies, the parameters' (ZeRO-3's shards) does not: it said
+    # "offloads still apply" of both (a new user's tryout of precision-zero.md)
+    assert ("every rank keeps whole state (--offload-optimizer still applies); "
+            "--offload-params changes nothing here: it keeps ZeRO-3's parameter shards on the "
+            "host, and there are none") in notes(zero=3, offload_optimizer=True,
+                                                 offload_params=True)
     assert "--muon-distributed" not in notes(zero=1, tp=2, optimizer="muon")
     one = notes(zero=3, dp=2, zero3_reduce="micro-batch", global_batch_size=4,
                 micro_batch_size=2)

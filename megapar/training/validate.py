@@ -442,7 +442,14 @@ def _inert_zero_settings(cfg, dp: int) -> list[str]:
     if cfg.zero and dp * cfg.cp == 1:
         notes.append(
             f"--zero {cfg.zero} with dp x cp = 1: there is no rank to shard over, so "
-            f"every rank keeps whole state (offloads still apply)"
+            f"every rank keeps whole state"
+            + (" (--offload-optimizer still applies)" if cfg.offload_optimizer else "")
+            + (
+                "; --offload-params changes nothing here: it keeps ZeRO-3's parameter shards "
+                "on the host, and there are none"
+                if cfg.offload_params
+                else ""
+            )
             + (
                 "; --muon-distributed has no data-parallel rank to split the "
                 "orthogonalisation over: every rank orthogonalises each of its matrices (a "
