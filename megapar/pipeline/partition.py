@@ -144,21 +144,24 @@ def _fewer_slices(
     return ", ".join(fixes) + f", or {drop}" if fixes else drop
 
 
-def _leave(split: PipelineSplit) -> str:
-    """The verb for `split`'s flags as a subject: one leaves, several leave."""
-    return "leave" if " --" in split.flags() else "leaves"
+def _no_cut(split: PipelineSplit, of: str) -> str:
+    """That `split`'s flags leave no cut `of` the layers ("no V", "no interleaved cut"), and the
+    fix: a schedule of one chunk per rank, or dropping them ("it" for one flag)."""
+    several = " --" in split.flags()
+    return (
+        f"{split.flags()} {'leave' if several else 'leaves'} {of} of them: use a schedule with "
+        f"one chunk per rank (1f1b, zb-h1), or drop {'them' if several else 'it'}"
+    )
 
 
-def _them(split: PipelineSplit) -> str:
-    """`split`'s flags as an object: "it" for one, "them" for several."""
-    return "them" if " --" in split.flags() else "it"
-
-
-def _cuts(num_layers: int, pp: int, virtual_stages: int, split: PipelineSplit) -> bool:
-    """Whether `split` cuts `num_layers` blocks into `pp` x `virtual_stages` loop-placed chunks."""
+def _cuts(
+    num_layers: int, pp: int, per_rank: int, split: PipelineSplit, placement: str = "loop"
+) -> bool:
+    """Whether `split` cuts `num_layers` blocks into `pp` stages of `per_rank` chunks each,
+    placed as `placement` says."""
     try:
         split.check(pp)
-        split_counts(num_layers, pp * virtual_stages, split, "", virtual_stages, "loop")
+        split_counts(num_layers, pp * per_rank, split, "", per_rank, placement)
     except LayoutError:
         return False
     return True
@@ -168,14 +171,8 @@ def _most_stages(num_layers: int, split: PipelineSplit, per_rank: int, placement
     """The most pipeline stages, of `per_rank` chunks each, that `split` cuts `num_layers`
     blocks into (0: none, the split's flags refused at any): what a refusal of too many offers
     (with --decoder-last-pipeline-num-layers 2, 4 layers take 3 stages, not 4)."""
-    for pp in range(num_layers // per_rank, 0, -1):
-        try:
-            split.check(pp)
-            split_counts(num_layers, pp * per_rank, split, "", per_rank, placement)
-        except LayoutError:
-            continue
-        return pp
-    return 0
+    stages = range(num_layers // per_rank, 0, -1)
+    return next((pp for pp in stages if _cuts(num_layers, pp, per_rank, split, placement)), 0)
 
 
 def split_counts(
@@ -319,8 +316,7 @@ def chunk_specs(
             if most >= 2  # (zb-v and dualpipev take 2 stages or more)
             else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
             if split.even
-            else f"{split.flags()} {_leave(split)} no V of them: {one_chunk}, or drop "
-            f"{_them(split)}"
+            else _no_cut(split, "no V")
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into 2 x --pp {pp} = {total} model "
@@ -349,8 +345,7 @@ def chunk_specs(
             else f"an interleaved schedule needs 4 layers or more (2 stages of two chunks): "
             f"{one_chunk}"
             if split.even
-            else f"{split.flags()} {_leave(split)} no interleaved cut of them: {one_chunk}, or "
-            f"drop {_them(split)}"
+            else _no_cut(split, "no interleaved cut")
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into --pp {pp} x --virtual-stages "
