@@ -39,6 +39,16 @@ def test_an_fp16_range_rerun_needs_a_step_skipped_on_one_side():
     assert fuzz.skipped_on_one_side(where), where  # not logged on one side
 
 
+def test_a_results_file_cut_short_is_read_up_to_its_last_whole_record(tmp_path, capsys):
+    """--replay of a results.jsonl whose last line a full disk cut short failed on every --case
+    with a JSONDecodeError traceback (a fuzz run's finding): that line is left out, said."""
+    fuzz = _fuzz()
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"index": 0, "case": {"--tp": 2}}\n{"index": 1, "ca')
+    assert [r["index"] for r in fuzz.read_records(results)] == [0]
+    assert f"{results}:2 is no whole record" in capsys.readouterr().out
+
+
 def test_the_references_keep_what_changes_the_computation_and_no_more():
     """PowerSGD on a tied model at pp 2 is compared with dp alone (its tied sum now precedes
     the compression: one process's computation); an --fp8 reference keeps what sums the
