@@ -309,11 +309,13 @@ def test_json_has_one_object_per_rank_with_bytes(capsys):
 def test_a_layout_the_job_refuses_fails_with_the_jobs_message(capsys, monkeypatch, flags):
     """The same line, exit code 2, as megapar-train under torchrun with 1024 processes."""
     import megapar.cli.train as train
+    import megapar.training.run_plan as run_plan
 
     argv = ["--model", "gpt3-175b"] + flags
     rc, _, dry = _train(argv + ["--dry-run", "--world-size", "1024"], capsys)
-    monkeypatch.setattr(train, "under_launcher", lambda: True)
-    monkeypatch.setattr(train, "launched_world_size", lambda: 1024)
+    for module in (train, run_plan):  # (run_plan names the --tp the launched world takes)
+        monkeypatch.setattr(module, "under_launcher", lambda: True)
+        monkeypatch.setattr(module, "launched_world_size", lambda: 1024)
 
     def no_job(*args, **kwargs):  # validation passed: never start 1024 workers here
         raise AssertionError("the job's validation accepted the layout")
