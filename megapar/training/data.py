@@ -63,8 +63,8 @@ from megapar.training.tokenizer_checks import (
     unlike_vocab_note,
 )
 from megapar.training.usage import UsageError
-from megapar.training.validate import explicit, given_now, unwritable_in
-from megapar.training.validate_resume import checkpoint_manifest, named
+from megapar.training.validate import explicit, given_now, named, unwritable_in
+from megapar.training.validate_resume import checkpoint_manifest
 from megapar.training.validate_sft import holds_records
 from megapar.wording import counted
 

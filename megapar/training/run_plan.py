@@ -64,6 +64,7 @@ from megapar.training.validate import (
     explicit,
     fit_batch_to_data,
     given_now,
+    named,
     unchecked_outputs,
 )
 from megapar.training.validate_fp8 import check_fp8_layout
@@ -77,7 +78,6 @@ from megapar.training.validate_resume import (
     check_save_format,
     checked_step,
     checkpoint_manifest,
-    named,
     replay_past,
     settings_from_checkpoint,
     worker_verify,

@@ -100,10 +100,9 @@ def _check_combinations(cfg) -> None:
     if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
         recorded = "initial_loss_scale" in getattr(cfg, "from_checkpoint", ())
         raise UsageError(
-            f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above --initial-loss-scale "
-            f"{scale_text(cfg.initial_loss_scale)}"
-            + (f" (not given: the value --load {cfg.load} recorded)" if recorded else "")
-            + ": lower --min-loss-scale or raise --initial-loss-scale"
+            f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above "
+            f"{named(cfg, 'initial_loss_scale', scale_text(cfg.initial_loss_scale))}: lower "
+            f"--min-loss-scale or raise --initial-loss-scale"
             + (" (the resumed scale then restarts there)" if recorded else "")
         )
     check_zero3(cfg)
@@ -215,7 +214,7 @@ def check_cp_seq_len(
     `length_multiple` (the rule the cp split itself checks, `check_length`). The refusal names
     the --cp sizes that fit the length too, of those `runs` takes (the job's world at that
     --cp); `shown`: --seq-len as the message names it, e.g. one a --load checkpoint recorded
-    (`validate_resume.named`)."""
+    (`named`)."""
     cp, tp = layout.cp, layout.tp
     need = length_multiple(cp, tp, sequence_parallel)
     if cp > 1 and seq_len % need:
@@ -308,6 +307,17 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
         f"{flag} at cp {layout.cp}: {why} ({total} heads / tp {layout.tp}); use "
         f"{', '.join(fixes[:-1])}{', or ' if len(fixes) > 1 else ''}{fixes[-1]}"
     )
+
+
+def named(cfg, name: str, value=None) -> str:
+    """A setting as an error message names it: ``--data X``, and for a value the --load
+    checkpoint recorded (the user gave none) ``--data X (not given: the value --load CK
+    recorded)``, so the message does not blame a flag the user never typed."""
+    value = getattr(cfg, name) if value is None else value
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    if name in getattr(cfg, "from_checkpoint", ()):
+        return f"{flag_of(name)} {shown} (not given: the value --load {cfg.load} recorded)"
+    return f"{flag_of(name)} {shown}"
 
 
 def explicit(cfg) -> set[str]:

@@ -41,7 +41,7 @@ from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.usage import flag_with_value
-from megapar.training.validate import UsageError, explicit, flag_of
+from megapar.training.validate import UsageError, explicit, flag_of, named
 from megapar.wording import and_list, scale_text
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -629,17 +629,6 @@ def _same_place(a: str, b: str) -> bool:
     if a == b:
         return True
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
-def named(cfg, name: str, value=None) -> str:
-    """A setting as an error message names it: ``--data X``, and for a value the --load
-    checkpoint recorded (the user gave none) ``--data X (not given: the value --load CK
-    recorded)``, so the message does not blame a flag the user never typed."""
-    value = getattr(cfg, name) if value is None else value
-    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-    if name in getattr(cfg, "from_checkpoint", ()):
-        return f"{flag_of(name)} {shown} (not given: the value --load {cfg.load} recorded)"
-    return f"{flag_of(name)} {shown}"
 
 
 def replay_past(cfg, step: int) -> str:
