@@ -2963,6 +2963,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         parse_args(["--config", str(args)])
     flags = str(info.value).split(";")[0]
     assert "--lr-decay constant" in flags and "cosine" not in flags, str(info.value)
+    schedule.write_text("")  # an empty file is named as a file, as a broken one is
+    with pytest.raises(ConfigError, match="deepspeed .*ds_sched.json: give that file to --conf"):
+        parse_args(["--config", str(args)])
     # a cosine's floor as a ratio: the number at the Trainer's lr (it was '--min-lr (--lr x
     # cos_min_ratio 0.1)', which no shell takes; a re-test)
     args.write_text(json.dumps({"output_dir": "out", "learning_rate": 3e-4, "deepspeed": {
@@ -3216,6 +3219,16 @@ def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
         assert train(["--config", str(config), "--dry-run"]) == 2
         assert capsys.readouterr().err.strip() == f"megapar-train: error: {config}" + (
             f": {said}" if text else f" {said}")
+    for text in ["", " \n"]:  # an empty JSON file is the empty YAML's line ("not valid JSON")
+        config = tmp_path / "c.json"
+        config.write_text(text)
+        assert train(["--config", str(config), "--dry-run"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"megapar-train: error: {config} holds no settings: write megapar-train's settings "
+            "in it (e.g. max_steps: 100), or leave --config out")
+        assert train(["--model", str(config), "--dry-run"]) == 2
+        assert capsys.readouterr().err.strip().startswith(
+            f"megapar-train: error: {config}: the config has no model_type; add")
     with pytest.raises(ConfigError, match=r"^megapar.prepare: model '' is empty: give a "
                                           r"transformers model or its directory, a recipe"):
         megapar.prepare("")

@@ -678,6 +678,8 @@ def load_config_file(path: str | Path) -> dict:
             raise ConfigError(
                 f"{path}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}"
             ) from None
+    elif not text.strip():  # empty, as YAML's empty file is: the caller says what it lacks
+        data = None
     else:
         try:
             data = json.loads(text)

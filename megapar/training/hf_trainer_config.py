@@ -361,8 +361,8 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     deepspeed = data.get("deepspeed")
     if isinstance(deepspeed, str) and os.path.isfile(os.path.expanduser(deepspeed)):
         try:  # the file the Trainer reads, read as it reads it (its scheduler replaces the
-            deepspeed = load_config_file(deepspeed)  # Trainer's, its values are compared)
-        except ConfigError:
+            deepspeed = load_config_file(deepspeed) or deepspeed  # Trainer's, its values are
+        except ConfigError:  # compared); an empty one is named as a file, as a broken one is
             pass
     if isinstance(deepspeed, str):
         said.append(
