@@ -1301,12 +1301,14 @@ def test_the_plan_splits_the_experts_over_tp_where_whole_ones_do_not_fit(capsys)
     assert all(" etp4 " in r["layout"] for r in rows), rows
 
 
-def test_the_plan_tries_a2a_where_the_heads_divide_and_picks_it_for_grouped_query_heads():
-    """At cp > 1 the search tries the model's cp attention and the all-to-all (a2a) where a
-    tp rank's query heads divide over cp (llama-tiny's 4 heads: not at tp 2 x cp 4), and
-    --cp-comm-type a2a refuses the others with the heads' reason; for Llama 8B (32 query heads,
-    8 kv heads) at tp 2 x cp 4 the all-to-all of q, k, v and the output moves fewer bytes than
-    the all-gather of K/V and its fp32 reduce-scatter, and is chosen."""
+def test_the_plan_tries_a2a_where_the_heads_divide_and_the_ring_for_grouped_query_heads():
+    """At cp > 1 the search tries the model's cp attention, the ring (p2p) too where the model's
+    own is the all-gather (grouped-query heads: the default search never tried it), and the
+    all-to-all (a2a) where a tp rank's query heads divide over cp (llama-tiny's 4 heads: not at
+    tp 2 x cp 4), and --cp-comm-type a2a refuses the others with the heads' reason; for Llama 8B
+    (32 query heads, 8 kv heads) at tp 2 x cp 4 the all-to-all of q, k, v and the output moves
+    fewer bytes than the all-gather of K/V and its fp32 reduce-scatter, and the ring hides its
+    sends behind the block attention at 32k tokens: the ring is chosen, then the all-to-all."""
     from megapar.plan import enumerate_candidates, plan
 
     tiny = Problem(resolve_model("llama-tiny"), 8, global_batch=8, seq_len=64)
@@ -1315,6 +1317,10 @@ def test_the_plan_tries_a2a_where_the_heads_divide_and_picks_it_for_grouped_quer
     tried = {(c.tp, c.cp, c.cp_comm) for c in valid}
     assert {(t, n) for t, n, comm in tried if comm == "a2a"} == {(1, 2), (1, 4), (2, 2)}
     assert {comm for t, n, comm in tried if n == 1} == {"auto"}
+    assert {(t, n) for t, n, comm in tried if comm == "p2p"} == {
+        (t, n) for t, n, _ in tried if n > 1} == {(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)}
+    gpt2 = Problem(resolve_model("gpt2-tiny"), 4, global_batch=8, seq_len=64)  # its own: ring
+    assert all(c.cp_comm != "p2p" for c in enumerate_candidates(gpt2, **space)[0])
     valid, rejected = enumerate_candidates(tiny, **space, cp_comm="a2a")
     assert {(c.tp, c.cp) for c in valid if c.cp > 1} == {(1, 2), (1, 4), (2, 2)}
     why = next(r for c, r in rejected if (c.tp, c.cp) == (2, 4))
@@ -1323,10 +1329,13 @@ def test_the_plan_tries_a2a_where_the_heads_divide_and_picks_it_for_grouped_quer
     estimates, _ = plan(big, micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("none",),
                         zero_stages=(3,), cp_sizes=(4,))
     best = estimates[0]
-    assert best.fits and best.candidate.cp_comm == "a2a", best.candidate.label()
-    ring = next(e for e in estimates
-                if e.candidate == dataclasses.replace(best.candidate, cp_comm="auto"))
-    assert best.comm_s["cp"] < ring.comm_s["cp"], (best.comm_s, ring.comm_s)
+    assert best.fits and best.candidate.cp_comm == "p2p", best.candidate.label()
+    a2a, gather = (next(e for e in estimates
+                        if e.candidate == dataclasses.replace(best.candidate, cp_comm=comm))
+                   for comm in ("a2a", "auto"))
+    assert best.comm_s["cp"] == 0 < a2a.comm_s["cp"] < gather.comm_s["cp"], (
+        best.comm_s, a2a.comm_s, gather.comm_s)
+    assert best.step_s < a2a.step_s < gather.step_s
 
 
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():

@@ -552,8 +552,8 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="megapar-train's --cp-comm-type for the layouts at cp > 1: auto (the model's "
         "own: a ring of K/V blocks, an all-gather of them for grouped-query heads), p2p "
-        "(ring), all_gather, a2a (all-to-all, Ulysses); default: auto and a2a both tried "
-        "(a2a where a tp rank's query heads divide over cp)",
+        "(ring), all_gather, a2a (all-to-all, Ulysses); default: auto, p2p where auto "
+        "is the all-gather, and a2a where a tp rank's query heads divide over cp, all tried",
     )
     p.add_argument(
         "--expert-tensor-parallel-size",

@@ -14,6 +14,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
+from megapar.context_parallel import method_for
 from megapar.context_parallel.a2a import heads_error
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError, tp_spans_nodes
@@ -426,11 +427,16 @@ def etp_sizes(config, tp: int) -> tuple[int, ...]:
 
 def cp_comms(config, tp: int, cp: int) -> tuple[str, ...]:
     """The cp attentions a plan tries at (`tp`, `cp`): none at cp 1 ("auto"); else the model's
-    own (auto: the ring, or the all-gather for grouped-query heads) and the all-to-all (a2a)
-    where a tp rank's query heads divide over cp."""
+    own (auto: the ring, or the all-gather for grouped-query heads), the ring (p2p) too for
+    grouped-query heads (it holds two K/V blocks where the all-gather holds cp of them, and
+    hides its sends behind the attention), and the all-to-all (a2a) where a tp rank's query
+    heads divide over cp."""
     if cp == 1:
         return ("auto",)
-    return ("auto", "a2a") if heads_error(heads(config) // tp, cp) is None else ("auto",)
+    q_heads = heads(config)
+    ring = ("p2p",) if method_for(q_heads, getattr(config, "kv_heads", q_heads)) != "ring" else ()
+    a2a = ("a2a",) if heads_error(q_heads // tp, cp) is None else ()
+    return ("auto", *ring, *a2a)
 
 
 def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
