@@ -1862,6 +1862,20 @@ def test_prepare_offers_the_chunks_the_models_layers_hold():
     # API missed megapar-train's reordering; a re-test)
     ({"pp": 8, "schedule": "zb-v"}, ["megapar.prepare: 2 layers cannot be cut into 2 x pp=8 = "
                                      "16 model chunks", "use a schedule with one chunk per rank"]),
+    # the split's flags in prepare's keywords (they were megapar-train's: "--decoder-last-
+    # pipeline-num-layers 3", "(1f1b, zb-h1)", "drop the flags")
+    ({"pp": 2, "decoder_last_pipeline_num_layers": 3}, [
+        "megapar.prepare: decoder_last_pipeline_num_layers=3 is more than the model's 2 layers"]),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2,
+      "decoder_first_pipeline_num_layers": 1}, [
+        "megapar.prepare: 2 layers cannot be cut into pp=2 x virtual_stages=2 = 4 model chunks",
+        "decoder_first_pipeline_num_layers=1 leaves no interleaved cut of them: use a schedule "
+        "with one chunk per rank (schedule='1f1b' or 'zb-h1'), or drop it"]),
+    ({"pp": 2, "decoder_first_pipeline_num_layers": 1,
+      "account_for_loss_in_pipeline_split": True}, [
+        "megapar.prepare: decoder_first_pipeline_num_layers=1 "
+        "account_for_loss_in_pipeline_split=True: give the first / last stage's layers or "
+        "count the embedding / loss as a layer, not both"]),
     ({"cp_comm_type": "p2p"}, ["megapar.prepare: cp_comm_type='p2p' chooses how "
                                "context-parallel attention communicates, and cp=1 has none"]),
     ({"cp": 8, "cp_comm_type": "a2a"}, ["megapar.prepare: cp_comm_type='a2a' at cp 8: "

@@ -662,6 +662,25 @@ def _check_schedule(cfg: TrainConfig, layers: int) -> None:
         )
 
 
+def _split_keywords(said: str) -> str:
+    """A refusal of the pipeline's cut in megapar-train's flags (`pipeline.partition`) in
+    `prepare`'s keywords: ``--pp 4`` is ``pp=4`` (``lower --pp to 2``: ``lower pp to 2``),
+    ``--decoder-last-pipeline-num-layers 2`` ``decoder_last_pipeline_num_layers=2``, a switch
+    ``account_for_loss_in_pipeline_split=True``, a schedule ``schedule='1f1b'``."""
+
+    def keyword(m: re.Match) -> str:
+        name, value = m.group(1).replace("-", "_"), m.group(2)
+        if value is not None:
+            return f"{name}={value}"
+        return f"{name}=True" if name.startswith("account_for_") else name
+
+    said = said.replace("(--schedule 1f1b or zb-h1)", "(schedule='1f1b' or 'zb-h1')")
+    said = said.replace("(1f1b, zb-h1)", "(schedule='1f1b' or 'zb-h1')")
+    said = said.replace("drop the flags", "drop them").replace("drop the flag", "drop it")
+    flags = "pp|virtual-stages|decoder-(?:first|last)-pipeline-num-layers|account-for-[a-z-]+"
+    return re.sub(rf"--({flags})(?: (-?\d+)\b)?", keyword, said)
+
+
 def _check_model_layout(config, cfg: TrainConfig) -> None:
     """Refuse a tp / pp the model cannot take (heads tp does not divide, fewer layers than
     stages), as megapar-train does, in the API's terms: `tp=2`, not `--tp 2`."""
@@ -674,11 +693,8 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
             chunk_specs(config.num_layers, cfg.pp, 0, chunks, placement_of(cfg.schedule), split)
         else:
             partition_layers(config.num_layers, cfg.pp, split)
-    except LayoutError as exc:  # named by megapar-train's flags, as TrainConfig's fields are,
-        said = str(exc)  # but pp and virtual_stages as prepare's keywords
-        for flag, word in (("--pp", "pp"), ("--virtual-stages", "virtual_stages")):
-            said = said.replace(f"{flag} to ", f"{word} to ").replace(f"{flag} ", f"{word}=")
-        raise LayoutError(f"megapar.prepare: {said}") from None
+    except LayoutError as exc:  # named by megapar-train's flags: said as prepare's keywords
+        raise LayoutError(f"megapar.prepare: {_split_keywords(str(exc))}") from None
     try:
         config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), api=True)
     except LayoutError as exc:
