@@ -42,6 +42,7 @@ from megapar.models import Llama
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.config import TrainConfig
 from megapar.training.validate import UsageError, check_settings
+from megapar.training.validate_fp8 import Fp8Error, check_fp8_layout
 
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(
@@ -644,14 +645,26 @@ def test_megapar_trains_fp8_line_of_no_float8_linear_names_fp8_layers_all():
     assert ": 0 linears in float8; kept in high precision: " in line and line.endswith(
         advice), line
     summary = line.removesuffix(advice)
-    assert fp8_note(summary, "all") == summary
+    assert fp8_note(summary, dataclasses.replace(cfg, fp8_layers="all"), config, 1) == summary
+    # at a tp that cannot run them in float8 the flag alone was refused next (llama-tiny's
+    # 176-wide MLP is 88 wide at tp 2): it names the tp that can, which takes it
+    llama = dataclasses.replace(resolve_model("llama-tiny"), vocab_size=VOCAB)
+    [report] = dry_run(cfg, llama, Layout(2, 1, 1), [0])
+    line = next(n for n in report.notes if n.startswith("fp8"))
+    assert line.endswith(f"{advice} at --tp 1, not at --tp 2 (layers.mlp.gate 176x64 runs in "
+                         "float8 and is 88x64 on each tp rank: FP8 matmuls need N and K "
+                         "multiples of 16)"), line
+    check_fp8_layout(dataclasses.replace(cfg, fp8_layers="all"), llama, 1)  # no refusal
+    with pytest.raises(Fp8Error, match="at --tp 2: layers.mlp.gate 176x64"):
+        check_fp8_layout(dataclasses.replace(cfg, fp8_layers="all"), llama, 2)
 
 
 @needs_torchao
 def test_prepare_warns_when_fp8_converts_no_linear():
     """megapar.prepare prints no line: fp8='tensorwise' on a model too small for the size rule
-    trained with no float8 linear and said nothing. It warns now, naming fp8_layers='all';
-    `engine.fp8_summary` holds the line either way."""
+    trained with no float8 linear and said nothing. It warns now, naming fp8_layers='all'
+    (at a tp that cannot run them so, the tp that can); `engine.fp8_summary` holds the line
+    either way."""
     import warnings
 
     with pytest.warns(UserWarning, match=r"megapar.prepare: fp8='tensorwise' runs none of this "
@@ -663,6 +676,19 @@ def test_prepare_warns_when_fp8_converts_no_linear():
         engine = megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise",
                                  fp8_emulate=True, fp8_layers="all")
     assert engine.fp8_summary.startswith("fp8 tensorwise (emulated: fp32 products): "), engine
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=VOCAB)
+
+    def at_tp2():  # rank 0 warns
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            megapar.prepare(llama, tp=2, fp8="tensorwise", fp8_emulate=True)
+        return [str(w.message) for w in said if "fp8_layers" in str(w.message)]
+
+    [warned] = run_local(at_tp2, 2)[0]  # rank 0's
+    assert "fp8_layers='all' converts those whose dims are multiples of 16 at tp=1, not at " \
+        "tp=2 (layers.mlp.gate 176x64 runs in float8" in warned, warned
 
 
 # --- refusals ------------------------------------------------------------------------------

@@ -245,8 +245,13 @@ def test_explain_names_the_float8_linears_as_training_does_and_json_carries_them
     got = json.loads(out.out)
     assert (got["fp8"], got["fp8_layers"], got["fp8_speedup"]) == ("rowwise", "auto", 2.0)
     assert got["fp8_line"].startswith("fp8 rowwise: 0 linears in float8; kept in")
-    assert got["fp8_line"].endswith(
-        "; --fp8-layers all converts those whose dims are multiples of 16"), got["fp8_line"]
+    assert got["fp8_line"].endswith(  # at tp 2 the flag alone was refused next: it names tp 1
+        "; --fp8-layers all converts those whose dims are multiples of 16 at --tp 1, not at "
+        "--tp 2 (layers.mlp.gate 176x64 runs in float8 and is 88x64 on each tp rank: FP8 "
+        "matmuls need N and K multiples of 16)"), got["fp8_line"]
+    code, out = _plan(capsys, "--fp8", "rowwise", "--explain", "tp=1,mbs=2", "--json")
+    assert json.loads(out.out)["fp8_line"].endswith(
+        "; --fp8-layers all converts those whose dims are multiples of 16")
     code, out = _plan(capsys, "--json", "--top", "1")
     assert "fp8" not in json.loads(out.out)
 

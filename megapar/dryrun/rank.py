@@ -282,7 +282,7 @@ def _rehearse(
         mesh,
     )
     if engine.fp8_summary:  # the rehearsal emulates the float8 products; the casts are real
-        notes.append(fp8_note(engine.fp8_summary, cfg.fp8_layers))
+        notes.append(fp8_note(engine.fp8_summary, cfg, config, mesh.tp))
     first_batch = _first_batch(cfg, mesh, dataset, order)
     run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch

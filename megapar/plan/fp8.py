@@ -41,7 +41,12 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan.params import GatherCasts, kind_blocks
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
-from megapar.tensor_parallel.fp8_convert import fp8_linears, layout_problem, none_kept_by_size
+from megapar.tensor_parallel.fp8_convert import (
+    all_layers_hint,
+    fp8_linears,
+    layout_problem,
+    none_kept_by_size,
+)
 
 
 @dataclass(frozen=True)
@@ -372,7 +377,8 @@ def summary(p, c, stage: int) -> str:
     if kept:
         line += "; kept in high precision: " + ", ".join(f"{k} ({w})" for k, w in kept.items())
     if none_kept_by_size(line, p.fp8_layers):
-        line += "; --fp8-layers all converts those whose dims are multiples of 16"
+        all_problem = _layout_problem(p.config_json, c.tp, p.fp8, "all")
+        line += f"; {all_layers_hint(all_problem, c.tp)}"
     return line
 
 

@@ -148,6 +148,22 @@ def layout_problem(model: nn.Module, recipe: str, layers: str = "auto") -> str |
     )
 
 
+def all_layers_hint(all_problem: str | None, tp: int, api: bool = False) -> str:
+    """What the line of a model whose linears the size rule all kept adds (`none_kept_by_size`):
+    that layers "all" converts those whose dims are multiples of 16, or, where `all_problem`
+    (`layout_problem` under layers "all" at `tp`) says this tp cannot run them, at which tp it
+    does (the flag alone was offered at --tp 2, which then refused it); `api`: prepare's
+    keywords."""
+    flag, tp_is = ("fp8_layers='all'", "tp=") if api else ("--fp8-layers all", "--tp ")
+    said = f"{flag} converts those whose dims are multiples of 16"
+    if all_problem is None:
+        return said
+    m = re.search(r"; (?:only tp 1 splits|tp ([\d, or]+) split)", all_problem)
+    tps = (m.group(1) if m and m.group(1) else "1").replace(", ", f", {tp_is}")
+    tps = tps.replace(" or ", f" or {tp_is}")
+    return f"{said} at {tp_is}{tps}, not at {tp_is}{tp} ({all_problem.split(';')[0]})"
+
+
 def none_kept_by_size(summary: str, layers: str) -> bool:
     """Whether `convert_to_fp8`'s line `summary` says that no linear runs in float8 and the
     size rule of layers "auto" kept some (a model too small for it), so that layers "all"

@@ -19,9 +19,14 @@ from megapar.models.documents import set_documents
 from megapar.optim import Precision, build_optimizer
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
-from megapar.tensor_parallel.fp8_convert import convert_to_fp8, none_kept_by_size
+from megapar.tensor_parallel.fp8_convert import (
+    all_layers_hint,
+    convert_to_fp8,
+    none_kept_by_size,
+)
 from megapar.training.config import TrainConfig
 from megapar.training.documents import reads_documents
+from megapar.training.validate_fp8 import fp8_layout_problem
 
 API_ADVICE = (
     "the optimizer step was skipped: the weights and the optimizer state are those "
@@ -97,12 +102,13 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     return model, summary
 
 
-def fp8_note(summary: str, layers: str) -> str:
+def fp8_note(summary: str, cfg: TrainConfig, config, tp: int) -> str:
     """megapar-train's --fp8 line: the stage's `summary` (`stage_for`) and, where the size rule
-    kept every linear in high precision (a small model), the flag that converts them anyway,
-    as `megapar.prepare`'s warning names fp8_layers='all'."""
-    if none_kept_by_size(summary, layers):
-        return summary + "; --fp8-layers all converts those whose dims are multiples of 16"
+    kept every linear in high precision (a small model `config`), the flag that converts them
+    anyway and, where `tp` cannot run them so, the tp that can (`all_layers_hint`), as
+    `megapar.prepare`'s warning names fp8_layers='all'."""
+    if none_kept_by_size(summary, cfg.fp8_layers):
+        return f"{summary}; {all_layers_hint(fp8_layout_problem(config, tp, cfg.fp8, 'all'), tp)}"
     return summary
 
 

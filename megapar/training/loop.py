@@ -148,7 +148,9 @@ class Trainer:
         forget_loaded()  # the run's tokenizer, loaded once for its planning and datasets
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = (
-            [fp8_note(engine.fp8_summary, cfg.fp8_layers)] if engine.fp8_summary else []
+            [fp8_note(engine.fp8_summary, cfg, engine.config, mesh.tp)]
+            if engine.fp8_summary
+            else []
         )
         resume = bool(cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)))
         if cfg.load and not resume:

@@ -47,7 +47,7 @@ from megapar.pipeline.schedules import (
     schedule_named_elsewhere,
 )
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
-from megapar.tensor_parallel.fp8_convert import none_kept_by_size
+from megapar.tensor_parallel.fp8_convert import all_layers_hint, none_kept_by_size
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.model_config import apply_moe_flags, ep_model_error
@@ -58,7 +58,7 @@ from megapar.training.other_tools import (
 from megapar.training.ranges import check_ranges
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents
-from megapar.training.validate_fp8 import check_fp8, check_fp8_layout
+from megapar.training.validate_fp8 import check_fp8, check_fp8_layout, fp8_layout_problem
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
 
@@ -772,8 +772,10 @@ def _warn_no_float8(engine: Engine, cfg: TrainConfig) -> None:
     summary = engine.fp8_summary
     if summary is None or ": 0 linears in float8" not in summary or engine.mesh.rank != 0:
         return
+    tp = engine.mesh.tp
+    all_problem = fp8_layout_problem(engine.config, tp, cfg.fp8, "all")
     hint = (
-        "; fp8_layers='all' converts those whose dims are multiples of 16"
+        f"; {all_layers_hint(all_problem, tp, api=True)}"
         if none_kept_by_size(summary, cfg.fp8_layers)
         else ""
     )
