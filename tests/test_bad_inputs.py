@@ -1539,7 +1539,21 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                                        "megapar-train's default --precision; true would be "
                                        "--precision bf16)"),
                        ("use_tp_pp_dp_mapping: false", "false is Megatron-LM's default rank "
-                        "order, tp-cp-ep-dp-pp: --rank-order tp-dp-pp")):
+                        "order, tp-cp-ep-dp-pp: --rank-order tp-dp-pp"),
+                       # any other switch's false was told what true asks for (a re-test:
+                       # gradient_checkpointing: false, "did you mean --recompute full?")
+                       ("gradient_checkpointing: false", "false leaves it off, as megapar-train "
+                        "does by default: remove the key (true would be --recompute full)"),
+                       ("use_distributed_optimizer: false", "(true would be --zero 1)"),
+                       ("decay_lr: false", "false asks for a constant learning rate: --lr-decay "
+                        "constant"),
+                       ("decay_lr: true", "true is megapar-train's default: it decays the "
+                        "learning rate (--lr-decay cosine); remove the key"),
+                       ("dynamic_loss_scale: false", "false asks for a static fp16 loss scale: "
+                        "--loss-scale S"),
+                       ("dynamic_loss_scale: true", "megapar's fp16 loss scale is dynamic "
+                        "unless --loss-scale S is given: drop it"),
+                       ("mock_data: false", "false asks for your corpus: --data PATH")):
         config.write_text(text + "\n")
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
@@ -2173,6 +2187,8 @@ OTHER_TOOLS = [
     # DeepSpeed's / Megatron-LM's name for the default: "did you mean --min-loss-scale?"
     ("train", ["--dynamic-loss-scale"], "--dynamic-loss-scale: megapar's fp16 loss scale is "
      "dynamic unless --loss-scale S is given: drop it"),
+    ("train", ["--no-dynamic-loss-scale"], "--no-dynamic-loss-scale: a static fp16 loss scale "
+     "is --loss-scale S"),  # was "did you mean --min-loss-scale?" (a re-test)
     # Megatron's rank order flag: no hint (a new user's tryout of parallelism.md)
     ("train", ["--use-tp-pp-dp-mapping"], "--use-tp-pp-dp-mapping: megapar's default rank order "
      "is the one it asks for, --rank-order tp-pp-dp: drop it (Megatron-LM's own default, "

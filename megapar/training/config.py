@@ -57,9 +57,10 @@ from megapar.training.hf_trainer_config import (
     trainer_arguments,
 )
 from megapar.training.other_tools import (
-    FALSE_ANSWERS,
     OTHER_TOOLS_FLAGS,
     TORCHTITAN_MODULE,
+    TRUE_ANSWERS,
+    false_answer,
     megatron_defaults,
     other_tools_answer,
 )
@@ -741,8 +742,10 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
             else "valid keys are the megapar-train flags"
         )
         other = other_tools_answer(key)
-        if other and data[key] is False and key in FALSE_ANSWERS:  # bf16: false asks for no
-            hint = FALSE_ANSWERS[key]  # --precision bf16
+        if other and data[key] is False and false_answer(key, other):  # bf16: false asks
+            hint = str(false_answer(key, other))  # for no --precision bf16
+        elif other and data[key] is True and key in TRUE_ANSWERS:
+            hint = TRUE_ANSWERS[key]
         elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

@@ -531,6 +531,8 @@ OTHER_TOOLS_FLAGS = {
     "given: drop it",
     "--dynamic_loss_scale": "megapar's fp16 loss scale is dynamic unless --loss-scale S is "
     "given: drop it",
+    "--no-dynamic-loss-scale": "a static fp16 loss scale is --loss-scale S (megapar's is "
+    "dynamic without it)",
     "--loss_scale_window": "--loss-scale-window",
     "--min_loss_scale": "--min-loss-scale",
     "--initial_loss_scale": "--initial-loss-scale",
@@ -978,10 +980,40 @@ FALSE_ANSWERS = {
     "--precision; true would be --precision fp16)",
     "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
     "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
+    "decay_lr": "false asks for a constant learning rate: --lr-decay constant (megapar-train "
+    "decays it by default, --lr-decay cosine)",
+    "dynamic_loss_scale": "false asks for a static fp16 loss scale: --loss-scale S (megapar's "
+    "is dynamic without it)",
+    "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
+    "its shipped Shakespeare sample)",
 }
-"""Another tool's switches given as false in a --config file, answered as false (the others'
-answer, `other_tools_answer`, is what true asks for: a false one is answered as such only
-here)."""
+"""Another tool's switches given as false in a --config file whose false is not megapar-train's
+default, answered as false; another false one whose answer names a flag is answered as the
+default, the key to remove (`false_answer`); the others' answer, `other_tools_answer`, is what
+true asks for."""
+
+TRUE_ANSWERS = {
+    "decay_lr": "true is megapar-train's default: it decays the learning rate (--lr-decay "
+    "cosine); remove the key",
+}
+"""Another tool's switches given as true in a --config file whose answer, `other_tools_answer`,
+leads with what false asks for."""
+
+
+def false_answer(key: str, other: str) -> str | None:
+    """The answer to another tool's switch `key` given as false in a --config file: its
+    `FALSE_ANSWERS` line; where `other` (its answer as true) names a megapar-train flag, that
+    false is megapar-train's default, the key to remove (gradient_checkpointing: false was
+    told 'did you mean --recompute full?'); None: `other` (a sentence on what megapar does,
+    true or false)."""
+    if key in FALSE_ANSWERS:
+        return FALSE_ANSWERS[key]
+    if other.startswith("--"):
+        return (
+            f"false leaves it off, as megapar-train does by default: remove the key (true "
+            f"would be {other})"
+        )
+    return None
 
 
 def other_tools_answer(key: str) -> str | None:
