@@ -3248,3 +3248,29 @@ def test_empty_paths_of_the_other_commands_are_said_as_empty(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^megapar.prepare: model '' is empty: give a "
                                           r"transformers model or its directory, a recipe"):
         megapar.prepare("")
+
+
+def test_yamls_unquoted_off_is_a_choice_of_nothing_or_refused_naming_yaml(tmp_path):
+    """YAML reads an unquoted off / no / on / yes as a boolean: `fp8: off` was refused as
+    "--fp8 'False' is invalid: choose one of off, ..." (the word written, offered back);
+    `save: no` saved into a directory named False. A false is the choice of nothing where a
+    flag has one (off, none); anything else names YAML's reading, before any worker."""
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    config = tmp_path / "c.yaml"
+    for text, name, value in [("fp8: off", "fp8", "off"), ("recompute: no", "recompute", "none"),
+                              ("grad_compression: off", "grad_compression", "none")]:
+        config.write_text(text + "\n")
+        assert getattr(parse_args(["--config", str(config)]), name) == value, text
+    for text, said in [("fp8: on", "--fp8 true is invalid (YAML reads an unquoted yes / no / on "
+                        "/ off as true / false): choose one of off, tensorwise, rowwise, or "
+                        "remove the key"),
+                       ("lr_decay: off", "--lr-decay false is invalid (YAML reads"),
+                       ("save: no", "--save false is invalid (YAML reads an unquoted yes / no "
+                        "/ on / off as true / false): give its value in quotes, or remove the "
+                        "key")]:
+        config.write_text(text + "\n")
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(config)])
+        assert str(info.value).startswith(f"{config}: {said}"), info.value

@@ -590,6 +590,22 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     return parser
 
 
+def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
+    """A `--config` file's true / false (YAML reads an unquoted off, no, on or yes as one) for a
+    flag taking a word: false is its choice of nothing, off or none (fp8: off, recompute: off);
+    anything else is refused, naming YAML's reading and the fix."""
+    choices = [str(c) for c in flag_choices().get(name, [])]
+    nothing = next((c for c in ("off", "none") if c in choices), None)
+    if value is False and nothing:
+        return nothing
+    said = (
+        f"{path}: {flag} {str(value).lower()} is invalid (YAML reads an unquoted yes / no / on / "
+        f"off as true / false)"
+    )
+    fix = f"choose one of {', '.join(choices)}" if choices else "give its value in quotes"
+    raise ConfigError(f"{said}: {fix}, or remove the key")
+
+
 def _config_value(f, value: Any, path: str) -> Any:
     """A `--config` value converted with its flag's type, as the command line would: "1e-3"
     is 0.001, "no" is False, 32.0 is 32; null, or a value the flag cannot take, is an error.
@@ -628,6 +644,8 @@ def _config_value(f, value: Any, path: str) -> Any:
     if kind is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected one value")
+        if isinstance(value, bool):  # YAML's unquoted off / no: fp8 'False' was refused, 'off'
+            return _switch_as_choice(f.name, flag, value, path)  # offered
         return str(value)
     try:
         if isinstance(value, bool) or isinstance(value, (dict, list)):
