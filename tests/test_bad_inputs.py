@@ -2953,7 +2953,7 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
          "lr_scheduler_kwargs num_cycles 1.0: megapar-train's cosine is half a wave", ""),
         ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_type cosine_with_min_lr: "
          "transformers refuses it without min_lr or min_lr_rate", "--lr-decay cosine --min-lr 0"),
-        ({"deepspeed": "ds.json"}, "deepspeed ds.json: give that file to --config", ""),
+        ({"deepspeed": "ds.json"}, "deepspeed ds.json: no such config file, which the Trainer refuses too", ""),
         ({"lr_scheduler_type": "warmup_stable_decay", "max_steps": 200, "warmup_steps": 10,
           "lr_scheduler_kwargs": {"num_stable_steps": 70, "num_decay_steps": 20}},
          "--lr-wsd-decay-style cosine --lr-decay-steps 100 --save", "num_stable_steps"),
@@ -2979,8 +2979,16 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         parse_args(["--config", str(args)])
     flags = str(info.value).split(";")[0]
     assert "--lr-decay constant" in flags and "cosine" not in flags, str(info.value)
-    schedule.write_text("")  # an empty file is named as a file, as a broken one is
-    with pytest.raises(ConfigError, match="deepspeed .*ds_sched.json: give that file to --conf"):
+    # a file the Trainer cannot read is said so (it was told to give it to --config, which
+    # then refused it: no such config file; a re-test)
+    for text, why in [("", "an empty file"), ('{"a":\n', "not valid JSON at line 2 column 1")]:
+        schedule.write_text(text)
+        with pytest.raises(ConfigError, match=rf"deepspeed \S*ds_sched.json: {why}.*, which the "
+                                              r"Trainer refuses too; fix the path or the file"):
+            parse_args(["--config", str(args)])
+    schedule.unlink()
+    with pytest.raises(ConfigError, match=r"ds_sched.json: no such config file, which the "
+                                          r"Trainer refuses too"):
         parse_args(["--config", str(args)])
     # a cosine's floor as a ratio: the number at the Trainer's lr (it was '--min-lr (--lr x
     # cos_min_ratio 0.1)', which no shell takes; a re-test)

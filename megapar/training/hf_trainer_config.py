@@ -8,7 +8,6 @@ defaults where the file leaves one out and megapar-train's differs (weight decay
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -359,15 +358,16 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     if data.get("ddp_timeout") is not None:  # the Trainer's default 1800 s; megapar's 300
         flags.append(f"--timeout-s {shown('ddp_timeout', 1800)}")
     deepspeed = data.get("deepspeed")
-    if isinstance(deepspeed, str) and os.path.isfile(os.path.expanduser(deepspeed)):
-        try:  # the file the Trainer reads, read as it reads it (its scheduler replaces the
-            deepspeed = load_config_file(deepspeed) or deepspeed  # Trainer's, its values are
-        except ConfigError:  # compared); an empty one is named as a file, as a broken one is
-            pass
-    if isinstance(deepspeed, str):
-        said.append(
-            f"deepspeed {deepspeed}: give that file to --config for its settings as "
-            f"megapar-train flags"
+    if isinstance(deepspeed, str):  # the file the Trainer reads, read as it reads it (its
+        try:  # scheduler replaces the Trainer's, its values are compared)
+            deepspeed = load_config_file(deepspeed) or deepspeed
+            unread = "an empty file"
+        except ConfigError as exc:  # "no such config file", "not valid JSON ..."
+            unread = str(exc).split(": ", 1)[-1]
+    if isinstance(deepspeed, str):  # unread, which the Trainer refuses too (it was told to
+        said.append(  # give the file to --config, which refused it next)
+            f"deepspeed {deepspeed}: {unread}, which the Trainer refuses too; fix the path or "
+            f"the file, then give it to --config for its settings as megapar-train flags"
         )
     elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
         flags += _inline_deepspeed(deepspeed, flags, said, data)
