@@ -2996,7 +2996,23 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         "scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1}}}}))
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(args)])
-    assert "--lr-decay cosine --min-lr 3e-05" in str(info.value).split(";")[0], str(info.value)
+    flags = str(info.value).split(";")[0]
+    # its warmup is DeepSpeed's 1000 (the Trainer fills warmup_num_steps only where the file
+    # gives it; it said --warmup-steps 0, the Trainer's, beside DeepSpeed's log warmup)
+    assert "--lr-decay cosine --warmup-steps 1000 --min-lr 3e-05" in flags, flags
+    assert flags.count("--warmup-steps") == 1, flags
+    # a DeepSpeed config alone: at megapar-train's --lr, said (it was the unpasteable
+    # '--min-lr (--lr x cos_min_ratio 0.1)'; a re-test)
+    alone = tmp_path / "ds_alone.json"
+    alone.write_text(json.dumps({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "cos_min_ratio": 0.1, "total_num_steps": 50}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(alone)])
+    said = str(info.value)
+    assert "--lr-decay cosine --warmup-steps 50 --max-steps 50 --min-lr 0.0001 " in said, said
+    assert "scheduler.params.cos_min_ratio 0.1 (of the optimizer's lr, which the file does not " \
+        "give: --min-lr 0.0001 is at megapar-train's --lr 0.001)" in said, said
+    assert "(--lr x" not in said, said
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

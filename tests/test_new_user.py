@@ -740,7 +740,9 @@ def test_a_deepspeed_configs_batch_sgd_and_cosine_warmup_as_deepspeed_reads_them
     _, left, _ = deepspeed_equivalents({"scheduler": {"type": "WarmupCosineLR", "params": {
         "total_num_steps": 100, "warmup_num_steps": 10, "warmup_min_ratio": 0.1,
         "warmup_type": "linear"}}})
-    assert left == ["scheduler.params.warmup_min_ratio 0.1 (megapar's warmup rises from 0)"]
+    assert left == ["scheduler.params.warmup_min_ratio 0.1 (megapar's warmup rises from 0)",
+                    "scheduler.params.cos_min_ratio 0.0001 (of the optimizer's lr, which the "
+                    "file does not give: --lr x 0.0001)"], left  # no lr known: no --min-lr
 
 
 def test_a_deepspeed_optimizers_lr_under_a_warmup_schedulers_peak_is_named_once():

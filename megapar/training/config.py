@@ -725,7 +725,7 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         raise ConfigError(accelerate_config(data, path, refused_flag))
     if is_deepspeed_config(data):
         try:
-            flags, left, auto = deepspeed_equivalents(data, dp)
+            flags, left, auto = deepspeed_equivalents(data, dp, default_lr=TrainConfig.lr)
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them

@@ -196,12 +196,15 @@ def fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
 
 
 def deepspeed_equivalents(
-    data: dict, dp: int | None = None
+    data: dict, dp: int | None = None, lr: float | None = None, default_lr: float | None = None
 ) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
     global batch from the micro-batch and the accumulation steps is a number at the command
-    line's --dp `dp`, else said as a product with dp."""
+    line's --dp `dp`, else said as a product with dp. `lr`: the learning rate the optimizer
+    runs at where the file's optimizer gives none (the Trainer's; None: megapar-train's
+    `default_lr`, said beside the WarmupCosineLR floor it sets; neither: the floor is said as
+    a ratio of --lr, no flag)."""
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -415,15 +418,29 @@ def deepspeed_equivalents(
                 flags.append(f"--lr {_flag_value(params.get('warmup_max_lr', 0.001))}")
             if kind == "WarmupDecayLR" and "warmup_min_lr" not in given_auto:  # linearly to it
                 flags.append(f"--min-lr {_flag_value(params.get('warmup_min_lr', 0))}")
-            elif kind == "WarmupCosineLR":
+            elif kind == "WarmupCosineLR":  # its floor: a ratio of the optimizer's lr
                 ratio = params.get("cos_min_ratio", 0.0001)
                 optimizer = _section(data.get("optimizer"), "optimizer")
                 peak = _section(optimizer.get("params"), "optimizer.params").get("lr")
-                flags.append(
-                    f"--min-lr {float(peak) * float(ratio):.6g}"
-                    if isinstance(peak, (int, float)) and isinstance(ratio, (int, float))
-                    else f"--min-lr (--lr x cos_min_ratio {_flag_value(ratio)})"
-                )
+                number = (int, float)
+                if not isinstance(ratio, number) or isinstance(ratio, bool):
+                    left.append(f"scheduler.params.cos_min_ratio {json.dumps(ratio)} (no number)")
+                elif isinstance(peak, number) and not isinstance(peak, bool):
+                    flags.append(f"--min-lr {float(peak) * ratio:.6g}")
+                elif lr is not None:
+                    flags.append(f"--min-lr {lr * ratio:.6g}")
+                else:  # (it was '--min-lr (--lr x cos_min_ratio 0.1)', which no shell takes)
+                    at = f"--lr x {_flag_value(ratio)}"
+                    if default_lr is not None:
+                        flags.append(f"--min-lr {default_lr * ratio:.6g}")
+                        at = (
+                            f"--min-lr {default_lr * ratio:.6g} is at megapar-train's --lr "
+                            f"{_flag_value(default_lr)}"
+                        )
+                    left.append(
+                        f"scheduler.params.cos_min_ratio {_flag_value(ratio)} (of the "
+                        f"optimizer's lr, which the file does not give: {at})"
+                    )
             log = params.get("warmup_type", "log") == "log" and warmup not in (0, None)
             if decay is not None and log:
                 left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")

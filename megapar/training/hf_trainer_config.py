@@ -512,21 +512,24 @@ def _inline_deepspeed(
     Trainer fills unlike its own, which the Trainer refuses ("mismatch"). Its scheduler section
     replaces the Trainer's lr_scheduler_type (the Trainer then builds none): the decay's flags of
     `flags` give way to its own."""
+    lr = float(dict(_pairs(flags)).get("--lr", 5e-5))  # a cosine's floor: a ratio of it
     try:
-        more, left, _auto = deepspeed_equivalents(deepspeed)
+        more, left, _auto = deepspeed_equivalents(deepspeed, lr=lr)
     except ConfigError as exc:  # a value where DeepSpeed takes a section
         said.append(f"deepspeed: {exc}")
         return []
     scheduler = deepspeed.get("scheduler")
     if isinstance(scheduler, dict) and scheduler.get("type"):  # (WarmupLR: a constant lr)
-        flags[:] = [f for f in flags if not f.startswith(DECAY_FLAGS)]
+        replaced: tuple[str, ...] = DECAY_FLAGS
+        params = scheduler.get("params")
+        if not isinstance(params, dict) or "warmup_num_steps" not in params:  # DeepSpeed's
+            replaced += ("--warmup-steps ",)  # 1000 (the Trainer fills the key given alone)
+        flags[:] = [f for f in flags if not f.startswith(replaced)]
         said.append(
             f"deepspeed's scheduler {scheduler['type']} replaces the Trainer's "
             f"lr_scheduler_type, as the Trainer lets it"
         )
     ours = dict(_pairs(flags))
-    if "--lr" in ours:  # a cosine's floor as a ratio of the lr the Trainer gives it
-        more = [_min_lr_of(flag, float(ours["--lr"])) for flag in more]
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
@@ -566,13 +569,6 @@ def _inline_deepspeed(
         more = [flag for flag in more if not flag.startswith("--global-batch-size ")]
     said += [f"deepspeed's {key}: no equivalent" for key in left]
     return [flag for flag in more if flag.split()[0] not in ours]
-
-
-def _min_lr_of(flag: str, lr: float) -> str:
-    """A DeepSpeed WarmupCosineLR's "--min-lr (--lr x cos_min_ratio R)" (its optimizer's lr
-    unknown) as the number it is at `lr`; any other flag as it is."""
-    ratio = re.fullmatch(r"--min-lr \(--lr x cos_min_ratio ([^)]+)\)", flag)
-    return f"--min-lr {lr * float(ratio[1]):.6g}" if ratio else flag
 
 
 def _trainer_filled_others(trainer: dict, ours: dict[str, str]) -> dict[str, Any]:
