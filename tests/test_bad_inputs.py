@@ -374,6 +374,10 @@ TRAIN = [
     # GFLOP/s read as TFLOP/s: an MFU of 0.00 % (megapar-plan refuses it too)
     (["--peak-tflops", "989e3"], "--peak-tflops 989000 is more than any GPU's dense peak: give "
      "TFLOP/s, such as 989 for an H100 / H200 in bf16 (989000 GFLOP/s is 989 TFLOP/s)"),
+    # at fp32 the flags are unused first: "raise --initial-loss-scale" was refused next
+    (["--min-loss-scale", "1e6"], "--min-loss-scale 1000000 would be ignored: it sets the fp16 "
+     "loss scale, and --precision is fp32 (no loss scaling): add --precision fp16, or drop "
+     "--min-loss-scale"),
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),

@@ -214,6 +214,20 @@ def test_a_resume_in_another_precision_says_so():
                       "16777216"])
     assert not any("is above the checkpoint's" in n
                    for n in settings_from_checkpoint(cfg, {"meta": meta}))
+    # an fp32 checkpoint resumed in fp16 saved no loss scale: its recorded (default) scale
+    # settings are not taken, so a refusal names no "value --load recorded" and no resumed
+    # scale restarting (a re-test); an fp16 one's are
+    from megapar.training.validate import UsageError, check_settings
+    for saved, taken in (("fp32", False), ("fp16", True)):
+        cfg = parse_args(["--load", "ck", "--precision", "fp16", "--min-loss-scale", "1e6"])
+        meta = {"train_config": {"precision": saved, "tokenizer": "gpt2",
+                                 "initial_loss_scale": 65536.0}}
+        settings_from_checkpoint(cfg, {"meta": meta})
+        assert ("initial_loss_scale" in cfg.from_checkpoint) is taken, saved
+        with pytest.raises(UsageError) as info:
+            check_settings(cfg)
+        assert str(info.value).startswith("--min-loss-scale 1000000 is above ")
+        assert ("restarts there" in str(info.value)) is taken, (saved, info.value)
 
 
 def test_a_static_scale_never_changes():

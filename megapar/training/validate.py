@@ -97,7 +97,8 @@ def _check_combinations(cfg) -> None:
         )
     if refusal := too_fast(cfg.peak_tflops):  # GFLOP/s meant (989e3): an MFU of 0.00 %
         raise UsageError(refusal)
-    if cfg.min_loss_scale > cfg.initial_loss_scale and not cfg.loss_scale:
+    scaled = cfg.precision == "fp16" and not cfg.loss_scale  # else the flags are unused
+    if cfg.min_loss_scale > cfg.initial_loss_scale and scaled:  # (check_unused's line)
         recorded = "initial_loss_scale" in getattr(cfg, "from_checkpoint", ())
         raise UsageError(
             f"--min-loss-scale {scale_text(cfg.min_loss_scale)} is above "

@@ -502,8 +502,10 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         if name == "fp8_layers" and (cfg.fp8 if "fp8" in given else saved.get("fp8")) == "off":
             continue  # no float8 linears this run: nor their choice (it would be saved on)
         precision = cfg.precision if "precision" in given else saved.get("precision")
-        if name in FP16_SCALER and precision != "fp16":
+        if name in FP16_SCALER and "fp16" != precision:
             continue  # no loss scale this run: nor its settings (given, they are refused)
+        if name in FP16_SCALER and saved.get("precision") != "fp16":
+            continue  # no loss scale saved: this fp16 run's starts afresh, at its own flags
         inherited.add(name)
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
