@@ -144,13 +144,29 @@ def _fewer_slices(
     return ", ".join(fixes) + f", or {drop}" if fixes else drop
 
 
-def _no_cut(split: PipelineSplit, of: str) -> str:
-    """That `split`'s flags leave no cut `of` the layers ("no V", "no interleaved cut"), and the
-    fix: a schedule of one chunk per rank, or dropping them ("it" for one flag)."""
+def _no_cut(
+    split: PipelineSplit, of: str, num_layers: int, pp: int, per_rank: int, placement: str
+) -> str:
+    """That `split`'s flags leave no cut `of` the `num_layers` layers ("no V", "no interleaved
+    cut") into `pp` stages of `per_rank` chunks, and the fixes that cut them: a schedule of one
+    chunk per rank, dropping the flags ("it" for one), each at a lower --pp where this one
+    does not cut (each was offered at this --pp alone, and refused next), or both."""
     several = " --" in split.flags()
-    return (
-        f"{split.flags()} {'leave' if several else 'leaves'} {of} of them: use a schedule with "
-        f"one chunk per rank (1f1b, zb-h1), or drop {'them' if several else 'it'}"
+    drop = f"drop {'them' if several else 'it'}"
+    one_chunk = "use a schedule with one chunk per rank (1f1b, zb-h1)"
+    fixes = []
+    for fix, most in (
+        (one_chunk, _most_stages(num_layers, split, 1, "loop")),
+        (drop, _most_stages(num_layers, EVEN, per_rank, placement)),
+    ):
+        if most >= pp:
+            fixes.append(fix)
+        elif most >= 2:
+            fixes.append(f"{fix} at --pp {most}{' or less' if most > 2 else ''}")
+    if not fixes:  # (a block per stage: one chunk per rank, without the flags, cuts 2 stages)
+        fixes.append(f"{one_chunk} and {drop}")
+    return f"{split.flags()} {'leave' if several else 'leaves'} {of} of them: " + ", or ".join(
+        fixes
     )
 
 
@@ -316,7 +332,7 @@ def chunk_specs(
             if most >= 2  # (zb-v and dualpipev take 2 stages or more)
             else f"they need 4 layers or more (2 stages of two chunks): {one_chunk}"
             if split.even
-            else _no_cut(split, "no V")
+            else _no_cut(split, "no V", num_layers, pp, 2, "v")
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into 2 x --pp {pp} = {total} model "
@@ -345,7 +361,7 @@ def chunk_specs(
             else f"an interleaved schedule needs 4 layers or more (2 stages of two chunks): "
             f"{one_chunk}"
             if split.even
-            else _no_cut(split, "no interleaved cut")
+            else _no_cut(split, "no interleaved cut", num_layers, pp, virtual_stages, "loop")
         )
         raise LayoutError(
             f"{counted(num_layers, 'layer')} cannot be cut into --pp {pp} x --virtual-stages "
