@@ -760,7 +760,7 @@ def test_sentencepiece_vocab_size_out_of_reach_names_the_flag(tmp_path, capsys):
     (["--train-tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 is too small"),
     # the tokenizers library's BPE trainer aborted (exit 134, a Rust stack) reserving 70 GB
     (["--train-tokenizer", "bpe", "--vocab-size", "1000000000"],
-     "--vocab-size 1,000,000,000 is more than megapar-data trains: pass 2097152 or less"),
+     "--vocab-size 1000000000 is more than megapar-data trains: pass 2097152 or less"),
     (["--train-tokenizer", "wordpiece", "--vocab-size", "2097153"], "pass 2097152 or less"),
     # it said "drop --tokenizer", a flag not given
     (["--train-tokenizer", "bpe", "--train-sentencepiece", "--vocab-size", "8000"],

@@ -341,7 +341,7 @@ def test_a_layout_the_job_refuses_fails_with_the_jobs_message(capsys, monkeypatc
     (["--json"], "--json only applies to a rehearsal: add --dry-run"),
     # unbounded work: refused from the sizes, with the bound and the way to do it in parts
     (["--dry-run", "--world-size", "10000000"],
-     "--world-size 10,000,000 is more than a dry run rehearses (1,048,576 ranks)"),
+     "--world-size 10000000 is more than a dry run rehearses (1,048,576 ranks)"),
     (["--dry-run", "--world-size", "100000", "--global-batch-size", "100000",
       "--micro-batch-size", "1", "--dry-run-ranks", "all"],
      ("--dry-run-ranks all is 100,000 ranks of a 100,000-rank job, rehearsed one after another: "
@@ -547,7 +547,7 @@ def test_plan_verify_reports_a_rank_the_plan_gets_wrong(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--verify", "100000"], "--verify 100,000 is more layouts than one run dry-runs (at most 32"),
+    (["--verify", "100000"], "--verify 100000 is more layouts than one run dry-runs (at most 32"),
     (["--verify", "1", "--gpus", "2097152", "--global-batch-size", "2097152"],
      "--verify: jobs of 2,097,152 ranks are more than a dry run rehearses (1,048,576 ranks)"),
 ])

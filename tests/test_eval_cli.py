@@ -1174,6 +1174,9 @@ def test_the_default_max_batches_leaving_samples_out_is_said_in_one_line():
         "default --max-batches 8 of --micro-batch-size 4): --max-batches 96 scores all but the "
         "last 2 (only whole batches are scored)")
     assert line(4 * 40 + 1).endswith("--max-batches 10 scores every one")
+    # the flag's value as a shell takes it ("--max-batches 2,980" was refused: invalid int)
+    assert line(4 * 11923 + 1).endswith(": --max-batches 2980 scores all but the last 3 (only "
+                                        "whole batches are scored)")
     assert line(4 * 40 + 1, micro_batch_size=5) is None  # 8 batches of 5 take all 40
     assert line(4 * 386 + 1, given=True) is None
 

@@ -259,7 +259,7 @@ def check_flags(args: argparse.Namespace) -> None:
     training = args.train_tokenizer is not None or args.train_sentencepiece
     if training and args.vocab_size is not None and args.vocab_size > MAX_VOCAB_SIZE:
         raise ValueError(
-            f"--vocab-size {args.vocab_size:,} is more than megapar-data trains: pass "
+            f"--vocab-size {args.vocab_size} is more than megapar-data trains: pass "
             f"{MAX_VOCAB_SIZE} or less (the largest vocabularies in use have about 256,000 "
             f"tokens)"
         )

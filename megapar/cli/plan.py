@@ -931,7 +931,7 @@ def no_fit_line(args, target: str, estimates: list | None = None) -> str:
             f"{state / GIB:.1f} GiB a {'GPU' if target == 'gpu' else 'rank'} on the least "
             f"loaded layout ({lightest.candidate.label()}), more than the "
             f"{usable / GIB:.1f} GiB it has for tensors, so recomputation, context parallelism "
-            f"or a shorter --seq-len cannot help; give --gpus {fewest:,} or more (the state "
+            f"or a shorter --seq-len cannot help; give --gpus {fewest} or more (the state "
             f"shrinks at most in proportion), or more --gpu-memory-gb"
         )
     fixes = ["raise --gpus or --gpu-memory-gb"]

@@ -133,7 +133,7 @@ def check_mode_arguments(args) -> None:
         )
     if args.verify > MAX_VERIFY:
         raise ValueError(
-            f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
+            f"--verify {args.verify} is more layouts than one run dry-runs (at "
             f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
             f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
             f"--explain LAYOUT and its megapar-train command with --dry-run"

@@ -48,7 +48,7 @@ def check_world(world_size: int) -> None:
     """ValueError when a job is larger than a dry run rehearses (`MAX_DRY_RUN_WORLD`)."""
     if world_size > MAX_DRY_RUN_WORLD:
         raise ValueError(
-            f"--world-size {world_size:,} is more than a dry run rehearses ({MAX_DRY_RUN_WORLD:,}"
+            f"--world-size {world_size} is more than a dry run rehearses ({MAX_DRY_RUN_WORLD:,}"
             f" ranks): each rehearsed rank builds all of the job's process groups (30 s and 1 GB"
             f" per rank at {MAX_DRY_RUN_WORLD:,} ranks here, growing with the size); rehearse "
             f"the same --tp / --cp / --pp with fewer dp ranks (keep --global-batch-size / dp: "

@@ -304,7 +304,7 @@ def _capped(args, shown: str, samples: int, unit: str) -> str:
     return (
         f"megapar-eval: scores the first {k * b:,} of the {counted(samples, unit)} of --data "
         f"{shown} (the default --max-batches {k} of --micro-batch-size {b}): --max-batches "
-        f"{every:,} scores {rest}"
+        f"{every} scores {rest}"
     )
 
 
