@@ -625,6 +625,12 @@ def test_a_resumed_warmup_longer_than_a_shortened_run_names_the_checkpoint(env, 
         f"megapar-train: error: --warmup-steps 4 (not given: the value --load {ckpt} recorded) "
         f"is longer than the 3 steps of --max-steps 3; give --warmup-steps 3 or fewer (the "
         f"steps after the checkpoint follow the new schedule), or --max-steps 4 or more")
+    # at the checkpoint's step or below, nothing is left to train: said first (it offered
+    # --warmup-steps 1, refused next for this; a new user's tryout)
+    assert train(["--load", str(ckpt), "--max-steps", "1"]) == 2
+    assert _one_line(capsys, "megapar-train") == (
+        f"megapar-train: error: --load {ckpt} is at step 1 and --max-steps is 1: nothing left "
+        f"to train; raise --max-steps")
 
 
 def test_a_model_configs_vocabulary_smaller_than_the_tokenizers_names_both_counts(

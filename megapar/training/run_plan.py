@@ -76,6 +76,7 @@ from megapar.training.validate_resume import (
     check_resumable_without_data,
     check_same_data,
     check_save_format,
+    check_steps_left,
     checked_step,
     checkpoint_manifest,
     replay_past,
@@ -339,6 +340,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             )
             + ", which the logged lr shows"
         )
+    check_steps_left(cfg, manifest)  # before the schedule: it would not run
     _check_resumed_warmup(cfg)
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written

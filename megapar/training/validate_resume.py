@@ -991,11 +991,19 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
                 f"{shown}; with --load the model comes from the checkpoint, drop "
                 f"--model / --from-hf"
             )
-    if cfg.replay and cfg.replay <= int(manifest.get("step", 0)):
+    check_steps_left(cfg, manifest)
+    return config
+
+
+def check_steps_left(cfg, manifest: dict | None) -> None:
+    """UsageError where --load's checkpoint (`manifest`; None: a fresh start) is past a
+    --replay's step (naming the checkpoint to load), or at --max-steps or past it: nothing left
+    to train. Checked before the schedule the run would follow (a checkpoint's warmup longer
+    than the new --max-steps offered --warmup-steps 2, refused next for this)."""
+    if manifest is not None and cfg.replay and cfg.replay <= int(manifest.get("step", 0)):
         raise UsageError(replay_past(cfg, int(manifest.get("step", 0))))
-    if cfg.max_steps <= int(manifest.get("step", 0)):
+    if manifest is not None and cfg.max_steps <= int(manifest.get("step", 0)):
         raise UsageError(
             f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
             f"is {cfg.max_steps}: nothing left to train; raise --max-steps"
         )
-    return config
