@@ -397,6 +397,22 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
         "prompt": "Hello world", "sample": 0, "completion": " and so on",
         "prompt_ids": tok.encode("Hello world"), "new_ids": new, "stop": "eos"}
 
+    # several samples: one line for those ended, after the last (a line for each was 63 lines
+    # for --samples 64, each offering --samples N; a new user's tryout)
+    def three_samples(worker, world_size, args, **kwargs):
+        args.printer.batch(0, [(new, "eos"), ([*new[:-1], 5, 6], "max_new_tokens"),
+                               ([new[0], EOS], "eos")])
+        args.printer.finish()
+        return [None]
+
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", three_samples)
+    assert generate([*argv, "--samples", "3"]) == 0
+    said = capsys.readouterr()
+    assert said.out.count("-" * 15) == 3 and said.err == (
+        "megapar-generate: 2 of the 3 samples ended where the model chose its end-of-text "
+        "token, after 1 to 3 new tokens of --max-new-tokens 100 (--json's \"stop\" names "
+        "each)\n"), said.err
+
 
 def test_the_positions_note_counts_one_new_token_in_the_singular():
     from megapar.cli.generate import positions_note

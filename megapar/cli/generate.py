@@ -439,6 +439,18 @@ def eos_note(prompt: int, sample: int, shape: tuple[int, int], new_len: int, mos
     )
 
 
+def ended_note(ended: list[int], most: int, samples: int) -> str:
+    """The stderr line for the `ended` of several `samples` (their new tokens each) that the
+    model ended with its end-of-text token before --max-new-tokens `most`."""
+    lo, hi = min(ended), max(ended)
+    after = f"{counted(lo, 'new token')}" if lo == hi else f"{lo} to {hi} new tokens"
+    return (
+        f"megapar-generate: {len(ended)} of the {samples} samples ended where the model chose "
+        f'its end-of-text token, after {after} of --max-new-tokens {most} (--json\'s "stop" '
+        f"names each)"
+    )
+
+
 def _sample_named(prompt: int, sample: int, shape: tuple[int, int]) -> str:
     """ "prompt 1's sample 2", or "the sample" where there is one prompt and one sample."""
     prompts, samples = shape
@@ -456,6 +468,21 @@ class SamplePrinter:
     def __init__(self, args, tok: Tokenizer, prompts: list[str], limit_name: str):
         self.args, self.tok, self.prompts, self.limit_name = args, tok, prompts, limit_name
         self.closed = False
+        self.ended: list[int] = []
+        """New tokens of each sample the model ended with its end-of-text token (of several)."""
+
+    def finish(self) -> None:
+        """After the last batch: one stderr line for the samples the model ended with its
+        end-of-text token, where there were several (a line for each was 63 lines for
+        --samples 64, each offering --samples N)."""
+        if self.ended and not self.closed:
+            sys.stdout.flush()
+            samples = len(self.args.prompt_ids) * self.args.samples
+            print(
+                ended_note(self.ended, self.args.max_new_tokens, samples),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def batch(self, start: int, samples: list[tuple[list[int], str]]) -> None:
         """Print `samples`, the batch whose first sample is sample `start` of the command."""
@@ -484,13 +511,15 @@ class SamplePrinter:
                 p, i % args.samples, shape, self.limit_name, len(ids), len(new_ids)
             )
             print(note, file=sys.stderr, flush=True)
-        elif stop == "eos" and not args.json:  # --json says so in its "stop"
+        elif stop == "eos" and not args.json and shape == (1, 1):  # --json: its "stop"
             sys.stdout.flush()  # the note above its sample on a terminal
             print(
                 eos_note(p, i % args.samples, shape, len(text), args.max_new_tokens),
                 file=sys.stderr,
                 flush=True,
             )
+        elif stop == "eos" and not args.json:  # several: one line at the end (`finish`)
+            self.ended.append(len(text))
         if args.json:
             record = {
                 "prompt": self.prompts[p],
@@ -534,6 +563,8 @@ def _worker(args):
         )
         if mesh.rank == 0:  # printed as each batch finishes
             args.printer.batch(start, [(out.new_ids, out.stop) for out in outs])
+    if mesh.rank == 0:
+        args.printer.finish()
 
 
 def _run(args):
