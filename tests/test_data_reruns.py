@@ -746,6 +746,20 @@ def test_a_moved_sentencepiece_models_copy_is_asked_for_as_its_file(tmp_path):
     with pytest.raises(ValueError, match=r"--tokenizer .*moved is a directory holding its copy: "
                                          r"give the file, --tokenizer .*moved/sp\.model$"):
         data_tokenizer(folder)  # (it said the folder was no copy of it; a re-test)
+    # megapar-eval's --data says the same (it said "tokenizer '.../tok/sp.model': no such
+    # file", a path never typed, with --tokenizer given or not; a re-test)
+    from types import SimpleNamespace
+
+    from megapar.data import IndexedDataset
+    from megapar.training.eval_text import data_tokenizer as eval_tokenizer
+
+    for given, said in [(None, r"give a copy of its file as --tokenizer FILE\.model"),
+                        (str(tmp_path / "moved"), r"is a directory holding its copy: give the "
+                                                  r"file, --tokenizer .*moved/sp\.model$")]:
+        with pytest.raises(ValueError, match=r"^--data .*d was made with the tokenizer at .*tok/"
+                                             r"sp\.model, which is not there now .*" + said):
+            eval_tokenizer(SimpleNamespace(data=prefix, tokenizer=given),
+                           IndexedDataset(prefix, given))
     copy = TrainConfig(data=prefix, tokenizer=str(tmp_path / "moved" / "sp.model"))
     copy.explicit = frozenset({"data", "tokenizer"})
     assert data_tokenizer(copy)[1].path == str(tmp_path / "moved" / "sp.model")

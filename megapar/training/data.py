@@ -405,26 +405,42 @@ def data_tokenizer(cfg: TrainConfig):
         return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
     given = given_now(cfg)
     take_moved_copy(indexed.tokenizer_spec, _named_tokenizer(cfg))  # its files copied elsewhere
+    named = cfg.tokenizer if "tokenizer" in given else None
+    tokenizer = load_dataset_tokenizer(data, indexed.tokenizer_spec, named)
+    check_dataset_tokenizer(data, indexed.tokenizer_spec, tokenizer)
+    # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
+    # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
+    if "tokenizer" in given:  # a resumed run's model keeps its checkpoint's tokenizer
+        check_given_tokenizer(cfg.tokenizer, data, tokenizer, checkpoint=bool(cfg.load))
+    return indexed.vocab_size, tokenizer
+
+
+def load_dataset_tokenizer(data: str, spec: dict, given: str | None):
+    """The tokenizer prepared dataset `data` records (`spec`), or ValueError in one line where
+    it does not load: its files not there now (moved or deleted), with how to give a copy, or
+    naming the directory `given` as --tokenizer that holds the SentencePiece model's copy; a
+    --tokenizer `given` that is no copy of it is said as such (megapar-train's and
+    megapar-eval's)."""
     try:
-        tokenizer = load_tokenizer(indexed.tokenizer_spec)
+        return load_tokenizer(spec)
     except (OSError, ValueError) as exc:
-        path = indexed.tokenizer_spec.get("path")
+        path = spec.get("path")
         copy = (  # a --tokenizer given as its copy whose files are not the recorded ones
-            f"--tokenizer {cfg.tokenizer} is no copy of it (its files' sha256 are not the "
+            f"--tokenizer {given} is no copy of it (its files' sha256 are not the "
             f"ones the dataset records); "
-            if "tokenizer" in given
+            if given
             else ""
         )
-        held = _model_copy_in(cfg.tokenizer, indexed.tokenizer_spec) if copy else None
+        held = _model_copy_in(given, spec) if given else None
         form = (  # a SentencePiece model is one file
             "its file as --tokenizer FILE.model"
-            if indexed.tokenizer_spec.get("kind") == "sentencepiece"
+            if spec.get("kind") == "sentencepiece"
             else "its files as --tokenizer DIR"
         )
         if held is not None:  # a directory holding the SentencePiece model's copy
             raise ValueError(
                 f"--data {data} was made with the tokenizer at {path}, which is not there now "
-                f"(moved or deleted?); --tokenizer {cfg.tokenizer} is a directory holding its "
+                f"(moved or deleted?); --tokenizer {given} is a directory holding its "
                 f"copy: give the file, --tokenizer {shell_word(held)}"
             ) from None
         why = (
@@ -439,12 +455,6 @@ def data_tokenizer(cfg: TrainConfig):
             f"dataset keeps the tokenizer it was made with; another --tokenizer does not "
             f"replace it)"
         ) from None
-    check_dataset_tokenizer(data, indexed.tokenizer_spec, tokenizer)
-    # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
-    # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
-    if "tokenizer" in given:  # a resumed run's model keeps its checkpoint's tokenizer
-        check_given_tokenizer(cfg.tokenizer, data, tokenizer, checkpoint=bool(cfg.load))
-    return indexed.vocab_size, tokenizer
 
 
 EXACTLY_COUNTED = 1_000_000

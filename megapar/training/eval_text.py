@@ -24,7 +24,7 @@ from megapar.data.inputs import (
     reads_key,
 )
 from megapar.training.config import TrainConfig
-from megapar.training.data import resolve_data_prefix
+from megapar.training.data import load_dataset_tokenizer, resolve_data_prefix
 from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     data_tokenizer_spec,
@@ -177,7 +177,9 @@ def data_tokenizer(args, indexed):
     spec = indexed.tokenizer_spec
     if given is not None:
         spec = data_tokenizer_spec(getattr(args, "data_shown", args.data), given, spec)
-    return load_tokenizer(spec)
+        return load_tokenizer(spec)
+    # a prepared dataset whose tokenizer moved: how to give its copy, as megapar-train says
+    return load_dataset_tokenizer(args.data, spec, args.tokenizer)
 
 
 def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | None = None) -> str:
