@@ -569,6 +569,14 @@ def test_cli_json_and_explain(capsys):
     assert data["layouts"][0]["fits"] and data["rejected"] > 0
     code, out = _cli(capsys, *base, "--explain", "tp=5,pp=1")
     assert code == 1 and "12 attention heads are not divisible by tp=5" in out.out
+    assert out.out.strip().endswith("; of those, --gpus 8 take tp=1, 2 or 4"), out.out
+    # the tp --gpus takes too: at --gpus 3 the model's "use tp=1, 2 or 4" were each refused
+    # but tp=1 (as megapar-train says for a fixed world; a re-test)
+    code, out = _cli(capsys, "--model", "llama-tiny", "--gpus", "3", "--seq-len", "32",
+                     "--explain", "tp=3")
+    assert code == 1 and out.out.strip().endswith(
+        "use tp=1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, "
+        "--gpus 3 take tp=1"), out.out
     code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=2,recompute=selective")
     assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
     code, out = _cli(capsys, *base, "--seq-len", "4096")

@@ -16,6 +16,7 @@ a schedule megapar does not implement yet), communication from byte counts and b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -66,6 +67,7 @@ from megapar.plan.layouts import (
     ZERO_STAGES,
     default_cp_sizes,
     model_refusal,
+    tps_the_gpus_take,
 )
 from megapar.plan.params import model_params
 from megapar.plan.problem import runs_fused_attention
@@ -711,6 +713,9 @@ def _explain(args, problem) -> int:
         raise ValueError(offload_refused(f"--explain offload={c.offloaded()}", problem.optimizer))
     batch = batch_json(problem, getattr(args, "batch_assumed", False))
     reason = check(c, problem)
+    model = model_refusal(dataclasses.replace(c, dp=max(c.dp, 1)), problem.config)
+    if reason and model and reason.endswith(model):  # the model's: the tp --gpus takes too
+        reason += tps_the_gpus_take(c, problem)
     if reason:
         if args.json:
             print(json.dumps({"layout": c.label(), "valid": False, "reason": reason, **batch}))

@@ -329,6 +329,26 @@ def model_refusal(c: Candidate, config) -> str | None:
     return None
 
 
+def tps_the_gpus_take(c: Candidate, p: Problem) -> str:
+    """Beside the model's refusal of `c`'s tp: the tp values both the model and --gpus take at
+    `c`'s cp and pp ("" where each one offered fits, or none does); the model offered tp=4 to
+    3 GPUs, refused next (megapar-train's `tps_the_world_takes`, in the layout's keys)."""
+
+    def model_takes(tp: int) -> bool:
+        try:
+            p.config.validate(Layout(tp, c.pp, 1, cp=c.cp), api=True)
+        except LayoutError:
+            return False
+        return True
+
+    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
+    fits = [str(t) for t in offered if p.gpus % (t * c.pp * c.cp) == 0]
+    if not fits or len(fits) == len(offered):
+        return ""
+    at = "".join(f", {n}={v}" for n, v in (("cp", c.cp), ("pp", c.pp)) if v > 1)
+    return f"; of those, --gpus {p.gpus}{at} take{'s' if p.gpus == 1 else ''} tp={or_list(fits)}"
+
+
 def check(c: Candidate, p: Problem) -> str | None:
     """Why candidate `c` cannot run for problem `p` (its model, GPUs, GPUs per node, global
     batch and sequence length; one sentence naming the fix), or None if it can; for dp 0 (no
