@@ -4,6 +4,8 @@ compare, or two diverged runs, is no pass (a fuzz run's audit of the tool)."""
 import math
 from pathlib import Path
 
+import pytest
+
 from repo_script import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,15 @@ def test_a_results_file_cut_short_is_read_up_to_its_last_whole_record(tmp_path, 
     results.write_text('{"index": 0, "case": {"--tp": 2}}\n{"index": 1, "ca')
     assert [r["index"] for r in fuzz.read_records(results)] == [0]
     assert f"{results}:2 is no whole record" in capsys.readouterr().out
+    # a whole line that is no record was a TypeError / KeyError traceback, a file not UTF-8 a
+    # UnicodeDecodeError one (a re-test)
+    results.write_text('{"index": 0, "case": {"--tp": 2}}\n[1, 2]\n{"index": 2}\n')
+    assert [r["index"] for r in fuzz.read_records(results)] == [0]
+    out = capsys.readouterr().out
+    assert f"{results}:2 is no record (no index and case)" in out and f"{results}:3 is" in out
+    results.write_bytes(b"\xff\xfeab")
+    with pytest.raises(SystemExit, match=r"--replay .*results.jsonl: not a results file"):
+        list(fuzz.read_records(results))
 
 
 def test_the_references_keep_what_changes_the_computation_and_no_more():

@@ -957,13 +957,23 @@ def run_case(case: dict, out: Path, index: int, weights: bool) -> dict:
 
 
 def read_records(path: Path):
-    """The records of a results.jsonl, a line cut short (a run stopped while writing it, a
-    full disk) left out with a note."""
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    """The records of a results.jsonl, a line that is no record (cut short by a run stopped while
+    writing it or a full disk, another JSON value, one without its index and case) left out with
+    a note; a file that is not UTF-8 text, or not there, refused in one line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"layout_fuzz: --replay {path}: not a results file ({exc})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         try:
-            yield json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             print(f"layout_fuzz: {path}:{number} is no whole record (cut short?); left out")
+            continue
+        if not (isinstance(record, dict) and {"index", "case"} <= set(record)):
+            print(f"layout_fuzz: {path}:{number} is no record (no index and case); left out")
+            continue
+        yield record
 
 
 def parse_case(text: str) -> dict:
