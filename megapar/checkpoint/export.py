@@ -115,11 +115,12 @@ def export_hf(
         if e.get("buffer"):  # the balancing bias: transformers' Mixtral / Qwen3-MoE have none
             if reader.shard(name, None, 1, 0, None).any():
                 reader.release()
+                rate = option("moe_bias_update_rate", "0", api)
                 raise CheckpointError(
                     f"{name} is not zero (auxiliary-loss-free balancing, "
                     f"moe_bias_update_rate): transformers' {ARCHITECTURES[config.model_type]} "
                     f"routes without such a bias, so the export would not be this model; "
-                    f"evaluate it with megapar-eval, or train with moe_bias_update_rate 0 to export"
+                    f"evaluate it with megapar-eval, or train with {rate} to export"
                 )
             continue
         dim = e["tp_dim"]
