@@ -30,6 +30,7 @@ import torch.distributed.nn  # noqa: F401
 from megapar import shared_gpu
 from megapar.env_seconds import TIMEOUT_ENV, env_seconds
 from megapar.faults import stop
+from megapar.faults.blame import JOIN_BOUND_EXIT
 from megapar.faults.status import set_action
 from megapar.wording import counted, first_few
 
@@ -437,8 +438,8 @@ def connect_bound(what: str, wait_s: float, rank: int):
     """Around the creation of a gloo process group (`what`, e.g. "joining the process group"):
     if it has not returned `CONNECT_BOUND` x `wait_s` after it began, the rank writes one line
     (what, how long, --timeout-s), runs the forced-exit cleanups (its --save lock) and exits
-    with code 1, which a wait inside gloo cannot see otherwise. A connection gloo gives up on
-    at once (a member's address refuses it) is a ConnectionError in one line
+    with code `JOIN_BOUND_EXIT`, which a wait inside gloo cannot see otherwise. A connection
+    gloo gives up on at once (a member's address refuses it) is a ConnectionError in one line
     (`connect_failure`) instead of gloo's. Nothing on NCCL."""
     if backend() == "nccl":
         yield
@@ -458,10 +459,10 @@ def connect_bound(what: str, wait_s: float, rank: int):
                 if CONNECT_BOUND * wait_s < SHORT_JOIN_S
                 else ""
             )
-            + "; exiting with code 1"
+            + f"; exiting with code {JOIN_BOUND_EXIT}"
             + "".join(f"; {d}" for d in cleaned)
         )
-        os._exit(1)
+        os._exit(JOIN_BOUND_EXIT)
 
     threading.Thread(target=watch, name="megapar-connect-bound", daemon=True).start()
     try:
@@ -690,7 +691,9 @@ def init_distributed(
         torch.cuda.set_device(dev)
     wait = timeout_s or DEFAULT_TIMEOUT_S
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
-    set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
+    set_action(
+        f"joining the process group (all {world_size} ranks, bounded by --timeout-s {wait:g})"
+    )
     # the launcher's own workers are watched by it; a rank of torchrun's or srun's waits alone
     joined = waiting_notice(rank, world_size, wait) if store is None else threading.Event()
     # env:// outside torchrun: rank 0's process holds the store, and waits in its own

@@ -468,6 +468,9 @@ def test_a_rank_that_exits_143_is_said_to_have_ended_on_a_sigterm():
 
     assert _how(143).startswith("exited with code 143 on a SIGTERM (a rank still blocked")
     assert _how(3) == "exited with code 3 without reporting an error"
+    # a rank whose wait to join ran out writes its own line first, then exits 124: the
+    # launcher said it exited "without reporting an error" under it (a re-test)
+    assert _how(124) == "exited with code 124: its wait to join ran out (its own line above)"
 
 
 def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffer():
@@ -1524,7 +1527,7 @@ def test_a_torchrun_rank_waiting_for_the_group_obeys_sigterm_and_releases_its_lo
     text = err.read_text()
     first = text.splitlines()[0]
     assert first.startswith("megapar: rank 0: SIGTERM ") and (
-        "joining the process group (waiting up to 120 s for all 2 ranks) (a wait that "
+        "joining the process group (all 2 ranks, bounded by --timeout-s 120) (a wait that "
         "cannot see the signal)" in first) and "; --save lock released" in first and (
         first.endswith("; its Python stacks:")), text
     assert "in init_distributed" in text, text
@@ -1981,6 +1984,25 @@ def test_a_failure_log_that_save_cannot_hold_goes_to_the_cache(tmp_path):
                    "staging directory"
     assert log is not None and log.startswith(str(tmp_path / "cache" / "logs" / "run-"))
     assert log.endswith("rank1.log") and open(log).read().startswith(text)
+
+
+
+def test_a_timeout_under_a_bound_below_a_second_names_the_bound(tmp_path):
+    """--timeout-s 0.01: a wait of 10 ms timed out at step 1 ("Timed out waiting 10ms for recv
+    operation to complete") with no word on the bound given; the line says it may be too short.
+    Not at the default bound, nor for another error."""
+    from megapar.cli import train as train_cli
+    from megapar.training.config import parse_args
+
+    text = "rank 0 failed: step 1: RuntimeError: Timed out waiting 10ms for recv operation\nTb"
+    for flags, said in ((["--timeout-s", "0.01"], True), ([], False)):
+        cfg = parse_args([*flags, "--data-cache", str(tmp_path / "cache")])
+        line, _ = train_cli._failure_log(cfg, [], text, None)
+        assert line.endswith("(--timeout-s 0.01 bounds every wait on other ranks: under 1 s it "
+                             "may be too short for them to answer; raise it)") is said, line
+    cfg = parse_args(["--timeout-s", "0.01", "--data-cache", str(tmp_path / "cache")])
+    line, _ = train_cli._failure_log(cfg, [], "rank 0 failed: ValueError: bad\nTb", None)
+    assert "--timeout-s" not in line, line
 
 
 def test_gloo_noise_is_left_out_of_a_ranks_error():

@@ -24,7 +24,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.worker_exit import parser_errors_once, refused
-from megapar.device import DeviceError, check_gpus, use_cuda
+from megapar.device import SHORT_JOIN_S, DeviceError, check_gpus, use_cuda
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import expert_tp_note, planned_job
 from megapar.dryrun.sample import check_world
@@ -364,6 +364,12 @@ def _failure_log(
     line, log = worker_failure(text, _rank_log_dir(cfg, made), rank)
     if log is None and cfg.save:
         line, log = worker_failure(text, log_dir_for(None, cfg.data_cache), rank)
+    timed_out = any(w in line.lower() for w in ("timed out", "timeout", "time out"))
+    if timed_out and cfg.timeout_s < SHORT_JOIN_S and "--timeout-s" not in line:
+        line += (  # (a wait of 10 ms timed out at step 1, with no word on the bound given)
+            f" (--timeout-s {cfg.timeout_s:g} bounds every wait on other ranks: under "
+            f"{SHORT_JOIN_S:g} s it may be too short for them to answer; raise it)"
+        )
     return line, log
 
 

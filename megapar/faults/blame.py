@@ -29,6 +29,11 @@ CUT_SHORT = 128 + signal.SIGTERM
 stop's grace was up."""
 
 
+JOIN_BOUND_EXIT = 124
+"""A rank's exit code where its wait to join a gloo process group ran out (`device.connect_bound`,
+which writes its own line first; timeout(1)'s code)."""
+
+
 def _how(exitcode: int) -> str:
     if exitcode < 0:
         try:
@@ -41,6 +46,8 @@ def _how(exitcode: int) -> str:
             f"exited with code {exitcode} on a SIGTERM (a rank still blocked in a wait when "
             f"the stop's grace is up exits so, writing its stacks)"
         )
+    if exitcode == JOIN_BOUND_EXIT:  # its line above says how long and why
+        return f"exited with code {exitcode}: its wait to join ran out (its own line above)"
     return f"exited with code {exitcode} without reporting an error"
 
 
