@@ -270,6 +270,33 @@ def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, mon
     assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
 
 
+def test_a_sigterm_after_the_rank_in_this_process_trained_names_its_step(tmp_path, common,
+                                                                          monkeypatch):
+    """Under torchrun a rank killed mid-run left rank 0 saying "aborted (SIGTERM while
+    starting)" after 50 steps (torchrun's SIGTERM to every rank came while rank 0 reported the
+    lost connection; a re-test): the line names the step and action it was at, and that the
+    launcher stops every rank when one fails."""
+    import megapar.cli.train as train_cli
+    from megapar.faults import status
+
+    def trained_then_sigterm(*args, **kwargs):  # a torchrun rank in this process
+        status.begin()
+        status.set_step(51)
+        status.set_action("all-reduce of the gradients")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(train_cli, "run_workers", trained_then_sigterm)
+    monkeypatch.setattr(train_cli, "under_launcher", lambda: True)
+    pid = _fork_main([*common, "--max-steps", "2"], tmp_path / "out")
+    _, code = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(code) == 143, out
+    assert out.strip().splitlines()[-1] == (
+        "megapar-train: aborted (SIGTERM at step 51, all-reduce of the gradients, as the "
+        "launcher stops every rank when one fails: see the others' lines): nothing saved"), out
+
+
 def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path, common):
     """--save-interval 1: the step the SIGINT stops after is saved already, so no "saving"
     is followed by no "saved" line; the message says that step was saved."""

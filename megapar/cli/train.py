@@ -28,6 +28,7 @@ from megapar.device import SHORT_JOIN_S, DeviceError, check_gpus, use_cuda
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import expert_tp_note, planned_job
 from megapar.dryrun.sample import check_world
+from megapar.faults import status as rank_status
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import (
     log_dir_for,
@@ -478,12 +479,19 @@ def _run(
         if exc.code != SIGTERM_EXIT_CODE or previous is None:
             raise
         _remove_dead_saves(cfg)
-        why = (
-            "SIGTERM while starting"  # before the launcher forwards it to the workers
-            if "SIGTERM" in forward
-            else f"SIGTERM, which --exit-signals {cfg.exit_signals!r} does not name, so no "
-            f"save at the stop"
-        )
+        if "SIGTERM" not in forward:
+            why = (
+                f"SIGTERM, which --exit-signals {cfg.exit_signals!r} does not name, so no save "
+                f"at the stop"
+            )
+        elif rank_status.current().step is None:  # before the launcher forwards it
+            why = "SIGTERM while starting"
+        else:  # this process's rank (torchrun's, srun's) trained, and was stopped in a wait
+            why = f"SIGTERM at {rank_status.status()}" + (
+                ", as the launcher stops every rank when one fails: see the others' lines"
+                if under_launcher()  # (its own line may be lost: it said 'while starting')
+                else ""
+            )
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return SIGTERM_EXIT_CODE
     finally:
