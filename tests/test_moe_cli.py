@@ -277,6 +277,8 @@ def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
         losses[run] = {r["step"]: r["loss"] for r in _records(log)}
         if run == "z3":  # its step-3 checkpoint rewritten for tp 2
             assert convert([str(z3), str(tp2), "--tp", "2", "--pp", "1", "--no-progress"]) == 0
+            written = json.loads((tp2 / "step_00000003" / "manifest.json").read_text())
+            assert written["layout"]["ep"] == 2, written["layout"]  # kept (it was dropped)
         else:
             saved[run], _ = _canonical(tmp_path / f"{run}_ck" / "step_00000004")
     assert set(losses["z3"]) == {3}

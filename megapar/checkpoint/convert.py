@@ -10,6 +10,7 @@ DST and renamed at the end, so a failure leaves DST untouched.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -338,9 +339,9 @@ def convert_checkpoint(
     """Rewrite checkpoint `src` (ROOT or step dir) for layout tp x pp (x dp) as root `dst`.
 
     Weights and optimizer moments are resharded exactly; the manifest is carried over with the
-    new layout. RNG states belong to ranks: they are copied into the same layout (the same tp, pp
-    and dp keep the source's cp, ep and rank order too), and dropped (the fact noted in meta)
-    into another."""
+    new layout (the source's ep and rank order kept where the new dp takes them). RNG states
+    belong to ranks: they are copied into the same layout (the same tp, pp and dp keep the
+    source's cp, ep and rank order too), and dropped (the fact noted in meta) into another."""
     step_dir = resolve_checkpoint(src)
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
         raise CheckpointError(
@@ -363,6 +364,10 @@ def convert_checkpoint(
     layout = Layout(tp, pp, dp)
     if all(manifest["layout"].get(k, 1) == v for k, v in zip(("tp", "pp", "dp"), (tp, pp, dp))):
         layout = Layout(**manifest["layout"])  # a copy keeps the whole layout: its cp, ep, order
+    else:  # its ep and rank order, which add no ranks, where the new dp still takes the ep
+        kept = {k: manifest["layout"][k] for k in ("ep", "order") if k in manifest["layout"]}
+        with contextlib.suppress(LayoutError):  # (it wrote tp=2 dp=2 of a dp=2 ep=2 source)
+            layout = Layout(tp, pp, dp, **kept)
     source = manifest["tensors"]
     target = model_tensors(step_dir, manifest, layout)
     for name, e in target.items():
