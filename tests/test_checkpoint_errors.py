@@ -458,3 +458,27 @@ def test_latest_naming_a_path_outside_the_root_is_refused(src, tmp_path, target,
         resolve_checkpoint(root)
     assert main(["--info", str(root)]) == 2
     assert "latest holds" in _one_line(capsys)
+
+
+def test_an_empty_config_or_shard_index_of_a_transformers_dir_is_one_line(tmp_path, capsys):
+    """An empty model.safetensors.index.json was a KeyError traceback ('weight_map'), and an
+    empty config.json was told its model (model_type None) is not one megapar builds (a
+    re-test): each names the file and the fix, before anything is written."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = tmp_path / "hf"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).save_pretrained(
+        hf, max_shard_size="20KB")
+    capsys.readouterr()  # transformers' own lines
+    for name, said in (("model.safetensors.index.json", "maps no tensor to its shards (no "
+                        "weight_map): copy the model directory again"),
+                       ("config.json", "is empty: a transformers model's config.json holds "
+                        "its settings; copy the model directory again")):
+        whole = (hf / name).read_text()
+        for text in ("", "{}"):
+            (hf / name).write_text(text)
+            assert main(["--from-hf", str(hf), str(tmp_path / "ck"), "--no-progress"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and f"{hf / name} {said}" in err, err
+            assert not (tmp_path / "ck").exists()
+        (hf / name).write_text(whole)

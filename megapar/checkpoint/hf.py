@@ -174,6 +174,11 @@ class HFReader:
         if not cfg.exists():
             raise FileNotFoundError(_not_transformers(self.path))
         raw = load_config_file(cfg)
+        if not raw:  # (it was "its model (model_type None) is not a model megapar builds")
+            raise ConfigError(
+                f"{cfg} is empty: a transformers model's config.json holds its settings; copy "
+                f"the model directory again (or save it again with save_pretrained)"
+            )
         _refuse_megapar_parts(raw, cfg)
         _refuse_other_model(raw, self.path)
         try:
@@ -188,8 +193,13 @@ class HFReader:
             self._get = self._file.get_tensor
             self._shape = lambda key: self._file.get_slice(key).get_shape()
         elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
-            index = load_config_file(self.path / "model.safetensors.index.json")
-            weight_map: dict[str, str] = index["weight_map"]
+            index_file = self.path / "model.safetensors.index.json"
+            weight_map = load_config_file(index_file).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:  # (a KeyError traceback)
+                raise ConfigError(
+                    f"{index_file} maps no tensor to its shards (no weight_map): copy the "
+                    f"model directory again (or save it again with save_pretrained)"
+                )
             opened: dict[str, object] = {}
             held: dict[str, set[str]] = {}  # each shard's tensor names
 
