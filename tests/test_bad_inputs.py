@@ -3308,3 +3308,10 @@ def test_yamls_unquoted_off_is_a_choice_of_nothing_or_refused_naming_yaml(tmp_pa
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(config)])
         assert str(info.value).startswith(f"{config}: {said}"), info.value
+    # a JSON file's true / false is written so: no word of YAML, nor of quotes (a re-test)
+    config = tmp_path / "c.json"
+    config.write_text('{"save": false}')
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(config)])
+    assert str(info.value) == f"{config}: --save false is invalid: give its value, or remove " \
+                              f"the key", info.value

@@ -598,11 +598,17 @@ def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
     nothing = next((c for c in ("off", "none") if c in choices), None)
     if value is False and nothing:
         return nothing
-    said = (
-        f"{path}: {flag} {str(value).lower()} is invalid (YAML reads an unquoted yes / no / on / "
-        f"off as true / false)"
+    yaml = str(path).endswith((".yaml", ".yml"))  # JSON's true / false is written as such
+    said = f"{path}: {flag} {str(value).lower()} is invalid" + (
+        " (YAML reads an unquoted yes / no / on / off as true / false)" if yaml else ""
     )
-    fix = f"choose one of {', '.join(choices)}" if choices else "give its value in quotes"
+    fix = (
+        f"choose one of {', '.join(choices)}"
+        if choices
+        else "give its value in quotes"
+        if yaml
+        else "give its value"
+    )
     raise ConfigError(f"{said}: {fix}, or remove the key")
 
 
