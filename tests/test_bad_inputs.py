@@ -1563,7 +1563,13 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                         "--loss-scale S"),
                        ("dynamic_loss_scale: true", "megapar's fp16 loss scale is dynamic "
                         "unless --loss-scale S is given: drop it"),
-                       ("mock_data: false", "false asks for your corpus: --data PATH")):
+                       ("mock_data: false", "false asks for your corpus: --data PATH"),
+                       # a flag whose default is no "off" is not said to be the default
+                       # (lr_scheduler: false was "leaves it off, as megapar-train does")
+                       ("lr_scheduler: false", "did you mean --lr-decay (the learning rate's "
+                        "schedule"),
+                       ("accumulate_allreduce_grads_in_fp32: false", "false reduces the "
+                        "gradients in the 16-bit dtype: --grad-reduce-dtype bf16")):
         config.write_text(text + "\n")
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])

@@ -704,6 +704,13 @@ def refused_flag(flags: list[str]) -> str | None:
     return None
 
 
+def _off_by_default(flag: str) -> bool:
+    """Whether megapar-train's `flag` is off unless given: a switch, or a default of none, off,
+    0 or no value (--recompute, --zero, --load); not --lr-decay (cosine) nor an auto."""
+    f = {g.name: g for g in fields(TrainConfig)}.get(flag.removeprefix("--").replace("-", "_"))
+    return f is not None and f.default in (False, None, 0, "none", "off")
+
+
 def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says); `dp`, the
@@ -766,8 +773,9 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
             else "valid keys are the megapar-train flags"
         )
         other = other_tools_answer(key)
-        if other and data[key] is False and false_answer(key, other):  # bf16: false asks
-            hint = str(false_answer(key, other))  # for no --precision bf16
+        off = false_answer(key, other, _off_by_default) if other and data[key] is False else None
+        if off:  # bf16: false asks for no --precision bf16
+            hint = off
         elif other and data[key] is True and key in TRUE_ANSWERS:
             hint = TRUE_ANSWERS[key]
         elif other:

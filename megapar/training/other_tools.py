@@ -10,6 +10,8 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from megapar.models.recipes import recipe_file
 from megapar.one_line_parser import LAYOUT_NAMES, TOKENIZER_NAMES, key_without_section
 
@@ -986,6 +988,9 @@ FALSE_ANSWERS = {
     "is dynamic without it)",
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
     "its shipped Shakespeare sample)",
+    "accumulate_allreduce_grads_in_fp32": "false reduces the gradients in the 16-bit dtype: "
+    "--grad-reduce-dtype bf16 (fp16 under --precision fp16; megapar-train's default, auto, "
+    "reduces them in fp32 under bf16)",
 }
 """Another tool's switches given as false in a --config file whose false is not megapar-train's
 default, answered as false; another false one whose answer names a flag is answered as the
@@ -1000,15 +1005,16 @@ TRUE_ANSWERS = {
 leads with what false asks for."""
 
 
-def false_answer(key: str, other: str) -> str | None:
+def false_answer(key: str, other: str, off_by_default: Callable[[str], bool]) -> str | None:
     """The answer to another tool's switch `key` given as false in a --config file: its
-    `FALSE_ANSWERS` line; where `other` (its answer as true) names a megapar-train flag, that
+    `FALSE_ANSWERS` line; where `other` (its answer as true) names a megapar-train flag that is
+    off by default (`off_by_default` of its name: a switch, --recompute none, --zero 0), that
     false is megapar-train's default, the key to remove (gradient_checkpointing: false was
-    told 'did you mean --recompute full?'); None: `other` (a sentence on what megapar does,
-    true or false)."""
+    told 'did you mean --recompute full?'); None: `other` (a sentence on what megapar does, or
+    a flag such as --lr-decay, whose default is no "off")."""
     if key in FALSE_ANSWERS:
         return FALSE_ANSWERS[key]
-    if other.startswith("--"):
+    if other.startswith("--") and off_by_default(other.split()[0]):
         return (
             f"false leaves it off, as megapar-train does by default: remove the key (true "
             f"would be {other})"
