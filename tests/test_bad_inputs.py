@@ -3017,6 +3017,15 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     # gives it; it said --warmup-steps 0, the Trainer's, beside DeepSpeed's log warmup)
     assert "--lr-decay cosine --warmup-steps 1000 --min-lr 3e-05" in flags, flags
     assert flags.count("--warmup-steps") == 1, flags
+    # ... within the Trainer's max_steps (1000 over max_steps 100 was refused next; a re-test)
+    args.write_text(json.dumps({"output_dir": "out", "warmup_steps": 10, "max_steps": 100,
+                                "deepspeed": {"scheduler": {"type": "WarmupDecayLR", "params": {
+                                    "total_num_steps": "auto"}}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(args)])
+    flags = str(info.value).split(";")[0]
+    assert "--max-steps 100" in flags and "--warmup-steps 100 " in flags, flags
+    assert "warms up over 1000 steps, more than the Trainer's max_steps 100" in str(info.value)
     # a DeepSpeed config alone: at megapar-train's --lr, said (it was the unpasteable
     # '--min-lr (--lr x cos_min_ratio 0.1)'; a re-test)
     alone = tmp_path / "ds_alone.json"

@@ -530,6 +530,14 @@ def _inline_deepspeed(
             f"lr_scheduler_type, as the Trainer lets it"
         )
     ours = dict(_pairs(flags))
+    warmup, steps = dict(_pairs(more)).get("--warmup-steps"), ours.get("--max-steps")
+    if warmup and steps and float(warmup) > float(steps):  # DeepSpeed's 1000 over a shorter run
+        more = [f"--warmup-steps {steps}" if f == f"--warmup-steps {warmup}" else f for f in more]
+        said.append(
+            f"deepspeed's scheduler warms up over {warmup} steps, more than the Trainer's "
+            f"max_steps {steps}, never reaching its peak lr (megapar's warmup ends within "
+            f"--max-steps: --warmup-steps {steps})"
+        )
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
