@@ -413,6 +413,16 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
         "token, after 1 to 3 new tokens of --max-new-tokens 100 (--json's \"stop\" names "
         "each)\n"), said.err
 
+    def at_the_positions(worker, world_size, args, **kwargs):  # the same for the positions
+        args.printer.batch(0, [(new[:2], "positions")] * 3)
+        args.printer.finish()
+        return [None]
+
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", at_the_positions)
+    assert generate([*argv, "--samples", "3"]) == 0
+    assert capsys.readouterr().err.startswith(
+        "megapar-generate: 3 of the 3 samples stopped at the model's "), said.err
+
 
 def test_the_positions_note_counts_one_new_token_in_the_singular():
     from megapar.cli.generate import positions_note

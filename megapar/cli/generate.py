@@ -470,14 +470,28 @@ class SamplePrinter:
         self.closed = False
         self.ended: list[int] = []
         """New tokens of each sample the model ended with its end-of-text token (of several)."""
+        self.limited: list[int] = []
+        """New tokens of each sample that stopped at the model's positions (of several)."""
 
     def finish(self) -> None:
-        """After the last batch: one stderr line for the samples the model ended with its
-        end-of-text token, where there were several (a line for each was 63 lines for
-        --samples 64, each offering --samples N)."""
-        if self.ended and not self.closed:
-            sys.stdout.flush()
-            samples = len(self.args.prompt_ids) * self.args.samples
+        """After the last batch, where each prompt has several --samples: one stderr line for
+        the samples that stopped at the model's positions, and one for those the model ended
+        with its end-of-text token (a line for each was 63 lines for --samples 64, each
+        offering --samples N); with one sample a prompt each has its own line."""
+        if self.closed:
+            return
+        sys.stdout.flush()
+        samples = len(self.args.prompt_ids) * self.args.samples
+        if self.limited:
+            lo, hi = min(self.limited), max(self.limited)
+            new = f"{lo} new" if lo == hi else f"{lo} to {hi} new"
+            print(
+                f"megapar-generate: {len(self.limited)} of the {samples} samples stopped at "
+                f"{self.limit_name} ({new} tokens each)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.ended:
             print(
                 ended_note(self.ended, self.args.max_new_tokens, samples),
                 file=sys.stderr,
@@ -505,20 +519,22 @@ class SamplePrinter:
         text = new_ids[:-1] if stop == "eos" else new_ids
         completion = completion_text(self.tok, ids, text)
         shape = (len(args.prompt_ids), args.samples)
-        if stop == "positions":
+        if stop == "positions" and args.samples > 1:  # a prompt's several: one line at the end
+            self.limited.append(len(new_ids))
+        elif stop == "positions":
             sys.stdout.flush()  # the note under the samples before it
             note = positions_note(
                 p, i % args.samples, shape, self.limit_name, len(ids), len(new_ids)
             )
             print(note, file=sys.stderr, flush=True)
-        elif stop == "eos" and not args.json and shape == (1, 1):  # --json: its "stop"
+        elif stop == "eos" and not args.json and args.samples == 1:  # --json: its "stop"
             sys.stdout.flush()  # the note above its sample on a terminal
             print(
                 eos_note(p, i % args.samples, shape, len(text), args.max_new_tokens),
                 file=sys.stderr,
                 flush=True,
             )
-        elif stop == "eos" and not args.json:  # several: one line at the end (`finish`)
+        elif stop == "eos" and not args.json:  # a prompt's several: one line at the end
             self.ended.append(len(text))
         if args.json:
             record = {
