@@ -163,6 +163,19 @@ def positive(text: str) -> int:
     return value
 
 
+def recipe(text: str) -> str:
+    """An argparse type: a megapar recipe or model config file that resolves (an unknown one was
+    a ConfigError traceback after the parse)."""
+    from megapar.models.config import ConfigError
+    from megapar.models.recipes import resolve_model
+
+    try:
+        resolve_model(text)
+    except (ConfigError, OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def scratch_dir(prefix: str) -> str:
     """A new temporary directory for a benchmark's models and dataset caches, removed when
     the process exits (they were left in /tmp, one per run: the tests run some of these)."""
@@ -172,7 +185,14 @@ def scratch_dir(prefix: str) -> str:
 
 
 def write_json(path: str, record: Any) -> None:
-    """Write `record` to `path` as strict JSON (no NaN or infinity), indented by one space."""
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, allow_nan=False)
-        f.write("\n")
+    """Write `record` to `path` as strict JSON (no NaN or infinity), indented by one space:
+    whole or not at all (a temporary file beside it, renamed over it)."""
+    text = json.dumps(record, indent=1, allow_nan=False) + "\n"
+    part = f"{path}.part"
+    try:
+        with open(part, "w") as f:
+            f.write(text)
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)

@@ -35,7 +35,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt2-small-cpu",
+    p.add_argument("--model", type=common.recipe, default="gpt2-small-cpu",
         help="a recipe (default %(default)s)")
     p.add_argument("--prompts", type=common.positive, default=8,
         help="prompts generated together (default %(default)s)")
@@ -45,7 +45,11 @@ def main() -> None:
         help="timed rounds, each way in turn (default %(default)s)")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
         help="the weights' dtype (default %(default)s)")
+    p.add_argument("--threads", type=common.positive, default=None,
+        help="torch's CPU threads (default torch's; 1 steadies the figures on a shared machine)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = resolve_model(args.model)
     mesh = Mesh.from_env(1, 1, 1)
     model = build_stage(config, mesh, seed=0).eval().to(DTYPES[args.precision])

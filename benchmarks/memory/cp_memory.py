@@ -142,6 +142,13 @@ def main() -> None:
                      f"lengths, multiples of 8 (the fit is a line through them)")
     if any(c < 1 for c in cps):
         parser.error(f"--cps {args.cps}: give cp sizes >= 1")
+    split = [c for c in cps if any(s % (2 * c) for s in args.seqs)]
+    if split:  # (--cps 3 measured 1,023 tokens labelled 1024, then failed in the Llama rank)
+        parser.error(f"--cps {args.cps}: cp {split[0]} splits each sequence into 2 x cp chunks, "
+                     f"and --seqs {','.join(map(str, args.seqs))} are not all multiples of "
+                     f"{2 * split[0]}; give cp sizes that divide them (e.g. 1,2,4)")
+    if cps[0] != 1:  # the ratio column reads "vs cp 1"
+        parser.error(f"--cps {args.cps}: start with 1, the run the others are compared with")
     budget = int(args.budget_gib * 2**30)
     print(f"{time.strftime('%Y-%m-%d')} on {platform.machine()} ({platform.processor() or 'cpu'}"
           f"), torch {torch.__version__}; a middle stage of {args.layers} layers, hidden "

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
-from common import positive  # noqa: E402
+from common import positive, recipe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -93,7 +93,7 @@ def main() -> None:
     from megapar.training.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt2-small-cpu")
+    parser.add_argument("--model", type=recipe, default="gpt2-small-cpu")
     parser.add_argument("--tp", type=positive, default=2)
     parser.add_argument("--pp", type=positive, default=2)
     parser.add_argument("--dp", type=positive, default=2)
