@@ -577,6 +577,16 @@ def test_cli_json_and_explain(capsys):
     assert code == 1 and out.out.strip().endswith(
         "use tp=1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, "
         "--gpus 3 take tp=1"), out.out
+    # a V's chunks are said before the model's count of stages, with a pp that cuts them
+    # ("lower pp to 4 or less" was refused next at pp=4 for 8 chunks; a re-test)
+    for layout in ("pp=8,mbs=1,schedule=zb-v", "pp=4,mbs=1,schedule=zb-v"):
+        code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "8", "--seq-len", "32",
+                         "--explain", layout)
+        assert code == 1 and out.out.strip().endswith(
+            "model chunks (each needs at least one layer); lower pp to 2"), out.out
+    code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "8", "--seq-len", "32",
+                     "--explain", "pp=2,mbs=1,schedule=zb-v")
+    assert code == 0, out.out
     code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=2,recompute=selective")
     assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
     code, out = _cli(capsys, *base, "--seq-len", "4096")

@@ -28,7 +28,7 @@ from megapar.pipeline.partition import (
     LOSS_FLAG,
     split_layers,
 )
-from megapar.pipeline.placement import placement_of, schedules_taking
+from megapar.pipeline.placement import CHUNKED_SCHEDULES, placement_of, schedules_taking
 from megapar.pipeline.schedules import (
     SPLIT_BACKWARD,
     interleaved_rounds,
@@ -357,7 +357,7 @@ def check(c: Candidate, p: Problem) -> str | None:
         grid = _grid_refusal(c, p.gpus, p.gpus_per_node)  # the model's reason reads no dp
         model = model_refusal(dataclasses.replace(c, dp=1), p.config)
         return "; ".join(r for r in (grid, model) if r)
-    return model_refusal(c, p.config) or _option_refusal(c, p)
+    return _chunks_refusal(c, p.config) or model_refusal(c, p.config) or _option_refusal(c, p)
 
 
 def _option_refusal(c: Candidate, p: Problem) -> str | None:
@@ -494,6 +494,29 @@ def _explain_schedule(value: str) -> str:
     return said.replace(" --virtual-stages V", ",v=V")
 
 
+def _chunks_refusal(c: Candidate, config) -> str | None:
+    """Why a schedule of several model chunks per rank (interleaved's v, the V's two) cannot cut
+    the model's layers into pp of them, with the pp that can, or a schedule of one chunk per
+    rank; None otherwise. Before the model's own count of stages (`check`): its "lower pp to 4"
+    was refused next at pp=4 for a V's 8 chunks."""
+    chunks = 2 if c.schedule in ("zb-v", "dualpipev") else c.v
+    if c.schedule not in CHUNKED_SCHEDULES or chunks < 2 or config.num_layers >= c.pp * chunks:
+        return None
+    what = (
+        f"2*pp = 2*{c.pp}" if c.schedule != "interleaved" else f"pp*v = {c.pp}*{c.v}"
+    ) + f" = {c.pp * chunks}"
+    most = config.num_layers // chunks
+    fix = (
+        f"lower pp to {most}{' or less' if most > 2 else ''}"
+        if most >= 2
+        else "use a schedule of one chunk per rank (schedule=1f1b or zb-h1)"
+    )
+    return (
+        f"{config.num_layers} layers cannot be cut into {what} model chunks (each needs at "
+        f"least one layer); {fix}"
+    )
+
+
 def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
     """Why the candidate's schedule, recompute, micro-batch size or model chunks cannot run, or
     None."""
@@ -521,11 +544,8 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
     if c.schedule == "interleaved":
         if c.v < 2:
             return "interleaved 1F1B needs v >= 2 model chunks per rank"
-        if config.num_layers < c.pp * c.v:
-            return (
-                f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} model "
-                f"chunks (each needs at least one layer)"
-            )
+        if refusal := _chunks_refusal(c, config):
+            return refusal
         try:  # megapar-train's own rule (m divisible by max(1, m // pp))
             interleaved_rounds(c.pp, m)
         except ValueError as exc:
@@ -536,11 +556,8 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
                 f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V); "
                 f"leave v out or give v=2"
             )
-        if config.num_layers < 2 * c.pp:
-            return (
-                f"{config.num_layers} layers cannot be cut into 2*pp = {2 * c.pp} model "
-                f"chunks (each needs at least one layer)"
-            )
+        if refusal := _chunks_refusal(c, config):
+            return refusal
         if c.schedule == "dualpipev" and m < 2 * c.pp:
             return f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}"
     elif c.v != 1:
