@@ -378,6 +378,12 @@ TRAIN = [
     (["--min-loss-scale", "1e6"], "--min-loss-scale 1000000 would be ignored: it sets the fp16 "
      "loss scale, and --precision is fp32 (no loss scaling): add --precision fp16, or drop "
      "--min-loss-scale"),
+    # every unused flag of the one reason at once (dropping the one named was refused next
+    # for the other; a re-test)
+    (["--min-loss-scale", "1e6", "--initial-loss-scale", "1e3"], "--initial-loss-scale 1000 "
+     "and --min-loss-scale 1000000 would be ignored: each sets the fp16 loss scale, and "
+     "--precision is fp32 (no loss scaling): add --precision fp16, or drop "
+     "--initial-loss-scale and --min-loss-scale"),
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),

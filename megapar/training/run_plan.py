@@ -76,7 +76,6 @@ from megapar.training.validate_resume import (
     check_resumable_without_data,
     check_same_data,
     check_save_format,
-    check_steps_left,
     checked_step,
     checkpoint_manifest,
     replay_past,
@@ -340,7 +339,10 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             )
             + ", which the logged lr shows"
         )
-    check_steps_left(cfg, manifest)  # before the schedule: it would not run
+    if manifest is not None and cfg.max_steps <= int(manifest.get("step", 0)):
+        resolve_model(cfg, notes, manifest)  # another model's refusal, else nothing left to
+        # train (`check_steps_left`): before the schedule, which would not run (a checkpoint's
+        # warmup longer than the new --max-steps offered --warmup-steps 2, refused next)
     _check_resumed_warmup(cfg)
     flags_schedule(cfg, cfg.lr, cfg.min_lr)  # checks
     # the model and the layout: before any data is read or anything written

@@ -8,6 +8,7 @@ import os
 from megapar.data.blended import data_paths
 from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
 from megapar.training.usage import UsageError, flag_of, flag_with_value
+from megapar.wording import and_list
 
 
 def check_unused(cfg, given: set[str]) -> None:
@@ -169,16 +170,24 @@ def check_unused(cfg, given: set[str]) -> None:
             "use --zero 1, 2 or 3",
         ),
     ]
-    for name, applies, why, fix in rules:
-        if name in given and not applies:
-            value = getattr(cfg, name)
-            shown = flag_of(name) if isinstance(value, bool) else flag_with_value(name, value)
-            drop = f"drop {flag_of(name)}"
-            raise UsageError(
-                f"{shown} would be ignored: {why}: {fix}, or {drop}"
-                if fix
-                else f"{shown} would be ignored: {why}; {drop}"
-            )
+    unused = [
+        (name, why, fix) for name, applies, why, fix in rules if name in given and not applies
+    ]
+    if not unused:
+        return
+    _, why, fix = unused[0]  # with every other flag of the same reason (--initial-loss-scale
+    names = [n for n, w, f in unused if (w, f) == (why, fix)]  # and --min-loss-scale at fp32:
+    shown = and_list(  # dropping the one named was refused next for the other)
+        [
+            flag_of(n) if isinstance(getattr(cfg, n), bool) else flag_with_value(n, getattr(cfg, n))
+            for n in names
+        ]
+    )
+    drop = f"drop {and_list([flag_of(n) for n in names])}"
+    if len(names) > 1 and why.startswith("it "):  # "it sets the fp16 loss scale": of each
+        why = f"each {why.removeprefix('it ')}"
+    ignored = f"{shown} would be ignored: {why}"
+    raise UsageError(f"{ignored}: {fix}, or {drop}" if fix else f"{ignored}; {drop}")
 
 
 def _data_kinds(data) -> tuple[bool, bool]:
