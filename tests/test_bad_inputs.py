@@ -3044,6 +3044,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     assert "scheduler.params.cos_min_ratio 0.1 (of the optimizer's lr, which the file does not " \
         "give: --min-lr 0.0001 is at megapar-train's --lr 0.001)" in said, said
     assert "(--lr x" not in said, said
+    with pytest.raises(ConfigError) as info:  # at the command line's --lr (a re-test)
+        parse_args(["--config", str(alone), "--lr", "3e-4"])
+    assert "--min-lr 3e-05 " in str(info.value) and "cos_min_ratio" not in str(info.value)
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

@@ -711,10 +711,11 @@ def _off_by_default(flag: str) -> bool:
     return f is not None and f.default in (False, None, 0, "none", "off")
 
 
-def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
+def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says); `dp`, the
-    command line's --dp, makes another tool's per-GPU batch a global one."""
+    command line's --dp, makes another tool's per-GPU batch a global one, and `lr`, its --lr,
+    a DeepSpeed cosine's floor (a ratio of the lr) a number."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).endswith(".toml"):
@@ -738,7 +739,7 @@ def read_run_config(path: str, dp: int | None = None) -> dict[str, Any]:
         raise ConfigError(accelerate_config(data, path, refused_flag))
     if is_deepspeed_config(data):
         try:
-            flags, left, auto = deepspeed_equivalents(data, dp, default_lr=TrainConfig.lr)
+            flags, left, auto = deepspeed_equivalents(data, dp, lr, TrainConfig.lr)
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
@@ -793,7 +794,7 @@ def parse_args(argv=None) -> TrainConfig:
             f"--config {args.config!r} is an empty path: give a YAML or JSON file of "
             f"megapar-train's settings, or leave the flag out"
         )
-    values: dict[str, Any] = read_run_config(args.config, args.dp) if args.config else {}
+    values: dict[str, Any] = read_run_config(args.config, args.dp, args.lr) if args.config else {}
     from_file = set(values)
     for f in fields(TrainConfig):
         given = getattr(args, f.name)
