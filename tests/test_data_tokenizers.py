@@ -306,7 +306,8 @@ def test_megapar_eval_of_raw_text_cached_under_a_moved_tokenizer_takes_the_given
     args = SimpleNamespace(data=prefix, data_shown=str(text), text_tokenizer=str(moved))
     assert data_tokenizer(args, IndexedDataset(prefix)).path == str(moved)
     prepared = SimpleNamespace(data=prefix)  # a prepared --data keeps its own (recorded) one
-    with pytest.raises(ValueError, match="no such file or directory"):
+    with pytest.raises(ValueError, match="first.model, which is not there now \\(moved or "
+                                         "deleted\\?\\); give a copy of its file"):
         data_tokenizer(prepared, IndexedDataset(prefix))
 
 

@@ -484,13 +484,12 @@ def _run(
                 f"SIGTERM, which --exit-signals {cfg.exit_signals!r} does not name, so no save "
                 f"at the stop"
             )
-        elif rank_status.current().step is None:  # before the launcher forwards it
-            why = "SIGTERM while starting"
+        elif not under_launcher() or rank_status.current().step is None:  # before the
+            why = "SIGTERM while starting"  # launcher (ours) forwards it to the workers
         else:  # this process's rank (torchrun's, srun's) trained, and was stopped in a wait
-            why = f"SIGTERM at {rank_status.status()}" + (
-                ", as the launcher stops every rank when one fails: see the others' lines"
-                if under_launcher()  # (its own line may be lost: it said 'while starting')
-                else ""
+            why = (  # (its own line may be lost: it said 'while starting' after 50 steps)
+                f"SIGTERM at {rank_status.status()}, as the launcher stops every rank when one "
+                f"fails: see the others' lines"
             )
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return SIGTERM_EXIT_CODE

@@ -179,7 +179,7 @@ def data_tokenizer(args, indexed):
         spec = data_tokenizer_spec(getattr(args, "data_shown", args.data), given, spec)
         return load_tokenizer(spec)
     # a prepared dataset whose tokenizer moved: how to give its copy, as megapar-train says
-    return load_dataset_tokenizer(args.data, spec, args.tokenizer)
+    return load_dataset_tokenizer(args.data, spec, getattr(args, "tokenizer", None))
 
 
 def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | None = None) -> str:
