@@ -36,7 +36,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.plan.fp8 import fp8_refusal
 from megapar.plan.problem import Problem
-from megapar.training.validate import check_cp_seq_len
+from megapar.training.validate import check_cp_seq_len, tps_taken
 from megapar.wording import or_list
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -332,18 +332,9 @@ def model_refusal(c: Candidate, config) -> str | None:
 def tps_the_gpus_take(c: Candidate, p: Problem) -> str:
     """Beside the model's refusal of `c`'s tp: the tp values both the model and --gpus take at
     `c`'s cp and pp ("" where each one offered fits, or none does); the model offered tp=4 to
-    3 GPUs, refused next (megapar-train's `tps_the_world_takes`, in the layout's keys)."""
-
-    def model_takes(tp: int) -> bool:
-        try:
-            p.config.validate(Layout(tp, c.pp, 1, cp=c.cp), api=True)
-        except LayoutError:
-            return False
-        return True
-
-    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
-    fits = [str(t) for t in offered if p.gpus % (t * c.pp * c.cp) == 0]
-    if not fits or len(fits) == len(offered):
+    3 GPUs, refused next (megapar-train's note, `tps_the_world_takes`, in the layout's keys)."""
+    fits = [str(t) for t in tps_taken(p.config, p.gpus, c.pp, c.cp)]
+    if not fits:
         return ""
     at = "".join(f", {n}={v}" for n, v in (("cp", c.cp), ("pp", c.pp)) if v > 1)
     return f"; of those, --gpus {p.gpus}{at} take{'s' if p.gpus == 1 else ''} tp={or_list(fits)}"

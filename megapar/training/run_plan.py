@@ -24,7 +24,6 @@ from megapar.diagnostics.replay import check_record, find_record, loss_terms
 from megapar.faults.stop import parse_signals
 from megapar.launcher import launched_world_size, under_launcher
 from megapar.mesh import Layout, LayoutError
-from megapar.models.config import ConfigError
 from megapar.models.flops import heads
 from megapar.optim.scheduler import flags_schedule
 from megapar.pipeline.partition import chunk_specs, partition_layers
@@ -65,6 +64,7 @@ from megapar.training.validate import (
     fit_batch_to_data,
     given_now,
     named,
+    tps_taken,
     unchecked_outputs,
 )
 from megapar.training.validate_fp8 import check_fp8_layout
@@ -253,17 +253,8 @@ def tps_the_world_takes(cfg: TrainConfig, config) -> str:
     world = cfg.world_size if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
     if not world:
         return ""
-
-    def model_takes(tp: int) -> bool:
-        try:
-            config.validate(Layout(tp, cfg.pp, 1, cp=cfg.cp))
-        except (LayoutError, ConfigError):
-            return False
-        return True
-
-    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
-    fits = [str(t) for t in offered if world % (t * cfg.pp * cfg.cp) == 0]
-    if not fits or len(fits) == len(offered):  # every one the model offers runs
+    fits = [str(t) for t in tps_taken(config, world, cfg.pp, cfg.cp)]
+    if not fits:  # every one the model offers runs, or none
         return ""
     at = " x ".join(f"--{n} {v}" for n, v in (("cp", cfg.cp), ("pp", cfg.pp)) if v > 1)
     what = counted(world, "process", "processes") + (f" at {at}" if at else "")

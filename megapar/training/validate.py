@@ -39,7 +39,8 @@ from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.device import PEAK_TFLOPS, bf16_peak_of, too_fast
 from megapar.env_seconds import problem as env_problem
 from megapar.faults.slow import SlowRank
-from megapar.mesh import LayoutError, layout_option
+from megapar.mesh import Layout, LayoutError, layout_option
+from megapar.models.config import ConfigError
 from megapar.models.flops import heads
 from megapar.pipeline.schedules import (
     chunks_per_rank,
@@ -308,6 +309,24 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
         f"{flag} at cp {layout.cp}: {why} ({total} heads / tp {layout.tp}); use "
         f"{', '.join(fixes[:-1])}{', or ' if len(fixes) > 1 else ''}{fixes[-1]}"
     )
+
+
+def tps_taken(config, world: int, pp: int, cp: int) -> list[int]:
+    """Of the tp values model `config` takes at `pp` and `cp`, those a world of `world` ranks
+    divides into tp x cp x pp; [] where each one the model takes fits, or none does (nothing to
+    add beside the model's refusal, which names them): megapar-train's note under a fixed world
+    and megapar-plan's under --gpus (the model offered --tp 4 to 2 processes, refused next)."""
+
+    def model_takes(tp: int) -> bool:
+        try:
+            config.validate(Layout(tp, pp, 1, cp=cp))
+        except (LayoutError, ConfigError):
+            return False
+        return True
+
+    offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
+    fits = [t for t in offered if world % (t * pp * cp) == 0]
+    return fits if len(fits) < len(offered) else []
 
 
 def named(cfg, name: str, value=None) -> str:
