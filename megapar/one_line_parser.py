@@ -184,7 +184,9 @@ class OneLineParser(argparse.ArgumentParser):
     `value_known_as[flag]` function says (another tool's name for a choice), where it knows it.
     Megatron's and torchtitan's names for a parallel size the command does not take (those
     `known_as` answers by megapar's flag: `--ep` to megapar-eval) get that answer too.
-    `afterword(unknown, given)`, given the unknown flags and every flag of the line, says what
+    `switch_known_as(flag, value)` answers another tool's switch given true / false
+    (`--decay_lr=False`) where its value changes the `known_as` answer (None where it does
+    not). `afterword(unknown, given)`, given the unknown flags and every flag of the line, says what
     the line should add once after their answers ("" for nothing): megapar-train's names the
     defaults it does not share with the tool the flags come from."""
 
@@ -194,6 +196,7 @@ class OneLineParser(argparse.ArgumentParser):
         stray: tuple[tuple[str, str], ...] = (),
         known_as: dict[str, str] | None = None,
         value_known_as: dict[str, Callable[[str], str]] | None = None,
+        switch_known_as: Callable[[str, bool], str | None] | None = None,
         afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,
     ):
@@ -205,6 +208,7 @@ class OneLineParser(argparse.ArgumentParser):
             if theirs not in self.known_as and ours in self.known_as:
                 self.known_as[theirs] = self.known_as[ours]
         self.value_known_as = value_known_as or {}
+        self.switch_known_as = switch_known_as
         self.afterword = afterword
         self._given_flags: set[str] = set()
 
@@ -361,6 +365,15 @@ class OneLineParser(argparse.ArgumentParser):
         shown = metavar if isinstance(metavar, str) else " ".join(metavar)
         return f"; give its value: {flag} {shown}"
 
+    @staticmethod
+    def _switch_value(token: str, after: list[str]) -> bool | None:
+        """The true / false an unknown flag is given (`--decay_lr=False`, or the word after
+        it, `--decay_lr no`); None for none (nor 1 / 0, a number to `--loss_scale 0`)."""
+        value = token.split("=", 1)[1] if "=" in token else (after[0] if after else "")
+        if value.lower() in TRUE_WORDS[1:] or value.lower() in FALSE_WORDS[1:]:
+            return value.lower() in TRUE_WORDS
+        return None
+
     def _did_you_mean(self, message: str) -> str:
         """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`);
         never `--help`, which is no flag's misspelling (`--ep` is as close to it as 0.6). Another
@@ -382,7 +395,8 @@ class OneLineParser(argparse.ArgumentParser):
         known = [o for o in known if o != "--help"]
         hints = []
         said_for: dict[str, list[str]] = {}  # a sentence answering several flags: said once
-        for token in message[len(prefix) :].split():
+        tokens = message[len(prefix) :].split()
+        for at, token in enumerate(tokens):
             flag = token.split("=", 1)[0]
             named = flag if flag in self.known_as else flag.replace("_", "-")  # nanoGPT's --a_b
             if named not in self.known_as and "." in flag:  # DeepSpeed's --zero-optimization.x
@@ -395,7 +409,12 @@ class OneLineParser(argparse.ArgumentParser):
                 named = key_without_section(self.known_as, flag) or named
             if named in self.known_as:
                 ours = self.known_as[named]
-                if ours.startswith("--"):
+                switch = self._switch_value(token, tokens[at + 1 : at + 2])
+                answer = self.switch_known_as
+                said = answer(named, switch) if answer and switch is not None else None
+                if said:  # --decay_lr=False: not --lr-decay cosine
+                    hints.append(f"{token}: {said}")
+                elif ours.startswith("--"):
                     hints.append(f"{flag}: did you mean {ours}?")
                 elif ours:
                     said_for.setdefault(ours, []).append(flag)

@@ -1582,6 +1582,33 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         assert said in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("line, said", [
+    # on the command line a switch's value was not read (--gradient_checkpointing=False: "did
+    # you mean --recompute full?"; --decay_lr=True: "did you mean --lr-decay constant"; a
+    # re-test): answered as in a --config file
+    (["--gradient_checkpointing=False"], "--gradient_checkpointing=False: false leaves it off, "
+     "as megapar-train does by default: leave the flag out (true would be --recompute full)"),
+    (["--decay_lr=True"], "--decay_lr=True: true is megapar-train's default: it decays the "
+     "learning rate (--lr-decay cosine); leave the flag out"),
+    (["--decay_lr", "false"], "--decay_lr: false asks for a constant learning rate: "
+     "--lr-decay constant"),
+    (["--bf16=no"], "--bf16=no: false asks for no bf16: leave the flag out"),
+    # a number is no switch's value (--loss_scale 0 was "false leaves it off")
+    (["--loss_scale", "0"], "--loss_scale: did you mean --loss-scale (a static scale"),
+    # true (or no value) keeps what the flag asks for
+    (["--bf16=True"], "--bf16: did you mean --precision bf16?"),
+    (["--gradient_checkpointing"], "--gradient_checkpointing: did you mean --recompute full?"),
+])
+def test_another_tools_switch_on_the_line_is_answered_by_its_value(line, said, capsys):
+    from megapar.training.config import parse_args
+
+    with pytest.raises(SystemExit) as code:
+        parse_args(line)
+    assert code.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("flag, hint", [
     ("--save_steps", "did you mean --save-interval?"),  # difflib: --max-steps
     ("--report-to", "did you mean --wandb-project NAME or --tensorboard DIR?"),  # --record-step

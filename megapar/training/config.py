@@ -59,10 +59,9 @@ from megapar.training.hf_trainer_config import (
 from megapar.training.other_tools import (
     OTHER_TOOLS_FLAGS,
     TORCHTITAN_MODULE,
-    TRUE_ANSWERS,
-    false_answer,
     megatron_defaults,
     other_tools_answer,
+    switch_answer,
 )
 from megapar.training.ranges import check_ranges
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
@@ -540,9 +539,16 @@ def _train_precision_named_elsewhere(value: str) -> str:
     return precision_named_elsewhere(value)
 
 
+def _switch_answer_on_the_line(flag: str, value: bool) -> str | None:
+    """The answer to another tool's switch given a true / false on megapar-train's line
+    (`--gradient_checkpointing=False`, `--decay_lr false`), `switch_answer`'s."""
+    return switch_answer(flag.removeprefix("--"), value, _off_by_default, "leave the flag out")
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
+        switch_known_as=_switch_answer_on_the_line,
         value_known_as={
             "--schedule": schedule_named_elsewhere,
             "--lr-decay": decay_named_elsewhere,
@@ -591,9 +597,10 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
 
 
 def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
-    """A `--config` file's true / false (YAML reads an unquoted off, no, on or yes as one) for a
-    flag taking a word: false is its choice of nothing, off or none (fp8: off, recompute: off);
-    anything else is refused, naming YAML's reading and the fix."""
+    """A `--config` file's true / false for a flag taking a word (in a YAML file, also an
+    unquoted off, no, on or yes): false is the flag's choice of nothing, off or none (fp8: off,
+    recompute: off); anything else is refused with the fix (naming YAML's reading in a YAML
+    file)."""
     choices = [str(c) for c in flag_choices().get(name, [])]
     nothing = next((c for c in ("off", "none") if c in choices), None)
     if value is False and nothing:
@@ -774,11 +781,10 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
             else "valid keys are the megapar-train flags"
         )
         other = other_tools_answer(key)
-        off = false_answer(key, other, _off_by_default) if other and data[key] is False else None
-        if off:  # bf16: false asks for no --precision bf16
-            hint = off
-        elif other and data[key] is True and key in TRUE_ANSWERS:
-            hint = TRUE_ANSWERS[key]
+        switch = data[key] if isinstance(data[key], bool) else None
+        answered = switch_answer(key, switch, _off_by_default) if switch is not None else None
+        if answered:  # bf16: false asks for no --precision bf16
+            hint = answered
         elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

@@ -976,9 +976,9 @@ Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
 FALSE_ANSWERS = {
-    "bf16": "false asks for no bf16: remove the key (fp32 is megapar-train's default "
+    "bf16": "false asks for no bf16: {drop} (fp32 is megapar-train's default "
     "--precision; true would be --precision bf16)",
-    "fp16": "false asks for no fp16: remove the key (fp32 is megapar-train's default "
+    "fp16": "false asks for no fp16: {drop} (fp32 is megapar-train's default "
     "--precision; true would be --precision fp16)",
     "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
     "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
@@ -992,34 +992,51 @@ FALSE_ANSWERS = {
     "--grad-reduce-dtype bf16 (fp16 under --precision fp16; megapar-train's default, auto, "
     "reduces them in fp32 under bf16)",
 }
-"""Another tool's switches given as false in a --config file whose false is not megapar-train's
-default, answered as false; another false one whose answer names a flag is answered as the
-default, the key to remove (`false_answer`); the others' answer, `other_tools_answer`, is what
-true asks for."""
+"""What another tool's switch given as false in a --config file asks of megapar-train, for the
+switches whose false is not megapar-train's default (each line names the flag; `{drop}`: how
+the setting is left out, `false_answer`'s `drop`); `false_answer` answers the other false ones."""
 
 TRUE_ANSWERS = {
     "decay_lr": "true is megapar-train's default: it decays the learning rate (--lr-decay "
-    "cosine); remove the key",
+    "cosine); {drop}",
 }
 """Another tool's switches given as true in a --config file whose answer, `other_tools_answer`,
-leads with what false asks for."""
+leads with what false asks for (`{drop}` as in `FALSE_ANSWERS`)."""
 
 
-def false_answer(key: str, other: str, off_by_default: Callable[[str], bool]) -> str | None:
-    """The answer to another tool's switch `key` given as false in a --config file: its
-    `FALSE_ANSWERS` line; where `other` (its answer as true) names a megapar-train flag that is
-    off by default (`off_by_default` of its name: a switch, --recompute none, --zero 0), that
-    false is megapar-train's default, the key to remove (gradient_checkpointing: false was
-    told 'did you mean --recompute full?'); None: `other` (a sentence on what megapar does, or
-    a flag such as --lr-decay, whose default is no "off")."""
+def false_answer(
+    key: str, other: str, off_by_default: Callable[[str], bool], drop: str = "remove the key"
+) -> str | None:
+    """The answer to another tool's switch `key` given as false in a --config file (or on the
+    command line, `drop` then "leave the flag out"): its `FALSE_ANSWERS` line; where `other`
+    (its answer as true) names a megapar-train flag that is off by default (`off_by_default`
+    of its name: a switch, --recompute none, --zero 0), that false is megapar-train's default,
+    the setting to leave out (gradient_checkpointing: false was told 'did you mean --recompute
+    full?'); None: `other` (a sentence on what megapar does, or a flag such as --lr-decay,
+    whose default is no "off")."""
     if key in FALSE_ANSWERS:
-        return FALSE_ANSWERS[key]
+        return FALSE_ANSWERS[key].format(drop=drop)
     if other.startswith("--") and off_by_default(other.split()[0]):
         return (
-            f"false leaves it off, as megapar-train does by default: remove the key (true "
-            f"would be {other})"
+            f"false leaves it off, as megapar-train does by default: {drop} (true would be {other})"
         )
     return None
+
+
+def switch_answer(
+    key: str, value: bool, off_by_default: Callable[[str], bool], drop: str = "remove the key"
+) -> str | None:
+    """The answer to another tool's switch `key` (`decay_lr`, `gradient-checkpointing`) given
+    as `value` where it differs from what `other_tools_answer` says (true asks for), as
+    `false_answer` and `TRUE_ANSWERS` say; None where that answer holds, or `key` is no
+    other tool's."""
+    key = key.replace("-", "_")
+    other = other_tools_answer(key)
+    if not other:
+        return None
+    if value is False:
+        return false_answer(key, other, off_by_default, drop)
+    return TRUE_ANSWERS[key].format(drop=drop) if key in TRUE_ANSWERS else None
 
 
 def other_tools_answer(key: str) -> str | None:
