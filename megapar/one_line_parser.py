@@ -23,6 +23,17 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 """The words (lower case) a switch's value may be given as: on, off (`--config` files,
 `megapar-plan --explain` items, a value given to a switch on the command line)."""
 
+OTHER_TRUE_WORDS, OTHER_FALSE_WORDS = TRUE_WORDS + ("t", "y"), FALSE_WORDS + ("f", "n")
+"""The words another tool's switch may be given as on the command line: `TRUE_WORDS` /
+`FALSE_WORDS` and the Hugging Face Trainer's t / y, f / n (its `string_to_bool`)."""
+
+
+def other_switch_value(text: str) -> bool | None:
+    """`text` (another tool's switch's value: `False`, `n`, `0`) as true / false; None for a word
+    that is neither."""
+    word = text.lower()
+    return True if word in OTHER_TRUE_WORDS else False if word in OTHER_FALSE_WORDS else None
+
 
 MOST_GIB = 4096.0
 """The most memory a `gib_amount` takes for one GPU or rank (4 TiB): above it a figure is
@@ -184,11 +195,13 @@ class OneLineParser(argparse.ArgumentParser):
     `value_known_as[flag]` function says (another tool's name for a choice), where it knows it.
     Megatron's and torchtitan's names for a parallel size the command does not take (those
     `known_as` answers by megapar's flag: `--ep` to megapar-eval) get that answer too.
-    `switch_known_as(flag, value)` answers another tool's switch given true / false
-    (`--decay_lr=False`) where its value changes the `known_as` answer (None where it does
-    not). `afterword(unknown, given)`, given the unknown flags and every flag of the line, says what
-    the line should add once after their answers ("" for nothing): megapar-train's names the
-    defaults it does not share with the tool the flags come from."""
+    `switch_known_as(flag, value)` answers another tool's switch given a value
+    (`--decay_lr=False`, `--bf16 0`: the value's word) where it changes the `known_as` answer
+    (None where it does not, or the value is no switch's: `--loss_scale 0`). An unknown flag
+    close to one of the command's switches given false (`--sequence_parallel=False`) is told
+    the switch's off. `afterword(unknown, given)`, given the unknown flags and every flag of
+    the line, says what the line should add once after their answers ("" for nothing):
+    megapar-train's names the defaults it does not share with the tool the flags come from."""
 
     def __init__(
         self,
@@ -196,7 +209,7 @@ class OneLineParser(argparse.ArgumentParser):
         stray: tuple[tuple[str, str], ...] = (),
         known_as: dict[str, str] | None = None,
         value_known_as: dict[str, Callable[[str], str]] | None = None,
-        switch_known_as: Callable[[str, bool], str | None] | None = None,
+        switch_known_as: Callable[[str, str], str | None] | None = None,
         afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,
     ):
@@ -366,13 +379,24 @@ class OneLineParser(argparse.ArgumentParser):
         return f"; give its value: {flag} {shown}"
 
     @staticmethod
-    def _switch_value(token: str, after: list[str]) -> bool | None:
-        """The true / false an unknown flag is given (`--decay_lr=False`, or the word after
-        it, `--decay_lr no`); None for none (nor 1 / 0, a number to `--loss_scale 0`)."""
-        value = token.split("=", 1)[1] if "=" in token else (after[0] if after else "")
-        if value.lower() in TRUE_WORDS[1:] or value.lower() in FALSE_WORDS[1:]:
-            return value.lower() in TRUE_WORDS
-        return None
+    def _value_given(token: str, after: list[str]) -> str | None:
+        """The value an unknown flag is given (`--decay_lr=False`, or the word after it,
+        `--decay_lr no`, where that is no flag); None for none."""
+        if "=" in token:
+            return token.split("=", 1)[1]
+        return after[0] if after and not after[0].startswith("--") else None
+
+    def _switch_off(self, flag: str, value: str) -> str:
+        """For an unknown flag given `value` whose closest known flag is the switch `flag`
+        (`--sequence_parallel=False`: `--sequence-parallel`), where `value` is false: how to
+        say off (its --no- spelling, or leaving it out); "" otherwise (on is the switch itself,
+        as the guess says)."""
+        action = self._option_string_actions.get(flag)
+        if action is None or action.nargs != 0 or other_switch_value(value) is not False:
+            return ""
+        if action.default:
+            return f"did you mean --no-{flag[2:]}? (false is {flag}'s off)"
+        return f"false leaves {flag} off, as it is by default: leave the flag out"
 
     def _did_you_mean(self, message: str) -> str:
         """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`);
@@ -409,9 +433,9 @@ class OneLineParser(argparse.ArgumentParser):
                 named = key_without_section(self.known_as, flag) or named
             if named in self.known_as:
                 ours = self.known_as[named]
-                switch = self._switch_value(token, tokens[at + 1 : at + 2])
+                value = self._value_given(token, tokens[at + 1 : at + 2])
                 answer = self.switch_known_as
-                said = answer(named, switch) if answer and switch is not None else None
+                said = answer(named, value) if answer and value is not None else None
                 if said:  # --decay_lr=False: not --lr-decay cosine
                     hints.append(f"{token}: {said}")
                 elif ours.startswith("--"):
@@ -431,7 +455,13 @@ class OneLineParser(argparse.ArgumentParser):
                 longer = list(theirs)
             if len(longer) == 1:  # cut short (no abbreviations): `--out` is `--output-prefix`
                 close = longer
-            if close:
+            if close and close[0].startswith("--no-") and not flag.startswith("--no"):
+                on = "--" + close[0][len("--no-") :]  # `--torch-compile`: --compile, not
+                close = [on] if on in known else close  # its --no-compile
+            value = self._value_given(token, tokens[at + 1 : at + 2])
+            if close and value is not None and self._switch_off(close[0], value):
+                hints.append(f"{token}: {self._switch_off(close[0], value)}")
+            elif close:
                 hints.append(f"{flag}: did you mean {close[0]}?")
         flags = [t.split("=", 1)[0] for t in message[len(prefix) :].split() if t[:2] == "--"]
         said = self.afterword(flags, self._given_flags) if self.afterword is not None else ""

@@ -1575,7 +1575,15 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                        ("lr_scheduler: false", "did you mean --lr-decay (the learning rate's "
                         "schedule"),
                        ("accumulate_allreduce_grads_in_fp32: false", "false reduces the "
-                        "gradients in the 16-bit dtype: --grad-reduce-dtype bf16")):
+                        "gradients in the 16-bit dtype: --grad-reduce-dtype bf16"),
+                       # YAML's 0 / 1 for a switch (bf16: 0 was "did you mean --precision
+                       # bf16?"; a re-test), and a switch of megapar's spelt otherwise, false
+                       # (torch_compile: false was "did you mean 'compile'?")
+                       ("bf16: 0", "false asks for no bf16: remove the key"),
+                       ("decay_lr: 1", "true is megapar-train's default"),
+                       ("torch_compile: false", "did you mean 'compile'? false is its default "
+                        "(off): remove the key"),
+                       ("warmup_ratio: 0", "did you mean --warmup-steps (a step count")):
         config.write_text(text + "\n")
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
@@ -1595,6 +1603,21 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     (["--bf16=no"], "--bf16=no: false asks for no bf16: leave the flag out"),
     # a number is no switch's value (--loss_scale 0 was "false leaves it off")
     (["--loss_scale", "0"], "--loss_scale: did you mean --loss-scale (a static scale"),
+    # the Trainer's other spellings of false (its string_to_bool: 0, f, n) were read as true
+    # ("--bf16: did you mean --precision bf16?"; a re-test), and 1 as false (--decay_lr=1:
+    # "--lr-decay constant")
+    (["--bf16", "0"], "--bf16: false asks for no bf16: leave the flag out"),
+    (["--bf16=f"], "--bf16=f: false asks for no bf16"),
+    (["--gradient_checkpointing=n"], "--gradient_checkpointing=n: false leaves it off"),
+    (["--decay_lr=1"], "--decay_lr=1: true is megapar-train's default"),
+    # megapar's own switch spelt otherwise, given false, was offered the switch itself
+    # (--sequence_parallel=False: "did you mean --sequence-parallel?", which turns it on), and
+    # the Trainer's torch_compile its --no- spelling or --compile by its value's absence
+    (["--sequence_parallel=False"], "--sequence_parallel=False: false leaves "
+     "--sequence-parallel off, as it is by default: leave the flag out"),
+    (["--torch_compile=False"], "false leaves --compile off, as it is by default"),
+    (["--torch-compile", "False"], "--torch-compile: false leaves --compile off"),
+    (["--torch-compile"], "--torch-compile: did you mean --compile?"),
     # true (or no value) keeps what the flag asks for
     (["--bf16=True"], "--bf16: did you mean --precision bf16?"),
     (["--gradient_checkpointing"], "--gradient_checkpointing: did you mean --recompute full?"),
@@ -3352,7 +3375,12 @@ def test_yamls_unquoted_off_is_a_choice_of_nothing_or_refused_naming_yaml(tmp_pa
                         "/ off as true / false): choose one of off, tensorwise, rowwise, or "
                         "remove the key"),
                        ("lr_decay: off", "--lr-decay false is invalid (YAML reads"),
-                       ("save: no", "--save false is invalid (YAML reads an unquoted yes / no "
+                       # a false where the flag's default is none is that default (save:
+                       # false was told to quote it: a run saving to ./false; a re-test)
+                       ("save: no", "--save false: megapar-train's default is no --save; remove "
+                        "the key (YAML reads an unquoted no / off as false: quote a value so "
+                        "named)"),
+                       ("save: yes", "--save true is invalid (YAML reads an unquoted yes / no "
                         "/ on / off as true / false): give its value in quotes, or remove the "
                         "key")]:
         config.write_text(text + "\n")
@@ -3364,5 +3392,9 @@ def test_yamls_unquoted_off_is_a_choice_of_nothing_or_refused_naming_yaml(tmp_pa
     config.write_text('{"save": false}')
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(config)])
-    assert str(info.value) == f"{config}: --save false is invalid: give its value, or remove " \
-                              f"the key", info.value
+    assert str(info.value) == f"{config}: --save false: megapar-train's default is no --save; " \
+                              f"remove the key", info.value
+    # a file named .YAML is YAML (it was read as JSON: "not valid JSON at line 1"; a re-test)
+    config = tmp_path / "c.YAML"
+    config.write_text("fp8: off\n")
+    assert parse_args(["--config", str(config)]).fp8 == "off"

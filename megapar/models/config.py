@@ -669,7 +669,7 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"{typed}: no such config file") from None
     except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"{path}: cannot be read as a config file ({exc})") from None
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix.lower() in (".yaml", ".yml"):  # run.YAML too
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -38,6 +38,7 @@ from megapar.one_line_parser import (
     TRUE_WORDS,
     OneLineParser,
     gib_amount,
+    other_switch_value,
     shown_default,
 )
 from megapar.optim.muon import ADJUST_LR
@@ -60,6 +61,7 @@ from megapar.training.hf_trainer_config import (
 from megapar.training.other_tools import (
     OTHER_TOOLS_FLAGS,
     TORCHTITAN_MODULE,
+    answers_a_switch,
     megatron_defaults,
     other_tools_answer,
     switch_answer,
@@ -553,10 +555,21 @@ def _train_precision_named_elsewhere(value: str) -> str:
     return precision_named_elsewhere(value)
 
 
-def _switch_answer_on_the_line(flag: str, value: bool) -> str | None:
-    """The answer to another tool's switch given a true / false on megapar-train's line
-    (`--gradient_checkpointing=False`, `--decay_lr false`), `switch_answer`'s."""
-    return switch_answer(flag.removeprefix("--"), value, _off_by_default, "leave the flag out")
+def _is_switch(flag: str) -> bool:
+    """Whether megapar-train's `flag` (--compile) is a switch."""
+    f = {g.name: g for g in fields(TrainConfig)}.get(flag.removeprefix("--").replace("-", "_"))
+    return f is not None and _type_of(f) == "bool"
+
+
+def _switch_answer_on_the_line(flag: str, text: str) -> str | None:
+    """The answer to another tool's switch given a value on megapar-train's line
+    (`--gradient_checkpointing=False`, `--decay_lr false`, `--bf16 0`), `switch_answer`'s;
+    None where the value is no true / false (0 / 1 are numbers unless the setting is a
+    switch, `answers_a_switch`: `--loss_scale 0`)."""
+    key, value = flag.removeprefix("--"), other_switch_value(text)
+    if value is None or (text in ("0", "1") and not answers_a_switch(key, _is_switch)):
+        return None
+    return switch_answer(key, value, _off_by_default, "leave the flag out")
 
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
@@ -619,7 +632,17 @@ def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
     nothing = next((c for c in ("off", "none") if c in choices), None)
     if value is False and nothing:
         return nothing
-    yaml = str(path).endswith((".yaml", ".yml"))  # JSON's true / false is written as such
+    yaml = str(path).lower().endswith((".yaml", ".yml"))  # JSON's true / false is so written
+    default = {f.name: f.default for f in fields(TrainConfig)}.get(name)
+    if value is False and default is None:  # save: false was told to quote it (a run saving
+        raise ConfigError(  # to ./false)
+            f"{path}: {flag} false: megapar-train's default is no {flag}; remove the key"
+            + (
+                " (YAML reads an unquoted no / off as false: quote a value so named)"
+                if yaml
+                else ""
+            )
+        )
     said = f"{path}: {flag} {str(value).lower()} is invalid" + (
         " (YAML reads an unquoted yes / no / on / off as true / false)" if yaml else ""
     )
@@ -739,7 +762,7 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
     a DeepSpeed cosine's floor (a ratio of the lr) a number."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
-    if str(path).endswith(".toml"):
+    if str(path).lower().endswith(".toml"):
         raise ConfigError(toml_job_config(path, _flag_kinds(), refused_flag))
     if not Path(path).suffix and not Path(path).expanduser().exists():  # torchtitan's llama3_8b
         raise ConfigError(f"{path}: no such config file; {TORCHTITAN_MODULE}")
@@ -796,9 +819,15 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
         )
         other = other_tools_answer(key)
         switch = data[key] if isinstance(data[key], bool) else None
+        if type(data[key]) is int and data[key] in (0, 1) and answers_a_switch(key, _is_switch):
+            switch = bool(data[key])  # YAML's bf16: 0
         answered = switch_answer(key, switch, _off_by_default) if switch is not None else None
         if answered:  # bf16: false asks for no --precision bf16
             hint = answered
+        elif not other and data[key] is False and len(close) == 1 and _is_switch(close[0]):
+            hint = (  # torch_compile: false was told "did you mean 'compile'?" (which is on)
+                f"did you mean {close[0]!r}? false is its default (off): remove the key"
+            )
         elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")

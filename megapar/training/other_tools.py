@@ -1023,6 +1023,23 @@ def false_answer(
     return None
 
 
+def answers_a_switch(key: str, is_switch: Callable[[str], bool]) -> bool:
+    """Whether another tool's setting `key` is a switch (so that 0 / 1 given to it are false /
+    true, not numbers): one `FALSE_ANSWERS` / `TRUE_ANSWERS` holds, or one whose answer names a
+    megapar-train switch alone (`is_switch`: --compile) or a flag with the value it stands for
+    (--recompute full, --precision bf16), not a flag whose value it leaves to the user
+    (--loss-scale (a static scale ...), --data PATH)."""
+    key = key.replace("-", "_")
+    if key in FALSE_ANSWERS or key in TRUE_ANSWERS:
+        return True
+    words = (other_tools_answer(key) or "").split()
+    if not words or not words[0].startswith("--"):
+        return False
+    if len(words) == 1 or words[1].startswith("("):
+        return is_switch(words[0])
+    return not words[1].isupper() and not words[1].startswith("-")
+
+
 def switch_answer(
     key: str, value: bool, off_by_default: Callable[[str], bool], drop: str = "remove the key"
 ) -> str | None:
