@@ -1,5 +1,6 @@
 """Every broken input gives an error naming the problem, and DST is never touched on failure."""
 
+import json
 import os
 import re
 
@@ -482,3 +483,17 @@ def test_an_empty_config_or_shard_index_of_a_transformers_dir_is_one_line(tmp_pa
             assert len(err.splitlines()) == 1 and f"{hf / name} {said}" in err, err
             assert not (tmp_path / "ck").exists()
         (hf / name).write_text(whole)
+    # a weight_map of other values: a list was "no weight_map", a file name that is a number a
+    # TypeError traceback (a re-test)
+    index = hf / "model.safetensors.index.json"
+    whole = json.loads(index.read_text())
+    key = next(iter(whole["weight_map"]))
+    for weight_map, said in ((["a"], "maps no tensor to its shards (its weight_map is no "
+                              "mapping)"),
+                             ({**whole["weight_map"], key: 1}, f"maps {key} to 1, no shard's "
+                              f"file name: the index is damaged")):
+        index.write_text(json.dumps({**whole, "weight_map": weight_map}))
+        assert main(["--from-hf", str(hf), str(tmp_path / "ck"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{index} {said}" in err, err
+        assert not (tmp_path / "ck").exists()

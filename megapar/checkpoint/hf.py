@@ -196,9 +196,17 @@ class HFReader:
             index_file = self.path / "model.safetensors.index.json"
             weight_map = load_config_file(index_file).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:  # (a KeyError traceback)
+                what = "no weight_map" if weight_map is None else "its weight_map is no mapping"
                 raise ConfigError(
-                    f"{index_file} maps no tensor to its shards (no weight_map): copy the "
+                    f"{index_file} maps no tensor to its shards ({what}): copy the "
                     f"model directory again (or save it again with save_pretrained)"
+                )
+            odd = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+            if odd is not None:  # a file name that is a number: a TypeError traceback
+                raise ConfigError(
+                    f"{index_file} maps {odd} to {weight_map[odd]!r}, no shard's file name: the "
+                    f"index is damaged; copy the model directory again (or save it again with "
+                    f"save_pretrained)"
                 )
             opened: dict[str, object] = {}
             held: dict[str, set[str]] = {}  # each shard's tensor names
