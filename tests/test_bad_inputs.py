@@ -3097,6 +3097,16 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError) as info:  # at the command line's --lr (a re-test)
         parse_args(["--config", str(alone), "--lr", "3e-4"])
     assert "--min-lr 3e-05 " in str(info.value) and "cos_min_ratio" not in str(info.value)
+    # and over an lr the file gives (the file's was said, and its floor: a re-test)
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+                                 "scheduler": {"type": "WarmupCosineLR", "params": {
+                                     "total_num_steps": 6, "cos_min_ratio": 0.1}}}))
+    for line, lr, floor in (([], "0.0002", "2e-05"), (["--lr", "1e-3"], "0.001", "0.0001")):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(given), *line])
+        assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor} " in str(info.value), \
+            str(info.value)
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

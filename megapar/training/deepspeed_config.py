@@ -201,10 +201,10 @@ def deepspeed_equivalents(
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
     global batch from the micro-batch and the accumulation steps is a number at the command
-    line's --dp `dp`, else said as a product with dp. `lr`: the learning rate the optimizer
-    runs at where the file's optimizer gives none (the Trainer's; None: megapar-train's
-    `default_lr`, said beside the WarmupCosineLR floor it sets; neither: the floor is said as
-    a ratio of --lr, no flag)."""
+    line's --dp `dp`, else said as a product with dp. `lr`: the learning rate the run trains at
+    over the file's (the command line's --lr, or the Trainer's): the --lr said, and the
+    WarmupCosineLR floor its ratio of it; None: the file's, else megapar-train's `default_lr`,
+    said beside the floor it sets (neither: the floor is said as a ratio of --lr, no flag)."""
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -350,7 +350,8 @@ def deepspeed_equivalents(
             scheduler_lr = scheduler.get("type") in PEAK_SCHEDULERS
             for name, flag in (("lr", "--lr"), ("eps", "--adam-eps")):
                 if name in params and not (name == "lr" and scheduler_lr):
-                    flags.append(f"{flag} {_flag_value(params[name])}")
+                    given = lr if name == "lr" and lr is not None else params[name]
+                    flags.append(f"{flag} {_flag_value(given)}")  # --lr: the line's
             if "lr" in value:
                 left.append("optimizer.lr (DeepSpeed reads the lr from optimizer.params)")
             # DeepSpeed's optimizers decay nothing unless told (megapar-train's default is 0.1)
@@ -415,20 +416,20 @@ def deepspeed_equivalents(
             if total is not None:
                 flags.append(f"--max-steps {_flag_value(total)}")
             if kind in PEAK_SCHEDULERS and "warmup_max_lr" not in given_auto:
-                flags.append(f"--lr {_flag_value(params.get('warmup_max_lr', 0.001))}")
+                peak_lr = lr if lr is not None else params.get("warmup_max_lr", 0.001)
+                flags.append(f"--lr {_flag_value(peak_lr)}")
             if kind == "WarmupDecayLR" and "warmup_min_lr" not in given_auto:  # linearly to it
                 flags.append(f"--min-lr {_flag_value(params.get('warmup_min_lr', 0))}")
             elif kind == "WarmupCosineLR":  # its floor: a ratio of the optimizer's lr
                 ratio = params.get("cos_min_ratio", 0.0001)
                 optimizer = _section(data.get("optimizer"), "optimizer")
                 peak = _section(optimizer.get("params"), "optimizer.params").get("lr")
+                peak = lr if lr is not None else peak  # the command line's --lr: the run's
                 number = (int, float)
                 if not isinstance(ratio, number) or isinstance(ratio, bool):
                     left.append(f"scheduler.params.cos_min_ratio {json.dumps(ratio)} (no number)")
                 elif isinstance(peak, number) and not isinstance(peak, bool):
                     flags.append(f"--min-lr {float(peak) * ratio:.6g}")
-                elif lr is not None:
-                    flags.append(f"--min-lr {lr * ratio:.6g}")
                 else:  # (it was '--min-lr (--lr x cos_min_ratio 0.1)', which no shell takes)
                     at = f"--lr x {_flag_value(ratio)}"
                     if default_lr is not None:
