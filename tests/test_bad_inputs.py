@@ -2733,7 +2733,7 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     tryout). Each is named, with its settings as flags, the Trainer's defaults where megapar's
     differ; a megapar config sharing a Trainer name (eval_steps) is still read as megapar's."""
     from megapar.models.config import ConfigError
-    from megapar.training.config import parse_args
+    from megapar.training.config import TrainConfig, parse_args
 
     args = tmp_path / "args.json"
     args.write_text(json.dumps({
@@ -3097,6 +3097,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError) as info:  # at the command line's --lr (a re-test)
         parse_args(["--config", str(alone), "--lr", "3e-4"])
     assert "--min-lr 3e-05 " in str(info.value) and "cos_min_ratio" not in str(info.value)
+    # a Trainer counting epochs, whose inline scheduler warms up over DeepSpeed's 1000 steps:
+    # the --max-steps to choose is said to exceed it (--warmup-steps 1000 was refused next at
+    # the default --max-steps; a re-test of 71568e4a)
+    epochs = tmp_path / "epochs.json"
+    epochs.write_text(json.dumps({"output_dir": "out", "num_train_epochs": 1, "deepspeed": {
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(epochs)])
+    assert "--warmup-steps 1000 " in str(info.value) and (
+        "deepspeed's scheduler warms up over 1000 steps: the --max-steps you choose must be "
+        f"more (megapar-train's default is {TrainConfig.max_steps})") in str(info.value), \
+        str(info.value)
     # and over an lr the file gives (the file's was said, and its floor: a re-test)
     given = tmp_path / "given.json"
     given.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},

@@ -538,6 +538,11 @@ def _inline_deepspeed(
             f"max_steps {steps}, never reaching its peak lr (megapar's warmup ends within "
             f"--max-steps: --warmup-steps {steps})"
         )
+    elif warmup and not steps and float(warmup) >= 300:  # epochs: the --max-steps to choose
+        said.append(  # (--warmup-steps 1000 was refused next at the default --max-steps 300)
+            f"deepspeed's scheduler warms up over {warmup} steps: the --max-steps you choose "
+            f"must be more (megapar-train's default is 300), or give a shorter --warmup-steps"
+        )
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
