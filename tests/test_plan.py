@@ -587,6 +587,23 @@ def test_cli_json_and_explain(capsys):
     code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "8", "--seq-len", "32",
                      "--explain", "pp=2,mbs=1,schedule=zb-v")
     assert code == 0, out.out
+    # the pp offered divides the world (llama-160m's 12 layers at --gpus 8 were told "lower pp
+    # to 6 or less", refused next: 8 is not a multiple of 6), and interleaved's chunks come
+    # before its v (pp=8 was "lower pp to 4", then "needs v >= 2", then "lower pp to 2"); a
+    # smaller v is offered where one fits (v=4 at pp=2: "use a schedule of one chunk"; a
+    # re-test)
+    for model, layout, said in (
+            ("llama-160m", "pp=8,mbs=1,schedule=zb-v", "; lower pp to 4 or 2"),
+            ("gpt2-tiny", "pp=8,mbs=1,schedule=interleaved", "(each needs at least one layer; "
+             "interleaved 1F1B needs v >= 2); lower pp to 2 with v=2"),
+            ("gpt2-tiny", "pp=2,mbs=1,schedule=interleaved,v=4", "; lower v to 2")):
+        code, out = _cli(capsys, "--model", model, "--gpus", "8", "--seq-len", "32",
+                         "--explain", layout)
+        assert code == 1 and out.out.strip().endswith(said), out.out
+    for layout in ("pp=4,mbs=1,schedule=zb-v", "pp=2,mbs=1,schedule=interleaved,v=2"):
+        code, out = _cli(capsys, "--model", "llama-160m" if "zb-v" in layout else "gpt2-tiny",
+                         "--gpus", "8", "--seq-len", "32", "--explain", layout)
+        assert code == 0, out.out
     code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=2,recompute=selective")
     assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
     code, out = _cli(capsys, *base, "--seq-len", "4096")

@@ -486,25 +486,33 @@ def _explain_schedule(value: str) -> str:
 
 
 def _chunks_refusal(c: Candidate, config) -> str | None:
-    """Why a schedule of several model chunks per rank (interleaved's v, the V's two) cannot cut
-    the model's layers into pp of them, with the pp that can, or a schedule of one chunk per
-    rank; None otherwise. Before the model's own count of stages (`check`): its "lower pp to 4"
-    was refused next at pp=4 for a V's 8 chunks."""
-    chunks = 2 if c.schedule in ("zb-v", "dualpipev") else c.v
-    if c.schedule not in CHUNKED_SCHEDULES or chunks < 2 or config.num_layers >= c.pp * chunks:
+    """Why a schedule of several model chunks per rank (interleaved's v, at least 2; the V's
+    two) cannot cut the model's layers into pp of them, with the fix that can: for interleaved
+    a smaller v at this pp, else a pp the world takes (one dividing pp x dp, dp taking the
+    rest: "lower pp to 6" was refused next at --gpus 8), or a schedule of one chunk per rank;
+    None otherwise. Before the model's own count of stages (`check`): its "lower pp to 4" was
+    refused next at pp=4 for a V's 8 chunks, and before interleaved's v >= 2 (which then
+    refused the pp it had taken)."""
+    interleaved = c.schedule == "interleaved"
+    chunks = max(c.v, 2) if interleaved else 2
+    if c.schedule not in CHUNKED_SCHEDULES or config.num_layers >= c.pp * chunks:
         return None
     what = (
-        f"2*pp = 2*{c.pp}" if c.schedule != "interleaved" else f"pp*v = {c.pp}*{c.v}"
+        f"pp*v = {c.pp}*{c.v}" if interleaved and c.v >= 2 else f"2*pp = 2*{c.pp}"
     ) + f" = {c.pp * chunks}"
-    most = config.num_layers // chunks
-    fix = (
-        f"lower pp to {most}{' or less' if most > 2 else ''}"
-        if most >= 2
-        else "use a schedule of one chunk per rank (schedule=1f1b or zb-h1)"
-    )
+    why = "; interleaved 1F1B needs v >= 2" if interleaved and c.v < 2 else ""
+    v_fits = config.num_layers // c.pp
+    top = min(config.num_layers // 2, c.pp - 1)
+    pps = [str(p) for p in range(top, 1, -1) if (c.pp * c.dp) % p == 0][:3]
+    if interleaved and v_fits >= 2:
+        fix = f"lower v to {v_fits}" + (f" (or pp to {or_list(pps)} with v=2)" if pps else "")
+    elif pps:
+        fix = f"lower pp to {or_list(pps)}" + (" with v=2" if interleaved and c.v != 2 else "")
+    else:
+        fix = "use a schedule of one chunk per rank (schedule=1f1b or zb-h1)"
     return (
         f"{config.num_layers} layers cannot be cut into {what} model chunks (each needs at "
-        f"least one layer); {fix}"
+        f"least one layer{why}); {fix}"
     )
 
 
@@ -533,10 +541,10 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
     if c.pp == 1 and c.schedule != "1f1b":
         return f"schedule {c.schedule} needs pp > 1 (with one stage there is no pipeline)"
     if c.schedule == "interleaved":
-        if c.v < 2:
-            return "interleaved 1F1B needs v >= 2 model chunks per rank"
         if refusal := _chunks_refusal(c, config):
             return refusal
+        if c.v < 2:
+            return "interleaved 1F1B needs v >= 2 model chunks per rank"
         try:  # megapar-train's own rule (m divisible by max(1, m // pp))
             interleaved_rounds(c.pp, m)
         except ValueError as exc:
