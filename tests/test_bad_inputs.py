@@ -452,6 +452,10 @@ TRAIN = [
     # note; a re-test)
     (["--dry-run", "--tp", "3", "--world-size", "6", "--cp", "2", "--seq-len", "32"],
      "; of those, 6 processes at --cp 2 take --tp 1"),
+    # and whose dp x cp the --ep divides (--tp 2 was offered at --ep 4 of 4 processes, refused
+    # next: ep 4 does not divide dp x cp 2; a re-test)
+    (["--dry-run", "--model", "mixtral-tiny", "--seq-len", "32", "--tp", "3", "--ep", "4",
+      "--world-size", "4"], "; of those, 4 processes at --ep 4 take --tp 1"),
 ]
 
 

@@ -577,6 +577,10 @@ def test_cli_json_and_explain(capsys):
     assert code == 1 and out.out.strip().endswith(
         "use tp=1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, "
         "--gpus 3 take tp=1"), out.out
+    # and whose dp x cp the ep divides (tp=2 was offered at ep=4 of 4 GPUs; a re-test)
+    code, out = _cli(capsys, "--model", "mixtral-tiny", "--gpus", "4", "--seq-len", "32",
+                     "--explain", "tp=3,ep=4,mbs=1")
+    assert code == 1 and out.out.strip().endswith("of those, --gpus 4, ep=4 take tp=1"), out.out
     # a V's chunks are said before the model's count of stages, with a pp that cuts them
     # ("lower pp to 4 or less" was refused next at pp=4 for 8 chunks; a re-test)
     for layout in ("pp=8,mbs=1,schedule=zb-v", "pp=4,mbs=1,schedule=zb-v"):

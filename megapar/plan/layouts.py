@@ -333,10 +333,10 @@ def tps_the_gpus_take(c: Candidate, p: Problem) -> str:
     """Beside the model's refusal of `c`'s tp: the tp values both the model and --gpus take at
     `c`'s cp and pp ("" where each one offered fits, or none does); the model offered tp=4 to
     3 GPUs, refused next (megapar-train's note, `tps_the_world_takes`, in the layout's keys)."""
-    fits = [str(t) for t in tps_taken(p.config, p.gpus, c.pp, c.cp)]
+    fits = [str(t) for t in tps_taken(p.config, p.gpus, c.pp, c.cp, c.ep)]
     if not fits:
         return ""
-    at = "".join(f", {n}={v}" for n, v in (("cp", c.cp), ("pp", c.pp)) if v > 1)
+    at = "".join(f", {n}={v}" for n, v in (("cp", c.cp), ("pp", c.pp), ("ep", c.ep)) if v > 1)
     return f"; of those, --gpus {p.gpus}{at} take{'s' if p.gpus == 1 else ''} tp={or_list(fits)}"
 
 

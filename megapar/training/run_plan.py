@@ -253,10 +253,12 @@ def tps_the_world_takes(cfg: TrainConfig, config) -> str:
     world = cfg.world_size if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
     if not world:
         return ""
-    fits = [str(t) for t in tps_taken(config, world, cfg.pp, cfg.cp)]
+    fits = [str(t) for t in tps_taken(config, world, cfg.pp, cfg.cp, cfg.ep)]
     if not fits:  # every one the model offers runs, or none
         return ""
-    at = " x ".join(f"--{n} {v}" for n, v in (("cp", cfg.cp), ("pp", cfg.pp)) if v > 1)
+    at = " x ".join(
+        f"--{n} {v}" for n, v in (("cp", cfg.cp), ("pp", cfg.pp), ("ep", cfg.ep)) if v > 1
+    )
     what = counted(world, "process", "processes") + (f" at {at}" if at else "")
     return f"; of those, {what} {'take' if world > 1 else 'takes'} --tp {or_list(fits)}"
 

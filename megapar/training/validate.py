@@ -311,11 +311,12 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
     )
 
 
-def tps_taken(config, world: int, pp: int, cp: int) -> list[int]:
+def tps_taken(config, world: int, pp: int, cp: int, ep: int = 1) -> list[int]:
     """Of the tp values model `config` takes at `pp` and `cp`, those a world of `world` ranks
-    divides into tp x cp x pp; [] where each one the model takes fits, or none does (nothing to
-    add beside the model's refusal, which names them): megapar-train's note under a fixed world
-    and megapar-plan's under --gpus (the model offered --tp 4 to 2 processes, refused next)."""
+    divides into tp x cp x pp, leaving a dp x cp that `ep` divides; [] where each one the model
+    takes fits, or none does (nothing to add beside the model's refusal, which names them):
+    megapar-train's note under a fixed world and megapar-plan's under --gpus (the model offered
+    --tp 4 to 2 processes, refused next; --tp 2 at --ep 4 of 4 processes)."""
 
     def model_takes(tp: int) -> bool:
         try:
@@ -325,7 +326,7 @@ def tps_taken(config, world: int, pp: int, cp: int) -> list[int]:
         return True
 
     offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
-    fits = [t for t in offered if world % (t * pp * cp) == 0]
+    fits = [t for t in offered if world % (t * pp * cp) == 0 and (world // (t * pp)) % ep == 0]
     return fits if len(fits) < len(offered) else []
 
 
