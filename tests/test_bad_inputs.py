@@ -384,6 +384,17 @@ TRAIN = [
      "and --min-loss-scale 1000000 would be ignored: each sets the fp16 loss scale, and "
      "--precision is fp32 (no loss scaling): add --precision fp16, or drop "
      "--initial-loss-scale and --min-loss-scale"),
+    # a fix that would be refused next says what else it drops (fp16 with a static
+    # --loss-scale then refused the dynamic scale's flags; --lr-decay wsd refused
+    # --lr-wsd-decay-fraction beside --lr-wsd-decay-steps), and two flags of one fix are one
+    # line (--min-lr's and --lr-decay-steps' reasons differed in words; a re-test)
+    (["--initial-loss-scale", "1e3", "--loss-scale", "1024"], "add --precision fp16 and drop "
+     "--initial-loss-scale (--loss-scale 1024 is static), or drop --loss-scale and "
+     "--initial-loss-scale"),
+    (["--lr-wsd-decay-steps", "2", "--lr-wsd-decay-fraction", "0.2"], "add --lr-decay wsd and "
+     "drop --lr-wsd-decay-fraction (--lr-wsd-decay-steps sets the decay's length)"),
+    (["--min-lr", "1e-5", "--lr-decay-steps", "10", "--lr-decay", "constant"], "--min-lr 1e-05 "
+     "and --lr-decay-steps 10 would be ignored: each is where the decay ends"),
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),

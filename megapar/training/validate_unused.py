@@ -16,6 +16,27 @@ def check_unused(cfg, given: set[str]) -> None:
     those taken from a checkpoint) that this run would not read, naming what it needs."""
     adam = cfg.optimizer in ("adamw", "lamb", "muon")
     prepared, keyed = _data_kinds(cfg.data)
+    # a fix that would be refused next: the dynamic scale's flags beside a static --loss-scale
+    # (at fp32 "add --precision fp16" was then refused for them), --lr-wsd-decay-fraction beside
+    # --lr-wsd-decay-steps ("add --lr-decay wsd" then refused it)
+    dynamic = [
+        n
+        for n in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if n in given
+    ]
+    static = "loss_scale" in given and cfg.loss_scale and dynamic
+    fp16_fix = "add --precision fp16" + (
+        f" and drop {and_list([flag_of(n) for n in dynamic])} (--loss-scale "
+        f"{cfg.loss_scale:g} is static)"
+        if static
+        else ""
+    )
+    both_wsd = {"lr_wsd_decay_steps", "lr_wsd_decay_fraction"} <= given and cfg.lr_wsd_decay_steps
+    wsd_fix = "add --lr-decay wsd" + (
+        " and drop --lr-wsd-decay-fraction (--lr-wsd-decay-steps sets the decay's length)"
+        if both_wsd
+        else ""
+    )
     rules = [
         (
             "save_interval",
@@ -96,7 +117,7 @@ def check_unused(cfg, given: set[str]) -> None:
                 cfg.precision == "fp16",
                 f"it sets the fp16 loss scale, and --precision is {cfg.precision} (no loss "
                 f"scaling)",
-                "add --precision fp16",
+                fp16_fix,
             )
             for name in (
                 "loss_scale",
@@ -120,7 +141,7 @@ def check_unused(cfg, given: set[str]) -> None:
                 name,
                 cfg.lr_decay == "wsd",
                 f"it shapes the final decay of --lr-decay wsd, and --lr-decay is {cfg.lr_decay}",
-                "add --lr-decay wsd",
+                wsd_fix,
             )
             for name in ("lr_wsd_decay_steps", "lr_wsd_decay_fraction", "lr_wsd_decay_style")
         ),
@@ -131,9 +152,9 @@ def check_unused(cfg, given: set[str]) -> None:
             "give --lr-decay cosine, linear or wsd",
         ),
         (
-            "lr_decay_steps",
+            "lr_decay_steps",  # (said as --min-lr's: one line names both)
             cfg.lr_decay != "constant",
-            "it is where the decay ends, and --lr-decay constant has none",
+            "it is where the decay ends, and --lr-decay constant holds --lr after warmup",
             "give --lr-decay cosine, linear or wsd",
         ),
         (
