@@ -420,8 +420,19 @@ def test_the_text_is_prompt_and_completion_without_the_end_of_sequence_token(imp
 
     monkeypatch.setattr("megapar.cli.worker_exit.run_workers", at_the_positions)
     assert generate([*argv, "--samples", "3"]) == 0
-    assert capsys.readouterr().err.startswith(
-        "megapar-generate: 3 of the 3 samples stopped at the model's "), said.err
+    err = capsys.readouterr().err
+    assert err.startswith("megapar-generate: 3 of the 3 samples stopped at the model's ") and \
+        err.endswith("(2 new tokens each)\n"), err
+
+    def one_new_token(worker, world_size, args, **kwargs):  # "1 new tokens each" (a re-test)
+        args.printer.batch(0, [(new[:1], "positions")] * 2)
+        args.printer.finish()
+        return [None]
+
+    monkeypatch.setattr("megapar.cli.worker_exit.run_workers", one_new_token)
+    assert generate([*argv, "--samples", "2", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.endswith(" (1 new token each) (--json's \"stop\" names each)\n"), err
 
 
 def test_the_positions_note_counts_one_new_token_in_the_singular():

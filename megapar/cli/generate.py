@@ -482,12 +482,13 @@ class SamplePrinter:
             return
         sys.stdout.flush()
         samples = len(self.args.prompt_ids) * self.args.samples
-        if self.limited:
+        if self.limited:  # (said under --json too: the model's limit, not its choice)
             lo, hi = min(self.limited), max(self.limited)
-            new = f"{lo} new" if lo == hi else f"{lo} to {hi} new"
+            new = counted(lo, "new token") if lo == hi else f"{lo} to {hi} new tokens"
+            named = ' (--json\'s "stop" names each)' if self.args.json else ""
             print(
                 f"megapar-generate: {len(self.limited)} of the {samples} samples stopped at "
-                f"{self.limit_name} ({new} tokens each)",
+                f"{self.limit_name} ({new} each){named}",
                 file=sys.stderr,
                 flush=True,
             )
