@@ -386,6 +386,18 @@ class OneLineParser(argparse.ArgumentParser):
             return token.split("=", 1)[1]
         return after[0] if after and not after[0].startswith("--") else None
 
+    def _negated_switch(self, flag: str) -> str | None:
+        """For another tool's switch given as its --no- spelling (`--no-decay-lr`,
+        `--no-gradient-checkpointing`), `switch_known_as`'s answer to its false; None where it
+        has none (or `flag` is no such spelling)."""
+        if not flag.startswith(("--no-", "--no_")) or self.switch_known_as is None:
+            return None
+        on = "--" + flag[len("--no-") :]
+        named = on if on in self.known_as else on.replace("_", "-")
+        if named not in self.known_as:
+            named = on.replace("-", "_") if on.replace("-", "_") in self.known_as else named
+        return self.switch_known_as(named, "false") if named in self.known_as else None
+
     def _switch_off(self, flag: str, value: str) -> str:
         """For an unknown flag given `value` whose closest known flag is the switch `flag`
         (`--sequence_parallel=False`: `--sequence-parallel`), where `value` is false: how to
@@ -443,6 +455,9 @@ class OneLineParser(argparse.ArgumentParser):
                 elif ours:
                     said_for.setdefault(ours, []).append(flag)
                     hints.append(ours)  # said once, after every flag it answers (below)
+                continue
+            if said := self._negated_switch(flag):  # --no-decay-lr: not --no-dry-run
+                hints.append(f"{flag}: {said}")
                 continue
             close = _close_flag(flag, known)
             longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []

@@ -1633,6 +1633,12 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     (["--torch_compile=False"], "false leaves --compile off, as it is by default"),
     (["--torch-compile", "False"], "--torch-compile: false leaves --compile off"),
     (["--torch-compile"], "--torch-compile: did you mean --compile?"),
+    # another tool's switch in its --no- spelling is its false (--no-decay-lr was "did you
+    # mean --no-dry-run?"; --no-bf16 had no answer)
+    (["--no-decay-lr"], "--no-decay-lr: false asks for a constant learning rate: --lr-decay "
+     "constant"),
+    (["--no-bf16"], "--no-bf16: false asks for no bf16: leave the flag out"),
+    (["--no-gradient-checkpointing"], "--no-gradient-checkpointing: false leaves it off"),
     # true (or no value) keeps what the flag asks for
     (["--bf16=True"], "--bf16: did you mean --precision bf16?"),
     (["--gradient_checkpointing"], "--gradient_checkpointing: did you mean --recompute full?"),
