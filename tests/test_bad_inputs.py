@@ -3130,6 +3130,17 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         "deepspeed's scheduler warms up over 1000 steps: the --max-steps you choose must be "
         f"more (megapar-train's default is {TrainConfig.max_steps})") in str(info.value), \
         str(info.value)
+    # a Trainer's learning_rate beside the command line's --lr: the line's, and the inline
+    # cosine's floor its ratio (the file's --lr 0.0003 and --min-lr 3e-05 were said; a re-test)
+    trainer = tmp_path / "trainer.json"
+    trainer.write_text(json.dumps({"output_dir": "out", "max_steps": 4, "learning_rate": 3e-4,
+                                   "deepspeed": {"scheduler": {"type": "WarmupCosineLR", "params": {
+                                       "total_num_steps": "auto", "cos_min_ratio": 0.1}}}}))
+    for line, lr, floor in (([], "0.0003", "3e-05"), (["--lr", "1e-3"], "0.001", "0.0001")):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(trainer), *line])
+        assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor}" in str(info.value), \
+            str(info.value)
     # and over an lr the file gives (the file's was said, and its floor: a re-test)
     given = tmp_path / "given.json"
     given.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},

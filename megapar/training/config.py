@@ -778,7 +778,11 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
-        raise ConfigError(trainer_arguments(data, path, refused_flag))
+        inline = data.get("deepspeed")
+        optimizer = inline.get("optimizer") if isinstance(inline, dict) else None
+        if lr is not None and not isinstance(optimizer, dict):  # the command line's --lr: its
+            data = {**data, "learning_rate": lr}  # flags and a cosine's floor (they said the
+        raise ConfigError(trainer_arguments(data, path, refused_flag))  # file's; a re-test)
     if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path, refused_flag))
     if is_deepspeed_config(data):
