@@ -199,8 +199,10 @@ class OneLineParser(argparse.ArgumentParser):
     (`--decay_lr=False`, `--bf16 0`: the value's word) where it changes the `known_as` answer
     (None where it does not, or the value is no switch's: `--loss_scale 0`). An unknown flag
     close to one of the command's switches given false (`--sequence_parallel=False`) is told
-    the switch's off. `afterword(unknown, given)`, given the unknown flags and every flag of
-    the line, says what the line should add once after their answers ("" for nothing):
+    the switch's off (`switch_defaults`: each switch's default where the parser's own is None,
+    megapar-train's read from its settings). `afterword(unknown, given)`, given the unknown
+    flags and every flag of the line, says what the line should add once after their answers
+    ("" for nothing):
     megapar-train's names the defaults it does not share with the tool the flags come from."""
 
     def __init__(
@@ -210,6 +212,7 @@ class OneLineParser(argparse.ArgumentParser):
         known_as: dict[str, str] | None = None,
         value_known_as: dict[str, Callable[[str], str]] | None = None,
         switch_known_as: Callable[[str, str], str | None] | None = None,
+        switch_defaults: dict[str, bool] | None = None,
         afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,
     ):
@@ -222,6 +225,7 @@ class OneLineParser(argparse.ArgumentParser):
                 self.known_as[theirs] = self.known_as[ours]
         self.value_known_as = value_known_as or {}
         self.switch_known_as = switch_known_as
+        self.switch_defaults = switch_defaults or {}
         self.afterword = afterword
         self._given_flags: set[str] = set()
 
@@ -277,6 +281,14 @@ class OneLineParser(argparse.ArgumentParser):
         last = flags[-1].split("=", 1)[0] if flags else ""
         before_action = self._option_string_actions.get(last)
         if before_action is not None and before_action.nargs == 0:
+            switch = other_switch_value(words[0]) if len(words) == 1 else None
+            no = f"--no-{last[2:]}" if not last.startswith("--no-") else ""
+            if switch is True:  # `--tf32 False`, as Hugging Face's parser spells it
+                return f"{last} takes no value: give {last} alone"
+            if switch is False and no in before_action.option_strings:
+                return f"{last} takes no value: for false give {no}"
+            if switch is False:
+                return f"{last} takes no value: for false leave it out"
             return f"{last} takes no value"
         if before_action is not None and before_action.nargs in (None, "?", 1):
             return f"{last} takes one value"
@@ -406,8 +418,10 @@ class OneLineParser(argparse.ArgumentParser):
         action = self._option_string_actions.get(flag)
         if action is None or action.nargs != 0 or other_switch_value(value) is not False:
             return ""
-        if action.default:
-            return f"did you mean --no-{flag[2:]}? (false is {flag}'s off)"
+        default = self.switch_defaults.get(flag, action.default)
+        if default is not False:  # on, or chosen by the run (None): its --no- spelling
+            no = f"--no-{flag[2:]}"
+            return f"did you mean {no}?" if no in action.option_strings else ""
         return f"false leaves {flag} off, as it is by default: leave the flag out"
 
     def _did_you_mean(self, message: str) -> str:

@@ -1598,7 +1598,12 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                        ("decay_lr: 1", "true is megapar-train's default"),
                        ("torch_compile: false", "did you mean 'compile'? false is its default "
                         "(off): remove the key"),
-                       ("warmup_ratio: 0", "did you mean --warmup-steps (a step count")):
+                       ("warmup_ratio: 0", "did you mean --warmup-steps (a step count"),
+                       # a string YAML does not read as a boolean, or quoted (bf16: n was
+                       # "did you mean --precision bf16?"; a re-test)
+                       ("bf16: n", "false asks for no bf16: remove the key"),
+                       ('bf16: "0"', "false asks for no bf16: remove the key"),
+                       ('decay_lr: "true"', "true is megapar-train's default")):
         config.write_text(text + "\n")
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
@@ -1639,6 +1644,14 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
      "constant"),
     (["--no-bf16"], "--no-bf16: false asks for no bf16: leave the flag out"),
     (["--no-gradient-checkpointing"], "--no-gradient-checkpointing: false leaves it off"),
+    # nanoGPT's eval_only false is a training run (it was told megapar-eval); megapar's own
+    # switch given a spaced true / false (the Hugging Face parser's --tf32 False) is told
+    # its spelling (it was "takes no value"; a re-test)
+    (["--eval_only=False"], "--eval_only=False: false is a training run, megapar-train's: "
+     "leave the flag out"),
+    (["--tf32", "False"], "unexpected argument 'False': --tf32 takes no value: for false give "
+     "--no-tf32"),
+    (["--tf32", "true"], "--tf32 takes no value: give --tf32 alone"),
     # true (or no value) keeps what the flag asks for
     (["--bf16=True"], "--bf16: did you mean --precision bf16?"),
     (["--gradient_checkpointing"], "--gradient_checkpointing: did you mean --recompute full?"),
@@ -2438,6 +2451,13 @@ OTHER_TOOLS = [
      "initialization setting"),
     ("generate", ["--load", "ck", "--fp8-emulate"],
      "--fp8-emulate: megapar-generate computes in --precision fp32, bf16 or fp16"),
+    # transformers' do_sample false is greedy (it was told sampling is the default; a re-test)
+    ("generate", ["--load", "ck", "--do_sample=False"],
+     "--do_sample=False: false is greedy decoding: --temperature 0"),
+    # a switch whose default the run chooses (None) given false: its --no- spelling (it was
+    # told "leave the flag out", which keeps fused attention on a GPU; a re-test)
+    ("plan", ["--model", "gpt2-tiny", "--gpus", "2", "--fused_attention=False"],
+     "--fused_attention=False: did you mean --no-fused-attention?"),
 ]
 
 

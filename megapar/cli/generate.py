@@ -38,7 +38,13 @@ from megapar.faults.processes import exit_uncollected
 from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
-from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
+from megapar.one_line_parser import (
+    SHARDING_NAMES,
+    OneLineParser,
+    layout_names,
+    other_switch_value,
+    shell_word,
+)
 from megapar.training.config import precision_named_elsewhere
 from megapar.training.empty_values import check_blank_flags
 from megapar.training.generate import Sampling, generate_batch
@@ -104,12 +110,20 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 """--precision's names (megapar-train's) and their dtypes."""
 
 
+def _do_sample_off(flag: str, value: str) -> str | None:
+    """transformers' do_sample given false (`--do_sample=False`): greedy decoding."""
+    if flag == "--do-sample" and other_switch_value(value) is False:
+        return "false is greedy decoding: --temperature 0"
+    return None
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(
         prog="megapar-generate",
         description=__doc__.split("\n")[0],
         stray=(("--prompt", "the prompt"),),
         known_as=OTHER_FLAGS,
+        switch_known_as=_do_sample_off,
         value_known_as={"--precision": precision_named_elsewhere},
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")

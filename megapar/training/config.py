@@ -576,6 +576,11 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
         switch_known_as=_switch_answer_on_the_line,
+        switch_defaults={
+            "--" + f.name.replace("_", "-"): bool(f.default)
+            for f in fields(TrainConfig)
+            if _type_of(f) == "bool"
+        },
         value_known_as={
             "--schedule": schedule_named_elsewhere,
             "--lr-decay": decay_named_elsewhere,
@@ -823,8 +828,11 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
         )
         other = other_tools_answer(key)
         switch = data[key] if isinstance(data[key], bool) else None
-        if type(data[key]) is int and data[key] in (0, 1) and answers_a_switch(key, _is_switch):
-            switch = bool(data[key])  # YAML's bf16: 0
+        if type(data[key]) in (int, str) and str(data[key]).strip() in ("0", "1"):
+            if answers_a_switch(key, _is_switch):  # YAML's bf16: 0, JSON's "1"
+                switch = str(data[key]).strip() == "1"
+        elif isinstance(data[key], str):  # YAML's bf16: n (a string), JSON's "false"
+            switch = other_switch_value(data[key].strip())
         answered = switch_answer(key, switch, _off_by_default) if switch is not None else None
         if answered:  # bf16: false asks for no --precision bf16
             hint = answered

@@ -988,6 +988,7 @@ FALSE_ANSWERS = {
     "is dynamic without it)",
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
     "its shipped Shakespeare sample)",
+    "eval_only": "false is a training run, megapar-train's: {drop}",
     "accumulate_allreduce_grads_in_fp32": "false reduces the gradients in the 16-bit dtype: "
     "--grad-reduce-dtype bf16 (fp16 under --precision fp16; megapar-train's default, auto, "
     "reduces them in fp32 under bf16)",
