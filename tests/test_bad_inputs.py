@@ -395,6 +395,10 @@ TRAIN = [
      "drop --lr-wsd-decay-fraction (--lr-wsd-decay-steps sets the decay's length)"),
     (["--min-lr", "1e-5", "--lr-decay-steps", "10", "--lr-decay", "constant"], "--min-lr 1e-05 "
      "and --lr-decay-steps 10 would be ignored: each is where the decay ends"),
+    # every reason in one line (dropping the wsd flag was refused next for --min-lr; a re-test)
+    (["--lr-wsd-decay-steps", "2", "--lr-decay", "constant", "--min-lr", "1e-5"],
+     "or drop --lr-wsd-decay-steps; and --min-lr 1e-05 would be ignored: it is where the decay "
+     "ends"),
     (["--precision", "fp16", "--min-loss-scale", "128", "--initial-loss-scale", "64"],
      "--min-loss-scale 128 is above --initial-loss-scale 64: lower --min-loss-scale or raise "
      "--initial-loss-scale"),

@@ -196,19 +196,30 @@ def check_unused(cfg, given: set[str]) -> None:
     ]
     if not unused:
         return
-    _, why, fix = unused[0]  # with every other flag of the same reason (--initial-loss-scale
-    names = [n for n, w, f in unused if (w, f) == (why, fix)]  # and --min-loss-scale at fp32:
-    shown = and_list(  # dropping the one named was refused next for the other)
-        [
-            flag_of(n) if isinstance(getattr(cfg, n), bool) else flag_with_value(n, getattr(cfg, n))
-            for n in names
-        ]
-    )
-    drop = f"drop {and_list([flag_of(n) for n in names])}"
-    if len(names) > 1 and why.startswith("it "):  # "it sets the fp16 loss scale": of each
-        why = f"each {why.removeprefix('it ')}"
-    ignored = f"{shown} would be ignored: {why}"
-    raise UsageError(f"{ignored}: {fix}, or {drop}" if fix else f"{ignored}; {drop}")
+    reasons = list(dict.fromkeys((why, fix) for _, why, fix in unused))
+    said: list[tuple[str, list[str], str | None]] = []  # every reason at once (dropping the
+    done: set[str] = set()  # flags of the one named was refused next for another's), each
+    for why, fix in reasons:  # with all its flags not named already (--initial-loss-scale and
+        names = [n for n, w, f in unused if (w, f) == (why, fix) and n not in done]  # --min-
+        if names:  # loss-scale at fp32: one reason)
+            said.append((why, names, fix))
+            done.update(names)
+    lines = []
+    for why, names, fix in said:
+        shown = and_list(
+            [
+                flag_of(n)
+                if isinstance(getattr(cfg, n), bool)
+                else flag_with_value(n, getattr(cfg, n))
+                for n in names
+            ]
+        )
+        drop = f"drop {and_list([flag_of(n) for n in names])}"
+        if len(names) > 1 and why.startswith("it "):  # "it sets the fp16 loss scale": of each
+            why = f"each {why.removeprefix('it ')}"
+        ignored = f"{shown} would be ignored: {why}"
+        lines.append(f"{ignored}: {fix}, or {drop}" if fix else f"{ignored}; {drop}")
+    raise UsageError("; and ".join(lines))
 
 
 def _data_kinds(data) -> tuple[bool, bool]:
