@@ -3165,6 +3165,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(trainer), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor}" in str(info.value), \
             str(info.value)
+    # the Trainer's own warmup_steps past its max_steps, or past megapar-train's default steps
+    # where it counts epochs (--warmup-steps 500 was refused next; a re-test)
+    for given, flag, said in (({"max_steps": 100, "warmup_steps": 500}, "--warmup-steps 100 ",
+                               "warmup_steps 500: more than max_steps 100, never reaching its "
+                               "learning_rate"),
+                              ({"num_train_epochs": 1, "warmup_steps": 500}, "--warmup-steps 500 ",
+                               "warmup_steps 500: the --max-steps you choose must be more "
+                               f"(megapar-train's default is {TrainConfig.max_steps})")):
+        epochs.write_text(json.dumps({"output_dir": "out", **given}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(epochs)])
+        assert flag in str(info.value) and said in str(info.value), str(info.value)
     # and over an lr the file gives (the file's was said, and its floor: a re-test)
     given = tmp_path / "given.json"
     given.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},

@@ -205,8 +205,19 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
     elif ratio:
         said.append(f"{ratio_key} {ratio:g}: --warmup-steps (the ratio x the training steps)")
+    elif steps > 0 and warmup > steps:  # the Trainer warms up past its end, never at --lr
+        flags.append(f"--warmup-steps {steps}")  # (--warmup-steps 500 was refused next at
+        said.append(  # --max-steps 100; a re-test)
+            f"warmup_steps {int(warmup)}: more than max_steps {steps}, never reaching its "
+            f"learning_rate (megapar's warmup ends within --max-steps: --warmup-steps {steps})"
+        )
     else:
         flags.append(f"--warmup-steps {int(warmup)}")
+        if steps <= 0 and warmup >= 300:  # epochs: the --max-steps to choose must be more
+            said.append(
+                f"warmup_steps {int(warmup)}: the --max-steps you choose must be more "
+                f"(megapar-train's default is 300), or give a shorter --warmup-steps"
+            )
     schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
     kwargs = data.get("lr_scheduler_kwargs")
     kwargs = kwargs if isinstance(kwargs, dict) else {}
