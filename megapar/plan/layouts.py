@@ -348,7 +348,11 @@ def check(c: Candidate, p: Problem) -> str | None:
         grid = _grid_refusal(c, p.gpus, p.gpus_per_node)  # the model's reason reads no dp
         model = model_refusal(dataclasses.replace(c, dp=1), p.config)
         return "; ".join(r for r in (grid, model) if r)
-    return _chunks_refusal(c, p.config) or model_refusal(c, p.config) or _option_refusal(c, p)
+    return (
+        _chunks_refusal(c, p.config, p.global_batch)
+        or model_refusal(c, p.config)
+        or _option_refusal(c, p)
+    )
 
 
 def _option_refusal(c: Candidate, p: Problem) -> str | None:
@@ -485,11 +489,12 @@ def _explain_schedule(value: str) -> str:
     return said.replace(" --virtual-stages V", ",v=V")
 
 
-def _chunks_refusal(c: Candidate, config) -> str | None:
+def _chunks_refusal(c: Candidate, config, global_batch: int) -> str | None:
     """Why a schedule of several model chunks per rank (interleaved's v, at least 2; the V's
     two) cannot cut the model's layers into pp of them, with the fix that can: for interleaved
     a smaller v at this pp, else a pp the world takes (one dividing pp x dp, dp taking the
-    rest: "lower pp to 6" was refused next at --gpus 8), or a schedule of one chunk per rank;
+    rest, and its micro-batches the `global_batch`: "lower pp to 6" was refused next at --gpus
+    8), or a schedule of one chunk per rank;
     None otherwise. Before the model's own count of stages (`check`): its "lower pp to 4" was
     refused next at pp=4 for a V's 8 chunks, and before interleaved's v >= 2 (which then
     refused the pp it had taken)."""
@@ -503,7 +508,11 @@ def _chunks_refusal(c: Candidate, config) -> str | None:
     why = "; interleaved 1F1B needs v >= 2" if interleaved and c.v < 2 else ""
     v_fits = config.num_layers // c.pp
     top = min(config.num_layers // 2, c.pp - 1)
-    pps = [str(p) for p in range(top, 1, -1) if (c.pp * c.dp) % p == 0][:3]
+    pps = [
+        str(p)
+        for p in range(top, 1, -1)
+        if (c.pp * c.dp) % p == 0 and global_batch % (c.mbs * c.pp * c.dp // p) == 0
+    ][:3]
     if interleaved and v_fits >= 2:
         fix = f"lower v to {v_fits}" + (f" (or pp to {or_list(pps)} with v=2)" if pps else "")
     elif pps:
@@ -541,7 +550,7 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
     if c.pp == 1 and c.schedule != "1f1b":
         return f"schedule {c.schedule} needs pp > 1 (with one stage there is no pipeline)"
     if c.schedule == "interleaved":
-        if refusal := _chunks_refusal(c, config):
+        if refusal := _chunks_refusal(c, config, global_batch):
             return refusal
         if c.v < 2:
             return "interleaved 1F1B needs v >= 2 model chunks per rank"
@@ -555,7 +564,7 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
                 f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V); "
                 f"leave v out or give v=2"
             )
-        if refusal := _chunks_refusal(c, config):
+        if refusal := _chunks_refusal(c, config, global_batch):
             return refusal
         if c.schedule == "dualpipev" and m < 2 * c.pp:
             return f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}"
