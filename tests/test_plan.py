@@ -604,11 +604,11 @@ def test_cli_json_and_explain(capsys):
         code, out = _cli(capsys, "--model", model, "--gpus", "8", "--seq-len", "32",
                          "--explain", layout)
         assert code == 1 and out.out.strip().endswith(said), out.out
-    # ... and whose dp the global batch's micro-batches divide (pp=2 at --gpus 6 was refused
+    # ... and whose dp the global batch's micro-batches divide (pp=4 at --gpus 12 was refused
     # next: 16 is not divisible by 1 x dp 3; a re-test)
-    code, out = _cli(capsys, "--model", "llama-160m", "--gpus", "6", "--seq-len", "32",
-                     "--explain", "pp=6,mbs=1,schedule=zb-v")
-    assert code == 1 and out.out.strip().endswith("; lower pp to 3"), out.out
+    code, out = _cli(capsys, "--model", "llama-160m", "--gpus", "12", "--gpus-per-node", "12",
+                     "--seq-len", "32", "--explain", "pp=12,mbs=1,schedule=zb-v")
+    assert code == 1 and out.out.strip().endswith("; lower pp to 6 or 3"), out.out
     for layout in ("pp=4,mbs=1,schedule=zb-v", "pp=2,mbs=1,schedule=interleaved,v=2"):
         code, out = _cli(capsys, "--model", "llama-160m" if "zb-v" in layout else "gpt2-tiny",
                          "--gpus", "8", "--seq-len", "32", "--explain", layout)
