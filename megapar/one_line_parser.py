@@ -202,8 +202,8 @@ class OneLineParser(argparse.ArgumentParser):
     the switch's off (`switch_defaults`: each switch's default where the parser's own is None,
     megapar-train's read from its settings). `afterword(unknown, given)`, given the unknown
     flags and every flag of the line, says what the line should add once after their answers
-    ("" for nothing):
-    megapar-train's names the defaults it does not share with the tool the flags come from."""
+    ("" for nothing): megapar-train's names the defaults it does not share with the tool the
+    flags come from."""
 
     def __init__(
         self,
@@ -488,8 +488,9 @@ class OneLineParser(argparse.ArgumentParser):
                 on = "--" + close[0][len("--no-") :]  # `--torch-compile`: --compile, not
                 close = [on] if on in known else close  # its --no-compile
             value = self._value_given(token, tokens[at + 1 : at + 2])
-            if close and value is not None and self._switch_off(close[0], value):
-                hints.append(f"{token}: {self._switch_off(close[0], value)}")
+            off = self._switch_off(close[0], value) if close and value is not None else ""
+            if off:
+                hints.append(f"{token}: {off}")
             elif close:
                 hints.append(f"{flag}: did you mean {close[0]}?")
         flags = [t.split("=", 1)[0] for t in message[len(prefix) :].split() if t[:2] == "--"]

@@ -3177,6 +3177,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(epochs)])
         assert flag in str(info.value) and said in str(info.value), str(info.value)
+    from megapar.training.hf_trainer_config import DEFAULT_MAX_STEPS  # (it cannot import it)
+    assert DEFAULT_MAX_STEPS == TrainConfig.max_steps
     # and over an lr the file gives (the file's was said, and its floor: a re-test)
     given = tmp_path / "given.json"
     given.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},

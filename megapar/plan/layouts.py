@@ -494,10 +494,9 @@ def _chunks_refusal(c: Candidate, config, global_batch: int) -> str | None:
     two) cannot cut the model's layers into pp of them, with the fix that can: for interleaved
     a smaller v at this pp, else a pp the world takes (one dividing pp x dp, dp taking the
     rest, and its micro-batches the `global_batch`: "lower pp to 6" was refused next at --gpus
-    8), or a schedule of one chunk per rank;
-    None otherwise. Before the model's own count of stages (`check`): its "lower pp to 4" was
-    refused next at pp=4 for a V's 8 chunks, and before interleaved's v >= 2 (which then
-    refused the pp it had taken)."""
+    8), or a schedule of one chunk per rank; None otherwise. Before the model's own count of
+    stages (`check`): its "lower pp to 4" was refused next at pp=4 for a V's 8 chunks, and
+    before interleaved's v >= 2 (which then refused the pp it had taken)."""
     interleaved = c.schedule == "interleaved"
     chunks = max(c.v, 2) if interleaved else 2
     if c.schedule not in CHUNKED_SCHEDULES or config.num_layers >= c.pp * chunks:

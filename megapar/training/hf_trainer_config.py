@@ -49,6 +49,10 @@ SHARED_KEYS = frozenset(
 )
 """Names the Trainer and megapar-train share (eval_steps and debug meaning other things)."""
 
+DEFAULT_MAX_STEPS = 300
+"""megapar-train's default --max-steps (TrainConfig's, which this module cannot import: a test
+holds them equal), past which a translated warmup is refused."""
+
 SCHEDULES = {
     "linear": "--lr-decay linear --min-lr 0",
     "cosine": "--lr-decay cosine --min-lr 0",
@@ -213,10 +217,11 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
         )
     else:
         flags.append(f"--warmup-steps {int(warmup)}")
-        if steps <= 0 and warmup >= 300:  # epochs: the --max-steps to choose must be more
+        if steps <= 0 and warmup >= DEFAULT_MAX_STEPS:  # epochs: the --max-steps to choose
             said.append(
                 f"warmup_steps {int(warmup)}: the --max-steps you choose must be more "
-                f"(megapar-train's default is 300), or give a shorter --warmup-steps"
+                f"(megapar-train's default is {DEFAULT_MAX_STEPS}), or give a shorter "
+                f"--warmup-steps"
             )
     schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
     kwargs = data.get("lr_scheduler_kwargs")
@@ -549,10 +554,11 @@ def _inline_deepspeed(
             f"max_steps {steps}, never reaching its peak lr (megapar's warmup ends within "
             f"--max-steps: --warmup-steps {steps})"
         )
-    elif warmup and not steps and float(warmup) >= 300:  # epochs: the --max-steps to choose
+    elif warmup and not steps and float(warmup) >= DEFAULT_MAX_STEPS:  # epochs: --max-steps
         said.append(  # (--warmup-steps 1000 was refused next at the default --max-steps 300)
             f"deepspeed's scheduler warms up over {warmup} steps: the --max-steps you choose "
-            f"must be more (megapar-train's default is 300), or give a shorter --warmup-steps"
+            f"must be more (megapar-train's default is {DEFAULT_MAX_STEPS}), or give a shorter "
+            f"--warmup-steps"
         )
     for name, value in _pairs(more):
         key = TRAINER_FILLED.get(name)

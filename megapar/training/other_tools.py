@@ -993,16 +993,17 @@ FALSE_ANSWERS = {
     "--grad-reduce-dtype bf16 (fp16 under --precision fp16; megapar-train's default, auto, "
     "reduces them in fp32 under bf16)",
 }
-"""What another tool's switch given as false in a --config file asks of megapar-train, for the
-switches whose false is not megapar-train's default (each line names the flag; `{drop}`: how
-the setting is left out, `false_answer`'s `drop`); `false_answer` answers the other false ones."""
+"""What another tool's switch given as false (in a --config file or on the command line) asks
+of megapar-train, for the switches whose false is not megapar-train's default (each line names
+the flag; `{drop}`: how the setting is left out, `false_answer`'s `drop`); `false_answer`
+answers the other false ones."""
 
 TRUE_ANSWERS = {
     "decay_lr": "true is megapar-train's default: it decays the learning rate (--lr-decay "
     "cosine); {drop}",
 }
-"""Another tool's switches given as true in a --config file whose answer, `other_tools_answer`,
-leads with what false asks for (`{drop}` as in `FALSE_ANSWERS`)."""
+"""Another tool's switches given as true (in a --config file or on the command line) whose
+answer, `other_tools_answer`, leads with what false asks for (`{drop}` as in `FALSE_ANSWERS`)."""
 
 
 def false_answer(

@@ -1,5 +1,5 @@
-"""Flags given that a megapar-train run would not read: `check_unused` refuses the first one
-(it would be ignored without a word), naming the setting it needs, before any worker starts."""
+"""Flags given that a megapar-train run would not read: `check_unused` refuses them (each would
+be ignored without a word), naming the setting each needs, before any worker starts."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from megapar.wording import and_list
 
 
 def check_unused(cfg, given: set[str]) -> None:
-    """UsageError for the first setting in `given` (the user's flags and --config keys, not
-    those taken from a checkpoint) that this run would not read, naming what it needs."""
+    """UsageError, one line, for the settings in `given` (the user's flags and --config keys, not
+    those taken from a checkpoint) that this run would not read, by reason, naming what each
+    needs."""
     adam = cfg.optimizer in ("adamw", "lamb", "muon")
     prepared, keyed = _data_kinds(cfg.data)
     # a fix that would be refused next: the dynamic scale's flags beside a static --loss-scale
