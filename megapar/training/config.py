@@ -555,9 +555,16 @@ def _train_precision_named_elsewhere(value: str) -> str:
     return precision_named_elsewhere(value)
 
 
+def _field_of(flag: str) -> dataclasses.Field | None:
+    """TrainConfig's field of megapar-train's `flag` (--compile, or its name, compile); None for
+    no such flag."""
+    name = flag.removeprefix("--").replace("-", "_")
+    return next((f for f in fields(TrainConfig) if f.name == name), None)
+
+
 def _is_switch(flag: str) -> bool:
     """Whether megapar-train's `flag` (--compile) is a switch."""
-    f = {g.name: g for g in fields(TrainConfig)}.get(flag.removeprefix("--").replace("-", "_"))
+    f = _field_of(flag)
     return f is not None and _type_of(f) == "bool"
 
 
@@ -638,9 +645,9 @@ def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
     if value is False and nothing:
         return nothing
     yaml = str(path).lower().endswith((".yaml", ".yml"))  # JSON's true / false is so written
-    default = {f.name: f.default for f in fields(TrainConfig)}.get(name)
-    if value is False and default is None:  # save: false was told to quote it (a run saving
-        raise ConfigError(  # to ./false)
+    field = _field_of(name)  # save: false was told to quote it (a run saving to ./false)
+    if value is False and field is not None and field.default is None:
+        raise ConfigError(
             f"{path}: {flag} false: megapar-train's default is no {flag}; remove the key"
             + (
                 " (YAML reads an unquoted no / off as false: quote a value so named)"
@@ -756,7 +763,7 @@ def refused_flag(flags: list[str]) -> str | None:
 def _off_by_default(flag: str) -> bool:
     """Whether megapar-train's `flag` is off unless given: a switch, or a default of none, off,
     0 or no value (--recompute, --zero, --load); not --lr-decay (cosine) nor an auto."""
-    f = {g.name: g for g in fields(TrainConfig)}.get(flag.removeprefix("--").replace("-", "_"))
+    f = _field_of(flag)
     return f is not None and f.default in (False, None, 0, "none", "off")
 
 
