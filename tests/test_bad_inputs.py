@@ -1935,6 +1935,15 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
                            "rowwise; float8.enable_fsdp_float8_all_gather: megapar's --zero 3 "
                            "gathers") and said.endswith("(no flag named for: job.description)")
     assert "\n" not in said, said
+    from megapar.models.config import ConfigError
+    from megapar.training.config import parse_args
+
+    with pytest.raises(ConfigError) as exc:  # the command line's over the file's
+        parse_args(["--config", str(job), "--max-steps", "20", "--fp8", "off"])
+    said = str(exc.value)
+    assert "--max-steps 20 --precision bf16 --fp8 off;" in said and "the command line's " \
+        "--max-steps 20 over the file's --max-steps 1000; the command line's --fp8 off over " \
+        "the file's --fp8 rowwise" in said, said
 
 
 def test_a_flag_a_job_config_gives_twice_is_given_once_with_the_files_value(tmp_path):
@@ -2884,6 +2893,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError, match=r"fsdp.yaml is an accelerate config, which "
                        r"megapar-train does not read: .* give --dp 4 --zero 3 --precision bf16"):
         parse_args(["--config", str(accelerate)])
+    with pytest.raises(ConfigError, match=r"give --dp 4 --zero 2 --precision bf16 .*; the "
+                       r"command line's --zero 2 over the file's --zero 3"):
+        parse_args(["--config", str(accelerate), "--zero", "2"])
     # its FSDP's strategy is read as the Trainer's fsdp is (every FSDP was --zero 3): by name
     # (FSDP1), number (older files) or FSDP2's reshard_after_forward, with its offload
     for fsdp_config, flags in (
@@ -3189,6 +3201,35 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(given), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor} " in str(info.value), \
             str(info.value)
+    from megapar.training.hf_trainer_config import command_line_wins
+
+    assert command_line_wins(
+        ["--adam-beta1 0.9 --adam-beta2 0.95", "--compile", "--global-batch-size (8 x dp)"],
+        {"--adam-beta2": "--adam-beta2 0.99", "--compile": "--no-compile",
+         "--no-compile": "--no-compile", "--global-batch-size": "--global-batch-size 32",
+         "--adam-beta1": "--adam-beta1 0.9"}) == (
+        ["--adam-beta1 0.9 --adam-beta2 0.99", "--no-compile", "--global-batch-size 32"],
+        ["the command line's --adam-beta2 0.99 over the file's --adam-beta2 0.95",
+         "the command line's --no-compile over the file's --compile",
+         "the command line's --global-batch-size 32 over the file's --global-batch-size (8 x dp)"])
+    # the command line's own flags over the file's, as over a --config of megapar-train's own
+    # (--min-lr 5e-05 and --max-steps 50 beside a DeepSpeed cosine were said as the file's)
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(given), "--min-lr", "5e-5", "--max-steps", "50"])
+    said = str(info.value)
+    assert "--max-steps 50 --min-lr 5e-05 " in said and "--min-lr 2e-05" not in said.split(
+        ";")[0], said
+    assert "the command line's --max-steps 50 over the file's --max-steps 6; the command " \
+        "line's --min-lr 5e-05 over the file's --min-lr 2e-05" in said, said
+    for line, kept, over in ((["--precision", "fp32"], "--precision fp32 ", "--precision bf16"),
+                             (["--recompute", "selective"], "--recompute selective ",
+                              "--recompute full")):
+        trainer.write_text(json.dumps({"output_dir": "out", "max_steps": 4, "bf16": True,
+                                       "gradient_checkpointing": True}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(trainer), *line])
+        said = str(info.value)
+        assert kept in said and f"the command line's {kept}over the file's {over}" in said, said
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"eval_steps": 2, "seed": 7, "max_steps": 3}))
     assert parse_args(["--config", str(ours)]).eval_steps == 2

@@ -53,6 +53,7 @@ from megapar.training.deepspeed_config import deepspeed_equivalents, is_deepspee
 from megapar.training.empty_values import check_empty
 from megapar.training.hf_trainer_config import (
     accelerate_config,
+    command_line_wins,
     is_accelerate_config,
     is_trainer_arguments,
     refused_value,
@@ -68,7 +69,7 @@ from megapar.training.other_tools import (
 )
 from megapar.training.ranges import check_ranges
 from megapar.training.torchtitan_config import TORCHTITAN_SECTIONS, toml_job_config, torchtitan_job
-from megapar.training.usage import UsageError, flag_with_value
+from megapar.training.usage import UsageError, flag_of, flag_with_value
 from megapar.wording import or_list
 
 GROUPS = {
@@ -767,15 +768,37 @@ def _off_by_default(flag: str) -> bool:
     return f is not None and f.default in (False, None, 0, "none", "off")
 
 
-def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -> dict[str, Any]:
+def command_line_flags(args: argparse.Namespace) -> dict[str, str]:
+    """megapar-train's flags given on the command line `args`, as its text by flag (a switch by
+    both its spellings): what another tool's file translated beside them says of them."""
+    given: dict[str, str] = {}
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        text = flag_with_value(f.name, value)
+        given[flag_of(f.name)] = text
+        if isinstance(value, bool):
+            given["--no-" + f.name.replace("_", "-")] = text
+    return given
+
+
+def read_run_config(
+    path: str,
+    dp: int | None = None,
+    lr: float | None = None,
+    command_line: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says); `dp`, the
     command line's --dp, makes another tool's per-GPU batch a global one, and `lr`, its --lr,
-    a DeepSpeed cosine's floor (a ratio of the lr) a number."""
+    a DeepSpeed cosine's floor (a ratio of the lr) a number. Another tool's file is refused
+    with its settings as flags, each the command line gives as it gives it (`command_line`,
+    `command_line_flags`)."""
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     if str(path).lower().endswith(".toml"):
-        raise ConfigError(toml_job_config(path, _flag_kinds(), refused_flag))
+        raise ConfigError(toml_job_config(path, _flag_kinds(), refused_flag, command_line))
     if not Path(path).suffix and not Path(path).expanduser().exists():  # torchtitan's llama3_8b
         raise ConfigError(f"{path}: no such config file; {TORCHTITAN_MODULE}")
     loaded = load_config_file(path)
@@ -788,15 +811,15 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
     torchtitan = any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in loaded.items())
     if torchtitan and not is_deepspeed_config(data):  # a DeepSpeed config has optimizer too
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
-        raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag))
+        raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag, command_line))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
         inline = data.get("deepspeed")
         optimizer = inline.get("optimizer") if isinstance(inline, dict) else None
         if lr is not None and not isinstance(optimizer, dict):  # the command line's --lr: its
             data = {**data, "learning_rate": lr}  # flags and a cosine's floor (they said the
-        raise ConfigError(trainer_arguments(data, path, refused_flag))  # file's; a re-test)
+        raise ConfigError(trainer_arguments(data, path, refused_flag, command_line))  # a re-test)
     if is_accelerate_config(data):
-        raise ConfigError(accelerate_config(data, path, refused_flag))
+        raise ConfigError(accelerate_config(data, path, refused_flag, command_line))
     if is_deepspeed_config(data):
         try:
             flags, left, auto = deepspeed_equivalents(data, dp, lr, TrainConfig.lr)
@@ -805,6 +828,7 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
+        flags, notes = command_line_wins(flags, command_line)
         what = f"{path} is a DeepSpeed config, which megapar-train does not read"
         if line := refused_value(what, flags, refused_flag, data):
             raise ConfigError(line)
@@ -812,6 +836,7 @@ def read_run_config(path: str, dp: int | None = None, lr: float | None = None) -
             f"{what}: give its settings as megapar-train flags (or a --config file of them)"
             + (f": {' '.join(flags)}" if flags else "")
             + (f" (no equivalent: {', '.join(left)})" if left else "")
+            + "".join(f"; {note}" for note in notes)
             + (
                 f'; and for the keys the Hugging Face Trainer fills ("auto"): '
                 f"{', '.join(auto)}, megapar's own values"
@@ -862,7 +887,11 @@ def parse_args(argv=None) -> TrainConfig:
             f"--config {args.config!r} is an empty path: give a YAML or JSON file of "
             f"megapar-train's settings, or leave the flag out"
         )
-    values: dict[str, Any] = read_run_config(args.config, args.dp, args.lr) if args.config else {}
+    values: dict[str, Any] = (
+        read_run_config(args.config, args.dp, args.lr, command_line_flags(args))
+        if args.config
+        else {}
+    )
     from_file = set(values)
     for f in fields(TrainConfig):
         given = getattr(args, f.name)

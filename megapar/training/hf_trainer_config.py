@@ -84,6 +84,31 @@ def refused_value(
     )
 
 
+def command_line_wins(
+    flags: list[str], command_line: dict[str, str] | None
+) -> tuple[list[str], list[str]]:
+    """Translated `flags` with each flag the command line gives as it gives it (`command_line`:
+    the text of its own flags by flag, a switch by both spellings: the command line wins over a
+    file, as over a --config of megapar-train's own), and a sentence for each it changed ("the
+    command line's --min-lr 5e-05 over the file's --min-lr 0.0001")."""
+    kept, notes = [], []
+    for text in flags:
+        groups: list[list[str]] = []  # "--adam-beta1 0.9 --adam-beta2 0.95" is two
+        for token in text.split(" "):
+            if token.startswith("--") or not groups:
+                groups.append([token])
+            else:
+                groups[-1].append(token)
+        words = []
+        for group in groups:
+            theirs, ours = " ".join(group), (command_line or {}).get(group[0])
+            if ours is not None and ours != theirs:
+                notes.append(f"the command line's {ours} over the file's {theirs}")
+            words.append(ours if ours is not None else theirs)
+        kept.append(" ".join(words))
+    return kept, notes
+
+
 def _key_of(problem: str, data: dict) -> str | None:
     """The dotted key of `data` (nested tables) whose value is the one a refusal ("--zero 4 is
     invalid: ...") names, as "zero_optimization.stage 4": of several keys holding it, the one
@@ -684,15 +709,20 @@ def _alike(a: str, b: str) -> bool:
         return a == b
 
 
-def trainer_arguments(data: dict, path: str, refused: Refused | None = None) -> str:
-    """Why `path`, the Trainer's arguments, is not read, with its settings as flags (or the
-    first of them whose value megapar-train refuses, `refused`)."""
+def trainer_arguments(
+    data: dict, path: str, refused: Refused | None = None, command_line: dict | None = None
+) -> str:
+    """Why `path`, the Trainer's arguments, is not read, with its settings as flags, each the
+    command line gives as it gives it (`command_line_wins`), or the first of them whose value
+    megapar-train refuses (`refused`)."""
     if all(str(data.get(key)).lower() in ("true", "1") for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     try:
         flags, said = trainer_flags(data)
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
+    flags, notes = command_line_wins(flags, command_line)
+    said += notes
     what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
         f"does not read"
@@ -743,9 +773,12 @@ ACCELERATE_STRATEGIES = {
 (newer files give the name, or FSDP2's `fsdp_reshard_after_forward` true / false)."""
 
 
-def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> str:
-    """Why `path`, an accelerate config, is not read, with what megapar-train takes instead
-    (or the first of its flags whose value megapar-train refuses, `refused`)."""
+def accelerate_config(
+    data: dict, path: str, refused: Refused | None = None, command_line: dict | None = None
+) -> str:
+    """Why `path`, an accelerate config, is not read, with what megapar-train takes instead,
+    each flag the command line gives as it gives it (`command_line_wins`), or the first of its
+    flags whose value megapar-train refuses (`refused`)."""
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
@@ -846,6 +879,8 @@ def accelerate_config(data: dict, path: str, refused: Refused | None = None) -> 
         else ""
     )
     what = f"{path} is an accelerate config, which megapar-train does not read"
+    flags, notes = command_line_wins(flags, command_line)
+    said += notes
     if line := refused_value(what, flags, refused, data):
         return line
     return (

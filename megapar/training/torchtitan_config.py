@@ -14,7 +14,12 @@ from typing import Any, TypeVar
 
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
-from megapar.training.hf_trainer_config import Refused, refused_value, setting_leaves
+from megapar.training.hf_trainer_config import (
+    Refused,
+    command_line_wins,
+    refused_value,
+    setting_leaves,
+)
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
 TORCHTITAN_SECTIONS = frozenset(
@@ -43,10 +48,16 @@ TORCHTITAN_SECTIONS = frozenset(
 """The tables of a torchtitan job config: a JSON or YAML `--config` holding one is one."""
 
 
-def toml_job_config(path: str, kinds: dict | None = None, refused: Refused | None = None) -> str:
+def toml_job_config(
+    path: str,
+    kinds: dict | None = None,
+    refused: Refused | None = None,
+    command_line: dict | None = None,
+) -> str:
     """Why a TOML `--config` (a torchtitan job config: `[training] steps = 1000`, `[float8]
     recipe_name = "rowwise"`) is not read, with its settings as megapar-train flags where
-    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag)."""
+    `OTHER_TOOLS_FLAGS` knows them (`--max-steps 1000`; a sentence for what has no flag), each
+    the command line gives as it gives it (`torchtitan_job`)."""
     said = (
         f"{path}: --config takes a JSON or YAML file of megapar-train's flags, not a TOML "
         f"job config (torchtitan's)"
@@ -56,18 +67,23 @@ def toml_job_config(path: str, kinds: dict | None = None, refused: Refused | Non
             job = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"{said} ({exc})"
-    return torchtitan_job(job, said, kinds, refused)
+    return torchtitan_job(job, said, kinds, refused, command_line)
 
 
 def torchtitan_job(
-    job: dict, said: str, kinds: dict | None = None, refused: Refused | None = None
+    job: dict,
+    said: str,
+    kinds: dict | None = None,
+    refused: Refused | None = None,
+    command_line: dict | None = None,
 ) -> str:
     """`said` (why the file is not read) with torchtitan job config `job`'s settings as
     megapar-train flags: each key `OTHER_TOOLS_FLAGS` answers with one flag, with its value (a
     value of the kind the flag takes, `kinds`: megapar-train's flags, "bool" for a switch, int,
     float or str); a sentence for a key it answers with one; the schedule's and float8's own rules
     (`torchtitan_schedule`, `_float8_flags`); and the keys nothing answers. Or the first of
-    those flags whose value megapar-train refuses (`refused`), as a value to correct."""
+    those flags whose value megapar-train refuses (`refused`), as a value to correct. A flag the
+    command line gives is said as it gives it (`command_line_wins`)."""
     kinds = kinds or {}
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
@@ -155,6 +171,8 @@ def torchtitan_job(
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    flags, notes = command_line_wins(flags, command_line)
+    sentences += notes
     if line := refused_value(said, flags, refused, job):
         return line
     return (
