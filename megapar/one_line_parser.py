@@ -27,6 +27,10 @@ OTHER_TRUE_WORDS, OTHER_FALSE_WORDS = TRUE_WORDS + ("t", "y"), FALSE_WORDS + ("f
 """The words another tool's switch may be given as on the command line: `TRUE_WORDS` /
 `FALSE_WORDS` and the Hugging Face Trainer's t / y, f / n (its `string_to_bool`)."""
 
+OFF_CHOICES = ("none", "off", "0")
+"""The values that turn off a flag taking one of a list (`--recompute none`, `--fp8 off`,
+`--zero 0`): what its --no- spelling, which is no flag, is told to give."""
+
 
 def other_switch_value(text: str) -> bool | None:
     """`text` (another tool's switch's value: `False`, `n`, `0`) as true / false; None for a word
@@ -410,6 +414,20 @@ class OneLineParser(argparse.ArgumentParser):
             named = on.replace("-", "_") if on.replace("-", "_") in self.known_as else named
         return self.switch_known_as(named, "false") if named in self.known_as else None
 
+    def _negated_choice(self, flag: str) -> str | None:
+        """For `--no-NAME` where `--NAME` takes one of a list of values, one of them off
+        (`--no-recompute`, `--no-zero`, `--no-fp8`): that value ("did you mean --recompute
+        none?"); None where `flag` is no such spelling (`--no-decay-lr` was guessed close to
+        `--no-dry-run`, and `--no-fp8` to `--no-fp8-emulate`, another switch)."""
+        if not flag.startswith(("--no-", "--no_")):
+            return None
+        on = "--" + flag[len("--no-") :].replace("_", "-")
+        action = self._option_string_actions.get(on)
+        if action is None or action.nargs == 0 or not action.choices:
+            return None
+        off = next((c for c in action.choices if str(c) in OFF_CHOICES), None)
+        return f"did you mean {on} {off}?" if off is not None else None
+
     def _switch_off(self, flag: str, value: str) -> str:
         """For an unknown flag given `value` whose closest known flag is the switch `flag`
         (`--sequence_parallel=False`: `--sequence-parallel`), where `value` is false: how to
@@ -470,8 +488,8 @@ class OneLineParser(argparse.ArgumentParser):
                     said_for.setdefault(ours, []).append(flag)
                     hints.append(ours)  # said once, after every flag it answers (below)
                 continue
-            if said := self._negated_switch(flag):  # --no-decay-lr: not --no-dry-run
-                hints.append(f"{flag}: {said}")
+            if said := self._negated_switch(flag) or self._negated_choice(flag):
+                hints.append(f"{flag}: {said}")  # --no-decay-lr: not --no-dry-run
                 continue
             close = _close_flag(flag, known)
             longer = [o for o in known if o.startswith(flag)] if flag.startswith("--") else []

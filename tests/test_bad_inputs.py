@@ -1648,6 +1648,12 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
      "constant"),
     (["--no-bf16"], "--no-bf16: false asks for no bf16: leave the flag out"),
     (["--no-gradient-checkpointing"], "--no-gradient-checkpointing: false leaves it off"),
+    # megapar's own flag of a list of values, one of them off, in a --no- spelling: that value
+    # (--no-fp8 was "did you mean --no-fp8-emulate?", another switch; --no-zero "--no-zero3-")
+    (["--no-recompute"], "--no-recompute: did you mean --recompute none?"),
+    (["--no-fp8"], "--no-fp8: did you mean --fp8 off?"),
+    (["--no-zero"], "--no-zero: did you mean --zero 0?"),
+    (["--no_grad_compression"], "--no_grad_compression: did you mean --grad-compression none?"),
     # nanoGPT's eval_only false is a training run (it was told megapar-eval); megapar's own
     # switch given a spaced true / false (the Hugging Face parser's --tf32 False) is told
     # its spelling (it was "takes no value"; a re-test)
