@@ -3183,6 +3183,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(trainer), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor}" in str(info.value), \
             str(info.value)
+    # and with an inline DeepSpeed optimizer, its lr a number or "auto" (the floor was the
+    # file's ratio, --min-lr 3e-05 beside --lr 0.001)
+    for optimizer_lr in (3e-4, "auto"):
+        trainer.write_text(json.dumps({"output_dir": "out", "max_steps": 4, "learning_rate": 3e-4,
+                                       "deepspeed": {"optimizer": {"type": "AdamW", "params": {
+                                           "lr": optimizer_lr}}, "scheduler": {
+                                           "type": "WarmupCosineLR", "params": {
+                                               "total_num_steps": "auto", "cos_min_ratio": 0.1}}}}))
+        for line, lr, floor in (([], "0.0003", "3e-05"), (["--lr", "1e-3"], "0.001", "0.0001")):
+            with pytest.raises(ConfigError) as info:
+                parse_args(["--config", str(trainer), *line])
+            said = str(info.value)
+            assert f"--lr {lr} " in said and f"--min-lr {floor}" in said, said
+            assert "mismatch" not in said, said
     # the Trainer's own warmup_steps past its max_steps, or past megapar-train's default steps
     # where it counts epochs (--warmup-steps 500 was refused next; a re-test)
     for given, flag, said in (({"max_steps": 100, "warmup_steps": 500}, "--warmup-steps 100 ",

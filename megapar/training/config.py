@@ -783,6 +783,22 @@ def command_line_flags(args: argparse.Namespace) -> dict[str, str]:
     return given
 
 
+def _trainer_at_lr(data: dict, lr: float) -> dict:
+    """The Trainer's arguments `data` at the command line's `lr`: its learning_rate, and its
+    inline DeepSpeed optimizer's lr where that is a number (the Trainer requires the two alike;
+    a cosine's floor is its ratio of it)."""
+    data = {**data, "learning_rate": lr}
+    inline = data.get("deepspeed")
+    optimizer = inline.get("optimizer") if isinstance(inline, dict) else None
+    if not isinstance(inline, dict) or not isinstance(optimizer, dict):
+        return data
+    params = optimizer.get("params")
+    if isinstance(params, dict) and params.get("lr", "auto") != "auto":
+        params = {**params, "lr": lr}
+        data["deepspeed"] = {**inline, "optimizer": {**optimizer, "params": params}}
+    return data
+
+
 def read_run_config(
     path: str,
     dp: int | None = None,
@@ -813,11 +829,9 @@ def read_run_config(
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag, command_line))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
-        inline = data.get("deepspeed")
-        optimizer = inline.get("optimizer") if isinstance(inline, dict) else None
-        if lr is not None and not isinstance(optimizer, dict):  # the command line's --lr: its
-            data = {**data, "learning_rate": lr}  # flags and a cosine's floor (they said the
-        raise ConfigError(trainer_arguments(data, path, refused_flag, command_line))  # a re-test)
+        if lr is not None:  # the command line's --lr: its flags and a cosine's floor (they
+            data = _trainer_at_lr(data, lr)  # said the file's; a re-test)
+        raise ConfigError(trainer_arguments(data, path, refused_flag, command_line))
     if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path, refused_flag, command_line))
     if is_deepspeed_config(data):
