@@ -2672,6 +2672,17 @@ STRAY = [
     ("train", ["--gpus", "2"], "--gpus: megapar-train's processes are tp x cp x pp x dp, one "
      "GPU each (give --dp)"),
     ("plan", ["--model", "gpt2-tiny", "--zero3"], "--zero3: did you mean --zero-stages 3?"),
+    # another tool's switch given false, by megapar-plan's defaults (--bf16 0 was told
+    # --precision bf16, its true; --gradient_checkpointing=False and --no-bf16 had no answer)
+    ("plan", ["--model", "gpt2-tiny", "--bf16", "0"], "--bf16: false counts fp32 activations: "
+     "--precision fp32 (megapar-plan counts bf16 by default)"),
+    ("plan", ["--model", "gpt2-tiny", "--no-bf16"], "--no-bf16: false counts fp32"),
+    ("plan", ["--model", "gpt2-tiny", "--gradient_checkpointing=False"],
+     "--gradient_checkpointing=False: false plans no recomputation: --recompute none"),
+    ("plan", ["--model", "gpt2-tiny", "--gradient_checkpointing"],
+     "--gradient_checkpointing: did you mean --recompute full?"),
+    ("plan", ["--model", "gpt2-tiny", "--zero3=f"], "false plans no ZeRO-3: --zero-stages 0 1 2"),
+    ("plan", ["--model", "gpt2-tiny", "--bf16", "1"], "--bf16: did you mean --precision bf16?"),
     ("eval", ["--load", "ck", "--bs", "4"], "--bs: did you mean --micro-batch-size?"),
     ("convert", ["a", "b", "--hf", "x"], "--hf: did you mean --from-hf DIR (a transformers "
      "model in) or --to-hf DIR (out)?"),

@@ -46,6 +46,7 @@ from megapar.one_line_parser import (
     OneLineParser,
     gib_amount,
     layout_names,
+    other_switch_value,
     shown_default,
 )
 from megapar.optim.optimizer import NOT_OFFLOADED, OPTIMIZERS
@@ -241,7 +242,15 @@ OTHER_FLAGS = {
     "--offload-optimizer": "--offload optimizer",
     "--offload-params": "--offload both",
     "--offload_param": "--offload both",
-    "--checkpoint-activations": "--recompute full",
+    **dict.fromkeys(
+        (
+            "--checkpoint-activations",
+            "--checkpoint_activations",
+            "--gradient-checkpointing",
+            "--activation-checkpointing",
+        ),
+        "--recompute full",
+    ),
     # megapar-train's float8 and compile flags, torchtitan's names for them: difflib named
     # --fp8-layers for --fp8-emulate and --recompute for --compile, or nothing
     "--fp8-emulate": "megapar-plan plans the job's GPUs, whose float8 products are real "
@@ -271,12 +280,41 @@ def schedule_to_rank(value: str) -> str:
     return schedule_named_elsewhere(value).replace("--schedule ", "--schedules ")
 
 
+def switch_given_false(flag: str, text: str) -> str | None:
+    """The answer to another tool's switch given false on megapar-plan's line (`--bf16 0`,
+    `--gradient_checkpointing=False`, `--no-bf16`), `FALSE_ANSWERS`' for its `OTHER_FLAGS`
+    answer (bf16's false is fp32, megapar-plan counting bf16 by default: `--bf16 0` was told
+    --precision bf16); None for a true value or no true / false, whose answer is the flag's
+    own."""
+    named = flag if flag in OTHER_FLAGS else "--" + flag[2:].replace("_", "-")
+    ours = OTHER_FLAGS.get(named, "")
+    if other_switch_value(text) is not False or ours not in FALSE_ANSWERS:
+        return None
+    return FALSE_ANSWERS[ours]
+
+
+FALSE_ANSWERS = {
+    "--precision bf16": "false counts fp32 activations: --precision fp32 (megapar-plan counts "
+    "bf16 by default)",
+    "--precision fp16": "false asks for no fp16: leave the flag out (megapar-plan counts bf16 "
+    "by default)",
+    "--recompute full": "false plans no recomputation: --recompute none",
+    "--zero-stages 3": "false plans no ZeRO-3: --zero-stages 0 1 2",
+    "--offload optimizer": "false plans no offload, as megapar-plan does by default: leave the "
+    "flag out",
+    "--offload both": "false plans no offload, as megapar-plan does by default: leave the flag out",
+}
+"""megapar-plan's answers to another tool's switch given false (`switch_given_false`), by
+`OTHER_FLAGS`' answer to its true."""
+
+
 def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
         stray=(("--model", "the model"),),
         known_as=OTHER_FLAGS,
+        switch_known_as=switch_given_false,
         value_known_as={"--schedules": schedule_to_rank},
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
