@@ -217,6 +217,7 @@ class OneLineParser(argparse.ArgumentParser):
         value_known_as: dict[str, Callable[[str], str]] | None = None,
         switch_known_as: Callable[[str, str], str | None] | None = None,
         switch_defaults: dict[str, bool] | None = None,
+        off_values: dict[str, str] | None = None,
         afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,
     ):
@@ -230,6 +231,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.value_known_as = value_known_as or {}
         self.switch_known_as = switch_known_as
         self.switch_defaults = switch_defaults or {}
+        self.off_values = off_values or {}
         self.afterword = afterword
         self._given_flags: set[str] = set()
 
@@ -414,19 +416,25 @@ class OneLineParser(argparse.ArgumentParser):
             named = on.replace("-", "_") if on.replace("-", "_") in self.known_as else named
         return self.switch_known_as(named, "false") if named in self.known_as else None
 
-    def _negated_choice(self, flag: str) -> str | None:
-        """For `--no-NAME` where `--NAME` takes one of a list of values, one of them off
-        (`--no-recompute`, `--no-zero`, `--no-fp8`): that value ("did you mean --recompute
-        none?"); None where `flag` is no such spelling (`--no-decay-lr` was guessed close to
-        `--no-dry-run`, and `--no-fp8` to `--no-fp8-emulate`, another switch)."""
+    def _negated_option(self, flag: str) -> str | None:
+        """For `--no-NAME` where `--NAME` takes a value: the value that turns it off, where
+        `off_values` names one (`--no-clip-grad`: "did you mean --clip-grad 0?") or its list
+        of values holds one (`--no-recompute`: --recompute none); where `off_values` gives ""
+        (a flag off unless given: `--no-save`), to leave it out. None where `flag` is no such
+        spelling (`--no-fp8` was guessed close to `--no-fp8-emulate`, another switch, and
+        `--no-save` to `--save`, which it is not)."""
         if not flag.startswith(("--no-", "--no_")):
             return None
         on = "--" + flag[len("--no-") :].replace("_", "-")
         action = self._option_string_actions.get(on)
-        if action is None or action.nargs == 0 or not action.choices:
+        if action is None or action.nargs == 0:
             return None
-        off = next((c for c in action.choices if str(c) in OFF_CHOICES), None)
-        return f"did you mean {on} {off}?" if off is not None else None
+        if on in self.off_values:
+            off = self.off_values[on]
+            return f"did you mean {on} {off}?" if off else f"{on} is off unless given: leave it out"
+        choices = action.choices or ()
+        offs = [c for c in choices if str(c) in OFF_CHOICES]
+        return f"did you mean {on} {offs[0]}?" if offs else None
 
     def _switch_off(self, flag: str, value: str) -> str:
         """For an unknown flag given `value` whose closest known flag is the switch `flag`
@@ -488,7 +496,7 @@ class OneLineParser(argparse.ArgumentParser):
                     said_for.setdefault(ours, []).append(flag)
                     hints.append(ours)  # said once, after every flag it answers (below)
                 continue
-            if said := self._negated_switch(flag) or self._negated_choice(flag):
+            if said := self._negated_switch(flag) or self._negated_option(flag):
                 hints.append(f"{flag}: {said}")  # --no-decay-lr: not --no-dry-run
                 continue
             close = _close_flag(flag, known)

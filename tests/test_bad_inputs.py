@@ -1590,9 +1590,11 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                         "unless --loss-scale S is given: drop it"),
                        ("mock_data: false", "false asks for your corpus: --data PATH"),
                        # a flag whose default is no "off" is not said to be the default
-                       # (lr_scheduler: false was "leaves it off, as megapar-train does")
-                       ("lr_scheduler: false", "did you mean --lr-decay (the learning rate's "
-                        "schedule"),
+                       # (lr_scheduler: false was "leaves it off, as megapar-train does"), but
+                       # the value that turns it off (it was "did you mean --lr-decay (the
+                       # learning rate's schedule ...)?", which false is not)
+                       ("lr_scheduler: false", "false turns it off: --lr-decay constant"),
+                       ("grad_clip: false", "false turns it off: --clip-grad 0"),
                        ("accumulate_allreduce_grads_in_fp32: false", "false reduces the "
                         "gradients in the 16-bit dtype: --grad-reduce-dtype bf16"),
                        # YAML's 0 / 1 for a switch (bf16: 0 was "did you mean --precision
@@ -1654,6 +1656,17 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     (["--no-fp8"], "--no-fp8: did you mean --fp8 off?"),
     (["--no-zero"], "--no-zero: did you mean --zero 0?"),
     (["--no_grad_compression"], "--no_grad_compression: did you mean --grad-compression none?"),
+    # and of a flag on by default that a value turns off, or off unless given (--no-save was
+    # "did you mean --save?", --no-wandb "--no-debug?", --no-lr-scheduler "--schedule?")
+    (["--no-clip-grad"], "--no-clip-grad: did you mean --clip-grad 0?"),
+    (["--no-weight-decay"], "--no-weight-decay: did you mean --weight-decay 0?"),
+    (["--no-save"], "--no-save: --save is off unless given: leave it out"),
+    (["--no-grad-clip"], "--no-grad-clip: false turns it off: --clip-grad 0"),
+    (["--no-lr-scheduler"], "--no-lr-scheduler: false turns it off: --lr-decay constant"),
+    (["--no-wandb"], "--no-wandb: false leaves it off, as megapar-train does by default: leave "
+     "the flag out (true would be --wandb-project NAME)"),
+    (["--do_eval=False"], "--do_eval=False: false asks for no evaluation: --eval-interval 0"),
+    (["--no-eval"], "--no-eval: false asks for no evaluation: --eval-interval 0"),
     # nanoGPT's eval_only false is a training run (it was told megapar-eval); megapar's own
     # switch given a spaced true / false (the Hugging Face parser's --tf32 False) is told
     # its spelling (it was "takes no value"; a re-test)

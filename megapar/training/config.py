@@ -60,6 +60,7 @@ from megapar.training.hf_trainer_config import (
     trainer_arguments,
 )
 from megapar.training.other_tools import (
+    OFF_VALUES,
     OTHER_TOOLS_FLAGS,
     TORCHTITAN_MODULE,
     answers_a_switch,
@@ -580,6 +581,11 @@ def _switch_answer_on_the_line(flag: str, text: str) -> str | None:
     return switch_answer(key, value, _off_by_default, "leave the flag out")
 
 
+OFF_UNLESS_GIVEN = ("save", "load", "log_json", "tensorboard", "wandb_project", "profile_steps")
+"""The settings that do nothing unless given (a checkpoint, a log, a profile): what their --no-
+spelling, which is no flag, is told to leave out."""
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
@@ -588,6 +594,10 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             "--" + f.name.replace("_", "-"): bool(f.default)
             for f in fields(TrainConfig)
             if _type_of(f) == "bool"
+        },
+        off_values={
+            **OFF_VALUES,
+            **dict.fromkeys(map(flag_of, OFF_UNLESS_GIVEN), ""),
         },
         value_known_as={
             "--schedule": schedule_named_elsewhere,

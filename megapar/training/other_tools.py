@@ -862,6 +862,9 @@ OTHER_TOOLS_FLAGS = {
     "run's node size)",
     "--n-gpu": LAUNCHER,
     "--wandb-log": "--wandb-project NAME",
+    "--wandb": "--wandb-project NAME",
+    "--use-wandb": "--wandb-project NAME",
+    "--eval": "--eval-interval N (steps between evaluations; megapar-eval a checkpoint)",
     "--eval-only": "megapar-eval --load CKPT --data DATA (evaluation alone)",
     "--log": "--log-interval N (every N steps), --log-json FILE or --tensorboard DIR",
     "--log-dir": "--log-json FILE or --tensorboard DIR",
@@ -975,6 +978,17 @@ unknown flags marks a Megatron-LM command (`megatron_defaults`). (--bf16 and --f
 Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
+OFF_VALUES = {
+    "--clip-grad": "0",
+    "--weight-decay": "0",
+    "--warmup-steps": "0",
+    "--eval-interval": "0",
+    "--lr-decay": "constant",
+}
+"""megapar-train's flags on by default and the value that turns each off: what another tool's
+switch answered by one is told to give for false (`--no-grad-clip`: --clip-grad 0), and the
+flag's own --no- spelling (`--no-weight-decay`), which is no flag."""
+
 FALSE_ANSWERS = {
     "bf16": "false asks for no bf16: {drop} (fp32 is megapar-train's default "
     "--precision; true would be --precision bf16)",
@@ -989,6 +1003,8 @@ FALSE_ANSWERS = {
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
     "its shipped Shakespeare sample)",
     "eval_only": "false is a training run, megapar-train's: {drop}",
+    "do_eval": "false asks for no evaluation: --eval-interval 0",
+    "eval": "false asks for no evaluation: --eval-interval 0",
     "accumulate_allreduce_grads_in_fp32": "false reduces the gradients in the 16-bit dtype: "
     "--grad-reduce-dtype bf16 (fp16 under --precision fp16; megapar-train's default, auto, "
     "reduces them in fp32 under bf16)",
@@ -1014,10 +1030,12 @@ def false_answer(
     (its answer as true) names a megapar-train flag that is off by default (`off_by_default`
     of its name: a switch, --recompute none, --zero 0), that false is megapar-train's default,
     the setting to leave out (gradient_checkpointing: false was told 'did you mean --recompute
-    full?'); None: `other` (a sentence on what megapar does, or a flag such as --lr-decay,
-    whose default is no "off")."""
+    full?'); where it names one on by default that a value turns off (`OFF_VALUES`: grad_clip),
+    that value; None: `other` (a sentence on what megapar does)."""
     if key in FALSE_ANSWERS:
         return FALSE_ANSWERS[key].format(drop=drop)
+    if other.split()[0] in OFF_VALUES:  # --no-grad-clip (it had no answer)
+        return f"false turns it off: {other.split()[0]} {OFF_VALUES[other.split()[0]]}"
     if other.startswith("--") and off_by_default(other.split()[0]):
         return (
             f"false leaves it off, as megapar-train does by default: {drop} (true would be {other})"
