@@ -3207,6 +3207,25 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(trainer), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor}" in str(info.value), \
             str(info.value)
+    # a switch written as a string is read by its word ("false" was read as true: --precision
+    # fp16 --recompute full --compile offered; a re-test), and the constant schedule does not
+    # warm up (transformers' get_constant_schedule; it was --warmup-steps 100 and "never
+    # reaching its learning_rate")
+    trainer.write_text(json.dumps({"output_dir": "out", "fp16": "false", "torch_compile": "no",
+                                   "gradient_checkpointing": "False", "bf16": "n",
+                                   "max_steps": 10}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(trainer)])
+    said = str(info.value)
+    assert all(f not in said for f in ("--precision", "--recompute", "--compile")), said
+    trainer.write_text(json.dumps({"output_dir": "out", "fp16": "true", "max_steps": 100,
+                                   "warmup_steps": 500, "lr_scheduler_type": "constant"}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(trainer)])
+    said = str(info.value)
+    assert "--warmup-steps 0 --lr-decay constant --precision fp16 " in said and "warmup_steps " \
+        "500: the Trainer's constant schedule does not warm up (constant_with_warmup does)" in \
+        said and "never reaching" not in said, said
     # and with an inline DeepSpeed optimizer, its lr a number or "auto" (the floor was the
     # file's ratio, --min-lr 3e-05 beside --lr 0.001)
     for optimizer_lr in (3e-4, "auto"):

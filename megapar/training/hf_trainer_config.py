@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megapar.models.config import ConfigError, load_config_file
+from megapar.one_line_parser import other_switch_value
 from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
 from megapar.training.other_tools import other_tools_answer
 from megapar.wording import counted
@@ -179,6 +180,14 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             return int(number) if isinstance(default, int) and number.is_integer() else number
         return value
 
+    def on(key: str) -> bool:
+        """The switch `key`, its value read as the Trainer's string_to_bool reads a word
+        ("false", "no", "0" are false; the string "false" was read as true)."""
+        value = data.get(key, False)
+        if isinstance(value, str):
+            return other_switch_value(value.strip()) is True
+        return bool(value)
+
     def shown(key: str, default: float) -> str:
         value = get(key, default)
         return f"{value:g}" if isinstance(value, (int, float)) else str(value)
@@ -224,11 +233,21 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     warmup = warmup if isinstance(warmup, (int, float)) else 0  # no number: the default
     ratio = ratio if isinstance(ratio, (int, float)) else 0.0
     ratio_key = "warmup_ratio"
+    schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
     if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's ratio in warmup_steps
         warmup, ratio, ratio_key = 0, warmup, "warmup_steps"
     elif warmup > 0:  # transformers 4: warmup_steps > 0 overrides warmup_ratio
         ratio = 0.0
-    if not 0 <= ratio <= 1:  # the Trainer refuses it ("warmup_ratio must lie in range [0,1]")
+    inline = data.get("deepspeed")  # its scheduler replaces the Trainer's, warmup filled in
+    replaced = isinstance(inline, dict) and isinstance(inline.get("scheduler"), dict)
+    if schedule == "constant" and not replaced:  # get_constant_schedule: no warmup (it was
+        flags.append("--warmup-steps 0")  # warmed up, "never reaching its learning_rate")
+        if warmup or ratio:
+            said.append(
+                f"{ratio_key if ratio else 'warmup_steps'} {ratio or warmup:g}: the Trainer's "
+                f"constant schedule does not warm up (constant_with_warmup does)"
+            )
+    elif not 0 <= ratio <= 1:  # the Trainer refuses it ("warmup_ratio must lie in [0,1]")
         said.append(f"{ratio_key} {ratio:g}: a share of the training steps, from 0 to 1")
     elif ratio and steps > 0:
         flags.append(f"--warmup-steps {math.ceil(ratio * steps)}")  # the Trainer's rounding
@@ -248,7 +267,6 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
                 f"(megapar-train's default is {DEFAULT_MAX_STEPS}), or give a shorter "
                 f"--warmup-steps"
             )
-    schedule = str(get("lr_scheduler_type", "linear")).lower().rpartition(".")[2]
     kwargs = data.get("lr_scheduler_kwargs")
     kwargs = kwargs if isinstance(kwargs, dict) else {}
     lr = get("learning_rate", 5e-5)
@@ -344,14 +362,14 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"optim {optim}: megapar-train's --optimizer is adamw, lamb, lars, sgd or muon "
             f"(not given, it trains with AdamW)"
         )
-    if get("bf16", False) or get("fp16", False):
-        flags.append(f"--precision {'bf16' if get('bf16', False) else 'fp16'}")
+    if on("bf16") or on("fp16"):
+        flags.append(f"--precision {'bf16' if on('bf16') else 'fp16'}")
     smoothing = get("label_smoothing_factor", 0.0)
     if smoothing != 0.0:
         flags.append(f"--label-smoothing {smoothing}")
-    if get("gradient_checkpointing", False):
+    if on("gradient_checkpointing"):
         flags.append("--recompute full")
-    if get("torch_compile", False):
+    if on("torch_compile"):
         flags.append("--compile")
     sharding, fsdp_said = _fsdp(data.get("fsdp"), data.get("fsdp_config"))
     flags += sharding
@@ -715,7 +733,7 @@ def trainer_arguments(
     """Why `path`, the Trainer's arguments, is not read, with its settings as flags, each the
     command line gives as it gives it (`command_line_wins`), or the first of them whose value
     megapar-train refuses (`refused`)."""
-    if all(str(data.get(key)).lower() in ("true", "1") for key in ("bf16", "fp16")):
+    if all(other_switch_value(str(data.get(key)).strip()) is True for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     try:
         flags, said = trainer_flags(data)
