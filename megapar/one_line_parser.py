@@ -216,7 +216,7 @@ class OneLineParser(argparse.ArgumentParser):
         known_as: dict[str, str] | None = None,
         value_known_as: dict[str, Callable[[str], str]] | None = None,
         switch_known_as: Callable[[str, str], str | None] | None = None,
-        switch_defaults: dict[str, bool] | None = None,
+        switch_defaults: dict[str, bool | None] | None = None,
         off_values: dict[str, str] | None = None,
         afterword: Callable[[list[str], set[str]], str] | None = None,
         **kwargs,

@@ -1609,11 +1609,18 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
                        # "did you mean --precision bf16?"; a re-test)
                        ("bf16: n", "false asks for no bf16: remove the key"),
                        ('bf16: "0"', "false asks for no bf16: remove the key"),
-                       ('decay_lr: "true"', "true is megapar-train's default")):
+                       ('decay_lr: "true"', "true is megapar-train's default"),
+                       # a switch the run turns on where not given (--progress, at a terminal)
+                       # is not off by default (it was told to remove the key; a re-test)
+                       ("progress_bar: false", "did you mean 'progress'? write progress: false")):
         config.write_text(text + "\n")
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
         assert said in str(info.value), str(info.value)
+    # megapar's own switches read the same words (tf32: n was "'n' is invalid"; a re-test)
+    config.write_text('tf32: n\nprogress: "y"\nmax_steps: 3\n')
+    cfg = parse_args(["--config", str(config)])
+    assert cfg.tf32 is False and cfg.progress is True
 
 
 @pytest.mark.parametrize("line, said", [
@@ -1642,6 +1649,9 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     (["--sequence_parallel=False"], "--sequence_parallel=False: false leaves "
      "--sequence-parallel off, as it is by default: leave the flag out"),
     (["--torch_compile=False"], "false leaves --compile off, as it is by default"),
+    # one whose default the run chooses (--progress: at a terminal) was "off, as it is by
+    # default: leave the flag out", leaving the bar on (a re-test)
+    (["--progress_bar=False"], "--progress_bar=False: did you mean --no-progress?"),
     (["--torch-compile", "False"], "--torch-compile: false leaves --compile off"),
     (["--torch-compile"], "--torch-compile: did you mean --compile?"),
     # another tool's switch in its --no- spelling is its false (--no-decay-lr was "did you

@@ -34,8 +34,6 @@ from megapar.models.blocks import CP_COMM_TYPES, RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
 from megapar.models.documents import MASK_TYPES
 from megapar.one_line_parser import (
-    FALSE_WORDS,
-    TRUE_WORDS,
     OneLineParser,
     gib_amount,
     other_switch_value,
@@ -590,8 +588,8 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         known_as=OTHER_TOOLS_FLAGS,
         switch_known_as=_switch_answer_on_the_line,
-        switch_defaults={
-            "--" + f.name.replace("_", "-"): bool(f.default)
+        switch_defaults={  # None: chosen by the run (--progress: at a terminal)
+            "--" + f.name.replace("_", "-"): None if f.default is None else bool(f.default)
             for f in fields(TrainConfig)
             if _type_of(f) == "bool"
         },
@@ -708,9 +706,9 @@ def _config_value(f, value: Any, path: str) -> Any:
     if kind == "bool":
         if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
             return bool(value)
-        text = str(value).strip().lower() if isinstance(value, str) else None
-        if text in TRUE_WORDS or text in FALSE_WORDS:
-            return text in TRUE_WORDS
+        said = other_switch_value(value.strip()) if isinstance(value, str) else None
+        if said is not None:  # the words another tool's switch takes too (y / n: tf32: n was
+            return said  # "invalid", where bf16: n was read as false; a re-test)
         raise ConfigError(
             f"{path}: {flag} {value!r} is invalid: a switch is true or false (also yes / no, 1 / 0)"
         )
@@ -895,7 +893,9 @@ def read_run_config(
         elif not other and data[key] is False and len(close) == 1 and _is_switch(close[0]):
             hint = (  # torch_compile: false was told "did you mean 'compile'?" (which is on)
                 f"did you mean {close[0]!r}? false is its default (off): remove the key"
-            )
+                if _field_default(close[0]) is False
+                else f"did you mean {close[0]!r}? write {close[0]}: false"  # progress: chosen
+            )  # by the run where not given (it was told to remove the key, leaving it on)
         elif other:
             hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")
