@@ -154,7 +154,17 @@ TRAIN = [
     (["--eval-steps", "0"], "--eval-steps 0 is invalid"),
     (["--eval-interval", "-1"], "--eval-interval -1 is invalid"),
     (["--tp", "0"], "--tp 0 is invalid"),
-    (["--zero3-keep-params"], "--zero3-keep-params only applies to --zero 3"),
+    (["--zero3-keep-params"], "--zero3-keep-params would be ignored: it applies to --zero 3, "
+     "and --zero is 0: add --zero 3, or drop --zero3-keep-params"),
+    # the --zero3-* and --fp8-* flags a run would not read are named with the others, in one
+    # line (each was refused alone, a run apiece; a re-test of 62a971a0)
+    (["--zero3-keep-params", "--zero3-persistence-threshold", "100", "--fp8-layers", "all",
+      "--muon-momentum", "0.9"], "--muon-momentum 0.9 would be ignored: it is Muon's, and "
+     "--optimizer is adamw: add --optimizer muon, or drop --muon-momentum; and "
+     "--zero3-keep-params and --zero3-persistence-threshold 100 would be ignored: each applies "
+     "to --zero 3, and --zero is 0: add --zero 3, or drop --zero3-keep-params and "
+     "--zero3-persistence-threshold; and --fp8-layers all would be ignored: it applies to --fp8, "
+     "and --fp8 is off: add --fp8 tensorwise (or --fp8 rowwise), or drop --fp8-layers"),
     (["--sp-regather", "--tp", "2"], "--sp-regather changes what sequence parallelism keeps "
                                      "for the backward: add --sequence-parallel with --tp > 1"),
     # --sequence-parallel given: tp is what is missing (a fuzz run's: "add --sequence-parallel")
@@ -163,9 +173,10 @@ TRAIN = [
     (["--compile", "--inject-corrupt", "rank=0,step=1,module=layers.0"],
      "--inject-corrupt cannot be combined with --compile: its per-module hooks"),
     (["--zero", "2", "--zero3-reduce", "micro-batch"],
-     "--zero3-reduce micro-batch only applies to --zero 3"),
+     "--zero3-reduce micro-batch would be ignored: it applies to --zero 3, and --zero is 2 "
+     "(which reduces every micro-batch already)"),
     (["--zero3-persistence-threshold", "100"],
-     "--zero3-persistence-threshold only applies to --zero 3"),
+     "--zero3-persistence-threshold 100 would be ignored: it applies to --zero 3"),
     (["--zero", "3", "--zero3-persistence-threshold", "-1"],
      "--zero3-persistence-threshold -1 is invalid"),
     (["--zero", "3", "--grad-compression", "powersgd"],

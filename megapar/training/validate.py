@@ -107,7 +107,9 @@ def _check_combinations(cfg) -> None:
             f"--min-loss-scale or raise --initial-loss-scale"
             + (" (the resumed scale then restarts there)" if recorded else "")
         )
-    check_zero3(cfg)
+    given = given_now(cfg)
+    check_unused(cfg, given)  # every flag this run would not read, in one line (the --zero3-*
+    check_zero3(cfg)  # and --fp8-* ones were each refused alone first; a re-test)
     try:
         cfg.pipeline_split.check(cfg.pp)  # the model's layers are checked once it is read
     except LayoutError as exc:
@@ -120,11 +122,9 @@ def _check_combinations(cfg) -> None:
             f"compute the same values)"
         )
     try:
-        given = given_now(cfg)
         check_fp8(cfg, hardware=not cfg.dry_run, given=given)
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
-    check_unused(cfg, given)
     check_sft_keys(cfg, given)
     check_optimizer_sharding(cfg)  # ZeRO 1/2 with compression, LAMB / LARS offloaded
     rehearsal = [

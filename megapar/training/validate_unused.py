@@ -182,6 +182,32 @@ def check_unused(cfg, given: set[str]) -> None:
             )
             for name in ("muon_momentum", "muon_adjust_lr", "muon_distributed")
         ),
+        *(
+            (
+                name,
+                cfg.zero == 3 or not value,
+                f"it applies to --zero 3, and --zero is {cfg.zero}"
+                + (" (which reduces every micro-batch already)" if cfg.zero == 2 else ""),
+                "add --zero 3",
+            )
+            for name, value in (
+                ("zero3_keep_params", cfg.zero3_keep_params),
+                ("zero3_reduce", cfg.zero3_reduce != "step"),
+                ("zero3_persistence_threshold", cfg.zero3_persistence_threshold),
+            )
+        ),
+        *(
+            (
+                name,
+                cfg.fp8 != "off" or not value,
+                "it applies to --fp8, and --fp8 is off",
+                "add --fp8 tensorwise (or --fp8 rowwise)",
+            )
+            for name, value in (
+                ("fp8_emulate", cfg.fp8_emulate),
+                ("fp8_layers", cfg.fp8_layers != "auto"),
+            )
+        ),
         (
             "muon_distributed",
             cfg.optimizer != "muon" or cfg.zero > 0,
