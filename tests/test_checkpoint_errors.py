@@ -332,6 +332,27 @@ def test_unwritable_output_is_named_with_the_fix_before_reading_the_source(src, 
     assert blocker.read_text() == ""
 
 
+@pytest.mark.parametrize("mode", ["convert", "to-hf"])
+def test_a_read_only_output_is_bad_input_not_a_full_disk(src, tmp_path, mode, capsys,
+                                                          monkeypatch):
+    """A destination on a read-only mount, refused before any work, was read as a disk gone
+    read-only while writing ("nothing was written ...; free space or choose another
+    destination", exit 1): its line names it and the fix, exit 2 (a new user's tryout)."""
+    import errno
+
+    def read_only(directory):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(directory))
+
+    monkeypatch.setattr(cv, "probe_writable", read_only)
+    out = tmp_path / "mnt" / "out"
+    argv = ([str(src), str(out)] if mode == "convert" else [str(src), "--to-hf", str(out)])
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"megapar-convert: error: cannot create {out}: ") and line.endswith(
+        f"{os.strerror(errno.EROFS)}; choose a writable directory"), line
+    assert "free space" not in line and not out.exists()
+
+
 def test_output_that_is_a_file_is_refused(src, tmp_path):
     target = tmp_path / "a_file"
     target.write_text("x")

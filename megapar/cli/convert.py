@@ -850,7 +850,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             report = run(args)
         except Exception as exc:  # noqa: BLE001 - the writers' own errors of a full disk too
-            full = _disk_full(exc)
+            # a CheckpointError is megapar's own line, said as it is: a destination read-only
+            # from the start, refused before any work ("cannot create DST: ... Read-only file
+            # system"), was read as a disk gone read-only while writing (exit 1, "free space")
+            full = None if isinstance(exc, CheckpointError) else _disk_full(exc)
             if full is None:
                 if isinstance(exc, (CheckpointError, ConfigError, ValueError, OSError)):
                     print(f"megapar-convert: error: {exc}", file=sys.stderr)
