@@ -595,6 +595,38 @@ def test_output_naming_a_directory_is_refused(capsys, tmp_path, no_work, flag):
 
 
 @pytest.mark.parametrize("flag", ["--trace", "--plot"])
+def test_a_file_it_did_not_write_is_replaced_only_with_overwrite(capsys, tmp_path, no_work,
+                                                                  flag):
+    """--trace held.txt replaced a user's text with a trace, without a word (a new user's
+    tryout): refused before any work unless --overwrite; a trace or chart it wrote is replaced
+    as before."""
+    held = tmp_path / ("held.png" if flag == "--plot" else "held.txt")
+    held.write_text("To be, or not to be\n")
+    argv = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, str(held)]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert str(held) in line and "megapar-bubble replaces only" in line, line
+    assert line.endswith("give another file name, or --overwrite to replace it"), line
+    assert held.read_text() == "To be, or not to be\n"
+    # --overwrite without a file to write is refused, not ignored
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--overwrite"]) == 2
+    assert "--overwrite is used only with --trace or --plot" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--plot"])
+def test_its_own_output_is_replaced_and_another_file_with_overwrite(capsys, tmp_path, flag):
+    out = tmp_path / ("g.png" if flag == "--plot" else "t.json")
+    argv = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, str(out)]
+    for _ in range(2):  # the second run replaces the first's output
+        assert main(argv) == 0
+        capsys.readouterr()
+    written = out.read_bytes()
+    out.write_text("notes\n")
+    assert main([*argv, "--overwrite"]) == 0
+    assert out.read_bytes()[:8] == written[:8]
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--plot"])
 def test_an_empty_output_name_is_refused(capsys, no_work, flag):
     """--trace "" ran and wrote nothing, without a word."""
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, ""]) == 2

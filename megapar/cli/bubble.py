@@ -182,7 +182,35 @@ def build_parser() -> OneLineParser:
         "--plot",
         help="write the timeline as a Gantt chart (.png added when the name has no suffix)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --trace / --plot replace an existing file that is not one megapar-bubble "
+        "wrote (a trace or an image it wrote is replaced without it)",
+    )
     return p
+
+
+IMAGE_STARTS = (b"\x89PNG", b"%PDF", b"<?xml", b"<svg", b"\xff\xd8\xff", b"%!PS", b"II*", b"MM*")
+"""The first bytes of the images matplotlib writes (png, pdf, svg, jpg, ps / eps, tiff)."""
+
+
+def _replaces_other(path: str, flag: str) -> bool:
+    """Whether --trace / --plot `path` (`flag`) is an existing file megapar-bubble did not
+    write: not a Chrome trace (a JSON object with traceEvents), or not an image; an empty file
+    is none."""
+    real = os.path.expanduser(path)
+    if not os.path.isfile(real) or os.path.getsize(real) == 0:  # (an empty file holds nothing)
+        return False
+    try:
+        if flag == "trace":
+            with open(real, encoding="utf-8") as f:
+                data = json.load(f)
+            return not (isinstance(data, dict) and "traceEvents" in data)
+        with open(real, "rb") as f:
+            return not f.read(8).startswith(IMAGE_STARTS)
+    except (OSError, ValueError):  # unreadable, or no JSON
+        return True
 
 
 COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
@@ -211,6 +239,9 @@ SHAPE = ("pp", "microbatches", "schedule", "virtual_stages")
 MEASURE = ("tp", "cp", "model", "micro_batch_size", "seq_len", "oversubscribe")
 """What real processes are run with (a measurement, or --simulate measuring its costs)."""
 OUTPUTS = ("trace", "plot")
+WRITTEN = (*OUTPUTS, "overwrite")
+"""The files a timeline is written to, and whether they may replace one megapar-bubble did not
+write."""
 MODES = {  # mode: (the options it reads, where it ignores the others, and the way out)
     "certify": (
         SHAPE,
@@ -224,16 +255,16 @@ MODES = {  # mode: (the options it reads, where it ignores the others, and the w
         "drop it",
     ),
     "simulate_costs": (
-        (*SHAPE, *COST_FLAGS, *OUTPUTS),
+        (*SHAPE, *COST_FLAGS, *WRITTEN),
         "by --simulate with --fwd-ms (the costs are given; nothing runs)",
         "drop it, or drop the cost flags to measure them with it",
     ),
     "simulate": (  # the cost flags are check_cost_flags' (they need --fwd-ms)
-        (*SHAPE, *MEASURE, *COST_FLAGS, *OUTPUTS),
+        (*SHAPE, *MEASURE, *COST_FLAGS, *WRITTEN),
         "by --simulate (it measures the costs in one step)",
         "drop it, or drop --simulate to measure the bubble over real steps",
     ),
-    "measure": ((*SHAPE, *MEASURE, "steps", *COST_FLAGS, *OUTPUTS), "by a measurement", "drop it"),
+    "measure": ((*SHAPE, *MEASURE, "steps", *COST_FLAGS, *WRITTEN), "by a measurement", "drop it"),
 }
 """What each of megapar-bubble's modes reads: an option given (at its default value or not)
 that its mode does not read is refused, not ignored."""
@@ -279,8 +310,9 @@ def plot_file(path: str, flag: str = "--plot") -> str:
 
 
 def check_output_files(args) -> None:
-    """--trace / --plot: files (not directories) in writable directories, checked before any
-    work; args.plot becomes the file name matplotlib will actually write."""
+    """--trace / --plot: files (not directories) in writable directories, not replacing a file
+    megapar-bubble did not write unless --overwrite, checked before any work; args.plot becomes
+    the file name matplotlib will actually write."""
     for flag in OUTPUTS:
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise ValueError(
@@ -288,6 +320,11 @@ def check_output_files(args) -> None:
                 f"{'trace.json' if flag == 'trace' else 'gantt.png'}, or drop --{flag}"
             )
     if not (args.trace or args.plot):
+        if args.overwrite:
+            raise ValueError(
+                "--overwrite is used only with --trace or --plot (the files it lets them "
+                "replace); drop it"
+            )
         return
     from megapar.training.validate import check_writable, names_directory
 
@@ -298,6 +335,11 @@ def check_output_files(args) -> None:
                 f"--trace {shell_word(os.path.join(args.trace, 'trace.json'))}"
             )
         check_writable(args.trace, "--trace", kind="file")
+        if not args.overwrite and _replaces_other(args.trace, "trace"):
+            raise ValueError(
+                f"--trace {args.trace} exists and is no Chrome trace (megapar-bubble replaces "
+                f"only a trace it wrote): give another file name, or --overwrite to replace it"
+            )
     if args.plot:
         if names_directory(args.plot):
             raise ValueError(
@@ -318,6 +360,12 @@ def check_output_files(args) -> None:
                 f"give another file name"
             )
         check_writable(real, "--plot", kind="file")
+        if not args.overwrite and _replaces_other(real, "plot"):
+            raise ValueError(
+                f"--plot {args.plot} would replace {real}, which is no image (megapar-bubble "
+                f"replaces only a chart it wrote): give another file name, or --overwrite to "
+                f"replace it"
+            )
         args.plot = real
 
 
