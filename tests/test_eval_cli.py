@@ -516,19 +516,62 @@ def test_save_logits_interrupted_mid_write_leaves_no_partial_file(tmp_path, monk
     out = tmp_path / "logits.npy"
     np.save(out, np.zeros(3, dtype=np.float32))  # an older file, kept until the new is whole
 
-    def cut_short(f, array, allow_pickle):
-        f.write(b"\x93NUMPY partial")
+    import signal
+
+    # a signal's handler runs between chunks (one np.save ran seconds in C, the signal waiting
+    # on it, and a rank killed after its grace left an 800 MB temporary file; a new user's
+    # tryout): a Ctrl-C 50 ms into the write of 8 MB in 4 KB chunks ends it, the file removed
+    monkeypatch.setattr(eval_cli, "WRITE_CHUNK_BYTES", 4096)
+
+    def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eval_cli.np, "save", cut_short)
-    with pytest.raises(KeyboardInterrupt):
-        eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
-    monkeypatch.undo()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(50):  # (a fast disk finishes one in less: the next one is cut)
+                eval_cli.save_logits(str(out), np.ones((2048, 1024), dtype=np.float32))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
-    np.testing.assert_array_equal(np.load(out), np.zeros(3, dtype=np.float32))
+    assert np.load(out).shape in ((3,), (2048, 1024))  # the older file, or a whole new one
     eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
     np.testing.assert_array_equal(np.load(out), np.ones((2, 3), dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
+
+
+def test_logits_that_would_not_fit_the_host_memory_are_refused_before_any_worker(
+        tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """256 x 128 ids of gpt2's vocabulary at --tp 2 (6.6 GB of logits, about 12 GB a rank) ran
+    46 s and ended "rank 1 was killed by SIGKILL (9)", the OOM killer's (a new user's tryout):
+    refused in one line, before any worker, with the rows that fit."""
+    import megapar.cli.eval as eval_cli
+
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt  # 2 x 8 ids of a 101-id vocabulary: 6,464 bytes of logits
+    monkeypatch.setattr(eval_cli, "use_cuda", lambda: False)
+    out = tmp_path / "lg.npy"
+    argv = ["--load", str(ckpt), "--input-ids", str(ids), "--save-logits", str(out)]
+    # 2 x tp x cp = 4 copies of 6,464 bytes, 12,928 a row: none fits in 10 kB, one in 20 kB
+    for free, fix in ((10_000, "give shorter sequences (or a smaller --tp x --cp)"),
+                      (20_000, "give at most 1 row of ids at a time (or a smaller --tp x --cp)")):
+        monkeypatch.setattr(eval_cli, "host_memory_available", lambda free=free: free)
+        assert evaluate([*argv, "--tp", "2"]) == 2
+        line = _one_error_line(capsys)
+        assert line == (f"megapar-eval: error: --save-logits: the logits of --input-ids {ids} "
+                        f"(2 x 8 tokens x 101 ids, fp32) are 0.0 GiB, and this run would hold "
+                        f"about 0.0 GiB of them in host memory, more than the 0.0 GiB free: "
+                        f"{fix}"), line
+    assert not out.exists()
+    from megapar.cli.eval import build_parser, logits_memory_refusal
+
+    args = build_parser().parse_args([*argv, "--tp", "2"])
+    assert logits_memory_refusal(args, 101, None) is None  # unknown: not checked
+    assert logits_memory_refusal(args, 101, 4 * 6464) is None  # 2 x tp x cp copies fit
+    monkeypatch.setattr(eval_cli, "use_cuda", lambda: True)  # on GPUs rank 0's copy alone
+    assert logits_memory_refusal(args, 101, 6464) is None
 
 
 def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):

@@ -46,8 +46,11 @@ from megapar.data import (
 )
 from megapar.data.blended import parse_blend
 from megapar.data.indexed import remove_stale_tmps, tmp_name
+from megapar.device import use_cuda
 from megapar.faults.processes import exit_uncollected
+from megapar.faults.status import set_action
 from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+from megapar.host_memory import host_memory_available
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
@@ -368,6 +371,7 @@ def _logits_worker(args):
     ids = batch["input_ids"]
     if ids.ndim != 2:
         raise ValueError(f"--input-ids must be a [batch, seq] array, got shape {tuple(ids.shape)}")
+    set_action("computing the logits of --input-ids")
     logits = forward_logits(model, mesh, batch, config.hidden_size, config.vocab_size)
     full_shape = (ids.shape[0], ids.shape[1], config.vocab_size)
     if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.cp_rank == 0:  # the last stage to rank 0
@@ -377,25 +381,68 @@ def _logits_worker(args):
             logits = torch.empty(full_shape, device=mesh.device)
             dist.recv(logits, src=mesh.stage_rank(mesh.pp - 1))
     if mesh.rank == 0:
+        set_action(f"writing the logits to {args.save_logits}")
         save_logits(args.save_logits, logits.float().cpu().numpy())
         return {"saved": args.save_logits, "shape": list(full_shape)}
     return None
 
 
+WRITE_CHUNK_BYTES = 64 << 20
+"""How much of the logits `save_logits` writes per call: between calls Python runs its signal
+handlers (one np.save of 800 MB ran seconds in C, a Ctrl-C or SIGTERM waiting on it)."""
+
+
 def save_logits(path: str, logits: np.ndarray) -> None:
-    """Write `logits` to `path` whole or not at all: into a temporary file beside it, renamed
-    over `path` once complete (a Ctrl-C or SIGTERM mid-write leaves no partial .npy, and an
-    older file there stays as it was until the new one is whole)."""
+    """Write `logits` to `path` as a .npy whole or not at all: into a temporary file beside it,
+    renamed over `path` once complete (a Ctrl-C or SIGTERM mid-write leaves no partial .npy,
+    and an older file there stays as it was until the new one is whole), in chunks of
+    `WRITE_CHUNK_BYTES`, so that a signal ends the write at once and the temporary file is
+    removed."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     remove_stale_tmps(path)
     tmp = tmp_name(path)
+    logits = np.ascontiguousarray(logits)
+    flat = logits.reshape(-1)
+    step = max(1, WRITE_CHUNK_BYTES // max(logits.itemsize, 1))
     try:
         with open(tmp, "wb") as f:
-            np.save(f, logits, allow_pickle=False)
+            np.lib.format.write_array_header_1_0(
+                f, np.lib.format.header_data_from_array_1_0(logits)
+            )
+            for start in range(0, flat.size, step):
+                f.write(flat[start : start + step].tobytes())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str | None:
+    """Why --save-logits of --input-ids would not fit the host memory `available` (bytes; None:
+    unknown, not checked), or None. Each rank of the last stage gathers the fp32 logits of
+    every token over tp (and cp) and holds about twice them at the peak (a measured 12 GB a
+    rank for 6.6 GB of logits at --tp 2); on GPUs only rank 0's copy to the host is host
+    memory. The OOM killer ended such a run after 46 s, as "killed by SIGKILL"."""
+    if available is None:
+        return None
+    ids = load_input_ids(args.input_ids)
+    if ids.ndim != 2 or not ids.size:
+        return None  # the worker's own check names the shape
+    rows, seq = ids.shape
+    logits = rows * seq * vocab_size * 4
+    holders = 1 if use_cuda() else 2 * args.tp * args.cp + (1 if args.pp > 1 else 0)
+    need = holders * logits
+    if need <= available:
+        return None
+    fit = int(available // (holders * seq * vocab_size * 4))
+    return (
+        f"--save-logits: the logits of --input-ids {args.input_ids} ({rows} x {seq} tokens x "
+        f"{vocab_size} ids, fp32) are {logits / 2**30:.1f} GiB, and this run would hold about "
+        f"{need / 2**30:.1f} GiB of them in host memory, more than the "
+        f"{available / 2**30:.1f} GiB free: give "
+        + (f"at most {counted(fit, 'row')} of ids at a time" if fit else "shorter sequences")
+        + ("" if args.tp * args.cp == 1 or use_cuda() else " (or a smaller --tp x --cp)")
+    )
 
 
 def _check_ids(args, vocab_size: int) -> None:
@@ -578,6 +625,9 @@ def main(argv=None) -> int:
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits, args.overwrite)
+            vocab = config_from_dict(manifest["model"]).vocab_size
+            if refusal := logits_memory_refusal(args, vocab, host_memory_available()):
+                raise UsageError(refusal)
         if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
         said = trained_documents_note(trained_documents(manifest))
@@ -600,6 +650,8 @@ def main(argv=None) -> int:
         "megapar-eval", worker, world, args, "in evaluation", "; nothing was written"
     )
     if isinstance(results, int):
+        if args.input_ids:  # a rank 0 killed mid-write (SIGKILL after a grace) left its file
+            remove_stale_tmps(args.save_logits)
         return results
     if results and results[0] is not None:
         result = results[0]
