@@ -2507,6 +2507,21 @@ OTHER_TOOLS = [
     # transformers' do_sample false is greedy (it was told sampling is the default; a re-test)
     ("generate", ["--load", "ck", "--do_sample=False"],
      "--do_sample=False: false is greedy decoding: --temperature 0"),
+    # ... which reads no top-k / top-p (given beside it, they were refused next; a re-test),
+    # and other tools' greedy and precision switches (--greedy was "did you mean --seed?",
+    # --bf16 had no answer)
+    ("generate", ["--load", "ck", "--do_sample=False", "--top-k", "50"],
+     "--temperature 0, which reads no --top-k or --top-p: drop those"),
+    ("generate", ["--load", "ck", "--greedy"], "--greedy: did you mean --temperature 0"),
+    ("generate", ["--load", "ck", "--bf16"], "--bf16: did you mean --precision bf16?"),
+    ("generate", ["--load", "ck", "--bf16", "0"], "--bf16: false computes in fp32, "
+     "megapar-generate's default --precision: leave the flag out"),
+    # nanoGPT's decay_lr false beside its min_lr / lr_decay_iters: a constant lr reads neither
+    # (--min-lr and --lr-decay-steps were refused next; a re-test)
+    ("train", ["--decay_lr=False", "--min_lr=6e-5"], "--lr-decay constant (megapar-train decays "
+     "it by default, --lr-decay cosine), which reads no --min-lr or --lr-decay-steps: drop those"),
+    ("train", ["--no-lr-scheduler"], "false turns it off: --lr-decay constant, which reads no "
+     "--min-lr or --lr-decay-steps: drop those"),
     # a switch whose default the run chooses (None) given false: its --no- spelling (it was
     # told "leave the flag out", which keeps fused attention on a GPU; a re-test)
     ("plan", ["--model", "gpt2-tiny", "--gpus", "2", "--fused_attention=False"],

@@ -90,6 +90,9 @@ OTHER_FLAGS = {
     "--num-samples": "--samples",
     "--num-return-sequences": "--samples (samples per prompt)",
     "--do-sample": "megapar-generate samples by default (--temperature 0 is greedy); drop it",
+    "--greedy": "--temperature 0 (greedy decoding)",
+    "--bf16": "--precision bf16",
+    "--fp16": "--precision fp16",
     "--micro-batch-size": "--batch-size",
     "--fp8": "megapar-generate computes in --precision fp32, bf16 or fp16 (an --fp8 run's "
     "checkpoint holds fp32 weights); drop it",
@@ -111,9 +114,15 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 
 def _do_sample_off(flag: str, value: str) -> str | None:
-    """transformers' do_sample given false (`--do_sample=False`): greedy decoding."""
+    """transformers' do_sample given false (`--do_sample=False`): greedy decoding; bf16 / fp16
+    given false: fp32, the default --precision."""
+    if flag in ("--bf16", "--fp16") and other_switch_value(value) is False:
+        return "false computes in fp32, megapar-generate's default --precision: leave the flag out"
     if flag == "--do-sample" and other_switch_value(value) is False:
-        return "false is greedy decoding: --temperature 0"
+        return (
+            "false is greedy decoding: --temperature 0, which reads no --top-k or --top-p: "
+            "drop those"
+        )
     return None
 
 

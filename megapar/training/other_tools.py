@@ -997,7 +997,8 @@ FALSE_ANSWERS = {
     "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
     "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
     "decay_lr": "false asks for a constant learning rate: --lr-decay constant (megapar-train "
-    "decays it by default, --lr-decay cosine)",
+    "decays it by default, --lr-decay cosine), which reads no --min-lr or --lr-decay-steps: "
+    "drop those",
     "dynamic_loss_scale": "false asks for a static fp16 loss scale: --loss-scale S (megapar's "
     "is dynamic without it)",
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
@@ -1035,7 +1036,12 @@ def false_answer(
     if key in FALSE_ANSWERS:
         return FALSE_ANSWERS[key].format(drop=drop)
     if other.split()[0] in OFF_VALUES:  # --no-grad-clip (it had no answer)
-        return f"false turns it off: {other.split()[0]} {OFF_VALUES[other.split()[0]]}"
+        flag = other.split()[0]
+        return f"false turns it off: {flag} {OFF_VALUES[flag]}" + (
+            ", which reads no --min-lr or --lr-decay-steps: drop those"
+            if flag == "--lr-decay"
+            else ""
+        )
     if other.startswith("--") and off_by_default(other.split()[0]):
         return (
             f"false leaves it off, as megapar-train does by default: {drop} (true would be {other})"
