@@ -482,6 +482,15 @@ TRAIN = [
     # next: ep 4 does not divide dp x cp 2; a re-test)
     (["--dry-run", "--model", "mixtral-tiny", "--seq-len", "32", "--tp", "3", "--ep", "4",
       "--world-size", "4"], "; of those, 4 processes at --ep 4 take --tp 1"),
+    # ... and whose dp the given global batch divides (--tp 2 and 1 left a dp of 4 and 8 for
+    # a batch of 6, refused next; a re-test)
+    (["--dry-run", "--model", "llama-tiny", "--seq-len", "32", "--tp", "3", "--world-size", "8",
+      "--global-batch-size", "6"], "FFN size 176); of those, 8 processes take --tp 4"),
+    # the --pp the layers take beside the world's (--pp 4 was offered to 6 processes, refused
+    # next; a re-test)
+    (["--dry-run", "--model", "llama-tiny", "--seq-len", "32", "--pp", "6", "--world-size", "6"],
+     "4 layers cannot be cut into --pp 6 stages (each stage needs at least one layer); lower "
+     "--pp to 4 or less; of those, 6 processes take --pp 3 or 2"),
 ]
 
 

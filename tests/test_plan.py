@@ -576,7 +576,8 @@ def test_cli_json_and_explain(capsys):
                      "--explain", "tp=3")
     assert code == 1 and out.out.strip().endswith(
         "use tp=1, 2 or 4 (each divides the 4 attention heads, FFN size 176); of those, "
-        "--gpus 3 take tp=1"), out.out
+        "--gpus 3 take tp=1 (with a --global-batch-size that is a multiple of 3; 16 is not)"), \
+        out.out  # (tp=1 alone was refused next for megapar-plan's batch of 16; a re-test)
     # and whose dp x cp the ep divides (tp=2 was offered at ep=4 of 4 GPUs; a re-test)
     code, out = _cli(capsys, "--model", "mixtral-tiny", "--gpus", "4", "--seq-len", "32",
                      "--explain", "tp=3,ep=4,mbs=1")
@@ -609,6 +610,24 @@ def test_cli_json_and_explain(capsys):
     code, out = _cli(capsys, "--model", "llama-160m", "--gpus", "12", "--gpus-per-node", "12",
                      "--seq-len", "32", "--explain", "pp=12,mbs=1,schedule=zb-v")
     assert code == 1 and out.out.strip().endswith("; lower pp to 6 or 3"), out.out
+    # more stages than layers at one chunk per rank, and a V whose one-chunk fallback has too
+    # many stages too: the pp --gpus takes ("lower pp to 4 or less" and "use a schedule of one
+    # chunk per rank" were refused next at --gpus 6; a re-test); the tp --gpus takes with the
+    # global batch (tp=2 at --gpus 8 left a dp of 4 for a batch of 6)
+    for gpus, layout, said in (
+            ("6", "pp=6,mbs=1,schedule=1f1b", "; lower pp to 4 or less; of those, --gpus 6 take "
+             "pp=3"),
+            ("6", "pp=6,mbs=1,schedule=zb-v", "; lower pp to 3 with a schedule of one chunk per "
+             "rank (schedule=1f1b or zb-h1)")):
+        code, out = _cli(capsys, "--model", "llama-tiny", "--gpus", gpus, "--seq-len", "32",
+                         "--explain", layout)
+        assert code == 1 and out.out.strip().endswith(said), out.out
+    code, out = _cli(capsys, "--model", "llama-tiny", "--gpus", "6", "--seq-len", "32",
+                     "--explain", "pp=3,mbs=1,schedule=1f1b")
+    assert code == 0, out.out
+    code, out = _cli(capsys, "--model", "llama-tiny", "--gpus", "8", "--seq-len", "32",
+                     "--global-batch-size", "6", "--explain", "tp=3,mbs=1")
+    assert code == 1 and out.out.strip().endswith("; of those, --gpus 8 take tp=4"), out.out
     for layout in ("pp=4,mbs=1,schedule=zb-v", "pp=2,mbs=1,schedule=interleaved,v=2"):
         code, out = _cli(capsys, "--model", "llama-160m" if "zb-v" in layout else "gpt2-tiny",
                          "--gpus", "8", "--seq-len", "32", "--explain", layout)

@@ -68,6 +68,7 @@ from megapar.plan.layouts import (
     ZERO_STAGES,
     default_cp_sizes,
     model_refusal,
+    pps_the_gpus_take,
     tps_the_gpus_take,
 )
 from megapar.plan.params import model_params
@@ -753,7 +754,7 @@ def _explain(args, problem) -> int:
     reason = check(c, problem)
     model = model_refusal(dataclasses.replace(c, dp=max(c.dp, 1)), problem.config)
     if reason and model and reason.endswith(model):  # the model's: the tp --gpus takes too
-        reason += tps_the_gpus_take(c, problem)
+        reason += tps_the_gpus_take(c, problem) + pps_the_gpus_take(c, problem)
     if reason:
         if args.json:
             print(json.dumps({"layout": c.label(), "valid": False, "reason": reason, **batch}))

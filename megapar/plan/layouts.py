@@ -36,7 +36,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.plan.fp8 import fp8_refusal
 from megapar.plan.problem import Problem
-from megapar.training.validate import check_cp_seq_len, tps_taken
+from megapar.training.validate import check_cp_seq_len, pps_taken, tps_taken
 from megapar.wording import or_list
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -333,11 +333,40 @@ def tps_the_gpus_take(c: Candidate, p: Problem) -> str:
     """Beside the model's refusal of `c`'s tp: the tp values both the model and --gpus take at
     `c`'s cp and pp ("" where each one offered fits, or none does); the model offered tp=4 to
     3 GPUs, refused next (megapar-train's note, `tps_the_world_takes`, in the layout's keys)."""
-    fits = [str(t) for t in tps_taken(p.config, p.gpus, c.pp, c.cp, c.ep)]
+    batch = (p.global_batch, c.mbs)  # (tp=2 at --gpus 8 left a dp of 4, refused for a batch of 6)
+    fits = [str(t) for t in tps_taken(p.config, p.gpus, c.pp, c.cp, c.ep, batch)]
+    more = ""
+    if not fits:  # none at this global batch: those the GPUs take, with the batch they need
+        world = tps_taken(p.config, p.gpus, c.pp, c.cp, c.ep)
+        fits = [str(t) for t in world]
+        needs = sorted({c.mbs * (p.gpus // (t * c.pp * c.cp)) for t in world})
+        more = (
+            f" (with a --global-batch-size that is a multiple of {or_list([str(n) for n in needs])}; "
+            f"{p.global_batch} is not)"
+            if needs
+            else ""
+        )
     if not fits:
         return ""
     at = "".join(f", {n}={v}" for n, v in (("cp", c.cp), ("pp", c.pp), ("ep", c.ep)) if v > 1)
-    return f"; of those, --gpus {p.gpus}{at} take{'s' if p.gpus == 1 else ''} tp={or_list(fits)}"
+    return (
+        f"; of those, --gpus {p.gpus}{at} take{'s' if p.gpus == 1 else ''} tp={or_list(fits)}"
+        + more
+    )
+
+
+def pps_the_gpus_take(c: Candidate, p: Problem) -> str:
+    """Beside the model's refusal of more stages than layers: the pp values both the layers
+    and --gpus take at `c`'s tp and cp, with the global batch ("" where each one offered fits,
+    or none does): "lower pp to 4 or less" was refused next at --gpus 6."""
+    if p.config.num_layers >= c.pp:
+        return ""
+    batch = (p.global_batch, c.mbs)
+    fits = [str(q) for q in pps_taken(p.config.num_layers, p.gpus, c.tp, c.cp, c.ep, batch)]
+    if not fits:
+        return ""
+    at = "".join(f", {n}={v}" for n, v in (("tp", c.tp), ("cp", c.cp), ("ep", c.ep)) if v > 1)
+    return f"; of those, --gpus {p.gpus}{at} take pp={or_list(fits[:3])}"
 
 
 def check(c: Candidate, p: Problem) -> str | None:
@@ -516,8 +545,16 @@ def _chunks_refusal(c: Candidate, config, global_batch: int) -> str | None:
         fix = f"lower v to {v_fits}" + (f" (or pp to {or_list(pps)} with v=2)" if pps else "")
     elif pps:
         fix = f"lower pp to {or_list(pps)}" + (" with v=2" if interleaved and c.v != 2 else "")
-    else:
+    elif config.num_layers >= c.pp:
         fix = "use a schedule of one chunk per rank (schedule=1f1b or zb-h1)"
+    else:  # (one chunk per rank was offered at pp=6 for 4 layers, refused next)
+        batch = (global_batch, c.mbs)
+        ones = pps_taken(config.num_layers, c.pp * c.dp, 1, 1, 1, batch)
+        ones = [q for q in ones if q > 1] or [q for q in range(config.num_layers, 1, -1)]
+        fix = (
+            f"lower pp to {or_list([str(q) for q in ones[:3]])} with a schedule of one chunk "
+            f"per rank (schedule=1f1b or zb-h1)"
+        )
     return (
         f"{config.num_layers} layers cannot be cut into {what} model chunks (each needs at "
         f"least one layer{why}); {fix}"

@@ -64,6 +64,7 @@ from megapar.training.validate import (
     fit_batch_to_data,
     given_now,
     named,
+    pps_taken,
     tps_taken,
     unchecked_outputs,
 )
@@ -246,14 +247,46 @@ def regather_notes(cfg: TrainConfig, layout: Layout) -> list[str]:
     return []
 
 
+def _fixed_world(cfg: TrainConfig) -> int:
+    """The world the job fixed (a rehearsal's --world-size, torchrun's), or 0: the flags'."""
+    return (
+        (cfg.world_size or 0) if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
+    )
+
+
+def _fixed_batch(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The global batch given and the micro-batch size given (1 where not: it adapts to a
+    divisor of the dp's share), whose micro-batches a dp's must divide; None where the global
+    batch adapts to the dp (not given)."""
+    given = explicit(cfg)
+    if "global_batch_size" not in given:
+        return None
+    return cfg.global_batch_size, (cfg.micro_batch_size if "micro_batch_size" in given else 1)
+
+
+def pps_the_world_takes(cfg: TrainConfig, layers: int, chunks: int) -> str:
+    """Beside the layers' refusal of --pp under a world the job fixed: the --pp values both the
+    layers (in `chunks` model chunks per rank) and that world take ("lower --pp to 4 or less"
+    was refused next for 6 processes)."""
+    world = _fixed_world(cfg)
+    if not world:
+        return ""
+    batch = _fixed_batch(cfg)
+    fits = [p for p in pps_taken(layers, world, cfg.tp, cfg.cp, cfg.ep, batch, chunks) if p > 1]
+    if not fits:
+        return ""
+    what = counted(world, "process", "processes")
+    return f"; of those, {what} take --pp {or_list([str(p) for p in fits[:3]])}"
+
+
 def tps_the_world_takes(cfg: TrainConfig, config) -> str:
     """Beside the model's refusal of --tp under a world the job fixed (torchrun's, or a
     rehearsal's --world-size): the --tp values both the model and that world take (the model
     offered --tp 4 to 2 processes, refused next)."""
-    world = cfg.world_size if cfg.dry_run else (launched_world_size() if under_launcher() else 0)
+    world = _fixed_world(cfg)
     if not world:
         return ""
-    fits = [str(t) for t in tps_taken(config, world, cfg.pp, cfg.cp, cfg.ep)]
+    fits = [str(t) for t in tps_taken(config, world, cfg.pp, cfg.cp, cfg.ep, _fixed_batch(cfg))]
     if not fits:  # every one the model offers runs, or none
         return ""
     at = " x ".join(
@@ -359,10 +392,16 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if chunks < 2 and cfg.schedule in CHUNKED_SCHEDULES:  # interleaved at V 1: its own line
         check_schedule(cfg.schedule, layout.pp, 2 * layout.pp, cfg.virtual_stages)
     split = cfg.pipeline_split  # enough layers for each stage or chunk? (before the model's
-    if chunks > 1:  # own check: the schedule's line names the --pp its chunks take)
-        chunk_specs(config.num_layers, layout.pp, 0, chunks, placement_of(cfg.schedule), split)
-    else:
-        partition_layers(config.num_layers, layout.pp, split)
+    try:  # own check: the schedule's line names the --pp its chunks take)
+        if chunks > 1:
+            specs = placement_of(cfg.schedule), split
+            chunk_specs(config.num_layers, layout.pp, 0, chunks, *specs)
+        else:
+            partition_layers(config.num_layers, layout.pp, split)
+    except LayoutError as exc:  # a --pp of the world's the layers refuse: those both take
+        if config.num_layers >= layout.pp * chunks or not split.even:
+            raise
+        raise LayoutError(f"{exc}{pps_the_world_takes(cfg, config.num_layers, chunks)}") from None
     try:
         config.validate(layout)
     except LayoutError as exc:  # a --tp of the world's that the model refuses: those both take

@@ -311,12 +311,36 @@ def check_cp_comm(comm_type: str, layout, config, api: bool = False) -> None:
     )
 
 
-def tps_taken(config, world: int, pp: int, cp: int, ep: int = 1) -> list[int]:
+def _fits(world: int, tp: int, pp: int, cp: int, ep: int, batch: tuple[int, int] | None) -> bool:
+    """Whether a world of `world` ranks divides into tp x cp x pp, leaving a dp x cp that `ep`
+    divides and a dp whose micro-batches of `batch` (global batch, micro-batch size; None: not
+    fixed) the global batch divides."""
+    if world % (tp * pp * cp) or (world // (tp * pp)) % ep:
+        return False
+    dp = world // (tp * pp * cp)
+    return batch is None or batch[0] % (batch[1] * dp) == 0
+
+
+def pps_taken(
+    layers: int, world: int, tp: int, cp: int, ep: int = 1, batch=None, chunks: int = 1
+) -> list[int]:
+    """Of the pp values a model of `layers` layers takes in `chunks` model chunks per rank
+    (each at least one layer), those a world of `world` ranks takes (`_fits`), largest first;
+    [] where each one fits, or none does: the model's "lower --pp to 4 or less" was refused
+    next for --pp 4 at 6 processes (megapar-train's note under a fixed world, megapar-plan's
+    under --gpus)."""
+    offered = [p for p in range(layers // chunks, 0, -1)]
+    fits = [p for p in offered if _fits(world, tp, p, cp, ep, batch)]
+    return fits if len(fits) < len(offered) else []
+
+
+def tps_taken(config, world: int, pp: int, cp: int, ep: int = 1, batch=None) -> list[int]:
     """Of the tp values model `config` takes at `pp` and `cp`, those a world of `world` ranks
-    divides into tp x cp x pp, leaving a dp x cp that `ep` divides; [] where each one the model
-    takes fits, or none does (nothing to add beside the model's refusal, which names them):
-    megapar-train's note under a fixed world and megapar-plan's under --gpus (the model offered
-    --tp 4 to 2 processes, refused next; --tp 2 at --ep 4 of 4 processes)."""
+    takes (`_fits`: tp x cp x pp dividing it, ep the dp x cp, the global batch of `batch` the
+    dp's micro-batches); [] where each one the model takes fits, or none does (nothing to add
+    beside the model's refusal, which names them): megapar-train's note under a fixed world and
+    megapar-plan's under --gpus (the model offered --tp 4 to 2 processes, refused next; --tp 2
+    at --ep 4 of 4 processes; tp=2 at --gpus 8 for a global batch of 6)."""
 
     def model_takes(tp: int) -> bool:
         try:
@@ -326,7 +350,7 @@ def tps_taken(config, world: int, pp: int, cp: int, ep: int = 1) -> list[int]:
         return True
 
     offered = [t for t in range(1, 257) if model_takes(t)]  # (no model has more heads here)
-    fits = [t for t in offered if world % (t * pp * cp) == 0 and (world // (t * pp)) % ep == 0]
+    fits = [t for t in offered if _fits(world, t, pp, cp, ep, batch)]
     return fits if len(fits) < len(offered) else []
 
 
