@@ -339,9 +339,9 @@ def tps_the_gpus_take(c: Candidate, p: Problem) -> str:
     if not fits:  # none at this global batch: those the GPUs take, with the batch they need
         world = tps_taken(p.config, p.gpus, c.pp, c.cp, c.ep)
         fits = [str(t) for t in world]
-        needs = sorted({c.mbs * (p.gpus // (t * c.pp * c.cp)) for t in world})
+        needs = [str(n) for n in sorted({c.mbs * (p.gpus // (t * c.pp * c.cp)) for t in world})]
         more = (
-            f" (with a --global-batch-size that is a multiple of {or_list([str(n) for n in needs])}; "
+            f" (with a --global-batch-size that is a multiple of {or_list(needs)}; "
             f"{p.global_batch} is not)"
             if needs
             else ""
