@@ -2522,6 +2522,18 @@ OTHER_TOOLS = [
     ("generate", ["--load", "ck", "--do_sample=False", "--top-k", "50"],
      "--temperature 0, which reads no --top-k or --top-p: drop those"),
     ("generate", ["--load", "ck", "--greedy"], "--greedy: did you mean --temperature 0"),
+    # the Trainer's flags megapar-eval and megapar-train had no answer for (a re-test)
+    ("eval", ["--load", "ck", "--bf16"], "--bf16: megapar-eval computes in float32; drop it"),
+    ("eval", ["--load", "ck", "--do_eval=True"], "--do_eval: megapar-eval evaluates: the loss of "
+     "--data, or the logits of --input-ids; drop it"),
+    ("eval", ["--load", "ck", "--block_size", "64"], "--block_size: did you mean --seq-len?"),
+    ("eval", ["--load", "ck", "--per_device_eval_batch_size", "4"],
+     "--per_device_eval_batch_size: did you mean --micro-batch-size?"),
+    ("train", ["--use_cpu"], "--use_cpu: megapar-train runs on the GPUs it finds, one a rank, "
+     "and on the CPU without them (or with MEGAPAR_CPU=1); drop it"),
+    ("train", ["--disable_tqdm"], "--disable_tqdm: did you mean --no-progress?"),
+    ("train", ["--disable_tqdm=False"], "--disable_tqdm=False: false shows the progress bar: "
+     "--progress"),
     ("generate", ["--load", "ck", "--bf16"], "--bf16: did you mean --precision bf16?"),
     ("generate", ["--load", "ck", "--bf16", "0"], "--bf16: false computes in fp32, "
      "megapar-generate's default --precision: leave the flag out"),

@@ -134,6 +134,16 @@ OTHER_FLAGS = {
     "--output-prefix": "megapar-eval keeps raw text's tokens in --data-cache; drop it",
     "--json": "megapar-eval always prints its result as one JSON line on stdout (> FILE keeps "
     "it); drop it",
+    # the Hugging Face Trainer's and nanoGPT's (they had no answer; a re-test)
+    **dict.fromkeys(("--bf16", "--fp16", "--tf32"), "megapar-eval computes in float32; drop it"),
+    **dict.fromkeys(
+        ("--do-eval", "--eval-only", "--do-predict"),
+        "megapar-eval evaluates: the loss of --data, or the logits of --input-ids; drop it",
+    ),
+    "--block-size": "--seq-len",
+    "--max-seq-length": "--seq-len",
+    "--per-device-eval-batch-size": "--micro-batch-size",
+    "--eval-batch-size": "--micro-batch-size",
 }
 """megapar-train's and other tools' flags megapar-eval does not take, answered with what to do
 (difflib named unrelated ones: `--cp`, `--dp`: `--tp`)."""

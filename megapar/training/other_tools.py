@@ -863,6 +863,12 @@ OTHER_TOOLS_FLAGS = {
     "--n-gpu": LAUNCHER,
     "--wandb-log": "--wandb-project NAME",
     "--wandb": "--wandb-project NAME",
+    **dict.fromkeys(
+        ("--use-cpu", "--no-cuda"),
+        "megapar-train runs on the GPUs it finds, one a rank, and on the CPU without them (or "
+        "with MEGAPAR_CPU=1); drop it",
+    ),
+    "--disable-tqdm": "--no-progress",
     "--use-wandb": "--wandb-project NAME",
     "--eval": "--eval-interval N (steps between evaluations; megapar-eval a checkpoint)",
     "--eval-only": "megapar-eval --load CKPT --data DATA (evaluation alone)",
@@ -1004,6 +1010,8 @@ FALSE_ANSWERS = {
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
     "its shipped Shakespeare sample)",
     "eval_only": "false is a training run, megapar-train's: {drop}",
+    "disable_tqdm": "false shows the progress bar: --progress (not given, megapar-train shows it "
+    "at a terminal only)",
     "do_eval": "false asks for no evaluation: --eval-interval 0",
     "eval": "false asks for no evaluation: --eval-interval 0",
     "accumulate_allreduce_grads_in_fp32": "false reduces the gradients in the 16-bit dtype: "
