@@ -1987,6 +1987,17 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
     from megapar.models.config import ConfigError
     from megapar.training.config import parse_args
 
+    # a switch written as a string is read by its word (compile.enable = "false" was "--compile
+    # takes no value", checkpoint.enable = "no" still offered --save; a re-test)
+    for word, compiled in (("false", False), ("true", True)):
+        said = _toml_refusal(job, f'[training]\nsteps = 10\n[compile]\nenable = "{word}"\n'
+                             f'[checkpoint]\nenable = "{"yes" if compiled else "no"}"\n'
+                             f'folder = "ck"\n')
+        assert ("--compile" in said) == compiled and ("--save" in said) == compiled, said
+        assert "takes no value" not in said, said
+    job.write_text('[job]\ndescription = "debug"\n[model]\nconverters = ["float8"]\n'
+                   '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
+                   '[float8]\nrecipe_name = "rowwise"\n')
     with pytest.raises(ConfigError) as exc:  # the command line's over the file's
         parse_args(["--config", str(job), "--max-steps", "20", "--fp8", "off"])
     said = str(exc.value)

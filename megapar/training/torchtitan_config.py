@@ -12,6 +12,7 @@ import tomllib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from megapar.one_line_parser import other_switch_value
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
 from megapar.training.hf_trainer_config import (
@@ -95,7 +96,8 @@ def torchtitan_job(
             f"{', '.join(own)}: outside torchtitan's tables; a --config file of megapar-train's "
             "flags takes megapar's settings alone, without the tables"
         )
-    saved = _table(job, "checkpoint").get("enable") is not False
+    enable = _table(job, "checkpoint").get("enable")
+    saved = (other_switch_value(enable.strip()) if isinstance(enable, str) else enable) is not False
     keys = [  # enable: its folder names --save; off, no checkpoint key names anything
         (k, v)
         for k, v in keys
@@ -135,6 +137,9 @@ def torchtitan_job(
         given.add(microbatch)  # the local batch is no micro-batch size
     for key, value in keys:
         ours = OTHER_TOOLS_FLAGS.get(f"--{key}")
+        if kinds.get(ours) == "bool" and isinstance(value, str):  # compile.enable = "false":
+            word = other_switch_value(value.strip())  # its word (it was "--compile takes no
+            value = value if word is None else word  # value"; a re-test)
         if overridden.get(key) in given:
             continue  # its flag's value is the other key's
         if ours == "--lr" and key != "optimizer.lr" and "optimizer.lr" in given:
