@@ -353,6 +353,25 @@ def test_a_read_only_output_is_bad_input_not_a_full_disk(src, tmp_path, mode, ca
     assert "free space" not in line and not out.exists()
 
 
+def test_a_destination_linked_to_a_directory_is_written_through_the_link(src, tmp_path,
+                                                                          capsys):
+    """megapar-convert SRC LINK (a symbolic link to an empty directory, or with --overwrite to
+    a checkpoint) was refused: "LINK is a symbolic link, not a megapar checkpoint: --overwrite
+    replaces only ..." (where --to-hf and megapar-train --save take a link; a new user's
+    tryout): the directory is written, the link kept."""
+    target = tmp_path / "e2"
+    target.mkdir()
+    link = tmp_path / "elink"
+    link.symlink_to(target)
+    assert main([str(src), str(link), "--tp", "1", "--pp", "1"]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and (target / LATEST).is_file()
+    assert main([str(src), str(link), "--tp", "1", "--pp", "1"]) == 2  # it exists now
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main([str(src), str(link), "--tp", "1", "--pp", "1", "--overwrite"]) == 0
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert read_manifest(target / (target / LATEST).read_text().strip())["layout"]["tp"] == 1
+
+
 def test_output_that_is_a_file_is_refused(src, tmp_path):
     target = tmp_path / "a_file"
     target.write_text("x")

@@ -102,6 +102,14 @@ def _local(entry: dict) -> int | None:
     return None if dim is None else entry["local_shape"][dim]
 
 
+def output_dir(dst) -> Path:
+    """Output `dst` as written: through a symbolic link to a directory, the directory (the
+    link stays, naming the new output); a link was refused as "not a megapar checkpoint",
+    where --to-hf and megapar-train --save take one."""
+    path = Path(dst).expanduser()
+    return path.resolve() if path.is_symlink() and path.is_dir() else path
+
+
 def _refuse_existing(
     dst: Path, overwrite: bool, marks: tuple[str, ...] = (LATEST,), kind: str = "megapar checkpoint"
 ) -> None:
@@ -276,7 +284,7 @@ def write_checkpoint(
     directory as they are (file name -> source path), listed in the manifest with the shards.
     """
 
-    dst = Path(dst)
+    dst = output_dir(dst)
     _refuse_existing(dst, overwrite)
     check_output(dst)
     remove_stale_temporaries(dst.parent, f".{dst.name}.tmp-")  # of a conversion killed -9
@@ -343,6 +351,7 @@ def convert_checkpoint(
     belong to ranks: they are copied into the same layout (the same tp, pp and dp keep the
     source's cp, ep and rank order too), and dropped (the fact noted in meta) into another."""
     step_dir = resolve_checkpoint(src)
+    dst = output_dir(dst)
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
         raise CheckpointError(
             f"DST {dst} holds the source {step_dir}: converting a checkpoint "

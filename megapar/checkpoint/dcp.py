@@ -45,6 +45,7 @@ from megapar.checkpoint.convert import (
     _refuse_existing,
     _swap_into,
     check_output,
+    output_dir,
     plan,
     write_weights,
 )
@@ -503,7 +504,7 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
             f"{src} holds a {config.model_type} model; --to-dcp writes "
             f"torchtitan's Llama checkpoints (a llama model)"
         )
-    dst = Path(dcp_dir).expanduser()
+    dst = output_dir(dcp_dir)
     _refuse_existing(dst, overwrite, (".metadata",), "DCP checkpoint")  # .metadata: its index
     check_output(dst)
     q_heads, kv_heads = _heads(config)
