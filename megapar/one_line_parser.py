@@ -420,9 +420,10 @@ class OneLineParser(argparse.ArgumentParser):
         """For `--no-NAME` where `--NAME` takes a value: the value that turns it off, where
         `off_values` names one (`--no-clip-grad`: "did you mean --clip-grad 0?") or its list
         of values holds one (`--no-recompute`: --recompute none); where `off_values` gives ""
-        (a flag off unless given: `--no-save`), to leave it out. None where `flag` is no such
-        spelling (`--no-fp8` was guessed close to `--no-fp8-emulate`, another switch, and
-        `--no-save` to `--save`, which it is not)."""
+        (a flag off unless given: `--no-save`), to leave it out; for another, that it takes a
+        value (`--no-label-smoothing` was "did you mean --label-smoothing?", which then wanted
+        one). None where `flag` is no such spelling (`--no-fp8` was guessed close to
+        `--no-fp8-emulate`, another switch, and `--no-save` to `--save`, which it is not)."""
         if not flag.startswith(("--no-", "--no_")):
             return None
         on = "--" + flag[len("--no-") :].replace("_", "-")
@@ -434,7 +435,9 @@ class OneLineParser(argparse.ArgumentParser):
             return f"did you mean {on} {off}?" if off else f"{on} is off unless given: leave it out"
         choices = action.choices or ()
         offs = [c for c in choices if str(c) in OFF_CHOICES]
-        return f"did you mean {on} {offs[0]}?" if offs else None
+        if offs:
+            return f"did you mean {on} {offs[0]}?"
+        return f"{on} takes a value (no --no- spelling): leave it out for its default, or give one"
 
     def _switch_off(self, flag: str, value: str) -> str:
         """For an unknown flag given `value` whose closest known flag is the switch `flag`
@@ -549,9 +552,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _close_flag(flag: str, known: Sequence[str]) -> list[str]:
     """The known flag closest to `flag` by name ([] for none, or for no ``--`` flag): compared
-    without their shared ``--``, which made any two short flags close (``--wd`` was ``--dp``)."""
+    without their shared ``--``, which made any two short flags close (``--wd`` was ``--dp``);
+    a ``--no-`` flag only with a switch's ``--no-`` spelling, by what follows it (a typo:
+    ``--no-compil``), at a closeness of 0.75."""
     if not flag.startswith("--"):
         return []
+    if flag.startswith(("--no-", "--no_")):  # a switch's off, by what follows the "no-" alone:
+        off = {k[5:]: k for k in known if k.startswith("--no-")}  # the shared "no-" made
+        stem = flag[5:].replace("_", "-")  # --no-dropout close to --no-dry-run, a real run
+        return [off[c] for c in difflib.get_close_matches(stem, list(off), n=1, cutoff=0.75)]
     names = {k[2:]: k for k in known if k.startswith("--")}
     return [names[c] for c in difflib.get_close_matches(flag[2:], list(names), n=1)]
 

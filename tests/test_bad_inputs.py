@@ -1689,6 +1689,14 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     # and of a flag on by default that a value turns off, or off unless given (--no-save was
     # "did you mean --save?", --no-wandb "--no-debug?", --no-lr-scheduler "--schedule?")
     (["--no-clip-grad"], "--no-clip-grad: did you mean --clip-grad 0?"),
+    # a value flag without an off: that it takes a value (--no-label-smoothing was "did you
+    # mean --label-smoothing?", which then wanted one); mixed precision's off is fp32
+    (["--no-label-smoothing"], "--no-label-smoothing: --label-smoothing takes a value (no --no- "
+     "spelling): leave it out for its default, or give one"),
+    (["--no-amp"], "--no-amp: false turns it off: --precision fp32"),
+    (["--no-mixed-precision"], "--no-mixed-precision: false turns it off: --precision fp32"),
+    # a --no- typo of a switch is still guessed, by what follows the "no-"
+    (["--no-compil"], "--no-compil: did you mean --no-compile?"),
     (["--no-weight-decay"], "--no-weight-decay: did you mean --weight-decay 0?"),
     (["--no-save"], "--no-save: --save is off unless given: leave it out"),
     (["--no-grad-clip"], "--no-grad-clip: false turns it off: --clip-grad 0"),
@@ -1717,6 +1725,20 @@ def test_another_tools_switch_on_the_line_is_answered_by_its_value(line, said, c
     assert code.value.code == 2
     err = capsys.readouterr().err
     assert said in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--no-dropout", "--no-lr-warmup", "--no-tp", "--no-dp",
+                                  "--no-profile", "--no-cosine", "--no-pin-memory"])
+def test_a_no_flag_is_not_guessed_as_another_switchs_off(flag, capsys):
+    """--no-dropout and --no-lr-warmup were "did you mean --no-dry-run?" (which starts a real
+    run), --no-tp "--no-tf32?", --no-profile "--no-compile?": the "no-" they share made them
+    close (a re-test); none is guessed now."""
+    from megapar.training.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args([flag, "--dry-run"])
+    line = _one_line(capsys, "megapar-train")
+    assert "did you mean" not in line, line
 
 
 @pytest.mark.parametrize("flag, hint", [

@@ -869,6 +869,7 @@ OTHER_TOOLS_FLAGS = {
         "with MEGAPAR_CPU=1); drop it",
     ),
     "--disable-tqdm": "--no-progress",
+    "--mixed-precision": "--precision bf16 (or fp16)",
     "--use-wandb": "--wandb-project NAME",
     "--eval": "--eval-interval N (steps between evaluations; megapar-eval a checkpoint)",
     "--eval-only": "megapar-eval --load CKPT --data DATA (evaluation alone)",
@@ -990,6 +991,7 @@ OFF_VALUES = {
     "--warmup-steps": "0",
     "--eval-interval": "0",
     "--lr-decay": "constant",
+    "--precision": "fp32",
 }
 """megapar-train's flags on by default and the value that turns each off: what another tool's
 switch answered by one is told to give for false (`--no-grad-clip`: --clip-grad 0), and the
