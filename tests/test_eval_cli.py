@@ -574,6 +574,24 @@ def test_logits_that_would_not_fit_the_host_memory_are_refused_before_any_worker
     assert logits_memory_refusal(args, 101, 6464) is None
 
 
+def test_a_failed_run_leaves_no_directory_made_for_its_logits(tiny_ckpt, tmp_path, capsys,
+                                                              monkeypatch):
+    """A run ended by SIGTERM (or a rank killed) said "nothing was written" and left the empty
+    nd/sub/ rank 0 had made for --save-logits nd/sub/l.npy (a re-test)."""
+    import megapar.cli.eval as eval_cli
+
+    def made_then_ended(*args, **kwargs):
+        (tmp_path / "nd" / "sub").mkdir(parents=True)  # as rank 0's save_logits makes it
+        return 143
+
+    monkeypatch.setattr(eval_cli, "run_reported", made_then_ended)
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "nd" / "sub" / "l.npy"
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(out)]) == 143
+    assert not (tmp_path / "nd").exists()
+
+
 def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):
     ckpt, _ = tiny_ckpt
     assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--save-logits",

@@ -635,6 +635,7 @@ def main(argv=None) -> int:
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits, args.overwrite)
+            made += missing_dirs(os.path.dirname(os.path.abspath(args.save_logits)))
             vocab = config_from_dict(manifest["model"]).vocab_size
             if refusal := logits_memory_refusal(args, vocab, host_memory_available()):
                 raise UsageError(refusal)
@@ -662,6 +663,7 @@ def main(argv=None) -> int:
     if isinstance(results, int):
         if args.input_ids:  # a rank 0 killed mid-write (SIGKILL after a grace) left its file
             remove_stale_tmps(args.save_logits)
+        remove_empty(made)  # and the directories rank 0 made for it ("nothing was written")
         return results
     if results and results[0] is not None:
         result = results[0]
