@@ -340,8 +340,9 @@ def test_a_read_only_output_is_bad_input_not_a_full_disk(src, tmp_path, mode, ca
     destination", exit 1): its line names it and the fix, exit 2 (a new user's tryout)."""
     import errno
 
-    def read_only(directory):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(directory))
+    def read_only(directory):  # as the probe file's creation fails (its name was said)
+        probe = os.path.join(str(directory), ".megapar-probe-4vpyuosx")
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), probe)
 
     monkeypatch.setattr(cv, "probe_writable", read_only)
     out = tmp_path / "mnt" / "out"
@@ -351,6 +352,8 @@ def test_a_read_only_output_is_bad_input_not_a_full_disk(src, tmp_path, mode, ca
     assert line.startswith(f"megapar-convert: error: cannot create {out}: ") and line.endswith(
         f"{os.strerror(errno.EROFS)}; choose a writable directory"), line
     assert "free space" not in line and not out.exists()
+    probed = out if mode == "to-hf" else out.parent  # the directory written into
+    assert "megapar-probe" not in line and f": {probed}: " in line, line
 
 
 def test_a_destination_linked_to_a_directory_is_written_through_the_link(src, tmp_path,

@@ -195,6 +195,8 @@ def check_output(path, into: bool = False) -> None:
         probe_writable(directory)
     except OSError as exc:
         where = exc.filename or directory  # the part that failed, e.g. /proc/x of /proc/x/y
+        if os.path.basename(str(where)).startswith(".megapar-probe-"):  # its probe's directory
+            where = os.path.dirname(str(where))  # (the probe's own name was said; a re-test)
         why = (
             "is a file, not a directory"
             if isinstance(exc, FileExistsError)
