@@ -552,26 +552,29 @@ def test_logits_that_would_not_fit_the_host_memory_are_refused_before_any_worker
     _refuse_workers(monkeypatch)
     ckpt, ids = tiny_ckpt  # 2 x 8 ids of a 101-id vocabulary: 6,464 bytes of logits
     monkeypatch.setattr(eval_cli, "use_cuda", lambda: False)
+    monkeypatch.setattr(eval_cli, "RANK_BASE_BYTES", 1000)  # each process's own
     out = tmp_path / "lg.npy"
     argv = ["--load", str(ckpt), "--input-ids", str(ids), "--save-logits", str(out)]
-    # 2 x tp x cp = 4 copies of 6,464 bytes, 12,928 a row: none fits in 10 kB, one in 20 kB
-    for free, fix in ((10_000, "give shorter sequences (or a smaller --tp x --cp)"),
-                      (20_000, "give at most 1 row of ids at a time (or a smaller --tp x --cp)")):
+    # 2 x tp x cp = 4 copies of 6,464 bytes, 12,928 a row, beside 2 x 1,000 bytes of the
+    # processes' own: none fits in 12 kB, one in 22 kB
+    for free, fix in ((12_000, "give shorter sequences (or a smaller --tp x --cp)"),
+                      (22_000, "give at most 1 row of ids at a time (or a smaller --tp x --cp)")):
         monkeypatch.setattr(eval_cli, "host_memory_available", lambda free=free: free)
         assert evaluate([*argv, "--tp", "2"]) == 2
         line = _one_error_line(capsys)
         assert line == (f"megapar-eval: error: --save-logits: the logits of --input-ids {ids} "
                         f"(2 x 8 tokens x 101 ids, fp32) are 0.0 GiB, and this run would hold "
-                        f"about 0.0 GiB of them in host memory, more than the 0.0 GiB free: "
-                        f"{fix}"), line
+                        f"about 0.0 GiB of them in host memory, more than the 0.0 GiB free "
+                        f"less 2 x 0.0 GiB for the processes themselves: {fix}"), line
     assert not out.exists()
     from megapar.cli.eval import build_parser, logits_memory_refusal
 
     args = build_parser().parse_args([*argv, "--tp", "2"])
     assert logits_memory_refusal(args, 101, None) is None  # unknown: not checked
-    assert logits_memory_refusal(args, 101, 4 * 6464) is None  # 2 x tp x cp copies fit
+    assert logits_memory_refusal(args, 101, 4 * 6464 + 2000) is None  # 2 x tp x cp copies
+    assert logits_memory_refusal(args, 101, 4 * 6464 + 1999) is not None
     monkeypatch.setattr(eval_cli, "use_cuda", lambda: True)  # on GPUs rank 0's copy alone
-    assert logits_memory_refusal(args, 101, 6464) is None
+    assert logits_memory_refusal(args, 101, 6464 + 2000) is None
 
 
 def test_a_failed_run_leaves_no_directory_made_for_its_logits(tiny_ckpt, tmp_path, capsys,

@@ -427,6 +427,12 @@ def save_logits(path: str, logits: np.ndarray) -> None:
             os.remove(tmp)
 
 
+RANK_BASE_BYTES = 1 << 29
+"""Host memory a megapar-eval process holds besides the logits (torch, the model, the ids):
+0.4 GiB measured for gpt2-tiny on a CPU, taken as 0.5 GiB (the rows offered filled the memory
+with logits alone, a re-test)."""
+
+
 def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str | None:
     """Why --save-logits of --input-ids would not fit the host memory `available` (bytes; None:
     unknown, not checked), or None. Each rank of the last stage gathers the fp32 logits of
@@ -442,14 +448,17 @@ def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str |
     logits = rows * seq * vocab_size * 4
     holders = 1 if use_cuda() else 2 * args.tp * args.cp + (1 if args.pp > 1 else 0)
     need = holders * logits
-    if need <= available:
+    ranks = args.tp * args.cp * args.pp
+    usable = available - ranks * RANK_BASE_BYTES  # each process's own (torch, the model)
+    if need <= usable:
         return None
-    fit = int(available // (holders * seq * vocab_size * 4))
+    fit = max(0, int(usable // (holders * seq * vocab_size * 4)))
     return (
         f"--save-logits: the logits of --input-ids {args.input_ids} ({rows} x {seq} tokens x "
         f"{vocab_size} ids, fp32) are {logits / 2**30:.1f} GiB, and this run would hold about "
         f"{need / 2**30:.1f} GiB of them in host memory, more than the "
-        f"{available / 2**30:.1f} GiB free: give "
+        f"{available / 2**30:.1f} GiB free less {ranks} x {RANK_BASE_BYTES / 2**30:.1f} GiB for "
+        f"the processes themselves: give "
         + (f"at most {counted(fit, 'row')} of ids at a time" if fit else "shorter sequences")
         + ("" if args.tp * args.cp == 1 or use_cuda() else " (or a smaller --tp x --cp)")
     )
