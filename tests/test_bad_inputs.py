@@ -165,6 +165,13 @@ TRAIN = [
      "to --zero 3, and --zero is 0: add --zero 3, or drop --zero3-keep-params and "
      "--zero3-persistence-threshold; and --fp8-layers all would be ignored: it applies to --fp8, "
      "and --fp8 is off: add --fp8 tensorwise (or --fp8 rowwise), or drop --fp8-layers"),
+    # ... and --offload-params without --zero 3 with them (refused in a run of its own next;
+    # a re-test), --zero 2's note on --zero3-reduce alone
+    (["--zero", "2", "--zero3-keep-params", "--offload-params"], "--zero3-keep-params would be "
+     "ignored: it applies to --zero 3, and --zero is 2: add --zero 3, or drop "
+     "--zero3-keep-params; and --offload-params needs --zero 3 (it keeps the parameter shards in "
+     "host memory; --zero 2 keeps whole parameters on the device): add --zero 3 and "
+     "--offload-optimizer, or use --offload-optimizer alone"),
     (["--sp-regather", "--tp", "2"], "--sp-regather changes what sequence parallelism keeps "
                                      "for the backward: add --sequence-parallel with --tp > 1"),
     # --sequence-parallel given: tp is what is missing (a fuzz run's: "add --sequence-parallel")

@@ -49,6 +49,30 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
         )
 
 
+def offload_params_problem(cfg, keyword: str | None = None) -> str | None:
+    """--offload-params without --zero 3, said with its fix (`check_zero3`'s; megapar-train's
+    unused flags name it beside theirs, `check_unused`), or None."""
+    term, zero3 = _terms(keyword), _terms(keyword)("zero", 3)
+    params, optimizer = term("offload_params", True), term("offload_optimizer", True)
+    if not cfg.offload_params or cfg.zero == 3:
+        return None
+    both = f"{zero3}" if cfg.offload_optimizer else f"{zero3} and {optimizer}"
+    if cfg.optimizer in NOT_OFFLOADED:  # the offloaded optimizer would be refused next
+        dropped = f"{params} and {optimizer}" if cfg.offload_optimizer else params
+        fix = (
+            f"drop {dropped} ({term('optimizer', cfg.optimizer)} does not step on the "
+            f"host), or use {term('optimizer', 'adamw')} with {both}"
+        )
+    elif cfg.offload_optimizer:
+        fix = f"add {zero3}, or drop {params}"
+    else:
+        fix = f"add {both}, or use {optimizer} alone"
+    return (
+        f"{params} needs {zero3} (it keeps the parameter shards in host memory; "
+        f"{term('zero', cfg.zero)} keeps whole parameters on the device): {fix}"
+    )
+
+
 def check_zero3(cfg, keyword: str | None = None) -> None:
     """What --zero 3 cannot serve yet, and the options only it serves (--offload-params, which
     also needs --offload-optimizer; the --zero3-* options): one line naming the combination and
@@ -75,22 +99,8 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
             f"{zero3} or drop it"
         )
     params, optimizer = term("offload_params", True), term("offload_optimizer", True)
-    if cfg.offload_params and cfg.zero != 3:
-        both = f"{zero3}" if cfg.offload_optimizer else f"{zero3} and {optimizer}"
-        if cfg.optimizer in NOT_OFFLOADED:  # the offloaded optimizer would be refused next
-            dropped = f"{params} and {optimizer}" if cfg.offload_optimizer else params
-            fix = (
-                f"drop {dropped} ({term('optimizer', cfg.optimizer)} does not step on the "
-                f"host), or use {term('optimizer', 'adamw')} with {both}"
-            )
-        elif cfg.offload_optimizer:
-            fix = f"add {zero3}, or drop {params}"
-        else:
-            fix = f"add {both}, or use {optimizer} alone"
-        raise UsageError(
-            f"{where}{params} needs {zero3} (it keeps the parameter shards in host memory; "
-            f"{term('zero', cfg.zero)} keeps whole parameters on the device): {fix}"
-        )
+    if problem := offload_params_problem(cfg, keyword):
+        raise UsageError(f"{where}{problem}")
     if cfg.zero3_persistence_threshold < 0:
         raise UsageError(
             f"{where}{term('zero3_persistence_threshold', cfg.zero3_persistence_threshold)} is "

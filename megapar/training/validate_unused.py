@@ -8,6 +8,7 @@ import os
 from megapar.data.blended import data_paths
 from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
 from megapar.training.usage import UsageError, flag_of, flag_with_value
+from megapar.training.validate_sharding import offload_params_problem
 from megapar.wording import and_list
 
 
@@ -187,7 +188,11 @@ def check_unused(cfg, given: set[str]) -> None:
                 name,
                 cfg.zero == 3 or not value,
                 f"it applies to --zero 3, and --zero is {cfg.zero}"
-                + (" (which reduces every micro-batch already)" if cfg.zero == 2 else ""),
+                + (
+                    " (which reduces every micro-batch already)"
+                    if cfg.zero == 2 and name == "zero3_reduce"
+                    else ""
+                ),
                 "add --zero 3",
             )
             for name, value in (
@@ -221,8 +226,9 @@ def check_unused(cfg, given: set[str]) -> None:
     unused = [
         (name, why, fix) for name, applies, why, fix in rules if name in given and not applies
     ]
+    offload = offload_params_problem(cfg) if "offload_params" in given else None
     if not unused:
-        return
+        return  # (--offload-params alone: check_zero3 says it)
     reasons = list(dict.fromkeys((why, fix) for _, why, fix in unused))
     said: list[tuple[str, list[str], str | None]] = []  # every reason at once (dropping the
     done: set[str] = set()  # flags of the one named was refused next for another's), each
@@ -246,6 +252,8 @@ def check_unused(cfg, given: set[str]) -> None:
             why = f"each {why.removeprefix('it ')}"
         ignored = f"{shown} would be ignored: {why}"
         lines.append(f"{ignored}: {fix}, or {drop}" if fix else f"{ignored}; {drop}")
+    if offload:  # said with the others (it was refused in a run of its own next; a re-test)
+        lines.append(offload)
     raise UsageError("; and ".join(lines))
 
 
