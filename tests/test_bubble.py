@@ -605,12 +605,33 @@ def test_a_file_it_did_not_write_is_replaced_only_with_overwrite(capsys, tmp_pat
     argv = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, str(held)]
     assert main(argv) == 2
     line = _error_line(capsys)
-    assert str(held) in line and "megapar-bubble replaces only" in line, line
+    assert f"{flag} {held} exists and is no " in line and "(it replaces only its own " \
+        "outputs)" in line, line
     assert line.endswith("give another file name, or --overwrite to replace it"), line
     assert held.read_text() == "To be, or not to be\n"
     # --overwrite without a file to write is refused, not ignored
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--overwrite"]) == 2
     assert "--overwrite is used only with --trace or --plot" in _error_line(capsys)
+
+
+def test_both_outputs_are_checked_at_once_and_a_profilers_trace_is_kept(capsys, tmp_path,
+                                                                         no_work):
+    """--trace held.txt --plot g.png (both a user's) named --trace alone, then --plot next; a
+    PyTorch profiler's trace (traceEvents) or a user's PNG was replaced as one megapar-bubble
+    wrote; --trace and --plot of one name wrote the chart over the trace (a re-test)."""
+    trace = tmp_path / "prof.json"
+    trace.write_text('{"traceEvents": [], "displayTimeUnit": "ms"}')
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)
+    base = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1"]
+    assert main([*base, "--trace", str(trace), "--plot", str(image)]) == 2
+    assert _error_line(capsys) == (
+        f"megapar-bubble: error: --trace {trace} exists and is no trace megapar-bubble wrote; "
+        f"--plot {image} exists and is no chart megapar-bubble wrote (it replaces only its own "
+        f"outputs): give another file name, or --overwrite to replace them")
+    same = tmp_path / "same.png"
+    assert main([*base, "--trace", str(same), "--plot", str(same)]) == 2
+    assert f"--trace and --plot both name {same}: give each its own" in _error_line(capsys)
 
 
 @pytest.mark.parametrize("flag", ["--trace", "--plot"])

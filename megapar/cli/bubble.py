@@ -39,6 +39,7 @@ from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.schedules import SCHEDULES, check_schedule, schedule_named_elsewhere
 from megapar.pipeline.timeline import (
+    TRACE_WRITER,
     Timeline,
     format_bubble_table,
     percent,
@@ -191,14 +192,12 @@ def build_parser() -> OneLineParser:
     return p
 
 
-IMAGE_STARTS = (b"\x89PNG", b"%PDF", b"<?xml", b"<svg", b"\xff\xd8\xff", b"%!PS", b"II*", b"MM*")
-"""The first bytes of the images matplotlib writes (png, pdf, svg, jpg, ps / eps, tiff)."""
-
-
 def _replaces_other(path: str, flag: str) -> bool:
     """Whether --trace / --plot `path` (`flag`) is an existing file megapar-bubble did not
-    write: not a Chrome trace (a JSON object with traceEvents), or not an image; an empty file
-    is none."""
+    write: not a trace of megapar's (its `TRACE_WRITER` mark; a profiler's trace was replaced
+    without a word), or an image matplotlib did not write (its name in the file's first or
+    last 4 KB: png, svg, pdf, ps; another format's first bytes, `RASTER_STARTS`); an empty
+    file is none."""
     real = os.path.expanduser(path)
     if not os.path.isfile(real) or os.path.getsize(real) == 0:  # (an empty file holds nothing)
         return False
@@ -206,11 +205,33 @@ def _replaces_other(path: str, flag: str) -> bool:
         if flag == "trace":
             with open(real, encoding="utf-8") as f:
                 data = json.load(f)
-            return not (isinstance(data, dict) and "traceEvents" in data)
+            other = data.get("otherData") if isinstance(data, dict) else None
+            return not (isinstance(other, dict) and other.get("writer") == TRACE_WRITER)
         with open(real, "rb") as f:
-            return not f.read(8).startswith(IMAGE_STARTS)
+            head = f.read(4096)
+            f.seek(max(0, os.path.getsize(real) - 4096))
+            tail = f.read()
+        suffix = os.path.splitext(real)[1].lower().lstrip(".")
+        if suffix in ("raw", "rgba"):  # bare pixels: nothing to tell whose
+            return False
+        if suffix in RASTER_STARTS:  # Pillow's formats carry no writer's name: the format's own
+            return not head.startswith(RASTER_STARTS[suffix])
+        return b"matplotlib" not in (head + tail).lower()
     except (OSError, ValueError):  # unreadable, or no JSON
         return True
+
+
+RASTER_STARTS: dict[str, tuple[bytes, ...]] = {
+    "jpg": (b"\xff\xd8\xff",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "tif": (b"II*", b"MM*"),
+    "tiff": (b"II*", b"MM*"),
+    "webp": (b"RIFF",),
+    "gif": (b"GIF8",),
+    "avif": (b"\x00\x00\x00",),
+}
+"""The first bytes of the images matplotlib writes through Pillow, which hold no writer's name
+(its png, svg, pdf and ps name matplotlib)."""
 
 
 COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
@@ -335,11 +356,9 @@ def check_output_files(args) -> None:
                 f"--trace {shell_word(os.path.join(args.trace, 'trace.json'))}"
             )
         check_writable(args.trace, "--trace", kind="file")
-        if not args.overwrite and _replaces_other(args.trace, "trace"):
-            raise ValueError(
-                f"--trace {args.trace} exists and is no Chrome trace (megapar-bubble replaces "
-                f"only a trace it wrote): give another file name, or --overwrite to replace it"
-            )
+    replaced = []  # files another tool wrote (or a user), said together
+    if args.trace and not args.overwrite and _replaces_other(args.trace, "trace"):
+        replaced.append(f"--trace {args.trace} exists and is no trace megapar-bubble wrote")
     if args.plot:
         if names_directory(args.plot):
             raise ValueError(
@@ -361,12 +380,19 @@ def check_output_files(args) -> None:
             )
         check_writable(real, "--plot", kind="file")
         if not args.overwrite and _replaces_other(real, "plot"):
-            raise ValueError(
-                f"--plot {args.plot} would replace {real}, which is no image (megapar-bubble "
-                f"replaces only a chart it wrote): give another file name, or --overwrite to "
-                f"replace it"
-            )
+            shown = real if real == args.plot else f"{args.plot} would replace {real}, which"
+            replaced.append(f"--plot {shown} exists and is no chart megapar-bubble wrote")
+        if args.trace and os.path.abspath(os.path.expanduser(args.trace)) == os.path.abspath(
+            os.path.expanduser(real)
+        ):  # (the chart replaced the trace just written)
+            raise ValueError(f"--trace and --plot both name {real}: give each its own file name")
         args.plot = real
+    if replaced:
+        names = "them" if len(replaced) > 1 else "it"
+        raise ValueError(
+            f"{'; '.join(replaced)} (it replaces only its own outputs): give another file "
+            f"name, or --overwrite to replace {names}"
+        )
 
 
 def check_bubble_schedule(schedule: str, pp: int, m: int, v: int, given_m: int | None) -> None:

@@ -238,7 +238,12 @@ def to_chrome_trace(timeline: Timeline, row_name: str = "stage") -> dict:
                 "args": {"mb": e.mb, "chunk": e.chunk},
             }
         )
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"writer": TRACE_WRITER}}
+
+
+TRACE_WRITER = "megapar"
+"""A megapar trace's mark (its otherData's writer): a trace of another tool's is no output of
+megapar-bubble's to replace without --overwrite."""
 
 
 def write_chrome_trace(timeline: Timeline, path: str) -> None:
