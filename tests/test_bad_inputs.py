@@ -1644,6 +1644,15 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
         assert said in str(info.value), str(info.value)
+    # a number's false: the value that is off (zero: false was "--zero False is invalid:
+    # expected a whole number", where --no-zero is told --zero 0; a re-test)
+    for text, said in (("zero: false", "zero: false: its default is 0 (off); remove the key"),
+                       ("clip_grad: false", "clip_grad: false: write clip_grad: 0 (off)"),
+                       ("label_smoothing: false", "label_smoothing: false: its default is 0")):
+        config.write_text(text + "\n")
+        with pytest.raises(Exception) as info:
+            parse_args(["--config", str(config)])
+        assert str(info.value) == f"{config}: {said}" or said in str(info.value), str(info.value)
     # megapar's own switches read the same words (tf32: n was "'n' is invalid"; a re-test)
     config.write_text('tf32: n\nprogress: "y"\nmax_steps: 3\n')
     cfg = parse_args(["--config", str(config)])

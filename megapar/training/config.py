@@ -718,6 +718,14 @@ def _config_value(f, value: Any, path: str) -> Any:
         if isinstance(value, bool):  # YAML's unquoted off / no: fp8 'False' was refused, 'off'
             return _switch_as_choice(f.name, flag, value, path)  # offered
         return str(value)
+    if value is False:  # zero: false, clip_grad: false: the value that is off (it was "False
+        off = OFF_VALUES.get(flag)  # is invalid: expected a whole number"; a re-test)
+        if off is not None:
+            raise ConfigError(f"{path}: {f.name}: false: write {f.name}: {off} (off)")
+        if f.default == 0 and not isinstance(f.default, bool):  # label_smoothing, zero
+            raise ConfigError(
+                f"{path}: {f.name}: false: its default is {f.default:g} (off); remove the key"
+            )
     try:
         if isinstance(value, bool) or isinstance(value, (dict, list)):
             raise ValueError
