@@ -3370,6 +3370,27 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(given), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor} " in str(info.value), \
             str(info.value)
+    # the values the file derives from the line's flags: a warmup ratio of the line's
+    # --max-steps, a warmup cut to it, DeepSpeed's global batch of the line's micro-batch (the
+    # file's were said: --warmup-steps 100 at --max-steps 50 was refused next; a re-test)
+    for file, line, said in (
+            ({"output_dir": "o", "max_steps": 200, "warmup_ratio": 0.1}, ["--max-steps=50"],
+             "--max-steps 50 --warmup-steps 5 "),
+            ({"output_dir": "o", "max_steps": 200, "warmup_steps": 100}, ["--max-steps", "50"],
+             "--max-steps 50 --warmup-steps 50 "),
+            ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+              "scheduler": {"type": "WarmupCosineLR", "params": {
+                  "total_num_steps": 100, "warmup_num_steps": 10}}},
+             ["--dp", "2", "--micro-batch-size", "2", "--max-steps", "5"],
+             "--micro-batch-size 2 --global-batch-size 32 ")):
+        derived = tmp_path / "derived.json"
+        derived.write_text(json.dumps(file))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        flags = str(info.value).split(";")[0]
+        assert said in flags, flags
+        if line[-2:] == ["--max-steps", "5"]:  # DeepSpeed's 10 warmup steps cut to 5
+            assert "--warmup-steps 5 --max-steps 5 " in flags, flags
     from megapar.training.hf_trainer_config import command_line_wins
 
     assert command_line_wins(
@@ -3388,8 +3409,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     said = str(info.value)
     assert "--max-steps 50 --min-lr 5e-05 " in said and "--min-lr 2e-05" not in said.split(
         ";")[0], said
-    assert "the command line's --max-steps 50 over the file's --max-steps 6; the command " \
-        "line's --min-lr 5e-05 over the file's --min-lr 2e-05" in said, said
+    assert "the command line's --max-steps 50 over the file's scheduler.params.total_num_steps " \
+        "6; the command line's --min-lr 5e-05 over the file's --min-lr 2e-05" in said, said
     for line, kept, over in ((["--precision", "fp32"], "--precision fp32 ", "--precision bf16"),
                              (["--recompute", "selective"], "--recompute selective ",
                               "--recompute full")):
