@@ -2033,6 +2033,9 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
                              f'folder = "ck"\n')
         assert ("--compile" in said) == compiled and ("--save" in said) == compiled, said
         assert "takes no value" not in said, said
+    # [training] compile and [compile] enable both true: --compile said once (twice; a re-test)
+    said = _toml_refusal(job, "[training]\nsteps = 10\ncompile = true\n[compile]\nenable = true\n")
+    assert said.count("--compile") == 1, said
     job.write_text('[job]\ndescription = "debug"\n[model]\nconverters = ["float8"]\n'
                    '[training]\nsteps = 1000\nmixed_precision_param = "bfloat16"\n'
                    '[float8]\nrecipe_name = "rowwise"\n')
@@ -2578,6 +2581,10 @@ OTHER_TOOLS = [
     ("eval", ["--load", "ck", "--block_size", "64"], "--block_size: did you mean --seq-len?"),
     ("eval", ["--load", "ck", "--per_device_eval_batch_size", "4"],
      "--per_device_eval_batch_size: did you mean --micro-batch-size?"),
+    # the Trainer's report_to none reports nowhere (it was told --wandb-project NAME or
+    # --tensorboard DIR; a re-test)
+    ("train", ["--report_to", "none"], "--report_to: none reports nowhere, as megapar-train "
+     "does without --wandb-project or --tensorboard: leave the flag out"),
     ("train", ["--use_cpu"], "--use_cpu: megapar-train runs on the GPUs it finds, one a rank, "
      "and on the CPU without them (or with MEGAPAR_CPU=1); drop it"),
     ("train", ["--disable_tqdm"], "--disable_tqdm: did you mean --no-progress?"),

@@ -64,6 +64,7 @@ from megapar.training.other_tools import (
     answers_a_switch,
     megatron_defaults,
     other_tools_answer,
+    reports_nowhere,
     switch_answer,
 )
 from megapar.training.ranges import check_ranges
@@ -574,6 +575,8 @@ def _switch_answer_on_the_line(flag: str, text: str) -> str | None:
     None where the value is no true / false (0 / 1 are numbers unless the setting is a
     switch, `answers_a_switch`: `--loss_scale 0`)."""
     key, value = flag.removeprefix("--"), other_switch_value(text)
+    if nowhere := reports_nowhere(key, text, "leave the flag out"):
+        return nowhere
     if value is None or (text in ("0", "1") and not answers_a_switch(key, _is_switch)):
         return None
     return switch_answer(key, value, _off_by_default, "leave the flag out")
@@ -967,6 +970,7 @@ def read_run_config(
         elif isinstance(data[key], str):  # YAML's bf16: n (a string), JSON's "false"
             switch = other_switch_value(data[key].strip())
         answered = switch_answer(key, switch, _off_by_default) if switch is not None else None
+        answered = reports_nowhere(key, data[key]) or answered
         if answered:  # bf16: false asks for no --precision bf16
             hint = answered
         elif not other and data[key] is False and len(close) == 1 and _is_switch(close[0]):

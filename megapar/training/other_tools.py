@@ -11,6 +11,7 @@ sentences are shared with megapar-plan's own table (`cli/plan.py`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from megapar.models.recipes import recipe_file
 from megapar.one_line_parser import LAYOUT_NAMES, TOKENIZER_NAMES, key_without_section
@@ -1074,6 +1075,24 @@ def answers_a_switch(key: str, is_switch: Callable[[str], bool]) -> bool:
     if len(words) == 1 or words[1].startswith("("):
         return is_switch(words[0])
     return not words[1].isupper() and not words[1].startswith("-")
+
+
+REPORT_KEYS = frozenset({"report_to", "log_with"})
+"""Other tools' settings naming where a run reports (the Trainer's report_to, accelerate's
+log_with), whose "none" reports nowhere."""
+
+
+def reports_nowhere(key: str, value: Any, drop: str = "remove the key") -> str | None:
+    """The answer to `REPORT_KEYS`' "none" (or an empty list): megapar-train's default;
+    None for another key or value (--report_to none was told --wandb-project NAME or
+    --tensorboard DIR; a re-test)."""
+    empty = value == [] or (isinstance(value, str) and value.strip().lower() in ("none", "[]"))
+    if key.replace("-", "_") not in REPORT_KEYS or not empty:
+        return None
+    return (
+        f"none reports nowhere, as megapar-train does without --wandb-project or "
+        f"--tensorboard: {drop}"
+    )
 
 
 def switch_answer(

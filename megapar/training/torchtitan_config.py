@@ -176,8 +176,9 @@ def torchtitan_job(
     left += fp8_left
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    flags = list(dict.fromkeys(flags))  # [training] compile and [compile] enable: said once
     flags, notes = command_line_wins(flags, command_line)
-    sentences += notes
+    sentences += list(dict.fromkeys(notes))
     if line := refused_value(said, flags, refused, job):
         return line
     return (
