@@ -3339,6 +3339,23 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     assert "--warmup-steps 0 --lr-decay constant --precision fp16 " in said and "warmup_steps " \
         "500: the Trainer's constant schedule does not warm up (constant_with_warmup does)" in \
         said and "never reaching" not in said, said
+    # every inline value unlike the Trainer's in one line (weight decay, beta2 and warmup were
+    # refused a run each), and an optimizer lr unlike its learning_rate refused too (it was
+    # translated at the Trainer's and never compared; a re-test)
+    trainer.write_text(json.dumps({
+        "output_dir": "o", "per_device_train_batch_size": 4, "learning_rate": 1e-4,
+        "max_steps": 100, "deepspeed": {
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                      "weight_decay": 0.1}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10}}}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(trainer)])
+    said = str(info.value)
+    for part in ("optimizer.params.lr 0.0003 (--lr 0.0003) differs from the Trainer's own --lr "
+                 "0.0001", "optimizer.params.weight_decay 0.1", "optimizer.params.betas.1 0.95",
+                 "scheduler.params.warmup_num_steps 10"):
+        assert part in said, said
+    assert said.count("; and deepspeed's ") == 3 and "\n" not in said, said
     # and with an inline DeepSpeed optimizer, its lr a number or "auto" (the floor was the
     # file's ratio, --min-lr 3e-05 beside --lr 0.001)
     for optimizer_lr in (3e-4, "auto"):

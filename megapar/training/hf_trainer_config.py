@@ -612,18 +612,22 @@ def _inline_deepspeed(
             f"must be more (megapar-train's default is {DEFAULT_MAX_STEPS}), or give a shorter "
             f"--warmup-steps"
         )
-    for name, value in _pairs(more):
+    unlike: list[ConfigError] = []  # every value unlike the Trainer's, in one line (a run
+    for name, value in _pairs(more):  # each was a chain of refusals; a re-test)
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
         if key is None or given is None or given == "auto" or name not in ours:
             continue  # (a key it leaves out is DeepSpeed's default, not compared)
-        if not _alike(value, ours[name]):
-            raise _mismatch(key, given, f"{name} {value}", f"{name} {ours[name]}")
-    steps = deepspeed.get("gradient_accumulation_steps")  # the Trainer's has no flag
+        if not _alike(str(given), ours[name]):  # the file's own value (its lr was translated
+            shown = value if _alike(str(given), value) else _shown(given)  # at the Trainer's,
+            unlike.append(_mismatch(key, given, f"{name} {shown}", f"{name} {ours[name]}"))
+    steps = deepspeed.get("gradient_accumulation_steps")  # and so never compared)
     theirs = trainer.get("gradient_accumulation_steps", 1)
     if steps not in (None, "auto") and not _alike(str(steps), str(theirs)):
-        raise _mismatch(
-            "gradient_accumulation_steps", steps, "", f"gradient_accumulation_steps {theirs}"
+        unlike.append(
+            _mismatch(
+                "gradient_accumulation_steps", steps, "", f"gradient_accumulation_steps {theirs}"
+            )
         )
     for key, own in _trainer_filled_others(trainer, ours).items():
         given = _at(deepspeed, key)
@@ -631,18 +635,22 @@ def _inline_deepspeed(
             continue
         same = bool(given) == own[1] if isinstance(own[1], bool) else _alike(str(given), own[1])
         if not same:
-            raise _mismatch(key, given, "", own[0])
+            unlike.append(_mismatch(key, given, "", own[0]))
     batch = deepspeed.get("train_batch_size")  # the Trainer's: per device x accumulation x world
     per = _as_int(trainer.get("per_device_train_batch_size", 8)) * _as_int(theirs)
-    if batch not in (None, "auto") and per > 0:
-        if not isinstance(batch, int) or batch % per:
-            raise _mismatch(
+    if batch not in (None, "auto") and per > 0 and (not isinstance(batch, int) or batch % per):
+        unlike.append(
+            _mismatch(
                 "train_batch_size",
                 batch,
                 "",
                 f"per_device_train_batch_size x "
                 f"gradient_accumulation_steps = {per} times the number of processes",
             )
+        )
+    if unlike:
+        raise ConfigError("; and ".join(str(exc) for exc in unlike))
+    if batch not in (None, "auto") and per > 0:
         said.append(
             f"deepspeed's train_batch_size {batch}: the Trainer's {per} per process on "
             f"{counted(batch // per, 'process', 'processes')}, --global-batch-size {batch} at "
@@ -689,6 +697,11 @@ def _pairs(flags: list[str]) -> list[tuple[str, str]]:
         and not tokens[i + 1].startswith(("--", "("))
         and (i + 2 == len(tokens) or tokens[i + 2].startswith("--"))
     ]
+
+
+def _shown(value: Any) -> str:
+    """A file's value as a flag's: a float as %g (3e-4 is 0.0003)."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _mismatch(key: str, given: Any, flag: str, own: str) -> ConfigError:
