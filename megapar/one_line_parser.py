@@ -234,6 +234,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.off_values = off_values or {}
         self.afterword = afterword
         self._given_flags: set[str] = set()
+        self._also_missing = ""  # the required flags not given beside unknown ones
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
@@ -269,6 +270,17 @@ class OneLineParser(argparse.ArgumentParser):
             return
         if len(words) != len(extras):  # an unknown flag: its value is among the words
             shown = _with_values(argv, extras) if self._spread_positionals() else extras
+            given = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+            missing = [  # said with them (megapar-plan --bf16 0 then wanted --seq-len)
+                a.option_strings[0]
+                for a, required in held
+                if required and a.option_strings and not given & set(a.option_strings)
+            ]
+            self._also_missing = (
+                f"; and {and_list(missing)} {'is' if len(missing) == 1 else 'are'} required"
+                if missing
+                else ""
+            )
             self.error(f"unrecognized arguments: {' '.join(shown)}")
         named = ", ".join(f"'{w}'" for w in words)
         self.error(
@@ -318,8 +330,8 @@ class OneLineParser(argparse.ArgumentParser):
             2,
             f"{self.prog}: error: {message}{self._did_you_mean(message)}"
             f"{self._value_wanted(message)}"
-            f"{self._value_named_elsewhere(message) or self._closest_choice(message)} "
-            f"(see {self.prog} --help)\n",
+            f"{self._value_named_elsewhere(message) or self._closest_choice(message)}"
+            f"{self._also_missing} (see {self.prog} --help)\n",
         )
 
     def _switch_given_a_value(self, message: str) -> str:

@@ -1807,7 +1807,20 @@ def test_each_command_answers_fsdp_and_deepspeed_names(tool, capsys):
             module.build_parser().parse_args([flag, "3"])
         err = capsys.readouterr().err
         said = module.OTHER_FLAGS[flag]
-        assert f"; {flag}: {said} (see" in err and "does not depend on --zero" in said, err
+        assert f"; {flag}: {said}" in err and "does not depend on --zero" in said, err
+
+
+def test_a_required_flag_missing_beside_an_unknown_one_is_said_with_it(capsys):
+    """megapar-plan --model M --gpus 2 --bf16 0 was answered for --bf16 alone, and its fix
+    refused next for the --seq-len it lacked (a re-test): both in one line."""
+    from megapar.cli.plan import main as plan
+
+    with pytest.raises(SystemExit) as code:
+        plan(["--model", "gpt2-tiny", "--gpus", "2", "--bf16", "0"])
+    line = _one_line(capsys, "megapar-plan")
+    assert code.value.code == 2 and line.endswith(
+        "--bf16: false counts fp32 activations: --precision fp32 (megapar-plan counts bf16 by "
+        "default); and --seq-len is required (see megapar-plan --help)"), line
 
 
 def test_flags_one_sentence_answers_are_answered_together(capsys):
