@@ -632,11 +632,28 @@ def test_both_outputs_are_checked_at_once_and_a_profilers_trace_is_kept(capsys, 
     same = tmp_path / "same.png"
     assert main([*base, "--trace", str(same), "--plot", str(same)]) == 2
     assert f"--trace and --plot both name {same}: give each its own" in _error_line(capsys)
+    # ... through a link too (with --overwrite the chart replaced the trace; a re-test), and a
+    # user's JPEG or GIF is kept (any file of the format's first bytes was taken as its own)
+    ours = tmp_path / "t.json"  # a trace of its own (no_work: written here)
+    ours.write_text('{"traceEvents": [], "otherData": {"writer": "megapar"}}')
+    for link, make in (("link.png", os.symlink), ("hard.png", os.link)):
+        make(ours, tmp_path / link)
+        assert main([*base, "--trace", str(ours), "--plot", str(tmp_path / link),
+                     "--overwrite"]) == 2
+        assert "--trace and --plot both name" in _error_line(capsys)
+    from PIL import Image
+
+    for name in ("photo.jpg", "photo.gif"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+        assert main([*base, "--plot", str(tmp_path / name)]) == 2
+        assert "exists and is no chart megapar-bubble wrote" in _error_line(capsys)
 
 
-@pytest.mark.parametrize("flag", ["--trace", "--plot"])
-def test_its_own_output_is_replaced_and_another_file_with_overwrite(capsys, tmp_path, flag):
-    out = tmp_path / ("g.png" if flag == "--plot" else "t.json")
+@pytest.mark.parametrize("flag, name", [("--trace", "t.json"), ("--plot", "g.png"),
+                                        ("--plot", "g.jpg"), ("--plot", "g.gif")])
+def test_its_own_output_is_replaced_and_another_file_with_overwrite(capsys, tmp_path, flag,
+                                                                     name):
+    out = tmp_path / name
     argv = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, str(out)]
     for _ in range(2):  # the second run replaces the first's output
         assert main(argv) == 0

@@ -192,12 +192,24 @@ def build_parser() -> OneLineParser:
     return p
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file: the same real path (links followed), or one
+    file under two names (a hard link)."""
+    a, b = os.path.expanduser(a), os.path.expanduser(b)
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is not there yet
+        return False
+
+
 def _replaces_other(path: str, flag: str) -> bool:
     """Whether --trace / --plot `path` (`flag`) is an existing file megapar-bubble did not
     write: not a trace of megapar's (its `TRACE_WRITER` mark; a profiler's trace was replaced
     without a word), or an image matplotlib did not write (its name in the file's first or
-    last 4 KB: png, svg, pdf, ps; another format's first bytes, `RASTER_STARTS`); an empty
-    file is none."""
+    last 4 KB: png, svg, pdf, ps, and a jpg / gif's comment, `CHART_MARK`); an empty file is
+    none."""
     real = os.path.expanduser(path)
     if not os.path.isfile(real) or os.path.getsize(real) == 0:  # (an empty file holds nothing)
         return False
@@ -214,24 +226,9 @@ def _replaces_other(path: str, flag: str) -> bool:
         suffix = os.path.splitext(real)[1].lower().lstrip(".")
         if suffix in ("raw", "rgba"):  # bare pixels: nothing to tell whose
             return False
-        if suffix in RASTER_STARTS:  # Pillow's formats carry no writer's name: the format's own
-            return not head.startswith(RASTER_STARTS[suffix])
-        return b"matplotlib" not in (head + tail).lower()
-    except (OSError, ValueError):  # unreadable, or no JSON
+        return b"matplotlib" not in (head + tail).lower()  # (a jpg / gif: its comment, CHART_MARK;
+    except (OSError, ValueError):  # a tiff / webp / avif carries none: replaced with --overwrite)
         return True
-
-
-RASTER_STARTS: dict[str, tuple[bytes, ...]] = {
-    "jpg": (b"\xff\xd8\xff",),
-    "jpeg": (b"\xff\xd8\xff",),
-    "tif": (b"II*", b"MM*"),
-    "tiff": (b"II*", b"MM*"),
-    "webp": (b"RIFF",),
-    "gif": (b"GIF8",),
-    "avif": (b"\x00\x00\x00",),
-}
-"""The first bytes of the images matplotlib writes through Pillow, which hold no writer's name
-(its png, svg, pdf and ps name matplotlib)."""
 
 
 COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
@@ -382,9 +379,8 @@ def check_output_files(args) -> None:
         if not args.overwrite and _replaces_other(real, "plot"):
             shown = real if real == args.plot else f"{args.plot} would replace {real}, which"
             replaced.append(f"--plot {shown} exists and is no chart megapar-bubble wrote")
-        if args.trace and os.path.abspath(os.path.expanduser(args.trace)) == os.path.abspath(
-            os.path.expanduser(real)
-        ):  # (the chart replaced the trace just written)
+        if args.trace and _same_file(args.trace, real):  # (the chart replaced the trace just
+            # written; through a link too, a re-test)
             raise ValueError(f"--trace and --plot both name {real}: give each its own file name")
         args.plot = real
     if replaced:

@@ -16,7 +16,7 @@ import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -241,6 +241,10 @@ def to_chrome_trace(timeline: Timeline, row_name: str = "stage") -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"writer": TRACE_WRITER}}
 
 
+CHART_MARK = "Matplotlib, megapar-bubble"
+"""The comment a JPEG or GIF chart carries (Pillow writes no writer's name in them; matplotlib's
+png, svg, pdf and ps name it): how megapar-bubble knows a chart of its own."""
+
 TRACE_WRITER = "megapar"
 """A megapar trace's mark (its otherData's writer): a trace of another tool's is no output of
 megapar-bubble's to replace without --overwrite."""
@@ -282,7 +286,12 @@ def plot_gantt(
     as a device's), rendered in memory first: a PNG writer seeks, which a FIFO cannot."""
     fmt = os.path.splitext(path)[1][1:].lower() or "png"
     image = io.BytesIO()
-    gantt_figure(timeline, title, row_name, comm).savefig(image, dpi=120, format=fmt)
+    marked: dict[str, Any] = {"comment": CHART_MARK} if fmt in ("jpg", "jpeg", "gif") else {}
+    figure = gantt_figure(timeline, title, row_name, comm)
+    if marked:
+        figure.savefig(image, dpi=120, format=fmt, pil_kwargs=marked)
+    else:
+        figure.savefig(image, dpi=120, format=fmt)
     with open(path, "wb") as f:
         f.write(image.getvalue())
 
