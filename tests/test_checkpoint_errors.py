@@ -356,6 +356,23 @@ def test_a_read_only_output_is_bad_input_not_a_full_disk(src, tmp_path, mode, ca
     assert "megapar-probe" not in line and f": {probed}: " in line, line
 
 
+def test_a_directory_no_file_can_be_created_in_is_named_so(src, tmp_path, capsys, monkeypatch):
+    """/proc/x was "/proc: No such file or directory" (its probe file's errno; /proc is
+    there): that no file can be created in it (a re-test)."""
+    import errno
+
+    def no_files(directory):
+        probe = os.path.join(str(directory), ".megapar-probe-abc")
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), probe)
+
+    monkeypatch.setattr(cv, "probe_writable", no_files)
+    out = tmp_path / "x"
+    assert main([str(src), str(out), "--tp", "1", "--pp", "1"]) == 2
+    line = _one_line(capsys)
+    assert line.endswith(f"cannot create {out}: {tmp_path}: no file can be created in it; "
+                         f"choose a writable directory"), line
+
+
 def test_a_destination_linked_to_a_directory_is_written_through_the_link(src, tmp_path,
                                                                           capsys):
     """megapar-convert SRC LINK (a symbolic link to an empty directory, or with --overwrite to

@@ -11,6 +11,7 @@ DST and renamed at the end, so a failure leaves DST untouched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import math
 import os
@@ -200,6 +201,8 @@ def check_output(path, into: bool = False) -> None:
         why = (
             "is a file, not a directory"
             if isinstance(exc, FileExistsError)
+            else "no file can be created in it"  # (/proc's "No such file or directory")
+            if exc.errno == errno.ENOENT and os.path.isdir(str(where))
             else f"{exc.strerror or exc}"
         )
         sep = " " if isinstance(exc, FileExistsError) else ": "
