@@ -453,6 +453,13 @@ def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str |
     if need <= usable:
         return None
     fit = max(0, int(usable // (holders * seq * vocab_size * 4)))
+    if usable <= 0:  # ("give shorter sequences" could not help; a re-test)
+        return (
+            f"--save-logits: {available / 2**30:.1f} GiB of host memory is free, less than the "
+            f"{ranks} x {RANK_BASE_BYTES / 2**30:.1f} GiB this run's processes hold themselves: "
+            f"free memory"
+            + (", or run fewer processes (a smaller --tp x --cp x --pp)" if ranks > 1 else "")
+        )
     return (
         f"--save-logits: the logits of --input-ids {args.input_ids} ({rows} x {seq} tokens x "
         f"{vocab_size} ids, fp32) are {logits / 2**30:.1f} GiB, and this run would hold about "
