@@ -566,13 +566,13 @@ def _close_flag(flag: str, known: Sequence[str]) -> list[str]:
     """The known flag closest to `flag` by name ([] for none, or for no ``--`` flag): compared
     without their shared ``--``, which made any two short flags close (``--wd`` was ``--dp``);
     a ``--no-`` flag only with a switch's ``--no-`` spelling, by what follows it (a typo:
-    ``--no-compil``), at a closeness of 0.75."""
+    ``--no-compil``), at a closeness of 0.8 (``--no-fp32`` is no ``--no-tf32``, at 0.75)."""
     if not flag.startswith("--"):
         return []
     if flag.startswith(("--no-", "--no_")):  # a switch's off, by what follows the "no-" alone:
         off = {k[5:]: k for k in known if k.startswith("--no-")}  # the shared "no-" made
         stem = flag[5:].replace("_", "-")  # --no-dropout close to --no-dry-run, a real run
-        return [off[c] for c in difflib.get_close_matches(stem, list(off), n=1, cutoff=0.75)]
+        return [off[c] for c in difflib.get_close_matches(stem, list(off), n=1, cutoff=0.8)]
     names = {k[2:]: k for k in known if k.startswith("--")}
     return [names[c] for c in difflib.get_close_matches(flag[2:], list(names), n=1)]
 

@@ -1653,6 +1653,11 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         with pytest.raises(Exception) as info:
             parse_args(["--config", str(config)])
         assert str(info.value) == f"{config}: {said}" or said in str(info.value), str(info.value)
+    # a choice's false is its off as the command line's --no- spelling is told (precision:
+    # false was "choose one of ..."; a re-test)
+    config.write_text("precision: false\nlr_decay: false\nmax_steps: 3\n")
+    cfg = parse_args(["--config", str(config)])
+    assert (cfg.precision, cfg.lr_decay) == ("fp32", "constant")
     # megapar's own switches read the same words (tf32: n was "'n' is invalid"; a re-test)
     config.write_text('tf32: n\nprogress: "y"\nmax_steps: 3\n')
     cfg = parse_args(["--config", str(config)])
@@ -1744,7 +1749,7 @@ def test_another_tools_switch_on_the_line_is_answered_by_its_value(line, said, c
 
 
 @pytest.mark.parametrize("flag", ["--no-dropout", "--no-lr-warmup", "--no-tp", "--no-dp",
-                                  "--no-profile", "--no-cosine", "--no-pin-memory"])
+                                  "--no-profile", "--no-cosine", "--no-pin-memory", "--no-fp32"])
 def test_a_no_flag_is_not_guessed_as_another_switchs_off(flag, capsys):
     """--no-dropout and --no-lr-warmup were "did you mean --no-dry-run?" (which starts a real
     run), --no-tp "--no-tf32?", --no-profile "--no-compile?": the "no-" they share made them
@@ -3428,6 +3433,25 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert said in flags, flags
         if line[-2:] == ["--max-steps", "5"]:  # DeepSpeed's 10 warmup steps cut to 5
             assert "--warmup-steps 5 --max-steps 5 " in flags, flags
+    # the line's --lr noted as its other flags are, and its own --warmup-steps not called the
+    # file's ("the file's warmup of 10 steps cut to ..." of the line's 10; a re-test)
+    for file, line, note in (
+            ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+              "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}},
+             ["--lr", "1e-3"], "the command line's --lr 0.001 over the file's "
+             "optimizer.params.lr 0.0003"),
+            ({"output_dir": "o", "max_steps": 100, "learning_rate": 3e-4}, ["--lr", "5e-4"],
+             "the command line's --lr 0.0005 over the file's learning_rate 0.0003")):
+        derived = tmp_path / "derived.json"
+        derived.write_text(json.dumps(file))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        assert note in str(info.value), str(info.value)
+    derived.write_text(json.dumps({"output_dir": "o", "num_train_epochs": 3,
+                                   "warmup_steps": 100}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(derived), "--max-steps", "2", "--warmup-steps", "10"])
+    assert "the file's warmup of" not in str(info.value), str(info.value)
     from megapar.training.hf_trainer_config import command_line_wins
 
     assert command_line_wins(
@@ -3728,13 +3752,17 @@ def test_yamls_unquoted_off_is_a_choice_of_nothing_or_refused_naming_yaml(tmp_pa
 
     config = tmp_path / "c.yaml"
     for text, name, value in [("fp8: off", "fp8", "off"), ("recompute: no", "recompute", "none"),
-                              ("grad_compression: off", "grad_compression", "none")]:
+                              ("grad_compression: off", "grad_compression", "none"),
+                              # the off of a choice the --no- spelling is told (lr_decay: off
+                              # was refused; a re-test)
+                              ("lr_decay: off", "lr_decay", "constant"),
+                              ("precision: no", "precision", "fp32")]:
         config.write_text(text + "\n")
         assert getattr(parse_args(["--config", str(config)]), name) == value, text
     for text, said in [("fp8: on", "--fp8 true is invalid (YAML reads an unquoted yes / no / on "
                         "/ off as true / false): choose one of off, tensorwise, rowwise, or "
                         "remove the key"),
-                       ("lr_decay: off", "--lr-decay false is invalid (YAML reads"),
+                       ("schedule: off", "--schedule false is invalid (YAML reads"),
                        # a false where the flag's default is none is that default (save:
                        # false was told to quote it: a run saving to ./false; a re-test)
                        ("save: no", "--save false: megapar-train's default is no --save; remove "

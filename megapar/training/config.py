@@ -57,7 +57,13 @@ from megapar.training.hf_trainer_config import (
     refused_value,
     trainer_arguments,
 )
-from megapar.training.line_over_file import DEEPSPEED_KEYS, TRAINER_KEYS, at_the_line, trainer_at_lr
+from megapar.training.line_over_file import (
+    DEEPSPEED_KEYS,
+    TRAINER_KEYS,
+    at_the_line,
+    get_in,
+    trainer_at_lr,
+)
 from megapar.training.other_tools import (
     OFF_VALUES,
     OTHER_TOOLS_FLAGS,
@@ -654,8 +660,9 @@ def _switch_as_choice(name: str, flag: str, value: bool, path: str) -> str:
     recompute: off); anything else is refused with the fix (naming YAML's reading in a YAML
     file)."""
     choices = [str(c) for c in flag_choices().get(name, [])]
-    nothing = next((c for c in ("off", "none") if c in choices), None)
-    if value is False and nothing:
+    offs = [c for c in ("off", "none", OFF_VALUES.get(flag)) if c is not None and c in choices]
+    nothing = offs[0] if offs else None
+    if value is False and nothing:  # (precision: false is fp32, as --no-precision is told)
         return nothing
     yaml = str(path).lower().endswith((".yaml", ".yml"))  # JSON's true / false is so written
     field = _field_of(name)  # save: false was told to quote it (a run saving to ./false)
@@ -803,6 +810,18 @@ def command_line_flags(args: argparse.Namespace) -> dict[str, str]:
     return given
 
 
+def _lr_note(lr: float | None, before: Any, key: str) -> list[str]:
+    """The note of the command line's --lr over the file's `key` `before` (a number unlike it),
+    as the line's other flags are noted (its --lr was not; a re-test); [] otherwise."""
+    if lr is None or isinstance(before, bool) or not isinstance(before, (int, float)):
+        return []
+    return (
+        []
+        if float(before) == lr
+        else [f"the command line's --lr {lr:g} over the file's {key} {before:g}"]
+    )
+
+
 def read_run_config(
     path: str,
     dp: int | None = None,
@@ -833,15 +852,19 @@ def read_run_config(
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag, command_line))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
+        before = data.get("learning_rate")
         if lr is not None:  # the command line's --lr: its flags and a cosine's floor (they
             data = trainer_at_lr(data, lr)  # said the file's; a re-test)
         data, notes = at_the_line(data, command_line, TRAINER_KEYS, add=True)  # a warmup ratio
+        notes = _lr_note(lr, before, "learning_rate") + notes
         said = trainer_arguments(data, path, refused_flag, command_line)  # of its steps
         raise ConfigError(said + "".join(f"; {note}" for note in notes))
     if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path, refused_flag, command_line))
     if is_deepspeed_config(data):
         data, replaced = at_the_line(data, command_line, DEEPSPEED_KEYS, add=False)  # its batch
+        file_lr = get_in(data, ("optimizer", "params", "lr"))
+        replaced = _lr_note(lr, file_lr, "optimizer.params.lr") + replaced
         try:
             flags, left, auto = deepspeed_equivalents(data, dp, lr, TrainConfig.lr)
         except ConfigError as exc:  # a value where DeepSpeed takes a section

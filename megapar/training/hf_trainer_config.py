@@ -110,12 +110,14 @@ def command_line_wins(
     steps = (command_line or {}).get("--max-steps")
     pairs = dict(_pairs(kept))
     warmup = pairs.get("--warmup-steps")
-    if steps and warmup and _number(warmup) and _number(steps.split()[-1]):
+    given = "--warmup-steps" in (command_line or {})  # the line's own: its own to mend (a note
+    if steps and warmup and not given and _number(warmup) and _number(steps.split()[-1]):
         most = steps.split()[-1]  # the line's --max-steps under the file's warmup: cut to it
         if float(warmup) > float(most):  # (--warmup-steps 100 at --max-steps 50 was refused
             said = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")  # next; a re-test)
             kept = [said.sub(f"--warmup-steps {most}", f) for f in kept]
             notes.append(f"the file's warmup of {warmup} steps cut to the command line's {steps}")
+    # called the line's 10 warmup steps the file's; a re-test)
     return kept, notes
 
 

@@ -36,14 +36,14 @@ def at_the_line(
         value = _number_of(text.split()[-1]) if text else None
         if value is None:
             continue
-        before = _get_in(data, where)
+        before = get_in(data, where)
         data = _set_in(data, where, value, add)
         if before is not None and before != value:
             notes.append(f"the command line's {text} over the file's {'.'.join(where)} {before}")
     return data, notes
 
 
-def _get_in(tree: dict, where: tuple[str, ...]) -> Any:
+def get_in(tree: dict, where: tuple[str, ...]) -> Any:
     """The value at the path `where` of `tree`, or None."""
     value: Any = tree
     for key in where:
