@@ -1715,6 +1715,7 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     (["--no-label-smoothing"], "--no-label-smoothing: --label-smoothing takes a value (no --no- "
      "spelling): leave it out for its default, or give one"),
     (["--no-amp"], "--no-amp: false turns it off: --precision fp32"),
+    (["--no-warmup"], "--no-warmup: false turns it off: --warmup-steps 0"),  # (no answer)
     (["--no-mixed-precision"], "--no-mixed-precision: false turns it off: --precision fp32"),
     # a --no- typo of a switch is still guessed, by what follows the "no-"
     (["--no-compil"], "--no-compil: did you mean --no-compile?"),

@@ -502,6 +502,10 @@ def test_an_existing_save_logits_file_is_replaced_only_with_overwrite(tiny_ckpt,
         f"megapar-eval: error: --save-logits {tmp_path / 'lg'} would replace {out}, which "
         f"exists; pass --overwrite to replace it, or give another file name")
     assert np.load(out).shape == (3,)
+    assert evaluate([*argv[:-1], str(out)]) == 2  # its own name: said once (it was said twice)
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: --save-logits {out} exists; pass --overwrite to replace it, or "
+        f"give another file name")
     assert evaluate([*argv, "--overwrite"]) == 0, capsys.readouterr().err
     assert np.load(out).shape == (2, 8, 101)
     capsys.readouterr()

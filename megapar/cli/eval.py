@@ -510,9 +510,9 @@ def logits_file(path: str, overwrite: bool = False) -> str:
             f"--save-logits {path} would write {real}, which is a directory; give another file name"
         )
     if os.path.exists(real) and not overwrite:
-        raise ValueError(
-            f"--save-logits {path} would replace {real}, which exists; pass --overwrite to "
-            "replace it, or give another file name"
+        named = f"{path} exists" if real == path else f"{path} would replace {real}, which exists"
+        raise ValueError(  # (one path said once where numpy adds no .npy; a re-test)
+            f"--save-logits {named}; pass --overwrite to replace it, or give another file name"
         )
     check_writable(real, "--save-logits", kind="file")
     return real

@@ -870,6 +870,7 @@ OTHER_TOOLS_FLAGS = {
         "with MEGAPAR_CPU=1); drop it",
     ),
     "--disable-tqdm": "--no-progress",
+    "--warmup": "--warmup-steps",
     "--mixed-precision": "--precision bf16 (or fp16)",
     "--use-wandb": "--wandb-project NAME",
     "--eval": "--eval-interval N (steps between evaluations; megapar-eval a checkpoint)",
