@@ -574,15 +574,15 @@ def test_logits_that_would_not_fit_the_host_memory_are_refused_before_any_worker
     from megapar.cli.eval import build_parser, logits_memory_refusal
 
     args = build_parser().parse_args([*argv, "--tp", "2"])
-    assert logits_memory_refusal(args, 101, None) is None  # unknown: not checked
+    assert logits_memory_refusal(args, (2, 8), 101, None) is None  # unknown: not checked
     # less free than the processes' own: fewer processes, not shorter sequences (a re-test)
-    assert logits_memory_refusal(args, 101, 1500).endswith(
+    assert logits_memory_refusal(args, (2, 8), 101, 1500).endswith(
         "less than the 2 x 0.0 GiB this run's processes hold themselves: free memory, or run "
         "fewer processes (a smaller --tp x --cp x --pp)")
-    assert logits_memory_refusal(args, 101, 4 * 6464 + 2000) is None  # 2 x tp x cp copies
-    assert logits_memory_refusal(args, 101, 4 * 6464 + 1999) is not None
+    assert logits_memory_refusal(args, (2, 8), 101, 4 * 6464 + 2000) is None  # 2 x tp x cp copies
+    assert logits_memory_refusal(args, (2, 8), 101, 4 * 6464 + 1999) is not None
     monkeypatch.setattr(eval_cli, "use_cuda", lambda: True)  # on GPUs rank 0's copy alone
-    assert logits_memory_refusal(args, 101, 6464 + 2000) is None
+    assert logits_memory_refusal(args, (2, 8), 101, 6464 + 2000) is None
 
 
 def test_a_failed_run_leaves_no_directory_made_for_its_logits(tiny_ckpt, tmp_path, capsys,

@@ -433,20 +433,20 @@ RANK_BASE_BYTES = 1 << 29
 with logits alone, a re-test)."""
 
 
-def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str | None:
-    """Why --save-logits of --input-ids would not fit the host memory `available` (bytes; None:
-    unknown, not checked), or None. Each rank of the last stage gathers the fp32 logits of
-    every token over tp (and cp) and holds about twice them at the peak (a measured 12 GB a
-    rank for 6.6 GB of logits at --tp 2); on GPUs only rank 0's copy to the host is host
-    memory. The OOM killer ended such a run after 46 s, as "killed by SIGKILL"."""
-    if available is None:
-        return None
-    ids = load_input_ids(args.input_ids)
-    if ids.ndim != 2 or not ids.size:
-        return None  # the worker's own check names the shape
-    rows, seq = ids.shape
+def logits_memory_refusal(
+    args, shape: tuple[int, ...] | None, vocab_size: int, available: int | None
+) -> str | None:
+    """Why --save-logits of --input-ids (of `shape`) would not fit the host memory `available`
+    (bytes; None: unknown, not checked), or None. Each rank of the last stage gathers the fp32
+    logits of every token over tp (and cp) and holds about twice them at the peak (a measured
+    12 GB a rank for 6.6 GB of logits at --tp 2); on GPUs only rank 0's copy to the host is
+    host memory. The OOM killer ended such a run after 46 s, as "killed by SIGKILL"."""
+    if available is None or shape is None or len(shape) != 2 or 0 in shape:
+        return None  # (the worker's own check names a shape of another rank)
+    rows, seq = shape
     logits = rows * seq * vocab_size * 4
-    holders = 1 if use_cuda() else 2 * args.tp * args.cp + (1 if args.pp > 1 else 0)
+    gpu = use_cuda()
+    holders = 1 if gpu else 2 * args.tp * args.cp + (1 if args.pp > 1 else 0)
     need = holders * logits
     ranks = args.tp * args.cp * args.pp
     usable = available - ranks * RANK_BASE_BYTES  # each process's own (torch, the model)
@@ -467,13 +467,14 @@ def logits_memory_refusal(args, vocab_size: int, available: int | None) -> str |
         f"{available / 2**30:.1f} GiB free less {ranks} x {RANK_BASE_BYTES / 2**30:.1f} GiB for "
         f"the processes themselves: give "
         + (f"at most {counted(fit, 'row')} of ids at a time" if fit else "shorter sequences")
-        + ("" if args.tp * args.cp == 1 or use_cuda() else " (or a smaller --tp x --cp)")
+        + ("" if args.tp * args.cp == 1 or gpu else " (or a smaller --tp x --cp)")
     )
 
 
-def _check_ids(args, vocab_size: int) -> None:
+def _check_ids(args, vocab_size: int) -> tuple[int, ...] | None:
     """Token ids outside the vocabulary are refused at any layout (at tp > 1 the vocab-parallel
-    embedding would silently turn them into zero vectors)."""
+    embedding would silently turn them into zero vectors). Returns --input-ids' shape (read
+    once here, for `logits_memory_refusal`), None without them."""
     if args.input_ids:
         ids = load_input_ids(args.input_ids)
         if ids.size and (
@@ -484,13 +485,15 @@ def _check_ids(args, vocab_size: int) -> None:
                 f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
                 f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})"
             )
-    elif args.data and getattr(args, "data_shown", args.data) == args.data:  # text: checked
+        return ids.shape
+    if args.data and getattr(args, "data_shown", args.data) == args.data:  # text: checked
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
         if args.tokenizer and os.path.isfile(args.data + ".json"):
             check_given_tokenizer(
                 args.tokenizer, args.data, load_tokenizer(indexed.tokenizer_spec), checkpoint=True
             )
+    return None
 
 
 def logits_file(path: str, overwrite: bool = False) -> str:
@@ -648,12 +651,12 @@ def main(argv=None) -> int:
         if refusal:
             return refused("megapar-eval", refusal)
         manifest = check_eval_args(args, parser.given(argv))
-        _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
+        vocab = config_from_dict(manifest["model"]).vocab_size
+        shape = _check_ids(args, vocab)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits, args.overwrite)
             made += missing_dirs(os.path.dirname(os.path.abspath(args.save_logits)))
-            vocab = config_from_dict(manifest["model"]).vocab_size
-            if refusal := logits_memory_refusal(args, vocab, host_memory_available()):
+            if refusal := logits_memory_refusal(args, shape, vocab, host_memory_available()):
                 raise UsageError(refusal)
         if args.seq_len_note and prints_refusals():  # after every check, once per node
             print(args.seq_len_note, file=sys.stderr)
