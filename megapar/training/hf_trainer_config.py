@@ -107,17 +107,18 @@ def command_line_wins(
                 notes.append(f"the command line's {ours} over the file's {theirs}")
             words.append(ours if ours is not None else theirs)
         kept.append(" ".join(words))
+    # the file's warmup under the line's --max-steps is cut to it (--warmup-steps 100 at
+    # --max-steps 50 was refused next); a --warmup-steps of the line's own is left to the line
+    # (a note called the line's 10 the file's; re-tests)
     steps = (command_line or {}).get("--max-steps")
-    pairs = dict(_pairs(kept))
-    warmup = pairs.get("--warmup-steps")
-    given = "--warmup-steps" in (command_line or {})  # the line's own: its own to mend (a note
+    warmup = dict(_pairs(kept)).get("--warmup-steps")
+    given = "--warmup-steps" in (command_line or {})
     if steps and warmup and not given and _number(warmup) and _number(steps.split()[-1]):
-        most = steps.split()[-1]  # the line's --max-steps under the file's warmup: cut to it
-        if float(warmup) > float(most):  # (--warmup-steps 100 at --max-steps 50 was refused
-            said = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")  # next; a re-test)
+        most = steps.split()[-1]
+        if float(warmup) > float(most):
+            said = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")
             kept = [said.sub(f"--warmup-steps {most}", f) for f in kept]
             notes.append(f"the file's warmup of {warmup} steps cut to the command line's {steps}")
-    # called the line's 10 warmup steps the file's; a re-test)
     return kept, notes
 
 

@@ -987,6 +987,10 @@ unknown flags marks a Megatron-LM command (`megatron_defaults`). (--bf16 and --f
 Hugging Face Trainer's and DeepSpeed's too: alone they mark none.)"""
 
 
+CONSTANT_READS_NO = "which reads no --min-lr or --lr-decay-steps: drop those"
+"""What an answer of --lr-decay constant adds: the decay's flags given beside it would be
+refused next."""
+
 OFF_VALUES = {
     "--clip-grad": "0",
     "--weight-decay": "0",
@@ -1007,8 +1011,7 @@ FALSE_ANSWERS = {
     "use_tp_pp_dp_mapping": "false is Megatron-LM's default rank order, tp-cp-ep-dp-pp: "
     "--rank-order tp-dp-pp (megapar's default is tp-pp-dp)",
     "decay_lr": "false asks for a constant learning rate: --lr-decay constant (megapar-train "
-    "decays it by default, --lr-decay cosine), which reads no --min-lr or --lr-decay-steps: "
-    "drop those",
+    f"decays it by default, --lr-decay cosine), {CONSTANT_READS_NO}",
     "dynamic_loss_scale": "false asks for a static fp16 loss scale: --loss-scale S (megapar's "
     "is dynamic without it)",
     "mock_data": "false asks for your corpus: --data PATH (without it megapar-train trains on "
@@ -1050,9 +1053,7 @@ def false_answer(
     if other.split()[0] in OFF_VALUES:  # --no-grad-clip (it had no answer)
         flag = other.split()[0]
         return f"false turns it off: {flag} {OFF_VALUES[flag]}" + (
-            ", which reads no --min-lr or --lr-decay-steps: drop those"
-            if flag == "--lr-decay"
-            else ""
+            f", {CONSTANT_READS_NO}" if flag == "--lr-decay" else ""
         )
     if other.startswith("--") and off_by_default(other.split()[0]):
         return (
