@@ -399,7 +399,7 @@ def _logits_worker(args):
 
 WRITE_CHUNK_BYTES = 64 << 20
 """How much of the logits `save_logits` writes per call: between calls Python runs its signal
-handlers (one np.save of 800 MB ran seconds in C, a Ctrl-C or SIGTERM waiting on it)."""
+handlers (one np.save of the whole array runs in C, a Ctrl-C or SIGTERM waiting on it)."""
 
 
 def save_logits(path: str, logits: np.ndarray) -> None:
@@ -428,9 +428,8 @@ def save_logits(path: str, logits: np.ndarray) -> None:
 
 
 RANK_BASE_BYTES = 1 << 29
-"""Host memory a megapar-eval process holds besides the logits (torch, the model, the ids):
-0.4 GiB measured for gpt2-tiny on a CPU, taken as 0.5 GiB (the rows offered filled the memory
-with logits alone, a re-test)."""
+"""Host memory a megapar-eval process holds besides the logits (torch, the model, the ids),
+left free beside them by `logits_memory_refusal` (docs/guides/evaluation.md)."""
 
 
 def logits_memory_refusal(
@@ -438,9 +437,8 @@ def logits_memory_refusal(
 ) -> str | None:
     """Why --save-logits of --input-ids (of `shape`) would not fit the host memory `available`
     (bytes; None: unknown, not checked), or None. Each rank of the last stage gathers the fp32
-    logits of every token over tp (and cp) and holds about twice them at the peak (a measured
-    12 GB a rank for 6.6 GB of logits at --tp 2); on GPUs only rank 0's copy to the host is
-    host memory. The OOM killer ended such a run after 46 s, as "killed by SIGKILL"."""
+    logits of every token over tp (and cp) and holds about twice them at the peak; on GPUs only
+    rank 0's copy to the host is host memory (docs/guides/evaluation.md)."""
     if available is None or shape is None or len(shape) != 2 or 0 in shape:
         return None  # (the worker's own check names a shape of another rank)
     rows, seq = shape
