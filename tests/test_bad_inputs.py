@@ -3392,7 +3392,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     # the Trainer's own warmup_steps past its max_steps, or past megapar-train's default steps
     # where it counts epochs (--warmup-steps 500 was refused next; a re-test)
     for given, flag, said in (({"max_steps": 100, "warmup_steps": 500}, "--warmup-steps 100 ",
-                               "warmup_steps 500: more than max_steps 100, never reaching its "
+                               "warmup_steps 500: more than the Trainer's max_steps 100, never "
+                               "reaching its "
                                "learning_rate"),
                               ({"num_train_epochs": 1, "warmup_steps": 500}, "--warmup-steps 500 ",
                                "warmup_steps 500: the --max-steps you choose must be more "
@@ -3434,6 +3435,20 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert said in flags, flags
         if line[-2:] == ["--max-steps", "5"]:  # DeepSpeed's 10 warmup steps cut to 5
             assert "--warmup-steps 5 --max-steps 5 " in flags, flags
+    # a warmup past the line's --max-steps says the line's, not the file's key ("more than
+    # max_steps 30" / "above total_num_steps 50" of the line's; a re-test)
+    for file, said in (
+            ({"output_dir": "o", "max_steps": 50, "warmup_steps": 100},
+             "warmup_steps 100: more than the command line's --max-steps 30, never reaching"),
+            ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {
+                  "warmup_num_steps": 100, "total_num_steps": 200}}},
+             "warmup_num_steps 100 above the command line's --max-steps 30 (DeepSpeed warms")):
+        derived.write_text(json.dumps(file))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), "--max-steps", "30"])
+        assert said in str(info.value) and "max_steps 30" not in str(info.value) \
+            and "total_num_steps 30" not in str(info.value), str(info.value)
     # the line's --lr noted as its other flags are, and its own --warmup-steps not called the
     # file's ("the file's warmup of 10 steps cut to ..." of the line's 10; a re-test)
     for file, line, note in (

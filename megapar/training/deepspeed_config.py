@@ -196,7 +196,11 @@ def fp16_scaler(fp16: dict) -> tuple[list[str], list[str]]:
 
 
 def deepspeed_equivalents(
-    data: dict, dp: int | None = None, lr: float | None = None, default_lr: float | None = None
+    data: dict,
+    dp: int | None = None,
+    lr: float | None = None,
+    default_lr: float | None = None,
+    total_name: str = "total_num_steps",
 ) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
@@ -204,7 +208,9 @@ def deepspeed_equivalents(
     line's --dp `dp`, else said as a product with dp. `lr`: the learning rate the run trains at
     over the file's (the command line's --lr, or the Trainer's): the --lr said, and the
     WarmupCosineLR floor its ratio of it; None: the file's, else megapar-train's `default_lr`,
-    said beside the floor it sets (neither: the floor is said as a ratio of --lr, no flag)."""
+    said beside the floor it sets (neither: the floor is said as a ratio of --lr, no flag).
+    `total_name`: what the scheduler's total_num_steps is called (the command line's
+    --max-steps, where that stands in it)."""
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -388,7 +394,7 @@ def deepspeed_equivalents(
                 if warmup > total:
                     left.append(
                         f"scheduler.params.warmup_num_steps {_flag_value(warmup)} above "
-                        f"total_num_steps {_flag_value(total)} (DeepSpeed warms up over all "
+                        f"{total_name} {_flag_value(total)} (DeepSpeed warms up over all "
                         f"{_flag_value(warmup)}, never reaching its peak lr; megapar's warmup "
                         "ends within --max-steps)"
                     )

@@ -173,9 +173,10 @@ def is_trainer_arguments(data: dict, own: set[str]) -> bool:
     return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
 
 
-def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
+def trainer_flags(data: dict, steps_name: str) -> tuple[list[str], list[str]]:
     """The Trainer's arguments `data` as megapar-train's (flags, sentences), the Trainer's
-    defaults filled in where megapar-train's differ."""
+    defaults filled in where megapar-train's differ; `steps_name`: what its max_steps is called
+    (the command line's --max-steps, where that stands in it)."""
     flags: list[str] = []
     said: list[str] = []
 
@@ -268,7 +269,7 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
     elif steps > 0 and warmup > steps:  # the Trainer warms up past its end, never at --lr
         flags.append(f"--warmup-steps {steps}")  # (--warmup-steps 500 was refused next at
         said.append(  # --max-steps 100; a re-test)
-            f"warmup_steps {int(warmup)}: more than max_steps {steps}, never reaching its "
+            f"warmup_steps {int(warmup)}: more than {steps_name} {steps}, never reaching its "
             f"learning_rate (megapar's warmup ends within --max-steps: --warmup-steps {steps})"
         )
     else:
@@ -441,7 +442,7 @@ def trainer_flags(data: dict) -> tuple[list[str], list[str]]:
             f"the file, then give it to --config for its settings as megapar-train flags"
         )
     elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
-        flags += _inline_deepspeed(deepspeed, flags, said, data)
+        flags += _inline_deepspeed(deepspeed, flags, said, data, steps_name)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
@@ -575,14 +576,14 @@ FSDP_OPTIONS = (
 
 
 def _inline_deepspeed(
-    deepspeed: dict, flags: list[str], said: list[str], trainer: dict
+    deepspeed: dict, flags: list[str], said: list[str], trainer: dict, steps_name: str
 ) -> list[str]:
     """The flags of a DeepSpeed config given inline as the Trainer's `deepspeed` argument that
     the Trainer's own `flags` (of its arguments `trainer`) do not set already (its "auto" values
     are the Trainer's); its keys without an equivalent go to `said`. ConfigError for a value the
     Trainer fills unlike its own, which the Trainer refuses ("mismatch"). Its scheduler section
     replaces the Trainer's lr_scheduler_type (the Trainer then builds none): the decay's flags of
-    `flags` give way to its own."""
+    `flags` give way to its own. `steps_name`: what the Trainer's max_steps is called."""
     lr = float(dict(_pairs(flags)).get("--lr", 5e-5))  # a cosine's floor: a ratio of it
     try:
         more, left, _auto = deepspeed_equivalents(deepspeed, lr=lr)
@@ -605,8 +606,8 @@ def _inline_deepspeed(
     if warmup and steps and float(warmup) > float(steps):  # DeepSpeed's 1000 over a shorter run
         more = [f"--warmup-steps {steps}" if f == f"--warmup-steps {warmup}" else f for f in more]
         said.append(
-            f"deepspeed's scheduler warms up over {warmup} steps, more than the Trainer's "
-            f"max_steps {steps}, never reaching its peak lr (megapar's warmup ends within "
+            f"deepspeed's scheduler warms up over {warmup} steps, more than "
+            f"{steps_name} {steps}, never reaching its peak lr (megapar's warmup ends within "
             f"--max-steps: --warmup-steps {steps})"
         )
     elif warmup and not steps and float(warmup) >= DEFAULT_MAX_STEPS:  # epochs: --max-steps
@@ -760,8 +761,12 @@ def trainer_arguments(
     megapar-train refuses (`refused`)."""
     if all(other_switch_value(str(data.get(key)).strip()) is True for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
+    # the line's --max-steps stands in max_steps (at_the_line): said as the line's (the file's
+    # warmup was "more than max_steps 30" of the line's 30; a re-test)
+    line_steps = "--max-steps" in (command_line or {})
+    steps_name = "the command line's --max-steps" if line_steps else "the Trainer's max_steps"
     try:
-        flags, said = trainer_flags(data)
+        flags, said = trainer_flags(data, steps_name)
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
     flags, notes = command_line_wins(flags, command_line)
