@@ -2010,14 +2010,15 @@ def test_the_data_line_names_the_text_files_a_directory_given_to_data_holds(tmp_
     assert "text file" not in line, line
 
 
-def _toml_refusal(job, text: str) -> str:
-    """megapar-train's refusal of a TOML --config holding `text`, written at `job`."""
+def _toml_refusal(job, text: str, *line: str) -> str:
+    """megapar-train's refusal of a TOML --config holding `text`, written at `job` (beside the
+    command line's flags `line`)."""
     from megapar.models.config import ConfigError
     from megapar.training.config import parse_args
 
     job.write_text(text)
     with pytest.raises(ConfigError) as exc:
-        parse_args(["--config", str(job)])
+        parse_args(["--config", str(job), *line])
     return str(exc.value)
 
 
@@ -2107,9 +2108,7 @@ def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
                          'data_parallel_replicate_degree = 1\ndata_parallel_shard_degree = -1\n'
                          'tensor_parallel_degree = 2\n[checkpoint]\nenable = false\n'
                          'folder = "ckpt"\ninterval = 10\n')
-    assert "--micro-batch-size 8 --tp 2;" in said, said
-    assert ("training.local_batch_size: --global-batch-size 8 x the --dp size too (torchtitan's "
-            "local batch is each dp rank's whole batch") in said, said
+    assert "--micro-batch-size 8 --tp 2 --global-batch-size (8 x dp);" in said, said
     assert "parallelism.data_parallel_shard_degree: --zero 3 (torchtitan's FSDP) over" in said, said
     assert "model.flavor: --model (a recipe such as llama-1b" in said, said
     assert "replicate_degree" not in said and "checkpoint" not in said, said
@@ -2118,7 +2117,7 @@ def test_a_torchtitan_job_config_says_its_batch_sharding_and_model(tmp_path):
                          '[checkpoint]\nenable = true\nfolder = "ckpt"\ninterval = 10\n')
     # both batches given; checkpointing on (torchtitan's default)
     assert "--micro-batch-size 8 --global-batch-size 32 --save-interval 10" in said, said
-    assert "x the --dp size" not in said and "checkpoint.folder: --save" in said, said
+    assert "x dp" not in said and "checkpoint.folder: --save" in said, said
     assert "no flag named" not in said, said  # enable = true: its folder names --save
 
 
@@ -2173,7 +2172,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
                          '[activation_checkpoint]\nmode = "selective"\n')
     assert ("flags: --warmup-steps 10 --lr 0.0008 --lr-decay constant --max-steps 10 --seed 3 "
             "--pp 2 --micro-batch-size 2 --zero3-keep-params --log-interval 5 --async-save "
-            "--keep-latest-k 3 --recompute selective;") in said, said
+            "--keep-latest-k 3 --recompute selective --global-batch-size (8 x dp);") in said, said
     assert "--fp8" not in _flags(said) and 'only with model.converters = ["float8"]' in said
     assert ("parallelism.pipeline_parallel_schedule Interleaved1F1B: 'Interleaved1F1B' is "
             "megapar's --schedule interleaved --virtual-stages V") in said, said
@@ -2210,7 +2209,7 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     assert _flags(said) == ("--warmup-steps 1 --lr 0.0008 --lr-decay wsd --lr-wsd-decay-steps 5 "
                             "--lr-wsd-decay-style cosine --min-lr 0.0004 --max-steps 6"), said
     said = _toml_refusal(job, '[training]\nsteps = 10.0\nlocal_batch_size = 8.0\n')
-    assert "--max-steps 10 " in _flags(said) and "--global-batch-size 8 x" in said, said
+    assert "--max-steps 10 " in _flags(said) and "--global-batch-size (8 x dp)" in said, said
     said = _toml_refusal(job, '[training]\nsteps = 10\n[lr_scheduler]\nwarmup_steps = 2\n'
                          'decay_ratio = -0.5\n')
     assert "--lr-decay constant" in _flags(said), said
@@ -2964,7 +2963,7 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     for flag in ("--micro-batch-size 4", "--lr 0.0003", "--weight-decay 0", "--adam-beta2 0.98",
                  "--max-steps 100", "--warmup-steps 10", "--lr-decay cosine --min-lr 0",
                  "--precision bf16", "--recompute full", "--save out --save-interval 50",
-                 "--log-interval 5", "--seed 7", "--global-batch-size 8 x the --dp size"):
+                 "--log-interval 5", "--seed 7", "--global-batch-size (8 x dp)"):
         assert flag in said, (flag, said)
     # a DeepSpeed config given inline as the Trainer's deepspeed argument (a dict, which the
     # Trainer takes as it takes a file's path) was dropped without a word (a re-test): its
@@ -3004,10 +3003,10 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert said in str(info.value), str(info.value)
     other.write_text(json.dumps({"output_dir": "out", "deepspeed": {"train_batch_size": 64}}))
     with pytest.raises(ConfigError) as info:  # one that fits: its world said, not the flag
-        parse_args(["--config", str(other)])  # beside 'x the --dp size' (it said both)
+        parse_args(["--config", str(other)])  # beside '(8 x dp)' (it said both)
     assert ("deepspeed's train_batch_size 64: the Trainer's 8 per process on 8 processes, "
             "--global-batch-size 64 at --dp 8") in str(info.value), str(info.value)
-    assert "--global-batch-size 64" not in str(info.value).split(";")[0], str(info.value)
+    assert "--global-batch-size" not in str(info.value).split(";")[0], str(info.value)
     # its scheduler replaces the Trainer's (the Trainer builds none): WarmupLR holds the lr
     # after warmup, where '--lr-decay linear' was given (a re-test)
     other.write_text(json.dumps({"output_dir": "out", "deepspeed": {"scheduler": {
@@ -3435,6 +3434,27 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert said in flags, flags
         if line[-2:] == ["--max-steps", "5"]:  # DeepSpeed's 10 warmup steps cut to 5
             assert "--warmup-steps 5 --max-steps 5 " in flags, flags
+    # the Trainer's / torchtitan's per-rank batch at the line's --dp is a number, and the line's
+    # --global-batch-size over it (both were "--global-batch-size 8 x the --dp size"; a re-test)
+    trainer_batch = {"output_dir": "o", "max_steps": 5, "per_device_train_batch_size": 4,
+                     "gradient_accumulation_steps": 2}
+    for line, flag, note in (
+            (["--dp", "2"], "--global-batch-size 16 ", None),
+            (["--global-batch-size", "32"], "--global-batch-size 32 ",
+             "the command line's --global-batch-size 32 over the file's --global-batch-size "
+             "(8 x dp)")):
+        derived.write_text(json.dumps(trainer_batch))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        flags = str(info.value).split(";")[0]
+        assert flag in flags and "(8 x dp)" not in flags and "--dp size" not in str(info.value), \
+            str(info.value)
+        assert note is None or note in str(info.value), str(info.value)
+        titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 5\n"
+                              "local_batch_size = 8\n", *line)
+        assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
+        assert "--dp size" not in titan, titan
+        assert note is None or note in titan, titan
     # a warmup past the line's --max-steps says the line's, not the file's key ("more than
     # max_steps 30" / "above total_num_steps 50" of the line's; a re-test)
     for file, said in (

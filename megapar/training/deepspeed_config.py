@@ -93,8 +93,8 @@ def _flag_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
-def _global_batch(factors: list, dp: int | None) -> str:
-    """--global-batch-size for DeepSpeed's per-GPU batch `factors` (the micro-batch, the
+def global_batch_flag(factors: list, dp: int | None) -> str:
+    """--global-batch-size for another tool's per-GPU batch `factors` (the micro-batch, the
     accumulation steps): their product times the given `dp`, or, where a factor is no whole
     number or dp is not given, the product said as one (``(8 x dp)``)."""
     whole = all(isinstance(f, int) and not isinstance(f, bool) for f in factors)
@@ -247,10 +247,10 @@ def deepspeed_equivalents(
             batch = ("train_batch_size", "gradient_accumulation_steps")
             if not any(k in data or k in auto for k in batch):
                 # DeepSpeed accumulates nothing then; megapar-train's default batch is 16
-                flags.append(_global_batch([value], dp))
+                flags.append(global_batch_flag([value], dp))
         elif key == "gradient_accumulation_steps" and "train_batch_size" not in data:
             micro = data.get("train_micro_batch_size_per_gpu", "micro-batch")
-            flags.append(_global_batch([micro, value], dp))
+            flags.append(global_batch_flag([micro, value], dp))
         elif key == "gradient_accumulation_steps" and (
             "train_micro_batch_size_per_gpu" in data or "train_micro_batch_size_per_gpu" in auto
         ):

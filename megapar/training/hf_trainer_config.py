@@ -14,7 +14,13 @@ from typing import Any
 
 from megapar.models.config import ConfigError, load_config_file
 from megapar.one_line_parser import other_switch_value
-from megapar.training.deepspeed_config import DEEPSPEED_KEYS, deepspeed_equivalents, fp16_scaler
+from megapar.training.deepspeed_config import (
+    DEEPSPEED_KEYS,
+    deepspeed_equivalents,
+    fp16_scaler,
+    global_batch_flag,
+)
+from megapar.training.line_over_file import line_whole
 from megapar.training.other_tools import other_tools_answer
 from megapar.wording import counted
 
@@ -173,10 +179,11 @@ def is_trainer_arguments(data: dict, own: set[str]) -> bool:
     return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
 
 
-def trainer_flags(data: dict, steps_name: str) -> tuple[list[str], list[str]]:
+def trainer_flags(data: dict, steps_name: str, dp: int | None) -> tuple[list[str], list[str]]:
     """The Trainer's arguments `data` as megapar-train's (flags, sentences), the Trainer's
     defaults filled in where megapar-train's differ; `steps_name`: what its max_steps is called
-    (the command line's --max-steps, where that stands in it)."""
+    (the command line's --max-steps, where that stands in it); `dp`: the command line's --dp
+    (its global batch a number; None: a product with dp)."""
     flags: list[str] = []
     said: list[str] = []
 
@@ -208,12 +215,8 @@ def trainer_flags(data: dict, steps_name: str) -> tuple[list[str], list[str]]:
     micro = get("per_device_train_batch_size", 8)
     flags.append(f"--micro-batch-size {micro}")
     accumulation = get("gradient_accumulation_steps", 1)
-    whole = isinstance(micro, int) and isinstance(accumulation, int)
-    said.append(
-        f"per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation}: "
-        f"--global-batch-size {micro * accumulation if whole else 'their product'} x the --dp "
-        f"size (megapar-train's default global batch is 16)"
-    )
+    flags.append(global_batch_flag([micro, accumulation], dp))  # x the line's --dp (it was
+    # said as 8 x the --dp size beside --dp 2, and kept beside --global-batch-size; a re-test)
     optim = str(get("optim", "adamw_torch")).lower().rpartition(".")[2]
     optim_args = dict(  # "momentum=0.9, nesterov=True": transformers' SGD reads them there
         part.split("=", 1)
@@ -661,6 +664,7 @@ def _inline_deepspeed(
             f"--dp {batch // per}"
         )
         more = [flag for flag in more if not flag.startswith("--global-batch-size ")]
+        flags[:] = [flag for flag in flags if not flag.startswith("--global-batch-size ")]
     said += [f"deepspeed's {key}: no equivalent" for key in left]
     return [flag for flag in more if flag.split()[0] not in ours]
 
@@ -766,7 +770,7 @@ def trainer_arguments(
     line_steps = "--max-steps" in (command_line or {})
     steps_name = "the command line's --max-steps" if line_steps else "the Trainer's max_steps"
     try:
-        flags, said = trainer_flags(data, steps_name)
+        flags, said = trainer_flags(data, steps_name, line_whole(command_line, "--dp"))
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
     flags, notes = command_line_wins(flags, command_line)
@@ -778,8 +782,8 @@ def trainer_arguments(
     if line := refused_value(what, flags, refused, data):
         return line
     return (
-        f"{what}: give its settings as megapar-train flags: {' '.join(flags)}; "
-        + "; ".join(said)
+        f"{what}: give its settings as megapar-train flags: "
+        + "; ".join([" ".join(flags), *said])
         + " (the Trainer's other arguments have no megapar-train flag, or are its defaults)"
     )
 

@@ -74,6 +74,13 @@ def _number_of(text: str) -> int | float | None:
     return int(number) if number.is_integer() else number
 
 
+def line_whole(command_line: dict[str, str] | None, flag: str) -> int | None:
+    """The command line's whole-number value of `flag` (its text: "--dp 2"), or None."""
+    text = (command_line or {}).get(flag)
+    value = _number_of(text.split()[-1]) if text else None
+    return value if isinstance(value, int) else None
+
+
 def trainer_at_lr(data: dict, lr: float) -> dict:
     """The Trainer's arguments `data` at the command line's `lr`: its learning_rate, and its
     inline DeepSpeed optimizer's lr where that is a number (the Trainer requires the two alike;

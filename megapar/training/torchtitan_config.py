@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 from megapar.one_line_parser import other_switch_value
 from megapar.pipeline.schedules import schedule_named_elsewhere
 from megapar.tensor_parallel.fp8 import FP8_RECIPES
+from megapar.training.deepspeed_config import global_batch_flag
 from megapar.training.hf_trainer_config import (
     Refused,
     command_line_wins,
     refused_value,
     setting_leaves,
 )
+from megapar.training.line_over_file import line_whole
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
 TORCHTITAN_SECTIONS = frozenset(
@@ -104,13 +106,12 @@ def torchtitan_job(
         if k != "checkpoint.enable" and (saved or not k.startswith("checkpoint."))
     ]
     training = _table(job, "training")
+    batch: list[str] = []
     if "local_batch_size" in training and "global_batch_size" not in training:
-        sentences.append(
-            f"training.local_batch_size: --global-batch-size "
-            f"{_as(int, training['local_batch_size'], training['local_batch_size'])} x "
-            f"the --dp size too (torchtitan's local batch is each dp rank's whole batch; "
-            f"megapar-train's default global batch is 16)"
-        )
+        local = _as(int, training["local_batch_size"], training["local_batch_size"])
+        batch = [global_batch_flag([local], line_whole(command_line, "--dp"))]  # each dp rank's
+        # whole batch (it was said as 8 x the --dp size beside --dp 2, and kept beside
+        # --global-batch-size; a re-test)
     schedule = job.get("lr_scheduler")
     if schedule is None:
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
@@ -171,7 +172,7 @@ def torchtitan_job(
         else:
             sentences.append(f"{key}: {ours}")
     fp8_flags, fp8_said, fp8_left = _float8_flags(job, keys)
-    flags += fp8_flags
+    flags += batch + fp8_flags
     sentences += fp8_said
     left += fp8_left
     if not (flags or sentences):
