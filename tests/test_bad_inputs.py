@@ -3455,6 +3455,22 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
         assert "--dp size" not in titan, titan
         assert note is None or note in titan, titan
+    # DeepSpeed's three batch keys fix its GPUs by the file's values, and are checked as the
+    # file's: the line's --micro-batch-size does not move them (--micro-batch-size 2 made a
+    # file's 8 GPUs --dp 16), beside its --dp too (which refused the file's 4 x 2 x --dp 2)
+    derived.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                   "gradient_accumulation_steps": 2}))
+    for line, flags in ((["--micro-batch-size", "2"], "--dp 8 --global-batch-size 64 "
+                         "--micro-batch-size 2 "),
+                        (["--micro-batch-size", "2", "--dp", "2"], "flags (or a --config file "
+                         "of them): --global-batch-size 64 --micro-batch-size 2 ")):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        assert flags in str(info.value) and "the command line's --micro-batch-size 2 over the " \
+            "file's train_micro_batch_size_per_gpu 4" in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="train_batch_size 64 is not train_micro_batch_size_"
+                       "per_gpu 4 x gradient_accumulation_steps 2 x --dp 2 = 16, which DeepSpeed"):
+        parse_args(["--config", str(derived), "--dp", "2"])  # the file's, at the line's --dp
     # a warmup past the line's --max-steps says the line's, not the file's key ("more than
     # max_steps 30" / "above total_num_steps 50" of the line's; a re-test)
     for file, said in (

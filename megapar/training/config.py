@@ -862,13 +862,16 @@ def read_run_config(
     if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path, refused_flag, command_line))
     if is_deepspeed_config(data):
+        file_batch = data  # its checks, and the GPUs it implies, of the file's batch
         data, replaced = at_the_line(data, command_line, DEEPSPEED_KEYS, add=False)  # its batch
         file_lr = get_in(data, ("optimizer", "params", "lr"))
         replaced = _lr_note(lr, file_lr, "optimizer.params.lr") + replaced
         line_steps = "--max-steps" in (command_line or {})  # in total_num_steps: the line's
         total = "the command line's --max-steps" if line_steps else "total_num_steps"
         try:
-            flags, left, auto = deepspeed_equivalents(data, dp, lr, TrainConfig.lr, total)
+            flags, left, auto = deepspeed_equivalents(
+                data, dp, lr, TrainConfig.lr, total, file_batch
+            )
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them

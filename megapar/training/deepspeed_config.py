@@ -116,10 +116,14 @@ def _offload(zero: dict, part: str) -> str | None:
     return device if device in ("cpu", "nvme") else None
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""DeepSpeed's batch keys: train_batch_size = micro-batch x accumulation steps x GPUs."""
+
+
 def _implied_dp(data: dict) -> int | None:
     """The data-parallel size DeepSpeed's three batch keys, all given, imply (train_batch_size
     over micro-batch x accumulation steps); None where one is missing."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    keys = BATCH_KEYS
     if not all(_whole(data.get(k)) for k in keys):
         return None
     return data[keys[0]] // (data[keys[1]] * data[keys[2]])
@@ -201,6 +205,7 @@ def deepspeed_equivalents(
     lr: float | None = None,
     default_lr: float | None = None,
     total_name: str = "total_num_steps",
+    file_batch: dict | None = None,
 ) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
@@ -210,7 +215,9 @@ def deepspeed_equivalents(
     WarmupCosineLR floor its ratio of it; None: the file's, else megapar-train's `default_lr`,
     said beside the floor it sets (neither: the floor is said as a ratio of --lr, no flag).
     `total_name`: what the scheduler's total_num_steps is called (the command line's
-    --max-steps, where that stands in it)."""
+    --max-steps, where that stands in it). `file_batch`: the file's own settings where the
+    command line's stand in `data`'s batch keys: DeepSpeed's checks of its batch, and the dp its
+    batch keys imply, are the file's (the line's --micro-batch-size 2 made a file's 8 GPUs 16)."""
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -235,8 +242,10 @@ def deepspeed_equivalents(
 
     if all(isinstance(data.get(k), dict) and on(data[k]) for k in ("fp16", "bf16")):
         raise ConfigError("fp16 and bf16 are both enabled, which DeepSpeed refuses: enable one")
-    _check_batch(data, dp)
-    implied = _implied_dp(data)
+    own = data if file_batch is None else file_batch
+    moved = any(own.get(k) != data.get(k) for k in BATCH_KEYS)  # by the line: its --dp is
+    _check_batch(own, None if moved else dp)  # then checked with the line's batch, by megapar
+    implied = _implied_dp(own)
     if dp is None and implied is not None and implied > 1:  # the three batch keys fix dp
         flags.append(f"--dp {implied}")
     for key, value in data.items():
