@@ -3455,6 +3455,14 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
         assert "--dp size" not in titan, titan
         assert note is None or note in titan, titan
+    # the line's --lr stands in a torchtitan job's [optimizer] lr: its cosine's floor is its
+    # min_lr_factor of the line's (it stayed 8e-05 of the file's 8e-4 beside --lr 1e-3)
+    titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 100\n[optimizer]\n"
+                          "lr = 8e-4\n[lr_scheduler]\nwarmup_steps = 10\ndecay_type = "
+                          "\"cosine\"\nmin_lr_factor = 0.1\n", "--lr", "1e-3")
+    assert "--min-lr 0.0001 " in titan and "--lr 0.001;" in titan, titan
+    assert titan.endswith("the command line's --lr 0.001 over the file's optimizer.lr 0.0008"), \
+        titan
     # DeepSpeed's three batch keys fix its GPUs by the file's values, and are checked as the
     # file's: the line's --micro-batch-size does not move them (--micro-batch-size 2 made a
     # file's 8 GPUs --dp 16), beside its --dp too (which refused the file's 4 x 2 x --dp 2)

@@ -74,10 +74,15 @@ def _number_of(text: str) -> int | float | None:
     return int(number) if number.is_integer() else number
 
 
+def line_number(command_line: dict[str, str] | None, flag: str) -> int | float | None:
+    """The command line's value of `flag` (its text: "--lr 0.001"), or None."""
+    text = (command_line or {}).get(flag)
+    return _number_of(text.split()[-1]) if text else None
+
+
 def line_whole(command_line: dict[str, str] | None, flag: str) -> int | None:
     """The command line's whole-number value of `flag` (its text: "--dp 2"), or None."""
-    text = (command_line or {}).get(flag)
-    value = _number_of(text.split()[-1]) if text else None
+    value = line_number(command_line, flag)
     return value if isinstance(value, int) else None
 
 

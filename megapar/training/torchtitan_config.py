@@ -22,7 +22,7 @@ from megapar.training.hf_trainer_config import (
     refused_value,
     setting_leaves,
 )
-from megapar.training.line_over_file import line_whole
+from megapar.training.line_over_file import line_number, line_whole
 from megapar.training.other_tools import OTHER_TOOLS_FLAGS
 
 TORCHTITAN_SECTIONS = frozenset(
@@ -90,6 +90,13 @@ def torchtitan_job(
     kinds = kinds or {}
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
+    lr, given = line_number(command_line, "--lr"), _table(job, "optimizer").get("lr")
+    lr_note = []  # the line's --lr in [optimizer] lr: a cosine's floor its ratio of it (the
+    if lr is not None and isinstance(job.get("optimizer", {}), dict):  # file's was; a re-test)
+        job = {**job, "optimizer": {**_table(job, "optimizer"), "lr": float(lr)}}
+        line_lr = (command_line or {})["--lr"]
+        if given is not None and given != lr:
+            lr_note = [f"the command line's {line_lr} over the file's optimizer.lr {given}"]
     keys = list(_leaves(job))
     flags, sentences, left = [], [], []
     own = [str(k) for k, v in job.items() if not isinstance(v, dict)]
@@ -179,7 +186,7 @@ def torchtitan_job(
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     flags = list(dict.fromkeys(flags))  # [training] compile and [compile] enable: said once
     flags, notes = command_line_wins(flags, command_line)
-    sentences += list(dict.fromkeys(notes))
+    sentences += lr_note + list(dict.fromkeys(notes))
     if line := refused_value(said, flags, refused, job):
         return line
     return (
