@@ -505,6 +505,8 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
              "of GiB, such as 80 for an 80 GB GPU (16000 MB is 15.6 GiB)"),
             (["--gpu", "a100"], "--gpu: megapar-plan takes a GPU's figures, not its name: "
              "--gpu-memory-gb and --peak-tflops"),
+            (["--gpu=2"], "--gpu=2: did you mean --gpus 2? (a GPU's kind is --gpu-memory-gb "
+             "and --peak-tflops)"),  # a count (it was told the GPU's figures)
             (["--target", "h100"], "'h100' is not one of gpu, cpu: --target gpu plans any GPU, "
              "whose figures are --gpu-memory-gb and --peak-tflops")]:
         with pytest.raises(SystemExit) as stop:

@@ -150,6 +150,15 @@ FP8_ZERO3 = (
     "scales a step) for --fp8 tensorwise itself; drop it"
 )
 
+GPU_NAME_FLAGS = ("--gpu", "--gpu-type", "--gpu-model")
+"""Other tools' flags naming the GPU, which megapar-plan takes as its figures."""
+
+GPU_FIGURES = (
+    "--gpu-memory-gb and --peak-tflops (the defaults are an 80 GB A100's: 80 and 312; an H100 "
+    "SXM's are 80 and 989)"
+)
+"""The flags that give megapar-plan a GPU, and two GPUs' values of them."""
+
 OTHER_FLAGS = {
     # short names a user tries first (difflib named --zero3-persistence-threshold for --zero3)
     "--zero3": "--zero-stages 3",
@@ -236,9 +245,7 @@ OTHER_FLAGS = {
         instead="give the model as --model (a recipe such as llama-8b)",
     ),
     **dict.fromkeys(
-        ("--gpu", "--gpu-type", "--gpu-model"),
-        "megapar-plan takes a GPU's figures, not its name: --gpu-memory-gb and --peak-tflops "
-        "(the defaults are an 80 GB A100's: 80 and 312; an H100 SXM's are 80 and 989)",
+        GPU_NAME_FLAGS, f"megapar-plan takes a GPU's figures, not its name: {GPU_FIGURES}"
     ),
     "--offload-optimizer": "--offload optimizer",
     "--offload-params": "--offload both",
@@ -281,6 +288,16 @@ def schedule_to_rank(value: str) -> str:
     return schedule_named_elsewhere(value).replace("--schedule ", "--schedules ")
 
 
+def answer_with_value(flag: str, text: str) -> str | None:
+    """The answer to another tool's flag given a value on megapar-plan's line: a count given to
+    a GPU's name (`--gpu 2`: --gpus 2; it was told --gpu-memory-gb and --peak-tflops), or a
+    switch given false (`switch_given_false`); None where the flag's own answer stands."""
+    if flag in GPU_NAME_FLAGS and text.strip().isdigit():
+        kind = "a GPU's kind is --gpu-memory-gb and --peak-tflops"
+        return f"did you mean --gpus {text.strip()}? ({kind})"
+    return switch_given_false(flag, text)
+
+
 def switch_given_false(flag: str, text: str) -> str | None:
     """The answer to another tool's switch given false on megapar-plan's line (`--bf16 0`,
     `--gradient_checkpointing=False`, `--no-bf16`), `FALSE_ANSWERS`' for its `OTHER_FLAGS`
@@ -315,7 +332,7 @@ def build_parser() -> OneLineParser:
         prog="megapar-plan",
         stray=(("--model", "the model"),),
         known_as=OTHER_FLAGS,
-        switch_known_as=switch_given_false,
+        switch_known_as=answer_with_value,
         value_known_as={"--schedules": schedule_to_rank},
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
