@@ -467,6 +467,28 @@ def test_a_manifest_missing_a_tensor_is_one_line_for_every_reader(src, tmp_path,
     assert not (tmp_path / "dst").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_a_load_refuses_a_manifest_of_fewer_layers_than_its_tensors(src):
+    """A manifest whose n_layer was lowered and its digest deleted: megapar-convert --info
+    refused it, --load trained the smaller model on the first layers' tensors unsaid (a
+    re-test); --load refuses it in --info's words."""
+    import json
+
+    from megapar.checkpoint.format import MANIFEST
+    from megapar.checkpoint.manifest import DIGEST
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import checkpoint_manifest
+
+    manifest = json.loads((src / MANIFEST).read_text())
+    layers = manifest["model"]["n_layer"]
+    manifest["model"]["n_layer"] = layers - 1
+    (src / MANIFEST).write_text(json.dumps(manifest))
+    (src / DIGEST).unlink()
+    with pytest.raises(UsageError) as info:
+        checkpoint_manifest(str(src), checksums=False)
+    assert f"its tensors do not match its own model config (e.g. ['layers.{layers - 1}." in \
+        str(info.value) and "the manifest is damaged" in str(info.value), str(info.value)
+
+
 def test_a_manifest_whose_model_config_was_edited_names_the_shape(src, tmp_path, capsys):
     """A manifest whose model's width was edited (its digest redone) said "its tensors do not
     match its own model config (e.g. [])": the names matched, only the shapes did not (a

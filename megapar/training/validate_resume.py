@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megapar.checkpoint.convert import model_tensors
 from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, step_dir_name
 from megapar.checkpoint.manifest import read_manifest, verify
@@ -376,7 +377,11 @@ def checkpoint_manifest(path: str, checksums: bool | None = None) -> dict:
             f"(or one of its step_* directories)"
         )
     try:
-        return verify(os.path.expanduser(path), checksums)
+        manifest = verify(os.path.expanduser(path), checksums)
+        # its tensors those of its own model, as megapar-convert --info checks (a manifest
+        # without its digest, n_layer 4 made 2, trained a smaller model unsaid; a re-test)
+        model_tensors(resolve_checkpoint(os.path.expanduser(path)), manifest)
+        return manifest
     except (CheckpointError, KeyError, OSError) as exc:
         raise UsageError(str(load_refusal(path, exc))) from None  # the path said once
 
