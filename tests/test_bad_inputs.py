@@ -3455,6 +3455,22 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
         assert "--dp size" not in titan, titan
         assert note is None or note in titan, titan
+    # an inline DeepSpeed value is compared with the Trainer's own (its warmup before a cut to
+    # the line's --max-steps: 10 and 10 "differ" at --max-steps 4), and not where the line sets
+    # both (--weight-decay 0.1 was refused beside the file's 0 and 0.1); the cut said once
+    for file, line, flag in (
+            ({"output_dir": "o", "max_steps": 100, "warmup_steps": 10, "deepspeed": {
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}},
+             ["--max-steps", "4"], "--max-steps 4 --warmup-steps 4 "),
+            ({"output_dir": "o", "max_steps": 100, "weight_decay": 0, "deepspeed": {
+                "optimizer": {"type": "AdamW", "params": {"weight_decay": 0.1}}}},
+             ["--weight-decay", "0.1"], "--weight-decay 0.1 ")):
+        derived.write_text(json.dumps(file))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        said = str(info.value)
+        assert "differs" not in said and flag in said.split(";")[0], said
+        assert said.count("never reaching") <= 1, said
     # the line's --lr stands in a torchtitan job's [optimizer] lr: its cosine's floor is its
     # min_lr_factor of the line's (it stayed 8e-05 of the file's 8e-4 beside --lr 1e-3)
     titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 100\n[optimizer]\n"

@@ -179,11 +179,19 @@ def is_trainer_arguments(data: dict, own: set[str]) -> bool:
     return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
 
 
-def trainer_flags(data: dict, steps_name: str, dp: int | None) -> tuple[list[str], list[str]]:
+def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], list[str]]:
     """The Trainer's arguments `data` as megapar-train's (flags, sentences), the Trainer's
-    defaults filled in where megapar-train's differ; `steps_name`: what its max_steps is called
-    (the command line's --max-steps, where that stands in it); `dp`: the command line's --dp
-    (its global batch a number; None: a product with dp)."""
+    defaults filled in where megapar-train's differ. `command_line`: the command line's flags
+    (`command_line_wins`), whose values stand in the file's (`at_the_line`): its --max-steps is
+    said as the line's, its --dp makes the global batch a number, and an inline DeepSpeed value
+    is not compared with the Trainer's where the line sets both."""
+    # the line's --max-steps stands in max_steps (at_the_line): said as the line's (the file's
+    # warmup was "more than max_steps 30" of the line's 30; a re-test)
+    line = frozenset(command_line or {})
+    steps_name = (
+        "the command line's --max-steps" if "--max-steps" in line else "the Trainer's max_steps"
+    )
+    dp = line_whole(command_line, "--dp")
     flags: list[str] = []
     said: list[str] = []
 
@@ -254,6 +262,7 @@ def trainer_flags(data: dict, steps_name: str, dp: int | None) -> tuple[list[str
         warmup, ratio, ratio_key = 0, warmup, "warmup_steps"
     elif warmup > 0:  # transformers 4: warmup_steps > 0 overrides warmup_ratio
         ratio = 0.0
+    own_warmup = int(warmup) if warmup > 0 else math.ceil(ratio * steps) if steps > 0 else 0
     inline = data.get("deepspeed")  # its scheduler replaces the Trainer's, warmup filled in
     replaced = isinstance(inline, dict) and isinstance(inline.get("scheduler"), dict)
     if schedule == "constant" and not replaced:  # get_constant_schedule: no warmup (it was
@@ -445,7 +454,8 @@ def trainer_flags(data: dict, steps_name: str, dp: int | None) -> tuple[list[str
             f"the file, then give it to --config for its settings as megapar-train flags"
         )
     elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
-        flags += _inline_deepspeed(deepspeed, flags, said, data, steps_name)
+        own = {"--warmup-steps": str(own_warmup)}  # the Trainer's, before a cut to --max-steps
+        flags += _inline_deepspeed(deepspeed, flags, said, data, steps_name, own, line)
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
@@ -579,14 +589,23 @@ FSDP_OPTIONS = (
 
 
 def _inline_deepspeed(
-    deepspeed: dict, flags: list[str], said: list[str], trainer: dict, steps_name: str
+    deepspeed: dict,
+    flags: list[str],
+    said: list[str],
+    trainer: dict,
+    steps_name: str,
+    own: dict[str, str],
+    line: frozenset[str],
 ) -> list[str]:
     """The flags of a DeepSpeed config given inline as the Trainer's `deepspeed` argument that
     the Trainer's own `flags` (of its arguments `trainer`) do not set already (its "auto" values
     are the Trainer's); its keys without an equivalent go to `said`. ConfigError for a value the
     Trainer fills unlike its own, which the Trainer refuses ("mismatch"). Its scheduler section
     replaces the Trainer's lr_scheduler_type (the Trainer then builds none): the decay's flags of
-    `flags` give way to its own. `steps_name`: what the Trainer's max_steps is called."""
+    `flags` give way to its own. `steps_name`: what the Trainer's max_steps is called; `own`:
+    the Trainer's own values where its flags' differ (its warmup before a cut to --max-steps);
+    `line`: the command line's flags, which set the Trainer's value and DeepSpeed's alike (not
+    compared: --weight-decay 0.1 on the line was refused beside the file's two)."""
     lr = float(dict(_pairs(flags)).get("--lr", 5e-5))  # a cosine's floor: a ratio of it
     try:
         more, left, _auto = deepspeed_equivalents(deepspeed, lr=lr)
@@ -606,29 +625,33 @@ def _inline_deepspeed(
         )
     ours = dict(_pairs(flags))
     warmup, steps = dict(_pairs(more)).get("--warmup-steps"), ours.get("--max-steps")
+    said_so = warmup is not None and _alike(warmup, own["--warmup-steps"])  # by the Trainer's
     if warmup and steps and float(warmup) > float(steps):  # DeepSpeed's 1000 over a shorter run
         more = [f"--warmup-steps {steps}" if f == f"--warmup-steps {warmup}" else f for f in more]
-        said.append(
-            f"deepspeed's scheduler warms up over {warmup} steps, more than "
-            f"{steps_name} {steps}, never reaching its peak lr (megapar's warmup ends within "
-            f"--max-steps: --warmup-steps {steps})"
-        )
-    elif warmup and not steps and float(warmup) >= DEFAULT_MAX_STEPS:  # epochs: --max-steps
+        if not said_so:  # (the Trainer's own warmup of these steps said it: it was twice)
+            said.append(
+                f"deepspeed's scheduler warms up over {warmup} steps, more than "
+                f"{steps_name} {steps}, never reaching its peak lr (megapar's warmup ends "
+                f"within --max-steps: --warmup-steps {steps})"
+            )
+    elif warmup and not steps and float(warmup) >= DEFAULT_MAX_STEPS and not said_so:
         said.append(  # (--warmup-steps 1000 was refused next at the default --max-steps 300)
             f"deepspeed's scheduler warms up over {warmup} steps: the --max-steps you choose "
             f"must be more (megapar-train's default is {DEFAULT_MAX_STEPS}), or give a shorter "
             f"--warmup-steps"
         )
+    compared = {k: v for k, v in {**ours, **own}.items() if k not in line}
     unlike: list[ConfigError] = []  # every value unlike the Trainer's, in one line (a run
     for name, value in _pairs(more):  # each was a chain of refusals; a re-test)
         key = TRAINER_FILLED.get(name)
         given = _at(deepspeed, key) if key is not None else None
-        if key is None or given is None or given == "auto" or name not in ours:
+        if key is None or given is None or given == "auto" or name not in compared:
             continue  # (a key it leaves out is DeepSpeed's default, not compared)
-        if not _alike(str(given), ours[name]):  # the file's own value (its lr was translated
-            shown = value if _alike(str(given), value) else _shown(given)  # at the Trainer's,
-            unlike.append(_mismatch(key, given, f"{name} {shown}", f"{name} {ours[name]}"))
-    steps = deepspeed.get("gradient_accumulation_steps")  # and so never compared)
+        # the file's own value (its lr was translated at the Trainer's, and so never compared)
+        if not _alike(str(given), compared[name]):
+            shown = value if _alike(str(given), value) else _shown(given)
+            unlike.append(_mismatch(key, given, f"{name} {shown}", f"{name} {compared[name]}"))
+    steps = deepspeed.get("gradient_accumulation_steps")
     theirs = trainer.get("gradient_accumulation_steps", 1)
     if steps not in (None, "auto") and not _alike(str(steps), str(theirs)):
         unlike.append(
@@ -636,13 +659,14 @@ def _inline_deepspeed(
                 "gradient_accumulation_steps", steps, "", f"gradient_accumulation_steps {theirs}"
             )
         )
-    for key, own in _trainer_filled_others(trainer, ours).items():
+    for key, filled in _trainer_filled_others(trainer, compared).items():
         given = _at(deepspeed, key)
-        if given is None or given == "auto" or own is None:
+        if given is None or given == "auto" or filled is None:
             continue
-        same = bool(given) == own[1] if isinstance(own[1], bool) else _alike(str(given), own[1])
+        theirs_ = filled[1]
+        same = bool(given) == theirs_ if isinstance(theirs_, bool) else _alike(str(given), theirs_)
         if not same:
-            unlike.append(_mismatch(key, given, "", own[0]))
+            unlike.append(_mismatch(key, given, "", filled[0]))
     batch = deepspeed.get("train_batch_size")  # the Trainer's: per device x accumulation x world
     per = _as_int(trainer.get("per_device_train_batch_size", 8)) * _as_int(theirs)
     if batch not in (None, "auto") and per > 0 and (not isinstance(batch, int) or batch % per):
@@ -765,12 +789,8 @@ def trainer_arguments(
     megapar-train refuses (`refused`)."""
     if all(other_switch_value(str(data.get(key)).strip()) is True for key in ("bf16", "fp16")):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
-    # the line's --max-steps stands in max_steps (at_the_line): said as the line's (the file's
-    # warmup was "more than max_steps 30" of the line's 30; a re-test)
-    line_steps = "--max-steps" in (command_line or {})
-    steps_name = "the command line's --max-steps" if line_steps else "the Trainer's max_steps"
     try:
-        flags, said = trainer_flags(data, steps_name, line_whole(command_line, "--dp"))
+        flags, said = trainer_flags(data, command_line)
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
     flags, notes = command_line_wins(flags, command_line)
