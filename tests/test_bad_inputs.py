@@ -3471,6 +3471,27 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         said = str(info.value)
         assert "differs" not in said and flag in said.split(";")[0], said
         assert said.count("never reaching") <= 1, said
+    # the line's --warmup-steps over the file's own warmup, not over what was derived from it
+    # ("over the file's --warmup-steps 5" of DeepSpeed's 100 cut to the line's --max-steps 5,
+    # "--warmup-steps 1" of a ratio 0.1 of the line's 4; a note where the two were alike)
+    for file, line, note in (
+            ({"scheduler": {"type": "WarmupDecayLR", "params": {
+                "warmup_num_steps": 100, "total_num_steps": 200}}},
+             ["--max-steps", "5", "--warmup-steps", "3"], "the command line's --warmup-steps 3 "
+             "over the file's scheduler.params.warmup_num_steps 100"),
+            ({"output_dir": "o", "max_steps": 200, "warmup_ratio": 0.1},
+             ["--max-steps", "4", "--warmup-steps", "2"],
+             "the command line's --warmup-steps 2 over the file's warmup_ratio 0.1"),
+            ({"output_dir": "o", "max_steps": 200, "warmup_steps": 100},
+             ["--max-steps", "50", "--warmup-steps", "100"], None)):
+        derived.write_text(json.dumps(file))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), *line])
+        said = str(info.value)
+        assert f"--warmup-steps {line[-1]} " in said.split(";")[0], said
+        assert said.count("--warmup-steps") == 1 + (note is not None), said
+        assert note is None or note in said, said
+        assert "never reaching" not in said and "above" not in said, said
     # the line's --lr stands in a torchtitan job's [optimizer] lr: its cosine's floor is its
     # min_lr_factor of the line's (it stayed 8e-05 of the file's 8e-4 beside --lr 1e-3)
     titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 100\n[optimizer]\n"

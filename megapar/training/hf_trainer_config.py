@@ -265,7 +265,13 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     own_warmup = int(warmup) if warmup > 0 else math.ceil(ratio * steps) if steps > 0 else 0
     inline = data.get("deepspeed")  # its scheduler replaces the Trainer's, warmup filled in
     replaced = isinstance(inline, dict) and isinstance(inline.get("scheduler"), dict)
-    if schedule == "constant" and not replaced:  # get_constant_schedule: no warmup (it was
+    line_warmup = (command_line or {}).get("--warmup-steps")
+    if line_warmup is not None:  # the line's: none derived from the file's or cut (a note
+        flags.append(line_warmup)  # called a cut to 50 of warmup_steps 100 the file's; a re-test)
+        if ratio or (warmup and line_warmup.split()[-1] != f"{warmup:g}"):
+            file_warmup = f"{ratio_key} {ratio:g}" if ratio else f"warmup_steps {warmup:g}"
+            said.append(f"the command line's {line_warmup} over the file's {file_warmup}")
+    elif schedule == "constant" and not replaced:  # get_constant_schedule: no warmup (it was
         flags.append("--warmup-steps 0")  # warmed up, "never reaching its learning_rate")
         if warmup or ratio:
             said.append(

@@ -16,10 +16,11 @@ the global batch): the command line's stand in them before the file is translate
 
 DEEPSPEED_KEYS = {
     "--max-steps": ("scheduler", "params", "total_num_steps"),
+    "--warmup-steps": ("scheduler", "params", "warmup_num_steps"),
     "--micro-batch-size": ("train_micro_batch_size_per_gpu",),
 }
 """DeepSpeed's, likewise (where the file has the key: its total steps cap the warmup, its
-micro-batch makes the global batch)."""
+micro-batch makes the global batch; its warmup, cut to the total, was noted as the file's)."""
 
 
 def at_the_line(
