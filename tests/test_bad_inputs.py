@@ -3106,10 +3106,17 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                           "deepspeed_config:\n  zero_stage: 2\n  gradient_clipping: 1.0\n"
                           "  gradient_accumulation_steps: 4\ndynamo_config:\n"
                           "  dynamo_backend: INDUCTOR\nnum_processes: 8\n")
-    with pytest.raises(ConfigError, match=r"give --dp 8 --zero 2 --clip-grad 1 --compile \(.*; "
-                       r"gradient_accumulation_steps 4: --global-batch-size \(--micro-batch-size "
-                       r"x 4 x the --dp size\)$"):
+    with pytest.raises(ConfigError, match=r"give --dp 8 --zero 2 --clip-grad 1 "
+                       r"--global-batch-size \(--micro-batch-size x 4 x dp\) --compile \("):
         parse_args(["--config", str(accelerate)])
+    # at the line's --micro-batch-size a number, and the line's --global-batch-size over it (it
+    # was the sentence beside both; a re-test)
+    for line, flag in ((["--micro-batch-size", "2"], "--global-batch-size 64 "),
+                       (["--micro-batch-size", "2", "--dp", "2"], "--global-batch-size 16 "),
+                       (["--global-batch-size", "48"], "--global-batch-size 48 ")):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(accelerate), *line])
+        assert flag in str(info.value) and "--dp size" not in str(info.value), str(info.value)
     # a DeepSpeed plugin's own file, its fp16 (DeepSpeed's scaler) and a parameter offload
     # without the optimizer's were unsaid or dropped (a re-test)
     accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n"

@@ -470,9 +470,12 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     return flags, said
 
 
-def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: list[str]) -> list:
+def _accelerate_deepspeed(
+    deepspeed: dict, stage: Any, precision: Any, said: list[str], batch: tuple
+) -> list:
     """An accelerate DeepSpeed plugin's offload, fp16 scaler, clipping and accumulation (its
-    settings in the config itself) as megapar-train's flags; what has none goes to `said`."""
+    settings in the config itself) as megapar-train's flags; what has none goes to `said`.
+    `batch`: the (micro-batch, dp) its global batch is of (`_clipping_and_steps`)."""
     flags = []
     devices = {
         part: str(deepspeed.get(f"offload_{part}_device", "none")).lower()
@@ -501,24 +504,24 @@ def _accelerate_deepspeed(deepspeed: dict, stage: Any, precision: Any, said: lis
     if precision == "fp16":  # DeepSpeed's dynamic scaler's defaults
         flags += fp16_scaler({})[0]
     flags += _clipping_and_steps(
-        deepspeed, "gradient_clipping", "gradient_accumulation_steps", said
+        deepspeed, "gradient_clipping", "gradient_accumulation_steps", batch
     )
     return flags
 
 
-def _clipping_and_steps(section: dict, clip_key: str, steps_key: str, said: list[str]) -> list:
+def _clipping_and_steps(section: dict, clip_key: str, steps_key: str, batch: tuple) -> list:
     """A plugin `section`'s gradient clipping (`clip_key`) as --clip-grad, and its micro-batches
-    a step (`steps_key`) said as the global batch's factor (to `said`)."""
+    a step (`steps_key`) as the global batch's factor: --global-batch-size of the (micro-batch,
+    dp) `batch` (None where not known: a product with it; it was a sentence of the --dp size
+    beside the command line's --global-batch-size, --micro-batch-size and --dp; a re-test)."""
     clipping = section.get(clip_key)
     flags = []
     if isinstance(clipping, (int, float)) and not isinstance(clipping, bool):
         flags.append(f"--clip-grad {clipping:g}")
     steps = section.get(steps_key)
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
-        said.append(
-            f"{steps_key} {steps}: --global-batch-size (--micro-batch-size x {steps} x the --dp "
-            "size)"
-        )
+        micro, dp = batch
+        flags.append(global_batch_flag([micro or "--micro-batch-size", steps], dp))
     return flags
 
 
@@ -859,6 +862,11 @@ def accelerate_config(
     flags whose value megapar-train refuses (`refused`)."""
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
+
+    def dp_of(flags: list[str]) -> int | None:
+        """The dp of the global batch: the command line's --dp, else the file's processes'."""
+        return line_whole(command_line, "--dp") or _as_int(dict(_pairs(flags)).get("--dp")) or None
+
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
     said: list[str] = []
     file_settings = False  # a DeepSpeed plugin's own file holds the precision
@@ -910,7 +918,10 @@ def accelerate_config(
         else:
             # a stage given is its flag (one megapar-train refuses is named, `refused`)
             flags.append(f"--zero {stage}" if stage is not None else "--zero 0, 1, 2 or 3")
-            flags += _accelerate_deepspeed(deepspeed, stage, data.get("mixed_precision"), said)
+            batch = (line_whole(command_line, "--micro-batch-size"), dp_of(flags))
+            flags += _accelerate_deepspeed(
+                deepspeed, stage, data.get("mixed_precision"), said, batch
+            )
     elif kind == "MEGATRON_LM":
         megatron = data.get("megatron_lm_config")
         megatron = megatron if isinstance(megatron, dict) else {}
@@ -935,8 +946,9 @@ def accelerate_config(
             flags.append("--recompute selective")
         if megatron.get("megatron_lm_use_distributed_optimizer") in (True, "true", "True"):
             flags.append("--zero 1")  # Megatron-LM's distributed optimizer
+        batch = (line_whole(command_line, "--micro-batch-size"), dp_of(flags))
         flags += _clipping_and_steps(
-            megatron, "megatron_lm_gradient_clipping", "megatron_lm_num_micro_batches", said
+            megatron, "megatron_lm_gradient_clipping", "megatron_lm_num_micro_batches", batch
         )
     dynamo = data.get("dynamo_config")
     backend = (dynamo if isinstance(dynamo, dict) else {}).get(
