@@ -3551,6 +3551,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(derived), *line])
         assert note in str(info.value), str(info.value)
+    yaml_lr = tmp_path / "lr.yaml"  # YAML reads 1e-4 as a string (it was not noted)
+    yaml_lr.write_text("output_dir: o\nmax_steps: 10\nlearning_rate: 1e-4\n")
+    with pytest.raises(ConfigError, match="the command line's --lr 0.0002 over the file's "
+                       "learning_rate 0.0001"):
+        parse_args(["--config", str(yaml_lr), "--lr", "2e-4"])
     derived.write_text(json.dumps({"output_dir": "o", "num_train_epochs": 3,
                                    "warmup_steps": 100}))
     with pytest.raises(ConfigError) as info:

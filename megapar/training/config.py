@@ -812,7 +812,13 @@ def command_line_flags(args: argparse.Namespace) -> dict[str, str]:
 
 def _lr_note(lr: float | None, before: Any, key: str) -> list[str]:
     """The note of the command line's --lr over the file's `key` `before` (a number unlike it),
-    as the line's other flags are noted (its --lr was not; a re-test); [] otherwise."""
+    as the line's other flags are noted (its --lr was not; a re-test); [] otherwise. A number
+    written as YAML reads 1e-4, a string, is one (it was not noted; a re-test)."""
+    if isinstance(before, str):
+        try:
+            before = float(before)
+        except ValueError:
+            return []
     if lr is None or isinstance(before, bool) or not isinstance(before, (int, float)):
         return []
     return (
