@@ -3551,6 +3551,21 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(derived), *line])
         assert note in str(info.value), str(info.value)
+    # the Trainer's report_to: megapar-train's reporting flags (wandb was "the Trainer's other
+    # arguments have no megapar-train flag"; a re-test)
+    for report, flag, said in (("wandb", None, "report_to wandb: --wandb-project NAME"),
+                               ("all", "--tensorboard tb", "report_to wandb: --wandb-project"),
+                               (["tensorboard", "mlflow"], "--tensorboard tb",
+                                "report_to mlflow: megapar-train reports to Weights & Biases "
+                                "(--wandb-project) and TensorBoard (--tensorboard) alone"),
+                               ("none", None, None)):
+        derived.write_text(json.dumps({"output_dir": "o", "max_steps": 5, "report_to": report,
+                                       "logging_dir": "tb"}))
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived)])
+        text = str(info.value)
+        assert (flag in text.split(";")[0]) if flag else "--tensorboard" not in text, text
+        assert (said in text) if said else "report_to" not in text, text
     yaml_lr = tmp_path / "lr.yaml"  # YAML reads 1e-4 as a string (it was not noted)
     yaml_lr.write_text("output_dir: o\nmax_steps: 10\nlearning_rate: 1e-4\n")
     with pytest.raises(ConfigError, match="the command line's --lr 0.0002 over the file's "

@@ -462,10 +462,41 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
         own = {"--warmup-steps": str(own_warmup)}  # the Trainer's, before a cut to --max-steps
         flags += _inline_deepspeed(deepspeed, flags, said, data, steps_name, own, line)
+    report_flags, report_said = _reports(data.get("report_to"), data.get("logging_dir"))
+    flags += report_flags  # (wandb was "the Trainer's other arguments ... have no flag")
+    said += report_said
     if data.get("resume_from_checkpoint"):
         said.append(
             "resume_from_checkpoint: --load takes a megapar checkpoint; a Trainer "
             "checkpoint's weights start a run with --from-hf"
+        )
+    return flags, said
+
+
+def _reports(report: Any, logging_dir: Any) -> tuple[list[str], list[str]]:
+    """The Trainer's report_to (a name, "all", or a list of them) as megapar-train's reporting:
+    tensorboard is --tensorboard, at its logging_dir where one is given, wandb --wandb-project
+    NAME (a sentence: the Trainer takes the project from WANDB_PROJECT); others are said to have
+    none, and "none" nothing (megapar-train's default)."""
+    names = report if isinstance(report, list) else [report] if isinstance(report, str) else []
+    wanted = {str(n).strip().lower() for n in names} - {"none", ""}
+    if "all" in wanted:
+        wanted = (wanted - {"all"}) | {"wandb", "tensorboard"}
+    flags, said = [], []
+    if "tensorboard" in wanted and isinstance(logging_dir, str) and logging_dir.strip():
+        flags.append(f"--tensorboard {logging_dir.strip()}")
+    elif "tensorboard" in wanted:
+        said.append("report_to tensorboard: --tensorboard DIR")
+    if "wandb" in wanted:
+        said.append(
+            "report_to wandb: --wandb-project NAME (the Trainer's WANDB_PROJECT), a run's name "
+            "the environment's WANDB_NAME"
+        )
+    others = sorted(wanted - {"tensorboard", "wandb"})
+    if others:
+        said.append(
+            f"report_to {', '.join(others)}: megapar-train reports to Weights & Biases "
+            f"(--wandb-project) and TensorBoard (--tensorboard) alone"
         )
     return flags, said
 
