@@ -346,16 +346,20 @@ class OneLineParser(argparse.ArgumentParser):
         on = next((name for name in spellings if not name.startswith("--no-")), None)
         if on is None:
             return ""
-        off = f"--no-{on[2:]}"
-        off = f"give {off}" if off in spellings else "leave it out"
+        off_name = f"--no-{on[2:]}"
+        off = f"give {off_name}" if off_name in spellings else "leave it out"
         value = match.group(2)
-        if value.lower() in TRUE_WORDS:
-            fix = f"give {on} alone"
-        elif value.lower() in FALSE_WORDS:
-            fix = off
+        given = getattr(self, "_given_flags", set())
+        said = on  # --no-compile=true is off: its true and false are the other way round (it
+        if off_name in given and on not in given:  # was told "give --compile alone"; a re-test)
+            said, value_means_on = off_name, value.lower() in FALSE_WORDS
+        else:
+            value_means_on = value.lower() in TRUE_WORDS
+        if value.lower() in TRUE_WORDS + FALSE_WORDS:
+            fix = f"give {on} alone" if value_means_on else off
         else:
             fix = f"give {on} alone to turn it on; to turn it off, {off}"
-        return f"{on} is a switch and takes no value (={value} given); {fix}"
+        return f"{said} is a switch and takes no value (={value} given); {fix}"
 
     def _value_named_elsewhere(self, message: str) -> str:
         """For a value a flag's choices (or its type) lack, another tool's name for one of

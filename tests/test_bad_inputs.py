@@ -1505,6 +1505,11 @@ def test_a_value_given_to_a_switch_is_answered_with_the_switch(capsys):
                             f"--no-{flag[2:]}"),
         (["--dry-run=maybe"], "--dry-run is a switch and takes no value (=maybe given); give "
                               "--dry-run alone to turn it on; to turn it off, give --no-dry-run"),
+        # the --no- spelling's true is off (--no-compile=true was told "give --compile alone")
+        (["--no-compile=true"], "--no-compile is a switch and takes no value (=true given); "
+                                "give --no-compile (see"),
+        (["--no-compile=0"], "--no-compile is a switch and takes no value (=0 given); give "
+                             "--compile alone"),
     ]:
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
