@@ -349,7 +349,7 @@ class OneLineParser(argparse.ArgumentParser):
         off_name = f"--no-{on[2:]}"
         off = f"give {off_name}" if off_name in spellings else "leave it out"
         value = match.group(2)
-        given = getattr(self, "_given_flags", set())
+        given: set[str] = getattr(self, "_given_flags", set())
         said = on  # --no-compile=true is off: its true and false are the other way round (it
         if off_name in given and on not in given:  # was told "give --compile alone"; a re-test)
             said, value_means_on = off_name, value.lower() in FALSE_WORDS
