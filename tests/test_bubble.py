@@ -640,7 +640,19 @@ def test_both_outputs_are_checked_at_once_and_a_profilers_trace_is_kept(capsys, 
         make(ours, tmp_path / link)
         assert main([*base, "--trace", str(ours), "--plot", str(tmp_path / link),
                      "--overwrite"]) == 2
-        assert "--trace and --plot both name" in _error_line(capsys)
+        assert f"--trace and --plot name one file ({ours} and {tmp_path / link})" in \
+            _error_line(capsys)
+    # a link to nothing, and a directory nothing can be created in, are refused before the run
+    # (a traceback after it; "No such file or directory ENOENT" of /proc; a re-test)
+    os.symlink(tmp_path / "gone" / "x.json", tmp_path / "dangling.json")
+    for flag, path, said in (
+            ("--trace", tmp_path / "dangling.json", f"--trace {tmp_path / 'dangling.json'} is a "
+             f"link to {tmp_path / 'gone' / 'x.json'}, which does not exist; give another file "
+             f"name, or remove the link"),
+            ("--plot", "/proc/megapar-test.png", "--plot /proc/megapar-test.png is not writable: "
+             "nothing can be created in /proc;")):
+        assert main([*base, flag, str(path)]) == 2
+        assert said in _error_line(capsys)
     from PIL import Image
 
     for name in ("photo.jpg", "photo.gif"):

@@ -381,7 +381,12 @@ def check_output_files(args) -> None:
             replaced.append(f"--plot {shown} exists and is no chart megapar-bubble wrote")
         if args.trace and _same_file(args.trace, real):  # (the chart replaced the trace just
             # written; through a link too, a re-test)
-            raise ValueError(f"--trace and --plot both name {real}: give each its own file name")
+            named = (  # (through a link: the trace's own name was not said; a re-test)
+                f"both name {real}"
+                if os.path.abspath(args.trace) == os.path.abspath(real)
+                else f"name one file ({args.trace} and {real})"
+            )
+            raise ValueError(f"--trace and --plot {named}: give each its own file name")
         args.plot = real
     if replaced:
         names = "them" if len(replaced) > 1 else "it"

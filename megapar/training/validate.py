@@ -599,12 +599,25 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
         )
     if kind == "file" and names_directory(path):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if kind == "file" and os.path.islink(target) and not os.path.exists(target):
+        raise ValueError(  # (the run's write failed after its work, a traceback; a re-test)
+            f"{flag} {path} is a link to {os.readlink(target)}, which does not exist; give "
+            f"another file name, or remove the link"
+        )
     try:
         probe_writable(directory)
         if kind == "file" and os.path.exists(target):
             with open(target, "a"):
                 pass
     except OSError as exc:
+        above = os.path.abspath(directory)  # the nearest directory that exists
+        while not os.path.isdir(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        if exc.errno == errno.ENOENT:  # /proc ("No such file or directory ENOENT", of its
+            raise ValueError(  # probe or of the directory it made; a re-test)
+                f"{flag} {path} is not writable: nothing can be created in {above}; choose a "
+                f"location you can write to"
+            ) from None
         reason = errno.errorcode.get(exc.errno, "") if exc.errno else ""
         raise ValueError(
             f"{flag} {path} is not writable ({exc.strerror or exc}"
