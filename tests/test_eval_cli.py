@@ -511,6 +511,12 @@ def test_an_existing_save_logits_file_is_replaced_only_with_overwrite(tiny_ckpt,
     capsys.readouterr()
     assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--overwrite"]) == 2
     assert "--overwrite is used only with --save-logits" in _one_error_line(capsys)
+    # the --input-ids file itself is never replaced (--overwrite wrote the logits over the ids)
+    assert evaluate([*argv[:-1], str(ids), "--overwrite"]) == 2
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: --save-logits {ids} is the --input-ids file; give another file "
+        f"name")
+    assert np.load(ids).ndim == 2
 
 
 def test_save_logits_interrupted_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):

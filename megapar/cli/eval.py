@@ -494,10 +494,10 @@ def _check_ids(args, vocab_size: int) -> tuple[int, ...] | None:
     return None
 
 
-def logits_file(path: str, overwrite: bool = False) -> str:
+def logits_file(path: str, overwrite: bool = False, input_ids: str | None = None) -> str:
     """The file `np.save(path, ...)` writes (it adds .npy when missing), checked up front:
-    not a directory, not an existing file unless `overwrite`, and its directory writable
-    (created if missing, as the run needs)."""
+    not a directory, not an existing file unless `overwrite`, not the `input_ids` file it
+    reads, and its directory writable (created if missing, as the run needs)."""
 
     target = os.path.expanduser(path)
     if names_directory(path):
@@ -509,6 +509,11 @@ def logits_file(path: str, overwrite: bool = False) -> str:
     if os.path.isdir(real):
         raise ValueError(
             f"--save-logits {path} would write {real}, which is a directory; give another file name"
+        )
+    ids = os.path.expanduser(input_ids) if input_ids else None
+    if ids and os.path.exists(real) and os.path.exists(ids) and os.path.samefile(real, ids):
+        raise ValueError(  # (--overwrite replaced the ids with their logits; a re-test)
+            f"--save-logits {path} is the --input-ids file; give another file name"
         )
     if os.path.exists(real) and not overwrite:
         named = f"{path} exists" if real == path else f"{path} would replace {real}, which exists"
@@ -652,7 +657,7 @@ def main(argv=None) -> int:
         vocab = config_from_dict(manifest["model"]).vocab_size
         shape = _check_ids(args, vocab)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
-            args.save_logits = logits_file(args.save_logits, args.overwrite)
+            args.save_logits = logits_file(args.save_logits, args.overwrite, args.input_ids)
             made += missing_dirs(os.path.dirname(os.path.abspath(args.save_logits)))
             if refusal := logits_memory_refusal(args, shape, vocab, host_memory_available()):
                 raise UsageError(refusal)
