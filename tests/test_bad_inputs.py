@@ -283,6 +283,9 @@ TRAIN = [
                                   "its parent"),
     (["--load", "{ckpt/shard}"], ".safetensors is a file; give the checkpoint directory (e.g. "
                                  "its parent"),
+    # ... its parent only where it holds one ("its parent ." was refused next; a re-test)
+    (["--load", "{text}"], "text.txt is a file; give a checkpoint directory written by --save "
+                           "(or one of its step_* directories)"),
     (["--load", "{ckpt/step_00000099}"], "step_00000099: no such checkpoint; "),
     # one step is named as one (it said "pass one of them")
     (["--load", "{ckpt/step_00000099}"], "ckpt holds step_00000001; pass "),

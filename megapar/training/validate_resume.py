@@ -59,8 +59,15 @@ def check_load_path(cfg) -> None:
         raise UsageError(f"--load {cfg.load} {deepspeed}")
     if os.path.isfile(path):
         parent = os.path.dirname(cfg.load.rstrip("/")) or "."
+        held = os.path.expanduser(parent)  # its parent named only where it holds one (a file
+        if os.path.isfile(os.path.join(held, MANIFEST)) or has_checkpoint(held):  # beside
+            raise UsageError(  # none was told "its parent .", refused next; a re-test)
+                f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its parent "
+                f"{parent})"
+            )
         raise UsageError(
-            f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its parent {parent})"
+            f"--load {cfg.load} is a file; give a checkpoint directory written by --save (or "
+            f"one of its step_* directories)"
         )
     if os.path.exists(path):
         if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
