@@ -157,7 +157,9 @@ class AsyncSaver:
         self._thread, self._outcome, self.pending = None, None, None
         what = f"async checkpoint save at step {step} (to {pending})"
         if isinstance(outcome, CheckpointError):  # the same on every rank, naming the rank
-            raise CheckpointError(f"{what} failed: {outcome}") from outcome
+            failed = CheckpointError(f"{what} failed: {outcome}")
+            failed.no_traceback = getattr(outcome, "no_traceback", False)  # type: ignore[attr-defined]
+            raise failed from outcome
         if isinstance(outcome, BaseException):
             error = f"{type(outcome).__name__}: {str(outcome).strip()}"
             waited = (

@@ -14,6 +14,7 @@ only the rows (and columns) of the experts the rank keeps. dp and cp never matte
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -307,7 +308,7 @@ def write_checkpoint(
             fname, tensors, entries = state.shard
             header.update(file=fname, record=write_tensors(tmp / fname, tensors), tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
-        header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
+        header["error"] = failed_write(mesh.rank, exc, root)
         cause = exc
     payloads = gather_payloads(_pack(header, rng), mesh, group)
     outcome = ""
@@ -318,15 +319,31 @@ def write_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             remove_empty(made)
             why = (  # the ranks' own errors name themselves; rank 0's RNG, manifest or publish
-                str(exc)
-                if isinstance(exc, CheckpointError)
-                else f"rank 0: {type(exc).__name__}: {exc}"
+                str(exc) if isinstance(exc, CheckpointError) else failed_write(0, exc, root)
             )
             outcome = f"ERROR checkpoint of step {step} not saved: {why}"
     outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
-        raise CheckpointError(outcome[6:]) from cause  # its traceback in this rank's log
+        failed = CheckpointError(outcome[6:])
+        failed.no_traceback = DISK_FIX in outcome  # type: ignore[attr-defined]  # a full disk
+        raise failed from cause  # its traceback in this rank's log (none for a disk's)
     return Path(outcome)
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+"""A write's errors of the disk, not of the code: said with `DISK_FIX`, without a traceback."""
+
+DISK_FIX = "free space there, or give --save another directory"
+"""What a save that a disk refused says to do."""
+
+
+def failed_write(rank: int, exc: Exception, root: Path) -> str:
+    """Rank `rank`'s failure to write its part of a checkpoint under `root`, as the save's
+    error names it: a full or read-only disk with its fix (it was "OSError: [Errno 28] No space
+    left on device" and a pointer to a traceback; a new user's finding), else the exception."""
+    if isinstance(exc, OSError) and exc.errno in DISK_ERRORS:
+        return f"rank {rank}: {exc.strerror} writing it in {root}; {DISK_FIX}"
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 def _finish(

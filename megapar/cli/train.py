@@ -228,6 +228,9 @@ def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
     ]
 
 
+TRACEBACK = "Traceback (most recent call last)"
+"""What a failure's text holds where a rank's stack is in it (a log worth pointing to)."""
+
 PER_NODE_SETTINGS = frozenset(
     {
         "progress",
@@ -454,7 +457,8 @@ def _run(
                 f"--debug)",
                 file=sys.stderr,
             )
-        elif log and not getattr(exc, "no_traceback", False):  # (a clean line has none)
+        elif log and TRACEBACK in text and not getattr(exc, "no_traceback", False):  # (a clean
+            # line has none: a worker's full disk was pointed at a log of no traceback)
             print(
                 f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
             )
