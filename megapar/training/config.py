@@ -62,6 +62,7 @@ from megapar.training.line_over_file import (
     TRAINER_KEYS,
     at_the_line,
     get_in,
+    named_at_the_line,
     trainer_at_lr,
 )
 from megapar.training.other_tools import (
@@ -872,8 +873,7 @@ def read_run_config(
         data, replaced = at_the_line(data, command_line, DEEPSPEED_KEYS, add=False)  # its batch
         file_lr = get_in(data, ("optimizer", "params", "lr"))
         replaced = _lr_note(lr, file_lr, "optimizer.params.lr") + replaced
-        line_steps = "--max-steps" in (command_line or {})  # in total_num_steps: the line's
-        total = "the command line's --max-steps" if line_steps else "total_num_steps"
+        total = named_at_the_line(command_line, "--max-steps", "total_num_steps")
         try:
             flags, left, auto = deepspeed_equivalents(
                 data, dp, lr, TrainConfig.lr, total, file_batch

@@ -123,10 +123,10 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 def _implied_dp(data: dict) -> int | None:
     """The data-parallel size DeepSpeed's three batch keys, all given, imply (train_batch_size
     over micro-batch x accumulation steps); None where one is missing."""
-    keys = BATCH_KEYS
-    if not all(_whole(data.get(k)) for k in keys):
+    if not all(_whole(data.get(k)) for k in BATCH_KEYS):
         return None
-    return data[keys[0]] // (data[keys[1]] * data[keys[2]])
+    train, micro, steps = (data[k] for k in BATCH_KEYS)
+    return train // (micro * steps)
 
 
 def _check_batch(data: dict, dp: int | None) -> None:

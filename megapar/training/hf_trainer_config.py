@@ -20,7 +20,7 @@ from megapar.training.deepspeed_config import (
     fp16_scaler,
     global_batch_flag,
 )
-from megapar.training.line_over_file import line_whole
+from megapar.training.line_over_file import line_whole, named_at_the_line
 from megapar.training.other_tools import other_tools_answer
 from megapar.wording import counted
 
@@ -185,12 +185,8 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     (`command_line_wins`), whose values stand in the file's (`at_the_line`): its --max-steps is
     said as the line's, its --dp makes the global batch a number, and an inline DeepSpeed value
     is not compared with the Trainer's where the line sets both."""
-    # the line's --max-steps stands in max_steps (at_the_line): said as the line's (the file's
-    # warmup was "more than max_steps 30" of the line's 30; a re-test)
     line = frozenset(command_line or {})
-    steps_name = (
-        "the command line's --max-steps" if "--max-steps" in line else "the Trainer's max_steps"
-    )
+    steps_name = named_at_the_line(command_line, "--max-steps", "the Trainer's max_steps")
     dp = line_whole(command_line, "--dp")
     flags: list[str] = []
     said: list[str] = []
@@ -703,8 +699,8 @@ def _inline_deepspeed(
         given = _at(deepspeed, key)
         if given is None or given == "auto" or filled is None:
             continue
-        theirs_ = filled[1]
-        same = bool(given) == theirs_ if isinstance(theirs_, bool) else _alike(str(given), theirs_)
+        value = filled[1]
+        same = bool(given) == value if isinstance(value, bool) else _alike(str(given), value)
         if not same:
             unlike.append(_mismatch(key, given, "", filled[0]))
     batch = deepspeed.get("train_batch_size")  # the Trainer's: per device x accumulation x world
@@ -894,9 +890,11 @@ def accelerate_config(
     processes = data.get("num_processes") or 1
     kind = str(data.get("distributed_type", "NO"))
 
-    def dp_of(flags: list[str]) -> int | None:
-        """The dp of the global batch: the command line's --dp, else the file's processes'."""
-        return line_whole(command_line, "--dp") or _as_int(dict(_pairs(flags)).get("--dp")) or None
+    def batch_of(flags: list[str]) -> tuple[int | None, int | None]:
+        """The (micro-batch, dp) of the global batch: the command line's, dp else the file's
+        processes' (`flags`' --dp)."""
+        dp = line_whole(command_line, "--dp") or _as_int(dict(_pairs(flags)).get("--dp"))
+        return line_whole(command_line, "--micro-batch-size"), dp or None
 
     flags = [f"--dp {processes}"] if isinstance(processes, int) and processes > 1 else []
     said: list[str] = []
@@ -949,9 +947,8 @@ def accelerate_config(
         else:
             # a stage given is its flag (one megapar-train refuses is named, `refused`)
             flags.append(f"--zero {stage}" if stage is not None else "--zero 0, 1, 2 or 3")
-            batch = (line_whole(command_line, "--micro-batch-size"), dp_of(flags))
             flags += _accelerate_deepspeed(
-                deepspeed, stage, data.get("mixed_precision"), said, batch
+                deepspeed, stage, data.get("mixed_precision"), said, batch_of(flags)
             )
     elif kind == "MEGATRON_LM":
         megatron = data.get("megatron_lm_config")
@@ -977,9 +974,11 @@ def accelerate_config(
             flags.append("--recompute selective")
         if megatron.get("megatron_lm_use_distributed_optimizer") in (True, "true", "True"):
             flags.append("--zero 1")  # Megatron-LM's distributed optimizer
-        batch = (line_whole(command_line, "--micro-batch-size"), dp_of(flags))
         flags += _clipping_and_steps(
-            megatron, "megatron_lm_gradient_clipping", "megatron_lm_num_micro_batches", batch
+            megatron,
+            "megatron_lm_gradient_clipping",
+            "megatron_lm_num_micro_batches",
+            batch_of(flags),
         )
     dynamo = data.get("dynamo_config")
     backend = (dynamo if isinstance(dynamo, dict) else {}).get(

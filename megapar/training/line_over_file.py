@@ -75,6 +75,13 @@ def _number_of(text: str) -> int | float | None:
     return int(number) if number.is_integer() else number
 
 
+def named_at_the_line(command_line: dict[str, str] | None, flag: str, key: str) -> str:
+    """What a value the file derives from is called where the command line's `flag` stands in
+    its `key` (`at_the_line`): "the command line's --max-steps", else the file's `key` (a
+    warmup was "more than max_steps 30" of the line's 30; a re-test)."""
+    return f"the command line's {flag}" if flag in (command_line or {}) else key
+
+
 def line_number(command_line: dict[str, str] | None, flag: str) -> int | float | None:
     """The command line's value of `flag` (its text: "--lr 0.001"), or None."""
     text = (command_line or {}).get(flag)
