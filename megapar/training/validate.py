@@ -610,11 +610,11 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
             with open(target, "a"):
                 pass
     except OSError as exc:
-        above = os.path.abspath(directory)  # the nearest directory that exists
-        while not os.path.isdir(above) and os.path.dirname(above) != above:
-            above = os.path.dirname(above)
         if exc.errno == errno.ENOENT:  # /proc ("No such file or directory ENOENT", of its
-            raise ValueError(  # probe or of the directory it made; a re-test)
+            above = os.path.abspath(directory)  # probe or of the directory it made; a re-test):
+            while not os.path.isdir(above) and os.path.dirname(above) != above:
+                above = os.path.dirname(above)  # the nearest directory that exists
+            raise ValueError(
                 f"{flag} {path} is not writable: nothing can be created in {above}; choose a "
                 f"location you can write to"
             ) from None
