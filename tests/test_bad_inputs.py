@@ -3655,6 +3655,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
      "megapar-train refuses: --adam-beta2 1.0 is invalid: it must be in [0, 1)"),
     ("args.json", {"output_dir": "out", "bf16": True, "fp16": True},
      ": bf16 and fp16 are both true, which the Trainer refuses: set one"),
+    ("args.json", {"output_dir": "out", "bf16": 1.0, "fp16": "yes"},  # read as its switches
+     ": bf16 and fp16 are both true, which the Trainer refuses: set one"),  # are (1.0 was not)
     ("acc.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: MEGATRON_LM\n"
                  "megatron_lm_config:\n  megatron_lm_gradient_clipping: -1\n",
      "is an accelerate config, which megapar-train does not read, and a value in it is one "

@@ -179,6 +179,16 @@ def is_trainer_arguments(data: dict, own: set[str]) -> bool:
     return not any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))
 
 
+def switched_on(data: dict, key: str) -> bool:
+    """The Trainer's switch `key` of its arguments `data`, its value read as the Trainer's
+    string_to_bool reads a word ("false", "no", "0" are false; the string "false" was read as
+    true)."""
+    value = data.get(key, False)
+    if isinstance(value, str):
+        return other_switch_value(value.strip()) is True
+    return bool(value)
+
+
 def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], list[str]]:
     """The Trainer's arguments `data` as megapar-train's (flags, sentences), the Trainer's
     defaults filled in where megapar-train's differ. `command_line`: the command line's flags
@@ -205,12 +215,7 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
         return value
 
     def on(key: str) -> bool:
-        """The switch `key`, its value read as the Trainer's string_to_bool reads a word
-        ("false", "no", "0" are false; the string "false" was read as true)."""
-        value = data.get(key, False)
-        if isinstance(value, str):
-            return other_switch_value(value.strip()) is True
-        return bool(value)
+        return switched_on(data, key)
 
     def shown(key: str, default: float) -> str:
         value = get(key, default)
@@ -823,7 +828,7 @@ def trainer_arguments(
     """Why `path`, the Trainer's arguments, is not read, with its settings as flags, each the
     command line gives as it gives it (`command_line_wins`), or the first of them whose value
     megapar-train refuses (`refused`)."""
-    if all(other_switch_value(str(data.get(key)).strip()) is True for key in ("bf16", "fp16")):
+    if switched_on(data, "bf16") and switched_on(data, "fp16"):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     try:
         flags, said = trainer_flags(data, command_line)
