@@ -129,10 +129,14 @@ def _worker(
     share_host_arena()  # before any thread of this worker allocates
     # a forkserver's worker is the forkserver's child, which ends with the launcher
     die_with_parent(parent if parent is not None else os.getppid())
+    # its launcher's exits on SIGHUP, SIGQUIT, SIGUSR2 undone before faulthandler's dump on
+    # SIGUSR2 is installed: after it, the launcher's handler still read as installed (signal.
+    # getsignal does not see faulthandler's) and SIG_DFL replaced the dump, killing the rank
+    # whose stack was asked for (a new user's finding)
+    stop.default_on_signals(stop.ABORT_SIGNALS)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))  # its own
     begin_marks()  # records, not those of its launcher's process (a run before, in a test)
     stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)
-    stop.default_on_signals(stop.ABORT_SIGNALS)  # nor its exits on SIGHUP, ...
     stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)
