@@ -2078,3 +2078,30 @@ def test_a_lost_connection_in_the_report_is_said_without_gloo_s_noise():
                          "[127.0.0.1]:1234", "Traceback ...",
                          "then: rank 2: RuntimeError: Connection closed by peer "
                          "[127.0.0.1]:1234"], lines
+
+
+def test_an_inject_corrupt_stage_that_does_not_hold_the_module_is_refused():
+    """`--inject-corrupt step=3,module=transformer.h.1.mlp,pp=1` at --pp 2 (h.1 is on stage 0)
+    corrupted nothing and the run passed (a new user's finding): the rank of that stage refuses
+    it, naming what the stage holds; the stage that holds it arms its hook."""
+    from transformers import GPT2Config
+
+    from megapar.diagnostics import inject
+    from megapar.mesh import Layout, Mesh
+    from megapar.models.config import config_from_dict
+    from megapar.pipeline.partition import build_stage
+
+    config = config_from_dict(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+                                         n_head=4, bos_token_id=0, eos_token_id=0).to_dict())
+    layout = Layout(1, 2, 1)
+    for pp, refused in ((0, False), (1, True)):
+        mesh = Mesh.virtual(layout, rank=pp, device="cpu")
+        stage = build_stage(config, mesh, seed=0)
+        spec = inject.check(f"step=3,module=transformer.h.1.mlp,pp={pp}", config, layout)
+        if refused:
+            with pytest.raises(ValueError, match=r"--inject-corrupt: transformer.h.1.mlp is not "
+                               r"on pp stage 1 \(it holds transformer.h.2 to lm_head\); give "
+                               r"the pp= of the stage that holds it, or leave pp= out"):
+                inject.CorruptInjector(spec, stage, config, mesh)
+        else:
+            assert len(inject.CorruptInjector(spec, stage, config, mesh).modules) == 1

@@ -167,9 +167,15 @@ class CorruptInjector:
         """How often the value was corrupted (forwards, recomputations and re-runs)."""
         coords = (mesh.tp_rank, mesh.cp_rank, mesh.dp_rank)
         here = coords == (spec.tp, spec.cp, spec.dp) and spec.pp in (None, mesh.pp_rank)
-        self.modules = [
-            m for _, m, name in hf_modules(stage, config) if here and name == spec.module
-        ]
+        held = [(m, name) for _, m, name in hf_modules(stage, config)]
+        self.modules = [m for m, name in held if here and name == spec.module]
+        if here and spec.pp is not None and not self.modules:  # (it corrupted nothing and
+            names = [name for _, name in held]  # the run passed; a new user's finding)
+            holds = f"it holds {names[0]} to {names[-1]}" if names else "it holds none"
+            raise ValueError(
+                f"--inject-corrupt: {spec.module} is not on pp stage {spec.pp} ({holds}); "
+                f"give the pp= of the stage that holds it, or leave pp= out"
+            )
         for module in self.modules:
             module.register_forward_hook(self._hook)
 
