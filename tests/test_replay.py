@@ -73,6 +73,9 @@ def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, ca
     that module and rank as the first whose values differ."""
     err, out = _replay(common, tmp_path, capfd, CORRUPT)
     assert "its record for --replay: " in err, err
+    # the advice is the injection's ("Lower --lr" cannot help it; a new user's finding)
+    assert "the fault injected on purpose (step=3,module=transformer.h.3.attn,tp=1) put it " \
+        "there: leave out --inject-corrupt" in err and "Lower --lr" not in err, err
     assert NAMED in _verdict(out), out
     # the table's recorded column shows the fault where the line names it, not tp rank 0's
     # clean copy of the attention output (the first nan was in transformer.h.3.mlp.c_fc)

@@ -71,6 +71,14 @@ class NonFiniteGuard:
     """What megapar-train's error adds after the reason ({clip}: "lower" where the run clips,
     "use" where it does not)."""
 
+    INJECTED_ADVICE = (
+        "stopped without saving (the last checkpoint, if any, is intact); the fault injected "
+        "on purpose ({spec}) put it there: leave out --inject-corrupt (or MEGAPAR_INJECT_CORRUPT) "
+        "to train; --max-nonfinite-steps sets the patience"
+    )
+    """megapar-train's, where the run injects the value itself ({spec}: the injection's; "lower
+    --lr" cannot help it; a new user's finding)."""
+
     def __init__(
         self,
         max_steps: int,

@@ -548,7 +548,9 @@ class Trainer:
             cfg.max_nonfinite_steps,
             cfg.precision,
             self.precision.scaler,
-            NonFiniteGuard.CLI_ADVICE.format(clip="lower" if cfg.clip_grad else "use"),
+            NonFiniteGuard.INJECTED_ADVICE.format(spec=cfg.inject_corrupt)
+            if cfg.inject_corrupt
+            else NonFiniteGuard.CLI_ADVICE.format(clip="lower" if cfg.clip_grad else "use"),
         )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         saved = self.saved_at_start()
