@@ -1728,6 +1728,33 @@ def test_a_sigterm_ends_a_rank_inside_a_long_computation_in_one_line(tmp_path):
         "exiting with code 143\n"), text
 
 
+def _sigterm_while_waiting(err):
+    """A rank asked to stop cleanly (SIGTERM) inside a wait (a sleep, as a store's or a
+    collective's wait is): stderr to `err`."""
+    from megapar.faults import stop
+
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    stop.STOP_GRACE_S = 1.0
+    stop.watch_sigterm()
+    stop.install_stop_handlers("SIGTERM")
+    (err.parent / "ready").touch()
+    for _ in range(3):
+        time.sleep(60)
+    os._exit(0)
+
+
+def test_a_sigterm_ends_a_rank_inside_a_wait_naming_the_grace(tmp_path):
+    """A rank still blocked in a wait when the grace is up says which setting gave it the
+    grace (a new user's finding: nothing named MEGAPAR_STOP_GRACE_S), then its stacks."""
+    err = tmp_path / "err.txt"
+    exitcode, text = _sigterm_when_ready(_sigterm_while_waiting, (err,), err, settle_s=0.5)
+    assert exitcode == 143, (exitcode, text)
+    assert " s ago and still blocked at " in text and "(a wait that cannot see the signal; " \
+        "MEGAPAR_STOP_GRACE_S gives it 1 s): exiting with code 143; its Python stacks:" in text, \
+        text
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, common,
                                                                     private_tmpdir):

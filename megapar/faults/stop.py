@@ -460,8 +460,9 @@ def _end_if_blocked() -> None:
     if waits:
         _write_block(
             f"megapar: {_who()}SIGTERM {waited:.0f} s ago and still blocked at "
-            f"{_status.status()} (a wait that cannot see the signal): exiting with code "
-            f"{SIGTERM_EXIT_CODE}"
+            f"{_status.status()} (a wait that cannot see the signal"
+            + (f"; MEGAPAR_STOP_GRACE_S gives it {grace:.0f} s" if grace else "")
+            + f"): exiting with code {SIGTERM_EXIT_CODE}"
             + "".join(f"; {d}" for d in [*done, stuck] if d)
             + f"; its Python stacks:\n{_stacks()}"
         )
