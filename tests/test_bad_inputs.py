@@ -2071,7 +2071,7 @@ def test_a_torchtitan_job_config_is_answered_with_megapar_trains_flags(tmp_path)
         parse_args(["--config", str(job), "--max-steps", "20", "--fp8", "off"])
     said = str(exc.value)
     assert "--max-steps 20 --precision bf16 --fp8 off;" in said and "the command line's " \
-        "--max-steps 20 over the file's --max-steps 1000; the command line's --fp8 off over " \
+        "--max-steps 20 over the file's training.steps 1000; the command line's --fp8 off over " \
         "the file's --fp8 rowwise" in said, said
 
 
@@ -3507,6 +3507,17 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         assert said.count("--warmup-steps") == 1 + (note is not None), said
         assert note is None or note in said, said
         assert "never reaching" not in said and "above" not in said, said
+    # the line's --max-steps and --warmup-steps stand in a torchtitan job's steps and warmup:
+    # its schedule is the line's (a warmup of 30 was cut to the file's 10 steps, its cosine
+    # dropped, beside --max-steps 50; a re-test)
+    titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 10\n[optimizer]\n"
+                          "lr = 8e-4\n[lr_scheduler]\nwarmup_steps = 30\ndecay_type = "
+                          "\"cosine\"\nmin_lr_factor = 0.1\n", "--max-steps", "50",
+                          "--warmup-steps", "3")
+    assert "--warmup-steps 3 --lr-decay cosine --min-lr 8e-05 --max-steps 50 " in titan, titan
+    assert titan.endswith("the command line's --max-steps 50 over the file's training.steps 10; "
+                          "the command line's --warmup-steps 3 over the file's lr_scheduler."
+                          "warmup_steps 30"), titan
     # the line's --lr stands in a torchtitan job's [optimizer] lr: its cosine's floor is its
     # min_lr_factor of the line's (it stayed 8e-05 of the file's 8e-4 beside --lr 1e-3)
     titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 100\n[optimizer]\n"

@@ -90,13 +90,7 @@ def torchtitan_job(
     kinds = kinds or {}
     if not any(isinstance(v, dict) and k in TORCHTITAN_SECTIONS for k, v in job.items()):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
-    lr, given = line_number(command_line, "--lr"), _table(job, "optimizer").get("lr")
-    lr_note = []  # the line's --lr in [optimizer] lr: a cosine's floor its ratio of it (the
-    if lr is not None and isinstance(job.get("optimizer", {}), dict):  # file's was; a re-test)
-        job = {**job, "optimizer": {**_table(job, "optimizer"), "lr": float(lr)}}
-        line_lr = (command_line or {})["--lr"]
-        if given is not None and given != lr:
-            lr_note = [f"the command line's {line_lr} over the file's optimizer.lr {given}"]
+    job, line_notes = _at_the_line(job, command_line)
     keys = list(_leaves(job))
     flags, sentences, left = [], [], []
     own = [str(k) for k, v in job.items() if not isinstance(v, dict)]
@@ -186,7 +180,7 @@ def torchtitan_job(
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     flags = list(dict.fromkeys(flags))  # [training] compile and [compile] enable: said once
     flags, notes = command_line_wins(flags, command_line)
-    sentences += lr_note + list(dict.fromkeys(notes))
+    sentences += line_notes + list(dict.fromkeys(notes))
     if line := refused_value(said, flags, refused, job):
         return line
     return (
@@ -308,6 +302,32 @@ def _torchtitan_value(key: str, value) -> str | None:
 
 TORCHTITAN_SCHEDULE = ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min")
 """torchtitan's [lr_scheduler] keys `torchtitan_schedule` names as flags."""
+
+
+LINE_KEYS = {
+    "--lr": ("optimizer", "lr", float),
+    "--max-steps": ("training", "steps", int),
+    "--warmup-steps": ("lr_scheduler", "warmup_steps", int),
+}
+"""megapar-train's flags whose command-line values stand in a torchtitan job's keys before it
+is translated: its schedule is then the line's (a cosine's floor of the line's --lr, a warmup
+and a decay of the line's --max-steps; they were the file's, a re-test)."""
+
+
+def _at_the_line(job: dict, command_line: dict | None) -> tuple[dict, list[str]]:
+    """`job` with the command line's values of `LINE_KEYS`' flags in its tables, and a note
+    for each value of the file's it replaced."""
+    notes = []
+    for flag, (table, key, kind) in LINE_KEYS.items():
+        value = line_number(command_line, flag)
+        if value is None or not isinstance(job.get(table, {}), dict):
+            continue
+        given = _table(job, table).get(key)
+        job = {**job, table: {**_table(job, table), key: kind(value)}}
+        if given is not None and given != value:
+            said = (command_line or {})[flag]
+            notes.append(f"the command line's {said} over the file's {table}.{key} {given}")
+    return job, notes
 
 
 DECAY_TYPES = ("linear", "sqrt", "cosine")
