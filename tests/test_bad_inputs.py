@@ -3498,7 +3498,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
              ["--max-steps", "4", "--warmup-steps", "2"],
              "the command line's --warmup-steps 2 over the file's warmup_ratio 0.1"),
             ({"output_dir": "o", "max_steps": 200, "warmup_steps": 100},
-             ["--max-steps", "50", "--warmup-steps", "100"], None)):
+             ["--max-steps", "50", "--warmup-steps", "100"], None),
+            # DeepSpeed's warmup not cut or said beside the line's ("above the command line's
+            # --max-steps 50" of the line's 200, and "over the file's --warmup-steps 50", its
+            # cut; a re-test), nor an inline one beside a Trainer's
+            ({"scheduler": {"type": "WarmupDecayLR", "params": {
+                "warmup_num_steps": 100, "total_num_steps": 1000}}},
+             ["--max-steps", "50", "--warmup-steps", "200"], "the command line's --warmup-steps "
+             "200 over the file's scheduler.params.warmup_num_steps 100"),
+            ({"output_dir": "o", "max_steps": 20, "warmup_steps": 10, "deepspeed": {
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 20}}}},
+             ["--max-steps", "3", "--warmup-steps", "5"],
+             "the command line's --warmup-steps 5 over the file's warmup_steps 10")):
         derived.write_text(json.dumps(file))
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(derived), *line])

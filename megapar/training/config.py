@@ -62,7 +62,6 @@ from megapar.training.line_over_file import (
     TRAINER_KEYS,
     at_the_line,
     get_in,
-    named_at_the_line,
     trainer_at_lr,
 )
 from megapar.training.other_tools import (
@@ -873,10 +872,9 @@ def read_run_config(
         data, replaced = at_the_line(data, command_line, DEEPSPEED_KEYS, add=False)  # its batch
         file_lr = get_in(data, ("optimizer", "params", "lr"))
         replaced = _lr_note(lr, file_lr, "optimizer.params.lr") + replaced
-        total = named_at_the_line(command_line, "--max-steps", "total_num_steps")
         try:
             flags, left, auto = deepspeed_equivalents(
-                data, dp, lr, TrainConfig.lr, total, file_batch
+                data, dp, lr, TrainConfig.lr, file_batch, command_line
             )
         except ConfigError as exc:  # a value where DeepSpeed takes a section
             raise ConfigError(f"{path}: {exc}") from None

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from megapar.models.config import ConfigError
+from megapar.training.line_over_file import named_at_the_line
 
 DEEPSPEED_KEYS = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16"}
@@ -204,8 +205,8 @@ def deepspeed_equivalents(
     dp: int | None = None,
     lr: float | None = None,
     default_lr: float | None = None,
-    total_name: str = "total_num_steps",
     file_batch: dict | None = None,
+    command_line: dict | None = None,
 ) -> tuple[list[str], list[str], list[str]]:
     """A DeepSpeed config's settings as megapar-train flags, the keys that have none, and the
     keys whose value is "auto" (the Hugging Face Trainer's, filled from its arguments). A
@@ -214,10 +215,13 @@ def deepspeed_equivalents(
     over the file's (the command line's --lr, or the Trainer's): the --lr said, and the
     WarmupCosineLR floor its ratio of it; None: the file's, else megapar-train's `default_lr`,
     said beside the floor it sets (neither: the floor is said as a ratio of --lr, no flag).
-    `total_name`: what the scheduler's total_num_steps is called (the command line's
-    --max-steps, where that stands in it). `file_batch`: the file's own settings where the
-    command line's stand in `data`'s batch keys: DeepSpeed's checks of its batch, and the dp its
-    batch keys imply, are the file's (the line's --micro-batch-size 2 made a file's 8 GPUs 16)."""
+    `file_batch`: the file's own settings where the command line's stand in `data`'s batch keys:
+    DeepSpeed's checks of its batch, and the dp its batch keys imply, are the file's (the line's
+    --micro-batch-size 2 made a file's 8 GPUs 16). `command_line`: the command line's flags
+    (`command_line_wins`): its --max-steps stands in total_num_steps and is called the line's,
+    and its --warmup-steps is the warmup, nothing of the file's cut or said beside it."""
+    total_name = named_at_the_line(command_line, "--max-steps", "total_num_steps")
+    line_warmup = (command_line or {}).get("--warmup-steps")
     flags: list[str] = []
     left: list[str] = []
     auto: list[str] = []
@@ -399,7 +403,9 @@ def deepspeed_equivalents(
             default = 1000 if decay is not None and "warmup_num_steps" not in given_auto else None
             warmup = params.get("warmup_num_steps", default)
             total = params.get("total_num_steps")
-            if isinstance(warmup, (int, float)) and isinstance(total, (int, float)):
+            if line_warmup is not None:  # (a cut of the file's was noted as "the file's", and
+                warmup = line_warmup.split()[-1]  # its warmup above the line's; a re-test)
+            elif isinstance(warmup, (int, float)) and isinstance(total, (int, float)):
                 if warmup > total:
                     left.append(
                         f"scheduler.params.warmup_num_steps {_flag_value(warmup)} above "

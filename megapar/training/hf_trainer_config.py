@@ -669,7 +669,8 @@ def _inline_deepspeed(
     said_so = warmup is not None and _alike(warmup, own["--warmup-steps"])  # by the Trainer's
     if warmup and steps and float(warmup) > float(steps):  # DeepSpeed's 1000 over a shorter run
         more = [f"--warmup-steps {steps}" if f == f"--warmup-steps {warmup}" else f for f in more]
-        if not said_so:  # (the Trainer's own warmup of these steps said it: it was twice)
+        if not said_so and "--warmup-steps" not in line:  # (the Trainer's own warmup of these
+            # steps said it: it was twice; the line's own replaces it: it was said beside it)
             said.append(
                 f"deepspeed's scheduler warms up over {warmup} steps, more than "
                 f"{steps_name} {steps}, never reaching its peak lr (megapar's warmup ends "
