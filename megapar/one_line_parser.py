@@ -239,6 +239,9 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
         self._given_flags = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+        self._given_values = {  # a flag given a value in its word: --no-compile=true
+            w.split("=", 1)[0] for w in argv if w.startswith("--") and "=" in w
+        }
         self._refuse_unplaced(argv)
         if self._spread_positionals():
             return self.parse_intermixed_args(argv, namespace)
@@ -349,9 +352,10 @@ class OneLineParser(argparse.ArgumentParser):
         off_name = f"--no-{on[2:]}"
         off = f"give {off_name}" if off_name in spellings else "leave it out"
         value = match.group(2)
-        given: set[str] = getattr(self, "_given_flags", set())
+        given: set[str] = getattr(self, "_given_values", set())
         said = on  # --no-compile=true is off: its true and false are the other way round (it
-        if off_name in given and on not in given:  # was told "give --compile alone"; a re-test)
+        if off_name in given and on not in given:  # was told "give --compile alone"; beside
+            # --compile too: the spelling given the value decides; re-tests)
             said, value_means_on = off_name, value.lower() in FALSE_WORDS
         else:
             value_means_on = value.lower() in TRUE_WORDS

@@ -1513,6 +1513,9 @@ def test_a_value_given_to_a_switch_is_answered_with_the_switch(capsys):
                                 "give --no-compile (see"),
         (["--no-compile=0"], "--no-compile is a switch and takes no value (=0 given); give "
                              "--compile alone"),
+        (["--compile", "--no-compile=true"], "--no-compile is a switch and takes no value "
+                                             "(=true given); give --no-compile (see"),  # beside
+        # the plain switch too (it answered --compile's, the opposite; a re-test)
     ]:
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
