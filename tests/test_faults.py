@@ -2132,3 +2132,22 @@ def test_an_inject_corrupt_stage_that_does_not_hold_the_module_is_refused():
                 inject.CorruptInjector(spec, stage, config, mesh)
         else:
             assert len(inject.CorruptInjector(spec, stage, config, mesh).modules) == 1
+
+
+def test_an_output_that_is_a_link_to_nothing_is_named_so(tmp_path):
+    """--save LINK to a directory not there was "not writable (... is a file, not a
+    directory)", and a loop of links "a link to loop2, which does not exist" (a re-test)."""
+    from megapar.training.validate import check_writable
+
+    os.symlink(tmp_path / "nowhere", tmp_path / "ckpt")
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    for path, kind, said in (
+            (tmp_path / "ckpt", "dir", f"--out {tmp_path / 'ckpt'} is a link to "
+             f"{tmp_path / 'nowhere'}, which does not exist; give another directory, or remove "
+             f"the link"),
+            (tmp_path / "loop1", "file", f"--out {tmp_path / 'loop1'} is a link in a loop of "
+             f"links; give another file name, or remove the link")):
+        with pytest.raises(ValueError) as info:
+            check_writable(str(path), "--out", kind)
+        assert str(info.value) == said

@@ -599,11 +599,12 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
         )
     if kind == "file" and names_directory(path):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
-    if kind == "file" and os.path.islink(target) and not os.path.exists(target):
-        raise ValueError(  # (the run's write failed after its work, a traceback; a re-test)
-            f"{flag} {path} is a link to {os.readlink(target)}, which does not exist; give "
-            f"another file name, or remove the link"
-        )
+    if os.path.islink(target) and not os.path.exists(target):  # (a file's write failed after
+        hop = os.readlink(target)  # the run's work; a directory's was "is a file"; re-tests)
+        looped = os.path.lexists(os.path.join(os.path.dirname(target), hop))
+        what = "a link in a loop of links" if looped else f"a link to {hop}, which does not exist"
+        thing = "file name" if kind == "file" else "directory"
+        raise ValueError(f"{flag} {path} is {what}; give another {thing}, or remove the link")
     try:
         probe_writable(directory)
         if kind == "file" and os.path.exists(target):
