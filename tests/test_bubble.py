@@ -781,3 +781,47 @@ def test_unequal_stages_are_said_beside_the_theory_column():
     assert unequal_stages_note(stats(100, 121), 0.2) is not None
     assert unequal_stages_note(stats(100, 300), None) is None  # no theory column to qualify
     assert unequal_stages_note(stats(100), 0.0) is None
+
+
+def test_an_output_the_disk_refuses_is_one_line_and_leaves_no_file(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A full disk under --trace / --plot was a traceback after the run, beside an empty file
+    (a re-test): one line, exit 1, the file as it was (none; or the earlier one); a device
+    (/dev/full) is written itself, never replaced by a file."""
+    import errno
+    import stat
+
+    from megapar.cli import bubble as cli
+
+    base = ["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1"]
+
+    def full(timeline, path, *args, **kwargs):
+        with open(path, "w") as f:
+            f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "write_chrome_trace", full)
+    monkeypatch.setattr(cli, "plot_gantt", full)
+    earlier = tmp_path / "t.json"
+    earlier.write_text('{"traceEvents": [], "otherData": {"writer": "megapar"}}')
+    for flag, out in (("--trace", tmp_path / "new.json"), ("--trace", earlier),
+                      ("--plot", tmp_path / "g.png")):
+        assert main([*base, flag, str(out)]) == 1
+        assert _last_error(capsys) == (
+            f"megapar-bubble: error: {flag} {out}: No space left on device while writing it; "
+            f"nothing was written (free space there, or give another file name)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+    assert "megapar" in earlier.read_text()
+    if os.path.exists("/dev/full"):
+        monkeypatch.undo()
+        assert main([*base, "--trace", "/dev/full", "--overwrite"]) == 1
+        assert "--trace /dev/full: No space left on device" in _last_error(capsys)
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def _last_error(capsys) -> str:
+    """The one error line of a run that reported (its report on stdout) and then failed."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]

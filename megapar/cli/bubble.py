@@ -26,10 +26,13 @@ measures, builds a model or runs real steps is imported where it is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import sys
+import tempfile
+from collections.abc import Callable
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
@@ -615,15 +618,49 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
         )
     for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
         os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
-    assert isinstance(run.timeline, Timeline)  # a measured or simulated step's
+    timeline = run.timeline
+    assert isinstance(timeline, Timeline)  # a measured or simulated step's
     if args.trace:
-        write_chrome_trace(run.timeline, args.trace)
+        _written("--trace", args.trace, lambda out: write_chrome_trace(timeline, out))
         print(f"wrote {args.trace}")
     if args.plot:  # a simulation's receives at --p2p-ms 0 are waits only: no comm bars
         free = args.simulate and run.costs is not None and run.costs.get("p2p_ms") == 0
-        plot_gantt(run.timeline, args.plot, title=title, comm=not free)
+        _written("--plot", args.plot, lambda out: plot_gantt(timeline, out, title, comm=not free))
         print(f"wrote {args.plot}")
     print(json.dumps(run.summary()))
+
+
+def _written(flag: str, path: str, write: Callable[[str], None]) -> None:
+    """`write(file)` into a hidden file beside `path` (of its suffix, which names a chart's
+    format), then renamed onto it (through a link, onto the link's file): a disk that refuses
+    the write leaves `path` as it was and no empty file. A `path` that is no regular file (a
+    device: /dev/null) is written itself. Its OSError is one line (ValueError: a full disk was
+    a traceback after the run, beside a file of 0 bytes; a re-test)."""
+    real = os.path.realpath(os.path.expanduser(path))
+    special = os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode)
+    part = real
+    try:
+        if not special:
+            stem, suffix = os.path.splitext(os.path.basename(real))
+            fd, part = tempfile.mkstemp(
+                prefix=f".{stem}.", suffix=suffix, dir=os.path.dirname(real)
+            )
+            os.close(fd)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(part, 0o666 & ~mask)  # a file's usual mode (mkstemp's is the owner's)
+        write(part)
+        if not special:
+            os.replace(part, real)
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path}: {exc.strerror or exc} while writing it; nothing was written (free "
+            f"space there, or give another file name)"
+        ) from None
+    finally:
+        if part != real:
+            with contextlib.suppress(OSError):
+                os.remove(part)
 
 
 def check_measurement_memory(args) -> None:
@@ -743,7 +780,11 @@ def main(argv=None) -> int:
             )
             return 1
         title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
-    print_report(args, run, title)
+    try:
+        print_report(args, run, title)
+    except ValueError as exc:  # an output the disk refused (`_written`)
+        print(f"megapar-bubble: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
