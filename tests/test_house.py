@@ -24,6 +24,7 @@ LAYERS = [  # lowest first: a module may import its own layer and the ones below
         "megapar.graph_break",
         "megapar.one_line_parser",
         "megapar.made_dirs",
+        "megapar.disk",
         "megapar.wording",
         "megapar.host_memory",
         "megapar.env_seconds",

@@ -14,7 +14,6 @@ only the rows (and columns) of the experts the rank keeps. dp and cp never matte
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -59,6 +58,7 @@ from megapar.checkpoint.stage_tensors import (
     stage_tensors,
     whole_expert_shape,
 )
+from megapar.disk import DISK_ERRORS
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, Mesh, broadcast_text, gather_payloads
 from megapar.models.config import config_from_dict
@@ -329,9 +329,6 @@ def write_checkpoint(
         raise failed from cause  # its traceback in this rank's log (none for a disk's)
     return Path(outcome)
 
-
-DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
-"""A write's errors of the disk, not of the code: said with `DISK_FIX`, without a traceback."""
 
 DISK_FIX = "free space there, or give --save another directory"
 """What a save that a disk refused says to do."""

@@ -41,7 +41,6 @@ layers); the model is the training args its common.pt records (read without unpi
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import signal
@@ -52,6 +51,7 @@ from pathlib import Path
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.entry import ENDED_WORDS, exit_while_starting
+from megapar.disk import DISK_ERRORS
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import (
     SHARDING_NAMES,
@@ -803,17 +803,14 @@ def _from_megatron(args, progress: bool) -> str:
     return report
 
 
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
-"""What a full disk, a quota or a file system gone read-only raise: exit 1, not bad input's 2."""
-
-
 def _disk_full(exc: BaseException) -> str | None:
-    """The words of a write error of the disk (`WRITE_ERRORS`), or None: an OSError's, or the
+    """The words of a write error of the disk (`DISK_ERRORS`: exit 1, not bad input's 2), or
+    None: an OSError's, or the
     text of one the tokenizers and safetensors libraries raise as their own exception types
     ("No space left on device (os error 28)")."""
     if isinstance(exc, OSError):
-        return (exc.strerror or str(exc)) if exc.errno in WRITE_ERRORS else None
-    for code in WRITE_ERRORS:
+        return (exc.strerror or str(exc)) if exc.errno in DISK_ERRORS else None
+    for code in DISK_ERRORS:
         words = os.strerror(code)
         if words in str(exc) or f"os error {code})" in str(exc):
             return words
