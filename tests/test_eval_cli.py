@@ -519,6 +519,43 @@ def test_an_existing_save_logits_file_is_replaced_only_with_overwrite(tiny_ckpt,
     assert np.load(ids).ndim == 2
 
 
+def test_save_logits_on_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path,
+                                                                         monkeypatch):
+    """A full disk was "OSError: [Errno 28] No space left on device" and a log of no
+    traceback (a re-test): the run's stop names the file and the fix; the older file stays."""
+    import errno
+
+    import megapar.cli.eval as eval_cli
+    from megapar.faults.stop import RunStopped
+
+    out = tmp_path / "logits.npy"
+    np.save(out, np.zeros(3, dtype=np.float32))
+    written = []
+
+    class Full:
+        def __init__(self, path, mode):
+            written.append(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eval_cli, "open", Full, raising=False)
+    with pytest.raises(RunStopped) as info:
+        eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
+    assert str(info.value) == (
+        f"--save-logits {out}: No space left on device while writing it; nothing was written "
+        f"(free space there, or give another file name)")
+    assert info.value.no_traceback and written
+    assert np.load(out).shape == (3,) and sorted(p.name for p in tmp_path.iterdir()) == [
+        "logits.npy"]
+
+
 def test_save_logits_interrupted_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
     # a Ctrl-C inside np.save used to leave a cut-short logits.npy behind "nothing was written"
     import megapar.cli.eval as eval_cli

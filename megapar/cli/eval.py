@@ -47,9 +47,10 @@ from megapar.data import (
 from megapar.data.blended import parse_blend
 from megapar.data.indexed import remove_stale_tmps, tmp_name
 from megapar.device import use_cuda
+from megapar.disk import DISK_ERRORS
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.status import set_action
-from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+from megapar.faults.stop import SIGTERM_EXIT_CODE, RunStopped, sigterm_as_exit
 from megapar.host_memory import host_memory_available
 from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
@@ -422,6 +423,13 @@ def save_logits(path: str, logits: np.ndarray) -> None:
             for start in range(0, flat.size, step):
                 f.write(flat[start : start + step].tobytes())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk: one line with its fix, no traceback to point to (it
+        if exc.errno not in DISK_ERRORS:  # was "OSError: [Errno 28] ..." and a log; a re-test)
+            raise
+        raise RunStopped(
+            f"--save-logits {path}: {exc.strerror} while writing it; nothing was written (free "
+            f"space there, or give another file name)"
+        ) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

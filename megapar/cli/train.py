@@ -23,7 +23,7 @@ from megapar.checkpoint.lock import LOCK_NAME, SaveLock, SaveLockError, read_own
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.cli.worker_exit import parser_errors_once, refused
+from megapar.cli.worker_exit import TRACEBACK, parser_errors_once, refused
 from megapar.device import SHORT_JOIN_S, DeviceError, check_gpus, use_cuda
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.modelled import expert_tp_note, planned_job
@@ -227,9 +227,6 @@ def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
         f"step {start}, where this run starts)"
     ]
 
-
-TRACEBACK = "Traceback (most recent call last)"
-"""What a failure's text holds where a rank's stack is in it (a log worth pointing to)."""
 
 PER_NODE_SETTINGS = frozenset(
     {

@@ -35,6 +35,10 @@ def stopped_line(tool: str, sigterm: bool, stopped_note: str = "") -> tuple[str,
     return f"{tool}: {what}{stopped_note}", SIGTERM_EXIT_CODE if sigterm else 130
 
 
+TRACEBACK = "Traceback (most recent call last)"
+"""What a failure's text holds where a rank's stack is in it (a log worth pointing to)."""
+
+
 def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -> int:
     """Print `tool`'s line for `exc`, raised by its `run_workers`, and return the exit code.
     A Ctrl-C or SIGTERM (the terminal's to every rank, or passed on by the launcher) is not a
@@ -51,8 +55,9 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
         return code
     rank = None  # a WorkerError names its rank
     clean = False
-    if isinstance(exc, WorkerError):
-        text = str(exc)
+    if isinstance(exc, WorkerError):  # a forked rank's: a log only for a traceback (a full
+        text = str(exc)  # disk under --save-logits pointed at one of none; a re-test)
+        clean = TRACEBACK not in text
     else:  # this process's rank: under torchrun / Slurm its own, not rank 0
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
         clean = getattr(exc, "no_traceback", False)
