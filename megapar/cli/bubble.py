@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
+from megapar.made_dirs import give_usual_mode
 from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
@@ -646,9 +647,7 @@ def _written(flag: str, path: str, write: Callable[[str], None]) -> None:
                 prefix=f".{stem}.", suffix=suffix, dir=os.path.dirname(real)
             )
             os.close(fd)
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(part, 0o666 & ~mask)  # a file's usual mode (mkstemp's is the owner's)
+            give_usual_mode(part)  # (mkstemp's is its owner's alone)
         write(part)
         if not special:
             os.replace(part, real)
