@@ -507,6 +507,8 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
              "--gpu-memory-gb and --peak-tflops"),
             (["--gpu=2"], "--gpu=2: did you mean --gpus 2? (a GPU's kind is --gpu-memory-gb "
              "and --peak-tflops)"),  # a count (it was told the GPU's figures)
+            (["--gpu", "4090"], "--gpu: megapar-plan takes a GPU's figures, not its name"),  # an
+            # RTX's number is its name, not a count (it asked "--gpus 4090?"; a re-test)
             (["--target", "h100"], "'h100' is not one of gpu, cpu: --target gpu plans any GPU, "
              "whose figures are --gpu-memory-gb and --peak-tflops")]:
         with pytest.raises(SystemExit) as stop:

@@ -153,6 +153,13 @@ FP8_ZERO3 = (
 GPU_NAME_FLAGS = ("--gpu", "--gpu-type", "--gpu-model")
 """Other tools' flags naming the GPU, which megapar-plan takes as its figures."""
 
+GPU_NUMBERS = frozenset(
+    {"1080", "2080", "3060", "3070", "3080", "3090", "4060", "4070", "4080", "4090", "5080"}
+    | {"5090", "6000", "8000"}
+)
+"""GPUs named by a number alone (RTX 4090, RTX 6000): `--gpu 4090` names one, not a count
+(it was asked "did you mean --gpus 4090?"; a re-test)."""
+
 GPU_FIGURES = (
     "--gpu-memory-gb and --peak-tflops (the defaults are an 80 GB A100's: 80 and 312; an H100 "
     "SXM's are 80 and 989)"
@@ -292,9 +299,10 @@ def answer_with_value(flag: str, text: str) -> str | None:
     """The answer to another tool's flag given a value on megapar-plan's line: a count given to
     a GPU's name (`--gpu 2`: --gpus 2; it was told --gpu-memory-gb and --peak-tflops), or a
     switch given false (`switch_given_false`); None where the flag's own answer stands."""
-    if flag in GPU_NAME_FLAGS and text.strip().isdigit():
+    count = text.strip()
+    if flag in GPU_NAME_FLAGS and count.isdigit() and int(count) and count not in GPU_NUMBERS:
         kind = "a GPU's kind is --gpu-memory-gb and --peak-tflops"
-        return f"did you mean --gpus {text.strip()}? ({kind})"
+        return f"did you mean --gpus {count}? ({kind})"
     return switch_given_false(flag, text)
 
 
