@@ -3599,6 +3599,11 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
         text = str(info.value)
         assert (flag in text.split(";")[0]) if flag else "--tensorboard" not in text, text
         assert (said in text) if said else "report_to" not in text, text
+    derived.write_text(json.dumps({"output_dir": "o", "max_steps": 5, "report_to": ["wandb",
+                                                                              "tensorboard"]}))
+    with pytest.raises(ConfigError) as info:  # the line's own: not told again (a re-test)
+        parse_args(["--config", str(derived), "--wandb-project", "p", "--tensorboard", "tb"])
+    assert "report_to" not in str(info.value), str(info.value)
     yaml_lr = tmp_path / "lr.yaml"  # YAML reads 1e-4 as a string (it was not noted)
     yaml_lr.write_text("output_dir: o\nmax_steps: 10\nlearning_rate: 1e-4\n")
     with pytest.raises(ConfigError, match="the command line's --lr 0.0002 over the file's "

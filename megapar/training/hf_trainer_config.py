@@ -463,7 +463,7 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     elif isinstance(deepspeed, dict):  # the config itself, as the Trainer takes it
         own = {"--warmup-steps": str(own_warmup)}  # the Trainer's, before a cut to --max-steps
         flags += _inline_deepspeed(deepspeed, flags, said, data, steps_name, own, line)
-    report_flags, report_said = _reports(data.get("report_to"), data.get("logging_dir"))
+    report_flags, report_said = _reports(data.get("report_to"), data.get("logging_dir"), line)
     flags += report_flags  # (wandb was "the Trainer's other arguments ... have no flag")
     said += report_said
     if data.get("resume_from_checkpoint"):
@@ -474,10 +474,11 @@ def trainer_flags(data: dict, command_line: dict | None) -> tuple[list[str], lis
     return flags, said
 
 
-def _reports(report: Any, logging_dir: Any) -> tuple[list[str], list[str]]:
+def _reports(report: Any, logging_dir: Any, line: frozenset[str]) -> tuple[list[str], list[str]]:
     """The Trainer's report_to (a name, "all", or a list of them) as megapar-train's reporting:
     tensorboard is --tensorboard, at its logging_dir where one is given, wandb --wandb-project
-    NAME (a sentence: the Trainer takes the project from WANDB_PROJECT); others are said to have
+    NAME (a sentence: the Trainer takes the project from WANDB_PROJECT; none where the command
+    line's flags `line` give it: it was told beside it, a re-test); others are said to have
     none, and "none" nothing (megapar-train's default)."""
     names = report if isinstance(report, list) else [report] if isinstance(report, str) else []
     wanted = {str(n).strip().lower() for n in names} - {"none", ""}
@@ -486,9 +487,9 @@ def _reports(report: Any, logging_dir: Any) -> tuple[list[str], list[str]]:
     flags, said = [], []
     if "tensorboard" in wanted and isinstance(logging_dir, str) and logging_dir.strip():
         flags.append(f"--tensorboard {logging_dir.strip()}")
-    elif "tensorboard" in wanted:
+    elif "tensorboard" in wanted and "--tensorboard" not in line:
         said.append("report_to tensorboard: --tensorboard DIR")
-    if "wandb" in wanted:
+    if "wandb" in wanted and "--wandb-project" not in line:
         said.append(
             "report_to wandb: --wandb-project NAME (the Trainer's WANDB_PROJECT), a run's name "
             "the environment's WANDB_NAME"
