@@ -3604,6 +3604,16 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError) as info:  # the line's own: not told again (a re-test)
         parse_args(["--config", str(derived), "--wandb-project", "p", "--tensorboard", "tb"])
     assert "report_to" not in str(info.value), str(info.value)
+    # a note names the file's own value, not one derived from the line's (the line's
+    # --micro-batch-size 2 made "the file's --global-batch-size (4 x dp)"; a re-test)
+    derived.write_text(json.dumps({"output_dir": "o", "max_steps": 20,
+                                   "per_device_train_batch_size": 4,
+                                   "gradient_accumulation_steps": 2}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(derived), "--micro-batch-size", "2", "--global-batch-size",
+                    "16"])
+    assert "the command line's --global-batch-size 16 over the file's --global-batch-size " \
+        "(8 x dp)" in str(info.value), str(info.value)
     yaml_lr = tmp_path / "lr.yaml"  # YAML reads 1e-4 as a string (it was not noted)
     yaml_lr.write_text("output_dir: o\nmax_steps: 10\nlearning_rate: 1e-4\n")
     with pytest.raises(ConfigError, match="the command line's --lr 0.0002 over the file's "

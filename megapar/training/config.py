@@ -858,12 +858,12 @@ def read_run_config(
         said = f"{path} is a torchtitan job config, which megapar-train does not read"
         raise ConfigError(torchtitan_job(loaded, said, _flag_kinds(), refused_flag, command_line))
     if is_trainer_arguments(data, set(by_name)):  # before DeepSpeed's: both have fp16 / bf16
-        before = data.get("learning_rate")
+        before, file_data = data.get("learning_rate"), data
         if lr is not None:  # the command line's --lr: its flags and a cosine's floor (they
             data = trainer_at_lr(data, lr)  # said the file's; a re-test)
         data, notes = at_the_line(data, command_line, TRAINER_KEYS, add=True)  # a warmup ratio
         notes = _lr_note(lr, before, "learning_rate") + notes
-        said = trainer_arguments(data, path, refused_flag, command_line)  # of its steps
+        said = trainer_arguments(data, path, refused_flag, command_line, file_data)  # its steps
         raise ConfigError(said + "".join(f"; {note}" for note in notes))
     if is_accelerate_config(data):
         raise ConfigError(accelerate_config(data, path, refused_flag, command_line))
@@ -881,7 +881,12 @@ def read_run_config(
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
-        flags, notes = command_line_wins(flags, command_line)
+        try:  # the file's own translation, whose values the notes name (not those derived
+            own = deepspeed_equivalents(file_batch, None, None, TrainConfig.lr)[0]  # from the
+        except ConfigError:  # line's: a global batch of its micro-batch; re-tests)
+            own = None
+        own = None if own is None else own + [flag_with_value(k, data[k]) for k in ours]
+        flags, notes = command_line_wins(flags, command_line, own)
         notes = replaced + notes
         what = f"{path} is a DeepSpeed config, which megapar-train does not read"
         if line := refused_value(what, flags, refused_flag, data):

@@ -92,25 +92,24 @@ def refused_value(
 
 
 def command_line_wins(
-    flags: list[str], command_line: dict[str, str] | None
+    flags: list[str], command_line: dict[str, str] | None, file_flags: list[str] | None = None
 ) -> tuple[list[str], list[str]]:
     """Translated `flags` with each flag the command line gives as it gives it (`command_line`:
     the text of its own flags by flag, a switch by both spellings: the command line wins over a
     file, as over a --config of megapar-train's own), and a sentence for each it changed ("the
-    command line's --min-lr 5e-05 over the file's --min-lr 0.0001")."""
+    command line's --min-lr 5e-05 over the file's --min-lr 0.0001"). `file_flags`: the file's
+    translation without the line's values in it, whose value the sentence names (none where it
+    has none, or the line's): a value derived from the line's (a global batch of its
+    micro-batch, a warmup cut to its steps) is not called the file's (re-tests)."""
+    own = {g[0]: " ".join(g) for f in (file_flags or []) for g in _groups(f)}
     kept, notes = [], []
     for text in flags:
-        groups: list[list[str]] = []  # "--adam-beta1 0.9 --adam-beta2 0.95" is two
-        for token in text.split(" "):
-            if token.startswith("--") or not groups:
-                groups.append([token])
-            else:
-                groups[-1].append(token)
         words = []
-        for group in groups:
+        for group in _groups(text):
             theirs, ours = " ".join(group), (command_line or {}).get(group[0])
-            if ours is not None and ours != theirs:
-                notes.append(f"the command line's {ours} over the file's {theirs}")
+            said = theirs if file_flags is None else own.get(group[0])
+            if ours is not None and ours != theirs and said is not None and said != ours:
+                notes.append(f"the command line's {ours} over the file's {said}")
             words.append(ours if ours is not None else theirs)
         kept.append(" ".join(words))
     # the file's warmup under the line's --max-steps is cut to it (--warmup-steps 100 at
@@ -122,10 +121,22 @@ def command_line_wins(
     if steps and warmup and not given and _number(warmup) and _number(steps.split()[-1]):
         most = steps.split()[-1]
         if float(warmup) > float(most):
-            said = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")
-            kept = [said.sub(f"--warmup-steps {most}", f) for f in kept]
+            cut = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")
+            kept = [cut.sub(f"--warmup-steps {most}", f) for f in kept]
             notes.append(f"the file's warmup of {warmup} steps cut to the command line's {steps}")
     return kept, notes
+
+
+def _groups(text: str) -> list[list[str]]:
+    """The flags of translated `text`, each with its words ("--adam-beta1 0.9 --adam-beta2
+    0.95" is two)."""
+    groups: list[list[str]] = []
+    for token in text.split(" "):
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
 
 
 def _key_of(problem: str, data: dict) -> str | None:
@@ -825,18 +836,27 @@ def _alike(a: str, b: str) -> bool:
 
 
 def trainer_arguments(
-    data: dict, path: str, refused: Refused | None = None, command_line: dict | None = None
+    data: dict,
+    path: str,
+    refused: Refused | None = None,
+    command_line: dict | None = None,
+    file_data: dict | None = None,
 ) -> str:
     """Why `path`, the Trainer's arguments, is not read, with its settings as flags, each the
-    command line gives as it gives it (`command_line_wins`), or the first of them whose value
-    megapar-train refuses (`refused`)."""
+    command line gives as it gives it (`command_line_wins`; `file_data`: the file's own
+    arguments, `data` before the line's values stood in them, whose flags its notes name), or
+    the first of them whose value megapar-train refuses (`refused`)."""
     if switched_on(data, "bf16") and switched_on(data, "fp16"):
         return f"{path}: bf16 and fp16 are both true, which the Trainer refuses: set one"
     try:
         flags, said = trainer_flags(data, command_line)
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
-    flags, notes = command_line_wins(flags, command_line)
+    try:
+        own = trainer_flags(file_data, None)[0] if file_data is not None else None
+    except ConfigError:  # (unlike its inline deepspeed config alone: the notes name `data`'s)
+        own = None
+    flags, notes = command_line_wins(flags, command_line, own)
     said += notes
     what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
