@@ -90,6 +90,12 @@ def test_the_references_keep_what_changes_the_computation_and_no_more():
     assert ref({**untied, "--zero": 3, "--grad-bucket-mb": 0.01}) == {
         "model": "llama-tiny", "--fp8-emulate": True, "--fp8": "tensorwise", "--tp": 2,
         "--dp": 2, "--grad-bucket-mb": 0.01, "--zero": 3}
+    # ... and a compressed reduction (its rounding, and ep's groups for the experts' gradients:
+    # qwen3-moe-tiny dp 2 x ep 2, fp16 compression, tensorwise: 4.1e-3; seed 8007)
+    compressed = {"model": "qwen3-moe-tiny", "--dp": 2, "--ep": 2, "--zero": 0,
+                  "--grad-compression": "fp16", "--fp8": "tensorwise"}
+    assert ref(compressed) == {"model": "qwen3-moe-tiny", "--fp8": "tensorwise", "--dp": 2,
+                               "--grad-compression": "fp16", "--ep": 2}
     gpipe = {"model": "llama-tiny", "--pp": 2, "--schedule": "gpipe", "--fp8": "rowwise"}
     assert ref(gpipe) == gpipe
     assert ref({**gpipe, "--loss-chunk-tokens": 0}) == {"model": "llama-tiny", "--fp8": "rowwise",

@@ -449,7 +449,10 @@ def special_reference(case: dict) -> dict:
       process by 8e-9, and by 0.0 under 1f1b, the backwards in the same order: rowwise 6.6e-2
       after two steps). So an --fp8 reference keeps dp
       (and --grad-bucket-mb: at dp 4 the buckets order the all-reduce's sums, bert-tiny
-      4.6e-5 in step 3's grad norm), ZeRO-2 and ZeRO-3 (and --zero3-reduce micro-batch:
+      4.6e-5 in step 3's grad norm; and --grad-compression / --grad-reduce-dtype, whose
+      rounding of the sum float8 magnifies: qwen3-moe-tiny tp 2 x dp 2 x cp 2 x ep 2 with
+      fp16 compression under tensorwise, 4.1e-3 in step 3's grad norm, seed 8007; with ep
+      too, which reduces the experts' gradients over other groups: 3e-6 in step 1's), ZeRO-2 and ZeRO-3 (and --zero3-reduce micro-batch:
       qwen3-moe-tiny dp 2 x cp 2 ZeRO-3 under LAMB and a capacity factor, fp32 weights 3e-8
       from ZeRO-0's, two tokens to other experts in step 3), and on a tied or MoE model pp
       with its schedule too. Under GPipe the chunked loss makes its gradients in the
@@ -473,8 +476,11 @@ def special_reference(case: dict) -> dict:
         # see above: what sums the gradients in another order shows under every recipe
         if case.get("--dp", 1) > 1:
             keep["--dp"] = case["--dp"]
-            if "--grad-bucket-mb" in case:  # the buckets order the all-reduce's sums
-                keep["--grad-bucket-mb"] = case["--grad-bucket-mb"]
+            for k in ("--grad-bucket-mb", "--grad-compression", "--grad-reduce-dtype"):
+                if k in case:  # the buckets order the all-reduce's sums; a compressed one
+                    keep[k] = case[k]  # rounds them, the experts' over ep's groups
+            if "--ep" in case and ("--grad-compression" in keep or "--grad-reduce-dtype" in keep):
+                keep["--ep"] = case["--ep"]
         if case.get("--zero") in (2, 3) or case.get("--zero3-reduce") == "micro-batch":
             keep["--zero"] = case["--zero"]
             if "--zero3-reduce" in case:
