@@ -52,11 +52,8 @@ def test_provoked_timeout_reports_every_rank_action_and_stack():
     assert "most recent call first" in stack and "in stuck_forward" in stack
 
 
-def test_megapar_train_shows_a_slow_ranks_stack(tmp_path, capfd):
-    """Under megapar-train (whose launcher makes SIGUSR2 an exit) the dump asked of a rank that
-    did not answer killed it instead: each worker undid its launcher's exit after installing
-    faulthandler's dump, not before, so --debug showed no stack (a new user's finding)."""
-    from megapar.cli.train import main
+def _tp2_run(tmp_path) -> list[str]:
+    """megapar-train's flags of a 3-step tp 2 run of a tiny GPT-2 on a slice of the sample."""
     from megapar.data import asset_path
 
     text = tmp_path / "sample.txt"
@@ -64,9 +61,18 @@ def test_megapar_train_shows_a_slow_ranks_stack(tmp_path, capfd):
     model = tmp_path / "gpt2.json"
     model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
                                  "n_positions": 32}))
-    rc = main(["--tp", "2", "--model", str(model), "--data", str(text), "--data-cache",
-               str(tmp_path / "cache"), "--seq-len", "16", "--micro-batch-size", "2",
-               "--global-batch-size", "4", "--max-steps", "3", "--warmup-steps", "1",
+    return ["--tp", "2", "--model", str(model), "--data", str(text), "--data-cache",
+            str(tmp_path / "cache"), "--seq-len", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--max-steps", "3", "--warmup-steps", "1"]
+
+
+def test_megapar_train_shows_a_slow_ranks_stack(tmp_path, capfd):
+    """Under megapar-train (whose launcher makes SIGUSR2 an exit) the dump asked of a rank that
+    did not answer killed it instead: each worker undid its launcher's exit after installing
+    faulthandler's dump, not before, so --debug showed no stack (a new user's finding)."""
+    from megapar.cli.train import main
+
+    rc = main([*_tp2_run(tmp_path),
                "--eval-interval", "0", "--timeout-s", "3", "--debug", "--no-progress",
                "--inject-slow", "rank=1,ms=60000,from_step=2"])
     assert rc == 1
@@ -78,16 +84,8 @@ def test_megapar_train_shows_a_slow_ranks_stack(tmp_path, capfd):
 
 def test_profile_steps_writes_a_chrome_trace_per_rank(tmp_path, capfd):
     from megapar.cli.train import main
-    from megapar.data import asset_path
 
-    text = tmp_path / "sample.txt"
-    text.write_text(open(asset_path("shakespeare_sample.txt")).read()[:20_000])
-    model = tmp_path / "gpt2.json"
-    model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
-                                 "n_positions": 32}))
-    rc = main(["--tp", "2", "--model", str(model), "--data", str(text), "--data-cache",
-               str(tmp_path / "cache"), "--seq-len", "16", "--micro-batch-size", "2",
-               "--global-batch-size", "4", "--max-steps", "3", "--warmup-steps", "1",
+    rc = main([*_tp2_run(tmp_path),
                "--profile-steps", "2:2", "--profile-dir", str(tmp_path / "prof"),
                "--eval-interval", "0", "--log-interval", "1", "--no-progress"])
     assert rc == 0

@@ -1689,11 +1689,9 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_wait_after_the_grace(monkeypatch):
     assert lines[1].startswith("(rank 0 exited with code 143 on a SIGTERM"), str(info.value)
 
 
-def _sigterm_while_computing(err):
-    """A rank asked to stop cleanly (SIGTERM) inside one long C call that runs no Python (as a
-    CPU's backward of a large micro-batch can, for minutes): stderr to `err`."""
-    import ctypes
-
+def _watched_with_a_grace_of_1_s(err):
+    """This process asks a SIGTERM for a clean stop with a grace of 1 s, its stderr to `err`,
+    and says it is ready beside it."""
     from megapar.faults import stop
 
     fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -1702,6 +1700,14 @@ def _sigterm_while_computing(err):
     stop.watch_sigterm()
     stop.install_stop_handlers("SIGTERM")
     (err.parent / "ready").touch()
+
+
+def _sigterm_while_computing(err):
+    """A rank asked to stop cleanly (SIGTERM) inside one long C call that runs no Python (as a
+    CPU's backward of a large micro-batch can, for minutes): stderr to `err`."""
+    import ctypes
+
+    _watched_with_a_grace_of_1_s(err)
     # one C call that releases the GIL and runs no Python, as a torch kernel does (this one:
     # libc's usleep through ctypes, a minute, again after the signal cuts it short)
     kernel = ctypes.CDLL(None).usleep
@@ -1731,14 +1737,7 @@ def test_a_sigterm_ends_a_rank_inside_a_long_computation_in_one_line(tmp_path):
 def _sigterm_while_waiting(err):
     """A rank asked to stop cleanly (SIGTERM) inside a wait (a sleep, as a store's or a
     collective's wait is): stderr to `err`."""
-    from megapar.faults import stop
-
-    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 2)
-    stop.STOP_GRACE_S = 1.0
-    stop.watch_sigterm()
-    stop.install_stop_handlers("SIGTERM")
-    (err.parent / "ready").touch()
+    _watched_with_a_grace_of_1_s(err)
     for _ in range(3):
         time.sleep(60)
     os._exit(0)
