@@ -646,9 +646,9 @@ def test_both_outputs_are_checked_at_once_and_a_profilers_trace_is_kept(capsys, 
     # (a traceback after it; "No such file or directory ENOENT" of /proc; a re-test)
     os.symlink(tmp_path / "gone" / "x.json", tmp_path / "dangling.json")
     for flag, path, said in (
-            ("--trace", tmp_path / "dangling.json", f"--trace {tmp_path / 'dangling.json'} is a "
-             f"link to {tmp_path / 'gone' / 'x.json'}, which does not exist; give another file "
-             f"name, or remove the link"),
+            ("--trace", tmp_path / "dangling.json", f"--trace {tmp_path / 'dangling.json'}: "
+             f"{tmp_path / 'dangling.json'} is a link to {tmp_path / 'gone' / 'x.json'}, which "
+             f"does not exist; give another file name, or remove the link"),
             ("--plot", "/proc/megapar-test.png", "--plot /proc/megapar-test.png is not writable: "
              "nothing can be created in /proc;")):
         assert main([*base, flag, str(path)]) == 2

@@ -2141,12 +2141,28 @@ def test_an_output_that_is_a_link_to_nothing_is_named_so(tmp_path):
     os.symlink(tmp_path / "nowhere", tmp_path / "ckpt")
     os.symlink(tmp_path / "loop2", tmp_path / "loop1")
     os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    os.symlink("ckpt", tmp_path / "chain")
     for path, kind, said in (
-            (tmp_path / "ckpt", "dir", f"--out {tmp_path / 'ckpt'} is a link to "
-             f"{tmp_path / 'nowhere'}, which does not exist; give another directory, or remove "
-             f"the link"),
-            (tmp_path / "loop1", "file", f"--out {tmp_path / 'loop1'} is a link in a loop of "
-             f"links; give another file name, or remove the link")):
+            (tmp_path / "ckpt", "dir", f"--out {tmp_path / 'ckpt'}: {tmp_path / 'ckpt'} is a "
+             f"link to {tmp_path / 'nowhere'}, which does not exist; give another directory, or "
+             f"remove the link"),
+            (tmp_path / "loop1", "file", f"--out {tmp_path / 'loop1'}: {tmp_path / 'loop1'} is "
+             f"a link in a loop of links; give another file name, or remove the link"),
+            # below one too (it was "... is a file, not a directory"), and a chain to nothing
+            (tmp_path / "ckpt" / "x", "dir", f"--out {tmp_path / 'ckpt' / 'x'}: "
+             f"{tmp_path / 'ckpt'} is a link to {tmp_path / 'nowhere'}, which does not exist; "
+             f"give another directory, or remove the link"),
+            (tmp_path / "chain", "dir", f"--out {tmp_path / 'chain'}: {tmp_path / 'chain'} is "
+             f"a link to ckpt, which leads nowhere; give another directory, or remove the link")):
         with pytest.raises(ValueError) as info:
             check_writable(str(path), "--out", kind)
         assert str(info.value) == said
+    # --save's check of what holds it (a rehearsal's too) resolved a loop: a traceback
+    from types import SimpleNamespace
+
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import _check_save_outside_checkpoint
+
+    with pytest.raises(UsageError, match="loop1 is a link in a loop of links; give another "
+                       "directory, or remove the link"):
+        _check_save_outside_checkpoint(SimpleNamespace(save=str(tmp_path / "loop1")))

@@ -585,6 +585,28 @@ def unwritable_in(exc: OSError, directory: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def broken_link(path: str) -> str | None:
+    """What is wrong with the first link on `path` (itself or a directory above it) that leads
+    to nothing: "LINK is a link to X, which does not exist" or "LINK is a link in a loop of
+    links"; None where every link on it leads somewhere (below one to nothing, the path was
+    "not writable (LINK is a file, not a directory)"; re-tests)."""
+    parts = os.path.abspath(path).split(os.sep)
+    for end in range(2, len(parts) + 1):
+        here = os.sep.join(parts[:end])
+        if not os.path.islink(here):
+            continue
+        try:
+            os.stat(here)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"{here} is a link in a loop of links"
+            hop = os.readlink(here)  # a link to a link to nothing leads nowhere
+            after = os.path.join(os.path.dirname(here), hop)
+            why = "leads nowhere" if os.path.lexists(after) else "does not exist"
+            return f"{here} is a link to {hop}, which {why}"
+    return None
+
+
 def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     """Raise ValueError unless `path` (a directory, or a file's directory) can be written now.
 
@@ -599,12 +621,9 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
         )
     if kind == "file" and names_directory(path):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
-    if os.path.islink(target) and not os.path.exists(target):  # (a file's write failed after
-        hop = os.readlink(target)  # the run's work; a directory's was "is a file"; re-tests)
-        looped = os.path.lexists(os.path.join(os.path.dirname(target), hop))
-        what = "a link in a loop of links" if looped else f"a link to {hop}, which does not exist"
-        thing = "file name" if kind == "file" else "directory"
-        raise ValueError(f"{flag} {path} is {what}; give another {thing}, or remove the link")
+    if (broken := broken_link(target)) is not None:  # (a file's write failed after the
+        thing = "file name" if kind == "file" else "directory"  # run's work; a directory's,
+        raise ValueError(f"{flag} {path}: {broken}; give another {thing}, or remove the link")
     try:
         probe_writable(directory)
         if kind == "file" and os.path.exists(target):

@@ -42,7 +42,7 @@ from megapar.one_line_parser import shell_word
 from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.usage import flag_with_value
-from megapar.training.validate import UsageError, explicit, flag_of, named
+from megapar.training.validate import UsageError, broken_link, explicit, flag_of, named
 from megapar.wording import and_list, scale_text
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -154,6 +154,10 @@ def _check_save_outside_checkpoint(cfg) -> None:
     checkpoint root or step directory: the run's root (`latest`, step_N) would be written among
     that checkpoint's files, as megapar-convert refuses for its DST and --to-hf."""
     save = Path(os.path.expanduser(cfg.save))
+    if (broken := broken_link(str(save))) is not None:  # (a loop was a traceback of resolve's
+        raise UsageError(
+            f"--save {cfg.save}: {broken}; give another directory, or remove the link"
+        )  # under --dry-run; a re-test)
     if (save / MANIFEST).is_file():
         raise UsageError(
             f"--save {cfg.save} is a checkpoint's step directory (it holds {MANIFEST}): this "
