@@ -6,6 +6,7 @@ plain create would. Standard library only, for any layer."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -37,3 +38,13 @@ def give_usual_mode(path: str | os.PathLike) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+
+
+def keep_mode(path: str | os.PathLike, replaced: str | os.PathLike) -> None:
+    """Give `path`, a file about to be renamed over `replaced`, the mode of `replaced` where
+    that exists (a user's private 0600 file stays private), else the usual mode
+    (`give_usual_mode`)."""
+    try:
+        os.chmod(path, stat.S_IMODE(os.stat(replaced).st_mode))
+    except FileNotFoundError:
+        give_usual_mode(path)

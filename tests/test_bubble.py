@@ -670,6 +670,8 @@ def test_its_own_output_is_replaced_and_another_file_with_overwrite(capsys, tmp_
     for _ in range(2):  # the second run replaces the first's output
         assert main(argv) == 0
         capsys.readouterr()
+        os.chmod(out, 0o600)  # ... keeping its mode (a private file became 0644; a re-test)
+    assert os.stat(out).st_mode & 0o777 == 0o600
     written = out.read_bytes()
     out.write_text("notes\n")
     assert main([*argv, "--overwrite"]) == 0

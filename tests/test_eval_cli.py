@@ -519,6 +519,20 @@ def test_an_existing_save_logits_file_is_replaced_only_with_overwrite(tiny_ckpt,
     assert np.load(ids).ndim == 2
 
 
+def test_save_logits_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    """The logits written beside the file and renamed over it made a private (0600) file
+    world-readable (a re-test)."""
+    import os
+
+    import megapar.cli.eval as eval_cli
+
+    out = tmp_path / "logits.npy"
+    np.save(out, np.zeros(3, dtype=np.float32))
+    os.chmod(out, 0o600)
+    eval_cli.save_logits(str(out), np.ones((2, 3), dtype=np.float32))
+    assert np.load(out).shape == (2, 3) and os.stat(out).st_mode & 0o777 == 0o600
+
+
 def test_save_logits_on_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path,
                                                                          monkeypatch):
     """A full disk was "OSError: [Errno 28] No space left on device" and a log of no
@@ -535,6 +549,7 @@ def test_save_logits_on_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path
     class Full:
         def __init__(self, path, mode):
             written.append(path)
+            open(path, mode).close()  # (the real file, which the run then removes)
 
         def __enter__(self):
             return self

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.made_dirs import give_usual_mode
+from megapar.made_dirs import keep_mode
 from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
@@ -647,7 +647,7 @@ def _written(flag: str, path: str, write: Callable[[str], None]) -> None:
                 prefix=f".{stem}.", suffix=suffix, dir=os.path.dirname(real)
             )
             os.close(fd)
-            give_usual_mode(part)  # (mkstemp's is its owner's alone)
+            keep_mode(part, real)  # the replaced file's (its 0600 became 0644; a re-test)
         write(part)
         if not special:
             os.replace(part, real)

@@ -52,7 +52,7 @@ from megapar.faults.processes import exit_uncollected
 from megapar.faults.status import set_action
 from megapar.faults.stop import SIGTERM_EXIT_CODE, RunStopped, sigterm_as_exit
 from megapar.host_memory import host_memory_available
-from megapar.made_dirs import missing_dirs, remove_empty
+from megapar.made_dirs import keep_mode, missing_dirs, remove_empty
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
@@ -417,6 +417,7 @@ def save_logits(path: str, logits: np.ndarray) -> None:
     step = max(1, WRITE_CHUNK_BYTES // max(logits.itemsize, 1))
     try:
         with open(tmp, "wb") as f:
+            keep_mode(tmp, path)  # the replaced file's (its 0600 became 0644; a re-test)
             np.lib.format.write_array_header_1_0(
                 f, np.lib.format.header_data_from_array_1_0(logits)
             )
