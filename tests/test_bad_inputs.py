@@ -3614,6 +3614,21 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                     "16"])
     assert "the command line's --global-batch-size 16 over the file's --global-batch-size " \
         "(8 x dp)" in str(info.value), str(info.value)
+    # DeepSpeed's monitors are megapar-train's reporting (its tensorboard section was a
+    # --tensorboard of the dict), and a torchtitan job's are not told beside the line's own
+    monitors = tmp_path / "monitors.json"
+    monitors.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "tensorboard": {
+        "enabled": True, "output_path": "tbout", "job_name": "j"}, "wandb": {
+        "enabled": True, "project": "dsproj"}}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(monitors), "--wandb-project", "p"])
+    assert "--tensorboard tbout/j --wandb-project p " in str(info.value) and "the command " \
+        "line's --wandb-project p over the file's --wandb-project dsproj" in str(info.value), \
+        str(info.value)
+    titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 10\n[metrics]\n"
+                          "enable_tensorboard = true\nsave_tb_folder = \"tb\"\n"
+                          "enable_wandb = true\n", "--tensorboard", "tbx", "--wandb-project", "p")
+    assert "metrics" not in titan, titan
     yaml_lr = tmp_path / "lr.yaml"  # YAML reads 1e-4 as a string (it was not noted)
     yaml_lr.write_text("output_dir: o\nmax_steps: 10\nlearning_rate: 1e-4\n")
     with pytest.raises(ConfigError, match="the command line's --lr 0.0002 over the file's "

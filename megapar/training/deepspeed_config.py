@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
 from typing import Any
 
 from megapar.models.config import ConfigError
@@ -466,6 +468,18 @@ def deepspeed_equivalents(
             log = params.get("warmup_type", "log") == "log" and warmup not in (0, None)
             if decay is not None and log:
                 left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")
+        elif key in ("tensorboard", "wandb") and isinstance(value, dict):  # its monitors (a
+            if not on(value):  # tensorboard section was a --tensorboard of the dict; a re-test)
+                continue  # off: megapar-train's default, reporting nowhere
+            where, project = value.get("output_path"), value.get("project")
+            if key == "tensorboard" and isinstance(where, str) and where:
+                job = value.get("job_name") or "DeepSpeedJobName"  # DeepSpeed's default
+                flags.append(f"--tensorboard {shlex.quote(os.path.join(where, str(job)))}")
+            elif key == "wandb" and isinstance(project, str) and project:
+                flags.append(f"--wandb-project {shlex.quote(project)}")
+            else:
+                fix = "--tensorboard DIR" if key == "tensorboard" else "--wandb-project NAME"
+                left.append(f"{key} (give {fix})")
         elif key == "activation_checkpointing":
             left.append(
                 "activation_checkpointing (it tunes the model's own checkpoint calls; "

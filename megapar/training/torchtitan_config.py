@@ -155,7 +155,7 @@ def torchtitan_job(
         if said_for is not None:
             if said_for.startswith("--"):
                 flags.append(said_for)
-            elif said_for:
+            elif said_for and not _given(said_for, command_line):
                 sentences.append(f"{key} {value}: {said_for}")
         elif ours is None:
             left.append(key)
@@ -170,7 +170,7 @@ def torchtitan_job(
                 shown = int(float(value))  # 10.0 (TOML's float) is --max-steps 10
             if value is not False:
                 flags.append(ours if value is True else f"{ours} {shown}")
-        else:
+        elif not _given(ours, command_line):
             sentences.append(f"{key}: {ours}")
     fp8_flags, fp8_said, fp8_left = _float8_flags(job, keys)
     flags += batch + fp8_flags
@@ -312,6 +312,13 @@ LINE_KEYS = {
 """megapar-train's flags whose command-line values stand in a torchtitan job's keys before it
 is translated: its schedule is then the line's (a cosine's floor of the line's --lr, a warmup
 and a decay of the line's --max-steps; they were the file's, a re-test)."""
+
+
+def _given(answer: str, command_line: dict | None) -> bool:
+    """Whether the command line gives the flag a sentence tells ("give --tensorboard DIR"
+    beside the line's --tensorboard tb was told again; a re-test)."""
+    flag = re.search(r"--[a-z0-9][a-z0-9-]*", answer)
+    return flag is not None and flag.group(0) in (command_line or {})
 
 
 def _at_the_line(job: dict, command_line: dict | None) -> tuple[dict, list[str]]:
