@@ -2109,7 +2109,8 @@ def test_a_lost_connection_in_the_report_is_said_without_gloo_s_noise():
 def test_an_inject_corrupt_stage_that_does_not_hold_the_module_is_refused():
     """`--inject-corrupt step=3,module=transformer.h.1.mlp,pp=1` at --pp 2 (h.1 is on stage 0)
     corrupted nothing and the run passed (a new user's finding): the rank of that stage refuses
-    it, naming what the stage holds; the stage that holds it arms its hook."""
+    it, naming what the stage holds by names a spec may give (lm_head, which it named, is
+    refused as a module; a re-test); the stage that holds it arms its hook."""
     from transformers import GPT2Config
 
     from megapar.diagnostics import inject
@@ -2126,8 +2127,8 @@ def test_an_inject_corrupt_stage_that_does_not_hold_the_module_is_refused():
         spec = inject.check(f"step=3,module=transformer.h.1.mlp,pp={pp}", config, layout)
         if refused:
             with pytest.raises(ValueError, match=r"--inject-corrupt: transformer.h.1.mlp is not "
-                               r"on pp stage 1 \(it holds transformer.h.2 to lm_head\); give "
-                               r"the pp= of the stage that holds it, or leave pp= out"):
+                               r"on pp stage 1 \(it holds transformer.h.2 to transformer.ln_f\); "
+                               r"give the pp= of the stage that holds it, or leave pp= out"):
                 inject.CorruptInjector(spec, stage, config, mesh)
         else:
             assert len(inject.CorruptInjector(spec, stage, config, mesh).modules) == 1

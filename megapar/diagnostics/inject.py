@@ -93,6 +93,12 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
     return out
 
 
+def module_names(config) -> list[str]:
+    """The module names a spec may give: the model's, as its Hugging Face export names them."""
+    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
+    return sorted({name for _, _, name in hf_modules(stage, config)})
+
+
 def check(
     spec: str,
     config,
@@ -106,14 +112,7 @@ def check(
     `tokens` (a micro-batch's: micro-batch size x seq-len) an index past any module's output
     (at most `tokens` x the widest output: the worker checks the module's own)."""
     out = parse(spec, flag)
-    names = sorted(
-        {
-            name
-            for _, _, name in hf_modules(
-                build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False), config
-            )
-        }
-    )
+    names = module_names(config)
     if out.module not in names:
         close = difflib.get_close_matches(out.module, names, n=5, cutoff=0.5)
         hint = (
@@ -170,7 +169,8 @@ class CorruptInjector:
         held = [(m, name) for _, m, name in hf_modules(stage, config)]
         self.modules = [m for m, name in held if here and name == spec.module]
         if here and spec.pp is not None and not self.modules:  # (it corrupted nothing and
-            names = [name for _, name in held]  # the run passed; a new user's finding)
+            known = set(module_names(config))  # the run passed; a new user's finding): the
+            names = [name for _, name in held if name in known]  # names a spec may give
             holds = f"it holds {names[0]} to {names[-1]}" if names else "it holds none"
             raise ValueError(
                 f"--inject-corrupt: {spec.module} is not on pp stage {spec.pp} ({holds}); "
