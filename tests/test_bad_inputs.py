@@ -3614,6 +3614,14 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                     "16"])
     assert "the command line's --global-batch-size 16 over the file's --global-batch-size " \
         "(8 x dp)" in str(info.value), str(info.value)
+    # ... at the line's --dp (8 at dp 1: "8 over (8 x dp)" was noted, 4 over 8 was not)
+    for batch, note in (("4", "the command line's --global-batch-size 4 over the file's "
+                         "--global-batch-size 8"), ("8", None)):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(derived), "--micro-batch-size", "2", "--dp", "1",
+                        "--global-batch-size", batch])
+        said = str(info.value)
+        assert (note in said) if note else "over the file's --global-batch-size" not in said, said
     # DeepSpeed's monitors are megapar-train's reporting (its tensorboard section was a
     # --tensorboard of the dict), and a torchtitan job's are not told beside the line's own
     monitors = tmp_path / "monitors.json"

@@ -881,12 +881,13 @@ def read_run_config(
         ours = [k for k in left if k in by_name]  # megapar-train's own settings beside them
         flags += [flag_with_value(k, data[k]) for k in ours]
         left = [k for k in left if k not in by_name]
-        try:  # the file's own translation, whose values the notes name (not those derived
-            own = deepspeed_equivalents(file_batch, None, None, TrainConfig.lr)[0]  # from the
-        except ConfigError:  # line's: a global batch of its micro-batch; re-tests)
+        try:  # the file's own translation at the line's dp, whose values the notes name (not
+            own = deepspeed_equivalents(file_batch, dp, None, TrainConfig.lr)[0]  # those from
+        except ConfigError:  # the line's: a global batch of its micro-batch; re-tests)
             own = None
         own = None if own is None else own + [flag_with_value(k, data[k]) for k in ours]
-        flags, notes = command_line_wins(flags, command_line, own)
+        noted = frozenset({"--lr", *DEEPSPEED_KEYS})  # (at_the_line's)
+        flags, notes = command_line_wins(flags, command_line, own, noted)
         notes = replaced + notes
         what = f"{path} is a DeepSpeed config, which megapar-train does not read"
         if line := refused_value(what, flags, refused_flag, data):

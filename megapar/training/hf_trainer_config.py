@@ -20,7 +20,7 @@ from megapar.training.deepspeed_config import (
     fp16_scaler,
     global_batch_flag,
 )
-from megapar.training.line_over_file import line_whole, named_at_the_line
+from megapar.training.line_over_file import TRAINER_KEYS, line_whole, named_at_the_line
 from megapar.training.other_tools import other_tools_answer
 from megapar.wording import counted
 
@@ -92,7 +92,10 @@ def refused_value(
 
 
 def command_line_wins(
-    flags: list[str], command_line: dict[str, str] | None, file_flags: list[str] | None = None
+    flags: list[str],
+    command_line: dict[str, str] | None,
+    file_flags: list[str] | None = None,
+    noted: frozenset[str] = frozenset(),
 ) -> tuple[list[str], list[str]]:
     """Translated `flags` with each flag the command line gives as it gives it (`command_line`:
     the text of its own flags by flag, a switch by both spellings: the command line wins over a
@@ -100,7 +103,9 @@ def command_line_wins(
     command line's --min-lr 5e-05 over the file's --min-lr 0.0001"). `file_flags`: the file's
     translation without the line's values in it, whose value the sentence names (none where it
     has none, or the line's): a value derived from the line's (a global batch of its
-    micro-batch, a warmup cut to its steps) is not called the file's (re-tests)."""
+    micro-batch, a warmup cut to its steps) is not called the file's, and one the line's
+    values make equal to the line's is still noted where the file's own differs (re-tests);
+    `noted`: the flags whose notes name the file's keys elsewhere (`at_the_line`)."""
     own = {g[0]: " ".join(g) for f in (file_flags or []) for g in _groups(f)}
     kept, notes = [], []
     for text in flags:
@@ -108,7 +113,8 @@ def command_line_wins(
         for group in _groups(text):
             theirs, ours = " ".join(group), (command_line or {}).get(group[0])
             said = theirs if file_flags is None else own.get(group[0])
-            if ours is not None and ours != theirs and said is not None and said != ours:
+            moved = ours != theirs if file_flags is None else group[0] not in noted
+            if ours is not None and moved and said is not None and said != ours:
                 notes.append(f"the command line's {ours} over the file's {said}")
             words.append(ours if ours is not None else theirs)
         kept.append(" ".join(words))
@@ -852,11 +858,13 @@ def trainer_arguments(
         flags, said = trainer_flags(data, command_line)
     except ConfigError as exc:  # its inline deepspeed config unlike its own arguments
         return f"{path}: {exc}"
+    dp = {k: v for k, v in (command_line or {}).items() if k == "--dp"}  # at the line's dp
     try:
-        own = trainer_flags(file_data, None)[0] if file_data is not None else None
+        own = trainer_flags(file_data, dp)[0] if file_data is not None else None
     except ConfigError:  # (unlike its inline deepspeed config alone: the notes name `data`'s)
         own = None
-    flags, notes = command_line_wins(flags, command_line, own)
+    noted = frozenset({"--lr", "--warmup-steps", *TRAINER_KEYS})  # (at_the_line's, its own)
+    flags, notes = command_line_wins(flags, command_line, own, noted)
     said += notes
     what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
