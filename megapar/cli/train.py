@@ -442,8 +442,9 @@ def _run(
                 line += f"; {saved}"
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"
-        if cfg.debug:
-            print(text, file=sys.stderr)
+        if cfg.debug:  # the text below the line, its first sentence not said twice (a re-test)
+            first, _, rest = text.partition("\n")
+            print(rest if first and line.startswith(first) else text, file=sys.stderr)
         elif log and " was killed by " in line:  # no traceback: its log and every rank's stack
             print(
                 f"megapar-train: its output in {log}; every rank's stack: --debug", file=sys.stderr
