@@ -45,10 +45,9 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import parse_blend
-from megapar.data.indexed import remove_stale_tmps, tmp_name
 from megapar.device import use_cuda
 from megapar.disk import DISK_ERRORS
-from megapar.faults.processes import exit_uncollected
+from megapar.faults.processes import exit_uncollected, remove_stale_tmps, tmp_name
 from megapar.faults.status import set_action
 from megapar.faults.stop import SIGTERM_EXIT_CODE, RunStopped, sigterm_as_exit
 from megapar.host_memory import host_memory_available

@@ -28,7 +28,6 @@ import array
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ import numpy as np
 
 from megapar.data import megatron
 from megapar.data.tokenizers import load_tokenizer
-from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.faults.processes import remove_stale_tmps, tmp_name
 from megapar.one_line_parser import shell_word
 from megapar.wording import counted
 
@@ -49,19 +48,6 @@ INDEX_FORMATS = ("megapar", "megatron")
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """Smallest little-endian unsigned dtype that holds every id of ``vocab_size``."""
     return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
-
-
-def tmp_name(path: str) -> str:
-    """A temporary name beside `path`, ``path.tmp-PID-HOST-<random>`` (`owner_tag`)."""
-    return f"{path}.tmp-{owner_tag()}-{uuid.uuid4().hex[:8]}"
-
-
-def remove_stale_tmps(path: str) -> list[str]:
-    """Remove the ``path.tmp-*`` files of writers of this host that are gone (killed with -9
-    while writing `path`); a live writer's are kept. Returns the names removed."""
-    return remove_stale_temporaries(
-        os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-"
-    )
 
 
 def _missing_error(prefix: str, what: str) -> FileNotFoundError:

@@ -56,7 +56,7 @@ from typing import TypeVar
 import sentencepiece as spm
 from tqdm import tqdm
 
-from megapar.data.indexed import IndexedDatasetBuilder, remove_stale_tmps, tmp_name
+from megapar.data.indexed import IndexedDatasetBuilder
 from megapar.data.inputs import (  # noqa: F401 - re-exported
     BOM,
     INPUT_SUFFIXES,
@@ -76,7 +76,7 @@ from megapar.data.tokenizers import (  # noqa: F401 - file_sha256 re-exported
     tokenizer_files,
 )
 from megapar.device import cpu_cores
-from megapar.faults.processes import start_pool_worker
+from megapar.faults.processes import remove_stale_tmps, start_pool_worker, tmp_name
 from megapar.wording import counted
 
 _Item = TypeVar("_Item")

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 PR_SET_PDEATHSIG = 1
 _launcher_pid: int | None = None
@@ -268,6 +269,19 @@ def stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
             continue
         stale.append(name)
     return stale
+
+
+def tmp_name(path: str) -> str:
+    """A temporary name beside `path`, ``path.tmp-PID-HOST-<random>`` (`owner_tag`)."""
+    return f"{path}.tmp-{owner_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_tmps(path: str) -> list[str]:
+    """Remove the ``path.tmp-*`` files of writers of this host that are gone (killed with -9
+    while writing `path`); a live writer's are kept. Returns the names removed."""
+    return remove_stale_temporaries(
+        os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-"
+    )
 
 
 def remove_stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
