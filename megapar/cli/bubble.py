@@ -31,11 +31,10 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Callable
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.faults.processes import exit_uncollected
+from megapar.faults.processes import exit_uncollected, remove_stale_tmps, tmp_name
 from megapar.made_dirs import keep_mode
 from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
@@ -632,24 +631,22 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
 
 
 def _written(flag: str, path: str, write: Callable[[str], None]) -> None:
-    """`write(file)` into a hidden file beside `path` (of its suffix, which names a chart's
-    format), then renamed onto it (through a link, onto the link's file): a disk that refuses
-    the write leaves `path` as it was and no empty file. A `path` that is no regular file (a
-    device: /dev/null) is written itself. Its OSError is one line (ValueError: a full disk was
-    a traceback after the run, beside a file of 0 bytes; a re-test)."""
+    """`write(file)` into a temporary file beside `path` (`tmp_name`, ending in `path`'s
+    suffix, which names a chart's format), then renamed onto it (through a link, onto the
+    link's file) with its mode (`keep_mode`): a disk that refuses the write leaves `path` as it
+    was and no empty file, and a killed run's temporary is removed by the next
+    (`remove_stale_tmps`). A `path` that is no regular file (a device: /dev/null) is written
+    itself. Its OSError is one line (ValueError: a full disk was a traceback after the run,
+    beside a file of 0 bytes; a re-test)."""
     real = os.path.realpath(os.path.expanduser(path))
     special = os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode)
-    part = real
+    part = real if special else tmp_name(real) + os.path.splitext(real)[1]
     try:
         if not special:
-            stem, suffix = os.path.splitext(os.path.basename(real))
-            fd, part = tempfile.mkstemp(
-                prefix=f".{stem}.", suffix=suffix, dir=os.path.dirname(real)
-            )
-            os.close(fd)
-            keep_mode(part, real)  # the replaced file's (its 0600 became 0644; a re-test)
+            remove_stale_tmps(real)
         write(part)
         if not special:
+            keep_mode(part, real)  # the replaced file's (its 0600 became 0644; a re-test)
             os.replace(part, real)
     except OSError as exc:
         raise ValueError(
