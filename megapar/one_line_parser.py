@@ -273,11 +273,10 @@ class OneLineParser(argparse.ArgumentParser):
             return
         if len(words) != len(extras):  # an unknown flag: its value is among the words
             shown = _with_values(argv, extras) if self._spread_positionals() else extras
-            given = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
             missing = [  # said with them (megapar-plan --bf16 0 then wanted --seq-len)
                 a.option_strings[0]
                 for a, required in held
-                if required and a.option_strings and not given & set(a.option_strings)
+                if required and a.option_strings and not self._given_flags & set(a.option_strings)
             ]
             self._also_missing = (
                 f"; and {and_list(missing)} {'is' if len(missing) == 1 else 'are'} required"
