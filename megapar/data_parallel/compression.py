@@ -18,7 +18,14 @@ with the dp sum (so the average) and returns the bytes it put on the wire.
   Q is warm-started from the previous step; the first Q of a parameter is seeded by its
   canonical name and shape (`name_params`), so it is the same on every rank of the group and
   in every layout and bucketing that holds the same matrix (pp, virtual stages, cp,
-  --grad-bucket-mb: a parameter's place in its bucket changes with them). The
+  --grad-bucket-mb: a parameter's place in its bucket changes with them). P is made
+  orthonormal column by column (`orthonormal_columns`), and a column that the matrix does not
+  fill (M of fewer directions than r: a vocab-parallel embedding shard's rows for the few
+  tokens a batch holds) is dropped rather than normalised: what is left of it is the
+  all-reduce's rounding, which differs with how the batch is split over the ranks, and
+  normalised it chose the direction sent next (torch's hook keeps it: `torch.linalg.qr`). Its
+  Q column restarts from the first Q's, so the result depends on the group's sum alone in
+  every layout, to fp32 rounding. The
   residual e = M - P P^T M stays on the rank and is added to the next step's gradient (error
   feedback), so sum_t result_t + sum_r e_r,T = sum_t mean_r g_r,t exactly: nothing is lost,
   only delayed (but at a skipped step, a non-finite one or an fp16 overflow, whose state is
@@ -93,6 +100,7 @@ class PowerSGDCompressor:
         self.rank, self.seed = rank, seed
         self.errors: dict[int, torch.Tensor] = {}
         self.qs: dict[int, torch.Tensor] = {}
+        self.first_qs: dict[int, torch.Tensor] = {}
         self.names: dict[int, str] = {}
 
     def name_params(self, named) -> None:
@@ -169,30 +177,56 @@ class PowerSGDCompressor:
             mat = piece.view(n, m)
             if key in self.errors:
                 mat.add_(self.errors[key])
+            if key not in self.first_qs:
+                self.first_qs[key] = self.initial_q(place, n, m).to(mat)
             if key not in self.qs:
-                self.qs[key] = self.initial_q(place, n, m).to(mat)
+                self.qs[key] = self.first_qs[key].clone()
             ms.append(mat)
             ps.append(mat @ self.qs[key])
         p_flat = torch.cat([p.reshape(-1) for p in ps])
         dist.all_reduce(p_flat, group=group)
         sent += p_flat.numel() * p_flat.element_size()
-        start, orth, qs = 0, [], []
+        start, orth, lives, qs = 0, [], [], []
         for (key, _, (n, _m), _), mat in zip(views, ms):
-            p = torch.linalg.qr(p_flat[start : start + n * self.rank].view(n, self.rank)).Q
+            p, live = orthonormal_columns(p_flat[start : start + n * self.rank].view(n, self.rank))
             start += n * self.rank
             orth.append(p)
+            lives.append(live)
             qs.append(mat.t() @ p)
             self.errors[key] = mat - p @ (p.t() @ mat)  # the part of M this rank could not send
         q_flat = torch.cat([q.reshape(-1) for q in qs])
         dist.all_reduce(q_flat, group=group)
         sent += q_flat.numel() * q_flat.element_size()
         start = 0
-        for (key, _, (_n, m), _), mat, p in zip(views, ms, orth):
+        for (key, _, (_n, m), _), mat, p, live in zip(views, ms, orth, lives):
             q = q_flat[start : start + m * self.rank].view(m, self.rank)
             start += m * self.rank
             mat.copy_(p @ q.t())
-            self.qs[key] = q.clone()
+            self.qs[key] = torch.where(live, q, self.first_qs[key])  # a dropped column restarts
         return sent
+
+
+def orthonormal_columns(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P (n x r) with orthonormal columns spanning what P's columns span, in order (Gram-Schmidt,
+    each projection applied twice, enough in floating point), and which columns live: a column
+    whose part outside the columns before it is at most n * eps * P's largest column norm (the
+    rounding of a column that lies in their span, the bound numpy's `matrix_rank` takes) is
+    zero in the result and False in the mask. Both stay on P's device (no host sync)."""
+    n, r = p.shape
+    tol = n * torch.finfo(p.dtype).eps * torch.linalg.vector_norm(p, dim=0).max()
+    cols: list[torch.Tensor] = []
+    lives: list[torch.Tensor] = []
+    for j in range(r):
+        c = p[:, j]
+        if cols:
+            before = torch.stack(cols, dim=1)
+            for _ in range(2):
+                c = c - before @ (before.t() @ c)
+        norm = torch.linalg.vector_norm(c)
+        live = norm > tol
+        cols.append(torch.where(live, c / torch.where(live, norm, 1.0), 0.0))
+        lives.append(live)
+    return torch.stack(cols, dim=1), torch.stack(lives)
 
 
 def make_compressor(kind: str, powersgd_rank: int = 4, seed: int = 0):
