@@ -1371,3 +1371,21 @@ def test_under_torchrun_a_corrupt_file_fails_the_rank_reading_it_and_the_other_n
                               f"rank 1 failed at checking --load's files: ") \
         and refusal in outs[0] and outs[0].count("\n") == 1, outs[0]
     assert not out.exists()
+
+
+def test_a_forked_ranks_clean_stop_is_its_message_alone(capsys, monkeypatch, tmp_path):
+    # megapar-eval --tp 2 on a full disk said "rank 0 failed in evaluation: RunStopped:
+    # --save-logits ..." where one rank said the message alone (a session's tryout); another
+    # clean failure keeps its type, which says what failed
+    from megapar.cli.worker_exit import worker_exit
+    from megapar.launcher import WorkerError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    full = "--save-logits out.npy: No space left on device while writing it"
+    assert worker_exit("megapar-eval", WorkerError(f"rank 0 failed: RunStopped: {full}"),
+                       "in evaluation") == 1
+    assert capsys.readouterr().err == f"megapar-eval: error: rank 0 failed in evaluation: {full}\n"
+    worker_exit("megapar-eval", WorkerError("rank 1 failed: CheckpointError: bad file"),
+                "in evaluation")
+    assert capsys.readouterr().err == (
+        "megapar-eval: error: rank 1 failed in evaluation: CheckpointError: bad file\n")
