@@ -45,6 +45,7 @@ the backward); `none` keeps the asynchronous all-reduce.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import torch
@@ -172,6 +173,8 @@ class PowerSGDCompressor:
                 start += piece.numel()
         if not views:
             return sent
+        views.sort(key=lambda view: view[2][0])  # (stable) P's of n rows side by side in p_flat
+        groups = [(n, len(list(run))) for n, run in itertools.groupby(v[2][0] for v in views)]
         ms, ps = [], []
         for key, piece, (n, m), place in views:
             mat = piece.view(n, m)
@@ -186,12 +189,15 @@ class PowerSGDCompressor:
         p_flat = torch.cat([p.reshape(-1) for p in ps])
         dist.all_reduce(p_flat, group=group)
         sent += p_flat.numel() * p_flat.element_size()
-        start, orth, lives, qs = 0, [], [], []
-        for (key, _, (n, _m), _), mat in zip(views, ms):
-            p, live = orthonormal_columns(p_flat[start : start + n * self.rank].view(n, self.rank))
-            start += n * self.rank
-            orth.append(p)
-            lives.append(live)
+        orth, lives, qs, start = [], [], [], 0
+        for n, count in groups:  # the matrices of n rows orthonormalised together
+            stack, live = orthonormal_columns(
+                p_flat[start : start + count * n * self.rank].view(count, n, self.rank)
+            )
+            start += count * n * self.rank
+            orth += stack.unbind(0)
+            lives += live.unbind(0)
+        for (key, _, _, _), mat, p in zip(views, ms, orth):
             qs.append(mat.t() @ p)
             self.errors[key] = mat - p @ (p.t() @ mat)  # the part of M this rank could not send
         q_flat = torch.cat([q.reshape(-1) for q in qs])
@@ -207,26 +213,28 @@ class PowerSGDCompressor:
 
 
 def orthonormal_columns(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """P (n x r) with orthonormal columns spanning what P's columns span, in order (Gram-Schmidt,
-    each projection applied twice, enough in floating point), and which columns live: a column
-    whose part outside the columns before it is at most n * eps * P's largest column norm (the
-    rounding of a column that lies in their span, the bound numpy's `matrix_rank` takes) is
-    zero in the result and False in the mask. Both stay on P's device (no host sync)."""
-    n, r = p.shape
-    tol = n * torch.finfo(p.dtype).eps * torch.linalg.vector_norm(p, dim=0).max()
+    """P (n x r, or a stack of them: ... x n x r) with orthonormal columns spanning what P's
+    columns span, in order (Gram-Schmidt, each projection applied twice, enough in floating
+    point), and which columns live: a column whose part outside the columns before it is at
+    most n * eps * its matrix's largest column norm (the rounding of a column that lies in
+    their span, the bound numpy's `matrix_rank` takes) is zero in the result and False in the
+    mask (... x r). Both stay on P's device (no host sync)."""
+    n, r = p.shape[-2:]
+    norms = torch.linalg.vector_norm(p, dim=-2)
+    tol = n * torch.finfo(p.dtype).eps * norms.amax(dim=-1, keepdim=True)
     cols: list[torch.Tensor] = []
     lives: list[torch.Tensor] = []
     for j in range(r):
-        c = p[:, j]
+        c = p[..., j : j + 1]
         if cols:
-            before = torch.stack(cols, dim=1)
+            before = torch.cat(cols, dim=-1)
             for _ in range(2):
-                c = c - before @ (before.t() @ c)
-        norm = torch.linalg.vector_norm(c)
-        live = norm > tol
+                c = c - before @ (before.transpose(-2, -1) @ c)
+        norm = torch.linalg.vector_norm(c, dim=-2, keepdim=True)
+        live = norm > tol[..., None]
         cols.append(torch.where(live, c / torch.where(live, norm, 1.0), 0.0))
-        lives.append(live)
-    return torch.stack(cols, dim=1), torch.stack(lives)
+        lives.append(live[..., 0, 0])
+    return torch.cat(cols, dim=-1), torch.stack(lives, dim=-1)
 
 
 def make_compressor(kind: str, powersgd_rank: int = 4, seed: int = 0):
