@@ -189,7 +189,9 @@ class PowerSGDCompressor:
         p_flat = torch.cat([p.reshape(-1) for p in ps])
         dist.all_reduce(p_flat, group=group)
         sent += p_flat.numel() * p_flat.element_size()
-        orth, lives, qs, start = [], [], [], 0
+        orth: list[torch.Tensor] = []
+        lives: list[torch.Tensor] = []
+        qs, start = [], 0
         for n, count in groups:  # the matrices of n rows orthonormalised together
             stack, live = orthonormal_columns(
                 p_flat[start : start + count * n * self.rank].view(count, n, self.rank)
