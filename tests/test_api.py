@@ -1928,6 +1928,14 @@ def test_prepare_offers_the_chunks_the_models_layers_hold():
       "(zero=0 or grad_compression='none')"]),
     ({"zero": 2, "grad_compression": "fp16"},
      ["megapar.prepare: grad_compression='fp16' cannot be combined with zero=2"]),
+    # megapar-train refused these; prepare trained on, the dtype or the rank unread (a tryout)
+    ({"grad_compression": "fp16", "grad_reduce_dtype": "bf16"},
+     ["megapar.prepare: grad_reduce_dtype='bf16' and grad_compression='fp16' both choose how "
+      "gradients travel; give one (grad_compression='bf16' / 'fp16' is a reduction in that "
+      "dtype)"]),
+    ({"powersgd_rank": 8},
+     ["megapar.prepare: powersgd_rank=8 would be ignored: it is PowerSGD's rank, and "
+      "grad_compression='none': pass grad_compression='powersgd' or drop powersgd_rank"]),
     ({"offload_optimizer": True, "optimizer": "lamb"},
      ["megapar.prepare: offload_optimizer=True steps AdamW or SGD on the host, not "
       "optimizer='lamb'", "drop offload_optimizer=True or use optimizer='adamw'"]),

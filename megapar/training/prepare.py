@@ -59,7 +59,11 @@ from megapar.training.ranges import check_ranges
 from megapar.training.usage import UsageError
 from megapar.training.validate import check_cp_comm, check_documents
 from megapar.training.validate_fp8 import check_fp8, check_fp8_layout, fp8_layout_problem
-from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
+from megapar.training.validate_sharding import (
+    check_grad_wire,
+    check_optimizer_sharding,
+    check_zero3,
+)
 
 
 def _resolve_model(model):
@@ -383,6 +387,8 @@ def prepare(
     _check_loss_scale(cfg, options)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
+    check_grad_wire(cfg, keyword="megapar.prepare")  # compression beside a reduce dtype
+    _check_powersgd_rank(cfg, options)
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
         raise ValueError(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
@@ -566,6 +572,17 @@ def _check_loss_scale(cfg: TrainConfig, options: dict) -> None:
             f"megapar.prepare: min_loss_scale={cfg.min_loss_scale!r} is above "
             f"initial_loss_scale={cfg.initial_loss_scale!r}: lower min_loss_scale or raise "
             f"initial_loss_scale"
+        )
+
+
+def _check_powersgd_rank(cfg: TrainConfig, options: dict) -> None:
+    """Refuse, in the API's terms, powersgd_rank without grad_compression='powersgd' (nothing
+    would read it; megapar-train refuses --powersgd-rank so, `check_unused`)."""
+    if "powersgd_rank" in options and cfg.grad_compression != "powersgd":
+        raise ValueError(
+            f"megapar.prepare: powersgd_rank={options['powersgd_rank']!r} would be ignored: it "
+            f"is PowerSGD's rank, and grad_compression={cfg.grad_compression!r}: pass "
+            f"grad_compression='powersgd' or drop powersgd_rank"
         )
 
 

@@ -54,7 +54,11 @@ from megapar.training.ranges import check_ranges, default_of
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sft import check_sft_keys, holds_records
-from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
+from megapar.training.validate_sharding import (
+    check_grad_wire,
+    check_optimizer_sharding,
+    check_zero3,
+)
 from megapar.training.validate_unused import check_unused
 from megapar.wording import counted, scale_text
 
@@ -161,12 +165,7 @@ def _check_combinations(cfg) -> None:
             "--async-save writes the checkpoints of --save in the background: give "
             "--save DIR too (or drop --async-save)"
         )
-    if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
-        raise UsageError(
-            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
-            f"{cfg.grad_compression} both choose how gradients travel; give one "
-            f"(--grad-compression bf16 / fp16 is a reduction in that dtype)"
-        )
+    check_grad_wire(cfg)
 
 
 def check_inject_slow(cfg, world_size: int) -> None:

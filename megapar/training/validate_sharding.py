@@ -49,6 +49,21 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
         )
 
 
+def check_grad_wire(cfg, keyword: str | None = None) -> None:
+    """--grad-compression beside --grad-reduce-dtype: both choose how the dp reduction's
+    gradients travel. One line; `keyword` as `check_zero3`'s (`megapar.prepare` trained with
+    the compression and ignored the dtype where megapar-train refused the two)."""
+    if cfg.grad_compression == "none" or cfg.grad_reduce_dtype == "auto":
+        return
+    term, where = _terms(keyword), f"{keyword}: " if keyword else ""
+    casts = term("grad_compression", "bf16") + (" / 'fp16'" if keyword else " / fp16")
+    raise UsageError(
+        f"{where}{term('grad_reduce_dtype', cfg.grad_reduce_dtype)} and "
+        f"{term('grad_compression', cfg.grad_compression)} both choose how gradients travel; "
+        f"give one ({casts} is a reduction in that dtype)"
+    )
+
+
 def offload_params_problem(cfg, keyword: str | None = None) -> str | None:
     """--offload-params without --zero 3, said with its fix (`check_zero3`'s; megapar-train's
     unused flags name it beside theirs, `check_unused`), or None."""
