@@ -85,3 +85,33 @@ def test_the_environment_holds_the_spec_when_the_flag_does_not(monkeypatch):
     monkeypatch.setenv(inject.ENV, SPEC)
     assert inject.from_settings(None) == SPEC
     assert inject.from_settings("step=1,module=x") == "step=1,module=x"
+
+
+def test_a_module_that_makes_no_output_is_refused_not_passed():
+    """An untied LM head is a holder of the weight the fused loss takes, and a BERT's
+    cls.predictions is called only in parts: --inject-corrupt on either corrupted nothing and
+    the run passed (a re-test). The head is refused before the run, naming its input; a module
+    whose hook did not fire in its step stops the run."""
+    from types import SimpleNamespace
+
+    from megapar.faults.stop import RunStopped
+    from megapar.mesh import Mesh
+    from megapar.models.config import LlamaConfig
+    from megapar.pipeline.partition import build_stage
+
+    llama = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="lm_head has no forward in megapar: .* corrupt the "
+                                         "module before it, model.norm$"):
+        inject.check("step=1,module=lm_head", llama, Layout(1, 1, 1))
+    mesh = Mesh.virtual(Layout(1, 1, 1))
+    stage = build_stage(llama, mesh, seed=0, init=False)
+    spec = inject.check("step=2,module=model.norm", llama, Layout(1, 1, 1))
+    injector = inject.CorruptInjector(spec, stage, llama, mesh)
+    executor = SimpleNamespace(handlers={})
+    with injector.armed(executor, 1):  # another step: nothing expected
+        pass
+    with pytest.raises(RunStopped, match="model.norm made no output in micro-batch 0 of step 2"):
+        with injector.armed(executor, 2):
+            pass  # a step that never calls the module

@@ -23,8 +23,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from megapar.diagnostics.module_trace import hf_modules
+from megapar.faults.stop import RunStopped
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
 
@@ -93,10 +95,32 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
     return out
 
 
+def _held(config) -> list[tuple[nn.Module, str]]:
+    """(module, transformers name) of the whole model's named modules, in registration order."""
+    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
+    return [(module, name) for _, module, name in hf_modules(stage, config)]
+
+
 def module_names(config) -> list[str]:
     """The module names a spec may give: the model's, as its Hugging Face export names them."""
-    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
-    return sorted({name for _, _, name in hf_modules(stage, config)})
+    return sorted({name for _, name in _held(config)})
+
+
+def runs_no_forward(name: str, held: list[tuple[nn.Module, str]]) -> str | None:
+    """Why `name`'s output is never made, where none of its modules has a forward of its own
+    (an untied LM head is a holder of the weight that the loss takes into its fused
+    vocabulary-parallel cross-entropy), naming the module before it; None where one has."""
+    modules = [m for m, n in held if n == name]
+    if not modules or any(type(m).forward is not nn.Module.forward for m in modules):
+        return None
+    first = next(i for i, (_, n) in enumerate(held) if n == name)
+    before = [n for m, n in held[:first] if type(m).forward is not nn.Module.forward]
+    instead = f"; corrupt the module before it, {before[-1]}" if before else ""
+    return (
+        f"{name} has no forward in megapar: the loss takes its weight into a fused "
+        f"vocabulary-parallel cross-entropy, which makes the logits in chunks and keeps "
+        f"none{instead}"
+    )
 
 
 def check(
@@ -112,7 +136,8 @@ def check(
     `tokens` (a micro-batch's: micro-batch size x seq-len) an index past any module's output
     (at most `tokens` x the widest output: the worker checks the module's own)."""
     out = parse(spec, flag)
-    names = module_names(config)
+    held = _held(config)
+    names = sorted({name for _, name in held})
     if out.module not in names:
         close = difflib.get_close_matches(out.module, names, n=5, cutoff=0.5)
         hint = (
@@ -124,6 +149,8 @@ def check(
             f"{flag}: {config.model_type} has no module {out.module!r} (names as in "
             f"the Hugging Face export); {hint}"
         )
+    if why := runs_no_forward(out.module, held):  # (it corrupted nothing; a re-test)
+        raise ValueError(f"{flag}: {why}")
     for axis in ("tp", "cp", "dp", "pp"):
         value, size = getattr(out, axis), getattr(layout, axis)
         if value is not None and value >= size:
@@ -213,8 +240,16 @@ class CorruptInjector:
 
         for kind, handler in saved.items():
             executor.handlers[kind] = functools.partial(wrap, kind, handler)
+        before = self.fired
         try:
             yield
         finally:
             executor.handlers.clear()
             executor.handlers.update(saved)
+        if self.fired == before:  # the step ran without calling the module (a BERT's
+            raise RunStopped(  # cls.predictions: its features are called; a re-test)
+                f"--inject-corrupt: {self.spec.module} made no output in micro-batch "
+                f"{self.spec.mb} of step {step} on this rank (megapar calls a part of it, or "
+                f"routed it no token), so nothing was corrupted; choose a module inside it "
+                f"or another micro-batch"
+            )
