@@ -361,9 +361,51 @@ def test_a_log_that_cannot_be_written_is_named_at_the_step_it_failed(tmp_path, c
                  "--save", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("megapar-train: error:"))
-    assert line.startswith(
-        "megapar-train: error: rank 0 failed at step 1: OSError: [Errno 28] No space left on "
-        "device: writing --log-json /dev/full"), err
+    assert line.startswith("megapar-train: error: rank 0 ") and line.endswith(
+        " failed at step 1: --log-json /dev/full: No space left on device writing step 1's "
+        "record; it holds no record (free space there, or give --log-json another file)"), err
+    assert "traceback" not in err and os.path.exists("/dev/full")  # a device: left alone
+
+
+def test_a_log_cut_short_by_a_full_disk_keeps_its_whole_records(tmp_path):
+    """A full disk under --log-json was 'OSError: [Errno 28] ...', a traceback pointer, and a
+    file left with half a line (or empty: a re-test). The file keeps its whole records, or
+    goes where this run began it and holds none."""
+    import errno
+    from types import SimpleNamespace
+
+    from megapar.faults.stop import RunStopped
+    from megapar.training.logging import MetricsLogger
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[:7])  # half the line reaches the disk
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.f.close()
+
+    for records in (1, 0):
+        path = tmp_path / f"log{records}.jsonl"
+        cfg = SimpleNamespace(progress=False, max_steps=3, log_json=str(path), tensorboard=None,
+                              wandb_project=None)
+        logger = MetricsLogger(cfg, 0, {})
+        for step in range(1, records + 1):
+            logger.log(step, {"loss": 1.5})
+        whole = path.read_text()
+        logger.json = Full(logger.json)
+        with pytest.raises(RunStopped) as info:
+            logger.log(records + 1, {"loss": 1.25})
+        kept = "the records before it are kept" if records else "the file it began is removed"
+        assert str(info.value) == (
+            f"--log-json {path}: No space left on device writing step {records + 1}'s record; "
+            f"{kept} (free space there, or give --log-json another file)")
+        assert (path.read_text() == whole) if records else not path.exists()
+        logger.close()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

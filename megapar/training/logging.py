@@ -22,6 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from megapar.diagnostics.straggler import Straggler
+from megapar.disk import DISK_ERRORS
+from megapar.faults.stop import RunStopped
 from megapar.one_line_parser import show_progress
 from megapar.wording import scale_text
 
@@ -146,6 +148,10 @@ class MetricsLogger(NullLogger):
             )
         self.json = None
         self.json_flag = f"--log-json {cfg.log_json}"
+        self.json_path = cfg.log_json
+        self.json_new = bool(cfg.log_json) and not os.path.exists(cfg.log_json)
+        self.json_whole = 0
+        """The bytes of --log-json that hold whole records (cut back to them on a full disk)."""
         self.tb_flag = f"--tensorboard {cfg.tensorboard}"
         if cfg.log_json:  # a fresh run starts the file, a resumed one continues it
             with _naming(self.json_flag):
@@ -153,6 +159,7 @@ class MetricsLogger(NullLogger):
                 if start_step > 0:
                     keep_records_up_to(cfg.log_json, start_step)
                 self.json = open(cfg.log_json, "a" if start_step > 0 else "w", buffering=1)
+                self.json_whole = self.json.tell()
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -218,8 +225,15 @@ class MetricsLogger(NullLogger):
         W&B."""
         record = {"step": step, **metrics, "time": round(time.time(), 4)}
         if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
-            with _naming(self.json_flag):
-                self.json.write(strict_json(record) + "\n")
+            line = strict_json(record) + "\n"
+            try:
+                self.json.write(line)
+            except OSError as exc:
+                if exc.errno in DISK_ERRORS:
+                    raise self._json_lost(exc, step) from None
+                with _naming(self.json_flag):
+                    raise
+            self.json_whole += len(line.encode())
         scalars = scalars_of(metrics)
         if self.tb is not None:
             with _naming(self.tb_flag):
@@ -227,6 +241,32 @@ class MetricsLogger(NullLogger):
                     self.tb.add_scalar(key, value, step)
         if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log(scalars, step=step)
+
+    def _json_lost(self, exc: OSError, step: int) -> RunStopped:
+        """The stop of a --log-json write the disk refused (full, read-only, over quota): the
+        file cut back to its whole records, or removed where this run made it and it holds
+        none (it was left empty, or with half a line); one line with the fix."""
+        output, self.json = self.json, None  # (close's flush would fail again)
+        if output is not None:
+            try:
+                output.close()
+            except OSError:
+                pass
+        path = self.json_path
+        kept = "the records before it are kept" if self.json_whole else "it holds no record"
+        if os.path.isfile(path):  # a regular file (not /dev/full)
+            try:
+                if self.json_new and not self.json_whole:
+                    os.remove(path)
+                    kept = "the file it began is removed"
+                else:
+                    os.truncate(path, self.json_whole)
+            except OSError:
+                pass
+        return RunStopped(
+            f"{self.json_flag}: {exc.strerror} writing step {step}'s record; {kept} (free "
+            f"space there, or give --log-json another file)"
+        )
 
     def checkpoint_meta(self) -> dict:
         """The W&B run this logger writes to, {"wandb_run": {"project", "id"}}, for a checkpoint

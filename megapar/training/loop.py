@@ -464,7 +464,8 @@ class Trainer:
         from under torchrun / srun (`cause`), and the steps not saved (`saved`: the last saved
         step)."""
         cfg, mesh = self.cfg, self.mesh
-        what = without_gloo_noise(f"{type(exc).__name__}: {exc}")
+        what = str(exc) if type(exc) is RunStopped else f"{type(exc).__name__}: {exc}"
+        what = without_gloo_noise(what)  # a RunStopped's message says it all
         saver = self.engine.saver
         if saver is not None:  # a checkpoint from before the failure is still good
             note = saver.wait_quietly(cfg.timeout_s)
