@@ -2206,6 +2206,8 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     # a reviewer's: a warmup past the steps (torchtitan clamps it; megapar-train refuses it)
     said = _toml_refusal(job, '[training]\nsteps = 50\n[lr_scheduler]\nwarmup_steps = 500\n')
     assert "--warmup-steps 50 " in said and "--warmup-steps 500" not in said, said
+    assert ("lr_scheduler.warmup_steps 500 is more than the run's 50 steps: torchtitan warms up "
+            "over all 50 instead") in said, said
     # a decay past the steps after warmup: cut as torchtitan cuts it (the line was refused)
     said = _toml_refusal(job, '[training]\nsteps = 100\n[lr_scheduler]\nwarmup_steps = 50\n'
                          'decay_ratio = 0.8\n')
@@ -2270,7 +2272,9 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
         assert str(exc.value) == (
             f"{tmp_path / name} is a torchtitan job config, which megapar-train does not read; "
             "give its settings as megapar-train flags: --warmup-steps 5 --lr 0.0008 --lr-decay constant "
-            "--max-steps 5 --tp 2"), exc.value  # warmup = steps: no step left to decay in
+            "--max-steps 5 --tp 2; torchtitan's warmup 200 is more than the run's 5 steps: "
+            "torchtitan warms up over all 5 instead, and so do these flags (no step left to "
+            "decay in)"), exc.value  # (the warmup was cut to the steps without a word; a re-test)
 
 
 OTHER_TOOLS = [
@@ -3472,7 +3476,19 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                               "local_batch_size = 8\n", *line)
         assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
         assert "--dp size" not in titan, titan
-        assert note is None or note in titan, titan
+        titan_note = note and note.replace("--global-batch-size (8 x dp)",  # the file's key
+                                           "training.local_batch_size 8 x dp")
+        assert titan_note is None or titan_note in titan, titan
+    # a local batch the line's --dp and --global-batch-size cannot take is said with both
+    # fixes, and the file's own keys are named (it suggested flags megapar-train refused, and
+    # 'the file's --seq-len 64'; a re-test)
+    titan = _toml_refusal(tmp_path / "titan.toml", "[training]\nsteps = 5\nlocal_batch_size = 8\n"
+                          "seq_len = 64\n", "--dp", "2", "--global-batch-size", "8", "--seq-len", "32")
+    assert ("the command line's --seq-len 32 over the file's training.seq_len 64; the command "
+            "line's --global-batch-size 8 over the file's training.local_batch_size 8 x --dp 2; "
+            "but --global-batch-size 8 is no multiple of --micro-batch-size 8 x --dp 2 = 16, "
+            "which megapar-train refuses: give --global-batch-size 16 (or a multiple), or "
+            "--micro-batch-size 4") in titan, titan
     # an inline DeepSpeed value is compared with the Trainer's own (its warmup before a cut to
     # the line's --max-steps: 10 and 10 "differ" at --max-steps 4), and not where the line sets
     # both (--weight-decay 0.1 was refused beside the file's 0 and 0.1); the cut said once

@@ -96,6 +96,7 @@ def command_line_wins(
     command_line: dict[str, str] | None,
     file_flags: list[str] | None = None,
     noted: frozenset[str] = frozenset(),
+    file_keys: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Translated `flags` with each flag the command line gives as it gives it (`command_line`:
     the text of its own flags by flag, a switch by both spellings: the command line wins over a
@@ -105,7 +106,9 @@ def command_line_wins(
     has none, or the line's): a value derived from the line's (a global batch of its
     micro-batch, a warmup cut to its steps) is not called the file's, and one the line's
     values make equal to the line's is still noted where the file's own differs (re-tests);
-    `noted`: the flags whose notes name the file's keys elsewhere (`at_the_line`)."""
+    `noted`: the flags whose notes name the file's keys elsewhere (`at_the_line`);
+    `file_keys`: the file's own words for a flag's value ("training.local_batch_size 8"), which
+    the sentence names instead of the flag."""
     own = {g[0]: " ".join(g) for f in (file_flags or []) for g in _groups(f)}
     kept, notes = [], []
     for text in flags:
@@ -115,6 +118,7 @@ def command_line_wins(
             said = theirs if file_flags is None else own.get(group[0])
             moved = ours != theirs if file_flags is None else group[0] not in noted
             if ours is not None and moved and said is not None and said != ours:
+                said = (file_keys or {}).get(group[0], said)
                 notes.append(f"the command line's {ours} over the file's {said}")
             words.append(ours if ours is not None else theirs)
         kept.append(" ".join(words))
@@ -130,7 +134,31 @@ def command_line_wins(
             cut = re.compile(rf"--warmup-steps {re.escape(warmup)}(?=\s|$)")
             kept = [cut.sub(f"--warmup-steps {most}", f) for f in kept]
             notes.append(f"the file's warmup of {warmup} steps cut to the command line's {steps}")
+    if clash := _batch_clash(dict(_pairs(kept)), command_line or {}):
+        notes.append(clash)
     return kept, notes
+
+
+def _batch_clash(flags: dict[str, str], command_line: dict[str, str]) -> str | None:
+    """Where the translated --global-batch-size is no multiple of --micro-batch-size x the
+    command line's --dp (megapar-train refuses the flags it was handed: a torchtitan file's
+    local_batch_size 8 beside the line's --dp 2 --global-batch-size 8; a re-test), the
+    sentence naming the clash and both fixes; None where they fit or either is not a number."""
+    mbs, gbs = flags.get("--micro-batch-size", ""), flags.get("--global-batch-size", "")
+    dp = (command_line.get("--dp") or "--dp 1").split()[-1]
+    if not (mbs.isdigit() and gbs.isdigit() and dp.isdigit()) or not int(mbs) * int(dp):
+        return None
+    step = int(mbs) * int(dp)
+    if int(gbs) % step == 0:
+        return None
+    per_rank = int(gbs) // int(dp)
+    fits = [d for d in range(1, per_rank + 1) if int(gbs) % (d * int(dp)) == 0]
+    other = f", or --micro-batch-size {fits[-1]}" if fits else ""
+    return (
+        f"but --global-batch-size {gbs} is no multiple of --micro-batch-size {mbs} x --dp {dp} "
+        f"= {step}, which megapar-train refuses: give --global-batch-size {step} (or a "
+        f"multiple){other}"
+    )
 
 
 def _groups(text: str) -> list[list[str]]:

@@ -108,9 +108,14 @@ def torchtitan_job(
     ]
     training = _table(job, "training")
     batch: list[str] = []
+    file_keys: dict[str, str] = {}  # the file's words for a flag's value, in the notes
     if "local_batch_size" in training and "global_batch_size" not in training:
         local = _as(int, training["local_batch_size"], training["local_batch_size"])
-        batch = [global_batch_flag([local], line_whole(command_line, "--dp"))]  # each dp rank's
+        dp = line_whole(command_line, "--dp")
+        batch = [global_batch_flag([local], dp)]  # each dp rank's
+        file_keys["--global-batch-size"] = f"training.local_batch_size {local} x " + (
+            f"--dp {dp}" if dp else "dp"
+        )
         # whole batch (it was said as 8 x the --dp size beside --dp 2, and kept beside
         # --global-batch-size; a re-test)
     schedule = job.get("lr_scheduler")
@@ -170,6 +175,7 @@ def torchtitan_job(
                 shown = int(float(value))  # 10.0 (TOML's float) is --max-steps 10
             if value is not False:
                 flags.append(ours if value is True else f"{ours} {shown}")
+                file_keys.setdefault(ours, f"{key} {shown}")  # (it said "the file's --seq-len")
         elif not _given(ours, command_line):
             sentences.append(f"{key}: {ours}")
     fp8_flags, fp8_said, fp8_left = _float8_flags(job, keys)
@@ -179,7 +185,7 @@ def torchtitan_job(
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     flags = list(dict.fromkeys(flags))  # [training] compile and [compile] enable: said once
-    flags, notes = command_line_wins(flags, command_line)
+    flags, notes = command_line_wins(flags, command_line, file_keys=file_keys)
     sentences += line_notes + list(dict.fromkeys(notes))
     if line := refused_value(said, flags, refused, job):
         return line
@@ -354,7 +360,14 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     sets is said to run one step ahead of megapar's. Returns (flags, sentences)."""
     flags, said = [], []
     steps = _as(int, _table(job, "training").get("steps"), 10000)
-    warmup = min(_as(int, schedule.get("warmup_steps"), 200), steps)
+    asked = _as(int, schedule.get("warmup_steps"), 200)
+    warmup = min(asked, steps)
+    if asked > steps:  # as torchtitan warns (it was cut without a word; a re-test)
+        named = "lr_scheduler.warmup_steps" if "warmup_steps" in schedule else "torchtitan's warmup"
+        said.append(
+            f"{named} {asked} is more than the run's {steps} steps: torchtitan warms up over "
+            f"all {steps} instead, and so do these flags (no step left to decay in)"
+        )
     if warmup < 0:
         said.append(
             f"lr_scheduler.warmup_steps = {warmup}: --warmup-steps takes a whole number >= 0"
