@@ -432,3 +432,23 @@ def test_a_resume_with_an_optimizer_of_other_state_is_refused_before_workers(tmp
             f"exp_avg_sq (it trained with --optimizer adamw): resume with --optimizer adamw (or "
             f"leave it out: the checkpoint's is taken)")
     read_resumed_settings(TrainConfig(load=str(root), optimizer="lamb"), [])
+
+
+def test_latest_keeps_its_mode_when_it_moves_on(tmp_path):
+    # a user's private 0600 latest became 0644 at the next save (a re-test); a new one is 0644
+    import stat
+
+    from megapar.checkpoint.publish import set_latest
+
+    set_latest(tmp_path, "step_00000001")
+    assert stat.S_IMODE(os.stat(tmp_path / "latest").st_mode) == 0o666 & ~_umask()
+    os.chmod(tmp_path / "latest", 0o600)
+    set_latest(tmp_path, "step_00000002")
+    assert (tmp_path / "latest").read_text() == "step_00000002\n"
+    assert stat.S_IMODE(os.stat(tmp_path / "latest").st_mode) == 0o600
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -31,6 +31,7 @@ from pathlib import Path
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, fsync_dir
 from megapar.data.inputs import named_datasets, tokenized_datasets
 from megapar.faults.processes import pid_alive
+from megapar.made_dirs import keep_mode
 from megapar.one_line_parser import shell_word
 
 OWNER = ".owner"
@@ -56,6 +57,7 @@ def set_latest(root: str | Path, step_name: str) -> None:
     tmp = root / f".latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "w") as f:
+            keep_mode(tmp, root / "latest")  # a private 0600 latest stays so (a re-test)
             f.write(step_name + "\n")
             f.flush()
             os.fsync(f.fileno())
