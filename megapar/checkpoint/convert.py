@@ -569,6 +569,12 @@ def write_weights(
     return write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
 
 
+def _some(names: list[str]) -> str:
+    """Up to three of `names`, and how many more."""
+    more = f", and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
 def model_tensors(step_dir, manifest: dict, layout: Layout | None = None) -> dict:
     """The tensors of the manifest's own model at `layout` (default: the checkpoint's), as
     `plan` lays them out; a CheckpointError where the manifest's tensors are not those (a
@@ -579,11 +585,18 @@ def model_tensors(step_dir, manifest: dict, layout: Layout | None = None) -> dic
     target = {  # a checkpoint saved before buffers were kept has none
         n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")
     }
-    odd = sorted(set(source) ^ set(target))[:5]
-    if odd:
+    missing, extra = sorted(set(target) - set(source)), sorted(set(source) - set(target))
+    if missing or extra:  # which way (a list of both did not say; a re-test)
+        said = [
+            f"the config names {counted(len(missing), 'tensor')} the checkpoint lacks "
+            f"({_some(missing)})" * bool(missing),
+            f"the checkpoint holds {counted(len(extra), 'tensor')} the config does not name "
+            f"({_some(extra)})" * bool(extra),
+        ]
         raise CheckpointFileError(
-            f"{step_dir}: its tensors do not match its own model config "
-            f"(e.g. {odd}); the manifest is damaged, restore it or use another checkpoint"
+            f"{step_dir}: its tensors do not match its own model config: "
+            f"{' and '.join(s for s in said if s)}; the manifest is damaged, restore it or use "
+            f"another checkpoint"
         )
     for name, entry in target.items():
         if source[name]["full_shape"] != entry["full_shape"]:
