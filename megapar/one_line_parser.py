@@ -551,6 +551,12 @@ class OneLineParser(argparse.ArgumentParser):
         ]
         return "; " + "; ".join(hints) if hints else ""
 
+    @property
+    def given_flags(self) -> frozenset[str]:
+        """The flags the command line being parsed gives (`--x=1` as `--x`), for an answer to
+        another tool's flag that depends on them (megapar-plan's `--gpu 2` beside `--gpus`)."""
+        return frozenset(self._given_flags)
+
     def given(self, argv: list[str] | None = None) -> tuple[str, ...]:
         """The dests a command line sets, whether or not to their default's value (`--steps 3`
         at default 3 is given), in the parser's order: for refusing an option the chosen mode

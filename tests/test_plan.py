@@ -505,8 +505,8 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
              "of GiB, such as 80 for an 80 GB GPU (16000 MB is 15.6 GiB)"),
             (["--gpu", "a100"], "--gpu: megapar-plan takes a GPU's figures, not its name: "
              "--gpu-memory-gb and --peak-tflops"),
-            (["--gpu=2"], "--gpu=2: did you mean --gpus 2? (a GPU's kind is --gpu-memory-gb "
-             "and --peak-tflops)"),  # a count (it was told the GPU's figures)
+            (["--gpu=2"], "--gpu: megapar-plan takes a GPU's figures, not its name"),  # beside
+            # --gpus 8 no count is meant (it asked "--gpus 2?" there; a re-test)
             (["--gpu", "4090"], "--gpu: megapar-plan takes a GPU's figures, not its name"),  # an
             # RTX's number is its name, not a count (it asked "--gpus 4090?"; a re-test)
             (["--target", "h100"], "'h100' is not one of gpu, cpu: --target gpu plans any GPU, "
@@ -516,6 +516,10 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+    with pytest.raises(SystemExit):  # without --gpus a count is meant (it was told the figures)
+        plan_main([*base, "--gpu=2"])
+    assert ("--gpu=2: did you mean --gpus 2? (a GPU's kind is --gpu-memory-gb and --peak-tflops)"
+            in capsys.readouterr().err)
     for size in ("40GB", "40 GiB", "40g"):  # the unit's name, as a GPU's memory is written
         assert plan_main(base + ["--gpus", "8", "--top", "1", "--gpu-memory-gb", size]) == 0
         assert "each 40 GiB" in capsys.readouterr().out

@@ -295,12 +295,14 @@ def schedule_to_rank(value: str) -> str:
     return schedule_named_elsewhere(value).replace("--schedule ", "--schedules ")
 
 
-def answer_with_value(flag: str, text: str) -> str | None:
+def answer_with_value(flag: str, text: str, given: frozenset[str] = frozenset()) -> str | None:
     """The answer to another tool's flag given a value on megapar-plan's line: a count given to
-    a GPU's name (`--gpu 2`: --gpus 2; it was told --gpu-memory-gb and --peak-tflops), or a
-    switch given false (`switch_given_false`); None where the flag's own answer stands."""
+    a GPU's name (`--gpu 2`: --gpus 2; it was told --gpu-memory-gb and --peak-tflops) where the
+    line's flags (`given`) lack --gpus, or a switch given false (`switch_given_false`); None
+    where the flag's own answer stands."""
     count = text.strip()
-    if flag in GPU_NAME_FLAGS and count.isdigit() and int(count) and count not in GPU_NUMBERS:
+    counted = count.isdigit() and int(count) and count not in GPU_NUMBERS
+    if flag in GPU_NAME_FLAGS and counted and "--gpus" not in given:  # (asked beside --gpus 8)
         kind = "a GPU's kind is --gpu-memory-gb and --peak-tflops"
         return f"did you mean --gpus {count}? ({kind})"
     return switch_given_false(flag, text)
@@ -340,7 +342,7 @@ def build_parser() -> OneLineParser:
         prog="megapar-plan",
         stray=(("--model", "the model"),),
         known_as=OTHER_FLAGS,
-        switch_known_as=answer_with_value,
+        switch_known_as=lambda flag, text: answer_with_value(flag, text, p.given_flags),
         value_known_as={"--schedules": schedule_to_rank},
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
