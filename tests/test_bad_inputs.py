@@ -3435,6 +3435,22 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
             parse_args(["--config", str(given), *line])
         assert f"--lr {lr} " in str(info.value) and f"--min-lr {floor} " in str(info.value), \
             str(info.value)
+    # a log warmup is not said beside the line's --warmup-steps, which stands in it whole; a
+    # Trainer's parenthesis follows its flags, not the last note (both: a re-test)
+    logged = tmp_path / "logged.json"
+    logged.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_num_steps": 100, "warmup_type": "log"}}}))
+    for line, said in (([], True), (["--warmup-steps", "1"], False)):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--config", str(logged), *line])
+        assert ("warmup_type log (megapar's warmup is linear)" in str(info.value)) == said, \
+            str(info.value)
+    logged.write_text(json.dumps({"output_dir": "o", "warmup_steps": 10, "max_steps": 100}))
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(logged), "--warmup-steps", "5"])
+    assert ("--log-interval 500 (the Trainer's other arguments have no megapar-train flag, or "
+            "are its defaults); the command line's --warmup-steps 5 over the file's warmup_steps "
+            "10") in str(info.value), str(info.value)
     # the values the file derives from the line's flags: a warmup ratio of the line's
     # --max-steps, a warmup cut to it, DeepSpeed's global batch of the line's micro-batch (the
     # file's were said: --warmup-steps 100 at --max-steps 50 was refused next; a re-test)

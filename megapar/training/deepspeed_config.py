@@ -466,7 +466,8 @@ def deepspeed_equivalents(
                         f"optimizer's lr, which the file does not give: {at})"
                     )
             log = params.get("warmup_type", "log") == "log" and warmup not in (0, None)
-            if decay is not None and log:
+            if decay is not None and log and line_warmup is None:  # the line's warmup is the
+                # run's (linear, as megapar's): the file's type is not in it (a re-test)
                 left.append("scheduler.params.warmup_type log (megapar's warmup is linear)")
         elif key in ("tensorboard", "wandb") and isinstance(value, dict):  # its monitors (a
             if not on(value):  # tensorboard section was a --tensorboard of the dict; a re-test)

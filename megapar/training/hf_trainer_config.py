@@ -900,10 +900,10 @@ def trainer_arguments(
     )
     if line := refused_value(what, flags, refused, data):
         return line
-    return (
-        f"{what}: give its settings as megapar-train flags: "
-        + "; ".join([" ".join(flags), *said])
-        + " (the Trainer's other arguments have no megapar-train flag, or are its defaults)"
+    return (  # (the parenthesis is the flags', not the last note's; a re-test)
+        f"{what}: give its settings as megapar-train flags: {' '.join(flags)} (the Trainer's "
+        f"other arguments have no megapar-train flag, or are its defaults)"
+        + "".join(f"; {sentence}" for sentence in said)
     )
 
 
