@@ -1933,6 +1933,9 @@ def test_prepare_offers_the_chunks_the_models_layers_hold():
      ["megapar.prepare: grad_reduce_dtype='bf16' and grad_compression='fp16' both choose how "
       "gradients travel; give one (grad_compression='bf16' / 'fp16' is a reduction in that "
       "dtype)"]),
+    ({"grad_compression": "powersgd", "powersgd_rank": 10**6},
+     ["megapar.prepare: powersgd_rank=1000000 compresses nothing: every gradient matrix of this "
+      "model has a side of at most its hidden size"]),
     ({"powersgd_rank": 8},
      ["megapar.prepare: powersgd_rank=8 would be ignored: it is PowerSGD's rank, and "
       "grad_compression='none': pass grad_compression='powersgd' or drop powersgd_rank"]),

@@ -192,6 +192,10 @@ TRAIN = [
      "--grad-reduce-dtype bf16 is not served with --zero 3"),
     (["--grad-reduce-dtype", "bf16", "--grad-compression", "fp16"],
      "--grad-reduce-dtype bf16 and --grad-compression fp16 both choose how gradients travel"),
+    # a rank that compresses no matrix: every gradient went uncompressed, unsaid (a tryout)
+    (["--dp", "2", "--grad-compression", "powersgd", "--powersgd-rank", "32"],
+     "--powersgd-rank 32 compresses nothing: every gradient matrix of this model has a side of "
+     "at most its hidden size 32"),
     (["--seed", "-1"], "--seed -1 is invalid: it must be a whole number from 0 to 4,294,967,295"),
     (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),

@@ -62,6 +62,7 @@ from megapar.training.validate_fp8 import check_fp8, check_fp8_layout, fp8_layou
 from megapar.training.validate_sharding import (
     check_grad_wire,
     check_optimizer_sharding,
+    check_powersgd_rank,
     check_zero3,
 )
 
@@ -403,6 +404,7 @@ def prepare(
     apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
     _check_schedule(cfg, config.num_layers)
     _check_model_layout(config, cfg)
+    check_powersgd_rank(cfg, config.hidden_size, keyword="megapar.prepare")
     _check_world(cfg, getattr(config, "num_local_experts", None))
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)

@@ -64,6 +64,22 @@ def check_grad_wire(cfg, keyword: str | None = None) -> None:
     )
 
 
+def check_powersgd_rank(cfg, hidden_size: int, keyword: str | None = None) -> None:
+    """A --powersgd-rank of at least the model's hidden size: every gradient matrix of a
+    transformer has a side of at most it, so (n + m) x rank >= n x m for each and PowerSGD
+    compresses none (every gradient went uncompressed in fp32 without a word; a new user's
+    tryout). One line; `keyword` as `check_zero3`'s."""
+    if cfg.grad_compression != "powersgd" or cfg.powersgd_rank < hidden_size:
+        return
+    term, where = _terms(keyword), f"{keyword}: " if keyword else ""
+    raise UsageError(
+        f"{where}{term('powersgd_rank', cfg.powersgd_rank)} compresses nothing: every gradient "
+        f"matrix of this model has a side of at most its hidden size {hidden_size}, and a rank "
+        f"that large sends at least as many numbers as the matrix (each would go uncompressed "
+        f"in fp32); give a rank below {hidden_size} (the default is 4)"
+    )
+
+
 def offload_params_problem(cfg, keyword: str | None = None) -> str | None:
     """--offload-params without --zero 3, said with its fix (`check_zero3`'s; megapar-train's
     unused flags name it beside theirs, `check_unused`), or None."""
