@@ -330,7 +330,7 @@ class Engine:
         start, cpu = time.perf_counter(), time.thread_time()
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.schedule_step, labelled)
-        self.schedule_step += not result.skipped
+        self.schedule_step += not (result.skipped or result.empty)  # the steps applied
         if self.scheduler is not None:  # the next step's, as a torch scheduler's step() leaves
             self.optimizer.set_lr(self.scheduler.lr(self.schedule_step))
         self.last_skipped = bool(result.skipped)

@@ -397,6 +397,8 @@ def format_line(step: int, m: dict, fp16: bool = False) -> str:
     skipped = m.get("skipped_steps", int(bool(m.get("skipped"))))
     if skipped:
         parts.append(f"skipped {skipped} (inf/nan)")
+    if m.get("no_labelled_tokens"):  # (it read as a loss of 0 and an update; a new user's)
+        parts.append("no labelled token in the batch: nothing applied")
     if "loss_scale" in m and (fp16 or m["loss_scale"] != 1.0):
         parts.append(f"scale {scale_text(m['loss_scale'])}")
     parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))

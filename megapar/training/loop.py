@@ -437,6 +437,8 @@ class Trainer:
             "skipped": bool(result.skipped),
             "loss_scale": float(result.loss_scale),
         }
+        if result.empty:  # no labelled token: nothing applied (its loss 0 is no loss)
+            metrics["no_labelled_tokens"] = True
         if result.z_loss is not None:  # --z-loss: its term, beside the cross-entropy
             metrics["z_loss"] = result.z_loss
         if result.router is not None:  # a mixture of experts: the step's router statistics

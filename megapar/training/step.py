@@ -108,14 +108,23 @@ def loss_weight(micro_batches: list[dict], mesh: Mesh, labelled=None):
     None: this rank's micro-batches' labels counted on the device and summed over dp (one
     all-reduce of one int64). No host sync either way."""
     scale = len(micro_batches) * mesh.dp
+    labelled = labelled_tokens(micro_batches, mesh, labelled)
     if isinstance(labelled, int):
         return scale / max(labelled, 1)
-    if labelled is None:
-        labelled = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
-        if mesh.dp > 1:
-            set_action("labelled-token count all-reduce over dp (--loss-mean token)")
-            all_reduce(labelled, mesh.dp_group)
     return scale / labelled.to(mesh.device, torch.float32).clamp(min=1)
+
+
+def labelled_tokens(micro_batches: list[dict], mesh: Mesh, labelled=None):
+    """The global batch's labelled tokens: `labelled` where the caller knows it (an int or a
+    tensor), else this rank's micro-batches' labels counted on the device and summed over dp
+    (one all-reduce of one int64, no host sync)."""
+    if labelled is not None:
+        return labelled
+    labelled = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
+    if mesh.dp > 1:
+        set_action("labelled-token count all-reduce over dp (--loss-mean token)")
+        all_reduce(labelled, mesh.dp_group)
+    return labelled
 
 
 @dataclass
@@ -138,6 +147,10 @@ class StepResult:
     z_loss: float | None = None
     """The step's output z-loss term (--z-loss: its coefficient x the mean squared
     log-sum-exp, averaged as the loss), which the backward adds to `loss`; None without."""
+    empty: bool = False
+    """The global batch held no labelled token (--loss-mean token; an SFT batch of prompts
+    that fill their samples): nothing to learn, so the update was not applied (on a zero
+    gradient AdamW's momentum and weight decay would still have moved the weights)."""
 
 
 class TrainStep:
@@ -314,8 +327,11 @@ class TrainStep:
         seed = self.precision.backward_scale(self.mesh.dp)  # fp16: the scale over dp
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, seed / len(micro_batches))
+        count = None  # --loss-mean token: the global batch's labelled tokens (none: no update)
+        if self.loss_mean == "token":
+            count = labelled_tokens(micro_batches, self.mesh, labelled)
         weight = self.last_loss_weight = (
-            loss_weight(micro_batches, self.mesh, labelled) if self.loss_mean == "token" else None
+            None if count is None else loss_weight(micro_batches, self.mesh, count)
         )
         with self.precision.autocast(), self.weights_scope():
             loss = self.executor.run(
@@ -339,12 +355,21 @@ class TrainStep:
             norm = self.optimizer.clip_grad_norm(self.mesh, self.clip_grad)
         else:
             norm = clip_grad_norm(self.model, self.mesh, self.clip_grad)
-        # complete by now: the norm was read after it (the z-loss read with it, one host read)
-        values = [v / self.mesh.dp for v in loss.reshape(-1).tolist()]
+        # complete by now: the norm was read after it (the z-loss and the labelled-token count
+        # read with it, one host read)
+        read = loss.reshape(-1)
+        if isinstance(count, torch.Tensor):
+            read = torch.cat([read, count.to(read).reshape(1)])
+        values = read.tolist()
+        if isinstance(count, torch.Tensor):
+            count = values.pop()
+        values = [v / self.mesh.dp for v in values]
         mean_loss, z_loss = values[0], (values[1] if z is not None else None)
-        # A non-finite gradient or loss is never applied (both are global: every rank agrees).
+        # A non-finite gradient or loss is never applied (both are global: every rank agrees),
+        # nor a batch of no labelled token (the count is global too)
         skipped = skipped or not (math.isfinite(norm) and math.isfinite(mean_loss))
-        if not skipped:
+        empty = count == 0
+        if not skipped and not empty:
             set_action(self._optimizer_action)
             self.optimizer.step()
         self.precision.update(skipped)
@@ -355,4 +380,4 @@ class TrainStep:
         if self.num_experts:
             set_action("router statistics all-reduce (dp x cp, pp)")
             router = finish_step(self.model, self.mesh, self.num_experts, not skipped)
-        return StepResult(mean_loss, norm, lr, skipped, scale, router, z_loss)
+        return StepResult(mean_loss, norm, lr, skipped, scale, router, z_loss, empty)
