@@ -19,7 +19,8 @@ docs/guides/training.md "Compiling the blocks"):
 - at cp > 1 the attention core with its ring / all-gather exchanges (`LayerAttention`);
 - in a mixture-of-experts block the routed experts (`MoE._routed`): their rows per expert are
   data-dependent shapes, which would recompile the block every micro-batch;
-- attention dropout > 0: the per-tp-rank RNG stream switch reads and writes the host RNG state.
+- attention dropout > 0: the per-tp-rank RNG stream switch reads and writes the host RNG state;
+- on packed documents the document mask's making (`Documents.bias`: made once, then shared).
 
 The embedding and the LM head with its chunked loss are not compiled: the loss is a
 hand-written autograd function over a chunk loop of in-place matmuls (its point is the memory

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megapar.graph_break import graph_break
+
 MASK_TYPES = ("causal", "block_causal")
 """--attention-mask-type: causal over the whole packed sequence (the default), or causal within
 each document (torchtitan's name)."""
@@ -57,10 +59,15 @@ class Documents:
     sin: torch.Tensor | None = None
     biases: dict = field(default_factory=dict, repr=False)
 
+    @graph_break
     def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """The additive mask [b, 1, s, s] of the whole sequence for sliding `window` (None:
         none) in `dtype` (`block_causal_bias`), made on first use (a window of s or more cuts
-        nothing: it shares the unwindowed mask); None without `ids`."""
+        nothing: it shares the unwindowed mask); None without `ids`. Eager inside a
+        torch.compile'd block (`--compile`): made in a block's forward and found made in its
+        recomputation (--recompute full), it was two graphs that saved different tensors,
+        which torch.utils.checkpoint refused (a fuzz run's finding); eager, the mask is an
+        input of the same graph both times."""
         if self.ids is None:
             return None
         if window is not None and window >= self.ids.shape[1]:
