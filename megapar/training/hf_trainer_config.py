@@ -151,9 +151,9 @@ def _batch_clash(flags: dict[str, str], command_line: dict[str, str]) -> str | N
     step = int(mbs) * int(dp)
     if int(gbs) % step == 0:
         return None
-    per_rank = int(gbs) // int(dp)
-    fits = [d for d in range(1, per_rank + 1) if int(gbs) % (d * int(dp)) == 0]
-    other = f", or --micro-batch-size {fits[-1]}" if fits else ""
+    per_rank = int(gbs) // int(dp)  # the largest micro-batch below the file's that fits
+    fits = next((d for d in range(min(per_rank, int(mbs)), 0, -1) if per_rank % d == 0), None)
+    other = f", or --micro-batch-size {fits}" if fits and int(gbs) % int(dp) == 0 else ""
     return (
         f"but --global-batch-size {gbs} is no multiple of --micro-batch-size {mbs} x --dp {dp} "
         f"= {step}, which megapar-train refuses: give --global-batch-size {step} (or a "
