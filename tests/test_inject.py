@@ -115,3 +115,24 @@ def test_a_module_that_makes_no_output_is_refused_not_passed():
     with pytest.raises(RunStopped, match="model.norm made no output in micro-batch 0 of step 2"):
         with injector.armed(executor, 2):
             pass  # a step that never calls the module
+
+
+def test_a_module_output_that_is_no_view_is_corrupted_at_its_index():
+    # a Qwen3 q_norm's output (its heads transposed) failed "view size is not compatible"
+    # (a re-test): the value at the flat index of the output as it is laid out logically
+    from megapar.mesh import Mesh
+    from megapar.models.config import LlamaConfig
+    from megapar.pipeline.partition import build_stage
+
+    llama = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    mesh = Mesh.virtual(Layout(1, 1, 1))
+    spec = inject.check("step=2,module=model.norm,index=5", llama, Layout(1, 1, 1))
+    injector = inject.CorruptInjector(spec, build_stage(llama, mesh, seed=0, init=False), llama,
+                                      mesh)
+    injector.current = ("forward", 0)
+    out = torch.arange(12.0).reshape(3, 4).t()  # 4 x 3, not contiguous
+    corrupted = injector._hook(None, (), out)
+    assert math.isnan(corrupted[1, 2]) and corrupted.stride() == out.stride()
+    assert torch.equal(corrupted.isnan(), torch.zeros(4, 3, dtype=torch.bool).index_put_(
+        (torch.tensor(1), torch.tensor(2)), torch.tensor(True)))

@@ -217,8 +217,8 @@ class CorruptInjector:
                 f"{self.spec.module}'s output of {flat.numel()} values on this "
                 f"rank; choose index < {flat.numel()}"
             )
-        corrupted = out.clone()
-        corrupted.view(-1)[self.spec.index] = self.spec.value
+        corrupted = out.clone()  # (its strides kept: a Qwen3 q_norm's output is no view's)
+        corrupted[torch.unravel_index(torch.tensor(self.spec.index), out.shape)] = self.spec.value
         self.fired += 1
         return corrupted if isinstance(output, torch.Tensor) else (corrupted, *output[1:])
 
