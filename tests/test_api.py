@@ -1935,7 +1935,7 @@ def test_prepare_offers_the_chunks_the_models_layers_hold():
       "dtype)"]),
     ({"grad_compression": "powersgd", "powersgd_rank": 10**6},
      ["megapar.prepare: powersgd_rank=1000000 compresses nothing: every gradient matrix of this "
-      "model has a side of at most its hidden size"]),
+      "model would send at least as many numbers as it holds", "give a rank of at most"]),
     ({"powersgd_rank": 8},
      ["megapar.prepare: powersgd_rank=8 would be ignored: it is PowerSGD's rank, and "
       "grad_compression='none': pass grad_compression='powersgd' or drop powersgd_rank"]),

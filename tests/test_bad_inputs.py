@@ -194,8 +194,13 @@ TRAIN = [
      "--grad-reduce-dtype bf16 and --grad-compression fp16 both choose how gradients travel"),
     # a rank that compresses no matrix: every gradient went uncompressed, unsaid (a tryout)
     (["--dp", "2", "--grad-compression", "powersgd", "--powersgd-rank", "32"],
-     "--powersgd-rank 32 compresses nothing: every gradient matrix of this model has a side of "
-     "at most its hidden size 32"),
+     "--powersgd-rank 32 compresses nothing: every gradient matrix of this model would send at "
+     "least as many numbers as it holds ((n + m) x rank >= n x m), so each would go "
+     "uncompressed in fp32; give a rank of at most 31 (the default is 4)"),
+    # at tp 2 the shards are smaller: the word embedding's 512 x 32 takes at most 30
+    (["--dp", "2", "--tp", "2", "--grad-compression", "powersgd", "--powersgd-rank", "31"],
+     "--powersgd-rank 31 compresses nothing: every gradient matrix of this model at --tp 2 "
+     "would send"),
     (["--seed", "-1"], "--seed -1 is invalid: it must be a whole number from 0 to 4,294,967,295"),
     (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),

@@ -404,7 +404,7 @@ def prepare(
     apply_moe_flags(cfg, config, keyword="megapar.prepare")  # the moe_* keywords, as the flags
     _check_schedule(cfg, config.num_layers)
     _check_model_layout(config, cfg)
-    check_powersgd_rank(cfg, config.hidden_size, keyword="megapar.prepare")
+    check_powersgd_rank(cfg, config, cfg.tp, cfg.pp, keyword="megapar.prepare")
     _check_world(cfg, getattr(config, "num_local_experts", None))
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)

@@ -409,7 +409,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         raise LayoutError(f"{exc}{tps_the_world_takes(cfg, config)}") from None
     check_fp8_layout(cfg, config, layout.tp)  # the model's float8 linears at this tp
     check_cp_comm(cfg.cp_comm_type, layout, config)
-    check_powersgd_rank(cfg, config.hidden_size)
+    check_powersgd_rank(cfg, config, layout.tp, layout.pp)
     check_documents(cfg, config)
     check_sft_model(cfg, config.model_type)
     _check_injection(cfg, config, layout, per_step, manifest)

@@ -64,20 +64,47 @@ def check_grad_wire(cfg, keyword: str | None = None) -> None:
     )
 
 
-def check_powersgd_rank(cfg, hidden_size: int, keyword: str | None = None) -> None:
-    """A --powersgd-rank of at least the model's hidden size: every gradient matrix of a
-    transformer has a side of at most it, so (n + m) x rank >= n x m for each and PowerSGD
-    compresses none (every gradient went uncompressed in fp32 without a word; a new user's
-    tryout). One line; `keyword` as `check_zero3`'s."""
-    if cfg.grad_compression != "powersgd" or cfg.powersgd_rank < hidden_size:
+def check_powersgd_rank(cfg, config, tp: int, pp: int, keyword: str | None = None) -> None:
+    """A --powersgd-rank at which PowerSGD compresses none of the model's gradient matrices as
+    the ranks hold them at `tp` x `pp` (and --ep): each n x m sends (n + m) x rank numbers,
+    and goes uncompressed in fp32 where that is no fewer than n x m, so every gradient went in
+    fp32 without a word (a new user's tryout; rank 60 of a 64-wide model at tp 2, a re-test).
+    One line naming the largest rank that compresses one; `keyword` as `check_zero3`'s."""
+    if cfg.grad_compression != "powersgd":
+        return
+    shapes = _gradient_matrices(config, tp, pp, cfg.ep)
+    useful = max(((n * m - 1) // (n + m) for n, m in shapes if n and m), default=0)
+    if cfg.powersgd_rank <= useful:
         return
     term, where = _terms(keyword), f"{keyword}: " if keyword else ""
+    at = f" at {term('tp', tp)}" if tp > 1 else ""
+    fix = (
+        f"give a rank of at most {useful} (the default is 4)"
+        if useful
+        else f"no matrix is large enough for it: use {term('grad_compression', 'bf16')} or none"
+    )
     raise UsageError(
         f"{where}{term('powersgd_rank', cfg.powersgd_rank)} compresses nothing: every gradient "
-        f"matrix of this model has a side of at most its hidden size {hidden_size}, and a rank "
-        f"that large sends at least as many numbers as the matrix (each would go uncompressed "
-        f"in fp32); give a rank below {hidden_size} (the default is 4)"
+        f"matrix of this model{at} would send at least as many numbers as it holds ((n + m) x "
+        f"rank >= n x m), so each would go uncompressed in fp32; {fix}"
     )
+
+
+def _gradient_matrices(config, tp: int, pp: int, ep: int) -> list[tuple[int, int]]:
+    """(n, m) of every gradient PowerSGD takes as a matrix (2-D or more: its first dim by the
+    rest), as the ranks of `tp` x `pp` hold them (a routed expert stack split over `ep`), from
+    meta-device stages."""
+    from megapar.mesh import Layout, Mesh
+    from megapar.pipeline.partition import build_stage
+
+    grid, shapes = Layout(tp, pp, 1), []
+    for p in range(pp):
+        stage = build_stage(config, Mesh.virtual(grid, grid.rank(0, p, 0)), seed=0, init=False)
+        for param in stage.parameters():
+            if param.dim() >= 2:
+                n = param.shape[0] // (ep if getattr(param, "expert", False) else 1)
+                shapes.append((n, param.numel() // param.shape[0]))
+    return shapes
 
 
 def offload_params_problem(cfg, keyword: str | None = None) -> str | None:
