@@ -5,7 +5,9 @@ model's experts: `training.model_config`.)"""
 
 from __future__ import annotations
 
+from megapar.mesh import Layout, Mesh
 from megapar.optim.optimizer import NOT_OFFLOADED
+from megapar.pipeline.partition import build_stage
 from megapar.training.usage import UsageError, flag_of
 
 _NO_VALUE = object()
@@ -94,9 +96,6 @@ def _gradient_matrices(config, tp: int, pp: int, ep: int) -> list[tuple[int, int
     """(n, m) of every gradient PowerSGD takes as a matrix (2-D or more: its first dim by the
     rest), as the ranks of `tp` x `pp` hold them (a routed expert stack split over `ep`), from
     meta-device stages."""
-    from megapar.mesh import Layout, Mesh
-    from megapar.pipeline.partition import build_stage
-
     grid, shapes = Layout(tp, pp, 1), []
     for p in range(pp):
         stage = build_stage(config, Mesh.virtual(grid, grid.rank(0, p, 0)), seed=0, init=False)
