@@ -3488,8 +3488,8 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     for line, flag, note in (
             (["--dp", "2"], "--global-batch-size 16 ", None),
             (["--global-batch-size", "32"], "--global-batch-size 32 ",
-             "the command line's --global-batch-size 32 over the file's --global-batch-size "
-             "(8 x dp)")):
+             "the command line's --global-batch-size 32 over the file's "
+             "per_device_train_batch_size 4 x gradient_accumulation_steps 2 x dp")):
         derived.write_text(json.dumps(trainer_batch))
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(derived), *line])
@@ -3501,8 +3501,9 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
                               "local_batch_size = 8\n", *line)
         assert flag.strip() in titan and "x dp" not in titan.split(";")[1], titan
         assert "--dp size" not in titan, titan
-        titan_note = note and note.replace("--global-batch-size (8 x dp)",  # the file's key
-                                           "training.local_batch_size 8 x dp")
+        titan_note = note and note.replace(  # the file's keys
+            "per_device_train_batch_size 4 x gradient_accumulation_steps 2 x dp",
+            "training.local_batch_size 8 x dp")
         assert titan_note is None or titan_note in titan, titan
     # a local batch the line's --dp and --global-batch-size cannot take is said with both
     # fixes, and the file's own keys are named (it suggested flags megapar-train refused, and
@@ -3653,16 +3654,18 @@ def test_a_trainer_arguments_or_accelerate_config_is_answered_with_megapar_train
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", str(derived), "--micro-batch-size", "2", "--global-batch-size",
                     "16"])
-    assert "the command line's --global-batch-size 16 over the file's --global-batch-size " \
-        "(8 x dp)" in str(info.value), str(info.value)
+    assert "the command line's --global-batch-size 16 over the file's " \
+        "per_device_train_batch_size 4 x gradient_accumulation_steps 2 x dp" in str(info.value), \
+        str(info.value)
     # ... at the line's --dp (8 at dp 1: "8 over (8 x dp)" was noted, 4 over 8 was not)
     for batch, note in (("4", "the command line's --global-batch-size 4 over the file's "
-                         "--global-batch-size 8"), ("8", None)):
+                         "per_device_train_batch_size 4 x gradient_accumulation_steps 2 x "
+                         "--dp 1"), ("8", None)):
         with pytest.raises(ConfigError) as info:
             parse_args(["--config", str(derived), "--micro-batch-size", "2", "--dp", "1",
                         "--global-batch-size", batch])
         said = str(info.value)
-        assert (note in said) if note else "over the file's --global-batch-size" not in said, said
+        assert (note in said) if note else "--global-batch-size 8 over" not in said, said
     # DeepSpeed's monitors are megapar-train's reporting (its tensorboard section was a
     # --tensorboard of the dict), and a torchtitan job's are not told beside the line's own
     monitors = tmp_path / "monitors.json"

@@ -47,10 +47,15 @@ from megapar.pipeline.partition import PipelineSplit
 from megapar.pipeline.schedules import SCHEDULES, schedule_named_elsewhere
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
-from megapar.training.deepspeed_config import deepspeed_equivalents, is_deepspeed_config
+from megapar.training.deepspeed_config import (
+    DEEPSPEED_BATCH,
+    deepspeed_equivalents,
+    is_deepspeed_config,
+)
 from megapar.training.empty_values import check_empty
 from megapar.training.hf_trainer_config import (
     accelerate_config,
+    batch_words,
     command_line_wins,
     is_accelerate_config,
     is_trainer_arguments,
@@ -887,7 +892,14 @@ def read_run_config(
             own = None
         own = None if own is None else own + [flag_with_value(k, data[k]) for k in ours]
         noted = frozenset({"--lr", *DEEPSPEED_KEYS})  # (at_the_line's)
-        flags, notes = command_line_wins(flags, command_line, own, noted)
+        batch = (  # the file's global batch in its own words
+            f"train_batch_size {file_batch['train_batch_size']}"
+            if "train_batch_size" in file_batch
+            else batch_words(file_batch, DEEPSPEED_BATCH, command_line)
+        )
+        flags, notes = command_line_wins(
+            flags, command_line, own, noted, {"--global-batch-size": batch}
+        )
         notes = replaced + notes
         what = f"{path} is a DeepSpeed config, which megapar-train does not read"
         if line := refused_value(what, flags, refused_flag, data):

@@ -122,6 +122,9 @@ def _offload(zero: dict, part: str) -> str | None:
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """DeepSpeed's batch keys: train_batch_size = micro-batch x accumulation steps x GPUs."""
 
+DEEPSPEED_BATCH = (("train_micro_batch_size_per_gpu", 1), ("gradient_accumulation_steps", 1))
+"""DeepSpeed's per-GPU batch keys and their defaults (x the GPUs: train_batch_size)."""
+
 
 def _implied_dp(data: dict) -> int | None:
     """The data-parallel size DeepSpeed's three batch keys, all given, imply (train_batch_size

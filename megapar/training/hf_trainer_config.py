@@ -139,6 +139,22 @@ def command_line_wins(
     return kept, notes
 
 
+TRAINER_BATCH = (("per_device_train_batch_size", 8), ("gradient_accumulation_steps", 1))
+"""A Trainer's per-GPU batch keys and their defaults (x the GPUs: its global batch)."""
+
+
+def batch_words(data: dict, keys: tuple, command_line: dict[str, str] | None) -> str:
+    """Another tool's global batch in its own words, as a note names the file's value: its
+    per-GPU `keys` (key, default) given or not 1, x the command line's --dp ("x dp" without
+    one): "per_device_train_batch_size 4 x gradient_accumulation_steps 2 x --dp 2" (it was
+    "the file's --global-batch-size 16"; a re-test)."""
+    words = [
+        f"{key} {data.get(key, default)}" for key, default in keys if key in data or default != 1
+    ]
+    dp = line_whole(command_line, "--dp")
+    return " x ".join([*words, f"--dp {dp}" if dp else "dp"])
+
+
 def _batch_clash(flags: dict[str, str], command_line: dict[str, str]) -> str | None:
     """Where the translated --global-batch-size is no multiple of --micro-batch-size x the
     command line's --dp (megapar-train refuses the flags it was handed: a torchtitan file's
@@ -892,7 +908,12 @@ def trainer_arguments(
     except ConfigError:  # (unlike its inline deepspeed config alone: the notes name `data`'s)
         own = None
     noted = frozenset({"--lr", "--warmup-steps", *TRAINER_KEYS})  # (at_the_line's, its own)
-    flags, notes = command_line_wins(flags, command_line, own, noted)
+    batch = {
+        "--global-batch-size": batch_words(
+            file_data if file_data is not None else data, TRAINER_BATCH, command_line
+        )
+    }
+    flags, notes = command_line_wins(flags, command_line, own, noted, batch)
     said += notes
     what = (
         f"{path} is a Hugging Face Trainer's arguments (TrainingArguments), which megapar-train "
