@@ -587,16 +587,16 @@ def model_tensors(step_dir, manifest: dict, layout: Layout | None = None) -> dic
     }
     missing, extra = sorted(set(target) - set(source)), sorted(set(source) - set(target))
     if missing or extra:  # which way (a list of both did not say; a re-test)
-        said = [
-            f"the config names {counted(len(missing), 'tensor')} the checkpoint lacks "
-            f"({_some(missing)})" * bool(missing),
-            f"the checkpoint holds {counted(len(extra), 'tensor')} the config does not name "
-            f"({_some(extra)})" * bool(extra),
-        ]
+        said = []
+        if missing:
+            lacks = f"{counted(len(missing), 'tensor')} the checkpoint lacks ({_some(missing)})"
+            said.append(f"the config names {lacks}")
+        if extra:
+            unnamed = f"{counted(len(extra), 'tensor')} the config does not name ({_some(extra)})"
+            said.append(f"the checkpoint holds {unnamed}")
         raise CheckpointFileError(
-            f"{step_dir}: its tensors do not match its own model config: "
-            f"{' and '.join(s for s in said if s)}; the manifest is damaged, restore it or use "
-            f"another checkpoint"
+            f"{step_dir}: its tensors do not match its own model config: {' and '.join(said)}; "
+            f"the manifest is damaged, restore it or use another checkpoint"
         )
     for name, entry in target.items():
         if source[name]["full_shape"] != entry["full_shape"]:
