@@ -368,6 +368,16 @@ def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_pa
     assert reports[3]["tokens"] == reports[3]["batches"] * 4 * 32, reports  # text windows
     assert "is read as prompt / response records (--sft-keys prompt,response, as --load" in notes[1]
     assert "--sft-keys" not in notes[2] + notes[3], notes
+    # ... and of one trained on the dataset megapar-data made of them (it asked for --sft-keys;
+    # a new user's tryout)
+    prepared = str(tmp_path / "prepared")
+    assert main(["--model", "gpt2-tiny", "--data", records, "--max-steps", "1", "--save",
+                 prepared, *TINY]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", prepared, *common[2:], "--data", raw]) == 0
+    out = capsys.readouterr()
+    assert "is read as prompt / response records (--sft-keys prompt,response, as --load" in out.err
+    assert json.loads(out.out.strip().splitlines()[-1])["tokens"] == reports[0]["tokens"]
     # whole batches: 15 of the 16 records at --micro-batch-size 5, said with a size that
     # scores all; nothing said where --max-batches asks for fewer
     whole = ["--load", ckpt, "--seq-len", "32", "--micro-batch-size", "5", "--data", records]

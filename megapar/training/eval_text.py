@@ -15,6 +15,7 @@ import os
 import sys
 
 from megapar.data import IndexedDataset, load_tokenizer
+from megapar.data.blended import data_paths
 from megapar.data.inputs import (
     SFT_SUFFIXES,
     expand_inputs,
@@ -118,12 +119,25 @@ def prepared_sft_keys(prefix: str) -> list[str] | None:
         return None
 
 
+def _prepared_records(data) -> str | None:
+    """The record keys ("prompt,response") of the prepared dataset(s) a run trained on (its
+    recorded --data), where every part still names the same ones; None otherwise."""
+    try:
+        paths = data_paths(data)
+    except ValueError:
+        return None
+    keys = {tuple(prepared_sft_keys(os.path.expanduser(p)) or ()) for p in paths if p}
+    return ",".join(keys.pop()) if len(keys) == 1 and () not in keys else None
+
+
 def trained_sft_keys(args, manifest: dict) -> str | None:
-    """--sft-keys left out where the checkpoint trained with it (its ``train_config``) and raw
-    --data is JSON Lines whose files each start with such a record, --jsonl-key not given:
-    sets ``args.sft_keys`` to the checkpoint's, as --tokenizer and --seq-len default to what
-    it trained with, and returns the line saying so (None where nothing was set)."""
-    recorded = ((manifest.get("meta") or {}).get("train_config") or {}).get("sft_keys")
+    """--sft-keys left out where the checkpoint trained with it (its ``train_config``), or on
+    a dataset megapar-data prepared from such records (it asked for --sft-keys; a new user's),
+    and raw --data is JSON Lines whose files each start with such a record, --jsonl-key not
+    given: sets ``args.sft_keys`` to the checkpoint's, as --tokenizer and --seq-len default to
+    what it trained with, and returns the line saying so (None where nothing was set)."""
+    trained = (manifest.get("meta") or {}).get("train_config") or {}
+    recorded = trained.get("sft_keys") or _prepared_records(trained.get("data"))
     if args.sft_keys is not None or args.jsonl_key is not None or not recorded:
         return None
     if not is_text(args.data):
