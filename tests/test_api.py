@@ -2173,28 +2173,30 @@ def test_prepare_s_tokenizer_is_the_engine_s_and_a_tokenizer_object_is_refused(t
                               f"or remove the tokenizer's files from it")
 
 
-def _a_batch_with_no_labelled_token(dp):
-    """AdamW at loss_mean="token" (dp ranks, device-counted labels: a tensor batch stays on
-    the host only at dp 1): a step, then a batch whose labels are all -100 (an SFT batch of
-    prompts that fill their samples), then a step again."""
+def _a_batch_with_no_labelled_token():
+    """AdamW at loss_mean="token", dp 2: a step, then two batches whose labels are all -100
+    (an SFT batch of prompts that fill their samples), their count made on the device as
+    megapar-train's loop leaves it (`run_step`) and on the host as `train_step` counts a
+    batch in host memory, then a step again."""
     from canonical import gather_canonical
 
-    engine = megapar.prepare(_hf_model(), dp=dp, micro_batch_size=2, lr=3e-3,
+    engine = megapar.prepare(_hf_model(), dp=2, micro_batch_size=2, lr=3e-3,
                              global_batch_size=G, loss_mean="token", weight_decay=0.1)
     good = _batches(1)[0]
+    empty = {**good, "labels": torch.full_like(good["labels"], -100)}
     engine.train_step(good)
     before = {k: v.clone() for k, v in gather_canonical(engine.model).items()}
-    loss = engine.train_step({**good, "labels": torch.full_like(good["labels"], -100)})
+    result = engine.run_step(engine.split(engine._checked(empty, "train_step")))
+    loss = engine.train_step(empty)
     after = gather_canonical(engine.model)
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     engine.train_step(good)
-    return loss, moved, engine.step, engine.schedule_step
+    return (result.loss, result.empty, loss), moved, engine.step, engine.schedule_step
 
 
 def test_a_batch_with_no_labelled_token_applies_nothing(run):
     """Such a step logged loss 0 and stepped AdamW on a zero gradient, whose momentum and weight
     decay moved every weight (a new user's SFT tryout). It applies nothing now, and the
     learning-rate schedule counts the steps applied."""
-    for dp in (1, 2):
-        for loss, moved, step, applied in run(_a_batch_with_no_labelled_token, dp, dp):
-            assert (loss, moved, step, applied) == (0.0, 0.0, 3, 2)
+    for losses, moved, step, applied in run(_a_batch_with_no_labelled_token, 2):
+        assert (losses, moved, step, applied) == ((0.0, True, 0.0), 0.0, 4, 2)

@@ -236,8 +236,9 @@ def test_float8_blocks_share_one_compiled_graph():
 
 
 def _documents_recomputed(compile_: bool) -> tuple[list[float], dict]:
-    """Three steps of a Llama on packed documents (block-causal attention, reset positions,
-    eod_id 5) under full recomputation, one process, compiled ("aot_eager") or eager."""
+    """Two steps of a one-block Llama on packed documents (block-causal attention, reset
+    positions, eod_id 5) under full recomputation, one process, compiled ("aot_eager") or
+    eager."""
     import torch._dynamo
     from canonical import gather_canonical
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -248,13 +249,13 @@ def _documents_recomputed(compile_: bool) -> tuple[list[float], dict]:
     torch.compile = functools.partial(torch.compile, backend="aot_eager")  # a forked worker's
     torch.manual_seed(3)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_hidden_layers=1, num_attention_heads=4,
                                          num_key_value_heads=2, max_position_embeddings=16))
     engine = megapar.prepare(model, micro_batch_size=2, lr=3e-3, adam_eps=ADAM_EPS,
                              compile=compile_, recompute="full", attention_mask_type="block_causal",
                              reset_position_ids=True, eod_id=5)
     losses = []
-    for batch in _batches(3):
+    for batch in _batches(2):
         batch["input_ids"][:, 3] = 5  # a document boundary in every row
         losses.append(engine.train_step(batch))
     return losses, {k: v.clone() for k, v in gather_canonical(engine.model).items()}
