@@ -473,10 +473,9 @@ class Trainer:
             note = saver.wait_quietly(cfg.timeout_s)
             what += f" ({note})" if note else ""
             saved = saver.published if saver.published is not None else loaded_step
-        cause = self.cause(what)
-        err = TrainingError(
-            f"rank {mesh.rank} ({mesh.layout.place(mesh.rank)}) failed at step {at}: {cause}{what}"
-        )
+        cause = self.cause(what)  # one rank's place says nothing ("of tp=1 pp=1 dp=1")
+        place = f" ({mesh.layout.place(mesh.rank)})" if mesh.layout.world_size > 1 else ""
+        err = TrainingError(f"rank {mesh.rank}{place} failed at step {at}: {cause}{what}")
         err.no_traceback = getattr(exc, "no_traceback", False)
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
             first = (saved or 0) + 1
