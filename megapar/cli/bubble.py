@@ -26,7 +26,6 @@ measures, builds a model or runs real steps is imported where it is used.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
@@ -34,8 +33,8 @@ import sys
 from collections.abc import Callable
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.faults.processes import exit_uncollected, remove_stale_tmps, tmp_name
-from megapar.made_dirs import keep_mode
+from megapar.disk import refused_write, write_whole
+from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser, layout_names, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
@@ -631,32 +630,15 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
 
 
 def _written(flag: str, path: str, write: Callable[[str], None]) -> None:
-    """`write(file)` into a temporary file beside `path` (`tmp_name`, ending in `path`'s
-    suffix, which names a chart's format), then renamed onto it (through a link, onto the
-    link's file) with its mode (`keep_mode`): a disk that refuses the write leaves `path` as it
-    was and no empty file, and a killed run's temporary is removed by the next
-    (`remove_stale_tmps`). A `path` that is no regular file (a device: /dev/null) is written
-    itself. Its OSError is one line (ValueError: a full disk was a traceback after the run,
-    beside a file of 0 bytes; a re-test)."""
+    """`write(file)` whole or not at all onto `path` (through a link, onto the link's file;
+    `disk.write_whole`, keeping the suffix that names a chart's format). Its OSError is one
+    line (ValueError: a full disk was a traceback after the run, beside a file of 0 bytes; a
+    re-test)."""
     real = os.path.realpath(os.path.expanduser(path))
-    special = os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode)
-    part = real if special else tmp_name(real) + os.path.splitext(real)[1]
     try:
-        if not special:
-            remove_stale_tmps(real)
-        write(part)
-        if not special:
-            keep_mode(part, real)  # the replaced file's (its 0600 became 0644; a re-test)
-            os.replace(part, real)
+        write_whole(real, write, os.path.splitext(real)[1])
     except OSError as exc:
-        raise ValueError(
-            f"{flag} {path}: {exc.strerror or exc} while writing it; nothing was written (free "
-            f"space there, or give another file name)"
-        ) from None
-    finally:
-        if part != real:
-            with contextlib.suppress(OSError):
-                os.remove(part)
+        raise ValueError(refused_write(flag, path, exc)) from None
 
 
 def check_measurement_memory(args) -> None:

@@ -46,12 +46,12 @@ from megapar.data import (
 )
 from megapar.data.blended import parse_blend
 from megapar.device import use_cuda
-from megapar.disk import DISK_ERRORS
-from megapar.faults.processes import exit_uncollected, remove_stale_tmps, tmp_name
+from megapar.disk import DISK_ERRORS, refused_write, write_whole
+from megapar.faults.processes import exit_uncollected, remove_stale_tmps
 from megapar.faults.status import set_action
 from megapar.faults.stop import SIGTERM_EXIT_CODE, RunStopped, sigterm_as_exit
 from megapar.host_memory import host_memory_available
-from megapar.made_dirs import keep_mode, missing_dirs, remove_empty
+from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.models.documents import mask_eod_labels
 from megapar.one_line_parser import SHARDING_NAMES, OneLineParser, layout_names, shell_word
@@ -409,30 +409,24 @@ def save_logits(path: str, logits: np.ndarray) -> None:
     `WRITE_CHUNK_BYTES`, so that a signal ends the write at once and the temporary file is
     removed."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    remove_stale_tmps(path)
-    tmp = tmp_name(path)
     logits = np.ascontiguousarray(logits)
     flat = logits.reshape(-1)
     step = max(1, WRITE_CHUNK_BYTES // max(logits.itemsize, 1))
-    try:
+
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
-            keep_mode(tmp, path)  # the replaced file's (its 0600 became 0644; a re-test)
             np.lib.format.write_array_header_1_0(
                 f, np.lib.format.header_data_from_array_1_0(logits)
             )
             for start in range(0, flat.size, step):
                 f.write(flat[start : start + step].tobytes())
-        os.replace(tmp, path)
+
+    try:
+        write_whole(path, write)
     except OSError as exc:  # a full disk: one line with its fix, no traceback to point to (it
         if exc.errno not in DISK_ERRORS:  # was "OSError: [Errno 28] ..." and a log; a re-test)
             raise
-        raise RunStopped(
-            f"--save-logits {path}: {exc.strerror} while writing it; nothing was written (free "
-            f"space there, or give another file name)"
-        ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        raise RunStopped(refused_write("--save-logits", path, exc)) from None
 
 
 RANK_BASE_BYTES = 1 << 29
