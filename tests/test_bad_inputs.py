@@ -2217,6 +2217,12 @@ def test_a_torchtitan_job_config_is_translated_as_torchtitan_reads_it(tmp_path):
     assert "--warmup-steps 50 " in said and "--warmup-steps 500" not in said, said
     assert ("lr_scheduler.warmup_steps 500 is more than the run's 50 steps: torchtitan warms up "
             "over all 50 instead") in said, said
+    # the line's own warmup stands as given, unsaid as cut (the note named the line's 100 the
+    # file's, and a second one put it 'over the file's --warmup-steps 50'; a read of the change)
+    said = _toml_refusal(job, '[training]\nsteps = 100\n[lr_scheduler]\nwarmup_steps = 20\n',
+                         "--max-steps", "50", "--warmup-steps", "100")
+    assert "--warmup-steps 100 " in said and "is more than the run's" not in said, said
+    assert said.count("--warmup-steps 100 over") == 1, said
     # a decay past the steps after warmup: cut as torchtitan cuts it (the line was refused)
     said = _toml_refusal(job, '[training]\nsteps = 100\n[lr_scheduler]\nwarmup_steps = 50\n'
                          'decay_ratio = 0.8\n')

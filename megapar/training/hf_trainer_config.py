@@ -106,7 +106,8 @@ def command_line_wins(
     has none, or the line's): a value derived from the line's (a global batch of its
     micro-batch, a warmup cut to its steps) is not called the file's, and one the line's
     values make equal to the line's is still noted where the file's own differs (re-tests);
-    `noted`: the flags whose notes name the file's keys elsewhere (`at_the_line`);
+    `noted`: the flags whose notes name the file's keys elsewhere (`at_the_line`, a
+    torchtitan job's `_at_the_line`);
     `file_keys`: the file's own words for a flag's value ("training.local_batch_size 8"), which
     the sentence names instead of the flag."""
     own = {g[0]: " ".join(g) for f in (file_flags or []) for g in _groups(f)}
@@ -116,7 +117,7 @@ def command_line_wins(
         for group in _groups(text):
             theirs, ours = " ".join(group), (command_line or {}).get(group[0])
             said = theirs if file_flags is None else own.get(group[0])
-            moved = ours != theirs if file_flags is None else group[0] not in noted
+            moved = (ours != theirs or file_flags is not None) and group[0] not in noted
             if ours is not None and moved and said is not None and said != ours:
                 said = (file_keys or {}).get(group[0], said)
                 notes.append(f"the command line's {ours} over the file's {said}")

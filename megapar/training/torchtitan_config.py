@@ -122,7 +122,8 @@ def torchtitan_job(
     if schedule is None:
         schedule = {}  # a job without [lr_scheduler] trains torchtitan's default schedule
     if isinstance(schedule, dict):
-        schedule_flags, schedule_said = torchtitan_schedule(job, schedule)
+        line_warmup = "--warmup-steps" in (command_line or {})
+        schedule_flags, schedule_said = torchtitan_schedule(job, schedule, line_warmup)
         flags += schedule_flags
         sentences += schedule_said
     checkpointing = _table(job, "activation_checkpoint")
@@ -185,7 +186,9 @@ def torchtitan_job(
     if not (flags or sentences):
         return f"{said}; give its settings as megapar-train flags (megapar-train --help)"
     flags = list(dict.fromkeys(flags))  # [training] compile and [compile] enable: said once
-    flags, notes = command_line_wins(flags, command_line, file_keys=file_keys)
+    noted = frozenset(LINE_KEYS)  # `_at_the_line` said them (the line's --warmup-steps 100
+    # was noted "over the file's --warmup-steps 50", the line's own value cut to the steps)
+    flags, notes = command_line_wins(flags, command_line, noted=noted, file_keys=file_keys)
     sentences += line_notes + list(dict.fromkeys(notes))
     if line := refused_value(said, flags, refused, job):
         return line
@@ -347,7 +350,9 @@ DECAY_TYPES = ("linear", "sqrt", "cosine")
 """torchtitan's [lr_scheduler] decay_type values."""
 
 
-def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]]:
+def torchtitan_schedule(
+    job: dict, schedule: dict, line_warmup: bool = False
+) -> tuple[list[str], list[str]]:
     """A torchtitan job's [lr_scheduler] as megapar-train's schedule flags, its defaults
     filled in (warmup 200; decay_ratio None: a decay over every step after warmup; decay_type
     linear, min_lr_factor 0, [optimizer] lr 8e-4): megapar's own defaults (cosine to a tenth of
@@ -357,12 +362,14 @@ def torchtitan_schedule(job: dict, schedule: dict) -> tuple[list[str], list[str]
     none or the ratio is negative. A value that is no number counts as not given; one
     megapar-train cannot take (a negative warmup, a decay_type torchtitan lacks, a
     min_lr_factor outside [0, 1]) is a sentence instead of its flag; a decay the job's table
-    sets is said to run one step ahead of megapar's. Returns (flags, sentences)."""
+    sets is said to run one step ahead of megapar's; a warmup cut to the steps is said, but
+    for the command line's own (`line_warmup`: the line's flag stands, as the line gave it).
+    Returns (flags, sentences)."""
     flags, said = [], []
     steps = _as(int, _table(job, "training").get("steps"), 10000)
     asked = _as(int, schedule.get("warmup_steps"), 200)
     warmup = min(asked, steps)
-    if asked > steps:  # as torchtitan warns (it was cut without a word; a re-test)
+    if asked > steps and not line_warmup:  # (it was cut without a word; a re-test)
         named = "lr_scheduler.warmup_steps" if "warmup_steps" in schedule else "torchtitan's warmup"
         said.append(
             f"{named} {asked} is more than the run's {steps} steps: torchtitan warms up over "
