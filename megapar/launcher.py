@@ -626,11 +626,13 @@ def error_line(exc: BaseException) -> str:
     """What `fn` raised on a rank, as its report names it (under either launcher): `KeyError:
     'x'`, a bare `KeyboardInterrupt` where it says nothing more, and an exit as one that left
     the other ranks waiting (`SystemExit(0)` too), or, with the code a SIGTERM's becomes
-    (`stop.sigterm_as_exit`), as that stop."""
+    (`stop.sigterm_as_exit`), as that stop; a `RunStopped` as its message alone."""
     if isinstance(exc, SystemExit):
         if exc.code == stop.SIGTERM_EXIT_CODE:
             return f"SystemExit({exc.code}): terminated (SIGTERM)"
         return f"SystemExit({exc.code!r}): it exited while the other ranks still waited for it"
+    if type(exc) is stop.RunStopped:  # a clear stop's message says it all (a forked eval's
+        return str(exc)  # full disk said "RunStopped: --save-logits ..."; a re-test)
     return type(exc).__name__ + (f": {exc}" if str(exc) else "")
 
 

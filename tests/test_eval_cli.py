@@ -1378,12 +1378,13 @@ def test_a_forked_ranks_clean_stop_is_its_message_alone(capsys, monkeypatch, tmp
     # --save-logits ..." where one rank said the message alone (a session's tryout); another
     # clean failure keeps its type, which says what failed
     from megapar.cli.worker_exit import worker_exit
-    from megapar.launcher import WorkerError
+    from megapar.faults.stop import RunStopped
+    from megapar.launcher import WorkerError, error_line
 
     monkeypatch.setenv("HOME", str(tmp_path))
     full = "--save-logits out.npy: No space left on device while writing it"
-    assert worker_exit("megapar-eval", WorkerError(f"rank 0 failed: RunStopped: {full}"),
-                       "in evaluation") == 1
+    reported = f"rank 0 failed: {error_line(RunStopped(full))}"  # as a forked rank reports it
+    assert worker_exit("megapar-eval", WorkerError(reported), "in evaluation") == 1
     assert capsys.readouterr().err == f"megapar-eval: error: rank 0 failed in evaluation: {full}\n"
     worker_exit("megapar-eval", WorkerError("rank 1 failed: CheckpointError: bad file"),
                 "in evaluation")

@@ -20,7 +20,7 @@ from typing import Any
 
 from megapar.device import env_local_rank
 from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
-from megapar.faults.stop import SIGTERM_EXIT_CODE, RunStopped, sigterm_as_exit
+from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 
 _STOPPED = re.compile(
@@ -47,7 +47,7 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
     failure this process's rank raised without a traceback to show (`no_traceback`: under
     torchrun a checkpoint file failing its check, or another rank's failure to load it,
     `load_everywhere`) is its message alone, as megapar-train's line is: no type name, no
-    log named for a traceback it does not hold; a forked rank's `RunStopped` too."""
+    log named for a traceback it does not hold."""
     stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
     if stopped:
         line, code = stopped_line(tool, stopped.group(1) is not None, stopped_note)
@@ -63,8 +63,6 @@ def worker_exit(tool: str, exc: Exception, doing: str, stopped_note: str = "") -
         clean = getattr(exc, "no_traceback", False)
         text = str(exc) if clean else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), rank)
-    if clean:  # a forked rank's RunStopped is its message, as this process's is (a full disk
-        line = line.replace(f": {RunStopped.__name__}: ", ": ", 1)  # said "RunStopped: ...")
     print(
         f"{tool}: error: {line.replace('before training started', doing)}"
         + (f" (full traceback in {log})" if log and not clean else ""),

@@ -36,7 +36,7 @@ from megapar.faults.stop import (
     StopRequests,
     params_finite,
 )
-from megapar.launcher import launched_local_size, under_launcher
+from megapar.launcher import error_line, launched_local_size, under_launcher
 from megapar.mesh import Layout, Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.models.flops import training_flops_per_token
@@ -466,8 +466,7 @@ class Trainer:
         from under torchrun / srun (`cause`), and the steps not saved (`saved`: the last saved
         step)."""
         cfg, mesh = self.cfg, self.mesh
-        what = str(exc) if type(exc) is RunStopped else f"{type(exc).__name__}: {exc}"
-        what = without_gloo_noise(what)  # a RunStopped's message says it all
+        what = without_gloo_noise(error_line(exc))  # (a RunStopped's: its message)
         saver = self.engine.saver
         if saver is not None:  # a checkpoint from before the failure is still good
             note = saver.wait_quietly(cfg.timeout_s)
